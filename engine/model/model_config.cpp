@@ -1,0 +1,362 @@
+#include "engine/model/model_config.h"
+
+#include <fstream>
+#include <span>
+#include <sstream>
+#include <utility>
+
+#include <nlohmann/json.hpp>
+
+#include "common/string_util.h"
+
+namespace zo::engine {
+namespace {
+
+using nlohmann::json;
+
+std::string type_name(const json& v) {
+  if (v.is_number_integer()) return "integer";
+  if (v.is_number_float()) return "number";
+  return v.type_name();
+}
+
+// Reads the keys of one JSON object, each error naming the file and the key's path.
+class KeyReader {
+ public:
+  KeyReader(const json& object, const std::string& source, std::string prefix)
+      : object_(object), source_(source), prefix_(std::move(prefix)) {}
+
+  const json* find(std::string_view key) const {
+    auto it = object_.find(std::string(key));
+    if (it == object_.end() || it->is_null()) return nullptr;
+    return &*it;
+  }
+  Status error(std::string_view key, std::string_view what) const {
+    return invalid_argument(source_ + ": key '" + prefix_ + std::string(key) + "': " + std::string(what));
+  }
+  Status missing(std::string_view key) const { return error(key, "required but missing"); }
+
+  // A positive integer. Absent: `*out` unchanged unless `required`.
+  Status size(std::string_view key, uint64_t* out, bool required, bool* present = nullptr) const {
+    if (present != nullptr) *present = false;
+    const json* v = find(key);
+    if (v == nullptr) return required ? missing(key) : Status::ok();
+    if (!v->is_number_integer()) return error(key, "expected a positive integer, got " + type_name(*v));
+    if (v->is_number_unsigned() ? v->get<uint64_t>() == 0 : v->get<int64_t>() <= 0)
+      return error(key, "must be positive, got " + v->dump());
+    *out = v->get<uint64_t>();
+    if (present != nullptr) *present = true;
+    return Status::ok();
+  }
+  // A number > 0 (or ≥ 0 with allow_zero).
+  Status positive(std::string_view key, double* out, bool required = false, bool allow_zero = false) const {
+    const json* v = find(key);
+    if (v == nullptr) return required ? missing(key) : Status::ok();
+    if (!v->is_number()) return error(key, "expected a number, got " + type_name(*v));
+    const double d = v->get<double>();
+    if (!(allow_zero ? d >= 0.0 : d > 0.0))
+      return error(key, std::string("must be ") + (allow_zero ? "non-negative" : "positive") + ", got " + v->dump());
+    *out = d;
+    return Status::ok();
+  }
+  Status boolean(std::string_view key, bool* out) const {
+    const json* v = find(key);
+    if (v == nullptr) return Status::ok();
+    if (!v->is_boolean()) return error(key, "expected true or false, got " + type_name(*v));
+    *out = v->get<bool>();
+    return Status::ok();
+  }
+  Status string(std::string_view key, std::string* out, bool required = false) const {
+    const json* v = find(key);
+    if (v == nullptr) return required ? missing(key) : Status::ok();
+    if (!v->is_string()) return error(key, "expected a string, got " + type_name(*v));
+    *out = v->get<std::string>();
+    return Status::ok();
+  }
+
+ private:
+  const json& object_;
+  const std::string& source_;
+  std::string prefix_;
+};
+
+Status parse_rope_scaling(const KeyReader& top, const json& v, const std::string& source, RopeScaling* out) {
+  if (!v.is_object()) return top.error("rope_scaling", "expected an object or null, got " + type_name(v));
+  KeyReader r(v, source, "rope_scaling.");
+  // Newer configs name the type "rope_type", older ones "type"; some carry both.
+  std::string type;
+  const char* type_key = r.find("rope_type") != nullptr ? "rope_type" : "type";
+  ZO_RETURN_IF_ERROR(r.string(type_key, &type));
+  if (type.empty()) return r.missing("rope_type");
+  RopeScaling s;
+  if (type == "default") {
+    *out = s;
+    return Status::ok();
+  }
+  if (type == "linear") {
+    s.type = RopeScalingType::kLinear;
+    ZO_RETURN_IF_ERROR(r.positive("factor", &s.factor, /*required=*/true));
+  } else if (type == "llama3") {
+    s.type = RopeScalingType::kLlama3;
+    ZO_RETURN_IF_ERROR(r.positive("factor", &s.factor, true));
+    ZO_RETURN_IF_ERROR(r.positive("low_freq_factor", &s.low_freq_factor, true));
+    ZO_RETURN_IF_ERROR(r.positive("high_freq_factor", &s.high_freq_factor, true));
+    ZO_RETURN_IF_ERROR(r.size("original_max_position_embeddings", &s.original_max_position_embeddings, true));
+    if (s.high_freq_factor <= s.low_freq_factor)
+      return r.error("high_freq_factor", "must be greater than low_freq_factor");
+  } else {
+    return r.error(type_key, "unsupported rope scaling type \"" + type +
+                                 "\" (supported: linear, llama3; \"default\" means none)");
+  }
+  *out = s;
+  return Status::ok();
+}
+
+const char* architecture_of(const std::string& model_type) {
+  if (model_type == "qwen2") return "Qwen2ForCausalLM";
+  if (model_type == "mistral") return "MistralForCausalLM";
+  return "LlamaForCausalLM";
+}
+
+}  // namespace
+
+Result<ModelConfig> parse_hf_config(std::string_view json_text, const std::string& source_name) {
+  const json doc = json::parse(json_text, nullptr, /*allow_exceptions=*/false);
+  if (doc.is_discarded()) return invalid_argument(source_name + ": not valid JSON");
+  if (!doc.is_object()) return invalid_argument(source_name + ": expected a JSON object, got " + type_name(doc));
+  const KeyReader r(doc, source_name, "");
+  ModelConfig c;
+
+  ZO_RETURN_IF_ERROR(r.string("model_type", &c.model_type, /*required=*/true));
+  if (c.model_type != "llama" && c.model_type != "mistral" && c.model_type != "qwen2")
+    return r.error("model_type", "unsupported model_type \"" + c.model_type + "\" (supported: llama, mistral, qwen2)");
+
+  ZO_RETURN_IF_ERROR(r.size("vocab_size", &c.vocab_size, true));
+  ZO_RETURN_IF_ERROR(r.size("hidden_size", &c.hidden_size, true));
+  ZO_RETURN_IF_ERROR(r.size("intermediate_size", &c.intermediate_size, true));
+  ZO_RETURN_IF_ERROR(r.size("num_hidden_layers", &c.num_hidden_layers, true));
+  ZO_RETURN_IF_ERROR(r.size("num_attention_heads", &c.num_attention_heads, true));
+  c.num_key_value_heads = c.num_attention_heads;  // HF's default: multi-head attention
+  ZO_RETURN_IF_ERROR(r.size("num_key_value_heads", &c.num_key_value_heads, false));
+  bool has_head_dim = false;
+  ZO_RETURN_IF_ERROR(r.size("head_dim", &c.head_dim, false, &has_head_dim));
+  if (!has_head_dim) {
+    if (c.hidden_size % c.num_attention_heads != 0)
+      return r.error("num_attention_heads", "hidden_size " + std::to_string(c.hidden_size) +
+                                                " is not divisible by num_attention_heads " +
+                                                std::to_string(c.num_attention_heads) + " (and head_dim is absent)");
+    c.head_dim = c.hidden_size / c.num_attention_heads;
+  }
+  if (c.head_dim % 2 != 0) return r.error("head_dim", "must be even for rotary embeddings, got " + std::to_string(c.head_dim));
+  if (c.num_attention_heads % c.num_key_value_heads != 0)
+    return r.error("num_key_value_heads", "num_attention_heads " + std::to_string(c.num_attention_heads) +
+                                              " is not a multiple of num_key_value_heads " +
+                                              std::to_string(c.num_key_value_heads));
+  ZO_RETURN_IF_ERROR(r.size("max_position_embeddings", &c.max_position_embeddings, false));
+  ZO_RETURN_IF_ERROR(r.positive("rms_norm_eps", &c.rms_norm_eps));
+  ZO_RETURN_IF_ERROR(r.positive("rope_theta", &c.rope_theta));
+  ZO_RETURN_IF_ERROR(r.positive("initializer_range", &c.initializer_range, false, /*allow_zero=*/true));
+  ZO_RETURN_IF_ERROR(r.boolean("tie_word_embeddings", &c.tie_word_embeddings));
+  if (const json* rs = r.find("rope_scaling"); rs != nullptr)
+    ZO_RETURN_IF_ERROR(parse_rope_scaling(r, *rs, source_name, &c.rope_scaling));
+
+  std::string act = "silu";
+  ZO_RETURN_IF_ERROR(r.string("hidden_act", &act));
+  if (act != "silu") return r.error("hidden_act", "unsupported activation \"" + act + "\" (supported: silu)");
+
+  if (c.model_type == "qwen2") {
+    c.attention_bias = true;  // Qwen2's q/k/v projections always have biases, o_proj none
+    bool use_sliding = false;
+    ZO_RETURN_IF_ERROR(r.boolean("use_sliding_window", &use_sliding));
+    if (use_sliding) ZO_RETURN_IF_ERROR(r.size("sliding_window", &c.sliding_window, false));
+  } else {
+    // Llama's attention_bias puts biases on o_proj too, and mlp_bias on the MLP: not this layout.
+    bool bias = false;
+    ZO_RETURN_IF_ERROR(r.boolean("attention_bias", &bias));
+    if (bias) return r.error("attention_bias", "true (biases on q/k/v/o_proj) is not supported for model_type " + c.model_type);
+    ZO_RETURN_IF_ERROR(r.boolean("mlp_bias", &bias));
+    if (bias) return r.error("mlp_bias", "true is not supported");
+    if (c.model_type == "mistral") ZO_RETURN_IF_ERROR(r.size("sliding_window", &c.sliding_window, false));
+  }
+
+  // Newer transformers write "dtype", older "torch_dtype".
+  ZO_RETURN_IF_ERROR(r.string("dtype", &c.source_dtype));
+  ZO_RETURN_IF_ERROR(r.string("torch_dtype", &c.source_dtype));
+  return c;
+}
+
+Result<ModelConfig> load_hf_config(const std::string& model_dir) {
+  const std::string path = model_dir + "/config.json";
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return not_found("no model config " + path + " (a Hugging Face model directory has config.json)");
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (in.bad()) return io_error("reading " + path, errno);
+  return parse_hf_config(text.str(), path);
+}
+
+namespace {
+
+ModelConfig llama2(uint64_t hidden, uint64_t inter, uint64_t layers, uint64_t heads, uint64_t kv_heads) {
+  ModelConfig c;
+  c.vocab_size = 32000;
+  c.hidden_size = hidden;
+  c.intermediate_size = inter;
+  c.num_hidden_layers = layers;
+  c.num_attention_heads = heads;
+  c.num_key_value_heads = kv_heads;
+  c.head_dim = hidden / heads;
+  c.max_position_embeddings = 4096;
+  c.rms_norm_eps = 1e-5;
+  c.source_dtype = "float16";
+  return c;
+}
+
+ModelConfig llama3(uint64_t hidden, uint64_t inter, uint64_t layers, uint64_t heads, uint64_t kv_heads, double factor) {
+  ModelConfig c = llama2(hidden, inter, layers, heads, kv_heads);
+  c.vocab_size = 128256;
+  c.max_position_embeddings = 131072;
+  c.rope_theta = 500000.0;
+  c.rope_scaling = {.type = RopeScalingType::kLlama3, .factor = factor, .low_freq_factor = 1.0,
+                    .high_freq_factor = 4.0, .original_max_position_embeddings = 8192};
+  c.source_dtype = "bfloat16";
+  return c;
+}
+
+std::vector<std::pair<std::string, ModelConfig>> presets() {
+  std::vector<std::pair<std::string, ModelConfig>> p;
+  ModelConfig tiny = llama2(256, 688, 4, 8, 4);
+  tiny.vocab_size = 256;
+  tiny.max_position_embeddings = 1024;
+  tiny.source_dtype = "float32";
+  p.emplace_back("tiny", tiny);
+  ModelConfig tinyllama = llama2(2048, 5632, 22, 32, 4);
+  tinyllama.max_position_embeddings = 2048;
+  tinyllama.source_dtype = "bfloat16";
+  p.emplace_back("tinyllama-1.1b", tinyllama);
+  ModelConfig l32 = llama3(2048, 8192, 16, 32, 8, 32.0);
+  l32.tie_word_embeddings = true;
+  p.emplace_back("llama3.2-1b", l32);
+  p.emplace_back("llama-7b", llama2(4096, 11008, 32, 32, 32));
+  p.emplace_back("llama3-8b", llama3(4096, 14336, 32, 32, 8, 8.0));
+  p.emplace_back("llama-13b", llama2(5120, 13824, 40, 40, 40));
+  p.emplace_back("llama-70b", llama2(8192, 28672, 80, 64, 8));
+  return p;
+}
+
+}  // namespace
+
+std::vector<std::string> model_preset_names() {
+  std::vector<std::string> names;
+  for (const auto& [name, config] : presets()) names.push_back(name);
+  return names;
+}
+
+Result<ModelConfig> model_preset(std::string_view name) {
+  for (const auto& [preset, config] : presets())
+    if (preset == name) return config;
+  const std::vector<std::string> names = model_preset_names();
+  std::string message = "unknown model preset \"" + std::string(name) + "\"";
+  if (const std::string guess = closest_match(name, names); !guess.empty()) message += " (did you mean \"" + guess + "\"?)";
+  return not_found(message + "; presets: " + join(names, ", "));
+}
+
+std::string to_hf_config_json(const ModelConfig& c, std::string_view torch_dtype) {
+  nlohmann::ordered_json j;
+  j["architectures"] = {architecture_of(c.model_type)};
+  j["model_type"] = c.model_type;
+  j["vocab_size"] = c.vocab_size;
+  j["hidden_size"] = c.hidden_size;
+  j["intermediate_size"] = c.intermediate_size;
+  j["num_hidden_layers"] = c.num_hidden_layers;
+  j["num_attention_heads"] = c.num_attention_heads;
+  j["num_key_value_heads"] = c.num_key_value_heads;
+  j["head_dim"] = c.head_dim;
+  j["hidden_act"] = "silu";
+  j["max_position_embeddings"] = c.max_position_embeddings;
+  j["rms_norm_eps"] = c.rms_norm_eps;
+  j["rope_theta"] = c.rope_theta;
+  j["initializer_range"] = c.initializer_range;
+  switch (c.rope_scaling.type) {
+    case RopeScalingType::kNone:
+      j["rope_scaling"] = nullptr;
+      break;
+    case RopeScalingType::kLinear:
+      j["rope_scaling"] = {{"rope_type", "linear"}, {"type", "linear"}, {"factor", c.rope_scaling.factor}};
+      break;
+    case RopeScalingType::kLlama3:
+      j["rope_scaling"] = {{"rope_type", "llama3"},
+                           {"factor", c.rope_scaling.factor},
+                           {"low_freq_factor", c.rope_scaling.low_freq_factor},
+                           {"high_freq_factor", c.rope_scaling.high_freq_factor},
+                           {"original_max_position_embeddings", c.rope_scaling.original_max_position_embeddings}};
+      break;
+  }
+  j["tie_word_embeddings"] = c.tie_word_embeddings;
+  if (c.model_type == "qwen2") {
+    j["use_sliding_window"] = c.sliding_window != 0;
+    j["sliding_window"] = c.sliding_window != 0 ? nlohmann::ordered_json(c.sliding_window) : nullptr;
+  } else {
+    j["attention_bias"] = false;
+    j["mlp_bias"] = false;
+    if (c.model_type == "mistral")
+      j["sliding_window"] = c.sliding_window != 0 ? nlohmann::ordered_json(c.sliding_window) : nullptr;
+  }
+  j["torch_dtype"] = std::string(torch_dtype);
+  return j.dump(2) + "\n";
+}
+
+ModelLayout model_layout(const ModelConfig& c) {
+  const auto H = static_cast<int64_t>(c.hidden_size);
+  const auto I = static_cast<int64_t>(c.intermediate_size);
+  const auto V = static_cast<int64_t>(c.vocab_size);
+  const auto q_dim = static_cast<int64_t>(c.num_attention_heads * c.head_dim);
+  const auto kv_dim = static_cast<int64_t>(c.num_key_value_heads * c.head_dim);
+  ModelLayout layout;
+  auto add = [&](BlockSpec* block, std::string name, std::vector<int64_t> shape) {
+    block->params.push_back(static_cast<uint32_t>(layout.params.size()));
+    layout.params.push_back({std::move(name), std::move(shape)});
+  };
+
+  BlockSpec embedding{.kind = BlockKind::kEmbedding, .layer = -1, .name = "model.embed_tokens", .params = {}};
+  add(&embedding, "model.embed_tokens.weight", {V, H});
+  const uint32_t embed_param = embedding.params[0];
+  layout.blocks.push_back(std::move(embedding));
+
+  for (uint64_t l = 0; l < c.num_hidden_layers; ++l) {
+    const std::string p = "model.layers." + std::to_string(l);
+    BlockSpec b{.kind = BlockKind::kDecoder, .layer = static_cast<int64_t>(l), .name = p, .params = {}};
+    add(&b, p + ".input_layernorm.weight", {H});
+    add(&b, p + ".self_attn.q_proj.weight", {q_dim, H});
+    if (c.attention_bias) add(&b, p + ".self_attn.q_proj.bias", {q_dim});
+    add(&b, p + ".self_attn.k_proj.weight", {kv_dim, H});
+    if (c.attention_bias) add(&b, p + ".self_attn.k_proj.bias", {kv_dim});
+    add(&b, p + ".self_attn.v_proj.weight", {kv_dim, H});
+    if (c.attention_bias) add(&b, p + ".self_attn.v_proj.bias", {kv_dim});
+    add(&b, p + ".self_attn.o_proj.weight", {H, q_dim});
+    add(&b, p + ".post_attention_layernorm.weight", {H});
+    add(&b, p + ".mlp.gate_proj.weight", {I, H});
+    add(&b, p + ".mlp.up_proj.weight", {I, H});
+    add(&b, p + ".mlp.down_proj.weight", {H, I});
+    layout.blocks.push_back(std::move(b));
+  }
+
+  BlockSpec head{.kind = BlockKind::kHead, .layer = -1, .name = "model.norm+lm_head", .params = {}};
+  add(&head, "model.norm.weight", {H});
+  if (c.tie_word_embeddings)
+    head.params.push_back(embed_param);
+  else
+    add(&head, "lm_head.weight", {V, H});
+  layout.blocks.push_back(std::move(head));
+  return layout;
+}
+
+uint64_t num_parameters(const ModelConfig& c) {
+  const uint64_t H = c.hidden_size, V = c.vocab_size;
+  const uint64_t q_dim = c.num_attention_heads * c.head_dim, kv_dim = c.num_key_value_heads * c.head_dim;
+  uint64_t layer = 2 * H + 2 * H * q_dim + 2 * H * kv_dim + 3 * H * c.intermediate_size;
+  if (c.attention_bias) layer += q_dim + 2 * kv_dim;
+  return V * H + c.num_hidden_layers * layer + H + (c.tie_word_embeddings ? 0 : V * H);
+}
+
+}  // namespace zo::engine

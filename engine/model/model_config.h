@@ -1,0 +1,86 @@
+// ModelConfig: the shape of a LLaMA-family model (llama, mistral, qwen2) read from a Hugging Face
+// config.json or a built-in preset, and ModelLayout: its parameters (HF names, HF shapes) and the
+// blocks forward runs, in order. No LibTorch. Pure values and functions; thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/status.h"
+#include "engine/memory/param_registry.h"
+
+namespace zo::engine {
+
+enum class RopeScalingType : uint8_t { kNone, kLinear, kLlama3 };
+
+struct RopeScaling {
+  RopeScalingType type = RopeScalingType::kNone;
+  double factor = 1.0;
+  double low_freq_factor = 1.0;   // llama3 only
+  double high_freq_factor = 4.0;  // llama3 only
+  uint64_t original_max_position_embeddings = 8192;  // llama3 only
+};
+
+struct ModelConfig {
+  std::string model_type = "llama";  // "llama", "mistral", "qwen2" (qwen2 => attention_bias true)
+  uint64_t vocab_size = 0, hidden_size = 0, intermediate_size = 0, num_hidden_layers = 0,
+           num_attention_heads = 0, num_key_value_heads = 0,
+           head_dim = 0 /*resolved: hidden/heads when absent*/, max_position_embeddings = 2048;
+  double rms_norm_eps = 1e-6, rope_theta = 10000.0, initializer_range = 0.02;
+  RopeScaling rope_scaling;
+  bool tie_word_embeddings = false;
+  bool attention_bias = false;           // q/k/v projections have biases (Qwen2)
+  std::string source_dtype = "float32";  // config.json "torch_dtype", informational
+  // Mistral's (or Qwen2's, when use_sliding_window) attention window in tokens; 0 = full causal.
+  // block_forward runs full causal attention and refuses sequences longer than a set window.
+  uint64_t sliding_window = 0;
+};
+
+// Parses a Hugging Face config.json. kInvalidArgument naming `source_name` and the key for a missing
+// required key, a wrong type, a non-positive size, heads not dividing hidden (when head_dim is
+// absent), num_attention_heads not a multiple of num_key_value_heads, an unsupported model_type
+// (llama/mistral/qwen2), rope_scaling type (linear/llama3; "default" = none), hidden_act (silu) or
+// bias layout (llama's attention_bias/mlp_bias). Unknown keys are ignored (HF configs carry many).
+Result<ModelConfig> parse_hf_config(std::string_view json_text, const std::string& source_name);
+// Reads model_dir/config.json; kNotFound naming the path.
+Result<ModelConfig> load_hf_config(const std::string& model_dir);
+
+// Built-in shapes for random init: "tiny" (byte-level vocab 256, hidden 256, intermediate 688,
+// 4 layers, 8 heads, 4 kv heads, untied, max_position 1024), "tinyllama-1.1b", "llama3.2-1b" (tied),
+// "llama-7b" (Llama-2-7B), "llama3-8b" (Llama-3.1-8B: rope_theta 5e5, llama3 rope scaling),
+// "llama-13b" (Llama-2-13B), "llama-70b" (Llama-2-70B, GQA 8). kNotFound listing the names, with a
+// close-match suggestion.
+Result<ModelConfig> model_preset(std::string_view name);
+std::vector<std::string> model_preset_names();
+
+// HF config.json text for export (architectures ["LlamaForCausalLM"] / ["Qwen2ForCausalLM"] /
+// ["MistralForCausalLM"], torch_dtype as given); parse_hf_config reads it back to `config`.
+std::string to_hf_config_json(const ModelConfig& config, std::string_view torch_dtype);
+uint64_t num_parameters(const ModelConfig& config);
+
+enum class BlockKind : uint8_t { kEmbedding, kDecoder, kHead };
+
+struct BlockSpec {
+  BlockKind kind = BlockKind::kDecoder;
+  int64_t layer = -1;            // decoder layer index; -1 otherwise
+  std::string name;              // "model.embed_tokens", "model.layers.3", "model.norm+lm_head"
+  std::vector<uint32_t> params;  // indices into ModelLayout::params, in the order block_forward takes them
+};
+
+struct ModelLayout {
+  std::vector<ParamSpec> params;  // registration order: embed_tokens, layers 0..L-1, model.norm, lm_head (absent when tied)
+  std::vector<BlockSpec> blocks;  // embedding, decoder 0..L-1, head — the order forward runs them
+};
+
+// Decoder param order (HF names, "model.layers.<i>." prefix): input_layernorm.weight,
+// self_attn.q_proj.weight, [self_attn.q_proj.bias], self_attn.k_proj.weight, [k_proj.bias],
+// self_attn.v_proj.weight, [v_proj.bias], self_attn.o_proj.weight, post_attention_layernorm.weight,
+// mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight (biases when attention_bias).
+// Head block: model.norm.weight, then lm_head.weight — or model.embed_tokens.weight when tied (the
+// embedding param is then used by two blocks). Shapes as HF stores them ([out, in] for Linear).
+// `config` must be valid (as parse_hf_config / model_preset return it).
+ModelLayout model_layout(const ModelConfig& config);
+
+}  // namespace zo::engine

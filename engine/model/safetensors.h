@@ -1,0 +1,90 @@
+// Streaming reader of safetensors files (format in ../shared/REFERENCE.md: 8-byte little-endian header
+// length, JSON header, data) and of a Hugging Face model directory's weights (one file or an index
+// with shards). Reads by range with pread into caller buffers: never a whole tensor or file in RAM.
+// Immutable after open; find/read_* are thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "common/dtype.h"
+#include "common/status.h"
+
+namespace zo::engine {
+
+struct SafetensorsTensor {
+  std::string name;
+  DType dtype = DType::kF32;
+  std::vector<int64_t> shape;
+  uint64_t n_elems = 0;
+  uint64_t data_offset_bytes = 0;  // absolute in the file
+  uint64_t size_bytes = 0;
+};
+
+class SafetensorsFile {
+ public:
+  // Parses the header. kCorruption naming the file for: a header length beyond the file or > 100 MB,
+  // JSON that is not an object, a malformed entry, offsets out of order/overlapping/outside the data
+  // section, a size not matching shape × dtype. kUnavailable naming the dtype and the tensor for a
+  // dtype other than F32/BF16/F16 (F64, I64, ...). kNotFound / kIoError when the file cannot be opened.
+  static Result<std::unique_ptr<SafetensorsFile>> open(const std::string& path);
+  ~SafetensorsFile();
+  SafetensorsFile(const SafetensorsFile&) = delete;
+  SafetensorsFile& operator=(const SafetensorsFile&) = delete;
+
+  const std::string& path() const { return path_; }
+  // In file order (ascending data offset).
+  const std::vector<SafetensorsTensor>& tensors() const { return tensors_; }
+  const SafetensorsTensor* find(std::string_view name) const;  // nullptr if absent
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }  // "__metadata__"
+  uint64_t file_size_bytes() const { return file_size_bytes_; }
+
+  // Reads elements [offset_elems, offset_elems + out.size()) of `tensor` (one of tensors()) converted
+  // to fp32 (bf16/fp16 widened exactly). kInvalidArgument for a range beyond the tensor; I/O errors
+  // and short reads name the file, tensor and offset.
+  Status read_f32(const SafetensorsTensor& tensor, uint64_t offset_elems, std::span<float> out) const;
+  // Reads the raw little-endian bytes [offset_bytes, offset_bytes + out.size()) of `tensor`.
+  Status read_raw(const SafetensorsTensor& tensor, uint64_t offset_bytes, std::span<uint8_t> out) const;
+
+ private:
+  SafetensorsFile() = default;
+
+  std::string path_;
+  int fd_ = -1;
+  uint64_t file_size_bytes_ = 0;
+  std::vector<SafetensorsTensor> tensors_;
+  std::unordered_map<std::string, size_t> by_name_;
+  std::map<std::string, std::string> metadata_;
+};
+
+// A Hugging Face model directory's weights: model.safetensors, or model.safetensors.index.json
+// ("weight_map": name -> shard file) with its shards. Each tensor name maps to one file.
+class HfWeights {
+ public:
+  // kNotFound when neither file exists (saying that .bin/PyTorch checkpoints are not supported:
+  // convert them to safetensors); kCorruption for a malformed index, an index naming a missing shard
+  // or a tensor absent from its shard; the errors of SafetensorsFile::open.
+  static Result<std::unique_ptr<HfWeights>> open(const std::string& model_dir);
+
+  // The tensor named `name` and (when `file` is not null) the file holding it; nullptr if absent.
+  const SafetensorsTensor* find(std::string_view name, const SafetensorsFile** file) const;
+  std::vector<std::string> names() const;  // sorted
+  const std::string& model_dir() const { return model_dir_; }
+
+ private:
+  struct Entry {
+    const SafetensorsFile* file = nullptr;
+    const SafetensorsTensor* tensor = nullptr;
+  };
+  std::string model_dir_;
+  std::vector<std::unique_ptr<SafetensorsFile>> files_;
+  std::map<std::string, Entry, std::less<>> entries_;
+};
+
+}  // namespace zo::engine

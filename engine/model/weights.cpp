@@ -1,0 +1,154 @@
+#include "engine/model/weights.h"
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <numbers>
+#include <vector>
+
+#include "common/log.h"
+#include "engine/model/safetensors.h"
+
+namespace zo::engine {
+namespace {
+
+std::string shape_string(std::span<const int64_t> shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+uint64_t elems_of(const std::vector<int64_t>& shape) {
+  uint64_t n = 1;
+  for (int64_t d : shape) n *= static_cast<uint64_t>(d);
+  return n;
+}
+
+constexpr uint64_t kGamma = 0x9E3779B97F4A7C15ull;
+
+// The splitmix64 finalizer: a bijective mix of all 64 bits.
+uint64_t mix64(uint64_t x) {
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+uint64_t fnv1a(std::string_view s) {
+  uint64_t h = 0xCBF29CE484222325ull;
+  for (unsigned char c : s) h = (h ^ c) * 0x100000001B3ull;
+  return h;
+}
+
+uint64_t stream_key(uint64_t seed, std::string_view name) { return mix64(seed + kGamma) ^ mix64(fnv1a(name)); }
+
+// Elements 2p and 2p+1 are the two outputs of Box–Muller on draws 2p and 2p+1 of a splitmix64
+// stream keyed by (seed, name): any element is computable on its own, so chunking cannot matter.
+void normal_pair(uint64_t key, uint64_t pair, double* z0, double* z1) {
+  const uint64_t a = mix64(key + (2 * pair + 1) * kGamma);
+  const uint64_t b = mix64(key + (2 * pair + 2) * kGamma);
+  const double u1 = static_cast<double>((a >> 11) + 1) * 0x1.0p-53;  // (0, 1]: log is finite
+  const double u2 = static_cast<double>(b >> 11) * 0x1.0p-53;
+  const double r = std::sqrt(-2.0 * std::log(u1));
+  *z0 = r * std::cos(2.0 * std::numbers::pi * u2);
+  *z1 = r * std::sin(2.0 * std::numbers::pi * u2);
+}
+
+bool ends_with(std::string_view s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
+}
+
+}  // namespace
+
+float random_init_normal(uint64_t seed, std::string_view name, uint64_t index, double std) {
+  double z0 = 0, z1 = 0;
+  normal_pair(stream_key(seed, name), index / 2, &z0, &z1);
+  return static_cast<float>((index % 2 == 0 ? z0 : z1) * std);
+}
+
+Status load_hf_weights(const std::string& model_dir, const ModelLayout& layout, uint64_t chunk_elems,
+                       const ParamSink& sink) {
+  if (chunk_elems == 0) return invalid_argument("load_hf_weights: chunk_elems must be positive");
+  ZO_ASSIGN_OR_RETURN(std::unique_ptr<HfWeights> weights, HfWeights::open(model_dir));
+
+  // Every check before any data moves, so a wrong model directory never half-fills the tiers.
+  std::vector<std::pair<const SafetensorsFile*, const SafetensorsTensor*>> sources(layout.params.size());
+  uint64_t max_elems = 0;
+  for (size_t p = 0; p < layout.params.size(); ++p) {
+    const ParamSpec& spec = layout.params[p];
+    const SafetensorsFile* file = nullptr;
+    const SafetensorsTensor* t = weights->find(spec.name, &file);
+    if (t == nullptr) {
+      std::string message = "tensor " + spec.name + " " + shape_string(spec.shape) + " is missing from the weights in " + model_dir;
+      if (spec.name == "lm_head.weight")
+        message += " (the config has tie_word_embeddings false, so the model needs its own lm_head.weight; "
+                   "if the checkpoint ties it to model.embed_tokens.weight, set tie_word_embeddings true in config.json)";
+      return not_found(message);
+    }
+    if (t->shape != spec.shape)
+      return invalid_argument("tensor " + spec.name + " has shape " + shape_string(t->shape) + " in " + file->path() +
+                              ", expected " + shape_string(spec.shape) + " from the model config");
+    sources[p] = {file, t};
+    max_elems = std::max(max_elems, elems_of(spec.shape));
+  }
+  std::vector<std::string> unused;
+  for (const std::string& name : weights->names()) {
+    const bool used = std::any_of(layout.params.begin(), layout.params.end(),
+                                  [&](const ParamSpec& s) { return s.name == name; });
+    if (!used) unused.push_back(name);
+  }
+  if (!unused.empty()) {
+    std::string list;
+    for (size_t i = 0; i < unused.size() && i < 16; ++i) list += (i ? ", " : "") + unused[i];
+    if (unused.size() > 16) list += ", ... (" + std::to_string(unused.size() - 16) + " more)";
+    ZO_LOG(kWarn) << model_dir << ": " << unused.size() << " tensor(s) not used by the model, ignored: " << list;
+  }
+
+  std::vector<float> buffer(std::min(chunk_elems, max_elems));
+  for (size_t p = 0; p < layout.params.size(); ++p) {
+    const auto [file, t] = sources[p];
+    for (uint64_t off = 0; off < t->n_elems; off += chunk_elems) {
+      const std::span<float> chunk(buffer.data(), std::min(chunk_elems, t->n_elems - off));
+      ZO_RETURN_IF_ERROR(file->read_f32(*t, off, chunk));
+      ZO_RETURN_IF_ERROR(sink(static_cast<uint32_t>(p), off, chunk));
+    }
+  }
+  return Status::ok();
+}
+
+Status random_init_weights(const ModelConfig& config, const ModelLayout& layout, uint64_t seed, uint64_t chunk_elems,
+                           const ParamSink& sink) {
+  if (chunk_elems == 0) return invalid_argument("random_init_weights: chunk_elems must be positive");
+  uint64_t max_elems = 0;
+  for (const ParamSpec& spec : layout.params) max_elems = std::max(max_elems, elems_of(spec.shape));
+  std::vector<float> buffer(std::min(chunk_elems, max_elems));
+  const double std = config.initializer_range;
+  for (size_t p = 0; p < layout.params.size(); ++p) {
+    const ParamSpec& spec = layout.params[p];
+    const uint64_t n = elems_of(spec.shape);
+    const bool is_norm = ends_with(spec.name, "norm.weight");
+    const bool is_bias = ends_with(spec.name, ".bias");
+    const uint64_t key = stream_key(seed, spec.name);
+    for (uint64_t off = 0; off < n; off += chunk_elems) {
+      const std::span<float> chunk(buffer.data(), std::min(chunk_elems, n - off));
+      if (is_norm || is_bias) {
+        std::fill(chunk.begin(), chunk.end(), is_norm ? 1.0f : 0.0f);
+      } else {
+        for (uint64_t i = 0; i < chunk.size();) {
+          const uint64_t e = off + i;
+          double z0 = 0, z1 = 0;
+          normal_pair(key, e / 2, &z0, &z1);
+          if (e % 2 == 0) {
+            chunk[i++] = static_cast<float>(z0 * std);
+            if (i < chunk.size()) chunk[i++] = static_cast<float>(z1 * std);
+          } else {
+            chunk[i++] = static_cast<float>(z1 * std);
+          }
+        }
+      }
+      ZO_RETURN_IF_ERROR(sink(static_cast<uint32_t>(p), off, chunk));
+    }
+  }
+  return Status::ok();
+}
+
+}  // namespace zo::engine

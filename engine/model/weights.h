@@ -1,0 +1,40 @@
+// Filling every parameter of a ModelLayout, chunk by chunk, into wherever the caller keeps it (its
+// home tier): from a Hugging Face model directory or by deterministic random init. RAM use is
+// bounded by one chunk; the whole model is never in memory. Functions are thread-safe; the sink is
+// called on the calling thread, one param after another in layout order.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "common/status.h"
+#include "engine/model/model_config.h"
+
+namespace zo::engine {
+
+// Receives consecutive chunks of one param, in fp32 (`values` is valid only during the call);
+// returning an error stops the load with that error.
+using ParamSink = std::function<Status(uint32_t param, uint64_t offset_elems, std::span<const float> values)>;
+
+// Streams every param of `layout` from `model_dir` (see HfWeights) in chunks of at most chunk_elems
+// (> 0) elements. Before reading any data, checks every param is present with its exact shape
+// (errors name the tensor, the expected and found shapes and the file; a missing lm_head.weight says
+// the config is untied) and logs one warning line listing the tensors the layout does not use
+// (rotary_emb.inv_freq etc.) — not an error.
+Status load_hf_weights(const std::string& model_dir, const ModelLayout& layout, uint64_t chunk_elems,
+                       const ParamSink& sink);
+
+// Random init, deterministic in (seed, param name, element index) and independent of chunk_elems:
+// Linear and embedding weights ~ normal(0, config.initializer_range) (counter-based splitmix64 +
+// Box–Muller), norm weights 1, biases 0 — as Hugging Face initializes a LLaMA.
+Status random_init_weights(const ModelConfig& config, const ModelLayout& layout, uint64_t seed,
+                           uint64_t chunk_elems, const ParamSink& sink);
+
+// The value random_init_weights gives element `index` of a Linear/embedding weight named `name`
+// with standard deviation `std`, for tests and for re-deriving a single element.
+float random_init_normal(uint64_t seed, std::string_view name, uint64_t index, double std);
+
+}  // namespace zo::engine

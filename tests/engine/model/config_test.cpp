@@ -1,0 +1,356 @@
+// ModelConfig from Hugging Face config.json texts (Llama-2, Llama-3.1, Qwen2, Mistral), its errors,
+// the presets and their parameter counts against the published figures, the layout and the export.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "engine/model/model_config.h"
+#include "tests/engine/model/safetensors_test_util.h"
+
+namespace zo::engine {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr const char* kLlama2_7b = R"({
+  "architectures": ["LlamaForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+  "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 11008, "max_position_embeddings": 4096,
+  "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32,
+  "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_scaling": null, "tie_word_embeddings": false,
+  "torch_dtype": "float16", "transformers_version": "4.31.0.dev0", "use_cache": true, "vocab_size": 32000
+})";
+
+constexpr const char* kLlama31_8b = R"({
+  "architectures": ["LlamaForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+  "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "hidden_act": "silu", "hidden_size": 4096,
+  "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 131072, "mlp_bias": false,
+  "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+  "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+  "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+  "rope_theta": 500000.0, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
+  "transformers_version": "4.43.0.dev0", "use_cache": true, "vocab_size": 128256
+})";
+
+constexpr const char* kQwen2_05b = R"({
+  "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+  "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 896, "initializer_range": 0.02,
+  "intermediate_size": 4864, "max_position_embeddings": 131072, "max_window_layers": 24, "model_type": "qwen2",
+  "num_attention_heads": 14, "num_hidden_layers": 24, "num_key_value_heads": 2, "rms_norm_eps": 1e-06,
+  "rope_theta": 1000000.0, "sliding_window": 131072, "tie_word_embeddings": true, "torch_dtype": "bfloat16",
+  "transformers_version": "4.40.1", "use_cache": true, "use_sliding_window": false, "vocab_size": 151936
+})";
+
+constexpr const char* kMistral_7b = R"({
+  "architectures": ["MistralForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+  "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 32768,
+  "model_type": "mistral", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+  "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "sliding_window": 4096, "tie_word_embeddings": false,
+  "torch_dtype": "bfloat16", "transformers_version": "4.34.0.dev0", "use_cache": true, "vocab_size": 32000
+})";
+
+ModelConfig parse_ok(const std::string& text) {
+  Result<ModelConfig> r = parse_hf_config(text, "config.json");
+  EXPECT_TRUE(r.is_ok()) << r.status().to_string();
+  return r.is_ok() ? *r : ModelConfig{};
+}
+
+// The Llama-2 text with one key's value replaced (or the key removed when value is empty).
+std::string llama2_with(const std::string& key, const std::string& value) {
+  std::string text = kLlama2_7b;
+  const std::string quoted = "\"" + key + "\": ";
+  const size_t at = text.find(quoted);
+  EXPECT_NE(at, std::string::npos) << key;
+  size_t end = text.find_first_of(",}", at + quoted.size());
+  if (text[at + quoted.size()] == '[') end = text.find(']', at) + 1;
+  if (value.empty() && text[end] == ',') return text.erase(at, end - at + 1);
+  if (value.empty()) return text.erase(text.rfind(',', at), end - text.rfind(',', at));  // the last key
+  return text.replace(at, end - at, quoted + value);
+}
+
+void expect_same(const ModelConfig& a, const ModelConfig& b) {
+  EXPECT_EQ(a.model_type, b.model_type);
+  EXPECT_EQ(a.vocab_size, b.vocab_size);
+  EXPECT_EQ(a.hidden_size, b.hidden_size);
+  EXPECT_EQ(a.intermediate_size, b.intermediate_size);
+  EXPECT_EQ(a.num_hidden_layers, b.num_hidden_layers);
+  EXPECT_EQ(a.num_attention_heads, b.num_attention_heads);
+  EXPECT_EQ(a.num_key_value_heads, b.num_key_value_heads);
+  EXPECT_EQ(a.head_dim, b.head_dim);
+  EXPECT_EQ(a.max_position_embeddings, b.max_position_embeddings);
+  EXPECT_EQ(a.rms_norm_eps, b.rms_norm_eps);
+  EXPECT_EQ(a.rope_theta, b.rope_theta);
+  EXPECT_EQ(a.initializer_range, b.initializer_range);
+  EXPECT_EQ(a.rope_scaling.type, b.rope_scaling.type);
+  EXPECT_EQ(a.rope_scaling.factor, b.rope_scaling.factor);
+  EXPECT_EQ(a.rope_scaling.low_freq_factor, b.rope_scaling.low_freq_factor);
+  EXPECT_EQ(a.rope_scaling.high_freq_factor, b.rope_scaling.high_freq_factor);
+  EXPECT_EQ(a.rope_scaling.original_max_position_embeddings, b.rope_scaling.original_max_position_embeddings);
+  EXPECT_EQ(a.tie_word_embeddings, b.tie_word_embeddings);
+  EXPECT_EQ(a.attention_bias, b.attention_bias);
+  EXPECT_EQ(a.source_dtype, b.source_dtype);
+  EXPECT_EQ(a.sliding_window, b.sliding_window);
+}
+
+TEST(HfConfig, ParsesLlama2) {
+  const ModelConfig c = parse_ok(kLlama2_7b);
+  EXPECT_EQ(c.model_type, "llama");
+  EXPECT_EQ(c.vocab_size, 32000u);
+  EXPECT_EQ(c.hidden_size, 4096u);
+  EXPECT_EQ(c.intermediate_size, 11008u);
+  EXPECT_EQ(c.num_hidden_layers, 32u);
+  EXPECT_EQ(c.num_attention_heads, 32u);
+  EXPECT_EQ(c.num_key_value_heads, 32u);
+  EXPECT_EQ(c.head_dim, 128u);
+  EXPECT_EQ(c.max_position_embeddings, 4096u);
+  EXPECT_EQ(c.rms_norm_eps, 1e-5);
+  EXPECT_EQ(c.rope_theta, 10000.0);
+  EXPECT_EQ(c.rope_scaling.type, RopeScalingType::kNone);
+  EXPECT_FALSE(c.tie_word_embeddings);
+  EXPECT_FALSE(c.attention_bias);
+  EXPECT_EQ(c.source_dtype, "float16");
+  EXPECT_EQ(num_parameters(c), 6'738'415'616u);
+}
+
+TEST(HfConfig, ParsesLlama31WithLlama3RopeScaling) {
+  const ModelConfig c = parse_ok(kLlama31_8b);
+  EXPECT_EQ(c.num_key_value_heads, 8u);
+  EXPECT_EQ(c.rope_theta, 500000.0);
+  EXPECT_EQ(c.rope_scaling.type, RopeScalingType::kLlama3);
+  EXPECT_EQ(c.rope_scaling.factor, 8.0);
+  EXPECT_EQ(c.rope_scaling.low_freq_factor, 1.0);
+  EXPECT_EQ(c.rope_scaling.high_freq_factor, 4.0);
+  EXPECT_EQ(c.rope_scaling.original_max_position_embeddings, 8192u);
+  EXPECT_EQ(c.source_dtype, "bfloat16");
+  EXPECT_EQ(num_parameters(c), 8'030'261'248u);
+}
+
+TEST(HfConfig, ParsesQwen2WithBiasesAndTiedEmbeddings) {
+  const ModelConfig c = parse_ok(kQwen2_05b);
+  EXPECT_EQ(c.model_type, "qwen2");
+  EXPECT_TRUE(c.attention_bias);
+  EXPECT_TRUE(c.tie_word_embeddings);
+  EXPECT_EQ(c.head_dim, 64u);
+  EXPECT_EQ(c.rope_theta, 1e6);
+  EXPECT_EQ(c.rms_norm_eps, 1e-6);
+  EXPECT_EQ(c.sliding_window, 0u) << "use_sliding_window is false";
+  EXPECT_EQ(num_parameters(c), 494'032'768u);  // Qwen2-0.5B
+}
+
+TEST(HfConfig, ParsesMistralWithSlidingWindow) {
+  const ModelConfig c = parse_ok(kMistral_7b);
+  EXPECT_EQ(c.model_type, "mistral");
+  EXPECT_FALSE(c.attention_bias);
+  EXPECT_EQ(c.sliding_window, 4096u);
+  EXPECT_EQ(c.max_position_embeddings, 32768u);
+  EXPECT_EQ(num_parameters(c), 7'241'732'096u);  // Mistral-7B-v0.1
+}
+
+TEST(HfConfig, DefaultsAbsentOptionalKeys) {
+  const ModelConfig c = parse_ok(R"({"model_type": "llama", "vocab_size": 10, "hidden_size": 8,
+      "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2})");
+  EXPECT_EQ(c.num_key_value_heads, 2u);
+  EXPECT_EQ(c.head_dim, 4u);
+  EXPECT_EQ(c.max_position_embeddings, 2048u);
+  EXPECT_EQ(c.rms_norm_eps, 1e-6);
+  EXPECT_EQ(c.rope_theta, 10000.0);
+  EXPECT_EQ(c.initializer_range, 0.02);
+  EXPECT_EQ(c.source_dtype, "float32");
+}
+
+TEST(HfConfig, ExplicitHeadDimNeedNotDivideHidden) {
+  std::string text = llama2_with("num_key_value_heads", "8, \"head_dim\": 128");
+  const std::string heads = "\"num_attention_heads\": 32";
+  text.replace(text.find(heads), heads.size(), "\"num_attention_heads\": 24");  // 4096 / 24 is not whole
+  const ModelConfig c = parse_ok(text);
+  EXPECT_EQ(c.head_dim, 128u);
+  EXPECT_EQ(model_layout(c).params[2].shape, (std::vector<int64_t>{24 * 128, 4096}));  // q_proj
+}
+
+TEST(HfConfig, RopeScalingDefaultAndLinear) {
+  EXPECT_EQ(parse_ok(llama2_with("rope_scaling", R"({"rope_type": "default"})")).rope_scaling.type, RopeScalingType::kNone);
+  const ModelConfig c = parse_ok(llama2_with("rope_scaling", R"({"type": "linear", "factor": 4.0})"));
+  EXPECT_EQ(c.rope_scaling.type, RopeScalingType::kLinear);
+  EXPECT_EQ(c.rope_scaling.factor, 4.0);
+}
+
+void expect_error(const std::string& text, const std::string& key, const std::string& also = "") {
+  Result<ModelConfig> r = parse_hf_config(text, "/models/x/config.json");
+  ASSERT_FALSE(r.is_ok()) << key;
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(r.status().message(), HasSubstr("/models/x/config.json"));
+  EXPECT_THAT(r.status().message(), HasSubstr("'" + key + "'"));
+  if (!also.empty()) {
+    EXPECT_THAT(r.status().message(), HasSubstr(also));
+  }
+}
+
+TEST(HfConfig, ErrorsNameFileAndKey) {
+  expect_error(llama2_with("hidden_size", ""), "hidden_size", "missing");
+  expect_error(llama2_with("vocab_size", ""), "vocab_size", "missing");
+  expect_error(llama2_with("model_type", ""), "model_type", "missing");
+  expect_error(llama2_with("hidden_size", "\"4096\""), "hidden_size", "string");
+  expect_error(llama2_with("intermediate_size", "11008.5"), "intermediate_size", "integer");
+  expect_error(llama2_with("num_hidden_layers", "0"), "num_hidden_layers", "positive");
+  expect_error(llama2_with("vocab_size", "-5"), "vocab_size", "positive");
+  expect_error(llama2_with("rms_norm_eps", "0"), "rms_norm_eps", "positive");
+  expect_error(llama2_with("tie_word_embeddings", "1"), "tie_word_embeddings");
+  expect_error(llama2_with("num_attention_heads", "30"), "num_attention_heads", "not divisible");
+  expect_error(llama2_with("num_key_value_heads", "5"), "num_key_value_heads", "multiple");
+  expect_error(llama2_with("model_type", "\"gpt2\""), "model_type", "llama, mistral, qwen2");
+  expect_error(llama2_with("rope_scaling", R"({"rope_type": "yarn", "factor": 4.0})"), "rope_scaling.rope_type",
+               "linear, llama3");
+  expect_error(llama2_with("rope_scaling", R"({"type": "dynamic", "factor": 4.0})"), "rope_scaling.type");
+  expect_error(llama2_with("rope_scaling", R"({"rope_type": "llama3", "factor": 8.0})"), "rope_scaling.low_freq_factor");
+  expect_error(llama2_with("rope_scaling", R"({"rope_type": "linear"})"), "rope_scaling.factor", "missing");
+  expect_error(llama2_with("rope_scaling", "4"), "rope_scaling");
+  expect_error(llama2_with("hidden_act", "\"gelu\""), "hidden_act", "silu");
+  expect_error(llama2_with("pretraining_tp", "1, \"attention_bias\": true"), "attention_bias");
+}
+
+TEST(HfConfig, RejectsNonObjects) {
+  for (const char* text : {"", "[1, 2]", "{\"model_type\": ", "42"}) {
+    Result<ModelConfig> r = parse_hf_config(text, "cfg.json");
+    ASSERT_FALSE(r.is_ok()) << text;
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_THAT(r.status().message(), HasSubstr("cfg.json"));
+  }
+}
+
+TEST(HfConfig, LoadsFromModelDirectory) {
+  testing::TempDir dir;
+  Result<ModelConfig> missing = load_hf_config(dir.path());
+  ASSERT_FALSE(missing.is_ok());
+  EXPECT_EQ(missing.status().code(), StatusCode::kNotFound);
+  EXPECT_THAT(missing.status().message(), HasSubstr(dir.path() + "/config.json"));
+  testing::write_file(dir.file("config.json"), kMistral_7b);
+  Result<ModelConfig> r = load_hf_config(dir.path());
+  ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+  EXPECT_EQ(r->model_type, "mistral");
+}
+
+TEST(ModelPreset, ParameterCountsMatchPublishedFigures) {
+  const std::pair<const char*, uint64_t> expected[] = {
+      {"tinyllama-1.1b", 1'100'048'384u}, {"llama3.2-1b", 1'235'814'400u}, {"llama-7b", 6'738'415'616u},
+      {"llama3-8b", 8'030'261'248u},     {"llama-13b", 13'015'864'320u},  {"llama-70b", 68'976'648'192u}};
+  for (const auto& [name, count] : expected) {
+    Result<ModelConfig> c = model_preset(name);
+    ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+    EXPECT_EQ(num_parameters(*c), count) << name;
+  }
+}
+
+TEST(ModelPreset, ShapesAsDocumented) {
+  const ModelConfig tiny = *model_preset("tiny");
+  EXPECT_EQ(tiny.vocab_size, 256u);
+  EXPECT_EQ(tiny.hidden_size, 256u);
+  EXPECT_EQ(tiny.intermediate_size, 688u);
+  EXPECT_EQ(tiny.num_hidden_layers, 4u);
+  EXPECT_EQ(tiny.num_attention_heads, 8u);
+  EXPECT_EQ(tiny.num_key_value_heads, 4u);
+  EXPECT_EQ(tiny.head_dim, 32u);
+  EXPECT_EQ(tiny.max_position_embeddings, 1024u);
+  EXPECT_FALSE(tiny.tie_word_embeddings);
+  EXPECT_GT(num_parameters(tiny), 2'000'000u);
+  EXPECT_LT(num_parameters(tiny), 10'000'000u);
+  EXPECT_TRUE(model_preset("llama3.2-1b")->tie_word_embeddings);
+  const ModelConfig l3 = *model_preset("llama3-8b");
+  EXPECT_EQ(l3.rope_theta, 500000.0);
+  EXPECT_EQ(l3.rope_scaling.type, RopeScalingType::kLlama3);
+  EXPECT_EQ(l3.rope_scaling.factor, 8.0);
+  EXPECT_EQ(model_preset("llama-70b")->num_key_value_heads, 8u);
+  // Every preset is a config parse_hf_config accepts.
+  for (const std::string& name : model_preset_names()) {
+    const ModelConfig c = *model_preset(name);
+    expect_same(parse_ok(to_hf_config_json(c, c.source_dtype)), c);
+  }
+}
+
+TEST(ModelPreset, UnknownNameListsPresetsAndSuggests) {
+  Result<ModelConfig> r = model_preset("llama-7");
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kNotFound);
+  EXPECT_THAT(r.status().message(), HasSubstr("did you mean \"llama-7b\""));
+  for (const std::string& name : model_preset_names()) EXPECT_THAT(r.status().message(), HasSubstr(name));
+}
+
+TEST(ModelLayout, TinyNamesShapesAndOrder) {
+  const ModelConfig c = *model_preset("tiny");
+  const ModelLayout layout = model_layout(c);
+  ASSERT_EQ(layout.params.size(), 1u + 4 * 9 + 2);
+  ASSERT_EQ(layout.blocks.size(), 1u + 4 + 1);
+  EXPECT_EQ(layout.params[0].name, "model.embed_tokens.weight");
+  EXPECT_EQ(layout.params[0].shape, (std::vector<int64_t>{256, 256}));
+  const std::vector<std::pair<std::string, std::vector<int64_t>>> layer1 = {
+      {"model.layers.1.input_layernorm.weight", {256}},
+      {"model.layers.1.self_attn.q_proj.weight", {256, 256}},
+      {"model.layers.1.self_attn.k_proj.weight", {128, 256}},
+      {"model.layers.1.self_attn.v_proj.weight", {128, 256}},
+      {"model.layers.1.self_attn.o_proj.weight", {256, 256}},
+      {"model.layers.1.post_attention_layernorm.weight", {256}},
+      {"model.layers.1.mlp.gate_proj.weight", {688, 256}},
+      {"model.layers.1.mlp.up_proj.weight", {688, 256}},
+      {"model.layers.1.mlp.down_proj.weight", {256, 688}}};
+  const BlockSpec& b1 = layout.blocks[2];
+  EXPECT_EQ(b1.kind, BlockKind::kDecoder);
+  EXPECT_EQ(b1.layer, 1);
+  EXPECT_EQ(b1.name, "model.layers.1");
+  ASSERT_EQ(b1.params.size(), layer1.size());
+  for (size_t i = 0; i < layer1.size(); ++i) {
+    EXPECT_EQ(b1.params[i], 10 + i);
+    EXPECT_EQ(layout.params[b1.params[i]].name, layer1[i].first);
+    EXPECT_EQ(layout.params[b1.params[i]].shape, layer1[i].second);
+  }
+  EXPECT_EQ(layout.blocks[0].kind, BlockKind::kEmbedding);
+  EXPECT_EQ(layout.blocks[0].name, "model.embed_tokens");
+  EXPECT_EQ(layout.blocks[0].params, std::vector<uint32_t>{0});
+  const BlockSpec& head = layout.blocks.back();
+  EXPECT_EQ(head.kind, BlockKind::kHead);
+  EXPECT_EQ(head.name, "model.norm+lm_head");
+  ASSERT_EQ(head.params.size(), 2u);
+  EXPECT_EQ(layout.params[head.params[0]].name, "model.norm.weight");
+  EXPECT_EQ(layout.params[head.params[1]].name, "lm_head.weight");
+  EXPECT_EQ(head.params[1], layout.params.size() - 1);
+  uint64_t total = 0;
+  for (const ParamSpec& p : layout.params) {
+    uint64_t n = 1;
+    for (int64_t d : p.shape) n *= static_cast<uint64_t>(d);
+    total += n;
+  }
+  EXPECT_EQ(total, num_parameters(c));
+}
+
+TEST(ModelLayout, TiedHeadReusesEmbeddingAndQwenHasBiases) {
+  const ModelConfig c = parse_ok(kQwen2_05b);
+  const ModelLayout layout = model_layout(c);
+  ASSERT_EQ(layout.params.size(), 1u + 24 * 12 + 1);
+  EXPECT_EQ(layout.blocks.back().params, (std::vector<uint32_t>{static_cast<uint32_t>(layout.params.size() - 1), 0}));
+  const BlockSpec& b0 = layout.blocks[1];
+  ASSERT_EQ(b0.params.size(), 12u);
+  EXPECT_EQ(layout.params[b0.params[2]].name, "model.layers.0.self_attn.q_proj.bias");
+  EXPECT_EQ(layout.params[b0.params[2]].shape, std::vector<int64_t>{896});
+  EXPECT_EQ(layout.params[b0.params[4]].name, "model.layers.0.self_attn.k_proj.bias");
+  EXPECT_EQ(layout.params[b0.params[4]].shape, std::vector<int64_t>{128});
+  EXPECT_EQ(layout.params[b0.params[6]].name, "model.layers.0.self_attn.v_proj.bias");
+  EXPECT_EQ(layout.params[b0.params[7]].name, "model.layers.0.self_attn.o_proj.weight");
+  for (const ParamSpec& p : layout.params) EXPECT_NE(p.name, "lm_head.weight");
+}
+
+TEST(HfConfigExport, RoundTripsEveryFamily) {
+  for (const char* text : {kLlama2_7b, kLlama31_8b, kQwen2_05b, kMistral_7b}) {
+    ModelConfig c = parse_ok(text);
+    const std::string json = to_hf_config_json(c, "bfloat16");
+    EXPECT_THAT(json, HasSubstr(c.model_type == "qwen2"     ? "Qwen2ForCausalLM"
+                                : c.model_type == "mistral" ? "MistralForCausalLM"
+                                                            : "LlamaForCausalLM"));
+    c.source_dtype = "bfloat16";
+    expect_same(parse_ok(json), c);
+  }
+  ModelConfig linear = parse_ok(llama2_with("rope_scaling", R"({"type": "linear", "factor": 2.5})"));
+  linear.source_dtype = "float32";
+  expect_same(parse_ok(to_hf_config_json(linear, "float32")), linear);
+}
+
+}  // namespace
+}  // namespace zo::engine

@@ -1,0 +1,258 @@
+// load_hf_weights against model directories written by the test writer (one file and sharded, mixed
+// dtypes): checks before any data moves, chunking that cannot change values, the unused-tensor
+// warning; random_init_weights' determinism and statistics.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "engine/model/weights.h"
+#include "tests/engine/model/safetensors_test_util.h"
+
+namespace zo::engine {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::TempDir;
+
+ModelConfig small_config(bool tied = false, bool bias = false) {
+  ModelConfig c;
+  c.model_type = bias ? "qwen2" : "llama";
+  c.vocab_size = 16;
+  c.hidden_size = 8;
+  c.intermediate_size = 12;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 2;
+  c.num_key_value_heads = 1;
+  c.head_dim = 4;
+  c.tie_word_embeddings = tied;
+  c.attention_bias = bias;
+  return c;
+}
+
+uint64_t elems(const std::vector<int64_t>& shape) {
+  uint64_t n = 1;
+  for (int64_t d : shape) n *= static_cast<uint64_t>(d);
+  return n;
+}
+
+// Exactly representable in bf16 and fp16, distinct per param.
+float value_of(size_t param, uint64_t i) { return static_cast<float>(param) + 0.25f * static_cast<float>(i % 64); }
+
+struct DirOptions {
+  std::string skip;
+  std::string reshape;  // this param gets a transposed/odd shape
+  std::vector<std::string> extra;
+  bool sharded = false;
+};
+
+void write_model_dir(const TempDir& dir, const ModelLayout& layout, const DirOptions& opt = {}) {
+  std::vector<testing::TestTensor> shards[2];
+  for (size_t p = 0; p < layout.params.size(); ++p) {
+    const ParamSpec& spec = layout.params[p];
+    if (spec.name == opt.skip) continue;
+    std::vector<float> v(elems(spec.shape));
+    for (uint64_t i = 0; i < v.size(); ++i) v[i] = value_of(p, i);
+    std::vector<int64_t> shape = spec.shape;
+    if (spec.name == opt.reshape) shape = {shape.back() + 1};
+    if (spec.name == opt.reshape) v.resize(elems(shape));
+    testing::TestTensor t = p % 3 == 0   ? testing::f32_tensor(spec.name, shape, v)
+                            : p % 3 == 1 ? testing::half_tensor(spec.name, true, shape, v)
+                                         : testing::half_tensor(spec.name, false, shape, v);
+    shards[opt.sharded ? p % 2 : 0].push_back(std::move(t));
+  }
+  for (const std::string& name : opt.extra) shards[0].push_back(testing::f32_tensor(name, {2}, {1, 2}));
+  if (!opt.sharded) {
+    testing::write_safetensors(dir.file("model.safetensors"), shards[0]);
+    return;
+  }
+  std::string index = R"({"metadata": {}, "weight_map": {)";
+  for (int s = 0; s < 2; ++s) {
+    const std::string file = "model-0000" + std::to_string(s + 1) + "-of-00002.safetensors";
+    testing::write_safetensors(dir.file(file), shards[s]);
+    for (const testing::TestTensor& t : shards[s]) index += "\"" + t.name + "\": \"" + file + "\",";
+  }
+  index.back() = '}';
+  testing::write_file(dir.file("model.safetensors.index.json"), index + "}");
+}
+
+// Everything a sink received, checked to arrive as consecutive chunks of at most `chunk` elements.
+struct Collected {
+  std::map<uint32_t, std::vector<float>> values;
+  std::vector<uint32_t> order;
+  uint64_t max_chunk = 0;
+};
+
+ParamSink collector(Collected* c) {
+  return [c](uint32_t param, uint64_t offset, std::span<const float> values) -> Status {
+    std::vector<float>& v = c->values[param];
+    EXPECT_EQ(offset, v.size()) << "chunks of param " << param << " not consecutive";
+    if (v.empty()) c->order.push_back(param);
+    v.insert(v.end(), values.begin(), values.end());
+    c->max_chunk = std::max<uint64_t>(c->max_chunk, values.size());
+    return Status::ok();
+  };
+}
+
+TEST(LoadHfWeights, DeliversEveryParamIdenticallyForAnyChunkSize) {
+  for (bool sharded : {false, true}) {
+    for (bool tied : {false, true}) {
+      const ModelLayout layout = model_layout(small_config(tied, /*bias=*/true));
+      TempDir dir;
+      write_model_dir(dir, layout, {.sharded = sharded});
+      Collected whole, chunked;
+      ASSERT_TRUE(load_hf_weights(dir.path(), layout, 1 << 20, collector(&whole)).is_ok());
+      const Status s = load_hf_weights(dir.path(), layout, 5, collector(&chunked));
+      ASSERT_TRUE(s.is_ok()) << s.to_string();
+      EXPECT_EQ(chunked.max_chunk, 5u);
+      ASSERT_EQ(whole.values.size(), layout.params.size());
+      EXPECT_EQ(whole.values, chunked.values);
+      std::vector<uint32_t> expected_order(layout.params.size());
+      for (size_t p = 0; p < expected_order.size(); ++p) expected_order[p] = static_cast<uint32_t>(p);
+      EXPECT_EQ(chunked.order, expected_order);
+      for (size_t p = 0; p < layout.params.size(); ++p) {
+        const std::vector<float>& v = whole.values[static_cast<uint32_t>(p)];
+        ASSERT_EQ(v.size(), elems(layout.params[p].shape));
+        for (uint64_t i = 0; i < v.size(); ++i) ASSERT_EQ(v[i], value_of(p, i)) << layout.params[p].name;
+      }
+    }
+  }
+}
+
+TEST(LoadHfWeights, ShapeMismatchNamesTensorShapesAndFile) {
+  const ModelLayout layout = model_layout(small_config());
+  TempDir dir;
+  write_model_dir(dir, layout, {.reshape = "model.layers.1.self_attn.k_proj.weight"});
+  int calls = 0;
+  const Status s = load_hf_weights(dir.path(), layout, 64, [&](uint32_t, uint64_t, std::span<const float>) {
+    ++calls;
+    return Status::ok();
+  });
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("model.layers.1.self_attn.k_proj.weight"));
+  EXPECT_THAT(s.message(), HasSubstr("[9]"));
+  EXPECT_THAT(s.message(), HasSubstr("[4, 8]"));
+  EXPECT_THAT(s.message(), HasSubstr(dir.file("model.safetensors")));
+  EXPECT_EQ(calls, 0) << "no data may move before every param is checked";
+}
+
+TEST(LoadHfWeights, MissingTensorIsNamed) {
+  const ModelLayout layout = model_layout(small_config());
+  TempDir dir;
+  write_model_dir(dir, layout, {.skip = "model.layers.0.mlp.up_proj.weight"});
+  Collected c;
+  const Status s = load_hf_weights(dir.path(), layout, 64, collector(&c));
+  EXPECT_EQ(s.code(), StatusCode::kNotFound);
+  EXPECT_THAT(s.message(), HasSubstr("model.layers.0.mlp.up_proj.weight"));
+  EXPECT_THAT(s.message(), HasSubstr(dir.path()));
+}
+
+TEST(LoadHfWeights, MissingLmHeadWithUntiedConfigSaysSo) {
+  const ModelLayout layout = model_layout(small_config(/*tied=*/false));
+  TempDir dir;
+  write_model_dir(dir, layout, {.skip = "lm_head.weight"});
+  Collected c;
+  const Status s = load_hf_weights(dir.path(), layout, 64, collector(&c));
+  EXPECT_EQ(s.code(), StatusCode::kNotFound);
+  EXPECT_THAT(s.message(), HasSubstr("lm_head.weight"));
+  EXPECT_THAT(s.message(), HasSubstr("tie_word_embeddings"));
+  EXPECT_TRUE(c.values.empty());
+}
+
+TEST(LoadHfWeights, UnusedTensorsAreOneWarningNotAnError) {
+  const ModelLayout layout = model_layout(small_config());
+  TempDir dir;
+  write_model_dir(dir, layout, {.extra = {"model.layers.0.self_attn.rotary_emb.inv_freq", "model.layers.1.self_attn.rotary_emb.inv_freq"}});
+  Collected c;
+  ::testing::internal::CaptureStderr();
+  const Status s = load_hf_weights(dir.path(), layout, 64, collector(&c));
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  ASSERT_TRUE(s.is_ok()) << s.to_string();
+  EXPECT_EQ(c.values.size(), layout.params.size());
+  EXPECT_THAT(err, HasSubstr("model.layers.0.self_attn.rotary_emb.inv_freq"));
+  EXPECT_THAT(err, HasSubstr("model.layers.1.self_attn.rotary_emb.inv_freq"));
+  EXPECT_EQ(std::count(err.begin(), err.end(), '\n'), 1) << err;
+}
+
+TEST(LoadHfWeights, SinkErrorStopsTheLoad) {
+  const ModelLayout layout = model_layout(small_config());
+  TempDir dir;
+  write_model_dir(dir, layout);
+  int calls = 0;
+  const Status s = load_hf_weights(dir.path(), layout, 8, [&](uint32_t, uint64_t, std::span<const float>) {
+    return ++calls == 3 ? io_error("tier full", 28) : Status::ok();
+  });
+  EXPECT_EQ(s.code(), StatusCode::kIoError);
+  EXPECT_EQ(calls, 3);
+  Collected c;
+  EXPECT_EQ(load_hf_weights(dir.path(), layout, 0, collector(&c)).code(), StatusCode::kInvalidArgument);
+}
+
+TEST(LoadHfWeights, NoWeightsIsNotFound) {
+  TempDir dir;
+  Collected c;
+  EXPECT_EQ(load_hf_weights(dir.path(), model_layout(small_config()), 64, collector(&c)).code(), StatusCode::kNotFound);
+}
+
+Collected init(const ModelConfig& c, uint64_t seed, uint64_t chunk) {
+  Collected out;
+  const Status s = random_init_weights(c, model_layout(c), seed, chunk, collector(&out));
+  EXPECT_TRUE(s.is_ok()) << s.to_string();
+  EXPECT_LE(out.max_chunk, chunk);
+  return out;
+}
+
+TEST(RandomInit, IndependentOfChunkSizeAndDeterministicPerSeed) {
+  const ModelConfig c = small_config(false, true);
+  const Collected a = init(c, 42, 1 << 20), b = init(c, 42, 7), d = init(c, 42, 1), e = init(c, 43, 7);
+  EXPECT_EQ(a.values, b.values);
+  EXPECT_EQ(a.values, d.values);
+  const ModelLayout layout = model_layout(c);
+  ASSERT_EQ(a.values.size(), layout.params.size());
+  for (size_t p = 0; p < layout.params.size(); ++p) {
+    const std::string& name = layout.params[p].name;
+    const std::vector<float>& va = a.values.at(static_cast<uint32_t>(p));
+    const std::vector<float>& ve = e.values.at(static_cast<uint32_t>(p));
+    ASSERT_EQ(va.size(), elems(layout.params[p].shape));
+    if (name.ends_with("norm.weight")) {
+      for (float x : va) ASSERT_EQ(x, 1.0f) << name;
+    } else if (name.ends_with(".bias")) {
+      for (float x : va) ASSERT_EQ(x, 0.0f) << name;
+    } else {
+      EXPECT_NE(va, ve) << name << ": another seed must give other values";
+      for (uint64_t i = 0; i < va.size(); i += 13) EXPECT_EQ(va[i], random_init_normal(42, name, i, 0.02)) << name;
+    }
+  }
+  // Two params of the same shape get different values (the name is part of the key).
+  EXPECT_NE(a.values.at(layout.blocks[1].params[7]), a.values.at(layout.blocks[2].params[7]));
+}
+
+TEST(RandomInit, NormalWithInitializerRange) {
+  ModelConfig c = *model_preset("tiny");
+  c.initializer_range = 0.02;
+  const ModelLayout layout = model_layout(c);
+  double sum = 0, sum_sq = 0, n = 0, max_abs = 0;
+  const Status s = random_init_weights(c, layout, 7, 4096, [&](uint32_t p, uint64_t, std::span<const float> v) {
+    if (layout.params[p].name.ends_with("norm.weight")) return Status::ok();
+    for (float x : v) {
+      sum += x;
+      sum_sq += static_cast<double>(x) * x;
+      max_abs = std::max(max_abs, static_cast<double>(std::fabs(x)));
+    }
+    n += static_cast<double>(v.size());
+    return Status::ok();
+  });
+  ASSERT_TRUE(s.is_ok()) << s.to_string();
+  ASSERT_GT(n, 2e6);
+  const double mean = sum / n, std = std::sqrt(sum_sq / n - mean * mean);
+  EXPECT_NEAR(mean, 0.0, 1e-4);
+  EXPECT_NEAR(std, 0.02, 0.02 * 2e-3);
+  EXPECT_GT(max_abs, 0.02 * 4.5) << "tails present";
+  EXPECT_LT(max_abs, 0.02 * 7);
+}
+
+}  // namespace
+}  // namespace zo::engine
