@@ -1,0 +1,341 @@
+#include "engine/coord/grad_accumulator.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <utility>
+
+#include "common/aligned_buffer.h"
+#include "common/half.h"
+#include "common/timer.h"
+
+// Note [Accumulation arithmetic]
+//
+// Every element is updated as acc = round_to_grad_dtype(float(acc) + float(g)), one contribution
+// at a time in arrival order, with acc read as +0 on the first micro-step of a window. The CPU tier
+// applies this in place; device and NVMe tiers apply it to a host buffer that holds the sub-group's
+// accumulator in the grad dtype (zeroed instead of read on the first micro-step) and write it back
+// when the sub-group's last contribution arrived. Zeroed bytes read as +0 in every dtype, so both
+// paths compute the same bits, and the norm is summed in one order (sub-groups as they complete,
+// elements ascending), so the report is bit-identical whatever the tier.
+
+namespace zo::engine {
+
+namespace {
+
+float load(const std::byte* data, DType dtype, uint64_t i) {
+  switch (dtype) {
+    case DType::kF32: {
+      float f;
+      std::memcpy(&f, data + i * 4, 4);
+      return f;
+    }
+    case DType::kBF16: {
+      uint16_t h;
+      std::memcpy(&h, data + i * 2, 2);
+      return bf16_to_float(h);
+    }
+    case DType::kF16: {
+      uint16_t h;
+      std::memcpy(&h, data + i * 2, 2);
+      return f16_to_float(h);
+    }
+  }
+  return 0.0f;
+}
+
+void store(std::byte* data, DType dtype, uint64_t i, float value) {
+  switch (dtype) {
+    case DType::kF32: std::memcpy(data + i * 4, &value, 4); return;
+    case DType::kBF16: {
+      const uint16_t h = float_to_bf16(value);
+      std::memcpy(data + i * 2, &h, 2);
+      return;
+    }
+    case DType::kF16: {
+      const uint16_t h = float_to_f16(value);
+      std::memcpy(data + i * 2, &h, 2);
+      return;
+    }
+  }
+}
+
+// acc[i] = round(float(acc[i]) + float(g[i])) for i < n; `from_zero`: acc read as +0.
+template <DType kAcc, DType kGrad>
+void accumulate_typed(std::byte* acc, const std::byte* g, uint64_t n, bool from_zero) {
+  for (uint64_t i = 0; i < n; ++i) {
+    const float a = from_zero ? 0.0f : load(acc, kAcc, i);
+    store(acc, kAcc, i, a + load(g, kGrad, i));
+  }
+}
+
+template <DType kAcc>
+void accumulate_grad(std::byte* acc, const std::byte* g, DType grad_dtype, uint64_t n, bool from_zero) {
+  switch (grad_dtype) {
+    case DType::kF32: return accumulate_typed<kAcc, DType::kF32>(acc, g, n, from_zero);
+    case DType::kBF16: return accumulate_typed<kAcc, DType::kBF16>(acc, g, n, from_zero);
+    case DType::kF16: return accumulate_typed<kAcc, DType::kF16>(acc, g, n, from_zero);
+  }
+}
+
+void accumulate(std::byte* acc, DType acc_dtype, const std::byte* g, DType grad_dtype, uint64_t n, bool from_zero) {
+  switch (acc_dtype) {
+    case DType::kF32: return accumulate_grad<DType::kF32>(acc, g, grad_dtype, n, from_zero);
+    case DType::kBF16: return accumulate_grad<DType::kBF16>(acc, g, grad_dtype, n, from_zero);
+    case DType::kF16: return accumulate_grad<DType::kF16>(acc, g, grad_dtype, n, from_zero);
+  }
+}
+
+template <DType kAcc>
+void norm_typed(const std::byte* acc, uint64_t n, double* sum_sq, bool* nonfinite) {
+  double s = *sum_sq;
+  bool bad = false;
+  for (uint64_t i = 0; i < n; ++i) {
+    const float v = load(acc, kAcc, i);
+    bad |= !std::isfinite(v);
+    s += static_cast<double>(v) * static_cast<double>(v);
+  }
+  *sum_sq = s;
+  *nonfinite = *nonfinite || bad;
+}
+
+void norm(const std::byte* acc, DType dtype, uint64_t n, double* sum_sq, bool* nonfinite) {
+  switch (dtype) {
+    case DType::kF32: return norm_typed<DType::kF32>(acc, n, sum_sq, nonfinite);
+    case DType::kBF16: return norm_typed<DType::kBF16>(acc, n, sum_sq, nonfinite);
+    case DType::kF16: return norm_typed<DType::kF16>(acc, n, sum_sq, nonfinite);
+  }
+}
+
+}  // namespace
+
+struct GradAccumulator::Impl {
+  StateStore* store = nullptr;
+  DType grad_dtype = DType::kF32;
+  uint64_t gb = 4;
+  bool in_place = false;  // CPU-resident accumulators: no buffers
+  std::vector<uint32_t> uses;         // per param, per micro-step
+  std::vector<uint32_t> group_total;  // per sub-group: contributions (over its params) per micro-step
+  std::vector<AlignedBuffer> buffers;
+  std::vector<int32_t> free_buffers;
+  uint64_t buffer_bytes = 0;
+
+  // The open micro-step.
+  bool open = false;
+  bool first = false;
+  bool last = false;
+  std::vector<uint32_t> received;       // per param
+  std::vector<uint32_t> group_pending;  // per sub-group: contributions still to come
+  std::vector<int32_t> group_buffer;    // per sub-group: buffer index while open, -1 otherwise
+  GradNormReport report;
+
+  std::byte* group_bytes(uint32_t g) {
+    if (in_place) return store->location(g, StateKind::kGradAccum).host;
+    return buffers[group_buffer[g]].data();
+  }
+
+  Status open_group(uint32_t g) {
+    if (in_place || group_buffer[g] >= 0) return Status::ok();
+    if (free_buffers.empty()) {
+      return failed_precondition("gradient accumulator: all " + std::to_string(buffers.size()) +
+                                 " host buffers are held by open sub-groups when sub-group " + std::to_string(g) +
+                                 " opens; gradients must arrive in the contribution order given at create");
+    }
+    const int32_t b = free_buffers.back();
+    free_buffers.pop_back();
+    group_buffer[g] = b;
+    std::span<std::byte> bytes = buffers[b].bytes().first(store->state_bytes(g, StateKind::kGradAccum));
+    if (first) {
+      std::memset(bytes.data(), 0, bytes.size());
+      return Status::ok();
+    }
+    Status st = store->read_state(g, StateKind::kGradAccum, bytes);
+    if (!st.is_ok()) {
+      free_buffers.push_back(b);
+      group_buffer[g] = -1;
+      return st.with_context("gradient accumulator: reading sub-group " + std::to_string(g));
+    }
+    report.bytes_read += bytes.size();
+    return Status::ok();
+  }
+
+  Status flush_group(uint32_t g) {
+    const uint64_t bytes = store->state_bytes(g, StateKind::kGradAccum);
+    if (last) norm(group_bytes(g), grad_dtype, bytes / gb, &report.sum_sq, &report.nonfinite);
+    if (in_place) return Status::ok();
+    const int32_t b = group_buffer[g];
+    Status st = store->write_state(g, StateKind::kGradAccum, buffers[b].bytes().first(bytes));
+    group_buffer[g] = -1;
+    free_buffers.push_back(b);
+    if (!st.is_ok()) return st.with_context("gradient accumulator: writing sub-group " + std::to_string(g));
+    report.bytes_written += bytes;
+    return Status::ok();
+  }
+
+  void reset_step() {
+    for (uint32_t g = 0; g < group_buffer.size(); ++g) {
+      if (group_buffer[g] >= 0) free_buffers.push_back(group_buffer[g]);
+      group_buffer[g] = -1;
+    }
+    std::sort(free_buffers.begin(), free_buffers.end(), std::greater<>());
+    open = false;
+  }
+};
+
+GradAccumulator::GradAccumulator(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+GradAccumulator::~GradAccumulator() = default;
+
+Result<std::unique_ptr<GradAccumulator>> GradAccumulator::create(StateStore& store,
+                                                                 std::vector<uint32_t> contribution_order) {
+  const ParamRegistry& registry = store.registry();
+  auto impl = std::make_unique<Impl>();
+  Impl& s = *impl;
+  s.store = &store;
+  s.grad_dtype = store.plan().placement.grad_dtype;
+  s.gb = dtype_size_bytes(s.grad_dtype);
+  s.in_place = store.plan().placement.grad == Tier::kCpu;
+  const uint32_t n_params = static_cast<uint32_t>(registry.params().size());
+  const uint32_t n_groups = static_cast<uint32_t>(registry.sub_groups().size());
+  s.uses.assign(n_params, 0);
+  for (uint32_t p : contribution_order) {
+    if (p >= n_params) {
+      return invalid_argument("gradient accumulator: contribution order names param id " + std::to_string(p) +
+                              " but the registry has " + std::to_string(n_params) + " params");
+    }
+    ++s.uses[p];
+  }
+  for (uint32_t p = 0; p < n_params; ++p) {
+    if (s.uses[p] == 0) {
+      return invalid_argument("gradient accumulator: param " + registry.params()[p].name +
+                              " never appears in the contribution order (every trainable param needs a gradient)");
+    }
+  }
+  s.group_total.assign(n_groups, 0);
+  for (uint32_t p = 0; p < n_params; ++p) {
+    for (const ParamPiece& piece : registry.pieces_of_param(p)) s.group_total[piece.sub_group] += s.uses[p];
+  }
+  // Simulate one micro-step: a sub-group is open from its first contribution to its last.
+  uint32_t max_open = 0;
+  {
+    std::vector<uint32_t> pending = s.group_total;
+    std::vector<char> opened(n_groups, 0);
+    uint32_t open_now = 0;
+    for (uint32_t p : contribution_order) {
+      // As add() does: every sub-group of the param is opened, then those complete are flushed.
+      for (const ParamPiece& piece : registry.pieces_of_param(p)) {
+        if (!opened[piece.sub_group]) {
+          opened[piece.sub_group] = 1;
+          max_open = std::max(max_open, ++open_now);
+        }
+      }
+      for (const ParamPiece& piece : registry.pieces_of_param(p)) {
+        if (--pending[piece.sub_group] == 0) --open_now;
+      }
+    }
+  }
+  if (!s.in_place) {
+    for (uint32_t g = 0; g < n_groups; ++g) s.buffer_bytes = std::max(s.buffer_bytes, store.state_bytes(g, StateKind::kGradAccum));
+    for (uint32_t i = 0; i < max_open; ++i) {
+      ZO_ASSIGN_OR_RETURN(AlignedBuffer buf, AlignedBuffer::allocate(s.buffer_bytes));
+      s.buffers.push_back(std::move(buf));
+    }
+    for (int32_t i = static_cast<int32_t>(max_open) - 1; i >= 0; --i) s.free_buffers.push_back(i);
+  }
+  s.received.assign(n_params, 0);
+  s.group_pending.assign(n_groups, 0);
+  s.group_buffer.assign(n_groups, -1);
+  return std::unique_ptr<GradAccumulator>(new GradAccumulator(std::move(impl)));
+}
+
+Status GradAccumulator::begin_micro_step(bool first, bool last) {
+  Impl& s = *impl_;
+  if (s.open) {
+    return failed_precondition("gradient accumulator: begin_micro_step while a micro-step is open "
+                               "(end_micro_step has not succeeded; abandon_micro_step drops it)");
+  }
+  s.open = true;
+  s.first = first;
+  s.last = last;
+  std::fill(s.received.begin(), s.received.end(), 0);
+  s.group_pending = s.group_total;
+  s.report = GradNormReport{};
+  return Status::ok();
+}
+
+Status GradAccumulator::add(uint32_t param, std::span<const std::byte> grad, DType dtype) {
+  Impl& s = *impl_;
+  Stopwatch timer;
+  const ParamRegistry& registry = s.store->registry();
+  if (param >= s.uses.size()) {
+    return invalid_argument("gradient accumulator: add of param id " + std::to_string(param) + " (" +
+                            std::to_string(s.uses.size()) + " params)");
+  }
+  const ParamInfo& info = registry.params()[param];
+  if (!s.open) return failed_precondition("gradient accumulator: add of " + info.name + " outside a micro-step");
+  if (dtype != DType::kF32 && dtype != DType::kBF16 && dtype != DType::kF16) {
+    return invalid_argument("gradient accumulator: add of " + info.name + ": unknown gradient dtype");
+  }
+  const uint64_t eb = dtype_size_bytes(dtype);
+  if (grad.size() != info.n_elems * eb) {
+    return invalid_argument("gradient accumulator: add of " + info.name + ": " + std::to_string(grad.size()) +
+                            " bytes, expected " + std::to_string(info.n_elems) + " elements of " +
+                            std::string(dtype_name(dtype)) + " = " + std::to_string(info.n_elems * eb) + " bytes");
+  }
+  if (s.received[param] >= s.uses[param]) {
+    return invalid_argument("gradient accumulator: contribution " + std::to_string(s.received[param] + 1) + " of " +
+                            info.name + " beyond its " + std::to_string(s.uses[param]) + " use(s) per micro-step");
+  }
+  const bool from_zero = s.first && s.received[param] == 0;
+  const auto pieces = registry.pieces_of_param(param);
+  for (const ParamPiece& piece : pieces) {
+    Status st = s.open_group(piece.sub_group);
+    if (!st.is_ok()) {
+      s.report.offload_s += timer.elapsed_s();
+      return st.with_context("add of " + info.name);
+    }
+  }
+  for (const ParamPiece& piece : pieces) {
+    std::byte* acc = s.group_bytes(piece.sub_group) + piece.group_offset * s.gb;
+    // In a buffer the first micro-step's zeros are already there; in place they are implied.
+    accumulate(acc, s.grad_dtype, grad.data() + piece.param_offset * eb, dtype, piece.n_elems, from_zero && s.in_place);
+  }
+  ++s.received[param];
+  Status result;
+  for (const ParamPiece& piece : pieces) {
+    if (--s.group_pending[piece.sub_group] != 0) continue;
+    Status st = s.flush_group(piece.sub_group);
+    if (!st.is_ok() && result.is_ok()) result = st.with_context("add of " + info.name);
+  }
+  s.report.offload_s += timer.elapsed_s();
+  return result;
+}
+
+Result<GradNormReport> GradAccumulator::end_micro_step() {
+  Impl& s = *impl_;
+  if (!s.open) return failed_precondition("gradient accumulator: end_micro_step without begin_micro_step");
+  const ParamRegistry& registry = s.store->registry();
+  std::string missing;
+  uint32_t n_missing = 0;
+  for (uint32_t p = 0; p < s.uses.size(); ++p) {
+    if (s.received[p] == s.uses[p]) continue;
+    if (++n_missing <= 8) {
+      missing += (missing.empty() ? "" : ", ") + registry.params()[p].name + " (" + std::to_string(s.received[p]) +
+                 " of " + std::to_string(s.uses[p]) + ")";
+    }
+  }
+  if (n_missing > 0) {
+    if (n_missing > 8) missing += " and " + std::to_string(n_missing - 8) + " more";
+    return failed_precondition("gradient accumulator: end_micro_step with " + std::to_string(n_missing) +
+                               " param(s) missing contributions: " + missing);
+  }
+  s.reset_step();
+  return s.report;
+}
+
+void GradAccumulator::abandon_micro_step() { impl_->reset_step(); }
+
+uint32_t GradAccumulator::buffer_count() const { return static_cast<uint32_t>(impl_->buffers.size()); }
+uint64_t GradAccumulator::buffer_bytes() const { return impl_->buffer_bytes; }
+
+}  // namespace zo::engine

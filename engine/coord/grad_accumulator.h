@@ -1,0 +1,84 @@
+// GradAccumulator: adds each micro-step's gradients (host memory, fp32/bf16/fp16) into the
+// gradient accumulators of the StateStore (StateKind::kGradAccum, in the grad dtype) wherever they
+// live — in place on the CPU, through bounded host buffers for device and NVMe — and at the
+// accumulation boundary reports Σ g² and overflow over the accumulated values. Synchronous; not
+// thread-safe (one thread drives it, like the store).
+//
+// No zeroing pass: the optimizer step (OptimizerSwapper) reads the accumulators and leaves them
+// unchanged; the next accumulation window starts with begin_micro_step(first = true), which makes
+// every accumulator start from zero without reading (or writing) its old contents.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "common/dtype.h"
+#include "common/status.h"
+#include "engine/memory/state_store.h"
+
+namespace zo::engine {
+
+struct GradNormReport {
+  // Σ g² over every accumulated gradient element (fp64), as the accumulators hold them (still
+  // multiplied by the loss scale). Only filled at the last micro-step (0 otherwise).
+  double sum_sq = 0;
+  bool nonfinite = false;  // any inf/nan in the accumulated gradients (overflow); last micro-step only
+  double offload_s = 0;    // wall time in add() and the flushes of this micro-step
+  // Bytes of accumulators moved between their home tier (device, NVMe) and the host buffers.
+  uint64_t bytes_read = 0, bytes_written = 0;
+};
+
+class GradAccumulator {
+ public:
+  // `contribution_order`: the param ids in the order gradients arrive in one micro-step (backward
+  // order of the blocks; a tied param appears once per use). Gives each param's uses per
+  // micro-step and, simulated, the most sub-groups open at once (first contribution arrived, not
+  // all yet), which sizes the host buffers allocated here, once, for accumulators that are not
+  // CPU-resident (pageable, each the largest sub-group's accumulator). kInvalidArgument naming the
+  // param for an id out of range or a param that never appears. `store` must outlive this.
+  static Result<std::unique_ptr<GradAccumulator>> create(StateStore& store, std::vector<uint32_t> contribution_order);
+  ~GradAccumulator();
+  GradAccumulator(const GradAccumulator&) = delete;
+  GradAccumulator& operator=(const GradAccumulator&) = delete;
+
+  // first: the accumulators start from zero this micro-step (previous contents ignored, not read);
+  // last: the accumulation boundary (fills the norm report). Both may be true (no accumulation).
+  // kFailedPrecondition while a micro-step is open (end_micro_step not yet successful).
+  Status begin_micro_step(bool first, bool last);
+
+  // Adds one gradient contribution of `param`: n_elems of `dtype` in host memory, row-major as the
+  // param: acc = round_to_grad_dtype(float(acc) + float(g)) element-wise, with acc = +0 on the
+  // first micro-step (the same arithmetic on every tier, so results are bit-identical). A
+  // sub-group whose every contribution of this micro-step has arrived is flushed (CPU: updated in
+  // place, no buffer; device and NVMe: read_state into a host buffer unless first, add, write_state).
+  // At the last micro-step each flushed sub-group's final values are added to sum_sq / nonfinite in
+  // a fixed order (sub-groups as they complete, elements ascending). Synchronous. kInvalidArgument
+  // for a bad param, a wrong size or dtype, or a contribution beyond the param's uses;
+  // kFailedPrecondition outside a micro-step or when the buffers are exhausted (gradients arriving
+  // in an order that opens more sub-groups than the contribution order did). Store errors name the
+  // sub-group.
+  Status add(uint32_t param, std::span<const std::byte> grad, DType dtype);
+
+  // kFailedPrecondition naming the params still missing contributions (the micro-step stays
+  // open); else closes the micro-step and returns its report.
+  Result<GradNormReport> end_micro_step();
+
+  // (addition) Abandons an open micro-step (after a failure): drops the open sub-groups' buffers.
+  // Accumulators are then undefined until a micro-step with first = true.
+  void abandon_micro_step();
+
+  // (addition) The host buffers allocated at create(): count (0 when the accumulators are
+  // CPU-resident) and bytes each.
+  uint32_t buffer_count() const;
+  uint64_t buffer_bytes() const;
+
+  struct Impl;
+
+ private:
+  explicit GradAccumulator(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace zo::engine

@@ -1,0 +1,111 @@
+// ParamCoordinator: the stage-3 parameter coordinator. Makes each block's compute copies resident on
+// the device when the block runs — fetched from pinned/pageable CPU memory or NVMe into one device
+// arena allocated at create() — prefetches along the known forward/backward schedule, and frees
+// arena space on release. Not thread-safe: one thread drives it. Device addresses it returns point
+// into the store's device states or its own arena and stay valid until the block is released.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "engine/config/config.h"
+#include "engine/memory/param_swapper.h"
+#include "engine/memory/state_store.h"
+#include "gpu/device.h"
+
+namespace zo::engine {
+
+struct CoordinatorOptions {
+  // zero_optimization.stage3_prefetch_bucket_size: elements fetched ahead of the block in use.
+  uint64_t prefetch_bucket_elems = 50'000'000;
+  // stage3_max_live_parameters: elements resident on the device at once (fetched, not persistent).
+  // A block larger than this is still fetched whole (it is needed); the arena's part for fetched,
+  // non-persistent params is max(largest block, this) at most.
+  uint64_t max_live_elems = 1'000'000'000;
+  // stage3_param_persistence_threshold: params this small stay resident once fetched.
+  uint64_t persistence_threshold_elems = 100'000;
+  // stage3_max_reuse_distance: a released param that is used again within this many elements of
+  // schedule stays resident. The distance is the elements of the blocks scheduled strictly between
+  // the release and the next use (the schedule wraps into the next micro-step).
+  uint64_t max_reuse_distance_elems = 1'000'000'000;
+  // Not a DeepSpeed key (addition): device bytes of the budget the arena must leave free (for
+  // activations and gradients the trainer allocates later). 0: the arena may take all that is left.
+  uint64_t device_reserve_bytes = 0;
+
+  // zero_optimization.stage3_* of `config` (device_reserve_bytes stays 0).
+  static CoordinatorOptions from_config(const Config& config);
+};
+
+struct CoordinatorStats {
+  double fetch_wait_s = 0;       // time acquire() blocked waiting for NVMe reads and H2D copies
+  uint64_t h2d_bytes = 0;        // bytes copied to the device by fetches
+  uint64_t nvme_read_bytes = 0;  // compute-copy bytes of fetched params that live on NVMe
+  // Params copied to the device / found already resident (or already in flight because a prefetch
+  // issued them) when their block was acquired. Device-resident params count in neither.
+  uint64_t fetches = 0, hits = 0;
+  uint64_t prefetches = 0;        // (addition) fetches issued ahead of the acquire that needs them
+  uint64_t evictions = 0;         // (addition) cached params dropped to make room
+  uint64_t arena_bytes = 0;       // device bytes the coordinator allocated at create (fixed)
+  uint64_t peak_live_bytes = 0;   // high-water mark of fetched-param bytes in the arena
+};
+
+class ParamCoordinator {
+ public:
+  // `blocks[b]` = the param ids block b uses, in the order the block takes them; `block_names[b]`
+  // names it in errors. Allocates one device arena here and never allocates device memory
+  // afterwards: big enough for the persistent params plus the largest block and its prefetch,
+  // bounded by max_live_elems and by what the device budget has left (Device::stats(), minus
+  // device_reserve_bytes). Params whose compute copy is device-resident need no arena space.
+  // Errors: kOutOfMemory "gpu budget X leaves Y for parameters; block 'name' alone needs Z ..."
+  // when even the largest block plus the persistent params cannot fit; kInvalidArgument for an
+  // empty schedule, a bad param id, mismatched name count, or a param on NVMe with no swapper.
+  // `param_swapper` may be null when no compute copy is on NVMe (CPU copies are then read from
+  // their store location directly); both must outlive the coordinator.
+  static Result<std::unique_ptr<ParamCoordinator>> create(StateStore& store, ParamSwapper* param_swapper,
+                                                          std::vector<std::vector<uint32_t>> blocks,
+                                                          std::vector<std::string> block_names,
+                                                          const CoordinatorOptions& options);
+  ~ParamCoordinator();  // drains copies and reads in flight, frees the arena
+  ParamCoordinator(const ParamCoordinator&) = delete;
+  ParamCoordinator& operator=(const ParamCoordinator&) = delete;
+
+  // Starts one micro-step's schedule: forward 0..n-1 then backward n-1..0 (2n acquires). Prefetch
+  // follows this order exactly (no tracing) and never crosses into the next micro-step. Params
+  // cached from the previous micro-step stay until evicted or invalidate(). A block still acquired
+  // from an abandoned micro-step is treated as released.
+  void begin_micro_step();
+
+  // The device addresses of block b's compute copies (blocks[b] order; a param listed twice gets
+  // the same address), resident and complete (H2D finished) when it returns. Synchronous.
+  // kFailedPrecondition naming the expected and given block when b is not next in the schedule (or
+  // before begin_micro_step / after the 2n-th acquire); kOutOfMemory when the arena cannot hold the
+  // block because other acquired blocks pin it; I/O errors name the block and the param.
+  Result<std::vector<gpu::DevicePtr>> acquire(uint32_t block);
+
+  // Done with block b for now: its params are released (arena space reusable) unless persistent,
+  // still held by another acquired block, or used again within max_reuse_distance_elems of the
+  // schedule. The caller must have completed every device operation that reads the block's
+  // addresses (use the overload with an event otherwise). kFailedPrecondition when b is not held.
+  Status release(uint32_t block);
+  // (addition) As above, but later copies into the freed space wait (on the device, without
+  // blocking the host) for `reads_done`, recorded by the caller after its last use of the block.
+  Status release(uint32_t block, gpu::Event reads_done);
+
+  // After an optimizer step the compute copies changed: drops every device-cached copy
+  // (persistent ones too) so the next micro-step fetches fresh ones; waits for transfers in flight.
+  // Nothing may be acquired when called (aborts otherwise: a caller bug).
+  void invalidate();
+
+  CoordinatorStats stats() const;
+
+  struct Impl;
+
+ private:
+  explicit ParamCoordinator(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace zo::engine

@@ -1,0 +1,209 @@
+// engine/coord over real NVMe swap files (a temp dir under /tmp): compute copies fetched through
+// the ParamSwapper with few buffers, read errors naming the param, and gradient accumulators on
+// NVMe bit-identical to the CPU and device tiers.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "engine/coord/grad_accumulator.h"
+#include "engine/coord/param_coordinator.h"
+#include "tests/engine/coord/coord_rig.h"
+
+namespace zo::engine {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::Bytes;
+using testing::Placing;
+using testing::Rig;
+
+Placing nvme(uint64_t buffers, uint64_t max_in_cpu = 0) {
+  Placing p;
+  p.optimizer = "cpu";
+  p.param = "nvme";
+  p.param_buffer_count = buffers;
+  p.max_in_cpu = max_in_cpu;
+  return p;
+}
+
+TEST(ParamCoordinator, AcquireReturnsComputeBytesFromNvme) { testing::check_every_setting(nvme(4)); }
+
+TEST(ParamCoordinator, AcquireReturnsComputeBytesWithOneSwapBuffer) { testing::check_every_setting(nvme(1)); }
+
+TEST(ParamCoordinator, AcquireReturnsComputeBytesSplitBetweenCpuAndNvme) {
+  // max_in_cpu keeps the first sub-groups on the CPU; a param may straddle the two.
+  testing::check_every_setting(nvme(2, 20000));
+}
+
+TEST(ParamCoordinator, NvmeOptimizerAndNvmeParamsInFp32) {
+  Placing p = nvme(3);
+  p.optimizer = "nvme";
+  p.bf16 = false;
+  p.pin = false;
+  testing::check_every_setting(p);
+}
+
+TEST(ParamCoordinator, CountsNvmeBytesAndReturnsEverySwapBuffer) {
+  Rig rig;
+  ASSERT_TRUE(rig.init(nvme(2)).is_ok());
+  auto coord = testing::make_coordinator(rig, testing::opts(0, 1'000'000, 0, 0));
+  testing::run_micro_step(rig, *coord, rig.gather(StateKind::kCompute));
+  const CoordinatorStats cs = coord->stats();
+  EXPECT_GT(cs.fetches, 0u);
+  EXPECT_EQ(cs.nvme_read_bytes, cs.h2d_bytes);  // everything lives on NVMe
+  EXPECT_EQ(rig.swapper->buffers_free(), rig.swapper->buffers_total());
+}
+
+TEST(ParamCoordinator, PrefetchReadsAheadFromNvme) {
+  Rig rig;
+  ASSERT_TRUE(rig.init(nvme(4)).is_ok());
+  const uint64_t layer_elems = 96 * 96 + 96 * 200 + 96;
+  auto coord = testing::make_coordinator(rig, testing::opts(layer_elems, 1'000'000, 0, 0));
+  const auto bl = testing::blocks();
+  const uint32_t n = static_cast<uint32_t>(bl.size());
+  coord->begin_micro_step();
+  for (uint32_t q = 0; q < 2 * n; ++q) {
+    const uint32_t b = q < n ? q : 2 * n - 1 - q;
+    const uint64_t hits = coord->stats().hits;
+    ASSERT_TRUE(coord->acquire(b).is_ok());
+    if (q > 0) {
+      EXPECT_EQ(coord->stats().hits - hits, bl[b].size()) << "position " << q;
+    }
+    ASSERT_TRUE(coord->release(b).is_ok());
+  }
+  EXPECT_GT(coord->stats().prefetches, 0u);
+}
+
+TEST(ParamCoordinator, InvalidateRereadsChangedNvmeCopies) {
+  Rig rig;
+  ASSERT_TRUE(rig.init(nvme(2)).is_ok());
+  auto coord = testing::make_coordinator(rig, testing::opts(30000, 1'000'000, 200, 1'000'000'000));
+  testing::run_micro_step(rig, *coord, rig.gather(StateKind::kCompute));
+  if (HasFatalFailure()) return;
+  std::mt19937 rng(11);
+  std::vector<Bytes> after;
+  for (const auto& p : rig.registry.params()) after.push_back(testing::random_bytes(p.n_elems * 2, rng));
+  ASSERT_TRUE(rig.scatter(StateKind::kCompute, after).is_ok());
+  coord->invalidate();
+  testing::run_micro_step(rig, *coord, after);
+}
+
+TEST(ParamCoordinator, ReadErrorNamesTheBlockAndParamAndIsRetryable) {
+  Rig rig;
+  ASSERT_TRUE(rig.init(nvme(2)).is_ok());
+  const auto expected = rig.gather(StateKind::kCompute);
+  auto coord = testing::make_coordinator(rig, testing::opts(0, 1'000'000, 0, 0));
+  rig.faults->add({io::FaultKind::kEio, io::IoOp::kRead, "param.swp", 0, -1});
+  coord->begin_micro_step();
+  auto failed = coord->acquire(0);
+  ASSERT_FALSE(failed.is_ok());
+  EXPECT_EQ(failed.status().code(), StatusCode::kIoError);
+  EXPECT_THAT(failed.status().message(), HasSubstr("block 0 'embed'"));
+  EXPECT_THAT(failed.status().message(), HasSubstr("model.embed_tokens.weight"));
+  EXPECT_THAT(failed.status().message(), HasSubstr("param.swp"));
+  EXPECT_EQ(rig.swapper->buffers_free(), rig.swapper->buffers_total());
+  rig.faults->clear();
+  auto retried = coord->acquire(0);
+  ASSERT_TRUE(retried.is_ok()) << retried.status().to_string();
+  EXPECT_EQ(rig.d2h((*retried)[0], expected[0].size()), expected[0]);
+}
+
+TEST(ParamCoordinator, NvmeParamWithoutSwapperIsRejected) {
+  Rig rig;
+  ASSERT_TRUE(rig.init(nvme(2)).is_ok());
+  auto coord = ParamCoordinator::create(*rig.store, nullptr, testing::blocks(), testing::block_names(),
+                                        CoordinatorOptions{});
+  ASSERT_FALSE(coord.is_ok());
+  EXPECT_EQ(coord.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(coord.status().message(), HasSubstr("on NVMe but no ParamSwapper"));
+}
+
+uint64_t double_bits(double d) {
+  uint64_t u;
+  std::memcpy(&u, &d, sizeof u);
+  return u;
+}
+
+TEST(GradAccumulator, BitIdenticalOnCpuDeviceAndNvme) {
+  for (const char* acc_dtype : {"fp32", "bf16"}) {
+    for (DType gdt : {DType::kF32, DType::kBF16, DType::kF16}) {
+      for (int steps : {1, 3}) {
+        SCOPED_TRACE(std::string("accumulator ") + acc_dtype + " grad " + std::string(dtype_name(gdt)) + " steps " +
+                     std::to_string(steps));
+        std::vector<Bytes> ref;
+        std::vector<uint64_t> norms;
+        for (const char* tier : {"cpu", "none", "nvme"}) {
+          Placing p;
+          p.optimizer = tier;
+          p.param = std::string(tier) == "nvme" ? "cpu" : tier;
+          p.grad = acc_dtype;
+          Rig rig;
+          Status st = rig.init(p);
+          ASSERT_TRUE(st.is_ok()) << st.to_string();
+          ASSERT_EQ(rig.plan.placement.grad, std::string(tier) == "cpu" ? Tier::kCpu
+                                                 : std::string(tier) == "none" ? Tier::kDevice
+                                                                               : Tier::kNvme);
+          const auto grads = testing::random_grads(rig, steps, gdt, 21);
+          if (ref.empty()) ref = testing::reference_accumulate(rig, grads, gdt, rig.plan.placement.grad_dtype);
+          // Garbage in the accumulators first: the first micro-step must not read it.
+          std::mt19937 rng(5);
+          std::vector<Bytes> garbage;
+          for (const auto& q : rig.registry.params()) garbage.push_back(testing::random_bytes(q.n_elems * rig.grad_bytes(), rng));
+          ASSERT_TRUE(rig.scatter(StateKind::kGradAccum, garbage).is_ok());
+          auto acc = GradAccumulator::create(*rig.store, testing::contribution_order());
+          ASSERT_TRUE(acc.is_ok());
+          const auto order = testing::contribution_order();
+          GradNormReport report;
+          uint64_t moved = 0;
+          for (int m = 0; m < steps; ++m) {
+            ASSERT_TRUE((*acc)->begin_micro_step(m == 0, m + 1 == steps).is_ok());
+            for (size_t c = 0; c < order.size(); ++c) {
+              st = (*acc)->add(order[c], grads[m][c], gdt);
+              ASSERT_TRUE(st.is_ok()) << st.to_string();
+            }
+            auto r = (*acc)->end_micro_step();
+            ASSERT_TRUE(r.is_ok());
+            report = *r;
+            moved += r->bytes_read + r->bytes_written;
+          }
+          ASSERT_EQ(rig.gather(StateKind::kGradAccum), ref) << "tier " << tier;
+          EXPECT_FALSE(report.nonfinite);
+          EXPECT_GT(report.sum_sq, 0.0);
+          norms.push_back(double_bits(report.sum_sq));
+          if (std::string(tier) == "cpu") {
+            EXPECT_EQ(moved, 0u);
+          } else {
+            EXPECT_GT(moved, 0u);
+          }
+        }
+        EXPECT_EQ(norms[0], norms[1]);
+        EXPECT_EQ(norms[0], norms[2]);
+      }
+    }
+  }
+}
+
+TEST(GradAccumulator, WriteErrorNamesTheSubGroup) {
+  Placing p;
+  p.optimizer = "nvme";
+  Rig rig;
+  ASSERT_TRUE(rig.init(p).is_ok());
+  auto acc = GradAccumulator::create(*rig.store, testing::contribution_order());
+  ASSERT_TRUE(acc.is_ok());
+  for (const auto& g : rig.registry.sub_groups()) {
+    const SwapRegion r = rig.store->location(g.index, StateKind::kGradAccum).region;
+    rig.faults->add({io::FaultKind::kEio, io::IoOp::kWrite, "optimizer.swp", r.offset_bytes, -1});
+  }
+  const auto order = testing::contribution_order();
+  const auto grads = testing::random_grads(rig, 1, DType::kF32, 3);
+  ASSERT_TRUE((*acc)->begin_micro_step(true, true).is_ok());
+  Status st;
+  for (size_t c = 0; c < order.size() && st.is_ok(); ++c) st = (*acc)->add(order[c], grads[0][c], DType::kF32);
+  EXPECT_EQ(st.code(), StatusCode::kIoError);
+  EXPECT_THAT(st.message(), HasSubstr("writing sub-group"));
+  EXPECT_THAT(st.message(), HasSubstr("optimizer.swp"));
+}
+
+}  // namespace
+}  // namespace zo::engine

@@ -1,0 +1,366 @@
+// Test rig of engine/coord: a small decoder-shaped model (embedding tied with the head, layers with
+// a small persistent norm and split params), its blocks and backward contribution order, and a
+// StateStore on HostDevice with the compute copies / gradient accumulators on a chosen tier (NVMe
+// swap files under a temp dir). Shared by coord_test (unit) and coord_io_test (io).
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/check.h"
+#include "cpu_optim/dtype.h"
+#include "engine/config/config.h"
+#include "engine/coord/grad_accumulator.h"
+#include "engine/coord/param_coordinator.h"
+#include "engine/memory/param_registry.h"
+#include "engine/memory/param_swapper.h"
+#include "engine/memory/state_store.h"
+#include "gpu/device.h"
+#include "io/fault_injector.h"
+#include "io/io_engine.h"
+
+namespace zo::engine::testing {
+
+using Bytes = std::vector<std::byte>;
+
+struct TempDir {
+  std::string path;
+  TempDir() {
+    char tmpl[] = "/tmp/zo_coord_test_XXXXXX";
+    const char* p = mkdtemp(tmpl);
+    ZO_CHECK(p != nullptr) << "mkdtemp failed";
+    path = p;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
+};
+
+struct Placing {
+  std::string optimizer = "cpu";  // offload_optimizer.device (also the gradient accumulators' tier)
+  std::string param = "cpu";      // offload_param.device
+  bool bf16 = true;
+  std::string grad = "fp32";      // data_types.grad_accum_dtype
+  uint64_t max_in_cpu = 1'000'000'000;
+  uint64_t param_buffer_count = 4;
+  bool pin = true;
+
+  std::string describe() const {
+    return "optimizer " + optimizer + " param " + param + (bf16 ? " bf16" : " fp32") + " grad " + grad +
+           " max_in_cpu " + std::to_string(max_in_cpu) + " buffers " + std::to_string(param_buffer_count);
+  }
+};
+
+inline std::string json_bool(bool v) { return v ? "true" : "false"; }
+
+inline Config make_config(const Placing& s, const std::string& dir) {
+  const std::string json = R"({"train_micro_batch_size_per_gpu": 1,
+    "zero_optimization": {"stage": 3, "sub_group_size": 8192,
+      "offload_optimizer": {"device": ")" + s.optimizer + R"(", "nvme_path": ")" + dir + R"(",
+        "pin_memory": )" + json_bool(s.pin) + R"(},
+      "offload_param": {"device": ")" + s.param + R"(", "nvme_path": ")" + dir + R"(",
+        "buffer_count": )" + std::to_string(s.param_buffer_count) + R"(, "buffer_size": 100000,
+        "max_in_cpu": )" + std::to_string(s.max_in_cpu) + R"(, "pin_memory": )" + json_bool(s.pin) + R"(}},
+    "bf16": {"enabled": )" + json_bool(s.bf16) + R"(},
+    "data_types": {"grad_accum_dtype": ")" + s.grad + R"("},
+    "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}})";
+  ConfigDiagnostics diag;
+  auto config = parse_config(json, ResolveContext{}, &diag);
+  std::string errors;
+  for (const auto& e : diag.errors) errors += e.to_string() + "\n";
+  ZO_CHECK(config.has_value()) << errors;
+  return *config;
+}
+
+inline constexpr uint32_t kLayers = 4;
+
+// embed (0), per layer i: norm (small), attn, mlp (split over three sub-groups), final norm, and a
+// head that reuses embed (tied).
+inline std::vector<ParamSpec> model() {
+  std::vector<ParamSpec> specs = {{"model.embed_tokens.weight", {64, 96}}};
+  for (uint32_t i = 0; i < kLayers; ++i) {
+    const std::string l = "model.layers." + std::to_string(i);
+    specs.push_back({l + ".input_layernorm.weight", {96}});
+    specs.push_back({l + ".self_attn.weight", {96, 96}});
+    specs.push_back({l + ".mlp.weight", {96, 200}});
+  }
+  specs.push_back({"model.norm.weight", {96}});
+  return specs;
+}
+inline uint32_t embed_id() { return 0; }
+inline uint32_t layer_param(uint32_t layer, uint32_t k) { return 1 + 3 * layer + k; }
+inline uint32_t final_norm_id() { return 1 + 3 * kLayers; }
+
+// Block 0: embedding; blocks 1..kLayers: layers; last block: final norm + head (tied embed).
+inline std::vector<std::vector<uint32_t>> blocks() {
+  std::vector<std::vector<uint32_t>> out = {{embed_id()}};
+  for (uint32_t i = 0; i < kLayers; ++i) out.push_back({layer_param(i, 0), layer_param(i, 1), layer_param(i, 2)});
+  out.push_back({final_norm_id(), embed_id()});
+  return out;
+}
+inline std::vector<std::string> block_names() {
+  std::vector<std::string> out = {"embed"};
+  for (uint32_t i = 0; i < kLayers; ++i) out.push_back("layers." + std::to_string(i));
+  out.push_back("head");
+  return out;
+}
+// The order gradients arrive in one micro-step: blocks backward, each block's params reversed.
+inline std::vector<uint32_t> contribution_order() {
+  std::vector<uint32_t> out;
+  auto bl = blocks();
+  for (size_t b = bl.size(); b-- > 0;) {
+    for (size_t i = bl[b].size(); i-- > 0;) out.push_back(bl[b][i]);
+  }
+  return out;
+}
+
+inline Bytes random_bytes(uint64_t n, std::mt19937& rng) {
+  Bytes out(n);
+  for (auto& x : out) x = static_cast<std::byte>(rng() & 0xff);
+  return out;
+}
+
+inline std::vector<float> random_floats(uint64_t n, std::mt19937& rng, float scale) {
+  std::normal_distribution<float> dist(0.0f, scale);
+  std::vector<float> out(n);
+  for (auto& x : out) x = dist(rng);
+  return out;
+}
+
+inline Bytes to_dtype(const std::vector<float>& values, DType d) {
+  Bytes out(values.size() * dtype_size_bytes(d));
+  for (size_t i = 0; i < values.size(); ++i) cpu_optim::store_from_float(out.data(), d, i, values[i]);
+  return out;
+}
+
+struct Rig {
+  TempDir dir;
+  Config config;
+  ParamRegistry registry;
+  MemoryPlan plan;
+  std::unique_ptr<gpu::Device> device;
+  std::shared_ptr<io::FaultInjector> faults = std::make_shared<io::FaultInjector>();
+  std::unique_ptr<io::IoEngine> io;
+  MemoryAccounting accounting;
+  std::unique_ptr<StateStore> store;
+  std::unique_ptr<ParamSwapper> swapper;  // only when some compute copy is on NVMe
+
+  Status init(const Placing& s, uint64_t device_budget = uint64_t{64} << 20, uint32_t seed = 1) {
+    config = make_config(s, dir.path);
+    ZO_ASSIGN_OR_RETURN(registry, ParamRegistry::build(model(), config.zero.sub_group_size));
+    ZO_ASSIGN_OR_RETURN(plan, plan_memory(config, registry));
+    ZO_ASSIGN_OR_RETURN(device, gpu::make_device(gpu::DeviceKind::kHost, device_budget));
+    ZO_ASSIGN_OR_RETURN(io, io::IoEngine::create(io::IoOptions{}, faults));
+    StateStoreOptions o;
+    o.optimizer_nvme_path = config.zero.offload_optimizer.nvme_path;
+    o.param_nvme_path = config.zero.offload_param.nvme_path;
+    ZO_ASSIGN_OR_RETURN(store, StateStore::create(registry, plan, *device, *io, o, accounting));
+    std::mt19937 rng(seed);
+    for (const ParamInfo& p : registry.params()) {
+      ZO_RETURN_IF_ERROR(store->init_param(p.id, 0, random_floats(p.n_elems, rng, 1.0f)));
+    }
+    if (store->param_file() != nullptr) {
+      ZO_ASSIGN_OR_RETURN(swapper, ParamSwapper::create(*store));
+    }
+    return Status::ok();
+  }
+
+  uint64_t compute_bytes() const { return state_elem_bytes(plan.placement, StateKind::kCompute); }
+  uint64_t grad_bytes() const { return state_elem_bytes(plan.placement, StateKind::kGradAccum); }
+
+  // One state of every param, assembled from read_state of every sub-group.
+  std::vector<Bytes> gather(StateKind kind) {
+    const uint64_t eb = state_elem_bytes(plan.placement, kind);
+    std::vector<Bytes> out;
+    for (const auto& p : registry.params()) out.emplace_back(p.n_elems * eb);
+    for (const auto& g : registry.sub_groups()) {
+      Bytes buf(store->state_bytes(g.index, kind));
+      Status st = store->read_state(g.index, kind, buf);
+      ZO_CHECK(st.is_ok()) << st.to_string();
+      for (const auto& piece : registry.pieces_of_group(g.index)) {
+        std::memcpy(out[piece.param].data() + piece.param_offset * eb, buf.data() + piece.group_offset * eb,
+                    piece.n_elems * eb);
+      }
+    }
+    return out;
+  }
+
+  // Writes one state of every param (write_state of every sub-group).
+  Status scatter(StateKind kind, const std::vector<Bytes>& per_param) {
+    const uint64_t eb = state_elem_bytes(plan.placement, kind);
+    for (const auto& g : registry.sub_groups()) {
+      Bytes buf(store->state_bytes(g.index, kind));
+      for (const auto& piece : registry.pieces_of_group(g.index)) {
+        std::memcpy(buf.data() + piece.group_offset * eb, per_param[piece.param].data() + piece.param_offset * eb,
+                    piece.n_elems * eb);
+      }
+      ZO_RETURN_IF_ERROR(store->write_state(g.index, kind, buf));
+    }
+    return Status::ok();
+  }
+
+  // The bytes at `ptr` on the device.
+  Bytes d2h(gpu::DevicePtr ptr, uint64_t size_bytes) {
+    Bytes out(size_bytes);
+    auto stream = device->create_stream();
+    ZO_CHECK(stream.is_ok()) << stream.status().to_string();
+    Status st = device->copy_d2h(out.data(), ptr, size_bytes, *stream);
+    if (st.is_ok()) st = device->synchronize(*stream);
+    ZO_CHECK(st.is_ok()) << st.to_string();
+    device->destroy_stream(*stream);
+    return out;
+  }
+};
+
+
+// One micro-step through the full schedule (forward 0..n-1, backward n-1..0): every acquired
+// address holds exactly `expected[param]` (compute bytes per param), checked by D2H; each block is
+// released after use. Counts the params checked in *checked.
+inline void run_micro_step(Rig& rig, ParamCoordinator& coord, const std::vector<Bytes>& expected,
+                           uint64_t* checked = nullptr) {
+  const auto bl = blocks();
+  const uint32_t n = static_cast<uint32_t>(bl.size());
+  coord.begin_micro_step();
+  for (uint32_t q = 0; q < 2 * n; ++q) {
+    const uint32_t b = q < n ? q : 2 * n - 1 - q;
+    auto ptrs = coord.acquire(b);
+    ASSERT_TRUE(ptrs.is_ok()) << "position " << q << ": " << ptrs.status().to_string();
+    ASSERT_EQ(ptrs->size(), bl[b].size());
+    for (size_t i = 0; i < bl[b].size(); ++i) {
+      const uint32_t p = bl[b][i];
+      ASSERT_EQ(Bytes(rig.d2h((*ptrs)[i], expected[p].size())), expected[p])
+          << "position " << q << " block " << b << " param " << rig.registry.params()[p].name;
+      if (checked != nullptr) ++*checked;
+    }
+    Status st = coord.release(b);
+    ASSERT_TRUE(st.is_ok()) << st.to_string();
+  }
+}
+
+// Acquires of params that are not device-resident in one micro-step (every one is a hit or a fetch).
+inline uint64_t fetchable_uses_per_micro_step(const Rig& rig) {
+  uint64_t n = 0;
+  for (const auto& b : blocks()) {
+    std::vector<uint32_t> seen;
+    for (uint32_t p : b) {
+      if (std::find(seen.begin(), seen.end(), p) != seen.end()) continue;
+      seen.push_back(p);
+      const auto& piece = rig.registry.pieces_of_param(p).front();
+      n += rig.store->location(piece.sub_group, StateKind::kCompute).tier == Tier::kDevice ? 0 : 1;
+    }
+  }
+  return 2 * n;
+}
+
+// The reference accumulation: per param, per element, acc = round(float(acc) + float(g)) over the
+// micro-steps' contributions in order, starting from +0. grads[m][c] = contribution c of micro-step m
+// (in contribution_order()), as `gdt` bytes.
+inline std::vector<Bytes> reference_accumulate(const Rig& rig, const std::vector<std::vector<Bytes>>& grads, DType gdt,
+                                               DType acc_dtype) {
+  const auto order = contribution_order();
+  std::vector<std::vector<float>> acc;
+  for (const auto& p : rig.registry.params()) acc.emplace_back(p.n_elems, 0.0f);
+  for (const auto& step : grads) {
+    for (size_t c = 0; c < order.size(); ++c) {
+      auto& a = acc[order[c]];
+      for (size_t i = 0; i < a.size(); ++i) {
+        Bytes one(dtype_size_bytes(acc_dtype));
+        cpu_optim::store_from_float(one.data(), acc_dtype, 0, a[i] + cpu_optim::load_as_float(step[c].data(), gdt, i));
+        a[i] = cpu_optim::load_as_float(one.data(), acc_dtype, 0);
+      }
+    }
+  }
+  std::vector<Bytes> out;
+  for (const auto& a : acc) out.push_back(to_dtype(a, acc_dtype));
+  return out;
+}
+
+// Random gradients for `micro_steps` micro-steps in contribution order, with a few special values
+// (-0, a denormal, a large value) in the first contribution.
+inline std::vector<std::vector<Bytes>> random_grads(const Rig& rig, int micro_steps, DType gdt, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<std::vector<Bytes>> out(micro_steps);
+  for (auto& step : out) {
+    for (uint32_t p : contribution_order()) {
+      auto v = random_floats(rig.registry.params()[p].n_elems, rng, 0.5f);
+      v[0] = -0.0f;
+      v[1] = 1e-40f;
+      v[2] = 3000.0f;
+      step.push_back(to_dtype(v, gdt));
+    }
+  }
+  return out;
+}
+
+struct Settings {
+  const char* name;
+  CoordinatorOptions options;
+};
+
+inline CoordinatorOptions opts(uint64_t bucket, uint64_t live, uint64_t persist, uint64_t reuse) {
+  CoordinatorOptions o;
+  o.prefetch_bucket_elems = bucket;
+  o.max_live_elems = live;
+  o.persistence_threshold_elems = persist;
+  o.max_reuse_distance_elems = reuse;
+  return o;
+}
+
+inline std::vector<Settings> settings() {
+  return {
+      {"defaults", CoordinatorOptions{}},
+      {"no prefetch, no persistence, no reuse, tiny live", opts(0, 1, 0, 0)},
+      {"bucket of one block, live of two, norms persistent", opts(30000, 60000, 200, 0)},
+      {"small bucket, reuse within a layer", opts(10000, 40000, 96, 30000)},
+      {"everything persistent", opts(1'000'000, 1'000'000, 1'000'000, 0)},
+  };
+}
+
+inline std::unique_ptr<ParamCoordinator> make_coordinator(Rig& rig, const CoordinatorOptions& o) {
+  auto coord = ParamCoordinator::create(*rig.store, rig.swapper.get(), blocks(), block_names(), o);
+  ZO_CHECK(coord.is_ok()) << coord.status().to_string();
+  return std::move(coord).value();
+}
+
+inline void check_every_setting(const Placing& placing) {
+  for (const Settings& s : settings()) {
+    SCOPED_TRACE(placing.describe() + " / " + s.name);
+    Rig rig;
+    Status st = rig.init(placing);
+    ASSERT_TRUE(st.is_ok()) << st.to_string();
+    const auto expected = rig.gather(StateKind::kCompute);
+    auto coord = make_coordinator(rig, s.options);
+    uint64_t checked = 0;
+    for (int step = 0; step < 3; ++step) {
+      run_micro_step(rig, *coord, expected, &checked);
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+    EXPECT_EQ(checked, 3u * 2 * (1 + 3 * kLayers + 2));
+    const CoordinatorStats cs = coord->stats();
+    // Every use of a fetchable param is a hit or a fetch; prefetches add fetches that become hits.
+    if (s.options.prefetch_bucket_elems == 0) {
+      EXPECT_EQ(cs.fetches + cs.hits, 3 * fetchable_uses_per_micro_step(rig));
+      EXPECT_EQ(cs.prefetches, 0u);
+    } else {
+      EXPECT_GE(cs.fetches + cs.hits, 3 * fetchable_uses_per_micro_step(rig));
+      EXPECT_LE(cs.hits, 3 * fetchable_uses_per_micro_step(rig));
+    }
+    if (rig.swapper) {
+      EXPECT_EQ(rig.swapper->buffers_free(), rig.swapper->buffers_total());
+    }
+    const gpu::DeviceStats ds = rig.device->stats();
+    EXPECT_LE(ds.peak_allocated_bytes, ds.budget_bytes);
+    EXPECT_LE(cs.peak_live_bytes, cs.arena_bytes);
+  }
+}
+
+}  // namespace zo::engine::testing

@@ -1,0 +1,608 @@
+// engine/coord on HostDevice with states in memory (device and CPU tiers): the range allocator, the
+// parameter coordinator (exact bytes across the schedule, order, budget, persistence, reuse,
+// prefetch, invalidate, tied params) and the gradient accumulator (reference sums, norm,
+// overflow, contribution errors, buffer bounds).
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+
+#include "common/bytes.h"
+#include "engine/coord/grad_accumulator.h"
+#include "engine/coord/param_coordinator.h"
+#include "engine/coord/range_allocator.h"
+#include "tests/engine/coord/coord_rig.h"
+
+namespace zo::engine {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::Bytes;
+using testing::Placing;
+using testing::Rig;
+using testing::check_every_setting;
+using testing::make_coordinator;
+using testing::opts;
+
+// ---- RangeAllocator ------------------------------------------------------------------------------
+
+TEST(RangeAllocator, FirstFitAlignedAndCoalesced) {
+  detail::RangeAllocator a(1024, 4096, 256);
+  auto x = a.allocate(1);
+  auto y = a.allocate(300);
+  auto z = a.allocate(256);
+  ASSERT_TRUE(x && y && z);
+  EXPECT_EQ(*x, 1024u);
+  EXPECT_EQ(*y, 1024u + 256);
+  EXPECT_EQ(*z, 1024u + 768);
+  EXPECT_EQ(a.free_bytes(), 4096u - 1024);
+  a.free(*y, 300);
+  // First fit: the hole of 512 at y takes a 512 request, a larger one goes after z.
+  auto big = a.allocate(600);
+  ASSERT_TRUE(big);
+  EXPECT_EQ(*big, 1024u + 1024);
+  auto hole = a.allocate(512);
+  ASSERT_TRUE(hole);
+  EXPECT_EQ(*hole, *y);
+  a.free(*x, 1);
+  a.free(*hole, 512);
+  a.free(*z, 256);
+  a.free(*big, 600);
+  EXPECT_EQ(a.free_bytes(), 4096u);
+  EXPECT_EQ(a.largest_free_bytes(), 4096u);  // all neighbours merged back into one range
+  EXPECT_FALSE(a.allocate(4097));
+  EXPECT_TRUE(a.allocate(4096));
+}
+
+TEST(RangeAllocator, FragmentedSpaceRefusesALargeRange) {
+  detail::RangeAllocator a(0, 1024, 256);
+  auto p0 = a.allocate(256), p1 = a.allocate(256), p2 = a.allocate(256), p3 = a.allocate(256);
+  ASSERT_TRUE(p0 && p1 && p2 && p3);
+  a.free(*p0, 256);
+  a.free(*p2, 256);
+  EXPECT_EQ(a.free_bytes(), 512u);
+  EXPECT_EQ(a.largest_free_bytes(), 256u);
+  EXPECT_FALSE(a.allocate(512));
+}
+
+// ---- ParamCoordinator ----------------------------------------------------------------------------
+
+TEST(ParamCoordinator, AcquireReturnsComputeBytesOnDevice) {
+  Placing p;
+  p.optimizer = "none";
+  p.param = "none";
+  check_every_setting(p);
+  // Device-resident compute copies need no arena and are never copied.
+  Rig rig;
+  ASSERT_TRUE(rig.init(p).is_ok());
+  auto coord = make_coordinator(rig, CoordinatorOptions{});
+  testing::run_micro_step(rig, *coord, rig.gather(StateKind::kCompute));
+  EXPECT_EQ(coord->stats().arena_bytes, 0u);
+  EXPECT_EQ(coord->stats().fetches, 0u);
+  EXPECT_EQ(coord->stats().h2d_bytes, 0u);
+}
+
+TEST(ParamCoordinator, AcquireReturnsComputeBytesFromPinnedCpu) {
+  Placing p;
+  check_every_setting(p);
+}
+
+TEST(ParamCoordinator, AcquireReturnsComputeBytesFromPageableCpuInFp32) {
+  Placing p;
+  p.pin = false;
+  p.bf16 = false;
+  check_every_setting(p);
+}
+
+TEST(ParamCoordinator, OutOfOrderAcquireFailsNamingExpectedAndGiven) {
+  Rig rig;
+  ASSERT_TRUE(rig.init(Placing{}).is_ok());
+  auto coord = make_coordinator(rig, CoordinatorOptions{});
+  auto before = coord->acquire(0);
+  ASSERT_FALSE(before.is_ok());
+  EXPECT_EQ(before.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_THAT(before.status().message(), HasSubstr("begin_micro_step"));
+
+  coord->begin_micro_step();
+  auto wrong = coord->acquire(2);
+  ASSERT_FALSE(wrong.is_ok());
+  EXPECT_EQ(wrong.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_THAT(wrong.status().message(), HasSubstr("expected block 0 'embed'"));
+  EXPECT_THAT(wrong.status().message(), HasSubstr("given block 2 'layers.1'"));
+  auto out_of_range = coord->acquire(99);
+  ASSERT_FALSE(out_of_range.is_ok());
+  EXPECT_THAT(out_of_range.status().message(), HasSubstr("block 99 (out of range"));
+
+  Status not_held = coord->release(0);
+  EXPECT_EQ(not_held.code(), StatusCode::kFailedPrecondition);
+  EXPECT_THAT(not_held.message(), HasSubstr("not acquired"));
+
+  // The schedule goes on from where it was; the backward half starts with the head again.
+  const uint32_t n = testing::kLayers + 2;
+  for (uint32_t b = 0; b < n; ++b) {
+    ASSERT_TRUE(coord->acquire(b).is_ok());
+    ASSERT_TRUE(coord->release(b).is_ok());
+  }
+  auto backward_wrong = coord->acquire(0);
+  ASSERT_FALSE(backward_wrong.is_ok());
+  EXPECT_THAT(backward_wrong.status().message(), HasSubstr("expected block 5 'head' (backward"));
+  for (uint32_t b = n; b-- > 0;) {
+    ASSERT_TRUE(coord->acquire(b).is_ok());
+    ASSERT_TRUE(coord->release(b).is_ok());
+  }
+  auto past_end = coord->acquire(0);
+  ASSERT_FALSE(past_end.is_ok());
+  EXPECT_THAT(past_end.status().message(), HasSubstr("acquires are done"));
+}
+
+TEST(ParamCoordinator, BudgetBelowLargestBlockFailsAtCreateWithTheNumbers) {
+  Rig rig;
+  // CPU compute copies and CPU optimizer: nothing of the store lives on the device.
+  ASSERT_TRUE(rig.init(Placing{}, /*device_budget=*/40000).is_ok());
+  ASSERT_EQ(rig.device->stats().allocated_bytes, 0u);
+  CoordinatorOptions o;
+  o.persistence_threshold_elems = 200;  // the 96-element norms: 5 params × 256 bytes
+  auto coord = ParamCoordinator::create(*rig.store, nullptr, testing::blocks(), testing::block_names(), o);
+  ASSERT_FALSE(coord.is_ok());
+  EXPECT_EQ(coord.status().code(), StatusCode::kOutOfMemory);
+  const std::string& m = coord.status().message();
+  // Largest block: a layer's attn (96×96) + mlp (96×200) in bf16, each slot rounded to 256 bytes.
+  const uint64_t layer_bytes = align_up(96 * 96 * 2, 256) + align_up(96 * 200 * 2, 256);
+  EXPECT_THAT(m, HasSubstr("gpu budget " + format_bytes(40000)));
+  EXPECT_THAT(m, HasSubstr("leaves " + format_bytes(40000) + " (40000 bytes) for parameters"));
+  EXPECT_THAT(m, HasSubstr("block 'layers.0' alone needs " + format_bytes(layer_bytes) + " (" +
+                           std::to_string(layer_bytes) + " bytes)"));
+  EXPECT_THAT(m, HasSubstr("compute dtype bf16"));
+  EXPECT_THAT(m, HasSubstr("persistent params"));
+  EXPECT_EQ(rig.device->stats().allocated_bytes, 0u);
+
+  // The reserve counts against the budget too.
+  Rig big;
+  ASSERT_TRUE(big.init(Placing{}, /*device_budget=*/200000).is_ok());
+  o.device_reserve_bytes = 190000;
+  auto reserved = ParamCoordinator::create(*big.store, nullptr, testing::blocks(), testing::block_names(), o);
+  ASSERT_FALSE(reserved.is_ok());
+  EXPECT_THAT(reserved.status().message(), HasSubstr("reserve"));
+}
+
+TEST(ParamCoordinator, TightBudgetHoldsAndTheArenaIsAllocatedOnce) {
+  // Budget: exactly the largest layer plus the persistent norms; no room for prefetch.
+  const uint64_t layer_bytes = align_up(96 * 96 * 2, 256) + align_up(96 * 200 * 2, 256);
+  const uint64_t persistent = 5 * 256;
+  const uint64_t budget = layer_bytes + persistent;
+  Rig rig;
+  ASSERT_TRUE(rig.init(Placing{}, budget).is_ok());
+  const auto expected = rig.gather(StateKind::kCompute);
+  CoordinatorOptions o;
+  o.persistence_threshold_elems = 200;
+  auto coord = make_coordinator(rig, o);
+  EXPECT_EQ(coord->stats().arena_bytes, budget);
+  EXPECT_EQ(rig.device->stats().allocated_bytes, budget);
+  for (int step = 0; step < 2; ++step) {
+    testing::run_micro_step(rig, *coord, expected);
+    if (HasFatalFailure()) return;
+  }
+  const gpu::DeviceStats ds = rig.device->stats();
+  EXPECT_EQ(ds.allocated_bytes, budget);  // nothing allocated after create
+  EXPECT_LE(ds.peak_allocated_bytes, budget);
+  EXPECT_GT(coord->stats().evictions, 0u);  // the defaults cache by reuse; a tight arena evicts
+}
+
+TEST(ParamCoordinator, PersistentParamsAreFetchedOncePerWindowUntilInvalidate) {
+  Rig rig;
+  ASSERT_TRUE(rig.init(Placing{}).is_ok());
+  const auto expected = rig.gather(StateKind::kCompute);
+  // No prefetch and no reuse, so every fetch is the acquire's own.
+  auto coord = make_coordinator(rig, opts(0, 1'000'000, 200, 0));
+  uint64_t f[4];
+  for (int step = 0; step < 3; ++step) {
+    testing::run_micro_step(rig, *coord, expected);
+    if (HasFatalFailure()) return;
+    f[step] = coord->stats().fetches;
+  }
+  const uint64_t f1 = f[0], f2 = f[1] - f[0], f3 = f[2] - f[1];
+  EXPECT_EQ(f2, f3);
+  // Cold, the first micro-step also fetches the 5 persistent norms (once each, though each is used
+  // twice) and the embedding at position 0, which later windows keep from the previous position
+  // 2n-1 (reuse distance 0: adjacent).
+  EXPECT_EQ(f1 - f2, 5u + 1u);
+  EXPECT_EQ(coord->stats().prefetches, 0u);
+  coord->invalidate();
+  testing::run_micro_step(rig, *coord, expected);
+  EXPECT_EQ(coord->stats().fetches - f[2], f1);
+}
+
+TEST(ParamCoordinator, InvalidateServesChangedComputeCopies) {
+  Rig rig;
+  ASSERT_TRUE(rig.init(Placing{}).is_ok());
+  const auto before = rig.gather(StateKind::kCompute);
+  auto coord = make_coordinator(rig, opts(30000, 1'000'000, 200, 1'000'000'000));
+  testing::run_micro_step(rig, *coord, before);
+  if (HasFatalFailure()) return;
+
+  std::mt19937 rng(7);
+  std::vector<Bytes> after;
+  for (const auto& b : before) after.push_back(testing::random_bytes(b.size(), rng));
+  ASSERT_TRUE(rig.scatter(StateKind::kCompute, after).is_ok());
+  coord->invalidate();
+  testing::run_micro_step(rig, *coord, after);
+  if (HasFatalFailure()) return;
+  testing::run_micro_step(rig, *coord, after);
+}
+
+TEST(ParamCoordinator, PrefetchMakesEveryAcquireAfterTheFirstAHit) {
+  Rig rig;
+  ASSERT_TRUE(rig.init(Placing{}).is_ok());
+  const auto bl = testing::blocks();
+  const uint32_t n = static_cast<uint32_t>(bl.size());
+  // Bucket = one layer (the largest block) in elements; no reuse, no persistence, so without
+  // prefetch nearly every acquire would fetch.
+  const uint64_t layer_elems = 96 * 96 + 96 * 200 + 96;
+  auto coord = make_coordinator(rig, opts(layer_elems, 1'000'000, 0, 0));
+  for (int step = 0; step < 2; ++step) {
+    coord->begin_micro_step();
+    for (uint32_t q = 0; q < 2 * n; ++q) {
+      const uint32_t b = q < n ? q : 2 * n - 1 - q;
+      const uint64_t hits = coord->stats().hits;
+      ASSERT_TRUE(coord->acquire(b).is_ok());
+      if (step > 0 || q > 0) {
+        EXPECT_EQ(coord->stats().hits - hits, bl[b].size()) << "step " << step << " position " << q;
+      }
+      ASSERT_TRUE(coord->release(b).is_ok());
+    }
+  }
+  EXPECT_GT(coord->stats().prefetches, 0u);
+
+  // The same schedule without a bucket: acquires of layers fetch.
+  Rig cold;
+  ASSERT_TRUE(cold.init(Placing{}).is_ok());
+  auto none = make_coordinator(cold, opts(0, 1'000'000, 0, 0));
+  testing::run_micro_step(cold, *none, cold.gather(StateKind::kCompute));
+  EXPECT_EQ(none->stats().prefetches, 0u);
+  EXPECT_GT(none->stats().fetches, coord->stats().fetches / 2);
+}
+
+TEST(ParamCoordinator, MaxLiveBoundsPrefetch) {
+  Rig rig;
+  ASSERT_TRUE(rig.init(Placing{}).is_ok());
+  // A huge bucket but live elements of one layer: nothing beyond the block in use fits.
+  const uint64_t layer_elems = 96 * 96 + 96 * 200;
+  auto coord = make_coordinator(rig, opts(1'000'000, layer_elems, 200, 0));
+  testing::run_micro_step(rig, *coord, rig.gather(StateKind::kCompute));
+  const CoordinatorStats cs = coord->stats();
+  EXPECT_LE(cs.peak_live_bytes, align_up(layer_elems * 2, 256) + 5 * 256 + 256);
+  EXPECT_LE(cs.arena_bytes, align_up(96 * 96 * 2, 256) + align_up(96 * 200 * 2, 256) + 5 * 256);
+}
+
+TEST(ParamCoordinator, TiedParamHeldByTwoBlocksKeepsOneAddress) {
+  Rig rig;
+  ASSERT_TRUE(rig.init(Placing{}).is_ok());
+  const auto expected = rig.gather(StateKind::kCompute);
+  // A bucket big enough that the arena holds a layer besides the held embedding.
+  auto coord = make_coordinator(rig, opts(10000, 1'000'000, 0, 0));
+  const uint32_t n = testing::kLayers + 2;
+  coord->begin_micro_step();
+  auto embed = coord->acquire(0);  // kept acquired through the whole forward
+  ASSERT_TRUE(embed.is_ok());
+  for (uint32_t b = 1; b + 1 < n; ++b) {
+    ASSERT_TRUE(coord->acquire(b).is_ok());
+    ASSERT_TRUE(coord->release(b).is_ok());
+  }
+  const uint64_t hits = coord->stats().hits;
+  auto head = coord->acquire(n - 1);
+  ASSERT_TRUE(head.is_ok());
+  EXPECT_EQ((*head)[1], (*embed)[0]);  // held, so found in place, not fetched again
+  EXPECT_GE(coord->stats().hits - hits, 1u);
+  EXPECT_EQ(rig.d2h((*head)[1], expected[testing::embed_id()].size()), expected[testing::embed_id()]);
+  EXPECT_EQ(rig.d2h((*head)[0], expected[testing::final_norm_id()].size()), expected[testing::final_norm_id()]);
+  ASSERT_TRUE(coord->release(0).is_ok());
+  ASSERT_TRUE(coord->release(n - 1).is_ok());
+
+  // A param listed twice in one block gets one address.
+  Rig twice;
+  ASSERT_TRUE(twice.init(Placing{}).is_ok());
+  auto c2 = ParamCoordinator::create(*twice.store, nullptr, {{0, 1, 0}}, {"dup"}, CoordinatorOptions{});
+  ASSERT_TRUE(c2.is_ok()) << c2.status().to_string();
+  (*c2)->begin_micro_step();
+  auto dup = (*c2)->acquire(0);
+  ASSERT_TRUE(dup.is_ok());
+  EXPECT_EQ((*dup)[0], (*dup)[2]);
+}
+
+TEST(ParamCoordinator, ReleaseWithAnEventOrdersLaterCopies) {
+  Rig rig;
+  ASSERT_TRUE(rig.init(Placing{}).is_ok());
+  const auto expected = rig.gather(StateKind::kCompute);
+  auto coord = make_coordinator(rig, opts(1'000'000, 1'000'000, 0, 0));
+  auto compute = rig.device->create_stream();
+  auto done = rig.device->create_event();
+  ASSERT_TRUE(compute.is_ok() && done.is_ok());
+  const auto bl = testing::blocks();
+  const uint32_t n = static_cast<uint32_t>(bl.size());
+  coord->begin_micro_step();
+  for (uint32_t q = 0; q < 2 * n; ++q) {
+    const uint32_t b = q < n ? q : 2 * n - 1 - q;
+    auto ptrs = coord->acquire(b);
+    ASSERT_TRUE(ptrs.is_ok());
+    // A "kernel" still reading the block when it is released.
+    ASSERT_TRUE(rig.device->delay(*compute, 2000).is_ok());
+    ASSERT_TRUE(rig.device->record(*done, *compute).is_ok());
+    ASSERT_TRUE(coord->release(b, *done).is_ok());
+  }
+  ASSERT_TRUE(rig.device->synchronize(*compute).is_ok());
+  testing::run_micro_step(rig, *coord, expected);
+  rig.device->destroy_event(*done);
+  rig.device->destroy_stream(*compute);
+}
+
+TEST(ParamCoordinator, BadBlocksAreRejectedAtCreate) {
+  Rig rig;
+  ASSERT_TRUE(rig.init(Placing{}).is_ok());
+  auto empty = ParamCoordinator::create(*rig.store, nullptr, {}, {}, CoordinatorOptions{});
+  EXPECT_EQ(empty.status().code(), StatusCode::kInvalidArgument);
+  auto names = ParamCoordinator::create(*rig.store, nullptr, {{0}}, {"a", "b"}, CoordinatorOptions{});
+  EXPECT_EQ(names.status().code(), StatusCode::kInvalidArgument);
+  auto bad_id = ParamCoordinator::create(*rig.store, nullptr, {{0, 999}}, {"blk"}, CoordinatorOptions{});
+  EXPECT_EQ(bad_id.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad_id.status().message(), HasSubstr("'blk' uses param id 999"));
+}
+
+TEST(CoordinatorOptions, FromConfigTakesTheStage3Keys) {
+  Config c = testing::make_config(Placing{}, "/tmp");
+  c.zero.stage3_prefetch_bucket_size = 11;
+  c.zero.stage3_max_live_parameters = 22;
+  c.zero.stage3_param_persistence_threshold = 33;
+  c.zero.stage3_max_reuse_distance = 44;
+  const CoordinatorOptions o = CoordinatorOptions::from_config(c);
+  EXPECT_EQ(o.prefetch_bucket_elems, 11u);
+  EXPECT_EQ(o.max_live_elems, 22u);
+  EXPECT_EQ(o.persistence_threshold_elems, 33u);
+  EXPECT_EQ(o.max_reuse_distance_elems, 44u);
+  EXPECT_EQ(o.device_reserve_bytes, 0u);
+}
+
+// ---- GradAccumulator -----------------------------------------------------------------------------
+
+struct AccResult {
+  std::vector<Bytes> acc;
+  std::vector<GradNormReport> reports;
+};
+
+// Runs `grads` (micro-steps × contributions in contribution order) through a GradAccumulator, after
+// filling the accumulators with garbage the first micro-step must ignore.
+AccResult accumulate_all(Rig& rig, const std::vector<std::vector<Bytes>>& grads, DType gdt) {
+  AccResult r;
+  std::mt19937 rng(99);
+  std::vector<Bytes> garbage;
+  for (const auto& p : rig.registry.params()) garbage.push_back(testing::random_bytes(p.n_elems * rig.grad_bytes(), rng));
+  Status st = rig.scatter(StateKind::kGradAccum, garbage);
+  ZO_CHECK(st.is_ok()) << st.to_string();
+  auto acc = GradAccumulator::create(*rig.store, testing::contribution_order());
+  ZO_CHECK(acc.is_ok()) << acc.status().to_string();
+  const auto order = testing::contribution_order();
+  for (size_t m = 0; m < grads.size(); ++m) {
+    st = (*acc)->begin_micro_step(m == 0, m + 1 == grads.size());
+    ZO_CHECK(st.is_ok()) << st.to_string();
+    for (size_t c = 0; c < order.size(); ++c) {
+      st = (*acc)->add(order[c], grads[m][c], gdt);
+      ZO_CHECK(st.is_ok()) << st.to_string();
+    }
+    auto report = (*acc)->end_micro_step();
+    ZO_CHECK(report.is_ok()) << report.status().to_string();
+    r.reports.push_back(*report);
+  }
+  r.acc = rig.gather(StateKind::kGradAccum);
+  return r;
+}
+
+double reference_sum_sq(const std::vector<Bytes>& acc, DType d) {
+  double s = 0;
+  for (const auto& a : acc) {
+    for (size_t i = 0; i < a.size() / dtype_size_bytes(d); ++i) {
+      const double v = cpu_optim::load_as_float(a.data(), d, i);
+      s += v * v;
+    }
+  }
+  return s;
+}
+
+uint64_t double_bits(double d) {
+  uint64_t u;
+  std::memcpy(&u, &d, sizeof u);
+  return u;
+}
+
+// CPU (in place) and device (through buffers) against the reference, for every grad/accumulator
+// dtype pair and 1 and 3 micro-steps. The NVMe tier is in coord_io_test.
+TEST(GradAccumulator, MatchesTheReferenceSumOnCpuAndDeviceBitForBit) {
+  for (const char* acc_dtype : {"fp32", "bf16"}) {
+    for (DType gdt : {DType::kF32, DType::kBF16, DType::kF16}) {
+      for (int steps : {1, 3}) {
+        SCOPED_TRACE(std::string("accumulator ") + acc_dtype + " grad " + std::string(dtype_name(gdt)) + " steps " +
+                     std::to_string(steps));
+        std::vector<AccResult> results;
+        std::vector<Bytes> ref;
+        for (const char* tier : {"cpu", "none"}) {
+          Placing p;
+          p.optimizer = tier;
+          p.param = tier;
+          p.grad = acc_dtype;
+          Rig rig;
+          ASSERT_TRUE(rig.init(p).is_ok());
+          const auto grads = testing::random_grads(rig, steps, gdt, 5);
+          if (ref.empty()) ref = testing::reference_accumulate(rig, grads, gdt, rig.plan.placement.grad_dtype);
+          results.push_back(accumulate_all(rig, grads, gdt));
+          ASSERT_EQ(results.back().acc, ref) << "tier " << tier;
+          const GradNormReport& last = results.back().reports.back();
+          EXPECT_FALSE(last.nonfinite);
+          EXPECT_NEAR(last.sum_sq, reference_sum_sq(ref, rig.plan.placement.grad_dtype), 1e-9 * last.sum_sq);
+          for (size_t m = 0; m + 1 < results.back().reports.size(); ++m) EXPECT_EQ(results.back().reports[m].sum_sq, 0.0);
+        }
+        EXPECT_EQ(double_bits(results[0].reports.back().sum_sq), double_bits(results[1].reports.back().sum_sq));
+        EXPECT_EQ(results[0].reports.back().bytes_read + results[0].reports.back().bytes_written, 0u);  // in place
+        EXPECT_GT(results[1].reports.back().bytes_written, 0u);
+        if (steps > 1) {
+          EXPECT_GT(results[1].reports.back().bytes_read, 0u);
+        }
+        EXPECT_EQ(results[1].reports.front().bytes_read, 0u);  // first: nothing read
+      }
+    }
+  }
+}
+
+TEST(GradAccumulator, AnInfInAnEarlyMicroStepIsReportedAtTheBoundary) {
+  for (const char* tier : {"cpu", "none"}) {
+    SCOPED_TRACE(tier);
+    Placing p;
+    p.optimizer = tier;
+    p.param = tier;
+    Rig rig;
+    ASSERT_TRUE(rig.init(p).is_ok());
+    auto grads = testing::random_grads(rig, 2, DType::kBF16, 3);
+    const AccResult clean = accumulate_all(rig, grads, DType::kBF16);
+    EXPECT_FALSE(clean.reports.back().nonfinite);
+    EXPECT_TRUE(std::isfinite(clean.reports.back().sum_sq));
+    cpu_optim::store_from_float(grads[0][5].data(), DType::kBF16, 17, std::numeric_limits<float>::infinity());
+    const AccResult bad = accumulate_all(rig, grads, DType::kBF16);
+    EXPECT_FALSE(bad.reports.front().nonfinite);  // not the boundary: not computed
+    EXPECT_TRUE(bad.reports.back().nonfinite);
+    EXPECT_TRUE(std::isinf(bad.reports.back().sum_sq));
+  }
+}
+
+TEST(GradAccumulator, MissingContributionFailsNamingTheParam) {
+  Rig rig;
+  ASSERT_TRUE(rig.init(Placing{}).is_ok());
+  auto acc = GradAccumulator::create(*rig.store, testing::contribution_order());
+  ASSERT_TRUE(acc.is_ok());
+  const auto order = testing::contribution_order();
+  const auto grads = testing::random_grads(rig, 1, DType::kF32, 1);
+  ASSERT_TRUE((*acc)->begin_micro_step(true, true).is_ok());
+  // Everything but the last contribution (the embedding's second use).
+  for (size_t c = 0; c + 1 < order.size(); ++c) ASSERT_TRUE((*acc)->add(order[c], grads[0][c], DType::kF32).is_ok());
+  auto report = (*acc)->end_micro_step();
+  ASSERT_FALSE(report.is_ok());
+  EXPECT_EQ(report.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_THAT(report.status().message(), HasSubstr("model.embed_tokens.weight (1 of 2)"));
+  EXPECT_EQ((*acc)->begin_micro_step(true, true).code(), StatusCode::kFailedPrecondition);  // still open
+  ASSERT_TRUE((*acc)->add(order.back(), grads[0].back(), DType::kF32).is_ok());
+  EXPECT_TRUE((*acc)->end_micro_step().is_ok());
+}
+
+TEST(GradAccumulator, ExtraOrMisshapenContributionFails) {
+  Rig rig;
+  Placing p;
+  p.optimizer = "none";
+  p.param = "none";
+  ASSERT_TRUE(rig.init(p).is_ok());
+  auto acc = GradAccumulator::create(*rig.store, testing::contribution_order());
+  ASSERT_TRUE(acc.is_ok());
+  const uint32_t norm = testing::final_norm_id();
+  const Bytes g(96 * 4);
+  EXPECT_EQ((*acc)->add(norm, g, DType::kF32).code(), StatusCode::kFailedPrecondition);  // no micro-step
+  ASSERT_TRUE((*acc)->begin_micro_step(true, true).is_ok());
+  Status wrong_size = (*acc)->add(norm, Bytes(95 * 4), DType::kF32);
+  EXPECT_EQ(wrong_size.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(wrong_size.message(), HasSubstr("model.norm.weight: 380 bytes, expected 96 elements"));
+  EXPECT_EQ((*acc)->add(999, g, DType::kF32).code(), StatusCode::kInvalidArgument);
+  ASSERT_TRUE((*acc)->add(norm, g, DType::kF32).is_ok());
+  Status extra = (*acc)->add(norm, g, DType::kF32);
+  EXPECT_EQ(extra.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(extra.message(), HasSubstr("contribution 2 of model.norm.weight beyond its 1 use(s)"));
+  // The tied embedding takes two.
+  const Bytes e(96 * 64 * 2);
+  EXPECT_TRUE((*acc)->add(testing::embed_id(), e, DType::kBF16).is_ok());
+  EXPECT_TRUE((*acc)->add(testing::embed_id(), e, DType::kBF16).is_ok());
+  EXPECT_EQ((*acc)->add(testing::embed_id(), e, DType::kBF16).code(), StatusCode::kInvalidArgument);
+  (*acc)->abandon_micro_step();
+  EXPECT_TRUE((*acc)->begin_micro_step(true, true).is_ok());
+}
+
+TEST(GradAccumulator, AParamWithoutContributionsIsRejectedAtCreate) {
+  Rig rig;
+  ASSERT_TRUE(rig.init(Placing{}).is_ok());
+  auto order = testing::contribution_order();
+  std::erase(order, testing::final_norm_id());
+  auto acc = GradAccumulator::create(*rig.store, order);
+  ASSERT_FALSE(acc.is_ok());
+  EXPECT_EQ(acc.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(acc.status().message(), HasSubstr("model.norm.weight never appears"));
+  order.push_back(12345);
+  EXPECT_EQ(GradAccumulator::create(*rig.store, order).status().code(), StatusCode::kInvalidArgument);
+}
+
+// The number of sub-groups open at once in contribution order, counted by hand from the layout.
+uint32_t expected_open_groups(const ParamRegistry& reg, const std::vector<uint32_t>& order) {
+  std::vector<int> remaining(reg.sub_groups().size(), 0);
+  for (uint32_t p : order) {
+    for (const auto& piece : reg.pieces_of_param(p)) ++remaining[piece.sub_group];
+  }
+  std::vector<bool> seen(remaining.size(), false);
+  uint32_t open = 0, most = 0;
+  for (uint32_t p : order) {
+    for (const auto& piece : reg.pieces_of_param(p)) {
+      if (!seen[piece.sub_group]) {
+        seen[piece.sub_group] = true;
+        most = std::max(most, ++open);
+      }
+    }
+    for (const auto& piece : reg.pieces_of_param(p)) open -= --remaining[piece.sub_group] == 0 ? 1 : 0;
+  }
+  return most;
+}
+
+TEST(GradAccumulator, BuffersAreBoundedByTheOpenSubGroupsWithTiedParams) {
+  Placing p;
+  p.optimizer = "none";
+  p.param = "none";
+  Rig rig;
+  ASSERT_TRUE(rig.init(p).is_ok());
+  const auto order = testing::contribution_order();
+  const uint32_t expected = expected_open_groups(rig.registry, order);
+  // The tied embedding's sub-group stays open from the head (first) to block 0 (last), so at least
+  // two are open at once, but far fewer than there are sub-groups.
+  EXPECT_GE(expected, 2u);
+  EXPECT_LT(expected, rig.registry.sub_groups().size());
+  auto acc = GradAccumulator::create(*rig.store, order);
+  ASSERT_TRUE(acc.is_ok());
+  EXPECT_EQ((*acc)->buffer_count(), expected);
+  EXPECT_EQ((*acc)->buffer_bytes(), rig.registry.max_group_elems() * 4);
+  const auto grads = testing::random_grads(rig, 1, DType::kF32, 2);
+  ASSERT_TRUE((*acc)->begin_micro_step(true, true).is_ok());
+  for (size_t c = 0; c < order.size(); ++c) ASSERT_TRUE((*acc)->add(order[c], grads[0][c], DType::kF32).is_ok());
+  ASSERT_TRUE((*acc)->end_micro_step().is_ok());
+
+  // The mlp gradients first, then the rest: more sub-groups open at once than the buffers allow,
+  // refused (not overrun) when the buffers run out.
+  std::vector<uint32_t> scrambled;
+  std::vector<size_t> scrambled_index;
+  for (int pass = 0; pass < 2; ++pass) {
+    for (size_t c = 0; c < order.size(); ++c) {
+      const bool mlp = order[c] != testing::final_norm_id() && order[c] % 3 == 0 && order[c] != 0;
+      if (mlp == (pass == 0)) {
+        scrambled.push_back(order[c]);
+        scrambled_index.push_back(c);
+      }
+    }
+  }
+  ASSERT_GT(expected_open_groups(rig.registry, scrambled), expected);
+  ASSERT_TRUE((*acc)->begin_micro_step(false, true).is_ok());
+  Status st;
+  for (size_t i = 0; i < scrambled.size() && st.is_ok(); ++i) {
+    st = (*acc)->add(scrambled[i], grads[0][scrambled_index[i]], DType::kF32);
+  }
+  EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition);
+  EXPECT_THAT(st.message(), HasSubstr("contribution order"));
+  (*acc)->abandon_micro_step();
+
+  // CPU-resident accumulators need no buffers.
+  Rig cpu;
+  ASSERT_TRUE(cpu.init(Placing{}).is_ok());
+  auto in_place = GradAccumulator::create(*cpu.store, order);
+  ASSERT_TRUE(in_place.is_ok());
+  EXPECT_EQ((*in_place)->buffer_count(), 0u);
+}
+
+}  // namespace
+}  // namespace zo::engine
