@@ -22,8 +22,7 @@ struct CoordinatorOptions {
   // zero_optimization.stage3_prefetch_bucket_size: elements fetched ahead of the block in use.
   uint64_t prefetch_bucket_elems = 50'000'000;
   // stage3_max_live_parameters: elements resident on the device at once (fetched, not persistent).
-  // A block larger than this is still fetched whole (it is needed); the arena's part for fetched,
-  // non-persistent params is max(largest block, this) at most.
+  // Prefetch never takes the live elements past it; the block in use is always fetched whole.
   uint64_t max_live_elems = 1'000'000'000;
   // stage3_param_persistence_threshold: params this small stay resident once fetched.
   uint64_t persistence_threshold_elems = 100'000;
@@ -56,9 +55,11 @@ class ParamCoordinator {
  public:
   // `blocks[b]` = the param ids block b uses, in the order the block takes them; `block_names[b]`
   // names it in errors. Allocates one device arena here and never allocates device memory
-  // afterwards: big enough for the persistent params plus the largest block and its prefetch,
-  // bounded by max_live_elems and by what the device budget has left (Device::stats(), minus
-  // device_reserve_bytes). Params whose compute copy is device-resident need no arena space.
+  // afterwards: the persistent params plus the most any schedule position needs (its block and
+  // what prefetch fetches ahead within the bucket and max_live_elems, plus one largest block of
+  // slack against fragmentation when prefetch is on), bounded by what the device budget has left
+  // (Device::stats(), minus device_reserve_bytes). Params whose compute copy is device-resident
+  // need no arena space. See Note [Prefetch and release] in the .cpp.
   // Errors: kOutOfMemory "gpu budget X leaves Y for parameters; block 'name' alone needs Z ..."
   // when even the largest block plus the persistent params cannot fit; kInvalidArgument for an
   // empty schedule, a bad param id, mismatched name count, or a param on NVMe with no swapper.
