@@ -122,8 +122,14 @@ bool ObjectReader::count(std::string_view key, uint64_t* out, uint64_t min, Auto
   if (v->is_number_unsigned()) {
     value = v->get<uint64_t>();
   } else if (v->is_number_integer()) {
-    state_->error(key_path(key), "must be ≥ " + std::to_string(min) + " (got " + v->dump() + ")");
-    return false;
+    // A signed integer: what nlohmann::json gives for ints set from C++ (parsed text gives
+    // unsigned for every non-negative integer).
+    const int64_t i = v->get<int64_t>();
+    if (i < 0) {
+      state_->error(key_path(key), "must be ≥ " + std::to_string(min) + " (got " + v->dump() + ")");
+      return false;
+    }
+    value = static_cast<uint64_t>(i);
   } else if (v->is_number_float() || v->is_string()) {
     double d = 0;
     if (!json_to_double(*v, &d)) {
@@ -229,6 +235,10 @@ bool ObjectReader::size_bytes(std::string_view key, uint64_t* out) {
   if (v == nullptr) return false;
   if (v->is_number_unsigned()) {
     *out = v->get<uint64_t>();
+    return true;
+  }
+  if (v->is_number_integer() && v->get<int64_t>() >= 0) {  // set from C++ rather than parsed
+    *out = static_cast<uint64_t>(v->get<int64_t>());
     return true;
   }
   if (v->is_string()) {

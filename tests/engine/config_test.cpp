@@ -76,6 +76,24 @@ TEST(ConfigParse, NumbersAsStringsAndScientific) {
   EXPECT_DOUBLE_EQ(c->optimizer.betas[1], 0.95);
 }
 
+// Integers set from C++ are signed in nlohmann::json (parsed text gives unsigned): both count.
+TEST(ConfigParse, SignedIntegersFromCodeAreCountsAndSizes) {
+  json j = base();
+  j["zero_optimization"] = {{"stage", 3}, {"sub_group_size", int64_t{16384}}};
+  j["zoffload"] = {{"gpu_memory_limit", int64_t{1} << 20}};
+  ConfigDiagnostics d;
+  auto c = parse(j, &d);
+  ASSERT_TRUE(c) << all(d.errors);
+  EXPECT_EQ(c->zero.sub_group_size, 16384u);
+  EXPECT_EQ(c->zoffload.gpu_memory_limit, uint64_t{1} << 20);
+
+  j["zero_optimization"]["sub_group_size"] = int64_t{-5};
+  ConfigDiagnostics bad;
+  EXPECT_FALSE(parse(j, &bad));
+  ASSERT_EQ(bad.errors.size(), 1u);
+  EXPECT_EQ(bad.errors[0].path, "zero_optimization.sub_group_size");
+}
+
 TEST(ConfigParse, AutoResolvesFromHiddenSizeAsAccelerateDoes) {
   json j = base();
   j["zero_optimization"] = {{"stage", 3},
