@@ -104,6 +104,7 @@ struct ParamCoordinator::Impl {
     bool ahead = false;   // fetched by a prefetch, not yet acquired
     uint32_t holds = 0;   // acquired blocks using it
     uint64_t mark = 0;    // == mark_epoch: excluded from eviction
+    Status failure;       // why its transfer failed (state back to kPlaced, buffer given back)
   };
 
   StateStore* store = nullptr;
@@ -214,6 +215,7 @@ struct ParamCoordinator::Impl {
       live_elems += x.n_elems;
     }
     x.state = Residence::kPlaced;
+    x.failure = Status::ok();
     live_bytes += x.bytes;
     stats.peak_live_bytes = std::max(stats.peak_live_bytes, live_bytes);
     return true;
@@ -252,22 +254,36 @@ struct ParamCoordinator::Impl {
     stats.nvme_read_bytes += x.nvme_bytes;
   }
 
+  // A failed transfer leaves the param placed (slot kept, buffer given back) with its error, so
+  // whoever needs it next sees the error instead of the bytes of a read that never landed.
+  Status fail_transfer(uint32_t p, Status st) {
+    Param& x = params[p];
+    give_back(p);
+    x.state = Residence::kPlaced;
+    x.failure = st;
+    return st;
+  }
+
   // kReading → kCopying: waits for the NVMe read, queues the H2D copy.
   Status finish_read(uint32_t p) {
     Param& x = params[p];
     if (x.state != Residence::kReading) return Status::ok();
-    ZO_ASSIGN_OR_RETURN(auto span, swapper->wait(x.handle));
+    auto span = swapper->wait(x.handle);
+    if (!span.is_ok()) return fail_transfer(p, span.status());
     Status st;
-    issue_h2d(p, span.data(), &st);
-    return st;
+    issue_h2d(p, span->data(), &st);
+    if (!st.is_ok()) return fail_transfer(p, std::move(st));
+    return Status::ok();
   }
 
   // Any transfer state → kResident; gives back the swap buffer after the copy completed.
   Status complete(uint32_t p) {
     Param& x = params[p];
+    if (x.state == Residence::kPlaced && !x.failure.is_ok()) return x.failure;
     ZO_RETURN_IF_ERROR(finish_read(p));
     if (x.state == Residence::kCopying) {
-      ZO_RETURN_IF_ERROR(device->synchronize(x.event));
+      Status st = device->synchronize(x.event);
+      if (!st.is_ok()) return fail_transfer(p, std::move(st));
       x.state = Residence::kResident;
     }
     give_back(p);
@@ -278,6 +294,7 @@ struct ParamCoordinator::Impl {
   // waiting for an NVMe read, sets *would_block and issues nothing.
   Status start_fetch(uint32_t p, bool blocking, bool* would_block) {
     Param& x = params[p];
+    x.failure = Status::ok();
     if (swapper == nullptr) {
       Status st;
       issue_h2d(p, x.host, &st);
@@ -293,8 +310,10 @@ struct ParamCoordinator::Impl {
       Status st = complete(oldest);
       stats.fetch_wait_s += wait.elapsed_s();
       if (!st.is_ok()) {
+        // A held param's error belongs to this acquire; a prefetched one is fetched again (and its
+        // error reported) by the acquire that needs it.
+        if (params[oldest].holds > 0) return st;
         drop(oldest);
-        return st;
       }
     }
     ZO_ASSIGN_OR_RETURN(x.handle, swapper->fetch(p));

@@ -109,6 +109,48 @@ TEST(ParamCoordinator, ReadErrorNamesTheBlockAndParamAndIsRetryable) {
   EXPECT_EQ(rig.d2h((*retried)[0], expected[0].size()), expected[0]);
 }
 
+TEST(ParamCoordinator, PrefetchReadErrorSurfacesAtTheAcquireThatNeedsIt) {
+  Rig rig;
+  ASSERT_TRUE(rig.init(nvme(4)).is_ok());
+  const auto expected = rig.gather(StateKind::kCompute);
+  const uint64_t layer_elems = 96 * 96 + 96 * 200 + 96;
+  auto coord = testing::make_coordinator(rig, testing::opts(layer_elems, 1'000'000, 0, 0));
+  const uint32_t attn = testing::layer_param(1, 1);
+  const ParamPiece& piece = rig.registry.pieces_of_param(attn).front();
+  const uint64_t offset = rig.store->location(piece.sub_group, StateKind::kCompute).region.offset_bytes +
+                          piece.group_offset * rig.compute_bytes();
+  coord->begin_micro_step();
+  ASSERT_TRUE(coord->acquire(0).is_ok());
+  ASSERT_TRUE(coord->release(0).is_ok());
+  rig.faults->add({io::FaultKind::kEio, io::IoOp::kRead, "param.swp", offset, 1});
+  const uint64_t prefetches = coord->stats().prefetches;
+  ASSERT_TRUE(coord->acquire(1).is_ok());  // prefetches layers.1, whose attn read fails
+  ASSERT_TRUE(coord->release(1).is_ok());
+  EXPECT_EQ(coord->stats().prefetches - prefetches, 3u);
+  const uint64_t hits = coord->stats().hits;
+  auto failed = coord->acquire(2);
+  EXPECT_EQ(rig.faults->injected(), 1u);
+  EXPECT_EQ(coord->stats().hits - hits, 3u);  // the failed read was the prefetch's
+  ASSERT_FALSE(failed.is_ok());
+  EXPECT_EQ(failed.status().code(), StatusCode::kIoError);
+  EXPECT_THAT(failed.status().message(), HasSubstr("block 2 'layers.1'"));
+  EXPECT_THAT(failed.status().message(), HasSubstr("model.layers.1.self_attn.weight"));
+  auto retried = coord->acquire(2);
+  ASSERT_TRUE(retried.is_ok()) << retried.status().to_string();
+  for (size_t i = 0; i < testing::blocks()[2].size(); ++i) {
+    const uint32_t p = testing::blocks()[2][i];
+    EXPECT_EQ(rig.d2h((*retried)[i], expected[p].size()), expected[p]) << rig.registry.params()[p].name;
+  }
+  ASSERT_TRUE(coord->release(2).is_ok());
+  const uint32_t n = testing::kLayers + 2;
+  for (uint32_t q = 3; q < 2 * n; ++q) {
+    const uint32_t b = q < n ? q : 2 * n - 1 - q;
+    ASSERT_TRUE(coord->acquire(b).is_ok()) << "position " << q;
+    ASSERT_TRUE(coord->release(b).is_ok());
+  }
+  EXPECT_EQ(rig.swapper->buffers_free(), rig.swapper->buffers_total());  // none leaked by the failure
+}
+
 TEST(ParamCoordinator, NvmeParamWithoutSwapperIsRejected) {
   Rig rig;
   ASSERT_TRUE(rig.init(nvme(2)).is_ok());
