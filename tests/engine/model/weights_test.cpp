@@ -230,6 +230,12 @@ TEST(RandomInit, IndependentOfChunkSizeAndDeterministicPerSeed) {
   EXPECT_NE(a.values.at(layout.blocks[1].params[7]), a.values.at(layout.blocks[2].params[7]));
 }
 
+TEST(RandomInit, LargeChunksSplitOverThreadsGiveTheSameValues) {
+  const ModelConfig c = *model_preset("tiny");  // 176k-element MLP weights: filled by several threads
+  const Collected big = init(c, 5, 1 << 20), small = init(c, 5, 1000);
+  EXPECT_EQ(big.values, small.values);
+}
+
 TEST(RandomInit, NormalWithInitializerRange) {
   ModelConfig c = *model_preset("tiny");
   c.initializer_range = 0.02;
