@@ -1,0 +1,219 @@
+#include "engine/model/llama.h"
+
+#include <cmath>
+#include <exception>
+#include <numbers>
+#include <string>
+
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunused-parameter"
+#include <ATen/ATen.h>
+#include <torch/version.h>
+#pragma GCC diagnostic pop
+
+namespace zo::engine {
+namespace {
+
+// Hugging Face's LlamaRMSNorm: normalize in fp32, cast back to the input dtype, then scale.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const at::Tensor xf = x.to(at::kFloat);
+  const at::Tensor variance = xf.pow(2).mean(-1, /*keepdim=*/true);
+  return weight * (xf * at::rsqrt(variance + eps)).to(x.scalar_type());
+}
+
+at::Tensor rotate_half(const at::Tensor& x) {
+  const int64_t half = x.size(-1) / 2;
+  return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+}
+
+// [B, T, heads*D] -> [B, heads, T, D]
+at::Tensor split_heads(const at::Tensor& x, int64_t heads, int64_t head_dim) {
+  return x.view({x.size(0), x.size(1), heads, head_dim}).transpose(1, 2);
+}
+
+// HF's repeat_kv: each kv head serves n_rep consecutive query heads.
+at::Tensor repeat_kv(const at::Tensor& x, int64_t n_rep) {
+  if (n_rep == 1) return x;
+  const int64_t b = x.size(0), kv = x.size(1), t = x.size(2), d = x.size(3);
+  return x.unsqueeze(2).expand({b, kv, n_rep, t, d}).reshape({b, kv * n_rep, t, d});
+}
+
+at::Tensor dense(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b = {}) {
+  return b.defined() ? at::linear(x, w, b) : at::linear(x, w);
+}
+
+size_t expected_params(const ModelConfig& config, BlockKind kind) {
+  switch (kind) {
+    case BlockKind::kEmbedding:
+      return 1;
+    case BlockKind::kDecoder:
+      return config.attention_bias ? 12 : 9;
+    case BlockKind::kHead:
+      return 2;
+  }
+  return 0;
+}
+
+at::Tensor decoder_forward(const ModelConfig& config, const std::vector<at::Tensor>& p, const at::Tensor& x,
+                           const RopeTables& rope) {
+  const int64_t T = x.size(1);
+  const auto heads = static_cast<int64_t>(config.num_attention_heads);
+  const auto kv_heads = static_cast<int64_t>(config.num_key_value_heads);
+  const auto head_dim = static_cast<int64_t>(config.head_dim);
+  TORCH_CHECK(x.dim() == 3 && x.size(2) == static_cast<int64_t>(config.hidden_size),
+              "decoder input must be [B, T, ", config.hidden_size, "], got ", x.sizes());
+  TORCH_CHECK(rope.cos.defined() && rope.cos.size(0) >= T, "RoPE tables cover fewer positions than the sequence (", T, ")");
+  TORCH_CHECK(config.sliding_window == 0 || static_cast<uint64_t>(T) <= config.sliding_window, "sequence length ", T,
+              " exceeds the model's sliding attention window ", config.sliding_window,
+              " (sliding-window attention is not implemented)");
+  size_t i = 0;
+  const at::Tensor& w_in = p[i++];
+  const at::Tensor& w_q = p[i++];
+  const at::Tensor b_q = config.attention_bias ? p[i++] : at::Tensor();
+  const at::Tensor& w_k = p[i++];
+  const at::Tensor b_k = config.attention_bias ? p[i++] : at::Tensor();
+  const at::Tensor& w_v = p[i++];
+  const at::Tensor b_v = config.attention_bias ? p[i++] : at::Tensor();
+  const at::Tensor& w_o = p[i++];
+  const at::Tensor& w_post = p[i++];
+  const at::Tensor& w_gate = p[i++];
+  const at::Tensor& w_up = p[i++];
+  const at::Tensor& w_down = p[i++];
+
+  const at::Tensor n = rms_norm(x, w_in, config.rms_norm_eps);
+  at::Tensor q = split_heads(dense(n, w_q, b_q), heads, head_dim);
+  at::Tensor k = split_heads(dense(n, w_k, b_k), kv_heads, head_dim);
+  const at::Tensor v = split_heads(dense(n, w_v, b_v), kv_heads, head_dim);
+  // HF casts the fp32 tables to the activations' dtype before rotating.
+  const at::Tensor cos = rope.cos.narrow(0, 0, T).to(q.scalar_type());
+  const at::Tensor sin = rope.sin.narrow(0, 0, T).to(q.scalar_type());
+  q = q * cos + rotate_half(q) * sin;
+  k = k * cos + rotate_half(k) * sin;
+  const int64_t n_rep = heads / kv_heads;
+  const at::Tensor attn = causal_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), sdpa_available());
+  const at::Tensor h = x + dense(attn.transpose(1, 2).reshape({x.size(0), T, heads * head_dim}), w_o);
+
+  const at::Tensor m = rms_norm(h, w_post, config.rms_norm_eps);
+  return h + dense(at::silu(dense(m, w_gate)) * dense(m, w_up), w_down);
+}
+
+}  // namespace
+
+torch::ScalarType to_torch_dtype(DType dtype) {
+  switch (dtype) {
+    case DType::kF32:
+      return at::kFloat;
+    case DType::kBF16:
+      return at::kBFloat16;
+    case DType::kF16:
+      return at::kHalf;
+  }
+  return at::kFloat;
+}
+
+torch::Tensor param_tensor(void* addr, const ParamSpec& spec, DType dtype, torch::Device device) {
+  return at::from_blob(addr, spec.shape, at::TensorOptions().dtype(to_torch_dtype(dtype)).device(device));
+}
+
+torch::Tensor rope_inv_freq(const ModelConfig& config) {
+  // Written op for op as transformers' rope init functions, so the fp32 roundings agree.
+  const auto dim = static_cast<int64_t>(config.head_dim);
+  const at::Tensor exponent = at::arange(0, dim, 2, at::kLong).to(at::kFloat) / static_cast<double>(dim);
+  at::Tensor inv_freq = at::reciprocal(at::pow(config.rope_theta, exponent));
+  const RopeScaling& s = config.rope_scaling;
+  switch (s.type) {
+    case RopeScalingType::kNone:
+      break;
+    case RopeScalingType::kLinear:
+      inv_freq = inv_freq / s.factor;
+      break;
+    case RopeScalingType::kLlama3: {
+      const auto old_context_len = static_cast<double>(s.original_max_position_embeddings);
+      const double low_freq_wavelen = old_context_len / s.low_freq_factor;
+      const double high_freq_wavelen = old_context_len / s.high_freq_factor;
+      const at::Tensor wavelen = at::reciprocal(inv_freq) * (2 * std::numbers::pi);
+      at::Tensor scaled = at::where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq);
+      const at::Tensor smooth = (at::reciprocal(wavelen) * old_context_len - s.low_freq_factor) /
+                                (s.high_freq_factor - s.low_freq_factor);
+      const at::Tensor smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled;
+      const at::Tensor is_medium = at::logical_not(wavelen < high_freq_wavelen) * at::logical_not(wavelen > low_freq_wavelen);
+      inv_freq = at::where(is_medium, smoothed, scaled);
+      break;
+    }
+  }
+  return inv_freq;
+}
+
+RopeTables make_rope_tables(const ModelConfig& config, int64_t seq_len, torch::Device device) {
+  const at::Tensor inv_freq = rope_inv_freq(config).to(device);
+  const at::Tensor positions = at::arange(seq_len, at::TensorOptions().dtype(at::kFloat).device(device));
+  const at::Tensor freqs = at::outer(positions, inv_freq);
+  const at::Tensor emb = at::cat({freqs, freqs}, -1);
+  return {emb.cos(), emb.sin()};
+}
+
+bool sdpa_available() { return TORCH_VERSION_MAJOR >= 2; }
+
+torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, bool use_sdpa) {
+#if TORCH_VERSION_MAJOR >= 2
+  if (use_sdpa) return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true);
+#else
+  (void)use_sdpa;
+#endif
+  // HF's eager attention: scores in the compute dtype, softmax in fp32, probabilities cast back.
+  const int64_t T = q.size(-2);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
+  const at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) * scale;
+  const at::Tensor future = at::ones({T, k.size(-2)}, q.options().dtype(at::kBool)).triu(1);
+  const at::Tensor probs =
+      at::softmax(scores.to(at::kFloat).masked_fill(future, -std::numeric_limits<float>::infinity()), -1)
+          .to(q.scalar_type());
+  return at::matmul(probs, v);
+}
+
+torch::Tensor block_forward(const ModelConfig& config, const BlockSpec& block, const std::vector<torch::Tensor>& params,
+                            const torch::Tensor& input, const RopeTables& rope) {
+  TORCH_CHECK(params.size() == expected_params(config, block.kind), "block ", block.name, " takes ",
+              expected_params(config, block.kind), " parameters, got ", params.size());
+  switch (block.kind) {
+    case BlockKind::kEmbedding: {
+      TORCH_CHECK(input.dim() == 2, "embedding input must be token ids [B, T], got ", input.sizes());
+      return at::embedding(params[0], input.to(at::kLong));
+    }
+    case BlockKind::kDecoder:
+      return decoder_forward(config, params, input, rope);
+    case BlockKind::kHead: {
+      TORCH_CHECK(input.dim() == 3, "head input must be [B, T, H], got ", input.sizes());
+      return dense(rms_norm(input, params[0], config.rms_norm_eps), params[1]).to(at::kFloat);
+    }
+  }
+  TORCH_CHECK(false, "unknown block kind");
+}
+
+torch::Tensor lm_loss(const torch::Tensor& logits, const torch::Tensor& targets) {
+  TORCH_CHECK(logits.dim() == 3, "logits must be [B, T, V], got ", logits.sizes());
+  TORCH_CHECK(targets.dim() == 2 && targets.size(0) == logits.size(0) && targets.size(1) == logits.size(1),
+              "targets must be [B, T] matching logits ", logits.sizes(), ", got ", targets.sizes());
+  const at::Tensor flat_logits = logits.reshape({-1, logits.size(-1)}).to(at::kFloat);
+  const at::Tensor flat_targets = targets.reshape({-1}).to(at::kLong);
+  // Sum over unmasked targets / their count (at least 1): an all-masked batch gives 0, not 0/0, and
+  // the count stays on the device.
+  const at::Tensor count = flat_targets.ne(-100).sum().to(at::kFloat).clamp_min(1.0);
+  return at::cross_entropy_loss(flat_logits, flat_targets, /*weight=*/{}, at::Reduction::Sum, /*ignore_index=*/-100) /
+         count;
+}
+
+Status torch_call(std::string_view what, const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const c10::Error& e) {
+    return internal_error(std::string(what) + ": " + e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    return internal_error(std::string(what) + ": " + e.what());
+  } catch (...) {
+    return internal_error(std::string(what) + ": unknown exception");
+  }
+  return Status::ok();
+}
+
+}  // namespace zo::engine

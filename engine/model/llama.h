@@ -1,0 +1,65 @@
+// The LLaMA-family forward pass in LibTorch, functional: each block takes its parameters as tensors
+// (memory the engine owns, wrapped without a copy) and owns none. The only LibTorch header of
+// engine/model. Functions throw c10::Error on bad input like any LibTorch op: call them inside
+// torch_call(), which turns that into a Status. Thread-safe (no shared state).
+#pragma once
+
+#include <functional>
+#include <string_view>
+#include <vector>
+
+// LibTorch's headers are not clean under -Wextra; silence them here, not project-wide.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunused-parameter"
+#include <torch/types.h>
+#pragma GCC diagnostic pop
+
+#include "common/dtype.h"
+#include "common/status.h"
+#include "engine/memory/param_registry.h"
+#include "engine/model/model_config.h"
+
+namespace zo::engine {
+
+// [seq_len, head_dim] fp32 on the device, HF's rotate_half convention: cos/sin of cat(freqs, freqs),
+// freqs[t, i] = t · inv_freq[i].
+struct RopeTables {
+  torch::Tensor cos, sin;
+};
+
+// inv_freq[i] = 1 / rope_theta^(2i / head_dim), i < head_dim/2, with linear or llama3 scaling applied
+// exactly as Hugging Face transformers computes it (in fp32). Returned on the CPU, fp32.
+torch::Tensor rope_inv_freq(const ModelConfig& config);
+RopeTables make_rope_tables(const ModelConfig& config, int64_t seq_len, torch::Device device);
+
+// Wraps memory the engine owns as a tensor of the param's shape, no copy (from_blob; the caller
+// keeps `addr` alive and on `device` while the tensor is used).
+torch::Tensor param_tensor(void* addr, const ParamSpec& spec, DType dtype, torch::Device device);
+torch::ScalarType to_torch_dtype(DType dtype);
+
+// Runs one block. `params` are the block's tensors in BlockSpec::params order, in the compute dtype.
+// kEmbedding: int64 (or int32) token ids [B, T] -> [B, T, H]. kDecoder: [B, T, H] -> [B, T, H]:
+// h = x + o_proj(attn(rmsnorm(x))), h + down(silu(gate(n)) * up(n)) with n = rmsnorm(h); causal
+// grouped-query attention with RoPE (q/k/v biases when config.attention_bias). kHead: [B, T, H] ->
+// logits [B, T, V] = lm_head(rmsnorm(x)) computed in the compute dtype, returned as fp32.
+// RMSNorm as HF LlamaRMSNorm (normalize in fp32, cast back, then * weight); attention softmax in fp32.
+// `rope` must cover at least T positions. Autograd records it as usual.
+torch::Tensor block_forward(const ModelConfig& config, const BlockSpec& block, const std::vector<torch::Tensor>& params,
+                            const torch::Tensor& input, const RopeTables& rope);
+
+// Causal attention over q [B, heads, T, D] and k, v [B, heads, T, D] (already expanded to `heads`),
+// scale 1/sqrt(D), softmax in fp32. use_sdpa: at::scaled_dot_product_attention with is_causal
+// (LibTorch ≥ 2; ignored before), else an explicit masked softmax. Same math to float tolerance;
+// block_forward uses SDPA where it exists.
+torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, bool use_sdpa);
+bool sdpa_available();
+
+// Mean cross-entropy in fp32 over the targets != -100 (int64 or int32 [B, T]) of logits [B, T, V];
+// 0 (still with a grad) when every target is masked. No host synchronisation.
+torch::Tensor lm_loss(const torch::Tensor& logits, const torch::Tensor& targets);
+
+// Runs `fn`, turning any c10::Error / std::exception it throws into kInternal "<what>: <message>"
+// (without LibTorch's backtrace) — the LibTorch boundary.
+Status torch_call(std::string_view what, const std::function<void()>& fn);
+
+}  // namespace zo::engine
