@@ -13,5 +13,6 @@ int main(int argc, char** argv) {
   int exit_code = 0;
   zo::tools::register_config_command(app, &exit_code);
   zo::tools::register_info_command(app, &exit_code);
+  zo::tools::register_train_command(app, &exit_code);
   return zo::tools::run_app(app, argc, argv, exit_code);
 }

@@ -1,0 +1,510 @@
+// The trainer: the one place where the model (LibTorch), the tiers and the optimizer meet.
+#include "engine/train/trainer.h"
+
+#include <torch/torch.h>
+
+#include <malloc.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <optional>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "common/bytes.h"
+#include "common/host_info.h"
+#include "common/log.h"
+#include "cpu_optim/executor.h"
+#include "engine/config/io_settings.h"
+#include "engine/coord/grad_accumulator.h"
+#include "engine/coord/param_coordinator.h"
+#include "engine/memory/optimizer_swapper.h"
+#include "engine/memory/param_registry.h"
+#include "engine/memory/param_swapper.h"
+#include "engine/memory/state_store.h"
+#include "engine/model/llama.h"
+#include "engine/model/weights.h"
+#include "engine/optim/grad_clip.h"
+#include "engine/optim/loss_scaler.h"
+#include "engine/optim/lr_schedule.h"
+#include "gpu/device.h"
+#include "gpu/device_info.h"
+#include "io/io_engine.h"
+
+namespace zo::engine {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// A config path relative to the run directory.
+std::string resolve_path(const std::string& out_dir, const std::string& path) {
+  if (path.empty()) return path;
+  fs::path p(path);
+  if (p.is_absolute() || out_dir.empty()) return p.lexically_normal().string();
+  return (fs::path(out_dir) / p).lexically_normal().string();
+}
+
+// "3.41 M", "1.24 B": parameter counts for humans.
+std::string format_count(uint64_t n) {
+  char buf[32];
+  if (n >= 1'000'000'000) std::snprintf(buf, sizeof buf, "%.2f B", static_cast<double>(n) / 1e9);
+  else if (n >= 1'000'000) std::snprintf(buf, sizeof buf, "%.2f M", static_cast<double>(n) / 1e6);
+  else std::snprintf(buf, sizeof buf, "%llu", static_cast<unsigned long long>(n));
+  return buf;
+}
+
+// Note [Host compute]: on the emulated device the blocks run on LibTorch's CPU kernels, which
+// allocate and free activation-sized buffers for every op. With glibc's defaults each buffer above
+// the (dynamic) mmap threshold is a fresh mmap whose pages fault in and whose munmap returns them:
+// that was ~40% of the tiny demo's step. Keeping freed memory in the heap (a high mmap and trim
+// threshold) removes it.
+void configure_host_compute() {
+  mallopt(M_MMAP_THRESHOLD, 256 << 20);
+  mallopt(M_TRIM_THRESHOLD, 1 << 30);
+}
+
+constexpr uint64_t kInitChunkElems = uint64_t{1} << 22;  // 16 MiB of fp32 per chunk while loading
+
+}  // namespace
+
+Result<ModelConfig> resolve_model_config(const std::string& model) {
+  std::error_code ec;
+  if (fs::is_directory(model, ec)) return load_hf_config(model);
+  Result<ModelConfig> preset = model_preset(model);
+  if (preset.is_ok()) return preset;
+  std::string names;
+  for (const std::string& n : model_preset_names()) names += (names.empty() ? "" : ", ") + n;
+  return not_found("--model " + model + ": not a directory (a Hugging Face model with config.json and *.safetensors) "
+                   "nor a preset (" + names + ")");
+}
+
+std::string StepMetrics::to_json() const {
+  nlohmann::json j;
+  j["step"] = step;
+  j["loss"] = loss;
+  j["lr"] = lr;
+  j["loss_scale"] = loss_scale;
+  j["grad_norm"] = std::isfinite(grad_norm) ? nlohmann::json(grad_norm) : nlohmann::json(nullptr);
+  j["skipped"] = skipped;
+  j["tokens"] = tokens;
+  j["step_s"] = step_s;
+  j["tokens_per_s"] = step_s > 0 ? static_cast<double>(tokens) / step_s : 0.0;
+  j["time_s"] = {{"fetch", fetch_s},
+                 {"compute", compute_s},
+                 {"grad_offload", grad_offload_s},
+                 {"optimizer", optimizer_s},
+                 {"nvme_read_wait", nvme_read_wait_s},
+                 {"nvme_write_wait", nvme_write_wait_s}};
+  j["memory"] = nlohmann::json::parse(memory.to_json());
+  j["device_peak_bytes"] = device_peak_bytes;
+  j["device_budget_bytes"] = device_budget_bytes;
+  return j.dump();
+}
+
+struct Trainer::Impl {
+  TrainOptions opt;
+  ModelConfig model;
+  ModelLayout layout;
+  std::optional<ParamRegistry> registry;
+  MemoryPlan plan;
+  DType compute_dtype = DType::kF32;
+  torch::Device torch_device = torch::kCPU;
+
+  // Declared before what uses them, so they are destroyed after it.
+  MemoryAccounting accounting;
+  std::unique_ptr<gpu::Device> device;
+  std::unique_ptr<io::IoEngine> io;
+  std::unique_ptr<cpu_optim::Executor> executor;
+  std::unique_ptr<StateStore> store;
+  std::unique_ptr<OptimizerSwapper> optimizer;
+  std::unique_ptr<ParamSwapper> param_swapper;
+  std::unique_ptr<ParamCoordinator> coord;
+  std::unique_ptr<GradAccumulator> grads;
+  std::optional<LossScaler> scaler;
+  std::optional<LrSchedule> schedule;
+  std::unique_ptr<Dataset> data;
+  RopeTables rope;
+  Batch batch;
+
+  uint64_t steps_done = 0;       // optimizer steps attempted (skipped ones too)
+  uint64_t optimizer_steps = 0;  // optimizer steps taken (Adam's step count, the lr index)
+  std::string metrics_path;
+  std::string swap_dir;
+  std::ofstream metrics;
+
+  Status init(const TrainOptions& options);
+  Status init_weights();
+  // The block's compute copies as tensors; leaves that collect gradients when `grad`.
+  std::vector<torch::Tensor> wrap(uint32_t block, const std::vector<gpu::DevicePtr>& ptrs, bool grad) const;
+  // What the block computes with: the leaves themselves, or fp32 views (Note [fp16 on the CPU]).
+  std::vector<torch::Tensor> compute_view(const std::vector<torch::Tensor>& params) const;
+  // Hands every param gradient of a block to the accumulator.
+  Status offload_grads(uint32_t block, const std::vector<torch::Tensor>& params, bool inject_overflow);
+  struct MicroResult {
+    double loss = 0;
+    uint64_t tokens = 0;
+    GradNormReport grads;
+  };
+  Result<MicroResult> micro_step(bool first, bool last, bool inject_overflow);
+};
+
+Status Trainer::Impl::init(const TrainOptions& options) {
+  opt = options;
+  const Config& config = opt.config;
+  if (opt.model_config) {
+    model = *opt.model_config;
+  } else {
+    ZO_ASSIGN_OR_RETURN(model, resolve_model_config(opt.model));
+  }
+  layout = model_layout(model);
+  compute_dtype = config.compute_dtype();
+
+  if (!opt.out_dir.empty()) {
+    std::error_code ec;
+    fs::create_directories(opt.out_dir, ec);
+    if (ec) return errno_status("creating the run directory " + opt.out_dir, ec.value());
+  }
+  metrics_path = resolve_path(opt.out_dir, config.zoffload.log.metrics_path.empty() ? "metrics.jsonl"
+                                                                                     : config.zoffload.log.metrics_path);
+
+  configure_host_compute();
+  if (!config.zoffload.checkpoint.dir.empty())
+    ZO_LOG(kWarn) << "zoffload.checkpoint.dir is set, but this version does not write checkpoints yet: "
+                        "nothing will be saved";
+  ZO_ASSIGN_OR_RETURN(ParamRegistry reg, ParamRegistry::build(layout.params, config.zero.sub_group_size));
+  registry.emplace(std::move(reg));
+  ZO_ASSIGN_OR_RETURN(plan, plan_memory(config, *registry));
+
+  // The device and its budget: zoffload.gpu_memory_limit, else what the GPU has (or, emulated, RAM).
+  uint64_t budget = config.zoffload.gpu_memory_limit;
+  if (budget == 0) {
+    const gpu::GpuProbe probe = gpu::probe_gpus();
+    budget = (config.zoffload.device != DeviceKind::kHost && !probe.gpus.empty()) ? probe.gpus.front().total_bytes
+                                                                                   : host_info().mem_total_bytes;
+  }
+  ZO_ASSIGN_OR_RETURN(device, gpu::make_device(config.zoffload.device, budget));
+  torch_device = device->kind() == DeviceKind::kCuda ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
+  if (device->kind() == DeviceKind::kCuda && !torch::cuda::is_available())
+    return unavailable("device cuda: this LibTorch was built without CUDA (use a CUDA LibTorch, see docs/gpu.md)");
+
+  ZO_ASSIGN_OR_RETURN(io::IoOptions io_options, io_options_from_config(config));
+  ZO_ASSIGN_OR_RETURN(io, io::IoEngine::create(io_options));
+  ZO_ASSIGN_OR_RETURN(executor, cpu_optim::Executor::create({.n_threads = static_cast<int>(config.zoffload.optimizer_threads),
+                                                             .bind_cores = config.zoffload.bind_cores}));
+
+  StateStoreOptions so;
+  so.rank = opt.rank;
+  so.optimizer_nvme_path = resolve_path(opt.out_dir, config.zero.offload_optimizer.nvme_path);
+  so.param_nvme_path = resolve_path(opt.out_dir, config.zero.offload_param.nvme_path);
+  so.pinned_cap_bytes = config.zoffload.pinned_memory_limit;
+  ZO_ASSIGN_OR_RETURN(store, StateStore::create(*registry, plan, *device, *io, so, accounting));
+  if (store->optimizer_file() != nullptr) swap_dir = zo::engine::swap_dir(so.optimizer_nvme_path, opt.rank);
+  else if (store->param_file() != nullptr) swap_dir = zo::engine::swap_dir(so.param_nvme_path, opt.rank);
+
+  ZO_RETURN_IF_ERROR(init_weights());
+
+  ZO_ASSIGN_OR_RETURN(optimizer, OptimizerSwapper::create(*store, *executor, PipelineOptions::from_config(config)));
+  if (store->param_file() != nullptr) {
+    ZO_ASSIGN_OR_RETURN(param_swapper, ParamSwapper::create(*store));
+  }
+  std::vector<std::vector<uint32_t>> blocks;
+  std::vector<std::string> names;
+  std::vector<uint32_t> contribution_order;  // backward: head, decoders n-2..1, embedding
+  for (const BlockSpec& b : layout.blocks) {
+    blocks.push_back(b.params);
+    names.push_back(b.name);
+  }
+  for (size_t b = layout.blocks.size(); b-- > 0;)
+    for (uint32_t p : layout.blocks[b].params) contribution_order.push_back(p);
+  ZO_ASSIGN_OR_RETURN(coord, ParamCoordinator::create(*store, param_swapper.get(), std::move(blocks), std::move(names),
+                                                      CoordinatorOptions::from_config(config)));
+  ZO_ASSIGN_OR_RETURN(grads, GradAccumulator::create(*store, std::move(contribution_order)));
+
+  ZO_ASSIGN_OR_RETURN(LossScaler s, LossScaler::for_config(config));
+  scaler.emplace(s);
+  ZO_ASSIGN_OR_RETURN(LrSchedule sched, LrSchedule::create(config.scheduler, config.optimizer.lr));
+  schedule.emplace(sched);
+
+  DataOptions d;
+  d.path = opt.data_path;
+  d.source.format = opt.data_format;
+  d.seq_len = opt.seq_len != 0 ? opt.seq_len : std::min<uint64_t>(256, model.max_position_embeddings);
+  d.micro_batch = config.train_micro_batch_size_per_gpu;
+  d.seed = opt.seed;
+  d.rank = opt.rank;
+  if (d.seq_len > model.max_position_embeddings)
+    return invalid_argument("--seq-len " + std::to_string(d.seq_len) + " exceeds the model's max_position_embeddings (" +
+                            std::to_string(model.max_position_embeddings) + ")");
+  ZO_ASSIGN_OR_RETURN(data, Dataset::open(d));
+
+  ZO_RETURN_IF_ERROR(torch_call("building the RoPE tables", [&] {
+    rope = make_rope_tables(model, static_cast<int64_t>(d.seq_len), torch_device);
+  }));
+
+  metrics.open(metrics_path, std::ios::out | std::ios::trunc);
+  if (!metrics) return errno_status("opening the metrics file " + metrics_path, errno);
+  accounting.reset_peaks();
+  return Status::ok();
+}
+
+// Weights stream chunk by chunk into their home tiers: the model is never whole in RAM.
+Status Trainer::Impl::init_weights() {
+  ParamSink sink = [this](uint32_t param, uint64_t offset_elems, std::span<const float> values) {
+    return store->init_param(param, offset_elems, values);
+  };
+  std::error_code ec;
+  if (!opt.model_config && fs::is_directory(opt.model, ec)) return load_hf_weights(opt.model, layout, kInitChunkElems, sink);
+  return random_init_weights(model, layout, opt.seed, kInitChunkElems, sink);
+}
+
+std::vector<torch::Tensor> Trainer::Impl::wrap(uint32_t block, const std::vector<gpu::DevicePtr>& ptrs,
+                                               bool grad) const {
+  const BlockSpec& spec = layout.blocks[block];
+  std::vector<torch::Tensor> out;
+  out.reserve(ptrs.size());
+  for (size_t i = 0; i < ptrs.size(); ++i) {
+    torch::Tensor t = param_tensor(ptrs[i].addr, layout.params[spec.params[i]], compute_dtype, torch_device);
+    if (grad) t.set_requires_grad(true);
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
+// Note [fp16 on the CPU]: LibTorch's CPU kernels have no fp16 matmul (1.13: "addmm_impl_cpu_ not
+// implemented for 'Half'"). On an emulated device the fp16 weights are therefore widened (exactly)
+// to fp32 inside the block; autograd rounds the gradients back to fp16 on their way to the fp16
+// leaves, so they overflow exactly where fp16 gradients do and the loss scaler sees it.
+std::vector<torch::Tensor> Trainer::Impl::compute_view(const std::vector<torch::Tensor>& params) const {
+  if (compute_dtype != DType::kF16 || !torch_device.is_cpu()) return params;
+  std::vector<torch::Tensor> out;
+  out.reserve(params.size());
+  for (const torch::Tensor& p : params) out.push_back(p.to(torch::kFloat));
+  return out;
+}
+
+Status Trainer::Impl::offload_grads(uint32_t block, const std::vector<torch::Tensor>& params, bool inject_overflow) {
+  const BlockSpec& spec = layout.blocks[block];
+  for (size_t i = 0; i < params.size(); ++i) {
+    torch::Tensor g;
+    ZO_RETURN_IF_ERROR(torch_call("reading the gradient of " + layout.params[spec.params[i]].name, [&] {
+      g = params[i].grad();
+      if (!g.defined()) return;
+      g = g.to(torch::kCPU).contiguous();
+      if (inject_overflow && i == 0) {
+        g = g.clone();
+        g.view(-1)[0] = std::numeric_limits<float>::infinity();
+      }
+    }));
+    if (!g.defined()) return internal_error("no gradient reached " + layout.params[spec.params[i]].name);
+    const auto* bytes = static_cast<const std::byte*>(g.data_ptr());
+    ZO_RETURN_IF_ERROR(grads->add(spec.params[i],
+                                  std::span<const std::byte>(bytes, static_cast<size_t>(g.numel()) * g.element_size()),
+                                  compute_dtype));
+  }
+  return Status::ok();
+}
+
+// One micro-batch: forward block by block keeping only block inputs, then the head's loss and
+// backward, then each block in reverse: re-fetch, recompute with autograd, backpropagate, hand its
+// gradients to the accumulators, release (DESIGN.md, "One training step").
+Result<Trainer::Impl::MicroResult> Trainer::Impl::micro_step(bool first, bool last, bool inject_overflow) {
+  MicroResult result;
+  ZO_RETURN_IF_ERROR(data->next_batch(&batch));
+  for (size_t i = 0; i < batch.inputs.size(); ++i) {
+    if (batch.inputs[i] < 0 || static_cast<uint64_t>(batch.inputs[i]) >= model.vocab_size)
+      return invalid_argument(opt.data_path + ": token " + std::to_string(batch.inputs[i]) + " (window " +
+                              std::to_string(batch.windows[i / batch.seq_len]) + ") is outside the model's vocabulary of " +
+                              std::to_string(model.vocab_size));
+  }
+  for (int32_t t : batch.targets) result.tokens += t != kIgnoreLabel;
+
+  coord->begin_micro_step();
+  ZO_RETURN_IF_ERROR(grads->begin_micro_step(first, last));
+  const uint32_t n = static_cast<uint32_t>(layout.blocks.size());
+  const double loss_factor = scaler->scale() / static_cast<double>(opt.config.gradient_accumulation_steps);
+
+  torch::Tensor ids, targets;
+  std::vector<torch::Tensor> inputs(n);  // the activation checkpoint: each block's input
+  ZO_RETURN_IF_ERROR(torch_call("preparing the batch", [&] {
+    const int64_t b = static_cast<int64_t>(batch.batch), t = static_cast<int64_t>(batch.seq_len);
+    ids = torch::from_blob(batch.inputs.data(), {b, t}, torch::kInt32).to(torch_device, torch::kInt64);
+    targets = torch::from_blob(batch.targets.data(), {b, t}, torch::kInt32).to(torch_device, torch::kInt64);
+  }));
+  inputs[0] = ids;
+
+  for (uint32_t b = 0; b + 1 < n; ++b) {
+    ZO_ASSIGN_OR_RETURN(std::vector<gpu::DevicePtr> ptrs, coord->acquire(b));
+    ZO_RETURN_IF_ERROR(torch_call("forward of " + layout.blocks[b].name, [&] {
+      torch::NoGradGuard no_grad;
+      inputs[b + 1] = block_forward(model, layout.blocks[b], compute_view(wrap(b, ptrs, false)), inputs[b], rope);
+    }));
+    ZO_RETURN_IF_ERROR(coord->release(b));
+  }
+
+  // The head: its forward and backward follow each other in the schedule, so it runs once with
+  // autograd and its backward entry only acquires and releases it.
+  torch::Tensor grad_out;
+  {
+    const uint32_t h = n - 1;
+    ZO_ASSIGN_OR_RETURN(std::vector<gpu::DevicePtr> ptrs, coord->acquire(h));
+    std::vector<torch::Tensor> params;
+    ZO_RETURN_IF_ERROR(torch_call("forward and backward of " + layout.blocks[h].name, [&] {
+      params = wrap(h, ptrs, true);
+      torch::Tensor x = inputs[h].detach().set_requires_grad(true);
+      torch::Tensor loss = lm_loss(block_forward(model, layout.blocks[h], compute_view(params), x, rope), targets);
+      result.loss = loss.item<double>();
+      (loss * loss_factor).backward();
+      grad_out = x.grad();
+    }));
+    ZO_RETURN_IF_ERROR(offload_grads(h, params, inject_overflow));
+    ZO_RETURN_IF_ERROR(coord->release(h));
+    ZO_RETURN_IF_ERROR(coord->acquire(h).status());
+    ZO_RETURN_IF_ERROR(coord->release(h));
+  }
+
+  for (uint32_t b = n - 1; b-- > 0;) {
+    ZO_ASSIGN_OR_RETURN(std::vector<gpu::DevicePtr> ptrs, coord->acquire(b));
+    std::vector<torch::Tensor> params;
+    ZO_RETURN_IF_ERROR(torch_call("backward of " + layout.blocks[b].name, [&] {
+      params = wrap(b, ptrs, true);
+      torch::Tensor x = b == 0 ? inputs[0] : inputs[b].detach().set_requires_grad(true);
+      torch::Tensor out = block_forward(model, layout.blocks[b], compute_view(params), x, rope);
+      torch::autograd::backward({out}, {grad_out});
+      grad_out = b == 0 ? torch::Tensor() : x.grad();
+      inputs[b] = torch::Tensor();
+    }));
+    ZO_RETURN_IF_ERROR(offload_grads(b, params, false));
+    ZO_RETURN_IF_ERROR(coord->release(b));
+  }
+  ZO_ASSIGN_OR_RETURN(result.grads, grads->end_micro_step());
+  return result;
+}
+
+Trainer::Trainer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Trainer::~Trainer() = default;
+
+Result<std::unique_ptr<Trainer>> Trainer::create(const TrainOptions& options) {
+  auto impl = std::make_unique<Impl>();
+  ZO_RETURN_IF_ERROR(impl->init(options));
+  return std::unique_ptr<Trainer>(new Trainer(std::move(impl)));
+}
+
+Result<StepMetrics> Trainer::step() {
+  Impl& m = *impl_;
+  const Config& config = m.opt.config;
+  const auto t0 = Clock::now();
+  StepMetrics out;
+  out.step = m.steps_done + 1;
+  out.loss_scale = m.scaler->scale();
+  out.lr = m.schedule->lr_at(m.optimizer_steps);
+  const bool inject = std::find(m.opt.inject_overflow_steps.begin(), m.opt.inject_overflow_steps.end(), out.step) !=
+                      m.opt.inject_overflow_steps.end();
+
+  const double fetch_before = m.coord->stats().fetch_wait_s;
+  const uint64_t gas = config.gradient_accumulation_steps;
+  GradNormReport boundary;
+  double loss_sum = 0;
+  double offload_s = 0;
+  for (uint64_t micro = 0; micro < gas; ++micro) {
+    const bool last = micro + 1 == gas;
+    ZO_ASSIGN_OR_RETURN(Impl::MicroResult r, m.micro_step(micro == 0, last, inject && last));
+    loss_sum += r.loss;
+    out.tokens += r.tokens;
+    offload_s += r.grads.offload_s;
+    if (last) boundary = r.grads;
+  }
+  out.loss = loss_sum / static_cast<double>(gas);
+  out.fetch_s = m.coord->stats().fetch_wait_s - fetch_before;
+  out.grad_offload_s = offload_s;
+  out.compute_s = std::max(0.0, seconds_since(t0) - out.fetch_s - out.grad_offload_s);
+
+  // The accumulation boundary: overflow check, loss-scale update, clipping, the optimizer.
+  out.grad_norm = std::sqrt(boundary.sum_sq) / out.loss_scale;
+  const bool overflow = boundary.nonfinite || !is_finite_norm(out.grad_norm);
+  out.skipped = m.scaler->update(overflow);
+  if (!out.skipped) {
+    const OptimizerConfig& oc = config.optimizer;
+    OptimizerStepArgs args;
+    args.adam = {.lr = static_cast<float>(out.lr),
+                 .beta1 = static_cast<float>(oc.betas[0]),
+                 .beta2 = static_cast<float>(oc.betas[1]),
+                 .eps = static_cast<float>(oc.eps),
+                 .weight_decay = static_cast<float>(oc.weight_decay),
+                 .adam_w_mode = oc.type == OptimizerType::kAdamW || oc.adam_w_mode,
+                 .bias_correction = oc.bias_correction};
+    args.step = static_cast<int64_t>(m.optimizer_steps + 1);
+    args.grad_scale = static_cast<float>(clip_coefficient(out.grad_norm, config.gradient_clipping) / out.loss_scale);
+    ZO_ASSIGN_OR_RETURN(OptimizerStepReport report, m.optimizer->step(args));
+    m.coord->invalidate();
+    ++m.optimizer_steps;
+    out.optimizer_s = report.total_s;
+    out.nvme_read_wait_s = report.read_wait_s;
+    out.nvme_write_wait_s = report.write_wait_s;
+  }
+  ++m.steps_done;
+  out.step_s = seconds_since(t0);
+  out.memory = m.accounting.snapshot();
+  const gpu::DeviceStats ds = m.device->stats();
+  out.device_peak_bytes = ds.peak_allocated_bytes;
+  out.device_budget_bytes = ds.budget_bytes;
+  m.metrics << out.to_json() << '\n';
+  m.metrics.flush();
+  if (!m.metrics) return errno_status("writing " + m.metrics_path, errno);
+  return out;
+}
+
+uint64_t Trainer::steps_done() const { return impl_->steps_done; }
+const ModelConfig& Trainer::model_config() const { return impl_->model; }
+const ModelLayout& Trainer::layout() const { return impl_->layout; }
+uint64_t Trainer::num_parameters() const { return impl_->registry->total_elems(); }
+std::string Trainer::metrics_path() const { return impl_->metrics_path; }
+std::string Trainer::swap_dir() const { return impl_->swap_dir; }
+
+Status Trainer::read_master(uint32_t param, std::span<float> out) {
+  const ParamRegistry& reg = *impl_->registry;
+  if (param >= reg.params().size()) return invalid_argument("read_master: no param " + std::to_string(param));
+  const ParamInfo& info = reg.params()[param];
+  if (out.size() != info.n_elems)
+    return invalid_argument("read_master: " + info.name + " has " + std::to_string(info.n_elems) + " elements, not " +
+                            std::to_string(out.size()));
+  std::vector<float> group;
+  for (const ParamPiece& piece : reg.pieces_of_param(param)) {
+    group.resize(reg.sub_groups()[piece.sub_group].n_elems);
+    ZO_RETURN_IF_ERROR(impl_->store->read_state(piece.sub_group, StateKind::kMaster, std::as_writable_bytes(std::span(group))));
+    std::copy_n(group.begin() + static_cast<std::ptrdiff_t>(piece.group_offset), piece.n_elems,
+                out.begin() + static_cast<std::ptrdiff_t>(piece.param_offset));
+  }
+  return Status::ok();
+}
+
+std::string Trainer::describe() const {
+  const Impl& m = *impl_;
+  const Placement& pl = m.plan.placement;
+  uint64_t compute_nvme = 0, compute_cpu = 0;
+  for (Tier t : pl.compute) {
+    if (t == Tier::kNvme) ++compute_nvme;
+    else if (t == Tier::kCpu) ++compute_cpu;
+  }
+  std::ostringstream s;
+  s << "model " << m.opt.model << " (" << m.model.num_hidden_layers << " layers, hidden " << m.model.hidden_size
+    << ", " << format_count(m.registry->total_elems()) << " params) | " << dtype_name(m.compute_dtype) << " compute, "
+    << dtype_name(pl.grad_dtype) << " gradients | ZeRO stage " << m.opt.config.zero.stage << ", "
+    << m.registry->sub_groups().size() << " sub-groups | optimizer states on " << tier_name(pl.optimizer)
+    << ", compute copies: " << (pl.compute.size() - compute_cpu - compute_nvme) << " device, " << compute_cpu
+    << " cpu, " << compute_nvme << " nvme | device " << m.device->name() << ", budget "
+    << format_bytes(m.device->stats().budget_bytes) << " | pinned pool " << format_bytes(m.store->pool().capacity_bytes());
+  return s.str();
+}
+
+}  // namespace zo::engine

@@ -1,0 +1,103 @@
+// Trainer: one training run — the model, its states in their tiers, the stage-3 coordinator, the
+// gradient accumulator, the optimizer swapper, loss scaling, the lr schedule and the data — driven
+// one optimizer step at a time (DESIGN.md, "One training step"). This header includes no LibTorch.
+// Not thread-safe: one thread drives a Trainer.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "engine/config/config.h"
+#include "engine/data/dataset.h"
+#include "engine/memory/accounting.h"
+#include "engine/model/model_config.h"
+
+namespace zo::engine {
+
+struct TrainOptions {
+  Config config;             // resolved (load_config / parse_config)
+  std::string model;         // a Hugging Face model directory, or a preset name (model_preset_names())
+  // Tests and benchmarks: this shape with random init instead of what `model` names (which then
+  // only labels the run).
+  std::optional<ModelConfig> model_config;
+  std::string data_path;     // tokens: .bin (llm.c/nanoGPT), .jsonl with input_ids, or text (bytes)
+  DataFormat data_format = DataFormat::kAuto;
+  uint64_t seq_len = 0;      // tokens per row; 0: min(256, max_position_embeddings)
+  uint64_t seed = 0;         // random init, data order
+  // Where relative paths of the config (offload nvme_path, log.metrics_path) are resolved and
+  // metrics.jsonl is written; created if missing. Empty: the current directory.
+  std::string out_dir;
+  uint32_t rank = 0;
+  // Tests: the steps (1-based) at whose last micro-step one gradient element of the head block is
+  // replaced by +inf before it reaches the accumulator — an overflow through the real path.
+  std::vector<uint64_t> inject_overflow_steps;
+};
+
+// What one optimizer step did and where its time went (seconds of wall time).
+struct StepMetrics {
+  uint64_t step = 0;           // 1-based
+  double loss = 0;             // mean over the micro-batches of their mean token loss
+  double lr = 0;               // this step's lr (what the optimizer used, or would have when skipped)
+  double loss_scale = 1;       // the scale this step's backward used
+  double grad_norm = 0;        // global L2 norm of the unscaled gradients (inf/nan on overflow)
+  bool skipped = false;        // overflow: no optimizer step
+  uint64_t tokens = 0;         // tokens trained on in this step (targets not masked)
+  double step_s = 0;
+  double fetch_s = 0;          // blocked on parameter fetches (NVMe reads, H2D copies)
+  double compute_s = 0;        // forward, recompute and backward
+  double grad_offload_s = 0;   // gradients into the accumulators (D2H, accumulate, NVMe writes)
+  double optimizer_s = 0;      // the whole optimizer step, including its I/O waits
+  double nvme_read_wait_s = 0;   // of optimizer_s
+  double nvme_write_wait_s = 0;  // of optimizer_s
+  MemoryStats memory;          // tiers after the step (peaks since the start of the run)
+  uint64_t device_peak_bytes = 0;  // Device::stats().peak_allocated_bytes
+  uint64_t device_budget_bytes = 0;
+
+  // One line of metrics.jsonl.
+  std::string to_json() const;
+};
+
+// The model a --model argument names: config.json of a Hugging Face model directory, or a preset.
+// kNotFound naming both possibilities (and the presets) when it is neither.
+Result<ModelConfig> resolve_model_config(const std::string& model);
+
+class Trainer {
+ public:
+  // Builds everything and initialises the weights (from the model directory, streamed into their
+  // tiers, or random for a preset). Errors say what and where: a bad model directory, a budget
+  // that cannot hold one block, data too short for one batch, an impossible pinned cap.
+  static Result<std::unique_ptr<Trainer>> create(const TrainOptions& options);
+  ~Trainer();
+  Trainer(const Trainer&) = delete;
+  Trainer& operator=(const Trainer&) = delete;
+
+  // One optimizer step: gradient_accumulation_steps micro-batches, then the optimizer (or a skip).
+  // A failure leaves the run unusable when it tore the optimizer states (see docs/memory.md).
+  Result<StepMetrics> step();
+
+  uint64_t steps_done() const;
+  const ModelConfig& model_config() const;
+  const ModelLayout& layout() const;
+  uint64_t num_parameters() const;
+  // The fp32 master weights of param `param` (layout().params order), n_elems of them.
+  Status read_master(uint32_t param, std::span<float> out);
+  // One line for humans: model, parameters, where each state lives, the device and budgets.
+  std::string describe() const;
+  // The resolved paths of the run's outputs.
+  std::string metrics_path() const;
+  std::string swap_dir() const;  // empty when nothing is on NVMe
+
+  struct Impl;
+
+ private:
+  explicit Trainer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace zo::engine

@@ -1,0 +1,389 @@
+// The trainer end to end on a small LLaMA with HostDevice and real swap files: offload and prefetch
+// settings never change the arithmetic (bit-identical weights), fp32 stage 0 matches plain LibTorch
+// training with torch::optim::AdamW, device budgets hold (and an impossible one fails at start),
+// an fp16 overflow skips the step and halves the scale, and clipping matches a reference.
+#include "engine/train/trainer.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "common/check.h"
+#include "engine/data/dataset.h"
+#include "engine/model/llama.h"
+
+namespace zo::engine {
+namespace {
+
+using ::testing::HasSubstr;
+
+struct TempDir {
+  std::string path;
+  TempDir() {
+    char tmpl[] = "/tmp/zo_train_test_XXXXXX";
+    const char* p = mkdtemp(tmpl);
+    ZO_CHECK(p != nullptr) << "mkdtemp failed";
+    path = p;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
+};
+
+std::string corpus_path() {
+  const char* root = std::getenv("ZO_SOURCE_DIR");
+  ZO_CHECK(root != nullptr) << "ZO_SOURCE_DIR is not set (meson sets it)";
+  return std::string(root) + "/configs/data/demo_corpus.txt";
+}
+
+// Two decoder layers, GQA, byte vocabulary: every code path of the model at a size fp32 CPU
+// matmuls run quickly.
+ModelConfig small_model(bool tied = false) {
+  ModelConfig m;
+  m.vocab_size = 256;
+  m.hidden_size = 64;
+  m.intermediate_size = 160;
+  m.num_hidden_layers = 2;
+  m.num_attention_heads = 4;
+  m.num_key_value_heads = 2;
+  m.head_dim = 16;
+  m.max_position_embeddings = 256;
+  m.tie_word_embeddings = tied;
+  return m;
+}
+
+// What a test varies; the rest of the config is fixed.
+struct RunSetup {
+  int stage = 3;
+  std::string param = "none";      // offload_param.device
+  std::string optimizer = "none";  // offload_optimizer.device
+  bool pipeline = false;
+  uint64_t max_in_cpu = 1'000'000'000;
+  uint64_t prefetch = 50'000'000;
+  uint64_t max_live = 1'000'000'000;
+  uint64_t persistence = 0;
+  uint64_t reuse = 1'000'000'000;
+  std::string precision = "bf16";  // bf16 | fp16 | fp32
+  double clipping = 1.0;
+  uint64_t grad_accum = 2;
+  std::string gpu_limit = "256MiB";
+  bool scheduler = true;
+};
+
+Config make_config(const RunSetup& s, const std::string& nvme) {
+  nlohmann::json j = {
+      {"train_micro_batch_size_per_gpu", 2},
+      {"gradient_accumulation_steps", s.grad_accum},
+      {"gradient_clipping", s.clipping},
+      {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 3e-3}, {"betas", {0.9, 0.95}}, {"eps", 1e-8}, {"weight_decay", 0.01}}}}},
+      {"zero_optimization",
+       {{"stage", s.stage},
+        {"sub_group_size", 16384},
+        {"stage3_prefetch_bucket_size", s.prefetch},
+        {"stage3_max_live_parameters", s.max_live},
+        {"stage3_param_persistence_threshold", s.persistence},
+        {"stage3_max_reuse_distance", s.reuse}}},
+      {"zoffload", {{"device", "host"}, {"gpu_memory_limit", s.gpu_limit}}}};
+  if (s.scheduler)
+    j["scheduler"] = {{"type", "WarmupCosineLR"}, {"params", {{"warmup_num_steps", 3}, {"total_num_steps", 20}, {"warmup_type", "linear"}}}};
+  if (s.precision == "bf16") j["bf16"] = {{"enabled", true}};
+  if (s.precision == "fp16") j["fp16"] = {{"enabled", true}, {"initial_scale_power", 12}, {"hysteresis", 1}};
+  if (s.stage == 3 && s.param != "none")
+    j["zero_optimization"]["offload_param"] = {{"device", s.param}, {"nvme_path", nvme}, {"max_in_cpu", s.max_in_cpu},
+                                               {"buffer_count", 4}};
+  if (s.optimizer != "none")
+    j["zero_optimization"]["offload_optimizer"] = {{"device", s.optimizer}, {"nvme_path", nvme},
+                                                   {"pipeline_read", s.pipeline}, {"pipeline_write", s.pipeline}};
+  ConfigDiagnostics diag;
+  std::optional<Config> c = parse_config_json(j, ResolveContext{}, &diag);
+  std::string errors;
+  for (const ConfigIssue& e : diag.errors) errors += e.to_string() + "\n";
+  ZO_CHECK(c.has_value()) << errors;
+  return *c;
+}
+
+TrainOptions make_options(const RunSetup& s, const TempDir& dir, bool tied = false) {
+  TrainOptions o;
+  o.config = make_config(s, dir.path + "/nvme");
+  o.model = "small";
+  o.model_config = small_model(tied);
+  o.data_path = corpus_path();
+  o.seq_len = 32;
+  o.seed = 7;
+  o.out_dir = dir.path + "/run";
+  return o;
+}
+
+std::vector<std::vector<float>> masters(Trainer& t) {
+  std::vector<std::vector<float>> out;
+  for (uint32_t p = 0; p < t.layout().params.size(); ++p) {
+    uint64_t n = 1;
+    for (int64_t d : t.layout().params[p].shape) n *= static_cast<uint64_t>(d);
+    out.emplace_back(n);
+    Status s = t.read_master(p, out.back());
+    ZO_CHECK(s.is_ok()) << s.to_string();
+  }
+  return out;
+}
+
+// Runs `steps` steps; returns the masters after them (and the metrics through `metrics`).
+std::vector<std::vector<float>> train(const TrainOptions& o, int steps, std::vector<StepMetrics>* metrics = nullptr) {
+  auto t = Trainer::create(o);
+  ZO_CHECK(t.is_ok()) << t.status().to_string();
+  for (int i = 0; i < steps; ++i) {
+    auto m = (*t)->step();
+    ZO_CHECK(m.is_ok()) << m.status().to_string();
+    if (metrics) metrics->push_back(*m);
+  }
+  return masters(**t);
+}
+
+bool bit_identical(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (a[i].size() != b[i].size() || std::memcmp(a[i].data(), b[i].data(), a[i].size() * sizeof(float)) != 0) return false;
+  return true;
+}
+
+TEST(Trainer, OffloadAndPrefetchSettingsGiveBitIdenticalWeights) {
+  constexpr int kSteps = 20;
+  TempDir ref_dir;
+  std::vector<StepMetrics> ref_metrics;
+  const auto reference = train(make_options(RunSetup{}, ref_dir), kSteps, &ref_metrics);
+  // The run must actually train, or equality would prove nothing.
+  EXPECT_LT(ref_metrics.back().loss, ref_metrics.front().loss);
+
+  struct Variant {
+    const char* name;
+    RunSetup setup;
+  };
+  std::vector<Variant> variants = {
+      {"params cpu, optimizer cpu", {.param = "cpu", .optimizer = "cpu"}},
+      {"params nvme, optimizer nvme, pipelined", {.param = "nvme", .optimizer = "nvme", .pipeline = true, .max_in_cpu = 0}},
+      {"params cpu, optimizer nvme, no prefetch, no reuse",
+       {.param = "cpu", .optimizer = "nvme", .prefetch = 0, .max_live = 40000, .reuse = 0}},
+      {"params nvme, optimizer cpu, persistent small params, big prefetch",
+       {.param = "nvme", .optimizer = "cpu", .max_in_cpu = 20000, .prefetch = 1'000'000, .persistence = 5000}},
+      {"stage 2, optimizer cpu", {.stage = 2, .optimizer = "cpu"}},
+      {"stage 0", {.stage = 0}},
+  };
+  for (const Variant& v : variants) {
+    SCOPED_TRACE(v.name);
+    TempDir dir;
+    std::vector<StepMetrics> metrics;
+    const auto weights = train(make_options(v.setup, dir), kSteps, &metrics);
+    EXPECT_TRUE(bit_identical(weights, reference));
+    ASSERT_EQ(metrics.size(), ref_metrics.size());
+    for (size_t i = 0; i < metrics.size(); ++i) EXPECT_EQ(metrics[i].loss, ref_metrics[i].loss) << "step " << i + 1;
+  }
+}
+
+TEST(Trainer, TiedEmbeddingsAreBitIdenticalAcrossOffload) {
+  TempDir a, b;
+  const auto ref = train(make_options(RunSetup{}, a, /*tied=*/true), 5);
+  const auto off = train(make_options({.param = "nvme", .optimizer = "nvme", .pipeline = true, .max_in_cpu = 0}, b, true), 5);
+  EXPECT_TRUE(bit_identical(ref, off));
+}
+
+// Plain LibTorch training of the same model: the same functional blocks run as one graph (no
+// block-wise recompute, no offload), torch::optim::AdamW, the same batches.
+struct Reference {
+  std::vector<torch::Tensor> params;
+  std::unique_ptr<torch::optim::AdamW> adam;
+  std::unique_ptr<Dataset> data;
+  ModelConfig model;
+  ModelLayout layout;
+  RopeTables rope;
+
+  Reference(Trainer& trainer, const TrainOptions& o) : model(trainer.model_config()), layout(trainer.layout()) {
+    for (std::vector<float>& w : masters(trainer)) {
+      params.push_back(torch::from_blob(w.data(), {static_cast<int64_t>(w.size())}, torch::kFloat).clone());
+    }
+    for (size_t i = 0; i < params.size(); ++i) params[i] = params[i].view(layout.params[i].shape).set_requires_grad(true);
+    const OptimizerConfig& oc = o.config.optimizer;
+    adam = std::make_unique<torch::optim::AdamW>(
+        params, torch::optim::AdamWOptions(oc.lr).betas({oc.betas[0], oc.betas[1]}).eps(oc.eps).weight_decay(oc.weight_decay));
+    DataOptions d;
+    d.path = o.data_path;
+    d.seq_len = o.seq_len;
+    d.micro_batch = o.config.train_micro_batch_size_per_gpu;
+    d.seed = o.seed;
+    auto ds = Dataset::open(d);
+    ZO_CHECK(ds.is_ok()) << ds.status().to_string();
+    data = std::move(*ds);
+    rope = make_rope_tables(model, static_cast<int64_t>(o.seq_len), torch::kCPU);
+  }
+
+  // One step; returns the global gradient norm before clipping.
+  double step(double clip) {
+    Batch batch;
+    Status s = data->next_batch(&batch);
+    ZO_CHECK(s.is_ok()) << s.to_string();
+    const int64_t b = static_cast<int64_t>(batch.batch), t = static_cast<int64_t>(batch.seq_len);
+    torch::Tensor x = torch::from_blob(batch.inputs.data(), {b, t}, torch::kInt32).to(torch::kInt64);
+    torch::Tensor y = torch::from_blob(batch.targets.data(), {b, t}, torch::kInt32).to(torch::kInt64);
+    adam->zero_grad();
+    for (const BlockSpec& block : layout.blocks) {
+      std::vector<torch::Tensor> p;
+      for (uint32_t id : block.params) p.push_back(params[id]);
+      x = block_forward(model, block, p, x, rope);
+    }
+    lm_loss(x, y).backward();
+    double norm = 0;
+    for (const torch::Tensor& p : params) norm += p.grad().pow(2).sum().item<double>();
+    norm = std::sqrt(norm);
+    if (clip > 0) torch::nn::utils::clip_grad_norm_(params, clip);
+    adam->step();
+    return norm;
+  }
+};
+
+double max_relative_error(const std::vector<std::vector<float>>& got, const std::vector<torch::Tensor>& want) {
+  double worst = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    torch::Tensor g = torch::from_blob(const_cast<float*>(got[i].data()), {static_cast<int64_t>(got[i].size())}, torch::kFloat);
+    torch::Tensor w = want[i].detach().reshape({-1});
+    worst = std::max(worst, ((g - w).norm() / w.norm()).item<double>());
+  }
+  return worst;
+}
+
+TEST(Trainer, Fp32Stage0MatchesPlainLibTorchAdamW) {
+  TempDir dir;
+  const TrainOptions o = make_options({.stage = 0, .precision = "fp32", .clipping = 0, .grad_accum = 1, .scheduler = false}, dir);
+  auto t = Trainer::create(o);
+  ASSERT_TRUE(t.is_ok()) << t.status().to_string();
+  Reference ref(**t, o);
+  for (int i = 0; i < 20; ++i) {
+    auto m = (*t)->step();
+    ASSERT_TRUE(m.is_ok()) << m.status().to_string();
+    const double ref_norm = ref.step(0);
+    EXPECT_NEAR(m->grad_norm, ref_norm, 1e-4 * ref_norm) << "step " << i + 1;
+  }
+  const double err = max_relative_error(masters(**t), ref.params);
+  EXPECT_LT(err, 1e-5) << "relative error of the weights after 20 steps";
+}
+
+TEST(Trainer, ClippingMatchesTorchClipGradNorm) {
+  TempDir dir;
+  // A max norm far below the gradients' so every step clips.
+  const TrainOptions o = make_options({.stage = 3, .param = "cpu", .optimizer = "nvme", .precision = "fp32", .clipping = 0.05,
+                                       .grad_accum = 1, .scheduler = false},
+                                      dir);
+  auto t = Trainer::create(o);
+  ASSERT_TRUE(t.is_ok()) << t.status().to_string();
+  Reference ref(**t, o);
+  for (int i = 0; i < 5; ++i) {
+    auto m = (*t)->step();
+    ASSERT_TRUE(m.is_ok()) << m.status().to_string();
+    const double ref_norm = ref.step(0.05);
+    EXPECT_GT(ref_norm, 0.05);
+    EXPECT_NEAR(m->grad_norm, ref_norm, 1e-4 * ref_norm);
+  }
+  EXPECT_LT(max_relative_error(masters(**t), ref.params), 1e-5);
+}
+
+TEST(Trainer, DeviceBudgetBelowTheModelHolds) {
+  // The compute copies are ~160 KiB in bf16; the largest block (a decoder layer) ~60 KiB.
+  TempDir dir;
+  const TrainOptions o = make_options({.param = "cpu", .optimizer = "cpu", .gpu_limit = "96KiB"}, dir);
+  auto t = Trainer::create(o);
+  ASSERT_TRUE(t.is_ok()) << t.status().to_string();
+  uint64_t model_bytes = 0;
+  for (const ParamSpec& p : (*t)->layout().params) {
+    uint64_t n = 1;
+    for (int64_t d : p.shape) n *= static_cast<uint64_t>(d);
+    model_bytes += 2 * n;
+  }
+  for (int i = 0; i < 3; ++i) {
+    auto m = (*t)->step();
+    ASSERT_TRUE(m.is_ok()) << m.status().to_string();
+    EXPECT_LE(m->device_peak_bytes, m->device_budget_bytes);
+    EXPECT_LT(m->device_budget_bytes, model_bytes);
+    EXPECT_GT(m->device_peak_bytes, 0u);
+  }
+}
+
+TEST(Trainer, DeviceBudgetBelowOneBlockFailsAtStart) {
+  TempDir dir;
+  auto t = Trainer::create(make_options({.param = "cpu", .optimizer = "cpu", .gpu_limit = "16KiB"}, dir));
+  ASSERT_FALSE(t.is_ok());
+  EXPECT_THAT(t.status().to_string(), HasSubstr("block"));
+}
+
+TEST(Trainer, Fp16OverflowSkipsTheStepAndHalvesTheScale) {
+  TempDir dir;
+  TrainOptions o = make_options({.param = "cpu", .optimizer = "nvme", .precision = "fp16"}, dir);
+  o.inject_overflow_steps = {3};
+  auto t = Trainer::create(o);
+  ASSERT_TRUE(t.is_ok()) << t.status().to_string();
+  std::vector<StepMetrics> m;
+  for (int i = 0; i < 2; ++i) m.push_back(*(*t)->step());
+  const auto before = masters(**t);
+  auto skipped = (*t)->step();
+  ASSERT_TRUE(skipped.is_ok()) << skipped.status().to_string();
+  EXPECT_TRUE(skipped->skipped);
+  EXPECT_FALSE(std::isfinite(skipped->grad_norm));
+  EXPECT_TRUE(bit_identical(masters(**t), before)) << "a skipped step changed the weights";
+  auto next = (*t)->step();
+  ASSERT_TRUE(next.is_ok()) << next.status().to_string();
+  EXPECT_FALSE(next->skipped);
+  EXPECT_EQ(next->loss_scale, skipped->loss_scale / 2);
+  EXPECT_EQ(skipped->loss_scale, 4096.0);
+  EXPECT_FALSE(bit_identical(masters(**t), before));
+  // The lr schedule does not advance on a skipped step (DeepSpeed).
+  EXPECT_EQ(next->lr, skipped->lr);
+}
+
+TEST(Trainer, BadInputsFailAtStartWithClearErrors) {
+  TempDir dir;
+  TrainOptions o = make_options(RunSetup{}, dir);
+  o.data_path = dir.path + "/missing.txt";
+  auto t = Trainer::create(o);
+  ASSERT_FALSE(t.is_ok());
+  EXPECT_THAT(t.status().to_string(), HasSubstr("missing.txt"));
+
+  TrainOptions seq = make_options(RunSetup{}, dir);
+  seq.seq_len = 1024;
+  auto s = Trainer::create(seq);
+  ASSERT_FALSE(s.is_ok());
+  EXPECT_THAT(s.status().to_string(), HasSubstr("max_position_embeddings"));
+
+  EXPECT_FALSE(resolve_model_config("no-such-model").is_ok());
+  EXPECT_THAT(resolve_model_config("no-such-model").status().to_string(), HasSubstr("tiny"));
+}
+
+TEST(Trainer, WritesOneMetricsLinePerStep) {
+  TempDir dir;
+  const TrainOptions o = make_options({.param = "cpu", .optimizer = "nvme"}, dir);
+  {
+    auto t = Trainer::create(o);
+    ASSERT_TRUE(t.is_ok()) << t.status().to_string();
+    for (int i = 0; i < 3; ++i) ASSERT_TRUE((*t)->step().is_ok());
+  }
+  std::ifstream in(o.out_dir + "/metrics.jsonl");
+  std::string line;
+  int n = 0;
+  while (std::getline(in, line)) {
+    auto j = nlohmann::json::parse(line);
+    EXPECT_EQ(j["step"], n + 1);
+    EXPECT_TRUE(j.contains("time_s") && j["time_s"].contains("fetch") && j["time_s"].contains("optimizer"));
+    EXPECT_GT(j["memory"]["nvme"]["peak_bytes"].get<uint64_t>(), 0u);
+    EXPECT_GT(j["tokens"].get<uint64_t>(), 0u);
+    ++n;
+  }
+  EXPECT_EQ(n, 3);
+}
+
+}  // namespace
+}  // namespace zo::engine

@@ -1,0 +1,199 @@
+// `zoffload train`: fine-tune a model from the command line with the offload config the user brings.
+#include <CLI/CLI.hpp>
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <iostream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "common/bytes.h"
+#include "engine/config/config.h"
+#include "engine/data/token_source.h"
+#include "tools/commands.h"
+#include "zo_build_config.h"
+#if ZO_HAVE_TORCH
+#include "engine/train/trainer.h"
+#endif
+
+namespace zo::tools {
+namespace {
+
+struct TrainArgs {
+  std::string config;
+  std::string model;
+  std::string data;
+  std::string data_format = "auto";
+  std::string out = "zoffload-run";
+  uint64_t steps = 0;
+  uint64_t seed = 0;
+  uint64_t seq_len = 0;
+  bool json = false;
+  bool quiet = false;
+};
+
+#if ZO_HAVE_TORCH
+
+int fail(const std::string& what, int code) {
+  std::cerr << "zoffload train: error: " << what << "\n";
+  return code;
+}
+
+// "where the time went" in one line.
+std::string breakdown(const engine::StepMetrics& m) {
+  char buf[256];
+  std::snprintf(buf, sizeof buf,
+                "fetch %.2fs | compute %.2fs | grad offload %.2fs | optimizer %.2fs (nvme read wait %.2fs, write wait %.2fs)",
+                m.fetch_s, m.compute_s, m.grad_offload_s, m.optimizer_s, m.nvme_read_wait_s, m.nvme_write_wait_s);
+  return buf;
+}
+
+std::string progress_line(const engine::StepMetrics& m, uint64_t total, bool with_breakdown) {
+  constexpr int kWidth = 24;
+  const int filled = static_cast<int>(kWidth * static_cast<double>(m.step) / static_cast<double>(total));
+  std::string bar(static_cast<size_t>(filled), '=');
+  if (filled < kWidth) bar += '>' + std::string(static_cast<size_t>(kWidth - filled - 1), ' ');
+  char buf[256];
+  std::snprintf(buf, sizeof buf, "step %llu/%llu [%s] loss %.4f | %.0f tok/s | lr %.2e%s",
+                static_cast<unsigned long long>(m.step), static_cast<unsigned long long>(total), bar.c_str(), m.loss,
+                m.step_s > 0 ? static_cast<double>(m.tokens) / m.step_s : 0.0, m.lr,
+                m.skipped ? " | overflow: step skipped" : "");
+  std::string line = buf;
+  if (with_breakdown) line += " | " + breakdown(m);
+  return line;
+}
+
+int run_train(const TrainArgs& a) {
+  auto model = engine::resolve_model_config(a.model);
+  if (!model.is_ok()) return fail(model.status().message(), 2);
+
+  engine::ResolveContext ctx;
+  ctx.hidden_size = model->hidden_size;
+  if (a.steps) ctx.total_steps = a.steps;
+  engine::ConfigDiagnostics diag;
+  std::optional<engine::Config> config = engine::load_config_file(a.config, ctx, &diag);
+  for (const engine::ConfigIssue& w : diag.warnings) std::cerr << a.config << ": warning: " << w.to_string() << "\n";
+  if (!config) {
+    for (const engine::ConfigIssue& e : diag.errors) std::cerr << a.config << ": error: " << e.to_string() << "\n";
+    return 2;
+  }
+  auto format = engine::parse_data_format(a.data_format);
+  if (!format.is_ok()) return fail("--data-format: " + format.status().message(), 2);
+
+  uint64_t steps = a.steps ? a.steps : config->scheduler.total_num_steps;
+  if (steps == 0) return fail("give --steps N (the config's scheduler has no total_num_steps to take it from)", 2);
+
+  engine::TrainOptions options;
+  options.config = *config;
+  options.model = a.model;
+  options.data_path = a.data;
+  options.data_format = *format;
+  options.seq_len = a.seq_len;
+  options.seed = a.seed;
+  options.out_dir = a.out;
+
+  const auto t0 = std::chrono::steady_clock::now();
+  auto trainer_r = engine::Trainer::create(options);
+  if (!trainer_r.is_ok()) {
+    const Status& s = trainer_r.status();
+    return fail(s.to_string(), s.code() == StatusCode::kInvalidArgument ? 2 : 1);
+  }
+  engine::Trainer& trainer = **trainer_r;
+  const double setup_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (!a.json && !a.quiet) {
+    std::printf("zoffload train: %s\n", trainer.describe().c_str());
+    std::printf("setup %.1f s; training %llu steps, metrics -> %s\n", setup_s, static_cast<unsigned long long>(steps),
+                trainer.metrics_path().c_str());
+    std::fflush(stdout);
+  }
+
+  const bool tty = isatty(fileno(stderr)) != 0;
+  const bool show_breakdown = config->wall_clock_breakdown;
+  const uint64_t print_every = std::max<uint64_t>(1, config->steps_per_print);
+  double first_loss = NAN, last_loss = NAN, train_s = 0;
+  uint64_t tokens = 0, skipped = 0;
+  for (uint64_t i = 0; i < steps; ++i) {
+    auto m = trainer.step();
+    if (!m.is_ok()) {
+      if (tty && !a.quiet && !a.json) std::fputc('\n', stderr);
+      return fail("step " + std::to_string(i + 1) + ": " + m.status().to_string(), 1);
+    }
+    if (i == 0) first_loss = m->loss;
+    last_loss = m->loss;
+    train_s += m->step_s;
+    tokens += m->tokens;
+    skipped += m->skipped;
+    if (a.json || a.quiet) continue;
+    const bool last = i + 1 == steps;
+    if (tty) {
+      std::fprintf(stderr, "\r\033[K%s", progress_line(*m, steps, show_breakdown).c_str());
+      if (last) std::fputc('\n', stderr);
+    } else if (i == 0 || last || m->step % print_every == 0) {
+      std::fprintf(stderr, "%s\n", progress_line(*m, steps, show_breakdown).c_str());
+    }
+  }
+
+  const std::string swap = trainer.swap_dir();
+  if (a.json) {
+    nlohmann::json j = {{"steps", steps},           {"skipped_steps", skipped},
+                        {"first_loss", first_loss}, {"last_loss", last_loss},
+                        {"tokens", tokens},         {"train_s", train_s},
+                        {"setup_s", setup_s},       {"tokens_per_s", train_s > 0 ? tokens / train_s : 0.0},
+                        {"metrics_path", trainer.metrics_path()}, {"parameters", trainer.num_parameters()}};
+    std::cout << j.dump(2) << "\n";
+  } else if (!a.quiet) {
+    std::printf("done: %llu steps in %.1f s (%.0f tok/s), loss %.4f -> %.4f%s\n", static_cast<unsigned long long>(steps),
+                train_s, train_s > 0 ? tokens / train_s : 0.0, first_loss, last_loss,
+                skipped ? (", " + std::to_string(skipped) + " steps skipped on overflow").c_str() : "");
+    std::printf("outputs: metrics %s%s\n", trainer.metrics_path().c_str(),
+                swap.empty() ? "" : ("; NVMe swap files under " + swap + " are removed on exit").c_str());
+  }
+  return 0;
+}
+
+#else
+
+int run_train(const TrainArgs&) {
+  std::cerr << "zoffload train: error: this zoffload was built without LibTorch (install libtorch-dev and "
+               "reconfigure; `zoffload info` shows the build's features)\n";
+  return 1;
+}
+
+#endif
+
+}  // namespace
+
+void register_train_command(CLI::App& app, int* exit_code) {
+  auto args = std::make_shared<TrainArgs>();
+  CLI::App* train = app.add_subcommand(
+      "train",
+      "Train (fine-tune) a LLaMA-family model with the offload your config asks for: parameters fetched\n"
+      "block by block (ZeRO stage 3) from pinned CPU memory or NVMe, optimizer states on the device, CPU\n"
+      "or NVMe, Adam on the CPU. Shows step, loss, tokens/s (and, with wall_clock_breakdown, where the\n"
+      "time went); writes one JSON object per step to metrics.jsonl in --out. Relative paths in the\n"
+      "config (nvme_path, zoffload.log.metrics_path) are taken relative to --out.");
+  train->add_option("--config", args->config, "DeepSpeed/zoffload JSON config (see docs/config.md)")->required();
+  train->add_option("--model", args->model,
+                    "A Hugging Face model directory (config.json + *.safetensors) or a preset with random init: "
+                    "tiny, tinyllama-1.1b, llama3.2-1b, llama-7b, llama3-8b, llama-13b, llama-70b")
+      ->required();
+  train->add_option("--data", args->data,
+                    "Training data: .bin tokens (llm.c/nanoGPT), .jsonl with input_ids [and labels], or any other "
+                    "file as text with the byte-level tokenizer (vocabulary 256, for the tiny model)")
+      ->required();
+  train->add_option("--data-format", args->data_format, "auto | llmc | raw | jsonl | text (default: by extension)");
+  train->add_option("--steps", args->steps, "Optimizer steps (default: scheduler total_num_steps)")->check(CLI::PositiveNumber);
+  train->add_option("--out", args->out, "Run directory: metrics.jsonl, relative swap paths (default: zoffload-run)");
+  train->add_option("--seed", args->seed, "Seed of the random init and the data order (default 0)");
+  train->add_option("--seq-len", args->seq_len, "Tokens per sequence (default: min(256, max_position_embeddings))")
+      ->check(CLI::PositiveNumber);
+  train->add_flag("--json", args->json, "Print a JSON summary on stdout instead of progress");
+  train->add_flag("-q,--quiet", args->quiet, "Print nothing but errors");
+  train->callback([args, exit_code] { *exit_code = run_train(*args); });
+}
+
+}  // namespace zo::tools
