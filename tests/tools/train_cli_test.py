@@ -1,0 +1,148 @@
+#!/usr/bin/env python3
+"""`zoffload train` as a user runs it: the demo (tiny model, bundled corpus, optimizer on NVMe under
+the run directory) trains and its loss falls by a clear margin; a Hugging Face model directory
+written here with only the standard library (config.json + sharded bf16 safetensors) loads and
+trains; bad input fails with one line naming what is wrong and exit 2 (or 1 at run time)."""
+import json
+import os
+import random
+import struct
+import subprocess
+import sys
+import tempfile
+
+zoffload, source_dir = sys.argv[1], sys.argv[2]
+demo_config = os.path.join(source_dir, "configs", "tiny_demo_nvme.json")
+corpus = os.path.join(source_dir, "configs", "data", "demo_corpus.txt")
+failures = []
+checks = 0
+
+
+def expect(cond, what):
+    global checks
+    checks += 1
+    if not cond:
+        failures.append(what)
+
+
+def train(*args, timeout=600):
+    return subprocess.run([zoffload, "train", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def bf16_bytes(values):
+    out = bytearray()
+    for v in values:
+        bits = struct.unpack("<I", struct.pack("<f", v))[0]
+        bits += 0x7FFF + ((bits >> 16) & 1)  # round to nearest even
+        out += struct.pack("<H", (bits >> 16) & 0xFFFF)
+    return bytes(out)
+
+
+def write_safetensors(path, tensors):
+    """tensors: list of (name, shape, bf16 bytes)."""
+    header, data = {"__metadata__": {"format": "pt"}}, bytearray()
+    for name, shape, raw in tensors:
+        header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [len(data), len(data) + len(raw)]}
+        data += raw
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)) + h + data)
+
+
+def write_hf_model(d):
+    """A 2-layer LLaMA with byte vocabulary in two shards with an index, as transformers saves it."""
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 64,
+           "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+           "torch_dtype": "bfloat16"}
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    rng = random.Random(3)
+    h, i, kv = 64, 128, 2 * 16
+
+    def w(*shape):
+        n = 1
+        for s in shape:
+            n *= s
+        return list(shape), bf16_bytes(rng.gauss(0, 0.02) for _ in range(n))
+
+    def ones(n):
+        return [n], bf16_bytes([1.0] * n)
+
+    shards = [[("model.embed_tokens.weight", *w(256, h))], [("model.norm.weight", *ones(h)), ("lm_head.weight", *w(256, h))]]
+    for layer in range(2):
+        p = "model.layers.%d." % layer
+        shards[layer].extend([
+            (p + "input_layernorm.weight", *ones(h)), (p + "post_attention_layernorm.weight", *ones(h)),
+            (p + "self_attn.q_proj.weight", *w(h, h)), (p + "self_attn.k_proj.weight", *w(kv, h)),
+            (p + "self_attn.v_proj.weight", *w(kv, h)), (p + "self_attn.o_proj.weight", *w(h, h)),
+            (p + "mlp.gate_proj.weight", *w(i, h)), (p + "mlp.up_proj.weight", *w(i, h)),
+            (p + "mlp.down_proj.weight", *w(h, i))])
+    weight_map = {}
+    for k, tensors in enumerate(shards):
+        name = "model-%05d-of-%05d.safetensors" % (k + 1, len(shards))
+        write_safetensors(os.path.join(d, name), tensors)
+        weight_map.update({t[0]: name for t in tensors})
+    with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+
+
+with tempfile.TemporaryDirectory(prefix="zo-train-cli-", dir=os.environ.get("TMPDIR", "/tmp")) as tmp:
+    # 1. The demo, as README's first command runs it (fewer steps): the loss falls clearly.
+    run_dir = os.path.join(tmp, "demo")
+    p = train("--config", demo_config, "--model", "tiny", "--data", corpus, "--steps", "30", "--out", run_dir)
+    expect(p.returncode == 0, "demo exits 0: " + p.stderr[-2000:])
+    if p.returncode == 0:
+        lines = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl"))]
+        expect(len(lines) == 30, "one metrics line per step (%d)" % len(lines))
+        first = sum(l["loss"] for l in lines[:5]) / 5
+        last = sum(l["loss"] for l in lines[-5:]) / 5
+        expect(first - last > 1.0, "the demo's loss falls by a clear margin: first 5 steps %.3f, last 5 %.3f" % (first, last))
+        expect(all(l["memory"]["nvme"]["peak_bytes"] > 0 for l in lines), "optimizer states were on NVMe")
+        swap = os.path.join(run_dir, "zoffload-nvme", "zoffload-swap", "rank0")
+        expect(not os.path.isdir(swap) or not os.listdir(swap), "swap files removed at exit: %s" %
+               (os.listdir(swap) if os.path.isdir(swap) else ""))
+        expect("done: 30 steps" in p.stdout and "metrics" in p.stdout, "says where its outputs are: " + p.stdout)
+        expect("loss" in p.stderr and "fetch" in p.stderr, "progress shows loss and the time breakdown")
+
+    # 2. A Hugging Face directory (sharded bf16 safetensors) loads and trains; --json summary.
+    model_dir = os.path.join(tmp, "hf")
+    os.makedirs(model_dir)
+    write_hf_model(model_dir)
+    p = train("--config", demo_config, "--model", model_dir, "--data", corpus, "--steps", "3", "--seq-len", "64",
+              "--out", os.path.join(tmp, "hf-run"), "--json")
+    expect(p.returncode == 0, "HF model dir trains: " + p.stderr[-2000:])
+    if p.returncode == 0:
+        j = json.loads(p.stdout)
+        expect(j["steps"] == 3 and j["parameters"] == 2 * 256 * 64 + 64 + 2 * (2 * 64 + 2 * 64 * 64 + 2 * 32 * 64 + 3 * 64 * 128),
+               "JSON summary with the model's parameter count: %s" % p.stdout)
+        # A random bf16 model starts near ln(256) = 5.55 on bytes.
+        expect(4.5 < j["first_loss"] < 6.5, "the loaded weights are used (first loss %.3f)" % j["first_loss"])
+
+    # 3. Bad input: one line naming what is wrong.
+    os.remove(os.path.join(model_dir, "model-00002-of-00002.safetensors"))
+    cases = [
+        (["--config", demo_config, "--model", "no-such-model", "--data", corpus, "--steps", "1"], 2, "no-such-model"),
+        (["--config", demo_config, "--model", "tiny", "--data", os.path.join(tmp, "nope.txt"), "--steps", "1",
+          "--out", os.path.join(tmp, "bad1")], 1, "nope.txt"),
+        (["--config", demo_config, "--model", model_dir, "--data", corpus, "--steps", "1",
+          "--out", os.path.join(tmp, "bad2")], 1, "model-00002-of-00002.safetensors"),
+        (["--config", os.path.join(tmp, "missing.json"), "--model", "tiny", "--data", corpus], 2, "missing.json"),
+        (["--config", demo_config, "--model", "tiny", "--data", corpus, "--steps", "1", "--seq-len", "5000",
+          "--out", os.path.join(tmp, "bad3")], 2, "max_position_embeddings"),
+        (["--config", demo_config, "--model", "tiny", "--data", corpus, "--data-format", "csv"], 2, "csv"),
+    ]
+    for args, code, needle in cases:
+        p = train(*args, timeout=120)
+        expect(p.returncode == code, "%s: exit %d, got %d: %s" % (needle, code, p.returncode, p.stderr))
+        errors = [l for l in p.stderr.splitlines() if "error" in l]
+        expect(len(errors) >= 1 and needle in p.stderr, "%s: named in the error: %s" % (needle, p.stderr))
+
+    p = subprocess.run([zoffload, "train", "--help"], capture_output=True, text=True)
+    expect(p.returncode == 0 and "--model" in p.stdout and "metrics.jsonl" in p.stdout, "--help answers")
+
+print("%d checks, %d failures" % (checks, len(failures)))
+for f in failures:
+    print("FAIL:", f)
+sys.exit(1 if failures else 0)
