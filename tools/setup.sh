@@ -72,23 +72,10 @@ PY
   exit $rc
 fi
 
-# The demo runs what exists today (training is not built yet): the host and build report, the
-# embedded demo config resolved, and short runs of the benchmarks, each measuring its baseline in
-# the same run.
+# The demo: fine-tune the tiny model on the bundled corpus with the demo config (bf16, parameters in
+# pinned CPU memory, optimizer states on NVMe under the run directory), as README.md describes.
+run_dir="$build/demo-run"
 echo
-echo "== zoffload info"
-"$build/tools/zoffload" info
-echo
-echo "== zoffload config check --demo   (the embedded tiny-model config: optimizer on NVMe)"
-"$build/tools/zoffload" config check --demo
-echo
-echo "== zoffload-bench adam --params 2e7   (CPU AdamW vs a STREAM triad and LibTorch AdamW)"
-"$build/tools/zoffload-bench" adam --params 2e7 --repeats 3
-echo
-demo_io="$build/demo-io"
-mkdir -p "$demo_io"
-echo "== zoffload-bench io --path $demo_io --size 256MiB   (on the disk holding $build)"
-"$build/tools/zoffload-bench" io --path "$demo_io" --size 256MiB --block-size 1M --queue-depth 8,32
-echo
-echo "== zoffload-bench pipeline --params 5e7 --nvme-path $demo_io   (optimizer states on NVMe, swapped through the pipeline)"
-"$build/tools/zoffload-bench" pipeline --params 5e7 --sub-group-size 5e6 --param-elems 4e6 --steps 2 --nvme-path "$demo_io"
+echo "== zoffload train --config configs/tiny_demo_nvme.json --model tiny --data configs/data/demo_corpus.txt --out $run_dir"
+"$build/tools/zoffload" train --config configs/tiny_demo_nvme.json --model tiny \
+  --data configs/data/demo_corpus.txt --out "$run_dir"
