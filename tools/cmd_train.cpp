@@ -47,8 +47,9 @@ int fail(const std::string& what, int code) {
 std::string breakdown(const engine::StepMetrics& m) {
   char buf[256];
   std::snprintf(buf, sizeof buf,
-                "fetch %.2fs | compute %.2fs | grad offload %.2fs | optimizer %.2fs (nvme read wait %.2fs, write wait %.2fs)",
-                m.fetch_s, m.compute_s, m.grad_offload_s, m.optimizer_s, m.nvme_read_wait_s, m.nvme_write_wait_s);
+                "data %.2fs | fetch %.2fs | compute %.2fs | grad offload %.2fs | optimizer %.2fs (nvme read wait %.2fs, "
+                "write wait %.2fs)",
+                m.data_s, m.fetch_s, m.compute_s, m.grad_offload_s, m.optimizer_s, m.nvme_read_wait_s, m.nvme_write_wait_s);
   return buf;
 }
 

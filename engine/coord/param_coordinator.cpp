@@ -144,7 +144,10 @@ struct ParamCoordinator::Impl {
       if (x.event) device->destroy_event(x.event);
     }
     if (stream) device->destroy_stream(stream);
-    if (arena) device->free(arena);
+    if (arena) {
+      device->free(arena);
+      store->accounting().remove_resident(Tier::kDevice, arena_bytes);
+    }
   }
 
   uint32_t block_at(uint64_t q) const {
@@ -243,6 +246,7 @@ struct ParamCoordinator::Impl {
   void issue_h2d(uint32_t p, const std::byte* src, Status* status) {
     Param& x = params[p];
     Status st = device->copy_h2d(arena + x.offset, src, x.bytes, stream);
+    if (st.is_ok()) store->accounting().add_moved(Move::kHostToDevice, x.bytes);
     if (st.is_ok()) st = device->record(x.event, stream);
     if (!st.is_ok()) {
       *status = st.with_context("copying param " + param_name(p) + " to the device");
@@ -583,6 +587,7 @@ Result<std::unique_ptr<ParamCoordinator>> ParamCoordinator::create(StateStore& s
     s.persistent_bytes = persistent_bytes;
     s.arena_bytes = persistent_bytes + dynamic_bytes;
     ZO_ASSIGN_OR_RETURN(s.arena, s.device->allocate(s.arena_bytes));
+    store.accounting().add_resident(Tier::kDevice, s.arena_bytes);
   }
   s.dynamic = detail::RangeAllocator(s.persistent_bytes, s.arena_bytes - s.persistent_bytes, gpu::kDeviceAlignment);
   s.stats.arena_bytes = s.arena_bytes;

@@ -100,7 +100,8 @@ std::string StepMetrics::to_json() const {
   j["tokens"] = tokens;
   j["step_s"] = step_s;
   j["tokens_per_s"] = step_s > 0 ? static_cast<double>(tokens) / step_s : 0.0;
-  j["time_s"] = {{"fetch", fetch_s},
+  j["time_s"] = {{"data", data_s},
+                 {"fetch", fetch_s},
                  {"compute", compute_s},
                  {"grad_offload", grad_offload_s},
                  {"optimizer", optimizer_s},
@@ -149,11 +150,16 @@ struct Trainer::Impl {
   std::vector<torch::Tensor> wrap(uint32_t block, const std::vector<gpu::DevicePtr>& ptrs, bool grad) const;
   // What the block computes with: the leaves themselves, or fp32 views (Note [fp16 on the CPU]).
   std::vector<torch::Tensor> compute_view(const std::vector<torch::Tensor>& params) const;
+  // Releases a block once the device has finished every kernel that reads it: on CUDA LibTorch
+  // queues its kernels asynchronously and the coordinator may refill the freed arena space at once.
+  Status release(uint32_t block);
   // Hands every param gradient of a block to the accumulator.
   Status offload_grads(uint32_t block, const std::vector<torch::Tensor>& params, bool inject_overflow);
   struct MicroResult {
     double loss = 0;
     uint64_t tokens = 0;
+    double data_s = 0;          // reading and checking the batch
+    double grad_offload_s = 0;  // gradients off the device and into the accumulators
     GradNormReport grads;
   };
   Result<MicroResult> micro_step(bool first, bool last, bool inject_overflow);
@@ -204,13 +210,12 @@ Status Trainer::Impl::init(const TrainOptions& options) {
                                                              .bind_cores = config.zoffload.bind_cores}));
 
   StateStoreOptions so;
-  so.rank = opt.rank;
   so.optimizer_nvme_path = resolve_path(opt.out_dir, config.zero.offload_optimizer.nvme_path);
   so.param_nvme_path = resolve_path(opt.out_dir, config.zero.offload_param.nvme_path);
   so.pinned_cap_bytes = config.zoffload.pinned_memory_limit;
   ZO_ASSIGN_OR_RETURN(store, StateStore::create(*registry, plan, *device, *io, so, accounting));
-  if (store->optimizer_file() != nullptr) swap_dir = zo::engine::swap_dir(so.optimizer_nvme_path, opt.rank);
-  else if (store->param_file() != nullptr) swap_dir = zo::engine::swap_dir(so.param_nvme_path, opt.rank);
+  if (store->optimizer_file() != nullptr) swap_dir = zo::engine::swap_dir(so.optimizer_nvme_path, so.rank);
+  else if (store->param_file() != nullptr) swap_dir = zo::engine::swap_dir(so.param_nvme_path, so.rank);
 
   ZO_RETURN_IF_ERROR(init_weights());
 
@@ -242,7 +247,6 @@ Status Trainer::Impl::init(const TrainOptions& options) {
   d.seq_len = opt.seq_len != 0 ? opt.seq_len : std::min<uint64_t>(256, model.max_position_embeddings);
   d.micro_batch = config.train_micro_batch_size_per_gpu;
   d.seed = opt.seed;
-  d.rank = opt.rank;
   if (d.seq_len > model.max_position_embeddings)
     return invalid_argument("--seq-len " + std::to_string(d.seq_len) + " exceeds the model's max_position_embeddings (" +
                             std::to_string(model.max_position_embeddings) + ")");
@@ -281,6 +285,13 @@ std::vector<torch::Tensor> Trainer::Impl::wrap(uint32_t block, const std::vector
   return out;
 }
 
+Status Trainer::Impl::release(uint32_t block) {
+  if (torch_device.is_cuda()) {
+    ZO_RETURN_IF_ERROR(torch_call("waiting for " + layout.blocks[block].name, [] { torch::cuda::synchronize(); }));
+  }
+  return coord->release(block);
+}
+
 // Note [fp16 on the CPU]: LibTorch's CPU kernels have no fp16 matmul (1.13: "addmm_impl_cpu_ not
 // implemented for 'Half'"). On an emulated device the fp16 weights are therefore widened (exactly)
 // to fp32 inside the block; autograd rounds the gradients back to fp16 on their way to the fp16
@@ -308,6 +319,7 @@ Status Trainer::Impl::offload_grads(uint32_t block, const std::vector<torch::Ten
     }));
     if (!g.defined()) return internal_error("no gradient reached " + layout.params[spec.params[i]].name);
     const auto* bytes = static_cast<const std::byte*>(g.data_ptr());
+    if (torch_device.is_cuda()) accounting.add_moved(Move::kDeviceToHost, static_cast<uint64_t>(g.numel()) * g.element_size());
     ZO_RETURN_IF_ERROR(grads->add(spec.params[i],
                                   std::span<const std::byte>(bytes, static_cast<size_t>(g.numel()) * g.element_size()),
                                   compute_dtype));
@@ -320,17 +332,31 @@ Status Trainer::Impl::offload_grads(uint32_t block, const std::vector<torch::Ten
 // gradients to the accumulators, release (DESIGN.md, "One training step").
 Result<Trainer::Impl::MicroResult> Trainer::Impl::micro_step(bool first, bool last, bool inject_overflow) {
   MicroResult result;
+  const auto data_t0 = Clock::now();
   ZO_RETURN_IF_ERROR(data->next_batch(&batch));
+  auto out_of_vocab = [&](int32_t token, bool label) { return !(label && token == kIgnoreLabel) && (token < 0 || static_cast<uint64_t>(token) >= model.vocab_size); };
   for (size_t i = 0; i < batch.inputs.size(); ++i) {
-    if (batch.inputs[i] < 0 || static_cast<uint64_t>(batch.inputs[i]) >= model.vocab_size)
-      return invalid_argument(opt.data_path + ": token " + std::to_string(batch.inputs[i]) + " (window " +
+    const bool bad_input = out_of_vocab(batch.inputs[i], false);
+    if (bad_input || out_of_vocab(batch.targets[i], true))
+      return invalid_argument(opt.data_path + ": " + (bad_input ? "token " : "label ") +
+                              std::to_string(bad_input ? batch.inputs[i] : batch.targets[i]) + " (window " +
                               std::to_string(batch.windows[i / batch.seq_len]) + ") is outside the model's vocabulary of " +
                               std::to_string(model.vocab_size));
   }
   for (int32_t t : batch.targets) result.tokens += t != kIgnoreLabel;
+  result.data_s = seconds_since(data_t0);
 
   coord->begin_micro_step();
   ZO_RETURN_IF_ERROR(grads->begin_micro_step(first, last));
+  // A failure below leaves the accumulator's window open; close it so the next step can start
+  // (blocks still held are treated as released by the next begin_micro_step).
+  struct Abandon {
+    GradAccumulator* grads;
+    bool armed = true;
+    ~Abandon() {
+      if (armed) grads->abandon_micro_step();
+    }
+  } abandon{grads.get()};
   const uint32_t n = static_cast<uint32_t>(layout.blocks.size());
   const double loss_factor = scaler->scale() / static_cast<double>(opt.config.gradient_accumulation_steps);
 
@@ -349,7 +375,7 @@ Result<Trainer::Impl::MicroResult> Trainer::Impl::micro_step(bool first, bool la
       torch::NoGradGuard no_grad;
       inputs[b + 1] = block_forward(model, layout.blocks[b], compute_view(wrap(b, ptrs, false)), inputs[b], rope);
     }));
-    ZO_RETURN_IF_ERROR(coord->release(b));
+    ZO_RETURN_IF_ERROR(release(b));
   }
 
   // The head: its forward and backward follow each other in the schedule, so it runs once with
@@ -367,10 +393,12 @@ Result<Trainer::Impl::MicroResult> Trainer::Impl::micro_step(bool first, bool la
       (loss * loss_factor).backward();
       grad_out = x.grad();
     }));
+    const auto g0 = Clock::now();
     ZO_RETURN_IF_ERROR(offload_grads(h, params, inject_overflow));
-    ZO_RETURN_IF_ERROR(coord->release(h));
+    result.grad_offload_s += seconds_since(g0);
+    ZO_RETURN_IF_ERROR(release(h));
     ZO_RETURN_IF_ERROR(coord->acquire(h).status());
-    ZO_RETURN_IF_ERROR(coord->release(h));
+    ZO_RETURN_IF_ERROR(release(h));
   }
 
   for (uint32_t b = n - 1; b-- > 0;) {
@@ -384,10 +412,13 @@ Result<Trainer::Impl::MicroResult> Trainer::Impl::micro_step(bool first, bool la
       grad_out = b == 0 ? torch::Tensor() : x.grad();
       inputs[b] = torch::Tensor();
     }));
+    const auto g0 = Clock::now();
     ZO_RETURN_IF_ERROR(offload_grads(b, params, false));
-    ZO_RETURN_IF_ERROR(coord->release(b));
+    result.grad_offload_s += seconds_since(g0);
+    ZO_RETURN_IF_ERROR(release(b));
   }
   ZO_ASSIGN_OR_RETURN(result.grads, grads->end_micro_step());
+  abandon.armed = false;
   return result;
 }
 
@@ -416,18 +447,21 @@ Result<StepMetrics> Trainer::step() {
   GradNormReport boundary;
   double loss_sum = 0;
   double offload_s = 0;
+  double data_s = 0;
   for (uint64_t micro = 0; micro < gas; ++micro) {
     const bool last = micro + 1 == gas;
     ZO_ASSIGN_OR_RETURN(Impl::MicroResult r, m.micro_step(micro == 0, last, inject && last));
     loss_sum += r.loss;
     out.tokens += r.tokens;
-    offload_s += r.grads.offload_s;
+    offload_s += r.grad_offload_s;
+    data_s += r.data_s;
     if (last) boundary = r.grads;
   }
   out.loss = loss_sum / static_cast<double>(gas);
   out.fetch_s = m.coord->stats().fetch_wait_s - fetch_before;
   out.grad_offload_s = offload_s;
-  out.compute_s = std::max(0.0, seconds_since(t0) - out.fetch_s - out.grad_offload_s);
+  out.data_s = data_s;
+  out.compute_s = std::max(0.0, seconds_since(t0) - out.fetch_s - out.grad_offload_s - out.data_s);
 
   // The accumulation boundary: overflow check, loss-scale update, clipping, the optimizer.
   out.grad_norm = std::sqrt(boundary.sum_sq) / out.loss_scale;
@@ -444,9 +478,21 @@ Result<StepMetrics> Trainer::step() {
                  .adam_w_mode = oc.type == OptimizerType::kAdamW || oc.adam_w_mode,
                  .bias_correction = oc.bias_correction};
     args.step = static_cast<int64_t>(m.optimizer_steps + 1);
-    args.grad_scale = static_cast<float>(clip_coefficient(out.grad_norm, config.gradient_clipping) / out.loss_scale);
-    ZO_ASSIGN_OR_RETURN(OptimizerStepReport report, m.optimizer->step(args));
+    // A non-finite norm that does not skip (fp32, or bf16 without check_grad_overflow, as in
+    // DeepSpeed) cannot be clipped by: the gradients go in unclipped, and the log says so.
+    double clip = 1.0;
+    if (is_finite_norm(out.grad_norm)) {
+      clip = clip_coefficient(out.grad_norm, config.gradient_clipping);
+    } else {
+      ZO_LOG(kWarn) << "step " << out.step << ": the gradient norm is not finite (" << out.grad_norm
+                    << ") and this precision does not skip such steps: updating without clipping";
+    }
+    args.grad_scale = static_cast<float>(clip / out.loss_scale);
+    Result<OptimizerStepReport> stepped = m.optimizer->step(args);
+    // The compute copies may have changed even when the step failed part-way (a torn store).
     m.coord->invalidate();
+    if (!stepped.is_ok()) return stepped.status();
+    const OptimizerStepReport& report = *stepped;
     ++m.optimizer_steps;
     out.optimizer_s = report.total_s;
     out.nvme_read_wait_s = report.read_wait_s;

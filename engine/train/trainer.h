@@ -33,7 +33,6 @@ struct TrainOptions {
   // Where relative paths of the config (offload nvme_path, log.metrics_path) are resolved and
   // metrics.jsonl is written; created if missing. Empty: the current directory.
   std::string out_dir;
-  uint32_t rank = 0;
   // Tests: the steps (1-based) at whose last micro-step one gradient element of the head block is
   // replaced by +inf before it reaches the accumulator — an overflow through the real path.
   std::vector<uint64_t> inject_overflow_steps;
@@ -50,8 +49,9 @@ struct StepMetrics {
   uint64_t tokens = 0;         // tokens trained on in this step (targets not masked)
   double step_s = 0;
   double fetch_s = 0;          // blocked on parameter fetches (NVMe reads, H2D copies)
-  double compute_s = 0;        // forward, recompute and backward
-  double grad_offload_s = 0;   // gradients into the accumulators (D2H, accumulate, NVMe writes)
+  double data_s = 0;           // reading and checking the batches
+  double compute_s = 0;        // forward, recompute and backward (and the coordinator's bookkeeping)
+  double grad_offload_s = 0;   // gradients off the device into the accumulators (D2H, accumulate, NVMe writes)
   double optimizer_s = 0;      // the whole optimizer step, including its I/O waits
   double nvme_read_wait_s = 0;   // of optimizer_s
   double nvme_write_wait_s = 0;  // of optimizer_s
@@ -78,7 +78,9 @@ class Trainer {
   Trainer& operator=(const Trainer&) = delete;
 
   // One optimizer step: gradient_accumulation_steps micro-batches, then the optimizer (or a skip).
-  // A failure leaves the run unusable when it tore the optimizer states (see docs/memory.md).
+  // A failure before the optimizer (data, model, fetch, gradient I/O) loses that step's gradients
+  // and the next call starts a fresh accumulation window; a failed optimizer step ends the run (its
+  // states may be torn, see docs/memory.md): resume from a checkpoint.
   Result<StepMetrics> step();
 
   uint64_t steps_done() const;

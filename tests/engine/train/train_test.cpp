@@ -20,6 +20,7 @@
 #include "common/check.h"
 #include "engine/data/dataset.h"
 #include "engine/model/llama.h"
+#include "engine/optim/lr_schedule.h"
 
 namespace zo::engine {
 namespace {
@@ -198,14 +199,9 @@ TEST(Trainer, TiedEmbeddingsAreBitIdenticalAcrossOffload) {
 // Plain LibTorch training of the same model: the same functional blocks run as one graph (no
 // block-wise recompute, no offload), torch::optim::AdamW, the same batches.
 struct Reference {
-  std::vector<torch::Tensor> params;
-  std::unique_ptr<torch::optim::AdamW> adam;
-  std::unique_ptr<Dataset> data;
-  ModelConfig model;
-  ModelLayout layout;
-  RopeTables rope;
-
-  Reference(Trainer& trainer, const TrainOptions& o) : model(trainer.model_config()), layout(trainer.layout()) {
+  Reference(Trainer& trainer, const TrainOptions& o)
+      : model(trainer.model_config()), layout(trainer.layout()), gas(o.config.gradient_accumulation_steps),
+        schedule(*LrSchedule::create(o.config.scheduler, o.config.optimizer.lr)) {
     for (std::vector<float>& w : masters(trainer)) {
       params.push_back(torch::from_blob(w.data(), {static_cast<int64_t>(w.size())}, torch::kFloat).clone());
     }
@@ -224,28 +220,44 @@ struct Reference {
     rope = make_rope_tables(model, static_cast<int64_t>(o.seq_len), torch::kCPU);
   }
 
-  // One step; returns the global gradient norm before clipping.
+  // One step over `gas` micro-batches (loss / gas each, gradients summed by autograd); returns the
+  // global gradient norm before clipping.
   double step(double clip) {
-    Batch batch;
-    Status s = data->next_batch(&batch);
-    ZO_CHECK(s.is_ok()) << s.to_string();
-    const int64_t b = static_cast<int64_t>(batch.batch), t = static_cast<int64_t>(batch.seq_len);
-    torch::Tensor x = torch::from_blob(batch.inputs.data(), {b, t}, torch::kInt32).to(torch::kInt64);
-    torch::Tensor y = torch::from_blob(batch.targets.data(), {b, t}, torch::kInt32).to(torch::kInt64);
     adam->zero_grad();
-    for (const BlockSpec& block : layout.blocks) {
-      std::vector<torch::Tensor> p;
-      for (uint32_t id : block.params) p.push_back(params[id]);
-      x = block_forward(model, block, p, x, rope);
+    for (uint64_t micro = 0; micro < gas; ++micro) {
+      Batch batch;
+      Status s = data->next_batch(&batch);
+      ZO_CHECK(s.is_ok()) << s.to_string();
+      const int64_t b = static_cast<int64_t>(batch.batch), t = static_cast<int64_t>(batch.seq_len);
+      torch::Tensor x = torch::from_blob(batch.inputs.data(), {b, t}, torch::kInt32).to(torch::kInt64);
+      torch::Tensor y = torch::from_blob(batch.targets.data(), {b, t}, torch::kInt32).to(torch::kInt64);
+      for (const BlockSpec& block : layout.blocks) {
+        std::vector<torch::Tensor> p;
+        for (uint32_t id : block.params) p.push_back(params[id]);
+        x = block_forward(model, block, p, x, rope);
+      }
+      (lm_loss(x, y) / static_cast<double>(gas)).backward();
     }
-    lm_loss(x, y).backward();
     double norm = 0;
     for (const torch::Tensor& p : params) norm += p.grad().pow(2).sum().item<double>();
     norm = std::sqrt(norm);
     if (clip > 0) torch::nn::utils::clip_grad_norm_(params, clip);
+    for (auto& group : adam->param_groups())
+      static_cast<torch::optim::AdamWOptions&>(group.options()).lr(schedule.lr_at(steps));
     adam->step();
+    ++steps;
     return norm;
   }
+
+  std::vector<torch::Tensor> params;
+  std::unique_ptr<torch::optim::AdamW> adam;
+  std::unique_ptr<Dataset> data;
+  ModelConfig model;
+  ModelLayout layout;
+  RopeTables rope;
+  uint64_t gas = 1;
+  LrSchedule schedule;
+  uint64_t steps = 0;
 };
 
 double max_relative_error(const std::vector<std::vector<float>>& got, const std::vector<torch::Tensor>& want) {
@@ -258,20 +270,27 @@ double max_relative_error(const std::vector<std::vector<float>>& got, const std:
   return worst;
 }
 
+// Accumulation over 2 micro-batches, WarmupCosineLR, untied and tied heads (the embedding then
+// gets gradients from two blocks).
 TEST(Trainer, Fp32Stage0MatchesPlainLibTorchAdamW) {
-  TempDir dir;
-  const TrainOptions o = make_options({.stage = 0, .precision = "fp32", .clipping = 0, .grad_accum = 1, .scheduler = false}, dir);
-  auto t = Trainer::create(o);
-  ASSERT_TRUE(t.is_ok()) << t.status().to_string();
-  Reference ref(**t, o);
-  for (int i = 0; i < 20; ++i) {
-    auto m = (*t)->step();
-    ASSERT_TRUE(m.is_ok()) << m.status().to_string();
-    const double ref_norm = ref.step(0);
-    EXPECT_NEAR(m->grad_norm, ref_norm, 1e-4 * ref_norm) << "step " << i + 1;
+  for (bool tied : {false, true}) {
+    SCOPED_TRACE(tied ? "tied" : "untied");
+    TempDir dir;
+    const TrainOptions o = make_options({.stage = 0, .precision = "fp32", .clipping = 0}, dir, tied);
+    auto t = Trainer::create(o);
+    ASSERT_TRUE(t.is_ok()) << t.status().to_string();
+    Reference ref(**t, o);
+    for (int i = 0; i < 20; ++i) {
+      auto m = (*t)->step();
+      ASSERT_TRUE(m.is_ok()) << m.status().to_string();
+      const double lr = ref.schedule.lr_at(ref.steps);
+      const double ref_norm = ref.step(0);
+      EXPECT_NEAR(m->grad_norm, ref_norm, 1e-4 * ref_norm) << "step " << i + 1;
+      EXPECT_EQ(m->lr, lr) << "step " << i + 1;
+    }
+    const double err = max_relative_error(masters(**t), ref.params);
+    EXPECT_LT(err, 1e-5) << "relative error of the weights after 20 steps";
   }
-  const double err = max_relative_error(masters(**t), ref.params);
-  EXPECT_LT(err, 1e-5) << "relative error of the weights after 20 steps";
 }
 
 TEST(Trainer, ClippingMatchesTorchClipGradNorm) {
@@ -293,8 +312,10 @@ TEST(Trainer, ClippingMatchesTorchClipGradNorm) {
   EXPECT_LT(max_relative_error(masters(**t), ref.params), 1e-5);
 }
 
+// The compute copies are ~233 KiB in bf16, a decoder layer ~84 KiB: a 96 KiB budget forces the
+// coordinator to fetch and evict block by block. (HostDevice refuses any allocation past its
+// budget, so what this shows is that training fits and runs, with the peak reported.)
 TEST(Trainer, DeviceBudgetBelowTheModelHolds) {
-  // The compute copies are ~160 KiB in bf16; the largest block (a decoder layer) ~60 KiB.
   TempDir dir;
   const TrainOptions o = make_options({.param = "cpu", .optimizer = "cpu", .gpu_limit = "96KiB"}, dir);
   auto t = Trainer::create(o);
@@ -311,6 +332,7 @@ TEST(Trainer, DeviceBudgetBelowTheModelHolds) {
     EXPECT_LE(m->device_peak_bytes, m->device_budget_bytes);
     EXPECT_LT(m->device_budget_bytes, model_bytes);
     EXPECT_GT(m->device_peak_bytes, 0u);
+    EXPECT_GT(m->memory.h2d_bytes, static_cast<uint64_t>(i + 1) * model_bytes) << "every block fetched again each step";
   }
 }
 
@@ -318,7 +340,8 @@ TEST(Trainer, DeviceBudgetBelowOneBlockFailsAtStart) {
   TempDir dir;
   auto t = Trainer::create(make_options({.param = "cpu", .optimizer = "cpu", .gpu_limit = "16KiB"}, dir));
   ASSERT_FALSE(t.is_ok());
-  EXPECT_THAT(t.status().to_string(), HasSubstr("block"));
+  EXPECT_EQ(t.status().code(), StatusCode::kOutOfMemory);
+  EXPECT_THAT(t.status().to_string(), HasSubstr("block 'model.layers."));
 }
 
 TEST(Trainer, Fp16OverflowSkipsTheStepAndHalvesTheScale) {
@@ -328,7 +351,11 @@ TEST(Trainer, Fp16OverflowSkipsTheStepAndHalvesTheScale) {
   auto t = Trainer::create(o);
   ASSERT_TRUE(t.is_ok()) << t.status().to_string();
   std::vector<StepMetrics> m;
-  for (int i = 0; i < 2; ++i) m.push_back(*(*t)->step());
+  for (int i = 0; i < 2; ++i) {
+    auto r = (*t)->step();
+    ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+    m.push_back(*r);
+  }
   const auto before = masters(**t);
   auto skipped = (*t)->step();
   ASSERT_TRUE(skipped.is_ok()) << skipped.status().to_string();
@@ -361,6 +388,42 @@ TEST(Trainer, BadInputsFailAtStartWithClearErrors) {
 
   EXPECT_FALSE(resolve_model_config("no-such-model").is_ok());
   EXPECT_THAT(resolve_model_config("no-such-model").status().to_string(), HasSubstr("tiny"));
+}
+
+// A step that fails before the optimizer (here: a label outside the vocabulary in the data) loses
+// its gradients; the next step starts a fresh accumulation window and trains.
+TEST(Trainer, AStepThatFailsBeforeTheOptimizerDoesNotWedgeTheRun) {
+  TempDir dir;
+  const std::string data = dir.path + "/data.jsonl";
+  {
+    std::ofstream f(data);
+    for (int line = 0; line < 40; ++line) {
+      nlohmann::json ids = nlohmann::json::array(), labels = nlohmann::json::array();
+      for (int i = 0; i < 33; ++i) {
+        ids.push_back((line * 37 + i * 11) % 256);
+        labels.push_back(line == 5 && i == 20 ? 999 : (line * 37 + i * 11) % 256);
+      }
+      f << nlohmann::json{{"input_ids", ids}, {"labels", labels}}.dump() << "\n";
+    }
+  }
+  TrainOptions o = make_options({.param = "cpu", .optimizer = "nvme", .grad_accum = 1}, dir);
+  o.data_path = data;
+  auto t = Trainer::create(o);
+  ASSERT_TRUE(t.is_ok()) << t.status().to_string();
+  int failed_at = -1;
+  for (int i = 0; i < 40 && failed_at < 0; ++i) {
+    auto m = (*t)->step();
+    if (!m.is_ok()) {
+      failed_at = i;
+      EXPECT_THAT(m.status().to_string(), HasSubstr("label 999"));
+    }
+  }
+  ASSERT_GE(failed_at, 0) << "the bad label was never read";
+  for (int i = 0; i < 3; ++i) {
+    auto m = (*t)->step();
+    ASSERT_TRUE(m.is_ok()) << "step after the failure: " << m.status().to_string();
+    EXPECT_FALSE(m->skipped);
+  }
 }
 
 TEST(Trainer, WritesOneMetricsLinePerStep) {
