@@ -18,33 +18,12 @@
 #include "common/aligned_buffer.h"
 #include "io/fault_injector.h"
 #include "io/io_engine.h"
+#include "tests/engine/temp_dir.h"
 
 namespace zo::engine {
 namespace {
 
 using ::testing::HasSubstr;
-
-std::string temp_root() {
-  for (const char* var : {"ZO_TEST_TMPDIR", "TMPDIR"}) {
-    const char* v = std::getenv(var);
-    if (v != nullptr && *v != '\0') return v;
-  }
-  return "/tmp";
-}
-
-struct TempDir {
-  std::string path;
-  TempDir() {
-    std::string tmpl = temp_root() + "/zo_swap_file_test_XXXXXX";
-    const char* p = mkdtemp(tmpl.data());
-    ZO_CHECK(p != nullptr) << "mkdtemp in " << temp_root() << ": " << std::strerror(errno);
-    path = p;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path, ec);
-  }
-};
 
 std::unique_ptr<io::IoEngine> make_engine(std::shared_ptr<io::FaultInjector> faults = nullptr) {
   io::IoOptions o;

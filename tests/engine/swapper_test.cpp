@@ -23,6 +23,7 @@
 #include "gpu/device.h"
 #include "io/fault_injector.h"
 #include "io/io_engine.h"
+#include "tests/engine/temp_dir.h"
 
 namespace zo::engine {
 namespace {
@@ -31,20 +32,6 @@ using ::testing::HasSubstr;
 using Bytes = std::vector<std::byte>;
 
 constexpr uint64_t kDefaultBudget = uint64_t{64} << 20;
-
-struct TempDir {
-  std::string path;
-  TempDir() {
-    char tmpl[] = "/tmp/zo_swapper_test_XXXXXX";
-    const char* p = mkdtemp(tmpl);
-    ZO_CHECK(p != nullptr) << "mkdtemp failed";
-    path = p;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path, ec);
-  }
-};
 
 // What a test varies; everything else is fixed.
 struct Placing {

@@ -26,24 +26,11 @@
 #include "gpu/device.h"
 #include "io/fault_injector.h"
 #include "io/io_engine.h"
+#include "tests/engine/temp_dir.h"
 
 namespace zo::engine::testing {
 
 using Bytes = std::vector<std::byte>;
-
-struct TempDir {
-  std::string path;
-  TempDir() {
-    char tmpl[] = "/tmp/zo_coord_test_XXXXXX";
-    const char* p = mkdtemp(tmpl);
-    ZO_CHECK(p != nullptr) << "mkdtemp failed";
-    path = p;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path, ec);
-  }
-};
 
 struct Placing {
   std::string optimizer = "cpu";  // offload_optimizer.device (also the gradient accumulators' tier)

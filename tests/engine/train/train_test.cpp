@@ -21,25 +21,12 @@
 #include "engine/data/dataset.h"
 #include "engine/model/llama.h"
 #include "engine/optim/lr_schedule.h"
+#include "tests/engine/temp_dir.h"
 
 namespace zo::engine {
 namespace {
 
 using ::testing::HasSubstr;
-
-struct TempDir {
-  std::string path;
-  TempDir() {
-    char tmpl[] = "/tmp/zo_train_test_XXXXXX";
-    const char* p = mkdtemp(tmpl);
-    ZO_CHECK(p != nullptr) << "mkdtemp failed";
-    path = p;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path, ec);
-  }
-};
 
 std::string corpus_path() {
   const char* root = std::getenv("ZO_SOURCE_DIR");
