@@ -103,6 +103,8 @@ struct StateStore::Impl {
   Status write_range(uint32_t g, StateKind kind, uint64_t begin, uint64_t end, const Fill& fill);
   Status read_range(uint32_t g, StateKind kind, uint64_t begin, uint64_t end, const Consume& consume);
   Status zero_range(uint32_t g, StateKind kind, uint64_t begin, uint64_t end);
+  // Compute copies of elements [first, first + master.size()) = master rounded to the compute dtype.
+  Status write_compute(uint32_t g, uint64_t first, std::span<const float> master);
   Status nvme_write(uint32_t g, StateKind kind, uint64_t begin, uint64_t end, const Fill& fill);
   Status nvme_read(uint32_t g, StateKind kind, uint64_t begin, uint64_t end, const Consume& consume);
   // Reads [off, off + size) of the region into dst, zeros beyond the watermark (aligned range).
@@ -406,6 +408,24 @@ Status StateStore::Impl::zero_range(uint32_t g, StateKind kind, uint64_t begin, 
   return write_range(g, kind, begin, end, [](std::byte* dst, uint64_t, uint64_t n) { std::memset(dst, 0, n); });
 }
 
+Status StateStore::Impl::write_compute(uint32_t g, uint64_t first, std::span<const float> master) {
+  const DType cdt = plan.placement.compute_dtype;
+  const uint64_t cb = elem_bytes(StateKind::kCompute);
+  const float* src = master.data();
+  return write_range(g, StateKind::kCompute, first * cb, (first + master.size()) * cb,
+                     [src, cdt, cb](std::byte* dst, uint64_t rel, uint64_t bytes) {
+                       const float* from = src + rel / cb;
+                       for (uint64_t i = 0; i < bytes / cb; ++i) {
+                         if (cdt == DType::kF32) {
+                           std::memcpy(dst + i * 4, &from[i], 4);
+                         } else {
+                           const uint16_t h = cdt == DType::kBF16 ? float_to_bf16(from[i]) : float_to_f16(from[i]);
+                           std::memcpy(dst + i * 2, &h, 2);
+                         }
+                       }
+                     });
+}
+
 StateStore::StateStore(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 StateStore::~StateStore() = default;
 
@@ -472,7 +492,6 @@ Status StateStore::init_param(uint32_t param, uint64_t offset_elems, std::span<c
                             std::to_string(info.n_elems) + " elements");
   }
   const uint64_t lo = offset_elems, hi = offset_elems + values.size();
-  const DType cdt = s.plan.placement.compute_dtype;
   for (const ParamPiece& piece : s.registry.pieces_of_param(param)) {
     const uint64_t a = std::max(lo, piece.param_offset), b = std::min(hi, piece.param_offset + piece.n_elems);
     if (a >= b) continue;
@@ -491,19 +510,7 @@ Status StateStore::init_param(uint32_t param, uint64_t offset_elems, std::span<c
       st = s.zero_range(g, kind, first * 4, (first + n) * 4);
       if (!st.is_ok()) return context(std::move(st), kind);
     }
-    const uint64_t cb = s.elem_bytes(StateKind::kCompute);
-    st = s.write_range(g, StateKind::kCompute, first * cb, (first + n) * cb,
-                       [src, cdt, cb](std::byte* dst, uint64_t rel, uint64_t bytes) {
-                         const float* from = src + rel / cb;
-                         for (uint64_t i = 0; i < bytes / cb; ++i) {
-                           if (cdt == DType::kF32) {
-                             std::memcpy(dst + i * 4, &from[i], 4);
-                           } else {
-                             const uint16_t h = cdt == DType::kBF16 ? float_to_bf16(from[i]) : float_to_f16(from[i]);
-                             std::memcpy(dst + i * 2, &h, 2);
-                           }
-                         }
-                       });
+    st = s.write_compute(g, first, {src, n});
     if (!st.is_ok()) return context(std::move(st), StateKind::kCompute);
   }
   return Status::ok();
@@ -529,6 +536,52 @@ Status StateStore::write_state(uint32_t sub_group, StateKind kind, std::span<con
   return s.write_range(sub_group, kind, 0, in.size(), [in](std::byte* dst, uint64_t rel, uint64_t n) {
     std::memcpy(dst, in.data() + rel, n);
   });
+}
+
+Status StateStore::read_state_range(uint32_t sub_group, StateKind kind, uint64_t offset_bytes,
+                                    std::span<std::byte> out) {
+  Impl& s = *impl_;
+  if (sub_group >= s.plan.n_sub_groups || offset_bytes > state_bytes(sub_group, kind) ||
+      out.size() > state_bytes(sub_group, kind) - offset_bytes) {
+    return invalid_argument("read_state_range: sub-group " + std::to_string(sub_group) + " " +
+                            std::string(state_name(kind)) + ": bad sub-group or range at " +
+                            std::to_string(offset_bytes) + " + " + std::to_string(out.size()));
+  }
+  uint64_t direct = 0;
+  if (s.locations[sub_group][static_cast<int>(kind)].tier == Tier::kNvme && is_aligned(offset_bytes, kSwapAlignment) &&
+      is_aligned(reinterpret_cast<uintptr_t>(out.data()), kSwapAlignment)) {
+    direct = align_down(out.size(), kSwapAlignment);
+    if (direct > 0) ZO_RETURN_IF_ERROR(s.nvme_read_aligned(sub_group, kind, offset_bytes, direct, out.data()));
+  }
+  if (direct == out.size()) return Status::ok();
+  const uint64_t begin = offset_bytes + direct;
+  std::byte* dst = out.data() + direct;
+  return s.read_range(sub_group, kind, begin, offset_bytes + out.size(),
+                      [dst](const std::byte* src, uint64_t rel, uint64_t n) { std::memcpy(dst + rel, src, n); });
+}
+
+Status StateStore::write_state_range(uint32_t sub_group, StateKind kind, uint64_t offset_bytes,
+                                     std::span<const std::byte> in) {
+  Impl& s = *impl_;
+  if (sub_group >= s.plan.n_sub_groups || offset_bytes > state_bytes(sub_group, kind) ||
+      in.size() > state_bytes(sub_group, kind) - offset_bytes) {
+    return invalid_argument("write_state_range: sub-group " + std::to_string(sub_group) + " " +
+                            std::string(state_name(kind)) + ": bad sub-group or range at " +
+                            std::to_string(offset_bytes) + " + " + std::to_string(in.size()));
+  }
+  return s.write_range(sub_group, kind, offset_bytes, offset_bytes + in.size(),
+                       [in](std::byte* dst, uint64_t rel, uint64_t n) { std::memcpy(dst, in.data() + rel, n); });
+}
+
+Status StateStore::write_compute_from_master(uint32_t sub_group, uint64_t offset_elems, std::span<const float> master) {
+  Impl& s = *impl_;
+  if (sub_group >= s.plan.n_sub_groups || offset_elems > s.n_elems(sub_group) ||
+      master.size() > s.n_elems(sub_group) - offset_elems) {
+    return invalid_argument("write_compute_from_master: sub-group " + std::to_string(sub_group) +
+                            ": bad sub-group or range at element " + std::to_string(offset_elems) + " + " +
+                            std::to_string(master.size()));
+  }
+  return s.write_compute(sub_group, offset_elems, master);
 }
 
 void StateStore::mark_torn(std::string reason) { impl_->torn_reason = std::move(reason); }

@@ -65,6 +65,15 @@ class StateStore {
   // synchronously, whatever the tier. For tests, checkpoints and the bench.
   Status read_state(uint32_t sub_group, StateKind kind, std::span<std::byte> out);
   Status write_state(uint32_t sub_group, StateKind kind, std::span<const std::byte> in);
+  // The same for bytes [offset_bytes, offset_bytes + size) of the state, so that checkpoints never
+  // hold a whole state in RAM. From NVMe, whole 4 KiB blocks go straight into `out` when `out` and
+  // offset_bytes are 4096-aligned (O_DIRECT, no bounce copy); other bytes go through a 4 MiB scratch.
+  Status read_state_range(uint32_t sub_group, StateKind kind, uint64_t offset_bytes, std::span<std::byte> out);
+  Status write_state_range(uint32_t sub_group, StateKind kind, uint64_t offset_bytes, std::span<const std::byte> in);
+  // Sets the compute copies of elements [offset_elems, offset_elems + master.size()) of a sub-group
+  // to `master` rounded to the compute dtype (round to nearest even) — what the optimizer's fused
+  // copy-out and init_param() write, so a resume derives them from the checkpointed master.
+  Status write_compute_from_master(uint32_t sub_group, uint64_t offset_elems, std::span<const float> master);
 
   // After a failed optimizer step the states are torn (some sub-groups updated, some not): the
   // store refuses further steps with kFailedPrecondition naming the step and sub-group; resume from

@@ -13,6 +13,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/bytes.h"
+#include "common/check.h"
 #include "common/half.h"
 
 namespace zo::engine {
@@ -256,6 +258,54 @@ std::vector<std::string> HfWeights::names() const {
   out.reserve(entries_.size());
   for (const auto& [name, entry] : entries_) out.push_back(name);
   return out;
+}
+
+}  // namespace zo::engine
+
+namespace zo::engine {
+namespace {
+
+const char* safetensors_dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::kF32: return "F32";
+    case DType::kBF16: return "BF16";
+    case DType::kF16: return "F16";
+    default: break;
+  }
+  ZO_CHECK(false) << "safetensors: unsupported dtype " << dtype_name(dtype);
+  return "";
+}
+
+}  // namespace
+
+uint64_t safetensors_entry_bytes(const SafetensorsEntry& entry) {
+  uint64_t n = 1;
+  for (int64_t d : entry.shape) n *= static_cast<uint64_t>(d);
+  return n * dtype_size_bytes(entry.dtype);
+}
+
+std::string safetensors_header(std::span<const SafetensorsEntry> tensors,
+                               const std::map<std::string, std::string>& metadata, uint64_t data_alignment) {
+  ZO_CHECK(data_alignment >= 8 && (data_alignment & (data_alignment - 1)) == 0) << data_alignment;
+  nlohmann::ordered_json header = nlohmann::ordered_json::object();
+  if (!metadata.empty()) {
+    nlohmann::ordered_json meta = nlohmann::ordered_json::object();
+    for (const auto& [k, v] : metadata) meta[k] = v;
+    header["__metadata__"] = std::move(meta);
+  }
+  uint64_t offset = 0;
+  for (const SafetensorsEntry& t : tensors) {
+    const uint64_t bytes = safetensors_entry_bytes(t);
+    header[t.name] = {{"dtype", safetensors_dtype_name(t.dtype)}, {"shape", t.shape}, {"data_offsets", {offset, offset + bytes}}};
+    offset += bytes;
+  }
+  std::string text = header.dump();
+  const uint64_t total = align_up(8 + text.size(), data_alignment);
+  text.append(total - 8 - text.size(), ' ');
+  std::string out(8, '\0');
+  const uint64_t n = text.size();
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((n >> (8 * i)) & 0xff);
+  return out + text;
 }
 
 }  // namespace zo::engine

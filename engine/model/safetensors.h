@@ -63,6 +63,23 @@ class SafetensorsFile {
   std::map<std::string, std::string> metadata_;
 };
 
+// One tensor of a safetensors file to be written.
+struct SafetensorsEntry {
+  std::string name;
+  DType dtype = DType::kF32;  // kF32, kBF16 or kF16
+  std::vector<int64_t> shape;
+};
+
+// The bytes that precede the data of a safetensors file holding `tensors` back to back in this
+// order: the 8-byte little-endian header length, then the JSON header (data_offsets contiguous from
+// 0, "__metadata__" = `metadata`) padded with spaces so that the data starts at a multiple of
+// `data_alignment` (a power of two; 4096 lets the data be written with O_DIRECT). Writers append
+// the tensors' little-endian bytes after it.
+std::string safetensors_header(std::span<const SafetensorsEntry> tensors,
+                               const std::map<std::string, std::string>& metadata, uint64_t data_alignment = 4096);
+// Bytes of one entry's data (elements × dtype size).
+uint64_t safetensors_entry_bytes(const SafetensorsEntry& entry);
+
 // A Hugging Face model directory's weights: model.safetensors, or model.safetensors.index.json
 // ("weight_map": name -> shard file) with its shards. Each tensor name maps to one file.
 class HfWeights {
