@@ -1,0 +1,143 @@
+// Checkpoints: every state of every tier (fp32 master, Adam moments) and the training state,
+// streamed through a bounded staging buffer into DIR/tmp-<step>-<random>, each file fdatasynced,
+// manifest.json (sizes, dtypes, shapes, CRC-32C per chunk) written last, then renamed to
+// DIR/step-<N> and DIR/latest replaced atomically; and reading them back: open, verify, load.
+// On-disk format: docs/checkpoint_format.md. Functions are synchronous; not thread-safe per store.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "engine/ckpt/stream_file.h"
+#include "engine/data/dataset.h"
+#include "engine/memory/state_store.h"
+#include "engine/optim/loss_scaler.h"
+
+namespace zo::engine {
+
+inline constexpr int kCheckpointFormatVersion = 1;
+
+// The files of a checkpoint directory.
+inline constexpr const char* kManifestFile = "manifest.json";
+inline constexpr const char* kTrainerStateFile = "trainer_state.json";
+inline constexpr const char* kModelConfigFile = "config.json";  // the model's Hugging Face config.json
+inline constexpr const char* kLatestFile = "latest";            // in DIR: "step-<N>\n"
+// fp32 safetensors files with Hugging Face tensor names, one per optimizer state.
+inline constexpr const char* kMasterFile = "master.safetensors";
+inline constexpr const char* kExpAvgFile = "exp_avg.safetensors";
+inline constexpr const char* kExpAvgSqFile = "exp_avg_sq.safetensors";
+
+// What a run needs besides the tiers to continue exactly (the lr schedule is a function of
+// optimizer_steps; the data order of seed and position).
+struct TrainingState {
+  uint64_t steps_done = 0;       // optimizer steps attempted, skipped ones too: the N of step-<N>
+  uint64_t optimizer_steps = 0;  // optimizer steps taken: Adam's step count, the lr index
+  LossScalerState loss_scaler;
+  DataPosition data_position;
+  uint64_t seed = 0;
+  std::string model;             // what --model named (a directory or preset), for humans
+  nlohmann::json config;         // the resolved training config (to_json(Config))
+
+  nlohmann::json to_json() const;
+  static Result<TrainingState> from_json(const nlohmann::json& json, const std::string& source);
+};
+
+// One tensor of the state files (the same in each).
+struct CheckpointTensor {
+  std::string name;
+  std::vector<int64_t> shape;
+  uint64_t n_elems = 0;
+};
+
+struct Manifest {
+  int format_version = kCheckpointFormatVersion;
+  uint64_t step = 0;
+  std::vector<FileDigest> files;  // every file of the directory but the manifest
+  std::vector<CheckpointTensor> tensors;  // in file order; dtype F32
+
+  nlohmann::json to_json() const;
+  static Result<Manifest> from_json(const nlohmann::json& json, const std::string& source);
+  const FileDigest* find(std::string_view name) const;  // nullptr if absent
+};
+
+// The phases of a save, in order (the crash tests kill the process at each).
+enum class SavePhase : uint8_t {
+  kStarted,          // the tmp directory exists
+  kStateFileDone,    // after each state file is written and fdatasynced (several times)
+  kManifestWritten,  // manifest.json fsynced, the tmp directory fsynced
+  kRenamed,          // tmp → step-<N>, DIR fsynced
+  kLatestUpdated,    // DIR/latest replaced, DIR fsynced
+  kPruned,           // old checkpoints beyond keep_last removed
+};
+std::string_view save_phase_name(SavePhase phase);
+
+struct SaveOptions {
+  std::string dir;                             // created if missing
+  uint64_t keep_last = 2;                      // 0: keep all
+  uint64_t staging_bytes = uint64_t{256} << 20;  // ≥ 1 MiB, a multiple of 4096
+  // Called on the saving thread with bytes written so far and the total (for progress lines).
+  std::function<void(uint64_t done_bytes, uint64_t total_bytes)> progress;
+  // Called on the saving thread at each phase boundary (tests).
+  std::function<void(SavePhase)> on_phase;
+};
+
+struct SaveResult {
+  std::string path;           // DIR/step-<N>
+  uint64_t bytes = 0;         // of every file written
+  double seconds = 0;
+  std::vector<std::string> pruned;  // directories removed
+};
+
+// Saves the store's master, exp_avg and exp_avg_sq (from whatever tier each lives in, through one
+// staging buffer of options.staging_bytes allocated for the save and freed after), `state`, the
+// model's config.json text, and commits it as described at the top. The store is only read: a
+// failed save (ENOSPC, EIO, a bad directory) returns the error naming the file, removes its tmp
+// directory (best effort) and leaves the previous checkpoints, `latest` and the store as they were.
+// kAlreadyExists when DIR/step-<N> exists. Compute copies are not saved: they are the master
+// rounded to the compute dtype (load_checkpoint derives them).
+Result<SaveResult> save_checkpoint(StateStore& store, const TrainingState& state, const std::string& model_config_json,
+                                   const SaveOptions& options);
+
+// Removes DIR/tmp-* directories a killed save left behind; returns their names. DIR may not exist.
+Result<std::vector<std::string>> clean_stale_checkpoints(const std::string& dir);
+
+// What a --resume / --checkpoint argument names: a step directory (holding manifest.json), or a
+// checkpoint DIR whose `latest` names one. kNotFound / kCorruption saying which, otherwise.
+Result<std::string> resolve_checkpoint(const std::string& path);
+
+// A checkpoint opened for reading: the manifest, training state and model config parsed and
+// checked against each other and the files' sizes (not yet their checksums).
+struct CheckpointInfo {
+  std::string path;  // the step directory
+  Manifest manifest;
+  TrainingState state;
+  std::string model_config_json;
+};
+
+// kCorruption naming the file when manifest.json is missing or malformed (an incomplete save is
+// never loaded), a listed file is missing or of the wrong size, or the state files' headers do not
+// match the manifest's tensors; kInvalidArgument for an unsupported format_version.
+Result<CheckpointInfo> open_checkpoint(const std::string& path);
+
+// Re-reads every file and checks every chunk's CRC-32C (kCorruption naming file, chunk and byte
+// range). Reads through `staging` (4096-aligned, a multiple of 4096, ≥ 1 MiB).
+Status verify_checkpoint(const CheckpointInfo& ckpt, io::IoEngine& io, std::span<std::byte> staging,
+                         const std::function<void(uint64_t done_bytes, uint64_t total_bytes)>& progress = {});
+
+// Streams master, exp_avg and exp_avg_sq into the store's tiers and sets the compute copies to the
+// master rounded to the compute dtype, checking every chunk's CRC-32C as it reads. The store's
+// params must be the checkpoint's tensors (same names, shapes and order; kInvalidArgument naming
+// the first difference); its sub-group size and tiers may differ from the saving run's. On
+// kCorruption or an I/O error the store holds a partial load: do not train with it.
+Status load_checkpoint(const CheckpointInfo& ckpt, StateStore& store, io::IoEngine& io, std::span<std::byte> staging);
+
+// A summary for `zoffload ckpt inspect`: step, counters, loss scale, data position, tensors,
+// parameters, bytes per file, model and config highlights.
+nlohmann::json describe_checkpoint(const CheckpointInfo& ckpt);
+
+}  // namespace zo::engine

@@ -1,0 +1,232 @@
+#include "engine/ckpt/stream_file.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <optional>
+#include <sstream>
+
+#include "common/aligned_buffer.h"
+#include "common/bytes.h"
+#include "common/check.h"
+#include "common/crc32c.h"
+#include "io/file.h"
+
+namespace zo::engine {
+
+// Note [Streaming writes]
+// A checkpoint or export file is written front to back exactly once. The staging buffer is cut
+// into slots; the caller fills the current slot (often by reading a swap file straight into it
+// with O_DIRECT) while the earlier slots are being written by the I/O engine, so reading the next
+// bytes and writing the last ones overlap. A full slot is submitted at once as one request (the
+// engine splits it into block_size pieces and keeps queue_depth of them in flight). The last,
+// partial slot is written rounded up to 4 KiB (O_DIRECT needs whole blocks) and the file is then
+// truncated to its exact size before fdatasync, which also makes the size durable. CRC-32C is kept
+// per kChecksumChunkBytes of file bytes, independent of the slot size, so a reader with any buffer
+// size can verify the file.
+
+struct StreamWriter::Impl {
+  io::IoEngine* io = nullptr;
+  io::File file;
+  std::string path;
+  std::span<std::byte> staging;
+  uint32_t n_slots = 0;
+  uint64_t slot_bytes = 0;
+  std::vector<std::optional<io::Ticket>> tickets;  // per slot: a write in flight
+  uint32_t cur = 0;          // the slot being filled
+  uint64_t fill = 0;         // bytes of it filled
+  uint64_t position = 0;     // bytes committed
+  uint64_t span_bytes = 0;   // size of the span next_span() last returned (0: none outstanding)
+  FileDigest digest;
+  uint32_t chunk_crc = 0;
+  uint64_t chunk_fill = 0;
+  bool done = false;
+
+  std::byte* slot(uint32_t i) const { return staging.data() + uint64_t{i} * slot_bytes; }
+  Status submit_current(uint64_t write_bytes);
+  Status wait_slot(uint32_t i);
+  Status wait_all();
+};
+
+Status StreamWriter::Impl::wait_slot(uint32_t i) {
+  if (!tickets[i]) return Status::ok();
+  const io::Ticket t = *tickets[i];
+  tickets[i].reset();
+  return io->wait(t);
+}
+
+Status StreamWriter::Impl::wait_all() {
+  Status first;
+  for (uint32_t i = 0; i < n_slots; ++i) {
+    Status s = wait_slot(i);
+    if (first.is_ok() && !s.is_ok()) first = std::move(s);
+  }
+  return first;
+}
+
+Status StreamWriter::Impl::submit_current(uint64_t write_bytes) {
+  const uint64_t offset = position - fill;
+  ZO_ASSIGN_OR_RETURN(io::Ticket t, io->submit(io::write_request(file, offset, slot(cur), write_bytes)));
+  tickets[cur] = t;
+  cur = (cur + 1) % n_slots;
+  fill = 0;
+  return Status::ok();
+}
+
+StreamWriter::StreamWriter(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+StreamWriter::~StreamWriter() {
+  if (impl_ && !impl_->done) {
+    (void)impl_->wait_all();
+    (void)impl_->file.close();
+  }
+}
+
+Result<std::unique_ptr<StreamWriter>> StreamWriter::create(io::IoEngine& io, const std::string& path,
+                                                           std::span<std::byte> staging, uint32_t n_slots) {
+  if (n_slots == 0 || staging.size() < uint64_t{n_slots} * kDirectIoAlignment ||
+      staging.size() % (uint64_t{n_slots} * kDirectIoAlignment) != 0 ||
+      !is_aligned(reinterpret_cast<uintptr_t>(staging.data()), kDirectIoAlignment)) {
+    return invalid_argument("stream writer for " + path + ": the staging buffer (" + std::to_string(staging.size()) +
+                            " bytes) must be 4096-aligned and a multiple of 4096 x " + std::to_string(n_slots) +
+                            " slots");
+  }
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0) return Status(StatusCode::kAlreadyExists, path + " already exists");
+  auto impl = std::make_unique<Impl>();
+  ZO_ASSIGN_OR_RETURN(impl->file, io::File::open(path, io::OpenMode::kCreate, /*direct=*/true));
+  impl->io = &io;
+  impl->path = path;
+  impl->staging = staging;
+  impl->n_slots = n_slots;
+  impl->slot_bytes = staging.size() / n_slots;
+  impl->tickets.resize(n_slots);
+  const size_t slash = path.find_last_of('/');
+  impl->digest.name = slash == std::string::npos ? path : path.substr(slash + 1);
+  return std::unique_ptr<StreamWriter>(new StreamWriter(std::move(impl)));
+}
+
+Result<std::span<std::byte>> StreamWriter::next_span(uint64_t max_bytes) {
+  Impl& w = *impl_;
+  ZO_CHECK(!w.done) << w.path << ": next_span after finish";
+  ZO_CHECK(max_bytes > 0) << w.path;
+  if (w.fill == 0) {
+    // Reusing this slot: its previous write must be complete.
+    Status s = w.wait_slot(w.cur);
+    if (!s.is_ok()) return s;
+  }
+  w.span_bytes = std::min(max_bytes, w.slot_bytes - w.fill);
+  return std::span<std::byte>(w.slot(w.cur) + w.fill, w.span_bytes);
+}
+
+Status StreamWriter::commit(uint64_t n) {
+  Impl& w = *impl_;
+  ZO_CHECK_LE(n, w.span_bytes) << w.path << ": commit beyond the span handed out";
+  const std::byte* p = w.slot(w.cur) + w.fill;
+  for (uint64_t left = n; left > 0;) {
+    const uint64_t k = std::min(left, w.digest.chunk_bytes - w.chunk_fill);
+    w.chunk_crc = crc32c_extend(w.chunk_crc, p, k);
+    w.chunk_fill += k;
+    p += k;
+    left -= k;
+    if (w.chunk_fill == w.digest.chunk_bytes) {
+      w.digest.chunk_crc32c.push_back(w.chunk_crc);
+      w.chunk_crc = 0;
+      w.chunk_fill = 0;
+    }
+  }
+  w.fill += n;
+  w.position += n;
+  w.span_bytes = 0;
+  if (w.fill == w.slot_bytes) return w.submit_current(w.slot_bytes);
+  return Status::ok();
+}
+
+Status StreamWriter::append(std::span<const std::byte> bytes) {
+  while (!bytes.empty()) {
+    ZO_ASSIGN_OR_RETURN(std::span<std::byte> span, next_span(bytes.size()));
+    std::memcpy(span.data(), bytes.data(), span.size());
+    ZO_RETURN_IF_ERROR(commit(span.size()));
+    bytes = bytes.subspan(span.size());
+  }
+  return Status::ok();
+}
+
+uint64_t StreamWriter::position() const { return impl_->position; }
+
+Result<FileDigest> StreamWriter::finish() {
+  Impl& w = *impl_;
+  ZO_CHECK(!w.done) << w.path << ": finish twice";
+  w.done = true;
+  Status s;
+  if (w.fill > 0) {
+    const uint64_t padded = align_up(w.fill, kDirectIoAlignment);
+    std::memset(w.slot(w.cur) + w.fill, 0, padded - w.fill);
+    s = w.submit_current(w.file.direct() ? padded : w.fill);
+  }
+  Status waited = w.wait_all();
+  if (s.is_ok()) s = std::move(waited);
+  if (s.is_ok() && ::ftruncate(w.file.fd(), static_cast<off_t>(w.position)) != 0) {
+    s = errno_status("truncating " + w.path + " to " + std::to_string(w.position) + " bytes", errno);
+  }
+  if (s.is_ok()) s = w.file.sync();
+  Status closed = w.file.close();
+  if (s.is_ok()) s = std::move(closed);
+  if (!s.is_ok()) return s;
+  if (w.chunk_fill > 0) w.digest.chunk_crc32c.push_back(w.chunk_crc);
+  w.digest.size_bytes = w.position;
+  return w.digest;
+}
+
+ChunkVerifier::ChunkVerifier(const FileDigest& digest, std::string path) : digest_(digest), path_(std::move(path)) {}
+
+Status ChunkVerifier::update(std::span<const std::byte> bytes) {
+  const std::byte* p = bytes.data();
+  uint64_t left = bytes.size();
+  if (position_ + left > digest_.size_bytes) {
+    return corruption(path_ + ": more than the manifest's " + std::to_string(digest_.size_bytes) + " bytes");
+  }
+  while (left > 0) {
+    const uint64_t in_chunk = position_ % digest_.chunk_bytes;
+    const uint64_t k = std::min(left, digest_.chunk_bytes - in_chunk);
+    crc_ = crc32c_extend(crc_, p, k);
+    position_ += k;
+    p += k;
+    left -= k;
+    if (position_ % digest_.chunk_bytes == 0 || position_ == digest_.size_bytes) {
+      const uint64_t chunk = (position_ - 1) / digest_.chunk_bytes;
+      if (chunk >= digest_.chunk_crc32c.size() || digest_.chunk_crc32c[chunk] != crc_) {
+        std::ostringstream msg;
+        msg << path_ << ": checksum mismatch in chunk " << chunk << " (bytes " << chunk * digest_.chunk_bytes << ".."
+            << position_ << "): crc32c " << std::hex << crc_ << ", the manifest says "
+            << (chunk < digest_.chunk_crc32c.size() ? digest_.chunk_crc32c[chunk] : 0u);
+        return corruption(msg.str());
+      }
+      crc_ = 0;
+    }
+  }
+  return Status::ok();
+}
+
+Status ChunkVerifier::finish() {
+  if (position_ != digest_.size_bytes) {
+    return corruption(path_ + ": " + std::to_string(position_) + " bytes read, the manifest says " +
+                      std::to_string(digest_.size_bytes));
+  }
+  return Status::ok();
+}
+
+Status sync_directory(const std::string& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return errno_status("opening directory " + dir + " to fsync it", errno);
+  Status s;
+  if (::fsync(fd) != 0) s = errno_status("fsync of directory " + dir, errno);
+  ::close(fd);
+  return s;
+}
+
+}  // namespace zo::engine

@@ -1,0 +1,83 @@
+// Streaming files of checkpoints and exports: StreamWriter writes a new file front to back through
+// a caller-owned, bounded staging buffer with O_DIRECT (via io::IoEngine, asynchronously: the caller
+// fills one slot while earlier slots are written) and a CRC-32C per fixed-size chunk; ChunkVerifier
+// checks bytes read back against those CRCs. Neither is thread-safe; one thread drives each.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "io/io_engine.h"
+
+namespace zo::engine {
+
+// CRC-32C is kept per chunk of this many bytes of a file (the last chunk may be shorter), so a
+// flipped byte is located to a chunk and a file can be verified in one sequential pass.
+inline constexpr uint64_t kChecksumChunkBytes = uint64_t{16} << 20;
+
+// What a finished file holds: its name relative to its directory, exact size and the CRC-32C of
+// every kChecksumChunkBytes chunk.
+struct FileDigest {
+  std::string name;
+  uint64_t size_bytes = 0;
+  uint64_t chunk_bytes = kChecksumChunkBytes;
+  std::vector<uint32_t> chunk_crc32c;
+};
+
+class StreamWriter {
+ public:
+  // Creates `path` (which must not exist: kAlreadyExists) for writing with O_DIRECT where the file
+  // system allows it. `staging` (4096-aligned, size a multiple of 4096 × n_slots, ≥ 4096 × n_slots)
+  // is cut into n_slots slots; the writer never allocates more than a few KiB itself.
+  static Result<std::unique_ptr<StreamWriter>> create(io::IoEngine& io, const std::string& path,
+                                                      std::span<std::byte> staging, uint32_t n_slots = 4);
+  ~StreamWriter();  // an unfinished writer waits for its writes and closes the file (left on disk)
+  StreamWriter(const StreamWriter&) = delete;
+  StreamWriter& operator=(const StreamWriter&) = delete;
+
+  // A writable span of between 1 and max_bytes bytes in the current slot, for the caller to fill
+  // and then commit(). When position() is a multiple of 4096 the span starts 4096-aligned (callers
+  // read swap files into it with O_DIRECT). Blocks while every slot is being written; a failed
+  // write of an earlier slot is returned here (with path, offset and errno).
+  Result<std::span<std::byte>> next_span(uint64_t max_bytes);
+  // The first n bytes of the span next_span() returned are the file's next bytes (n ≤ its size).
+  Status commit(uint64_t n);
+  // Copies `bytes` in (next_span + commit until done).
+  Status append(std::span<const std::byte> bytes);
+  uint64_t position() const;  // bytes committed so far
+
+  // Writes the partial last slot, waits for every write, sets the exact size, fdatasyncs and
+  // closes. Any error of any earlier write is returned here too. The writer is done after it.
+  Result<FileDigest> finish();
+
+  struct Impl;
+
+ private:
+  explicit StreamWriter(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// Checks a file's bytes, fed in order from offset 0, against its digest. kCorruption naming the
+// file, the chunk and its byte range on the first mismatch; finish() also checks the total size.
+class ChunkVerifier {
+ public:
+  explicit ChunkVerifier(const FileDigest& digest, std::string path);
+  Status update(std::span<const std::byte> bytes);
+  Status finish();
+  uint64_t position() const { return position_; }
+
+ private:
+  const FileDigest& digest_;
+  std::string path_;
+  uint64_t position_ = 0;
+  uint32_t crc_ = 0;  // of the current chunk so far
+};
+
+// fsync of a directory (after creating, renaming or removing entries in it).
+Status sync_directory(const std::string& dir);
+
+}  // namespace zo::engine
