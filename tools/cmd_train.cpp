@@ -12,6 +12,8 @@
 #include <string>
 
 #include "common/bytes.h"
+#include "common/dtype.h"
+#include "common/string_util.h"
 #include "engine/config/config.h"
 #include "engine/data/token_source.h"
 #include "tools/commands.h"
@@ -29,6 +31,7 @@ struct TrainArgs {
   std::string data;
   std::string data_format = "auto";
   std::string out = "zoffload-run";
+  std::string resume;
   uint64_t steps = 0;
   uint64_t seed = 0;
   uint64_t seq_len = 0;
@@ -96,6 +99,7 @@ int run_train(const TrainArgs& a) {
   options.seq_len = a.seq_len;
   options.seed = a.seed;
   options.out_dir = a.out;
+  options.resume = a.resume;
 
   const auto t0 = std::chrono::steady_clock::now();
   auto trainer_r = engine::Trainer::create(options);
@@ -105,11 +109,20 @@ int run_train(const TrainArgs& a) {
   }
   engine::Trainer& trainer = **trainer_r;
   const double setup_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const uint64_t first_step = trainer.steps_done();
   if (!a.json && !a.quiet) {
     std::printf("zoffload train: %s\n", trainer.describe().c_str());
-    std::printf("setup %.1f s; training %llu steps, metrics -> %s\n", setup_s, static_cast<unsigned long long>(steps),
-                trainer.metrics_path().c_str());
+    if (!trainer.resumed_from().empty())
+      std::printf("resumed from %s at step %llu\n", trainer.resumed_from().c_str(),
+                  static_cast<unsigned long long>(first_step));
+    std::printf("setup %.1f s; training to step %llu, metrics -> %s%s\n", setup_s, static_cast<unsigned long long>(steps),
+                trainer.metrics_path().c_str(),
+                trainer.checkpoint_dir().empty() ? "" : (", checkpoints -> " + trainer.checkpoint_dir()).c_str());
     std::fflush(stdout);
+  }
+  if (first_step >= steps && !a.quiet && !a.json) {
+    std::printf("nothing to train: the run is already at step %llu of %llu\n",
+                static_cast<unsigned long long>(first_step), static_cast<unsigned long long>(steps));
   }
 
   const bool tty = isatty(fileno(stderr)) != 0;
@@ -117,24 +130,71 @@ int run_train(const TrainArgs& a) {
   const uint64_t print_every = std::max<uint64_t>(1, config->steps_per_print);
   double first_loss = NAN, last_loss = NAN, train_s = 0;
   uint64_t tokens = 0, skipped = 0;
-  for (uint64_t i = 0; i < steps; ++i) {
+  nlohmann::json saved = nlohmann::json::array();
+  // Saves when due; a failed save leaves the previous checkpoint and the training state as they were.
+  auto save = [&](bool end_of_run) -> Status {
+    if (!trainer.checkpoint_due(end_of_run)) return Status::ok();
+    const std::string name = "step-" + std::to_string(trainer.steps_done());
+    const bool show = tty && !a.quiet && !a.json;
+    auto r = trainer.save_checkpoint([&](uint64_t done, uint64_t total) {
+      if (show) std::fprintf(stderr, "\r\033[Ksaving %s: %s of %s", name.c_str(), format_bytes(done).c_str(), format_bytes(total).c_str());
+    });
+    if (show) std::fputs("\r\033[K", stderr);
+    if (!r.is_ok()) return r.status();
+    saved.push_back({{"path", r->path}, {"bytes", r->bytes}, {"seconds", r->seconds}});
+    if (!a.quiet && !a.json) {
+      std::fprintf(stderr, "checkpoint %s: %s in %.1f s (%.2f GB/s)%s\n", r->path.c_str(), format_bytes(r->bytes).c_str(),
+                   r->seconds, r->seconds > 0 ? r->bytes / r->seconds / 1e9 : 0.0,
+                   r->pruned.empty() ? "" : (", pruned " + join(r->pruned, ", ")).c_str());
+    }
+    return Status::ok();
+  };
+  for (uint64_t i = first_step; i < steps; ++i) {
     auto m = trainer.step();
     if (!m.is_ok()) {
       if (tty && !a.quiet && !a.json) std::fputc('\n', stderr);
       return fail("step " + std::to_string(i + 1) + ": " + m.status().to_string(), 1);
     }
-    if (i == 0) first_loss = m->loss;
+    if (i == first_step) first_loss = m->loss;
     last_loss = m->loss;
     train_s += m->step_s;
     tokens += m->tokens;
     skipped += m->skipped;
-    if (a.json || a.quiet) continue;
     const bool last = i + 1 == steps;
-    if (tty) {
-      std::fprintf(stderr, "\r\033[K%s", progress_line(*m, steps, show_breakdown).c_str());
-      if (last) std::fputc('\n', stderr);
-    } else if (i == 0 || last || m->step % print_every == 0) {
-      std::fprintf(stderr, "%s\n", progress_line(*m, steps, show_breakdown).c_str());
+    if (!a.json && !a.quiet) {
+      const bool due = trainer.checkpoint_due(last);
+      if (tty) {
+        std::fprintf(stderr, "\r\033[K%s", progress_line(*m, steps, show_breakdown).c_str());
+        if (last || due) std::fputc('\n', stderr);
+      } else if (i == first_step || last || due || m->step % print_every == 0) {
+        std::fprintf(stderr, "%s\n", progress_line(*m, steps, show_breakdown).c_str());
+      }
+    }
+    if (last) break;
+    Status st = save(false);
+    if (!st.is_ok()) {
+      std::cerr << "zoffload train: warning: the checkpoint after step " << m->step << " failed: " << st.to_string()
+                << "; the previous checkpoints are intact and training goes on\n";
+    }
+  }
+  // The end of the run always has a checkpoint when a directory is configured.
+  Status final_save = save(true);
+  if (!final_save.is_ok()) return fail("the final checkpoint failed: " + final_save.to_string(), 1);
+
+  // stage3_gather_16bit_weights_on_model_save: a Hugging Face directory of the final weights,
+  // streamed from their tiers (never gathered in RAM or on the GPU).
+  std::string exported;
+  if (config->zero.stage3_gather_16bit_weights_on_model_save) {
+    engine::ExportOptions eo;
+    eo.dtype = trainer.export_dtype();
+    eo.out_dir = a.out + "/hf-export-step-" + std::to_string(trainer.steps_done());
+    eo.staging_bytes = config->zoffload.checkpoint.staging_buffer_size;
+    auto r = trainer.export_model(eo);
+    if (!r.is_ok()) return fail("exporting the model: " + r.status().to_string(), 1);
+    exported = r->out_dir;
+    if (!a.quiet && !a.json) {
+      std::fprintf(stderr, "exported %s (%s, %s)\n", exported.c_str(), std::string(dtype_name(eo.dtype)).c_str(),
+                   format_bytes(r->tensor_bytes).c_str());
     }
   }
 
@@ -144,10 +204,13 @@ int run_train(const TrainArgs& a) {
                         {"first_loss", first_loss}, {"last_loss", last_loss},
                         {"tokens", tokens},         {"train_s", train_s},
                         {"setup_s", setup_s},       {"tokens_per_s", train_s > 0 ? tokens / train_s : 0.0},
-                        {"metrics_path", trainer.metrics_path()}, {"parameters", trainer.num_parameters()}};
+                        {"metrics_path", trainer.metrics_path()}, {"parameters", trainer.num_parameters()},
+                        {"first_step", first_step}, {"resumed_from", trainer.resumed_from()},
+                        {"checkpoints", saved}, {"export", exported}};
     std::cout << j.dump(2) << "\n";
   } else if (!a.quiet) {
-    std::printf("done: %llu steps in %.1f s (%.0f tok/s), loss %.4f -> %.4f%s\n", static_cast<unsigned long long>(steps),
+    std::printf("done: %llu steps in %.1f s (%.0f tok/s), loss %.4f -> %.4f%s\n",
+                static_cast<unsigned long long>(steps - std::min(steps, first_step)),
                 train_s, train_s > 0 ? tokens / train_s : 0.0, first_loss, last_loss,
                 skipped ? (", " + std::to_string(skipped) + " steps skipped on overflow").c_str() : "");
     std::printf("outputs: metrics %s%s\n", trainer.metrics_path().c_str(),
@@ -175,8 +238,10 @@ void register_train_command(CLI::App& app, int* exit_code) {
       "Train (fine-tune) a LLaMA-family model with the offload your config asks for: parameters fetched\n"
       "block by block (ZeRO stage 3) from pinned CPU memory or NVMe, optimizer states on the device, CPU\n"
       "or NVMe, Adam on the CPU. Shows step, loss, tokens/s (and, with wall_clock_breakdown, where the\n"
-      "time went); writes one JSON object per step to metrics.jsonl in --out. Relative paths in the\n"
-      "config (nvme_path, zoffload.log.metrics_path) are taken relative to --out.");
+      "time went); writes one JSON object per step to metrics.jsonl in --out. With zoffload.checkpoint.dir\n"
+      "it saves checkpoints every every_steps steps and at the end (--resume continues bit-exactly); with\n"
+      "stage3_gather_16bit_weights_on_model_save it exports the final weights to --out/hf-export-step-N.\n"
+      "Relative paths in the config (nvme_path, checkpoint.dir, log.metrics_path) are relative to --out.");
   train->add_option("--config", args->config, "DeepSpeed/zoffload JSON config (see docs/config.md)")->required();
   train->add_option("--model", args->model,
                     "A Hugging Face model directory (config.json + *.safetensors) or a preset with random init: "
@@ -187,9 +252,13 @@ void register_train_command(CLI::App& app, int* exit_code) {
                     "file as text with the byte-level tokenizer (vocabulary 256, for the tiny model)")
       ->required();
   train->add_option("--data-format", args->data_format, "auto | llmc | raw | jsonl | text (default: by extension)");
-  train->add_option("--steps", args->steps, "Optimizer steps (default: scheduler total_num_steps)")->check(CLI::PositiveNumber);
+  train->add_option("--steps", args->steps, "Train until this optimizer step, counted from the start of the run (default: scheduler total_num_steps)")->check(CLI::PositiveNumber);
   train->add_option("--out", args->out, "Run directory: metrics.jsonl, relative swap paths (default: zoffload-run)");
-  train->add_option("--seed", args->seed, "Seed of the random init and the data order (default 0)");
+  train->add_option("--seed", args->seed, "Seed of the random init and the data order (default 0; a resumed run keeps its checkpoint's)");
+  train->add_option("--resume", args->resume,
+                    "Continue from a checkpoint: latest (the newest in zoffload.checkpoint.dir), a checkpoint "
+                    "directory, or a step-N directory. Weights, optimizer states, loss scale, counters and the data "
+                    "position come from it; --steps counts from the start of the run");
   train->add_option("--seq-len", args->seq_len, "Tokens per sequence (default: min(256, max_position_embeddings))")
       ->check(CLI::PositiveNumber);
   train->add_flag("--json", args->json, "Print a JSON summary on stdout instead of progress");

@@ -14,5 +14,7 @@ int main(int argc, char** argv) {
   zo::tools::register_config_command(app, &exit_code);
   zo::tools::register_info_command(app, &exit_code);
   zo::tools::register_train_command(app, &exit_code);
+  zo::tools::register_ckpt_command(app, &exit_code);
+  zo::tools::register_export_command(app, &exit_code);
   return zo::tools::run_app(app, argc, argv, exit_code);
 }

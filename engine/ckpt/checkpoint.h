@@ -41,6 +41,8 @@ struct TrainingState {
   DataPosition data_position;
   uint64_t seed = 0;
   std::string model;             // what --model named (a directory or preset), for humans
+  std::string data;              // the data file, and the window length its position counts in
+  uint64_t seq_len = 0;
   nlohmann::json config;         // the resolved training config (to_json(Config))
 
   nlohmann::json to_json() const;

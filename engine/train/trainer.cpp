@@ -17,9 +17,11 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/aligned_buffer.h"
 #include "common/bytes.h"
 #include "common/host_info.h"
 #include "common/log.h"
+#include "common/string_util.h"
 #include "cpu_optim/executor.h"
 #include "engine/config/io_settings.h"
 #include "engine/coord/grad_accumulator.h"
@@ -140,6 +142,12 @@ struct Trainer::Impl {
 
   uint64_t steps_done = 0;       // optimizer steps attempted (skipped ones too)
   uint64_t optimizer_steps = 0;  // optimizer steps taken (Adam's step count, the lr index)
+  std::string checkpoint_dir;    // resolved zoffload.checkpoint.dir; empty: none
+  std::optional<CheckpointInfo> resume;
+  std::string resumed_from;
+  std::optional<uint64_t> last_saved_step;  // the step of the checkpoint saved or resumed from
+  std::string model_config_json() const;
+  Status resume_from_checkpoint();
   std::string metrics_path;
   std::string swap_dir;
   std::ofstream metrics;
@@ -185,9 +193,24 @@ Status Trainer::Impl::init(const TrainOptions& options) {
                                                                                      : config.zoffload.log.metrics_path);
 
   configure_host_compute();
-  if (!config.zoffload.checkpoint.dir.empty())
-    ZO_LOG(kWarn) << "zoffload.checkpoint.dir is set, but this version does not write checkpoints yet: "
-                        "nothing will be saved";
+  if (!config.zoffload.checkpoint.dir.empty()) {
+    checkpoint_dir = resolve_path(opt.out_dir, config.zoffload.checkpoint.dir);
+    ZO_ASSIGN_OR_RETURN(std::vector<std::string> stale, clean_stale_checkpoints(checkpoint_dir));
+    for (const std::string& name : stale)
+      ZO_LOG(kInfo) << "removed " << checkpoint_dir << "/" << name << ", left by a save that did not finish";
+  }
+  if (!opt.resume.empty()) {
+    std::string where = opt.resume;
+    if (where == "latest") {
+      if (checkpoint_dir.empty())
+        return invalid_argument("--resume latest: the config sets no zoffload.checkpoint.dir to look in; give the "
+                                "checkpoint's path instead");
+      where = checkpoint_dir;
+    }
+    ZO_ASSIGN_OR_RETURN(std::string path, resolve_checkpoint(where));
+    ZO_ASSIGN_OR_RETURN(CheckpointInfo info, open_checkpoint(path));
+    resume = std::move(info);
+  }
   ZO_ASSIGN_OR_RETURN(ParamRegistry reg, ParamRegistry::build(layout.params, config.zero.sub_group_size));
   registry.emplace(std::move(reg));
   ZO_ASSIGN_OR_RETURN(plan, plan_memory(config, *registry));
@@ -217,7 +240,14 @@ Status Trainer::Impl::init(const TrainOptions& options) {
   if (store->optimizer_file() != nullptr) swap_dir = zo::engine::swap_dir(so.optimizer_nvme_path, so.rank);
   else if (store->param_file() != nullptr) swap_dir = zo::engine::swap_dir(so.param_nvme_path, so.rank);
 
-  ZO_RETURN_IF_ERROR(init_weights());
+  if (resume) {
+    // Note [Resume]: the states stream from the checkpoint straight into their tiers through one
+    // staging buffer (freed once loaded); the compute copies are re-derived from the master.
+    ZO_ASSIGN_OR_RETURN(AlignedBuffer staging, AlignedBuffer::allocate(config.zoffload.checkpoint.staging_buffer_size));
+    ZO_RETURN_IF_ERROR(load_checkpoint(*resume, *store, *io, staging.bytes()));
+  } else {
+    ZO_RETURN_IF_ERROR(init_weights());
+  }
 
   ZO_ASSIGN_OR_RETURN(optimizer, OptimizerSwapper::create(*store, *executor, PipelineOptions::from_config(config)));
   if (store->param_file() != nullptr) {
@@ -246,7 +276,7 @@ Status Trainer::Impl::init(const TrainOptions& options) {
   d.source.format = opt.data_format;
   d.seq_len = opt.seq_len != 0 ? opt.seq_len : std::min<uint64_t>(256, model.max_position_embeddings);
   d.micro_batch = config.train_micro_batch_size_per_gpu;
-  d.seed = opt.seed;
+  d.seed = resume ? resume->state.seed : opt.seed;
   if (d.seq_len > model.max_position_embeddings)
     return invalid_argument("--seq-len " + std::to_string(d.seq_len) + " exceeds the model's max_position_embeddings (" +
                             std::to_string(model.max_position_embeddings) + ")");
@@ -256,9 +286,75 @@ Status Trainer::Impl::init(const TrainOptions& options) {
     rope = make_rope_tables(model, static_cast<int64_t>(d.seq_len), torch_device);
   }));
 
-  metrics.open(metrics_path, std::ios::out | std::ios::trunc);
+  if (resume) ZO_RETURN_IF_ERROR(resume_from_checkpoint());
+
+  // A resumed run appends to the metrics of the run it continues.
+  metrics.open(metrics_path, std::ios::out | (resume ? std::ios::app : std::ios::trunc));
   if (!metrics) return errno_status("opening the metrics file " + metrics_path, errno);
   accounting.reset_peaks();
+  return Status::ok();
+}
+
+namespace {
+
+// The key paths where two resolved configs differ (at most `limit`), skipping where checkpoints go.
+void config_diff(const nlohmann::json& a, const nlohmann::json& b, const std::string& path,
+                 std::vector<std::string>* out) {
+  if (path == "zoffload.checkpoint" || path == "zoffload.log") return;
+  if (a.is_object() && b.is_object()) {
+    for (auto it = a.begin(); it != a.end(); ++it) {
+      const std::string p = path.empty() ? it.key() : path + "." + it.key();
+      if (!b.contains(it.key())) out->push_back(p);
+      else config_diff(it.value(), b[it.key()], p, out);
+    }
+    for (auto it = b.begin(); it != b.end(); ++it) {
+      if (!a.contains(it.key())) out->push_back(path.empty() ? it.key() : path + "." + it.key());
+    }
+  } else if (a != b) {
+    out->push_back(path);
+  }
+}
+
+const char* torch_dtype_name(DType dtype) {
+  return dtype == DType::kBF16 ? "bfloat16" : dtype == DType::kF16 ? "float16" : "float32";
+}
+
+}  // namespace
+
+std::string Trainer::Impl::model_config_json() const { return to_hf_config_json(model, torch_dtype_name(compute_dtype)); }
+
+// The counters, loss scale and data position of the checkpoint; what differs from it is said.
+Status Trainer::Impl::resume_from_checkpoint() {
+  const TrainingState& st = resume->state;
+  ZO_RETURN_IF_ERROR(scaler->restore(st.loss_scaler).with_context("resuming from " + resume->path));
+  ZO_RETURN_IF_ERROR(data->set_position(st.data_position).with_context("resuming from " + resume->path));
+  steps_done = st.steps_done;
+  optimizer_steps = st.optimizer_steps;
+  resumed_from = resume->path;
+  last_saved_step = st.steps_done;
+  std::vector<std::string> diff;
+  config_diff(st.config, to_json(opt.config), "", &diff);
+  if (!diff.empty()) {
+    std::vector<std::string> shown(diff.begin(), diff.begin() + std::min<size_t>(diff.size(), 8));
+    ZO_LOG(kWarn) << "resuming from " << resume->path << " with a config that differs from the one it was saved with at "
+                  << join(shown, ", ") << (diff.size() > shown.size() ? ", ..." : "")
+                  << ": training continues with the new values";
+  }
+  if (st.data != fs::absolute(opt.data_path).lexically_normal().string() || st.seq_len != data->options().seq_len) {
+    ZO_LOG(kWarn) << "resuming from " << resume->path << ", saved while reading " << st.data << " with --seq-len "
+                  << st.seq_len << ", now " << opt.data_path << " with " << data->options().seq_len
+                  << ": the data position (epoch " << st.data_position.epoch << ", batch " << st.data_position.index
+                  << ") is applied to the new data";
+  }
+  const std::string saved = resume->model_config_json;
+  if (saved != model_config_json()) {
+    auto saved_model = parse_hf_config(saved, resume->path + "/config.json");
+    if (saved_model.is_ok() && to_hf_config_json(*saved_model, "") != to_hf_config_json(model, "")) {
+      ZO_LOG(kWarn) << "resuming from " << resume->path << ": its config.json differs from " << opt.model
+                    << "'s beyond the tensor shapes (norm eps, rope, ...): training continues with " << opt.model << "'s";
+    }
+  }
+  resume.reset();
   return Status::ok();
 }
 
@@ -532,6 +628,57 @@ Status Trainer::read_master(uint32_t param, std::span<float> out) {
                 out.begin() + static_cast<std::ptrdiff_t>(piece.param_offset));
   }
   return Status::ok();
+}
+
+const std::string& Trainer::checkpoint_dir() const { return impl_->checkpoint_dir; }
+const std::string& Trainer::resumed_from() const { return impl_->resumed_from; }
+
+bool Trainer::checkpoint_due(bool end_of_run) const {
+  const Impl& m = *impl_;
+  if (m.checkpoint_dir.empty() || m.last_saved_step == m.steps_done) return false;
+  if (end_of_run) return true;
+  const uint64_t every = m.opt.config.zoffload.checkpoint.every_steps;
+  return every > 0 && m.steps_done % every == 0;
+}
+
+TrainingState Trainer::training_state() const {
+  const Impl& m = *impl_;
+  TrainingState st;
+  st.steps_done = m.steps_done;
+  st.optimizer_steps = m.optimizer_steps;
+  st.loss_scaler = m.scaler->state();
+  st.data_position = m.data->position();
+  st.seed = m.data->options().seed;
+  st.model = m.opt.model;
+  st.data = fs::absolute(m.opt.data_path).lexically_normal().string();
+  st.seq_len = m.data->options().seq_len;
+  st.config = to_json(m.opt.config);
+  return st;
+}
+
+Result<SaveResult> Trainer::save_checkpoint(const std::function<void(uint64_t, uint64_t)>& progress) {
+  Impl& m = *impl_;
+  if (m.checkpoint_dir.empty())
+    return failed_precondition("no checkpoint directory: set zoffload.checkpoint.dir in the config");
+  const CheckpointConfig& cc = m.opt.config.zoffload.checkpoint;
+  SaveOptions o;
+  o.dir = m.checkpoint_dir;
+  o.keep_last = cc.keep_last;
+  o.staging_bytes = cc.staging_buffer_size;
+  o.progress = progress;
+  ZO_ASSIGN_OR_RETURN(SaveResult r, engine::save_checkpoint(*m.store, training_state(), m.model_config_json(), o));
+  m.last_saved_step = m.steps_done;
+  return r;
+}
+
+Result<ExportResult> Trainer::export_model(const ExportOptions& options) {
+  Impl& m = *impl_;
+  return export_store(*m.store, to_hf_config_json(m.model, torch_dtype_name(options.dtype)), *m.io, options);
+}
+
+DType Trainer::export_dtype() const {
+  const Config& c = impl_->opt.config;
+  return c.bf16.enabled ? DType::kBF16 : c.fp16.enabled ? DType::kF16 : DType::kF32;
 }
 
 std::string Trainer::describe() const {

@@ -13,6 +13,8 @@
 #include <vector>
 
 #include "common/status.h"
+#include "engine/ckpt/checkpoint.h"
+#include "engine/ckpt/export.h"
 #include "engine/config/config.h"
 #include "engine/data/dataset.h"
 #include "engine/memory/accounting.h"
@@ -29,7 +31,12 @@ struct TrainOptions {
   std::string data_path;     // tokens: .bin (llm.c/nanoGPT), .jsonl with input_ids, or text (bytes)
   DataFormat data_format = DataFormat::kAuto;
   uint64_t seq_len = 0;      // tokens per row; 0: min(256, max_position_embeddings)
-  uint64_t seed = 0;         // random init, data order
+  uint64_t seed = 0;         // random init, data order (a resumed run keeps its checkpoint's)
+  // Continue from a checkpoint: a step directory, a checkpoint directory whose `latest` names one,
+  // or "latest" (zoffload.checkpoint.dir's). Weights, optimizer states, counters, loss scale and
+  // data position come from it (checksums checked as it loads); `model` then only has to name the
+  // same architecture. Empty: start fresh.
+  std::string resume;
   // Where relative paths of the config (offload nvme_path, log.metrics_path) are resolved and
   // metrics.jsonl is written; created if missing. Empty: the current directory.
   std::string out_dir;
@@ -84,6 +91,26 @@ class Trainer {
   Result<StepMetrics> step();
 
   uint64_t steps_done() const;
+
+  // Checkpoints (docs/checkpoint_format.md). The resolved zoffload.checkpoint.dir; empty: none.
+  const std::string& checkpoint_dir() const;
+  // The step directory this run resumed from; empty when it started fresh.
+  const std::string& resumed_from() const;
+  // Whether a save is due after the steps done so far: every zoffload.checkpoint.every_steps steps,
+  // or, at the end of the run, when the last step has no checkpoint yet (never without a directory).
+  bool checkpoint_due(bool end_of_run = false) const;
+  // Saves the state after steps_done() steps into checkpoint_dir() as step-<N> (atomically, pruning
+  // beyond keep_last). Only reads the training state: a failed save leaves it, the previous
+  // checkpoints and `latest` unchanged, and training may go on. kFailedPrecondition without a
+  // checkpoint directory or after a failed optimizer step.
+  Result<SaveResult> save_checkpoint(const std::function<void(uint64_t done_bytes, uint64_t total_bytes)>& progress = {});
+  TrainingState training_state() const;
+  // Exports the current master weights as a Hugging Face model directory (export.h), streamed from
+  // their tiers through options.staging_bytes.
+  Result<ExportResult> export_model(const ExportOptions& options);
+  // The dtype an end-of-training export uses: bf16 when bf16 is enabled, else fp16 when fp16 is,
+  // else fp32.
+  DType export_dtype() const;
   const ModelConfig& model_config() const;
   const ModelLayout& layout() const;
   uint64_t num_parameters() const;
