@@ -1,0 +1,319 @@
+// Checkpoints over real files: every tier saves and loads bit-exactly (also into a store with another
+// sub-group size and placement), the commit protocol leaves `latest`, pruning and stale tmp
+// directories as documented, a flipped byte anywhere is caught by verify and by load, and ENOSPC or
+// EIO during a save is a clear error that leaves the previous checkpoint and the store untouched.
+// Kills mid-save are in crash_test.cpp.
+#include "engine/ckpt/checkpoint.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "common/aligned_buffer.h"
+#include "engine/model/safetensors.h"
+#include "tests/engine/ckpt/ckpt_rig.h"
+#include "tests/engine/temp_dir.h"
+
+namespace zo::engine {
+namespace {
+
+namespace fs = std::filesystem;
+using ::testing::HasSubstr;
+using testing::Placing;
+using testing::Rig;
+
+constexpr uint64_t kStaging = uint64_t{1} << 20;  // small, so every state streams in several slots
+
+TrainingState state_at(uint64_t step) {
+  TrainingState s;
+  s.steps_done = step;
+  s.optimizer_steps = step - 1;
+  s.loss_scaler = {.cur_scale = 2048, .cur_iter = step, .last_overflow_iter = 1, .cur_hysteresis = 2};
+  s.data_position = {.epoch = 3, .index = 17};
+  s.seed = 42;
+  s.model = "rig";
+  s.data = "/data/x.bin";
+  s.seq_len = 128;
+  s.config = {{"bf16", {{"enabled", true}}}};
+  return s;
+}
+
+SaveOptions save_options(const std::string& dir, uint64_t keep_last = 2) {
+  SaveOptions o;
+  o.dir = dir;
+  o.keep_last = keep_last;
+  o.staging_bytes = kStaging;
+  return o;
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+void flip_byte(const std::string& path, uint64_t offset) {
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(static_cast<std::streamoff>(offset));
+  char c = 0;
+  f.read(&c, 1);
+  c = static_cast<char>(c ^ 0x20);
+  f.seekp(static_cast<std::streamoff>(offset));
+  f.write(&c, 1);
+}
+
+struct Buffers {
+  AlignedBuffer staging = std::move(AlignedBuffer::allocate(kStaging)).value();
+};
+
+Status verify(const std::string& path, io::IoEngine& io) {
+  Buffers b;
+  ZO_ASSIGN_OR_RETURN(std::string dir, resolve_checkpoint(path));
+  ZO_ASSIGN_OR_RETURN(CheckpointInfo info, open_checkpoint(dir));
+  return verify_checkpoint(info, io, b.staging.bytes());
+}
+
+Status load(const std::string& path, Rig& rig) {
+  Buffers b;
+  ZO_ASSIGN_OR_RETURN(std::string dir, resolve_checkpoint(path));
+  ZO_ASSIGN_OR_RETURN(CheckpointInfo info, open_checkpoint(dir));
+  return load_checkpoint(info, *rig.store, *rig.io, b.staging.bytes());
+}
+
+TEST(Checkpoint, EveryTierRoundTripsBitExactlyAcrossPlacements) {
+  const std::vector<Placing> placings = {
+      {.optimizer = "nvme", .param = "nvme"}, {.optimizer = "cpu", .param = "cpu"},
+      {.optimizer = "none", .param = "none"}, {.optimizer = "nvme", .param = "cpu", .sub_group_size = 20000},
+      {.optimizer = "cpu", .param = "nvme", .precision = "fp16"}, {.optimizer = "nvme", .param = "nvme", .precision = "fp32"}};
+  for (const Placing& from : placings) {
+    SCOPED_TRACE(from.optimizer + "/" + from.param + " " + from.precision);
+    TempDir dir;
+    Rig src;
+    ASSERT_TRUE(src.init(from, dir.path + "/swap-a").is_ok());
+    ASSERT_TRUE(src.fill(7).is_ok());
+    const std::string ckpt = dir.path + "/ckpt";
+    auto saved = save_checkpoint(*src.store, state_at(5), "{\"model_type\": \"llama\"}", save_options(ckpt));
+    ASSERT_TRUE(saved.is_ok()) << saved.status().to_string();
+    EXPECT_EQ(saved->path, ckpt + "/step-5");
+    EXPECT_EQ(read_file(ckpt + "/latest"), "step-5\n");
+    ASSERT_TRUE(verify(ckpt, *src.io).is_ok());
+
+    // Into a store with a different sub-group size and placement (same precision): the same bytes.
+    Placing to = from.optimizer == "nvme" ? Placing{.optimizer = "cpu", .param = "cpu", .sub_group_size = 4096}
+                                          : Placing{.optimizer = "nvme", .param = "nvme", .sub_group_size = 12288};
+    to.precision = from.precision;
+    Rig dst;
+    ASSERT_TRUE(dst.init(to, dir.path + "/swap-b").is_ok());
+    ASSERT_TRUE(dst.fill(99).is_ok());  // garbage that the load must overwrite
+    Status s = load(ckpt, dst);
+    ASSERT_TRUE(s.is_ok()) << s.to_string();
+    for (StateKind kind : {StateKind::kMaster, StateKind::kExpAvg, StateKind::kExpAvgSq, StateKind::kCompute}) {
+      EXPECT_TRUE(src.gather(kind) == dst.gather(kind)) << state_name(kind);
+    }
+    auto info = open_checkpoint(ckpt + "/step-5");
+    ASSERT_TRUE(info.is_ok());
+    EXPECT_EQ(info->state.to_json(), state_at(5).to_json());
+    EXPECT_EQ(info->model_config_json, "{\"model_type\": \"llama\"}");
+    EXPECT_EQ(info->manifest.tensors.size(), src.registry.params().size());
+  }
+}
+
+TEST(Checkpoint, StateFilesAreSafetensorsWithHfNames) {
+  TempDir dir;
+  Rig rig;
+  ASSERT_TRUE(rig.init({}, dir.path + "/swap").is_ok());
+  ASSERT_TRUE(rig.fill(3).is_ok());
+  ASSERT_TRUE(save_checkpoint(*rig.store, state_at(1), "{}", save_options(dir.path)).is_ok());
+  auto st = SafetensorsFile::open(dir.path + "/step-1/master.safetensors");
+  ASSERT_TRUE(st.is_ok()) << st.status().to_string();
+  EXPECT_EQ((*st)->metadata().at("format"), "pt");
+  EXPECT_EQ((*st)->tensors().front().data_offset_bytes % 4096, 0u);
+  const ParamInfo& p = rig.registry.params()[1];
+  const SafetensorsTensor* t = (*st)->find(p.name);
+  ASSERT_NE(t, nullptr);
+  EXPECT_EQ(t->shape, p.shape);
+  std::vector<float> got(100);
+  ASSERT_TRUE((*st)->read_f32(*t, 6000, got).is_ok());
+  const uint64_t flat = rig.registry.pieces_of_param(1)[0].group_offset +
+                        rig.registry.sub_groups()[rig.registry.pieces_of_param(1)[0].sub_group].first_elem;
+  for (uint64_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i], testing::rig_value(3, StateKind::kMaster, flat + 6000 + i));
+}
+
+TEST(Checkpoint, LatestPruningAndStaleTmpDirectories) {
+  TempDir dir;
+  Rig rig;
+  ASSERT_TRUE(rig.init({}, dir.path + "/swap").is_ok());
+  const std::string ckpt = dir.path + "/ckpt";
+  std::vector<SavePhase> phases;
+  for (uint64_t step : {2, 4, 6, 8}) {
+    ASSERT_TRUE(rig.fill(step).is_ok());
+    SaveOptions o = save_options(ckpt, 2);
+    o.on_phase = [&](SavePhase p) { phases.push_back(p); };
+    auto r = save_checkpoint(*rig.store, state_at(step), "{}", o);
+    ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+    EXPECT_EQ(read_file(ckpt + "/latest"), "step-" + std::to_string(step) + "\n");
+  }
+  EXPECT_FALSE(fs::exists(ckpt + "/step-2"));
+  EXPECT_FALSE(fs::exists(ckpt + "/step-4"));
+  EXPECT_TRUE(fs::exists(ckpt + "/step-6"));
+  EXPECT_EQ(resolve_checkpoint(ckpt).value(), ckpt + "/step-8");
+  EXPECT_THAT(phases, ::testing::Contains(SavePhase::kPruned));
+  EXPECT_EQ(phases.front(), SavePhase::kStarted);
+  // The same step again is refused, and changes nothing.
+  auto again = save_checkpoint(*rig.store, state_at(8), "{}", save_options(ckpt));
+  EXPECT_EQ(again.status().code(), StatusCode::kAlreadyExists);
+  // keep_last 0 keeps all.
+  ASSERT_TRUE(save_checkpoint(*rig.store, state_at(9), "{}", save_options(ckpt, 0)).is_ok());
+  EXPECT_TRUE(fs::exists(ckpt + "/step-6") && fs::exists(ckpt + "/step-8"));
+
+  // What a killed save leaves is removed at the next start; checkpoints stay.
+  fs::create_directories(ckpt + "/tmp-10-0123abcd");
+  std::ofstream(ckpt + "/tmp-10-0123abcd/master.safetensors") << "partial";
+  std::ofstream(ckpt + "/latest.tmp-feedbeef") << "step-10\n";
+  auto removed = clean_stale_checkpoints(ckpt);
+  ASSERT_TRUE(removed.is_ok());
+  EXPECT_EQ(removed->size(), 2u);
+  EXPECT_FALSE(fs::exists(ckpt + "/tmp-10-0123abcd"));
+  EXPECT_TRUE(fs::exists(ckpt + "/step-9/manifest.json"));
+  EXPECT_TRUE(clean_stale_checkpoints(dir.path + "/nowhere").is_ok());
+}
+
+TEST(Checkpoint, ResolveNamesWhatIsWrong) {
+  TempDir dir;
+  EXPECT_EQ(resolve_checkpoint(dir.path + "/missing").status().code(), StatusCode::kNotFound);
+  EXPECT_THAT(resolve_checkpoint(dir.path).status().message(), HasSubstr("neither manifest.json"));
+  std::ofstream(dir.path + "/latest") << "../../etc\n";
+  EXPECT_EQ(resolve_checkpoint(dir.path).status().code(), StatusCode::kCorruption);
+  std::ofstream(dir.path + "/latest") << "step-3\n";
+  fs::create_directories(dir.path + "/step-3");
+  EXPECT_THAT(resolve_checkpoint(dir.path).status().message(), HasSubstr("no manifest.json"));
+}
+
+TEST(Checkpoint, AFlippedByteInAnyFileIsCaughtByVerifyAndLoad) {
+  TempDir dir;
+  Rig rig;
+  ASSERT_TRUE(rig.init({.optimizer = "nvme", .param = "nvme"}, dir.path + "/swap").is_ok());
+  ASSERT_TRUE(rig.fill(5).is_ok());
+  const std::string good = dir.path + "/good";
+  ASSERT_TRUE(save_checkpoint(*rig.store, state_at(3), "{\"hidden_size\": 8}", save_options(good)).is_ok());
+  const std::string step = good + "/step-3";
+  auto info = open_checkpoint(step);
+  ASSERT_TRUE(info.is_ok());
+  int checked = 0;
+  for (const FileDigest& f : info->manifest.files) {
+    // A byte in the header or start, one in the middle, the last byte.
+    for (uint64_t off : {uint64_t{9}, f.size_bytes / 2, f.size_bytes - 1}) {
+      SCOPED_TRACE(f.name + " @" + std::to_string(off));
+      const std::string copy = dir.path + "/copy";
+      fs::remove_all(copy);
+      fs::copy(step, copy);
+      flip_byte(copy + "/" + f.name, off);
+      Status v = verify(copy, *rig.io);
+      EXPECT_FALSE(v.is_ok());
+      Rig dst;
+      ASSERT_TRUE(dst.init({.optimizer = "cpu", .param = "cpu"}, dir.path + "/swap2").is_ok());
+      Status l = load(copy, dst);
+      EXPECT_FALSE(l.is_ok());
+      if (!v.is_ok()) EXPECT_THAT(v.to_string(), HasSubstr(f.name));
+      ++checked;
+    }
+  }
+  EXPECT_EQ(checked, 15);
+  // The manifest itself, flipped: refused at open.
+  const std::string copy = dir.path + "/copy-manifest";
+  fs::copy(step, copy);
+  flip_byte(copy + "/manifest.json", 20);
+  EXPECT_FALSE(open_checkpoint(copy).is_ok());
+  // No manifest: an incomplete save, never loaded.
+  const std::string partial = dir.path + "/partial";
+  fs::copy(step, partial);
+  fs::remove(partial + "/manifest.json");
+  EXPECT_THAT(open_checkpoint(partial).status().message(), HasSubstr("no manifest.json"));
+  // A truncated state file is caught by size before anything is read.
+  const std::string cut = dir.path + "/cut";
+  fs::copy(step, cut);
+  fs::resize_file(cut + "/exp_avg.safetensors", fs::file_size(cut + "/exp_avg.safetensors") - 4);
+  EXPECT_THAT(open_checkpoint(cut).status().message(), HasSubstr("exp_avg.safetensors"));
+  // The original still verifies.
+  EXPECT_TRUE(verify(step, *rig.io).is_ok());
+}
+
+TEST(Checkpoint, LoadRefusesAnotherModel) {
+  TempDir dir;
+  Rig a, b;
+  ASSERT_TRUE(a.init({}, dir.path + "/swap-a").is_ok());
+  ASSERT_TRUE(b.init({}, dir.path + "/swap-b", /*scale=*/2).is_ok());
+  ASSERT_TRUE(save_checkpoint(*a.store, state_at(1), "{}", save_options(dir.path + "/c")).is_ok());
+  Status s = load(dir.path + "/c", b);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("model.embed_tokens.weight"));
+}
+
+// ENOSPC or EIO at several points of a save: a clear error naming the file, no step directory, no
+// tmp left, `latest` and the previous checkpoint intact, the store unchanged.
+TEST(Checkpoint, FaultsDuringASaveLoseNothing) {
+  struct Case {
+    io::FaultKind kind;
+    std::string file;
+    uint64_t offset;
+  };
+  const std::vector<Case> cases = {{io::FaultKind::kNoSpace, "master.safetensors", 0},
+                                   {io::FaultKind::kNoSpace, "exp_avg_sq.safetensors", 65536},
+                                   {io::FaultKind::kEio, "exp_avg.safetensors", 4096},
+                                   {io::FaultKind::kEio, "optimizer.swp", 0}};  // reading the swap file
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.file);
+    TempDir dir;
+    Rig rig;
+    ASSERT_TRUE(rig.init({.optimizer = "nvme", .param = "nvme"}, dir.path + "/swap").is_ok());
+    ASSERT_TRUE(rig.fill(1).is_ok());
+    const std::string ckpt = dir.path + "/ckpt";
+    ASSERT_TRUE(save_checkpoint(*rig.store, state_at(1), "{}", save_options(ckpt)).is_ok());
+    ASSERT_TRUE(rig.fill(2).is_ok());
+    const auto before_master = rig.gather(StateKind::kMaster);
+    const auto before_v = rig.gather(StateKind::kExpAvgSq);
+
+    const uint64_t injected = rig.faults->injected();
+    rig.faults->add({.kind = c.kind, .op = c.file == "optimizer.swp" ? io::IoOp::kRead : io::IoOp::kWrite,
+                     .path_contains = c.file, .offset_bytes = c.offset, .times = 1});
+    auto r = save_checkpoint(*rig.store, state_at(2), "{}", save_options(ckpt));
+    ASSERT_FALSE(r.is_ok());
+    EXPECT_GT(rig.faults->injected(), injected);
+    EXPECT_THAT(r.status().to_string(), HasSubstr(c.file));
+    EXPECT_THAT(r.status().to_string(), HasSubstr("step-2"));
+    if (c.kind == io::FaultKind::kNoSpace) EXPECT_EQ(r.status().code(), StatusCode::kNoSpace);
+    rig.faults->clear();
+
+    EXPECT_FALSE(fs::exists(ckpt + "/step-2"));
+    for (const auto& e : fs::directory_iterator(ckpt)) EXPECT_THAT(e.path().filename().string(), ::testing::Not(HasSubstr("tmp")));
+    EXPECT_EQ(read_file(ckpt + "/latest"), "step-1\n");
+    EXPECT_TRUE(verify(ckpt, *rig.io).is_ok());
+    EXPECT_TRUE(rig.gather(StateKind::kMaster) == before_master);
+    EXPECT_TRUE(rig.gather(StateKind::kExpAvgSq) == before_v);
+    // And the next save works.
+    EXPECT_TRUE(save_checkpoint(*rig.store, state_at(2), "{}", save_options(ckpt)).is_ok());
+    EXPECT_EQ(read_file(ckpt + "/latest"), "step-2\n");
+  }
+}
+
+TEST(Checkpoint, RefusesBadOptionsAndATornStore) {
+  TempDir dir;
+  Rig rig;
+  ASSERT_TRUE(rig.init({}, dir.path + "/swap").is_ok());
+  SaveOptions o = save_options(dir.path + "/c");
+  o.staging_bytes = 4096;
+  EXPECT_EQ(save_checkpoint(*rig.store, state_at(1), "{}", o).status().code(), StatusCode::kInvalidArgument);
+  o.staging_bytes = kStaging;
+  o.dir = "";
+  EXPECT_EQ(save_checkpoint(*rig.store, state_at(1), "{}", o).status().code(), StatusCode::kInvalidArgument);
+  rig.store->mark_torn("step 3 failed");
+  auto r = save_checkpoint(*rig.store, state_at(1), "{}", save_options(dir.path + "/c"));
+  EXPECT_EQ(r.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_FALSE(fs::exists(dir.path + "/c/step-1"));
+}
+
+}  // namespace
+}  // namespace zo::engine

@@ -1,0 +1,116 @@
+// A StateStore over real swap files for checkpoint tests: a small model with odd shapes, a chosen
+// placement and sub-group size, states filled with values that are a function of (seed, state,
+// element) so any two stores can be compared. Test-only; not thread-safe.
+#pragma once
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/check.h"
+#include "common/half.h"
+#include "engine/config/config.h"
+#include "engine/memory/param_registry.h"
+#include "engine/memory/state_store.h"
+#include "gpu/device.h"
+#include "io/fault_injector.h"
+#include "io/io_engine.h"
+
+namespace zo::engine::testing {
+
+struct Placing {
+  std::string optimizer = "nvme";  // offload_optimizer.device: none (device), cpu, nvme
+  std::string param = "cpu";       // offload_param.device
+  uint64_t sub_group_size = 8192;
+  std::string precision = "bf16";  // bf16, fp16 or fp32 compute
+};
+
+// Odd sizes: params split over sub-groups, tails that are not multiples of 4 KiB.
+inline std::vector<ParamSpec> rig_model(uint64_t scale = 1) {
+  return {{"model.embed_tokens.weight", {static_cast<int64_t>(37 * scale), 53}},
+          {"model.layers.0.mlp.up_proj.weight", {3, static_cast<int64_t>(7000 * scale)}},
+          {"model.layers.0.input_layernorm.weight", {5000}},
+          {"model.layers.0.self_attn.q_proj.bias", {1}},
+          {"model.layers.0.mlp.down_proj.weight", {12288}},
+          {"model.norm.weight", {4099}},
+          {"lm_head.weight", {777}}};
+}
+
+inline Config rig_config(const Placing& p, const std::string& nvme_dir) {
+  const std::string precision = p.precision == "fp32" ? "" : R"("fp16": {"enabled": )" +
+                                                                 std::string(p.precision == "fp16" ? "true" : "false") +
+                                                                 R"(}, "bf16": {"enabled": )" +
+                                                                 (p.precision == "bf16" ? "true" : "false") + "},";
+  const std::string json = R"({"train_micro_batch_size_per_gpu": 1, )" + precision + R"(
+    "zero_optimization": {"stage": 3, "sub_group_size": )" + std::to_string(p.sub_group_size) + R"(,
+      "offload_optimizer": {"device": ")" + p.optimizer + R"(", "nvme_path": ")" + nvme_dir + R"("},
+      "offload_param": {"device": ")" + p.param + R"(", "nvme_path": ")" + nvme_dir + R"(", "max_in_cpu": 0}},
+    "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}})";
+  ConfigDiagnostics diag;
+  auto config = parse_config(json, ResolveContext{}, &diag);
+  std::string errors;
+  for (const auto& e : diag.errors) errors += e.to_string() + "\n";
+  ZO_CHECK(config.has_value()) << errors;
+  return *config;
+}
+
+// The value of element i of `kind` in generation `gen`: distinct per state, exact in fp32.
+inline float rig_value(uint64_t gen, StateKind kind, uint64_t i) {
+  const uint64_t h = (i * 2654435761u + gen * 40503u + static_cast<uint64_t>(kind) * 977u) % 100003u;
+  const float v = static_cast<float>(h) / 4096.0f - 12.0f;
+  return kind == StateKind::kExpAvgSq ? v * v : v;
+}
+
+struct Rig {
+  std::string nvme_dir;
+  Config config;
+  ParamRegistry registry;
+  MemoryPlan plan;
+  std::unique_ptr<gpu::Device> device;
+  std::shared_ptr<io::FaultInjector> faults = std::make_shared<io::FaultInjector>();
+  std::unique_ptr<io::IoEngine> io;
+  MemoryAccounting accounting;
+  std::unique_ptr<StateStore> store;
+
+  Status init(const Placing& p, const std::string& dir, uint64_t scale = 1) {
+    nvme_dir = dir;
+    config = rig_config(p, dir);
+    ZO_ASSIGN_OR_RETURN(registry, ParamRegistry::build(rig_model(scale), config.zero.sub_group_size));
+    ZO_ASSIGN_OR_RETURN(plan, plan_memory(config, registry));
+    ZO_ASSIGN_OR_RETURN(device, gpu::make_device(gpu::DeviceKind::kHost, uint64_t{256} << 20));
+    ZO_ASSIGN_OR_RETURN(io, io::IoEngine::create(io::IoOptions{}, faults));
+    StateStoreOptions o;
+    o.optimizer_nvme_path = dir;
+    o.param_nvme_path = dir;
+    ZO_ASSIGN_OR_RETURN(store, StateStore::create(registry, plan, *device, *io, o, accounting));
+    return Status::ok();
+  }
+
+  // Sets master, exp_avg and exp_avg_sq of every element to generation `gen`'s values and the
+  // compute copies to the master rounded (as the optimizer leaves them).
+  Status fill(uint64_t gen) {
+    for (const SubGroup& g : registry.sub_groups()) {
+      for (StateKind kind : {StateKind::kMaster, StateKind::kExpAvg, StateKind::kExpAvgSq}) {
+        std::vector<float> v(g.n_elems);
+        for (uint64_t i = 0; i < g.n_elems; ++i) v[i] = rig_value(gen, kind, g.first_elem + i);
+        ZO_RETURN_IF_ERROR(store->write_state(g.index, kind, std::as_bytes(std::span(v))));
+        if (kind == StateKind::kMaster) ZO_RETURN_IF_ERROR(store->write_compute_from_master(g.index, 0, v));
+      }
+    }
+    return Status::ok();
+  }
+
+  // One state of the whole flat parameter space, in sub-group order.
+  std::vector<std::byte> gather(StateKind kind) {
+    std::vector<std::byte> out;
+    for (const SubGroup& g : registry.sub_groups()) {
+      std::vector<std::byte> part(store->state_bytes(g.index, kind));
+      ZO_CHECK(store->read_state(g.index, kind, part).is_ok());
+      out.insert(out.end(), part.begin(), part.end());
+    }
+    return out;
+  }
+};
+
+}  // namespace zo::engine::testing
