@@ -365,6 +365,28 @@ Status prune_one(const std::string& dir, const std::string& victim) {
   return Status::ok();
 }
 
+// Note [Replacing a step directory]: DIR/step-<N> can exist already — left by a save killed after
+// its rename but before `latest` was updated, or by a run that went further before this one resumed
+// from an older checkpoint. The new checkpoint replaces it with one atomic renameat2(RENAME_EXCHANGE)
+// (the old one lands at the tmp name and is removed), so `latest`, whichever it names, never points
+// at a missing or partial directory. File systems without RENAME_EXCHANGE get kAlreadyExists.
+Status commit_directory(const std::string& tmp, const std::string& final_dir) {
+  if (::rename(tmp.c_str(), final_dir.c_str()) == 0) return Status::ok();
+  if (errno != EEXIST && errno != ENOTEMPTY) return errno_status("renaming " + tmp + " to " + final_dir, errno);
+  if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, final_dir.c_str(), RENAME_EXCHANGE) == 0) {
+    ZO_LOG(kInfo) << "replaced the existing " << final_dir << " with the new checkpoint of the same step";
+    return Status::ok();
+  }
+  const int err = errno;
+  if (err == EINVAL || err == ENOSYS || err == EOPNOTSUPP) {
+    return Status(StatusCode::kAlreadyExists,
+                  final_dir + " already exists and this file system cannot swap directories atomically "
+                              "(renameat2 RENAME_EXCHANGE: " + std::string(std::strerror(err)) +
+                      "): remove it or save into another zoffload.checkpoint.dir");
+  }
+  return errno_status("swapping " + tmp + " with the existing " + final_dir, err);
+}
+
 // step-<N> directories of DIR, oldest first.
 std::vector<std::pair<uint64_t, std::string>> step_dirs(const std::string& dir) {
   std::vector<std::pair<uint64_t, std::string>> out;
@@ -418,7 +440,6 @@ Result<SaveResult> save_checkpoint(StateStore& store, const TrainingState& state
   fs::create_directories(options.dir, ec);
   if (ec) return errno_status(context + ": creating " + options.dir, ec.value());
   const std::string final_dir = options.dir + "/" + name;
-  if (fs::exists(final_dir, ec)) return Status(StatusCode::kAlreadyExists, context + ": " + final_dir + " already exists");
 
   const std::string tmp = options.dir + "/tmp-" + std::to_string(state.steps_done) + "-" + random_suffix();
   if (::mkdir(tmp.c_str(), 0755) != 0) return errno_status(context + ": creating " + tmp, errno);
@@ -456,11 +477,11 @@ Result<SaveResult> save_checkpoint(StateStore& store, const TrainingState& state
     ZO_ASSIGN_OR_RETURN(FileDigest mf, write_small_file(tmp, kManifestFile, manifest.to_json().dump(1) + "\n"));
     ZO_RETURN_IF_ERROR(sync_directory(tmp));
     phase(SavePhase::kManifestWritten);
-    if (::rename(tmp.c_str(), final_dir.c_str()) != 0) return errno_status("renaming " + tmp + " to " + final_dir, errno);
-    return Status::ok();
+    return commit_directory(tmp, final_dir);
   };
   Status s = write_all();
   if (!s.is_ok()) {
+    // After an exchange (see commit_directory) tmp holds the replaced checkpoint: equally removable.
     fs::remove_all(tmp, ec);
     if (ec) ZO_LOG(kWarn) << context << ": could not remove " << tmp << ": " << ec.message();
     return s.with_context(context);
@@ -468,6 +489,11 @@ Result<SaveResult> save_checkpoint(StateStore& store, const TrainingState& state
   for (const FileDigest& f : manifest.files) result.bytes += f.size_bytes;
   ZO_RETURN_IF_ERROR(sync_directory(options.dir).with_context(context));
   phase(SavePhase::kRenamed);
+  if (fs::exists(tmp, ec)) {
+    // The step-<N> this save replaced, swapped out to tmp: gone for good now (or at the next start).
+    fs::remove_all(tmp, ec);
+    if (ec) ZO_LOG(kWarn) << context << ": could not remove the replaced checkpoint at " << tmp << ": " << ec.message();
+  }
 
   // Point `latest` at it: a new file renamed over the old one.
   const std::string latest_tmp = "latest.tmp-" + random_suffix();

@@ -162,9 +162,18 @@ TEST(Checkpoint, LatestPruningAndStaleTmpDirectories) {
   EXPECT_EQ(resolve_checkpoint(ckpt).value(), ckpt + "/step-8");
   EXPECT_THAT(phases, ::testing::Contains(SavePhase::kPruned));
   EXPECT_EQ(phases.front(), SavePhase::kStarted);
-  // The same step again is refused, and changes nothing.
+  // The same step again (a resumed run re-saving it) replaces it atomically with the new states.
+  ASSERT_TRUE(rig.fill(80).is_ok());
   auto again = save_checkpoint(*rig.store, state_at(8), "{}", save_options(ckpt));
-  EXPECT_EQ(again.status().code(), StatusCode::kAlreadyExists);
+  ASSERT_TRUE(again.is_ok()) << again.status().to_string();
+  {
+    Rig back;
+    ASSERT_TRUE(back.init({}, dir.path + "/swap-back").is_ok());
+    ASSERT_TRUE(load(ckpt, back).is_ok());
+    EXPECT_TRUE(back.gather(StateKind::kMaster) == rig.gather(StateKind::kMaster));
+  }
+  EXPECT_EQ(read_file(ckpt + "/latest"), "step-8\n");
+  for (const auto& e : fs::directory_iterator(ckpt)) EXPECT_NE(e.path().filename().string().rfind("tmp-", 0), 0u);
   // keep_last 0 keeps all.
   ASSERT_TRUE(save_checkpoint(*rig.store, state_at(9), "{}", save_options(ckpt, 0)).is_ok());
   EXPECT_TRUE(fs::exists(ckpt + "/step-6") && fs::exists(ckpt + "/step-8"));
