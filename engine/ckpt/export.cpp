@@ -1,0 +1,543 @@
+// Streaming Hugging Face export (export.h; layout and guarantees in docs/export.md).
+#include "engine/ckpt/export.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <utility>
+
+#include "common/aligned_buffer.h"
+#include "common/bytes.h"
+#include "common/half.h"
+#include "engine/ckpt/stream_file.h"
+#include "engine/model/safetensors.h"
+
+namespace zo::engine {
+
+std::string shard_file_name(uint32_t shard, uint32_t n_shards) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "model-%05u-of-%05u.safetensors", shard, n_shards);
+  return buf;
+}
+
+namespace {
+
+constexpr uint32_t kWriterSlots = 4;
+constexpr uint64_t kMinStagingBytes = kMiB;
+constexpr const char* kTmpSuffix = ".tmp";
+
+std::string range_text(uint64_t begin, uint64_t end) {
+  return "[" + std::to_string(begin) + ", " + std::to_string(end) + ")";
+}
+
+const char* torch_dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::kBF16: return "bfloat16";
+    case DType::kF16: return "float16";
+    case DType::kF32: return "float32";
+  }
+  return "?";
+}
+
+Status validate(std::span<const ParamInfo> params, const ExportOptions& o) {
+  if (o.dtype != DType::kBF16 && o.dtype != DType::kF16 && o.dtype != DType::kF32)
+    return invalid_argument("export: dtype " + std::to_string(static_cast<int>(o.dtype)) + " is not bf16, fp16 or fp32");
+  if (o.out_dir.empty()) return invalid_argument("export: no output directory given");
+  if (o.shard_bytes == 0) return invalid_argument("export: the shard size must be at least 1 byte");
+  if (o.staging_bytes < kMinStagingBytes || !is_aligned(o.staging_bytes, kDirectIoAlignment))
+    return invalid_argument("export: staging of " + std::to_string(o.staging_bytes) +
+                            " bytes: it must be at least 1 MiB and a multiple of 4096");
+  if (params.empty()) return invalid_argument("export: no tensors to export");
+  std::set<std::string_view> names;
+  for (const ParamInfo& p : params) {
+    if (p.name.empty()) return invalid_argument("export: tensor " + std::to_string(p.id) + " has no name");
+    if (!names.insert(p.name).second) return invalid_argument("export: tensor " + p.name + " is given twice");
+    uint64_t n = 1;
+    for (int64_t d : p.shape) {
+      if (d < 1) return invalid_argument("export: tensor " + p.name + " has a dimension < 1");
+      n *= static_cast<uint64_t>(d);
+    }
+    if (n != p.n_elems)
+      return invalid_argument("export: tensor " + p.name + ": " + std::to_string(p.n_elems) +
+                              " elements do not match its shape (" + std::to_string(n) + ")");
+  }
+  return Status::ok();
+}
+
+// The model's config.json with torch_dtype set to the export dtype.
+Result<std::string> config_with_dtype(const std::string& model_config_json, DType dtype) {
+  nlohmann::json config = nlohmann::json::parse(model_config_json, nullptr, /*allow_exceptions=*/false);
+  if (config.is_discarded() || !config.is_object())
+    return invalid_argument("export: the model config is not a JSON object");
+  config["torch_dtype"] = torch_dtype_name(dtype);
+  return config.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
+}
+
+struct Shard {
+  size_t first = 0;  // params [first, end)
+  size_t end = 0;
+  uint64_t tensor_bytes = 0;
+  std::string name;
+};
+
+// Consecutive params in order; a new shard starts when the next tensor would take the current one
+// past shard_bytes, so a tensor larger than shard_bytes is alone in its shard.
+std::vector<Shard> plan_shards(std::span<const ParamInfo> params, DType dtype, uint64_t shard_bytes) {
+  std::vector<Shard> shards;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const uint64_t bytes = params[i].n_elems * dtype_size_bytes(dtype);
+    if (shards.empty() || (shards.back().end > shards.back().first && shards.back().tensor_bytes + bytes > shard_bytes))
+      shards.push_back({i, i, 0, ""});
+    shards.back().end = i + 1;
+    shards.back().tensor_bytes += bytes;
+  }
+  const auto n = static_cast<uint32_t>(shards.size());
+  for (uint32_t k = 0; k < n; ++k) shards[k].name = n == 1 ? kSingleShardFile : shard_file_name(k + 1, n);
+  return shards;
+}
+
+// The files of an export in progress. Until commit() every file exists only as NAME.tmp; a failed
+// export (the destructor without commit) removes them, and out_dir when the export created it.
+class OutputDir {
+ public:
+  ~OutputDir() {
+    if (committed_ || dir_.empty()) return;
+    for (const std::string& name : names_) {
+      ::unlink(tmp_path(name).c_str());
+      if (renamed_) ::unlink(path(name).c_str());
+    }
+    if (created_) ::rmdir(dir_.c_str());
+  }
+
+  // out_dir must be missing (it is created, with its parents) or an empty directory.
+  Status open(const std::string& dir) {
+    struct stat st {};
+    if (::stat(dir.c_str(), &st) == 0) {
+      if (!S_ISDIR(st.st_mode))
+        return Status(StatusCode::kAlreadyExists, "export directory " + dir + " exists and is not a directory");
+      DIR* d = ::opendir(dir.c_str());
+      if (d == nullptr) return errno_status("export: opening the directory " + dir, errno);
+      std::string entry;
+      while (const dirent* e = ::readdir(d)) {
+        if (std::strcmp(e->d_name, ".") != 0 && std::strcmp(e->d_name, "..") != 0) {
+          entry = e->d_name;
+          break;
+        }
+      }
+      ::closedir(d);
+      if (!entry.empty())
+        return Status(StatusCode::kAlreadyExists,
+                      "export directory " + dir + " is not empty (it holds " + entry + "): give a new or empty one");
+    } else if (errno != ENOENT) {
+      return errno_status("export: stat " + dir, errno);
+    } else {
+      std::error_code ec;
+      std::filesystem::create_directories(dir, ec);
+      if (ec) return errno_status("export: creating the directory " + dir, ec.value());
+      created_ = true;
+    }
+    dir_ = dir;
+    return Status::ok();
+  }
+
+  std::string path(const std::string& name) const { return dir_ + "/" + name; }
+  std::string tmp_path(const std::string& name) const { return path(name) + kTmpSuffix; }
+  // Registers a file about to be written as tmp_path(name).
+  void add(const std::string& name) { names_.push_back(name); }
+  const std::vector<std::string>& names() const { return names_; }
+
+  // Renames every NAME.tmp to NAME and fsyncs the directory (and its parent when it was created).
+  Status commit() {
+    renamed_ = true;
+    for (const std::string& name : names_) {
+      if (::rename(tmp_path(name).c_str(), path(name).c_str()) != 0)
+        return errno_status("export: renaming " + tmp_path(name) + " to " + name, errno);
+    }
+    ZO_RETURN_IF_ERROR(sync_directory(dir_));
+    if (created_) {
+      const std::string parent = std::filesystem::path(dir_).lexically_normal().parent_path().string();
+      ZO_RETURN_IF_ERROR(sync_directory(parent.empty() ? "." : parent));
+    }
+    committed_ = true;
+    return Status::ok();
+  }
+
+ private:
+  std::string dir_;
+  std::vector<std::string> names_;
+  bool created_ = false;
+  bool renamed_ = false;
+  bool committed_ = false;
+};
+
+// A small file (config.json, the index): created, written, fsynced, closed.
+Status write_small_file(const std::string& path, const std::string& text) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (fd < 0) return errno_status("export: creating " + path, errno);
+  size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int err = n < 0 ? errno : EIO;
+      ::close(fd);
+      return errno_status("export: writing " + path + " at offset " + std::to_string(done), err);
+    }
+    done += static_cast<size_t>(n);
+  }
+  if (::fsync(fd) != 0) {
+    const int err = errno;
+    ::close(fd);
+    return errno_status("export: fsync " + path, err);
+  }
+  if (::close(fd) != 0) return errno_status("export: closing " + path, errno);
+  return Status::ok();
+}
+
+// Note [Staging split]
+// The staging buffer is the export's one large allocation. fp32 needs no conversion: the reader
+// fills the writer's slots directly, so all of it goes to the writer. bf16/fp16 read fp32 into a
+// read buffer and convert into the writer's slots; a chunk is bounded by the slot it is converted
+// into, so the read buffer holds twice a slot's elements: slot = staging / 6 (4 slots + 2), all
+// multiples of 4096. The writer writes one slot while the next is filled.
+struct Staging {
+  std::span<std::byte> writer;
+  std::span<float> read;  // empty for fp32
+};
+
+Staging split_staging(AlignedBuffer& buffer, DType dtype) {
+  const uint64_t total = buffer.size();
+  if (dtype == DType::kF32) {
+    return {buffer.bytes().first(total / (kDirectIoAlignment * kWriterSlots) * kDirectIoAlignment * kWriterSlots), {}};
+  }
+  const uint64_t slot = total / 6 / kDirectIoAlignment * kDirectIoAlignment;
+  const uint64_t writer = slot * kWriterSlots;
+  std::span<std::byte> rest = buffer.bytes().subspan(writer);
+  return {buffer.bytes().first(writer), {reinterpret_cast<float*>(rest.data()), rest.size() / sizeof(float)}};
+}
+
+class ShardExporter {
+ public:
+  ShardExporter(std::span<const ParamInfo> params, const Fp32Reader& read, io::IoEngine& io, const ExportOptions& o,
+                Staging staging, uint64_t total_bytes)
+      : params_(params), read_(read), io_(io), o_(o), staging_(staging), total_bytes_(total_bytes) {}
+
+  uint64_t overflowed() const { return overflowed_; }
+
+  Status write(const Shard& shard, const std::string& path) {
+    ZO_ASSIGN_OR_RETURN(std::unique_ptr<StreamWriter> writer,
+                        StreamWriter::create(io_, path, staging_.writer, kWriterSlots));
+    std::vector<SafetensorsEntry> entries;
+    for (size_t i = shard.first; i < shard.end; ++i) entries.push_back({params_[i].name, o_.dtype, params_[i].shape});
+    const std::string header = safetensors_header(entries, {{"format", "pt"}});
+    ZO_RETURN_IF_ERROR(writer->append(std::as_bytes(std::span<const char>(header))));
+    for (size_t i = shard.first; i < shard.end; ++i)
+      ZO_RETURN_IF_ERROR(write_tensor(*writer, static_cast<uint32_t>(i), path));
+    ZO_ASSIGN_OR_RETURN(FileDigest digest, writer->finish());
+    if (digest.size_bytes != header.size() + shard.tensor_bytes)
+      return internal_error("export: " + path + " holds " + std::to_string(digest.size_bytes) + " bytes, expected " +
+                            std::to_string(header.size() + shard.tensor_bytes));
+    return Status::ok();
+  }
+
+ private:
+  Status read(uint32_t param, uint64_t offset_elems, std::span<float> out, const std::string& path) {
+    Status s = read_(param, offset_elems, out);
+    if (!s.is_ok()) {
+      s.with_context("export: reading tensor " + params_[param].name + " elements " +
+                     range_text(offset_elems, offset_elems + out.size()) + " for " + path);
+    }
+    return s;
+  }
+
+  void advance(uint64_t bytes) {
+    done_bytes_ += bytes;
+    if (o_.progress) o_.progress(done_bytes_, total_bytes_);
+  }
+
+  Status write_tensor(StreamWriter& writer, uint32_t param, const std::string& path) {
+    const uint64_t n = params_[param].n_elems;
+    uint64_t off = 0;
+    if (o_.dtype == DType::kF32) {
+      while (off < n) {
+        ZO_ASSIGN_OR_RETURN(std::span<std::byte> span, writer.next_span((n - off) * sizeof(float)));
+        uint64_t k = std::min<uint64_t>(span.size() / sizeof(float), n - off);
+        if (k == 0 || reinterpret_cast<uintptr_t>(span.data()) % alignof(float) != 0) {
+          // A span that cannot hold an aligned float (never with a 4096-aligned data section):
+          // go through a few elements on the stack.
+          float tmp[16];
+          k = std::min<uint64_t>(16, n - off);
+          ZO_RETURN_IF_ERROR(read(param, off, {tmp, k}, path));
+          ZO_RETURN_IF_ERROR(writer.append(std::as_bytes(std::span<const float>(tmp, k))));
+        } else {
+          ZO_RETURN_IF_ERROR(read(param, off, {reinterpret_cast<float*>(span.data()), k}, path));
+          ZO_RETURN_IF_ERROR(writer.commit(k * sizeof(float)));
+        }
+        off += k;
+        advance(k * sizeof(float));
+      }
+      return Status::ok();
+    }
+    while (off < n) {
+      const uint64_t k = std::min<uint64_t>(staging_.read.size(), n - off);
+      std::span<const float> src = staging_.read.first(k);
+      ZO_RETURN_IF_ERROR(read(param, off, staging_.read.first(k), path));
+      uint64_t i = 0;
+      while (i < k) {
+        ZO_ASSIGN_OR_RETURN(std::span<std::byte> span, writer.next_span((k - i) * sizeof(uint16_t)));
+        uint64_t m = std::min<uint64_t>(span.size() / sizeof(uint16_t), k - i);
+        if (m == 0 || reinterpret_cast<uintptr_t>(span.data()) % alignof(uint16_t) != 0) {
+          const uint16_t h = convert(src[i]);
+          ZO_RETURN_IF_ERROR(writer.append(std::as_bytes(std::span<const uint16_t>(&h, 1))));
+          m = 1;
+        } else {
+          convert(src.subspan(i, m), reinterpret_cast<uint16_t*>(span.data()));
+          ZO_RETURN_IF_ERROR(writer.commit(m * sizeof(uint16_t)));
+        }
+        i += m;
+      }
+      off += k;
+      advance(k * sizeof(uint16_t));
+    }
+    return Status::ok();
+  }
+
+  uint16_t convert(float f) {
+    if (o_.dtype == DType::kBF16) return float_to_bf16(f);
+    const uint16_t h = float_to_f16(f);
+    if ((h & 0x7FFFu) == 0x7C00u && std::isfinite(f)) ++overflowed_;
+    return h;
+  }
+
+  void convert(std::span<const float> src, uint16_t* dst) {
+    if (o_.dtype == DType::kBF16) {
+      for (size_t j = 0; j < src.size(); ++j) dst[j] = float_to_bf16(src[j]);
+      return;
+    }
+    uint64_t overflowed = 0;
+    for (size_t j = 0; j < src.size(); ++j) {
+      const uint16_t h = float_to_f16(src[j]);
+      dst[j] = h;
+      overflowed += (h & 0x7FFFu) == 0x7C00u && std::isfinite(src[j]);
+    }
+    overflowed_ += overflowed;
+  }
+
+  std::span<const ParamInfo> params_;
+  const Fp32Reader& read_;
+  io::IoEngine& io_;
+  const ExportOptions& o_;
+  Staging staging_;
+  uint64_t total_bytes_ = 0;
+  uint64_t done_bytes_ = 0;
+  uint64_t overflowed_ = 0;
+};
+
+// export_hf_model with a check that runs after every file is written and before any is renamed
+// (export_checkpoint verifies the last checksum chunk there).
+Result<ExportResult> export_impl(std::span<const ParamInfo> params, const std::string& model_config_json,
+                                 const Fp32Reader& read, io::IoEngine& io, const ExportOptions& options,
+                                 const std::function<Status()>& before_commit) {
+  ZO_RETURN_IF_ERROR(validate(params, options));
+  ZO_ASSIGN_OR_RETURN(std::string config_text, config_with_dtype(model_config_json, options.dtype));
+  const std::vector<Shard> shards = plan_shards(params, options.dtype, options.shard_bytes);
+  uint64_t total_bytes = 0;
+  for (const Shard& s : shards) total_bytes += s.tensor_bytes;
+
+  ZO_ASSIGN_OR_RETURN(AlignedBuffer staging, AlignedBuffer::allocate(options.staging_bytes));
+  OutputDir out;
+  ZO_RETURN_IF_ERROR(out.open(options.out_dir));
+
+  ShardExporter exporter(params, read, io, options, split_staging(staging, options.dtype), total_bytes);
+  for (const Shard& shard : shards) {
+    out.add(shard.name);
+    ZO_RETURN_IF_ERROR(exporter.write(shard, out.tmp_path(shard.name)));
+  }
+  if (shards.size() > 1) {
+    nlohmann::json index;
+    index["metadata"]["total_size"] = total_bytes;
+    nlohmann::json& weight_map = index["weight_map"];
+    weight_map = nlohmann::json::object();
+    for (const Shard& shard : shards)
+      for (size_t i = shard.first; i < shard.end; ++i) weight_map[params[i].name] = shard.name;
+    out.add(kShardIndexFile);
+    ZO_RETURN_IF_ERROR(write_small_file(out.tmp_path(kShardIndexFile),
+                                        index.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n"));
+  }
+  out.add(kModelConfigFile);
+  ZO_RETURN_IF_ERROR(write_small_file(out.tmp_path(kModelConfigFile), config_text));
+  if (before_commit) ZO_RETURN_IF_ERROR(before_commit());
+  ZO_RETURN_IF_ERROR(out.commit());
+
+  ExportResult result;
+  result.out_dir = options.out_dir;
+  result.files = out.names();
+  result.tensor_bytes = total_bytes;
+  result.overflowed = exporter.overflowed();
+  return result;
+}
+
+// master.safetensors read front to back with pread, every byte (header and data) fed through the
+// manifest's checksums. The export asks for the tensors in file order, so each read continues where
+// the last one ended (the bytes before the first tensor are read and checked on the way).
+class MasterReader {
+ public:
+  MasterReader(std::string path, const FileDigest& digest) : path_(std::move(path)), verifier_(digest, path_) {}
+  ~MasterReader() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  MasterReader(const MasterReader&) = delete;
+  MasterReader& operator=(const MasterReader&) = delete;
+
+  Status open(std::vector<uint64_t> data_offsets, uint64_t file_size_bytes) {
+    fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd_ < 0) return errno_status("export: opening " + path_, errno);
+    ::posix_fadvise(fd_, 0, 0, POSIX_FADV_SEQUENTIAL);
+    data_offsets_ = std::move(data_offsets);
+    file_size_bytes_ = file_size_bytes;
+    return Status::ok();
+  }
+
+  Status read(uint32_t tensor, uint64_t offset_elems, std::span<float> out) {
+    const uint64_t pos = data_offsets_[tensor] + offset_elems * sizeof(float);
+    if (pos < verifier_.position())
+      return internal_error("export: " + path_ + " read out of order at offset " + std::to_string(pos) + " (at " +
+                            std::to_string(verifier_.position()) + ")");
+    ZO_RETURN_IF_ERROR(skip_to(pos));
+    return read_checked(std::as_writable_bytes(out));
+  }
+
+  // Reads and checks what follows the last tensor, then the file's size and last chunk.
+  Status finish() {
+    ZO_RETURN_IF_ERROR(skip_to(file_size_bytes_));
+    return verifier_.finish();
+  }
+
+ private:
+  Status read_checked(std::span<std::byte> out) {
+    const uint64_t pos = verifier_.position();
+    size_t done = 0;
+    while (done < out.size()) {
+      const ssize_t n = ::pread(fd_, out.data() + done, out.size() - done, static_cast<off_t>(pos + done));
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) return errno_status("export: reading " + path_ + " at offset " + std::to_string(pos + done), errno);
+      if (n == 0)
+        return corruption("export: " + path_ + " ends at offset " + std::to_string(pos + done) + ", expected " +
+                          std::to_string(out.size() - done) + " more bytes");
+      done += static_cast<size_t>(n);
+    }
+    ZO_RETURN_IF_ERROR(verifier_.update(out));
+    // Read once: drop it from the page cache so the export does not push the machine's working set out.
+    const uint64_t end = pos + out.size();
+    if (end - dropped_ >= kDropBytes) {
+      ::posix_fadvise(fd_, static_cast<off_t>(dropped_), static_cast<off_t>(end - dropped_), POSIX_FADV_DONTNEED);
+      dropped_ = end;
+    }
+    return Status::ok();
+  }
+
+  Status skip_to(uint64_t pos) {
+    while (verifier_.position() < pos) {
+      if (gap_.empty()) gap_.resize(kGapBytes);
+      const uint64_t n = std::min<uint64_t>(gap_.size(), pos - verifier_.position());
+      ZO_RETURN_IF_ERROR(read_checked(std::span<std::byte>(gap_).first(n)));
+    }
+    return Status::ok();
+  }
+
+  static constexpr uint64_t kGapBytes = uint64_t{256} << 10;
+  static constexpr uint64_t kDropBytes = uint64_t{64} << 20;
+  std::string path_;
+  ChunkVerifier verifier_;
+  int fd_ = -1;
+  std::vector<uint64_t> data_offsets_;
+  uint64_t file_size_bytes_ = 0;
+  uint64_t dropped_ = 0;
+  std::vector<std::byte> gap_;
+};
+
+}  // namespace
+
+Result<ExportResult> export_hf_model(std::span<const ParamInfo> params, const std::string& model_config_json,
+                                     const Fp32Reader& read, io::IoEngine& io, const ExportOptions& options) {
+  return export_impl(params, model_config_json, read, io, options, {});
+}
+
+Result<ExportResult> export_checkpoint(const CheckpointInfo& ckpt, io::IoEngine& io, const ExportOptions& options) {
+  const std::string path = ckpt.path + "/" + kMasterFile;
+  const FileDigest* digest = ckpt.manifest.find(kMasterFile);
+  if (digest == nullptr)
+    return corruption("export: " + ckpt.path + "/" + kManifestFile + " does not list " + kMasterFile);
+  ZO_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> file, SafetensorsFile::open(path));
+  const std::vector<SafetensorsTensor>& tensors = file->tensors();
+  const std::vector<CheckpointTensor>& expected = ckpt.manifest.tensors;
+  if (tensors.size() != expected.size())
+    return corruption("export: " + path + " holds " + std::to_string(tensors.size()) + " tensors, the manifest lists " +
+                      std::to_string(expected.size()));
+  std::vector<ParamInfo> params(tensors.size());
+  std::vector<uint64_t> data_offsets(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const SafetensorsTensor& t = tensors[i];
+    if (t.name != expected[i].name || t.shape != expected[i].shape || t.dtype != DType::kF32)
+      return corruption("export: " + path + ": tensor " + std::to_string(i) + " is " + t.name + " (" +
+                        std::string(dtype_name(t.dtype)) + "), the manifest says " + expected[i].name + " (fp32)");
+    params[i].id = static_cast<uint32_t>(i);
+    params[i].name = t.name;
+    params[i].shape = t.shape;
+    params[i].n_elems = t.n_elems;
+    data_offsets[i] = t.data_offset_bytes;
+  }
+  const uint64_t file_size = file->file_size_bytes();
+  file.reset();
+
+  MasterReader master(path, *digest);
+  ZO_RETURN_IF_ERROR(master.open(std::move(data_offsets), file_size));
+  return export_impl(
+      params, ckpt.model_config_json,
+      [&master](uint32_t p, uint64_t off, std::span<float> out) { return master.read(p, off, out); }, io, options,
+      [&master] { return master.finish(); });
+}
+
+Result<ExportResult> export_store(StateStore& store, const std::string& model_config_json, io::IoEngine& io,
+                                  const ExportOptions& options) {
+  if (!store.torn_reason().empty())
+    return failed_precondition("export: the master weights are inconsistent after a failed step (" +
+                               store.torn_reason() + "); export from a checkpoint instead");
+  if (state_elem_bytes(store.plan().placement, StateKind::kMaster) != sizeof(float))
+    return internal_error("export: the store's master weights are not fp32");
+  const ParamRegistry& registry = store.registry();
+  const Fp32Reader read = [&store, &registry](uint32_t p, uint64_t off, std::span<float> out) -> Status {
+    const uint64_t end = off + out.size();
+    uint64_t covered = 0;
+    for (const ParamPiece& piece : registry.pieces_of_param(p)) {
+      const uint64_t b = std::max(off, piece.param_offset);
+      const uint64_t e = std::min(end, piece.param_offset + piece.n_elems);
+      if (b >= e) continue;
+      std::span<float> dst = out.subspan(b - off, e - b);
+      Status s = store.read_state_range(piece.sub_group, StateKind::kMaster,
+                                        (piece.group_offset + (b - piece.param_offset)) * sizeof(float),
+                                        std::as_writable_bytes(dst));
+      if (!s.is_ok()) return s.with_context("master of sub-group " + std::to_string(piece.sub_group));
+      covered += e - b;
+    }
+    if (covered != out.size())
+      return internal_error("export: elements " + range_text(off, end) + " of param " +
+                            registry.params()[p].name + " are outside its pieces");
+    return Status::ok();
+  };
+  return export_impl(registry.params(), model_config_json, read, io, options, {});
+}
+
+}  // namespace zo::engine

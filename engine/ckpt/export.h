@@ -1,0 +1,73 @@
+// Export of Hugging Face safetensors model directories (config.json, model.safetensors or
+// model-0000k-of-0000n.safetensors + model.safetensors.index.json) in bf16, fp16 or fp32, converted
+// from fp32 master weights with round-to-nearest-even and streamed through a bounded staging buffer:
+// neither the model nor a whole tensor is ever held in RAM. Synchronous; not thread-safe. Layout and
+// guarantees: docs/export.md.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "common/dtype.h"
+#include "common/status.h"
+#include "engine/ckpt/checkpoint.h"
+#include "engine/memory/param_registry.h"
+#include "engine/memory/state_store.h"
+#include "io/io_engine.h"
+
+namespace zo::engine {
+
+// One model.safetensors holds the whole model when its tensors fit in one shard; otherwise shard k
+// of n is named like this (HF: model-00001-of-00003.safetensors).
+inline constexpr const char* kSingleShardFile = "model.safetensors";
+inline constexpr const char* kShardIndexFile = "model.safetensors.index.json";
+std::string shard_file_name(uint32_t shard, uint32_t n_shards);  // shard counts from 1
+
+struct ExportOptions {
+  DType dtype = DType::kBF16;                    // kBF16, kF16 or kF32
+  std::string out_dir;                           // created; must be empty or missing
+  uint64_t shard_bytes = 5'000'000'000;          // ≥ 1: at most this many tensor bytes per shard,
+                                                 // except a larger tensor, which gets a shard alone
+  uint64_t staging_bytes = uint64_t{256} << 20;  // ≥ 1 MiB, a multiple of 4096
+  // Called on the exporting thread after every chunk with the tensor bytes written so far and
+  // their total (in the export dtype).
+  std::function<void(uint64_t done_bytes, uint64_t total_bytes)> progress;
+};
+
+struct ExportResult {
+  std::string out_dir;
+  std::vector<std::string> files;  // written, relative to out_dir: config.json, shards, index
+  uint64_t tensor_bytes = 0;       // total_size of the index
+  uint64_t overflowed = 0;         // fp16: finite fp32 values that became ±inf
+};
+
+// Reads elements [offset_elems, offset_elems + out.size()) of param `param` (index into the params
+// given to export_hf_model) as fp32. export_hf_model calls it front to back: params in order, each
+// param's ranges ascending and contiguous, `out` at most a few MiB.
+using Fp32Reader = std::function<Status(uint32_t param, uint64_t offset_elems, std::span<float> out)>;
+
+// Writes every param of `params` (Hugging Face names and shapes, in this order) and
+// `model_config_json` (its torch_dtype set to the export dtype) into options.out_dir. Every file is
+// written as NAME.tmp (shards through io with O_DIRECT, fdatasynced) and renamed only when all are
+// complete, then the directory is fsynced. The only large allocation is one staging buffer of
+// options.staging_bytes. Errors: kInvalidArgument for bad options, params or config json;
+// kAlreadyExists naming out_dir when it is not empty; the reader's or writer's error with the
+// shard file, tensor and element range added. A failed export removes what it wrote (best effort):
+// out_dir is left as it was found.
+Result<ExportResult> export_hf_model(std::span<const ParamInfo> params, const std::string& model_config_json,
+                                     const Fp32Reader& read, io::IoEngine& io, const ExportOptions& options);
+
+// From a checkpoint's master weights (master.safetensors, read front to back once with pread),
+// checking every chunk's CRC-32C against the manifest as it reads: a mismatch fails the export with
+// kCorruption naming the file, chunk and byte range, and the export then removes what it wrote.
+Result<ExportResult> export_checkpoint(const CheckpointInfo& ckpt, io::IoEngine& io, const ExportOptions& options);
+
+// From a live store's master weights (the end-of-training export), whatever tier they live in, via
+// StateStore::read_state_range. kFailedPrecondition for a torn store (its master is inconsistent).
+Result<ExportResult> export_store(StateStore& store, const std::string& model_config_json, io::IoEngine& io,
+                                  const ExportOptions& options);
+
+}  // namespace zo::engine

@@ -1,0 +1,169 @@
+// `zoffload export`: a checkpoint's master weights as a Hugging Face model directory (safetensors in
+// bf16, fp16 or fp32), streamed through a bounded staging buffer.
+#include <CLI/CLI.hpp>
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "common/bytes.h"
+#include "common/dtype.h"
+#include "engine/ckpt/checkpoint.h"
+#include "engine/ckpt/export.h"
+#include "io/io_engine.h"
+#include "tools/commands.h"
+
+namespace zo::tools {
+namespace {
+
+struct ExportArgs {
+  std::string checkpoint;
+  std::string dtype;
+  std::string out;
+  std::string shard_size = "5GB";
+  std::string staging = "256MiB";
+  bool json = false;
+  bool quiet = false;
+};
+
+int fail(const std::string& what, int code) {
+  std::cerr << "zoffload export: error: " << what << "\n";
+  return code;
+}
+
+// Bad input (a missing checkpoint, a non-empty --out, bad options) is exit 2; failures while
+// reading or writing (corruption, I/O) are exit 1.
+int exit_code_of(const Status& s) {
+  switch (s.code()) {
+    case StatusCode::kInvalidArgument:
+    case StatusCode::kNotFound:
+    case StatusCode::kAlreadyExists:
+      return 2;
+    default:
+      return 1;
+  }
+}
+
+// "export 312 MiB/1.20 GiB [=====>      ] 26%" on stderr: redrawn in place on a terminal, a line
+// per 10% otherwise.
+class Progress {
+ public:
+  explicit Progress(bool enabled) : enabled_(enabled), tty_(isatty(fileno(stderr)) != 0) {}
+
+  void update(uint64_t done, uint64_t total) {
+    if (!enabled_ || total == 0) return;
+    const int percent = static_cast<int>(100.0 * static_cast<double>(done) / static_cast<double>(total));
+    const auto now = std::chrono::steady_clock::now();
+    if (tty_) {
+      if (done < total && now - last_ < std::chrono::milliseconds(100)) return;
+      last_ = now;
+      std::fprintf(stderr, "\r\033[K%s", line(done, total, percent).c_str());
+      if (done == total) std::fputc('\n', stderr);
+    } else {
+      if (percent / 10 == last_decile_ && done < total) return;
+      last_decile_ = percent / 10;
+      std::fprintf(stderr, "%s\n", line(done, total, percent).c_str());
+    }
+    std::fflush(stderr);
+  }
+  // Ends a redrawn line before an error is printed.
+  void abandon() {
+    if (enabled_ && tty_ && last_ != std::chrono::steady_clock::time_point{}) std::fputc('\n', stderr);
+  }
+
+ private:
+  static std::string line(uint64_t done, uint64_t total, int percent) {
+    constexpr int kWidth = 24;
+    const int filled = kWidth * percent / 100;
+    std::string bar(static_cast<size_t>(filled), '=');
+    if (filled < kWidth) bar += '>' + std::string(static_cast<size_t>(kWidth - filled - 1), ' ');
+    return "export " + format_bytes(done) + "/" + format_bytes(total) + " [" + bar + "] " + std::to_string(percent) + "%";
+  }
+
+  bool enabled_;
+  bool tty_;
+  std::chrono::steady_clock::time_point last_{};
+  int last_decile_ = -1;
+};
+
+int run_export(const ExportArgs& a) {
+  auto dtype = parse_dtype(a.dtype);
+  if (!dtype.is_ok()) return fail("--dtype " + a.dtype + ": give bf16, fp16 or fp32", 2);
+  auto shard_bytes = parse_size_bytes(a.shard_size);
+  if (!shard_bytes.is_ok()) return fail("--shard-size: " + shard_bytes.status().message(), 2);
+  if (*shard_bytes == 0) return fail("--shard-size must be more than 0 bytes", 2);
+  auto staging = parse_size_bytes(a.staging);
+  if (!staging.is_ok()) return fail("--staging: " + staging.status().message(), 2);
+  if (*staging < kMiB || !is_aligned(*staging, 4096))
+    return fail("--staging " + a.staging + ": give at least 1MiB, a multiple of 4096 bytes", 2);
+
+  auto path = engine::resolve_checkpoint(a.checkpoint);
+  if (!path.is_ok()) return fail(path.status().to_string(), exit_code_of(path.status()));
+  auto ckpt = engine::open_checkpoint(*path);
+  if (!ckpt.is_ok()) return fail(ckpt.status().to_string(), exit_code_of(ckpt.status()));
+  auto io = io::IoEngine::create(io::IoOptions{});
+  if (!io.is_ok()) return fail(io.status().to_string(), 1);
+
+  Progress progress(!a.quiet && !a.json);
+  engine::ExportOptions options;
+  options.dtype = *dtype;
+  options.out_dir = a.out;
+  options.shard_bytes = *shard_bytes;
+  options.staging_bytes = *staging;
+  options.progress = [&progress](uint64_t done, uint64_t total) { progress.update(done, total); };
+
+  const auto t0 = std::chrono::steady_clock::now();
+  auto result = engine::export_checkpoint(*ckpt, **io, options);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (!result.is_ok()) {
+    progress.abandon();
+    return fail(result.status().to_string(), exit_code_of(result.status()));
+  }
+
+  const std::string dtype_text(dtype_name(*dtype));
+  if (a.json) {
+    nlohmann::json j = {{"checkpoint", *path},       {"out_dir", result->out_dir},       {"files", result->files},
+                        {"tensor_bytes", result->tensor_bytes}, {"seconds", seconds}, {"dtype", dtype_text},
+                        {"overflowed", result->overflowed},     {"step", ckpt->manifest.step}};
+    std::cout << j.dump(2) << "\n";
+  } else if (!a.quiet) {
+    std::printf("exported %s (step %llu) as %s: %zu tensors, %s in %zu files to %s in %.1f s\n", path->c_str(),
+                static_cast<unsigned long long>(ckpt->manifest.step), dtype_text.c_str(),
+                ckpt->manifest.tensors.size(), format_bytes(result->tensor_bytes).c_str(), result->files.size(),
+                result->out_dir.c_str(), seconds);
+  }
+  if (result->overflowed != 0 && !a.quiet)
+    std::cerr << "zoffload export: warning: " << result->overflowed
+              << " weights are beyond the fp16 range and were written as +-inf; export bf16 or fp32 instead\n";
+  return 0;
+}
+
+}  // namespace
+
+void register_export_command(CLI::App& app, int* exit_code) {
+  auto args = std::make_shared<ExportArgs>();
+  CLI::App* cmd = app.add_subcommand(
+      "export",
+      "Write a checkpoint's weights as a Hugging Face model directory: config.json and model.safetensors\n"
+      "(or model-0000k-of-0000n.safetensors with model.safetensors.index.json), converted from the fp32\n"
+      "master weights with round-to-nearest-even. Streams through --staging bytes of RAM whatever the\n"
+      "model's size, checking the checkpoint's checksums as it reads. See docs/export.md.");
+  cmd->add_option("--checkpoint", args->checkpoint,
+                  "A checkpoint step directory (DIR/step-N) or a checkpoint DIR (its `latest` is taken)")
+      ->required();
+  cmd->add_option("--dtype", args->dtype, "bf16 | fp16 | fp32")->required();
+  cmd->add_option("--out", args->out, "The model directory to write (new or empty)")->required();
+  cmd->add_option("--shard-size", args->shard_size,
+                  "Most tensor bytes per safetensors file, e.g. 5GB (the default, as Hugging Face), 2GiB");
+  cmd->add_option("--staging", args->staging, "RAM used to stream the weights (default 256MiB; at least 1MiB)");
+  cmd->add_flag("--json", args->json, "Print a JSON summary on stdout instead of progress");
+  cmd->add_flag("-q,--quiet", args->quiet, "Print nothing but errors");
+  cmd->callback([args, exit_code] { *exit_code = run_export(*args); });
+}
+
+}  // namespace zo::tools
