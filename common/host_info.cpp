@@ -1,6 +1,7 @@
 #include "common/host_info.h"
 
 #include <sched.h>
+#include <stdio.h>
 #include <sys/resource.h>
 
 #include <fstream>
@@ -55,6 +56,27 @@ HostInfo host_info() {
   if (getrlimit(RLIMIT_MEMLOCK, &rl) == 0)
     h.memlock_limit_bytes = rl.rlim_cur == RLIM_INFINITY ? std::numeric_limits<uint64_t>::max() : rl.rlim_cur;
   return h;
+}
+
+RssBytes process_rss() {
+  RssBytes r;
+  FILE* f = std::fopen("/proc/self/status", "r");
+  if (f == nullptr) return r;
+  char line[256];
+  while (std::fgets(line, sizeof line, f) != nullptr) {
+    unsigned long long kib = 0;
+    if (std::sscanf(line, "VmRSS: %llu kB", &kib) == 1) r.current = kib * 1024;
+    if (std::sscanf(line, "VmHWM: %llu kB", &kib) == 1) r.peak = kib * 1024;
+  }
+  std::fclose(f);
+  return r;
+}
+
+bool reset_peak_rss() {
+  FILE* f = std::fopen("/proc/self/clear_refs", "w");
+  if (f == nullptr) return false;
+  const bool ok = std::fputs("5", f) >= 0;
+  return std::fclose(f) == 0 && ok;
 }
 
 }  // namespace zo

@@ -18,4 +18,15 @@ struct HostInfo {
 
 HostInfo host_info();
 
+// Resident set size of this process now (VmRSS) and its high-water mark (VmHWM), in bytes; 0 when
+// /proc/self/status cannot be read.
+struct RssBytes {
+  uint64_t current = 0;
+  uint64_t peak = 0;
+};
+RssBytes process_rss();
+// Resets the high-water mark to the current RSS (writes 5 to /proc/self/clear_refs), so the peak of
+// one phase (a checkpoint save, an export) can be measured; false where the kernel does not allow it.
+bool reset_peak_rss();
+
 }  // namespace zo

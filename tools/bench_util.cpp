@@ -32,18 +32,5 @@ void random_fill(void* data, DType dtype, size_t n, uint64_t seed, float lo, flo
   });
 }
 
-RssBytes process_rss() {
-  RssBytes r;
-  FILE* f = std::fopen("/proc/self/status", "r");
-  if (f == nullptr) return r;
-  char line[256];
-  while (std::fgets(line, sizeof line, f) != nullptr) {
-    unsigned long long kib = 0;
-    if (std::sscanf(line, "VmRSS: %llu kB", &kib) == 1) r.current = kib * 1024;
-    if (std::sscanf(line, "VmHWM: %llu kB", &kib) == 1) r.peak = kib * 1024;
-  }
-  std::fclose(f);
-  return r;
-}
 
 }  // namespace zo::tools

@@ -2,6 +2,8 @@
 // the process's resident-memory figures. Stateless; thread-safe.
 #pragma once
 
+#include "common/host_info.h"
+
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -18,12 +20,5 @@ double median(std::vector<double> v);
 // on any thread count (splitmix64 of seed and index), in parallel on `ex`.
 void random_fill(void* data, DType dtype, size_t n, uint64_t seed, float lo, float hi, const cpu_optim::Executor& ex);
 
-// Resident set size of this process now (VmRSS) and its high-water mark (VmHWM), in bytes; 0 when
-// /proc/self/status cannot be read.
-struct RssBytes {
-  uint64_t current = 0;
-  uint64_t peak = 0;
-};
-RssBytes process_rss();
 
 }  // namespace zo::tools

@@ -13,6 +13,7 @@
 
 #include "common/bytes.h"
 #include "common/dtype.h"
+#include "common/host_info.h"
 #include "common/string_util.h"
 #include "engine/config/config.h"
 #include "engine/data/token_source.h"
@@ -136,15 +137,23 @@ int run_train(const TrainArgs& a) {
     if (!trainer.checkpoint_due(end_of_run)) return Status::ok();
     const std::string name = "step-" + std::to_string(trainer.steps_done());
     const bool show = tty && !a.quiet && !a.json;
+    // The save's extra memory: its peak RSS above the RSS it started with (bounded by the staging
+    // buffer, see docs/checkpoint_format.md); -1 where the kernel cannot reset the peak.
+    const bool peak_known = reset_peak_rss();
+    const uint64_t rss_before = process_rss().current;
     auto r = trainer.save_checkpoint([&](uint64_t done, uint64_t total) {
       if (show) std::fprintf(stderr, "\r\033[Ksaving %s: %s of %s", name.c_str(), format_bytes(done).c_str(), format_bytes(total).c_str());
     });
     if (show) std::fputs("\r\033[K", stderr);
     if (!r.is_ok()) return r.status();
-    saved.push_back({{"path", r->path}, {"bytes", r->bytes}, {"seconds", r->seconds}});
+    const RssBytes rss = process_rss();
+    const int64_t extra = peak_known ? static_cast<int64_t>(rss.peak) - static_cast<int64_t>(rss_before) : -1;
+    saved.push_back({{"path", r->path}, {"bytes", r->bytes}, {"seconds", r->seconds},
+                     {"gb_per_s", r->seconds > 0 ? r->bytes / r->seconds / 1e9 : 0.0}, {"peak_extra_rss_bytes", extra}});
     if (!a.quiet && !a.json) {
-      std::fprintf(stderr, "checkpoint %s: %s in %.1f s (%.2f GB/s)%s\n", r->path.c_str(), format_bytes(r->bytes).c_str(),
-                   r->seconds, r->seconds > 0 ? r->bytes / r->seconds / 1e9 : 0.0,
+      std::fprintf(stderr, "checkpoint %s: %s in %.1f s (%.2f GB/s, peak RSS +%s)%s\n", r->path.c_str(),
+                   format_bytes(r->bytes).c_str(), r->seconds, r->seconds > 0 ? r->bytes / r->seconds / 1e9 : 0.0,
+                   extra >= 0 ? format_bytes(static_cast<uint64_t>(extra)).c_str() : "?",
                    r->pruned.empty() ? "" : (", pruned " + join(r->pruned, ", ")).c_str());
     }
     return Status::ok();

@@ -228,7 +228,7 @@ Status Trainer::Impl::init(const TrainOptions& options) {
     return unavailable("device cuda: this LibTorch was built without CUDA (use a CUDA LibTorch, see docs/gpu.md)");
 
   ZO_ASSIGN_OR_RETURN(io::IoOptions io_options, io_options_from_config(config));
-  ZO_ASSIGN_OR_RETURN(io, io::IoEngine::create(io_options));
+  ZO_ASSIGN_OR_RETURN(io, io::IoEngine::create(io_options, opt.io_faults));
   ZO_ASSIGN_OR_RETURN(executor, cpu_optim::Executor::create({.n_threads = static_cast<int>(config.zoffload.optimizer_threads),
                                                              .bind_cores = config.zoffload.bind_cores}));
 
@@ -297,10 +297,15 @@ Status Trainer::Impl::init(const TrainOptions& options) {
 
 namespace {
 
-// The key paths where two resolved configs differ (at most `limit`), skipping where checkpoints go.
+// The key paths where two resolved configs differ in what affects the arithmetic.
 void config_diff(const nlohmann::json& a, const nlohmann::json& b, const std::string& path,
                  std::vector<std::string>* out) {
-  if (path == "zoffload.checkpoint" || path == "zoffload.log") return;
+  // Where the states live, how they move and where files go never change the arithmetic (the
+  // offload invariant): only the rest is worth a warning.
+  for (const char* skip : {"zoffload", "aio", "zero_optimization.offload_", "zero_optimization.sub_group_size",
+                           "zero_optimization.stage3_", "steps_per_print", "wall_clock_breakdown"}) {
+    if (path.rfind(skip, 0) == 0) return;
+  }
   if (a.is_object() && b.is_object()) {
     for (auto it = a.begin(); it != a.end(); ++it) {
       const std::string p = path.empty() ? it.key() : path + "." + it.key();

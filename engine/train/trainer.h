@@ -19,6 +19,7 @@
 #include "engine/data/dataset.h"
 #include "engine/memory/accounting.h"
 #include "engine/model/model_config.h"
+#include "io/fault_injector.h"
 
 namespace zo::engine {
 
@@ -43,6 +44,8 @@ struct TrainOptions {
   // Tests: the steps (1-based) at whose last micro-step one gradient element of the head block is
   // replaced by +inf before it reaches the accumulator — an overflow through the real path.
   std::vector<uint64_t> inject_overflow_steps;
+  // Tests: faults injected into the run's I/O engine (swap files, checkpoints, exports).
+  std::shared_ptr<io::FaultInjector> io_faults;
 };
 
 // What one optimizer step did and where its time went (seconds of wall time).
