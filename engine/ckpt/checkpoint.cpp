@@ -454,11 +454,15 @@ Result<SaveResult> save_checkpoint(StateStore& store, const TrainingState& state
   manifest.tensors = tensors_of(store.registry());
   // Everything up to the rename happens in tmp: on failure, remove it and report.
   auto write_all = [&]() -> Status {
-    ZO_ASSIGN_OR_RETURN(AlignedBuffer staging, AlignedBuffer::allocate(options.staging_bytes));
     uint64_t total = 0, done = 0;
     for (StateKind kind : kSavedKinds) {
       for (const SubGroup& g : store.registry().sub_groups()) total += store.state_bytes(g.index, kind);
     }
+    // No more staging than one state file (and its header) needs: a small model saves with a few MiB.
+    const uint64_t file_bound = align_up(total / 3 + (uint64_t{1} << 20), uint64_t{kSlots} * kDirectIoAlignment);
+    const uint64_t slot_unit = uint64_t{kSlots} * kDirectIoAlignment;
+    ZO_ASSIGN_OR_RETURN(AlignedBuffer staging,
+                        AlignedBuffer::allocate(std::min(options.staging_bytes, file_bound) / slot_unit * slot_unit));
     auto on_bytes = [&](uint64_t n) {
       done += n;
       if (options.progress) options.progress(done, total);
