@@ -13,6 +13,7 @@
 
 #include "common/bytes.h"
 #include "common/dtype.h"
+#include "common/host_info.h"
 #include "engine/ckpt/checkpoint.h"
 #include "engine/ckpt/export.h"
 #include "io/io_engine.h"
@@ -117,9 +118,15 @@ int run_export(const ExportArgs& a) {
   options.staging_bytes = *staging;
   options.progress = [&progress](uint64_t done, uint64_t total) { progress.update(done, total); };
 
+  // The RAM the export itself adds (the staging buffer, by design): the peak over the export
+  // minus the RSS just before it; -1 where the kernel does not let the peak be reset.
+  const bool peak_known = reset_peak_rss();
+  const uint64_t rss_before = process_rss().current;
   const auto t0 = std::chrono::steady_clock::now();
   auto result = engine::export_checkpoint(*ckpt, **io, options);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const int64_t extra_rss =
+      peak_known ? static_cast<int64_t>(process_rss().peak) - static_cast<int64_t>(rss_before) : int64_t{-1};
   if (!result.is_ok()) {
     progress.abandon();
     return fail(result.status().to_string(), exit_code_of(result.status()));
@@ -129,13 +136,15 @@ int run_export(const ExportArgs& a) {
   if (a.json) {
     nlohmann::json j = {{"checkpoint", *path},       {"out_dir", result->out_dir},       {"files", result->files},
                         {"tensor_bytes", result->tensor_bytes}, {"seconds", seconds}, {"dtype", dtype_text},
-                        {"overflowed", result->overflowed},     {"step", ckpt->manifest.step}};
+                        {"overflowed", result->overflowed},     {"step", ckpt->manifest.step},
+                        {"staging_bytes", *staging},            {"peak_extra_rss_bytes", extra_rss}};
     std::cout << j.dump(2) << "\n";
   } else if (!a.quiet) {
-    std::printf("exported %s (step %llu) as %s: %zu tensors, %s in %zu files to %s in %.1f s\n", path->c_str(),
+    std::printf("exported %s (step %llu) as %s: %zu tensors, %s in %zu files to %s in %.1f s%s\n", path->c_str(),
                 static_cast<unsigned long long>(ckpt->manifest.step), dtype_text.c_str(),
                 ckpt->manifest.tensors.size(), format_bytes(result->tensor_bytes).c_str(), result->files.size(),
-                result->out_dir.c_str(), seconds);
+                result->out_dir.c_str(), seconds,
+                extra_rss >= 0 ? (", peak extra RSS " + format_bytes(static_cast<uint64_t>(extra_rss))).c_str() : "");
   }
   if (result->overflowed != 0 && !a.quiet)
     std::cerr << "zoffload export: warning: " << result->overflowed

@@ -39,7 +39,7 @@ struct ExportOptions {
 
 struct ExportResult {
   std::string out_dir;
-  std::vector<std::string> files;  // written, relative to out_dir: config.json, shards, index
+  std::vector<std::string> files;  // written, relative to out_dir: the shards, the index, config.json
   uint64_t tensor_bytes = 0;       // total_size of the index
   uint64_t overflowed = 0;         // fp16: finite fp32 values that became ±inf
 };
