@@ -306,8 +306,8 @@ void read_zoffload(ParseState* st, ObjectReader r, ZoffloadConfig* z) {
       (z->checkpoint.staging_buffer_size < (1u << 20) || z->checkpoint.staging_buffer_size % 4096 != 0))
     st->error(c.key_path("staging_buffer_size"), "must be at least 1MiB and a multiple of 4096 bytes (got " +
                                                       std::to_string(z->checkpoint.staging_buffer_size) + ")");
-  if (c.has("every_steps") && z->checkpoint.every_steps > 0 && z->checkpoint.dir.empty() && !c.has("dir"))
-    st->error(c.key_path("dir"), "needed when every_steps is set");
+  if (c.has("every_steps") && z->checkpoint.every_steps > 0 && z->checkpoint.dir.empty())
+    st->error(c.key_path("dir"), "needed (a directory, not \"\") when every_steps is set");
   c.finish();
   ObjectReader l = r.child("log");
   l.string("metrics_path", &z->log.metrics_path);

@@ -243,7 +243,12 @@ Status Trainer::Impl::init(const TrainOptions& options) {
   if (resume) {
     // Note [Resume]: the states stream from the checkpoint straight into their tiers through one
     // staging buffer (freed once loaded); the compute copies are re-derived from the master.
-    ZO_ASSIGN_OR_RETURN(AlignedBuffer staging, AlignedBuffer::allocate(config.zoffload.checkpoint.staging_buffer_size));
+    // No more staging than the largest file needs (in whole 16 KiB units, at least 1 MiB).
+    uint64_t largest = 0;
+    for (const FileDigest& f : resume->manifest.files) largest = std::max(largest, f.size_bytes);
+    const uint64_t staging_bytes = std::min(config.zoffload.checkpoint.staging_buffer_size,
+                                            std::max(uint64_t{1} << 20, align_up(largest, uint64_t{16} << 10)));
+    ZO_ASSIGN_OR_RETURN(AlignedBuffer staging, AlignedBuffer::allocate(staging_bytes));
     ZO_RETURN_IF_ERROR(load_checkpoint(*resume, *store, *io, staging.bytes()));
   } else {
     ZO_RETURN_IF_ERROR(init_weights());
@@ -286,10 +291,11 @@ Status Trainer::Impl::init(const TrainOptions& options) {
     rope = make_rope_tables(model, static_cast<int64_t>(d.seq_len), torch_device);
   }));
 
-  if (resume) ZO_RETURN_IF_ERROR(resume_from_checkpoint());
+  const bool resuming = resume.has_value();
+  if (resuming) ZO_RETURN_IF_ERROR(resume_from_checkpoint());
 
   // A resumed run appends to the metrics of the run it continues.
-  metrics.open(metrics_path, std::ios::out | (resume ? std::ios::app : std::ios::trunc));
+  metrics.open(metrics_path, std::ios::out | (resuming ? std::ios::app : std::ios::trunc));
   if (!metrics) return errno_status("opening the metrics file " + metrics_path, errno);
   accounting.reset_peaks();
   return Status::ok();
@@ -302,8 +308,7 @@ void config_diff(const nlohmann::json& a, const nlohmann::json& b, const std::st
                  std::vector<std::string>* out) {
   // Where the states live, how they move and where files go never change the arithmetic (the
   // offload invariant): only the rest is worth a warning.
-  for (const char* skip : {"zoffload", "aio", "zero_optimization.offload_", "zero_optimization.sub_group_size",
-                           "zero_optimization.stage3_", "steps_per_print", "wall_clock_breakdown"}) {
+  for (const char* skip : {"zoffload", "aio", "zero_optimization", "steps_per_print", "wall_clock_breakdown"}) {
     if (path.rfind(skip, 0) == 0) return;
   }
   if (a.is_object() && b.is_object()) {

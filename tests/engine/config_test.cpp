@@ -335,6 +335,7 @@ const Malformed kMalformed[] = {
     {"pinned_limit_negative", {{"zoffload", {{"pinned_memory_limit", "-4GiB"}}}}, "zoffload.pinned_memory_limit", "negative"},
     {"gpu_limit_bool", {{"zoffload", {{"gpu_memory_limit", true}}}}, "zoffload.gpu_memory_limit", "a size in bytes"},
     {"checkpoint_every_without_dir", {{"zoffload", {{"checkpoint", {{"every_steps", 10}}}}}}, "zoffload.checkpoint.dir", "needed"},
+    {"checkpoint_every_with_empty_dir", {{"zoffload", {{"checkpoint", {{"dir", ""}, {"every_steps", 10}}}}}}, "zoffload.checkpoint.dir", "needed"},
     {"checkpoint_unknown", {{"zoffload", {{"checkpoint", {{"keep", 3}}}}}}, "zoffload.checkpoint.keep", "unknown key"},
     {"staging_too_small", {{"zoffload", {{"checkpoint", {{"staging_buffer_size", "4KiB"}}}}}}, "zoffload.checkpoint.staging_buffer_size", "at least 1MiB"},
     {"log_unknown", {{"zoffload", {{"log", {{"metric_path", "m.jsonl"}}}}}}, "zoffload.log.metric_path", "did you mean \"metrics_path\""},

@@ -199,6 +199,7 @@ TEST(Checkpoint, ResolveNamesWhatIsWrong) {
   std::ofstream(dir.path + "/latest") << "step-3\n";
   fs::create_directories(dir.path + "/step-3");
   EXPECT_THAT(resolve_checkpoint(dir.path).status().message(), HasSubstr("no manifest.json"));
+  EXPECT_THAT(resolve_checkpoint(dir.path + "/step-3/").status().message(), HasSubstr("incomplete save"));
 }
 
 TEST(Checkpoint, AFlippedByteInAnyFileIsCaughtByVerifyAndLoad) {
