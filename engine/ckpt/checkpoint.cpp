@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -409,15 +410,51 @@ Status write_state_file(StateStore& store, StateKind kind, const std::string& pa
   const std::string header = safetensors_header(entries, {{"format", "pt"}, {"zoffload_state", std::string(state_name(kind))}});
   ZO_ASSIGN_OR_RETURN(auto writer, StreamWriter::create(store.io(), path, staging, kSlots));
   ZO_RETURN_IF_ERROR(writer->append(std::as_bytes(std::span(header.data(), header.size()))));
-  for (const SubGroup& g : store.registry().sub_groups()) {
-    const uint64_t bytes = store.state_bytes(g.index, kind);
-    for (uint64_t off = 0; off < bytes;) {
-      ZO_ASSIGN_OR_RETURN(std::span<std::byte> span, writer->next_span(bytes - off));
-      ZO_RETURN_IF_ERROR(store.read_state_range(g.index, kind, off, span));
-      ZO_RETURN_IF_ERROR(writer->commit(span.size()));
-      off += span.size();
-      if (on_bytes) on_bytes(span.size());
+  // Note [Save pipeline]: up to kSlots - 1 reads from the swap file are in flight into reserved
+  // staging spans while the oldest is checksummed and committed, and full slots are being written:
+  // the drive reads and writes at once and the CRC overlaps both.
+  std::deque<std::pair<StateStore::PendingRead, uint64_t>> inflight;
+  auto drain = [&] {
+    for (auto& [p, n] : inflight) {
+      if (p.file != nullptr) (void)p.file->wait(p.ticket);
     }
+    inflight.clear();
+  };
+  const auto groups = store.registry().sub_groups();
+  size_t gi = 0;
+  uint64_t off = 0;
+  Status s;
+  while (s.is_ok()) {
+    while (s.is_ok() && gi < groups.size() && inflight.size() < kSlots - 1) {
+      const uint64_t bytes = store.state_bytes(groups[gi].index, kind);
+      if (off == bytes) {
+        ++gi;
+        off = 0;
+        continue;
+      }
+      auto span = writer->reserve(bytes - off);
+      if (!span.is_ok()) {
+        s = span.status();
+        break;
+      }
+      auto pending = store.read_state_range_async(groups[gi].index, kind, off, *span);
+      if (!pending.is_ok()) {
+        s = pending.status();
+        break;
+      }
+      inflight.emplace_back(*pending, span->size());
+      off += span->size();
+    }
+    if (!s.is_ok() || inflight.empty()) break;
+    auto [pending, n] = inflight.front();
+    inflight.pop_front();
+    if (pending.file != nullptr) s = pending.file->wait(pending.ticket);
+    if (s.is_ok()) s = writer->commit_reserved();
+    if (s.is_ok() && on_bytes) on_bytes(n);
+  }
+  if (!s.is_ok()) {
+    drain();
+    return s;
   }
   ZO_ASSIGN_OR_RETURN(*digest, writer->finish());
   return Status::ok();
@@ -572,6 +609,12 @@ Result<std::string> resolve_checkpoint(const std::string& path) {
       return corruption(path + "/" + kLatestFile + " names " + text + ", which has no " + kManifestFile);
     }
     return target;
+  }
+  fs::path norm = fs::path(path).lexically_normal();
+  if (norm.filename().empty()) norm = norm.parent_path();
+  const std::string base = norm.filename().string();
+  if (fs::is_directory(path, ec) && (base.rfind("step-", 0) == 0 || base.rfind("tmp-", 0) == 0)) {
+    return corruption(path + " has no " + kManifestFile + ": an incomplete save, never loaded");
   }
   if (fs::is_directory(path, ec)) {
     return not_found(path + " is not a checkpoint: it has neither " + kManifestFile + " (a step directory) nor " +

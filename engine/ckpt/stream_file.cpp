@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <deque>
 #include <optional>
 #include <sstream>
 
@@ -41,6 +42,9 @@ struct StreamWriter::Impl {
   uint64_t fill = 0;         // bytes of it filled
   uint64_t position = 0;     // bytes committed
   uint64_t span_bytes = 0;   // size of the span next_span() last returned (0: none outstanding)
+  uint32_t res_slot = 0;     // where the next reservation starts (ahead of cur/fill while reserved)
+  uint64_t res_fill = 0;
+  std::deque<uint64_t> reservations;
   FileDigest digest;
   uint32_t chunk_crc = 0;
   uint64_t chunk_fill = 0;
@@ -48,6 +52,7 @@ struct StreamWriter::Impl {
 
   std::byte* slot(uint32_t i) const { return staging.data() + uint64_t{i} * slot_bytes; }
   Status submit_current(uint64_t write_bytes);
+  Status advance(uint64_t n);  // n bytes at cur/fill are the file's next: CRC, and submit a full slot
   Status wait_slot(uint32_t i);
   Status wait_all();
 };
@@ -112,7 +117,7 @@ Result<std::unique_ptr<StreamWriter>> StreamWriter::create(io::IoEngine& io, con
 
 Result<std::span<std::byte>> StreamWriter::next_span(uint64_t max_bytes) {
   Impl& w = *impl_;
-  ZO_CHECK(!w.done) << w.path << ": next_span after finish";
+  ZO_CHECK(!w.done && w.reservations.empty()) << w.path << ": next_span after finish or with reservations outstanding";
   ZO_CHECK(max_bytes > 0) << w.path;
   if (w.fill == 0) {
     // Reusing this slot: its previous write must be complete.
@@ -123,28 +128,65 @@ Result<std::span<std::byte>> StreamWriter::next_span(uint64_t max_bytes) {
   return std::span<std::byte>(w.slot(w.cur) + w.fill, w.span_bytes);
 }
 
+Status StreamWriter::Impl::advance(uint64_t n) {
+  const std::byte* p = slot(cur) + fill;
+  for (uint64_t left = n; left > 0;) {
+    const uint64_t k = std::min(left, digest.chunk_bytes - chunk_fill);
+    chunk_crc = crc32c_extend(chunk_crc, p, k);
+    chunk_fill += k;
+    p += k;
+    left -= k;
+    if (chunk_fill == digest.chunk_bytes) {
+      digest.chunk_crc32c.push_back(chunk_crc);
+      chunk_crc = 0;
+      chunk_fill = 0;
+    }
+  }
+  fill += n;
+  position += n;
+  if (fill == slot_bytes) return submit_current(slot_bytes);
+  return Status::ok();
+}
+
 Status StreamWriter::commit(uint64_t n) {
   Impl& w = *impl_;
   ZO_CHECK_LE(n, w.span_bytes) << w.path << ": commit beyond the span handed out";
-  const std::byte* p = w.slot(w.cur) + w.fill;
-  for (uint64_t left = n; left > 0;) {
-    const uint64_t k = std::min(left, w.digest.chunk_bytes - w.chunk_fill);
-    w.chunk_crc = crc32c_extend(w.chunk_crc, p, k);
-    w.chunk_fill += k;
-    p += k;
-    left -= k;
-    if (w.chunk_fill == w.digest.chunk_bytes) {
-      w.digest.chunk_crc32c.push_back(w.chunk_crc);
-      w.chunk_crc = 0;
-      w.chunk_fill = 0;
-    }
-  }
-  w.fill += n;
-  w.position += n;
   w.span_bytes = 0;
-  if (w.fill == w.slot_bytes) return w.submit_current(w.slot_bytes);
-  return Status::ok();
+  Status s = w.advance(n);
+  w.res_slot = w.cur;
+  w.res_fill = w.fill;
+  return s;
 }
+
+Result<std::span<std::byte>> StreamWriter::reserve(uint64_t max_bytes) {
+  Impl& w = *impl_;
+  ZO_CHECK(!w.done && w.span_bytes == 0) << w.path << ": reserve after finish or with a span outstanding";
+  ZO_CHECK(max_bytes > 0) << w.path;
+  ZO_CHECK_LT(w.reservations.size(), size_t{w.n_slots - 1}) << w.path << ": more reservations than slots";
+  if (w.res_fill == w.slot_bytes) {
+    w.res_slot = (w.res_slot + 1) % w.n_slots;
+    w.res_fill = 0;
+  }
+  if (w.res_fill == 0) {
+    Status s = w.wait_slot(w.res_slot);
+    if (!s.is_ok()) return s;
+  }
+  const uint64_t n = std::min(max_bytes, w.slot_bytes - w.res_fill);
+  std::span<std::byte> span(w.slot(w.res_slot) + w.res_fill, n);
+  w.res_fill += n;
+  w.reservations.push_back(n);
+  return span;
+}
+
+Status StreamWriter::commit_reserved() {
+  Impl& w = *impl_;
+  ZO_CHECK(!w.reservations.empty()) << w.path << ": nothing reserved";
+  const uint64_t n = w.reservations.front();
+  w.reservations.pop_front();
+  return w.advance(n);
+}
+
+size_t StreamWriter::reserved() const { return impl_->reservations.size(); }
 
 Status StreamWriter::append(std::span<const std::byte> bytes) {
   while (!bytes.empty()) {
@@ -160,7 +202,7 @@ uint64_t StreamWriter::position() const { return impl_->position; }
 
 Result<FileDigest> StreamWriter::finish() {
   Impl& w = *impl_;
-  ZO_CHECK(!w.done) << w.path << ": finish twice";
+  ZO_CHECK(!w.done && w.reservations.empty()) << w.path << ": finish twice or with reservations outstanding";
   w.done = true;
   Status s;
   if (w.fill > 0) {

@@ -46,6 +46,15 @@ class StreamWriter {
   Result<std::span<std::byte>> next_span(uint64_t max_bytes);
   // The first n bytes of the span next_span() returned are the file's next bytes (n ≤ its size).
   Status commit(uint64_t n);
+  // Read-ahead: up to n_slots - 1 spans may be reserved before the first is committed, so the
+  // caller can have several reads into the staging slots in flight. reserve() hands out the span
+  // after the last one reserved (between 1 and max_bytes bytes, within one slot; 4096-aligned when
+  // it starts at a multiple of 4096 of the file), waiting for that slot's earlier write;
+  // commit_reserved() commits the oldest reservation whole. Not mixed with next_span()/commit()
+  // while reservations are outstanding.
+  Result<std::span<std::byte>> reserve(uint64_t max_bytes);
+  Status commit_reserved();
+  size_t reserved() const;  // reservations outstanding
   // Copies `bytes` in (next_span + commit until done).
   Status append(std::span<const std::byte> bytes);
   uint64_t position() const;  // bytes committed so far

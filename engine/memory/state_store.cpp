@@ -560,6 +560,38 @@ Status StateStore::read_state_range(uint32_t sub_group, StateKind kind, uint64_t
                       [dst](const std::byte* src, uint64_t rel, uint64_t n) { std::memcpy(dst + rel, src, n); });
 }
 
+Result<StateStore::PendingRead> StateStore::read_state_range_async(uint32_t sub_group, StateKind kind,
+                                                                   uint64_t offset_bytes, std::span<std::byte> out) {
+  Impl& s = *impl_;
+  if (sub_group >= s.plan.n_sub_groups || offset_bytes > state_bytes(sub_group, kind) ||
+      out.size() > state_bytes(sub_group, kind) - offset_bytes) {
+    return invalid_argument("read_state_range_async: sub-group " + std::to_string(sub_group) + " " +
+                            std::string(state_name(kind)) + ": bad sub-group or range at " +
+                            std::to_string(offset_bytes) + " + " + std::to_string(out.size()));
+  }
+  PendingRead pending;
+  const StateLocation& loc = s.locations[sub_group][static_cast<int>(kind)];
+  if (loc.tier != Tier::kNvme || !is_aligned(offset_bytes, kSwapAlignment) ||
+      !is_aligned(reinterpret_cast<uintptr_t>(out.data()), kSwapAlignment)) {
+    ZO_RETURN_IF_ERROR(read_state_range(sub_group, kind, offset_bytes, out));
+    return pending;
+  }
+  // Bytes at and beyond the zero watermark were never written: zeros, not a read.
+  const uint64_t written = s.nvme_written[sub_group][static_cast<int>(kind)];
+  const uint64_t blocks = align_down(out.size(), kSwapAlignment);
+  const uint64_t disk = written > offset_bytes ? std::min(blocks, written - offset_bytes) : 0;
+  if (blocks > disk) std::memset(out.data() + disk, 0, blocks - disk);
+  if (blocks < out.size()) {
+    ZO_RETURN_IF_ERROR(read_state_range(sub_group, kind, offset_bytes + blocks, out.subspan(blocks)));
+  }
+  if (disk > 0) {
+    SwapFile* file = s.file_of(kind);
+    ZO_ASSIGN_OR_RETURN(pending.ticket, file->read_async(loc.region, offset_bytes, out.first(disk), what_of(sub_group, kind)));
+    pending.file = file;
+  }
+  return pending;
+}
+
 Status StateStore::write_state_range(uint32_t sub_group, StateKind kind, uint64_t offset_bytes,
                                      std::span<const std::byte> in) {
   Impl& s = *impl_;

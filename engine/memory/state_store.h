@@ -70,6 +70,17 @@ class StateStore {
   // offset_bytes are 4096-aligned (O_DIRECT, no bounce copy); other bytes go through a 4 MiB scratch.
   Status read_state_range(uint32_t sub_group, StateKind kind, uint64_t offset_bytes, std::span<std::byte> out);
   Status write_state_range(uint32_t sub_group, StateKind kind, uint64_t offset_bytes, std::span<const std::byte> in);
+  // The asynchronous form of read_state_range for checkpoints that keep several reads in flight:
+  // for an NVMe state with `out` and offset_bytes 4096-aligned, the whole 4 KiB blocks are queued
+  // straight into `out` and returned as a ticket of `file` to wait on with SwapFile::wait (`out`
+  // must stay alive until then); everything else (other tiers, a tail, never-written bytes) is
+  // copied before returning. file is null when nothing is left in flight.
+  struct PendingRead {
+    SwapFile* file = nullptr;
+    io::Ticket ticket = 0;
+  };
+  Result<PendingRead> read_state_range_async(uint32_t sub_group, StateKind kind, uint64_t offset_bytes,
+                                             std::span<std::byte> out);
   // Sets the compute copies of elements [offset_elems, offset_elems + master.size()) of a sub-group
   // to `master` rounded to the compute dtype (round to nearest even) — what the optimizer's fused
   // copy-out and init_param() write, so a resume derives them from the checkpointed master.
