@@ -1,11 +1,15 @@
 // `zoffload train`: fine-tune a model from the command line with the offload config the user brings.
 #include <CLI/CLI.hpp>
 
+#include <fcntl.h>
+#include <stdio.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cmath>
+#include <cerrno>
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -70,6 +74,18 @@ std::string progress_line(const engine::StepMetrics& m, uint64_t total, bool wit
   std::string line = buf;
   if (with_breakdown) line += " | " + breakdown(m);
   return line;
+}
+
+// Moves the finished directory `from` to `to`, swapping atomically with an existing `to` (then
+// removed) so that `to` is never missing or partial.
+Status replace_directory(const std::string& from, const std::string& to) {
+  if (::rename(from.c_str(), to.c_str()) == 0) return Status::ok();
+  if (errno != EEXIST && errno != ENOTEMPTY) return errno_status("renaming " + from + " to " + to, errno);
+  if (::renameat2(AT_FDCWD, from.c_str(), AT_FDCWD, to.c_str(), RENAME_EXCHANGE) != 0)
+    return errno_status(to + " exists and could not be replaced (renameat2 RENAME_EXCHANGE from " + from + ")", errno);
+  std::error_code ec;
+  std::filesystem::remove_all(from, ec);
+  return Status::ok();
 }
 
 int run_train(const TrainArgs& a) {
@@ -151,7 +167,7 @@ int run_train(const TrainArgs& a) {
     saved.push_back({{"path", r->path}, {"bytes", r->bytes}, {"seconds", r->seconds},
                      {"gb_per_s", r->seconds > 0 ? r->bytes / r->seconds / 1e9 : 0.0}, {"peak_extra_rss_bytes", extra}});
     if (!a.quiet && !a.json) {
-      std::fprintf(stderr, "checkpoint %s: %s in %.1f s (%.2f GB/s, peak RSS +%s)%s\n", r->path.c_str(),
+      std::fprintf(stderr, "checkpoint %s: %s in %.2f s (%.2f GB/s, peak RSS +%s)%s\n", r->path.c_str(),
                    format_bytes(r->bytes).c_str(), r->seconds, r->seconds > 0 ? r->bytes / r->seconds / 1e9 : 0.0,
                    extra >= 0 ? format_bytes(static_cast<uint64_t>(extra)).c_str() : "?",
                    r->pruned.empty() ? "" : (", pruned " + join(r->pruned, ", ")).c_str());
@@ -196,11 +212,18 @@ int run_train(const TrainArgs& a) {
   if (config->zero.stage3_gather_16bit_weights_on_model_save) {
     engine::ExportOptions eo;
     eo.dtype = trainer.export_dtype();
-    eo.out_dir = a.out + "/hf-export-step-" + std::to_string(trainer.steps_done());
+    // Written next to its final name and moved into place whole; an earlier run's export of the
+    // same step (the same --out run again) is replaced atomically.
+    const std::string final_dir = a.out + "/hf-export-step-" + std::to_string(trainer.steps_done());
+    eo.out_dir = final_dir + ".tmp-" + std::to_string(::getpid());
     eo.staging_bytes = config->zoffload.checkpoint.staging_buffer_size;
+    std::error_code ec;
+    std::filesystem::remove_all(eo.out_dir, ec);
     auto r = trainer.export_model(eo);
     if (!r.is_ok()) return fail("exporting the model: " + r.status().to_string(), 1);
-    exported = r->out_dir;
+    Status moved = replace_directory(eo.out_dir, final_dir);
+    if (!moved.is_ok()) return fail("exporting the model: " + moved.to_string(), 1);
+    exported = final_dir;
     if (!a.quiet && !a.json) {
       std::fprintf(stderr, "exported %s (%s, %s)\n", exported.c_str(), std::string(dtype_name(eo.dtype)).c_str(),
                    format_bytes(r->tensor_bytes).c_str());

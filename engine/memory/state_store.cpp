@@ -601,8 +601,22 @@ Status StateStore::write_state_range(uint32_t sub_group, StateKind kind, uint64_
                             std::string(state_name(kind)) + ": bad sub-group or range at " +
                             std::to_string(offset_bytes) + " + " + std::to_string(in.size()));
   }
-  return s.write_range(sub_group, kind, offset_bytes, offset_bytes + in.size(),
-                       [in](std::byte* dst, uint64_t rel, uint64_t n) { std::memcpy(dst, in.data() + rel, n); });
+  // Whole 4 KiB blocks go from `in` straight to the swap file when nothing below them is a hole.
+  const int k = static_cast<int>(kind);
+  const StateLocation& loc = s.locations[sub_group][k];
+  uint64_t direct = 0;
+  if (loc.tier == Tier::kNvme && is_aligned(offset_bytes, kSwapAlignment) && offset_bytes <= s.nvme_written[sub_group][k] &&
+      is_aligned(reinterpret_cast<uintptr_t>(in.data()), kSwapAlignment)) {
+    direct = align_down(in.size(), kSwapAlignment);
+    if (direct > 0) {
+      ZO_RETURN_IF_ERROR(s.file_of(kind)->write(loc.region, offset_bytes, in.first(direct), what_of(sub_group, kind)));
+      s.nvme_written[sub_group][k] = std::max(s.nvme_written[sub_group][k], offset_bytes + direct);
+    }
+  }
+  if (direct == in.size()) return Status::ok();
+  const std::span<const std::byte> rest = in.subspan(direct);
+  return s.write_range(sub_group, kind, offset_bytes + direct, offset_bytes + in.size(),
+                       [rest](std::byte* dst, uint64_t rel, uint64_t n) { std::memcpy(dst, rest.data() + rel, n); });
 }
 
 Status StateStore::write_compute_from_master(uint32_t sub_group, uint64_t offset_elems, std::span<const float> master) {

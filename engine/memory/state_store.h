@@ -67,7 +67,8 @@ class StateStore {
   Status write_state(uint32_t sub_group, StateKind kind, std::span<const std::byte> in);
   // The same for bytes [offset_bytes, offset_bytes + size) of the state, so that checkpoints never
   // hold a whole state in RAM. From NVMe, whole 4 KiB blocks go straight into `out` when `out` and
-  // offset_bytes are 4096-aligned (O_DIRECT, no bounce copy); other bytes go through a 4 MiB scratch.
+  // offset_bytes are 4096-aligned (O_DIRECT, no bounce copy), and to NVMe likewise from `in`; other
+  // bytes go through a 4 MiB scratch.
   Status read_state_range(uint32_t sub_group, StateKind kind, uint64_t offset_bytes, std::span<std::byte> out);
   Status write_state_range(uint32_t sub_group, StateKind kind, uint64_t offset_bytes, std::span<const std::byte> in);
   // The asynchronous form of read_state_range for checkpoints that keep several reads in flight:

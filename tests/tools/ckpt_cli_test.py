@@ -283,6 +283,8 @@ with tempfile.TemporaryDirectory(prefix="zo-ckpt-cli-", dir=os.environ.get("TMPD
               "--resume %s without manifest.json: exit 1 naming manifest.json: %d %s" % (target, p.returncode, p.stderr))
     p = run("ckpt", "verify", d)
     check("no manifest.json" in p.stderr, "through latest the message says the step has no manifest.json: " + p.stderr)
+    p = run("ckpt", "verify", os.path.join(d, "step-6"))
+    check("incomplete save" in p.stderr, "the step directory itself is called an incomplete save: " + p.stderr)
 
     # 6. Bad arguments: one line, the documented exit code.
     p = train(no_ckpt_config, os.path.join(tmp, "E"), 8, "--resume", "latest", "-q")
