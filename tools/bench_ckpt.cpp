@@ -137,6 +137,11 @@ Result<double> time_plain_copy(io::IoEngine& io, const std::string& src, const s
   return secs;
 }
 
+// The value the benchmark fills element i of a state with.
+float fill_value(uint64_t i, StateKind kind) {
+  return static_cast<float>(i % 1000003) * 1e-6f + static_cast<float>(kind);
+}
+
 int run_bench(const Args& a) {
   auto usage = [](const std::string& msg) {
     std::fprintf(stderr, "zoffload-bench ckpt: %s\n", msg.c_str());
@@ -222,7 +227,7 @@ int run_bench(const Args& a) {
         for (uint64_t e = 0; e < g.n_elems; e += floats.size()) {
           const uint64_t n = std::min<uint64_t>(floats.size(), g.n_elems - e);
           for (uint64_t i = 0; i < n; ++i)
-            floats[i] = static_cast<float>((g.first_elem + e + i) % 1000003) * 1e-6f + static_cast<float>(kind);
+            floats[i] = fill_value(g.first_elem + e + i, kind);
           Status s = (*store)->write_state_range(g.index, kind, e * 4, buf->bytes().first(n * 4));
           if (!s.is_ok()) return failure(s.to_string());
         }
@@ -239,9 +244,9 @@ int run_bench(const Args& a) {
   if (!baseline.is_ok()) return failure("baseline write: " + baseline.status().to_string());
   // The swap file holds every state (and the gradients) back to back: copying its first
   // state_bytes moves as many bytes each way as the save.
-  auto copy = time_plain_copy(**io, (*store)->optimizer_file()->path(), a.nvme_path,
-                              std::min(state_bytes, (*store)->optimizer_file()->capacity_bytes()) / kDirectIoAlignment * kDirectIoAlignment,
-                              staging->bytes());
+  const uint64_t copy_slot = staging->size() / 4 / kDirectIoAlignment * kDirectIoAlignment;
+  const uint64_t copy_bytes = std::min(state_bytes, (*store)->optimizer_file()->capacity_bytes()) / copy_slot * copy_slot;
+  auto copy = time_plain_copy(**io, (*store)->optimizer_file()->path(), a.nvme_path, copy_bytes, staging->bytes());
   if (!copy.is_ok()) return failure("baseline copy: " + copy.status().to_string());
   staging = AlignedBuffer();  // the save allocates its own
 
@@ -270,6 +275,24 @@ int run_bench(const Args& a) {
   const double load_s = since(t_load);
   if (!ls.is_ok()) return failure("load: " + ls.to_string());
   staging = AlignedBuffer();
+  // Correctness before figures: what the load wrote back is what was saved (first and last
+  // sub-group of every state, element by element), and the compute copies are the master rounded.
+  {
+    const auto groups = reg->sub_groups();
+    std::vector<float> got;
+    for (const engine::SubGroup* g : {&groups.front(), &groups.back()}) {
+      got.resize(g->n_elems);
+      for (StateKind kind : {StateKind::kMaster, StateKind::kExpAvg, StateKind::kExpAvgSq}) {
+        Status rs = (*store)->read_state(g->index, kind, std::as_writable_bytes(std::span(got)));
+        if (!rs.is_ok()) return failure("reading back: " + rs.to_string());
+        for (uint64_t i = 0; i < g->n_elems; ++i) {
+          if (got[i] != fill_value(g->first_elem + i, kind))
+            return failure("the loaded checkpoint differs from the saved states: sub-group " + std::to_string(g->index) +
+                           " " + std::string(engine::state_name(kind)) + " element " + std::to_string(i));
+        }
+      }
+    }
+  }
 
   engine::ExportOptions eo;
   eo.dtype = DType::kBF16;
@@ -286,7 +309,7 @@ int run_bench(const Args& a) {
 
   const double save_gbps = gbps(saved->bytes, saved->seconds);
   const double base_gbps = gbps(state_bytes, *baseline);
-  const double copy_gbps = gbps(state_bytes, *copy);
+  const double copy_gbps = gbps(copy_bytes, *copy);
   if (a.json) {
     nlohmann::json out = {{"params", reg->total_elems()},
                           {"state_bytes", state_bytes},

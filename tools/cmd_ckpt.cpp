@@ -26,10 +26,15 @@ struct CkptArgs {
   bool quiet = false;
 };
 
+// A checkpoint that is not there or is not one, or a bad option, is bad input (2); corruption and
+// I/O errors are runtime failures (1).
+int exit_code_of(const Status& s) {
+  return s.code() == StatusCode::kNotFound || s.code() == StatusCode::kInvalidArgument ? 2 : 1;
+}
+
 int fail(const char* verb, const Status& s) {
   std::cerr << "zoffload ckpt " << verb << ": error: " << s.to_string() << "\n";
-  // A checkpoint that is not there or is not one is bad input; corruption and I/O are runtime failures.
-  return s.code() == StatusCode::kNotFound || s.code() == StatusCode::kInvalidArgument ? 2 : 1;
+  return exit_code_of(s);
 }
 
 Result<engine::CheckpointInfo> open_named(const std::string& path) {
@@ -40,7 +45,13 @@ Result<engine::CheckpointInfo> open_named(const std::string& path) {
 int run_verify(const CkptArgs& a) {
   auto staging_bytes = parse_size_bytes(a.staging);
   if (!staging_bytes.is_ok()) return fail("verify", invalid_argument("--staging: " + staging_bytes.status().message()));
+  if (*staging_bytes < (uint64_t{1} << 20) || *staging_bytes % 4096 != 0)
+    return fail("verify", invalid_argument("--staging: at least 1MiB and a multiple of 4096 bytes, not " + a.staging));
   auto info = open_named(a.path);
+  if (!info.is_ok() && a.json) {
+    std::cout << nlohmann::json({{"path", a.path}, {"ok", false}, {"error", info.status().to_string()}}).dump(2) << "\n";
+    return exit_code_of(info.status());
+  }
   if (!info.is_ok()) return fail("verify", info.status());
   auto io = io::IoEngine::create(io::IoOptions{});
   if (!io.is_ok()) return fail("verify", io.status());

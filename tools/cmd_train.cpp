@@ -127,6 +127,17 @@ int run_train(const TrainArgs& a) {
   engine::Trainer& trainer = **trainer_r;
   const double setup_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const uint64_t first_step = trainer.steps_done();
+  // End-of-training exports a killed run left half-written (hf-export-step-N.tmp-<pid>).
+  {
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator(a.out, ec)) {
+      const std::string name = e.path().filename().string();
+      if (name.rfind("hf-export-step-", 0) == 0 && name.find(".tmp-") != std::string::npos) {
+        std::filesystem::remove_all(e.path(), ec);
+        if (!a.quiet) std::cerr << "zoffload train: removed " << e.path().string() << ", left by an export that did not finish\n";
+      }
+    }
+  }
   if (!a.json && !a.quiet) {
     std::printf("zoffload train: %s\n", trainer.describe().c_str());
     if (!trainer.resumed_from().empty())
@@ -218,11 +229,14 @@ int run_train(const TrainArgs& a) {
     eo.out_dir = final_dir + ".tmp-" + std::to_string(::getpid());
     eo.staging_bytes = config->zoffload.checkpoint.staging_buffer_size;
     std::error_code ec;
-    std::filesystem::remove_all(eo.out_dir, ec);
     auto r = trainer.export_model(eo);
     if (!r.is_ok()) return fail("exporting the model: " + r.status().to_string(), 1);
     Status moved = replace_directory(eo.out_dir, final_dir);
-    if (!moved.is_ok()) return fail("exporting the model: " + moved.to_string(), 1);
+    if (moved.is_ok()) moved = engine::sync_directory(a.out);
+    if (!moved.is_ok()) {
+      std::filesystem::remove_all(eo.out_dir, ec);
+      return fail("exporting the model: " + moved.to_string(), 1);
+    }
     exported = final_dir;
     if (!a.quiet && !a.json) {
       std::fprintf(stderr, "exported %s (%s, %s)\n", exported.c_str(), std::string(dtype_name(eo.dtype)).c_str(),

@@ -5,6 +5,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
+#include <charconv>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -89,6 +91,7 @@ Result<FileDigest> write_small_file(const std::string& dir, const std::string& n
     const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) s = errno_status("writing " + path + " at offset " + std::to_string(done), errno);
+    else if (n == 0) s = io_error("writing " + path + " at offset " + std::to_string(done) + ": no progress", EIO);
     else done += static_cast<size_t>(n);
   }
   if (s.is_ok() && ::fdatasync(fd) != 0) s = errno_status("fdatasync of " + path, errno);
@@ -194,13 +197,22 @@ Status stream_file(io::IoEngine& io, const std::string& path, const FileDigest& 
     const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd < 0) return errno_status("opening " + path, errno);
     const uint64_t n = size - body;
-    const ssize_t got = ::pread(fd, staging.data(), n, static_cast<off_t>(body));
-    const int err = errno;
+    uint64_t got = 0;
+    while (got < n) {  // short reads continue; EINTR retries; end of file is corruption
+      const ssize_t r = ::pread(fd, staging.data() + got, n - got, static_cast<off_t>(body + got));
+      if (r < 0 && errno == EINTR) continue;
+      if (r < 0) {
+        const int err = errno;
+        ::close(fd);
+        return errno_status("reading " + path + " at offset " + std::to_string(body + got), err);
+      }
+      if (r == 0) break;
+      got += static_cast<uint64_t>(r);
+    }
     ::close(fd);
-    if (got < 0) return errno_status("reading " + path + " at offset " + std::to_string(body), err);
-    if (static_cast<uint64_t>(got) != n) {
-      return corruption(path + ": short read at offset " + std::to_string(body) + ": " + std::to_string(got) + " of " +
-                        std::to_string(n) + " bytes (the file is shorter than its manifest says)");
+    if (got != n) {
+      return corruption(path + ": end of file at offset " + std::to_string(body + got) + ", " + std::to_string(n - got) +
+                        " bytes before the size its manifest says");
     }
     s = feed(body, {staging.data(), n});
   }
@@ -321,8 +333,9 @@ Result<Manifest> Manifest::from_json(const json& j, const std::string& source) {
     }
     for (const std::string& c : crcs) {
       char* end = nullptr;
-      const unsigned long v = std::strtoul(c.c_str(), &end, 16);
-      if (c.size() != 8 || *end != '\0') return corruption(source + ": " + d.name + ": bad crc32c \"" + c + "\"");
+      const bool hex = c.size() == 8 && std::all_of(c.begin(), c.end(), [](char x) { return std::isxdigit(static_cast<unsigned char>(x)) != 0; });
+      const unsigned long v = hex ? std::strtoul(c.c_str(), &end, 16) : 0;
+      if (!hex || *end != '\0') return corruption(source + ": " + d.name + ": bad crc32c \"" + c + "\"");
       d.chunk_crc32c.push_back(static_cast<uint32_t>(v));
     }
     m.files.push_back(std::move(d));
@@ -334,7 +347,9 @@ Result<Manifest> Manifest::from_json(const json& j, const std::string& source) {
     ct.n_elems = 1;
     for (int64_t d : ct.shape) {
       if (d < 1) return corruption(source + ": tensor " + ct.name + " has shape " + shape_string(ct.shape));
-      ct.n_elems *= static_cast<uint64_t>(d);
+      if (__builtin_mul_overflow(ct.n_elems, static_cast<uint64_t>(d), &ct.n_elems) || ct.n_elems > (uint64_t{1} << 50)) {
+        return corruption(source + ": tensor " + ct.name + " has an impossible shape " + shape_string(ct.shape));
+      }
     }
     m.tensors.push_back(std::move(ct));
   }
@@ -396,7 +411,10 @@ std::vector<std::pair<uint64_t, std::string>> step_dirs(const std::string& dir) 
     const std::string name = e.path().filename().string();
     if (name.rfind("step-", 0) != 0 || name.size() == 5) continue;
     if (name.find_first_not_of("0123456789", 5) != std::string::npos) continue;
-    out.emplace_back(std::stoull(name.substr(5)), name);
+    uint64_t step = 0;
+    const auto [ptr, err] = std::from_chars(name.data() + 5, name.data() + name.size(), step);
+    if (err != std::errc() || ptr != name.data() + name.size()) continue;
+    out.emplace_back(step, name);
   }
   std::sort(out.begin(), out.end());
   return out;
@@ -474,8 +492,14 @@ Result<SaveResult> save_checkpoint(StateStore& store, const TrainingState& state
                                "): nothing consistent to save");
   }
   std::error_code ec;
+  const bool existed = fs::is_directory(options.dir, ec);
   fs::create_directories(options.dir, ec);
   if (ec) return errno_status(context + ": creating " + options.dir, ec.value());
+  if (!existed) {
+    // The new directory's own entry must survive a power cut too.
+    const fs::path parent = fs::absolute(options.dir).lexically_normal().parent_path();
+    ZO_RETURN_IF_ERROR(sync_directory(parent.string()).with_context(context));
+  }
   const std::string final_dir = options.dir + "/" + name;
 
   const std::string tmp = options.dir + "/tmp-" + std::to_string(state.steps_done) + "-" + random_suffix();
@@ -516,6 +540,7 @@ Result<SaveResult> save_checkpoint(StateStore& store, const TrainingState& state
     ZO_ASSIGN_OR_RETURN(FileDigest cfg, write_small_file(tmp, kModelConfigFile, model_config_json));
     manifest.files.push_back(std::move(cfg));
     ZO_ASSIGN_OR_RETURN(FileDigest mf, write_small_file(tmp, kManifestFile, manifest.to_json().dump(1) + "\n"));
+    result.bytes += mf.size_bytes;
     ZO_RETURN_IF_ERROR(sync_directory(tmp));
     phase(SavePhase::kManifestWritten);
     return commit_directory(tmp, final_dir);
@@ -551,11 +576,13 @@ Result<SaveResult> save_checkpoint(StateStore& store, const TrainingState& state
 
   if (options.keep_last > 0) {
     auto dirs = step_dirs(options.dir);
-    // Newest first by step; the one just written is never pruned.
+    // Newest first by step; the one just written is never pruned. Steps beyond it belong to a run
+    // this one resumed before (`latest` now names this one, and this run would overwrite them when
+    // it gets there): they do not count as the newest and are pruned.
     std::reverse(dirs.begin(), dirs.end());
     uint64_t kept = 0;
     for (const auto& [step, dir_name] : dirs) {
-      if (dir_name == name || kept < options.keep_last - 1) {
+      if (dir_name == name || (step < state.steps_done && kept < options.keep_last - 1)) {
         if (dir_name != name) ++kept;
         continue;
       }
@@ -675,6 +702,10 @@ Result<CheckpointInfo> open_checkpoint(const std::string& path) {
                         std::to_string(info.manifest.tensors.size()));
     }
     uint64_t expect_offset = ts.empty() ? 0 : ts.front().data_offset_bytes;
+    if (expect_offset % 4 != 0) {
+      return corruption(fpath + ": the data starts at offset " + std::to_string(expect_offset) +
+                        ", not a multiple of 4 (a zoffload checkpoint pads it to 4096)");
+    }
     for (size_t i = 0; i < ts.size(); ++i) {
       const CheckpointTensor& t = info.manifest.tensors[i];
       if (ts[i].name != t.name || ts[i].shape != t.shape || ts[i].dtype != DType::kF32 ||

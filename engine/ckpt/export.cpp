@@ -161,6 +161,9 @@ class OutputDir {
   // Renames every NAME.tmp to NAME and fsyncs the directory (and its parent when it was created).
   Status commit() {
     renamed_ = true;
+    // config.json last: a directory a kill left mid-commit has no config.json, so nothing loads it
+    // as a model.
+    std::stable_partition(names_.begin(), names_.end(), [](const std::string& n) { return n != "config.json"; });
     for (const std::string& name : names_) {
       if (::rename(tmp_path(name).c_str(), path(name).c_str()) != 0)
         return errno_status("export: renaming " + tmp_path(name) + " to " + name, errno);

@@ -207,8 +207,12 @@ Status Trainer::Impl::init(const TrainOptions& options) {
                                 "checkpoint's path instead");
       where = checkpoint_dir;
     }
-    ZO_ASSIGN_OR_RETURN(std::string path, resolve_checkpoint(where));
-    ZO_ASSIGN_OR_RETURN(CheckpointInfo info, open_checkpoint(path));
+    auto path = resolve_checkpoint(where);
+    // A --resume that names no checkpoint is bad input, like a bad --model.
+    if (!path.is_ok() && path.status().code() == StatusCode::kNotFound)
+      return invalid_argument("--resume: " + path.status().message());
+    if (!path.is_ok()) return path.status();
+    ZO_ASSIGN_OR_RETURN(CheckpointInfo info, open_checkpoint(*path));
     resume = std::move(info);
   }
   ZO_ASSIGN_OR_RETURN(ParamRegistry reg, ParamRegistry::build(layout.params, config.zero.sub_group_size));

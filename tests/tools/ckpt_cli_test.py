@@ -291,8 +291,8 @@ with tempfile.TemporaryDirectory(prefix="zo-ckpt-cli-", dir=os.environ.get("TMPD
     check(p.returncode == 2 and len(error_lines(p)) == 1 and "zoffload.checkpoint.dir" in p.stderr,
           "--resume latest without zoffload.checkpoint.dir: exit 2, one line: %d %s" % (p.returncode, p.stderr))
     p = train(config, os.path.join(tmp, "E"), 8, "--resume", "/nonexistent/zo-ckpt", "-q")
-    check(p.returncode not in (0, None) and len(error_lines(p)) == 1 and "/nonexistent/zo-ckpt" in p.stderr,
-          "--resume /nonexistent: exit != 0, one line naming it: %d %s" % (p.returncode, p.stderr))
+    check(p.returncode == 2 and len(error_lines(p)) == 1 and "/nonexistent/zo-ckpt" in p.stderr,
+          "--resume /nonexistent: exit 2 (bad input), one line naming it: %d %s" % (p.returncode, p.stderr))
     for verb in ("verify", "inspect"):
         p = run("ckpt", verb, "/nonexistent/zo-ckpt")
         check(p.returncode == 2 and len(error_lines(p)) == 1 and "/nonexistent/zo-ckpt" in p.stderr,

@@ -188,6 +188,15 @@ TEST(Checkpoint, LatestPruningAndStaleTmpDirectories) {
   EXPECT_FALSE(fs::exists(ckpt + "/tmp-10-0123abcd"));
   EXPECT_TRUE(fs::exists(ckpt + "/step-9/manifest.json"));
   EXPECT_TRUE(clean_stale_checkpoints(dir.path + "/nowhere").is_ok());
+
+  // A run resumed from an older checkpoint saves step-7: the steps beyond it (step-8, step-9, of
+  // the run it branched from) are pruned, and keep_last counts the steps before it.
+  auto branched = save_checkpoint(*rig.store, state_at(7), "{}", save_options(ckpt, 2));
+  ASSERT_TRUE(branched.is_ok()) << branched.status().to_string();
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(ckpt)) names.push_back(e.path().filename().string());
+  EXPECT_THAT(names, ::testing::UnorderedElementsAre("latest", "step-6", "step-7"));
+  EXPECT_THAT(branched->pruned, ::testing::UnorderedElementsAre("step-8", "step-9"));
 }
 
 TEST(Checkpoint, ResolveNamesWhatIsWrong) {
