@@ -158,8 +158,9 @@ int run_bench(const Args& a) {
   const auto sgs = parse_count(a.sub_group_size);
   if (!sgs.is_ok() || *sgs == 0) return usage("--sub-group-size: expected a positive count");
   const auto staging_bytes = parse_size_bytes(a.staging);
-  if (!staging_bytes.is_ok() || *staging_bytes < (uint64_t{1} << 20) || *staging_bytes % 4096 != 0)
-    return usage("--staging: expected a size of at least 1MiB, a multiple of 4096, like 256MiB");
+  if (!staging_bytes.is_ok()) return usage("--staging: expected a size like 256MiB, got '" + a.staging + "'");
+  if (Status st = engine::check_staging_bytes(*staging_bytes, "--staging " + a.staging); !st.is_ok())
+    return usage(st.message());
   if (a.nvme_path.empty()) return usage("--nvme-path DIR is required: a directory on the drive to measure");
 
   nlohmann::json j = {{"train_micro_batch_size_per_gpu", 1},

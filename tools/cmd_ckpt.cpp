@@ -45,8 +45,8 @@ Result<engine::CheckpointInfo> open_named(const std::string& path) {
 int run_verify(const CkptArgs& a) {
   auto staging_bytes = parse_size_bytes(a.staging);
   if (!staging_bytes.is_ok()) return fail("verify", invalid_argument("--staging: " + staging_bytes.status().message()));
-  if (*staging_bytes < (uint64_t{1} << 20) || *staging_bytes % 4096 != 0)
-    return fail("verify", invalid_argument("--staging: at least 1MiB and a multiple of 4096 bytes, not " + a.staging));
+  if (Status st = engine::check_staging_bytes(*staging_bytes, "--staging " + a.staging); !st.is_ok())
+    return fail("verify", st);
   auto info = open_named(a.path);
   if (!info.is_ok() && a.json) {
     std::cout << nlohmann::json({{"path", a.path}, {"ok", false}, {"error", info.status().to_string()}}).dump(2) << "\n";

@@ -100,8 +100,8 @@ int run_export(const ExportArgs& a) {
   if (*shard_bytes == 0) return fail("--shard-size must be more than 0 bytes", 2);
   auto staging = parse_size_bytes(a.staging);
   if (!staging.is_ok()) return fail("--staging: " + staging.status().message(), 2);
-  if (*staging < kMiB || !is_aligned(*staging, 4096))
-    return fail("--staging " + a.staging + ": give at least 1MiB, a multiple of 4096 bytes", 2);
+  if (Status st = engine::check_staging_bytes(*staging, "--staging " + a.staging); !st.is_ok())
+    return fail(st.message(), 2);
 
   auto path = engine::resolve_checkpoint(a.checkpoint);
   if (!path.is_ok()) return fail(path.status().to_string(), exit_code_of(path.status()));

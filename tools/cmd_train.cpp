@@ -1,13 +1,10 @@
 // `zoffload train`: fine-tune a model from the command line with the offload config the user brings.
 #include <CLI/CLI.hpp>
 
-#include <fcntl.h>
-#include <stdio.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cmath>
-#include <cerrno>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
@@ -74,18 +71,6 @@ std::string progress_line(const engine::StepMetrics& m, uint64_t total, bool wit
   std::string line = buf;
   if (with_breakdown) line += " | " + breakdown(m);
   return line;
-}
-
-// Moves the finished directory `from` to `to`, swapping atomically with an existing `to` (then
-// removed) so that `to` is never missing or partial.
-Status replace_directory(const std::string& from, const std::string& to) {
-  if (::rename(from.c_str(), to.c_str()) == 0) return Status::ok();
-  if (errno != EEXIST && errno != ENOTEMPTY) return errno_status("renaming " + from + " to " + to, errno);
-  if (::renameat2(AT_FDCWD, from.c_str(), AT_FDCWD, to.c_str(), RENAME_EXCHANGE) != 0)
-    return errno_status(to + " exists and could not be replaced (renameat2 RENAME_EXCHANGE from " + from + ")", errno);
-  std::error_code ec;
-  std::filesystem::remove_all(from, ec);
-  return Status::ok();
 }
 
 int run_train(const TrainArgs& a) {
@@ -231,7 +216,9 @@ int run_train(const TrainArgs& a) {
     std::error_code ec;
     auto r = trainer.export_model(eo);
     if (!r.is_ok()) return fail("exporting the model: " + r.status().to_string(), 1);
-    Status moved = replace_directory(eo.out_dir, final_dir);
+    bool exchanged = false;
+    Status moved = engine::move_or_exchange_directory(eo.out_dir, final_dir, &exchanged);
+    if (moved.is_ok() && exchanged) std::filesystem::remove_all(eo.out_dir, ec);  // the earlier export
     if (moved.is_ok()) moved = engine::sync_directory(a.out);
     if (!moved.is_ok()) {
       std::filesystem::remove_all(eo.out_dir, ec);

@@ -73,14 +73,6 @@ std::string hex32(uint32_t v) {
   return buf;
 }
 
-Status check_staging_size(uint64_t bytes, const std::string& what) {
-  if (bytes < (uint64_t{1} << 20) || bytes % 4096 != 0) {
-    return invalid_argument(what + ": the staging buffer must be at least 1 MiB and a multiple of 4096 bytes, not " +
-                            std::to_string(bytes));
-  }
-  return Status::ok();
-}
-
 // Writes a small file in one go, fdatasyncs it and returns its digest.
 Result<FileDigest> write_small_file(const std::string& dir, const std::string& name, const std::string& text) {
   const std::string path = dir + "/" + name;
@@ -387,20 +379,10 @@ Status prune_one(const std::string& dir, const std::string& victim) {
 // (the old one lands at the tmp name and is removed), so `latest`, whichever it names, never points
 // at a missing or partial directory. File systems without RENAME_EXCHANGE get kAlreadyExists.
 Status commit_directory(const std::string& tmp, const std::string& final_dir) {
-  if (::rename(tmp.c_str(), final_dir.c_str()) == 0) return Status::ok();
-  if (errno != EEXIST && errno != ENOTEMPTY) return errno_status("renaming " + tmp + " to " + final_dir, errno);
-  if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, final_dir.c_str(), RENAME_EXCHANGE) == 0) {
-    ZO_LOG(kInfo) << "replaced the existing " << final_dir << " with the new checkpoint of the same step";
-    return Status::ok();
-  }
-  const int err = errno;
-  if (err == EINVAL || err == ENOSYS || err == EOPNOTSUPP) {
-    return Status(StatusCode::kAlreadyExists,
-                  final_dir + " already exists and this file system cannot swap directories atomically "
-                              "(renameat2 RENAME_EXCHANGE: " + std::string(std::strerror(err)) +
-                      "): remove it or save into another zoffload.checkpoint.dir");
-  }
-  return errno_status("swapping " + tmp + " with the existing " + final_dir, err);
+  bool exchanged = false;
+  ZO_RETURN_IF_ERROR(move_or_exchange_directory(tmp, final_dir, &exchanged));
+  if (exchanged) ZO_LOG(kInfo) << "replaced the existing " << final_dir << " with the new checkpoint of the same step";
+  return Status::ok();
 }
 
 // step-<N> directories of DIR, oldest first.
@@ -486,7 +468,7 @@ Result<SaveResult> save_checkpoint(StateStore& store, const TrainingState& state
   const std::string name = "step-" + std::to_string(state.steps_done);
   const std::string context = "saving checkpoint " + options.dir + "/" + name;
   if (options.dir.empty()) return invalid_argument(context + ": no checkpoint directory (zoffload.checkpoint.dir)");
-  ZO_RETURN_IF_ERROR(check_staging_size(options.staging_bytes, context));
+  ZO_RETURN_IF_ERROR(check_staging_bytes(options.staging_bytes, context));
   if (!store.torn_reason().empty()) {
     return failed_precondition(context + ": the states are torn by a failed optimizer step (" + store.torn_reason() +
                                "): nothing consistent to save");
@@ -726,7 +708,7 @@ Result<CheckpointInfo> open_checkpoint(const std::string& path) {
 
 Status verify_checkpoint(const CheckpointInfo& ckpt, io::IoEngine& io, std::span<std::byte> staging,
                          const std::function<void(uint64_t, uint64_t)>& progress) {
-  ZO_RETURN_IF_ERROR(check_staging_size(staging.size(), "verifying " + ckpt.path));
+  ZO_RETURN_IF_ERROR(check_staging_bytes(staging.size(), "verifying " + ckpt.path));
   uint64_t total = 0, done = 0;
   for (const FileDigest& f : ckpt.manifest.files) total += f.size_bytes;
   for (const FileDigest& f : ckpt.manifest.files) {
@@ -742,7 +724,7 @@ Status verify_checkpoint(const CheckpointInfo& ckpt, io::IoEngine& io, std::span
 
 Status load_checkpoint(const CheckpointInfo& ckpt, StateStore& store, io::IoEngine& io, std::span<std::byte> staging) {
   const std::string context = "loading checkpoint " + ckpt.path;
-  ZO_RETURN_IF_ERROR(check_staging_size(staging.size(), context));
+  ZO_RETURN_IF_ERROR(check_staging_bytes(staging.size(), context));
   const ParamRegistry& reg = store.registry();
   const auto& tensors = ckpt.manifest.tensors;
   if (tensors.size() != reg.params().size()) {

@@ -35,7 +35,6 @@ std::string shard_file_name(uint32_t shard, uint32_t n_shards) {
 namespace {
 
 constexpr uint32_t kWriterSlots = 4;
-constexpr uint64_t kMinStagingBytes = kMiB;
 constexpr const char* kTmpSuffix = ".tmp";
 
 std::string range_text(uint64_t begin, uint64_t end) {
@@ -56,9 +55,7 @@ Status validate(std::span<const ParamInfo> params, const ExportOptions& o) {
     return invalid_argument("export: dtype " + std::to_string(static_cast<int>(o.dtype)) + " is not bf16, fp16 or fp32");
   if (o.out_dir.empty()) return invalid_argument("export: no output directory given");
   if (o.shard_bytes == 0) return invalid_argument("export: the shard size must be at least 1 byte");
-  if (o.staging_bytes < kMinStagingBytes || !is_aligned(o.staging_bytes, kDirectIoAlignment))
-    return invalid_argument("export: staging of " + std::to_string(o.staging_bytes) +
-                            " bytes: it must be at least 1 MiB and a multiple of 4096");
+  ZO_RETURN_IF_ERROR(check_staging_bytes(o.staging_bytes, "export"));
   if (params.empty()) return invalid_argument("export: no tensors to export");
   std::set<std::string_view> names;
   for (const ParamInfo& p : params) {

@@ -262,6 +262,31 @@ Status ChunkVerifier::finish() {
   return Status::ok();
 }
 
+Status move_or_exchange_directory(const std::string& from, const std::string& to, bool* exchanged) {
+  *exchanged = false;
+  if (::rename(from.c_str(), to.c_str()) == 0) return Status::ok();
+  if (errno != EEXIST && errno != ENOTEMPTY) return errno_status("renaming " + from + " to " + to, errno);
+  if (::renameat2(AT_FDCWD, from.c_str(), AT_FDCWD, to.c_str(), RENAME_EXCHANGE) == 0) {
+    *exchanged = true;
+    return Status::ok();
+  }
+  const int err = errno;
+  if (err == EINVAL || err == ENOSYS || err == EOPNOTSUPP) {
+    return Status(StatusCode::kAlreadyExists,
+                  to + " already exists and this file system cannot swap directories atomically "
+                       "(renameat2 RENAME_EXCHANGE: " + std::string(std::strerror(err)) + "): remove it first");
+  }
+  return errno_status("swapping " + from + " with the existing " + to, err);
+}
+
+Status check_staging_bytes(uint64_t bytes, std::string_view what) {
+  if (bytes < kMinStagingBytes || bytes % kDirectIoAlignment != 0) {
+    return invalid_argument(std::string(what) + ": the staging buffer must be at least 1 MiB and a multiple of 4096 bytes, not " +
+                            std::to_string(bytes));
+  }
+  return Status::ok();
+}
+
 Status sync_directory(const std::string& dir) {
   const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd < 0) return errno_status("opening directory " + dir + " to fsync it", errno);

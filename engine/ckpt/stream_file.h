@@ -8,6 +8,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/status.h"
@@ -88,5 +89,18 @@ class ChunkVerifier {
 
 // fsync of a directory (after creating, renaming or removing entries in it).
 Status sync_directory(const std::string& dir);
+
+// Moves the finished directory `from` to `to` in one atomic step. When `to` exists, the two are
+// swapped with renameat2(RENAME_EXCHANGE), so `to` is never missing or partial and `from` then
+// holds the old contents for the caller to remove (*exchanged is set). kAlreadyExists naming `to`
+// on a file system without RENAME_EXCHANGE. The caller fsyncs the parent.
+Status move_or_exchange_directory(const std::string& from, const std::string& to, bool* exchanged);
+
+// The staging buffers checkpoints and exports stream through: at least this many bytes, and a
+// multiple of 4096 (O_DIRECT).
+inline constexpr uint64_t kMinStagingBytes = uint64_t{1} << 20;
+// kInvalidArgument "<what>: the staging buffer must be at least 1 MiB and a multiple of 4096
+// bytes, not N" unless `bytes` is such a size.
+Status check_staging_bytes(uint64_t bytes, std::string_view what);
 
 }  // namespace zo::engine
