@@ -517,27 +517,10 @@ Result<ExportResult> export_store(StateStore& store, const std::string& model_co
                                store.torn_reason() + "); export from a checkpoint instead");
   if (state_elem_bytes(store.plan().placement, StateKind::kMaster) != sizeof(float))
     return internal_error("export: the store's master weights are not fp32");
-  const ParamRegistry& registry = store.registry();
-  const Fp32Reader read = [&store, &registry](uint32_t p, uint64_t off, std::span<float> out) -> Status {
-    const uint64_t end = off + out.size();
-    uint64_t covered = 0;
-    for (const ParamPiece& piece : registry.pieces_of_param(p)) {
-      const uint64_t b = std::max(off, piece.param_offset);
-      const uint64_t e = std::min(end, piece.param_offset + piece.n_elems);
-      if (b >= e) continue;
-      std::span<float> dst = out.subspan(b - off, e - b);
-      Status s = store.read_state_range(piece.sub_group, StateKind::kMaster,
-                                        (piece.group_offset + (b - piece.param_offset)) * sizeof(float),
-                                        std::as_writable_bytes(dst));
-      if (!s.is_ok()) return s.with_context("master of sub-group " + std::to_string(piece.sub_group));
-      covered += e - b;
-    }
-    if (covered != out.size())
-      return internal_error("export: elements " + range_text(off, end) + " of param " +
-                            registry.params()[p].name + " are outside its pieces");
-    return Status::ok();
+  const Fp32Reader read = [&store](uint32_t p, uint64_t off, std::span<float> out) {
+    return store.read_param_master(p, off, out);
   };
-  return export_impl(registry.params(), model_config_json, read, io, options, {});
+  return export_impl(store.registry().params(), model_config_json, read, io, options, {});
 }
 
 }  // namespace zo::engine

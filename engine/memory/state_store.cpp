@@ -516,6 +516,30 @@ Status StateStore::init_param(uint32_t param, uint64_t offset_elems, std::span<c
   return Status::ok();
 }
 
+Status StateStore::read_param_master(uint32_t param, uint64_t offset_elems, std::span<float> out) {
+  Impl& s = *impl_;
+  if (param >= s.registry.params().size()) {
+    return invalid_argument("read_param_master: param " + std::to_string(param) + " out of range (" +
+                            std::to_string(s.registry.params().size()) + " params)");
+  }
+  const ParamInfo& info = s.registry.params()[param];
+  if (offset_elems > info.n_elems || out.size() > info.n_elems - offset_elems) {
+    return invalid_argument("read_param_master: " + info.name + ": elements [" + std::to_string(offset_elems) + ", " +
+                            std::to_string(offset_elems + out.size()) + ") outside its " +
+                            std::to_string(info.n_elems) + " elements");
+  }
+  const uint64_t lo = offset_elems, hi = offset_elems + out.size();
+  for (const ParamPiece& piece : s.registry.pieces_of_param(param)) {
+    const uint64_t a = std::max(lo, piece.param_offset), b = std::min(hi, piece.param_offset + piece.n_elems);
+    if (a >= b) continue;
+    const uint64_t first = piece.group_offset + (a - piece.param_offset);
+    Status st = read_state_range(piece.sub_group, StateKind::kMaster, first * 4,
+                                 std::as_writable_bytes(out.subspan(a - lo, b - a)));
+    if (!st.is_ok()) return st.with_context("reading the master of " + info.name);
+  }
+  return Status::ok();
+}
+
 Status StateStore::read_state(uint32_t sub_group, StateKind kind, std::span<std::byte> out) {
   Impl& s = *impl_;
   if (sub_group >= s.plan.n_sub_groups || out.size() != state_bytes(sub_group, kind)) {

@@ -60,6 +60,9 @@ class StateStore {
   // compute = values rounded to the compute dtype, exp_avg = exp_avg_sq = 0. Any slice (streaming
   // a large tensor in chunks); on NVMe unaligned edges are read-modify-written. Synchronous.
   Status init_param(uint32_t param, uint64_t offset_elems, std::span<const float> values);
+  // Reads elements [offset_elems, offset_elems + out.size()) of a param's fp32 master, from
+  // whichever sub-groups and tiers hold them (read_state_range per piece). Synchronous.
+  Status read_param_master(uint32_t param, uint64_t offset_elems, std::span<float> out);
 
   // Copies one state of a sub-group (n_elems × state_elem_bytes) between its home and host memory,
   // synchronously, whatever the tier. For tests, checkpoints and the bench.

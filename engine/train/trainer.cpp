@@ -634,14 +634,7 @@ Status Trainer::read_master(uint32_t param, std::span<float> out) {
   if (out.size() != info.n_elems)
     return invalid_argument("read_master: " + info.name + " has " + std::to_string(info.n_elems) + " elements, not " +
                             std::to_string(out.size()));
-  std::vector<float> group;
-  for (const ParamPiece& piece : reg.pieces_of_param(param)) {
-    group.resize(reg.sub_groups()[piece.sub_group].n_elems);
-    ZO_RETURN_IF_ERROR(impl_->store->read_state(piece.sub_group, StateKind::kMaster, std::as_writable_bytes(std::span(group))));
-    std::copy_n(group.begin() + static_cast<std::ptrdiff_t>(piece.group_offset), piece.n_elems,
-                out.begin() + static_cast<std::ptrdiff_t>(piece.param_offset));
-  }
-  return Status::ok();
+  return impl_->store->read_param_master(param, 0, out);
 }
 
 const std::string& Trainer::checkpoint_dir() const { return impl_->checkpoint_dir; }
