@@ -236,7 +236,9 @@ TEST(Checkpoint, AFlippedByteInAnyFileIsCaughtByVerifyAndLoad) {
       ASSERT_TRUE(dst.init({.optimizer = "cpu", .param = "cpu"}, dir.path + "/swap2").is_ok());
       Status l = load(copy, dst);
       EXPECT_FALSE(l.is_ok());
-      if (!v.is_ok()) EXPECT_THAT(v.to_string(), HasSubstr(f.name));
+      if (!v.is_ok()) {
+        EXPECT_THAT(v.to_string(), HasSubstr(f.name));
+      }
       ++checked;
     }
   }
@@ -303,7 +305,9 @@ TEST(Checkpoint, FaultsDuringASaveLoseNothing) {
     EXPECT_GT(rig.faults->injected(), injected);
     EXPECT_THAT(r.status().to_string(), HasSubstr(c.file));
     EXPECT_THAT(r.status().to_string(), HasSubstr("step-2"));
-    if (c.kind == io::FaultKind::kNoSpace) EXPECT_EQ(r.status().code(), StatusCode::kNoSpace);
+    if (c.kind == io::FaultKind::kNoSpace) {
+      EXPECT_EQ(r.status().code(), StatusCode::kNoSpace);
+    }
     rig.faults->clear();
 
     EXPECT_FALSE(fs::exists(ckpt + "/step-2"));

@@ -491,7 +491,9 @@ TEST(Resume, ContinuesBitExactlyWithTheOptimizerOnNvme) {
     }
     ASSERT_TRUE((*ta)->save_checkpoint().is_ok());
     const auto a_master = masters(**ta);
-    if (!v.overflow.empty()) EXPECT_TRUE(am[1].skipped);
+    if (!v.overflow.empty()) {
+      EXPECT_TRUE(am[1].skipped);
+    }
 
     // The same run without any save: saving changed nothing.
     TempDir c_dir;
