@@ -501,11 +501,9 @@ Result<SaveResult> save_checkpoint(StateStore& store, const TrainingState& state
     for (StateKind kind : kSavedKinds) {
       for (const SubGroup& g : store.registry().sub_groups()) total += store.state_bytes(g.index, kind);
     }
-    // No more staging than one state file (and its header) needs: a small model saves with a few MiB.
-    const uint64_t file_bound = align_up(total / 3 + (uint64_t{1} << 20), uint64_t{kSlots} * kDirectIoAlignment);
-    const uint64_t slot_unit = uint64_t{kSlots} * kDirectIoAlignment;
-    ZO_ASSIGN_OR_RETURN(AlignedBuffer staging,
-                        AlignedBuffer::allocate(std::min(options.staging_bytes, file_bound) / slot_unit * slot_unit));
+    // No more staging than one state file (and 1 MiB for its header) needs.
+    ZO_ASSIGN_OR_RETURN(AlignedBuffer staging, AlignedBuffer::allocate(staging_bytes_for(
+                                                   options.staging_bytes, total / 3 + (uint64_t{1} << 20))));
     auto on_bytes = [&](uint64_t n) {
       done += n;
       if (options.progress) options.progress(done, total);

@@ -287,6 +287,11 @@ Status check_staging_bytes(uint64_t bytes, std::string_view what) {
   return Status::ok();
 }
 
+uint64_t staging_bytes_for(uint64_t configured, uint64_t file_bytes) {
+  constexpr uint64_t kUnit = 4 * kDirectIoAlignment;
+  return std::min(configured, std::max(kMinStagingBytes, align_up(file_bytes, kUnit))) / kUnit * kUnit;
+}
+
 Status sync_directory(const std::string& dir) {
   const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd < 0) return errno_status("opening directory " + dir + " to fsync it", errno);

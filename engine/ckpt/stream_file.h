@@ -102,5 +102,9 @@ inline constexpr uint64_t kMinStagingBytes = uint64_t{1} << 20;
 // kInvalidArgument "<what>: the staging buffer must be at least 1 MiB and a multiple of 4096
 // bytes, not N" unless `bytes` is such a size.
 Status check_staging_bytes(uint64_t bytes, std::string_view what);
+// The staging to allocate for streaming files of at most `file_bytes`: `configured`, or less when
+// such a file needs less (a small model saves and loads with a few MiB), never below
+// kMinStagingBytes, in whole units of 4 slots of 4096 bytes.
+uint64_t staging_bytes_for(uint64_t configured, uint64_t file_bytes);
 
 }  // namespace zo::engine

@@ -247,12 +247,10 @@ Status Trainer::Impl::init(const TrainOptions& options) {
   if (resume) {
     // Note [Resume]: the states stream from the checkpoint straight into their tiers through one
     // staging buffer (freed once loaded); the compute copies are re-derived from the master.
-    // No more staging than the largest file needs (in whole 16 KiB units, at least 1 MiB).
     uint64_t largest = 0;
     for (const FileDigest& f : resume->manifest.files) largest = std::max(largest, f.size_bytes);
-    const uint64_t staging_bytes = std::min(config.zoffload.checkpoint.staging_buffer_size,
-                                            std::max(uint64_t{1} << 20, align_up(largest, uint64_t{16} << 10)));
-    ZO_ASSIGN_OR_RETURN(AlignedBuffer staging, AlignedBuffer::allocate(staging_bytes));
+    ZO_ASSIGN_OR_RETURN(AlignedBuffer staging, AlignedBuffer::allocate(staging_bytes_for(
+                                                   config.zoffload.checkpoint.staging_buffer_size, largest)));
     ZO_RETURN_IF_ERROR(load_checkpoint(*resume, *store, *io, staging.bytes()));
   } else {
     ZO_RETURN_IF_ERROR(init_weights());

@@ -54,7 +54,9 @@ TEST(StreamWriter, WritesExactBytesSizeAndChunkCrcs) {
       if (use_span) {
         auto span = (*w)->next_span(want);
         ASSERT_TRUE(span.is_ok());
-        if ((*w)->position() % 4096 == 0) EXPECT_EQ(reinterpret_cast<uintptr_t>(span->data()) % 4096, 0u);
+        if ((*w)->position() % 4096 == 0) {
+          EXPECT_EQ(reinterpret_cast<uintptr_t>(span->data()) % 4096, 0u);
+        }
         std::memcpy(span->data(), data.data() + off, span->size());
         ASSERT_TRUE((*w)->commit(span->size()).is_ok());
         off += span->size();
