@@ -7,16 +7,9 @@ import subprocess
 import sys
 import tempfile
 
+from cli_checks import expect, report_and_exit
+
 bench = sys.argv[1]
-failures = []
-checks = 0
-
-
-def expect(cond, what):
-    global checks
-    checks += 1
-    if not cond:
-        failures.append(what)
 
 
 def run(*args):
@@ -65,7 +58,4 @@ expect(p.returncode == 1 and "pinned" in p.stderr, "pinned cap below the plan: e
 p = subprocess.run([bench, "pipeline", "--help"], capture_output=True, text=True)
 expect(p.returncode == 0 and "overlap" in p.stdout and "--nvme-path" in p.stdout, "--help describes it")
 
-for f in failures:
-    print("FAIL:", f)
-print("%d passed, %d failed" % (checks - len(failures), len(failures)))
-sys.exit(1 if failures else 0)
+report_and_exit()

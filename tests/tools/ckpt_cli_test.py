@@ -16,22 +16,14 @@ import subprocess
 import sys
 import tempfile
 
+from cli_checks import expect as check, report_and_exit
+
 zoffload, source_dir = sys.argv[1], sys.argv[2]
 demo_config = os.path.join(source_dir, "configs", "tiny_demo_nvme.json")
 corpus = os.path.join(source_dir, "configs", "data", "demo_corpus.txt")
 STATE_FILES = ["master.safetensors", "exp_avg.safetensors", "exp_avg_sq.safetensors"]
 TINY_PARAMETERS = 3033344
 TINY_TENSORS = 39
-failures = []
-checks = 0
-
-
-def check(cond, what):
-    global checks
-    checks += 1
-    if not cond:
-        failures.append(what)
-    return cond
 
 
 def run(*args, timeout=600):
@@ -324,7 +316,4 @@ with tempfile.TemporaryDirectory(prefix="zo-ckpt-cli-", dir=os.environ.get("TMPD
     p = run("ckpt", "inspect", "--json", a_ckpt)
     check(as_json(p).get("step") == 8, "inspect follows latest to step 8: %s" % p.stdout[:300])
 
-print("%d checks, %d failures" % (checks, len(failures)))
-for f in failures:
-    print("FAIL:", f)
-sys.exit(1 if failures else 0)
+report_and_exit()

@@ -16,21 +16,13 @@ import subprocess
 import sys
 import tempfile
 
+from cli_checks import expect, report_and_exit
+
 zoffload, source_dir = sys.argv[1], sys.argv[2]
 demo_config = os.path.join(source_dir, "configs", "tiny_demo_nvme.json")
 corpus = os.path.join(source_dir, "configs", "data", "demo_corpus.txt")
-failures = []
-checks = 0
 
 DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2}
-
-
-def expect(cond, what):
-    global checks
-    checks += 1
-    if not cond:
-        failures.append(what)
-    return cond
 
 
 def run(*args, timeout=600):
@@ -141,10 +133,7 @@ with tempfile.TemporaryDirectory(prefix="zo-export-cli-", dir=os.environ.get("TM
     ckpt_dir = os.path.join(run_dir, "ckpt")
     if not expect(p.returncode == 0 and os.path.exists(os.path.join(ckpt_dir, "latest")),
                   "training with checkpoints exits 0 and writes ckpt/latest: %d %s" % (p.returncode, p.stderr[-2000:])):
-        print("%d checks, %d failures" % (checks, len(failures)))
-        for f in failures:
-            print("FAIL:", f)
-        sys.exit(1)
+        report_and_exit()
     with open(os.path.join(ckpt_dir, "latest")) as f:
         step_dir = os.path.join(ckpt_dir, f.read().strip())
     master = read_safetensors(os.path.join(step_dir, "master.safetensors"), exported=False)
@@ -250,7 +239,4 @@ with tempfile.TemporaryDirectory(prefix="zo-export-cli-", dir=os.environ.get("TM
     p = run("export", "--help")
     expect(p.returncode == 0 and "--shard-size" in p.stdout and "--dtype" in p.stdout, "--help answers")
 
-print("%d checks, %d failures" % (checks, len(failures)))
-for f in failures:
-    print("FAIL:", f)
-sys.exit(1 if failures else 0)
+report_and_exit()

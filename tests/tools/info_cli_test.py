@@ -4,16 +4,9 @@ import json
 import subprocess
 import sys
 
+from cli_checks import expect, report_and_exit
+
 zoffload = sys.argv[1]
-failures = []
-checks = 0
-
-
-def expect(cond, what):
-    global checks
-    checks += 1
-    if not cond:
-        failures.append(what)
 
 
 p = subprocess.run([zoffload, "info", "--json"], capture_output=True, text=True)
@@ -34,7 +27,4 @@ expect(p.returncode == 2, "unknown command exits 2 (got %d)" % p.returncode)
 p = subprocess.run([zoffload], capture_output=True, text=True)
 expect(p.returncode == 2, "no command exits 2 (got %d)" % p.returncode)
 
-for f in failures:
-    print("FAIL:", f)
-print("%d passed, %d failed" % (checks - len(failures), len(failures)))
-sys.exit(1 if failures else 0)
+report_and_exit()

@@ -11,18 +11,11 @@ import subprocess
 import sys
 import tempfile
 
+from cli_checks import expect, report_and_exit
+
 zoffload, source_dir = sys.argv[1], sys.argv[2]
 demo_config = os.path.join(source_dir, "configs", "tiny_demo_nvme.json")
 corpus = os.path.join(source_dir, "configs", "data", "demo_corpus.txt")
-failures = []
-checks = 0
-
-
-def expect(cond, what):
-    global checks
-    checks += 1
-    if not cond:
-        failures.append(what)
 
 
 def train(*args, timeout=600):
@@ -152,7 +145,4 @@ with tempfile.TemporaryDirectory(prefix="zo-train-cli-", dir=os.environ.get("TMP
     p = subprocess.run([zoffload, "train", "--help"], capture_output=True, text=True)
     expect(p.returncode == 0 and "--model" in p.stdout and "metrics.jsonl" in p.stdout, "--help answers")
 
-print("%d checks, %d failures" % (checks, len(failures)))
-for f in failures:
-    print("FAIL:", f)
-sys.exit(1 if failures else 0)
+report_and_exit()
