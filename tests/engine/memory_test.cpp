@@ -15,6 +15,7 @@
 #include "engine/memory/param_registry.h"
 #include "engine/memory/pinned_pool.h"
 #include "gpu/host_device.h"
+#include "tests/engine/test_config.h"
 
 namespace zo::engine {
 namespace {
@@ -284,7 +285,9 @@ void expect_consistent(const ParamRegistry& r, uint64_t sub_group_size) {
     for (const ParamPiece& piece : r.pieces_of_param(p.id)) {
       EXPECT_EQ(piece.param, p.id);
       EXPECT_EQ(piece.param_offset, covered);
-      if (covered > 0) EXPECT_EQ(piece.sub_group, prev_group + 1);  // consecutive groups
+      if (covered > 0) {
+        EXPECT_EQ(piece.sub_group, prev_group + 1);  // consecutive groups
+      }
       EXPECT_EQ(flat_of(piece), start + covered);                     // contiguous in the flat space
       covered += piece.n_elems;
       prev_group = piece.sub_group;
@@ -405,12 +408,7 @@ Config config_for(const Offload& o) {
             {"bf16", {{"enabled", o.bf16}}},
             {"zero_optimization",
              {{"stage", 3}, {"sub_group_size", o.sub_group_size}, {"offload_optimizer", oo}, {"offload_param", op}}}};
-  ConfigDiagnostics diag;
-  auto c = parse_config(std::string_view(j.dump()), {}, &diag);
-  std::string errors;
-  for (const auto& e : diag.errors) errors += e.to_string() + "\n";
-  ZO_CHECK(c.has_value()) << errors;
-  return *c;
+  return parse_test_config(j.dump());
 }
 
 // `n` params of `elems` elements each.

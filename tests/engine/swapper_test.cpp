@@ -24,6 +24,7 @@
 #include "io/fault_injector.h"
 #include "io/io_engine.h"
 #include "tests/engine/temp_dir.h"
+#include "tests/engine/test_config.h"
 
 namespace zo::engine {
 namespace {
@@ -68,12 +69,7 @@ Config make_config(const Placing& s, const std::string& dir) {
     "bf16": {"enabled": )" + b(s.bf16) + R"(},
     "data_types": {"grad_accum_dtype": ")" + s.grad + R"("},
     "optimizer": {"type": ")" + s.optimizer_type + R"(", "params": {"lr": 0.01, "weight_decay": 0.1}}})";
-  ConfigDiagnostics diag;
-  auto config = parse_config(json, ResolveContext{}, &diag);
-  std::string errors;
-  for (const auto& e : diag.errors) errors += e.to_string() + "\n";
-  ZO_CHECK(config.has_value()) << errors;
-  return *config;
+  return parse_test_config(json);
 }
 
 // Odd sizes: "b" is split over three sub-groups of 8192 elements, "e" over two.

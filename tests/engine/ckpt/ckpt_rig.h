@@ -16,6 +16,7 @@
 #include "gpu/device.h"
 #include "io/fault_injector.h"
 #include "io/io_engine.h"
+#include "tests/engine/test_config.h"
 
 namespace zo::engine::testing {
 
@@ -47,12 +48,7 @@ inline Config rig_config(const Placing& p, const std::string& nvme_dir) {
       "offload_optimizer": {"device": ")" + p.optimizer + R"(", "nvme_path": ")" + nvme_dir + R"("},
       "offload_param": {"device": ")" + p.param + R"(", "nvme_path": ")" + nvme_dir + R"(", "max_in_cpu": 0}},
     "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}})";
-  ConfigDiagnostics diag;
-  auto config = parse_config(json, ResolveContext{}, &diag);
-  std::string errors;
-  for (const auto& e : diag.errors) errors += e.to_string() + "\n";
-  ZO_CHECK(config.has_value()) << errors;
-  return *config;
+  return parse_test_config(json);
 }
 
 // The value of element i of `kind` in generation `gen`: distinct per state, exact in fp32.

@@ -27,6 +27,7 @@
 #include "io/fault_injector.h"
 #include "io/io_engine.h"
 #include "tests/engine/temp_dir.h"
+#include "tests/engine/test_config.h"
 
 namespace zo::engine::testing {
 
@@ -60,12 +61,7 @@ inline Config make_config(const Placing& s, const std::string& dir) {
     "bf16": {"enabled": )" + json_bool(s.bf16) + R"(},
     "data_types": {"grad_accum_dtype": ")" + s.grad + R"("},
     "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}})";
-  ConfigDiagnostics diag;
-  auto config = parse_config(json, ResolveContext{}, &diag);
-  std::string errors;
-  for (const auto& e : diag.errors) errors += e.to_string() + "\n";
-  ZO_CHECK(config.has_value()) << errors;
-  return *config;
+  return parse_test_config(json);
 }
 
 inline constexpr uint32_t kLayers = 4;

@@ -22,6 +22,7 @@
 #include "engine/model/llama.h"
 #include "engine/optim/lr_schedule.h"
 #include "tests/engine/temp_dir.h"
+#include "tests/engine/test_config.h"
 
 namespace zo::engine {
 namespace {
@@ -92,12 +93,7 @@ Config make_config(const RunSetup& s, const std::string& nvme) {
   if (s.optimizer != "none")
     j["zero_optimization"]["offload_optimizer"] = {{"device", s.optimizer}, {"nvme_path", nvme},
                                                    {"pipeline_read", s.pipeline}, {"pipeline_write", s.pipeline}};
-  ConfigDiagnostics diag;
-  std::optional<Config> c = parse_config_json(j, ResolveContext{}, &diag);
-  std::string errors;
-  for (const ConfigIssue& e : diag.errors) errors += e.to_string() + "\n";
-  ZO_CHECK(c.has_value()) << errors;
-  return *c;
+  return parse_test_config(j.dump());
 }
 
 TrainOptions make_options(const RunSetup& s, const TempDir& dir, bool tied = false) {
