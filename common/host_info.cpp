@@ -72,6 +72,13 @@ RssBytes process_rss() {
   return r;
 }
 
+PhaseRss::PhaseRss() : known_(reset_peak_rss()), start_bytes_(process_rss().current) {}
+
+int64_t PhaseRss::peak_extra_bytes() const {
+  if (!known_) return -1;
+  return static_cast<int64_t>(process_rss().peak) - static_cast<int64_t>(start_bytes_);
+}
+
 bool reset_peak_rss() {
   FILE* f = std::fopen("/proc/self/clear_refs", "w");
   if (f == nullptr) return false;

@@ -29,4 +29,18 @@ RssBytes process_rss();
 // one phase (a checkpoint save, an export) can be measured; false where the kernel does not allow it.
 bool reset_peak_rss();
 
+// The peak RSS one phase adds (a checkpoint save, an export): construct it just before the phase,
+// read it after. Not thread-safe; one phase at a time per process (it resets the process's peak).
+class PhaseRss {
+ public:
+  PhaseRss();  // resets the high-water mark and notes the RSS now
+  // The peak RSS since construction minus the RSS at construction, in bytes; -1 where the kernel
+  // does not let the peak be reset.
+  int64_t peak_extra_bytes() const;
+
+ private:
+  bool known_ = false;
+  uint64_t start_bytes_ = 0;
+};
+
 }  // namespace zo

@@ -258,10 +258,9 @@ int run_bench(const Args& a) {
   engine::SaveOptions save_opts;
   save_opts.dir = ckpt_dir;
   save_opts.staging_bytes = *staging_bytes;
-  const bool peak_ok = reset_peak_rss();
-  const uint64_t rss0 = process_rss().current;
+  const PhaseRss save_phase;
   auto saved = engine::save_checkpoint(**store, st, "{\"model_type\": \"llama\"}", save_opts);
-  const int64_t save_rss = peak_ok ? static_cast<int64_t>(process_rss().peak) - static_cast<int64_t>(rss0) : -1;
+  const int64_t save_rss = save_phase.peak_extra_bytes();
   if (!saved.is_ok()) return failure("save: " + saved.status().to_string());
 
   auto info = engine::open_checkpoint(saved->path);
@@ -299,12 +298,11 @@ int run_bench(const Args& a) {
   eo.dtype = DType::kBF16;
   eo.out_dir = ckpt_dir + "/export-bf16";
   eo.staging_bytes = *staging_bytes;
-  const bool peak_ok2 = reset_peak_rss();
-  const uint64_t rss1 = process_rss().current;
+  const PhaseRss export_phase;
   const auto t_export = Clock::now();
   auto exported = engine::export_checkpoint(*info, **io, eo);
   const double export_s = since(t_export);
-  const int64_t export_rss = peak_ok2 ? static_cast<int64_t>(process_rss().peak) - static_cast<int64_t>(rss1) : -1;
+  const int64_t export_rss = export_phase.peak_extra_bytes();
   if (!exported.is_ok()) return failure("export: " + exported.status().to_string());
   fs::remove_all(ckpt_dir);
 

@@ -120,13 +120,11 @@ int run_export(const ExportArgs& a) {
 
   // The RAM the export itself adds (the staging buffer, by design): the peak over the export
   // minus the RSS just before it; -1 where the kernel does not let the peak be reset.
-  const bool peak_known = reset_peak_rss();
-  const uint64_t rss_before = process_rss().current;
+  const PhaseRss phase;
   const auto t0 = std::chrono::steady_clock::now();
   auto result = engine::export_checkpoint(*ckpt, **io, options);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  const int64_t extra_rss =
-      peak_known ? static_cast<int64_t>(process_rss().peak) - static_cast<int64_t>(rss_before) : int64_t{-1};
+  const int64_t extra_rss = phase.peak_extra_bytes();
   if (!result.is_ok()) {
     progress.abandon();
     return fail(result.status().to_string(), exit_code_of(result.status()));

@@ -151,15 +151,13 @@ int run_train(const TrainArgs& a) {
     const bool show = tty && !a.quiet && !a.json;
     // The save's extra memory: its peak RSS above the RSS it started with (bounded by the staging
     // buffer, see docs/checkpoint_format.md); -1 where the kernel cannot reset the peak.
-    const bool peak_known = reset_peak_rss();
-    const uint64_t rss_before = process_rss().current;
+    const PhaseRss phase;
     auto r = trainer.save_checkpoint([&](uint64_t done, uint64_t total) {
       if (show) std::fprintf(stderr, "\r\033[Ksaving %s: %s of %s", name.c_str(), format_bytes(done).c_str(), format_bytes(total).c_str());
     });
     if (show) std::fputs("\r\033[K", stderr);
     if (!r.is_ok()) return r.status();
-    const RssBytes rss = process_rss();
-    const int64_t extra = peak_known ? static_cast<int64_t>(rss.peak) - static_cast<int64_t>(rss_before) : -1;
+    const int64_t extra = phase.peak_extra_bytes();
     saved.push_back({{"path", r->path}, {"bytes", r->bytes}, {"seconds", r->seconds},
                      {"gb_per_s", r->seconds > 0 ? r->bytes / r->seconds / 1e9 : 0.0}, {"peak_extra_rss_bytes", extra}});
     if (!a.quiet && !a.json) {
