@@ -2,15 +2,20 @@
 # zoffload's two-command entry point (see README.md, "Quick start"):
 #   tools/setup.sh demo   install missing Debian packages, configure, build, run the demo
 #   tools/setup.sh test   the same set-up, then the whole test suite (meson test)
-# Both are idempotent: packages already present are not reinstalled, an existing build directory is
-# reused and only what changed is rebuilt.
+# LibTorch comes from PyTorch: the python3 on PATH when it imports a PyTorch zoffload can build
+# against (tools/torch_probe.py says which), otherwise .venv/ at the repository root with the
+# versions pinned in tools/requirements.txt (downloaded once; about 5 GB installed).
+# Both are idempotent: packages already present are not reinstalled, .venv/ is not re-downloaded
+# while tools/requirements.txt is unchanged, an existing build directory is reused and only what
+# changed is rebuilt.
 #
 # Environment: BUILD_DIR (default: build), MESON_ARGS (extra `meson setup` arguments for a new
-# build directory, e.g. "-Db_sanitize=address,undefined"), ZO_TEST_ARGS (extra `meson test` args).
+# build directory, e.g. "-Db_sanitize=address,undefined"), ZO_TEST_ARGS (extra `meson test` args),
+# ZO_PYTHON (use this interpreter's PyTorch; it must pass tools/torch_probe.py).
 set -euo pipefail
 
 usage() {
-  sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 }
 [ $# -ge 1 ] || usage
@@ -24,8 +29,8 @@ build=${BUILD_DIR:-build}
 
 # ---- 1. Debian packages (only the missing ones) ---------------------------------------------------
 packages=(
-  meson ninja-build pkg-config g++ python3
-  liburing-dev libaio-dev libhwloc-dev libtbb-dev libtorch-dev
+  meson ninja-build pkg-config g++ python3 python3-venv
+  liburing-dev libaio-dev libhwloc-dev libtbb-dev
   libgtest-dev libgmock-dev nlohmann-json3-dev libcli11-dev
   fio
 )
@@ -45,14 +50,51 @@ if [ ${#missing[@]} -gt 0 ]; then
   $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
-# ---- 2. configure (once) and build (incrementally) ------------------------------------------------
+# ---- 2. PyTorch (LibTorch and the test oracles) ---------------------------------------------------
+# Note [One LibTorch]: zoffload builds against the user's PyTorch 2.x, so CI, a laptop and the GPU
+# machine run the same LibTorch. A .venv/ made here is used from then on; python3 is used only
+# while there is none.
+venv="$root/.venv"
+requirements="$root/tools/requirements.txt"
+stamp="$venv/.zoffload-requirements"
+if [ -n "${ZO_PYTHON:-}" ]; then
+  "$ZO_PYTHON" tools/torch_probe.py >/dev/null || exit 1
+  python=$("$ZO_PYTHON" -c 'import sys; print(sys.executable)')
+elif [ ! -d "$venv" ] && python3 tools/torch_probe.py >/dev/null 2>&1; then
+  python=$(python3 -c 'import sys; print(sys.executable)')
+  echo "zoffload setup: using $python's PyTorch ($("$python" -c 'import torch; print(torch.__version__)'))"
+  "$python" -c 'import transformers, safetensors, numpy' 2>/dev/null ||
+    echo "zoffload setup: note: $python lacks transformers, safetensors or numpy; the tests that compare against them will skip"
+else
+  if [ ! -d "$venv" ]; then
+    why=$(python3 tools/torch_probe.py 2>&1 >/dev/null | tail -n 1 || true)
+    echo "zoffload setup: ${why#torch_probe: }; creating $venv with tools/requirements.txt"
+    python3 -m venv "$venv"
+  fi
+  if ! cmp -s "$requirements" "$stamp"; then
+    echo "zoffload setup: installing tools/requirements.txt into $venv (PyTorch with CUDA: a few GB, once)"
+    "$venv/bin/python3" -m pip install --disable-pip-version-check --no-input -q -r "$requirements"
+    cp "$requirements" "$stamp"
+  fi
+  python="$venv/bin/python3"
+  "$python" tools/torch_probe.py >/dev/null || exit 1
+fi
+
+# ---- 3. configure (once, or again when the PyTorch changes) and build (incrementally) --------------
+configured_python() {
+  meson introspect "$build" --buildoptions 2>/dev/null |
+    "$python" -c 'import json, sys; print(next((o["value"] for o in json.load(sys.stdin) if o["name"] == "python"), ""))' 2>/dev/null || true
+}
 if [ ! -f "$build/build.ninja" ]; then
   # shellcheck disable=SC2086
-  meson setup "$build" ${MESON_ARGS:-}
+  meson setup "$build" -Dpython="$python" ${MESON_ARGS:-}
+elif [ "$(configured_python)" != "$python" ]; then
+  echo "zoffload setup: reconfiguring $build for $python"
+  meson setup --reconfigure "$build" -Dpython="$python"
 fi
 ninja -C "$build"
 
-# ---- 3. run ----------------------------------------------------------------------------------------
+# ---- 4. run ----------------------------------------------------------------------------------------
 if [ "$mode" = test ]; then
   # Make UndefinedBehaviorSanitizer findings fail the test (with a sanitizer build); no effect otherwise.
   export UBSAN_OPTIONS=${UBSAN_OPTIONS:-halt_on_error=1:print_stacktrace=1}
