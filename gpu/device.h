@@ -167,10 +167,25 @@ class Device {
   virtual DeviceStats stats() const = 0;
 };
 
-// The one place that picks a backend. kAuto: CudaDevice when built with CUDA and probe_gpus()
-// lists a GPU (device 0), else HostDevice; the choice and the reason are logged at info level.
-// kCuda when CUDA is not built or no GPU is usable: kUnavailable with the reason (never a silent
-// fallback). `budget_bytes` (> 0) caps device memory; InvalidArgument when 0.
+struct GpuProbe;
+
+// Which backend make_device() takes for a requested kind, given what the probe found, and the line
+// it logs. kAuto: CUDA when the probe lists a usable GPU; otherwise the host, logged as a warning
+// naming the reason when a GPU is present but unusable (driver too old, runtime mismatch, a
+// LibTorch without CUDA: the caller folds that into the probe), at info level when there is none.
+// kCuda without a usable GPU: kUnavailable with the reason. Never a silent fallback.
+struct DeviceChoice {
+  DeviceKind kind = DeviceKind::kHost;  // kHost or kCuda
+  bool warn = false;                    // log `message` as a warning, not as information
+  std::string message;
+};
+Result<DeviceChoice> choose_device(DeviceKind kind, const GpuProbe& probe);
+
+// The one place that creates a backend, as choose_device() decides, with `probe` (or
+// probe_gpus()) and logging its message. The CUDA device is GPU 0 of the probe. `budget_bytes`
+// (> 0) caps device memory; InvalidArgument when 0. A listed GPU that cannot be opened is an error
+// even for kAuto.
 Result<std::unique_ptr<Device>> make_device(DeviceKind kind, uint64_t budget_bytes);
+Result<std::unique_ptr<Device>> make_device(DeviceKind kind, uint64_t budget_bytes, const GpuProbe& probe);
 
 }  // namespace zo::gpu

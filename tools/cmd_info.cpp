@@ -12,8 +12,24 @@
 #include "tools/commands.h"
 #include "zo_build_config.h"
 
+#if ZO_HAVE_TORCH
+#include "engine/model/torch_runtime.h"
+#endif
+
 namespace zo::tools {
 namespace {
+
+// The LibTorch this binary runs on; null without LibTorch.
+nlohmann::json libtorch_json() {
+#if ZO_HAVE_TORCH
+  const engine::LibTorchInfo t = engine::libtorch_info();
+  return {{"version", t.version},
+          {"cuda", t.cuda_linked ? nlohmann::json(t.cuda_version) : nlohmann::json(nullptr)},
+          {"cuda_devices", t.cuda_devices}};
+#else
+  return nullptr;
+#endif
+}
 
 nlohmann::json info_json() {
   const HostInfo h = host_info();
@@ -29,6 +45,7 @@ nlohmann::json info_json() {
       {"version", ZO_VERSION},
       {"build", {{"io_uring", bool(ZO_HAVE_URING)}, {"libaio", bool(ZO_HAVE_AIO)}, {"libtorch", bool(ZO_HAVE_TORCH)},
                  {"cuda", bool(ZO_HAVE_CUDA)}, {"nccl", bool(ZO_HAVE_NCCL)}}},
+      {"libtorch", libtorch_json()},
       {"cpu", {{"model", h.cpu_model}, {"logical_cpus", h.logical_cpus}, {"avx2", h.avx2}, {"fma", h.fma},
                {"f16c", h.f16c}, {"avx512f", h.avx512f}, {"avx512bw", h.avx512bw}, {"avx512_bf16", h.avx512_bf16}}},
       {"memory", {{"total_bytes", h.mem_total_bytes}, {"available_bytes", h.mem_available_bytes},
@@ -44,6 +61,13 @@ void print_text(const nlohmann::json& j) {
   std::cout << "zoffload " << j["version"].get<std::string>() << "\n"
             << "build:   io_uring " << yn(b["io_uring"]) << ", libaio " << yn(b["libaio"]) << ", LibTorch "
             << yn(b["libtorch"]) << ", CUDA " << yn(b["cuda"]) << ", NCCL " << yn(b["nccl"]) << "\n";
+  if (const auto& t = j["libtorch"]; !t.is_null()) {
+    std::cout << "libtorch: " << t["version"].get<std::string>() << ", "
+              << (t["cuda"].is_null() ? std::string("CPU only (no CUDA backend linked)")
+                                      : "CUDA " + t["cuda"].get<std::string>() + ", " +
+                                            std::to_string(t["cuda_devices"].get<int>()) + " GPU(s) usable")
+              << "\n";
+  }
   const auto& c = j["cpu"];
   std::cout << "cpu:     " << c["model"].get<std::string>() << ", " << c["logical_cpus"].get<unsigned>()
             << " logical CPUs; AVX2 " << yn(c["avx2"]) << ", FMA " << yn(c["fma"]) << ", F16C " << yn(c["f16c"])

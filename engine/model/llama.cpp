@@ -90,7 +90,7 @@ at::Tensor decoder_forward(const ModelConfig& config, const std::vector<at::Tens
   q = q * cos + rotate_half(q) * sin;
   k = k * cos + rotate_half(k) * sin;
   const int64_t n_rep = heads / kv_heads;
-  const at::Tensor attn = causal_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), sdpa_available());
+  const at::Tensor attn = causal_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), /*use_sdpa=*/true);
   const at::Tensor h = x + dense(attn.transpose(1, 2).reshape({x.size(0), T, heads * head_dim}), w_o);
 
   const at::Tensor m = rms_norm(h, w_post, config.rms_norm_eps);
@@ -152,14 +152,8 @@ RopeTables make_rope_tables(const ModelConfig& config, int64_t seq_len, torch::D
   return {emb.cos(), emb.sin()};
 }
 
-bool sdpa_available() { return TORCH_VERSION_MAJOR >= 2; }
-
 torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, bool use_sdpa) {
-#if TORCH_VERSION_MAJOR >= 2
   if (use_sdpa) return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true);
-#else
-  (void)use_sdpa;
-#endif
   // HF's eager attention: scores in the compute dtype, softmax in fp32, probabilities cast back.
   const int64_t T = q.size(-2);
   const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));

@@ -49,10 +49,9 @@ torch::Tensor block_forward(const ModelConfig& config, const BlockSpec& block, c
 
 // Causal attention over q [B, heads, T, D] and k, v [B, heads, T, D] (already expanded to `heads`),
 // scale 1/sqrt(D), softmax in fp32. use_sdpa: at::scaled_dot_product_attention with is_causal
-// (LibTorch ≥ 2; ignored before), else an explicit masked softmax. Same math to float tolerance;
-// block_forward uses SDPA where it exists.
+// (what block_forward uses), else an explicit masked softmax as HF's eager attention (the
+// reference the tests compare SDPA with). Same math to float tolerance.
 torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, bool use_sdpa);
-bool sdpa_available();
 
 // Mean cross-entropy in fp32 over the targets != -100 (int64 or int32 [B, T]) of logits [B, T, V];
 // 0 (still with a grad) when every target is masked. No host synchronisation.

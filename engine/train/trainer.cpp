@@ -31,6 +31,7 @@
 #include "engine/memory/param_swapper.h"
 #include "engine/memory/state_store.h"
 #include "engine/model/llama.h"
+#include "engine/model/torch_runtime.h"
 #include "engine/model/weights.h"
 #include "engine/optim/grad_clip.h"
 #include "engine/optim/loss_scaler.h"
@@ -156,8 +157,6 @@ struct Trainer::Impl {
   Status init_weights();
   // The block's compute copies as tensors; leaves that collect gradients when `grad`.
   std::vector<torch::Tensor> wrap(uint32_t block, const std::vector<gpu::DevicePtr>& ptrs, bool grad) const;
-  // What the block computes with: the leaves themselves, or fp32 views (Note [fp16 on the CPU]).
-  std::vector<torch::Tensor> compute_view(const std::vector<torch::Tensor>& params) const;
   // Releases a block once the device has finished every kernel that reads it: on CUDA LibTorch
   // queues its kernels asynchronously and the coordinator may refill the freed arena space at once.
   Status release(uint32_t block);
@@ -220,16 +219,27 @@ Status Trainer::Impl::init(const TrainOptions& options) {
   ZO_ASSIGN_OR_RETURN(plan, plan_memory(config, *registry));
 
   // The device and its budget: zoffload.gpu_memory_limit, else what the GPU has (or, emulated, RAM).
-  uint64_t budget = config.zoffload.gpu_memory_limit;
-  if (budget == 0) {
-    const gpu::GpuProbe probe = gpu::probe_gpus();
-    budget = (config.zoffload.device != DeviceKind::kHost && !probe.gpus.empty()) ? probe.gpus.front().total_bytes
-                                                                                   : host_info().mem_total_bytes;
+  // A GPU the CUDA runtime lists but LibTorch cannot use is "present but unusable" for
+  // make_device: auto warns and runs on the host, cuda is an error (docs/gpu.md).
+  gpu::GpuProbe probe;
+  if (config.zoffload.device != DeviceKind::kHost) {
+    probe = gpu::probe_gpus();
+    if (!probe.gpus.empty()) {
+      const LibTorchInfo t = libtorch_info();
+      if (!t.cuda_linked || t.cuda_devices == 0) {
+        probe.reason = !t.cuda_linked
+                           ? "LibTorch " + t.version + " has no CUDA backend: a CPU-only PyTorch, or libtorch_cuda not "
+                                                       "linked (see docs/gpu.md)"
+                           : "LibTorch " + t.version + " (CUDA " + t.cuda_version + ") sees no GPU while the CUDA "
+                                                       "runtime lists " + std::to_string(probe.gpus.size());
+        probe.gpus.clear();
+      }
+    }
   }
-  ZO_ASSIGN_OR_RETURN(device, gpu::make_device(config.zoffload.device, budget));
+  uint64_t budget = config.zoffload.gpu_memory_limit;
+  if (budget == 0) budget = !probe.gpus.empty() ? probe.gpus.front().total_bytes : host_info().mem_total_bytes;
+  ZO_ASSIGN_OR_RETURN(device, gpu::make_device(config.zoffload.device, budget, probe));
   torch_device = device->kind() == DeviceKind::kCuda ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
-  if (device->kind() == DeviceKind::kCuda && !torch::cuda::is_available())
-    return unavailable("device cuda: this LibTorch was built without CUDA (use a CUDA LibTorch, see docs/gpu.md)");
 
   ZO_ASSIGN_OR_RETURN(io::IoOptions io_options, io_options_from_config(config));
   ZO_ASSIGN_OR_RETURN(io, io::IoEngine::create(io_options, opt.io_faults));
@@ -400,18 +410,6 @@ Status Trainer::Impl::release(uint32_t block) {
   return coord->release(block);
 }
 
-// Note [fp16 on the CPU]: LibTorch's CPU kernels have no fp16 matmul (1.13: "addmm_impl_cpu_ not
-// implemented for 'Half'"). On an emulated device the fp16 weights are therefore widened (exactly)
-// to fp32 inside the block; autograd rounds the gradients back to fp16 on their way to the fp16
-// leaves, so they overflow exactly where fp16 gradients do and the loss scaler sees it.
-std::vector<torch::Tensor> Trainer::Impl::compute_view(const std::vector<torch::Tensor>& params) const {
-  if (compute_dtype != DType::kF16 || !torch_device.is_cpu()) return params;
-  std::vector<torch::Tensor> out;
-  out.reserve(params.size());
-  for (const torch::Tensor& p : params) out.push_back(p.to(torch::kFloat));
-  return out;
-}
-
 Status Trainer::Impl::offload_grads(uint32_t block, const std::vector<torch::Tensor>& params, bool inject_overflow) {
   const BlockSpec& spec = layout.blocks[block];
   for (size_t i = 0; i < params.size(); ++i) {
@@ -481,7 +479,7 @@ Result<Trainer::Impl::MicroResult> Trainer::Impl::micro_step(bool first, bool la
     ZO_ASSIGN_OR_RETURN(std::vector<gpu::DevicePtr> ptrs, coord->acquire(b));
     ZO_RETURN_IF_ERROR(torch_call("forward of " + layout.blocks[b].name, [&] {
       torch::NoGradGuard no_grad;
-      inputs[b + 1] = block_forward(model, layout.blocks[b], compute_view(wrap(b, ptrs, false)), inputs[b], rope);
+      inputs[b + 1] = block_forward(model, layout.blocks[b], wrap(b, ptrs, false), inputs[b], rope);
     }));
     ZO_RETURN_IF_ERROR(release(b));
   }
@@ -496,7 +494,7 @@ Result<Trainer::Impl::MicroResult> Trainer::Impl::micro_step(bool first, bool la
     ZO_RETURN_IF_ERROR(torch_call("forward and backward of " + layout.blocks[h].name, [&] {
       params = wrap(h, ptrs, true);
       torch::Tensor x = inputs[h].detach().set_requires_grad(true);
-      torch::Tensor loss = lm_loss(block_forward(model, layout.blocks[h], compute_view(params), x, rope), targets);
+      torch::Tensor loss = lm_loss(block_forward(model, layout.blocks[h], params, x, rope), targets);
       result.loss = loss.item<double>();
       (loss * loss_factor).backward();
       grad_out = x.grad();
@@ -515,7 +513,7 @@ Result<Trainer::Impl::MicroResult> Trainer::Impl::micro_step(bool first, bool la
     ZO_RETURN_IF_ERROR(torch_call("backward of " + layout.blocks[b].name, [&] {
       params = wrap(b, ptrs, true);
       torch::Tensor x = b == 0 ? inputs[0] : inputs[b].detach().set_requires_grad(true);
-      torch::Tensor out = block_forward(model, layout.blocks[b], compute_view(params), x, rope);
+      torch::Tensor out = block_forward(model, layout.blocks[b], params, x, rope);
       torch::autograd::backward({out}, {grad_out});
       grad_out = b == 0 ? torch::Tensor() : x.grad();
       inputs[b] = torch::Tensor();

@@ -4,7 +4,13 @@
 
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
 #include <vector>
 
 #include "cpu_optim/executor.h"
@@ -151,6 +157,72 @@ TEST(MakeDevice, WithoutAGpuCudaIsAnErrorAndAutoPicksHost) {
   Result<std::unique_ptr<Device>> any = make_device(DeviceKind::kAuto, 1 << 20);
   ASSERT_TRUE(any.is_ok()) << any.status().to_string();
   EXPECT_EQ((*any)->kind(), DeviceKind::kHost);
+}
+
+// choose_device over made-up probes: the decision, not this machine's hardware.
+GpuProbe probe_with(bool present, int n_gpus, std::string reason) {
+  GpuProbe p;
+  p.built_with_cuda = true;
+  p.gpu_present = present;
+  for (int i = 0; i < n_gpus; ++i) p.gpus.push_back({.index = i, .name = "Test GPU", .total_bytes = 1u << 30});
+  p.reason = std::move(reason);
+  return p;
+}
+
+TEST(ChooseDevice, AutoWithAPresentButUnusableGpuWarnsAndNamesTheReason) {
+  const GpuProbe p = probe_with(true, 0, "CUDA runtime: CUDA driver version is insufficient for CUDA runtime version");
+  Result<DeviceChoice> c = choose_device(DeviceKind::kAuto, p);
+  ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+  EXPECT_EQ(c->kind, DeviceKind::kHost);
+  EXPECT_TRUE(c->warn);
+  EXPECT_NE(c->message.find(p.reason), std::string::npos) << c->message;
+  EXPECT_NE(c->message.find("training runs on the CPU"), std::string::npos) << c->message;
+  // cuda stays an error, with the same reason.
+  Result<DeviceChoice> cuda = choose_device(DeviceKind::kCuda, p);
+  ASSERT_FALSE(cuda.is_ok());
+  EXPECT_EQ(cuda.status().code(), StatusCode::kUnavailable);
+  EXPECT_NE(cuda.status().message().find(p.reason), std::string::npos) << cuda.status().to_string();
+}
+
+TEST(ChooseDevice, AutoWithoutAnyGpuIsAnInfoLineNotAWarning) {
+  Result<DeviceChoice> c = choose_device(DeviceKind::kAuto, probe_with(false, 0, "CUDA runtime reports no devices"));
+  ASSERT_TRUE(c.is_ok());
+  EXPECT_EQ(c->kind, DeviceKind::kHost);
+  EXPECT_FALSE(c->warn);
+  EXPECT_NE(c->message.find("CUDA runtime reports no devices"), std::string::npos) << c->message;
+}
+
+TEST(ChooseDevice, AUsableGpuIsTakenByAutoAndCudaAndHostStaysHost) {
+  for (DeviceKind k : {DeviceKind::kAuto, DeviceKind::kCuda}) {
+    Result<DeviceChoice> c = choose_device(k, probe_with(true, 2, ""));
+    ASSERT_TRUE(c.is_ok());
+    EXPECT_EQ(c->kind, DeviceKind::kCuda);
+    EXPECT_FALSE(c->warn);
+  }
+  Result<DeviceChoice> host = choose_device(DeviceKind::kHost, probe_with(true, 2, ""));
+  ASSERT_TRUE(host.is_ok());
+  EXPECT_EQ(host->kind, DeviceKind::kHost);
+  EXPECT_FALSE(host->warn);
+}
+
+TEST(NvidiaGpuPresent, SeesDriverEntriesAndDeviceFilesOnly) {
+  namespace fs = std::filesystem;
+  const char* tmp = std::getenv("TMPDIR");
+  const fs::path root = fs::path(tmp != nullptr ? tmp : "/tmp") / ("zo_gpu_present_" + std::to_string(::getpid()));
+  fs::remove_all(root);
+  fs::create_directories(root / "dev");
+  auto touch = [](const fs::path& p) { std::ofstream(p).put('x'); };
+  EXPECT_FALSE(nvidia_gpu_present(root.string()));
+  // The control and UVM nodes exist without any GPU (driver loaded, GPU gone): not a GPU.
+  touch(root / "dev" / "nvidiactl");
+  touch(root / "dev" / "nvidia-uvm");
+  EXPECT_FALSE(nvidia_gpu_present(root.string()));
+  touch(root / "dev" / "nvidia0");
+  EXPECT_TRUE(nvidia_gpu_present(root.string()));
+  fs::remove(root / "dev" / "nvidia0");
+  fs::create_directories(root / "proc" / "driver" / "nvidia" / "gpus" / "0000:01:00.0");
+  EXPECT_TRUE(nvidia_gpu_present(root.string()));
+  fs::remove_all(root);
 }
 
 TEST(DeviceKind, ParsesItsNames) {

@@ -15,6 +15,8 @@ info = json.loads(p.stdout) if p.returncode == 0 else {}
 expect(set(info.get("build", {})) == {"io_uring", "libaio", "libtorch", "cuda", "nccl"}, "build features listed")
 expect(info.get("cpu", {}).get("logical_cpus", 0) >= 1, "at least one CPU")
 expect(info.get("memory", {}).get("total_bytes", 0) > 0, "memory read from /proc/meminfo")
+expect("libtorch" in info and (info["libtorch"] is None) == (not info["build"]["libtorch"]),
+       "libtorch: its version when built with LibTorch, else null")
 expect(len(info.get("gpus", [])) > 0 or info.get("gpu_note", "") != "", "no GPU comes with a reason")
 
 p = subprocess.run([zoffload, "info"], capture_output=True, text=True)
