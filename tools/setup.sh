@@ -16,12 +16,12 @@ set -euo pipefail
 
 usage() {
   sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
-  exit 2
+  exit "$1"
 }
-[ $# -ge 1 ] || usage
+[ $# -ge 1 ] || usage 2
 mode=$1
 shift
-case "$mode" in demo|test) ;; -h|--help) usage ;; *) echo "tools/setup.sh: unknown command '$mode' (use demo or test)" >&2; exit 2 ;; esac
+case "$mode" in demo|test) ;; -h|--help) usage 0 ;; *) echo "tools/setup.sh: unknown command '$mode' (use demo or test)" >&2; exit 2 ;; esac
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
