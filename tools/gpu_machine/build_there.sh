@@ -197,7 +197,7 @@ EOF
   # Headers of the prefix as system headers (as /usr/include is here): libaio has no .pc file and
   # hwloc's generated config.h is in the multiarch folder; the -I from the .pc files then yields.
   setup_args=(-Dpython="$python" -Dtorch=enabled -Dcuda=enabled -During=enabled -Daio=enabled
-    -Dgpu_sm="$gpu_sm" "-Dcpp_args=-isystem$prefix/usr/include,-isystem$prefix/usr/include/x86_64-linux-gnu")
+    -Dgpu_sm="$gpu_sm" "-Dcpp_args=['-isystem$prefix/usr/include', '-isystem$prefix/usr/include/x86_64-linux-gnu']")
   # shellcheck disable=SC2206  # ZO_MESON_ARGS is a list of words by design
   setup_args+=(${ZO_MESON_ARGS:-})
   if [ -f "$build/build.ninja" ]; then
