@@ -132,11 +132,12 @@ main() {
   else
     echo "nvidia-smi: not on this machine (no NVIDIA driver)"
   fi
-  "$python" -c 'import sys, torch
+  torch_line=$("$python" -c 'import sys, torch
 cuda = torch.cuda.is_available()
 print("python3: %s, torch %s, built with CUDA %s, %s" % (sys.executable, torch.__version__, torch.version.cuda,
-      "%d GPU(s) visible" % torch.cuda.device_count() if cuda else "no GPU visible"))' ||
-    die "$python cannot import torch"
+      "%d GPU(s) visible" % torch.cuda.device_count() if cuda else "no GPU visible"))' 2>&1) ||
+    die "$python cannot import torch ($(tail -n 1 <<<"$torch_line"))"
+  echo "$torch_line"
   echo "nvcc: $(command -v nvcc), $(nvcc --version | sed -n 's/^Cuda compilation tools, //p')"
   echo "g++: $(g++ --version | head -n 1); meson $(meson --version); ninja $(ninja --version); $(nproc) cores"
 
