@@ -81,9 +81,11 @@ on_exit() {
   exit "$rc"
 }
 
-# "N passed, N failed, N skipped" from the test log meson just wrote.
+# "N passed, N failed, N skipped" from the test log meson just wrote, then the gtest cases that
+# skipped inside passing programs (a CUDA case skips where no GPU is usable: on the GPU machine
+# the gpu suite should skip none).
 test_counts() {
-  python3 - "$build/meson-logs/testlog.json" 2>/dev/null <<'PY' || echo "no test log"
+  python3 - "$build/meson-logs/testlog.json" 2>/dev/null <<'PY' | tr -d '\n' || echo -n "no test log"
 import json, sys
 counts = {"passed": 0, "failed": 0, "skipped": 0}
 for line in open(sys.argv[1]):
@@ -91,6 +93,8 @@ for line in open(sys.argv[1]):
     counts["passed" if r in ("OK", "EXPECTEDFAIL") else "skipped" if r == "SKIP" else "failed"] += 1
 print("%(passed)d passed, %(failed)d failed, %(skipped)d skipped" % counts)
 PY
+  awk '/^\[  SKIPPED \] [0-9]+ tests?, listed below/ {n += $4} END {printf "; gtest cases skipped: %d\n", n}' \
+    "$build/meson-logs/testlog.txt" 2>/dev/null || true
 }
 
 main() {
@@ -216,6 +220,8 @@ EOF
       die "$exe: the loader does not find the libraries above"
     fi
   done
+  echo "libraries from the prefix and CUDA's runtime, as the loader finds them for $build/tools/zoffload:"
+  ldd "$build/tools/zoffload" | grep -E "$prefix|libcudart|libudev|libtorch_cuda" || true
   end
 
   echo
