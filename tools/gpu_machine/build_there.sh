@@ -116,6 +116,14 @@ main() {
     PATH="/usr/local/cuda/bin:$PATH"
   fi
   cuda_home=$(cd "$(dirname "$(command -v nvcc)")/.." && pwd)
+  cuda_lib=""
+  for dir in "$cuda_home/lib64" "$cuda_home/targets/x86_64-linux/lib" "$cuda_home/lib"; do
+    if compgen -G "$dir/libcudart.so.*" >/dev/null; then
+      cuda_lib=$dir
+      break
+    fi
+  done
+  [ -n "$cuda_lib" ] || die "no libcudart.so.* in $cuda_home/{lib64,targets/x86_64-linux/lib,lib} (the CUDA runtime the kernels link)"
   case "$prefix" in
     /?*) ;;
     *) die "ZO_PREFIX must be an absolute path other than / (got '$prefix')" ;;
@@ -142,7 +150,7 @@ print("python3: %s, torch %s, built with CUDA %s, %s" % (sys.executable, torch._
       "%d GPU(s) visible" % torch.cuda.device_count() if cuda else "no GPU visible"))' 2>&1) ||
     die "$python cannot import torch ($(tail -n 1 <<<"$torch_line"))"
   echo "$torch_line"
-  echo "nvcc: $(command -v nvcc), $(nvcc --version | sed -n 's/^Cuda compilation tools, //p')"
+  echo "nvcc: $(command -v nvcc), $(nvcc --version | sed -n 's/^Cuda compilation tools, //p'); CUDA runtime in $cuda_lib"
   echo "g++: $(g++ --version | head -n 1); meson $(meson --version); ninja $(ninja --version); $(nproc) cores"
 
   # ---- unpack: the .deb files into the prefix, with .pc files pointing there ----------------------
@@ -181,8 +189,8 @@ print("python3: %s, torch %s, built with CUDA %s, %s" % (sys.executable, torch._
   export PKG_CONFIG_LIBDIR="$lib/pkgconfig:$prefix/usr/share/pkgconfig"
   unset PKG_CONFIG_PATH PKG_CONFIG_SYSROOT_DIR
   export LIBRARY_PATH="$lib${LIBRARY_PATH:+:$LIBRARY_PATH}"
-  # The CUDA runtime the kernels are linked with, wherever the machine's loader looks.
-  export LD_LIBRARY_PATH="$lib:$cuda_home/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  # The CUDA runtime the kernels are linked with, whether or not the machine's loader looks there.
+  export LD_LIBRARY_PATH="$lib:$cuda_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   export CUDA_PATH="$cuda_home" CUDA_HOME="$cuda_home"
   unset CUDA_ROOT
   cat >"$prefix/env.sh" <<EOF
