@@ -17,7 +17,7 @@
 set -euo pipefail
 
 usage() {
-  sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,/^[^#]/{/^#/p}' "$0" | sed 's/^# \{0,1\}//'
   exit "$1"
 }
 case "${1:-}" in -h|--help) usage 0 ;; esac
@@ -166,8 +166,9 @@ print("python3: %s, torch %s, built with CUDA %s, %s" % (sys.executable, torch._
   done <"$debs/packages.txt"
   lib="$prefix/usr/lib/x86_64-linux-gnu"
   # Note [Prefix .pc files]: the Debian .pc files say /usr; they are rewritten to name the prefix
-  # (prefix=, libdir=, includedir= and literal -I/-L), which any pkg-config reads the same way.
-  # PKG_CONFIG_SYSROOT_DIR would do it for pkgconf, but prefixes only -I and -L, not variables.
+  # (prefix=, libdir=, includedir= and literal -I/-L). With this pkgconf 1.8, PKG_CONFIG_SYSROOT_DIR
+  # gives the same flags, but what a sysroot applies to differs between pkg-config
+  # implementations; rewritten files name real paths for any reader.
   for pc in "$lib"/pkgconfig/*.pc "$prefix"/usr/share/pkgconfig/*.pc; do
     sed -i -E "s#(^[A-Za-z_]+=|-I|-L)/usr(/|\$)#\1$prefix/usr\2#g" "$pc"
   done
