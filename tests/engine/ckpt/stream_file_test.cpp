@@ -27,7 +27,7 @@ std::vector<std::byte> read_all(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   std::string s((std::istreambuf_iterator<char>(in)), {});
   std::vector<std::byte> out(s.size());
-  std::memcpy(out.data(), s.data(), s.size());
+  if (!s.empty()) std::memcpy(out.data(), s.data(), s.size());  // an empty vector's data() may be null
   return out;
 }
 
