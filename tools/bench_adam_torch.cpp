@@ -1,53 +1,128 @@
-// The LibTorch baseline of `zoffload-bench adam`: torch::optim::AdamW / Adam / Adagrad stepping the
-// same buffers (wrapped with from_blob, no copies) on the same number of threads, followed, when a
-// copy-out is asked for, by the cast a PyTorch user would do (copy_ into a bf16/fp16 tensor). Built
-// only when LibTorch is found; the only file of zoffload-bench that includes it.
+// The torch baselines of `zoffload-bench adam`; the only file of zoffload-bench that includes LibTorch,
+// built only when LibTorch is found. The baseline is torch's fused CPU kernel (at::_fused_adamw_,
+// at::_fused_adam_, at::_fused_adagrad_: what torch.optim.AdamW(fused=True) and friends call) stepping
+// the caller's buffers in place (from_blob, no copies); torch::optim's per-tensor loop is the
+// optional second line. Not thread-safe: both set torch's global thread count.
 // LibTorch's headers are not clean under -Wextra; silence them here, not project-wide.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wunused-parameter"
+#include <ATen/ops/_fused_adagrad.h>
+#include <ATen/ops/_fused_adam.h>
+#include <ATen/ops/_fused_adamw.h>
 #include <torch/torch.h>
 #pragma GCC diagnostic pop
 
 #include <cstddef>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "common/status.h"
 #include "common/timer.h"
 
 namespace zo::tools::detail {
 
-// optimizer: "adamw", "adam" or "adagrad". copy_dtype: 0 none, 1 bf16, 2 fp16. Returns the seconds
-// of each timed step (one untimed warm-up step first, which also allocates torch's state), or an
-// empty vector with *why set.
-std::vector<double> time_libtorch_optimizer(const std::string& optimizer, float* params, float* grad, size_t n,
-                                            void* copy_out, int copy_dtype, int threads, int repeats, float lr,
-                                            float beta1, float beta2, float eps, float weight_decay,
-                                            std::string* why) {
+// Declared again in bench_adam.cpp, which cannot include LibTorch; keep the two in step.
+struct TorchHyper {
+  float lr, beta1, beta2, eps, weight_decay;
+};
+// fp32 buffers of n elements owned by the caller. exp_avg is null for Adagrad, whose single state
+// (state_sum) is exp_avg_sq. copy is null or n bf16 (copy_dtype 1) / fp16 (copy_dtype 2) elements.
+struct TorchBuffers {
+  float* params;
+  float* grad;
+  float* exp_avg;
+  float* exp_avg_sq;
+  size_t n;
+  void* copy;
+  int copy_dtype;
+};
+
+const char* torch_fused_kernel(const std::string& optimizer) {
+  if (optimizer == "adamw") return "at::_fused_adamw_";
+  if (optimizer == "adam") return "at::_fused_adam_";
+  if (optimizer == "adagrad") return "at::_fused_adagrad_";
+  return nullptr;
+}
+
+namespace {
+
+Status torch_failure(const char* what, const std::exception& e) {
+  const auto* c10 = dynamic_cast<const c10::Error*>(&e);
+  return internal_error(std::string(what) + ": " + (c10 ? c10->what_without_backtrace() : e.what()));
+}
+
+}  // namespace
+
+// One step as torch.optim's fused path takes it: state_step += 1 (a float tensor per parameter, as
+// torch.optim keeps it), then the kernel with amsgrad and maximize off and no grad_scale/found_inf,
+// then, when a copy is asked for, copy_ into the 16-bit tensor (what a PyTorch user does next).
+// The moments must hold torch's initial state (zeros) before the first step.
+Result<std::function<Status()>> make_torch_fused_step(const std::string& optimizer, const TorchHyper& h,
+                                                      const TorchBuffers& b, int threads) {
+  if (torch_fused_kernel(optimizer) == nullptr)
+    return unavailable("torch has no fused CPU kernel for " + optimizer);
   try {
     at::set_num_threads(threads);
-    const auto n64 = static_cast<int64_t>(n);
-    torch::Tensor p = torch::from_blob(params, {n64}, torch::kFloat32);
-    torch::Tensor g = torch::from_blob(grad, {n64}, torch::kFloat32);
+    const auto n64 = static_cast<int64_t>(b.n);
+    auto wrap = [n64](float* data) { return torch::from_blob(data, {n64}, torch::kFloat32); };
+    std::vector<at::Tensor> p{wrap(b.params)}, g{wrap(b.grad)}, v{wrap(b.exp_avg_sq)}, m;
+    if (optimizer != "adagrad") m.push_back(wrap(b.exp_avg));
+    std::vector<at::Tensor> step{torch::zeros({}, torch::kFloat32)};
+    at::Tensor copy;
+    if (b.copy != nullptr)
+      copy = torch::from_blob(b.copy, {n64}, b.copy_dtype == 1 ? torch::kBFloat16 : torch::kFloat16);
+    return std::function<Status()>([=]() -> Status {
+      try {
+        step[0].add_(1);
+        if (optimizer == "adagrad")
+          at::_fused_adagrad_(p, g, v, step, h.lr, /*lr_decay=*/0.0, h.weight_decay, h.eps, /*maximize=*/false);
+        else if (optimizer == "adamw")
+          at::_fused_adamw_(p, g, m, v, /*max_exp_avg_sqs=*/{}, step, h.lr, h.beta1, h.beta2, h.weight_decay, h.eps,
+                            /*amsgrad=*/false, /*maximize=*/false);
+        else
+          at::_fused_adam_(p, g, m, v, /*max_exp_avg_sqs=*/{}, step, h.lr, h.beta1, h.beta2, h.weight_decay, h.eps,
+                           /*amsgrad=*/false, /*maximize=*/false);
+        if (copy.defined()) copy.copy_(p[0]);
+      } catch (const std::exception& e) {
+        return torch_failure(torch_fused_kernel(optimizer), e);
+      }
+      return Status::ok();
+    });
+  } catch (const std::exception& e) {
+    return torch_failure("setting up the torch baseline", e);
+  }
+}
+
+// torch::optim::AdamW / Adam / Adagrad, the per-tensor loop (about ten passes over memory per step),
+// on the same params and grads with its own moments, followed by the same copy_. One untimed
+// warm-up step (which allocates the moments), then the seconds of each of `repeats` steps.
+Result<std::vector<double>> time_torch_loop(const std::string& optimizer, const TorchHyper& h, const TorchBuffers& b,
+                                            int threads, int repeats) {
+  try {
+    at::set_num_threads(threads);
+    const auto n64 = static_cast<int64_t>(b.n);
+    torch::Tensor p = torch::from_blob(b.params, {n64}, torch::kFloat32);
+    torch::Tensor g = torch::from_blob(b.grad, {n64}, torch::kFloat32);
     torch::Tensor copy;
-    if (copy_dtype != 0)
-      copy = torch::from_blob(copy_out, {n64}, copy_dtype == 1 ? torch::kBFloat16 : torch::kFloat16);
+    if (b.copy != nullptr)
+      copy = torch::from_blob(b.copy, {n64}, b.copy_dtype == 1 ? torch::kBFloat16 : torch::kFloat16);
     p.set_requires_grad(true);
     p.mutable_grad() = g;
     std::vector<torch::Tensor> ps{p};
     std::unique_ptr<torch::optim::Optimizer> opt;
     if (optimizer == "adamw") {
       opt = std::make_unique<torch::optim::AdamW>(
-          ps, torch::optim::AdamWOptions(lr).betas({beta1, beta2}).eps(eps).weight_decay(weight_decay));
+          ps, torch::optim::AdamWOptions(h.lr).betas({h.beta1, h.beta2}).eps(h.eps).weight_decay(h.weight_decay));
     } else if (optimizer == "adam") {
       opt = std::make_unique<torch::optim::Adam>(
-          ps, torch::optim::AdamOptions(lr).betas({beta1, beta2}).eps(eps).weight_decay(weight_decay));
+          ps, torch::optim::AdamOptions(h.lr).betas({h.beta1, h.beta2}).eps(h.eps).weight_decay(h.weight_decay));
     } else if (optimizer == "adagrad") {
       opt = std::make_unique<torch::optim::Adagrad>(
-          ps, torch::optim::AdagradOptions(lr).eps(eps).weight_decay(weight_decay));
+          ps, torch::optim::AdagradOptions(h.lr).eps(h.eps).weight_decay(h.weight_decay));
     } else {
-      *why = "LibTorch 1.13 has no " + optimizer + " optimizer";
-      return {};
+      return unavailable("torch::optim has no " + optimizer + " optimizer");
     }
     auto one_step = [&] {
       opt->step();
@@ -64,12 +139,9 @@ std::vector<double> time_libtorch_optimizer(const std::string& optimizer, float*
       seconds.push_back(sw.elapsed_s());
     }
     return seconds;
-  } catch (const c10::Error& e) {
-    *why = std::string("LibTorch failed: ") + e.what_without_backtrace();
   } catch (const std::exception& e) {
-    *why = std::string("LibTorch failed: ") + e.what();
+    return torch_failure("torch::optim", e);
   }
-  return {};
 }
 
 }  // namespace zo::tools::detail
