@@ -307,7 +307,7 @@ int run_bench(const Args& a) {
 #else
   torch_skip = "zoffload was built without LibTorch (not found at configure time, or -Dtorch=disabled)";
 #endif
-  const bool torch_on = torch_skip.empty();
+  [[maybe_unused]] const bool torch_on = torch_skip.empty();  // read only with LibTorch
 
   // 2. Buffers, first touched by the executor's threads (fill) in the partition the step uses.
   Buffers b;
