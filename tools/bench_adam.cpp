@@ -29,34 +29,12 @@
 #include "cpu_optim/isa.h"
 #include "cpu_optim/lion.h"
 #include "cpu_optim/vector_ops.h"
+#include "tools/bench_adam_torch.h"
 #include "tools/bench_util.h"
 #include "tools/commands.h"
 #include "zo_build_config.h"
 
 namespace zo::tools {
-
-#if ZO_HAVE_TORCH
-namespace detail {
-// Defined in bench_adam_torch.cpp (the only file that includes LibTorch); see the contracts there.
-struct TorchHyper {
-  float lr, beta1, beta2, eps, weight_decay;
-};
-struct TorchBuffers {
-  float* params;
-  float* grad;
-  float* exp_avg;
-  float* exp_avg_sq;
-  size_t n;
-  void* copy;
-  int copy_dtype;
-};
-const char* torch_fused_kernel(const std::string& optimizer);
-Result<std::function<Status()>> make_torch_fused_step(const std::string& optimizer, const TorchHyper& h,
-                                                      const TorchBuffers& b, int threads);
-Result<std::vector<double>> time_torch_loop(const std::string& optimizer, const TorchHyper& h, const TorchBuffers& b,
-                                            int threads, int repeats);
-}  // namespace detail
-#endif
 
 namespace {
 

@@ -3,6 +3,8 @@
 // at::_fused_adam_, at::_fused_adagrad_: what torch.optim.AdamW(fused=True) and friends call) stepping
 // the caller's buffers in place (from_blob, no copies); torch::optim's per-tensor loop is the
 // optional second line. Not thread-safe: both set torch's global thread count.
+#include "tools/bench_adam_torch.h"
+
 // LibTorch's headers are not clean under -Wextra; silence them here, not project-wide.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wunused-parameter"
@@ -23,22 +25,6 @@
 
 namespace zo::tools::detail {
 
-// Declared again in bench_adam.cpp, which cannot include LibTorch; keep the two in step.
-struct TorchHyper {
-  float lr, beta1, beta2, eps, weight_decay;
-};
-// fp32 buffers of n elements owned by the caller. exp_avg is null for Adagrad, whose single state
-// (state_sum) is exp_avg_sq. copy is null or n bf16 (copy_dtype 1) / fp16 (copy_dtype 2) elements.
-struct TorchBuffers {
-  float* params;
-  float* grad;
-  float* exp_avg;
-  float* exp_avg_sq;
-  size_t n;
-  void* copy;
-  int copy_dtype;
-};
-
 const char* torch_fused_kernel(const std::string& optimizer) {
   if (optimizer == "adamw") return "at::_fused_adamw_";
   if (optimizer == "adam") return "at::_fused_adam_";
@@ -55,10 +41,6 @@ Status torch_failure(const char* what, const std::exception& e) {
 
 }  // namespace
 
-// One step as torch.optim's fused path takes it: state_step += 1 (a float tensor per parameter, as
-// torch.optim keeps it), then the kernel with amsgrad and maximize off and no grad_scale/found_inf,
-// then, when a copy is asked for, copy_ into the 16-bit tensor (what a PyTorch user does next).
-// The moments must hold torch's initial state (zeros) before the first step.
 Result<std::function<Status()>> make_torch_fused_step(const std::string& optimizer, const TorchHyper& h,
                                                       const TorchBuffers& b, int threads) {
   if (torch_fused_kernel(optimizer) == nullptr)
@@ -95,9 +77,6 @@ Result<std::function<Status()>> make_torch_fused_step(const std::string& optimiz
   }
 }
 
-// torch::optim::AdamW / Adam / Adagrad, the per-tensor loop (about ten passes over memory per step),
-// on the same params and grads with its own moments, followed by the same copy_. One untimed
-// warm-up step (which allocates the moments), then the seconds of each of `repeats` steps.
 Result<std::vector<double>> time_torch_loop(const std::string& optimizer, const TorchHyper& h, const TorchBuffers& b,
                                             int threads, int repeats) {
   try {
