@@ -64,7 +64,7 @@ elif [ ! -d "$venv" ] && python3 tools/torch_probe.py >/dev/null 2>&1; then
   python=$(python3 -c 'import sys; print(sys.executable)')
   echo "zoffload setup: using $python's PyTorch ($("$python" -c 'import torch; print(torch.__version__)'))"
   "$python" -c 'import transformers, safetensors, numpy' 2>/dev/null ||
-    echo "zoffload setup: note: $python lacks transformers, safetensors or numpy; the tests that compare against them will skip"
+    echo "zoffload setup: note: $python lacks transformers, safetensors or numpy, the test oracles tools/requirements.txt pins"
 else
   if [ ! -d "$venv" ]; then
     why=$(python3 tools/torch_probe.py 2>&1 >/dev/null | tail -n 1 || true)
