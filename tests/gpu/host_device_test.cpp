@@ -4,9 +4,6 @@
 
 #include <gtest/gtest.h>
 
-#include <unistd.h>
-
-#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -16,6 +13,7 @@
 #include "cpu_optim/executor.h"
 #include "gpu/device_info.h"
 #include "tests/gpu/adam_reference.h"
+#include "tests/engine/temp_dir.h"
 #include "tests/gpu/device_conformance.h"
 
 namespace zo::gpu {
@@ -207,9 +205,8 @@ TEST(ChooseDevice, AUsableGpuIsTakenByAutoAndCudaAndHostStaysHost) {
 
 TEST(NvidiaGpuPresent, SeesDriverEntriesAndDeviceFilesOnly) {
   namespace fs = std::filesystem;
-  const char* tmp = std::getenv("TMPDIR");
-  const fs::path root = fs::path(tmp != nullptr ? tmp : "/tmp") / ("zo_gpu_present_" + std::to_string(::getpid()));
-  fs::remove_all(root);
+  const engine::TempDir dir("zo_gpu_present");
+  const fs::path root = dir.path;
   fs::create_directories(root / "dev");
   auto touch = [](const fs::path& p) { std::ofstream(p).put('x'); };
   EXPECT_FALSE(nvidia_gpu_present(root.string()));
@@ -222,7 +219,6 @@ TEST(NvidiaGpuPresent, SeesDriverEntriesAndDeviceFilesOnly) {
   fs::remove(root / "dev" / "nvidia0");
   fs::create_directories(root / "proc" / "driver" / "nvidia" / "gpus" / "0000:01:00.0");
   EXPECT_TRUE(nvidia_gpu_present(root.string()));
-  fs::remove_all(root);
 }
 
 TEST(DeviceKind, ParsesItsNames) {
