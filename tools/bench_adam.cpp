@@ -62,11 +62,13 @@ struct Hyper {
   float lr = 1e-3f, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 0.01f;
 };
 
-// Adagrad runs without weight decay: torch's Adagrad adds the decay to the gradient in the numerator
-// as well, cpu_optim's (DeepSpeed's cpu_adagrad) does not, so only then do both compute one step.
+// The hyperparameters each optimizer runs with. Adagrad runs without weight decay: torch's Adagrad
+// adds the decay to the gradient in the numerator as well, cpu_optim's (DeepSpeed's cpu_adagrad)
+// does not, so only then do both compute one step.
 Hyper hyper_for(const std::string& optimizer) {
   Hyper h;
   if (optimizer == "adagrad") h.weight_decay = 0.0f;
+  if (optimizer == "lion") h.beta2 = 0.99f;  // the Lion paper's beta2
   return h;
 }
 
@@ -85,7 +87,7 @@ Status run_step(const std::string& optimizer, const Hyper& h, int64_t step, std:
   if (optimizer == "adagrad")
     return cpu_optim::adagrad_step({.lr = h.lr, .eps = h.eps, .weight_decay = h.weight_decay}, p, v, grad,
                                    1.0f / 1024.0f, copy, ex);
-  return cpu_optim::lion_step({.lr = h.lr, .beta1 = h.beta1, .beta2 = 0.99f, .weight_decay = h.weight_decay}, p, m,
+  return cpu_optim::lion_step({.lr = h.lr, .beta1 = h.beta1, .beta2 = h.beta2, .weight_decay = h.weight_decay}, p, m,
                               grad, 1.0f / 1024.0f, copy, ex);
 }
 
@@ -247,7 +249,7 @@ int run_bench(const Args& a) {
     std::printf("zoffload-bench adam: %s, %zu params, grad %s, copy-out %s, %s\n", opt_label.c_str(), n,
                 a.grad_dtype.c_str(), has_copy ? a.copy_out.c_str() : "none", ex.describe().c_str());
     std::printf("hyper     lr %g, betas (%g, %g), eps %g, weight_decay %g%s\n", h.lr, h.beta1,
-                a.optimizer == "lion" ? 0.99 : h.beta2, h.eps, h.weight_decay,
+                h.beta2, h.eps, h.weight_decay,
                 a.optimizer == "adagrad" ? " (Adagrad: torch's decays the numerator too, cpu_optim's does not)" : "");
   }
 
@@ -421,7 +423,7 @@ int run_bench(const Args& a) {
     j["threads"] = ex.n_threads();
     j["bind_cores"] = ex.cores_bound();
     j["repeats"] = a.repeats;
-    j["hyper"] = {{"lr", h.lr}, {"beta1", h.beta1}, {"beta2", a.optimizer == "lion" ? 0.99f : h.beta2},
+    j["hyper"] = {{"lr", h.lr}, {"beta1", h.beta1}, {"beta2", h.beta2},
                   {"eps", h.eps}, {"weight_decay", h.weight_decay}, {"grad_scale", 1.0 / 1024.0}};
     j["check"] = check_summary;
     j["bytes_per_param"] = {{"read", read_bytes}, {"write", write_bytes}, {"total", read_bytes + write_bytes},
