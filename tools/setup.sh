@@ -57,17 +57,20 @@ fi
 venv="$root/.venv"
 requirements="$root/tools/requirements.txt"
 stamp="$venv/.zoffload-requirements"
+# python3's answer, asked once (its report on success, its one-line reason on failure).
+probe_ok=false
+if [ -z "${ZO_PYTHON:-}" ] && [ ! -d "$venv" ] && probe=$(python3 tools/torch_probe.py 2>&1); then probe_ok=true; fi
 if [ -n "${ZO_PYTHON:-}" ]; then
   "$ZO_PYTHON" tools/torch_probe.py >/dev/null || exit 1
   python=$("$ZO_PYTHON" -c 'import sys; print(sys.executable)')
-elif [ ! -d "$venv" ] && python3 tools/torch_probe.py >/dev/null 2>&1; then
+elif $probe_ok; then
   python=$(python3 -c 'import sys; print(sys.executable)')
-  echo "zoffload setup: using $python's PyTorch ($("$python" -c 'import torch; print(torch.__version__)'))"
+  echo "zoffload setup: using $python's PyTorch ($(sed -n 's/^version=//p' <<<"$probe"))"
   "$python" -c 'import transformers, safetensors, numpy' 2>/dev/null ||
     echo "zoffload setup: note: $python lacks transformers, safetensors or numpy, the test oracles tools/requirements.txt pins"
 else
   if [ ! -d "$venv" ]; then
-    why=$(python3 tools/torch_probe.py 2>&1 >/dev/null | tail -n 1 || true)
+    why=$(tail -n 1 <<<"$probe")
     echo "zoffload setup: ${why#torch_probe: }; creating $venv with tools/requirements.txt"
     python3 -m venv "$venv"
   fi
