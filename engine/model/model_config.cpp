@@ -80,20 +80,30 @@ class KeyReader {
   std::string prefix_;
 };
 
-Status parse_rope_scaling(const KeyReader& top, const json& v, const std::string& source, RopeScaling* out) {
-  if (!v.is_object()) return top.error("rope_scaling", "expected an object or null, got " + type_name(v));
-  KeyReader r(v, source, "rope_scaling.");
+// The RoPE settings in either form transformers writes (Note [Two RoPE forms]): `dict` is the
+// object under `key` ("rope_scaling" or "rope_parameters"), `top` the config's top level.
+Status parse_rope(const KeyReader& top, const char* key, const json& dict, const std::string& source,
+                  uint64_t max_position_embeddings, ModelConfig* c) {
+  if (!dict.is_object()) return top.error(key, "expected an object or null, got " + type_name(dict));
+  KeyReader r(dict, source, std::string(key) + ".");
+  for (const auto& [name, value] : dict.items()) {
+    // transformers ≥ 5 may key the dict by layer type ("full_attention": {...}, ...).
+    if (value.is_object())
+      return r.error(name, "per-layer-type RoPE settings are not supported (one set for every layer only)");
+  }
   // Newer configs name the type "rope_type", older ones "type"; some carry both.
-  std::string type;
+  std::string type = "default";
   const char* type_key = r.find("rope_type") != nullptr ? "rope_type" : "type";
   ZO_RETURN_IF_ERROR(r.string(type_key, &type));
-  if (type.empty()) return r.missing("rope_type");
+  // The dict's rope_theta wins over the top-level one (as in transformers' convert_rope_params_to_dict).
+  ZO_RETURN_IF_ERROR(r.positive("rope_theta", &c->rope_theta));
+  double partial = 1.0;
+  ZO_RETURN_IF_ERROR(r.positive("partial_rotary_factor", &partial));
+  if (partial != 1.0) return r.error("partial_rotary_factor", "only 1.0 (rotary over the whole head) is supported");
   RopeScaling s;
   if (type == "default") {
-    *out = s;
-    return Status::ok();
-  }
-  if (type == "linear") {
+    // No scaling.
+  } else if (type == "linear") {
     s.type = RopeScalingType::kLinear;
     ZO_RETURN_IF_ERROR(r.positive("factor", &s.factor, /*required=*/true));
   } else if (type == "llama3") {
@@ -101,15 +111,24 @@ Status parse_rope_scaling(const KeyReader& top, const json& v, const std::string
     ZO_RETURN_IF_ERROR(r.positive("factor", &s.factor, true));
     ZO_RETURN_IF_ERROR(r.positive("low_freq_factor", &s.low_freq_factor, true));
     ZO_RETURN_IF_ERROR(r.positive("high_freq_factor", &s.high_freq_factor, true));
-    ZO_RETURN_IF_ERROR(r.size("original_max_position_embeddings", &s.original_max_position_embeddings, true));
+    // transformers ≥ 5 falls back to max_position_embeddings when the key is absent.
+    s.original_max_position_embeddings = max_position_embeddings;
+    ZO_RETURN_IF_ERROR(r.size("original_max_position_embeddings", &s.original_max_position_embeddings, false));
     if (s.high_freq_factor <= s.low_freq_factor)
       return r.error("high_freq_factor", "must be greater than low_freq_factor");
   } else {
-    return r.error(type_key, "unsupported rope scaling type \"" + type +
-                                 "\" (supported: linear, llama3; \"default\" means none)");
+    return r.error(type_key, "unsupported RoPE type \"" + type +
+                                 "\" (supported: default, linear, llama3); training with it would give a different model");
   }
-  *out = s;
+  c->rope_scaling = s;
   return Status::ok();
+}
+
+// A key that changes the arithmetic when it has anything but `expected`: refused, never ignored.
+Status require_default(const KeyReader& r, std::string_view key, const json& expected, std::string_view why) {
+  const json* v = r.find(key);
+  if (v == nullptr || *v == expected) return Status::ok();
+  return r.error(key, v->dump() + " is not supported (" + std::string(why) + ")");
 }
 
 const char* architecture_of(const std::string& model_type) {
@@ -157,18 +176,66 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, const std::strin
   ZO_RETURN_IF_ERROR(r.positive("rope_theta", &c.rope_theta));
   ZO_RETURN_IF_ERROR(r.positive("initializer_range", &c.initializer_range, false, /*allow_zero=*/true));
   ZO_RETURN_IF_ERROR(r.boolean("tie_word_embeddings", &c.tie_word_embeddings));
-  if (const json* rs = r.find("rope_scaling"); rs != nullptr)
-    ZO_RETURN_IF_ERROR(parse_rope_scaling(r, *rs, source_name, &c.rope_scaling));
+  // Note [Two RoPE forms]: transformers < 5 writes top-level rope_theta plus rope_scaling (null when
+  // unscaled); transformers ≥ 5 writes rope_parameters {rope_type, rope_theta, factor, ...} and no
+  // top-level rope_theta. transformers ≥ 5 reads a non-null rope_scaling in place of
+  // rope_parameters, and a rope_theta inside the dict in place of the top-level one; so do we.
+  if (const json* rs = r.find("rope_scaling"); rs != nullptr) {
+    ZO_RETURN_IF_ERROR(parse_rope(r, "rope_scaling", *rs, source_name, c.max_position_embeddings, &c));
+  } else if (const json* rp = r.find("rope_parameters"); rp != nullptr) {
+    ZO_RETURN_IF_ERROR(parse_rope(r, "rope_parameters", *rp, source_name, c.max_position_embeddings, &c));
+  }
+  double partial = 1.0;
+  ZO_RETURN_IF_ERROR(r.positive("partial_rotary_factor", &partial));
+  if (partial != 1.0) return r.error("partial_rotary_factor", "only 1.0 (rotary over the whole head) is supported");
+
+  // Note [Config keys that change the arithmetic]: HF configs carry many keys that do not affect
+  // training (token ids, use_cache, transformers_version, ...), and those are ignored. The keys
+  // below would change what the model computes; anything but their plain-LLaMA value is refused.
+  // The full audit of the llama/mistral/qwen2 keys is in docs/training.md ("Models").
+  double dropout = 0.0;
+  ZO_RETURN_IF_ERROR(r.positive("attention_dropout", &dropout, false, /*allow_zero=*/true));
+  if (dropout != 0.0) return r.error("attention_dropout", "only 0 is supported (zoffload trains without dropout)");
+  if (r.find("quantization_config") != nullptr)
+    return r.error("quantization_config", "quantized checkpoints are not supported (give the 16- or 32-bit weights)");
+  ZO_RETURN_IF_ERROR(require_default(r, "use_mrope", false, "multimodal rotary embeddings"));
+  if (const json* arch = r.find("architectures"); arch != nullptr) {
+    if (!arch->is_array()) return r.error("architectures", "expected a list of strings, got " + type_name(*arch));
+    const std::string want = architecture_of(c.model_type);
+    for (const json& a : *arch) {
+      if (!a.is_string() || a.get<std::string>() != want)
+        return r.error("architectures", a.dump() + " is not supported for model_type " + c.model_type + " (only " +
+                                            want + ": zoffload trains the causal language-model head)");
+    }
+  }
 
   std::string act = "silu";
   ZO_RETURN_IF_ERROR(r.string("hidden_act", &act));
   if (act != "silu") return r.error("hidden_act", "unsupported activation \"" + act + "\" (supported: silu)");
 
+  // A sliding window only matters for sequences longer than it, and block_forward refuses those;
+  // transformers' default window (4096) applies where the key is absent, null means none.
+  auto read_window = [&]() -> Status {
+    if (!doc.contains("sliding_window")) {
+      c.sliding_window = 4096;
+      return Status::ok();
+    }
+    return r.size("sliding_window", &c.sliding_window, false);
+  };
   if (c.model_type == "qwen2") {
     c.attention_bias = true;  // Qwen2's q/k/v projections always have biases, o_proj none
     bool use_sliding = false;
     ZO_RETURN_IF_ERROR(r.boolean("use_sliding_window", &use_sliding));
-    if (use_sliding) ZO_RETURN_IF_ERROR(r.size("sliding_window", &c.sliding_window, false));
+    if (use_sliding) ZO_RETURN_IF_ERROR(read_window());
+    if (const json* lt = r.find("layer_types"); lt != nullptr) {
+      if (!lt->is_array() || lt->size() != c.num_hidden_layers)
+        return r.error("layer_types", "expected a list of num_hidden_layers (" + std::to_string(c.num_hidden_layers) +
+                                          ") strings");
+      for (const json& t : *lt) {
+        if (t != "full_attention" && t != "sliding_attention")
+          return r.error("layer_types", t.dump() + " is not supported (full_attention or sliding_attention)");
+      }
+    }
   } else {
     // Llama's attention_bias puts biases on o_proj too, and mlp_bias on the MLP: not this layout.
     bool bias = false;
@@ -176,7 +243,7 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, const std::strin
     if (bias) return r.error("attention_bias", "true (biases on q/k/v/o_proj) is not supported for model_type " + c.model_type);
     ZO_RETURN_IF_ERROR(r.boolean("mlp_bias", &bias));
     if (bias) return r.error("mlp_bias", "true is not supported");
-    if (c.model_type == "mistral") ZO_RETURN_IF_ERROR(r.size("sliding_window", &c.sliding_window, false));
+    if (c.model_type == "mistral") ZO_RETURN_IF_ERROR(read_window());
   }
 
   // Newer transformers write "dtype", older "torch_dtype".

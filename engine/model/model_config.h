@@ -38,11 +38,15 @@ struct ModelConfig {
   uint64_t sliding_window = 0;
 };
 
-// Parses a Hugging Face config.json. kInvalidArgument naming `source_name` and the key for a missing
-// required key, a wrong type, a non-positive size, heads not dividing hidden (when head_dim is
-// absent), num_attention_heads not a multiple of num_key_value_heads, an unsupported model_type
-// (llama/mistral/qwen2), rope_scaling type (linear/llama3; "default" = none), hidden_act (silu) or
-// bias layout (llama's attention_bias/mlp_bias). Unknown keys are ignored (HF configs carry many).
+// Parses a Hugging Face config.json as transformers < 5 and ≥ 5 write it (rope_theta/rope_scaling or
+// rope_parameters; torch_dtype or dtype). kInvalidArgument naming `source_name` and the key for a
+// missing required key, a wrong type, a non-positive size, heads not dividing hidden (when head_dim
+// is absent), num_attention_heads not a multiple of num_key_value_heads, and for every key that
+// would change the arithmetic to something not implemented: model_type (llama/mistral/qwen2),
+// architectures (the *ForCausalLM of the model_type), RoPE type (default/linear/llama3),
+// partial_rotary_factor ≠ 1, per-layer-type RoPE, hidden_act (silu), llama's attention_bias/mlp_bias,
+// attention_dropout ≠ 0, quantization_config, use_mrope, Qwen2 layer_types. Other keys (token ids,
+// use_cache, ...) do not change training and are ignored. The audit is in docs/training.md.
 Result<ModelConfig> parse_hf_config(std::string_view json_text, const std::string& source_name);
 // Reads model_dir/config.json; kNotFound naming the path.
 Result<ModelConfig> load_hf_config(const std::string& model_dir);

@@ -50,6 +50,66 @@ constexpr const char* kMistral_7b = R"({
   "torch_dtype": "bfloat16", "transformers_version": "4.34.0.dev0", "use_cache": true, "vocab_size": 32000
 })";
 
+// Current model pages (Llama 3.2, Qwen2.5, Mistral v0.3), as transformers 4.4x saved them.
+constexpr const char* kLlama32_1b = R"({
+  "architectures": ["LlamaForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+  "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2048,
+  "initializer_range": 0.02, "intermediate_size": 8192, "max_position_embeddings": 131072, "mlp_bias": false,
+  "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8,
+  "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+  "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                   "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+  "rope_theta": 500000.0, "tie_word_embeddings": true, "torch_dtype": "bfloat16",
+  "transformers_version": "4.45.0.dev0", "use_cache": true, "vocab_size": 128256
+})";
+
+constexpr const char* kQwen25_7b = R"({
+  "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+  "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 3584, "initializer_range": 0.02,
+  "intermediate_size": 18944, "max_position_embeddings": 131072, "max_window_layers": 28, "model_type": "qwen2",
+  "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-06,
+  "rope_theta": 1000000.0, "sliding_window": 131072, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
+  "transformers_version": "4.43.1", "use_cache": true, "use_mrope": false, "use_sliding_window": false,
+  "vocab_size": 152064
+})";
+
+constexpr const char* kMistral_7b_v03 = R"({
+  "architectures": ["MistralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2,
+  "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+  "max_position_embeddings": 32768, "model_type": "mistral", "num_attention_heads": 32, "num_hidden_layers": 32,
+  "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "sliding_window": null,
+  "tie_word_embeddings": false, "torch_dtype": "bfloat16", "transformers_version": "4.42.0.dev0",
+  "use_cache": true, "vocab_size": 32768
+})";
+
+// The same Llama 3.2 and Qwen2.5 shapes as transformers 5.17 saves them (save_pretrained of the
+// loaded config): rope_parameters, no top-level rope_theta, "dtype", Qwen2's layer_types.
+constexpr const char* kLlama32_1b_v5 = R"({
+  "architectures": ["LlamaForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+  "bos_token_id": 128000, "dtype": "bfloat16", "eos_token_id": 128001, "head_dim": 64, "hidden_act": "silu",
+  "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 8192, "max_position_embeddings": 131072,
+  "mlp_bias": false, "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 16,
+  "num_key_value_heads": 8, "pad_token_id": null, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+  "rope_parameters": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                      "original_max_position_embeddings": 8192, "rope_theta": 500000.0, "rope_type": "llama3"},
+  "tie_word_embeddings": true, "transformers_version": "5.17.0", "use_cache": true, "vocab_size": 128256
+})";
+
+constexpr const char* kQwen25_7b_v5 = R"({
+  "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643, "dtype": "bfloat16",
+  "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 3584, "initializer_range": 0.02,
+  "intermediate_size": 18944, "layer_types": ["full_attention", "full_attention", "full_attention",
+  "full_attention", "full_attention", "full_attention", "full_attention", "full_attention", "full_attention",
+  "full_attention", "full_attention", "full_attention", "full_attention", "full_attention", "full_attention",
+  "full_attention", "full_attention", "full_attention", "full_attention", "full_attention", "full_attention",
+  "full_attention", "full_attention", "full_attention", "full_attention", "full_attention", "full_attention",
+  "full_attention"], "max_position_embeddings": 131072, "max_window_layers": 28, "model_type": "qwen2",
+  "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4, "pad_token_id": null,
+  "rms_norm_eps": 1e-06, "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
+  "sliding_window": null, "tie_word_embeddings": false, "transformers_version": "5.17.0", "use_cache": true,
+  "use_mrope": false, "use_sliding_window": false, "vocab_size": 152064
+})";
+
 ModelConfig parse_ok(const std::string& text) {
   Result<ModelConfig> r = parse_hf_config(text, "config.json");
   EXPECT_TRUE(r.is_ok()) << r.status().to_string();
@@ -175,6 +235,71 @@ TEST(HfConfig, RopeScalingDefaultAndLinear) {
   EXPECT_EQ(c.rope_scaling.factor, 4.0);
 }
 
+TEST(HfConfig, ParsesCurrentModelPages) {
+  const ModelConfig l = parse_ok(kLlama32_1b);
+  EXPECT_EQ(l.rope_theta, 500000.0);
+  EXPECT_EQ(l.rope_scaling.type, RopeScalingType::kLlama3);
+  EXPECT_EQ(l.rope_scaling.factor, 32.0);
+  EXPECT_TRUE(l.tie_word_embeddings);
+  EXPECT_EQ(num_parameters(l), 1'235'814'400u);  // counted by transformers 5.17 on the meta device
+  const ModelConfig q = parse_ok(kQwen25_7b);
+  EXPECT_EQ(q.rope_theta, 1e6);
+  EXPECT_EQ(q.sliding_window, 0u) << "use_sliding_window is false";
+  EXPECT_EQ(num_parameters(q), 7'615'616'512u);
+  const ModelConfig m = parse_ok(kMistral_7b_v03);
+  EXPECT_EQ(m.rope_theta, 1e6);
+  EXPECT_EQ(m.sliding_window, 0u) << "null: no window";
+  EXPECT_EQ(num_parameters(m), 7'248'023'552u);
+}
+
+// The regression this guards: a Llama-3 config as transformers ≥ 5 writes it used to train with
+// rope_theta 10000 and no scaling, silently.
+TEST(HfConfig, ReadsTransformers5RopeParametersAsTheOldForm) {
+  const ModelConfig v5 = parse_ok(kLlama32_1b_v5);
+  const ModelConfig v4 = parse_ok(kLlama32_1b);
+  expect_same(v5, v4);
+  EXPECT_EQ(v5.rope_theta, 500000.0);
+  EXPECT_EQ(v5.rope_scaling.type, RopeScalingType::kLlama3);
+  EXPECT_EQ(v5.rope_scaling.factor, 32.0);
+  EXPECT_EQ(v5.rope_scaling.original_max_position_embeddings, 8192u);
+  const ModelConfig q5 = parse_ok(kQwen25_7b_v5);
+  expect_same(q5, parse_ok(kQwen25_7b));
+  EXPECT_EQ(q5.rope_theta, 1e6);
+  EXPECT_EQ(q5.rope_scaling.type, RopeScalingType::kNone);
+}
+
+TEST(HfConfig, RopePrecedenceFollowsTransformers) {
+  // The dict's rope_theta wins over the top-level one.
+  EXPECT_EQ(parse_ok(llama2_with("rope_scaling", R"(null, "rope_theta": 20000.0, "rope_parameters": {"rope_type": "default", "rope_theta": 40000.0})"))
+                .rope_theta,
+            40000.0);
+  // Without one in the dict, the top-level rope_theta holds.
+  EXPECT_EQ(parse_ok(llama2_with("rope_scaling", R"(null, "rope_theta": 20000.0, "rope_parameters": {"rope_type": "default"})"))
+                .rope_theta,
+            20000.0);
+  // A non-null rope_scaling is read in place of rope_parameters.
+  const ModelConfig both = parse_ok(llama2_with(
+      "rope_scaling", R"({"rope_type": "linear", "factor": 2.0}, "rope_parameters": {"rope_type": "default"})"));
+  EXPECT_EQ(both.rope_scaling.type, RopeScalingType::kLinear);
+  // llama3 without original_max_position_embeddings: max_position_embeddings, as transformers 5.
+  const ModelConfig l3 = parse_ok(llama2_with(
+      "rope_scaling", R"(null, "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0})"));
+  EXPECT_EQ(l3.rope_scaling.original_max_position_embeddings, 4096u);
+  // partial_rotary_factor 1.0 is the plain rotary.
+  EXPECT_EQ(parse_ok(llama2_with("rope_scaling", R"({"rope_type": "default", "partial_rotary_factor": 1.0})")).rope_scaling.type,
+            RopeScalingType::kNone);
+}
+
+TEST(HfConfig, SlidingWindowDefaultsAsTransformers) {
+  std::string no_window = kMistral_7b;
+  const std::string key = "\"sliding_window\": 4096, ";
+  no_window.erase(no_window.find(key), key.size());
+  EXPECT_EQ(parse_ok(no_window).sliding_window, 4096u) << "transformers' MistralConfig default";
+  std::string qwen = kQwen2_05b;
+  qwen.replace(qwen.find("\"use_sliding_window\": false"), 27, "\"use_sliding_window\": true");
+  EXPECT_EQ(parse_ok(qwen).sliding_window, 131072u);
+}
+
 void expect_error(const std::string& text, const std::string& key, const std::string& also = "") {
   Result<ModelConfig> r = parse_hf_config(text, "/models/x/config.json");
   ASSERT_FALSE(r.is_ok()) << key;
@@ -207,6 +332,37 @@ TEST(HfConfig, ErrorsNameFileAndKey) {
   expect_error(llama2_with("rope_scaling", "4"), "rope_scaling");
   expect_error(llama2_with("hidden_act", "\"gelu\""), "hidden_act", "silu");
   expect_error(llama2_with("pretraining_tp", "1, \"attention_bias\": true"), "attention_bias");
+}
+
+// Every key that would change what the model computes, set to what zoffload does not implement, is
+// refused with the file and the key, never ignored.
+TEST(HfConfig, RefusesKeysThatChangeTheArithmetic) {
+  auto with_rope_parameters = [](const std::string& dict) {
+    return llama2_with("rope_scaling", "null, \"rope_parameters\": " + dict);
+  };
+  expect_error(with_rope_parameters(R"({"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0})"),
+               "rope_parameters.rope_type", "yarn");
+  expect_error(with_rope_parameters(R"({"rope_type": "dynamic", "factor": 2.0})"), "rope_parameters.rope_type");
+  expect_error(with_rope_parameters(R"({"rope_type": "longrope", "factor": 2.0})"), "rope_parameters.rope_type");
+  expect_error(with_rope_parameters(R"({"rope_type": "llama3", "factor": 8.0})"), "rope_parameters.low_freq_factor");
+  expect_error(with_rope_parameters(R"({"rope_type": "default", "partial_rotary_factor": 0.5})"),
+               "rope_parameters.partial_rotary_factor");
+  expect_error(with_rope_parameters(R"({"full_attention": {"rope_type": "default"}})"),
+               "rope_parameters.full_attention", "per-layer-type");
+  expect_error(with_rope_parameters("[1]"), "rope_parameters", "object");
+  expect_error(llama2_with("pretraining_tp", "1, \"partial_rotary_factor\": 0.25"), "partial_rotary_factor");
+  expect_error(llama2_with("pretraining_tp", "1, \"attention_dropout\": 0.1"), "attention_dropout", "dropout");
+  expect_error(llama2_with("pretraining_tp", R"(1, "quantization_config": {"quant_method": "gptq"})"),
+               "quantization_config");
+  expect_error(llama2_with("pretraining_tp", "1, \"use_mrope\": true"), "use_mrope");
+  expect_error(llama2_with("architectures", R"(["LlamaForSequenceClassification"])"), "architectures",
+               "LlamaForCausalLM");
+  std::string qwen = kQwen25_7b_v5;
+  qwen.replace(qwen.find("\"full_attention\""), 16, "\"chunked_attention\"");
+  expect_error(qwen, "layer_types", "chunked_attention");
+  qwen = kQwen25_7b_v5;
+  qwen.replace(qwen.find("\"full_attention\", "), 18, "");
+  expect_error(qwen, "layer_types", "num_hidden_layers");
 }
 
 TEST(HfConfig, RejectsNonObjects) {
