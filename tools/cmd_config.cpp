@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/config/config.h"
+#include "tools/auto_flags.h"
 #include "tools/commands.h"
 
 namespace zo::tools {
@@ -16,32 +17,18 @@ struct ConfigCheckArgs {
   std::string file;
   bool demo = false;
   uint64_t hidden_size = 0;
-  uint64_t micro_batch = 0;
-  uint64_t grad_accum = 0;
   uint64_t world_size = 1;
   uint64_t steps = 0;
-  uint64_t warmup_steps = 0;
-  double lr = 0;
-  double weight_decay = -1;
-  double max_grad_norm = -1;
-  std::string precision;
+  AutoFlags flags;
   bool quiet = false;
 };
 
 int run_config_check(const ConfigCheckArgs& a) {
   engine::ResolveContext ctx;
   if (a.hidden_size) ctx.hidden_size = a.hidden_size;
-  if (a.micro_batch) ctx.micro_batch_size = a.micro_batch;
-  if (a.grad_accum) ctx.gradient_accumulation_steps = a.grad_accum;
   ctx.world_size = a.world_size;
   if (a.steps) ctx.total_steps = a.steps;
-  if (a.warmup_steps) ctx.warmup_steps = a.warmup_steps;
-  if (a.lr > 0) ctx.lr = a.lr;
-  if (a.weight_decay >= 0) ctx.weight_decay = a.weight_decay;
-  if (a.max_grad_norm >= 0) ctx.max_grad_norm = a.max_grad_norm;
-  if (a.precision == "bf16") ctx.mixed_precision = engine::DType::kBF16;
-  else if (a.precision == "fp16") ctx.mixed_precision = engine::DType::kF16;
-  else if (a.precision == "fp32") ctx.mixed_precision = engine::DType::kF32;
+  apply_auto_flags(a.flags, &ctx);
 
   const std::string source = a.demo ? "<embedded demo config>" : a.file;
   engine::ConfigDiagnostics diag;
@@ -68,23 +55,17 @@ void register_config_command(CLI::App& app, int* exit_code) {
       "Validate a DeepSpeed/zoffload JSON config and print it fully resolved (every default filled in,\n"
       "\"auto\" resolved) as JSON on stdout. Exit 0 if valid; otherwise print one line per error\n"
       "(\"FILE: error: key.path: what is wrong\") on stderr and exit 2. Warnings go to stderr.\n"
-      "The flags supply what \"auto\" values resolve from, as Hugging Face Accelerate does.");
+      "The flags supply what \"auto\" values resolve from, as Hugging Face Accelerate does; they are\n"
+      "the same flags `zoffload train` takes, so a config that checks with them trains with them.");
   auto* file_opt = check->add_option("file", args->file, "The config file (JSON)");
   auto* demo_opt = check->add_flag("--demo", args->demo, "Check the demo config built into zoffload instead of a file");
   file_opt->excludes(demo_opt);
   check->add_option("--hidden-size", args->hidden_size,
                     "Model hidden size: resolves reduce_bucket_size (h·h), stage3_prefetch_bucket_size (0.9·h·h) "
                     "and stage3_param_persistence_threshold (10·h)");
-  check->add_option("--micro-batch", args->micro_batch, "Resolves train_micro_batch_size_per_gpu")->check(CLI::PositiveNumber);
-  check->add_option("--grad-accum", args->grad_accum, "Resolves gradient_accumulation_steps (default 1)")->check(CLI::PositiveNumber);
   check->add_option("--world-size", args->world_size, "Number of ranks, for train_batch_size")->check(CLI::PositiveNumber);
   check->add_option("--steps", args->steps, "Training steps: resolves scheduler total_num_steps")->check(CLI::PositiveNumber);
-  check->add_option("--warmup-steps", args->warmup_steps, "Resolves scheduler warmup_num_steps (default 0)");
-  check->add_option("--lr", args->lr, "Resolves optimizer lr and warmup_max_lr (default: the optimizer's)")->check(CLI::PositiveNumber);
-  check->add_option("--weight-decay", args->weight_decay, "Resolves optimizer weight_decay")->check(CLI::NonNegativeNumber);
-  check->add_option("--max-grad-norm", args->max_grad_norm, "Resolves gradient_clipping (default 1.0)")->check(CLI::NonNegativeNumber);
-  check->add_option("--precision", args->precision, "Resolves fp16.enabled / bf16.enabled (default: neither)")
-      ->check(CLI::IsMember({"bf16", "fp16", "fp32"}));
+  add_auto_flags(check, &args->flags);
   check->add_flag("-q,--quiet", args->quiet, "Print nothing on success");
   check->callback([args, exit_code, check] {
     if (args->file.empty() && !args->demo) {

@@ -18,6 +18,7 @@
 #include "common/string_util.h"
 #include "engine/config/config.h"
 #include "engine/data/token_source.h"
+#include "tools/auto_flags.h"
 #include "tools/commands.h"
 #include "zo_build_config.h"
 #if ZO_HAVE_TORCH
@@ -37,6 +38,7 @@ struct TrainArgs {
   uint64_t steps = 0;
   uint64_t seed = 0;
   uint64_t seq_len = 0;
+  AutoFlags flags;
   bool json = false;
   bool quiet = false;
 };
@@ -80,6 +82,7 @@ int run_train(const TrainArgs& a) {
   engine::ResolveContext ctx;
   ctx.hidden_size = model->hidden_size;
   if (a.steps) ctx.total_steps = a.steps;
+  apply_auto_flags(a.flags, &ctx);
   engine::ConfigDiagnostics diag;
   std::optional<engine::Config> config = engine::load_config_file(a.config, ctx, &diag);
   for (const engine::ConfigIssue& w : diag.warnings) std::cerr << a.config << ": warning: " << w.to_string() << "\n";
@@ -253,8 +256,8 @@ int run_train(const TrainArgs& a) {
 #else
 
 int run_train(const TrainArgs&) {
-  std::cerr << "zoffload train: error: this zoffload was built without LibTorch (install libtorch-dev and "
-               "reconfigure; `zoffload info` shows the build's features)\n";
+  std::cerr << "zoffload train: error: this zoffload was built without LibTorch (run tools/setup.sh, which "
+               "builds against PyTorch; `zoffload info` shows the build's features)\n";
   return 1;
 }
 
@@ -272,7 +275,9 @@ void register_train_command(CLI::App& app, int* exit_code) {
       "time went); writes one JSON object per step to metrics.jsonl in --out. With zoffload.checkpoint.dir\n"
       "it saves checkpoints every every_steps steps and at the end (--resume continues bit-exactly); with\n"
       "stage3_gather_16bit_weights_on_model_save it exports the final weights to --out/hf-export-step-N.\n"
-      "Relative paths in the config (nvme_path, checkpoint.dir, log.metrics_path) are relative to --out.");
+      "Relative paths in the config (nvme_path, checkpoint.dir, log.metrics_path) are relative to --out.\n"
+      "Configs with \"auto\" (Accelerate's) take their values from --micro-batch, --lr, ... as the HF\n"
+      "Trainer's arguments fill them; `zoffload config check` takes the same flags.");
   train->add_option("--config", args->config, "DeepSpeed/zoffload JSON config (see docs/config.md)")->required();
   train->add_option("--model", args->model,
                     "A Hugging Face model directory (config.json + *.safetensors) or a preset with random init: "
@@ -292,6 +297,7 @@ void register_train_command(CLI::App& app, int* exit_code) {
                     "position come from it; --steps counts from the start of the run");
   train->add_option("--seq-len", args->seq_len, "Tokens per sequence (default: min(256, max_position_embeddings))")
       ->check(CLI::PositiveNumber);
+  add_auto_flags(train, &args->flags);
   train->add_flag("--json", args->json, "Print a JSON summary on stdout instead of progress");
   train->add_flag("-q,--quiet", args->quiet, "Print nothing but errors");
   train->callback([args, exit_code] { *exit_code = run_train(*args); });

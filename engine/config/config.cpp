@@ -3,6 +3,7 @@
 #include <cstring>
 #include <fstream>
 #include <sstream>
+#include <tuple>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -15,6 +16,8 @@
 namespace zo::engine {
 
 using detail::AutoOk;
+using detail::format_number;
+using detail::json_at;
 using detail::ObjectReader;
 using detail::ParseState;
 using nlohmann::json;
@@ -345,30 +348,67 @@ void resolve(ParseState* st, const ResolveContext& ctx, const json& root, Config
   if (st->is_auto("zero_optimization.stage3_gather_16bit_weights_on_model_save"))
     z.stage3_gather_16bit_weights_on_model_save = false;  // Accelerate's zero3_save_16bit_model default
 
+  // Note [Flags fill the config]: a command-line value (ResolveContext) fills its key where the
+  // config says "auto" or nothing; where the config gives another value it is an error naming
+  // both, as Accelerate refuses a DeepSpeed config that disagrees with the Trainer's arguments.
+  // A flag is never silently outvoted by the file.
+  auto explicit_key = [&](const std::string& path) { return json_at(root, path) != nullptr && !st->is_auto(path); };
+  auto disagree = [&](const std::string& path, const std::string& config_value, const std::string& flag) {
+    st->error(path, config_value + " in the config disagrees with " + flag +
+                        " (set the key to \"auto\" or remove it to take the flag, or drop the flag)");
+  };
+  auto fill = [&](const std::string& path, auto* field, auto flag_value, const std::string& flag) {
+    if (explicit_key(path) && *field != flag_value)
+      disagree(path, format_number(static_cast<double>(*field)), flag + " " + format_number(static_cast<double>(flag_value)));
+    else
+      *field = flag_value;
+  };
+
   // Precision.
-  if (st->is_auto("fp16.enabled")) c->fp16.enabled = ctx.mixed_precision == DType::kF16;
-  if (st->is_auto("bf16.enabled")) c->bf16.enabled = ctx.mixed_precision == DType::kBF16;
-  if (c->fp16.enabled && c->bf16.enabled) st->error("bf16.enabled", "fp16 and bf16 cannot both be enabled");
+  if (ctx.mixed_precision) {
+    const bool f16 = *ctx.mixed_precision == DType::kF16, b16 = *ctx.mixed_precision == DType::kBF16;
+    const std::string flag = std::string("--precision ") + (f16 ? "fp16" : b16 ? "bf16" : "fp32");
+    for (auto [path, field, want] : {std::tuple{"fp16.enabled", &c->fp16.enabled, f16},
+                                     std::tuple{"bf16.enabled", &c->bf16.enabled, b16}}) {
+      if (explicit_key(path) && *field != want)
+        disagree(path, *field ? "true" : "false", flag);
+      else
+        *field = want;
+    }
+  } else {
+    if (st->is_auto("fp16.enabled")) c->fp16.enabled = false;
+    if (st->is_auto("bf16.enabled")) c->bf16.enabled = false;
+  }
+  if (c->fp16.enabled && c->bf16.enabled && !st->has_error("fp16.enabled") && !st->has_error("bf16.enabled"))
+    st->error("bf16.enabled", "fp16 and bf16 cannot both be enabled");
 
   // Optimizer hyper-parameters: command line, else the optimizer's defaults.
-  if (st->is_auto("optimizer.params.lr") && ctx.lr) c->optimizer.lr = *ctx.lr;
-  if (st->is_auto("optimizer.params.weight_decay") && ctx.weight_decay) c->optimizer.weight_decay = *ctx.weight_decay;
-  if (st->is_auto("gradient_clipping")) c->gradient_clipping = ctx.max_grad_norm.value_or(1.0);
+  if (ctx.lr) fill("optimizer.params.lr", &c->optimizer.lr, *ctx.lr, "--lr");
+  if (ctx.weight_decay) fill("optimizer.params.weight_decay", &c->optimizer.weight_decay, *ctx.weight_decay, "--weight-decay");
+  if (ctx.max_grad_norm) fill("gradient_clipping", &c->gradient_clipping, *ctx.max_grad_norm, "--max-grad-norm");
+  else if (st->is_auto("gradient_clipping")) c->gradient_clipping = 1.0;
 
   // Scheduler.
   SchedulerConfig& s = c->scheduler;
+  if (s.type == SchedulerType::kNone && ctx.warmup_steps && *ctx.warmup_steps > 0)
+    st->error("scheduler", "--warmup-steps needs a scheduler in the config (WarmupLR, WarmupDecayLR or WarmupCosineLR)");
   if (s.type != SchedulerType::kNone) {
     if (st->is_auto("scheduler.params.warmup_min_lr")) s.warmup_min_lr = 0;
     if (st->is_auto("scheduler.params.warmup_max_lr")) s.warmup_max_lr = c->optimizer.lr;
-    if (st->is_auto("scheduler.params.warmup_num_steps")) s.warmup_num_steps = ctx.warmup_steps.value_or(0);
+    else if (ctx.lr && explicit_key("scheduler.params.warmup_max_lr") && s.warmup_max_lr != *ctx.lr)
+      disagree("scheduler.params.warmup_max_lr", format_number(s.warmup_max_lr), "--lr " + format_number(*ctx.lr));
+    if (ctx.warmup_steps) fill("scheduler.params.warmup_num_steps", &s.warmup_num_steps, *ctx.warmup_steps, "--warmup-steps");
+    else if (st->is_auto("scheduler.params.warmup_num_steps")) s.warmup_num_steps = 0;
     if (st->is_auto("scheduler.params.total_num_steps")) {
       if (ctx.total_steps) s.total_num_steps = *ctx.total_steps;
       else needs("scheduler.params.total_num_steps", "the number of training steps (pass --steps N)");
     }
+    // DeepSpeed warns here too: a short run (a smoke test of a long config) ends inside the warm-up.
     if ((s.type == SchedulerType::kWarmupDecayLR || s.type == SchedulerType::kWarmupCosineLR) && s.total_num_steps > 0 &&
         s.total_num_steps < s.warmup_num_steps)
-      st->error("scheduler.params.total_num_steps", "must be ≥ warmup_num_steps (" + std::to_string(s.warmup_num_steps) +
-                                                        "), got " + std::to_string(s.total_num_steps));
+      st->warn("scheduler.params.total_num_steps",
+               std::to_string(s.total_num_steps) + " is less than warmup_num_steps (" + std::to_string(s.warmup_num_steps) +
+                   "): the run ends inside the warm-up, before the lr reaches its peak");
     if (s.type != SchedulerType::kWarmupCosineLR && s.warmup_min_lr > s.warmup_max_lr)
       st->error("scheduler.params.warmup_min_lr", "must be ≤ warmup_max_lr");
   }
@@ -385,6 +425,13 @@ void resolve(ParseState* st, const ResolveContext& ctx, const json& root, Config
   const bool has_micro = root.contains("train_micro_batch_size_per_gpu") && !micro_auto;
   const bool has_gas = root.contains("gradient_accumulation_steps") && !gas_auto;
   const uint64_t world = ctx.world_size;
+  if (has_micro && ctx.micro_batch_size && batch_keys_valid && *ctx.micro_batch_size != c->train_micro_batch_size_per_gpu)
+    disagree("train_micro_batch_size_per_gpu", std::to_string(c->train_micro_batch_size_per_gpu),
+             "--micro-batch " + std::to_string(*ctx.micro_batch_size));
+  if (has_gas && ctx.gradient_accumulation_steps && batch_keys_valid &&
+      *ctx.gradient_accumulation_steps != c->gradient_accumulation_steps)
+    disagree("gradient_accumulation_steps", std::to_string(c->gradient_accumulation_steps),
+             "--grad-accum " + std::to_string(*ctx.gradient_accumulation_steps));
   if (micro_auto || (!has_micro && ctx.micro_batch_size)) {
     if (ctx.micro_batch_size) c->train_micro_batch_size_per_gpu = *ctx.micro_batch_size;
     else needs("train_micro_batch_size_per_gpu", "the per-GPU micro-batch size (pass --micro-batch N)");

@@ -43,13 +43,26 @@ std::string describe(const json& v) {
   return s;
 }
 
-namespace {
 std::string format_number(double v) {
   std::ostringstream os;
   os << v;
   return os.str();
 }
-}  // namespace
+
+const json* json_at(const json& root, std::string_view dotted_path) {
+  const json* node = &root;
+  size_t begin = 0;
+  while (true) {
+    const size_t dot = dotted_path.find('.', begin);
+    const std::string key(dotted_path.substr(begin, dot == std::string_view::npos ? std::string_view::npos : dot - begin));
+    if (!node->is_object()) return nullptr;
+    auto it = node->find(key);
+    if (it == node->end() || it->is_null()) return nullptr;
+    node = &*it;
+    if (dot == std::string_view::npos) return node;
+    begin = dot + 1;
+  }
+}
 
 ObjectReader::ObjectReader(ParseState* state, const json* j, std::string path) : state_(state), path_(std::move(path)) {
   if (j == nullptr) return;

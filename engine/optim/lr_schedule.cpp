@@ -27,7 +27,6 @@ bool finite_nonnegative(double v) { return std::isfinite(v) && v >= 0; }
 Result<LrSchedule> LrSchedule::create(const SchedulerConfig& config, double base_lr) {
   if (!finite_nonnegative(base_lr))
     return invalid_argument("optimizer.params.lr: must be a finite number ≥ 0, got " + std::to_string(base_lr));
-  const uint64_t n = std::max<uint64_t>(2, config.warmup_num_steps);
   switch (config.type) {
     case SchedulerType::kNone:
       break;
@@ -48,9 +47,8 @@ Result<LrSchedule> LrSchedule::create(const SchedulerConfig& config, double base
         return bad("warmup_min_ratio", "must be in [0, 1], got " + std::to_string(config.warmup_min_ratio));
       if (!(config.cos_min_ratio >= 0 && config.cos_min_ratio <= 1))
         return bad("cos_min_ratio", "must be in [0, 1], got " + std::to_string(config.cos_min_ratio));
-      if (config.total_num_steps <= n)
-        return bad("total_num_steps", "WarmupCosineLR needs more steps than its warm-up of max(2, warmup_num_steps) = " +
-                                          std::to_string(n) + ", got " + std::to_string(config.total_num_steps));
+      if (config.total_num_steps == 0)
+        return bad("total_num_steps", "WarmupCosineLR needs the number of training steps (> 0)");
       break;
   }
   return LrSchedule(config, base_lr);
@@ -84,7 +82,9 @@ double LrSchedule::lr_at(uint64_t t) const {
     case SchedulerType::kWarmupCosineLR: {
       if (t < warmup_steps_)
         return base_lr_ * (config_.warmup_min_ratio + (1 - config_.warmup_min_ratio) * warmup_gamma(t));
-      // create() guarantees total_num_steps > warmup_steps_, so real_total ≥ 1.
+      // A run no longer than its warm-up ends inside it; past the end it holds the final value
+      // (Note [Past the end]), the minimum.
+      if (config_.total_num_steps <= warmup_steps_) return base_lr_ * config_.cos_min_ratio;
       const uint64_t real_total = config_.total_num_steps - warmup_steps_;
       const uint64_t real_last = std::min(t - warmup_steps_ + 1, real_total);  // Note [Past the end]
       const double cosine =

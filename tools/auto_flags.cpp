@@ -1,0 +1,44 @@
+#include "tools/auto_flags.h"
+
+#include <CLI/CLI.hpp>
+
+namespace zo::tools {
+
+void add_auto_flags(CLI::App* command, AutoFlags* flags) {
+  const char* group = "Values for \"auto\" (or absent) config keys; a config value that differs is an error";
+  command->add_option("--micro-batch", flags->micro_batch, "train_micro_batch_size_per_gpu")
+      ->check(CLI::PositiveNumber)
+      ->group(group);
+  command->add_option("--grad-accum", flags->grad_accum, "gradient_accumulation_steps (default 1)")
+      ->check(CLI::PositiveNumber)
+      ->group(group);
+  command->add_option("--lr", flags->lr, "optimizer.params.lr and scheduler warmup_max_lr (default: the optimizer's)")
+      ->check(CLI::PositiveNumber)
+      ->group(group);
+  command->add_option("--weight-decay", flags->weight_decay, "optimizer.params.weight_decay (default: the optimizer's)")
+      ->check(CLI::NonNegativeNumber)
+      ->group(group);
+  command->add_option("--max-grad-norm", flags->max_grad_norm, "gradient_clipping (default 1.0; 0 disables)")
+      ->check(CLI::NonNegativeNumber)
+      ->group(group);
+  command->add_option("--warmup-steps", flags->warmup_steps, "scheduler warmup_num_steps (default 0)")
+      ->check(CLI::NonNegativeNumber)
+      ->group(group);
+  command->add_option("--precision", flags->precision, "bf16 | fp16 | fp32: fp16.enabled / bf16.enabled (default fp32)")
+      ->check(CLI::IsMember({"bf16", "fp16", "fp32"}))
+      ->group(group);
+}
+
+void apply_auto_flags(const AutoFlags& flags, engine::ResolveContext* ctx) {
+  if (flags.micro_batch > 0) ctx->micro_batch_size = flags.micro_batch;
+  if (flags.grad_accum > 0) ctx->gradient_accumulation_steps = flags.grad_accum;
+  if (flags.lr > 0) ctx->lr = flags.lr;
+  if (flags.weight_decay >= 0) ctx->weight_decay = flags.weight_decay;
+  if (flags.max_grad_norm >= 0) ctx->max_grad_norm = flags.max_grad_norm;
+  if (flags.warmup_steps >= 0) ctx->warmup_steps = static_cast<uint64_t>(flags.warmup_steps);
+  if (flags.precision == "bf16") ctx->mixed_precision = engine::DType::kBF16;
+  else if (flags.precision == "fp16") ctx->mixed_precision = engine::DType::kF16;
+  else if (flags.precision == "fp32") ctx->mixed_precision = engine::DType::kF32;
+}
+
+}  // namespace zo::tools
