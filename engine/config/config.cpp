@@ -252,7 +252,11 @@ void read_optimizer(ParseState* st, ObjectReader r, OptimizerConfig* o) {
     p.accept_without_effect("torch_adam", "zoffload always uses its own vectorized CPU Adam");
     p.accept_without_effect("fused", "zoffload always uses its own vectorized CPU Adam");
   }
-  if (o->type == OptimizerType::kAdagrad) p.number("initial_accumulator_value", &o->initial_accumulator_value, 0, kMaxDouble);
+  if (o->type == OptimizerType::kAdagrad &&
+      p.number("initial_accumulator_value", &o->initial_accumulator_value, 0, kMaxDouble) &&
+      o->initial_accumulator_value != 0)
+    st->error(p.key_path("initial_accumulator_value"),
+              "only 0 is supported (the accumulator starts at zero, as in DeepSpeed's cpu_adagrad)");
   p.finish();
   r.finish();
 }
@@ -493,6 +497,14 @@ void resolve(ParseState* st, const ResolveContext& ctx, const json& root, Config
     st->error("zero_optimization.offload_optimizer.nvme_path", "needed when offload_optimizer.device is \"nvme\"");
   if (oo.device != OffloadDevice::kNvme && (oo.pipeline_read || oo.pipeline_write))
     st->warn("zero_optimization.offload_optimizer", "pipeline_read/pipeline_write only apply with device \"nvme\"");
+  // What training supports, said here so `config check` and `train` cannot disagree: Adagrad and
+  // Lion step on the CPU (cpu_optim); the device's optimizer kernel is Adam's.
+  const OptimizerType type = c->optimizer.type;
+  if ((type == OptimizerType::kAdagrad || type == OptimizerType::kLion) && oo.device == OffloadDevice::kNone &&
+      !st->has_error("optimizer.type"))
+    st->error("optimizer.type", std::string(to_string(type)) +
+                                    " steps on the CPU only (the GPU optimizer kernel is Adam's): set "
+                                    "zero_optimization.offload_optimizer.device to \"cpu\" or \"nvme\"");
 }
 
 // ---- JSON text → json, with duplicate keys rejected ----------------------------------------------

@@ -9,6 +9,8 @@
 #include "common/bytes.h"
 #include "common/log.h"
 #include "common/timer.h"
+#include "cpu_optim/adagrad.h"
+#include "cpu_optim/lion.h"
 
 namespace zo::engine {
 
@@ -100,9 +102,27 @@ Status OptimizerSwapper::Impl::adam(uint32_t g, float* p, float* m, float* v, co
   const uint64_t n = n_elems(g);
   const Placement& pl = store->plan().placement;
   Stopwatch sw;
-  Status st = cpu_optim::adam_step(args.adam, args.step, {p, n}, {m, n}, {v, n},
-                                   cpu_optim::ConstElemSpan{grad, pl.grad_dtype}, args.grad_scale,
-                                   cpu_optim::ElemSpan{copy_out, pl.compute_dtype}, *executor);
+  const cpu_optim::ConstElemSpan g_span{grad, pl.grad_dtype};
+  const cpu_optim::ElemSpan out_span{copy_out, pl.compute_dtype};
+  const cpu_optim::AdamConfig& h = args.adam;
+  Status st;
+  // Note [One moment for Adagrad and Lion]: the store keeps both moment regions whatever the
+  // optimizer; Adagrad's sum of squares lives in exp_avg_sq and Lion's momentum in exp_avg, the
+  // other region stays zeros (written and checkpointed like any state).
+  switch (options.optimizer) {
+    case OptimizerType::kAdam:
+    case OptimizerType::kAdamW:
+      st = cpu_optim::adam_step(h, args.step, {p, n}, {m, n}, {v, n}, g_span, args.grad_scale, out_span, *executor);
+      break;
+    case OptimizerType::kAdagrad:
+      st = cpu_optim::adagrad_step({.lr = h.lr, .eps = h.eps, .weight_decay = h.weight_decay}, {p, n}, {v, n}, g_span,
+                                   args.grad_scale, out_span, *executor);
+      break;
+    case OptimizerType::kLion:
+      st = cpu_optim::lion_step({.lr = h.lr, .beta1 = h.beta1, .beta2 = h.beta2, .weight_decay = h.weight_decay}, {p, n},
+                                {m, n}, g_span, args.grad_scale, out_span, *executor);
+      break;
+  }
   report.update_s += sw.elapsed_s();
   return st;
 }
@@ -369,12 +389,13 @@ OptimizerSwapper::~OptimizerSwapper() = default;
 
 Result<std::unique_ptr<OptimizerSwapper>> OptimizerSwapper::create(StateStore& store, const cpu_optim::Executor& executor,
                                                                    const PipelineOptions& options) {
-  if (options.optimizer != OptimizerType::kAdam && options.optimizer != OptimizerType::kAdamW) {
-    return unavailable("optimizer.type " + std::string(to_string(options.optimizer)) +
-                       ": the optimizer swapper steps only Adam and AdamW");
-  }
   const MemoryPlan& plan = store.plan();
   const Placement& pl = plan.placement;
+  if (options.optimizer != OptimizerType::kAdam && options.optimizer != OptimizerType::kAdamW && pl.optimizer == Tier::kDevice) {
+    return unavailable("optimizer.type " + std::string(to_string(options.optimizer)) +
+                       ": runs on the CPU only (the device's optimizer kernel is Adam's); set "
+                       "zero_optimization.offload_optimizer.device to cpu or nvme");
+  }
   if (pl.grad != pl.optimizer) {
     return invalid_argument("optimizer swapper: gradients on " + std::string(tier_name(pl.grad)) +
                             " but optimizer states on " + std::string(tier_name(pl.optimizer)) +

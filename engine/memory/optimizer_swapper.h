@@ -20,14 +20,17 @@ namespace zo::engine {
 struct PipelineOptions {
   bool pipeline_read = false;   // read i+1 while updating i
   bool pipeline_write = false;  // write i−1 while updating i
-  OptimizerType optimizer = OptimizerType::kAdamW;  // optimizer.type: only Adam/AdamW step here
+  // optimizer.type. Adam/AdamW on every tier; Adagrad and Lion with the states on CPU or NVMe.
+  OptimizerType optimizer = OptimizerType::kAdamW;
 
   // offload_optimizer.pipeline_read / pipeline_write and optimizer.type of `config`.
   static PipelineOptions from_config(const Config& config);
 };
 
 struct OptimizerStepArgs {
-  cpu_optim::AdamConfig adam;  // this step's hyperparameters (lr from the scheduler)
+  // This step's hyperparameters (lr from the scheduler). Adagrad reads lr, eps and weight_decay;
+  // Lion lr, beta1, beta2 and weight_decay.
+  cpu_optim::AdamConfig adam;
   int64_t step = 1;            // 1-based optimizer step (bias correction)
   float grad_scale = 1.0f;     // 1/loss_scale × clip coefficient, applied as gradients are read
 };
@@ -46,7 +49,7 @@ struct OptimizerStepReport {
 
 class OptimizerSwapper {
  public:
-  // kUnavailable for an optimizer other than Adam/AdamW (named); kInvalidArgument when the plan's
+  // kUnavailable for Adagrad or Lion with the states on the device (named); kInvalidArgument when the plan's
   // buffers cannot carry the requested pipelining.
   static Result<std::unique_ptr<OptimizerSwapper>> create(StateStore& store, const cpu_optim::Executor& executor,
                                                           const PipelineOptions& options);

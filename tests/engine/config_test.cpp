@@ -242,6 +242,30 @@ TEST(ConfigParse, RunShorterThanItsWarmupIsAWarning) {
   EXPECT_THAT(all(d.warnings), HasSubstr("scheduler.params.total_num_steps: 10 is less than warmup_num_steps (100)"));
 }
 
+// One source of truth for what trains: an optimizer config check accepts trains on that placement.
+// Adagrad and Lion step on the CPU only; Adagrad's accumulator starts at zero.
+TEST(ConfigParse, AdagradAndLionNeedTheOptimizerOnCpuOrNvme) {
+  for (const char* type : {"Adagrad", "Lion"}) {
+    SCOPED_TRACE(type);
+    json j = base();
+    j["optimizer"] = {{"type", type}};
+    j["zero_optimization"] = {{"stage", 2}};
+    ConfigDiagnostics d;
+    EXPECT_FALSE(parse(j, &d));
+    EXPECT_THAT(all(d.errors), HasSubstr("optimizer.type: " + std::string(type) + " steps on the CPU only"));
+    EXPECT_THAT(all(d.errors), HasSubstr("offload_optimizer.device to \"cpu\" or \"nvme\""));
+    j["zero_optimization"]["offload_optimizer"] = {{"device", "cpu"}};
+    d = {};
+    EXPECT_TRUE(parse(j, &d)) << all(d.errors);
+  }
+  json j = base();
+  j["optimizer"] = {{"type", "Adagrad"}, {"params", {{"initial_accumulator_value", 0.1}}}};
+  j["zero_optimization"] = {{"stage", 2}, {"offload_optimizer", {{"device", "cpu"}}}};
+  ConfigDiagnostics d;
+  EXPECT_FALSE(parse(j, &d));
+  EXPECT_THAT(all(d.errors), HasSubstr("optimizer.params.initial_accumulator_value: only 0 is supported"));
+}
+
 TEST(ConfigParse, DeprecatedAliasesWarnAndNameTheNewKey) {
   json j = base();
   j["aio"] = {{"thread_count", 4}};
