@@ -453,8 +453,10 @@ Result<std::unique_ptr<StateStore>> StateStore::create(const ParamRegistry& regi
     return out_of_memory(msg.str());
   }
   const bool pin = plan.placement.optimizer_pinned || plan.placement.param_pinned;
+  // The cap bounds the pool; the pool holds what the plan needs. Pinning the whole cap (a config's
+  // 96 GiB written for an 8B model) would refuse or waste the host's RAM for a smaller model.
   if (options.check_host) {
-    ZO_RETURN_IF_ERROR(check_pinned_cap(cap, pin, host_info(), process_can_lock_unlimited(), options.pinned_cap_key));
+    ZO_RETURN_IF_ERROR(check_pinned_cap(need, pin, host_info(), process_can_lock_unlimited(), options.pinned_cap_key));
   }
 
   auto impl = std::make_unique<Impl>();
@@ -464,7 +466,7 @@ Result<std::unique_ptr<StateStore>> StateStore::create(const ParamRegistry& regi
   impl->io = &io;
   impl->options = options;
   impl->accounting = &accounting;
-  ZO_ASSIGN_OR_RETURN(impl->pool, PinnedPool::create(device, cap, pin, &accounting));
+  ZO_ASSIGN_OR_RETURN(impl->pool, PinnedPool::create(device, need, pin, &accounting));
   ZO_ASSIGN_OR_RETURN(impl->stream, device.create_stream());
   {
     auto scratch = AlignedBuffer::allocate(kScratchBytes);

@@ -25,8 +25,9 @@ struct StateStoreOptions {
   uint32_t rank = 0;
   std::string optimizer_nvme_path;  // offload_optimizer.nvme_path (optimizer on NVMe)
   std::string param_nvme_path;      // offload_param.nvme_path (compute copies on NVMe)
-  // Hard cap of the pinned pool; 0: exactly plan.pinned_pool_bytes(). A plan needing more than
-  // the cap fails at create() with both numbers and the breakdown, naming pinned_cap_key.
+  // Hard cap of the pinned pool; 0: none. The pool is exactly plan.pinned_pool_bytes(); a plan
+  // needing more than the cap fails at create() with both numbers and the breakdown, naming
+  // pinned_cap_key.
   uint64_t pinned_cap_bytes = 0;
   std::string pinned_cap_key = "zoffload.pinned_memory_limit";
   // Check the pool against RAM and ulimit -l before allocating (check_pinned_cap). Tests of the

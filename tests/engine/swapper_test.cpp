@@ -473,16 +473,20 @@ TEST(OptimizerSwapper, Bf16ComputeFp32GradsBitIdenticalEverywhere) { check_place
 TEST(OptimizerSwapper, Bf16ComputeBf16GradsBitIdenticalEverywhere) { check_placements_match_reference(true, "bf16"); }
 TEST(OptimizerSwapper, Fp32ComputeBitIdenticalEverywhere) { check_placements_match_reference(false, "fp32"); }
 
-TEST(OptimizerSwapper, RejectsOptimizersOtherThanAdam) {
-  Placing s;
-  s.optimizer = "cpu";
-  s.optimizer_type = "Lion";
-  Rig rig;
-  ASSERT_TRUE(rig.init(s).is_ok());
-  auto swapper = OptimizerSwapper::create(*rig.store, *rig.executor, PipelineOptions::from_config(rig.config));
-  ASSERT_FALSE(swapper.is_ok());
-  EXPECT_EQ(swapper.status().code(), StatusCode::kUnavailable);
-  EXPECT_THAT(swapper.status().message(), HasSubstr("Lion"));
+// Adagrad and Lion step on the CPU; with the states on the device (which config check refuses
+// already) the swapper refuses too, naming the optimizer and the way out.
+TEST(OptimizerSwapper, RejectsAdagradAndLionOnTheDevice) {
+  for (OptimizerType type : {OptimizerType::kAdagrad, OptimizerType::kLion}) {
+    Rig rig;
+    ASSERT_TRUE(rig.init(Placing{}).is_ok());
+    PipelineOptions options = PipelineOptions::from_config(rig.config);
+    options.optimizer = type;
+    auto swapper = OptimizerSwapper::create(*rig.store, *rig.executor, options);
+    ASSERT_FALSE(swapper.is_ok());
+    EXPECT_EQ(swapper.status().code(), StatusCode::kUnavailable);
+    EXPECT_THAT(swapper.status().message(), HasSubstr(std::string(to_string(type))));
+    EXPECT_THAT(swapper.status().message(), HasSubstr("offload_optimizer.device to cpu or nvme"));
+  }
 }
 
 TEST(OptimizerSwapper, NvmeStepReportsItsTraffic) {
@@ -547,6 +551,19 @@ TEST(StateStoreBudget, PinnedCapBelowThePlanFailsAtCreateWithTheNumbers) {
   EXPECT_EQ(rig.accounting.snapshot().pinned.resident_bytes, 0u);
   // Exactly the need is enough.
   EXPECT_TRUE(rig.create_store(need).is_ok());
+}
+
+// The cap bounds the pool, it is not its size: a config's cap written for a bigger model pins
+// only what this plan needs (and only that is checked against RAM).
+TEST(StateStoreBudget, PinnedCapAboveThePlanPinsOnlyThePlan) {
+  Placing s;
+  s.optimizer = "nvme";
+  s.param = "nvme";
+  Rig rig;
+  ASSERT_TRUE(rig.prepare(s).is_ok());
+  const uint64_t need = rig.plan.pinned_pool_bytes();
+  ASSERT_TRUE(rig.create_store(uint64_t{1} << 50).is_ok()) << "a 1 PiB cap is only a bound";
+  EXPECT_EQ(rig.store->pool().capacity_bytes(), need);
 }
 
 TEST(StateStoreBudget, StepsStayWithinTheCapsAndAllocateNothing) {
