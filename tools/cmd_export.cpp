@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -16,6 +17,7 @@
 #include "common/host_info.h"
 #include "engine/ckpt/checkpoint.h"
 #include "engine/ckpt/export.h"
+#include "engine/model/model_config.h"
 #include "io/io_engine.h"
 #include "tools/commands.h"
 
@@ -28,6 +30,7 @@ struct ExportArgs {
   std::string out;
   std::string shard_size = "5GB";
   std::string staging = "256MiB";
+  std::string tokenizer_from;  // empty: the checkpoint's --model directory, when it still exists
   bool json = false;
   bool quiet = false;
 };
@@ -117,6 +120,20 @@ int run_export(const ExportArgs& a) {
   options.shard_bytes = *shard_bytes;
   options.staging_bytes = *staging;
   options.progress = [&progress](uint64_t done, uint64_t total) { progress.update(done, total); };
+  // The tokenizer (and generation config) of the model the run trained, so the export is a
+  // complete model directory: from --tokenizer-from, else from the run's --model when it was a
+  // directory that is still there; "none" copies nothing.
+  if (a.tokenizer_from != "none") {
+    const std::string from = a.tokenizer_from.empty() ? ckpt->state.model : a.tokenizer_from;
+    std::error_code ec;
+    if (!a.tokenizer_from.empty() && !std::filesystem::is_directory(from, ec))
+      return fail("--tokenizer-from " + from + ": not a directory", 2);
+    options.side_files = engine::model_side_files(from);
+    if (a.tokenizer_from.empty() && !std::filesystem::is_directory(from, ec) && !engine::model_preset(from).is_ok() &&
+        !a.quiet)
+      std::cerr << "zoffload export: note: no tokenizer copied: the run's --model " << from
+                << " is not a directory here (pass --tokenizer-from DIR)\n";
+  }
 
   // The RAM the export itself adds (the staging buffer, by design): the peak over the export
   // minus the RSS just before it; -1 where the kernel does not let the peak be reset.
@@ -168,6 +185,9 @@ void register_export_command(CLI::App& app, int* exit_code) {
   cmd->add_option("--shard-size", args->shard_size,
                   "Most tensor bytes per safetensors file, e.g. 5GB (the default, as Hugging Face), 2GiB");
   cmd->add_option("--staging", args->staging, "RAM used to stream the weights (default 256MiB; at least 1MiB)");
+  cmd->add_option("--tokenizer-from", args->tokenizer_from,
+                  "Model directory whose tokenizer files and generation_config.json are copied into --out "
+                  "(default: the run's --model, when it was a directory that still exists; none: copy nothing)");
   cmd->add_flag("--json", args->json, "Print a JSON summary on stdout instead of progress");
   cmd->add_flag("-q,--quiet", args->quiet, "Print nothing but errors");
   cmd->callback([args, exit_code] { *exit_code = run_export(*args); });

@@ -214,6 +214,7 @@ int run_train(const TrainArgs& a) {
     const std::string final_dir = a.out + "/hf-export-step-" + std::to_string(trainer.steps_done());
     eo.out_dir = final_dir + ".tmp-" + std::to_string(::getpid());
     eo.staging_bytes = config->zoffload.checkpoint.staging_buffer_size;
+    eo.side_files = engine::model_side_files(a.model);  // the tokenizer: a complete model directory
     std::error_code ec;
     auto r = trainer.export_model(eo);
     if (!r.is_ok()) return fail("exporting the model: " + r.status().to_string(), 1);

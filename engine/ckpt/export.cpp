@@ -206,6 +206,27 @@ Status write_small_file(const std::string& path, const std::string& text) {
   return Status::ok();
 }
 
+// A side file (a tokenizer.json is at most a few tens of MiB), read whole.
+Result<std::string> read_small_file(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return errno_status("export: opening " + path, errno);
+  std::string text;
+  char buf[1 << 16];
+  while (true) {
+    const ssize_t n = ::read(fd, buf, sizeof buf);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const int err = errno;
+      ::close(fd);
+      return errno_status("export: reading " + path + " at offset " + std::to_string(text.size()), err);
+    }
+    if (n == 0) break;
+    text.append(buf, static_cast<size_t>(n));
+  }
+  ::close(fd);
+  return text;
+}
+
 // Note [Staging split]
 // The staging buffer is the export's one large allocation. fp32 needs no conversion: the reader
 // fills the writer's slots directly, so all of it goes to the writer. bf16/fp16 read fp32 into a
@@ -353,6 +374,18 @@ Result<ExportResult> export_impl(std::span<const ParamInfo> params, const std::s
   ZO_RETURN_IF_ERROR(validate(params, options));
   ZO_ASSIGN_OR_RETURN(std::string config_text, config_with_dtype(model_config_json, options.dtype));
   const std::vector<Shard> shards = plan_shards(params, options.dtype, options.shard_bytes);
+  // Side files are read before anything is written: a missing one fails the export at once.
+  std::vector<std::pair<std::string, std::string>> sides;  // name, content
+  for (const std::string& path : options.side_files) {
+    const std::string name = std::filesystem::path(path).filename().string();
+    const bool weights = name.ends_with(".safetensors") || name == kShardIndexFile;
+    if (name.empty() || name == kModelConfigFile || weights)
+      return invalid_argument("export: side file " + path + " would replace a file the export writes");
+    for (const auto& [other, text] : sides)
+      if (other == name) return invalid_argument("export: two side files are named " + name);
+    ZO_ASSIGN_OR_RETURN(std::string text, read_small_file(path));
+    sides.emplace_back(name, std::move(text));
+  }
   uint64_t total_bytes = 0;
   for (const Shard& s : shards) total_bytes += s.tensor_bytes;
 
@@ -375,6 +408,10 @@ Result<ExportResult> export_impl(std::span<const ParamInfo> params, const std::s
     out.add(kShardIndexFile);
     ZO_RETURN_IF_ERROR(write_small_file(out.tmp_path(kShardIndexFile),
                                         index.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n"));
+  }
+  for (const auto& [name, text] : sides) {
+    out.add(name);
+    ZO_RETURN_IF_ERROR(write_small_file(out.tmp_path(name), text));
   }
   out.add(kModelConfigFile);
   ZO_RETURN_IF_ERROR(write_small_file(out.tmp_path(kModelConfigFile), config_text));
@@ -521,6 +558,21 @@ Result<ExportResult> export_store(StateStore& store, const std::string& model_co
     return store.read_param_master(p, off, out);
   };
   return export_impl(store.registry().params(), model_config_json, read, io, options, {});
+}
+
+std::vector<std::string> model_side_files(const std::string& model_dir) {
+  static constexpr const char* kNames[] = {
+      "tokenizer.json",     "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+      "added_tokens.json",  "vocab.json",            "merges.txt",              "chat_template.jinja",
+      "chat_template.json", "generation_config.json"};
+  std::vector<std::string> found;
+  std::error_code ec;
+  if (model_dir.empty() || !std::filesystem::is_directory(model_dir, ec)) return found;
+  for (const char* name : kNames) {
+    const std::string path = model_dir + "/" + name;
+    if (std::filesystem::is_regular_file(path, ec)) found.push_back(path);
+  }
+  return found;
 }
 
 }  // namespace zo::engine

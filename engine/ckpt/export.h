@@ -32,6 +32,11 @@ struct ExportOptions {
   uint64_t shard_bytes = 5'000'000'000;          // ≥ 1: at most this many tensor bytes per shard,
                                                  // except a larger tensor, which gets a shard alone
   uint64_t staging_bytes = uint64_t{256} << 20;  // ≥ 1 MiB, a multiple of 4096
+  // Small files copied whole into out_dir under their own names and committed with the weights
+  // (model_side_files: the tokenizer and generation config, so the export is a complete model
+  // directory). A name the export writes itself (config.json, *.safetensors, the index) or a
+  // missing file fails the export before anything is written.
+  std::vector<std::string> side_files;
   // Called on the exporting thread after every chunk with the tensor bytes written so far and
   // their total (in the export dtype).
   std::function<void(uint64_t done_bytes, uint64_t total_bytes)> progress;
@@ -39,7 +44,7 @@ struct ExportOptions {
 
 struct ExportResult {
   std::string out_dir;
-  std::vector<std::string> files;  // written, relative to out_dir: the shards, the index, config.json
+  std::vector<std::string> files;  // written, relative to out_dir: the shards, the index, side files, config.json
   uint64_t tensor_bytes = 0;       // total_size of the index
   uint64_t overflowed = 0;         // fp16: finite fp32 values that became ±inf
 };
@@ -69,5 +74,11 @@ Result<ExportResult> export_checkpoint(const CheckpointInfo& ckpt, io::IoEngine&
 // StateStore::read_state_range. kFailedPrecondition for a torn store (its master is inconsistent).
 Result<ExportResult> export_store(StateStore& store, const std::string& model_config_json, io::IoEngine& io,
                                   const ExportOptions& options);
+
+// The files of a Hugging Face model directory an export carries over unchanged, those present in
+// `model_dir` (none when it is not a directory, e.g. a preset name): tokenizer.json,
+// tokenizer_config.json, special_tokens_map.json, tokenizer.model, added_tokens.json, vocab.json,
+// merges.txt, chat_template.jinja, chat_template.json, generation_config.json.
+std::vector<std::string> model_side_files(const std::string& model_dir);
 
 }  // namespace zo::engine

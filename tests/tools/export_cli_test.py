@@ -197,6 +197,41 @@ with tempfile.TemporaryDirectory(prefix="zo-export-cli-", dir=os.environ.get("TM
                 "--out", os.path.join(tmp, "again-" + dtype), "--json")
         expect(p.returncode == 0, "the %s export loads into zoffload train --model: %s" % (dtype, p.stderr[-2000:]))
 
+    # The tokenizer goes along: --tokenizer-from copies its files byte for byte, and a run that
+    # trained from a model directory with a tokenizer exports it at the end.
+    tok = os.path.join(tmp, "tok")
+    os.makedirs(tok)
+    tok_files = {"tokenizer.json": '{"model": {"type": "BPE"}}', "tokenizer_config.json": '{"eos_token": "</s>"}',
+                 "generation_config.json": '{"do_sample": false}'}
+    for name, text in tok_files.items():
+        with open(os.path.join(tok, name), "w") as f:
+            f.write(text)
+    with open(os.path.join(tok, "README.md"), "w") as f:
+        f.write("not a tokenizer file")
+    out = os.path.join(tmp, "hf-tok")
+    p = run("export", "--checkpoint", ckpt_dir, "--dtype", "bf16", "--out", out, "--tokenizer-from", tok, "--json")
+    if expect(p.returncode == 0, "export --tokenizer-from exits 0: %s" % p.stderr):
+        expect(sorted(os.listdir(out)) == sorted(["model.safetensors", "config.json"] + list(tok_files)),
+               "--tokenizer-from copies the tokenizer files only: %s" % os.listdir(out))
+        expect(all(open(os.path.join(out, n)).read() == t for n, t in tok_files.items()), "copied byte for byte")
+        expect(sorted(json.loads(p.stdout)["files"]) == sorted(os.listdir(out)), "--json lists the copied files")
+    with_tok = os.path.join(tmp, "model-with-tokenizer")
+    shutil.copytree(exports["bf16"], with_tok)
+    for name in tok_files:
+        shutil.copy(os.path.join(tok, name), with_tok)
+    exporting = json.loads(json.dumps(plain))
+    exporting["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    exporting_path = os.path.join(tmp, "exporting.json")
+    with open(exporting_path, "w") as f:
+        json.dump(exporting, f)
+    again = os.path.join(tmp, "again-tok")
+    p = run("train", "--config", exporting_path, "--model", with_tok, "--data", corpus, "--steps", "1", "--out", again,
+            "-q")
+    final = os.path.join(again, "hf-export-step-1")
+    if expect(p.returncode == 0 and os.path.isdir(final), "training from a model with a tokenizer: %s" % p.stderr[-2000:]):
+        expect(all(os.path.exists(os.path.join(final, n)) for n in tok_files),
+               "the end-of-training export carries the tokenizer: %s" % os.listdir(final))
+
     # Bad input: one line saying what is wrong.
     busy = exports["bf16"]
     before = sorted(os.listdir(busy))
@@ -207,6 +242,8 @@ with tempfile.TemporaryDirectory(prefix="zo-export-cli-", dir=os.environ.get("TM
         (["--checkpoint", ckpt_dir, "--dtype", "bf16", "--out", busy], (1, 2), busy),
         (["--checkpoint", ckpt_dir, "--dtype", "bf16", "--out", os.path.join(tmp, "x3"), "--shard-size", "5XB"], (2,),
          "5XB"),
+        (["--checkpoint", ckpt_dir, "--dtype", "bf16", "--out", os.path.join(tmp, "x5"), "--tokenizer-from",
+          os.path.join(tmp, "no-such-model")], (2,), "no-such-model"),
     ]
     for args, codes, needle in cases:
         p = run("export", *args, timeout=120)
@@ -215,7 +252,7 @@ with tempfile.TemporaryDirectory(prefix="zo-export-cli-", dir=os.environ.get("TM
         expect(len(lines) == 1 and lines[0].startswith("zoffload export: error: ") and needle in lines[0],
                "%s: one line naming it: %s" % (needle, p.stderr))
     expect(sorted(os.listdir(busy)) == before, "a refused export leaves the directory as it was")
-    for name in ("x1", "x2", "x3"):
+    for name in ("x1", "x2", "x3", "x5"):
         expect(not os.path.exists(os.path.join(tmp, name)), "a refused export creates nothing (%s)" % name)
 
     # A flipped byte in a copy of the checkpoint's master: exit 1 naming the file, nothing written.

@@ -291,6 +291,49 @@ TEST(Export, AShardSizeAboveTheModelGivesOneFile) {
                                                         "model.safetensors.index.json", "config.json"));
 }
 
+// The tokenizer and generation config of the trained model go along, byte for byte, so the export
+// is a complete model directory; a side file that would replace the export's own files, a
+// duplicate name or a missing file is refused before anything is written.
+TEST(Export, CopiesSideFilesAndRefusesBadOnes) {
+  TempDir tmp("zo_export_test");
+  Model m;
+  m.add("a", {100});
+  MemReader reader{&m};
+  auto io = make_io();
+  const std::string model_dir = tmp.path + "/model";
+  fs::create_directories(model_dir);
+  const std::string tokenizer = std::string("{\"version\": \"1.0\", \"bytes\": \"") + std::string(100000, 'x') + "\"}";
+  for (const auto& [name, text] : {std::pair<std::string, std::string>{"tokenizer.json", tokenizer},
+                                   {"tokenizer_config.json", "{}"},
+                                   {"generation_config.json", "{\"do_sample\": false}"},
+                                   {"unrelated.txt", "not copied"}}) {
+    std::ofstream(model_dir + "/" + name) << text;
+  }
+  const std::vector<std::string> sides = model_side_files(model_dir);
+  EXPECT_EQ(sides.size(), 3u);
+  EXPECT_TRUE(model_side_files("tiny").empty()) << "a preset name is no directory";
+  ExportOptions o = options_for(tmp.path + "/hf", DType::kBF16);
+  o.side_files = sides;
+  auto r = export_hf_model(m.params, kConfigJson, reader.reader(), *io, o);
+  ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+  EXPECT_THAT(files_in(o.out_dir), UnorderedElementsAre("model.safetensors", "config.json", "tokenizer.json",
+                                                        "tokenizer_config.json", "generation_config.json"));
+  std::ifstream in(o.out_dir + "/tokenizer.json");
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}), tokenizer);
+
+  const std::string out = tmp.path + "/refused";
+  for (const std::vector<std::string>& bad :
+       {std::vector<std::string>{model_dir + "/missing.json"}, {model_dir + "/tokenizer.json", model_dir + "/tokenizer.json"},
+        {tmp.path + "/hf/config.json"}, {tmp.path + "/hf/model.safetensors"}}) {
+    ExportOptions b = options_for(out, DType::kBF16);
+    b.side_files = bad;
+    auto refused = export_hf_model(m.params, kConfigJson, reader.reader(), *io, b);
+    ASSERT_FALSE(refused.is_ok()) << bad[0];
+    EXPECT_THAT(refused.status().message(), HasSubstr(fs::path(bad[0]).filename().string()));
+    EXPECT_FALSE(fs::exists(out)) << "nothing written for " << bad[0];
+  }
+}
+
 TEST(Export, Fp16RoundsToNearestEvenAndCountsOverflow) {
   TempDir tmp("zo_export_test");
   Model m;
