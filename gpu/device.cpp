@@ -35,7 +35,10 @@ Result<DeviceChoice> choose_device(DeviceKind kind, const GpuProbe& probe) {
                         "device auto: an NVIDIA GPU is present but unusable (" + probe.reason +
                             "); training runs on the CPU with an emulated device, far slower. Fix the cause, or set "
                             "zoffload.device to \"host\" to choose this"};
-  return DeviceChoice{DeviceKind::kHost, false, "device: host (emulated GPU): " + probe.reason};
+  // No GPU at all: the runtime's reason ("driver version is insufficient" when there is no driver)
+  // reads like a version problem, so the finding comes first.
+  return DeviceChoice{DeviceKind::kHost, false,
+                      "device: host (emulated GPU): no NVIDIA GPU on this machine (CUDA: " + probe.reason + ")"};
 }
 
 Result<std::unique_ptr<Device>> make_device(DeviceKind kind, uint64_t budget_bytes) {
