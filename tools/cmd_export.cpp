@@ -133,6 +133,9 @@ int run_export(const ExportArgs& a) {
         !a.quiet)
       std::cerr << "zoffload export: note: no tokenizer copied: the run's --model " << from
                 << " is not a directory here (pass --tokenizer-from DIR)\n";
+    else if (!a.tokenizer_from.empty() && options.side_files.empty() && !a.quiet)
+      std::cerr << "zoffload export: note: no tokenizer copied: " << from
+                << " has none of the tokenizer files (tokenizer.json, tokenizer.model, ...)\n";
   }
 
   // The RAM the export itself adds (the staging buffer, by design): the peak over the export

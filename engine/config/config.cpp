@@ -1,5 +1,6 @@
 #include "engine/config/config.h"
 
+#include <algorithm>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -356,7 +357,13 @@ void resolve(ParseState* st, const ResolveContext& ctx, const json& root, Config
   // config says "auto" or nothing; where the config gives another value it is an error naming
   // both, as Accelerate refuses a DeepSpeed config that disagrees with the Trainer's arguments.
   // A flag is never silently outvoted by the file.
-  auto explicit_key = [&](const std::string& path) { return json_at(root, path) != nullptr && !st->is_auto(path); };
+  // The file's own key, under its deprecated alias too ("bfloat16" for "bf16", the only alias
+  // among the keys a flag fills).
+  auto explicit_key = [&](const std::string& path) {
+    if (st->is_auto(path)) return false;
+    if (json_at(root, path) != nullptr) return true;
+    return path.starts_with("bf16.") && json_at(root, "bfloat16." + path.substr(5)) != nullptr;
+  };
   auto disagree = [&](const std::string& path, const std::string& config_value, const std::string& flag) {
     st->error(path, config_value + " in the config disagrees with " + flag +
                         " (set the key to \"auto\" or remove it to take the flag, or drop the flag)");
@@ -406,13 +413,25 @@ void resolve(ParseState* st, const ResolveContext& ctx, const json& root, Config
     if (st->is_auto("scheduler.params.total_num_steps")) {
       if (ctx.total_steps) s.total_num_steps = *ctx.total_steps;
       else needs("scheduler.params.total_num_steps", "the number of training steps (pass --steps N)");
-    }
-    // DeepSpeed warns here too: a short run (a smoke test of a long config) ends inside the warm-up.
-    if ((s.type == SchedulerType::kWarmupDecayLR || s.type == SchedulerType::kWarmupCosineLR) && s.total_num_steps > 0 &&
-        s.total_num_steps < s.warmup_num_steps)
+    } else if (ctx.total_steps && s.total_num_steps > 0 && *ctx.total_steps > s.total_num_steps &&
+               s.type != SchedulerType::kWarmupLR) {
+      // --steps is where the run stops: stopping before the schedule ends is a plain short run, but
+      // steps past it all take the schedule's final lr (Note [Past the end] in lr_schedule.cpp).
       st->warn("scheduler.params.total_num_steps",
-               std::to_string(s.total_num_steps) + " is less than warmup_num_steps (" + std::to_string(s.warmup_num_steps) +
-                   "): the run ends inside the warm-up, before the lr reaches its peak");
+               std::to_string(s.total_num_steps) + " is less than --steps " + std::to_string(*ctx.total_steps) +
+                   ": steps " + std::to_string(s.total_num_steps + 1) + " to " + std::to_string(*ctx.total_steps) +
+                   " run at the schedule's final lr (set the key to \"auto\" to make --steps the schedule's length)");
+    }
+    // DeepSpeed warns here too: a short run (a smoke test of a long config) ends inside the warm-up,
+    // which lasts N = max(2, warmup_num_steps) steps (docs/training.md). Its last step t = N − 1
+    // reaches the peak with the log ramp (ln N / ln N) but not with the linear one ((N − 1) / N).
+    const uint64_t warmup_len = std::max<uint64_t>(2, s.warmup_num_steps);
+    const uint64_t total = s.total_num_steps;
+    const bool short_of_peak = s.warmup_type == WarmupType::kLog ? total < warmup_len : total <= warmup_len;
+    if ((s.type == SchedulerType::kWarmupDecayLR || s.type == SchedulerType::kWarmupCosineLR) && total > 0 && short_of_peak)
+      st->warn("scheduler.params.total_num_steps",
+               std::to_string(total) + " steps end inside the warm-up of max(2, warmup_num_steps) = " +
+                   std::to_string(warmup_len) + " steps: the lr never reaches its peak");
     if (s.type != SchedulerType::kWarmupCosineLR && s.warmup_min_lr > s.warmup_max_lr)
       st->error("scheduler.params.warmup_min_lr", "must be ≤ warmup_max_lr");
   }

@@ -1,6 +1,7 @@
 #include "engine/config/json_reader.h"
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <cstdlib>
 #include <sstream>
@@ -44,9 +45,15 @@ std::string describe(const json& v) {
 }
 
 std::string format_number(double v) {
-  std::ostringstream os;
-  os << v;
-  return os.str();
+  // The shortest text that reads back as v, so two different values never print alike.
+  char buf[32];
+  const auto [end, ec] = std::to_chars(buf, buf + sizeof buf, v);
+  if (ec != std::errc()) {
+    std::ostringstream os;
+    os << v;
+    return os.str();
+  }
+  return std::string(buf, end);
 }
 
 const json* json_at(const json& root, std::string_view dotted_path) {

@@ -33,9 +33,11 @@ bool process_can_lock_unlimited();
 // - if `pin` and the process is subject to RLIMIT_MEMLOCK (`can_lock_unlimited` false), the cap
 //   must fit under host.memlock_limit_bytes (kOutOfMemory naming cap and `ulimit -l`, and how to
 //   raise it or set pin_memory false).
-// `what` names the setting the cap came from, e.g. "zoffload.pinned_memory_limit", for the message.
+// `what` names the amount for the message, e.g. "zoffload.pinned_memory_limit"; `ram_remedy`
+// replaces the default advice when RAM is short ("lower <what>, offload more to NVMe, or use a
+// machine with more RAM").
 Status check_pinned_cap(uint64_t cap_bytes, bool pin, const HostInfo& host, bool can_lock_unlimited,
-                        std::string_view what);
+                        std::string_view what, std::string_view ram_remedy = {});
 
 class PinnedPool {
  public:

@@ -456,7 +456,9 @@ Result<std::unique_ptr<StateStore>> StateStore::create(const ParamRegistry& regi
   // The cap bounds the pool; the pool holds what the plan needs. Pinning the whole cap (a config's
   // 96 GiB written for an 8B model) would refuse or waste the host's RAM for a smaller model.
   if (options.check_host) {
-    ZO_RETURN_IF_ERROR(check_pinned_cap(need, pin, host_info(), process_can_lock_unlimited(), options.pinned_cap_key));
+    ZO_RETURN_IF_ERROR(check_pinned_cap(need, pin, host_info(), process_can_lock_unlimited(), "the memory plan's pool",
+                                        "lower zero_optimization.sub_group_size or the offload buffer counts, offload "
+                                        "more to NVMe, or use a machine with more RAM"));
   }
 
   auto impl = std::make_unique<Impl>();

@@ -111,9 +111,11 @@ Status parse_rope(const KeyReader& top, const char* key, const json& dict, const
     ZO_RETURN_IF_ERROR(r.positive("factor", &s.factor, true));
     ZO_RETURN_IF_ERROR(r.positive("low_freq_factor", &s.low_freq_factor, true));
     ZO_RETURN_IF_ERROR(r.positive("high_freq_factor", &s.high_freq_factor, true));
-    // transformers ≥ 5 falls back to max_position_embeddings when the key is absent.
+    // transformers ≥ 5 (standardize_rope_params): a top-level original_max_position_embeddings
+    // wins over the dict's, and max_position_embeddings stands in when neither is given.
     s.original_max_position_embeddings = max_position_embeddings;
     ZO_RETURN_IF_ERROR(r.size("original_max_position_embeddings", &s.original_max_position_embeddings, false));
+    ZO_RETURN_IF_ERROR(top.size("original_max_position_embeddings", &s.original_max_position_embeddings, false));
     if (s.high_freq_factor <= s.low_freq_factor)
       return r.error("high_freq_factor", "must be greater than low_freq_factor");
   } else {
@@ -180,9 +182,14 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, const std::strin
   // unscaled); transformers ≥ 5 writes rope_parameters {rope_type, rope_theta, factor, ...} and no
   // top-level rope_theta. transformers ≥ 5 reads a non-null rope_scaling in place of
   // rope_parameters, and a rope_theta inside the dict in place of the top-level one; so do we.
-  if (const json* rs = r.find("rope_scaling"); rs != nullptr) {
+  // `rope_scaling or rope_parameters` in Python: an empty dict counts as absent, as null does.
+  auto given = [&](const char* key) {
+    const json* v = r.find(key);
+    return v != nullptr && !(v->is_object() && v->empty()) ? v : nullptr;
+  };
+  if (const json* rs = given("rope_scaling"); rs != nullptr) {
     ZO_RETURN_IF_ERROR(parse_rope(r, "rope_scaling", *rs, source_name, c.max_position_embeddings, &c));
-  } else if (const json* rp = r.find("rope_parameters"); rp != nullptr) {
+  } else if (const json* rp = given("rope_parameters"); rp != nullptr) {
     ZO_RETURN_IF_ERROR(parse_rope(r, "rope_parameters", *rp, source_name, c.max_position_embeddings, &c));
   }
   double partial = 1.0;

@@ -652,7 +652,9 @@ TrainingState Trainer::training_state() const {
   st.loss_scaler = m.scaler->state();
   st.data_position = m.data->position();
   st.seed = m.data->options().seed;
-  st.model = m.opt.model;
+  // A directory is recorded absolute, so `zoffload export` finds its tokenizer from anywhere.
+  std::error_code ec;
+  st.model = fs::is_directory(m.opt.model, ec) ? fs::absolute(m.opt.model).lexically_normal().string() : m.opt.model;
   st.data = fs::absolute(m.opt.data_path).lexically_normal().string();
   st.seq_len = m.data->options().seq_len;
   st.config = to_json(m.opt.config);

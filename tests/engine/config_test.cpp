@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <tuple>
 #include <nlohmann/json.hpp>
 
 namespace zo::engine {
@@ -207,11 +208,11 @@ TEST(ConfigParse, FlagsFillAbsentKeysAndRefuseDisagreeingOnes) {
   const std::string errors = all(d.errors);
   EXPECT_THAT(errors, HasSubstr("train_micro_batch_size_per_gpu: 4 in the config disagrees with --micro-batch 3"));
   EXPECT_THAT(errors, HasSubstr("gradient_accumulation_steps: 1 in the config disagrees with --grad-accum 2"));
-  EXPECT_THAT(errors, HasSubstr("optimizer.params.lr: 0.0001 in the config disagrees with --lr 2e-05"));
+  EXPECT_THAT(errors, HasSubstr("optimizer.params.lr: 1e-04 in the config disagrees with --lr 2e-05"));
   EXPECT_THAT(errors, HasSubstr("optimizer.params.weight_decay: 0 in the config disagrees with --weight-decay 0.05"));
   EXPECT_THAT(errors, HasSubstr("gradient_clipping: 1 in the config disagrees with --max-grad-norm 0.5"));
   EXPECT_THAT(errors, HasSubstr("scheduler.params.warmup_num_steps: 100 in the config disagrees with --warmup-steps 7"));
-  EXPECT_THAT(errors, HasSubstr("scheduler.params.warmup_max_lr: 0.0001 in the config disagrees with --lr 2e-05"));
+  EXPECT_THAT(errors, HasSubstr("scheduler.params.warmup_max_lr: 1e-04 in the config disagrees with --lr 2e-05"));
   EXPECT_THAT(errors, HasSubstr("fp16.enabled: true in the config disagrees with --precision bf16"));
   EXPECT_EQ(d.errors.size(), 8u) << errors;
 
@@ -239,7 +240,47 @@ TEST(ConfigParse, RunShorterThanItsWarmupIsAWarning) {
   j["scheduler"] = {{"type", "WarmupDecayLR"}, {"params", {{"warmup_num_steps", 100}, {"total_num_steps", 10}}}};
   ConfigDiagnostics d;
   ASSERT_TRUE(parse(j, &d)) << all(d.errors);
-  EXPECT_THAT(all(d.warnings), HasSubstr("scheduler.params.total_num_steps: 10 is less than warmup_num_steps (100)"));
+  EXPECT_THAT(all(d.warnings),
+              HasSubstr("scheduler.params.total_num_steps: 10 steps end inside the warm-up of max(2, warmup_num_steps) = 100"));
+  // The warm-up lasts N = max(2, warmup_num_steps) steps. The log ramp peaks at its last step
+  // (t = N − 1), the linear one only after it.
+  for (auto [type, total, warns] : {std::tuple{"linear", 2, true}, std::tuple{"linear", 3, false},
+                                    std::tuple{"log", 1, true}, std::tuple{"log", 2, false}}) {
+    SCOPED_TRACE(std::string(type) + " " + std::to_string(total));
+    j["scheduler"]["params"] = {{"warmup_num_steps", 1}, {"total_num_steps", total}, {"warmup_type", type}};
+    d = {};
+    ASSERT_TRUE(parse(j, &d)) << all(d.errors);
+    EXPECT_EQ(all(d.warnings).find("the lr never reaches its peak") != std::string::npos, warns) << all(d.warnings);
+  }
+}
+
+// --steps says where the run stops. With an explicit schedule length, stopping earlier is a short
+// run; going past it is a warning, since those steps all take the schedule's final lr.
+TEST(ConfigParse, StepsPastAnExplicitScheduleWarn) {
+  json j = base();
+  j["scheduler"] = {{"type", "WarmupCosineLR"}, {"params", {{"warmup_num_steps", 5}, {"total_num_steps", 80}}}};
+  ResolveContext ctx;
+  ctx.total_steps = 20;
+  ConfigDiagnostics d;
+  auto c = parse(j, &d, ctx);
+  ASSERT_TRUE(c) << all(d.errors);
+  EXPECT_EQ(c->scheduler.total_num_steps, 80u);
+  EXPECT_TRUE(d.warnings.empty()) << all(d.warnings);
+  ctx.total_steps = 200;
+  d = {};
+  ASSERT_TRUE(parse(j, &d, ctx)) << all(d.errors);
+  EXPECT_THAT(all(d.warnings), HasSubstr("scheduler.params.total_num_steps: 80 is less than --steps 200: steps 81 to 200"));
+}
+
+// The deprecated "bfloat16" block is the file's bf16 setting too: --precision may not outvote it.
+TEST(ConfigParse, PrecisionFlagDisagreesWithTheBfloat16Alias) {
+  json j = base();
+  j["bfloat16"] = {{"enabled", true}};
+  ResolveContext ctx;
+  ctx.mixed_precision = DType::kF32;
+  ConfigDiagnostics d;
+  EXPECT_FALSE(parse(j, &d, ctx));
+  EXPECT_THAT(all(d.errors), HasSubstr("bf16.enabled: true in the config disagrees with --precision fp32"));
 }
 
 // One source of truth for what trains: an optimizer config check accepts trains on that placement.

@@ -285,6 +285,15 @@ TEST(HfConfig, RopePrecedenceFollowsTransformers) {
   const ModelConfig l3 = parse_ok(llama2_with(
       "rope_scaling", R"(null, "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0})"));
   EXPECT_EQ(l3.rope_scaling.original_max_position_embeddings, 4096u);
+  // An empty rope_scaling is no rope_scaling (Python's `rope_scaling or rope_parameters`).
+  const ModelConfig empty = parse_ok(llama2_with(
+      "rope_scaling", R"({}, "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0})"));
+  EXPECT_EQ(empty.rope_scaling.type, RopeScalingType::kLlama3);
+  EXPECT_EQ(empty.rope_theta, 500000.0);
+  // A top-level original_max_position_embeddings wins over the dict's (standardize_rope_params).
+  const ModelConfig top = parse_ok(llama2_with(
+      "rope_scaling", R"(null, "original_max_position_embeddings": 64, "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 32})"));
+  EXPECT_EQ(top.rope_scaling.original_max_position_embeddings, 64u);
   // partial_rotary_factor 1.0 is the plain rotary.
   EXPECT_EQ(parse_ok(llama2_with("rope_scaling", R"({"rope_type": "default", "partial_rotary_factor": 1.0})")).rope_scaling.type,
             RopeScalingType::kNone);
