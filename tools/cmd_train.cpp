@@ -15,6 +15,7 @@
 #include "common/bytes.h"
 #include "common/dtype.h"
 #include "common/host_info.h"
+#include "common/log.h"
 #include "common/string_util.h"
 #include "engine/config/config.h"
 #include "engine/data/token_source.h"
@@ -76,6 +77,8 @@ std::string progress_line(const engine::StepMetrics& m, uint64_t total, bool wit
 }
 
 int run_train(const TrainArgs& a) {
+  // -q: errors and warnings only; the engine's info lines (the device chosen, ...) go too.
+  if (a.quiet && log_level() < LogLevel::kWarn) set_log_level(LogLevel::kWarn);
   auto model = engine::resolve_model_config(a.model);
   if (!model.is_ok()) return fail(model.status().message(), 2);
 
@@ -300,7 +303,7 @@ void register_train_command(CLI::App& app, int* exit_code) {
       ->check(CLI::PositiveNumber);
   add_auto_flags(train, &args->flags);
   train->add_flag("--json", args->json, "Print a JSON summary on stdout instead of progress");
-  train->add_flag("-q,--quiet", args->quiet, "Print nothing but errors");
+  train->add_flag("-q,--quiet", args->quiet, "Print nothing but errors and warnings");
   train->callback([args, exit_code] { *exit_code = run_train(*args); });
 }
 
