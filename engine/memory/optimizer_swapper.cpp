@@ -88,7 +88,8 @@ struct OptimizerSwapper::Impl {
   Status step_cpu();
   Status step_nvme();
 
-  Status adam(uint32_t g, float* p, float* m, float* v, const void* grad, void* copy_out);
+  // One optimizer step of sub-group g on host spans (Adam, AdamW, Adagrad or Lion), timed into update_s.
+  Status update(uint32_t g, float* p, float* m, float* v, const void* grad, void* copy_out);
   Status issue_read(Slot& slot, uint32_t g);
   Status wait_reads(Slot& slot);
   Status issue_writes(Slot& slot, uint32_t g);
@@ -98,7 +99,7 @@ struct OptimizerSwapper::Impl {
   void drain();
 };
 
-Status OptimizerSwapper::Impl::adam(uint32_t g, float* p, float* m, float* v, const void* grad, void* copy_out) {
+Status OptimizerSwapper::Impl::update(uint32_t g, float* p, float* m, float* v, const void* grad, void* copy_out) {
   const uint64_t n = n_elems(g);
   const Placement& pl = store->plan().placement;
   Stopwatch sw;
@@ -222,7 +223,7 @@ Status OptimizerSwapper::Impl::step_cpu() {
       }
       copy_out = slot->buf.data();
     }
-    Status st = adam(g, reinterpret_cast<float*>(loc(g, StateKind::kMaster).host),
+    Status st = update(g, reinterpret_cast<float*>(loc(g, StateKind::kMaster).host),
                      reinterpret_cast<float*>(loc(g, StateKind::kExpAvg).host),
                      reinterpret_cast<float*>(loc(g, StateKind::kExpAvgSq).host),
                      loc(g, StateKind::kGradAccum).host, copy_out);
@@ -346,7 +347,7 @@ Status OptimizerSwapper::Impl::step_nvme() {
     std::byte* compute_section = section(StateKind::kGradAccum) + grad.size_bytes;
     const StateLocation& home = loc(g, StateKind::kCompute);
     std::byte* copy_out = home.tier == Tier::kCpu ? home.host : compute_section;
-    st = adam(g, reinterpret_cast<float*>(section(StateKind::kMaster)), reinterpret_cast<float*>(section(StateKind::kExpAvg)),
+    st = update(g, reinterpret_cast<float*>(section(StateKind::kMaster)), reinterpret_cast<float*>(section(StateKind::kExpAvg)),
               reinterpret_cast<float*>(section(StateKind::kExpAvgSq)), section(StateKind::kGradAccum), copy_out);
     if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(g));
     written = true;
