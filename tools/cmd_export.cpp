@@ -124,16 +124,16 @@ int run_export(const ExportArgs& a) {
   // complete model directory: from --tokenizer-from, else from the run's --model when it was a
   // directory that is still there; "none" copies nothing.
   if (a.tokenizer_from != "none") {
-    const std::string from = a.tokenizer_from.empty() ? ckpt->state.model : a.tokenizer_from;
+    const bool given = !a.tokenizer_from.empty();
+    const std::string from = given ? a.tokenizer_from : ckpt->state.model;
     std::error_code ec;
-    if (!a.tokenizer_from.empty() && !std::filesystem::is_directory(from, ec))
-      return fail("--tokenizer-from " + from + ": not a directory", 2);
+    const bool is_dir = std::filesystem::is_directory(from, ec);
+    if (given && !is_dir) return fail("--tokenizer-from " + from + ": not a directory", 2);
     options.side_files = engine::model_side_files(from);
-    if (a.tokenizer_from.empty() && !std::filesystem::is_directory(from, ec) && !engine::model_preset(from).is_ok() &&
-        !a.quiet)
+    if (!is_dir && !engine::model_preset(from).is_ok() && !a.quiet)
       std::cerr << "zoffload export: note: no tokenizer copied: the run's --model " << from
                 << " is not a directory here (pass --tokenizer-from DIR)\n";
-    else if (!a.tokenizer_from.empty() && options.side_files.empty() && !a.quiet)
+    else if (given && options.side_files.empty() && !a.quiet)
       std::cerr << "zoffload export: note: no tokenizer copied: " << from
                 << " has none of the tokenizer files (tokenizer.json, tokenizer.model, ...)\n";
   }

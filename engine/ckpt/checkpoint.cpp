@@ -13,7 +13,6 @@
 #include <cstring>
 #include <deque>
 #include <filesystem>
-#include <fstream>
 #include <random>
 #include <sstream>
 
@@ -44,7 +43,6 @@ using json = nlohmann::json;
 namespace {
 
 constexpr const char* kFormatName = "zoffload-checkpoint";
-constexpr uint64_t kMaxSmallFileBytes = uint64_t{64} << 20;  // manifest, trainer state, config
 constexpr uint32_t kSlots = 4;
 
 const StateKind kSavedKinds[] = {StateKind::kMaster, StateKind::kExpAvg, StateKind::kExpAvgSq};
@@ -96,17 +94,6 @@ Result<FileDigest> write_small_file(const std::string& dir, const std::string& n
     d.chunk_crc32c.push_back(crc32c(text.data() + off, std::min<uint64_t>(d.chunk_bytes, text.size() - off)));
   }
   return d;
-}
-
-Result<std::string> read_small_file(const std::string& path) {
-  std::error_code ec;
-  const uint64_t size = fs::file_size(path, ec);
-  if (ec) return Status(ec.value() == ENOENT ? StatusCode::kNotFound : StatusCode::kIoError, path + ": " + ec.message());
-  if (size > kMaxSmallFileBytes) return corruption(path + ": " + std::to_string(size) + " bytes is too large");
-  std::ifstream in(path, std::ios::binary);
-  std::string text(size, '\0');
-  if (!in.read(text.data(), static_cast<std::streamsize>(size))) return io_error("reading " + path, errno);
-  return text;
 }
 
 Result<json> parse_json_text(const std::string& text, const std::string& source) {

@@ -206,27 +206,6 @@ Status write_small_file(const std::string& path, const std::string& text) {
   return Status::ok();
 }
 
-// A side file (a tokenizer.json is at most a few tens of MiB), read whole.
-Result<std::string> read_small_file(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return errno_status("export: opening " + path, errno);
-  std::string text;
-  char buf[1 << 16];
-  while (true) {
-    const ssize_t n = ::read(fd, buf, sizeof buf);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      const int err = errno;
-      ::close(fd);
-      return errno_status("export: reading " + path + " at offset " + std::to_string(text.size()), err);
-    }
-    if (n == 0) break;
-    text.append(buf, static_cast<size_t>(n));
-  }
-  ::close(fd);
-  return text;
-}
-
 // Note [Staging split]
 // The staging buffer is the export's one large allocation. fp32 needs no conversion: the reader
 // fills the writer's slots directly, so all of it goes to the writer. bf16/fp16 read fp32 into a
@@ -383,7 +362,7 @@ Result<ExportResult> export_impl(std::span<const ParamInfo> params, const std::s
       return invalid_argument("export: side file " + path + " would replace a file the export writes");
     for (const auto& [other, text] : sides)
       if (other == name) return invalid_argument("export: two side files are named " + name);
-    ZO_ASSIGN_OR_RETURN(std::string text, read_small_file(path));
+    ZO_ASSIGN_OR_RETURN(std::string text, read_small_file(path));  // stream_file.h
     sides.emplace_back(name, std::move(text));
   }
   uint64_t total_bytes = 0;

@@ -8,6 +8,8 @@
 #include <cerrno>
 #include <cstring>
 #include <deque>
+#include <filesystem>
+#include <fstream>
 #include <optional>
 #include <sstream>
 
@@ -299,6 +301,17 @@ Status sync_directory(const std::string& dir) {
   if (::fsync(fd) != 0) s = errno_status("fsync of directory " + dir, errno);
   ::close(fd);
   return s;
+}
+
+Result<std::string> read_small_file(const std::string& path) {
+  std::error_code ec;
+  const uint64_t size = std::filesystem::file_size(path, ec);
+  if (ec) return Status(ec.value() == ENOENT ? StatusCode::kNotFound : StatusCode::kIoError, path + ": " + ec.message());
+  if (size > kMaxSmallFileBytes) return corruption(path + ": " + std::to_string(size) + " bytes is too large");
+  std::ifstream in(path, std::ios::binary);
+  std::string text(size, '\0');
+  if (!in.read(text.data(), static_cast<std::streamsize>(size))) return io_error("reading " + path, errno);
+  return text;
 }
 
 }  // namespace zo::engine

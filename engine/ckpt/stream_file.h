@@ -2,6 +2,7 @@
 // a caller-owned, bounded staging buffer with O_DIRECT (via io::IoEngine, asynchronously: the caller
 // fills one slot while earlier slots are written) and a CRC-32C per fixed-size chunk; ChunkVerifier
 // checks bytes read back against those CRCs. Neither is thread-safe; one thread drives each.
+// read_small_file reads their small files (manifest, config, tokenizer files) whole.
 #pragma once
 
 #include <cstdint>
@@ -106,5 +107,11 @@ Status check_staging_bytes(uint64_t bytes, std::string_view what);
 // such a file needs less (a small model saves and loads with a few MiB), never below
 // kMinStagingBytes, in whole units of 4 slots of 4096 bytes.
 uint64_t staging_bytes_for(uint64_t configured, uint64_t file_bytes);
+
+// The whole of a small file of a checkpoint or an export (manifest, trainer state, config, a
+// tokenizer file), at most kMaxSmallFileBytes: kNotFound naming a missing path, kCorruption for a
+// larger file, kIoError otherwise.
+inline constexpr uint64_t kMaxSmallFileBytes = uint64_t{64} << 20;
+Result<std::string> read_small_file(const std::string& path);
 
 }  // namespace zo::engine
