@@ -131,6 +131,7 @@ int run_train(const TrainArgs& a) {
   }
   if (!a.json && !a.quiet) {
     std::printf("zoffload train: %s\n", trainer.describe().c_str());
+    std::printf("%s\n", trainer.plan_summary().c_str());
     if (!trainer.resumed_from().empty())
       std::printf("resumed from %s at step %llu\n", trainer.resumed_from().c_str(),
                   static_cast<unsigned long long>(first_step));
@@ -244,7 +245,8 @@ int run_train(const TrainArgs& a) {
                         {"setup_s", setup_s},       {"tokens_per_s", train_s > 0 ? tokens / train_s : 0.0},
                         {"metrics_path", trainer.metrics_path()}, {"parameters", trainer.num_parameters()},
                         {"first_step", first_step}, {"resumed_from", trainer.resumed_from()},
-                        {"checkpoints", saved}, {"export", exported}};
+                        {"checkpoints", saved}, {"export", exported},
+                        {"plan", nlohmann::json::parse(trainer.plan_json())}};
     std::cout << j.dump(2) << "\n";
   } else if (!a.quiet) {
     std::printf("done: %llu steps in %.1f s (%.0f tok/s), loss %.4f -> %.4f%s\n",

@@ -15,6 +15,7 @@ void register_info_command(CLI::App& app, int* exit_code);
 void register_train_command(CLI::App& app, int* exit_code);
 void register_ckpt_command(CLI::App& app, int* exit_code);
 void register_export_command(CLI::App& app, int* exit_code);
+void register_plan_command(CLI::App& app, int* exit_code);
 
 // zoffload-bench
 void register_bench_io(CLI::App& app, int* exit_code);

@@ -16,5 +16,6 @@ int main(int argc, char** argv) {
   zo::tools::register_train_command(app, &exit_code);
   zo::tools::register_ckpt_command(app, &exit_code);
   zo::tools::register_export_command(app, &exit_code);
+  zo::tools::register_plan_command(app, &exit_code);
   return zo::tools::run_app(app, argc, argv, exit_code);
 }

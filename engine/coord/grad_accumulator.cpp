@@ -183,6 +183,41 @@ struct GradAccumulator::Impl {
   }
 };
 
+void GradAccumulator::measure_kernel(std::byte* acc, DType acc_dtype, const std::byte* grad, DType grad_dtype, uint64_t n) {
+  accumulate(acc, acc_dtype, grad, grad_dtype, n, /*from_zero=*/false);
+  double sum_sq = 0;
+  bool nonfinite = false;
+  norm(acc, acc_dtype, n, &sum_sq, &nonfinite);
+}
+
+GradAccumulator::BufferPlan GradAccumulator::plan_buffers(const ParamRegistry& registry, const Placement& placement,
+                                                          const std::vector<uint32_t>& contribution_order) {
+  BufferPlan out;
+  if (placement.grad == Tier::kCpu) return out;  // accumulated in place
+  const auto n_groups = static_cast<uint32_t>(registry.sub_groups().size());
+  std::vector<uint32_t> pending(n_groups, 0);
+  for (uint32_t p : contribution_order) {
+    for (const ParamPiece& piece : registry.pieces_of_param(p)) ++pending[piece.sub_group];
+  }
+  // Simulate one micro-step: a sub-group is open from its first contribution to its last.
+  std::vector<char> opened(n_groups, 0);
+  uint32_t open_now = 0;
+  for (uint32_t p : contribution_order) {
+    // As add() does: every sub-group of the param is opened, then those complete are flushed.
+    for (const ParamPiece& piece : registry.pieces_of_param(p)) {
+      if (!opened[piece.sub_group]) {
+        opened[piece.sub_group] = 1;
+        out.count = std::max(out.count, ++open_now);
+      }
+    }
+    for (const ParamPiece& piece : registry.pieces_of_param(p)) {
+      if (--pending[piece.sub_group] == 0) --open_now;
+    }
+  }
+  out.bytes_each = registry.max_group_elems() * dtype_size_bytes(placement.grad_dtype);
+  return out;
+}
+
 GradAccumulator::GradAccumulator(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 GradAccumulator::~GradAccumulator() = default;
 
@@ -215,33 +250,13 @@ Result<std::unique_ptr<GradAccumulator>> GradAccumulator::create(StateStore& sto
   for (uint32_t p = 0; p < n_params; ++p) {
     for (const ParamPiece& piece : registry.pieces_of_param(p)) s.group_total[piece.sub_group] += s.uses[p];
   }
-  // Simulate one micro-step: a sub-group is open from its first contribution to its last.
-  uint32_t max_open = 0;
-  {
-    std::vector<uint32_t> pending = s.group_total;
-    std::vector<char> opened(n_groups, 0);
-    uint32_t open_now = 0;
-    for (uint32_t p : contribution_order) {
-      // As add() does: every sub-group of the param is opened, then those complete are flushed.
-      for (const ParamPiece& piece : registry.pieces_of_param(p)) {
-        if (!opened[piece.sub_group]) {
-          opened[piece.sub_group] = 1;
-          max_open = std::max(max_open, ++open_now);
-        }
-      }
-      for (const ParamPiece& piece : registry.pieces_of_param(p)) {
-        if (--pending[piece.sub_group] == 0) --open_now;
-      }
-    }
+  const BufferPlan bp = plan_buffers(registry, store.plan().placement, contribution_order);
+  s.buffer_bytes = bp.bytes_each;
+  for (uint32_t i = 0; i < bp.count; ++i) {
+    ZO_ASSIGN_OR_RETURN(AlignedBuffer buf, AlignedBuffer::allocate(s.buffer_bytes));
+    s.buffers.push_back(std::move(buf));
   }
-  if (!s.in_place) {
-    for (uint32_t g = 0; g < n_groups; ++g) s.buffer_bytes = std::max(s.buffer_bytes, store.state_bytes(g, StateKind::kGradAccum));
-    for (uint32_t i = 0; i < max_open; ++i) {
-      ZO_ASSIGN_OR_RETURN(AlignedBuffer buf, AlignedBuffer::allocate(s.buffer_bytes));
-      s.buffers.push_back(std::move(buf));
-    }
-    for (int32_t i = static_cast<int32_t>(max_open) - 1; i >= 0; --i) s.free_buffers.push_back(i);
-  }
+  for (int32_t i = static_cast<int32_t>(bp.count) - 1; i >= 0; --i) s.free_buffers.push_back(i);
   s.received.assign(n_params, 0);
   s.group_pending.assign(n_groups, 0);
   s.group_buffer.assign(n_groups, -1);

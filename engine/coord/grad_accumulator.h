@@ -39,6 +39,18 @@ class GradAccumulator {
   // CPU-resident (pageable, each the largest sub-group's accumulator). kInvalidArgument naming the
   // param for an id out of range or a param that never appears. `store` must outlive this.
   static Result<std::unique_ptr<GradAccumulator>> create(StateStore& store, std::vector<uint32_t> contribution_order);
+
+  // The host buffers create() allocates (none when the accumulators are CPU-resident): the planner's
+  // figure and create()'s. `contribution_order` must be valid (as create() checks it).
+  struct BufferPlan {
+    uint32_t count = 0;
+    uint64_t bytes_each = 0;
+  };
+  // Runs the accumulate kernel and the squared norm over n elements, as add() and the last
+  // micro-step do (the planner times it).
+  static void measure_kernel(std::byte* acc, DType acc_dtype, const std::byte* grad, DType grad_dtype, uint64_t n);
+  static BufferPlan plan_buffers(const ParamRegistry& registry, const Placement& placement,
+                                 const std::vector<uint32_t>& contribution_order);
   ~GradAccumulator();
   GradAccumulator(const GradAccumulator&) = delete;
   GradAccumulator& operator=(const GradAccumulator&) = delete;

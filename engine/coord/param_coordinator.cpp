@@ -406,6 +406,98 @@ struct ParamCoordinator::Impl {
   }
 };
 
+ArenaPlan plan_arena(const ParamRegistry& registry, const Placement& placement,
+                     const std::vector<std::vector<uint32_t>>& blocks, const CoordinatorOptions& options) {
+  const uint64_t cb = state_elem_bytes(placement, StateKind::kCompute);
+  const detail::RangeAllocator sizing(0, 0, gpu::kDeviceAlignment);
+  struct P {
+    uint64_t n_elems = 0, slot = 0;
+    bool used = false, fetched = false, persistent = false;
+    uint64_t mark = 0;
+  };
+  std::vector<P> ps(registry.params().size());
+  for (const ParamInfo& info : registry.params()) {
+    P& x = ps[info.id];
+    x.n_elems = info.n_elems;
+    x.slot = sizing.rounded(info.n_elems * cb);
+    x.fetched = placement.compute[registry.pieces_of_param(info.id).front().sub_group] != Tier::kDevice;
+    x.persistent = x.fetched && x.n_elems <= options.persistence_threshold_elems;
+  }
+  const auto n_blocks = static_cast<uint32_t>(blocks.size());
+  uint64_t epoch = 0;
+  std::vector<std::vector<uint32_t>> fetched(n_blocks);  // unique, off the device
+  for (uint32_t b = 0; b < n_blocks; ++b) {
+    ++epoch;
+    for (uint32_t p : blocks[b]) {
+      ZO_CHECK_LT(p, ps.size());
+      if (ps[p].mark == epoch) continue;
+      ps[p].mark = epoch;
+      ps[p].used = true;
+      if (ps[p].fetched) fetched[b].push_back(p);
+    }
+  }
+  ArenaPlan out;
+  uint64_t ceiling = 0;
+  for (const P& x : ps) {
+    if (!x.used || !x.fetched) continue;
+    (x.persistent ? out.persistent_bytes : ceiling) += x.slot;
+  }
+  for (uint32_t b = 0; b < n_blocks; ++b) {
+    uint64_t need = 0, elems = 0;
+    for (uint32_t p : fetched[b]) {
+      if (ps[p].persistent) continue;
+      need += ps[p].slot;
+      elems += ps[p].n_elems;
+    }
+    if (need > out.largest_block_bytes) {
+      out.largest_block_bytes = need;
+      out.largest_block = b;
+      out.largest_block_elems = elems;
+    }
+  }
+  // The dynamic region: the most that any position's block plus what prefetch would fetch ahead of
+  // it from an empty arena needs, in slots (at least the largest block; at most every fetchable param).
+  auto block_at = [&](uint32_t q) { return q < n_blocks ? q : 2 * n_blocks - 1 - q; };
+  const uint32_t n_pos = 2 * n_blocks;
+  uint64_t dynamic_bytes = out.largest_block_bytes;
+  for (uint32_t q = 0; q < n_pos; ++q) {
+    ++epoch;
+    uint64_t bytes = 0, live = 0, ahead = 0;
+    for (uint32_t p : fetched[block_at(q)]) {
+      P& x = ps[p];
+      x.mark = epoch;
+      if (!x.persistent) {
+        bytes += x.slot;
+        live += x.n_elems;
+      }
+    }
+    bool full = false;
+    for (uint32_t r = q + 1; r < n_pos && !full; ++r) {
+      for (uint32_t p : fetched[block_at(r)]) {
+        P& x = ps[p];
+        if (x.mark == epoch) continue;
+        x.mark = epoch;
+        if (ahead + x.n_elems > options.prefetch_bucket_elems ||
+            (!x.persistent && live + x.n_elems > options.max_live_elems)) {
+          full = true;
+          break;
+        }
+        ahead += x.n_elems;
+        if (!x.persistent) {
+          bytes += x.slot;
+          live += x.n_elems;
+        }
+      }
+    }
+    dynamic_bytes = std::max(dynamic_bytes, bytes);
+  }
+  // Slack against fragmentation: blocks of different sizes leave holes a prefetch cannot use (live
+  // elements are still bounded by the prefetch check, not by the arena).
+  if (dynamic_bytes > out.largest_block_bytes) dynamic_bytes += out.largest_block_bytes;
+  out.dynamic_bytes = std::min(dynamic_bytes, std::max(out.largest_block_bytes, ceiling));
+  return out;
+}
+
 ParamCoordinator::ParamCoordinator(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 ParamCoordinator::~ParamCoordinator() = default;
 
@@ -502,74 +594,27 @@ Result<std::unique_ptr<ParamCoordinator>> ParamCoordinator::create(StateStore& s
     for (uint32_t p : s.fetched[s.block_at(q)]) s.params[p].uses.push_back(q);
   }
 
-  // Arena sizing (Note [Prefetch and release]).
-  uint64_t persistent_bytes = 0, ceiling = 0, largest = 0;
-  uint32_t largest_block = 0;
-  detail::RangeAllocator sizing(0, 0, gpu::kDeviceAlignment);
+  // Arena sizing (Note [Prefetch and release]): plan_arena decides, the persistent params get their
+  // slots here in the same order and rounding.
+  const ArenaPlan ap = plan_arena(registry, store.plan().placement, s.blocks, options);
+  const detail::RangeAllocator sizing(0, 0, gpu::kDeviceAlignment);
+  uint64_t persistent_bytes = 0;
   for (Impl::Param& x : s.params) {
-    if (!x.used || x.on_device) continue;
-    if (x.persistent) {
-      x.offset = persistent_bytes;
-      persistent_bytes += sizing.rounded(x.bytes);
-    } else {
-      ceiling += sizing.rounded(x.bytes);
-    }
+    if (!x.used || x.on_device || !x.persistent) continue;
+    x.offset = persistent_bytes;
+    persistent_bytes += sizing.rounded(x.bytes);
   }
-  for (uint32_t b = 0; b < s.n_blocks; ++b) {
-    uint64_t need = 0;
-    for (uint32_t p : s.fetched[b]) need += s.params[p].persistent ? 0 : sizing.rounded(s.params[p].bytes);
-    if (need > largest) {
-      largest = need;
-      largest_block = b;
-    }
-  }
-  // The dynamic region: the most that any position's block plus what prefetch would fetch ahead of
-  // it from an empty arena needs, in slots (at least the largest block; at most every fetchable param).
-  uint64_t dynamic_bytes = largest;
-  for (uint32_t q = 0; q < n_pos; ++q) {
-    ++s.mark_epoch;
-    uint64_t bytes = 0, live = 0, ahead = 0;
-    for (uint32_t p : s.fetched[s.block_at(q)]) {
-      Impl::Param& x = s.params[p];
-      x.mark = s.mark_epoch;
-      if (!x.persistent) {
-        bytes += sizing.rounded(x.bytes);
-        live += x.n_elems;
-      }
-    }
-    bool full = false;
-    for (uint32_t r = q + 1; r < n_pos && !full; ++r) {
-      for (uint32_t p : s.fetched[s.block_at(r)]) {
-        Impl::Param& x = s.params[p];
-        if (x.mark == s.mark_epoch) continue;
-        x.mark = s.mark_epoch;
-        if (ahead + x.n_elems > options.prefetch_bucket_elems ||
-            (!x.persistent && live + x.n_elems > options.max_live_elems)) {
-          full = true;
-          break;
-        }
-        ahead += x.n_elems;
-        if (!x.persistent) {
-          bytes += sizing.rounded(x.bytes);
-          live += x.n_elems;
-        }
-      }
-    }
-    dynamic_bytes = std::max(dynamic_bytes, bytes);
-  }
-  ++s.mark_epoch;
-  // Slack against fragmentation: blocks of different sizes leave holes a prefetch cannot use (live
-  // elements are still bounded by the prefetch check, not by the arena).
-  if (dynamic_bytes > largest) dynamic_bytes += largest;
-  dynamic_bytes = std::min(dynamic_bytes, std::max(largest, ceiling));
+  ZO_CHECK_EQ(persistent_bytes, ap.persistent_bytes);
+  uint64_t dynamic_bytes = ap.dynamic_bytes;
+  const uint64_t largest = ap.largest_block_bytes;
+  const uint32_t largest_block = ap.largest_block;
 
   if (persistent_bytes + dynamic_bytes > 0) {
     const gpu::DeviceStats ds = s.device->stats();
     uint64_t left = ds.budget_bytes > ds.allocated_bytes ? ds.budget_bytes - ds.allocated_bytes : 0;
     left = left > options.device_reserve_bytes ? left - options.device_reserve_bytes : 0;
     if (persistent_bytes + largest > left) {
-      uint64_t block_elems_off = 0;
-      for (uint32_t p : s.fetched[largest_block]) block_elems_off += s.params[p].persistent ? 0 : s.params[p].n_elems;
+      const uint64_t block_elems_off = ap.largest_block_elems;
       std::string msg = "gpu budget " + bytes_text(ds.budget_bytes) + " leaves " + bytes_text(left) +
                         " for parameters";
       if (options.device_reserve_bytes > 0) msg += " (after " + bytes_text(ds.allocated_bytes) + " in use and a reserve of " + bytes_text(options.device_reserve_bytes) + ")";

@@ -38,6 +38,22 @@ struct CoordinatorOptions {
   static CoordinatorOptions from_config(const Config& config);
 };
 
+// The device arena a schedule needs, from the placement alone: create() sizes its arena with this,
+// and the planner calls it before anything is allocated (Note [Prefetch and release]).
+struct ArenaPlan {
+  uint64_t persistent_bytes = 0;     // the persistent params' fixed slots
+  uint64_t dynamic_bytes = 0;        // the dynamic region wanted, before the device budget caps it
+  uint64_t largest_block_bytes = 0;  // the most one block needs in the dynamic region
+  uint32_t largest_block = 0;
+  uint64_t largest_block_elems = 0;  // its non-persistent elements
+  uint64_t total_bytes() const { return persistent_bytes + dynamic_bytes; }
+};
+
+// `blocks[b]` = the param ids block b uses (each < registry.params().size()); a param's compute
+// copy is on the device when its sub-groups' placement.compute is Tier::kDevice.
+ArenaPlan plan_arena(const ParamRegistry& registry, const Placement& placement,
+                     const std::vector<std::vector<uint32_t>>& blocks, const CoordinatorOptions& options);
+
 struct CoordinatorStats {
   double fetch_wait_s = 0;       // time acquire() blocked waiting for NVMe reads and H2D copies
   uint64_t h2d_bytes = 0;        // bytes copied to the device by fetches

@@ -29,9 +29,7 @@ namespace zo::engine {
 
 namespace {
 
-// Synchronous transfers (init_param, read_state, write_state) go through this much scratch
-// memory, whatever the size of the state, so a 4 GB sub-group never needs a 4 GB bounce buffer.
-constexpr uint64_t kScratchBytes = uint64_t{4} << 20;
+constexpr uint64_t kScratchBytes = kStoreScratchBytes;
 
 constexpr uint64_t align_down(uint64_t n, uint64_t alignment) { return n & ~(alignment - 1); }
 

@@ -21,6 +21,10 @@
 
 namespace zo::engine {
 
+// Synchronous transfers (init_param, read_state, write_state) go through this much scratch memory,
+// whatever the size of the state, so a 4 GB sub-group never needs a 4 GB bounce buffer.
+inline constexpr uint64_t kStoreScratchBytes = uint64_t{4} << 20;
+
 struct StateStoreOptions {
   uint32_t rank = 0;
   std::string optimizer_nvme_path;  // offload_optimizer.nvme_path (optimizer on NVMe)

@@ -1,5 +1,8 @@
 #include "engine/model/llama.h"
+#include "engine/model/torch_runtime.h"
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <exception>
 #include <numbers>
@@ -8,6 +11,7 @@
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wunused-parameter"
 #include <ATen/ATen.h>
+#include <ATen/detail/CUDAHooksInterface.h>
 #include <torch/version.h>
 #pragma GCC diagnostic pop
 
@@ -195,6 +199,28 @@ torch::Tensor lm_loss(const torch::Tensor& logits, const torch::Tensor& targets)
   const at::Tensor count = flat_targets.ne(-100).sum().to(at::kFloat).clamp_min(1.0);
   return at::cross_entropy_loss(flat_logits, flat_targets, /*weight=*/{}, at::Reduction::Sum, /*ignore_index=*/-100) /
          count;
+}
+
+double measure_matmul_flops(DType dtype, bool cuda) {
+  const int64_t n = cuda ? 8192 : 1024;
+  const auto options = at::TensorOptions().dtype(to_torch_dtype(dtype)).device(cuda ? at::kCUDA : at::kCPU);
+  const at::Tensor a = at::randn({n, n}, options.dtype(at::kFloat)).to(options);
+  const at::Tensor b = at::randn({n, n}, options.dtype(at::kFloat)).to(options);
+  auto sync = [&] {
+    if (cuda) at::detail::getCUDAHooks().deviceSynchronize(0);
+  };
+  at::Tensor c = at::matmul(a, b);  // warm-up
+  sync();
+  double best = 0;
+  for (int i = 0; i < 3; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const int reps = cuda ? 10 : 1;
+    for (int r = 0; r < reps; ++r) c = at::matmul(a, b);
+    sync();
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best = std::max(best, 2.0 * static_cast<double>(n) * n * n * reps / s);
+  }
+  return best;
 }
 
 Status torch_call(std::string_view what, const std::function<void()>& fn) {

@@ -1,5 +1,6 @@
 #include "engine/model/model_config.h"
 
+#include <filesystem>
 #include <fstream>
 #include <span>
 #include <sstream>
@@ -431,6 +432,17 @@ uint64_t num_parameters(const ModelConfig& c) {
   uint64_t layer = 2 * H + 2 * H * q_dim + 2 * H * kv_dim + 3 * H * c.intermediate_size;
   if (c.attention_bias) layer += q_dim + 2 * kv_dim;
   return V * H + c.num_hidden_layers * layer + H + (c.tie_word_embeddings ? 0 : V * H);
+}
+
+Result<ModelConfig> resolve_model_config(const std::string& model) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(model, ec)) return load_hf_config(model);
+  Result<ModelConfig> preset = model_preset(model);
+  if (preset.is_ok()) return preset;
+  std::string names;
+  for (const std::string& n : model_preset_names()) names += (names.empty() ? "" : ", ") + n;
+  return not_found("--model " + model + ": not a directory (a Hugging Face model with config.json and *.safetensors) "
+                   "nor a preset (" + names + ")");
 }
 
 }  // namespace zo::engine

@@ -58,6 +58,9 @@ Result<ModelConfig> load_hf_config(const std::string& model_dir);
 // close-match suggestion.
 Result<ModelConfig> model_preset(std::string_view name);
 std::vector<std::string> model_preset_names();
+// The model a --model argument names: config.json of a Hugging Face model directory, or a preset.
+// kNotFound naming both possibilities (and the presets) when it is neither.
+Result<ModelConfig> resolve_model_config(const std::string& model);
 
 // HF config.json text for export (architectures ["LlamaForCausalLM"] / ["Qwen2ForCausalLM"] /
 // ["MistralForCausalLM"], torch_dtype as given); parse_hf_config reads it back to `config`.

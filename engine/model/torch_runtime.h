@@ -3,7 +3,10 @@
 // device checks). Thread-safe. This header includes no LibTorch header; torch_runtime.cpp does.
 #pragma once
 
+#include <cstdint>
 #include <string>
+
+#include "common/dtype.h"
 
 namespace zo::engine {
 
@@ -15,5 +18,23 @@ struct LibTorchInfo {
 };
 
 LibTorchInfo libtorch_info();
+
+// LibTorch's own allocations (activations, autograd buffers, parameter gradients): the bytes live
+// now and the high-water mark since the last reset. On CUDA they are the caching allocator's
+// allocated bytes of GPU 0; on the CPU they are counted by a wrapper around LibTorch's CPU allocator,
+// installed by the first track_torch_memory(false) (allocations made before it are not counted).
+// This is what the planner's activation estimate is measured against (metrics.jsonl
+// "torch_peak_bytes"). Thread-safe.
+struct TorchMemory {
+  uint64_t current_bytes = 0;
+  uint64_t peak_bytes = 0;
+};
+void track_torch_memory(bool cuda);
+TorchMemory torch_memory(bool cuda);
+void reset_torch_memory_peak(bool cuda);  // peak := current
+
+// Dense matmul FLOP/s of LibTorch here (square bf16/fp16/fp32 matmuls on GPU 0 or the CPU threads
+// LibTorch uses, best of a few after a warm-up; about a second). The planner's compute speed.
+double measure_matmul_flops(DType dtype, bool cuda);
 
 }  // namespace zo::engine

@@ -36,6 +36,7 @@
 #include "engine/optim/grad_clip.h"
 #include "engine/optim/loss_scaler.h"
 #include "engine/optim/lr_schedule.h"
+#include "engine/plan/planner.h"
 #include "gpu/device.h"
 #include "gpu/device_info.h"
 #include "io/io_engine.h"
@@ -81,17 +82,6 @@ constexpr uint64_t kInitChunkElems = uint64_t{1} << 22;  // 16 MiB of fp32 per c
 
 }  // namespace
 
-Result<ModelConfig> resolve_model_config(const std::string& model) {
-  std::error_code ec;
-  if (fs::is_directory(model, ec)) return load_hf_config(model);
-  Result<ModelConfig> preset = model_preset(model);
-  if (preset.is_ok()) return preset;
-  std::string names;
-  for (const std::string& n : model_preset_names()) names += (names.empty() ? "" : ", ") + n;
-  return not_found("--model " + model + ": not a directory (a Hugging Face model with config.json and *.safetensors) "
-                   "nor a preset (" + names + ")");
-}
-
 std::string StepMetrics::to_json() const {
   nlohmann::json j;
   j["step"] = step;
@@ -113,6 +103,7 @@ std::string StepMetrics::to_json() const {
   j["memory"] = nlohmann::json::parse(memory.to_json());
   j["device_peak_bytes"] = device_peak_bytes;
   j["device_budget_bytes"] = device_budget_bytes;
+  j["torch_peak_bytes"] = torch_peak_bytes;
   return j.dump();
 }
 
@@ -122,6 +113,8 @@ struct Trainer::Impl {
   ModelLayout layout;
   std::optional<ParamRegistry> registry;
   MemoryPlan plan;
+  RunPlan run_plan;  // the planner's view, checked at start (Trainer::plan_summary)
+  uint64_t seq_len = 0;
   DType compute_dtype = DType::kF32;
   torch::Device torch_device = torch::kCPU;
 
@@ -180,8 +173,10 @@ Status Trainer::Impl::init(const TrainOptions& options) {
   } else {
     ZO_ASSIGN_OR_RETURN(model, resolve_model_config(opt.model));
   }
+  ZO_RETURN_IF_ERROR(check_model_size(model));
   layout = model_layout(model);
   compute_dtype = config.compute_dtype();
+  seq_len = opt.seq_len != 0 ? opt.seq_len : std::min<uint64_t>(256, model.max_position_embeddings);
 
   if (!opt.out_dir.empty()) {
     std::error_code ec;
@@ -241,6 +236,31 @@ Status Trainer::Impl::init(const TrainOptions& options) {
   ZO_ASSIGN_OR_RETURN(device, gpu::make_device(config.zoffload.device, budget, probe));
   torch_device = device->kind() == DeviceKind::kCuda ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
 
+  // The planner, before anything large is allocated: the run's needs against this machine.
+  {
+    PlanInputs pi;
+    pi.config = config;
+    pi.model = model;
+    pi.model_name = opt.model;
+    pi.seq_len = seq_len;
+    pi.device_budget_bytes = device->stats().budget_bytes;
+    pi.out_dir = opt.out_dir;
+    pi.host = probe_host(config, opt.out_dir);
+    if (device->kind() == DeviceKind::kCuda && !probe.gpus.empty()) {
+      pi.host.cuda = true;
+      pi.host.device_name = probe.gpus.front().name;
+      pi.host.device_total_bytes = probe.gpus.front().total_bytes;
+    }
+    ZO_ASSIGN_OR_RETURN(run_plan, plan_run(pi));
+    if (!run_plan.fits()) {
+      std::vector<std::string> problems;
+      for (const PlanProblem& p : run_plan.problems) problems.push_back(p.to_string());
+      return out_of_memory("the plan does not fit this machine: " + join(problems, "; ") +
+                           " (`zoffload plan` with the same arguments lists the changes that make it fit)");
+    }
+  }
+  track_torch_memory(torch_device.is_cuda());
+
   ZO_ASSIGN_OR_RETURN(io::IoOptions io_options, io_options_from_config(config));
   ZO_ASSIGN_OR_RETURN(io, io::IoEngine::create(io_options, opt.io_faults));
   ZO_ASSIGN_OR_RETURN(executor, cpu_optim::Executor::create({.n_threads = static_cast<int>(config.zoffload.optimizer_threads),
@@ -291,7 +311,7 @@ Status Trainer::Impl::init(const TrainOptions& options) {
   DataOptions d;
   d.path = opt.data_path;
   d.source.format = opt.data_format;
-  d.seq_len = opt.seq_len != 0 ? opt.seq_len : std::min<uint64_t>(256, model.max_position_embeddings);
+  d.seq_len = seq_len;
   d.micro_batch = config.train_micro_batch_size_per_gpu;
   d.seed = resume ? resume->state.seed : opt.seed;
   if (d.seq_len > model.max_position_embeddings)
@@ -549,6 +569,8 @@ Result<StepMetrics> Trainer::step() {
                       m.opt.inject_overflow_steps.end();
 
   const double fetch_before = m.coord->stats().fetch_wait_s;
+  const bool cuda = m.torch_device.is_cuda();
+  reset_torch_memory_peak(cuda);
   const uint64_t gas = config.gradient_accumulation_steps;
   GradNormReport boundary;
   double loss_sum = 0;
@@ -568,6 +590,7 @@ Result<StepMetrics> Trainer::step() {
   out.grad_offload_s = offload_s;
   out.data_s = data_s;
   out.compute_s = std::max(0.0, seconds_since(t0) - out.fetch_s - out.grad_offload_s - out.data_s);
+  out.torch_peak_bytes = torch_memory(cuda).peak_bytes;
 
   // The accumulation boundary: overflow check, loss-scale update, clipping, the optimizer.
   out.grad_norm = std::sqrt(boundary.sum_sq) / out.loss_scale;
@@ -617,6 +640,8 @@ Result<StepMetrics> Trainer::step() {
 }
 
 uint64_t Trainer::steps_done() const { return impl_->steps_done; }
+std::string Trainer::plan_summary() const { return impl_->run_plan.summary(); }
+std::string Trainer::plan_json() const { return impl_->run_plan.to_json(); }
 const ModelConfig& Trainer::model_config() const { return impl_->model; }
 const ModelLayout& Trainer::layout() const { return impl_->layout; }
 uint64_t Trainer::num_parameters() const { return impl_->registry->total_elems(); }

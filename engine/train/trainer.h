@@ -68,14 +68,14 @@ struct StepMetrics {
   MemoryStats memory;          // tiers after the step (peaks since the start of the run)
   uint64_t device_peak_bytes = 0;  // Device::stats().peak_allocated_bytes
   uint64_t device_budget_bytes = 0;
+  // LibTorch's allocations (activations, autograd buffers, block gradients) at their highest during
+  // this step: on CUDA GPU memory outside the budget above, on the emulated device host RAM.
+  uint64_t torch_peak_bytes = 0;
 
   // One line of metrics.jsonl.
   std::string to_json() const;
 };
 
-// The model a --model argument names: config.json of a Hugging Face model directory, or a preset.
-// kNotFound naming both possibilities (and the presets) when it is neither.
-Result<ModelConfig> resolve_model_config(const std::string& model);
 
 class Trainer {
  public:
@@ -94,6 +94,10 @@ class Trainer {
   Result<StepMetrics> step();
 
   uint64_t steps_done() const;
+  // The planner's one-line summary of this run and its full JSON (the run was refused at create()
+  // when it did not fit).
+  std::string plan_summary() const;
+  std::string plan_json() const;
 
   // Checkpoints (docs/checkpoint_format.md). The resolved zoffload.checkpoint.dir; empty: none.
   const std::string& checkpoint_dir() const;

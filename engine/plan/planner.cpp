@@ -1,0 +1,542 @@
+// Note [Activation estimate]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~
+// LibTorch's memory during a micro-step is the activation checkpoints (each block's input, kept from
+// forward to backward), plus, at its peak, one of:
+// - the end of a decoder's backward: every gradient of the block's parameters and a few [B,T,H]
+//   tensors;
+// - the middle of a decoder's backward (the MLP): its recomputed activations, about six [B,T,I]
+//   tensors and a few [B,T,H] ones (rms_norm works in fp32 whatever the compute dtype), with part
+//   of the block's gradients;
+// - the head: the fp32 logits, their log-softmax and its gradient ([B,T,V] fp32 each), or later the
+//   lm_head's gradient with the logits' gradient.
+// The coefficients below were measured, not derived: a counting wrapper around LibTorch's CPU
+// allocator (track_torch_memory) recorded the peak of one step ("torch_peak_bytes" in
+// metrics.jsonl) on LibTorch 2.11's CPU kernels for five model shapes (hidden 256–1024, intermediate
+// 688–2816, vocabulary 256–8192, MHA and GQA), fp32 and bf16, B·T from 64 to 2048; the largest of
+// the four terms is within 9% of every measured peak there (tests/engine/plan checks the presets
+// against real runs). CUDA kernels (cuBLAS workspaces, flash attention) differ: on a GPU this is an
+// estimate until it is measured there.
+
+#include "engine/plan/planner.h"
+
+#include <sys/statvfs.h>
+
+#include <algorithm>
+#include <cstring>
+#include <functional>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "common/aligned_buffer.h"
+#include "common/bytes.h"
+#include "common/dtype.h"
+#include "common/host_info.h"
+#include "common/string_util.h"
+#include "cpu_optim/adam.h"
+#include "cpu_optim/executor.h"
+#include "engine/ckpt/stream_file.h"
+#include "engine/coord/grad_accumulator.h"
+#include "engine/memory/pinned_pool.h"
+#include "engine/memory/state_store.h"
+#include "engine/memory/swap_file.h"
+
+namespace zo::engine {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string resolve(const std::string& out_dir, const std::string& path) {
+  if (path.empty()) return path;
+  fs::path p(path);
+  if (p.is_absolute() || out_dir.empty()) return p.lexically_normal().string();
+  return (fs::path(out_dir) / p).lexically_normal().string();
+}
+
+// Free bytes of the file system holding `path` (its nearest existing ancestor); 0 when unknown.
+uint64_t disk_free(const std::string& path) {
+  if (path.empty()) return 0;
+  fs::path p = fs::absolute(path);
+  std::error_code ec;
+  while (!p.empty() && !fs::exists(p, ec)) {
+    if (p == p.parent_path()) break;
+    p = p.parent_path();
+  }
+  struct statvfs s{};
+  if (::statvfs(p.c_str(), &s) != 0) return 0;
+  return static_cast<uint64_t>(s.f_bavail) * s.f_frsize;
+}
+
+// Note [Activation estimate]: bytes per element of each term, measured.
+constexpr double kDecEndPerBth = 7.3;      // × B·T·H × compute bytes, with all block gradients
+constexpr double kDecMidPerBti = 5.4;      // × B·T·I × compute bytes
+constexpr double kDecMidPerBthE = 3.3;     // × B·T·H × compute bytes
+constexpr double kDecMidPerBthF32 = 6.0;   // × B·T·H × 4 (rms_norm's fp32)
+constexpr double kDecMidGradShare = 0.73;  // of the MLP's gradients
+constexpr double kHeadPerBtv = 13.5;       // bytes × B·T·V (fp32 logits, log-softmax, gradient)
+constexpr double kHeadGradPerBtvE = 0.8;   // × B·T·V × compute bytes, with the lm_head gradient
+constexpr double kHeadGradPerBtvF32 = 0.55;
+
+uint64_t activation_estimate(const ModelConfig& m, uint64_t micro_batch, uint64_t seq_len, uint64_t e) {
+  const double bt = static_cast<double>(micro_batch * seq_len);
+  const double h = static_cast<double>(m.hidden_size), inter = static_cast<double>(m.intermediate_size);
+  const double v = static_cast<double>(m.vocab_size), de = static_cast<double>(e);
+  const double kv_dim = static_cast<double>(m.num_key_value_heads * m.head_dim);
+  const double q_dim = static_cast<double>(m.num_attention_heads * m.head_dim);
+  // The activation checkpoints: every block's input (the token ids as int64 for the embedding),
+  // the targets, and the RoPE tables.
+  const double resident = static_cast<double>(m.num_hidden_layers + 1) * bt * h * de + 2 * bt * 8 +
+                          2.0 * static_cast<double>(seq_len * m.head_dim) * 4;
+  const double p_attn = 2 * h * q_dim + 2 * h * kv_dim + 2 * h;
+  const double p_mlp = 3 * h * inter;
+  const double p_head = v * h + h;
+  const double dec_end = (p_attn + p_mlp) * de + bt * h * de * kDecEndPerBth;
+  const double dec_mid =
+      bt * (inter * kDecMidPerBti * de + h * (kDecMidPerBthE * de + kDecMidPerBthF32 * 4)) + p_mlp * de * kDecMidGradShare;
+  const double head_a = bt * v * kHeadPerBtv;
+  const double head_b = p_head * de + bt * v * (kHeadGradPerBtvE * de + kHeadGradPerBtvF32 * 4);
+  return static_cast<uint64_t>(resident + std::max({dec_end, dec_mid, head_a, head_b}));
+}
+
+std::string gib(uint64_t b) { return format_bytes(b); }
+
+
+
+std::string seconds_text(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, s < 10 ? "%.2f s" : "%.1f s", s);
+  return buf;
+}
+
+}  // namespace
+
+Status check_model_size(const ModelConfig& m) {
+  constexpr uint64_t kMaxParams = uint64_t{1} << 42;  // 4.4 T parameters: 70 TB of Adam state
+  auto mul = [](uint64_t a, uint64_t b, uint64_t* out) { return !__builtin_mul_overflow(a, b, out); };
+  auto add = [](uint64_t a, uint64_t b, uint64_t* out) { return !__builtin_add_overflow(a, b, out); };
+  const uint64_t h = m.hidden_size, q_dim_heads = m.num_attention_heads, kv_heads = m.num_key_value_heads;
+  uint64_t q_dim = 0, kv_dim = 0, t = 0, layer = 0, total = 0, emb = 0;
+  bool ok = mul(q_dim_heads, m.head_dim, &q_dim) && mul(kv_heads, m.head_dim, &kv_dim);
+  ok = ok && mul(2 * h, q_dim, &layer) && mul(2 * h, kv_dim, &t) && add(layer, t, &layer);
+  ok = ok && mul(3 * h, m.intermediate_size, &t) && add(layer, t, &layer) && add(layer, 2 * h, &layer);
+  ok = ok && mul(layer, m.num_hidden_layers, &total) && mul(m.vocab_size, h, &emb) && add(total, 2 * emb, &total);
+  if (!ok || total > kMaxParams || h > (uint64_t{1} << 20))
+    return invalid_argument("the model's config claims " + (ok ? std::to_string(total) + " parameters" : std::string("more parameters than 64 bits count")) +
+                            " (hidden_size " + std::to_string(h) + ", intermediate_size " + std::to_string(m.intermediate_size) +
+                            ", num_hidden_layers " + std::to_string(m.num_hidden_layers) + ", vocab_size " +
+                            std::to_string(m.vocab_size) + "): more than any plan can hold (at most " +
+                            std::to_string(kMaxParams) + " parameters)");
+  return Status::ok();
+}
+
+std::string PlanProblem::to_string() const {
+  return resource + ": needs " + gib(need_bytes) + ", has " + gib(have_bytes) + (detail.empty() ? "" : " (" + detail + ")");
+}
+
+Result<RunPlan> plan_run(const PlanInputs& in) {
+  const Config& c = in.config;
+  const ModelConfig& m = in.model;
+  if (in.seq_len == 0) return invalid_argument("--seq-len: 0 tokens per sequence");
+  ZO_RETURN_IF_ERROR(check_model_size(m));
+  const ModelLayout layout = model_layout(m);
+  ZO_ASSIGN_OR_RETURN(ParamRegistry registry, ParamRegistry::build(layout.params, c.zero.sub_group_size));
+  RunPlan p;
+  ZO_ASSIGN_OR_RETURN(p.memory, plan_memory(c, registry));
+  const MemoryPlan& mp = p.memory;
+  const Placement& pl = mp.placement;
+  p.n_params = registry.total_elems();
+  const uint64_t micro = c.train_micro_batch_size_per_gpu;
+  const uint64_t gas = c.gradient_accumulation_steps;
+  p.tokens_per_micro_step = micro * in.seq_len;
+  const uint64_t cb = state_elem_bytes(pl, StateKind::kCompute);
+
+  // The device: states, the coordinator's arena (what it wants, capped as create() caps it), and
+  // LibTorch's own memory.
+  std::vector<std::vector<uint32_t>> blocks;
+  std::vector<uint32_t> contribution_order;
+  for (const BlockSpec& b : layout.blocks) blocks.push_back(b.params);
+  for (size_t b = layout.blocks.size(); b-- > 0;)
+    for (uint32_t id : layout.blocks[b].params) contribution_order.push_back(id);
+  p.arena = plan_arena(registry, pl, blocks, CoordinatorOptions::from_config(c));
+  p.device_budget_bytes = in.device_budget_bytes;
+  p.device_state_bytes = mp.device_bytes;
+  const uint64_t left = in.device_budget_bytes > mp.device_bytes ? in.device_budget_bytes - mp.device_bytes : 0;
+  if (p.arena.total_bytes() > 0) {
+    const uint64_t dyn_room =
+        left > p.arena.persistent_bytes ? (left - p.arena.persistent_bytes) / gpu::kDeviceAlignment * gpu::kDeviceAlignment : 0;
+    p.device_arena_bytes = p.arena.persistent_bytes + std::min(p.arena.dynamic_bytes, dyn_room);
+  }
+  p.activation_bytes = activation_estimate(m, micro, in.seq_len, cb);
+  p.device_total_bytes = p.device_state_bytes + p.device_arena_bytes + (in.host.cuda ? p.activation_bytes : 0);
+
+  // Host memory.
+  p.pool_bytes = mp.pinned_pool_bytes();
+  const bool pin = pl.optimizer_pinned || pl.param_pinned;
+  p.pinned_bytes = pin ? p.pool_bytes : 0;
+  p.pageable_state_bytes = mp.cpu_pageable_bytes;
+  const GradAccumulator::BufferPlan gbuf = GradAccumulator::plan_buffers(registry, pl, contribution_order);
+  p.host_buffer_bytes = kStoreScratchBytes + uint64_t{gbuf.count} * gbuf.bytes_each;
+  p.ram_bytes = p.pool_bytes + p.pageable_state_bytes + p.host_buffer_bytes + (in.host.cuda ? 0 : p.activation_bytes);
+  p.process_bytes = in.host.process_bytes;
+  p.nvme_optimizer_bytes = mp.nvme_optimizer_bytes;
+  p.nvme_param_bytes = mp.nvme_param_bytes;
+  const uint64_t largest_ckpt_file = registry.total_elems() * 4;  // one state of every sub-group
+  p.save_rss_bytes = staging_bytes_for(c.zoffload.checkpoint.staging_buffer_size, largest_ckpt_file);
+  p.export_rss_bytes = p.save_rss_bytes;
+
+  // Bytes moved per step (Note [Bytes per step]).
+  uint64_t n_compute_nvme = 0, n_fetched = 0;
+  for (const SubGroup& g : registry.sub_groups()) {
+    if (pl.compute[g.index] == Tier::kNvme) n_compute_nvme += g.n_elems;
+    if (pl.compute[g.index] != Tier::kDevice) n_fetched += g.n_elems;
+  }
+  // NVMe transfers move whole 4 KiB-aligned sections, one per state per sub-group, so each is
+  // counted rounded as the swap file lays it out. A gradient section whose length is not a whole
+  // number of pages is read with one page more (its tail goes through the store's scratch path):
+  // measured, and checked exactly by tests/engine/plan against real runs.
+  uint64_t rd = 0, wr = 0, compute_nvme_bytes = 0;
+  for (const SubGroup& g : registry.sub_groups()) {
+    auto sec = [&](StateKind k) { return align_up(g.n_elems * state_elem_bytes(pl, k), kSwapAlignment); };
+    if (pl.compute[g.index] == Tier::kNvme) compute_nvme_bytes += sec(StateKind::kCompute);
+    if (pl.optimizer != Tier::kNvme) continue;
+    const uint64_t grad_len = g.n_elems * state_elem_bytes(pl, StateKind::kGradAccum);
+    const uint64_t grad_read = sec(StateKind::kGradAccum) + (grad_len % kSwapAlignment != 0 ? kSwapAlignment : 0);
+    // The gradient accumulator: written every micro-step, read back on all but the first.
+    wr += gas * sec(StateKind::kGradAccum);
+    rd += (gas - 1) * grad_read;
+    // The optimizer step: master, exp_avg, exp_avg_sq and the gradient in; the three states out.
+    const uint64_t states = sec(StateKind::kMaster) + sec(StateKind::kExpAvg) + sec(StateKind::kExpAvgSq);
+    rd += states + grad_read;
+    wr += states;
+  }
+  wr += compute_nvme_bytes;  // the new compute copies of params that live on NVMe
+  p.nvme_write_bytes = wr;
+  p.nvme_read_min_bytes = rd + compute_nvme_bytes;
+  p.nvme_read_max_bytes = rd + 2 * gas * compute_nvme_bytes;
+  p.nvme_exact = n_compute_nvme == 0;
+  p.nvme_read_bytes = p.nvme_exact ? rd : p.nvme_read_max_bytes;
+  p.h2d_min_bytes = n_fetched * cb;
+  p.h2d_max_bytes = 2 * gas * n_fetched * cb;
+  p.d2h_bytes = in.host.cuda ? gas * p.n_params * cb : 0;
+
+  // Step time from measured speeds.
+  const HostSpeeds& sp = in.speeds;
+  const double tokens = static_cast<double>(gas * p.tokens_per_micro_step);
+  const double matmul_params = static_cast<double>(p.n_params - m.vocab_size * m.hidden_size * (m.tie_word_embeddings ? 0 : 1));
+  // Forward, the recomputed forward and backward: 2 + 2 + 4 FLOPs per matmul weight per token, and
+  // causal attention's two matmuls (half of T×T) the same four times over.
+  const double flops = 8 * matmul_params * tokens +
+                       4 * 2.0 * static_cast<double>(gas * micro) * static_cast<double>(in.seq_len * in.seq_len) *
+                           static_cast<double>(m.num_attention_heads * m.head_dim) * static_cast<double>(m.num_hidden_layers);
+  auto add_part = [&](const std::string& name, double rate, double amount, const std::string& basis) {
+    if (amount <= 0) return;
+    if (rate <= 0) {
+      p.time_unknown.push_back(name);
+      return;
+    }
+    p.time_parts.push_back({name, amount / rate, basis});
+  };
+  add_part("compute", sp.compute_flops, flops, sp.compute_source);
+  if (in.host.cuda) add_part("pcie", sp.pcie_bytes_per_s, static_cast<double>(p.h2d_min_bytes + p.d2h_bytes), "host↔GPU copies");
+  add_part("gradients", sp.accumulate_elems_per_s, static_cast<double>(gas * p.n_params), "accumulate + norm kernel, measured");
+  add_part("optimizer", sp.adam_elems_per_s, static_cast<double>(p.n_params), "cpu_optim Adam, measured");
+  double nvme_s = 0;
+  if (p.nvme_read_min_bytes + p.nvme_write_bytes > 0) {
+    if (sp.nvme_read_bytes_per_s > 0 && sp.nvme_write_bytes_per_s > 0) {
+      nvme_s = static_cast<double>(p.nvme_read_min_bytes) / sp.nvme_read_bytes_per_s +
+               static_cast<double>(p.nvme_write_bytes) / sp.nvme_write_bytes_per_s;
+      p.time_parts.push_back({"nvme", nvme_s, sp.nvme_source});
+    } else {
+      p.time_unknown.push_back("nvme");
+    }
+  }
+  double high = 0, low = 0, opt_s = 0;
+  for (const StepTimePart& t : p.time_parts) {
+    low = std::max(low, t.seconds);
+    if (t.name == "optimizer") opt_s = t.seconds;
+    else if (t.name != "nvme") high += t.seconds;
+  }
+  // Today's step: compute and gradients one after the other, then the optimizer, whose NVMe reads
+  // and writes are pipelined with Adam.
+  p.step_s_high = high + std::max(opt_s, nvme_s);
+  p.step_s_low = low;
+
+  // Does it fit?
+  const HostFacts& host = in.host;
+  if (in.host.cuda && host.device_total_bytes > 0 && p.device_total_bytes > host.device_total_bytes) {
+    p.problems.push_back({"GPU memory", p.device_total_bytes, host.device_total_bytes,
+                          "states " + gib(p.device_state_bytes) + " + arena " + gib(p.device_arena_bytes) +
+                              " + activations " + gib(p.activation_bytes) + " at micro-batch " + std::to_string(micro) +
+                              ", seq " + std::to_string(in.seq_len)});
+  }
+  const uint64_t arena_min = p.arena.persistent_bytes + p.arena.largest_block_bytes;
+  if (p.device_state_bytes + arena_min > in.device_budget_bytes) {
+    p.problems.push_back({"device budget", p.device_state_bytes + arena_min, in.device_budget_bytes,
+                          "device-resident states " + gib(p.device_state_bytes) + " + the largest block '" +
+                              layout.blocks[p.arena.largest_block].name + "' " + gib(p.arena.largest_block_bytes) + " + persistent params " + gib(p.arena.persistent_bytes) +
+                              "; the budget is zoffload.gpu_memory_limit or the device's memory"});
+  }
+  const uint64_t cap = c.zoffload.pinned_memory_limit;
+  if (cap != 0 && p.pool_bytes > cap) {
+    p.problems.push_back({"zoffload.pinned_memory_limit", p.pool_bytes, cap,
+                          "CPU-resident states " + gib(mp.cpu_pinned_bytes) + " and swap/staging buffers"});
+  }
+  if (pin && !host.can_lock_unlimited && host.memlock_limit_bytes != UINT64_MAX && p.pinned_bytes > host.memlock_limit_bytes) {
+    p.problems.push_back({"locked memory (ulimit -l)", p.pinned_bytes, host.memlock_limit_bytes,
+                          "raise ulimit -l or set pin_memory false"});
+  }
+  const uint64_t ram_need = p.ram_bytes + p.process_bytes;
+  if (host.ram_available_bytes > 0 && ram_need > host.ram_available_bytes) {
+    p.problems.push_back({"RAM (MemAvailable)", ram_need, host.ram_available_bytes,
+                          "pool " + gib(p.pool_bytes) + " + pageable states " + gib(p.pageable_state_bytes) +
+                              " + buffers " + gib(p.host_buffer_bytes) +
+                              (in.host.cuda ? "" : " + activations " + gib(p.activation_bytes)) + " + process " +
+                              gib(p.process_bytes)});
+  }
+  const std::string opt_path = resolve(in.out_dir, c.zero.offload_optimizer.nvme_path);
+  const std::string par_path = resolve(in.out_dir, c.zero.offload_param.nvme_path);
+  const bool same_disk = !opt_path.empty() && opt_path == par_path;
+  if (p.nvme_optimizer_bytes > 0 && host.optimizer_disk_free_bytes > 0) {
+    const uint64_t need = p.nvme_optimizer_bytes + (same_disk ? p.nvme_param_bytes : 0);
+    if (need > host.optimizer_disk_free_bytes)
+      p.problems.push_back({"disk at " + opt_path, need, host.optimizer_disk_free_bytes, "the optimizer swap file"});
+  }
+  if (p.nvme_param_bytes > 0 && host.param_disk_free_bytes > 0 && !(same_disk && p.nvme_optimizer_bytes > 0)) {
+    if (p.nvme_param_bytes > host.param_disk_free_bytes)
+      p.problems.push_back({"disk at " + par_path, p.nvme_param_bytes, host.param_disk_free_bytes, "the parameter swap file"});
+  }
+  if (!in.host.cuda) p.notes.push_back("no GPU: the device is emulated in host memory and LibTorch computes on the CPU");
+  if (!p.nvme_exact)
+    p.notes.push_back("compute copies on NVMe are read once to " + std::to_string(2 * gas) +
+                      " times per step, as the coordinator's cache and prefetch decide");
+  return p;
+}
+
+std::string RunPlan::summary() const {
+  std::ostringstream s;
+  s << "plan: " << format_bytes(device_total_bytes) << " device (states " << format_bytes(device_state_bytes) << ", arena "
+    << format_bytes(device_arena_bytes) << ", activations " << format_bytes(activation_bytes) << "), pinned "
+    << format_bytes(pinned_bytes) << ", RAM " << format_bytes(ram_bytes + process_bytes) << ", NVMe "
+    << format_bytes(nvme_optimizer_bytes + nvme_param_bytes);
+  if (nvme_read_bytes + nvme_write_bytes > 0)
+    s << " (" << format_bytes(nvme_read_bytes) << " read, " << format_bytes(nvme_write_bytes) << " written per step)";
+  if (!time_parts.empty()) {
+    s << ", step " << seconds_text(step_s_low) << "–" << seconds_text(step_s_high);
+    if (!time_unknown.empty()) s << " (without " << join(time_unknown, ", ") << ")";
+  }
+  s << (fits() ? "; fits" : "; does NOT fit");
+  return s.str();
+}
+
+std::string RunPlan::to_json() const {
+  nlohmann::ordered_json j;
+  j["fits"] = fits();
+  j["n_params"] = n_params;
+  j["tokens_per_micro_step"] = tokens_per_micro_step;
+  j["device"] = {{"budget_bytes", device_budget_bytes}, {"state_bytes", device_state_bytes},
+                 {"arena_bytes", device_arena_bytes}, {"arena_wanted_bytes", arena.total_bytes()},
+                 {"activation_bytes", activation_bytes}, {"total_bytes", device_total_bytes}};
+  j["host"] = {{"pinned_bytes", pinned_bytes},        {"pool_bytes", pool_bytes},
+               {"pageable_state_bytes", pageable_state_bytes}, {"buffer_bytes", host_buffer_bytes},
+               {"ram_bytes", ram_bytes},              {"process_bytes", process_bytes}};
+  j["nvme"] = {{"optimizer_file_bytes", nvme_optimizer_bytes}, {"param_file_bytes", nvme_param_bytes}};
+  j["save_peak_extra_rss_bytes"] = save_rss_bytes;
+  j["export_peak_extra_rss_bytes"] = export_rss_bytes;
+  j["per_step"] = {{"nvme_read_bytes", nvme_read_bytes},
+                   {"nvme_read_min_bytes", nvme_read_min_bytes},
+                   {"nvme_read_max_bytes", nvme_read_max_bytes},
+                   {"nvme_write_bytes", nvme_write_bytes},
+                   {"nvme_exact", nvme_exact},
+                   {"nvme_write_bytes_per_1000_steps", nvme_write_bytes * 1000},
+                   {"h2d_min_bytes", h2d_min_bytes},
+                   {"h2d_max_bytes", h2d_max_bytes},
+                   {"d2h_bytes", d2h_bytes}};
+  nlohmann::ordered_json parts = nlohmann::ordered_json::array();
+  for (const StepTimePart& t : time_parts) parts.push_back({{"name", t.name}, {"seconds", t.seconds}, {"basis", t.basis}});
+  j["step_time"] = {{"low_s", step_s_low}, {"high_s", step_s_high}, {"parts", parts}, {"unknown", time_unknown}};
+  nlohmann::ordered_json probs = nlohmann::ordered_json::array();
+  for (const PlanProblem& pr : problems)
+    probs.push_back({{"resource", pr.resource}, {"need_bytes", pr.need_bytes}, {"have_bytes", pr.have_bytes}, {"detail", pr.detail}});
+  j["problems"] = probs;
+  j["notes"] = notes;
+  j["memory_plan"] = nlohmann::json::parse(memory.to_json());
+  return j.dump();
+}
+
+namespace {
+
+// One candidate change: a name for the user and how it edits the config.
+struct Candidate {
+  std::string change;
+  std::function<bool(Config&)> apply;  // false: does not apply to this config
+};
+
+std::vector<Candidate> candidates(const Config& base) {
+  std::vector<Candidate> out;
+  auto& oo = base.zero.offload_optimizer;
+  auto& op = base.zero.offload_param;
+  if (oo.device != OffloadDevice::kNvme) {
+    out.push_back({"zero_optimization.offload_optimizer.device: nvme", [](Config& c) {
+                     c.zero.offload_optimizer.device = OffloadDevice::kNvme;
+                     if (c.zero.offload_optimizer.nvme_path.empty()) c.zero.offload_optimizer.nvme_path = "zoffload-nvme";
+                     return true;
+                   }});
+  }
+  if (oo.device == OffloadDevice::kNone) {
+    out.push_back({"zero_optimization.offload_optimizer.device: cpu", [](Config& c) {
+                     c.zero.offload_optimizer.device = OffloadDevice::kCpu;
+                     return true;
+                   }});
+  }
+  if (op.device == OffloadDevice::kNone) {
+    out.push_back({"zero_optimization.offload_param.device: cpu", [](Config& c) {
+                     if (c.zero.offload_optimizer.device == OffloadDevice::kNone) return false;
+                     c.zero.offload_param.device = OffloadDevice::kCpu;
+                     return true;
+                   }});
+  }
+  if (op.device != OffloadDevice::kNvme) {
+    out.push_back({"zero_optimization.offload_param.device: nvme", [](Config& c) {
+                     if (c.zero.offload_optimizer.device == OffloadDevice::kNone) return false;
+                     c.zero.offload_param.device = OffloadDevice::kNvme;
+                     if (c.zero.offload_param.nvme_path.empty())
+                       c.zero.offload_param.nvme_path = c.zero.offload_optimizer.nvme_path.empty()
+                                                            ? "zoffload-nvme"
+                                                            : c.zero.offload_optimizer.nvme_path;
+                     return true;
+                   }});
+  }
+  if (oo.pin_memory || op.pin_memory) {
+    out.push_back({"offload_optimizer.pin_memory and offload_param.pin_memory: false", [](Config& c) {
+                     c.zero.offload_optimizer.pin_memory = false;
+                     c.zero.offload_param.pin_memory = false;
+                     return true;
+                   }});
+  }
+  if (oo.pin_memory) {
+    out.push_back({"zero_optimization.offload_optimizer.pin_memory: false", [](Config& c) {
+                     c.zero.offload_optimizer.pin_memory = false;
+                     return true;
+                   }});
+  }
+  for (uint64_t sg : {uint64_t{100'000'000}, uint64_t{25'000'000}, uint64_t{5'000'000}}) {
+    if (base.zero.sub_group_size <= sg) continue;
+    out.push_back({"zero_optimization.sub_group_size: " + std::to_string(sg), [sg](Config& c) {
+                     c.zero.sub_group_size = sg;
+                     return true;
+                   }});
+  }
+  if (base.train_micro_batch_size_per_gpu > 1) {
+    const uint64_t mb = base.train_micro_batch_size_per_gpu / 2;
+    out.push_back({"train_micro_batch_size_per_gpu: " + std::to_string(mb) + " and gradient_accumulation_steps: " +
+                       std::to_string(base.gradient_accumulation_steps * 2) + " (the same batch)",
+                   [](Config& c) {
+                     c.train_micro_batch_size_per_gpu /= 2;
+                     c.gradient_accumulation_steps *= 2;
+                     return true;
+                   }});
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<PlanFix> suggest_fixes(const PlanInputs& in, size_t max_fixes) {
+  std::vector<PlanFix> out;
+  auto first = plan_run(in);
+  if (!first.is_ok() || first->fits()) return out;
+  const std::vector<Candidate> cs = candidates(in.config);
+  auto try_changes = [&](const std::vector<const Candidate*>& chosen) {
+    PlanInputs next = in;
+    std::vector<std::string> names;
+    for (const Candidate* cand : chosen) {
+      if (!cand->apply(next.config)) return;
+      names.push_back(cand->change);
+    }
+    // The disk facts follow the config's paths.
+    const HostFacts fresh = probe_host(next.config, next.out_dir);
+    next.host.optimizer_disk_free_bytes = fresh.optimizer_disk_free_bytes;
+    next.host.param_disk_free_bytes = fresh.param_disk_free_bytes;
+    auto r = plan_run(next);
+    if (r.is_ok() && r->fits()) out.push_back({names, r->summary()});
+  };
+  for (const Candidate& a : cs) {
+    if (out.size() >= max_fixes) return out;
+    try_changes({&a});
+  }
+  if (!out.empty()) return out;
+  for (size_t i = 0; i < cs.size() && out.size() < max_fixes; ++i)
+    for (size_t j = i + 1; j < cs.size() && out.size() < max_fixes; ++j) try_changes({&cs[i], &cs[j]});
+  return out;
+}
+
+HostFacts probe_host(const Config& config, const std::string& out_dir) {
+  const HostInfo h = host_info();
+  HostFacts f;
+  f.ram_total_bytes = h.mem_total_bytes;
+  f.ram_available_bytes = h.mem_available_bytes;
+  f.memlock_limit_bytes = h.memlock_limit_bytes;
+  f.can_lock_unlimited = process_can_lock_unlimited();
+  f.process_bytes = process_rss().current;
+  f.device_name = "host (emulated)";
+  f.device_total_bytes = h.mem_total_bytes;
+  if (config.zero.offload_optimizer.device == OffloadDevice::kNvme)
+    f.optimizer_disk_free_bytes = disk_free(resolve(out_dir, config.zero.offload_optimizer.nvme_path));
+  if (config.zero.offload_param.device == OffloadDevice::kNvme)
+    f.param_disk_free_bytes = disk_free(resolve(out_dir, config.zero.offload_param.nvme_path));
+  return f;
+}
+
+Status measure_cpu_speeds(const Config& config, HostSpeeds* speeds) {
+  ZO_ASSIGN_OR_RETURN(auto executor, cpu_optim::Executor::create({.n_threads = static_cast<int>(config.zoffload.optimizer_threads)}));
+  constexpr uint64_t kElems = uint64_t{1} << 23;  // 8 Mi elements: 32 MiB per fp32 stream, past the caches
+  ZO_ASSIGN_OR_RETURN(AlignedBuffer buf, AlignedBuffer::allocate(kElems * 4 * 5));
+  std::memset(buf.data(), 0, buf.size());
+  auto f32 = [&](int i) { return std::span<float>(reinterpret_cast<float*>(buf.data()) + i * kElems, kElems); };
+  const DType cdt = config.compute_dtype();
+  const AdamConfig adam{.lr = 1e-4f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f, .weight_decay = 0.0f,
+                                   .adam_w_mode = true, .bias_correction = true};
+  using Clock = std::chrono::steady_clock;
+  auto rate = [&](const std::function<Status()>& fn) -> Result<double> {
+    ZO_RETURN_IF_ERROR(fn());  // first touch
+    double best = 0;
+    for (int i = 0; i < 3; ++i) {
+      const auto t0 = Clock::now();
+      ZO_RETURN_IF_ERROR(fn());
+      const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+      best = std::max(best, static_cast<double>(kElems) / s);
+    }
+    return best;
+  };
+  ZO_ASSIGN_OR_RETURN(speeds->adam_elems_per_s, rate([&] {
+    return cpu_optim::adam_step(adam, 1, f32(0), f32(1), f32(2), cpu_optim::ConstElemSpan{f32(3).data(), DType::kF32},
+                                1.0f, cpu_optim::ElemSpan{f32(4).data(), cdt}, *executor);
+  }));
+  ZO_ASSIGN_OR_RETURN(speeds->accumulate_elems_per_s, rate([&] {
+    GradAccumulator::measure_kernel(reinterpret_cast<std::byte*>(f32(0).data()), config.grad_accum_dtype,
+                                    reinterpret_cast<const std::byte*>(f32(1).data()), cdt, kElems);
+    return Status::ok();
+  }));
+  return Status::ok();
+}
+
+Status read_io_results(const std::string& path, HostSpeeds* speeds) {
+  ZO_ASSIGN_OR_RETURN(std::string text, read_small_file(path));
+  nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object() || !j.contains("best") || !j["best"].is_object())
+    return invalid_argument(path + ": not the JSON of `zoffload-bench io --json` (no \"best\" object)");
+  const auto& best = j["best"];
+  if (!best.contains("read_gbps") || !best["read_gbps"].is_number() || !best.contains("write_gbps") ||
+      !best["write_gbps"].is_number())
+    return invalid_argument(path + ": its \"best\" row lacks read_gbps or write_gbps (run the benchmark with reads and writes)");
+  speeds->nvme_read_bytes_per_s = best["read_gbps"].get<double>() * 1e9;
+  speeds->nvme_write_bytes_per_s = best["write_gbps"].get<double>() * 1e9;
+  speeds->nvme_source = "zoffload-bench io results " + path;
+  return Status::ok();
+}
+
+}  // namespace zo::engine

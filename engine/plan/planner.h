@@ -1,0 +1,158 @@
+// The planner: what a run of a config on a model needs — bytes per tier, bytes moved per step, a
+// step-time range — and whether it fits this machine, computed before anything is allocated from the
+// same code the engine allocates with (ParamRegistry::build, plan_memory, plan_arena). `zoffload
+// plan` prints it; the trainer prints its summary and refuses a plan that cannot fit. Pure
+// functions; thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "engine/config/config.h"
+#include "engine/coord/param_coordinator.h"
+#include "engine/memory/param_registry.h"
+#include "engine/model/model_config.h"
+
+namespace zo::engine {
+
+// The machine the plan is checked against (HostFacts::probe reads this one; tests make their own).
+struct HostFacts {
+  uint64_t ram_total_bytes = 0;
+  uint64_t ram_available_bytes = 0;  // MemAvailable
+  uint64_t memlock_limit_bytes = UINT64_MAX;  // ulimit -l; UINT64_MAX: unlimited
+  bool can_lock_unlimited = false;   // CAP_IPC_LOCK: the limit does not apply
+  uint64_t process_bytes = 0;        // RSS of a process with LibTorch loaded, before the run allocates
+  bool cuda = false;                 // the run's device is a GPU (else the emulated device on the host)
+  std::string device_name;           // "NVIDIA H100 80GB HBM3", or "host (emulated)"
+  uint64_t device_total_bytes = 0;   // the GPU's memory (cuda), else RAM
+  // Free space of the file systems the swap files go to (0: not known, e.g. the path does not exist).
+  uint64_t optimizer_disk_free_bytes = 0;
+  uint64_t param_disk_free_bytes = 0;
+};
+
+// Measured speeds the step-time range is computed from; 0 = not known (that part is left out and
+// the plan says so).
+struct HostSpeeds {
+  double nvme_read_bytes_per_s = 0;
+  double nvme_write_bytes_per_s = 0;
+  std::string nvme_source;  // "zoffload-bench io results FILE"
+  double adam_elems_per_s = 0;        // cpu_optim Adam on the optimizer's threads, measured
+  double accumulate_elems_per_s = 0;  // the gradient accumulator's kernel plus its norm, measured
+  double compute_flops = 0;           // dense matmul FLOP/s in the compute dtype
+  std::string compute_source;         // "measured: LibTorch matmul on the host", "H100 datasheet", ...
+  double pcie_bytes_per_s = 0;        // host↔GPU copies (cuda only)
+};
+
+struct PlanInputs {
+  Config config;                 // resolved (flags applied)
+  ModelConfig model;
+  std::string model_name;        // for messages: the --model argument
+  uint64_t seq_len = 0;          // tokens per sequence
+  uint64_t device_budget_bytes = 0;  // what the device is given: gpu_memory_limit, else its memory
+  std::string out_dir;           // relative nvme paths resolve against it
+  HostFacts host;
+  HostSpeeds speeds;
+};
+
+// A shortfall: what does not fit, how much it needs and how much there is.
+struct PlanProblem {
+  std::string resource;  // "GPU memory", "pinned memory (ulimit -l)", "RAM", "disk at <path>", ...
+  uint64_t need_bytes = 0;
+  uint64_t have_bytes = 0;
+  std::string detail;  // what makes up the need, and which key sets the limit
+  std::string to_string() const;
+};
+
+// A change to the config that makes the plan fit, checked by planning again with it.
+struct PlanFix {
+  std::vector<std::string> changes;  // "zero_optimization.offload_optimizer.device: nvme", ...
+  std::string result;                // the re-planned summary
+};
+
+struct StepTimePart {
+  std::string name;     // compute, pcie, gradients, optimizer, nvme
+  double seconds = 0;
+  std::string basis;    // how it was computed
+};
+
+struct RunPlan {
+  uint64_t n_params = 0;
+  uint64_t tokens_per_micro_step = 0;
+  MemoryPlan memory;
+  ArenaPlan arena;
+
+  // Device (the GPU, or the emulated device's budget on the host).
+  uint64_t device_budget_bytes = 0;
+  uint64_t device_state_bytes = 0;  // states resident on the device
+  uint64_t device_arena_bytes = 0;  // the coordinator's arena: wanted, capped by the budget left
+  // LibTorch's activations, autograd buffers and one block's gradients at their peak
+  // (Note [Activation estimate]); on the GPU with CUDA, in host RAM on the emulated device.
+  uint64_t activation_bytes = 0;
+  uint64_t device_total_bytes = 0;  // states + arena (+ activations on CUDA)
+
+  // Host.
+  uint64_t pinned_bytes = 0;        // the pinned pool (0 when both pin_memory flags are false)
+  uint64_t pool_bytes = 0;          // the pool, pinned or not
+  uint64_t pageable_state_bytes = 0;
+  uint64_t host_buffer_bytes = 0;   // scratch and gradient staging buffers
+  uint64_t ram_bytes = 0;           // pool + pageable states + buffers (+ activations on the host)
+  uint64_t process_bytes = 0;       // LibTorch and the program itself (measured at plan time)
+
+  // NVMe: the swap files.
+  uint64_t nvme_optimizer_bytes = 0;
+  uint64_t nvme_param_bytes = 0;
+
+  // Extra RSS of a checkpoint save and of an export (their staging buffer).
+  uint64_t save_rss_bytes = 0;
+  uint64_t export_rss_bytes = 0;
+
+  // Bytes moved per optimizer step (gradient_accumulation_steps micro-steps).
+  uint64_t nvme_read_bytes = 0;   // exact when nvme_exact, else the range below
+  uint64_t nvme_write_bytes = 0;
+  bool nvme_exact = true;         // false when compute copies on NVMe are re-read (coordinator caching)
+  uint64_t nvme_read_min_bytes = 0, nvme_read_max_bytes = 0;
+  uint64_t h2d_min_bytes = 0, h2d_max_bytes = 0;  // compute copies to the device (fetch caching decides)
+  uint64_t d2h_bytes = 0;                          // gradients leaving the device (CUDA)
+
+  std::vector<StepTimePart> time_parts;
+  double step_s_low = 0;   // every part overlapped: the longest part
+  double step_s_high = 0;  // phases one after another as the step runs them today
+  std::vector<std::string> time_unknown;  // parts left out for want of a measured speed
+
+  std::vector<PlanProblem> problems;  // empty: it fits
+  std::vector<std::string> notes;     // assumptions worth a line
+
+  bool fits() const { return problems.empty(); }
+  // One line: params, device, pinned, RAM, NVMe, step-time range, fits or not.
+  std::string summary() const;
+  std::string to_json() const;  // every field above, one JSON object
+};
+
+// A config.json can claim any size: kInvalidArgument naming the sizes when the model's parameter
+// count overflows or exceeds what any plan could hold, checked before anything is built from it
+// (model_layout and ParamRegistry::build allocate in proportion to the claimed model).
+Status check_model_size(const ModelConfig& model);
+
+// Plans `in`. Errors are the engine's own for an impossible config (plan_memory's, a sub_group_size
+// below the minimum, a model with absurd sizes: kInvalidArgument naming the key); a plan that
+// merely does not fit this machine is returned with its problems.
+Result<RunPlan> plan_run(const PlanInputs& in);
+
+// Single config changes (then pairs) that make a plan with problems fit, each checked by planning
+// again; at most `max_fixes`, smallest first. Empty when the plan fits or nothing tried helps.
+std::vector<PlanFix> suggest_fixes(const PlanInputs& in, size_t max_fixes = 4);
+
+// This machine's facts for `config` (RAM, ulimit -l, free disk at the resolved nvme paths); the
+// device fields are the caller's (it knows which device the run gets).
+HostFacts probe_host(const Config& config, const std::string& out_dir);
+
+// Measures the Adam and gradient-accumulation kernels on this host (about half a second) with the
+// config's optimizer_threads; fills those two fields of `speeds`.
+Status measure_cpu_speeds(const Config& config, HostSpeeds* speeds);
+
+// Reads `zoffload-bench io --json` output: the best row's read and write GB/s.
+Status read_io_results(const std::string& path, HostSpeeds* speeds);
+
+}  // namespace zo::engine

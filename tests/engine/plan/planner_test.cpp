@@ -1,0 +1,108 @@
+#include "engine/plan/planner.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+namespace zo::engine {
+namespace {
+
+using ::testing::HasSubstr;
+
+PlanInputs tiny_inputs(OffloadDevice optimizer, OffloadDevice param) {
+  PlanInputs in;
+  in.config.zero.stage = 3;
+  in.config.zero.sub_group_size = 1'000'000;
+  in.config.zero.offload_optimizer.device = optimizer;
+  in.config.zero.offload_optimizer.nvme_path = "nvme";
+  in.config.zero.offload_param.device = param;
+  in.config.zero.offload_param.nvme_path = "nvme";
+  in.config.train_micro_batch_size_per_gpu = 1;
+  in.config.gradient_accumulation_steps = 1;
+  in.model = *model_preset("tiny");
+  in.model_name = "tiny";
+  in.seq_len = 64;
+  in.device_budget_bytes = uint64_t{1} << 30;
+  in.host.ram_total_bytes = in.host.ram_available_bytes = uint64_t{64} << 30;
+  in.host.device_total_bytes = uint64_t{64} << 30;
+  in.host.device_name = "host (emulated)";
+  return in;
+}
+
+TEST(Planner, UsesTheEnginesOwnMemoryPlan) {
+  const PlanInputs in = tiny_inputs(OffloadDevice::kNvme, OffloadDevice::kCpu);
+  auto p = plan_run(in);
+  ASSERT_TRUE(p.is_ok()) << p.status().to_string();
+  const ModelLayout layout = model_layout(in.model);
+  auto reg = ParamRegistry::build(layout.params, in.config.zero.sub_group_size);
+  ASSERT_TRUE(reg.is_ok());
+  auto mp = plan_memory(in.config, *reg);
+  ASSERT_TRUE(mp.is_ok());
+  EXPECT_EQ(p->pool_bytes, mp->pinned_pool_bytes());
+  EXPECT_EQ(p->nvme_optimizer_bytes, mp->nvme_optimizer_bytes);
+  EXPECT_EQ(p->n_params, reg->total_elems());
+  EXPECT_GT(p->arena.total_bytes(), 0u);
+  EXPECT_GT(p->activation_bytes, 0u);
+  EXPECT_TRUE(p->fits()) << p->summary();
+  EXPECT_THAT(p->summary(), HasSubstr("; fits"));
+}
+
+TEST(Planner, NvmeTrafficGrowsWithAccumulationAsTheAccumulatorsMove) {
+  PlanInputs in = tiny_inputs(OffloadDevice::kNvme, OffloadDevice::kCpu);
+  auto one = plan_run(in);
+  in.config.gradient_accumulation_steps = 3;
+  auto three = plan_run(in);
+  ASSERT_TRUE(one.is_ok() && three.is_ok());
+  // Two more micro-steps write and read back every gradient section once more each.
+  const uint64_t grad_file = one->n_params * 4;
+  EXPECT_GE(three->nvme_write_bytes - one->nvme_write_bytes, 2 * grad_file);
+  EXPECT_GE(three->nvme_read_bytes - one->nvme_read_bytes, 2 * grad_file);
+  EXPECT_TRUE(one->nvme_exact);
+}
+
+TEST(Planner, RefusesAbsurdModelSizesBeforeBuildingAnything) {
+  PlanInputs in = tiny_inputs(OffloadDevice::kCpu, OffloadDevice::kCpu);
+  in.model.hidden_size = 1'000'000'000'000;
+  auto p = plan_run(in);
+  ASSERT_FALSE(p.is_ok());
+  EXPECT_EQ(p.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(p.status().message(), HasSubstr("hidden_size 1000000000000"));
+  in = tiny_inputs(OffloadDevice::kCpu, OffloadDevice::kCpu);
+  in.model.num_hidden_layers = uint64_t{1} << 40;
+  EXPECT_EQ(check_model_size(in.model).code(), StatusCode::kInvalidArgument);
+}
+
+TEST(Planner, ShortfallsAreNamedAndTheFixesFitWhenPlannedAgain) {
+  PlanInputs in = tiny_inputs(OffloadDevice::kCpu, OffloadDevice::kCpu);
+  in.host.memlock_limit_bytes = 1 << 20;  // ulimit -l 1 MiB: the pinned pool cannot be locked
+  auto p = plan_run(in);
+  ASSERT_TRUE(p.is_ok());
+  ASSERT_FALSE(p->fits());
+  EXPECT_EQ(p->problems.front().resource, "locked memory (ulimit -l)");
+  EXPECT_THAT(p->summary(), HasSubstr("does NOT fit"));
+  const std::vector<PlanFix> fixes = suggest_fixes(in);
+  ASSERT_FALSE(fixes.empty());
+  EXPECT_THAT(fixes.front().changes.front(), HasSubstr("pin_memory"));
+  for (const PlanFix& f : fixes) EXPECT_THAT(f.result, HasSubstr("; fits"));
+}
+
+TEST(Planner, ADeviceBudgetBelowTheLargestBlockIsAProblemNamingIt) {
+  PlanInputs in = tiny_inputs(OffloadDevice::kCpu, OffloadDevice::kCpu);
+  in.device_budget_bytes = 16 << 10;
+  auto p = plan_run(in);
+  ASSERT_TRUE(p.is_ok());
+  ASSERT_FALSE(p->fits());
+  EXPECT_EQ(p->problems.front().resource, "device budget");
+  EXPECT_THAT(p->problems.front().detail, HasSubstr("block 'model."));
+}
+
+TEST(Planner, NoRoomForTheSwapFileIsADiskProblem) {
+  PlanInputs in = tiny_inputs(OffloadDevice::kNvme, OffloadDevice::kCpu);
+  in.host.optimizer_disk_free_bytes = 1 << 20;
+  auto p = plan_run(in);
+  ASSERT_TRUE(p.is_ok());
+  ASSERT_FALSE(p->fits());
+  EXPECT_THAT(p->problems.front().resource, HasSubstr("disk at nvme"));
+}
+
+}  // namespace
+}  // namespace zo::engine

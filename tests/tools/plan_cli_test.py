@@ -1,0 +1,133 @@
+#!/usr/bin/env python3
+"""`zoffload plan` predicts what `zoffload train` then measures (metrics.jsonl): on the tiny preset
+with several placements and on the 1B-class tinyllama-1.1b, the per-tier peaks (device states and
+arena, pinned pool, CPU, NVMe swap files) equal the measured ones, LibTorch's activation peak is
+within 10%, and NVMe bytes per step (the second step, when every state has been written once) are
+exact; with compute copies on NVMe the measured reads lie in the predicted range. A plan that does not
+fit exits 3 and lists changes that, planned again, fit; `train` refuses it at start with the
+planner's message."""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+from cli_checks import expect, report_and_exit
+
+zoffload, source_dir = sys.argv[1], sys.argv[2]
+corpus = os.path.join(source_dir, "configs", "data", "demo_corpus.txt")
+ENV = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+
+
+def config(prec="bf16", micro=1, gas=1, opt="cpu", par="cpu", max_in_cpu=None, sub_group=1e6, **extra):
+    c = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas,
+         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+         "zero_optimization": {"stage": 3, "sub_group_size": sub_group,
+                               "offload_param": {"device": par}, "offload_optimizer": {"device": opt}}}
+    if opt == "nvme":
+        c["zero_optimization"]["offload_optimizer"]["nvme_path"] = "nvme"
+    if par == "nvme":
+        c["zero_optimization"]["offload_param"]["nvme_path"] = "nvme"
+    if max_in_cpu is not None:
+        c["zero_optimization"]["offload_param"]["max_in_cpu"] = max_in_cpu
+    if prec != "fp32":
+        c[prec] = {"enabled": True}
+    c.update(extra)
+    return c
+
+
+def plan_and_train(tmp, name, model, seq, steps, cfg):
+    run_dir = os.path.join(tmp, name)
+    os.makedirs(run_dir)
+    path = os.path.join(run_dir, "config.json")
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    p = subprocess.run([zoffload, "plan", "--config", path, "--model", model, "--seq-len", str(seq), "--out", run_dir,
+                        "--json", "--no-measure"], capture_output=True, text=True, env=ENV, timeout=300)
+    expect(p.returncode == 0, f"{name}: plan exits 0 (fits): {p.returncode} {p.stderr}")
+    plan = json.loads(p.stdout)
+    t = subprocess.run([zoffload, "train", "--config", path, "--model", model, "--data", corpus, "--steps", str(steps),
+                        "--seq-len", str(seq), "--out", run_dir, "--json"], capture_output=True, text=True, env=ENV,
+                       timeout=900)
+    expect(t.returncode == 0, f"{name}: train runs: {t.stderr[-2000:]}")
+    if t.returncode != 0:
+        return plan, None
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        metrics = [json.loads(line) for line in f]
+    summary = json.loads(t.stdout)
+    expect(summary["plan"]["n_params"] == plan["n_params"], f"{name}: train reports the same plan")
+    return plan, metrics
+
+
+def check(name, plan, metrics):
+    if metrics is None:
+        return
+    last = metrics[-1]
+    mem = last["memory"]
+    dev = plan["device"]
+    host = plan["host"]
+    expect(mem["device"]["peak_bytes"] == dev["state_bytes"] + dev["arena_bytes"],
+           f"{name}: device peak {mem['device']['peak_bytes']} == planned states + arena "
+           f"{dev['state_bytes'] + dev['arena_bytes']}")
+    expect(mem["pinned"]["peak_bytes"] == host["pinned_bytes"],
+           f"{name}: pinned peak {mem['pinned']['peak_bytes']} == planned {host['pinned_bytes']}")
+    scratch = 4 << 20
+    expect(mem["cpu"]["peak_bytes"] == host["pool_bytes"] + host["pageable_state_bytes"] + scratch,
+           f"{name}: CPU peak {mem['cpu']['peak_bytes']} == planned pool + pageable + scratch")
+    nvme = plan["nvme"]["optimizer_file_bytes"] + plan["nvme"]["param_file_bytes"]
+    expect(mem["nvme"]["peak_bytes"] == nvme, f"{name}: NVMe files {mem['nvme']['peak_bytes']} == planned {nvme}")
+    act = plan["device"]["activation_bytes"]
+    meas = last["torch_peak_bytes"]
+    expect(abs(act / meas - 1) <= 0.10, f"{name}: activations planned {act} within 10% of measured {meas} "
+                                         f"({act / meas - 1:+.1%})")
+    if len(metrics) >= 2:
+        rd = metrics[1]["memory"]["nvme_read_bytes"] - metrics[0]["memory"]["nvme_read_bytes"]
+        wr = metrics[1]["memory"]["nvme_write_bytes"] - metrics[0]["memory"]["nvme_write_bytes"]
+        ps = plan["per_step"]
+        expect(wr == ps["nvme_write_bytes"], f"{name}: NVMe written per step {wr} == planned {ps['nvme_write_bytes']}")
+        if ps["nvme_exact"]:
+            expect(rd == ps["nvme_read_bytes"], f"{name}: NVMe read per step {rd} == planned {ps['nvme_read_bytes']}")
+        else:
+            expect(ps["nvme_read_min_bytes"] <= rd <= ps["nvme_read_max_bytes"],
+                   f"{name}: NVMe read per step {rd} within the planned [{ps['nvme_read_min_bytes']}, "
+                   f"{ps['nvme_read_max_bytes']}]")
+
+
+with tempfile.TemporaryDirectory() as tmp:
+    cases = [
+        ("tiny-cpu-fp32", "tiny", 128, config(prec="fp32", micro=2)),
+        ("tiny-nvme-bf16-gas2", "tiny", 64, config(opt="nvme", gas=2)),
+        ("tiny-nvme-params", "tiny", 64, config(opt="nvme", par="nvme", max_in_cpu=0)),
+        ("tiny-optcpu-params-nvme", "tiny", 256, config(opt="cpu", par="nvme", max_in_cpu=0, micro=2, gas=2)),
+        ("tiny-device", "tiny", 64, config(opt="none", par="none", prec="fp32")),
+        ("tiny-unpinned", "tiny", 64, config(opt="cpu", par="cpu", micro=4,
+                                             zero_optimization={"stage": 3, "sub_group_size": 1e6,
+                                                                "offload_param": {"device": "cpu", "pin_memory": False},
+                                                                "offload_optimizer": {"device": "cpu",
+                                                                                      "pin_memory": False}})),
+        ("tinyllama-1.1b-nvme", "tinyllama-1.1b", 64, config(opt="nvme", sub_group=2.5e7)),
+    ]
+    for name, model, seq, cfg in cases:
+        plan, metrics = plan_and_train(tmp, name, model, seq, 2, cfg)
+        check(name, plan, metrics)
+
+    # Does not fit: a pinned cap below the pool. plan exits 3 with fixes that fit; train refuses at start.
+    bad = os.path.join(tmp, "bad.json")
+    with open(bad, "w") as f:
+        json.dump(config(zoffload={"pinned_memory_limit": "8MiB"}), f)
+    p = subprocess.run([zoffload, "plan", "--config", bad, "--model", "tiny", "--out", tmp, "--json", "--no-measure"],
+                       capture_output=True, text=True, env=ENV)
+    expect(p.returncode == 3, f"a plan that does not fit exits 3: {p.returncode} {p.stderr}")
+    j = json.loads(p.stdout) if p.stdout else {"problems": [], "fixes": []}
+    expect(any(pr["resource"] == "zoffload.pinned_memory_limit" for pr in j["problems"]),
+           f"the problem names zoffload.pinned_memory_limit: {j['problems']}")
+    expect(len(j["fixes"]) > 0 and all("fits" in f["result"] and "NOT" not in f["result"] for f in j["fixes"]),
+           f"fixes are offered and each re-planned fits: {j['fixes']}")
+    t = subprocess.run([zoffload, "train", "--config", bad, "--model", "tiny", "--data", corpus, "--steps", "1",
+                        "--out", os.path.join(tmp, "bad-run")], capture_output=True, text=True, env=ENV)
+    expect(t.returncode == 1 and "the plan does not fit this machine" in t.stderr and
+           "pinned_memory_limit" in t.stderr, f"train refuses it with the planner's message: {t.stderr}")
+    errors = [line for line in t.stderr.splitlines() if "error" in line]
+    expect(len(errors) == 1, f"one error line: {t.stderr}")
+
+report_and_exit()

@@ -1,0 +1,232 @@
+// `zoffload plan`: what a config needs on this machine and how fast it will go, before anything runs.
+#include <CLI/CLI.hpp>
+
+#include <cstdio>
+#include <iostream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "common/bytes.h"
+#include "common/host_info.h"
+#include "common/string_util.h"
+#include "engine/config/config.h"
+#include "engine/model/model_config.h"
+#include "engine/plan/planner.h"
+#include "gpu/device_info.h"
+#include "tools/auto_flags.h"
+#include "tools/commands.h"
+#include "zo_build_config.h"
+#if ZO_HAVE_TORCH
+#include "engine/model/torch_runtime.h"
+#endif
+
+namespace zo::tools {
+namespace {
+
+struct PlanArgs {
+  std::string config;
+  std::string model;
+  std::string out = "zoffload-run";
+  std::string io_results;
+  uint64_t seq_len = 0;
+  uint64_t steps = 0;
+  AutoFlags flags;
+  bool no_measure = false;
+  bool json = false;
+};
+
+int fail(const std::string& what, int code) {
+  std::cerr << "zoffload plan: error: " << what << "\n";
+  return code;
+}
+
+void print_plan(const engine::RunPlan& p, const engine::PlanInputs& in, const std::vector<engine::PlanFix>& fixes) {
+  const engine::MemoryPlan& mp = p.memory;
+  const engine::Placement& pl = mp.placement;
+  std::printf("zoffload plan: %s, %.2f B params, %llu sub-groups | micro-batch %llu x seq %llu, %llu micro-steps per step\n",
+              in.model_name.c_str(), static_cast<double>(p.n_params) / 1e9, static_cast<unsigned long long>(mp.n_sub_groups),
+              static_cast<unsigned long long>(in.config.train_micro_batch_size_per_gpu),
+              static_cast<unsigned long long>(in.seq_len),
+              static_cast<unsigned long long>(in.config.gradient_accumulation_steps));
+  std::printf("placement: optimizer states on %s, compute copies %s, %s compute, %s gradients\n",
+              std::string(engine::tier_name(pl.optimizer)).c_str(),
+              std::string(engine::tier_name(pl.compute.empty() ? engine::Tier::kDevice : pl.compute.back())).c_str(),
+              std::string(dtype_name(pl.compute_dtype)).c_str(), std::string(dtype_name(pl.grad_dtype)).c_str());
+  std::printf("\nmemory\n");
+  std::printf("  device %-22s %10s of budget %s\n", ("(" + in.host.device_name + ")").c_str(),
+              format_bytes(p.device_total_bytes).c_str(), format_bytes(p.device_budget_bytes).c_str());
+  std::printf("    states                        %10s\n", format_bytes(p.device_state_bytes).c_str());
+  std::printf("    coordinator arena             %10s (wants %s: the largest block, prefetch window, persistent params)\n",
+              format_bytes(p.device_arena_bytes).c_str(), format_bytes(p.arena.total_bytes()).c_str());
+  std::printf("    LibTorch activations          %10s%s\n", format_bytes(p.activation_bytes).c_str(),
+              in.host.cuda ? "" : " (in host RAM: the device is emulated)");
+  std::printf("  pinned                          %10s (pool %s)\n", format_bytes(p.pinned_bytes).c_str(),
+              format_bytes(p.pool_bytes).c_str());
+  std::printf("  RAM                             %10s (pool + pageable states %s + buffers %s%s + process %s)\n",
+              format_bytes(p.ram_bytes + p.process_bytes).c_str(), format_bytes(p.pageable_state_bytes).c_str(),
+              format_bytes(p.host_buffer_bytes).c_str(),
+              in.host.cuda ? "" : (" + activations " + format_bytes(p.activation_bytes)).c_str(),
+              format_bytes(p.process_bytes).c_str());
+  std::printf("  NVMe                            %10s (optimizer file %s, parameter file %s)\n",
+              format_bytes(p.nvme_optimizer_bytes + p.nvme_param_bytes).c_str(), format_bytes(p.nvme_optimizer_bytes).c_str(),
+              format_bytes(p.nvme_param_bytes).c_str());
+  std::printf("  checkpoint save peak RSS        +%9s; export +%s\n", format_bytes(p.save_rss_bytes).c_str(),
+              format_bytes(p.export_rss_bytes).c_str());
+  std::printf("\nper step\n");
+  if (p.nvme_exact) {
+    std::printf("  NVMe read %s, written %s (drive wear %s per 1000 steps)\n", format_bytes(p.nvme_read_bytes).c_str(),
+                format_bytes(p.nvme_write_bytes).c_str(), format_bytes(p.nvme_write_bytes * 1000).c_str());
+  } else {
+    std::printf("  NVMe read %s to %s, written %s (drive wear %s per 1000 steps)\n", format_bytes(p.nvme_read_min_bytes).c_str(),
+                format_bytes(p.nvme_read_max_bytes).c_str(), format_bytes(p.nvme_write_bytes).c_str(),
+                format_bytes(p.nvme_write_bytes * 1000).c_str());
+  }
+  std::printf("  to the device %s to %s; from it %s\n", format_bytes(p.h2d_min_bytes).c_str(),
+              format_bytes(p.h2d_max_bytes).c_str(), format_bytes(p.d2h_bytes).c_str());
+  if (!p.time_parts.empty()) {
+    std::printf("\nstep time %.2f s (everything overlapped) to %.2f s (phases one after another)\n", p.step_s_low, p.step_s_high);
+    for (const engine::StepTimePart& t : p.time_parts)
+      std::printf("  %-10s %8.2f s   %s\n", t.name.c_str(), t.seconds, t.basis.c_str());
+    if (!p.time_unknown.empty())
+      std::printf("  not counted (no measured speed): %s\n", join(p.time_unknown, ", ").c_str());
+  }
+  for (const std::string& n : p.notes) std::printf("note: %s\n", n.c_str());
+  std::printf("\n");
+  if (p.fits()) {
+    std::printf("fits this machine\n");
+    return;
+  }
+  std::printf("does NOT fit this machine:\n");
+  for (const engine::PlanProblem& pr : p.problems) std::printf("  %s\n", pr.to_string().c_str());
+  if (fixes.empty()) {
+    std::printf("no single or paired change to the offload settings makes it fit: a smaller model, a shorter sequence or "
+                "a larger machine\n");
+  } else {
+    std::printf("changes that make it fit (each checked by planning again):\n");
+    for (const engine::PlanFix& f : fixes) std::printf("  %s\n    -> %s\n", join(f.changes, "; ").c_str(), f.result.c_str());
+  }
+}
+
+int run_plan(const PlanArgs& a) {
+  auto model = engine::resolve_model_config(a.model);
+  if (!model.is_ok()) return fail(model.status().message(), 2);
+  engine::ResolveContext ctx;
+  ctx.hidden_size = model->hidden_size;
+  if (a.steps) ctx.total_steps = a.steps;
+  apply_auto_flags(a.flags, &ctx);
+  engine::ConfigDiagnostics diag;
+  std::optional<engine::Config> config = engine::load_config_file(a.config, ctx, &diag);
+  for (const engine::ConfigIssue& w : diag.warnings) std::cerr << a.config << ": warning: " << w.to_string() << "\n";
+  if (!config) {
+    for (const engine::ConfigIssue& e : diag.errors) std::cerr << a.config << ": error: " << e.to_string() << "\n";
+    return 2;
+  }
+  engine::PlanInputs in;
+  in.config = *config;
+  in.model = *model;
+  in.model_name = a.model;
+  in.seq_len = a.seq_len != 0 ? a.seq_len : std::min<uint64_t>(256, model->max_position_embeddings);
+  if (in.seq_len > model->max_position_embeddings)
+    return fail("--seq-len " + std::to_string(in.seq_len) + " exceeds the model's max_position_embeddings (" +
+                    std::to_string(model->max_position_embeddings) + ")",
+                2);
+  in.out_dir = a.out;
+  in.host = engine::probe_host(*config, a.out);
+
+  // The device the run would get, as `train` chooses it (docs/gpu.md).
+  bool cuda = false;
+  if (config->zoffload.device != gpu::DeviceKind::kHost) {
+    const gpu::GpuProbe probe = gpu::probe_gpus();
+#if ZO_HAVE_TORCH
+    const engine::LibTorchInfo t = engine::libtorch_info();
+    cuda = !probe.gpus.empty() && t.cuda_linked && t.cuda_devices > 0;
+#endif
+    if (cuda) {
+      in.host.cuda = true;
+      in.host.device_name = probe.gpus.front().name;
+      in.host.device_total_bytes = probe.gpus.front().total_bytes;
+    } else if (config->zoffload.device == gpu::DeviceKind::kCuda) {
+      return fail("zoffload.device is cuda but no usable GPU is here" +
+                      (probe.reason.empty() ? std::string() : " (" + probe.reason + ")"),
+                  1);
+    }
+  }
+  in.device_budget_bytes = config->zoffload.gpu_memory_limit != 0 ? config->zoffload.gpu_memory_limit : in.host.device_total_bytes;
+
+  if (!a.io_results.empty()) {
+    Status st = engine::read_io_results(a.io_results, &in.speeds);
+    if (!st.is_ok()) return fail("--io-results: " + st.message(), 2);
+  }
+  if (!a.no_measure) {
+    Status st = engine::measure_cpu_speeds(*config, &in.speeds);
+    if (!st.is_ok()) return fail("measuring the CPU kernels: " + st.to_string(), 1);
+#if ZO_HAVE_TORCH
+    in.speeds.compute_flops = engine::measure_matmul_flops(config->compute_dtype(), cuda);
+    in.speeds.compute_source = std::string("measured: LibTorch ") + std::string(dtype_name(config->compute_dtype())) +
+                               " matmul on " + (cuda ? in.host.device_name : "the host CPU");
+#endif
+  }
+  auto plan = engine::plan_run(in);
+  if (!plan.is_ok()) {
+    const Status& s = plan.status();
+    return fail(s.to_string(), s.code() == StatusCode::kInvalidArgument ? 2 : 1);
+  }
+  const std::vector<engine::PlanFix> fixes = engine::suggest_fixes(in);
+  if (a.json) {
+    nlohmann::ordered_json j = nlohmann::ordered_json::parse(plan->to_json());
+    j["model"] = a.model;
+    j["seq_len"] = in.seq_len;
+    j["device_name"] = in.host.device_name;
+    j["host"]["ram_available_bytes"] = in.host.ram_available_bytes;
+    j["host"]["memlock_limit_bytes"] = in.host.memlock_limit_bytes;
+    j["speeds"] = {{"nvme_read_bytes_per_s", in.speeds.nvme_read_bytes_per_s},
+                   {"nvme_write_bytes_per_s", in.speeds.nvme_write_bytes_per_s},
+                   {"adam_elems_per_s", in.speeds.adam_elems_per_s},
+                   {"accumulate_elems_per_s", in.speeds.accumulate_elems_per_s},
+                   {"compute_flops", in.speeds.compute_flops}};
+    nlohmann::ordered_json fx = nlohmann::ordered_json::array();
+    for (const engine::PlanFix& f : fixes) fx.push_back({{"changes", f.changes}, {"result", f.result}});
+    j["fixes"] = fx;
+    std::cout << j.dump(2) << "\n";
+  } else {
+    print_plan(*plan, in, fixes);
+    if (in.speeds.nvme_read_bytes_per_s == 0 && plan->nvme_read_min_bytes + plan->nvme_write_bytes > 0)
+      std::printf("(for NVMe time: zoffload-bench io --file <nvme_path>/bench.dat --json > io.json, then --io-results io.json)\n");
+  }
+  return plan->fits() ? 0 : 3;
+}
+
+}  // namespace
+
+void register_plan_command(CLI::App& app, int* exit_code) {
+  auto args = std::make_shared<PlanArgs>();
+  CLI::App* plan = app.add_subcommand(
+      "plan",
+      "Say, without allocating, what `zoffload train` with these arguments needs and whether it fits this\n"
+      "machine: bytes per tier (device states, the coordinator's arena, LibTorch activations; pinned;\n"
+      "RAM; NVMe), the extra RSS of a checkpoint save and of an export, bytes moved per step (NVMe read\n"
+      "and written, drive wear, host<->device), and a step-time range from this host's measured speeds\n"
+      "(the Adam and gradient kernels and a LibTorch matmul, measured in about a second; NVMe from\n"
+      "--io-results). When it does not fit it lists the config changes that make it fit, each checked\n"
+      "by planning again. The figures come from the code the engine allocates with; `train` prints the\n"
+      "same plan's summary at start and refuses a plan that does not fit.\n"
+      "Exit 0: fits; 3: does not fit; 2: bad config or arguments; 1: other failure.");
+  plan->add_option("--config", args->config, "DeepSpeed/zoffload JSON config (see docs/config.md)")->required();
+  plan->add_option("--model", args->model,
+                   "A Hugging Face model directory (only its config.json is read) or a preset: tiny, tinyllama-1.1b, "
+                   "llama3.2-1b, llama-7b, llama3-8b, llama-13b, llama-70b")
+      ->required();
+  plan->add_option("--seq-len", args->seq_len, "Tokens per sequence (default: min(256, max_position_embeddings), as train)")
+      ->check(CLI::PositiveNumber);
+  plan->add_option("--steps", args->steps, "Training steps: resolves scheduler total_num_steps, as train")
+      ->check(CLI::PositiveNumber);
+  plan->add_option("--out", args->out, "The run directory train would use: relative nvme_path resolve against it (default: zoffload-run)");
+  plan->add_option("--io-results", args->io_results, "`zoffload-bench io --json` output for the NVMe read/write speed");
+  add_auto_flags(plan, &args->flags);
+  plan->add_flag("--no-measure", args->no_measure, "Do not time the CPU kernels and the matmul (no step-time range)");
+  plan->add_flag("--json", args->json, "Print the plan as JSON on stdout");
+  plan->callback([args, exit_code] { *exit_code = run_plan(*args); });
+}
+
+}  // namespace zo::tools
