@@ -1,5 +1,7 @@
 #include "tools/auto_flags.h"
 
+#include <iostream>
+
 #include <CLI/CLI.hpp>
 
 namespace zo::tools {
@@ -39,6 +41,21 @@ void apply_auto_flags(const AutoFlags& flags, engine::ResolveContext* ctx) {
   if (flags.precision == "bf16") ctx->mixed_precision = engine::DType::kBF16;
   else if (flags.precision == "fp16") ctx->mixed_precision = engine::DType::kF16;
   else if (flags.precision == "fp32") ctx->mixed_precision = engine::DType::kF32;
+}
+
+std::optional<engine::Config> load_config_with_flags(const std::string& path, uint64_t hidden_size, uint64_t steps,
+                                                     const AutoFlags& flags) {
+  engine::ResolveContext ctx;
+  ctx.hidden_size = hidden_size;
+  if (steps) ctx.total_steps = steps;
+  apply_auto_flags(flags, &ctx);
+  engine::ConfigDiagnostics diag;
+  std::optional<engine::Config> config = engine::load_config_file(path, ctx, &diag);
+  for (const engine::ConfigIssue& w : diag.warnings) std::cerr << path << ": warning: " << w.to_string() << "\n";
+  if (!config) {
+    for (const engine::ConfigIssue& e : diag.errors) std::cerr << path << ": error: " << e.to_string() << "\n";
+  }
+  return config;
 }
 
 }  // namespace zo::tools

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "engine/config/config.h"
@@ -31,5 +32,11 @@ void add_auto_flags(CLI::App* command, AutoFlags* flags);
 
 // Copies the given flags into `ctx` (Note [Flags fill the config] in engine/config/config.cpp).
 void apply_auto_flags(const AutoFlags& flags, engine::ResolveContext* ctx);
+
+// Loads the config at `path` as `train` and `plan` read it: "auto" resolved from the model's
+// hidden size, `steps` (0: not given) and the flags. Prints each warning and error on stderr as
+// "PATH: warning|error: ..."; nullopt when there are errors (the caller exits 2).
+std::optional<engine::Config> load_config_with_flags(const std::string& path, uint64_t hidden_size, uint64_t steps,
+                                                     const AutoFlags& flags);
 
 }  // namespace zo::tools

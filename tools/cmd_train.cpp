@@ -82,17 +82,8 @@ int run_train(const TrainArgs& a) {
   auto model = engine::resolve_model_config(a.model);
   if (!model.is_ok()) return fail(model.status().message(), 2);
 
-  engine::ResolveContext ctx;
-  ctx.hidden_size = model->hidden_size;
-  if (a.steps) ctx.total_steps = a.steps;
-  apply_auto_flags(a.flags, &ctx);
-  engine::ConfigDiagnostics diag;
-  std::optional<engine::Config> config = engine::load_config_file(a.config, ctx, &diag);
-  for (const engine::ConfigIssue& w : diag.warnings) std::cerr << a.config << ": warning: " << w.to_string() << "\n";
-  if (!config) {
-    for (const engine::ConfigIssue& e : diag.errors) std::cerr << a.config << ": error: " << e.to_string() << "\n";
-    return 2;
-  }
+  std::optional<engine::Config> config = load_config_with_flags(a.config, model->hidden_size, a.steps, a.flags);
+  if (!config) return 2;
   auto format = engine::parse_data_format(a.data_format);
   if (!format.is_ok()) return fail("--data-format: " + format.status().message(), 2);
 

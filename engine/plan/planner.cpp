@@ -50,13 +50,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::string resolve(const std::string& out_dir, const std::string& path) {
-  if (path.empty()) return path;
-  fs::path p(path);
-  if (p.is_absolute() || out_dir.empty()) return p.lexically_normal().string();
-  return (fs::path(out_dir) / p).lexically_normal().string();
-}
-
 // Free bytes of the file system holding `path` (its nearest existing ancestor); 0 when unknown.
 uint64_t disk_free(const std::string& path) {
   if (path.empty()) return 0;
@@ -131,6 +124,13 @@ Status check_model_size(const ModelConfig& m) {
                             std::to_string(m.vocab_size) + "): more than any plan can hold (at most " +
                             std::to_string(kMaxParams) + " parameters)");
   return Status::ok();
+}
+
+std::string resolve_run_path(const std::string& out_dir, const std::string& path) {
+  if (path.empty()) return path;
+  fs::path p(path);
+  if (p.is_absolute() || out_dir.empty()) return p.lexically_normal().string();
+  return (fs::path(out_dir) / p).lexically_normal().string();
 }
 
 std::string PlanProblem::to_string() const {
@@ -297,8 +297,8 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
                               (in.host.cuda ? "" : " + activations " + gib(p.activation_bytes)) + " + process " +
                               gib(p.process_bytes)});
   }
-  const std::string opt_path = resolve(in.out_dir, c.zero.offload_optimizer.nvme_path);
-  const std::string par_path = resolve(in.out_dir, c.zero.offload_param.nvme_path);
+  const std::string opt_path = resolve_run_path(in.out_dir, c.zero.offload_optimizer.nvme_path);
+  const std::string par_path = resolve_run_path(in.out_dir, c.zero.offload_param.nvme_path);
   const bool same_disk = !opt_path.empty() && opt_path == par_path;
   if (p.nvme_optimizer_bytes > 0 && host.optimizer_disk_free_bytes > 0) {
     const uint64_t need = p.nvme_optimizer_bytes + (same_disk ? p.nvme_param_bytes : 0);
@@ -485,9 +485,9 @@ HostFacts probe_host(const Config& config, const std::string& out_dir) {
   f.device_name = "host (emulated)";
   f.device_total_bytes = h.mem_total_bytes;
   if (config.zero.offload_optimizer.device == OffloadDevice::kNvme)
-    f.optimizer_disk_free_bytes = disk_free(resolve(out_dir, config.zero.offload_optimizer.nvme_path));
+    f.optimizer_disk_free_bytes = disk_free(resolve_run_path(out_dir, config.zero.offload_optimizer.nvme_path));
   if (config.zero.offload_param.device == OffloadDevice::kNvme)
-    f.param_disk_free_bytes = disk_free(resolve(out_dir, config.zero.offload_param.nvme_path));
+    f.param_disk_free_bytes = disk_free(resolve_run_path(out_dir, config.zero.offload_param.nvme_path));
   return f;
 }
 

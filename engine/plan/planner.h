@@ -130,6 +130,10 @@ struct RunPlan {
   std::string to_json() const;  // every field above, one JSON object
 };
 
+// A config path relative to the run directory `out_dir` (absolute paths and an empty out_dir as
+// given), normalised: where train puts nvme_path, checkpoint.dir and metrics, and where plan looks.
+std::string resolve_run_path(const std::string& out_dir, const std::string& path);
+
 // A config.json can claim any size: kInvalidArgument naming the sizes when the model's parameter
 // count overflows or exceeds what any plan could hold, checked before anything is built from it
 // (model_layout and ParamRegistry::build allocate in proportion to the claimed model).

@@ -51,14 +51,6 @@ double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-// A config path relative to the run directory.
-std::string resolve_path(const std::string& out_dir, const std::string& path) {
-  if (path.empty()) return path;
-  fs::path p(path);
-  if (p.is_absolute() || out_dir.empty()) return p.lexically_normal().string();
-  return (fs::path(out_dir) / p).lexically_normal().string();
-}
-
 // "3.41 M", "1.24 B": parameter counts for humans.
 std::string format_count(uint64_t n) {
   char buf[32];
@@ -183,12 +175,12 @@ Status Trainer::Impl::init(const TrainOptions& options) {
     fs::create_directories(opt.out_dir, ec);
     if (ec) return errno_status("creating the run directory " + opt.out_dir, ec.value());
   }
-  metrics_path = resolve_path(opt.out_dir, config.zoffload.log.metrics_path.empty() ? "metrics.jsonl"
+  metrics_path = resolve_run_path(opt.out_dir, config.zoffload.log.metrics_path.empty() ? "metrics.jsonl"
                                                                                      : config.zoffload.log.metrics_path);
 
   configure_host_compute();
   if (!config.zoffload.checkpoint.dir.empty()) {
-    checkpoint_dir = resolve_path(opt.out_dir, config.zoffload.checkpoint.dir);
+    checkpoint_dir = resolve_run_path(opt.out_dir, config.zoffload.checkpoint.dir);
     ZO_ASSIGN_OR_RETURN(std::vector<std::string> stale, clean_stale_checkpoints(checkpoint_dir));
     for (const std::string& name : stale)
       ZO_LOG(kInfo) << "removed " << checkpoint_dir << "/" << name << ", left by a save that did not finish";
@@ -267,8 +259,8 @@ Status Trainer::Impl::init(const TrainOptions& options) {
                                                              .bind_cores = config.zoffload.bind_cores}));
 
   StateStoreOptions so;
-  so.optimizer_nvme_path = resolve_path(opt.out_dir, config.zero.offload_optimizer.nvme_path);
-  so.param_nvme_path = resolve_path(opt.out_dir, config.zero.offload_param.nvme_path);
+  so.optimizer_nvme_path = resolve_run_path(opt.out_dir, config.zero.offload_optimizer.nvme_path);
+  so.param_nvme_path = resolve_run_path(opt.out_dir, config.zero.offload_param.nvme_path);
   so.pinned_cap_bytes = config.zoffload.pinned_memory_limit;
   ZO_ASSIGN_OR_RETURN(store, StateStore::create(*registry, plan, *device, *io, so, accounting));
   if (store->optimizer_file() != nullptr) swap_dir = zo::engine::swap_dir(so.optimizer_nvme_path, so.rank);
