@@ -128,10 +128,12 @@ int run_plan(const PlanArgs& a) {
   // The device the run would get, as `train` chooses it (docs/gpu.md).
   bool cuda = false;
   if (config->zoffload.device != gpu::DeviceKind::kHost) {
-    const gpu::GpuProbe probe = gpu::probe_gpus();
 #if ZO_HAVE_TORCH
-    const engine::LibTorchInfo t = engine::libtorch_info();
-    cuda = !probe.gpus.empty() && t.cuda_linked && t.cuda_devices > 0;
+    const gpu::GpuProbe probe = engine::probe_usable_gpus();
+    cuda = !probe.gpus.empty();
+#else
+    gpu::GpuProbe probe = gpu::probe_gpus();
+    probe.reason = "zoffload was built without LibTorch";
 #endif
     if (cuda) {
       in.host.cuda = true;
@@ -146,7 +148,7 @@ int run_plan(const PlanArgs& a) {
   in.device_budget_bytes = config->zoffload.gpu_memory_limit != 0 ? config->zoffload.gpu_memory_limit : in.host.device_total_bytes;
 
   if (!a.io_results.empty()) {
-    Status st = engine::read_io_results(a.io_results, &in.speeds);
+    Status st = engine::read_io_results(a.io_results, *config, &in.speeds);
     if (!st.is_ok()) return fail("--io-results: " + st.message(), 2);
   }
   if (!a.no_measure) {

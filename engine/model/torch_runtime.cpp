@@ -28,6 +28,20 @@ LibTorchInfo libtorch_info() {
   return info;
 }
 
+gpu::GpuProbe probe_usable_gpus() {
+  gpu::GpuProbe probe = gpu::probe_gpus();
+  if (probe.gpus.empty()) return probe;
+  const LibTorchInfo t = libtorch_info();
+  if (!t.cuda_linked || t.cuda_devices == 0) {
+    probe.reason = !t.cuda_linked ? "LibTorch " + t.version +
+                                        " has no CUDA backend: a CPU-only PyTorch, or libtorch_cuda not linked (see docs/gpu.md)"
+                                  : "LibTorch " + t.version + " (CUDA " + t.cuda_version +
+                                        ") sees no GPU while the CUDA runtime lists " + std::to_string(probe.gpus.size());
+    probe.gpus.clear();
+  }
+  return probe;
+}
+
 namespace {
 
 // Counts what LibTorch's CPU allocator hands out. The inner DataPtr (whose deleter frees the memory)

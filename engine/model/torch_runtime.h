@@ -7,6 +7,7 @@
 #include <string>
 
 #include "common/dtype.h"
+#include "gpu/device_info.h"
 
 namespace zo::engine {
 
@@ -18,6 +19,11 @@ struct LibTorchInfo {
 };
 
 LibTorchInfo libtorch_info();
+
+// The GPUs a run can compute on: gpu::probe_gpus(), emptied with the reason when LibTorch cannot use
+// them (no CUDA backend linked, or it sees none while the CUDA runtime lists some). train and plan
+// choose their device from it (docs/gpu.md), so the two cannot choose differently.
+gpu::GpuProbe probe_usable_gpus();
 
 // LibTorch's own allocations (activations, autograd buffers, parameter gradients): the bytes live
 // now and the high-water mark since the last reset. On CUDA they are the caching allocator's

@@ -199,6 +199,7 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
   // number of pages is read with one page more (its tail goes through the store's scratch path):
   // measured, and checked exactly by tests/engine/plan against real runs.
   uint64_t rd = 0, wr = 0, compute_nvme_bytes = 0;
+  uint64_t grad_rd = 0, grad_wr = 0;  // the accumulators' share, moved during backward
   for (const SubGroup& g : registry.sub_groups()) {
     auto sec = [&](StateKind k) { return align_up(g.n_elems * state_elem_bytes(pl, k), kSwapAlignment); };
     if (pl.compute[g.index] == Tier::kNvme) compute_nvme_bytes += sec(StateKind::kCompute);
@@ -206,14 +207,16 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
     const uint64_t grad_len = g.n_elems * state_elem_bytes(pl, StateKind::kGradAccum);
     const uint64_t grad_read = sec(StateKind::kGradAccum) + (grad_len % kSwapAlignment != 0 ? kSwapAlignment : 0);
     // The gradient accumulator: written every micro-step, read back on all but the first.
-    wr += gas * sec(StateKind::kGradAccum);
-    rd += (gas - 1) * grad_read;
+    grad_wr += gas * sec(StateKind::kGradAccum);
+    grad_rd += (gas - 1) * grad_read;
     // The optimizer step: master, exp_avg, exp_avg_sq and the gradient in; the three states out.
     const uint64_t states = sec(StateKind::kMaster) + sec(StateKind::kExpAvg) + sec(StateKind::kExpAvgSq);
     rd += states + grad_read;
     wr += states;
   }
   wr += compute_nvme_bytes;  // the new compute copies of params that live on NVMe
+  rd += grad_rd;
+  wr += grad_wr;
   p.nvme_write_bytes = wr;
   p.nvme_read_min_bytes = rd + compute_nvme_bytes;
   p.nvme_read_max_bytes = rd + 2 * gas * compute_nvme_bytes;
@@ -244,25 +247,34 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
   if (in.host.cuda) add_part("pcie", sp.pcie_bytes_per_s, static_cast<double>(p.h2d_min_bytes + p.d2h_bytes), "host↔GPU copies");
   add_part("gradients", sp.accumulate_elems_per_s, static_cast<double>(gas * p.n_params), "accumulate + norm kernel, measured");
   add_part("optimizer", sp.adam_elems_per_s, static_cast<double>(p.n_params), "cpu_optim Adam, measured");
-  double nvme_s = 0;
+  // NVMe in two parts, as today's step runs them: the accumulators are written (and read back)
+  // synchronously during backward; the optimizer's reads and writes are pipelined with Adam.
+  double nvme_grad_s = 0, nvme_opt_s = 0;
   if (p.nvme_read_min_bytes + p.nvme_write_bytes > 0) {
     if (sp.nvme_read_bytes_per_s > 0 && sp.nvme_write_bytes_per_s > 0) {
-      nvme_s = static_cast<double>(p.nvme_read_min_bytes) / sp.nvme_read_bytes_per_s +
-               static_cast<double>(p.nvme_write_bytes) / sp.nvme_write_bytes_per_s;
-      p.time_parts.push_back({"nvme", nvme_s, sp.nvme_source});
+      auto nvme_seconds = [&](uint64_t r, uint64_t w) {
+        return static_cast<double>(r) / sp.nvme_read_bytes_per_s + static_cast<double>(w) / sp.nvme_write_bytes_per_s;
+      };
+      nvme_grad_s = nvme_seconds(grad_rd, grad_wr);
+      nvme_opt_s = nvme_seconds(p.nvme_read_min_bytes - grad_rd, p.nvme_write_bytes - grad_wr);
+      if (grad_rd + grad_wr > 0) p.time_parts.push_back({"nvme grads", nvme_grad_s, sp.nvme_source});
+      p.time_parts.push_back({"nvme optim", nvme_opt_s, sp.nvme_source});
     } else {
       p.time_unknown.push_back("nvme");
     }
   }
   double high = 0, low = 0, opt_s = 0;
   for (const StepTimePart& t : p.time_parts) {
-    low = std::max(low, t.seconds);
     if (t.name == "optimizer") opt_s = t.seconds;
-    else if (t.name != "nvme") high += t.seconds;
+    else if (t.name == "nvme optim") continue;
+    else if (t.name != "nvme grads") low = std::max(low, t.seconds);
+    if (t.name != "optimizer") high += t.seconds;
   }
-  // Today's step: compute and gradients one after the other, then the optimizer, whose NVMe reads
-  // and writes are pipelined with Adam.
-  p.step_s_high = high + std::max(opt_s, nvme_s);
+  // Everything overlapped: the longest of compute, the CPU kernels, and the drive (one drive
+  // carries both NVMe parts). Today's step: compute, then the gradients with their synchronous
+  // accumulator writes, then the optimizer, whose NVMe reads and writes are pipelined with Adam.
+  low = std::max({low, opt_s, nvme_grad_s + nvme_opt_s});
+  p.step_s_high = high + std::max(opt_s, nvme_opt_s);
   p.step_s_low = low;
 
   // Does it fit?
@@ -524,18 +536,48 @@ Status measure_cpu_speeds(const Config& config, HostSpeeds* speeds) {
   return Status::ok();
 }
 
-Status read_io_results(const std::string& path, HostSpeeds* speeds) {
+Status read_io_results(const std::string& path, const Config& config, HostSpeeds* speeds) {
   ZO_ASSIGN_OR_RETURN(std::string text, read_small_file(path));
   nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object() || !j.contains("best") || !j["best"].is_object())
     return invalid_argument(path + ": not the JSON of `zoffload-bench io --json` (no \"best\" object)");
-  const auto& best = j["best"];
-  if (!best.contains("read_gbps") || !best["read_gbps"].is_number() || !best.contains("write_gbps") ||
-      !best["write_gbps"].is_number())
-    return invalid_argument(path + ": its \"best\" row lacks read_gbps or write_gbps (run the benchmark with reads and writes)");
-  speeds->nvme_read_bytes_per_s = best["read_gbps"].get<double>() * 1e9;
-  speeds->nvme_write_bytes_per_s = best["write_gbps"].get<double>() * 1e9;
-  speeds->nvme_source = "zoffload-bench io results " + path;
+  auto has_speeds = [](const nlohmann::json& row) {
+    return row.is_object() && row.contains("read_gbps") && row["read_gbps"].is_number() && row.contains("write_gbps") &&
+           row["write_gbps"].is_number();
+  };
+  auto number_is = [](const nlohmann::json& row, const char* key, uint64_t want) {
+    return row.contains(key) && row[key].is_number_unsigned() && row[key].get<uint64_t>() == want;
+  };
+  // The run does its I/O with the config's aio settings and backend, so their row is the one that
+  // predicts it; the sweep's best row only when the sweep did not measure them.
+  const AioConfig& aio = config.aio;
+  std::string backend = config.zoffload.io_backend;
+  if (backend == "auto" && j.contains("auto_backend") && j["auto_backend"].is_string())
+    backend = j["auto_backend"].get<std::string>();
+  const nlohmann::json* chosen = nullptr;
+  if (j.contains("results") && j["results"].is_array()) {
+    for (const nlohmann::json& row : j["results"]) {
+      if (has_speeds(row) && row.contains("backend") && row["backend"] == backend &&
+          number_is(row, "block_size", aio.block_size) && number_is(row, "queue_depth", aio.queue_depth) &&
+          number_is(row, "threads", aio.intra_op_parallelism)) {
+        chosen = &row;
+        break;
+      }
+    }
+  }
+  const std::string settings = backend + ", block " + format_bytes(aio.block_size) + ", queue depth " +
+                               std::to_string(aio.queue_depth) + ", " + std::to_string(aio.intra_op_parallelism) +
+                               " thread(s)";
+  if (chosen != nullptr) {
+    speeds->nvme_source = "zoffload-bench io " + path + " at the config's aio (" + settings + ")";
+  } else {
+    if (!has_speeds(j["best"]))
+      return invalid_argument(path + ": its \"best\" row lacks read_gbps or write_gbps (run the benchmark with reads and writes)");
+    chosen = &j["best"];
+    speeds->nvme_source = "zoffload-bench io " + path + ", best row (the config's aio, " + settings + ", was not measured)";
+  }
+  speeds->nvme_read_bytes_per_s = (*chosen)["read_gbps"].get<double>() * 1e9;
+  speeds->nvme_write_bytes_per_s = (*chosen)["write_gbps"].get<double>() * 1e9;
   return Status::ok();
 }
 

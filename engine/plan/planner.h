@@ -72,7 +72,7 @@ struct PlanFix {
 };
 
 struct StepTimePart {
-  std::string name;     // compute, pcie, gradients, optimizer, nvme
+  std::string name;     // compute, pcie, gradients, optimizer, nvme grads, nvme optim
   double seconds = 0;
   std::string basis;    // how it was computed
 };
@@ -156,7 +156,9 @@ HostFacts probe_host(const Config& config, const std::string& out_dir);
 // config's optimizer_threads; fills those two fields of `speeds`.
 Status measure_cpu_speeds(const Config& config, HostSpeeds* speeds);
 
-// Reads `zoffload-bench io --json` output: the best row's read and write GB/s.
-Status read_io_results(const std::string& path, HostSpeeds* speeds);
+// Reads `zoffload-bench io --json` output: the read and write GB/s of the row measured with the
+// config's aio settings and io_backend ("auto": the backend the benchmark says auto picks), else
+// of the best row; nvme_source says which.
+Status read_io_results(const std::string& path, const Config& config, HostSpeeds* speeds);
 
 }  // namespace zo::engine

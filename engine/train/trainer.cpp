@@ -209,20 +209,7 @@ Status Trainer::Impl::init(const TrainOptions& options) {
   // A GPU the CUDA runtime lists but LibTorch cannot use is "present but unusable" for
   // make_device: auto warns and runs on the host, cuda is an error (docs/gpu.md).
   gpu::GpuProbe probe;
-  if (config.zoffload.device != DeviceKind::kHost) {
-    probe = gpu::probe_gpus();
-    if (!probe.gpus.empty()) {
-      const LibTorchInfo t = libtorch_info();
-      if (!t.cuda_linked || t.cuda_devices == 0) {
-        probe.reason = !t.cuda_linked
-                           ? "LibTorch " + t.version + " has no CUDA backend: a CPU-only PyTorch, or libtorch_cuda not "
-                                                       "linked (see docs/gpu.md)"
-                           : "LibTorch " + t.version + " (CUDA " + t.cuda_version + ") sees no GPU while the CUDA "
-                                                       "runtime lists " + std::to_string(probe.gpus.size());
-        probe.gpus.clear();
-      }
-    }
-  }
+  if (config.zoffload.device != DeviceKind::kHost) probe = probe_usable_gpus();
   uint64_t budget = config.zoffload.gpu_memory_limit;
   if (budget == 0) budget = !probe.gpus.empty() ? probe.gpus.front().total_bytes : host_info().mem_total_bytes;
   ZO_ASSIGN_OR_RETURN(device, gpu::make_device(config.zoffload.device, budget, probe));

@@ -1,5 +1,10 @@
 #include "engine/plan/planner.h"
 
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <map>
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -102,6 +107,65 @@ TEST(Planner, NoRoomForTheSwapFileIsADiskProblem) {
   ASSERT_TRUE(p.is_ok());
   ASSERT_FALSE(p->fits());
   EXPECT_THAT(p->problems.front().resource, HasSubstr("disk at nvme"));
+}
+
+TEST(Planner, StepTimePutsTheAccumulatorWritesInBackwardAndTheRestBesideAdam) {
+  PlanInputs in = tiny_inputs(OffloadDevice::kNvme, OffloadDevice::kCpu);
+  in.config.gradient_accumulation_steps = 2;
+  in.speeds.nvme_read_bytes_per_s = 1e9;
+  in.speeds.nvme_write_bytes_per_s = 2e9;
+  in.speeds.adam_elems_per_s = 1e6;  // slow enough that Adam, not the drive, bounds the optimizer
+  in.speeds.accumulate_elems_per_s = 1e8;
+  in.speeds.compute_flops = 1e10;
+  auto p = plan_run(in);
+  ASSERT_TRUE(p.is_ok()) << p.status().to_string();
+  std::map<std::string, double> s;
+  for (const StepTimePart& t : p->time_parts) s[t.name] = t.seconds;
+  ASSERT_EQ(s.size(), 5u) << p->to_json();
+  // The accumulators: written at both micro-steps, read back at the second.
+  const double grad_file = static_cast<double>(p->n_params) * 4;
+  EXPECT_NEAR(s["nvme grads"], 2 * grad_file / 2e9 + grad_file / 1e9, 0.01 * s["nvme grads"]);
+  EXPECT_NEAR(s["nvme grads"] + s["nvme optim"],
+              static_cast<double>(p->nvme_read_bytes) / 1e9 + static_cast<double>(p->nvme_write_bytes) / 2e9, 1e-9);
+  EXPECT_GT(s["optimizer"], s["nvme optim"]);
+  EXPECT_DOUBLE_EQ(p->step_s_high, s["compute"] + s["gradients"] + s["nvme grads"] + s["optimizer"]);
+  EXPECT_DOUBLE_EQ(p->step_s_low, std::max({s["compute"], s["gradients"], s["optimizer"], s["nvme grads"] + s["nvme optim"]}));
+}
+
+TEST(Planner, IoResultsAreReadAtTheConfigsAioSettings) {
+  const std::string path = ::testing::TempDir() + "/zo_plan_io.json";
+  {
+    std::ofstream f(path);
+    f << R"({"auto_backend": "io_uring", "results": [
+      {"backend": "io_uring", "block_size": 131072, "queue_depth": 32, "threads": 1, "read_gbps": 3.0, "write_gbps": 4.0},
+      {"backend": "libaio", "block_size": 1048576, "queue_depth": 8, "threads": 1, "read_gbps": 1.5, "write_gbps": 1.6},
+      {"backend": "io_uring", "block_size": 1048576, "queue_depth": 8, "threads": 1, "read_gbps": 1.0, "write_gbps": 2.0}],
+      "best": {"backend": "io_uring", "block_size": 131072, "queue_depth": 32, "threads": 1, "read_gbps": 3.0, "write_gbps": 4.0}})";
+  }
+  Config config;  // aio defaults: 1 MiB, queue depth 8, one thread; io_backend auto
+  HostSpeeds sp;
+  ASSERT_TRUE(read_io_results(path, config, &sp).is_ok());
+  EXPECT_DOUBLE_EQ(sp.nvme_read_bytes_per_s, 1.0e9);  // auto is io_uring here, not libaio's row
+  EXPECT_DOUBLE_EQ(sp.nvme_write_bytes_per_s, 2.0e9);
+  EXPECT_THAT(sp.nvme_source, HasSubstr("at the config's aio"));
+
+  config.zoffload.io_backend = "libaio";
+  ASSERT_TRUE(read_io_results(path, config, &sp).is_ok());
+  EXPECT_DOUBLE_EQ(sp.nvme_read_bytes_per_s, 1.5e9);
+
+  config.aio.queue_depth = 64;  // not in the sweep: the best row, said so
+  ASSERT_TRUE(read_io_results(path, config, &sp).is_ok());
+  EXPECT_DOUBLE_EQ(sp.nvme_read_bytes_per_s, 3.0e9);
+  EXPECT_THAT(sp.nvme_source, HasSubstr("best row"));
+
+  {
+    std::ofstream f(path);
+    f << R"({"results": []})";
+  }
+  Status st = read_io_results(path, config, &sp);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(st.message(), HasSubstr("zoffload-bench io --json"));
+  std::remove(path.c_str());
 }
 
 }  // namespace
