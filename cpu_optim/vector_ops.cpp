@@ -25,6 +25,17 @@ Status convert(ConstElemSpan src, ElemSpan dst, size_t n_elems, const Executor& 
   return Status::ok();
 }
 
+Status accumulate(ElemSpan acc, ConstElemSpan grad, size_t n_elems, bool from_zero, const Executor& executor) {
+  if (n_elems == 0) return Status::ok();
+  if (acc.data == nullptr || grad.data == nullptr)
+    return invalid_argument("accumulate: null accumulator or gradient for " + std::to_string(n_elems) + " elements");
+  const auto kernel = table_for(executor).accumulate;
+  executor.for_each_tile(n_elems, [&](size_t b, size_t e) {
+    kernel(acc.data, acc.dtype, grad.data, grad.dtype, from_zero, b, e);
+  });
+  return Status::ok();
+}
+
 // Note [Deterministic squared norm]: each tile's sum is formed in 16 double lanes (element i of the
 // tile in lane i % 16; x*x is exact in double, so each lane only rounds its adds, in element order),
 // the lanes are reduced by a fixed tree, and tile sums are added in tile order on this thread. Tile
@@ -54,6 +65,24 @@ Status stream_triad(std::span<float> a, std::span<const float> b, std::span<cons
   const auto kernel = table_for(executor).triad;
   executor.for_each_tile(a.size(), [&](size_t lo, size_t hi) { kernel(a.data(), b.data(), c.data(), scalar, lo, hi); });
   return Status::ok();
+}
+
+Result<double> roofline_pass(std::span<float* const> rw, ConstElemSpan ro, size_t n_elems, const Executor& executor) {
+  if (rw.size() > detail::kMaxRooflineRw)
+    return invalid_argument("roofline_pass: " + std::to_string(rw.size()) + " written streams (at most " +
+                            std::to_string(detail::kMaxRooflineRw) + ")");
+  if (n_elems == 0) return 0.0;
+  if (ro.data == nullptr) return invalid_argument("roofline_pass: null read stream");
+  for (float* p : rw)
+    if (p == nullptr) return invalid_argument("roofline_pass: null written stream");
+  const auto kernel = table_for(executor).roofline;
+  std::vector<double> partial((n_elems + kTileElems - 1) / kTileElems);
+  executor.for_each_tile(n_elems, [&](size_t b, size_t e) {
+    partial[b / kTileElems] = kernel(rw.data(), rw.size(), ro.data, ro.dtype, b, e);
+  });
+  double sum = 0.0;
+  for (double p : partial) sum += p;
+  return sum;
 }
 
 }  // namespace zo::cpu_optim

@@ -13,6 +13,7 @@ int main(int argc, char** argv) {
   int exit_code = 0;
   zo::tools::register_bench_io(app, &exit_code);
   zo::tools::register_bench_adam(app, &exit_code);
+  zo::tools::register_bench_grad(app, &exit_code);
   zo::tools::register_bench_pipeline(app, &exit_code);
   zo::tools::register_bench_ckpt(app, &exit_code);
   return zo::tools::run_app(app, argc, argv, exit_code);

@@ -20,6 +20,7 @@ void register_plan_command(CLI::App& app, int* exit_code);
 // zoffload-bench
 void register_bench_io(CLI::App& app, int* exit_code);
 void register_bench_adam(CLI::App& app, int* exit_code);
+void register_bench_grad(CLI::App& app, int* exit_code);
 void register_bench_pipeline(CLI::App& app, int* exit_code);
 void register_bench_ckpt(CLI::App& app, int* exit_code);
 

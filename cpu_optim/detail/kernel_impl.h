@@ -214,6 +214,29 @@ void convert_kernel(const void* src, DType src_dtype, void* dst, DType dst_dtype
   });
 }
 
+// The gradient accumulator's add: one fp32 add per element, rounded to the accumulator's dtype as
+// store_elems rounds (nearest even), so every path gives the scalar path's bits. from_zero adds to
+// +0 rather than skipping the add, so a -0 gradient lands as +0 exactly as it does in a zeroed buffer.
+template <class V>
+void accumulate_kernel(void* acc, DType acc_dtype, const void* grad, DType grad_dtype, bool from_zero, size_t begin,
+                       size_t end) {
+  with_dtypes(grad_dtype, acc, acc_dtype, [&]<DType G, bool kAcc, DType A>() {
+    if constexpr (kAcc) {
+      const Stream streams[2] = {{const_cast<void*>(grad), kElemBytes<G>, false}, {acc, kElemBytes<A>, true}};
+      if (from_zero) {
+        const typename V::F zero = V::set1(0.0f);
+        for_blocks<V::W>(streams, begin, end, [&](const Ptrs<2>& at, size_t i) {
+          store_elems<V, A>(at.p[1], i, V::add(zero, load_elems<V, G>(at.p[0], i)));
+        });
+      } else {
+        for_blocks<V::W>(streams, begin, end, [&](const Ptrs<2>& at, size_t i) {
+          store_elems<V, A>(at.p[1], i, V::add(load_elems<V, A>(at.p[1], i), load_elems<V, G>(at.p[0], i)));
+        });
+      }
+    }
+  });
+}
+
 // Fixed pairwise reduction of the 16 lane sums: (((l0+l8)+(l4+l12))+((l2+l10)+(l6+l14))) + ... as
 // a loop, the same on every path.
 static inline double reduce_lanes(double (&lanes)[kNormLanes]) {
@@ -252,6 +275,46 @@ void triad_kernel(float* a, const float* b, const float* c, float scalar, size_t
   });
 }
 
+// A memory roofline with a kernel's stream mix: one add per element and nothing else, through the
+// same for_blocks loop, loads and widening as the kernels. kRw fp32 streams are read and written in
+// place, one stream (dtype R) is read; with no written stream the reads are summed so that they
+// cannot be elided.
+template <class V, size_t kRw, DType R>
+double roofline_mix(float* const* rw, const void* ro, size_t begin, size_t end) {
+  using F = typename V::F;
+  Stream streams[kRw + 1];
+  for (size_t j = 0; j < kRw; ++j) streams[j] = {rw[j], 4, true};
+  streams[kRw] = {const_cast<void*>(ro), kElemBytes<R>, false};
+  F acc = V::set1(0.0f);
+  for_blocks<V::W>(streams, begin, end, [&](const Ptrs<kRw + 1>& at, size_t i) {
+    const F x = load_elems<V, R>(at.p[kRw], i);
+    if constexpr (kRw == 0) acc = V::add(acc, x);
+    for (size_t j = 0; j < kRw; ++j) {
+      float* q = static_cast<float*>(at.p[j]) + i;
+      V::store(q, V::add(V::load(q), x));
+    }
+  });
+  alignas(64) float lanes[V::W];
+  V::store(lanes, acc);
+  double sum = 0;
+  for (size_t l = 0; l < V::W; ++l) sum += lanes[l];
+  return sum;
+}
+
+template <class V>
+double roofline_kernel(float* const* rw, size_t n_rw, const void* ro, DType ro_dtype, size_t begin, size_t end) {
+  double out = 0;
+  with_dtypes(ro_dtype, nullptr, DType::kF32, [&]<DType R, bool, DType>() {
+    switch (n_rw) {
+      case 0: out = roofline_mix<V, 0, R>(rw, ro, begin, end); break;
+      case 1: out = roofline_mix<V, 1, R>(rw, ro, begin, end); break;
+      case 2: out = roofline_mix<V, 2, R>(rw, ro, begin, end); break;
+      default: out = roofline_mix<V, 3, R>(rw, ro, begin, end); break;
+    }
+  });
+  return out;
+}
+
 template <class V>
 void fill_kernel(float* data, float value, size_t begin, size_t end) {
   const typename V::F x = V::set1(value);
@@ -266,8 +329,10 @@ constexpr KernelTable make_table(Isa isa) {
           &adagrad_kernel<V>,
           &lion_kernel<V>,
           &convert_kernel<V>,
+          &accumulate_kernel<V>,
           &squared_norm_kernel<V>,
           &triad_kernel<V>,
+          &roofline_kernel<V>,
           &fill_kernel<V>};
 }
 

@@ -54,15 +54,23 @@ struct LionArgs {
 // Number of double accumulators of the squared norm; element i of a tile goes to lane i % 16.
 inline constexpr size_t kNormLanes = 16;
 
+// Most read-and-written fp32 streams of a roofline pass (Adam's master and two moments).
+inline constexpr size_t kMaxRooflineRw = 3;
+
 struct KernelTable {
   Isa isa;
   void (*adam)(const AdamArgs& args, size_t begin, size_t end);
   void (*adagrad)(const AdagradArgs& args, size_t begin, size_t end);
   void (*lion)(const LionArgs& args, size_t begin, size_t end);
   void (*convert)(const void* src, DType src_dtype, void* dst, DType dst_dtype, size_t begin, size_t end);
+  // acc[i] = round_acc(float(acc[i]) + float(grad[i])); from_zero: acc read as +0 (not read).
+  void (*accumulate)(void* acc, DType acc_dtype, const void* grad, DType grad_dtype, bool from_zero, size_t begin,
+                     size_t end);
   // Returns Σ x² over [begin, end) (begin a multiple of kNormLanes), lanes reduced by reduce_lanes().
   double (*squared_norm)(const void* src, DType dtype, size_t begin, size_t end);
   void (*triad)(float* a, const float* b, const float* c, float scalar, size_t begin, size_t end);
+  // rw[j][i] += float(ro[i]) for j < n_rw (≤ kMaxRooflineRw); with n_rw = 0 returns Σ float(ro[i]).
+  double (*roofline)(float* const* rw, size_t n_rw, const void* ro, DType ro_dtype, size_t begin, size_t end);
   void (*fill)(float* data, float value, size_t begin, size_t end);
 };
 

@@ -7,111 +7,27 @@
 #include <utility>
 
 #include "common/aligned_buffer.h"
-#include "common/half.h"
 #include "common/timer.h"
+#include "cpu_optim/vector_ops.h"
 
 // Note [Accumulation arithmetic]
 //
 // Every element is updated as acc = round_to_grad_dtype(float(acc) + float(g)), one contribution
-// at a time in arrival order, with acc read as +0 on the first micro-step of a window. The CPU tier
-// applies this in place; device and NVMe tiers apply it to a host buffer that holds the sub-group's
-// accumulator in the grad dtype (zeroed instead of read on the first micro-step) and write it back
-// when the sub-group's last contribution arrived. Zeroed bytes read as +0 in every dtype, so both
-// paths compute the same bits, and the norm is summed in one order (sub-groups as they complete,
-// elements ascending), so the report is bit-identical whatever the tier.
+// at a time in arrival order, with acc read as +0 on the first contribution of a window
+// (cpu_optim::accumulate, the same bits on every ISA and thread count). The CPU tier applies this in
+// place; device and NVMe tiers apply it to a host buffer that holds the sub-group's accumulator in
+// the grad dtype (read from its home except on the first micro-step, when every element is written
+// by its param's first contribution, so the buffer needs neither reading nor zeroing) and write it
+// back when the sub-group's last contribution arrived. Both paths run the same kernel calls on the
+// same values. The norm is cpu_optim::squared_norm of each sub-group (its fixed tile order), added
+// in the order sub-groups complete, so the report is bit-identical whatever the tier.
 
 namespace zo::engine {
 
-namespace {
-
-float load(const std::byte* data, DType dtype, uint64_t i) {
-  switch (dtype) {
-    case DType::kF32: {
-      float f;
-      std::memcpy(&f, data + i * 4, 4);
-      return f;
-    }
-    case DType::kBF16: {
-      uint16_t h;
-      std::memcpy(&h, data + i * 2, 2);
-      return bf16_to_float(h);
-    }
-    case DType::kF16: {
-      uint16_t h;
-      std::memcpy(&h, data + i * 2, 2);
-      return f16_to_float(h);
-    }
-  }
-  return 0.0f;
-}
-
-void store(std::byte* data, DType dtype, uint64_t i, float value) {
-  switch (dtype) {
-    case DType::kF32: std::memcpy(data + i * 4, &value, 4); return;
-    case DType::kBF16: {
-      const uint16_t h = float_to_bf16(value);
-      std::memcpy(data + i * 2, &h, 2);
-      return;
-    }
-    case DType::kF16: {
-      const uint16_t h = float_to_f16(value);
-      std::memcpy(data + i * 2, &h, 2);
-      return;
-    }
-  }
-}
-
-// acc[i] = round(float(acc[i]) + float(g[i])) for i < n; `from_zero`: acc read as +0.
-template <DType kAcc, DType kGrad>
-void accumulate_typed(std::byte* acc, const std::byte* g, uint64_t n, bool from_zero) {
-  for (uint64_t i = 0; i < n; ++i) {
-    const float a = from_zero ? 0.0f : load(acc, kAcc, i);
-    store(acc, kAcc, i, a + load(g, kGrad, i));
-  }
-}
-
-template <DType kAcc>
-void accumulate_grad(std::byte* acc, const std::byte* g, DType grad_dtype, uint64_t n, bool from_zero) {
-  switch (grad_dtype) {
-    case DType::kF32: return accumulate_typed<kAcc, DType::kF32>(acc, g, n, from_zero);
-    case DType::kBF16: return accumulate_typed<kAcc, DType::kBF16>(acc, g, n, from_zero);
-    case DType::kF16: return accumulate_typed<kAcc, DType::kF16>(acc, g, n, from_zero);
-  }
-}
-
-void accumulate(std::byte* acc, DType acc_dtype, const std::byte* g, DType grad_dtype, uint64_t n, bool from_zero) {
-  switch (acc_dtype) {
-    case DType::kF32: return accumulate_grad<DType::kF32>(acc, g, grad_dtype, n, from_zero);
-    case DType::kBF16: return accumulate_grad<DType::kBF16>(acc, g, grad_dtype, n, from_zero);
-    case DType::kF16: return accumulate_grad<DType::kF16>(acc, g, grad_dtype, n, from_zero);
-  }
-}
-
-template <DType kAcc>
-void norm_typed(const std::byte* acc, uint64_t n, double* sum_sq, bool* nonfinite) {
-  double s = *sum_sq;
-  bool bad = false;
-  for (uint64_t i = 0; i < n; ++i) {
-    const float v = load(acc, kAcc, i);
-    bad |= !std::isfinite(v);
-    s += static_cast<double>(v) * static_cast<double>(v);
-  }
-  *sum_sq = s;
-  *nonfinite = *nonfinite || bad;
-}
-
-void norm(const std::byte* acc, DType dtype, uint64_t n, double* sum_sq, bool* nonfinite) {
-  switch (dtype) {
-    case DType::kF32: return norm_typed<DType::kF32>(acc, n, sum_sq, nonfinite);
-    case DType::kBF16: return norm_typed<DType::kBF16>(acc, n, sum_sq, nonfinite);
-    case DType::kF16: return norm_typed<DType::kF16>(acc, n, sum_sq, nonfinite);
-  }
-}
-
-}  // namespace
 
 struct GradAccumulator::Impl {
   StateStore* store = nullptr;
+  const cpu_optim::Executor* executor = nullptr;
   DType grad_dtype = DType::kF32;
   uint64_t gb = 4;
   bool in_place = false;  // CPU-resident accumulators: no buffers
@@ -146,10 +62,7 @@ struct GradAccumulator::Impl {
     free_buffers.pop_back();
     group_buffer[g] = b;
     std::span<std::byte> bytes = buffers[b].bytes().first(store->state_bytes(g, StateKind::kGradAccum));
-    if (first) {
-      std::memset(bytes.data(), 0, bytes.size());
-      return Status::ok();
-    }
+    if (first) return Status::ok();  // every element is written by a first contribution
     Status st = store->read_state(g, StateKind::kGradAccum, bytes);
     if (!st.is_ok()) {
       free_buffers.push_back(b);
@@ -162,7 +75,12 @@ struct GradAccumulator::Impl {
 
   Status flush_group(uint32_t g) {
     const uint64_t bytes = store->state_bytes(g, StateKind::kGradAccum);
-    if (last) norm(group_bytes(g), grad_dtype, bytes / gb, &report.sum_sq, &report.nonfinite);
+    if (last) {
+      Result<double> sq = cpu_optim::squared_norm({group_bytes(g), grad_dtype}, bytes / gb, *executor);
+      if (!sq.is_ok()) return Status(sq.status()).with_context("gradient accumulator: norm of sub-group " + std::to_string(g));
+      report.sum_sq += *sq;
+      report.nonfinite = report.nonfinite || !std::isfinite(*sq);
+    }
     if (in_place) return Status::ok();
     const int32_t b = group_buffer[g];
     Status st = store->write_state(g, StateKind::kGradAccum, buffers[b].bytes().first(bytes));
@@ -183,11 +101,10 @@ struct GradAccumulator::Impl {
   }
 };
 
-void GradAccumulator::measure_kernel(std::byte* acc, DType acc_dtype, const std::byte* grad, DType grad_dtype, uint64_t n) {
-  accumulate(acc, acc_dtype, grad, grad_dtype, n, /*from_zero=*/false);
-  double sum_sq = 0;
-  bool nonfinite = false;
-  norm(acc, acc_dtype, n, &sum_sq, &nonfinite);
+Status GradAccumulator::measure_kernel(std::byte* acc, DType acc_dtype, const std::byte* grad, DType grad_dtype, uint64_t n,
+                                       const cpu_optim::Executor& executor) {
+  ZO_RETURN_IF_ERROR(cpu_optim::accumulate({acc, acc_dtype}, {grad, grad_dtype}, n, /*from_zero=*/false, executor));
+  return cpu_optim::squared_norm({acc, acc_dtype}, n, executor).status();
 }
 
 GradAccumulator::BufferPlan GradAccumulator::plan_buffers(const ParamRegistry& registry, const Placement& placement,
@@ -222,11 +139,13 @@ GradAccumulator::GradAccumulator(std::unique_ptr<Impl> impl) : impl_(std::move(i
 GradAccumulator::~GradAccumulator() = default;
 
 Result<std::unique_ptr<GradAccumulator>> GradAccumulator::create(StateStore& store,
-                                                                 std::vector<uint32_t> contribution_order) {
+                                                                 std::vector<uint32_t> contribution_order,
+                                                                 const cpu_optim::Executor& executor) {
   const ParamRegistry& registry = store.registry();
   auto impl = std::make_unique<Impl>();
   Impl& s = *impl;
   s.store = &store;
+  s.executor = &executor;
   s.grad_dtype = store.plan().placement.grad_dtype;
   s.gb = dtype_size_bytes(s.grad_dtype);
   s.in_place = store.plan().placement.grad == Tier::kCpu;
@@ -312,8 +231,12 @@ Status GradAccumulator::add(uint32_t param, std::span<const std::byte> grad, DTy
   }
   for (const ParamPiece& piece : pieces) {
     std::byte* acc = s.group_bytes(piece.sub_group) + piece.group_offset * s.gb;
-    // In a buffer the first micro-step's zeros are already there; in place they are implied.
-    accumulate(acc, s.grad_dtype, grad.data() + piece.param_offset * eb, dtype, piece.n_elems, from_zero && s.in_place);
+    Status st = cpu_optim::accumulate({acc, s.grad_dtype}, {grad.data() + piece.param_offset * eb, dtype}, piece.n_elems,
+                                      from_zero, *s.executor);
+    if (!st.is_ok()) {
+      s.report.offload_s += timer.elapsed_s();
+      return st.with_context("add of " + info.name);
+    }
   }
   ++s.received[param];
   Status result;

@@ -16,6 +16,7 @@
 
 #include "common/dtype.h"
 #include "common/status.h"
+#include "cpu_optim/executor.h"
 #include "engine/memory/state_store.h"
 
 namespace zo::engine {
@@ -38,7 +39,9 @@ class GradAccumulator {
   // all yet), which sizes the host buffers allocated here, once, for accumulators that are not
   // CPU-resident (pageable, each the largest sub-group's accumulator). kInvalidArgument naming the
   // param for an id out of range or a param that never appears. `store` must outlive this.
-  static Result<std::unique_ptr<GradAccumulator>> create(StateStore& store, std::vector<uint32_t> contribution_order);
+  // The kernels run on `executor`'s threads and SIMD path; it must outlive this.
+  static Result<std::unique_ptr<GradAccumulator>> create(StateStore& store, std::vector<uint32_t> contribution_order,
+                                                         const cpu_optim::Executor& executor);
 
   // The host buffers create() allocates (none when the accumulators are CPU-resident): the planner's
   // figure and create()'s. `contribution_order` must be valid (as create() checks it).
@@ -48,7 +51,8 @@ class GradAccumulator {
   };
   // Runs the accumulate kernel and the squared norm over n elements, as add() and the last
   // micro-step do (the planner times it).
-  static void measure_kernel(std::byte* acc, DType acc_dtype, const std::byte* grad, DType grad_dtype, uint64_t n);
+  static Status measure_kernel(std::byte* acc, DType acc_dtype, const std::byte* grad, DType grad_dtype, uint64_t n,
+                               const cpu_optim::Executor& executor);
   static BufferPlan plan_buffers(const ParamRegistry& registry, const Placement& placement,
                                  const std::vector<uint32_t>& contribution_order);
   ~GradAccumulator();
@@ -65,8 +69,8 @@ class GradAccumulator {
   // first micro-step (the same arithmetic on every tier, so results are bit-identical). A
   // sub-group whose every contribution of this micro-step has arrived is flushed (CPU: updated in
   // place, no buffer; device and NVMe: read_state into a host buffer unless first, add, write_state).
-  // At the last micro-step each flushed sub-group's final values are added to sum_sq / nonfinite in
-  // a fixed order (sub-groups as they complete, elements ascending). Synchronous. kInvalidArgument
+  // At the last micro-step each flushed sub-group's squared norm (cpu_optim::squared_norm, its fixed
+  // tile order) is added to sum_sq / nonfinite in a fixed order (sub-groups as they complete). Synchronous. kInvalidArgument
   // for a bad param, a wrong size or dtype, or a contribution beyond the param's uses;
   // kFailedPrecondition outside a micro-step or when the buffers are exhausted (gradients arriving
   // in an order that opens more sub-groups than the contribution order did). Store errors name the

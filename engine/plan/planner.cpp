@@ -529,9 +529,8 @@ Status measure_cpu_speeds(const Config& config, HostSpeeds* speeds) {
                                 1.0f, cpu_optim::ElemSpan{f32(4).data(), cdt}, *executor);
   }));
   ZO_ASSIGN_OR_RETURN(speeds->accumulate_elems_per_s, rate([&] {
-    GradAccumulator::measure_kernel(reinterpret_cast<std::byte*>(f32(0).data()), config.grad_accum_dtype,
-                                    reinterpret_cast<const std::byte*>(f32(1).data()), cdt, kElems);
-    return Status::ok();
+    return GradAccumulator::measure_kernel(reinterpret_cast<std::byte*>(f32(0).data()), config.grad_accum_dtype,
+                                           reinterpret_cast<const std::byte*>(f32(1).data()), cdt, kElems, *executor);
   }));
   return Status::ok();
 }

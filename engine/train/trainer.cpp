@@ -280,7 +280,7 @@ Status Trainer::Impl::init(const TrainOptions& options) {
     for (uint32_t p : layout.blocks[b].params) contribution_order.push_back(p);
   ZO_ASSIGN_OR_RETURN(coord, ParamCoordinator::create(*store, param_swapper.get(), std::move(blocks), std::move(names),
                                                       CoordinatorOptions::from_config(config)));
-  ZO_ASSIGN_OR_RETURN(grads, GradAccumulator::create(*store, std::move(contribution_order)));
+  ZO_ASSIGN_OR_RETURN(grads, GradAccumulator::create(*store, std::move(contribution_order), *executor));
 
   ZO_ASSIGN_OR_RETURN(LossScaler s, LossScaler::for_config(config));
   scaler.emplace(s);

@@ -380,10 +380,114 @@ TEST_P(SimdPath, SquaredNormIsBitIdenticalToScalar) {
   }
 }
 
+// The accumulator before the add: `dtype` values from a seed (16-bit ones include raw patterns).
+Copy random_acc(DType dtype, uint32_t seed) {
+  Copy acc(true, dtype, kN);
+  const Grad g = random_grad(dtype, kN, seed);
+  if (dtype == DType::kF32) acc.f32 = g.f32;
+  else acc.u16 = g.u16;
+  return acc;
+}
+
+::testing::AssertionResult same_acc(const Copy& a, const Copy& b, const char* what) {
+  return a.dtype == DType::kF32 ? same_floats(a.f32, b.f32, what) : same_u16(a.u16, b.u16, a.dtype, what);
+}
+
+TEST_P(SimdPath, AccumulatesEveryDtypePairLikeScalar) {
+  for (DType a : kDTypes) {
+    for (DType g : kDTypes) {
+      for (bool from_zero : {false, true}) {
+        const Grad grad = random_grad(g, kN, 500);
+        Copy simd = random_acc(a, 501), scalar = random_acc(a, 501);
+        ASSERT_TRUE(accumulate(simd.span(), grad.span(), kN, from_zero, *simd_).is_ok());
+        ASSERT_TRUE(accumulate(scalar.span(), grad.span(), kN, from_zero, *scalar_).is_ok());
+        EXPECT_TRUE(same_acc(simd, scalar, "accumulate")) << dtype_name(a) << " += " << dtype_name(g)
+                                                           << (from_zero ? ", from zero" : "");
+      }
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Isas, SimdPath, ::testing::Values(Isa::kAvx2, Isa::kAvx512),
                          [](const ::testing::TestParamInfo<Isa>& info) { return std::string(isa_name(info.param)); });
 
 // ---- The scalar path against a naive restatement of the formulas ----------------------------------
+
+// The definition: one fp32 add, rounded once to the accumulator's dtype; from zero, +0 + g.
+TEST(ScalarAccumulate, IsOneFloatAddRoundedToTheAccumulator) {
+  auto ex = make_executor(Isa::kScalar);
+  for (DType a : kDTypes) {
+    for (DType g : kDTypes) {
+      for (bool from_zero : {false, true}) {
+        const Grad grad = random_grad(g, kN, 510);
+        Copy acc = random_acc(a, 511);
+        const Copy before = acc;
+        ASSERT_TRUE(accumulate(acc.span(), grad.span(), kN, from_zero, *ex).is_ok());
+        Copy want(true, a, kN);
+        for (size_t i = 0; i < kN; ++i) {
+          const float old = from_zero ? 0.0f : load_as_float(const_cast<Copy&>(before).span().data, a, i);
+          const float sum = old + load_as_float(grad.span().data, g, i);
+          if (a == DType::kF32) want.f32[i] = sum;
+          else want.u16[i] = a == DType::kBF16 ? float_to_bf16(sum) : float_to_f16(sum);
+        }
+        EXPECT_TRUE(same_acc(acc, want, "accumulate")) << dtype_name(a) << " += " << dtype_name(g);
+      }
+    }
+  }
+}
+
+TEST(Accumulate, DoesNotDependOnThreadCountAndRefusesNull) {
+  const Grad grad = random_grad(DType::kBF16, kN, 520);
+  Copy first = random_acc(DType::kF32, 521);
+  for (int threads : {1, 2, 3}) {
+    auto ex = make_executor(Isa::kAuto, threads);
+    Copy acc = random_acc(DType::kF32, 521);
+    ASSERT_TRUE(accumulate(acc.span(), grad.span(), kN, false, *ex).is_ok());
+    if (threads == 1) first = acc;
+    else EXPECT_TRUE(same_acc(acc, first, "accumulate")) << threads << " threads";
+  }
+  auto ex = make_executor(Isa::kAuto);
+  EXPECT_EQ(accumulate({}, grad.span(), kN, false, *ex).code(), StatusCode::kInvalidArgument);
+  // A -0 gradient lands as +0 from zero, as in a zeroed buffer.
+  float acc = 5.0f;
+  const float neg_zero = -0.0f;
+  ASSERT_TRUE(accumulate({&acc, DType::kF32}, {&neg_zero, DType::kF32}, 1, true, *ex).is_ok());
+  EXPECT_EQ(acc, 0.0f);
+  EXPECT_FALSE(std::signbit(acc));
+}
+
+TEST(Roofline, AddsTheReadStreamToEveryWrittenStreamOrSumsIt) {
+  for (Isa isa : {Isa::kScalar, Isa::kAuto}) {
+    auto ex = make_executor(isa, 2);
+    std::vector<uint16_t> ro(kN);
+    for (size_t i = 0; i < kN; ++i) ro[i] = float_to_bf16(static_cast<float>(i % 97) * 0.25f);
+    std::vector<float> a = random_floats(kN, 530, 1.0f), b = random_floats(kN, 531, 1.0f);
+    for (float& x : a)
+      if (!std::isfinite(x)) x = 1.0f;
+    for (float& x : b)
+      if (!std::isfinite(x)) x = 1.0f;
+    const std::vector<float> a0 = a, b0 = b;
+    float* rw[] = {a.data(), b.data()};
+    const Result<double> r = roofline_pass(rw, {ro.data(), DType::kBF16}, kN, *ex);
+    ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+    EXPECT_EQ(*r, 0.0);
+    for (size_t i = 0; i < kN; ++i) {
+      const float x = bf16_to_float(ro[i]);
+      ASSERT_EQ(a[i], a0[i] + x) << i;
+      ASSERT_EQ(b[i], b0[i] + x) << i;
+    }
+    double want = 0;
+    for (size_t i = 0; i < kN; ++i) want += bf16_to_float(ro[i]);
+    const Result<double> sum = roofline_pass({}, {ro.data(), DType::kBF16}, kN, *ex);
+    ASSERT_TRUE(sum.is_ok());
+    EXPECT_NEAR(*sum, want, 1e-4 * want) << isa_name(ex->isa());
+  }
+  auto ex = make_executor(Isa::kAuto);
+  std::vector<float> x(64, 1.0f);
+  float* four[] = {x.data(), x.data(), x.data(), x.data()};
+  EXPECT_EQ(roofline_pass(four, {x.data(), DType::kF32}, 64, *ex).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(roofline_pass({}, {}, 64, *ex).status().code(), StatusCode::kInvalidArgument);
+}
 
 TEST(ScalarAdam, MatchesNaiveDeepSpeedFormulas) {
   auto ex = make_executor(Isa::kScalar, 1);

@@ -193,7 +193,7 @@ TEST(GradAccumulator, BitIdenticalOnCpuDeviceAndNvme) {
           std::vector<Bytes> garbage;
           for (const auto& q : rig.registry.params()) garbage.push_back(testing::random_bytes(q.n_elems * rig.grad_bytes(), rng));
           ASSERT_TRUE(rig.scatter(StateKind::kGradAccum, garbage).is_ok());
-          auto acc = GradAccumulator::create(*rig.store, testing::contribution_order());
+          auto acc = GradAccumulator::create(*rig.store, testing::contribution_order(), testing::executor());
           ASSERT_TRUE(acc.is_ok());
           const auto order = testing::contribution_order();
           GradNormReport report;
@@ -231,7 +231,7 @@ TEST(GradAccumulator, WriteErrorNamesTheSubGroup) {
   p.optimizer = "nvme";
   Rig rig;
   ASSERT_TRUE(rig.init(p).is_ok());
-  auto acc = GradAccumulator::create(*rig.store, testing::contribution_order());
+  auto acc = GradAccumulator::create(*rig.store, testing::contribution_order(), testing::executor());
   ASSERT_TRUE(acc.is_ok());
   for (const auto& g : rig.registry.sub_groups()) {
     const SwapRegion r = rig.store->location(g.index, StateKind::kGradAccum).region;

@@ -17,6 +17,7 @@
 
 #include "common/check.h"
 #include "cpu_optim/dtype.h"
+#include "cpu_optim/executor.h"
 #include "engine/config/config.h"
 #include "engine/coord/grad_accumulator.h"
 #include "engine/coord/param_coordinator.h"
@@ -95,6 +96,15 @@ inline std::vector<std::string> block_names() {
   for (uint32_t i = 0; i < kLayers; ++i) out.push_back("layers." + std::to_string(i));
   out.push_back("head");
   return out;
+}
+// The executor the gradient accumulator's kernels run on (two threads: the tiles split between them).
+inline const cpu_optim::Executor& executor() {
+  static const std::unique_ptr<cpu_optim::Executor> ex = [] {
+    auto r = cpu_optim::Executor::create({.n_threads = 2});
+    ZO_CHECK(r.is_ok()) << r.status().to_string();
+    return std::move(*r);
+  }();
+  return *ex;
 }
 // The order gradients arrive in one micro-step: blocks backward, each block's params reversed.
 inline std::vector<uint32_t> contribution_order() {

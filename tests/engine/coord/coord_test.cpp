@@ -378,7 +378,7 @@ AccResult accumulate_all(Rig& rig, const std::vector<std::vector<Bytes>>& grads,
   for (const auto& p : rig.registry.params()) garbage.push_back(testing::random_bytes(p.n_elems * rig.grad_bytes(), rng));
   Status st = rig.scatter(StateKind::kGradAccum, garbage);
   ZO_CHECK(st.is_ok()) << st.to_string();
-  auto acc = GradAccumulator::create(*rig.store, testing::contribution_order());
+  auto acc = GradAccumulator::create(*rig.store, testing::contribution_order(), testing::executor());
   ZO_CHECK(acc.is_ok()) << acc.status().to_string();
   const auto order = testing::contribution_order();
   for (size_t m = 0; m < grads.size(); ++m) {
@@ -474,7 +474,7 @@ TEST(GradAccumulator, AnInfInAnEarlyMicroStepIsReportedAtTheBoundary) {
 TEST(GradAccumulator, MissingContributionFailsNamingTheParam) {
   Rig rig;
   ASSERT_TRUE(rig.init(Placing{}).is_ok());
-  auto acc = GradAccumulator::create(*rig.store, testing::contribution_order());
+  auto acc = GradAccumulator::create(*rig.store, testing::contribution_order(), testing::executor());
   ASSERT_TRUE(acc.is_ok());
   const auto order = testing::contribution_order();
   const auto grads = testing::random_grads(rig, 1, DType::kF32, 1);
@@ -496,7 +496,7 @@ TEST(GradAccumulator, ExtraOrMisshapenContributionFails) {
   p.optimizer = "none";
   p.param = "none";
   ASSERT_TRUE(rig.init(p).is_ok());
-  auto acc = GradAccumulator::create(*rig.store, testing::contribution_order());
+  auto acc = GradAccumulator::create(*rig.store, testing::contribution_order(), testing::executor());
   ASSERT_TRUE(acc.is_ok());
   const uint32_t norm = testing::final_norm_id();
   const Bytes g(96 * 4);
@@ -524,12 +524,12 @@ TEST(GradAccumulator, AParamWithoutContributionsIsRejectedAtCreate) {
   ASSERT_TRUE(rig.init(Placing{}).is_ok());
   auto order = testing::contribution_order();
   std::erase(order, testing::final_norm_id());
-  auto acc = GradAccumulator::create(*rig.store, order);
+  auto acc = GradAccumulator::create(*rig.store, order, testing::executor());
   ASSERT_FALSE(acc.is_ok());
   EXPECT_EQ(acc.status().code(), StatusCode::kInvalidArgument);
   EXPECT_THAT(acc.status().message(), HasSubstr("model.norm.weight never appears"));
   order.push_back(12345);
-  EXPECT_EQ(GradAccumulator::create(*rig.store, order).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(GradAccumulator::create(*rig.store, order, testing::executor()).status().code(), StatusCode::kInvalidArgument);
 }
 
 // The number of sub-groups open at once in contribution order, counted by hand from the layout.
@@ -564,7 +564,7 @@ TEST(GradAccumulator, BuffersAreBoundedByTheOpenSubGroupsWithTiedParams) {
   // two are open at once, but far fewer than there are sub-groups.
   EXPECT_GE(expected, 2u);
   EXPECT_LT(expected, rig.registry.sub_groups().size());
-  auto acc = GradAccumulator::create(*rig.store, order);
+  auto acc = GradAccumulator::create(*rig.store, order, testing::executor());
   ASSERT_TRUE(acc.is_ok());
   EXPECT_EQ((*acc)->buffer_count(), expected);
   EXPECT_EQ((*acc)->buffer_bytes(), rig.registry.max_group_elems() * 4);
@@ -599,7 +599,7 @@ TEST(GradAccumulator, BuffersAreBoundedByTheOpenSubGroupsWithTiedParams) {
   // CPU-resident accumulators need no buffers.
   Rig cpu;
   ASSERT_TRUE(cpu.init(Placing{}).is_ok());
-  auto in_place = GradAccumulator::create(*cpu.store, order);
+  auto in_place = GradAccumulator::create(*cpu.store, order, testing::executor());
   ASSERT_TRUE(in_place.is_ok());
   EXPECT_EQ((*in_place)->buffer_count(), 0u);
 }
