@@ -100,4 +100,12 @@ std::string format_bytes(uint64_t size_bytes) {
   return buf;
 }
 
+std::string format_count(uint64_t n) {
+  char buf[32];
+  if (n >= 1'000'000'000) std::snprintf(buf, sizeof buf, "%.2f B", static_cast<double>(n) / 1e9);
+  else if (n >= 1'000'000) std::snprintf(buf, sizeof buf, "%.2f M", static_cast<double>(n) / 1e6);
+  else std::snprintf(buf, sizeof buf, "%llu", static_cast<unsigned long long>(n));
+  return buf;
+}
+
 }  // namespace zo

@@ -30,6 +30,9 @@ Result<uint64_t> parse_count(std::string_view text);
 // "24.0 GiB", "512 B", "1.50 MiB": binary units, three significant figures.
 std::string format_bytes(uint64_t size_bytes);
 
+// "3.41 M", "1.24 B", "4096": element and parameter counts for humans.
+std::string format_count(uint64_t n);
+
 // Rounds `n` up to a multiple of `alignment` (a power of two).
 constexpr uint64_t align_up(uint64_t n, uint64_t alignment) { return (n + alignment - 1) & ~(alignment - 1); }
 constexpr bool is_aligned(uint64_t n, uint64_t alignment) { return (n & (alignment - 1)) == 0; }

@@ -41,7 +41,9 @@
 // Prefetch walks the schedule from cur+1 to the end of the micro-step (never into the next one: an
 // optimizer step may change the compute copies in between) and fetches each param not yet present,
 // in order, while (a) the elements fetched ahead (issued but not yet acquired) stay within
-// stage3_prefetch_bucket_size, (b) the live elements (non-persistent params in the arena) stay
+// stage3_prefetch_bucket_size — raised to the most one block fetches when the bucket cannot hold
+// the largest param (Accelerate's "auto" 0.9·hidden² holds no 8B-class MLP projection, and a bucket
+// that holds no param would turn prefetch off), so prefetch then runs by whole blocks —, (b) the live elements (non-persistent params in the arena) stay
 // within stage3_max_live_parameters, and (c) a slot can be found, evicting only cached params whose
 // next use comes after the one being prefetched. It stops at the first param that does not fit
 // (strict order: never skips ahead). An NVMe param also needs one of the ParamSwapper's buffers;
@@ -442,18 +444,27 @@ ArenaPlan plan_arena(const ParamRegistry& registry, const Placement& placement,
     if (!x.used || !x.fetched) continue;
     (x.persistent ? out.persistent_bytes : ceiling) += x.slot;
   }
+  uint64_t largest_block_fetch_elems = 0;  // a block's fetched elements, persistent ones included
   for (uint32_t b = 0; b < n_blocks; ++b) {
-    uint64_t need = 0, elems = 0;
+    uint64_t need = 0, elems = 0, fetch_elems = 0;
     for (uint32_t p : fetched[b]) {
+      fetch_elems += ps[p].n_elems;
       if (ps[p].persistent) continue;
       need += ps[p].slot;
       elems += ps[p].n_elems;
+      out.largest_param_elems = std::max(out.largest_param_elems, ps[p].n_elems);
     }
+    largest_block_fetch_elems = std::max(largest_block_fetch_elems, fetch_elems);
     if (need > out.largest_block_bytes) {
       out.largest_block_bytes = need;
       out.largest_block = b;
       out.largest_block_elems = elems;
     }
+  }
+  out.prefetch_bucket_elems = options.prefetch_bucket_elems;
+  if (options.prefetch_bucket_elems > 0 && options.prefetch_bucket_elems < out.largest_param_elems) {
+    out.prefetch_bucket_elems = largest_block_fetch_elems;
+    out.prefetch_by_blocks = true;
   }
   // The dynamic region: the most that any position's block plus what prefetch would fetch ahead of
   // it from an empty arena needs, in slots (at least the largest block; at most every fetchable param).
@@ -477,7 +488,7 @@ ArenaPlan plan_arena(const ParamRegistry& registry, const Placement& placement,
         P& x = ps[p];
         if (x.mark == epoch) continue;
         x.mark = epoch;
-        if (ahead + x.n_elems > options.prefetch_bucket_elems ||
+        if (ahead + x.n_elems > out.prefetch_bucket_elems ||
             (!x.persistent && live + x.n_elems > options.max_live_elems)) {
           full = true;
           break;
@@ -597,6 +608,7 @@ Result<std::unique_ptr<ParamCoordinator>> ParamCoordinator::create(StateStore& s
   // Arena sizing (Note [Prefetch and release]): plan_arena decides, the persistent params get their
   // slots here in the same order and rounding.
   const ArenaPlan ap = plan_arena(registry, store.plan().placement, s.blocks, options);
+  s.options.prefetch_bucket_elems = ap.prefetch_bucket_elems;
   const detail::RangeAllocator sizing(0, 0, gpu::kDeviceAlignment);
   uint64_t persistent_bytes = 0;
   for (Impl::Param& x : s.params) {

@@ -46,6 +46,12 @@ struct ArenaPlan {
   uint64_t largest_block_bytes = 0;  // the most one block needs in the dynamic region
   uint32_t largest_block = 0;
   uint64_t largest_block_elems = 0;  // its non-persistent elements
+  // The bucket prefetch runs with (Note [Prefetch and release]): stage3_prefetch_bucket_size, or,
+  // when that cannot hold the largest fetched param (prefetch would never start), the most
+  // elements one block fetches, so prefetch works by whole blocks; 0 (prefetch off) stays 0.
+  uint64_t prefetch_bucket_elems = 0;
+  bool prefetch_by_blocks = false;   // the bucket was raised to whole blocks
+  uint64_t largest_param_elems = 0;  // the largest fetched param (the bucket must hold it)
   uint64_t total_bytes() const { return persistent_bytes + dynamic_bytes; }
 };
 

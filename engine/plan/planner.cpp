@@ -126,6 +126,12 @@ Status check_model_size(const ModelConfig& m) {
   return Status::ok();
 }
 
+std::string prefetch_by_blocks_text(const ArenaPlan& arena, uint64_t configured_bucket_elems) {
+  return "by whole blocks, " + format_count(arena.prefetch_bucket_elems) +
+         " elements ahead: stage3_prefetch_bucket_size " + format_count(configured_bucket_elems) +
+         " cannot hold the largest param (" + format_count(arena.largest_param_elems) + " elements)";
+}
+
 std::string resolve_run_path(const std::string& out_dir, const std::string& path) {
   if (path.empty()) return path;
   fs::path p(path);
@@ -322,6 +328,7 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
       p.problems.push_back({"disk at " + par_path, p.nvme_param_bytes, host.param_disk_free_bytes, "the parameter swap file"});
   }
   if (!in.host.cuda) p.notes.push_back("no GPU: the device is emulated in host memory and LibTorch computes on the CPU");
+  if (p.arena.prefetch_by_blocks) p.notes.push_back("prefetch " + prefetch_by_blocks_text(p.arena, c.zero.stage3_prefetch_bucket_size));
   if (!p.nvme_exact)
     p.notes.push_back("compute copies on NVMe are read once to " + std::to_string(2 * gas) +
                       " times per step, as the coordinator's cache and prefetch decide");

@@ -130,6 +130,10 @@ struct RunPlan {
   std::string to_json() const;  // every field above, one JSON object
 };
 
+// "by whole blocks, N elements ahead: stage3_prefetch_bucket_size B cannot hold the largest param
+// (M elements)": the start line's and the plan's words for ArenaPlan::prefetch_by_blocks.
+std::string prefetch_by_blocks_text(const ArenaPlan& arena, uint64_t configured_bucket_elems);
+
 // A config path relative to the run directory `out_dir` (absolute paths and an empty out_dir as
 // given), normalised: where train puts nvme_path, checkpoint.dir and metrics, and where plan looks.
 std::string resolve_run_path(const std::string& out_dir, const std::string& path);

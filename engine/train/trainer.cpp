@@ -51,15 +51,6 @@ double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-// "3.41 M", "1.24 B": parameter counts for humans.
-std::string format_count(uint64_t n) {
-  char buf[32];
-  if (n >= 1'000'000'000) std::snprintf(buf, sizeof buf, "%.2f B", static_cast<double>(n) / 1e9);
-  else if (n >= 1'000'000) std::snprintf(buf, sizeof buf, "%.2f M", static_cast<double>(n) / 1e6);
-  else std::snprintf(buf, sizeof buf, "%llu", static_cast<unsigned long long>(n));
-  return buf;
-}
-
 // Note [Host compute]: on the emulated device the blocks run on LibTorch's CPU kernels, which
 // allocate and free activation-sized buffers for every op. With glibc's defaults each buffer above
 // the (dynamic) mmap threshold is a fresh mmap whose pages fault in and whose munmap returns them:
@@ -706,6 +697,13 @@ std::string Trainer::describe() const {
     << ", compute copies: " << (pl.compute.size() - compute_cpu - compute_nvme) << " device, " << compute_cpu
     << " cpu, " << compute_nvme << " nvme | device " << m.device->name() << ", budget "
     << format_bytes(m.device->stats().budget_bytes) << " | pinned pool " << format_bytes(m.store->pool().capacity_bytes());
+  const ArenaPlan& ap = m.run_plan.arena;
+  if (ap.largest_param_elems > 0) {  // some params are fetched
+    s << " | prefetch ";
+    if (ap.prefetch_bucket_elems == 0) s << "off (stage3_prefetch_bucket_size 0)";
+    else if (ap.prefetch_by_blocks) s << prefetch_by_blocks_text(ap, m.opt.config.zero.stage3_prefetch_bucket_size);
+    else s << format_count(ap.prefetch_bucket_elems) << " elements ahead";
+  }
   return s.str();
 }
 

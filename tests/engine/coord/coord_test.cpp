@@ -263,6 +263,38 @@ TEST(ParamCoordinator, PrefetchMakesEveryAcquireAfterTheFirstAHit) {
   EXPECT_GT(none->stats().fetches, coord->stats().fetches / 2);
 }
 
+// Accelerate's "auto" bucket (0.9·hidden²) holds no MLP projection of an 8B model; a bucket that
+// cannot hold the largest param would never prefetch, so it runs by whole blocks instead.
+TEST(ParamCoordinator, ABucketBelowTheLargestParamPrefetchesWholeBlocks) {
+  Rig rig;
+  ASSERT_TRUE(rig.init(Placing{}).is_ok());
+  const auto bl = testing::blocks();
+  const uint32_t n = static_cast<uint32_t>(bl.size());
+  const ArenaPlan small = plan_arena(rig.store->registry(), rig.store->plan().placement, bl, opts(1000, 1'000'000, 0, 0));
+  EXPECT_TRUE(small.prefetch_by_blocks);
+  EXPECT_GT(small.largest_param_elems, 1000u);
+  EXPECT_GE(small.prefetch_bucket_elems, 96u * 96 + 96 * 200);  // at least one layer
+  const ArenaPlan off = plan_arena(rig.store->registry(), rig.store->plan().placement, bl, opts(0, 1'000'000, 0, 0));
+  EXPECT_FALSE(off.prefetch_by_blocks);
+  EXPECT_EQ(off.prefetch_bucket_elems, 0u);  // 0 still turns prefetch off
+  const ArenaPlan big = plan_arena(rig.store->registry(), rig.store->plan().placement, bl, opts(1'000'000, 1'000'000, 0, 0));
+  EXPECT_FALSE(big.prefetch_by_blocks);
+  EXPECT_EQ(big.prefetch_bucket_elems, 1'000'000u);
+
+  auto coord = make_coordinator(rig, opts(1000, 1'000'000, 0, 0));
+  for (int step = 0; step < 2; ++step) {
+    coord->begin_micro_step();
+    for (uint32_t q = 0; q < 2 * n; ++q) {
+      const uint32_t b = q < n ? q : 2 * n - 1 - q;
+      const uint64_t hits = coord->stats().hits;
+      ASSERT_TRUE(coord->acquire(b).is_ok());
+      if (step > 0 || q > 0) EXPECT_EQ(coord->stats().hits - hits, bl[b].size()) << "step " << step << " position " << q;
+      ASSERT_TRUE(coord->release(b).is_ok());
+    }
+  }
+  EXPECT_GT(coord->stats().prefetches, 0u);
+}
+
 TEST(ParamCoordinator, MaxLiveBoundsPrefetch) {
   Rig rig;
   ASSERT_TRUE(rig.init(Placing{}).is_ok());
