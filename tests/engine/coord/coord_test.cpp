@@ -231,27 +231,34 @@ TEST(ParamCoordinator, InvalidateServesChangedComputeCopies) {
   testing::run_micro_step(rig, *coord, after);
 }
 
+// Two micro-steps of the schedule: every acquire after the very first finds all its params
+// resident (fetched ahead by prefetch).
+void expect_hits_after_the_first_acquire(ParamCoordinator& coord, const std::vector<std::vector<uint32_t>>& bl) {
+  const uint32_t n = static_cast<uint32_t>(bl.size());
+  for (int step = 0; step < 2; ++step) {
+    coord.begin_micro_step();
+    for (uint32_t q = 0; q < 2 * n; ++q) {
+      const uint32_t b = q < n ? q : 2 * n - 1 - q;
+      const uint64_t hits = coord.stats().hits;
+      ASSERT_TRUE(coord.acquire(b).is_ok());
+      if (step > 0 || q > 0) {
+        EXPECT_EQ(coord.stats().hits - hits, bl[b].size()) << "step " << step << " position " << q;
+      }
+      ASSERT_TRUE(coord.release(b).is_ok());
+    }
+  }
+}
+
 TEST(ParamCoordinator, PrefetchMakesEveryAcquireAfterTheFirstAHit) {
   Rig rig;
   ASSERT_TRUE(rig.init(Placing{}).is_ok());
   const auto bl = testing::blocks();
-  const uint32_t n = static_cast<uint32_t>(bl.size());
   // Bucket = one layer (the largest block) in elements; no reuse, no persistence, so without
   // prefetch nearly every acquire would fetch.
   const uint64_t layer_elems = 96 * 96 + 96 * 200 + 96;
   auto coord = make_coordinator(rig, opts(layer_elems, 1'000'000, 0, 0));
-  for (int step = 0; step < 2; ++step) {
-    coord->begin_micro_step();
-    for (uint32_t q = 0; q < 2 * n; ++q) {
-      const uint32_t b = q < n ? q : 2 * n - 1 - q;
-      const uint64_t hits = coord->stats().hits;
-      ASSERT_TRUE(coord->acquire(b).is_ok());
-      if (step > 0 || q > 0) {
-        EXPECT_EQ(coord->stats().hits - hits, bl[b].size()) << "step " << step << " position " << q;
-      }
-      ASSERT_TRUE(coord->release(b).is_ok());
-    }
-  }
+  expect_hits_after_the_first_acquire(*coord, bl);
+  if (HasFatalFailure()) return;
   EXPECT_GT(coord->stats().prefetches, 0u);
 
   // The same schedule without a bucket: acquires of layers fetch.
@@ -269,7 +276,6 @@ TEST(ParamCoordinator, ABucketBelowTheLargestParamPrefetchesWholeBlocks) {
   Rig rig;
   ASSERT_TRUE(rig.init(Placing{}).is_ok());
   const auto bl = testing::blocks();
-  const uint32_t n = static_cast<uint32_t>(bl.size());
   const ArenaPlan small = plan_arena(rig.store->registry(), rig.store->plan().placement, bl, opts(1000, 1'000'000, 0, 0));
   EXPECT_TRUE(small.prefetch_by_blocks);
   EXPECT_GT(small.largest_param_elems, 1000u);
@@ -282,16 +288,8 @@ TEST(ParamCoordinator, ABucketBelowTheLargestParamPrefetchesWholeBlocks) {
   EXPECT_EQ(big.prefetch_bucket_elems, 1'000'000u);
 
   auto coord = make_coordinator(rig, opts(1000, 1'000'000, 0, 0));
-  for (int step = 0; step < 2; ++step) {
-    coord->begin_micro_step();
-    for (uint32_t q = 0; q < 2 * n; ++q) {
-      const uint32_t b = q < n ? q : 2 * n - 1 - q;
-      const uint64_t hits = coord->stats().hits;
-      ASSERT_TRUE(coord->acquire(b).is_ok());
-      if (step > 0 || q > 0) EXPECT_EQ(coord->stats().hits - hits, bl[b].size()) << "step " << step << " position " << q;
-      ASSERT_TRUE(coord->release(b).is_ok());
-    }
-  }
+  expect_hits_after_the_first_acquire(*coord, bl);
+  if (HasFatalFailure()) return;
   EXPECT_GT(coord->stats().prefetches, 0u);
 }
 
