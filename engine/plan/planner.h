@@ -96,7 +96,8 @@ struct RunPlan {
   uint64_t pinned_bytes = 0;        // the pinned pool (0 when both pin_memory flags are false)
   uint64_t pool_bytes = 0;          // the pool, pinned or not
   uint64_t pageable_state_bytes = 0;
-  uint64_t host_buffer_bytes = 0;   // scratch and gradient staging buffers
+  uint64_t host_buffer_bytes = 0;   // scratch, gradient staging buffers and the gradient ring
+  uint64_t grad_ring_bytes = 0;     // the gradient worker's landing ring (in host_buffer_bytes)
   uint64_t ram_bytes = 0;           // pool + pageable states + buffers (+ activations on the host)
   uint64_t process_bytes = 0;       // LibTorch and the program itself (measured at plan time)
 
@@ -118,7 +119,7 @@ struct RunPlan {
 
   std::vector<StepTimePart> time_parts;
   double step_s_low = 0;   // every part overlapped: the longest part
-  double step_s_high = 0;  // phases one after another as the step runs them today
+  double step_s_high = 0;  // every phase one after another (no overlap but the optimizer's pipeline)
   std::vector<std::string> time_unknown;  // parts left out for want of a measured speed
 
   std::vector<PlanProblem> problems;  // empty: it fits
@@ -129,6 +130,11 @@ struct RunPlan {
   std::string summary() const;
   std::string to_json() const;  // every field above, one JSON object
 };
+
+// The gradient worker's landing ring (engine/coord/grad_worker.h): the largest block's gradients
+// in the compute dtype, so that one block's gradients are accumulated while the next block's
+// backward computes. The trainer allocates it; the planner counts it in host buffers.
+uint64_t grad_ring_bytes(const ModelLayout& layout, DType compute_dtype);
 
 // "by whole blocks, N elements ahead: stage3_prefetch_bucket_size B cannot hold the largest param
 // (M elements)": the start line's and the plan's words for ArenaPlan::prefetch_by_blocks.

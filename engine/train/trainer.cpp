@@ -25,6 +25,7 @@
 #include "cpu_optim/executor.h"
 #include "engine/config/io_settings.h"
 #include "engine/coord/grad_accumulator.h"
+#include "engine/coord/grad_worker.h"
 #include "engine/coord/param_coordinator.h"
 #include "engine/memory/optimizer_swapper.h"
 #include "engine/memory/param_registry.h"
@@ -111,6 +112,7 @@ struct Trainer::Impl {
   std::unique_ptr<ParamSwapper> param_swapper;
   std::unique_ptr<ParamCoordinator> coord;
   std::unique_ptr<GradAccumulator> grads;
+  std::unique_ptr<GradWorker> grad_worker;  // feeds `grads` behind backward; destroyed before it
   std::optional<LossScaler> scaler;
   std::optional<LrSchedule> schedule;
   std::unique_ptr<Dataset> data;
@@ -272,6 +274,7 @@ Status Trainer::Impl::init(const TrainOptions& options) {
   ZO_ASSIGN_OR_RETURN(coord, ParamCoordinator::create(*store, param_swapper.get(), std::move(blocks), std::move(names),
                                                       CoordinatorOptions::from_config(config)));
   ZO_ASSIGN_OR_RETURN(grads, GradAccumulator::create(*store, std::move(contribution_order), *executor));
+  ZO_ASSIGN_OR_RETURN(grad_worker, GradWorker::create(*grads, grad_ring_bytes(layout, compute_dtype)));
 
   ZO_ASSIGN_OR_RETURN(LossScaler s, LossScaler::for_config(config));
   scaler.emplace(s);
@@ -401,24 +404,23 @@ Status Trainer::Impl::release(uint32_t block) {
 }
 
 Status Trainer::Impl::offload_grads(uint32_t block, const std::vector<torch::Tensor>& params, bool inject_overflow) {
+  // Each gradient is copied (from the device: D2H) into the gradient worker's landing ring and
+  // accumulated there behind the next block's backward (Note [Gradient landing ring]).
   const BlockSpec& spec = layout.blocks[block];
   for (size_t i = 0; i < params.size(); ++i) {
+    const std::string& name = layout.params[spec.params[i]].name;
     torch::Tensor g;
-    ZO_RETURN_IF_ERROR(torch_call("reading the gradient of " + layout.params[spec.params[i]].name, [&] {
-      g = params[i].grad();
-      if (!g.defined()) return;
-      g = g.to(torch::kCPU).contiguous();
-      if (inject_overflow && i == 0) {
-        g = g.clone();
-        g.view(-1)[0] = std::numeric_limits<float>::infinity();
-      }
+    ZO_RETURN_IF_ERROR(torch_call("reading the gradient of " + name, [&] { g = params[i].grad(); }));
+    if (!g.defined()) return internal_error("no gradient reached " + name);
+    const uint64_t bytes = static_cast<uint64_t>(g.numel()) * g.element_size();
+    ZO_RETURN_IF_ERROR(grad_worker->submit(spec.params[i], compute_dtype, bytes, [&](std::span<std::byte> slot) {
+      return torch_call("copying the gradient of " + name, [&] {
+        torch::Tensor landed = torch::from_blob(slot.data(), g.sizes(), g.options().device(torch::kCPU));
+        landed.copy_(g);
+        if (inject_overflow && i == 0) landed.view(-1)[0] = std::numeric_limits<float>::infinity();
+      });
     }));
-    if (!g.defined()) return internal_error("no gradient reached " + layout.params[spec.params[i]].name);
-    const auto* bytes = static_cast<const std::byte*>(g.data_ptr());
-    if (torch_device.is_cuda()) accounting.add_moved(Move::kDeviceToHost, static_cast<uint64_t>(g.numel()) * g.element_size());
-    ZO_RETURN_IF_ERROR(grads->add(spec.params[i],
-                                  std::span<const std::byte>(bytes, static_cast<size_t>(g.numel()) * g.element_size()),
-                                  compute_dtype));
+    if (torch_device.is_cuda()) accounting.add_moved(Move::kDeviceToHost, bytes);
   }
   return Status::ok();
 }
@@ -447,12 +449,15 @@ Result<Trainer::Impl::MicroResult> Trainer::Impl::micro_step(bool first, bool la
   // A failure below leaves the accumulator's window open; close it so the next step can start
   // (blocks still held are treated as released by the next begin_micro_step).
   struct Abandon {
+    GradWorker* worker;
     GradAccumulator* grads;
     bool armed = true;
     ~Abandon() {
-      if (armed) grads->abandon_micro_step();
+      if (!armed) return;
+      (void)worker->drain();  // the worker must be idle before the window closes; the step's error is reported
+      grads->abandon_micro_step();
     }
-  } abandon{grads.get()};
+  } abandon{grad_worker.get(), grads.get()};
   const uint32_t n = static_cast<uint32_t>(layout.blocks.size());
   const double loss_factor = scaler->scale() / static_cast<double>(opt.config.gradient_accumulation_steps);
 
@@ -512,6 +517,12 @@ Result<Trainer::Impl::MicroResult> Trainer::Impl::micro_step(bool first, bool la
     ZO_RETURN_IF_ERROR(offload_grads(b, params, false));
     result.grad_offload_s += seconds_since(g0);
     ZO_RETURN_IF_ERROR(release(b));
+  }
+  {
+    const auto g0 = Clock::now();
+    Status drained = grad_worker->drain();
+    result.grad_offload_s += seconds_since(g0);
+    ZO_RETURN_IF_ERROR(drained.with_context("accumulating gradients"));
   }
   ZO_ASSIGN_OR_RETURN(result.grads, grads->end_micro_step());
   abandon.armed = false;

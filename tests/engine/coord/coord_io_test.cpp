@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "engine/coord/grad_accumulator.h"
+#include "engine/coord/grad_worker.h"
 #include "engine/coord/param_coordinator.h"
 #include "tests/engine/coord/coord_rig.h"
 
@@ -245,6 +246,54 @@ TEST(GradAccumulator, WriteErrorNamesTheSubGroup) {
   EXPECT_EQ(st.code(), StatusCode::kIoError);
   EXPECT_THAT(st.message(), HasSubstr("writing sub-group"));
   EXPECT_THAT(st.message(), HasSubstr("optimizer.swp"));
+}
+
+// An I/O error in an accumulator write the worker does behind backward: later submits fail fast
+// with the same error, drain() reports it naming the sub-group,
+// the file and the offset, and the next micro-step starts clean.
+TEST(GradWorker, AWriteErrorBehindBackwardIsReportedByDrainAndCleared) {
+  Placing p;
+  p.optimizer = "nvme";
+  Rig rig;
+  ASSERT_TRUE(rig.init(p).is_ok());
+  auto acc = GradAccumulator::create(*rig.store, testing::contribution_order(), testing::executor());
+  ASSERT_TRUE(acc.is_ok());
+  auto worker = GradWorker::create(**acc, 1 << 20);
+  ASSERT_TRUE(worker.is_ok());
+  const SwapRegion first = rig.store->location(0, StateKind::kGradAccum).region;
+  rig.faults->add({io::FaultKind::kEio, io::IoOp::kWrite, "optimizer.swp", first.offset_bytes, 1});
+  const auto order = testing::contribution_order();
+  const auto grads = testing::random_grads(rig, 2, DType::kF32, 4);
+  ASSERT_TRUE((*acc)->begin_micro_step(true, true).is_ok());
+  auto copy_of = [](const Bytes& g) {
+    return [&g](std::span<std::byte> slot) {
+      std::memcpy(slot.data(), g.data(), g.size());
+      return Status::ok();
+    };
+  };
+  size_t refused = 0;
+  Status first_refusal;
+  for (size_t c = 0; c < order.size(); ++c) {
+    Status st = (*worker)->submit(order[c], DType::kF32, grads[0][c].size(), copy_of(grads[0][c]));
+    if (!st.is_ok() && refused++ == 0) first_refusal = st;
+  }
+  const Status st = (*worker)->drain();
+  ASSERT_EQ(st.code(), StatusCode::kIoError) << st.to_string();
+  EXPECT_THAT(st.message(), HasSubstr("writing sub-group 0"));
+  EXPECT_THAT(st.message(), HasSubstr("optimizer.swp"));
+  EXPECT_THAT(st.message(), HasSubstr(std::to_string(first.offset_bytes)));
+  if (refused > 0) {
+    EXPECT_EQ(first_refusal.message(), st.message());
+  }
+  (*acc)->abandon_micro_step();
+
+  // The fault fired once: the next window accumulates and drains cleanly.
+  EXPECT_TRUE((*worker)->drain().is_ok());
+  ASSERT_TRUE((*acc)->begin_micro_step(true, true).is_ok());
+  for (size_t c = 0; c < order.size(); ++c)
+    ASSERT_TRUE((*worker)->submit(order[c], DType::kF32, grads[1][c].size(), copy_of(grads[1][c])).is_ok());
+  EXPECT_TRUE((*worker)->drain().is_ok());
+  EXPECT_TRUE((*acc)->end_micro_step().is_ok());
 }
 
 }  // namespace

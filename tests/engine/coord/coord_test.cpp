@@ -1,7 +1,7 @@
 // engine/coord on HostDevice with states in memory (device and CPU tiers): the range allocator, the
 // parameter coordinator (exact bytes across the schedule, order, budget, persistence, reuse,
-// prefetch, invalidate, tied params) and the gradient accumulator (reference sums, norm,
-// overflow, contribution errors, buffer bounds).
+// prefetch, invalidate, tied params), the gradient accumulator (reference sums, norm, overflow,
+// contribution errors, buffer bounds) and the gradient worker (order, bits, back-pressure).
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -10,6 +10,7 @@
 
 #include "common/bytes.h"
 #include "engine/coord/grad_accumulator.h"
+#include "engine/coord/grad_worker.h"
 #include "engine/coord/param_coordinator.h"
 #include "engine/coord/range_allocator.h"
 #include "tests/engine/coord/coord_rig.h"
@@ -479,6 +480,88 @@ TEST(GradAccumulator, MatchesTheReferenceSumOnCpuAndDeviceBitForBit) {
       }
     }
   }
+}
+
+// The same contributions through a GradWorker whose landing ring holds `ring_bytes`.
+AccResult accumulate_with_worker(Rig& rig, const std::vector<std::vector<Bytes>>& grads, DType gdt, uint64_t ring_bytes,
+                                 GradWorker::Stats* stats) {
+  AccResult r;
+  auto acc = GradAccumulator::create(*rig.store, testing::contribution_order(), testing::executor());
+  ZO_CHECK(acc.is_ok()) << acc.status().to_string();
+  auto worker = GradWorker::create(**acc, ring_bytes);
+  ZO_CHECK(worker.is_ok()) << worker.status().to_string();
+  const auto order = testing::contribution_order();
+  for (size_t m = 0; m < grads.size(); ++m) {
+    Status st = (*acc)->begin_micro_step(m == 0, m + 1 == grads.size());
+    ZO_CHECK(st.is_ok()) << st.to_string();
+    for (size_t c = 0; c < order.size(); ++c) {
+      const Bytes& g = grads[m][c];
+      st = (*worker)->submit(order[c], gdt, g.size(), [&](std::span<std::byte> slot) {
+        std::memcpy(slot.data(), g.data(), g.size());
+        return Status::ok();
+      });
+      ZO_CHECK(st.is_ok()) << st.to_string();
+    }
+    st = (*worker)->drain();
+    ZO_CHECK(st.is_ok()) << st.to_string();
+    auto report = (*acc)->end_micro_step();
+    ZO_CHECK(report.is_ok()) << report.status().to_string();
+    r.reports.push_back(*report);
+  }
+  *stats = (*worker)->stats();
+  r.acc = rig.gather(StateKind::kGradAccum);
+  return r;
+}
+
+// Backward copies gradients into the ring and goes on; the accumulators and the norm must be the
+// bits of direct adds, with the producer held back when the ring is full (a ring of the largest
+// gradient: slots wrap around and nearly every submit waits for the worker).
+TEST(GradWorker, AddsInOrderBitIdenticalToDirectAddsUnderBackPressure) {
+  for (const char* tier : {"cpu", "none"}) {
+    SCOPED_TRACE(tier);
+    Placing p;
+    p.optimizer = tier;
+    p.param = tier;
+    Rig direct_rig, worker_rig;
+    ASSERT_TRUE(direct_rig.init(p).is_ok());
+    ASSERT_TRUE(worker_rig.init(p).is_ok());
+    const auto grads = testing::random_grads(direct_rig, 3, DType::kBF16, 17);
+    const AccResult direct = accumulate_all(direct_rig, grads, DType::kBF16);
+    uint64_t largest = 0;
+    for (const auto& g : grads[0]) largest = std::max<uint64_t>(largest, g.size());
+    for (uint64_t ring : {largest, 3 * largest + 100}) {
+      Rig rig;
+      ASSERT_TRUE(rig.init(p).is_ok());
+      GradWorker::Stats stats;
+      const AccResult via = accumulate_with_worker(rig, grads, DType::kBF16, ring, &stats);
+      EXPECT_EQ(via.acc, direct.acc) << "ring " << ring;
+      ASSERT_EQ(via.reports.size(), direct.reports.size());
+      EXPECT_EQ(double_bits(via.reports.back().sum_sq), double_bits(direct.reports.back().sum_sq));
+      EXPECT_EQ(stats.items, 3 * testing::contribution_order().size());
+      EXPECT_LE(stats.peak_in_flight_bytes, align_up(ring, 64));
+      if (ring == largest) {
+        EXPECT_GT(stats.full_waits, 0u) << "back-pressure was not exercised";
+      }
+    }
+  }
+}
+
+TEST(GradWorker, RefusesAZeroRingAnOversizedGradientAndReturnsAFailedFill) {
+  Rig rig;
+  ASSERT_TRUE(rig.init(Placing{}).is_ok());
+  auto acc = GradAccumulator::create(*rig.store, testing::contribution_order(), testing::executor());
+  ASSERT_TRUE(acc.is_ok());
+  EXPECT_EQ(GradWorker::create(**acc, 0).status().code(), StatusCode::kInvalidArgument);
+  auto worker = GradWorker::create(**acc, 1024);
+  ASSERT_TRUE(worker.is_ok());
+  auto never = [](std::span<std::byte>) -> Status { ADD_FAILURE() << "filled"; return Status::ok(); };
+  const Status big = (*worker)->submit(0, DType::kF32, 4096, never);
+  EXPECT_EQ(big.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(big.message(), HasSubstr("landing ring"));
+  const Status bad = (*worker)->submit(0, DType::kF32, 64, [](std::span<std::byte>) { return internal_error("copy failed"); });
+  EXPECT_THAT(bad.message(), HasSubstr("copy failed"));
+  EXPECT_TRUE((*worker)->drain().is_ok());
+  EXPECT_EQ((*worker)->stats().items, 0u);
 }
 
 TEST(GradAccumulator, AnInfInAnEarlyMicroStepIsReportedAtTheBoundary) {

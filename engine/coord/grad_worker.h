@@ -1,0 +1,62 @@
+// GradWorker: a bounded landing ring for gradients and a thread that feeds them to one
+// GradAccumulator, so that backward copies a block's gradients into the ring and goes on computing
+// while they are accumulated (and NVMe-resident accumulators written). Items are added in
+// submission order, so the accumulators and the norm are bit-identical to calling
+// GradAccumulator::add directly. submit() blocks while the ring has no room for the next item
+// (back-pressure). The ring is allocated once, at create(). One producer thread; the accumulator
+// must not be touched by anyone else from the first submit() until drain() returns.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+
+#include "common/dtype.h"
+#include "common/status.h"
+#include "engine/coord/grad_accumulator.h"
+
+namespace zo::engine {
+
+class GradWorker {
+ public:
+  struct Stats {
+    double submit_wait_s = 0;  // the producer blocked in submit() (the ring had no room)
+    double drain_wait_s = 0;   // the producer blocked in drain()
+    double add_s = 0;          // the worker inside GradAccumulator::add
+    uint64_t full_waits = 0;   // submits that had to wait
+    uint64_t peak_in_flight_bytes = 0;
+    uint64_t items = 0;
+  };
+
+  // A ring of ring_bytes (> 0; the planner's figure: the largest block's gradients). `acc` must
+  // outlive the worker.
+  static Result<std::unique_ptr<GradWorker>> create(GradAccumulator& acc, uint64_t ring_bytes);
+  ~GradWorker();  // drops what is still queued without adding it, and stops the thread
+  GradWorker(const GradWorker&) = delete;
+  GradWorker& operator=(const GradWorker&) = delete;
+
+  // Queues one contribution of `param`: `size_bytes` of `dtype`, written into a ring slot by
+  // `fill` on the calling thread (a copy from the device or from LibTorch's tensor). Waits for room
+  // first. kInvalidArgument for an item larger than the ring; fill's error is returned with nothing
+  // queued. Once an add has failed, nothing more is added until drain(): queued items are dropped
+  // and submit() returns that first error at once.
+  Status submit(uint32_t param, DType dtype, uint64_t size_bytes,
+                const std::function<Status(std::span<std::byte> slot)>& fill);
+
+  // Waits until every queued item is added or dropped; returns the first add error since the
+  // previous drain() (naming the param and, for I/O, the sub-group, file and offset) and clears it,
+  // so the next micro-step starts clean.
+  Status drain();
+
+  uint64_t ring_bytes() const;
+  Stats stats() const;
+
+  struct Impl;
+
+ private:
+  explicit GradWorker(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace zo::engine
