@@ -61,7 +61,8 @@ struct StepMetrics {
   double fetch_s = 0;          // blocked on parameter fetches (NVMe reads, H2D copies)
   double data_s = 0;           // reading and checking the batches
   double compute_s = 0;        // forward, recompute and backward (and the coordinator's bookkeeping)
-  double grad_offload_s = 0;   // gradients off the device into the accumulators (D2H, accumulate, NVMe writes)
+  double grad_offload_s = 0;   // backward waiting on the gradient path: copies into the landing ring (D2H), a
+                               // full ring, the last accumulation of each micro-step (the rest overlaps backward)
   double optimizer_s = 0;      // the whole optimizer step, including its I/O waits
   double nvme_read_wait_s = 0;   // of optimizer_s
   double nvme_write_wait_s = 0;  // of optimizer_s
