@@ -46,7 +46,7 @@ struct Args {
   bool json = false;
 };
 
-constexpr double kTarget = 0.85;  // ratio to the roofline the kernels should reach (issue target)
+constexpr double kTarget = 0.85;  // the ratio to the roofline at which a kernel counts as running at memory speed
 
 int usage(const std::string& msg) {
   std::fprintf(stderr, "zoffload-bench grad: %s\n", msg.c_str());
