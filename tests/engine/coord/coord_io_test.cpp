@@ -249,8 +249,8 @@ TEST(GradAccumulator, WriteErrorNamesTheSubGroup) {
 }
 
 // An I/O error in an accumulator write the worker does behind backward: later submits fail fast
-// with the same error, drain() reports it naming the sub-group,
-// the file and the offset, and the next micro-step starts clean.
+// with the same error, drain() reports it naming the sub-group, the file and the offset, and the
+// next micro-step starts clean.
 TEST(GradWorker, AWriteErrorBehindBackwardIsReportedByDrainAndCleared) {
   Placing p;
   p.optimizer = "nvme";

@@ -401,8 +401,10 @@ struct AccResult {
 };
 
 // Runs `grads` (micro-steps × contributions in contribution order) through a GradAccumulator, after
-// filling the accumulators with garbage the first micro-step must ignore.
-AccResult accumulate_all(Rig& rig, const std::vector<std::vector<Bytes>>& grads, DType gdt) {
+// filling the accumulators with garbage the first micro-step must ignore: added directly, or with
+// ring_bytes > 0 through a GradWorker with a landing ring that size (its stats to `stats`).
+AccResult accumulate_all(Rig& rig, const std::vector<std::vector<Bytes>>& grads, DType gdt, uint64_t ring_bytes = 0,
+                         GradWorker::Stats* stats = nullptr) {
   AccResult r;
   std::mt19937 rng(99);
   std::vector<Bytes> garbage;
@@ -411,18 +413,35 @@ AccResult accumulate_all(Rig& rig, const std::vector<std::vector<Bytes>>& grads,
   ZO_CHECK(st.is_ok()) << st.to_string();
   auto acc = GradAccumulator::create(*rig.store, testing::contribution_order(), testing::executor());
   ZO_CHECK(acc.is_ok()) << acc.status().to_string();
+  std::unique_ptr<GradWorker> worker;
+  if (ring_bytes > 0) {
+    auto w = GradWorker::create(**acc, ring_bytes);
+    ZO_CHECK(w.is_ok()) << w.status().to_string();
+    worker = std::move(*w);
+  }
   const auto order = testing::contribution_order();
   for (size_t m = 0; m < grads.size(); ++m) {
     st = (*acc)->begin_micro_step(m == 0, m + 1 == grads.size());
     ZO_CHECK(st.is_ok()) << st.to_string();
     for (size_t c = 0; c < order.size(); ++c) {
-      st = (*acc)->add(order[c], grads[m][c], gdt);
+      const Bytes& g = grads[m][c];
+      st = worker ? worker->submit(order[c], gdt, g.size(),
+                                   [&](std::span<std::byte> slot) {
+                                     std::memcpy(slot.data(), g.data(), g.size());
+                                     return Status::ok();
+                                   })
+                  : (*acc)->add(order[c], g, gdt);
+      ZO_CHECK(st.is_ok()) << st.to_string();
+    }
+    if (worker) {
+      st = worker->drain();
       ZO_CHECK(st.is_ok()) << st.to_string();
     }
     auto report = (*acc)->end_micro_step();
     ZO_CHECK(report.is_ok()) << report.status().to_string();
     r.reports.push_back(*report);
   }
+  if (stats != nullptr && worker) *stats = worker->stats();
   r.acc = rig.gather(StateKind::kGradAccum);
   return r;
 }
@@ -482,37 +501,6 @@ TEST(GradAccumulator, MatchesTheReferenceSumOnCpuAndDeviceBitForBit) {
   }
 }
 
-// The same contributions through a GradWorker whose landing ring holds `ring_bytes`.
-AccResult accumulate_with_worker(Rig& rig, const std::vector<std::vector<Bytes>>& grads, DType gdt, uint64_t ring_bytes,
-                                 GradWorker::Stats* stats) {
-  AccResult r;
-  auto acc = GradAccumulator::create(*rig.store, testing::contribution_order(), testing::executor());
-  ZO_CHECK(acc.is_ok()) << acc.status().to_string();
-  auto worker = GradWorker::create(**acc, ring_bytes);
-  ZO_CHECK(worker.is_ok()) << worker.status().to_string();
-  const auto order = testing::contribution_order();
-  for (size_t m = 0; m < grads.size(); ++m) {
-    Status st = (*acc)->begin_micro_step(m == 0, m + 1 == grads.size());
-    ZO_CHECK(st.is_ok()) << st.to_string();
-    for (size_t c = 0; c < order.size(); ++c) {
-      const Bytes& g = grads[m][c];
-      st = (*worker)->submit(order[c], gdt, g.size(), [&](std::span<std::byte> slot) {
-        std::memcpy(slot.data(), g.data(), g.size());
-        return Status::ok();
-      });
-      ZO_CHECK(st.is_ok()) << st.to_string();
-    }
-    st = (*worker)->drain();
-    ZO_CHECK(st.is_ok()) << st.to_string();
-    auto report = (*acc)->end_micro_step();
-    ZO_CHECK(report.is_ok()) << report.status().to_string();
-    r.reports.push_back(*report);
-  }
-  *stats = (*worker)->stats();
-  r.acc = rig.gather(StateKind::kGradAccum);
-  return r;
-}
-
 // Backward copies gradients into the ring and goes on; the accumulators and the norm must be the
 // bits of direct adds, with the producer held back when the ring is full (a ring of the largest
 // gradient: slots wrap around and nearly every submit waits for the worker).
@@ -533,7 +521,7 @@ TEST(GradWorker, AddsInOrderBitIdenticalToDirectAddsUnderBackPressure) {
       Rig rig;
       ASSERT_TRUE(rig.init(p).is_ok());
       GradWorker::Stats stats;
-      const AccResult via = accumulate_with_worker(rig, grads, DType::kBF16, ring, &stats);
+      const AccResult via = accumulate_all(rig, grads, DType::kBF16, ring, &stats);
       EXPECT_EQ(via.acc, direct.acc) << "ring " << ring;
       ASSERT_EQ(via.reports.size(), direct.reports.size());
       EXPECT_EQ(double_bits(via.reports.back().sum_sq), double_bits(direct.reports.back().sum_sq));
