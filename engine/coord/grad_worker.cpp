@@ -39,6 +39,7 @@ struct GradWorker::Impl {
   };
 
   GradAccumulator* acc = nullptr;
+  std::function<void()> before_add;
   AlignedBuffer ring;
   uint64_t capacity = 0;
 
@@ -80,6 +81,7 @@ struct GradWorker::Impl {
       Status st;
       double seconds = 0;
       if (add) {
+        if (before_add) before_add();
         Stopwatch sw;
         st = acc->add(item.param, std::span<const std::byte>(ring.data() + item.offset, item.size), item.dtype);
         seconds = sw.elapsed_s();
@@ -105,10 +107,12 @@ GradWorker::~GradWorker() {
   if (impl_->thread.joinable()) impl_->thread.join();
 }
 
-Result<std::unique_ptr<GradWorker>> GradWorker::create(GradAccumulator& acc, uint64_t ring_bytes) {
+Result<std::unique_ptr<GradWorker>> GradWorker::create(GradAccumulator& acc, uint64_t ring_bytes,
+                                                       std::function<void()> before_add) {
   if (ring_bytes == 0) return invalid_argument("gradient worker: a landing ring of 0 bytes");
   auto impl = std::make_unique<Impl>();
   impl->acc = &acc;
+  impl->before_add = std::move(before_add);
   impl->capacity = align_up(ring_bytes, kSlotAlignment);
   ZO_ASSIGN_OR_RETURN(impl->ring, AlignedBuffer::allocate(impl->capacity));
   Impl* raw = impl.get();

@@ -30,8 +30,10 @@ class GradWorker {
   };
 
   // A ring of ring_bytes (> 0; the planner's figure: the largest block's gradients). `acc` must
-  // outlive the worker.
-  static Result<std::unique_ptr<GradWorker>> create(GradAccumulator& acc, uint64_t ring_bytes);
+  // outlive the worker. before_add (tests) runs on the worker thread before each add, e.g. to slow
+  // the worker so that the ring fills.
+  static Result<std::unique_ptr<GradWorker>> create(GradAccumulator& acc, uint64_t ring_bytes,
+                                                    std::function<void()> before_add = {});
   ~GradWorker();  // drops what is still queued without adding it, and stops the thread
   GradWorker(const GradWorker&) = delete;
   GradWorker& operator=(const GradWorker&) = delete;

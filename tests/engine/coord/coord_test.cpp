@@ -5,8 +5,10 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <limits>
+#include <thread>
 
 #include "common/bytes.h"
 #include "engine/coord/grad_accumulator.h"
@@ -415,7 +417,8 @@ AccResult accumulate_all(Rig& rig, const std::vector<std::vector<Bytes>>& grads,
   ZO_CHECK(acc.is_ok()) << acc.status().to_string();
   std::unique_ptr<GradWorker> worker;
   if (ring_bytes > 0) {
-    auto w = GradWorker::create(**acc, ring_bytes);
+    // A worker slower than the producer, so that a small ring fills and submits wait.
+    auto w = GradWorker::create(**acc, ring_bytes, [] { std::this_thread::sleep_for(std::chrono::milliseconds(1)); });
     ZO_CHECK(w.is_ok()) << w.status().to_string();
     worker = std::move(*w);
   }
