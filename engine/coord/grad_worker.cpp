@@ -10,7 +10,6 @@
 
 #include "common/aligned_buffer.h"
 #include "common/bytes.h"
-#include "common/timer.h"
 
 // Note [Gradient landing ring]
 //
@@ -79,15 +78,11 @@ struct GradWorker::Impl {
       const bool add = error.is_ok();
       lock.unlock();
       Status st;
-      double seconds = 0;
       if (add) {
         if (before_add) before_add();
-        Stopwatch sw;
         st = acc->add(item.param, std::span<const std::byte>(ring.data() + item.offset, item.size), item.dtype);
-        seconds = sw.elapsed_s();
       }
       lock.lock();
-      stats.add_s += seconds;
       if (!st.is_ok() && error.is_ok()) error = std::move(st);
       queue.pop_front();
       in_flight -= item.slot;
@@ -132,9 +127,7 @@ Status GradWorker::submit(uint32_t param, DType dtype, uint64_t size_bytes,
   int64_t offset = s.error.is_ok() ? s.find_slot(slot_size) : 0;
   if (offset < 0) {
     ++s.stats.full_waits;
-    Stopwatch sw;
     s.done_cv.wait(lock, [&] { return !s.error.is_ok() || (offset = s.find_slot(slot_size)) >= 0; });
-    s.stats.submit_wait_s += sw.elapsed_s();
   }
   if (!s.error.is_ok()) return s.error;
   lock.unlock();
@@ -155,9 +148,7 @@ Status GradWorker::submit(uint32_t param, DType dtype, uint64_t size_bytes,
 Status GradWorker::drain() {
   Impl& s = *impl_;
   std::unique_lock<std::mutex> lock(s.mu);
-  Stopwatch sw;
   s.done_cv.wait(lock, [&] { return s.queue.empty(); });
-  s.stats.drain_wait_s += sw.elapsed_s();
   Status err = std::move(s.error);
   s.error = Status::ok();
   return err;

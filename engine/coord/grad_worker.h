@@ -21,10 +21,7 @@ namespace zo::engine {
 class GradWorker {
  public:
   struct Stats {
-    double submit_wait_s = 0;  // the producer blocked in submit() (the ring had no room)
-    double drain_wait_s = 0;   // the producer blocked in drain()
-    double add_s = 0;          // the worker inside GradAccumulator::add
-    uint64_t full_waits = 0;   // submits that had to wait
+    uint64_t full_waits = 0;   // submits that had to wait for room in the ring
     uint64_t peak_in_flight_bytes = 0;
     uint64_t items = 0;
   };

@@ -43,8 +43,8 @@
 // in order, while (a) the elements fetched ahead (issued but not yet acquired) stay within
 // stage3_prefetch_bucket_size — raised to the most one block fetches when the bucket cannot hold
 // the largest param (Accelerate's "auto" 0.9·hidden² holds no 8B-class MLP projection, and a bucket
-// that holds no param would turn prefetch off), so prefetch then runs by whole blocks —, (b) the live elements (non-persistent params in the arena) stay
-// within stage3_max_live_parameters, and (c) a slot can be found, evicting only cached params whose
+// that holds no param would turn prefetch off), so prefetch then runs by whole blocks —, (b) the
+// live elements (non-persistent params in the arena) stay within stage3_max_live_parameters, and (c) a slot can be found, evicting only cached params whose
 // next use comes after the one being prefetched. It stops at the first param that does not fit
 // (strict order: never skips ahead). An NVMe param also needs one of the ParamSwapper's buffers;
 // a buffer is freed by completing the oldest transfer only if its H2D copy is already queued
@@ -509,6 +509,11 @@ ArenaPlan plan_arena(const ParamRegistry& registry, const Placement& placement,
   return out;
 }
 
+uint64_t ArenaPlan::bytes_within(uint64_t left) const {
+  const uint64_t room = left > persistent_bytes ? align_down(left - persistent_bytes, gpu::kDeviceAlignment) : 0;
+  return persistent_bytes + std::min(dynamic_bytes, room);
+}
+
 ParamCoordinator::ParamCoordinator(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 ParamCoordinator::~ParamCoordinator() = default;
 
@@ -617,11 +622,10 @@ Result<std::unique_ptr<ParamCoordinator>> ParamCoordinator::create(StateStore& s
     persistent_bytes += sizing.rounded(x.bytes);
   }
   ZO_CHECK_EQ(persistent_bytes, ap.persistent_bytes);
-  uint64_t dynamic_bytes = ap.dynamic_bytes;
   const uint64_t largest = ap.largest_block_bytes;
   const uint32_t largest_block = ap.largest_block;
 
-  if (persistent_bytes + dynamic_bytes > 0) {
+  if (ap.total_bytes() > 0) {
     const gpu::DeviceStats ds = s.device->stats();
     uint64_t left = ds.budget_bytes > ds.allocated_bytes ? ds.budget_bytes - ds.allocated_bytes : 0;
     left = left > options.device_reserve_bytes ? left - options.device_reserve_bytes : 0;
@@ -640,9 +644,8 @@ Result<std::unique_ptr<ParamCoordinator>> ParamCoordinator::create(StateStore& s
       }
       return out_of_memory(msg + "; raise zoffload.gpu_memory_limit or offload fewer states to the device");
     }
-    dynamic_bytes = std::min(dynamic_bytes, align_down(left - persistent_bytes, gpu::kDeviceAlignment));
     s.persistent_bytes = persistent_bytes;
-    s.arena_bytes = persistent_bytes + dynamic_bytes;
+    s.arena_bytes = ap.bytes_within(left);
     ZO_ASSIGN_OR_RETURN(s.arena, s.device->allocate(s.arena_bytes));
     store.accounting().add_resident(Tier::kDevice, s.arena_bytes);
   }

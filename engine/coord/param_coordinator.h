@@ -53,6 +53,9 @@ struct ArenaPlan {
   bool prefetch_by_blocks = false;   // the bucket was raised to whole blocks
   uint64_t largest_param_elems = 0;  // the largest fetched param (the bucket must hold it)
   uint64_t total_bytes() const { return persistent_bytes + dynamic_bytes; }
+  // The arena create() allocates when `left` device bytes are free: the persistent slots and as
+  // much of the dynamic region as fits (whole alignment units).
+  uint64_t bytes_within(uint64_t left) const;
 };
 
 // `blocks[b]` = the param ids block b uses (each < registry.params().size()); a param's compute

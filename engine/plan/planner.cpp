@@ -24,7 +24,6 @@
 #include <algorithm>
 #include <cstring>
 #include <functional>
-#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -37,6 +36,7 @@
 #include "common/dtype.h"
 #include "common/host_info.h"
 #include "common/string_util.h"
+#include "common/timer.h"
 #include "cpu_optim/adam.h"
 #include "cpu_optim/executor.h"
 #include "engine/ckpt/stream_file.h"
@@ -95,10 +95,6 @@ uint64_t activation_estimate(const ModelConfig& m, uint64_t micro_batch, uint64_
   return static_cast<uint64_t>(resident + std::max({dec_end, dec_mid, head_a, head_b}));
 }
 
-std::string gib(uint64_t b) { return format_bytes(b); }
-
-
-
 std::string seconds_text(double s) {
   char buf[32];
   std::snprintf(buf, sizeof buf, s < 10 ? "%.2f s" : "%.1f s", s);
@@ -126,15 +122,11 @@ Status check_model_size(const ModelConfig& m) {
   return Status::ok();
 }
 
-uint64_t grad_ring_bytes(const ModelLayout& layout, DType compute_dtype) {
+uint64_t grad_ring_bytes(const ModelLayout& layout, const ParamRegistry& registry, DType compute_dtype) {
   uint64_t most = 0;
   for (const BlockSpec& b : layout.blocks) {
     uint64_t elems = 0;
-    for (uint32_t p : b.params) {
-      uint64_t n = 1;
-      for (int64_t d : layout.params[p].shape) n *= static_cast<uint64_t>(d);
-      elems += n;
-    }
+    for (uint32_t p : b.params) elems += registry.params()[p].n_elems;
     most = std::max(most, elems);
   }
   return most * dtype_size_bytes(compute_dtype);
@@ -154,7 +146,7 @@ std::string resolve_run_path(const std::string& out_dir, const std::string& path
 }
 
 std::string PlanProblem::to_string() const {
-  return resource + ": needs " + gib(need_bytes) + ", has " + gib(have_bytes) + (detail.empty() ? "" : " (" + detail + ")");
+  return resource + ": needs " + format_bytes(need_bytes) + ", has " + format_bytes(have_bytes) + (detail.empty() ? "" : " (" + detail + ")");
 }
 
 Result<RunPlan> plan_run(const PlanInputs& in) {
@@ -185,11 +177,7 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
   p.device_budget_bytes = in.device_budget_bytes;
   p.device_state_bytes = mp.device_bytes;
   const uint64_t left = in.device_budget_bytes > mp.device_bytes ? in.device_budget_bytes - mp.device_bytes : 0;
-  if (p.arena.total_bytes() > 0) {
-    const uint64_t dyn_room =
-        left > p.arena.persistent_bytes ? (left - p.arena.persistent_bytes) / gpu::kDeviceAlignment * gpu::kDeviceAlignment : 0;
-    p.device_arena_bytes = p.arena.persistent_bytes + std::min(p.arena.dynamic_bytes, dyn_room);
-  }
+  p.device_arena_bytes = p.arena.bytes_within(left);
   p.activation_bytes = activation_estimate(m, micro, in.seq_len, cb);
   p.device_total_bytes = p.device_state_bytes + p.device_arena_bytes + (in.host.cuda ? p.activation_bytes : 0);
 
@@ -199,7 +187,7 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
   p.pinned_bytes = pin ? p.pool_bytes : 0;
   p.pageable_state_bytes = mp.cpu_pageable_bytes;
   const GradAccumulator::BufferPlan gbuf = GradAccumulator::plan_buffers(registry, pl, contribution_order);
-  p.grad_ring_bytes = grad_ring_bytes(layout, c.compute_dtype());
+  p.grad_ring_bytes = grad_ring_bytes(layout, registry, c.compute_dtype());
   p.host_buffer_bytes = kStoreScratchBytes + uint64_t{gbuf.count} * gbuf.bytes_each + p.grad_ring_bytes;
   p.ram_bytes = p.pool_bytes + p.pageable_state_bytes + p.host_buffer_bytes + (in.host.cuda ? 0 : p.activation_bytes);
   p.process_bytes = in.host.process_bytes;
@@ -210,18 +198,14 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
   p.export_rss_bytes = p.save_rss_bytes;
 
   // Bytes moved per step (Note [Bytes per step]).
-  uint64_t n_compute_nvme = 0, n_fetched = 0;
-  for (const SubGroup& g : registry.sub_groups()) {
-    if (pl.compute[g.index] == Tier::kNvme) n_compute_nvme += g.n_elems;
-    if (pl.compute[g.index] != Tier::kDevice) n_fetched += g.n_elems;
-  }
   // NVMe transfers move whole 4 KiB-aligned sections, one per state per sub-group, so each is
   // counted rounded as the swap file lays it out. A gradient section whose length is not a whole
   // number of pages is read with one page more (its tail goes through the store's scratch path):
   // measured, and checked exactly by tests/engine/plan against real runs.
-  uint64_t rd = 0, wr = 0, compute_nvme_bytes = 0;
+  uint64_t rd = 0, wr = 0, compute_nvme_bytes = 0, n_fetched = 0;
   uint64_t grad_rd = 0, grad_wr = 0;  // the accumulators' share, moved during backward
   for (const SubGroup& g : registry.sub_groups()) {
+    if (pl.compute[g.index] != Tier::kDevice) n_fetched += g.n_elems;
     auto sec = [&](StateKind k) { return align_up(g.n_elems * state_elem_bytes(pl, k), kSwapAlignment); };
     if (pl.compute[g.index] == Tier::kNvme) compute_nvme_bytes += sec(StateKind::kCompute);
     if (pl.optimizer != Tier::kNvme) continue;
@@ -241,7 +225,7 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
   p.nvme_write_bytes = wr;
   p.nvme_read_min_bytes = rd + compute_nvme_bytes;
   p.nvme_read_max_bytes = rd + 2 * gas * compute_nvme_bytes;
-  p.nvme_exact = n_compute_nvme == 0;
+  p.nvme_exact = compute_nvme_bytes == 0;
   p.nvme_read_bytes = p.nvme_exact ? rd : p.nvme_read_max_bytes;
   p.h2d_min_bytes = n_fetched * cb;
   p.h2d_max_bytes = 2 * gas * n_fetched * cb;
@@ -303,21 +287,21 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
   const HostFacts& host = in.host;
   if (in.host.cuda && host.device_total_bytes > 0 && p.device_total_bytes > host.device_total_bytes) {
     p.problems.push_back({"GPU memory", p.device_total_bytes, host.device_total_bytes,
-                          "states " + gib(p.device_state_bytes) + " + arena " + gib(p.device_arena_bytes) +
-                              " + activations " + gib(p.activation_bytes) + " at micro-batch " + std::to_string(micro) +
+                          "states " + format_bytes(p.device_state_bytes) + " + arena " + format_bytes(p.device_arena_bytes) +
+                              " + activations " + format_bytes(p.activation_bytes) + " at micro-batch " + std::to_string(micro) +
                               ", seq " + std::to_string(in.seq_len)});
   }
   const uint64_t arena_min = p.arena.persistent_bytes + p.arena.largest_block_bytes;
   if (p.device_state_bytes + arena_min > in.device_budget_bytes) {
     p.problems.push_back({"device budget", p.device_state_bytes + arena_min, in.device_budget_bytes,
-                          "device-resident states " + gib(p.device_state_bytes) + " + the largest block '" +
-                              layout.blocks[p.arena.largest_block].name + "' " + gib(p.arena.largest_block_bytes) + " + persistent params " + gib(p.arena.persistent_bytes) +
+                          "device-resident states " + format_bytes(p.device_state_bytes) + " + the largest block '" +
+                              layout.blocks[p.arena.largest_block].name + "' " + format_bytes(p.arena.largest_block_bytes) + " + persistent params " + format_bytes(p.arena.persistent_bytes) +
                               "; the budget is zoffload.gpu_memory_limit or the device's memory"});
   }
   const uint64_t cap = c.zoffload.pinned_memory_limit;
   if (cap != 0 && p.pool_bytes > cap) {
     p.problems.push_back({"zoffload.pinned_memory_limit", p.pool_bytes, cap,
-                          "CPU-resident states " + gib(mp.cpu_pinned_bytes) + " and swap/staging buffers"});
+                          "CPU-resident states " + format_bytes(mp.cpu_pinned_bytes) + " and swap/staging buffers"});
   }
   if (pin && !host.can_lock_unlimited && host.memlock_limit_bytes != UINT64_MAX && p.pinned_bytes > host.memlock_limit_bytes) {
     p.problems.push_back({"locked memory (ulimit -l)", p.pinned_bytes, host.memlock_limit_bytes,
@@ -326,10 +310,10 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
   const uint64_t ram_need = p.ram_bytes + p.process_bytes;
   if (host.ram_available_bytes > 0 && ram_need > host.ram_available_bytes) {
     p.problems.push_back({"RAM (MemAvailable)", ram_need, host.ram_available_bytes,
-                          "pool " + gib(p.pool_bytes) + " + pageable states " + gib(p.pageable_state_bytes) +
-                              " + buffers " + gib(p.host_buffer_bytes) +
-                              (in.host.cuda ? "" : " + activations " + gib(p.activation_bytes)) + " + process " +
-                              gib(p.process_bytes)});
+                          "pool " + format_bytes(p.pool_bytes) + " + pageable states " + format_bytes(p.pageable_state_bytes) +
+                              " + buffers " + format_bytes(p.host_buffer_bytes) +
+                              (in.host.cuda ? "" : " + activations " + format_bytes(p.activation_bytes)) + " + process " +
+                              format_bytes(p.process_bytes)});
   }
   const std::string opt_path = resolve_run_path(in.out_dir, c.zero.offload_optimizer.nvme_path);
   const std::string par_path = resolve_run_path(in.out_dir, c.zero.offload_param.nvme_path);
@@ -536,15 +520,13 @@ Status measure_cpu_speeds(const Config& config, HostSpeeds* speeds) {
   const DType cdt = config.compute_dtype();
   const AdamConfig adam{.lr = 1e-4f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f, .weight_decay = 0.0f,
                                    .adam_w_mode = true, .bias_correction = true};
-  using Clock = std::chrono::steady_clock;
   auto rate = [&](const std::function<Status()>& fn) -> Result<double> {
     ZO_RETURN_IF_ERROR(fn());  // first touch
     double best = 0;
     for (int i = 0; i < 3; ++i) {
-      const auto t0 = Clock::now();
+      Stopwatch sw;
       ZO_RETURN_IF_ERROR(fn());
-      const double s = std::chrono::duration<double>(Clock::now() - t0).count();
-      best = std::max(best, static_cast<double>(kElems) / s);
+      best = std::max(best, static_cast<double>(kElems) / sw.elapsed_s());
     }
     return best;
   };

@@ -134,7 +134,7 @@ struct RunPlan {
 // The gradient worker's landing ring (engine/coord/grad_worker.h): the largest block's gradients
 // in the compute dtype, so that one block's gradients are accumulated while the next block's
 // backward computes. The trainer allocates it; the planner counts it in host buffers.
-uint64_t grad_ring_bytes(const ModelLayout& layout, DType compute_dtype);
+uint64_t grad_ring_bytes(const ModelLayout& layout, const ParamRegistry& registry, DType compute_dtype);
 
 // "by whole blocks, N elements ahead: stage3_prefetch_bucket_size B cannot hold the largest param
 // (M elements)": the start line's and the plan's words for ArenaPlan::prefetch_by_blocks.

@@ -274,7 +274,7 @@ Status Trainer::Impl::init(const TrainOptions& options) {
   ZO_ASSIGN_OR_RETURN(coord, ParamCoordinator::create(*store, param_swapper.get(), std::move(blocks), std::move(names),
                                                       CoordinatorOptions::from_config(config)));
   ZO_ASSIGN_OR_RETURN(grads, GradAccumulator::create(*store, std::move(contribution_order), *executor));
-  ZO_ASSIGN_OR_RETURN(grad_worker, GradWorker::create(*grads, grad_ring_bytes(layout, compute_dtype)));
+  ZO_ASSIGN_OR_RETURN(grad_worker, GradWorker::create(*grads, grad_ring_bytes(layout, *registry, compute_dtype)));
 
   ZO_ASSIGN_OR_RETURN(LossScaler s, LossScaler::for_config(config));
   scaler.emplace(s);

@@ -47,7 +47,7 @@ TEST(Planner, UsesTheEnginesOwnMemoryPlan) {
   EXPECT_EQ(p->n_params, reg->total_elems());
   // The gradient worker's ring: the largest block's gradients (the head, with the tied embedding's
   // or its own vocabulary × hidden), counted in the host buffers.
-  EXPECT_EQ(p->grad_ring_bytes, grad_ring_bytes(layout, in.config.compute_dtype()));
+  EXPECT_EQ(p->grad_ring_bytes, grad_ring_bytes(layout, *reg, in.config.compute_dtype()));
   EXPECT_GE(p->grad_ring_bytes, in.model.vocab_size * in.model.hidden_size * 4);
   EXPECT_GE(p->host_buffer_bytes, p->grad_ring_bytes + kStoreScratchBytes);
   EXPECT_GT(p->arena.total_bytes(), 0u);
