@@ -116,6 +116,7 @@ class IoEngine::Impl {
       pending_.push_back(Segment{state.get(), r.op, r.file, r.offset_bytes, r.buffer, r.size_bytes});
     }
     tickets_.emplace(id, std::move(state));
+    if (total > 0 && active_tickets_++ == 0) busy_since_ = std::chrono::steady_clock::now();
     if (total > 0) {
       if (batch.size() == 1 && total <= options_.block_size_bytes) work_cv_.notify_one();
       else work_cv_.notify_all();
@@ -199,6 +200,10 @@ class IoEngine::Impl {
     s.short_resubmits = short_resubmits_.load(std::memory_order_relaxed);
     s.transient_retries = transient_retries_.load(std::memory_order_relaxed);
     s.errors = errors_.load(std::memory_order_relaxed);
+    std::lock_guard<std::mutex> lock(mu_);
+    auto busy = busy_;
+    if (active_tickets_ > 0) busy += std::chrono::steady_clock::now() - busy_since_;
+    s.busy_s = std::chrono::duration<double>(busy).count();
     return s;
   }
 
@@ -246,6 +251,7 @@ class IoEngine::Impl {
       if (t->remaining_bytes == 0) {
         t->done = true;
         any_done = true;
+        if (--active_tickets_ == 0) busy_ += std::chrono::steady_clock::now() - busy_since_;
       }
     }
     finished.clear();
@@ -411,11 +417,15 @@ class IoEngine::Impl {
     freed.push_back(c.slot);
   }
 
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::condition_variable work_cv_;
   std::condition_variable done_cv_;
   std::deque<Segment> pending_;
   std::unordered_map<Ticket, std::unique_ptr<TicketState>> tickets_;
+  // Busy time (IoStats::busy_s), under mu_: tickets with bytes still to move, and since when.
+  uint64_t active_tickets_ = 0;
+  std::chrono::steady_clock::time_point busy_since_;
+  std::chrono::steady_clock::duration busy_{};
   Ticket next_ticket_ = 1;
   bool stop_ = false;
   std::vector<std::thread> threads_;

@@ -31,6 +31,7 @@ struct IoStats {
   uint64_t short_resubmits = 0;    // remainders resubmitted after a short transfer
   uint64_t transient_retries = 0;  // EAGAIN/EINTR retries
   uint64_t errors = 0;             // pieces that failed for good
+  double busy_s = 0;               // wall time with at least one ticket outstanding (the drive in use)
 };
 
 class IoEngine {

@@ -53,11 +53,12 @@ int fail(const std::string& what, int code) {
 
 // "where the time went" in one line.
 std::string breakdown(const engine::StepMetrics& m) {
-  char buf[256];
+  char buf[384];
   std::snprintf(buf, sizeof buf,
-                "data %.2fs | fetch %.2fs | compute %.2fs | grad offload %.2fs | optimizer %.2fs (nvme read wait %.2fs, "
-                "write wait %.2fs)",
-                m.data_s, m.fetch_s, m.compute_s, m.grad_offload_s, m.optimizer_s, m.nvme_read_wait_s, m.nvme_write_wait_s);
+                "data %.2fs | fetch %.2fs | compute %.2fs | grad offload %.2fs | optimizer wait %.2fs | beside: "
+                "optimizer %.2fs (nvme read wait %.2fs, write wait %.2fs), nvme busy %.2fs",
+                m.data_s, m.fetch_s, m.compute_s, m.grad_offload_s, m.optimizer_wait_s, m.optimizer_s, m.nvme_read_wait_s,
+                m.nvme_write_wait_s, m.nvme_busy_s);
   return buf;
 }
 
@@ -67,9 +68,9 @@ std::string progress_line(const engine::StepMetrics& m, uint64_t total, bool wit
   std::string bar(static_cast<size_t>(filled), '=');
   if (filled < kWidth) bar += '>' + std::string(static_cast<size_t>(kWidth - filled - 1), ' ');
   char buf[256];
-  std::snprintf(buf, sizeof buf, "step %llu/%llu [%s] loss %.4f | %.0f tok/s | lr %.2e%s",
+  std::snprintf(buf, sizeof buf, "step %llu/%llu [%s] loss %.4f | %.0f tok/s | lr %.2e | overlap %.2f%s",
                 static_cast<unsigned long long>(m.step), static_cast<unsigned long long>(total), bar.c_str(), m.loss,
-                m.step_s > 0 ? static_cast<double>(m.tokens) / m.step_s : 0.0, m.lr,
+                m.step_s > 0 ? static_cast<double>(m.tokens) / m.step_s : 0.0, m.lr, m.overlap,
                 m.skipped ? " | overflow: step skipped" : "");
   std::string line = buf;
   if (with_breakdown) line += " | " + breakdown(m);
@@ -99,6 +100,7 @@ int run_train(const TrainArgs& a) {
   options.seed = a.seed;
   options.out_dir = a.out;
   options.resume = a.resume;
+  options.last_step = steps;
 
   const auto t0 = std::chrono::steady_clock::now();
   auto trainer_r = engine::Trainer::create(options);
@@ -170,7 +172,7 @@ int run_train(const TrainArgs& a) {
     auto m = trainer.step();
     if (!m.is_ok()) {
       if (tty && !a.quiet && !a.json) std::fputc('\n', stderr);
-      return fail("step " + std::to_string(i + 1) + ": " + m.status().to_string(), 1);
+      return fail(m.status().to_string(), 1);  // "step N: ..."
     }
     if (i == first_step) first_loss = m->loss;
     last_loss = m->loss;

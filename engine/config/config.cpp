@@ -304,6 +304,7 @@ void read_zoffload(ParseState* st, ObjectReader r, ZoffloadConfig* z) {
   r.size_bytes("pinned_memory_limit", &z->pinned_memory_limit);
   r.count("optimizer_threads", &z->optimizer_threads, 0);
   r.boolean("bind_cores", &z->bind_cores);
+  r.boolean("overlap_optimizer", &z->overlap_optimizer);
   static constexpr std::string_view kBackends[] = {"auto", "io_uring", "libaio", "psync"};
   r.choice("io_backend", kBackends, &z->io_backend);
   ObjectReader c = r.child("checkpoint");
@@ -770,6 +771,7 @@ json to_json(const Config& c) {
       {"pinned_memory_limit", zo.pinned_memory_limit},
       {"optimizer_threads", zo.optimizer_threads},
       {"bind_cores", zo.bind_cores},
+      {"overlap_optimizer", zo.overlap_optimizer},
       {"io_backend", zo.io_backend},
       {"checkpoint",
        {{"dir", zo.checkpoint.dir},

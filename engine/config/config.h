@@ -149,6 +149,9 @@ struct ZoffloadConfig {
   uint64_t pinned_memory_limit = 0;  // bytes; 0: sized from the plan, capped by RAM and ulimit -l
   uint64_t optimizer_threads = 0;    // CPU optimizer threads; 0: one per physical core
   bool bind_cores = false;           // pin optimizer threads to cores (hwloc)
+  // (addition) Run each optimizer step beside the next step's first forward (Note [Overlapped
+  // optimizer]); false: after the backward, on the training thread. Bit-identical either way.
+  bool overlap_optimizer = true;
   std::string io_backend = "auto";   // auto | io_uring | libaio | psync (the aio block tunes it)
   CheckpointConfig checkpoint;
   LogConfig log;

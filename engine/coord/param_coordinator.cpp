@@ -107,6 +107,7 @@ struct ParamCoordinator::Impl {
     uint32_t holds = 0;   // acquired blocks using it
     uint64_t mark = 0;    // == mark_epoch: excluded from eviction
     Status failure;       // why its transfer failed (state back to kPlaced, buffer given back)
+    uint32_t groups_end = 0;  // its sub-groups are below this: final once the gate's prefix reaches it
   };
 
   StateStore* store = nullptr;
@@ -126,6 +127,8 @@ struct ParamCoordinator::Impl {
   detail::RangeAllocator dynamic;
   gpu::Stream stream;
   std::deque<uint32_t> buffered;  // params holding a swap buffer, oldest fetch first
+  UpdateGate* gate = nullptr;
+  std::vector<uint32_t> block_groups_end;  // per block: the max groups_end of its params
 
   bool in_step = false;
   uint32_t pos = 0;  // next schedule position to acquire
@@ -379,6 +382,7 @@ struct ParamCoordinator::Impl {
           continue;
         }
         if (ahead_elems + x.n_elems > options.prefetch_bucket_elems) return;
+        if (gate != nullptr && gate->final_prefix() < x.groups_end) return;  // not updated yet
         if (!x.persistent && live_elems + x.n_elems > options.max_live_elems) return;
         while (!try_place(p)) {
           const int64_t victim = pick_victim(cur, &q);
@@ -586,15 +590,18 @@ Result<std::unique_ptr<ParamCoordinator>> ParamCoordinator::create(StateStore& s
       x.host = first.host + pieces.front().group_offset * cb;
     }
     x.persistent = !x.on_device && x.n_elems <= options.persistence_threshold_elems;
+    x.groups_end = pieces.back().sub_group + 1;
   }
 
   // Schedule: positions of every use, unique fetchable params per block, elements per position.
   std::vector<uint64_t> block_elems(s.n_blocks, 0);
   s.fetched.resize(s.n_blocks);
+  s.block_groups_end.assign(s.n_blocks, 0);
   for (uint32_t b = 0; b < s.n_blocks; ++b) {
     ++s.mark_epoch;
     for (uint32_t p : s.blocks[b]) {
       Impl::Param& x = s.params[p];
+      s.block_groups_end[b] = std::max(s.block_groups_end[b], x.groups_end);
       if (x.mark == s.mark_epoch) continue;
       x.mark = s.mark_epoch;
       x.used = true;
@@ -684,6 +691,14 @@ Result<std::vector<gpu::DevicePtr>> ParamCoordinator::acquire(uint32_t block) {
   }
   const uint64_t cur = s.pos;
   const std::vector<uint32_t>& ps = s.fetched[block];
+  if (s.gate != nullptr && s.gate->final_prefix() < s.block_groups_end[block]) {
+    Stopwatch wait;
+    Status st = s.gate->wait_prefix(s.block_groups_end[block]);
+    s.stats.update_wait_s += wait.elapsed_s();
+    if (!st.is_ok()) {
+      return st.with_context("acquire " + s.block_text(block) + ": the optimizer step updating it failed");
+    }
+  }
 
   ++s.mark_epoch;
   for (uint32_t p : ps) {
@@ -782,6 +797,8 @@ void ParamCoordinator::invalidate() {
   }
   for (uint32_t p = 0; p < s.params.size(); ++p) s.drop(p);
 }
+
+void ParamCoordinator::set_update_gate(UpdateGate* gate) { impl_->gate = gate; }
 
 CoordinatorStats ParamCoordinator::stats() const { return impl_->stats; }
 

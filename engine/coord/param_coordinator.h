@@ -12,6 +12,7 @@
 
 #include "common/status.h"
 #include "engine/config/config.h"
+#include "engine/coord/update_gate.h"
 #include "engine/memory/param_swapper.h"
 #include "engine/memory/state_store.h"
 #include "gpu/device.h"
@@ -65,6 +66,7 @@ ArenaPlan plan_arena(const ParamRegistry& registry, const Placement& placement,
 
 struct CoordinatorStats {
   double fetch_wait_s = 0;       // time acquire() blocked waiting for NVMe reads and H2D copies
+  double update_wait_s = 0;      // time acquire() blocked on the update gate (not in fetch_wait_s)
   uint64_t h2d_bytes = 0;        // bytes copied to the device by fetches
   uint64_t nvme_read_bytes = 0;  // compute-copy bytes of fetched params that live on NVMe
   // Params copied to the device / found already resident (or already in flight because a prefetch
@@ -122,8 +124,16 @@ class ParamCoordinator {
 
   // After an optimizer step the compute copies changed: drops every device-cached copy
   // (persistent ones too) so the next micro-step fetches fresh ones; waits for transfers in flight.
-  // Nothing may be acquired when called (aborts otherwise: a caller bug).
+  // Nothing may be acquired when called (aborts otherwise: a caller bug). Call it before the
+  // optimizer starts writing when the step overlaps the next forward (set_update_gate).
   void invalidate();
+
+  // (addition) An optimizer step may be writing compute copies while this coordinator runs the
+  // next forward (Note [Overlapped optimizer]): from now on acquire(b) first waits until the gate
+  // holds every sub-group of block b's params final (an update failure is returned, naming the
+  // block), and prefetch fetches only params whose sub-groups are final. null: no gate. The gate
+  // must outlive the coordinator or be unset first.
+  void set_update_gate(UpdateGate* gate);
 
   CoordinatorStats stats() const;
 

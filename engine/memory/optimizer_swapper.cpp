@@ -96,6 +96,9 @@ struct OptimizerSwapper::Impl {
   Status deliver_compute(Slot& slot, uint32_t g, std::byte* compute, int slot_index);
   Status wait_writes(Slot& slot);
   Result<int> take_slot();
+  void compute_ready(uint32_t g) {
+    if (args.on_compute_ready) args.on_compute_ready(g);
+  }
   void drain();
 };
 
@@ -157,6 +160,7 @@ Status OptimizerSwapper::Impl::step_device() {
   if (!first.is_ok()) return first.with_context("sub-group " + std::to_string(g));
   if (!sync.is_ok()) return sync.with_context("device Adam");
   report.sub_groups = store->plan().n_sub_groups;
+  for (uint32_t done = 0; done < report.sub_groups; ++done) compute_ready(done);
   return Status::ok();
 }
 
@@ -204,6 +208,7 @@ Status OptimizerSwapper::Impl::wait_writes(Slot& slot) {
     report.transfer_s += tw.elapsed_s();
   }
   slot.state = Slot::State::kFree;
+  if (first.is_ok() && loc(slot.group, StateKind::kCompute).tier != Tier::kCpu) compute_ready(slot.group);
   return first;
 }
 
@@ -229,6 +234,7 @@ Status OptimizerSwapper::Impl::step_cpu() {
                      loc(g, StateKind::kGradAccum).host, copy_out);
     if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(g));
     written = true;
+    if (slot == nullptr) compute_ready(g);
     if (slot != nullptr) {
       slot->group = g;
       slot->state = Slot::State::kBusy;
@@ -351,6 +357,7 @@ Status OptimizerSwapper::Impl::step_nvme() {
               reinterpret_cast<float*>(section(StateKind::kExpAvgSq)), section(StateKind::kGradAccum), copy_out);
     if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(g));
     written = true;
+    if (home.tier == Tier::kCpu) compute_ready(g);
     st = issue_writes(slot, g);
     if (st.is_ok()) st = deliver_compute(slot, g, compute_section, current);
     if (st.is_ok() && !options.pipeline_write) st = wait_writes(slot);

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 
 #include "common/status.h"
@@ -33,6 +34,11 @@ struct OptimizerStepArgs {
   cpu_optim::AdamConfig adam;
   int64_t step = 1;            // 1-based optimizer step (bias correction)
   float grad_scale = 1.0f;     // 1/loss_scale × clip coefficient, applied as gradients are read
+  // Called on step()'s thread, once per sub-group, as soon as the sub-group's new compute copy is
+  // at its home (written to CPU memory, NVMe write or H2D copy completed), before step() returns;
+  // not called for sub-groups a failed step never finished. May be empty. For a forward that
+  // overlaps the step (UpdateGate).
+  std::function<void(uint32_t sub_group)> on_compute_ready;
 };
 
 // Where a step's time went, in seconds of wall time on the calling thread.

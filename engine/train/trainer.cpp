@@ -14,6 +14,8 @@
 #include <limits>
 #include <optional>
 #include <sstream>
+#include <system_error>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -27,6 +29,7 @@
 #include "engine/coord/grad_accumulator.h"
 #include "engine/coord/grad_worker.h"
 #include "engine/coord/param_coordinator.h"
+#include "engine/coord/update_gate.h"
 #include "engine/memory/optimizer_swapper.h"
 #include "engine/memory/param_registry.h"
 #include "engine/memory/param_swapper.h"
@@ -81,9 +84,12 @@ std::string StepMetrics::to_json() const {
                  {"fetch", fetch_s},
                  {"compute", compute_s},
                  {"grad_offload", grad_offload_s},
+                 {"optimizer_wait", optimizer_wait_s},
                  {"optimizer", optimizer_s},
                  {"nvme_read_wait", nvme_read_wait_s},
-                 {"nvme_write_wait", nvme_write_wait_s}};
+                 {"nvme_write_wait", nvme_write_wait_s},
+                 {"nvme_busy", nvme_busy_s}};
+  j["overlap"] = overlap;
   j["memory"] = nlohmann::json::parse(memory.to_json());
   j["device_peak_bytes"] = device_peak_bytes;
   j["device_budget_bytes"] = device_budget_bytes;
@@ -110,6 +116,7 @@ struct Trainer::Impl {
   std::unique_ptr<StateStore> store;
   std::unique_ptr<OptimizerSwapper> optimizer;
   std::unique_ptr<ParamSwapper> param_swapper;
+  std::unique_ptr<UpdateGate> gate;  // the optimizer's progress, for the forward that overlaps it
   std::unique_ptr<ParamCoordinator> coord;
   std::unique_ptr<GradAccumulator> grads;
   std::unique_ptr<GradWorker> grad_worker;  // feeds `grads` behind backward; destroyed before it
@@ -131,6 +138,24 @@ struct Trainer::Impl {
   std::string swap_dir;
   std::ofstream metrics;
 
+  // The forward of one micro-batch up to the head: the activation checkpoints and the labels.
+  struct Forward {
+    std::vector<torch::Tensor> inputs;  // each block's input; inputs[0] the token ids
+    torch::Tensor targets;
+    uint64_t tokens = 0;
+    double data_s = 0;
+    DataPosition position;  // where its batch was read from
+  };
+  // Note [Overlapped optimizer]: the next step's first forward, run by step() while its optimizer
+  // ran, or that forward's failure (returned by the next step()).
+  std::optional<Forward> ahead;
+  Status ahead_error;
+  std::thread update_thread;  // the optimizer step in flight, joined before step() returns
+
+  ~Impl() {
+    if (update_thread.joinable()) update_thread.join();
+  }
+
   Status init(const TrainOptions& options);
   Status init_weights();
   // The block's compute copies as tensors; leaves that collect gradients when `grad`.
@@ -142,12 +167,16 @@ struct Trainer::Impl {
   Status offload_grads(uint32_t block, const std::vector<torch::Tensor>& params, bool inject_overflow);
   struct MicroResult {
     double loss = 0;
-    uint64_t tokens = 0;
-    double data_s = 0;          // reading and checking the batch
     double grad_offload_s = 0;  // gradients off the device and into the accumulators
     GradNormReport grads;
   };
-  Result<MicroResult> micro_step(bool first, bool last, bool inject_overflow);
+  // Reads the next batch and runs the forward of blocks 0..n-2 (begins the coordinator's micro-step).
+  Result<Forward> forward();
+  // The rest of the micro-step: the head's forward and loss, then backward block by block with the
+  // gradients handed to the accumulators.
+  Result<MicroResult> finish_micro_step(Forward& f, bool first, bool last, bool inject_overflow);
+  // Trainer::step without the step number in its errors.
+  Result<StepMetrics> step_once();
 };
 
 Status Trainer::Impl::init(const TrainOptions& options) {
@@ -273,6 +302,8 @@ Status Trainer::Impl::init(const TrainOptions& options) {
     for (uint32_t p : layout.blocks[b].params) contribution_order.push_back(p);
   ZO_ASSIGN_OR_RETURN(coord, ParamCoordinator::create(*store, param_swapper.get(), std::move(blocks), std::move(names),
                                                       CoordinatorOptions::from_config(config)));
+  gate = std::make_unique<UpdateGate>(store->plan().n_sub_groups);
+  coord->set_update_gate(gate.get());
   ZO_ASSIGN_OR_RETURN(grads, GradAccumulator::create(*store, std::move(contribution_order), *executor));
   ZO_ASSIGN_OR_RETURN(grad_worker, GradWorker::create(*grads, grad_ring_bytes(layout, *registry, compute_dtype)));
 
@@ -428,10 +459,11 @@ Status Trainer::Impl::offload_grads(uint32_t block, const std::vector<torch::Ten
 // One micro-batch: forward block by block keeping only block inputs, then the head's loss and
 // backward, then each block in reverse: re-fetch, recompute with autograd, backpropagate, hand its
 // gradients to the accumulators, release (DESIGN.md, "One training step").
-Result<Trainer::Impl::MicroResult> Trainer::Impl::micro_step(bool first, bool last, bool inject_overflow) {
-  MicroResult result;
+Result<Trainer::Impl::Forward> Trainer::Impl::forward() {
+  Forward f;
   const auto data_t0 = Clock::now();
   ZO_RETURN_IF_ERROR(data->next_batch(&batch));
+  f.position = batch.position;
   auto out_of_vocab = [&](int32_t token, bool label) { return !(label && token == kIgnoreLabel) && (token < 0 || static_cast<uint64_t>(token) >= model.vocab_size); };
   for (size_t i = 0; i < batch.inputs.size(); ++i) {
     const bool bad_input = out_of_vocab(batch.inputs[i], false);
@@ -441,10 +473,31 @@ Result<Trainer::Impl::MicroResult> Trainer::Impl::micro_step(bool first, bool la
                               std::to_string(batch.windows[i / batch.seq_len]) + ") is outside the model's vocabulary of " +
                               std::to_string(model.vocab_size));
   }
-  for (int32_t t : batch.targets) result.tokens += t != kIgnoreLabel;
-  result.data_s = seconds_since(data_t0);
+  for (int32_t t : batch.targets) f.tokens += t != kIgnoreLabel;
+  f.data_s = seconds_since(data_t0);
 
   coord->begin_micro_step();
+  const uint32_t n = static_cast<uint32_t>(layout.blocks.size());
+  f.inputs.resize(n);
+  ZO_RETURN_IF_ERROR(torch_call("preparing the batch", [&] {
+    const int64_t b = static_cast<int64_t>(batch.batch), t = static_cast<int64_t>(batch.seq_len);
+    f.inputs[0] = torch::from_blob(batch.inputs.data(), {b, t}, torch::kInt32).to(torch_device, torch::kInt64);
+    f.targets = torch::from_blob(batch.targets.data(), {b, t}, torch::kInt32).to(torch_device, torch::kInt64);
+  }));
+  for (uint32_t b = 0; b + 1 < n; ++b) {
+    ZO_ASSIGN_OR_RETURN(std::vector<gpu::DevicePtr> ptrs, coord->acquire(b));
+    ZO_RETURN_IF_ERROR(torch_call("forward of " + layout.blocks[b].name, [&] {
+      torch::NoGradGuard no_grad;
+      f.inputs[b + 1] = block_forward(model, layout.blocks[b], wrap(b, ptrs, false), f.inputs[b], rope);
+    }));
+    ZO_RETURN_IF_ERROR(release(b));
+  }
+  return f;
+}
+
+Result<Trainer::Impl::MicroResult> Trainer::Impl::finish_micro_step(Forward& f, bool first, bool last,
+                                                                    bool inject_overflow) {
+  MicroResult result;
   ZO_RETURN_IF_ERROR(grads->begin_micro_step(first, last));
   // A failure below leaves the accumulator's window open; close it so the next step can start
   // (blocks still held are treated as released by the next begin_micro_step).
@@ -460,24 +513,7 @@ Result<Trainer::Impl::MicroResult> Trainer::Impl::micro_step(bool first, bool la
   } abandon{grad_worker.get(), grads.get()};
   const uint32_t n = static_cast<uint32_t>(layout.blocks.size());
   const double loss_factor = scaler->scale() / static_cast<double>(opt.config.gradient_accumulation_steps);
-
-  torch::Tensor ids, targets;
-  std::vector<torch::Tensor> inputs(n);  // the activation checkpoint: each block's input
-  ZO_RETURN_IF_ERROR(torch_call("preparing the batch", [&] {
-    const int64_t b = static_cast<int64_t>(batch.batch), t = static_cast<int64_t>(batch.seq_len);
-    ids = torch::from_blob(batch.inputs.data(), {b, t}, torch::kInt32).to(torch_device, torch::kInt64);
-    targets = torch::from_blob(batch.targets.data(), {b, t}, torch::kInt32).to(torch_device, torch::kInt64);
-  }));
-  inputs[0] = ids;
-
-  for (uint32_t b = 0; b + 1 < n; ++b) {
-    ZO_ASSIGN_OR_RETURN(std::vector<gpu::DevicePtr> ptrs, coord->acquire(b));
-    ZO_RETURN_IF_ERROR(torch_call("forward of " + layout.blocks[b].name, [&] {
-      torch::NoGradGuard no_grad;
-      inputs[b + 1] = block_forward(model, layout.blocks[b], wrap(b, ptrs, false), inputs[b], rope);
-    }));
-    ZO_RETURN_IF_ERROR(release(b));
-  }
+  std::vector<torch::Tensor>& inputs = f.inputs;
 
   // The head: its forward and backward follow each other in the schedule, so it runs once with
   // autograd and its backward entry only acquires and releases it.
@@ -489,13 +525,13 @@ Result<Trainer::Impl::MicroResult> Trainer::Impl::micro_step(bool first, bool la
     ZO_RETURN_IF_ERROR(torch_call("forward and backward of " + layout.blocks[h].name, [&] {
       params = wrap(h, ptrs, true);
       torch::Tensor x = inputs[h].detach().set_requires_grad(true);
-      torch::Tensor loss = lm_loss(block_forward(model, layout.blocks[h], params, x, rope), targets);
+      torch::Tensor loss = lm_loss(block_forward(model, layout.blocks[h], params, x, rope), f.targets);
       result.loss = loss.item<double>();
       (loss * loss_factor).backward();
       grad_out = x.grad();
     }));
     const auto g0 = Clock::now();
-    ZO_RETURN_IF_ERROR(offload_grads(h, params, inject_overflow));
+    ZO_RETURN_IF_ERROR(offload_grads(h, params, false));
     result.grad_offload_s += seconds_since(g0);
     ZO_RETURN_IF_ERROR(release(h));
     ZO_RETURN_IF_ERROR(coord->acquire(h).status());
@@ -514,7 +550,7 @@ Result<Trainer::Impl::MicroResult> Trainer::Impl::micro_step(bool first, bool la
       inputs[b] = torch::Tensor();
     }));
     const auto g0 = Clock::now();
-    ZO_RETURN_IF_ERROR(offload_grads(b, params, false));
+    ZO_RETURN_IF_ERROR(offload_grads(b, params, b == 0 && inject_overflow));
     result.grad_offload_s += seconds_since(g0);
     ZO_RETURN_IF_ERROR(release(b));
   }
@@ -539,17 +575,29 @@ Result<std::unique_ptr<Trainer>> Trainer::create(const TrainOptions& options) {
 }
 
 Result<StepMetrics> Trainer::step() {
-  Impl& m = *impl_;
+  Result<StepMetrics> r = impl_->step_once();
+  if (!r.is_ok()) return Status(r.status()).with_context("step " + std::to_string(impl_->steps_done + 1));
+  return r;
+}
+
+Result<StepMetrics> Trainer::Impl::step_once() {
+  Impl& m = *this;
   const Config& config = m.opt.config;
   const auto t0 = Clock::now();
   StepMetrics out;
   out.step = m.steps_done + 1;
+  if (!m.ahead_error.is_ok()) {  // this step's first forward already failed, behind the last optimizer
+    Status failed = std::move(m.ahead_error);
+    m.ahead_error = Status::ok();
+    return failed;
+  }
   out.loss_scale = m.scaler->scale();
   out.lr = m.schedule->lr_at(m.optimizer_steps);
   const bool inject = std::find(m.opt.inject_overflow_steps.begin(), m.opt.inject_overflow_steps.end(), out.step) !=
                       m.opt.inject_overflow_steps.end();
 
-  const double fetch_before = m.coord->stats().fetch_wait_s;
+  const CoordinatorStats coord_before = m.coord->stats();
+  const double io_busy_before = m.io->stats().busy_s;
   const bool cuda = m.torch_device.is_cuda();
   reset_torch_memory_peak(cuda);
   const uint64_t gas = config.gradient_accumulation_steps;
@@ -559,24 +607,31 @@ Result<StepMetrics> Trainer::step() {
   double data_s = 0;
   for (uint64_t micro = 0; micro < gas; ++micro) {
     const bool last = micro + 1 == gas;
-    ZO_ASSIGN_OR_RETURN(Impl::MicroResult r, m.micro_step(micro == 0, last, inject && last));
+    Impl::Forward f;
+    if (micro == 0 && m.ahead) {
+      f = std::move(*m.ahead);
+      m.ahead.reset();
+    } else {
+      ZO_ASSIGN_OR_RETURN(f, m.forward());
+      data_s += f.data_s;
+    }
+    ZO_ASSIGN_OR_RETURN(Impl::MicroResult r, m.finish_micro_step(f, micro == 0, last, inject && last));
     loss_sum += r.loss;
-    out.tokens += r.tokens;
+    out.tokens += f.tokens;
     offload_s += r.grad_offload_s;
-    data_s += r.data_s;
     if (last) boundary = r.grads;
   }
   out.loss = loss_sum / static_cast<double>(gas);
-  out.fetch_s = m.coord->stats().fetch_wait_s - fetch_before;
-  out.grad_offload_s = offload_s;
-  out.data_s = data_s;
-  out.compute_s = std::max(0.0, seconds_since(t0) - out.fetch_s - out.grad_offload_s - out.data_s);
   out.torch_peak_bytes = torch_memory(cuda).peak_bytes;
 
-  // The accumulation boundary: overflow check, loss-scale update, clipping, the optimizer.
+  // The accumulation boundary: overflow check, loss-scale update, clipping, then the optimizer on
+  // its own thread while this one runs the next step's first forward (Note [Overlapped optimizer]).
   out.grad_norm = std::sqrt(boundary.sum_sq) / out.loss_scale;
   const bool overflow = boundary.nonfinite || !is_finite_norm(out.grad_norm);
   out.skipped = m.scaler->update(overflow);
+  const bool overlap = config.zoffload.overlap_optimizer;
+  std::optional<Result<OptimizerStepReport>> stepped;
+  double join_s = 0;  // waiting for the optimizer (all of it when it does not overlap)
   if (!out.skipped) {
     const OptimizerConfig& oc = config.optimizer;
     OptimizerStepArgs args;
@@ -598,11 +653,54 @@ Result<StepMetrics> Trainer::step() {
                     << ") and this precision does not skip such steps: updating without clipping";
     }
     args.grad_scale = static_cast<float>(clip / out.loss_scale);
-    Result<OptimizerStepReport> stepped = m.optimizer->step(args);
-    // The compute copies may have changed even when the step failed part-way (a torn store).
+    // Every device copy is dropped before the update writes (even a failed one may have changed
+    // some: a torn store); from here the forward reads the compute copies from their homes, gated.
     m.coord->invalidate();
-    if (!stepped.is_ok()) return stepped.status();
-    const OptimizerStepReport& report = *stepped;
+    UpdateGate* gate = m.gate.get();
+    if (!overlap) {
+      const auto o0 = Clock::now();
+      stepped.emplace(m.optimizer->step(args));
+      join_s = seconds_since(o0);
+    } else {
+      args.on_compute_ready = [gate](uint32_t g) { gate->publish(g); };
+      gate->open();
+      try {
+        m.update_thread = std::thread([&m, &stepped, gate, args] {
+          Result<OptimizerStepReport> r = m.optimizer->step(args);
+          gate->close(r.is_ok() ? Status::ok() : r.status());
+          stepped.emplace(std::move(r));
+        });
+      } catch (const std::system_error& e) {
+        gate->close(Status::ok());  // nothing was written
+        return errno_status("step " + std::to_string(out.step) + ": starting the optimizer thread", e.code().value());
+      }
+    }
+  }
+  if (overlap && (m.opt.last_step == 0 || out.step < m.opt.last_step)) {
+    auto next = m.forward();
+    if (next.is_ok()) {
+      data_s += next->data_s;
+      m.ahead = std::move(*next);
+    } else {
+      m.ahead_error = next.status();
+    }
+  }
+  if (m.update_thread.joinable()) {
+    const auto j0 = Clock::now();
+    m.update_thread.join();
+    join_s = seconds_since(j0);
+  }
+  if (stepped) {
+    if (!stepped->is_ok()) {
+      // The run ends here (the states may be torn); what the forward run ahead did or hit is moot.
+      // The gate stops failing forwards: as in the sequential step, the next optimizer step is
+      // what refuses the torn states (OptimizerSwapper::step).
+      m.ahead.reset();
+      m.ahead_error = Status::ok();
+      m.gate->close(Status::ok());
+      return stepped->status();
+    }
+    const OptimizerStepReport& report = **stepped;
     ++m.optimizer_steps;
     out.optimizer_s = report.total_s;
     out.nvme_read_wait_s = report.read_wait_s;
@@ -610,6 +708,14 @@ Result<StepMetrics> Trainer::step() {
   }
   ++m.steps_done;
   out.step_s = seconds_since(t0);
+  const CoordinatorStats coord_after = m.coord->stats();
+  out.fetch_s = coord_after.fetch_wait_s - coord_before.fetch_wait_s;
+  out.optimizer_wait_s = coord_after.update_wait_s - coord_before.update_wait_s + join_s;
+  out.grad_offload_s = offload_s;
+  out.data_s = data_s;
+  out.compute_s = std::max(0.0, out.step_s - out.fetch_s - out.grad_offload_s - out.data_s - out.optimizer_wait_s);
+  out.nvme_busy_s = m.io->stats().busy_s - io_busy_before;
+  out.overlap = out.step_s > 0 ? std::max({out.compute_s, out.optimizer_s, out.nvme_busy_s}) / out.step_s : 0.0;
   out.memory = m.accounting.snapshot();
   const gpu::DeviceStats ds = m.device->stats();
   out.device_peak_bytes = ds.peak_allocated_bytes;
@@ -656,7 +762,9 @@ TrainingState Trainer::training_state() const {
   st.steps_done = m.steps_done;
   st.optimizer_steps = m.optimizer_steps;
   st.loss_scaler = m.scaler->state();
-  st.data_position = m.data->position();
+  // A batch already read for the next step's forward (Note [Overlapped optimizer]) is read again
+  // by a run resumed from here.
+  st.data_position = m.ahead ? m.ahead->position : m.data->position();
   st.seed = m.data->options().seed;
   // A directory is recorded absolute, so `zoffload export` finds its tokenizer from anywhere.
   std::error_code ec;

@@ -41,9 +41,14 @@ struct TrainOptions {
   // Where relative paths of the config (offload nvme_path, log.metrics_path) are resolved and
   // metrics.jsonl is written; created if missing. Empty: the current directory.
   std::string out_dir;
-  // Tests: the steps (1-based) at whose last micro-step one gradient element of the head block is
-  // replaced by +inf before it reaches the accumulator — an overflow through the real path.
+  // Tests: the steps (1-based) at whose last micro-step one gradient element of the embedding block
+  // — the last gradients backward produces, when every other sub-group's are final — is replaced by
+  // +inf before it reaches the accumulator: an overflow through the real path.
   std::vector<uint64_t> inject_overflow_steps;
+  // The run's last step (zoffload train's --steps). Each step runs the next step's first forward
+  // while its optimizer runs (Note [Overlapped optimizer]); the step that reaches last_step does
+  // not, so no batch is read that the run never trains on. 0: every step reads ahead.
+  uint64_t last_step = 0;
   // Tests: faults injected into the run's I/O engine (swap files, checkpoints, exports).
   std::shared_ptr<io::FaultInjector> io_faults;
 };
@@ -57,15 +62,24 @@ struct StepMetrics {
   double grad_norm = 0;        // global L2 norm of the unscaled gradients (inf/nan on overflow)
   bool skipped = false;        // overflow: no optimizer step
   uint64_t tokens = 0;         // tokens trained on in this step (targets not masked)
+  // Wall time of the step() call. The main thread's parts below add up to it; the optimizer runs
+  // beside them on its own thread. A step's call also runs the next step's first forward (behind
+  // its optimizer), so its parts include that forward's data, fetch and compute.
   double step_s = 0;
   double fetch_s = 0;          // blocked on parameter fetches (NVMe reads, H2D copies)
   double data_s = 0;           // reading and checking the batches
   double compute_s = 0;        // forward, recompute and backward (and the coordinator's bookkeeping)
   double grad_offload_s = 0;   // backward waiting on the gradient path: copies into the landing ring (D2H), a
                                // full ring, the last accumulation of each micro-step (the rest overlaps backward)
-  double optimizer_s = 0;      // the whole optimizer step, including its I/O waits
+  double optimizer_wait_s = 0; // the forward waiting for the optimizer's update of a block, and for its end
+  // The optimizer's own time, on its thread (0 when skipped): the whole step with its I/O waits.
+  double optimizer_s = 0;
   double nvme_read_wait_s = 0;   // of optimizer_s
   double nvme_write_wait_s = 0;  // of optimizer_s
+  double nvme_busy_s = 0;        // the I/O engine had requests outstanding (all of the run's NVMe traffic)
+  // The longest of compute_s, optimizer_s and nvme_busy_s over step_s: near 1 when the step is as
+  // long as its busiest resource (everything else hidden behind it), lower when parts wait on each other.
+  double overlap = 0;
   MemoryStats memory;          // tiers after the step (peaks since the start of the run)
   uint64_t device_peak_bytes = 0;  // Device::stats().peak_allocated_bytes
   uint64_t device_budget_bytes = 0;
@@ -88,10 +102,13 @@ class Trainer {
   Trainer(const Trainer&) = delete;
   Trainer& operator=(const Trainer&) = delete;
 
-  // One optimizer step: gradient_accumulation_steps micro-batches, then the optimizer (or a skip).
-  // A failure before the optimizer (data, model, fetch, gradient I/O) loses that step's gradients
-  // and the next call starts a fresh accumulation window; a failed optimizer step ends the run (its
-  // states may be torn, see docs/memory.md): resume from a checkpoint.
+  // One optimizer step: gradient_accumulation_steps micro-batches, then the optimizer (or a skip),
+  // with the next step's first forward running beside the optimizer (TrainOptions::last_step);
+  // the step's update is complete when it returns. A failure before the optimizer (data, model,
+  // fetch, gradient I/O) loses that step's gradients and the next call starts a fresh accumulation
+  // window; a failure of the forward run ahead is returned by the next call, as that step's. A
+  // failed optimizer step ends the run (its states may be torn, see docs/memory.md): resume from a
+  // checkpoint. Errors start with "step N: ".
   Result<StepMetrics> step();
 
   uint64_t steps_done() const;

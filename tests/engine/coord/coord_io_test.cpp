@@ -5,10 +5,15 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <optional>
+#include <random>
+#include <thread>
 
 #include "engine/coord/grad_accumulator.h"
 #include "engine/coord/grad_worker.h"
 #include "engine/coord/param_coordinator.h"
+#include "engine/coord/update_gate.h"
+#include "engine/memory/optimizer_swapper.h"
 #include "tests/engine/coord/coord_rig.h"
 
 namespace zo::engine {
@@ -166,6 +171,70 @@ uint64_t double_bits(double d) {
   uint64_t u;
   std::memcpy(&u, &d, sizeof u);
   return u;
+}
+
+// Note [Overlapped optimizer] with the real parts: an OptimizerSwapper step on its own thread
+// publishing to the gate while a coordinator runs a micro-step behind it (NVMe writes of the new
+// compute copies racing NVMe reads of the updated ones) serves exactly the compute copies that the
+// same step leaves when nothing runs beside it. Also run under TSan (docs/development.md).
+TEST(ParamCoordinator, AForwardBehindAnOptimizerStepSeesEveryUpdatedCopy) {
+  struct Case {
+    const char* name;
+    Placing placing;
+    bool pipeline;
+  };
+  Placing cpu;
+  Placing nvme_both = nvme(2);
+  nvme_both.optimizer = "nvme";
+  nvme_both.pipeline = true;
+  Placing nvme_opt;
+  nvme_opt.optimizer = "nvme";
+  const Case cases[] = {{"optimizer cpu, params cpu", cpu, false},
+                        {"optimizer nvme, params nvme, pipelined", nvme_both, true},
+                        {"optimizer nvme, params cpu", nvme_opt, false}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    Rig sequential, overlapped;
+    ASSERT_TRUE(sequential.init(c.placing).is_ok());
+    ASSERT_TRUE(overlapped.init(c.placing).is_ok());
+    std::mt19937 rng(11);
+    std::vector<Bytes> grads;
+    for (const auto& p : sequential.registry.params())
+      grads.push_back(testing::to_dtype(testing::random_floats(p.n_elems, rng, 0.1f), DType::kF32));
+    ASSERT_TRUE(sequential.scatter(StateKind::kGradAccum, grads).is_ok());
+    ASSERT_TRUE(overlapped.scatter(StateKind::kGradAccum, grads).is_ok());
+    const PipelineOptions po{.pipeline_read = c.pipeline, .pipeline_write = c.pipeline};
+    OptimizerStepArgs args;
+    args.adam = {.lr = 0.01f, .weight_decay = 0.01f};
+
+    auto seq_opt = OptimizerSwapper::create(*sequential.store, testing::executor(), po);
+    ASSERT_TRUE(seq_opt.is_ok()) << seq_opt.status().to_string();
+    ASSERT_TRUE((*seq_opt)->step(args).is_ok());
+    const auto expected = sequential.gather(StateKind::kCompute);
+    ASSERT_NE(expected, overlapped.gather(StateKind::kCompute)) << "the step must change the compute copies";
+
+    auto over_opt = OptimizerSwapper::create(*overlapped.store, testing::executor(), po);
+    ASSERT_TRUE(over_opt.is_ok()) << over_opt.status().to_string();
+    auto coord = testing::make_coordinator(overlapped, testing::opts(1'000'000, 1'000'000, 200, 1'000'000'000));
+    testing::run_micro_step(overlapped, *coord, overlapped.gather(StateKind::kCompute));  // warm: copies cached
+    if (HasFatalFailure()) return;
+    UpdateGate gate(static_cast<uint32_t>(overlapped.registry.sub_groups().size()));
+    coord->set_update_gate(&gate);
+    coord->invalidate();
+    gate.open();
+    std::optional<Status> stepped;
+    std::thread optimizer([&] {
+      OptimizerStepArgs a = args;
+      a.on_compute_ready = [&gate](uint32_t g) { gate.publish(g); };
+      auto r = (*over_opt)->step(a);
+      stepped = r.is_ok() ? Status::ok() : r.status();
+      gate.close(*stepped);
+    });
+    testing::run_micro_step(overlapped, *coord, expected);
+    optimizer.join();
+    ASSERT_TRUE(stepped->is_ok()) << stepped->to_string();
+    EXPECT_EQ(overlapped.gather(StateKind::kMaster), sequential.gather(StateKind::kMaster));
+  }
 }
 
 TEST(GradAccumulator, BitIdenticalOnCpuDeviceAndNvme) {

@@ -42,6 +42,7 @@ struct Placing {
   uint64_t max_in_cpu = 1'000'000'000;
   uint64_t param_buffer_count = 4;
   bool pin = true;
+  bool pipeline = false;          // offload_optimizer.pipeline_read and pipeline_write
 
   std::string describe() const {
     return "optimizer " + optimizer + " param " + param + (bf16 ? " bf16" : " fp32") + " grad " + grad +
@@ -55,7 +56,8 @@ inline Config make_config(const Placing& s, const std::string& dir) {
   const std::string json = R"({"train_micro_batch_size_per_gpu": 1,
     "zero_optimization": {"stage": 3, "sub_group_size": 8192,
       "offload_optimizer": {"device": ")" + s.optimizer + R"(", "nvme_path": ")" + dir + R"(",
-        "pin_memory": )" + json_bool(s.pin) + R"(},
+        "pin_memory": )" + json_bool(s.pin) + R"(, "pipeline_read": )" + json_bool(s.pipeline) +
+                           R"(, "pipeline_write": )" + json_bool(s.pipeline) + R"(},
       "offload_param": {"device": ")" + s.param + R"(", "nvme_path": ")" + dir + R"(",
         "buffer_count": )" + std::to_string(s.param_buffer_count) + R"(, "buffer_size": 100000,
         "max_in_cpu": )" + std::to_string(s.max_in_cpu) + R"(, "pin_memory": )" + json_bool(s.pin) + R"(}},

@@ -15,6 +15,7 @@
 #include "engine/coord/grad_worker.h"
 #include "engine/coord/param_coordinator.h"
 #include "engine/coord/range_allocator.h"
+#include "engine/coord/update_gate.h"
 #include "tests/engine/coord/coord_rig.h"
 
 namespace zo::engine {
@@ -379,6 +380,118 @@ TEST(ParamCoordinator, BadBlocksAreRejectedAtCreate) {
   auto bad_id = ParamCoordinator::create(*rig.store, nullptr, {{0, 999}}, {"blk"}, CoordinatorOptions{});
   EXPECT_EQ(bad_id.status().code(), StatusCode::kInvalidArgument);
   EXPECT_THAT(bad_id.status().message(), HasSubstr("'blk' uses param id 999"));
+}
+
+// ---- UpdateGate and the coordinator behind an optimizer step (Note [Overlapped optimizer]) ------
+
+TEST(UpdateGate, TheFinalPrefixGrowsInAnyPublishOrderAndAFailureReachesTheWaiters) {
+  UpdateGate gate(4);
+  EXPECT_EQ(gate.final_prefix(), 4u);  // closed: no update running
+  gate.open();
+  EXPECT_EQ(gate.final_prefix(), 0u);
+  gate.publish(1);
+  EXPECT_EQ(gate.final_prefix(), 0u);
+  gate.publish(0);
+  EXPECT_EQ(gate.final_prefix(), 2u);
+  EXPECT_TRUE(gate.wait_prefix(2).is_ok());
+  std::thread late([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    gate.publish(3);
+    gate.publish(2);
+  });
+  EXPECT_TRUE(gate.wait_prefix(4).is_ok());  // blocks until both are published
+  late.join();
+  EXPECT_EQ(gate.final_prefix(), 4u);
+
+  gate.open();
+  gate.publish(0);
+  std::thread failing([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    gate.close(io_error("write of sub-group 1 failed", 5));
+  });
+  Status st = gate.wait_prefix(3);
+  failing.join();
+  EXPECT_EQ(st.code(), StatusCode::kIoError);
+  EXPECT_THAT(st.to_string(), ::testing::HasSubstr("sub-group 1"));
+  EXPECT_TRUE(gate.wait_prefix(1).is_ok());  // what was published stays final
+  gate.close(Status::ok());                  // the failure was reported: nothing waits any more
+  EXPECT_TRUE(gate.wait_prefix(4).is_ok());
+}
+
+// The optimizer writes each sub-group's new compute copy and then publishes it; the forward behind
+// it must see only new values: acquire waits for its block's sub-groups, prefetch stops at the first
+// param that is not final, and a failed update is the acquire's error.
+TEST(ParamCoordinator, AcquireWaitsForTheUpdateGateAndPrefetchStopsAtIt) {
+  Rig rig;
+  ASSERT_TRUE(rig.init(Placing{}).is_ok());
+  const auto bl = testing::blocks();
+  const uint32_t n = static_cast<uint32_t>(bl.size());
+  const uint32_t n_groups = static_cast<uint32_t>(rig.registry.sub_groups().size());
+  auto coord = make_coordinator(rig, opts(1'000'000, 1'000'000, 0, 1'000'000'000));
+  UpdateGate gate(n_groups);
+  coord->set_update_gate(&gate);
+  testing::run_micro_step(rig, *coord, rig.gather(StateKind::kCompute));  // closed gate: no waiting
+  if (HasFatalFailure()) return;
+
+  std::mt19937 rng(3);
+  std::vector<Bytes> after;
+  for (const auto& b : rig.gather(StateKind::kCompute)) after.push_back(testing::random_bytes(b.size(), rng));
+  const uint64_t eb = rig.compute_bytes();
+  auto update = [&](uint32_t g) {
+    Bytes buf(rig.store->state_bytes(g, StateKind::kCompute));
+    for (const auto& piece : rig.registry.pieces_of_group(g))
+      std::memcpy(buf.data() + piece.group_offset * eb, after[piece.param].data() + piece.param_offset * eb, piece.n_elems * eb);
+    Status st = rig.store->write_state(g, StateKind::kCompute, buf);
+    ZO_CHECK(st.is_ok()) << st.to_string();
+    gate.publish(g);
+  };
+  auto groups_end = [&](uint32_t p) { return rig.registry.pieces_of_param(p).back().sub_group + 1; };
+  coord->invalidate();
+  gate.open();
+  const uint32_t embed_end = groups_end(testing::embed_id());
+  for (uint32_t g = 0; g < embed_end; ++g) update(g);
+  // What prefetch may fetch behind block 0: block 1's params, in order, while their sub-groups are final.
+  uint64_t ready_ahead = 0;
+  for (uint32_t p : bl[1]) {
+    if (groups_end(p) > embed_end) break;
+    ++ready_ahead;
+  }
+  ASSERT_LT(ready_ahead, bl[1].size()) << "the rig's block 1 must wait for a sub-group";
+
+  const uint64_t prefetches = coord->stats().prefetches;
+  coord->begin_micro_step();
+  auto first = coord->acquire(0);
+  ASSERT_TRUE(first.is_ok()) << first.status().to_string();
+  EXPECT_EQ(Bytes(rig.d2h((*first)[0], after[testing::embed_id()].size())), after[testing::embed_id()]);
+  EXPECT_EQ(coord->stats().prefetches - prefetches, ready_ahead);
+  ASSERT_TRUE(coord->release(0).is_ok());
+
+  std::thread optimizer([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    for (uint32_t g = embed_end; g < n_groups; ++g) update(g);
+  });
+  for (uint32_t q = 1; q < 2 * n; ++q) {
+    const uint32_t b = q < n ? q : 2 * n - 1 - q;
+    auto ptrs = coord->acquire(b);
+    ASSERT_TRUE(ptrs.is_ok()) << "position " << q << ": " << ptrs.status().to_string();
+    for (size_t i = 0; i < bl[b].size(); ++i) {
+      const uint32_t p = bl[b][i];
+      EXPECT_EQ(Bytes(rig.d2h((*ptrs)[i], after[p].size())), after[p]) << "position " << q << " param " << p;
+    }
+    ASSERT_TRUE(coord->release(b).is_ok());
+  }
+  optimizer.join();
+  EXPECT_GT(coord->stats().update_wait_s, 0.0);
+
+  coord->invalidate();
+  gate.open();
+  gate.close(io_error("optimizer step 9: sub-group 0: write failed", 5));
+  coord->begin_micro_step();
+  auto failed = coord->acquire(0);
+  ASSERT_FALSE(failed.is_ok());
+  EXPECT_EQ(failed.status().code(), StatusCode::kIoError);
+  EXPECT_THAT(failed.status().to_string(), ::testing::HasSubstr("acquire block 0 'embed'"));
+  EXPECT_THAT(failed.status().to_string(), ::testing::HasSubstr("optimizer step 9"));
 }
 
 TEST(CoordinatorOptions, FromConfigTakesTheStage3Keys) {

@@ -17,8 +17,11 @@
 #include <string>
 #include <vector>
 
+#include "common/bytes.h"
 #include "common/check.h"
 #include "engine/data/dataset.h"
+#include "engine/memory/param_registry.h"
+#include "engine/memory/swap_file.h"
 #include "engine/model/llama.h"
 #include "engine/optim/lr_schedule.h"
 #include "tests/engine/temp_dir.h"
@@ -468,6 +471,110 @@ TEST(Trainer, AStepThatFailsBeforeTheOptimizerDoesNotWedgeTheRun) {
   }
 }
 
+// Note [Overlapped optimizer]: the optimizer of step N running beside the forward of step N+1
+// computes exactly what running it after the backward computes, on every placement.
+TEST(Trainer, OverlappedOptimizerIsBitIdenticalToTheSequentialStep) {
+  constexpr int kSteps = 6;
+  struct Variant {
+    const char* name;
+    RunSetup setup;
+  };
+  const std::vector<Variant> variants = {
+      {"params on the device, optimizer cpu", {.optimizer = "cpu"}},
+      {"params cpu, optimizer cpu, persistent small params", {.param = "cpu", .optimizer = "cpu", .persistence = 5000}},
+      {"params cpu, optimizer nvme, prefetch", {.param = "cpu", .optimizer = "nvme", .pipeline = true}},
+      {"params nvme, optimizer nvme, pipelined", {.param = "nvme", .optimizer = "nvme", .pipeline = true, .max_in_cpu = 0}},
+      {"tied embeddings, params nvme, optimizer nvme", {.param = "nvme", .optimizer = "nvme", .max_in_cpu = 0}},
+      {"stage 0", {.stage = 0}},
+  };
+  for (const Variant& v : variants) {
+    SCOPED_TRACE(v.name);
+    const bool tied = std::string(v.name).rfind("tied", 0) == 0;
+    TempDir seq_dir, over_dir;
+    TrainOptions seq = make_options(v.setup, seq_dir, tied);
+    seq.config.zoffload.overlap_optimizer = false;
+    std::vector<StepMetrics> seq_metrics, over_metrics;
+    const auto sequential = train(seq, kSteps, &seq_metrics);
+    const auto overlapped = train(make_options(v.setup, over_dir, tied), kSteps, &over_metrics);
+    EXPECT_TRUE(bit_identical(overlapped, sequential));
+    ASSERT_EQ(over_metrics.size(), seq_metrics.size());
+    for (size_t i = 0; i < over_metrics.size(); ++i) {
+      EXPECT_EQ(over_metrics[i].loss, seq_metrics[i].loss) << "step " << i + 1;
+      EXPECT_EQ(over_metrics[i].grad_norm, seq_metrics[i].grad_norm) << "step " << i + 1;
+      // Run inline, the optimizer is all waiting for the training thread.
+      EXPECT_GE(seq_metrics[i].optimizer_wait_s, seq_metrics[i].optimizer_s) << "step " << i + 1;
+    }
+    EXPECT_LT(seq_metrics.back().loss, seq_metrics.front().loss);
+  }
+}
+
+// The optimizer's I/O fails while the next step's forward runs behind it: the step reports the
+// failure with the sub-group, file and offset, and the run refuses to go on with torn states
+// (docs/memory.md) instead of training on them.
+TEST(Trainer, AnOptimizerFailureBehindTheNextForwardEndsTheRun) {
+  TempDir dir;
+  TrainOptions o = make_options({.param = "cpu", .optimizer = "nvme", .pipeline = true}, dir);
+  o.io_faults = std::make_shared<io::FaultInjector>();
+  auto t = Trainer::create(o);
+  ASSERT_TRUE(t.is_ok()) << t.status().to_string();
+  ASSERT_TRUE((*t)->step().is_ok());
+  // Offset 0 of optimizer.swp is sub-group 0's master: only the optimizer writes it.
+  o.io_faults->add({.kind = io::FaultKind::kEio, .op = io::IoOp::kWrite, .path_contains = "optimizer.swp", .offset_bytes = 0});
+  auto failed = (*t)->step();
+  ASSERT_FALSE(failed.is_ok());
+  EXPECT_EQ(failed.status().code(), StatusCode::kIoError);
+  const std::string msg = failed.status().to_string();
+  EXPECT_THAT(msg, HasSubstr("step 2: optimizer step 2"));
+  EXPECT_THAT(msg, HasSubstr("sub-group 0"));
+  EXPECT_THAT(msg, HasSubstr("optimizer.swp"));
+  EXPECT_THAT(msg, HasSubstr("offset 0"));
+  EXPECT_EQ(o.io_faults->injected(), 1u);
+  auto after = (*t)->step();
+  ASSERT_FALSE(after.is_ok());
+  EXPECT_EQ(after.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_THAT(after.status().to_string(), HasSubstr("torn"));
+}
+
+// A write of an NVMe gradient accumulator fails on the gradient worker's thread, behind the
+// backward: the step reports it with the sub-group, file and offset, loses its gradients, and the
+// next steps start a fresh accumulation window and train (as a data error does).
+TEST(Trainer, AGradientWriteFailureIsReportedAndTheNextStepsTrain) {
+  TempDir dir;
+  TrainOptions o = make_options({.param = "cpu", .optimizer = "nvme"}, dir);
+  o.io_faults = std::make_shared<io::FaultInjector>();
+  // The head's sub-group is the last, the first whose gradients backward writes; its gradient
+  // section sits after its master and moments in optimizer.swp (docs/memory.md, swap file layout).
+  auto registry = ParamRegistry::build(model_layout(small_model()).params, 16384);
+  ASSERT_TRUE(registry.is_ok()) << registry.status().to_string();
+  const auto groups = registry->sub_groups();
+  const uint32_t last = static_cast<uint32_t>(groups.size() - 1);
+  uint64_t grad_offset = 0;
+  for (uint32_t g = 0; g < groups.size(); ++g) {
+    const uint64_t section = align_up(groups[g].n_elems * 4, kSwapAlignment);  // fp32 states and accumulator
+    grad_offset += g < last ? 4 * section : 3 * section;
+  }
+  auto t = Trainer::create(o);
+  ASSERT_TRUE(t.is_ok()) << t.status().to_string();
+  ASSERT_TRUE((*t)->step().is_ok());
+  o.io_faults->add({.kind = io::FaultKind::kEio, .op = io::IoOp::kWrite, .path_contains = "optimizer.swp",
+                    .offset_bytes = grad_offset});
+  auto failed = (*t)->step();
+  ASSERT_FALSE(failed.is_ok());
+  EXPECT_EQ(failed.status().code(), StatusCode::kIoError);
+  const std::string msg = failed.status().to_string();
+  EXPECT_THAT(msg, HasSubstr("step 2: "));
+  EXPECT_THAT(msg, HasSubstr("sub-group " + std::to_string(last)));
+  EXPECT_THAT(msg, HasSubstr("optimizer.swp"));
+  EXPECT_THAT(msg, HasSubstr("offset " + std::to_string(grad_offset)));
+  EXPECT_EQ(o.io_faults->injected(), 1u);
+  for (int i = 0; i < 3; ++i) {
+    auto m = (*t)->step();
+    ASSERT_TRUE(m.is_ok()) << "step after the failure: " << m.status().to_string();
+    EXPECT_FALSE(m->skipped);
+    EXPECT_TRUE(std::isfinite(m->loss) && std::isfinite(m->grad_norm));
+  }
+}
+
 TEST(Trainer, WritesOneMetricsLinePerStep) {
   TempDir dir;
   const TrainOptions o = make_options({.param = "cpu", .optimizer = "nvme"}, dir);
@@ -483,6 +590,10 @@ TEST(Trainer, WritesOneMetricsLinePerStep) {
     auto j = nlohmann::json::parse(line);
     EXPECT_EQ(j["step"], n + 1);
     EXPECT_TRUE(j.contains("time_s") && j["time_s"].contains("fetch") && j["time_s"].contains("optimizer"));
+    EXPECT_TRUE(j["time_s"].contains("optimizer_wait") && j["time_s"].contains("nvme_busy"));
+    // The optimizer is on NVMe: the drive was busy, and the busiest resource is part of the step.
+    EXPECT_GT(j["time_s"]["nvme_busy"].get<double>(), 0.0);
+    EXPECT_GT(j["overlap"].get<double>(), 0.0);
     EXPECT_GT(j["memory"]["nvme"]["peak_bytes"].get<uint64_t>(), 0u);
     EXPECT_GT(j["tokens"].get<uint64_t>(), 0u);
     ++n;
