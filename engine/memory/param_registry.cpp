@@ -20,6 +20,11 @@
 // - parameter swap buffers: offload_param.buffer_count whole params (at most the number of params
 //   on NVMe), each the largest such param plus two 4 KiB pages, because an O_DIRECT read of a param
 //   that starts and ends mid-page is widened to the aligned superset.
+// Only what crosses PCIe is pinned (state_is_pinned): CPU-resident compute copies (offload_param.
+// pin_memory) and the buffers. Masters, moments and gradient accumulators never reach the GPU (the
+// optimizer's copy-out goes through the staging buffers, gradients land in the gradient worker's
+// ring), so pinning them would only lock RAM: DeepSpeed configs carry pin_memory true for both, and
+// an 8B model's 16 bytes per parameter of optimizer states pinned is 120 GiB no host can lock.
 // Swap and staging buffers live in the pool, which is pinned unless both pin_memory flags are false:
 // they are the source and target of O_DIRECT I/O and of device DMA, which is what pinning is for.
 // With both flags false the whole pool is pageable — the way out when ulimit -l cannot be raised.
@@ -158,6 +163,10 @@ std::string_view state_name(StateKind kind) {
   return "unknown";
 }
 
+bool state_is_pinned(const Placement& placement, StateKind kind) {
+  return kind == StateKind::kCompute && placement.param_pinned;
+}
+
 uint64_t state_elem_bytes(const Placement& placement, StateKind kind) {
   switch (kind) {
     case StateKind::kMaster:
@@ -261,7 +270,7 @@ Result<MemoryPlan> plan_memory(const Config& config, const ParamRegistry& regist
     if (k == StateKind::kCompute) return pl.compute[g];
     return k == StateKind::kGradAccum ? pl.grad : pl.optimizer;
   };
-  auto pinned_state = [&](StateKind k) { return k == StateKind::kCompute ? pl.param_pinned : pl.optimizer_pinned; };
+  auto pinned_state = [&](StateKind k) { return state_is_pinned(pl, k); };
 
   // Each state of each group is its own section, rounded as the state store carves it.
   for (const SubGroup& g : groups) {

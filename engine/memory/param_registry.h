@@ -94,7 +94,7 @@ struct Placement {
   // The compute copy, per sub-group: offload_param.device, except that with nvme the first
   // sub-groups whose elements total at most offload_param.max_in_cpu stay on the CPU.
   std::vector<Tier> compute;
-  bool optimizer_pinned = true;    // offload_optimizer.pin_memory (CPU-resident states and buffers)
+  bool optimizer_pinned = true;    // offload_optimizer.pin_memory (its buffers; the states never cross PCIe)
   bool param_pinned = true;        // offload_param.pin_memory
   DType compute_dtype = DType::kF32;
   DType grad_dtype = DType::kF32;  // data_types.grad_accum_dtype
@@ -102,6 +102,9 @@ struct Placement {
 
 // Bytes per element of each state, from its dtype.
 uint64_t state_elem_bytes(const Placement& placement, StateKind kind);
+// Whether a CPU-resident state of this kind is pinned: only the compute copy, and only with
+// offload_param.pin_memory — the other states never cross PCIe (Note [Pinned pool sizing]).
+bool state_is_pinned(const Placement& placement, StateKind kind);
 
 // Every byte the states of this rank need, per tier and per pinned buffer. See
 // Note [Pinned pool sizing] in param_registry.cpp for how the buffers are sized.

@@ -33,8 +33,6 @@ constexpr uint64_t kScratchBytes = kStoreScratchBytes;
 
 constexpr uint64_t align_down(uint64_t n, uint64_t alignment) { return n & ~(alignment - 1); }
 
-bool is_optimizer_state(StateKind kind) { return kind != StateKind::kCompute; }
-
 std::string what_of(uint32_t g, StateKind kind) {
   return "sub-group " + std::to_string(g) + " " + std::string(state_name(kind));
 }
@@ -82,9 +80,7 @@ struct StateStore::Impl {
     if (kind == StateKind::kGradAccum) return plan.placement.grad;
     return plan.placement.optimizer;
   }
-  bool pinned_kind(StateKind kind) const {
-    return is_optimizer_state(kind) ? plan.placement.optimizer_pinned : plan.placement.param_pinned;
-  }
+  bool pinned_kind(StateKind kind) const { return state_is_pinned(plan.placement, kind); }
   SwapFile* file_of(StateKind kind) const {
     return kind == StateKind::kCompute ? param_file.get() : optimizer_file.get();
   }

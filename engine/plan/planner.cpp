@@ -437,9 +437,9 @@ std::vector<Candidate> candidates(const Config& base) {
                      return true;
                    }});
   }
-  if (oo.pin_memory) {
-    out.push_back({"zero_optimization.offload_optimizer.pin_memory: false", [](Config& c) {
-                     c.zero.offload_optimizer.pin_memory = false;
+  if (op.pin_memory) {  // the CPU compute copies, the only states that are pinned
+    out.push_back({"zero_optimization.offload_param.pin_memory: false", [](Config& c) {
+                     c.zero.offload_param.pin_memory = false;
                      return true;
                    }});
   }
