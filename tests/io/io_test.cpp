@@ -13,6 +13,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstddef>
 #include <cstdlib>
 #include <cstring>
@@ -235,6 +236,10 @@ TEST_P(BackendTest, RoundTripsLargeAlignedRequestsDirect) {
   EXPECT_EQ(st.bytes_written, len);
   EXPECT_EQ(st.bytes_read, len);
   EXPECT_EQ(st.pieces, 2 * ((len + o.block_size_bytes - 1) / o.block_size_bytes));
+  // Busy time counts only while requests are outstanding: it does not grow while the engine idles.
+  EXPECT_GT(st.busy_s, 0.0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_EQ(e->stats().busy_s, st.busy_s);
 }
 
 TEST_P(BackendTest, DirectRejectsUnalignedRequestsClearlyAndWritesNothing) {
