@@ -167,6 +167,8 @@ bool state_is_pinned(const Placement& placement, StateKind kind) {
   return kind == StateKind::kCompute && placement.param_pinned;
 }
 
+bool pool_is_pinned(const Placement& placement) { return placement.optimizer_pinned || placement.param_pinned; }
+
 uint64_t state_elem_bytes(const Placement& placement, StateKind kind) {
   switch (kind) {
     case StateKind::kMaster:

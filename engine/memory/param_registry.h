@@ -105,6 +105,9 @@ uint64_t state_elem_bytes(const Placement& placement, StateKind kind);
 // Whether a CPU-resident state of this kind is pinned: only the compute copy, and only with
 // offload_param.pin_memory — the other states never cross PCIe (Note [Pinned pool sizing]).
 bool state_is_pinned(const Placement& placement, StateKind kind);
+// Whether the pinned pool (the pinned states and every swap and staging buffer) is page-locked:
+// unless both pin_memory flags are false.
+bool pool_is_pinned(const Placement& placement);
 
 // Every byte the states of this rank need, per tier and per pinned buffer. See
 // Note [Pinned pool sizing] in param_registry.cpp for how the buffers are sized.

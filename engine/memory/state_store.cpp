@@ -446,7 +446,7 @@ Result<std::unique_ptr<StateStore>> StateStore::create(const ParamRegistry& regi
         << ", lower zero_optimization.sub_group_size or the buffer counts, or set pin_memory false";
     return out_of_memory(msg.str());
   }
-  const bool pin = plan.placement.optimizer_pinned || plan.placement.param_pinned;
+  const bool pin = pool_is_pinned(plan.placement);
   // The cap bounds the pool; the pool holds what the plan needs. Pinning the whole cap (a config's
   // 96 GiB written for an 8B model) would refuse or waste the host's RAM for a smaller model.
   if (options.check_host) {

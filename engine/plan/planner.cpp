@@ -183,7 +183,7 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
 
   // Host memory.
   p.pool_bytes = mp.pinned_pool_bytes();
-  const bool pin = pl.optimizer_pinned || pl.param_pinned;
+  const bool pin = pool_is_pinned(pl);
   p.pinned_bytes = pin ? p.pool_bytes : 0;
   p.pageable_state_bytes = mp.cpu_pageable_bytes;
   const GradAccumulator::BufferPlan gbuf = GradAccumulator::plan_buffers(registry, pl, contribution_order);

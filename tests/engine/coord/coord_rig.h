@@ -191,16 +191,18 @@ struct Rig {
 
   // Writes one state of every param (write_state of every sub-group).
   Status scatter(StateKind kind, const std::vector<Bytes>& per_param) {
-    const uint64_t eb = state_elem_bytes(plan.placement, kind);
-    for (const auto& g : registry.sub_groups()) {
-      Bytes buf(store->state_bytes(g.index, kind));
-      for (const auto& piece : registry.pieces_of_group(g.index)) {
-        std::memcpy(buf.data() + piece.group_offset * eb, per_param[piece.param].data() + piece.param_offset * eb,
-                    piece.n_elems * eb);
-      }
-      ZO_RETURN_IF_ERROR(store->write_state(g.index, kind, buf));
-    }
+    for (const auto& g : registry.sub_groups()) ZO_RETURN_IF_ERROR(scatter_group(g.index, kind, per_param));
     return Status::ok();
+  }
+  // The same for one sub-group: its pieces of `per_param` (write_state).
+  Status scatter_group(uint32_t g, StateKind kind, const std::vector<Bytes>& per_param) {
+    const uint64_t eb = state_elem_bytes(plan.placement, kind);
+    Bytes buf(store->state_bytes(g, kind));
+    for (const auto& piece : registry.pieces_of_group(g)) {
+      std::memcpy(buf.data() + piece.group_offset * eb, per_param[piece.param].data() + piece.param_offset * eb,
+                  piece.n_elems * eb);
+    }
+    return store->write_state(g, kind, buf);
   }
 
   // The bytes at `ptr` on the device.

@@ -436,12 +436,8 @@ TEST(ParamCoordinator, AcquireWaitsForTheUpdateGateAndPrefetchStopsAtIt) {
   std::mt19937 rng(3);
   std::vector<Bytes> after;
   for (const auto& b : rig.gather(StateKind::kCompute)) after.push_back(testing::random_bytes(b.size(), rng));
-  const uint64_t eb = rig.compute_bytes();
   auto update = [&](uint32_t g) {
-    Bytes buf(rig.store->state_bytes(g, StateKind::kCompute));
-    for (const auto& piece : rig.registry.pieces_of_group(g))
-      std::memcpy(buf.data() + piece.group_offset * eb, after[piece.param].data() + piece.param_offset * eb, piece.n_elems * eb);
-    Status st = rig.store->write_state(g, StateKind::kCompute, buf);
+    Status st = rig.scatter_group(g, StateKind::kCompute, after);
     ZO_CHECK(st.is_ok()) << st.to_string();
     gate.publish(g);
   };
