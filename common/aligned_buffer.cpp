@@ -1,20 +1,21 @@
 #include "common/aligned_buffer.h"
 
-#include <cstdlib>
 #include <cstring>
 #include <utility>
 
 #include "common/bytes.h"
+#include "common/host_memory.h"
 
 namespace zo {
 
 Result<AlignedBuffer> AlignedBuffer::allocate(size_t size_bytes, size_t alignment) {
-  ZO_CHECK(alignment >= sizeof(void*) && (alignment & (alignment - 1)) == 0) << "alignment " << alignment;
+  ZO_CHECK(alignment >= sizeof(void*) && (alignment & (alignment - 1)) == 0 && alignment <= kHugePageBytes)
+      << "alignment " << alignment;
   AlignedBuffer buf;
   buf.alignment_ = alignment;
   if (size_bytes == 0) return buf;
-  // aligned_alloc needs a size that is a multiple of the alignment.
-  void* p = std::aligned_alloc(alignment, align_up(size_bytes, alignment));
+  // Large buffers land on huge pages (Note [Huge pages for I/O buffers]).
+  void* p = allocate_host(size_bytes, alignment);
   if (p == nullptr)
     return out_of_memory("cannot allocate " + format_bytes(size_bytes) + " of host memory aligned to " +
                          std::to_string(alignment));
@@ -31,7 +32,7 @@ AlignedBuffer::AlignedBuffer(AlignedBuffer&& other) noexcept
 
 AlignedBuffer& AlignedBuffer::operator=(AlignedBuffer&& other) noexcept {
   if (this != &other) {
-    std::free(data_);
+    free_host(data_, size_);
     data_ = std::exchange(other.data_, nullptr);
     size_ = std::exchange(other.size_, 0);
     alignment_ = std::exchange(other.alignment_, 0);
@@ -39,6 +40,6 @@ AlignedBuffer& AlignedBuffer::operator=(AlignedBuffer&& other) noexcept {
   return *this;
 }
 
-AlignedBuffer::~AlignedBuffer() { std::free(data_); }
+AlignedBuffer::~AlignedBuffer() { free_host(data_, size_); }
 
 }  // namespace zo

@@ -1,5 +1,6 @@
 // AlignedBuffer: an owned, zero-initialised heap buffer aligned for O_DIRECT and SIMD (4 KiB by
-// default). Move-only; not thread-safe (callers synchronise access to the bytes).
+// default), on huge pages from 2 MiB up (common/host_memory.h). Move-only; not thread-safe
+// (callers synchronise access to the bytes).
 #pragma once
 
 #include <cstddef>
@@ -15,7 +16,8 @@ inline constexpr size_t kDirectIoAlignment = 4096;
 class AlignedBuffer {
  public:
   AlignedBuffer() = default;
-  // Allocates `size_bytes` (may be 0) aligned to `alignment` (a power of two ≥ sizeof(void*)).
+  // Allocates `size_bytes` (may be 0) aligned to `alignment` (a power of two ≥ sizeof(void*) and
+  // ≤ 2 MiB), and touches every byte so that no page faults later in a hot loop.
   static Result<AlignedBuffer> allocate(size_t size_bytes, size_t alignment = kDirectIoAlignment);
 
   AlignedBuffer(AlignedBuffer&& other) noexcept;

@@ -16,6 +16,7 @@
 #include "common/adam_math.h"
 #include "common/bytes.h"
 #include "common/check.h"
+#include "common/host_memory.h"
 #include "gpu/detail/accounting.h"
 #include "gpu/detail/adam_args.h"
 #include "gpu/detail/adam_element.h"
@@ -144,7 +145,7 @@ HostDevice::~HostDevice() {
   // still running, so this cannot deadlock.
   while (!s_->streams.empty()) s_->streams.erase(s_->streams.begin());
   for (const auto& [addr, size] : s_->acct.live_allocations()) std::free(reinterpret_cast<void*>(addr));
-  for (const auto& [addr, size] : s_->acct.live_pinned()) std::free(reinterpret_cast<void*>(addr));
+  for (const auto& [addr, size] : s_->acct.live_pinned()) free_host(reinterpret_cast<void*>(addr), size);
 }
 
 Result<DevicePtr> HostDevice::allocate(uint64_t size_bytes) {
@@ -166,15 +167,16 @@ void HostDevice::free(DevicePtr ptr) {
 
 Result<void*> HostDevice::allocate_pinned(uint64_t size_bytes) {
   if (size_bytes == 0) return invalid_argument("allocate_pinned: 0 bytes");
-  void* p = aligned_allocate(kPinnedAlignment, size_bytes);
+  // The same huge-page-backed memory CudaDevice pins (Note [Huge pages for I/O buffers]).
+  void* p = allocate_host(size_bytes, kPinnedAlignment);
   if (p == nullptr) return out_of_memory("HostDevice: pinned allocation of " + format_bytes(size_bytes) + " failed");
   s_->acct.add_pinned(p, size_bytes);
   return p;
 }
 
 void HostDevice::free_pinned(void* ptr) {
-  s_->acct.forget_pinned(ptr);
-  std::free(ptr);
+  const uint64_t size_bytes = s_->acct.forget_pinned(ptr);
+  free_host(ptr, size_bytes);
 }
 
 Status HostDevice::register_host(void* ptr, uint64_t size_bytes) {

@@ -27,6 +27,7 @@
 
 #include "common/aligned_buffer.h"
 #include "common/bytes.h"
+#include "common/host_memory.h"
 #include "common/log.h"
 #include "common/string_util.h"
 #include "common/timer.h"
@@ -510,6 +511,13 @@ int run_bench(const Args& args) {
                 std::string(io::backend_name(best->options.backend)) + "\"} to use it";
 
   auto ratio = [](double v, const std::vector<double>& base) { return base.empty() ? 0.0 : v / median(base); };
+  // The buffers above sit on huge pages only where THP allows it (Note [Huge pages for I/O buffers]).
+  const std::string thp = transparent_huge_pages_mode();
+  if (thp != "always" && thp != "madvise") {
+    ZO_LOG(kWarn) << "transparent huge pages are " << thp << ": I/O buffers are on 4 KiB pages, so a large request "
+                  << "can reach the drive split in pieces (more than its queue/max_segments); "
+                  << "`echo madvise > /sys/kernel/mm/transparent_hugepage/enabled` as root lets zoffload use them";
+  }
   if (args.json) {
     nlohmann::ordered_json j;
     j["file"] = data_path;
@@ -517,6 +525,7 @@ int run_bench(const Args& args) {
     j["direct"] = file.direct();
     if (!file.direct() && plan.direct) j["buffered_reason"] = file.buffered_reason();
     j["runs"] = plan.runs;
+    j["transparent_huge_pages"] = thp;
     j["unit"] = "GB/s (1e9 bytes per second), median of runs";
     j["baseline"] = {{"what", "pread/pwrite, 1 thread, queue depth 1"}, {"block_size", base_bs}};
     if (plan.do_write && !base_write.empty()) j["baseline"]["write_gbps"] = median(base_write);
@@ -552,11 +561,11 @@ int run_bench(const Args& args) {
                         {"overlap_events", true}};
     std::printf("%s\n", j.dump(2).c_str());
   } else {
-    std::printf("zoffload-bench io: %s, %s, %s, median of %d run%s, GB/s = 1e9 bytes/s\n", data_path.c_str(),
-                format_bytes(plan.size_bytes).c_str(),
+    std::printf("zoffload-bench io: %s, %s, %s, median of %d run%s, huge pages %s, GB/s = 1e9 bytes/s\n",
+                data_path.c_str(), format_bytes(plan.size_bytes).c_str(),
                 file.direct() ? ("O_DIRECT (alignment " + std::to_string(file.offset_align()) + ")").c_str()
                               : "buffered (writes include fdatasync; page cache dropped before reads)",
-                plan.runs, plan.runs == 1 ? "" : "s");
+                plan.runs, plan.runs == 1 ? "" : "s", thp.c_str());
     std::printf("%-9s %10s %5s %7s %11s %10s %10s %9s\n", "backend", "block", "QD", "threads", "write GB/s", "read GB/s",
                 "write/base", "read/base");
     for (const Row& r : rows) {

@@ -12,6 +12,7 @@
 #include "common/adam_math.h"
 #include "common/bytes.h"
 #include "common/check.h"
+#include "common/host_memory.h"
 #include "common/log.h"
 #include "gpu/detail/accounting.h"
 #include "gpu/detail/adam_args.h"
@@ -86,6 +87,35 @@ void for_each_chunk(void* ptr, uint64_t size_bytes, Fn fn) {
     if (!fn(reinterpret_cast<char*>(lo), static_cast<uint64_t>(hi - lo))) return;
     lo = hi;
   }
+}
+
+// Page-locks [ptr, ptr + size_bytes) chunk by chunk; all or nothing, naming the chunk that failed.
+Status register_chunks(void* ptr, uint64_t size_bytes) {
+  std::string failure;
+  std::vector<char*> done;
+  for_each_chunk(ptr, size_bytes, [&](char* p, uint64_t n) {
+    if (cudaError_t err = cudaHostRegister(p, n, cudaHostRegisterPortable); err != cudaSuccess) {
+      cudaGetLastError();
+      failure = "cudaHostRegister of " + format_bytes(n) + " at offset " + std::to_string(p - static_cast<char*>(ptr)) +
+                " of a " + format_bytes(size_bytes) + " range: " + cudaGetErrorString(err) +
+                " (check ulimit -l and available RAM)";
+      return false;
+    }
+    done.push_back(p);
+    return true;
+  });
+  if (!failure.empty()) {
+    for (char* p : done) cudaHostUnregister(p);
+    return out_of_memory(std::move(failure));
+  }
+  return Status::ok();
+}
+
+void unregister_chunks(void* ptr, uint64_t size_bytes) {
+  for_each_chunk(ptr, size_bytes, [](char* p, uint64_t) {
+    ZO_CUDA_CHECK(cudaHostUnregister(p));
+    return true;
+  });
 }
 
 cudaStream_t to_cuda(Stream s) { return static_cast<cudaStream_t>(s.handle); }
@@ -169,7 +199,13 @@ CudaDevice::~CudaDevice() {
   for (cudaEvent_t ev : s_->events) cudaEventDestroy(ev);
   s_->release_cache_locked();
   for (const auto& [addr, size] : s_->acct.live_allocations()) cudaFree(reinterpret_cast<void*>(addr));
-  for (const auto& [addr, size] : s_->acct.live_pinned()) cudaFreeHost(reinterpret_cast<void*>(addr));
+  for (const auto& [addr, size] : s_->acct.live_pinned()) {
+    for_each_chunk(reinterpret_cast<void*>(addr), size, [](char* p, uint64_t) {
+      cudaHostUnregister(p);
+      return true;
+    });
+    free_host(reinterpret_cast<void*>(addr), size);
+  }
   for (const auto& [addr, size] : s_->acct.live_registered()) {
     for_each_chunk(reinterpret_cast<void*>(addr), size, [](char* p, uint64_t) {
       cudaHostUnregister(p);
@@ -222,20 +258,27 @@ void CudaDevice::free(DevicePtr ptr) {
 Result<void*> CudaDevice::allocate_pinned(uint64_t size_bytes) {
   if (size_bytes == 0) return invalid_argument("allocate_pinned: 0 bytes");
   ZO_RETURN_IF_ERROR(s_->use());
-  void* p = nullptr;
-  if (cudaError_t err = cudaHostAlloc(&p, size_bytes, cudaHostAllocPortable); err != cudaSuccess) {
-    cudaGetLastError();
-    return out_of_memory("cudaHostAlloc of " + format_bytes(size_bytes) + " (" + std::to_string(size_bytes) +
-                         " bytes): " + cudaGetErrorString(err));
+  // Huge pages registered with the driver rather than cudaHostAlloc's 4 KiB pages: the pool is also
+  // where NVMe reads land, and a 1 MiB O_DIRECT read into 4 KiB pages reaches the drive split in
+  // pieces (Note [Huge pages for I/O buffers] in common/host_memory.cpp).
+  void* p = allocate_host(size_bytes, 4096);
+  if (p == nullptr) {
+    return out_of_memory("pinned allocation of " + format_bytes(size_bytes) + " (" + std::to_string(size_bytes) +
+                         " bytes): the kernel refused the mapping");
+  }
+  if (Status st = register_chunks(p, size_bytes); !st.is_ok()) {
+    free_host(p, size_bytes);
+    return st;
   }
   s_->acct.add_pinned(p, size_bytes);
   return p;
 }
 
 void CudaDevice::free_pinned(void* ptr) {
-  s_->acct.forget_pinned(ptr);
+  const uint64_t size_bytes = s_->acct.forget_pinned(ptr);
   s_->use_or_die();
-  ZO_CUDA_CHECK(cudaFreeHost(ptr));
+  unregister_chunks(ptr, size_bytes);
+  free_host(ptr, size_bytes);
 }
 
 Status CudaDevice::register_host(void* ptr, uint64_t size_bytes) {
@@ -244,23 +287,7 @@ Status CudaDevice::register_host(void* ptr, uint64_t size_bytes) {
   ZO_RETURN_IF_ERROR(s_->acct.check_unregistered(ptr, size_bytes));
   // Chunks: one huge cudaHostRegister can take seconds and fails as a whole; chunks bound each
   // call, and a failure names the chunk.
-  std::string failure;
-  std::vector<char*> done;
-  for_each_chunk(ptr, size_bytes, [&](char* p, uint64_t n) {
-    if (cudaError_t err = cudaHostRegister(p, n, cudaHostRegisterPortable); err != cudaSuccess) {
-      cudaGetLastError();
-      failure = "cudaHostRegister of " + format_bytes(n) + " at offset " + std::to_string(p - static_cast<char*>(ptr)) +
-                " of a " + format_bytes(size_bytes) + " range: " + cudaGetErrorString(err) +
-                " (check ulimit -l and available RAM)";
-      return false;
-    }
-    done.push_back(p);
-    return true;
-  });
-  if (!failure.empty()) {
-    for (char* p : done) cudaHostUnregister(p);
-    return out_of_memory(std::move(failure));
-  }
+  ZO_RETURN_IF_ERROR(register_chunks(ptr, size_bytes));
   s_->acct.add_registered(ptr, size_bytes);
   return Status::ok();
 }
@@ -268,10 +295,7 @@ Status CudaDevice::register_host(void* ptr, uint64_t size_bytes) {
 void CudaDevice::unregister_host(void* ptr) {
   const uint64_t size_bytes = s_->acct.forget_registered(ptr);
   s_->use_or_die();
-  for_each_chunk(ptr, size_bytes, [](char* p, uint64_t) {
-    ZO_CUDA_CHECK(cudaHostUnregister(p));
-    return true;
-  });
+  unregister_chunks(ptr, size_bytes);
 }
 
 Result<Stream> CudaDevice::create_stream() {
