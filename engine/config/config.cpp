@@ -305,6 +305,8 @@ void read_zoffload(ParseState* st, ObjectReader r, ZoffloadConfig* z) {
   r.count("optimizer_threads", &z->optimizer_threads, 0);
   r.boolean("bind_cores", &z->bind_cores);
   r.boolean("overlap_optimizer", &z->overlap_optimizer);
+  static constexpr std::string_view kSchedules[] = {"horizontal", "vertical"};
+  r.choice("schedule", kSchedules, &z->schedule);
   static constexpr std::string_view kBackends[] = {"auto", "io_uring", "libaio", "psync"};
   r.choice("io_backend", kBackends, &z->io_backend);
   ObjectReader c = r.child("checkpoint");
@@ -772,6 +774,7 @@ json to_json(const Config& c) {
       {"optimizer_threads", zo.optimizer_threads},
       {"bind_cores", zo.bind_cores},
       {"overlap_optimizer", zo.overlap_optimizer},
+      {"schedule", zo.schedule},
       {"io_backend", zo.io_backend},
       {"checkpoint",
        {{"dir", zo.checkpoint.dir},

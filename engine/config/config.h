@@ -152,6 +152,10 @@ struct ZoffloadConfig {
   // (addition) Run each optimizer step beside the next step's first forward (Note [Overlapped
   // optimizer]); false: after the backward, on the training thread. Bit-identical either way.
   bool overlap_optimizer = true;
+  // (addition) Gradient accumulation order: "horizontal" runs each micro-batch through every block;
+  // "vertical" runs every micro-batch of a step through a block before the next block, so each
+  // block is fetched once per step and its gradients leave the device once (Note [Vertical schedule]).
+  std::string schedule = "horizontal";
   std::string io_backend = "auto";   // auto | io_uring | libaio | psync (the aio block tunes it)
   CheckpointConfig checkpoint;
   LogConfig log;

@@ -8,8 +8,8 @@
 #include <thread>
 #include <utility>
 
-#include "common/aligned_buffer.h"
 #include "common/bytes.h"
+#include "common/check.h"
 
 // Note [Gradient landing ring]
 //
@@ -39,7 +39,7 @@ struct GradWorker::Impl {
 
   GradAccumulator* acc = nullptr;
   std::function<void()> before_add;
-  AlignedBuffer ring;
+  std::span<std::byte> ring;  // the caller's memory
   uint64_t capacity = 0;
 
   mutable std::mutex mu;
@@ -102,14 +102,15 @@ GradWorker::~GradWorker() {
   if (impl_->thread.joinable()) impl_->thread.join();
 }
 
-Result<std::unique_ptr<GradWorker>> GradWorker::create(GradAccumulator& acc, uint64_t ring_bytes,
+Result<std::unique_ptr<GradWorker>> GradWorker::create(GradAccumulator& acc, std::span<std::byte> ring,
                                                        std::function<void()> before_add) {
-  if (ring_bytes == 0) return invalid_argument("gradient worker: a landing ring of 0 bytes");
+  if (ring.size() < kSlotAlignment) return invalid_argument("gradient worker: a landing ring of " + std::to_string(ring.size()) + " bytes");
+  ZO_CHECK(reinterpret_cast<uintptr_t>(ring.data()) % kSlotAlignment == 0) << "landing ring not 64-byte aligned";
   auto impl = std::make_unique<Impl>();
   impl->acc = &acc;
   impl->before_add = std::move(before_add);
-  impl->capacity = align_up(ring_bytes, kSlotAlignment);
-  ZO_ASSIGN_OR_RETURN(impl->ring, AlignedBuffer::allocate(impl->capacity));
+  impl->capacity = ring.size() / kSlotAlignment * kSlotAlignment;
+  impl->ring = ring.first(impl->capacity);
   Impl* raw = impl.get();
   impl->thread = std::thread([raw] { raw->run(); });
   return std::unique_ptr<GradWorker>(new GradWorker(std::move(impl)));

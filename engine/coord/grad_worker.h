@@ -26,10 +26,11 @@ class GradWorker {
     uint64_t items = 0;
   };
 
-  // A ring of ring_bytes (> 0; the planner's figure: the largest block's gradients). `acc` must
-  // outlive the worker. before_add (tests) runs on the worker thread before each add, e.g. to slow
-  // the worker so that the ring fills.
-  static Result<std::unique_ptr<GradWorker>> create(GradAccumulator& acc, uint64_t ring_bytes,
+  // A worker landing gradients in `ring` (non-empty, 64-byte aligned; the planner's size: the
+  // largest block's gradients; the trainer carves it from the pinned pool, so that copies from the
+  // GPU are DMA). `acc` and the ring's memory must outlive the worker. before_add (tests) runs on
+  // the worker thread before each add, e.g. to slow the worker so that the ring fills.
+  static Result<std::unique_ptr<GradWorker>> create(GradAccumulator& acc, std::span<std::byte> ring,
                                                     std::function<void()> before_add = {});
   ~GradWorker();  // drops what is still queued without adding it, and stops the thread
   GradWorker(const GradWorker&) = delete;

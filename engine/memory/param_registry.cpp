@@ -19,7 +19,9 @@
 // - compute staging (optimizer on CPU, compute copy elsewhere): double-buffered, two sub-groups;
 // - parameter swap buffers: offload_param.buffer_count whole params (at most the number of params
 //   on NVMe), each the largest such param plus two 4 KiB pages, because an O_DIRECT read of a param
-//   that starts and ends mid-page is widened to the aligned superset.
+//   that starts and ends mid-page is widened to the aligned superset;
+// - the gradient landing ring: the largest block's gradients as they leave the device (the
+//   planner's grad_ring_bytes; the blocks are the model's, so plan_memory leaves it to the caller).
 // Only what crosses PCIe is pinned (state_is_pinned): CPU-resident compute copies (offload_param.
 // pin_memory) and the buffers. Masters, moments and gradient accumulators never reach the GPU (the
 // optimizer's copy-out goes through the staging buffers, gradients land in the gradient worker's
@@ -184,7 +186,7 @@ uint64_t MemoryPlan::pinned_pool_bytes() const {
   auto buffers = [](uint32_t count, uint64_t size) { return count * align_up(size, kPinnedAlignment); };
   return align_up(cpu_pinned_bytes, kPinnedAlignment) + buffers(optimizer_swap_buffers, optimizer_swap_buffer_bytes) +
          buffers(compute_staging_buffers, compute_staging_buffer_bytes) +
-         buffers(param_swap_buffers, param_swap_buffer_bytes);
+         buffers(param_swap_buffers, param_swap_buffer_bytes) + align_up(grad_ring_bytes, kPinnedAlignment);
 }
 
 std::string MemoryPlan::to_json() const {
@@ -213,6 +215,7 @@ std::string MemoryPlan::to_json() const {
   j["compute_staging_buffer_bytes"] = compute_staging_buffer_bytes;
   j["param_swap_buffers"] = param_swap_buffers;
   j["param_swap_buffer_bytes"] = param_swap_buffer_bytes;
+  j["grad_ring_bytes"] = grad_ring_bytes;
   j["pinned_pool_bytes"] = pinned_pool_bytes();
   return j.dump();
 }

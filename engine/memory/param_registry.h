@@ -135,8 +135,12 @@ struct MemoryPlan {
   // of params, each sized for the largest param (at most offload_param.buffer_size elements).
   uint32_t param_swap_buffers = 0;
   uint64_t param_swap_buffer_bytes = 0;
+  // The gradient worker's landing ring, where gradients arrive from the device (GradWorker): the
+  // largest block's gradients. 0 from plan_memory, which knows no blocks; the planner's
+  // plan_memory_with_ring sets it, and the trainer carves it from the pool.
+  uint64_t grad_ring_bytes = 0;
 
-  // cpu_pinned_bytes (when pinned) + every buffer above, in pool units (kPinnedAlignment).
+  // cpu_pinned_bytes (when pinned) + every buffer above and the ring, in pool units (kPinnedAlignment).
   uint64_t pinned_pool_bytes() const;
   // One JSON object with every field above and pinned_pool_bytes.
   std::string to_json() const;

@@ -441,8 +441,8 @@ Result<std::unique_ptr<StateStore>> StateStore::create(const ParamRegistry& regi
         << "CPU-resident states " << plan.cpu_pinned_bytes << " + optimizer swap buffers "
         << plan.optimizer_swap_buffers << " x " << plan.optimizer_swap_buffer_bytes << " + compute staging buffers "
         << plan.compute_staging_buffers << " x " << plan.compute_staging_buffer_bytes << " + parameter swap buffers "
-        << plan.param_swap_buffers << " x " << plan.param_swap_buffer_bytes
-        << " (each rounded to " << kPinnedAlignment << " bytes); raise " << options.pinned_cap_key
+        << plan.param_swap_buffers << " x " << plan.param_swap_buffer_bytes << " + the gradient landing ring "
+        << plan.grad_ring_bytes << " (each rounded to " << kPinnedAlignment << " bytes); raise " << options.pinned_cap_key
         << ", lower zero_optimization.sub_group_size or the buffer counts, or set pin_memory false";
     return out_of_memory(msg.str());
   }

@@ -74,24 +74,32 @@ constexpr double kHeadPerBtv = 13.5;       // bytes × B·T·V (fp32 logits, log
 constexpr double kHeadGradPerBtvE = 0.8;   // × B·T·V × compute bytes, with the lm_head gradient
 constexpr double kHeadGradPerBtvF32 = 0.55;
 
-uint64_t activation_estimate(const ModelConfig& m, uint64_t micro_batch, uint64_t seq_len, uint64_t e) {
+// `held`: micro-batches whose checkpoints are held at once (GAS with the vertical schedule, else 1);
+// `sum_bytes`: bytes per element of the per-block gradient sums the vertical schedule keeps (0: none).
+uint64_t activation_estimate(const ModelConfig& m, uint64_t micro_batch, uint64_t seq_len, uint64_t e, uint64_t held,
+                             uint64_t sum_bytes) {
   const double bt = static_cast<double>(micro_batch * seq_len);
   const double h = static_cast<double>(m.hidden_size), inter = static_cast<double>(m.intermediate_size);
   const double v = static_cast<double>(m.vocab_size), de = static_cast<double>(e);
   const double kv_dim = static_cast<double>(m.num_key_value_heads * m.head_dim);
   const double q_dim = static_cast<double>(m.num_attention_heads * m.head_dim);
   // The activation checkpoints: every block's input (the token ids as int64 for the embedding),
-  // the targets, and the RoPE tables.
-  const double resident = static_cast<double>(m.num_hidden_layers + 1) * bt * h * de + 2 * bt * 8 +
-                          2.0 * static_cast<double>(seq_len * m.head_dim) * 4;
+  // the targets, and the RoPE tables. With the vertical schedule (Note [Vertical schedule]) every
+  // held micro-batch's, the other micro-batches' gradients between blocks, and the summed
+  // gradients of the block in backward: derived, not measured like the coefficients.
+  const double n_held = static_cast<double>(held);
+  const double resident = n_held * (static_cast<double>(m.num_hidden_layers + 1) * bt * h * de + 2 * bt * 8) +
+                          (n_held - 1) * bt * h * de + 2.0 * static_cast<double>(seq_len * m.head_dim) * 4;
   const double p_attn = 2 * h * q_dim + 2 * h * kv_dim + 2 * h;
   const double p_mlp = 3 * h * inter;
   const double p_head = v * h + h;
-  const double dec_end = (p_attn + p_mlp) * de + bt * h * de * kDecEndPerBth;
+  const double ds = static_cast<double>(sum_bytes);
+  const double dec_end = (p_attn + p_mlp) * (de + ds) + bt * h * de * kDecEndPerBth;
   const double dec_mid =
-      bt * (inter * kDecMidPerBti * de + h * (kDecMidPerBthE * de + kDecMidPerBthF32 * 4)) + p_mlp * de * kDecMidGradShare;
-  const double head_a = bt * v * kHeadPerBtv;
-  const double head_b = p_head * de + bt * v * (kHeadGradPerBtvE * de + kHeadGradPerBtvF32 * 4);
+      bt * (inter * kDecMidPerBti * de + h * (kDecMidPerBthE * de + kDecMidPerBthF32 * 4)) + p_mlp * de * kDecMidGradShare +
+      (p_attn + p_mlp) * ds;
+  const double head_a = bt * v * kHeadPerBtv + p_head * ds;
+  const double head_b = p_head * (de + ds) + bt * v * (kHeadGradPerBtvE * de + kHeadGradPerBtvF32 * 4);
   return static_cast<uint64_t>(resident + std::max({dec_end, dec_mid, head_a, head_b}));
 }
 
@@ -122,14 +130,28 @@ Status check_model_size(const ModelConfig& m) {
   return Status::ok();
 }
 
-uint64_t grad_ring_bytes(const ModelLayout& layout, const ParamRegistry& registry, DType compute_dtype) {
+DType grad_transfer_dtype(const Config& c) {
+  return vertical_micro_batches(c) > 1 ? c.grad_accum_dtype : c.compute_dtype();
+}
+
+uint64_t vertical_micro_batches(const Config& c) {
+  return c.zoffload.schedule == "vertical" ? c.gradient_accumulation_steps : 1;
+}
+
+uint64_t grad_ring_bytes(const ModelLayout& layout, const ParamRegistry& registry, DType dtype) {
   uint64_t most = 0;
   for (const BlockSpec& b : layout.blocks) {
     uint64_t elems = 0;
     for (uint32_t p : b.params) elems += registry.params()[p].n_elems;
     most = std::max(most, elems);
   }
-  return most * dtype_size_bytes(compute_dtype);
+  return most * dtype_size_bytes(dtype);
+}
+
+Result<MemoryPlan> plan_memory_with_ring(const Config& c, const ParamRegistry& registry, const ModelLayout& layout) {
+  ZO_ASSIGN_OR_RETURN(MemoryPlan mp, plan_memory(c, registry));
+  mp.grad_ring_bytes = grad_ring_bytes(layout, registry, grad_transfer_dtype(c));
+  return mp;
 }
 
 std::string prefetch_by_blocks_text(const ArenaPlan& arena, uint64_t configured_bucket_elems) {
@@ -157,7 +179,7 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
   const ModelLayout layout = model_layout(m);
   ZO_ASSIGN_OR_RETURN(ParamRegistry registry, ParamRegistry::build(layout.params, c.zero.sub_group_size));
   RunPlan p;
-  ZO_ASSIGN_OR_RETURN(p.memory, plan_memory(c, registry));
+  ZO_ASSIGN_OR_RETURN(p.memory, plan_memory_with_ring(c, registry, layout));
   const MemoryPlan& mp = p.memory;
   const Placement& pl = mp.placement;
   p.n_params = registry.total_elems();
@@ -178,7 +200,9 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
   p.device_state_bytes = mp.device_bytes;
   const uint64_t left = in.device_budget_bytes > mp.device_bytes ? in.device_budget_bytes - mp.device_bytes : 0;
   p.device_arena_bytes = p.arena.bytes_within(left);
-  p.activation_bytes = activation_estimate(m, micro, in.seq_len, cb);
+  p.held_micro_batches = vertical_micro_batches(c);
+  p.activation_bytes = activation_estimate(m, micro, in.seq_len, cb, p.held_micro_batches,
+                                           p.held_micro_batches > 1 ? dtype_size_bytes(c.grad_accum_dtype) : 0);
   p.device_total_bytes = p.device_state_bytes + p.device_arena_bytes + (in.host.cuda ? p.activation_bytes : 0);
 
   // Host memory.
@@ -187,8 +211,8 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
   p.pinned_bytes = pin ? p.pool_bytes : 0;
   p.pageable_state_bytes = mp.cpu_pageable_bytes;
   const GradAccumulator::BufferPlan gbuf = GradAccumulator::plan_buffers(registry, pl, contribution_order);
-  p.grad_ring_bytes = grad_ring_bytes(layout, registry, c.compute_dtype());
-  p.host_buffer_bytes = kStoreScratchBytes + uint64_t{gbuf.count} * gbuf.bytes_each + p.grad_ring_bytes;
+  p.grad_ring_bytes = mp.grad_ring_bytes;  // in the pool
+  p.host_buffer_bytes = kStoreScratchBytes + uint64_t{gbuf.count} * gbuf.bytes_each;
   p.ram_bytes = p.pool_bytes + p.pageable_state_bytes + p.host_buffer_bytes + (in.host.cuda ? 0 : p.activation_bytes);
   p.process_bytes = in.host.process_bytes;
   p.nvme_optimizer_bytes = mp.nvme_optimizer_bytes;
@@ -202,6 +226,9 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
   // counted rounded as the swap file lays it out. A gradient section whose length is not a whole
   // number of pages is read with one page more (its tail goes through the store's scratch path):
   // measured, and checked exactly by tests/engine/plan against real runs.
+  // A pass is one forward and backward over the blocks: GAS per step, or one with the vertical
+  // schedule, which carries every micro-batch through each block at once.
+  const uint64_t passes = gas / p.held_micro_batches;
   uint64_t rd = 0, wr = 0, compute_nvme_bytes = 0, n_fetched = 0;
   uint64_t grad_rd = 0, grad_wr = 0;  // the accumulators' share, moved during backward
   for (const SubGroup& g : registry.sub_groups()) {
@@ -211,9 +238,9 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
     if (pl.optimizer != Tier::kNvme) continue;
     const uint64_t grad_len = g.n_elems * state_elem_bytes(pl, StateKind::kGradAccum);
     const uint64_t grad_read = sec(StateKind::kGradAccum) + (grad_len % kSwapAlignment != 0 ? kSwapAlignment : 0);
-    // The gradient accumulator: written every micro-step, read back on all but the first.
-    grad_wr += gas * sec(StateKind::kGradAccum);
-    grad_rd += (gas - 1) * grad_read;
+    // The gradient accumulator: written every pass, read back on all but the first.
+    grad_wr += passes * sec(StateKind::kGradAccum);
+    grad_rd += (passes - 1) * grad_read;
     // The optimizer step: master, exp_avg, exp_avg_sq and the gradient in; the three states out.
     const uint64_t states = sec(StateKind::kMaster) + sec(StateKind::kExpAvg) + sec(StateKind::kExpAvgSq);
     rd += states + grad_read;
@@ -224,12 +251,12 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
   wr += grad_wr;
   p.nvme_write_bytes = wr;
   p.nvme_read_min_bytes = rd + compute_nvme_bytes;
-  p.nvme_read_max_bytes = rd + 2 * gas * compute_nvme_bytes;
+  p.nvme_read_max_bytes = rd + 2 * passes * compute_nvme_bytes;
   p.nvme_exact = compute_nvme_bytes == 0;
   p.nvme_read_bytes = p.nvme_exact ? rd : p.nvme_read_max_bytes;
   p.h2d_min_bytes = n_fetched * cb;
-  p.h2d_max_bytes = 2 * gas * n_fetched * cb;
-  p.d2h_bytes = in.host.cuda ? gas * p.n_params * cb : 0;
+  p.h2d_max_bytes = 2 * passes * n_fetched * cb;
+  p.d2h_bytes = in.host.cuda ? passes * p.n_params * dtype_size_bytes(grad_transfer_dtype(c)) : 0;
 
   // Step time from measured speeds.
   const HostSpeeds& sp = in.speeds;
@@ -250,7 +277,7 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
   };
   add_part("compute", sp.compute_flops, flops, sp.compute_source);
   if (in.host.cuda) add_part("pcie", sp.pcie_bytes_per_s, static_cast<double>(p.h2d_min_bytes + p.d2h_bytes), "host↔GPU copies");
-  add_part("gradients", sp.accumulate_elems_per_s, static_cast<double>(gas * p.n_params), "accumulate + norm kernel, measured");
+  add_part("gradients", sp.accumulate_elems_per_s, static_cast<double>(passes * p.n_params), "accumulate + norm kernel, measured");
   add_part("optimizer", sp.adam_elems_per_s, static_cast<double>(p.n_params), "cpu_optim Adam, measured");
   // NVMe in two parts, as the step runs them: the accumulators are written (and read back) during
   // backward, by the gradient worker; the optimizer's reads and writes are pipelined with Adam.
@@ -289,7 +316,10 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
     p.problems.push_back({"GPU memory", p.device_total_bytes, host.device_total_bytes,
                           "states " + format_bytes(p.device_state_bytes) + " + arena " + format_bytes(p.device_arena_bytes) +
                               " + activations " + format_bytes(p.activation_bytes) + " at micro-batch " + std::to_string(micro) +
-                              ", seq " + std::to_string(in.seq_len)});
+                              ", seq " + std::to_string(in.seq_len) +
+                              (p.held_micro_batches > 1 ? ", " + std::to_string(p.held_micro_batches) +
+                                                              " micro-batches held by the vertical schedule (\"horizontal\" holds one)"
+                                                        : std::string())});
   }
   const uint64_t arena_min = p.arena.persistent_bytes + p.arena.largest_block_bytes;
   if (p.device_state_bytes + arena_min > in.device_budget_bytes) {
@@ -301,7 +331,8 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
   const uint64_t cap = c.zoffload.pinned_memory_limit;
   if (cap != 0 && p.pool_bytes > cap) {
     p.problems.push_back({"zoffload.pinned_memory_limit", p.pool_bytes, cap,
-                          "CPU-resident states " + format_bytes(mp.cpu_pinned_bytes) + " and swap/staging buffers"});
+                          "CPU-resident states " + format_bytes(mp.cpu_pinned_bytes) +
+                              ", swap/staging buffers and the gradient landing ring " + format_bytes(mp.grad_ring_bytes)});
   }
   if (pin && !host.can_lock_unlimited && host.memlock_limit_bytes != UINT64_MAX && p.pinned_bytes > host.memlock_limit_bytes) {
     p.problems.push_back({"locked memory (ulimit -l)", p.pinned_bytes, host.memlock_limit_bytes,
@@ -338,7 +369,9 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
 std::string RunPlan::summary() const {
   std::ostringstream s;
   s << "plan: " << format_bytes(device_total_bytes) << " device (states " << format_bytes(device_state_bytes) << ", arena "
-    << format_bytes(device_arena_bytes) << ", activations " << format_bytes(activation_bytes) << "), pinned "
+    << format_bytes(device_arena_bytes) << ", activations " << format_bytes(activation_bytes)
+    << (held_micro_batches > 1 ? " for " + std::to_string(held_micro_batches) + " micro-batches, vertical" : std::string())
+    << "), pinned "
     << format_bytes(pinned_bytes) << ", RAM " << format_bytes(ram_bytes + process_bytes) << ", NVMe "
     << format_bytes(nvme_optimizer_bytes + nvme_param_bytes);
   if (nvme_read_bytes + nvme_write_bytes > 0)
@@ -358,7 +391,8 @@ std::string RunPlan::to_json() const {
   j["tokens_per_micro_step"] = tokens_per_micro_step;
   j["device"] = {{"budget_bytes", device_budget_bytes}, {"state_bytes", device_state_bytes},
                  {"arena_bytes", device_arena_bytes}, {"arena_wanted_bytes", arena.total_bytes()},
-                 {"activation_bytes", activation_bytes}, {"total_bytes", device_total_bytes}};
+                 {"activation_bytes", activation_bytes}, {"held_micro_batches", held_micro_batches},
+                 {"total_bytes", device_total_bytes}};
   j["host"] = {{"pinned_bytes", pinned_bytes},        {"pool_bytes", pool_bytes},
                {"pageable_state_bytes", pageable_state_bytes}, {"buffer_bytes", host_buffer_bytes},
                {"grad_ring_bytes", grad_ring_bytes},
@@ -440,6 +474,12 @@ std::vector<Candidate> candidates(const Config& base) {
   if (op.pin_memory) {  // the CPU compute copies, the only states that are pinned
     out.push_back({"zero_optimization.offload_param.pin_memory: false", [](Config& c) {
                      c.zero.offload_param.pin_memory = false;
+                     return true;
+                   }});
+  }
+  if (base.zoffload.pinned_memory_limit != 0) {  // the user's own cap; the RAM and ulimit checks still apply
+    out.push_back({"zoffload.pinned_memory_limit: 0 (the pool sized from the plan)", [](Config& c) {
+                     c.zoffload.pinned_memory_limit = 0;
                      return true;
                    }});
   }

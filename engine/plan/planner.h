@@ -90,14 +90,15 @@ struct RunPlan {
   // LibTorch's activations, autograd buffers and one block's gradients at their peak
   // (Note [Activation estimate]); on the GPU with CUDA, in host RAM on the emulated device.
   uint64_t activation_bytes = 0;
+  uint64_t held_micro_batches = 1;  // micro-batches whose checkpoints are held at once (vertical: GAS)
   uint64_t device_total_bytes = 0;  // states + arena (+ activations on CUDA)
 
   // Host.
   uint64_t pinned_bytes = 0;        // the pinned pool (0 when both pin_memory flags are false)
   uint64_t pool_bytes = 0;          // the pool, pinned or not
   uint64_t pageable_state_bytes = 0;
-  uint64_t host_buffer_bytes = 0;   // scratch, gradient staging buffers and the gradient ring
-  uint64_t grad_ring_bytes = 0;     // the gradient worker's landing ring (in host_buffer_bytes)
+  uint64_t host_buffer_bytes = 0;   // scratch and gradient staging buffers
+  uint64_t grad_ring_bytes = 0;     // the gradient worker's landing ring (in the pool)
   uint64_t ram_bytes = 0;           // pool + pageable states + buffers (+ activations on the host)
   uint64_t process_bytes = 0;       // LibTorch and the program itself (measured at plan time)
 
@@ -132,9 +133,18 @@ struct RunPlan {
 };
 
 // The gradient worker's landing ring (engine/coord/grad_worker.h): the largest block's gradients
-// in the compute dtype, so that one block's gradients are accumulated while the next block's
-// backward computes. The trainer allocates it; the planner counts it in host buffers.
-uint64_t grad_ring_bytes(const ModelLayout& layout, const ParamRegistry& registry, DType compute_dtype);
+// in `dtype`, so that one block's gradients are accumulated while the next block's backward
+// computes.
+uint64_t grad_ring_bytes(const ModelLayout& layout, const ParamRegistry& registry, DType dtype);
+// plan_memory, with the landing ring (grad_ring_bytes in grad_transfer_dtype) in the pinned pool:
+// the plan the trainer allocates and the planner reports.
+Result<MemoryPlan> plan_memory_with_ring(const Config& c, const ParamRegistry& registry, const ModelLayout& layout);
+// The dtype gradients leave the device in: the compute dtype, or grad_accum_dtype when the
+// vertical schedule sums several micro-batches on the device first (Note [Vertical schedule]).
+DType grad_transfer_dtype(const Config& c);
+// Micro-batches one forward and backward carry: gradient_accumulation_steps with the vertical
+// schedule, else 1.
+uint64_t vertical_micro_batches(const Config& c);
 
 // "by whole blocks, N elements ahead: stage3_prefetch_bucket_size B cannot hold the largest param
 // (M elements)": the start line's and the plan's words for ArenaPlan::prefetch_by_blocks.

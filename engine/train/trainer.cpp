@@ -138,13 +138,18 @@ struct Trainer::Impl {
   std::string swap_dir;
   std::ofstream metrics;
 
-  // The forward of one micro-batch up to the head: the activation checkpoints and the labels.
-  struct Forward {
+  // One micro-batch run forward up to the head: its activation checkpoints and labels.
+  struct Micro {
     std::vector<torch::Tensor> inputs;  // each block's input; inputs[0] the token ids
     torch::Tensor targets;
     uint64_t tokens = 0;
-    double data_s = 0;
     DataPosition position;  // where its batch was read from
+  };
+  // The forward of the micro-batches one backward takes: one with the horizontal schedule, all of
+  // a step's with the vertical one (Note [Vertical schedule]).
+  struct Forward {
+    std::vector<Micro> micro;
+    double data_s = 0;
   };
   // Note [Overlapped optimizer]: the next step's first forward, run by step() while its optimizer
   // ran, or that forward's failure (returned by the next step()).
@@ -163,17 +168,21 @@ struct Trainer::Impl {
   // Releases a block once the device has finished every kernel that reads it: on CUDA LibTorch
   // queues its kernels asynchronously and the coordinator may refill the freed arena space at once.
   Status release(uint32_t block);
-  // Hands every param gradient of a block to the accumulator.
-  Status offload_grads(uint32_t block, const std::vector<torch::Tensor>& params, bool inject_overflow);
+  // Hands a block's gradients (one per param, in block order) to the accumulator.
+  Status offload_grads(uint32_t block, const std::vector<torch::Tensor>& grads, bool inject_overflow);
+  // Moves the gradients the last backward left in `params` into `sums` (the first micro-batch's are
+  // copied, in grad_accum_dtype; later ones added), leaving the params without gradients.
+  void fold_grads(std::vector<torch::Tensor>& params, std::vector<torch::Tensor>& sums, bool first) const;
   struct MicroResult {
     double loss = 0;
     double grad_offload_s = 0;  // gradients off the device and into the accumulators
     GradNormReport grads;
   };
-  // Reads the next batch and runs the forward of blocks 0..n-2 (begins the coordinator's micro-step).
-  Result<Forward> forward();
-  // The rest of the micro-step: the head's forward and loss, then backward block by block with the
-  // gradients handed to the accumulators.
+  // Reads the next `count` batches and runs them forward through blocks 0..n-2, block by block
+  // (begins the coordinator's micro-step: each block is fetched once for all of them).
+  Result<Forward> forward(uint64_t count);
+  // The rest: the head's forward and loss, then backward block by block, each block's gradients
+  // (summed over f's micro-batches) handed to the accumulators. `loss` is the sum over them.
   Result<MicroResult> finish_micro_step(Forward& f, bool first, bool last, bool inject_overflow);
   // Trainer::step without the step number in its errors.
   Result<StepMetrics> step_once();
@@ -225,7 +234,7 @@ Status Trainer::Impl::init(const TrainOptions& options) {
   }
   ZO_ASSIGN_OR_RETURN(ParamRegistry reg, ParamRegistry::build(layout.params, config.zero.sub_group_size));
   registry.emplace(std::move(reg));
-  ZO_ASSIGN_OR_RETURN(plan, plan_memory(config, *registry));
+  ZO_ASSIGN_OR_RETURN(plan, plan_memory_with_ring(config, *registry, layout));
 
   // The device and its budget: zoffload.gpu_memory_limit, else what the GPU has (or, emulated, RAM).
   // A GPU the CUDA runtime lists but LibTorch cannot use is "present but unusable" for
@@ -305,7 +314,9 @@ Status Trainer::Impl::init(const TrainOptions& options) {
   gate = std::make_unique<UpdateGate>(store->plan().n_sub_groups);
   coord->set_update_gate(gate.get());
   ZO_ASSIGN_OR_RETURN(grads, GradAccumulator::create(*store, std::move(contribution_order), *executor));
-  ZO_ASSIGN_OR_RETURN(grad_worker, GradWorker::create(*grads, grad_ring_bytes(layout, *registry, compute_dtype)));
+  // The landing ring comes from the pool: pinned, so that gradients leave the GPU by DMA.
+  ZO_ASSIGN_OR_RETURN(std::span<std::byte> ring, store->pool().allocate(plan.grad_ring_bytes, "the gradient landing ring"));
+  ZO_ASSIGN_OR_RETURN(grad_worker, GradWorker::create(*grads, ring));
 
   ZO_ASSIGN_OR_RETURN(LossScaler s, LossScaler::for_config(config));
   scaler.emplace(s);
@@ -434,17 +445,17 @@ Status Trainer::Impl::release(uint32_t block) {
   return coord->release(block);
 }
 
-Status Trainer::Impl::offload_grads(uint32_t block, const std::vector<torch::Tensor>& params, bool inject_overflow) {
+Status Trainer::Impl::offload_grads(uint32_t block, const std::vector<torch::Tensor>& grads, bool inject_overflow) {
   // Each gradient is copied (from the device: D2H) into the gradient worker's landing ring and
   // accumulated there behind the next block's backward (Note [Gradient landing ring]).
   const BlockSpec& spec = layout.blocks[block];
-  for (size_t i = 0; i < params.size(); ++i) {
+  for (size_t i = 0; i < grads.size(); ++i) {
     const std::string& name = layout.params[spec.params[i]].name;
-    torch::Tensor g;
-    ZO_RETURN_IF_ERROR(torch_call("reading the gradient of " + name, [&] { g = params[i].grad(); }));
+    const torch::Tensor& g = grads[i];
     if (!g.defined()) return internal_error("no gradient reached " + name);
+    const DType dtype = g.scalar_type() == to_torch_dtype(compute_dtype) ? compute_dtype : opt.config.grad_accum_dtype;
     const uint64_t bytes = static_cast<uint64_t>(g.numel()) * g.element_size();
-    ZO_RETURN_IF_ERROR(grad_worker->submit(spec.params[i], compute_dtype, bytes, [&](std::span<std::byte> slot) {
+    ZO_RETURN_IF_ERROR(grad_worker->submit(spec.params[i], dtype, bytes, [&](std::span<std::byte> slot) {
       return torch_call("copying the gradient of " + name, [&] {
         torch::Tensor landed = torch::from_blob(slot.data(), g.sizes(), g.options().device(torch::kCPU));
         landed.copy_(g);
@@ -456,39 +467,73 @@ Status Trainer::Impl::offload_grads(uint32_t block, const std::vector<torch::Ten
   return Status::ok();
 }
 
-// One micro-batch: forward block by block keeping only block inputs, then the head's loss and
+void Trainer::Impl::fold_grads(std::vector<torch::Tensor>& params, std::vector<torch::Tensor>& sums, bool first) const {
+  // Called inside torch_call. The sum is over micro-batches in order, each added once in
+  // grad_accum_dtype: the additions the accumulator makes on the host with the horizontal schedule.
+  const torch::ScalarType accum = to_torch_dtype(opt.config.grad_accum_dtype);
+  sums.resize(params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    torch::Tensor& g = params[i].mutable_grad();
+    if (first) {
+      sums[i] = g.to(accum, /*non_blocking=*/false, /*copy=*/true);
+    } else {
+      sums[i].add_(g);
+    }
+    g.reset();
+  }
+}
+
+// One micro-step: forward block by block keeping only block inputs, then the head's loss and
 // backward, then each block in reverse: re-fetch, recompute with autograd, backpropagate, hand its
 // gradients to the accumulators, release (DESIGN.md, "One training step").
-Result<Trainer::Impl::Forward> Trainer::Impl::forward() {
+//
+// Note [Vertical schedule]
+// With gradient accumulation the horizontal schedule runs each micro-batch through every block, so
+// a step fetches every block 2·GAS times and sends every gradient to the host GAS times. The
+// vertical one (zoffload.schedule "vertical", GreedySnake's order) runs all GAS micro-batches
+// through block b before block b+1, forward and backward: one fetch of each block per direction
+// and step, and one gradient transfer per parameter, at the price of holding every micro-batch's
+// activation checkpoints at once (the planner counts GAS times the checkpoints, and the summed
+// gradients of the largest block, in grad_accum_dtype).
+// The gradients of a block are summed on the device in grad_accum_dtype, micro-batch by
+// micro-batch in order (fold_grads), then sent once; the host accumulator sees one contribution.
+// These are the same additions, in the same order and dtype, that the accumulator makes with the
+// horizontal schedule, so the two agree to the bit where both sides round alike (fp32 sums: IEEE
+// additions; the test compares them); the per-micro-batch forward and backward are unchanged.
+Result<Trainer::Impl::Forward> Trainer::Impl::forward(uint64_t count) {
   Forward f;
-  const auto data_t0 = Clock::now();
-  ZO_RETURN_IF_ERROR(data->next_batch(&batch));
-  f.position = batch.position;
+  f.micro.resize(count);
+  const uint32_t n = static_cast<uint32_t>(layout.blocks.size());
   auto out_of_vocab = [&](int32_t token, bool label) { return !(label && token == kIgnoreLabel) && (token < 0 || static_cast<uint64_t>(token) >= model.vocab_size); };
-  for (size_t i = 0; i < batch.inputs.size(); ++i) {
-    const bool bad_input = out_of_vocab(batch.inputs[i], false);
-    if (bad_input || out_of_vocab(batch.targets[i], true))
-      return invalid_argument(opt.data_path + ": " + (bad_input ? "token " : "label ") +
-                              std::to_string(bad_input ? batch.inputs[i] : batch.targets[i]) + " (window " +
-                              std::to_string(batch.windows[i / batch.seq_len]) + ") is outside the model's vocabulary of " +
-                              std::to_string(model.vocab_size));
+  for (Micro& mb : f.micro) {
+    const auto data_t0 = Clock::now();
+    ZO_RETURN_IF_ERROR(data->next_batch(&batch));
+    mb.position = batch.position;
+    for (size_t i = 0; i < batch.inputs.size(); ++i) {
+      const bool bad_input = out_of_vocab(batch.inputs[i], false);
+      if (bad_input || out_of_vocab(batch.targets[i], true))
+        return invalid_argument(opt.data_path + ": " + (bad_input ? "token " : "label ") +
+                                std::to_string(bad_input ? batch.inputs[i] : batch.targets[i]) + " (window " +
+                                std::to_string(batch.windows[i / batch.seq_len]) + ") is outside the model's vocabulary of " +
+                                std::to_string(model.vocab_size));
+    }
+    for (int32_t t : batch.targets) mb.tokens += t != kIgnoreLabel;
+    f.data_s += seconds_since(data_t0);
+    mb.inputs.resize(n);
+    ZO_RETURN_IF_ERROR(torch_call("preparing the batch", [&] {
+      const int64_t b = static_cast<int64_t>(batch.batch), t = static_cast<int64_t>(batch.seq_len);
+      mb.inputs[0] = torch::from_blob(batch.inputs.data(), {b, t}, torch::kInt32).to(torch_device, torch::kInt64);
+      mb.targets = torch::from_blob(batch.targets.data(), {b, t}, torch::kInt32).to(torch_device, torch::kInt64);
+    }));
   }
-  for (int32_t t : batch.targets) f.tokens += t != kIgnoreLabel;
-  f.data_s = seconds_since(data_t0);
 
   coord->begin_micro_step();
-  const uint32_t n = static_cast<uint32_t>(layout.blocks.size());
-  f.inputs.resize(n);
-  ZO_RETURN_IF_ERROR(torch_call("preparing the batch", [&] {
-    const int64_t b = static_cast<int64_t>(batch.batch), t = static_cast<int64_t>(batch.seq_len);
-    f.inputs[0] = torch::from_blob(batch.inputs.data(), {b, t}, torch::kInt32).to(torch_device, torch::kInt64);
-    f.targets = torch::from_blob(batch.targets.data(), {b, t}, torch::kInt32).to(torch_device, torch::kInt64);
-  }));
   for (uint32_t b = 0; b + 1 < n; ++b) {
     ZO_ASSIGN_OR_RETURN(std::vector<gpu::DevicePtr> ptrs, coord->acquire(b));
     ZO_RETURN_IF_ERROR(torch_call("forward of " + layout.blocks[b].name, [&] {
       torch::NoGradGuard no_grad;
-      f.inputs[b + 1] = block_forward(model, layout.blocks[b], wrap(b, ptrs, false), f.inputs[b], rope);
+      const std::vector<torch::Tensor> params = wrap(b, ptrs, false);
+      for (Micro& mb : f.micro) mb.inputs[b + 1] = block_forward(model, layout.blocks[b], params, mb.inputs[b], rope);
     }));
     ZO_RETURN_IF_ERROR(release(b));
   }
@@ -513,25 +558,40 @@ Result<Trainer::Impl::MicroResult> Trainer::Impl::finish_micro_step(Forward& f, 
   } abandon{grad_worker.get(), grads.get()};
   const uint32_t n = static_cast<uint32_t>(layout.blocks.size());
   const double loss_factor = scaler->scale() / static_cast<double>(opt.config.gradient_accumulation_steps);
-  std::vector<torch::Tensor>& inputs = f.inputs;
+  const size_t count = f.micro.size();
+  // With several micro-batches (the vertical schedule) each block's gradients are summed on the
+  // device and leave it once (Note [Vertical schedule]).
+  const bool fold = count > 1;
+  // The block's gradients to send: the params' own, or their sums.
+  auto block_grads = [&](const std::vector<torch::Tensor>& params, std::vector<torch::Tensor>& sums) {
+    if (fold) return sums;
+    std::vector<torch::Tensor> g;
+    for (const torch::Tensor& p : params) g.push_back(p.grad());
+    return g;
+  };
 
   // The head: its forward and backward follow each other in the schedule, so it runs once with
   // autograd and its backward entry only acquires and releases it.
-  torch::Tensor grad_out;
+  std::vector<torch::Tensor> grad_out(count);
   {
     const uint32_t h = n - 1;
     ZO_ASSIGN_OR_RETURN(std::vector<gpu::DevicePtr> ptrs, coord->acquire(h));
-    std::vector<torch::Tensor> params;
+    std::vector<torch::Tensor> params, sums, grads_h;
     ZO_RETURN_IF_ERROR(torch_call("forward and backward of " + layout.blocks[h].name, [&] {
       params = wrap(h, ptrs, true);
-      torch::Tensor x = inputs[h].detach().set_requires_grad(true);
-      torch::Tensor loss = lm_loss(block_forward(model, layout.blocks[h], params, x, rope), f.targets);
-      result.loss = loss.item<double>();
-      (loss * loss_factor).backward();
-      grad_out = x.grad();
+      for (size_t k = 0; k < count; ++k) {
+        Micro& mb = f.micro[k];
+        torch::Tensor x = mb.inputs[h].detach().set_requires_grad(true);
+        torch::Tensor loss = lm_loss(block_forward(model, layout.blocks[h], params, x, rope), mb.targets);
+        result.loss += loss.item<double>();
+        (loss * loss_factor).backward();
+        grad_out[k] = x.grad();
+        if (fold) fold_grads(params, sums, k == 0);
+      }
+      grads_h = block_grads(params, sums);
     }));
     const auto g0 = Clock::now();
-    ZO_RETURN_IF_ERROR(offload_grads(h, params, false));
+    ZO_RETURN_IF_ERROR(offload_grads(h, grads_h, false));
     result.grad_offload_s += seconds_since(g0);
     ZO_RETURN_IF_ERROR(release(h));
     ZO_RETURN_IF_ERROR(coord->acquire(h).status());
@@ -540,17 +600,22 @@ Result<Trainer::Impl::MicroResult> Trainer::Impl::finish_micro_step(Forward& f, 
 
   for (uint32_t b = n - 1; b-- > 0;) {
     ZO_ASSIGN_OR_RETURN(std::vector<gpu::DevicePtr> ptrs, coord->acquire(b));
-    std::vector<torch::Tensor> params;
+    std::vector<torch::Tensor> params, sums, grads_b;
     ZO_RETURN_IF_ERROR(torch_call("backward of " + layout.blocks[b].name, [&] {
       params = wrap(b, ptrs, true);
-      torch::Tensor x = b == 0 ? inputs[0] : inputs[b].detach().set_requires_grad(true);
-      torch::Tensor out = block_forward(model, layout.blocks[b], params, x, rope);
-      torch::autograd::backward({out}, {grad_out});
-      grad_out = b == 0 ? torch::Tensor() : x.grad();
-      inputs[b] = torch::Tensor();
+      for (size_t k = 0; k < count; ++k) {
+        Micro& mb = f.micro[k];
+        torch::Tensor x = b == 0 ? mb.inputs[0] : mb.inputs[b].detach().set_requires_grad(true);
+        torch::Tensor out = block_forward(model, layout.blocks[b], params, x, rope);
+        torch::autograd::backward({out}, {grad_out[k]});
+        grad_out[k] = b == 0 ? torch::Tensor() : x.grad();
+        mb.inputs[b] = torch::Tensor();
+        if (fold) fold_grads(params, sums, k == 0);
+      }
+      grads_b = block_grads(params, sums);
     }));
     const auto g0 = Clock::now();
-    ZO_RETURN_IF_ERROR(offload_grads(b, params, b == 0 && inject_overflow));
+    ZO_RETURN_IF_ERROR(offload_grads(b, grads_b, b == 0 && inject_overflow));
     result.grad_offload_s += seconds_since(g0);
     ZO_RETURN_IF_ERROR(release(b));
   }
@@ -605,19 +670,20 @@ Result<StepMetrics> Trainer::Impl::step_once() {
   double loss_sum = 0;
   double offload_s = 0;
   double data_s = 0;
-  for (uint64_t micro = 0; micro < gas; ++micro) {
-    const bool last = micro + 1 == gas;
+  const uint64_t per_forward = vertical_micro_batches(config);  // micro-batches per forward
+  for (uint64_t micro = 0; micro < gas; micro += per_forward) {
+    const bool last = micro + per_forward == gas;
     Impl::Forward f;
     if (micro == 0 && m.ahead) {
       f = std::move(*m.ahead);
       m.ahead.reset();
     } else {
-      ZO_ASSIGN_OR_RETURN(f, m.forward());
+      ZO_ASSIGN_OR_RETURN(f, m.forward(per_forward));
       data_s += f.data_s;
     }
     ZO_ASSIGN_OR_RETURN(Impl::MicroResult r, m.finish_micro_step(f, micro == 0, last, inject && last));
     loss_sum += r.loss;
-    out.tokens += f.tokens;
+    for (const Impl::Micro& mb : f.micro) out.tokens += mb.tokens;
     offload_s += r.grad_offload_s;
     if (last) boundary = r.grads;
   }
@@ -677,7 +743,7 @@ Result<StepMetrics> Trainer::Impl::step_once() {
     }
   }
   if (overlap && (m.opt.last_step == 0 || out.step < m.opt.last_step)) {
-    auto next = m.forward();
+    auto next = m.forward(per_forward);
     if (next.is_ok()) {
       data_s += next->data_s;
       m.ahead = std::move(*next);
@@ -764,7 +830,7 @@ TrainingState Trainer::training_state() const {
   st.loss_scaler = m.scaler->state();
   // A batch already read for the next step's forward (Note [Overlapped optimizer]) is read again
   // by a run resumed from here.
-  st.data_position = m.ahead ? m.ahead->position : m.data->position();
+  st.data_position = m.ahead ? m.ahead->micro.front().position : m.data->position();
   st.seed = m.data->options().seed;
   // A directory is recorded absolute, so `zoffload export` finds its tokenizer from anywhere.
   std::error_code ec;
@@ -823,6 +889,8 @@ std::string Trainer::describe() const {
     else if (ap.prefetch_by_blocks) s << prefetch_by_blocks_text(ap, m.opt.config.zero.stage3_prefetch_bucket_size);
     else s << format_count(ap.prefetch_bucket_elems) << " elements ahead";
   }
+  if (const uint64_t held = vertical_micro_batches(m.opt.config); held > 1)
+    s << " | vertical schedule: " << held << " micro-batches per block visit";
   return s.str();
 }
 

@@ -3,7 +3,8 @@
 with several placements and on the 1B-class tinyllama-1.1b, the per-tier peaks (device states and
 arena, pinned pool, CPU, NVMe swap files) equal the measured ones, LibTorch's activation peak is
 within 10%, and NVMe bytes per step (the second step, when every state has been written once) are
-exact; with compute copies on NVMe the measured reads lie in the predicted range. A plan that does not
+exact (the vertical schedule's too); with compute copies on NVMe the measured reads lie in the
+predicted range. A plan that does not
 fit exits 3 and lists changes that, planned again, fit; `train` refuses it at start with the
 planner's message."""
 import json
@@ -99,6 +100,10 @@ with tempfile.TemporaryDirectory() as tmp:
         ("tiny-nvme-bf16-gas2", "tiny", 64, config(opt="nvme", gas=2)),
         ("tiny-nvme-params", "tiny", 64, config(opt="nvme", par="nvme", max_in_cpu=0)),
         ("tiny-optcpu-params-nvme", "tiny", 256, config(opt="cpu", par="nvme", max_in_cpu=0, micro=2, gas=2)),
+        # The vertical schedule: every micro-batch's checkpoints held at once, the accumulators
+        # written once per step.
+        ("tiny-nvme-bf16-gas3-vertical", "tiny", 128, config(opt="nvme", micro=2, gas=3,
+                                                             zoffload={"schedule": "vertical"})),
         ("tiny-device", "tiny", 64, config(opt="none", par="none", prec="fp32")),
         ("tiny-unpinned", "tiny", 64, config(opt="cpu", par="cpu", micro=4,
                                              zero_optimization={"stage": 3, "sub_group_size": 1e6,
@@ -116,7 +121,8 @@ with tempfile.TemporaryDirectory() as tmp:
     # Does not fit: a pinned cap below the pool. plan exits 3 with fixes that fit; train refuses at start.
     bad = os.path.join(tmp, "bad.json")
     with open(bad, "w") as f:
-        json.dump(config(zoffload={"pinned_memory_limit": "1MiB"}), f)  # the tiny model's 5.8 MiB of compute copies
+        # Below the tiny model's 5.8 MiB of compute copies and its gradient landing ring.
+        json.dump(config(zoffload={"pinned_memory_limit": "1MiB"}), f)
     p = subprocess.run([zoffload, "plan", "--config", bad, "--model", "tiny", "--out", tmp, "--json", "--no-measure"],
                        capture_output=True, text=True, env=ENV)
     expect(p.returncode == 3, f"a plan that does not fit exits 3: {p.returncode} {p.stderr}")

@@ -9,6 +9,7 @@
 #include <random>
 #include <thread>
 
+#include "common/aligned_buffer.h"
 #include "engine/coord/grad_accumulator.h"
 #include "engine/coord/grad_worker.h"
 #include "engine/coord/param_coordinator.h"
@@ -327,7 +328,8 @@ TEST(GradWorker, AWriteErrorBehindBackwardIsReportedByDrainAndCleared) {
   ASSERT_TRUE(rig.init(p).is_ok());
   auto acc = GradAccumulator::create(*rig.store, testing::contribution_order(), testing::executor());
   ASSERT_TRUE(acc.is_ok());
-  auto worker = GradWorker::create(**acc, 1 << 20);
+  AlignedBuffer ring = std::move(AlignedBuffer::allocate(1 << 20)).value();
+  auto worker = GradWorker::create(**acc, ring.bytes());
   ASSERT_TRUE(worker.is_ok());
   const SwapRegion first = rig.store->location(0, StateKind::kGradAccum).region;
   rig.faults->add({io::FaultKind::kEio, io::IoOp::kWrite, "optimizer.swp", first.offset_bytes, 1});

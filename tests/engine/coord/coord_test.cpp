@@ -10,6 +10,7 @@
 #include <limits>
 #include <thread>
 
+#include "common/aligned_buffer.h"
 #include "common/bytes.h"
 #include "engine/coord/grad_accumulator.h"
 #include "engine/coord/grad_worker.h"
@@ -524,10 +525,12 @@ AccResult accumulate_all(Rig& rig, const std::vector<std::vector<Bytes>>& grads,
   ZO_CHECK(st.is_ok()) << st.to_string();
   auto acc = GradAccumulator::create(*rig.store, testing::contribution_order(), testing::executor());
   ZO_CHECK(acc.is_ok()) << acc.status().to_string();
+  AlignedBuffer ring;  // outlives the worker
   std::unique_ptr<GradWorker> worker;
   if (ring_bytes > 0) {
+    ring = std::move(AlignedBuffer::allocate(align_up(ring_bytes, 64))).value();
     // A worker slower than the producer, so that a small ring fills and submits wait.
-    auto w = GradWorker::create(**acc, ring_bytes, [] { std::this_thread::sleep_for(std::chrono::milliseconds(1)); });
+    auto w = GradWorker::create(**acc, ring.bytes(), [] { std::this_thread::sleep_for(std::chrono::milliseconds(1)); });
     ZO_CHECK(w.is_ok()) << w.status().to_string();
     worker = std::move(*w);
   }
@@ -651,8 +654,9 @@ TEST(GradWorker, RefusesAZeroRingAnOversizedGradientAndReturnsAFailedFill) {
   ASSERT_TRUE(rig.init(Placing{}).is_ok());
   auto acc = GradAccumulator::create(*rig.store, testing::contribution_order(), testing::executor());
   ASSERT_TRUE(acc.is_ok());
-  EXPECT_EQ(GradWorker::create(**acc, 0).status().code(), StatusCode::kInvalidArgument);
-  auto worker = GradWorker::create(**acc, 1024);
+  EXPECT_EQ(GradWorker::create(**acc, {}).status().code(), StatusCode::kInvalidArgument);
+  AlignedBuffer ring = std::move(AlignedBuffer::allocate(1024)).value();
+  auto worker = GradWorker::create(**acc, ring.bytes());
   ASSERT_TRUE(worker.is_ok());
   auto never = [](std::span<std::byte>) -> Status { ADD_FAILURE() << "filled"; return Status::ok(); };
   const Status big = (*worker)->submit(0, DType::kF32, 4096, never);

@@ -42,14 +42,15 @@ TEST(Planner, UsesTheEnginesOwnMemoryPlan) {
   ASSERT_TRUE(reg.is_ok());
   auto mp = plan_memory(in.config, *reg);
   ASSERT_TRUE(mp.is_ok());
-  EXPECT_EQ(p->pool_bytes, mp->pinned_pool_bytes());
+  EXPECT_EQ(mp->grad_ring_bytes, 0u);  // plan_memory knows no blocks
   EXPECT_EQ(p->nvme_optimizer_bytes, mp->nvme_optimizer_bytes);
   EXPECT_EQ(p->n_params, reg->total_elems());
   // The gradient worker's ring: the largest block's gradients (the head, with the tied embedding's
-  // or its own vocabulary × hidden), counted in the host buffers.
+  // or its own vocabulary × hidden), carved from the pinned pool.
   EXPECT_EQ(p->grad_ring_bytes, grad_ring_bytes(layout, *reg, in.config.compute_dtype()));
   EXPECT_GE(p->grad_ring_bytes, in.model.vocab_size * in.model.hidden_size * 4);
-  EXPECT_GE(p->host_buffer_bytes, p->grad_ring_bytes + kStoreScratchBytes);
+  EXPECT_EQ(p->pool_bytes, mp->pinned_pool_bytes() + align_up(p->grad_ring_bytes, kPinnedAlignment));
+  EXPECT_GE(p->host_buffer_bytes, kStoreScratchBytes);
   EXPECT_GT(p->arena.total_bytes(), 0u);
   EXPECT_GT(p->activation_bytes, 0u);
   EXPECT_TRUE(p->fits()) << p->summary();
@@ -67,6 +68,29 @@ TEST(Planner, NvmeTrafficGrowsWithAccumulationAsTheAccumulatorsMove) {
   EXPECT_GE(three->nvme_write_bytes - one->nvme_write_bytes, 2 * grad_file);
   EXPECT_GE(three->nvme_read_bytes - one->nvme_read_bytes, 2 * grad_file);
   EXPECT_TRUE(one->nvme_exact);
+}
+
+// Note [Vertical schedule]: every micro-batch's checkpoints held at once, the gradients sent once
+// per step in grad_accum_dtype, the NVMe accumulators written once per step.
+TEST(Planner, VerticalScheduleHoldsEveryMicroBatchAndMovesGradientsOnce) {
+  PlanInputs in = tiny_inputs(OffloadDevice::kNvme, OffloadDevice::kCpu);
+  in.config.bf16.enabled = true;  // bf16 compute, fp32 accumulators
+  in.config.gradient_accumulation_steps = 4;
+  auto horizontal = plan_run(in);
+  in.config.zoffload.schedule = "vertical";
+  auto vertical = plan_run(in);
+  ASSERT_TRUE(horizontal.is_ok() && vertical.is_ok());
+  EXPECT_EQ(horizontal->held_micro_batches, 1u);
+  EXPECT_EQ(vertical->held_micro_batches, 4u);
+  EXPECT_GT(vertical->activation_bytes, horizontal->activation_bytes);
+  EXPECT_THAT(vertical->summary(), HasSubstr("for 4 micro-batches, vertical"));
+  // The ring lands fp32 sums instead of bf16 gradients.
+  EXPECT_EQ(vertical->grad_ring_bytes, 2 * horizontal->grad_ring_bytes);
+  // Three fewer accumulator writes and read-backs of every gradient section per step.
+  const uint64_t grad_file = horizontal->n_params * 4;
+  EXPECT_GE(horizontal->nvme_write_bytes - vertical->nvme_write_bytes, 3 * grad_file);
+  EXPECT_GE(horizontal->nvme_read_bytes - vertical->nvme_read_bytes, 3 * grad_file);
+  EXPECT_EQ(vertical->h2d_max_bytes * 4, horizontal->h2d_max_bytes);
 }
 
 TEST(Planner, RefusesAbsurdModelSizesBeforeBuildingAnything) {
