@@ -697,6 +697,14 @@ TEST(Resume, ContinuesBitExactlyWithTheOptimizerOnNvme) {
       {"fp16 with an overflow before the save, nvme/cpu",
        {.param = "cpu", .optimizer = "nvme", .precision = "fp16"},
        {.param = "cpu", .optimizer = "nvme", .precision = "fp16"}, {2}},
+      // The vertical schedule reads all three batches of the next step ahead: the checkpoint
+      // records the position before them, whichever schedule resumes.
+      {"vertical, GAS 3, nvme/nvme -> vertical cpu/cpu",
+       {.param = "nvme", .optimizer = "nvme", .max_in_cpu = 0, .grad_accum = 3, .schedule = "vertical"},
+       {.param = "cpu", .optimizer = "cpu", .grad_accum = 3, .schedule = "vertical"}, {}},
+      {"vertical, GAS 3, cpu/nvme -> horizontal cpu/nvme",
+       {.param = "cpu", .optimizer = "nvme", .grad_accum = 3, .schedule = "vertical"},
+       {.param = "cpu", .optimizer = "nvme", .grad_accum = 3}, {}},
   };
   for (const Variant& v : variants) {
     SCOPED_TRACE(v.name);
