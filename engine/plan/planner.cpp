@@ -361,7 +361,7 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
   if (!in.host.cuda) p.notes.push_back("no GPU: the device is emulated in host memory and LibTorch computes on the CPU");
   if (p.arena.prefetch_by_blocks) p.notes.push_back("prefetch " + prefetch_by_blocks_text(p.arena, c.zero.stage3_prefetch_bucket_size));
   if (!p.nvme_exact)
-    p.notes.push_back("compute copies on NVMe are read once to " + std::to_string(2 * gas) +
+    p.notes.push_back("compute copies on NVMe are read once to " + std::to_string(2 * passes) +
                       " times per step, as the coordinator's cache and prefetch decide");
   return p;
 }
