@@ -499,36 +499,41 @@ TEST(Trainer, BadInputsFailAtStartWithClearErrors) {
 // A step that fails before the optimizer (here: a label outside the vocabulary in the data) loses
 // its gradients; the next step starts a fresh accumulation window and trains.
 TEST(Trainer, AStepThatFailsBeforeTheOptimizerDoesNotWedgeTheRun) {
-  TempDir dir;
-  const std::string data = dir.path + "/data.jsonl";
-  {
-    std::ofstream f(data);
-    for (int line = 0; line < 40; ++line) {
-      nlohmann::json ids = nlohmann::json::array(), labels = nlohmann::json::array();
-      for (int i = 0; i < 33; ++i) {
-        ids.push_back((line * 37 + i * 11) % 256);
-        labels.push_back(line == 5 && i == 20 ? 999 : (line * 37 + i * 11) % 256);
+  // Under both schedules: the vertical one reads all three batches of a step before any forward.
+  for (const char* schedule : {"horizontal", "vertical"}) {
+    SCOPED_TRACE(schedule);
+    TempDir dir;
+    const std::string data = dir.path + "/data.jsonl";
+    {
+      std::ofstream f(data);
+      for (int line = 0; line < 40; ++line) {
+        nlohmann::json ids = nlohmann::json::array(), labels = nlohmann::json::array();
+        for (int i = 0; i < 33; ++i) {
+          ids.push_back((line * 37 + i * 11) % 256);
+          labels.push_back(line == 5 && i == 20 ? 999 : (line * 37 + i * 11) % 256);
+        }
+        f << nlohmann::json{{"input_ids", ids}, {"labels", labels}}.dump() << "\n";
       }
-      f << nlohmann::json{{"input_ids", ids}, {"labels", labels}}.dump() << "\n";
     }
-  }
-  TrainOptions o = make_options({.param = "cpu", .optimizer = "nvme", .grad_accum = 1}, dir);
-  o.data_path = data;
-  auto t = Trainer::create(o);
-  ASSERT_TRUE(t.is_ok()) << t.status().to_string();
-  int failed_at = -1;
-  for (int i = 0; i < 40 && failed_at < 0; ++i) {
-    auto m = (*t)->step();
-    if (!m.is_ok()) {
-      failed_at = i;
-      EXPECT_THAT(m.status().to_string(), HasSubstr("label 999"));
+    const uint64_t gas = std::string(schedule) == "vertical" ? 3 : 1;
+    TrainOptions o = make_options({.param = "cpu", .optimizer = "nvme", .grad_accum = gas, .schedule = schedule}, dir);
+    o.data_path = data;
+    auto t = Trainer::create(o);
+    ASSERT_TRUE(t.is_ok()) << t.status().to_string();
+    int failed_at = -1;
+    for (int i = 0; i < 40 && failed_at < 0; ++i) {
+      auto m = (*t)->step();
+      if (!m.is_ok()) {
+        failed_at = i;
+        EXPECT_THAT(m.status().to_string(), HasSubstr("label 999"));
+      }
     }
-  }
-  ASSERT_GE(failed_at, 0) << "the bad label was never read";
-  for (int i = 0; i < 3; ++i) {
-    auto m = (*t)->step();
-    ASSERT_TRUE(m.is_ok()) << "step after the failure: " << m.status().to_string();
-    EXPECT_FALSE(m->skipped);
+    ASSERT_GE(failed_at, 0) << "the bad label was never read";
+    for (int i = 0; i < 3; ++i) {
+      auto m = (*t)->step();
+      ASSERT_TRUE(m.is_ok()) << "step after the failure: " << m.status().to_string();
+      EXPECT_FALSE(m->skipped);
+    }
   }
 }
 
@@ -600,39 +605,43 @@ TEST(Trainer, AnOptimizerFailureBehindTheNextForwardEndsTheRun) {
 // backward: the step reports it with the sub-group, file and offset, loses its gradients, and the
 // next steps start a fresh accumulation window and train (as a data error does).
 TEST(Trainer, AGradientWriteFailureIsReportedAndTheNextStepsTrain) {
-  TempDir dir;
-  TrainOptions o = make_options({.param = "cpu", .optimizer = "nvme"}, dir);
-  o.io_faults = std::make_shared<io::FaultInjector>();
-  // The head's sub-group is the last, the first whose gradients backward writes; its gradient
-  // section sits after its master and moments in optimizer.swp (docs/memory.md, swap file layout).
-  auto registry = ParamRegistry::build(model_layout(small_model()).params, 16384);
-  ASSERT_TRUE(registry.is_ok()) << registry.status().to_string();
-  const auto groups = registry->sub_groups();
-  const uint32_t last = static_cast<uint32_t>(groups.size() - 1);
-  uint64_t grad_offset = 0;
-  for (uint32_t g = 0; g < groups.size(); ++g) {
-    const uint64_t section = align_up(groups[g].n_elems * 4, kSwapAlignment);  // fp32 states and accumulator
-    grad_offset += g < last ? 4 * section : 3 * section;
-  }
-  auto t = Trainer::create(o);
-  ASSERT_TRUE(t.is_ok()) << t.status().to_string();
-  ASSERT_TRUE((*t)->step().is_ok());
-  o.io_faults->add({.kind = io::FaultKind::kEio, .op = io::IoOp::kWrite, .path_contains = "optimizer.swp",
-                    .offset_bytes = grad_offset});
-  auto failed = (*t)->step();
-  ASSERT_FALSE(failed.is_ok());
-  EXPECT_EQ(failed.status().code(), StatusCode::kIoError);
-  const std::string msg = failed.status().to_string();
-  EXPECT_THAT(msg, HasSubstr("step 2: "));
-  EXPECT_THAT(msg, HasSubstr("sub-group " + std::to_string(last)));
-  EXPECT_THAT(msg, HasSubstr("optimizer.swp"));
-  EXPECT_THAT(msg, HasSubstr("offset " + std::to_string(grad_offset)));
-  EXPECT_EQ(o.io_faults->injected(), 1u);
-  for (int i = 0; i < 3; ++i) {
-    auto m = (*t)->step();
-    ASSERT_TRUE(m.is_ok()) << "step after the failure: " << m.status().to_string();
-    EXPECT_FALSE(m->skipped);
-    EXPECT_TRUE(std::isfinite(m->loss) && std::isfinite(m->grad_norm));
+  // Under both schedules: the vertical one writes each accumulator once per step, after summing.
+  for (const char* schedule : {"horizontal", "vertical"}) {
+    SCOPED_TRACE(schedule);
+    TempDir dir;
+    TrainOptions o = make_options({.param = "cpu", .optimizer = "nvme", .schedule = schedule}, dir);
+    o.io_faults = std::make_shared<io::FaultInjector>();
+    // The head's sub-group is the last, the first whose gradients backward writes; its gradient
+    // section sits after its master and moments in optimizer.swp (docs/memory.md, swap file layout).
+    auto registry = ParamRegistry::build(model_layout(small_model()).params, 16384);
+    ASSERT_TRUE(registry.is_ok()) << registry.status().to_string();
+    const auto groups = registry->sub_groups();
+    const uint32_t last = static_cast<uint32_t>(groups.size() - 1);
+    uint64_t grad_offset = 0;
+    for (uint32_t g = 0; g < groups.size(); ++g) {
+      const uint64_t section = align_up(groups[g].n_elems * 4, kSwapAlignment);  // fp32 states and accumulator
+      grad_offset += g < last ? 4 * section : 3 * section;
+    }
+    auto t = Trainer::create(o);
+    ASSERT_TRUE(t.is_ok()) << t.status().to_string();
+    ASSERT_TRUE((*t)->step().is_ok());
+    o.io_faults->add({.kind = io::FaultKind::kEio, .op = io::IoOp::kWrite, .path_contains = "optimizer.swp",
+                      .offset_bytes = grad_offset});
+    auto failed = (*t)->step();
+    ASSERT_FALSE(failed.is_ok());
+    EXPECT_EQ(failed.status().code(), StatusCode::kIoError);
+    const std::string msg = failed.status().to_string();
+    EXPECT_THAT(msg, HasSubstr("step 2: "));
+    EXPECT_THAT(msg, HasSubstr("sub-group " + std::to_string(last)));
+    EXPECT_THAT(msg, HasSubstr("optimizer.swp"));
+    EXPECT_THAT(msg, HasSubstr("offset " + std::to_string(grad_offset)));
+    EXPECT_EQ(o.io_faults->injected(), 1u);
+    for (int i = 0; i < 3; ++i) {
+      auto m = (*t)->step();
+      ASSERT_TRUE(m.is_ok()) << "step after the failure: " << m.status().to_string();
+      EXPECT_FALSE(m->skipped);
+      EXPECT_TRUE(std::isfinite(m->loss) && std::isfinite(m->grad_norm));
+    }
   }
 }
 
