@@ -128,6 +128,12 @@ class Device {
   // Queues the event on `stream`: it completes when everything queued on `stream` before it has.
   // Re-recording moves the event; waits already queued keep waiting for the record they saw.
   virtual Status record(Event event, Stream stream) = 0;
+  // Queues the event on a stream this Device did not create: `native_stream` is the backend's own
+  // handle (CUDA: a cudaStream_t, such as LibTorch's current stream; nullptr is CUDA's legacy
+  // default stream). It lets a device stream wait for another library's kernels without blocking
+  // the host. HostDevice has no foreign streams: the host computes synchronously, so nullptr
+  // completes the event at once and anything else is InvalidArgument.
+  virtual Status record_foreign(Event event, void* native_stream) = 0;
   // Makes `stream` wait (without blocking the host) until the event's latest record — as of this
   // call — completes. An event never recorded counts as complete.
   virtual Status wait(Stream stream, Event event) = 0;

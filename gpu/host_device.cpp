@@ -257,6 +257,18 @@ Status HostDevice::record(Event event, Stream stream) {
   return Status::ok();
 }
 
+Status HostDevice::record_foreign(Event event, void* native_stream) {
+  if (native_stream != nullptr)
+    return invalid_argument("record_foreign: the emulated device has no foreign streams (the host computes synchronously)");
+  std::shared_ptr<HostEvent> ev = s_->event(event);
+  {
+    std::lock_guard lock(ev->mu);
+    ++ev->last_record;  // a record that is not pending: complete
+  }
+  ev->cv.notify_all();
+  return Status::ok();
+}
+
 Status HostDevice::wait(Stream stream, Event event) {
   std::shared_ptr<HostEvent> ev = s_->event(event);
   HostStream* st = s_->stream(stream);

@@ -4,6 +4,7 @@
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/CachingDeviceAllocator.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/version.h>
 
 #include <atomic>
@@ -128,6 +129,13 @@ TorchMemory torch_memory(bool cuda) {
     return {static_cast<uint64_t>(s.current), static_cast<uint64_t>(s.peak)};
   }
   return g_cpu_counter != nullptr ? g_cpu_counter->stats() : TorchMemory{};
+}
+
+void* torch_compute_stream(bool cuda) {
+  if (!cuda) return nullptr;
+  // Through c10's device-generic guard, so this file needs no CUDA header.
+  const c10::impl::VirtualGuardImpl guard(c10::DeviceType::CUDA);
+  return guard.getStream(c10::Device(c10::DeviceType::CUDA, 0)).native_handle();
 }
 
 void reset_torch_memory_peak(bool cuda) {

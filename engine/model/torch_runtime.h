@@ -39,6 +39,11 @@ void track_torch_memory(bool cuda);
 TorchMemory torch_memory(bool cuda);
 void reset_torch_memory_peak(bool cuda);  // peak := current
 
+// The stream LibTorch queues this thread's kernels on, as the backend's handle (a cudaStream_t
+// for GPU 0 when `cuda`), for gpu::Device::record_foreign; nullptr on the CPU, where LibTorch
+// computes synchronously.
+void* torch_compute_stream(bool cuda);
+
 // Dense matmul FLOP/s of LibTorch here (square bf16/fp16/fp32 matmuls on GPU 0 or the CPU threads
 // LibTorch uses, best of a few after a warm-up; about a second). The planner's compute speed.
 double measure_matmul_flops(DType dtype, bool cuda);

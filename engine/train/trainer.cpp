@@ -159,15 +159,18 @@ struct Trainer::Impl {
 
   ~Impl() {
     if (update_thread.joinable()) update_thread.join();
+    if (released) device->destroy_event(released);
   }
 
   Status init(const TrainOptions& options);
   Status init_weights();
   // The block's compute copies as tensors; leaves that collect gradients when `grad`.
   std::vector<torch::Tensor> wrap(uint32_t block, const std::vector<gpu::DevicePtr>& ptrs, bool grad) const;
-  // Releases a block once the device has finished every kernel that reads it: on CUDA LibTorch
-  // queues its kernels asynchronously and the coordinator may refill the freed arena space at once.
+  // Releases a block with an event after every kernel LibTorch has queued that reads it: on CUDA
+  // LibTorch queues its kernels asynchronously, and the coordinator refills the freed arena space
+  // only behind that event (no host sync).
   Status release(uint32_t block);
+  gpu::Event released;  // re-recorded by every release(); destroyed with the device's events
   // Hands a block's gradients (one per param, in block order) to the accumulator.
   Status offload_grads(uint32_t block, const std::vector<torch::Tensor>& grads, bool inject_overflow);
   // Moves the gradients the last backward left in `params` into `sums` (the first micro-batch's are
@@ -311,6 +314,7 @@ Status Trainer::Impl::init(const TrainOptions& options) {
     for (uint32_t p : layout.blocks[b].params) contribution_order.push_back(p);
   ZO_ASSIGN_OR_RETURN(coord, ParamCoordinator::create(*store, param_swapper.get(), std::move(blocks), std::move(names),
                                                       CoordinatorOptions::from_config(config)));
+  ZO_ASSIGN_OR_RETURN(released, device->create_event());
   gate = std::make_unique<UpdateGate>(store->plan().n_sub_groups);
   coord->set_update_gate(gate.get());
   ZO_ASSIGN_OR_RETURN(grads, GradAccumulator::create(*store, std::move(contribution_order), *executor));
@@ -439,10 +443,12 @@ std::vector<torch::Tensor> Trainer::Impl::wrap(uint32_t block, const std::vector
 }
 
 Status Trainer::Impl::release(uint32_t block) {
-  if (torch_device.is_cuda()) {
-    ZO_RETURN_IF_ERROR(torch_call("waiting for " + layout.blocks[block].name, [] { torch::cuda::synchronize(); }));
-  }
-  return coord->release(block);
+  // No host sync: the coordinator's copy stream waits for this event, recorded after the kernels
+  // LibTorch has queued so far (all that read the block), before it refills the block's space.
+  void* stream = nullptr;
+  ZO_RETURN_IF_ERROR(torch_call("reading LibTorch's stream", [&] { stream = torch_compute_stream(torch_device.is_cuda()); }));
+  ZO_RETURN_IF_ERROR(device->record_foreign(released, stream).with_context("releasing " + layout.blocks[block].name));
+  return coord->release(block, released);
 }
 
 Status Trainer::Impl::offload_grads(uint32_t block, const std::vector<torch::Tensor>& grads, bool inject_overflow) {

@@ -358,6 +358,13 @@ Status CudaDevice::record(Event event, Stream stream) {
   return Status::ok();
 }
 
+Status CudaDevice::record_foreign(Event event, void* native_stream) {
+  cudaEvent_t ev = s_->event(event);
+  ZO_RETURN_IF_ERROR(s_->use());
+  ZO_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev, static_cast<cudaStream_t>(native_stream)), "cudaEventRecord on a foreign stream");
+  return Status::ok();
+}
+
 Status CudaDevice::wait(Stream stream, Event event) {
   cudaEvent_t ev = s_->event(event);
   cudaStream_t st = s_->stream(stream);

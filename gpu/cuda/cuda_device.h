@@ -41,6 +41,7 @@ class CudaDevice final : public Device {
   Result<Event> create_event() override;
   void destroy_event(Event event) override;
   Status record(Event event, Stream stream) override;
+  Status record_foreign(Event event, void* native_stream) override;
   Status wait(Stream stream, Event event) override;
   Status synchronize(Event event) override;
   Result<bool> query(Event event) override;

@@ -195,6 +195,34 @@ TEST_P(DeviceConformance, EventsOrderWorkAcrossStreams) {
   dev_->free(d2);
 }
 
+// The trainer releases a block with an event recorded on LibTorch's stream (nullptr here: the
+// host's synchronous compute on HostDevice, CUDA's legacy stream on CudaDevice); the coordinator's
+// stream waits on it before refilling the block's arena space.
+TEST_P(DeviceConformance, AForeignRecordMovesTheEventAndADeviceStreamWaitsOnIt) {
+  if (!dev_) return;
+  constexpr size_t kN = 1 << 12;
+  PinnedWords src(*dev_, kN), out(*dev_, kN);
+  src.assign(pattern(kN, 3));
+  const DevicePtr d = alloc(*dev_, kN * 4);
+  Result<Event> ev = dev_->create_event();
+  ASSERT_TRUE(ev.is_ok());
+  // A record behind a 200 ms delay, then a foreign one: the latest record is the foreign one.
+  ZO_ASSERT_OK(dev_->delay(stream_, 200'000));
+  ZO_ASSERT_OK(dev_->record(*ev, stream_));
+  ZO_ASSERT_OK(dev_->record_foreign(*ev, nullptr));
+  ZO_ASSERT_OK(dev_->synchronize(*ev));
+  Result<bool> q = dev_->query(*ev);
+  ASSERT_TRUE(q.is_ok());
+  EXPECT_TRUE(*q);
+  ZO_ASSERT_OK(dev_->wait(stream_, *ev));
+  ZO_ASSERT_OK(dev_->copy_h2d(d, src.data(), kN * 4, stream_));
+  ZO_ASSERT_OK(dev_->copy_d2h(out.data(), d, kN * 4, stream_));
+  ZO_ASSERT_OK(dev_->synchronize(stream_));
+  EXPECT_EQ(out.vec(), src.vec());
+  dev_->destroy_event(*ev);
+  dev_->free(d);
+}
+
 TEST_P(DeviceConformance, EventQueryAndHostSynchronize) {
   if (!dev_) return;
   Result<Event> ev = dev_->create_event();

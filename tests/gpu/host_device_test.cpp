@@ -71,6 +71,27 @@ TEST(HostDevice, ReRecordingAnEventKeepsEarlierWaitsOnTheirRecord) {
   dev->free(d);
 }
 
+TEST(HostDevice, ForeignStreamsOtherThanTheHostAreRefused) {
+  auto dev = HostDevice::create(1 << 20);
+  ASSERT_TRUE(dev.is_ok());
+  Result<Event> ev = (*dev)->create_event();
+  ASSERT_TRUE(ev.is_ok());
+  int not_a_stream = 0;
+  const Status st = (*dev)->record_foreign(*ev, &not_a_stream);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
+  // The host's own "stream" has finished everything before the call: a foreign record moves the
+  // event past a record still pending behind a slow stream, and is complete at once.
+  Result<Stream> slow = (*dev)->create_stream();
+  ASSERT_TRUE(slow.is_ok());
+  ASSERT_TRUE((*dev)->delay(*slow, 200'000).is_ok());
+  ASSERT_TRUE((*dev)->record(*ev, *slow).is_ok());
+  EXPECT_FALSE(*(*dev)->query(*ev));
+  EXPECT_TRUE((*dev)->record_foreign(*ev, nullptr).is_ok());
+  EXPECT_TRUE(*(*dev)->query(*ev));
+  (*dev)->destroy_event(*ev);
+  (*dev)->destroy_stream(*slow);
+}
+
 TEST(HostDevice, NewDeviceMemoryIsPoisoned) {
   auto dev = make_host();
   Stream s = *dev->create_stream();
