@@ -35,9 +35,11 @@ struct GradWorker::Impl {
     uint64_t offset = 0;
     uint64_t size = 0;  // the gradient's bytes
     uint64_t slot = 0;  // its slot's, rounded up to kSlotAlignment
+    gpu::Event ready;   // an asynchronous fill's: the slot holds the gradient once it completes
   };
 
   GradAccumulator* acc = nullptr;
+  gpu::Device* device = nullptr;
   std::function<void()> before_add;
   std::span<std::byte> ring;  // the caller's memory
   uint64_t capacity = 0;
@@ -80,7 +82,11 @@ struct GradWorker::Impl {
       Status st;
       if (add) {
         if (before_add) before_add();
-        st = acc->add(item.param, std::span<const std::byte>(ring.data() + item.offset, item.size), item.dtype);
+        // Re-recording moves the event forward on the same stream, so its latest record completing
+        // means this item's copy has too.
+        if (item.ready) st = device->synchronize(item.ready).with_context("waiting for the gradient's copy");
+        if (st.is_ok())
+          st = acc->add(item.param, std::span<const std::byte>(ring.data() + item.offset, item.size), item.dtype);
       }
       lock.lock();
       if (!st.is_ok() && error.is_ok()) error = std::move(st);
@@ -103,11 +109,12 @@ GradWorker::~GradWorker() {
 }
 
 Result<std::unique_ptr<GradWorker>> GradWorker::create(GradAccumulator& acc, std::span<std::byte> ring,
-                                                       std::function<void()> before_add) {
+                                                       std::function<void()> before_add, gpu::Device* device) {
   if (ring.size() < kSlotAlignment) return invalid_argument("gradient worker: a landing ring of " + std::to_string(ring.size()) + " bytes");
   ZO_CHECK(reinterpret_cast<uintptr_t>(ring.data()) % kSlotAlignment == 0) << "landing ring not 64-byte aligned";
   auto impl = std::make_unique<Impl>();
   impl->acc = &acc;
+  impl->device = device;
   impl->before_add = std::move(before_add);
   impl->capacity = ring.size() / kSlotAlignment * kSlotAlignment;
   impl->ring = ring.first(impl->capacity);
@@ -117,8 +124,9 @@ Result<std::unique_ptr<GradWorker>> GradWorker::create(GradAccumulator& acc, std
 }
 
 Status GradWorker::submit(uint32_t param, DType dtype, uint64_t size_bytes,
-                          const std::function<Status(std::span<std::byte> slot)>& fill) {
+                          const std::function<Status(std::span<std::byte> slot)>& fill, gpu::Event ready) {
   Impl& s = *impl_;
+  ZO_CHECK(!ready || s.device != nullptr) << "an asynchronous fill for a gradient worker without a device";
   if (size_bytes > s.capacity) {
     return invalid_argument("gradient worker: a gradient of " + format_bytes(size_bytes) + " for param " +
                             std::to_string(param) + " does not fit the landing ring of " + format_bytes(s.capacity));
@@ -140,7 +148,7 @@ Status GradWorker::submit(uint32_t param, DType dtype, uint64_t size_bytes,
   s.in_flight += slot_size;
   s.stats.peak_in_flight_bytes = std::max(s.stats.peak_in_flight_bytes, s.in_flight);
   ++s.stats.items;
-  s.queue.push_back({param, dtype, static_cast<uint64_t>(offset), size_bytes, slot_size});
+  s.queue.push_back({param, dtype, static_cast<uint64_t>(offset), size_bytes, slot_size, ready});
   lock.unlock();
   s.work_cv.notify_one();
   return Status::ok();

@@ -15,6 +15,7 @@
 #include "common/dtype.h"
 #include "common/status.h"
 #include "engine/coord/grad_accumulator.h"
+#include "gpu/device.h"
 
 namespace zo::engine {
 
@@ -28,10 +29,12 @@ class GradWorker {
 
   // A worker landing gradients in `ring` (non-empty, 64-byte aligned; the planner's size: the
   // largest block's gradients; the trainer carves it from the pinned pool, so that copies from the
-  // GPU are DMA). `acc` and the ring's memory must outlive the worker. before_add (tests) runs on
-  // the worker thread before each add, e.g. to slow the worker so that the ring fills.
+  // GPU are DMA). `acc`, the ring's memory and `device` must outlive the worker; `device` is what
+  // the events of asynchronous fills belong to (nullptr: every fill is synchronous). before_add
+  // (tests) runs on the worker thread before each add, e.g. to slow the worker so that the ring fills.
   static Result<std::unique_ptr<GradWorker>> create(GradAccumulator& acc, std::span<std::byte> ring,
-                                                    std::function<void()> before_add = {});
+                                                    std::function<void()> before_add = {},
+                                                    gpu::Device* device = nullptr);
   ~GradWorker();  // drops what is still queued without adding it, and stops the thread
   GradWorker(const GradWorker&) = delete;
   GradWorker& operator=(const GradWorker&) = delete;
@@ -41,8 +44,11 @@ class GradWorker {
   // first. kInvalidArgument for an item larger than the ring; fill's error is returned with nothing
   // queued. Once an add has failed, nothing more is added until drain(): queued items are dropped
   // and submit() returns that first error at once.
+  // An asynchronous fill (a D2H copy still queued on a stream when fill returns) passes `ready`, an
+  // event of the worker's device recorded behind it (by fill): the worker waits for the event's
+  // latest record before it reads the slot, and its failure is the add's.
   Status submit(uint32_t param, DType dtype, uint64_t size_bytes,
-                const std::function<Status(std::span<std::byte> slot)>& fill);
+                const std::function<Status(std::span<std::byte> slot)>& fill, gpu::Event ready = {});
 
   // Waits until every queued item is added or dropped; returns the first add error since the
   // previous drain() (naming the param and, for I/O, the sub-group, file and offset) and clears it,

@@ -159,7 +159,9 @@ struct Trainer::Impl {
 
   ~Impl() {
     if (update_thread.joinable()) update_thread.join();
+    grad_worker.reset();  // it may still wait on `landed`
     if (released) device->destroy_event(released);
+    if (landed) device->destroy_event(landed);
   }
 
   Status init(const TrainOptions& options);
@@ -171,6 +173,7 @@ struct Trainer::Impl {
   // only behind that event (no host sync).
   Status release(uint32_t block);
   gpu::Event released;  // re-recorded by every release(); destroyed with the device's events
+  gpu::Event landed;    // re-recorded behind every gradient copy, waited on by the gradient worker
   // Hands a block's gradients (one per param, in block order) to the accumulator.
   Status offload_grads(uint32_t block, const std::vector<torch::Tensor>& grads, bool inject_overflow);
   // Moves the gradients the last backward left in `params` into `sums` (the first micro-batch's are
@@ -315,12 +318,13 @@ Status Trainer::Impl::init(const TrainOptions& options) {
   ZO_ASSIGN_OR_RETURN(coord, ParamCoordinator::create(*store, param_swapper.get(), std::move(blocks), std::move(names),
                                                       CoordinatorOptions::from_config(config)));
   ZO_ASSIGN_OR_RETURN(released, device->create_event());
+  ZO_ASSIGN_OR_RETURN(landed, device->create_event());
   gate = std::make_unique<UpdateGate>(store->plan().n_sub_groups);
   coord->set_update_gate(gate.get());
   ZO_ASSIGN_OR_RETURN(grads, GradAccumulator::create(*store, std::move(contribution_order), *executor));
   // The landing ring comes from the pool: pinned, so that gradients leave the GPU by DMA.
   ZO_ASSIGN_OR_RETURN(std::span<std::byte> ring, store->pool().allocate(plan.grad_ring_bytes, "the gradient landing ring"));
-  ZO_ASSIGN_OR_RETURN(grad_worker, GradWorker::create(*grads, ring));
+  ZO_ASSIGN_OR_RETURN(grad_worker, GradWorker::create(*grads, ring, {}, device.get()));
 
   ZO_ASSIGN_OR_RETURN(LossScaler s, LossScaler::for_config(config));
   scaler.emplace(s);
@@ -452,22 +456,33 @@ Status Trainer::Impl::release(uint32_t block) {
 }
 
 Status Trainer::Impl::offload_grads(uint32_t block, const std::vector<torch::Tensor>& grads, bool inject_overflow) {
-  // Each gradient is copied (from the device: D2H) into the gradient worker's landing ring and
-  // accumulated there behind the next block's backward (Note [Gradient landing ring]).
+  // Each gradient is copied (from the device: D2H, queued on LibTorch's stream into the pinned
+  // ring) into the gradient worker's landing ring and accumulated there behind the next block's
+  // backward (Note [Gradient landing ring]); the worker waits for the copy's event, not backward.
   const BlockSpec& spec = layout.blocks[block];
+  void* stream = nullptr;
+  ZO_RETURN_IF_ERROR(torch_call("reading LibTorch's stream", [&] { stream = torch_compute_stream(torch_device.is_cuda()); }));
   for (size_t i = 0; i < grads.size(); ++i) {
     const std::string& name = layout.params[spec.params[i]].name;
     const torch::Tensor& g = grads[i];
     if (!g.defined()) return internal_error("no gradient reached " + name);
     const DType dtype = g.scalar_type() == to_torch_dtype(compute_dtype) ? compute_dtype : opt.config.grad_accum_dtype;
     const uint64_t bytes = static_cast<uint64_t>(g.numel()) * g.element_size();
-    ZO_RETURN_IF_ERROR(grad_worker->submit(spec.params[i], dtype, bytes, [&](std::span<std::byte> slot) {
-      return torch_call("copying the gradient of " + name, [&] {
-        torch::Tensor landed = torch::from_blob(slot.data(), g.sizes(), g.options().device(torch::kCPU));
-        landed.copy_(g);
-        if (inject_overflow && i == 0) landed.view(-1)[0] = std::numeric_limits<float>::infinity();
-      });
-    }));
+    ZO_RETURN_IF_ERROR(grad_worker->submit(
+        spec.params[i], dtype, bytes,
+        [&](std::span<std::byte> slot) {
+          ZO_RETURN_IF_ERROR(torch_call("copying the gradient of " + name, [&] {
+            torch::Tensor src = g;
+            if (inject_overflow && i == 0) {  // on the source: the copy below may still be in flight
+              src = g.clone();
+              src.view(-1)[0] = std::numeric_limits<float>::infinity();
+            }
+            torch::Tensor landed = torch::from_blob(slot.data(), g.sizes(), g.options().device(torch::kCPU));
+            landed.copy_(src, /*non_blocking=*/true);
+          }));
+          return device->record_foreign(landed, stream);
+        },
+        landed));
     if (torch_device.is_cuda()) accounting.add_moved(Move::kDeviceToHost, bytes);
   }
   return Status::ok();

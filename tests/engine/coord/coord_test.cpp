@@ -514,9 +514,11 @@ struct AccResult {
 
 // Runs `grads` (micro-steps × contributions in contribution order) through a GradAccumulator, after
 // filling the accumulators with garbage the first micro-step must ignore: added directly, or with
-// ring_bytes > 0 through a GradWorker with a landing ring that size (its stats to `stats`).
+// ring_bytes > 0 through a GradWorker with a landing ring that size (its stats to `stats`). With
+// `async_fill` each gradient lands by a D2H copy queued on a device stream behind a delay, with an
+// event the worker must wait for: the slot holds stale bytes until the stream reaches the copy.
 AccResult accumulate_all(Rig& rig, const std::vector<std::vector<Bytes>>& grads, DType gdt, uint64_t ring_bytes = 0,
-                         GradWorker::Stats* stats = nullptr) {
+                         GradWorker::Stats* stats = nullptr, bool async_fill = false) {
   AccResult r;
   std::mt19937 rng(99);
   std::vector<Bytes> garbage;
@@ -530,9 +532,17 @@ AccResult accumulate_all(Rig& rig, const std::vector<std::vector<Bytes>>& grads,
   if (ring_bytes > 0) {
     ring = std::move(AlignedBuffer::allocate(align_up(ring_bytes, 64))).value();
     // A worker slower than the producer, so that a small ring fills and submits wait.
-    auto w = GradWorker::create(**acc, ring.bytes(), [] { std::this_thread::sleep_for(std::chrono::milliseconds(1)); });
+    auto w = GradWorker::create(**acc, ring.bytes(), [] { std::this_thread::sleep_for(std::chrono::milliseconds(1)); },
+                                rig.device.get());
     ZO_CHECK(w.is_ok()) << w.status().to_string();
     worker = std::move(*w);
+  }
+  gpu::Stream stream;
+  gpu::Event landed;
+  std::vector<gpu::DevicePtr> on_device;  // the async fills' sources
+  if (async_fill) {
+    stream = std::move(rig.device->create_stream()).value();
+    landed = std::move(rig.device->create_event()).value();
   }
   const auto order = testing::contribution_order();
   for (size_t m = 0; m < grads.size(); ++m) {
@@ -540,12 +550,27 @@ AccResult accumulate_all(Rig& rig, const std::vector<std::vector<Bytes>>& grads,
     ZO_CHECK(st.is_ok()) << st.to_string();
     for (size_t c = 0; c < order.size(); ++c) {
       const Bytes& g = grads[m][c];
-      st = worker ? worker->submit(order[c], gdt, g.size(),
-                                   [&](std::span<std::byte> slot) {
-                                     std::memcpy(slot.data(), g.data(), g.size());
-                                     return Status::ok();
-                                   })
-                  : (*acc)->add(order[c], g, gdt);
+      if (!worker) {
+        st = (*acc)->add(order[c], g, gdt);
+      } else if (!async_fill) {
+        st = worker->submit(order[c], gdt, g.size(), [&](std::span<std::byte> slot) {
+          std::memcpy(slot.data(), g.data(), g.size());
+          return Status::ok();
+        });
+      } else {
+        const gpu::DevicePtr src = std::move(rig.device->allocate(g.size())).value();
+        on_device.push_back(src);
+        ZO_CHECK(rig.device->copy_h2d(src, g.data(), g.size(), stream).is_ok());
+        ZO_CHECK(rig.device->synchronize(stream).is_ok());
+        st = worker->submit(
+            order[c], gdt, g.size(),
+            [&](std::span<std::byte> slot) {
+              ZO_RETURN_IF_ERROR(rig.device->delay(stream, 2000));
+              ZO_RETURN_IF_ERROR(rig.device->copy_d2h(slot.data(), src, g.size(), stream));
+              return rig.device->record(landed, stream);
+            },
+            landed);
+      }
       ZO_CHECK(st.is_ok()) << st.to_string();
     }
     if (worker) {
@@ -557,6 +582,12 @@ AccResult accumulate_all(Rig& rig, const std::vector<std::vector<Bytes>>& grads,
     r.reports.push_back(*report);
   }
   if (stats != nullptr && worker) *stats = worker->stats();
+  if (async_fill) {
+    ZO_CHECK(rig.device->synchronize(stream).is_ok());
+    for (gpu::DevicePtr p : on_device) rig.device->free(p);
+    rig.device->destroy_event(landed);
+    rig.device->destroy_stream(stream);
+  }
   r.acc = rig.gather(StateKind::kGradAccum);
   return r;
 }
@@ -646,6 +677,29 @@ TEST(GradWorker, AddsInOrderBitIdenticalToDirectAddsUnderBackPressure) {
         EXPECT_GT(stats.full_waits, 0u) << "back-pressure was not exercised";
       }
     }
+  }
+}
+
+// The trainer's copies from the GPU are queued on LibTorch's stream and only recorded: the worker
+// must read a slot after the copy's event, not when submit returns.
+TEST(GradWorker, ReadsAnAsynchronouslyFilledSlotOnlyAfterItsEvent) {
+  for (const char* tier : {"cpu", "none"}) {
+    SCOPED_TRACE(tier);
+    Placing p;
+    p.optimizer = tier;
+    p.param = tier;
+    Rig direct_rig, rig;
+    ASSERT_TRUE(direct_rig.init(p).is_ok());
+    ASSERT_TRUE(rig.init(p).is_ok());
+    const auto grads = testing::random_grads(direct_rig, 2, DType::kBF16, 23);
+    const AccResult direct = accumulate_all(direct_rig, grads, DType::kBF16);
+    uint64_t largest = 0;
+    for (const auto& g : grads[0]) largest = std::max<uint64_t>(largest, g.size());
+    GradWorker::Stats stats;
+    const AccResult via = accumulate_all(rig, grads, DType::kBF16, 2 * largest, &stats, /*async_fill=*/true);
+    EXPECT_EQ(via.acc, direct.acc);
+    EXPECT_EQ(double_bits(via.reports.back().sum_sq), double_bits(direct.reports.back().sum_sq));
+    EXPECT_EQ(stats.items, 2 * testing::contribution_order().size());
   }
 }
 
