@@ -172,7 +172,7 @@ struct Trainer::Impl {
   // LibTorch queues its kernels asynchronously, and the coordinator refills the freed arena space
   // only behind that event (no host sync).
   Status release(uint32_t block);
-  gpu::Event released;  // re-recorded by every release(); destroyed with the device's events
+  gpu::Event released;  // re-recorded by every release()
   gpu::Event landed;    // re-recorded behind every gradient copy, waited on by the gradient worker
   // Hands a block's gradients (one per param, in block order) to the accumulator.
   Status offload_grads(uint32_t block, const std::vector<torch::Tensor>& grads, bool inject_overflow);
