@@ -79,15 +79,16 @@ struct GradWorker::Impl {
       const Item item = queue.front();
       const bool add = error.is_ok();
       lock.unlock();
-      Status st;
-      if (add) {
+      // Re-recording moves the event forward on the same stream, so its latest record completing
+      // means this item's copy has too. A dropped item waits as well: its slot must not be handed
+      // out again while a copy may still be landing in it.
+      Status st = item.ready ? device->synchronize(item.ready).with_context("waiting for the gradient's copy")
+                             : Status::ok();
+      if (add && st.is_ok()) {
         if (before_add) before_add();
-        // Re-recording moves the event forward on the same stream, so its latest record completing
-        // means this item's copy has too.
-        if (item.ready) st = device->synchronize(item.ready).with_context("waiting for the gradient's copy");
-        if (st.is_ok())
-          st = acc->add(item.param, std::span<const std::byte>(ring.data() + item.offset, item.size), item.dtype);
+        st = acc->add(item.param, std::span<const std::byte>(ring.data() + item.offset, item.size), item.dtype);
       }
+      if (!add) st = Status::ok();  // the first error is already kept
       lock.lock();
       if (!st.is_ok() && error.is_ok()) error = std::move(st);
       queue.pop_front();

@@ -159,6 +159,8 @@ struct Trainer::Impl {
 
   ~Impl() {
     if (update_thread.joinable()) update_thread.join();
+    // Gradient copies of a failed step may still be landing in the pool's ring.
+    if (landed) (void)device->synchronize(landed);
     grad_worker.reset();  // it may still wait on `landed`
     if (released) device->destroy_event(released);
     if (landed) device->destroy_event(landed);

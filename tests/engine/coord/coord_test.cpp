@@ -5,6 +5,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <limits>
@@ -701,6 +702,58 @@ TEST(GradWorker, ReadsAnAsynchronouslyFilledSlotOnlyAfterItsEvent) {
     EXPECT_EQ(double_bits(via.reports.back().sum_sq), double_bits(direct.reports.back().sum_sq));
     EXPECT_EQ(stats.items, 2 * testing::contribution_order().size());
   }
+}
+
+// After a failed add the worker drops what is queued; an asynchronously filled slot may still be
+// receiving its copy then, so drain() must not return (and the ring be reused) before it lands.
+TEST(GradWorker, ItemsDroppedAfterAnErrorStillWaitForTheirCopies) {
+  Rig rig;
+  ASSERT_TRUE(rig.init(Placing{}).is_ok());
+  auto acc = GradAccumulator::create(*rig.store, testing::contribution_order(), testing::executor());
+  ASSERT_TRUE(acc.is_ok());
+  AlignedBuffer ring = std::move(AlignedBuffer::allocate(1 << 20)).value();
+  // The worker holds the first item for 100 ms after waiting for its copy, so the later items
+  // are queued after that wait: their copies are covered only by their own.
+  std::atomic<int> adds{0};
+  auto hold_first = [&] {
+    if (adds++ == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  };
+  auto worker = GradWorker::create(**acc, ring.bytes(), hold_first, rig.device.get());
+  ASSERT_TRUE(worker.is_ok());
+  const auto order = testing::contribution_order();
+  const auto grads = testing::random_grads(rig, 1, DType::kF32, 6);
+  gpu::Stream stream = std::move(rig.device->create_stream()).value();
+  gpu::Event landed = std::move(rig.device->create_event()).value();
+  std::vector<gpu::DevicePtr> sources;
+  for (const Bytes& g : grads[0]) {
+    sources.push_back(std::move(rig.device->allocate(g.size())).value());
+    ASSERT_TRUE(rig.device->copy_h2d(sources.back(), g.data(), g.size(), stream).is_ok());
+  }
+  ASSERT_TRUE(rig.device->synchronize(stream).is_ok());
+  ASSERT_TRUE((*acc)->begin_micro_step(true, true).is_ok());
+  for (size_t c = 0; c < order.size(); ++c) {
+    // The first contribution is 4 bytes short: its add fails, and every later item is dropped.
+    const uint64_t size = grads[0][c].size() - (c == 0 ? 4 : 0);
+    (void)(*worker)->submit(
+        order[c], DType::kF32, size,
+        [&](std::span<std::byte> slot) {
+          ZO_RETURN_IF_ERROR(rig.device->delay(stream, 20'000));
+          ZO_RETURN_IF_ERROR(rig.device->copy_d2h(slot.data(), sources[c], size, stream));
+          return rig.device->record(landed, stream);
+        },
+        landed);
+    if (c == 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the worker is past its wait
+  }
+  const Status st = (*worker)->drain();
+  ASSERT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
+  Result<bool> done = rig.device->query(landed);
+  ASSERT_TRUE(done.is_ok());
+  EXPECT_TRUE(*done) << "drain returned while a dropped item's copy was still landing in the ring";
+  (*acc)->abandon_micro_step();
+  ASSERT_TRUE(rig.device->synchronize(stream).is_ok());
+  for (gpu::DevicePtr d : sources) rig.device->free(d);
+  rig.device->destroy_event(landed);
+  rig.device->destroy_stream(stream);
 }
 
 TEST(GradWorker, RefusesAZeroRingAnOversizedGradientAndReturnsAFailedFill) {
