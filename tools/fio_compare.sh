@@ -58,9 +58,13 @@ for ((i = 1; i <= runs; i++)); do
       --backend "$backend" --direct on --mode both --keep --reuse --no-baseline --json \
       >"$tmp/zo.$i.json" 2>"$tmp/zo.$i.err" || { cat "$tmp/zo.$i.err" >&2; exit 1; }
   }
-  run_fio() {
-    # Same file, size, block size, queue depth and threads as the benchmark just used.
+  # The size and block size the benchmark resolved in round 1, for the baselines to use the same.
+  read_sizes() {
     read -r size_bytes bs_bytes < <(python3 -c 'import json,sys; j=json.load(open(sys.argv[1])); print(j["size_bytes"], j["results"][0]["block_size"])' "$tmp/zo.1.json")
+  }
+  run_fio() {
+    # Same file, size, block size, queue depth and threads as the benchmark.
+    read_sizes
     local per_job=$((size_bytes / threads))
     for rw in write read; do
       fio --name=zo_compare --filename="$data" --ioengine=io_uring --direct=1 --rw=$rw --bs="$bs_bytes" \
@@ -71,7 +75,7 @@ for ((i = 1; i <= runs; i++)); do
   }
   run_ds() {
     [[ -z $ds_skipped ]] || return 0
-    read -r size_bytes bs_bytes < <(python3 -c 'import json,sys; j=json.load(open(sys.argv[1])); print(j["size_bytes"], j["results"][0]["block_size"])' "$tmp/zo.1.json")
+    read_sizes
     local rc=0
     "$python" "$ds_tool" --file "$data" --size "$size_bytes" --block-size "$bs_bytes" --queue-depth "$qd" \
       --threads "$threads" >"$tmp/ds.$i.json" 2>"$tmp/ds.$i.err" || rc=$?

@@ -88,7 +88,6 @@ struct GradWorker::Impl {
         if (before_add) before_add();
         st = acc->add(item.param, std::span<const std::byte>(ring.data() + item.offset, item.size), item.dtype);
       }
-      if (!add) st = Status::ok();  // the first error is already kept
       lock.lock();
       if (!st.is_ok() && error.is_ok()) error = std::move(st);
       queue.pop_front();

@@ -462,13 +462,15 @@ Status Trainer::Impl::offload_grads(uint32_t block, const std::vector<torch::Ten
   // ring) into the gradient worker's landing ring and accumulated there behind the next block's
   // backward (Note [Gradient landing ring]); the worker waits for the copy's event, not backward.
   const BlockSpec& spec = layout.blocks[block];
+  // The compute dtype, or grad_accum_dtype for the vertical schedule's device-side sums.
+  const DType dtype = grad_transfer_dtype(opt.config);
   void* stream = nullptr;
   ZO_RETURN_IF_ERROR(torch_call("reading LibTorch's stream", [&] { stream = torch_compute_stream(torch_device.is_cuda()); }));
   for (size_t i = 0; i < grads.size(); ++i) {
     const std::string& name = layout.params[spec.params[i]].name;
     const torch::Tensor& g = grads[i];
     if (!g.defined()) return internal_error("no gradient reached " + name);
-    const DType dtype = g.scalar_type() == to_torch_dtype(compute_dtype) ? compute_dtype : opt.config.grad_accum_dtype;
+    ZO_CHECK(g.scalar_type() == to_torch_dtype(dtype)) << "the gradient of " << name << " is not " << dtype_name(dtype);
     const uint64_t bytes = static_cast<uint64_t>(g.numel()) * g.element_size();
     ZO_RETURN_IF_ERROR(grad_worker->submit(
         spec.params[i], dtype, bytes,

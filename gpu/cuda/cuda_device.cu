@@ -111,9 +111,11 @@ Status register_chunks(void* ptr, uint64_t size_bytes) {
   return Status::ok();
 }
 
-void unregister_chunks(void* ptr, uint64_t size_bytes) {
-  for_each_chunk(ptr, size_bytes, [](char* p, uint64_t) {
-    ZO_CUDA_CHECK(cudaHostUnregister(p));
+// `check`: abort on a failure; false in the destructor, which cannot report one.
+void unregister_chunks(void* ptr, uint64_t size_bytes, bool check = true) {
+  for_each_chunk(ptr, size_bytes, [check](char* p, uint64_t) {
+    const cudaError_t err = cudaHostUnregister(p);
+    if (check) ZO_CHECK(err == cudaSuccess) << "cudaHostUnregister(p): " << cudaGetErrorName(err) << " (" << cudaGetErrorString(err) << ")";
     return true;
   });
 }
@@ -200,17 +202,11 @@ CudaDevice::~CudaDevice() {
   s_->release_cache_locked();
   for (const auto& [addr, size] : s_->acct.live_allocations()) cudaFree(reinterpret_cast<void*>(addr));
   for (const auto& [addr, size] : s_->acct.live_pinned()) {
-    for_each_chunk(reinterpret_cast<void*>(addr), size, [](char* p, uint64_t) {
-      cudaHostUnregister(p);
-      return true;
-    });
+    unregister_chunks(reinterpret_cast<void*>(addr), size, /*check=*/false);
     free_host(reinterpret_cast<void*>(addr), size);
   }
   for (const auto& [addr, size] : s_->acct.live_registered()) {
-    for_each_chunk(reinterpret_cast<void*>(addr), size, [](char* p, uint64_t) {
-      cudaHostUnregister(p);
-      return true;
-    });
+    unregister_chunks(reinterpret_cast<void*>(addr), size, /*check=*/false);
   }
 }
 

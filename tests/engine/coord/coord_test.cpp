@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <thread>
 
 #include "common/aligned_buffer.h"
@@ -513,6 +514,50 @@ struct AccResult {
   std::vector<GradNormReport> reports;
 };
 
+// The trainer's asynchronous fill on the rig's device: each gradient is uploaded, then landed in
+// its ring slot by a D2H copy queued on a stream behind a delay, with the event recorded behind it
+// (re-recorded per copy) passed to GradWorker::submit. Until the stream reaches the copy the slot
+// holds stale bytes.
+class AsyncLander {
+ public:
+  explicit AsyncLander(Rig& rig)
+      : rig_(rig),
+        upload_(std::move(rig.device->create_stream()).value()),
+        stream_(std::move(rig.device->create_stream()).value()),
+        landed_(std::move(rig.device->create_event()).value()) {}
+  ~AsyncLander() {
+    ZO_CHECK(rig_.device->synchronize(stream_).is_ok());
+    for (gpu::DevicePtr d : sources_) rig_.device->free(d);
+    rig_.device->destroy_event(landed_);
+    rig_.device->destroy_stream(stream_);
+    rig_.device->destroy_stream(upload_);
+  }
+  gpu::Event landed() const { return landed_; }
+  // Submits the first `size` bytes of `g` to `worker` as `param`'s contribution.
+  Status submit(GradWorker& worker, uint32_t param, DType dtype, const Bytes& g, uint64_t size, uint32_t delay_us) {
+    const gpu::DevicePtr src = std::move(rig_.device->allocate(g.size())).value();
+    sources_.push_back(src);
+    // On its own stream, so that the upload does not wait for the copies still landing.
+    ZO_CHECK(rig_.device->copy_h2d(src, g.data(), g.size(), upload_).is_ok());
+    ZO_CHECK(rig_.device->synchronize(upload_).is_ok());
+    return worker.submit(
+        param, dtype, size,
+        [&](std::span<std::byte> slot) {
+          ZO_RETURN_IF_ERROR(rig_.device->delay(stream_, delay_us));
+          ZO_RETURN_IF_ERROR(rig_.device->copy_d2h(slot.data(), src, size, stream_));
+          return rig_.device->record(landed_, stream_);
+        },
+        landed_);
+  }
+
+ private:
+  Rig& rig_;
+  gpu::Stream upload_;
+  gpu::Stream stream_;
+  gpu::Event landed_;
+  std::vector<gpu::DevicePtr> sources_;
+};
+
 // Runs `grads` (micro-steps × contributions in contribution order) through a GradAccumulator, after
 // filling the accumulators with garbage the first micro-step must ignore: added directly, or with
 // ring_bytes > 0 through a GradWorker with a landing ring that size (its stats to `stats`). With
@@ -538,13 +583,8 @@ AccResult accumulate_all(Rig& rig, const std::vector<std::vector<Bytes>>& grads,
     ZO_CHECK(w.is_ok()) << w.status().to_string();
     worker = std::move(*w);
   }
-  gpu::Stream stream;
-  gpu::Event landed;
-  std::vector<gpu::DevicePtr> on_device;  // the async fills' sources
-  if (async_fill) {
-    stream = std::move(rig.device->create_stream()).value();
-    landed = std::move(rig.device->create_event()).value();
-  }
+  std::optional<AsyncLander> lander;
+  if (async_fill) lander.emplace(rig);
   const auto order = testing::contribution_order();
   for (size_t m = 0; m < grads.size(); ++m) {
     st = (*acc)->begin_micro_step(m == 0, m + 1 == grads.size());
@@ -559,18 +599,7 @@ AccResult accumulate_all(Rig& rig, const std::vector<std::vector<Bytes>>& grads,
           return Status::ok();
         });
       } else {
-        const gpu::DevicePtr src = std::move(rig.device->allocate(g.size())).value();
-        on_device.push_back(src);
-        ZO_CHECK(rig.device->copy_h2d(src, g.data(), g.size(), stream).is_ok());
-        ZO_CHECK(rig.device->synchronize(stream).is_ok());
-        st = worker->submit(
-            order[c], gdt, g.size(),
-            [&](std::span<std::byte> slot) {
-              ZO_RETURN_IF_ERROR(rig.device->delay(stream, 2000));
-              ZO_RETURN_IF_ERROR(rig.device->copy_d2h(slot.data(), src, g.size(), stream));
-              return rig.device->record(landed, stream);
-            },
-            landed);
+        st = lander->submit(*worker, order[c], gdt, g, g.size(), 2000);
       }
       ZO_CHECK(st.is_ok()) << st.to_string();
     }
@@ -583,12 +612,6 @@ AccResult accumulate_all(Rig& rig, const std::vector<std::vector<Bytes>>& grads,
     r.reports.push_back(*report);
   }
   if (stats != nullptr && worker) *stats = worker->stats();
-  if (async_fill) {
-    ZO_CHECK(rig.device->synchronize(stream).is_ok());
-    for (gpu::DevicePtr p : on_device) rig.device->free(p);
-    rig.device->destroy_event(landed);
-    rig.device->destroy_stream(stream);
-  }
   r.acc = rig.gather(StateKind::kGradAccum);
   return r;
 }
@@ -650,26 +673,29 @@ TEST(GradAccumulator, MatchesTheReferenceSumOnCpuAndDeviceBitForBit) {
 
 // Backward copies gradients into the ring and goes on; the accumulators and the norm must be the
 // bits of direct adds, with the producer held back when the ring is full (a ring of the largest
-// gradient: slots wrap around and nearly every submit waits for the worker).
-TEST(GradWorker, AddsInOrderBitIdenticalToDirectAddsUnderBackPressure) {
+// gradient: slots wrap around and nearly every submit waits for the worker). With asynchronous
+// fills (the trainer's copies from the GPU, queued and only recorded) the worker must read a slot
+// after the copy's event, not when submit returns.
+TEST(GradWorker, AddsInOrderBitIdenticalToDirectAddsUnderBackPressureAndAsynchronousFills) {
   for (const char* tier : {"cpu", "none"}) {
     SCOPED_TRACE(tier);
     Placing p;
     p.optimizer = tier;
     p.param = tier;
-    Rig direct_rig, worker_rig;
+    Rig direct_rig;
     ASSERT_TRUE(direct_rig.init(p).is_ok());
-    ASSERT_TRUE(worker_rig.init(p).is_ok());
     const auto grads = testing::random_grads(direct_rig, 3, DType::kBF16, 17);
     const AccResult direct = accumulate_all(direct_rig, grads, DType::kBF16);
     uint64_t largest = 0;
     for (const auto& g : grads[0]) largest = std::max<uint64_t>(largest, g.size());
+    for (bool async_fill : {false, true})
     for (uint64_t ring : {largest, 3 * largest + 100}) {
+      SCOPED_TRACE(std::string(async_fill ? "asynchronous" : "synchronous") + " fills, ring " + std::to_string(ring));
       Rig rig;
       ASSERT_TRUE(rig.init(p).is_ok());
       GradWorker::Stats stats;
-      const AccResult via = accumulate_all(rig, grads, DType::kBF16, ring, &stats);
-      EXPECT_EQ(via.acc, direct.acc) << "ring " << ring;
+      const AccResult via = accumulate_all(rig, grads, DType::kBF16, ring, &stats, async_fill);
+      EXPECT_EQ(via.acc, direct.acc);
       ASSERT_EQ(via.reports.size(), direct.reports.size());
       EXPECT_EQ(double_bits(via.reports.back().sum_sq), double_bits(direct.reports.back().sum_sq));
       EXPECT_EQ(stats.items, 3 * testing::contribution_order().size());
@@ -678,29 +704,6 @@ TEST(GradWorker, AddsInOrderBitIdenticalToDirectAddsUnderBackPressure) {
         EXPECT_GT(stats.full_waits, 0u) << "back-pressure was not exercised";
       }
     }
-  }
-}
-
-// The trainer's copies from the GPU are queued on LibTorch's stream and only recorded: the worker
-// must read a slot after the copy's event, not when submit returns.
-TEST(GradWorker, ReadsAnAsynchronouslyFilledSlotOnlyAfterItsEvent) {
-  for (const char* tier : {"cpu", "none"}) {
-    SCOPED_TRACE(tier);
-    Placing p;
-    p.optimizer = tier;
-    p.param = tier;
-    Rig direct_rig, rig;
-    ASSERT_TRUE(direct_rig.init(p).is_ok());
-    ASSERT_TRUE(rig.init(p).is_ok());
-    const auto grads = testing::random_grads(direct_rig, 2, DType::kBF16, 23);
-    const AccResult direct = accumulate_all(direct_rig, grads, DType::kBF16);
-    uint64_t largest = 0;
-    for (const auto& g : grads[0]) largest = std::max<uint64_t>(largest, g.size());
-    GradWorker::Stats stats;
-    const AccResult via = accumulate_all(rig, grads, DType::kBF16, 2 * largest, &stats, /*async_fill=*/true);
-    EXPECT_EQ(via.acc, direct.acc);
-    EXPECT_EQ(double_bits(via.reports.back().sum_sq), double_bits(direct.reports.back().sum_sq));
-    EXPECT_EQ(stats.items, 2 * testing::contribution_order().size());
   }
 }
 
@@ -722,38 +725,20 @@ TEST(GradWorker, ItemsDroppedAfterAnErrorStillWaitForTheirCopies) {
   ASSERT_TRUE(worker.is_ok());
   const auto order = testing::contribution_order();
   const auto grads = testing::random_grads(rig, 1, DType::kF32, 6);
-  gpu::Stream stream = std::move(rig.device->create_stream()).value();
-  gpu::Event landed = std::move(rig.device->create_event()).value();
-  std::vector<gpu::DevicePtr> sources;
-  for (const Bytes& g : grads[0]) {
-    sources.push_back(std::move(rig.device->allocate(g.size())).value());
-    ASSERT_TRUE(rig.device->copy_h2d(sources.back(), g.data(), g.size(), stream).is_ok());
-  }
-  ASSERT_TRUE(rig.device->synchronize(stream).is_ok());
+  AsyncLander lander(rig);
   ASSERT_TRUE((*acc)->begin_micro_step(true, true).is_ok());
   for (size_t c = 0; c < order.size(); ++c) {
     // The first contribution is 4 bytes short: its add fails, and every later item is dropped.
     const uint64_t size = grads[0][c].size() - (c == 0 ? 4 : 0);
-    (void)(*worker)->submit(
-        order[c], DType::kF32, size,
-        [&](std::span<std::byte> slot) {
-          ZO_RETURN_IF_ERROR(rig.device->delay(stream, 20'000));
-          ZO_RETURN_IF_ERROR(rig.device->copy_d2h(slot.data(), sources[c], size, stream));
-          return rig.device->record(landed, stream);
-        },
-        landed);
+    (void)lander.submit(**worker, order[c], DType::kF32, grads[0][c], size, 20'000);
     if (c == 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the worker is past its wait
   }
   const Status st = (*worker)->drain();
   ASSERT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
-  Result<bool> done = rig.device->query(landed);
+  Result<bool> done = rig.device->query(lander.landed());
   ASSERT_TRUE(done.is_ok());
   EXPECT_TRUE(*done) << "drain returned while a dropped item's copy was still landing in the ring";
   (*acc)->abandon_micro_step();
-  ASSERT_TRUE(rig.device->synchronize(stream).is_ok());
-  for (gpu::DevicePtr d : sources) rig.device->free(d);
-  rig.device->destroy_event(landed);
-  rig.device->destroy_stream(stream);
 }
 
 TEST(GradWorker, RefusesAZeroRingAnOversizedGradientAndReturnsAFailedFill) {
