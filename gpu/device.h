@@ -134,6 +134,12 @@ class Device {
   // the host. HostDevice has no foreign streams: the host computes synchronously, so nullptr
   // completes the event at once and anything else is InvalidArgument.
   virtual Status record_foreign(Event event, void* native_stream) = 0;
+  // The converse: makes a stream this Device did not create (`native_stream`, as for
+  // record_foreign) wait, without blocking the host, until the event's latest record — as of this
+  // call — completes, so another library's kernels can consume what a device stream produced.
+  // HostDevice: nullptr (the host's synchronous compute) blocks the calling thread until then;
+  // anything else is InvalidArgument. An event never recorded counts as complete.
+  virtual Status wait_foreign(void* native_stream, Event event) = 0;
   // Makes `stream` wait (without blocking the host) until the event's latest record — as of this
   // call — completes. An event never recorded counts as complete.
   virtual Status wait(Stream stream, Event event) = 0;

@@ -269,6 +269,12 @@ Status HostDevice::record_foreign(Event event, void* native_stream) {
   return Status::ok();
 }
 
+Status HostDevice::wait_foreign(void* native_stream, Event event) {
+  if (native_stream != nullptr)
+    return invalid_argument("wait_foreign: the emulated device has no foreign streams (the host computes synchronously)");
+  return synchronize(event);
+}
+
 Status HostDevice::wait(Stream stream, Event event) {
   std::shared_ptr<HostEvent> ev = s_->event(event);
   HostStream* st = s_->stream(stream);

@@ -36,7 +36,12 @@
 // slot (evicting released, non-persistent, cached params, farthest next use first, ties by the
 // higher id) and their fetch is issued on the copy stream. The block's own NVMe reads are waited
 // for and their H2D copies queued before any prefetch, so prefetch traffic never sits in the copy
-// stream ahead of the block in use; then prefetch is issued; then the block's copies are waited for.
+// stream ahead of the block in use; then prefetch is issued; then the block's copies are waited for
+// — by acquire() on the host, or, with acquire_async(), by whoever waits on the block's ready event:
+// the event of the block's last-queued copy (the copy stream runs in order, so it lands after all
+// the block's others, and later prefetch copies are not waited for). The compute stream waits on it
+// on the device, and the block's params stay in transfer (holding their swap buffers) until they
+// are released or a later fetch needs the buffer and completes them (a short H2D wait by then).
 //
 // Prefetch walks the schedule from cur+1 to the end of the micro-step (never into the next one: an
 // optimizer step may change the compute copies in between) and fetches each param not yet present,
@@ -102,7 +107,8 @@ struct ParamCoordinator::Impl {
     uint64_t offset = 0;  // arena offset of its slot (fixed for persistent params)
     bool has_handle = false;
     ParamHandle handle;
-    gpu::Event event;
+    gpu::Event event;      // recorded behind its latest H2D copy
+    uint64_t copy_seq = 0;  // that copy's place in the copy stream's order
     bool ahead = false;   // fetched by a prefetch, not yet acquired
     uint32_t holds = 0;   // acquired blocks using it
     uint64_t mark = 0;    // == mark_epoch: excluded from eviction
@@ -126,6 +132,7 @@ struct ParamCoordinator::Impl {
   uint64_t persistent_bytes = 0;
   detail::RangeAllocator dynamic;
   gpu::Stream stream;
+  uint64_t copies_issued = 0;  // H2D copies queued so far (Param::copy_seq)
   std::deque<uint32_t> buffered;  // params holding a swap buffer, oldest fetch first
   UpdateGate* gate = nullptr;
   std::vector<uint32_t> block_groups_end;  // per block: the max groups_end of its params
@@ -142,6 +149,9 @@ struct ParamCoordinator::Impl {
   uint64_t ahead_elems = 0;
   uint64_t live_bytes = 0;  // fetched-param bytes in the arena (persistent included)
   CoordinatorStats stats;
+
+  // acquire() (waits for the copies on the host) and acquire_async() (records `ready`).
+  Result<Acquired> acquire(uint32_t block, bool wait_copies);
 
   ~Impl() {
     for (uint32_t p = 0; p < params.size(); ++p) drain(p);
@@ -258,6 +268,7 @@ struct ParamCoordinator::Impl {
       return;
     }
     x.state = Residence::kCopying;
+    x.copy_seq = ++copies_issued;
     ++stats.fetches;
     stats.h2d_bytes += x.bytes;
     stats.nvme_read_bytes += x.nvme_bytes;
@@ -297,6 +308,17 @@ struct ParamCoordinator::Impl {
     }
     give_back(p);
     return Status::ok();
+  }
+
+  // kCopying → kResident without blocking, when the copy has landed (acquire_async leaves a block's
+  // params in transfer): gives back the swap buffer early. A failed query leaves it for complete().
+  void settle(uint32_t p) {
+    Param& x = params[p];
+    if (x.state != Residence::kCopying) return;
+    Result<bool> done = device->query(x.event);
+    if (!done.is_ok() || !*done) return;
+    x.state = Residence::kResident;
+    give_back(p);
   }
 
   // Issues the fetch of `p` (kPlaced). When `blocking` is false and a swap buffer can only be had by
@@ -678,7 +700,16 @@ void ParamCoordinator::begin_micro_step() {
 }
 
 Result<std::vector<gpu::DevicePtr>> ParamCoordinator::acquire(uint32_t block) {
-  Impl& s = *impl_;
+  ZO_ASSIGN_OR_RETURN(Acquired a, impl_->acquire(block, /*wait=*/true));
+  return std::move(a.ptrs);
+}
+
+Result<ParamCoordinator::Acquired> ParamCoordinator::acquire_async(uint32_t block) {
+  return impl_->acquire(block, /*wait=*/false);
+}
+
+Result<ParamCoordinator::Acquired> ParamCoordinator::Impl::acquire(uint32_t block, bool wait_copies) {
+  Impl& s = *this;
   if (!s.in_step) return failed_precondition("acquire " + s.block_text(block) + ": begin_micro_step was not called");
   if (s.pos >= 2 * s.n_blocks) {
     return failed_precondition("acquire " + s.block_text(block) + ": the micro-step's " + std::to_string(2 * s.n_blocks) +
@@ -739,25 +770,42 @@ Result<std::vector<gpu::DevicePtr>> ParamCoordinator::acquire(uint32_t block) {
     }
   }
   s.stats.fetch_wait_s += wait.elapsed_s();
-  s.prefetch(cur);
-  wait.reset();
-  for (uint32_t p : ps) {
-    Status st = s.complete(p);
-    if (!st.is_ok()) {
-      s.stats.fetch_wait_s += wait.elapsed_s();
-      return fail(p, std::move(st));
+  // The copy stream runs in order: the block is resident when the last of its copies queued has
+  // landed, and that copy's own event says so (no later prefetch copy is waited for).
+  gpu::Event ready;
+  if (!wait_copies) {
+    uint64_t last = 0;
+    for (uint32_t p : ps) {
+      const Impl::Param& x = s.params[p];
+      if (x.state == Residence::kCopying && x.copy_seq > last) {
+        last = x.copy_seq;
+        ready = x.event;
+      }
     }
   }
-  s.stats.fetch_wait_s += wait.elapsed_s();
+  s.prefetch(cur);
+  if (wait_copies) {
+    wait.reset();
+    for (uint32_t p : ps) {
+      Status st = s.complete(p);
+      if (!st.is_ok()) {
+        s.stats.fetch_wait_s += wait.elapsed_s();
+        return fail(p, std::move(st));
+      }
+    }
+    s.stats.fetch_wait_s += wait.elapsed_s();
+  }
 
   s.block_pos[block] = s.pos;
   ++s.pos;
-  std::vector<gpu::DevicePtr> out;
-  out.reserve(s.blocks[block].size());
+  Acquired out;
+  out.ready = ready;
+  out.ptrs.reserve(s.blocks[block].size());
   for (uint32_t p : s.blocks[block]) {
     const Impl::Param& x = s.params[p];
-    ZO_CHECK(x.on_device || x.state == Residence::kResident) << "acquire: param " << s.param_name(p) << " not resident";
-    out.push_back(x.on_device ? x.home : s.arena + x.offset);
+    ZO_CHECK(x.on_device || x.state == Residence::kResident || (!wait_copies && x.state == Residence::kCopying))
+        << "acquire: param " << s.param_name(p) << " neither resident nor being copied";
+    out.ptrs.push_back(x.on_device ? x.home : s.arena + x.offset);
   }
   return out;
 }
@@ -773,6 +821,7 @@ Status ParamCoordinator::release(uint32_t block, gpu::Event reads_done) {
   s.unhold(block);
   const uint64_t cur = s.block_pos[block];
   for (uint32_t p : s.fetched[block]) {
+    s.settle(p);
     const Impl::Param& x = s.params[p];
     if (x.holds > 0 || x.persistent || x.state == Residence::kAbsent) continue;
     Impl::Param& y = s.params[p];

@@ -113,6 +113,21 @@ class ParamCoordinator {
   // block because other acquired blocks pin it; I/O errors name the block and the param.
   Result<std::vector<gpu::DevicePtr>> acquire(uint32_t block);
 
+  // (addition) The block's addresses and an event that completes when they are resident.
+  struct Acquired {
+    std::vector<gpu::DevicePtr> ptrs;  // as acquire() returns them
+    // Owned by the coordinator, and it may be re-recorded by the next acquire: wait on it before
+    // then. Null (complete) when nothing of the block was in transfer.
+    gpu::Event ready;
+  };
+  // As acquire(), with the same checks and errors, but it does not wait for the H2D copies: it
+  // returns once the block's NVMe reads are done and its copies are queued (ahead of any prefetch,
+  // on the copy stream), with `ready` completing when they have landed. The caller makes its compute wait on
+  // `ready` (Device::wait_foreign on LibTorch's stream, Device::wait, or synchronize) before it
+  // touches the addresses: the host does not stall on PCIe (Note [Prefetch and release]). An H2D
+  // copy that fails asynchronously is reported by a later synchronize, not here.
+  Result<Acquired> acquire_async(uint32_t block);
+
   // Done with block b for now: its params are released (arena space reusable) unless persistent,
   // still held by another acquired block, or used again within max_reuse_distance_elems of the
   // schedule. The caller must have completed every device operation that reads the block's

@@ -361,6 +361,14 @@ Status CudaDevice::record_foreign(Event event, void* native_stream) {
   return Status::ok();
 }
 
+Status CudaDevice::wait_foreign(void* native_stream, Event event) {
+  cudaEvent_t ev = s_->event(event);
+  ZO_RETURN_IF_ERROR(s_->use());
+  ZO_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(static_cast<cudaStream_t>(native_stream), ev, 0),
+                          "cudaStreamWaitEvent on a foreign stream");
+  return Status::ok();
+}
+
 Status CudaDevice::wait(Stream stream, Event event) {
   cudaEvent_t ev = s_->event(event);
   cudaStream_t st = s_->stream(stream);

@@ -42,6 +42,7 @@ class CudaDevice final : public Device {
   void destroy_event(Event event) override;
   Status record(Event event, Stream stream) override;
   Status record_foreign(Event event, void* native_stream) override;
+  Status wait_foreign(void* native_stream, Event event) override;
   Status wait(Stream stream, Event event) override;
   Status synchronize(Event event) override;
   Result<bool> query(Event event) override;

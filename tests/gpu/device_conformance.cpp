@@ -223,6 +223,26 @@ TEST_P(DeviceConformance, AForeignRecordMovesTheEventAndADeviceStreamWaitsOnIt) 
   dev_->free(d);
 }
 
+// The converse: the trainer makes LibTorch's stream wait for a fetched block's ready event. Work
+// queued on the foreign stream after the wait (a foreign record) completes only after the event.
+TEST_P(DeviceConformance, AForeignStreamWaitsForAnEventWithoutADeviceStream) {
+  if (!dev_) return;
+  Result<Event> ev = dev_->create_event();
+  Result<Event> after = dev_->create_event();
+  ASSERT_TRUE(ev.is_ok() && after.is_ok());
+  ZO_ASSERT_OK(dev_->wait_foreign(nullptr, *ev));  // never recorded: complete, nothing to wait for
+  ZO_ASSERT_OK(dev_->delay(stream_, 200'000));
+  ZO_ASSERT_OK(dev_->record(*ev, stream_));
+  ZO_ASSERT_OK(dev_->wait_foreign(nullptr, *ev));
+  ZO_ASSERT_OK(dev_->record_foreign(*after, nullptr));
+  ZO_ASSERT_OK(dev_->synchronize(*after));
+  Result<bool> q = dev_->query(*ev);
+  ASSERT_TRUE(q.is_ok());
+  EXPECT_TRUE(*q) << "the foreign stream ran past the event it waits for";
+  dev_->destroy_event(*after);
+  dev_->destroy_event(*ev);
+}
+
 TEST_P(DeviceConformance, EventQueryAndHostSynchronize) {
   if (!dev_) return;
   Result<Event> ev = dev_->create_event();

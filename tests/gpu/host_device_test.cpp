@@ -79,6 +79,8 @@ TEST(HostDevice, ForeignStreamsOtherThanTheHostAreRefused) {
   int not_a_stream = 0;
   const Status st = (*dev)->record_foreign(*ev, &not_a_stream);
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
+  const Status waited = (*dev)->wait_foreign(&not_a_stream, *ev);
+  EXPECT_EQ(waited.code(), StatusCode::kInvalidArgument) << waited.to_string();
   // The host's own "stream" has finished everything before the call: a foreign record moves the
   // event past a record still pending behind a slow stream, and is complete at once.
   Result<Stream> slow = (*dev)->create_stream();

@@ -206,11 +206,13 @@ struct Rig {
   }
 
   // The bytes at `ptr` on the device.
-  Bytes d2h(gpu::DevicePtr ptr, uint64_t size_bytes) {
+  // The bytes at `ptr`, read by a stream that first waits (on the device) for `after`, if given.
+  Bytes d2h(gpu::DevicePtr ptr, uint64_t size_bytes, gpu::Event after = {}) {
     Bytes out(size_bytes);
     auto stream = device->create_stream();
     ZO_CHECK(stream.is_ok()) << stream.status().to_string();
-    Status st = device->copy_d2h(out.data(), ptr, size_bytes, *stream);
+    Status st = after ? device->wait(*stream, after) : Status::ok();
+    if (st.is_ok()) st = device->copy_d2h(out.data(), ptr, size_bytes, *stream);
     if (st.is_ok()) st = device->synchronize(*stream);
     ZO_CHECK(st.is_ok()) << st.to_string();
     device->destroy_stream(*stream);
@@ -222,19 +224,31 @@ struct Rig {
 // One micro-step through the full schedule (forward 0..n-1, backward n-1..0): every acquired
 // address holds exactly `expected[param]` (compute bytes per param), checked by D2H; each block is
 // released after use. Counts the params checked in *checked.
+// `async`: acquire_async, the bytes read by a stream that waits on the ready event (as LibTorch's
+// stream does in the trainer).
 inline void run_micro_step(Rig& rig, ParamCoordinator& coord, const std::vector<Bytes>& expected,
-                           uint64_t* checked = nullptr) {
+                           uint64_t* checked = nullptr, bool async = false) {
   const auto bl = blocks();
   const uint32_t n = static_cast<uint32_t>(bl.size());
   coord.begin_micro_step();
   for (uint32_t q = 0; q < 2 * n; ++q) {
     const uint32_t b = q < n ? q : 2 * n - 1 - q;
-    auto ptrs = coord.acquire(b);
-    ASSERT_TRUE(ptrs.is_ok()) << "position " << q << ": " << ptrs.status().to_string();
-    ASSERT_EQ(ptrs->size(), bl[b].size());
+    std::vector<gpu::DevicePtr> ptrs;
+    gpu::Event ready;
+    if (async) {
+      auto got = coord.acquire_async(b);
+      ASSERT_TRUE(got.is_ok()) << "position " << q << ": " << got.status().to_string();
+      ptrs = got->ptrs;
+      ready = got->ready;
+    } else {
+      auto got = coord.acquire(b);
+      ASSERT_TRUE(got.is_ok()) << "position " << q << ": " << got.status().to_string();
+      ptrs = *got;
+    }
+    ASSERT_EQ(ptrs.size(), bl[b].size());
     for (size_t i = 0; i < bl[b].size(); ++i) {
       const uint32_t p = bl[b][i];
-      ASSERT_EQ(Bytes(rig.d2h((*ptrs)[i], expected[p].size())), expected[p])
+      ASSERT_EQ(Bytes(rig.d2h(ptrs[i], expected[p].size(), ready)), expected[p])
           << "position " << q << " block " << b << " param " << rig.registry.params()[p].name;
       if (checked != nullptr) ++*checked;
     }
@@ -328,9 +342,11 @@ inline std::unique_ptr<ParamCoordinator> make_coordinator(Rig& rig, const Coordi
   return std::move(coord).value();
 }
 
+// Every setting, with acquire() and with acquire_async().
 inline void check_every_setting(const Placing& placing) {
+  for (const bool async : {false, true})
   for (const Settings& s : settings()) {
-    SCOPED_TRACE(placing.describe() + " / " + s.name);
+    SCOPED_TRACE(placing.describe() + " / " + s.name + (async ? " / acquire_async" : ""));
     Rig rig;
     Status st = rig.init(placing);
     ASSERT_TRUE(st.is_ok()) << st.to_string();
@@ -338,7 +354,7 @@ inline void check_every_setting(const Placing& placing) {
     auto coord = make_coordinator(rig, s.options);
     uint64_t checked = 0;
     for (int step = 0; step < 3; ++step) {
-      run_micro_step(rig, *coord, expected, &checked);
+      run_micro_step(rig, *coord, expected, &checked, async);
       if (::testing::Test::HasFatalFailure()) return;
     }
     EXPECT_EQ(checked, 3u * 2 * (1 + 3 * kLayers + 2));

@@ -373,6 +373,40 @@ TEST(ParamCoordinator, ReleaseWithAnEventOrdersLaterCopies) {
   rig.device->destroy_stream(*compute);
 }
 
+// The trainer's compute waits for a block on the device, not the host: acquire_async returns with
+// the block's copies still queued, and its ready event completes when they have landed.
+TEST(ParamCoordinator, AcquireAsyncReturnsBeforeTheCopiesLandAndItsEventMarksThem) {
+  Rig rig;
+  ASSERT_TRUE(rig.init(Placing{}).is_ok());
+  const auto expected = rig.gather(StateKind::kCompute);
+  auto coord = make_coordinator(rig, opts(0, 1'000'000, 0, 0));  // no prefetch
+  auto compute = rig.device->create_stream();
+  auto done = rig.device->create_event();
+  ASSERT_TRUE(compute.is_ok() && done.is_ok());
+  const auto bl = testing::blocks();
+  coord->begin_micro_step();
+  ASSERT_TRUE(coord->acquire(0).is_ok());
+  // Block 0 is released behind a 300 ms "kernel": the copy stream waits for it before block 1's
+  // copies, so they cannot land before then.
+  ASSERT_TRUE(rig.device->delay(*compute, 300'000).is_ok());
+  ASSERT_TRUE(rig.device->record(*done, *compute).is_ok());
+  ASSERT_TRUE(coord->release(0, *done).is_ok());
+  auto got = coord->acquire_async(1);
+  ASSERT_TRUE(got.is_ok()) << got.status().to_string();
+  ASSERT_TRUE(got->ready);
+  EXPECT_FALSE(*rig.device->query(got->ready)) << "acquire_async waited for the copies";
+  EXPECT_FALSE(*rig.device->query(*done));
+  ASSERT_TRUE(rig.device->synchronize(got->ready).is_ok());
+  EXPECT_TRUE(*rig.device->query(*done)) << "the ready event completed before the copies it covers";
+  ASSERT_EQ(got->ptrs.size(), bl[1].size());
+  for (size_t i = 0; i < bl[1].size(); ++i) {
+    EXPECT_EQ(Bytes(rig.d2h(got->ptrs[i], expected[bl[1][i]].size())), expected[bl[1][i]]) << "param " << i;
+  }
+  ASSERT_TRUE(coord->release(1).is_ok());
+  rig.device->destroy_event(*done);
+  rig.device->destroy_stream(*compute);
+}
+
 TEST(ParamCoordinator, BadBlocksAreRejectedAtCreate) {
   Rig rig;
   ASSERT_TRUE(rig.init(Placing{}).is_ok());
