@@ -307,6 +307,8 @@ void read_zoffload(ParseState* st, ObjectReader r, ZoffloadConfig* z) {
   r.boolean("overlap_optimizer", &z->overlap_optimizer);
   static constexpr std::string_view kSchedules[] = {"horizontal", "vertical"};
   r.choice("schedule", kSchedules, &z->schedule);
+  static constexpr std::string_view kCheckpointPlaces[] = {"auto", "device", "cpu"};
+  r.choice("activation_checkpoints", kCheckpointPlaces, &z->activation_checkpoints);
   static constexpr std::string_view kBackends[] = {"auto", "io_uring", "libaio", "psync"};
   r.choice("io_backend", kBackends, &z->io_backend);
   ObjectReader c = r.child("checkpoint");
@@ -775,6 +777,7 @@ json to_json(const Config& c) {
       {"bind_cores", zo.bind_cores},
       {"overlap_optimizer", zo.overlap_optimizer},
       {"schedule", zo.schedule},
+      {"activation_checkpoints", zo.activation_checkpoints},
       {"io_backend", zo.io_backend},
       {"checkpoint",
        {{"dir", zo.checkpoint.dir},

@@ -156,6 +156,11 @@ struct ZoffloadConfig {
   // "vertical" runs every micro-batch of a step through a block before the next block, so each
   // block is fetched once per step and its gradients leave the device once (Note [Vertical schedule]).
   std::string schedule = "horizontal";
+  // (addition) Where the activation checkpoints (each decoder layer's input) wait between forward
+  // and backward: "device"; "cpu" (pinned host memory: copied out after the layer's forward and
+  // back one layer ahead of its backward, on a copy stream); "auto": cpu when the plan does not fit
+  // the GPU with them on it but fits with them on the CPU, else device (Note [Checkpoints on the CPU]).
+  std::string activation_checkpoints = "auto";
   std::string io_backend = "auto";   // auto | io_uring | libaio | psync (the aio block tunes it)
   CheckpointConfig checkpoint;
   LogConfig log;

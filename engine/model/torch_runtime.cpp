@@ -1,6 +1,7 @@
 #include "engine/model/torch_runtime.h"
 
 // The few LibTorch headers this needs, not torch/torch.h: this file compiles in seconds.
+#include <ATen/core/Tensor.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/CachingDeviceAllocator.h>
@@ -136,6 +137,40 @@ void* torch_compute_stream(bool cuda) {
   // Through c10's device-generic guard, so this file needs no CUDA header.
   const c10::impl::VirtualGuardImpl guard(c10::DeviceType::CUDA);
   return guard.getStream(c10::Device(c10::DeviceType::CUDA, 0)).native_handle();
+}
+
+namespace {
+
+// Taken once: c10's pool hands out its streams round-robin, and every copy should share one.
+const c10::Stream& copy_stream() {
+  static const c10::Stream stream =
+      c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).getStreamFromGlobalPool(c10::Device(c10::DeviceType::CUDA, 0));
+  return stream;
+}
+
+}  // namespace
+
+TorchCopyStreamScope::TorchCopyStreamScope(bool cuda) : cuda_(cuda) {
+  if (!cuda) return;
+  const c10::impl::VirtualGuardImpl guard(c10::DeviceType::CUDA);
+  const c10::Stream previous = guard.exchangeStream(copy_stream());
+  const c10::StreamData3 packed = previous.pack3();
+  previous_[0] = packed.stream_id;
+  previous_[1] = packed.device_index;
+  previous_[2] = static_cast<int64_t>(packed.device_type);
+  native_ = copy_stream().native_handle();
+}
+
+TorchCopyStreamScope::~TorchCopyStreamScope() {
+  if (!cuda_) return;
+  const c10::impl::VirtualGuardImpl guard(c10::DeviceType::CUDA);
+  guard.exchangeStream(c10::Stream::unpack3(previous_[0], static_cast<c10::DeviceIndex>(previous_[1]),
+                                            static_cast<c10::DeviceType>(previous_[2])));
+}
+
+void TorchCopyStreamScope::record_use(const at::Tensor& tensor) const {
+  if (!cuda_ || !tensor.defined() || !tensor.is_cuda()) return;
+  c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).recordDataPtrOnStream(tensor.storage().data_ptr(), copy_stream());
 }
 
 void reset_torch_memory_peak(bool cuda) {

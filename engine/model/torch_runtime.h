@@ -1,6 +1,7 @@
 // What the LibTorch zoffload is linked with can do: its version, whether its CUDA backend is
 // linked, the CUDA version it was built with and the GPUs it sees (`zoffload info`, the trainer's
-// device checks). Thread-safe. This header includes no LibTorch header; torch_runtime.cpp does.
+// device checks), and the streams the trainer queues copies on. Thread-safe unless a type says
+// otherwise. This header includes no LibTorch header (at::Tensor is declared); torch_runtime.cpp does.
 #pragma once
 
 #include <cstdint>
@@ -8,6 +9,10 @@
 
 #include "common/dtype.h"
 #include "gpu/device_info.h"
+
+namespace at {
+class Tensor;
+}
 
 namespace zo::engine {
 
@@ -43,6 +48,28 @@ void reset_torch_memory_peak(bool cuda);  // peak := current
 // for GPU 0 when `cuda`), for gpu::Device::record_foreign; nullptr on the CPU, where LibTorch
 // computes synchronously.
 void* torch_compute_stream(bool cuda);
+
+// While alive, LibTorch queues this thread's work for GPU 0 on a copy stream (one stream from c10's
+// pool, the same for the whole process) instead of the compute stream, so copies do not queue
+// behind kernels; the previous stream is current again after. Nothing happens on the CPU. The
+// caller orders the copy stream after the compute stream (gpu::Device record_foreign/wait_foreign
+// with native_stream()), and passes every tensor the compute stream allocated and the copies read
+// to record_use, so LibTorch's caching allocator does not hand its memory to new kernels before
+// the copies have read it. Not copyable; one thread.
+class TorchCopyStreamScope {
+ public:
+  explicit TorchCopyStreamScope(bool cuda);
+  ~TorchCopyStreamScope();
+  TorchCopyStreamScope(const TorchCopyStreamScope&) = delete;
+  TorchCopyStreamScope& operator=(const TorchCopyStreamScope&) = delete;
+  void* native_stream() const { return native_; }  // nullptr on the CPU
+  void record_use(const at::Tensor& tensor) const;
+
+ private:
+  bool cuda_ = false;
+  void* native_ = nullptr;
+  int64_t previous_[3] = {0, 0, 0};  // the previous stream, packed (c10::Stream::pack3)
+};
 
 // Dense matmul FLOP/s of LibTorch here (square bf16/fp16/fp32 matmuls on GPU 0 or the CPU threads
 // LibTorch uses, best of a few after a warm-up; about a second). The planner's compute speed.

@@ -75,9 +75,10 @@ constexpr double kHeadGradPerBtvE = 0.8;   // × B·T·V × compute bytes, with 
 constexpr double kHeadGradPerBtvF32 = 0.55;
 
 // `held`: micro-batches whose checkpoints are held at once (GAS with the vertical schedule, else 1);
-// `sum_bytes`: bytes per element of the per-block gradient sums the vertical schedule keeps (0: none).
+// `sum_bytes`: bytes per element of the per-block gradient sums the vertical schedule keeps (0: none);
+// `ckpts_on_host`: the decoder layers' checkpoints wait on the host (Note [Checkpoints on the CPU]).
 uint64_t activation_estimate(const ModelConfig& m, uint64_t micro_batch, uint64_t seq_len, uint64_t e, uint64_t held,
-                             uint64_t sum_bytes) {
+                             uint64_t sum_bytes, bool ckpts_on_host) {
   const double bt = static_cast<double>(micro_batch * seq_len);
   const double h = static_cast<double>(m.hidden_size), inter = static_cast<double>(m.intermediate_size);
   const double v = static_cast<double>(m.vocab_size), de = static_cast<double>(e);
@@ -86,9 +87,13 @@ uint64_t activation_estimate(const ModelConfig& m, uint64_t micro_batch, uint64_
   // The activation checkpoints: every block's input (the token ids as int64 for the embedding),
   // the targets, and the RoPE tables. With the vertical schedule (Note [Vertical schedule]) every
   // held micro-batch's, the other micro-batches' gradients between blocks, and the summed
-  // gradients of the block in backward: derived, not measured like the coefficients.
+  // gradients of the block in backward: derived, not measured like the coefficients. On the host,
+  // three per micro-batch stay on the device: a layer's input and output in forward (the input is
+  // copied out only after the output exists), the layer in backward and the next one coming back.
   const double n_held = static_cast<double>(held);
-  const double resident = n_held * (static_cast<double>(m.num_hidden_layers + 1) * bt * h * de + 2 * bt * 8) +
+  const double on_device = ckpts_on_host ? std::min<double>(3, static_cast<double>(m.num_hidden_layers + 1))
+                                         : static_cast<double>(m.num_hidden_layers + 1);
+  const double resident = n_held * (on_device * bt * h * de + 2 * bt * 8) +
                           (n_held - 1) * bt * h * de + 2.0 * static_cast<double>(seq_len * m.head_dim) * 4;
   const double p_attn = 2 * h * q_dim + 2 * h * kv_dim + 2 * h;
   const double p_mlp = 3 * h * inter;
@@ -136,6 +141,10 @@ DType grad_transfer_dtype(const Config& c) {
 
 uint64_t vertical_micro_batches(const Config& c) {
   return c.zoffload.schedule == "vertical" ? c.gradient_accumulation_steps : 1;
+}
+
+uint64_t host_checkpoint_bytes_per_micro_batch(const Config& c, const ModelConfig& m, uint64_t seq_len) {
+  return c.train_micro_batch_size_per_gpu * seq_len * m.hidden_size * m.num_hidden_layers * dtype_size_bytes(c.compute_dtype());
 }
 
 uint64_t grad_ring_bytes(const ModelLayout& layout, const ParamRegistry& registry, DType dtype) {
@@ -201,19 +210,33 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
   const uint64_t left = in.device_budget_bytes > mp.device_bytes ? in.device_budget_bytes - mp.device_bytes : 0;
   p.device_arena_bytes = p.arena.bytes_within(left);
   p.held_micro_batches = vertical_micro_batches(c);
-  p.activation_bytes = activation_estimate(m, micro, in.seq_len, cb, p.held_micro_batches,
-                                           p.held_micro_batches > 1 ? dtype_size_bytes(c.grad_accum_dtype) : 0);
-  p.device_total_bytes = p.device_state_bytes + p.device_arena_bytes + (in.host.cuda ? p.activation_bytes : 0);
+  // Note [Checkpoints on the CPU]: "auto" moves the checkpoints to the host only where that is
+  // what makes the GPU fit; on the emulated device activations are in host RAM already.
+  auto activations = [&](bool on_host) {
+    return activation_estimate(m, micro, in.seq_len, cb, p.held_micro_batches,
+                               p.held_micro_batches > 1 ? dtype_size_bytes(c.grad_accum_dtype) : 0, on_host);
+  };
+  const uint64_t device_fixed = p.device_state_bytes + p.device_arena_bytes;
+  const std::string& where = c.zoffload.activation_checkpoints;
+  p.checkpoints_on_host = where == "cpu" ||
+                          (where == "auto" && in.host.cuda && in.host.device_total_bytes > 0 &&
+                           device_fixed + activations(false) > in.host.device_total_bytes &&
+                           device_fixed + activations(true) <= in.host.device_total_bytes);
+  p.activation_bytes = activations(p.checkpoints_on_host);
+  p.checkpoint_host_bytes =
+      p.checkpoints_on_host ? p.held_micro_batches * host_checkpoint_bytes_per_micro_batch(c, m, in.seq_len) : 0;
+  p.device_total_bytes = device_fixed + (in.host.cuda ? p.activation_bytes : 0);
 
   // Host memory.
   p.pool_bytes = mp.pinned_pool_bytes();
   const bool pin = pool_is_pinned(pl);
-  p.pinned_bytes = pin ? p.pool_bytes : 0;
+  p.pinned_bytes = (pin ? p.pool_bytes : 0) + p.checkpoint_host_bytes;
   p.pageable_state_bytes = mp.cpu_pageable_bytes;
   const GradAccumulator::BufferPlan gbuf = GradAccumulator::plan_buffers(registry, pl, contribution_order);
   p.grad_ring_bytes = mp.grad_ring_bytes;  // in the pool
   p.host_buffer_bytes = kStoreScratchBytes + uint64_t{gbuf.count} * gbuf.bytes_each;
-  p.ram_bytes = p.pool_bytes + p.pageable_state_bytes + p.host_buffer_bytes + (in.host.cuda ? 0 : p.activation_bytes);
+  p.ram_bytes = p.pool_bytes + p.pageable_state_bytes + p.host_buffer_bytes + p.checkpoint_host_bytes +
+                (in.host.cuda ? 0 : p.activation_bytes);
   p.process_bytes = in.host.process_bytes;
   p.nvme_optimizer_bytes = mp.nvme_optimizer_bytes;
   p.nvme_param_bytes = mp.nvme_param_bytes;
@@ -329,12 +352,15 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
                               "; the budget is zoffload.gpu_memory_limit or the device's memory"});
   }
   const uint64_t cap = c.zoffload.pinned_memory_limit;
-  if (cap != 0 && p.pool_bytes > cap) {
-    p.problems.push_back({"zoffload.pinned_memory_limit", p.pool_bytes, cap,
+  if (cap != 0 && p.pool_bytes + p.checkpoint_host_bytes > cap) {
+    p.problems.push_back({"zoffload.pinned_memory_limit", p.pool_bytes + p.checkpoint_host_bytes, cap,
                           "CPU-resident states " + format_bytes(mp.cpu_pinned_bytes) +
-                              ", swap/staging buffers and the gradient landing ring " + format_bytes(mp.grad_ring_bytes)});
+                              ", swap/staging buffers and the gradient landing ring " + format_bytes(mp.grad_ring_bytes) +
+                              (p.checkpoint_host_bytes > 0
+                                   ? ", activation checkpoints on the CPU " + format_bytes(p.checkpoint_host_bytes)
+                                   : std::string())});
   }
-  if (pin && !host.can_lock_unlimited && host.memlock_limit_bytes != UINT64_MAX && p.pinned_bytes > host.memlock_limit_bytes) {
+  if ((pin || p.checkpoint_host_bytes > 0) && !host.can_lock_unlimited && host.memlock_limit_bytes != UINT64_MAX && p.pinned_bytes > host.memlock_limit_bytes) {
     p.problems.push_back({"locked memory (ulimit -l)", p.pinned_bytes, host.memlock_limit_bytes,
                           "raise ulimit -l or set pin_memory false"});
   }
@@ -343,6 +369,7 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
     p.problems.push_back({"RAM (MemAvailable)", ram_need, host.ram_available_bytes,
                           "pool " + format_bytes(p.pool_bytes) + " + pageable states " + format_bytes(p.pageable_state_bytes) +
                               " + buffers " + format_bytes(p.host_buffer_bytes) +
+                              (p.checkpoint_host_bytes > 0 ? " + checkpoints " + format_bytes(p.checkpoint_host_bytes) : "") +
                               (in.host.cuda ? "" : " + activations " + format_bytes(p.activation_bytes)) + " + process " +
                               format_bytes(p.process_bytes)});
   }
@@ -371,6 +398,7 @@ std::string RunPlan::summary() const {
   s << "plan: " << format_bytes(device_total_bytes) << " device (states " << format_bytes(device_state_bytes) << ", arena "
     << format_bytes(device_arena_bytes) << ", activations " << format_bytes(activation_bytes)
     << (held_micro_batches > 1 ? " for " + std::to_string(held_micro_batches) + " micro-batches, vertical" : std::string())
+    << (checkpoints_on_host ? "; checkpoints on the CPU, " + format_bytes(checkpoint_host_bytes) : std::string())
     << "), pinned "
     << format_bytes(pinned_bytes) << ", RAM " << format_bytes(ram_bytes + process_bytes) << ", NVMe "
     << format_bytes(nvme_optimizer_bytes + nvme_param_bytes);
@@ -392,10 +420,11 @@ std::string RunPlan::to_json() const {
   j["device"] = {{"budget_bytes", device_budget_bytes}, {"state_bytes", device_state_bytes},
                  {"arena_bytes", device_arena_bytes}, {"arena_wanted_bytes", arena.total_bytes()},
                  {"activation_bytes", activation_bytes}, {"held_micro_batches", held_micro_batches},
+                 {"checkpoints_on_host", checkpoints_on_host},
                  {"total_bytes", device_total_bytes}};
   j["host"] = {{"pinned_bytes", pinned_bytes},        {"pool_bytes", pool_bytes},
                {"pageable_state_bytes", pageable_state_bytes}, {"buffer_bytes", host_buffer_bytes},
-               {"grad_ring_bytes", grad_ring_bytes},
+               {"grad_ring_bytes", grad_ring_bytes},   {"checkpoint_bytes", checkpoint_host_bytes},
                {"ram_bytes", ram_bytes},              {"process_bytes", process_bytes}};
   j["nvme"] = {{"optimizer_file_bytes", nvme_optimizer_bytes}, {"param_file_bytes", nvme_param_bytes}};
   j["save_peak_extra_rss_bytes"] = save_rss_bytes;
@@ -480,6 +509,12 @@ std::vector<Candidate> candidates(const Config& base) {
   if (base.zoffload.pinned_memory_limit != 0) {  // the user's own cap; the RAM and ulimit checks still apply
     out.push_back({"zoffload.pinned_memory_limit: 0 (the pool sized from the plan)", [](Config& c) {
                      c.zoffload.pinned_memory_limit = 0;
+                     return true;
+                   }});
+  }
+  if (base.zoffload.activation_checkpoints == "device") {  // "auto" moves them when that is what fits
+    out.push_back({"zoffload.activation_checkpoints: cpu", [](Config& c) {
+                     c.zoffload.activation_checkpoints = "cpu";
                      return true;
                    }});
   }

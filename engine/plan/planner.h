@@ -91,15 +91,19 @@ struct RunPlan {
   // (Note [Activation estimate]); on the GPU with CUDA, in host RAM on the emulated device.
   uint64_t activation_bytes = 0;
   uint64_t held_micro_batches = 1;  // micro-batches whose checkpoints are held at once (vertical: GAS)
+  // zoffload.activation_checkpoints as resolved (Note [Checkpoints on the CPU]): the decoder layers'
+  // checkpoints wait in pinned host memory, `checkpoint_host_bytes` of it (allocated at start).
+  bool checkpoints_on_host = false;
+  uint64_t checkpoint_host_bytes = 0;
   uint64_t device_total_bytes = 0;  // states + arena (+ activations on CUDA)
 
   // Host.
-  uint64_t pinned_bytes = 0;        // the pinned pool (0 when both pin_memory flags are false)
+  uint64_t pinned_bytes = 0;        // the pinned pool (0 when both pin_memory flags are false) + host checkpoints
   uint64_t pool_bytes = 0;          // the pool, pinned or not
   uint64_t pageable_state_bytes = 0;
   uint64_t host_buffer_bytes = 0;   // scratch and gradient staging buffers
   uint64_t grad_ring_bytes = 0;     // the gradient worker's landing ring (in the pool)
-  uint64_t ram_bytes = 0;           // pool + pageable states + buffers (+ activations on the host)
+  uint64_t ram_bytes = 0;           // pool + pageable states + buffers + host checkpoints (+ activations on the host)
   uint64_t process_bytes = 0;       // LibTorch and the program itself (measured at plan time)
 
   // NVMe: the swap files.
@@ -145,6 +149,9 @@ DType grad_transfer_dtype(const Config& c);
 // Micro-batches one forward and backward carry: gradient_accumulation_steps with the vertical
 // schedule, else 1.
 uint64_t vertical_micro_batches(const Config& c);
+// Bytes of one micro-batch's activation checkpoints that can wait on the host: every decoder
+// layer's input (micro_batch × seq_len × hidden in the compute dtype).
+uint64_t host_checkpoint_bytes_per_micro_batch(const Config& c, const ModelConfig& m, uint64_t seq_len);
 
 // "by whole blocks, N elements ahead: stage3_prefetch_bucket_size B cannot hold the largest param
 // (M elements)": the start line's and the plan's words for ArenaPlan::prefetch_by_blocks.

@@ -164,18 +164,48 @@ struct Trainer::Impl {
     grad_worker.reset();  // it may still wait on `landed`
     if (released) device->destroy_event(released);
     if (landed) device->destroy_event(landed);
+    if (grads_ready) device->destroy_event(grads_ready);
+    if (ckpt_host != nullptr) {
+      if (ckpt_copied) (void)device->synchronize(ckpt_copied);  // copies of a failed step may be in flight
+      device->free_pinned(ckpt_host);
+    }
+    if (ckpt_computed) device->destroy_event(ckpt_computed);
+    if (ckpt_copied) device->destroy_event(ckpt_copied);
+    for (gpu::Event e : ckpt_back)
+      if (e) device->destroy_event(e);
   }
 
   Status init(const TrainOptions& options);
   Status init_weights();
   // The block's compute copies as tensors; leaves that collect gradients when `grad`.
   std::vector<torch::Tensor> wrap(uint32_t block, const std::vector<gpu::DevicePtr>& ptrs, bool grad) const;
+  // Block b's addresses for LibTorch's stream, which waits on the device for their copies.
+  Result<std::vector<gpu::DevicePtr>> acquire(uint32_t block);
+  double ready_wait_s = 0;  // host time acquire() spent waiting for copies (HostDevice computes on the host)
   // Releases a block with an event after every kernel LibTorch has queued that reads it: on CUDA
   // LibTorch queues its kernels asynchronously, and the coordinator refills the freed arena space
   // only behind that event (no host sync).
   Status release(uint32_t block);
-  gpu::Event released;  // re-recorded by every release()
-  gpu::Event landed;    // re-recorded behind every gradient copy, waited on by the gradient worker
+  gpu::Event released;     // re-recorded by every release()
+  gpu::Event grads_ready;  // re-recorded on the compute stream before a block's gradient copies
+  gpu::Event landed;       // re-recorded behind every gradient copy, waited on by the gradient worker
+  // Note [Checkpoints on the CPU]: run_plan.checkpoints_on_host puts each decoder layer's input
+  // in `ckpt_host` (pinned; one slot per held micro-batch and layer) between forward and backward.
+  void* ckpt_host = nullptr;
+  uint64_t ckpt_slot_bytes = 0;  // one micro-batch's input of one layer
+  gpu::Event ckpt_computed;      // on the compute stream, before checkpoint copies
+  gpu::Event ckpt_back[2];       // on the copy stream, behind the copies back of layer b (b % 2)
+  gpu::Event ckpt_copied;        // on the copy stream, behind the latest checkpoint copy either way
+  // The host slot of block b's input (1 ≤ b ≤ num_hidden_layers) of held micro-batch k.
+  torch::Tensor checkpoint_slot(uint32_t block, size_t k, const torch::Tensor& like) const;
+  // Copies block b's inputs (every micro-batch of f) to their slots and drops the device copies.
+  Status checkpoints_out(uint32_t block, Forward& f);
+  // Queues block b's inputs back to the device; wait_checkpoints makes LibTorch's stream wait.
+  Status checkpoints_back(uint32_t block, Forward& f);
+  Status wait_checkpoints(uint32_t block);
+  bool host_checkpoint(uint32_t block) const {
+    return ckpt_host != nullptr && block >= 1 && block + 1 < layout.blocks.size();
+  }
   // Hands a block's gradients (one per param, in block order) to the accumulator.
   Status offload_grads(uint32_t block, const std::vector<torch::Tensor>& grads, bool inject_overflow);
   // Moves the gradients the last backward left in `params` into `sums` (the first micro-batch's are
@@ -321,6 +351,16 @@ Status Trainer::Impl::init(const TrainOptions& options) {
                                                       CoordinatorOptions::from_config(config)));
   ZO_ASSIGN_OR_RETURN(released, device->create_event());
   ZO_ASSIGN_OR_RETURN(landed, device->create_event());
+  ZO_ASSIGN_OR_RETURN(grads_ready, device->create_event());
+  if (run_plan.checkpoints_on_host) {
+    ckpt_slot_bytes = host_checkpoint_bytes_per_micro_batch(config, model, seq_len) / model.num_hidden_layers;
+    ZO_ASSIGN_OR_RETURN(ckpt_host, device->allocate_pinned(run_plan.checkpoint_host_bytes));
+    ZO_ASSIGN_OR_RETURN(ckpt_computed, device->create_event());
+    ZO_ASSIGN_OR_RETURN(ckpt_copied, device->create_event());
+    for (gpu::Event& e : ckpt_back) {
+      ZO_ASSIGN_OR_RETURN(e, device->create_event());
+    }
+  }
   gate = std::make_unique<UpdateGate>(store->plan().n_sub_groups);
   coord->set_update_gate(gate.get());
   ZO_ASSIGN_OR_RETURN(grads, GradAccumulator::create(*store, std::move(contribution_order), *executor));
@@ -448,6 +488,20 @@ std::vector<torch::Tensor> Trainer::Impl::wrap(uint32_t block, const std::vector
   return out;
 }
 
+Result<std::vector<gpu::DevicePtr>> Trainer::Impl::acquire(uint32_t block) {
+  // No host wait on CUDA: LibTorch's stream waits on the device for the block's ready event, so the
+  // host queues the block's kernels while its copies are still landing.
+  ZO_ASSIGN_OR_RETURN(ParamCoordinator::Acquired a, coord->acquire_async(block));
+  if (!a.ready) return std::move(a.ptrs);  // nothing in transfer
+  void* stream = nullptr;
+  ZO_RETURN_IF_ERROR(torch_call("reading LibTorch's stream", [&] { stream = torch_compute_stream(torch_device.is_cuda()); }));
+  const auto t0 = Clock::now();
+  Status st = device->wait_foreign(stream, a.ready);
+  ready_wait_s += seconds_since(t0);
+  ZO_RETURN_IF_ERROR(st.with_context("waiting for the parameters of " + layout.blocks[block].name));
+  return std::move(a.ptrs);
+}
+
 Status Trainer::Impl::release(uint32_t block) {
   // No host sync: the coordinator's copy stream waits for this event, recorded after the kernels
   // LibTorch has queued so far (all that read the block), before it refills the block's space.
@@ -458,14 +512,22 @@ Status Trainer::Impl::release(uint32_t block) {
 }
 
 Status Trainer::Impl::offload_grads(uint32_t block, const std::vector<torch::Tensor>& grads, bool inject_overflow) {
-  // Each gradient is copied (from the device: D2H, queued on LibTorch's stream into the pinned
-  // ring) into the gradient worker's landing ring and accumulated there behind the next block's
-  // backward (Note [Gradient landing ring]); the worker waits for the copy's event, not backward.
+  // Each gradient is copied into the gradient worker's landing ring (pinned) and accumulated there
+  // behind the next block's backward (Note [Gradient landing ring]). On CUDA the copies are D2H
+  // on LibTorch's copy stream, ordered after the backward kernels queued so far by an event on the
+  // compute stream, so they overlap the next block's kernels instead of queueing between them; the
+  // worker waits for the copy's event, and the host for neither.
   const BlockSpec& spec = layout.blocks[block];
   // The compute dtype, or grad_accum_dtype for the vertical schedule's device-side sums.
   const DType dtype = grad_transfer_dtype(opt.config);
-  void* stream = nullptr;
-  ZO_RETURN_IF_ERROR(torch_call("reading LibTorch's stream", [&] { stream = torch_compute_stream(torch_device.is_cuda()); }));
+  const bool cuda = torch_device.is_cuda();
+  void* compute = nullptr;
+  ZO_RETURN_IF_ERROR(torch_call("reading LibTorch's stream", [&] { compute = torch_compute_stream(cuda); }));
+  const std::string where = "sending the gradients of " + spec.name;
+  ZO_RETURN_IF_ERROR(device->record_foreign(grads_ready, compute).with_context(where));
+  std::optional<TorchCopyStreamScope> copies;
+  ZO_RETURN_IF_ERROR(torch_call("switching to LibTorch's copy stream", [&] { copies.emplace(cuda); }));
+  ZO_RETURN_IF_ERROR(device->wait_foreign(copies->native_stream(), grads_ready).with_context(where));
   for (size_t i = 0; i < grads.size(); ++i) {
     const std::string& name = layout.params[spec.params[i]].name;
     const torch::Tensor& g = grads[i];
@@ -481,15 +543,91 @@ Status Trainer::Impl::offload_grads(uint32_t block, const std::vector<torch::Ten
               src = g.clone();
               src.view(-1)[0] = std::numeric_limits<float>::infinity();
             }
+            copies->record_use(g);  // g's memory is not reused before the copy stream has read it
             torch::Tensor landed = torch::from_blob(slot.data(), g.sizes(), g.options().device(torch::kCPU));
             landed.copy_(src, /*non_blocking=*/true);
           }));
-          return device->record_foreign(landed, stream);
+          return device->record_foreign(landed, copies->native_stream());
         },
         landed));
-    if (torch_device.is_cuda()) accounting.add_moved(Move::kDeviceToHost, bytes);
+    if (cuda) accounting.add_moved(Move::kDeviceToHost, bytes);
   }
   return Status::ok();
+}
+
+// Note [Checkpoints on the CPU]
+// The vertical schedule at a large GAS holds GAS times every layer's input: for llama3-8b at
+// micro-batch 8, seq 1024, GAS 8 that is 16 GiB, more than a 24 GB card has beside the arena. With
+// zoffload.activation_checkpoints "cpu" (or "auto" when the planner finds that this is what fits)
+// each decoder layer's input goes to a pinned host slot once the layer's output exists (so the
+// forward holds its input and output), and comes back one layer ahead of the layer's backward
+// (so backward holds the layer's and the next one's). The copies run on LibTorch's copy stream,
+// ordered after the compute stream by an event: the compute stream waits only for a layer's
+// copies back, on the GPU. Each (micro-batch, layer) has its own slot, allocated once at start;
+// a slot is rewritten only by the next step's forward, whose copy out queues on the same copy
+// stream behind the copy back that read it. The embedding's token ids and the head's input stay
+// on the device (the head runs right after the forward). The bytes are copied, not recomputed,
+// so the weights are bit-identical to checkpoints on the device.
+torch::Tensor Trainer::Impl::checkpoint_slot(uint32_t block, size_t k, const torch::Tensor& like) const {
+  const uint64_t layers = model.num_hidden_layers;
+  const uint64_t offset = (k * layers + (block - 1)) * ckpt_slot_bytes;
+  ZO_CHECK(static_cast<uint64_t>(like.nbytes()) <= ckpt_slot_bytes && offset + ckpt_slot_bytes <= run_plan.checkpoint_host_bytes)
+      << "checkpoint of block " << block << ", micro-batch " << k << ": " << like.nbytes() << " bytes for a slot of "
+      << ckpt_slot_bytes;
+  return torch::from_blob(static_cast<std::byte*>(ckpt_host) + offset, like.sizes(), like.options().device(torch::kCPU));
+}
+
+Status Trainer::Impl::checkpoints_out(uint32_t block, Forward& f) {
+  const std::string where = "moving the checkpoints of " + layout.blocks[block].name + " to the CPU";
+  const bool cuda = torch_device.is_cuda();
+  void* compute = nullptr;
+  ZO_RETURN_IF_ERROR(torch_call(where, [&] { compute = torch_compute_stream(cuda); }));
+  ZO_RETURN_IF_ERROR(device->record_foreign(ckpt_computed, compute).with_context(where));
+  std::optional<TorchCopyStreamScope> copies;
+  ZO_RETURN_IF_ERROR(torch_call(where, [&] { copies.emplace(cuda); }));
+  ZO_RETURN_IF_ERROR(device->wait_foreign(copies->native_stream(), ckpt_computed).with_context(where));
+  ZO_RETURN_IF_ERROR(torch_call(where, [&] {
+    for (size_t k = 0; k < f.micro.size(); ++k) {
+      torch::Tensor& x = f.micro[k].inputs[block];
+      torch::Tensor slot = checkpoint_slot(block, k, x);
+      slot.copy_(x, /*non_blocking=*/true);
+      copies->record_use(x);  // freed now; not reused before the copy has read it
+      x = slot;
+    }
+  }));
+  return device->record_foreign(ckpt_copied, copies->native_stream()).with_context(where);
+}
+
+Status Trainer::Impl::checkpoints_back(uint32_t block, Forward& f) {
+  const std::string where = "moving the checkpoints of " + layout.blocks[block].name + " back to the device";
+  const bool cuda = torch_device.is_cuda();
+  void* compute = nullptr;
+  std::vector<torch::Tensor> back(f.micro.size());
+  ZO_RETURN_IF_ERROR(torch_call(where, [&] {
+    compute = torch_compute_stream(cuda);
+    // Allocated on the compute stream, which uses them; the copy stream waits for its earlier work.
+    for (size_t k = 0; k < back.size(); ++k) back[k] = torch::empty_like(f.micro[k].inputs[block], torch_device);
+  }));
+  ZO_RETURN_IF_ERROR(device->record_foreign(ckpt_computed, compute).with_context(where));
+  std::optional<TorchCopyStreamScope> copies;
+  ZO_RETURN_IF_ERROR(torch_call(where, [&] { copies.emplace(cuda); }));
+  ZO_RETURN_IF_ERROR(device->wait_foreign(copies->native_stream(), ckpt_computed).with_context(where));
+  ZO_RETURN_IF_ERROR(torch_call(where, [&] {
+    for (size_t k = 0; k < back.size(); ++k) {
+      back[k].copy_(f.micro[k].inputs[block], /*non_blocking=*/true);
+      copies->record_use(back[k]);
+      f.micro[k].inputs[block] = back[k];
+    }
+  }));
+  ZO_RETURN_IF_ERROR(device->record_foreign(ckpt_back[block % 2], copies->native_stream()).with_context(where));
+  return device->record_foreign(ckpt_copied, copies->native_stream()).with_context(where);
+}
+
+Status Trainer::Impl::wait_checkpoints(uint32_t block) {
+  void* compute = nullptr;
+  ZO_RETURN_IF_ERROR(torch_call("reading LibTorch's stream", [&] { compute = torch_compute_stream(torch_device.is_cuda()); }));
+  return device->wait_foreign(compute, ckpt_back[block % 2])
+      .with_context("waiting for the checkpoints of " + layout.blocks[block].name);
 }
 
 void Trainer::Impl::fold_grads(std::vector<torch::Tensor>& params, std::vector<torch::Tensor>& sums, bool first) const {
@@ -554,13 +692,14 @@ Result<Trainer::Impl::Forward> Trainer::Impl::forward(uint64_t count) {
 
   coord->begin_micro_step();
   for (uint32_t b = 0; b + 1 < n; ++b) {
-    ZO_ASSIGN_OR_RETURN(std::vector<gpu::DevicePtr> ptrs, coord->acquire(b));
+    ZO_ASSIGN_OR_RETURN(std::vector<gpu::DevicePtr> ptrs, acquire(b));
     ZO_RETURN_IF_ERROR(torch_call("forward of " + layout.blocks[b].name, [&] {
       torch::NoGradGuard no_grad;
       const std::vector<torch::Tensor> params = wrap(b, ptrs, false);
       for (Micro& mb : f.micro) mb.inputs[b + 1] = block_forward(model, layout.blocks[b], params, mb.inputs[b], rope);
     }));
     ZO_RETURN_IF_ERROR(release(b));
+    if (host_checkpoint(b)) ZO_RETURN_IF_ERROR(checkpoints_out(b, f));
   }
   return f;
 }
@@ -600,7 +739,7 @@ Result<Trainer::Impl::MicroResult> Trainer::Impl::finish_micro_step(Forward& f, 
   std::vector<torch::Tensor> grad_out(count);
   {
     const uint32_t h = n - 1;
-    ZO_ASSIGN_OR_RETURN(std::vector<gpu::DevicePtr> ptrs, coord->acquire(h));
+    ZO_ASSIGN_OR_RETURN(std::vector<gpu::DevicePtr> ptrs, acquire(h));
     std::vector<torch::Tensor> params, sums, grads_h;
     ZO_RETURN_IF_ERROR(torch_call("forward and backward of " + layout.blocks[h].name, [&] {
       params = wrap(h, ptrs, true);
@@ -619,12 +758,17 @@ Result<Trainer::Impl::MicroResult> Trainer::Impl::finish_micro_step(Forward& f, 
     ZO_RETURN_IF_ERROR(offload_grads(h, grads_h, false));
     result.grad_offload_s += seconds_since(g0);
     ZO_RETURN_IF_ERROR(release(h));
-    ZO_RETURN_IF_ERROR(coord->acquire(h).status());
+    ZO_RETURN_IF_ERROR(acquire(h).status());
     ZO_RETURN_IF_ERROR(release(h));
   }
 
   for (uint32_t b = n - 1; b-- > 0;) {
-    ZO_ASSIGN_OR_RETURN(std::vector<gpu::DevicePtr> ptrs, coord->acquire(b));
+    // Note [Checkpoints on the CPU]: block b's inputs were queued back with block b+1 (or now, for
+    // the last layer), and block b-1's are queued before b computes.
+    if (host_checkpoint(b) && b + 2 == n) ZO_RETURN_IF_ERROR(checkpoints_back(b, f));
+    if (b > 0 && host_checkpoint(b - 1)) ZO_RETURN_IF_ERROR(checkpoints_back(b - 1, f));
+    if (host_checkpoint(b)) ZO_RETURN_IF_ERROR(wait_checkpoints(b));
+    ZO_ASSIGN_OR_RETURN(std::vector<gpu::DevicePtr> ptrs, acquire(b));
     std::vector<torch::Tensor> params, sums, grads_b;
     ZO_RETURN_IF_ERROR(torch_call("backward of " + layout.blocks[b].name, [&] {
       params = wrap(b, ptrs, true);
@@ -687,6 +831,7 @@ Result<StepMetrics> Trainer::Impl::step_once() {
                       m.opt.inject_overflow_steps.end();
 
   const CoordinatorStats coord_before = m.coord->stats();
+  const double ready_wait_before = m.ready_wait_s;
   const double io_busy_before = m.io->stats().busy_s;
   const bool cuda = m.torch_device.is_cuda();
   reset_torch_memory_peak(cuda);
@@ -800,7 +945,7 @@ Result<StepMetrics> Trainer::Impl::step_once() {
   ++m.steps_done;
   out.step_s = seconds_since(t0);
   const CoordinatorStats coord_after = m.coord->stats();
-  out.fetch_s = coord_after.fetch_wait_s - coord_before.fetch_wait_s;
+  out.fetch_s = coord_after.fetch_wait_s - coord_before.fetch_wait_s + (m.ready_wait_s - ready_wait_before);
   out.optimizer_wait_s = coord_after.update_wait_s - coord_before.update_wait_s + join_s;
   out.grad_offload_s = offload_s;
   out.data_s = data_s;

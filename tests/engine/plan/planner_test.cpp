@@ -93,6 +93,57 @@ TEST(Planner, VerticalScheduleHoldsEveryMicroBatchAndMovesGradientsOnce) {
   EXPECT_EQ(vertical->h2d_max_bytes * 4, horizontal->h2d_max_bytes);
 }
 
+// Note [Checkpoints on the CPU]: "auto" moves the layers' inputs to pinned host memory exactly when
+// that is what makes the GPU fit; "cpu" always; the emulated device never needs it.
+TEST(Planner, CheckpointsMoveToTheCpuWhenThatIsWhatFitsTheGpu) {
+  PlanInputs in = tiny_inputs(OffloadDevice::kCpu, OffloadDevice::kCpu);
+  in.config.bf16.enabled = true;
+  in.config.gradient_accumulation_steps = 8;
+  in.config.train_micro_batch_size_per_gpu = 4;
+  in.config.zoffload.schedule = "vertical";
+  in.host.cuda = true;
+  in.config.zoffload.activation_checkpoints = "device";
+  auto on_device = plan_run(in);
+  in.config.zoffload.activation_checkpoints = "cpu";
+  auto on_cpu = plan_run(in);
+  ASSERT_TRUE(on_device.is_ok() && on_cpu.is_ok());
+  EXPECT_FALSE(on_device->checkpoints_on_host);
+  EXPECT_EQ(on_device->checkpoint_host_bytes, 0u);
+  ASSERT_TRUE(on_cpu->checkpoints_on_host);
+  // Every layer's input of every held micro-batch, in the compute dtype; three per micro-batch
+  // stay on the device.
+  const ModelConfig& m = in.model;
+  const uint64_t slot = 4 * in.seq_len * m.hidden_size * 2;
+  EXPECT_EQ(on_cpu->checkpoint_host_bytes, 8 * m.num_hidden_layers * slot);
+  EXPECT_EQ(on_device->activation_bytes - on_cpu->activation_bytes, 8 * (m.num_hidden_layers + 1 - 3) * slot);
+  EXPECT_EQ(on_cpu->pinned_bytes, on_device->pinned_bytes + on_cpu->checkpoint_host_bytes);
+  EXPECT_EQ(on_cpu->ram_bytes, on_device->ram_bytes + on_cpu->checkpoint_host_bytes);
+  EXPECT_THAT(on_cpu->summary(), HasSubstr("checkpoints on the CPU"));
+
+  // "auto": a card between the two totals takes them to the CPU; a larger one keeps them.
+  in.config.zoffload.activation_checkpoints = "auto";
+  in.host.device_total_bytes = (on_device->device_total_bytes + on_cpu->device_total_bytes) / 2;
+  auto tight = plan_run(in);
+  ASSERT_TRUE(tight.is_ok());
+  EXPECT_TRUE(tight->checkpoints_on_host);
+  EXPECT_TRUE(tight->fits()) << tight->summary();
+  in.host.device_total_bytes = on_device->device_total_bytes;
+  auto roomy = plan_run(in);
+  ASSERT_TRUE(roomy.is_ok());
+  EXPECT_FALSE(roomy->checkpoints_on_host);
+  // Too small either way: kept on the device, and the fix offered is planned again.
+  in.host.device_total_bytes = on_cpu->device_total_bytes - 1;
+  auto small = plan_run(in);
+  ASSERT_TRUE(small.is_ok());
+  EXPECT_FALSE(small->checkpoints_on_host);
+  EXPECT_FALSE(small->fits());
+  // Emulated: activations live in host RAM already.
+  in.host.cuda = false;
+  auto host = plan_run(in);
+  ASSERT_TRUE(host.is_ok());
+  EXPECT_FALSE(host->checkpoints_on_host);
+}
+
 TEST(Planner, RefusesAbsurdModelSizesBeforeBuildingAnything) {
   PlanInputs in = tiny_inputs(OffloadDevice::kCpu, OffloadDevice::kCpu);
   in.model.hidden_size = 1'000'000'000'000;

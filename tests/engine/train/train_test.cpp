@@ -72,6 +72,7 @@ struct RunSetup {
   bool scheduler = true;
   std::string opt_type = "AdamW";  // optimizer.type
   std::string schedule = "horizontal";  // zoffload.schedule
+  std::string checkpoints = "auto";     // zoffload.activation_checkpoints
 };
 
 Config make_config(const RunSetup& s, const std::string& nvme) {
@@ -87,7 +88,7 @@ Config make_config(const RunSetup& s, const std::string& nvme) {
         {"stage3_max_live_parameters", s.max_live},
         {"stage3_param_persistence_threshold", s.persistence},
         {"stage3_max_reuse_distance", s.reuse}}},
-      {"zoffload", {{"device", "host"}, {"gpu_memory_limit", s.gpu_limit}, {"schedule", s.schedule}}}};
+      {"zoffload", {{"device", "host"}, {"gpu_memory_limit", s.gpu_limit}, {"schedule", s.schedule}, {"activation_checkpoints", s.checkpoints}}}};
   if (s.scheduler)
     j["scheduler"] = {{"type", "WarmupCosineLR"}, {"params", {{"warmup_num_steps", 3}, {"total_num_steps", 20}, {"warmup_type", "linear"}}}};
   if (s.opt_type == "Adagrad") j["optimizer"]["params"] = {{"lr", 1e-2}, {"eps", 1e-10}, {"weight_decay", 0.0}};
@@ -475,6 +476,61 @@ TEST(Trainer, VerticalScheduleMatchesHorizontalOnEveryPlacementAndPrecision) {
       const uint64_t v_wr = vm[3].memory.nvme_write_bytes - vm[2].memory.nvme_write_bytes;
       EXPECT_LT(v_wr, h_wr) << "NVMe bytes written per step";
     }
+  }
+}
+
+// Note [Checkpoints on the CPU]: the layers' inputs wait in pinned host slots and come back for
+// backward; bytes are copied, not recomputed, so the weights cannot change.
+TEST(Trainer, CheckpointsOnTheCpuGiveBitIdenticalWeightsUnderBothSchedules) {
+  constexpr int kSteps = 4;
+  struct Variant {
+    const char* name;
+    RunSetup setup;
+  };
+  const std::vector<Variant> variants = {
+      {"bf16, vertical, params cpu, optimizer nvme", {.param = "cpu", .optimizer = "nvme", .grad_accum = 4, .schedule = "vertical"}},
+      {"fp32, horizontal, optimizer cpu", {.optimizer = "cpu", .precision = "fp32", .grad_accum = 2}},
+      {"fp16, vertical, stage 0", {.stage = 0, .precision = "fp16", .grad_accum = 3, .schedule = "vertical"}},
+  };
+  for (const Variant& v : variants) {
+    SCOPED_TRACE(v.name);
+    TempDir d_dir, c_dir;
+    RunSetup on_device = v.setup, on_cpu = v.setup;
+    on_device.checkpoints = "device";
+    on_cpu.checkpoints = "cpu";
+    // Six layers: with two, backward's first layer holds as many checkpoints either way.
+    TrainOptions d_opt = make_options(on_device, d_dir), c_opt = make_options(on_cpu, c_dir);
+    d_opt.model_config->num_hidden_layers = c_opt.model_config->num_hidden_layers = 6;
+    std::vector<StepMetrics> dm, cm;
+    const auto device_run = train(d_opt, kSteps, &dm);
+    std::string plan;
+    std::vector<std::vector<float>> cpu_run;
+    {
+      auto t = Trainer::create(c_opt);
+      ASSERT_TRUE(t.is_ok()) << t.status().to_string();
+      plan = (*t)->plan_json();
+      for (int i = 0; i < kSteps; ++i) {
+        auto m = (*t)->step();
+        ASSERT_TRUE(m.is_ok()) << m.status().to_string();
+        cm.push_back(*m);
+      }
+      cpu_run = masters(**t);
+    }
+    EXPECT_TRUE(bit_identical(cpu_run, device_run));
+    ASSERT_EQ(cm.size(), dm.size());
+    for (size_t i = 0; i < cm.size(); ++i) {
+      EXPECT_EQ(cm[i].loss, dm[i].loss) << "step " << i + 1;
+      EXPECT_EQ(cm[i].grad_norm, dm[i].grad_norm) << "step " << i + 1;
+    }
+    EXPECT_LT(dm.back().loss, dm.front().loss);
+    const nlohmann::json pj = nlohmann::json::parse(plan);
+    EXPECT_TRUE(pj["device"]["checkpoints_on_host"].get<bool>()) << plan;
+    EXPECT_GT(pj["host"]["checkpoint_bytes"].get<uint64_t>(), 0u) << plan;
+    // The checkpoints really left LibTorch's memory: its peak (backward's first layer) falls by the
+    // four of six layers' inputs that no longer wait there, 2/3 of the host bytes.
+    EXPECT_LE(cm.back().torch_peak_bytes + pj["host"]["checkpoint_bytes"].get<uint64_t>() / 2, dm.back().torch_peak_bytes)
+        << "LibTorch's peak: checkpoints on the CPU " << cm.back().torch_peak_bytes << ", on the device "
+        << dm.back().torch_peak_bytes;
   }
 }
 
