@@ -761,15 +761,21 @@ Result<ParamCoordinator::Acquired> ParamCoordinator::Impl::acquire(uint32_t bloc
     Status st = s.start_fetch(p, /*blocking=*/true, &would_block);
     if (!st.is_ok()) return fail(p, std::move(st));
   }
-  Stopwatch wait;
-  for (uint32_t p : ps) {
-    Status st = s.finish_read(p);
-    if (!st.is_ok()) {
-      s.stats.fetch_wait_s += wait.elapsed_s();
-      return fail(p, std::move(st));
+  // Runs `step` (which may wait) over the block's params, counting the time as fetch wait; the
+  // first failure fails the acquire.
+  auto for_each_waiting = [&](auto step) -> Status {
+    Stopwatch wait;
+    for (uint32_t p : ps) {
+      Status st = step(p);
+      if (!st.is_ok()) {
+        s.stats.fetch_wait_s += wait.elapsed_s();
+        return fail(p, std::move(st));
+      }
     }
-  }
-  s.stats.fetch_wait_s += wait.elapsed_s();
+    s.stats.fetch_wait_s += wait.elapsed_s();
+    return Status::ok();
+  };
+  ZO_RETURN_IF_ERROR(for_each_waiting([&](uint32_t p) { return s.finish_read(p); }));
   // The copy stream runs in order: the block is resident when the last of its copies queued has
   // landed, and that copy's own event says so (no later prefetch copy is waited for).
   gpu::Event ready;
@@ -784,17 +790,7 @@ Result<ParamCoordinator::Acquired> ParamCoordinator::Impl::acquire(uint32_t bloc
     }
   }
   s.prefetch(cur);
-  if (wait_copies) {
-    wait.reset();
-    for (uint32_t p : ps) {
-      Status st = s.complete(p);
-      if (!st.is_ok()) {
-        s.stats.fetch_wait_s += wait.elapsed_s();
-        return fail(p, std::move(st));
-      }
-    }
-    s.stats.fetch_wait_s += wait.elapsed_s();
-  }
+  if (wait_copies) ZO_RETURN_IF_ERROR(for_each_waiting([&](uint32_t p) { return s.complete(p); }));
 
   s.block_pos[block] = s.pos;
   ++s.pos;
