@@ -1,4 +1,5 @@
-// Small string helpers: edit distance and "did you mean" suggestions, joining and splitting.
+// Small string helpers: edit distance and "did you mean" suggestions, joining and splitting,
+// bounded quotes of untrusted text.
 // Pure functions; thread-safe.
 #pragma once
 
@@ -18,5 +19,9 @@ std::string closest_match(std::string_view word, std::span<const std::string> ca
 
 std::vector<std::string> split(std::string_view text, char sep);
 std::string join(std::span<const std::string> parts, std::string_view sep);
+
+// Untrusted text (a file's contents, a token) as an error may quote it: at most `max_bytes` of it,
+// with bytes outside printable ASCII written as \n, \t or \xHH, and "... (N bytes)" when cut.
+std::string quote_excerpt(std::string_view text, size_t max_bytes = 64);
 
 }  // namespace zo

@@ -155,4 +155,22 @@ Status File::close() {
   return Status::ok();
 }
 
+Status check_regular_file(const std::string& path, std::string_view what) {
+  const std::string named = std::string(what) + " " + path;
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) {
+    const int err = errno;
+    if (err == ENOENT) return Status(StatusCode::kNotFound, named + ": no such file", err);
+    return errno_status(named, err);
+  }
+  if (S_ISREG(st.st_mode)) return Status::ok();
+  const char* kind = S_ISFIFO(st.st_mode)  ? "a FIFO (named pipe)"
+                     : S_ISDIR(st.st_mode) ? "a directory"
+                     : S_ISSOCK(st.st_mode) ? "a socket"
+                     : S_ISCHR(st.st_mode)  ? "a character device"
+                     : S_ISBLK(st.st_mode)  ? "a block device"
+                                            : "not a file";
+  return invalid_argument(named + " is " + kind + ", not a regular file");
+}
+
 }  // namespace zo::io

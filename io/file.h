@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 
 #include "common/status.h"
 
@@ -61,5 +62,11 @@ class File {
   uint32_t offset_align_ = 1;
   std::string buffered_reason_;
 };
+
+// Checks, without opening it, that `path` (symlinks followed) is a regular file: an input that is
+// a FIFO, socket or device would block forever or never end. kNotFound "<what> PATH: no such file";
+// kInvalidArgument "<what> PATH is a FIFO (named pipe), not a regular file" (or a directory, ...);
+// another stat() failure with its errno. `what` names the input: "config file", "--data", ...
+Status check_regular_file(const std::string& path, std::string_view what);
 
 }  // namespace zo::io

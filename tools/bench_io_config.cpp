@@ -28,8 +28,10 @@ Result<Json> load(const std::string& path) {
   Json j;
   try {
     j = Json::parse(text);
-  } catch (const Json::parse_error& e) {
-    return invalid_argument(path + ": " + e.what() + " (left unchanged)");
+  } catch (const Json::exception& e) {  // parse_error, or out_of_range for a number too long
+    std::string what = e.what();
+    if (what.size() > 160) what = what.substr(0, 160) + "... (" + std::to_string(what.size()) + " bytes)";
+    return invalid_argument(path + ": " + what + " (left unchanged)");
   }
   if (!j.is_object()) return invalid_argument(path + ": the top level is not a JSON object (left unchanged)");
   if (j.contains("aio") && !j["aio"].is_object())

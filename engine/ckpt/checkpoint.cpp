@@ -21,6 +21,7 @@
 #include "common/check.h"
 #include "common/crc32c.h"
 #include "common/log.h"
+#include "common/string_util.h"
 #include "engine/model/safetensors.h"
 #include "io/file.h"
 
@@ -596,11 +597,11 @@ Result<std::string> resolve_checkpoint(const std::string& path) {
     ZO_ASSIGN_OR_RETURN(std::string text, read_small_file(path + "/" + kLatestFile));
     while (!text.empty() && (text.back() == '\n' || text.back() == ' ')) text.pop_back();
     if (text.rfind("step-", 0) != 0 || text.find('/') != std::string::npos) {
-      return corruption(path + "/" + kLatestFile + " names \"" + text + "\", not a step-<N> directory");
+      return corruption(path + "/" + kLatestFile + " names \"" + quote_excerpt(text) + "\", not a step-<N> directory");
     }
     const std::string target = path + "/" + text;
     if (!fs::exists(target + "/" + kManifestFile, ec)) {
-      return corruption(path + "/" + kLatestFile + " names " + text + ", which has no " + kManifestFile);
+      return corruption(path + "/" + kLatestFile + " names " + quote_excerpt(text) + ", which has no " + kManifestFile);
     }
     return target;
   }

@@ -12,6 +12,7 @@
 #include "common/bytes.h"
 #include "common/log.h"
 #include "engine/config/json_reader.h"
+#include "io/file.h"
 #include "io/io_options.h"
 
 namespace zo::engine {
@@ -581,12 +582,17 @@ std::optional<json> parse_json_text(std::string_view text, ConfigDiagnostics* di
     json j = json::parse(text.begin(), text.end(), cb, /*allow_exceptions=*/true, /*ignore_comments=*/false);
     if (duplicate) return std::nullopt;
     return j;
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, or out_of_range for a number too long
     std::string what = e.what();
     // nlohmann's text: "[json.exception.parse_error.101] parse error at line 3, column 5: ..."
     const size_t colon = what.find("]");
     if (colon != std::string::npos) what = what.substr(colon + 2);
-    diag->errors.push_back({"", "invalid JSON (" + line_col(text, e.byte == 0 ? 0 : e.byte - 1) + "): " + what});
+    // It quotes the last token read, which can be a 100 KB number: quote a bounded excerpt.
+    constexpr size_t kQuoteBytes = 160;
+    if (what.size() > kQuoteBytes) what = what.substr(0, kQuoteBytes) + "... (" + std::to_string(what.size()) + " bytes)";
+    const auto* parse = dynamic_cast<const json::parse_error*>(&e);
+    const std::string at = parse != nullptr ? " (" + line_col(text, parse->byte == 0 ? 0 : parse->byte - 1) + ")" : "";
+    diag->errors.push_back({"", "invalid JSON" + at + ": " + what});
     return std::nullopt;
   }
 }
@@ -656,6 +662,11 @@ std::optional<Config> parse_config(std::string_view json_text, const ResolveCont
 }
 
 std::optional<Config> load_config_file(const std::string& path, const ResolveContext& ctx, ConfigDiagnostics* diag) {
+  // A FIFO would block the read forever (issue 19): refused before it is opened.
+  if (Status st = io::check_regular_file(path, "config file"); !st.is_ok() && st.code() != StatusCode::kNotFound) {
+    diag->errors.push_back({"", st.message()});
+    return std::nullopt;
+  }
   std::ifstream in(path, std::ios::binary);
   if (!in) {
     diag->errors.push_back({"", "cannot open config file " + path + ": " + std::strerror(errno)});

@@ -14,6 +14,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/string_util.h"
+#include "io/file.h"
+
 namespace zo::engine {
 namespace {
 
@@ -180,6 +183,22 @@ Result<std::unique_ptr<TokenSource>> open_llmc(const std::string& path, std::uni
       new MappedTokens(path, std::move(file), kLlmcHeaderBytes, token_bytes, count, DataFormat::kLlmcBin));
 }
 
+// At most this many bytes of the input are quoted in an error (a line can be megabytes long).
+constexpr size_t kQuoteBytes = 64;
+
+std::string bounded(std::string_view text) { return quote_excerpt(text, kQuoteBytes); }
+
+// A value as an error names it: containers by kind (dumping one recurses through its nesting and
+// may be megabytes), scalars as JSON, bounded.
+std::string describe(const nlohmann::json& v) {
+  if (v.is_array()) return "an array";
+  if (v.is_object()) return "an object";
+  return bounded(v.dump());
+}
+
+// A row is an object of flat arrays; anything nested deeper is refused, not followed.
+constexpr int kMaxJsonDepth = 8;
+
 // Reads one JSON array of token ids (or labels, where -100 is also allowed) for `key` on `where`.
 Status read_ids(const nlohmann::json& array, const std::string& where, const char* key, bool allow_ignore,
                 std::vector<int32_t>* out) {
@@ -197,7 +216,7 @@ Status read_ids(const nlohmann::json& array, const std::string& where, const cha
       ok = (value >= 0 && value <= std::numeric_limits<int32_t>::max()) || (allow_ignore && value == kIgnoreLabel);
     }
     if (!ok)
-      return invalid_argument(where + ": " + key + "[" + std::to_string(i) + "] = " + v.dump() + " is not " +
+      return invalid_argument(where + ": " + key + "[" + std::to_string(i) + "] = " + describe(v) + " is not " +
                               (allow_ignore ? "a token id in [0, 2^31) or -100" : "a token id in [0, 2^31)"));
     out->push_back(static_cast<int32_t>(value));
   }
@@ -221,11 +240,21 @@ Result<std::unique_ptr<TokenSource>> open_jsonl(const std::string& path) {
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;  // blank lines separate nothing
     const std::string where = path + ":" + std::to_string(line_no);
     nlohmann::json obj;
+    bool too_deep = false;
     try {
-      obj = nlohmann::json::parse(line);
-    } catch (const nlohmann::json::parse_error& e) {
-      return invalid_argument(where + ": not valid JSON (" + e.what() + ")");
+      // Deeper values are dropped as they are parsed (the callback's false), so a line nesting
+      // 100,000 arrays costs neither memory nor recursion.
+      obj = nlohmann::json::parse(line, [&](int depth, nlohmann::json::parse_event_t, nlohmann::json&) {
+        if (depth <= kMaxJsonDepth) return true;
+        too_deep = true;
+        return false;
+      });
+    } catch (const nlohmann::json::exception& e) {  // parse_error, or out_of_range for a number too long
+      return invalid_argument(where + ": not valid JSON (" + bounded(e.what()) + ")");
     }
+    if (too_deep)
+      return invalid_argument(where + ": nested deeper than " + std::to_string(kMaxJsonDepth) +
+                              " levels (a row is an object of flat arrays of token ids)");
     if (!obj.is_object()) return invalid_argument(where + ": expected a JSON object with \"input_ids\"");
     if (!obj.contains("input_ids")) return invalid_argument(where + ": missing \"input_ids\"");
     const size_t first = tokens.size();
@@ -266,6 +295,8 @@ Result<DataFormat> parse_data_format(std::string_view name) {
 }
 
 Result<std::unique_ptr<TokenSource>> open_token_source(const std::string& path, const SourceOptions& options) {
+  // A FIFO would block the open forever (issue 19): refused before it is opened.
+  if (Status st = io::check_regular_file(path, "data file"); !st.is_ok() && st.code() != StatusCode::kNotFound) return st;
   DataFormat format = options.format;
   const std::string ext = std::filesystem::path(path).extension().string();
   if (format == DataFormat::kAuto && ext == ".jsonl") format = DataFormat::kJsonl;

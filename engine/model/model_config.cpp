@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/string_util.h"
+#include "io/file.h"
 
 namespace zo::engine {
 namespace {
@@ -262,6 +263,7 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, const std::strin
 
 Result<ModelConfig> load_hf_config(const std::string& model_dir) {
   const std::string path = model_dir + "/config.json";
+  if (Status st = io::check_regular_file(path, "model config"); !st.is_ok() && st.code() != StatusCode::kNotFound) return st;
   std::ifstream in(path, std::ios::binary);
   if (!in) return not_found("no model config " + path + " (a Hugging Face model directory has config.json)");
   std::ostringstream text;

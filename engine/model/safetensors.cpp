@@ -16,6 +16,7 @@
 #include "common/bytes.h"
 #include "common/check.h"
 #include "common/half.h"
+#include "io/file.h"
 
 namespace zo::engine {
 namespace {
@@ -70,6 +71,7 @@ SafetensorsFile::~SafetensorsFile() {
 Result<std::unique_ptr<SafetensorsFile>> SafetensorsFile::open(const std::string& path) {
   std::unique_ptr<SafetensorsFile> f(new SafetensorsFile());
   f->path_ = path;
+  if (Status st = io::check_regular_file(path, "safetensors file"); !st.is_ok() && st.code() != StatusCode::kNotFound) return st;
   f->fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (f->fd_ < 0) {
     if (errno == ENOENT) return not_found("no safetensors file " + path);
@@ -150,12 +152,25 @@ Result<std::unique_ptr<SafetensorsFile>> SafetensorsFile::open(const std::string
     return a.data_offset_bytes != b.data_offset_bytes ? a.data_offset_bytes < b.data_offset_bytes
                                                       : a.size_bytes < b.size_bytes;
   });
-  for (size_t i = 1; i < f->tensors_.size(); ++i) {
-    const SafetensorsTensor& a = f->tensors_[i - 1];
-    const SafetensorsTensor& b = f->tensors_[i];
-    if (a.data_offset_bytes + a.size_bytes > b.data_offset_bytes)
-      return corruption(path + ": tensors \"" + a.name + "\" and \"" + b.name + "\" overlap in the data section");
+  // The tensors must cover the data section exactly, in offset order, as the reference library
+  // requires: a gap or trailing bytes mean the offsets do not describe this file (a header length
+  // one byte short shifts every weight by a byte and still parses).
+  uint64_t covered = data_start;
+  for (size_t i = 0; i < f->tensors_.size(); ++i) {
+    const SafetensorsTensor& t = f->tensors_[i];
+    if (t.data_offset_bytes < covered)
+      return corruption(path + ": tensors \"" + f->tensors_[i - 1].name + "\" and \"" + t.name +
+                        "\" overlap in the data section");
+    if (t.data_offset_bytes > covered)
+      return corruption(path + ": " + std::to_string(t.data_offset_bytes - covered) + " bytes before tensor \"" + t.name +
+                        "\" (data offset " + std::to_string(covered - data_start) +
+                        ") belong to no tensor: the header's offsets do not describe this file");
+    covered = t.data_offset_bytes + t.size_bytes;
   }
+  if (covered != file_size)
+    return corruption(path + ": the last " + std::to_string(file_size - covered) + " bytes of the file belong to no tensor (" +
+                      std::to_string(data_size) + " data bytes, " + std::to_string(covered - data_start) +
+                      " described): the header's offsets do not describe this file");
   for (size_t i = 0; i < f->tensors_.size(); ++i) f->by_name_.emplace(f->tensors_[i].name, i);
   return f;
 }
@@ -205,6 +220,7 @@ Result<std::unique_ptr<HfWeights>> HfWeights::open(const std::string& model_dir)
   std::error_code ec;
 
   if (fs::exists(index_path, ec)) {
+    ZO_RETURN_IF_ERROR(io::check_regular_file(index_path, "safetensors index"));
     std::ifstream in(index_path, std::ios::binary);
     if (!in) return errno_status("open " + index_path + ": ", errno);
     std::ostringstream text;

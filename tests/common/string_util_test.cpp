@@ -28,5 +28,12 @@ TEST(Split, KeepsEmptyFields) {
   EXPECT_EQ(join(parts, "."), "x.y");
 }
 
+TEST(QuoteExcerpt, EscapesAndBoundsUntrustedText) {
+  EXPECT_EQ(quote_excerpt("step-3"), "step-3");
+  EXPECT_EQ(quote_excerpt(std::string("a\0b\n\t\\\xff", 7)), "a\\x00b\\n\\t\\\\\\xff");
+  EXPECT_EQ(quote_excerpt("abcdef", 3), "abc... (6 bytes)");
+  EXPECT_EQ(quote_excerpt(std::string(1'000'000, 'x')).size(), 64 + std::string("... (1000000 bytes)").size());
+}
+
 }  // namespace
 }  // namespace zo

@@ -1,6 +1,9 @@
 #include "engine/config/config.h"
 #include "engine/config/io_settings.h"
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -370,6 +373,18 @@ TEST(ConfigParse, DuplicateKeysAndSyntaxErrorsAreReportedWithPlace) {
   EXPECT_FALSE(parse_config(std::string_view("{\n  \"bf16\": {\"enabled\": true,}\n}"), {}, &d2));
   ASSERT_EQ(d2.errors.size(), 1u);
   EXPECT_THAT(d2.errors[0].message, HasSubstr("invalid JSON (line 2"));
+  // Issue 19: a number too long for a double aborted the program (an exception nlohmann does not
+  // class as a parse error), and errors quoted the whole 100 KB token; a deep nest is no crash.
+  ConfigDiagnostics d3;
+  EXPECT_FALSE(parse_config("{\"train_micro_batch_size_per_gpu\": " + std::string(100'000, '7') + "}", {}, &d3));
+  ASSERT_EQ(d3.errors.size(), 1u);
+  EXPECT_THAT(d3.errors[0].message, HasSubstr("invalid JSON"));
+  EXPECT_THAT(d3.errors[0].message, HasSubstr("number overflow"));
+  EXPECT_LT(d3.errors[0].message.size(), 300u);
+  ConfigDiagnostics d4;
+  EXPECT_FALSE(parse_config("{\"bf16\": " + std::string(100'000, '[') + std::string(100'000, ']') + "}", {}, &d4));
+  ASSERT_FALSE(d4.errors.empty());
+  EXPECT_THAT(d4.errors[0].to_string(), HasSubstr("bf16"));
 }
 
 TEST(ConfigParse, ResolvedJsonParsesBackToTheSameConfig) {
@@ -578,6 +593,18 @@ TEST(ConfigFiles, AccelerateStage3OffloadConfigResolvesAsAccelerateWould) {
   EXPECT_EQ(c->train_batch_size, 32u);
   EXPECT_DOUBLE_EQ(c->scheduler.warmup_max_lr, 5e-4);
   EXPECT_EQ(c->scheduler.total_num_steps, 500u);
+}
+
+// Issue 19, finding 4: a FIFO given as --config hung; it is refused before it is opened.
+TEST(ConfigFiles, AFifoIsRefusedNotWaitedOn) {
+  const std::string path = (std::filesystem::temp_directory_path() / ("zo_config_fifo_" + std::to_string(::getpid()))).string();
+  std::filesystem::remove(path);
+  ASSERT_EQ(::mkfifo(path.c_str(), 0600), 0);
+  ConfigDiagnostics d;
+  EXPECT_FALSE(load_config_file(path, {}, &d));
+  std::filesystem::remove(path);
+  ASSERT_EQ(d.errors.size(), 1u) << all(d.errors);
+  EXPECT_THAT(d.errors[0].message, HasSubstr("config file " + path + " is a FIFO (named pipe), not a regular file"));
 }
 
 TEST(ConfigFiles, EmbeddedDemoConfigIsValid) {

@@ -1,5 +1,6 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -207,6 +208,45 @@ TEST_F(DataFiles, JsonlErrorsNameFileAndLine) {
   auto no_tokens = open_token_source(write_text("none.jsonl", "{\"input_ids\": []}\n"), {});
   ASSERT_FALSE(no_tokens);
   EXPECT_THAT(no_tokens.status().message(), HasSubstr("none.jsonl: no tokens"));
+}
+
+// Issue 19, finding 2: a line nesting 100,000 arrays crashed train (recursion while building the
+// error), and at 50,000 it printed a 100 KB error line. Errors quote a short excerpt at most.
+TEST_F(DataFiles, DeeplyNestedOrHugeJsonlValuesGiveAShortError) {
+  const auto nested = [](size_t depth) { return std::string(depth, '[') + "1" + std::string(depth, ']'); };
+  struct Case {
+    std::string line;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {"{\"input_ids\": " + nested(100'000) + "}", "bad.jsonl:1: nested deeper than 8 levels"},
+      {"{\"input_ids\": [" + nested(5) + "]}", "bad.jsonl:1: input_ids[0] = an array is not a token id"},
+      {"{\"input_ids\": [{\"a\": " + nested(4) + "}]}", "bad.jsonl:1: input_ids[0] = an object is not a token id"},
+      {"{\"input_ids\": [\"" + std::string(1'000'000, 'x') + "\"]}", "(1000002 bytes) is not a token id"},
+      {"{\"input_ids\": [1, " + std::string(1'000'000, '7') + "x]}", "bad.jsonl:1: not valid JSON"},
+  };
+  for (const Case& c : cases) {
+    auto r = open_token_source(write_text("bad.jsonl", c.line + "\n"), {});
+    ASSERT_FALSE(r) << c.message;
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_THAT(r.status().message(), HasSubstr(c.message));
+    EXPECT_LT(r.status().message().size(), 400u) << r.status().message().substr(0, 200);
+  }
+}
+
+// Issue 19, finding 4: a FIFO given as --data hung the run; it is refused before it is opened.
+TEST_F(DataFiles, AFifoIsRefusedNotWaitedOn) {
+  const std::string path = (dir_ / "pipe.jsonl").string();
+  ASSERT_EQ(::mkfifo(path.c_str(), 0600), 0);
+  for (DataFormat format : {DataFormat::kAuto, DataFormat::kJsonl, DataFormat::kText, DataFormat::kRawBin}) {
+    auto r = open_token_source(path, {.format = format});
+    ASSERT_FALSE(r);
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_THAT(r.status().message(), HasSubstr("data file " + path + " is a FIFO (named pipe), not a regular file"));
+  }
+  auto dir = open_token_source(dir_.string(), {});
+  ASSERT_FALSE(dir);
+  EXPECT_THAT(dir.status().message(), HasSubstr("is a directory, not a regular file"));
 }
 
 TEST_F(DataFiles, TextIsByteLevel) {

@@ -209,6 +209,16 @@ TEST(Checkpoint, ResolveNamesWhatIsWrong) {
   fs::create_directories(dir.path + "/step-3");
   EXPECT_THAT(resolve_checkpoint(dir.path).status().message(), HasSubstr("no manifest.json"));
   EXPECT_THAT(resolve_checkpoint(dir.path + "/step-3/").status().message(), HasSubstr("incomplete save"));
+  // Issue 19, finding 5: a `latest` holding (or linking to) a long file with NUL bytes was echoed
+  // whole; the error quotes a bounded, escaped excerpt.
+  std::string junk;
+  for (int i = 0; i < 24; ++i) junk += "line " + std::to_string(i) + std::string(1, '\0') + " of a file that is not ours\n";
+  std::ofstream(dir.path + "/latest", std::ios::binary | std::ios::trunc) << junk;
+  const std::string message = resolve_checkpoint(dir.path).status().message();
+  EXPECT_THAT(message, HasSubstr("names \"line 0\\x00 of a file"));
+  EXPECT_THAT(message, HasSubstr("bytes)"));
+  EXPECT_EQ(message.find('\0'), std::string::npos);
+  EXPECT_LT(message.size(), dir.path.size() + 200);
 }
 
 TEST(Checkpoint, AFlippedByteInAnyFileIsCaughtByVerifyAndLoad) {

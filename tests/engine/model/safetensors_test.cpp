@@ -4,11 +4,14 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <sys/stat.h>
+
 #include <cmath>
 #include <string>
 #include <vector>
 
 #include "common/half.h"
+#include "engine/model/model_config.h"
 #include "engine/model/safetensors.h"
 #include "tests/engine/model/safetensors_test_util.h"
 
@@ -136,6 +139,38 @@ TEST(SafetensorsFile, RejectsCorruptHeaders) {
   expect_corrupt(safetensors_bytes(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0]}})", kEight), "one offset");
 }
 
+// Issue 19, finding 3: the tensors must cover the data section exactly, as the reference library
+// requires. A header length one byte short (its padding still parses) shifted every weight by a
+// byte and trained to NaN; gaps and trailing bytes were accepted.
+TEST(SafetensorsFile, TensorsMustCoverTheDataExactly) {
+  using testing::safetensors_bytes;
+  const std::string two = R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})";
+  std::string padded = two;
+  while (padded.size() % 8 != 0 || padded.size() == two.size()) padded += ' ';
+  struct Case {
+    std::string bytes;
+    std::string why;
+  };
+  const std::vector<Case> cases = {
+      {safetensors_bytes(two, kEight + "y"), "the last 1 bytes of the file belong to no tensor"},
+      {safetensors_bytes(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})", std::string(12, 'x')),
+       "4 bytes before tensor \"a\" (data offset 0) belong to no tensor"},
+      {safetensors_bytes(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},
+                             "b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}})",
+                         std::string(12, 'x')),
+       "4 bytes before tensor \"b\" (data offset 4) belong to no tensor"},
+      {safetensors_bytes(padded, kEight, padded.size() - 1), "the last 1 bytes of the file belong to no tensor"},
+  };
+  for (const Case& c : cases) {
+    TempDir dir;
+    const std::string path = dir.file("bad.safetensors");
+    write_file(path, c.bytes);
+    const Status s = open_status(path);
+    EXPECT_EQ(s.code(), StatusCode::kCorruption) << c.why << ": " << s.to_string();
+    EXPECT_THAT(s.message(), HasSubstr(c.why));
+  }
+}
+
 TEST(SafetensorsFile, UnsupportedDtypeNamesDtypeAndTensor) {
   TempDir dir;
   const std::string path = dir.file("f64.safetensors");
@@ -250,6 +285,20 @@ TEST(HfWeights, NoSafetensorsSaysBinIsUnsupported) {
   EXPECT_THAT(w.status().message(), HasSubstr("model.safetensors"));
   EXPECT_THAT(w.status().message(), HasSubstr("convert"));
   EXPECT_THAT(w.status().message(), HasSubstr(dir.path()));
+}
+
+// Issue 19, finding 4: a FIFO named as config.json, model.safetensors or the index hung the run
+// (open blocks until a writer appears); it is refused by kind, before it is opened.
+TEST(HfWeights, AFifoInsteadOfAModelFileIsRefusedNotWaitedOn) {
+  for (const char* name : {"config.json", "model.safetensors", "model.safetensors.index.json"}) {
+    SCOPED_TRACE(name);
+    TempDir dir;
+    ASSERT_EQ(::mkfifo(dir.file(name).c_str(), 0600), 0);
+    const Status st = std::string(name) == "config.json" ? load_hf_config(dir.path()).status()
+                                                          : HfWeights::open(dir.path()).status();
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
+    EXPECT_THAT(st.message(), HasSubstr(dir.file(name) + " is a FIFO (named pipe), not a regular file"));
+  }
 }
 
 }  // namespace
