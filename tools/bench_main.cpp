@@ -1,10 +1,13 @@
 // zoffload-bench: measures the parts of zoffload against their baselines in the same run.
 #include <CLI/CLI.hpp>
 
+#include <csignal>
+
 #include "tools/commands.h"
 #include "zo_build_config.h"
 
 int main(int argc, char** argv) {
+  std::signal(SIGXFSZ, SIG_IGN);  // as in zoffload: a write past `ulimit -f` fails with EFBIG, reported
   CLI::App app{"zoffload-bench " ZO_VERSION
                ": benchmarks for zoffload's I/O, CPU optimizer, swap pipeline and PCIe paths.\n"
                "Each benchmark checks its results first, measures its baseline in the same run and\n"

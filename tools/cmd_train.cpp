@@ -1,11 +1,13 @@
 // `zoffload train`: fine-tune a model from the command line with the offload config the user brings.
 #include <CLI/CLI.hpp>
 
+#include <signal.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <iostream>
 #include <memory>
@@ -45,6 +47,40 @@ struct TrainArgs {
 };
 
 #if ZO_HAVE_TORCH
+
+// Note [Interrupted runs]: SIGINT, SIGTERM and SIGHUP remove the NVMe swap files, as a normal exit
+// does (issue 19), then end the process by the same signal, so the shell sees the usual status
+// (130 for Ctrl-C). unlink(2), write(2) and raise(3) are async-signal-safe; the paths are copied
+// into fixed buffers before the handler is installed. A checkpoint or export the signal cut short
+// is left as a tmp directory that the next run (or `zoffload ckpt`) removes; a signal during the
+// Trainer's start, before its swap files are known, ends the run without this clean-up.
+constexpr size_t kMaxSwapFiles = 2;
+char g_swap_paths[kMaxSwapFiles][4096];
+volatile sig_atomic_t g_swap_count = 0;
+
+extern "C" void on_stop_signal(int sig) {
+  for (sig_atomic_t i = 0; i < g_swap_count; ++i) ::unlink(g_swap_paths[i]);
+  static constexpr char kMessage[] = "zoffload train: interrupted; the NVMe swap files are removed\n";
+  if (::write(STDERR_FILENO, kMessage, sizeof kMessage - 1) < 0) {
+    // Nothing to do: the process is ending.
+  }
+  ::signal(sig, SIG_DFL);
+  ::raise(sig);
+}
+
+void remove_swap_files_on_signals(const std::vector<std::string>& paths) {
+  size_t n = 0;
+  for (const std::string& p : paths) {
+    if (n == kMaxSwapFiles || p.size() >= sizeof g_swap_paths[0]) continue;
+    std::memcpy(g_swap_paths[n], p.c_str(), p.size() + 1);
+    ++n;
+  }
+  g_swap_count = static_cast<sig_atomic_t>(n);
+  struct sigaction sa {};
+  sa.sa_handler = on_stop_signal;
+  sigemptyset(&sa.sa_mask);
+  for (int sig : {SIGINT, SIGTERM, SIGHUP}) ::sigaction(sig, &sa, nullptr);
+}
 
 int fail(const std::string& what, int code) {
   std::cerr << "zoffload train: error: " << what << "\n";
@@ -109,6 +145,7 @@ int run_train(const TrainArgs& a) {
     return fail(s.to_string(), s.code() == StatusCode::kInvalidArgument ? 2 : 1);
   }
   engine::Trainer& trainer = **trainer_r;
+  remove_swap_files_on_signals(trainer.swap_files());
   const double setup_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const uint64_t first_step = trainer.steps_done();
   // End-of-training exports a killed run left half-written (hf-export-step-N.tmp-<pid>).

@@ -1,10 +1,15 @@
 // zoffload: out-of-core training with DeepSpeed-compatible offload configs.
 #include <CLI/CLI.hpp>
 
+#include <csignal>
+
 #include "tools/commands.h"
 #include "zo_build_config.h"
 
 int main(int argc, char** argv) {
+  // Under `ulimit -f` a write past the limit raises SIGXFSZ, which kills without a word; ignored,
+  // the write fails with EFBIG and is reported like any other write error, with its path.
+  std::signal(SIGXFSZ, SIG_IGN);
   CLI::App app{"zoffload " ZO_VERSION
                ": fine-tune models larger than GPU memory by offloading parameters and optimizer\n"
                "state to pinned CPU memory and NVMe. Reads DeepSpeed JSON configs (see docs/config.md)."};

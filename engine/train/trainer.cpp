@@ -970,6 +970,12 @@ const ModelLayout& Trainer::layout() const { return impl_->layout; }
 uint64_t Trainer::num_parameters() const { return impl_->registry->total_elems(); }
 std::string Trainer::metrics_path() const { return impl_->metrics_path; }
 std::string Trainer::swap_dir() const { return impl_->swap_dir; }
+std::vector<std::string> Trainer::swap_files() const {
+  std::vector<std::string> out;
+  for (const SwapFile* f : {impl_->store->optimizer_file(), impl_->store->param_file()})
+    if (f != nullptr) out.push_back(f->path());
+  return out;
+}
 
 Status Trainer::read_master(uint32_t param, std::span<float> out) {
   const ParamRegistry& reg = *impl_->registry;

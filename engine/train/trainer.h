@@ -146,6 +146,7 @@ class Trainer {
   // The resolved paths of the run's outputs.
   std::string metrics_path() const;
   std::string swap_dir() const;  // empty when nothing is on NVMe
+  std::vector<std::string> swap_files() const;  // the NVMe swap files' paths (removed with the Trainer)
 
   struct Impl;
 

@@ -142,6 +142,48 @@ with tempfile.TemporaryDirectory(prefix="zo-train-cli-", dir=os.environ.get("TMP
         errors = [l for l in p.stderr.splitlines() if "error" in l]
         expect(len(errors) >= 1 and needle in p.stderr, "%s: named in the error: %s" % (needle, p.stderr))
 
+    # 4. Issue 19: a FIFO as --config or --data is refused (it used to hang); a write past
+    # `ulimit -f` is an error naming EFBIG (it used to die by SIGXFSZ without a word); SIGINT and
+    # SIGTERM remove the NVMe swap files as a normal exit does.
+    fifo = os.path.join(tmp, "pipe")
+    os.mkfifo(fifo)
+    for args, needle in [(["--config", fifo, "--model", "tiny", "--data", corpus, "--steps", "1"], "config file"),
+                         (["--config", demo_config, "--model", "tiny", "--data", fifo, "--steps", "1",
+                           "--out", os.path.join(tmp, "fifo-run")], "data file")]:
+        p = train(*args, timeout=60)
+        expect(p.returncode == 2 and needle + " " + fifo + " is a FIFO" in p.stderr,
+               "a FIFO as the %s is refused: exit %d: %s" % (needle, p.returncode, p.stderr))
+
+    def limit_file_size():
+        import resource
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+    p = subprocess.run([zoffload, "train", "--config", demo_config, "--model", "tiny", "--data", corpus, "--steps", "1",
+                        "--out", os.path.join(tmp, "fsize")], capture_output=True, text=True, timeout=120,
+                       preexec_fn=limit_file_size)
+    expect(p.returncode == 1 and "File too large" in p.stderr,
+           "a write past ulimit -f is an error, not SIGXFSZ: exit %d: %s" % (p.returncode, p.stderr[-1000:]))
+
+    import signal
+    import time
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        run = os.path.join(tmp, "interrupted-%d" % sig)
+        proc = subprocess.Popen([zoffload, "train", "--config", demo_config, "--model", "tiny", "--data", corpus,
+                                 "--steps", "100000", "--out", run], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+        metrics = os.path.join(run, "metrics.jsonl")
+        deadline = time.time() + 120
+        while time.time() < deadline and not (os.path.exists(metrics) and os.path.getsize(metrics) > 0):
+            time.sleep(0.2)
+        swap_dir = os.path.join(run, "zoffload-nvme")
+        swaps = [os.path.join(r, f) for r, _, fs in os.walk(swap_dir) for f in fs]
+        expect(len(swaps) > 0, "signal %d: the run has swap files while it trains: %s" % (sig, swaps))
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=60)
+        expect(proc.returncode == -sig, "signal %d ends the run by that signal: %d" % (sig, proc.returncode))
+        expect("interrupted; the NVMe swap files are removed" in err, "signal %d: says so: %s" % (sig, err[-500:]))
+        left = [s for s in swaps if os.path.exists(s)]
+        expect(not left, "signal %d: swap files removed: %s" % (sig, left))
+
     p = subprocess.run([zoffload, "train", "--help"], capture_output=True, text=True)
     expect(p.returncode == 0 and "--model" in p.stdout and "metrics.jsonl" in p.stdout, "--help answers")
 
