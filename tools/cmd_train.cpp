@@ -52,8 +52,8 @@ struct TrainArgs {
 // does (issue 19), then end the process by the same signal, so the shell sees the usual status
 // (130 for Ctrl-C). unlink(2), write(2) and raise(3) are async-signal-safe; the paths are copied
 // into fixed buffers before the handler is installed. A checkpoint or export the signal cut short
-// is left as a tmp directory that the next run (or `zoffload ckpt`) removes; a signal during the
-// Trainer's start, before its swap files are known, ends the run without this clean-up.
+// is left as a tmp directory that the next run removes; a signal during the Trainer's start,
+// before its swap files are known, ends the run without this clean-up.
 constexpr size_t kMaxSwapFiles = 2;
 char g_swap_paths[kMaxSwapFiles][4096];
 volatile sig_atomic_t g_swap_count = 0;
