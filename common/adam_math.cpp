@@ -3,16 +3,26 @@
 #include "common/adam_math.h"
 
 #include <cmath>
+#include <cstdio>
 #include <string>
 
 namespace zo {
 namespace {
 
 Status check_range(std::string_view op, const char* name, float value, float lo, float hi, bool hi_inclusive) {
-  const bool ok = std::isfinite(value) && value >= lo && (hi_inclusive ? value <= hi : value < hi);
+  // %g: "lr = 1e-08", not std::to_string's "0.000000"; a value that is not finite says so
+  // rather than "inf is outside [0, inf]".
+  auto text = [](float v) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%g", static_cast<double>(v));
+    return std::string(buf);
+  };
+  if (!std::isfinite(value))
+    return invalid_argument(std::string(op) + ": " + name + " = " + text(value) + " is not a finite fp32 number");
+  const bool ok = value >= lo && (hi_inclusive ? value <= hi : value < hi);
   if (!ok)
-    return invalid_argument(std::string(op) + ": " + name + " = " + std::to_string(value) + " is outside [" +
-                            std::to_string(lo) + ", " + std::to_string(hi) + (hi_inclusive ? "]" : ")"));
+    return invalid_argument(std::string(op) + ": " + name + " = " + text(value) + " is outside [" + text(lo) + ", " +
+                            text(hi) + (hi_inclusive ? "]" : ")"));
   return Status::ok();
 }
 

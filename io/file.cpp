@@ -7,6 +7,8 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <mutex>
+#include <set>
 #include <utility>
 
 #include "common/aligned_buffer.h"
@@ -30,6 +32,17 @@ int retry_open(const std::string& path, int flags) {
     fd = ::open(path.c_str(), flags, 0644);
   } while (fd < 0 && errno == EINTR);
   return fd;
+}
+
+// True the first time the process falls back to buffered I/O for `reason` on the file system
+// holding `fd` (an fstat that fails counts as a first time).
+bool first_fallback_on(int fd, const std::string& reason) {
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) return true;
+  static std::mutex mu;
+  static std::set<std::pair<dev_t, std::string>> said;
+  std::lock_guard lock(mu);
+  return said.emplace(st.st_dev, reason).second;
 }
 
 }  // namespace
@@ -86,7 +99,14 @@ Result<File> File::open(const std::string& path, OpenMode mode, bool direct) {
   }
   if (!reason.empty()) {
     f.buffered_reason_ = reason;
-    ZO_LOG(kWarn) << "using buffered I/O for " << path << ": " << reason;
+    // Once per file system and reason (issue 19: on tmpfs it repeated for every file of every
+    // save); buffered_reason() still says it for each file.
+    if (first_fallback_on(fd, reason)) {
+      ZO_LOG(kWarn) << "using buffered I/O for " << path << ": " << reason
+                    << " (said once for this file system; its other files are buffered too)";
+    } else {
+      ZO_LOG(kDebug) << "using buffered I/O for " << path << ": " << reason;
+    }
   }
   return f;
 }

@@ -1,30 +1,54 @@
 #include "tools/auto_flags.h"
 
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <iostream>
+#include <limits>
 
 #include <CLI/CLI.hpp>
 
 namespace zo::tools {
 
+namespace {
+
+// A number that is finite, > 0 (or ≥ 0) and at most `max`, with a message that says so. CLI11's
+// PositiveNumber prints its range as 0.000000 to 1797693...(309 digits) and lets nan through.
+CLI::Validator finite_number(bool positive, double max = std::numeric_limits<double>::max()) {
+  return CLI::Validator(
+      [positive, max](std::string& text) -> std::string {
+        char* end = nullptr;
+        const double v = std::strtod(text.c_str(), &end);
+        const bool number = end != text.c_str() && *end == '\0';
+        if (number && std::isfinite(v) && (positive ? v > 0 : v >= 0) && v <= max) return "";
+        char bound[32] = "";
+        if (max < std::numeric_limits<double>::max()) std::snprintf(bound, sizeof bound, " and at most %g", max);
+        return text + " is not a finite number " + (positive ? "> 0" : "≥ 0") + bound;
+      },
+      positive ? "NUMBER > 0" : "NUMBER ≥ 0");
+}
+
+}  // namespace
+
 void add_auto_flags(CLI::App* command, AutoFlags* flags) {
   const char* group = "Values for \"auto\" (or absent) config keys; a config value that differs is an error";
   command->add_option("--micro-batch", flags->micro_batch, "train_micro_batch_size_per_gpu")
-      ->check(CLI::PositiveNumber)
+      ->check(finite_number(true))
       ->group(group);
   command->add_option("--grad-accum", flags->grad_accum, "gradient_accumulation_steps (default 1)")
-      ->check(CLI::PositiveNumber)
+      ->check(finite_number(true))
       ->group(group);
   command->add_option("--lr", flags->lr, "optimizer.params.lr and scheduler warmup_max_lr (default: the optimizer's)")
-      ->check(CLI::PositiveNumber)
+      ->check(finite_number(true, std::numeric_limits<float>::max()))
       ->group(group);
   command->add_option("--weight-decay", flags->weight_decay, "optimizer.params.weight_decay (default: the optimizer's)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(finite_number(false, std::numeric_limits<float>::max()))
       ->group(group);
   command->add_option("--max-grad-norm", flags->max_grad_norm, "gradient_clipping (default 1.0; 0 disables)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(finite_number(false))
       ->group(group);
   command->add_option("--warmup-steps", flags->warmup_steps, "scheduler warmup_num_steps (default 0)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(finite_number(false))
       ->group(group);
   command->add_option("--precision", flags->precision, "bf16 | fp16 | fp32: fp16.enabled / bf16.enabled (default fp32)")
       ->check(CLI::IsMember({"bf16", "fp16", "fp32"}))

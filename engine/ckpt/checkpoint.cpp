@@ -318,6 +318,8 @@ Result<Manifest> Manifest::from_json(const json& j, const std::string& source) {
       if (!hex || *end != '\0') return corruption(source + ": " + d.name + ": bad crc32c \"" + c + "\"");
       d.chunk_crc32c.push_back(static_cast<uint32_t>(v));
     }
+    // Two entries for one file would let the second's sizes and checksums go unchecked.
+    if (m.find(d.name) != nullptr) return corruption(source + ": file entry \"" + quote_excerpt(d.name) + "\" appears twice");
     m.files.push_back(std::move(d));
   }
   for (const json& t : tensors_j) {
@@ -331,6 +333,8 @@ Result<Manifest> Manifest::from_json(const json& j, const std::string& source) {
         return corruption(source + ": tensor " + ct.name + " has an impossible shape " + shape_string(ct.shape));
       }
     }
+    if (std::any_of(m.tensors.begin(), m.tensors.end(), [&](const CheckpointTensor& x) { return x.name == ct.name; }))
+      return corruption(source + ": tensor \"" + quote_excerpt(ct.name) + "\" appears twice");
     m.tensors.push_back(std::move(ct));
   }
   return m;

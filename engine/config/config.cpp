@@ -61,6 +61,9 @@ DType Config::compute_dtype() const {
 namespace {
 
 constexpr double kMaxDouble = std::numeric_limits<double>::max();
+// The optimizers compute in fp32: a hyperparameter above this would become inf there (issue 19:
+// "lr = inf is outside [0, inf]" at the first step, after the config had been accepted).
+constexpr double kMaxFloat = std::numeric_limits<float>::max();
 constexpr std::string_view kDevices[] = {"none", "cpu", "nvme"};
 constexpr std::string_view kDtypes[] = {"fp32", "fp16", "bf16"};
 
@@ -237,10 +240,10 @@ void read_optimizer(ParseState* st, ObjectReader r, OptimizerConfig* o) {
     o->betas = {0.9, 0.99};
   }
   ObjectReader p = r.child("params");
-  p.number("lr", &o->lr, 0, kMaxDouble, /*min_exclusive=*/true, AutoOk::kYes);
-  p.number("weight_decay", &o->weight_decay, 0, kMaxDouble, false, AutoOk::kYes);
+  p.number("lr", &o->lr, 0, kMaxFloat, /*min_exclusive=*/true, AutoOk::kYes);
+  p.number("weight_decay", &o->weight_decay, 0, kMaxFloat, false, AutoOk::kYes);
   if (o->type != OptimizerType::kAdagrad) p.number_array("betas", o->betas, 0.0, 1.0, AutoOk::kYes);
-  if (o->type != OptimizerType::kLion) p.number("eps", &o->eps, 0, kMaxDouble, /*min_exclusive=*/true, AutoOk::kYes);
+  if (o->type != OptimizerType::kLion) p.number("eps", &o->eps, 0, kMaxFloat, /*min_exclusive=*/true, AutoOk::kYes);
   if (o->type == OptimizerType::kAdam || o->type == OptimizerType::kAdamW) {
     bool w_mode = true;
     if (p.boolean("adam_w_mode", &w_mode)) {
@@ -255,7 +258,7 @@ void read_optimizer(ParseState* st, ObjectReader r, OptimizerConfig* o) {
     p.accept_without_effect("fused", "zoffload always uses its own vectorized CPU Adam");
   }
   if (o->type == OptimizerType::kAdagrad &&
-      p.number("initial_accumulator_value", &o->initial_accumulator_value, 0, kMaxDouble) &&
+      p.number("initial_accumulator_value", &o->initial_accumulator_value, 0, kMaxFloat) &&
       o->initial_accumulator_value != 0)
     st->error(p.key_path("initial_accumulator_value"),
               "only 0 is supported (the accumulator starts at zero, as in DeepSpeed's cpu_adagrad)");
@@ -282,8 +285,8 @@ void read_scheduler(ParseState* st, ObjectReader r, SchedulerConfig* s) {
     p.number("warmup_min_ratio", &s->warmup_min_ratio, 0, 1);
     p.number("cos_min_ratio", &s->cos_min_ratio, 0, 1);
   } else {
-    p.number("warmup_min_lr", &s->warmup_min_lr, 0, kMaxDouble, false, AutoOk::kYes);
-    p.number("warmup_max_lr", &s->warmup_max_lr, 0, kMaxDouble, false, AutoOk::kYes);
+    p.number("warmup_min_lr", &s->warmup_min_lr, 0, kMaxFloat, false, AutoOk::kYes);
+    p.number("warmup_max_lr", &s->warmup_max_lr, 0, kMaxFloat, false, AutoOk::kYes);
     // Without an explicit value, warm up to the optimizer's lr (resolved later).
     if (!p.has("warmup_max_lr")) st->autos.insert(p.key_path("warmup_max_lr"));
   }

@@ -75,10 +75,10 @@ Result<std::unique_ptr<SafetensorsFile>> SafetensorsFile::open(const std::string
   f->fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (f->fd_ < 0) {
     if (errno == ENOENT) return not_found("no safetensors file " + path);
-    return errno_status("open " + path + ": ", errno);
+    return errno_status("open " + path, errno);
   }
   struct stat st {};
-  if (::fstat(f->fd_, &st) != 0) return errno_status("fstat " + path + ": ", errno);
+  if (::fstat(f->fd_, &st) != 0) return errno_status("fstat " + path, errno);
   f->file_size_bytes_ = static_cast<uint64_t>(st.st_size);
   const uint64_t file_size = f->file_size_bytes_;
 
@@ -222,7 +222,7 @@ Result<std::unique_ptr<HfWeights>> HfWeights::open(const std::string& model_dir)
   if (fs::exists(index_path, ec)) {
     ZO_RETURN_IF_ERROR(io::check_regular_file(index_path, "safetensors index"));
     std::ifstream in(index_path, std::ios::binary);
-    if (!in) return errno_status("open " + index_path + ": ", errno);
+    if (!in) return errno_status("open " + index_path, errno);
     std::ostringstream text;
     text << in.rdbuf();
     const json doc = json::parse(text.str(), nullptr, false);

@@ -472,6 +472,9 @@ const Malformed kMalformed[] = {
     {"optimizer_type", {{"optimizer", {{"type", "SGD"}}}}, "optimizer.type", "one of Adam, AdamW, Adagrad, Lion"},
     {"optimizer_type_missing", {{"optimizer", {{"params", {{"lr", 1e-3}}}}}}, "optimizer.type", "missing"},
     {"lr_zero", {{"optimizer", {{"type", "Adam"}, {"params", {{"lr", 0}}}}}}, "optimizer.params.lr", "must be > 0"},
+    // Issue 19: accepted, then "lr = inf is outside [0, inf]" at the first step (fp32 overflow).
+    {"lr_over_fp32", {{"optimizer", {{"type", "Adam"}, {"params", {{"lr", 1e39}}}}}}, "optimizer.params.lr", "≤ 3.40282"},
+    {"warmup_lr_over_fp32", {{"scheduler", {{"type", "WarmupLR"}, {"params", {{"warmup_max_lr", 1e39}}}}}}, "scheduler.params.warmup_max_lr", "≤ 3.40282"},
     {"beta_out_of_range", {{"optimizer", {{"type", "AdamW"}, {"params", {{"betas", {0.9, 1.5}}}}}}}, "optimizer.params.betas[1]", "< 1"},
     {"betas_wrong_length", {{"optimizer", {{"type", "AdamW"}, {"params", {{"betas", {0.9}}}}}}}, "optimizer.params.betas", "array of 2 numbers"},
     {"adamw_l2", {{"optimizer", {{"type", "AdamW"}, {"params", {{"adam_w_mode", false}}}}}}, "optimizer.params.adam_w_mode", "use type \"Adam\""},

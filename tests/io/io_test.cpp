@@ -668,6 +668,14 @@ TEST(Tmpfs, DirectFallsBackToBufferedAndSaysWhy) {
   EXPECT_EQ(f->mem_align(), 1u);
   EXPECT_THAT(f->buffered_reason(), HasSubstr("O_DIRECT"));
   std::printf("[ io ] tmpfs: %s\n", f->buffered_reason().c_str());
+  // Issue 19: said once per file system, not for every file of every save.
+  ::testing::internal::CaptureStderr();
+  auto g = File::open(dir.file("also_on_tmpfs"), OpenMode::kCreate, /*direct=*/true);
+  const std::string again = ::testing::internal::GetCapturedStderr();
+  ASSERT_TRUE(g.is_ok()) << g.status().to_string();
+  EXPECT_FALSE(g->direct());
+  EXPECT_THAT(g->buffered_reason(), HasSubstr("O_DIRECT"));
+  EXPECT_EQ(again.find("using buffered I/O"), std::string::npos) << again;
   auto e = IoEngine::create(IoOptions{});
   ASSERT_TRUE(e.is_ok());
   ASSERT_TRUE(f->preallocate(kMiB).is_ok());

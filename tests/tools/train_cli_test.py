@@ -135,6 +135,11 @@ with tempfile.TemporaryDirectory(prefix="zo-train-cli-", dir=os.environ.get("TMP
         (["--config", demo_config, "--model", "tiny", "--data", corpus, "--steps", "1", "--seq-len", "5000",
           "--out", os.path.join(tmp, "bad3")], 2, "max_position_embeddings"),
         (["--config", demo_config, "--model", "tiny", "--data", corpus, "--data-format", "csv"], 2, "csv"),
+        # Issue 19: CLI11's own range text printed 309 digits, and nan passed.
+        (["--config", demo_config, "--model", "tiny", "--data", corpus, "--lr", "inf"], 2, "--lr: inf is not a finite number > 0"),
+        (["--config", demo_config, "--model", "tiny", "--data", corpus, "--lr", "nan"], 2, "--lr: nan is not a finite number > 0"),
+        (["--config", demo_config, "--model", "tiny", "--data", corpus, "--lr", "1e39"], 2, "and at most 3.40282e+38"),
+        (["--config", demo_config, "--model", "tiny", "--data", corpus, "--micro-batch", "-1"], 2, "--micro-batch: -1 is not a finite number > 0"),
     ]
     for args, code, needle in cases:
         p = train(*args, timeout=120)

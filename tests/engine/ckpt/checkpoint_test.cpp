@@ -221,6 +221,26 @@ TEST(Checkpoint, ResolveNamesWhatIsWrong) {
   EXPECT_LT(message.size(), dir.path.size() + 200);
 }
 
+// Issue 19, finding 8: a manifest naming one file (or tensor) twice was accepted, so the second
+// entry's size and checksums were never the ones checked.
+TEST(Checkpoint, AManifestNamingAFileOrTensorTwiceIsCorruption) {
+  Manifest m;
+  m.step = 3;
+  m.files.push_back({.name = "master.safetensors", .size_bytes = 8, .chunk_bytes = 8, .chunk_crc32c = {0x12345678u}});
+  m.tensors.push_back({.name = "w", .shape = {2}, .n_elems = 2});
+  ASSERT_TRUE(Manifest::from_json(m.to_json(), "m.json").is_ok());
+  Manifest twice_file = m;
+  twice_file.files.push_back(m.files[0]);
+  const Status f = Manifest::from_json(twice_file.to_json(), "m.json").status();
+  EXPECT_EQ(f.code(), StatusCode::kCorruption);
+  EXPECT_THAT(f.message(), HasSubstr("file entry \"master.safetensors\" appears twice"));
+  Manifest twice_tensor = m;
+  twice_tensor.tensors.push_back(m.tensors[0]);
+  const Status t = Manifest::from_json(twice_tensor.to_json(), "m.json").status();
+  EXPECT_EQ(t.code(), StatusCode::kCorruption);
+  EXPECT_THAT(t.message(), HasSubstr("tensor \"w\" appears twice"));
+}
+
 TEST(Checkpoint, AFlippedByteInAnyFileIsCaughtByVerifyAndLoad) {
   TempDir dir;
   Rig rig;
