@@ -362,7 +362,9 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
   }
   if ((pin || p.checkpoint_host_bytes > 0) && !host.can_lock_unlimited && host.memlock_limit_bytes != UINT64_MAX && p.pinned_bytes > host.memlock_limit_bytes) {
     p.problems.push_back({"locked memory (ulimit -l)", p.pinned_bytes, host.memlock_limit_bytes,
-                          "raise ulimit -l or set pin_memory false"});
+                          p.checkpoint_host_bytes > 0
+                              ? "raise ulimit -l, set pin_memory false or zoffload.activation_checkpoints \"device\""
+                              : "raise ulimit -l or set pin_memory false"});
   }
   const uint64_t ram_need = p.ram_bytes + p.process_bytes;
   if (host.ram_available_bytes > 0 && ram_need > host.ram_available_bytes) {
