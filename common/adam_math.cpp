@@ -9,7 +9,11 @@
 namespace zo {
 namespace {
 
-Status check_range(std::string_view op, const char* name, float value, float lo, float hi, bool hi_inclusive) {
+constexpr float kInf = INFINITY;
+
+}  // namespace
+
+Status check_hyperparameter(std::string_view op, const char* name, float value, float lo, float hi, bool hi_inclusive) {
   // %g: "lr = 1e-08", not std::to_string's "0.000000"; a value that is not finite says so
   // rather than "inf is outside [0, inf]".
   auto text = [](float v) {
@@ -26,17 +30,13 @@ Status check_range(std::string_view op, const char* name, float value, float lo,
   return Status::ok();
 }
 
-constexpr float kInf = INFINITY;
-
-}  // namespace
-
 Status check_adam_hyperparameters(std::string_view op, const AdamConfig& config, int64_t step, float grad_scale) {
   if (step < 1) return invalid_argument(std::string(op) + ": step must be ≥ 1 (1-based), got " + std::to_string(step));
-  ZO_RETURN_IF_ERROR(check_range(op, "lr", config.lr, 0.0f, kInf, true));
-  ZO_RETURN_IF_ERROR(check_range(op, "beta1", config.beta1, 0.0f, 1.0f, false));
-  ZO_RETURN_IF_ERROR(check_range(op, "beta2", config.beta2, 0.0f, 1.0f, false));
-  ZO_RETURN_IF_ERROR(check_range(op, "eps", config.eps, 0.0f, kInf, true));
-  ZO_RETURN_IF_ERROR(check_range(op, "weight_decay", config.weight_decay, 0.0f, kInf, true));
+  ZO_RETURN_IF_ERROR(check_hyperparameter(op, "lr", config.lr, 0.0f, kInf, true));
+  ZO_RETURN_IF_ERROR(check_hyperparameter(op, "beta1", config.beta1, 0.0f, 1.0f, false));
+  ZO_RETURN_IF_ERROR(check_hyperparameter(op, "beta2", config.beta2, 0.0f, 1.0f, false));
+  ZO_RETURN_IF_ERROR(check_hyperparameter(op, "eps", config.eps, 0.0f, kInf, true));
+  ZO_RETURN_IF_ERROR(check_hyperparameter(op, "weight_decay", config.weight_decay, 0.0f, kInf, true));
   if (!std::isfinite(grad_scale))
     return invalid_argument(std::string(op) + ": grad_scale must be finite, got " + std::to_string(grad_scale));
   return Status::ok();

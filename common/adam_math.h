@@ -40,6 +40,11 @@ struct AdamConstants {
   bool use_decoupled;  // adam_w_mode && wd > 0
 };
 
+// OK when `value` is finite and in [lo, hi] ([lo, hi) unless hi_inclusive); else kInvalidArgument
+// "<op>: <name> = <value> is outside [lo, hi]" or "... is not a finite fp32 number". The range
+// check of every optimizer's hyperparameters (cpu_optim's Adagrad and Lion too).
+Status check_hyperparameter(std::string_view op, const char* name, float value, float lo, float hi, bool hi_inclusive);
+
 // OK when step ≥ 1, lr, eps, weight_decay are finite and ≥ 0, beta1 and beta2 are in [0, 1) and
 // grad_scale is finite; else kInvalidArgument whose message starts with "<op>: " and names the value.
 Status check_adam_hyperparameters(std::string_view op, const AdamConfig& config, int64_t step, float grad_scale);

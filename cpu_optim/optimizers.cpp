@@ -3,9 +3,9 @@
 // then run the executor's kernel over tiles. Adam's validation and constants are common/adam_math's,
 // the ones gpu::Device::adam_step uses.
 #include <cmath>
-#include <cstdio>
 #include <string>
 
+#include "common/adam_math.h"
 #include "cpu_optim/adagrad.h"
 #include "cpu_optim/adam.h"
 #include "cpu_optim/detail/kernels.h"
@@ -28,23 +28,6 @@ Status check_pointers(const char* op, size_t n, std::initializer_list<std::pair<
   if (n == 0) return Status::ok();
   for (const auto& [name, ptr] : ptrs)
     if (ptr == nullptr) return invalid_argument(std::string(op) + ": " + name + " is null for " + size_text(n) + " elements");
-  return Status::ok();
-}
-
-Status check_range(const char* op, const char* name, float value, float lo, float hi, bool hi_inclusive) {
-  // %g: "lr = 1e-08", not std::to_string's "0.000000"; a value that is not finite says so
-  // rather than "inf is outside [0, inf]".
-  auto text = [](float v) {
-    char buf[32];
-    std::snprintf(buf, sizeof buf, "%g", static_cast<double>(v));
-    return std::string(buf);
-  };
-  if (!std::isfinite(value))
-    return invalid_argument(std::string(op) + ": " + name + " = " + text(value) + " is not a finite fp32 number");
-  const bool ok = value >= lo && (hi_inclusive ? value <= hi : value < hi);
-  if (!ok)
-    return invalid_argument(std::string(op) + ": " + name + " = " + text(value) + " is outside [" + text(lo) + ", " +
-                            text(hi) + (hi_inclusive ? "]" : ")"));
   return Status::ok();
 }
 
@@ -104,9 +87,9 @@ Status adagrad_step(const AdagradConfig& config, std::span<float> params, std::s
   ZO_RETURN_IF_ERROR(check_sizes(op, n, {{"exp_avg_sq", exp_avg_sq.size()}}));
   ZO_RETURN_IF_ERROR(
       check_pointers(op, n, {{"params", params.data()}, {"exp_avg_sq", exp_avg_sq.data()}, {"grad", grad.data}}));
-  ZO_RETURN_IF_ERROR(check_range(op, "lr", config.lr, 0.0f, kInf, true));
-  ZO_RETURN_IF_ERROR(check_range(op, "eps", config.eps, 0.0f, kInf, true));
-  ZO_RETURN_IF_ERROR(check_range(op, "weight_decay", config.weight_decay, 0.0f, kInf, true));
+  ZO_RETURN_IF_ERROR(check_hyperparameter(op, "lr", config.lr, 0.0f, kInf, true));
+  ZO_RETURN_IF_ERROR(check_hyperparameter(op, "eps", config.eps, 0.0f, kInf, true));
+  ZO_RETURN_IF_ERROR(check_hyperparameter(op, "weight_decay", config.weight_decay, 0.0f, kInf, true));
   ZO_RETURN_IF_ERROR(check_scale(op, grad_scale));
   ZO_RETURN_IF_ERROR(check_dtypes(op, grad, copy_out));
   if (n == 0) return Status::ok();
@@ -135,10 +118,10 @@ Status lion_step(const LionConfig& config, std::span<float> params, std::span<fl
   ZO_RETURN_IF_ERROR(check_sizes(op, n, {{"exp_avg", exp_avg.size()}}));
   ZO_RETURN_IF_ERROR(
       check_pointers(op, n, {{"params", params.data()}, {"exp_avg", exp_avg.data()}, {"grad", grad.data}}));
-  ZO_RETURN_IF_ERROR(check_range(op, "lr", config.lr, 0.0f, kInf, true));
-  ZO_RETURN_IF_ERROR(check_range(op, "beta1", config.beta1, 0.0f, 1.0f, false));
-  ZO_RETURN_IF_ERROR(check_range(op, "beta2", config.beta2, 0.0f, 1.0f, false));
-  ZO_RETURN_IF_ERROR(check_range(op, "weight_decay", config.weight_decay, 0.0f, kInf, true));
+  ZO_RETURN_IF_ERROR(check_hyperparameter(op, "lr", config.lr, 0.0f, kInf, true));
+  ZO_RETURN_IF_ERROR(check_hyperparameter(op, "beta1", config.beta1, 0.0f, 1.0f, false));
+  ZO_RETURN_IF_ERROR(check_hyperparameter(op, "beta2", config.beta2, 0.0f, 1.0f, false));
+  ZO_RETURN_IF_ERROR(check_hyperparameter(op, "weight_decay", config.weight_decay, 0.0f, kInf, true));
   ZO_RETURN_IF_ERROR(check_scale(op, grad_scale));
   ZO_RETURN_IF_ERROR(check_dtypes(op, grad, copy_out));
   if (n == 0) return Status::ok();
