@@ -9,6 +9,8 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "common/string_util.h"
+
 namespace zo::tools {
 namespace {
 
@@ -29,9 +31,7 @@ Result<Json> load(const std::string& path) {
   try {
     j = Json::parse(text);
   } catch (const Json::exception& e) {  // parse_error, or out_of_range for a number too long
-    std::string what = e.what();
-    if (what.size() > 160) what = what.substr(0, 160) + "... (" + std::to_string(what.size()) + " bytes)";
-    return invalid_argument(path + ": " + what + " (left unchanged)");
+    return invalid_argument(path + ": " + quote_excerpt(e.what(), 160) + " (left unchanged)");
   }
   if (!j.is_object()) return invalid_argument(path + ": the top level is not a JSON object (left unchanged)");
   if (j.contains("aio") && !j["aio"].is_object())

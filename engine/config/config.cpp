@@ -11,6 +11,7 @@
 
 #include "common/bytes.h"
 #include "common/log.h"
+#include "common/string_util.h"
 #include "engine/config/json_reader.h"
 #include "io/file.h"
 #include "io/io_options.h"
@@ -591,8 +592,7 @@ std::optional<json> parse_json_text(std::string_view text, ConfigDiagnostics* di
     const size_t colon = what.find("]");
     if (colon != std::string::npos) what = what.substr(colon + 2);
     // It quotes the last token read, which can be a 100 KB number: quote a bounded excerpt.
-    constexpr size_t kQuoteBytes = 160;
-    if (what.size() > kQuoteBytes) what = what.substr(0, kQuoteBytes) + "... (" + std::to_string(what.size()) + " bytes)";
+    what = quote_excerpt(what, 160);
     const auto* parse = dynamic_cast<const json::parse_error*>(&e);
     const std::string at = parse != nullptr ? " (" + line_col(text, parse->byte == 0 ? 0 : parse->byte - 1) + ")" : "";
     diag->errors.push_back({"", "invalid JSON" + at + ": " + what});

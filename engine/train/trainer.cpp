@@ -164,12 +164,11 @@ struct Trainer::Impl {
     grad_worker.reset();  // it may still wait on `landed`
     if (released) device->destroy_event(released);
     if (landed) device->destroy_event(landed);
-    if (grads_ready) device->destroy_event(grads_ready);
+    if (copies_after) device->destroy_event(copies_after);
     if (ckpt_host != nullptr) {
       if (ckpt_copied) (void)device->synchronize(ckpt_copied);  // copies of a failed step may be in flight
       device->free_pinned(ckpt_host);
     }
-    if (ckpt_computed) device->destroy_event(ckpt_computed);
     if (ckpt_copied) device->destroy_event(ckpt_copied);
     for (gpu::Event e : ckpt_back)
       if (e) device->destroy_event(e);
@@ -187,13 +186,12 @@ struct Trainer::Impl {
   // only behind that event (no host sync).
   Status release(uint32_t block);
   gpu::Event released;     // re-recorded by every release()
-  gpu::Event grads_ready;  // re-recorded on the compute stream before a block's gradient copies
+  gpu::Event copies_after;  // re-recorded on the compute stream by begin_copies
   gpu::Event landed;       // re-recorded behind every gradient copy, waited on by the gradient worker
   // Note [Checkpoints on the CPU]: run_plan.checkpoints_on_host puts each decoder layer's input
   // in `ckpt_host` (pinned; one slot per held micro-batch and layer) between forward and backward.
   void* ckpt_host = nullptr;
   uint64_t ckpt_slot_bytes = 0;  // one micro-batch's input of one layer
-  gpu::Event ckpt_computed;      // on the compute stream, before checkpoint copies
   gpu::Event ckpt_back[2];       // on the copy stream, behind the copies back of layer b (b % 2)
   gpu::Event ckpt_copied;        // on the copy stream, behind the latest checkpoint copy either way
   // The host slot of block b's input (1 ≤ b ≤ num_hidden_layers) of held micro-batch k.
@@ -203,6 +201,9 @@ struct Trainer::Impl {
   // Queues block b's inputs back to the device; wait_checkpoints makes LibTorch's stream wait.
   Status checkpoints_back(uint32_t block, Forward& f);
   Status wait_checkpoints(uint32_t block);
+  // Makes LibTorch's copy stream current in *copies, ordered after the kernels queued so far on the
+  // compute stream (copies_after, recorded there and waited for by the copy stream at once).
+  Status begin_copies(std::optional<TorchCopyStreamScope>* copies, const std::string& where);
   bool host_checkpoint(uint32_t block) const {
     return ckpt_host != nullptr && block >= 1 && block + 1 < layout.blocks.size();
   }
@@ -351,11 +352,10 @@ Status Trainer::Impl::init(const TrainOptions& options) {
                                                       CoordinatorOptions::from_config(config)));
   ZO_ASSIGN_OR_RETURN(released, device->create_event());
   ZO_ASSIGN_OR_RETURN(landed, device->create_event());
-  ZO_ASSIGN_OR_RETURN(grads_ready, device->create_event());
+  ZO_ASSIGN_OR_RETURN(copies_after, device->create_event());
   if (run_plan.checkpoints_on_host) {
     ckpt_slot_bytes = host_checkpoint_bytes_per_micro_batch(config, model, seq_len) / model.num_hidden_layers;
     ZO_ASSIGN_OR_RETURN(ckpt_host, device->allocate_pinned(run_plan.checkpoint_host_bytes));
-    ZO_ASSIGN_OR_RETURN(ckpt_computed, device->create_event());
     ZO_ASSIGN_OR_RETURN(ckpt_copied, device->create_event());
     for (gpu::Event& e : ckpt_back) {
       ZO_ASSIGN_OR_RETURN(e, device->create_event());
@@ -521,13 +521,8 @@ Status Trainer::Impl::offload_grads(uint32_t block, const std::vector<torch::Ten
   // The compute dtype, or grad_accum_dtype for the vertical schedule's device-side sums.
   const DType dtype = grad_transfer_dtype(opt.config);
   const bool cuda = torch_device.is_cuda();
-  void* compute = nullptr;
-  ZO_RETURN_IF_ERROR(torch_call("reading LibTorch's stream", [&] { compute = torch_compute_stream(cuda); }));
-  const std::string where = "sending the gradients of " + spec.name;
-  ZO_RETURN_IF_ERROR(device->record_foreign(grads_ready, compute).with_context(where));
   std::optional<TorchCopyStreamScope> copies;
-  ZO_RETURN_IF_ERROR(torch_call("switching to LibTorch's copy stream", [&] { copies.emplace(cuda); }));
-  ZO_RETURN_IF_ERROR(device->wait_foreign(copies->native_stream(), grads_ready).with_context(where));
+  ZO_RETURN_IF_ERROR(begin_copies(&copies, "sending the gradients of " + spec.name));
   for (size_t i = 0; i < grads.size(); ++i) {
     const std::string& name = layout.params[spec.params[i]].name;
     const torch::Tensor& g = grads[i];
@@ -577,15 +572,19 @@ torch::Tensor Trainer::Impl::checkpoint_slot(uint32_t block, size_t k, const tor
   return torch::from_blob(static_cast<std::byte*>(ckpt_host) + offset, like.sizes(), like.options().device(torch::kCPU));
 }
 
-Status Trainer::Impl::checkpoints_out(uint32_t block, Forward& f) {
-  const std::string where = "moving the checkpoints of " + layout.blocks[block].name + " to the CPU";
+Status Trainer::Impl::begin_copies(std::optional<TorchCopyStreamScope>* copies, const std::string& where) {
   const bool cuda = torch_device.is_cuda();
   void* compute = nullptr;
   ZO_RETURN_IF_ERROR(torch_call(where, [&] { compute = torch_compute_stream(cuda); }));
-  ZO_RETURN_IF_ERROR(device->record_foreign(ckpt_computed, compute).with_context(where));
+  ZO_RETURN_IF_ERROR(device->record_foreign(copies_after, compute).with_context(where));
+  ZO_RETURN_IF_ERROR(torch_call(where, [&] { copies->emplace(cuda); }));
+  return device->wait_foreign((*copies)->native_stream(), copies_after).with_context(where);
+}
+
+Status Trainer::Impl::checkpoints_out(uint32_t block, Forward& f) {
+  const std::string where = "moving the checkpoints of " + layout.blocks[block].name + " to the CPU";
   std::optional<TorchCopyStreamScope> copies;
-  ZO_RETURN_IF_ERROR(torch_call(where, [&] { copies.emplace(cuda); }));
-  ZO_RETURN_IF_ERROR(device->wait_foreign(copies->native_stream(), ckpt_computed).with_context(where));
+  ZO_RETURN_IF_ERROR(begin_copies(&copies, where));
   ZO_RETURN_IF_ERROR(torch_call(where, [&] {
     for (size_t k = 0; k < f.micro.size(); ++k) {
       torch::Tensor& x = f.micro[k].inputs[block];
@@ -600,18 +599,13 @@ Status Trainer::Impl::checkpoints_out(uint32_t block, Forward& f) {
 
 Status Trainer::Impl::checkpoints_back(uint32_t block, Forward& f) {
   const std::string where = "moving the checkpoints of " + layout.blocks[block].name + " back to the device";
-  const bool cuda = torch_device.is_cuda();
-  void* compute = nullptr;
   std::vector<torch::Tensor> back(f.micro.size());
   ZO_RETURN_IF_ERROR(torch_call(where, [&] {
-    compute = torch_compute_stream(cuda);
     // Allocated on the compute stream, which uses them; the copy stream waits for its earlier work.
     for (size_t k = 0; k < back.size(); ++k) back[k] = torch::empty_like(f.micro[k].inputs[block], torch_device);
   }));
-  ZO_RETURN_IF_ERROR(device->record_foreign(ckpt_computed, compute).with_context(where));
   std::optional<TorchCopyStreamScope> copies;
-  ZO_RETURN_IF_ERROR(torch_call(where, [&] { copies.emplace(cuda); }));
-  ZO_RETURN_IF_ERROR(device->wait_foreign(copies->native_stream(), ckpt_computed).with_context(where));
+  ZO_RETURN_IF_ERROR(begin_copies(&copies, where));
   ZO_RETURN_IF_ERROR(torch_call(where, [&] {
     for (size_t k = 0; k < back.size(); ++k) {
       back[k].copy_(f.micro[k].inputs[block], /*non_blocking=*/true);
