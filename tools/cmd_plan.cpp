@@ -49,8 +49,8 @@ void print_plan(const engine::RunPlan& p, const engine::PlanInputs& in, const st
               static_cast<unsigned long long>(in.config.train_micro_batch_size_per_gpu),
               static_cast<unsigned long long>(in.seq_len),
               static_cast<unsigned long long>(in.config.gradient_accumulation_steps));
-  std::printf("placement: optimizer states on %s, compute copies %s, %s compute, %s gradients\n",
-              std::string(engine::tier_name(pl.optimizer)).c_str(),
+  std::printf("placement: optimizer states on %s, gradient accumulators on %s, compute copies %s, %s compute, %s gradients\n",
+              std::string(engine::tier_name(pl.optimizer)).c_str(), std::string(engine::tier_name(pl.grad)).c_str(),
               std::string(engine::tier_name(pl.compute.empty() ? engine::Tier::kDevice : pl.compute.back())).c_str(),
               std::string(dtype_name(pl.compute_dtype)).c_str(), std::string(dtype_name(pl.grad_dtype)).c_str());
   std::printf("\nmemory\n");

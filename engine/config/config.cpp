@@ -314,6 +314,8 @@ void read_zoffload(ParseState* st, ObjectReader r, ZoffloadConfig* z) {
   r.choice("schedule", kSchedules, &z->schedule);
   static constexpr std::string_view kCheckpointPlaces[] = {"auto", "device", "cpu"};
   r.choice("activation_checkpoints", kCheckpointPlaces, &z->activation_checkpoints);
+  static constexpr std::string_view kGradPlaces[] = {"auto", "cpu", "nvme"};
+  r.choice("gradient_accumulators", kGradPlaces, &z->gradient_accumulators);
   static constexpr std::string_view kBackends[] = {"auto", "io_uring", "libaio", "psync"};
   r.choice("io_backend", kBackends, &z->io_backend);
   ObjectReader c = r.child("checkpoint");
@@ -524,6 +526,14 @@ void resolve(ParseState* st, const ResolveContext& ctx, const json& root, Config
   if (oo.device == OffloadDevice::kNvme && oo.nvme_path.empty() &&
       !st->has_error("zero_optimization.offload_optimizer.nvme_path"))
     st->error("zero_optimization.offload_optimizer.nvme_path", "needed when offload_optimizer.device is \"nvme\"");
+  const std::string& grads = c->zoffload.gradient_accumulators;
+  if (grads != "auto" && oo.device == OffloadDevice::kNone)
+    st->error("zoffload.gradient_accumulators", "\"" + grads +
+                                                    "\" needs the optimizer offloaded (zero_optimization.offload_optimizer.device "
+                                                    "cpu or nvme); with the optimizer on the device its accumulators stay there");
+  if (grads == "nvme" && oo.nvme_path.empty() && !st->has_error("zero_optimization.offload_optimizer.nvme_path"))
+    st->error("zero_optimization.offload_optimizer.nvme_path",
+              "needed when zoffload.gradient_accumulators is \"nvme\" (their swap file lives there)");
   if (oo.device != OffloadDevice::kNvme && (oo.pipeline_read || oo.pipeline_write))
     st->warn("zero_optimization.offload_optimizer", "pipeline_read/pipeline_write only apply with device \"nvme\"");
   // What training supports, said here so `config check` and `train` cannot disagree: Adagrad and
@@ -792,6 +802,7 @@ json to_json(const Config& c) {
       {"overlap_optimizer", zo.overlap_optimizer},
       {"schedule", zo.schedule},
       {"activation_checkpoints", zo.activation_checkpoints},
+      {"gradient_accumulators", zo.gradient_accumulators},
       {"io_backend", zo.io_backend},
       {"checkpoint",
        {{"dir", zo.checkpoint.dir},

@@ -161,6 +161,12 @@ struct ZoffloadConfig {
   // back one layer ahead of its backward, on a copy stream); "auto": cpu when the plan does not fit
   // the GPU with them on it but fits with them on the CPU, else device (Note [Checkpoints on the CPU]).
   std::string activation_checkpoints = "auto";
+  // (addition) Where the gradient accumulators live when the optimizer is offloaded: "cpu"
+  // (ordinary RAM, accumulated in place), "nvme" (a section of the optimizer swap file under
+  // offload_optimizer.nvme_path, read back by the optimizer step), or "auto": with the optimizer
+  // states, except that with the optimizer on NVMe they stay in RAM when the planner finds room
+  // (Note [Where the gradients wait]).
+  std::string gradient_accumulators = "auto";
   std::string io_backend = "auto";   // auto | io_uring | libaio | psync (the aio block tunes it)
   CheckpointConfig checkpoint;
   LogConfig log;

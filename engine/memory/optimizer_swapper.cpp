@@ -6,6 +6,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/aligned_buffer.h"
 #include "common/bytes.h"
 #include "common/log.h"
 #include "common/timer.h"
@@ -29,6 +30,15 @@ namespace zo::engine {
 // iteration i+1 needs its buffer back — never earlier. Without the options the same loop degrades
 // to read, update, write, one sub-group at a time. The CPU path double-buffers its compute staging
 // the same way: buffer i mod 2 is reused only after the H2D copy or file write from it completed.
+
+// Note [Where the gradients wait]
+// The gradient accumulators need not live with the optimizer states (zoffload.gradient_accumulators).
+// With the states on NVMe and the accumulators in RAM, a sub-group's record in the swap file is
+// [master|exp_avg|exp_avg_sq] and Adam reads the gradient where it was accumulated: the step moves
+// 4 bytes per element less each way through the drive. With the states in RAM and the accumulators
+// on NVMe (a host too small for 16 bytes per parameter), the step reads sub-group i+1's accumulator
+// into one of two read buffers while it updates i, so the drive read runs beside Adam. Either way
+// the same kernel sees the same values: the weights are bit-identical to every other placement.
 
 namespace {
 
@@ -69,6 +79,9 @@ struct OptimizerSwapper::Impl {
   };
   std::vector<Slot> slots;
   uint64_t order = 0;
+  // Gradient read buffers (accumulators on NVMe, states on the CPU; Note [Where the gradients wait]).
+  std::vector<AlignedBuffer> grad_bufs;
+  std::vector<std::vector<io::Ticket>> grad_reads;  // per buffer: its reads in flight
 
   // The step in progress.
   OptimizerStepArgs args;
@@ -90,7 +103,10 @@ struct OptimizerSwapper::Impl {
 
   // One optimizer step of sub-group g on host spans (Adam, AdamW, Adagrad or Lion), timed into update_s.
   Status update(uint32_t g, float* p, float* m, float* v, const void* grad, void* copy_out);
+  bool grads_on_nvme() const { return store->plan().placement.grad == Tier::kNvme; }
   Status issue_read(Slot& slot, uint32_t g);
+  Status issue_grad_read(uint32_t g);
+  Status wait_grad_read(uint32_t g);
   Status wait_reads(Slot& slot);
   Status issue_writes(Slot& slot, uint32_t g);
   Status deliver_compute(Slot& slot, uint32_t g, std::byte* compute, int slot_index);
@@ -212,9 +228,45 @@ Status OptimizerSwapper::Impl::wait_writes(Slot& slot) {
   return first;
 }
 
+Status OptimizerSwapper::Impl::issue_grad_read(uint32_t g) {
+  // The region is whole pages; bytes beyond what was written are zeros, as in issue_read.
+  const SwapRegion r = loc(g, StateKind::kGradAccum).region;
+  std::byte* dst = grad_bufs[g % grad_bufs.size()].data();
+  const uint64_t valid = std::min(store->nvme_written_bytes(g, StateKind::kGradAccum), r.size_bytes);
+  std::memset(dst + valid, 0, r.size_bytes - valid);
+  if (valid == 0) return Status::ok();
+  ZO_ASSIGN_OR_RETURN(auto t, store->optimizer_file()->read_async(r, 0, {dst, valid}, group_what(g) + " (gradient)"));
+  grad_reads[g % grad_bufs.size()].push_back(t);
+  report.bytes_read += valid;
+  return Status::ok();
+}
+
+Status OptimizerSwapper::Impl::wait_grad_read(uint32_t g) {
+  Status first;
+  Stopwatch sw;
+  for (io::Ticket t : grad_reads[g % grad_bufs.size()]) {
+    Status st = store->optimizer_file()->wait(t);
+    if (!st.is_ok() && first.is_ok()) first = std::move(st);
+  }
+  grad_reads[g % grad_bufs.size()].clear();
+  report.read_wait_s += sw.elapsed_s();
+  return first;
+}
+
 Status OptimizerSwapper::Impl::step_cpu() {
   const uint32_t n_groups = store->plan().n_sub_groups;
+  if (grads_on_nvme() && n_groups > 0) {
+    Status st = issue_grad_read(0);
+    if (!st.is_ok()) return st.with_context("sub-group 0");
+  }
   for (uint32_t g = 0; g < n_groups; ++g) {
+    const std::byte* grad = loc(g, StateKind::kGradAccum).host;
+    if (grads_on_nvme()) {
+      Status st = wait_grad_read(g);
+      if (st.is_ok() && g + 1 < n_groups && grad_bufs.size() > 1) st = issue_grad_read(g + 1);
+      if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(g));
+      grad = grad_bufs[g % grad_bufs.size()].data();
+    }
     const StateLocation& home = loc(g, StateKind::kCompute);
     std::byte* copy_out = home.host;
     Slot* slot = nullptr;
@@ -230,10 +282,13 @@ Status OptimizerSwapper::Impl::step_cpu() {
     }
     Status st = update(g, reinterpret_cast<float*>(loc(g, StateKind::kMaster).host),
                      reinterpret_cast<float*>(loc(g, StateKind::kExpAvg).host),
-                     reinterpret_cast<float*>(loc(g, StateKind::kExpAvgSq).host),
-                     loc(g, StateKind::kGradAccum).host, copy_out);
+                     reinterpret_cast<float*>(loc(g, StateKind::kExpAvgSq).host), grad, copy_out);
     if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(g));
     written = true;
+    if (grads_on_nvme() && g + 1 < n_groups && grad_bufs.size() == 1) {
+      st = issue_grad_read(g + 1);
+      if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(g + 1));
+    }
     if (slot == nullptr) compute_ready(g);
     if (slot != nullptr) {
       slot->group = g;
@@ -259,9 +314,10 @@ Status OptimizerSwapper::Impl::issue_read(Slot& slot, uint32_t g) {
   // The buffer mirrors the sub-group's record: [master|exp_avg|exp_avg_sq|grad] at the offsets they
   // have in the file, so the whole record is one read when it has been written before. Sections (or
   // their tails) beyond the zero watermark are zeroed in the buffer instead of read.
+  // With the accumulators in RAM the record ends at exp_avg_sq (Note [Where the gradients wait]).
   const SwapRegion master = loc(g, StateKind::kMaster).region;
-  const SwapRegion grad = loc(g, StateKind::kGradAccum).region;
-  const SwapRegion record{master.offset_bytes, grad.offset_bytes + grad.size_bytes - master.offset_bytes};
+  const SwapRegion last = loc(g, grads_on_nvme() ? StateKind::kGradAccum : StateKind::kExpAvgSq).region;
+  const SwapRegion record{master.offset_bytes, last.offset_bytes + last.size_bytes - master.offset_bytes};
   SwapFile* file = store->optimizer_file();
   slot.group = g;
   slot.state = Slot::State::kReading;
@@ -277,6 +333,7 @@ Status OptimizerSwapper::Impl::issue_read(Slot& slot, uint32_t g) {
     return Status::ok();
   };
   for (StateKind kind : {StateKind::kMaster, StateKind::kExpAvg, StateKind::kExpAvgSq, StateKind::kGradAccum}) {
+    if (kind == StateKind::kGradAccum && !grads_on_nvme()) break;
     const SwapRegion r = loc(g, kind).region;
     const uint64_t rel = r.offset_bytes - record.offset_bytes;
     const uint64_t valid = std::min(store->nvme_written_bytes(g, kind), r.size_bytes);
@@ -349,12 +406,13 @@ Status OptimizerSwapper::Impl::step_nvme() {
     }
     const SwapRegion master = loc(g, StateKind::kMaster).region;
     auto section = [&](StateKind kind) { return slot.buf.data() + (loc(g, kind).region.offset_bytes - master.offset_bytes); };
-    const SwapRegion grad = loc(g, StateKind::kGradAccum).region;
-    std::byte* compute_section = section(StateKind::kGradAccum) + grad.size_bytes;
+    const StateKind last = grads_on_nvme() ? StateKind::kGradAccum : StateKind::kExpAvgSq;
+    std::byte* compute_section = section(last) + loc(g, last).region.size_bytes;
+    const std::byte* grad = grads_on_nvme() ? section(StateKind::kGradAccum) : loc(g, StateKind::kGradAccum).host;
     const StateLocation& home = loc(g, StateKind::kCompute);
     std::byte* copy_out = home.tier == Tier::kCpu ? home.host : compute_section;
     st = update(g, reinterpret_cast<float*>(section(StateKind::kMaster)), reinterpret_cast<float*>(section(StateKind::kExpAvg)),
-              reinterpret_cast<float*>(section(StateKind::kExpAvgSq)), section(StateKind::kGradAccum), copy_out);
+              reinterpret_cast<float*>(section(StateKind::kExpAvgSq)), grad, copy_out);
     if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(g));
     written = true;
     if (home.tier == Tier::kCpu) compute_ready(g);
@@ -389,6 +447,10 @@ void OptimizerSwapper::Impl::drain() {
     slot.h2d_pending = false;
     slot.state = Slot::State::kFree;
   }
+  for (auto& reads : grad_reads) {
+    for (io::Ticket t : reads) (void)store->optimizer_file()->wait(t);
+    reads.clear();
+  }
   if (stream) (void)store->device().synchronize(stream);
 }
 
@@ -404,10 +466,10 @@ Result<std::unique_ptr<OptimizerSwapper>> OptimizerSwapper::create(StateStore& s
                        ": runs on the CPU only (the device's optimizer kernel is Adam's); set "
                        "zero_optimization.offload_optimizer.device to cpu or nvme");
   }
-  if (pl.grad != pl.optimizer) {
+  if (pl.grad != pl.optimizer && (pl.grad == Tier::kDevice || pl.optimizer == Tier::kDevice)) {
     return invalid_argument("optimizer swapper: gradients on " + std::string(tier_name(pl.grad)) +
                             " but optimizer states on " + std::string(tier_name(pl.optimizer)) +
-                            " (the gradient accumulator lives with the optimizer)");
+                            " (the device's optimizer reads its accumulators on the device)");
   }
   auto impl = std::make_unique<Impl>();
   impl->store = &store;
@@ -431,7 +493,8 @@ Result<std::unique_ptr<OptimizerSwapper>> OptimizerSwapper::create(StateStore& s
     }
   } else if (pl.optimizer == Tier::kNvme) {
     const uint32_t want = std::min<uint32_t>(1 + options.pipeline_read + options.pipeline_write, n_groups);
-    const uint64_t need = sec(StateKind::kMaster) * 3 + sec(StateKind::kGradAccum) + sec(StateKind::kCompute);
+    const uint64_t need = sec(StateKind::kMaster) * 3 + (pl.grad == Tier::kNvme ? sec(StateKind::kGradAccum) : 0) +
+                          sec(StateKind::kCompute);
     buffers = store.optimizer_swap_buffers();
     if (buffers.size() < want) {
       return invalid_argument("zero_optimization.offload_optimizer: pipeline_read " + std::to_string(options.pipeline_read) +
@@ -454,6 +517,23 @@ Result<std::unique_ptr<OptimizerSwapper>> OptimizerSwapper::create(StateStore& s
                                 std::to_string(sec(StateKind::kCompute)) + " bytes of the largest sub-group");
       }
     }
+  }
+  if (pl.optimizer == Tier::kCpu && pl.grad == Tier::kNvme) {
+    if (plan.grad_read_buffers == 0 || plan.grad_read_buffer_bytes < sec(StateKind::kGradAccum)) {
+      return invalid_argument("optimizer swapper: the plan's " + std::to_string(plan.grad_read_buffers) +
+                              " gradient read buffer(s) of " + std::to_string(plan.grad_read_buffer_bytes) +
+                              " bytes cannot hold the largest sub-group's " + std::to_string(sec(StateKind::kGradAccum)) +
+                              " bytes");
+    }
+    for (uint32_t i = 0; i < plan.grad_read_buffers; ++i) {
+      auto buf = AlignedBuffer::allocate(plan.grad_read_buffer_bytes);
+      if (!buf.is_ok()) {
+        return out_of_memory("gradient read buffer of " + format_bytes(plan.grad_read_buffer_bytes) + ": " +
+                             buf.status().message());
+      }
+      impl->grad_bufs.push_back(std::move(buf).value());
+    }
+    impl->grad_reads.resize(impl->grad_bufs.size());
   }
   for (auto b : buffers) {
     Impl::Slot slot;

@@ -79,6 +79,19 @@ Result<ParamRegistry> ParamRegistry::build(std::vector<ParamSpec> params, uint64
     info.n_elems = n;
     r.params_.push_back(std::move(info));
   }
+  // Finding 1 of issue 19: a model the plan could never hold must not cost RAM in proportion to its
+  // claims: the sub-group table is counted before it is built.
+  uint64_t total = 0;
+  for (const ParamInfo& p : r.params_) {
+    if (__builtin_add_overflow(total, p.n_elems, &total)) return invalid_argument("the model has more elements than 64 bits count");
+  }
+  const uint64_t groups_at_least = total / (sub_group_size / kSplitAlignElems * kSplitAlignElems);
+  if (groups_at_least > kMaxSubGroups) {
+    return invalid_argument("zero_optimization.sub_group_size: " + std::to_string(sub_group_size) + " elements cuts the model's " +
+                            std::to_string(total) + " elements into more than " + std::to_string(kMaxSubGroups) +
+                            " sub-groups; raise it to at least " +
+                            std::to_string(align_up(total / kMaxSubGroups + 1, kSplitAlignElems)));
+  }
 
   // The layout rule (see the header): whole params are packed while they fit; a param that does
   // not fit closes the current group. A param too big for an empty group is cut into pieces of
@@ -215,6 +228,8 @@ std::string MemoryPlan::to_json() const {
   j["compute_staging_buffer_bytes"] = compute_staging_buffer_bytes;
   j["param_swap_buffers"] = param_swap_buffers;
   j["param_swap_buffer_bytes"] = param_swap_buffer_bytes;
+  j["grad_read_buffers"] = grad_read_buffers;
+  j["grad_read_buffer_bytes"] = grad_read_buffer_bytes;
   j["grad_ring_bytes"] = grad_ring_bytes;
   j["pinned_pool_bytes"] = pinned_pool_bytes();
   return j.dump();
@@ -253,6 +268,14 @@ Result<MemoryPlan> plan_memory(const Config& config, const ParamRegistry& regist
   Placement& pl = plan.placement;
   pl.optimizer = tier_of(oo.device);
   pl.grad = pl.optimizer;
+  const std::string& grads = config.zoffload.gradient_accumulators;
+  if (grads != "auto") {
+    if (pl.optimizer == Tier::kDevice) {
+      return invalid_argument("zoffload.gradient_accumulators: \"" + grads +
+                              "\" needs zero_optimization.offload_optimizer.device cpu or nvme");
+    }
+    pl.grad = grads == "nvme" ? Tier::kNvme : Tier::kCpu;
+  }
   pl.optimizer_pinned = oo.pin_memory;
   pl.param_pinned = op.pin_memory;
   pl.compute_dtype = config.compute_dtype();
@@ -308,7 +331,14 @@ Result<MemoryPlan> plan_memory(const Config& config, const ParamRegistry& regist
                               " (1 + pipeline_read + pipeline_write)");
     }
     plan.optimizer_swap_buffers = static_cast<uint32_t>(std::min<uint64_t>(needed, groups.size()));
-    for (StateKind k : kAllStates) plan.optimizer_swap_buffer_bytes += align_up(max_group * state_elem_bytes(pl, k), kSwapAlignment);
+    for (StateKind k : kAllStates) {
+      if (k == StateKind::kGradAccum && pl.grad != Tier::kNvme) continue;  // read in place
+      plan.optimizer_swap_buffer_bytes += align_up(max_group * state_elem_bytes(pl, k), kSwapAlignment);
+    }
+  }
+  if (pl.optimizer == Tier::kCpu && pl.grad == Tier::kNvme) {
+    plan.grad_read_buffers = static_cast<uint32_t>(std::min<size_t>(2, groups.size()));
+    plan.grad_read_buffer_bytes = align_up(max_group * state_elem_bytes(pl, StateKind::kGradAccum), kSwapAlignment);
   }
   const bool compute_off_cpu =
       std::any_of(pl.compute.begin(), pl.compute.end(), [](Tier t) { return t != Tier::kCpu; });

@@ -20,6 +20,9 @@ namespace zo::engine {
 // A param larger than a sub-group is split into pieces whose boundaries are multiples of this many
 // elements, so every piece of every state starts 4 KiB-aligned in any dtype (fp32: 16 KiB).
 inline constexpr uint64_t kSplitAlignElems = 4096;
+// At most this many sub-groups (16 M: 16 T elements at DeepSpeed's 1e6 floor of useful sizes);
+// checked before the table is built, so an absurd model or size costs no RAM.
+inline constexpr uint64_t kMaxSubGroups = uint64_t{1} << 24;
 
 struct ParamSpec {
   std::string name;            // Hugging Face name, e.g. "model.layers.0.mlp.up_proj.weight"
@@ -58,7 +61,8 @@ class ParamRegistry {
   // while they fit in `sub_group_size` elements; a param that does not fit in an empty sub-group is
   // split into pieces of at most sub_group_size elements (rounded down to kSplitAlignElems).
   // kInvalidArgument (naming the param) for an empty list, an empty or duplicate name, a
-  // dimension < 1, or sub_group_size < kSplitAlignElems.
+  // dimension < 1, sub_group_size < kSplitAlignElems, or more than kMaxSubGroups sub-groups
+  // (naming the sub_group_size that would do).
   static Result<ParamRegistry> build(std::vector<ParamSpec> params, uint64_t sub_group_size);
 
   std::span<const ParamInfo> params() const { return params_; }
@@ -135,6 +139,11 @@ struct MemoryPlan {
   // of params, each sized for the largest param (at most offload_param.buffer_size elements).
   uint32_t param_swap_buffers = 0;
   uint64_t param_swap_buffer_bytes = 0;
+  // Gradient read buffers (accumulators on NVMe, optimizer on the CPU): the optimizer step reads
+  // sub-group i+1's accumulator while it updates i. Ordinary memory, not from the pool: they never
+  // cross PCIe.
+  uint32_t grad_read_buffers = 0;
+  uint64_t grad_read_buffer_bytes = 0;
   // The gradient worker's landing ring, where gradients arrive from the device (GradWorker): the
   // largest block's gradients. 0 from plan_memory, which knows no blocks; the planner's
   // plan_memory_with_ring sets it, and the trainer carves it from the pool.
@@ -146,9 +155,11 @@ struct MemoryPlan {
   std::string to_json() const;
 };
 
-// Derives the placement from `config` and sizes everything for `registry`. kInvalidArgument naming
-// the key path when the combination is impossible (offload_param on cpu/nvme with the optimizer on
-// the device; offload_optimizer.buffer_count below what pipeline_read/pipeline_write need;
+// Derives the placement from `config` and sizes everything for `registry`. The gradient
+// accumulators go where zoffload.gradient_accumulators says; "auto" puts them with the optimizer
+// states (the planner resolves "auto" against the host first, Note [Where the gradients wait]).
+// kInvalidArgument naming the key path when the combination is impossible (offload_param on
+// cpu/nvme with the optimizer on the device; accumulators off the device with it there; offload_optimizer.buffer_count below what pipeline_read/pipeline_write need;
 // offload_param.buffer_size smaller than the largest param, naming the param).
 Result<MemoryPlan> plan_memory(const Config& config, const ParamRegistry& registry);
 

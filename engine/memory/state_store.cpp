@@ -200,7 +200,8 @@ Status StateStore::Impl::create_swap_files() {
   }
   if (optimizer_nvme) {
     if (options.optimizer_nvme_path.empty()) {
-      return invalid_argument("zero_optimization.offload_optimizer.nvme_path: required with offload_optimizer.device nvme");
+      return invalid_argument("zero_optimization.offload_optimizer.nvme_path: required with offload_optimizer.device nvme "
+                              "or zoffload.gradient_accumulators nvme");
     }
     ZO_ASSIGN_OR_RETURN(optimizer_file, SwapFile::create(swap_dir(options.optimizer_nvme_path, options.rank),
                                                          "optimizer.swp", plan.nvme_optimizer_bytes, *io, accounting));

@@ -126,6 +126,14 @@ Status check_model_size(const ModelConfig& m) {
   ok = ok && mul(2 * h, q_dim, &layer) && mul(2 * h, kv_dim, &t) && add(layer, t, &layer);
   ok = ok && mul(3 * h, m.intermediate_size, &t) && add(layer, t, &layer) && add(layer, 2 * h, &layer);
   ok = ok && mul(layer, m.num_hidden_layers, &total) && mul(m.vocab_size, h, &emb) && add(total, 2 * emb, &total);
+  // Layers and heads are capped on their own: a model of a billion one-wide layers has few
+  // parameters but a table entry per tensor (the largest real models have a few hundred layers).
+  constexpr uint64_t kMaxLayers = uint64_t{1} << 16, kMaxHeads = uint64_t{1} << 16;
+  if (m.num_hidden_layers > kMaxLayers || q_dim_heads > kMaxHeads || kv_heads > kMaxHeads)
+    return invalid_argument("the model's config claims " + std::to_string(m.num_hidden_layers) + " layers and " +
+                            std::to_string(q_dim_heads) + " attention heads (" + std::to_string(kv_heads) +
+                            " key/value heads): more than any plan can hold (at most " + std::to_string(kMaxLayers) +
+                            " layers and " + std::to_string(kMaxHeads) + " heads)");
   if (!ok || total > kMaxParams || h > (uint64_t{1} << 20))
     return invalid_argument("the model's config claims " + (ok ? std::to_string(total) + " parameters" : std::string("more parameters than 64 bits count")) +
                             " (hidden_size " + std::to_string(h) + ", intermediate_size " + std::to_string(m.intermediate_size) +
@@ -181,6 +189,21 @@ std::string PlanProblem::to_string() const {
 }
 
 Result<RunPlan> plan_run(const PlanInputs& in) {
+  // Note [Where the gradients wait]: with the optimizer on NVMe, "auto" keeps the gradient
+  // accumulators in RAM when the whole plan then still leaves a tenth of MemAvailable free: the
+  // drive moves 4 bytes per element less each way at every step. Otherwise they go with the states.
+  if (in.config.zoffload.gradient_accumulators == "auto" &&
+      in.config.zero.offload_optimizer.device == OffloadDevice::kNvme && in.host.ram_available_bytes > 0) {
+    PlanInputs in_ram = in;
+    in_ram.config.zoffload.gradient_accumulators = "cpu";
+    Result<RunPlan> p = plan_run(in_ram);
+    if (p.is_ok() && p->ram_bytes + p->process_bytes <= in.host.ram_available_bytes / 10 * 9) {
+      p->notes.push_back("gradient accumulators in RAM (zoffload.gradient_accumulators \"auto\": they fit with " +
+                         format_bytes(in.host.ram_available_bytes - p->ram_bytes - p->process_bytes) +
+                         " of MemAvailable to spare)");
+      return p;
+    }
+  }
   const Config& c = in.config;
   const ModelConfig& m = in.model;
   if (in.seq_len == 0) return invalid_argument("--seq-len: 0 tokens per sequence");
@@ -234,7 +257,8 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
   p.pageable_state_bytes = mp.cpu_pageable_bytes;
   const GradAccumulator::BufferPlan gbuf = GradAccumulator::plan_buffers(registry, pl, contribution_order);
   p.grad_ring_bytes = mp.grad_ring_bytes;  // in the pool
-  p.host_buffer_bytes = kStoreScratchBytes + uint64_t{gbuf.count} * gbuf.bytes_each;
+  p.host_buffer_bytes = kStoreScratchBytes + uint64_t{gbuf.count} * gbuf.bytes_each +
+                        uint64_t{mp.grad_read_buffers} * mp.grad_read_buffer_bytes;
   p.ram_bytes = p.pool_bytes + p.pageable_state_bytes + p.host_buffer_bytes + p.checkpoint_host_bytes +
                 (in.host.cuda ? 0 : p.activation_bytes);
   p.process_bytes = in.host.process_bytes;
@@ -258,15 +282,19 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
     if (pl.compute[g.index] != Tier::kDevice) n_fetched += g.n_elems;
     auto sec = [&](StateKind k) { return align_up(g.n_elems * state_elem_bytes(pl, k), kSwapAlignment); };
     if (pl.compute[g.index] == Tier::kNvme) compute_nvme_bytes += sec(StateKind::kCompute);
+    if (pl.grad == Tier::kNvme) {
+      const uint64_t grad_len = g.n_elems * state_elem_bytes(pl, StateKind::kGradAccum);
+      const uint64_t grad_read = sec(StateKind::kGradAccum) + (grad_len % kSwapAlignment != 0 ? kSwapAlignment : 0);
+      // The gradient accumulator: written every pass, read back on all but the first, and read
+      // once more by the optimizer step.
+      grad_wr += passes * sec(StateKind::kGradAccum);
+      grad_rd += (passes - 1) * grad_read;
+      rd += grad_read;
+    }
     if (pl.optimizer != Tier::kNvme) continue;
-    const uint64_t grad_len = g.n_elems * state_elem_bytes(pl, StateKind::kGradAccum);
-    const uint64_t grad_read = sec(StateKind::kGradAccum) + (grad_len % kSwapAlignment != 0 ? kSwapAlignment : 0);
-    // The gradient accumulator: written every pass, read back on all but the first.
-    grad_wr += passes * sec(StateKind::kGradAccum);
-    grad_rd += (passes - 1) * grad_read;
-    // The optimizer step: master, exp_avg, exp_avg_sq and the gradient in; the three states out.
+    // The optimizer step: master, exp_avg and exp_avg_sq in and out.
     const uint64_t states = sec(StateKind::kMaster) + sec(StateKind::kExpAvg) + sec(StateKind::kExpAvgSq);
-    rd += states + grad_read;
+    rd += states;
     wr += states;
   }
   wr += compute_nvme_bytes;  // the new compute copies of params that live on NVMe
@@ -511,6 +539,18 @@ std::vector<Candidate> candidates(const Config& base) {
   if (base.zoffload.pinned_memory_limit != 0) {  // the user's own cap; the RAM and ulimit checks still apply
     out.push_back({"zoffload.pinned_memory_limit: 0 (the pool sized from the plan)", [](Config& c) {
                      c.zoffload.pinned_memory_limit = 0;
+                     return true;
+                   }});
+  }
+  if (oo.device == OffloadDevice::kCpu && base.zoffload.gradient_accumulators != "nvme") {
+    // Note [Where the gradients wait]: 4 bytes per element of RAM for a read and a write per step.
+    out.push_back({"zoffload.gradient_accumulators: nvme", [](Config& c) {
+                     if (c.zero.offload_optimizer.device != OffloadDevice::kCpu) return false;
+                     c.zoffload.gradient_accumulators = "nvme";
+                     if (c.zero.offload_optimizer.nvme_path.empty())
+                       c.zero.offload_optimizer.nvme_path = c.zero.offload_param.nvme_path.empty()
+                                                                ? "zoffload-nvme"
+                                                                : c.zero.offload_param.nvme_path;
                      return true;
                    }});
   }

@@ -273,7 +273,6 @@ Status Trainer::Impl::init(const TrainOptions& options) {
   }
   ZO_ASSIGN_OR_RETURN(ParamRegistry reg, ParamRegistry::build(layout.params, config.zero.sub_group_size));
   registry.emplace(std::move(reg));
-  ZO_ASSIGN_OR_RETURN(plan, plan_memory_with_ring(config, *registry, layout));
 
   // The device and its budget: zoffload.gpu_memory_limit, else what the GPU has (or, emulated, RAM).
   // A GPU the CUDA runtime lists but LibTorch cannot use is "present but unusable" for
@@ -301,6 +300,8 @@ Status Trainer::Impl::init(const TrainOptions& options) {
       pi.host.device_total_bytes = probe.gpus.front().total_bytes;
     }
     ZO_ASSIGN_OR_RETURN(run_plan, plan_run(pi));
+    // The memory plan the planner settled on ("auto" choices resolved against this host).
+    plan = run_plan.memory;
     if (!run_plan.fits()) {
       std::vector<std::string> problems;
       for (const PlanProblem& p : run_plan.problems) problems.push_back(p.to_string());
@@ -1049,6 +1050,7 @@ std::string Trainer::describe() const {
     << ", " << format_count(m.registry->total_elems()) << " params) | " << dtype_name(m.compute_dtype) << " compute, "
     << dtype_name(pl.grad_dtype) << " gradients | ZeRO stage " << m.opt.config.zero.stage << ", "
     << m.registry->sub_groups().size() << " sub-groups | optimizer states on " << tier_name(pl.optimizer)
+    << ", gradient accumulators on " << tier_name(pl.grad)
     << ", compute copies: " << (pl.compute.size() - compute_cpu - compute_nvme) << " device, " << compute_cpu
     << " cpu, " << compute_nvme << " nvme | device " << m.device->name() << ", budget "
     << format_bytes(m.device->stats().budget_bytes) << " | pinned pool " << format_bytes(m.store->pool().capacity_bytes());

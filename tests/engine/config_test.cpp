@@ -492,6 +492,11 @@ const Malformed kMalformed[] = {
     {"staging_too_small", {{"zoffload", {{"checkpoint", {{"staging_buffer_size", "4KiB"}}}}}}, "zoffload.checkpoint.staging_buffer_size", "at least 1MiB"},
     {"log_unknown", {{"zoffload", {{"log", {{"metric_path", "m.jsonl"}}}}}}, "zoffload.log.metric_path", "did you mean \"metrics_path\""},
     {"wall_clock_string", {{"wall_clock_breakdown", "true"}}, "wall_clock_breakdown", "expected true or false"},
+    {"accumulators_place", {{"zoffload", {{"gradient_accumulators", "gpu"}}}}, "zoffload.gradient_accumulators", "one of auto, cpu, nvme"},
+    {"accumulators_without_offload", {{"zoffload", {{"gradient_accumulators", "cpu"}}}}, "zoffload.gradient_accumulators", "needs the optimizer offloaded"},
+    {"accumulators_nvme_without_path",
+     {{"zero_optimization", {{"stage", 3}, {"offload_optimizer", {{"device", "cpu"}}}}}, {"zoffload", {{"gradient_accumulators", "nvme"}}}},
+     "zero_optimization.offload_optimizer.nvme_path", "zoffload.gradient_accumulators is \"nvme\""},
 };
 
 INSTANTIATE_TEST_SUITE_P(Table, MalformedConfig, ::testing::ValuesIn(kMalformed),

@@ -47,9 +47,10 @@ struct Placing {
   uint64_t max_in_cpu = 1'000'000'000;
   uint64_t param_buffer_count = 3;
   std::string optimizer_type = "AdamW";
+  std::string accumulators = "auto";  // zoffload.gradient_accumulators
 
   std::string describe() const {
-    return "optimizer " + optimizer + " param " + param + " read " + std::to_string(pipeline_read) + " write " +
+    return "optimizer " + optimizer + " accumulators " + accumulators + " param " + param + " read " + std::to_string(pipeline_read) + " write " +
            std::to_string(pipeline_write) + " pin " + std::to_string(pin_optimizer) + std::to_string(pin_param) +
            (bf16 ? " bf16" : " fp32") + " grad " + grad + " max_in_cpu " + std::to_string(max_in_cpu);
   }
@@ -68,7 +69,8 @@ Config make_config(const Placing& s, const std::string& dir) {
         "max_in_cpu": )" + std::to_string(s.max_in_cpu) + R"(, "pin_memory": )" + b(s.pin_param) + R"(}},
     "bf16": {"enabled": )" + b(s.bf16) + R"(},
     "data_types": {"grad_accum_dtype": ")" + s.grad + R"("},
-    "optimizer": {"type": ")" + s.optimizer_type + R"(", "params": {"lr": 0.01, "weight_decay": 0.1}}})";
+    "optimizer": {"type": ")" + s.optimizer_type + R"(", "params": {"lr": 0.01, "weight_decay": 0.1}},
+    "zoffload": {"gradient_accumulators": ")" + s.accumulators + R"("}})";
   return parse_test_config(json);
 }
 
@@ -453,6 +455,23 @@ void check_placements_match_reference(bool bf16, const std::string& grad) {
       setups.push_back(n);
     }
   }
+  // Note [Where the gradients wait]: the accumulators apart from the states, both ways.
+  for (const char* param : {"none", "cpu", "nvme"}) {
+    Placing s = base;
+    s.optimizer = "cpu";
+    s.accumulators = "nvme";
+    s.param = param;
+    setups.push_back(s);
+    for (int rw : {0, 3}) {
+      Placing n = base;
+      n.optimizer = "nvme";
+      n.accumulators = "cpu";
+      n.param = param;
+      n.pipeline_read = rw & 1;
+      n.pipeline_write = rw & 2;
+      setups.push_back(n);
+    }
+  }
   Placing mixed = base;  // compute copies split between CPU (max_in_cpu) and NVMe, param "b" straddles
   mixed.optimizer = "nvme";
   mixed.param = "nvme";
@@ -517,6 +536,63 @@ TEST(OptimizerSwapper, NvmeStepReportsItsTraffic) {
   EXPECT_EQ(report->bytes_written, expect_written);
   EXPECT_EQ(after.nvme_write_bytes - before.nvme_write_bytes, expect_written);
   EXPECT_GE(report->total_s, report->update_s);
+}
+
+TEST(OptimizerSwapper, AccumulatorsInRamLeaveTheSwapFileAndItsTraffic) {
+  // Note [Where the gradients wait]: the same step, with the accumulators in the file and in RAM.
+  const Inputs in = make_inputs(1);
+  uint64_t read[2] = {0, 0}, file[2] = {0, 0}, grad_bytes = 0;
+  for (int in_ram = 0; in_ram < 2; ++in_ram) {
+    Placing s;
+    s.optimizer = "nvme";
+    s.accumulators = in_ram ? "cpu" : "nvme";
+    s.pipeline_read = s.pipeline_write = true;
+    Rig rig;
+    ASSERT_TRUE(rig.init(s).is_ok());
+    EXPECT_EQ(rig.plan.placement.grad, in_ram ? Tier::kCpu : Tier::kNvme);
+    EXPECT_EQ(rig.store->location(0, StateKind::kGradAccum).tier, rig.plan.placement.grad);
+    ASSERT_TRUE(init_all(*rig.store, in).is_ok());
+    ASSERT_TRUE(write_grads(rig, in, 0).is_ok());
+    auto swapper = OptimizerSwapper::create(*rig.store, *rig.executor, PipelineOptions::from_config(rig.config));
+    ASSERT_TRUE(swapper.is_ok()) << swapper.status().to_string();
+    auto report = (*swapper)->step(step_args(rig, 1));
+    ASSERT_TRUE(report.is_ok()) << report.status().to_string();
+    read[in_ram] = report->bytes_read;
+    file[in_ram] = rig.plan.nvme_optimizer_bytes;
+    if (in_ram) continue;
+    for (const auto& g : rig.registry.sub_groups())
+      grad_bytes += rig.store->location(g.index, StateKind::kGradAccum).region.size_bytes;
+  }
+  ASSERT_GT(grad_bytes, 0u);
+  EXPECT_EQ(file[0] - file[1], grad_bytes) << "the accumulators' sections leave the swap file";
+  EXPECT_EQ(read[0] - read[1], grad_bytes) << "and the step reads them from RAM";
+}
+
+TEST(OptimizerSwapperFaults, AGradientReadErrorWithTheStatesInRamNamesSubGroupAndFile) {
+  Placing s;
+  s.optimizer = "cpu";
+  s.accumulators = "nvme";
+  Rig rig;
+  ASSERT_TRUE(rig.init(s).is_ok());
+  ASSERT_GT(rig.plan.n_sub_groups, 4u);
+  EXPECT_EQ(rig.plan.grad_read_buffers, 2u);
+  const Inputs in = make_inputs(1);
+  ASSERT_TRUE(init_all(*rig.store, in).is_ok());
+  ASSERT_TRUE(write_grads(rig, in, 0).is_ok());
+  auto swapper = OptimizerSwapper::create(*rig.store, *rig.executor, PipelineOptions::from_config(rig.config));
+  ASSERT_TRUE(swapper.is_ok()) << swapper.status().to_string();
+  const uint32_t bad = 3;
+  const uint64_t offset = rig.store->location(bad, StateKind::kGradAccum).region.offset_bytes;
+  rig.faults->add({io::FaultKind::kEio, io::IoOp::kRead, "optimizer.swp", offset, 1});
+  auto report = (*swapper)->step(step_args(rig, 1));
+  ASSERT_FALSE(report.is_ok());
+  EXPECT_EQ(report.status().code(), StatusCode::kIoError);
+  EXPECT_THAT(report.status().message(), HasSubstr("sub-group " + std::to_string(bad)));
+  EXPECT_THAT(report.status().message(), HasSubstr(rig.store->optimizer_file()->path()));
+  EXPECT_THAT(report.status().message(), HasSubstr(std::to_string(offset)));
+  EXPECT_EQ(rig.faults->injected(), 1u);
+  EXPECT_FALSE(rig.store->torn_reason().empty()) << "sub-groups before " << bad << " were updated";
+  EXPECT_EQ(rig.io->wait_all().code(), StatusCode::kOk) << "no read left in flight";
 }
 
 // ---- 3. Budgets ---------------------------------------------------------------------------------

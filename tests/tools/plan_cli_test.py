@@ -98,12 +98,21 @@ with tempfile.TemporaryDirectory() as tmp:
     cases = [
         ("tiny-cpu-fp32", "tiny", 128, config(prec="fp32", micro=2)),
         ("tiny-nvme-bf16-gas2", "tiny", 64, config(opt="nvme", gas=2)),
+        # The gradient accumulators apart from the optimizer states, both ways ("auto" keeps them
+        # in RAM beside an NVMe optimizer on a host with room, as in the case above).
+        ("tiny-nvme-grads-nvme-gas2", "tiny", 64, config(opt="nvme", gas=2,
+                                                          zoffload={"gradient_accumulators": "nvme"})),
+        ("tiny-optcpu-grads-nvme-gas2", "tiny", 64,
+         config(opt="cpu", gas=2, zoffload={"gradient_accumulators": "nvme"},
+                zero_optimization={"stage": 3, "sub_group_size": 1e6, "offload_param": {"device": "cpu"},
+                                   "offload_optimizer": {"device": "cpu", "nvme_path": "nvme"}})),
         ("tiny-nvme-params", "tiny", 64, config(opt="nvme", par="nvme", max_in_cpu=0)),
         ("tiny-optcpu-params-nvme", "tiny", 256, config(opt="cpu", par="nvme", max_in_cpu=0, micro=2, gas=2)),
         # The vertical schedule: every micro-batch's checkpoints held at once, the accumulators
         # written once per step.
         ("tiny-nvme-bf16-gas3-vertical", "tiny", 128, config(opt="nvme", micro=2, gas=3,
-                                                             zoffload={"schedule": "vertical"})),
+                                                             zoffload={"schedule": "vertical",
+                                                                       "gradient_accumulators": "nvme"})),
         ("tiny-device", "tiny", 64, config(opt="none", par="none", prec="fp32")),
         ("tiny-unpinned", "tiny", 64, config(opt="cpu", par="cpu", micro=4,
                                              zero_optimization={"stage": 3, "sub_group_size": 1e6,
@@ -116,6 +125,10 @@ with tempfile.TemporaryDirectory() as tmp:
     # first forward (run beside its optimizer), so the first and the last step are not typical.
     for name, model, seq, cfg in cases:
         plan, metrics = plan_and_train(tmp, name, model, seq, 3, cfg)
+        want_grads = cfg.get("zoffload", {}).get("gradient_accumulators")
+        if want_grads:
+            got = plan["memory_plan"]["placement"]["grad"]
+            expect(got == want_grads, f"{name}: gradient accumulators on {got}, as configured ({want_grads})")
         check(name, plan, metrics)
 
     # Does not fit: a pinned cap below the pool. plan exits 3 with fixes that fit; train refuses at start.

@@ -159,6 +159,29 @@ with tempfile.TemporaryDirectory(prefix="zo-train-cli-", dir=os.environ.get("TMP
         expect(p.returncode == 2 and needle + " " + fifo + " is a FIFO" in p.stderr,
                "a FIFO as the %s is refused: exit %d: %s" % (needle, p.returncode, p.stderr))
 
+    # Finding 1: a config.json claiming absurd sizes is one line and exit 2, before any allocation in
+    # proportion to the claim (under a 4 GiB address-space limit, so a regression fails fast instead
+    # of exhausting the machine).
+    def limit_memory():
+        import resource
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+    for key, value, needle in [("num_hidden_layers", 1 << 30, "1073741824 layers"),
+                               ("hidden_size", 10 ** 12, "hidden_size 1000000000000"),
+                               ("vocab_size", 10 ** 12, "parameters")]:
+        absurd = os.path.join(tmp, "absurd-" + key)
+        os.makedirs(absurd)
+        with open(os.path.join(model_dir, "config.json")) as f:
+            cfg = json.load(f)
+        cfg[key] = value
+        with open(os.path.join(absurd, "config.json"), "w") as f:
+            json.dump(cfg, f)
+        p = subprocess.run([zoffload, "train", "--config", demo_config, "--model", absurd, "--data", corpus,
+                            "--steps", "1", "--out", os.path.join(tmp, "absurd-run")], capture_output=True, text=True,
+                           timeout=120, preexec_fn=limit_memory)
+        errors = [l for l in p.stderr.splitlines() if "error" in l]
+        expect(p.returncode == 2 and len(errors) == 1 and needle in p.stderr,
+               "%s %d is refused in one line with exit 2: exit %d: %s" % (key, value, p.returncode, p.stderr[-1000:]))
+
     def limit_file_size():
         import resource
         resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))

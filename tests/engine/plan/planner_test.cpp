@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <map>
 
@@ -21,6 +22,9 @@ PlanInputs tiny_inputs(OffloadDevice optimizer, OffloadDevice param) {
   in.config.zero.offload_optimizer.nvme_path = "nvme";
   in.config.zero.offload_param.device = param;
   in.config.zero.offload_param.nvme_path = "nvme";
+  // With the optimizer on NVMe, "auto" would keep the accumulators in this host's ample RAM; the
+  // tests below that move them through the drive say so (Note [Where the gradients wait]).
+  if (optimizer == OffloadDevice::kNvme) in.config.zoffload.gradient_accumulators = "nvme";
   in.config.train_micro_batch_size_per_gpu = 1;
   in.config.gradient_accumulation_steps = 1;
   in.model = *model_preset("tiny");
@@ -68,6 +72,101 @@ TEST(Planner, NvmeTrafficGrowsWithAccumulationAsTheAccumulatorsMove) {
   EXPECT_GE(three->nvme_write_bytes - one->nvme_write_bytes, 2 * grad_file);
   EXPECT_GE(three->nvme_read_bytes - one->nvme_read_bytes, 2 * grad_file);
   EXPECT_TRUE(one->nvme_exact);
+}
+
+// Note [Where the gradients wait]: "auto" keeps the accumulators in RAM beside an NVMe optimizer
+// when the host has room, which takes them out of the swap file and the drive's traffic; on a host
+// without room they stay with the states; a CPU optimizer short of RAM is offered the drive.
+TEST(Planner, AutoKeepsTheAccumulatorsInRamWhenTheHostHasRoom) {
+  PlanInputs in = tiny_inputs(OffloadDevice::kNvme, OffloadDevice::kCpu);
+  in.config.gradient_accumulation_steps = 2;
+  auto on_nvme = plan_run(in);
+  in.config.zoffload.gradient_accumulators = "auto";
+  auto in_ram = plan_run(in);
+  ASSERT_TRUE(on_nvme.is_ok() && in_ram.is_ok()) << on_nvme.status().to_string() << in_ram.status().to_string();
+  EXPECT_EQ(on_nvme->memory.placement.grad, Tier::kNvme);
+  EXPECT_EQ(in_ram->memory.placement.grad, Tier::kCpu);
+  EXPECT_THAT(in_ram->to_json(), HasSubstr("gradient accumulators in RAM"));
+  uint64_t sections = 0, in_memory = 0;  // the accumulators: in the swap file, in RAM
+  const ModelLayout layout = model_layout(in.model);
+  auto reg = ParamRegistry::build(layout.params, in.config.zero.sub_group_size);
+  ASSERT_TRUE(reg.is_ok());
+  for (const SubGroup& g : reg->sub_groups()) {
+    sections += align_up(g.n_elems * 4, kSwapAlignment);
+    in_memory += align_up(g.n_elems * 4, kPinnedAlignment);
+  }
+  EXPECT_EQ(on_nvme->nvme_optimizer_bytes - in_ram->nvme_optimizer_bytes, sections);
+  EXPECT_EQ(in_ram->pageable_state_bytes - on_nvme->pageable_state_bytes, in_memory);
+  // GAS 2: written twice and read back once by backward, read once by the optimizer.
+  EXPECT_EQ(on_nvme->nvme_write_bytes - in_ram->nvme_write_bytes, 2 * sections);
+  EXPECT_GE(on_nvme->nvme_read_bytes - in_ram->nvme_read_bytes, 2 * sections);
+  EXPECT_EQ(in_ram->memory.optimizer_swap_buffer_bytes + align_up(reg->max_group_elems() * 4, kSwapAlignment),
+            on_nvme->memory.optimizer_swap_buffer_bytes)
+      << "the swap buffers lose their gradient section";
+
+  // A host that cannot spare the RAM: "auto" leaves them on the drive.
+  in.host.ram_available_bytes = in_ram->ram_bytes + in_ram->process_bytes;  // fits, but not with a tenth to spare
+  auto tight = plan_run(in);
+  ASSERT_TRUE(tight.is_ok());
+  EXPECT_EQ(tight->memory.placement.grad, Tier::kNvme);
+  EXPECT_TRUE(tight->fits()) << tight->summary();
+
+  // A CPU optimizer on a host without the RAM for its accumulators: the drive is a fix.
+  PlanInputs cpu = tiny_inputs(OffloadDevice::kCpu, OffloadDevice::kCpu);
+  cpu.config.zero.sub_group_size = 65536;  // buffers of a sub-group each, small beside the model
+  auto want = plan_run(cpu);
+  ASSERT_TRUE(want.is_ok());
+  PlanInputs moved = cpu;
+  moved.config.zoffload.gradient_accumulators = "nvme";
+  auto on_drive = plan_run(moved);
+  ASSERT_TRUE(on_drive.is_ok()) << on_drive.status().to_string();
+  EXPECT_EQ(on_drive->memory.grad_read_buffers, 2u);
+  // Between the two: short of what the accumulators in RAM need, enough once they are on the drive
+  // (their RAM less the read and accumulation buffers they then need).
+  const uint64_t need_ram = want->ram_bytes + want->process_bytes;
+  const uint64_t need_drive = on_drive->ram_bytes + on_drive->process_bytes;
+  ASSERT_LT(need_drive, need_ram);
+  cpu.host.ram_available_bytes = (need_ram + need_drive) / 2;
+  EXPECT_FALSE(plan_run(cpu)->fits());
+  const std::vector<PlanFix> fixes = suggest_fixes(cpu, 8);
+  const bool offered = std::any_of(fixes.begin(), fixes.end(), [](const PlanFix& f) {
+    return f.changes.size() == 1 && f.changes[0] == "zoffload.gradient_accumulators: nvme";
+  });
+  EXPECT_TRUE(offered) << fixes.size() << " fixes";
+}
+
+// The flagship config on the machine it is for: llama3-8b on a 24 GB card and a 128 GiB host. Its
+// gradient accumulators on the drive (16 bytes per parameter would not leave room) and the
+// vertical schedule (each written once per step) leave more than a tenth of the host free.
+TEST(Planner, TheShipped8bConfigFitsA128GiBHostWithRoomToSpare) {
+  const char* src = std::getenv("ZO_SOURCE_DIR");
+  ASSERT_NE(src, nullptr) << "ZO_SOURCE_DIR is set by meson test";
+  PlanInputs in;
+  in.model = *model_preset("llama3-8b");
+  in.model_name = "llama3-8b";
+  ResolveContext ctx;
+  ctx.hidden_size = in.model.hidden_size;
+  ctx.total_steps = 1000;
+  ConfigDiagnostics d;
+  auto c = load_config_file(std::string(src) + "/configs/llama8b_24gb_optimizer_cpu.json", ctx, &d);
+  ASSERT_TRUE(c);
+  in.config = *c;
+  in.seq_len = 1024;
+  in.device_budget_bytes = in.config.zoffload.gpu_memory_limit;
+  in.host.cuda = true;
+  in.host.device_name = "a 24 GB card";
+  in.host.device_total_bytes = uint64_t{24'000'000'000};
+  in.host.ram_total_bytes = uint64_t{128} << 30;
+  in.host.ram_available_bytes = uint64_t{124} << 30;  // what such a host reports with nothing else running
+  in.host.process_bytes = uint64_t{2} << 30;          // LibTorch with CUDA loaded
+  auto p = plan_run(in);
+  ASSERT_TRUE(p.is_ok()) << p.status().to_string();
+  EXPECT_TRUE(p->fits()) << p->summary();
+  EXPECT_EQ(p->memory.placement.optimizer, Tier::kCpu);
+  EXPECT_EQ(p->memory.placement.grad, Tier::kNvme);
+  const uint64_t ram = p->ram_bytes + p->process_bytes;
+  EXPECT_LE(ram, in.host.ram_total_bytes / 10 * 9) << p->summary();
+  EXPECT_LE(p->pinned_bytes, in.config.zoffload.pinned_memory_limit);
 }
 
 // Note [Vertical schedule]: every micro-batch's checkpoints held at once, the gradients sent once
@@ -154,6 +253,30 @@ TEST(Planner, RefusesAbsurdModelSizesBeforeBuildingAnything) {
   in = tiny_inputs(OffloadDevice::kCpu, OffloadDevice::kCpu);
   in.model.num_hidden_layers = uint64_t{1} << 40;
   EXPECT_EQ(check_model_size(in.model).code(), StatusCode::kInvalidArgument);
+  // Few parameters but a billion tensors: refused by count, not by running out of memory.
+  in = tiny_inputs(OffloadDevice::kCpu, OffloadDevice::kCpu);
+  in.model.hidden_size = in.model.intermediate_size = in.model.head_dim = 1;
+  in.model.num_attention_heads = in.model.num_key_value_heads = 1;
+  in.model.num_hidden_layers = uint64_t{1} << 30;
+  Status layers = check_model_size(in.model);
+  EXPECT_EQ(layers.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(layers.message(), HasSubstr("1073741824 layers"));
+  in = tiny_inputs(OffloadDevice::kCpu, OffloadDevice::kCpu);
+  in.model.num_attention_heads = in.model.num_key_value_heads = 8'000'000'000;
+  in.model.head_dim = 1;
+  EXPECT_THAT(check_model_size(in.model).message(), HasSubstr("8000000000 attention heads"));
+}
+
+TEST(ParamRegistryLimits, TooManySubGroupsAreRefusedBeforeTheTableIsBuilt) {
+  // 2^37 elements at the smallest sub_group_size would be 2^25 sub-groups: refused with the size
+  // that would do, without allocating the table (a test that ran out of memory would not finish).
+  std::vector<ParamSpec> params = {{"model.embed_tokens.weight", {int64_t{1} << 20, int64_t{1} << 17}}};
+  auto r = ParamRegistry::build(params, kSplitAlignElems);
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(r.status().message(), HasSubstr("zero_optimization.sub_group_size: 4096"));
+  EXPECT_THAT(r.status().message(), HasSubstr("raise it to at least 12288"));
+  EXPECT_TRUE(ParamRegistry::build(params, uint64_t{1} << 20).is_ok());
 }
 
 TEST(Planner, ShortfallsAreNamedAndTheFixesFitWhenPlannedAgain) {

@@ -73,6 +73,7 @@ struct RunSetup {
   std::string opt_type = "AdamW";  // optimizer.type
   std::string schedule = "horizontal";  // zoffload.schedule
   std::string checkpoints = "auto";     // zoffload.activation_checkpoints
+  std::string accumulators = "auto";    // zoffload.gradient_accumulators
 };
 
 Config make_config(const RunSetup& s, const std::string& nvme) {
@@ -88,7 +89,8 @@ Config make_config(const RunSetup& s, const std::string& nvme) {
         {"stage3_max_live_parameters", s.max_live},
         {"stage3_param_persistence_threshold", s.persistence},
         {"stage3_max_reuse_distance", s.reuse}}},
-      {"zoffload", {{"device", "host"}, {"gpu_memory_limit", s.gpu_limit}, {"schedule", s.schedule}, {"activation_checkpoints", s.checkpoints}}}};
+      {"zoffload", {{"device", "host"}, {"gpu_memory_limit", s.gpu_limit}, {"schedule", s.schedule}, {"activation_checkpoints", s.checkpoints},
+                    {"gradient_accumulators", s.accumulators}}}};
   if (s.scheduler)
     j["scheduler"] = {{"type", "WarmupCosineLR"}, {"params", {{"warmup_num_steps", 3}, {"total_num_steps", 20}, {"warmup_type", "linear"}}}};
   if (s.opt_type == "Adagrad") j["optimizer"]["params"] = {{"lr", 1e-2}, {"eps", 1e-10}, {"weight_decay", 0.0}};
@@ -129,9 +131,11 @@ std::vector<std::vector<float>> masters(Trainer& t) {
 }
 
 // Runs `steps` steps; returns the masters after them (and the metrics through `metrics`).
-std::vector<std::vector<float>> train(const TrainOptions& o, int steps, std::vector<StepMetrics>* metrics = nullptr) {
+std::vector<std::vector<float>> train(const TrainOptions& o, int steps, std::vector<StepMetrics>* metrics = nullptr,
+                                      nlohmann::json* plan = nullptr) {
   auto t = Trainer::create(o);
   ZO_CHECK(t.is_ok()) << t.status().to_string();
+  if (plan) *plan = nlohmann::json::parse((*t)->plan_json());
   for (int i = 0; i < steps; ++i) {
     auto m = (*t)->step();
     ZO_CHECK(m.is_ok()) << m.status().to_string();
@@ -168,12 +172,29 @@ TEST(Trainer, OffloadAndPrefetchSettingsGiveBitIdenticalWeights) {
        {.param = "nvme", .optimizer = "cpu", .max_in_cpu = 20000, .prefetch = 1'000'000, .persistence = 5000}},
       {"stage 2, optimizer cpu", {.stage = 2, .optimizer = "cpu"}},
       {"stage 0", {.stage = 0}},
+      // Note [Where the gradients wait]: the accumulators apart from the optimizer states.
+      {"params cpu, optimizer nvme, accumulators nvme", {.param = "cpu", .optimizer = "nvme", .accumulators = "nvme"}},
+      {"params cpu, optimizer cpu, accumulators nvme", {.param = "cpu", .optimizer = "cpu", .accumulators = "nvme"}},
+      {"params nvme, optimizer nvme, pipelined, accumulators cpu",
+       {.param = "nvme", .optimizer = "nvme", .pipeline = true, .max_in_cpu = 0, .accumulators = "cpu"}},
   };
+  auto tier = [](const std::string& device) { return device == "none" ? std::string("device") : device; };
   for (const Variant& v : variants) {
     SCOPED_TRACE(v.name);
     TempDir dir;
     std::vector<StepMetrics> metrics;
-    const auto weights = train(make_options(v.setup, dir), kSteps, &metrics);
+    nlohmann::json plan;
+    const auto weights = train(make_options(v.setup, dir), kSteps, &metrics, &plan);
+    // The variant really put the states where it says, or equality would prove nothing.
+    const nlohmann::json& placed = plan["memory_plan"]["placement"];
+    EXPECT_EQ(placed["optimizer"], tier(v.setup.optimizer)) << placed.dump();
+    const std::string grads = v.setup.accumulators != "auto" ? v.setup.accumulators
+                              : v.setup.optimizer == "nvme"   ? "cpu"  // the planner's choice: this host has room
+                                                              : tier(v.setup.optimizer);
+    EXPECT_EQ(placed["grad"], grads) << placed.dump();
+    if (v.setup.param != "none") {
+      EXPECT_GT(placed["compute"][v.setup.param].get<uint64_t>(), 0u) << placed.dump();
+    }
     EXPECT_TRUE(bit_identical(weights, reference));
     ASSERT_EQ(metrics.size(), ref_metrics.size());
     for (size_t i = 0; i < metrics.size(); ++i) EXPECT_EQ(metrics[i].loss, ref_metrics[i].loss) << "step " << i + 1;
@@ -438,8 +459,11 @@ TEST(Trainer, VerticalScheduleMatchesHorizontalOnEveryPlacementAndPrecision) {
   };
   const std::vector<Variant> variants = {
       {"bf16, params on the device, optimizer cpu", {.optimizer = "cpu", .grad_accum = 3}},
-      {"bf16, params cpu, optimizer nvme, pipelined", {.param = "cpu", .optimizer = "nvme", .pipeline = true, .grad_accum = 3}},
-      {"bf16, params nvme, optimizer nvme, no cache", {.param = "nvme", .optimizer = "nvme", .max_in_cpu = 0, .max_live = 40000, .reuse = 0, .grad_accum = 4}},
+      {"bf16, params cpu, optimizer nvme, pipelined",
+       {.param = "cpu", .optimizer = "nvme", .pipeline = true, .grad_accum = 3, .accumulators = "nvme"}},
+      {"bf16, params nvme, optimizer nvme, no cache",
+       {.param = "nvme", .optimizer = "nvme", .max_in_cpu = 0, .max_live = 40000, .reuse = 0, .grad_accum = 4, .accumulators = "nvme"}},
+      {"bf16, optimizer cpu, accumulators nvme", {.param = "cpu", .optimizer = "cpu", .grad_accum = 3, .accumulators = "nvme"}},
       {"fp32, params cpu, optimizer cpu", {.param = "cpu", .optimizer = "cpu", .precision = "fp32", .grad_accum = 3}},
       {"fp16, params cpu, optimizer nvme", {.param = "cpu", .optimizer = "nvme", .precision = "fp16", .grad_accum = 2}},
       {"bf16, stage 0", {.stage = 0, .grad_accum = 3}},
@@ -471,7 +495,7 @@ TEST(Trainer, VerticalScheduleMatchesHorizontalOnEveryPlacementAndPrecision) {
       // embedding stays from one micro-batch's backward to the next one's forward.
       EXPECT_LT(v_h2d * (gas - 1), h_h2d) << "bytes fetched per step: vertical " << v_h2d << ", horizontal " << h_h2d;
     }
-    if (v.setup.optimizer == "nvme") {
+    if (v.setup.accumulators == "nvme") {
       const uint64_t h_wr = hm[3].memory.nvme_write_bytes - hm[2].memory.nvme_write_bytes;
       const uint64_t v_wr = vm[3].memory.nvme_write_bytes - vm[2].memory.nvme_write_bytes;
       EXPECT_LT(v_wr, h_wr) << "NVMe bytes written per step";
@@ -665,7 +689,7 @@ TEST(Trainer, AGradientWriteFailureIsReportedAndTheNextStepsTrain) {
   for (const char* schedule : {"horizontal", "vertical"}) {
     SCOPED_TRACE(schedule);
     TempDir dir;
-    TrainOptions o = make_options({.param = "cpu", .optimizer = "nvme", .schedule = schedule}, dir);
+    TrainOptions o = make_options({.param = "cpu", .optimizer = "nvme", .schedule = schedule, .accumulators = "nvme"}, dir);
     o.io_faults = std::make_shared<io::FaultInjector>();
     // The head's sub-group is the last, the first whose gradients backward writes; its gradient
     // section sits after its master and moments in optimizer.swp (docs/memory.md, swap file layout).
