@@ -25,6 +25,10 @@ std::optional<FaultKind> FaultInjector::decide(const std::string& path, IoOp op,
     if (rule.op && *rule.op != op) continue;
     if (!rule.path_contains.empty() && path.find(rule.path_contains) == std::string::npos) continue;
     if (rule.offset_bytes < offset_bytes || rule.offset_bytes >= offset_bytes + size_bytes) continue;
+    if (rule.skip > 0) {
+      --rule.skip;
+      continue;
+    }
     if (rule.times > 0) --rule.times;
     ++injected_;
     return rule.kind;

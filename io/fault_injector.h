@@ -1,6 +1,7 @@
 // FaultInjector: rules that make the I/O engine fail chosen requests (EIO, ENOSPC, short
 // transfers, transient EAGAIN/EINTR) so the layers above can test their error paths. It wraps any
 // backend (IoEngine::create(options, injector)); requests no rule matches go to the real backend.
+// The same rules drive io::FaultyEnv (env.h) for the file operations outside the engine.
 // Thread-safe: rules may be added while the engine runs.
 #pragma once
 
@@ -28,6 +29,7 @@ struct FaultRule {
   std::string path_contains;       // any file when empty
   uint64_t offset_bytes = 0;       // the piece must cover this file offset
   int times = 1;                   // how many pieces it hits; negative = every matching piece
+  int skip = 0;                    // matching pieces let through before the first hit
 };
 
 class FaultInjector {

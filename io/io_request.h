@@ -10,9 +10,21 @@ namespace zo::io {
 
 class File;
 
-enum class IoOp : uint8_t { kRead, kWrite };
+// kRead and kWrite are the engine's requests; the others are Env's file operations (io/env.h),
+// named here so one FaultRule can aim at either.
+enum class IoOp : uint8_t { kRead, kWrite, kCreate, kSync, kRename, kRemove };
 
-inline std::string_view op_name(IoOp op) { return op == IoOp::kRead ? "read" : "write"; }
+inline std::string_view op_name(IoOp op) {
+  switch (op) {
+    case IoOp::kRead: return "read";
+    case IoOp::kWrite: return "write";
+    case IoOp::kCreate: return "create";
+    case IoOp::kSync: return "sync";
+    case IoOp::kRename: return "rename";
+    case IoOp::kRemove: return "remove";
+  }
+  return "?";
+}
 
 struct IoRequest {
   IoOp op = IoOp::kRead;

@@ -72,22 +72,10 @@ std::string hex32(uint32_t v) {
   return buf;
 }
 
-// Writes a small file in one go, fdatasyncs it and returns its digest.
-Result<FileDigest> write_small_file(const std::string& dir, const std::string& name, const std::string& text) {
-  const std::string path = dir + "/" + name;
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-  if (fd < 0) return errno_status("creating " + path, errno);
-  Status s;
-  for (size_t done = 0; done < text.size() && s.is_ok();) {
-    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) s = errno_status("writing " + path + " at offset " + std::to_string(done), errno);
-    else if (n == 0) s = io_error("writing " + path + " at offset " + std::to_string(done) + ": no progress", EIO);
-    else done += static_cast<size_t>(n);
-  }
-  if (s.is_ok() && ::fdatasync(fd) != 0) s = errno_status("fdatasync of " + path, errno);
-  if (::close(fd) != 0 && s.is_ok()) s = errno_status("closing " + path, errno);
-  if (!s.is_ok()) return s;
+// Writes a small file in one go through the Env (fdatasynced; nothing left on failure) and
+// returns its digest.
+Result<FileDigest> write_small_file(io::Env& env, const std::string& dir, const std::string& name, const std::string& text) {
+  ZO_RETURN_IF_ERROR(env.write_file(dir + "/" + name, text));
   FileDigest d;
   d.name = name;
   d.size_bytes = text.size();
@@ -353,16 +341,11 @@ const FileDigest* Manifest::find(std::string_view name) const {
 namespace {
 
 // Moves `victim` (a step directory) out of the way atomically, then deletes it.
-Status prune_one(const std::string& dir, const std::string& victim) {
+Status prune_one(io::Env& env, const std::string& dir, const std::string& victim) {
   const std::string doomed = dir + "/tmp-pruned-" + victim + "-" + random_suffix();
-  if (::rename((dir + "/" + victim).c_str(), doomed.c_str()) != 0) {
-    return errno_status("moving " + dir + "/" + victim + " away to prune it", errno);
-  }
-  ZO_RETURN_IF_ERROR(sync_directory(dir));
-  std::error_code ec;
-  fs::remove_all(doomed, ec);
-  if (ec) return errno_status("removing " + doomed, ec.value());
-  return Status::ok();
+  ZO_RETURN_IF_ERROR(env.rename(dir + "/" + victim, doomed).with_context("moving " + victim + " away to prune it"));
+  ZO_RETURN_IF_ERROR(env.sync_dir(dir));
+  return env.remove_all(doomed);
 }
 
 // Note [Replacing a step directory]: DIR/step-<N> can exist already — left by a save killed after
@@ -370,9 +353,9 @@ Status prune_one(const std::string& dir, const std::string& victim) {
 // from an older checkpoint. The new checkpoint replaces it with one atomic renameat2(RENAME_EXCHANGE)
 // (the old one lands at the tmp name and is removed), so `latest`, whichever it names, never points
 // at a missing or partial directory. File systems without RENAME_EXCHANGE get kAlreadyExists.
-Status commit_directory(const std::string& tmp, const std::string& final_dir) {
+Status commit_directory(io::Env& env, const std::string& tmp, const std::string& final_dir) {
   bool exchanged = false;
-  ZO_RETURN_IF_ERROR(move_or_exchange_directory(tmp, final_dir, &exchanged));
+  ZO_RETURN_IF_ERROR(env.rename_or_exchange(tmp, final_dir, &exchanged));
   if (exchanged) ZO_LOG(kInfo) << "replaced the existing " << final_dir << " with the new checkpoint of the same step";
   return Status::ok();
 }
@@ -460,6 +443,7 @@ Result<SaveResult> save_checkpoint(StateStore& store, const TrainingState& state
   const std::string name = "step-" + std::to_string(state.steps_done);
   const std::string context = "saving checkpoint " + options.dir + "/" + name;
   if (options.dir.empty()) return invalid_argument(context + ": no checkpoint directory (zoffload.checkpoint.dir)");
+  io::Env& env = options.env != nullptr ? *options.env : *io::Env::posix();
   ZO_RETURN_IF_ERROR(check_staging_bytes(options.staging_bytes, context));
   if (!store.torn_reason().empty()) {
     return failed_precondition(context + ": the states are torn by a failed optimizer step (" + store.torn_reason() +
@@ -472,12 +456,12 @@ Result<SaveResult> save_checkpoint(StateStore& store, const TrainingState& state
   if (!existed) {
     // The new directory's own entry must survive a power cut too.
     const fs::path parent = fs::absolute(options.dir).lexically_normal().parent_path();
-    ZO_RETURN_IF_ERROR(sync_directory(parent.string()).with_context(context));
+    ZO_RETURN_IF_ERROR(env.sync_dir(parent.string()).with_context(context));
   }
   const std::string final_dir = options.dir + "/" + name;
 
   const std::string tmp = options.dir + "/tmp-" + std::to_string(state.steps_done) + "-" + random_suffix();
-  if (::mkdir(tmp.c_str(), 0755) != 0) return errno_status(context + ": creating " + tmp, errno);
+  ZO_RETURN_IF_ERROR(env.make_dir(tmp).with_context(context));
   auto phase = [&](SavePhase p) {
     if (options.on_phase) options.on_phase(p);
   };
@@ -507,43 +491,49 @@ Result<SaveResult> save_checkpoint(StateStore& store, const TrainingState& state
       manifest.files.push_back(std::move(digest));
       phase(SavePhase::kStateFileDone);
     }
-    ZO_ASSIGN_OR_RETURN(FileDigest st, write_small_file(tmp, kTrainerStateFile, state.to_json().dump(2) + "\n"));
+    ZO_ASSIGN_OR_RETURN(FileDigest st, write_small_file(env, tmp, kTrainerStateFile, state.to_json().dump(2) + "\n"));
     manifest.files.push_back(std::move(st));
-    ZO_ASSIGN_OR_RETURN(FileDigest cfg, write_small_file(tmp, kModelConfigFile, model_config_json));
+    ZO_ASSIGN_OR_RETURN(FileDigest cfg, write_small_file(env, tmp, kModelConfigFile, model_config_json));
     manifest.files.push_back(std::move(cfg));
-    ZO_ASSIGN_OR_RETURN(FileDigest mf, write_small_file(tmp, kManifestFile, manifest.to_json().dump(1) + "\n"));
+    ZO_ASSIGN_OR_RETURN(FileDigest mf, write_small_file(env, tmp, kManifestFile, manifest.to_json().dump(1) + "\n"));
     result.bytes += mf.size_bytes;
-    ZO_RETURN_IF_ERROR(sync_directory(tmp));
+    ZO_RETURN_IF_ERROR(env.sync_dir(tmp));
     phase(SavePhase::kManifestWritten);
-    return commit_directory(tmp, final_dir);
+    return commit_directory(env, tmp, final_dir);
   };
   Status s = write_all();
   if (!s.is_ok()) {
     // After an exchange (see commit_directory) tmp holds the replaced checkpoint: equally removable.
-    fs::remove_all(tmp, ec);
-    if (ec) ZO_LOG(kWarn) << context << ": could not remove " << tmp << ": " << ec.message();
+    Status rm = env.remove_all(tmp);
+    if (!rm.is_ok()) ZO_LOG(kWarn) << context << ": could not remove " << tmp << ": " << rm.to_string();
     return s.with_context(context);
   }
   for (const FileDigest& f : manifest.files) result.bytes += f.size_bytes;
-  ZO_RETURN_IF_ERROR(sync_directory(options.dir).with_context(context));
+  // Note [A save that fails after its rename]: from here on step-<N> is complete and renamed, but
+  // `latest` still names the previous checkpoint, which stays intact and is what a resume loads.
+  // An error now is reported (the save did not finish); the directory is left for the next save
+  // of the same step to replace atomically, or for keep_last to prune.
+  ZO_RETURN_IF_ERROR(env.sync_dir(options.dir).with_context(context));
   phase(SavePhase::kRenamed);
   if (fs::exists(tmp, ec)) {
     // The step-<N> this save replaced, swapped out to tmp: gone for good now (or at the next start).
-    fs::remove_all(tmp, ec);
-    if (ec) ZO_LOG(kWarn) << context << ": could not remove the replaced checkpoint at " << tmp << ": " << ec.message();
+    Status rm = env.remove_all(tmp);
+    if (!rm.is_ok()) ZO_LOG(kWarn) << context << ": could not remove the replaced checkpoint at " << tmp << ": " << rm.to_string();
   }
 
   // Point `latest` at it: a new file renamed over the old one.
   const std::string latest_tmp = "latest.tmp-" + random_suffix();
-  auto written = write_small_file(options.dir, latest_tmp, name + "\n");
+  auto written = write_small_file(env, options.dir, latest_tmp, name + "\n");
   if (!written.is_ok()) {
     Status st = written.status();
     return st.with_context(context + " (updating latest)");
   }
-  if (::rename((options.dir + "/" + latest_tmp).c_str(), (options.dir + "/" + kLatestFile).c_str()) != 0) {
-    return errno_status(context + ": replacing " + options.dir + "/" + kLatestFile, errno);
+  Status replaced = env.rename(options.dir + "/" + latest_tmp, options.dir + "/" + kLatestFile);
+  if (!replaced.is_ok()) {
+    (void)env.remove_all(options.dir + "/" + latest_tmp);
+    return replaced.with_context(context + " (updating latest)");
   }
-  ZO_RETURN_IF_ERROR(sync_directory(options.dir).with_context(context));
+  ZO_RETURN_IF_ERROR(env.sync_dir(options.dir).with_context(context + " (updating latest)"));
   phase(SavePhase::kLatestUpdated);
 
   if (options.keep_last > 0) {
@@ -558,7 +548,7 @@ Result<SaveResult> save_checkpoint(StateStore& store, const TrainingState& state
         if (dir_name != name) ++kept;
         continue;
       }
-      Status p = prune_one(options.dir, dir_name);
+      Status p = prune_one(env, options.dir, dir_name);
       if (!p.is_ok()) {
         ZO_LOG(kWarn) << context << ": pruning " << dir_name << " failed (the new checkpoint is complete): "
                       << p.to_string();
@@ -573,20 +563,19 @@ Result<SaveResult> save_checkpoint(StateStore& store, const TrainingState& state
   return result;
 }
 
-Result<std::vector<std::string>> clean_stale_checkpoints(const std::string& dir) {
+Result<std::vector<std::string>> clean_stale_checkpoints(const std::string& dir, io::Env* env_or_null) {
+  io::Env& env = env_or_null != nullptr ? *env_or_null : *io::Env::posix();
   std::vector<std::string> removed;
   std::error_code ec;
   if (!fs::is_directory(dir, ec)) return removed;
   for (const auto& e : fs::directory_iterator(dir, ec)) {
     const std::string name = e.path().filename().string();
     if (name.rfind("tmp-", 0) != 0 && name.rfind("latest.tmp-", 0) != 0) continue;
-    std::error_code rm;
-    fs::remove_all(e.path(), rm);
-    if (rm) return errno_status("removing the stale " + e.path().string(), rm.value());
+    ZO_RETURN_IF_ERROR(env.remove_all(e.path().string()).with_context("removing a stale save"));
     removed.push_back(name);
   }
   if (ec) return errno_status("listing " + dir, ec.value());
-  if (!removed.empty()) ZO_RETURN_IF_ERROR(sync_directory(dir));
+  if (!removed.empty()) ZO_RETURN_IF_ERROR(env.sync_dir(dir));
   return removed;
 }
 

@@ -17,6 +17,7 @@
 #include "engine/data/dataset.h"
 #include "engine/memory/state_store.h"
 #include "engine/optim/loss_scaler.h"
+#include "io/env.h"
 
 namespace zo::engine {
 
@@ -86,6 +87,9 @@ struct SaveOptions {
   std::function<void(uint64_t done_bytes, uint64_t total_bytes)> progress;
   // Called on the saving thread at each phase boundary (tests).
   std::function<void(SavePhase)> on_phase;
+  // Creates, syncs, renames and removes through this Env (null: io::Env::posix()); tests pass an
+  // io::FaultyEnv. The state files' bytes go through the store's I/O engine.
+  io::Env* env = nullptr;
 };
 
 struct SaveResult {
@@ -106,7 +110,7 @@ Result<SaveResult> save_checkpoint(StateStore& store, const TrainingState& state
                                    const SaveOptions& options);
 
 // Removes DIR/tmp-* directories a killed save left behind; returns their names. DIR may not exist.
-Result<std::vector<std::string>> clean_stale_checkpoints(const std::string& dir);
+Result<std::vector<std::string>> clean_stale_checkpoints(const std::string& dir, io::Env* env = nullptr);
 
 // What a --resume / --checkpoint argument names: a step directory (holding manifest.json), or a
 // checkpoint DIR whose `latest` names one. kNotFound / kCorruption saying which, otherwise.

@@ -109,11 +109,13 @@ std::vector<Shard> plan_shards(std::span<const ParamInfo> params, DType dtype, u
 // export (the destructor without commit) removes them, and out_dir when the export created it.
 class OutputDir {
  public:
+  explicit OutputDir(io::Env& env) : env_(env) {}
   ~OutputDir() {
     if (committed_ || dir_.empty()) return;
+    // Best effort: the export's error is what the caller reports.
     for (const std::string& name : names_) {
-      ::unlink(tmp_path(name).c_str());
-      if (renamed_) ::unlink(path(name).c_str());
+      (void)env_.remove_all(tmp_path(name));
+      if (renamed_) (void)env_.remove_all(path(name));
     }
     if (created_) ::rmdir(dir_.c_str());
   }
@@ -161,50 +163,24 @@ class OutputDir {
     // config.json last: a directory a kill left mid-commit has no config.json, so nothing loads it
     // as a model.
     std::stable_partition(names_.begin(), names_.end(), [](const std::string& n) { return n != "config.json"; });
-    for (const std::string& name : names_) {
-      if (::rename(tmp_path(name).c_str(), path(name).c_str()) != 0)
-        return errno_status("export: renaming " + tmp_path(name) + " to " + name, errno);
-    }
-    ZO_RETURN_IF_ERROR(sync_directory(dir_));
+    for (const std::string& name : names_) ZO_RETURN_IF_ERROR(env_.rename(tmp_path(name), path(name)).with_context("export"));
+    ZO_RETURN_IF_ERROR(env_.sync_dir(dir_).with_context("export"));
     if (created_) {
       const std::string parent = std::filesystem::path(dir_).lexically_normal().parent_path().string();
-      ZO_RETURN_IF_ERROR(sync_directory(parent.empty() ? "." : parent));
+      ZO_RETURN_IF_ERROR(env_.sync_dir(parent.empty() ? "." : parent).with_context("export"));
     }
     committed_ = true;
     return Status::ok();
   }
 
  private:
+  io::Env& env_;
   std::string dir_;
   std::vector<std::string> names_;
   bool created_ = false;
   bool renamed_ = false;
   bool committed_ = false;
 };
-
-// A small file (config.json, the index): created, written, fsynced, closed.
-Status write_small_file(const std::string& path, const std::string& text) {
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-  if (fd < 0) return errno_status("export: creating " + path, errno);
-  size_t done = 0;
-  while (done < text.size()) {
-    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      const int err = n < 0 ? errno : EIO;
-      ::close(fd);
-      return errno_status("export: writing " + path + " at offset " + std::to_string(done), err);
-    }
-    done += static_cast<size_t>(n);
-  }
-  if (::fsync(fd) != 0) {
-    const int err = errno;
-    ::close(fd);
-    return errno_status("export: fsync " + path, err);
-  }
-  if (::close(fd) != 0) return errno_status("export: closing " + path, errno);
-  return Status::ok();
-}
 
 // Note [Staging split]
 // The staging buffer is the export's one large allocation. fp32 needs no conversion: the reader
@@ -369,7 +345,12 @@ Result<ExportResult> export_impl(std::span<const ParamInfo> params, const std::s
   for (const Shard& s : shards) total_bytes += s.tensor_bytes;
 
   ZO_ASSIGN_OR_RETURN(AlignedBuffer staging, AlignedBuffer::allocate(options.staging_bytes));
-  OutputDir out;
+  io::Env& env = options.env != nullptr ? *options.env : *io::Env::posix();
+  OutputDir out(env);
+  // A small file (config.json, the index, a side file): whole, fdatasynced, nothing left on failure.
+  auto write_small_file = [&env](const std::string& path, const std::string& text) {
+    return env.write_file(path, text).with_context("export");
+  };
   ZO_RETURN_IF_ERROR(out.open(options.out_dir));
 
   ShardExporter exporter(params, read, io, options, split_staging(staging, options.dtype), total_bytes);

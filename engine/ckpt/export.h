@@ -40,6 +40,9 @@ struct ExportOptions {
   // Called on the exporting thread after every chunk with the tensor bytes written so far and
   // their total (in the export dtype).
   std::function<void(uint64_t done_bytes, uint64_t total_bytes)> progress;
+  // Small files, renames and directory fsyncs go through this Env (null: io::Env::posix()); tests
+  // pass an io::FaultyEnv. The shards' bytes go through the I/O engine.
+  io::Env* env = nullptr;
 };
 
 struct ExportResult {

@@ -17,6 +17,7 @@
 #include "common/bytes.h"
 #include "common/check.h"
 #include "common/crc32c.h"
+#include "io/env.h"
 #include "io/file.h"
 
 namespace zo::engine {
@@ -265,20 +266,7 @@ Status ChunkVerifier::finish() {
 }
 
 Status move_or_exchange_directory(const std::string& from, const std::string& to, bool* exchanged) {
-  *exchanged = false;
-  if (::rename(from.c_str(), to.c_str()) == 0) return Status::ok();
-  if (errno != EEXIST && errno != ENOTEMPTY) return errno_status("renaming " + from + " to " + to, errno);
-  if (::renameat2(AT_FDCWD, from.c_str(), AT_FDCWD, to.c_str(), RENAME_EXCHANGE) == 0) {
-    *exchanged = true;
-    return Status::ok();
-  }
-  const int err = errno;
-  if (err == EINVAL || err == ENOSYS || err == EOPNOTSUPP) {
-    return Status(StatusCode::kAlreadyExists,
-                  to + " already exists and this file system cannot swap directories atomically "
-                       "(renameat2 RENAME_EXCHANGE: " + std::string(std::strerror(err)) + "): remove it first");
-  }
-  return errno_status("swapping " + from + " with the existing " + to, err);
+  return io::Env::posix()->rename_or_exchange(from, to, exchanged);
 }
 
 Status check_staging_bytes(uint64_t bytes, std::string_view what) {
@@ -294,14 +282,7 @@ uint64_t staging_bytes_for(uint64_t configured, uint64_t file_bytes) {
   return std::min(configured, std::max(kMinStagingBytes, align_up(file_bytes, kUnit))) / kUnit * kUnit;
 }
 
-Status sync_directory(const std::string& dir) {
-  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return errno_status("opening directory " + dir + " to fsync it", errno);
-  Status s;
-  if (::fsync(fd) != 0) s = errno_status("fsync of directory " + dir, errno);
-  ::close(fd);
-  return s;
-}
+Status sync_directory(const std::string& dir) { return io::Env::posix()->sync_dir(dir); }
 
 Result<std::string> read_small_file(const std::string& path) {
   std::error_code ec;

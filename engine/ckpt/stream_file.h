@@ -88,13 +88,15 @@ class ChunkVerifier {
   uint32_t crc_ = 0;  // of the current chunk so far
 };
 
-// fsync of a directory (after creating, renaming or removing entries in it).
+// fsync of a directory (after creating, renaming or removing entries in it), through
+// io::Env::posix() (code that takes an io::Env uses its sync_dir instead).
 Status sync_directory(const std::string& dir);
 
 // Moves the finished directory `from` to `to` in one atomic step. When `to` exists, the two are
 // swapped with renameat2(RENAME_EXCHANGE), so `to` is never missing or partial and `from` then
 // holds the old contents for the caller to remove (*exchanged is set). kAlreadyExists naming `to`
-// on a file system without RENAME_EXCHANGE. The caller fsyncs the parent.
+// on a file system without RENAME_EXCHANGE. The caller fsyncs the parent. io::Env::posix()'s
+// rename_or_exchange.
 Status move_or_exchange_directory(const std::string& from, const std::string& to, bool* exchanged);
 
 // The staging buffers checkpoints and exports stream through: at least this many bytes, and a

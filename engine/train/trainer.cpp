@@ -41,6 +41,7 @@
 #include "engine/optim/loss_scaler.h"
 #include "engine/optim/lr_schedule.h"
 #include "engine/plan/planner.h"
+#include "io/env.h"
 #include "gpu/device.h"
 #include "gpu/device_info.h"
 #include "io/io_engine.h"
@@ -112,6 +113,9 @@ struct Trainer::Impl {
   MemoryAccounting accounting;
   std::unique_ptr<gpu::Device> device;
   std::unique_ptr<io::IoEngine> io;
+  // The file operations of checkpoints and exports: POSIX, or faulty under TrainOptions::io_faults.
+  std::unique_ptr<io::FaultyEnv> faulty_env;
+  io::Env* env() const { return faulty_env ? faulty_env.get() : io::Env::posix(); }
   std::unique_ptr<cpu_optim::Executor> executor;
   std::unique_ptr<StateStore> store;
   std::unique_ptr<OptimizerSwapper> optimizer;
@@ -249,9 +253,10 @@ Status Trainer::Impl::init(const TrainOptions& options) {
                                                                                      : config.zoffload.log.metrics_path);
 
   configure_host_compute();
+  if (opt.io_faults) faulty_env = std::make_unique<io::FaultyEnv>(io::Env::posix(), opt.io_faults);
   if (!config.zoffload.checkpoint.dir.empty()) {
     checkpoint_dir = resolve_run_path(opt.out_dir, config.zoffload.checkpoint.dir);
-    ZO_ASSIGN_OR_RETURN(std::vector<std::string> stale, clean_stale_checkpoints(checkpoint_dir));
+    ZO_ASSIGN_OR_RETURN(std::vector<std::string> stale, clean_stale_checkpoints(checkpoint_dir, env()));
     for (const std::string& name : stale)
       ZO_LOG(kInfo) << "removed " << checkpoint_dir << "/" << name << ", left by a save that did not finish";
   }
@@ -1022,6 +1027,7 @@ Result<SaveResult> Trainer::save_checkpoint(const std::function<void(uint64_t, u
   o.keep_last = cc.keep_last;
   o.staging_bytes = cc.staging_buffer_size;
   o.progress = progress;
+  o.env = m.env();
   ZO_ASSIGN_OR_RETURN(SaveResult r, engine::save_checkpoint(*m.store, training_state(), m.model_config_json(), o));
   m.last_saved_step = m.steps_done;
   return r;
@@ -1029,7 +1035,9 @@ Result<SaveResult> Trainer::save_checkpoint(const std::function<void(uint64_t, u
 
 Result<ExportResult> Trainer::export_model(const ExportOptions& options) {
   Impl& m = *impl_;
-  return export_store(*m.store, to_hf_config_json(m.model, torch_dtype_name(options.dtype)), *m.io, options);
+  ExportOptions o = options;
+  if (o.env == nullptr) o.env = m.env();
+  return export_store(*m.store, to_hf_config_json(m.model, torch_dtype_name(options.dtype)), *m.io, o);
 }
 
 DType Trainer::export_dtype() const {

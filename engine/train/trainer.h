@@ -49,7 +49,8 @@ struct TrainOptions {
   // while its optimizer runs (Note [Overlapped optimizer]); the step that reaches last_step does
   // not, so no batch is read that the run never trains on. 0: every step reads ahead.
   uint64_t last_step = 0;
-  // Tests: faults injected into the run's I/O engine (swap files, checkpoints, exports).
+  // Tests: faults injected into the run's I/O engine (swap files, checkpoints, exports) and into
+  // the file operations of its checkpoints and exports (an io::FaultyEnv over these rules).
   std::shared_ptr<io::FaultInjector> io_faults;
 };
 

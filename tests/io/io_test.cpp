@@ -1,6 +1,6 @@
 // Tests of io/: option parsing (unit) and, on real files in a temp dir (io), every backend's round
 // trips at odd sizes and offsets, agreement between backends, concurrency, fault injection, O_DIRECT
-// alignment errors and the buffered fallback on tmpfs.
+// alignment errors and the buffered fallback on tmpfs; the Env's file operations and its faults.
 #include <fcntl.h>
 #include <linux/filter.h>
 #include <linux/magic.h>
@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <random>
 #include <string>
 #include <thread>
@@ -25,12 +26,19 @@
 
 #include "common/aligned_buffer.h"
 #include "common/bytes.h"
+#include "io/env.h"
 #include "io/io_engine.h"
 
 namespace zo::io {
 namespace {
 
 using ::testing::HasSubstr;
+
+#define ZO_ASSERT_OK(expr)                              \
+  do {                                                  \
+    const ::zo::Status zo_assert_status_ = (expr);      \
+    ASSERT_TRUE(zo_assert_status_.is_ok()) << #expr << ": " << zo_assert_status_.to_string(); \
+  } while (0)
 
 // ---- unit ---------------------------------------------------------------------------------------
 
@@ -83,6 +91,18 @@ TEST(FaultInjectorRules, MatchOffsetOpPathAndCount) {
   EXPECT_EQ(f.decide("/x/swap0", IoOp::kRead, 4096, 8192), FaultKind::kEio);
   EXPECT_FALSE(f.decide("/x/swap0", IoOp::kRead, 8192, 4096));  // used up
   EXPECT_EQ(f.injected(), 2u);
+}
+
+TEST(FaultInjectorRules, SkipLetsTheFirstMatchesThrough) {
+  FaultInjector f;
+  f.add({.kind = FaultKind::kEio, .op = IoOp::kSync, .path_contains = "ckpt", .skip = 2});
+  EXPECT_FALSE(f.decide("/r/ckpt/tmp-1", IoOp::kSync, 0, 1));
+  EXPECT_FALSE(f.decide("/r/ckpt", IoOp::kRename, 0, 1));  // another op: not counted
+  EXPECT_FALSE(f.decide("/r/ckpt", IoOp::kSync, 0, 1));
+  EXPECT_EQ(f.decide("/r/ckpt", IoOp::kSync, 0, 1), FaultKind::kEio);
+  EXPECT_FALSE(f.decide("/r/ckpt", IoOp::kSync, 0, 1));
+  EXPECT_EQ(f.injected(), 1u);
+  EXPECT_EQ(op_name(IoOp::kRename), "rename");
 }
 
 // ---- real files ----------------------------------------------------------------------------------
@@ -699,6 +719,81 @@ std::string backend_param_name(const ::testing::TestParamInfo<Backend>& info) {
 
 INSTANTIATE_TEST_SUITE_P(Backends, BackendTest, ::testing::Values(Backend::kUring, Backend::kAio, Backend::kPsync),
                          backend_param_name);
+
+// ---- Env: the file operations above the engine -------------------------------------------------
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+TEST(PosixEnv, WritesWholeFilesOnceAndSwapsDirectories) {
+  TempDir dir(test_root());
+  Env* env = Env::posix();
+  const std::string path = dir.file("manifest.json");
+  ZO_ASSERT_OK(env->write_file(path, "{\"a\": 1}\n"));
+  EXPECT_EQ(slurp(path), "{\"a\": 1}\n");
+  Status again = env->write_file(path, "other");
+  EXPECT_FALSE(again.is_ok()) << "a file is created, never overwritten";
+  EXPECT_THAT(again.message(), HasSubstr("creating " + path));
+  EXPECT_EQ(slurp(path), "{\"a\": 1}\n");
+  ZO_ASSERT_OK(env->sync_dir(dir.path()));
+  EXPECT_THAT(env->sync_dir(dir.file("missing")).message(), HasSubstr("missing"));
+
+  // rename over a file; then a directory moved, and swapped with a non-empty one.
+  ZO_ASSERT_OK(env->write_file(dir.file("latest.tmp"), "step-2\n"));
+  ZO_ASSERT_OK(env->rename(dir.file("latest.tmp"), path));
+  EXPECT_EQ(slurp(path), "step-2\n");
+  ZO_ASSERT_OK(env->make_dir(dir.file("a")));
+  EXPECT_EQ(env->make_dir(dir.file("a")).code(), StatusCode::kAlreadyExists);
+  ZO_ASSERT_OK(env->write_file(dir.file("a/x"), "new"));
+  bool exchanged = true;
+  ZO_ASSERT_OK(env->rename_or_exchange(dir.file("a"), dir.file("b"), &exchanged));
+  EXPECT_FALSE(exchanged);
+  ZO_ASSERT_OK(env->make_dir(dir.file("c")));
+  ZO_ASSERT_OK(env->write_file(dir.file("c/x"), "newer"));
+  ZO_ASSERT_OK(env->rename_or_exchange(dir.file("c"), dir.file("b"), &exchanged));
+  EXPECT_TRUE(exchanged);
+  EXPECT_EQ(slurp(dir.file("b/x")), "newer");
+  EXPECT_EQ(slurp(dir.file("c/x")), "new") << "the old contents wait at the source name";
+  ZO_ASSERT_OK(env->remove_all(dir.file("c")));
+  ZO_ASSERT_OK(env->remove_all(dir.file("c")));  // already gone: fine
+  EXPECT_FALSE(std::filesystem::exists(dir.file("c")));
+}
+
+TEST(FaultyEnv, FailsWhatTheRulesChooseAndLeavesNothingHalfDone) {
+  TempDir dir(test_root());
+  auto faults = std::make_shared<FaultInjector>();
+  FaultyEnv env(Env::posix(), faults);
+  // ENOSPC writing one file: an error naming it, no file, and the next write of it succeeds.
+  faults->add({.kind = FaultKind::kNoSpace, .op = IoOp::kWrite, .path_contains = "manifest.json"});
+  Status full = env.write_file(dir.file("manifest.json"), "{}");
+  EXPECT_EQ(full.code(), StatusCode::kNoSpace);
+  EXPECT_THAT(full.message(), HasSubstr(dir.file("manifest.json")));
+  EXPECT_FALSE(std::filesystem::exists(dir.file("manifest.json")));
+  ZO_ASSERT_OK(env.write_file(dir.file("manifest.json"), "{}"));
+  // A failed fdatasync of a file and fsync of a directory.
+  faults->add({.kind = FaultKind::kEio, .op = IoOp::kSync, .path_contains = "state.json"});
+  EXPECT_EQ(env.write_file(dir.file("state.json"), "{}").code(), StatusCode::kIoError);
+  EXPECT_FALSE(std::filesystem::exists(dir.file("state.json")));
+  faults->add({.kind = FaultKind::kEio, .op = IoOp::kSync, .path_contains = dir.path()});
+  Status sync = env.sync_dir(dir.path());
+  EXPECT_EQ(sync.code(), StatusCode::kIoError);
+  EXPECT_THAT(sync.message(), HasSubstr("fsync of directory " + dir.path()));
+  // A rename aimed at by its destination: nothing moves.
+  ZO_ASSERT_OK(env.write_file(dir.file("latest.tmp"), "step-3\n"));
+  faults->add({.kind = FaultKind::kEio, .op = IoOp::kRename, .path_contains = "-> " + dir.file("latest")});
+  EXPECT_FALSE(env.rename(dir.file("latest.tmp"), dir.file("latest")).is_ok());
+  EXPECT_TRUE(std::filesystem::exists(dir.file("latest.tmp")));
+  EXPECT_FALSE(std::filesystem::exists(dir.file("latest")));
+  // Transient faults are retried: the operation succeeds.
+  faults->add({.kind = FaultKind::kEintr, .op = IoOp::kRename});
+  ZO_ASSERT_OK(env.rename(dir.file("latest.tmp"), dir.file("latest")));
+  EXPECT_EQ(slurp(dir.file("latest")), "step-3\n");
+  EXPECT_EQ(faults->injected(), 5u);
+  // Rules are used up: the same operations now pass.
+  ZO_ASSERT_OK(env.sync_dir(dir.path()));
+}
 
 }  // namespace
 }  // namespace zo::io

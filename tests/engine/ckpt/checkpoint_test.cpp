@@ -15,6 +15,7 @@
 
 #include "common/aligned_buffer.h"
 #include "engine/model/safetensors.h"
+#include "io/env.h"
 #include "tests/engine/ckpt/ckpt_rig.h"
 #include "tests/engine/temp_dir.h"
 
@@ -349,6 +350,81 @@ TEST(Checkpoint, FaultsDuringASaveLoseNothing) {
     // And the next save works.
     EXPECT_TRUE(save_checkpoint(*rig.store, state_at(2), "{}", save_options(ckpt)).is_ok());
     EXPECT_EQ(read_file(ckpt + "/latest"), "step-2\n");
+  }
+}
+
+// The file operations around the commit (issue 19), failed through io::FaultyEnv: ENOSPC writing
+// each small file, a failed fsync of the tmp directory and a failed rename into place lose nothing
+// (as above); a failed fsync of the checkpoint directory after the rename, and a failed update of
+// `latest`, report the save as failed while `latest` still names the previous checkpoint, which
+// verifies; the next save of the same step then replaces the renamed directory and succeeds.
+TEST(Checkpoint, FileOperationFaultsAroundTheCommitLoseNothing) {
+  struct Case {
+    const char* name;
+    io::FaultRule rule;       // path_contains is relative to the checkpoint directory
+    bool after_rename;        // step-2 is in place, `latest` is not updated
+    StatusCode code;
+    const char* says;
+  };
+  const std::vector<Case> cases = {
+      {"manifest ENOSPC", {.kind = io::FaultKind::kNoSpace, .op = io::IoOp::kWrite, .path_contains = "/manifest.json"},
+       false, StatusCode::kNoSpace, "manifest.json"},
+      {"trainer_state ENOSPC", {.kind = io::FaultKind::kNoSpace, .op = io::IoOp::kWrite, .path_contains = "/trainer_state.json"},
+       false, StatusCode::kNoSpace, "trainer_state.json"},
+      {"config ENOSPC", {.kind = io::FaultKind::kNoSpace, .op = io::IoOp::kWrite, .path_contains = "/config.json"},
+       false, StatusCode::kNoSpace, "config.json"},
+      {"manifest fdatasync", {.kind = io::FaultKind::kEio, .op = io::IoOp::kSync, .path_contains = "/manifest.json"},
+       false, StatusCode::kIoError, "fdatasync of"},
+      // After the three small files' fdatasyncs (passed), the tmp directory's fsync.
+      {"tmp directory fsync", {.kind = io::FaultKind::kEio, .op = io::IoOp::kSync, .path_contains = "/tmp-2-", .skip = 3},
+       false, StatusCode::kIoError, "fsync of directory"},
+      {"rename into place", {.kind = io::FaultKind::kEio, .op = io::IoOp::kRename, .path_contains = "-> CKPT/step-2"},
+       false, StatusCode::kIoError, "renaming"},
+      // Syncs under CKPT, in order: trainer_state.json, config.json, manifest.json, the tmp
+      // directory (all passed), then the checkpoint directory after the rename (failed).
+      {"directory fsync after the rename", {.kind = io::FaultKind::kEio, .op = io::IoOp::kSync, .path_contains = "CKPT", .skip = 4},
+       true, StatusCode::kIoError, "fsync of directory CKPT"},
+      {"latest.tmp ENOSPC", {.kind = io::FaultKind::kNoSpace, .op = io::IoOp::kWrite, .path_contains = "/latest.tmp-"},
+       true, StatusCode::kNoSpace, "updating latest"},
+      {"latest rename", {.kind = io::FaultKind::kEio, .op = io::IoOp::kRename, .path_contains = "-> CKPT/latest"},
+       true, StatusCode::kIoError, "updating latest"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    TempDir dir;
+    Rig rig;
+    ASSERT_TRUE(rig.init({.optimizer = "cpu"}, dir.path + "/swap").is_ok());
+    ASSERT_TRUE(rig.fill(1).is_ok());
+    const std::string ckpt = dir.path + "/ckpt";
+    io::FaultyEnv env(io::Env::posix(), rig.faults);
+    SaveOptions o = save_options(ckpt);
+    o.env = &env;
+    ASSERT_TRUE(save_checkpoint(*rig.store, state_at(1), "{}", o).is_ok());
+    ASSERT_TRUE(rig.fill(2).is_ok());
+    const auto before = rig.gather(StateKind::kMaster);
+
+    io::FaultRule rule = c.rule;
+    if (const size_t at = rule.path_contains.find("CKPT"); at != std::string::npos) rule.path_contains.replace(at, 4, ckpt);
+    rig.faults->add(rule);
+    auto r = save_checkpoint(*rig.store, state_at(2), "{}", o);
+    ASSERT_FALSE(r.is_ok());
+    EXPECT_EQ(rig.faults->injected(), 1u);
+    EXPECT_EQ(r.status().code(), c.code) << r.status().to_string();
+    std::string says = c.says;
+    if (const size_t at = says.find("CKPT"); at != std::string::npos) says.replace(at, 4, ckpt);
+    EXPECT_THAT(r.status().to_string(), HasSubstr(says));
+    EXPECT_THAT(r.status().to_string(), HasSubstr("step-2"));
+    rig.faults->clear();
+
+    EXPECT_EQ(fs::exists(ckpt + "/step-2"), c.after_rename);
+    for (const auto& e : fs::directory_iterator(ckpt)) EXPECT_THAT(e.path().filename().string(), ::testing::Not(HasSubstr("tmp")));
+    EXPECT_EQ(read_file(ckpt + "/latest"), "step-1\n");
+    EXPECT_TRUE(verify(ckpt, *rig.io).is_ok()) << "the previous checkpoint, which `latest` names, is whole";
+    EXPECT_TRUE(rig.gather(StateKind::kMaster) == before);
+    // The next save of the same step replaces whatever the failed one left.
+    ASSERT_TRUE(save_checkpoint(*rig.store, state_at(2), "{}", o).is_ok());
+    EXPECT_EQ(read_file(ckpt + "/latest"), "step-2\n");
+    EXPECT_TRUE(verify(ckpt, *rig.io).is_ok());
   }
 }
 

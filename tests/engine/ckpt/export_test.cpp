@@ -26,6 +26,7 @@
 #include "engine/config/config.h"
 #include "engine/model/safetensors.h"
 #include "gpu/device.h"
+#include "io/env.h"
 #include "io/io_engine.h"
 #include "tests/engine/temp_dir.h"
 
@@ -453,6 +454,48 @@ TEST(Export, AFailingReaderLeavesNothingBehind) {
       EXPECT_THAT(r.status().message(),
                   HasSubstr("[" + std::to_string(off) + ", " + std::to_string(off + n) + ")"));
       EXPECT_THAT(r.status().message(), HasSubstr(".safetensors"));
+      if (existed) {
+        EXPECT_TRUE(fs::is_directory(out));
+        EXPECT_TRUE(files_in(out).empty()) << *files_in(out).begin();
+      } else {
+        EXPECT_FALSE(fs::exists(out));
+      }
+    }
+  }
+}
+
+// The file operations of an export (issue 19), failed through io::FaultyEnv: ENOSPC writing the
+// index or config.json, a failed rename or directory fsync at the commit. Each is reported naming
+// the file, and the directory is left as it was found (removed when the export created it).
+TEST(Export, FileOperationFaultsLeaveNothingBehind) {
+  TempDir tmp("zo_export_env");
+  const Model m = small_model();
+  auto io = make_io();
+  const std::vector<io::FaultRule> rules = {
+      {.kind = io::FaultKind::kNoSpace, .op = io::IoOp::kWrite, .path_contains = "model.safetensors.index.json"},
+      {.kind = io::FaultKind::kNoSpace, .op = io::IoOp::kWrite, .path_contains = "config.json"},
+      {.kind = io::FaultKind::kEio, .op = io::IoOp::kRename, .path_contains = "-> "},
+      // Syncs under the directory: the index and config.json (passed), then the directory.
+      {.kind = io::FaultKind::kEio, .op = io::IoOp::kSync, .path_contains = "/hf-", .skip = 2},
+  };
+  const char* says[] = {"model.safetensors.index.json", "config.json", "renaming", "fsync of directory"};
+  for (size_t i = 0; i < rules.size(); ++i) {
+    for (const bool existed : {false, true}) {
+      SCOPED_TRACE(std::string(says[i]) + (existed ? ", existing directory" : ", new directory"));
+      const std::string out = tmp.path + "/hf-" + std::to_string(i) + "-" + std::to_string(existed);
+      if (existed) fs::create_directories(out);
+      auto faults = std::make_shared<io::FaultInjector>();
+      faults->add(rules[i]);
+      io::FaultyEnv env(io::Env::posix(), faults);
+      MemReader reader{&m};
+      ExportOptions o = options_for(out, DType::kBF16);
+      o.shard_bytes = 100'000;  // two shards and an index
+      o.env = &env;
+      auto r = export_hf_model(m.params, kConfigJson, reader.reader(), *io, o);
+      ASSERT_FALSE(r.is_ok());
+      EXPECT_EQ(faults->injected(), 1u);
+      EXPECT_THAT(r.status().message(), HasSubstr(says[i]));
+      EXPECT_THAT(r.status().message(), HasSubstr("export"));
       if (existed) {
         EXPECT_TRUE(fs::is_directory(out));
         EXPECT_TRUE(files_in(out).empty()) << *files_in(out).begin();
