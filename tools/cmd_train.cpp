@@ -243,23 +243,15 @@ int run_train(const TrainArgs& a) {
   if (config->zero.stage3_gather_16bit_weights_on_model_save) {
     engine::ExportOptions eo;
     eo.dtype = trainer.export_dtype();
-    // Written next to its final name and moved into place whole; an earlier run's export of the
-    // same step (the same --out run again) is replaced atomically.
+    // Published whole (Note [Publishing a directory]); an earlier run's export of the same step
+    // (the same --out run again) is replaced atomically.
     const std::string final_dir = a.out + "/hf-export-step-" + std::to_string(trainer.steps_done());
-    eo.out_dir = final_dir + ".tmp-" + std::to_string(::getpid());
+    eo.out_dir = final_dir;
+    eo.replace = true;
     eo.staging_bytes = config->zoffload.checkpoint.staging_buffer_size;
     eo.side_files = engine::model_side_files(a.model);  // the tokenizer: a complete model directory
-    std::error_code ec;
     auto r = trainer.export_model(eo);
     if (!r.is_ok()) return fail("exporting the model: " + r.status().to_string(), 1);
-    bool exchanged = false;
-    Status moved = engine::move_or_exchange_directory(eo.out_dir, final_dir, &exchanged);
-    if (moved.is_ok() && exchanged) std::filesystem::remove_all(eo.out_dir, ec);  // the earlier export
-    if (moved.is_ok()) moved = engine::sync_directory(a.out);
-    if (!moved.is_ok()) {
-      std::filesystem::remove_all(eo.out_dir, ec);
-      return fail("exporting the model: " + moved.to_string(), 1);
-    }
     exported = final_dir;
     if (!a.quiet && !a.json) {
       std::fprintf(stderr, "exported %s (%s, %s)\n", exported.c_str(), std::string(dtype_name(eo.dtype)).c_str(),

@@ -350,15 +350,10 @@ Status prune_one(io::Env& env, const std::string& dir, const std::string& victim
 
 // Note [Replacing a step directory]: DIR/step-<N> can exist already — left by a save killed after
 // its rename but before `latest` was updated, or by a run that went further before this one resumed
-// from an older checkpoint. The new checkpoint replaces it with one atomic renameat2(RENAME_EXCHANGE)
-// (the old one lands at the tmp name and is removed), so `latest`, whichever it names, never points
-// at a missing or partial directory. File systems without RENAME_EXCHANGE get kAlreadyExists.
-Status commit_directory(io::Env& env, const std::string& tmp, const std::string& final_dir) {
-  bool exchanged = false;
-  ZO_RETURN_IF_ERROR(env.rename_or_exchange(tmp, final_dir, &exchanged));
-  if (exchanged) ZO_LOG(kInfo) << "replaced the existing " << final_dir << " with the new checkpoint of the same step";
-  return Status::ok();
-}
+// from an older checkpoint. publish_directory (Note [Publishing a directory]) swaps the new one in
+// with one atomic renameat2(RENAME_EXCHANGE) and removes the old one from the tmp name, so
+// `latest`, whichever it names, never points at a missing or partial directory. File systems
+// without RENAME_EXCHANGE get kAlreadyExists.
 
 // step-<N> directories of DIR, oldest first.
 std::vector<std::pair<uint64_t, std::string>> step_dirs(const std::string& dir) {
@@ -499,27 +494,25 @@ Result<SaveResult> save_checkpoint(StateStore& store, const TrainingState& state
     result.bytes += mf.size_bytes;
     ZO_RETURN_IF_ERROR(env.sync_dir(tmp));
     phase(SavePhase::kManifestWritten);
-    return commit_directory(env, tmp, final_dir);
+    // Note [A save that fails after its rename]: once published, step-<N> is complete, but
+    // `latest` still names the previous checkpoint, which stays intact and is what a resume
+    // loads. An error from then on (DIR's fsync, updating `latest`) is reported all the same; the
+    // directory is left for the next save of the same step to replace, or for keep_last to prune.
+    bool replaced = false;
+    ZO_RETURN_IF_ERROR(publish_directory(env, tmp, final_dir, &replaced));
+    if (replaced) ZO_LOG(kInfo) << "replaced the existing " << final_dir << " with the new checkpoint of the same step";
+    return Status::ok();
   };
   Status s = write_all();
   if (!s.is_ok()) {
-    // After an exchange (see commit_directory) tmp holds the replaced checkpoint: equally removable.
+    // Before the rename tmp is this save; after an exchange whose fsync failed, the replaced
+    // checkpoint. Either is removable (a missing tmp is fine).
     Status rm = env.remove_all(tmp);
     if (!rm.is_ok()) ZO_LOG(kWarn) << context << ": could not remove " << tmp << ": " << rm.to_string();
     return s.with_context(context);
   }
   for (const FileDigest& f : manifest.files) result.bytes += f.size_bytes;
-  // Note [A save that fails after its rename]: from here on step-<N> is complete and renamed, but
-  // `latest` still names the previous checkpoint, which stays intact and is what a resume loads.
-  // An error now is reported (the save did not finish); the directory is left for the next save
-  // of the same step to replace atomically, or for keep_last to prune.
-  ZO_RETURN_IF_ERROR(env.sync_dir(options.dir).with_context(context));
   phase(SavePhase::kRenamed);
-  if (fs::exists(tmp, ec)) {
-    // The step-<N> this save replaced, swapped out to tmp: gone for good now (or at the next start).
-    Status rm = env.remove_all(tmp);
-    if (!rm.is_ok()) ZO_LOG(kWarn) << context << ": could not remove the replaced checkpoint at " << tmp << ": " << rm.to_string();
-  }
 
   // Point `latest` at it: a new file renamed over the old one.
   const std::string latest_tmp = "latest.tmp-" + random_suffix();

@@ -15,6 +15,7 @@
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <random>
 #include <set>
 #include <utility>
 
@@ -35,7 +36,6 @@ std::string shard_file_name(uint32_t shard, uint32_t n_shards) {
 namespace {
 
 constexpr uint32_t kWriterSlots = 4;
-constexpr const char* kTmpSuffix = ".tmp";
 
 std::string range_text(uint64_t begin, uint64_t end) {
   return "[" + std::to_string(begin) + ", " + std::to_string(end) + ")";
@@ -105,80 +105,93 @@ std::vector<Shard> plan_shards(std::span<const ParamInfo> params, DType dtype, u
   return shards;
 }
 
-// The files of an export in progress. Until commit() every file exists only as NAME.tmp; a failed
-// export (the destructor without commit) removes them, and out_dir when the export created it.
+// The directory of an export in progress (Note [Publishing a directory]): every file is written
+// into OUT.tmp-<random>, a sibling of out_dir, which commit() fsyncs and publishes whole. Until then
+// out_dir is untouched; a failed export (the destructor without commit) removes the sibling, and
+// the parents of out_dir it created.
 class OutputDir {
  public:
   explicit OutputDir(io::Env& env) : env_(env) {}
   ~OutputDir() {
-    if (committed_ || dir_.empty()) return;
-    // Best effort: the export's error is what the caller reports.
-    for (const std::string& name : names_) {
-      (void)env_.remove_all(tmp_path(name));
-      if (renamed_) (void)env_.remove_all(path(name));
-    }
-    if (created_) ::rmdir(dir_.c_str());
+    if (committed_ || tmp_.empty()) return;
+    (void)env_.remove_all(tmp_);  // best effort: the export's error is what the caller reports
+    // Unless the failure came after the rename (the parent's fsync): then out_dir is in place.
+    std::error_code ec;
+    if (!created_parent_.empty() && !std::filesystem::exists(dir_, ec)) (void)env_.remove_all(created_parent_);
   }
 
-  // out_dir must be missing (it is created, with its parents) or an empty directory.
-  Status open(const std::string& dir) {
+  // out_dir must be missing or an empty directory; with `replace`, any directory (it is swapped
+  // out atomically at the commit and removed).
+  Status open(const std::string& dir, bool replace) {
     struct stat st {};
     if (::stat(dir.c_str(), &st) == 0) {
       if (!S_ISDIR(st.st_mode))
         return Status(StatusCode::kAlreadyExists, "export directory " + dir + " exists and is not a directory");
-      DIR* d = ::opendir(dir.c_str());
-      if (d == nullptr) return errno_status("export: opening the directory " + dir, errno);
-      std::string entry;
-      while (const dirent* e = ::readdir(d)) {
-        if (std::strcmp(e->d_name, ".") != 0 && std::strcmp(e->d_name, "..") != 0) {
-          entry = e->d_name;
-          break;
+      if (!replace) {
+        DIR* d = ::opendir(dir.c_str());
+        if (d == nullptr) return errno_status("export: opening the directory " + dir, errno);
+        std::string entry;
+        while (const dirent* e = ::readdir(d)) {
+          if (std::strcmp(e->d_name, ".") != 0 && std::strcmp(e->d_name, "..") != 0) {
+            entry = e->d_name;
+            break;
+          }
         }
+        ::closedir(d);
+        if (!entry.empty())
+          return Status(StatusCode::kAlreadyExists,
+                        "export directory " + dir + " is not empty (it holds " + entry + "): give a new or empty one");
       }
-      ::closedir(d);
-      if (!entry.empty())
-        return Status(StatusCode::kAlreadyExists,
-                      "export directory " + dir + " is not empty (it holds " + entry + "): give a new or empty one");
     } else if (errno != ENOENT) {
       return errno_status("export: stat " + dir, errno);
-    } else {
-      std::error_code ec;
-      std::filesystem::create_directories(dir, ec);
-      if (ec) return errno_status("export: creating the directory " + dir, ec.value());
-      created_ = true;
     }
-    dir_ = dir;
-    return Status::ok();
+    const std::filesystem::path normal = std::filesystem::path(dir).lexically_normal();
+    const std::filesystem::path parent = normal.parent_path().empty() ? "." : normal.parent_path();
+    std::error_code ec;
+    if (!std::filesystem::exists(parent, ec)) {
+      // The outermost missing ancestor, removed again if the export fails.
+      std::filesystem::path top = parent;
+      while (top.has_parent_path() && !top.parent_path().empty() && !std::filesystem::exists(top.parent_path(), ec))
+        top = top.parent_path();
+      std::filesystem::create_directories(parent, ec);
+      if (ec) return errno_status("export: creating the directory " + parent.string(), ec.value());
+      created_parent_ = top.string();
+    }
+    dir_ = normal.string();
+    tmp_ = dir_ + ".tmp-" + random_hex();
+    return env_.make_dir(tmp_).with_context("export");
   }
 
-  std::string path(const std::string& name) const { return dir_ + "/" + name; }
-  std::string tmp_path(const std::string& name) const { return path(name) + kTmpSuffix; }
-  // Registers a file about to be written as tmp_path(name).
+  // Where file `name` is written until the commit.
+  std::string path(const std::string& name) const { return tmp_ + "/" + name; }
   void add(const std::string& name) { names_.push_back(name); }
   const std::vector<std::string>& names() const { return names_; }
 
-  // Renames every NAME.tmp to NAME and fsyncs the directory (and its parent when it was created).
+  // fsyncs the written directory and publishes it as out_dir.
   Status commit() {
-    renamed_ = true;
-    // config.json last: a directory a kill left mid-commit has no config.json, so nothing loads it
-    // as a model.
-    std::stable_partition(names_.begin(), names_.end(), [](const std::string& n) { return n != "config.json"; });
-    for (const std::string& name : names_) ZO_RETURN_IF_ERROR(env_.rename(tmp_path(name), path(name)).with_context("export"));
-    ZO_RETURN_IF_ERROR(env_.sync_dir(dir_).with_context("export"));
-    if (created_) {
-      const std::string parent = std::filesystem::path(dir_).lexically_normal().parent_path().string();
-      ZO_RETURN_IF_ERROR(env_.sync_dir(parent.empty() ? "." : parent).with_context("export"));
-    }
+    ZO_RETURN_IF_ERROR(env_.sync_dir(tmp_).with_context("export"));
+    ZO_RETURN_IF_ERROR(publish_directory(env_, tmp_, dir_).with_context("export"));
     committed_ = true;
+    if (!created_parent_.empty()) {
+      // The created parents' own entries must survive a power cut too.
+      const std::string above = std::filesystem::path(created_parent_).parent_path().string();
+      ZO_RETURN_IF_ERROR(env_.sync_dir(above.empty() ? "." : above).with_context("export"));
+    }
     return Status::ok();
   }
 
  private:
+  static std::string random_hex() {
+    std::random_device rd;
+    char buf[17];
+    std::snprintf(buf, sizeof buf, "%08x%08x", rd(), rd());
+    return buf;
+  }
+
   io::Env& env_;
-  std::string dir_;
+  std::string dir_, tmp_;
+  std::string created_parent_;  // the outermost parent directory this export created, if any
   std::vector<std::string> names_;
-  bool created_ = false;
-  bool renamed_ = false;
   bool committed_ = false;
 };
 
@@ -351,12 +364,12 @@ Result<ExportResult> export_impl(std::span<const ParamInfo> params, const std::s
   auto write_small_file = [&env](const std::string& path, const std::string& text) {
     return env.write_file(path, text).with_context("export");
   };
-  ZO_RETURN_IF_ERROR(out.open(options.out_dir));
+  ZO_RETURN_IF_ERROR(out.open(options.out_dir, options.replace));
 
   ShardExporter exporter(params, read, io, options, split_staging(staging, options.dtype), total_bytes);
   for (const Shard& shard : shards) {
     out.add(shard.name);
-    ZO_RETURN_IF_ERROR(exporter.write(shard, out.tmp_path(shard.name)));
+    ZO_RETURN_IF_ERROR(exporter.write(shard, out.path(shard.name)));
   }
   if (shards.size() > 1) {
     nlohmann::json index;
@@ -366,15 +379,15 @@ Result<ExportResult> export_impl(std::span<const ParamInfo> params, const std::s
     for (const Shard& shard : shards)
       for (size_t i = shard.first; i < shard.end; ++i) weight_map[params[i].name] = shard.name;
     out.add(kShardIndexFile);
-    ZO_RETURN_IF_ERROR(write_small_file(out.tmp_path(kShardIndexFile),
+    ZO_RETURN_IF_ERROR(write_small_file(out.path(kShardIndexFile),
                                         index.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n"));
   }
   for (const auto& [name, text] : sides) {
     out.add(name);
-    ZO_RETURN_IF_ERROR(write_small_file(out.tmp_path(name), text));
+    ZO_RETURN_IF_ERROR(write_small_file(out.path(name), text));
   }
   out.add(kModelConfigFile);
-  ZO_RETURN_IF_ERROR(write_small_file(out.tmp_path(kModelConfigFile), config_text));
+  ZO_RETURN_IF_ERROR(write_small_file(out.path(kModelConfigFile), config_text));
   if (before_commit) ZO_RETURN_IF_ERROR(before_commit());
   ZO_RETURN_IF_ERROR(out.commit());
 

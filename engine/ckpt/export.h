@@ -28,7 +28,10 @@ std::string shard_file_name(uint32_t shard, uint32_t n_shards);  // shard counts
 
 struct ExportOptions {
   DType dtype = DType::kBF16;                    // kBF16, kF16 or kF32
-  std::string out_dir;                           // created; must be empty or missing
+  // Written into a sibling OUT.tmp-<random> and published whole (Note [Publishing a directory]):
+  // out_dir must be missing or empty, or anything with `replace`, which swaps it out atomically.
+  std::string out_dir;
+  bool replace = false;
   uint64_t shard_bytes = 5'000'000'000;          // ≥ 1: at most this many tensor bytes per shard,
                                                  // except a larger tensor, which gets a shard alone
   uint64_t staging_bytes = uint64_t{256} << 20;  // ≥ 1 MiB, a multiple of 4096
@@ -59,12 +62,12 @@ using Fp32Reader = std::function<Status(uint32_t param, uint64_t offset_elems, s
 
 // Writes every param of `params` (Hugging Face names and shapes, in this order) and
 // `model_config_json` (its torch_dtype set to the export dtype) into options.out_dir. Every file is
-// written as NAME.tmp (shards through io with O_DIRECT, fdatasynced) and renamed only when all are
-// complete, then the directory is fsynced. The only large allocation is one staging buffer of
-// options.staging_bytes. Errors: kInvalidArgument for bad options, params or config json;
-// kAlreadyExists naming out_dir when it is not empty; the reader's or writer's error with the
-// shard file, tensor and element range added. A failed export removes what it wrote (best effort):
-// out_dir is left as it was found.
+// written into the sibling OUT.tmp-<random> (shards through io with O_DIRECT, all fdatasynced),
+// which is fsynced and published as out_dir only when all are complete (publish_directory). The
+// only large allocation is one staging buffer of options.staging_bytes. Errors: kInvalidArgument
+// for bad options, params or config json; kAlreadyExists naming out_dir when it is not empty
+// (without options.replace); the reader's or writer's error with the shard file, tensor and element
+// range added. A failed export removes what it wrote (best effort): out_dir is left as it was found.
 Result<ExportResult> export_hf_model(std::span<const ParamInfo> params, const std::string& model_config_json,
                                      const Fp32Reader& read, io::IoEngine& io, const ExportOptions& options);
 

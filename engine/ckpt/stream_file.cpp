@@ -17,6 +17,7 @@
 #include "common/bytes.h"
 #include "common/check.h"
 #include "common/crc32c.h"
+#include "common/log.h"
 #include "io/env.h"
 #include "io/file.h"
 
@@ -265,8 +266,19 @@ Status ChunkVerifier::finish() {
   return Status::ok();
 }
 
-Status move_or_exchange_directory(const std::string& from, const std::string& to, bool* exchanged) {
-  return io::Env::posix()->rename_or_exchange(from, to, exchanged);
+Status publish_directory(io::Env& env, const std::string& tmp, const std::string& final_dir, bool* replaced) {
+  bool exchanged = false;
+  ZO_RETURN_IF_ERROR(env.rename_or_exchange(tmp, final_dir, &exchanged));
+  if (replaced != nullptr) *replaced = exchanged;
+  const std::string parent = std::filesystem::path(final_dir).lexically_normal().parent_path().string();
+  ZO_RETURN_IF_ERROR(env.sync_dir(parent.empty() ? "." : parent));
+  if (exchanged) {
+    // What was replaced, now at the tmp name: gone for good (or, if this fails, by whoever cleans
+    // the tmp names; it is no longer reachable under final_dir either way).
+    Status rm = env.remove_all(tmp);
+    if (!rm.is_ok()) ZO_LOG(kWarn) << "could not remove the replaced " << final_dir << " at " << tmp << ": " << rm.to_string();
+  }
+  return Status::ok();
 }
 
 Status check_staging_bytes(uint64_t bytes, std::string_view what) {
@@ -281,8 +293,6 @@ uint64_t staging_bytes_for(uint64_t configured, uint64_t file_bytes) {
   constexpr uint64_t kUnit = 4 * kDirectIoAlignment;
   return std::min(configured, std::max(kMinStagingBytes, align_up(file_bytes, kUnit))) / kUnit * kUnit;
 }
-
-Status sync_directory(const std::string& dir) { return io::Env::posix()->sync_dir(dir); }
 
 Result<std::string> read_small_file(const std::string& path) {
   std::error_code ec;

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "io/env.h"
 #include "io/io_engine.h"
 
 namespace zo::engine {
@@ -88,16 +89,15 @@ class ChunkVerifier {
   uint32_t crc_ = 0;  // of the current chunk so far
 };
 
-// fsync of a directory (after creating, renaming or removing entries in it), through
-// io::Env::posix() (code that takes an io::Env uses its sync_dir instead).
-Status sync_directory(const std::string& dir);
-
-// Moves the finished directory `from` to `to` in one atomic step. When `to` exists, the two are
-// swapped with renameat2(RENAME_EXCHANGE), so `to` is never missing or partial and `from` then
-// holds the old contents for the caller to remove (*exchanged is set). kAlreadyExists naming `to`
-// on a file system without RENAME_EXCHANGE. The caller fsyncs the parent. io::Env::posix()'s
-// rename_or_exchange.
-Status move_or_exchange_directory(const std::string& from, const std::string& to, bool* exchanged);
+// Note [Publishing a directory]: checkpoints and exports are written into a temporary sibling of
+// their final directory, every file fdatasynced and the sibling itself fsynced by the writer, and
+// then published whole by this one step: renamed into place (or, when `final_dir` exists and is
+// not empty, swapped with it by renameat2(RENAME_EXCHANGE), so a reader never sees it missing or
+// partial), the parent fsynced, and what the swap displaced removed. *replaced says whether it
+// replaced something. An error before the rename leaves `final_dir` as it was and `tmp` for the
+// caller to remove; an error after it (the parent's fsync) leaves the new contents in place but
+// not yet durable, and is returned all the same.
+Status publish_directory(io::Env& env, const std::string& tmp, const std::string& final_dir, bool* replaced = nullptr);
 
 // The staging buffers checkpoints and exports stream through: at least this many bytes, and a
 // multiple of 4096 (O_DIRECT).

@@ -102,6 +102,11 @@ std::unique_ptr<io::IoEngine> make_io() {
   return std::move(io).value();
 }
 
+std::string slurp_text(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
 std::set<std::string> files_in(const std::string& dir) {
   std::set<std::string> out;
   std::error_code ec;
@@ -502,8 +507,34 @@ TEST(Export, FileOperationFaultsLeaveNothingBehind) {
       } else {
         EXPECT_FALSE(fs::exists(out));
       }
+      for (const auto& e : fs::directory_iterator(tmp.path))
+        EXPECT_THAT(e.path().filename().string(), ::testing::Not(HasSubstr(".tmp-"))) << "the sibling is removed";
     }
   }
+}
+
+// Note [Publishing a directory]: with `replace` an existing export is swapped out whole (what
+// cmd_train's end-of-run export does when the same --out runs again); without it, refused.
+TEST(Export, ReplaceSwapsAnExistingDirectoryWhole) {
+  TempDir tmp("zo_export_replace");
+  const Model m = small_model();
+  auto io = make_io();
+  const std::string out = tmp.path + "/hf";
+  MemReader first{&m};
+  ASSERT_TRUE(export_hf_model(m.params, kConfigJson, first.reader(), *io, options_for(out, DType::kBF16)).is_ok());
+  { std::ofstream(out + "/stale.txt") << "from an earlier run"; }
+  MemReader again{&m};
+  auto refused = export_hf_model(m.params, kConfigJson, again.reader(), *io, options_for(out, DType::kF32));
+  EXPECT_EQ(refused.status().code(), StatusCode::kAlreadyExists);
+  ExportOptions o = options_for(out, DType::kF32);
+  o.replace = true;
+  MemReader third{&m};
+  auto r = export_hf_model(m.params, kConfigJson, third.reader(), *io, o);
+  ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+  EXPECT_FALSE(fs::exists(out + "/stale.txt")) << "the old directory is gone, not merged";
+  EXPECT_TRUE(fs::exists(out + "/config.json"));
+  EXPECT_THAT(slurp_text(out + "/config.json"), HasSubstr("float32"));
+  for (const auto& e : fs::directory_iterator(tmp.path)) EXPECT_EQ(e.path().filename().string(), "hf");
 }
 
 // A StateStore whose master lives on the device (HostDevice), in CPU memory or on NVMe.
