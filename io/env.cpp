@@ -1,7 +1,10 @@
 #include "io/env.h"
 
+#include <dirent.h>
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -9,9 +12,136 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <utility>
+
+#include "io/file.h"
 
 namespace zo::io {
 namespace {
+
+std::string at(uint64_t offset) { return " at offset " + std::to_string(offset); }
+
+class PosixReadFile final : public ReadFile {
+ public:
+  PosixReadFile(int fd, std::string path, uint64_t size) : fd_(fd), path_(std::move(path)), size_(size) {}
+  ~PosixReadFile() override { ::close(fd_); }
+  PosixReadFile(const PosixReadFile&) = delete;
+  PosixReadFile& operator=(const PosixReadFile&) = delete;
+
+  const std::string& path() const override { return path_; }
+  uint64_t size_bytes() const override { return size_; }
+
+  Status read_exact(uint64_t offset_bytes, std::span<std::byte> out) override {
+    size_t done = 0;
+    while (done < out.size()) {
+      const ssize_t n = ::pread(fd_, out.data() + done, out.size() - done, static_cast<off_t>(offset_bytes + done));
+      if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+      if (n < 0) return errno_status("reading " + path_ + at(offset_bytes + done), errno);
+      if (n == 0) {
+        return Status(StatusCode::kCorruption, path_ + ": end of file" + at(offset_bytes + done) + ", " +
+                                                   std::to_string(out.size() - done) + " bytes missing");
+      }
+      done += static_cast<size_t>(n);
+    }
+    return Status::ok();
+  }
+
+  void will_read_sequentially() override { ::posix_fadvise(fd_, 0, 0, POSIX_FADV_SEQUENTIAL); }
+  void drop_cached(uint64_t offset_bytes, uint64_t length_bytes) override {
+    ::posix_fadvise(fd_, static_cast<off_t>(offset_bytes), static_cast<off_t>(length_bytes), POSIX_FADV_DONTNEED);
+  }
+
+ private:
+  int fd_;
+  std::string path_;
+  uint64_t size_;
+};
+
+class PosixAppendFile final : public AppendFile {
+ public:
+  PosixAppendFile(int fd, std::string path) : fd_(fd), path_(std::move(path)) {}
+  ~PosixAppendFile() override { (void)close(); }
+  PosixAppendFile(const PosixAppendFile&) = delete;
+  PosixAppendFile& operator=(const PosixAppendFile&) = delete;
+
+  const std::string& path() const override { return path_; }
+
+  Status append(std::string_view bytes) override {
+    if (fd_ < 0) return Status(StatusCode::kFailedPrecondition, "appending to " + path_ + ": it is closed");
+    for (size_t done = 0; done < bytes.size();) {
+      const ssize_t n = ::write(fd_, bytes.data() + done, bytes.size() - done);
+      if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+      if (n < 0) return errno_status("appending to " + path_, errno);
+      if (n == 0) return io_error("appending to " + path_ + ": no progress", EIO);
+      done += static_cast<size_t>(n);
+    }
+    return Status::ok();
+  }
+
+  Status sync() override {
+    if (fd_ < 0) return Status(StatusCode::kFailedPrecondition, "fdatasync of " + path_ + ": it is closed");
+    int rc;
+    do {
+      rc = ::fdatasync(fd_);
+    } while (rc != 0 && errno == EINTR);
+    if (rc != 0) return errno_status("fdatasync of " + path_, errno);
+    return Status::ok();
+  }
+
+  Status close() override {
+    if (fd_ < 0) return Status::ok();
+    if (::close(std::exchange(fd_, -1)) != 0 && errno != EINTR) return errno_status("closing " + path_, errno);
+    return Status::ok();
+  }
+
+ private:
+  int fd_;
+  std::string path_;
+};
+
+class PosixMappedFile final : public MappedFile {
+ public:
+  PosixMappedFile(void* data, size_t size, std::string path) : data_(data), size_(size), path_(std::move(path)) {}
+  ~PosixMappedFile() override {
+    if (size_ > 0) ::munmap(data_, size_);
+  }
+  PosixMappedFile(const PosixMappedFile&) = delete;
+  PosixMappedFile& operator=(const PosixMappedFile&) = delete;
+
+  const std::string& path() const override { return path_; }
+  std::span<const std::byte> bytes() const override { return {static_cast<const std::byte*>(data_), size_}; }
+
+ private:
+  void* data_;
+  size_t size_;
+  std::string path_;
+};
+
+// open(2) of a file check_regular_file accepted; the fstat after it closes the race with a file
+// replaced in between. On success *size holds the file's size.
+Result<int> open_regular(const std::string& path, std::string_view what, uint64_t* size) {
+  ZO_RETURN_IF_ERROR(check_regular_file(path, what));
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) {
+    const int err = errno;
+    if (err == ENOENT) return Status(StatusCode::kNotFound, std::string(what) + " " + path + ": no such file", err);
+    return errno_status("opening " + path, err);
+  }
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    const int err = errno;
+    ::close(fd);
+    return errno_status("fstat " + path, err);
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return invalid_argument(std::string(what) + " " + path + " is not a regular file");
+  }
+  // O_NONBLOCK only kept open() from blocking; regular files ignore it, but clear it anyway.
+  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+  *size = static_cast<uint64_t>(st.st_size);
+  return fd;
+}
 
 class PosixEnv final : public Env {
  public:
@@ -76,9 +206,159 @@ class PosixEnv final : public Env {
     if (ec) return errno_status("removing " + path, ec.value());
     return Status::ok();
   }
+
+  Result<std::unique_ptr<ReadFile>> open_read(const std::string& path, std::string_view what) override {
+    uint64_t size = 0;
+    ZO_ASSIGN_OR_RETURN(const int fd, open_regular(path, what, &size));
+    return std::unique_ptr<ReadFile>(new PosixReadFile(fd, path, size));
+  }
+
+  Result<std::unique_ptr<MappedFile>> map_read(const std::string& path, std::string_view what) override {
+    uint64_t size = 0;
+    ZO_ASSIGN_OR_RETURN(const int fd, open_regular(path, what, &size));
+    void* data = nullptr;
+    if (size > 0) {
+      data = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
+      if (data == MAP_FAILED) {
+        const int err = errno;
+        ::close(fd);
+        return errno_status("mapping " + path, err);
+      }
+    }
+    ::close(fd);  // the mapping keeps the file
+    return std::unique_ptr<MappedFile>(new PosixMappedFile(data, size, path));
+  }
+
+  Result<std::unique_ptr<AppendFile>> open_append(const std::string& path) override {
+    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    if (fd < 0) return errno_status("opening " + path + " to append", errno);
+    return std::unique_ptr<AppendFile>(new PosixAppendFile(fd, path));
+  }
+
+  Status make_dirs(const std::string& path, std::string* created_top) override {
+    if (created_top) created_top->clear();
+    std::filesystem::path normal = std::filesystem::path(path).lexically_normal();
+    if (!normal.has_filename() && normal.has_parent_path()) normal = normal.parent_path();  // "a/b/" is "a/b"
+    // The missing ancestors, innermost first.
+    std::vector<std::filesystem::path> missing;
+    for (std::filesystem::path p = normal; !p.empty(); p = p.parent_path()) {
+      ZO_ASSIGN_OR_RETURN(const PathKind kind, path_kind(p.string()));
+      if (kind == PathKind::kDirectory) break;
+      if (kind != PathKind::kMissing) {
+        return Status(StatusCode::kAlreadyExists, "creating " + normal.string() + ": " + p.string() +
+                                                      " exists and is not a directory", ENOTDIR);
+      }
+      missing.push_back(p);
+      if (p == p.parent_path()) break;
+    }
+    for (auto it = missing.rbegin(); it != missing.rend(); ++it) {
+      if (::mkdir(it->c_str(), 0755) != 0) {
+        const int err = errno;
+        if (err == EEXIST) continue;  // made meanwhile by someone else: fine when a directory
+        return errno_status("creating " + it->string(), err);
+      }
+      if (created_top && created_top->empty()) *created_top = it->string();
+    }
+    return Status::ok();
+  }
+
+  Result<PathKind> path_kind(const std::string& path) override {
+    struct stat st {};
+    if (::stat(path.c_str(), &st) != 0) {
+      const int err = errno;
+      if (err == ENOENT || err == ENOTDIR) return PathKind::kMissing;
+      return errno_status("stat " + path, err);
+    }
+    if (S_ISREG(st.st_mode)) return PathKind::kFile;
+    if (S_ISDIR(st.st_mode)) return PathKind::kDirectory;
+    return PathKind::kOther;
+  }
+
+  Result<uint64_t> file_size(const std::string& path) override {
+    struct stat st {};
+    if (::stat(path.c_str(), &st) != 0) return errno_status("stat " + path, errno);
+    return static_cast<uint64_t>(st.st_size);
+  }
+
+  Result<std::vector<std::string>> list_dir(const std::string& dir) override {
+    DIR* d = ::opendir(dir.c_str());
+    if (d == nullptr) return errno_status("listing " + dir, errno);
+    std::vector<std::string> names;
+    errno = 0;
+    while (const dirent* e = ::readdir(d)) {
+      const std::string_view name = e->d_name;
+      if (name != "." && name != "..") names.emplace_back(name);
+      errno = 0;
+    }
+    const int err = errno;
+    ::closedir(d);
+    if (err != 0) return errno_status("listing " + dir, err);
+    std::sort(names.begin(), names.end());
+    return names;
+  }
+
+  Result<uint64_t> free_bytes(const std::string& path) override {
+    struct statvfs s {};
+    if (::statvfs(path.c_str(), &s) != 0) return errno_status("statvfs " + path, errno);
+    return static_cast<uint64_t>(s.f_bavail) * s.f_frsize;
+  }
+};
+
+// FaultyEnv's files: each read, append or sync asks the rules first.
+class FaultyReadFile final : public ReadFile {
+ public:
+  FaultyReadFile(std::unique_ptr<ReadFile> base, FaultyEnv* env) : base_(std::move(base)), env_(env) {}
+  const std::string& path() const override { return base_->path(); }
+  uint64_t size_bytes() const override { return base_->size_bytes(); }
+  Status read_exact(uint64_t offset_bytes, std::span<std::byte> out) override {
+    ZO_RETURN_IF_ERROR(env_->inject("reading " + path() + at(offset_bytes), path(), IoOp::kRead, offset_bytes,
+                                    std::max<uint64_t>(out.size(), 1)));
+    return base_->read_exact(offset_bytes, out);
+  }
+  void will_read_sequentially() override { base_->will_read_sequentially(); }
+  void drop_cached(uint64_t offset_bytes, uint64_t length_bytes) override { base_->drop_cached(offset_bytes, length_bytes); }
+
+ private:
+  std::unique_ptr<ReadFile> base_;
+  FaultyEnv* env_;
+};
+
+class FaultyAppendFile final : public AppendFile {
+ public:
+  FaultyAppendFile(std::unique_ptr<AppendFile> base, FaultyEnv* env) : base_(std::move(base)), env_(env) {}
+  const std::string& path() const override { return base_->path(); }
+  Status append(std::string_view bytes) override {
+    ZO_RETURN_IF_ERROR(env_->inject("appending to " + path(), path(), IoOp::kWrite, appended_,
+                                    std::max<uint64_t>(bytes.size(), 1)));
+    ZO_RETURN_IF_ERROR(base_->append(bytes));
+    appended_ += bytes.size();
+    return Status::ok();
+  }
+  Status sync() override {
+    ZO_RETURN_IF_ERROR(env_->inject("fdatasync of " + path(), path(), IoOp::kSync));
+    return base_->sync();
+  }
+  Status close() override { return base_->close(); }
+
+ private:
+  std::unique_ptr<AppendFile> base_;
+  FaultyEnv* env_;
+  uint64_t appended_ = 0;  // by this handle: a rule's offset counts from where it opened
 };
 
 }  // namespace
+
+Result<std::string> Env::read_file(const std::string& path, std::string_view what, uint64_t max_bytes) {
+  ZO_ASSIGN_OR_RETURN(std::unique_ptr<ReadFile> file, open_read(path, what));
+  const uint64_t size = file->size_bytes();
+  if (size > max_bytes) {
+    return invalid_argument(std::string(what) + " " + path + " is " + std::to_string(size) + " bytes, over the " +
+                            std::to_string(max_bytes) + "-byte limit");
+  }
+  std::string bytes(size, '\0');
+  ZO_RETURN_IF_ERROR(file->read_exact(0, std::as_writable_bytes(std::span(bytes))));
+  return bytes;
+}
 
 Env* Env::posix() {
   static PosixEnv* env = new PosixEnv();  // never destroyed: usable from exit handlers
@@ -134,5 +414,32 @@ Status FaultyEnv::remove_all(const std::string& path) {
   ZO_RETURN_IF_ERROR(inject("removing " + path, path, IoOp::kRemove));
   return base_->remove_all(path);
 }
+
+Result<std::unique_ptr<ReadFile>> FaultyEnv::open_read(const std::string& path, std::string_view what) {
+  ZO_ASSIGN_OR_RETURN(std::unique_ptr<ReadFile> file, base_->open_read(path, what));
+  return std::unique_ptr<ReadFile>(new FaultyReadFile(std::move(file), this));
+}
+
+Result<std::unique_ptr<MappedFile>> FaultyEnv::map_read(const std::string& path, std::string_view what) {
+  ZO_RETURN_IF_ERROR(inject("mapping " + path, path, IoOp::kRead));
+  return base_->map_read(path, what);
+}
+
+Result<std::unique_ptr<AppendFile>> FaultyEnv::open_append(const std::string& path) {
+  ZO_RETURN_IF_ERROR(inject("opening " + path + " to append", path, IoOp::kCreate));
+  ZO_ASSIGN_OR_RETURN(std::unique_ptr<AppendFile> file, base_->open_append(path));
+  return std::unique_ptr<AppendFile>(new FaultyAppendFile(std::move(file), this));
+}
+
+Status FaultyEnv::make_dirs(const std::string& path, std::string* created_top) {
+  if (created_top) created_top->clear();
+  ZO_RETURN_IF_ERROR(inject("creating " + path, path, IoOp::kCreate));
+  return base_->make_dirs(path, created_top);
+}
+
+Result<PathKind> FaultyEnv::path_kind(const std::string& path) { return base_->path_kind(path); }
+Result<uint64_t> FaultyEnv::file_size(const std::string& path) { return base_->file_size(path); }
+Result<std::vector<std::string>> FaultyEnv::list_dir(const std::string& dir) { return base_->list_dir(dir); }
+Result<uint64_t> FaultyEnv::free_bytes(const std::string& path) { return base_->free_bytes(path); }
 
 }  // namespace zo::io

@@ -1,19 +1,64 @@
-// Env: the file operations other than the async engine's block reads and writes — small files
-// written whole, directory fsyncs, renames, directory creation and removal — behind one interface,
-// so a test can make any of them fail (FaultyEnv) the way FaultInjector makes the engine's requests
-// fail. Env::posix() is the real one. Implementations are thread-safe; errors carry the path and
-// errno text ("<op> PATH: <strerror>") and keep the errno's StatusCode (ENOSPC is kNoSpace).
+// Env: every file operation other than the async engine's block reads and writes — files read at
+// any offset or whole, files written whole or appended to, directory fsyncs, renames, directory
+// creation, listing and removal, file kinds and free space — behind one interface, so a test can
+// make any of them fail (FaultyEnv) the way FaultInjector makes the engine's requests fail.
+// Env::posix() is the real one. Nothing above io/ calls a file syscall (tests/lint_file_syscalls.py).
+// Env implementations are thread-safe; the files they open are used by one thread at a time. Errors
+// carry the path and errno text ("<op> PATH: <strerror>") and keep the errno's StatusCode.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "common/status.h"
 #include "io/fault_injector.h"
 
 namespace zo::io {
+
+// A regular file opened for reading (Env::open_read). Not thread-safe; close by destruction.
+class ReadFile {
+ public:
+  virtual ~ReadFile() = default;
+  virtual const std::string& path() const = 0;
+  // The size when it was opened.
+  virtual uint64_t size_bytes() const = 0;
+  // Reads exactly out.size() bytes at `offset_bytes` (short reads continued, EINTR and EAGAIN
+  // retried). A file that ends first is kCorruption "PATH: end of file at offset X, N bytes
+  // missing"; a failed read is "reading PATH at offset X: <strerror>".
+  virtual Status read_exact(uint64_t offset_bytes, std::span<std::byte> out) = 0;
+  // Hints, never errors: the file will be read front to back; [offset, offset + length) will not
+  // be read again, so the page cache may drop it.
+  virtual void will_read_sequentially() = 0;
+  virtual void drop_cached(uint64_t offset_bytes, uint64_t length_bytes) = 0;
+};
+
+// A file written at its end (Env::open_append): created when missing, kept when present. Not
+// thread-safe. Destruction closes without reporting; call close() to see a deferred error.
+class AppendFile {
+ public:
+  virtual ~AppendFile() = default;
+  virtual const std::string& path() const = 0;
+  // Writes `bytes` whole at the end (short writes continued, EINTR and EAGAIN retried).
+  virtual Status append(std::string_view bytes) = 0;
+  // fdatasync.
+  virtual Status sync() = 0;
+  virtual Status close() = 0;
+};
+
+// A regular file mapped read-only into memory (Env::map_read); unmapped on destruction.
+class MappedFile {
+ public:
+  virtual ~MappedFile() = default;
+  virtual const std::string& path() const = 0;
+  virtual std::span<const std::byte> bytes() const = 0;
+};
+
+enum class PathKind : uint8_t { kMissing, kFile, kDirectory, kOther };
 
 class Env {
  public:
@@ -37,14 +82,42 @@ class Env {
   virtual Status make_dir(const std::string& path) = 0;
   // Removes a file or a directory tree; a missing path is not an error.
   virtual Status remove_all(const std::string& path) = 0;
+
+  // Opens a regular file for reading. `what` names the input in errors ("config file", ...): a
+  // missing file is kNotFound "<what> PATH: no such file"; a FIFO, socket, device or directory is
+  // refused without opening it (kInvalidArgument "<what> PATH is a FIFO (named pipe), not a
+  // regular file"): reading one would block forever or never end.
+  virtual Result<std::unique_ptr<ReadFile>> open_read(const std::string& path, std::string_view what) = 0;
+  // Maps a regular file read-only (an empty file maps to an empty span); errors as open_read's.
+  virtual Result<std::unique_ptr<MappedFile>> map_read(const std::string& path, std::string_view what) = 0;
+  // Opens `path` for appending, creating it (0644) when missing.
+  virtual Result<std::unique_ptr<AppendFile>> open_append(const std::string& path) = 0;
+  // mkdir -p: creates `path` and any missing parents (0755); an existing directory is not an
+  // error. When `created_top` is given it receives the outermost directory this call created
+  // (empty when none), so a caller can remove what it made.
+  virtual Status make_dirs(const std::string& path, std::string* created_top = nullptr) = 0;
+  // What `path` names, symlinks followed. kMissing for ENOENT and ENOTDIR; other stat errors fail.
+  virtual Result<PathKind> path_kind(const std::string& path) = 0;
+  // The size of the file `path` names (symlinks followed).
+  virtual Result<uint64_t> file_size(const std::string& path) = 0;
+  // The names of a directory's entries, without "." and "..", sorted.
+  virtual Result<std::vector<std::string>> list_dir(const std::string& dir) = 0;
+  // Bytes available to an unprivileged user on the file system holding `path`, which must exist.
+  virtual Result<uint64_t> free_bytes(const std::string& path) = 0;
+
+  // Reads a whole regular file of at most `max_bytes` through open_read; a larger one is
+  // kInvalidArgument "<what> PATH is N bytes, over the M-byte limit", refused before reading.
+  Result<std::string> read_file(const std::string& path, std::string_view what, uint64_t max_bytes);
 };
 
 // An Env that fails the operations `faults` chooses and passes every other one to `base`. Rules
 // match on the path (a rename's is "FROM -> TO") and on the op: IoOp::kCreate (creating a file or
-// directory), kWrite (a file's bytes; the rule's offset picks the byte), kSync (fdatasync of a file
-// written by write_file, fsync of a directory), kRename, kRemove. kEio and kNoSpace fail the
-// operation with EIO or ENOSPC as the kernel would (a failed write_file leaves no file);
-// kShortTransfer, kEagain and kEintr are transient and retried, as the POSIX Env retries them.
+// directory, opening one to append), kWrite (a file's bytes, written whole or appended; the rule's
+// offset picks the byte), kRead (a ReadFile's bytes, or mapping a file: offset 0), kSync (fdatasync
+// of a file, fsync of a directory), kRename, kRemove. kEio and kNoSpace fail the operation with EIO
+// or ENOSPC as the kernel would (a failed write_file leaves no file); kShortTransfer, kEagain and
+// kEintr are transient and retried, as the POSIX Env retries them. Queries (path_kind, file_size,
+// list_dir, free_bytes) are passed through.
 class FaultyEnv final : public Env {
  public:
   FaultyEnv(Env* base, std::shared_ptr<FaultInjector> faults);
@@ -55,11 +128,19 @@ class FaultyEnv final : public Env {
   Status rename_or_exchange(const std::string& from, const std::string& to, bool* exchanged) override;
   Status make_dir(const std::string& path) override;
   Status remove_all(const std::string& path) override;
+  Result<std::unique_ptr<ReadFile>> open_read(const std::string& path, std::string_view what) override;
+  Result<std::unique_ptr<MappedFile>> map_read(const std::string& path, std::string_view what) override;
+  Result<std::unique_ptr<AppendFile>> open_append(const std::string& path) override;
+  Status make_dirs(const std::string& path, std::string* created_top = nullptr) override;
+  Result<PathKind> path_kind(const std::string& path) override;
+  Result<uint64_t> file_size(const std::string& path) override;
+  Result<std::vector<std::string>> list_dir(const std::string& dir) override;
+  Result<uint64_t> free_bytes(const std::string& path) override;
 
- private:
   // The error a rule injects into `op` on `path` at [offset, offset + size), or ok.
   Status inject(const std::string& what, const std::string& path, IoOp op, uint64_t offset = 0, uint64_t size = 1);
 
+ private:
   Env* base_;
   std::shared_ptr<FaultInjector> faults_;
 };

@@ -159,6 +159,12 @@ Result<uint64_t> File::size_bytes() const {
   return static_cast<uint64_t>(st.st_size);
 }
 
+Status File::truncate(uint64_t size_bytes) {
+  if (::ftruncate(fd_, static_cast<off_t>(size_bytes)) != 0)
+    return errno_status("ftruncate " + path_ + " to " + std::to_string(size_bytes) + " bytes", errno);
+  return Status::ok();
+}
+
 Status File::sync() {
   int rc;
   do {

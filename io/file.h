@@ -49,6 +49,8 @@ class File {
   // extended with ftruncate instead, with a warning. ENOSPC maps to StatusCode::kNoSpace.
   Status preallocate(uint64_t size_bytes);
   Result<uint64_t> size_bytes() const;
+  // ftruncate to exactly `size_bytes` (shrinks or extends).
+  Status truncate(uint64_t size_bytes);
   // fdatasync.
   Status sync();
   // Closes the fd, reporting a close() error (deferred write-back failures surface here).

@@ -6,6 +6,7 @@
 #include <linux/magic.h>
 #include <linux/seccomp.h>
 #include <sys/prctl.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/vfs.h>
 #include <unistd.h>
@@ -20,6 +21,7 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -793,6 +795,126 @@ TEST(FaultyEnv, FailsWhatTheRulesChooseAndLeavesNothingHalfDone) {
   EXPECT_EQ(faults->injected(), 5u);
   // Rules are used up: the same operations now pass.
   ZO_ASSERT_OK(env.sync_dir(dir.path()));
+}
+
+TEST(PosixEnv, ReadsExactlyAndRefusesWhatIsNotARegularFile) {
+  TempDir dir(test_root());
+  Env* env = Env::posix();
+  ZO_ASSERT_OK(env->write_file(dir.file("w"), "0123456789"));
+  auto file = env->open_read(dir.file("w"), "weights");
+  ZO_ASSERT_OK(file.status());
+  EXPECT_EQ((*file)->size_bytes(), 10u);
+  std::string out(4, '?');
+  ZO_ASSERT_OK((*file)->read_exact(3, std::as_writable_bytes(std::span(out))));
+  EXPECT_EQ(out, "3456");
+  Status past = (*file)->read_exact(8, std::as_writable_bytes(std::span(out)));
+  EXPECT_EQ(past.code(), StatusCode::kCorruption);
+  EXPECT_THAT(past.message(), HasSubstr(dir.file("w") + ": end of file at offset 10, 2 bytes missing"));
+
+  auto whole = env->read_file(dir.file("w"), "config file", 10);
+  ZO_ASSERT_OK(whole.status());
+  EXPECT_EQ(*whole, "0123456789");
+  Status big = env->read_file(dir.file("w"), "config file", 9).status();
+  EXPECT_EQ(big.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(big.message(), HasSubstr("config file " + dir.file("w") + " is 10 bytes, over the 9-byte limit"));
+
+  // Missing, a directory, a FIFO: refused by name, never opened (a FIFO would block).
+  EXPECT_EQ(env->open_read(dir.file("none"), "data file").status().code(), StatusCode::kNotFound);
+  EXPECT_THAT(env->open_read(dir.path(), "data file").status().message(), HasSubstr("is a directory, not a regular file"));
+  ASSERT_EQ(::mkfifo(dir.file("fifo").c_str(), 0644), 0);
+  EXPECT_THAT(env->open_read(dir.file("fifo"), "data file").status().message(),
+              HasSubstr("data file " + dir.file("fifo") + " is a FIFO (named pipe), not a regular file"));
+  EXPECT_THAT(env->map_read(dir.file("fifo"), "data file").status().message(), HasSubstr("FIFO"));
+
+  auto mapped = env->map_read(dir.file("w"), "data file");
+  ZO_ASSERT_OK(mapped.status());
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>((*mapped)->bytes().data()), (*mapped)->bytes().size()), "0123456789");
+  ZO_ASSERT_OK(env->write_file(dir.file("empty"), ""));
+  auto none = env->map_read(dir.file("empty"), "data file");
+  ZO_ASSERT_OK(none.status());
+  EXPECT_TRUE((*none)->bytes().empty());
+}
+
+TEST(PosixEnv, AppendsMakesDirectoriesAndAnswersQueries) {
+  TempDir dir(test_root());
+  Env* env = Env::posix();
+  {
+    auto log = env->open_append(dir.file("metrics.jsonl"));
+    ZO_ASSERT_OK(log.status());
+    ZO_ASSERT_OK((*log)->append("{\"step\": 1}\n"));
+    ZO_ASSERT_OK((*log)->sync());
+    ZO_ASSERT_OK((*log)->close());
+    EXPECT_EQ((*log)->append("x").code(), StatusCode::kFailedPrecondition);
+  }
+  {
+    auto log = env->open_append(dir.file("metrics.jsonl"));  // reopened: appends, keeps what was there
+    ZO_ASSERT_OK(log.status());
+    ZO_ASSERT_OK((*log)->append("{\"step\": 2}\n"));
+  }
+  EXPECT_EQ(slurp(dir.file("metrics.jsonl")), "{\"step\": 1}\n{\"step\": 2}\n");
+
+  std::string top;
+  ZO_ASSERT_OK(env->make_dirs(dir.file("a/b/c"), &top));
+  EXPECT_EQ(top, dir.file("a"));
+  ZO_ASSERT_OK(env->make_dirs(dir.file("a/b/c"), &top));
+  EXPECT_EQ(top, "") << "nothing was created the second time";
+  ZO_ASSERT_OK(env->make_dirs(dir.file("a/b/d/"), &top));
+  EXPECT_EQ(top, dir.file("a/b/d"));
+  Status through_file = env->make_dirs(dir.file("metrics.jsonl/x"));
+  EXPECT_THAT(through_file.message(), HasSubstr(dir.file("metrics.jsonl") + " exists and is not a directory"));
+
+  EXPECT_EQ(*env->path_kind(dir.file("a")), PathKind::kDirectory);
+  EXPECT_EQ(*env->path_kind(dir.file("metrics.jsonl")), PathKind::kFile);
+  EXPECT_EQ(*env->path_kind(dir.file("none")), PathKind::kMissing);
+  EXPECT_EQ(*env->path_kind(dir.file("metrics.jsonl/x")), PathKind::kMissing);
+  EXPECT_EQ(*env->file_size(dir.file("metrics.jsonl")), 24u);
+  EXPECT_THAT(*env->list_dir(dir.path()), ::testing::ElementsAre("a", "metrics.jsonl"));
+  EXPECT_THAT(*env->list_dir(dir.file("a/b")), ::testing::ElementsAre("c", "d"));
+  EXPECT_FALSE(env->list_dir(dir.file("none")).is_ok());
+  auto free = env->free_bytes(dir.path());
+  ZO_ASSERT_OK(free.status());
+  EXPECT_GT(*free, 0u);
+}
+
+TEST(FaultyEnv, FailsReadsAppendsAndDirectoryCreation) {
+  TempDir dir(test_root());
+  auto faults = std::make_shared<FaultInjector>();
+  FaultyEnv env(Env::posix(), faults);
+  ZO_ASSERT_OK(env.write_file(dir.file("w"), std::string(8192, 'x')));
+  auto file = env.open_read(dir.file("w"), "weights");
+  ZO_ASSERT_OK(file.status());
+  // EIO aimed at byte 5000: a read around it fails naming the offset it started at; others pass.
+  faults->add({.kind = FaultKind::kEio, .op = IoOp::kRead, .path_contains = "/w", .offset_bytes = 5000});
+  std::string buf(4096, '\0');
+  ZO_ASSERT_OK((*file)->read_exact(0, std::as_writable_bytes(std::span(buf))));
+  Status bad = (*file)->read_exact(4096, std::as_writable_bytes(std::span(buf)));
+  EXPECT_EQ(bad.code(), StatusCode::kIoError);
+  EXPECT_THAT(bad.message(), HasSubstr("reading " + dir.file("w") + " at offset 4096"));
+  ZO_ASSERT_OK((*file)->read_exact(4096, std::as_writable_bytes(std::span(buf))));  // rule used up
+  faults->add({.kind = FaultKind::kEio, .op = IoOp::kRead, .path_contains = "/w"});
+  EXPECT_EQ(env.read_file(dir.file("w"), "weights", 1 << 20).status().code(), StatusCode::kIoError);
+  faults->add({.kind = FaultKind::kEio, .op = IoOp::kRead, .path_contains = "/w"});
+  EXPECT_THAT(env.map_read(dir.file("w"), "data file").status().message(), HasSubstr("mapping " + dir.file("w")));
+
+  // ENOSPC on the second append (the rule's offset is the byte the handle has reached).
+  auto log = env.open_append(dir.file("metrics.jsonl"));
+  ZO_ASSERT_OK(log.status());
+  faults->add({.kind = FaultKind::kNoSpace, .op = IoOp::kWrite, .path_contains = "metrics", .offset_bytes = 6});
+  ZO_ASSERT_OK((*log)->append("line1\n"));
+  EXPECT_EQ((*log)->append("line2\n").code(), StatusCode::kNoSpace);
+  faults->add({.kind = FaultKind::kEio, .op = IoOp::kSync, .path_contains = "metrics"});
+  EXPECT_EQ((*log)->sync().code(), StatusCode::kIoError);
+  faults->add({.kind = FaultKind::kEio, .op = IoOp::kCreate, .path_contains = "metrics"});
+  EXPECT_FALSE(env.open_append(dir.file("metrics.jsonl")).is_ok());
+  EXPECT_EQ(slurp(dir.file("metrics.jsonl")), "line1\n");
+
+  faults->add({.kind = FaultKind::kNoSpace, .op = IoOp::kCreate, .path_contains = "/out"});
+  EXPECT_EQ(env.make_dirs(dir.file("out/a")).code(), StatusCode::kNoSpace);
+  EXPECT_FALSE(std::filesystem::exists(dir.file("out")));
+  // Transient faults on reads are retried.
+  faults->add({.kind = FaultKind::kEagain, .op = IoOp::kRead, .path_contains = "/w"});
+  ZO_ASSERT_OK((*file)->read_exact(0, std::as_writable_bytes(std::span(buf))));
+  EXPECT_EQ(faults->injected(), 8u);
 }
 
 }  // namespace
