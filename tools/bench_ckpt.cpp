@@ -175,7 +175,7 @@ int run_bench(const Args& a) {
   std::optional<engine::Config> config = engine::parse_config_json(j, engine::ResolveContext{}, &diag);
   if (!config) return usage(diag.errors.empty() ? "bad config" : diag.errors.front().to_string());
 
-  std::vector<engine::ParamSpec> specs;
+  std::vector<ParamSpec> specs;
   for (uint64_t done = 0, i = 0; done < *n_total; ++i) {
     const uint64_t n = std::min(*per_param, *n_total - done);
     specs.push_back({"model.layers." + std::to_string(i) + ".weight", {static_cast<int64_t>(n)}});

@@ -299,7 +299,7 @@ int run_bench(Args a) {
   const engine::Config& config = *cfg;
 
   // The model: --params elements as params of --param-elems each (the last one smaller).
-  std::vector<engine::ParamSpec> specs;
+  std::vector<ParamSpec> specs;
   for (uint64_t done = 0, i = 0; done < *n_total; ++i) {
     const uint64_t n = std::min(*per_param, *n_total - done);
     specs.push_back({"layers." + std::to_string(i) + ".weight", {static_cast<int64_t>(n)}});

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "common/dtype.h"
+#include "common/param_spec.h"
 #include "common/status.h"
 #include "engine/config/config.h"
 #include "engine/memory/accounting.h"
@@ -23,11 +24,6 @@ inline constexpr uint64_t kSplitAlignElems = 4096;
 // At most this many sub-groups (16 M: 16 T elements at DeepSpeed's 1e6 floor of useful sizes);
 // checked before the table is built, so an absurd model or size costs no RAM.
 inline constexpr uint64_t kMaxSubGroups = uint64_t{1} << 24;
-
-struct ParamSpec {
-  std::string name;            // Hugging Face name, e.g. "model.layers.0.mlp.up_proj.weight"
-  std::vector<int64_t> shape;  // every dimension ≥ 1
-};
 
 struct ParamInfo {
   uint32_t id = 0;  // index in registration order

@@ -15,8 +15,8 @@
 #pragma GCC diagnostic pop
 
 #include "common/dtype.h"
+#include "common/param_spec.h"
 #include "common/status.h"
-#include "engine/memory/param_registry.h"
 #include "engine/model/model_config.h"
 
 namespace zo::engine {

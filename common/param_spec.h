@@ -1,0 +1,17 @@
+// ParamSpec: a trainable tensor's Hugging Face name and shape — what the model declares
+// (engine/model) and the parameter registry flattens into sub-groups (engine/memory), kept here so
+// neither depends on the other. A plain value type.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace zo {
+
+struct ParamSpec {
+  std::string name;            // Hugging Face name, e.g. "model.layers.0.mlp.up_proj.weight"
+  std::vector<int64_t> shape;  // every dimension ≥ 1
+};
+
+}  // namespace zo
