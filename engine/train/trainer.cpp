@@ -10,7 +10,6 @@
 #include <cstdio>
 #include <cmath>
 #include <filesystem>
-#include <fstream>
 #include <limits>
 #include <optional>
 #include <sstream>
@@ -56,19 +55,19 @@ double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
+constexpr uint64_t kInitChunkElems = uint64_t{1} << 22;  // 16 MiB of fp32 per chunk while loading
+
+}  // namespace
+
 // Note [Host compute]: on the emulated device the blocks run on LibTorch's CPU kernels, which
 // allocate and free activation-sized buffers for every op. With glibc's defaults each buffer above
 // the (dynamic) mmap threshold is a fresh mmap whose pages fault in and whose munmap returns them:
 // that was ~40% of the tiny demo's step. Keeping freed memory in the heap (a high mmap and trim
-// threshold) removes it.
-void configure_host_compute() {
+// threshold) removes it. The setting is process-wide, so the program decides (tools/zoffload does).
+void tune_allocator_for_host_compute() {
   mallopt(M_MMAP_THRESHOLD, 256 << 20);
   mallopt(M_TRIM_THRESHOLD, 1 << 30);
 }
-
-constexpr uint64_t kInitChunkElems = uint64_t{1} << 22;  // 16 MiB of fp32 per chunk while loading
-
-}  // namespace
 
 std::string StepMetrics::to_json() const {
   nlohmann::json j;
@@ -101,6 +100,7 @@ std::string StepMetrics::to_json() const {
 struct Trainer::Impl {
   TrainOptions opt;
   ModelConfig model;
+  bool model_dir = false;  // --model is a Hugging Face model directory (else a preset or TrainOptions::model_config)
   ModelLayout layout;
   std::optional<ParamRegistry> registry;
   MemoryPlan plan;
@@ -108,6 +108,7 @@ struct Trainer::Impl {
   uint64_t seq_len = 0;
   DType compute_dtype = DType::kF32;
   torch::Device torch_device = torch::kCPU;
+  gpu::GpuProbe probe;  // the GPUs LibTorch can use (not probed for zoffload.device "host")
 
   // Declared before what uses them, so they are destroyed after it.
   MemoryAccounting accounting;
@@ -140,7 +141,7 @@ struct Trainer::Impl {
   Status resume_from_checkpoint();
   std::string metrics_path;
   std::string swap_dir;
-  std::ofstream metrics;
+  std::unique_ptr<io::AppendFile> metrics;
 
   // One micro-batch run forward up to the head: its activation checkpoints and labels.
   struct Micro {
@@ -178,7 +179,18 @@ struct Trainer::Impl {
       if (e) device->destroy_event(e);
   }
 
+  // Note [Trainer construction]: init and its steps, in the order it runs them.
   Status init(const TrainOptions& options);
+  Status resolve_model();         // model config, size checks, layout, sequence length
+  Status prepare_run_dir();       // run directory, Env, metrics path, stale checkpoints removed
+  Status find_resume();           // the checkpoint --resume names, opened and checked
+  Status open_device();           // parameter registry, device and its budget
+  Status plan_memory();           // the planner: this run's needs against this machine
+  Status create_states();         // I/O engine, executor, state store; weights loaded or resumed
+  Status create_step_pipeline();  // optimizer, coordinator, events, host checkpoints, gradient path
+  Status create_schedules();      // loss scaler and learning-rate schedule
+  Status open_data();             // dataset and RoPE tables
+  Status open_metrics();          // metrics.jsonl, appended to when resuming
   Status init_weights();
   // The block's compute copies as tensors; leaves that collect gradients when `grad`.
   std::vector<torch::Tensor> wrap(uint32_t block, const std::vector<gpu::DevicePtr>& ptrs, bool grad) const;
@@ -231,96 +243,127 @@ struct Trainer::Impl {
   Result<StepMetrics> step_once();
 };
 
+// Note [Trainer construction]: init runs the steps below in order; each one needs only what the
+// steps before it built. Nothing large is allocated before plan_memory has checked the run against
+// this machine, and nothing of the step loop exists before the states do.
 Status Trainer::Impl::init(const TrainOptions& options) {
   opt = options;
-  const Config& config = opt.config;
+  if (opt.io_faults) faulty_env = std::make_unique<io::FaultyEnv>(io::Env::posix(), opt.io_faults);
+  ZO_RETURN_IF_ERROR(resolve_model());
+  ZO_RETURN_IF_ERROR(prepare_run_dir());
+  ZO_RETURN_IF_ERROR(find_resume());
+  ZO_RETURN_IF_ERROR(open_device());
+  ZO_RETURN_IF_ERROR(plan_memory());
+  ZO_RETURN_IF_ERROR(create_states());
+  ZO_RETURN_IF_ERROR(create_step_pipeline());
+  ZO_RETURN_IF_ERROR(create_schedules());
+  ZO_RETURN_IF_ERROR(open_data());
+  if (resume) ZO_RETURN_IF_ERROR(resume_from_checkpoint());
+  ZO_RETURN_IF_ERROR(open_metrics());
+  accounting.reset_peaks();
+  return Status::ok();
+}
+
+Status Trainer::Impl::resolve_model() {
   if (opt.model_config) {
     model = *opt.model_config;
   } else {
-    ZO_ASSIGN_OR_RETURN(model, resolve_model_config(opt.model));
+    ZO_ASSIGN_OR_RETURN(const io::PathKind kind, env()->path_kind(opt.model));
+    model_dir = kind == io::PathKind::kDirectory;
+    ZO_ASSIGN_OR_RETURN(model, resolve_model_config(opt.model, env()));
   }
   ZO_RETURN_IF_ERROR(check_model_size(model));
   layout = model_layout(model);
-  compute_dtype = config.compute_dtype();
+  compute_dtype = opt.config.compute_dtype();
   seq_len = opt.seq_len != 0 ? opt.seq_len : std::min<uint64_t>(256, model.max_position_embeddings);
+  if (seq_len > model.max_position_embeddings)
+    return invalid_argument("--seq-len " + std::to_string(seq_len) + " exceeds the model's max_position_embeddings (" +
+                            std::to_string(model.max_position_embeddings) + ")");
+  return Status::ok();
+}
 
-  if (!opt.out_dir.empty()) {
-    std::error_code ec;
-    fs::create_directories(opt.out_dir, ec);
-    if (ec) return errno_status("creating the run directory " + opt.out_dir, ec.value());
-  }
+Status Trainer::Impl::prepare_run_dir() {
+  if (!opt.out_dir.empty())
+    ZO_RETURN_IF_ERROR(env()->make_dirs(opt.out_dir).with_context("creating the run directory " + opt.out_dir));
+  const Config& config = opt.config;
   metrics_path = resolve_run_path(opt.out_dir, config.zoffload.log.metrics_path.empty() ? "metrics.jsonl"
                                                                                      : config.zoffload.log.metrics_path);
-
-  configure_host_compute();
-  if (opt.io_faults) faulty_env = std::make_unique<io::FaultyEnv>(io::Env::posix(), opt.io_faults);
   if (!config.zoffload.checkpoint.dir.empty()) {
     checkpoint_dir = resolve_run_path(opt.out_dir, config.zoffload.checkpoint.dir);
     ZO_ASSIGN_OR_RETURN(std::vector<std::string> stale, clean_stale_checkpoints(checkpoint_dir, env()));
     for (const std::string& name : stale)
       ZO_LOG(kInfo) << "removed " << checkpoint_dir << "/" << name << ", left by a save that did not finish";
   }
-  if (!opt.resume.empty()) {
-    std::string where = opt.resume;
-    if (where == "latest") {
-      if (checkpoint_dir.empty())
-        return invalid_argument("--resume latest: the config sets no zoffload.checkpoint.dir to look in; give the "
-                                "checkpoint's path instead");
-      where = checkpoint_dir;
-    }
-    auto path = resolve_checkpoint(where);
-    // A --resume that names no checkpoint is bad input, like a bad --model.
-    if (!path.is_ok() && path.status().code() == StatusCode::kNotFound)
-      return invalid_argument("--resume: " + path.status().message());
-    if (!path.is_ok()) return path.status();
-    ZO_ASSIGN_OR_RETURN(CheckpointInfo info, open_checkpoint(*path));
-    resume = std::move(info);
+  return Status::ok();
+}
+
+Status Trainer::Impl::find_resume() {
+  if (opt.resume.empty()) return Status::ok();
+  std::string where = opt.resume;
+  if (where == "latest") {
+    if (checkpoint_dir.empty())
+      return invalid_argument("--resume latest: the config sets no zoffload.checkpoint.dir to look in; give the "
+                              "checkpoint's path instead");
+    where = checkpoint_dir;
   }
+  auto path = resolve_checkpoint(where);
+  // A --resume that names no checkpoint is bad input, like a bad --model.
+  if (!path.is_ok() && path.status().code() == StatusCode::kNotFound)
+    return invalid_argument("--resume: " + path.status().message());
+  if (!path.is_ok()) return path.status();
+  ZO_ASSIGN_OR_RETURN(CheckpointInfo info, open_checkpoint(*path));
+  resume = std::move(info);
+  return Status::ok();
+}
+
+Status Trainer::Impl::open_device() {
+  const Config& config = opt.config;
   ZO_ASSIGN_OR_RETURN(ParamRegistry reg, ParamRegistry::build(layout.params, config.zero.sub_group_size));
   registry.emplace(std::move(reg));
-
   // The device and its budget: zoffload.gpu_memory_limit, else what the GPU has (or, emulated, RAM).
   // A GPU the CUDA runtime lists but LibTorch cannot use is "present but unusable" for
   // make_device: auto warns and runs on the host, cuda is an error (docs/gpu.md).
-  gpu::GpuProbe probe;
   if (config.zoffload.device != DeviceKind::kHost) probe = probe_usable_gpus();
   uint64_t budget = config.zoffload.gpu_memory_limit;
   if (budget == 0) budget = !probe.gpus.empty() ? probe.gpus.front().total_bytes : host_info().mem_total_bytes;
   ZO_ASSIGN_OR_RETURN(device, gpu::make_device(config.zoffload.device, budget, probe));
   torch_device = device->kind() == DeviceKind::kCuda ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
+  return Status::ok();
+}
 
-  // The planner, before anything large is allocated: the run's needs against this machine.
-  {
-    PlanInputs pi;
-    pi.config = config;
-    pi.model = model;
-    pi.model_name = opt.model;
-    pi.seq_len = seq_len;
-    pi.device_budget_bytes = device->stats().budget_bytes;
-    pi.out_dir = opt.out_dir;
-    pi.host = probe_host(config, opt.out_dir);
-    if (device->kind() == DeviceKind::kCuda && !probe.gpus.empty()) {
-      pi.host.cuda = true;
-      pi.host.device_name = probe.gpus.front().name;
-      pi.host.device_total_bytes = probe.gpus.front().total_bytes;
-    }
-    ZO_ASSIGN_OR_RETURN(run_plan, plan_run(pi));
-    // The memory plan the planner settled on ("auto" choices resolved against this host).
-    plan = run_plan.memory;
-    if (!run_plan.fits()) {
-      std::vector<std::string> problems;
-      for (const PlanProblem& p : run_plan.problems) problems.push_back(p.to_string());
-      return out_of_memory("the plan does not fit this machine: " + join(problems, "; ") +
-                           " (`zoffload plan` with the same arguments lists the changes that make it fit)");
-    }
+Status Trainer::Impl::plan_memory() {
+  PlanInputs pi;
+  pi.config = opt.config;
+  pi.model = model;
+  pi.model_name = opt.model;
+  pi.seq_len = seq_len;
+  pi.device_budget_bytes = device->stats().budget_bytes;
+  pi.out_dir = opt.out_dir;
+  pi.host = probe_host(opt.config, opt.out_dir);
+  if (device->kind() == DeviceKind::kCuda && !probe.gpus.empty()) {
+    pi.host.cuda = true;
+    pi.host.device_name = probe.gpus.front().name;
+    pi.host.device_total_bytes = probe.gpus.front().total_bytes;
+  }
+  ZO_ASSIGN_OR_RETURN(run_plan, plan_run(pi));
+  // The memory plan the planner settled on ("auto" choices resolved against this host).
+  plan = run_plan.memory;
+  if (!run_plan.fits()) {
+    std::vector<std::string> problems;
+    for (const PlanProblem& p : run_plan.problems) problems.push_back(p.to_string());
+    return out_of_memory("the plan does not fit this machine: " + join(problems, "; ") +
+                         " (`zoffload plan` with the same arguments lists the changes that make it fit)");
   }
   track_torch_memory(torch_device.is_cuda());
+  return Status::ok();
+}
 
+Status Trainer::Impl::create_states() {
+  const Config& config = opt.config;
   ZO_ASSIGN_OR_RETURN(io::IoOptions io_options, io_options_from_config(config));
   ZO_ASSIGN_OR_RETURN(io, io::IoEngine::create(io_options, opt.io_faults));
   ZO_ASSIGN_OR_RETURN(executor, cpu_optim::Executor::create({.n_threads = static_cast<int>(config.zoffload.optimizer_threads),
                                                              .bind_cores = config.zoffload.bind_cores}));
-
   StateStoreOptions so;
   so.optimizer_nvme_path = resolve_run_path(opt.out_dir, config.zero.offload_optimizer.nvme_path);
   so.param_nvme_path = resolve_run_path(opt.out_dir, config.zero.offload_param.nvme_path);
@@ -329,18 +372,18 @@ Status Trainer::Impl::init(const TrainOptions& options) {
   if (store->optimizer_file() != nullptr) swap_dir = zo::engine::swap_dir(so.optimizer_nvme_path, so.rank);
   else if (store->param_file() != nullptr) swap_dir = zo::engine::swap_dir(so.param_nvme_path, so.rank);
 
-  if (resume) {
-    // Note [Resume]: the states stream from the checkpoint straight into their tiers through one
-    // staging buffer (freed once loaded); the compute copies are re-derived from the master.
-    uint64_t largest = 0;
-    for (const FileDigest& f : resume->manifest.files) largest = std::max(largest, f.size_bytes);
-    ZO_ASSIGN_OR_RETURN(AlignedBuffer staging, AlignedBuffer::allocate(staging_bytes_for(
-                                                   config.zoffload.checkpoint.staging_buffer_size, largest)));
-    ZO_RETURN_IF_ERROR(load_checkpoint(*resume, *store, *io, staging.bytes()));
-  } else {
-    ZO_RETURN_IF_ERROR(init_weights());
-  }
+  if (!resume) return init_weights();
+  // Note [Resume]: the states stream from the checkpoint straight into their tiers through one
+  // staging buffer (freed once loaded); the compute copies are re-derived from the master.
+  uint64_t largest = 0;
+  for (const FileDigest& f : resume->manifest.files) largest = std::max(largest, f.size_bytes);
+  ZO_ASSIGN_OR_RETURN(AlignedBuffer staging, AlignedBuffer::allocate(staging_bytes_for(
+                                                 config.zoffload.checkpoint.staging_buffer_size, largest)));
+  return load_checkpoint(*resume, *store, *io, staging.bytes());
+}
 
+Status Trainer::Impl::create_step_pipeline() {
+  const Config& config = opt.config;
   ZO_ASSIGN_OR_RETURN(optimizer, OptimizerSwapper::create(*store, *executor, PipelineOptions::from_config(config)));
   if (store->param_file() != nullptr) {
     ZO_ASSIGN_OR_RETURN(param_swapper, ParamSwapper::create(*store));
@@ -373,34 +416,35 @@ Status Trainer::Impl::init(const TrainOptions& options) {
   // The landing ring comes from the pool: pinned, so that gradients leave the GPU by DMA.
   ZO_ASSIGN_OR_RETURN(std::span<std::byte> ring, store->pool().allocate(plan.grad_ring_bytes, "the gradient landing ring"));
   ZO_ASSIGN_OR_RETURN(grad_worker, GradWorker::create(*grads, ring, {}, device.get()));
+  return Status::ok();
+}
 
-  ZO_ASSIGN_OR_RETURN(LossScaler s, LossScaler::for_config(config));
+Status Trainer::Impl::create_schedules() {
+  ZO_ASSIGN_OR_RETURN(LossScaler s, LossScaler::for_config(opt.config));
   scaler.emplace(s);
-  ZO_ASSIGN_OR_RETURN(LrSchedule sched, LrSchedule::create(config.scheduler, config.optimizer.lr));
+  ZO_ASSIGN_OR_RETURN(LrSchedule sched, LrSchedule::create(opt.config.scheduler, opt.config.optimizer.lr));
   schedule.emplace(sched);
+  return Status::ok();
+}
 
+Status Trainer::Impl::open_data() {
   DataOptions d;
   d.path = opt.data_path;
   d.source.format = opt.data_format;
+  d.source.env = env();
   d.seq_len = seq_len;
-  d.micro_batch = config.train_micro_batch_size_per_gpu;
+  d.micro_batch = opt.config.train_micro_batch_size_per_gpu;
   d.seed = resume ? resume->state.seed : opt.seed;
-  if (d.seq_len > model.max_position_embeddings)
-    return invalid_argument("--seq-len " + std::to_string(d.seq_len) + " exceeds the model's max_position_embeddings (" +
-                            std::to_string(model.max_position_embeddings) + ")");
   ZO_ASSIGN_OR_RETURN(data, Dataset::open(d));
-
-  ZO_RETURN_IF_ERROR(torch_call("building the RoPE tables", [&] {
+  return torch_call("building the RoPE tables", [&] {
     rope = make_rope_tables(model, static_cast<int64_t>(d.seq_len), torch_device);
-  }));
+  });
+}
 
-  const bool resuming = resume.has_value();
-  if (resuming) ZO_RETURN_IF_ERROR(resume_from_checkpoint());
-
-  // A resumed run appends to the metrics of the run it continues.
-  metrics.open(metrics_path, std::ios::out | (resuming ? std::ios::app : std::ios::trunc));
-  if (!metrics) return errno_status("opening the metrics file " + metrics_path, errno);
-  accounting.reset_peaks();
+Status Trainer::Impl::open_metrics() {
+  // A resumed run appends to the metrics of the run it continues; a new run starts them afresh.
+  if (!resume) ZO_RETURN_IF_ERROR(env()->remove_all(metrics_path).with_context("starting the metrics file"));
+  ZO_ASSIGN_OR_RETURN(metrics, env()->open_append(metrics_path));
   return Status::ok();
 }
 
@@ -476,8 +520,7 @@ Status Trainer::Impl::init_weights() {
   ParamSink sink = [this](uint32_t param, uint64_t offset_elems, std::span<const float> values) {
     return store->init_param(param, offset_elems, values);
   };
-  std::error_code ec;
-  if (!opt.model_config && fs::is_directory(opt.model, ec)) return load_hf_weights(opt.model, layout, kInitChunkElems, sink);
+  if (model_dir) return load_hf_weights(opt.model, layout, kInitChunkElems, sink, env());
   return random_init_weights(model, layout, opt.seed, kInitChunkElems, sink);
 }
 
@@ -956,9 +999,7 @@ Result<StepMetrics> Trainer::Impl::step_once() {
   const gpu::DeviceStats ds = m.device->stats();
   out.device_peak_bytes = ds.peak_allocated_bytes;
   out.device_budget_bytes = ds.budget_bytes;
-  m.metrics << out.to_json() << '\n';
-  m.metrics.flush();
-  if (!m.metrics) return errno_status("writing " + m.metrics_path, errno);
+  ZO_RETURN_IF_ERROR(m.metrics->append(out.to_json() + "\n"));
   return out;
 }
 
@@ -1009,8 +1050,7 @@ TrainingState Trainer::training_state() const {
   st.data_position = m.ahead ? m.ahead->micro.front().position : m.data->position();
   st.seed = m.data->options().seed;
   // A directory is recorded absolute, so `zoffload export` finds its tokenizer from anywhere.
-  std::error_code ec;
-  st.model = fs::is_directory(m.opt.model, ec) ? fs::absolute(m.opt.model).lexically_normal().string() : m.opt.model;
+  st.model = m.model_dir ? fs::absolute(m.opt.model).lexically_normal().string() : m.opt.model;
   st.data = fs::absolute(m.opt.data_path).lexically_normal().string();
   st.seq_len = m.data->options().seq_len;
   st.config = to_json(m.opt.config);

@@ -92,6 +92,11 @@ struct StepMetrics {
   std::string to_json() const;
 };
 
+// Tunes glibc's allocator for LibTorch's CPU kernels (Note [Host compute] in trainer.cpp): freed
+// activation buffers stay in the heap instead of being unmapped and faulted in again, which was ~40%
+// of a small model's step on the emulated device. Process-wide (mallopt), so the library never calls
+// it: a program that trains calls it once, before Trainer::create (tools/zoffload does).
+void tune_allocator_for_host_compute();
 
 class Trainer {
  public:

@@ -30,6 +30,10 @@
 namespace zo::engine {
 namespace {
 
+// The allocator setting tools/zoffload makes before it trains (Note [Host compute]): without it
+// these tests run the same arithmetic, only slower.
+const bool kAllocatorTuned = (tune_allocator_for_host_compute(), true);
+
 using ::testing::HasSubstr;
 
 std::string corpus_path() {
