@@ -3,8 +3,9 @@
 // creation, listing and removal, file kinds and free space — behind one interface, so a test can
 // make any of them fail (FaultyEnv) the way FaultInjector makes the engine's requests fail.
 // Env::posix() is the real one. Nothing above io/ calls a file syscall (tests/lint_file_syscalls.py).
-// Env implementations are thread-safe; the files they open are used by one thread at a time. Errors
-// carry the path and errno text ("<op> PATH: <strerror>") and keep the errno's StatusCode.
+// Env implementations are thread-safe, and so is ReadFile::read_exact; the other file methods are
+// used by one thread at a time. Errors carry the path and errno text ("<op> PATH: <strerror>") and
+// keep the errno's StatusCode.
 #pragma once
 
 #include <cstddef>
@@ -20,7 +21,8 @@
 
 namespace zo::io {
 
-// A regular file opened for reading (Env::open_read). Not thread-safe; close by destruction.
+// A regular file opened for reading (Env::open_read); closed by destruction. read_exact may be
+// called from several threads at once (it is pread).
 class ReadFile {
  public:
   virtual ~ReadFile() = default;

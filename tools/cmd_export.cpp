@@ -6,7 +6,6 @@
 
 #include <chrono>
 #include <cstdio>
-#include <filesystem>
 #include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -18,6 +17,7 @@
 #include "engine/ckpt/checkpoint.h"
 #include "engine/ckpt/export.h"
 #include "engine/model/model_config.h"
+#include "io/env.h"
 #include "io/io_engine.h"
 #include "tools/commands.h"
 
@@ -126,8 +126,8 @@ int run_export(const ExportArgs& a) {
   if (a.tokenizer_from != "none") {
     const bool given = !a.tokenizer_from.empty();
     const std::string from = given ? a.tokenizer_from : ckpt->state.model;
-    std::error_code ec;
-    const bool is_dir = std::filesystem::is_directory(from, ec);
+    Result<io::PathKind> kind = io::Env::posix()->path_kind(from);
+    const bool is_dir = kind.is_ok() && *kind == io::PathKind::kDirectory;
     if (given && !is_dir) return fail("--tokenizer-from " + from + ": not a directory", 2);
     options.side_files = engine::model_side_files(from);
     if (!is_dir && !engine::model_preset(from).is_ok() && !a.quiet)

@@ -8,7 +8,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <filesystem>
 #include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -21,6 +20,7 @@
 #include "common/string_util.h"
 #include "engine/config/config.h"
 #include "engine/data/token_source.h"
+#include "io/env.h"
 #include "tools/auto_flags.h"
 #include "tools/commands.h"
 #include "zo_build_config.h"
@@ -59,9 +59,10 @@ char g_swap_paths[kMaxSwapFiles][4096];
 volatile sig_atomic_t g_swap_count = 0;
 
 extern "C" void on_stop_signal(int sig) {
-  for (sig_atomic_t i = 0; i < g_swap_count; ++i) ::unlink(g_swap_paths[i]);
+  // A signal handler may only call async-signal-safe functions, which the Env's are not.
+  for (sig_atomic_t i = 0; i < g_swap_count; ++i) ::unlink(g_swap_paths[i]);  // file-syscall-ok: signal handler
   static constexpr char kMessage[] = "zoffload train: interrupted; the NVMe swap files are removed\n";
-  if (::write(STDERR_FILENO, kMessage, sizeof kMessage - 1) < 0) {
+  if (::write(STDERR_FILENO, kMessage, sizeof kMessage - 1) < 0) {  // file-syscall-ok: signal handler
     // Nothing to do: the process is ending.
   }
   ::signal(sig, SIG_DFL);
@@ -139,6 +140,7 @@ int run_train(const TrainArgs& a) {
   options.last_step = steps;
 
   const auto t0 = std::chrono::steady_clock::now();
+  engine::tune_allocator_for_host_compute();
   auto trainer_r = engine::Trainer::create(options);
   if (!trainer_r.is_ok()) {
     const Status& s = trainer_r.status();
@@ -149,13 +151,14 @@ int run_train(const TrainArgs& a) {
   const double setup_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const uint64_t first_step = trainer.steps_done();
   // End-of-training exports a killed run left half-written (hf-export-step-N.tmp-<pid>).
-  {
-    std::error_code ec;
-    for (const auto& e : std::filesystem::directory_iterator(a.out, ec)) {
-      const std::string name = e.path().filename().string();
-      if (name.rfind("hf-export-step-", 0) == 0 && name.find(".tmp-") != std::string::npos) {
-        std::filesystem::remove_all(e.path(), ec);
-        if (!a.quiet) std::cerr << "zoffload train: removed " << e.path().string() << ", left by an export that did not finish\n";
+  if (auto names = io::Env::posix()->list_dir(a.out); names.is_ok()) {
+    for (const std::string& name : *names) {
+      if (name.rfind("hf-export-step-", 0) != 0 || name.find(".tmp-") == std::string::npos) continue;
+      const std::string path = a.out + "/" + name;
+      if (Status s = io::Env::posix()->remove_all(path); !s.is_ok()) {
+        std::cerr << "zoffload train: warning: " << s.message() << "\n";
+      } else if (!a.quiet) {
+        std::cerr << "zoffload train: removed " << path << ", left by an export that did not finish\n";
       }
     }
   }

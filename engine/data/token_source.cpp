@@ -1,21 +1,15 @@
 #include "engine/data/token_source.h"
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <limits>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
 #include "common/string_util.h"
-#include "io/file.h"
+#include "io/env.h"
 
 namespace zo::engine {
 namespace {
@@ -24,44 +18,21 @@ constexpr int32_t kLlmcMagic = 20240520;
 constexpr uint64_t kLlmcHeaderInts = 256;
 constexpr uint64_t kLlmcHeaderBytes = kLlmcHeaderInts * sizeof(int32_t);
 
-// A read-only private mapping of a whole file; unmapped on destruction.
+// A whole data file mapped read-only through the Env; an empty file is refused.
 class MappedFile {
  public:
-  static Result<std::unique_ptr<MappedFile>> open(const std::string& path) {
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
-      const int err = errno;
-      if (err == ENOENT) return Status(StatusCode::kNotFound, "open " + path + ": no such file", err);
-      return errno_status("open " + path, err);
-    }
-    struct stat st {};
-    if (::fstat(fd, &st) != 0) {
-      const int err = errno;
-      ::close(fd);
-      return errno_status("fstat " + path, err);
-    }
-    const auto size = static_cast<uint64_t>(st.st_size);
-    if (size == 0) {
-      ::close(fd);
-      return invalid_argument(path + ": the file is empty");
-    }
-    void* data = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
-    const int err = errno;
-    ::close(fd);  // the mapping keeps the file open
-    if (data == MAP_FAILED) return errno_status("mmap " + path + " (" + std::to_string(size) + " bytes)", err);
-    return std::unique_ptr<MappedFile>(new MappedFile(static_cast<const std::byte*>(data), size));
+  static Result<std::unique_ptr<MappedFile>> open(const std::string& path, io::Env* env) {
+    ZO_ASSIGN_OR_RETURN(std::unique_ptr<io::MappedFile> map, env->map_read(path, "data file"));
+    if (map->bytes().empty()) return invalid_argument(path + ": the file is empty");
+    return std::unique_ptr<MappedFile>(new MappedFile(std::move(map)));
   }
-  ~MappedFile() { ::munmap(const_cast<std::byte*>(data_), size_bytes_); }
-  MappedFile(const MappedFile&) = delete;
-  MappedFile& operator=(const MappedFile&) = delete;
 
-  const std::byte* data() const { return data_; }
-  uint64_t size_bytes() const { return size_bytes_; }
+  const std::byte* data() const { return map_->bytes().data(); }
+  uint64_t size_bytes() const { return map_->bytes().size(); }
 
  private:
-  MappedFile(const std::byte* data, uint64_t size) : data_(data), size_bytes_(size) {}
-  const std::byte* data_;
-  uint64_t size_bytes_;
+  explicit MappedFile(std::unique_ptr<io::MappedFile> map) : map_(std::move(map)) {}
+  std::unique_ptr<io::MappedFile> map_;
 };
 
 // Tokens of 1, 2 or 4 bytes (little-endian) at a byte offset of a mapping: llm.c, raw and text.
@@ -223,20 +194,18 @@ Status read_ids(const nlohmann::json& array, const std::string& where, const cha
   return Status::ok();
 }
 
-Result<std::unique_ptr<TokenSource>> open_jsonl(const std::string& path) {
-  // access() first: std::ifstream does not promise to leave errno meaningful on failure.
-  if (::access(path.c_str(), R_OK) != 0) {
-    const int err = errno;
-    if (err == ENOENT) return Status(StatusCode::kNotFound, "open " + path + ": no such file", err);
-    return errno_status("open " + path, err);
-  }
-  std::ifstream in(path);
-  if (!in) return io_error("open " + path + ": cannot read", 0);
+Result<std::unique_ptr<TokenSource>> open_jsonl(const std::string& path, io::Env* env) {
+  ZO_ASSIGN_OR_RETURN(std::unique_ptr<io::MappedFile> map, env->map_read(path, "data file"));
+  const std::string_view text(reinterpret_cast<const char*>(map->bytes().data()), map->bytes().size());
   std::vector<int32_t> tokens;
   std::vector<int32_t> labels;
   bool any_labels = false;
-  std::string line;
-  for (uint64_t line_no = 1; std::getline(in, line); ++line_no) {
+  uint64_t line_no = 0;
+  for (size_t pos = 0; pos < text.size();) {
+    const size_t eol = std::min(text.find('\n', pos), text.size());
+    const std::string_view line = text.substr(pos, eol - pos);
+    pos = eol + 1;
+    ++line_no;
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;  // blank lines separate nothing
     const std::string where = path + ":" + std::to_string(line_no);
     nlohmann::json obj;
@@ -270,7 +239,6 @@ Result<std::unique_ptr<TokenSource>> open_jsonl(const std::string& path) {
       labels.insert(labels.end(), tokens.begin() + static_cast<ptrdiff_t>(first), tokens.end());
     }
   }
-  if (in.bad()) return errno_status("read " + path, errno);
   if (tokens.empty()) return invalid_argument(path + ": no tokens (no line with a non-empty \"input_ids\")");
   return std::unique_ptr<TokenSource>(new JsonlTokens(path, std::move(tokens), std::move(labels), any_labels));
 }
@@ -295,14 +263,14 @@ Result<DataFormat> parse_data_format(std::string_view name) {
 }
 
 Result<std::unique_ptr<TokenSource>> open_token_source(const std::string& path, const SourceOptions& options) {
-  // A FIFO would block the open forever (issue 19): refused before it is opened.
-  if (Status st = io::check_regular_file(path, "data file"); !st.is_ok() && st.code() != StatusCode::kNotFound) return st;
+  // The Env refuses a FIFO before opening it: it would block the open forever.
+  io::Env* env = options.env;
   DataFormat format = options.format;
   const std::string ext = std::filesystem::path(path).extension().string();
   if (format == DataFormat::kAuto && ext == ".jsonl") format = DataFormat::kJsonl;
-  if (format == DataFormat::kJsonl) return open_jsonl(path);
+  if (format == DataFormat::kJsonl) return open_jsonl(path, env);
 
-  ZO_ASSIGN_OR_RETURN(std::unique_ptr<MappedFile> file, MappedFile::open(path));
+  ZO_ASSIGN_OR_RETURN(std::unique_ptr<MappedFile> file, MappedFile::open(path, env));
   if (format == DataFormat::kAuto)
     format = ext != ".bin" ? DataFormat::kText : has_llmc_magic(*file) ? DataFormat::kLlmcBin : DataFormat::kRawBin;
   switch (format) {

@@ -1,9 +1,5 @@
 #include "engine/memory/swap_file.h"
 
-#include <sys/statvfs.h>
-#include <unistd.h>
-
-#include <cerrno>
 #include <filesystem>
 #include <mutex>
 #include <unordered_map>
@@ -38,15 +34,16 @@ Status wrap(const Status& original, const TicketContext& c, const std::string& p
   return Status(original.code(), describe(c, path) + ": " + original.message(), original.sys_errno());
 }
 
-std::string free_space_text(const std::string& dir) {
-  struct statvfs vfs {};
-  if (::statvfs(dir.c_str(), &vfs) != 0) return "free space unknown";
-  return format_bytes(static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize) + " free on that file system";
+std::string free_space_text(io::Env* env, const std::string& dir) {
+  Result<uint64_t> free = env->free_bytes(dir);
+  if (!free.is_ok()) return "free space unknown";
+  return format_bytes(*free) + " free on that file system";
 }
 
 }  // namespace
 
 struct SwapFile::Impl {
+  io::Env* env = nullptr;
   io::File file;
   io::IoEngine* engine = nullptr;
   MemoryAccounting* accounting = nullptr;
@@ -63,11 +60,10 @@ struct SwapFile::Impl {
 
 Result<std::unique_ptr<SwapFile>> SwapFile::create(const std::string& dir, const std::string& name,
                                                   uint64_t capacity_bytes, io::IoEngine& engine,
-                                                  MemoryAccounting* accounting) {
-  std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  if (ec) return errno_status("creating swap directory " + dir, ec.value());
+                                                  MemoryAccounting* accounting, io::Env* env) {
+  ZO_RETURN_IF_ERROR(env->make_dirs(dir).with_context("creating swap directory " + dir));
   auto impl = std::make_unique<Impl>();
+  impl->env = env;
   impl->path = (std::filesystem::path(dir) / name).string();
   impl->engine = &engine;
   impl->accounting = accounting;
@@ -75,15 +71,13 @@ Result<std::unique_ptr<SwapFile>> SwapFile::create(const std::string& dir, const
   ZO_ASSIGN_OR_RETURN(impl->file, io::File::open(impl->path, io::OpenMode::kCreate, engine.options().direct));
   // A file left by a previous, larger run would keep its extra blocks forever: trim it first.
   ZO_ASSIGN_OR_RETURN(uint64_t existing, impl->file.size_bytes());
-  if (existing > impl->capacity && ::ftruncate(impl->file.fd(), static_cast<off_t>(impl->capacity)) != 0) {
-    return errno_status("truncating swap file " + impl->path + " to " + std::to_string(impl->capacity), errno);
-  }
+  if (existing > impl->capacity) ZO_RETURN_IF_ERROR(impl->file.truncate(impl->capacity).with_context("trimming swap file"));
   Status s = impl->file.preallocate(impl->capacity);
   if (!s.is_ok()) {
     if (s.code() == StatusCode::kNoSpace) {
       return Status(StatusCode::kNoSpace,
                     "swap file " + impl->path + " needs " + format_bytes(impl->capacity) + " but there is only " +
-                        free_space_text(dir) + "; point nvme_path at a larger drive or offload less to NVMe (" +
+                        free_space_text(env, dir) + "; point nvme_path at a larger drive or offload less to NVMe (" +
                         s.message() + ")",
                     s.sys_errno());
     }
@@ -189,10 +183,7 @@ bool SwapFile::direct() const { return impl_->file.direct(); }
 
 Status SwapFile::remove_file() {
   if (impl_->file.is_open()) ZO_RETURN_IF_ERROR(impl_->file.close());
-  if (::unlink(impl_->path.c_str()) != 0 && errno != ENOENT) {
-    return errno_status("removing swap file " + impl_->path, errno);
-  }
-  return Status::ok();
+  return impl_->env->remove_all(impl_->path).with_context("removing swap file");
 }
 
 }  // namespace zo::engine

@@ -12,6 +12,7 @@
 
 #include "common/status.h"
 #include "engine/memory/accounting.h"
+#include "io/env.h"
 #include "io/file.h"
 #include "io/io_engine.h"
 
@@ -36,9 +37,10 @@ class SwapFile {
   // `capacity_bytes` (rounded up to kSwapAlignment) so that writes never hit ENOSPC later:
   // kNoSpace naming the file, the size and the free space when the drive is too small.
   // `accounting` (may be null) counts reserved regions as NVMe-resident and I/O as moved bytes.
+  // Directory creation, free space and removal go through `env` (it must outlive the file).
   static Result<std::unique_ptr<SwapFile>> create(const std::string& dir, const std::string& name,
                                                   uint64_t capacity_bytes, io::IoEngine& engine,
-                                                  MemoryAccounting* accounting);
+                                                  MemoryAccounting* accounting, io::Env* env = io::Env::posix());
   ~SwapFile();  // closes the file; the file stays on disk (remove_file() deletes it)
   SwapFile(const SwapFile&) = delete;
   SwapFile& operator=(const SwapFile&) = delete;

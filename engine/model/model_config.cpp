@@ -1,15 +1,11 @@
 #include "engine/model/model_config.h"
 
-#include <filesystem>
-#include <fstream>
 #include <span>
-#include <sstream>
 #include <utility>
 
 #include <nlohmann/json.hpp>
 
 #include "common/string_util.h"
-#include "io/file.h"
 
 namespace zo::engine {
 namespace {
@@ -261,15 +257,13 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, const std::strin
   return c;
 }
 
-Result<ModelConfig> load_hf_config(const std::string& model_dir) {
+Result<ModelConfig> load_hf_config(const std::string& model_dir, io::Env* env) {
   const std::string path = model_dir + "/config.json";
-  if (Status st = io::check_regular_file(path, "model config"); !st.is_ok() && st.code() != StatusCode::kNotFound) return st;
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return not_found("no model config " + path + " (a Hugging Face model directory has config.json)");
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (in.bad()) return io_error("reading " + path, errno);
-  return parse_hf_config(text.str(), path);
+  Result<std::string> text = env->read_file(path, "model config", kMaxModelConfigBytes);
+  if (text.status().code() == StatusCode::kNotFound)
+    return not_found("no model config " + path + " (a Hugging Face model directory has config.json)");
+  ZO_RETURN_IF_ERROR(text.status());
+  return parse_hf_config(*text, path);
 }
 
 namespace {
@@ -436,9 +430,9 @@ uint64_t num_parameters(const ModelConfig& c) {
   return V * H + c.num_hidden_layers * layer + H + (c.tie_word_embeddings ? 0 : V * H);
 }
 
-Result<ModelConfig> resolve_model_config(const std::string& model) {
-  std::error_code ec;
-  if (std::filesystem::is_directory(model, ec)) return load_hf_config(model);
+Result<ModelConfig> resolve_model_config(const std::string& model, io::Env* env) {
+  ZO_ASSIGN_OR_RETURN(const io::PathKind kind, env->path_kind(model));
+  if (kind == io::PathKind::kDirectory) return load_hf_config(model, env);
   Result<ModelConfig> preset = model_preset(model);
   if (preset.is_ok()) return preset;
   std::string names;

@@ -1,22 +1,13 @@
 #include "engine/model/safetensors.h"
 
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <bit>
-#include <cerrno>
-#include <filesystem>
-#include <fstream>
-#include <sstream>
 
 #include <nlohmann/json.hpp>
 
 #include "common/bytes.h"
 #include "common/check.h"
 #include "common/half.h"
-#include "io/file.h"
 
 namespace zo::engine {
 namespace {
@@ -27,24 +18,12 @@ constexpr uint64_t kMaxHeaderBytes = 100ull << 20;
 // Bounce buffer for 16-bit tensors: bounded, independent of the caller's chunk size.
 constexpr uint64_t kBounceElems = 1u << 16;
 
-// Reads exactly out.size() bytes at `offset`, retrying EINTR and resubmitting short reads.
-// EOF before the end is a short read (kCorruption: the file is shorter than its header says).
-Status pread_exact(int fd, uint64_t offset, std::span<uint8_t> out, const std::string& what) {
-  size_t done = 0;
-  while (done < out.size()) {
-    const ssize_t n = ::pread(fd, out.data() + done, out.size() - done, static_cast<off_t>(offset + done));
-    if (n < 0) {
-      if (errno == EINTR || errno == EAGAIN) continue;
-      return errno_status("pread " + what + " at file offset " + std::to_string(offset + done) + " length " +
-                              std::to_string(out.size() - done) + ": ",
-                          errno);
-    }
-    if (n == 0)
-      return corruption("short read of " + what + ": end of file at offset " + std::to_string(offset + done) +
-                        ", " + std::to_string(out.size() - done) + " bytes missing");
-    done += static_cast<size_t>(n);
-  }
-  return Status::ok();
+// Reads exactly out.size() bytes at `offset`; `what` says which part of the file, in errors (end of
+// file before the end is kCorruption: the file is shorter than its header says).
+Status read_exact(io::ReadFile& file, uint64_t offset, std::span<uint8_t> out, const std::string& what) {
+  Status s = file.read_exact(offset, std::as_writable_bytes(out));
+  if (!s.is_ok()) return Status(s.code(), what + ": " + s.message(), s.sys_errno());
+  return s;
 }
 
 bool parse_dtype_name(const std::string& name, DType* out) {
@@ -64,27 +43,18 @@ bool as_u64(const json& v, uint64_t* out) {
 
 }  // namespace
 
-SafetensorsFile::~SafetensorsFile() {
-  if (fd_ >= 0) ::close(fd_);
-}
+SafetensorsFile::~SafetensorsFile() = default;
 
-Result<std::unique_ptr<SafetensorsFile>> SafetensorsFile::open(const std::string& path) {
+Result<std::unique_ptr<SafetensorsFile>> SafetensorsFile::open(const std::string& path, io::Env* env) {
   std::unique_ptr<SafetensorsFile> f(new SafetensorsFile());
   f->path_ = path;
-  if (Status st = io::check_regular_file(path, "safetensors file"); !st.is_ok() && st.code() != StatusCode::kNotFound) return st;
-  f->fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (f->fd_ < 0) {
-    if (errno == ENOENT) return not_found("no safetensors file " + path);
-    return errno_status("open " + path, errno);
-  }
-  struct stat st {};
-  if (::fstat(f->fd_, &st) != 0) return errno_status("fstat " + path, errno);
-  f->file_size_bytes_ = static_cast<uint64_t>(st.st_size);
+  ZO_ASSIGN_OR_RETURN(f->file_, env->open_read(path, "safetensors file"));
+  f->file_size_bytes_ = f->file_->size_bytes();
   const uint64_t file_size = f->file_size_bytes_;
 
   if (file_size < 8) return corruption(path + ": not a safetensors file: " + std::to_string(file_size) + " bytes, shorter than the 8-byte header length");
   uint8_t len_bytes[8];
-  ZO_RETURN_IF_ERROR(pread_exact(f->fd_, 0, len_bytes, path + " header length"));
+  ZO_RETURN_IF_ERROR(read_exact(*f->file_, 0, len_bytes, path + " header length"));
   uint64_t header_len = 0;
   for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | len_bytes[i];
   if (header_len > kMaxHeaderBytes)
@@ -93,7 +63,7 @@ Result<std::unique_ptr<SafetensorsFile>> SafetensorsFile::open(const std::string
     return corruption(path + ": header length " + std::to_string(header_len) + " bytes runs beyond the file (" +
                       std::to_string(file_size) + " bytes; truncated?)");
   std::string header(header_len, '\0');
-  ZO_RETURN_IF_ERROR(pread_exact(f->fd_, 8, {reinterpret_cast<uint8_t*>(header.data()), header.size()}, path + " header"));
+  ZO_RETURN_IF_ERROR(read_exact(*f->file_, 8, {reinterpret_cast<uint8_t*>(header.data()), header.size()}, path + " header"));
   const json doc = json::parse(header, nullptr, /*allow_exceptions=*/false);
   if (doc.is_discarded()) return corruption(path + ": header is not valid JSON");
   if (!doc.is_object()) return corruption(path + ": header is not a JSON object");
@@ -185,9 +155,8 @@ Status SafetensorsFile::read_raw(const SafetensorsTensor& tensor, uint64_t offse
     return invalid_argument(path_ + ": read of bytes [" + std::to_string(offset_bytes) + ", " +
                             std::to_string(offset_bytes + out.size()) + ") beyond tensor \"" + tensor.name + "\" of " +
                             std::to_string(tensor.size_bytes) + " bytes");
-  Status s = pread_exact(fd_, tensor.data_offset_bytes + offset_bytes, out,
-                         path_ + " tensor \"" + tensor.name + "\" (byte " + std::to_string(offset_bytes) + " of the tensor)");
-  return s;
+  return read_exact(*file_, tensor.data_offset_bytes + offset_bytes, out,
+                    path_ + " tensor \"" + tensor.name + "\" (byte " + std::to_string(offset_bytes) + " of the tensor)");
 }
 
 Status SafetensorsFile::read_f32(const SafetensorsTensor& tensor, uint64_t offset_elems, std::span<float> out) const {
@@ -211,21 +180,16 @@ Status SafetensorsFile::read_f32(const SafetensorsTensor& tensor, uint64_t offse
   return Status::ok();
 }
 
-Result<std::unique_ptr<HfWeights>> HfWeights::open(const std::string& model_dir) {
-  namespace fs = std::filesystem;
+Result<std::unique_ptr<HfWeights>> HfWeights::open(const std::string& model_dir, io::Env* env) {
   std::unique_ptr<HfWeights> w(new HfWeights());
   w->model_dir_ = model_dir;
   const std::string single = model_dir + "/model.safetensors";
   const std::string index_path = model_dir + "/model.safetensors.index.json";
-  std::error_code ec;
 
-  if (fs::exists(index_path, ec)) {
-    ZO_RETURN_IF_ERROR(io::check_regular_file(index_path, "safetensors index"));
-    std::ifstream in(index_path, std::ios::binary);
-    if (!in) return errno_status("open " + index_path, errno);
-    std::ostringstream text;
-    text << in.rdbuf();
-    const json doc = json::parse(text.str(), nullptr, false);
+  ZO_ASSIGN_OR_RETURN(const io::PathKind index_kind, env->path_kind(index_path));
+  if (index_kind != io::PathKind::kMissing) {
+    ZO_ASSIGN_OR_RETURN(const std::string text, env->read_file(index_path, "safetensors index", kMaxHeaderBytes));
+    const json doc = json::parse(text, nullptr, false);
     if (doc.is_discarded() || !doc.is_object()) return corruption(index_path + ": not a JSON object");
     auto wm = doc.find("weight_map");
     if (wm == doc.end() || !wm->is_object()) return corruption(index_path + ": no \"weight_map\" object");
@@ -238,9 +202,10 @@ Result<std::unique_ptr<HfWeights>> HfWeights::open(const std::string& model_dir)
       auto it = shards.find(shard);
       if (it == shards.end()) {
         const std::string shard_path = model_dir + "/" + shard;
-        if (!fs::exists(shard_path, ec))
+        ZO_ASSIGN_OR_RETURN(const io::PathKind shard_kind, env->path_kind(shard_path));
+        if (shard_kind == io::PathKind::kMissing)
           return corruption(index_path + " maps tensor \"" + name + "\" to shard " + shard + ", which does not exist");
-        ZO_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> file, SafetensorsFile::open(shard_path));
+        ZO_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> file, SafetensorsFile::open(shard_path, env));
         w->files_.push_back(std::move(file));
         it = shards.emplace(shard, w->files_.back().get()).first;
       }
@@ -251,8 +216,9 @@ Result<std::unique_ptr<HfWeights>> HfWeights::open(const std::string& model_dir)
     }
     return w;
   }
-  if (fs::exists(single, ec)) {
-    ZO_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> file, SafetensorsFile::open(single));
+  ZO_ASSIGN_OR_RETURN(const io::PathKind single_kind, env->path_kind(single));
+  if (single_kind != io::PathKind::kMissing) {
+    ZO_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> file, SafetensorsFile::open(single, env));
     w->files_.push_back(std::move(file));
     const SafetensorsFile* f = w->files_.back().get();
     for (const SafetensorsTensor& t : f->tensors()) w->entries_[t.name] = {f, &t};

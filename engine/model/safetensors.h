@@ -15,6 +15,7 @@
 
 #include "common/dtype.h"
 #include "common/status.h"
+#include "io/env.h"
 
 namespace zo::engine {
 
@@ -33,7 +34,8 @@ class SafetensorsFile {
   // JSON that is not an object, a malformed entry, offsets out of order/overlapping/outside the data
   // section, a size not matching shape × dtype. kUnavailable naming the dtype and the tensor for a
   // dtype other than F32/BF16/F16 (F64, I64, ...). kNotFound / kIoError when the file cannot be opened.
-  static Result<std::unique_ptr<SafetensorsFile>> open(const std::string& path);
+  // All reads go through `env`, which must outlive the file.
+  static Result<std::unique_ptr<SafetensorsFile>> open(const std::string& path, io::Env* env = io::Env::posix());
   ~SafetensorsFile();
   SafetensorsFile(const SafetensorsFile&) = delete;
   SafetensorsFile& operator=(const SafetensorsFile&) = delete;
@@ -56,7 +58,7 @@ class SafetensorsFile {
   SafetensorsFile() = default;
 
   std::string path_;
-  int fd_ = -1;
+  std::unique_ptr<io::ReadFile> file_;
   uint64_t file_size_bytes_ = 0;
   std::vector<SafetensorsTensor> tensors_;
   std::unordered_map<std::string, size_t> by_name_;
@@ -87,7 +89,7 @@ class HfWeights {
   // kNotFound when neither file exists (saying that .bin/PyTorch checkpoints are not supported:
   // convert them to safetensors); kCorruption for a malformed index, an index naming a missing shard
   // or a tensor absent from its shard; the errors of SafetensorsFile::open.
-  static Result<std::unique_ptr<HfWeights>> open(const std::string& model_dir);
+  static Result<std::unique_ptr<HfWeights>> open(const std::string& model_dir, io::Env* env = io::Env::posix());
 
   // The tensor named `name` and (when `file` is not null) the file holding it; nullptr if absent.
   const SafetensorsTensor* find(std::string_view name, const SafetensorsFile** file) const;

@@ -100,9 +100,9 @@ float random_init_normal(uint64_t seed, std::string_view name, uint64_t index, d
 }
 
 Status load_hf_weights(const std::string& model_dir, const ModelLayout& layout, uint64_t chunk_elems,
-                       const ParamSink& sink) {
+                       const ParamSink& sink, io::Env* env) {
   if (chunk_elems == 0) return invalid_argument("load_hf_weights: chunk_elems must be positive");
-  ZO_ASSIGN_OR_RETURN(std::unique_ptr<HfWeights> weights, HfWeights::open(model_dir));
+  ZO_ASSIGN_OR_RETURN(std::unique_ptr<HfWeights> weights, HfWeights::open(model_dir, env));
 
   // Every check before any data moves, so a wrong model directory never half-fills the tiers.
   std::vector<std::pair<const SafetensorsFile*, const SafetensorsTensor*>> sources(layout.params.size());

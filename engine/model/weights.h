@@ -12,6 +12,7 @@
 
 #include "common/status.h"
 #include "engine/model/model_config.h"
+#include "io/env.h"
 
 namespace zo::engine {
 
@@ -24,8 +25,9 @@ using ParamSink = std::function<Status(uint32_t param, uint64_t offset_elems, st
 // (errors name the tensor, the expected and found shapes and the file; a missing lm_head.weight says
 // the config is untied) and logs one warning line listing the tensors the layout does not use
 // (rotary_emb.inv_freq etc.) — not an error.
+// The files are read through `env`.
 Status load_hf_weights(const std::string& model_dir, const ModelLayout& layout, uint64_t chunk_elems,
-                       const ParamSink& sink);
+                       const ParamSink& sink, io::Env* env = io::Env::posix());
 
 // Random init, deterministic in (seed, param name, element index) and independent of chunk_elems:
 // Linear and embedding weights ~ normal(0, config.initializer_range) (counter-based splitmix64 +

@@ -19,7 +19,6 @@
 
 #include "engine/plan/planner.h"
 
-#include <sys/statvfs.h>
 
 #include <algorithm>
 #include <cstring>
@@ -44,6 +43,7 @@
 #include "engine/memory/pinned_pool.h"
 #include "engine/memory/state_store.h"
 #include "engine/memory/swap_file.h"
+#include "io/env.h"
 
 namespace zo::engine {
 namespace {
@@ -53,15 +53,15 @@ namespace fs = std::filesystem;
 // Free bytes of the file system holding `path` (its nearest existing ancestor); 0 when unknown.
 uint64_t disk_free(const std::string& path) {
   if (path.empty()) return 0;
+  io::Env* env = io::Env::posix();
   fs::path p = fs::absolute(path);
-  std::error_code ec;
-  while (!p.empty() && !fs::exists(p, ec)) {
+  for (Result<io::PathKind> kind = env->path_kind(p.string()); kind.is_ok() && *kind == io::PathKind::kMissing;
+       kind = env->path_kind(p.string())) {
     if (p == p.parent_path()) break;
     p = p.parent_path();
   }
-  struct statvfs s{};
-  if (::statvfs(p.c_str(), &s) != 0) return 0;
-  return static_cast<uint64_t>(s.f_bavail) * s.f_frsize;
+  Result<uint64_t> free = env->free_bytes(p.string());
+  return free.is_ok() ? *free : 0;
 }
 
 // Note [Activation estimate]: bytes per element of each term, measured.

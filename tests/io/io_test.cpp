@@ -512,6 +512,32 @@ TEST_P(BackendTest, ShortTransfersAreResubmittedAndTransientErrorsRetried) {
   EXPECT_EQ(st.errors, 0u);
 }
 
+// EAGAIN or EINTR that never clears (a device stuck busy, a signal storm) must not spin forever:
+// past the engine's cap (10000 retries of one piece) the piece fails with its path, offset, length
+// and errno, and the engine stays usable.
+TEST_P(BackendTest, EndlessTransientErrorsFailAtTheRetryCapNamingThePiece) {
+  for (const auto& [kind, err] : {std::pair{FaultKind::kEagain, EAGAIN}, std::pair{FaultKind::kEintr, EINTR}}) {
+    auto faults = std::make_shared<FaultInjector>();
+    IoOptions o;
+    o.block_size_bytes = 64 * kKiB;
+    ZO_ENGINE_OR_SKIP(e, o, faults);
+    File f = open("endless", direct_);
+    AlignedBuffer src = random_buffer(2 * 64 * kKiB, 16);
+    ASSERT_TRUE(e->write(f, 0, src.bytes()).is_ok());
+    faults->add(FaultRule{kind, IoOp::kRead, "endless", 64 * kKiB, /*times=*/-1});
+    AlignedBuffer dst = AlignedBuffer::allocate(2 * 64 * kKiB).value();
+    Status s = e->read(f, 0, dst.bytes());
+    ASSERT_FALSE(s.is_ok()) << "an endless transient error ends in an error";
+    EXPECT_EQ(s.sys_errno(), err);
+    EXPECT_THAT(s.message(), HasSubstr("read " + f.path() + " offset 65536 length 65536"));
+    EXPECT_THAT(s.message(), HasSubstr("still failing after 10000 retries"));
+    EXPECT_EQ(faults->injected(), 10001u) << "the first failure and 10000 retries";
+    faults->clear();
+    ASSERT_TRUE(e->read(f, 0, dst.bytes()).is_ok());
+    EXPECT_EQ(std::memcmp(dst.data(), src.data(), dst.size()), 0);
+  }
+}
+
 TEST_P(BackendTest, AFailedTicketDoesNotDisturbOthers) {
   auto faults = std::make_shared<FaultInjector>();
   IoOptions o;

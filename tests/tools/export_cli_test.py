@@ -273,6 +273,41 @@ with tempfile.TemporaryDirectory(prefix="zo-export-cli-", dir=os.environ.get("TM
            "corrupted master: one line naming the file: %s" % p.stderr)
     expect(not os.path.exists(out), "a failed export removes what it wrote")
 
+    # A killed export (SIGKILL while its files are being written) never leaves a partial --out:
+    # at most an OUT.tmp-<random> sibling, as docs/export.md says; exporting again succeeds. The
+    # process runs in slices of 2 ms (SIGCONT ... SIGSTOP) until its tmp directory holds a file,
+    # so the kill lands mid-export however fast this machine is.
+    import signal
+    import time
+    out = os.path.join(tmp, "killed")
+    proc = subprocess.Popen([zoffload, "export", "--checkpoint", ckpt_dir, "--dtype", "fp32", "--shard-size", "64KiB",
+                             "--staging", "1MiB", "--out", out, "-q"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    os.kill(proc.pid, signal.SIGSTOP)
+    caught = False
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        tmps = [n for n in os.listdir(tmp) if n.startswith("killed.tmp-")]
+        if tmps and os.listdir(os.path.join(tmp, tmps[0])):
+            os.kill(proc.pid, signal.SIGKILL)
+            caught = True
+            break
+        os.kill(proc.pid, signal.SIGCONT)
+        time.sleep(0.002)
+        os.kill(proc.pid, signal.SIGSTOP)
+    if not caught and proc.poll() is None:
+        os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    expect(caught, "the export was caught with files in its tmp directory (exit %s)" % proc.returncode)
+    expect(proc.returncode == -signal.SIGKILL, "the export was killed: %s" % proc.returncode)
+    expect(not os.path.exists(out), "a killed export leaves no partial --out")
+    left = [n for n in os.listdir(tmp) if n.startswith("killed.tmp-")]
+    expect(len(left) == 1, "a killed export leaves its tmp sibling: %s" % left)
+    p = run("export", "--checkpoint", ckpt_dir, "--dtype", "fp32", "--shard-size", "64KiB", "--out", out, "--json")
+    expect(p.returncode == 0, "exporting again after the kill succeeds: %d %s" % (p.returncode, p.stderr[-500:]))
+    tensors, files = read_model_dir(out)
+    expect(len(tensors) > 0 and len(files) > 2, "the export after the kill is a whole, sharded model directory")
+
     p = run("export", "--help")
     expect(p.returncode == 0 and "--shard-size" in p.stdout and "--dtype" in p.stdout, "--help answers")
 

@@ -191,6 +191,37 @@ with tempfile.TemporaryDirectory(prefix="zo-train-cli-", dir=os.environ.get("TMP
     expect(p.returncode == 1 and "File too large" in p.stderr,
            "a write past ulimit -f is an error, not SIGXFSZ: exit %d: %s" % (p.returncode, p.stderr[-1000:]))
 
+    # A failed periodic save is a warning and training goes on (docs/checkpoint_format.md); the
+    # final save failing too is an error, exit 1. The saves fail for real: each state file is over
+    # `ulimit -f`, while metrics.jsonl's lines are not.
+    with open(demo_config) as f:
+        cfg = json.load(f)
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = False
+    cfg["zoffload"]["checkpoint"] = {"dir": "ckpt", "every_steps": 1}
+    every_step = os.path.join(tmp, "every-step.json")
+    with open(every_step, "w") as f:
+        json.dump(cfg, f)
+
+    def limit_file_size_small():
+        import resource
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+    run = os.path.join(tmp, "failing-saves")
+    p = subprocess.run([zoffload, "train", "--config", every_step, "--model", "tiny", "--data", corpus, "--steps", "3",
+                        "--out", run], capture_output=True, text=True, timeout=300, preexec_fn=limit_file_size_small)
+    warnings = [l for l in p.stderr.splitlines() if "warning: the checkpoint after step" in l]
+    expect(len(warnings) == 2 and "after step 1 failed" in warnings[0] and "File too large" in warnings[0] and
+           "the previous checkpoints are intact and training goes on" in warnings[0],
+           "each failed periodic save is one warning naming the step and the cause: %s" % p.stderr[-2000:])
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        steps = [json.loads(l)["step"] for l in f]
+    expect(steps == [1, 2, 3], "training went on after the failed saves: %s" % steps)
+    expect(p.returncode == 1 and "error: the final checkpoint failed" in p.stderr,
+           "the final save failing is an error: exit %d: %s" % (p.returncode, p.stderr[-1000:]))
+    ckpt = os.path.join(run, "ckpt")
+    left = sorted(os.listdir(ckpt)) if os.path.isdir(ckpt) else []
+    expect(left == [], "failed saves leave nothing in the checkpoint directory: %s" % left)
+
     import signal
     import time
     for sig in (signal.SIGINT, signal.SIGTERM):
