@@ -2,8 +2,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <fstream>
-#include <sstream>
 #include <tuple>
 #include <vector>
 
@@ -13,7 +11,7 @@
 #include "common/log.h"
 #include "common/string_util.h"
 #include "engine/config/json_reader.h"
-#include "io/file.h"
+#include "io/env.h"
 #include "io/io_options.h"
 
 namespace zo::engine {
@@ -675,19 +673,16 @@ std::optional<Config> parse_config(std::string_view json_text, const ResolveCont
 }
 
 std::optional<Config> load_config_file(const std::string& path, const ResolveContext& ctx, ConfigDiagnostics* diag) {
-  // A FIFO would block the read forever (issue 19): refused before it is opened.
-  if (Status st = io::check_regular_file(path, "config file"); !st.is_ok() && st.code() != StatusCode::kNotFound) {
-    diag->errors.push_back({"", st.message()});
+  // The Env refuses a FIFO before opening it: it would block the read forever.
+  Result<std::string> text = io::Env::posix()->read_file(path, "config file", kMaxConfigFileBytes);
+  if (!text.is_ok()) {
+    const Status& st = text.status();
+    diag->errors.push_back({"", st.code() == StatusCode::kNotFound
+                                    ? "cannot open config file " + path + ": " + std::strerror(ENOENT)
+                                    : st.message()});
     return std::nullopt;
   }
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    diag->errors.push_back({"", "cannot open config file " + path + ": " + std::strerror(errno)});
-    return std::nullopt;
-  }
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return parse_config(std::string_view(ss.str()), ctx, diag);
+  return parse_config(*text, ctx, diag);
 }
 
 Result<Config> load_config(const std::string& path, const ResolveContext& ctx) {

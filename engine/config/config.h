@@ -224,7 +224,9 @@ struct ConfigDiagnostics {
 std::optional<Config> parse_config(std::string_view json_text, const ResolveContext& ctx, ConfigDiagnostics* diag);
 std::optional<Config> parse_config_json(const nlohmann::json& json, const ResolveContext& ctx, ConfigDiagnostics* diag);
 
-// Reads `path` and parses it; an unreadable file is one error with an empty key path.
+// Reads `path` (a regular file of at most kMaxConfigFileBytes) and parses it; an unreadable file is
+// one error with an empty key path.
+inline constexpr uint64_t kMaxConfigFileBytes = 64ull << 20;
 std::optional<Config> load_config_file(const std::string& path, const ResolveContext& ctx, ConfigDiagnostics* diag);
 
 // Convenience for callers that only need pass/fail: logs warnings, returns all errors joined in one
