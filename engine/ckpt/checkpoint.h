@@ -3,6 +3,8 @@
 // manifest.json (sizes, dtypes, shapes, CRC-32C per chunk) written last, then renamed to
 // DIR/step-<N> and DIR/latest replaced atomically; and reading them back: open, verify, load.
 // On-disk format: docs/checkpoint_format.md. Functions are synchronous; not thread-safe per store.
+// Every file operation goes through an io::Env (the state files' bytes through the I/O engine).
+// checkpoint.cpp saves, commits and prunes; checkpoint_load.cpp opens, verifies and loads.
 #pragma once
 
 #include <cstdint>
@@ -13,60 +15,12 @@
 #include <vector>
 
 #include "common/status.h"
+#include "engine/ckpt/manifest.h"
 #include "engine/ckpt/stream_file.h"
-#include "engine/data/dataset.h"
 #include "engine/memory/state_store.h"
-#include "engine/optim/loss_scaler.h"
 #include "io/env.h"
 
 namespace zo::engine {
-
-inline constexpr int kCheckpointFormatVersion = 1;
-
-// The files of a checkpoint directory.
-inline constexpr const char* kManifestFile = "manifest.json";
-inline constexpr const char* kTrainerStateFile = "trainer_state.json";
-inline constexpr const char* kModelConfigFile = "config.json";  // the model's Hugging Face config.json
-inline constexpr const char* kLatestFile = "latest";            // in DIR: "step-<N>\n"
-// fp32 safetensors files with Hugging Face tensor names, one per optimizer state.
-inline constexpr const char* kMasterFile = "master.safetensors";
-inline constexpr const char* kExpAvgFile = "exp_avg.safetensors";
-inline constexpr const char* kExpAvgSqFile = "exp_avg_sq.safetensors";
-
-// What a run needs besides the tiers to continue exactly (the lr schedule is a function of
-// optimizer_steps; the data order of seed and position).
-struct TrainingState {
-  uint64_t steps_done = 0;       // optimizer steps attempted, skipped ones too: the N of step-<N>
-  uint64_t optimizer_steps = 0;  // optimizer steps taken: Adam's step count, the lr index
-  LossScalerState loss_scaler;
-  DataPosition data_position;
-  uint64_t seed = 0;
-  std::string model;             // what --model named (a directory or preset), for humans
-  std::string data;              // the data file, and the window length its position counts in
-  uint64_t seq_len = 0;
-  nlohmann::json config;         // the resolved training config (to_json(Config))
-
-  nlohmann::json to_json() const;
-  static Result<TrainingState> from_json(const nlohmann::json& json, const std::string& source);
-};
-
-// One tensor of the state files (the same in each).
-struct CheckpointTensor {
-  std::string name;
-  std::vector<int64_t> shape;
-  uint64_t n_elems = 0;
-};
-
-struct Manifest {
-  int format_version = kCheckpointFormatVersion;
-  uint64_t step = 0;
-  std::vector<FileDigest> files;  // every file of the directory but the manifest
-  std::vector<CheckpointTensor> tensors;  // in file order; dtype F32
-
-  nlohmann::json to_json() const;
-  static Result<Manifest> from_json(const nlohmann::json& json, const std::string& source);
-  const FileDigest* find(std::string_view name) const;  // nullptr if absent
-};
 
 // The phases of a save, in order (the crash tests kill the process at each).
 enum class SavePhase : uint8_t {
@@ -114,7 +68,7 @@ Result<std::vector<std::string>> clean_stale_checkpoints(const std::string& dir,
 
 // What a --resume / --checkpoint argument names: a step directory (holding manifest.json), or a
 // checkpoint DIR whose `latest` names one. kNotFound / kCorruption saying which, otherwise.
-Result<std::string> resolve_checkpoint(const std::string& path);
+Result<std::string> resolve_checkpoint(const std::string& path, io::Env& env = *io::Env::posix());
 
 // A checkpoint opened for reading: the manifest, training state and model config parsed and
 // checked against each other and the files' sizes (not yet their checksums).
@@ -128,19 +82,21 @@ struct CheckpointInfo {
 // kCorruption naming the file when manifest.json is missing or malformed (an incomplete save is
 // never loaded), a listed file is missing or of the wrong size, or the state files' headers do not
 // match the manifest's tensors; kInvalidArgument for an unsupported format_version.
-Result<CheckpointInfo> open_checkpoint(const std::string& path);
+Result<CheckpointInfo> open_checkpoint(const std::string& path, io::Env& env = *io::Env::posix());
 
 // Re-reads every file and checks every chunk's CRC-32C (kCorruption naming file, chunk and byte
 // range). Reads through `staging` (4096-aligned, a multiple of 4096, ≥ 1 MiB).
 Status verify_checkpoint(const CheckpointInfo& ckpt, io::IoEngine& io, std::span<std::byte> staging,
-                         const std::function<void(uint64_t done_bytes, uint64_t total_bytes)>& progress = {});
+                         const std::function<void(uint64_t done_bytes, uint64_t total_bytes)>& progress = {},
+                         io::Env& env = *io::Env::posix());
 
 // Streams master, exp_avg and exp_avg_sq into the store's tiers and sets the compute copies to the
 // master rounded to the compute dtype, checking every chunk's CRC-32C as it reads. The store's
 // params must be the checkpoint's tensors (same names, shapes and order; kInvalidArgument naming
 // the first difference); its sub-group size and tiers may differ from the saving run's. On
 // kCorruption or an I/O error the store holds a partial load: do not train with it.
-Status load_checkpoint(const CheckpointInfo& ckpt, StateStore& store, io::IoEngine& io, std::span<std::byte> staging);
+Status load_checkpoint(const CheckpointInfo& ckpt, StateStore& store, io::IoEngine& io, std::span<std::byte> staging,
+                       io::Env& env = *io::Env::posix());
 
 // A summary for `zoffload ckpt inspect`: step, counters, loss scale, data position, tensors,
 // parameters, bytes per file, model and config highlights.

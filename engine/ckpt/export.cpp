@@ -1,11 +1,6 @@
 // Streaming Hugging Face export (export.h; layout and guarantees in docs/export.md).
 #include "engine/ckpt/export.h"
 
-#include <dirent.h>
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
@@ -116,47 +111,29 @@ class OutputDir {
     if (committed_ || tmp_.empty()) return;
     (void)env_.remove_all(tmp_);  // best effort: the export's error is what the caller reports
     // Unless the failure came after the rename (the parent's fsync): then out_dir is in place.
-    std::error_code ec;
-    if (!created_parent_.empty() && !std::filesystem::exists(dir_, ec)) (void)env_.remove_all(created_parent_);
+    if (created_parent_.empty()) return;
+    Result<io::PathKind> out = env_.path_kind(dir_);
+    if (out.is_ok() && *out == io::PathKind::kMissing) (void)env_.remove_all(created_parent_);
   }
 
   // out_dir must be missing or an empty directory; with `replace`, any directory (it is swapped
   // out atomically at the commit and removed).
   Status open(const std::string& dir, bool replace) {
-    struct stat st {};
-    if (::stat(dir.c_str(), &st) == 0) {
-      if (!S_ISDIR(st.st_mode))
-        return Status(StatusCode::kAlreadyExists, "export directory " + dir + " exists and is not a directory");
-      if (!replace) {
-        DIR* d = ::opendir(dir.c_str());
-        if (d == nullptr) return errno_status("export: opening the directory " + dir, errno);
-        std::string entry;
-        while (const dirent* e = ::readdir(d)) {
-          if (std::strcmp(e->d_name, ".") != 0 && std::strcmp(e->d_name, "..") != 0) {
-            entry = e->d_name;
-            break;
-          }
-        }
-        ::closedir(d);
-        if (!entry.empty())
-          return Status(StatusCode::kAlreadyExists,
-                        "export directory " + dir + " is not empty (it holds " + entry + "): give a new or empty one");
-      }
-    } else if (errno != ENOENT) {
-      return errno_status("export: stat " + dir, errno);
+    ZO_ASSIGN_OR_RETURN(const io::PathKind kind, env_.path_kind(dir));
+    if (kind != io::PathKind::kMissing && kind != io::PathKind::kDirectory)
+      return Status(StatusCode::kAlreadyExists, "export directory " + dir + " exists and is not a directory");
+    if (kind == io::PathKind::kDirectory && !replace) {
+      Result<std::vector<std::string>> entries = env_.list_dir(dir);
+      if (!entries.is_ok()) return Status(entries.status()).with_context("export");
+      if (!entries->empty())
+        return Status(StatusCode::kAlreadyExists, "export directory " + dir + " is not empty (it holds " +
+                                                      entries->front() + "): give a new or empty one");
     }
     const std::filesystem::path normal = std::filesystem::path(dir).lexically_normal();
     const std::filesystem::path parent = normal.parent_path().empty() ? "." : normal.parent_path();
-    std::error_code ec;
-    if (!std::filesystem::exists(parent, ec)) {
-      // The outermost missing ancestor, removed again if the export fails.
-      std::filesystem::path top = parent;
-      while (top.has_parent_path() && !top.parent_path().empty() && !std::filesystem::exists(top.parent_path(), ec))
-        top = top.parent_path();
-      std::filesystem::create_directories(parent, ec);
-      if (ec) return errno_status("export: creating the directory " + parent.string(), ec.value());
-      created_parent_ = top.string();
-    }
+    // The outermost missing ancestor is removed again if the export fails.
+    ZO_RETURN_IF_ERROR(env_.make_dirs(parent.string(), &created_parent_).with_context("export: creating the directory " +
+                                                                                      parent.string()));
     dir_ = normal.string();
     tmp_ = dir_ + ".tmp-" + random_hex();
     return env_.make_dir(tmp_).with_context("export");
@@ -343,6 +320,7 @@ Result<ExportResult> export_impl(std::span<const ParamInfo> params, const std::s
   ZO_ASSIGN_OR_RETURN(std::string config_text, config_with_dtype(model_config_json, options.dtype));
   const std::vector<Shard> shards = plan_shards(params, options.dtype, options.shard_bytes);
   // Side files are read before anything is written: a missing one fails the export at once.
+  io::Env& env = options.env != nullptr ? *options.env : *io::Env::posix();
   std::vector<std::pair<std::string, std::string>> sides;  // name, content
   for (const std::string& path : options.side_files) {
     const std::string name = std::filesystem::path(path).filename().string();
@@ -351,14 +329,13 @@ Result<ExportResult> export_impl(std::span<const ParamInfo> params, const std::s
       return invalid_argument("export: side file " + path + " would replace a file the export writes");
     for (const auto& [other, text] : sides)
       if (other == name) return invalid_argument("export: two side files are named " + name);
-    ZO_ASSIGN_OR_RETURN(std::string text, read_small_file(path));  // stream_file.h
+    ZO_ASSIGN_OR_RETURN(std::string text, read_small_file(env, path));  // stream_file.h
     sides.emplace_back(name, std::move(text));
   }
   uint64_t total_bytes = 0;
   for (const Shard& s : shards) total_bytes += s.tensor_bytes;
 
   ZO_ASSIGN_OR_RETURN(AlignedBuffer staging, AlignedBuffer::allocate(options.staging_bytes));
-  io::Env& env = options.env != nullptr ? *options.env : *io::Env::posix();
   OutputDir out(env);
   // A small file (config.json, the index, a side file): whole, fdatasynced, nothing left on failure.
   auto write_small_file = [&env](const std::string& path, const std::string& text) {
@@ -399,22 +376,18 @@ Result<ExportResult> export_impl(std::span<const ParamInfo> params, const std::s
   return result;
 }
 
-// master.safetensors read front to back with pread, every byte (header and data) fed through the
-// manifest's checksums. The export asks for the tensors in file order, so each read continues where
+// master.safetensors read front to back through the Env, every byte (header and data) fed through
+// the manifest's checksums. The export asks for the tensors in file order, so each read continues where
 // the last one ended (the bytes before the first tensor are read and checked on the way).
 class MasterReader {
  public:
   MasterReader(std::string path, const FileDigest& digest) : path_(std::move(path)), verifier_(digest, path_) {}
-  ~MasterReader() {
-    if (fd_ >= 0) ::close(fd_);
-  }
   MasterReader(const MasterReader&) = delete;
   MasterReader& operator=(const MasterReader&) = delete;
 
-  Status open(std::vector<uint64_t> data_offsets, uint64_t file_size_bytes) {
-    fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd_ < 0) return errno_status("export: opening " + path_, errno);
-    ::posix_fadvise(fd_, 0, 0, POSIX_FADV_SEQUENTIAL);
+  Status open(io::Env& env, std::vector<uint64_t> data_offsets, uint64_t file_size_bytes) {
+    ZO_ASSIGN_OR_RETURN(file_, env.open_read(path_, "checkpoint file"));
+    file_->will_read_sequentially();
     data_offsets_ = std::move(data_offsets);
     file_size_bytes_ = file_size_bytes;
     return Status::ok();
@@ -438,21 +411,12 @@ class MasterReader {
  private:
   Status read_checked(std::span<std::byte> out) {
     const uint64_t pos = verifier_.position();
-    size_t done = 0;
-    while (done < out.size()) {
-      const ssize_t n = ::pread(fd_, out.data() + done, out.size() - done, static_cast<off_t>(pos + done));
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0) return errno_status("export: reading " + path_ + " at offset " + std::to_string(pos + done), errno);
-      if (n == 0)
-        return corruption("export: " + path_ + " ends at offset " + std::to_string(pos + done) + ", expected " +
-                          std::to_string(out.size() - done) + " more bytes");
-      done += static_cast<size_t>(n);
-    }
+    ZO_RETURN_IF_ERROR(file_->read_exact(pos, out).with_context("export"));
     ZO_RETURN_IF_ERROR(verifier_.update(out));
     // Read once: drop it from the page cache so the export does not push the machine's working set out.
     const uint64_t end = pos + out.size();
     if (end - dropped_ >= kDropBytes) {
-      ::posix_fadvise(fd_, static_cast<off_t>(dropped_), static_cast<off_t>(end - dropped_), POSIX_FADV_DONTNEED);
+      file_->drop_cached(dropped_, end - dropped_);
       dropped_ = end;
     }
     return Status::ok();
@@ -471,7 +435,7 @@ class MasterReader {
   static constexpr uint64_t kDropBytes = uint64_t{64} << 20;
   std::string path_;
   ChunkVerifier verifier_;
-  int fd_ = -1;
+  std::unique_ptr<io::ReadFile> file_;
   std::vector<uint64_t> data_offsets_;
   uint64_t file_size_bytes_ = 0;
   uint64_t dropped_ = 0;
@@ -486,11 +450,12 @@ Result<ExportResult> export_hf_model(std::span<const ParamInfo> params, const st
 }
 
 Result<ExportResult> export_checkpoint(const CheckpointInfo& ckpt, io::IoEngine& io, const ExportOptions& options) {
+  io::Env& env = options.env != nullptr ? *options.env : *io::Env::posix();
   const std::string path = ckpt.path + "/" + kMasterFile;
   const FileDigest* digest = ckpt.manifest.find(kMasterFile);
   if (digest == nullptr)
     return corruption("export: " + ckpt.path + "/" + kManifestFile + " does not list " + kMasterFile);
-  ZO_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> file, SafetensorsFile::open(path));
+  ZO_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> file, SafetensorsFile::open(path, &env));
   const std::vector<SafetensorsTensor>& tensors = file->tensors();
   const std::vector<CheckpointTensor>& expected = ckpt.manifest.tensors;
   if (tensors.size() != expected.size())
@@ -513,7 +478,7 @@ Result<ExportResult> export_checkpoint(const CheckpointInfo& ckpt, io::IoEngine&
   file.reset();
 
   MasterReader master(path, *digest);
-  ZO_RETURN_IF_ERROR(master.open(std::move(data_offsets), file_size));
+  ZO_RETURN_IF_ERROR(master.open(env, std::move(data_offsets), file_size));
   return export_impl(
       params, ckpt.model_config_json,
       [&master](uint32_t p, uint64_t off, std::span<float> out) { return master.read(p, off, out); }, io, options,
@@ -533,17 +498,20 @@ Result<ExportResult> export_store(StateStore& store, const std::string& model_co
   return export_impl(store.registry().params(), model_config_json, read, io, options, {});
 }
 
-std::vector<std::string> model_side_files(const std::string& model_dir) {
+std::vector<std::string> model_side_files(const std::string& model_dir, io::Env& env) {
   static constexpr const char* kNames[] = {
       "tokenizer.json",     "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
       "added_tokens.json",  "vocab.json",            "merges.txt",              "chat_template.jinja",
       "chat_template.json", "generation_config.json"};
+  auto kind = [&env](const std::string& path) {
+    Result<io::PathKind> k = env.path_kind(path);
+    return k.is_ok() ? *k : io::PathKind::kMissing;
+  };
   std::vector<std::string> found;
-  std::error_code ec;
-  if (model_dir.empty() || !std::filesystem::is_directory(model_dir, ec)) return found;
+  if (model_dir.empty() || kind(model_dir) != io::PathKind::kDirectory) return found;
   for (const char* name : kNames) {
     const std::string path = model_dir + "/" + name;
-    if (std::filesystem::is_regular_file(path, ec)) found.push_back(path);
+    if (kind(path) == io::PathKind::kFile) found.push_back(path);
   }
   return found;
 }

@@ -85,6 +85,6 @@ Result<ExportResult> export_store(StateStore& store, const std::string& model_co
 // `model_dir` (none when it is not a directory, e.g. a preset name): tokenizer.json,
 // tokenizer_config.json, special_tokens_map.json, tokenizer.model, added_tokens.json, vocab.json,
 // merges.txt, chat_template.jinja, chat_template.json, generation_config.json.
-std::vector<std::string> model_side_files(const std::string& model_dir);
+std::vector<std::string> model_side_files(const std::string& model_dir, io::Env& env = *io::Env::posix());
 
 }  // namespace zo::engine

@@ -1,17 +1,11 @@
 #include "engine/ckpt/stream_file.h"
 
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <deque>
 #include <filesystem>
-#include <fstream>
 #include <optional>
-#include <sstream>
 
 #include "common/aligned_buffer.h"
 #include "common/bytes.h"
@@ -96,7 +90,8 @@ StreamWriter::~StreamWriter() {
 }
 
 Result<std::unique_ptr<StreamWriter>> StreamWriter::create(io::IoEngine& io, const std::string& path,
-                                                           std::span<std::byte> staging, uint32_t n_slots) {
+                                                           std::span<std::byte> staging, uint32_t n_slots,
+                                                           io::Env& env) {
   if (n_slots == 0 || staging.size() < uint64_t{n_slots} * kDirectIoAlignment ||
       staging.size() % (uint64_t{n_slots} * kDirectIoAlignment) != 0 ||
       !is_aligned(reinterpret_cast<uintptr_t>(staging.data()), kDirectIoAlignment)) {
@@ -104,8 +99,8 @@ Result<std::unique_ptr<StreamWriter>> StreamWriter::create(io::IoEngine& io, con
                             " bytes) must be 4096-aligned and a multiple of 4096 x " + std::to_string(n_slots) +
                             " slots");
   }
-  struct stat st {};
-  if (::stat(path.c_str(), &st) == 0) return Status(StatusCode::kAlreadyExists, path + " already exists");
+  ZO_ASSIGN_OR_RETURN(const io::PathKind kind, env.path_kind(path));
+  if (kind != io::PathKind::kMissing) return Status(StatusCode::kAlreadyExists, path + " already exists");
   auto impl = std::make_unique<Impl>();
   ZO_ASSIGN_OR_RETURN(impl->file, io::File::open(path, io::OpenMode::kCreate, /*direct=*/true));
   impl->io = &io;
@@ -216,9 +211,7 @@ Result<FileDigest> StreamWriter::finish() {
   }
   Status waited = w.wait_all();
   if (s.is_ok()) s = std::move(waited);
-  if (s.is_ok() && ::ftruncate(w.file.fd(), static_cast<off_t>(w.position)) != 0) {
-    s = errno_status("truncating " + w.path + " to " + std::to_string(w.position) + " bytes", errno);
-  }
+  if (s.is_ok()) s = w.file.truncate(w.position);
   if (s.is_ok()) s = w.file.sync();
   Status closed = w.file.close();
   if (s.is_ok()) s = std::move(closed);
@@ -294,15 +287,81 @@ uint64_t staging_bytes_for(uint64_t configured, uint64_t file_bytes) {
   return std::min(configured, std::max(kMinStagingBytes, align_up(file_bytes, kUnit))) / kUnit * kUnit;
 }
 
-Result<std::string> read_small_file(const std::string& path) {
-  std::error_code ec;
-  const uint64_t size = std::filesystem::file_size(path, ec);
-  if (ec) return Status(ec.value() == ENOENT ? StatusCode::kNotFound : StatusCode::kIoError, path + ": " + ec.message());
+Result<std::string> read_small_file(io::Env& env, const std::string& path) {
+  ZO_ASSIGN_OR_RETURN(std::unique_ptr<io::ReadFile> file, env.open_read(path, "file"));
+  const uint64_t size = file->size_bytes();
   if (size > kMaxSmallFileBytes) return corruption(path + ": " + std::to_string(size) + " bytes is too large");
-  std::ifstream in(path, std::ios::binary);
   std::string text(size, '\0');
-  if (!in.read(text.data(), static_cast<std::streamsize>(size))) return io_error("reading " + path, errno);
+  ZO_RETURN_IF_ERROR(file->read_exact(0, std::as_writable_bytes(std::span(text))));
   return text;
 }
+
+// Note [Reading a stream]: the mirror of StreamWriter. kReadSlots slots of the staging buffer are
+// read ahead of the consumer, so the disk is busy while the previous slot is checked and consumed.
+Status read_stream(io::IoEngine& io, io::Env& env, const std::string& path, const FileDigest& digest,
+                   std::span<std::byte> staging, uint64_t from_bytes,
+                   const std::function<Status(uint64_t, std::span<const std::byte>)>& consume,
+                   const std::function<void(uint64_t)>& on_bytes) {
+  ZO_ASSIGN_OR_RETURN(io::File file, io::File::open(path, io::OpenMode::kRead, /*direct=*/true));
+  ChunkVerifier verifier(digest, path);
+  const uint64_t size = digest.size_bytes;
+  const uint64_t body = file.direct() ? size - size % kDirectIoAlignment : size;
+  const uint64_t slot_bytes = staging.size() / kReadSlots / kDirectIoAlignment * kDirectIoAlignment;
+  std::vector<std::optional<io::Ticket>> tickets(kReadSlots);
+  std::vector<uint64_t> slot_len(kReadSlots, 0);
+  auto slot = [&](uint32_t i) { return staging.data() + uint64_t{i} * slot_bytes; };
+  uint64_t next_read = 0;
+  uint32_t next_slot = 0;
+  auto issue = [&]() -> Status {
+    while (next_read < body && !tickets[next_slot]) {
+      const uint64_t n = std::min(slot_bytes, body - next_read);
+      ZO_ASSIGN_OR_RETURN(io::Ticket t, io.submit(io::read_request(file, next_read, slot(next_slot), n)));
+      tickets[next_slot] = t;
+      slot_len[next_slot] = n;
+      next_read += n;
+      next_slot = (next_slot + 1) % kReadSlots;
+    }
+    return Status::ok();
+  };
+  auto drain = [&]() {
+    for (auto& t : tickets) {
+      if (t) (void)io.wait(*t);
+      t.reset();
+    }
+  };
+  auto feed = [&](uint64_t offset, std::span<const std::byte> bytes) -> Status {
+    ZO_RETURN_IF_ERROR(verifier.update(bytes));
+    if (offset + bytes.size() > from_bytes) {
+      const uint64_t skip = offset < from_bytes ? from_bytes - offset : 0;
+      ZO_RETURN_IF_ERROR(consume(offset + skip, bytes.subspan(skip)));
+    }
+    if (on_bytes) on_bytes(bytes.size());
+    return Status::ok();
+  };
+  uint64_t offset = 0;
+  uint32_t cur = 0;
+  Status s = issue();
+  while (s.is_ok() && offset < body) {
+    const io::Ticket t = *tickets[cur];
+    tickets[cur].reset();
+    s = io.wait(t);
+    if (!s.is_ok()) break;
+    s = feed(offset, {slot(cur), slot_len[cur]});
+    offset += slot_len[cur];
+    cur = (cur + 1) % kReadSlots;
+    if (s.is_ok()) s = issue();
+  }
+  drain();
+  if (s.is_ok() && body < size) {
+    // The tail (less than one 4 KiB block) through the Env: a direct read past the end is short.
+    ZO_ASSIGN_OR_RETURN(std::unique_ptr<io::ReadFile> tail, env.open_read(path, "checkpoint file"));
+    const uint64_t n = size - body;
+    ZO_RETURN_IF_ERROR(tail->read_exact(body, staging.first(n)));
+    s = feed(body, {staging.data(), n});
+  }
+  if (s.is_ok()) s = verifier.finish();
+  return s;
+}
+
 
 }  // namespace zo::engine

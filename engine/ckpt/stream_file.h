@@ -1,11 +1,13 @@
 // Streaming files of checkpoints and exports: StreamWriter writes a new file front to back through
 // a caller-owned, bounded staging buffer with O_DIRECT (via io::IoEngine, asynchronously: the caller
 // fills one slot while earlier slots are written) and a CRC-32C per fixed-size chunk; ChunkVerifier
-// checks bytes read back against those CRCs. Neither is thread-safe; one thread drives each.
-// read_small_file reads their small files (manifest, config, tokenizer files) whole.
+// checks bytes read back against those CRCs; read_stream reads a file back through a bounded staging
+// buffer, checked as it goes. None is thread-safe; one thread drives each. read_small_file reads
+// their small files (manifest, config, tokenizer files) whole. Files are opened through an io::Env.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -37,7 +39,8 @@ class StreamWriter {
   // system allows it. `staging` (4096-aligned, size a multiple of 4096 × n_slots, ≥ 4096 × n_slots)
   // is cut into n_slots slots; the writer never allocates more than a few KiB itself.
   static Result<std::unique_ptr<StreamWriter>> create(io::IoEngine& io, const std::string& path,
-                                                      std::span<std::byte> staging, uint32_t n_slots = 4);
+                                                      std::span<std::byte> staging, uint32_t n_slots = 4,
+                                                      io::Env& env = *io::Env::posix());
   ~StreamWriter();  // an unfinished writer waits for its writes and closes the file (left on disk)
   StreamWriter(const StreamWriter&) = delete;
   StreamWriter& operator=(const StreamWriter&) = delete;
@@ -89,6 +92,18 @@ class ChunkVerifier {
   uint32_t crc_ = 0;  // of the current chunk so far
 };
 
+// Reads `path` front to back through `staging` (4096-aligned, a multiple of 4096 × kReadSlots;
+// Note [Reading a stream] in the .cpp): every byte is checked against `digest` and the bytes at and
+// after `from_bytes` are handed to `consume(file_offset, bytes)` in order; `on_bytes` (may be empty)
+// hears how many bytes each slot held. Whole 4 KiB blocks are read with O_DIRECT through `io`, the
+// tail through `env`. Errors name the file and offset; kCorruption for a checksum mismatch or a file
+// shorter than the digest; consume's own error stops the read and is returned.
+inline constexpr uint32_t kReadSlots = 4;
+Status read_stream(io::IoEngine& io, io::Env& env, const std::string& path, const FileDigest& digest,
+                   std::span<std::byte> staging, uint64_t from_bytes,
+                   const std::function<Status(uint64_t, std::span<const std::byte>)>& consume,
+                   const std::function<void(uint64_t)>& on_bytes = {});
+
 // Note [Publishing a directory]: checkpoints and exports are written into a temporary sibling of
 // their final directory, every file fdatasynced and the sibling itself fsynced by the writer, and
 // then published whole by this one step: renamed into place (or, when `final_dir` exists and is
@@ -111,9 +126,10 @@ Status check_staging_bytes(uint64_t bytes, std::string_view what);
 uint64_t staging_bytes_for(uint64_t configured, uint64_t file_bytes);
 
 // The whole of a small file of a checkpoint or an export (manifest, trainer state, config, a
-// tokenizer file), at most kMaxSmallFileBytes: kNotFound naming a missing path, kCorruption for a
-// larger file, kIoError otherwise.
+// tokenizer file), at most kMaxSmallFileBytes, read through `env`: kNotFound naming a missing path,
+// kInvalidArgument for a FIFO or other non-regular file, kCorruption for a larger file, kIoError
+// otherwise.
 inline constexpr uint64_t kMaxSmallFileBytes = uint64_t{64} << 20;
-Result<std::string> read_small_file(const std::string& path);
+Result<std::string> read_small_file(io::Env& env, const std::string& path);
 
 }  // namespace zo::engine

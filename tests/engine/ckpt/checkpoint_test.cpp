@@ -428,6 +428,63 @@ TEST(Checkpoint, FileOperationFaultsAroundTheCommitLoseNothing) {
   }
 }
 
+// Reads fail too (issue 19): opening, verifying and loading read through the Env (the small files,
+// the safetensors headers, the tail of each state file) and the I/O engine (the state files' 4 KiB
+// blocks), both faulted by the same rules. EIO on the small files fails the open naming the file;
+// EIO on the last byte of each state file fails verify and load naming that file, never silently.
+TEST(Checkpoint, ReadFaultsNameTheFileAndNeverLoadSilently) {
+  TempDir dir;
+  Rig rig;
+  ASSERT_TRUE(rig.init({.optimizer = "cpu"}, dir.path + "/swap").is_ok());
+  ASSERT_TRUE(rig.fill(1).is_ok());
+  const std::string ckpt = dir.path + "/ckpt";
+  ASSERT_TRUE(save_checkpoint(*rig.store, state_at(1), "{\"hidden_size\": 8}", save_options(ckpt)).is_ok());
+  const std::string step = ckpt + "/step-1";
+  io::FaultyEnv env(io::Env::posix(), rig.faults);
+  for (const char* name : {"latest"}) {
+    rig.faults->add({.kind = io::FaultKind::kEio, .op = io::IoOp::kRead, .path_contains = std::string("/") + name});
+    Status s = resolve_checkpoint(ckpt, env).status();
+    EXPECT_EQ(s.code(), StatusCode::kIoError) << s.to_string();
+    EXPECT_THAT(s.message(), HasSubstr("reading " + ckpt + "/" + name + " at offset 0"));
+    rig.faults->clear();
+  }
+  for (const char* name : {"manifest.json", "trainer_state.json", "config.json", "exp_avg.safetensors"}) {
+    SCOPED_TRACE(name);
+    const uint64_t before = rig.faults->injected();
+    rig.faults->add({.kind = io::FaultKind::kEio, .op = io::IoOp::kRead, .path_contains = std::string("/") + name});
+    Status s = open_checkpoint(step, env).status();
+    EXPECT_EQ(s.code(), StatusCode::kIoError) << s.to_string();
+    EXPECT_THAT(s.message(), HasSubstr(step + "/" + name));
+    EXPECT_EQ(rig.faults->injected() - before, 1u);
+    rig.faults->clear();
+  }
+  auto info = open_checkpoint(step, env);
+  ASSERT_TRUE(info.is_ok()) << info.status().to_string();
+  const uint64_t injected_before = rig.faults->injected();
+  for (StateKind kind : kSavedStates) {
+    const std::string name = state_file_name(kind);
+    SCOPED_TRACE(name);
+    const FileDigest* f = info->manifest.find(name);
+    ASSERT_NE(f, nullptr);
+    Buffers b;
+    rig.faults->add({.kind = io::FaultKind::kEio, .op = io::IoOp::kRead, .path_contains = "/" + name,
+                     .offset_bytes = f->size_bytes - 1});
+    Status v = verify_checkpoint(*info, *rig.io, b.staging.bytes(), {}, env);
+    EXPECT_EQ(v.code(), StatusCode::kIoError) << v.to_string();
+    EXPECT_THAT(v.message(), HasSubstr(step + "/" + name));
+    rig.faults->add({.kind = io::FaultKind::kEio, .op = io::IoOp::kRead, .path_contains = "/" + name,
+                     .offset_bytes = f->size_bytes - 1});
+    Rig dst;
+    ASSERT_TRUE(dst.init({.optimizer = "cpu"}, dir.path + "/swap-" + name).is_ok());
+    Status l = load_checkpoint(*info, *dst.store, *rig.io, b.staging.bytes(), env);
+    EXPECT_EQ(l.code(), StatusCode::kIoError) << l.to_string();
+    EXPECT_THAT(l.message(), HasSubstr(step + "/" + name));
+    rig.faults->clear();
+  }
+  EXPECT_EQ(rig.faults->injected() - injected_before, 6u) << "each read fault was met once";
+  EXPECT_TRUE(verify(ckpt, *rig.io).is_ok()) << "the checkpoint itself is whole";
+}
+
 TEST(Checkpoint, RefusesBadOptionsAndATornStore) {
   TempDir dir;
   Rig rig;

@@ -726,5 +726,35 @@ TEST(ExportCheckpoint, DetectsCorruptionMidWay) {
   EXPECT_FALSE(fs::exists(out));
 }
 
+// The export reads master.safetensors through the Env (issue 19): EIO in the middle of its data is
+// reported naming the file and the offset of the failed read, and nothing of the export is left.
+TEST(ExportCheckpoint, AReadErrorNamesTheFileAndLeavesNothing) {
+  const Model m = store_model();
+  SavedCheckpoint ckpt;
+  ASSERT_TRUE(ckpt.save(m).is_ok());
+  auto info = open_checkpoint(ckpt.path);
+  ASSERT_TRUE(info.is_ok()) << info.status().to_string();
+  const std::string master = ckpt.path + "/" + kMasterFile;
+  const uint64_t middle = info->manifest.find(kMasterFile)->size_bytes / 2;
+  auto faults = std::make_shared<io::FaultInjector>();
+  io::FaultyEnv env(io::Env::posix(), faults);
+  auto io = make_io();
+  const std::string out = ckpt.rig.dir.path + "/hf-eio";
+  ExportOptions o = options_for(out, DType::kBF16);
+  o.env = &env;
+  // The header is read when the file is opened; this rule waits for the data.
+  faults->add({.kind = io::FaultKind::kEio, .op = io::IoOp::kRead, .path_contains = "/" + std::string(kMasterFile),
+               .offset_bytes = middle});
+  auto r = export_checkpoint(*info, *io, o);
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_EQ(faults->injected(), 1u);
+  EXPECT_EQ(r.status().code(), StatusCode::kIoError) << r.status().to_string();
+  EXPECT_THAT(r.status().message(), HasSubstr("export: reading " + master + " at offset "));
+  EXPECT_FALSE(fs::exists(out));
+  for (const auto& e : fs::directory_iterator(ckpt.rig.dir.path))
+    EXPECT_THAT(e.path().filename().string(), ::testing::Not(HasSubstr(".tmp-"))) << "the sibling is removed";
+  ASSERT_TRUE(export_checkpoint(*info, *io, o).is_ok()) << "the rule was used up: the same export succeeds";
+}
+
 }  // namespace
 }  // namespace zo::engine

@@ -1,0 +1,230 @@
+#include "engine/ckpt/checkpoint.h"
+
+#include <algorithm>
+#include <filesystem>
+
+#include "common/check.h"
+#include "common/string_util.h"
+#include "engine/model/safetensors.h"
+
+namespace zo::engine {
+using json = nlohmann::json;
+
+Result<std::string> resolve_checkpoint(const std::string& path, io::Env& env) {
+  auto kind = [&env](const std::string& p) {
+    Result<io::PathKind> k = env.path_kind(p);
+    return k.is_ok() ? *k : io::PathKind::kMissing;
+  };
+  if (kind(path) == io::PathKind::kMissing) return not_found("checkpoint " + path + " does not exist");
+  if (kind(path + "/" + kManifestFile) != io::PathKind::kMissing) return path;
+  if (kind(path + "/" + kLatestFile) != io::PathKind::kMissing) {
+    ZO_ASSIGN_OR_RETURN(std::string text, read_small_file(env, path + "/" + kLatestFile));
+    while (!text.empty() && (text.back() == '\n' || text.back() == ' ')) text.pop_back();
+    if (text.rfind("step-", 0) != 0 || text.find('/') != std::string::npos) {
+      return corruption(path + "/" + kLatestFile + " names \"" + quote_excerpt(text) + "\", not a step-<N> directory");
+    }
+    const std::string target = path + "/" + text;
+    if (kind(target + "/" + kManifestFile) == io::PathKind::kMissing) {
+      return corruption(path + "/" + kLatestFile + " names " + quote_excerpt(text) + ", which has no " + kManifestFile);
+    }
+    return target;
+  }
+  std::filesystem::path norm = std::filesystem::path(path).lexically_normal();
+  if (norm.filename().empty()) norm = norm.parent_path();
+  const std::string base = norm.filename().string();
+  const bool is_dir = kind(path) == io::PathKind::kDirectory;
+  if (is_dir && (base.rfind("step-", 0) == 0 || base.rfind("tmp-", 0) == 0)) {
+    return corruption(path + " has no " + kManifestFile + ": an incomplete save, never loaded");
+  }
+  if (is_dir) {
+    return not_found(path + " is not a checkpoint: it has neither " + kManifestFile + " (a step directory) nor " +
+                     kLatestFile + " (a checkpoint directory)");
+  }
+  return not_found(path + " is not a checkpoint directory");
+}
+
+Result<CheckpointInfo> open_checkpoint(const std::string& path, io::Env& env) {
+  CheckpointInfo info;
+  info.path = path;
+  const std::string mpath = path + "/" + kManifestFile;
+  auto mtext = read_small_file(env, mpath);
+  if (!mtext.is_ok()) {
+    if (mtext.status().code() == StatusCode::kNotFound) {
+      return corruption(path + " has no " + kManifestFile + ": an incomplete save, never loaded");
+    }
+    return mtext.status();
+  }
+  ZO_ASSIGN_OR_RETURN(json mj, parse_json_object(*mtext, mpath));
+  ZO_ASSIGN_OR_RETURN(info.manifest, Manifest::from_json(mj, mpath));
+  for (const char* required : {kMasterFile, kExpAvgFile, kExpAvgSqFile, kTrainerStateFile, kModelConfigFile}) {
+    if (!info.manifest.find(required)) return corruption(mpath + ": lists no " + required);
+  }
+  for (const FileDigest& f : info.manifest.files) {
+    const std::string fpath = path + "/" + f.name;
+    Result<uint64_t> size_or = env.file_size(fpath);
+    if (!size_or.is_ok()) return corruption(fpath + ": listed in the manifest but " + size_or.status().message());
+    const uint64_t size = *size_or;
+    if (size != f.size_bytes) {
+      return corruption(fpath + ": " + std::to_string(size) + " bytes, the manifest says " + std::to_string(f.size_bytes));
+    }
+  }
+  // The small files are read whole and checked here; the state files by verify/load.
+  auto small = [&](const char* name) -> Result<std::string> {
+    const std::string fpath = path + "/" + name;
+    ZO_ASSIGN_OR_RETURN(std::string text, read_small_file(env, fpath));
+    ChunkVerifier v(*info.manifest.find(name), fpath);
+    ZO_RETURN_IF_ERROR(v.update(std::as_bytes(std::span(text.data(), text.size()))));
+    ZO_RETURN_IF_ERROR(v.finish());
+    return text;
+  };
+  ZO_ASSIGN_OR_RETURN(std::string stext, small(kTrainerStateFile));
+  ZO_ASSIGN_OR_RETURN(json sj, parse_json_object(stext, path + "/" + kTrainerStateFile));
+  ZO_ASSIGN_OR_RETURN(info.state, TrainingState::from_json(sj, path + "/" + kTrainerStateFile));
+  ZO_ASSIGN_OR_RETURN(info.model_config_json, small(kModelConfigFile));
+  if (info.state.steps_done != info.manifest.step) {
+    return corruption(mpath + ": step " + std::to_string(info.manifest.step) + " but " + kTrainerStateFile +
+                      " says steps_done " + std::to_string(info.state.steps_done));
+  }
+  // The state files' headers must list the manifest's tensors, in order, as F32.
+  for (StateKind kind : kSavedStates) {
+    const std::string fpath = path + "/" + state_file_name(kind);
+    ZO_ASSIGN_OR_RETURN(auto st, SafetensorsFile::open(fpath, &env));
+    const auto& ts = st->tensors();
+    if (ts.size() != info.manifest.tensors.size()) {
+      return corruption(fpath + ": " + std::to_string(ts.size()) + " tensors, the manifest lists " +
+                        std::to_string(info.manifest.tensors.size()));
+    }
+    uint64_t expect_offset = ts.empty() ? 0 : ts.front().data_offset_bytes;
+    if (expect_offset % 4 != 0) {
+      return corruption(fpath + ": the data starts at offset " + std::to_string(expect_offset) +
+                        ", not a multiple of 4 (a zoffload checkpoint pads it to 4096)");
+    }
+    for (size_t i = 0; i < ts.size(); ++i) {
+      const CheckpointTensor& t = info.manifest.tensors[i];
+      if (ts[i].name != t.name || ts[i].shape != t.shape || ts[i].dtype != DType::kF32 ||
+          ts[i].data_offset_bytes != expect_offset) {
+        return corruption(fpath + ": tensor " + std::to_string(i) + " is " + ts[i].name + " " +
+                          shape_string(ts[i].shape) + ", the manifest says " + t.name + " " + shape_string(t.shape) +
+                          " F32, stored back to back");
+      }
+      expect_offset += ts[i].size_bytes;
+    }
+    if (expect_offset != st->file_size_bytes()) {
+      return corruption(fpath + ": the tensors end at " + std::to_string(expect_offset) + " but the file has " +
+                        std::to_string(st->file_size_bytes()) + " bytes");
+    }
+  }
+  return info;
+}
+
+Status verify_checkpoint(const CheckpointInfo& ckpt, io::IoEngine& io, std::span<std::byte> staging,
+                         const std::function<void(uint64_t, uint64_t)>& progress, io::Env& env) {
+  ZO_RETURN_IF_ERROR(check_staging_bytes(staging.size(), "verifying " + ckpt.path));
+  uint64_t total = 0, done = 0;
+  for (const FileDigest& f : ckpt.manifest.files) total += f.size_bytes;
+  for (const FileDigest& f : ckpt.manifest.files) {
+    ZO_RETURN_IF_ERROR(read_stream(
+        io, env, ckpt.path + "/" + f.name, f, staging, f.size_bytes, [](uint64_t, std::span<const std::byte>) { return Status::ok(); },
+        [&](uint64_t n) {
+          done += n;
+          if (progress) progress(done, total);
+        }));
+  }
+  return Status::ok();
+}
+
+Status load_checkpoint(const CheckpointInfo& ckpt, StateStore& store, io::IoEngine& io, std::span<std::byte> staging,
+                       io::Env& env) {
+  const std::string context = "loading checkpoint " + ckpt.path;
+  ZO_RETURN_IF_ERROR(check_staging_bytes(staging.size(), context));
+  const ParamRegistry& reg = store.registry();
+  const auto& tensors = ckpt.manifest.tensors;
+  if (tensors.size() != reg.params().size()) {
+    return invalid_argument(context + ": it holds " + std::to_string(tensors.size()) + " tensors, the model has " +
+                            std::to_string(reg.params().size()) + " parameters");
+  }
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const ParamInfo& p = reg.params()[i];
+    if (p.name != tensors[i].name || p.shape != tensors[i].shape) {
+      return invalid_argument(context + ": tensor " + std::to_string(i) + " is " + tensors[i].name + " " +
+                              shape_string(tensors[i].shape) + " but the model's parameter " + std::to_string(i) +
+                              " is " + p.name + " " + shape_string(p.shape) + ": a checkpoint of a different model");
+    }
+  }
+  for (StateKind kind : kSavedStates) {
+    const std::string fpath = ckpt.path + "/" + state_file_name(kind);
+    ZO_ASSIGN_OR_RETURN(auto header, SafetensorsFile::open(fpath, &env));
+    const uint64_t data_start = header->tensors().empty() ? header->file_size_bytes()
+                                                          : header->tensors().front().data_offset_bytes;
+    // File bytes [data_start, ...) are the flat fp32 state of every sub-group in order.
+    uint32_t g = 0;
+    auto consume = [&](uint64_t offset, std::span<const std::byte> bytes) -> Status {
+      uint64_t flat = offset - data_start;
+      while (!bytes.empty()) {
+        while (g < reg.sub_groups().size() &&
+               flat >= (reg.sub_groups()[g].first_elem + reg.sub_groups()[g].n_elems) * 4) {
+          ++g;
+        }
+        if (g == reg.sub_groups().size()) return corruption(fpath + ": more data than the model's parameters");
+        const SubGroup& sg = reg.sub_groups()[g];
+        const uint64_t in_group = flat - sg.first_elem * 4;
+        const uint64_t n = std::min<uint64_t>(bytes.size(), sg.n_elems * 4 - in_group);
+        ZO_RETURN_IF_ERROR(store.write_state_range(g, kind, in_group, bytes.first(n)));
+        if (kind == StateKind::kMaster) {
+          ZO_CHECK(in_group % 4 == 0 && n % 4 == 0) << fpath << ": unaligned fp32 run";
+          const auto* values = reinterpret_cast<const float*>(bytes.data());
+          ZO_RETURN_IF_ERROR(store.write_compute_from_master(g, in_group / 4, {values, n / 4}));
+        }
+        bytes = bytes.subspan(n);
+        flat += n;
+      }
+      return Status::ok();
+    };
+    ZO_RETURN_IF_ERROR(
+        read_stream(io, env, fpath, *ckpt.manifest.find(state_file_name(kind)), staging, data_start, consume, {}).with_context(context));
+  }
+  return Status::ok();
+}
+
+json describe_checkpoint(const CheckpointInfo& ckpt) {
+  uint64_t params = 0, bytes = 0;
+  for (const CheckpointTensor& t : ckpt.manifest.tensors) params += t.n_elems;
+  json files = json::object();
+  for (const FileDigest& f : ckpt.manifest.files) {
+    files[f.name] = f.size_bytes;
+    bytes += f.size_bytes;
+  }
+  json model = json::parse(ckpt.model_config_json, nullptr, false);
+  json out = {{"path", ckpt.path},
+              {"format_version", ckpt.manifest.format_version},
+              {"step", ckpt.state.steps_done},
+              {"optimizer_steps", ckpt.state.optimizer_steps},
+              {"skipped_steps", ckpt.state.steps_done - ckpt.state.optimizer_steps},
+              {"loss_scale", ckpt.state.loss_scaler.cur_scale},
+              {"data_position", {{"epoch", ckpt.state.data_position.epoch}, {"index", ckpt.state.data_position.index}}},
+              {"seed", ckpt.state.seed},
+              {"model", ckpt.state.model},
+              {"data", ckpt.state.data},
+              {"seq_len", ckpt.state.seq_len},
+              {"tensors", ckpt.manifest.tensors.size()},
+              {"parameters", params},
+              {"bytes", bytes},
+              {"files", files}};
+  if (model.is_object()) {
+    for (const char* k : {"model_type", "hidden_size", "num_hidden_layers", "vocab_size"}) {
+      if (model.contains(k)) out["model_config"][k] = model[k];
+    }
+  }
+  const json& c = ckpt.state.config;
+  if (c.is_object()) {
+    json highlights = json::object();
+    for (const char* k : {"bf16", "fp16", "zero_optimization", "optimizer", "scheduler", "gradient_accumulation_steps",
+                          "train_micro_batch_size_per_gpu"}) {
+      if (c.contains(k)) highlights[k] = c[k];
+    }
+    out["config"] = highlights;
+  }
+  return out;
+}
+
+}  // namespace zo::engine

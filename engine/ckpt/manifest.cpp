@@ -1,0 +1,176 @@
+#include "engine/ckpt/manifest.h"
+
+#include <cstdio>
+
+#include "common/check.h"
+#include "common/string_util.h"
+
+namespace zo::engine {
+using json = nlohmann::json;
+
+namespace {
+
+constexpr const char* kFormatName = "zoffload-checkpoint";
+
+std::string hex32(uint32_t v) {
+  char buf[9];
+  std::snprintf(buf, sizeof buf, "%08x", v);
+  return buf;
+}
+
+// Reads a json field of the expected kind or fails naming it.
+template <typename T>
+Status get(const json& j, const char* key, T* out, const std::string& source) {
+  auto it = j.find(key);
+  if (it == j.end()) return corruption(source + ": missing \"" + key + "\"");
+  try {
+    *out = it->get<T>();
+  } catch (const json::exception& e) {
+    return corruption(source + ": \"" + key + "\": " + e.what());
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
+const char* state_file_name(StateKind kind) {
+  switch (kind) {
+    case StateKind::kMaster: return kMasterFile;
+    case StateKind::kExpAvg: return kExpAvgFile;
+    case StateKind::kExpAvgSq: return kExpAvgSqFile;
+    default: break;
+  }
+  ZO_CHECK(false) << "no checkpoint file for state " << state_name(kind);
+  return "";
+}
+
+Result<json> parse_json_object(const std::string& text, const std::string& source) {
+  json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) return corruption(source + ": not a JSON object");
+  return j;
+}
+
+std::string shape_string(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+json TrainingState::to_json() const {
+  return {{"steps_done", steps_done},
+          {"optimizer_steps", optimizer_steps},
+          {"loss_scaler",
+           {{"cur_scale", loss_scaler.cur_scale},
+            {"cur_iter", loss_scaler.cur_iter},
+            {"last_overflow_iter", loss_scaler.last_overflow_iter},
+            {"cur_hysteresis", loss_scaler.cur_hysteresis}}},
+          {"data_position", {{"epoch", data_position.epoch}, {"index", data_position.index}}},
+          {"seed", seed},
+          {"model", model},
+          {"data", data},
+          {"seq_len", seq_len},
+          {"config", config}};
+}
+
+Result<TrainingState> TrainingState::from_json(const json& j, const std::string& source) {
+  TrainingState s;
+  ZO_RETURN_IF_ERROR(get(j, "steps_done", &s.steps_done, source));
+  ZO_RETURN_IF_ERROR(get(j, "optimizer_steps", &s.optimizer_steps, source));
+  ZO_RETURN_IF_ERROR(get(j, "seed", &s.seed, source));
+  ZO_RETURN_IF_ERROR(get(j, "model", &s.model, source));
+  ZO_RETURN_IF_ERROR(get(j, "data", &s.data, source));
+  ZO_RETURN_IF_ERROR(get(j, "seq_len", &s.seq_len, source));
+  json scaler, data;
+  ZO_RETURN_IF_ERROR(get(j, "loss_scaler", &scaler, source));
+  ZO_RETURN_IF_ERROR(get(scaler, "cur_scale", &s.loss_scaler.cur_scale, source + " loss_scaler"));
+  ZO_RETURN_IF_ERROR(get(scaler, "cur_iter", &s.loss_scaler.cur_iter, source + " loss_scaler"));
+  ZO_RETURN_IF_ERROR(get(scaler, "last_overflow_iter", &s.loss_scaler.last_overflow_iter, source + " loss_scaler"));
+  ZO_RETURN_IF_ERROR(get(scaler, "cur_hysteresis", &s.loss_scaler.cur_hysteresis, source + " loss_scaler"));
+  ZO_RETURN_IF_ERROR(get(j, "data_position", &data, source));
+  ZO_RETURN_IF_ERROR(get(data, "epoch", &s.data_position.epoch, source + " data_position"));
+  ZO_RETURN_IF_ERROR(get(data, "index", &s.data_position.index, source + " data_position"));
+  ZO_RETURN_IF_ERROR(get(j, "config", &s.config, source));
+  if (s.optimizer_steps > s.steps_done) {
+    return corruption(source + ": optimizer_steps " + std::to_string(s.optimizer_steps) + " > steps_done " +
+                      std::to_string(s.steps_done));
+  }
+  return s;
+}
+
+json Manifest::to_json() const {
+  json files_j = json::array();
+  for (const FileDigest& f : files) {
+    json crcs = json::array();
+    for (uint32_t c : f.chunk_crc32c) crcs.push_back(hex32(c));
+    files_j.push_back({{"name", f.name}, {"size_bytes", f.size_bytes}, {"chunk_bytes", f.chunk_bytes}, {"crc32c", crcs}});
+  }
+  json tensors_j = json::array();
+  for (const CheckpointTensor& t : tensors) tensors_j.push_back({{"name", t.name}, {"dtype", "F32"}, {"shape", t.shape}});
+  return {{"format", kFormatName}, {"format_version", format_version}, {"step", step},
+          {"state_files", {kMasterFile, kExpAvgFile, kExpAvgSqFile}}, {"tensors", tensors_j}, {"files", files_j}};
+}
+
+Result<Manifest> Manifest::from_json(const json& j, const std::string& source) {
+  Manifest m;
+  std::string format;
+  ZO_RETURN_IF_ERROR(get(j, "format", &format, source));
+  if (format != kFormatName) return corruption(source + ": format \"" + format + "\" is not " + kFormatName);
+  ZO_RETURN_IF_ERROR(get(j, "format_version", &m.format_version, source));
+  if (m.format_version != kCheckpointFormatVersion) {
+    return invalid_argument(source + ": format_version " + std::to_string(m.format_version) +
+                            " is not supported (this zoffload reads version " +
+                            std::to_string(kCheckpointFormatVersion) + ")");
+  }
+  ZO_RETURN_IF_ERROR(get(j, "step", &m.step, source));
+  json files_j, tensors_j;
+  ZO_RETURN_IF_ERROR(get(j, "files", &files_j, source));
+  ZO_RETURN_IF_ERROR(get(j, "tensors", &tensors_j, source));
+  if (!files_j.is_array() || !tensors_j.is_array()) return corruption(source + ": files and tensors must be arrays");
+  for (const json& f : files_j) {
+    FileDigest d;
+    std::vector<std::string> crcs;
+    ZO_RETURN_IF_ERROR(get(f, "name", &d.name, source + " files"));
+    ZO_RETURN_IF_ERROR(get(f, "size_bytes", &d.size_bytes, source + " " + d.name));
+    ZO_RETURN_IF_ERROR(get(f, "chunk_bytes", &d.chunk_bytes, source + " " + d.name));
+    ZO_RETURN_IF_ERROR(get(f, "crc32c", &crcs, source + " " + d.name));
+    if (d.name.empty() || d.name.find('/') != std::string::npos || d.chunk_bytes == 0 ||
+        crcs.size() != (d.size_bytes + d.chunk_bytes - 1) / d.chunk_bytes) {
+      return corruption(source + ": file entry \"" + d.name + "\" is malformed (name, chunk_bytes or crc32c count)");
+    }
+    for (const std::string& c : crcs) {
+      char* end = nullptr;
+      const bool hex = c.size() == 8 && std::all_of(c.begin(), c.end(), [](char x) { return std::isxdigit(static_cast<unsigned char>(x)) != 0; });
+      const unsigned long v = hex ? std::strtoul(c.c_str(), &end, 16) : 0;
+      if (!hex || *end != '\0') return corruption(source + ": " + d.name + ": bad crc32c \"" + c + "\"");
+      d.chunk_crc32c.push_back(static_cast<uint32_t>(v));
+    }
+    // Two entries for one file would let the second's sizes and checksums go unchecked.
+    if (m.find(d.name) != nullptr) return corruption(source + ": file entry \"" + quote_excerpt(d.name) + "\" appears twice");
+    m.files.push_back(std::move(d));
+  }
+  for (const json& t : tensors_j) {
+    CheckpointTensor ct;
+    ZO_RETURN_IF_ERROR(get(t, "name", &ct.name, source + " tensors"));
+    ZO_RETURN_IF_ERROR(get(t, "shape", &ct.shape, source + " " + ct.name));
+    ct.n_elems = 1;
+    for (int64_t d : ct.shape) {
+      if (d < 1) return corruption(source + ": tensor " + ct.name + " has shape " + shape_string(ct.shape));
+      if (__builtin_mul_overflow(ct.n_elems, static_cast<uint64_t>(d), &ct.n_elems) || ct.n_elems > (uint64_t{1} << 50)) {
+        return corruption(source + ": tensor " + ct.name + " has an impossible shape " + shape_string(ct.shape));
+      }
+    }
+    if (std::any_of(m.tensors.begin(), m.tensors.end(), [&](const CheckpointTensor& x) { return x.name == ct.name; }))
+      return corruption(source + ": tensor \"" + quote_excerpt(ct.name) + "\" appears twice");
+    m.tensors.push_back(std::move(ct));
+  }
+  return m;
+}
+
+const FileDigest* Manifest::find(std::string_view name) const {
+  for (const FileDigest& f : files) {
+    if (f.name == name) return &f;
+  }
+  return nullptr;
+}
+
+}  // namespace zo::engine

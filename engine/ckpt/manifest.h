@@ -1,0 +1,78 @@
+// The checkpoint's schema: the names of its files, manifest.json (format version, step, every
+// file's size and per-chunk CRC-32C, the tensors) and trainer_state.json, with their JSON forms.
+// Parsing is strict: a missing or mistyped field is kCorruption naming the file and the field.
+// Plain value types; on-disk format: docs/checkpoint_format.md.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/status.h"
+#include "engine/ckpt/stream_file.h"
+#include "engine/data/dataset.h"
+#include "engine/memory/param_registry.h"
+#include "engine/optim/loss_scaler.h"
+
+namespace zo::engine {
+
+inline constexpr int kCheckpointFormatVersion = 1;
+
+// The files of a checkpoint directory.
+inline constexpr const char* kManifestFile = "manifest.json";
+inline constexpr const char* kTrainerStateFile = "trainer_state.json";
+inline constexpr const char* kModelConfigFile = "config.json";  // the model's Hugging Face config.json
+inline constexpr const char* kLatestFile = "latest";            // in DIR: "step-<N>\n"
+// fp32 safetensors files with Hugging Face tensor names, one per optimizer state.
+inline constexpr const char* kMasterFile = "master.safetensors";
+inline constexpr const char* kExpAvgFile = "exp_avg.safetensors";
+inline constexpr const char* kExpAvgSqFile = "exp_avg_sq.safetensors";
+
+// What a run needs besides the tiers to continue exactly (the lr schedule is a function of
+// optimizer_steps; the data order of seed and position).
+struct TrainingState {
+  uint64_t steps_done = 0;       // optimizer steps attempted, skipped ones too: the N of step-<N>
+  uint64_t optimizer_steps = 0;  // optimizer steps taken: Adam's step count, the lr index
+  LossScalerState loss_scaler;
+  DataPosition data_position;
+  uint64_t seed = 0;
+  std::string model;             // what --model named (a directory or preset), for humans
+  std::string data;              // the data file, and the window length its position counts in
+  uint64_t seq_len = 0;
+  nlohmann::json config;         // the resolved training config (to_json(Config))
+
+  nlohmann::json to_json() const;
+  static Result<TrainingState> from_json(const nlohmann::json& json, const std::string& source);
+};
+
+// One tensor of the state files (the same in each).
+struct CheckpointTensor {
+  std::string name;
+  std::vector<int64_t> shape;
+  uint64_t n_elems = 0;
+};
+
+struct Manifest {
+  int format_version = kCheckpointFormatVersion;
+  uint64_t step = 0;
+  std::vector<FileDigest> files;  // every file of the directory but the manifest
+  std::vector<CheckpointTensor> tensors;  // in file order; dtype F32
+
+  nlohmann::json to_json() const;
+  static Result<Manifest> from_json(const nlohmann::json& json, const std::string& source);
+  const FileDigest* find(std::string_view name) const;  // nullptr if absent
+};
+
+// The optimizer states a checkpoint holds, one fp32 safetensors file each, in this order.
+inline constexpr StateKind kSavedStates[] = {StateKind::kMaster, StateKind::kExpAvg, StateKind::kExpAvgSq};
+// The file of one of kSavedStates (kMasterFile, ...); any other state aborts.
+const char* state_file_name(StateKind kind);
+
+// The JSON object `text` holds, or kCorruption "<source>: not a JSON object".
+Result<nlohmann::json> parse_json_object(const std::string& text, const std::string& source);
+// "[4096, 11008]", for messages.
+std::string shape_string(const std::vector<int64_t>& shape);
+
+}  // namespace zo::engine
