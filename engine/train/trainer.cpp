@@ -182,7 +182,7 @@ struct Trainer::Impl {
   // Note [Trainer construction]: init and its steps, in the order it runs them.
   Status init(const TrainOptions& options);
   Status resolve_model();         // model config, size checks, layout, sequence length
-  Status prepare_run_dir();       // run directory, Env, metrics path, stale checkpoints removed
+  Status prepare_run_dir();       // run directory, metrics path, stale checkpoints removed
   Status find_resume();           // the checkpoint --resume names, opened and checked
   Status open_device();           // parameter registry, device and its budget
   Status plan_memory();           // the planner: this run's needs against this machine
