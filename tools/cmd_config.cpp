@@ -1,6 +1,8 @@
 // `zoffload config check FILE`: validate a config and print it fully resolved.
+// `zoffload config keys`: every key the config reads, with its type and default.
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <cstdio>
 #include <iostream>
 #include <memory>
@@ -44,6 +46,51 @@ int run_config_check(const ConfigCheckArgs& a) {
   return 0;
 }
 
+int run_config_keys(bool as_json) {
+  const engine::ConfigKeyList list = engine::config_keys();
+  if (as_json) {
+    nlohmann::json out = {{"keys", nlohmann::json::array()}, {"aliases", nlohmann::json::array()},
+                          {"no_effect", nlohmann::json::array()}};
+    for (const engine::ConfigKey& k : list.keys)
+      out["keys"].push_back({{"path", k.path}, {"type", k.type}, {"default", nlohmann::json::parse(k.default_json)},
+                             {"auto", k.auto_ok}});
+    for (const engine::ConfigAlias& a : list.aliases)
+      out["aliases"].push_back({{"path", a.path}, {"reads_as", a.reads_as}, {"deprecated", a.deprecated}});
+    for (const engine::ConfigNoEffect& n : list.no_effect) out["no_effect"].push_back({{"path", n.path}, {"why", n.why}});
+    std::cout << out.dump(2) << "\n";
+    return 0;
+  }
+  // Columns count characters, not bytes: the types hold "≥" and "–".
+  auto width_of = [](const std::string& s) {
+    return static_cast<size_t>(std::count_if(s.begin(), s.end(), [](char c) { return (c & 0xC0) != 0x80; }));
+  };
+  size_t path_width = 0, type_width = 0;
+  for (const engine::ConfigKey& k : list.keys) {
+    path_width = std::max(path_width, width_of(k.path));
+    type_width = std::max(type_width, width_of(k.type));
+  }
+  auto pad = [&](const std::string& s, size_t width) {
+    return s + std::string(width > width_of(s) ? width - width_of(s) : 0, ' ');
+  };
+  std::cout << pad("KEY", path_width) << "  " << pad("TYPE", type_width) << "  DEFAULT\n";
+  for (const engine::ConfigKey& k : list.keys) {
+    // The optimizer's default is a whole object (AdamW and its params, listed per type in
+    // docs/config.md); no scheduler block means a constant lr.
+    const std::string shown = k.path == "optimizer"   ? "AdamW (params per type: docs/config.md)"
+                              : k.path == "scheduler" ? "none: a constant lr (params per type: docs/config.md)"
+                                                      : k.default_json;
+    std::cout << pad(k.path, path_width) << "  " << pad(k.type, type_width) << "  " << shown
+              << (k.auto_ok ? "  (\"auto\" accepted)" : "") << "\n";
+  }
+  std::cout << "\nOther names (read as the key after the arrow):\n";
+  for (const engine::ConfigAlias& a : list.aliases)
+    std::cout << "  " << a.path << " -> " << a.reads_as << (a.deprecated ? "  (deprecated: warns)" : "") << "\n";
+  std::cout << "\nDeepSpeed keys accepted with a warning, no effect in zoffload:\n";
+  for (const engine::ConfigNoEffect& n : list.no_effect) std::cout << "  " << n.path << ": " << n.why << "\n";
+  std::cout << "\nMeanings, units and the rules between keys: docs/config.md.\n";
+  return 0;
+}
+
 }  // namespace
 
 void register_config_command(CLI::App& app, int* exit_code) {
@@ -75,6 +122,16 @@ void register_config_command(CLI::App& app, int* exit_code) {
     }
     *exit_code = run_config_check(*args);
   });
+
+  auto keys_json = std::make_shared<bool>(false);
+  CLI::App* keys = config->add_subcommand(
+      "keys",
+      "List every key a config may hold: its path, type and range, default (before \"auto\" and the\n"
+      "rules between keys are resolved: `config check` shows those), and whether \"auto\" is accepted;\n"
+      "then the other names keys may be given under, and the DeepSpeed keys accepted with no effect.\n"
+      "The list comes from the table the config reader itself uses.");
+  keys->add_flag("--json", *keys_json, "Print {keys, aliases, no_effect} as JSON");
+  keys->callback([keys_json, exit_code] { *exit_code = run_config_keys(*keys_json); });
 }
 
 }  // namespace zo::tools

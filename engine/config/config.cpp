@@ -2,17 +2,18 @@
 
 #include <algorithm>
 #include <cstring>
+#include <set>
+#include <span>
 #include <tuple>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
-#include "common/bytes.h"
 #include "common/log.h"
 #include "common/string_util.h"
+#include "engine/config/config_schema.h"
 #include "engine/config/json_reader.h"
 #include "io/env.h"
-#include "io/io_options.h"
 
 namespace zo::engine {
 
@@ -20,6 +21,7 @@ using detail::AutoOk;
 using detail::format_number;
 using detail::json_at;
 using detail::ObjectReader;
+using detail::kMaxFloat;
 using detail::ParseState;
 using nlohmann::json;
 
@@ -59,168 +61,79 @@ DType Config::compute_dtype() const {
 
 namespace {
 
-constexpr double kMaxDouble = std::numeric_limits<double>::max();
-// The optimizers compute in fp32: a hyperparameter above this would become inf there (issue 19:
-// "lr = inf is outside [0, inf]" at the first step, after the config had been accepted).
-constexpr double kMaxFloat = std::numeric_limits<float>::max();
-constexpr std::string_view kDevices[] = {"none", "cpu", "nvme"};
-constexpr std::string_view kDtypes[] = {"fp32", "fp16", "bf16"};
+// ---- reading: JSON → structs through the key table, "auto" recorded in ParseState::autos ---------
 
-OffloadDevice device_from(const std::string& s) {
-  return s == "cpu" ? OffloadDevice::kCpu : s == "nvme" ? OffloadDevice::kNvme : OffloadDevice::kNone;
-}
+void read_optimizer(ParseState* st, ObjectReader r, OptimizerConfig* o);
+void read_scheduler(ParseState* st, ObjectReader r, SchedulerConfig* s);
 
-// ---- reading: JSON → structs, "auto" recorded in ParseState::autos -------------------------------
+// The visitor of config_schema.h that reads: each key through its ObjectReader getter, each nested
+// object through a child reader that is finished (unknown keys reported) when its keys are done.
+class Reader {
+ public:
+  Reader(ParseState* st, ObjectReader root) : st_(st) { frames_.push_back({std::move(root), {}}); }
 
-void read_offload_param(ObjectReader r, OffloadParamConfig* c) {
-  std::string device;
-  if (r.choice("device", kDevices, &device)) c->device = device_from(device);
-  r.string("nvme_path", &c->nvme_path);
-  r.count("buffer_count", &c->buffer_count, 1);
-  r.count("buffer_size", &c->buffer_size, 1);
-  r.count("max_in_cpu", &c->max_in_cpu, 0);
-  r.boolean("pin_memory", &c->pin_memory);
-  r.finish();
-}
-
-void read_offload_optimizer(ParseState* st, ObjectReader r, OffloadOptimizerConfig* c) {
-  std::string device;
-  if (r.choice("device", kDevices, &device)) c->device = device_from(device);
-  r.string("nvme_path", &c->nvme_path);
-  r.count("buffer_count", &c->buffer_count, 1);
-  r.boolean("pin_memory", &c->pin_memory);
-  r.boolean("pipeline_read", &c->pipeline_read);
-  r.boolean("pipeline_write", &c->pipeline_write);
-  r.boolean("fast_init", &c->fast_init);
-  // DeepSpeed's old single flag for both directions.
-  bool pipeline = false;
-  if (r.boolean("pipeline", &pipeline)) {
-    st->warn(r.key_path("pipeline"), "deprecated; read as pipeline_read and pipeline_write");
-    if (!r.has("pipeline_read")) c->pipeline_read = pipeline;
-    if (!r.has("pipeline_write")) c->pipeline_write = pipeline;
+  void flag(std::string_view key, bool& out, AutoOk a = AutoOk::kNo) { note(key, top().boolean(key, &out, a)); }
+  void count(std::string_view key, uint64_t& out, uint64_t min, AutoOk a = AutoOk::kNo) {
+    note(key, top().count(key, &out, min, a));
   }
-  if (r.number("ratio", &c->ratio, 0.0, 1.0, /*min_exclusive=*/true) && c->ratio < 1.0)
-    st->error(r.key_path("ratio"), "partial optimizer offload (ratio < 1) is not supported by zoffload; use 1.0");
-  r.finish();
-}
-
-void read_zero(ParseState* st, ObjectReader r, ZeroConfig* z) {
-  r.integer("stage", &z->stage, 0, 3);
-  r.boolean("contiguous_gradients", &z->contiguous_gradients);
-  r.boolean("reduce_scatter", &z->reduce_scatter);
-  r.count("reduce_bucket_size", &z->reduce_bucket_size, 1, AutoOk::kYes);
-  r.boolean("allgather_partitions", &z->allgather_partitions);
-  r.count("allgather_bucket_size", &z->allgather_bucket_size, 1);
-  bool overlap = false;
-  if (r.boolean("overlap_comm", &overlap)) z->overlap_comm = overlap;
-  r.count("sub_group_size", &z->sub_group_size, 1);
-
-  // DeepSpeed's pydantic model names these without the stage3_ prefix and accepts both.
-  r.alias("prefetch_bucket_size", "stage3_prefetch_bucket_size", false);
-  r.alias("param_persistence_threshold", "stage3_param_persistence_threshold", false);
-  r.alias("model_persistence_threshold", "stage3_model_persistence_threshold", false);
-  r.alias("max_live_parameters", "stage3_max_live_parameters", false);
-  r.alias("max_reuse_distance", "stage3_max_reuse_distance", false);
-  r.alias("gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save", false);
-  r.alias("stage3_gather_fp16_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save", true);
-  r.count("stage3_prefetch_bucket_size", &z->stage3_prefetch_bucket_size, 0, AutoOk::kYes);
-  r.count("stage3_param_persistence_threshold", &z->stage3_param_persistence_threshold, 0, AutoOk::kYes);
-  r.count("stage3_model_persistence_threshold", &z->stage3_model_persistence_threshold, 0);
-  r.count("stage3_max_live_parameters", &z->stage3_max_live_parameters, 0);
-  r.count("stage3_max_reuse_distance", &z->stage3_max_reuse_distance, 0);
-  r.boolean("stage3_gather_16bit_weights_on_model_save", &z->stage3_gather_16bit_weights_on_model_save, AutoOk::kYes);
-
-  r.boolean("round_robin_gradients", &z->round_robin_gradients);
-  if (r.count("zero_hpz_partition_size", &z->zero_hpz_partition_size, 1) && z->zero_hpz_partition_size > 1)
-    st->error(r.key_path("zero_hpz_partition_size"), "hierarchical partitioning (ZeRO++ hpZ) is not supported; use 1");
-  if (r.boolean("zero_quantized_weights", &z->zero_quantized_weights) && z->zero_quantized_weights)
-    st->error(r.key_path("zero_quantized_weights"), "quantized weights (ZeRO++ qwZ) are not supported; use false");
-  if (r.boolean("zero_quantized_gradients", &z->zero_quantized_gradients) && z->zero_quantized_gradients)
-    st->error(r.key_path("zero_quantized_gradients"), "quantized gradients (ZeRO++ qgZ) are not supported; use false");
-
-  // Legacy ZeRO-Offload flags (DeepSpeed ≤ 0.3): cpu_offload → offload_optimizer.device "cpu",
-  // cpu_offload_params → offload_param.device "cpu", cpu_offload_use_pin_memory → pin_memory.
-  bool legacy_optimizer = false, legacy_params = false, legacy_pin = true;
-  const bool has_legacy_optimizer = r.boolean("cpu_offload", &legacy_optimizer);
-  const bool has_legacy_params = r.boolean("cpu_offload_params", &legacy_params);
-  const bool has_legacy_pin = r.boolean("cpu_offload_use_pin_memory", &legacy_pin);
-  if (has_legacy_optimizer) {
-    if (r.has("offload_optimizer"))
-      st->error(r.key_path("cpu_offload"), "given together with offload_optimizer; keep only offload_optimizer");
-    else
-      st->warn(r.key_path("cpu_offload"), std::string("deprecated; read as offload_optimizer.device = \"") +
-                                              (legacy_optimizer ? "cpu" : "none") + "\"");
+  void integer(std::string_view key, int& out, int min, int max) { note(key, top().integer(key, &out, min, max)); }
+  void number(std::string_view key, double& out, detail::Range range, AutoOk a = AutoOk::kNo) {
+    note(key, top().number(key, &out, range.min, range.max, range.min_exclusive, a));
   }
-  if (has_legacy_params) {
-    if (r.has("offload_param"))
-      st->error(r.key_path("cpu_offload_params"), "given together with offload_param; keep only offload_param");
-    else
-      st->warn(r.key_path("cpu_offload_params"), std::string("deprecated; read as offload_param.device = \"") +
-                                                     (legacy_params ? "cpu" : "none") + "\"");
+  void text(std::string_view key, std::string& out) { note(key, top().string(key, &out)); }
+  void bytes(std::string_view key, uint64_t& out) { note(key, top().size_bytes(key, &out)); }
+  void choice(std::string_view key, std::string& out, std::span<const std::string_view> names, AutoOk a = AutoOk::kNo) {
+    note(key, top().choice(key, names, &out, a));
   }
-  if (has_legacy_pin)
-    st->warn(r.key_path("cpu_offload_use_pin_memory"), "deprecated; read as pin_memory of offload_optimizer/offload_param");
-
-  read_offload_param(r.child("offload_param"), &z->offload_param);
-  read_offload_optimizer(st, r.child("offload_optimizer"), &z->offload_optimizer);
-  if (has_legacy_optimizer && !r.has("offload_optimizer")) {
-    z->offload_optimizer.device = legacy_optimizer ? OffloadDevice::kCpu : OffloadDevice::kNone;
-    if (has_legacy_pin) z->offload_optimizer.pin_memory = legacy_pin;
+  template <class E, size_t N>
+  void choice(std::string_view key, E& out, const std::array<detail::Named<E>, N>& names, AutoOk a = AutoOk::kNo) {
+    std::array<std::string_view, N> choices;
+    for (size_t i = 0; i < N; ++i) choices[i] = names[i].name;
+    std::string name;
+    if (!top().choice(key, choices, &name, a)) return;
+    for (const detail::Named<E>& n : names)
+      if (n.name == name) out = n.value;
+    note(key, true);
   }
-  if (has_legacy_params && !r.has("offload_param")) {
-    z->offload_param.device = legacy_params ? OffloadDevice::kCpu : OffloadDevice::kNone;
-    if (has_legacy_pin) z->offload_param.pin_memory = legacy_pin;
+  template <class Fn>
+  void object(std::string_view key, Fn&& visit_keys) {
+    ObjectReader child = top().child(key);
+    frames_.push_back({std::move(child), {}});
+    visit_keys();
+    top().finish();
+    frames_.pop_back();
+  }
+  // The optimizer and scheduler blocks are read only when present: their "type" is required.
+  void custom(std::string_view key, OptimizerConfig& o) {
+    if (top().has(key)) read_optimizer(st_, top().child(key), &o);
+    else top().child(key);  // records the key as known
+  }
+  void custom(std::string_view key, SchedulerConfig& s) {
+    if (top().has(key)) read_scheduler(st_, top().child(key), &s);
+    else top().child(key);
+  }
+  void alias(std::string_view old_key, std::string_view new_key, bool deprecated) { top().alias(old_key, new_key, deprecated); }
+  void legacy(std::string_view, std::string_view) {}  // read by the rule beside it
+  void no_effect(std::string_view key, std::string_view why) { top().accept_without_effect(key, why); }
+  template <class Fn>
+  void rule(Fn&& check) {
+    check(detail::ReadContext{top(), st_, frames_.back().valid});
   }
 
-  // Keys of DeepSpeed's that do not change what a single-process zoffload run computes.
-  r.accept_without_effect("elastic_checkpoint", "zoffload checkpoints are always resharding-free per rank");
-  r.accept_without_effect("ignore_unused_parameters", "every parameter of the model is trained");
-  r.accept_without_effect("legacy_stage1", "there is one stage-1 implementation");
-  r.accept_without_effect("memory_efficient_linear", "zoffload's linear layers never keep extra copies");
-  r.accept_without_effect("use_multi_rank_bucket_allreduce", "buckets are reduced per rank");
-  r.finish();
-}
+  ObjectReader& top() { return frames_.back().reader; }
 
-void read_aio(ParseState* st, ObjectReader r, AioConfig* a) {
-  r.count("block_size", &a->block_size, 1);
-  r.count("queue_depth", &a->queue_depth, 1);
-  r.alias("thread_count", "intra_op_parallelism", true);
-  r.count("intra_op_parallelism", &a->intra_op_parallelism, 1);
-  r.boolean("single_submit", &a->single_submit);
-  r.boolean("overlap_events", &a->overlap_events);
-  if (r.boolean("use_gds", &a->use_gds) && a->use_gds)
-    st->warn(r.key_path("use_gds"), "GPUDirect Storage is not available in zoffload; NVMe I/O goes through pinned host memory");
-  if (r.has("block_size") && (a->block_size % 4096 != 0 || a->block_size > io::kMaxRequestBytes))
-    st->error(r.key_path("block_size"), "must be a multiple of 4096 bytes (O_DIRECT) and at most " +
-                                            format_bytes(io::kMaxRequestBytes) + " (got " + std::to_string(a->block_size) + ")");
-  if (a->queue_depth > io::kMaxQueueDepth)
-    st->error(r.key_path("queue_depth"), "must be at most " + std::to_string(io::kMaxQueueDepth) + " (got " +
-                                             std::to_string(a->queue_depth) + ")");
-  if (a->intra_op_parallelism > io::kMaxThreads)
-    st->error(r.key_path("intra_op_parallelism"), "must be at most " + std::to_string(io::kMaxThreads) + " (got " +
-                                                      std::to_string(a->intra_op_parallelism) + ")");
-  r.finish();
-}
+ private:
+  struct Frame {
+    ObjectReader reader;
+    std::set<std::string> valid;  // keys read with a valid value
+  };
+  void note(std::string_view key, bool valid) {
+    if (valid) frames_.back().valid.insert(std::string(key));
+  }
 
-void read_fp16(ObjectReader r, Fp16Config* f) {
-  r.boolean("enabled", &f->enabled, AutoOk::kYes);
-  r.boolean("auto_cast", &f->auto_cast);
-  r.number("loss_scale", &f->loss_scale, 0, kMaxDouble);
-  r.integer("initial_scale_power", &f->initial_scale_power, 0, 63);
-  r.count("loss_scale_window", &f->loss_scale_window, 1);
-  r.count("hysteresis", &f->hysteresis, 1);
-  r.boolean("consecutive_hysteresis", &f->consecutive_hysteresis);
-  r.number("min_loss_scale", &f->min_loss_scale, 0, kMaxDouble, /*min_exclusive=*/true);
-  r.accept_without_effect("fp16_master_weights_and_grads", "master weights are always fp32 in zoffload");
-  r.finish();
-}
-
-void read_bf16(ObjectReader r, Bf16Config* b) {
-  r.boolean("enabled", &b->enabled, AutoOk::kYes);
-  r.boolean("check_grad_overflow", &b->check_grad_overflow);
-  r.accept_without_effect("immediate_grad_update", "gradients are accumulated in grad_accum_dtype");
-  r.finish();
-}
+  ParseState* st_;
+  std::vector<Frame> frames_;
+};
 
 void read_optimizer(ParseState* st, ObjectReader r, OptimizerConfig* o) {
   static constexpr std::string_view kTypes[] = {"Adam", "AdamW", "Adagrad", "Lion"};
@@ -295,41 +208,6 @@ void read_scheduler(ParseState* st, ObjectReader r, SchedulerConfig* s) {
   }
   p.accept_without_effect("last_batch_iteration", "resume restores the scheduler from the checkpoint");
   p.finish();
-  r.finish();
-}
-
-void read_zoffload(ParseState* st, ObjectReader r, ZoffloadConfig* z) {
-  static constexpr std::string_view kKinds[] = {"auto", "cuda", "host"};
-  std::string device;
-  if (r.choice("device", kKinds, &device))
-    z->device = gpu::parse_device_kind(device).value();  // one of kKinds
-  r.size_bytes("gpu_memory_limit", &z->gpu_memory_limit);
-  r.size_bytes("pinned_memory_limit", &z->pinned_memory_limit);
-  r.count("optimizer_threads", &z->optimizer_threads, 0);
-  r.boolean("bind_cores", &z->bind_cores);
-  r.boolean("overlap_optimizer", &z->overlap_optimizer);
-  static constexpr std::string_view kSchedules[] = {"horizontal", "vertical"};
-  r.choice("schedule", kSchedules, &z->schedule);
-  static constexpr std::string_view kCheckpointPlaces[] = {"auto", "device", "cpu"};
-  r.choice("activation_checkpoints", kCheckpointPlaces, &z->activation_checkpoints);
-  static constexpr std::string_view kGradPlaces[] = {"auto", "cpu", "nvme"};
-  r.choice("gradient_accumulators", kGradPlaces, &z->gradient_accumulators);
-  static constexpr std::string_view kBackends[] = {"auto", "io_uring", "libaio", "psync"};
-  r.choice("io_backend", kBackends, &z->io_backend);
-  ObjectReader c = r.child("checkpoint");
-  c.string("dir", &z->checkpoint.dir);
-  c.count("every_steps", &z->checkpoint.every_steps, 0);
-  c.count("keep_last", &z->checkpoint.keep_last, 0);
-  if (c.size_bytes("staging_buffer_size", &z->checkpoint.staging_buffer_size) &&
-      (z->checkpoint.staging_buffer_size < (1u << 20) || z->checkpoint.staging_buffer_size % 4096 != 0))
-    st->error(c.key_path("staging_buffer_size"), "must be at least 1MiB and a multiple of 4096 bytes (got " +
-                                                      std::to_string(z->checkpoint.staging_buffer_size) + ")");
-  if (c.has("every_steps") && z->checkpoint.every_steps > 0 && z->checkpoint.dir.empty())
-    st->error(c.key_path("dir"), "needed (a directory, not \"\") when every_steps is set");
-  c.finish();
-  ObjectReader l = r.child("log");
-  l.string("metrics_path", &z->log.metrics_path);
-  l.finish();
   r.finish();
 }
 
@@ -618,48 +496,9 @@ std::optional<Config> parse_config_json(const json& root, const ResolveContext& 
   }
   ParseState st{diag, {}};
   Config c;
-  ObjectReader r(&st, &root, "");
-
-  read_zero(&st, r.child("zero_optimization"), &c.zero);
-  read_aio(&st, r.child("aio"), &c.aio);
-  read_fp16(r.child("fp16"), &c.fp16);
-  r.alias("bfloat16", "bf16", true);
-  read_bf16(r.child("bf16"), &c.bf16);
-
-  ObjectReader dt = r.child("data_types");
-  std::string accum;
-  if (dt.choice("grad_accum_dtype", kDtypes, &accum)) c.grad_accum_dtype = parse_dtype(accum).value();  // one of kDtypes
-  dt.finish();
-
-  r.number("gradient_clipping", &c.gradient_clipping, 0, kMaxDouble, false, AutoOk::kYes);
-  r.count("gradient_accumulation_steps", &c.gradient_accumulation_steps, 1, AutoOk::kYes);
-  r.count("train_micro_batch_size_per_gpu", &c.train_micro_batch_size_per_gpu, 1, AutoOk::kYes);
-  r.count("train_batch_size", &c.train_batch_size, 1, AutoOk::kYes);
-
-  if (r.has("optimizer")) read_optimizer(&st, r.child("optimizer"), &c.optimizer);
-  else r.child("optimizer");  // records the key as known
-  if (r.has("scheduler")) read_scheduler(&st, r.child("scheduler"), &c.scheduler);
-  else r.child("scheduler");
-
-  r.count("steps_per_print", &c.steps_per_print, 1);
-  r.boolean("wall_clock_breakdown", &c.wall_clock_breakdown);
-  read_zoffload(&st, r.child("zoffload"), &c.zoffload);
-
-  // Top-level DeepSpeed keys that do not change what zoffload computes.
-  r.accept_without_effect("zero_allow_untested_optimizer", "zoffload runs only its own CPU optimizers");
-  r.accept_without_effect("zero_force_ds_cpu_optimizer", "zoffload runs only its own CPU optimizers");
-  r.accept_without_effect("memory_breakdown", "zoffload reports tier usage in its own stats");
-  r.accept_without_effect("dump_state", "use `zoffload config check` to print the resolved config");
-  r.accept_without_effect("prescale_gradients", "gradients are averaged after reduction");
-  r.accept_without_effect("gradient_predivide_factor", "gradients are averaged after reduction");
-  r.accept_without_effect("communication_data_type", "collectives use the gradient dtype");
-  r.accept_without_effect("activation_checkpointing", "zoffload checkpoints activations at block boundaries");
-  r.accept_without_effect("flops_profiler", "use --json metrics and wall_clock_breakdown");
-  r.accept_without_effect("tensorboard", "use zoffload.log.metrics_path");
-  r.accept_without_effect("wandb", "use zoffload.log.metrics_path");
-  r.accept_without_effect("csv_monitor", "use zoffload.log.metrics_path");
-  r.accept_without_effect("comms_logger", "zoffload has no communication logger");
-  r.finish();
+  Reader reader(&st, ObjectReader(&st, &root, ""));
+  detail::keys(reader, c);
+  reader.top().finish();
 
   resolve(&st, ctx, root, &c);
   if (diag->errors.size() > errors_before) return std::nullopt;
@@ -696,117 +535,6 @@ Result<Config> load_config(const std::string& path, const ResolveContext& ctx) {
     msg += path + ": " + e.to_string();
   }
   return invalid_argument(msg);
-}
-
-json to_json(const Config& c) {
-  const ZeroConfig& z = c.zero;
-  json zero = {
-      {"stage", z.stage},
-      {"contiguous_gradients", z.contiguous_gradients},
-      {"reduce_scatter", z.reduce_scatter},
-      {"reduce_bucket_size", z.reduce_bucket_size},
-      {"allgather_partitions", z.allgather_partitions},
-      {"allgather_bucket_size", z.allgather_bucket_size},
-      {"overlap_comm", z.overlap_comm},
-      {"sub_group_size", z.sub_group_size},
-      {"stage3_prefetch_bucket_size", z.stage3_prefetch_bucket_size},
-      {"stage3_param_persistence_threshold", z.stage3_param_persistence_threshold},
-      {"stage3_model_persistence_threshold", z.stage3_model_persistence_threshold},
-      {"stage3_max_live_parameters", z.stage3_max_live_parameters},
-      {"stage3_max_reuse_distance", z.stage3_max_reuse_distance},
-      {"stage3_gather_16bit_weights_on_model_save", z.stage3_gather_16bit_weights_on_model_save},
-      {"round_robin_gradients", z.round_robin_gradients},
-      {"zero_hpz_partition_size", z.zero_hpz_partition_size},
-      {"zero_quantized_weights", z.zero_quantized_weights},
-      {"zero_quantized_gradients", z.zero_quantized_gradients},
-      {"offload_param",
-       {{"device", to_string(z.offload_param.device)},
-        {"nvme_path", z.offload_param.nvme_path},
-        {"buffer_count", z.offload_param.buffer_count},
-        {"buffer_size", z.offload_param.buffer_size},
-        {"max_in_cpu", z.offload_param.max_in_cpu},
-        {"pin_memory", z.offload_param.pin_memory}}},
-      {"offload_optimizer",
-       {{"device", to_string(z.offload_optimizer.device)},
-        {"nvme_path", z.offload_optimizer.nvme_path},
-        {"buffer_count", z.offload_optimizer.buffer_count},
-        {"pin_memory", z.offload_optimizer.pin_memory},
-        {"pipeline_read", z.offload_optimizer.pipeline_read},
-        {"pipeline_write", z.offload_optimizer.pipeline_write},
-        {"fast_init", z.offload_optimizer.fast_init},
-        {"ratio", z.offload_optimizer.ratio}}},
-  };
-  const OptimizerConfig& o = c.optimizer;
-  json params = {{"lr", o.lr}, {"weight_decay", o.weight_decay}};
-  if (o.type != OptimizerType::kAdagrad) params["betas"] = {o.betas[0], o.betas[1]};
-  if (o.type != OptimizerType::kLion) params["eps"] = o.eps;
-  if (o.type == OptimizerType::kAdam || o.type == OptimizerType::kAdamW) {
-    params["adam_w_mode"] = o.adam_w_mode;
-    params["bias_correction"] = o.bias_correction;
-  }
-  if (o.type == OptimizerType::kAdagrad) params["initial_accumulator_value"] = o.initial_accumulator_value;
-
-  json out = {
-      {"train_batch_size", c.train_batch_size},
-      {"train_micro_batch_size_per_gpu", c.train_micro_batch_size_per_gpu},
-      {"gradient_accumulation_steps", c.gradient_accumulation_steps},
-      {"gradient_clipping", c.gradient_clipping},
-      {"steps_per_print", c.steps_per_print},
-      {"wall_clock_breakdown", c.wall_clock_breakdown},
-      {"fp16",
-       {{"enabled", c.fp16.enabled},
-        {"auto_cast", c.fp16.auto_cast},
-        {"loss_scale", c.fp16.loss_scale},
-        {"initial_scale_power", c.fp16.initial_scale_power},
-        {"loss_scale_window", c.fp16.loss_scale_window},
-        {"hysteresis", c.fp16.hysteresis},
-        {"consecutive_hysteresis", c.fp16.consecutive_hysteresis},
-        {"min_loss_scale", c.fp16.min_loss_scale}}},
-      {"bf16", {{"enabled", c.bf16.enabled}, {"check_grad_overflow", c.bf16.check_grad_overflow}}},
-      {"data_types", {{"grad_accum_dtype", dtype_name(c.grad_accum_dtype)}}},
-      {"optimizer", {{"type", to_string(o.type)}, {"params", params}}},
-      {"zero_optimization", zero},
-      {"aio",
-       {{"block_size", c.aio.block_size},
-        {"queue_depth", c.aio.queue_depth},
-        {"intra_op_parallelism", c.aio.intra_op_parallelism},
-        {"single_submit", c.aio.single_submit},
-        {"overlap_events", c.aio.overlap_events},
-        {"use_gds", c.aio.use_gds}}},
-  };
-  const SchedulerConfig& s = c.scheduler;
-  if (s.type != SchedulerType::kNone) {
-    json sp = {{"warmup_num_steps", s.warmup_num_steps}, {"warmup_type", to_string(s.warmup_type)}};
-    if (s.type == SchedulerType::kWarmupCosineLR) {
-      sp["warmup_min_ratio"] = s.warmup_min_ratio;
-      sp["cos_min_ratio"] = s.cos_min_ratio;
-    } else {
-      sp["warmup_min_lr"] = s.warmup_min_lr;
-      sp["warmup_max_lr"] = s.warmup_max_lr;
-    }
-    if (s.type != SchedulerType::kWarmupLR) sp["total_num_steps"] = s.total_num_steps;
-    out["scheduler"] = {{"type", to_string(s.type)}, {"params", sp}};
-  }
-  const ZoffloadConfig& zo = c.zoffload;
-  out["zoffload"] = {
-      {"device", gpu::device_kind_name(zo.device)},
-      {"gpu_memory_limit", zo.gpu_memory_limit},
-      {"pinned_memory_limit", zo.pinned_memory_limit},
-      {"optimizer_threads", zo.optimizer_threads},
-      {"bind_cores", zo.bind_cores},
-      {"overlap_optimizer", zo.overlap_optimizer},
-      {"schedule", zo.schedule},
-      {"activation_checkpoints", zo.activation_checkpoints},
-      {"gradient_accumulators", zo.gradient_accumulators},
-      {"io_backend", zo.io_backend},
-      {"checkpoint",
-       {{"dir", zo.checkpoint.dir},
-        {"every_steps", zo.checkpoint.every_steps},
-        {"keep_last", zo.checkpoint.keep_last},
-        {"staging_buffer_size", zo.checkpoint.staging_buffer_size}}},
-      {"log", {{"metrics_path", zo.log.metrics_path}}},
-  };
-  return out;
 }
 
 }  // namespace zo::engine

@@ -236,6 +236,30 @@ Result<Config> load_config(const std::string& path, const ResolveContext& ctx);
 // The fully resolved config as DeepSpeed-style JSON (every default filled in, no "auto").
 nlohmann::json to_json(const Config& config);
 
+// Every key the config reads, from the one table that reads and writes them (config_schema.h):
+// what `zoffload config keys` prints and what tests check docs/config.md against.
+struct ConfigKey {
+  std::string path;          // "zero_optimization.offload_param.buffer_count"
+  std::string type;          // "count ≥ 1", "one of none|cpu|nvme", "byte size", …
+  std::string default_json;  // the default as JSON text ("5", "\"none\"", "true"), before resolution
+  bool auto_ok = false;      // whether "auto" is accepted
+};
+struct ConfigAlias {
+  std::string path;      // the other name ("aio.thread_count")
+  std::string reads_as;  // the key it is read as ("aio.intra_op_parallelism"), or for a legacy key what it sets
+  bool deprecated = false;
+};
+struct ConfigNoEffect {
+  std::string path;  // a DeepSpeed key accepted with a warning ("tensorboard")
+  std::string why;
+};
+struct ConfigKeyList {
+  std::vector<ConfigKey> keys;  // in reading order; `optimizer` and `scheduler` as one entry each
+  std::vector<ConfigAlias> aliases;
+  std::vector<ConfigNoEffect> no_effect;
+};
+ConfigKeyList config_keys();
+
 // The demo config compiled into the binary (configs/tiny_demo_nvme.json).
 std::string_view embedded_demo_config();
 

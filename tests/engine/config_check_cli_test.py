@@ -67,6 +67,19 @@ expect(rc == 2 and "cannot open config file /nonexistent/ds.json" in err, "missi
 rc, out, _ = run("--demo")
 expect(rc == 0 and json.loads(out)["zero_optimization"]["offload_optimizer"]["device"] == "nvme", "--demo checks the embedded config")
 
+# `config keys`: one line per key with its type and default, then the other names and no-effect keys.
+p = subprocess.run([zoffload, "config", "keys"], capture_output=True, text=True)
+lines = p.stdout.splitlines()
+expect(p.returncode == 0 and lines[0].split() == ["KEY", "TYPE", "DEFAULT"], "config keys prints its table: " + p.stderr)
+row = [l for l in lines if l.startswith("aio.queue_depth ")]
+expect(len(row) == 1 and "count ≥ 1" in row[0] and row[0].split()[-1] == "8", "config keys row of aio.queue_depth: %r" % row)
+expect(any("aio.thread_count -> aio.intra_op_parallelism  (deprecated: warns)" in l for l in lines), "config keys lists other names")
+expect(any(l.startswith("  tensorboard: ") for l in lines), "config keys lists no-effect keys")
+p = subprocess.run([zoffload, "config", "keys", "--json"], capture_output=True, text=True)
+keys = {k["path"]: k for k in json.loads(p.stdout)["keys"]} if p.returncode == 0 else {}
+expect(keys.get("gradient_clipping", {}).get("auto") is True and keys["gradient_clipping"]["default"] == 1.0,
+       "config keys --json: gradient_clipping takes auto, default 1.0")
+
 # zoffload-bench io --emit-config writes an aio block that this loader accepts, keeping other keys.
 bench = os.path.join(os.path.dirname(zoffload), "zoffload-bench")
 with tempfile.TemporaryDirectory(dir=os.environ.get("MESON_BUILD_ROOT")) as d:

@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <tuple>
 #include <nlohmann/json.hpp>
 
@@ -628,6 +629,136 @@ TEST(ConfigFiles, EmbeddedDemoConfigIsValid) {
   ASSERT_TRUE(c) << all(d.errors);
   EXPECT_TRUE(d.warnings.empty()) << all(d.warnings);
   EXPECT_EQ(c->zero.offload_optimizer.device, OffloadDevice::kNvme);
+}
+
+// ---- the key table (config_schema.h) drives reading, writing and listing ---------------------------
+
+// The value at a dotted path of a JSON object; null where absent.
+json at(const json& root, const std::string& dotted) {
+  const json* j = &root;
+  size_t start = 0;
+  while (start <= dotted.size()) {
+    const size_t dot = dotted.find('.', start);
+    const std::string part = dotted.substr(start, dot == std::string::npos ? std::string::npos : dot - start);
+    if (!j->is_object() || !j->contains(part)) return nullptr;
+    j = &(*j)[part];
+    if (dot == std::string::npos) break;
+    start = dot + 1;
+  }
+  return *j;
+}
+
+void put(json* root, const std::string& dotted, const json& v) {
+  json* j = root;
+  size_t start = 0;
+  for (size_t dot; (dot = dotted.find('.', start)) != std::string::npos; start = dot + 1) j = &(*j)[dotted.substr(start, dot - start)];
+  (*j)[dotted.substr(start)] = v;
+}
+
+void leaves(const json& j, const std::string& prefix, std::set<std::string>* out) {
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    const std::string path = prefix + it.key();
+    if (it.value().is_object()) leaves(it.value(), path + ".", out);
+    else out->insert(path);
+  }
+}
+
+bool is_custom(const std::string& path) { return path.starts_with("optimizer") || path.starts_with("scheduler"); }
+
+TEST(ConfigKeys, ListsExactlyTheKeysToJsonWritesWithTheirDefaults) {
+  const ConfigKeyList list = config_keys();
+  const json written = to_json(Config{});
+  std::set<std::string> written_keys, listed_keys;
+  leaves(written, "", &written_keys);
+  std::erase_if(written_keys, is_custom);
+  for (const ConfigKey& k : list.keys) {
+    if (is_custom(k.path)) continue;
+    EXPECT_TRUE(listed_keys.insert(k.path).second) << k.path << " listed twice";
+    EXPECT_EQ(json::parse(k.default_json), at(written, k.path)) << k.path;
+    EXPECT_FALSE(k.type.empty()) << k.path;
+  }
+  EXPECT_EQ(listed_keys, written_keys);
+  EXPECT_GT(listed_keys.size(), 60u);
+  EXPECT_FALSE(list.aliases.empty());
+  EXPECT_FALSE(list.no_effect.empty());
+}
+
+// Values other than a key's default that the config may hold, in the order to try them.
+std::vector<json> candidates(const ConfigKey& k, const json& resolved) {
+  std::vector<json> out;
+  if (k.type == "bool") return {!resolved.get<bool>()};
+  if (k.type.starts_with("one of ")) {
+    std::string names = k.type.substr(7);
+    for (size_t start = 0, bar; start <= names.size(); start = bar + 1) {
+      bar = names.find('|', start);
+      if (bar == std::string::npos) bar = names.size();
+      out.push_back(names.substr(start, bar - start));
+    }
+    return out;
+  }
+  if (k.type == "string") return {"some/where"};
+  if (resolved.is_number_unsigned() || resolved.is_number_integer()) {
+    const uint64_t d = resolved.get<uint64_t>();
+    for (uint64_t v : {d + 4096, d - 4096, d + 1, d - 1, uint64_t{1}, uint64_t{2}, uint64_t{3}})
+      if (v != d) out.push_back(v);
+    return out;
+  }
+  const double d = resolved.get<double>();
+  for (double v : {d * 2, d / 2, d + 1, 0.5, 2.0})
+    if (v != d) out.push_back(v);
+  return out;
+}
+
+// Every key of the table is read from JSON and written back by to_json: set alone (on a minimal
+// config, or where its rules need it on one that offloads to NVMe) to a value other than what the
+// base resolves to, it comes back at its path. The keys whose every other value is refused as
+// unsupported are checked to be refused.
+TEST(ConfigKeys, EveryKeyIsReadAndWrittenAtItsPath) {
+  json rich = base();
+  rich["zero_optimization"] = {{"stage", 3},
+                               {"offload_param", {{"device", "cpu"}, {"nvme_path", "/nvme"}}},
+                               {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", "/nvme"}}}};
+  rich["zoffload"] = {{"checkpoint", {{"dir", "ck"}}}};
+  const std::set<std::string> only_default = {"zero_optimization.offload_optimizer.ratio",
+                                              "zero_optimization.zero_hpz_partition_size",
+                                              "zero_optimization.zero_quantized_weights",
+                                              "zero_optimization.zero_quantized_gradients"};
+  int checked = 0;
+  for (const ConfigKey& k : config_keys().keys) {
+    if (is_custom(k.path)) continue;
+    bool found = false, refused = false;
+    for (const json& b : {base(), rich}) {
+      ConfigDiagnostics d0;
+      const std::optional<Config> c0 = parse(b, &d0);
+      ASSERT_TRUE(c0) << all(d0.errors);
+      const json resolved = at(to_json(*c0), k.path);
+      for (const json& v : candidates(k, resolved)) {
+        if (v == resolved) continue;
+        json j = b;
+        put(&j, k.path, v);
+        ConfigDiagnostics d;
+        const std::optional<Config> c = parse(j, &d);
+        if (!c) {
+          refused = refused || all(d.errors).find(k.path + ":") != std::string::npos;
+          continue;
+        }
+        const json got = at(to_json(*c), k.path);
+        if (v.is_number() && got.is_number()) EXPECT_EQ(got.get<double>(), v.get<double>()) << k.path;
+        else EXPECT_EQ(got, v) << k.path;
+        found = true;
+        break;
+      }
+      if (found) break;
+    }
+    if (only_default.count(k.path)) {
+      EXPECT_FALSE(found) << k.path << " took a value other than its default";
+      EXPECT_TRUE(refused) << k.path << ": a value other than the default is refused at its path";
+    } else {
+      EXPECT_TRUE(found) << k.path << ": no value other than the default was read back";
+      ++checked;
+    }
+  }
+  EXPECT_GT(checked, 55);
 }
 
 }  // namespace

@@ -1,0 +1,320 @@
+// The config's keys, declared once: for each config struct, `keys(v, s)` names every key of its JSON
+// object with its type, range and "auto" rule, in the order it is read. Three visitors walk it —
+// the reader (JSON → structs, config.cpp), the writer (to_json) and the lister (config_keys(),
+// `zoffload config keys`, the docs check), config_describe.cpp — so the struct's field, the key
+// that reads it, the resolved JSON and the key list cannot drift apart (Note [Keys declared once]).
+// Internal to engine/config. Pure declarations: thread-safe.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <limits>
+#include <set>
+#include <string>
+#include <string_view>
+
+#include "common/bytes.h"
+#include "engine/config/config.h"
+#include "engine/config/json_reader.h"
+#include "io/io_options.h"
+
+namespace zo::engine::detail {
+
+// Note [Keys declared once]
+// A plain key is one line here: `v.count("buffer_count", c.buffer_count, 1)`. The struct's member
+// initializer is its default. What a table cannot say stays code, placed where it runs while
+// reading: `v.rule(...)` holds a check between keys or a value the table's ranges cannot express
+// (it runs only when reading, after the keys above it), `v.alias` a second name (before the key it
+// renames), `v.no_effect` a DeepSpeed key accepted with a warning. The optimizer's and the
+// scheduler's params depend on their type and are hand-written (`v.custom`: read_optimizer,
+// read_scheduler in config.cpp; their JSON in config_describe.cpp).
+//
+// The visitor interface (each visitor implements all of it):
+//   flag(key, bool&, AutoOk)                    true or false
+//   count(key, uint64_t&, min, AutoOk)          a whole number ≥ min
+//   integer(key, int&, min, max)                a whole number in [min, max]
+//   number(key, double&, Range, AutoOk)         a real number in the range
+//   text(key, std::string&)                     a string (paths)
+//   choice(key, E&, names, AutoOk)              one of the names (E an enum, or std::string)
+//   bytes(key, uint64_t&)                       a byte size ("24GiB" or an integer)
+//   object(key, fn)                             a nested object; fn() visits its keys
+//   custom(key, OptimizerConfig& | SchedulerConfig&)
+//   alias(old_key, new_key, deprecated)
+//   legacy(key, reads_as)                       a deprecated key a rule reads (listed only;
+//                                               reads_as is written out in full)
+//   no_effect(key, why)
+//   rule(fn(ReadContext&))
+
+// A real number's range: [min, max], or (min, max] with min_exclusive.
+struct Range {
+  double min = 0;
+  double max = std::numeric_limits<double>::max();
+  bool min_exclusive = false;
+};
+inline constexpr double kMaxDouble = std::numeric_limits<double>::max();
+// The optimizers compute in fp32: a hyperparameter above this would become inf there (issue 19:
+// "lr = inf is outside [0, inf]" at the first step, after the config had been accepted).
+inline constexpr double kMaxFloat = std::numeric_limits<float>::max();
+
+template <class E>
+struct Named {
+  E value;
+  std::string_view name;
+};
+
+inline constexpr std::array<Named<OffloadDevice>, 3> kOffloadDevices = {
+    {{OffloadDevice::kNone, "none"}, {OffloadDevice::kCpu, "cpu"}, {OffloadDevice::kNvme, "nvme"}}};
+inline constexpr std::array<Named<DeviceKind>, 3> kDeviceKinds = {
+    {{DeviceKind::kAuto, "auto"}, {DeviceKind::kCuda, "cuda"}, {DeviceKind::kHost, "host"}}};
+inline constexpr std::array<Named<DType>, 3> kAccumDtypes = {
+    {{DType::kF32, "fp32"}, {DType::kF16, "fp16"}, {DType::kBF16, "bf16"}}};
+inline constexpr std::array<std::string_view, 2> kSchedules = {"horizontal", "vertical"};
+inline constexpr std::array<std::string_view, 3> kCheckpointPlaces = {"auto", "device", "cpu"};
+inline constexpr std::array<std::string_view, 3> kGradPlaces = {"auto", "cpu", "nvme"};
+inline constexpr std::array<std::string_view, 4> kIoBackends = {"auto", "io_uring", "libaio", "psync"};
+
+// What a rule sees: the object being read, the parse, and which of its keys were read valid.
+struct ReadContext {
+  ObjectReader& r;
+  ParseState* st;
+  const std::set<std::string>& valid;  // keys of this object present with a valid value
+
+  bool given(std::string_view key) const { return valid.count(std::string(key)) != 0; }
+  void error(std::string_view key, std::string message) const { st->error(r.key_path(key), std::move(message)); }
+  void warn(std::string_view key, std::string message) const { st->warn(r.key_path(key), std::move(message)); }
+};
+
+template <class V>
+void keys(V& v, OffloadParamConfig& c) {
+  v.choice("device", c.device, kOffloadDevices);
+  v.text("nvme_path", c.nvme_path);
+  v.count("buffer_count", c.buffer_count, 1);
+  v.count("buffer_size", c.buffer_size, 1);
+  v.count("max_in_cpu", c.max_in_cpu, 0);
+  v.flag("pin_memory", c.pin_memory);
+}
+
+template <class V>
+void keys(V& v, OffloadOptimizerConfig& c) {
+  v.choice("device", c.device, kOffloadDevices);
+  v.text("nvme_path", c.nvme_path);
+  v.count("buffer_count", c.buffer_count, 1);
+  v.flag("pin_memory", c.pin_memory);
+  v.flag("pipeline_read", c.pipeline_read);
+  v.flag("pipeline_write", c.pipeline_write);
+  v.flag("fast_init", c.fast_init);
+  v.legacy("pipeline", "zero_optimization.offload_optimizer.pipeline_read and pipeline_write");
+  v.rule([&](const ReadContext& x) {
+    // DeepSpeed's old single flag for both directions.
+    bool pipeline = false;
+    if (!x.r.boolean("pipeline", &pipeline)) return;
+    x.warn("pipeline", "deprecated; read as pipeline_read and pipeline_write");
+    if (!x.r.has("pipeline_read")) c.pipeline_read = pipeline;
+    if (!x.r.has("pipeline_write")) c.pipeline_write = pipeline;
+  });
+  v.number("ratio", c.ratio, {.min = 0.0, .max = 1.0, .min_exclusive = true});
+  v.rule([&](const ReadContext& x) {
+    if (x.given("ratio") && c.ratio < 1.0)
+      x.error("ratio", "partial optimizer offload (ratio < 1) is not supported by zoffload; use 1.0");
+  });
+}
+
+template <class V>
+void keys(V& v, ZeroConfig& z) {
+  v.integer("stage", z.stage, 0, 3);
+  v.flag("contiguous_gradients", z.contiguous_gradients);
+  v.flag("reduce_scatter", z.reduce_scatter);
+  v.count("reduce_bucket_size", z.reduce_bucket_size, 1, AutoOk::kYes);
+  v.flag("allgather_partitions", z.allgather_partitions);
+  v.count("allgather_bucket_size", z.allgather_bucket_size, 1);
+  v.flag("overlap_comm", z.overlap_comm);  // resolved: true iff stage 3 unless given
+  v.count("sub_group_size", z.sub_group_size, 1);
+
+  // DeepSpeed's pydantic model names these without the stage3_ prefix and accepts both.
+  v.alias("prefetch_bucket_size", "stage3_prefetch_bucket_size", false);
+  v.alias("param_persistence_threshold", "stage3_param_persistence_threshold", false);
+  v.alias("model_persistence_threshold", "stage3_model_persistence_threshold", false);
+  v.alias("max_live_parameters", "stage3_max_live_parameters", false);
+  v.alias("max_reuse_distance", "stage3_max_reuse_distance", false);
+  v.alias("gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save", false);
+  v.alias("stage3_gather_fp16_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save", true);
+  v.count("stage3_prefetch_bucket_size", z.stage3_prefetch_bucket_size, 0, AutoOk::kYes);
+  v.count("stage3_param_persistence_threshold", z.stage3_param_persistence_threshold, 0, AutoOk::kYes);
+  v.count("stage3_model_persistence_threshold", z.stage3_model_persistence_threshold, 0);
+  v.count("stage3_max_live_parameters", z.stage3_max_live_parameters, 0);
+  v.count("stage3_max_reuse_distance", z.stage3_max_reuse_distance, 0);
+  v.flag("stage3_gather_16bit_weights_on_model_save", z.stage3_gather_16bit_weights_on_model_save, AutoOk::kYes);
+
+  v.flag("round_robin_gradients", z.round_robin_gradients);
+  v.count("zero_hpz_partition_size", z.zero_hpz_partition_size, 1);
+  v.flag("zero_quantized_weights", z.zero_quantized_weights);
+  v.flag("zero_quantized_gradients", z.zero_quantized_gradients);
+  v.rule([&](const ReadContext& x) {
+    if (x.given("zero_hpz_partition_size") && z.zero_hpz_partition_size > 1)
+      x.error("zero_hpz_partition_size", "hierarchical partitioning (ZeRO++ hpZ) is not supported; use 1");
+    if (x.given("zero_quantized_weights") && z.zero_quantized_weights)
+      x.error("zero_quantized_weights", "quantized weights (ZeRO++ qwZ) are not supported; use false");
+    if (x.given("zero_quantized_gradients") && z.zero_quantized_gradients)
+      x.error("zero_quantized_gradients", "quantized gradients (ZeRO++ qgZ) are not supported; use false");
+  });
+
+  // Legacy ZeRO-Offload flags (DeepSpeed ≤ 0.3): cpu_offload → offload_optimizer.device "cpu",
+  // cpu_offload_params → offload_param.device "cpu", cpu_offload_use_pin_memory → pin_memory.
+  // Read before the offload blocks (so their messages come first), applied after them.
+  v.legacy("cpu_offload", "zero_optimization.offload_optimizer.device \"cpu\" (true) or \"none\" (false)");
+  v.legacy("cpu_offload_params", "zero_optimization.offload_param.device \"cpu\" (true) or \"none\" (false)");
+  v.legacy("cpu_offload_use_pin_memory", "pin_memory of zero_optimization.offload_optimizer and offload_param");
+  bool legacy_optimizer = false, legacy_params = false, legacy_pin = true;
+  bool has_legacy_optimizer = false, has_legacy_params = false, has_legacy_pin = false;
+  v.rule([&](const ReadContext& x) {
+    has_legacy_optimizer = x.r.boolean("cpu_offload", &legacy_optimizer);
+    has_legacy_params = x.r.boolean("cpu_offload_params", &legacy_params);
+    has_legacy_pin = x.r.boolean("cpu_offload_use_pin_memory", &legacy_pin);
+    if (has_legacy_optimizer) {
+      if (x.r.has("offload_optimizer"))
+        x.error("cpu_offload", "given together with offload_optimizer; keep only offload_optimizer");
+      else
+        x.warn("cpu_offload",
+               std::string("deprecated; read as offload_optimizer.device = \"") + (legacy_optimizer ? "cpu" : "none") + "\"");
+    }
+    if (has_legacy_params) {
+      if (x.r.has("offload_param"))
+        x.error("cpu_offload_params", "given together with offload_param; keep only offload_param");
+      else
+        x.warn("cpu_offload_params",
+               std::string("deprecated; read as offload_param.device = \"") + (legacy_params ? "cpu" : "none") + "\"");
+    }
+    if (has_legacy_pin)
+      x.warn("cpu_offload_use_pin_memory", "deprecated; read as pin_memory of offload_optimizer/offload_param");
+  });
+  v.object("offload_param", [&] { keys(v, z.offload_param); });
+  v.object("offload_optimizer", [&] { keys(v, z.offload_optimizer); });
+  v.rule([&](const ReadContext& x) {
+    if (has_legacy_optimizer && !x.r.has("offload_optimizer")) {
+      z.offload_optimizer.device = legacy_optimizer ? OffloadDevice::kCpu : OffloadDevice::kNone;
+      if (has_legacy_pin) z.offload_optimizer.pin_memory = legacy_pin;
+    }
+    if (has_legacy_params && !x.r.has("offload_param")) {
+      z.offload_param.device = legacy_params ? OffloadDevice::kCpu : OffloadDevice::kNone;
+      if (has_legacy_pin) z.offload_param.pin_memory = legacy_pin;
+    }
+  });
+
+  // Keys of DeepSpeed's that do not change what a single-process zoffload run computes.
+  v.no_effect("elastic_checkpoint", "zoffload checkpoints are always resharding-free per rank");
+  v.no_effect("ignore_unused_parameters", "every parameter of the model is trained");
+  v.no_effect("legacy_stage1", "there is one stage-1 implementation");
+  v.no_effect("memory_efficient_linear", "zoffload's linear layers never keep extra copies");
+  v.no_effect("use_multi_rank_bucket_allreduce", "buckets are reduced per rank");
+}
+
+template <class V>
+void keys(V& v, AioConfig& a) {
+  v.count("block_size", a.block_size, 1);
+  v.count("queue_depth", a.queue_depth, 1);
+  v.alias("thread_count", "intra_op_parallelism", true);
+  v.count("intra_op_parallelism", a.intra_op_parallelism, 1);
+  v.flag("single_submit", a.single_submit);
+  v.flag("overlap_events", a.overlap_events);
+  v.flag("use_gds", a.use_gds);
+  v.rule([&](const ReadContext& x) {
+    if (x.given("use_gds") && a.use_gds)
+      x.warn("use_gds", "GPUDirect Storage is not available in zoffload; NVMe I/O goes through pinned host memory");
+    if (x.given("block_size") && (a.block_size % 4096 != 0 || a.block_size > io::kMaxRequestBytes))
+      x.error("block_size", "must be a multiple of 4096 bytes (O_DIRECT) and at most " + format_bytes(io::kMaxRequestBytes) +
+                                " (got " + std::to_string(a.block_size) + ")");
+    if (a.queue_depth > io::kMaxQueueDepth)
+      x.error("queue_depth", "must be at most " + std::to_string(io::kMaxQueueDepth) + " (got " +
+                                 std::to_string(a.queue_depth) + ")");
+    if (a.intra_op_parallelism > io::kMaxThreads)
+      x.error("intra_op_parallelism", "must be at most " + std::to_string(io::kMaxThreads) + " (got " +
+                                          std::to_string(a.intra_op_parallelism) + ")");
+  });
+}
+
+template <class V>
+void keys(V& v, Fp16Config& f) {
+  v.flag("enabled", f.enabled, AutoOk::kYes);
+  v.flag("auto_cast", f.auto_cast);
+  v.number("loss_scale", f.loss_scale, {});
+  v.integer("initial_scale_power", f.initial_scale_power, 0, 63);
+  v.count("loss_scale_window", f.loss_scale_window, 1);
+  v.count("hysteresis", f.hysteresis, 1);
+  v.flag("consecutive_hysteresis", f.consecutive_hysteresis);
+  v.number("min_loss_scale", f.min_loss_scale, {.min_exclusive = true});
+  v.no_effect("fp16_master_weights_and_grads", "master weights are always fp32 in zoffload");
+}
+
+template <class V>
+void keys(V& v, Bf16Config& b) {
+  v.flag("enabled", b.enabled, AutoOk::kYes);
+  v.flag("check_grad_overflow", b.check_grad_overflow);
+  v.no_effect("immediate_grad_update", "gradients are accumulated in grad_accum_dtype");
+}
+
+template <class V>
+void keys(V& v, CheckpointConfig& c) {
+  v.text("dir", c.dir);
+  v.count("every_steps", c.every_steps, 0);
+  v.count("keep_last", c.keep_last, 0);
+  v.bytes("staging_buffer_size", c.staging_buffer_size);
+  v.rule([&](const ReadContext& x) {
+    if (x.given("staging_buffer_size") && (c.staging_buffer_size < (1u << 20) || c.staging_buffer_size % 4096 != 0))
+      x.error("staging_buffer_size", "must be at least 1MiB and a multiple of 4096 bytes (got " +
+                                         std::to_string(c.staging_buffer_size) + ")");
+    if (x.r.has("every_steps") && c.every_steps > 0 && c.dir.empty())
+      x.error("dir", "needed (a directory, not \"\") when every_steps is set");
+  });
+}
+
+template <class V>
+void keys(V& v, ZoffloadConfig& z) {
+  v.choice("device", z.device, kDeviceKinds);
+  v.bytes("gpu_memory_limit", z.gpu_memory_limit);
+  v.bytes("pinned_memory_limit", z.pinned_memory_limit);
+  v.count("optimizer_threads", z.optimizer_threads, 0);
+  v.flag("bind_cores", z.bind_cores);
+  v.flag("overlap_optimizer", z.overlap_optimizer);
+  v.choice("schedule", z.schedule, kSchedules);
+  v.choice("activation_checkpoints", z.activation_checkpoints, kCheckpointPlaces);
+  v.choice("gradient_accumulators", z.gradient_accumulators, kGradPlaces);
+  v.choice("io_backend", z.io_backend, kIoBackends);
+  v.object("checkpoint", [&] { keys(v, z.checkpoint); });
+  v.object("log", [&] { v.text("metrics_path", z.log.metrics_path); });
+}
+
+template <class V>
+void keys(V& v, Config& c) {
+  v.object("zero_optimization", [&] { keys(v, c.zero); });
+  v.object("aio", [&] { keys(v, c.aio); });
+  v.object("fp16", [&] { keys(v, c.fp16); });
+  v.alias("bfloat16", "bf16", true);
+  v.object("bf16", [&] { keys(v, c.bf16); });
+  v.object("data_types", [&] { v.choice("grad_accum_dtype", c.grad_accum_dtype, kAccumDtypes); });
+  v.number("gradient_clipping", c.gradient_clipping, {}, AutoOk::kYes);
+  v.count("gradient_accumulation_steps", c.gradient_accumulation_steps, 1, AutoOk::kYes);
+  v.count("train_micro_batch_size_per_gpu", c.train_micro_batch_size_per_gpu, 1, AutoOk::kYes);
+  v.count("train_batch_size", c.train_batch_size, 1, AutoOk::kYes);
+  v.custom("optimizer", c.optimizer);
+  v.custom("scheduler", c.scheduler);
+  v.count("steps_per_print", c.steps_per_print, 1);
+  v.flag("wall_clock_breakdown", c.wall_clock_breakdown);
+  v.object("zoffload", [&] { keys(v, c.zoffload); });
+
+  // Top-level DeepSpeed keys that do not change what zoffload computes.
+  v.no_effect("zero_allow_untested_optimizer", "zoffload runs only its own CPU optimizers");
+  v.no_effect("zero_force_ds_cpu_optimizer", "zoffload runs only its own CPU optimizers");
+  v.no_effect("memory_breakdown", "zoffload reports tier usage in its own stats");
+  v.no_effect("dump_state", "use `zoffload config check` to print the resolved config");
+  v.no_effect("prescale_gradients", "gradients are averaged after reduction");
+  v.no_effect("gradient_predivide_factor", "gradients are averaged after reduction");
+  v.no_effect("communication_data_type", "collectives use the gradient dtype");
+  v.no_effect("activation_checkpointing", "zoffload checkpoints activations at block boundaries");
+  v.no_effect("flops_profiler", "use --json metrics and wall_clock_breakdown");
+  v.no_effect("tensorboard", "use zoffload.log.metrics_path");
+  v.no_effect("wandb", "use zoffload.log.metrics_path");
+  v.no_effect("csv_monitor", "use zoffload.log.metrics_path");
+  v.no_effect("comms_logger", "zoffload has no communication logger");
+}
+
+}  // namespace zo::engine::detail
