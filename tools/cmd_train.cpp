@@ -4,9 +4,11 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <iostream>
 #include <memory>
@@ -114,9 +116,39 @@ std::string progress_line(const engine::StepMetrics& m, uint64_t total, bool wit
   return line;
 }
 
+// Note [One process until data parallel lands]: torchrun, mpirun and srun start N copies of the
+// command. Before data parallel exists, N copies of a single-rank trainer would silently share one
+// run directory (metrics.jsonl interleaved, the same swap files and checkpoints overwritten), so a
+// launch with more than one process is refused at start, naming the launcher's variable.
+// Returns the refusal, or "" for a single-process launch.
+std::string multi_process_refusal() {
+  static constexpr std::pair<const char*, const char*> kWorldSizeVars[] = {
+      {"WORLD_SIZE", "torchrun"},
+      {"OMPI_COMM_WORLD_SIZE", "Open MPI's mpirun"},
+      {"PMI_SIZE", "MPICH/Intel MPI's mpirun"},
+      {"SLURM_STEP_NUM_TASKS", "srun"},
+  };
+  for (const auto& [var, launcher] : kWorldSizeVars) {
+    const char* value = std::getenv(var);
+    if (value == nullptr || std::string_view(value).empty()) continue;
+    uint64_t n = 0;
+    const std::string_view text(value);
+    const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), n);
+    if (ec != std::errc() || end != text.data() + text.size() || n == 0)
+      return std::string(var) + "=" + quote_excerpt(text, 40) + " (set by " + launcher + ") is not a process count";
+    if (n > 1)
+      return std::string("launched as one of ") + std::to_string(n) + " processes (" + var + "=" + std::string(text) +
+             ", set by " + launcher + "), but this zoffload trains in one process only: the processes would share " +
+             "one run directory, its metrics, swap files and checkpoints. Launch it once (data parallel across ranks " +
+             "is not implemented yet)";
+  }
+  return "";
+}
+
 int run_train(const TrainArgs& a) {
   // -q: errors and warnings only; the engine's info lines (the device chosen, ...) go too.
   if (a.quiet && log_level() < LogLevel::kWarn) set_log_level(LogLevel::kWarn);
+  if (const std::string refusal = multi_process_refusal(); !refusal.empty()) return fail(refusal, 2);
   auto model = engine::resolve_model_config(a.model);
   if (!model.is_ok()) return fail(model.status().message(), 2);
 
