@@ -44,7 +44,7 @@ nlohmann::json info_json() {
   return {
       {"version", ZO_VERSION},
       {"build", {{"io_uring", bool(ZO_HAVE_URING)}, {"libaio", bool(ZO_HAVE_AIO)}, {"libtorch", bool(ZO_HAVE_TORCH)},
-                 {"cuda", bool(ZO_HAVE_CUDA)}, {"nccl", bool(ZO_HAVE_NCCL)}}},
+                 {"cuda", bool(ZO_HAVE_CUDA)}, {"nccl", bool(ZO_HAVE_NCCL)}, {"protobuf", bool(ZO_HAVE_PROTOBUF)}}},
       {"libtorch", libtorch_json()},
       {"cpu", {{"model", h.cpu_model}, {"logical_cpus", h.logical_cpus}, {"avx2", h.avx2}, {"fma", h.fma},
                {"f16c", h.f16c}, {"avx512f", h.avx512f}, {"avx512bw", h.avx512bw}, {"avx512_bf16", h.avx512_bf16}}},
@@ -60,7 +60,8 @@ void print_text(const nlohmann::json& j) {
   const auto& b = j["build"];
   std::cout << "zoffload " << j["version"].get<std::string>() << "\n"
             << "build:   io_uring " << yn(b["io_uring"]) << ", libaio " << yn(b["libaio"]) << ", LibTorch "
-            << yn(b["libtorch"]) << ", CUDA " << yn(b["cuda"]) << ", NCCL " << yn(b["nccl"]) << "\n";
+            << yn(b["libtorch"]) << ", CUDA " << yn(b["cuda"]) << ", NCCL " << yn(b["nccl"])
+            << ", protobuf (TensorBoard) " << yn(b["protobuf"]) << "\n";
   if (const auto& t = j["libtorch"]; !t.is_null()) {
     std::cout << "libtorch: " << t["version"].get<std::string>() << ", "
               << (t["cuda"].is_null() ? std::string("CPU only (no CUDA backend linked)")

@@ -31,7 +31,7 @@ build=${BUILD_DIR:-build}
 packages=(
   meson ninja-build pkg-config g++ python3 python3-venv
   liburing-dev libaio-dev libhwloc-dev libtbb-dev
-  libgtest-dev libgmock-dev nlohmann-json3-dev libcli11-dev
+  libgtest-dev libgmock-dev nlohmann-json3-dev libcli11-dev libprotobuf-dev protobuf-compiler
   fio
 )
 missing=()

@@ -131,6 +131,14 @@ struct SchedulerConfig {
   double cos_min_ratio = 1e-4;      // WarmupCosineLR
 };
 
+// tensorboard, csv_monitor: DeepSpeed's monitors (engine/monitor). Files go to
+// output_path/job_name; output_path is relative to the run directory ("": the run directory).
+struct MonitorConfig {
+  bool enabled = false;
+  std::string output_path;
+  std::string job_name = "DeepSpeedJobName";
+};
+
 struct CheckpointConfig {
   std::string dir;               // empty: no periodic checkpoints
   uint64_t every_steps = 0;      // 0: only at the end (when dir is set)
@@ -186,6 +194,8 @@ struct Config {
   SchedulerConfig scheduler;
   uint64_t steps_per_print = 10;
   bool wall_clock_breakdown = false;
+  MonitorConfig tensorboard;
+  MonitorConfig csv_monitor;
   ZoffloadConfig zoffload;
 
   // The dtype the model computes in: bf16, fp16 or fp32.

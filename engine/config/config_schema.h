@@ -17,6 +17,7 @@
 #include "engine/config/config.h"
 #include "engine/config/json_reader.h"
 #include "io/io_options.h"
+#include "zo_build_config.h"
 
 namespace zo::engine::detail {
 
@@ -268,6 +269,13 @@ void keys(V& v, CheckpointConfig& c) {
 }
 
 template <class V>
+void keys(V& v, MonitorConfig& m) {
+  v.flag("enabled", m.enabled);
+  v.text("output_path", m.output_path);
+  v.text("job_name", m.job_name);
+}
+
+template <class V>
 void keys(V& v, ZoffloadConfig& z) {
   v.choice("device", z.device, kDeviceKinds);
   v.bytes("gpu_memory_limit", z.gpu_memory_limit);
@@ -299,6 +307,14 @@ void keys(V& v, Config& c) {
   v.custom("scheduler", c.scheduler);
   v.count("steps_per_print", c.steps_per_print, 1);
   v.flag("wall_clock_breakdown", c.wall_clock_breakdown);
+  v.object("tensorboard", [&] { keys(v, c.tensorboard); });
+  v.rule([&](const ReadContext& x) {
+    if (c.tensorboard.enabled && !ZO_HAVE_PROTOBUF)
+      x.error("tensorboard.enabled", "this zoffload was built without protobuf, which writes TensorBoard's event files "
+                                     "(install libprotobuf-dev and protobuf-compiler and run tools/setup.sh again; "
+                                     "csv_monitor needs neither)");
+  });
+  v.object("csv_monitor", [&] { keys(v, c.csv_monitor); });
   v.object("zoffload", [&] { keys(v, c.zoffload); });
 
   // Top-level DeepSpeed keys that do not change what zoffload computes.
@@ -311,9 +327,8 @@ void keys(V& v, Config& c) {
   v.no_effect("communication_data_type", "collectives use the gradient dtype");
   v.no_effect("activation_checkpointing", "zoffload checkpoints activations at block boundaries");
   v.no_effect("flops_profiler", "use --json metrics and wall_clock_breakdown");
-  v.no_effect("tensorboard", "use zoffload.log.metrics_path");
-  v.no_effect("wandb", "use zoffload.log.metrics_path");
-  v.no_effect("csv_monitor", "use zoffload.log.metrics_path");
+  v.no_effect("wandb", "use tensorboard or csv_monitor (wandb can sync TensorBoard logs)");
+  v.no_effect("comet", "use tensorboard or csv_monitor");
   v.no_effect("comms_logger", "zoffload has no communication logger");
 }
 

@@ -36,6 +36,7 @@
 #include "engine/model/llama.h"
 #include "engine/model/torch_runtime.h"
 #include "engine/model/weights.h"
+#include "engine/monitor/monitor.h"
 #include "engine/optim/grad_clip.h"
 #include "engine/optim/loss_scaler.h"
 #include "engine/optim/lr_schedule.h"
@@ -142,6 +143,9 @@ struct Trainer::Impl {
   std::string metrics_path;
   std::string swap_dir;
   std::unique_ptr<io::AppendFile> metrics;
+  // DeepSpeed's monitors (tensorboard, csv_monitor); null when not enabled.
+  std::unique_ptr<monitor::TensorBoardMonitor> tensorboard;
+  std::unique_ptr<monitor::CsvMonitor> csv_monitor;
 
   // One micro-batch run forward up to the head: its activation checkpoints and labels.
   struct Micro {
@@ -443,8 +447,23 @@ Status Trainer::Impl::open_data() {
 
 Status Trainer::Impl::open_metrics() {
   // A resumed run appends to the metrics of the run it continues; a new run starts them afresh.
-  if (!resume) ZO_RETURN_IF_ERROR(env()->remove_all(metrics_path).with_context("starting the metrics file"));
+  // (resume_from_checkpoint, which runs before, has released `resume`: resumed_from says.)
+  const bool resumed = !resumed_from.empty();
+  if (!resumed) ZO_RETURN_IF_ERROR(env()->remove_all(metrics_path).with_context("starting the metrics file"));
   ZO_ASSIGN_OR_RETURN(metrics, env()->open_append(metrics_path));
+  // DeepSpeed writes to os.path.join(output_path, job_name); output_path is relative to the run
+  // directory here, as every path of the config is.
+  const Config& config = opt.config;
+  auto monitor_dir = [&](const MonitorConfig& mc) {
+    const std::string base = resolve_run_path(opt.out_dir, mc.output_path.empty() ? "." : mc.output_path);
+    return mc.job_name.empty() ? base : mc.job_name.front() == '/' ? mc.job_name : base + "/" + mc.job_name;
+  };
+  if (config.tensorboard.enabled) {
+    ZO_ASSIGN_OR_RETURN(tensorboard, monitor::TensorBoardMonitor::open(env(), monitor_dir(config.tensorboard)));
+  }
+  if (config.csv_monitor.enabled) {
+    ZO_ASSIGN_OR_RETURN(csv_monitor, monitor::CsvMonitor::open(env(), monitor_dir(config.csv_monitor), resumed));
+  }
   return Status::ok();
 }
 
@@ -455,7 +474,8 @@ void config_diff(const nlohmann::json& a, const nlohmann::json& b, const std::st
                  std::vector<std::string>* out) {
   // Where the states live, how they move and where files go never change the arithmetic (the
   // offload invariant): only the rest is worth a warning.
-  for (const char* skip : {"zoffload", "aio", "zero_optimization", "steps_per_print", "wall_clock_breakdown"}) {
+  for (const char* skip : {"zoffload", "aio", "zero_optimization", "steps_per_print", "wall_clock_breakdown", "tensorboard",
+                           "csv_monitor"}) {
     if (path.rfind(skip, 0) == 0) return;
   }
   if (a.is_object() && b.is_object()) {
@@ -999,7 +1019,15 @@ Result<StepMetrics> Trainer::Impl::step_once() {
   const gpu::DeviceStats ds = m.device->stats();
   out.device_peak_bytes = ds.peak_allocated_bytes;
   out.device_budget_bytes = ds.budget_bytes;
-  ZO_RETURN_IF_ERROR(m.metrics->append(out.to_json() + "\n"));
+  const std::string record = out.to_json();
+  ZO_RETURN_IF_ERROR(m.metrics->append(record + "\n"));
+  if (m.tensorboard || m.csv_monitor) {
+    // The same record, as DeepSpeed's monitors write it (Note [Monitor tags] in engine/monitor).
+    const std::vector<monitor::Scalar> scalars = monitor::scalars_of_metrics_record(record);
+    const uint64_t samples = out.step * config.train_batch_size;
+    if (m.tensorboard) ZO_RETURN_IF_ERROR(m.tensorboard->write(samples, scalars).with_context("tensorboard"));
+    if (m.csv_monitor) ZO_RETURN_IF_ERROR(m.csv_monitor->write(samples, scalars).with_context("csv_monitor"));
+  }
   return out;
 }
 

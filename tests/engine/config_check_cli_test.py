@@ -74,7 +74,7 @@ expect(p.returncode == 0 and lines[0].split() == ["KEY", "TYPE", "DEFAULT"], "co
 row = [l for l in lines if l.startswith("aio.queue_depth ")]
 expect(len(row) == 1 and "count ≥ 1" in row[0] and row[0].split()[-1] == "8", "config keys row of aio.queue_depth: %r" % row)
 expect(any("aio.thread_count -> aio.intra_op_parallelism  (deprecated: warns)" in l for l in lines), "config keys lists other names")
-expect(any(l.startswith("  tensorboard: ") for l in lines), "config keys lists no-effect keys")
+expect(any(l.startswith("  wandb: ") for l in lines), "config keys lists no-effect keys")
 p = subprocess.run([zoffload, "config", "keys", "--json"], capture_output=True, text=True)
 keys = {k["path"]: k for k in json.loads(p.stdout)["keys"]} if p.returncode == 0 else {}
 expect(keys.get("gradient_clipping", {}).get("auto") is True and keys["gradient_clipping"]["default"] == 1.0,

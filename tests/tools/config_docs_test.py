@@ -29,6 +29,7 @@ SECTION_PREFIX = {
     "## `aio` — the NVMe I/O engine": "aio.",
     "## Precision": "",
     "## Training loop": "",
+    "## Monitors: `tensorboard`, `csv_monitor`": "",
     "## `zoffload` — keys DeepSpeed lacks": "zoffload.",
 }
 SIZE_UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}

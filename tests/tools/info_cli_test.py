@@ -12,7 +12,7 @@ zoffload = sys.argv[1]
 p = subprocess.run([zoffload, "info", "--json"], capture_output=True, text=True)
 expect(p.returncode == 0, "info --json exits 0: " + p.stderr)
 info = json.loads(p.stdout) if p.returncode == 0 else {}
-expect(set(info.get("build", {})) == {"io_uring", "libaio", "libtorch", "cuda", "nccl"}, "build features listed")
+expect(set(info.get("build", {})) == {"io_uring", "libaio", "libtorch", "cuda", "nccl", "protobuf"}, "build features listed")
 expect(info.get("cpu", {}).get("logical_cpus", 0) >= 1, "at least one CPU")
 expect(info.get("memory", {}).get("total_bytes", 0) > 0, "memory read from /proc/meminfo")
 expect("libtorch" in info and (info["libtorch"] is None) == (not info["build"]["libtorch"]),
