@@ -12,7 +12,9 @@
 #include <unordered_map>
 #include <vector>
 
+#include "common/bytes.h"
 #include "common/log.h"
+#include "common/trace.h"
 #include "io/detail/queue.h"
 
 namespace zo::io {
@@ -25,6 +27,36 @@ struct TicketState {
   uint64_t remaining_bytes = 0;  // bytes of pieces not yet finished (done or failed)
   Status status;                 // first error
   bool done = false;
+  bool writes = false;           // the batch writes (for the trace's NVMe read and write tracks)
+  bool traced = false;           // counted in a BusyTrack
+};
+
+// The trace's NVMe tracks: periods with tickets of one direction outstanding, as spans named by
+// what they moved (trace::Track::kNvmeRead / kNvmeWrite). Under the engine's mutex.
+struct BusyTrack {
+  trace::Track track;
+  const char* what;
+  uint64_t active = 0;
+  uint64_t tickets = 0;
+  uint64_t bytes = 0;
+  int64_t since_ns = 0;
+
+  // Whether the ticket was counted (the trace was on); only a counted ticket may end().
+  bool begin(uint64_t ticket_bytes) {
+    if (!trace::on()) return false;
+    if (active++ == 0) {
+      since_ns = trace::now_ns();
+      tickets = 0;
+      bytes = 0;
+    }
+    ++tickets;
+    bytes += ticket_bytes;
+    return true;
+  }
+  void end() {
+    if (--active == 0)
+      trace::record(track, std::to_string(tickets) + " " + what + ", " + format_bytes(bytes), since_ns, trace::now_ns());
+  }
 };
 
 // The not-yet-split rest of a request, waiting in the shared queue.
@@ -111,6 +143,8 @@ class IoEngine::Impl {
     auto state = std::make_unique<TicketState>();
     state->remaining_bytes = total;
     state->done = total == 0;
+    state->writes = std::any_of(batch.begin(), batch.end(), [](const IoRequest& r) { return r.op == IoOp::kWrite; });
+    if (total > 0) state->traced = (state->writes ? busy_writes_ : busy_reads_).begin(total);
     for (const IoRequest& r : batch) {
       if (r.size_bytes == 0) continue;
       pending_.push_back(Segment{state.get(), r.op, r.file, r.offset_bytes, r.buffer, r.size_bytes});
@@ -252,6 +286,7 @@ class IoEngine::Impl {
         t->done = true;
         any_done = true;
         if (--active_tickets_ == 0) busy_ += std::chrono::steady_clock::now() - busy_since_;
+        if (t->traced) (t->writes ? busy_writes_ : busy_reads_).end();
       }
     }
     finished.clear();
@@ -426,6 +461,8 @@ class IoEngine::Impl {
   uint64_t active_tickets_ = 0;
   std::chrono::steady_clock::time_point busy_since_;
   std::chrono::steady_clock::duration busy_{};
+  BusyTrack busy_reads_{trace::Track::kNvmeRead, "reads"};
+  BusyTrack busy_writes_{trace::Track::kNvmeWrite, "writes"};
   Ticket next_ticket_ = 1;
   bool stop_ = false;
   std::vector<std::thread> threads_;

@@ -11,15 +11,18 @@
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
+#include <limits>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <utility>
 
 #include "common/bytes.h"
 #include "common/dtype.h"
 #include "common/host_info.h"
 #include "common/log.h"
 #include "common/string_util.h"
+#include "common/trace.h"
 #include "engine/config/config.h"
 #include "engine/data/token_source.h"
 #include "io/env.h"
@@ -46,7 +49,30 @@ struct TrainArgs {
   AutoFlags flags;
   bool json = false;
   bool quiet = false;
+  std::string trace;        // --trace FILE
+  std::string trace_steps;  // --trace-steps A-B
 };
+
+// The spans a trace keeps at most (about 100 bytes each): 1,000,000 is the tiny model's whole run
+// many times over and several steps of an 8B model; the rest are counted as dropped.
+constexpr uint64_t kMaxTraceSpans = 1'000'000;
+
+// "--trace-steps A-B" (or "A"): the first and last step traced, 1-based, inclusive.
+Result<std::pair<uint64_t, uint64_t>> parse_trace_steps(const std::string& text) {
+  auto number = [](std::string_view t, uint64_t* out) {
+    const auto [end, ec] = std::from_chars(t.data(), t.data() + t.size(), *out);
+    return ec == std::errc() && end == t.data() + t.size() && *out > 0;
+  };
+  const size_t dash = text.find('-');
+  uint64_t a = 0, b = 0;
+  const bool ok = dash == std::string::npos ? number(text, &a) && number(text, &b)
+                                            : number(std::string_view(text).substr(0, dash), &a) &&
+                                                  number(std::string_view(text).substr(dash + 1), &b);
+  if (!ok || b < a)
+    return invalid_argument("--trace-steps: expected A-B or A (steps counted from 1, A ≤ B), got \"" +
+                            quote_excerpt(text, 40) + "\"");
+  return std::pair{a, b};
+}
 
 #if ZO_HAVE_TORCH
 
@@ -149,6 +175,13 @@ int run_train(const TrainArgs& a) {
   // -q: errors and warnings only; the engine's info lines (the device chosen, ...) go too.
   if (a.quiet && log_level() < LogLevel::kWarn) set_log_level(LogLevel::kWarn);
   if (const std::string refusal = multi_process_refusal(); !refusal.empty()) return fail(refusal, 2);
+  std::pair<uint64_t, uint64_t> traced{1, std::numeric_limits<uint64_t>::max()};
+  if (!a.trace_steps.empty()) {
+    if (a.trace.empty()) return fail("--trace-steps needs --trace FILE", 2);
+    auto r = parse_trace_steps(a.trace_steps);
+    if (!r.is_ok()) return fail(r.status().message(), 2);
+    traced = *r;
+  }
   auto model = engine::resolve_model_config(a.model);
   if (!model.is_ok()) return fail(model.status().message(), 2);
 
@@ -240,10 +273,32 @@ int run_train(const TrainArgs& a) {
     }
     return Status::ok();
   };
+  // Note [Tracing steps]: the trace records while a traced step runs (its call includes the next
+  // step's first forward, beside its optimizer) and its checkpoint is saved; it is written at the
+  // end of the run, or when a step fails.
+  if (!a.trace.empty()) {
+    trace::start(kMaxTraceSpans);
+    trace::pause();
+  }
+  auto write_trace = [&]() -> Status {
+    if (a.trace.empty()) return Status::ok();
+    trace::pause();
+    ZO_RETURN_IF_ERROR(io::Env::posix()->remove_all(a.trace));
+    ZO_RETURN_IF_ERROR(io::Env::posix()->write_file(a.trace, trace::to_chrome_json()));
+    if (!a.quiet && !a.json)
+      std::fprintf(stderr, "trace: %llu spans%s -> %s (open it in https://ui.perfetto.dev or chrome://tracing)\n",
+                   static_cast<unsigned long long>(trace::spans_kept()),
+                   trace::spans_dropped() ? (", " + std::to_string(trace::spans_dropped()) + " dropped (over the limit)").c_str()
+                                          : "",
+                   a.trace.c_str());
+    return Status::ok();
+  };
   for (uint64_t i = first_step; i < steps; ++i) {
+    if (!a.trace.empty() && i + 1 >= traced.first && i + 1 <= traced.second) trace::resume();
     auto m = trainer.step();
     if (!m.is_ok()) {
       if (tty && !a.quiet && !a.json) std::fputc('\n', stderr);
+      if (Status st = write_trace(); !st.is_ok()) std::cerr << "zoffload train: warning: writing the trace: " << st.to_string() << "\n";
       return fail(m.status().to_string(), 1);  // "step N: ..."
     }
     if (i == first_step) first_loss = m->loss;
@@ -267,10 +322,12 @@ int run_train(const TrainArgs& a) {
       std::cerr << "zoffload train: warning: the checkpoint after step " << m->step << " failed: " << st.to_string()
                 << "; the previous checkpoints are intact and training goes on\n";
     }
+    if (!a.trace.empty()) trace::pause();
   }
   // The end of the run always has a checkpoint when a directory is configured.
   Status final_save = save(true);
   if (!final_save.is_ok()) return fail("the final checkpoint failed: " + final_save.to_string(), 1);
+  if (Status st = write_trace(); !st.is_ok()) return fail("writing the trace: " + st.to_string(), 1);
 
   // stage3_gather_16bit_weights_on_model_save: a Hugging Face directory of the final weights,
   // streamed from their tiers (never gathered in RAM or on the GPU).
@@ -302,7 +359,7 @@ int run_train(const TrainArgs& a) {
                         {"setup_s", setup_s},       {"tokens_per_s", train_s > 0 ? tokens / train_s : 0.0},
                         {"metrics_path", trainer.metrics_path()}, {"parameters", trainer.num_parameters()},
                         {"first_step", first_step}, {"resumed_from", trainer.resumed_from()},
-                        {"checkpoints", saved}, {"export", exported},
+                        {"checkpoints", saved}, {"export", exported}, {"trace", a.trace},
                         {"plan", nlohmann::json::parse(trainer.plan_json())}};
     std::cout << j.dump(2) << "\n";
   } else if (!a.quiet) {
@@ -363,6 +420,11 @@ void register_train_command(CLI::App& app, int* exit_code) {
   add_auto_flags(train, &args->flags);
   train->add_flag("--json", args->json, "Print a JSON summary on stdout instead of progress");
   train->add_flag("-q,--quiet", args->quiet, "Print nothing but errors and warnings");
+  train->add_option("--trace", args->trace,
+                    "Write a timeline of the steps (Chrome trace JSON: open it in https://ui.perfetto.dev): one track "
+                    "per stream of work (compute, fetch wait, gradient offload, gradient worker, optimizer, NVMe reads "
+                    "and writes, checkpoint), spans named by block and sub-group. See docs/training.md");
+  train->add_option("--trace-steps", args->trace_steps, "The steps to trace, A-B or A (default: all)");
   train->callback([args, exit_code] { *exit_code = run_train(*args); });
 }
 

@@ -1,5 +1,6 @@
 #include "engine/coord/grad_worker.h"
 
+
 #include <algorithm>
 #include <condition_variable>
 #include <deque>
@@ -10,6 +11,7 @@
 
 #include "common/bytes.h"
 #include "common/check.h"
+#include "common/trace.h"
 
 // Note [Gradient landing ring]
 //
@@ -85,6 +87,7 @@ struct GradWorker::Impl {
       Status st = item.ready ? device->synchronize(item.ready).with_context("waiting for the gradient's copy")
                              : Status::ok();
       if (add && st.is_ok()) {
+        trace::Span span(trace::Track::kGradWorker, [&] { return "accumulate param " + std::to_string(item.param); });
         if (before_add) before_add();
         st = acc->add(item.param, std::span<const std::byte>(ring.data() + item.offset, item.size), item.dtype);
       }

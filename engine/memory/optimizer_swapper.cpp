@@ -1,5 +1,6 @@
 #include "engine/memory/optimizer_swapper.h"
 
+
 #include <algorithm>
 #include <cstring>
 #include <string>
@@ -10,6 +11,7 @@
 #include "common/bytes.h"
 #include "common/log.h"
 #include "common/timer.h"
+#include "common/trace.h"
 #include "cpu_optim/adagrad.h"
 #include "cpu_optim/lion.h"
 
@@ -120,6 +122,7 @@ struct OptimizerSwapper::Impl {
 
 Status OptimizerSwapper::Impl::update(uint32_t g, float* p, float* m, float* v, const void* grad, void* copy_out) {
   const uint64_t n = n_elems(g);
+  trace::Span span(trace::Track::kOptimizer, [&] { return "sub-group " + std::to_string(g); });
   const Placement& pl = store->plan().placement;
   Stopwatch sw;
   const cpu_optim::ConstElemSpan g_span{grad, pl.grad_dtype};

@@ -23,6 +23,7 @@
 #include "common/host_info.h"
 #include "common/log.h"
 #include "common/string_util.h"
+#include "common/trace.h"
 #include "cpu_optim/executor.h"
 #include "engine/config/io_settings.h"
 #include "engine/coord/grad_accumulator.h"
@@ -557,7 +558,14 @@ std::vector<torch::Tensor> Trainer::Impl::wrap(uint32_t block, const std::vector
   return out;
 }
 
+// A block's forward or backward: a LibTorch call that is a span of the compute track when tracing.
+static Status compute_call(const std::string& what, const std::function<void()>& fn) {
+  trace::Span span(trace::Track::kCompute, [&] { return what; });
+  return torch_call(what, fn);
+}
+
 Result<std::vector<gpu::DevicePtr>> Trainer::Impl::acquire(uint32_t block) {
+  trace::Span span(trace::Track::kFetch, [&] { return "fetch " + layout.blocks[block].name; });
   // No host wait on CUDA: LibTorch's stream waits on the device for the block's ready event, so the
   // host queues the block's kernels while its copies are still landing.
   ZO_ASSIGN_OR_RETURN(ParamCoordinator::Acquired a, coord->acquire_async(block));
@@ -587,6 +595,7 @@ Status Trainer::Impl::offload_grads(uint32_t block, const std::vector<torch::Ten
   // compute stream, so they overlap the next block's kernels instead of queueing between them; the
   // worker waits for the copy's event, and the host for neither.
   const BlockSpec& spec = layout.blocks[block];
+  trace::Span span(trace::Track::kGradOffload, [&] { return "offload " + spec.name; });
   // The compute dtype, or grad_accum_dtype for the vertical schedule's device-side sums.
   const DType dtype = grad_transfer_dtype(opt.config);
   const bool cuda = torch_device.is_cuda();
@@ -756,7 +765,7 @@ Result<Trainer::Impl::Forward> Trainer::Impl::forward(uint64_t count) {
   coord->begin_micro_step();
   for (uint32_t b = 0; b + 1 < n; ++b) {
     ZO_ASSIGN_OR_RETURN(std::vector<gpu::DevicePtr> ptrs, acquire(b));
-    ZO_RETURN_IF_ERROR(torch_call("forward of " + layout.blocks[b].name, [&] {
+    ZO_RETURN_IF_ERROR(compute_call("forward of " + layout.blocks[b].name, [&] {
       torch::NoGradGuard no_grad;
       const std::vector<torch::Tensor> params = wrap(b, ptrs, false);
       for (Micro& mb : f.micro) mb.inputs[b + 1] = block_forward(model, layout.blocks[b], params, mb.inputs[b], rope);
@@ -804,7 +813,7 @@ Result<Trainer::Impl::MicroResult> Trainer::Impl::finish_micro_step(Forward& f, 
     const uint32_t h = n - 1;
     ZO_ASSIGN_OR_RETURN(std::vector<gpu::DevicePtr> ptrs, acquire(h));
     std::vector<torch::Tensor> params, sums, grads_h;
-    ZO_RETURN_IF_ERROR(torch_call("forward and backward of " + layout.blocks[h].name, [&] {
+    ZO_RETURN_IF_ERROR(compute_call("forward and backward of " + layout.blocks[h].name, [&] {
       params = wrap(h, ptrs, true);
       for (size_t k = 0; k < count; ++k) {
         Micro& mb = f.micro[k];
@@ -833,7 +842,7 @@ Result<Trainer::Impl::MicroResult> Trainer::Impl::finish_micro_step(Forward& f, 
     if (host_checkpoint(b)) ZO_RETURN_IF_ERROR(wait_checkpoints(b));
     ZO_ASSIGN_OR_RETURN(std::vector<gpu::DevicePtr> ptrs, acquire(b));
     std::vector<torch::Tensor> params, sums, grads_b;
-    ZO_RETURN_IF_ERROR(torch_call("backward of " + layout.blocks[b].name, [&] {
+    ZO_RETURN_IF_ERROR(compute_call("backward of " + layout.blocks[b].name, [&] {
       params = wrap(b, ptrs, true);
       for (size_t k = 0; k < count; ++k) {
         Micro& mb = f.micro[k];
@@ -852,6 +861,7 @@ Result<Trainer::Impl::MicroResult> Trainer::Impl::finish_micro_step(Forward& f, 
     ZO_RETURN_IF_ERROR(release(b));
   }
   {
+    trace::Span span(trace::Track::kGradOffload, "wait for the gradient worker");
     const auto g0 = Clock::now();
     Status drained = grad_worker->drain();
     result.grad_offload_s += seconds_since(g0);
@@ -872,6 +882,7 @@ Result<std::unique_ptr<Trainer>> Trainer::create(const TrainOptions& options) {
 }
 
 Result<StepMetrics> Trainer::step() {
+  trace::Span span(trace::Track::kStep, [&] { return "step " + std::to_string(impl_->steps_done + 1); });
   Result<StepMetrics> r = impl_->step_once();
   if (!r.is_ok()) return Status(r.status()).with_context("step " + std::to_string(impl_->steps_done + 1));
   return r;
@@ -1087,6 +1098,7 @@ TrainingState Trainer::training_state() const {
 
 Result<SaveResult> Trainer::save_checkpoint(const std::function<void(uint64_t, uint64_t)>& progress) {
   Impl& m = *impl_;
+  trace::Span span(trace::Track::kCheckpoint, [&] { return "save step-" + std::to_string(m.steps_done); });
   if (m.checkpoint_dir.empty())
     return failed_precondition("no checkpoint directory: set zoffload.checkpoint.dir in the config");
   const CheckpointConfig& cc = m.opt.config.zoffload.checkpoint;

@@ -1,0 +1,147 @@
+#include "common/trace.h"
+
+#include <algorithm>
+#include <mutex>
+#include <vector>
+
+namespace zo::trace {
+namespace detail {
+std::atomic<bool> g_on{false};
+}
+
+namespace {
+
+struct Recorded {
+  Track track;
+  std::string name;
+  int64_t start_ns;
+  int64_t end_ns;
+};
+
+struct State {
+  std::mutex mu;
+  std::vector<Recorded> spans;
+  uint64_t capacity = 0;
+  uint64_t dropped = 0;
+};
+
+State& state() {
+  static State s;
+  return s;
+}
+
+// JSON string contents: quotes, backslashes and control characters escaped.
+void append_escaped(std::string* out, std::string_view s) {
+  for (char c : s) {
+    if (c == '"' || c == '\\') {
+      out->push_back('\\');
+      out->push_back(c);
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\u%04x", static_cast<unsigned>(c));
+      *out += buf;
+    } else {
+      out->push_back(c);
+    }
+  }
+}
+
+}  // namespace
+
+std::string_view track_name(Track t) {
+  switch (t) {
+    case Track::kStep: return "step";
+    case Track::kCompute: return "compute";
+    case Track::kFetch: return "fetch wait (NVMe, H2D)";
+    case Track::kGradOffload: return "gradient offload (D2H)";
+    case Track::kGradWorker: return "gradient worker";
+    case Track::kOptimizer: return "optimizer";
+    case Track::kNvmeRead: return "NVMe reads";
+    case Track::kNvmeWrite: return "NVMe writes";
+    case Track::kCheckpoint: return "checkpoint";
+    case Track::kCount: break;
+  }
+  return "?";
+}
+
+void start(uint64_t max_spans) {
+  State& s = state();
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    s.spans.clear();
+    s.spans.reserve(std::min<uint64_t>(max_spans, 1u << 16));
+    s.capacity = max_spans;
+    s.dropped = 0;
+  }
+  detail::g_on.store(true, std::memory_order_relaxed);
+}
+
+void pause() { detail::g_on.store(false, std::memory_order_relaxed); }
+void resume() { detail::g_on.store(true, std::memory_order_relaxed); }
+
+void record(Track track, std::string name, int64_t start_ns, int64_t end_ns) {
+  if (!on()) return;
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (s.spans.size() >= s.capacity) {
+    ++s.dropped;
+    return;
+  }
+  s.spans.push_back({track, std::move(name), start_ns, std::max(start_ns, end_ns)});
+}
+
+uint64_t spans_kept() {
+  std::lock_guard<std::mutex> lock(state().mu);
+  return state().spans.size();
+}
+
+uint64_t spans_dropped() {
+  std::lock_guard<std::mutex> lock(state().mu);
+  return state().dropped;
+}
+
+std::string to_chrome_json() {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  int64_t t0 = INT64_MAX;
+  for (const Recorded& r : s.spans) t0 = std::min(t0, r.start_ns);
+  std::string out = "{\"displayTimeUnit\":\"ms\",\"otherData\":{\"spans_dropped\":" + std::to_string(s.dropped) +
+                    "},\"traceEvents\":[\n";
+  bool first = true;
+  auto sep = [&] {
+    if (!first) out += ",\n";
+    first = false;
+  };
+  sep();
+  out += R"({"ph":"M","name":"process_name","pid":1,"tid":0,"args":{"name":"zoffload train"}})";
+  for (int t = 0; t < static_cast<int>(Track::kCount); ++t) {
+    sep();
+    out += R"({"ph":"M","name":"thread_name","pid":1,"tid":)" + std::to_string(t + 1) + R"(,"args":{"name":")";
+    append_escaped(&out, track_name(static_cast<Track>(t)));
+    out += "\"}}";
+    sep();
+    out += R"({"ph":"M","name":"thread_sort_index","pid":1,"tid":)" + std::to_string(t + 1) +
+           R"(,"args":{"sort_index":)" + std::to_string(t) + "}}";
+  }
+  // Spans in start order (a longer one first when two start together), so that a viewer nests them.
+  std::vector<const Recorded*> order;
+  order.reserve(s.spans.size());
+  for (const Recorded& r : s.spans) order.push_back(&r);
+  std::stable_sort(order.begin(), order.end(), [](const Recorded* a, const Recorded* b) {
+    return a->start_ns != b->start_ns ? a->start_ns < b->start_ns : a->end_ns > b->end_ns;
+  });
+  char buf[96];
+  for (const Recorded* r : order) {
+    sep();
+    out += R"({"ph":"X","pid":1,"tid":)" + std::to_string(static_cast<int>(r->track) + 1) + R"(,"name":")";
+    append_escaped(&out, r->name);
+    // Microseconds with nanosecond digits: spans stay exact and never overlap by rounding.
+    std::snprintf(buf, sizeof buf, R"(","ts":%.3f,"dur":%.3f})", static_cast<double>(r->start_ns - t0) / 1e3,
+                  static_cast<double>(r->end_ns - r->start_ns) / 1e3);
+    out += buf;
+  }
+  out += "\n]}\n";
+  return out;
+}
+
+}  // namespace zo::trace

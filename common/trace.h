@@ -1,0 +1,81 @@
+// A timeline of the training step for `zoffload train --trace`: spans on named tracks (compute,
+// the gradient worker, the optimizer, NVMe reads and writes, ...), written as Chrome trace JSON
+// that Perfetto and chrome://tracing open. Process-wide; thread-safe. Off by default and cheap when
+// off (one relaxed atomic load per span); when on, at most the capacity given to start() spans are
+// kept (the rest are counted as dropped), so memory is bounded.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+namespace zo::trace {
+
+// One track per stream of work. Spans on one track never partly overlap: each track is written
+// from one thread at a time, or (NVMe) as the busy periods of the I/O engine.
+enum class Track : uint8_t {
+  kStep,            // the training thread: one span per Trainer::step call
+  kCompute,         // the training thread: forward, recompute and backward of each block
+  kFetch,           // the training thread waiting for a block's parameters (NVMe reads, H2D copies)
+  kGradOffload,     // the training thread handing a block's gradients off (D2H into the landing ring)
+  kGradWorker,      // the gradient worker: accumulating a parameter's gradient
+  kOptimizer,       // the optimizer's thread: each sub-group's update
+  kNvmeRead,        // the I/O engine with reads outstanding
+  kNvmeWrite,       // the I/O engine with writes outstanding
+  kCheckpoint,      // saving a checkpoint
+  kCount
+};
+std::string_view track_name(Track t);
+
+namespace detail {
+extern std::atomic<bool> g_on;
+}
+
+// Whether spans are being recorded now.
+inline bool on() { return detail::g_on.load(std::memory_order_relaxed); }
+
+// Starts recording (again), keeping at most `max_spans` spans in all; resume() and pause() switch
+// recording on and off without losing what was kept (--trace-steps records only some steps).
+void start(uint64_t max_spans);
+void pause();
+void resume();
+
+inline int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// Records a finished span [start_ns, end_ns) (steady clock) when recording is on.
+void record(Track track, std::string name, int64_t start_ns, int64_t end_ns);
+
+// The spans kept so far as Chrome trace JSON ({"traceEvents": [...]}, microseconds from the first
+// span, one thread per track, named), with the number dropped for lack of room in its metadata.
+std::string to_chrome_json();
+uint64_t spans_kept();
+uint64_t spans_dropped();
+
+// A span from construction to destruction. `name` is built only when recording is on.
+class Span {
+ public:
+  template <class NameFn>
+  Span(Track track, NameFn&& name) : track_(track) {
+    if (on()) {
+      name_ = name();
+      start_ns_ = now_ns();
+    }
+  }
+  Span(Track track, const char* name) : Span(track, [name] { return std::string(name); }) {}
+  ~Span() {
+    if (start_ns_ >= 0) record(track_, std::move(name_), start_ns_, now_ns());
+  }
+  Span(const Span&) = delete;
+  Span& operator=(const Span&) = delete;
+
+ private:
+  Track track_;
+  int64_t start_ns_ = -1;
+  std::string name_;
+};
+
+}  // namespace zo::trace
