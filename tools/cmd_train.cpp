@@ -53,6 +53,8 @@ struct TrainArgs {
   std::string trace_steps;  // --trace-steps A-B
 };
 
+#if ZO_HAVE_TORCH
+
 // The spans a trace keeps at most (about 100 bytes each): 1,000,000 is the tiny model's whole run
 // many times over and several steps of an 8B model; the rest are counted as dropped.
 constexpr uint64_t kMaxTraceSpans = 1'000'000;
@@ -73,8 +75,6 @@ Result<std::pair<uint64_t, uint64_t>> parse_trace_steps(const std::string& text)
                             quote_excerpt(text, 40) + "\"");
   return std::pair{a, b};
 }
-
-#if ZO_HAVE_TORCH
 
 // Note [Interrupted runs]: SIGINT, SIGTERM and SIGHUP remove the NVMe swap files, as a normal exit
 // does (issue 19), then end the process by the same signal, so the shell sees the usual status
