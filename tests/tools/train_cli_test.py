@@ -18,7 +18,7 @@ demo_config = os.path.join(source_dir, "configs", "tiny_demo_nvme.json")
 corpus = os.path.join(source_dir, "configs", "data", "demo_corpus.txt")
 
 
-def train(*args, timeout=600):
+def train(*args, timeout=1800):
     return subprocess.run([zoffload, "train", *args], capture_output=True, text=True, timeout=timeout)
 
 
