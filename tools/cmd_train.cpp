@@ -59,17 +59,19 @@ struct TrainArgs {
 // many times over and several steps of an 8B model; the rest are counted as dropped.
 constexpr uint64_t kMaxTraceSpans = 1'000'000;
 
+// `text` whole as a count ≥ 1 (no sign, space or suffix).
+bool parse_positive(std::string_view text, uint64_t* out) {
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), *out);
+  return ec == std::errc() && end == text.data() + text.size() && *out > 0;
+}
+
 // "--trace-steps A-B" (or "A"): the first and last step traced, 1-based, inclusive.
 Result<std::pair<uint64_t, uint64_t>> parse_trace_steps(const std::string& text) {
-  auto number = [](std::string_view t, uint64_t* out) {
-    const auto [end, ec] = std::from_chars(t.data(), t.data() + t.size(), *out);
-    return ec == std::errc() && end == t.data() + t.size() && *out > 0;
-  };
   const size_t dash = text.find('-');
   uint64_t a = 0, b = 0;
-  const bool ok = dash == std::string::npos ? number(text, &a) && number(text, &b)
-                                            : number(std::string_view(text).substr(0, dash), &a) &&
-                                                  number(std::string_view(text).substr(dash + 1), &b);
+  const bool ok = dash == std::string::npos ? parse_positive(text, &a) && parse_positive(text, &b)
+                                            : parse_positive(std::string_view(text).substr(0, dash), &a) &&
+                                                  parse_positive(std::string_view(text).substr(dash + 1), &b);
   if (!ok || b < a)
     return invalid_argument("--trace-steps: expected A-B or A (steps counted from 1, A ≤ B), got \"" +
                             quote_excerpt(text, 40) + "\"");
@@ -159,8 +161,7 @@ std::string multi_process_refusal() {
     if (value == nullptr || std::string_view(value).empty()) continue;
     uint64_t n = 0;
     const std::string_view text(value);
-    const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), n);
-    if (ec != std::errc() || end != text.data() + text.size() || n == 0)
+    if (!parse_positive(text, &n))
       return std::string(var) + "=" + quote_excerpt(text, 40) + " (set by " + launcher + ") is not a process count";
     if (n > 1)
       return std::string("launched as one of ") + std::to_string(n) + " processes (" + var + "=" + std::string(text) +

@@ -165,25 +165,28 @@ void keys(V& v, ZeroConfig& z) {
   v.legacy("cpu_offload", "zero_optimization.offload_optimizer.device \"cpu\" (true) or \"none\" (false)");
   v.legacy("cpu_offload_params", "zero_optimization.offload_param.device \"cpu\" (true) or \"none\" (false)");
   v.legacy("cpu_offload_use_pin_memory", "pin_memory of zero_optimization.offload_optimizer and offload_param");
-  bool legacy_optimizer = false, legacy_params = false, legacy_pin = true;
-  bool has_legacy_optimizer = false, has_legacy_params = false, has_legacy_pin = false;
+  // One legacy flag per offload block: what it names and where it puts its value.
+  struct LegacyDevice {
+    const char* key;
+    const char* block;
+    OffloadDevice* device;
+    bool* pin_memory;
+    bool value = false;
+    bool given = false;
+  };
+  LegacyDevice legacy[] = {{"cpu_offload", "offload_optimizer", &z.offload_optimizer.device, &z.offload_optimizer.pin_memory},
+                           {"cpu_offload_params", "offload_param", &z.offload_param.device, &z.offload_param.pin_memory}};
+  bool legacy_pin = true, has_legacy_pin = false;
   v.rule([&](const ReadContext& x) {
-    has_legacy_optimizer = x.r.boolean("cpu_offload", &legacy_optimizer);
-    has_legacy_params = x.r.boolean("cpu_offload_params", &legacy_params);
+    for (LegacyDevice& l : legacy) l.given = x.r.boolean(l.key, &l.value);
     has_legacy_pin = x.r.boolean("cpu_offload_use_pin_memory", &legacy_pin);
-    if (has_legacy_optimizer) {
-      if (x.r.has("offload_optimizer"))
-        x.error("cpu_offload", "given together with offload_optimizer; keep only offload_optimizer");
+    for (const LegacyDevice& l : legacy) {
+      if (!l.given) continue;
+      const std::string block = l.block;
+      if (x.r.has(block))
+        x.error(l.key, "given together with " + block + "; keep only " + block);
       else
-        x.warn("cpu_offload",
-               std::string("deprecated; read as offload_optimizer.device = \"") + (legacy_optimizer ? "cpu" : "none") + "\"");
-    }
-    if (has_legacy_params) {
-      if (x.r.has("offload_param"))
-        x.error("cpu_offload_params", "given together with offload_param; keep only offload_param");
-      else
-        x.warn("cpu_offload_params",
-               std::string("deprecated; read as offload_param.device = \"") + (legacy_params ? "cpu" : "none") + "\"");
+        x.warn(l.key, "deprecated; read as " + block + ".device = \"" + (l.value ? "cpu" : "none") + "\"");
     }
     if (has_legacy_pin)
       x.warn("cpu_offload_use_pin_memory", "deprecated; read as pin_memory of offload_optimizer/offload_param");
@@ -191,13 +194,10 @@ void keys(V& v, ZeroConfig& z) {
   v.object("offload_param", [&] { keys(v, z.offload_param); });
   v.object("offload_optimizer", [&] { keys(v, z.offload_optimizer); });
   v.rule([&](const ReadContext& x) {
-    if (has_legacy_optimizer && !x.r.has("offload_optimizer")) {
-      z.offload_optimizer.device = legacy_optimizer ? OffloadDevice::kCpu : OffloadDevice::kNone;
-      if (has_legacy_pin) z.offload_optimizer.pin_memory = legacy_pin;
-    }
-    if (has_legacy_params && !x.r.has("offload_param")) {
-      z.offload_param.device = legacy_params ? OffloadDevice::kCpu : OffloadDevice::kNone;
-      if (has_legacy_pin) z.offload_param.pin_memory = legacy_pin;
+    for (const LegacyDevice& l : legacy) {
+      if (!l.given || x.r.has(l.block)) continue;
+      *l.device = l.value ? OffloadDevice::kCpu : OffloadDevice::kNone;
+      if (has_legacy_pin) *l.pin_memory = legacy_pin;
     }
   });
 
