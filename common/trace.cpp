@@ -59,6 +59,7 @@ std::string_view track_name(Track t) {
     case Track::kNvmeRead: return "NVMe reads";
     case Track::kNvmeWrite: return "NVMe writes";
     case Track::kCheckpoint: return "checkpoint";
+    case Track::kCollective: return "collectives";
     case Track::kCount: break;
   }
   return "?";

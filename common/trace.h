@@ -25,6 +25,7 @@ enum class Track : uint8_t {
   kNvmeRead,        // the I/O engine with reads outstanding
   kNvmeWrite,       // the I/O engine with writes outstanding
   kCheckpoint,      // saving a checkpoint
+  kCollective,      // the training thread in a collective across ranks (data parallel)
   kCount
 };
 std::string_view track_name(Track t);

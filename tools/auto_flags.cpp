@@ -68,9 +68,10 @@ void apply_auto_flags(const AutoFlags& flags, engine::ResolveContext* ctx) {
 }
 
 std::optional<engine::Config> load_config_with_flags(const std::string& path, uint64_t hidden_size, uint64_t steps,
-                                                     const AutoFlags& flags) {
+                                                     const AutoFlags& flags, uint64_t world_size) {
   engine::ResolveContext ctx;
   ctx.hidden_size = hidden_size;
+  ctx.world_size = world_size;
   if (steps) ctx.total_steps = steps;
   apply_auto_flags(flags, &ctx);
   engine::ConfigDiagnostics diag;

@@ -37,6 +37,6 @@ void apply_auto_flags(const AutoFlags& flags, engine::ResolveContext* ctx);
 // hidden size, `steps` (0: not given) and the flags. Prints each warning and error on stderr as
 // "PATH: warning|error: ..."; nullopt when there are errors (the caller exits 2).
 std::optional<engine::Config> load_config_with_flags(const std::string& path, uint64_t hidden_size, uint64_t steps,
-                                                     const AutoFlags& flags);
+                                                     const AutoFlags& flags, uint64_t world_size = 1);
 
 }  // namespace zo::tools

@@ -25,6 +25,7 @@
 #include "common/trace.h"
 #include "engine/config/config.h"
 #include "engine/data/token_source.h"
+#include "engine/dist/world.h"
 #include "io/env.h"
 #include "tools/auto_flags.h"
 #include "tools/commands.h"
@@ -51,6 +52,7 @@ struct TrainArgs {
   bool quiet = false;
   std::string trace;        // --trace FILE
   std::string trace_steps;  // --trace-steps A-B
+  uint64_t dist_timeout_s = 1800;  // --dist-timeout
 };
 
 #if ZO_HAVE_TORCH
@@ -113,8 +115,11 @@ void remove_swap_files_on_signals(const std::vector<std::string>& paths) {
   for (int sig : {SIGINT, SIGTERM, SIGHUP}) ::sigaction(sig, &sa, nullptr);
 }
 
+// "rank 1: " in the lines of a data-parallel run's other ranks.
+std::string g_rank_prefix;
+
 int fail(const std::string& what, int code) {
-  std::cerr << "zoffload train: error: " << what << "\n";
+  std::cerr << "zoffload train: " << g_rank_prefix << "error: " << what << "\n";
   return code;
 }
 
@@ -144,38 +149,23 @@ std::string progress_line(const engine::StepMetrics& m, uint64_t total, bool wit
   return line;
 }
 
-// Note [One process until data parallel lands]: torchrun, mpirun and srun start N copies of the
-// command. Before data parallel exists, N copies of a single-rank trainer would silently share one
-// run directory (metrics.jsonl interleaved, the same swap files and checkpoints overwritten), so a
-// launch with more than one process is refused at start, naming the launcher's variable.
-// Returns the refusal, or "" for a single-process launch.
-std::string multi_process_refusal() {
-  static constexpr std::pair<const char*, const char*> kWorldSizeVars[] = {
-      {"WORLD_SIZE", "torchrun"},
-      {"OMPI_COMM_WORLD_SIZE", "Open MPI's mpirun"},
-      {"PMI_SIZE", "MPICH/Intel MPI's mpirun"},
-      {"SLURM_STEP_NUM_TASKS", "srun"},
-  };
-  for (const auto& [var, launcher] : kWorldSizeVars) {
-    const char* value = std::getenv(var);
-    if (value == nullptr || std::string_view(value).empty()) continue;
-    uint64_t n = 0;
-    const std::string_view text(value);
-    if (!parse_positive(text, &n))
-      return std::string(var) + "=" + quote_excerpt(text, 40) + " (set by " + launcher + ") is not a process count";
-    if (n > 1)
-      return std::string("launched as one of ") + std::to_string(n) + " processes (" + var + "=" + std::string(text) +
-             ", set by " + launcher + "), but this zoffload trains in one process only: the processes would share " +
-             "one run directory, its metrics, swap files and checkpoints. Launch it once (data parallel across ranks " +
-             "is not implemented yet)";
-  }
-  return "";
-}
-
-int run_train(const TrainArgs& a) {
+int run_train(const TrainArgs& args) {
+  TrainArgs a = args;
   // -q: errors and warnings only; the engine's info lines (the device chosen, ...) go too.
   if (a.quiet && log_level() < LogLevel::kWarn) set_log_level(LogLevel::kWarn);
-  if (const std::string refusal = multi_process_refusal(); !refusal.empty()) return fail(refusal, 2);
+  // Note [Launchers] (engine/dist/world.h): torchrun, mpirun and srun start one process per rank.
+  auto world = engine::dist::world_from_env();
+  if (!world.is_ok()) return fail(world.status().message(), 2);
+  // Rank 0 speaks for the run (progress, summary, --json, the trace, the export); the other ranks
+  // print only their warnings and errors.
+  if (world->rank != 0) {
+    g_rank_prefix = "rank " + std::to_string(world->rank) + ": ";
+    a.quiet = true;
+    a.json = false;
+    a.trace.clear();
+    a.trace_steps.clear();
+    set_log_level(LogLevel::kWarn);
+  }
   std::pair<uint64_t, uint64_t> traced{1, std::numeric_limits<uint64_t>::max()};
   if (!a.trace_steps.empty()) {
     if (a.trace.empty()) return fail("--trace-steps needs --trace FILE", 2);
@@ -186,7 +176,8 @@ int run_train(const TrainArgs& a) {
   auto model = engine::resolve_model_config(a.model);
   if (!model.is_ok()) return fail(model.status().message(), 2);
 
-  std::optional<engine::Config> config = load_config_with_flags(a.config, model->hidden_size, a.steps, a.flags);
+  std::optional<engine::Config> config =
+      load_config_with_flags(a.config, model->hidden_size, a.steps, a.flags, world->world_size);
   if (!config) return 2;
   auto format = engine::parse_data_format(a.data_format);
   if (!format.is_ok()) return fail("--data-format: " + format.status().message(), 2);
@@ -204,6 +195,21 @@ int run_train(const TrainArgs& a) {
   options.out_dir = a.out;
   options.resume = a.resume;
   options.last_step = steps;
+  std::unique_ptr<engine::dist::ProcessGroup> group;
+  if (world->distributed()) {
+    // Note [One GPU per rank] (engine/dist/world.h), before anything initialises CUDA.
+    if (config->zoffload.device != gpu::DeviceKind::kHost) {
+      const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+      auto device = engine::dist::visible_device_for_rank(
+          *world, visible != nullptr ? std::optional<std::string>(visible) : std::nullopt);
+      if (!device.is_ok()) return fail(device.status().message(), 2);
+      if (device->has_value()) ::setenv("CUDA_VISIBLE_DEVICES", (*device)->c_str(), 1);
+    }
+    auto g = engine::dist::ProcessGroup::create(*world, std::chrono::seconds(a.dist_timeout_s));
+    if (!g.is_ok()) return fail(g.status().message(), 1);
+    group = std::move(*g);
+    options.group = group.get();
+  }
 
   const auto t0 = std::chrono::steady_clock::now();
   engine::tune_allocator_for_host_compute();
@@ -217,7 +223,7 @@ int run_train(const TrainArgs& a) {
   const double setup_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const uint64_t first_step = trainer.steps_done();
   // End-of-training exports a killed run left half-written (hf-export-step-N.tmp-<pid>).
-  if (auto names = io::Env::posix()->list_dir(a.out); names.is_ok()) {
+  if (auto names = io::Env::posix()->list_dir(a.out); names.is_ok() && world->rank == 0) {
     for (const std::string& name : *names) {
       if (name.rfind("hf-export-step-", 0) != 0 || name.find(".tmp-") == std::string::npos) continue;
       const std::string path = a.out + "/" + name;
@@ -333,7 +339,7 @@ int run_train(const TrainArgs& a) {
   // stage3_gather_16bit_weights_on_model_save: a Hugging Face directory of the final weights,
   // streamed from their tiers (never gathered in RAM or on the GPU).
   std::string exported;
-  if (config->zero.stage3_gather_16bit_weights_on_model_save) {
+  if (config->zero.stage3_gather_16bit_weights_on_model_save && world->rank == 0) {
     engine::ExportOptions eo;
     eo.dtype = trainer.export_dtype();
     // Published whole (Note [Publishing a directory]); an earlier run's export of the same step
@@ -398,7 +404,10 @@ void register_train_command(CLI::App& app, int* exit_code) {
       "stage3_gather_16bit_weights_on_model_save it exports the final weights to --out/hf-export-step-N.\n"
       "Relative paths in the config (nvme_path, checkpoint.dir, log.metrics_path) are relative to --out.\n"
       "Configs with \"auto\" (Accelerate's) take their values from --micro-batch, --lr, ... as the HF\n"
-      "Trainer's arguments fill them; `zoffload config check` takes the same flags.");
+      "Trainer's arguments fill them; `zoffload config check` takes the same flags.\n"
+      "Launched as N processes (torchrun --no-python --nproc-per-node N zoffload train ..., mpirun, srun)\n"
+      "it trains data parallel: each rank reads its slice of every batch and the gradients are all-reduced\n"
+      "(docs/training.md, \"Several processes\").");
   train->add_option("--config", args->config, "DeepSpeed/zoffload JSON config (see docs/config.md)")->required();
   train->add_option("--model", args->model,
                     "A Hugging Face model directory (config.json + *.safetensors) or a preset with random init: "
@@ -426,6 +435,11 @@ void register_train_command(CLI::App& app, int* exit_code) {
                     "per stream of work (compute, fetch wait, gradient offload, gradient worker, optimizer, NVMe reads "
                     "and writes, checkpoint), spans named by block and sub-group. See docs/training.md");
   train->add_option("--trace-steps", args->trace_steps, "The steps to trace, A-B or A (default: all)");
+  train->add_option("--dist-timeout", args->dist_timeout_s,
+                    "Data parallel (torchrun, mpirun, srun): seconds a rank waits for the others at the rendezvous and "
+                    "in each collective before it stops with an error naming the ranks that did not respond "
+                    "(default 1800). See docs/training.md, \"Several processes\"")
+      ->check(CLI::PositiveNumber);
   train->callback([args, exit_code] { *exit_code = run_train(*args); });
 }
 

@@ -206,6 +206,7 @@ json describe_checkpoint(const CheckpointInfo& ckpt) {
               {"model", ckpt.state.model},
               {"data", ckpt.state.data},
               {"seq_len", ckpt.state.seq_len},
+              {"world_size", ckpt.state.world_size},
               {"tensors", ckpt.manifest.tensors.size()},
               {"parameters", params},
               {"bytes", bytes},

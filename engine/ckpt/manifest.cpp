@@ -69,6 +69,7 @@ json TrainingState::to_json() const {
           {"model", model},
           {"data", data},
           {"seq_len", seq_len},
+          {"world_size", world_size},
           {"config", config}};
 }
 
@@ -80,6 +81,7 @@ Result<TrainingState> TrainingState::from_json(const json& j, const std::string&
   ZO_RETURN_IF_ERROR(get(j, "model", &s.model, source));
   ZO_RETURN_IF_ERROR(get(j, "data", &s.data, source));
   ZO_RETURN_IF_ERROR(get(j, "seq_len", &s.seq_len, source));
+  if (j.contains("world_size")) ZO_RETURN_IF_ERROR(get(j, "world_size", &s.world_size, source));
   json scaler, data;
   ZO_RETURN_IF_ERROR(get(j, "loss_scaler", &scaler, source));
   ZO_RETURN_IF_ERROR(get(scaler, "cur_scale", &s.loss_scaler.cur_scale, source + " loss_scaler"));

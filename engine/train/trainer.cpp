@@ -6,6 +6,7 @@
 #include <malloc.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdio>
 #include <cmath>
@@ -25,11 +26,13 @@
 #include "common/string_util.h"
 #include "common/trace.h"
 #include "cpu_optim/executor.h"
+#include "cpu_optim/vector_ops.h"
 #include "engine/config/io_settings.h"
 #include "engine/coord/grad_accumulator.h"
 #include "engine/coord/grad_worker.h"
 #include "engine/coord/param_coordinator.h"
 #include "engine/coord/update_gate.h"
+#include "engine/dist/process_group.h"
 #include "engine/memory/optimizer_swapper.h"
 #include "engine/memory/param_registry.h"
 #include "engine/memory/param_swapper.h"
@@ -96,6 +99,8 @@ std::string StepMetrics::to_json() const {
   j["device_peak_bytes"] = device_peak_bytes;
   j["device_budget_bytes"] = device_budget_bytes;
   j["torch_peak_bytes"] = torch_peak_bytes;
+  j["collective_bytes"] = collective_bytes;
+  j["time_s"]["collective"] = collective_s;
   return j.dump();
 }
 
@@ -246,6 +251,14 @@ struct Trainer::Impl {
   Result<MicroResult> finish_micro_step(Forward& f, bool first, bool last, bool inject_overflow);
   // Trainer::step without the step number in its errors.
   Result<StepMetrics> step_once();
+
+  // Note [Replicated data parallel]
+  uint32_t rank() const { return opt.group != nullptr ? opt.group->rank() : 0; }
+  uint32_t world_size() const { return opt.group != nullptr ? opt.group->world_size() : 1; }
+  // Sums every rank's gradient accumulators into each rank's, sub-group by sub-group, and returns
+  // the norm report of the sums (the loss scale still in them).
+  Result<GradNormReport> all_reduce_gradients();
+  std::optional<AlignedBuffer> reduce_staging;  // for accumulators not in host memory
 };
 
 // Note [Trainer construction]: init runs the steps below in order; each one needs only what the
@@ -253,6 +266,14 @@ struct Trainer::Impl {
 // this machine, and nothing of the step loop exists before the states do.
 Status Trainer::Impl::init(const TrainOptions& options) {
   opt = options;
+  if (opt.group != nullptr) {
+    const Config& c = opt.config;
+    const uint64_t product = c.train_micro_batch_size_per_gpu * c.gradient_accumulation_steps * world_size();
+    if (c.train_batch_size != product)
+      return invalid_argument("train_batch_size " + std::to_string(c.train_batch_size) + " is not train_micro_batch_size_per_gpu × "
+                              "gradient_accumulation_steps × world size (" + std::to_string(c.train_micro_batch_size_per_gpu) +
+                              " × " + std::to_string(c.gradient_accumulation_steps) + " × " + std::to_string(world_size()) + ")");
+  }
   if (opt.io_faults) faulty_env = std::make_unique<io::FaultyEnv>(io::Env::posix(), opt.io_faults);
   ZO_RETURN_IF_ERROR(resolve_model());
   ZO_RETURN_IF_ERROR(prepare_run_dir());
@@ -295,6 +316,7 @@ Status Trainer::Impl::prepare_run_dir() {
                                                                                      : config.zoffload.log.metrics_path);
   if (!config.zoffload.checkpoint.dir.empty()) {
     checkpoint_dir = resolve_run_path(opt.out_dir, config.zoffload.checkpoint.dir);
+    if (rank() != 0) return Status::ok();  // rank 0 writes the checkpoints, and tidies them
     ZO_ASSIGN_OR_RETURN(std::vector<std::string> stale, clean_stale_checkpoints(checkpoint_dir, env()));
     for (const std::string& name : stale)
       ZO_LOG(kInfo) << "removed " << checkpoint_dir << "/" << name << ", left by a save that did not finish";
@@ -373,6 +395,7 @@ Status Trainer::Impl::create_states() {
   so.optimizer_nvme_path = resolve_run_path(opt.out_dir, config.zero.offload_optimizer.nvme_path);
   so.param_nvme_path = resolve_run_path(opt.out_dir, config.zero.offload_param.nvme_path);
   so.pinned_cap_bytes = config.zoffload.pinned_memory_limit;
+  so.rank = rank();
   ZO_ASSIGN_OR_RETURN(store, StateStore::create(*registry, plan, *device, *io, so, accounting));
   if (store->optimizer_file() != nullptr) swap_dir = zo::engine::swap_dir(so.optimizer_nvme_path, so.rank);
   else if (store->param_file() != nullptr) swap_dir = zo::engine::swap_dir(so.param_nvme_path, so.rank);
@@ -440,6 +463,8 @@ Status Trainer::Impl::open_data() {
   d.seq_len = seq_len;
   d.micro_batch = opt.config.train_micro_batch_size_per_gpu;
   d.seed = resume ? resume->state.seed : opt.seed;
+  d.rank = rank();
+  d.world_size = world_size();
   ZO_ASSIGN_OR_RETURN(data, Dataset::open(d));
   return torch_call("building the RoPE tables", [&] {
     rope = make_rope_tables(model, static_cast<int64_t>(d.seq_len), torch_device);
@@ -450,6 +475,7 @@ Status Trainer::Impl::open_metrics() {
   // A resumed run appends to the metrics of the run it continues; a new run starts them afresh.
   // (resume_from_checkpoint, which runs before, has released `resume`: resumed_from says.)
   const bool resumed = !resumed_from.empty();
+  if (rank() != 0) return Status::ok();  // rank 0 writes the metrics and monitors, for all ranks
   if (!resumed) ZO_RETURN_IF_ERROR(env()->remove_all(metrics_path).with_context("starting the metrics file"));
   ZO_ASSIGN_OR_RETURN(metrics, env()->open_append(metrics_path));
   // DeepSpeed writes to os.path.join(output_path, job_name); output_path is relative to the run
@@ -793,7 +819,8 @@ Result<Trainer::Impl::MicroResult> Trainer::Impl::finish_micro_step(Forward& f, 
     }
   } abandon{grad_worker.get(), grads.get()};
   const uint32_t n = static_cast<uint32_t>(layout.blocks.size());
-  const double loss_factor = scaler->scale() / static_cast<double>(opt.config.gradient_accumulation_steps);
+  // Data parallel: each rank's share of the mean, so that the all-reduced sum is the mean.
+  const double loss_factor = scaler->scale() / static_cast<double>(opt.config.gradient_accumulation_steps * world_size());
   const size_t count = f.micro.size();
   // With several micro-batches (the vertical schedule) each block's gradients are summed on the
   // device and leave it once (Note [Vertical schedule]).
@@ -872,6 +899,56 @@ Result<Trainer::Impl::MicroResult> Trainer::Impl::finish_micro_step(Forward& f, 
   return result;
 }
 
+// Note [Replicated data parallel]
+// With several ranks (torchrun, mpirun, srun; engine/dist) each rank trains on its own slice of
+// every global batch (Dataset's rank split) and holds every state, as one process does. At the
+// accumulation boundary the ranks sum their gradient accumulators with one all-reduce per chunk
+// (every rank ends with the same bits, the loss factor having divided by the world size already,
+// so the sum is the mean), and each rank takes the norm of the sums. From there every rank holds
+// the same gradients, norm, overflow flag and loss scale, and runs the same optimizer step on the
+// same states, so the replicas stay bit-identical without exchanging weights; rank 0 writes the
+// metrics and checkpoints. The chunks are kReduceChunkElems whatever the tier, so the norm's
+// summation order, and the weights, do not depend on where the accumulators live. Partitioning the
+// optimizer states across ranks (ZeRO stages 1-3) is not built yet: every rank needs the memory of
+// a one-process run.
+namespace {
+constexpr uint64_t kReduceChunkElems = uint64_t{1} << 22;
+}  // namespace
+
+Result<GradNormReport> Trainer::Impl::all_reduce_gradients() {
+  trace::Span span(trace::Track::kCollective, "all-reduce the gradients");
+  const DType dtype = plan.placement.grad_dtype;
+  const uint64_t elem_bytes = dtype_size_bytes(dtype);
+  GradNormReport report;
+  for (uint32_t g = 0; g < store->plan().n_sub_groups; ++g) {
+    const StateLocation& loc = store->location(g, StateKind::kGradAccum);
+    const uint64_t n = store->state_bytes(g, StateKind::kGradAccum) / elem_bytes;
+    const std::string what = "all-reducing the gradients of sub-group " + std::to_string(g);
+    for (uint64_t first = 0; first < n; first += kReduceChunkElems) {
+      const uint64_t count = std::min(kReduceChunkElems, n - first);
+      const uint64_t offset_bytes = first * elem_bytes;
+      std::byte* p = nullptr;
+      if (loc.tier == Tier::kCpu) {
+        p = loc.host + offset_bytes;
+      } else {
+        if (!reduce_staging) {
+          ZO_ASSIGN_OR_RETURN(AlignedBuffer b, AlignedBuffer::allocate(kReduceChunkElems * elem_bytes));
+          reduce_staging.emplace(std::move(b));
+        }
+        p = reduce_staging->data();
+        ZO_RETURN_IF_ERROR(store->read_state_range(g, StateKind::kGradAccum, offset_bytes, {p, count * elem_bytes}));
+      }
+      ZO_RETURN_IF_ERROR(opt.group->all_reduce_sum(p, count, dtype, what));
+      ZO_ASSIGN_OR_RETURN(const double sq, cpu_optim::squared_norm({p, dtype}, count, *executor));
+      report.sum_sq += sq;
+      if (loc.tier != Tier::kCpu)
+        ZO_RETURN_IF_ERROR(store->write_state_range(g, StateKind::kGradAccum, offset_bytes, {p, count * elem_bytes}));
+    }
+  }
+  report.nonfinite = !std::isfinite(report.sum_sq);
+  return report;
+}
+
 Trainer::Trainer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Trainer::~Trainer() = default;
 
@@ -931,7 +1008,20 @@ Result<StepMetrics> Trainer::Impl::step_once() {
     offload_s += r.grad_offload_s;
     if (last) boundary = r.grads;
   }
-  out.loss = loss_sum / static_cast<double>(gas);
+  const uint64_t collective_bytes_before = m.opt.group != nullptr ? m.opt.group->bytes() : 0;
+  const double collective_s_before = m.opt.group != nullptr ? m.opt.group->seconds() : 0;
+  if (m.opt.group != nullptr) {
+    // Note [Replicated data parallel]: the step's facts, then its gradients, summed over the ranks.
+    std::array<double, 2> sums{loss_sum, static_cast<double>(out.tokens)};
+    {
+      trace::Span span(trace::Track::kCollective, "all-reduce the loss");
+      ZO_RETURN_IF_ERROR(m.opt.group->all_reduce_sum(sums, "all-reducing the loss"));
+    }
+    loss_sum = sums[0];
+    out.tokens = static_cast<uint64_t>(sums[1]);
+    ZO_ASSIGN_OR_RETURN(boundary, m.all_reduce_gradients());
+  }
+  out.loss = loss_sum / static_cast<double>(gas * m.world_size());
   out.torch_peak_bytes = torch_memory(cuda).peak_bytes;
 
   // The accumulation boundary: overflow check, loss-scale update, clipping, then the optimizer on
@@ -1023,13 +1113,19 @@ Result<StepMetrics> Trainer::Impl::step_once() {
   out.optimizer_wait_s = coord_after.update_wait_s - coord_before.update_wait_s + join_s;
   out.grad_offload_s = offload_s;
   out.data_s = data_s;
-  out.compute_s = std::max(0.0, out.step_s - out.fetch_s - out.grad_offload_s - out.data_s - out.optimizer_wait_s);
+  if (m.opt.group != nullptr) {
+    out.collective_bytes = m.opt.group->bytes() - collective_bytes_before;
+    out.collective_s = m.opt.group->seconds() - collective_s_before;
+  }
+  out.compute_s = std::max(0.0, out.step_s - out.fetch_s - out.grad_offload_s - out.data_s - out.optimizer_wait_s -
+                                    out.collective_s);
   out.nvme_busy_s = m.io->stats().busy_s - io_busy_before;
   out.overlap = out.step_s > 0 ? std::max({out.compute_s, out.optimizer_s, out.nvme_busy_s}) / out.step_s : 0.0;
   out.memory = m.accounting.snapshot();
   const gpu::DeviceStats ds = m.device->stats();
   out.device_peak_bytes = ds.peak_allocated_bytes;
   out.device_budget_bytes = ds.budget_bytes;
+  if (m.metrics == nullptr) return out;  // not rank 0
   const std::string record = out.to_json();
   ZO_RETURN_IF_ERROR(m.metrics->append(record + "\n"));
   if (m.tensorboard || m.csv_monitor) {
@@ -1092,6 +1188,7 @@ TrainingState Trainer::training_state() const {
   st.model = m.model_dir ? fs::absolute(m.opt.model).lexically_normal().string() : m.opt.model;
   st.data = fs::absolute(m.opt.data_path).lexically_normal().string();
   st.seq_len = m.data->options().seq_len;
+  st.world_size = m.world_size();
   st.config = to_json(m.opt.config);
   return st;
 }
@@ -1108,8 +1205,20 @@ Result<SaveResult> Trainer::save_checkpoint(const std::function<void(uint64_t, u
   o.staging_bytes = cc.staging_buffer_size;
   o.progress = progress;
   o.env = m.env();
-  ZO_ASSIGN_OR_RETURN(SaveResult r, engine::save_checkpoint(*m.store, training_state(), m.model_config_json(), o));
-  m.last_saved_step = m.steps_done;
+  if (m.opt.group == nullptr) {
+    ZO_ASSIGN_OR_RETURN(SaveResult r, engine::save_checkpoint(*m.store, training_state(), m.model_config_json(), o));
+    m.last_saved_step = m.steps_done;
+    return r;
+  }
+  // Note [Replicated data parallel]: every rank holds the same states; rank 0 writes them while the
+  // others wait, so that no rank runs ahead into the next step's collectives during a long save.
+  Result<SaveResult> r = SaveResult{};
+  if (m.rank() == 0) r = engine::save_checkpoint(*m.store, training_state(), m.model_config_json(), o);
+  {
+    trace::Span wait(trace::Track::kCollective, "wait for rank 0's checkpoint");
+    ZO_RETURN_IF_ERROR(m.opt.group->barrier("waiting for rank 0 to save step-" + std::to_string(m.steps_done)));
+  }
+  if (r.is_ok()) m.last_saved_step = m.steps_done;
   return r;
 }
 

@@ -17,6 +17,7 @@
 #include "engine/ckpt/export.h"
 #include "engine/config/config.h"
 #include "engine/data/dataset.h"
+#include "engine/dist/process_group.h"
 #include "engine/memory/accounting.h"
 #include "engine/model/model_config.h"
 #include "io/fault_injector.h"
@@ -52,17 +53,21 @@ struct TrainOptions {
   // Tests: faults injected into the run's I/O engine (swap files, checkpoints, exports) and into
   // the file operations of its checkpoints and exports (an io::FaultyEnv over these rules).
   std::shared_ptr<io::FaultInjector> io_faults;
+  // The ranks of a data-parallel run (Note [Replicated data parallel] in trainer.cpp); null: one
+  // process. Every rank creates its Trainer with the same options and calls step() and
+  // save_checkpoint() in the same order. Owned by the caller; outlives the Trainer.
+  dist::ProcessGroup* group = nullptr;
 };
 
 // What one optimizer step did and where its time went (seconds of wall time).
 struct StepMetrics {
   uint64_t step = 0;           // 1-based
-  double loss = 0;             // mean over the micro-batches of their mean token loss
+  double loss = 0;             // mean over the micro-batches (of every rank) of their mean token loss
   double lr = 0;               // this step's lr (what the optimizer used, or would have when skipped)
   double loss_scale = 1;       // the scale this step's backward used
   double grad_norm = 0;        // global L2 norm of the unscaled gradients (inf/nan on overflow)
   bool skipped = false;        // overflow: no optimizer step
-  uint64_t tokens = 0;         // tokens trained on in this step (targets not masked)
+  uint64_t tokens = 0;         // tokens trained on in this step, by every rank (targets not masked)
   // Wall time of the step() call. The main thread's parts below add up to it; the optimizer runs
   // beside them on its own thread. A step's call also runs the next step's first forward (behind
   // its optimizer), so its parts include that forward's data, fetch and compute.
@@ -84,6 +89,10 @@ struct StepMetrics {
   MemoryStats memory;          // tiers after the step (peaks since the start of the run)
   uint64_t device_peak_bytes = 0;  // Device::stats().peak_allocated_bytes
   uint64_t device_budget_bytes = 0;
+  // Data parallel: the gradient all-reduce's payload bytes sent by this rank and its wall time (part
+  // of step_s, outside the parts above); 0 with one process.
+  uint64_t collective_bytes = 0;
+  double collective_s = 0;
   // LibTorch's allocations (activations, autograd buffers, block gradients) at their highest during
   // this step: on CUDA GPU memory outside the budget above, on the emulated device host RAM.
   uint64_t torch_peak_bytes = 0;
@@ -133,7 +142,8 @@ class Trainer {
   // Saves the state after steps_done() steps into checkpoint_dir() as step-<N> (atomically, pruning
   // beyond keep_last). Only reads the training state: a failed save leaves it, the previous
   // checkpoints and `latest` unchanged, and training may go on. kFailedPrecondition without a
-  // checkpoint directory or after a failed optimizer step.
+  // checkpoint directory or after a failed optimizer step. Data parallel: rank 0 writes, every rank
+  // waits for it (the states are the same on every rank); other ranks return an empty path.
   Result<SaveResult> save_checkpoint(const std::function<void(uint64_t done_bytes, uint64_t total_bytes)>& progress = {});
   TrainingState training_state() const;
   // Exports the current master weights as a Hugging Face model directory (export.h), streamed from

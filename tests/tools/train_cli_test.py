@@ -182,17 +182,19 @@ with tempfile.TemporaryDirectory(prefix="zo-train-cli-", dir=os.environ.get("TMP
         expect(p.returncode == 2 and len(errors) == 1 and needle in p.stderr,
                "%s %d is refused in one line with exit 2: exit %d: %s" % (key, value, p.returncode, p.stderr[-1000:]))
 
-    # A launcher starting several copies (torchrun, mpirun, srun) is refused before anything is
-    # written: the copies would share one run directory. One process (WORLD_SIZE=1) trains.
-    for var, value, needle in [("WORLD_SIZE", "2", "launched as one of 2 processes (WORLD_SIZE=2, set by torchrun)"),
-                               ("OMPI_COMM_WORLD_SIZE", "4", "OMPI_COMM_WORLD_SIZE=4, set by Open MPI's mpirun"),
-                               ("WORLD_SIZE", "two", "WORLD_SIZE=two (set by torchrun) is not a process count")]:
-        out = os.path.join(tmp, "ranks-" + var + value)
+    # A launch that data parallel cannot serve (no rank, no rendezvous, a variable that is not a count)
+    # is refused before anything is written (dist_cli_test runs the ranks). One process (WORLD_SIZE=1) trains.
+    plain_env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK")}
+    for extra, needle in [({"WORLD_SIZE": "2"}, "RANK is not set, but WORLD_SIZE is (torchrun)"),
+                          ({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "1"},
+                           "rank 1 of 4 (Open MPI): MASTER_ADDR is not set"),
+                          ({"WORLD_SIZE": "two"}, "WORLD_SIZE=two (set by torchrun) is not a count")]:
+        out = os.path.join(tmp, "ranks-" + "-".join(extra.values()))
         p = subprocess.run([zoffload, "train", "--config", demo_config, "--model", "tiny", "--data", corpus,
                             "--steps", "1", "--out", out], capture_output=True, text=True, timeout=120,
-                           env=dict(os.environ, **{var: value}))
+                           env=dict(plain_env, **extra))
         expect(p.returncode == 2 and needle in p.stderr and len(p.stderr.splitlines()) == 1 and not os.path.exists(out),
-               "%s=%s is refused in one line, nothing written: exit %d: %s" % (var, value, p.returncode, p.stderr[-1000:]))
+               "%s is refused in one line, nothing written: exit %d: %s" % (extra, p.returncode, p.stderr[-1000:]))
     out = os.path.join(tmp, "ranks-one")
     p = subprocess.run([zoffload, "train", "--config", demo_config, "--model", "tiny", "--data", corpus, "--steps", "1",
                         "--out", out, "-q"], capture_output=True, text=True, timeout=300, env=dict(os.environ, WORLD_SIZE="1"))

@@ -1,0 +1,227 @@
+#!/usr/bin/env python3
+"""Data parallel as a user launches it: `torchrun --no-python --nproc-per-node N zoffload train ...`
+on CPU ranks joined by c10d's TCPStore and Gloo.
+
+- world 2 x micro-batch 1 trains like world 1 x micro-batch 2 (the same rows per step): losses and
+  grad norms to REL_TOL, final fp32 weights to WEIGHT_ATOL (the reduction order differs);
+- at world 2 the weights are bit-identical whether the states live on the device, in CPU memory or
+  on NVMe;
+- a checkpoint saved at world 2 (its manifest says so) resumes at world 1 and at world 3 with the same
+  global batch and continues like the uninterrupted run, to the same tolerances;
+- one rank killed (SIGKILL) or stalled (SIGSTOP) mid-run: the other exits non-zero within
+  --dist-timeout, naming the rank, and the last checkpoint still verifies;
+- launches the build cannot serve are one line and exit 2: no MASTER_ADDR, a train_batch_size the
+  world size does not divide.
+
+usage: dist_cli_test.py ZOFFLOAD SOURCE_DIR"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+from cli_checks import expect, report_and_exit
+
+try:
+    import numpy as np
+    from safetensors.numpy import load_file
+except ImportError as e:  # the oracle readers come with tools/requirements.txt
+    print("skipped: %s" % e)
+    sys.exit(77)
+
+zoffload, source_dir = sys.argv[1], sys.argv[2]
+corpus = os.path.join(source_dir, "configs", "data", "demo_corpus.txt")
+REL_TOL = 1e-5       # losses and grad norms: the same rows, summed in another order
+WEIGHT_ATOL = 2e-6   # final weights after 4 AdamW steps at lr 3e-4 (each step moves a weight by <= ~lr)
+STEPS = 4
+
+with open(os.path.join(source_dir, "configs", "tiny_demo_nvme.json")) as f:
+    BASE = json.load(f)
+BASE["bf16"] = {"enabled": False}  # fp32: exact arithmetic to compare, and fast on any CPU
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_config(tmp, name, micro, gas, placement="nvme", ckpt_every=None, tbs=None):
+    c = json.loads(json.dumps(BASE))
+    c["train_micro_batch_size_per_gpu"] = micro
+    c["gradient_accumulation_steps"] = gas
+    if tbs is not None:
+        c["train_batch_size"] = tbs
+    z = c["zero_optimization"]
+    if placement == "none":
+        z["offload_param"] = {"device": "none"}
+        z["offload_optimizer"] = {"device": "none"}
+    elif placement == "cpu":
+        z["offload_param"] = {"device": "cpu", "pin_memory": True}
+        z["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if ckpt_every:
+        c["zoffload"]["checkpoint"] = {"dir": "ckpt", "every_steps": ckpt_every, "keep_last": 4}
+    path = os.path.join(tmp, name + ".json")
+    with open(path, "w") as f:
+        json.dump(c, f)
+    return path
+
+
+def train_args(cfg, out, steps=STEPS, extra=()):
+    return ["train", "--config", cfg, "--model", "tiny", "--data", corpus, "--out", out, "--steps", str(steps),
+            "--seq-len", "64", "--dist-timeout", "60"] + list(extra)
+
+
+def torchrun(n, args, timeout=600):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--no-python", "--nproc-per-node", str(n),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), zoffload] + args
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def single(args, timeout=600):
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")}
+    return subprocess.run([zoffload] + args, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def metrics(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def weights(out, step=STEPS):
+    return load_file(os.path.join(out, "hf-export-step-%d" % step, "model.safetensors"))
+
+
+def close(a, b, rel=REL_TOL):
+    return abs(a - b) <= rel * max(abs(a), abs(b), 1e-12)
+
+
+def compare_runs(label, ref_out, out, steps):
+    """Losses and grad norms of `steps` (1-based) and the final weights of two runs, within tolerance."""
+    ref = {m["step"]: m for m in metrics(ref_out)}
+    got = {m["step"]: m for m in metrics(out)}
+    for s in steps:
+        if not expect(s in ref and s in got, "%s: step %d in both metrics" % (label, s)):
+            return
+        for key in ("loss", "grad_norm"):
+            expect(close(ref[s][key], got[s][key]),
+                   "%s: step %d %s %.9g vs %.9g (rel tol %g)" % (label, s, key, ref[s][key], got[s][key], REL_TOL))
+        expect(ref[s]["tokens"] == got[s]["tokens"], "%s: step %d trains the same tokens" % (label, s))
+    wa, wb = weights(ref_out), weights(out)
+    expect(sorted(wa) == sorted(wb), "%s: the same tensors" % label)
+    worst = max(float(np.max(np.abs(wa[k].astype(np.float64) - wb[k].astype(np.float64)))) for k in wa)
+    expect(worst <= WEIGHT_ATOL, "%s: final weights within %g (max |diff| %.3g)" % (label, WEIGHT_ATOL, worst))
+    print("%s: max |weight diff| %.3g" % (label, worst))
+
+
+with tempfile.TemporaryDirectory(dir=os.environ.get("MESON_BUILD_ROOT")) as tmp:
+    # ---- launches that cannot be served: one line, exit 2, before any rendezvous --------------------
+    cfg = write_config(tmp, "refuse", 1, 1)
+    env = dict(os.environ, WORLD_SIZE="2", RANK="1")
+    env.pop("MASTER_ADDR", None)
+    p = subprocess.run([zoffload] + train_args(cfg, os.path.join(tmp, "refused")), capture_output=True, text=True,
+                       timeout=120, env=env)
+    expect(p.returncode == 2 and "MASTER_ADDR is not set" in p.stderr and len(p.stderr.strip().splitlines()) == 1,
+           "a rank without MASTER_ADDR is refused in one line: exit %d: %s" % (p.returncode, p.stderr))
+    cfg = write_config(tmp, "tbs", 1, 1, tbs=3)
+    env = dict(os.environ, WORLD_SIZE="2", RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    p = subprocess.run([zoffload] + train_args(cfg, os.path.join(tmp, "refused")), capture_output=True, text=True,
+                       timeout=120, env=env)
+    expect(p.returncode == 2 and "train_batch_size" in p.stderr and "world size" in p.stderr,
+           "train_batch_size 3 at world 2 is refused naming the key: exit %d: %s" % (p.returncode, p.stderr))
+
+    # ---- world 2 x micro 1 == world 1 x micro 2 ---------------------------------------------------------
+    w1 = os.path.join(tmp, "w1")
+    p = single(train_args(write_config(tmp, "m2", 2, 1), w1))
+    expect(p.returncode == 0, "world 1 x micro 2 trains: %s" % p.stderr[-2000:])
+    runs = {}
+    for placement in ("nvme", "cpu", "none"):
+        out = os.path.join(tmp, "w2-" + placement)
+        p = torchrun(2, train_args(write_config(tmp, "m1-" + placement, 1, 1, placement), out))
+        if expect(p.returncode == 0, "world 2 (%s) trains under torchrun: %s" % (placement, p.stderr[-3000:])):
+            runs[placement] = out
+            if placement == "nvme":
+                expect("rank 1" not in p.stdout, "only rank 0 prints progress: %s" % p.stdout[-1000:])
+                m = metrics(out)
+                expect(len(m) == STEPS and all(r["collective_bytes"] > 0 for r in m),
+                       "rank 0 writes one metrics line per step, with the collective bytes: %s" % m[-1:])
+    if "nvme" in runs:
+        compare_runs("world 2 x micro 1 vs world 1 x micro 2", w1, runs["nvme"], range(1, STEPS + 1))
+    if len(runs) == 3:
+        ref = weights(runs["nvme"])
+        for placement in ("cpu", "none"):
+            other = weights(runs[placement])
+            expect(all(np.array_equal(ref[k].view(np.uint32), other[k].view(np.uint32)) for k in ref),
+                   "world 2: the weights are bit-identical with the states on nvme and %s" % placement)
+            expect([m["loss"] for m in metrics(runs[placement])] == [m["loss"] for m in metrics(runs["nvme"])],
+                   "world 2: the losses are identical on nvme and %s" % placement)
+
+    # ---- save at world 2, resume at world 1 and world 3 (the same 6 rows per step) -------------------
+    full = os.path.join(tmp, "full")
+    p = torchrun(2, train_args(write_config(tmp, "g3", 1, 3, ckpt_every=2), full))
+    if expect(p.returncode == 0, "world 2 x GAS 3 with checkpoints trains: %s" % p.stderr[-3000:]):
+        step2 = os.path.join(full, "ckpt", "step-2")
+        q = single(["ckpt", "inspect", step2, "--json"])
+        expect(q.returncode == 0 and json.loads(q.stdout).get("world_size") == 2,
+               "the checkpoint names its world size: %s %s" % (q.stdout[-500:], q.stderr[-500:]))
+        out1 = os.path.join(tmp, "resume-w1")
+        p = single(train_args(write_config(tmp, "g6", 1, 6), out1, extra=["--resume", step2]))
+        if expect(p.returncode == 0, "resumed at world 1 x GAS 6: %s" % p.stderr[-2000:]):
+            compare_runs("world 2 -> world 1", full, out1, [3, 4])
+        out3 = os.path.join(tmp, "resume-w3")
+        p = torchrun(3, train_args(write_config(tmp, "g2", 1, 2), out3, extra=["--resume", step2]))
+        if expect(p.returncode == 0, "resumed at world 3 x GAS 2: %s" % p.stderr[-3000:]):
+            compare_runs("world 2 -> world 3", full, out3, [3, 4])
+
+    # ---- a rank that dies or stalls ---------------------------------------------------------------------
+    def launch_ranks(name, timeout_s):
+        cfg = write_config(tmp, name, 1, 1, ckpt_every=1)
+        out = os.path.join(tmp, name)
+        port = str(free_port())
+        procs = []
+        for r in range(2):
+            env = dict(os.environ, WORLD_SIZE="2", RANK=str(r), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=port)
+            args = train_args(cfg, out, steps=100000)
+            args[args.index("--dist-timeout") + 1] = str(timeout_s)
+            procs.append(subprocess.Popen([zoffload] + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          text=True, env=env))
+        deadline = time.time() + 300
+        path = os.path.join(out, "metrics.jsonl")
+        while time.time() < deadline and all(p.poll() is None for p in procs):
+            if os.path.exists(path) and len(open(path).read().splitlines()) >= 2:
+                break
+            time.sleep(0.2)
+        return out, procs
+
+    for victim, sig, timeout_s in [(1, signal.SIGKILL, 60), (0, signal.SIGKILL, 60), (1, signal.SIGSTOP, 10)]:
+        name = "fail-%d-%s" % (victim, signal.Signals(sig).name)
+        out, procs = launch_ranks(name, timeout_s)
+        if not expect(all(p.poll() is None for p in procs), "%s: both ranks train" % name):
+            for p in procs:
+                p.kill()
+            continue
+        survivor = procs[1 - victim]
+        t0 = time.time()
+        procs[victim].send_signal(sig)
+        try:
+            _, err = survivor.communicate(timeout=timeout_s + 60)
+        except subprocess.TimeoutExpired:
+            survivor.kill()
+            _, err = survivor.communicate()
+            err = "(still running after %d s) %s" % (timeout_s + 60, err)
+        took = time.time() - t0
+        procs[victim].kill()
+        procs[victim].communicate()
+        last = err.strip().splitlines()[-1] if err.strip() else ""
+        expect(survivor.returncode not in (0, None) and ("rank %d of 2 did not respond" % victim) in last,
+               "%s: rank %d exits non-zero naming rank %d: exit %s: %s" % (name, 1 - victim, victim, survivor.returncode, err[-1500:]))
+        expect(took <= timeout_s + 30, "%s: within --dist-timeout %d s (+ the check-in): %.1f s" % (name, timeout_s, took))
+        print("%s: the survivor stopped after %.1f s: %s" % (name, took, last))
+        q = single(["ckpt", "verify", os.path.join(out, "ckpt")])
+        expect(q.returncode == 0, "%s: the last checkpoint verifies: %s %s" % (name, q.stdout[-500:], q.stderr[-500:]))
+
+report_and_exit()
