@@ -101,6 +101,7 @@ std::string StepMetrics::to_json() const {
   j["torch_peak_bytes"] = torch_peak_bytes;
   j["collective_bytes"] = collective_bytes;
   j["time_s"]["collective"] = collective_s;
+  j["time_s"]["rank_wait"] = rank_wait_s;
   return j.dump();
 }
 
@@ -1015,7 +1016,9 @@ Result<StepMetrics> Trainer::Impl::step_once() {
     std::array<double, 2> sums{loss_sum, static_cast<double>(out.tokens)};
     {
       trace::Span span(trace::Track::kCollective, "all-reduce the loss");
+      const double before = m.opt.group->seconds();
       ZO_RETURN_IF_ERROR(m.opt.group->all_reduce_sum(sums, "all-reducing the loss"));
+      out.rank_wait_s = m.opt.group->seconds() - before;
     }
     loss_sum = sums[0];
     out.tokens = static_cast<uint64_t>(sums[1]);

@@ -93,6 +93,9 @@ struct StepMetrics {
   // of step_s, outside the parts above); 0 with one process.
   uint64_t collective_bytes = 0;
   double collective_s = 0;
+  // Of collective_s: the first collective of the boundary, where this rank waits for the slowest
+  // one to finish its micro-steps (the rest is the gradient all-reduce itself).
+  double rank_wait_s = 0;
   // LibTorch's allocations (activations, autograd buffers, block gradients) at their highest during
   // this step: on CUDA GPU memory outside the budget above, on the emulated device host RAM.
   uint64_t torch_peak_bytes = 0;

@@ -11,7 +11,8 @@ on CPU ranks joined by c10d's TCPStore and Gloo.
 - one rank killed (SIGKILL) or stalled (SIGSTOP) mid-run: the other exits non-zero within
   --dist-timeout, naming the rank, and the last checkpoint still verifies;
 - launches the build cannot serve are one line and exit 2: no MASTER_ADDR, a train_batch_size the
-  world size does not divide.
+  world size does not divide;
+- tools/dist_bench.py (the data-parallel benchmark) runs and its JSON is consistent.
 
 usage: dist_cli_test.py ZOFFLOAD SOURCE_DIR"""
 import json
@@ -175,6 +176,17 @@ with tempfile.TemporaryDirectory(dir=os.environ.get("MESON_BUILD_ROOT")) as tmp:
         p = torchrun(3, train_args(write_config(tmp, "g2", 1, 2), out3, extra=["--resume", step2]))
         if expect(p.returncode == 0, "resumed at world 3 x GAS 2: %s" % p.stderr[-3000:]):
             compare_runs("world 2 -> world 3", full, out3, [3, 4])
+
+    # ---- tools/dist_bench.py runs and reports consistent figures --------------------------------------
+    p = subprocess.run([sys.executable, os.path.join(source_dir, "tools", "dist_bench.py"), "--zoffload", zoffload,
+                        "--rounds", "1", "--steps", "3", "--seq-len", "64", "--json"],
+                       capture_output=True, text=True, timeout=600)
+    if expect(p.returncode == 0, "dist_bench.py runs: %s" % p.stderr[-2000:]):
+        b = json.loads(p.stdout)
+        expect(b["ranks"] == 2 and b["collective_bytes_per_step"] > 0 and b["step_s"]["world1"] > 0 and
+               b["step_s"]["worldN"] > 0 and b["busbw_gb_s"] > 0 and b["baseline_busbw_gb_s"] > 0 and
+               abs(b["busbw_ratio"] - b["busbw_gb_s"] / b["baseline_busbw_gb_s"]) < 1e-9,
+               "dist_bench.py's JSON has its figures and their ratio: %s" % p.stdout)
 
     # ---- a rank that dies or stalls ---------------------------------------------------------------------
     def launch_ranks(name, timeout_s):
