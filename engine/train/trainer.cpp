@@ -373,13 +373,28 @@ Status Trainer::Impl::plan_memory() {
     pi.host.device_name = probe.gpus.front().name;
     pi.host.device_total_bytes = probe.gpus.front().total_bytes;
   }
+  // Note [Replicated data parallel]: the ranks of one node start together and each holds every
+  // state, so each is planned against its share of the node's RAM and disks (and, emulated, of
+  // the device's RAM); each GPU is its rank's own.
+  const uint32_t local_ranks = opt.group != nullptr ? opt.group->world().local_world_size : 1;
+  if (local_ranks > 1) {
+    for (uint64_t* share : {&pi.host.ram_total_bytes, &pi.host.ram_available_bytes, &pi.host.optimizer_disk_free_bytes,
+                            &pi.host.param_disk_free_bytes})
+      *share /= local_ranks;
+    if (!pi.host.cuda) pi.host.device_total_bytes /= local_ranks;
+  }
   ZO_ASSIGN_OR_RETURN(run_plan, plan_run(pi));
   // The memory plan the planner settled on ("auto" choices resolved against this host).
   plan = run_plan.memory;
   if (!run_plan.fits()) {
     std::vector<std::string> problems;
     for (const PlanProblem& p : run_plan.problems) problems.push_back(p.to_string());
-    return out_of_memory("the plan does not fit this machine: " + join(problems, "; ") +
+    const std::string shared =
+        local_ranks > 1 ? " (each of this node's " + std::to_string(local_ranks) +
+                              " ranks holds every state, so each is planned with 1/" + std::to_string(local_ranks) +
+                              " of its RAM and disk space)"
+                        : "";
+    return out_of_memory("the plan does not fit this machine" + shared + ": " + join(problems, "; ") +
                          " (`zoffload plan` with the same arguments lists the changes that make it fit)");
   }
   track_torch_memory(torch_device.is_cuda());

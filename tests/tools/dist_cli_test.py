@@ -11,7 +11,8 @@ on CPU ranks joined by c10d's TCPStore and Gloo.
 - one rank killed (SIGKILL) or stalled (SIGSTOP) mid-run: the other exits non-zero within
   --dist-timeout, naming the rank, and the last checkpoint still verifies;
 - launches the build cannot serve are one line and exit 2: no MASTER_ADDR, a train_batch_size the
-  world size does not divide;
+  world size does not divide; a plan that needs more than a rank's share of the node's RAM fails at
+  start on every rank;
 - tools/dist_bench.py (the data-parallel benchmark) runs and its JSON is consistent.
 
 usage: dist_cli_test.py ZOFFLOAD SOURCE_DIR"""
@@ -133,6 +134,20 @@ with tempfile.TemporaryDirectory(dir=os.environ.get("MESON_BUILD_ROOT")) as tmp:
                        timeout=120, env=env)
     expect(p.returncode == 2 and "train_batch_size" in p.stderr and "world size" in p.stderr,
            "train_batch_size 3 at world 2 is refused naming the key: exit %d: %s" % (p.returncode, p.stderr))
+
+    # Two ranks of one node each hold every state: each is planned with half the node's RAM, so a
+    # config that needs more than half (tinyllama-1.1b in fp32 with its states in RAM: ~21 GiB) is
+    # refused at start by both, before anything large is allocated, saying why.
+    big = os.path.join(tmp, "big.json")
+    with open(big, "w") as f:
+        json.dump({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+                   "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                                         "offload_optimizer": {"device": "cpu"}}}, f)
+    p = torchrun(2, ["train", "--config", big, "--model", "tinyllama-1.1b", "--data", corpus, "--out",
+                     os.path.join(tmp, "big"), "--steps", "1", "--seq-len", "64"], timeout=300)
+    expect(p.returncode != 0 and "each of this node's 2 ranks holds every state" in p.stderr and
+           "rank 1: error: OutOfMemory: the plan does not fit" in p.stderr,
+           "a plan that fits one rank's share of the node's RAM only is refused by every rank: %s" % p.stderr[-2000:])
 
     # ---- world 2 x micro 1 == world 1 x micro 2 ---------------------------------------------------------
     w1 = os.path.join(tmp, "w1")
