@@ -438,8 +438,8 @@ void register_train_command(CLI::App& app, int* exit_code) {
   train->add_option("--dist-timeout", args->dist_timeout_s,
                     "Data parallel (torchrun, mpirun, srun): seconds a rank waits for the others at the rendezvous and "
                     "in each collective before it stops with an error naming the ranks that did not respond "
-                    "(default 1800). See docs/training.md, \"Several processes\"")
-      ->check(CLI::PositiveNumber);
+                    "(default 1800, at most a week). See docs/training.md, \"Several processes\"")
+      ->check(CLI::Range(uint64_t{1}, uint64_t{7 * 24 * 3600}));
   train->callback([args, exit_code] { *exit_code = run_train(*args); });
 }
 
