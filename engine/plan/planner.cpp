@@ -14,7 +14,9 @@
 // metrics.jsonl) on LibTorch 2.11's CPU kernels for five model shapes (hidden 256–1024, intermediate
 // 688–2816, vocabulary 256–8192, MHA and GQA), fp32 and bf16, B·T from 64 to 2048; the largest of
 // the four terms is within 9% of every measured peak there (tests/engine/plan checks the presets
-// against real runs). CUDA kernels (cuBLAS workspaces, flash attention) differ: on a GPU this is an
+// against real runs). On CPUs where LibTorch sends bf16 matmuls to oneDNN (AVX-512 without native
+// bf16, e.g. an Ice Lake-class Xeon) its reorders add a few hundred KB the terms do not hold:
+// +398/486/603 KB for the tiny preset at B·T 16/32/64, +217 KB at 128. CUDA kernels (cuBLAS workspaces, flash attention) differ: on a GPU this is an
 // estimate until it is measured there.
 
 #include "engine/plan/planner.h"
