@@ -199,9 +199,8 @@ int run_train(const TrainArgs& args) {
   if (world->distributed()) {
     // Note [One GPU per rank] (engine/dist/world.h), before anything initialises CUDA.
     if (config->zoffload.device != gpu::DeviceKind::kHost) {
-      const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
-      auto device = engine::dist::visible_device_for_rank(
-          *world, visible != nullptr ? std::optional<std::string>(visible) : std::nullopt);
+      auto device =
+          engine::dist::visible_device_for_rank(*world, engine::dist::process_env()("CUDA_VISIBLE_DEVICES"));
       if (!device.is_ok()) return fail(device.status().message(), 2);
       if (device->has_value()) ::setenv("CUDA_VISIBLE_DEVICES", (*device)->c_str(), 1);
     }

@@ -8,7 +8,6 @@
 #include <thread>
 #include <vector>
 
-#include "common/log.h"
 #include "common/string_util.h"
 
 namespace zo::engine::dist {
@@ -58,6 +57,15 @@ struct ProcessGroup::Impl {
     bytes += payload;
     if (error.empty()) return Status::ok();
     return Status(StatusCode::kAborted, what + ": " + absent_ranks() + ": " + error);
+  }
+
+  // In place over n_elems elements of `type` at `data` (host memory).
+  Status all_reduce_sum(void* data, uint64_t n_elems, at::ScalarType type, uint64_t elem_bytes, const std::string& what) {
+    if (n_elems == 0) return Status::ok();
+    return run(what, n_elems * elem_bytes, [&] {
+      std::vector<at::Tensor> t{torch::from_blob(data, {static_cast<int64_t>(n_elems)}, torch::TensorOptions().dtype(type))};
+      return gloo->allreduce(t);
+    });
   }
 
   // The survivors' check-in after a failed collective: which ranks did not respond.
@@ -126,20 +134,11 @@ uint64_t ProcessGroup::bytes() const { return impl_->bytes; }
 double ProcessGroup::seconds() const { return impl_->seconds; }
 
 Status ProcessGroup::all_reduce_sum(void* data, uint64_t n_elems, DType dtype, const std::string& what) {
-  if (n_elems == 0) return Status::ok();
-  const at::ScalarType st = scalar_type(dtype);
-  return impl_->run(what, n_elems * dtype_size_bytes(dtype), [&] {
-    std::vector<at::Tensor> t{torch::from_blob(data, {static_cast<int64_t>(n_elems)}, torch::TensorOptions().dtype(st))};
-    return impl_->gloo->allreduce(t);
-  });
+  return impl_->all_reduce_sum(data, n_elems, scalar_type(dtype), dtype_size_bytes(dtype), what);
 }
 
 Status ProcessGroup::all_reduce_sum(std::span<double> values, const std::string& what) {
-  if (values.empty()) return Status::ok();
-  return impl_->run(what, values.size_bytes(), [&] {
-    std::vector<at::Tensor> t{torch::from_blob(values.data(), {static_cast<int64_t>(values.size())}, torch::kFloat64)};
-    return impl_->gloo->allreduce(t);
-  });
+  return impl_->all_reduce_sum(values.data(), values.size(), at::kDouble, sizeof(double), what);
 }
 
 Status ProcessGroup::barrier(const std::string& what) {

@@ -1,6 +1,8 @@
 #include "engine/dist/world.h"
 
+#include <charconv>
 #include <cstdlib>
+#include <string_view>
 #include <vector>
 
 #include "common/string_util.h"
@@ -23,15 +25,12 @@ constexpr Launcher kLaunchers[] = {
     {"srun", "SLURM_STEP_NUM_TASKS", "SLURM_PROCID", "SLURM_LOCALID", nullptr},
 };
 
-// A whole decimal count (no sign, no spaces), at most `max`.
-bool parse_count(const std::string& text, uint64_t max, uint64_t* out) {
-  if (text.empty() || text.size() > 19) return false;
+// A whole decimal count (digits only: no sign, space or exponent), at most `max`. Stricter than
+// zo::parse_count, which takes config values such as "5e8".
+bool parse_decimal(std::string_view text, uint64_t max, uint64_t* out) {
   uint64_t v = 0;
-  for (char c : text) {
-    if (c < '0' || c > '9') return false;
-    v = v * 10 + static_cast<uint64_t>(c - '0');
-  }
-  if (v > max) return false;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (ec != std::errc() || end != text.data() + text.size() || v > max) return false;
   *out = v;
   return true;
 }
@@ -69,7 +68,7 @@ Result<WorldInfo> world_from_env(const EnvLookup& env) {
       return invalid_argument(std::string(var) + " is not set, but " + launcher->size_var + " is (" + launcher->name +
                               "): both are needed to know this process's rank");
     }
-    if (!parse_count(*v, UINT64_MAX, out))
+    if (!parse_decimal(*v, UINT64_MAX, out))
       return invalid_argument(std::string(var) + "=" + quote_excerpt(*v, 40) + " (set by " + launcher->name +
                               ") is not a count");
     if (*out > max)
@@ -100,7 +99,7 @@ Result<WorldInfo> world_from_env(const EnvLookup& env) {
   if (!addr || addr->empty()) return invalid_argument(w.describe() + ": MASTER_ADDR is not set" + hint);
   if (!port || port->empty()) return invalid_argument(w.describe() + ": MASTER_PORT is not set" + hint);
   uint64_t p = 0;
-  if (!parse_count(*port, 65535, &p) || p == 0)
+  if (!parse_decimal(*port, 65535, &p) || p == 0)
     return invalid_argument(w.describe() + ": MASTER_PORT=" + quote_excerpt(*port, 40) + " is not a port (1-65535)");
   w.master_addr = *addr;
   w.master_port = static_cast<uint16_t>(p);
