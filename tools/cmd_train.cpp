@@ -204,6 +204,10 @@ int run_train(const TrainArgs& args) {
       if (!device.is_ok()) return fail(device.status().message(), 2);
       if (device->has_value()) ::setenv("CUDA_VISIBLE_DEVICES", (*device)->c_str(), 1);
     }
+    // A peer that dies while this rank writes to its socket must fail the collective (EPIPE, which
+    // names the rank), not kill this process by SIGPIPE, as it did here one run in a few. Python,
+    // where torch.distributed usually runs, ignores SIGPIPE from its start.
+    ::signal(SIGPIPE, SIG_IGN);
     auto g = engine::dist::ProcessGroup::create(*world, std::chrono::seconds(a.dist_timeout_s));
     if (!g.is_ok()) return fail(g.status().message(), 1);
     group = std::move(*g);

@@ -1,7 +1,8 @@
 // ProcessGroup: this run's ranks joined through LibTorch's c10d — the TCPStore rendezvous at
 // MASTER_ADDR:MASTER_PORT and a ProcessGroupGloo over TCP — and the few collectives the trainer
 // uses. Blocking calls, on host memory. Not thread-safe: one thread issues the collectives, in the
-// same order on every rank. This header includes no LibTorch header.
+// same order on every rank. The process must ignore SIGPIPE (as Python does), or a peer that dies
+// mid-send kills it instead of failing the collective. This header includes no LibTorch header.
 #pragma once
 
 #include <chrono>
