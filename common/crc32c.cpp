@@ -45,6 +45,45 @@ uint32_t crc32c_extend_portable(uint32_t crc, const void* data, size_t n) {
 
 }  // namespace detail
 
+// Note [Combining CRCs] (the method of zlib's crc32_combine): a CRC is the message polynomial
+// times x^32 reduced modulo P, with the pre- and post-inversion cancelling out of the sum, so
+// crc(A‖B) = crc(A) · x^(8·|B|) mod P  ⊕  crc(B). Polynomials are 32-bit values in the reflected
+// bit order of the CRC (x^0 is bit 31). x^(8·|B|) is built by square-and-multiply from the
+// precomputed x^(2^k): one multiply per set bit of |B|.
+namespace {
+
+constexpr uint32_t kPolyReflected = 0x82F63B78u;
+
+// a · b mod P, reflected.
+constexpr uint32_t mul_mod_p(uint32_t a, uint32_t b) {
+  uint32_t p = 0;
+  for (uint32_t m = uint32_t{1} << 31; m != 0; m >>= 1) {
+    if (a & m) p ^= b;
+    b = (b & 1) ? (b >> 1) ^ kPolyReflected : b >> 1;  // b · x
+  }
+  return p;
+}
+
+// x^(2^k) mod P for k < 67: enough for x^(8·n) with any 64-bit n (exponent bits 3..66).
+constexpr int kPowers = 67;
+constexpr std::array<uint32_t, kPowers> make_x_pow_2k() {
+  std::array<uint32_t, kPowers> t{};
+  t[0] = uint32_t{1} << 30;  // x^1
+  for (int k = 1; k < kPowers; ++k) t[k] = mul_mod_p(t[k - 1], t[k - 1]);
+  return t;
+}
+constexpr auto kXPow2k = make_x_pow_2k();
+
+}  // namespace
+
+uint32_t crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
+  uint32_t x_pow = uint32_t{1} << 31;  // x^0
+  for (int k = 3; len_b != 0; len_b >>= 1, ++k) {
+    if (len_b & 1) x_pow = mul_mod_p(kXPow2k[k], x_pow);
+  }
+  return mul_mod_p(x_pow, crc_a) ^ crc_b;
+}
+
 #if defined(__x86_64__)
 namespace {
 __attribute__((target("sse4.2"))) uint32_t crc32c_extend_sse42(uint32_t crc, const void* data, size_t n) {

@@ -22,6 +22,7 @@ int open_flags(OpenMode mode) {
     case OpenMode::kRead: return O_RDONLY | O_CLOEXEC;
     case OpenMode::kReadWrite: return O_RDWR | O_CLOEXEC;
     case OpenMode::kCreate: return O_RDWR | O_CREAT | O_CLOEXEC;
+    case OpenMode::kCreateNew: return O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC;
   }
   return O_RDONLY | O_CLOEXEC;
 }
@@ -32,6 +33,11 @@ int retry_open(const std::string& path, int flags) {
     fd = ::open(path.c_str(), flags, 0644);
   } while (fd < 0 && errno == EINTR);
   return fd;
+}
+
+Status open_error(const std::string& path, int err) {
+  if (err == EEXIST) return Status(StatusCode::kAlreadyExists, "open " + path + ": it already exists", err);
+  return errno_status("open " + path, err);
 }
 
 // True the first time the process falls back to buffered I/O for `reason` on the file system
@@ -62,11 +68,11 @@ Result<File> File::open(const std::string& path, OpenMode mode, bool direct) {
   if (direct) {
     fd = retry_open(path, flags | O_DIRECT);
     if (fd < 0 && errno == EINVAL) reason = "open with O_DIRECT failed with EINVAL (the file system does not support it)";
-    else if (fd < 0) return errno_status("open " + path, errno);
+    else if (fd < 0) return open_error(path, errno);
   }
   if (fd < 0) {
     fd = retry_open(path, flags);
-    if (fd < 0) return errno_status("open " + path, errno);
+    if (fd < 0) return open_error(path, errno);
   }
   f.fd_ = fd;
   if (direct && reason.empty()) {

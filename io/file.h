@@ -16,6 +16,7 @@ enum class OpenMode : uint8_t {
   kRead,        // read only; must exist
   kReadWrite,   // read and write; must exist
   kCreate,      // read and write; created (0644) if missing, never truncated
+  kCreateNew,   // read and write; created (0644), and StatusCode::kAlreadyExists if it exists
 };
 
 class File {
@@ -24,7 +25,8 @@ class File {
   // Opens `path`. With `direct` true, O_DIRECT is used unless the file system does not honour it
   // (open fails with EINVAL, statx reports no direct-I/O support, or it is tmpfs/ramfs, which
   // accept the flag but keep pages in RAM): then the file is buffered, buffered_reason() says why
-  // and a warning is logged. Fails with the path and errno text.
+  // and a warning is logged. Fails with the path and errno text (kAlreadyExists for kCreateNew
+  // on an existing path).
   static Result<File> open(const std::string& path, OpenMode mode, bool direct = true);
 
   File(File&& other) noexcept;

@@ -1,9 +1,12 @@
 // Streaming files of checkpoints and exports: StreamWriter writes a new file front to back through
 // a caller-owned, bounded staging buffer with O_DIRECT (via io::IoEngine, asynchronously: the caller
-// fills one slot while earlier slots are written) and a CRC-32C per fixed-size chunk; ChunkVerifier
-// checks bytes read back against those CRCs; read_stream reads a file back through a bounded staging
-// buffer, checked as it goes. None is thread-safe; one thread drives each. read_small_file reads
-// their small files (manifest, config, tokenizer files) whole. Files are opened through an io::Env.
+// fills one slot while earlier slots are written) and a CRC-32C per fixed-size chunk; RangeWriter
+// does the same for one byte range of a file that several writers (threads or processes) fill in
+// parallel, and combine_range_digests joins their checksums; ChunkVerifier checks bytes read back
+// against those CRCs; read_stream / read_stream_range read a file (or part of it) back through a
+// bounded staging buffer, checked as it goes. None is thread-safe; one thread drives each (distinct
+// writers may run on distinct threads). read_small_file reads their small files (manifest, config,
+// tokenizer files) whole. Files are opened through an io::Env or io::File.
 #pragma once
 
 #include <cstdint>
@@ -32,6 +35,10 @@ struct FileDigest {
   uint64_t chunk_bytes = kChecksumChunkBytes;
   std::vector<uint32_t> chunk_crc32c;
 };
+
+namespace detail {
+struct SlotWriter;  // the staging slots, asynchronous writes and chunk CRCs both writers share
+}  // namespace detail
 
 class StreamWriter {
  public:
@@ -69,18 +76,82 @@ class StreamWriter {
   // closes. Any error of any earlier write is returned here too. The writer is done after it.
   Result<FileDigest> finish();
 
-  struct Impl;
-
  private:
-  explicit StreamWriter(std::unique_ptr<Impl> impl);
-  std::unique_ptr<Impl> impl_;
+  explicit StreamWriter(std::unique_ptr<detail::SlotWriter> impl);
+  std::unique_ptr<detail::SlotWriter> impl_;
 };
 
-// Checks a file's bytes, fed in order from offset 0, against its digest. kCorruption naming the
-// file, the chunk and its byte range on the first mismatch; finish() also checks the total size.
+// Creates `path` (kAlreadyExists if it exists, with no change to it) holding exactly `size_bytes`
+// bytes that all read as zero (ftruncate: sparse where the file system allows it), fdatasynced and
+// closed: the file that RangeWriters, one per range and possibly in other processes, then fill in
+// place. Errors name the path and errno.
+Status create_sized_file(const std::string& path, uint64_t size_bytes);
+
+// What a RangeWriter wrote: its range [begin_bytes, end_bytes) of the file and the CRC-32C of each
+// intersection of that range with a kChecksumChunkBytes-aligned chunk of the file, in file order
+// (the first and last pieces may be parts of chunks; no pieces for an empty range).
+struct RangeDigest {
+  uint64_t begin_bytes = 0;
+  uint64_t end_bytes = 0;
+  std::vector<uint32_t> piece_crc32c;
+};
+
+// Note [Writing one file from many writers]: RangeWriter writes bytes [begin_bytes, end_bytes) of
+// an existing file (made by create_sized_file) front to back, while other writers, in this or other
+// processes, write other, disjoint ranges of the same file. No byte outside its range is ever
+// written: the 4 KiB blocks wholly inside the range go with O_DIRECT, the partial blocks at its head
+// and tail (which a neighbour shares) with buffered writes on a second, non-O_DIRECT descriptor, so
+// the kernel merges both writers' bytes in the page cache. Both kinds go through `io`, so its fault
+// injector sees them. The caller API is StreamWriter's; `position()` counts the bytes committed so
+// far from begin_bytes (file offset = begin_bytes + position()).
+class RangeWriter {
+ public:
+  // Opens `path` (which must exist and hold at least end_bytes bytes: kInvalidArgument otherwise;
+  // errors opening it name the path and errno) to write [begin_bytes, end_bytes), begin ≤ end.
+  // `staging` as for StreamWriter::create; the writer never allocates more than a few KiB itself.
+  static Result<std::unique_ptr<RangeWriter>> create(io::IoEngine& io, const std::string& path, uint64_t begin_bytes,
+                                                     uint64_t end_bytes, std::span<std::byte> staging,
+                                                     uint32_t n_slots = 4);
+  ~RangeWriter();  // an unfinished writer waits for its writes and closes the file
+  RangeWriter(const RangeWriter&) = delete;
+  RangeWriter& operator=(const RangeWriter&) = delete;
+
+  // As StreamWriter's, with these differences: spans never reach past end_bytes, and once the
+  // range is full next_span/reserve/append return kInvalidArgument naming the path and the range;
+  // a span starts 4096-aligned when its file offset (begin_bytes + position()) is a multiple of 4096.
+  Result<std::span<std::byte>> next_span(uint64_t max_bytes);
+  Status commit(uint64_t n);
+  Result<std::span<std::byte>> reserve(uint64_t max_bytes);
+  Status commit_reserved();
+  size_t reserved() const;
+  Status append(std::span<const std::byte> bytes);
+  uint64_t position() const;  // bytes committed so far, counted from begin_bytes
+
+  // Writes what is left, waits for every write, fdatasyncs both descriptors and closes them.
+  // kInvalidArgument naming the path and range when fewer than end_bytes - begin_bytes bytes were
+  // committed (then the rest of the last slot is not written); any error of any write is returned
+  // here too (path, offset, errno). The file's size is never changed. The writer is done after it.
+  Result<RangeDigest> finish();
+
+ private:
+  explicit RangeWriter(std::unique_ptr<detail::SlotWriter> impl);
+  std::unique_ptr<detail::SlotWriter> impl_;
+};
+
+// The FileDigest (named `name`, chunk_bytes kChecksumChunkBytes) that a StreamWriter writing the
+// whole file would have returned, from the digests of RangeWriters that wrote it: `ranges` must
+// tile [0, size_bytes) exactly, in order (empty ranges allowed), each with one piece CRC per chunk
+// it intersects; kInvalidArgument naming the gap, overlap or range otherwise. CRCs of pieces of one
+// chunk are joined with crc32c_combine; no file is read.
+Result<FileDigest> combine_range_digests(std::string name, uint64_t size_bytes, std::span<const RangeDigest> ranges);
+
+// Checks a file's bytes, fed in order from offset `start_bytes` (0, or the start of any chunk:
+// a multiple of digest.chunk_bytes not past the end), against its digest. kCorruption naming the
+// file, the chunk and its byte range on the first mismatch; finish() also checks that the bytes fed
+// reached the end of the file. `digest` must outlive the verifier.
 class ChunkVerifier {
  public:
-  explicit ChunkVerifier(const FileDigest& digest, std::string path);
+  explicit ChunkVerifier(const FileDigest& digest, std::string path, uint64_t start_bytes = 0);
   Status update(std::span<const std::byte> bytes);
   Status finish();
   uint64_t position() const { return position_; }
@@ -103,6 +174,15 @@ Status read_stream(io::IoEngine& io, io::Env& env, const std::string& path, cons
                    std::span<std::byte> staging, uint64_t from_bytes,
                    const std::function<Status(uint64_t, std::span<const std::byte>)>& consume,
                    const std::function<void(uint64_t)>& on_bytes = {});
+// Reads only part of `path`: the chunks of `digest` that intersect [from_bytes, until_bytes)
+// (whole chunks, from the start of the first to the end of the last, or the file's end), checks
+// each of them against `digest`, and hands `consume` exactly the bytes in [from_bytes, until_bytes),
+// in order. Nothing is read for an empty range. kInvalidArgument unless from ≤ until ≤ the digest's
+// size; otherwise as read_stream (kCorruption names the chunk; chunks outside are not read).
+Status read_stream_range(io::IoEngine& io, io::Env& env, const std::string& path, const FileDigest& digest,
+                         std::span<std::byte> staging, uint64_t from_bytes, uint64_t until_bytes,
+                         const std::function<Status(uint64_t, std::span<const std::byte>)>& consume,
+                         const std::function<void(uint64_t)>& on_bytes = {});
 
 // Note [Publishing a directory]: checkpoints and exports are written into a temporary sibling of
 // their final directory, every file fdatasynced and the sibling itself fsynced by the writer, and
