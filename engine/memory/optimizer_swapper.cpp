@@ -154,9 +154,10 @@ Status OptimizerSwapper::Impl::step_device() {
   gpu::Device& device = store->device();
   const Placement& pl = store->plan().placement;
   Status first;
-  uint32_t g = 0;
+  const uint32_t begin = store->plan().owned_begin, end = store->plan().owned_end;
+  uint32_t g = begin;
   Stopwatch sw;
-  for (; g < store->plan().n_sub_groups; ++g) {
+  for (; g < end; ++g) {
     gpu::DeviceAdamArgs a;
     a.params = loc(g, StateKind::kMaster).device;
     a.exp_avg = loc(g, StateKind::kExpAvg).device;
@@ -178,8 +179,8 @@ Status OptimizerSwapper::Impl::step_device() {
   report.update_s += sw.elapsed_s();
   if (!first.is_ok()) return first.with_context("sub-group " + std::to_string(g));
   if (!sync.is_ok()) return sync.with_context("device Adam");
-  report.sub_groups = store->plan().n_sub_groups;
-  for (uint32_t done = 0; done < report.sub_groups; ++done) compute_ready(done);
+  report.sub_groups = end - begin;
+  for (uint32_t done = begin; done < end; ++done) compute_ready(done);
   return Status::ok();
 }
 
@@ -257,16 +258,17 @@ Status OptimizerSwapper::Impl::wait_grad_read(uint32_t g) {
 }
 
 Status OptimizerSwapper::Impl::step_cpu() {
-  const uint32_t n_groups = store->plan().n_sub_groups;
-  if (grads_on_nvme() && n_groups > 0) {
-    Status st = issue_grad_read(0);
-    if (!st.is_ok()) return st.with_context("sub-group 0");
+  // This rank's sub-groups (all of them unless data parallel partitions them: Note [Partitions]).
+  const uint32_t begin = store->plan().owned_begin, end = store->plan().owned_end;
+  if (grads_on_nvme() && begin < end) {
+    Status st = issue_grad_read(begin);
+    if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(begin));
   }
-  for (uint32_t g = 0; g < n_groups; ++g) {
+  for (uint32_t g = begin; g < end; ++g) {
     const std::byte* grad = loc(g, StateKind::kGradAccum).host;
     if (grads_on_nvme()) {
       Status st = wait_grad_read(g);
-      if (st.is_ok() && g + 1 < n_groups && grad_bufs.size() > 1) st = issue_grad_read(g + 1);
+      if (st.is_ok() && g + 1 < end && grad_bufs.size() > 1) st = issue_grad_read(g + 1);
       if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(g));
       grad = grad_bufs[g % grad_bufs.size()].data();
     }
@@ -288,7 +290,7 @@ Status OptimizerSwapper::Impl::step_cpu() {
                      reinterpret_cast<float*>(loc(g, StateKind::kExpAvgSq).host), grad, copy_out);
     if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(g));
     written = true;
-    if (grads_on_nvme() && g + 1 < n_groups && grad_bufs.size() == 1) {
+    if (grads_on_nvme() && g + 1 < end && grad_bufs.size() == 1) {
       st = issue_grad_read(g + 1);
       if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(g + 1));
     }
@@ -392,17 +394,17 @@ Result<int> OptimizerSwapper::Impl::take_slot() {
 }
 
 Status OptimizerSwapper::Impl::step_nvme() {
-  const uint32_t n_groups = store->plan().n_sub_groups;
-  if (n_groups == 0) return Status::ok();
+  const uint32_t begin = store->plan().owned_begin, end = store->plan().owned_end;
+  if (begin == end) return Status::ok();
   ZO_ASSIGN_OR_RETURN(int current, take_slot());
-  Status st = issue_read(slots[current], 0);
-  if (!st.is_ok()) return st.with_context("sub-group 0");
-  for (uint32_t g = 0; g < n_groups; ++g) {
+  Status st = issue_read(slots[current], begin);
+  if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(begin));
+  for (uint32_t g = begin; g < end; ++g) {
     Slot& slot = slots[current];
     st = wait_reads(slot);
     if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(g));
     int next = -1;
-    if (options.pipeline_read && g + 1 < n_groups) {
+    if (options.pipeline_read && g + 1 < end) {
       ZO_ASSIGN_OR_RETURN(next, take_slot());
       st = issue_read(slots[next], g + 1);
       if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(g + 1));
@@ -424,7 +426,7 @@ Status OptimizerSwapper::Impl::step_nvme() {
     if (st.is_ok() && !options.pipeline_write) st = wait_writes(slot);
     if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(g));
     ++report.sub_groups;
-    if (next < 0 && g + 1 < n_groups) {
+    if (next < 0 && g + 1 < end) {
       ZO_ASSIGN_OR_RETURN(next, take_slot());
       st = issue_read(slots[next], g + 1);
       if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(g + 1));
@@ -495,7 +497,7 @@ Result<std::unique_ptr<OptimizerSwapper>> OptimizerSwapper::create(StateStore& s
       }
     }
   } else if (pl.optimizer == Tier::kNvme) {
-    const uint32_t want = std::min<uint32_t>(1 + options.pipeline_read + options.pipeline_write, n_groups);
+    const uint32_t want = std::min<uint32_t>(1 + options.pipeline_read + options.pipeline_write, plan.owned_end - plan.owned_begin);
     const uint64_t need = sec(StateKind::kMaster) * 3 + (pl.grad == Tier::kNvme ? sec(StateKind::kGradAccum) : 0) +
                           sec(StateKind::kCompute);
     buffers = store.optimizer_swap_buffers();

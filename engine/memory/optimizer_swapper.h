@@ -34,7 +34,8 @@ struct OptimizerStepArgs {
   cpu_optim::AdamConfig adam;
   int64_t step = 1;            // 1-based optimizer step (bias correction)
   float grad_scale = 1.0f;     // 1/loss_scale × clip coefficient, applied as gradients are read
-  // Called on step()'s thread, once per sub-group, as soon as the sub-group's new compute copy is
+  // step() updates the sub-groups the store's plan owns (MemoryPlan::owns: all of them, or a
+  // data-parallel rank's partition). Called on step()'s thread, once per such sub-group, as soon as the sub-group's new compute copy is
   // at its home (written to CPU memory, NVMe write or H2D copy completed), before step() returns;
   // not called for sub-groups a failed step never finished. May be empty. For a forward that
   // overlaps the step (UpdateGate).

@@ -37,6 +37,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <tuple>
 #include <unordered_set>
 
 #include <nlohmann/json.hpp>
@@ -49,7 +50,45 @@
 
 namespace zo::engine {
 
-Result<ParamRegistry> ParamRegistry::build(std::vector<ParamSpec> params, uint64_t sub_group_size) {
+// Note [Partitions]
+// Data-parallel ranks each own the optimizer states of one partition of the flat parameter space
+// (ZeRO stages 1-3, DESIGN.md "Scaling out"), as DeepSpeed gives each rank 1/N of the flattened
+// parameters. The partitions are contiguous, so each rank's states are one run of every checkpoint
+// state file; their boundaries sit near total·r/N, moved to the nearest element a split may cut at
+// (a multiple of kSplitAlignElems from the param's start, or its end); and no sub-group crosses one,
+// so a rank steps whole sub-groups. A param cut by a boundary starts a sub-group of its own, so
+// its pieces stay back to back (the layout rule below). The sub-groups, and with them the order of
+// the norm's partial sums, therefore depend on the number of partitions: a data-parallel run cuts
+// into one partition per rank whatever its ZeRO stage, so stage 0 and stages 1-3 at one world size
+// lay out alike.
+namespace {
+
+Result<std::vector<uint64_t>> partition_bounds(const std::vector<ParamInfo>& params, uint64_t total, uint32_t n) {
+  if (n == 0) return invalid_argument("parameter registry: 0 partitions");
+  std::vector<uint64_t> bounds;
+  uint64_t start = 0;
+  size_t p = 0;
+  for (uint32_t r = 1; r < n; ++r) {
+    const auto target = static_cast<uint64_t>(static_cast<unsigned __int128>(total) * r / n);
+    while (p < params.size() && start + params[p].n_elems <= target) start += params[p++].n_elems;
+    uint64_t b = total;
+    if (p < params.size()) {
+      const uint64_t offset = (target - start + kSplitAlignElems / 2) / kSplitAlignElems * kSplitAlignElems;
+      b = start + std::min(offset, params[p].n_elems);
+    }
+    if (b >= total || (!bounds.empty() && b <= bounds.back()) || b == 0) {
+      return invalid_argument("the model's " + std::to_string(total) + " parameters are too few to partition over " +
+                              std::to_string(n) + " data-parallel ranks (a partition ends between two params or " +
+                              std::to_string(kSplitAlignElems) + "·k elements into one, and none may be empty)");
+    }
+    bounds.push_back(b);
+  }
+  return bounds;
+}
+
+}  // namespace
+
+Result<ParamRegistry> ParamRegistry::build(std::vector<ParamSpec> params, uint64_t sub_group_size, uint32_t n_partitions) {
   if (params.empty()) return invalid_argument("parameter registry: the model has no trainable parameters");
   if (sub_group_size < kSplitAlignElems) {
     return invalid_argument("zero_optimization.sub_group_size: " + std::to_string(sub_group_size) +
@@ -100,6 +139,8 @@ Result<ParamRegistry> ParamRegistry::build(std::vector<ParamSpec> params, uint64
   // kSplitAlignElems elements, and the pieces of one param sit in consecutive groups back to back:
   // laid out as 4 KiB-aligned per-group regions, a param's compute copy stays contiguous.
   const uint64_t split = sub_group_size / kSplitAlignElems * kSplitAlignElems;
+  ZO_ASSIGN_OR_RETURN(const std::vector<uint64_t> bounds, partition_bounds(r.params_, total, n_partitions));
+  r.partition_starts_.push_back(0);
   uint64_t flat = 0;
   auto open_group = [&] {
     SubGroup g;
@@ -116,23 +157,43 @@ Result<ParamRegistry> ParamRegistry::build(std::vector<ParamSpec> params, uint64
     g.n_elems += n;
     flat += n;
   };
-  for (ParamInfo& p : r.params_) {
-    p.first_piece = static_cast<uint32_t>(r.pieces_.size());
-    if (r.groups_.empty() || r.groups_.back().n_elems + p.n_elems > sub_group_size) open_group();
-    if (p.n_elems <= sub_group_size) {
-      add_piece(p, 0, p.n_elems);
-      continue;
+  // Elements [offset, offset + n) of p, all in one partition.
+  auto pack = [&](ParamInfo& p, uint64_t offset, uint64_t n, bool fresh_group) {
+    if (fresh_group || r.groups_.empty() || r.groups_.back().n_elems + n > sub_group_size) open_group();
+    if (n <= sub_group_size) {
+      add_piece(p, offset, n);
+      return;
     }
     // Too big even for the empty group just opened.
     uint64_t done = 0;
-    while (p.n_elems - done > split) {
+    while (n - done > split) {
       if (r.groups_.back().n_elems > 0) open_group();
-      add_piece(p, done, split);
+      add_piece(p, offset + done, split);
       done += split;
     }
     open_group();
-    add_piece(p, done, p.n_elems - done);
+    add_piece(p, offset + done, n - done);
+  };
+  size_t next_bound = 0;
+  for (ParamInfo& p : r.params_) {
+    p.first_piece = static_cast<uint32_t>(r.pieces_.size());
+    const uint64_t start = flat;
+    const bool cut = next_bound < bounds.size() && bounds[next_bound] > start && bounds[next_bound] < start + p.n_elems;
+    uint64_t done = 0;
+    while (done < p.n_elems) {
+      bool fresh = cut && done == 0;  // a param cut by a partition starts its own group (contiguity, above)
+      if (next_bound < bounds.size() && bounds[next_bound] == flat) {
+        r.partition_starts_.push_back(static_cast<uint32_t>(r.groups_.size()));
+        ++next_bound;
+        fresh = true;
+      }
+      uint64_t end = p.n_elems;
+      if (next_bound < bounds.size() && bounds[next_bound] < start + p.n_elems) end = bounds[next_bound] - start;
+      pack(p, done, end - done, fresh);
+      done = end;
+    }
   }
+  ZO_CHECK_EQ(r.partition_starts_.size(), uint64_t{n_partitions}) << "partition bounds not all reached";
   for (const SubGroup& g : r.groups_) {
     ZO_CHECK(g.n_elems > 0 && g.n_elems <= sub_group_size) << "sub-group " << g.index << " has " << g.n_elems;
     r.max_group_elems_ = std::max(r.max_group_elems_, g.n_elems);
@@ -140,6 +201,19 @@ Result<ParamRegistry> ParamRegistry::build(std::vector<ParamSpec> params, uint64
   for (const ParamInfo& p : r.params_) r.max_param_elems_ = std::max(r.max_param_elems_, p.n_elems);
   r.total_elems_ = flat;
   return r;
+}
+
+std::pair<uint32_t, uint32_t> ParamRegistry::partition_groups(uint32_t partition) const {
+  ZO_CHECK_LT(partition, partition_starts_.size());
+  const uint32_t end = partition + 1 < partition_starts_.size() ? partition_starts_[partition + 1]
+                                                                  : static_cast<uint32_t>(groups_.size());
+  return {partition_starts_[partition], end};
+}
+
+uint32_t ParamRegistry::partition_of_group(uint32_t sub_group) const {
+  ZO_CHECK_LT(sub_group, groups_.size());
+  const auto it = std::upper_bound(partition_starts_.begin(), partition_starts_.end(), sub_group);
+  return static_cast<uint32_t>(it - partition_starts_.begin()) - 1;
 }
 
 std::span<const ParamPiece> ParamRegistry::pieces_of_param(uint32_t param) const {
@@ -176,6 +250,10 @@ std::string_view state_name(StateKind kind) {
     case StateKind::kCompute: return "compute";
   }
   return "unknown";
+}
+
+bool is_optimizer_state(StateKind kind) {
+  return kind == StateKind::kMaster || kind == StateKind::kExpAvg || kind == StateKind::kExpAvgSq;
 }
 
 bool state_is_pinned(const Placement& placement, StateKind kind) {
@@ -217,6 +295,7 @@ std::string MemoryPlan::to_json() const {
   };
   j["n_sub_groups"] = n_sub_groups;
   j["total_elems"] = total_elems;
+  j["owned_sub_groups"] = {owned_begin, owned_end};
   j["device_bytes"] = device_bytes;
   j["cpu_pinned_bytes"] = cpu_pinned_bytes;
   j["cpu_pageable_bytes"] = cpu_pageable_bytes;
@@ -253,7 +332,7 @@ constexpr StateKind kOptimizerRecord[] = {StateKind::kMaster, StateKind::kExpAvg
 
 }  // namespace
 
-Result<MemoryPlan> plan_memory(const Config& config, const ParamRegistry& registry) {
+Result<MemoryPlan> plan_memory(const Config& config, const ParamRegistry& registry, std::optional<uint32_t> owned_partition) {
   const OffloadOptimizerConfig& oo = config.zero.offload_optimizer;
   const OffloadParamConfig& op = config.zero.offload_param;
   if (op.device != OffloadDevice::kNone && oo.device == OffloadDevice::kNone) {
@@ -284,6 +363,9 @@ Result<MemoryPlan> plan_memory(const Config& config, const ParamRegistry& regist
   const auto groups = registry.sub_groups();
   plan.n_sub_groups = static_cast<uint32_t>(groups.size());
   plan.total_elems = registry.total_elems();
+  plan.owned_end = plan.n_sub_groups;
+  if (owned_partition) std::tie(plan.owned_begin, plan.owned_end) = registry.partition_groups(*owned_partition);
+  const uint32_t owned_groups = plan.owned_end - plan.owned_begin;
   pl.compute.resize(groups.size(), tier_of(op.device));
   if (op.device == OffloadDevice::kNvme) {
     uint64_t in_cpu = 0;
@@ -303,6 +385,7 @@ Result<MemoryPlan> plan_memory(const Config& config, const ParamRegistry& regist
   // Each state of each group is its own section, rounded as the state store carves it.
   for (const SubGroup& g : groups) {
     for (StateKind k : kAllStates) {
+      if (is_optimizer_state(k) && !plan.owns(g.index)) continue;  // another rank's (Note [Partitions])
       const uint64_t raw = g.n_elems * state_elem_bytes(pl, k);
       switch (tier_of_state(g.index, k)) {
         case Tier::kDevice: plan.device_bytes += align_up(raw, gpu::kDeviceAlignment); break;
@@ -330,14 +413,14 @@ Result<MemoryPlan> plan_memory(const Config& config, const ParamRegistry& regist
                               " is too few; the optimizer pipeline needs " + std::to_string(needed) +
                               " (1 + pipeline_read + pipeline_write)");
     }
-    plan.optimizer_swap_buffers = static_cast<uint32_t>(std::min<uint64_t>(needed, groups.size()));
+    plan.optimizer_swap_buffers = static_cast<uint32_t>(std::min<uint64_t>(needed, owned_groups));
     for (StateKind k : kAllStates) {
       if (k == StateKind::kGradAccum && pl.grad != Tier::kNvme) continue;  // read in place
       plan.optimizer_swap_buffer_bytes += align_up(max_group * state_elem_bytes(pl, k), kSwapAlignment);
     }
   }
   if (pl.optimizer == Tier::kCpu && pl.grad == Tier::kNvme) {
-    plan.grad_read_buffers = static_cast<uint32_t>(std::min<size_t>(2, groups.size()));
+    plan.grad_read_buffers = static_cast<uint32_t>(std::min<uint32_t>(2, owned_groups));
     plan.grad_read_buffer_bytes = align_up(max_group * state_elem_bytes(pl, StateKind::kGradAccum), kSwapAlignment);
   }
   const bool compute_off_cpu =

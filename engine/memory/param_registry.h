@@ -6,8 +6,10 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/dtype.h"
@@ -59,7 +61,11 @@ class ParamRegistry {
   // kInvalidArgument (naming the param) for an empty list, an empty or duplicate name, a
   // dimension < 1, sub_group_size < kSplitAlignElems, or more than kMaxSubGroups sub-groups
   // (naming the sub_group_size that would do).
-  static Result<ParamRegistry> build(std::vector<ParamSpec> params, uint64_t sub_group_size);
+  // With n_partitions > 1 (data parallel: Note [Partitions] in the .cpp) the flat parameter space
+  // is first cut into that many contiguous partitions of nearly equal size, at piece boundaries a
+  // split may use, and no sub-group crosses a partition boundary; kInvalidArgument when the model is
+  // too small to give every partition an element.
+  static Result<ParamRegistry> build(std::vector<ParamSpec> params, uint64_t sub_group_size, uint32_t n_partitions = 1);
 
   std::span<const ParamInfo> params() const { return params_; }
   std::span<const SubGroup> sub_groups() const { return groups_; }
@@ -69,6 +75,11 @@ class ParamRegistry {
   // The id of the param named `name`; kNotFound naming it (with a close match) otherwise.
   Result<uint32_t> find(const std::string& name) const;
 
+  // The partitions (1 unless build was asked for more) and the sub-groups [first, end) of each.
+  uint32_t n_partitions() const { return static_cast<uint32_t>(partition_starts_.size()); }
+  std::pair<uint32_t, uint32_t> partition_groups(uint32_t partition) const;
+  uint32_t partition_of_group(uint32_t sub_group) const;
+
   uint64_t total_elems() const { return total_elems_; }
   uint64_t max_group_elems() const { return max_group_elems_; }
   uint64_t max_param_elems() const { return max_param_elems_; }
@@ -77,6 +88,7 @@ class ParamRegistry {
   std::vector<ParamInfo> params_;
   std::vector<SubGroup> groups_;
   std::vector<ParamPiece> pieces_;
+  std::vector<uint32_t> partition_starts_;  // the first sub-group of each partition
   uint64_t total_elems_ = 0;
   uint64_t max_group_elems_ = 0;
   uint64_t max_param_elems_ = 0;
@@ -100,6 +112,9 @@ struct Placement {
   DType grad_dtype = DType::kF32;  // data_types.grad_accum_dtype
 };
 
+// master, exp_avg and exp_avg_sq: the states a data-parallel rank holds only for its own partition.
+bool is_optimizer_state(StateKind kind);
+
 // Bytes per element of each state, from its dtype.
 uint64_t state_elem_bytes(const Placement& placement, StateKind kind);
 // Whether a CPU-resident state of this kind is pinned: only the compute copy, and only with
@@ -115,6 +130,13 @@ struct MemoryPlan {
   Placement placement;
   uint32_t n_sub_groups = 0;
   uint64_t total_elems = 0;
+  // The sub-groups [owned_begin, owned_end) whose optimizer states (is_optimizer_state) this rank
+  // holds and steps: all of them, or one partition of a data-parallel run (Note [Partitions]). The
+  // gradient accumulators and compute copies exist for every sub-group.
+  uint32_t owned_begin = 0;
+  uint32_t owned_end = 0;
+  bool owns(uint32_t sub_group) const { return sub_group >= owned_begin && sub_group < owned_end; }
+  bool partitioned() const { return owned_begin != 0 || owned_end != n_sub_groups; }
 
   uint64_t device_bytes = 0;        // states resident on the device (parameters fetched by the
                                     // stage-3 coordinator are budgeted separately)
@@ -156,7 +178,9 @@ struct MemoryPlan {
 // states (the planner resolves "auto" against the host first, Note [Where the gradients wait]).
 // kInvalidArgument naming the key path when the combination is impossible (offload_param on
 // cpu/nvme with the optimizer on the device; accumulators off the device with it there; offload_optimizer.buffer_count below what pipeline_read/pipeline_write need;
-// offload_param.buffer_size smaller than the largest param, naming the param).
-Result<MemoryPlan> plan_memory(const Config& config, const ParamRegistry& registry);
+// offload_param.buffer_size smaller than the largest param, naming the param). With
+// owned_partition, only that partition of the registry's holds optimizer states (MemoryPlan::owns).
+Result<MemoryPlan> plan_memory(const Config& config, const ParamRegistry& registry,
+                               std::optional<uint32_t> owned_partition = std::nullopt);
 
 }  // namespace zo::engine

@@ -85,6 +85,9 @@ struct StateStore::Impl {
     return kind == StateKind::kCompute ? param_file.get() : optimizer_file.get();
   }
 
+  Status read_param(uint32_t param, uint64_t offset_elems, std::span<float> out, StateKind kind, const char* op);
+  // kFailedPrecondition when the state is another rank's (StateLocation::held).
+  Status check_held(uint32_t g, StateKind kind, const char* op) const;
   Status allocate_states();
   Status create_swap_files();
   Status carve_buffers();
@@ -141,6 +144,8 @@ Status StateStore::Impl::allocate_states() {
     uint64_t device_total = 0, cpu_total = 0;
     for (uint32_t g = 0; g < n_groups; ++g) {
       locations[g][k].tier = tier_of(g, kind);
+      locations[g][k].held = !is_optimizer_state(kind) || plan.owns(g);
+      if (!locations[g][k].held) continue;
       if (locations[g][k].tier == Tier::kDevice) device_total += align_up(n_elems(g) * eb, gpu::kDeviceAlignment);
       if (locations[g][k].tier == Tier::kCpu) cpu_total += align_up(n_elems(g) * eb, kPinnedAlignment);
     }
@@ -177,6 +182,7 @@ Status StateStore::Impl::allocate_states() {
     uint64_t device_off = 0, cpu_off = 0;
     for (uint32_t g = 0; g < n_groups; ++g) {
       StateLocation& loc = locations[g][k];
+      if (!loc.held) continue;
       if (loc.tier == Tier::kDevice) {
         loc.device = device_blocks[k] + device_off;
         device_off += align_up(n_elems(g) * eb, gpu::kDeviceAlignment);
@@ -194,7 +200,7 @@ Status StateStore::Impl::create_swap_files() {
   bool optimizer_nvme = false, param_nvme = false;
   for (uint32_t g = 0; g < n_groups; ++g) {
     for (int k = 0; k < kNumStateKinds; ++k) {
-      if (locations[g][k].tier != Tier::kNvme) continue;
+      if (locations[g][k].tier != Tier::kNvme || !locations[g][k].held) continue;
       (k == static_cast<int>(StateKind::kCompute) ? param_nvme : optimizer_nvme) = true;
     }
   }
@@ -220,7 +226,7 @@ Status StateStore::Impl::create_swap_files() {
   for (uint32_t g = 0; g < n_groups; ++g) {
     uint64_t record = 0;
     for (int k = 0; k < kNumStateKinds - 1; ++k) {
-      if (locations[g][k].tier == Tier::kNvme) record += align_up(n_elems(g) * elem_bytes(static_cast<StateKind>(k)), kSwapAlignment);
+      if (locations[g][k].tier == Tier::kNvme && locations[g][k].held) record += align_up(n_elems(g) * elem_bytes(static_cast<StateKind>(k)), kSwapAlignment);
     }
     if (record > 0) {
       auto region = optimizer_file->reserve(record);
@@ -232,7 +238,7 @@ Status StateStore::Impl::create_swap_files() {
       uint64_t off = region->offset_bytes;
       for (int k = 0; k < kNumStateKinds - 1; ++k) {
         StateLocation& loc = locations[g][k];
-        if (loc.tier != Tier::kNvme) continue;
+        if (loc.tier != Tier::kNvme || !loc.held) continue;
         const uint64_t size = align_up(n_elems(g) * elem_bytes(static_cast<StateKind>(k)), kSwapAlignment);
         loc.region = {off, size};
         off += size;
@@ -283,7 +289,7 @@ Status StateStore::Impl::zero_states() {
   for (int k = 0; k < kNumStateKinds; ++k) {
     if (!device_blocks[k]) continue;
     for (uint32_t g = 0; g < plan.n_sub_groups; ++g) {
-      if (locations[g][k].tier == Tier::kDevice) {
+      if (locations[g][k].tier == Tier::kDevice && locations[g][k].held) {
         device_off[k] += align_up(n_elems(g) * elem_bytes(static_cast<StateKind>(k)), gpu::kDeviceAlignment);
       }
     }
@@ -500,14 +506,17 @@ Status StateStore::init_param(uint32_t param, uint64_t offset_elems, std::span<c
     auto context = [&](Status st, StateKind kind) {
       return st.with_context("init_param " + info.name + " (" + what_of(g, kind) + ")");
     };
-    Status st = s.write_range(g, StateKind::kMaster, first * 4, (first + n) * 4,
-                              [src](std::byte* dst, uint64_t rel, uint64_t bytes) {
-                                std::memcpy(dst, reinterpret_cast<const std::byte*>(src) + rel, bytes);
-                              });
-    if (!st.is_ok()) return context(std::move(st), StateKind::kMaster);
-    for (StateKind kind : {StateKind::kExpAvg, StateKind::kExpAvgSq}) {
-      st = s.zero_range(g, kind, first * 4, (first + n) * 4);
-      if (!st.is_ok()) return context(std::move(st), kind);
+    Status st;
+    if (s.plan.owns(g)) {
+      st = s.write_range(g, StateKind::kMaster, first * 4, (first + n) * 4,
+                         [src](std::byte* dst, uint64_t rel, uint64_t bytes) {
+                           std::memcpy(dst, reinterpret_cast<const std::byte*>(src) + rel, bytes);
+                         });
+      if (!st.is_ok()) return context(std::move(st), StateKind::kMaster);
+      for (StateKind kind : {StateKind::kExpAvg, StateKind::kExpAvgSq}) {
+        st = s.zero_range(g, kind, first * 4, (first + n) * 4);
+        if (!st.is_ok()) return context(std::move(st), kind);
+      }
     }
     st = s.write_compute(g, first, {src, n});
     if (!st.is_ok()) return context(std::move(st), StateKind::kCompute);
@@ -516,31 +525,62 @@ Status StateStore::init_param(uint32_t param, uint64_t offset_elems, std::span<c
 }
 
 Status StateStore::read_param_master(uint32_t param, uint64_t offset_elems, std::span<float> out) {
-  Impl& s = *impl_;
-  if (param >= s.registry.params().size()) {
-    return invalid_argument("read_param_master: param " + std::to_string(param) + " out of range (" +
-                            std::to_string(s.registry.params().size()) + " params)");
+  return impl_->read_param(param, offset_elems, out, StateKind::kMaster, "read_param_master");
+}
+
+Status StateStore::read_param_compute(uint32_t param, uint64_t offset_elems, std::span<float> out) {
+  return impl_->read_param(param, offset_elems, out, StateKind::kCompute, "read_param_compute");
+}
+
+Status StateStore::Impl::read_param(uint32_t param, uint64_t offset_elems, std::span<float> out, StateKind kind,
+                                    const char* op) {
+  if (param >= registry.params().size()) {
+    return invalid_argument(std::string(op) + ": param " + std::to_string(param) + " out of range (" +
+                            std::to_string(registry.params().size()) + " params)");
   }
-  const ParamInfo& info = s.registry.params()[param];
+  const ParamInfo& info = registry.params()[param];
   if (offset_elems > info.n_elems || out.size() > info.n_elems - offset_elems) {
-    return invalid_argument("read_param_master: " + info.name + ": elements [" + std::to_string(offset_elems) + ", " +
+    return invalid_argument(std::string(op) + ": " + info.name + ": elements [" + std::to_string(offset_elems) + ", " +
                             std::to_string(offset_elems + out.size()) + ") outside its " +
                             std::to_string(info.n_elems) + " elements");
   }
+  const DType dtype = kind == StateKind::kMaster ? DType::kF32 : plan.placement.compute_dtype;
   const uint64_t lo = offset_elems, hi = offset_elems + out.size();
-  for (const ParamPiece& piece : s.registry.pieces_of_param(param)) {
+  for (const ParamPiece& piece : registry.pieces_of_param(param)) {
     const uint64_t a = std::max(lo, piece.param_offset), b = std::min(hi, piece.param_offset + piece.n_elems);
     if (a >= b) continue;
     const uint64_t first = piece.group_offset + (a - piece.param_offset);
-    Status st = read_state_range(piece.sub_group, StateKind::kMaster, first * 4,
-                                 std::as_writable_bytes(out.subspan(a - lo, b - a)));
-    if (!st.is_ok()) return st.with_context("reading the master of " + info.name);
+    const uint32_t g = piece.sub_group;
+    Status st = check_held(g, kind, op);
+    if (st.is_ok() && dtype == DType::kF32) {
+      st = read_range(g, kind, first * 4, (first + b - a) * 4, [dst = out.data() + (a - lo)](const std::byte* src, uint64_t rel, uint64_t n) {
+        std::memcpy(reinterpret_cast<std::byte*>(dst) + rel, src, n);
+      });
+    } else if (st.is_ok()) {
+      st = read_range(g, kind, first * 2, (first + b - a) * 2, [dst = out.data() + (a - lo), dtype](const std::byte* src, uint64_t rel, uint64_t n) {
+        for (uint64_t i = 0; i < n / 2; ++i) {
+          uint16_t h;
+          std::memcpy(&h, src + 2 * i, 2);
+          dst[rel / 2 + i] = dtype == DType::kBF16 ? bf16_to_float(h) : f16_to_float(h);
+        }
+      });
+    }
+    if (!st.is_ok()) return st.with_context("reading the " + std::string(state_name(kind)) + " of " + info.name);
+  }
+  return Status::ok();
+}
+
+Status StateStore::Impl::check_held(uint32_t g, StateKind kind, const char* op) const {
+  if (g < plan.n_sub_groups && !locations[g][static_cast<int>(kind)].held) {
+    return failed_precondition(std::string(op) + ": " + what_of(g, kind) + " is held by another data-parallel rank (sub-groups " +
+                               std::to_string(plan.owned_begin) + "-" + std::to_string(plan.owned_end) + " are this rank's)");
   }
   return Status::ok();
 }
 
 Status StateStore::read_state(uint32_t sub_group, StateKind kind, std::span<std::byte> out) {
   Impl& s = *impl_;
+  ZO_RETURN_IF_ERROR(s.check_held(sub_group, kind, "read_state"));
   if (sub_group >= s.plan.n_sub_groups || out.size() != state_bytes(sub_group, kind)) {
     return invalid_argument("read_state: sub-group " + std::to_string(sub_group) + " " +
                             std::string(state_name(kind)) + ": bad sub-group or size " + std::to_string(out.size()));
@@ -552,6 +592,7 @@ Status StateStore::read_state(uint32_t sub_group, StateKind kind, std::span<std:
 
 Status StateStore::write_state(uint32_t sub_group, StateKind kind, std::span<const std::byte> in) {
   Impl& s = *impl_;
+  ZO_RETURN_IF_ERROR(s.check_held(sub_group, kind, "write_state"));
   if (sub_group >= s.plan.n_sub_groups || in.size() != state_bytes(sub_group, kind)) {
     return invalid_argument("write_state: sub-group " + std::to_string(sub_group) + " " +
                             std::string(state_name(kind)) + ": bad sub-group or size " + std::to_string(in.size()));
@@ -564,6 +605,7 @@ Status StateStore::write_state(uint32_t sub_group, StateKind kind, std::span<con
 Status StateStore::read_state_range(uint32_t sub_group, StateKind kind, uint64_t offset_bytes,
                                     std::span<std::byte> out) {
   Impl& s = *impl_;
+  ZO_RETURN_IF_ERROR(s.check_held(sub_group, kind, "read_state_range"));
   if (sub_group >= s.plan.n_sub_groups || offset_bytes > state_bytes(sub_group, kind) ||
       out.size() > state_bytes(sub_group, kind) - offset_bytes) {
     return invalid_argument("read_state_range: sub-group " + std::to_string(sub_group) + " " +
@@ -586,6 +628,7 @@ Status StateStore::read_state_range(uint32_t sub_group, StateKind kind, uint64_t
 Result<StateStore::PendingRead> StateStore::read_state_range_async(uint32_t sub_group, StateKind kind,
                                                                    uint64_t offset_bytes, std::span<std::byte> out) {
   Impl& s = *impl_;
+  ZO_RETURN_IF_ERROR(s.check_held(sub_group, kind, "read_state_range_async"));
   if (sub_group >= s.plan.n_sub_groups || offset_bytes > state_bytes(sub_group, kind) ||
       out.size() > state_bytes(sub_group, kind) - offset_bytes) {
     return invalid_argument("read_state_range_async: sub-group " + std::to_string(sub_group) + " " +
@@ -618,6 +661,7 @@ Result<StateStore::PendingRead> StateStore::read_state_range_async(uint32_t sub_
 Status StateStore::write_state_range(uint32_t sub_group, StateKind kind, uint64_t offset_bytes,
                                      std::span<const std::byte> in) {
   Impl& s = *impl_;
+  ZO_RETURN_IF_ERROR(s.check_held(sub_group, kind, "write_state_range"));
   if (sub_group >= s.plan.n_sub_groups || offset_bytes > state_bytes(sub_group, kind) ||
       in.size() > state_bytes(sub_group, kind) - offset_bytes) {
     return invalid_argument("write_state_range: sub-group " + std::to_string(sub_group) + " " +

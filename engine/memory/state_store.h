@@ -40,9 +40,12 @@ struct StateStoreOptions {
   bool remove_swap_files_on_close = true;
 };
 
-// Where one state of one sub-group lives. Exactly one of the three is set, per `tier`.
+// Where one state of one sub-group lives. Exactly one of the three is set, per `tier`, unless the
+// state is not `held`: an optimizer state of a sub-group another data-parallel rank owns
+// (MemoryPlan::owns), which has no storage here.
 struct StateLocation {
   Tier tier = Tier::kCpu;
+  bool held = true;
   std::byte* host = nullptr;  // Tier::kCpu: n_elems × elem bytes
   gpu::DevicePtr device;      // Tier::kDevice
   SwapRegion region;          // Tier::kNvme, in optimizer_file() (compute: param_file())
@@ -62,15 +65,21 @@ class StateStore {
   StateStore& operator=(const StateStore&) = delete;
 
   // Sets elements [offset_elems, offset_elems + values.size()) of a param: master = values,
-  // compute = values rounded to the compute dtype, exp_avg = exp_avg_sq = 0. Any slice (streaming
-  // a large tensor in chunks); on NVMe unaligned edges are read-modify-written. Synchronous.
+  // compute = values rounded to the compute dtype, exp_avg = exp_avg_sq = 0 (the optimizer states
+  // only where held). Any slice (streaming a large tensor in chunks); on NVMe unaligned edges are
+  // read-modify-written. Synchronous.
   Status init_param(uint32_t param, uint64_t offset_elems, std::span<const float> values);
   // Reads elements [offset_elems, offset_elems + out.size()) of a param's fp32 master, from
   // whichever sub-groups and tiers hold them (read_state_range per piece). Synchronous.
+  // kFailedPrecondition when some of them are another rank's.
   Status read_param_master(uint32_t param, uint64_t offset_elems, std::span<float> out);
+  // The same from the compute copies (held for every sub-group), widened to fp32 exactly: the master
+  // rounded to the compute dtype. Uses the store's scratch: not beside other transfers.
+  Status read_param_compute(uint32_t param, uint64_t offset_elems, std::span<float> out);
 
   // Copies one state of a sub-group (n_elems × state_elem_bytes) between its home and host memory,
-  // synchronously, whatever the tier. For tests, checkpoints and the bench.
+  // synchronously, whatever the tier. For tests, checkpoints and the bench. Every transfer of a
+  // state that is not held here fails with kFailedPrecondition.
   Status read_state(uint32_t sub_group, StateKind kind, std::span<std::byte> out);
   Status write_state(uint32_t sub_group, StateKind kind, std::span<const std::byte> in);
   // The same for bytes [offset_bytes, offset_bytes + size) of the state, so that checkpoints never

@@ -167,8 +167,9 @@ uint64_t grad_ring_bytes(const ModelLayout& layout, const ParamRegistry& registr
   return most * dtype_size_bytes(dtype);
 }
 
-Result<MemoryPlan> plan_memory_with_ring(const Config& c, const ParamRegistry& registry, const ModelLayout& layout) {
-  ZO_ASSIGN_OR_RETURN(MemoryPlan mp, plan_memory(c, registry));
+Result<MemoryPlan> plan_memory_with_ring(const Config& c, const ParamRegistry& registry, const ModelLayout& layout,
+                                         std::optional<uint32_t> owned_partition) {
+  ZO_ASSIGN_OR_RETURN(MemoryPlan mp, plan_memory(c, registry, owned_partition));
   mp.grad_ring_bytes = grad_ring_bytes(layout, registry, grad_transfer_dtype(c));
   return mp;
 }
@@ -211,9 +212,10 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
   if (in.seq_len == 0) return invalid_argument("--seq-len: 0 tokens per sequence");
   ZO_RETURN_IF_ERROR(check_model_size(m));
   const ModelLayout layout = model_layout(m);
-  ZO_ASSIGN_OR_RETURN(ParamRegistry registry, ParamRegistry::build(layout.params, c.zero.sub_group_size));
+  ZO_ASSIGN_OR_RETURN(ParamRegistry registry, ParamRegistry::build(layout.params, c.zero.sub_group_size, in.world_size));
   RunPlan p;
-  ZO_ASSIGN_OR_RETURN(p.memory, plan_memory_with_ring(c, registry, layout));
+  ZO_ASSIGN_OR_RETURN(p.memory, plan_memory_with_ring(c, registry, layout,
+                                                      in.partition_optimizer ? std::optional<uint32_t>(in.rank) : std::nullopt));
   const MemoryPlan& mp = p.memory;
   const Placement& pl = mp.placement;
   p.n_params = registry.total_elems();

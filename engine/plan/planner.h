@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -54,6 +55,12 @@ struct PlanInputs {
   std::string out_dir;           // relative nvme paths resolve against it
   HostFacts host;
   HostSpeeds speeds;
+  // Data parallel: the registry is cut into world_size partitions (Note [Partitions]) and, with
+  // partition_optimizer (ZeRO stage ≥ 1), this rank holds the optimizer states of partition `rank`
+  // only. host is already this rank's share of the node.
+  uint32_t world_size = 1;
+  uint32_t rank = 0;
+  bool partition_optimizer = false;
 };
 
 // A shortfall: what does not fit, how much it needs and how much there is.
@@ -142,7 +149,8 @@ struct RunPlan {
 uint64_t grad_ring_bytes(const ModelLayout& layout, const ParamRegistry& registry, DType dtype);
 // plan_memory, with the landing ring (grad_ring_bytes in grad_transfer_dtype) in the pinned pool:
 // the plan the trainer allocates and the planner reports.
-Result<MemoryPlan> plan_memory_with_ring(const Config& c, const ParamRegistry& registry, const ModelLayout& layout);
+Result<MemoryPlan> plan_memory_with_ring(const Config& c, const ParamRegistry& registry, const ModelLayout& layout,
+                                         std::optional<uint32_t> owned_partition = std::nullopt);
 // The dtype gradients leave the device in: the compute dtype, or grad_accum_dtype when the
 // vertical schedule sums several micro-batches on the device first (Note [Vertical schedule]).
 DType grad_transfer_dtype(const Config& c);

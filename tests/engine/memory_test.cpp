@@ -347,6 +347,42 @@ TEST(ParamRegistry, RandomShapesAreCoveredExactlyOnce) {
   }
 }
 
+TEST(ParamRegistry, PartitionsAreContiguousBalancedAndCutNoSubGroup) {
+  std::mt19937 rng(11);
+  for (int trial = 0; trial < 60; ++trial) {
+    const uint64_t sgs = kSplitAlignElems + rng() % 50000;
+    const auto world = static_cast<uint32_t>(2 + rng() % 4);
+    std::vector<ParamSpec> params;
+    const int n = 1 + static_cast<int>(rng() % 30);
+    for (int i = 0; i < n; ++i) params.push_back(spec("p" + std::to_string(i), {1 + static_cast<int64_t>(rng() % 300000)}));
+    auto built = ParamRegistry::build(params, sgs, world);
+    if (!built.is_ok()) {  // only a model too small to cut
+      EXPECT_THAT(built.status().message(), HasSubstr("too few to partition"));
+      continue;
+    }
+    const ParamRegistry& r = *built;
+    SCOPED_TRACE("trial " + std::to_string(trial) + " world " + std::to_string(world));
+    expect_consistent(r, sgs);
+    ASSERT_EQ(r.n_partitions(), world);
+    uint32_t next = 0;
+    for (uint32_t p = 0; p < world; ++p) {
+      const auto [first, end] = r.partition_groups(p);
+      EXPECT_EQ(first, next);
+      EXPECT_LT(first, end);
+      for (uint32_t g = first; g < end; ++g) EXPECT_EQ(r.partition_of_group(g), p);
+      // Each boundary is within half a split alignment of total·p/world.
+      const uint64_t start = r.sub_groups()[first].first_elem;
+      const auto target = static_cast<uint64_t>(static_cast<unsigned __int128>(r.total_elems()) * p / world);
+      EXPECT_LE(start > target ? start - target : target - start, kSplitAlignElems / 2) << "partition " << p;
+      next = end;
+    }
+    EXPECT_EQ(next, r.sub_groups().size());
+  }
+  auto small = ParamRegistry::build({spec("a", {100})}, 1 << 20, 2);
+  ASSERT_FALSE(small.is_ok());
+  EXPECT_THAT(small.status().message(), HasSubstr("too few to partition over 2 data-parallel ranks"));
+}
+
 TEST(ParamRegistry, FindsByNameAndSuggestsACloseOne) {
   auto r = must_build({spec("model.layers.0.mlp.up_proj.weight", {64, 64}), spec("model.norm.weight", {64})}, 1 << 20);
   auto id = r.find("model.norm.weight");
@@ -437,6 +473,31 @@ TEST(PlanMemory, EverythingOnTheDeviceByDefault) {
   EXPECT_EQ(p.device_bytes, 4 * 160000u + align_up(80000, gpu::kDeviceAlignment));
   EXPECT_EQ(p.pinned_pool_bytes(), 0u);
   EXPECT_EQ(p.cpu_pinned_bytes + p.cpu_pageable_bytes + p.nvme_optimizer_bytes + p.nvme_param_bytes, 0u);
+}
+
+TEST(PlanMemory, APartitionHoldsItsOwnOptimizerStatesAndEveryOtherState) {
+  Offload o;
+  o.optimizer = "cpu";
+  o.param = "cpu";
+  std::vector<ParamSpec> params;
+  for (int i = 0; i < 8; ++i) params.push_back(spec("p" + std::to_string(i), {100000}));
+  auto whole = must_plan(config_for(o), must_build(params, 1 << 17));
+  auto reg = ParamRegistry::build(params, 1 << 17, 2);
+  ASSERT_TRUE(reg.is_ok());
+  uint64_t parts = 0;
+  for (uint32_t rank = 0; rank < 2; ++rank) {
+    auto p = plan_memory(config_for(o), *reg, rank);
+    ASSERT_TRUE(p.is_ok()) << p.status().to_string();
+    EXPECT_TRUE(p->partitioned());
+    EXPECT_EQ(std::make_pair(p->owned_begin, p->owned_end), reg->partition_groups(rank));
+    // The optimizer states (12 bytes per element, pageable) of half the elements; the gradient
+    // accumulators (pageable) and compute copies (pinned) of all of them.
+    EXPECT_EQ(p->cpu_pinned_bytes, whole.cpu_pinned_bytes);
+    const uint64_t grads = 4 * 800000;
+    EXPECT_NEAR(static_cast<double>(p->cpu_pageable_bytes - grads), 12.0 * 400000, 12.0 * 4096 + 4 * 4 * 4096);
+    parts += p->cpu_pageable_bytes - grads;
+  }
+  EXPECT_NEAR(static_cast<double>(parts), static_cast<double>(whole.cpu_pageable_bytes - 4 * 800000), 12.0 * 4096 * 4);
 }
 
 TEST(PlanMemory, OptimizerOnCpuStagesComputeCopiesForTheDevice) {
