@@ -1,18 +1,22 @@
 #!/usr/bin/env python3
 """Data parallel on this machine: step time and collective bytes per step of `zoffload train` at 1
-and N ranks (torchrun, Gloo), and the bus bandwidth of its gradient all-reduce against c10d's own
-all-reduce (torch.distributed, Gloo) of the same sizes, run in the same invocation.
+and N ranks (torchrun, Gloo), and the bus bandwidth of its collectives against c10d's own
+(torch.distributed, Gloo) on the same sizes, run in the same invocation: at ZeRO stage 0 the
+gradient all-reduce against dist.all_reduce; at stages 1-3 (optimizer states partitioned) the
+gradients' reduce to their owners plus the updated parameters' all-gather against
+dist.reduce_scatter_tensor plus dist.all_gather_into_tensor, the collectives DeepSpeed uses.
 
-    tools/dist_bench.py --zoffload build/tools/zoffload [--ranks 2] [--config C] [--model tiny]
+    tools/dist_bench.py --zoffload build/tools/zoffload [--ranks 2] [--config C] [--stage S] [--model tiny]
                         [--steps 8] [--seq-len 256] [--rounds 3] [--json]
 
 For each round it trains world 1 and world N (alternating) and then times the baseline. Step times
 are medians over steps 3.. of each run, then medians over rounds. Bus bandwidth is the ring
-all-reduce's: bytes x 2(N-1)/N over the time in the collective. zoffload's collective time is what
-rank 0 spent inside its gradient all-reduces (metrics' time_s.collective less rank_wait, the wait for
-the slowest rank that the boundary's first collective absorbs); the baseline reduces
-the same total in chunks of the config's sub_group_size elements (zoffload's chunks are at most
-that), in the gradient dtype, from a loop that does nothing else. Needs the python that has torch.
+all-reduce's: bytes x 2(N-1)/N over the time in the collective; reduce-scatter's and all-gather's:
+bytes x (N-1)/N. zoffload's collective time is what rank 0 spent inside them (metrics'
+time_s.collective less rank_wait, the wait for the slowest rank that the boundary's first
+collective absorbs, plus time_s.gather, the all-gather on the optimizer's thread); the baseline
+moves the same totals in chunks of the config's sub_group_size elements (zoffload's chunks are at
+most that) from a loop that does nothing else. Needs the python that has torch.
 """
 import argparse
 import json
@@ -25,15 +29,26 @@ import tempfile
 
 BASELINE = r"""
 import os, sys, time, torch, torch.distributed as dist
-total, chunk, dtype, reps = int(sys.argv[1]), int(sys.argv[2]), getattr(torch, sys.argv[3]), int(sys.argv[4])
+total, chunk, reps, mode = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+dtype, copy_dtype = getattr(torch, sys.argv[5]), getattr(torch, sys.argv[6])
 dist.init_process_group("gloo")
+n = dist.get_world_size()
+step = n if mode == "partitioned" else 1  # partitioned: chunks of a multiple of n elements
 bufs, left = [], total
 while left > 0:
-    bufs.append(torch.ones(min(chunk, left), dtype=dtype)); left -= bufs[-1].numel()
+    bufs.append(torch.ones(max(step, min(chunk, left) // step * step), dtype=dtype))
+    left -= bufs[-1].numel()
+shards = [torch.empty(b.numel() // n, dtype=dtype) for b in bufs]
+copies = [torch.ones(b.numel() // n, dtype=copy_dtype) for b in bufs]
+gathered = [torch.empty(b.numel(), dtype=copy_dtype) for b in bufs]
 times = []
 for r in range(reps + 1):
     dist.barrier(); t0 = time.perf_counter()
-    for b in bufs: dist.all_reduce(b)
+    if mode == "partitioned":
+        for b, s in zip(bufs, shards): dist.reduce_scatter_tensor(s, b)
+        for c, g in zip(copies, gathered): dist.all_gather_into_tensor(g, c)
+    else:
+        for b in bufs: dist.all_reduce(b)
     times.append(time.perf_counter() - t0)
 if dist.get_rank() == 0:
     times = sorted(times[1:]); print("BASELINE %.9f" % times[len(times) // 2])
@@ -66,8 +81,10 @@ def train(args, tmp, n, rnd):
         sys.exit("dist_bench: --steps must be at least 3 (steps 1-2 are warm-up)")
     med = lambda key: statistics.median(r[key] for r in m)
     return {"step_s": med("step_s"), "tokens_per_s": med("tokens_per_s"), "collective_bytes": med("collective_bytes"),
-            # The gradient all-reduce alone: the boundary's first collective absorbs the ranks' skew.
-            "collective_s": statistics.median(r["time_s"]["collective"] - r["time_s"]["rank_wait"] for r in m),
+            # The gradient exchange alone: the boundary's first collective absorbs the ranks' skew;
+            # partitioned, the all-gather runs on the optimizer's thread (time_s.gather).
+            "collective_s": statistics.median(r["time_s"]["collective"] - r["time_s"]["rank_wait"] +
+                                              r["time_s"].get("gather", 0.0) for r in m),
             "rank_wait_s": statistics.median(r["time_s"]["rank_wait"] for r in m)}
 
 
@@ -77,6 +94,8 @@ def main():
     ap.add_argument("--zoffload", default=os.path.join(root, "build", "tools", "zoffload"))
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--config", default=None, help="default: configs/tiny_demo_nvme.json in fp32, micro-batch 1, GAS 1")
+    ap.add_argument("--stage", type=int, choices=[0, 1, 2, 3], default=None,
+                    help="override zero_optimization.stage (0: replicated states, nothing offloaded)")
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--data", default=os.path.join(root, "configs", "data", "demo_corpus.txt"))
     ap.add_argument("--steps", type=int, default=8)
@@ -97,9 +116,23 @@ def main():
                 json.dump(c, f)
         with open(args.config) as f:
             c = json.load(f)
+        if args.stage is not None:
+            z = c.setdefault("zero_optimization", {})
+            z["stage"] = args.stage
+            if args.stage == 0:  # stage 0 offloads nothing
+                z["offload_param"], z["offload_optimizer"] = {"device": "none"}, {"device": "none"}
+            args.config = os.path.join(tmp, "bench-stage.json")
+            with open(args.config, "w") as f:
+                json.dump(c, f)
         sub_group = int(float(c.get("zero_optimization", {}).get("sub_group_size", 1e9)))
-        dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[c.get("data_types", {}).get("grad_accum_dtype", "fp32")]
-        elem = 4 if dtype == "float32" else 2
+        partitioned = int(c.get("zero_optimization", {}).get("stage", 0)) >= 1
+        names = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+        compute = "bf16" if c.get("bf16", {}).get("enabled") else "fp16" if c.get("fp16", {}).get("enabled") else "fp32"
+        dtype = names[c.get("data_types", {}).get("grad_accum_dtype", "fp32" if compute == "fp32" else "fp32")]
+        copy_dtype = names[compute]
+        size = {"float32": 4, "bfloat16": 2, "float16": 2}
+        # Bytes per parameter in the collectives: the gradients, and (partitioned) the compute copies.
+        elem = size[dtype] + (size[copy_dtype] if partitioned else 0)
         rounds = []
         for rnd in range(args.rounds):
             one, many = train(args, tmp, 1, rnd), train(args, tmp, args.ranks, rnd)
@@ -107,7 +140,8 @@ def main():
             script = os.path.join(tmp, "baseline.py")
             with open(script, "w") as f:
                 f.write(BASELINE)
-            p = subprocess.run(torchrun(args.ranks, [script, str(total), str(sub_group), dtype, "5"]),
+            p = subprocess.run(torchrun(args.ranks, [script, str(total), str(sub_group), "5",
+                                                     "partitioned" if partitioned else "replicated", dtype, copy_dtype]),
                                capture_output=True, text=True)
             line = [l for l in p.stdout.splitlines() if l.startswith("BASELINE ")]
             if p.returncode != 0 or not line:
@@ -115,16 +149,17 @@ def main():
             rounds.append({"world1": one, "worldN": many, "baseline_s": float(line[0].split()[1])})
             if not args.json:
                 print("round %d: world 1 %.3f s/step; world %d %.3f s/step (%.4f s waiting for the slowest rank), "
-                      "%d collective bytes, %.4f s in the gradient all-reduce; c10d all-reduce of the same %.4f s" % (
+                      "%d collective bytes, %.4f s in the collectives; c10d's of the same %.4f s" % (
                           rnd + 1, one["step_s"], args.ranks, many["step_s"], many["rank_wait_s"],
                           many["collective_bytes"], many["collective_s"], rounds[-1]["baseline_s"]), file=sys.stderr)
     n = args.ranks
     med = lambda f: statistics.median(f(r) for r in rounds)
     nbytes = med(lambda r: r["worldN"]["collective_bytes"])
-    factor = 2 * (n - 1) / n
+    factor = (n - 1) / n if partitioned else 2 * (n - 1) / n
     ours_s, base_s = med(lambda r: r["worldN"]["collective_s"]), med(lambda r: r["baseline_s"])
     result = {
-        "ranks": n, "model": args.model, "seq_len": args.seq_len, "rounds": args.rounds,
+        "ranks": n, "model": args.model, "partitioned": partitioned,
+        "baseline": ("c10d reduce_scatter_tensor + all_gather_into_tensor" if partitioned else "c10d all_reduce"), "seq_len": args.seq_len, "rounds": args.rounds,
         "step_s": {"world1": med(lambda r: r["world1"]["step_s"]), "worldN": med(lambda r: r["worldN"]["step_s"])},
         "tokens_per_s": {"world1": med(lambda r: r["world1"]["tokens_per_s"]),
                          "worldN": med(lambda r: r["worldN"]["tokens_per_s"])},
@@ -140,10 +175,11 @@ def main():
         print("world 1: %.3f s/step, %.0f tok/s | world %d: %.3f s/step, %.0f tok/s (all ranks)" % (
             result["step_s"]["world1"], result["tokens_per_s"]["world1"], n, result["step_s"]["worldN"],
             result["tokens_per_s"]["worldN"]))
-        print("collectives per step: %s bytes per rank, %.4f s -> bus bandwidth %.2f GB/s; c10d all-reduce of the "
+        print("collectives per step (%s): %s bytes per rank, %.4f s -> bus bandwidth %.2f GB/s; %s of the "
               "same sizes: %.4f s -> %.2f GB/s; ratio %.2f" % (
-                  format(int(nbytes), ","), ours_s, result["busbw_gb_s"], base_s, result["baseline_busbw_gb_s"],
-                  result["busbw_ratio"]))
+                  "gradients reduced to their owners, parameters all-gathered" if partitioned else "gradient all-reduce",
+                  format(int(nbytes), ","), ours_s, result["busbw_gb_s"], result["baseline"], base_s,
+                  result["baseline_busbw_gb_s"], result["busbw_ratio"]))
 
 
 if __name__ == "__main__":

@@ -117,14 +117,16 @@ Result<std::vector<std::pair<uint64_t, std::string>>> step_dirs(io::Env& env, co
   return out;
 }
 
-Status write_state_file(io::Env& env, StateStore& store, StateKind kind, const std::string& path,
-                        std::span<std::byte> staging, const std::vector<CheckpointTensor>& tensors, FileDigest* digest,
-                        const std::function<void(uint64_t)>& on_bytes) {
+std::string state_file_header(StateKind kind, const std::vector<CheckpointTensor>& tensors) {
   std::vector<SafetensorsEntry> entries;
   for (const CheckpointTensor& t : tensors) entries.push_back({t.name, DType::kF32, t.shape});
-  const std::string header = safetensors_header(entries, {{"format", "pt"}, {"zoffload_state", std::string(state_name(kind))}});
-  ZO_ASSIGN_OR_RETURN(auto writer, StreamWriter::create(store.io(), path, staging, kWriteSlots, env));
-  ZO_RETURN_IF_ERROR(writer->append(std::as_bytes(std::span(header.data(), header.size()))));
+  return safetensors_header(entries, {{"format", "pt"}, {"zoffload_state", std::string(state_name(kind))}});
+}
+
+// Appends `kind` of sub-groups [begin, end) to `writer` (a StreamWriter or a RangeWriter).
+template <class Writer>
+Status stream_groups(Writer& writer, StateStore& store, StateKind kind, uint32_t begin, uint32_t end,
+                     const std::function<void(uint64_t)>& on_bytes) {
   // Note [Save pipeline]: up to kWriteSlots - 1 reads from the swap file are in flight into reserved
   // staging spans while the oldest is checksummed and committed, and full slots are being written:
   // the drive reads and writes at once and the CRC overlaps both.
@@ -135,24 +137,23 @@ Status write_state_file(io::Env& env, StateStore& store, StateKind kind, const s
     }
     inflight.clear();
   };
-  const auto groups = store.registry().sub_groups();
-  size_t gi = 0;
+  uint32_t gi = begin;
   uint64_t off = 0;
   Status s;
   while (s.is_ok()) {
-    while (s.is_ok() && gi < groups.size() && inflight.size() < kWriteSlots - 1) {
-      const uint64_t bytes = store.state_bytes(groups[gi].index, kind);
+    while (s.is_ok() && gi < end && inflight.size() < kWriteSlots - 1) {
+      const uint64_t bytes = store.state_bytes(gi, kind);
       if (off == bytes) {
         ++gi;
         off = 0;
         continue;
       }
-      auto span = writer->reserve(bytes - off);
+      auto span = writer.reserve(bytes - off);
       if (!span.is_ok()) {
         s = span.status();
         break;
       }
-      auto pending = store.read_state_range_async(groups[gi].index, kind, off, *span);
+      auto pending = store.read_state_range_async(gi, kind, off, *span);
       if (!pending.is_ok()) {
         s = pending.status();
         break;
@@ -164,26 +165,61 @@ Status write_state_file(io::Env& env, StateStore& store, StateKind kind, const s
     auto [pending, n] = inflight.front();
     inflight.pop_front();
     if (pending.file != nullptr) s = pending.file->wait(pending.ticket);
-    if (s.is_ok()) s = writer->commit_reserved();
+    if (s.is_ok()) s = writer.commit_reserved();
     if (s.is_ok() && on_bytes) on_bytes(n);
   }
-  if (!s.is_ok()) {
-    drain();
-    return s;
-  }
+  if (!s.is_ok()) drain();
+  return s;
+}
+
+Status write_state_file(io::Env& env, StateStore& store, StateKind kind, const std::string& path,
+                        std::span<std::byte> staging, const std::vector<CheckpointTensor>& tensors, FileDigest* digest,
+                        const std::function<void(uint64_t)>& on_bytes) {
+  const std::string header = state_file_header(kind, tensors);
+  ZO_ASSIGN_OR_RETURN(auto writer, StreamWriter::create(store.io(), path, staging, kWriteSlots, env));
+  ZO_RETURN_IF_ERROR(writer->append(std::as_bytes(std::span(header.data(), header.size()))));
+  ZO_RETURN_IF_ERROR(stream_groups(*writer, store, kind, 0, store.plan().n_sub_groups, on_bytes));
   ZO_ASSIGN_OR_RETURN(*digest, writer->finish());
   return Status::ok();
 }
 
-}  // namespace
+// Writes trainer_state.json, config.json and, last, the manifest (whose files list the state files
+// already) into tmp, fsyncs it and publishes it as final_dir. *bytes += the manifest's size.
+Status publish_save(io::Env& env, const std::string& tmp, const std::string& final_dir, const TrainingState& state,
+                    const std::string& model_config_json, Manifest& manifest, uint64_t* bytes,
+                    const std::function<void(SavePhase)>& phase) {
+  ZO_ASSIGN_OR_RETURN(FileDigest st, write_small_file(env, tmp, kTrainerStateFile, state.to_json().dump(2) + "\n"));
+  manifest.files.push_back(std::move(st));
+  ZO_ASSIGN_OR_RETURN(FileDigest cfg, write_small_file(env, tmp, kModelConfigFile, model_config_json));
+  manifest.files.push_back(std::move(cfg));
+  ZO_ASSIGN_OR_RETURN(FileDigest mf, write_small_file(env, tmp, kManifestFile, manifest.to_json().dump(1) + "\n"));
+  *bytes += mf.size_bytes;
+  ZO_RETURN_IF_ERROR(env.sync_dir(tmp));
+  phase(SavePhase::kManifestWritten);
+  // Note [A save that fails after its rename]: once published, step-<N> is complete, but
+  // `latest` still names the previous checkpoint, which stays intact and is what a resume
+  // loads. An error from then on (DIR's fsync, updating `latest`) is reported all the same; the
+  // directory is left for the next save of the same step to replace, or for keep_last to prune.
+  bool replaced = false;
+  ZO_RETURN_IF_ERROR(publish_directory(env, tmp, final_dir, &replaced));
+  if (replaced) ZO_LOG(kInfo) << "replaced the existing " << final_dir << " with the new checkpoint of the same step";
+  return Status::ok();
+}
 
-Result<SaveResult> save_checkpoint(StateStore& store, const TrainingState& state, const std::string& model_config_json,
-                                   const SaveOptions& options) {
-  const auto t0 = std::chrono::steady_clock::now();
-  const std::string name = "step-" + std::to_string(state.steps_done);
-  const std::string context = "saving checkpoint " + options.dir + "/" + name;
+// Before the rename tmp is this save; after an exchange whose fsync failed, the replaced
+// checkpoint. Either is removable (a missing tmp is fine).
+void remove_failed_save(io::Env& env, const std::string& tmp, const std::string& context) {
+  Status rm = env.remove_all(tmp);
+  if (!rm.is_ok()) ZO_LOG(kWarn) << context << ": could not remove " << tmp << ": " << rm.to_string();
+}
+
+Status point_latest_and_prune(io::Env& env, const SaveOptions& options, const std::string& name, uint64_t steps_done,
+                              const std::string& context, SaveResult* result, const std::function<void(SavePhase)>& phase);
+
+// The checks of a save, its directory, and its tmp directory (returned).
+Result<std::string> begin_save(io::Env& env, StateStore& store, const TrainingState& state, const SaveOptions& options,
+                               const std::string& context) {
   if (options.dir.empty()) return invalid_argument(context + ": no checkpoint directory (zoffload.checkpoint.dir)");
-  io::Env& env = options.env != nullptr ? *options.env : *io::Env::posix();
   ZO_RETURN_IF_ERROR(check_staging_bytes(options.staging_bytes, context));
   if (!store.torn_reason().empty()) {
     return failed_precondition(context + ": the states are torn by a failed optimizer step (" + store.torn_reason() +
@@ -196,13 +232,203 @@ Result<SaveResult> save_checkpoint(StateStore& store, const TrainingState& state
     const fs::path parent = fs::absolute(created).lexically_normal().parent_path();
     ZO_RETURN_IF_ERROR(env.sync_dir(parent.string()).with_context(context));
   }
-  const std::string final_dir = options.dir + "/" + name;
-
   const std::string tmp = options.dir + "/tmp-" + std::to_string(state.steps_done) + "-" + random_suffix();
   ZO_RETURN_IF_ERROR(env.make_dir(tmp).with_context(context));
+  return tmp;
+}
+
+// Note [Collaborative save]
+// With partitioned optimizer states (data parallel at ZeRO stage ≥ 1) no rank holds every state,
+// and each rank's partition is one contiguous run of every state file (Note [Partitions]). So the
+// format stays the one a single process writes, and the ranks write it together:
+//   1. rank 0 makes the tmp directory and creates the three state files at their final size, and
+//      broadcasts the tmp path (or its error);
+//   2. every rank writes its run of each file with a RangeWriter (O_DIRECT inside, buffered at the
+//      4 KiB blocks it shares with its neighbours; rank 0's run begins with the header), which
+//      fdatasyncs it and returns the CRC-32C of each piece of a 16 MiB chunk it wrote; each rank in
+//      turn broadcasts its digests or its error;
+//   3. if every rank succeeded, rank 0 combines the pieces into each chunk's CRC
+//      (combine_range_digests), writes trainer_state.json, config.json and the manifest, and
+//      commits exactly as Note [Checkpoint commit protocol] says; else it removes the tmp
+//      directory. It broadcasts the outcome.
+// Every rank reaches every broadcast whatever failed, so a failure is an error on every rank, not
+// a hang; a rank that dies fails the broadcasts (the process group names it). The tmp directory,
+// files and rename are rank 0's, so a kill at any moment leaves what a single-process save leaves.
+// The ranks must see one file system at the checkpoint directory (one node, or a shared one).
+Result<SaveResult> save_collaborative(StateStore& store, const TrainingState& state, const std::string& model_config_json,
+                                      const SaveOptions& options, io::Env& env,
+                                      const std::function<void(SavePhase)>& phase) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const SaveOptions::Collective& c = *options.collective;
+  const std::string name = "step-" + std::to_string(state.steps_done);
+  const std::string context = "saving checkpoint " + options.dir + "/" + name;
+  const std::string final_dir = options.dir + "/" + name;
+  const ParamRegistry& reg = store.registry();
+  const MemoryPlan& plan = store.plan();
+  if (reg.n_partitions() != c.world_size || !plan.partitioned() && c.world_size > 1)
+    return internal_error(context + ": a collaborative save needs a store partitioned over the " +
+                          std::to_string(c.world_size) + " ranks");
+  const std::vector<CheckpointTensor> tensors = tensors_of(reg);
+  // root's text on every rank.
+  auto share = [&](uint32_t root, std::string text, const std::string& what) -> Result<std::string> {
+    uint64_t n = text.size();
+    ZO_RETURN_IF_ERROR(c.broadcast(&n, sizeof n, root, what));
+    text.resize(n);
+    ZO_RETURN_IF_ERROR(c.broadcast(text.data(), n, root, what));
+    return text;
+  };
+  auto ok_or_error = [](const Status& st, const std::string& payload) {
+    return st.is_ok() ? "ok" + payload : "error" + st.to_string();
+  };
+  auto failed_text = [](const std::string& text) { return text.rfind("ok", 0) != 0; };
+
+  // 1. The tmp directory and the files, at their size.
+  std::string tmp;
+  Status started;
+  if (c.rank == 0) {
+    Result<std::string> t = begin_save(env, store, state, options, context);
+    started = t.status();
+    if (t.is_ok()) tmp = *t;
+    for (StateKind kind : kSavedStates) {
+      if (!started.is_ok()) break;
+      const uint64_t size = state_file_header(kind, tensors).size() + reg.total_elems() * 4;
+      started = create_sized_file(tmp + "/" + state_file_name(kind), size).with_context(context);
+    }
+    if (started.is_ok()) phase(SavePhase::kStarted);
+    if (!started.is_ok() && !tmp.empty()) remove_failed_save(env, tmp, context);
+  }
+  ZO_ASSIGN_OR_RETURN(const std::string begun, share(0, ok_or_error(started, tmp), "starting " + context));
+  if (failed_text(begun)) {
+    if (c.rank == 0) return started;
+    return Status(StatusCode::kAborted, context + ": rank 0 could not start it: " + begun.substr(5));
+  }
+  tmp = begun.substr(2);
+
+  // 2. This rank's run of each state file.
+  uint64_t own_bytes = 0;
+  for (StateKind kind : kSavedStates) {
+    for (uint32_t g = plan.owned_begin; g < plan.owned_end; ++g) own_bytes += store.state_bytes(g, kind);
+  }
+  std::vector<RangeDigest> mine;
+  Status written = [&]() -> Status {
+    if (!store.torn_reason().empty())
+      return failed_precondition("the states are torn by a failed optimizer step (" + store.torn_reason() + ")");
+    ZO_ASSIGN_OR_RETURN(AlignedBuffer staging, AlignedBuffer::allocate(staging_bytes_for(
+                                                   options.staging_bytes, own_bytes / 3 + (uint64_t{1} << 20))));
+    uint64_t done = 0;
+    auto on_bytes = [&](uint64_t n) {
+      done += n;
+      if (options.progress) options.progress(done, own_bytes);
+    };
+    for (StateKind kind : kSavedStates) {
+      const std::string header = state_file_header(kind, tensors);
+      const uint64_t data_start = header.size();
+      auto file_offset = [&](uint32_t partition) {
+        if (partition == 0) return uint64_t{0};
+        if (partition == c.world_size) return data_start + reg.total_elems() * 4;
+        return data_start + reg.sub_groups()[reg.partition_groups(partition).first].first_elem * 4;
+      };
+      const std::string path = tmp + "/" + state_file_name(kind);
+      ZO_ASSIGN_OR_RETURN(auto writer, RangeWriter::create(store.io(), path, file_offset(c.rank), file_offset(c.rank + 1),
+                                                           staging.bytes(), kWriteSlots));
+      if (c.rank == 0) ZO_RETURN_IF_ERROR(writer->append(std::as_bytes(std::span(header.data(), header.size()))));
+      ZO_RETURN_IF_ERROR(stream_groups(*writer, store, kind, plan.owned_begin, plan.owned_end, on_bytes));
+      ZO_ASSIGN_OR_RETURN(RangeDigest d, writer->finish());
+      mine.push_back(std::move(d));
+      if (c.rank == 0) phase(SavePhase::kStateFileDone);
+    }
+    return Status::ok();
+  }();
+  std::string payload;
+  for (const RangeDigest& d : mine) {
+    const uint64_t head[3] = {d.begin_bytes, d.end_bytes, d.piece_crc32c.size()};
+    payload.append(reinterpret_cast<const char*>(head), sizeof head);
+    payload.append(reinterpret_cast<const char*>(d.piece_crc32c.data()), d.piece_crc32c.size() * sizeof(uint32_t));
+  }
+  // Every rank's digests, per state file in kSavedStates order; the first failure.
+  std::vector<std::vector<RangeDigest>> ranges(std::size(kSavedStates));
+  Status failure;
+  for (uint32_t r = 0; r < c.world_size; ++r) {
+    ZO_ASSIGN_OR_RETURN(const std::string text, share(r, r == c.rank ? ok_or_error(written, payload) : std::string(),
+                                                      "collecting the parts of " + context));
+    if (failed_text(text)) {
+      if (failure.is_ok())
+        failure = r == c.rank ? Status(written).with_context(context)
+                              : Status(StatusCode::kAborted, context + ": rank " + std::to_string(r) + " of " +
+                                                                 std::to_string(c.world_size) + " could not write its part: " +
+                                                                 text.substr(5));
+      continue;
+    }
+    size_t at = 2;
+    for (auto& per_file : ranges) {
+      uint64_t head[3];
+      ZO_CHECK_LE(at + sizeof head, text.size()) << "short digest message from rank " << r;
+      std::memcpy(head, text.data() + at, sizeof head);
+      at += sizeof head;
+      RangeDigest d{head[0], head[1], std::vector<uint32_t>(head[2])};
+      std::memcpy(d.piece_crc32c.data(), text.data() + at, head[2] * sizeof(uint32_t));
+      at += head[2] * sizeof(uint32_t);
+      per_file.push_back(std::move(d));
+    }
+  }
+
+  // 3. Rank 0 commits; everyone learns how it went.
+  SaveResult result;
+  Status committed = failure;
+  if (c.rank == 0) {
+    if (committed.is_ok()) {
+      Manifest manifest;
+      manifest.step = state.steps_done;
+      manifest.tensors = tensors;
+      committed = [&]() -> Status {
+        for (size_t k = 0; k < std::size(kSavedStates); ++k) {
+          const std::string file = state_file_name(kSavedStates[k]);
+          const uint64_t size = state_file_header(kSavedStates[k], tensors).size() + reg.total_elems() * 4;
+          ZO_ASSIGN_OR_RETURN(FileDigest d, combine_range_digests(file, size, ranges[k]));
+          manifest.files.push_back(std::move(d));
+        }
+        return publish_save(env, tmp, final_dir, state, model_config_json, manifest, &result.bytes, phase);
+      }();
+      if (committed.is_ok()) {
+        for (const FileDigest& f : manifest.files) result.bytes += f.size_bytes;
+        phase(SavePhase::kRenamed);
+      } else {
+        committed = committed.with_context(context);
+      }
+    }
+    if (!committed.is_ok()) remove_failed_save(env, tmp, context);
+    if (committed.is_ok())
+      committed = point_latest_and_prune(env, options, name, state.steps_done, context, &result, phase);
+  }
+  ZO_ASSIGN_OR_RETURN(const std::string outcome, share(0, ok_or_error(committed, ""), "committing " + context));
+  if (c.rank == 0) {
+    if (!committed.is_ok()) return committed;
+    result.path = final_dir;
+  } else {
+    if (!failure.is_ok()) return failure;
+    if (failed_text(outcome))
+      return Status(StatusCode::kAborted, context + ": rank 0 could not commit it: " + outcome.substr(5));
+    result.bytes = own_bytes;
+  }
+  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return result;
+}
+
+}  // namespace
+
+Result<SaveResult> save_checkpoint(StateStore& store, const TrainingState& state, const std::string& model_config_json,
+                                   const SaveOptions& options) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::string name = "step-" + std::to_string(state.steps_done);
+  const std::string context = "saving checkpoint " + options.dir + "/" + name;
+  io::Env& env = options.env != nullptr ? *options.env : *io::Env::posix();
   auto phase = [&](SavePhase p) {
     if (options.on_phase) options.on_phase(p);
   };
+  if (options.collective && options.collective->world_size > 1)
+    return save_collaborative(store, state, model_config_json, options, env, phase);
+  const std::string final_dir = options.dir + "/" + name;
+  ZO_ASSIGN_OR_RETURN(const std::string tmp, begin_save(env, store, state, options, context));
   phase(SavePhase::kStarted);
 
   SaveResult result;
@@ -229,38 +455,28 @@ Result<SaveResult> save_checkpoint(StateStore& store, const TrainingState& state
       manifest.files.push_back(std::move(digest));
       phase(SavePhase::kStateFileDone);
     }
-    ZO_ASSIGN_OR_RETURN(FileDigest st, write_small_file(env, tmp, kTrainerStateFile, state.to_json().dump(2) + "\n"));
-    manifest.files.push_back(std::move(st));
-    ZO_ASSIGN_OR_RETURN(FileDigest cfg, write_small_file(env, tmp, kModelConfigFile, model_config_json));
-    manifest.files.push_back(std::move(cfg));
-    ZO_ASSIGN_OR_RETURN(FileDigest mf, write_small_file(env, tmp, kManifestFile, manifest.to_json().dump(1) + "\n"));
-    result.bytes += mf.size_bytes;
-    ZO_RETURN_IF_ERROR(env.sync_dir(tmp));
-    phase(SavePhase::kManifestWritten);
-    // Note [A save that fails after its rename]: once published, step-<N> is complete, but
-    // `latest` still names the previous checkpoint, which stays intact and is what a resume
-    // loads. An error from then on (DIR's fsync, updating `latest`) is reported all the same; the
-    // directory is left for the next save of the same step to replace, or for keep_last to prune.
-    bool replaced = false;
-    ZO_RETURN_IF_ERROR(publish_directory(env, tmp, final_dir, &replaced));
-    if (replaced) ZO_LOG(kInfo) << "replaced the existing " << final_dir << " with the new checkpoint of the same step";
-    return Status::ok();
+    return publish_save(env, tmp, final_dir, state, model_config_json, manifest, &result.bytes, phase);
   };
   Status s = write_all();
   if (!s.is_ok()) {
-    // Before the rename tmp is this save; after an exchange whose fsync failed, the replaced
-    // checkpoint. Either is removable (a missing tmp is fine).
-    Status rm = env.remove_all(tmp);
-    if (!rm.is_ok()) ZO_LOG(kWarn) << context << ": could not remove " << tmp << ": " << rm.to_string();
+    remove_failed_save(env, tmp, context);
     return s.with_context(context);
   }
   for (const FileDigest& f : manifest.files) result.bytes += f.size_bytes;
   phase(SavePhase::kRenamed);
+  ZO_RETURN_IF_ERROR(point_latest_and_prune(env, options, name, state.steps_done, context, &result, phase));
+  result.path = final_dir;
+  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return result;
+}
 
+namespace {
+
+Status point_latest_and_prune(io::Env& env, const SaveOptions& options, const std::string& name, uint64_t steps_done,
+                              const std::string& context, SaveResult* result, const std::function<void(SavePhase)>& phase) {
   // Point `latest` at it: a new file renamed over the old one.
   const std::string latest_tmp = "latest.tmp-" + random_suffix();
-  auto written = write_small_file(env, options.dir, latest_tmp, name + "\n");
-  if (!written.is_ok()) {
+  if (auto written = write_small_file(env, options.dir, latest_tmp, name + "\n"); !written.is_ok()) {
     Status st = written.status();
     return st.with_context(context + " (updating latest)");
   }
@@ -286,7 +502,7 @@ Result<SaveResult> save_checkpoint(StateStore& store, const TrainingState& state
     std::reverse(dirs.begin(), dirs.end());
     uint64_t kept = 0;
     for (const auto& [step, dir_name] : dirs) {
-      if (dir_name == name || (step < state.steps_done && kept < options.keep_last - 1)) {
+      if (dir_name == name || (step < steps_done && kept < options.keep_last - 1)) {
         if (dir_name != name) ++kept;
         continue;
       }
@@ -296,14 +512,14 @@ Result<SaveResult> save_checkpoint(StateStore& store, const TrainingState& state
                       << p.to_string();
         continue;
       }
-      result.pruned.push_back(dir_name);
+      result->pruned.push_back(dir_name);
     }
   }
   phase(SavePhase::kPruned);
-  result.path = final_dir;
-  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return result;
+  return Status::ok();
 }
+
+}  // namespace
 
 Result<std::vector<std::string>> clean_stale_checkpoints(const std::string& dir, io::Env* env_or_null) {
   io::Env& env = env_or_null != nullptr ? *env_or_null : *io::Env::posix();

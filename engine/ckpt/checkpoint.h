@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <span>
 #include <string>
@@ -44,11 +45,21 @@ struct SaveOptions {
   // Creates, syncs, renames and removes through this Env (null: io::Env::posix()); tests pass an
   // io::FaultyEnv. The state files' bytes go through the store's I/O engine.
   io::Env* env = nullptr;
+  // Data parallel with partitioned optimizer states (StateStore's plan partitioned over
+  // world_size ranks): every rank calls save_checkpoint with the same state and options, each
+  // writes its partition's run of the state files and rank 0 commits (Note [Collaborative save]).
+  // broadcast: root's n_bytes at data onto every rank (blocking; the process group's).
+  struct Collective {
+    uint32_t rank = 0;
+    uint32_t world_size = 1;
+    std::function<Status(void* data, uint64_t n_bytes, uint32_t root, const std::string& what)> broadcast;
+  };
+  std::optional<Collective> collective;
 };
 
 struct SaveResult {
-  std::string path;           // DIR/step-<N>
-  uint64_t bytes = 0;         // of every file written
+  std::string path;           // DIR/step-<N>; empty on ranks other than 0 of a collaborative save
+  uint64_t bytes = 0;         // of every file written (a collaborative save's other ranks: their part)
   double seconds = 0;
   std::vector<std::string> pruned;  // directories removed
 };

@@ -151,6 +151,7 @@ Status load_checkpoint(const CheckpointInfo& ckpt, StateStore& store, io::IoEngi
                               " is " + p.name + " " + shape_string(p.shape) + ": a checkpoint of a different model");
     }
   }
+  const MemoryPlan& plan = store.plan();
   for (StateKind kind : kSavedStates) {
     const std::string fpath = ckpt.path + "/" + state_file_name(kind);
     ZO_ASSIGN_OR_RETURN(auto header, SafetensorsFile::open(fpath, &env));
@@ -169,7 +170,7 @@ Status load_checkpoint(const CheckpointInfo& ckpt, StateStore& store, io::IoEngi
         const SubGroup& sg = reg.sub_groups()[g];
         const uint64_t in_group = flat - sg.first_elem * 4;
         const uint64_t n = std::min<uint64_t>(bytes.size(), sg.n_elems * 4 - in_group);
-        ZO_RETURN_IF_ERROR(store.write_state_range(g, kind, in_group, bytes.first(n)));
+        if (plan.owns(g)) ZO_RETURN_IF_ERROR(store.write_state_range(g, kind, in_group, bytes.first(n)));
         if (kind == StateKind::kMaster) {
           ZO_CHECK(in_group % 4 == 0 && n % 4 == 0) << fpath << ": unaligned fp32 run";
           const auto* values = reinterpret_cast<const float*>(bytes.data());
@@ -180,8 +181,20 @@ Status load_checkpoint(const CheckpointInfo& ckpt, StateStore& store, io::IoEngi
       }
       return Status::ok();
     };
-    ZO_RETURN_IF_ERROR(
-        read_stream(io, env, fpath, *ckpt.manifest.find(state_file_name(kind)), staging, data_start, consume, {}).with_context(context));
+    // A data-parallel rank (Note [Partitions]) reads its partition's run of exp_avg and exp_avg_sq,
+    // and all of master, whose every element sets a compute copy.
+    const FileDigest& digest = *ckpt.manifest.find(state_file_name(kind));
+    Status read;
+    if (kind == StateKind::kMaster || !plan.partitioned()) {
+      read = read_stream(io, env, fpath, digest, staging, data_start, consume, {});
+    } else {
+      const SubGroup& first = reg.sub_groups()[plan.owned_begin];
+      const SubGroup& last = reg.sub_groups()[plan.owned_end - 1];
+      g = plan.owned_begin;
+      read = read_stream_range(io, env, fpath, digest, staging, data_start + first.first_elem * 4,
+                               data_start + (last.first_elem + last.n_elems) * 4, consume, {});
+    }
+    ZO_RETURN_IF_ERROR(read.with_context(context));
   }
   return Status::ok();
 }

@@ -492,6 +492,21 @@ Result<ExportResult> export_store(StateStore& store, const std::string& model_co
                                store.torn_reason() + "); export from a checkpoint instead");
   if (state_elem_bytes(store.plan().placement, StateKind::kMaster) != sizeof(float))
     return internal_error("export: the store's master weights are not fp32");
+  // Note [Exporting partitioned states]: a data-parallel rank holds the masters of its partition
+  // only, but the compute copies of every param, and a compute copy is its master rounded to the
+  // compute dtype with the same round-to-nearest-even the export uses: exporting in the compute
+  // dtype from them writes the same bytes, with no rank sending its masters.
+  const MemoryPlan& plan = store.plan();
+  if (plan.partitioned()) {
+    if (options.dtype != plan.placement.compute_dtype)
+      return failed_precondition("export: this data-parallel rank holds the fp32 masters of its own partition only; "
+                                 "it can export in the compute dtype (" + std::string(dtype_name(plan.placement.compute_dtype)) +
+                                 "), or export another dtype from a checkpoint with `zoffload export --dtype`");
+    const Fp32Reader read = [&store](uint32_t p, uint64_t off, std::span<float> out) {
+      return store.read_param_compute(p, off, out);
+    };
+    return export_impl(store.registry().params(), model_config_json, read, io, options, {});
+  }
   const Fp32Reader read = [&store](uint32_t p, uint64_t off, std::span<float> out) {
     return store.read_param_master(p, off, out);
   };

@@ -78,6 +78,9 @@ Result<ExportResult> export_checkpoint(const CheckpointInfo& ckpt, io::IoEngine&
 
 // From a live store's master weights (the end-of-training export), whatever tier they live in, via
 // StateStore::read_state_range. kFailedPrecondition for a torn store (its master is inconsistent).
+// A data-parallel rank's store (MemoryPlan::partitioned) exports from its compute copies, in the
+// compute dtype only (the same bytes: Note [Exporting partitioned states]); kFailedPrecondition for
+// another dtype.
 Result<ExportResult> export_store(StateStore& store, const std::string& model_config_json, io::IoEngine& io,
                                   const ExportOptions& options);
 

@@ -63,9 +63,13 @@ struct ProcessGroup::Impl {
   Status all_reduce_sum(void* data, uint64_t n_elems, at::ScalarType type, uint64_t elem_bytes, const std::string& what) {
     if (n_elems == 0) return Status::ok();
     return run(what, n_elems * elem_bytes, [&] {
-      std::vector<at::Tensor> t{torch::from_blob(data, {static_cast<int64_t>(n_elems)}, torch::TensorOptions().dtype(type))};
+      std::vector<at::Tensor> t{host_tensor(data, n_elems, type)};
       return gloo->allreduce(t);
     });
+  }
+
+  static at::Tensor host_tensor(void* data, uint64_t n_elems, at::ScalarType type) {
+    return torch::from_blob(data, {static_cast<int64_t>(n_elems)}, torch::TensorOptions().dtype(type));
   }
 
   // The survivors' check-in after a failed collective: which ranks did not respond.
@@ -139,6 +143,27 @@ Status ProcessGroup::all_reduce_sum(void* data, uint64_t n_elems, DType dtype, c
 
 Status ProcessGroup::all_reduce_sum(std::span<double> values, const std::string& what) {
   return impl_->all_reduce_sum(values.data(), values.size(), at::kDouble, sizeof(double), what);
+}
+
+Status ProcessGroup::reduce_sum(void* data, uint64_t n_elems, DType dtype, uint32_t root, const std::string& what) {
+  if (n_elems == 0) return Status::ok();
+  return impl_->run(what, n_elems * dtype_size_bytes(dtype), [&] {
+    std::vector<at::Tensor> t{Impl::host_tensor(data, n_elems, scalar_type(dtype))};
+    c10d::ReduceOptions options;
+    options.rootRank = static_cast<int64_t>(root);
+    options.reduceOp = c10d::ReduceOp::SUM;
+    return impl_->gloo->reduce(t, options);
+  });
+}
+
+Status ProcessGroup::broadcast(void* data, uint64_t n_bytes, uint32_t root, const std::string& what) {
+  if (n_bytes == 0) return Status::ok();
+  return impl_->run(what, n_bytes, [&] {
+    std::vector<at::Tensor> t{Impl::host_tensor(data, n_bytes, at::kByte)};
+    c10d::BroadcastOptions options;
+    options.rootRank = static_cast<int64_t>(root);
+    return impl_->gloo->broadcast(t, options);
+  });
 }
 
 Status ProcessGroup::barrier(const std::string& what) {

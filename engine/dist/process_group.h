@@ -39,6 +39,11 @@ class ProcessGroup {
   // stalled): ...". kAborted.
   Status all_reduce_sum(void* data, uint64_t n_elems, DType dtype, const std::string& what);
   Status all_reduce_sum(std::span<double> values, const std::string& what);
+  // In place: on `root`, data = Σ over ranks of data, summed in `dtype` (with two ranks the same
+  // bits as all_reduce_sum); on the other ranks data is left unspecified (used as scratch).
+  Status reduce_sum(void* data, uint64_t n_elems, DType dtype, uint32_t root, const std::string& what);
+  // In place: every rank's n_bytes at data become root's.
+  Status broadcast(void* data, uint64_t n_bytes, uint32_t root, const std::string& what);
   // Every rank has reached this call.
   Status barrier(const std::string& what);
 

@@ -102,6 +102,7 @@ std::string StepMetrics::to_json() const {
   j["collective_bytes"] = collective_bytes;
   j["time_s"]["collective"] = collective_s;
   j["time_s"]["rank_wait"] = rank_wait_s;
+  j["time_s"]["gather"] = gather_s;
   return j.dump();
 }
 
@@ -256,10 +257,19 @@ struct Trainer::Impl {
   // Note [Replicated data parallel]
   uint32_t rank() const { return opt.group != nullptr ? opt.group->rank() : 0; }
   uint32_t world_size() const { return opt.group != nullptr ? opt.group->world_size() : 1; }
-  // Sums every rank's gradient accumulators into each rank's, sub-group by sub-group, and returns
-  // the norm report of the sums (the loss scale still in them).
-  Result<GradNormReport> all_reduce_gradients();
+  // Sums every rank's gradient accumulators, sub-group by sub-group: into each rank's (replicated)
+  // or into the owner's (partitioned: Note [Partitioned data parallel]), and returns the norm report
+  // of the sums (the loss scale still in them), the same on every rank.
+  Result<GradNormReport> reduce_gradients();
   std::optional<AlignedBuffer> reduce_staging;  // for accumulators not in host memory
+  // Partitioned, on the optimizer's thread after its step (whose outcome is `local`): every rank
+  // learns whether every update succeeded, then each sub-group's new compute copy goes from its
+  // owner to the other ranks, which `publish` it (may be empty).
+  Status gather_compute(const Status& local, const std::function<void(uint32_t)>& publish);
+  std::optional<AlignedBuffer> gather_staging;  // for compute copies not in host memory
+  double gather_s = 0;  // the last gather_compute's time in collectives
+  // The optimizer step, then (partitioned) the all-gather of the updated compute copies.
+  Result<OptimizerStepReport> update(const OptimizerStepArgs& args, const std::function<void(uint32_t)>& publish);
 };
 
 // Note [Trainer construction]: init runs the steps below in order; each one needs only what the
@@ -346,7 +356,7 @@ Status Trainer::Impl::find_resume() {
 
 Status Trainer::Impl::open_device() {
   const Config& config = opt.config;
-  ZO_ASSIGN_OR_RETURN(ParamRegistry reg, ParamRegistry::build(layout.params, config.zero.sub_group_size));
+  ZO_ASSIGN_OR_RETURN(ParamRegistry reg, ParamRegistry::build(layout.params, config.zero.sub_group_size, world_size()));
   registry.emplace(std::move(reg));
   // The device and its budget: zoffload.gpu_memory_limit, else what the GPU has (or, emulated, RAM).
   // A GPU the CUDA runtime lists but LibTorch cannot use is "present but unusable" for
@@ -368,14 +378,18 @@ Status Trainer::Impl::plan_memory() {
   pi.device_budget_bytes = device->stats().budget_bytes;
   pi.out_dir = opt.out_dir;
   pi.host = probe_host(opt.config, opt.out_dir);
+  pi.world_size = world_size();
+  pi.rank = rank();
+  pi.partition_optimizer = world_size() > 1 && opt.config.zero.stage >= 1;
   if (device->kind() == DeviceKind::kCuda && !probe.gpus.empty()) {
     pi.host.cuda = true;
     pi.host.device_name = probe.gpus.front().name;
     pi.host.device_total_bytes = probe.gpus.front().total_bytes;
   }
-  // Note [Replicated data parallel]: the ranks of one node start together and each holds every
-  // state, so each is planned against its share of the node's RAM and disks (and, emulated, of
-  // the device's RAM); each GPU is its rank's own.
+  // Note [Replicated data parallel]: the ranks of one node start together, so each is planned
+  // against its share of the node's RAM and disks (and, emulated, of the device's RAM) for the
+  // states it holds (every one at stage 0, its partition's optimizer states at stages 1-3); each
+  // GPU is its rank's own.
   const uint32_t local_ranks = opt.group != nullptr ? opt.group->world().local_world_size : 1;
   if (local_ranks > 1) {
     for (uint64_t* share : {&pi.host.ram_total_bytes, &pi.host.ram_available_bytes, &pi.host.optimizer_disk_free_bytes,
@@ -390,9 +404,8 @@ Status Trainer::Impl::plan_memory() {
     std::vector<std::string> problems;
     for (const PlanProblem& p : run_plan.problems) problems.push_back(p.to_string());
     const std::string shared =
-        local_ranks > 1 ? " (each of this node's " + std::to_string(local_ranks) +
-                              " ranks holds every state, so each is planned with 1/" + std::to_string(local_ranks) +
-                              " of its RAM and disk space)"
+        local_ranks > 1 ? " (each of this node's " + std::to_string(local_ranks) + " ranks is planned with 1/" +
+                              std::to_string(local_ranks) + " of its RAM and disk space)"
                         : "";
     return out_of_memory("the plan does not fit this machine" + shared + ": " + join(problems, "; ") +
                          " (`zoffload plan` with the same arguments lists the changes that make it fit)");
@@ -917,29 +930,49 @@ Result<Trainer::Impl::MicroResult> Trainer::Impl::finish_micro_step(Forward& f, 
 
 // Note [Replicated data parallel]
 // With several ranks (torchrun, mpirun, srun; engine/dist) each rank trains on its own slice of
-// every global batch (Dataset's rank split) and holds every state, as one process does. At the
-// accumulation boundary the ranks sum their gradient accumulators with one all-reduce per chunk
-// (every rank ends with the same bits, the loss factor having divided by the world size already,
-// so the sum is the mean), and each rank takes the norm of the sums. From there every rank holds
-// the same gradients, norm, overflow flag and loss scale, and runs the same optimizer step on the
-// same states, so the replicas stay bit-identical without exchanging weights; rank 0 writes the
-// metrics and checkpoints. The chunks are kReduceChunkElems whatever the tier, so the norm's
-// summation order, and the weights, do not depend on where the accumulators live. Partitioning the
-// optimizer states across ranks (ZeRO stages 1-3) is not built yet: every rank needs the memory of
-// a one-process run.
+// every global batch (Dataset's rank split). At ZeRO stage 0 each holds every state, as one
+// process does. At the accumulation boundary the ranks sum their gradient accumulators with one
+// all-reduce per chunk (every rank ends with the same bits, the loss factor having divided by the
+// world size already, so the sum is the mean), and each rank takes the norm of the sums. From
+// there every rank holds the same gradients, norm, overflow flag and loss scale, and runs the same
+// optimizer step on the same states, so the replicas stay bit-identical without exchanging
+// weights; rank 0 writes the metrics and checkpoints. The chunks are kReduceChunkElems whatever the
+// tier, so the norm's summation order, and the weights, do not depend on where the accumulators
+// live.
+//
+// Note [Partitioned data parallel]
+// At ZeRO stages 1-3 each rank owns one partition of the sub-groups (Note [Partitions] in
+// param_registry.cpp) and holds the optimizer states (master, exp_avg, exp_avg_sq) of that
+// partition only: the 12 bytes per parameter that dominate an offloaded run are divided by the
+// world size. Every rank still holds every gradient accumulator and compute copy. At the boundary
+// each chunk is reduced to its owner instead of all-reduced; the owner takes its squared norm, and
+// one all-reduce of the per-chunk norms (each slot filled by one rank, the others adding zeros,
+// which is exact) lets every rank add them up in the replicated path's order: with two ranks the
+// same bits as stage 0 (a reduce and an all-reduce of two values both compute a + b). Each rank
+// then steps its own sub-groups, and on the optimizer's thread, beside the next forward, the ranks
+// first exchange whether every update succeeded (so that none waits for copies a failed rank will
+// never send) and then each sub-group's new compute copy is broadcast from its owner, chunk by
+// chunk in sub-group order, and published to the next forward as it arrives.
+// Not built yet: stage 2's partitioned gradients (the accumulators are whole on every rank, as at
+// stage 1) and stage 3's partitioned parameters (every rank holds every compute copy).
 namespace {
 constexpr uint64_t kReduceChunkElems = uint64_t{1} << 22;
 }  // namespace
 
-Result<GradNormReport> Trainer::Impl::all_reduce_gradients() {
-  trace::Span span(trace::Track::kCollective, "all-reduce the gradients");
+Result<GradNormReport> Trainer::Impl::reduce_gradients() {
+  const bool partitioned = plan.partitioned();
+  trace::Span span(trace::Track::kCollective, partitioned ? "reduce the gradients to their owners" : "all-reduce the gradients");
   const DType dtype = plan.placement.grad_dtype;
   const uint64_t elem_bytes = dtype_size_bytes(dtype);
   GradNormReport report;
+  std::vector<double> chunk_sq;  // partitioned: each chunk's squared norm, from its owner
   for (uint32_t g = 0; g < store->plan().n_sub_groups; ++g) {
     const StateLocation& loc = store->location(g, StateKind::kGradAccum);
     const uint64_t n = store->state_bytes(g, StateKind::kGradAccum) / elem_bytes;
-    const std::string what = "all-reducing the gradients of sub-group " + std::to_string(g);
+    const uint32_t owner = registry->partition_of_group(g);
+    const bool mine = !partitioned || owner == rank();
+    const std::string what = (partitioned ? "reducing the gradients of sub-group " : "all-reducing the gradients of sub-group ") +
+                             std::to_string(g);
     for (uint64_t first = 0; first < n; first += kReduceChunkElems) {
       const uint64_t count = std::min(kReduceChunkElems, n - first);
       const uint64_t offset_bytes = first * elem_bytes;
@@ -954,15 +987,92 @@ Result<GradNormReport> Trainer::Impl::all_reduce_gradients() {
         p = reduce_staging->data();
         ZO_RETURN_IF_ERROR(store->read_state_range(g, StateKind::kGradAccum, offset_bytes, {p, count * elem_bytes}));
       }
-      ZO_RETURN_IF_ERROR(opt.group->all_reduce_sum(p, count, dtype, what));
-      ZO_ASSIGN_OR_RETURN(const double sq, cpu_optim::squared_norm({p, dtype}, count, *executor));
-      report.sum_sq += sq;
-      if (loc.tier != Tier::kCpu)
-        ZO_RETURN_IF_ERROR(store->write_state_range(g, StateKind::kGradAccum, offset_bytes, {p, count * elem_bytes}));
+      if (partitioned) {
+        ZO_RETURN_IF_ERROR(opt.group->reduce_sum(p, count, dtype, owner, what));
+      } else {
+        ZO_RETURN_IF_ERROR(opt.group->all_reduce_sum(p, count, dtype, what));
+      }
+      double sq = 0;
+      if (mine) {
+        ZO_ASSIGN_OR_RETURN(sq, cpu_optim::squared_norm({p, dtype}, count, *executor));
+        if (loc.tier != Tier::kCpu)
+          ZO_RETURN_IF_ERROR(store->write_state_range(g, StateKind::kGradAccum, offset_bytes, {p, count * elem_bytes}));
+      }
+      if (partitioned) {
+        chunk_sq.push_back(sq);
+      } else {
+        report.sum_sq += sq;
+      }
     }
+  }
+  if (partitioned) {
+    ZO_RETURN_IF_ERROR(opt.group->all_reduce_sum(chunk_sq, "all-reducing the gradient norm"));
+    for (double sq : chunk_sq) report.sum_sq += sq;
   }
   report.nonfinite = !std::isfinite(report.sum_sq);
   return report;
+}
+
+Status Trainer::Impl::gather_compute(const Status& local, const std::function<void(uint32_t)>& publish) {
+  trace::Span span(trace::Track::kCollective, "all-gather the updated parameters");
+  const double t0 = opt.group->seconds();
+  Status result = [&]() -> Status {
+    std::vector<double> failed(world_size(), 0.0);
+    failed[rank()] = local.is_ok() ? 0.0 : 1.0;
+    ZO_RETURN_IF_ERROR(opt.group->all_reduce_sum(failed, "exchanging the outcome of the optimizer step"));
+    if (!local.is_ok()) return local;
+    for (uint32_t r = 0; r < world_size(); ++r) {
+      if (failed[r] != 0)
+        return Status(StatusCode::kAborted, "the optimizer step of rank " + std::to_string(r) + " of " +
+                                                std::to_string(world_size()) + " failed (its own output has the error)");
+    }
+    const uint64_t elem_bytes = state_elem_bytes(plan.placement, StateKind::kCompute);
+    for (uint32_t g = 0; g < plan.n_sub_groups; ++g) {
+      const StateLocation& loc = store->location(g, StateKind::kCompute);
+      const uint64_t n = store->state_bytes(g, StateKind::kCompute) / elem_bytes;
+      const uint32_t owner = registry->partition_of_group(g);
+      const std::string what = "all-gathering the compute copies of sub-group " + std::to_string(g);
+      for (uint64_t first = 0; first < n; first += kReduceChunkElems) {
+        const uint64_t bytes = std::min(kReduceChunkElems, n - first) * elem_bytes;
+        const uint64_t offset_bytes = first * elem_bytes;
+        std::byte* p = nullptr;
+        if (loc.tier == Tier::kCpu) {
+          p = loc.host + offset_bytes;
+        } else {
+          if (!gather_staging) {
+            ZO_ASSIGN_OR_RETURN(AlignedBuffer b, AlignedBuffer::allocate(kReduceChunkElems * elem_bytes));
+            gather_staging.emplace(std::move(b));
+          }
+          p = gather_staging->data();
+          if (owner == rank()) ZO_RETURN_IF_ERROR(store->read_state_range(g, StateKind::kCompute, offset_bytes, {p, bytes}));
+        }
+        ZO_RETURN_IF_ERROR(opt.group->broadcast(p, bytes, owner, what));
+        if (owner != rank() && loc.tier != Tier::kCpu)
+          ZO_RETURN_IF_ERROR(store->write_state_range(g, StateKind::kCompute, offset_bytes, {p, bytes}));
+      }
+      if (owner != rank() && publish) publish(g);
+    }
+    return Status::ok();
+  }();
+  gather_s = opt.group->seconds() - t0;
+  return result;
+}
+
+Result<OptimizerStepReport> Trainer::Impl::update(const OptimizerStepArgs& args,
+                                                  const std::function<void(uint32_t)>& publish) {
+  gather_s = 0;
+  Result<OptimizerStepReport> r = optimizer->step(args);
+  if (!plan.partitioned()) return r;
+  const auto g0 = Clock::now();
+  Status gathered = gather_compute(r.is_ok() ? Status::ok() : r.status(), publish);
+  if (!r.is_ok()) return r;
+  if (!gathered.is_ok()) {
+    // Some compute copies may be stale: the run cannot go on from these states.
+    store->mark_torn(gathered.to_string());
+    return gathered;
+  }
+  r->total_s += seconds_since(g0);
+  return r;
 }
 
 Trainer::Trainer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -1037,7 +1147,7 @@ Result<StepMetrics> Trainer::Impl::step_once() {
     }
     loss_sum = sums[0];
     out.tokens = static_cast<uint64_t>(sums[1]);
-    ZO_ASSIGN_OR_RETURN(boundary, m.all_reduce_gradients());
+    ZO_ASSIGN_OR_RETURN(boundary, m.reduce_gradients());
   }
   out.loss = loss_sum / static_cast<double>(gas * m.world_size());
   out.torch_peak_bytes = torch_memory(cuda).peak_bytes;
@@ -1077,14 +1187,15 @@ Result<StepMetrics> Trainer::Impl::step_once() {
     UpdateGate* gate = m.gate.get();
     if (!overlap) {
       const auto o0 = Clock::now();
-      stepped.emplace(m.optimizer->step(args));
+      stepped.emplace(m.update(args, {}));
       join_s = seconds_since(o0);
     } else {
-      args.on_compute_ready = [gate](uint32_t g) { gate->publish(g); };
+      auto publish = [gate](uint32_t g) { gate->publish(g); };
+      args.on_compute_ready = publish;
       gate->open();
       try {
-        m.update_thread = std::thread([&m, &stepped, gate, args] {
-          Result<OptimizerStepReport> r = m.optimizer->step(args);
+        m.update_thread = std::thread([&m, &stepped, gate, args, publish] {
+          Result<OptimizerStepReport> r = m.update(args, publish);
           gate->close(r.is_ok() ? Status::ok() : r.status());
           stepped.emplace(std::move(r));
         });
@@ -1133,7 +1244,8 @@ Result<StepMetrics> Trainer::Impl::step_once() {
   out.data_s = data_s;
   if (m.opt.group != nullptr) {
     out.collective_bytes = m.opt.group->bytes() - collective_bytes_before;
-    out.collective_s = m.opt.group->seconds() - collective_s_before;
+    out.gather_s = stepped && stepped->is_ok() ? m.gather_s : 0.0;
+    out.collective_s = m.opt.group->seconds() - collective_s_before - out.gather_s;
   }
   out.compute_s = std::max(0.0, out.step_s - out.fetch_s - out.grad_offload_s - out.data_s - out.optimizer_wait_s -
                                     out.collective_s);
@@ -1228,6 +1340,19 @@ Result<SaveResult> Trainer::save_checkpoint(const std::function<void(uint64_t, u
     m.last_saved_step = m.steps_done;
     return r;
   }
+  if (m.plan.partitioned()) {
+    // Note [Partitioned data parallel]: each rank writes its partition (Note [Collaborative save]).
+    dist::ProcessGroup* group = m.opt.group;
+    o.collective = SaveOptions::Collective{
+        .rank = m.rank(),
+        .world_size = m.world_size(),
+        .broadcast = [group](void* data, uint64_t n, uint32_t root, const std::string& what) {
+          return group->broadcast(data, n, root, what);
+        }};
+    Result<SaveResult> r = engine::save_checkpoint(*m.store, training_state(), m.model_config_json(), o);
+    if (r.is_ok()) m.last_saved_step = m.steps_done;
+    return r;
+  }
   // Note [Replicated data parallel]: every rank holds the same states; rank 0 writes them while the
   // others wait, so that no rank runs ahead into the next step's collectives during a long save.
   Result<SaveResult> r = SaveResult{};
@@ -1264,7 +1389,11 @@ std::string Trainer::describe() const {
   s << "model " << m.opt.model << " (" << m.model.num_hidden_layers << " layers, hidden " << m.model.hidden_size
     << ", " << format_count(m.registry->total_elems()) << " params) | " << dtype_name(m.compute_dtype) << " compute, "
     << dtype_name(pl.grad_dtype) << " gradients | ZeRO stage " << m.opt.config.zero.stage << ", "
-    << m.registry->sub_groups().size() << " sub-groups | optimizer states on " << tier_name(pl.optimizer)
+    << m.registry->sub_groups().size() << " sub-groups";
+  if (m.plan.partitioned())
+    s << " (this rank steps " << m.plan.owned_begin << "-" << m.plan.owned_end - 1 << ": partition " << m.rank() << " of "
+      << m.world_size() << ")";
+  s << " | optimizer states on " << tier_name(pl.optimizer)
     << ", gradient accumulators on " << tier_name(pl.grad)
     << ", compute copies: " << (pl.compute.size() - compute_cpu - compute_nvme) << " device, " << compute_cpu
     << " cpu, " << compute_nvme << " nvme | device " << m.device->name() << ", budget "

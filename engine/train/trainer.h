@@ -89,10 +89,14 @@ struct StepMetrics {
   MemoryStats memory;          // tiers after the step (peaks since the start of the run)
   uint64_t device_peak_bytes = 0;  // Device::stats().peak_allocated_bytes
   uint64_t device_budget_bytes = 0;
-  // Data parallel: the gradient all-reduce's payload bytes sent by this rank and its wall time (part
-  // of step_s, outside the parts above); 0 with one process.
+  // Data parallel: the payload bytes this rank passed to collectives (the gradients' all-reduce or,
+  // partitioned, their reduce to the owners and the updated parameters' all-gather) and the main
+  // thread's wall time in them (part of step_s, outside the parts above); 0 with one process.
   uint64_t collective_bytes = 0;
   double collective_s = 0;
+  // Partitioned data parallel (ZeRO stage ≥ 1): of optimizer_s, sending this rank's updated compute
+  // copies to the others and receiving theirs, on the optimizer's thread beside the next forward.
+  double gather_s = 0;
   // Of collective_s: the first collective of the boundary, where this rank waits for the slowest
   // one to finish its micro-steps (the rest is the gradient all-reduce itself).
   double rank_wait_s = 0;
@@ -145,8 +149,10 @@ class Trainer {
   // Saves the state after steps_done() steps into checkpoint_dir() as step-<N> (atomically, pruning
   // beyond keep_last). Only reads the training state: a failed save leaves it, the previous
   // checkpoints and `latest` unchanged, and training may go on. kFailedPrecondition without a
-  // checkpoint directory or after a failed optimizer step. Data parallel: rank 0 writes, every rank
-  // waits for it (the states are the same on every rank); other ranks return an empty path.
+  // checkpoint directory or after a failed optimizer step. Data parallel: every rank calls it. With
+  // replicated states (ZeRO stage 0) rank 0 writes while the others wait; partitioned, each rank
+  // writes its partition's range of the state files in parallel and rank 0 commits (Note
+  // [Collaborative save] in checkpoint.cpp). Other ranks return an empty path.
   Result<SaveResult> save_checkpoint(const std::function<void(uint64_t done_bytes, uint64_t total_bytes)>& progress = {});
   TrainingState training_state() const;
   // Exports the current master weights as a Hugging Face model directory (export.h), streamed from

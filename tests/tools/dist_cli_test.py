@@ -5,7 +5,8 @@ on CPU ranks joined by c10d's TCPStore and Gloo.
 - world 2 x micro-batch 1 trains like world 1 x micro-batch 2 (the same rows per step): losses and
   grad norms to REL_TOL, final fp32 weights to WEIGHT_ATOL (the reduction order differs);
 - at world 2 the weights are bit-identical whether the states live on the device, in CPU memory or
-  on NVMe;
+  on NVMe, and whether the optimizer states are replicated (ZeRO stage 0) or partitioned (stage 3),
+  where each rank holds about half of them;
 - a checkpoint saved at world 2 (its manifest says so) resumes at world 1 and at world 3 with the same
   global batch and continues like the uninterrupted run, to the same tolerances;
 - one rank killed (SIGKILL) or stalled (SIGSTOP) mid-run: the other exits non-zero within
@@ -51,8 +52,10 @@ def free_port():
         return s.getsockname()[1]
 
 
-def write_config(tmp, name, micro, gas, placement="nvme", ckpt_every=None, tbs=None):
+def write_config(tmp, name, micro, gas, placement="nvme", ckpt_every=None, tbs=None, stage=None):
     c = json.loads(json.dumps(BASE))
+    if stage is not None:
+        c["zero_optimization"]["stage"] = stage
     c["train_micro_batch_size_per_gpu"] = micro
     c["gradient_accumulation_steps"] = gas
     if tbs is not None:
@@ -135,9 +138,10 @@ with tempfile.TemporaryDirectory(dir=os.environ.get("MESON_BUILD_ROOT")) as tmp:
     expect(p.returncode == 2 and "train_batch_size" in p.stderr and "world size" in p.stderr,
            "train_batch_size 3 at world 2 is refused naming the key: exit %d: %s" % (p.returncode, p.stderr))
 
-    # Two ranks of one node each hold every state: each is planned with half the node's RAM, so a
-    # config that needs more than half (tinyllama-1.1b in fp32 with its states in RAM: ~21 GiB) is
-    # refused at start by both, before anything large is allocated, saying why.
+    # Each of two ranks of one node is planned with half the node's RAM, so a config that needs more
+    # than half (tinyllama-1.1b in fp32 with its states in RAM: ~14 GiB per rank with the optimizer
+    # states partitioned) is refused at start by both, before anything large is
+    # allocated, saying why.
     big = os.path.join(tmp, "big.json")
     with open(big, "w") as f:
         json.dump({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
@@ -145,7 +149,7 @@ with tempfile.TemporaryDirectory(dir=os.environ.get("MESON_BUILD_ROOT")) as tmp:
                                          "offload_optimizer": {"device": "cpu"}}}, f)
     p = torchrun(2, ["train", "--config", big, "--model", "tinyllama-1.1b", "--data", corpus, "--out",
                      os.path.join(tmp, "big"), "--steps", "1", "--seq-len", "64"], timeout=300)
-    expect(p.returncode != 0 and "each of this node's 2 ranks holds every state" in p.stderr and
+    expect(p.returncode != 0 and "each of this node's 2 ranks is planned with 1/2 of its RAM" in p.stderr and
            "rank 1: error: OutOfMemory: the plan does not fit" in p.stderr,
            "a plan that fits one rank's share of the node's RAM only is refused by every rank: %s" % p.stderr[-2000:])
 
@@ -174,6 +178,34 @@ with tempfile.TemporaryDirectory(dir=os.environ.get("MESON_BUILD_ROOT")) as tmp:
                    "world 2: the weights are bit-identical with the states on nvme and %s" % placement)
             expect([m["loss"] for m in metrics(runs[placement])] == [m["loss"] for m in metrics(runs["nvme"])],
                    "world 2: the losses are identical on nvme and %s" % placement)
+
+    # ---- partitioned (stage 3) vs replicated (stage 0) optimizer states at world 2 ------------------
+    # Note [Partitioned data parallel]: with two ranks the reduce to the owner computes the same sums
+    # as the all-reduce, so the runs agree bit for bit; rank 0 holds about half the optimizer states.
+    # Stage 0 offloads nothing: both runs keep every state on the (emulated) device.
+    if "none" in runs:
+        rep = os.path.join(tmp, "w2-stage0")
+        p = torchrun(2, train_args(write_config(tmp, "m1-stage0", 1, 1, "none", stage=0), rep))
+        if expect(p.returncode == 0, "world 2 at stage 0 trains: %s" % p.stderr[-3000:]):
+            part = runs["none"]
+            a, b = weights(rep), weights(part)
+            expect(all(np.array_equal(a[k].view(np.uint32), b[k].view(np.uint32)) for k in a),
+                   "world 2: stage 3 (partitioned) gives the weights of stage 0 (replicated) bit for bit")
+            expect([m["loss"] for m in metrics(rep)] == [m["loss"] for m in metrics(part)] and
+                   [m["grad_norm"] for m in metrics(rep)] == [m["grad_norm"] for m in metrics(part)],
+                   "world 2: stage 3 and stage 0 have the same losses and grad norms")
+            # Rank 0's device-resident states: every gradient accumulator and compute copy, and its
+            # optimizer states (12 B/param) - all of them at stage 0, about half at stage 3.
+            n_params = 3033344
+            dev0 = metrics(rep)[-1]["memory"]["device"]["resident_bytes"]
+            dev3 = metrics(part)[-1]["memory"]["device"]["resident_bytes"]
+            saved = dev0 - dev3
+            expect(abs(saved - 6 * n_params) < 0.02 * 6 * n_params,
+                   "rank 0 holds half the optimizer states at stage 3: device states %d vs %d bytes at stage 0 "
+                   "(%.3f of 12 B/param saved)" % (dev3, dev0, saved / (12.0 * n_params)))
+            print("rank 0 device-resident bytes: stage 0 %d, stage 3 %d" % (dev0, dev3))
+            for m in metrics(part):
+                expect(m["time_s"]["gather"] > 0, "step %d: the partitioned run all-gathers its parameters" % m["step"])
 
     # ---- save at world 2, resume at world 1 and world 3 (the same 6 rows per step) -------------------
     full = os.path.join(tmp, "full")

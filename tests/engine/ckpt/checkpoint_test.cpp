@@ -8,9 +8,12 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <barrier>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/aligned_buffer.h"
@@ -26,6 +29,7 @@ namespace fs = std::filesystem;
 using ::testing::HasSubstr;
 using testing::Placing;
 using testing::Rig;
+using testing::rig_value;
 
 constexpr uint64_t kStaging = uint64_t{1} << 20;  // small, so every state streams in several slots
 
@@ -499,6 +503,145 @@ TEST(Checkpoint, RefusesBadOptionsAndATornStore) {
   auto r = save_checkpoint(*rig.store, state_at(1), "{}", save_options(dir.path + "/c"));
   EXPECT_EQ(r.status().code(), StatusCode::kFailedPrecondition);
   EXPECT_FALSE(fs::exists(dir.path + "/c/step-1"));
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// Collaborative saves (Note [Collaborative save]): data-parallel ranks with partitioned optimizer
+// states, here threads joined by an in-process broadcast in place of the process group.
+
+// World-size ranks as threads: broadcast copies root's bytes to every rank, each call a collective.
+struct LocalBus {
+  explicit LocalBus(uint32_t n) : world(n), sync(n) {}
+  uint32_t world;
+  std::barrier<> sync;
+  std::vector<std::byte> buf;
+  SaveOptions::Collective collective(uint32_t rank) {
+    return {.rank = rank, .world_size = world, .broadcast = [this, rank](void* data, uint64_t n, uint32_t root, const std::string&) {
+              if (rank == root) buf.assign(static_cast<std::byte*>(data), static_cast<std::byte*>(data) + n);
+              sync.arrive_and_wait();
+              if (rank != root) std::memcpy(data, buf.data(), n);
+              sync.arrive_and_wait();
+              return Status::ok();
+            }};
+  }
+};
+
+// Runs a collaborative save of generation-`gen` rigs on `world` threads; returns each rank's result.
+std::vector<Result<SaveResult>> save_together(std::vector<Rig>& rigs, const std::string& ckpt, uint64_t step) {
+  LocalBus bus(static_cast<uint32_t>(rigs.size()));
+  std::vector<Result<SaveResult>> out(rigs.size(), Result<SaveResult>(internal_error("not run")));
+  std::vector<std::thread> threads;
+  for (uint32_t r = 0; r < rigs.size(); ++r) {
+    threads.emplace_back([&, r] {
+      SaveOptions o = save_options(ckpt);
+      o.collective = bus.collective(r);
+      out[r] = save_checkpoint(*rigs[r].store, state_at(step), "{}", o);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  return out;
+}
+
+TEST(CollaborativeSave, RanksWriteTheFilesOneProcessWouldAndAnyWorldLoadsThem) {
+  for (const std::string optimizer : {"nvme", "cpu"}) {
+    SCOPED_TRACE(optimizer);
+    TempDir dir;
+    Rig one;
+    ASSERT_TRUE(one.init({.optimizer = optimizer}, dir.path + "/swap-one").is_ok());
+    ASSERT_TRUE(one.fill(5).is_ok());
+    ASSERT_TRUE(save_checkpoint(*one.store, state_at(3), "{}", save_options(dir.path + "/one")).is_ok());
+    for (uint32_t world : {2u, 3u}) {
+      SCOPED_TRACE(world);
+      std::vector<Rig> rigs(world);
+      for (uint32_t r = 0; r < world; ++r) {
+        ASSERT_TRUE(rigs[r].init({.optimizer = optimizer}, dir.path + "/swap", 1, world, r).is_ok());
+        ASSERT_TRUE(rigs[r].plan.partitioned());
+        ASSERT_TRUE(rigs[r].fill(5).is_ok());
+      }
+      const std::string ckpt = dir.path + "/w" + std::to_string(world);
+      auto results = save_together(rigs, ckpt, 3);
+      for (uint32_t r = 0; r < world; ++r) ASSERT_TRUE(results[r].is_ok()) << r << ": " << results[r].status().to_string();
+      EXPECT_EQ(results[0]->path, ckpt + "/step-3");
+      EXPECT_TRUE(results[1]->path.empty());
+      // The same bytes, and so the same manifest (every chunk's CRC), as one process's save.
+      for (const char* f : {"master.safetensors", "exp_avg.safetensors", "exp_avg_sq.safetensors", "manifest.json",
+                            "trainer_state.json"}) {
+        EXPECT_EQ(read_file(ckpt + "/step-3/" + f), read_file(dir.path + "/one/step-3/" + f)) << f;
+      }
+      ASSERT_TRUE(verify(ckpt, *one.io).is_ok());
+      // Loaded by a world of another size, each rank gets its partition and every compute copy.
+      const uint32_t other = world == 2 ? 3 : 2;
+      for (uint32_t r = 0; r < other; ++r) {
+        Rig back;
+        ASSERT_TRUE(back.init({.optimizer = optimizer}, dir.path + "/swap-back", 1, other, r).is_ok());
+        ASSERT_TRUE(load(ckpt, back).is_ok());
+        for (const SubGroup& g : back.registry.sub_groups()) {
+          for (StateKind kind : {StateKind::kMaster, StateKind::kExpAvg, StateKind::kExpAvgSq}) {
+            std::vector<float> v(g.n_elems);
+            Status st = back.store->read_state(g.index, kind, std::as_writable_bytes(std::span(v)));
+            if (!back.plan.owns(g.index)) {
+              EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition);
+              continue;
+            }
+            ASSERT_TRUE(st.is_ok()) << st.to_string();
+            for (uint64_t i = 0; i < g.n_elems; ++i) ASSERT_EQ(v[i], rig_value(5, kind, g.first_elem + i)) << g.index;
+          }
+          std::vector<uint16_t> c(g.n_elems);
+          ASSERT_TRUE(back.store->read_state(g.index, StateKind::kCompute, std::as_writable_bytes(std::span(c))).is_ok());
+          for (uint64_t i = 0; i < g.n_elems; ++i)
+            ASSERT_EQ(c[i], float_to_bf16(rig_value(5, StateKind::kMaster, g.first_elem + i))) << g.index;
+        }
+      }
+    }
+  }
+}
+
+TEST(CollaborativeSave, AFailedRankFailsEveryRankAndLeavesThePreviousCheckpoint) {
+  TempDir dir;
+  std::vector<Rig> rigs(2);
+  for (uint32_t r = 0; r < 2; ++r) {
+    ASSERT_TRUE(rigs[r].init({.optimizer = "nvme"}, dir.path + "/swap", 1, 2, r).is_ok());
+    ASSERT_TRUE(rigs[r].fill(1).is_ok());
+  }
+  const std::string ckpt = dir.path + "/ckpt";
+  for (auto& r : save_together(rigs, ckpt, 1)) ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+  // Rank 1 cannot write its run of exp_avg: both ranks fail, rank 0 naming rank 1.
+  // (The file's last byte is in the last rank's run.)
+  const uint64_t last_byte = fs::file_size(ckpt + "/step-1/exp_avg.safetensors") - 1;
+  rigs[1].faults->add({.kind = io::FaultKind::kEio, .op = io::IoOp::kWrite, .path_contains = "exp_avg.safetensors",
+                       .offset_bytes = last_byte, .times = -1});
+  auto failed = save_together(rigs, ckpt, 2);
+  ASSERT_FALSE(failed[0].is_ok());
+  ASSERT_FALSE(failed[1].is_ok());
+  EXPECT_GT(rigs[1].faults->injected(), 0u);
+  EXPECT_THAT(failed[0].status().to_string(), HasSubstr("rank 1 of 2 could not write its part"));
+  EXPECT_THAT(failed[1].status().to_string(), HasSubstr("exp_avg.safetensors"));
+  EXPECT_FALSE(fs::exists(ckpt + "/step-2"));
+  for (const auto& e : fs::directory_iterator(ckpt)) EXPECT_THAT(e.path().filename().string(), ::testing::Not(HasSubstr("tmp")));
+  EXPECT_EQ(read_file(ckpt + "/latest"), "step-1\n");
+  EXPECT_TRUE(verify(ckpt, *rigs[0].io).is_ok());
+  // Rank 0 cannot create the files: every rank says so, nothing is left.
+  rigs[1].faults->clear();
+  fs::create_directories(ckpt);
+  rigs[0].faults->clear();
+  SaveOptions bad = save_options(ckpt);
+  bad.staging_bytes = 1000;  // refused by rank 0's checks before anything is written
+  LocalBus bus(2);
+  std::vector<Result<SaveResult>> out(2, Result<SaveResult>(internal_error("not run")));
+  std::vector<std::thread> threads;
+  for (uint32_t r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      SaveOptions o = bad;
+      o.collective = bus.collective(r);
+      out[r] = save_checkpoint(*rigs[r].store, state_at(2), "{}", o);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  ASSERT_FALSE(out[0].is_ok());
+  ASSERT_FALSE(out[1].is_ok());
+  EXPECT_THAT(out[1].status().to_string(), HasSubstr("rank 0 could not start it"));
+  EXPECT_FALSE(fs::exists(ckpt + "/step-2"));
 }
 
 }  // namespace

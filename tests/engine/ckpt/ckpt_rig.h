@@ -5,6 +5,7 @@
 
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -69,28 +70,32 @@ struct Rig {
   MemoryAccounting accounting;
   std::unique_ptr<StateStore> store;
 
-  Status init(const Placing& p, const std::string& dir, uint64_t scale = 1) {
+  // With n_partitions > 1: rank `rank` of a data-parallel run, holding the optimizer states of its
+  // partition only (its swap files under rank<r>).
+  Status init(const Placing& p, const std::string& dir, uint64_t scale = 1, uint32_t n_partitions = 1, uint32_t rank = 0) {
     nvme_dir = dir;
     config = rig_config(p, dir);
-    ZO_ASSIGN_OR_RETURN(registry, ParamRegistry::build(rig_model(scale), config.zero.sub_group_size));
-    ZO_ASSIGN_OR_RETURN(plan, plan_memory(config, registry));
+    ZO_ASSIGN_OR_RETURN(registry, ParamRegistry::build(rig_model(scale), config.zero.sub_group_size, n_partitions));
+    ZO_ASSIGN_OR_RETURN(plan, plan_memory(config, registry, n_partitions > 1 ? std::optional<uint32_t>(rank) : std::nullopt));
     ZO_ASSIGN_OR_RETURN(device, gpu::make_device(gpu::DeviceKind::kHost, uint64_t{256} << 20));
     ZO_ASSIGN_OR_RETURN(io, io::IoEngine::create(io::IoOptions{}, faults));
     StateStoreOptions o;
     o.optimizer_nvme_path = dir;
     o.param_nvme_path = dir;
+    o.rank = rank;
     ZO_ASSIGN_OR_RETURN(store, StateStore::create(registry, plan, *device, *io, o, accounting));
     return Status::ok();
   }
 
   // Sets master, exp_avg and exp_avg_sq of every element to generation `gen`'s values and the
-  // compute copies to the master rounded (as the optimizer leaves them).
+  // compute copies to the master rounded (as the optimizer leaves them). Partitioned: the optimizer
+  // states of the rank's own sub-groups.
   Status fill(uint64_t gen) {
     for (const SubGroup& g : registry.sub_groups()) {
       for (StateKind kind : {StateKind::kMaster, StateKind::kExpAvg, StateKind::kExpAvgSq}) {
         std::vector<float> v(g.n_elems);
         for (uint64_t i = 0; i < g.n_elems; ++i) v[i] = rig_value(gen, kind, g.first_elem + i);
-        ZO_RETURN_IF_ERROR(store->write_state(g.index, kind, std::as_bytes(std::span(v))));
+        if (plan.owns(g.index)) ZO_RETURN_IF_ERROR(store->write_state(g.index, kind, std::as_bytes(std::span(v))));
         if (kind == StateKind::kMaster) ZO_RETURN_IF_ERROR(store->write_compute_from_master(g.index, 0, v));
       }
     }
