@@ -31,6 +31,7 @@ struct PlanArgs {
   std::string io_results;
   uint64_t seq_len = 0;
   uint64_t steps = 0;
+  uint32_t ranks = 1;
   AutoFlags flags;
   bool no_measure = false;
   bool json = false;
@@ -49,6 +50,14 @@ void print_plan(const engine::RunPlan& p, const engine::PlanInputs& in, const st
               static_cast<unsigned long long>(in.config.train_micro_batch_size_per_gpu),
               static_cast<unsigned long long>(in.seq_len),
               static_cast<unsigned long long>(in.config.gradient_accumulation_steps));
+  if (in.world_size > 1) {
+    std::printf("data parallel: rank 0 of %u on this node, planned with 1/%u of its RAM and disk%s\n", in.world_size,
+                in.world_size,
+                mp.partitioned() ? (", holding the optimizer states of sub-groups " + std::to_string(mp.owned_begin) + "-" +
+                                    std::to_string(mp.owned_end - 1) + " (ZeRO stage " + std::to_string(in.config.zero.stage) + ")")
+                                       .c_str()
+                                 : " and every state (ZeRO stage 0)");
+  }
   std::printf("placement: optimizer states on %s, gradient accumulators on %s, compute copies %s, %s compute, %s gradients\n",
               std::string(engine::tier_name(pl.optimizer)).c_str(), std::string(engine::tier_name(pl.grad)).c_str(),
               std::string(engine::tier_name(pl.compute.empty() ? engine::Tier::kDevice : pl.compute.back())).c_str(),
@@ -111,9 +120,11 @@ void print_plan(const engine::RunPlan& p, const engine::PlanInputs& in, const st
 int run_plan(const PlanArgs& a) {
   auto model = engine::resolve_model_config(a.model);
   if (!model.is_ok()) return fail(model.status().message(), 2);
-  std::optional<engine::Config> config = load_config_with_flags(a.config, model->hidden_size, a.steps, a.flags);
+  std::optional<engine::Config> config = load_config_with_flags(a.config, model->hidden_size, a.steps, a.flags, a.ranks);
   if (!config) return 2;
   engine::PlanInputs in;
+  in.world_size = a.ranks;
+  in.partition_optimizer = a.ranks > 1 && config->zero.stage >= 1;
   in.config = *config;
   in.model = *model;
   in.model_name = a.model;
@@ -145,6 +156,9 @@ int run_plan(const PlanArgs& a) {
                   1);
     }
   }
+  // --ranks: one of that many ranks started on this node, as `train` plans each (rank 0; the
+  // partitions differ by at most 4096 elements).
+  engine::share_host(&in.host, a.ranks);
   in.device_budget_bytes = config->zoffload.gpu_memory_limit != 0 ? config->zoffload.gpu_memory_limit : in.host.device_total_bytes;
 
   if (!a.io_results.empty()) {
@@ -169,6 +183,7 @@ int run_plan(const PlanArgs& a) {
   if (a.json) {
     nlohmann::ordered_json j = nlohmann::ordered_json::parse(plan->to_json());
     j["model"] = a.model;
+    j["ranks"] = a.ranks;
     j["seq_len"] = in.seq_len;
     j["device_name"] = in.host.device_name;
     j["host"]["ram_available_bytes"] = in.host.ram_available_bytes;
@@ -217,6 +232,10 @@ void register_plan_command(CLI::App& app, int* exit_code) {
   plan->add_option("--out", args->out, "The run directory train would use: relative nvme_path resolve against it (default: zoffload-run)");
   plan->add_option("--io-results", args->io_results, "`zoffload-bench io --json` output for the NVMe read/write speed");
   add_auto_flags(plan, &args->flags);
+  plan->add_option("--ranks", args->ranks,
+                   "Plan one of N data-parallel ranks started on this node (torchrun --nproc-per-node N): each gets "
+                   "1/N of its RAM and disk, and at ZeRO stage >= 1 holds 1/N of the optimizer states (default 1)")
+      ->check(CLI::Range(1u, 65536u));
   plan->add_flag("--no-measure", args->no_measure, "Do not time the CPU kernels and the matmul (no step-time range)");
   plan->add_flag("--json", args->json, "Print the plan as JSON on stdout");
   plan->callback([args, exit_code] { *exit_code = run_plan(*args); });

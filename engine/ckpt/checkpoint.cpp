@@ -265,7 +265,7 @@ Result<SaveResult> save_collaborative(StateStore& store, const TrainingState& st
   const std::string final_dir = options.dir + "/" + name;
   const ParamRegistry& reg = store.registry();
   const MemoryPlan& plan = store.plan();
-  if (reg.n_partitions() != c.world_size || !plan.partitioned() && c.world_size > 1)
+  if (reg.n_partitions() != c.world_size || !plan.partitioned())
     return internal_error(context + ": a collaborative save needs a store partitioned over the " +
                           std::to_string(c.world_size) + " ranks");
   const std::vector<CheckpointTensor> tensors = tensors_of(reg);

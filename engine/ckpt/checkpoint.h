@@ -104,7 +104,9 @@ Status verify_checkpoint(const CheckpointInfo& ckpt, io::IoEngine& io, std::span
 // Streams master, exp_avg and exp_avg_sq into the store's tiers and sets the compute copies to the
 // master rounded to the compute dtype, checking every chunk's CRC-32C as it reads. The store's
 // params must be the checkpoint's tensors (same names, shapes and order; kInvalidArgument naming
-// the first difference); its sub-group size and tiers may differ from the saving run's. On
+// the first difference); its sub-group size and tiers may differ from the saving run's, and so may
+// its partitioning: a data-parallel rank's store (MemoryPlan::partitioned) reads only its own run
+// of exp_avg and exp_avg_sq (read_stream_range) and all of master, which sets every compute copy. On
 // kCorruption or an I/O error the store holds a partial load: do not train with it.
 Status load_checkpoint(const CheckpointInfo& ckpt, StateStore& store, io::IoEngine& io, std::span<std::byte> staging,
                        io::Env& env = *io::Env::posix());

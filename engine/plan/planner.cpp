@@ -149,6 +149,14 @@ DType grad_transfer_dtype(const Config& c) {
   return vertical_micro_batches(c) > 1 ? c.grad_accum_dtype : c.compute_dtype();
 }
 
+void share_host(HostFacts* host, uint32_t local_ranks) {
+  if (local_ranks <= 1) return;
+  for (uint64_t* share : {&host->ram_total_bytes, &host->ram_available_bytes, &host->optimizer_disk_free_bytes,
+                          &host->param_disk_free_bytes})
+    *share /= local_ranks;
+  if (!host->cuda) host->device_total_bytes /= local_ranks;
+}
+
 uint64_t vertical_micro_batches(const Config& c) {
   return c.zoffload.schedule == "vertical" ? c.gradient_accumulation_steps : 1;
 }
@@ -295,8 +303,10 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
       grad_rd += (passes - 1) * grad_read;
       rd += grad_read;
     }
-    if (pl.optimizer != Tier::kNvme) continue;
-    // The optimizer step: master, exp_avg and exp_avg_sq in and out.
+    // The optimizer step: master, exp_avg and exp_avg_sq in and out, of this rank's sub-groups.
+    // (Data parallel: the boundary's reduce moves the gradients of NVMe accumulators too, which
+    // this does not count yet.)
+    if (pl.optimizer != Tier::kNvme || !mp.owns(g.index)) continue;
     const uint64_t states = sec(StateKind::kMaster) + sec(StateKind::kExpAvg) + sec(StateKind::kExpAvgSq);
     rd += states;
     wr += states;

@@ -33,6 +33,11 @@ struct HostFacts {
   uint64_t param_disk_free_bytes = 0;
 };
 
+// One data-parallel rank's share of a node that `local_ranks` ranks start on together: 1/local_ranks
+// of its RAM and of the free space of its disks (and, emulated, of the device's RAM); a GPU is its
+// rank's own. What `zoffload train` plans each rank with, and `zoffload plan --ranks`.
+void share_host(HostFacts* host, uint32_t local_ranks);
+
 // Measured speeds the step-time range is computed from; 0 = not known (that part is left out and
 // the plan says so).
 struct HostSpeeds {

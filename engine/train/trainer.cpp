@@ -391,12 +391,7 @@ Status Trainer::Impl::plan_memory() {
   // states it holds (every one at stage 0, its partition's optimizer states at stages 1-3); each
   // GPU is its rank's own.
   const uint32_t local_ranks = opt.group != nullptr ? opt.group->world().local_world_size : 1;
-  if (local_ranks > 1) {
-    for (uint64_t* share : {&pi.host.ram_total_bytes, &pi.host.ram_available_bytes, &pi.host.optimizer_disk_free_bytes,
-                            &pi.host.param_disk_free_bytes})
-      *share /= local_ranks;
-    if (!pi.host.cuda) pi.host.device_total_bytes /= local_ranks;
-  }
+  share_host(&pi.host, local_ranks);
   ZO_ASSIGN_OR_RETURN(run_plan, plan_run(pi));
   // The memory plan the planner settled on ("auto" choices resolved against this host).
   plan = run_plan.memory;

@@ -161,4 +161,28 @@ with tempfile.TemporaryDirectory() as tmp:
     errors = [line for line in t.stderr.splitlines() if "error" in line]
     expect(len(errors) == 1, f"one error line: {t.stderr}")
 
+    # --ranks N plans one of N data-parallel ranks on this node: at ZeRO stage 3 it holds the
+    # optimizer states (12 B/param, on NVMe here with the accumulators) of its partition only.
+    nv = os.path.join(tmp, "nvme.json")
+    with open(nv, "w") as f:
+        json.dump(config(opt="nvme", zoffload={"gradient_accumulators": "nvme"}), f)
+    plans = {}
+    for ranks in (1, 2):
+        p = subprocess.run([zoffload, "plan", "--config", nv, "--model", "llama3-8b", "--out", tmp, "--json",
+                            "--no-measure", "--ranks", str(ranks)], capture_output=True, text=True, env=ENV)
+        if expect(p.returncode in (0, 3) and p.stdout, f"plan --ranks {ranks} runs: {p.returncode} {p.stderr}"):
+            plans[ranks] = json.loads(p.stdout)
+    if len(plans) == 2:
+        n = plans[1]["n_params"]
+        one, two = (plans[r]["memory_plan"]["nvme_optimizer_bytes"] for r in (1, 2))
+        expect(plans[2]["ranks"] == 2 and abs((one - two) - 6 * n) < 0.01 * 6 * n,
+               f"--ranks 2 holds half the optimizer states: {two} vs {one} bytes of swap for {n} params")
+        groups = plans[2]["memory_plan"]["owned_sub_groups"]
+        expect(groups[0] == 0 and 0 < groups[1] < plans[2]["memory_plan"]["n_sub_groups"],
+               f"rank 0 owns the first partition's sub-groups: {groups}")
+    p = subprocess.run([zoffload, "plan", "--config", nv, "--model", "tiny", "--out", tmp, "--no-measure", "--ranks", "2"],
+                       capture_output=True, text=True, env=ENV)
+    expect(p.returncode == 0 and "data parallel: rank 0 of 2 on this node" in p.stdout,
+           f"plan --ranks 2 says what it planned: {p.stdout[:600]} {p.stderr}")
+
 report_and_exit()
