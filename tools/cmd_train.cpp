@@ -410,7 +410,8 @@ void register_train_command(CLI::App& app, int* exit_code) {
       "Trainer's arguments fill them; `zoffload config check` takes the same flags.\n"
       "Launched as N processes (torchrun --no-python --nproc-per-node N zoffload train ..., mpirun, srun)\n"
       "it trains data parallel: each rank reads its slice of every batch; at ZeRO stage 0 the gradients are\n"
-      "all-reduced, at stages 1-3 each rank holds and steps its partition of the optimizer states\n"
+      "all-reduced, at stages 1-3 each rank holds and steps its partition of the optimizer states (and\n"
+      "from stage 2 of the gradient accumulators)\n"
       "(docs/training.md, \"Several processes\").");
   train->add_option("--config", args->config, "DeepSpeed/zoffload JSON config (see docs/config.md)")->required();
   train->add_option("--model", args->model,

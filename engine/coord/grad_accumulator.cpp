@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -36,6 +37,12 @@ struct GradAccumulator::Impl {
   std::vector<AlignedBuffer> buffers;
   std::vector<int32_t> free_buffers;
   uint64_t buffer_bytes = 0;
+  // Note [Partitioned gradients]
+  ReducerOptions reducer;
+  bool partitioned = false;
+  std::optional<AlignedBuffer> home;  // an owned accumulator not in host memory, read to be added to
+  std::vector<uint64_t> first_chunk;   // per sub-group: the index of its first norm chunk
+  uint64_t n_chunks = 0;
 
   // The open micro-step.
   bool open = false;
@@ -51,6 +58,9 @@ struct GradAccumulator::Impl {
     return buffers[group_buffer[g]].data();
   }
 
+  // Whether a param's first contribution of this micro-step starts its elements from zero.
+  bool starts_from_zero() const { return first || partitioned; }
+
   Status open_group(uint32_t g) {
     if (in_place || group_buffer[g] >= 0) return Status::ok();
     if (free_buffers.empty()) {
@@ -62,7 +72,7 @@ struct GradAccumulator::Impl {
     free_buffers.pop_back();
     group_buffer[g] = b;
     std::span<std::byte> bytes = buffers[b].bytes().first(store->state_bytes(g, StateKind::kGradAccum));
-    if (first) return Status::ok();  // every element is written by a first contribution
+    if (starts_from_zero()) return Status::ok();  // every element is written by a first contribution
     Status st = store->read_state(g, StateKind::kGradAccum, bytes);
     if (!st.is_ok()) {
       free_buffers.push_back(b);
@@ -73,7 +83,59 @@ struct GradAccumulator::Impl {
     return Status::ok();
   }
 
+  // Note [Partitioned gradients]: reduce the buffer to the owner, which adds it to its accumulator.
+  Status flush_partitioned(uint32_t g) {
+    const uint64_t bytes = store->state_bytes(g, StateKind::kGradAccum);
+    const uint64_t n = bytes / gb;
+    const int32_t b = group_buffer[g];
+    std::byte* sums = buffers[b].data();
+    auto release = [&] {
+      group_buffer[g] = -1;
+      free_buffers.push_back(b);
+    };
+    Status st = reducer.reduce(g, sums, n);
+    if (!st.is_ok()) {
+      release();
+      return st.with_context("gradient accumulator: reducing sub-group " + std::to_string(g));
+    }
+    if (!store->plan().owns(g)) {
+      release();
+      return Status::ok();
+    }
+    const StateLocation& loc = store->location(g, StateKind::kGradAccum);
+    std::byte* acc = sums;  // the accumulator's new value, once combined
+    if (loc.tier == Tier::kCpu) {
+      acc = loc.host;
+      st = cpu_optim::accumulate({acc, grad_dtype}, {sums, grad_dtype}, n, first, *executor);
+    } else if (!first) {
+      acc = home->data();
+      st = store->read_state(g, StateKind::kGradAccum, home->bytes().first(bytes));
+      if (st.is_ok()) report.bytes_read += bytes;
+      if (st.is_ok()) st = cpu_optim::accumulate({acc, grad_dtype}, {sums, grad_dtype}, n, false, *executor);
+    }
+    // (On the first micro-step the sums are the accumulator: round(0 + x) is x.)
+    if (st.is_ok() && last) {
+      for (uint64_t c = 0; c * reducer.chunk_elems < n; ++c) {
+        const uint64_t at = c * reducer.chunk_elems, count = std::min(reducer.chunk_elems, n - at);
+        Result<double> sq = cpu_optim::squared_norm({acc + at * gb, grad_dtype}, count, *executor);
+        if (!sq.is_ok()) {
+          st = sq.status();
+          break;
+        }
+        report.chunk_sq[first_chunk[g] + c] = *sq;
+      }
+    }
+    if (st.is_ok() && loc.tier != Tier::kCpu) {
+      st = store->write_state(g, StateKind::kGradAccum, {acc, bytes});
+      if (st.is_ok()) report.bytes_written += bytes;
+    }
+    release();
+    if (!st.is_ok()) return st.with_context("gradient accumulator: sub-group " + std::to_string(g));
+    return Status::ok();
+  }
+
   Status flush_group(uint32_t g) {
+    if (partitioned) return flush_partitioned(g);
     const uint64_t bytes = store->state_bytes(g, StateKind::kGradAccum);
     if (last) {
       Result<double> sq = cpu_optim::squared_norm({group_bytes(g), grad_dtype}, bytes / gb, *executor);
@@ -108,9 +170,9 @@ Status GradAccumulator::measure_kernel(std::byte* acc, DType acc_dtype, const st
 }
 
 GradAccumulator::BufferPlan GradAccumulator::plan_buffers(const ParamRegistry& registry, const Placement& placement,
-                                                          const std::vector<uint32_t>& contribution_order) {
+                                                          const std::vector<uint32_t>& contribution_order, bool partitioned) {
   BufferPlan out;
-  if (placement.grad == Tier::kCpu) return out;  // accumulated in place
+  if (placement.grad == Tier::kCpu && !partitioned) return out;  // accumulated in place
   const auto n_groups = static_cast<uint32_t>(registry.sub_groups().size());
   std::vector<uint32_t> pending(n_groups, 0);
   for (uint32_t p : contribution_order) {
@@ -131,6 +193,7 @@ GradAccumulator::BufferPlan GradAccumulator::plan_buffers(const ParamRegistry& r
       if (--pending[piece.sub_group] == 0) --open_now;
     }
   }
+  if (partitioned && placement.grad != Tier::kCpu) ++out.count;  // the owner's accumulator, read to add to
   out.bytes_each = registry.max_group_elems() * dtype_size_bytes(placement.grad_dtype);
   return out;
 }
@@ -140,7 +203,8 @@ GradAccumulator::~GradAccumulator() = default;
 
 Result<std::unique_ptr<GradAccumulator>> GradAccumulator::create(StateStore& store,
                                                                  std::vector<uint32_t> contribution_order,
-                                                                 const cpu_optim::Executor& executor) {
+                                                                 const cpu_optim::Executor& executor,
+                                                                 ReducerOptions reducer) {
   const ParamRegistry& registry = store.registry();
   auto impl = std::make_unique<Impl>();
   Impl& s = *impl;
@@ -148,7 +212,14 @@ Result<std::unique_ptr<GradAccumulator>> GradAccumulator::create(StateStore& sto
   s.executor = &executor;
   s.grad_dtype = store.plan().placement.grad_dtype;
   s.gb = dtype_size_bytes(s.grad_dtype);
-  s.in_place = store.plan().placement.grad == Tier::kCpu;
+  s.partitioned = static_cast<bool>(reducer.reduce);
+  if (s.partitioned != store.plan().partition_grads)
+    return invalid_argument(std::string("gradient accumulator: ") +
+                            (s.partitioned ? "a reducer for a store that holds every accumulator"
+                                           : "the store holds one partition's accumulators but no reducer was given"));
+  if (s.partitioned && reducer.chunk_elems == 0) return invalid_argument("gradient accumulator: chunk_elems 0");
+  s.reducer = std::move(reducer);
+  s.in_place = store.plan().placement.grad == Tier::kCpu && !s.partitioned;
   const uint32_t n_params = static_cast<uint32_t>(registry.params().size());
   const uint32_t n_groups = static_cast<uint32_t>(registry.sub_groups().size());
   s.uses.assign(n_params, 0);
@@ -169,8 +240,19 @@ Result<std::unique_ptr<GradAccumulator>> GradAccumulator::create(StateStore& sto
   for (uint32_t p = 0; p < n_params; ++p) {
     for (const ParamPiece& piece : registry.pieces_of_param(p)) s.group_total[piece.sub_group] += s.uses[p];
   }
-  const BufferPlan bp = plan_buffers(registry, store.plan().placement, contribution_order);
+  BufferPlan bp = plan_buffers(registry, store.plan().placement, contribution_order, s.partitioned);
   s.buffer_bytes = bp.bytes_each;
+  if (s.partitioned && store.plan().placement.grad != Tier::kCpu) {
+    --bp.count;
+    ZO_ASSIGN_OR_RETURN(AlignedBuffer home, AlignedBuffer::allocate(s.buffer_bytes));
+    s.home.emplace(std::move(home));
+  }
+  if (s.partitioned) {
+    for (const SubGroup& g : registry.sub_groups()) {
+      s.first_chunk.push_back(s.n_chunks);
+      s.n_chunks += (g.n_elems + s.reducer.chunk_elems - 1) / s.reducer.chunk_elems;
+    }
+  }
   for (uint32_t i = 0; i < bp.count; ++i) {
     ZO_ASSIGN_OR_RETURN(AlignedBuffer buf, AlignedBuffer::allocate(s.buffer_bytes));
     s.buffers.push_back(std::move(buf));
@@ -194,6 +276,7 @@ Status GradAccumulator::begin_micro_step(bool first, bool last) {
   std::fill(s.received.begin(), s.received.end(), 0);
   s.group_pending = s.group_total;
   s.report = GradNormReport{};
+  if (s.partitioned && last) s.report.chunk_sq.assign(s.n_chunks, 0.0);
   return Status::ok();
 }
 
@@ -220,7 +303,7 @@ Status GradAccumulator::add(uint32_t param, std::span<const std::byte> grad, DTy
     return invalid_argument("gradient accumulator: contribution " + std::to_string(s.received[param] + 1) + " of " +
                             info.name + " beyond its " + std::to_string(s.uses[param]) + " use(s) per micro-step");
   }
-  const bool from_zero = s.first && s.received[param] == 0;
+  const bool from_zero = s.starts_from_zero() && s.received[param] == 0;
   const auto pieces = registry.pieces_of_param(param);
   for (const ParamPiece& piece : pieces) {
     Status st = s.open_group(piece.sub_group);
@@ -268,6 +351,10 @@ Result<GradNormReport> GradAccumulator::end_micro_step() {
                                " param(s) missing contributions: " + missing);
   }
   s.reset_step();
+  if (s.partitioned) {
+    for (double sq : s.report.chunk_sq) s.report.sum_sq += sq;
+    s.report.nonfinite = !std::isfinite(s.report.sum_sq);
+  }
   return s.report;
 }
 

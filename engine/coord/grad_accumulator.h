@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <vector>
@@ -25,10 +26,26 @@ struct GradNormReport {
   // Σ g² over every accumulated gradient element (fp64), as the accumulators hold them (still
   // multiplied by the loss scale). Only filled at the last micro-step (0 otherwise).
   double sum_sq = 0;
+  // With a Reducer (partitioned gradients), at the last micro-step: Σ g² of each chunk of
+  // ReducerOptions::chunk_elems elements of each sub-group, in sub-group order, filled for the
+  // sub-groups this rank holds and 0 for the others (sum_sq is their sum in that order).
+  std::vector<double> chunk_sq;
   bool nonfinite = false;  // any inf/nan in the accumulated gradients (overflow); last micro-step only
   double offload_s = 0;    // wall time in add() and the flushes of this micro-step
   // Bytes of accumulators moved between their home tier (device, NVMe) and the host buffers.
   uint64_t bytes_read = 0, bytes_written = 0;
+};
+
+// Note [Partitioned gradients] (ZeRO stage 2): a data-parallel rank holds the accumulators of its
+// own sub-groups only. Every sub-group then collects one micro-step's contributions in a host
+// buffer from zero, and when they are complete `reduce` sums the buffer over the ranks into the
+// owner's copy (a collective: called on add()'s thread, in the same order on every rank, since the
+// contribution order is the same); the owner adds it to its accumulator (acc = round(acc + sum),
+// the sum itself on the first micro-step) and the other ranks drop it.
+struct ReducerOptions {
+  // In place, sub-group g's n_elems sums of this rank; on return the owner's hold every rank's sum.
+  std::function<Status(uint32_t sub_group, std::byte* data, uint64_t n_elems)> reduce;
+  uint64_t chunk_elems = uint64_t{1} << 22;  // GradNormReport::chunk_sq's chunks
 };
 
 class GradAccumulator {
@@ -40,8 +57,11 @@ class GradAccumulator {
   // CPU-resident (pageable, each the largest sub-group's accumulator). kInvalidArgument naming the
   // param for an id out of range or a param that never appears. `store` must outlive this.
   // The kernels run on `executor`'s threads and SIMD path; it must outlive this.
+  // With reducer.reduce set, the gradients are partitioned (Note [Partitioned gradients]): the
+  // store's plan must partition them (MemoryPlan::partition_grads), and the other way round.
   static Result<std::unique_ptr<GradAccumulator>> create(StateStore& store, std::vector<uint32_t> contribution_order,
-                                                         const cpu_optim::Executor& executor);
+                                                         const cpu_optim::Executor& executor,
+                                                         ReducerOptions reducer = {});
 
   // The host buffers create() allocates (none when the accumulators are CPU-resident): the planner's
   // figure and create()'s. `contribution_order` must be valid (as create() checks it).
@@ -53,8 +73,10 @@ class GradAccumulator {
   // micro-step do (the planner times it).
   static Status measure_kernel(std::byte* acc, DType acc_dtype, const std::byte* grad, DType grad_dtype, uint64_t n,
                                const cpu_optim::Executor& executor);
+  // partitioned: MemoryPlan::partition_grads (every sub-group buffered, plus one buffer to combine
+  // with an accumulator that is not in host memory).
   static BufferPlan plan_buffers(const ParamRegistry& registry, const Placement& placement,
-                                 const std::vector<uint32_t>& contribution_order);
+                                 const std::vector<uint32_t>& contribution_order, bool partitioned = false);
   ~GradAccumulator();
   GradAccumulator(const GradAccumulator&) = delete;
   GradAccumulator& operator=(const GradAccumulator&) = delete;

@@ -296,6 +296,7 @@ std::string MemoryPlan::to_json() const {
   j["n_sub_groups"] = n_sub_groups;
   j["total_elems"] = total_elems;
   j["owned_sub_groups"] = {owned_begin, owned_end};
+  j["partition_grads"] = partition_grads;
   j["device_bytes"] = device_bytes;
   j["cpu_pinned_bytes"] = cpu_pinned_bytes;
   j["cpu_pageable_bytes"] = cpu_pageable_bytes;
@@ -364,7 +365,10 @@ Result<MemoryPlan> plan_memory(const Config& config, const ParamRegistry& regist
   plan.n_sub_groups = static_cast<uint32_t>(groups.size());
   plan.total_elems = registry.total_elems();
   plan.owned_end = plan.n_sub_groups;
-  if (owned_partition) std::tie(plan.owned_begin, plan.owned_end) = registry.partition_groups(*owned_partition);
+  if (owned_partition) {
+    std::tie(plan.owned_begin, plan.owned_end) = registry.partition_groups(*owned_partition);
+    plan.partition_grads = plan.partitioned() && config.zero.stage >= 2;
+  }
   const uint32_t owned_groups = plan.owned_end - plan.owned_begin;
   pl.compute.resize(groups.size(), tier_of(op.device));
   if (op.device == OffloadDevice::kNvme) {
@@ -385,7 +389,7 @@ Result<MemoryPlan> plan_memory(const Config& config, const ParamRegistry& regist
   // Each state of each group is its own section, rounded as the state store carves it.
   for (const SubGroup& g : groups) {
     for (StateKind k : kAllStates) {
-      if (is_optimizer_state(k) && !plan.owns(g.index)) continue;  // another rank's (Note [Partitions])
+      if (!plan.holds(g.index, k)) continue;  // another rank's (Note [Partitions])
       const uint64_t raw = g.n_elems * state_elem_bytes(pl, k);
       switch (tier_of_state(g.index, k)) {
         case Tier::kDevice: plan.device_bytes += align_up(raw, gpu::kDeviceAlignment); break;

@@ -137,6 +137,14 @@ struct MemoryPlan {
   uint32_t owned_end = 0;
   bool owns(uint32_t sub_group) const { return sub_group >= owned_begin && sub_group < owned_end; }
   bool partitioned() const { return owned_begin != 0 || owned_end != n_sub_groups; }
+  // ZeRO stage ≥ 2 with a partition: the gradient accumulators too exist only for the owned
+  // sub-groups (each micro-step's gradients are reduced to their owner as they are produced).
+  bool partition_grads = false;
+  // Whether this rank holds state `kind` of `sub_group`.
+  bool holds(uint32_t sub_group, StateKind kind) const {
+    if (owns(sub_group)) return true;
+    return !is_optimizer_state(kind) && !(kind == StateKind::kGradAccum && partition_grads);
+  }
 
   uint64_t device_bytes = 0;        // states resident on the device (parameters fetched by the
                                     // stage-3 coordinator are budgeted separately)
@@ -179,7 +187,8 @@ struct MemoryPlan {
 // kInvalidArgument naming the key path when the combination is impossible (offload_param on
 // cpu/nvme with the optimizer on the device; accumulators off the device with it there; offload_optimizer.buffer_count below what pipeline_read/pipeline_write need;
 // offload_param.buffer_size smaller than the largest param, naming the param). With
-// owned_partition, only that partition of the registry's holds optimizer states (MemoryPlan::owns).
+// owned_partition, only that partition of the registry's holds optimizer states (MemoryPlan::owns)
+// and, at ZeRO stage ≥ 2, gradient accumulators (MemoryPlan::partition_grads).
 Result<MemoryPlan> plan_memory(const Config& config, const ParamRegistry& registry,
                                std::optional<uint32_t> owned_partition = std::nullopt);
 

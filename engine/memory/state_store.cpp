@@ -144,7 +144,7 @@ Status StateStore::Impl::allocate_states() {
     uint64_t device_total = 0, cpu_total = 0;
     for (uint32_t g = 0; g < n_groups; ++g) {
       locations[g][k].tier = tier_of(g, kind);
-      locations[g][k].held = !is_optimizer_state(kind) || plan.owns(g);
+      locations[g][k].held = plan.holds(g, kind);
       if (!locations[g][k].held) continue;
       if (locations[g][k].tier == Tier::kDevice) device_total += align_up(n_elems(g) * eb, gpu::kDeviceAlignment);
       if (locations[g][k].tier == Tier::kCpu) cpu_total += align_up(n_elems(g) * eb, kPinnedAlignment);

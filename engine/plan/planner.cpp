@@ -267,7 +267,7 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
   const bool pin = pool_is_pinned(pl);
   p.pinned_bytes = (pin ? p.pool_bytes : 0) + p.checkpoint_host_bytes;
   p.pageable_state_bytes = mp.cpu_pageable_bytes;
-  const GradAccumulator::BufferPlan gbuf = GradAccumulator::plan_buffers(registry, pl, contribution_order);
+  const GradAccumulator::BufferPlan gbuf = GradAccumulator::plan_buffers(registry, pl, contribution_order, mp.partition_grads);
   p.grad_ring_bytes = mp.grad_ring_bytes;  // in the pool
   p.host_buffer_bytes = kStoreScratchBytes + uint64_t{gbuf.count} * gbuf.bytes_each +
                         uint64_t{mp.grad_read_buffers} * mp.grad_read_buffer_bytes;
@@ -294,7 +294,7 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
     if (pl.compute[g.index] != Tier::kDevice) n_fetched += g.n_elems;
     auto sec = [&](StateKind k) { return align_up(g.n_elems * state_elem_bytes(pl, k), kSwapAlignment); };
     if (pl.compute[g.index] == Tier::kNvme) compute_nvme_bytes += sec(StateKind::kCompute);
-    if (pl.grad == Tier::kNvme) {
+    if (pl.grad == Tier::kNvme && mp.holds(g.index, StateKind::kGradAccum)) {
       const uint64_t grad_len = g.n_elems * state_elem_bytes(pl, StateKind::kGradAccum);
       const uint64_t grad_read = sec(StateKind::kGradAccum) + (grad_len % kSwapAlignment != 0 ? kSwapAlignment : 0);
       // The gradient accumulator: written every pass, read back on all but the first, and read

@@ -56,6 +56,10 @@ namespace {
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
+// Data parallel: gradients and parameters cross between ranks in chunks of this many elements
+// (Note [Replicated data parallel]).
+constexpr uint64_t kReduceChunkElems = uint64_t{1} << 22;
+
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
@@ -103,6 +107,7 @@ std::string StepMetrics::to_json() const {
   j["time_s"]["collective"] = collective_s;
   j["time_s"]["rank_wait"] = rank_wait_s;
   j["time_s"]["gather"] = gather_s;
+  j["time_s"]["grad_reduce"] = grad_reduce_s;
   return j.dump();
 }
 
@@ -464,7 +469,17 @@ Status Trainer::Impl::create_step_pipeline() {
   }
   gate = std::make_unique<UpdateGate>(store->plan().n_sub_groups);
   coord->set_update_gate(gate.get());
-  ZO_ASSIGN_OR_RETURN(grads, GradAccumulator::create(*store, std::move(contribution_order), *executor));
+  ReducerOptions reducer;
+  if (plan.partition_grads) {
+    // Note [Partitioned gradients] (grad_accumulator.h): on the gradient worker's thread, as
+    // backward produces them; the training thread issues no collective until the worker is drained.
+    reducer.chunk_elems = kReduceChunkElems;
+    reducer.reduce = [this](uint32_t g, std::byte* data, uint64_t n) {
+      return opt.group->reduce_sum(data, n, plan.placement.grad_dtype, registry->partition_of_group(g),
+                                   "reducing the gradients of sub-group " + std::to_string(g));
+    };
+  }
+  ZO_ASSIGN_OR_RETURN(grads, GradAccumulator::create(*store, std::move(contribution_order), *executor, std::move(reducer)));
   // The landing ring comes from the pool: pinned, so that gradients leave the GPU by DMA.
   ZO_ASSIGN_OR_RETURN(std::span<std::byte> ring, store->pool().allocate(plan.grad_ring_bytes, "the gradient landing ring"));
   ZO_ASSIGN_OR_RETURN(grad_worker, GradWorker::create(*grads, ring, {}, device.get()));
@@ -939,7 +954,7 @@ Result<Trainer::Impl::MicroResult> Trainer::Impl::finish_micro_step(Forward& f, 
 // At ZeRO stages 1-3 each rank owns one partition of the sub-groups (Note [Partitions] in
 // param_registry.cpp) and holds the optimizer states (master, exp_avg, exp_avg_sq) of that
 // partition only: the 12 bytes per parameter that dominate an offloaded run are divided by the
-// world size. Every rank still holds every gradient accumulator and compute copy. At the boundary
+// world size. At stage 1 every rank still holds every gradient accumulator; at the boundary
 // each chunk is reduced to its owner instead of all-reduced; the owner takes its squared norm, and
 // one all-reduce of the per-chunk norms (each slot filled by one rank, the others adding zeros,
 // which is exact) lets every rank add them up in the replicated path's order: with two ranks the
@@ -948,12 +963,10 @@ Result<Trainer::Impl::MicroResult> Trainer::Impl::finish_micro_step(Forward& f, 
 // first exchange whether every update succeeded (so that none waits for copies a failed rank will
 // never send) and then each sub-group's new compute copy is broadcast from its owner, chunk by
 // chunk in sub-group order, and published to the next forward as it arrives.
-// Not built yet: stage 2's partitioned gradients (the accumulators are whole on every rank, as at
-// stage 1) and stage 3's partitioned parameters (every rank holds every compute copy).
-namespace {
-constexpr uint64_t kReduceChunkElems = uint64_t{1} << 22;
-}  // namespace
-
+// From stage 2 the gradient accumulators are partitioned too: each micro-step's gradients are
+// reduced to their owners during backward (Note [Partitioned gradients] in grad_accumulator.h), and
+// the boundary only all-reduces the owners' chunk norms, in the same order.
+// Not built yet: stage 3's partitioned parameters (every rank holds every compute copy).
 Result<GradNormReport> Trainer::Impl::reduce_gradients() {
   const bool partitioned = plan.partitioned();
   trace::Span span(trace::Track::kCollective, partitioned ? "reduce the gradients to their owners" : "all-reduce the gradients");
@@ -1107,6 +1120,9 @@ Result<StepMetrics> Trainer::Impl::step_once() {
   const double io_busy_before = m.io->stats().busy_s;
   const bool cuda = m.torch_device.is_cuda();
   reset_torch_memory_peak(cuda);
+  // Every collective of this step (the previous step's optimizer thread has been joined).
+  const uint64_t collective_bytes_at_start = m.opt.group != nullptr ? m.opt.group->bytes() : 0;
+  const double collective_s_at_start = m.opt.group != nullptr ? m.opt.group->seconds() : 0;
   const uint64_t gas = config.gradient_accumulation_steps;
   GradNormReport boundary;
   double loss_sum = 0;
@@ -1129,9 +1145,11 @@ Result<StepMetrics> Trainer::Impl::step_once() {
     offload_s += r.grad_offload_s;
     if (last) boundary = r.grads;
   }
-  const uint64_t collective_bytes_before = m.opt.group != nullptr ? m.opt.group->bytes() : 0;
-  const double collective_s_before = m.opt.group != nullptr ? m.opt.group->seconds() : 0;
+  double main_collective_s = 0;
   if (m.opt.group != nullptr) {
+    // The micro-steps' collectives (partitioned gradients) ran on the gradient worker's thread.
+    out.grad_reduce_s = m.opt.group->seconds() - collective_s_at_start;
+    const double main_collective_before = m.opt.group->seconds();
     // Note [Replicated data parallel]: the step's facts, then its gradients, summed over the ranks.
     std::array<double, 2> sums{loss_sum, static_cast<double>(out.tokens)};
     {
@@ -1142,7 +1160,17 @@ Result<StepMetrics> Trainer::Impl::step_once() {
     }
     loss_sum = sums[0];
     out.tokens = static_cast<uint64_t>(sums[1]);
-    ZO_ASSIGN_OR_RETURN(boundary, m.reduce_gradients());
+    if (m.plan.partition_grads) {
+      // Already reduced to their owners during backward: only the owners' chunk norms remain.
+      trace::Span span(trace::Track::kCollective, "all-reduce the gradient norm");
+      ZO_RETURN_IF_ERROR(m.opt.group->all_reduce_sum(boundary.chunk_sq, "all-reducing the gradient norm"));
+      boundary.sum_sq = 0;
+      for (double sq : boundary.chunk_sq) boundary.sum_sq += sq;
+      boundary.nonfinite = !std::isfinite(boundary.sum_sq);
+    } else {
+      ZO_ASSIGN_OR_RETURN(boundary, m.reduce_gradients());
+    }
+    main_collective_s = m.opt.group->seconds() - main_collective_before;
   }
   out.loss = loss_sum / static_cast<double>(gas * m.world_size());
   out.torch_peak_bytes = torch_memory(cuda).peak_bytes;
@@ -1238,9 +1266,9 @@ Result<StepMetrics> Trainer::Impl::step_once() {
   out.grad_offload_s = offload_s;
   out.data_s = data_s;
   if (m.opt.group != nullptr) {
-    out.collective_bytes = m.opt.group->bytes() - collective_bytes_before;
+    out.collective_bytes = m.opt.group->bytes() - collective_bytes_at_start;
     out.gather_s = stepped && stepped->is_ok() ? m.gather_s : 0.0;
-    out.collective_s = m.opt.group->seconds() - collective_s_before - out.gather_s;
+    out.collective_s = main_collective_s;
   }
   out.compute_s = std::max(0.0, out.step_s - out.fetch_s - out.grad_offload_s - out.data_s - out.optimizer_wait_s -
                                     out.collective_s);

@@ -89,14 +89,18 @@ struct StepMetrics {
   MemoryStats memory;          // tiers after the step (peaks since the start of the run)
   uint64_t device_peak_bytes = 0;  // Device::stats().peak_allocated_bytes
   uint64_t device_budget_bytes = 0;
-  // Data parallel: the payload bytes this rank passed to collectives (the gradients' all-reduce or,
-  // partitioned, their reduce to the owners and the updated parameters' all-gather) and the main
-  // thread's wall time in them (part of step_s, outside the parts above); 0 with one process.
+  // Data parallel: the payload bytes this rank passed to collectives this step (the gradients'
+  // all-reduce or, partitioned, their reduce to the owners and the updated parameters' all-gather)
+  // and the training thread's wall time in those at the boundary (part of step_s, outside the
+  // parts above); 0 with one process.
   uint64_t collective_bytes = 0;
   double collective_s = 0;
   // Partitioned data parallel (ZeRO stage ≥ 1): of optimizer_s, sending this rank's updated compute
   // copies to the others and receiving theirs, on the optimizer's thread beside the next forward.
   double gather_s = 0;
+  // ZeRO stage ≥ 2 with several ranks: reducing each micro-step's gradients to their owners, on the
+  // gradient worker's thread beside backward (inside grad_offload_s where backward waited for it).
+  double grad_reduce_s = 0;
   // Of collective_s: the first collective of the boundary, where this rank waits for the slowest
   // one to finish its micro-steps (the rest is the gradient all-reduce itself).
   double rank_wait_s = 0;

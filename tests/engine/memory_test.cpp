@@ -475,29 +475,38 @@ TEST(PlanMemory, EverythingOnTheDeviceByDefault) {
   EXPECT_EQ(p.cpu_pinned_bytes + p.cpu_pageable_bytes + p.nvme_optimizer_bytes + p.nvme_param_bytes, 0u);
 }
 
-TEST(PlanMemory, APartitionHoldsItsOwnOptimizerStatesAndEveryOtherState) {
+TEST(PlanMemory, APartitionHoldsItsOwnOptimizerStatesAndFromStage2ItsGradients) {
   Offload o;
   o.optimizer = "cpu";
   o.param = "cpu";
   std::vector<ParamSpec> params;
   for (int i = 0; i < 8; ++i) params.push_back(spec("p" + std::to_string(i), {100000}));
-  auto whole = must_plan(config_for(o), must_build(params, 1 << 17));
   auto reg = ParamRegistry::build(params, 1 << 17, 2);
   ASSERT_TRUE(reg.is_ok());
-  uint64_t parts = 0;
-  for (uint32_t rank = 0; rank < 2; ++rank) {
-    auto p = plan_memory(config_for(o), *reg, rank);
-    ASSERT_TRUE(p.is_ok()) << p.status().to_string();
-    EXPECT_TRUE(p->partitioned());
-    EXPECT_EQ(std::make_pair(p->owned_begin, p->owned_end), reg->partition_groups(rank));
-    // The optimizer states (12 bytes per element, pageable) of half the elements; the gradient
-    // accumulators (pageable) and compute copies (pinned) of all of them.
-    EXPECT_EQ(p->cpu_pinned_bytes, whole.cpu_pinned_bytes);
-    const uint64_t grads = 4 * 800000;
-    EXPECT_NEAR(static_cast<double>(p->cpu_pageable_bytes - grads), 12.0 * 400000, 12.0 * 4096 + 4 * 4 * 4096);
-    parts += p->cpu_pageable_bytes - grads;
+  for (int stage : {1, 2, 3}) {
+    SCOPED_TRACE("stage " + std::to_string(stage));
+    Config c = config_for(o);
+    c.zero.stage = stage;
+    const MemoryPlan whole = must_plan(c, must_build(params, 1 << 17));
+    // Pageable: the optimizer states (12 B per element) of the rank's half; the gradient
+    // accumulators (4 B) of every element at stage 1, of its half from stage 2. Pinned: every
+    // compute copy.
+    const double grads_whole = stage >= 2 ? 0 : 4.0 * 800000;
+    const double per_elem = stage >= 2 ? 16.0 : 12.0;
+    double parts = 0;
+    for (uint32_t rank = 0; rank < 2; ++rank) {
+      auto p = plan_memory(c, *reg, rank);
+      ASSERT_TRUE(p.is_ok()) << p.status().to_string();
+      EXPECT_TRUE(p->partitioned());
+      EXPECT_EQ(p->partition_grads, stage >= 2);
+      EXPECT_EQ(std::make_pair(p->owned_begin, p->owned_end), reg->partition_groups(rank));
+      EXPECT_EQ(p->cpu_pinned_bytes, whole.cpu_pinned_bytes);
+      const double own = static_cast<double>(p->cpu_pageable_bytes) - grads_whole;
+      EXPECT_NEAR(own, per_elem * 400000, per_elem * 4096 + 4 * 4 * 4096);
+      parts += own;
+    }
+    EXPECT_NEAR(parts, static_cast<double>(whole.cpu_pageable_bytes) - grads_whole, per_elem * 4096 * 4);
   }
-  EXPECT_NEAR(static_cast<double>(parts), static_cast<double>(whole.cpu_pageable_bytes - 4 * 800000), 12.0 * 4096 * 4);
 }
 
 TEST(PlanMemory, OptimizerOnCpuStagesComputeCopiesForTheDevice) {

@@ -5,8 +5,8 @@ on CPU ranks joined by c10d's TCPStore and Gloo.
 - world 2 x micro-batch 1 trains like world 1 x micro-batch 2 (the same rows per step): losses and
   grad norms to REL_TOL, final fp32 weights to WEIGHT_ATOL (the reduction order differs);
 - at world 2 the weights are bit-identical whether the states live on the device, in CPU memory or
-  on NVMe, and whether the optimizer states are replicated (ZeRO stage 0) or partitioned (stage 3),
-  where each rank holds about half of them;
+  on NVMe, and whether the states are replicated (ZeRO stage 0) or partitioned (stage 1: the
+  optimizer states; stage 3: the gradient accumulators too), where each rank holds half of them;
 - a checkpoint saved at world 2 (its manifest says so) resumes at world 1 and at world 3 with the same
   global batch and continues like the uninterrupted run, to the same tolerances;
 - one rank killed (SIGKILL) or stalled (SIGSTOP) mid-run: the other exits non-zero within
@@ -179,33 +179,45 @@ with tempfile.TemporaryDirectory(dir=os.environ.get("MESON_BUILD_ROOT")) as tmp:
             expect([m["loss"] for m in metrics(runs[placement])] == [m["loss"] for m in metrics(runs["nvme"])],
                    "world 2: the losses are identical on nvme and %s" % placement)
 
-    # ---- partitioned (stage 3) vs replicated (stage 0) optimizer states at world 2 ------------------
+    # ---- partitioned (stages 1, 3) vs replicated (stage 0) states at world 2 ---------------------------
     # Note [Partitioned data parallel]: with two ranks the reduce to the owner computes the same sums
-    # as the all-reduce, so the runs agree bit for bit; rank 0 holds about half the optimizer states.
-    # Stage 0 offloads nothing: both runs keep every state on the (emulated) device.
+    # as the all-reduce (and at GAS 1 stage 2's reduce during backward the same as stage 1's at the
+    # boundary), so the runs agree bit for bit. Rank 0 holds half the optimizer states (12 B/param)
+    # from stage 1, and half the gradient accumulators (4 B/param in fp32) too from stage 2.
+    # Stage 0 offloads nothing: every run keeps its states on the (emulated) device.
     if "none" in runs:
-        rep = os.path.join(tmp, "w2-stage0")
-        p = torchrun(2, train_args(write_config(tmp, "m1-stage0", 1, 1, "none", stage=0), rep))
-        if expect(p.returncode == 0, "world 2 at stage 0 trains: %s" % p.stderr[-3000:]):
-            part = runs["none"]
-            a, b = weights(rep), weights(part)
-            expect(all(np.array_equal(a[k].view(np.uint32), b[k].view(np.uint32)) for k in a),
-                   "world 2: stage 3 (partitioned) gives the weights of stage 0 (replicated) bit for bit")
-            expect([m["loss"] for m in metrics(rep)] == [m["loss"] for m in metrics(part)] and
-                   [m["grad_norm"] for m in metrics(rep)] == [m["grad_norm"] for m in metrics(part)],
-                   "world 2: stage 3 and stage 0 have the same losses and grad norms")
-            # Rank 0's device-resident states: every gradient accumulator and compute copy, and its
-            # optimizer states (12 B/param) - all of them at stage 0, about half at stage 3.
-            n_params = 3033344
+        n_params = 3033344
+        by_stage = {3: runs["none"]}
+        for stage in (0, 1):
+            out = os.path.join(tmp, "w2-stage%d" % stage)
+            p = torchrun(2, train_args(write_config(tmp, "m1-stage%d" % stage, 1, 1, "none", stage=stage), out))
+            if expect(p.returncode == 0, "world 2 at stage %d trains: %s" % (stage, p.stderr[-3000:])):
+                by_stage[stage] = out
+        if 0 in by_stage:
+            rep = by_stage[0]
             dev0 = metrics(rep)[-1]["memory"]["device"]["resident_bytes"]
-            dev3 = metrics(part)[-1]["memory"]["device"]["resident_bytes"]
-            saved = dev0 - dev3
-            expect(abs(saved - 6 * n_params) < 0.02 * 6 * n_params,
-                   "rank 0 holds half the optimizer states at stage 3: device states %d vs %d bytes at stage 0 "
-                   "(%.3f of 12 B/param saved)" % (dev3, dev0, saved / (12.0 * n_params)))
-            print("rank 0 device-resident bytes: stage 0 %d, stage 3 %d" % (dev0, dev3))
-            for m in metrics(part):
-                expect(m["time_s"]["gather"] > 0, "step %d: the partitioned run all-gathers its parameters" % m["step"])
+            for stage, saved_per_param in ((1, 6), (3, 8)):
+                if stage not in by_stage:
+                    continue
+                part = by_stage[stage]
+                a, b = weights(rep), weights(part)
+                expect(all(np.array_equal(a[k].view(np.uint32), b[k].view(np.uint32)) for k in a),
+                       "world 2: stage %d (partitioned) gives the weights of stage 0 (replicated) bit for bit" % stage)
+                expect([m["loss"] for m in metrics(rep)] == [m["loss"] for m in metrics(part)] and
+                       [m["grad_norm"] for m in metrics(rep)] == [m["grad_norm"] for m in metrics(part)],
+                       "world 2: stage %d and stage 0 have the same losses and grad norms" % stage)
+                dev = metrics(part)[-1]["memory"]["device"]["resident_bytes"]
+                saved = dev0 - dev
+                expect(abs(saved - saved_per_param * n_params) < 0.02 * saved_per_param * n_params,
+                       "rank 0 holds its half at stage %d: device states %d vs %d bytes at stage 0 (%.2f B/param "
+                       "saved, want %d)" % (stage, dev, dev0, saved / n_params, saved_per_param))
+                print("rank 0 device-resident bytes: stage 0 %d, stage %d %d" % (dev0, stage, dev))
+                for m in metrics(part):
+                    expect(m["time_s"]["gather"] > 0, "stage %d step %d: the updated parameters are all-gathered" %
+                           (stage, m["step"]))
+                    expect((m["time_s"]["grad_reduce"] > 0) == (stage >= 2),
+                           "stage %d step %d: gradients reduced during backward only from stage 2 (%g s)" %
+                           (stage, m["step"], m["time_s"]["grad_reduce"]))
 
     # ---- save at world 2, resume at world 1 and world 3 (the same 6 rows per step) -------------------
     full = os.path.join(tmp, "full")
