@@ -52,8 +52,10 @@ def free_port():
         return s.getsockname()[1]
 
 
-def write_config(tmp, name, micro, gas, placement="nvme", ckpt_every=None, tbs=None, stage=None):
+def write_config(tmp, name, micro, gas, placement="nvme", ckpt_every=None, tbs=None, stage=None, grads=None):
     c = json.loads(json.dumps(BASE))
+    if grads is not None:
+        c["zoffload"]["gradient_accumulators"] = grads
     if stage is not None:
         c["zero_optimization"]["stage"] = stage
     c["train_micro_batch_size_per_gpu"] = micro
@@ -218,6 +220,23 @@ with tempfile.TemporaryDirectory(dir=os.environ.get("MESON_BUILD_ROOT")) as tmp:
                     expect((m["time_s"]["grad_reduce"] > 0) == (stage >= 2),
                            "stage %d step %d: gradients reduced during backward only from stage 2 (%g s)" %
                            (stage, m["step"], m["time_s"]["grad_reduce"]))
+
+    # ---- stage 3 at world 2 with gradient accumulation: partitioned accumulators in RAM and on NVMe --
+    # (the owner adds each micro-step's reduced sum to its accumulator in place, or through a host
+    # buffer read back from NVMe): the same bits, as every placement at a fixed world size.
+    acc = {}
+    for grads in ("cpu", "nvme"):
+        out = os.path.join(tmp, "w2-gas2-" + grads)
+        p = torchrun(2, train_args(write_config(tmp, "g2-" + grads, 1, 2, grads=grads), out))
+        if expect(p.returncode == 0, "world 2 x GAS 2, accumulators on %s, trains: %s" % (grads, p.stderr[-3000:])):
+            acc[grads] = out
+    if len(acc) == 2:
+        a, b = weights(acc["cpu"]), weights(acc["nvme"])
+        expect(all(np.array_equal(a[k].view(np.uint32), b[k].view(np.uint32)) for k in a) and
+               [m["grad_norm"] for m in metrics(acc["cpu"])] == [m["grad_norm"] for m in metrics(acc["nvme"])],
+               "world 2 x GAS 2: partitioned accumulators on cpu and nvme give the same weights and norms")
+        expect(metrics(acc["nvme"])[-1]["memory"]["nvme_write_bytes"] > metrics(acc["cpu"])[-1]["memory"]["nvme_write_bytes"],
+               "the nvme run's accumulators do go to the drive")
 
     # ---- save at world 2, resume at world 1 and world 3 (the same 6 rows per step) -------------------
     full = os.path.join(tmp, "full")
