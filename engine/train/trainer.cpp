@@ -10,8 +10,10 @@
 #include <chrono>
 #include <cstdio>
 #include <cmath>
+#include <condition_variable>
 #include <filesystem>
 #include <limits>
+#include <mutex>
 #include <optional>
 #include <sstream>
 #include <system_error>
@@ -110,6 +112,10 @@ std::string StepMetrics::to_json() const {
   j["time_s"]["grad_reduce"] = grad_reduce_s;
   return j.dump();
 }
+
+namespace detail {
+class ReadyGroups;
+}  // namespace detail
 
 struct Trainer::Impl {
   TrainOptions opt;
@@ -267,10 +273,10 @@ struct Trainer::Impl {
   // of the sums (the loss scale still in them), the same on every rank.
   Result<GradNormReport> reduce_gradients();
   std::optional<AlignedBuffer> reduce_staging;  // for accumulators not in host memory
-  // Partitioned, on the optimizer's thread after its step (whose outcome is `local`): every rank
-  // learns whether every update succeeded, then each sub-group's new compute copy goes from its
-  // owner to the other ranks, which `publish` it (may be empty).
-  Status gather_compute(const Status& local, const std::function<void(uint32_t)>& publish);
+  // Partitioned, on a thread beside the optimizer step (Note [Gather beside the step]): each
+  // sub-group's new compute copy goes from its owner, once `ready` says it is written, to the
+  // other ranks, which `publish` it (may be empty).
+  Status gather_compute(detail::ReadyGroups& ready, const std::function<void(uint32_t)>& publish);
   std::optional<AlignedBuffer> gather_staging;  // for compute copies not in host memory
   double gather_s = 0;  // the last gather_compute's time in collectives
   // The optimizer step, then (partitioned) the all-gather of the updated compute copies.
@@ -959,10 +965,9 @@ Result<Trainer::Impl::MicroResult> Trainer::Impl::finish_micro_step(Forward& f, 
 // one all-reduce of the per-chunk norms (each slot filled by one rank, the others adding zeros,
 // which is exact) lets every rank add them up in the replicated path's order: with two ranks the
 // same bits as stage 0 (a reduce and an all-reduce of two values both compute a + b). Each rank
-// then steps its own sub-groups, and on the optimizer's thread, beside the next forward, the ranks
-// first exchange whether every update succeeded (so that none waits for copies a failed rank will
-// never send) and then each sub-group's new compute copy is broadcast from its owner, chunk by
-// chunk in sub-group order, and published to the next forward as it arrives.
+// then steps its own sub-groups while, beside it and the next forward, each sub-group's new compute
+// copy is broadcast from its owner, chunk by chunk in sub-group order, and published to the next
+// forward as it arrives (Note [Gather beside the step]).
 // From stage 2 the gradient accumulators are partitioned too: each micro-step's gradients are
 // reduced to their owners during backward (Note [Partitioned gradients] in grad_accumulator.h), and
 // the boundary only all-reduces the owners' chunk norms, in the same order.
@@ -1021,65 +1026,137 @@ Result<GradNormReport> Trainer::Impl::reduce_gradients() {
   return report;
 }
 
-Status Trainer::Impl::gather_compute(const Status& local, const std::function<void(uint32_t)>& publish) {
+namespace detail {
+
+// Note [Gather beside the step]: the owned sub-groups whose new compute copy is at its home, told by
+// the optimizer's thread, waited for by the thread that broadcasts them.
+class ReadyGroups {
+ public:
+  explicit ReadyGroups(uint32_t n) : ready_(n, 0) {}
+  void ready(uint32_t g) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ready_[g] = 1;
+    cv_.notify_all();
+  }
+  // The step is over (`ok`: it succeeded): groups not ready by now never will be.
+  void finish(bool ok) {
+    std::lock_guard<std::mutex> lock(mu_);
+    finished_ = true;
+    ok_ = ok;
+    cv_.notify_all();
+  }
+  // Waits for finish(); its `ok`.
+  bool outcome() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return finished_; });
+    return ok_;
+  }
+  // Whether g became ready (false: the step ended without it).
+  bool wait(uint32_t g) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return ready_[g] != 0 || finished_; });
+    return ready_[g] != 0;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<uint8_t> ready_;
+  bool finished_ = false;
+  bool ok_ = false;
+};
+
+}  // namespace detail
+
+// Note [Gather beside the step]: the broadcasts run on their own thread while this rank's optimizer
+// steps its partition, in sub-group order on every rank; the owner of each sub-group broadcasts it
+// as soon as the optimizer has written it. Rank r thus receives rank 0's copies while it is still
+// stepping its own, and the next forward gets block 0 as soon as its owner has stepped it. An owner
+// whose step failed still sends the sub-groups it did not finish (whatever their homes hold), so
+// that no rank waits for copies that will never come; after the last one the ranks all-reduce
+// whether every step succeeded (one collective, not one per sub-group), and every rank stops if one
+// failed (the copies received are then stale: the states are torn, as after any failed step).
+Status Trainer::Impl::gather_compute(detail::ReadyGroups& ready, const std::function<void(uint32_t)>& publish) {
   trace::Span span(trace::Track::kCollective, "all-gather the updated parameters");
-  const double t0 = opt.group->seconds();
-  Status result = [&]() -> Status {
-    std::vector<double> failed(world_size(), 0.0);
-    failed[rank()] = local.is_ok() ? 0.0 : 1.0;
-    ZO_RETURN_IF_ERROR(opt.group->all_reduce_sum(failed, "exchanging the outcome of the optimizer step"));
-    if (!local.is_ok()) return local;
-    for (uint32_t r = 0; r < world_size(); ++r) {
-      if (failed[r] != 0)
-        return Status(StatusCode::kAborted, "the optimizer step of rank " + std::to_string(r) + " of " +
-                                                std::to_string(world_size()) + " failed (its own output has the error)");
-    }
-    const uint64_t elem_bytes = state_elem_bytes(plan.placement, StateKind::kCompute);
-    for (uint32_t g = 0; g < plan.n_sub_groups; ++g) {
-      const StateLocation& loc = store->location(g, StateKind::kCompute);
-      const uint64_t n = store->state_bytes(g, StateKind::kCompute) / elem_bytes;
-      const uint32_t owner = registry->partition_of_group(g);
-      const std::string what = "all-gathering the compute copies of sub-group " + std::to_string(g);
-      for (uint64_t first = 0; first < n; first += kReduceChunkElems) {
-        const uint64_t bytes = std::min(kReduceChunkElems, n - first) * elem_bytes;
-        const uint64_t offset_bytes = first * elem_bytes;
-        std::byte* p = nullptr;
-        if (loc.tier == Tier::kCpu) {
-          p = loc.host + offset_bytes;
-        } else {
-          if (!gather_staging) {
-            ZO_ASSIGN_OR_RETURN(AlignedBuffer b, AlignedBuffer::allocate(kReduceChunkElems * elem_bytes));
-            gather_staging.emplace(std::move(b));
-          }
-          p = gather_staging->data();
-          if (owner == rank()) ZO_RETURN_IF_ERROR(store->read_state_range(g, StateKind::kCompute, offset_bytes, {p, bytes}));
-        }
-        ZO_RETURN_IF_ERROR(opt.group->broadcast(p, bytes, owner, what));
-        if (owner != rank() && loc.tier != Tier::kCpu)
-          ZO_RETURN_IF_ERROR(store->write_state_range(g, StateKind::kCompute, offset_bytes, {p, bytes}));
+  const uint64_t elem_bytes = state_elem_bytes(plan.placement, StateKind::kCompute);
+  Status local;
+  for (uint32_t g = 0; g < plan.n_sub_groups; ++g) {
+    const StateLocation& loc = store->location(g, StateKind::kCompute);
+    const uint64_t n = store->state_bytes(g, StateKind::kCompute) / elem_bytes;
+    const uint32_t owner = registry->partition_of_group(g);
+    const std::string what = "all-gathering the compute copies of sub-group " + std::to_string(g);
+    if (owner == rank()) (void)ready.wait(g);  // sent even when not updated: see above
+    for (uint64_t first = 0; first < n; first += kReduceChunkElems) {
+      const uint64_t bytes = std::min(kReduceChunkElems, n - first) * elem_bytes;
+      const uint64_t offset_bytes = first * elem_bytes;
+      std::byte* p = nullptr;
+      if (loc.tier == Tier::kCpu) {
+        p = loc.host + offset_bytes;
+      } else {
+        p = gather_staging->data();
+        // A local failure (here or below) is kept for the end: this rank still takes part in every
+        // broadcast, so that the others do not wait for it.
+        if (owner == rank() && local.is_ok()) local = store->read_state_range(g, StateKind::kCompute, offset_bytes, {p, bytes});
       }
-      if (owner != rank() && publish) publish(g);
+      ZO_RETURN_IF_ERROR(opt.group->broadcast(p, bytes, owner, what));
+      if (owner != rank() && loc.tier != Tier::kCpu && local.is_ok())
+        local = store->write_state_range(g, StateKind::kCompute, offset_bytes, {p, bytes});
     }
-    return Status::ok();
-  }();
-  gather_s = opt.group->seconds() - t0;
-  return result;
+    if (owner != rank() && publish && local.is_ok()) publish(g);
+  }
+  std::vector<double> failed(world_size(), 0.0);
+  const bool ok = ready.outcome();
+  failed[rank()] = ok && local.is_ok() ? 0.0 : 1.0;
+  ZO_RETURN_IF_ERROR(opt.group->all_reduce_sum(failed, "exchanging the outcome of the optimizer step"));
+  if (!local.is_ok()) return local.with_context("all-gathering the compute copies");
+  if (!ok) return Status::ok();  // the optimizer's own error is the step's
+  for (uint32_t r = 0; r < world_size(); ++r) {
+    if (failed[r] != 0)
+      return Status(StatusCode::kAborted, "the optimizer step of rank " + std::to_string(r) + " of " +
+                                              std::to_string(world_size()) + " failed (its own output has the error)");
+  }
+  return Status::ok();
 }
 
 Result<OptimizerStepReport> Trainer::Impl::update(const OptimizerStepArgs& args,
                                                   const std::function<void(uint32_t)>& publish) {
   gather_s = 0;
-  Result<OptimizerStepReport> r = optimizer->step(args);
-  if (!plan.partitioned()) return r;
-  const auto g0 = Clock::now();
-  Status gathered = gather_compute(r.is_ok() ? Status::ok() : r.status(), publish);
+  if (!plan.partitioned()) return optimizer->step(args);
+  if (!gather_staging) {  // for compute copies not in host memory; allocated before any collective
+    ZO_ASSIGN_OR_RETURN(AlignedBuffer b, AlignedBuffer::allocate(kReduceChunkElems * state_elem_bytes(plan.placement, StateKind::kCompute)));
+    gather_staging.emplace(std::move(b));
+  }
+  detail::ReadyGroups ready(plan.n_sub_groups);
+  OptimizerStepArgs own = args;
+  own.on_compute_ready = [&ready, &args](uint32_t g) {
+    if (args.on_compute_ready) args.on_compute_ready(g);
+    ready.ready(g);
+  };
+  const double t0 = opt.group->seconds();
+  const auto c0 = Clock::now();
+  Status gathered;
+  double gather_wall_s = 0;
+  std::thread comm;
+  try {
+    comm = std::thread([&] {
+      gathered = gather_compute(ready, publish);
+      gather_wall_s = seconds_since(c0);
+    });
+  } catch (const std::system_error& e) {
+    return errno_status("starting the thread that all-gathers the parameters", e.code().value());
+  }
+  Result<OptimizerStepReport> r = optimizer->step(own);
+  ready.finish(r.is_ok());
+  comm.join();
+  gather_s = opt.group->seconds() - t0;
   if (!r.is_ok()) return r;
   if (!gathered.is_ok()) {
     // Some compute copies may be stale: the run cannot go on from these states.
     store->mark_torn(gathered.to_string());
     return gathered;
   }
-  r->total_s += seconds_since(g0);
+  // The optimizer's thread's time now ends when the last copy has arrived.
+  r->total_s = std::max(r->total_s, gather_wall_s);
   return r;
 }
 

@@ -15,11 +15,17 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <thread>
 #include <vector>
+
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include "common/bytes.h"
 #include "common/check.h"
 #include "engine/data/dataset.h"
+#include "engine/dist/process_group.h"
 #include "engine/memory/param_registry.h"
 #include "engine/memory/swap_file.h"
 #include "engine/model/llama.h"
@@ -916,6 +922,74 @@ TEST(Resume, RefusesWhatItCannotContinue) {
   auto r = Trainer::create(wide);
   EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
   EXPECT_THAT(r.status().message(), HasSubstr("model.embed_tokens.weight"));
+}
+
+// Note [Gather beside the step]: two ranks (threads of this process, joined by a real TCPStore and
+// Gloo) with partitioned optimizer states on NVMe. Rank 1's optimizer cannot write: it reports its
+// I/O error, and rank 0, waiting for rank 1's compute copies, stops too, naming rank 1, instead of
+// waiting for copies that will never come.
+uint16_t free_port() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ZO_CHECK(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+  socklen_t len = sizeof a;
+  ZO_CHECK(getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+TEST(Trainer, APartitionedRankWhoseOptimizerFailsStopsEveryRank) {
+  TempDir dir;
+  const uint16_t port = free_port();
+  std::vector<Result<StepMetrics>> second(2, Result<StepMetrics>(internal_error("not run")));
+  std::vector<Status> setup(2);
+  std::vector<std::thread> ranks;
+  for (uint32_t r = 0; r < 2; ++r) {
+    ranks.emplace_back([&, r] {
+      dist::WorldInfo w;
+      w.rank = r;
+      w.world_size = 2;
+      w.local_rank = r;
+      w.local_world_size = 2;
+      w.master_addr = "127.0.0.1";
+      w.master_port = port;
+      auto group = dist::ProcessGroup::create(w, std::chrono::seconds(60));
+      if (!group.is_ok()) {
+        setup[r] = group.status();
+        return;
+      }
+      TempDir own;
+      TrainOptions o = make_options({.param = "cpu", .optimizer = "nvme"}, own);
+      o.config.train_batch_size *= 2;
+      o.group = group->get();
+      o.io_faults = std::make_shared<io::FaultInjector>();
+      auto t = Trainer::create(o);
+      if (!t.is_ok()) {
+        setup[r] = t.status();
+        return;
+      }
+      auto first = (*t)->step();
+      if (!first.is_ok()) {
+        setup[r] = first.status();
+        return;
+      }
+      // Offset 0 of rank 1's optimizer.swp is the master of the first sub-group it owns.
+      if (r == 1)
+        o.io_faults->add({.kind = io::FaultKind::kEio, .op = io::IoOp::kWrite, .path_contains = "optimizer.swp",
+                          .offset_bytes = 0});
+      second[r] = (*t)->step();
+    });
+  }
+  for (std::thread& t : ranks) t.join();
+  for (uint32_t r = 0; r < 2; ++r) ASSERT_TRUE(setup[r].is_ok()) << "rank " << r << ": " << setup[r].to_string();
+  ASSERT_FALSE(second[1].is_ok());
+  EXPECT_EQ(second[1].status().code(), StatusCode::kIoError) << second[1].status().to_string();
+  EXPECT_THAT(second[1].status().to_string(), HasSubstr("optimizer.swp"));
+  ASSERT_FALSE(second[0].is_ok());
+  EXPECT_EQ(second[0].status().code(), StatusCode::kAborted) << second[0].status().to_string();
+  EXPECT_THAT(second[0].status().to_string(), HasSubstr("the optimizer step of rank 1 of 2 failed"));
 }
 
 }  // namespace
