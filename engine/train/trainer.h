@@ -95,8 +95,9 @@ struct StepMetrics {
   // parts above); 0 with one process.
   uint64_t collective_bytes = 0;
   double collective_s = 0;
-  // Partitioned data parallel (ZeRO stage ≥ 1): of optimizer_s, sending this rank's updated compute
-  // copies to the others and receiving theirs, on the optimizer's thread beside the next forward.
+  // Partitioned data parallel (ZeRO stage ≥ 1): sending this rank's updated compute copies to the
+  // others and receiving theirs, beside the optimizer and the next forward (waits for the owners
+  // included; optimizer_s lasts until the last copy arrived).
   double gather_s = 0;
   // ZeRO stage ≥ 2 with several ranks: reducing each micro-step's gradients to their owners, on the
   // gradient worker's thread beside backward (inside grad_offload_s where backward waited for it).
