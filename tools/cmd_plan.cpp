@@ -124,7 +124,6 @@ int run_plan(const PlanArgs& a) {
   if (!config) return 2;
   engine::PlanInputs in;
   in.world_size = a.ranks;
-  in.partition_optimizer = a.ranks > 1 && config->zero.stage >= 1;
   in.config = *config;
   in.model = *model;
   in.model_name = a.model;

@@ -85,7 +85,6 @@ struct StateStore::Impl {
     return kind == StateKind::kCompute ? param_file.get() : optimizer_file.get();
   }
 
-  Status read_param(uint32_t param, uint64_t offset_elems, std::span<float> out, StateKind kind, const char* op);
   // kFailedPrecondition when the state is another rank's (StateLocation::held).
   Status check_held(uint32_t g, StateKind kind, const char* op) const;
   Status allocate_states();
@@ -525,15 +524,18 @@ Status StateStore::init_param(uint32_t param, uint64_t offset_elems, std::span<c
 }
 
 Status StateStore::read_param_master(uint32_t param, uint64_t offset_elems, std::span<float> out) {
-  return impl_->read_param(param, offset_elems, out, StateKind::kMaster, "read_param_master");
+  return read_param(param, offset_elems, out, StateKind::kMaster, "read_param_master");
 }
 
 Status StateStore::read_param_compute(uint32_t param, uint64_t offset_elems, std::span<float> out) {
-  return impl_->read_param(param, offset_elems, out, StateKind::kCompute, "read_param_compute");
+  return read_param(param, offset_elems, out, StateKind::kCompute, "read_param_compute");
 }
 
-Status StateStore::Impl::read_param(uint32_t param, uint64_t offset_elems, std::span<float> out, StateKind kind,
-                                    const char* op) {
+Status StateStore::read_param(uint32_t param, uint64_t offset_elems, std::span<float> out, StateKind kind,
+                              const char* op) {
+  const Impl& s = *impl_;
+  const ParamRegistry& registry = s.registry;
+  const MemoryPlan& plan = s.plan;
   if (param >= registry.params().size()) {
     return invalid_argument(std::string(op) + ": param " + std::to_string(param) + " out of range (" +
                             std::to_string(registry.params().size()) + " params)");
@@ -551,13 +553,12 @@ Status StateStore::Impl::read_param(uint32_t param, uint64_t offset_elems, std::
     if (a >= b) continue;
     const uint64_t first = piece.group_offset + (a - piece.param_offset);
     const uint32_t g = piece.sub_group;
-    Status st = check_held(g, kind, op);
+    Status st = s.check_held(g, kind, op);
     if (st.is_ok() && dtype == DType::kF32) {
-      st = read_range(g, kind, first * 4, (first + b - a) * 4, [dst = out.data() + (a - lo)](const std::byte* src, uint64_t rel, uint64_t n) {
-        std::memcpy(reinterpret_cast<std::byte*>(dst) + rel, src, n);
-      });
+      // read_state_range: whole 4 KiB blocks of an NVMe state go straight into `out` (O_DIRECT).
+      st = read_state_range(g, kind, first * 4, std::as_writable_bytes(out.subspan(a - lo, b - a)));
     } else if (st.is_ok()) {
-      st = read_range(g, kind, first * 2, (first + b - a) * 2, [dst = out.data() + (a - lo), dtype](const std::byte* src, uint64_t rel, uint64_t n) {
+      st = impl_->read_range(g, kind, first * 2, (first + b - a) * 2, [dst = out.data() + (a - lo), dtype](const std::byte* src, uint64_t rel, uint64_t n) {
         for (uint64_t i = 0; i < n / 2; ++i) {
           uint16_t h;
           std::memcpy(&h, src + 2 * i, 2);

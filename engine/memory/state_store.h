@@ -139,6 +139,8 @@ class StateStore {
 
  private:
   explicit StateStore(std::unique_ptr<Impl> impl);
+  // read_param_master / read_param_compute: `kind`'s elements of a param as fp32; `op` names the call.
+  Status read_param(uint32_t param, uint64_t offset_elems, std::span<float> out, StateKind kind, const char* op);
   std::unique_ptr<Impl> impl_;
 };
 

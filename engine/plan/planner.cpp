@@ -223,7 +223,7 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
   ZO_ASSIGN_OR_RETURN(ParamRegistry registry, ParamRegistry::build(layout.params, c.zero.sub_group_size, in.world_size));
   RunPlan p;
   ZO_ASSIGN_OR_RETURN(p.memory, plan_memory_with_ring(c, registry, layout,
-                                                      in.partition_optimizer ? std::optional<uint32_t>(in.rank) : std::nullopt));
+                                                      in.world_size > 1 && c.zero.stage >= 1 ? std::optional<uint32_t>(in.rank) : std::nullopt));
   const MemoryPlan& mp = p.memory;
   const Placement& pl = mp.placement;
   p.n_params = registry.total_elems();

@@ -60,12 +60,11 @@ struct PlanInputs {
   std::string out_dir;           // relative nvme paths resolve against it
   HostFacts host;
   HostSpeeds speeds;
-  // Data parallel: the registry is cut into world_size partitions (Note [Partitions]) and, with
-  // partition_optimizer (ZeRO stage ≥ 1), this rank holds the optimizer states of partition `rank`
-  // only. host is already this rank's share of the node.
+  // Data parallel: the registry is cut into world_size partitions (Note [Partitions]) and, at ZeRO
+  // stage ≥ 1, this rank holds the states of partition `rank` only (plan_memory). host is already
+  // this rank's share of the node.
   uint32_t world_size = 1;
   uint32_t rank = 0;
-  bool partition_optimizer = false;
 };
 
 // A shortfall: what does not fit, how much it needs and how much there is.

@@ -272,6 +272,9 @@ struct Trainer::Impl {
   // or into the owner's (partitioned: Note [Partitioned data parallel]), and returns the norm report
   // of the sums (the loss scale still in them), the same on every rank.
   Result<GradNormReport> reduce_gradients();
+  // Partitioned: every chunk's squared norm, filled by its owner (0 elsewhere), all-reduced and
+  // added up in chunk order on every rank (Note [Partitioned data parallel]).
+  Result<GradNormReport> owners_norm(std::vector<double> chunk_sq);
   std::optional<AlignedBuffer> reduce_staging;  // for accumulators not in host memory
   // Partitioned, on a thread beside the optimizer step (Note [Gather beside the step]): each
   // sub-group's new compute copy goes from its owner, once `ready` says it is written, to the
@@ -391,7 +394,6 @@ Status Trainer::Impl::plan_memory() {
   pi.host = probe_host(opt.config, opt.out_dir);
   pi.world_size = world_size();
   pi.rank = rank();
-  pi.partition_optimizer = world_size() > 1 && opt.config.zero.stage >= 1;
   if (device->kind() == DeviceKind::kCuda && !probe.gpus.empty()) {
     pi.host.cuda = true;
     pi.host.device_name = probe.gpus.front().name;
@@ -1018,10 +1020,15 @@ Result<GradNormReport> Trainer::Impl::reduce_gradients() {
       }
     }
   }
-  if (partitioned) {
-    ZO_RETURN_IF_ERROR(opt.group->all_reduce_sum(chunk_sq, "all-reducing the gradient norm"));
-    for (double sq : chunk_sq) report.sum_sq += sq;
-  }
+  if (partitioned) return owners_norm(std::move(chunk_sq));
+  report.nonfinite = !std::isfinite(report.sum_sq);
+  return report;
+}
+
+Result<GradNormReport> Trainer::Impl::owners_norm(std::vector<double> chunk_sq) {
+  ZO_RETURN_IF_ERROR(opt.group->all_reduce_sum(chunk_sq, "all-reducing the gradient norm"));
+  GradNormReport report;
+  for (double sq : chunk_sq) report.sum_sq += sq;
   report.nonfinite = !std::isfinite(report.sum_sq);
   return report;
 }
@@ -1240,10 +1247,7 @@ Result<StepMetrics> Trainer::Impl::step_once() {
     if (m.plan.partition_grads) {
       // Already reduced to their owners during backward: only the owners' chunk norms remain.
       trace::Span span(trace::Track::kCollective, "all-reduce the gradient norm");
-      ZO_RETURN_IF_ERROR(m.opt.group->all_reduce_sum(boundary.chunk_sq, "all-reducing the gradient norm"));
-      boundary.sum_sq = 0;
-      for (double sq : boundary.chunk_sq) boundary.sum_sq += sq;
-      boundary.nonfinite = !std::isfinite(boundary.sum_sq);
+      ZO_ASSIGN_OR_RETURN(boundary, m.owners_norm(std::move(boundary.chunk_sq)));
     } else {
       ZO_ASSIGN_OR_RETURN(boundary, m.reduce_gradients());
     }
