@@ -171,7 +171,7 @@ Status load_checkpoint(const CheckpointInfo& ckpt, StateStore& store, io::IoEngi
         const uint64_t in_group = flat - sg.first_elem * 4;
         const uint64_t n = std::min<uint64_t>(bytes.size(), sg.n_elems * 4 - in_group);
         if (plan.owns(g)) ZO_RETURN_IF_ERROR(store.write_state_range(g, kind, in_group, bytes.first(n)));
-        if (kind == StateKind::kMaster) {
+        if (kind == StateKind::kMaster && plan.holds(g, StateKind::kCompute)) {
           ZO_CHECK(in_group % 4 == 0 && n % 4 == 0) << fpath << ": unaligned fp32 run";
           const auto* values = reinterpret_cast<const float*>(bytes.data());
           ZO_RETURN_IF_ERROR(store.write_compute_from_master(g, in_group / 4, {values, n / 4}));
@@ -182,10 +182,11 @@ Status load_checkpoint(const CheckpointInfo& ckpt, StateStore& store, io::IoEngi
       return Status::ok();
     };
     // A data-parallel rank (Note [Partitions]) reads its partition's run of exp_avg and exp_avg_sq,
-    // and all of master, whose every element sets a compute copy.
+    // and all of master, whose every element sets a compute copy — or, when the compute copies are
+    // partitioned too (stage 3), its run of master as well.
     const FileDigest& digest = *ckpt.manifest.find(state_file_name(kind));
     Status read;
-    if (kind == StateKind::kMaster || !plan.partitioned()) {
+    if ((kind == StateKind::kMaster && !plan.partition_params) || !plan.partitioned()) {
       read = read_stream(io, env, fpath, digest, staging, data_start, consume, {});
     } else {
       const SubGroup& first = reg.sub_groups()[plan.owned_begin];

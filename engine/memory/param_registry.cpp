@@ -277,7 +277,8 @@ uint64_t MemoryPlan::pinned_pool_bytes() const {
   auto buffers = [](uint32_t count, uint64_t size) { return count * align_up(size, kPinnedAlignment); };
   return align_up(cpu_pinned_bytes, kPinnedAlignment) + buffers(optimizer_swap_buffers, optimizer_swap_buffer_bytes) +
          buffers(compute_staging_buffers, compute_staging_buffer_bytes) +
-         buffers(param_swap_buffers, param_swap_buffer_bytes) + align_up(grad_ring_bytes, kPinnedAlignment);
+         buffers(param_swap_buffers, param_swap_buffer_bytes) + align_up(grad_ring_bytes, kPinnedAlignment) +
+         buffers(gather_slots, gather_slot_bytes);
 }
 
 std::string MemoryPlan::to_json() const {
@@ -297,6 +298,7 @@ std::string MemoryPlan::to_json() const {
   j["total_elems"] = total_elems;
   j["owned_sub_groups"] = {owned_begin, owned_end};
   j["partition_grads"] = partition_grads;
+  j["partition_params"] = partition_params;
   j["device_bytes"] = device_bytes;
   j["cpu_pinned_bytes"] = cpu_pinned_bytes;
   j["cpu_pageable_bytes"] = cpu_pageable_bytes;
@@ -311,6 +313,8 @@ std::string MemoryPlan::to_json() const {
   j["grad_read_buffers"] = grad_read_buffers;
   j["grad_read_buffer_bytes"] = grad_read_buffer_bytes;
   j["grad_ring_bytes"] = grad_ring_bytes;
+  j["gather_slots"] = gather_slots;
+  j["gather_slot_bytes"] = gather_slot_bytes;
   j["pinned_pool_bytes"] = pinned_pool_bytes();
   return j.dump();
 }
@@ -368,6 +372,7 @@ Result<MemoryPlan> plan_memory(const Config& config, const ParamRegistry& regist
   if (owned_partition) {
     std::tie(plan.owned_begin, plan.owned_end) = registry.partition_groups(*owned_partition);
     plan.partition_grads = plan.partitioned() && config.zero.stage >= 2;
+    plan.partition_params = plan.partitioned() && config.zero.stage >= 3;
   }
   const uint32_t owned_groups = plan.owned_end - plan.owned_begin;
   pl.compute.resize(groups.size(), tier_of(op.device));
@@ -443,7 +448,8 @@ Result<MemoryPlan> plan_memory(const Config& config, const ParamRegistry& regist
     ++nvme_params;
     if (largest == nullptr || p.n_elems > largest->n_elems) largest = &p;
   }
-  if (nvme_params > 0) {
+  // Partitioned parameters are read from their homes by the gatherer, not through swap buffers.
+  if (nvme_params > 0 && !plan.partition_params) {
     if (op.buffer_count == 0) {
       return invalid_argument("zero_optimization.offload_param.buffer_count: 0, but parameters on NVMe need at least one "
                               "swap buffer");

@@ -132,7 +132,7 @@ struct MemoryPlan {
   uint64_t total_elems = 0;
   // The sub-groups [owned_begin, owned_end) whose optimizer states (is_optimizer_state) this rank
   // holds and steps: all of them, or one partition of a data-parallel run (Note [Partitions]). The
-  // gradient accumulators and compute copies exist for every sub-group.
+  // gradient accumulators and compute copies exist for every sub-group, unless partitioned below.
   uint32_t owned_begin = 0;
   uint32_t owned_end = 0;
   bool owns(uint32_t sub_group) const { return sub_group >= owned_begin && sub_group < owned_end; }
@@ -140,10 +140,16 @@ struct MemoryPlan {
   // ZeRO stage ≥ 2 with a partition: the gradient accumulators too exist only for the owned
   // sub-groups (each micro-step's gradients are reduced to their owner as they are produced).
   bool partition_grads = false;
+  // ZeRO stage 3 with a partition: the compute copies too exist only for the owned sub-groups; the
+  // stage-3 coordinator gathers each block's from their owners when it fetches the block
+  // (Note [Gathered parameters] in block_gatherer.h).
+  bool partition_params = false;
   // Whether this rank holds state `kind` of `sub_group`.
   bool holds(uint32_t sub_group, StateKind kind) const {
     if (owns(sub_group)) return true;
-    return !is_optimizer_state(kind) && !(kind == StateKind::kGradAccum && partition_grads);
+    if (kind == StateKind::kGradAccum) return !partition_grads;
+    if (kind == StateKind::kCompute) return !partition_params;
+    return false;
   }
 
   uint64_t device_bytes = 0;        // states resident on the device (parameters fetched by the
@@ -174,6 +180,11 @@ struct MemoryPlan {
   // largest block's gradients. 0 from plan_memory, which knows no blocks; the planner's
   // plan_memory_with_ring sets it, and the trainer carves it from the pool.
   uint64_t grad_ring_bytes = 0;
+  // partition_params: the slots where the coordinator's blocks are gathered from their owners
+  // (BlockGatherer), each the largest block's compute copies. 0 from plan_memory, which knows no
+  // blocks; set by plan_memory_with_ring like the landing ring, and carved from the pool.
+  uint32_t gather_slots = 0;
+  uint64_t gather_slot_bytes = 0;
 
   // cpu_pinned_bytes (when pinned) + every buffer above and the ring, in pool units (kPinnedAlignment).
   uint64_t pinned_pool_bytes() const;
@@ -187,8 +198,9 @@ struct MemoryPlan {
 // kInvalidArgument naming the key path when the combination is impossible (offload_param on
 // cpu/nvme with the optimizer on the device; accumulators off the device with it there; offload_optimizer.buffer_count below what pipeline_read/pipeline_write need;
 // offload_param.buffer_size smaller than the largest param, naming the param). With
-// owned_partition, only that partition of the registry's holds optimizer states (MemoryPlan::owns)
-// and, at ZeRO stage ≥ 2, gradient accumulators (MemoryPlan::partition_grads).
+// owned_partition, only that partition of the registry's holds optimizer states (MemoryPlan::owns),
+// at ZeRO stage ≥ 2 gradient accumulators (MemoryPlan::partition_grads) and at stage 3 compute
+// copies (MemoryPlan::partition_params: no parameter swap buffers then, the gather slots instead).
 Result<MemoryPlan> plan_memory(const Config& config, const ParamRegistry& registry,
                                std::optional<uint32_t> owned_partition = std::nullopt);
 

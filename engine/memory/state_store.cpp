@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <functional>
+#include <mutex>
 #include <sstream>
 #include <utility>
 
@@ -68,6 +69,9 @@ struct StateStore::Impl {
   std::vector<std::span<std::byte>> param_swap_buffers;
 
   AlignedBuffer scratch;
+  // The synchronous transfers share `scratch` and `stream`: they take turns (they may come from the
+  // gatherer's or the gradient worker's thread beside the training thread).
+  std::recursive_mutex transfer_mu;
   gpu::Stream stream;
   std::string torn_reason;
 
@@ -244,7 +248,7 @@ Status StateStore::Impl::create_swap_files() {
       }
     }
     StateLocation& compute = locations[g][static_cast<int>(StateKind::kCompute)];
-    if (compute.tier == Tier::kNvme) {
+    if (compute.tier == Tier::kNvme && compute.held) {
       auto region = param_file->reserve(n_elems(g) * elem_bytes(StateKind::kCompute));
       if (!region.is_ok()) {
         Status s = region.status();
@@ -485,6 +489,7 @@ Result<std::unique_ptr<StateStore>> StateStore::create(const ParamRegistry& regi
 
 Status StateStore::init_param(uint32_t param, uint64_t offset_elems, std::span<const float> values) {
   Impl& s = *impl_;
+  std::lock_guard<std::recursive_mutex> transfer(s.transfer_mu);
   if (param >= s.registry.params().size()) {
     return invalid_argument("init_param: param " + std::to_string(param) + " out of range (" +
                             std::to_string(s.registry.params().size()) + " params)");
@@ -517,6 +522,7 @@ Status StateStore::init_param(uint32_t param, uint64_t offset_elems, std::span<c
         if (!st.is_ok()) return context(std::move(st), kind);
       }
     }
+    if (!s.plan.holds(g, StateKind::kCompute)) continue;  // another rank's (partitioned params)
     st = s.write_compute(g, first, {src, n});
     if (!st.is_ok()) return context(std::move(st), StateKind::kCompute);
   }
@@ -581,6 +587,7 @@ Status StateStore::Impl::check_held(uint32_t g, StateKind kind, const char* op) 
 
 Status StateStore::read_state(uint32_t sub_group, StateKind kind, std::span<std::byte> out) {
   Impl& s = *impl_;
+  std::lock_guard<std::recursive_mutex> transfer(s.transfer_mu);
   ZO_RETURN_IF_ERROR(s.check_held(sub_group, kind, "read_state"));
   if (sub_group >= s.plan.n_sub_groups || out.size() != state_bytes(sub_group, kind)) {
     return invalid_argument("read_state: sub-group " + std::to_string(sub_group) + " " +
@@ -593,6 +600,7 @@ Status StateStore::read_state(uint32_t sub_group, StateKind kind, std::span<std:
 
 Status StateStore::write_state(uint32_t sub_group, StateKind kind, std::span<const std::byte> in) {
   Impl& s = *impl_;
+  std::lock_guard<std::recursive_mutex> transfer(s.transfer_mu);
   ZO_RETURN_IF_ERROR(s.check_held(sub_group, kind, "write_state"));
   if (sub_group >= s.plan.n_sub_groups || in.size() != state_bytes(sub_group, kind)) {
     return invalid_argument("write_state: sub-group " + std::to_string(sub_group) + " " +
@@ -606,6 +614,7 @@ Status StateStore::write_state(uint32_t sub_group, StateKind kind, std::span<con
 Status StateStore::read_state_range(uint32_t sub_group, StateKind kind, uint64_t offset_bytes,
                                     std::span<std::byte> out) {
   Impl& s = *impl_;
+  std::lock_guard<std::recursive_mutex> transfer(s.transfer_mu);
   ZO_RETURN_IF_ERROR(s.check_held(sub_group, kind, "read_state_range"));
   if (sub_group >= s.plan.n_sub_groups || offset_bytes > state_bytes(sub_group, kind) ||
       out.size() > state_bytes(sub_group, kind) - offset_bytes) {
@@ -629,6 +638,7 @@ Status StateStore::read_state_range(uint32_t sub_group, StateKind kind, uint64_t
 Result<StateStore::PendingRead> StateStore::read_state_range_async(uint32_t sub_group, StateKind kind,
                                                                    uint64_t offset_bytes, std::span<std::byte> out) {
   Impl& s = *impl_;
+  std::lock_guard<std::recursive_mutex> transfer(s.transfer_mu);
   ZO_RETURN_IF_ERROR(s.check_held(sub_group, kind, "read_state_range_async"));
   if (sub_group >= s.plan.n_sub_groups || offset_bytes > state_bytes(sub_group, kind) ||
       out.size() > state_bytes(sub_group, kind) - offset_bytes) {
@@ -662,6 +672,7 @@ Result<StateStore::PendingRead> StateStore::read_state_range_async(uint32_t sub_
 Status StateStore::write_state_range(uint32_t sub_group, StateKind kind, uint64_t offset_bytes,
                                      std::span<const std::byte> in) {
   Impl& s = *impl_;
+  std::lock_guard<std::recursive_mutex> transfer(s.transfer_mu);
   ZO_RETURN_IF_ERROR(s.check_held(sub_group, kind, "write_state_range"));
   if (sub_group >= s.plan.n_sub_groups || offset_bytes > state_bytes(sub_group, kind) ||
       in.size() > state_bytes(sub_group, kind) - offset_bytes) {
@@ -689,12 +700,14 @@ Status StateStore::write_state_range(uint32_t sub_group, StateKind kind, uint64_
 
 Status StateStore::write_compute_from_master(uint32_t sub_group, uint64_t offset_elems, std::span<const float> master) {
   Impl& s = *impl_;
+  std::lock_guard<std::recursive_mutex> transfer(s.transfer_mu);
   if (sub_group >= s.plan.n_sub_groups || offset_elems > s.n_elems(sub_group) ||
       master.size() > s.n_elems(sub_group) - offset_elems) {
     return invalid_argument("write_compute_from_master: sub-group " + std::to_string(sub_group) +
                             ": bad sub-group or range at element " + std::to_string(offset_elems) + " + " +
                             std::to_string(master.size()));
   }
+  ZO_RETURN_IF_ERROR(s.check_held(sub_group, StateKind::kCompute, "write_compute_from_master"));
   return s.write_compute(sub_group, offset_elems, master);
 }
 

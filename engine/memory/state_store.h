@@ -1,7 +1,9 @@
 // StateStore: the storage of every state of every sub-group of this rank, allocated once at start
 // from a MemoryPlan — device memory, pinned pool, pageable CPU memory and the NVMe swap files —
 // plus the pinned swap and staging buffers the swappers use. The one owner of model-state bytes.
-// Not thread-safe: one thread drives it (the swappers it hands buffers to use their own threads).
+// Not thread-safe: one thread drives it (the swappers it hands buffers to use their own threads),
+// except that the synchronous transfers (init_param, read_param_*, read_state*, write_state*,
+// write_compute_from_master) may come from several threads: they take turns.
 #pragma once
 
 #include <array>

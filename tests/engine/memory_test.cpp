@@ -475,7 +475,7 @@ TEST(PlanMemory, EverythingOnTheDeviceByDefault) {
   EXPECT_EQ(p.cpu_pinned_bytes + p.cpu_pageable_bytes + p.nvme_optimizer_bytes + p.nvme_param_bytes, 0u);
 }
 
-TEST(PlanMemory, APartitionHoldsItsOwnOptimizerStatesAndFromStage2ItsGradients) {
+TEST(PlanMemory, APartitionHoldsItsOwnOptimizerStatesFromStage2ItsGradientsAndAtStage3ItsComputeCopies) {
   Offload o;
   o.optimizer = "cpu";
   o.param = "cpu";
@@ -490,7 +490,7 @@ TEST(PlanMemory, APartitionHoldsItsOwnOptimizerStatesAndFromStage2ItsGradients) 
     const MemoryPlan whole = must_plan(c, must_build(params, 1 << 17));
     // Pageable: the optimizer states (12 B per element) of the rank's half; the gradient
     // accumulators (4 B) of every element at stage 1, of its half from stage 2. Pinned: every
-    // compute copy.
+    // compute copy, its half at stage 3 (then gathered by block, and read by no parameter swapper).
     const double grads_whole = stage >= 2 ? 0 : 4.0 * 800000;
     const double per_elem = stage >= 2 ? 16.0 : 12.0;
     double parts = 0;
@@ -499,8 +499,15 @@ TEST(PlanMemory, APartitionHoldsItsOwnOptimizerStatesAndFromStage2ItsGradients) 
       ASSERT_TRUE(p.is_ok()) << p.status().to_string();
       EXPECT_TRUE(p->partitioned());
       EXPECT_EQ(p->partition_grads, stage >= 2);
+      EXPECT_EQ(p->partition_params, stage == 3);
       EXPECT_EQ(std::make_pair(p->owned_begin, p->owned_end), reg->partition_groups(rank));
-      EXPECT_EQ(p->cpu_pinned_bytes, whole.cpu_pinned_bytes);
+      if (stage < 3) {
+        EXPECT_EQ(p->cpu_pinned_bytes, whole.cpu_pinned_bytes);
+      } else {
+        EXPECT_NEAR(static_cast<double>(p->cpu_pinned_bytes), whole.cpu_pinned_bytes / 2.0, 2 * 4 * 4096);
+        for (uint32_t g = 0; g < p->n_sub_groups; ++g)
+          EXPECT_EQ(p->holds(g, StateKind::kCompute), p->owns(g)) << "sub-group " << g;
+      }
       const double own = static_cast<double>(p->cpu_pageable_bytes) - grads_whole;
       EXPECT_NEAR(own, per_elem * 400000, per_elem * 4096 + 4 * 4 * 4096);
       parts += own;

@@ -26,6 +26,7 @@ struct Placing {
   std::string param = "cpu";       // offload_param.device
   uint64_t sub_group_size = 8192;
   std::string precision = "bf16";  // bf16, fp16 or fp32 compute
+  uint32_t stage = 3;               // zero_optimization.stage (offload_param needs 3)
 };
 
 // Odd sizes: params split over sub-groups, tails that are not multiples of 4 KiB.
@@ -45,7 +46,7 @@ inline Config rig_config(const Placing& p, const std::string& nvme_dir) {
                                                                  R"(}, "bf16": {"enabled": )" +
                                                                  (p.precision == "bf16" ? "true" : "false") + "},";
   const std::string json = R"({"train_micro_batch_size_per_gpu": 1, )" + precision + R"(
-    "zero_optimization": {"stage": 3, "sub_group_size": )" + std::to_string(p.sub_group_size) + R"(,
+    "zero_optimization": {"stage": )" + std::to_string(p.stage) + R"(, "sub_group_size": )" + std::to_string(p.sub_group_size) + R"(,
       "offload_optimizer": {"device": ")" + p.optimizer + R"(", "nvme_path": ")" + nvme_dir + R"("},
       "offload_param": {"device": ")" + p.param + R"(", "nvme_path": ")" + nvme_dir + R"(", "max_in_cpu": 0}},
     "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}})";
@@ -89,14 +90,15 @@ struct Rig {
 
   // Sets master, exp_avg and exp_avg_sq of every element to generation `gen`'s values and the
   // compute copies to the master rounded (as the optimizer leaves them). Partitioned: the optimizer
-  // states of the rank's own sub-groups.
+  // states (and, at stage 3, the compute copies) of the rank's own sub-groups.
   Status fill(uint64_t gen) {
     for (const SubGroup& g : registry.sub_groups()) {
       for (StateKind kind : {StateKind::kMaster, StateKind::kExpAvg, StateKind::kExpAvgSq}) {
         std::vector<float> v(g.n_elems);
         for (uint64_t i = 0; i < g.n_elems; ++i) v[i] = rig_value(gen, kind, g.first_elem + i);
         if (plan.owns(g.index)) ZO_RETURN_IF_ERROR(store->write_state(g.index, kind, std::as_bytes(std::span(v))));
-        if (kind == StateKind::kMaster) ZO_RETURN_IF_ERROR(store->write_compute_from_master(g.index, 0, v));
+        if (kind == StateKind::kMaster && plan.holds(g.index, StateKind::kCompute))
+          ZO_RETURN_IF_ERROR(store->write_compute_from_master(g.index, 0, v));
       }
     }
     return Status::ok();
