@@ -118,6 +118,7 @@ struct ParamCoordinator::Impl {
 
   StateStore* store = nullptr;
   ParamSwapper* swapper = nullptr;
+  BlockGatherer* gatherer = nullptr;  // every param comes from it (partitioned params)
   gpu::Device* device = nullptr;
   CoordinatorOptions options;
   std::vector<std::vector<uint32_t>> blocks;
@@ -321,11 +322,32 @@ struct ParamCoordinator::Impl {
     give_back(p);
   }
 
-  // Issues the fetch of `p` (kPlaced). When `blocking` is false and a swap buffer can only be had by
-  // waiting for an NVMe read, sets *would_block and issues nothing.
-  Status start_fetch(uint32_t p, bool blocking, bool* would_block) {
+  // Issues the fetch of `p` (kPlaced) for schedule position q. When `blocking` is false and a swap
+  // buffer can only be had by waiting for an NVMe read, or q is not gathered yet, sets *would_block
+  // and issues nothing.
+  Status start_fetch(uint32_t p, uint64_t q, bool blocking, bool* would_block) {
     Param& x = params[p];
     x.failure = Status::ok();
+    if (gatherer != nullptr) {
+      const std::byte* src = nullptr;
+      if (blocking) {
+        Stopwatch wait;
+        Result<const std::byte*> r = gatherer->wait(static_cast<uint32_t>(q), p);
+        stats.gather_wait_s += wait.elapsed_s();
+        stats.fetch_wait_s += wait.elapsed_s();
+        if (!r.is_ok()) return r.status();
+        src = *r;
+      } else {
+        src = gatherer->poll(static_cast<uint32_t>(q), p);
+        if (src == nullptr) {
+          *would_block = true;
+          return Status::ok();
+        }
+      }
+      Status st;
+      issue_h2d(p, src, &st);
+      return st;
+    }
     if (swapper == nullptr) {
       Status st;
       issue_h2d(p, x.host, &st);
@@ -413,7 +435,7 @@ struct ParamCoordinator::Impl {
           ++stats.evictions;
         }
         bool would_block = false;
-        Status st = start_fetch(p, /*blocking=*/false, &would_block);
+        Status st = start_fetch(p, q, /*blocking=*/false, &would_block);
         if (!st.is_ok() || would_block) {
           // A failed prefetch is retried, and its error reported, by the acquire that needs it.
           if (!st.is_ok()) ZO_LOG(kDebug) << "coordinator: prefetch of " << param_name(p) << " failed: " << st.to_string();
@@ -435,7 +457,8 @@ struct ParamCoordinator::Impl {
 };
 
 ArenaPlan plan_arena(const ParamRegistry& registry, const Placement& placement,
-                     const std::vector<std::vector<uint32_t>>& blocks, const CoordinatorOptions& options) {
+                     const std::vector<std::vector<uint32_t>>& blocks, const CoordinatorOptions& options,
+                     bool gathered) {
   const uint64_t cb = state_elem_bytes(placement, StateKind::kCompute);
   const detail::RangeAllocator sizing(0, 0, gpu::kDeviceAlignment);
   struct P {
@@ -448,7 +471,7 @@ ArenaPlan plan_arena(const ParamRegistry& registry, const Placement& placement,
     P& x = ps[info.id];
     x.n_elems = info.n_elems;
     x.slot = sizing.rounded(info.n_elems * cb);
-    x.fetched = placement.compute[registry.pieces_of_param(info.id).front().sub_group] != Tier::kDevice;
+    x.fetched = gathered || placement.compute[registry.pieces_of_param(info.id).front().sub_group] != Tier::kDevice;
     x.persistent = x.fetched && x.n_elems <= options.persistence_threshold_elems;
   }
   const auto n_blocks = static_cast<uint32_t>(blocks.size());
@@ -546,9 +569,17 @@ ParamCoordinator::~ParamCoordinator() = default;
 Result<std::unique_ptr<ParamCoordinator>> ParamCoordinator::create(StateStore& store, ParamSwapper* param_swapper,
                                                                    std::vector<std::vector<uint32_t>> blocks,
                                                                    std::vector<std::string> block_names,
-                                                                   const CoordinatorOptions& options) {
+                                                                   const CoordinatorOptions& options,
+                                                                   BlockGatherer* gatherer) {
   const ParamRegistry& registry = store.registry();
+  const bool gathered = store.plan().partition_params;
   if (blocks.empty()) return invalid_argument("parameter coordinator: no blocks");
+  if (gathered != (gatherer != nullptr)) {
+    return invalid_argument(gathered ? "parameter coordinator: this rank holds a partition of the params; it needs a gatherer"
+                                     : "parameter coordinator: a gatherer, but the params are not partitioned");
+  }
+  if (gathered && param_swapper != nullptr)
+    return invalid_argument("parameter coordinator: gathered params are not read through a parameter swapper");
   if (block_names.size() != blocks.size()) {
     return invalid_argument("parameter coordinator: " + std::to_string(blocks.size()) + " blocks but " +
                             std::to_string(block_names.size()) + " block names");
@@ -557,6 +588,7 @@ Result<std::unique_ptr<ParamCoordinator>> ParamCoordinator::create(StateStore& s
   Impl& s = *impl;
   s.store = &store;
   s.swapper = param_swapper;
+  s.gatherer = gatherer;
   s.device = &store.device();
   s.options = options;
   s.n_blocks = static_cast<uint32_t>(blocks.size());
@@ -582,6 +614,11 @@ Result<std::unique_ptr<ParamCoordinator>> ParamCoordinator::create(StateStore& s
     x.n_elems = info.n_elems;
     x.bytes = info.n_elems * cb;
     const auto pieces = registry.pieces_of_param(p);
+    x.groups_end = pieces.back().sub_group + 1;
+    if (gathered) {  // from the gatherer's slots: nothing of the store's locations is used
+      x.persistent = x.n_elems <= options.persistence_threshold_elems;
+      continue;
+    }
     const StateLocation& first = store.location(pieces.front().sub_group, StateKind::kCompute);
     uint32_t on_device = 0;
     for (const ParamPiece& piece : pieces) {
@@ -612,7 +649,6 @@ Result<std::unique_ptr<ParamCoordinator>> ParamCoordinator::create(StateStore& s
       x.host = first.host + pieces.front().group_offset * cb;
     }
     x.persistent = !x.on_device && x.n_elems <= options.persistence_threshold_elems;
-    x.groups_end = pieces.back().sub_group + 1;
   }
 
   // Schedule: positions of every use, unique fetchable params per block, elements per position.
@@ -641,7 +677,7 @@ Result<std::unique_ptr<ParamCoordinator>> ParamCoordinator::create(StateStore& s
 
   // Arena sizing (Note [Prefetch and release]): plan_arena decides, the persistent params get their
   // slots here in the same order and rounding.
-  const ArenaPlan ap = plan_arena(registry, store.plan().placement, s.blocks, options);
+  const ArenaPlan ap = plan_arena(registry, store.plan().placement, s.blocks, options, gathered);
   s.options.prefetch_bucket_elems = ap.prefetch_bucket_elems;
   const detail::RangeAllocator sizing(0, 0, gpu::kDeviceAlignment);
   uint64_t persistent_bytes = 0;
@@ -693,6 +729,13 @@ void ParamCoordinator::begin_micro_step() {
   Impl& s = *impl_;
   for (uint32_t b = 0; b < s.n_blocks; ++b) {
     while (s.block_holds[b] > 0) s.unhold(b);
+  }
+  if (s.gatherer != nullptr) {
+    // An abandoned micro-step may have left copies out of slots the gatherer is about to refill.
+    if (s.in_step && s.pos < 2 * s.n_blocks) {
+      for (uint32_t p = 0; p < s.params.size(); ++p) s.drop(p);
+    }
+    s.gatherer->begin_micro_step();
   }
   s.in_step = true;
   s.pos = 0;
@@ -758,7 +801,7 @@ Result<ParamCoordinator::Acquired> ParamCoordinator::Impl::acquire(uint32_t bloc
   for (uint32_t p : ps) {
     if (s.params[p].state != Residence::kPlaced) continue;
     bool would_block = false;
-    Status st = s.start_fetch(p, /*blocking=*/true, &would_block);
+    Status st = s.start_fetch(p, cur, /*blocking=*/true, &would_block);
     if (!st.is_ok()) return fail(p, std::move(st));
   }
   // Runs `step` (which may wait) over the block's params, counting the time as fetch wait; the
@@ -790,7 +833,15 @@ Result<ParamCoordinator::Acquired> ParamCoordinator::Impl::acquire(uint32_t bloc
     }
   }
   s.prefetch(cur);
-  if (wait_copies) ZO_RETURN_IF_ERROR(for_each_waiting([&](uint32_t p) { return s.complete(p); }));
+  if (s.gatherer != nullptr) {
+    // The gatherer reuses this position's slot once done(): every copy out of it must have landed
+    // (the block's own, and those prefetched for it earlier).
+    ZO_RETURN_IF_ERROR(for_each_waiting([&](uint32_t p) { return s.complete(p); }));
+    s.gatherer->done(static_cast<uint32_t>(cur));
+    ready = gpu::Event{};
+  } else if (wait_copies) {
+    ZO_RETURN_IF_ERROR(for_each_waiting([&](uint32_t p) { return s.complete(p); }));
+  }
 
   s.block_pos[block] = s.pos;
   ++s.pos;
@@ -799,7 +850,8 @@ Result<ParamCoordinator::Acquired> ParamCoordinator::Impl::acquire(uint32_t bloc
   out.ptrs.reserve(s.blocks[block].size());
   for (uint32_t p : s.blocks[block]) {
     const Impl::Param& x = s.params[p];
-    ZO_CHECK(x.on_device || x.state == Residence::kResident || (!wait_copies && x.state == Residence::kCopying))
+    ZO_CHECK(x.on_device || x.state == Residence::kResident ||
+             (!wait_copies && s.gatherer == nullptr && x.state == Residence::kCopying))
         << "acquire: param " << s.param_name(p) << " neither resident nor being copied";
     out.ptrs.push_back(x.on_device ? x.home : s.arena + x.offset);
   }

@@ -12,6 +12,7 @@
 
 #include "common/status.h"
 #include "engine/config/config.h"
+#include "engine/coord/block_gatherer.h"
 #include "engine/coord/update_gate.h"
 #include "engine/memory/param_swapper.h"
 #include "engine/memory/state_store.h"
@@ -60,15 +61,18 @@ struct ArenaPlan {
 };
 
 // `blocks[b]` = the param ids block b uses (each < registry.params().size()); a param's compute
-// copy is on the device when its sub-groups' placement.compute is Tier::kDevice.
+// copy is on the device when its sub-groups' placement.compute is Tier::kDevice, unless `gathered`
+// (MemoryPlan::partition_params: every param is fetched, from a BlockGatherer).
 ArenaPlan plan_arena(const ParamRegistry& registry, const Placement& placement,
-                     const std::vector<std::vector<uint32_t>>& blocks, const CoordinatorOptions& options);
+                     const std::vector<std::vector<uint32_t>>& blocks, const CoordinatorOptions& options,
+                     bool gathered = false);
 
 struct CoordinatorStats {
   double fetch_wait_s = 0;       // time acquire() blocked waiting for NVMe reads and H2D copies
   double update_wait_s = 0;      // time acquire() blocked on the update gate (not in fetch_wait_s)
   uint64_t h2d_bytes = 0;        // bytes copied to the device by fetches
   uint64_t nvme_read_bytes = 0;  // compute-copy bytes of fetched params that live on NVMe
+  double gather_wait_s = 0;      // (addition) time acquire() waited for the gatherer (in fetch_wait_s too)
   // Params copied to the device / found already resident (or already in flight because a prefetch
   // issued them) when their block was acquired. Device-resident params count in neither.
   uint64_t fetches = 0, hits = 0;
@@ -92,10 +96,16 @@ class ParamCoordinator {
   // empty schedule, a bad param id, mismatched name count, or a param on NVMe with no swapper.
   // `param_swapper` may be null when no compute copy is on NVMe (CPU copies are then read from
   // their store location directly); both must outlive the coordinator.
+  // With a `gatherer` (required when the store's plan partitions the params, and only then; it must
+  // have the same blocks and outlive the coordinator) every param is fetched, from the gatherer's
+  // slot of the schedule position it is fetched for, and the swapper is not used (null). An acquire
+  // then also waits for its block's copies to land before it returns (the slot is reused after),
+  // and hands the position back to the gatherer (Note [Gathered parameters] in block_gatherer.cpp).
   static Result<std::unique_ptr<ParamCoordinator>> create(StateStore& store, ParamSwapper* param_swapper,
                                                           std::vector<std::vector<uint32_t>> blocks,
                                                           std::vector<std::string> block_names,
-                                                          const CoordinatorOptions& options);
+                                                          const CoordinatorOptions& options,
+                                                          BlockGatherer* gatherer = nullptr);
   ~ParamCoordinator();  // drains copies and reads in flight, frees the arena
   ParamCoordinator(const ParamCoordinator&) = delete;
   ParamCoordinator& operator=(const ParamCoordinator&) = delete;
@@ -103,7 +113,8 @@ class ParamCoordinator {
   // Starts one micro-step's schedule: forward 0..n-1 then backward n-1..0 (2n acquires). Prefetch
   // follows this order exactly (no tracing) and never crosses into the next micro-step. Params
   // cached from the previous micro-step stay until evicted or invalidate(). A block still acquired
-  // from an abandoned micro-step is treated as released.
+  // from an abandoned micro-step is treated as released (with a gatherer, every param is dropped
+  // then, and the gatherer finishes that micro-step's collectives before this returns).
   void begin_micro_step();
 
   // The device addresses of block b's compute copies (blocks[b] order; a param listed twice gets

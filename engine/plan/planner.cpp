@@ -41,6 +41,7 @@
 #include "cpu_optim/adam.h"
 #include "cpu_optim/executor.h"
 #include "engine/ckpt/stream_file.h"
+#include "engine/coord/block_gatherer.h"
 #include "engine/coord/grad_accumulator.h"
 #include "engine/memory/pinned_pool.h"
 #include "engine/memory/state_store.h"
@@ -179,6 +180,12 @@ Result<MemoryPlan> plan_memory_with_ring(const Config& c, const ParamRegistry& r
                                          std::optional<uint32_t> owned_partition) {
   ZO_ASSIGN_OR_RETURN(MemoryPlan mp, plan_memory(c, registry, owned_partition));
   mp.grad_ring_bytes = grad_ring_bytes(layout, registry, grad_transfer_dtype(c));
+  if (mp.partition_params) {
+    std::vector<std::vector<uint32_t>> blocks;
+    for (const BlockSpec& b : layout.blocks) blocks.push_back(b.params);
+    mp.gather_slots = BlockGatherer::kDefaultSlots;
+    mp.gather_slot_bytes = BlockGatherer::slot_bytes(registry, mp.placement, blocks);
+  }
   return mp;
 }
 
@@ -239,7 +246,7 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
   for (const BlockSpec& b : layout.blocks) blocks.push_back(b.params);
   for (size_t b = layout.blocks.size(); b-- > 0;)
     for (uint32_t id : layout.blocks[b].params) contribution_order.push_back(id);
-  p.arena = plan_arena(registry, pl, blocks, CoordinatorOptions::from_config(c));
+  p.arena = plan_arena(registry, pl, blocks, CoordinatorOptions::from_config(c), mp.partition_params);
   p.device_budget_bytes = in.device_budget_bytes;
   p.device_state_bytes = mp.device_bytes;
   const uint64_t left = in.device_budget_bytes > mp.device_bytes ? in.device_budget_bytes - mp.device_bytes : 0;
@@ -291,9 +298,10 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
   uint64_t rd = 0, wr = 0, compute_nvme_bytes = 0, n_fetched = 0;
   uint64_t grad_rd = 0, grad_wr = 0;  // the accumulators' share, moved during backward
   for (const SubGroup& g : registry.sub_groups()) {
-    if (pl.compute[g.index] != Tier::kDevice) n_fetched += g.n_elems;
+    if (pl.compute[g.index] != Tier::kDevice || mp.partition_params) n_fetched += g.n_elems;
     auto sec = [&](StateKind k) { return align_up(g.n_elems * state_elem_bytes(pl, k), kSwapAlignment); };
-    if (pl.compute[g.index] == Tier::kNvme) compute_nvme_bytes += sec(StateKind::kCompute);
+    if (pl.compute[g.index] == Tier::kNvme && mp.holds(g.index, StateKind::kCompute))
+      compute_nvme_bytes += sec(StateKind::kCompute);
     if (pl.grad == Tier::kNvme && mp.holds(g.index, StateKind::kGradAccum)) {
       const uint64_t grad_len = g.n_elems * state_elem_bytes(pl, StateKind::kGradAccum);
       const uint64_t grad_read = sec(StateKind::kGradAccum) + (grad_len % kSwapAlignment != 0 ? kSwapAlignment : 0);
@@ -318,7 +326,13 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
   p.nvme_read_min_bytes = rd + compute_nvme_bytes;
   p.nvme_read_max_bytes = rd + 2 * passes * compute_nvme_bytes;
   p.nvme_exact = compute_nvme_bytes == 0;
-  p.nvme_read_bytes = p.nvme_exact ? rd : p.nvme_read_max_bytes;
+  if (mp.partition_params) {
+    // Note [Gathered parameters]: the owner reads its part of every block at every position of the
+    // schedule, whatever is cached on the device: exactly 2 reads per pass.
+    p.nvme_read_min_bytes = p.nvme_read_max_bytes;
+    p.nvme_exact = true;
+  }
+  p.nvme_read_bytes = p.nvme_exact ? p.nvme_read_min_bytes : p.nvme_read_max_bytes;
   p.h2d_min_bytes = n_fetched * cb;
   p.h2d_max_bytes = 2 * passes * n_fetched * cb;
   p.d2h_bytes = in.host.cuda ? passes * p.n_params * dtype_size_bytes(grad_transfer_dtype(c)) : 0;

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -149,10 +150,13 @@ struct Rig {
   std::unique_ptr<StateStore> store;
   std::unique_ptr<ParamSwapper> swapper;  // only when some compute copy is on NVMe
 
-  Status init(const Placing& s, uint64_t device_budget = uint64_t{64} << 20, uint32_t seed = 1) {
+  // With world > 1: rank `rank`'s partition of a data-parallel run at stage 3 (its compute copies
+  // only, MemoryPlan::partition_params); every rank gets the same values.
+  Status init(const Placing& s, uint64_t device_budget = uint64_t{64} << 20, uint32_t seed = 1, uint32_t world = 1,
+              uint32_t rank = 0) {
     config = make_config(s, dir.path);
-    ZO_ASSIGN_OR_RETURN(registry, ParamRegistry::build(model(), config.zero.sub_group_size));
-    ZO_ASSIGN_OR_RETURN(plan, plan_memory(config, registry));
+    ZO_ASSIGN_OR_RETURN(registry, ParamRegistry::build(model(), config.zero.sub_group_size, world));
+    ZO_ASSIGN_OR_RETURN(plan, plan_memory(config, registry, world > 1 ? std::optional<uint32_t>(rank) : std::nullopt));
     ZO_ASSIGN_OR_RETURN(device, gpu::make_device(gpu::DeviceKind::kHost, device_budget));
     ZO_ASSIGN_OR_RETURN(io, io::IoEngine::create(io::IoOptions{}, faults));
     StateStoreOptions o;
@@ -163,7 +167,7 @@ struct Rig {
     for (const ParamInfo& p : registry.params()) {
       ZO_RETURN_IF_ERROR(store->init_param(p.id, 0, random_floats(p.n_elems, rng, 1.0f)));
     }
-    if (store->param_file() != nullptr) {
+    if (store->param_file() != nullptr && !plan.partition_params) {
       ZO_ASSIGN_OR_RETURN(swapper, ParamSwapper::create(*store));
     }
     return Status::ok();

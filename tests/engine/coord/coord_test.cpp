@@ -1,11 +1,15 @@
 // engine/coord on HostDevice with states in memory (device and CPU tiers): the range allocator, the
 // parameter coordinator (exact bytes across the schedule, order, budget, persistence, reuse,
 // prefetch, invalidate, tied params), the gradient accumulator (reference sums, norm, overflow,
-// contribution errors, buffer bounds) and the gradient worker (order, bits, back-pressure).
+// contribution errors, buffer bounds), the gradient worker (order, bits, back-pressure) and the
+// block gatherer of partitioned parameters (ranks as threads of this process).
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <barrier>
+#include <cstring>
+#include <functional>
 #include <chrono>
 #include <cmath>
 #include <limits>
@@ -14,6 +18,7 @@
 
 #include "common/aligned_buffer.h"
 #include "common/bytes.h"
+#include "engine/coord/block_gatherer.h"
 #include "engine/coord/grad_accumulator.h"
 #include "engine/coord/grad_worker.h"
 #include "engine/coord/param_coordinator.h"
@@ -945,6 +950,205 @@ TEST(GradAccumulator, BuffersAreBoundedByTheOpenSubGroupsWithTiedParams) {
   auto in_place = GradAccumulator::create(*cpu.store, order, testing::executor());
   ASSERT_TRUE(in_place.is_ok());
   EXPECT_EQ((*in_place)->buffer_count(), 0u);
+}
+
+// ---- BlockGatherer (partitioned parameters, Note [Gathered parameters]) -------------------------
+
+// World-size ranks as threads of this process: broadcast copies root's bytes to every rank, each call
+// a collective. Every rank's call number `fail_call` (0-based) fails on every rank, as a collective
+// fails on each survivor when a peer dies.
+struct LocalBus {
+  explicit LocalBus(uint32_t n) : world(n), sync(n), calls(n, 0) {}
+  uint32_t world;
+  std::barrier<> sync;
+  std::vector<std::byte> buf;
+  std::vector<int> calls;  // per rank, touched by that rank's gatherer thread only
+  int fail_call = -1;
+  std::function<Status(void*, uint64_t, uint32_t, const std::string&)> broadcast(uint32_t rank) {
+    return [this, rank](void* data, uint64_t n, uint32_t root, const std::string& what) -> Status {
+      if (calls[rank]++ == fail_call) return Status(StatusCode::kAborted, what + ": rank 7 of 2 did not respond");
+      if (rank == root) buf.assign(static_cast<std::byte*>(data), static_cast<std::byte*>(data) + n);
+      sync.arrive_and_wait();
+      if (rank != root) std::memcpy(data, buf.data(), n);
+      sync.arrive_and_wait();
+      return Status::ok();
+    };
+  }
+};
+
+// One rank: its partitioned rig, gatherer and coordinator.
+struct GatherRank {
+  Rig rig;
+  AlignedBuffer slots;
+  std::unique_ptr<BlockGatherer> gatherer;
+  std::unique_ptr<ParamCoordinator> coord;
+  uint64_t bucket_elems = 500'000'000;  // allgather_bucket_size
+
+  Status init(const Placing& p, uint32_t world, uint32_t rank, LocalBus& bus) {
+    ZO_RETURN_IF_ERROR(rig.init(p, uint64_t{64} << 20, 1, world, rank));
+    const uint64_t slot = BlockGatherer::slot_bytes(rig.registry, rig.plan.placement, testing::blocks());
+    ZO_ASSIGN_OR_RETURN(slots, AlignedBuffer::allocate(BlockGatherer::kDefaultSlots * slot));
+    BlockGathererOptions o;
+    o.rank = rank;
+    o.broadcast = bus.broadcast(rank);
+    o.memory = slots.bytes();
+    o.bucket_elems = bucket_elems;
+    ZO_ASSIGN_OR_RETURN(gatherer, BlockGatherer::create(*rig.store, testing::blocks(), std::move(o)));
+    ZO_ASSIGN_OR_RETURN(coord, ParamCoordinator::create(*rig.store, nullptr, testing::blocks(), testing::block_names(),
+                                                        opts(30'000, 1'000'000, 100, 0), gatherer.get()));
+    return Status::ok();
+  }
+
+  // Positions [0, stop_at) of one micro-step; each acquired param's bytes against `expected`.
+  // Returns the first acquire or release failure (the micro-step is then abandoned). `ahead`: before
+  // each acquire, waits until the gatherer has the next position too, so that the acquire's
+  // prefetch finds it (otherwise whether it does is a matter of timing).
+  Status micro_step(const std::vector<Bytes>& expected, bool async, uint32_t stop_at = UINT32_MAX, bool ahead = false) {
+    const auto bl = testing::blocks();
+    const uint32_t n = static_cast<uint32_t>(bl.size());
+    coord->begin_micro_step();
+    for (uint32_t q = 0; q < std::min(2 * n, stop_at); ++q) {
+      const uint32_t b = q < n ? q : 2 * n - 1 - q;
+      if (ahead && q + 1 < 2 * n) {
+        const uint32_t next = q + 1 < n ? q + 1 : 2 * n - 2 - q;
+        while (gatherer->poll(q + 1, bl[next].front()) == nullptr) std::this_thread::yield();
+      }
+      std::vector<gpu::DevicePtr> ptrs;
+      gpu::Event ready;
+      if (async) {
+        ZO_ASSIGN_OR_RETURN(auto a, coord->acquire_async(b));
+        ptrs = a.ptrs;
+        ready = a.ready;
+      } else {
+        ZO_ASSIGN_OR_RETURN(ptrs, coord->acquire(b));
+      }
+      for (size_t i = 0; i < bl[b].size(); ++i) {
+        const uint32_t p = bl[b][i];
+        EXPECT_EQ(rig.d2h(ptrs[i], expected[p].size(), ready), expected[p])
+            << "position " << q << " param " << rig.registry.params()[p].name;
+      }
+      ZO_RETURN_IF_ERROR(coord->release(b));
+    }
+    return Status::ok();
+  }
+};
+
+// Runs fn(rank, GatherRank&) on `world` threads over one bus.
+void on_ranks(uint32_t world, const Placing& p, LocalBus& bus, const std::function<void(uint32_t, GatherRank&)>& fn,
+              uint64_t bucket_elems = 500'000'000) {
+  std::vector<GatherRank> ranks(world);
+  std::vector<Status> setup(world);
+  for (uint32_t r = 0; r < world; ++r) {
+    ranks[r].bucket_elems = bucket_elems;
+    setup[r] = ranks[r].init(p, world, r, bus);
+  }
+  for (uint32_t r = 0; r < world; ++r) ASSERT_TRUE(setup[r].is_ok()) << "rank " << r << ": " << setup[r].to_string();
+  std::vector<std::thread> threads;
+  for (uint32_t r = 0; r < world; ++r) threads.emplace_back([&, r] { fn(r, ranks[r]); });
+  for (std::thread& t : threads) t.join();
+}
+
+TEST(BlockGatherer, EveryRankFetchesEveryBlockWholeFromItsOwnersAtEveryPosition) {
+  for (const std::string param : {"none", "cpu"}) {
+    Placing p;
+    p.param = param;
+    Rig whole;  // one process holding everything: the reference bytes
+    ASSERT_TRUE(whole.init(p).is_ok());
+    const std::vector<Bytes> expected = whole.gather(StateKind::kCompute);
+    uint64_t schedule_bytes = 0;  // every block twice per micro-step
+    for (const auto& b : testing::blocks()) {
+      std::vector<uint32_t> unique(b);
+      std::sort(unique.begin(), unique.end());
+      unique.erase(std::unique(unique.begin(), unique.end()), unique.end());
+      for (uint32_t id : unique) schedule_bytes += 2 * expected[id].size();
+    }
+    for (uint32_t world : {2u, 3u}) {
+      SCOPED_TRACE("offload_param " + param + ", world " + std::to_string(world));
+      LocalBus bus(world);
+      on_ranks(world, p, bus, [&](uint32_t r, GatherRank& g) {
+        // This rank holds the compute copies of its own sub-groups only.
+        EXPECT_TRUE(g.rig.plan.partition_params);
+        for (uint32_t s = 0; s < g.rig.plan.n_sub_groups; ++s)
+          EXPECT_EQ(g.rig.store->location(s, StateKind::kCompute).held, g.rig.plan.owns(s)) << "rank " << r;
+        for (const bool async : {false, true}) {
+          Status st = g.micro_step(expected, async, UINT32_MAX, /*ahead=*/!async);
+          EXPECT_TRUE(st.is_ok()) << "rank " << r << ": " << st.to_string();
+          g.coord->invalidate();
+        }
+        const BlockGathererStats gs = g.gatherer->stats();
+        EXPECT_EQ(gs.bytes, 2 * schedule_bytes) << "rank " << r;
+        EXPECT_GT(g.coord->stats().fetches, 0u);
+        EXPECT_GT(g.coord->stats().prefetches, 0u) << "rank " << r << ": a block gathered ahead is prefetched";
+      });
+    }
+  }
+}
+
+TEST(BlockGatherer, AllgatherBucketSizeSplitsTheBroadcastsNotTheBytes) {
+  Placing p;
+  Rig whole;
+  ASSERT_TRUE(whole.init(p).is_ok());
+  const std::vector<Bytes> expected = whole.gather(StateKind::kCompute);
+  std::vector<int> calls;
+  for (const uint64_t bucket : {uint64_t{500'000'000}, uint64_t{1000}}) {
+    LocalBus bus(2);
+    on_ranks(2, p, bus, [&](uint32_t r, GatherRank& g) {
+      Status st = g.micro_step(expected, false);
+      EXPECT_TRUE(st.is_ok()) << "rank " << r << ": " << st.to_string();
+    }, bucket);
+    calls.push_back(bus.calls[0]);
+  }
+  // The largest run (a layer's mlp, 19200 elements) alone needs 20 broadcasts of 1000.
+  EXPECT_GE(calls[1], calls[0] + 19);
+}
+
+TEST(BlockGatherer, AnAbandonedMicroStepIsGatheredToItsEndForTheOtherRanks) {
+  Placing p;
+  Rig whole;
+  ASSERT_TRUE(whole.init(p).is_ok());
+  const std::vector<Bytes> expected = whole.gather(StateKind::kCompute);
+  LocalBus bus(2);
+  on_ranks(2, p, bus, [&](uint32_t r, GatherRank& g) {
+    // Rank 1 abandons its first micro-step after 3 positions (as a failed forward would); rank 0 runs
+    // it whole. The next begin_micro_step on rank 1 finishes the gathering, and both go on.
+    Status first = g.micro_step(expected, false, r == 1 ? 3 : UINT32_MAX);
+    EXPECT_TRUE(first.is_ok()) << first.to_string();
+    Status second = g.micro_step(expected, true);
+    EXPECT_TRUE(second.is_ok()) << "rank " << r << ": " << second.to_string();
+  });
+}
+
+TEST(BlockGatherer, AFailedBroadcastFailsTheAcquireOnEveryRankNamingTheBlock) {
+  Placing p;
+  Rig whole;
+  ASSERT_TRUE(whole.init(p).is_ok());
+  const std::vector<Bytes> expected = whole.gather(StateKind::kCompute);
+  LocalBus bus(2);
+  bus.fail_call = 3;
+  on_ranks(2, p, bus, [&](uint32_t r, GatherRank& g) {
+    Status st = g.micro_step(expected, false);
+    EXPECT_EQ(st.code(), StatusCode::kAborted) << "rank " << r << ": " << st.to_string();
+    EXPECT_THAT(st.to_string(), HasSubstr("gathering the parameters of block"));
+    EXPECT_THAT(st.to_string(), HasSubstr("did not respond"));
+    EXPECT_THAT(st.to_string(), HasSubstr("acquire block"));
+  });
+}
+
+TEST(BlockGatherer, TheCoordinatorTakesAGathererExactlyWhenTheParamsArePartitioned) {
+  LocalBus bus(2);
+  GatherRank g;
+  ASSERT_TRUE(g.init(Placing{}, 2, 0, bus).is_ok());
+  auto without = ParamCoordinator::create(*g.rig.store, nullptr, testing::blocks(), testing::block_names(), CoordinatorOptions{});
+  EXPECT_EQ(without.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(without.status().message(), HasSubstr("needs a gatherer"));
+  Rig whole;
+  ASSERT_TRUE(whole.init(Placing{}).is_ok());
+  auto with = ParamCoordinator::create(*whole.store, nullptr, testing::blocks(), testing::block_names(), CoordinatorOptions{},
+                                       g.gatherer.get());
+  EXPECT_EQ(with.status().code(), StatusCode::kInvalidArgument);
+  auto gatherer = BlockGatherer::create(*whole.store, testing::blocks(), {.broadcast = bus.broadcast(0)});
+  EXPECT_EQ(gatherer.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(gatherer.status().message(), HasSubstr("does not partition the parameters"));
 }
 
 }  // namespace
