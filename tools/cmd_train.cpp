@@ -342,7 +342,8 @@ int run_train(const TrainArgs& args) {
   // stage3_gather_16bit_weights_on_model_save: a Hugging Face directory of the final weights,
   // streamed from their tiers (never gathered in RAM or on the GPU).
   std::string exported;
-  if (config->zero.stage3_gather_16bit_weights_on_model_save && world->rank == 0) {
+  // At ZeRO stage 3 across ranks every rank takes part (each sends its partition); rank 0 writes.
+  if (config->zero.stage3_gather_16bit_weights_on_model_save && (world->rank == 0 || trainer.export_needs_every_rank())) {
     engine::ExportOptions eo;
     eo.dtype = trainer.export_dtype();
     // Published whole (Note [Publishing a directory]); an earlier run's export of the same step
@@ -354,8 +355,8 @@ int run_train(const TrainArgs& args) {
     eo.side_files = engine::model_side_files(a.model);  // the tokenizer: a complete model directory
     auto r = trainer.export_model(eo);
     if (!r.is_ok()) return fail("exporting the model: " + r.status().to_string(), 1);
-    exported = final_dir;
-    if (!a.quiet && !a.json) {
+    if (world->rank == 0) exported = final_dir;
+    if (world->rank == 0 && !a.quiet && !a.json) {
       std::fprintf(stderr, "exported %s (%s, %s)\n", exported.c_str(), std::string(dtype_name(eo.dtype)).c_str(),
                    format_bytes(r->tensor_bytes).c_str());
     }
@@ -410,8 +411,9 @@ void register_train_command(CLI::App& app, int* exit_code) {
       "Trainer's arguments fill them; `zoffload config check` takes the same flags.\n"
       "Launched as N processes (torchrun --no-python --nproc-per-node N zoffload train ..., mpirun, srun)\n"
       "it trains data parallel: each rank reads its slice of every batch; at ZeRO stage 0 the gradients are\n"
-      "all-reduced, at stages 1-3 each rank holds and steps its partition of the optimizer states (and\n"
-      "from stage 2 of the gradient accumulators)\n"
+      "all-reduced, at stages 1-3 each rank holds and steps its partition of the optimizer states (from\n"
+      "stage 2 of the gradient accumulators too, at stage 3 of the parameters, each block gathered from\n"
+      "its owners when it is fetched)\n"
       "(docs/training.md, \"Several processes\").");
   train->add_option("--config", args->config, "DeepSpeed/zoffload JSON config (see docs/config.md)")->required();
   train->add_option("--model", args->model,

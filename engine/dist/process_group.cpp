@@ -37,7 +37,8 @@ std::string first_line(const std::string& s) {
 
 struct ProcessGroup::Impl {
   WorldInfo world;
-  c10::intrusive_ptr<c10d::Store> store;  // prefixed with world.store_prefix
+  std::chrono::milliseconds timeout{0};
+  c10::intrusive_ptr<c10d::Store> store;  // prefixed with world.store_prefix (and a sibling's name)
   c10::intrusive_ptr<c10d::ProcessGroupGloo> gloo;
   uint64_t bytes = 0;
   double seconds = 0;
@@ -103,6 +104,7 @@ struct ProcessGroup::Impl {
 Result<std::unique_ptr<ProcessGroup>> ProcessGroup::create(const WorldInfo& world, std::chrono::milliseconds timeout) {
   auto impl = std::make_unique<Impl>();
   impl->world = world;
+  impl->timeout = timeout;
   const std::string where = world.master_addr + ":" + std::to_string(world.master_port);
   try {
     c10d::TCPStoreOptions so;
@@ -126,6 +128,24 @@ Result<std::unique_ptr<ProcessGroup>> ProcessGroup::create(const WorldInfo& worl
   } catch (const std::exception& e) {
     return Status(StatusCode::kUnavailable, world.describe() + ": connecting the ranks (Gloo over TCP, rendezvous " +
                                                 where + ") failed: " + first_line(e.what()));
+  }
+  return std::unique_ptr<ProcessGroup>(new ProcessGroup(std::move(impl)));
+}
+
+Result<std::unique_ptr<ProcessGroup>> ProcessGroup::create_sibling(const std::string& name) {
+  auto impl = std::make_unique<Impl>();
+  impl->world = impl_->world;
+  impl->timeout = impl_->timeout;
+  // Its own keys: the Gloo rendezvous and the check-ins of Note [A rank that fails].
+  impl->store = c10::make_intrusive<c10d::PrefixStore>(name + "/", impl_->store);
+  try {
+    auto options = c10d::ProcessGroupGloo::Options::create_default(impl->timeout);
+    impl->gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(
+        c10::make_intrusive<c10d::PrefixStore>("gloo/", impl->store), static_cast<int>(impl->world.rank),
+        static_cast<int>(impl->world.world_size), options);
+  } catch (const std::exception& e) {
+    return Status(StatusCode::kUnavailable, impl->world.describe() + ": connecting the ranks for " + name +
+                                                " (Gloo over TCP) failed: " + first_line(e.what()));
   }
   return std::unique_ptr<ProcessGroup>(new ProcessGroup(std::move(impl)));
 }

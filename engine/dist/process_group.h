@@ -23,6 +23,11 @@ class ProcessGroup {
   // every pair of ranks. `timeout` bounds the rendezvous and every later collective: a rank that
   // has not arrived within it fails the call. kUnavailable naming the address on failure.
   static Result<std::unique_ptr<ProcessGroup>> create(const WorldInfo& world, std::chrono::milliseconds timeout);
+  // Another group of the same ranks, over the same rendezvous, with its own connections and its own
+  // order of collectives: for a second thread that issues collectives beside the first (the
+  // stage-3 parameter gatherer). Every rank calls it with the same `name`, at the same point of
+  // this group's sequence (it connects the ranks). kUnavailable on failure, as create.
+  Result<std::unique_ptr<ProcessGroup>> create_sibling(const std::string& name);
   ~ProcessGroup();
   ProcessGroup(const ProcessGroup&) = delete;
   ProcessGroup& operator=(const ProcessGroup&) = delete;

@@ -104,6 +104,7 @@ std::string StepMetrics::to_json() const {
   j["memory"] = nlohmann::json::parse(memory.to_json());
   j["device_peak_bytes"] = device_peak_bytes;
   j["device_budget_bytes"] = device_budget_bytes;
+  j["device_arena_bytes"] = device_arena_bytes;
   j["torch_peak_bytes"] = torch_peak_bytes;
   j["collective_bytes"] = collective_bytes;
   j["time_s"]["collective"] = collective_s;
@@ -142,6 +143,10 @@ struct Trainer::Impl {
   std::unique_ptr<OptimizerSwapper> optimizer;
   std::unique_ptr<ParamSwapper> param_swapper;
   std::unique_ptr<UpdateGate> gate;  // the optimizer's progress, for the forward that overlaps it
+  // MemoryPlan::partition_params: the blocks' compute copies come from their owners, gathered on a
+  // thread over a process group of its own (Note [Gathered parameters] in block_gatherer.cpp).
+  std::unique_ptr<dist::ProcessGroup> param_group;
+  std::unique_ptr<BlockGatherer> gatherer;
   std::unique_ptr<ParamCoordinator> coord;
   std::unique_ptr<GradAccumulator> grads;
   std::unique_ptr<GradWorker> grad_worker;  // feeds `grads` behind backward; destroyed before it
@@ -278,12 +283,15 @@ struct Trainer::Impl {
   std::optional<AlignedBuffer> reduce_staging;  // for accumulators not in host memory
   // Partitioned, on a thread beside the optimizer step (Note [Gather beside the step]): each
   // sub-group's new compute copy goes from its owner, once `ready` says it is written, to the
-  // other ranks, which `publish` it (may be empty).
+  // other ranks, which `publish` it (may be empty); with partitioned params (stage 3) nothing is
+  // sent and the other ranks' sub-groups are published at once. Then the step's outcome is exchanged.
   Status gather_compute(detail::ReadyGroups& ready, const std::function<void(uint32_t)>& publish);
   std::optional<AlignedBuffer> gather_staging;  // for compute copies not in host memory
   double gather_s = 0;  // the last gather_compute's time in collectives
   // The optimizer step, then (partitioned) the all-gather of the updated compute copies.
   Result<OptimizerStepReport> update(const OptimizerStepArgs& args, const std::function<void(uint32_t)>& publish);
+  // Trainer::export_model with partitioned params, on every rank (Note [Exporting gathered parameters]).
+  Result<ExportResult> export_gathered(const ExportOptions& options);
 };
 
 // Note [Trainer construction]: init runs the steps below in order; each one needs only what the
@@ -450,7 +458,7 @@ Status Trainer::Impl::create_states() {
 Status Trainer::Impl::create_step_pipeline() {
   const Config& config = opt.config;
   ZO_ASSIGN_OR_RETURN(optimizer, OptimizerSwapper::create(*store, *executor, PipelineOptions::from_config(config)));
-  if (store->param_file() != nullptr) {
+  if (store->param_file() != nullptr && !plan.partition_params) {  // gathered ones are read by the gatherer
     ZO_ASSIGN_OR_RETURN(param_swapper, ParamSwapper::create(*store));
   }
   std::vector<std::vector<uint32_t>> blocks;
@@ -462,8 +470,24 @@ Status Trainer::Impl::create_step_pipeline() {
   }
   for (size_t b = layout.blocks.size(); b-- > 0;)
     for (uint32_t p : layout.blocks[b].params) contribution_order.push_back(p);
+  gate = std::make_unique<UpdateGate>(store->plan().n_sub_groups);
+  if (plan.partition_params) {
+    ZO_ASSIGN_OR_RETURN(param_group, opt.group->create_sibling("params"));
+    ZO_ASSIGN_OR_RETURN(std::span<std::byte> slots, store->pool().allocate(plan.gather_slots * plan.gather_slot_bytes,
+                                                                          "the parameter gather slots"));
+    BlockGathererOptions go;
+    go.rank = rank();
+    go.gate = gate.get();
+    go.memory = slots;
+    go.slots = plan.gather_slots;
+    go.bucket_elems = config.zero.allgather_bucket_size;
+    go.broadcast = [group = param_group.get()](void* data, uint64_t n, uint32_t root, const std::string& what) {
+      return group->broadcast(data, n, root, what);
+    };
+    ZO_ASSIGN_OR_RETURN(gatherer, BlockGatherer::create(*store, blocks, std::move(go)));
+  }
   ZO_ASSIGN_OR_RETURN(coord, ParamCoordinator::create(*store, param_swapper.get(), std::move(blocks), std::move(names),
-                                                      CoordinatorOptions::from_config(config)));
+                                                      CoordinatorOptions::from_config(config), gatherer.get()));
   ZO_ASSIGN_OR_RETURN(released, device->create_event());
   ZO_ASSIGN_OR_RETURN(landed, device->create_event());
   ZO_ASSIGN_OR_RETURN(copies_after, device->create_event());
@@ -475,7 +499,6 @@ Status Trainer::Impl::create_step_pipeline() {
       ZO_ASSIGN_OR_RETURN(e, device->create_event());
     }
   }
-  gate = std::make_unique<UpdateGate>(store->plan().n_sub_groups);
   coord->set_update_gate(gate.get());
   ReducerOptions reducer;
   if (plan.partition_grads) {
@@ -973,7 +996,10 @@ Result<Trainer::Impl::MicroResult> Trainer::Impl::finish_micro_step(Forward& f, 
 // From stage 2 the gradient accumulators are partitioned too: each micro-step's gradients are
 // reduced to their owners during backward (Note [Partitioned gradients] in grad_accumulator.h), and
 // the boundary only all-reduces the owners' chunk norms, in the same order.
-// Not built yet: stage 3's partitioned parameters (every rank holds every compute copy).
+// At stage 3 the compute copies are partitioned as well: nothing is broadcast after the step, and
+// each block is gathered from its owners whenever the coordinator fetches it (Note [Gathered
+// parameters] in block_gatherer.cpp); gather_compute then only publishes the other ranks' sub-groups
+// to the gate and exchanges the step's outcome.
 Result<GradNormReport> Trainer::Impl::reduce_gradients() {
   const bool partitioned = plan.partitioned();
   trace::Span span(trace::Track::kCollective, partitioned ? "reduce the gradients to their owners" : "all-reduce the gradients");
@@ -1087,7 +1113,13 @@ Status Trainer::Impl::gather_compute(detail::ReadyGroups& ready, const std::func
   trace::Span span(trace::Track::kCollective, "all-gather the updated parameters");
   const uint64_t elem_bytes = state_elem_bytes(plan.placement, StateKind::kCompute);
   Status local;
-  for (uint32_t g = 0; g < plan.n_sub_groups; ++g) {
+  if (plan.partition_params && publish) {
+    // Nothing to send: the next forward gathers each block from its owner once the owner's gate says
+    // the block is written (Note [Gathered parameters]); the other ranks' sub-groups are final here.
+    for (uint32_t g = 0; g < plan.n_sub_groups; ++g)
+      if (!plan.owns(g)) publish(g);
+  }
+  for (uint32_t g = 0; g < plan.n_sub_groups && !plan.partition_params; ++g) {
     const StateLocation& loc = store->location(g, StateKind::kCompute);
     const uint64_t n = store->state_bytes(g, StateKind::kCompute) / elem_bytes;
     const uint32_t owner = registry->partition_of_group(g);
@@ -1129,7 +1161,7 @@ Result<OptimizerStepReport> Trainer::Impl::update(const OptimizerStepArgs& args,
                                                   const std::function<void(uint32_t)>& publish) {
   gather_s = 0;
   if (!plan.partitioned()) return optimizer->step(args);
-  if (!gather_staging) {  // for compute copies not in host memory; allocated before any collective
+  if (!gather_staging && !plan.partition_params) {  // for compute copies not in host memory; before any collective
     ZO_ASSIGN_OR_RETURN(AlignedBuffer b, AlignedBuffer::allocate(kReduceChunkElems * state_elem_bytes(plan.placement, StateKind::kCompute)));
     gather_staging.emplace(std::move(b));
   }
@@ -1207,6 +1239,7 @@ Result<StepMetrics> Trainer::Impl::step_once() {
   // Every collective of this step (the previous step's optimizer thread has been joined).
   const uint64_t collective_bytes_at_start = m.opt.group != nullptr ? m.opt.group->bytes() : 0;
   const double collective_s_at_start = m.opt.group != nullptr ? m.opt.group->seconds() : 0;
+  const BlockGathererStats gathered_at_start = m.gatherer ? m.gatherer->stats() : BlockGathererStats{};
   const uint64_t gas = config.gradient_accumulation_steps;
   GradNormReport boundary;
   double loss_sum = 0;
@@ -1349,6 +1382,11 @@ Result<StepMetrics> Trainer::Impl::step_once() {
   if (m.opt.group != nullptr) {
     out.collective_bytes = m.opt.group->bytes() - collective_bytes_at_start;
     out.gather_s = stepped && stepped->is_ok() ? m.gather_s : 0.0;
+    if (m.gatherer) {  // Note [Gathered parameters]: the blocks gathered on the gatherer's thread
+      const BlockGathererStats g = m.gatherer->stats();
+      out.collective_bytes += g.bytes - gathered_at_start.bytes;
+      out.gather_s = g.collective_s - gathered_at_start.collective_s;
+    }
     out.collective_s = main_collective_s;
   }
   out.compute_s = std::max(0.0, out.step_s - out.fetch_s - out.grad_offload_s - out.data_s - out.optimizer_wait_s -
@@ -1359,6 +1397,7 @@ Result<StepMetrics> Trainer::Impl::step_once() {
   const gpu::DeviceStats ds = m.device->stats();
   out.device_peak_bytes = ds.peak_allocated_bytes;
   out.device_budget_bytes = ds.budget_bytes;
+  out.device_arena_bytes = coord_after.arena_bytes;
   if (m.metrics == nullptr) return out;  // not rank 0
   const std::string record = out.to_json();
   ZO_RETURN_IF_ERROR(m.metrics->append(record + "\n"));
@@ -1473,7 +1512,106 @@ Result<ExportResult> Trainer::export_model(const ExportOptions& options) {
   Impl& m = *impl_;
   ExportOptions o = options;
   if (o.env == nullptr) o.env = m.env();
+  if (m.plan.partition_params) return m.export_gathered(o);
   return export_store(*m.store, to_hf_config_json(m.model, torch_dtype_name(options.dtype)), *m.io, o);
+}
+
+bool Trainer::export_needs_every_rank() const { return impl_->plan.partition_params; }
+
+// Note [Exporting gathered parameters]
+// With the compute copies partitioned (stage 3 across ranks) no rank holds every weight, so the
+// export is a collective: rank 0 writes the files exactly as export_store does, and each read it
+// makes is sent to every rank first (a header: param, offset, count); each piece of the range goes
+// from its owner to everyone (a broadcast, as the gatherer's), and one all-reduce of a flag per rank
+// says whether any owner failed to read its part, naming it. A header with no read ends the
+// exchange and carries rank 0's outcome, so every rank returns the export's success or failure.
+// Like the export of a rank holding all compute copies (Note [Exporting partitioned states]) it
+// writes in the compute dtype only. The model streams through one read's worth of host memory per
+// rank, never whole.
+Result<ExportResult> Trainer::Impl::export_gathered(const ExportOptions& o) {
+  std::vector<double> torn(world_size(), 0.0);
+  torn[rank()] = store->torn_reason().empty() ? 0.0 : 1.0;
+  ZO_RETURN_IF_ERROR(opt.group->all_reduce_sum(torn, "exporting the model"));
+  for (uint32_t r = 0; r < world_size(); ++r) {
+    if (torn[r] != 0)
+      return failed_precondition("export: the weights of rank " + std::to_string(r) + " of " + std::to_string(world_size()) +
+                                 " are inconsistent after a failed step; export from a checkpoint instead");
+  }
+  bool broken = false;  // a collective failed: the group is unusable, nothing more is sent
+  // Every rank, for one read of rank 0's: the pieces from their owners, then the owners' outcome.
+  auto read_pieces = [&](uint32_t p, uint64_t off, std::span<float> out) -> Status {
+    const std::string& name = registry->params()[p].name;
+    const std::string what = "exporting " + name;
+    Status local;
+    for (const ParamPiece& piece : registry->pieces_of_param(p)) {
+      const uint64_t a = std::max(off, piece.param_offset);
+      const uint64_t b = std::min<uint64_t>(off + out.size(), piece.param_offset + piece.n_elems);
+      if (a >= b) continue;
+      const uint32_t owner = registry->partition_of_group(piece.sub_group);
+      std::span<float> part = out.subspan(a - off, b - a);
+      if (owner == rank() && local.is_ok()) local = store->read_param_compute(p, a, part);
+      Status st = opt.group->broadcast(part.data(), part.size_bytes(), owner, what);
+      if (!st.is_ok()) {
+        broken = true;
+        return st;
+      }
+    }
+    std::vector<double> failed(world_size(), 0.0);
+    failed[rank()] = local.is_ok() ? 0.0 : 1.0;
+    if (Status st = opt.group->all_reduce_sum(failed, what); !st.is_ok()) {
+      broken = true;
+      return st;
+    }
+    if (!local.is_ok()) return local.with_context(what);
+    for (uint32_t r = 0; r < world_size(); ++r) {
+      if (failed[r] != 0)
+        return Status(StatusCode::kAborted, what + ": rank " + std::to_string(r) + " of " + std::to_string(world_size()) +
+                                                " could not read its part (its own output has the error)");
+    }
+    return Status::ok();
+  };
+  using Header = std::array<double, 4>;  // {more, param, offset, count}; {0, ok} ends; exact below 2^53
+  auto send_header = [&](Header& h) {
+    Status st = opt.group->broadcast(h.data(), sizeof(Header), 0, "exporting the model (rank 0's next read)");
+    if (!st.is_ok()) broken = true;
+    return st;
+  };
+  if (rank() != 0) {
+    std::vector<float> buffer;
+    Status mine;  // this rank's first failure to read its part (rank 0 fails the export with it)
+    for (;;) {
+      Header h{};
+      ZO_RETURN_IF_ERROR(send_header(h));
+      if (h[0] == 0) {
+        if (h[1] != 0) return ExportResult{};
+        if (!mine.is_ok()) return mine;
+        return Status(StatusCode::kAborted, "export: rank 0's export failed (its own output has the error)");
+      }
+      buffer.resize(static_cast<size_t>(h[3]));
+      Status st = read_pieces(static_cast<uint32_t>(h[1]), static_cast<uint64_t>(h[2]), buffer);
+      if (broken) return st;
+      if (mine.is_ok()) mine = st;
+    }
+  }
+  Result<ExportResult> r = failed_precondition(
+      "export: at ZeRO stage 3 each of the " + std::to_string(world_size()) + " ranks holds its partition's compute copies "
+      "only; it exports in the compute dtype (" + std::string(dtype_name(plan.placement.compute_dtype)) +
+      "), or export another dtype from a checkpoint with `zoffload export --dtype`");
+  if (o.dtype == plan.placement.compute_dtype) {
+    const Fp32Reader read = [&](uint32_t p, uint64_t off, std::span<float> out) -> Status {
+      if (broken) return Status(StatusCode::kAborted, "export: the ranks are no longer connected");
+      Header h{1.0, static_cast<double>(p), static_cast<double>(off), static_cast<double>(out.size())};
+      ZO_RETURN_IF_ERROR(send_header(h));
+      return read_pieces(p, off, out);
+    };
+    r = export_hf_model(registry->params(), to_hf_config_json(model, torch_dtype_name(o.dtype)), read, *io, o);
+  }
+  if (!broken) {
+    Header end{0.0, r.is_ok() ? 1.0 : 0.0, 0.0, 0.0};
+    Status st = send_header(end);
+    if (!st.is_ok() && r.is_ok()) return st;
+  }
+  return r;
 }
 
 DType Trainer::export_dtype() const {
@@ -1496,7 +1634,8 @@ std::string Trainer::describe() const {
     << m.registry->sub_groups().size() << " sub-groups";
   if (m.plan.partitioned())
     s << " (this rank steps " << m.plan.owned_begin << "-" << m.plan.owned_end - 1 << ": partition " << m.rank() << " of "
-      << m.world_size() << ")";
+      << m.world_size() << (m.plan.partition_params ? "; it holds their compute copies only, each block gathered from its owners at fetch" : "")
+      << ")";
   s << " | optimizer states on " << tier_name(pl.optimizer)
     << ", gradient accumulators on " << tier_name(pl.grad)
     << ", compute copies: " << (pl.compute.size() - compute_cpu - compute_nvme) << " device, " << compute_cpu

@@ -89,6 +89,9 @@ struct StepMetrics {
   MemoryStats memory;          // tiers after the step (peaks since the start of the run)
   uint64_t device_peak_bytes = 0;  // Device::stats().peak_allocated_bytes
   uint64_t device_budget_bytes = 0;
+  // Of the device's resident bytes: the stage-3 coordinator's arena for fetched parameters (fixed at
+  // start), the rest being the device-resident states.
+  uint64_t device_arena_bytes = 0;
   // Data parallel: the payload bytes this rank passed to collectives this step (the gradients'
   // all-reduce or, partitioned, their reduce to the owners and the updated parameters' all-gather)
   // and the training thread's wall time in those at the boundary (part of step_s, outside the
@@ -97,7 +100,9 @@ struct StepMetrics {
   double collective_s = 0;
   // Partitioned data parallel (ZeRO stage ≥ 1): sending this rank's updated compute copies to the
   // others and receiving theirs, beside the optimizer and the next forward (waits for the owners
-  // included; optimizer_s lasts until the last copy arrived).
+  // included; optimizer_s lasts until the last copy arrived). At stage 3, where the compute copies
+  // are partitioned too: gathering each block from its owners at every fetch, on the gatherer's
+  // thread beside compute (waits for the owners included).
   double gather_s = 0;
   // ZeRO stage ≥ 2 with several ranks: reducing each micro-step's gradients to their owners, on the
   // gradient worker's thread beside backward (inside grad_offload_s where backward waited for it).
@@ -161,8 +166,12 @@ class Trainer {
   Result<SaveResult> save_checkpoint(const std::function<void(uint64_t done_bytes, uint64_t total_bytes)>& progress = {});
   TrainingState training_state() const;
   // Exports the current master weights as a Hugging Face model directory (export.h), streamed from
-  // their tiers through options.staging_bytes.
+  // their tiers through options.staging_bytes. When export_needs_every_rank(), a collective: every
+  // rank calls it, rank 0 writes options.out_dir, and the others return an empty result (or the
+  // export's error) — Note [Exporting gathered parameters] in trainer.cpp.
   Result<ExportResult> export_model(const ExportOptions& options);
+  // ZeRO stage 3 across ranks: no rank holds every weight.
+  bool export_needs_every_rank() const;
   // The dtype an end-of-training export uses: bf16 when bf16 is enabled, else fp16 when fp16 is,
   // else fp32.
   DType export_dtype() const;
