@@ -4,7 +4,8 @@ and N ranks (torchrun, Gloo), and the bus bandwidth of its collectives against c
 (torch.distributed, Gloo) on the same sizes, run in the same invocation: at ZeRO stage 0 the
 gradient all-reduce against dist.all_reduce; at stages 1-3 (optimizer states partitioned) the
 gradients' reduce to their owners plus the updated parameters' all-gather against
-dist.reduce_scatter_tensor plus dist.all_gather_into_tensor, the collectives DeepSpeed uses.
+dist.reduce_scatter_tensor plus dist.all_gather_into_tensor, the collectives DeepSpeed uses (at stage 3, where the parameters are partitioned too and each block
+is gathered at every fetch, the all-gather twice per micro-step: forward and backward).
 
     tools/dist_bench.py --zoffload build/tools/zoffload [--ranks 2] [--config C] [--stage S] [--model tiny]
                         [--steps 8] [--seq-len 256] [--rounds 3] [--json]
@@ -14,7 +15,7 @@ are medians over steps 3.. of each run, then medians over rounds. Bus bandwidth 
 all-reduce's: bytes x 2(N-1)/N over the time in the collective; reduce-scatter's and all-gather's:
 bytes x (N-1)/N. zoffload's collective time is what rank 0 spent inside them (metrics'
 time_s.collective less rank_wait, the wait for the slowest rank that the boundary's first
-collective absorbs, plus time_s.gather, the all-gather on the optimizer's thread, and
+collective absorbs, plus time_s.gather, the all-gather on the optimizer's thread (stage 3: the gatherer's), and
 time_s.grad_reduce, stage 2's reduce during backward, which also holds the wait for the other
 ranks' backward to produce the same gradients: from stage 2 the ratio understates the collectives
 themselves, and the step times are the figure to compare); the baseline
@@ -34,6 +35,7 @@ BASELINE = r"""
 import os, sys, time, torch, torch.distributed as dist
 total, chunk, reps, mode = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 dtype, copy_dtype = getattr(torch, sys.argv[5]), getattr(torch, sys.argv[6])
+gathers = int(sys.argv[7])  # all-gathers of the parameters per step
 dist.init_process_group("gloo")
 n = dist.get_world_size()
 step = n if mode == "partitioned" else 1  # partitioned: chunks of a multiple of n elements
@@ -49,7 +51,8 @@ for r in range(reps + 1):
     dist.barrier(); t0 = time.perf_counter()
     if mode == "partitioned":
         for b, s in zip(bufs, shards): dist.reduce_scatter_tensor(s, b)
-        for c, g in zip(copies, gathered): dist.all_gather_into_tensor(g, c)
+        for _ in range(gathers):
+            for c, g in zip(copies, gathered): dist.all_gather_into_tensor(g, c)
     else:
         for b in bufs: dist.all_reduce(b)
     times.append(time.perf_counter() - t0)
@@ -132,14 +135,18 @@ def main():
             with open(args.config, "w") as f:
                 json.dump(c, f)
         sub_group = int(float(c.get("zero_optimization", {}).get("sub_group_size", 1e9)))
-        partitioned = int(c.get("zero_optimization", {}).get("stage", 0)) >= 1
+        stage = int(c.get("zero_optimization", {}).get("stage", 0))
+        partitioned = stage >= 1
+        # Stage 3 partitions the parameters too: every block is gathered in the forward and again in
+        # the backward (2 all-gathers of the model per micro-step); stages 1-2 all-gather once per step.
+        gathers = 2 * int(c.get("gradient_accumulation_steps", 1)) if stage == 3 else 1
         names = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
         compute = "bf16" if c.get("bf16", {}).get("enabled") else "fp16" if c.get("fp16", {}).get("enabled") else "fp32"
         dtype = names[c.get("data_types", {}).get("grad_accum_dtype", "fp32" if compute == "fp32" else "fp32")]
         copy_dtype = names[compute]
         size = {"float32": 4, "bfloat16": 2, "float16": 2}
         # Bytes per parameter in the collectives: the gradients, and (partitioned) the compute copies.
-        elem = size[dtype] + (size[copy_dtype] if partitioned else 0)
+        elem = size[dtype] + (gathers * size[copy_dtype] if partitioned else 0)
         rounds = []
         for rnd in range(args.rounds):
             one, many = train(args, tmp, 1, rnd), train(args, tmp, args.ranks, rnd)
@@ -148,7 +155,8 @@ def main():
             with open(script, "w") as f:
                 f.write(BASELINE)
             p = subprocess.run(torchrun(args.ranks, [script, str(total), str(sub_group), "5",
-                                                     "partitioned" if partitioned else "replicated", dtype, copy_dtype]),
+                                                     "partitioned" if partitioned else "replicated", dtype, copy_dtype,
+                                                     str(gathers)]),
                                capture_output=True, text=True)
             line = [l for l in p.stdout.splitlines() if l.startswith("BASELINE ")]
             if p.returncode != 0 or not line:
@@ -166,7 +174,8 @@ def main():
     ours_s, base_s = med(lambda r: r["worldN"]["collective_s"]), med(lambda r: r["baseline_s"])
     result = {
         "ranks": n, "model": args.model, "partitioned": partitioned,
-        "baseline": ("c10d reduce_scatter_tensor + all_gather_into_tensor" if partitioned else "c10d all_reduce"), "seq_len": args.seq_len, "rounds": args.rounds,
+        "baseline": ("c10d reduce_scatter_tensor + %d x all_gather_into_tensor" % gathers if partitioned else "c10d all_reduce"),
+        "seq_len": args.seq_len, "rounds": args.rounds,
         "step_s": {"world1": med(lambda r: r["world1"]["step_s"]), "worldN": med(lambda r: r["worldN"]["step_s"])},
         "tokens_per_s": {"world1": med(lambda r: r["world1"]["tokens_per_s"]),
                          "worldN": med(lambda r: r["worldN"]["tokens_per_s"])},
