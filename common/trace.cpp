@@ -60,6 +60,7 @@ std::string_view track_name(Track t) {
     case Track::kNvmeWrite: return "NVMe writes";
     case Track::kCheckpoint: return "checkpoint";
     case Track::kCollective: return "collectives";
+    case Track::kGather: return "parameter gatherer";
     case Track::kCount: break;
   }
   return "?";

@@ -26,6 +26,7 @@ enum class Track : uint8_t {
   kNvmeWrite,       // the I/O engine with writes outstanding
   kCheckpoint,      // saving a checkpoint
   kCollective,      // the training thread in a collective across ranks (data parallel)
+  kGather,          // the parameter gatherer's thread: each block gathered from its owners (stage 3 ranks)
   kCount
 };
 std::string_view track_name(Track t);

@@ -9,6 +9,7 @@
 
 #include "common/check.h"
 #include "common/timer.h"
+#include "common/trace.h"
 
 // Note [Gathered parameters]
 //
@@ -108,6 +109,9 @@ struct BlockGatherer::Impl {
   // Gathers position q into its slot: this rank's bytes from their homes, then one broadcast per run.
   Status gather(uint32_t q, Status* local) {
     const Block& b = blocks[block_at(q)];
+    trace::Span span(trace::Track::kGather, [&] {
+      return "gather " + b.name + (q < n_blocks ? " (forward)" : " (backward)");
+    });
     std::byte* base = slot(q);
     for (const Run& run : b.runs) {
       if (run.owner == options.rank) {
@@ -195,6 +199,9 @@ Result<std::unique_ptr<BlockGatherer>> BlockGatherer::create(StateStore& store, 
   if (!options.broadcast) return invalid_argument("block gatherer: no broadcast");
   if (options.slots < 2) return invalid_argument("block gatherer: " + std::to_string(options.slots) + " slots; it needs 2");
   if (options.bucket_elems == 0) return invalid_argument("block gatherer: a bucket of 0 elements");
+  if (!options.block_names.empty() && options.block_names.size() != blocks.size())
+    return invalid_argument("block gatherer: " + std::to_string(blocks.size()) + " blocks but " +
+                            std::to_string(options.block_names.size()) + " block names");
   auto impl = std::make_unique<Impl>();
   Impl& s = *impl;
   s.store = &store;
@@ -209,6 +216,8 @@ Result<std::unique_ptr<BlockGatherer>> BlockGatherer::create(StateStore& store, 
   s.blocks.resize(s.n_blocks);
   for (uint32_t bi = 0; bi < s.n_blocks; ++bi) {
     Impl::Block& b = s.blocks[bi];
+    b.name = "block " + std::to_string(bi);
+    if (bi < s.options.block_names.size()) b.name += " '" + s.options.block_names[bi] + "'";
     uint64_t off = 0;
     std::vector<uint32_t> seen;
     for (uint32_t p : blocks[bi]) {
@@ -217,7 +226,6 @@ Result<std::unique_ptr<BlockGatherer>> BlockGatherer::create(StateStore& store, 
                                 " but the registry has " + std::to_string(registry.params().size()) + " params");
       if (std::find(seen.begin(), seen.end(), p) != seen.end()) continue;
       seen.push_back(p);
-      if (b.name.empty()) b.name = "block " + std::to_string(bi) + " (" + registry.params()[p].name + ", ...)";
       b.offsets.emplace_back(p, off);
       for (const ParamPiece& piece : registry.pieces_of_param(p)) {
         const uint32_t owner = registry.partition_of_group(piece.sub_group);

@@ -36,6 +36,8 @@ struct BlockGathererOptions {
   // zero_optimization.allgather_bucket_size: the most elements one broadcast carries (a longer run
   // of one owner's bytes goes in several).
   uint64_t bucket_elems = 500'000'000;
+  // Names of the blocks in errors and the trace, as the coordinator's (empty: by number).
+  std::vector<std::string> block_names;
 };
 
 struct BlockGathererStats {

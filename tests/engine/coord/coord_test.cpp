@@ -993,6 +993,7 @@ struct GatherRank {
     o.broadcast = bus.broadcast(rank);
     o.memory = slots.bytes();
     o.bucket_elems = bucket_elems;
+    o.block_names = testing::block_names();
     ZO_ASSIGN_OR_RETURN(gatherer, BlockGatherer::create(*rig.store, testing::blocks(), std::move(o)));
     ZO_ASSIGN_OR_RETURN(coord, ParamCoordinator::create(*rig.store, nullptr, testing::blocks(), testing::block_names(),
                                                         opts(30'000, 1'000'000, 100, 0), gatherer.get()));
@@ -1128,7 +1129,7 @@ TEST(BlockGatherer, AFailedBroadcastFailsTheAcquireOnEveryRankNamingTheBlock) {
   on_ranks(2, p, bus, [&](uint32_t r, GatherRank& g) {
     Status st = g.micro_step(expected, false);
     EXPECT_EQ(st.code(), StatusCode::kAborted) << "rank " << r << ": " << st.to_string();
-    EXPECT_THAT(st.to_string(), HasSubstr("gathering the parameters of block"));
+    EXPECT_THAT(st.to_string(), HasSubstr("acquire block 2 'layers.1': gathering the parameters of block 2 'layers.1' from rank 1"));
     EXPECT_THAT(st.to_string(), HasSubstr("did not respond"));
     EXPECT_THAT(st.to_string(), HasSubstr("acquire block"));
   });
