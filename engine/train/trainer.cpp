@@ -280,6 +280,10 @@ struct Trainer::Impl {
   // Partitioned: every chunk's squared norm, filled by its owner (0 elsewhere), all-reduced and
   // added up in chunk order on every rank (Note [Partitioned data parallel]).
   Result<GradNormReport> owners_norm(std::vector<double> chunk_sq);
+  // Sums n gradients (grad_accum_dtype) at data over the ranks: to `owner` (reduce) or, without
+  // one, to every rank (all-reduce), in collectives of at most zero_optimization.reduce_bucket_size
+  // elements (element-wise sums: the bucket never changes the result).
+  Status reduce_in_buckets(void* data, uint64_t n, std::optional<uint32_t> owner, const std::string& what);
   std::optional<AlignedBuffer> reduce_staging;  // for accumulators not in host memory
   // Partitioned, on a thread beside the optimizer step (Note [Gather beside the step]): each
   // sub-group's new compute copy goes from its owner, once `ready` says it is written, to the
@@ -481,6 +485,7 @@ Status Trainer::Impl::create_step_pipeline() {
     go.memory = slots;
     go.slots = plan.gather_slots;
     go.bucket_elems = config.zero.allgather_bucket_size;
+    go.block_names = names;
     go.broadcast = [group = param_group.get()](void* data, uint64_t n, uint32_t root, const std::string& what) {
       return group->broadcast(data, n, root, what);
     };
@@ -506,8 +511,7 @@ Status Trainer::Impl::create_step_pipeline() {
     // backward produces them; the training thread issues no collective until the worker is drained.
     reducer.chunk_elems = kReduceChunkElems;
     reducer.reduce = [this](uint32_t g, std::byte* data, uint64_t n) {
-      return opt.group->reduce_sum(data, n, plan.placement.grad_dtype, registry->partition_of_group(g),
-                                   "reducing the gradients of sub-group " + std::to_string(g));
+      return reduce_in_buckets(data, n, registry->partition_of_group(g), "reducing the gradients of sub-group " + std::to_string(g));
     };
   }
   ZO_ASSIGN_OR_RETURN(grads, GradAccumulator::create(*store, std::move(contribution_order), *executor, std::move(reducer)));
@@ -1029,9 +1033,9 @@ Result<GradNormReport> Trainer::Impl::reduce_gradients() {
         ZO_RETURN_IF_ERROR(store->read_state_range(g, StateKind::kGradAccum, offset_bytes, {p, count * elem_bytes}));
       }
       if (partitioned) {
-        ZO_RETURN_IF_ERROR(opt.group->reduce_sum(p, count, dtype, owner, what));
+        ZO_RETURN_IF_ERROR(reduce_in_buckets(p, count, owner, what));
       } else {
-        ZO_RETURN_IF_ERROR(opt.group->all_reduce_sum(p, count, dtype, what));
+        ZO_RETURN_IF_ERROR(reduce_in_buckets(p, count, std::nullopt, what));
       }
       double sq = 0;
       if (mine) {
@@ -1049,6 +1053,19 @@ Result<GradNormReport> Trainer::Impl::reduce_gradients() {
   if (partitioned) return owners_norm(std::move(chunk_sq));
   report.nonfinite = !std::isfinite(report.sum_sq);
   return report;
+}
+
+Status Trainer::Impl::reduce_in_buckets(void* data, uint64_t n, std::optional<uint32_t> owner, const std::string& what) {
+  const DType dtype = plan.placement.grad_dtype;
+  const uint64_t bucket = std::max<uint64_t>(1, opt.config.zero.reduce_bucket_size);
+  auto* bytes = static_cast<std::byte*>(data);
+  for (uint64_t at = 0; at < n; at += bucket) {
+    const uint64_t count = std::min(bucket, n - at);
+    std::byte* p = bytes + at * dtype_size_bytes(dtype);
+    ZO_RETURN_IF_ERROR(owner ? opt.group->reduce_sum(p, count, dtype, *owner, what)
+                             : opt.group->all_reduce_sum(p, count, dtype, what));
+  }
+  return Status::ok();
 }
 
 Result<GradNormReport> Trainer::Impl::owners_norm(std::vector<double> chunk_sq) {

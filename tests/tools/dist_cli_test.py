@@ -54,8 +54,12 @@ def free_port():
         return s.getsockname()[1]
 
 
-def write_config(tmp, name, micro, gas, placement="nvme", ckpt_every=None, tbs=None, stage=None, grads=None):
+def write_config(tmp, name, micro, gas, placement="nvme", ckpt_every=None, tbs=None, stage=None, grads=None,
+                 buckets=None):
     c = json.loads(json.dumps(BASE))
+    if buckets is not None:
+        c["zero_optimization"]["reduce_bucket_size"] = buckets
+        c["zero_optimization"]["allgather_bucket_size"] = buckets
     if grads is not None:
         c["zoffload"]["gradient_accumulators"] = grads
     if stage is not None:
@@ -164,7 +168,8 @@ with tempfile.TemporaryDirectory(dir=os.environ.get("MESON_BUILD_ROOT")) as tmp:
     runs = {}
     for placement in ("nvme", "cpu", "none"):
         out = os.path.join(tmp, "w2-" + placement)
-        p = torchrun(2, train_args(write_config(tmp, "m1-" + placement, 1, 1, placement), out))
+        extra = ("--trace", os.path.join(tmp, "w2.trace.json")) if placement == "nvme" else ()
+        p = torchrun(2, train_args(write_config(tmp, "m1-" + placement, 1, 1, placement), out, extra=extra))
         if expect(p.returncode == 0, "world 2 (%s) trains under torchrun: %s" % (placement, p.stderr[-3000:])):
             runs[placement] = out
             if placement == "nvme":
@@ -172,8 +177,25 @@ with tempfile.TemporaryDirectory(dir=os.environ.get("MESON_BUILD_ROOT")) as tmp:
                 m = metrics(out)
                 expect(len(m) == STEPS and all(r["collective_bytes"] > 0 for r in m),
                        "rank 0 writes one metrics line per step, with the collective bytes: %s" % m[-1:])
+                # Stage 3: each block is gathered from its owners, forward and backward, on its own track.
+                with open(os.path.join(tmp, "w2.trace.json")) as f:
+                    events = json.load(f)["traceEvents"]
+                tids = {e["tid"] for e in events if e.get("ph") == "M" and e["name"] == "thread_name" and
+                        e["args"]["name"] == "parameter gatherer"}
+                names = {e["name"] for e in events if e.get("ph") == "X" and e["tid"] in tids}
+                expect(any(n.startswith("gather block 1 'model.layers.0'") and n.endswith("(forward)") for n in names) and
+                       any(n.endswith("(backward)") for n in names),
+                       "the trace has the gatherer's track, forward and backward: %s" % sorted(names)[:6])
     if "nvme" in runs:
         compare_runs("world 2 x micro 1 vs world 1 x micro 2", w1, runs["nvme"], range(1, STEPS + 1))
+    if "nvme" in runs:
+        # reduce_bucket_size and allgather_bucket_size split the collectives, never change the sums.
+        out = os.path.join(tmp, "w2-buckets")
+        p = torchrun(2, train_args(write_config(tmp, "m1-buckets", 1, 1, buckets=1000), out))
+        if expect(p.returncode == 0, "world 2 with 1000-element buckets trains: %s" % p.stderr[-3000:]):
+            a, b = weights(runs["nvme"]), weights(out)
+            expect(all(np.array_equal(a[k].view(np.uint32), b[k].view(np.uint32)) for k in a),
+                   "world 2: 1000-element reduce and all-gather buckets give the same weights bit for bit")
     if len(runs) == 3:
         ref = weights(runs["nvme"])
         for placement in ("cpu", "none"):
