@@ -53,7 +53,9 @@ void print_plan(const engine::RunPlan& p, const engine::PlanInputs& in, const st
   if (in.world_size > 1) {
     std::printf("data parallel: rank 0 of %u on this node, planned with 1/%u of its RAM and disk%s\n", in.world_size,
                 in.world_size,
-                mp.partitioned() ? (", holding the optimizer states of sub-groups " + std::to_string(mp.owned_begin) + "-" +
+                mp.partitioned() ? (", holding the optimizer states" + std::string(mp.partition_grads ? ", gradient accumulators" : "") +
+                                    (mp.partition_params ? " and compute copies (each block gathered from its owners at fetch)" : "") +
+                                    " of sub-groups " + std::to_string(mp.owned_begin) + "-" +
                                     std::to_string(mp.owned_end - 1) + " (ZeRO stage " + std::to_string(in.config.zero.stage) + ")")
                                        .c_str()
                                  : " and every state (ZeRO stage 0)");

@@ -162,8 +162,8 @@ with tempfile.TemporaryDirectory() as tmp:
     expect(len(errors) == 1, f"one error line: {t.stderr}")
 
     # --ranks N plans one of N data-parallel ranks on this node: at ZeRO stage 3 it holds the
-    # optimizer states (12 B/param) and gradient accumulators (4 B/param), both on NVMe here, of its
-    # partition only.
+    # optimizer states (12 B/param) and gradient accumulators (4 B/param), both on NVMe here, and the
+    # compute copies of its partition only.
     nv = os.path.join(tmp, "nvme.json")
     with open(nv, "w") as f:
         json.dump(config(opt="nvme", zoffload={"gradient_accumulators": "nvme"}), f)
@@ -178,12 +178,19 @@ with tempfile.TemporaryDirectory() as tmp:
         one, two = (plans[r]["memory_plan"]["nvme_optimizer_bytes"] for r in (1, 2))
         expect(plans[2]["ranks"] == 2 and abs((one - two) - 8 * n) < 0.01 * 8 * n,
                f"--ranks 2 holds half the optimizer states and accumulators: {two} vs {one} bytes of swap for {n} params")
+        # And its compute copies (pinned here), each block gathered into one of two pinned slots.
+        mp1, mp2 = plans[1]["memory_plan"], plans[2]["memory_plan"]
+        expect(mp2["partition_params"] and not mp1["partition_params"] and mp2["gather_slots"] == 2 and
+               mp2["gather_slot_bytes"] > 0 and abs(mp2["cpu_pinned_bytes"] - mp1["cpu_pinned_bytes"] / 2) < 0.01 * mp1["cpu_pinned_bytes"],
+               f"--ranks 2 at stage 3 holds half the compute copies: {mp2['cpu_pinned_bytes']} vs {mp1['cpu_pinned_bytes']} "
+               f"pinned bytes, gather slots {mp2['gather_slots']} x {mp2['gather_slot_bytes']}")
         groups = plans[2]["memory_plan"]["owned_sub_groups"]
         expect(groups[0] == 0 and 0 < groups[1] < plans[2]["memory_plan"]["n_sub_groups"],
                f"rank 0 owns the first partition's sub-groups: {groups}")
     p = subprocess.run([zoffload, "plan", "--config", nv, "--model", "tiny", "--out", tmp, "--no-measure", "--ranks", "2"],
                        capture_output=True, text=True, env=ENV)
-    expect(p.returncode == 0 and "data parallel: rank 0 of 2 on this node" in p.stdout,
+    expect(p.returncode == 0 and "data parallel: rank 0 of 2 on this node" in p.stdout and
+           "compute copies (each block gathered from its owners at fetch)" in p.stdout,
            f"plan --ranks 2 says what it planned: {p.stdout[:600]} {p.stderr}")
 
 report_and_exit()
