@@ -275,6 +275,16 @@ with tempfile.TemporaryDirectory(dir=os.environ.get("MESON_BUILD_ROOT")) as tmp:
         q = single(["ckpt", "inspect", step2, "--json"])
         expect(q.returncode == 0 and json.loads(q.stdout).get("world_size") == 2,
                "the checkpoint names its world size: %s %s" % (q.stdout[-500:], q.stderr[-500:]))
+        # The end-of-run export, made by both ranks together from their compute copies (stage 3: no
+        # rank holds every weight), writes what `zoffload export` writes from the final checkpoint's
+        # masters.
+        from_ckpt = os.path.join(tmp, "export-from-ckpt")
+        q = single(["export", "--checkpoint", os.path.join(full, "ckpt", "step-%d" % STEPS), "--dtype", "fp32",
+                    "--out", from_ckpt, "-q"])
+        if expect(q.returncode == 0, "zoffload export of the final checkpoint: %s" % q.stderr[-1000:]):
+            a, b = weights(full), load_file(os.path.join(from_ckpt, "model.safetensors"))
+            expect(sorted(a) == sorted(b) and all(np.array_equal(a[k].view(np.uint32), b[k].view(np.uint32)) for k in a),
+                   "world 2 at stage 3: the gathered end-of-run export equals the export of the final checkpoint")
         out1 = os.path.join(tmp, "resume-w1")
         p = single(train_args(write_config(tmp, "g6", 1, 6), out1, extra=["--resume", step2]))
         if expect(p.returncode == 0, "resumed at world 1 x GAS 6: %s" % p.stderr[-2000:]):
