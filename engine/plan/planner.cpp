@@ -310,10 +310,14 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
       grad_wr += passes * sec(StateKind::kGradAccum);
       grad_rd += (passes - 1) * grad_read;
       rd += grad_read;
+      // Stage 1 across ranks (every rank holds every accumulator): the read above is the boundary's
+      // reduce; the owner writes the sums back, and its optimizer reads them once more.
+      if (mp.partitioned() && !mp.partition_grads && mp.owns(g.index)) {
+        wr += sec(StateKind::kGradAccum);
+        rd += grad_read;
+      }
     }
     // The optimizer step: master, exp_avg and exp_avg_sq in and out, of this rank's sub-groups.
-    // (Data parallel: the boundary's reduce moves the gradients of NVMe accumulators too, which
-    // this does not count yet.)
     if (pl.optimizer != Tier::kNvme || !mp.owns(g.index)) continue;
     const uint64_t states = sec(StateKind::kMaster) + sec(StateKind::kExpAvg) + sec(StateKind::kExpAvgSq);
     rd += states;
@@ -328,8 +332,21 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
   p.nvme_exact = compute_nvme_bytes == 0;
   if (mp.partition_params) {
     // Note [Gathered parameters]: the owner reads its part of every block at every position of the
-    // schedule, whatever is cached on the device: exactly 2 reads per pass.
-    p.nvme_read_min_bytes = p.nvme_read_max_bytes;
+    // schedule (twice per pass), whatever is cached on the device, one read per piece of a param,
+    // through the store's scratch: the pages each piece covers.
+    uint64_t gather_reads = 0;  // per pass
+    for (std::vector<uint32_t> ps : blocks) {
+      std::sort(ps.begin(), ps.end());
+      ps.erase(std::unique(ps.begin(), ps.end()), ps.end());
+      for (uint32_t id : ps) {
+        for (const ParamPiece& piece : registry.pieces_of_param(id)) {
+          if (pl.compute[piece.sub_group] != Tier::kNvme || !mp.owns(piece.sub_group)) continue;
+          const uint64_t begin = piece.group_offset * cb, end = begin + piece.n_elems * cb;
+          gather_reads += 2 * (align_up(end, kSwapAlignment) - begin / kSwapAlignment * kSwapAlignment);
+        }
+      }
+    }
+    p.nvme_read_min_bytes = p.nvme_read_max_bytes = rd + passes * gather_reads;
     p.nvme_exact = true;
   }
   p.nvme_read_bytes = p.nvme_exact ? p.nvme_read_min_bytes : p.nvme_read_max_bytes;

@@ -13,6 +13,8 @@ on CPU ranks joined by c10d's TCPStore and Gloo.
   global batch and continues like the uninterrupted run, to the same tolerances;
 - one rank killed (SIGKILL) or stalled (SIGSTOP) mid-run: the other exits non-zero within
   --dist-timeout, naming the rank, and the last checkpoint still verifies;
+- `zoffload plan --ranks 2` predicts rank 0's NVMe bytes per step exactly (stage 1 with the
+  accumulators on NVMe, stage 3 with the compute copies there);
 - launches the build cannot serve are one line and exit 2: no MASTER_ADDR, a train_batch_size the
   world size does not divide; a plan that needs more than a rank's share of the node's RAM fails at
   start on every rank;
@@ -293,6 +295,39 @@ with tempfile.TemporaryDirectory(dir=os.environ.get("MESON_BUILD_ROOT")) as tmp:
         p = torchrun(3, train_args(write_config(tmp, "g2", 1, 2), out3, extra=["--resume", step2]))
         if expect(p.returncode == 0, "resumed at world 3 x GAS 2: %s" % p.stderr[-3000:]):
             compare_runs("world 2 -> world 3", full, out3, [3, 4])
+
+    # ---- the planner's NVMe bytes per step for a rank are what the rank moves ---------------------------
+    # Stage 1 with the accumulators on NVMe (the boundary reads every accumulator to reduce it, the
+    # owner writes its sums back and its optimizer reads them again); stage 3 with the compute copies
+    # on NVMe (the owner reads its part of every block at every fetch). Steady steps: 2 to 3.
+    def nvme_config(name, stage):
+        c = json.loads(json.dumps(BASE))
+        z = c["zero_optimization"]
+        z["stage"] = stage
+        if stage == 1:
+            z["offload_param"] = {"device": "none"}
+            c["zoffload"]["gradient_accumulators"] = "nvme"
+        else:
+            z["offload_param"] = {"device": "nvme", "nvme_path": "zoffload-nvme", "max_in_cpu": 0, "buffer_size": 2e7}
+        path = os.path.join(tmp, name + ".json")
+        with open(path, "w") as f:
+            json.dump(c, f)
+        return path
+    for stage in (1, 3):
+        cfg = nvme_config("nvme-stage%d" % stage, stage)
+        out = os.path.join(tmp, "nvme-stage%d" % stage)
+        p = torchrun(2, train_args(cfg, out))
+        q = single(["plan", "--config", cfg, "--model", "tiny", "--seq-len", "64", "--ranks", "2", "--no-measure",
+                    "--json", "--out", out])
+        if expect(p.returncode == 0 and q.returncode in (0, 3), "stage %d on NVMe trains and plans at world 2: %s %s" %
+                  (stage, p.stderr[-2000:], q.stderr[-1000:])):
+            m = {r["step"]: r["memory"] for r in metrics(out)}
+            got = (m[3]["nvme_read_bytes"] - m[2]["nvme_read_bytes"], m[3]["nvme_write_bytes"] - m[2]["nvme_write_bytes"])
+            per_step = json.loads(q.stdout)["per_step"]
+            want = (per_step["nvme_read_bytes"], per_step["nvme_write_bytes"])
+            expect(per_step["nvme_exact"] and got == want,
+                   "stage %d at world 2: rank 0 moves the planned NVMe bytes per step: read, written %s, planned %s" %
+                   (stage, got, want))
 
     # ---- tools/dist_bench.py runs and reports consistent figures --------------------------------------
     p = subprocess.run([sys.executable, os.path.join(source_dir, "tools", "dist_bench.py"), "--zoffload", zoffload,
