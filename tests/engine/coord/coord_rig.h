@@ -1,25 +1,30 @@
 // Test rig of engine/coord: a small decoder-shaped model (embedding tied with the head, layers with
 // a small persistent norm and split params), its blocks and backward contribution order, and a
 // StateStore on HostDevice with the compute copies / gradient accumulators on a chosen tier (NVMe
-// swap files under a temp dir). Shared by coord_test (unit) and coord_io_test (io).
+// swap files under a temp dir); data-parallel ranks as threads with a block gatherer each. Shared
+// by coord_test (unit) and coord_io_test (io).
 #pragma once
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <barrier>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/check.h"
 #include "cpu_optim/dtype.h"
 #include "cpu_optim/executor.h"
 #include "engine/config/config.h"
+#include "engine/coord/block_gatherer.h"
 #include "engine/coord/grad_accumulator.h"
 #include "engine/coord/param_coordinator.h"
 #include "engine/memory/param_registry.h"
@@ -328,6 +333,102 @@ inline CoordinatorOptions opts(uint64_t bucket, uint64_t live, uint64_t persist,
   o.persistence_threshold_elems = persist;
   o.max_reuse_distance_elems = reuse;
   return o;
+}
+
+// World-size ranks as threads of this process: broadcast copies root's bytes to every rank, each call
+// a collective. Every rank's call number `fail_call` (0-based) fails on every rank, as a collective
+// fails on each survivor when a peer dies.
+struct LocalBus {
+  explicit LocalBus(uint32_t n) : world(n), sync(n), calls(n, 0) {}
+  uint32_t world;
+  std::barrier<> sync;
+  std::vector<std::byte> buf;
+  std::vector<int> calls;  // per rank, touched by that rank's gatherer thread only
+  int fail_call = -1;
+  std::function<Status(void*, uint64_t, uint32_t, const std::string&)> broadcast(uint32_t rank) {
+    return [this, rank](void* data, uint64_t n, uint32_t root, const std::string& what) -> Status {
+      if (calls[rank]++ == fail_call) return Status(StatusCode::kAborted, what + ": rank 7 of 2 did not respond");
+      if (rank == root) buf.assign(static_cast<std::byte*>(data), static_cast<std::byte*>(data) + n);
+      sync.arrive_and_wait();
+      if (rank != root) std::memcpy(data, buf.data(), n);
+      sync.arrive_and_wait();
+      return Status::ok();
+    };
+  }
+};
+
+// One rank: its partitioned rig, gatherer and coordinator.
+struct GatherRank {
+  Rig rig;
+  AlignedBuffer slots;
+  std::unique_ptr<BlockGatherer> gatherer;
+  std::unique_ptr<ParamCoordinator> coord;
+  uint64_t bucket_elems = 500'000'000;  // allgather_bucket_size
+
+  Status init(const Placing& p, uint32_t world, uint32_t rank, LocalBus& bus) {
+    ZO_RETURN_IF_ERROR(rig.init(p, uint64_t{64} << 20, 1, world, rank));
+    const uint64_t slot = BlockGatherer::slot_bytes(rig.registry, rig.plan.placement, testing::blocks());
+    ZO_ASSIGN_OR_RETURN(slots, AlignedBuffer::allocate(BlockGatherer::kDefaultSlots * slot));
+    BlockGathererOptions o;
+    o.rank = rank;
+    o.broadcast = bus.broadcast(rank);
+    o.memory = slots.bytes();
+    o.bucket_elems = bucket_elems;
+    o.block_names = testing::block_names();
+    ZO_ASSIGN_OR_RETURN(gatherer, BlockGatherer::create(*rig.store, testing::blocks(), std::move(o)));
+    ZO_ASSIGN_OR_RETURN(coord, ParamCoordinator::create(*rig.store, nullptr, testing::blocks(), testing::block_names(),
+                                                        opts(30'000, 1'000'000, 100, 0), gatherer.get()));
+    return Status::ok();
+  }
+
+  // Positions [0, stop_at) of one micro-step; each acquired param's bytes against `expected` (none
+  // when empty).
+  // Returns the first acquire or release failure (the micro-step is then abandoned). `ahead`: before
+  // each acquire, waits until the gatherer has the next position too, so that the acquire's
+  // prefetch finds it (otherwise whether it does is a matter of timing).
+  Status micro_step(const std::vector<Bytes>& expected, bool async, uint32_t stop_at = UINT32_MAX, bool ahead = false) {
+    const auto bl = testing::blocks();
+    const uint32_t n = static_cast<uint32_t>(bl.size());
+    coord->begin_micro_step();
+    for (uint32_t q = 0; q < std::min(2 * n, stop_at); ++q) {
+      const uint32_t b = q < n ? q : 2 * n - 1 - q;
+      if (ahead && q + 1 < 2 * n) {
+        const uint32_t next = q + 1 < n ? q + 1 : 2 * n - 2 - q;
+        while (gatherer->poll(q + 1, bl[next].front()) == nullptr) std::this_thread::yield();
+      }
+      std::vector<gpu::DevicePtr> ptrs;
+      gpu::Event ready;
+      if (async) {
+        ZO_ASSIGN_OR_RETURN(auto a, coord->acquire_async(b));
+        ptrs = a.ptrs;
+        ready = a.ready;
+      } else {
+        ZO_ASSIGN_OR_RETURN(ptrs, coord->acquire(b));
+      }
+      for (size_t i = 0; i < bl[b].size() && !expected.empty(); ++i) {
+        const uint32_t p = bl[b][i];
+        EXPECT_EQ(rig.d2h(ptrs[i], expected[p].size(), ready), expected[p])
+            << "position " << q << " param " << rig.registry.params()[p].name;
+      }
+      ZO_RETURN_IF_ERROR(coord->release(b));
+    }
+    return Status::ok();
+  }
+};
+
+// Runs fn(rank, GatherRank&) on `world` threads over one bus.
+inline void on_ranks(uint32_t world, const Placing& p, LocalBus& bus, const std::function<void(uint32_t, GatherRank&)>& fn,
+              uint64_t bucket_elems = 500'000'000) {
+  std::vector<GatherRank> ranks(world);
+  std::vector<Status> setup(world);
+  for (uint32_t r = 0; r < world; ++r) {
+    ranks[r].bucket_elems = bucket_elems;
+    setup[r] = ranks[r].init(p, world, r, bus);
+  }
+  for (uint32_t r = 0; r < world; ++r) ASSERT_TRUE(setup[r].is_ok()) << "rank " << r << ": " << setup[r].to_string();
+  std::vector<std::thread> threads;
+  for (uint32_t r = 0; r < world; ++r) threads.emplace_back([&, r] { fn(r, ranks[r]); });
+  for (std::thread& t : threads) t.join();
 }
 
 inline std::vector<Settings> settings() {
