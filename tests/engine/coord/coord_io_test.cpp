@@ -370,9 +370,7 @@ TEST(GradWorker, AWriteErrorBehindBackwardIsReportedByDrainAndCleared) {
 // Note [Gathered parameters]: each rank reads its own part of a block from its NVMe swap file.
 TEST(BlockGatherer, GathersComputeCopiesFromNvmeAndAFailedOwnReadFailsThatRankOnly) {
   const Placing p = nvme(2);
-  Rig whole;
-  ASSERT_TRUE(whole.init(p).is_ok());
-  const std::vector<Bytes> expected = whole.gather(StateKind::kCompute);
+  const std::vector<Bytes> expected = testing::whole_compute(p);
   testing::LocalBus bus(2);
   testing::on_ranks(2, p, bus, [&](uint32_t r, testing::GatherRank& g) {
     EXPECT_NE(g.rig.store->param_file(), nullptr) << "rank " << r << " holds its compute copies on NVMe";

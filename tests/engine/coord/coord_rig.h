@@ -416,6 +416,14 @@ struct GatherRank {
   }
 };
 
+// Every param's compute copy as one process holding everything has it: what every rank must fetch.
+inline std::vector<Bytes> whole_compute(const Placing& p) {
+  Rig whole;
+  Status st = whole.init(p);
+  ZO_CHECK(st.is_ok()) << st.to_string();
+  return whole.gather(StateKind::kCompute);
+}
+
 // Runs fn(rank, GatherRank&) on `world` threads over one bus.
 inline void on_ranks(uint32_t world, const Placing& p, LocalBus& bus, const std::function<void(uint32_t, GatherRank&)>& fn,
               uint64_t bucket_elems = 500'000'000) {

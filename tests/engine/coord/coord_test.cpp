@@ -961,9 +961,7 @@ TEST(BlockGatherer, EveryRankFetchesEveryBlockWholeFromItsOwnersAtEveryPosition)
   for (const std::string param : {"none", "cpu"}) {
     Placing p;
     p.param = param;
-    Rig whole;  // one process holding everything: the reference bytes
-    ASSERT_TRUE(whole.init(p).is_ok());
-    const std::vector<Bytes> expected = whole.gather(StateKind::kCompute);
+    const std::vector<Bytes> expected = testing::whole_compute(p);
     uint64_t schedule_bytes = 0;  // every block twice per micro-step
     for (const auto& b : testing::blocks()) {
       std::vector<uint32_t> unique(b);
@@ -995,9 +993,7 @@ TEST(BlockGatherer, EveryRankFetchesEveryBlockWholeFromItsOwnersAtEveryPosition)
 
 TEST(BlockGatherer, AllgatherBucketSizeSplitsTheBroadcastsNotTheBytes) {
   Placing p;
-  Rig whole;
-  ASSERT_TRUE(whole.init(p).is_ok());
-  const std::vector<Bytes> expected = whole.gather(StateKind::kCompute);
+  const std::vector<Bytes> expected = testing::whole_compute(p);
   std::vector<int> calls;
   for (const uint64_t bucket : {uint64_t{500'000'000}, uint64_t{1000}}) {
     LocalBus bus(2);
@@ -1013,9 +1009,7 @@ TEST(BlockGatherer, AllgatherBucketSizeSplitsTheBroadcastsNotTheBytes) {
 
 TEST(BlockGatherer, AnAbandonedMicroStepIsGatheredToItsEndForTheOtherRanks) {
   Placing p;
-  Rig whole;
-  ASSERT_TRUE(whole.init(p).is_ok());
-  const std::vector<Bytes> expected = whole.gather(StateKind::kCompute);
+  const std::vector<Bytes> expected = testing::whole_compute(p);
   LocalBus bus(2);
   on_ranks(2, p, bus, [&](uint32_t r, GatherRank& g) {
     // Rank 1 abandons its first micro-step after 3 positions (as a failed forward would); rank 0 runs
@@ -1029,9 +1023,7 @@ TEST(BlockGatherer, AnAbandonedMicroStepIsGatheredToItsEndForTheOtherRanks) {
 
 TEST(BlockGatherer, AFailedBroadcastFailsTheAcquireOnEveryRankNamingTheBlock) {
   Placing p;
-  Rig whole;
-  ASSERT_TRUE(whole.init(p).is_ok());
-  const std::vector<Bytes> expected = whole.gather(StateKind::kCompute);
+  const std::vector<Bytes> expected = testing::whole_compute(p);
   LocalBus bus(2);
   bus.fail_call = 3;
   on_ranks(2, p, bus, [&](uint32_t r, GatherRank& g) {
