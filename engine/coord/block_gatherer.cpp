@@ -284,10 +284,8 @@ void BlockGatherer::begin_micro_step() {
 Result<const std::byte*> BlockGatherer::wait(uint32_t q, uint32_t param) {
   Impl& s = *impl_;
   ZO_CHECK_LT(q, s.positions());
-  Stopwatch sw;
   std::unique_lock<std::mutex> lock(s.mu);
   s.cv.wait(lock, [&] { return s.gathered > q || !s.failure.is_ok() || s.stop; });
-  s.stats.wait_s += sw.elapsed_s();
   if (s.gathered <= q) {
     if (!s.failure.is_ok()) return s.failure;
     return failed_precondition("block gatherer: stopped");

@@ -43,7 +43,6 @@ struct BlockGathererOptions {
 struct BlockGathererStats {
   double collective_s = 0;  // wall time in broadcasts, on the gatherer's thread
   uint64_t bytes = 0;       // bytes gathered (every block's whole compute copies, own ones too)
-  double wait_s = 0;        // time wait() blocked the coordinator's thread
 };
 
 class BlockGatherer {

@@ -331,9 +331,8 @@ struct ParamCoordinator::Impl {
     if (gatherer != nullptr) {
       const std::byte* src = nullptr;
       if (blocking) {
-        Stopwatch wait;
+        Stopwatch wait;  // the gatherer's thread may not have this position yet
         Result<const std::byte*> r = gatherer->wait(static_cast<uint32_t>(q), p);
-        stats.gather_wait_s += wait.elapsed_s();
         stats.fetch_wait_s += wait.elapsed_s();
         if (!r.is_ok()) return r.status();
         src = *r;

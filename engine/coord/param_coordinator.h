@@ -72,7 +72,6 @@ struct CoordinatorStats {
   double update_wait_s = 0;      // time acquire() blocked on the update gate (not in fetch_wait_s)
   uint64_t h2d_bytes = 0;        // bytes copied to the device by fetches
   uint64_t nvme_read_bytes = 0;  // compute-copy bytes of fetched params that live on NVMe
-  double gather_wait_s = 0;      // (addition) time acquire() waited for the gatherer (in fetch_wait_s too)
   // Params copied to the device / found already resident (or already in flight because a prefetch
   // issued them) when their block was acquired. Device-resident params count in neither.
   uint64_t fetches = 0, hits = 0;
