@@ -7,8 +7,9 @@ on CPU ranks joined by c10d's TCPStore and Gloo.
 - at world 2 the weights are bit-identical whether the states live on the device, in CPU memory or
   on NVMe, and whether the states are replicated (ZeRO stage 0) or partitioned (stage 1: the
   optimizer states; stage 3: the gradient accumulators and the compute copies too, each block
-  gathered from its owners at fetch), where each rank holds half of them; the end-of-run export,
-  made by all ranks together at stage 3, writes the same bytes;
+  gathered from its owners at fetch), where each rank holds half of them, in fp32 and in bf16; the
+  end-of-run export, made by all ranks together at stage 3, writes what `zoffload export` writes
+  from the final checkpoint; 1000-element reduce and all-gather buckets change nothing;
 - a checkpoint saved at world 2 (its manifest says so) resumes at world 1 and at world 3 with the same
   global batch and continues like the uninterrupted run, to the same tolerances;
 - one rank killed (SIGKILL) or stalled (SIGSTOP) mid-run: the other exits non-zero within
@@ -251,6 +252,29 @@ with tempfile.TemporaryDirectory(dir=os.environ.get("MESON_BUILD_ROOT")) as tmp:
                     expect((m["time_s"]["grad_reduce"] > 0) == (stage >= 2),
                            "stage %d step %d: gradients reduced during backward only from stage 2 (%g s)" %
                            (stage, m["step"], m["time_s"]["grad_reduce"]))
+
+    # ---- bf16: the parameters gathered per block (stage 3) give stage 0's bits ---------------------------
+    # The blocks travel in bf16 (the compute copies' dtype) and the export is bf16, from the compute
+    # copies: the same bytes as the replicated run's.
+    bf = {}
+    for stage in (0, 3):
+        cfg = write_config(tmp, "bf16-stage%d" % stage, 1, 1, "none", stage=stage)
+        with open(cfg) as f:
+            c = json.load(f)
+        c["bf16"] = {"enabled": True}
+        with open(cfg, "w") as f:
+            json.dump(c, f)
+        out = os.path.join(tmp, "bf16-stage%d" % stage)
+        p = torchrun(2, train_args(cfg, out))
+        if expect(p.returncode == 0, "world 2 in bf16 at stage %d trains: %s" % (stage, p.stderr[-3000:])):
+            bf[stage] = out
+    if len(bf) == 2:
+        def export_bytes(out):  # numpy has no bfloat16: the files themselves
+            with open(os.path.join(out, "hf-export-step-%d" % STEPS, "model.safetensors"), "rb") as f:
+                return f.read()
+        expect(export_bytes(bf[0]) == export_bytes(bf[3]) and
+               [m["loss"] for m in metrics(bf[0])] == [m["loss"] for m in metrics(bf[3])],
+               "world 2 in bf16: stage 3 (parameters gathered per block) gives stage 0's losses and weights bit for bit")
 
     # ---- stage 3 at world 2 with gradient accumulation: partitioned accumulators in RAM and on NVMe --
     # (the owner adds each micro-step's reduced sum to its accumulator in place, or through a host
