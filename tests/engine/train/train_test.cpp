@@ -926,8 +926,9 @@ TEST(Resume, RefusesWhatItCannotContinue) {
 
 // Note [Gather beside the step]: two ranks (threads of this process, joined by a real TCPStore and
 // Gloo) with partitioned optimizer states on NVMe. Rank 1's optimizer cannot write: it reports its
-// I/O error, and rank 0, waiting for rank 1's compute copies, stops too, naming rank 1, instead of
-// waiting for copies that will never come.
+// I/O error, and rank 0 stops too, naming rank 1, instead of waiting for copies that will never
+// come: at stage 1 the updated compute copies rank 1 still sends, at stage 3 (Note [Gathered
+// parameters]) the blocks the next forward gathers from it.
 uint16_t free_port() {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in a{};
@@ -941,6 +942,8 @@ uint16_t free_port() {
 }
 
 TEST(Trainer, APartitionedRankWhoseOptimizerFailsStopsEveryRank) {
+  for (const int stage : {1, 3}) {
+  SCOPED_TRACE("stage " + std::to_string(stage));
   TempDir dir;
   const uint16_t port = free_port();
   std::vector<Result<StepMetrics>> second(2, Result<StepMetrics>(internal_error("not run")));
@@ -961,7 +964,7 @@ TEST(Trainer, APartitionedRankWhoseOptimizerFailsStopsEveryRank) {
         return;
       }
       TempDir own;
-      TrainOptions o = make_options({.param = "cpu", .optimizer = "nvme"}, own);
+      TrainOptions o = make_options({.stage = stage, .param = stage == 3 ? "cpu" : "none", .optimizer = "nvme"}, own);
       o.config.train_batch_size *= 2;
       o.group = group->get();
       o.io_faults = std::make_shared<io::FaultInjector>();
@@ -990,6 +993,7 @@ TEST(Trainer, APartitionedRankWhoseOptimizerFailsStopsEveryRank) {
   ASSERT_FALSE(second[0].is_ok());
   EXPECT_EQ(second[0].status().code(), StatusCode::kAborted) << second[0].status().to_string();
   EXPECT_THAT(second[0].status().to_string(), HasSubstr("the optimizer step of rank 1 of 2 failed"));
+  }
 }
 
 }  // namespace
