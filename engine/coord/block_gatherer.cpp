@@ -53,6 +53,14 @@ constexpr uint64_t kSlotAlignment = 4096;
 
 uint64_t align_up(uint64_t n, uint64_t a) { return (n + a - 1) / a * a; }
 
+// A block's params once each, in the order the block first uses them (the slot's layout).
+std::vector<uint32_t> unique_params(const std::vector<uint32_t>& block) {
+  std::vector<uint32_t> out;
+  for (uint32_t p : block)
+    if (std::find(out.begin(), out.end(), p) == out.end()) out.push_back(p);
+  return out;
+}
+
 }  // namespace
 
 struct BlockGatherer::Impl {
@@ -168,14 +176,28 @@ uint64_t BlockGatherer::slot_bytes(const ParamRegistry& registry, const Placemen
   const uint64_t cb = state_elem_bytes(placement, StateKind::kCompute);
   uint64_t most = 0;
   for (const auto& ps : blocks) {
-    std::vector<uint32_t> unique(ps);
-    std::sort(unique.begin(), unique.end());
-    unique.erase(std::unique(unique.begin(), unique.end()), unique.end());
     uint64_t bytes = 0;
-    for (uint32_t p : unique) bytes += registry.params()[p].n_elems * cb;
+    for (uint32_t p : unique_params(ps)) bytes += registry.params()[p].n_elems * cb;
     most = std::max(most, bytes);
   }
   return align_up(most, kSlotAlignment);
+}
+
+uint64_t BlockGatherer::nvme_read_bytes_per_pass(const ParamRegistry& registry, const MemoryPlan& plan,
+                                                 const std::vector<std::vector<uint32_t>>& blocks) {
+  const uint64_t cb = state_elem_bytes(plan.placement, StateKind::kCompute);
+  uint64_t bytes = 0;
+  for (const auto& ps : blocks) {
+    for (uint32_t p : unique_params(ps)) {
+      for (const ParamPiece& piece : registry.pieces_of_param(p)) {
+        if (plan.placement.compute[piece.sub_group] != Tier::kNvme || !plan.holds(piece.sub_group, StateKind::kCompute))
+          continue;
+        const uint64_t begin = piece.group_offset * cb, end = begin + piece.n_elems * cb;
+        bytes += 2 * (align_up(end, kSwapAlignment) - begin / kSwapAlignment * kSwapAlignment);  // forward, backward
+      }
+    }
+  }
+  return bytes;
 }
 
 BlockGatherer::BlockGatherer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -219,13 +241,12 @@ Result<std::unique_ptr<BlockGatherer>> BlockGatherer::create(StateStore& store, 
     b.name = "block " + std::to_string(bi);
     if (bi < s.options.block_names.size()) b.name += " '" + s.options.block_names[bi] + "'";
     uint64_t off = 0;
-    std::vector<uint32_t> seen;
     for (uint32_t p : blocks[bi]) {
       if (p >= registry.params().size())
         return invalid_argument("block gatherer: block " + std::to_string(bi) + " uses param id " + std::to_string(p) +
                                 " but the registry has " + std::to_string(registry.params().size()) + " params");
-      if (std::find(seen.begin(), seen.end(), p) != seen.end()) continue;
-      seen.push_back(p);
+    }
+    for (uint32_t p : unique_params(blocks[bi])) {
       b.offsets.emplace_back(p, off);
       for (const ParamPiece& piece : registry.pieces_of_param(p)) {
         const uint32_t owner = registry.partition_of_group(piece.sub_group);

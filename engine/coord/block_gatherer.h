@@ -50,6 +50,11 @@ class BlockGatherer {
   // The bytes one slot needs: the largest block's compute copies (each param once), 4 KiB-rounded.
   static uint64_t slot_bytes(const ParamRegistry& registry, const Placement& placement,
                              const std::vector<std::vector<uint32_t>>& blocks);
+  // The NVMe bytes one pass of the schedule (every block forward and backward) reads for a rank
+  // with `plan`: its own pieces of each block whose compute copy is on NVMe, each read through the
+  // store's scratch, so the 4 KiB pages it covers (the planner's per-step figure).
+  static uint64_t nvme_read_bytes_per_pass(const ParamRegistry& registry, const MemoryPlan& plan,
+                                           const std::vector<std::vector<uint32_t>>& blocks);
   static constexpr uint32_t kDefaultSlots = 2;
 
   // `blocks` as ParamCoordinator::create takes them. The store's plan must partition the params

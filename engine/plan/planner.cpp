@@ -332,21 +332,9 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
   p.nvme_exact = compute_nvme_bytes == 0;
   if (mp.partition_params) {
     // Note [Gathered parameters]: the owner reads its part of every block at every position of the
-    // schedule (twice per pass), whatever is cached on the device, one read per piece of a param,
-    // through the store's scratch: the pages each piece covers.
-    uint64_t gather_reads = 0;  // per pass
-    for (std::vector<uint32_t> ps : blocks) {
-      std::sort(ps.begin(), ps.end());
-      ps.erase(std::unique(ps.begin(), ps.end()), ps.end());
-      for (uint32_t id : ps) {
-        for (const ParamPiece& piece : registry.pieces_of_param(id)) {
-          if (pl.compute[piece.sub_group] != Tier::kNvme || !mp.owns(piece.sub_group)) continue;
-          const uint64_t begin = piece.group_offset * cb, end = begin + piece.n_elems * cb;
-          gather_reads += 2 * (align_up(end, kSwapAlignment) - begin / kSwapAlignment * kSwapAlignment);
-        }
-      }
-    }
-    p.nvme_read_min_bytes = p.nvme_read_max_bytes = rd + passes * gather_reads;
+    // schedule, whatever is cached on the device.
+    p.nvme_read_min_bytes = p.nvme_read_max_bytes =
+        rd + passes * BlockGatherer::nvme_read_bytes_per_pass(registry, mp, blocks);
     p.nvme_exact = true;
   }
   p.nvme_read_bytes = p.nvme_exact ? p.nvme_read_min_bytes : p.nvme_read_max_bytes;

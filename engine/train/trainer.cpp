@@ -1130,35 +1130,36 @@ Status Trainer::Impl::gather_compute(detail::ReadyGroups& ready, const std::func
   trace::Span span(trace::Track::kCollective, "all-gather the updated parameters");
   const uint64_t elem_bytes = state_elem_bytes(plan.placement, StateKind::kCompute);
   Status local;
-  if (plan.partition_params && publish) {
+  if (plan.partition_params) {
     // Nothing to send: the next forward gathers each block from its owner once the owner's gate says
     // the block is written (Note [Gathered parameters]); the other ranks' sub-groups are final here.
-    for (uint32_t g = 0; g < plan.n_sub_groups; ++g)
+    for (uint32_t g = 0; g < plan.n_sub_groups && publish; ++g)
       if (!plan.owns(g)) publish(g);
-  }
-  for (uint32_t g = 0; g < plan.n_sub_groups && !plan.partition_params; ++g) {
-    const StateLocation& loc = store->location(g, StateKind::kCompute);
-    const uint64_t n = store->state_bytes(g, StateKind::kCompute) / elem_bytes;
-    const uint32_t owner = registry->partition_of_group(g);
-    const std::string what = "all-gathering the compute copies of sub-group " + std::to_string(g);
-    if (owner == rank()) (void)ready.wait(g);  // sent even when not updated: see above
-    for (uint64_t first = 0; first < n; first += kReduceChunkElems) {
-      const uint64_t bytes = std::min(kReduceChunkElems, n - first) * elem_bytes;
-      const uint64_t offset_bytes = first * elem_bytes;
-      std::byte* p = nullptr;
-      if (loc.tier == Tier::kCpu) {
-        p = loc.host + offset_bytes;
-      } else {
-        p = gather_staging->data();
-        // A local failure (here or below) is kept for the end: this rank still takes part in every
-        // broadcast, so that the others do not wait for it.
-        if (owner == rank() && local.is_ok()) local = store->read_state_range(g, StateKind::kCompute, offset_bytes, {p, bytes});
+  } else {
+    for (uint32_t g = 0; g < plan.n_sub_groups; ++g) {
+      const StateLocation& loc = store->location(g, StateKind::kCompute);
+      const uint64_t n = store->state_bytes(g, StateKind::kCompute) / elem_bytes;
+      const uint32_t owner = registry->partition_of_group(g);
+      const std::string what = "all-gathering the compute copies of sub-group " + std::to_string(g);
+      if (owner == rank()) (void)ready.wait(g);  // sent even when not updated: see above
+      for (uint64_t first = 0; first < n; first += kReduceChunkElems) {
+        const uint64_t bytes = std::min(kReduceChunkElems, n - first) * elem_bytes;
+        const uint64_t offset_bytes = first * elem_bytes;
+        std::byte* p = nullptr;
+        if (loc.tier == Tier::kCpu) {
+          p = loc.host + offset_bytes;
+        } else {
+          p = gather_staging->data();
+          // A local failure (here or below) is kept for the end: this rank still takes part in every
+          // broadcast, so that the others do not wait for it.
+          if (owner == rank() && local.is_ok()) local = store->read_state_range(g, StateKind::kCompute, offset_bytes, {p, bytes});
+        }
+        ZO_RETURN_IF_ERROR(opt.group->broadcast(p, bytes, owner, what));
+        if (owner != rank() && loc.tier != Tier::kCpu && local.is_ok())
+          local = store->write_state_range(g, StateKind::kCompute, offset_bytes, {p, bytes});
       }
-      ZO_RETURN_IF_ERROR(opt.group->broadcast(p, bytes, owner, what));
-      if (owner != rank() && loc.tier != Tier::kCpu && local.is_ok())
-        local = store->write_state_range(g, StateKind::kCompute, offset_bytes, {p, bytes});
+      if (owner != rank() && publish && local.is_ok()) publish(g);
     }
-    if (owner != rank() && publish && local.is_ok()) publish(g);
   }
   std::vector<double> failed(world_size(), 0.0);
   const bool ok = ready.outcome();
