@@ -1,8 +1,11 @@
 #include "common/trace.h"
 
 #include <algorithm>
+#include <map>
 #include <mutex>
 #include <vector>
+
+#include "common/bytes.h"
 
 namespace zo::trace {
 namespace detail {
@@ -11,19 +14,25 @@ std::atomic<bool> g_on{false};
 
 namespace {
 
-struct Recorded {
-  Track track;
-  std::string name;
-  int64_t start_ns;
-  int64_t end_ns;
-};
-
 struct State {
   std::mutex mu;
   std::vector<Recorded> spans;
   uint64_t capacity = 0;
   uint64_t dropped = 0;
+  bool started = false;
 };
+
+// The FlushHooks, under their own mutex: a flush records spans, which takes State::mu.
+struct Hooks {
+  std::mutex mu;
+  std::map<uint64_t, std::function<void()>> fns;
+  uint64_t next_id = 0;
+};
+
+Hooks& hooks() {
+  static Hooks h;
+  return h;
+}
 
 State& state() {
   static State s;
@@ -61,6 +70,8 @@ std::string_view track_name(Track t) {
     case Track::kCheckpoint: return "checkpoint";
     case Track::kCollective: return "collectives";
     case Track::kGather: return "parameter gatherer";
+    case Track::kCopyH2D: return "H2D copies (device)";
+    case Track::kCopyD2H: return "D2H copies (device)";
     case Track::kCount: break;
   }
   return "?";
@@ -74,6 +85,7 @@ void start(uint64_t max_spans) {
     s.spans.reserve(std::min<uint64_t>(max_spans, 1u << 16));
     s.capacity = max_spans;
     s.dropped = 0;
+    s.started = true;
   }
   detail::g_on.store(true, std::memory_order_relaxed);
 }
@@ -83,8 +95,13 @@ void resume() { detail::g_on.store(true, std::memory_order_relaxed); }
 
 void record(Track track, std::string name, int64_t start_ns, int64_t end_ns) {
   if (!on()) return;
+  record_late(track, std::move(name), start_ns, end_ns);
+}
+
+void record_late(Track track, std::string name, int64_t start_ns, int64_t end_ns) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mu);
+  if (!s.started) return;
   if (s.spans.size() >= s.capacity) {
     ++s.dropped;
     return;
@@ -102,7 +119,55 @@ uint64_t spans_dropped() {
   return state().dropped;
 }
 
+FlushHook::FlushHook(std::function<void()> flush) {
+  Hooks& h = hooks();
+  std::lock_guard<std::mutex> lock(h.mu);
+  id_ = h.next_id++;
+  h.fns.emplace(id_, std::move(flush));
+}
+
+FlushHook::~FlushHook() {
+  Hooks& h = hooks();
+  std::lock_guard<std::mutex> lock(h.mu);
+  h.fns.erase(id_);
+}
+
+bool BusyTrack::begin(uint64_t bytes) {
+  if (!on()) return false;
+  if (active_++ == 0) {
+    since_ns_ = now_ns();
+    items_ = 0;
+    bytes_ = 0;
+  }
+  ++items_;
+  bytes_ += bytes;
+  return true;
+}
+
+void BusyTrack::end() {
+  if (--active_ == 0)
+    record(track_, std::to_string(items_) + " " + what_ + ", " + format_bytes(bytes_), since_ns_, now_ns());
+}
+
+namespace {
+
+void run_flush_hooks() {
+  // Held while flushing, so that a hook is not destroyed in the middle of its call.
+  Hooks& h = hooks();
+  std::lock_guard<std::mutex> lock(h.mu);
+  for (auto& [id, flush] : h.fns) flush();
+}
+
+}  // namespace
+
+std::vector<Recorded> snapshot() {
+  run_flush_hooks();
+  std::lock_guard<std::mutex> lock(state().mu);
+  return state().spans;
+}
+
 std::string to_chrome_json() {
+  run_flush_hooks();
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mu);
   int64_t t0 = INT64_MAX;

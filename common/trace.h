@@ -8,13 +8,15 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace zo::trace {
 
 // One track per stream of work. Spans on one track never partly overlap: each track is written
-// from one thread at a time, or (NVMe) as the busy periods of the I/O engine.
+// from one thread at a time, or (NVMe, device copies) as the busy periods of a resource.
 enum class Track : uint8_t {
   kStep,            // the training thread: one span per Trainer::step call
   kCompute,         // the training thread: forward, recompute and backward of each block
@@ -27,6 +29,8 @@ enum class Track : uint8_t {
   kCheckpoint,      // saving a checkpoint
   kCollective,      // the training thread in a collective across ranks (data parallel)
   kGather,          // the parameter gatherer's thread: each block gathered from its owners (stage 3 ranks)
+  kCopyH2D,         // the device copying host → device (its copy streams' busy periods, as the device ran them)
+  kCopyD2H,         // the device copying device → host
   kCount
 };
 std::string_view track_name(Track t);
@@ -50,10 +54,58 @@ inline int64_t now_ns() {
 
 // Records a finished span [start_ns, end_ns) (steady clock) when recording is on.
 void record(Track track, std::string name, int64_t start_ns, int64_t end_ns);
+// Records a span learned after the fact (a GPU's timing events), whose work was queued while
+// recording was on: it is kept even if recording has been paused since, unless start() was never
+// called.
+void record_late(Track track, std::string name, int64_t start_ns, int64_t end_ns);
+
+// A producer that learns its spans' times after the fact registers a function that records what
+// has completed by now (with record_late); to_chrome_json() calls every registered one first.
+// The registration lasts as long as the hook; the function may be called from any thread.
+class FlushHook {
+ public:
+  explicit FlushHook(std::function<void()> flush);
+  ~FlushHook();
+  FlushHook(const FlushHook&) = delete;
+  FlushHook& operator=(const FlushHook&) = delete;
+
+ private:
+  uint64_t id_;
+};
+
+// The busy periods of a resource that several queues feed (the I/O engine's reads, the emulated
+// device's copies in one direction): one span from the moment its first item starts until none is
+// outstanding, named "<items> <what>, <bytes>", so spans on its track never partly overlap.
+// Not thread-safe: the caller serialises begin and end.
+class BusyTrack {
+ public:
+  BusyTrack(Track track, const char* what) : track_(track), what_(what) {}
+  // An item of `bytes` is outstanding from now. Whether it was counted: only while recording is
+  // on, and only a counted item may end().
+  bool begin(uint64_t bytes);
+  // A counted item is no longer outstanding; the period's span is recorded after its last one.
+  void end();
+
+ private:
+  Track track_;
+  const char* what_;
+  uint64_t active_ = 0;
+  uint64_t items_ = 0;
+  uint64_t bytes_ = 0;
+  int64_t since_ns_ = 0;
+};
 
 // The spans kept so far as Chrome trace JSON ({"traceEvents": [...]}, microseconds from the first
 // span, one thread per track, named), with the number dropped for lack of room in its metadata.
 std::string to_chrome_json();
+// The spans kept so far (after the flush hooks have run), in the order they were recorded.
+struct Recorded {
+  Track track;
+  std::string name;
+  int64_t start_ns;
+  int64_t end_ns;
+};
+std::vector<Recorded> snapshot();
 uint64_t spans_kept();
 uint64_t spans_dropped();
 

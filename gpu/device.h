@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -51,6 +52,9 @@ struct Event {
   void* handle = nullptr;
   explicit operator bool() const { return handle != nullptr; }
 };
+
+// The direction of a copy another library queues (Device::foreign_copy).
+enum class CopyDirection : uint8_t { kH2D = 0, kD2H = 1 };
 
 // One Adam/AdamW step over n_elems device-resident elements, for Device::adam_step. The buffers
 // are device ranges of n_elems elements each (fp32 unless a dtype is given) that must not overlap.
@@ -140,6 +144,14 @@ class Device {
   // HostDevice: nullptr (the host's synchronous compute) blocks the calling thread until then;
   // anything else is InvalidArgument. An event never recorded counts as complete.
   virtual Status wait_foreign(void* native_stream, Event event) = 0;
+  // For the trace's copy tracks (trace::Track::kCopyH2D / kCopyD2H, which copy_h2d and copy_d2h
+  // feed): calls `queue`, which queues one copy of `size_bytes` in direction `dir` on
+  // `native_stream` (a stream this Device did not create, as for record_foreign), and while the
+  // trace records, times that copy as the device runs it. Returns queue's Status. HostDevice:
+  // nullptr only (anything else is InvalidArgument, and queue is not called); the copy runs
+  // inside queue, on the calling thread.
+  virtual Status foreign_copy(CopyDirection dir, uint64_t size_bytes, void* native_stream,
+                              const std::function<Status()>& queue) = 0;
   // Makes `stream` wait (without blocking the host) until the event's latest record — as of this
   // call — completes. An event never recorded counts as complete.
   virtual Status wait(Stream stream, Event event) = 0;

@@ -17,6 +17,7 @@
 #include "common/bytes.h"
 #include "common/check.h"
 #include "common/host_memory.h"
+#include "common/trace.h"
 #include "gpu/detail/accounting.h"
 #include "gpu/detail/adam_args.h"
 #include "gpu/detail/adam_element.h"
@@ -126,10 +127,28 @@ struct HostDevice::State {
     return it->second;
   }
 
+  // Runs a copy on a stream's worker as part of its direction's busy periods on the trace.
+  template <class Copy>
+  void traced_copy(trace::BusyTrack& busy, uint64_t size_bytes, Copy&& copy) {
+    bool counted;
+    {
+      std::lock_guard lock(trace_mu);
+      counted = busy.begin(size_bytes);
+    }
+    copy();
+    if (!counted) return;
+    std::lock_guard lock(trace_mu);
+    busy.end();
+  }
+
   detail::Accounting acct;
   std::mutex mu;  // guards the two tables
   std::unordered_map<HostStream*, std::unique_ptr<HostStream>> streams;
   std::unordered_map<HostEvent*, std::shared_ptr<HostEvent>> events;
+  // The trace's copy tracks: when the stream workers ran copies of each direction.
+  std::mutex trace_mu;
+  trace::BusyTrack h2d{trace::Track::kCopyH2D, "copies"};
+  trace::BusyTrack d2h{trace::Track::kCopyD2H, "copies"};
 };
 
 Result<std::unique_ptr<HostDevice>> HostDevice::create(uint64_t budget_bytes) {
@@ -275,6 +294,15 @@ Status HostDevice::wait_foreign(void* native_stream, Event event) {
   return synchronize(event);
 }
 
+Status HostDevice::foreign_copy(CopyDirection dir, uint64_t size_bytes, void* native_stream,
+                                const std::function<Status()>& queue) {
+  if (native_stream != nullptr)
+    return invalid_argument("foreign_copy: the emulated device has no foreign streams (the host copies synchronously)");
+  Status st;
+  s_->traced_copy(dir == CopyDirection::kH2D ? s_->h2d : s_->d2h, size_bytes, [&] { st = queue(); });
+  return st;
+}
+
 Status HostDevice::wait(Stream stream, Event event) {
   std::shared_ptr<HostEvent> ev = s_->event(event);
   HostStream* st = s_->stream(stream);
@@ -311,7 +339,9 @@ Status HostDevice::copy_h2d(DevicePtr dst, const void* src, uint64_t size_bytes,
   if (src == nullptr) return invalid_argument("copy_h2d: null host source");
   ZO_RETURN_IF_ERROR(s_->acct.check_range(dst.addr, size_bytes, "copy_h2d destination"));
   s_->acct.count_h2d(size_bytes);
-  st->push([dst, src, size_bytes] { std::memcpy(dst.addr, src, size_bytes); });
+  st->push([s = s_.get(), dst, src, size_bytes] {
+    s->traced_copy(s->h2d, size_bytes, [&] { std::memcpy(dst.addr, src, size_bytes); });
+  });
   return Status::ok();
 }
 
@@ -321,7 +351,9 @@ Status HostDevice::copy_d2h(void* dst, DevicePtr src, uint64_t size_bytes, Strea
   if (dst == nullptr) return invalid_argument("copy_d2h: null host destination");
   ZO_RETURN_IF_ERROR(s_->acct.check_range(src.addr, size_bytes, "copy_d2h source"));
   s_->acct.count_d2h(size_bytes);
-  st->push([dst, src, size_bytes] { std::memcpy(dst, src.addr, size_bytes); });
+  st->push([s = s_.get(), dst, src, size_bytes] {
+    s->traced_copy(s->d2h, size_bytes, [&] { std::memcpy(dst, src.addr, size_bytes); });
+  });
   return Status::ok();
 }
 

@@ -31,34 +31,6 @@ struct TicketState {
   bool traced = false;           // counted in a BusyTrack
 };
 
-// The trace's NVMe tracks: periods with tickets of one direction outstanding, as spans named by
-// what they moved (trace::Track::kNvmeRead / kNvmeWrite). Under the engine's mutex.
-struct BusyTrack {
-  trace::Track track;
-  const char* what;
-  uint64_t active = 0;
-  uint64_t tickets = 0;
-  uint64_t bytes = 0;
-  int64_t since_ns = 0;
-
-  // Whether the ticket was counted (the trace was on); only a counted ticket may end().
-  bool begin(uint64_t ticket_bytes) {
-    if (!trace::on()) return false;
-    if (active++ == 0) {
-      since_ns = trace::now_ns();
-      tickets = 0;
-      bytes = 0;
-    }
-    ++tickets;
-    bytes += ticket_bytes;
-    return true;
-  }
-  void end() {
-    if (--active == 0)
-      trace::record(track, std::to_string(tickets) + " " + what + ", " + format_bytes(bytes), since_ns, trace::now_ns());
-  }
-};
-
 // The not-yet-split rest of a request, waiting in the shared queue.
 struct Segment {
   TicketState* ticket;
@@ -461,8 +433,9 @@ class IoEngine::Impl {
   uint64_t active_tickets_ = 0;
   std::chrono::steady_clock::time_point busy_since_;
   std::chrono::steady_clock::duration busy_{};
-  BusyTrack busy_reads_{trace::Track::kNvmeRead, "reads"};
-  BusyTrack busy_writes_{trace::Track::kNvmeWrite, "writes"};
+  // The trace's NVMe tracks: periods with tickets of one direction outstanding.
+  trace::BusyTrack busy_reads_{trace::Track::kNvmeRead, "reads"};
+  trace::BusyTrack busy_writes_{trace::Track::kNvmeWrite, "writes"};
   Ticket next_ticket_ = 1;
   bool stop_ = false;
   std::vector<std::thread> threads_;

@@ -240,6 +240,7 @@ struct Trainer::Impl {
   gpu::Event ckpt_copied;        // on the copy stream, behind the latest checkpoint copy either way
   // The host slot of block b's input (1 ≤ b ≤ num_hidden_layers) of held micro-batch k.
   torch::Tensor checkpoint_slot(uint32_t block, size_t k, const torch::Tensor& like) const;
+  uint64_t checkpoint_bytes(uint32_t block, const Forward& f) const;
   // Copies block b's inputs (every micro-batch of f) to their slots and drops the device copies.
   Status checkpoints_out(uint32_t block, Forward& f);
   // Queues block b's inputs back to the device; wait_checkpoints makes LibTorch's stream wait.
@@ -710,15 +711,17 @@ Status Trainer::Impl::offload_grads(uint32_t block, const std::vector<torch::Ten
     ZO_RETURN_IF_ERROR(grad_worker->submit(
         spec.params[i], dtype, bytes,
         [&](std::span<std::byte> slot) {
-          ZO_RETURN_IF_ERROR(torch_call("copying the gradient of " + name, [&] {
-            torch::Tensor src = g;
-            if (inject_overflow && i == 0) {  // on the source: the copy below may still be in flight
-              src = g.clone();
-              src.view(-1)[0] = std::numeric_limits<float>::infinity();
-            }
-            copies->record_use(g);  // g's memory is not reused before the copy stream has read it
-            torch::Tensor landed = torch::from_blob(slot.data(), g.sizes(), g.options().device(torch::kCPU));
-            landed.copy_(src, /*non_blocking=*/true);
+          ZO_RETURN_IF_ERROR(device->foreign_copy(gpu::CopyDirection::kD2H, bytes, copies->native_stream(), [&] {
+            return torch_call("copying the gradient of " + name, [&] {
+              torch::Tensor src = g;
+              if (inject_overflow && i == 0) {  // on the source: the copy below may still be in flight
+                src = g.clone();
+                src.view(-1)[0] = std::numeric_limits<float>::infinity();
+              }
+              copies->record_use(g);  // g's memory is not reused before the copy stream has read it
+              torch::Tensor landed = torch::from_blob(slot.data(), g.sizes(), g.options().device(torch::kCPU));
+              landed.copy_(src, /*non_blocking=*/true);
+            });
           }));
           return device->record_foreign(landed, copies->native_stream());
         },
@@ -759,18 +762,27 @@ Status Trainer::Impl::begin_copies(std::optional<TorchCopyStreamScope>* copies, 
   return device->wait_foreign((*copies)->native_stream(), copies_after).with_context(where);
 }
 
+// The bytes of block's activation checkpoints, over the micro-batches (one copy each way).
+uint64_t Trainer::Impl::checkpoint_bytes(uint32_t block, const Forward& f) const {
+  uint64_t bytes = 0;
+  for (const auto& m : f.micro) bytes += static_cast<uint64_t>(m.inputs[block].nbytes());
+  return bytes;
+}
+
 Status Trainer::Impl::checkpoints_out(uint32_t block, Forward& f) {
   const std::string where = "moving the checkpoints of " + layout.blocks[block].name + " to the CPU";
   std::optional<TorchCopyStreamScope> copies;
   ZO_RETURN_IF_ERROR(begin_copies(&copies, where));
-  ZO_RETURN_IF_ERROR(torch_call(where, [&] {
-    for (size_t k = 0; k < f.micro.size(); ++k) {
-      torch::Tensor& x = f.micro[k].inputs[block];
-      torch::Tensor slot = checkpoint_slot(block, k, x);
-      slot.copy_(x, /*non_blocking=*/true);
-      copies->record_use(x);  // freed now; not reused before the copy has read it
-      x = slot;
-    }
+  ZO_RETURN_IF_ERROR(device->foreign_copy(gpu::CopyDirection::kD2H, checkpoint_bytes(block, f), copies->native_stream(), [&] {
+    return torch_call(where, [&] {
+      for (size_t k = 0; k < f.micro.size(); ++k) {
+        torch::Tensor& x = f.micro[k].inputs[block];
+        torch::Tensor slot = checkpoint_slot(block, k, x);
+        slot.copy_(x, /*non_blocking=*/true);
+        copies->record_use(x);  // freed now; not reused before the copy has read it
+        x = slot;
+      }
+    });
   }));
   return device->record_foreign(ckpt_copied, copies->native_stream()).with_context(where);
 }
@@ -784,12 +796,14 @@ Status Trainer::Impl::checkpoints_back(uint32_t block, Forward& f) {
   }));
   std::optional<TorchCopyStreamScope> copies;
   ZO_RETURN_IF_ERROR(begin_copies(&copies, where));
-  ZO_RETURN_IF_ERROR(torch_call(where, [&] {
-    for (size_t k = 0; k < back.size(); ++k) {
-      back[k].copy_(f.micro[k].inputs[block], /*non_blocking=*/true);
-      copies->record_use(back[k]);
-      f.micro[k].inputs[block] = back[k];
-    }
+  ZO_RETURN_IF_ERROR(device->foreign_copy(gpu::CopyDirection::kH2D, checkpoint_bytes(block, f), copies->native_stream(), [&] {
+    return torch_call(where, [&] {
+      for (size_t k = 0; k < back.size(); ++k) {
+        back[k].copy_(f.micro[k].inputs[block], /*non_blocking=*/true);
+        copies->record_use(back[k]);
+        f.micro[k].inputs[block] = back[k];
+      }
+    });
   }));
   ZO_RETURN_IF_ERROR(device->record_foreign(ckpt_back[block % 2], copies->native_stream()).with_context(where));
   return device->record_foreign(ckpt_copied, copies->native_stream()).with_context(where);

@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <deque>
 #include <map>
 #include <mutex>
 #include <set>
@@ -14,6 +15,7 @@
 #include "common/check.h"
 #include "common/host_memory.h"
 #include "common/log.h"
+#include "common/trace.h"
 #include "gpu/detail/accounting.h"
 #include "gpu/detail/adam_args.h"
 #include "gpu/detail/adam_element.h"
@@ -156,6 +158,137 @@ struct CudaDevice::State {
     return to_cuda(e);
   }
 
+  // ---- Note [Copy spans from events] ----------------------------------------------------------
+  // While the trace records, each H2D and D2H copy is queued between two timing events. Once the
+  // second has completed, cudaEventElapsedTime against a base event — recorded on an idle stream of
+  // its own and waited for, at a known host time — places the copy on the host's steady clock.
+  // Copies of one direction are merged into busy periods (the device's copy engine for that
+  // direction), so spans on the track never partly overlap; a period is recorded once a later copy
+  // starts after its end, or at a flush (trace::FlushHook, called when the trace is written, and
+  // at every synchronize()). Copies are resolved in the order they were queued; one queued on a
+  // stream that started earlier than the period before it is clamped to that period's end. The
+  // base is renewed after kBaseRenewNs with nothing pending, so a float of milliseconds keeps
+  // microseconds.
+  struct TimedCopy {
+    cudaEvent_t begin = nullptr;
+    cudaEvent_t end = nullptr;
+    int dir = 0;  // 0: H2D, 1: D2H
+    uint64_t bytes = 0;
+  };
+  struct Period {
+    int64_t begin_ns = 0;
+    int64_t end_ns = 0;
+    uint64_t copies = 0;
+    uint64_t bytes = 0;
+  };
+  static constexpr int64_t kBaseRenewNs = int64_t{60} * 1'000'000'000;
+  static constexpr trace::Track kCopyTracks[2] = {trace::Track::kCopyH2D, trace::Track::kCopyD2H};
+
+  // Two timing events for a copy (reused ones when there are), and the base when there is none.
+  Status take_timing_events(cudaEvent_t out[2]) {
+    std::lock_guard lock(trace_mu);
+    if (base == nullptr || (timed.empty() && trace::now_ns() - base_ns > kBaseRenewNs)) {
+      if (base_stream == nullptr)
+        ZO_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&base_stream, cudaStreamNonBlocking), "cudaStreamCreate (trace)");
+      if (base == nullptr) ZO_CUDA_RETURN_IF_ERROR(cudaEventCreate(&base), "cudaEventCreate (trace)");
+      ZO_CUDA_RETURN_IF_ERROR(cudaEventRecord(base, base_stream), "cudaEventRecord (trace)");
+      ZO_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(base), "cudaEventSynchronize (trace)");
+      base_ns = trace::now_ns();
+    }
+    for (int i = 0; i < 2; ++i) {
+      if (!spare_events.empty()) {
+        out[i] = spare_events.back();
+        spare_events.pop_back();
+      } else if (cudaError_t err = cudaEventCreate(&out[i]); err != cudaSuccess) {
+        if (i == 1) spare_events.push_back(out[0]);
+        return cuda_error(err, "cudaEventCreate (trace)");
+      }
+    }
+    return Status::ok();
+  }
+
+  // Calls `queue`, which queues one copy on `st` (returning a cudaError_t or a Status), between two
+  // timing events when the trace records.
+  template <class Queue>
+  auto timed_copy(int dir, uint64_t bytes, cudaStream_t st, Queue&& queue) -> decltype(queue()) {
+    if (!trace::on()) return queue();
+    cudaEvent_t ev[2];
+    if (!take_timing_events(ev).is_ok()) return queue();  // the trace is best effort; the copy is not
+    cudaEventRecord(ev[0], st);
+    auto result = queue();
+    cudaEventRecord(ev[1], st);
+    {
+      std::lock_guard lock(trace_mu);
+      timed.push_back({ev[0], ev[1], dir, bytes});
+    }
+    resolve(/*wait=*/false);
+    return result;
+  }
+
+  // Turns the timed copies that have completed (all of them when `wait`) into periods, and with
+  // `wait` records the open periods too.
+  void resolve(bool wait) {
+    std::lock_guard lock(trace_mu);
+    while (!timed.empty()) {
+      TimedCopy& c = timed.front();
+      cudaError_t err = wait ? cudaEventSynchronize(c.end) : cudaEventQuery(c.end);
+      if (err == cudaErrorNotReady) break;
+      float begin_ms = 0, end_ms = 0;
+      if (err == cudaSuccess) err = cudaEventElapsedTime(&begin_ms, base, c.begin);
+      if (err == cudaSuccess) err = cudaEventElapsedTime(&end_ms, base, c.end);
+      if (err == cudaSuccess) {
+        add(c.dir, base_ns + static_cast<int64_t>(double{begin_ms} * 1e6), base_ns + static_cast<int64_t>(double{end_ms} * 1e6),
+            c.bytes);
+      } else {
+        cudaGetLastError();  // a failed copy: its error reaches its caller through the stream, not here
+      }
+      spare_events.push_back(c.begin);
+      spare_events.push_back(c.end);
+      timed.pop_front();
+    }
+    if (wait)
+      for (int dir = 0; dir < 2; ++dir) emit(dir);
+  }
+
+  void add(int dir, int64_t begin_ns, int64_t end_ns, uint64_t bytes) {
+    begin_ns = std::max(begin_ns, recorded_end_ns[dir]);
+    end_ns = std::max(end_ns, begin_ns);
+    Period& p = open[dir];
+    if (p.copies > 0 && begin_ns <= p.end_ns) {
+      p.begin_ns = std::min(p.begin_ns, begin_ns);
+      p.end_ns = std::max(p.end_ns, end_ns);
+    } else {
+      emit(dir);
+      p = {.begin_ns = begin_ns, .end_ns = end_ns};
+    }
+    ++p.copies;
+    p.bytes += bytes;
+  }
+
+  void emit(int dir) {
+    Period& p = open[dir];
+    if (p.copies == 0) return;
+    trace::record_late(kCopyTracks[dir], std::to_string(p.copies) + " copies, " + format_bytes(p.bytes), p.begin_ns,
+                       p.end_ns);
+    recorded_end_ns[dir] = p.end_ns;
+    p = {};
+  }
+
+  void release_trace_events() {
+    std::lock_guard lock(trace_mu);
+    for (const TimedCopy& c : timed) {
+      cudaEventDestroy(c.begin);
+      cudaEventDestroy(c.end);
+    }
+    timed.clear();
+    for (cudaEvent_t ev : spare_events) cudaEventDestroy(ev);
+    spare_events.clear();
+    if (base != nullptr) cudaEventDestroy(base);
+    if (base_stream != nullptr) cudaStreamDestroy(base_stream);
+    base = nullptr;
+    base_stream = nullptr;
+  }
+
   const int device;
   std::string name;
   detail::Accounting acct;
@@ -164,6 +297,17 @@ struct CudaDevice::State {
   uint64_t cached_bytes = 0;
   std::set<cudaStream_t> streams;
   std::set<cudaEvent_t> events;
+
+  std::mutex trace_mu;  // guards what follows (Note [Copy spans from events])
+  std::deque<TimedCopy> timed;  // queued while the trace recorded, in queue order
+  std::vector<cudaEvent_t> spare_events;
+  cudaStream_t base_stream = nullptr;
+  cudaEvent_t base = nullptr;
+  int64_t base_ns = 0;
+  Period open[2];
+  int64_t recorded_end_ns[2] = {0, 0};
+  // Last: registered once the rest exists, and removed (by the destructor) before it goes.
+  std::unique_ptr<trace::FlushHook> flush_hook;
 };
 
 Result<std::unique_ptr<Device>> CudaDevice::create(int device_index, uint64_t budget_bytes) {
@@ -185,6 +329,10 @@ Result<std::unique_ptr<Device>> CudaDevice::create(int device_index, uint64_t bu
                   << format_bytes(free_b) << " free on the device; allocations may fail before the budget is reached";
   }
   state->name = "cuda:" + std::to_string(device_index) + " " + prop.name;
+  State* raw = state.get();
+  state->flush_hook = std::make_unique<trace::FlushHook>([raw] {
+    if (raw->use().is_ok()) raw->resolve(/*wait=*/true);
+  });
   return std::unique_ptr<Device>(new CudaDevice(std::move(state)));
 }
 
@@ -193,10 +341,13 @@ CudaDevice::CudaDevice(std::unique_ptr<State> state) : s_(std::move(state)) {}
 CudaDevice::~CudaDevice() {
   // Errors here cannot be returned; a device that fails to synchronise is left as it is (the
   // process is about to lose it anyway) rather than aborting in a destructor.
+  s_->flush_hook.reset();
   if (!s_->use().is_ok()) return;
   if (cudaError_t err = cudaDeviceSynchronize(); err != cudaSuccess) {
     ZO_LOG(kError) << s_->name << ": cudaDeviceSynchronize at destruction: " << cudaGetErrorString(err);
   }
+  s_->resolve(/*wait=*/true);
+  s_->release_trace_events();
   for (cudaStream_t st : s_->streams) cudaStreamDestroy(st);
   for (cudaEvent_t ev : s_->events) cudaEventDestroy(ev);
   s_->release_cache_locked();
@@ -324,6 +475,7 @@ Status CudaDevice::synchronize(Stream stream) {
 Status CudaDevice::synchronize() {
   ZO_RETURN_IF_ERROR(s_->use());
   ZO_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize(), "cudaDeviceSynchronize on " + s_->name);
+  s_->resolve(/*wait=*/true);
   return Status::ok();
 }
 
@@ -369,6 +521,12 @@ Status CudaDevice::wait_foreign(void* native_stream, Event event) {
   return Status::ok();
 }
 
+Status CudaDevice::foreign_copy(CopyDirection dir, uint64_t size_bytes, void* native_stream,
+                                const std::function<Status()>& queue) {
+  ZO_RETURN_IF_ERROR(s_->use());
+  return s_->timed_copy(dir == CopyDirection::kH2D ? 0 : 1, size_bytes, static_cast<cudaStream_t>(native_stream), queue);
+}
+
 Status CudaDevice::wait(Stream stream, Event event) {
   cudaEvent_t ev = s_->event(event);
   cudaStream_t st = s_->stream(stream);
@@ -399,8 +557,9 @@ Status CudaDevice::copy_h2d(DevicePtr dst, const void* src, uint64_t size_bytes,
   if (src == nullptr) return invalid_argument("copy_h2d: null host source");
   ZO_RETURN_IF_ERROR(s_->acct.check_range(dst.addr, size_bytes, "copy_h2d destination"));
   ZO_RETURN_IF_ERROR(s_->use());
-  ZO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst.addr, src, size_bytes, cudaMemcpyHostToDevice, st),
-                          "cudaMemcpyAsync H2D of " + std::to_string(size_bytes) + " bytes");
+  ZO_CUDA_RETURN_IF_ERROR(
+      s_->timed_copy(0, size_bytes, st, [&] { return cudaMemcpyAsync(dst.addr, src, size_bytes, cudaMemcpyHostToDevice, st); }),
+      "cudaMemcpyAsync H2D of " + std::to_string(size_bytes) + " bytes");
   s_->acct.count_h2d(size_bytes);
   return Status::ok();
 }
@@ -411,8 +570,9 @@ Status CudaDevice::copy_d2h(void* dst, DevicePtr src, uint64_t size_bytes, Strea
   if (dst == nullptr) return invalid_argument("copy_d2h: null host destination");
   ZO_RETURN_IF_ERROR(s_->acct.check_range(src.addr, size_bytes, "copy_d2h source"));
   ZO_RETURN_IF_ERROR(s_->use());
-  ZO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src.addr, size_bytes, cudaMemcpyDeviceToHost, st),
-                          "cudaMemcpyAsync D2H of " + std::to_string(size_bytes) + " bytes");
+  ZO_CUDA_RETURN_IF_ERROR(
+      s_->timed_copy(1, size_bytes, st, [&] { return cudaMemcpyAsync(dst, src.addr, size_bytes, cudaMemcpyDeviceToHost, st); }),
+      "cudaMemcpyAsync D2H of " + std::to_string(size_bytes) + " bytes");
   s_->acct.count_d2h(size_bytes);
   return Status::ok();
 }

@@ -1,5 +1,6 @@
 #include "tests/gpu/device_conformance.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <numeric>
@@ -10,6 +11,7 @@
 #include "cpu_optim/adam.h"
 #include "cpu_optim/executor.h"
 #include "cpu_optim/isa.h"
+#include "common/trace.h"
 #include "gpu/device_info.h"
 #include "tests/gpu/adam_reference.h"
 #include "tests/gpu/cast_reference.h"
@@ -260,6 +262,54 @@ TEST_P(DeviceConformance, EventQueryAndHostSynchronize) {
   ASSERT_TRUE(q.is_ok());
   EXPECT_TRUE(*q);
   dev_->destroy_event(*ev);
+}
+
+// The trace's copy tracks show when the device ran each direction's copies, not when they were
+// queued: copies behind a 200 ms delay start after it, the D2H behind the H2D copies starts after
+// them, and copies queued while the trace is paused leave no span.
+TEST_P(DeviceConformance, TheTraceShowsCopiesWhenTheDeviceRunsThem) {
+  if (!dev_) return;
+  constexpr size_t kWords = 1 << 18;  // 1 MiB
+  PinnedWords in(*dev_, kWords), out(*dev_, kWords);
+  const DevicePtr d = alloc(*dev_, kWords * 4);
+  trace::start(1000);
+  const int64_t queued_ns = trace::now_ns();
+  ZO_ASSERT_OK(dev_->delay(stream_, 200'000));
+  ZO_ASSERT_OK(dev_->copy_h2d(d, in.data(), kWords * 4, stream_));
+  ZO_ASSERT_OK(dev_->copy_h2d(d, in.data(), kWords * 4, stream_));
+  ZO_ASSERT_OK(dev_->copy_d2h(out.data(), d, kWords * 4, stream_));
+  ZO_ASSERT_OK(dev_->synchronize(stream_));
+  const int64_t synced_ns = trace::now_ns();
+  trace::pause();
+  ZO_ASSERT_OK(dev_->copy_h2d(d, in.data(), kWords * 4, stream_));
+  ZO_ASSERT_OK(dev_->copy_d2h(out.data(), d, kWords * 4, stream_));
+  ZO_ASSERT_OK(dev_->synchronize(stream_));
+
+  // A GPU's spans are placed on the host clock through a base event, within microseconds.
+  constexpr int64_t kSlackNs = 1'000'000;
+  std::vector<trace::Recorded> spans[2];
+  uint64_t copies[2] = {0, 0};
+  for (const trace::Recorded& r : trace::snapshot()) {
+    if (r.track != trace::Track::kCopyH2D && r.track != trace::Track::kCopyD2H) continue;
+    const int dir = r.track == trace::Track::kCopyH2D ? 0 : 1;
+    spans[dir].push_back(r);
+    copies[dir] += std::stoull(r.name);  // "<copies> copies, <bytes>"
+    EXPECT_NE(r.name.find(" copies, "), std::string::npos) << r.name;
+    EXPECT_GE(r.start_ns, queued_ns + 200'000'000 - kSlackNs) << r.name << " started before the delay ahead of it ended";
+    EXPECT_LE(r.end_ns, synced_ns + kSlackNs) << r.name << " ended after the stream was synchronized";
+    EXPECT_LE(r.start_ns, r.end_ns);
+  }
+  EXPECT_EQ(copies[0], 2u) << "H2D copies traced (the one queued while paused must not be)";
+  EXPECT_EQ(copies[1], 1u) << "D2H copies traced";
+  for (auto& track : spans) {
+    std::sort(track.begin(), track.end(), [](const auto& a, const auto& b) { return a.start_ns < b.start_ns; });
+    for (size_t i = 1; i < track.size(); ++i) EXPECT_GE(track[i].start_ns, track[i - 1].end_ns) << "spans overlap";
+  }
+  if (!spans[0].empty() && !spans[1].empty()) {
+    EXPECT_GE(spans[1].front().start_ns, spans[0].back().end_ns - kSlackNs)
+        << "the D2H ran before the H2D copies queued ahead of it";
+  }
+  dev_->free(d);
 }
 
 TEST_P(DeviceConformance, CountsBytesMovedPerDirection) {

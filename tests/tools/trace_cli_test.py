@@ -3,8 +3,8 @@
 (what Perfetto opens) with one named track per stream of work; every span has a non-negative start
 and duration, spans on a track nest and never partly overlap, only the chosen steps are traced, and
 every block of the model (its count read from the run's own Hugging Face export) is computed,
-forward and backward, and fetched inside each traced step; the gradient worker, the optimizer, NVMe
-reads and writes and the checkpoint have spans. Bad --trace-steps are one line and exit 2.
+forward and backward, and fetched inside each traced step, and the device copies gradients D2H in
+each and parameters H2D; the gradient worker, the optimizer, NVMe reads and writes and the checkpoint have spans. Bad --trace-steps are one line and exit 2.
 
 usage: trace_cli_test.py ZOFFLOAD SOURCE_DIR"""
 import json
@@ -51,7 +51,8 @@ with tempfile.TemporaryDirectory(dir=os.environ.get("MESON_BUILD_ROOT")) as tmp:
     events = trace["traceEvents"]
     tracks = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "thread_name"}
     expect(set(tracks.values()) >= {"step", "compute", "fetch wait (NVMe, H2D)", "gradient offload (D2H)",
-                                    "gradient worker", "optimizer", "NVMe reads", "NVMe writes", "checkpoint"},
+                                    "gradient worker", "optimizer", "NVMe reads", "NVMe writes", "checkpoint",
+                                    "H2D copies (device)", "D2H copies (device)"},
            "one named track per stream of work: %s" % sorted(tracks.values()))
     spans = [e for e in events if e.get("ph") == "X"]
     by_track = {}
@@ -92,6 +93,13 @@ with tempfile.TemporaryDirectory(dir=os.environ.get("MESON_BUILD_ROOT")) as tmp:
                 expect("backward of " + b in done, "%s runs the backward of %s" % (step["name"], b))
             expect("fetch " + b in inside(fetch), "%s fetches %s" % (step["name"], b))
         expect(inside(by_track.get("optimizer", [])), "%s has optimizer spans" % step["name"])
+        # Gradients leave in every step; a step's parameters may all have come up in the step
+        # before it (its call runs the next step's first forward, and backward reuses them).
+        copies = inside(by_track.get("D2H copies (device)", []))
+        expect(copies and all(" copies, " in n for n in copies),
+               "%s: the device copied gradients D2H, as '<n> copies, <bytes>' spans: %s" % (step["name"], sorted(copies)[:3]))
+    up = [e["name"] for e in by_track.get("H2D copies (device)", [])]
+    expect(up and all(" copies, " in n for n in up), "the device copied parameters H2D: %s" % up[:3])
     expect(trace.get("otherData", {}).get("spans_dropped") == 0, "no span dropped")
 
 report_and_exit()
