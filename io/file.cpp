@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <linux/magic.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/vfs.h>
 #include <unistd.h>
@@ -157,6 +158,16 @@ Status File::preallocate(uint64_t target_bytes) {
   if (::ftruncate(fd_, static_cast<off_t>(target_bytes)) != 0)
     return errno_status("ftruncate " + path_ + " length " + std::to_string(target_bytes), errno);
   return Status::ok();
+}
+
+Status File::lock_exclusive() {
+  int rc;
+  do {
+    rc = ::flock(fd_, LOCK_EX | LOCK_NB);
+  } while (rc != 0 && errno == EINTR);
+  if (rc == 0) return Status::ok();
+  if (errno == EWOULDBLOCK) return Status(StatusCode::kFailedPrecondition, path_ + " is in use by another process", errno);
+  return errno_status("flock " + path_, errno);
 }
 
 Result<uint64_t> File::size_bytes() const {

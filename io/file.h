@@ -51,6 +51,10 @@ class File {
   // extended with ftruncate instead, with a warning. ENOSPC maps to StatusCode::kNoSpace.
   Status preallocate(uint64_t size_bytes);
   Result<uint64_t> size_bytes() const;
+  // An exclusive advisory lock on the file (flock), held until the fd is closed, so that two
+  // processes never use one file at once. Does not wait: kFailedPrecondition "PATH is in use by
+  // another process" when another open file description holds it (in this process too).
+  Status lock_exclusive();
   // ftruncate to exactly `size_bytes` (shrinks or extends).
   Status truncate(uint64_t size_bytes);
   // fdatasync.

@@ -4,6 +4,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <charconv>
 #include <chrono>
 #include <cmath>
@@ -82,33 +83,44 @@ Result<std::pair<uint64_t, uint64_t>> parse_trace_steps(const std::string& text)
 
 // Note [Interrupted runs]: SIGINT, SIGTERM and SIGHUP remove the NVMe swap files, as a normal exit
 // does (issue 19), then end the process by the same signal, so the shell sees the usual status
-// (130 for Ctrl-C). unlink(2), write(2) and raise(3) are async-signal-safe; the paths are copied
-// into fixed buffers before the handler is installed. A checkpoint or export the signal cut short
-// is left as a tmp directory that the next run removes; a signal during the Trainer's start,
-// before its swap files are known, ends the run without this clean-up.
+// (130 for Ctrl-C). The handler is installed before the Trainer starts, and each swap file is
+// added to what it removes as soon as this process holds the file's lock (TrainOptions::
+// on_swap_file), before the file is sized and the weights are written into it: a Ctrl-C while a
+// 70B model loads must not leave hundreds of GB behind, and a file another run holds is never
+// this run's to remove. unlink(2), write(2) and raise(3) are async-signal-safe; each path is
+// copied into a fixed buffer before the count that makes the handler read it is raised. A
+// checkpoint or export the signal cut short is left as a tmp directory that the next run removes.
 constexpr size_t kMaxSwapFiles = 2;
 char g_swap_paths[kMaxSwapFiles][4096];
 volatile sig_atomic_t g_swap_count = 0;
 
 extern "C" void on_stop_signal(int sig) {
   // A signal handler may only call async-signal-safe functions, which the Env's are not.
-  for (sig_atomic_t i = 0; i < g_swap_count; ++i) ::unlink(g_swap_paths[i]);  // file-syscall-ok: signal handler
-  static constexpr char kMessage[] = "zoffload train: interrupted; the NVMe swap files are removed\n";
-  if (::write(STDERR_FILENO, kMessage, sizeof kMessage - 1) < 0) {  // file-syscall-ok: signal handler
+  const sig_atomic_t n = g_swap_count;
+  for (sig_atomic_t i = 0; i < n; ++i) ::unlink(g_swap_paths[i]);  // file-syscall-ok: signal handler
+  static constexpr char kRemoved[] = "zoffload train: interrupted; the NVMe swap files are removed\n";
+  static constexpr char kNone[] = "zoffload train: interrupted\n";
+  const bool removed = n > 0;
+  if (::write(STDERR_FILENO, removed ? kRemoved : kNone, removed ? sizeof kRemoved - 1 : sizeof kNone - 1) < 0) {  // file-syscall-ok: signal handler
     // Nothing to do: the process is ending.
   }
   ::signal(sig, SIG_DFL);
   ::raise(sig);
 }
 
-void remove_swap_files_on_signals(const std::vector<std::string>& paths) {
-  size_t n = 0;
-  for (const std::string& p : paths) {
-    if (n == kMaxSwapFiles || p.size() >= sizeof g_swap_paths[0]) continue;
-    std::memcpy(g_swap_paths[n], p.c_str(), p.size() + 1);
-    ++n;
+// TrainOptions::on_swap_file: from now on a stop signal removes `path`.
+void remove_on_stop_signal(const std::string& path) {
+  const sig_atomic_t n = g_swap_count;
+  if (n == static_cast<sig_atomic_t>(kMaxSwapFiles) || path.size() >= sizeof g_swap_paths[0]) {
+    std::cerr << "zoffload train: warning: " << path << " will not be removed if the run is interrupted\n";
+    return;
   }
-  g_swap_count = static_cast<sig_atomic_t>(n);
+  std::memcpy(g_swap_paths[n], path.c_str(), path.size() + 1);
+  std::atomic_signal_fence(std::memory_order_release);  // the path is whole before the handler can read it
+  g_swap_count = n + 1;
+}
+
+void install_stop_signal_handler() {
   struct sigaction sa {};
   sa.sa_handler = on_stop_signal;
   sigemptyset(&sa.sa_mask);
@@ -216,13 +228,15 @@ int run_train(const TrainArgs& args) {
 
   const auto t0 = std::chrono::steady_clock::now();
   engine::tune_allocator_for_host_compute();
+  options.on_swap_file = remove_on_stop_signal;
+  install_stop_signal_handler();
   auto trainer_r = engine::Trainer::create(options);
   if (!trainer_r.is_ok()) {
+    g_swap_count = 0;  // a failed start has removed what it created
     const Status& s = trainer_r.status();
     return fail(s.to_string(), s.code() == StatusCode::kInvalidArgument ? 2 : 1);
   }
   engine::Trainer& trainer = **trainer_r;
-  remove_swap_files_on_signals(trainer.swap_files());
   const double setup_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const uint64_t first_step = trainer.steps_done();
   // End-of-training exports a killed run left half-written (hf-export-step-N.tmp-<pid>).

@@ -213,14 +213,16 @@ Status StateStore::Impl::create_swap_files() {
                               "or zoffload.gradient_accumulators nvme");
     }
     ZO_ASSIGN_OR_RETURN(optimizer_file, SwapFile::create(swap_dir(options.optimizer_nvme_path, options.rank),
-                                                         "optimizer.swp", plan.nvme_optimizer_bytes, *io, accounting));
+                                                         "optimizer.swp", plan.nvme_optimizer_bytes, *io, accounting,
+                                                         io::Env::posix(), options.on_swap_file));
   }
   if (param_nvme) {
     if (options.param_nvme_path.empty()) {
       return invalid_argument("zero_optimization.offload_param.nvme_path: required with offload_param.device nvme");
     }
     ZO_ASSIGN_OR_RETURN(param_file, SwapFile::create(swap_dir(options.param_nvme_path, options.rank), "param.swp",
-                                                     plan.nvme_param_bytes, *io, accounting));
+                                                     plan.nvme_param_bytes, *io, accounting, io::Env::posix(),
+                                                     options.on_swap_file));
   }
   // One record per sub-group in the optimizer file, [master|exp_avg|exp_avg_sq|grad], so a step
   // reads a sub-group with one request and writes master|exp_avg|exp_avg_sq back with another; one

@@ -8,6 +8,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -40,6 +41,9 @@ struct StateStoreOptions {
   // logic with fake host facts turn it off and call check_pinned_cap themselves.
   bool check_host = true;
   bool remove_swap_files_on_close = true;
+  // Called with each swap file's path once this process holds it, before the file is sized and
+  // filled (SwapFile::create's `claimed`): a stop signal's handler may remove it from then on.
+  std::function<void(const std::string&)> on_swap_file;
 };
 
 // Where one state of one sub-group lives. Exactly one of the three is set, per `tier`, unless the

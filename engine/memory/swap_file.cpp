@@ -60,7 +60,8 @@ struct SwapFile::Impl {
 
 Result<std::unique_ptr<SwapFile>> SwapFile::create(const std::string& dir, const std::string& name,
                                                   uint64_t capacity_bytes, io::IoEngine& engine,
-                                                  MemoryAccounting* accounting, io::Env* env) {
+                                                  MemoryAccounting* accounting, io::Env* env,
+                                                  const std::function<void(const std::string&)>& claimed) {
   ZO_RETURN_IF_ERROR(env->make_dirs(dir).with_context("creating swap directory " + dir));
   auto impl = std::make_unique<Impl>();
   impl->env = env;
@@ -69,6 +70,15 @@ Result<std::unique_ptr<SwapFile>> SwapFile::create(const std::string& dir, const
   impl->accounting = accounting;
   impl->capacity = align_up(capacity_bytes, kSwapAlignment);
   ZO_ASSIGN_OR_RETURN(impl->file, io::File::open(impl->path, io::OpenMode::kCreate, engine.options().direct));
+  // Two runs writing one swap file would silently train on each other's states.
+  if (Status st = impl->file.lock_exclusive(); !st.is_ok()) {
+    if (st.code() != StatusCode::kFailedPrecondition) return st.with_context("locking swap file " + impl->path);
+    return Status(StatusCode::kFailedPrecondition,
+                  "swap file " + impl->path +
+                      " is in use by another process (another zoffload run with the same nvme_path?): give each run "
+                      "its own nvme_path, or wait for that run to end");
+  }
+  if (claimed) claimed(impl->path);
   // A file left by a previous, larger run would keep its extra blocks forever: trim it first.
   ZO_ASSIGN_OR_RETURN(uint64_t existing, impl->file.size_bytes());
   if (existing > impl->capacity) ZO_RETURN_IF_ERROR(impl->file.truncate(impl->capacity).with_context("trimming swap file"));

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -36,11 +37,16 @@ class SwapFile {
   // is reused, its contents ignored), opens it with O_DIRECT where possible and preallocates
   // `capacity_bytes` (rounded up to kSwapAlignment) so that writes never hit ENOSPC later:
   // kNoSpace naming the file, the size and the free space when the drive is too small.
+  // The file is locked (flock) for as long as it is open: a file another process holds (another
+  // run with the same nvme_path and rank) is refused before anything in it changes,
+  // kFailedPrecondition naming it. `claimed` (may be empty) is called with the path once the lock
+  // is held, before the file is sized: from then on the file is this process's to remove.
   // `accounting` (may be null) counts reserved regions as NVMe-resident and I/O as moved bytes.
   // Directory creation, free space and removal go through `env` (it must outlive the file).
   static Result<std::unique_ptr<SwapFile>> create(const std::string& dir, const std::string& name,
                                                   uint64_t capacity_bytes, io::IoEngine& engine,
-                                                  MemoryAccounting* accounting, io::Env* env = io::Env::posix());
+                                                  MemoryAccounting* accounting, io::Env* env = io::Env::posix(),
+                                                  const std::function<void(const std::string&)>& claimed = {});
   ~SwapFile();  // closes the file; the file stays on disk (remove_file() deletes it)
   SwapFile(const SwapFile&) = delete;
   SwapFile& operator=(const SwapFile&) = delete;

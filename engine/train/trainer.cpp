@@ -446,6 +446,7 @@ Status Trainer::Impl::create_states() {
   so.param_nvme_path = resolve_run_path(opt.out_dir, config.zero.offload_param.nvme_path);
   so.pinned_cap_bytes = config.zoffload.pinned_memory_limit;
   so.rank = rank();
+  so.on_swap_file = opt.on_swap_file;
   ZO_ASSIGN_OR_RETURN(store, StateStore::create(*registry, plan, *device, *io, so, accounting));
   if (store->optimizer_file() != nullptr) swap_dir = zo::engine::swap_dir(so.optimizer_nvme_path, so.rank);
   else if (store->param_file() != nullptr) swap_dir = zo::engine::swap_dir(so.param_nvme_path, so.rank);

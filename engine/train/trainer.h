@@ -53,6 +53,10 @@ struct TrainOptions {
   // Tests: faults injected into the run's I/O engine (swap files, checkpoints, exports) and into
   // the file operations of its checkpoints and exports (an io::FaultyEnv over these rules).
   std::shared_ptr<io::FaultInjector> io_faults;
+  // Called with each NVMe swap file's path once this process holds it, before it is sized and
+  // filled with the weights (StateStoreOptions::on_swap_file): zoffload train's stop-signal
+  // handler removes the files from then on (Note [Interrupted runs]). Empty: not called.
+  std::function<void(const std::string&)> on_swap_file;
   // The ranks of a data-parallel run (Note [Replicated data parallel] in trainer.cpp); null: one
   // process. Every rank creates its Trainer with the same options and calls step() and
   // save_checkpoint() in the same order. Owned by the caller; outlives the Trainer.

@@ -73,6 +73,30 @@ TEST(SwapFile, ReusesAndTrimsAFileOfAPreviousRun) {
   EXPECT_EQ(std::filesystem::file_size((*f)->path()), 8192u);
 }
 
+// Two runs on one nvme_path would write each other's states: a file another open holds (another
+// process; in a test, a second open in this one, which flock treats the same) is refused before
+// anything in it changes, and claimed — given to the caller's clean-up — only once it is held.
+TEST(SwapFile, AFileInUseIsRefusedUntouchedAndClaimedOnlyWhenHeld) {
+  TempDir tmp;
+  auto engine = make_engine();
+  std::vector<std::string> claimed;
+  auto claim = [&](const std::string& path) { claimed.push_back(path); };
+  auto first = SwapFile::create(tmp.path, "optimizer.swp", 1 << 20, *engine, nullptr, io::Env::posix(), claim);
+  ASSERT_TRUE(first.is_ok()) << first.status().to_string();
+  ASSERT_EQ(claimed, std::vector<std::string>{(*first)->path()});
+  auto second = SwapFile::create(tmp.path, "optimizer.swp", 8192, *engine, nullptr, io::Env::posix(), claim);
+  ASSERT_FALSE(second.is_ok());
+  EXPECT_EQ(second.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_THAT(second.status().message(), HasSubstr((*first)->path() + " is in use by another process"));
+  EXPECT_THAT(second.status().message(), HasSubstr("nvme_path"));
+  EXPECT_EQ(claimed.size(), 1u) << "a file this open does not hold was claimed";
+  EXPECT_EQ(std::filesystem::file_size((*first)->path()), uint64_t{1} << 20) << "the refused open trimmed the file";
+  first->reset();
+  auto third = SwapFile::create(tmp.path, "optimizer.swp", 8192, *engine, nullptr, io::Env::posix(), claim);
+  ASSERT_TRUE(third.is_ok()) << "the lock ends with the file's owner: " << third.status().to_string();
+  EXPECT_EQ(claimed.size(), 2u);
+}
+
 TEST(SwapFile, ReservesAlignedRegionsInOrderUntilFull) {
   TempDir tmp;
   auto engine = make_engine();

@@ -2,7 +2,10 @@
 """`zoffload train` as a user runs it: the demo (tiny model, bundled corpus, optimizer on NVMe under
 the run directory) trains and its loss falls by a clear margin; a Hugging Face model directory
 written here with only the standard library (config.json + sharded bf16 safetensors) loads and
-trains; bad input fails with one line naming what is wrong and exit 2 (or 1 at run time)."""
+trains; bad input fails with one line naming what is wrong and exit 2 (or 1 at run time); a stop
+signal removes the swap files, also during the start; a second run on the same nvme_path is refused.
+
+usage: train_cli_test.py ZOFFLOAD SOURCE_DIR SLOW_FALLOCATE_SO"""
 import json
 import os
 import random
@@ -13,7 +16,7 @@ import tempfile
 
 from cli_checks import expect, report_and_exit
 
-zoffload, source_dir = sys.argv[1], sys.argv[2]
+zoffload, source_dir, slow_fallocate = sys.argv[1], sys.argv[2], sys.argv[3]
 demo_config = os.path.join(source_dir, "configs", "tiny_demo_nvme.json")
 corpus = os.path.join(source_dir, "configs", "data", "demo_corpus.txt")
 
@@ -260,6 +263,57 @@ with tempfile.TemporaryDirectory(prefix="zo-train-cli-", dir=os.environ.get("TMP
         expect("interrupted; the NVMe swap files are removed" in err, "signal %d: says so: %s" % (sig, err[-500:]))
         left = [s for s in swaps if os.path.exists(s)]
         expect(not left, "signal %d: swap files removed: %s" % (sig, left))
+
+    def swap_files(run):
+        return [os.path.join(r, f) for r, _, fs in os.walk(os.path.join(run, "zoffload-nvme")) for f in fs
+                if f.endswith(".swp")]
+
+    # During the start: the swap file exists (locked) while fallocate is held for 30 s by the shim.
+    run = os.path.join(tmp, "interrupted-at-start")
+    env = dict(os.environ, LD_PRELOAD=slow_fallocate, ZO_TEST_FALLOCATE_DELAY_MS="30000")
+    proc = subprocess.Popen([zoffload, "train", "--config", demo_config, "--model", "tiny", "--data", corpus,
+                             "--steps", "3", "--out", run], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    deadline = time.time() + 60
+    while time.time() < deadline and not swap_files(run):
+        time.sleep(0.05)
+    swaps = swap_files(run)
+    time.sleep(0.5)  # from creating the file to sizing it: microseconds
+    expect(len(swaps) > 0 and proc.poll() is None, "a swap file exists while the run starts: %s" % swaps)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    expect(proc.returncode == -signal.SIGINT, "SIGINT during the start ends the run by it: %d" % proc.returncode)
+    expect("interrupted; the NVMe swap files are removed" in err, "SIGINT during the start: says so: %s" % err[-500:])
+    expect(not os.path.exists(os.path.join(run, "metrics.jsonl")) or os.path.getsize(os.path.join(run, "metrics.jsonl")) == 0,
+           "the signal came before the first step")
+    left = [s for s in swaps if os.path.exists(s)]
+    expect(swaps and not left, "SIGINT during the start: swap files removed: %s of %s" % (left, swaps))
+
+    # Two runs on one nvme_path would train on each other's states: the second is refused at start,
+    # and the first goes on with its files.
+    first_run = os.path.join(tmp, "first")
+    shared = dict(json.load(open(demo_config)))
+    shared["zero_optimization"]["offload_optimizer"]["nvme_path"] = os.path.join(tmp, "shared-nvme")
+    shared_cfg = os.path.join(tmp, "shared-nvme.json")
+    with open(shared_cfg, "w") as f:
+        json.dump(shared, f)
+    first = subprocess.Popen([zoffload, "train", "--config", shared_cfg, "--model", "tiny", "--data", corpus,
+                              "--steps", "100000", "--out", first_run], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    metrics = os.path.join(first_run, "metrics.jsonl")
+    deadline = time.time() + 120
+    while time.time() < deadline and not (os.path.exists(metrics) and os.path.getsize(metrics) > 0):
+        time.sleep(0.2)
+    p = train("--config", shared_cfg, "--model", "tiny", "--data", corpus, "--steps", "2", "--out",
+              os.path.join(tmp, "second"), timeout=300)
+    expect(p.returncode == 1 and "is in use by another process" in p.stderr and "nvme_path" in p.stderr,
+           "a second run on the same nvme_path is refused: exit %d: %s" % (p.returncode, p.stderr[-800:]))
+    held = [os.path.join(r, f) for r, _, fs in os.walk(os.path.join(tmp, "shared-nvme")) for f in fs]
+    expect(first.poll() is None and any(h.endswith("optimizer.swp") for h in held),
+           "the first run goes on with its swap files: %s" % held)
+    first.send_signal(signal.SIGTERM)
+    first.communicate(timeout=60)
+    expect(first.returncode == -signal.SIGTERM, "the first run ends by SIGTERM: %d" % first.returncode)
 
     p = subprocess.run([zoffload, "train", "--help"], capture_output=True, text=True)
     expect(p.returncode == 0 and "--model" in p.stdout and "metrics.jsonl" in p.stdout, "--help answers")
