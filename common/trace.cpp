@@ -72,6 +72,7 @@ std::string_view track_name(Track t) {
     case Track::kGather: return "parameter gatherer";
     case Track::kCopyH2D: return "H2D copies (device)";
     case Track::kCopyD2H: return "D2H copies (device)";
+    case Track::kDeviceCompute: return "compute (device)";
     case Track::kCount: break;
   }
   return "?";

@@ -31,6 +31,7 @@ enum class Track : uint8_t {
   kGather,          // the parameter gatherer's thread: each block gathered from its owners (stage 3 ranks)
   kCopyH2D,         // the device copying host → device (its copy streams' busy periods, as the device ran them)
   kCopyD2H,         // the device copying device → host
+  kDeviceCompute,   // the device running a block's forward or backward, as it ran it (on a GPU, not when queued)
   kCount
 };
 std::string_view track_name(Track t);

@@ -53,8 +53,20 @@ struct Event {
   explicit operator bool() const { return handle != nullptr; }
 };
 
-// The direction of a copy another library queues (Device::foreign_copy).
-enum class CopyDirection : uint8_t { kH2D = 0, kD2H = 1 };
+// The kinds of work whose time on the device is measured (Device::busy): copies each way, and
+// compute that another library queues (Device::foreign_work).
+enum class DeviceWork : uint8_t { kH2D = 0, kD2H = 1, kCompute = 2 };
+
+// The time the device has spent on each kind of work since it was created, as far as that work has
+// completed: per kind, the union of the intervals its operations ran, so two copies at once count
+// once (exact on HostDevice; on CUDA, from timing events resolved in queue order, exact when one
+// stream carries each kind). Copies: copy_h2d, copy_d2h and foreign_work's; compute:
+// foreign_work's only (the device's own kernels, cast and adam_step, are not counted).
+struct DeviceBusy {
+  double h2d_s = 0;
+  double d2h_s = 0;
+  double compute_s = 0;
+};
 
 // One Adam/AdamW step over n_elems device-resident elements, for Device::adam_step. The buffers
 // are device ranges of n_elems elements each (fp32 unless a dtype is given) that must not overlap.
@@ -144,14 +156,19 @@ class Device {
   // HostDevice: nullptr (the host's synchronous compute) blocks the calling thread until then;
   // anything else is InvalidArgument. An event never recorded counts as complete.
   virtual Status wait_foreign(void* native_stream, Event event) = 0;
-  // For the trace's copy tracks (trace::Track::kCopyH2D / kCopyD2H, which copy_h2d and copy_d2h
-  // feed): calls `queue`, which queues one copy of `size_bytes` in direction `dir` on
-  // `native_stream` (a stream this Device did not create, as for record_foreign), and while the
-  // trace records, times that copy as the device runs it. Returns queue's Status. HostDevice:
-  // nullptr only (anything else is InvalidArgument, and queue is not called); the copy runs
-  // inside queue, on the calling thread.
-  virtual Status foreign_copy(CopyDirection dir, uint64_t size_bytes, void* native_stream,
+  // Calls `queue`, which queues work of `kind` (a copy of `size_bytes`, or compute: 0) on
+  // `native_stream` (a stream this Device did not create, as for record_foreign), and times that
+  // work as the device runs it: it counts in busy() and, while the trace records, is a span of the
+  // trace's device tracks (trace::Track::kCopyH2D, kCopyD2H, kDeviceCompute). Returns queue's
+  // Status. HostDevice: nullptr only (anything else is InvalidArgument, and queue is not called);
+  // the work runs inside queue, on the calling thread.
+  // `name` names a compute span ("forward of model.layers.3"); copies' spans are named by the
+  // periods they merge into ("<n> copies, <bytes>").
+  virtual Status foreign_work(DeviceWork kind, uint64_t size_bytes, void* native_stream, const std::string& name,
                               const std::function<Status()>& queue) = 0;
+  // The device's busy time so far (DeviceBusy). Never blocks. HostDevice counts work in progress
+  // up to now; CUDA counts work once its timing events have completed.
+  virtual DeviceBusy busy() = 0;
   // Makes `stream` wait (without blocking the host) until the event's latest record — as of this
   // call — completes. An event never recorded counts as complete.
   virtual Status wait(Stream stream, Event event) = 0;

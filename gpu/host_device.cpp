@@ -127,28 +127,43 @@ struct HostDevice::State {
     return it->second;
   }
 
-  // Runs a copy on a stream's worker as part of its direction's busy periods on the trace.
-  template <class Copy>
-  void traced_copy(trace::BusyTrack& busy, uint64_t size_bytes, Copy&& copy) {
-    bool counted;
+  // Runs one piece of work of `kind` on the calling thread (a stream's worker, or the host for
+  // foreign work) and counts it: in the kind's busy time, and while the trace records, in the
+  // copies' busy periods or (compute) as a span called `name`.
+  template <class Work>
+  void timed(DeviceWork kind, uint64_t size_bytes, const std::string& name, Work&& work) {
+    const auto k = static_cast<size_t>(kind);
+    const int64_t begin_ns = trace::now_ns();
+    bool counted = false;
     {
-      std::lock_guard lock(trace_mu);
-      counted = busy.begin(size_bytes);
+      std::lock_guard lock(busy_mu);
+      Busy& b = busy[k];
+      if (b.active++ == 0) b.since_ns = begin_ns;
+      if (kind != DeviceWork::kCompute) counted = copy_tracks[k].begin(size_bytes);
     }
-    copy();
-    if (!counted) return;
-    std::lock_guard lock(trace_mu);
-    busy.end();
+    work();
+    const int64_t end_ns = trace::now_ns();
+    if (kind == DeviceWork::kCompute) trace::record(trace::Track::kDeviceCompute, name, begin_ns, end_ns);
+    std::lock_guard lock(busy_mu);
+    Busy& b = busy[k];
+    if (--b.active == 0) b.total_ns += end_ns - b.since_ns;
+    if (counted) copy_tracks[k].end();
   }
 
   detail::Accounting acct;
   std::mutex mu;  // guards the two tables
   std::unordered_map<HostStream*, std::unique_ptr<HostStream>> streams;
   std::unordered_map<HostEvent*, std::shared_ptr<HostEvent>> events;
-  // The trace's copy tracks: when the stream workers ran copies of each direction.
-  std::mutex trace_mu;
-  trace::BusyTrack h2d{trace::Track::kCopyH2D, "copies"};
-  trace::BusyTrack d2h{trace::Track::kCopyD2H, "copies"};
+  // Busy time per DeviceWork kind (the union of its work's intervals: from the first of them
+  // running until none is), and the trace's copy tracks.
+  struct Busy {
+    uint64_t active = 0;
+    int64_t since_ns = 0;
+    int64_t total_ns = 0;
+  };
+  std::mutex busy_mu;
+  Busy busy[3];
+  trace::BusyTrack copy_tracks[2] = {{trace::Track::kCopyH2D, "copies"}, {trace::Track::kCopyD2H, "copies"}};
 };
 
 Result<std::unique_ptr<HostDevice>> HostDevice::create(uint64_t budget_bytes) {
@@ -294,13 +309,24 @@ Status HostDevice::wait_foreign(void* native_stream, Event event) {
   return synchronize(event);
 }
 
-Status HostDevice::foreign_copy(CopyDirection dir, uint64_t size_bytes, void* native_stream,
+Status HostDevice::foreign_work(DeviceWork kind, uint64_t size_bytes, void* native_stream, const std::string& name,
                                 const std::function<Status()>& queue) {
   if (native_stream != nullptr)
-    return invalid_argument("foreign_copy: the emulated device has no foreign streams (the host copies synchronously)");
+    return invalid_argument("foreign_work: the emulated device has no foreign streams (the host runs the work synchronously)");
   Status st;
-  s_->traced_copy(dir == CopyDirection::kH2D ? s_->h2d : s_->d2h, size_bytes, [&] { st = queue(); });
+  s_->timed(kind, size_bytes, name, [&] { st = queue(); });
   return st;
+}
+
+DeviceBusy HostDevice::busy() {
+  const int64_t now = trace::now_ns();
+  std::lock_guard lock(s_->busy_mu);
+  double s[3];
+  for (size_t k = 0; k < 3; ++k) {
+    const State::Busy& b = s_->busy[k];
+    s[k] = static_cast<double>(b.total_ns + (b.active > 0 ? now - b.since_ns : 0)) / 1e9;
+  }
+  return {.h2d_s = s[0], .d2h_s = s[1], .compute_s = s[2]};
 }
 
 Status HostDevice::wait(Stream stream, Event event) {
@@ -340,7 +366,7 @@ Status HostDevice::copy_h2d(DevicePtr dst, const void* src, uint64_t size_bytes,
   ZO_RETURN_IF_ERROR(s_->acct.check_range(dst.addr, size_bytes, "copy_h2d destination"));
   s_->acct.count_h2d(size_bytes);
   st->push([s = s_.get(), dst, src, size_bytes] {
-    s->traced_copy(s->h2d, size_bytes, [&] { std::memcpy(dst.addr, src, size_bytes); });
+    s->timed(DeviceWork::kH2D, size_bytes, {}, [&] { std::memcpy(dst.addr, src, size_bytes); });
   });
   return Status::ok();
 }
@@ -352,7 +378,7 @@ Status HostDevice::copy_d2h(void* dst, DevicePtr src, uint64_t size_bytes, Strea
   ZO_RETURN_IF_ERROR(s_->acct.check_range(src.addr, size_bytes, "copy_d2h source"));
   s_->acct.count_d2h(size_bytes);
   st->push([s = s_.get(), dst, src, size_bytes] {
-    s->traced_copy(s->d2h, size_bytes, [&] { std::memcpy(dst, src.addr, size_bytes); });
+    s->timed(DeviceWork::kD2H, size_bytes, {}, [&] { std::memcpy(dst, src.addr, size_bytes); });
   });
   return Status::ok();
 }

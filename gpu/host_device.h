@@ -42,8 +42,9 @@ class HostDevice final : public Device {
   Status record(Event event, Stream stream) override;
   Status record_foreign(Event event, void* native_stream) override;
   Status wait_foreign(void* native_stream, Event event) override;
-  Status foreign_copy(CopyDirection dir, uint64_t size_bytes, void* native_stream,
+  Status foreign_work(DeviceWork kind, uint64_t size_bytes, void* native_stream, const std::string& name,
                       const std::function<Status()>& queue) override;
+  DeviceBusy busy() override;
   Status wait(Stream stream, Event event) override;
   Status synchronize(Event event) override;
   Result<bool> query(Event event) override;

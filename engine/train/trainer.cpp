@@ -99,7 +99,11 @@ std::string StepMetrics::to_json() const {
                  {"optimizer", optimizer_s},
                  {"nvme_read_wait", nvme_read_wait_s},
                  {"nvme_write_wait", nvme_write_wait_s},
-                 {"nvme_busy", nvme_busy_s}};
+                 {"nvme_busy", nvme_busy_s},
+                 {"device_h2d", device_h2d_s},
+                 {"device_d2h", device_d2h_s},
+                 {"device_compute", device_compute_s}};
+  j["device_busy"] = device_busy;
   j["overlap"] = overlap;
   j["memory"] = nlohmann::json::parse(memory.to_json());
   j["device_peak_bytes"] = device_peak_bytes;
@@ -241,6 +245,7 @@ struct Trainer::Impl {
   // The host slot of block b's input (1 ≤ b ≤ num_hidden_layers) of held micro-batch k.
   torch::Tensor checkpoint_slot(uint32_t block, size_t k, const torch::Tensor& like) const;
   uint64_t checkpoint_bytes(uint32_t block, const Forward& f) const;
+  Status compute_call(const std::string& what, const std::function<void()>& fn);
   // Copies block b's inputs (every micro-batch of f) to their slots and drops the device copies.
   Status checkpoints_out(uint32_t block, Forward& f);
   // Queues block b's inputs back to the device; wait_checkpoints makes LibTorch's stream wait.
@@ -660,10 +665,13 @@ std::vector<torch::Tensor> Trainer::Impl::wrap(uint32_t block, const std::vector
   return out;
 }
 
-// A block's forward or backward: a LibTorch call that is a span of the compute track when tracing.
-static Status compute_call(const std::string& what, const std::function<void()>& fn) {
+// A block's forward or backward: a LibTorch call that is a span of the compute track when tracing,
+// timed by the device as it runs it (its busy time, and the trace's device compute track).
+Status Trainer::Impl::compute_call(const std::string& what, const std::function<void()>& fn) {
   trace::Span span(trace::Track::kCompute, [&] { return what; });
-  return torch_call(what, fn);
+  void* stream = nullptr;
+  ZO_RETURN_IF_ERROR(torch_call("reading LibTorch's stream", [&] { stream = torch_compute_stream(torch_device.is_cuda()); }));
+  return device->foreign_work(gpu::DeviceWork::kCompute, 0, stream, what, [&] { return torch_call(what, fn); });
 }
 
 Result<std::vector<gpu::DevicePtr>> Trainer::Impl::acquire(uint32_t block) {
@@ -712,7 +720,7 @@ Status Trainer::Impl::offload_grads(uint32_t block, const std::vector<torch::Ten
     ZO_RETURN_IF_ERROR(grad_worker->submit(
         spec.params[i], dtype, bytes,
         [&](std::span<std::byte> slot) {
-          ZO_RETURN_IF_ERROR(device->foreign_copy(gpu::CopyDirection::kD2H, bytes, copies->native_stream(), [&] {
+          ZO_RETURN_IF_ERROR(device->foreign_work(gpu::DeviceWork::kD2H, bytes, copies->native_stream(), {}, [&] {
             return torch_call("copying the gradient of " + name, [&] {
               torch::Tensor src = g;
               if (inject_overflow && i == 0) {  // on the source: the copy below may still be in flight
@@ -774,7 +782,7 @@ Status Trainer::Impl::checkpoints_out(uint32_t block, Forward& f) {
   const std::string where = "moving the checkpoints of " + layout.blocks[block].name + " to the CPU";
   std::optional<TorchCopyStreamScope> copies;
   ZO_RETURN_IF_ERROR(begin_copies(&copies, where));
-  ZO_RETURN_IF_ERROR(device->foreign_copy(gpu::CopyDirection::kD2H, checkpoint_bytes(block, f), copies->native_stream(), [&] {
+  ZO_RETURN_IF_ERROR(device->foreign_work(gpu::DeviceWork::kD2H, checkpoint_bytes(block, f), copies->native_stream(), {}, [&] {
     return torch_call(where, [&] {
       for (size_t k = 0; k < f.micro.size(); ++k) {
         torch::Tensor& x = f.micro[k].inputs[block];
@@ -797,7 +805,7 @@ Status Trainer::Impl::checkpoints_back(uint32_t block, Forward& f) {
   }));
   std::optional<TorchCopyStreamScope> copies;
   ZO_RETURN_IF_ERROR(begin_copies(&copies, where));
-  ZO_RETURN_IF_ERROR(device->foreign_copy(gpu::CopyDirection::kH2D, checkpoint_bytes(block, f), copies->native_stream(), [&] {
+  ZO_RETURN_IF_ERROR(device->foreign_work(gpu::DeviceWork::kH2D, checkpoint_bytes(block, f), copies->native_stream(), {}, [&] {
     return torch_call(where, [&] {
       for (size_t k = 0; k < back.size(); ++k) {
         back[k].copy_(f.micro[k].inputs[block], /*non_blocking=*/true);
@@ -1267,6 +1275,7 @@ Result<StepMetrics> Trainer::Impl::step_once() {
   const CoordinatorStats coord_before = m.coord->stats();
   const double ready_wait_before = m.ready_wait_s;
   const double io_busy_before = m.io->stats().busy_s;
+  const gpu::DeviceBusy busy_before = m.device->busy();
   const bool cuda = m.torch_device.is_cuda();
   reset_torch_memory_peak(cuda);
   // Every collective of this step (the previous step's optimizer thread has been joined).
@@ -1425,7 +1434,15 @@ Result<StepMetrics> Trainer::Impl::step_once() {
   out.compute_s = std::max(0.0, out.step_s - out.fetch_s - out.grad_offload_s - out.data_s - out.optimizer_wait_s -
                                     out.collective_s);
   out.nvme_busy_s = m.io->stats().busy_s - io_busy_before;
-  out.overlap = out.step_s > 0 ? std::max({out.compute_s, out.optimizer_s, out.nvme_busy_s}) / out.step_s : 0.0;
+  const gpu::DeviceBusy busy_after = m.device->busy();
+  out.device_h2d_s = busy_after.h2d_s - busy_before.h2d_s;
+  out.device_d2h_s = busy_after.d2h_s - busy_before.d2h_s;
+  out.device_compute_s = busy_after.compute_s - busy_before.compute_s;
+  out.device_busy = out.step_s > 0 ? out.device_compute_s / out.step_s : 0.0;
+  out.overlap = out.step_s > 0 ? std::max({out.compute_s, out.device_compute_s, out.device_h2d_s, out.device_d2h_s,
+                                           out.optimizer_s, out.nvme_busy_s}) /
+                                     out.step_s
+                               : 0.0;
   out.memory = m.accounting.snapshot();
   const gpu::DeviceStats ds = m.device->stats();
   out.device_peak_bytes = ds.peak_allocated_bytes;
@@ -1452,12 +1469,6 @@ const ModelLayout& Trainer::layout() const { return impl_->layout; }
 uint64_t Trainer::num_parameters() const { return impl_->registry->total_elems(); }
 std::string Trainer::metrics_path() const { return impl_->metrics_path; }
 std::string Trainer::swap_dir() const { return impl_->swap_dir; }
-std::vector<std::string> Trainer::swap_files() const {
-  std::vector<std::string> out;
-  for (const SwapFile* f : {impl_->store->optimizer_file(), impl_->store->param_file()})
-    if (f != nullptr) out.push_back(f->path());
-  return out;
-}
 
 Status Trainer::read_master(uint32_t param, std::span<float> out) {
   const ParamRegistry& reg = *impl_->registry;

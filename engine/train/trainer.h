@@ -87,8 +87,16 @@ struct StepMetrics {
   double nvme_read_wait_s = 0;   // of optimizer_s
   double nvme_write_wait_s = 0;  // of optimizer_s
   double nvme_busy_s = 0;        // the I/O engine had requests outstanding (all of the run's NVMe traffic)
-  // The longest of compute_s, optimizer_s and nvme_busy_s over step_s: near 1 when the step is as
-  // long as its busiest resource (everything else hidden behind it), lower when parts wait on each other.
+  // The device's own time in this step (gpu::Device::busy, as the device ran the work: on a GPU,
+  // from timing events): copying each way (PCIe), and running the blocks' forward and backward.
+  double device_h2d_s = 0;
+  double device_d2h_s = 0;
+  double device_compute_s = 0;
+  // device_compute_s / step_s: the GPU's busy fraction (on the emulated device, the host's compute).
+  double device_busy = 0;
+  // The longest of compute_s, device_compute_s, device_h2d_s, device_d2h_s, optimizer_s and
+  // nvme_busy_s over step_s: near 1 when the step is as long as its busiest resource (everything
+  // else hidden behind it), lower when parts wait on each other.
   double overlap = 0;
   MemoryStats memory;          // tiers after the step (peaks since the start of the run)
   uint64_t device_peak_bytes = 0;  // Device::stats().peak_allocated_bytes
@@ -189,7 +197,6 @@ class Trainer {
   // The resolved paths of the run's outputs.
   std::string metrics_path() const;
   std::string swap_dir() const;  // empty when nothing is on NVMe
-  std::vector<std::string> swap_files() const;  // the NVMe swap files' paths (removed with the Trainer)
 
   struct Impl;
 

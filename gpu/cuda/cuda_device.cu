@@ -158,41 +158,47 @@ struct CudaDevice::State {
     return to_cuda(e);
   }
 
-  // ---- Note [Copy spans from events] ----------------------------------------------------------
-  // While the trace records, each H2D and D2H copy is queued between two timing events. Once the
-  // second has completed, cudaEventElapsedTime against a base event — recorded on an idle stream of
-  // its own and waited for, at a known host time — places the copy on the host's steady clock.
-  // Copies of one direction are merged into busy periods (the device's copy engine for that
-  // direction), so spans on the track never partly overlap; a period is recorded once a later copy
-  // starts after its end, or at a flush (trace::FlushHook, called when the trace is written, and
-  // at every synchronize()). Copies are resolved in the order they were queued; one queued on a
-  // stream that started earlier than the period before it is clamped to that period's end. The
-  // base is renewed after kBaseRenewNs with nothing pending, so a float of milliseconds keeps
+  // ---- Note [Device time from events] ---------------------------------------------------------
+  // Each H2D and D2H copy, and each piece of compute another library queues through foreign_work,
+  // is queued between two timing events. Once the second has completed, cudaEventElapsedTime
+  // against a base event — recorded on an idle stream of its own and waited for, at a known host
+  // time — places the work on the host's steady clock. The intervals of one kind are merged into
+  // busy periods, whose lengths add up to busy(); while the trace records, a period of copies is a
+  // span of its direction's track ("<n> copies, <bytes>") and each compute call a span of the
+  // device compute track, named by the caller. Intervals are resolved in the order they were
+  // queued (without blocking, at each new timed work and at busy(); blocking at a trace flush
+  // and at synchronize()); one queued on a stream that started earlier than the period before it
+  // is clamped to that period's end, so with several streams of one kind the union is a lower
+  // bound. Two event records per operation cost a few microseconds of host time. The base is
+  // renewed after kBaseRenewNs with nothing pending, so a float of milliseconds keeps
   // microseconds.
-  struct TimedCopy {
+  struct Timed {
     cudaEvent_t begin = nullptr;
     cudaEvent_t end = nullptr;
-    int dir = 0;  // 0: H2D, 1: D2H
+    int kind = 0;  // DeviceWork
     uint64_t bytes = 0;
+    bool traced = false;  // queued while the trace recorded
+    std::string name;     // compute's span name
   };
   struct Period {
     int64_t begin_ns = 0;
     int64_t end_ns = 0;
-    uint64_t copies = 0;
+    uint64_t items = 0;
     uint64_t bytes = 0;
+    bool traced = false;
   };
+  static constexpr int kKinds = 3;
   static constexpr int64_t kBaseRenewNs = int64_t{60} * 1'000'000'000;
-  static constexpr trace::Track kCopyTracks[2] = {trace::Track::kCopyH2D, trace::Track::kCopyD2H};
 
-  // Two timing events for a copy (reused ones when there are), and the base when there is none.
+  // Two timing events (reused ones when there are), and the base when there is none.
   Status take_timing_events(cudaEvent_t out[2]) {
-    std::lock_guard lock(trace_mu);
+    std::lock_guard lock(timing_mu);
     if (base == nullptr || (timed.empty() && trace::now_ns() - base_ns > kBaseRenewNs)) {
       if (base_stream == nullptr)
-        ZO_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&base_stream, cudaStreamNonBlocking), "cudaStreamCreate (trace)");
-      if (base == nullptr) ZO_CUDA_RETURN_IF_ERROR(cudaEventCreate(&base), "cudaEventCreate (trace)");
-      ZO_CUDA_RETURN_IF_ERROR(cudaEventRecord(base, base_stream), "cudaEventRecord (trace)");
-      ZO_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(base), "cudaEventSynchronize (trace)");
+        ZO_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&base_stream, cudaStreamNonBlocking), "cudaStreamCreate (timing)");
+      if (base == nullptr) ZO_CUDA_RETURN_IF_ERROR(cudaEventCreate(&base), "cudaEventCreate (timing)");
+      ZO_CUDA_RETURN_IF_ERROR(cudaEventRecord(base, base_stream), "cudaEventRecord (timing)");
+      ZO_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(base), "cudaEventSynchronize (timing)");
       base_ns = trace::now_ns();
     }
     for (int i = 0; i < 2; ++i) {
@@ -201,82 +207,99 @@ struct CudaDevice::State {
         spare_events.pop_back();
       } else if (cudaError_t err = cudaEventCreate(&out[i]); err != cudaSuccess) {
         if (i == 1) spare_events.push_back(out[0]);
-        return cuda_error(err, "cudaEventCreate (trace)");
+        return cuda_error(err, "cudaEventCreate (timing)");
       }
     }
     return Status::ok();
   }
 
-  // Calls `queue`, which queues one copy on `st` (returning a cudaError_t or a Status), between two
-  // timing events when the trace records.
+  // Calls `queue`, which queues work of `kind` on `st` (returning a cudaError_t or a Status),
+  // between two timing events.
   template <class Queue>
-  auto timed_copy(int dir, uint64_t bytes, cudaStream_t st, Queue&& queue) -> decltype(queue()) {
-    if (!trace::on()) return queue();
+  auto timed_work(DeviceWork kind, uint64_t bytes, cudaStream_t st, const std::string& name, Queue&& queue)
+      -> decltype(queue()) {
     cudaEvent_t ev[2];
-    if (!take_timing_events(ev).is_ok()) return queue();  // the trace is best effort; the copy is not
+    if (!take_timing_events(ev).is_ok()) return queue();  // timing is best effort; the work is not
     cudaEventRecord(ev[0], st);
     auto result = queue();
     cudaEventRecord(ev[1], st);
+    const bool traced = trace::on();
     {
-      std::lock_guard lock(trace_mu);
-      timed.push_back({ev[0], ev[1], dir, bytes});
+      std::lock_guard lock(timing_mu);
+      timed.push_back({ev[0], ev[1], static_cast<int>(kind), bytes, traced,
+                       traced && kind == DeviceWork::kCompute ? name : std::string()});
     }
     resolve(/*wait=*/false);
     return result;
   }
 
-  // Turns the timed copies that have completed (all of them when `wait`) into periods, and with
-  // `wait` records the open periods too.
+  // Turns the timed work that has completed (all of it when `wait`) into periods; with `wait`,
+  // records the open periods too.
   void resolve(bool wait) {
-    std::lock_guard lock(trace_mu);
+    std::lock_guard lock(timing_mu);
     while (!timed.empty()) {
-      TimedCopy& c = timed.front();
+      Timed& c = timed.front();
       cudaError_t err = wait ? cudaEventSynchronize(c.end) : cudaEventQuery(c.end);
       if (err == cudaErrorNotReady) break;
       float begin_ms = 0, end_ms = 0;
       if (err == cudaSuccess) err = cudaEventElapsedTime(&begin_ms, base, c.begin);
       if (err == cudaSuccess) err = cudaEventElapsedTime(&end_ms, base, c.end);
       if (err == cudaSuccess) {
-        add(c.dir, base_ns + static_cast<int64_t>(double{begin_ms} * 1e6), base_ns + static_cast<int64_t>(double{end_ms} * 1e6),
-            c.bytes);
+        add(c, base_ns + static_cast<int64_t>(double{begin_ms} * 1e6), base_ns + static_cast<int64_t>(double{end_ms} * 1e6));
       } else {
-        cudaGetLastError();  // a failed copy: its error reaches its caller through the stream, not here
+        cudaGetLastError();  // a failed operation: its error reaches its caller through the stream, not here
       }
       spare_events.push_back(c.begin);
       spare_events.push_back(c.end);
       timed.pop_front();
     }
     if (wait)
-      for (int dir = 0; dir < 2; ++dir) emit(dir);
+      for (int k = 0; k < kKinds; ++k) close(k);
   }
 
-  void add(int dir, int64_t begin_ns, int64_t end_ns, uint64_t bytes) {
-    begin_ns = std::max(begin_ns, recorded_end_ns[dir]);
+  void add(const Timed& c, int64_t begin_ns, int64_t end_ns) {
+    const int k = c.kind;
+    begin_ns = std::max(begin_ns, closed_end_ns[k]);
     end_ns = std::max(end_ns, begin_ns);
-    Period& p = open[dir];
-    if (p.copies > 0 && begin_ns <= p.end_ns) {
+    if (c.traced && k == static_cast<int>(DeviceWork::kCompute))
+      trace::record_late(trace::Track::kDeviceCompute, c.name, begin_ns, end_ns);
+    Period& p = open[k];
+    if (p.items > 0 && begin_ns <= p.end_ns) {
       p.begin_ns = std::min(p.begin_ns, begin_ns);
       p.end_ns = std::max(p.end_ns, end_ns);
     } else {
-      emit(dir);
+      close(k);
       p = {.begin_ns = begin_ns, .end_ns = end_ns};
     }
-    ++p.copies;
-    p.bytes += bytes;
+    ++p.items;
+    p.bytes += c.bytes;
+    p.traced = p.traced || c.traced;
   }
 
-  void emit(int dir) {
-    Period& p = open[dir];
-    if (p.copies == 0) return;
-    trace::record_late(kCopyTracks[dir], std::to_string(p.copies) + " copies, " + format_bytes(p.bytes), p.begin_ns,
-                       p.end_ns);
-    recorded_end_ns[dir] = p.end_ns;
+  void close(int k) {
+    Period& p = open[k];
+    if (p.items == 0) return;
+    busy_ns[k] += p.end_ns - p.begin_ns;
+    if (p.traced && k != static_cast<int>(DeviceWork::kCompute)) {
+      trace::record_late(k == static_cast<int>(DeviceWork::kH2D) ? trace::Track::kCopyH2D : trace::Track::kCopyD2H,
+                         std::to_string(p.items) + " copies, " + format_bytes(p.bytes), p.begin_ns, p.end_ns);
+    }
+    closed_end_ns[k] = p.end_ns;
     p = {};
   }
 
-  void release_trace_events() {
-    std::lock_guard lock(trace_mu);
-    for (const TimedCopy& c : timed) {
+  DeviceBusy busy() {
+    resolve(/*wait=*/false);
+    std::lock_guard lock(timing_mu);
+    double s[kKinds];
+    for (int k = 0; k < kKinds; ++k)
+      s[k] = static_cast<double>(busy_ns[k] + (open[k].items > 0 ? open[k].end_ns - open[k].begin_ns : 0)) / 1e9;
+    return {.h2d_s = s[0], .d2h_s = s[1], .compute_s = s[2]};
+  }
+
+  void release_timing_events() {
+    std::lock_guard lock(timing_mu);
+    for (const Timed& c : timed) {
       cudaEventDestroy(c.begin);
       cudaEventDestroy(c.end);
     }
@@ -298,14 +321,15 @@ struct CudaDevice::State {
   std::set<cudaStream_t> streams;
   std::set<cudaEvent_t> events;
 
-  std::mutex trace_mu;  // guards what follows (Note [Copy spans from events])
-  std::deque<TimedCopy> timed;  // queued while the trace recorded, in queue order
+  std::mutex timing_mu;  // guards what follows (Note [Device time from events])
+  std::deque<Timed> timed;  // queued, not yet resolved, in queue order
   std::vector<cudaEvent_t> spare_events;
   cudaStream_t base_stream = nullptr;
   cudaEvent_t base = nullptr;
   int64_t base_ns = 0;
-  Period open[2];
-  int64_t recorded_end_ns[2] = {0, 0};
+  Period open[kKinds];
+  int64_t closed_end_ns[kKinds] = {0, 0, 0};
+  int64_t busy_ns[kKinds] = {0, 0, 0};
   // Last: registered once the rest exists, and removed (by the destructor) before it goes.
   std::unique_ptr<trace::FlushHook> flush_hook;
 };
@@ -347,7 +371,7 @@ CudaDevice::~CudaDevice() {
     ZO_LOG(kError) << s_->name << ": cudaDeviceSynchronize at destruction: " << cudaGetErrorString(err);
   }
   s_->resolve(/*wait=*/true);
-  s_->release_trace_events();
+  s_->release_timing_events();
   for (cudaStream_t st : s_->streams) cudaStreamDestroy(st);
   for (cudaEvent_t ev : s_->events) cudaEventDestroy(ev);
   s_->release_cache_locked();
@@ -521,10 +545,15 @@ Status CudaDevice::wait_foreign(void* native_stream, Event event) {
   return Status::ok();
 }
 
-Status CudaDevice::foreign_copy(CopyDirection dir, uint64_t size_bytes, void* native_stream,
+Status CudaDevice::foreign_work(DeviceWork kind, uint64_t size_bytes, void* native_stream, const std::string& name,
                                 const std::function<Status()>& queue) {
   ZO_RETURN_IF_ERROR(s_->use());
-  return s_->timed_copy(dir == CopyDirection::kH2D ? 0 : 1, size_bytes, static_cast<cudaStream_t>(native_stream), queue);
+  return s_->timed_work(kind, size_bytes, static_cast<cudaStream_t>(native_stream), name, queue);
+}
+
+DeviceBusy CudaDevice::busy() {
+  if (!s_->use().is_ok()) return {};
+  return s_->busy();
 }
 
 Status CudaDevice::wait(Stream stream, Event event) {
@@ -558,7 +587,8 @@ Status CudaDevice::copy_h2d(DevicePtr dst, const void* src, uint64_t size_bytes,
   ZO_RETURN_IF_ERROR(s_->acct.check_range(dst.addr, size_bytes, "copy_h2d destination"));
   ZO_RETURN_IF_ERROR(s_->use());
   ZO_CUDA_RETURN_IF_ERROR(
-      s_->timed_copy(0, size_bytes, st, [&] { return cudaMemcpyAsync(dst.addr, src, size_bytes, cudaMemcpyHostToDevice, st); }),
+      s_->timed_work(DeviceWork::kH2D, size_bytes, st, {},
+                     [&] { return cudaMemcpyAsync(dst.addr, src, size_bytes, cudaMemcpyHostToDevice, st); }),
       "cudaMemcpyAsync H2D of " + std::to_string(size_bytes) + " bytes");
   s_->acct.count_h2d(size_bytes);
   return Status::ok();
@@ -571,7 +601,8 @@ Status CudaDevice::copy_d2h(void* dst, DevicePtr src, uint64_t size_bytes, Strea
   ZO_RETURN_IF_ERROR(s_->acct.check_range(src.addr, size_bytes, "copy_d2h source"));
   ZO_RETURN_IF_ERROR(s_->use());
   ZO_CUDA_RETURN_IF_ERROR(
-      s_->timed_copy(1, size_bytes, st, [&] { return cudaMemcpyAsync(dst, src.addr, size_bytes, cudaMemcpyDeviceToHost, st); }),
+      s_->timed_work(DeviceWork::kD2H, size_bytes, st, {},
+                     [&] { return cudaMemcpyAsync(dst, src.addr, size_bytes, cudaMemcpyDeviceToHost, st); }),
       "cudaMemcpyAsync D2H of " + std::to_string(size_bytes) + " bytes");
   s_->acct.count_d2h(size_bytes);
   return Status::ok();

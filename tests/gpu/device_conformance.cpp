@@ -1,6 +1,7 @@
 #include "tests/gpu/device_conformance.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <numeric>
@@ -309,6 +310,41 @@ TEST_P(DeviceConformance, TheTraceShowsCopiesWhenTheDeviceRunsThem) {
     EXPECT_GE(spans[1].front().start_ns, spans[0].back().end_ns - kSlackNs)
         << "the D2H ran before the H2D copies queued ahead of it";
   }
+  dev_->free(d);
+}
+
+// busy() is the device's own time per kind of work: copies as they ran (a delay queued ahead of
+// them is not copy time), and foreign compute from its start to its end.
+TEST_P(DeviceConformance, BusyCountsCopiesAsTheyRunAndForeignCompute) {
+  if (!dev_) return;
+  constexpr size_t kWords = 1 << 18;  // 1 MiB
+  PinnedWords in(*dev_, kWords), out(*dev_, kWords);
+  const DevicePtr d = alloc(*dev_, kWords * 4);
+  const DeviceBusy before = dev_->busy();
+  const auto t0 = std::chrono::steady_clock::now();
+  ZO_ASSERT_OK(dev_->delay(stream_, 200'000));
+  ZO_ASSERT_OK(dev_->copy_h2d(d, in.data(), kWords * 4, stream_));
+  ZO_ASSERT_OK(dev_->copy_h2d(d, in.data(), kWords * 4, stream_));
+  ZO_ASSERT_OK(dev_->copy_d2h(out.data(), d, kWords * 4, stream_));
+  ZO_ASSERT_OK(dev_->synchronize(stream_));
+  // Compute another library queues: here the host holds the work open for 100 ms (CUDA: between
+  // two events on the idle legacy stream; HostDevice: the call itself).
+  Status queued = dev_->foreign_work(DeviceWork::kCompute, 0, nullptr, "held for 100 ms", [] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    return Status::ok();
+  });
+  ZO_ASSERT_OK(queued);
+  ZO_ASSERT_OK(dev_->synchronize());
+  const double wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const DeviceBusy after = dev_->busy();
+  const double h2d = after.h2d_s - before.h2d_s, d2h = after.d2h_s - before.d2h_s;
+  const double compute = after.compute_s - before.compute_s;
+  EXPECT_GT(h2d, 0.0);
+  EXPECT_LT(h2d, 0.1) << "the 200 ms delay ahead of the copies counted as copy time";
+  EXPECT_GT(d2h, 0.0);
+  EXPECT_LT(d2h, 0.1);
+  EXPECT_GE(compute, 0.099);
+  EXPECT_LE(compute, wall_s);
   dev_->free(d);
 }
 

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cpu_optim/executor.h"
@@ -28,6 +29,33 @@ std::unique_ptr<HostDevice> make_host(uint64_t budget_bytes = 1 << 20) {
   Result<std::unique_ptr<HostDevice>> dev = HostDevice::create(budget_bytes);
   ZO_CHECK(dev.is_ok()) << dev.status().to_string();
   return std::move(dev).value();
+}
+
+// Two pieces of work of one kind at once count once in busy() (the union of their intervals), and
+// foreign work on a stream the emulated device does not have is refused without running.
+TEST(HostDevice, BusyIsTheUnionOfOverlappingWorkAndForeignStreamsAreRefused) {
+  auto dev = make_host();
+  const DeviceBusy before = dev->busy();
+  auto hold = [&] {
+    return dev->foreign_work(DeviceWork::kH2D, 1, nullptr, {}, [] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      return Status::ok();
+    });
+  };
+  std::thread other([&] { EXPECT_TRUE(hold().is_ok()); });
+  EXPECT_TRUE(hold().is_ok());
+  other.join();
+  const double h2d = dev->busy().h2d_s - before.h2d_s;
+  EXPECT_GE(h2d, 0.199);
+  EXPECT_LT(h2d, 0.35) << "two copies at once counted twice";
+  bool ran = false;
+  int foreign = 0;
+  Status st = dev->foreign_work(DeviceWork::kCompute, 0, &foreign, "x", [&] {
+    ran = true;
+    return Status::ok();
+  });
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_FALSE(ran);
 }
 
 // The control for DeviceConformance.EventsOrderWorkAcrossStreams: the same work without the

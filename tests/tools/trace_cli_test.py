@@ -52,7 +52,7 @@ with tempfile.TemporaryDirectory(dir=os.environ.get("MESON_BUILD_ROOT")) as tmp:
     tracks = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "thread_name"}
     expect(set(tracks.values()) >= {"step", "compute", "fetch wait (NVMe, H2D)", "gradient offload (D2H)",
                                     "gradient worker", "optimizer", "NVMe reads", "NVMe writes", "checkpoint",
-                                    "H2D copies (device)", "D2H copies (device)"},
+                                    "H2D copies (device)", "D2H copies (device)", "compute (device)"},
            "one named track per stream of work: %s" % sorted(tracks.values()))
     spans = [e for e in events if e.get("ph") == "X"]
     by_track = {}
@@ -85,12 +85,15 @@ with tempfile.TemporaryDirectory(dir=os.environ.get("MESON_BUILD_ROOT")) as tmp:
         lo, hi = step["ts"] - EPS_US, step["ts"] + step["dur"] + EPS_US
         inside = lambda track: {e["name"] for e in track if e["ts"] >= lo and e["ts"] + e["dur"] <= hi}
         done = inside(compute)
+        on_device = inside(by_track.get("compute (device)", []))
         for b in blocks:
             if b == "model.norm+lm_head":
                 expect("forward and backward of " + b in done, "%s computes the head" % step["name"])
             else:
                 expect("forward of " + b in done, "%s runs the forward of %s" % (step["name"], b))
                 expect("backward of " + b in done, "%s runs the backward of %s" % (step["name"], b))
+                expect({"forward of " + b, "backward of " + b} <= on_device,
+                       "%s: the device ran the forward and backward of %s" % (step["name"], b))
             expect("fetch " + b in inside(fetch), "%s fetches %s" % (step["name"], b))
         expect(inside(by_track.get("optimizer", [])), "%s has optimizer spans" % step["name"])
         # Gradients leave in every step; a step's parameters may all have come up in the step

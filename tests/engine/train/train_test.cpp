@@ -759,6 +759,15 @@ TEST(Trainer, WritesOneMetricsLinePerStep) {
     // The optimizer is on NVMe: the drive was busy, and the busiest resource is part of the step.
     EXPECT_GT(j["time_s"]["nvme_busy"].get<double>(), 0.0);
     EXPECT_GT(j["overlap"].get<double>(), 0.0);
+    // The device's own time: the blocks' compute (on the emulated device, the host's, within the
+    // training thread's compute), parameters up (offload_param cpu) and gradients down.
+    const double step_s = j["step_s"].get<double>();
+    EXPECT_GT(j["time_s"]["device_compute"].get<double>(), 0.0);
+    EXPECT_LE(j["time_s"]["device_compute"].get<double>(), j["time_s"]["compute"].get<double>());
+    EXPECT_GT(j["time_s"]["device_h2d"].get<double>(), 0.0);
+    EXPECT_GT(j["time_s"]["device_d2h"].get<double>(), 0.0);
+    EXPECT_DOUBLE_EQ(j["device_busy"].get<double>(), j["time_s"]["device_compute"].get<double>() / step_s);
+    EXPECT_GE(j["overlap"].get<double>(), j["device_busy"].get<double>());
     EXPECT_GT(j["memory"]["nvme"]["peak_bytes"].get<uint64_t>(), 0u);
     EXPECT_GT(j["tokens"].get<uint64_t>(), 0u);
     ++n;
