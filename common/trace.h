@@ -74,10 +74,16 @@ class FlushHook {
   uint64_t id_;
 };
 
+// As record_late, for a busy period named "<items> <what>, <bytes>" (`what` a string literal):
+// the name is built when the trace is written, so that the call allocates nothing on the calling
+// thread while the trace's reserve lasts (Note [Spans without allocation] in trace.cpp).
+void record_period(Track track, const char* what, uint64_t items, uint64_t bytes, int64_t start_ns, int64_t end_ns);
+
 // The busy periods of a resource that several queues feed (the I/O engine's reads, the emulated
 // device's copies in one direction): one span from the moment its first item starts until none is
 // outstanding, named "<items> <what>, <bytes>", so spans on its track never partly overlap.
-// Not thread-safe: the caller serialises begin and end.
+// Records with record_period while the trace records. Not thread-safe: the caller serialises
+// begin and end.
 class BusyTrack {
  public:
   BusyTrack(Track track, const char* what) : track_(track), what_(what) {}
@@ -105,6 +111,10 @@ struct Recorded {
   std::string name;
   int64_t start_ns;
   int64_t end_ns;
+  // record_period's, until the name is built from them.
+  const char* what = nullptr;
+  uint64_t items = 0;
+  uint64_t bytes = 0;
 };
 std::vector<Recorded> snapshot();
 uint64_t spans_kept();

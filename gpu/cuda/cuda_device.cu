@@ -281,8 +281,8 @@ struct CudaDevice::State {
     if (p.items == 0) return;
     busy_ns[k] += p.end_ns - p.begin_ns;
     if (p.traced && k != static_cast<int>(DeviceWork::kCompute)) {
-      trace::record_late(k == static_cast<int>(DeviceWork::kH2D) ? trace::Track::kCopyH2D : trace::Track::kCopyD2H,
-                         std::to_string(p.items) + " copies, " + format_bytes(p.bytes), p.begin_ns, p.end_ns);
+      trace::record_period(k == static_cast<int>(DeviceWork::kH2D) ? trace::Track::kCopyH2D : trace::Track::kCopyD2H,
+                           "copies", p.items, p.bytes, p.begin_ns, p.end_ns);
     }
     closed_end_ns[k] = p.end_ns;
     p = {};
