@@ -455,8 +455,8 @@ void register_train_command(CLI::App& app, int* exit_code) {
   train->add_option("--trace", args->trace,
                     "Write a timeline of the steps (Chrome trace JSON: open it in https://ui.perfetto.dev): one track "
                     "per stream of work (compute, fetch wait, gradient offload, gradient worker, optimizer, NVMe reads "
-                    "and writes, the device's H2D and D2H copies, checkpoint, collectives), spans named by block and "
-                    "sub-group. See docs/training.md");
+                    "and writes, the device's own compute and H2D and D2H copies, checkpoint, collectives), spans named by "
+                    "block and sub-group. See docs/training.md");
   train->add_option("--trace-steps", args->trace_steps, "The steps to trace, A-B or A (default: all)");
   train->add_option("--dist-timeout", args->dist_timeout_s,
                     "Data parallel (torchrun, mpirun, srun): seconds a rank waits for the others at the rendezvous and "
