@@ -7,6 +7,7 @@
 #include <thread>
 #include <utility>
 
+#include "common/bytes.h"
 #include "common/check.h"
 #include "common/timer.h"
 #include "common/trace.h"
@@ -50,8 +51,6 @@ namespace zo::engine {
 namespace {
 
 constexpr uint64_t kSlotAlignment = 4096;
-
-uint64_t align_up(uint64_t n, uint64_t a) { return (n + a - 1) / a * a; }
 
 // A block's params once each, in the order the block first uses them (the slot's layout).
 std::vector<uint32_t> unique_params(const std::vector<uint32_t>& block) {

@@ -245,6 +245,7 @@ struct Trainer::Impl {
   // The host slot of block b's input (1 ≤ b ≤ num_hidden_layers) of held micro-batch k.
   torch::Tensor checkpoint_slot(uint32_t block, size_t k, const torch::Tensor& like) const;
   uint64_t checkpoint_bytes(uint32_t block, const Forward& f) const;
+  Result<void*> compute_stream();
   Status compute_call(const std::string& what, const std::function<void()>& fn);
   // Copies block b's inputs (every micro-batch of f) to their slots and drops the device copies.
   Status checkpoints_out(uint32_t block, Forward& f);
@@ -665,12 +666,18 @@ std::vector<torch::Tensor> Trainer::Impl::wrap(uint32_t block, const std::vector
   return out;
 }
 
+// LibTorch's current stream, where the blocks compute (nullptr on the CPU).
+Result<void*> Trainer::Impl::compute_stream() {
+  void* stream = nullptr;
+  ZO_RETURN_IF_ERROR(torch_call("reading LibTorch's stream", [&] { stream = torch_compute_stream(torch_device.is_cuda()); }));
+  return stream;
+}
+
 // A block's forward or backward: a LibTorch call that is a span of the compute track when tracing,
 // timed by the device as it runs it (its busy time, and the trace's device compute track).
 Status Trainer::Impl::compute_call(const std::string& what, const std::function<void()>& fn) {
   trace::Span span(trace::Track::kCompute, [&] { return what; });
-  void* stream = nullptr;
-  ZO_RETURN_IF_ERROR(torch_call("reading LibTorch's stream", [&] { stream = torch_compute_stream(torch_device.is_cuda()); }));
+  ZO_ASSIGN_OR_RETURN(void* stream, compute_stream());
   return device->foreign_work(gpu::DeviceWork::kCompute, 0, stream, what, [&] { return torch_call(what, fn); });
 }
 
@@ -680,8 +687,7 @@ Result<std::vector<gpu::DevicePtr>> Trainer::Impl::acquire(uint32_t block) {
   // host queues the block's kernels while its copies are still landing.
   ZO_ASSIGN_OR_RETURN(ParamCoordinator::Acquired a, coord->acquire_async(block));
   if (!a.ready) return std::move(a.ptrs);  // nothing in transfer
-  void* stream = nullptr;
-  ZO_RETURN_IF_ERROR(torch_call("reading LibTorch's stream", [&] { stream = torch_compute_stream(torch_device.is_cuda()); }));
+  ZO_ASSIGN_OR_RETURN(void* stream, compute_stream());
   const auto t0 = Clock::now();
   Status st = device->wait_foreign(stream, a.ready);
   ready_wait_s += seconds_since(t0);
@@ -692,8 +698,7 @@ Result<std::vector<gpu::DevicePtr>> Trainer::Impl::acquire(uint32_t block) {
 Status Trainer::Impl::release(uint32_t block) {
   // No host sync: the coordinator's copy stream waits for this event, recorded after the kernels
   // LibTorch has queued so far (all that read the block), before it refills the block's space.
-  void* stream = nullptr;
-  ZO_RETURN_IF_ERROR(torch_call("reading LibTorch's stream", [&] { stream = torch_compute_stream(torch_device.is_cuda()); }));
+  ZO_ASSIGN_OR_RETURN(void* stream, compute_stream());
   ZO_RETURN_IF_ERROR(device->record_foreign(released, stream).with_context("releasing " + layout.blocks[block].name));
   return coord->release(block, released);
 }
@@ -819,8 +824,7 @@ Status Trainer::Impl::checkpoints_back(uint32_t block, Forward& f) {
 }
 
 Status Trainer::Impl::wait_checkpoints(uint32_t block) {
-  void* compute = nullptr;
-  ZO_RETURN_IF_ERROR(torch_call("reading LibTorch's stream", [&] { compute = torch_compute_stream(torch_device.is_cuda()); }));
+  ZO_ASSIGN_OR_RETURN(void* compute, compute_stream());
   return device->wait_foreign(compute, ckpt_back[block % 2])
       .with_context("waiting for the checkpoints of " + layout.blocks[block].name);
 }
@@ -1055,11 +1059,7 @@ Result<GradNormReport> Trainer::Impl::reduce_gradients() {
         p = reduce_staging->data();
         ZO_RETURN_IF_ERROR(store->read_state_range(g, StateKind::kGradAccum, offset_bytes, {p, count * elem_bytes}));
       }
-      if (partitioned) {
-        ZO_RETURN_IF_ERROR(reduce_in_buckets(p, count, owner, what));
-      } else {
-        ZO_RETURN_IF_ERROR(reduce_in_buckets(p, count, std::nullopt, what));
-      }
+      ZO_RETURN_IF_ERROR(reduce_in_buckets(p, count, partitioned ? std::optional<uint32_t>(owner) : std::nullopt, what));
       double sq = 0;
       if (mine) {
         ZO_ASSIGN_OR_RETURN(sq, cpu_optim::squared_norm({p, dtype}, count, *executor));

@@ -245,6 +245,10 @@ with tempfile.TemporaryDirectory(prefix="zo-train-cli-", dir=os.environ.get("TMP
 
     import signal
     import time
+
+    def files_under(path):
+        return [os.path.join(r, f) for r, _, fs in os.walk(path) for f in fs]
+
     for sig in (signal.SIGINT, signal.SIGTERM):
         run = os.path.join(tmp, "interrupted-%d" % sig)
         proc = subprocess.Popen([zoffload, "train", "--config", demo_config, "--model", "tiny", "--data", corpus,
@@ -254,8 +258,7 @@ with tempfile.TemporaryDirectory(prefix="zo-train-cli-", dir=os.environ.get("TMP
         deadline = time.time() + 120
         while time.time() < deadline and not (os.path.exists(metrics) and os.path.getsize(metrics) > 0):
             time.sleep(0.2)
-        swap_dir = os.path.join(run, "zoffload-nvme")
-        swaps = [os.path.join(r, f) for r, _, fs in os.walk(swap_dir) for f in fs]
+        swaps = files_under(os.path.join(run, "zoffload-nvme"))
         expect(len(swaps) > 0, "signal %d: the run has swap files while it trains: %s" % (sig, swaps))
         proc.send_signal(sig)
         out, err = proc.communicate(timeout=60)
@@ -265,8 +268,7 @@ with tempfile.TemporaryDirectory(prefix="zo-train-cli-", dir=os.environ.get("TMP
         expect(not left, "signal %d: swap files removed: %s" % (sig, left))
 
     def swap_files(run):
-        return [os.path.join(r, f) for r, _, fs in os.walk(os.path.join(run, "zoffload-nvme")) for f in fs
-                if f.endswith(".swp")]
+        return [f for f in files_under(os.path.join(run, "zoffload-nvme")) if f.endswith(".swp")]
 
     # During the start: the swap file exists (locked) while fallocate is held for 30 s by the shim.
     run = os.path.join(tmp, "interrupted-at-start")
@@ -308,7 +310,7 @@ with tempfile.TemporaryDirectory(prefix="zo-train-cli-", dir=os.environ.get("TMP
               os.path.join(tmp, "second"), timeout=300)
     expect(p.returncode == 1 and "is in use by another process" in p.stderr and "nvme_path" in p.stderr,
            "a second run on the same nvme_path is refused: exit %d: %s" % (p.returncode, p.stderr[-800:]))
-    held = [os.path.join(r, f) for r, _, fs in os.walk(os.path.join(tmp, "shared-nvme")) for f in fs]
+    held = files_under(os.path.join(tmp, "shared-nvme"))
     expect(first.poll() is None and any(h.endswith("optimizer.swp") for h in held),
            "the first run goes on with its swap files: %s" % held)
     first.send_signal(signal.SIGTERM)
