@@ -123,12 +123,11 @@ class Device {
   // kOutOfMemory with the size on failure. The bytes belong to the caller until free_pinned().
   virtual Result<void*> allocate_pinned(uint64_t size_bytes) = 0;
   virtual void free_pinned(void* ptr) = 0;  // unknown pointer: aborts
-  // Page-locks caller-owned host memory in chunks of at most kRegisterChunkBytes, so copies from it
-  // are asynchronous. All or nothing: on failure no chunk stays registered. The memory stays owned
-  // by the caller and must outlive the registration; ranges must not overlap a registered range.
+  // Page-locks caller-owned host memory as one range (a copy may span any part of it), so copies
+  // from it are asynchronous. On failure nothing stays registered. The memory stays owned by the
+  // caller and must outlive the registration; ranges must not overlap a registered range.
   virtual Status register_host(void* ptr, uint64_t size_bytes) = 0;
   virtual void unregister_host(void* ptr) = 0;  // `ptr` as passed to register_host; unknown: aborts
-  static constexpr uint64_t kRegisterChunkBytes = uint64_t{1} << 30;
 
   // ---- Streams and events ---------------------------------------------------------------------
   virtual Result<Stream> create_stream() = 0;

@@ -75,51 +75,24 @@ __global__ void delay_kernel(uint64_t duration_ns) {
   while (global_timer_ns() - start < duration_ns) __nanosleep(1000);
 }
 
-// Calls fn(chunk, n_bytes) for the pieces of [ptr, ptr + size_bytes) cut at addresses that are
-// multiples of kRegisterChunkBytes: the cuts are page-aligned, so no two chunks share a page
-// (registering a page twice is an error), and unregistering recomputes the same chunks. Stops
-// when fn returns false.
-template <typename Fn>
-void for_each_chunk(void* ptr, uint64_t size_bytes, Fn fn) {
-  constexpr uint64_t kChunk = Device::kRegisterChunkBytes;
-  const auto begin = reinterpret_cast<uintptr_t>(ptr);
-  const uintptr_t end = begin + size_bytes;
-  for (uintptr_t lo = begin; lo < end;) {
-    const uintptr_t hi = std::min<uintptr_t>(end, lo / kChunk * kChunk + kChunk);
-    if (!fn(reinterpret_cast<char*>(lo), static_cast<uint64_t>(hi - lo))) return;
-    lo = hi;
-  }
-}
-
-// Page-locks [ptr, ptr + size_bytes) chunk by chunk; all or nothing, naming the chunk that failed.
-Status register_chunks(void* ptr, uint64_t size_bytes) {
-  std::string failure;
-  std::vector<char*> done;
-  for_each_chunk(ptr, size_bytes, [&](char* p, uint64_t n) {
-    if (cudaError_t err = cudaHostRegister(p, n, cudaHostRegisterPortable); err != cudaSuccess) {
-      cudaGetLastError();
-      failure = "cudaHostRegister of " + format_bytes(n) + " at offset " + std::to_string(p - static_cast<char*>(ptr)) +
-                " of a " + format_bytes(size_bytes) + " range: " + cudaGetErrorString(err) +
-                " (check ulimit -l and available RAM)";
-      return false;
-    }
-    done.push_back(p);
-    return true;
-  });
-  if (!failure.empty()) {
-    for (char* p : done) cudaHostUnregister(p);
-    return out_of_memory(std::move(failure));
+// Note [One registration per range]: a range is page-locked by one cudaHostRegister call, never
+// in pieces. A copy whose host side spans two registrations fails with cudaErrorInvalidValue: on
+// an H200 (driver 580), with 1 GiB pieces, the 131 MB embedding of tinyllama-1.1b and a 1 GiB copy
+// in `zoffload-bench pcie` failed so, while copies inside one piece ran. LibTorch's own copies
+// from the pinned pool (gradients into the landing ring) could not be split at the pieces' edges.
+Status register_range(void* ptr, uint64_t size_bytes) {
+  if (cudaError_t err = cudaHostRegister(ptr, size_bytes, cudaHostRegisterPortable); err != cudaSuccess) {
+    cudaGetLastError();
+    return out_of_memory("cudaHostRegister of " + format_bytes(size_bytes) + ": " + cudaGetErrorString(err) +
+                         " (check ulimit -l and available RAM)");
   }
   return Status::ok();
 }
 
 // `check`: abort on a failure; false in the destructor, which cannot report one.
-void unregister_chunks(void* ptr, uint64_t size_bytes, bool check = true) {
-  for_each_chunk(ptr, size_bytes, [check](char* p, uint64_t) {
-    const cudaError_t err = cudaHostUnregister(p);
-    if (check) ZO_CHECK(err == cudaSuccess) << "cudaHostUnregister(p): " << cudaGetErrorName(err) << " (" << cudaGetErrorString(err) << ")";
-    return true;
-  });
+void unregister_range(void* ptr, bool check = true) {
+  const cudaError_t err = cudaHostUnregister(ptr);
+  if (check) ZO_CHECK(err == cudaSuccess) << "cudaHostUnregister(p): " << cudaGetErrorName(err) << " (" << cudaGetErrorString(err) << ")";
 }
 
 cudaStream_t to_cuda(Stream s) { return static_cast<cudaStream_t>(s.handle); }
@@ -377,12 +350,10 @@ CudaDevice::~CudaDevice() {
   s_->release_cache_locked();
   for (const auto& [addr, size] : s_->acct.live_allocations()) cudaFree(reinterpret_cast<void*>(addr));
   for (const auto& [addr, size] : s_->acct.live_pinned()) {
-    unregister_chunks(reinterpret_cast<void*>(addr), size, /*check=*/false);
+    unregister_range(reinterpret_cast<void*>(addr), /*check=*/false);
     free_host(reinterpret_cast<void*>(addr), size);
   }
-  for (const auto& [addr, size] : s_->acct.live_registered()) {
-    unregister_chunks(reinterpret_cast<void*>(addr), size, /*check=*/false);
-  }
+  for (const auto& range : s_->acct.live_registered()) unregister_range(reinterpret_cast<void*>(range.first), /*check=*/false);
 }
 
 std::string CudaDevice::name() const { return s_->name; }
@@ -437,7 +408,7 @@ Result<void*> CudaDevice::allocate_pinned(uint64_t size_bytes) {
     return out_of_memory("pinned allocation of " + format_bytes(size_bytes) + " (" + std::to_string(size_bytes) +
                          " bytes): the kernel refused the mapping");
   }
-  if (Status st = register_chunks(p, size_bytes); !st.is_ok()) {
+  if (Status st = register_range(p, size_bytes); !st.is_ok()) {
     free_host(p, size_bytes);
     return st;
   }
@@ -448,7 +419,7 @@ Result<void*> CudaDevice::allocate_pinned(uint64_t size_bytes) {
 void CudaDevice::free_pinned(void* ptr) {
   const uint64_t size_bytes = s_->acct.forget_pinned(ptr);
   s_->use_or_die();
-  unregister_chunks(ptr, size_bytes);
+  unregister_range(ptr);
   free_host(ptr, size_bytes);
 }
 
@@ -456,17 +427,15 @@ Status CudaDevice::register_host(void* ptr, uint64_t size_bytes) {
   if (ptr == nullptr || size_bytes == 0) return invalid_argument("register_host: null pointer or 0 bytes");
   ZO_RETURN_IF_ERROR(s_->use());
   ZO_RETURN_IF_ERROR(s_->acct.check_unregistered(ptr, size_bytes));
-  // Chunks: one huge cudaHostRegister can take seconds and fails as a whole; chunks bound each
-  // call, and a failure names the chunk.
-  ZO_RETURN_IF_ERROR(register_chunks(ptr, size_bytes));
+  ZO_RETURN_IF_ERROR(register_range(ptr, size_bytes));  // Note [One registration per range]
   s_->acct.add_registered(ptr, size_bytes);
   return Status::ok();
 }
 
 void CudaDevice::unregister_host(void* ptr) {
-  const uint64_t size_bytes = s_->acct.forget_registered(ptr);
+  s_->acct.forget_registered(ptr);
   s_->use_or_die();
-  unregister_chunks(ptr, size_bytes);
+  unregister_range(ptr);
 }
 
 Result<Stream> CudaDevice::create_stream() {

@@ -481,6 +481,42 @@ TEST_P(DeviceConformance, PinnedMemoryIsAllocatedAndRegisteredWithAccounting) {
 // A pipeline across four streams, each stage waiting on the previous stage's event before copying
 // the buffer one step along, with the events re-recorded every round. Delays put the producing
 // stage behind, so any stage that ran early would forward stale data.
+// Note [One registration per range] in gpu/cuda/cuda_device.cu: on the GPU, a copy whose host side
+// spans two registrations fails, as 1 GiB registration pieces made copies across an address that
+// is a multiple of 1 GiB fail on an H200. Pinned and registered ranges of over 1 GiB each hold such
+// an address; a copy across it must run both ways.
+TEST_P(DeviceConformance, CopiesSpanAGibibyteBoundaryOfPinnedMemory) {
+  if (!dev_) return;
+  constexpr uint64_t kGiB = uint64_t{1} << 30, kWindow = 8 << 20, kSize = kGiB + kWindow;
+  const DevicePtr d = alloc(*dev_, kWindow);
+  const std::vector<uint32_t> want = pattern(kWindow / 4, 11);
+  // The window [boundary - 4 MiB, boundary + 4 MiB) around the first multiple of 1 GiB after the
+  // range's start, moved to the start when the boundary is closer to it than 4 MiB.
+  auto round_trip = [&](std::byte* base, const char* what) {
+    const uint64_t to_boundary = (reinterpret_cast<uintptr_t>(base) / kGiB + 1) * kGiB - reinterpret_cast<uintptr_t>(base);
+    std::byte* w = base + (to_boundary >= kWindow / 2 ? to_boundary - kWindow / 2 : 0);
+    ASSERT_LE(w + kWindow, base + kSize) << what;
+    std::memcpy(w, want.data(), kWindow);
+    ZO_ASSERT_OK(dev_->fill_zero(d, kWindow, stream_));
+    ZO_ASSERT_OK(dev_->copy_h2d(d, w, kWindow, stream_));
+    ZO_ASSERT_OK(dev_->synchronize(stream_));
+    std::memset(w, 0xA5, kWindow);
+    ZO_ASSERT_OK(dev_->copy_d2h(w, d, kWindow, stream_));
+    ZO_ASSERT_OK(dev_->synchronize(stream_));
+    EXPECT_EQ(std::memcmp(w, want.data(), kWindow), 0) << what << ": the round trip across a 1 GiB address changed bytes";
+  };
+  Result<void*> p = dev_->allocate_pinned(kSize);
+  ASSERT_TRUE(p.is_ok()) << p.status().to_string();
+  round_trip(static_cast<std::byte*>(*p), "allocate_pinned");
+  dev_->free_pinned(*p);
+
+  std::vector<std::byte> host(kSize);
+  ZO_ASSERT_OK(dev_->register_host(host.data(), kSize));
+  round_trip(host.data(), "register_host");
+  dev_->unregister_host(host.data());
+  dev_->free(d);
+}
+
 TEST_P(DeviceConformance, EventChainsAcrossFourStreamsHandDataAlong) {
   if (!dev_) return;
   constexpr size_t kN = 1 << 14;
