@@ -19,5 +19,6 @@ int main(int argc, char** argv) {
   zo::tools::register_bench_grad(app, &exit_code);
   zo::tools::register_bench_pipeline(app, &exit_code);
   zo::tools::register_bench_ckpt(app, &exit_code);
+  zo::tools::register_bench_pcie(app, &exit_code);
   return zo::tools::run_app(app, argc, argv, exit_code);
 }

@@ -23,6 +23,7 @@ void register_bench_adam(CLI::App& app, int* exit_code);
 void register_bench_grad(CLI::App& app, int* exit_code);
 void register_bench_pipeline(CLI::App& app, int* exit_code);
 void register_bench_ckpt(CLI::App& app, int* exit_code);
+void register_bench_pcie(CLI::App& app, int* exit_code);
 
 // Parses the command line and runs the chosen subcommand; returns the process exit code: the
 // command's `exit_code`, 0 for --help/--version, 2 for a command line CLI11 rejects.
