@@ -107,6 +107,7 @@ struct RunPlan {
   bool checkpoints_on_host = false;
   uint64_t checkpoint_host_bytes = 0;
   uint64_t device_total_bytes = 0;  // states + arena (+ activations on CUDA)
+  uint64_t device_torch_reserve_bytes = 0;  // the budget left to LibTorch: its activations on CUDA, else 0
 
   // Host.
   uint64_t pinned_bytes = 0;        // the pinned pool (0 when both pin_memory flags are false) + host checkpoints

@@ -499,8 +499,10 @@ Status Trainer::Impl::create_step_pipeline() {
     };
     ZO_ASSIGN_OR_RETURN(gatherer, BlockGatherer::create(*store, blocks, std::move(go)));
   }
+  CoordinatorOptions coord_options = CoordinatorOptions::from_config(config);
+  coord_options.device_reserve_bytes = run_plan.device_torch_reserve_bytes;  // Note [The budget holds LibTorch too]
   ZO_ASSIGN_OR_RETURN(coord, ParamCoordinator::create(*store, param_swapper.get(), std::move(blocks), std::move(names),
-                                                      CoordinatorOptions::from_config(config), gatherer.get()));
+                                                      coord_options, gatherer.get()));
   ZO_ASSIGN_OR_RETURN(released, device->create_event());
   ZO_ASSIGN_OR_RETURN(landed, device->create_event());
   ZO_ASSIGN_OR_RETURN(copies_after, device->create_event());

@@ -230,8 +230,10 @@ TEST(Planner, CheckpointsMoveToTheCpuWhenThatIsWhatFitsTheGpu) {
   auto roomy = plan_run(in);
   ASSERT_TRUE(roomy.is_ok());
   EXPECT_FALSE(roomy->checkpoints_on_host);
-  // Too small either way: kept on the device, and the fix offered is planned again.
-  in.host.device_total_bytes = on_cpu->device_total_bytes - 1;
+  // Too small either way (below the arena's minimum beside the activations on the CPU): kept on
+  // the device, and the fix offered is planned again.
+  in.host.device_total_bytes = on_cpu->device_state_bytes + on_cpu->arena.persistent_bytes +
+                               on_cpu->arena.largest_block_bytes + on_cpu->activation_bytes - 1;
   auto small = plan_run(in);
   ASSERT_TRUE(small.is_ok());
   EXPECT_FALSE(small->checkpoints_on_host);
@@ -241,6 +243,52 @@ TEST(Planner, CheckpointsMoveToTheCpuWhenThatIsWhatFitsTheGpu) {
   auto host = plan_run(in);
   ASSERT_TRUE(host.is_ok());
   EXPECT_FALSE(host->checkpoints_on_host);
+}
+
+// Note [The budget holds LibTorch too]: on a GPU, zoffload.gpu_memory_limit bounds the states, the
+// arena and LibTorch's activations together; the arena takes what is left, down to its minimum.
+TEST(Planner, OnAGpuTheBudgetHoldsTheActivationsAndTheArenaTakesTheRest) {
+  PlanInputs in = tiny_inputs(OffloadDevice::kCpu, OffloadDevice::kCpu);
+  in.config.bf16.enabled = true;
+  in.config.train_micro_batch_size_per_gpu = 8;
+  in.host.cuda = true;
+  in.host.device_total_bytes = uint64_t{80} << 30;  // the card is far larger than the budget
+  in.device_budget_bytes = uint64_t{1} << 30;
+  auto roomy = plan_run(in);
+  ASSERT_TRUE(roomy.is_ok());
+  ASSERT_TRUE(roomy->fits()) << roomy->summary();
+  EXPECT_EQ(roomy->device_torch_reserve_bytes, roomy->activation_bytes);
+  EXPECT_EQ(roomy->device_arena_bytes, roomy->arena.total_bytes());  // all it wants
+  const uint64_t arena_min = roomy->arena.persistent_bytes + roomy->arena.largest_block_bytes;
+  ASSERT_LT(arena_min, roomy->arena.total_bytes());
+
+  // A budget between the minimum and what the arena wants: it fits, with a smaller arena, and the
+  // total stays within the budget.
+  in.device_budget_bytes = roomy->device_state_bytes + roomy->activation_bytes + (arena_min + roomy->arena.total_bytes()) / 2;
+  auto tight = plan_run(in);
+  ASSERT_TRUE(tight.is_ok());
+  EXPECT_TRUE(tight->fits()) << tight->summary();
+  EXPECT_LT(tight->device_arena_bytes, roomy->arena.total_bytes());
+  EXPECT_GE(tight->device_arena_bytes, arena_min);
+  EXPECT_LE(tight->device_total_bytes, in.device_budget_bytes);
+
+  // Below the minimum beside the activations: a GPU memory problem that names them, although the
+  // card itself has room.
+  in.device_budget_bytes = roomy->device_state_bytes + roomy->activation_bytes + arena_min - 1;
+  auto small = plan_run(in);
+  ASSERT_TRUE(small.is_ok());
+  ASSERT_FALSE(small->fits());
+  EXPECT_EQ(small->problems.front().resource, "GPU memory");
+  EXPECT_EQ(small->problems.front().have_bytes, in.device_budget_bytes);
+  EXPECT_THAT(small->problems.front().detail, HasSubstr("LibTorch's activations"));
+  EXPECT_THAT(small->problems.front().detail, HasSubstr("zoffload.gpu_memory_limit"));
+
+  // The emulated device keeps the activations in host RAM: the budget holds states and arena.
+  in.host.cuda = false;
+  auto host = plan_run(in);
+  ASSERT_TRUE(host.is_ok());
+  EXPECT_TRUE(host->fits()) << host->summary();
+  EXPECT_EQ(host->device_torch_reserve_bytes, 0u);
 }
 
 TEST(Planner, RefusesAbsurdModelSizesBeforeBuildingAnything) {
