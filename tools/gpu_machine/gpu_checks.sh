@@ -1,0 +1,273 @@
+#!/usr/bin/env bash
+# tools/gpu_machine/gpu_checks.sh: the GPU checks of docs/gpu.md ("Checks on the GPU machine") in one
+# device command: the gpu suite, transformers parity on cuda, zoffload-bench pcie, CudaDevice
+# against HostDevice, the device budget, and llama3-8b at GAS 1 and 8.
+# Runs THERE, from the repository root, with .carry carried after tools/gpu_machine/pack_prebuilt.sh
+# ran here (or with BIN_DIR naming a build made there by build_there.sh):
+#   tools/gpu_machine/gpu_checks.sh [--time-limit S] [PART...]
+# PART: suite parity pcie tiny budget llama8b (default: all, in that order). Each part is given at
+# most its own share of time and the time left before --time-limit (default 560 s, under the tool's
+# 600 s for one command), so a slow part cannot take the later ones' time unseen; the line of a
+# part that was cut says so. Ends with a table of parts, seconds and results.
+# Files in $OUT (the device tool brings them back): checks.log (everything printed), gpu_test.log,
+# hf_parity.log, runs.tgz (every run's metrics.jsonl, log and plan) and trace-llama8b-gas8.json.gz.
+# Exit status: 0 when every part passed, 1 otherwise, 2 on bad usage.
+#
+# Environment: BIN_DIR (zoffload, zoffload-bench and gpu_test; default .carry/prebuilt/bin, whose
+# libraries are in .carry/prebuilt/lib), OUT (default /tmp/gpu-checks).
+set -uo pipefail
+
+usage() {
+  sed -n '2,/^[^#]/{/^#/p}' "$0" | sed 's/^# \{0,1\}//'
+  exit "$1"
+}
+
+limit=560
+parts=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -h|--help) usage 0 ;;
+    --time-limit) [ $# -ge 2 ] && [[ "$2" =~ ^[0-9]+$ ]] || { echo "gpu_checks: --time-limit takes seconds" >&2; exit 2; }
+                  limit=$2; shift 2 ;;
+    suite|parity|pcie|tiny|budget|llama8b) parts+=("$1"); shift ;;
+    *) echo "gpu_checks: unknown part or option '$1' (see --help)" >&2; exit 2 ;;
+  esac
+done
+[ ${#parts[@]} -gt 0 ] || parts=(suite parity pcie tiny budget llama8b)
+
+root=$(pwd)
+if [ ! -f "$root/meson.build" ] || ! grep -q "^project('zoffload'" "$root/meson.build"; then
+  echo "gpu_checks: run me from the zoffload repository root (the folder with meson.build)" >&2
+  exit 2
+fi
+out=${OUT:-/tmp/gpu-checks}
+mkdir -p "$out"
+exec > >(tee -a "$out/checks.log") 2>&1
+
+t0=$(date +%s)
+elapsed() { echo $(($(date +%s) - t0)); }
+# budget MAX: the seconds a part may take: MAX, or less when the time limit is closer (30 s are
+# kept for the packing at the end).
+budget() {
+  local left=$((limit - $(elapsed) - 30))
+  [ "$left" -lt "$1" ] && echo "$left" || echo "$1"
+}
+results=()
+record() { results+=("$(printf '%-8s %6ss  %s' "$1" "$2" "$3")"); }
+
+python=$(command -v python3) || { echo "gpu_checks: no python3 on PATH" >&2; exit 1; }
+site=$("$python" -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))') ||
+  { echo "gpu_checks: $python cannot import torch" >&2; exit 1; }
+bin=${BIN_DIR:-$root/.carry/prebuilt/bin}
+[ -x "$bin/zoffload" ] || { echo "gpu_checks: no $bin/zoffload: run tools/gpu_machine/pack_prebuilt.sh here and carry .carry, or set BIN_DIR" >&2; exit 1; }
+# PyTorch's own libraries (the same version the binaries were linked with) and the wheel's CUDA
+# runtime; the carried libraries first.
+export LD_LIBRARY_PATH="$root/.carry/prebuilt/lib:$site/torch/lib:$site/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+gpu_test=$bin/gpu_test
+[ -x "$gpu_test" ] || gpu_test=$root/${BUILD_DIR:-build-gpu}/tests/gpu/gpu_test
+zo=$bin/zoffload
+runs=/tmp/gpu-checks-runs
+rm -rf "$runs"
+mkdir -p "$runs"
+
+pack() {
+  (cd "$runs" && find . \( -name metrics.jsonl -o -name '*.log' -o -name '*.txt' -o -name '*.json' \) -print |
+     grep -v trace | tar czf "$out/runs.tgz" -T -) 2>/dev/null
+  echo
+  echo "== gpu_checks: $(elapsed) s in all"
+  printf '%s\n' "${results[@]}"
+}
+trap pack EXIT
+
+echo "== machine"
+nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv,noheader ||
+  echo "nvidia-smi failed"
+echo "$(nproc) cores, $(free -g | awk '/^Mem:/ {print $2}') GiB RAM; $("$python" -c 'import torch; print("torch", torch.__version__)')"
+[ -f "$root/.carry/prebuilt/manifest.txt" ] && [ -z "${BIN_DIR:-}" ] && cat "$root/.carry/prebuilt/manifest.txt"
+if ldd "$zo" | grep "not found"; then
+  echo "gpu_checks: $zo does not load (the libraries above are missing)"
+  exit 1
+fi
+"$zo" info || { echo "gpu_checks: zoffload info failed"; exit 1; }
+# Swap files and temporary folders on the largest disk that is not memory.
+disk=$(for d in "$root" /tmp /var/tmp; do
+         df --output=avail,fstype "$d" | awk -v d="$d" 'NR == 2 && $2 != "tmpfs" {print $1, d}'
+       done | sort -rn | head -n 1 | cut -d' ' -f2)
+work=${disk:-/tmp}/gpu-checks-work
+rm -rf "$work"
+mkdir -p "$work"
+export TMPDIR=$work
+echo "work folder: $work ($(df -h --output=avail "$work" | tail -n 1 | tr -d ' ') free)"
+rc=0
+data=$root/configs/data/demo_corpus.txt
+
+# config FROM OUT PYTHON-STATEMENTS: a config derived from FROM with c (the parsed JSON) changed.
+config() {
+  "$python" - "$1" "$2" "$3" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1]))
+exec(sys.argv[3])
+json.dump(c, open(sys.argv[2], "w"), indent=1)
+PY
+}
+
+# A summary line per step of a metrics.jsonl.
+steps() {
+  "$python" - "$1" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    m = json.loads(line); t = m["time_s"]
+    print("  step %d: %.2f s, loss %.4f, %.0f tok/s, device_busy %.3f, overlap %.3f | device compute %.2f, h2d %.2f, d2h %.2f;"
+          " host compute %.2f, grad offload %.2f, optimizer %.2f (wait %.2f), nvme busy %.2f (read wait %.2f) | device peak %.2f GiB,"
+          " torch peak %.2f GiB of budget %.2f GiB" % (
+              m["step"], m["step_s"], m["loss"], m["tokens_per_s"], m["device_busy"], m["overlap"], t["device_compute"],
+              t["device_h2d"], t["device_d2h"], t["compute"], t["grad_offload"], t["optimizer"], t["optimizer_wait"],
+              t["nvme_busy"], t["nvme_read_wait"], m["device_peak_bytes"] / 2**30, m["torch_peak_bytes"] / 2**30,
+              m["device_budget_bytes"] / 2**30))
+PY
+}
+
+# The small runs' config: stage 3, parameters and optimizer on the CPU, on the GPU.
+cat >"$runs/tiny-base.json" <<'EOF'
+{"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+ "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}},
+ "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": true},
+                       "offload_optimizer": {"device": "cpu", "pin_memory": true}},
+ "zoffload": {"device": "cuda"}}
+EOF
+
+part_suite() {
+  timeout -k 5 "$(budget 150)" "$gpu_test" --gtest_color=no >"$runs/gpu_test.log" 2>&1
+  local r=$?
+  cp "$runs/gpu_test.log" "$out/gpu_test.log"
+  grep -E '^\[  (PASSED|FAILED|SKIPPED) |^\[==========\] [0-9]+ tests' "$runs/gpu_test.log"
+  [ $r -eq 0 ] && ! grep -q '^\[  SKIPPED \]' "$runs/gpu_test.log"
+}
+
+part_parity() {
+  PYTHONUNBUFFERED=1 ZO_PARITY_DEVICE=cuda timeout -k 5 "$(budget 120)" "$python" "$root/tests/tools/hf_parity_test.py" \
+    "$zo" "$root" >"$runs/hf_parity.log" 2>&1
+  local r=$?
+  cp "$runs/hf_parity.log" "$out/hf_parity.log"
+  grep -E '^FAIL|checks,' "$runs/hf_parity.log"
+  return $r
+}
+
+part_pcie() {
+  timeout -k 5 "$(budget 90)" "$bin/zoffload-bench" pcie >"$runs/pcie.txt" 2>&1
+  local r=$?
+  cat "$runs/pcie.txt"
+  return $r
+}
+
+# The tiny preset, 20 steps, fp32 and bf16, on cuda and on the emulated device.
+part_tiny() {
+  local base=$runs/tiny-base.json prec dev ok=0
+  for prec in fp32 bf16; do
+    for dev in cuda host; do
+      config "$base" "$runs/tiny-$dev.json" "c['zoffload']['device'] = '$dev'"
+      timeout -k 5 "$(budget 60)" "$zo" train --config "$runs/tiny-$dev.json" --model tiny --data "$data" --seq-len 64 \
+        --steps 20 --precision $prec --out "$runs/tiny-$prec-$dev" -q >"$runs/tiny-$prec-$dev.log" 2>&1 || ok=1
+    done
+  done
+  "$python" - "$runs" <<'PY' || ok=1
+import json, sys
+r = sys.argv[1]
+bad = False
+for prec, tol in (("fp32", 1e-5), ("bf16", 1e-2)):
+    try:
+        c = [json.loads(l) for l in open("%s/tiny-%s-cuda/metrics.jsonl" % (r, prec))]
+        h = [json.loads(l) for l in open("%s/tiny-%s-host/metrics.jsonl" % (r, prec))]
+    except OSError as e:
+        print("  %s: no metrics (%s; see tiny-%s-*.log in runs.tgz)  FAIL" % (prec, e.strerror, prec))
+        bad = True
+        continue
+    rel = lambda a, b: abs(a - b) / max(abs(b), 1e-30)
+    dl = max(rel(x["loss"], y["loss"]) for x, y in zip(c, h))
+    dg = max(rel(x["grad_norm"], y["grad_norm"]) for x, y in zip(c, h))
+    ok = len(c) == len(h) == 20 and dl <= tol
+    bad |= not ok
+    print("  %s: %d steps, loss cuda %.6f -> %.6f, host %.6f -> %.6f; worst relative difference: loss %.1e (bound %.0e), "
+          "grad_norm %.1e%s" % (prec, len(c), c[0]["loss"], c[-1]["loss"], h[0]["loss"], h[-1]["loss"], dl, tol, dg,
+                                "" if ok else "  FAIL"))
+sys.exit(1 if bad else 0)
+PY
+  return $ok
+}
+
+# tinyllama-1.1b in bf16 (2.2 GB of weights) under a 1 GiB budget: it must train, and the device
+# pool's peak plus LibTorch's must stay within the budget.
+part_budget() {
+  local cfg=$runs/budget.json
+  config "$runs/tiny-base.json" "$cfg" "c['train_micro_batch_size_per_gpu'] = 2; c['gradient_accumulation_steps'] = 1
+c['zoffload']['gpu_memory_limit'] = '1GiB'; c['bf16'] = {'enabled': True}; c['wall_clock_breakdown'] = True"
+  timeout -k 5 "$(budget 90)" "$zo" train --config "$cfg" --model tinyllama-1.1b --data "$data" --seq-len 512 --steps 3 \
+    --out "$runs/budget" >"$runs/budget.log" 2>&1
+  local r=$?
+  grep -E '^plan:|error' "$runs/budget.log"
+  [ $r -eq 0 ] || return 1
+  steps "$runs/budget/metrics.jsonl"
+  "$python" - "$runs/budget/metrics.jsonl" <<'PY'
+import json, sys
+worst = max(m["device_peak_bytes"] + m["torch_peak_bytes"] - m["device_budget_bytes"] for m in map(json.loads, open(sys.argv[1])))
+print("  device peak + torch peak - budget, the worst step: %+.1f MiB%s" % (worst / 2**20, "" if worst <= 0 else "  FAIL"))
+sys.exit(0 if worst <= 0 else 1)
+PY
+}
+
+# llama3-8b (random init), bf16, seq 1024, the flagship config with gpu_memory_limit 24 GiB,
+# micro-batch 8 (4 where the plan does not fit 8), GAS 8 then 1, three steps each; the GAS 8 run
+# traced over steps 2-3.
+llama8b_run() {  # NAME GAS MICRO SECONDS
+  local name=$1 gas=$2 micro=$3 max=$4 cfg=$runs/$1.json
+  config "$root/configs/llama8b_24gb_optimizer_cpu.json" "$cfg" "c['train_micro_batch_size_per_gpu'] = $micro
+c['gradient_accumulation_steps'] = $gas; c['wall_clock_breakdown'] = True; c['steps_per_print'] = 1
+c['scheduler']['params']['warmup_num_steps'] = 0; c['zoffload']['gpu_memory_limit'] = '24GiB'; c['zoffload'].pop('checkpoint')
+c['zero_optimization']['stage3_gather_16bit_weights_on_model_save'] = False
+c['zero_optimization']['offload_optimizer']['nvme_path'] = '$work/nvme'"
+  "$zo" plan --config "$cfg" --model llama3-8b --seq-len 1024 --steps 3 --out "$work/$name" >"$runs/plan-$name.txt" 2>&1
+  local r=$?
+  if [ $r -ne 0 ]; then
+    echo "  $name: micro-batch $micro does not fit (zoffload plan exit $r):"
+    sed -n '/^does NOT fit/,$p' "$runs/plan-$name.txt" | head -n 6 | sed 's/^/    /'
+    return 3
+  fi
+  echo "  $name: micro-batch $micro, GAS $gas"
+  timeout -k 10 "$(budget "$max")" "$zo" train --config "$cfg" --model llama3-8b --data "$data" --seq-len 1024 --steps 3 \
+    --out "$work/$name" --trace "$work/$name.trace.json" --trace-steps 2-3 >"$runs/$name.log" 2>&1
+  r=$?
+  grep -E '^(plan|setup|done):|error' "$runs/$name.log" | sed 's/^/  /'
+  [ $r -eq 124 ] && echo "  $name: cut by the time limit"
+  mkdir -p "$runs/$name"
+  cp "$work/$name/metrics.jsonl" "$runs/$name/" 2>/dev/null && steps "$runs/$name/metrics.jsonl"
+  [ "$gas" -eq 8 ] && [ -f "$work/$name.trace.json" ] && gzip -c "$work/$name.trace.json" >"$out/trace-llama8b-gas8.json.gz"
+  rm -rf "$work/$name" "$work/$name.trace.json"
+  return $r
+}
+part_llama8b() {
+  local ok=0 r
+  llama8b_run llama8b-gas8 8 8 240; r=$?
+  if [ $r -eq 3 ]; then llama8b_run llama8b-gas8 8 4 240; r=$?; fi
+  [ $r -eq 0 ] || ok=1
+  llama8b_run llama8b-gas1 1 8 170 || ok=1
+  return $ok
+}
+
+for p in "${parts[@]}"; do
+  echo
+  echo "== [$(elapsed) s] $p"
+  if [ "$(budget 30)" -lt 30 ]; then
+    echo "skipped: $((limit - $(elapsed))) s left of --time-limit $limit"
+    record "$p" 0 "skipped (time)"
+    rc=1
+    continue
+  fi
+  start=$(elapsed)
+  if "part_$p"; then
+    record "$p" $(($(elapsed) - start)) ok
+  else
+    record "$p" $(($(elapsed) - start)) FAILED
+    rc=1
+  fi
+done
+exit $rc
