@@ -23,6 +23,16 @@
 // same values. The norm is cpu_optim::squared_norm of each sub-group (its fixed tile order), added
 // in the order sub-groups complete, so the report is bit-identical whatever the tier.
 
+// Note [Direct accumulator I/O]
+//
+// NVMe-resident accumulators are read and written with read_state_range/write_state_range: the
+// buffers are 4 KiB-aligned, so their whole blocks go between the buffer and the swap file in one
+// O_DIRECT transfer at the engine's queue depth, and only a tail shorter than a block goes through
+// the store's 4 MiB scratch. read_state/write_state copied every byte through that scratch, one
+// synchronous 4 MiB transfer after another: on an H200 machine's disk the gradient worker's writes
+// kept it busy 68% of backward (llama3-8b, 29.9 GiB of accumulators per step in 17 s), while the
+// optimizer's direct reads kept it busy throughout.
+
 namespace zo::engine {
 
 
@@ -73,7 +83,7 @@ struct GradAccumulator::Impl {
     group_buffer[g] = b;
     std::span<std::byte> bytes = buffers[b].bytes().first(store->state_bytes(g, StateKind::kGradAccum));
     if (starts_from_zero()) return Status::ok();  // every element is written by a first contribution
-    Status st = store->read_state(g, StateKind::kGradAccum, bytes);
+    Status st = store->read_state_range(g, StateKind::kGradAccum, 0, bytes);  // Note [Direct accumulator I/O]
     if (!st.is_ok()) {
       free_buffers.push_back(b);
       group_buffer[g] = -1;
@@ -109,7 +119,7 @@ struct GradAccumulator::Impl {
       st = cpu_optim::accumulate({acc, grad_dtype}, {sums, grad_dtype}, n, first, *executor);
     } else if (!first) {
       acc = home->data();
-      st = store->read_state(g, StateKind::kGradAccum, home->bytes().first(bytes));
+      st = store->read_state_range(g, StateKind::kGradAccum, 0, home->bytes().first(bytes));
       if (st.is_ok()) report.bytes_read += bytes;
       if (st.is_ok()) st = cpu_optim::accumulate({acc, grad_dtype}, {sums, grad_dtype}, n, false, *executor);
     }
@@ -126,7 +136,7 @@ struct GradAccumulator::Impl {
       }
     }
     if (st.is_ok() && loc.tier != Tier::kCpu) {
-      st = store->write_state(g, StateKind::kGradAccum, {acc, bytes});
+      st = store->write_state_range(g, StateKind::kGradAccum, 0, {acc, bytes});
       if (st.is_ok()) report.bytes_written += bytes;
     }
     release();
@@ -145,7 +155,7 @@ struct GradAccumulator::Impl {
     }
     if (in_place) return Status::ok();
     const int32_t b = group_buffer[g];
-    Status st = store->write_state(g, StateKind::kGradAccum, buffers[b].bytes().first(bytes));
+    Status st = store->write_state_range(g, StateKind::kGradAccum, 0, buffers[b].bytes().first(bytes));
     group_buffer[g] = -1;
     free_buffers.push_back(b);
     if (!st.is_ok()) return st.with_context("gradient accumulator: writing sub-group " + std::to_string(g));
