@@ -15,6 +15,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <barrier>
 #include <thread>
 #include <vector>
 
@@ -957,9 +958,27 @@ TEST(Trainer, APartitionedRankWhoseOptimizerFailsStopsEveryRank) {
   const uint16_t port = free_port();
   std::vector<Result<StepMetrics>> second(2, Result<StepMetrics>(internal_error("not run")));
   std::vector<Status> setup(2);
+  // The ranks share this process (and Gloo's device loop), so neither tears its trainer down before
+  // both have left their last step (a barrier), and the groups outlive both threads. Separate
+  // processes, as `zoffload train` runs them, have no such overlap. A CI run once died in this test
+  // with SIGSEGV while each thread destroyed its trainer and group as it left; about 150 runs here
+  // did not reproduce it. The trainers are still torn down side by side: one by one, the first
+  // would wait for the other's part of a collective until the group's timeout.
+  TempDir own[2];
+  std::vector<std::unique_ptr<dist::ProcessGroup>> groups(2);
+  std::vector<std::unique_ptr<Trainer>> trainers(2);
+  std::barrier both_done(2);
   std::vector<std::thread> ranks;
   for (uint32_t r = 0; r < 2; ++r) {
     ranks.emplace_back([&, r] {
+      struct TearDown {
+        std::barrier<>& both_done;
+        std::unique_ptr<Trainer>& trainer;
+        ~TearDown() {
+          both_done.arrive_and_wait();
+          trainer.reset();
+        }
+      } tear_down{both_done, trainers[r]};
       dist::WorldInfo w;
       w.rank = r;
       w.world_size = 2;
@@ -972,17 +991,18 @@ TEST(Trainer, APartitionedRankWhoseOptimizerFailsStopsEveryRank) {
         setup[r] = group.status();
         return;
       }
-      TempDir own;
-      TrainOptions o = make_options({.stage = stage, .param = stage == 3 ? "cpu" : "none", .optimizer = "nvme"}, own);
+      groups[r] = std::move(*group);
+      TrainOptions o = make_options({.stage = stage, .param = stage == 3 ? "cpu" : "none", .optimizer = "nvme"}, own[r]);
       o.config.train_batch_size *= 2;
-      o.group = group->get();
+      o.group = groups[r].get();
       o.io_faults = std::make_shared<io::FaultInjector>();
       auto t = Trainer::create(o);
       if (!t.is_ok()) {
         setup[r] = t.status();
         return;
       }
-      auto first = (*t)->step();
+      trainers[r] = std::move(*t);
+      auto first = trainers[r]->step();
       if (!first.is_ok()) {
         setup[r] = first.status();
         return;
@@ -991,10 +1011,11 @@ TEST(Trainer, APartitionedRankWhoseOptimizerFailsStopsEveryRank) {
       if (r == 1)
         o.io_faults->add({.kind = io::FaultKind::kEio, .op = io::IoOp::kWrite, .path_contains = "optimizer.swp",
                           .offset_bytes = 0});
-      second[r] = (*t)->step();
+      second[r] = trainers[r]->step();
     });
   }
   for (std::thread& t : ranks) t.join();
+  groups.clear();
   for (uint32_t r = 0; r < 2; ++r) ASSERT_TRUE(setup[r].is_ok()) << "rank " << r << ": " << setup[r].to_string();
   ASSERT_FALSE(second[1].is_ok());
   EXPECT_EQ(second[1].status().code(), StatusCode::kIoError) << second[1].status().to_string();
