@@ -47,9 +47,10 @@ exec > >(tee -a "$out/checks.log") 2>&1
 t0=$(date +%s)
 elapsed() { echo $(($(date +%s) - t0)); }
 # budget MAX: the seconds a part may take: MAX, or less when the time limit is closer (30 s are
-# kept for the packing at the end).
+# kept for the packing at the end); at least 1 (`timeout 0` would mean no limit at all).
 budget() {
   local left=$((limit - $(elapsed) - 30))
+  [ "$left" -lt 1 ] && left=1
   [ "$left" -lt "$1" ] && echo "$left" || echo "$1"
 }
 results=()
@@ -256,7 +257,7 @@ part_llama8b() {
 for p in "${parts[@]}"; do
   echo
   echo "== [$(elapsed) s] $p"
-  if [ "$(budget 30)" -lt 30 ]; then
+  if [ $((limit - $(elapsed) - 30)) -lt 30 ]; then
     echo "skipped: $((limit - $(elapsed))) s left of --time-limit $limit"
     record "$p" 0 "skipped (time)"
     rc=1
