@@ -29,7 +29,6 @@
 #include "common/bytes.h"
 #include "common/host_memory.h"
 #include "common/log.h"
-#include "common/string_util.h"
 #include "common/timer.h"
 #include "io/io_engine.h"
 #include "tools/bench_util.h"
@@ -89,19 +88,6 @@ void on_signal(int sig) {
   if (g_data_path[0] != '\0') ::unlink(g_data_path);
   std::signal(sig, SIG_DFL);
   std::raise(sig);
-}
-
-template <typename T, typename Parse>
-Result<std::vector<T>> parse_list(const std::string& flag, const std::string& text, Parse parse) {
-  std::vector<T> out;
-  for (const std::string& item : split(text, ',')) {
-    if (item.empty()) continue;
-    auto v = parse(item);
-    if (!v.is_ok()) return invalid_argument(flag + ": " + v.status().message());
-    out.push_back(*v);
-  }
-  if (out.empty()) return invalid_argument(flag + ": empty list");
-  return out;
 }
 
 Result<Plan> make_plan(const Args& a) {

@@ -14,7 +14,6 @@
 #include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -56,18 +55,11 @@ int failure(const std::string& msg) {
 }
 
 Result<std::vector<uint64_t>> parse_sizes(const std::string& text) {
-  std::vector<uint64_t> out;
-  std::stringstream ss(text);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    Result<uint64_t> parsed = parse_size_bytes(item);
-    if (!parsed.is_ok()) return invalid_argument("--sizes: " + parsed.status().message());
-    const uint64_t n = *parsed;
-    if (n == 0) return invalid_argument("--sizes: a size must be positive, got '" + item + "'");
-    if (n > 64 * kGiB) return invalid_argument("--sizes: " + item + " is over the 64 GiB this benchmark allows");
-    out.push_back(n);
+  ZO_ASSIGN_OR_RETURN(std::vector<uint64_t> out, parse_list<uint64_t>("--sizes", text, parse_size_bytes));
+  for (const uint64_t n : out) {
+    if (n == 0) return invalid_argument("--sizes: a size must be positive");
+    if (n > 64 * kGiB) return invalid_argument("--sizes: " + format_bytes(n) + " is over the 64 GiB this benchmark allows");
   }
-  if (out.empty()) return invalid_argument("--sizes: expected a comma-separated list such as 1MiB,64MiB,1GiB");
   return out;
 }
 
@@ -170,7 +162,7 @@ int run_bench(const Args& a) {
       auto t = detail::TorchCopies::create(max_bytes, use_pinned, cuda);
       if (!t.is_ok()) return failure(t.status().to_string());
       torch_copies = std::move(*t);
-      if (Status s = torch_copies->check(); !s.is_ok()) return failure("check failed: " + s.to_string());
+      if (Status s = torch_copies->check(check_bytes); !s.is_ok()) return failure("check failed: " + s.to_string());
       checks.push_back(std::string("torch ") + host_name);
     }
 #endif
