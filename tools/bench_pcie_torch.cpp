@@ -50,14 +50,16 @@ class TorchCopiesImpl final : public TorchCopies {
     return Status::ok();
   }
 
-  Status check() override {
+  Status check(uint64_t bytes) override {
     try {
-      const torch::Tensor pattern = host_.clone();
-      dev_.fill_(0x5A);
-      ZO_RETURN_IF_ERROR(run(/*h2d=*/true, host_.numel(), 1));
-      host_.fill_(0xA5);
-      ZO_RETURN_IF_ERROR(run(/*h2d=*/false, host_.numel(), 1));
-      if (!torch::equal(host_, pattern)) return internal_error("torch's round trip host -> device -> host changed bytes");
+      const auto n = static_cast<int64_t>(bytes);
+      torch::Tensor host = host_.narrow(0, 0, n);
+      const torch::Tensor pattern = host.clone();
+      dev_.narrow(0, 0, n).fill_(0x5A);
+      ZO_RETURN_IF_ERROR(run(/*h2d=*/true, bytes, 1));
+      host.fill_(0xA5);
+      ZO_RETURN_IF_ERROR(run(/*h2d=*/false, bytes, 1));
+      if (!torch::equal(host, pattern)) return internal_error("torch's round trip host -> device -> host changed bytes");
     } catch (const std::exception& e) {
       return torch_failure("torch round-trip check", e);
     }

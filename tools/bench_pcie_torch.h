@@ -22,8 +22,9 @@ class TorchCopies {
   // each `copy_(src, non_blocking=true)` on torch's current stream, then a wait for them all (the
   // device's synchronize when cuda).
   virtual Status run(bool h2d, uint64_t bytes, int copies) = 0;
-  // After one copy each way through a poisoned device buffer the host buffer holds its pattern.
-  virtual Status check() = 0;
+  // After one copy each way of the first `bytes` (≤ size_bytes) through a poisoned device buffer,
+  // the host buffer holds its pattern.
+  virtual Status check(uint64_t bytes) = 0;
 };
 
 }  // namespace zo::tools::detail
