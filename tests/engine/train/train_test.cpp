@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <barrier>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -15,7 +16,6 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
-#include <barrier>
 #include <thread>
 #include <vector>
 
