@@ -140,10 +140,11 @@ std::string breakdown(const engine::StepMetrics& m) {
   char buf[512];
   std::snprintf(buf, sizeof buf,
                 "data %.2fs | fetch %.2fs | compute %.2fs | grad offload %.2fs | optimizer wait %.2fs | beside: "
-                "optimizer %.2fs (nvme read wait %.2fs, write wait %.2fs), nvme busy %.2fs, device compute %.2fs "
-                "(busy %.2f), h2d %.2fs, d2h %.2fs",
-                m.data_s, m.fetch_s, m.compute_s, m.grad_offload_s, m.optimizer_wait_s, m.optimizer_s, m.nvme_read_wait_s,
-                m.nvme_write_wait_s, m.nvme_busy_s, m.device_compute_s, m.device_busy, m.device_h2d_s, m.device_d2h_s);
+                "gradient worker %.2fs, optimizer %.2fs (nvme read wait %.2fs, write wait %.2fs), nvme busy %.2fs, "
+                "device compute %.2fs (busy %.2f), h2d %.2fs, d2h %.2fs",
+                m.data_s, m.fetch_s, m.compute_s, m.grad_offload_s, m.optimizer_wait_s, m.grad_worker_s, m.optimizer_s,
+                m.nvme_read_wait_s, m.nvme_write_wait_s, m.nvme_busy_s, m.device_compute_s, m.device_busy, m.device_h2d_s,
+                m.device_d2h_s);
   return buf;
 }
 

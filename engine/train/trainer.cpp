@@ -96,6 +96,7 @@ std::string StepMetrics::to_json() const {
                  {"compute", compute_s},
                  {"grad_offload", grad_offload_s},
                  {"optimizer_wait", optimizer_wait_s},
+                 {"grad_worker", grad_worker_s},
                  {"optimizer", optimizer_s},
                  {"nvme_read_wait", nvme_read_wait_s},
                  {"nvme_write_wait", nvme_write_wait_s},
@@ -1288,6 +1289,7 @@ Result<StepMetrics> Trainer::Impl::step_once() {
   GradNormReport boundary;
   double loss_sum = 0;
   double offload_s = 0;
+  double worker_s = 0;
   double data_s = 0;
   const uint64_t per_forward = vertical_micro_batches(config);  // micro-batches per forward
   for (uint64_t micro = 0; micro < gas; micro += per_forward) {
@@ -1304,6 +1306,7 @@ Result<StepMetrics> Trainer::Impl::step_once() {
     loss_sum += r.loss;
     for (const Impl::Micro& mb : f.micro) out.tokens += mb.tokens;
     offload_s += r.grad_offload_s;
+    worker_s += r.grads.offload_s;
     if (last) boundary = r.grads;
   }
   double main_collective_s = 0;
@@ -1422,6 +1425,7 @@ Result<StepMetrics> Trainer::Impl::step_once() {
   out.fetch_s = coord_after.fetch_wait_s - coord_before.fetch_wait_s + (m.ready_wait_s - ready_wait_before);
   out.optimizer_wait_s = coord_after.update_wait_s - coord_before.update_wait_s + join_s;
   out.grad_offload_s = offload_s;
+  out.grad_worker_s = worker_s;
   out.data_s = data_s;
   if (m.opt.group != nullptr) {
     out.collective_bytes = m.opt.group->bytes() - collective_bytes_at_start;
@@ -1442,7 +1446,7 @@ Result<StepMetrics> Trainer::Impl::step_once() {
   out.device_compute_s = busy_after.compute_s - busy_before.compute_s;
   out.device_busy = out.step_s > 0 ? out.device_compute_s / out.step_s : 0.0;
   out.overlap = out.step_s > 0 ? std::max({out.compute_s, out.device_compute_s, out.device_h2d_s, out.device_d2h_s,
-                                           out.optimizer_s, out.nvme_busy_s}) /
+                                           out.grad_worker_s, out.optimizer_s, out.nvme_busy_s}) /
                                      out.step_s
                                : 0.0;
   out.memory = m.accounting.snapshot();

@@ -82,6 +82,10 @@ struct StepMetrics {
   double grad_offload_s = 0;   // backward waiting on the gradient path: copies into the landing ring (D2H), a
                                // full ring, the last accumulation of each micro-step (the rest overlaps backward)
   double optimizer_wait_s = 0; // the forward waiting for the optimizer's update of a block, and for its end
+  // The gradient worker's time, on its thread beside backward: accumulating each gradient (the
+  // cpu_optim kernels), the squared norms, and moving NVMe- or device-resident accumulators (with
+  // partitioned gradients, grad_reduce_s too).
+  double grad_worker_s = 0;
   // The optimizer's own time, on its thread (0 when skipped): the whole step with its I/O waits.
   double optimizer_s = 0;
   double nvme_read_wait_s = 0;   // of optimizer_s
@@ -94,8 +98,8 @@ struct StepMetrics {
   double device_compute_s = 0;
   // device_compute_s / step_s: the GPU's busy fraction (on the emulated device, the host's compute).
   double device_busy = 0;
-  // The longest of compute_s, device_compute_s, device_h2d_s, device_d2h_s, optimizer_s and
-  // nvme_busy_s over step_s: near 1 when the step is as long as its busiest resource (everything
+  // The longest of compute_s, device_compute_s, device_h2d_s, device_d2h_s, grad_worker_s,
+  // optimizer_s and nvme_busy_s over step_s: near 1 when the step is as long as its busiest resource (everything
   // else hidden behind it), lower when parts wait on each other.
   double overlap = 0;
   MemoryStats memory;          // tiers after the step (peaks since the start of the run)

@@ -121,10 +121,11 @@ import json, sys
 for line in open(sys.argv[1]):
     m = json.loads(line); t = m["time_s"]
     print("  step %d: %.2f s, loss %.4f, %.0f tok/s, device_busy %.3f, overlap %.3f | device compute %.2f, h2d %.2f, d2h %.2f;"
-          " host compute %.2f, grad offload %.2f, optimizer %.2f (wait %.2f), nvme busy %.2f (read wait %.2f) | device peak %.2f GiB,"
-          " torch peak %.2f GiB of budget %.2f GiB" % (
+          " host compute %.2f, grad offload %.2f (worker %.2f), optimizer %.2f (wait %.2f), nvme busy %.2f (read wait %.2f) |"
+          " device peak %.2f GiB, torch peak %.2f GiB of budget %.2f GiB" % (
               m["step"], m["step_s"], m["loss"], m["tokens_per_s"], m["device_busy"], m["overlap"], t["device_compute"],
-              t["device_h2d"], t["device_d2h"], t["compute"], t["grad_offload"], t["optimizer"], t["optimizer_wait"],
+              t["device_h2d"], t["device_d2h"], t["compute"], t["grad_offload"], t["grad_worker"], t["optimizer"],
+              t["optimizer_wait"],
               t["nvme_busy"], t["nvme_read_wait"], m["device_peak_bytes"] / 2**30, m["torch_peak_bytes"] / 2**30,
               m["device_budget_bytes"] / 2**30))
 PY

@@ -769,6 +769,11 @@ TEST(Trainer, WritesOneMetricsLinePerStep) {
     EXPECT_GT(j["time_s"]["device_d2h"].get<double>(), 0.0);
     EXPECT_DOUBLE_EQ(j["device_busy"].get<double>(), j["time_s"]["device_compute"].get<double>() / step_s);
     EXPECT_GE(j["overlap"].get<double>(), j["device_busy"].get<double>());
+    // The gradient worker accumulated every gradient, on its thread within the step's micro-steps.
+    const double worker_s = j["time_s"]["grad_worker"].get<double>();
+    EXPECT_GT(worker_s, 0.0);
+    EXPECT_LE(worker_s, step_s);
+    EXPECT_GE(j["overlap"].get<double>(), worker_s / step_s);
     EXPECT_GT(j["memory"]["nvme"]["peak_bytes"].get<uint64_t>(), 0u);
     EXPECT_GT(j["tokens"].get<uint64_t>(), 0u);
     ++n;
