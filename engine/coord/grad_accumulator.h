@@ -90,7 +90,9 @@ class GradAccumulator {
   // param: acc = round_to_grad_dtype(float(acc) + float(g)) element-wise, with acc = +0 on the
   // first micro-step (the same arithmetic on every tier, so results are bit-identical). A
   // sub-group whose every contribution of this micro-step has arrived is flushed (CPU: updated in
-  // place, no buffer; device and NVMe: read_state into a host buffer unless first, add, write_state).
+  // place, no buffer; device and NVMe: read into a host buffer unless first, add, write back; the
+  // NVMe write is queued and finished later, Note [Asynchronous accumulator writes], so its failure
+  // may be returned by a later add(), finish_writes() or end_micro_step()).
   // At the last micro-step each flushed sub-group's squared norm (cpu_optim::squared_norm, its fixed
   // tile order) is added to sum_sq / nonfinite in a fixed order (sub-groups as they complete). Synchronous. kInvalidArgument
   // for a bad param, a wrong size or dtype, or a contribution beyond the param's uses;
@@ -100,8 +102,13 @@ class GradAccumulator {
   Status add(uint32_t param, std::span<const std::byte> grad, DType dtype);
 
   // kFailedPrecondition naming the params still missing contributions (the micro-step stays
-  // open); else closes the micro-step and returns its report.
+  // open); else finishes the queued writes (a failure names the sub-group, file and offset; the
+  // micro-step stays open), closes the micro-step and returns its report.
   Result<GradNormReport> end_micro_step();
+
+  // Waits for the accumulator writes queued so far (Note [Asynchronous accumulator writes]); the
+  // first failure, naming the sub-group, file and offset. On the thread that adds.
+  Status finish_writes();
 
   // (addition) Abandons an open micro-step (after a failure): drops the open sub-groups' buffers.
   // Accumulators are then undefined until a micro-step with first = true.
@@ -111,6 +118,9 @@ class GradAccumulator {
   // CPU-resident) and bytes each.
   uint32_t buffer_count() const;
   uint64_t buffer_bytes() const;
+  // (addition) Accumulator writes queued and not yet finished (Note [Asynchronous accumulator
+  // writes]); on the thread that adds.
+  uint32_t queued_writes() const;
 
   struct Impl;
 

@@ -163,7 +163,12 @@ Status GradWorker::drain() {
   s.done_cv.wait(lock, [&] { return s.queue.empty(); });
   Status err = std::move(s.error);
   s.error = Status::ok();
-  return err;
+  lock.unlock();
+  // The worker is idle until the next submit, which only this thread makes: the accumulator's
+  // queued writes are finished here (Note [Asynchronous accumulator writes]), their failure
+  // reported like an add's.
+  Status written = s.acc->finish_writes();
+  return err.is_ok() ? written : err;
 }
 
 uint64_t GradWorker::ring_bytes() const { return impl_->capacity; }

@@ -50,7 +50,8 @@ class GradWorker {
   Status submit(uint32_t param, DType dtype, uint64_t size_bytes,
                 const std::function<Status(std::span<std::byte> slot)>& fill, gpu::Event ready = {});
 
-  // Waits until every queued item is added or dropped; returns the first add error since the
+  // Waits until every queued item is added or dropped and the accumulator's queued writes are
+  // finished (GradAccumulator::finish_writes); returns the first add or write error since the
   // previous drain() (naming the param and, for I/O, the sub-group, file and offset) and clears it,
   // so the next micro-step starts clean.
   Status drain();

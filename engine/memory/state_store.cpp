@@ -671,6 +671,41 @@ Result<StateStore::PendingRead> StateStore::read_state_range_async(uint32_t sub_
   return pending;
 }
 
+uint64_t StateStore::padded_state_bytes(uint32_t sub_group, StateKind kind) const {
+  return align_up(state_bytes(sub_group, kind), kSwapAlignment);
+}
+
+Result<StateStore::PendingWrite> StateStore::write_state_async(uint32_t sub_group, StateKind kind,
+                                                               std::span<const std::byte> in) {
+  Impl& s = *impl_;
+  std::lock_guard<std::recursive_mutex> transfer(s.transfer_mu);
+  ZO_RETURN_IF_ERROR(s.check_held(sub_group, kind, "write_state_async"));
+  if (sub_group >= s.plan.n_sub_groups) {
+    return invalid_argument("write_state_async: sub-group " + std::to_string(sub_group) + " of " +
+                            std::to_string(s.plan.n_sub_groups));
+  }
+  const StateLocation& loc = s.locations[sub_group][static_cast<int>(kind)];
+  if (loc.tier != Tier::kNvme || in.size() != loc.region.size_bytes ||
+      !is_aligned(reinterpret_cast<uintptr_t>(in.data()), kSwapAlignment)) {
+    return invalid_argument("write_state_async: sub-group " + std::to_string(sub_group) + " " +
+                            std::string(state_name(kind)) + ": needs an NVMe state and a 4096-aligned buffer of its " +
+                            std::to_string(loc.region.size_bytes) + " padded bytes (got " + std::to_string(in.size()) +
+                            ")");
+  }
+  PendingWrite pending{.file = s.file_of(kind), .sub_group = sub_group, .kind = kind, .bytes = in.size()};
+  ZO_ASSIGN_OR_RETURN(pending.ticket, pending.file->write_async(loc.region, 0, in, what_of(sub_group, kind)));
+  return pending;
+}
+
+Status StateStore::finish_write(const PendingWrite& pending) {
+  ZO_RETURN_IF_ERROR(pending.file->wait(pending.ticket));
+  Impl& s = *impl_;
+  std::lock_guard<std::recursive_mutex> transfer(s.transfer_mu);
+  uint64_t& written = s.nvme_written[pending.sub_group][static_cast<int>(pending.kind)];
+  written = std::max(written, pending.bytes);  // from offset 0: no gap below it
+  return Status::ok();
+}
+
 Status StateStore::write_state_range(uint32_t sub_group, StateKind kind, uint64_t offset_bytes,
                                      std::span<const std::byte> in) {
   Impl& s = *impl_;

@@ -105,6 +105,25 @@ class StateStore {
   };
   Result<PendingRead> read_state_range_async(uint32_t sub_group, StateKind kind, uint64_t offset_bytes,
                                              std::span<std::byte> out);
+  // The asynchronous write of a whole NVMe state (the gradient accumulators' write-behind, Note
+  // [Asynchronous accumulator writes] in grad_accumulator.cpp): `in` is 4096-aligned and holds the
+  // state's bytes padded to whole 4 KiB blocks (padded_state_bytes), which fill its region exactly;
+  // the pad lands in the region's unused tail and is never read as the state. One O_DIRECT write
+  // is queued; `in` must stay alive and unchanged until finish_write(), which waits for it and
+  // only then raises the zero watermark. Anything else (another tier, a misaligned or missized
+  // buffer) is kInvalidArgument: use write_state_range.
+  struct PendingWrite {
+    SwapFile* file = nullptr;
+    io::Ticket ticket = 0;
+    uint32_t sub_group = 0;
+    StateKind kind = StateKind::kGradAccum;
+    uint64_t bytes = 0;  // the padded bytes queued
+  };
+  Result<PendingWrite> write_state_async(uint32_t sub_group, StateKind kind, std::span<const std::byte> in);
+  // Waits for a write_state_async; its failure names what, the file, offset and length.
+  Status finish_write(const PendingWrite& pending);
+  // state_bytes rounded up to whole 4 KiB blocks: the size of an NVMe state's region.
+  uint64_t padded_state_bytes(uint32_t sub_group, StateKind kind) const;
   // Sets the compute copies of elements [offset_elems, offset_elems + master.size()) of a sub-group
   // to `master` rounded to the compute dtype (round to nearest even) — what the optimizer's fused
   // copy-out and init_param() write, so a resume derives them from the checkpointed master.

@@ -318,6 +318,59 @@ TEST(GradAccumulator, WriteErrorNamesTheSubGroup) {
   EXPECT_THAT(st.message(), HasSubstr("optimizer.swp"));
 }
 
+// Note [Asynchronous accumulator writes]: an add that completes a sub-group queues its write and
+// returns; the writes are finished by the boundary, whose report and the file's bytes are those of
+// the synchronous path (BitIdenticalOnCpuDeviceAndNvme). A write still queued at end_micro_step
+// fails it, naming the sub-group, file and offset; abandon_micro_step waits for what is queued and
+// frees every buffer, so the next micro-step runs whole.
+TEST(GradAccumulator, NvmeWritesAreQueuedBehindTheAddsAndFinishedByTheBoundary) {
+  Placing p;
+  p.optimizer = "nvme";
+  Rig rig;
+  ASSERT_TRUE(rig.init(p).is_ok());
+  ASSERT_EQ(rig.plan.placement.grad, Tier::kNvme);
+  const auto order = testing::contribution_order();
+  auto acc = GradAccumulator::create(*rig.store, order, testing::executor());
+  ASSERT_TRUE(acc.is_ok());
+  EXPECT_EQ((*acc)->buffer_bytes() % kSwapAlignment, 0u) << "whole blocks: a sub-group's padded region";
+  const auto grads = testing::random_grads(rig, 3, DType::kF32, 8);
+  const std::vector<Bytes> expected = testing::reference_accumulate(rig, {grads[2]}, DType::kF32, DType::kF32);
+
+  // The last sub-group to complete is the one holding the last contribution's param: its write is
+  // the one still queued when the adds end.
+  const uint32_t last_group = rig.registry.pieces_of_param(order.back()).front().sub_group;
+  const SwapRegion last = rig.store->location(last_group, StateKind::kGradAccum).region;
+  rig.faults->add({io::FaultKind::kEio, io::IoOp::kWrite, "optimizer.swp", last.offset_bytes, 1});
+  ASSERT_TRUE((*acc)->begin_micro_step(true, true).is_ok());
+  uint32_t most_queued = 0;
+  for (size_t c = 0; c < order.size(); ++c) {
+    ASSERT_TRUE((*acc)->add(order[c], grads[0][c], DType::kF32).is_ok());
+    most_queued = std::max(most_queued, (*acc)->queued_writes());
+  }
+  EXPECT_GE(most_queued, 1u) << "an add returned with its sub-group's write still queued";
+  EXPECT_GE((*acc)->queued_writes(), 1u);
+  auto failed = (*acc)->end_micro_step();
+  ASSERT_FALSE(failed.is_ok());
+  EXPECT_EQ(failed.status().code(), StatusCode::kIoError) << failed.status().to_string();
+  EXPECT_THAT(failed.status().message(), HasSubstr("writing sub-group " + std::to_string(last_group)));
+  EXPECT_THAT(failed.status().message(), HasSubstr("optimizer.swp"));
+  EXPECT_THAT(failed.status().message(), HasSubstr(std::to_string(last.offset_bytes)));
+  EXPECT_EQ((*acc)->queued_writes(), 0u);
+  (*acc)->abandon_micro_step();
+
+  // Abandoned with writes queued: every buffer comes back, and the next micro-step is whole.
+  ASSERT_TRUE((*acc)->begin_micro_step(true, true).is_ok());
+  for (size_t c = 0; c < order.size() / 2; ++c) ASSERT_TRUE((*acc)->add(order[c], grads[1][c], DType::kF32).is_ok());
+  (*acc)->abandon_micro_step();
+  EXPECT_EQ((*acc)->queued_writes(), 0u);
+  ASSERT_TRUE((*acc)->begin_micro_step(true, true).is_ok());
+  for (size_t c = 0; c < order.size(); ++c) ASSERT_TRUE((*acc)->add(order[c], grads[2][c], DType::kF32).is_ok());
+  auto report = (*acc)->end_micro_step();
+  ASSERT_TRUE(report.is_ok()) << report.status().to_string();
+  EXPECT_EQ((*acc)->queued_writes(), 0u);
+  EXPECT_EQ(rig.gather(StateKind::kGradAccum), expected);
+}
+
 // An I/O error in an accumulator write the worker does behind backward: later submits fail fast
 // with the same error, drain() reports it naming the sub-group, the file and the offset, and the
 // next micro-step starts clean.
