@@ -270,7 +270,10 @@ GradAccumulator::BufferPlan GradAccumulator::plan_buffers(const ParamRegistry& r
 }
 
 GradAccumulator::GradAccumulator(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
-GradAccumulator::~GradAccumulator() = default;
+GradAccumulator::~GradAccumulator() {
+  // Note [Asynchronous accumulator writes]: no write may still read a buffer freed below.
+  if (impl_) (void)impl_->finish_writes();
+}
 
 Result<std::unique_ptr<GradAccumulator>> GradAccumulator::create(StateStore& store,
                                                                  std::vector<uint32_t> contribution_order,

@@ -82,9 +82,10 @@ struct StepMetrics {
   double grad_offload_s = 0;   // backward waiting on the gradient path: copies into the landing ring (D2H), a
                                // full ring, the last accumulation of each micro-step (the rest overlaps backward)
   double optimizer_wait_s = 0; // the forward waiting for the optimizer's update of a block, and for its end
-  // The gradient worker's time, on its thread beside backward: accumulating each gradient (the
-  // cpu_optim kernels), the squared norms, and moving NVMe- or device-resident accumulators (with
-  // partitioned gradients, grad_reduce_s too).
+  // The gradient worker's time in the accumulator, on its thread beside backward: adding each
+  // gradient (the cpu_optim kernels), the squared norms, reading device- or NVMe-resident
+  // accumulators, writing device-resident ones and waiting for NVMe writes whose buffer it needs
+  // (Note [Asynchronous accumulator writes]); with partitioned gradients grad_reduce_s too.
   double grad_worker_s = 0;
   // The optimizer's own time, on its thread (0 when skipped): the whole step with its I/O waits.
   double optimizer_s = 0;
@@ -99,8 +100,8 @@ struct StepMetrics {
   // device_compute_s / step_s: the GPU's busy fraction (on the emulated device, the host's compute).
   double device_busy = 0;
   // The longest of compute_s, device_compute_s, device_h2d_s, device_d2h_s, grad_worker_s,
-  // optimizer_s and nvme_busy_s over step_s: near 1 when the step is as long as its busiest resource (everything
-  // else hidden behind it), lower when parts wait on each other.
+  // optimizer_s and nvme_busy_s over step_s: near 1 when the step is as long as its busiest
+  // resource (everything else hidden behind it), lower when parts wait on each other.
   double overlap = 0;
   MemoryStats memory;          // tiers after the step (peaks since the start of the run)
   uint64_t device_peak_bytes = 0;  // Device::stats().peak_allocated_bytes
