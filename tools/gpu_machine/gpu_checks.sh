@@ -219,6 +219,23 @@ sys.exit(0 if worst <= 0 else 1)
 PY
 }
 
+# train_traced NAME MODEL SECONDS [TRACE]: trains $runs/NAME.json on MODEL (random init), seq 1024,
+# three steps traced over steps 2-3, within SECONDS of the time left; prints its plan, setup and done
+# lines and one line per step, keeps its metrics in runs.tgz and the trace, gzipped, as $OUT/TRACE.
+train_traced() {
+  local name=$1 model=$2 max=$3 trace=${4:-} r
+  timeout -k 10 "$(budget "$max")" "$zo" train --config "$runs/$name.json" --model "$model" --data "$data" --seq-len 1024 \
+    --steps 3 --out "$work/$name" --trace "$work/$name.trace.json" --trace-steps 2-3 >"$runs/$name.log" 2>&1
+  r=$?
+  grep -E '^(plan|setup|done):|error' "$runs/$name.log" | sed 's/^/  /'
+  [ $r -eq 124 ] && echo "  $name: cut by the time limit"
+  mkdir -p "$runs/$name"
+  cp "$work/$name/metrics.jsonl" "$runs/$name/" 2>/dev/null && steps "$runs/$name/metrics.jsonl"
+  [ -n "$trace" ] && [ -f "$work/$name.trace.json" ] && gzip -c "$work/$name.trace.json" >"$out/$trace"
+  rm -rf "$work/$name" "$work/$name.trace.json"
+  return $r
+}
+
 # llama3-8b (random init), bf16, seq 1024, the flagship config with gpu_memory_limit 24 GiB,
 # micro-batch 8 (4 where the plan does not fit 8), GAS 8 then 1, three steps each; the GAS 8 run
 # traced over steps 2-3.
@@ -237,16 +254,9 @@ c['zero_optimization']['offload_optimizer']['nvme_path'] = '$work/nvme'"
     return 3
   fi
   echo "  $name: micro-batch $micro, GAS $gas"
-  timeout -k 10 "$(budget "$max")" "$zo" train --config "$cfg" --model llama3-8b --data "$data" --seq-len 1024 --steps 3 \
-    --out "$work/$name" --trace "$work/$name.trace.json" --trace-steps 2-3 >"$runs/$name.log" 2>&1
-  r=$?
-  grep -E '^(plan|setup|done):|error' "$runs/$name.log" | sed 's/^/  /'
-  [ $r -eq 124 ] && echo "  $name: cut by the time limit"
-  mkdir -p "$runs/$name"
-  cp "$work/$name/metrics.jsonl" "$runs/$name/" 2>/dev/null && steps "$runs/$name/metrics.jsonl"
-  [ "$gas" -eq 8 ] && [ -f "$work/$name.trace.json" ] && gzip -c "$work/$name.trace.json" >"$out/trace-llama8b-gas8.json.gz"
-  rm -rf "$work/$name" "$work/$name.trace.json"
-  return $r
+  local trace=
+  [ "$gas" -eq 8 ] && trace=trace-llama8b-gas8.json.gz
+  train_traced "$name" llama3-8b "$max" "$trace"
 }
 part_llama8b() {
   local ok=0 r
@@ -272,22 +282,13 @@ c['zoffload']['gradient_accumulators'] = 'cpu'; c['zoffload']['pinned_memory_lim
 c['zero_optimization']['stage3_gather_16bit_weights_on_model_save'] = False"
   "$zo" plan --config "$cfg" --model llama-7b --seq-len 1024 --steps 3 --out "$work/$name" >"$runs/plan-$name.txt" 2>&1
   r=$?
-  sed -n '/^memory/,/^per step/p' "$runs/plan-$name.txt" | sed 's/^/  /'
+  sed -n '/^memory/,/^  to the device/p' "$runs/plan-$name.txt" | sed 's/^/  /'
   if [ $r -ne 0 ]; then
     echo "  llama-7b with the accumulators in RAM does not fit this host (zoffload plan exit $r):"
     sed -n '/^does NOT fit/,$p' "$runs/plan-$name.txt" | head -n 6 | sed 's/^/    /'
     return 1
   fi
-  timeout -k 10 "$(budget 240)" "$zo" train --config "$cfg" --model llama-7b --data "$data" --seq-len 1024 --steps 3 \
-    --out "$work/$name" --trace "$work/$name.trace.json" --trace-steps 2-3 >"$runs/$name.log" 2>&1
-  r=$?
-  grep -E '^(plan|setup|done):|error' "$runs/$name.log" | sed 's/^/  /'
-  [ $r -eq 124 ] && echo "  $name: cut by the time limit"
-  mkdir -p "$runs/$name"
-  cp "$work/$name/metrics.jsonl" "$runs/$name/" 2>/dev/null && steps "$runs/$name/metrics.jsonl"
-  [ -f "$work/$name.trace.json" ] && gzip -c "$work/$name.trace.json" >"$out/trace-ram.json.gz"
-  rm -rf "$work/$name" "$work/$name.trace.json"
-  return $r
+  train_traced "$name" llama-7b 240 trace-ram.json.gz
 }
 
 for p in "${parts[@]}"; do
