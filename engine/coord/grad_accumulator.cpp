@@ -201,8 +201,10 @@ struct GradAccumulator::Impl {
     const int32_t b = group_buffer[g];
     if (store->location(g, StateKind::kGradAccum).tier == Tier::kNvme) {  // Note [Asynchronous accumulator writes]
       group_buffer[g] = -1;
-      Result<StateStore::PendingWrite> queued = store->write_state_async(
-          g, StateKind::kGradAccum, buffers[b].bytes().first(store->padded_state_bytes(g, StateKind::kGradAccum)));
+      const uint64_t padded = store->padded_state_bytes(g, StateKind::kGradAccum);
+      std::memset(buffers[b].data() + bytes, 0, padded - bytes);  // the region's padding, as the store writes it
+      Result<StateStore::PendingWrite> queued =
+          store->write_state_async(g, StateKind::kGradAccum, buffers[b].bytes().first(padded));
       if (!queued.is_ok()) {
         free_buffers.push_back(b);
         return Status(queued.status()).with_context("gradient accumulator: writing sub-group " + std::to_string(g));

@@ -330,13 +330,18 @@ Status StateStore::Impl::nvme_write(uint32_t g, StateKind kind, uint64_t begin, 
     written += n;
   }
   // Chunks end on aligned offsets, so only the first and the last chunk can have unaligned edges.
+  // Past the state's end the last page is the region's padding, never read as the state: a write
+  // that ends there zeroes it instead of reading it back first.
+  const uint64_t state_end = n_elems(g) * elem_bytes(kind);
   for (uint64_t cb = begin; cb < end;) {
     const uint64_t a = align_down(cb, kSwapAlignment);
     const uint64_t ce = std::min(end, a + kScratchBytes);
     const uint64_t b = align_up(ce, kSwapAlignment);
     ZO_CHECK_LE(b, loc.region.size_bytes);
     if (cb > a) ZO_RETURN_IF_ERROR(nvme_read_aligned(g, kind, a, kSwapAlignment, buf));
-    if (ce < b && (b - kSwapAlignment > a || cb == a)) {
+    if (ce < b && ce == state_end) {
+      std::memset(buf + (ce - a), 0, b - ce);
+    } else if (ce < b && (b - kSwapAlignment > a || cb == a)) {
       ZO_RETURN_IF_ERROR(nvme_read_aligned(g, kind, b - kSwapAlignment, kSwapAlignment, buf + (b - kSwapAlignment - a)));
     }
     fill(buf + (cb - a), cb - begin, ce - cb);

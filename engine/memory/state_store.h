@@ -108,7 +108,8 @@ class StateStore {
   // The asynchronous write of a whole NVMe state (the gradient accumulators' write-behind, Note
   // [Asynchronous accumulator writes] in grad_accumulator.cpp): `in` is 4096-aligned and holds the
   // state's bytes padded to whole 4 KiB blocks (padded_state_bytes), which fill its region exactly;
-  // the pad lands in the region's unused tail and is never read as the state. One O_DIRECT write
+  // the pad lands in the region's unused tail, never read as the state (zero it, as the store's own
+  // writes of a state's end do). One O_DIRECT write
   // is queued; `in` must stay alive and unchanged until finish_write(), which waits for it and
   // only then raises the zero watermark. Anything else (another tier, a misaligned or missized
   // buffer) is kInvalidArgument: use write_state_range.

@@ -302,12 +302,9 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
 
   // Bytes moved per step (Note [Bytes per step]).
   // NVMe transfers move whole 4 KiB-aligned sections, one per state per sub-group, so each is
-  // counted rounded as the swap file lays it out. A synchronous write of a gradient section whose
-  // length is not a whole number of pages reads its last page first (the tail goes through the
-  // store's scratch path, read-modify-write); the gradient worker's asynchronous writes carry whole
-  // pages and read nothing (Note [Asynchronous accumulator writes]), but partitioned accumulators
-  // and stage 1's write-back of the reduced sums are written synchronously. Measured, and checked
-  // exactly by tests/engine/plan against real runs.
+  // counted rounded as the swap file lays it out; a write that ends at a state's end pads its last
+  // page without reading it back. Measured, and checked exactly by tests/engine/plan against real
+  // runs.
   // A pass is one forward and backward over the blocks: GAS per step, or one with the vertical
   // schedule, which carries every micro-batch through each block at once.
   const uint64_t passes = gas / p.held_micro_batches;
@@ -319,19 +316,17 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
     if (pl.compute[g.index] == Tier::kNvme && mp.holds(g.index, StateKind::kCompute))
       compute_nvme_bytes += sec(StateKind::kCompute);
     if (pl.grad == Tier::kNvme && mp.holds(g.index, StateKind::kGradAccum)) {
-      const uint64_t grad_len = g.n_elems * state_elem_bytes(pl, StateKind::kGradAccum);
-      const uint64_t tail_page = grad_len % kSwapAlignment != 0 ? kSwapAlignment : 0;  // a synchronous write's read
       const uint64_t grad = sec(StateKind::kGradAccum);
       // The gradient accumulator: written every pass, read back on all but the first, and read
       // once more by the optimizer step.
       grad_wr += passes * grad;
-      grad_rd += (passes - 1) * grad + (mp.partition_grads ? passes * tail_page : 0);
+      grad_rd += (passes - 1) * grad;
       rd += grad;
       // Stage 1 across ranks (every rank holds every accumulator): the read above is the boundary's
-      // reduce; the owner writes the sums back (synchronously), and its optimizer reads them once more.
+      // reduce; the owner writes the sums back, and its optimizer reads them once more.
       if (mp.partitioned() && !mp.partition_grads && mp.owns(g.index)) {
         wr += grad;
-        rd += tail_page + grad;
+        rd += grad;
       }
     }
     // The optimizer step: master, exp_avg and exp_avg_sq in and out, of this rank's sub-groups.
