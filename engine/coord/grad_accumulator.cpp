@@ -87,13 +87,19 @@ struct GradAccumulator::Impl {
   };
   std::deque<Writing> writing;
 
+  // A failed write of sub-group g's accumulator, queued or synchronous (the store's status names the
+  // file and offset).
+  static Status write_failed(Status st, uint32_t g) {
+    return st.with_context("gradient accumulator: writing sub-group " + std::to_string(g));
+  }
+
   // Waits for the oldest queued write and frees its buffer.
   Status finish_oldest_write() {
     const Writing w = writing.front();
     writing.pop_front();
     Status st = store->finish_write(w.write);
     free_buffers.push_back(w.buffer);
-    if (!st.is_ok()) return st.with_context("gradient accumulator: writing sub-group " + std::to_string(w.write.sub_group));
+    if (!st.is_ok()) return write_failed(std::move(st), w.write.sub_group);
     return Status::ok();
   }
   // Waits for every queued write (all of them, whatever fails); the first failure.
@@ -207,7 +213,7 @@ struct GradAccumulator::Impl {
           store->write_state_async(g, StateKind::kGradAccum, buffers[b].bytes().first(padded));
       if (!queued.is_ok()) {
         free_buffers.push_back(b);
-        return Status(queued.status()).with_context("gradient accumulator: writing sub-group " + std::to_string(g));
+        return write_failed(queued.status(), g);
       }
       writing.push_back({*queued, b});
       report.bytes_written += bytes;
@@ -216,7 +222,7 @@ struct GradAccumulator::Impl {
     Status st = store->write_state_range(g, StateKind::kGradAccum, 0, buffers[b].bytes().first(bytes));
     group_buffer[g] = -1;
     free_buffers.push_back(b);
-    if (!st.is_ok()) return st.with_context("gradient accumulator: writing sub-group " + std::to_string(g));
+    if (!st.is_ok()) return write_failed(std::move(st), g);
     report.bytes_written += bytes;
     return Status::ok();
   }
