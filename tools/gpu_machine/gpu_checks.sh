@@ -48,10 +48,13 @@ exec > >(tee -a "$out/checks.log") 2>&1
 
 t0=$(date +%s)
 elapsed() { echo $(($(date +%s) - t0)); }
-# budget MAX: the seconds a part may take: MAX, or less when the time limit is closer (30 s are
-# kept for the packing at the end); at least 1 (`timeout 0` would mean no limit at all).
+# seconds_left: the seconds before --time-limit, less the 30 kept for the packing at the end.
+seconds_left() { echo $((limit - $(elapsed) - 30)); }
+# budget MAX: the seconds a part may take: MAX, or less when the time limit is closer; at least 1
+# (`timeout 0` would mean no limit at all).
 budget() {
-  local left=$((limit - $(elapsed) - 30))
+  local left
+  left=$(seconds_left)
   [ "$left" -lt 1 ] && left=1
   [ "$left" -lt "$1" ] && echo "$left" || echo "$1"
 }
@@ -294,7 +297,7 @@ c['zero_optimization']['stage3_gather_16bit_weights_on_model_save'] = False"
 for p in "${parts[@]}"; do
   echo
   echo "== [$(elapsed) s] $p"
-  if [ $((limit - $(elapsed) - 30)) -lt 30 ]; then
+  if [ "$(seconds_left)" -lt 30 ]; then
     echo "skipped: $((limit - $(elapsed))) s left of --time-limit $limit"
     record "$p" 0 "skipped (time)"
     rc=1
