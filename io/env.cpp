@@ -68,14 +68,20 @@ class PosixAppendFile final : public AppendFile {
 
   Status append(std::string_view bytes) override {
     if (fd_ < 0) return Status(StatusCode::kFailedPrecondition, "appending to " + path_ + ": it is closed");
-    for (size_t done = 0; done < bytes.size();) {
+    // One writer appends (O_APPEND), so the end before this append is where a failed one is cut.
+    const off_t start = ::lseek(fd_, 0, SEEK_END);
+    Status s;
+    size_t done = 0;
+    while (done < bytes.size() && s.is_ok()) {
       const ssize_t n = ::write(fd_, bytes.data() + done, bytes.size() - done);
       if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
-      if (n < 0) return errno_status("appending to " + path_, errno);
-      if (n == 0) return io_error("appending to " + path_ + ": no progress", EIO);
-      done += static_cast<size_t>(n);
+      if (n < 0) s = errno_status("appending to " + path_, errno);
+      else if (n == 0) s = io_error("appending to " + path_ + ": no progress", EIO);
+      else done += static_cast<size_t>(n);
     }
-    return Status::ok();
+    if (!s.is_ok() && done > 0 && start >= 0 && ::ftruncate(fd_, start) != 0)
+      s = Status(s.code(), s.message() + "; cutting the torn record off again failed too: " + std::strerror(errno), s.sys_errno());
+    return s;
   }
 
   Status sync() override {
@@ -358,6 +364,45 @@ Result<std::string> Env::read_file(const std::string& path, std::string_view wha
   std::string bytes(size, '\0');
   ZO_RETURN_IF_ERROR(file->read_exact(0, std::as_writable_bytes(std::span(bytes))));
   return bytes;
+}
+
+Status Env::check_output_file(const std::string& path, std::string_view what) {
+  ZO_ASSIGN_OR_RETURN(const PathKind kind, path_kind(path));
+  if (kind == PathKind::kDirectory)
+    return Status(StatusCode::kInvalidArgument, std::string(what) + " " + path + " is a directory: give the path of a file", EISDIR);
+  if (kind == PathKind::kOther) return invalid_argument(std::string(what) + " " + path + " is not a regular file");
+  if (kind == PathKind::kFile) return Status::ok();
+  // Missing: its nearest existing ancestor must be a directory.
+  const std::filesystem::path normal = std::filesystem::path(path).lexically_normal();
+  for (std::filesystem::path p = normal.parent_path(); !p.empty(); p = p.parent_path()) {
+    ZO_ASSIGN_OR_RETURN(const PathKind up, path_kind(p.string()));
+    if (up == PathKind::kDirectory) return Status::ok();
+    if (up != PathKind::kMissing)
+      return Status(StatusCode::kInvalidArgument, std::string(what) + " " + path + ": " + p.string() + " is not a directory", ENOTDIR);
+    if (p == p.parent_path()) break;
+  }
+  return Status::ok();
+}
+
+Status Env::publish_file(const std::string& path, std::string_view bytes, std::string_view what) {
+  ZO_RETURN_IF_ERROR(check_output_file(path, what));
+  const std::filesystem::path normal = std::filesystem::path(path).lexically_normal();
+  const std::string parent = normal.has_parent_path() ? normal.parent_path().string() : ".";
+  ZO_RETURN_IF_ERROR(make_dirs(parent).with_context(std::string(what) + " " + path));
+  const std::string tmp = normal.string() + ".tmp-" + std::to_string(::getpid());
+  (void)remove_all(tmp);  // a file this process left by a failed publish of the same path
+  ZO_RETURN_IF_ERROR(write_file(tmp, bytes).with_context(std::string(what)));
+  // rename(2) replaces a file and never a directory (EISDIR), whatever appeared since the check.
+  if (Status s = rename(tmp, normal.string()); !s.is_ok()) {
+    (void)remove_all(tmp);
+    return s.with_context(std::string(what));
+  }
+  return sync_dir(parent).with_context(std::string(what));
+}
+
+Result<std::unique_ptr<AppendFile>> Env::open_fresh_append(const std::string& path, std::string_view what) {
+  ZO_RETURN_IF_ERROR(publish_file(path, "", what));
+  return open_append(path);
 }
 
 Env* Env::posix() {

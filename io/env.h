@@ -41,6 +41,8 @@ class ReadFile {
 
 // A file written at its end (Env::open_append): created when missing, kept when present. Not
 // thread-safe. Destruction closes without reporting; call close() to see a deferred error.
+// An append that fails part way (EFBIG past `ulimit -f`, ENOSPC, EIO) is cut back off the file,
+// so the file never ends in a torn record.
 class AppendFile {
  public:
   virtual ~AppendFile() = default;
@@ -110,6 +112,23 @@ class Env {
   // Reads a whole regular file of at most `max_bytes` through open_read; a larger one is
   // kInvalidArgument "<what> PATH is N bytes, over the M-byte limit", refused before reading.
   Result<std::string> read_file(const std::string& path, std::string_view what, uint64_t max_bytes);
+
+  // Note [Output files]: a path the user names for a file this run writes (a trace, the metrics,
+  // a monitor's file) is checked before any work, and is only ever created or replaced whole by
+  // publish_file; nothing that is not a regular file is ever removed for it.
+  // check_output_file: ok when `path` is missing (with its nearest existing ancestor a directory,
+  // so the missing parents can be made) or a regular file; otherwise kInvalidArgument, one line:
+  // "<what> PATH is a directory: give the path of a file", "<what> PATH is not a regular file" (a
+  // FIFO, socket or device), "<what> PATH: A is not a directory" (an ancestor).
+  Status check_output_file(const std::string& path, std::string_view what);
+  // Creates or replaces the regular file `path` with `bytes`: check_output_file, the missing parent
+  // directories made, the bytes written to PATH.tmp-<pid> beside it (write_file: fdatasynced), renamed
+  // over `path` and the parent fsynced. On failure `path` is as it was and the temporary is removed.
+  Status publish_file(const std::string& path, std::string_view bytes, std::string_view what);
+  // Opens `path` to append to, as a new empty file: an existing regular file is replaced by
+  // publishing an empty one over it (never truncated in place, never removed when it is anything
+  // else). Errors as publish_file's.
+  Result<std::unique_ptr<AppendFile>> open_fresh_append(const std::string& path, std::string_view what);
 };
 
 // An Env that fails the operations `faults` chooses and passes every other one to `base`. Rules

@@ -6,6 +6,7 @@
 #include <linux/magic.h>
 #include <linux/seccomp.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/vfs.h>
@@ -15,6 +16,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <csignal>
 #include <cstddef>
 #include <cstdlib>
 #include <cstring>
@@ -900,6 +902,70 @@ TEST(PosixEnv, AppendsMakesDirectoriesAndAnswersQueries) {
   auto free = env->free_bytes(dir.path());
   ZO_ASSERT_OK(free.status());
   EXPECT_GT(*free, 0u);
+}
+
+// Note [Output files], issue 40: `--trace v` with v a directory of the user's once left v replaced
+// by the trace. A directory, a FIFO or a path under a file is refused with one line and left as it
+// was; a file is replaced whole by rename, leaving no temporary.
+TEST(PosixEnv, PublishesFilesAndNeverRemovesWhatIsNotOne) {
+  TempDir dir(test_root());
+  Env* env = Env::posix();
+  ZO_ASSERT_OK(env->make_dirs(dir.file("v/sub")));
+  ZO_ASSERT_OK(env->write_file(dir.file("v/important.txt"), "keep\n"));
+  for (Status st : {env->check_output_file(dir.file("v"), "--trace"), env->publish_file(dir.file("v"), "{}", "--trace")}) {
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+    EXPECT_EQ(st.message(), "--trace " + dir.file("v") + " is a directory: give the path of a file");
+  }
+  EXPECT_EQ(env->open_fresh_append(dir.file("v/sub"), "the metrics file").status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(slurp(dir.file("v/important.txt")), "keep\n");
+  EXPECT_EQ(*env->path_kind(dir.file("v/sub")), PathKind::kDirectory);
+
+  // Under a regular file: refused before anything is written, the file untouched.
+  Status under = env->publish_file(dir.file("v/important.txt/trace.json"), "{}", "--trace");
+  EXPECT_EQ(under.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(under.message(), HasSubstr(dir.file("v/important.txt") + " is not a directory"));
+  EXPECT_EQ(slurp(dir.file("v/important.txt")), "keep\n");
+  ASSERT_EQ(::mkfifo(dir.file("fifo").c_str(), 0644), 0);
+  EXPECT_THAT(env->check_output_file(dir.file("fifo"), "--trace").message(), HasSubstr("is not a regular file"));
+
+  // Missing parents are made; a file is replaced whole; nothing is left beside it.
+  ZO_ASSERT_OK(env->check_output_file(dir.file("new/deep/trace.json"), "--trace"));
+  ZO_ASSERT_OK(env->publish_file(dir.file("new/deep/trace.json"), "first", "--trace"));
+  ZO_ASSERT_OK(env->publish_file(dir.file("new/deep/trace.json"), "second", "--trace"));
+  EXPECT_EQ(slurp(dir.file("new/deep/trace.json")), "second");
+  EXPECT_THAT(*env->list_dir(dir.file("new/deep")), ::testing::ElementsAre("trace.json"));
+  {
+    auto log = env->open_fresh_append(dir.file("new/deep/trace.json"), "the metrics file");
+    ZO_ASSERT_OK(log.status());
+    ZO_ASSERT_OK((*log)->append("line\n"));
+  }
+  EXPECT_EQ(slurp(dir.file("new/deep/trace.json")), "line\n") << "a fresh append file starts empty";
+}
+
+// Under `ulimit -f` (SIGXFSZ ignored, as the tools ignore it) a write past the limit writes what
+// fits and then fails with EFBIG: the append's torn part is cut off again, so the file keeps
+// whole records only.
+TEST(PosixEnv, AnAppendThatFailsPartWayLeavesNoTornRecord) {
+  TempDir dir(test_root());
+  Env* env = Env::posix();
+  auto log = env->open_append(dir.file("metrics.jsonl"));
+  ZO_ASSERT_OK(log.status());
+  ZO_ASSERT_OK((*log)->append(std::string(99, 'a') + "\n"));
+  struct rlimit old_limit {};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &old_limit), 0);
+  void (*old_handler)(int) = std::signal(SIGXFSZ, SIG_IGN);
+  struct rlimit limit = old_limit;
+  limit.rlim_cur = 150;
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &limit), 0);
+  Status torn = (*log)->append(std::string(99, 'b') + "\n");
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &old_limit), 0);
+  std::signal(SIGXFSZ, old_handler);
+  EXPECT_EQ(torn.code(), StatusCode::kIoError);
+  EXPECT_EQ(torn.sys_errno(), EFBIG);
+  EXPECT_THAT(torn.message(), HasSubstr("appending to " + dir.file("metrics.jsonl")));
+  EXPECT_EQ(slurp(dir.file("metrics.jsonl")), std::string(99, 'a') + "\n");
+  ZO_ASSERT_OK((*log)->append("next\n"));
+  EXPECT_EQ(slurp(dir.file("metrics.jsonl")), std::string(99, 'a') + "\nnext\n");
 }
 
 TEST(FaultyEnv, FailsReadsAppendsAndDirectoryCreation) {
