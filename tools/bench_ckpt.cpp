@@ -5,6 +5,7 @@
 #include <CLI/CLI.hpp>
 
 #include <sys/statvfs.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
@@ -53,9 +54,8 @@ double gbps(uint64_t bytes, double s) { return s > 0 ? static_cast<double>(bytes
 // buffer of the staging size cut into 4 slots with all 4 in flight — the save's write pattern
 // without the reads that feed it.
 Result<double> time_plain_write(io::IoEngine& io, const std::string& dir, uint64_t bytes, std::span<std::byte> buf) {
-  const std::string path = dir + "/zoffload-bench-ckpt-baseline.dat";
-  fs::remove(path);
-  ZO_ASSIGN_OR_RETURN(io::File file, io::File::open(path, io::OpenMode::kCreate, /*direct=*/true));
+  const std::string path = dir + "/zoffload-bench-ckpt-baseline." + std::to_string(::getpid()) + ".dat";
+  ZO_ASSIGN_OR_RETURN(io::File file, io::File::open(path, io::OpenMode::kCreateNew, /*direct=*/true));
   const uint64_t slot = buf.size() / 4 / kDirectIoAlignment * kDirectIoAlignment;
   std::vector<std::optional<io::Ticket>> tickets(4);
   const auto t0 = Clock::now();
@@ -92,10 +92,9 @@ Result<double> time_plain_write(io::IoEngine& io, const std::string& dir, uint64
 // flight with the write of chunk c-1, 4 slots), no checksums.
 Result<double> time_plain_copy(io::IoEngine& io, const std::string& src, const std::string& dir, uint64_t bytes,
                                std::span<std::byte> buf) {
-  const std::string path = dir + "/zoffload-bench-ckpt-copy.dat";
-  fs::remove(path);
+  const std::string path = dir + "/zoffload-bench-ckpt-copy." + std::to_string(::getpid()) + ".dat";
   ZO_ASSIGN_OR_RETURN(io::File in, io::File::open(src, io::OpenMode::kRead, /*direct=*/true));
-  ZO_ASSIGN_OR_RETURN(io::File out, io::File::open(path, io::OpenMode::kCreate, /*direct=*/true));
+  ZO_ASSIGN_OR_RETURN(io::File out, io::File::open(path, io::OpenMode::kCreateNew, /*direct=*/true));
   const uint64_t slot = buf.size() / 4 / kDirectIoAlignment * kDirectIoAlignment;
   const uint64_t n_chunks = (bytes + slot - 1) / slot;
   std::vector<std::optional<io::Ticket>> rt(4), wt(4);
@@ -239,8 +238,17 @@ int run_bench(const Args& a) {
 
   auto staging = AlignedBuffer::allocate(*staging_bytes);
   if (!staging.is_ok()) return failure(staging.status().to_string());
-  const std::string ckpt_dir = a.nvme_path + "/zoffload-bench-ckpt";
-  fs::remove_all(ckpt_dir);
+  // Its own names (with the pid), created new and removed on every way out: nothing of the user's
+  // under --nvme-path is ever replaced or removed.
+  const std::string ckpt_dir = a.nvme_path + "/zoffload-bench-ckpt." + std::to_string(::getpid());
+  if (fs::exists(ckpt_dir)) return failure(ckpt_dir + " exists already: remove it, or give another --nvme-path");
+  struct RemoveOnExit {
+    std::string path;
+    ~RemoveOnExit() {
+      std::error_code ec;
+      fs::remove_all(path, ec);
+    }
+  } remove_ckpt_dir{ckpt_dir};
   auto baseline = time_plain_write(**io, a.nvme_path, state_bytes, staging->bytes());
   if (!baseline.is_ok()) return failure("baseline write: " + baseline.status().to_string());
   // The swap file holds every state (and the gradients) back to back: copying its first
@@ -304,7 +312,6 @@ int run_bench(const Args& a) {
   const double export_s = since(t_export);
   const int64_t export_rss = export_phase.peak_extra_bytes();
   if (!exported.is_ok()) return failure("export: " + exported.status().to_string());
-  fs::remove_all(ckpt_dir);
 
   const double save_gbps = gbps(saved->bytes, saved->seconds);
   const double base_gbps = gbps(state_bytes, *baseline);

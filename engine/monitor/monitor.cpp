@@ -72,25 +72,39 @@ Result<std::unique_ptr<CsvMonitor>> CsvMonitor::open(io::Env* env, std::string d
   return std::unique_ptr<CsvMonitor>(new CsvMonitor(env, std::move(dir), append));
 }
 
+std::string CsvMonitor::path_of(const std::string& tag) const {
+  std::string name = tag;
+  for (char& c : name)
+    if (c == '/' || c == ' ') c = '_';
+  return dir_ + "/" + name + ".csv";
+}
+
+Status CsvMonitor::check_files(const std::vector<Scalar>& scalars) {
+  for (const Scalar& s : scalars) ZO_RETURN_IF_ERROR(env_->check_output_file(path_of(s.tag), "csv_monitor file"));
+  return Status::ok();
+}
+
 Status CsvMonitor::write(uint64_t samples, const std::vector<Scalar>& scalars) {
   for (const Scalar& s : scalars) {
     File* file = nullptr;
     for (const auto& f : files_)
       if (f->tag == s.tag) file = f.get();
     if (file == nullptr) {
-      std::string name = s.tag;
-      for (char& c : name)
-        if (c == '/' || c == ' ') c = '_';
-      const std::string path = dir_ + "/" + name + ".csv";
-      if (!append_) ZO_RETURN_IF_ERROR(env_->remove_all(path).with_context("csv_monitor"));
+      const std::string path = path_of(s.tag);
+      // A new run replaces an earlier run's file whole; a resumed one appends (Note [Output files]).
+      ZO_RETURN_IF_ERROR(env_->check_output_file(path, "csv_monitor file"));
       uint64_t size = 0;
-      ZO_ASSIGN_OR_RETURN(io::PathKind kind, env_->path_kind(path));
-      if (kind == io::PathKind::kFile) {
-        ZO_ASSIGN_OR_RETURN(size, env_->file_size(path));
-      }
       auto f = std::make_unique<File>();
       f->tag = s.tag;
-      ZO_ASSIGN_OR_RETURN(f->out, env_->open_append(path));
+      if (append_) {
+        ZO_ASSIGN_OR_RETURN(io::PathKind kind, env_->path_kind(path));
+        if (kind == io::PathKind::kFile) {
+          ZO_ASSIGN_OR_RETURN(size, env_->file_size(path));
+        }
+        ZO_ASSIGN_OR_RETURN(f->out, env_->open_append(path));
+      } else {
+        ZO_ASSIGN_OR_RETURN(f->out, env_->open_fresh_append(path, "csv_monitor file"));
+      }
       if (size == 0) {  // DeepSpeed's header: "step" and the tag's last component
         const size_t slash = s.tag.rfind('/');
         ZO_RETURN_IF_ERROR(f->out->append("step," + s.tag.substr(slash == std::string::npos ? 0 : slash + 1) + "\n"));

@@ -354,13 +354,25 @@ Status Trainer::Impl::resolve_model() {
 }
 
 Status Trainer::Impl::prepare_run_dir() {
-  if (!opt.out_dir.empty())
+  // Note [One run per run directory]: two runs on one --out would append to one metrics file, tidy
+  // away each other's checkpoint saves in progress and mix their checkpoints. Rank 0 locks the
+  // directory before anything in it is touched (the other ranks write nothing there before they
+  // have connected to it); the lock file stays, so that no two processes can lock two files.
+  if (rank() == 0 && !opt.run_dir_lock) {
+    ZO_ASSIGN_OR_RETURN(opt.run_dir_lock, lock_run_dir(opt.out_dir.empty() ? "." : opt.out_dir, env()));
+  } else if (!opt.out_dir.empty()) {
     ZO_RETURN_IF_ERROR(env()->make_dirs(opt.out_dir).with_context("creating the run directory " + opt.out_dir));
+  }
   const Config& config = opt.config;
   metrics_path = resolve_run_path(opt.out_dir, config.zoffload.log.metrics_path.empty() ? "metrics.jsonl"
                                                                                      : config.zoffload.log.metrics_path);
+  // Note [Output files] (io/env.h): the files this run writes are checked now, not after a step.
+  if (rank() == 0) ZO_RETURN_IF_ERROR(env()->check_output_file(metrics_path, "the metrics file (zoffload.log.metrics_path)"));
   if (!config.zoffload.checkpoint.dir.empty()) {
     checkpoint_dir = resolve_run_path(opt.out_dir, config.zoffload.checkpoint.dir);
+    ZO_ASSIGN_OR_RETURN(const io::PathKind kind, env()->path_kind(checkpoint_dir));
+    if (kind != io::PathKind::kMissing && kind != io::PathKind::kDirectory)
+      return invalid_argument("zoffload.checkpoint.dir " + checkpoint_dir + " exists and is not a directory");
     if (rank() != 0) return Status::ok();  // rank 0 writes the checkpoints, and tidies them
     ZO_ASSIGN_OR_RETURN(std::vector<std::string> stale, clean_stale_checkpoints(checkpoint_dir, env()));
     for (const std::string& name : stale)
@@ -561,8 +573,13 @@ Status Trainer::Impl::open_metrics() {
   // (resume_from_checkpoint, which runs before, has released `resume`: resumed_from says.)
   const bool resumed = !resumed_from.empty();
   if (rank() != 0) return Status::ok();  // rank 0 writes the metrics and monitors, for all ranks
-  if (!resumed) ZO_RETURN_IF_ERROR(env()->remove_all(metrics_path).with_context("starting the metrics file"));
-  ZO_ASSIGN_OR_RETURN(metrics, env()->open_append(metrics_path));
+  // A new run replaces an earlier run's metrics whole (Note [Output files]); a directory there was
+  // refused by prepare_run_dir.
+  if (resumed) {
+    ZO_ASSIGN_OR_RETURN(metrics, env()->open_append(metrics_path));
+  } else {
+    ZO_ASSIGN_OR_RETURN(metrics, env()->open_fresh_append(metrics_path, "the metrics file (zoffload.log.metrics_path)"));
+  }
   // DeepSpeed writes to os.path.join(output_path, job_name); output_path is relative to the run
   // directory here, as every path of the config is.
   const Config& config = opt.config;
@@ -575,6 +592,9 @@ Status Trainer::Impl::open_metrics() {
   }
   if (config.csv_monitor.enabled) {
     ZO_ASSIGN_OR_RETURN(csv_monitor, monitor::CsvMonitor::open(env(), monitor_dir(config.csv_monitor), resumed));
+    // The files a step's record goes to, checked before the first step (Note [Output files]).
+    ZO_RETURN_IF_ERROR(csv_monitor->check_files(monitor::scalars_of_metrics_record(StepMetrics{}.to_json()))
+                           .with_context("csv_monitor"));
   }
   return Status::ok();
 }
@@ -1245,6 +1265,19 @@ Result<OptimizerStepReport> Trainer::Impl::update(const OptimizerStepArgs& args,
 
 Trainer::Trainer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Trainer::~Trainer() = default;
+
+Result<std::shared_ptr<io::File>> lock_run_dir(const std::string& out_dir, io::Env* env) {
+  if (env == nullptr) env = io::Env::posix();
+  ZO_RETURN_IF_ERROR(env->make_dirs(out_dir).with_context("creating the run directory " + out_dir));
+  const std::string path = out_dir + "/.zoffload.lock";
+  ZO_ASSIGN_OR_RETURN(io::File file, io::File::open(path, io::OpenMode::kCreate, /*direct=*/false));
+  if (Status st = file.lock_exclusive(); !st.is_ok()) {
+    if (st.code() != StatusCode::kFailedPrecondition) return st.with_context("locking the run directory " + out_dir);
+    return failed_precondition("run directory " + out_dir + " is in use by another zoffload run (it holds " + path +
+                               "): wait for that run to end, or give this one another --out");
+  }
+  return std::make_shared<io::File>(std::move(file));
+}
 
 Result<std::unique_ptr<Trainer>> Trainer::create(const TrainOptions& options) {
   auto impl = std::make_unique<Impl>();

@@ -21,6 +21,7 @@
 #include "engine/memory/accounting.h"
 #include "engine/model/model_config.h"
 #include "io/fault_injector.h"
+#include "io/file.h"
 
 namespace zo::engine {
 
@@ -61,7 +62,16 @@ struct TrainOptions {
   // process. Every rank creates its Trainer with the same options and calls step() and
   // save_checkpoint() in the same order. Owned by the caller; outlives the Trainer.
   dist::ProcessGroup* group = nullptr;
+  // Note [One run per run directory]: rank 0 holds out_dir's lock for the whole run. zoffload train
+  // takes it (lock_run_dir) before the ranks connect and hands it over here; null: init takes it.
+  std::shared_ptr<io::File> run_dir_lock;
 };
+
+// Creates `out_dir` when missing and locks it for this run: an exclusive flock on
+// OUT/.zoffload.lock, held until the returned file is closed. kFailedPrecondition "run directory
+// OUT is in use by another zoffload run ..." when another process (or another lock in this one)
+// holds it.
+Result<std::shared_ptr<io::File>> lock_run_dir(const std::string& out_dir, io::Env* env = nullptr);
 
 // What one optimizer step did and where its time went (seconds of wall time).
 struct StepMetrics {

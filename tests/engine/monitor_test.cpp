@@ -70,6 +70,22 @@ TEST_F(MonitorDir, CsvFilesHoldOneHeaderAndAppendWhenResumed) {
   EXPECT_EQ(read_all(dir_ + "/job/Train_Samples_train_loss.csv"), "step,train_loss\n8,4\n");
 }
 
+// Issue 40: a new run's csv_monitor once removed whatever stood at a tag's file name, a directory
+// of the user's included. A directory there is refused before the first step and kept.
+TEST_F(MonitorDir, ADirectoryWhereACsvFileGoesIsRefusedAndKept) {
+  std::filesystem::create_directories(dir_ + "/job/Train_Samples_lr.csv/mine");
+  std::ofstream(dir_ + "/job/Train_Samples_lr.csv/mine/notes.txt") << "keep\n";
+  auto m = CsvMonitor::open(io::Env::posix(), dir_ + "/job", /*append=*/false);
+  ASSERT_TRUE(m.is_ok()) << m.status().to_string();
+  const std::vector<Scalar> record = {{"Train/Samples/train_loss", 2.5}, {"Train/Samples/lr", 0.1}};
+  const Status checked = (*m)->check_files(record);
+  EXPECT_EQ(checked.code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(checked.message(), "csv_monitor file " + dir_ + "/job/Train_Samples_lr.csv is a directory: give the path of a file");
+  EXPECT_FALSE((*m)->write(8, record).is_ok());
+  EXPECT_EQ(read_all(dir_ + "/job/Train_Samples_lr.csv/mine/notes.txt"), "keep\n");
+  ASSERT_TRUE((*m)->check_files({{"Train/Samples/train_loss", 2.5}}).is_ok());
+}
+
 TEST_F(MonitorDir, AFailedWriteNamesTheFile) {
   auto faults = std::make_shared<io::FaultInjector>();
   io::FaultyEnv env(io::Env::posix(), faults);

@@ -4,7 +4,9 @@
 and duration, spans on a track nest and never partly overlap, only the chosen steps are traced, and
 every block of the model (its count read from the run's own Hugging Face export) is computed,
 forward and backward, and fetched inside each traced step, and the device copies gradients D2H in
-each and parameters H2D; the gradient worker, the optimizer, NVMe reads and writes and the checkpoint have spans. Bad --trace-steps are one line and exit 2.
+each and parameters H2D; the gradient worker, the optimizer, NVMe reads and writes and the checkpoint have spans. Bad --trace-steps are one line and exit 2; so is a --trace that names a directory
+or a path under a file, refused before the run starts with the user's files untouched; an earlier
+trace file is replaced.
 
 usage: trace_cli_test.py ZOFFLOAD SOURCE_DIR"""
 import json
@@ -38,6 +40,28 @@ with tempfile.TemporaryDirectory(dir=os.environ.get("MESON_BUILD_ROOT")) as tmp:
         expect(p.returncode == 2 and needle in p.stderr and len(p.stderr.splitlines()) == 1,
                "%s is refused in one line: exit %d: %s" % (bad, p.returncode, p.stderr))
 
+    # Issue 40: `--trace v`, v a directory of the user's, once left v replaced by the trace (exit 0),
+    # and under a regular file failed only after training, having removed the target first. Both
+    # are refused before the run starts, in one line, and nothing of the user's is touched.
+    v = os.path.join(tmp, "v")
+    os.makedirs(os.path.join(v, "sub"))
+    with open(os.path.join(v, "important.txt"), "w") as f:
+        f.write("keep\n")
+    with open(os.path.join(tmp, "notes.txt"), "w") as f:
+        f.write("mine\n")
+    for target, needle in [(v, "--trace %s is a directory" % v),
+                           (os.path.join(tmp, "notes.txt", "t.json"), "notes.txt is not a directory")]:
+        p = subprocess.run(base + ["--trace", target], capture_output=True, text=True, timeout=120)
+        expect(p.returncode == 2 and needle in p.stderr and len(p.stderr.splitlines()) == 1,
+               "--trace %s is refused at start in one line: exit %d: %s" % (target, p.returncode, p.stderr[-1000:]))
+        expect(not os.path.exists(run), "--trace %s: refused before the run starts (no %s)" % (target, run))
+    with open(os.path.join(v, "important.txt")) as f, open(os.path.join(tmp, "notes.txt")) as g:
+        expect(f.read() == "keep\n" and os.path.isdir(os.path.join(v, "sub")) and g.read() == "mine\n",
+               "the user's directory and file are as they were")
+
+    # An earlier trace (a file) is replaced whole.
+    with open(trace_path, "w") as f:
+        f.write("an earlier trace")
     p = subprocess.run(base + ["--trace", trace_path, "--trace-steps", "2-3"], capture_output=True, text=True, timeout=600)
     if not expect(p.returncode == 0, "the traced run trains: %s" % p.stderr[-2000:]):
         report_and_exit()
