@@ -198,6 +198,10 @@ int run_train(const TrainArgs& args) {
 
   uint64_t steps = a.steps ? a.steps : config->scheduler.total_num_steps;
   if (steps == 0) return fail("give --steps N (the config's scheduler has no total_num_steps to take it from)", 2);
+  // Note [Output files] (io/env.h): a trace that cannot be written is found now, not after training.
+  if (!a.trace.empty()) {
+    if (Status st = io::Env::posix()->check_output_file(a.trace, "--trace"); !st.is_ok()) return fail(st.message(), 2);
+  }
 
   engine::TrainOptions options;
   options.config = *config;
@@ -209,6 +213,13 @@ int run_train(const TrainArgs& args) {
   options.out_dir = a.out;
   options.resume = a.resume;
   options.last_step = steps;
+  // Note [One run per run directory] (engine/train/trainer.cpp): rank 0 locks --out before the ranks
+  // connect, so the other ranks of a run refused here never get past the rendezvous.
+  if (world->rank == 0) {
+    auto lock = engine::lock_run_dir(a.out);
+    if (!lock.is_ok()) return fail(lock.status().message(), 1);
+    options.run_dir_lock = std::move(*lock);
+  }
   std::unique_ptr<engine::dist::ProcessGroup> group;
   if (world->distributed()) {
     // Note [One GPU per rank] (engine/dist/world.h), before anything initialises CUDA.
@@ -309,8 +320,7 @@ int run_train(const TrainArgs& args) {
   auto write_trace = [&]() -> Status {
     if (a.trace.empty()) return Status::ok();
     trace::pause();
-    ZO_RETURN_IF_ERROR(io::Env::posix()->remove_all(a.trace));
-    ZO_RETURN_IF_ERROR(io::Env::posix()->write_file(a.trace, trace::to_chrome_json()));
+    ZO_RETURN_IF_ERROR(io::Env::posix()->publish_file(a.trace, trace::to_chrome_json(), "--trace"));
     if (!a.quiet && !a.json)
       std::fprintf(stderr, "trace: %llu spans%s -> %s (open it in https://ui.perfetto.dev or chrome://tracing)\n",
                    static_cast<unsigned long long>(trace::spans_kept()),
@@ -344,6 +354,11 @@ int run_train(const TrainArgs& args) {
     }
     if (last) break;
     Status st = save(false);
+    // A save that failed because a rank is gone ends the run here: training on would only wait for
+    // that rank again, through another --dist-timeout, at the next collective.
+    if (!st.is_ok() && group != nullptr && group->broken())
+      return fail("the checkpoint after step " + std::to_string(m->step) + " failed, and the ranks are no longer "
+                  "connected (the previous checkpoints are intact): " + st.to_string(), 1);
     if (!st.is_ok()) {
       std::cerr << "zoffload train: warning: the checkpoint after step " << m->step << " failed: " << st.to_string()
                 << "; the previous checkpoints are intact and training goes on\n";

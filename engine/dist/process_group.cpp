@@ -154,6 +154,8 @@ ProcessGroup::ProcessGroup(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) 
 ProcessGroup::~ProcessGroup() = default;
 
 const WorldInfo& ProcessGroup::world() const { return impl_->world; }
+bool ProcessGroup::broken() const { return impl_->failures > 0; }
+
 uint64_t ProcessGroup::bytes() const { return impl_->bytes; }
 double ProcessGroup::seconds() const { return impl_->seconds; }
 

@@ -52,6 +52,10 @@ class ProcessGroup {
   // Every rank has reached this call.
   Status barrier(const std::string& what);
 
+  // A collective of this group has failed (Note [A rank that fails]): the ranks are no longer all
+  // connected, and every later collective would fail too, after waiting for the timeout again.
+  bool broken() const;
+
   // Payload bytes this rank has passed to collectives, and the wall time spent in them.
   uint64_t bytes() const;
   double seconds() const;

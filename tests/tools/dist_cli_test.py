@@ -21,7 +21,10 @@ on CPU ranks joined by c10d's TCPStore and Gloo.
   start on every rank;
 - tools/dist_bench.py (the data-parallel benchmark) runs and its JSON is consistent.
 
-usage: dist_cli_test.py ZOFFLOAD SOURCE_DIR"""
+- a rank stalled while the other saves a checkpoint: the save fails and the survivor stops there,
+  within one --dist-timeout, instead of training on into a second wait;
+
+usage: dist_cli_test.py ZOFFLOAD SOURCE_DIR SLOW_FALLOCATE_SO"""
 import json
 import os
 import signal
@@ -40,7 +43,7 @@ except ImportError as e:  # the oracle readers come with tools/requirements.txt
     print("skipped: %s" % e)
     sys.exit(77)
 
-zoffload, source_dir = sys.argv[1], sys.argv[2]
+zoffload, source_dir, slow_shim = sys.argv[1], sys.argv[2], sys.argv[3]
 corpus = os.path.join(source_dir, "configs", "data", "demo_corpus.txt")
 REL_TOL = 1e-5       # losses and grad norms: the same rows, summed in another order
 WEIGHT_ATOL = 2e-6   # final weights after 4 AdamW steps at lr 3e-4 (each step moves a weight by <= ~lr)
@@ -365,14 +368,14 @@ with tempfile.TemporaryDirectory(dir=os.environ.get("MESON_BUILD_ROOT")) as tmp:
                "dist_bench.py's JSON has its figures and their ratio: %s" % p.stdout)
 
     # ---- a rank that dies or stalls ---------------------------------------------------------------------
-    def launch_ranks(name, timeout_s):
-        cfg = write_config(tmp, name, 1, 1, ckpt_every=1)
+    def launch_ranks(name, timeout_s, placement="nvme", rank0_env=None):
+        cfg = write_config(tmp, name, 1, 1, placement=placement, ckpt_every=1)
         out = os.path.join(tmp, name)
         port = str(free_port())
         procs = []
         for r in range(2):
             env = dict(os.environ, WORLD_SIZE="2", RANK=str(r), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=port)
+                       MASTER_PORT=port, **(rank0_env if r == 0 and rank0_env else {}))
             args = train_args(cfg, out, steps=100000)
             args[args.index("--dist-timeout") + 1] = str(timeout_s)
             procs.append(subprocess.Popen([zoffload] + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -411,5 +414,38 @@ with tempfile.TemporaryDirectory(dir=os.environ.get("MESON_BUILD_ROOT")) as tmp:
         print("%s: the survivor stopped after %.1f s: %s" % (name, took, last))
         q = single(["ckpt", "verify", os.path.join(out, "ckpt")])
         expect(q.returncode == 0, "%s: the last checkpoint verifies: %s %s" % (name, q.stdout[-500:], q.stderr[-500:]))
+
+    # Issue 40: a rank that stalls while rank 0 saves once cost the timeout twice: the failed save
+    # was a warning, so rank 0 trained on into the next collective and waited again. The shim holds
+    # each ftruncate of rank 0 (sizing the checkpoint's files) for DELAY s; rank 1 is stopped then.
+    delay_s, timeout_s = 3, 20
+    name = "stall-during-save"
+    out, procs = launch_ranks(name, timeout_s, placement="cpu",
+                              rank0_env={"LD_PRELOAD": slow_shim, "ZO_TEST_FTRUNCATE_DELAY_MS": str(delay_s * 1000)})
+    ckpt = os.path.join(out, "ckpt")
+    deadline = time.time() + 300
+    saving = []
+    while time.time() < deadline and not saving and all(p.poll() is None for p in procs):
+        saving = [d for d in (os.listdir(ckpt) if os.path.isdir(ckpt) else []) if d.startswith("tmp-") and
+                  os.listdir(os.path.join(ckpt, d))]
+        time.sleep(0.05)
+    if expect(saving and all(p.poll() is None for p in procs), "%s: rank 0 is sizing a save's files: %s" % (name, saving)):
+        t0 = time.time()
+        procs[1].send_signal(signal.SIGSTOP)
+        try:
+            _, err = procs[0].communicate(timeout=3 * delay_s + 2 * timeout_s + 60)
+        except subprocess.TimeoutExpired:
+            procs[0].kill()
+            _, err = procs[0].communicate()
+        took = time.time() - t0
+        last = err.strip().splitlines()[-1] if err.strip() else ""
+        expect(procs[0].returncode == 1 and "checkpoint after step" in last and "rank 1 of 2 did not respond" in last,
+               "%s: rank 0 stops at the failed save, naming rank 1: exit %s: %s" % (name, procs[0].returncode, err[-1500:]))
+        expect(took <= 3 * delay_s + timeout_s + 20,
+               "%s: within one --dist-timeout (%d s) of the stall, not two: %.1f s" % (name, timeout_s, took))
+        print("%s: rank 0 stopped after %.1f s: %s" % (name, took, last))
+    for p in procs:
+        p.kill()
+        p.communicate()
 
 report_and_exit()

@@ -592,6 +592,30 @@ TEST(Trainer, BadInputsFailAtStartWithClearErrors) {
   EXPECT_THAT(resolve_model_config("no-such-model").status().to_string(), HasSubstr("tiny"));
 }
 
+// Issue 40 (Note [One run per run directory]): a second run on a run directory another run holds
+// is refused before it touches anything there; the first run's metrics go on whole, and the
+// directory is free again once the first run ends.
+TEST(Trainer, ASecondRunOnTheSameRunDirectoryIsRefused) {
+  TempDir dir;
+  const TrainOptions o = make_options({.param = "cpu", .optimizer = "cpu"}, dir);
+  auto first = Trainer::create(o);
+  ASSERT_TRUE(first.is_ok()) << first.status().to_string();
+  ASSERT_TRUE((*first)->step().is_ok());
+  auto second = Trainer::create(o);
+  ASSERT_FALSE(second.is_ok());
+  EXPECT_EQ(second.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_THAT(second.status().message(), HasSubstr("run directory " + o.out_dir + " is in use by another zoffload run"));
+  ASSERT_TRUE((*first)->step().is_ok());
+  std::ifstream metrics((*first)->metrics_path());
+  std::string line;
+  int lines = 0;
+  while (std::getline(metrics, line)) ++lines;
+  EXPECT_EQ(lines, 2) << "the refused run touched the first run's metrics";
+  first->reset();
+  auto third = Trainer::create(o);
+  EXPECT_TRUE(third.is_ok()) << "the lock ends with the run: " << third.status().to_string();
+}
+
 // A step that fails before the optimizer (here: a label outside the vocabulary in the data) loses
 // its gradients; the next step starts a fresh accumulation window and trains.
 TEST(Trainer, AStepThatFailsBeforeTheOptimizerDoesNotWedgeTheRun) {
