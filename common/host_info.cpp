@@ -1,5 +1,6 @@
 #include "common/host_info.h"
 
+#include <pthread.h>
 #include <sched.h>
 #include <stdio.h>
 #include <sys/resource.h>
@@ -55,6 +56,15 @@ HostInfo host_info() {
   rlimit rl{};
   if (getrlimit(RLIMIT_MEMLOCK, &rl) == 0)
     h.memlock_limit_bytes = rl.rlim_cur == RLIM_INFINITY ? std::numeric_limits<uint64_t>::max() : rl.rlim_cur;
+  h.address_space_limit_bytes = std::numeric_limits<uint64_t>::max();
+  if (getrlimit(RLIMIT_AS, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY) h.address_space_limit_bytes = rl.rlim_cur;
+  pthread_attr_t attr;
+  size_t stack = 0;
+  if (pthread_getattr_default_np(&attr) == 0) {
+    if (pthread_attr_getstacksize(&attr, &stack) != 0) stack = 0;
+    pthread_attr_destroy(&attr);
+  }
+  h.thread_stack_bytes = stack != 0 ? stack : uint64_t{8} << 20;  // glibc's default under ulimit -s 8192
   return h;
 }
 
@@ -67,6 +77,7 @@ RssBytes process_rss() {
     unsigned long long kib = 0;
     if (std::sscanf(line, "VmRSS: %llu kB", &kib) == 1) r.current = kib * 1024;
     if (std::sscanf(line, "VmHWM: %llu kB", &kib) == 1) r.peak = kib * 1024;
+    if (std::sscanf(line, "VmSize: %llu kB", &kib) == 1) r.virtual_bytes = kib * 1024;
   }
   std::fclose(f);
   return r;

@@ -14,15 +14,18 @@ struct HostInfo {
   uint64_t mem_total_bytes = 0;      // MemTotal
   uint64_t mem_available_bytes = 0;  // MemAvailable
   uint64_t memlock_limit_bytes = 0;  // RLIMIT_MEMLOCK soft limit; UINT64_MAX when unlimited
+  uint64_t address_space_limit_bytes = 0;  // RLIMIT_AS soft limit (ulimit -v); UINT64_MAX when unlimited
+  uint64_t thread_stack_bytes = 0;   // the address space a new thread's stack reserves (glibc's default)
 };
 
 HostInfo host_info();
 
-// Resident set size of this process now (VmRSS) and its high-water mark (VmHWM), in bytes; 0 when
-// /proc/self/status cannot be read.
+// Resident set size of this process now (VmRSS) and its high-water mark (VmHWM), and its address
+// space now (VmSize, what ulimit -v limits), in bytes; 0 when /proc/self/status cannot be read.
 struct RssBytes {
   uint64_t current = 0;
   uint64_t peak = 0;
+  uint64_t virtual_bytes = 0;
 };
 RssBytes process_rss();
 // Resets the high-water mark to the current RSS (writes 5 to /proc/self/clear_refs), so the peak of

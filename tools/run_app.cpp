@@ -1,7 +1,10 @@
 #include <CLI/CLI.hpp>
 
 #include <filesystem>
+#include <iostream>
+#include <new>
 #include <string>
+#include <system_error>
 
 #include "tools/commands.h"
 
@@ -19,6 +22,19 @@ int run_app(CLI::App& app, int argc, char** argv, const int& exit_code) {
   } catch (const CLI::ParseError& e) {
     // app.exit prints the help, version or error; only a real parse error is bad usage.
     return app.exit(e) == 0 ? 0 : 2;
+  } catch (const std::bad_alloc&) {
+    // Note [Out of resources]: under `ulimit -v`, or on a host out of memory, an allocation or a
+    // thread start at start-up is one line and exit 1, not an abort with a core dump.
+    std::cerr << tool << ": error: out of memory: an allocation failed (the address space limit, ulimit -v, or the "
+              << "host's memory; `zoffload plan` shows what the run needs)\n";
+    return 1;
+  } catch (const std::system_error& e) {
+    std::cerr << tool << ": error: " << (e.code() == std::errc::resource_unavailable_try_again
+                                             ? "could not start a thread (" + std::string(e.what()) +
+                                                   "): the process is out of memory or threads (ulimit -v, ulimit -u)"
+                                             : std::string(e.what()))
+              << "\n";
+    return 1;
   }
   return exit_code;
 }

@@ -441,6 +441,25 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
                               ? "raise ulimit -l, set pin_memory false or zoffload.activation_checkpoints \"device\""
                               : "raise ulimit -l or set pin_memory false"});
   }
+  {
+    // Note [Address space]: the threads a run starts — LibTorch's intra-op pool and the optimizer's
+    // (one per CPU each, at most), the I/O engine's, and about ten of its own (the optimizer and
+    // gradient workers, the gatherer, Gloo's) — each reserve a stack, and each may open a malloc
+    // arena of 64 MiB (glibc: at most 8 per CPU).
+    const uint64_t cpus = std::max<unsigned>(1, host.logical_cpus);
+    const uint64_t threads = 2 * cpus + c.aio.intra_op_parallelism + 10;
+    const uint64_t arenas = std::min(threads, 8 * cpus);
+    p.thread_reserve_bytes = threads * host.thread_stack_bytes + arenas * (uint64_t{64} << 20);
+    p.address_space_bytes = host.process_virtual_bytes + p.ram_bytes + (in.host.cuda ? 0 : p.device_total_bytes) +
+                            p.thread_reserve_bytes;
+    if (host.address_space_limit_bytes != UINT64_MAX && p.address_space_bytes > host.address_space_limit_bytes) {
+      p.problems.push_back({"address space (ulimit -v)", p.address_space_bytes, host.address_space_limit_bytes,
+                            "the process with LibTorch " + format_bytes(host.process_virtual_bytes) + " + the run's memory " +
+                                format_bytes(p.address_space_bytes - host.process_virtual_bytes - p.thread_reserve_bytes) +
+                                " + about " + std::to_string(threads) + " threads' stacks and malloc arenas " +
+                                format_bytes(p.thread_reserve_bytes) + ": raise ulimit -v"});
+    }
+  }
   const uint64_t ram_need = p.ram_bytes + p.process_bytes;
   if (host.ram_available_bytes > 0 && ram_need > host.ram_available_bytes) {
     p.problems.push_back({"RAM (MemAvailable)", ram_need, host.ram_available_bytes,
@@ -503,7 +522,8 @@ std::string RunPlan::to_json() const {
   j["host"] = {{"pinned_bytes", pinned_bytes},        {"pool_bytes", pool_bytes},
                {"pageable_state_bytes", pageable_state_bytes}, {"buffer_bytes", host_buffer_bytes},
                {"grad_ring_bytes", grad_ring_bytes},   {"checkpoint_bytes", checkpoint_host_bytes},
-               {"ram_bytes", ram_bytes},              {"process_bytes", process_bytes}};
+               {"ram_bytes", ram_bytes},              {"process_bytes", process_bytes},
+               {"address_space_bytes", address_space_bytes}, {"thread_reserve_bytes", thread_reserve_bytes}};
   j["nvme"] = {{"optimizer_file_bytes", nvme_optimizer_bytes}, {"param_file_bytes", nvme_param_bytes}};
   j["save_peak_extra_rss_bytes"] = save_rss_bytes;
   j["export_peak_extra_rss_bytes"] = export_rss_bytes;
@@ -666,7 +686,12 @@ HostFacts probe_host(const Config& config, const std::string& out_dir) {
   f.ram_available_bytes = h.mem_available_bytes;
   f.memlock_limit_bytes = h.memlock_limit_bytes;
   f.can_lock_unlimited = process_can_lock_unlimited();
-  f.process_bytes = process_rss().current;
+  const RssBytes rss = process_rss();
+  f.process_bytes = rss.current;
+  f.address_space_limit_bytes = h.address_space_limit_bytes;
+  f.process_virtual_bytes = rss.virtual_bytes;
+  f.thread_stack_bytes = h.thread_stack_bytes;
+  f.logical_cpus = h.logical_cpus;
   f.device_name = "host (emulated)";
   f.device_total_bytes = h.mem_total_bytes;
   if (config.zero.offload_optimizer.device == OffloadDevice::kNvme)

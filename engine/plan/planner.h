@@ -25,6 +25,14 @@ struct HostFacts {
   uint64_t memlock_limit_bytes = UINT64_MAX;  // ulimit -l; UINT64_MAX: unlimited
   bool can_lock_unlimited = false;   // CAP_IPC_LOCK: the limit does not apply
   uint64_t process_bytes = 0;        // RSS of a process with LibTorch loaded, before the run allocates
+  // Note [Address space]: ulimit -v (RLIMIT_AS; UINT64_MAX: unlimited) limits what the process maps,
+  // resident or not: LibTorch's libraries, every allocation, each thread's stack and each malloc
+  // arena a thread opens. The address space of this process at plan time (VmSize, LibTorch loaded),
+  // the stack a thread reserves and the CPUs (threads and arenas scale with them).
+  uint64_t address_space_limit_bytes = UINT64_MAX;
+  uint64_t process_virtual_bytes = 0;
+  uint64_t thread_stack_bytes = uint64_t{8} << 20;
+  unsigned logical_cpus = 1;
   bool cuda = false;                 // the run's device is a GPU (else the emulated device on the host)
   std::string device_name;           // "NVIDIA H100 80GB HBM3", or "host (emulated)"
   uint64_t device_total_bytes = 0;   // the GPU's memory (cuda), else RAM
@@ -117,6 +125,10 @@ struct RunPlan {
   uint64_t grad_ring_bytes = 0;     // the gradient worker's landing ring (in the pool)
   uint64_t ram_bytes = 0;           // pool + pageable states + buffers + host checkpoints (+ activations on the host)
   uint64_t process_bytes = 0;       // LibTorch and the program itself (measured at plan time)
+  // The address space the run maps (Note [Address space]): the process at plan time + what the plan
+  // allocates (+ the emulated device's bytes) + the threads' stacks and malloc arenas (estimated).
+  uint64_t address_space_bytes = 0;
+  uint64_t thread_reserve_bytes = 0;  // of address_space_bytes: the threads' stacks and arenas
 
   // NVMe: the swap files.
   uint64_t nvme_optimizer_bytes = 0;

@@ -344,6 +344,30 @@ TEST(Planner, ShortfallsAreNamedAndTheFixesFitWhenPlannedAgain) {
   for (const PlanFix& f : fixes) EXPECT_THAT(f.result, HasSubstr("; fits"));
 }
 
+// Note [Address space]: under ulimit -v the plan counts what the process maps. Here 2 CPUs and
+// aio.intra_op_parallelism 1 make 2*2 + 1 + 10 = 15 threads, each with an 8 MiB stack and (15 ≤ 8*2)
+// its own 64 MiB arena: 15 * 72 MiB = 1080 MiB on top of the 3 GiB the process maps already.
+TEST(Planner, UlimitVCountsTheProcessTheRunAndItsThreads) {
+  PlanInputs in = tiny_inputs(OffloadDevice::kCpu, OffloadDevice::kCpu);
+  in.host.process_virtual_bytes = uint64_t{3} << 30;
+  in.host.thread_stack_bytes = uint64_t{8} << 20;
+  in.host.logical_cpus = 2;
+  auto unlimited = plan_run(in);
+  ASSERT_TRUE(unlimited.is_ok());
+  EXPECT_TRUE(unlimited->fits());
+  EXPECT_EQ(unlimited->thread_reserve_bytes, uint64_t{1080} << 20);
+  const uint64_t need = (uint64_t{3} << 30) + unlimited->ram_bytes + unlimited->device_total_bytes + (uint64_t{1080} << 20);
+  EXPECT_EQ(unlimited->address_space_bytes, need);
+  in.host.address_space_limit_bytes = need - 1;
+  auto short_by_one = plan_run(in);
+  ASSERT_TRUE(short_by_one.is_ok());
+  ASSERT_FALSE(short_by_one->fits());
+  EXPECT_EQ(short_by_one->problems.front().resource, "address space (ulimit -v)");
+  EXPECT_THAT(short_by_one->problems.front().detail, HasSubstr("raise ulimit -v"));
+  in.host.address_space_limit_bytes = need;
+  EXPECT_TRUE(plan_run(in)->fits());
+}
+
 TEST(Planner, ADeviceBudgetBelowTheLargestBlockIsAProblemNamingIt) {
   PlanInputs in = tiny_inputs(OffloadDevice::kCpu, OffloadDevice::kCpu);
   in.device_budget_bytes = 16 << 10;
