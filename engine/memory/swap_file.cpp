@@ -62,13 +62,15 @@ Result<std::unique_ptr<SwapFile>> SwapFile::create(const std::string& dir, const
                                                   uint64_t capacity_bytes, io::IoEngine& engine,
                                                   MemoryAccounting* accounting, io::Env* env,
                                                   const std::function<void(const std::string&)>& claimed) {
-  ZO_RETURN_IF_ERROR(env->make_dirs(dir).with_context("creating swap directory " + dir));
+  std::string created_dir;  // the outermost directory made here, if any
+  ZO_RETURN_IF_ERROR(env->make_dirs(dir, &created_dir).with_context("creating swap directory " + dir));
   auto impl = std::make_unique<Impl>();
   impl->env = env;
   impl->path = (std::filesystem::path(dir) / name).string();
   impl->engine = &engine;
   impl->accounting = accounting;
   impl->capacity = align_up(capacity_bytes, kSwapAlignment);
+  ZO_ASSIGN_OR_RETURN(const io::PathKind before, env->path_kind(impl->path));
   ZO_ASSIGN_OR_RETURN(impl->file, io::File::open(impl->path, io::OpenMode::kCreate, engine.options().direct));
   // Two runs writing one swap file would silently train on each other's states.
   if (Status st = impl->file.lock_exclusive(); !st.is_ok()) {
@@ -79,19 +81,32 @@ Result<std::unique_ptr<SwapFile>> SwapFile::create(const std::string& dir, const
                       "its own nvme_path, or wait for that run to end");
   }
   if (claimed) claimed(impl->path);
+  // From here the file is this process's: one it created and could not size is removed again
+  // (with the directories made for it), so a failed start leaves no empty swap file behind.
+  auto fail = [&](Status st) {
+    if (before == io::PathKind::kMissing) {
+      (void)impl->file.close();
+      if (Status rm = env->remove_all(created_dir.empty() ? impl->path : created_dir); !rm.is_ok())
+        ZO_LOG(kWarn) << rm.to_string();
+    }
+    return st;
+  };
   // A file left by a previous, larger run would keep its extra blocks forever: trim it first.
-  ZO_ASSIGN_OR_RETURN(uint64_t existing, impl->file.size_bytes());
-  if (existing > impl->capacity) ZO_RETURN_IF_ERROR(impl->file.truncate(impl->capacity).with_context("trimming swap file"));
+  Result<uint64_t> existing = impl->file.size_bytes();
+  if (!existing.is_ok()) return fail(existing.status());
+  if (*existing > impl->capacity) {
+    if (Status st = impl->file.truncate(impl->capacity); !st.is_ok()) return fail(st.with_context("trimming swap file"));
+  }
   Status s = impl->file.preallocate(impl->capacity);
   if (!s.is_ok()) {
     if (s.code() == StatusCode::kNoSpace) {
-      return Status(StatusCode::kNoSpace,
-                    "swap file " + impl->path + " needs " + format_bytes(impl->capacity) + " but there is only " +
-                        free_space_text(env, dir) + "; point nvme_path at a larger drive or offload less to NVMe (" +
-                        s.message() + ")",
-                    s.sys_errno());
+      return fail(Status(StatusCode::kNoSpace,
+                         "swap file " + impl->path + " needs " + format_bytes(impl->capacity) + " but there is only " +
+                             free_space_text(env, dir) + "; point nvme_path at a larger drive or offload less to NVMe (" +
+                             s.message() + ")",
+                         s.sys_errno()));
     }
-    return s.with_context("preallocating swap file " + impl->path);
+    return fail(s.with_context("preallocating swap file " + impl->path));
   }
   return std::unique_ptr<SwapFile>(new SwapFile(std::move(impl)));
 }
