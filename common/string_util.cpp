@@ -91,4 +91,13 @@ std::string quote_excerpt(std::string_view text, size_t max_bytes) {
   return out;
 }
 
+std::string bounded_name(std::string_view name, size_t max_bytes) {
+  // Non-ASCII bytes stay (a UTF-8 path reads as written); control characters would break the line.
+  const bool plain = name.size() <= max_bytes && std::none_of(name.begin(), name.end(), [](char c) {
+                       const auto u = static_cast<unsigned char>(c);
+                       return u < 0x20 || u == 0x7f;
+                     });
+  return plain ? std::string(name) : quote_excerpt(name, max_bytes);
+}
+
 }  // namespace zo

@@ -24,4 +24,8 @@ std::string join(std::span<const std::string> parts, std::string_view sep);
 // with bytes outside printable ASCII written as \n, \t or \xHH, and "... (N bytes)" when cut.
 std::string quote_excerpt(std::string_view text, size_t max_bytes = 64);
 
+// A name the user gave (a file path, a config key) as an error line shows it: unchanged when it is
+// at most `max_bytes` long and holds no control character, else quote_excerpt(name, max_bytes).
+std::string bounded_name(std::string_view name, size_t max_bytes = 200);
+
 }  // namespace zo

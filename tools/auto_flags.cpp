@@ -8,6 +8,8 @@
 
 #include <CLI/CLI.hpp>
 
+#include "common/string_util.h"
+
 namespace zo::tools {
 
 namespace {
@@ -76,9 +78,11 @@ std::optional<engine::Config> load_config_with_flags(const std::string& path, ui
   apply_auto_flags(flags, &ctx);
   engine::ConfigDiagnostics diag;
   std::optional<engine::Config> config = engine::load_config_file(path, ctx, &diag);
-  for (const engine::ConfigIssue& w : diag.warnings) std::cerr << path << ": warning: " << w.to_string() << "\n";
+  // A path of many KB is shown as an excerpt, not once per line.
+  const std::string shown = bounded_name(path);
+  for (const engine::ConfigIssue& w : diag.warnings) std::cerr << shown << ": warning: " << w.to_string() << "\n";
   if (!config) {
-    for (const engine::ConfigIssue& e : diag.errors) std::cerr << path << ": error: " << e.to_string() << "\n";
+    for (const engine::ConfigIssue& e : diag.errors) std::cerr << shown << ": error: " << e.to_string() << "\n";
   }
   return config;
 }

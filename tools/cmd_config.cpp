@@ -8,6 +8,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 
+#include "common/string_util.h"
 #include "engine/config/config.h"
 #include "tools/auto_flags.h"
 #include "tools/commands.h"
@@ -32,7 +33,8 @@ int run_config_check(const ConfigCheckArgs& a) {
   if (a.steps) ctx.total_steps = a.steps;
   apply_auto_flags(a.flags, &ctx);
 
-  const std::string source = a.demo ? "<embedded demo config>" : a.file;
+  // Each line names the file; a path that is megabytes long is named by an excerpt (issue 40).
+  const std::string source = a.demo ? "<embedded demo config>" : bounded_name(a.file);
   engine::ConfigDiagnostics diag;
   std::optional<engine::Config> config = a.demo ? engine::parse_config(engine::embedded_demo_config(), ctx, &diag)
                                                  : engine::load_config_file(a.file, ctx, &diag);

@@ -1,6 +1,7 @@
 #include "engine/config/config.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cstring>
 #include <set>
 #include <span>
@@ -438,7 +439,74 @@ std::string line_col(std::string_view text, size_t offset) {
   return "line " + std::to_string(line) + ", column " + std::to_string(col);
 }
 
+// Note [JSON pre-scan]
+// One pass over the text before nlohmann parses it refuses what that parse would mishandle:
+// - nesting deeper than kMaxConfigDepth. The duplicate-key callback below keeps each open object's
+//   dotted path, so memory grew with the square of the depth: a 1.2 MB file nested 100 000 deep
+//   took 10 GB and 22 s, or aborted on std::bad_alloc (issue 40).
+// - a number literal that underflows: nlohmann reads 1e-400 as 0, silently another value. The
+//   scan follows the key path, so the error names the key.
+// It knows strings (brackets, quotes and digits inside them do not count) and leaves every other
+// malformation to nlohmann, which reports it with its place. Returns false after reporting.
+bool prescan_json_text(std::string_view text, ConfigDiagnostics* diag) {
+  struct Level {
+    bool object;
+    std::string key;   // in an object: the key last read (as bounded_name shows it)
+    size_t index = 0;  // in an array: the element being read
+  };
+  std::vector<Level> open;
+  bool key_next = false;  // in an object, after '{' or ',': the next string is a key
+  auto path = [&] {
+    std::string p;
+    for (const Level& l : open) p += l.object ? (p.empty() ? "" : ".") + l.key : "[" + std::to_string(l.index) + "]";
+    return p;
+  };
+  bool ok = true;
+  for (size_t i = 0; i < text.size();) {
+    const char c = text[i];
+    if (c == '"') {
+      size_t end = i + 1;
+      while (end < text.size() && text[end] != '"') end += text[end] == '\\' ? 2 : 1;
+      if (end >= text.size()) break;  // unterminated
+      if (key_next && !open.empty() && open.back().object) open.back().key = bounded_name(text.substr(i + 1, end - i - 1));
+      key_next = false;
+      i = end + 1;
+    } else if (c == '{' || c == '[') {
+      if (open.size() == kMaxConfigDepth) {
+        diag->errors.push_back({"", "invalid JSON (" + line_col(text, i) + "): nested deeper than " +
+                                        std::to_string(kMaxConfigDepth) + " levels"});
+        return false;
+      }
+      open.push_back({c == '{', "", 0});
+      key_next = c == '{';
+      ++i;
+    } else if (c == '}' || c == ']') {
+      if (!open.empty()) open.pop_back();
+      key_next = false;
+      ++i;
+    } else if (c == ',') {
+      if (!open.empty() && open.back().object) key_next = true;
+      else if (!open.empty()) ++open.back().index;
+      ++i;
+    } else if (c == '-' || std::isdigit(static_cast<unsigned char>(c))) {
+      size_t end = i;
+      while (end < text.size() && (std::isdigit(static_cast<unsigned char>(text[end])) || std::strchr(".eE+-", text[end]) != nullptr))
+        ++end;
+      const std::string_view number = text.substr(i, end - i);
+      if (std::string why = detail::underflow_reason(number); !why.empty()) {
+        diag->errors.push_back({path(), quote_excerpt(number, 40) + " is not representable (" + why + ")"});
+        ok = false;
+      }
+      i = end;
+    } else {
+      ++i;
+    }
+  }
+  return ok;
+}
+
 std::optional<json> parse_json_text(std::string_view text, ConfigDiagnostics* diag) {
+  if (!prescan_json_text(text, diag)) return std::nullopt;
   // Track keys per open object to reject duplicates, which nlohmann would silently collapse.
   std::vector<std::pair<std::string, std::set<std::string>>> stack;  // (object path, keys seen)
   std::string last_key;
@@ -455,8 +523,10 @@ std::optional<json> parse_json_text(std::string_view text, ConfigDiagnostics* di
         if (!stack.empty()) stack.pop_back();
         break;
       case json::parse_event_t::key: {
-        last_key = parsed.get<std::string>();
-        if (!stack.empty() && !stack.back().second.insert(last_key).second) {
+        // Paths hold keys as errors show them (a 10 MB key is an excerpt); the set, whole keys.
+        const std::string& key = parsed.get_ref<const std::string&>();
+        last_key = bounded_name(key);
+        if (!stack.empty() && !stack.back().second.insert(key).second) {
           const std::string& base = stack.back().first;
           diag->errors.push_back({base.empty() ? last_key : base + "." + last_key, "duplicate key"});
           duplicate = true;
@@ -515,10 +585,20 @@ std::optional<Config> load_config_file(const std::string& path, const ResolveCon
   // The Env refuses a FIFO before opening it: it would block the read forever.
   Result<std::string> text = io::Env::posix()->read_file(path, "config file", kMaxConfigFileBytes);
   if (!text.is_ok()) {
+    // The message leaves the path out: callers print it before each error, and once is enough
+    // (issue 40: a 10 MB path came out twice on one line).
     const Status& st = text.status();
-    diag->errors.push_back({"", st.code() == StatusCode::kNotFound
-                                    ? "cannot open config file " + path + ": " + std::strerror(ENOENT)
-                                    : st.message()});
+    std::string message;
+    if (st.code() == StatusCode::kNotFound) {
+      message = std::string("cannot open config file: ") + std::strerror(ENOENT);
+    } else if (st.sys_errno() != 0) {
+      message = std::string("cannot read config file: ") + std::strerror(st.sys_errno());
+    } else {  // "config file PATH is a FIFO (named pipe), ...", "config file PATH is N bytes, over ..."
+      message = st.message();
+      const std::string named = "config file " + path;
+      if (const size_t at = message.find(named); at != std::string::npos) message.replace(at, named.size(), "config file");
+    }
+    diag->errors.push_back({"", message});
     return std::nullopt;
   }
   return parse_config(*text, ctx, diag);
@@ -527,12 +607,13 @@ std::optional<Config> load_config_file(const std::string& path, const ResolveCon
 Result<Config> load_config(const std::string& path, const ResolveContext& ctx) {
   ConfigDiagnostics diag;
   std::optional<Config> c = load_config_file(path, ctx, &diag);
-  for (const ConfigIssue& w : diag.warnings) ZO_LOG(kWarn) << path << ": " << w.to_string();
+  const std::string shown = bounded_name(path);
+  for (const ConfigIssue& w : diag.warnings) ZO_LOG(kWarn) << shown << ": " << w.to_string();
   if (c) return *c;
   std::string msg;
   for (const ConfigIssue& e : diag.errors) {
     if (!msg.empty()) msg += "\n";
-    msg += path + ": " + e.to_string();
+    msg += shown + ": " + e.to_string();
   }
   return invalid_argument(msg);
 }

@@ -231,16 +231,24 @@ struct ConfigDiagnostics {
 
 // Parses and validates JSON text. Returns the resolved config, or nullopt with every error found
 // in `diag->errors` (all of them, not only the first). Warnings go to `diag->warnings`.
+// Text nested deeper than kMaxConfigDepth, or holding a number literal that underflows ("1e-400"
+// would read as 0), is refused before it is parsed, with no other error.
 std::optional<Config> parse_config(std::string_view json_text, const ResolveContext& ctx, ConfigDiagnostics* diag);
 std::optional<Config> parse_config_json(const nlohmann::json& json, const ResolveContext& ctx, ConfigDiagnostics* diag);
 
+// Objects and arrays a config may nest, counting the outermost object as 1. DeepSpeed's configs
+// nest 3 or 4 deep (optimizer.params.betas); the cap keeps a hostile 100 000-deep file from
+// costing gigabytes in the parse (issue 40).
+inline constexpr size_t kMaxConfigDepth = 64;
+
 // Reads `path` (a regular file of at most kMaxConfigFileBytes) and parses it; an unreadable file is
-// one error with an empty key path.
+// one error with an empty key path, whose message does not repeat `path` ("cannot open config
+// file: No such file or directory"): callers print the path before each error.
 inline constexpr uint64_t kMaxConfigFileBytes = 64ull << 20;
 std::optional<Config> load_config_file(const std::string& path, const ResolveContext& ctx, ConfigDiagnostics* diag);
 
 // Convenience for callers that only need pass/fail: logs warnings, returns all errors joined in one
-// kInvalidArgument Status ("FILE: path: message" lines).
+// kInvalidArgument Status ("FILE: path: message" lines, FILE as bounded_name shows it).
 Result<Config> load_config(const std::string& path, const ResolveContext& ctx);
 
 // The fully resolved config as DeepSpeed-style JSON (every default filled in, no "auto").

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cfloat>
 #include <cmath>
 #include <cstdlib>
 #include <sstream>
@@ -13,26 +14,38 @@ namespace zo::engine::detail {
 
 using nlohmann::json;
 
-bool parse_number_text(std::string_view text, double* out) {
+namespace {
+
+// Decimal number text → a finite double, underflow or not.
+bool read_decimal(std::string_view text, double* out) {
   std::string s(text);
   if (s.empty()) return false;
-  char* end = nullptr;
-  const double v = std::strtod(s.c_str(), &end);
-  if (end != s.c_str() + s.size() || !std::isfinite(v)) return false;
   // strtod accepts hex and "inf"/"nan"; configs use decimal only.
   for (char c : s)
     if (!(std::isdigit(static_cast<unsigned char>(c)) || c == '.' || c == 'e' || c == 'E' || c == '-' || c == '+'))
       return false;
+  char* end = nullptr;
+  const double v = std::strtod(s.c_str(), &end);
+  if (end != s.c_str() + s.size() || !std::isfinite(v)) return false;
   *out = v;
   return true;
 }
 
-bool json_to_double(const json& v, double* out) {
-  if (v.is_number()) {
-    *out = v.get<double>();
-    return true;
-  }
-  return v.is_string() && parse_number_text(v.get_ref<const std::string&>(), out);
+}  // namespace
+
+std::string underflow_reason(std::string_view text) {
+  double v = 0;
+  if (!read_decimal(text, &v) || (v != 0 && std::fabs(v) >= DBL_MIN)) return "";
+  const std::string_view mantissa = text.substr(0, text.find_first_of("eE"));
+  if (mantissa.find_first_of("123456789") == std::string_view::npos) return "";  // a zero: "0.0", "0e-400"
+  return v == 0 ? "it underflows to 0" : "it underflows to a denormal, below " + format_number(DBL_MIN);
+}
+
+bool parse_number_text(std::string_view text, double* out) {
+  double v = 0;
+  if (!read_decimal(text, &v) || !underflow_reason(text).empty()) return false;
+  *out = v;
+  return true;
 }
 
 std::string describe(const json& v) {
@@ -124,6 +137,31 @@ void ObjectReader::type_error(std::string_view key, const json& v, std::string_v
   state_->error(key_path(key), "expected " + std::string(expected) + ", got " + describe(v));
 }
 
+bool ObjectReader::to_double(const std::string& path, const json& v, bool strings_ok, std::string_view expected,
+                             double* out) {
+  if (v.is_number()) {
+    // A literal that underflows never gets here: parse_config refuses it before the parse.
+    *out = v.get<double>();
+    return true;
+  }
+  std::string message = "expected " + std::string(expected) + ", got " + describe(v);
+  if (v.is_string()) {
+    const std::string& text = v.get_ref<const std::string&>();
+    double d = 0;
+    if (parse_number_text(text, &d)) {
+      if (strings_ok) {  // Note [Numbers as strings]
+        *out = d;
+        return true;
+      }
+      message += " (a string; write the number without quotes)";
+    } else if (std::string why = underflow_reason(text); !why.empty()) {
+      message = describe(v) + " is not representable (" + why + ")";
+    }
+  }
+  state_->error(path, message);
+  return false;
+}
+
 bool ObjectReader::boolean(std::string_view key, bool* out, AutoOk auto_ok) {
   const json* v = take(key);
   if (v == nullptr || take_auto(key, v, auto_ok)) return false;
@@ -152,10 +190,7 @@ bool ObjectReader::count(std::string_view key, uint64_t* out, uint64_t min, Auto
     value = static_cast<uint64_t>(i);
   } else if (v->is_number_float() || v->is_string()) {
     double d = 0;
-    if (!json_to_double(*v, &d)) {
-      type_error(key, *v, "a whole number (e.g. 100000 or \"5e8\")");
-      return false;
-    }
+    if (!to_double(key_path(key), *v, /*strings_ok=*/true, "a whole number (e.g. 100000 or \"5e8\")", &d)) return false;
     if (d < 0) {
       state_->error(key_path(key), "must be ≥ " + std::to_string(min) + " (got " + describe(*v) + ")");
       return false;
@@ -181,7 +216,8 @@ bool ObjectReader::integer(std::string_view key, int* out, int min, int max, Aut
   const json* v = take(key);
   if (v == nullptr || take_auto(key, v, auto_ok)) return false;
   double d = 0;
-  if (!json_to_double(*v, &d) || d != std::floor(d)) {
+  if (!to_double(key_path(key), *v, /*strings_ok=*/true, "an integer", &d)) return false;
+  if (d != std::floor(d)) {
     type_error(key, *v, "an integer");
     return false;
   }
@@ -199,10 +235,7 @@ bool ObjectReader::number(std::string_view key, double* out, double min, double 
   const json* v = take(key);
   if (v == nullptr || take_auto(key, v, auto_ok)) return false;
   double d = 0;
-  if (!json_to_double(*v, &d)) {
-    type_error(key, *v, "a number");
-    return false;
-  }
+  if (!to_double(key_path(key), *v, /*strings_ok=*/false, "a number", &d)) return false;
   const bool below = min_exclusive ? d <= min : d < min;
   if (below || d > max) {
     std::string range = min_exclusive ? "> " + format_number(min) : "≥ " + format_number(min);
@@ -219,6 +252,12 @@ bool ObjectReader::string(std::string_view key, std::string* out) {
   if (v == nullptr) return false;
   if (!v->is_string()) {
     type_error(key, *v, "a string");
+    return false;
+  }
+  // The strings read here are paths and names, whose bytes go to the C file API: it would stop at
+  // a NUL, so "a\u0000b" would silently name "a". No config string legitimately holds one.
+  if (v->get_ref<const std::string&>().find('\0') != std::string::npos) {
+    state_->error(key_path(key), "contains a NUL character (\\u0000)");
     return false;
   }
   *out = v->get<std::string>();
@@ -286,8 +325,7 @@ bool ObjectReader::number_array(std::string_view key, std::span<double> out, dou
     const json& e = (*v)[i];
     const std::string p = key_path(key) + "[" + std::to_string(i) + "]";
     double d = 0;
-    if (!json_to_double(e, &d)) {
-      state_->error(p, "expected a number, got " + describe(e));
+    if (!to_double(p, e, /*strings_ok=*/false, "a number", &d)) {
       ok = false;
       continue;
     }
@@ -314,9 +352,12 @@ void ObjectReader::finish() {
   for (const auto& [key, value] : keys_) {
     if (taken_.count(key)) continue;
     std::string msg = "unknown key";
-    const std::string guess = closest_match(key, known_);
+    // Only a key of a known key's length can be its typo, and the edit distance costs the product
+    // of the lengths: a megabyte-long key gets no suggestion, and its path is an excerpt.
+    const std::string shown = bounded_name(key);
+    const std::string guess = shown == key ? closest_match(key, known_) : "";
     if (!guess.empty()) msg += "; did you mean \"" + guess + "\"?";
-    state_->error(key_path(key), msg);
+    state_->error(key_path(shown), msg);
   }
 }
 

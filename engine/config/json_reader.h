@@ -63,17 +63,20 @@ class ObjectReader {
   bool boolean(std::string_view key, bool* out, AutoOk auto_ok = AutoOk::kNo);
   // A whole count: JSON integer, integral float (1e9) or numeric string ("5e8"); ≥ min.
   bool count(std::string_view key, uint64_t* out, uint64_t min = 0, AutoOk auto_ok = AutoOk::kNo);
+  // A whole number in [min, max], written as count's are.
   bool integer(std::string_view key, int* out, int min, int max, AutoOk auto_ok = AutoOk::kNo);
-  // A real number (or numeric string) in [min, max] (or (min, max] with min_exclusive).
+  // A real number in [min, max] (or (min, max] with min_exclusive): a JSON number only; a string
+  // ("0.001") is a type error (Note [Numbers as strings]).
   bool number(std::string_view key, double* out, double min, double max, bool min_exclusive = false,
               AutoOk auto_ok = AutoOk::kNo);
+  // A string without a NUL character (paths go to the C file API, which would stop at it).
   bool string(std::string_view key, std::string* out);
   // One of `choices` (exact match); the error lists them.
   bool choice(std::string_view key, std::span<const std::string_view> choices, std::string* out,
               AutoOk auto_ok = AutoOk::kNo);
   // A byte size: JSON integer (bytes) or string with a unit ("24GiB").
   bool size_bytes(std::string_view key, uint64_t* out);
-  // Array of exactly `n` numbers in [min, max).
+  // Array of exactly `n` JSON numbers in [min, max).
   bool number_array(std::string_view key, std::span<double> out, double min, double max, AutoOk auto_ok = AutoOk::kNo);
 
   // The child object at `key` (absent → a reader with no JSON). A non-object is a type error.
@@ -86,6 +89,10 @@ class ObjectReader {
   const nlohmann::json* take(std::string_view key);
   bool take_auto(std::string_view key, const nlohmann::json* v, AutoOk auto_ok);
   void type_error(std::string_view key, const nlohmann::json& v, std::string_view expected);
+  // `v` as a double; else reports at `path` ("expected <expected>, got ...", or an underflow) and
+  // returns false. Numeric strings are read only with `strings_ok`.
+  bool to_double(const std::string& path, const nlohmann::json& v, bool strings_ok, std::string_view expected,
+                 double* out);
 
   ParseState* state_;
   std::string path_;
@@ -95,10 +102,19 @@ class ObjectReader {
   std::map<std::string, std::string> renamed_;         // new name → the old name the user wrote
 };
 
-// "5e8" → a double, for numbers written as strings. Fails on anything else.
+// Note [Numbers as strings]
+// DeepSpeed's configs write element counts as strings ("sub_group_size": "5e8"), so a count or an
+// integer key reads a numeric string. A real-valued key (lr, betas, eps, loss_scale, ...) does not:
+// DeepSpeed hands the optimizer's params to torch, which refuses "lr": "0.001", and a quoted real
+// is more often a mistake than a style.
+
+// "5e8" → a double, for numbers written as strings. Fails on anything else, and on text that
+// underflows (underflow_reason).
 bool parse_number_text(std::string_view text, double* out);
-// A JSON number or a numeric string → a double; false for anything else.
-bool json_to_double(const nlohmann::json& v, double* out);
+// Why decimal number text (a JSON literal or a numeric string) does not read as the value it
+// writes: "it underflows to 0" for "1e-400" (a non-zero digit that reads as 0, or as a denormal,
+// would silently be another value); "" when it reads as written or is no decimal number.
+std::string underflow_reason(std::string_view text);
 // A short rendering of a JSON value for error messages ("\"abc\"", "true", "[...]").
 std::string describe(const nlohmann::json& v);
 

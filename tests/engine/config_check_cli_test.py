@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
 """`zoffload config check` as a user runs it: exit codes, stdout JSON, one stderr line per error."""
+import errno
 import json
 import os
 import subprocess
@@ -63,7 +64,18 @@ expect(any("warning: aio.thread_count: deprecated" in l for l in err.splitlines(
 os.unlink(f.name)
 
 rc, _, err = run("/nonexistent/ds.json")
-expect(rc == 2 and "cannot open config file /nonexistent/ds.json" in err, "missing file is a clear error")
+expect(rc == 2 and "/nonexistent/ds.json: error: cannot open config file: %s\n" % os.strerror(errno.ENOENT) in err,
+       "missing file is a clear error, naming the path once: " + err)
+# Issue 40: a 10 MB path was printed twice on one line. 100 KB is as long as one argument may be
+# (execve's limit is 128 KiB); the kernel refuses a name over PATH_MAX, and each line names the
+# file by a 200-byte excerpt.
+long_path = "/nonexistent/" + "x" * 100_000
+rc, out, err = run(long_path)
+expect(rc == 2 and out == "", "a 100 KB path exits 2 (got %d)" % rc)
+expect(len(err) < 2048, "a 100 KB path gives under 2 KB of stderr, got %d bytes" % len(err))
+expect(err.splitlines()[:1] == ["/nonexistent/%s... (100013 bytes): error: cannot read config file: %s"
+                                % ("x" * 187, os.strerror(errno.ENAMETOOLONG))],
+       "a 100 KB path is named by an excerpt, once, with the problem: " + err[:500])
 rc, out, _ = run("--demo")
 expect(rc == 0 and json.loads(out)["zero_optimization"]["offload_optimizer"]["device"] == "nvme", "--demo checks the embedded config")
 
