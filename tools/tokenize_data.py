@@ -395,6 +395,9 @@ def json_records(paths, field, progress):
                 obj = json.loads(raw.rstrip(b"\r\n"))
             except UnicodeDecodeError as e:
                 raise Failure("%s: not valid UTF-8 (%s)" % (where, e.reason))
+            except RecursionError:
+                raise Failure("%s: JSON nested too deeply to read (more than about %d levels)"
+                              % (where, sys.getrecursionlimit()))
             except ValueError as e:
                 msg = getattr(e, "msg", str(e))
                 col = getattr(e, "colno", None)
@@ -412,10 +415,41 @@ def json_type(v):
             int: "a number", float: "a number"}.get(type(v), type(v).__name__)
 
 
+# Note [Lone surrogates]: JSON writes any UTF-16 code unit as an escape, so "\ud800" without its low
+# half is valid JSON, and json.loads also decodes surrogates encoded as UTF-8 bytes (it reads bytes
+# with 'surrogatepass'). Either gives a str that holds U+D800..U+DFFF alone, which no UTF-8 encodes:
+# the tokenizer (and the chat template's output) fails on it with a traceback, far from the line.
+# Every string of the field's value is checked where it is read instead. A pair of escapes that
+# makes one character (\ud83d\ude00) is joined by json.loads and is not one.
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_surrogates(where, path, value):
+    """Note [Lone surrogates]: refuses a lone surrogate in any string (or key) of value, naming where
+    it is (path: value's name). Iterative: value may nest as deep as json.loads allows."""
+    stack = [(path, value)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, str):
+            m = LONE_SURROGATE.search(v)
+            if m:
+                raise Failure("%s: %s holds a lone UTF-16 surrogate (\\u%04x at character %d), which is not text: "
+                              "no UTF-8 encodes it" % (where, path, ord(m.group()), m.start() + 1))
+        elif isinstance(v, list):
+            stack.extend(("%s[%d]" % (path, i), x) for i, x in reversed(list(enumerate(v))))
+        elif isinstance(v, dict):
+            for k, x in reversed(list(v.items())):
+                # A key is untrusted text: named as JSON (escaped, one line) and bounded unless a plain word.
+                stack.append((("%s.%s" % (path, k)) if re.fullmatch(r"\w{1,40}", k, re.ASCII)
+                              else "%s[%s]" % (path, json.dumps(k)[:40]), x))
+                stack.append(("a key of %s" % path, k))
+
+
 def jsonl_documents(paths, field, progress):
     for where, value in json_records(paths, field, progress):
         if not isinstance(value, str):
             raise Failure('%s: "%s" is %s, not a string' % (where, field, json_type(value)))
+        check_surrogates(where, '"%s"' % field, value)
         yield where, value
 
 
@@ -426,6 +460,7 @@ def chat_documents(paths, field, progress):
         for i, m in enumerate(value):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise Failure('%s: %s[%d] is not a message: expected an object with a string "role"' % (where, field, i))
+        check_surrogates(where, field, value)
         yield where, value
 
 

@@ -1,5 +1,7 @@
 #include "engine/ckpt/manifest.h"
 
+#include <cmath>
+#include <cstdint>
 #include <cstdio>
 
 #include "common/check.h"
@@ -28,6 +30,73 @@ Status get(const json& j, const char* key, T* out, const std::string& source) {
   } catch (const json::exception& e) {
     return corruption(source + ": \"" + key + "\": " + e.what());
   }
+  return Status::ok();
+}
+
+// A value as an error quotes it: JSON, bounded.
+std::string quoted(const json& v) {
+  return quote_excerpt(v.dump(-1, ' ', false, json::error_handler_t::replace), 32);
+}
+
+// Note [Strict counters]
+// nlohmann's get<uint64_t>() converts whatever number it finds: -1 wraps to 2^64 − 1, 1e30 is cast
+// out of range (undefined), true is 1. The counters of trainer_state.json are read as what they
+// are instead: a JSON integer (no fraction, exponent, string or boolean) within the field's range,
+// else kCorruption "SOURCE: KEY: VALUE is not a whole number in [MIN, MAX)". KEY is `prefix` +
+// `field`: the dotted path of a nested field (loss_scaler.cur_iter).
+Status get_whole(const json& j, const std::string& prefix, const char* field, uint64_t min, uint64_t* out,
+                 const std::string& source) {
+  const std::string key = prefix + field;
+  auto it = j.find(field);
+  if (it == j.end()) return corruption(source + ": missing \"" + key + "\"");
+  const bool whole = it->is_number_unsigned() || (it->is_number_integer() && it->get<int64_t>() >= 0);
+  if (!whole || it->get<uint64_t>() < min)
+    return corruption(source + ": " + key + ": " + quoted(*it) + " is not a whole number in [" + std::to_string(min) +
+                      ", 2^64)");
+  *out = it->get<uint64_t>();
+  return Status::ok();
+}
+
+// The same for a signed counter in [min, 2^63).
+Status get_whole(const json& j, const std::string& prefix, const char* field, int64_t min, int64_t* out,
+                 const std::string& source) {
+  const std::string key = prefix + field;
+  auto it = j.find(field);
+  if (it == j.end()) return corruption(source + ": missing \"" + key + "\"");
+  const bool whole = it->is_number_integer() &&
+                     (!it->is_number_unsigned() || it->get<uint64_t>() <= static_cast<uint64_t>(INT64_MAX));
+  if (!whole || it->get<int64_t>() < min)
+    return corruption(source + ": " + key + ": " + quoted(*it) + " is not a whole number in [" + std::to_string(min) +
+                      ", 2^63)");
+  *out = it->get<int64_t>();
+  return Status::ok();
+}
+
+// A loss scale: a JSON number, finite and > 0.
+Status get_scale(const json& j, const std::string& prefix, const char* field, double* out, const std::string& source) {
+  const std::string key = prefix + field;
+  auto it = j.find(field);
+  if (it == j.end()) return corruption(source + ": missing \"" + key + "\"");
+  if (!it->is_number() || !std::isfinite(it->get<double>()) || it->get<double>() <= 0)
+    return corruption(source + ": " + key + ": " + quoted(*it) + " is not a finite number > 0");
+  *out = it->get<double>();
+  return Status::ok();
+}
+
+Status get_string(const json& j, const char* key, std::string* out, const std::string& source) {
+  auto it = j.find(key);
+  if (it == j.end()) return corruption(source + ": missing \"" + key + "\"");
+  if (!it->is_string()) return corruption(source + ": " + key + ": " + quoted(*it) + " is not a string");
+  *out = it->get<std::string>();
+  return Status::ok();
+}
+
+// An object-valued field, or kCorruption naming it.
+Status get_object(const json& j, const char* key, json* out, const std::string& source) {
+  auto it = j.find(key);
+  if (it == j.end()) return corruption(source + ": missing \"" + key + "\"");
+  if (!it->is_object()) return corruption(source + ": " + key + ": " + quoted(*it) + " is not an object");
+  *out = *it;
   return Status::ok();
 }
 
@@ -75,22 +144,25 @@ json TrainingState::to_json() const {
 
 Result<TrainingState> TrainingState::from_json(const json& j, const std::string& source) {
   TrainingState s;
-  ZO_RETURN_IF_ERROR(get(j, "steps_done", &s.steps_done, source));
-  ZO_RETURN_IF_ERROR(get(j, "optimizer_steps", &s.optimizer_steps, source));
-  ZO_RETURN_IF_ERROR(get(j, "seed", &s.seed, source));
-  ZO_RETURN_IF_ERROR(get(j, "model", &s.model, source));
-  ZO_RETURN_IF_ERROR(get(j, "data", &s.data, source));
-  ZO_RETURN_IF_ERROR(get(j, "seq_len", &s.seq_len, source));
-  if (j.contains("world_size")) ZO_RETURN_IF_ERROR(get(j, "world_size", &s.world_size, source));
+  // Note [Strict counters].
+  ZO_RETURN_IF_ERROR(get_whole(j, "", "steps_done", 0, &s.steps_done, source));
+  ZO_RETURN_IF_ERROR(get_whole(j, "", "optimizer_steps", 0, &s.optimizer_steps, source));
+  ZO_RETURN_IF_ERROR(get_whole(j, "", "seed", 0, &s.seed, source));
+  ZO_RETURN_IF_ERROR(get_string(j, "model", &s.model, source));
+  ZO_RETURN_IF_ERROR(get_string(j, "data", &s.data, source));
+  ZO_RETURN_IF_ERROR(get_whole(j, "", "seq_len", 0, &s.seq_len, source));
+  // Absent in a checkpoint from before data parallel: 1 rank.
+  if (j.contains("world_size")) ZO_RETURN_IF_ERROR(get_whole(j, "", "world_size", 1, &s.world_size, source));
   json scaler, data;
-  ZO_RETURN_IF_ERROR(get(j, "loss_scaler", &scaler, source));
-  ZO_RETURN_IF_ERROR(get(scaler, "cur_scale", &s.loss_scaler.cur_scale, source + " loss_scaler"));
-  ZO_RETURN_IF_ERROR(get(scaler, "cur_iter", &s.loss_scaler.cur_iter, source + " loss_scaler"));
-  ZO_RETURN_IF_ERROR(get(scaler, "last_overflow_iter", &s.loss_scaler.last_overflow_iter, source + " loss_scaler"));
-  ZO_RETURN_IF_ERROR(get(scaler, "cur_hysteresis", &s.loss_scaler.cur_hysteresis, source + " loss_scaler"));
-  ZO_RETURN_IF_ERROR(get(j, "data_position", &data, source));
-  ZO_RETURN_IF_ERROR(get(data, "epoch", &s.data_position.epoch, source + " data_position"));
-  ZO_RETURN_IF_ERROR(get(data, "index", &s.data_position.index, source + " data_position"));
+  ZO_RETURN_IF_ERROR(get_object(j, "loss_scaler", &scaler, source));
+  LossScalerState& ls = s.loss_scaler;
+  ZO_RETURN_IF_ERROR(get_scale(scaler, "loss_scaler.", "cur_scale", &ls.cur_scale, source));
+  ZO_RETURN_IF_ERROR(get_whole(scaler, "loss_scaler.", "cur_iter", 0, &ls.cur_iter, source));
+  ZO_RETURN_IF_ERROR(get_whole(scaler, "loss_scaler.", "last_overflow_iter", int64_t{-1}, &ls.last_overflow_iter, source));
+  ZO_RETURN_IF_ERROR(get_whole(scaler, "loss_scaler.", "cur_hysteresis", 1, &ls.cur_hysteresis, source));
+  ZO_RETURN_IF_ERROR(get_object(j, "data_position", &data, source));
+  ZO_RETURN_IF_ERROR(get_whole(data, "data_position.", "epoch", 0, &s.data_position.epoch, source));
+  ZO_RETURN_IF_ERROR(get_whole(data, "data_position.", "index", 0, &s.data_position.index, source));
   ZO_RETURN_IF_ERROR(get(j, "config", &s.config, source));
   if (s.optimizer_steps > s.steps_done) {
     return corruption(source + ": optimizer_steps " + std::to_string(s.optimizer_steps) + " > steps_done " +

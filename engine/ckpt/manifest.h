@@ -47,6 +47,10 @@ struct TrainingState {
   nlohmann::json config;         // the resolved training config (to_json(Config))
 
   nlohmann::json to_json() const;
+  // kCorruption "SOURCE: KEY: ..." for a missing field or one of the wrong kind: every counter a
+  // JSON integer within its type (no float, string or boolean), world_size and
+  // loss_scaler.cur_hysteresis ≥ 1, loss_scaler.last_overflow_iter ≥ -1, loss_scaler.cur_scale a
+  // finite number > 0; and for optimizer_steps > steps_done.
   static Result<TrainingState> from_json(const nlohmann::json& json, const std::string& source);
 };
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "engine/data/shuffle.h"
 
@@ -16,6 +17,51 @@ namespace zo::engine {
 // fill a window is never read. Targets are the labels of those tokens: the tokens themselves, or
 // JSONL "labels" with their -100 masks. A window that crosses from one JSONL example into the next
 // keeps that boundary target unmasked, as Hugging Face's packing (group_texts) does.
+
+// Note [Nothing to train on]
+// A data set whose every target is -100 trains with loss 0 (the masked sum over a count clamped to
+// 1) and learns nothing, silently. Dataset refuses it at open: the labels that some window reads as
+// a target, [1, windows · T], must hold at least one that is not -100. A file with real labels only
+// at its first token or in its unread tail is refused as well, with a message that says where they
+// are. Only sources with labels (JSONL) can mask anything; the scan stops at the first real label.
+// A window or a batch that is fully masked, among others that are not, is left alone: its loss and
+// gradients are 0 for that micro-batch, as PyTorch's ignore_index gives, and the run still learns.
+namespace {
+
+constexpr uint64_t kScanTokens = uint64_t{1} << 16;
+
+// Whether any label of tokens [begin, end) of `source` is not kIgnoreLabel.
+Result<bool> any_unmasked(const TokenSource& source, uint64_t begin, uint64_t end) {
+  std::vector<int32_t> tokens(kScanTokens), labels(kScanTokens);
+  for (uint64_t at = begin; at < end; at += kScanTokens) {
+    const uint64_t n = std::min(kScanTokens, end - at);
+    ZO_RETURN_IF_ERROR(source.read(at, n, tokens.data(), labels.data()));
+    if (std::any_of(labels.begin(), labels.begin() + static_cast<ptrdiff_t>(n),
+                    [](int32_t l) { return l != kIgnoreLabel; }))
+      return true;
+  }
+  return false;
+}
+
+Status check_something_to_train_on(const TokenSource& source, uint64_t windows, uint64_t seq_len) {
+  if (!source.has_labels()) return Status::ok();
+  const uint64_t target_end = windows * seq_len + 1;  // window w's targets are tokens w·T + 1 ... w·T + T
+  ZO_ASSIGN_OR_RETURN(bool targets, any_unmasked(source, 1, target_end));
+  if (targets) return Status::ok();
+  ZO_ASSIGN_OR_RETURN(bool first, any_unmasked(source, 0, 1));
+  ZO_ASSIGN_OR_RETURN(bool tail, any_unmasked(source, target_end, source.num_tokens()));
+  if (!first && !tail)
+    return invalid_argument(source.path() + ": every label is -100 (masked): there is nothing to train on");
+  return invalid_argument(source.path() + ": every target of its " + std::to_string(windows) + " windows of seq_len " +
+                          std::to_string(seq_len) + " is -100 (masked); its other labels are " +
+                          (first ? "at token 0, which is never a target" : "") + (first && tail ? ", and " : "") +
+                          (tail ? "in the last " + std::to_string(source.num_tokens() - target_end) +
+                                      " tokens, which fill no window"
+                                : "") +
+                          ": there is nothing to train on");
+}
+
+}  // namespace
 
 Result<std::unique_ptr<Dataset>> Dataset::open(const DataOptions& options) {
   ZO_ASSIGN_OR_RETURN(std::unique_ptr<TokenSource> source, open_token_source(options.path, options.source));
@@ -41,6 +87,7 @@ Result<std::unique_ptr<Dataset>> Dataset::create(std::unique_ptr<TokenSource> so
                             std::to_string(options.world_size) + " needs " + std::to_string(needed_windows) +
                             " windows, i.e. at least " + std::to_string(needed_tokens) + " tokens");
   }
+  ZO_RETURN_IF_ERROR(check_something_to_train_on(*source, windows, options.seq_len));  // Note [Nothing to train on]
   return std::unique_ptr<Dataset>(new Dataset(std::move(source), options, windows));
 }
 

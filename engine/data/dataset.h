@@ -47,8 +47,9 @@ struct Batch {
 class Dataset {
  public:
   // Opens options.path (open_token_source) and checks the sizes. kInvalidArgument for bad options
-  // (seq_len or micro_batch 0, rank ≥ world_size) and for data too short to give every rank one
-  // batch per epoch, naming the file, its token count and what the options need.
+  // (seq_len or micro_batch 0, rank ≥ world_size), for data too short to give every rank one
+  // batch per epoch, naming the file, its token count and what the options need, and for labels
+  // that mask every target the windows read ("PATH: every label is -100 (masked): ...").
   static Result<std::unique_ptr<Dataset>> open(const DataOptions& options);
   // The same over an already open source (options.path is ignored).
   static Result<std::unique_ptr<Dataset>> create(std::unique_ptr<TokenSource> source, const DataOptions& options);

@@ -1,5 +1,6 @@
 #include "engine/data/token_source.h"
 
+#include <bit>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -127,6 +128,36 @@ bool has_llmc_magic(const MappedFile& file) {
   int32_t magic;
   std::memcpy(&magic, file.data(), sizeof magic);
   return magic == kLlmcMagic;
+}
+
+// Note [llm.c lookalike]
+// Under kAuto a .bin is llm.c when it starts with the magic, else raw tokens. An llm.c file whose
+// magic is damaged or was written wrong would then train as raw uint16, its 1024-byte header as 512
+// tokens, without a word. So a .bin without the magic but with llm.c's header otherwise is refused:
+// its second int32 is a version (1 or 2) and either its third, as that version's token count,
+// accounts for the file's size exactly (1024 + count · 2 or 4 bytes), or its first is within
+// kLookalikeMagicBits flipped bits of the magic (a damaged magic in a file that is also cut short).
+// For a raw uint16 file to meet the first rule, tokens 2 and 3 must be (1 or 2, 0) and tokens 4–5
+// must spell its own length; for the second, tokens 0–1 must also be about 55208 and 308 (the
+// magic's halves): no real corpus does either by chance, and --data-format raw reads one that does.
+constexpr int kLookalikeMagicBits = 2;
+
+struct LlmcLookalike {
+  int32_t magic, version, count;
+};
+
+std::optional<LlmcLookalike> llmc_lookalike(const MappedFile& file) {
+  if (file.size_bytes() < kLlmcHeaderBytes) return std::nullopt;
+  int32_t header[3];
+  std::memcpy(header, file.data(), sizeof header);
+  const LlmcLookalike h{header[0], header[1], header[2]};
+  if (h.magic == kLlmcMagic || (h.version != 1 && h.version != 2)) return std::nullopt;
+  const uint64_t token_bytes = h.version == 1 ? 2 : 4;
+  const bool size_fits =
+      h.count >= 0 && file.size_bytes() - kLlmcHeaderBytes == static_cast<uint64_t>(h.count) * token_bytes;
+  const bool near_magic = std::popcount(static_cast<uint32_t>(h.magic ^ kLlmcMagic)) <= kLookalikeMagicBits;
+  if (!size_fits && !near_magic) return std::nullopt;
+  return h;
 }
 
 Result<std::unique_ptr<TokenSource>> open_llmc(const std::string& path, std::unique_ptr<MappedFile> file) {
@@ -271,8 +302,20 @@ Result<std::unique_ptr<TokenSource>> open_token_source(const std::string& path, 
   if (format == DataFormat::kJsonl) return open_jsonl(path, env);
 
   ZO_ASSIGN_OR_RETURN(std::unique_ptr<MappedFile> file, MappedFile::open(path, env));
-  if (format == DataFormat::kAuto)
-    format = ext != ".bin" ? DataFormat::kText : has_llmc_magic(*file) ? DataFormat::kLlmcBin : DataFormat::kRawBin;
+  if (format == DataFormat::kAuto) {
+    if (ext != ".bin") {
+      format = DataFormat::kText;
+    } else if (has_llmc_magic(*file)) {
+      format = DataFormat::kLlmcBin;
+    } else if (const std::optional<LlmcLookalike> h = llmc_lookalike(*file)) {  // Note [llm.c lookalike]
+      return corruption(path + ": looks like an llm.c token file (version " + std::to_string(h->version) + ", " +
+                        std::to_string(h->count) + " tokens) but its magic is " + std::to_string(h->magic) +
+                        ", not " + std::to_string(kLlmcMagic) + ": pass --data-format raw to read it as raw uint" +
+                        std::to_string(8 * options.raw_token_bytes) + " tokens");
+    } else {
+      format = DataFormat::kRawBin;
+    }
+  }
   switch (format) {
     case DataFormat::kLlmcBin:
       return open_llmc(path, std::move(file));

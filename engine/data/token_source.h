@@ -17,7 +17,8 @@
 namespace zo::engine {
 
 enum class DataFormat {
-  kAuto,     // by extension: .bin → llm.c if the file starts with its magic, else raw; .jsonl → JSONL; else text
+  kAuto,     // by extension: .bin → llm.c if the file starts with its magic, else raw (but see
+             // open_token_source); .jsonl → JSONL; else text
   kLlmcBin,  // llm.c: 256 int32 header (magic 20240520, version 1 = uint16 / 2 = uint32 tokens, count), tokens
   kRawBin,   // nanoGPT: tokens only, uint16 unless SourceOptions::raw_token_bytes is 4
   kJsonl,    // one object per line: "input_ids" [ints], optional "labels" (same length, -100 = masked)
@@ -63,8 +64,9 @@ class TokenSource {
 // Opens `path` as `options.format` says (kAuto: by extension). Errors name the path and what is
 // wrong: kNotFound / kIoError with errno for open/mmap; kCorruption for a bad llm.c header (magic,
 // version, token count vs file size) or a raw file whose size is not a multiple of the token
-// width; kInvalidArgument "PATH:LINE: ..." for a malformed JSONL line; kInvalidArgument for an
-// empty file.
+// width; kCorruption under kAuto for a .bin without the magic whose header is otherwise llm.c's
+// (Note [llm.c lookalike] in the .cpp; kRawBin reads it raw); kInvalidArgument "PATH:LINE: ..."
+// for a malformed JSONL line; kInvalidArgument for an empty file.
 Result<std::unique_ptr<TokenSource>> open_token_source(const std::string& path, const SourceOptions& options);
 
 }  // namespace zo::engine

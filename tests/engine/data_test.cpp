@@ -150,6 +150,58 @@ TEST_F(DataFiles, LlmcHeaderErrorsNameTheFileAndTheMismatch) {
   EXPECT_THAT(short_header.status().message(), HasSubstr("shorter than the llm.c header"));
 }
 
+// Issue 40: an llm.c file whose magic is wrong was read as raw uint16 under auto, its 1024-byte
+// header trained as 512 tokens. Note [llm.c lookalike] in token_source.cpp.
+TEST_F(DataFiles, AnLlmcHeaderWithAWrongMagicIsRefusedUnderAuto) {
+  const std::string v1 = write_llmc<uint16_t>("wrong.bin", {7, 8, 9, 10, 11}, 1, /*magic=*/12345);
+  auto r = open_token_source(v1, {});
+  ASSERT_FALSE(r);
+  EXPECT_EQ(r.status().code(), StatusCode::kCorruption);
+  EXPECT_EQ(r.status().message(), v1 + ": looks like an llm.c token file (version 1, 5 tokens) but its magic is 12345, "
+                                        "not 20240520: pass --data-format raw to read it as raw uint16 tokens");
+
+  // Version 2 (uint32 tokens), magic zeroed: the count fits the size (1024 + 3 · 4 bytes).
+  auto v2 = open_token_source(write_llmc<uint32_t>("zero.bin", {1, 2, 3}, 2, /*magic=*/0), {});
+  ASSERT_FALSE(v2);
+  EXPECT_THAT(v2.status().message(), HasSubstr("zero.bin: looks like an llm.c token file (version 2, 3 tokens) but its magic is 0,"));
+
+  // One bit off the magic (20240520 ^ 1) in a file cut short: the count no longer fits, the magic still says llm.c.
+  auto cut = open_token_source(write_llmc<uint16_t>("cut.bin", {1, 2, 3}, 1, 20240520 ^ 1, /*count=*/1000), {});
+  ASSERT_FALSE(cut);
+  EXPECT_THAT(cut.status().message(), HasSubstr("cut.bin: looks like an llm.c token file (version 1, 1000 tokens) but its magic is 20240521,"));
+
+  // Told raw, it is raw: the header's int32s as uint16 pairs (12345, 0, 1, 0, 5, 0, then zeros), then the tokens.
+  auto raw = open_ok(v1, {.format = DataFormat::kRawBin});
+  ASSERT_TRUE(raw);
+  EXPECT_EQ(raw->format(), DataFormat::kRawBin);
+  ASSERT_EQ(raw->num_tokens(), 512u + 5u);
+  const std::vector<int32_t> tokens = read_all(*raw);
+  EXPECT_THAT(std::vector<int32_t>(tokens.begin(), tokens.begin() + 8), ElementsAre(12345, 0, 1, 0, 5, 0, 0, 0));
+  EXPECT_THAT(std::vector<int32_t>(tokens.end() - 5, tokens.end()), ElementsAre(7, 8, 9, 10, 11));
+}
+
+TEST_F(DataFiles, RawTokensThatOnlyStartLikeAnLlmcHeaderStayRaw) {
+  // Tokens 2–5 read as version 1 and 3 tokens, but 600 tokens are 1200 bytes, not 1024 + 3 · 2, and
+  // token 0 (5) is far from the magic: a raw file, read as one.
+  std::vector<uint16_t> tokens(600, 0);
+  tokens[0] = 5;
+  tokens[2] = 1;
+  tokens[4] = 3;
+  tokens[599] = 42;
+  auto s = open_ok(write_tokens("small_numbers.bin", tokens));
+  ASSERT_TRUE(s);
+  EXPECT_EQ(s->format(), DataFormat::kRawBin);
+  EXPECT_EQ(s->num_tokens(), 600u);
+  EXPECT_EQ(read_all(*s).back(), 42);
+  // A version that is not 1 or 2 with a count that fits the size: not llm.c's header either.
+  std::vector<uint16_t> other(512 + 4, 0);
+  other[2] = 3;
+  other[4] = 4;  // 1024 + 4 · 2 bytes: the size llm.c version 1 would need for a count of 4
+  auto o = open_ok(write_tokens("version3.bin", other));
+  ASSERT_TRUE(o);
+  EXPECT_EQ(o->format(), DataFormat::kRawBin);
+}
+
 TEST_F(DataFiles, RawFileWithAPartialTokenIsAnError) {
   const char three[3] = {1, 2, 3};
   auto r = open_token_source(write("odd.bin", three, 3), {});
@@ -367,6 +419,43 @@ TEST_F(DataFiles, JsonlLabelsMaskTargets) {
   Batch b = next(*d);
   EXPECT_THAT(b.inputs, ElementsAre(13, 20, 21));
   EXPECT_THAT(b.targets, ElementsAre(20, -100, 22)) << "the label of 20 crosses the example boundary unmasked";
+}
+
+// Issue 40: a JSONL file whose every label is -100 trained with loss 0 and no warning.
+// Note [Nothing to train on] in dataset.cpp.
+TEST_F(DataFiles, AllMaskedLabelsAreRefusedAtOpen) {
+  const std::string masked = "{\"input_ids\": [1, 2, 3, 4, 5], \"labels\": [-100, -100, -100, -100, -100]}\n";
+  const std::string all = write_text("all.jsonl", masked + masked);
+  auto r = Dataset::open(options(all, 2, 1));
+  ASSERT_FALSE(r);
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(r.status().message(), all + ": every label is -100 (masked): there is nothing to train on");
+
+  // 9 tokens, seq_len 4: 2 windows with targets at tokens 1–8. A label only at token 0 is never a target.
+  const std::string first = write_text("first.jsonl",
+      "{\"input_ids\": [1, 2, 3, 4, 5, 6, 7, 8, 9], \"labels\": [1, -100, -100, -100, -100, -100, -100, -100, -100]}\n");
+  auto f = Dataset::open(options(first, 4, 1));
+  ASSERT_FALSE(f);
+  EXPECT_EQ(f.status().message(), first + ": every target of its 2 windows of seq_len 4 is -100 (masked); its other "
+                                          "labels are at token 0, which is never a target: there is nothing to train on");
+  // 11 tokens, seq_len 4: still 2 windows (targets 1–8); the labels of the second example, tokens
+  // 9 and 10, fill no window.
+  const std::string tail = write_text("tail.jsonl",
+      "{\"input_ids\": [1, 2, 3, 4, 5, 6, 7, 8, 9], \"labels\": [-100, -100, -100, -100, -100, -100, -100, -100, -100]}\n"
+      "{\"input_ids\": [10, 11]}\n");
+  auto t = Dataset::open(options(tail, 4, 1));
+  ASSERT_FALSE(t);
+  EXPECT_THAT(t.status().message(), HasSubstr("its other labels are in the last 2 tokens, which fill no window"));
+
+  // One real label among the targets is enough, and the batch that holds it trains on it.
+  const std::string one = write_text("one.jsonl",
+      "{\"input_ids\": [1, 2, 3, 4, 5, 6, 7, 8, 9], \"labels\": [-100, -100, -100, -100, -100, 6, -100, -100, -100]}\n");
+  auto d = open_dataset(options(one, 4, 1, 0, /*shuffle=*/false));
+  ASSERT_TRUE(d);
+  EXPECT_THAT(next(*d).targets, ElementsAre(-100, -100, -100, -100));
+  EXPECT_THAT(next(*d).targets, ElementsAre(6, -100, -100, -100)) << "window 1: targets are tokens 5–8";
+  // The source itself still opens: it is the data set that has nothing to train on.
+  EXPECT_TRUE(open_token_source(all, {}).is_ok());
 }
 
 TEST_F(DataFiles, TooLittleDataSaysHowMuchIsNeeded) {

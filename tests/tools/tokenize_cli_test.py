@@ -8,8 +8,9 @@ parts; both outputs train with `zoffload train` on a LLaMA written by transforme
 tokenizer-less model directory, one with tokenizer_config.json but no vocabulary file, one whose
 vocabulary files are empty (transformers loads a tokenizer of special tokens only), a document the
 tokenizer encodes to special tokens only, an id past vocab_size, a chat file for a tokenizer without
-a chat template or with one that is not prefix-stable, a malformed JSONL line, a missing field and
-bad usage each fail with one line and exit 2; a failed write, a transformers that breaks under the
+a chat template or with one that is not prefix-stable, a malformed JSONL line, a line nested
+100,000 deep, a lone UTF-16 surrogate in JSONL or chat text (escaped or as bytes; an escaped pair is
+its character), a missing field and bad usage each fail with one line and exit 2; a failed write, a transformers that breaks under the
 tool's block on importing torch and one that cannot be imported fail with one line and exit 1. None
 leaves an output or a temporary file, and an existing --out is untouched. With
 ZO_TOKENIZE_ALLOW_TORCH=1 (the block off) the tool writes the same tokens.
@@ -180,6 +181,16 @@ with tempfile.TemporaryDirectory(prefix="zo-tokenize-cli-", dir=os.environ.get("
     write(p("bad.jsonl"), "".join(json.dumps({"text": "hello world %d" % i}) + "\n" for i in range(5000)) +
           '{"text": "cut off\n' + json.dumps({"text": "after"}) + "\n")
     write(p("nofield.jsonl"), json.dumps({"text": "fine"}) + "\n" + json.dumps({"body": "no text here"}) + "\n")
+    # Issue 40: a lone UTF-16 surrogate, as a JSON escape or as the bytes json.loads decodes with
+    # surrogatepass, made the tokenizer fail with a traceback. An escaped pair is one character.
+    write(p("surrogate.jsonl"), json.dumps({"text": "fine"}) + "\n" + '{"text": "\\ud800x"}\n')
+    with open(p("surrogate_bytes.jsonl"), "wb") as fh:
+        fh.write(b'{"text": "a\xed\xa0\x80b"}\n')
+    write(p("chat_surrogate.jsonl"), "\n".join(chat_lines[:2]) + "\n" + '{"messages": [{"role": "user", "content": "hi"}, '
+          '{"role": "assistant", "content": "\\udc00 there"}]}\n')
+    pair_texts = ["hello \U0001F600 world", "\u00e9t\u00e9"]
+    write(p("pair.jsonl"), "".join(json.dumps({"text": t}) + "\n" for t in pair_texts))  # ensure_ascii: \ud83d\ude00
+    write(p("deep.jsonl"), '{"text": ' + "[" * 100000 + "]" * 100000 + "}\n")
     small_lines = ["a", "b c", "hello world", "z"]
     write(p("small.jsonl"), "".join(json.dumps({"text": t}) + "\n" for t in small_lines))
     os.makedirs(p("existing"))
@@ -207,6 +218,7 @@ with tempfile.TemporaryDirectory(prefix="zo-tokenize-cli-", dir=os.environ.get("
         "wide": ["--model", p("wide"), "--input", p("corpus.txt"), "--out", p("out", "wide.bin"), "-q"],
         "chat": ["--model", model, "--input", p("chat.jsonl"), "--format", "chat", "--out", p("out", "chat.jsonl"),
                  "--json"],
+        "pair": ["--model", model, "--input", p("pair.jsonl"), "--out", p("out", "pair.jsonl"), "-q"],
     }
     # (args, exit code, what the one line must contain); args may be (args, env, prefix) as run_tool takes
     failures = {
@@ -234,6 +246,15 @@ with tempfile.TemporaryDirectory(prefix="zo-tokenize-cli-", dir=os.environ.get("
                                "--out", p("existing", "keep.jsonl")], 2, "chat.jsonl:1: the chat template is not prefix-stable"),
         "malformed line": (["--model", model, "--input", p("bad.jsonl"), "--out", p("existing", "keep.bin")], 2,
                            "bad.jsonl:5001: not valid JSON"),
+        "lone surrogate": (["--model", model, "--input", p("surrogate.jsonl"), "--out", p("existing", "keep.bin")], 2,
+                           'surrogate.jsonl:2: "text" holds a lone UTF-16 surrogate (\\ud800 at character 1)'),
+        "surrogate bytes": (["--model", model, "--input", p("surrogate_bytes.jsonl"), "--out", p("existing", "keep.jsonl")],
+                            2, 'surrogate_bytes.jsonl:1: "text" holds a lone UTF-16 surrogate (\\ud800 at character 2)'),
+        "chat surrogate": (["--model", model, "--input", p("chat_surrogate.jsonl"), "--format", "chat",
+                            "--out", p("existing", "keep.jsonl")], 2,
+                           "chat_surrogate.jsonl:3: messages[1].content holds a lone UTF-16 surrogate (\\udc00"),
+        "deep nesting": (["--model", model, "--input", p("deep.jsonl"), "--out", p("existing", "keep.bin")], 2,
+                         "deep.jsonl:1: JSON nested too deeply to read"),
         "missing field": (["--model", model, "--input", p("nofield.jsonl"), "--out", p("existing", "keep.bin")], 2,
                           'nofield.jsonl:2: no "text" field'),
         "chat to bin": (["--model", model, "--input", p("chat.jsonl"), "--format", "chat", "--out", p("existing", "keep.bin")],
@@ -295,6 +316,11 @@ with tempfile.TemporaryDirectory(prefix="zo-tokenize-cli-", dir=os.environ.get("
     if ok("special only"):
         _, tokens = read_bin(p("out", "special.bin"))
         expect(tokens == enc("hello world") + [eos, eos], "a document that is just %s is its token: %s" % (EOS, tokens))
+
+    if ok("pair"):
+        rows = [json.loads(l) for l in open(p("out", "pair.jsonl"))]
+        expect([r["input_ids"] for r in rows] == [enc(t) + [eos] for t in pair_texts],
+               "escaped surrogate pairs are the characters they spell: %s" % rows)
 
     # Chat: the expected rows built piece by piece from the template's parts, each encoded alone
     # (every part starts a pre-token here, so the pieces are the whole's tokens).

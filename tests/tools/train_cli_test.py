@@ -3,7 +3,8 @@
 the run directory) trains and its loss falls by a clear margin; a Hugging Face model directory
 written here with only the standard library (config.json + sharded bf16 safetensors) loads and
 trains; bad input fails with one line naming what is wrong and exit 2 (or 1 at run time); a stop
-signal removes the swap files, also during the start; a second run on the same nvme_path is refused.
+signal removes the swap files, also during the start; a second run on the same nvme_path, or on the
+same --out, is refused; a metrics_path that names a directory is refused at start, the directory kept.
 
 usage: train_cli_test.py ZOFFLOAD SOURCE_DIR SLOW_FALLOCATE_SO"""
 import json
@@ -316,6 +317,72 @@ with tempfile.TemporaryDirectory(prefix="zo-train-cli-", dir=os.environ.get("TMP
     first.send_signal(signal.SIGTERM)
     first.communicate(timeout=60)
     expect(first.returncode == -signal.SIGTERM, "the first run ends by SIGTERM: %d" % first.returncode)
+
+    # Issue 40: two runs on one --out with no swap files once clobbered each other (one metrics file,
+    # each other's checkpoint saves tidied away). The second is refused at start, the first goes on.
+    in_ram = json.load(open(demo_config))
+    in_ram["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    in_ram["zoffload"]["checkpoint"] = {"dir": "ckpt", "every_steps": 1000}
+    in_ram_cfg = os.path.join(tmp, "in-ram.json")
+    with open(in_ram_cfg, "w") as f:
+        json.dump(in_ram, f)
+    shared_out = os.path.join(tmp, "shared-out")
+    first = subprocess.Popen([zoffload, "train", "--config", in_ram_cfg, "--model", "tiny", "--data", corpus,
+                              "--steps", "100000", "--out", shared_out], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    metrics = os.path.join(shared_out, "metrics.jsonl")
+    deadline = time.time() + 120
+    while time.time() < deadline and not (os.path.exists(metrics) and os.path.getsize(metrics) > 0):
+        time.sleep(0.2)
+    p = train("--config", in_ram_cfg, "--model", "tiny", "--data", corpus, "--steps", "2", "--out", shared_out,
+              timeout=300)
+    expect(p.returncode == 1 and ("run directory %s is in use by another zoffload run" % shared_out) in p.stderr and
+           len(p.stderr.strip().splitlines()) == 1,
+           "a second run on the same --out is refused in one line: exit %d: %s" % (p.returncode, p.stderr[-800:]))
+    first.send_signal(signal.SIGTERM)
+    first.communicate(timeout=60)
+    steps = [json.loads(line)["step"] for line in open(metrics)]
+    expect(first.returncode == -signal.SIGTERM and steps == list(range(1, len(steps) + 1)),
+           "the first run went on, and its metrics are its own, whole: %s" % steps[:20])
+
+    # Issue 40: zoffload.log.metrics_path naming an existing directory once replaced it by the
+    # metrics. Refused at start, in one line, the directory as it was.
+    bad = json.load(open(in_ram_cfg))
+    bad["zoffload"]["log"] = {"metrics_path": "mine"}
+    bad_cfg = os.path.join(tmp, "metrics-dir.json")
+    with open(bad_cfg, "w") as f:
+        json.dump(bad, f)
+    run = os.path.join(tmp, "metrics-dir")
+    os.makedirs(os.path.join(run, "mine", "sub"))
+    with open(os.path.join(run, "mine", "notes.txt"), "w") as f:
+        f.write("keep\n")
+    p = train("--config", bad_cfg, "--model", "tiny", "--data", corpus, "--steps", "2", "--out", run, timeout=300)
+    expect(p.returncode == 2 and "metrics_path) %s is a directory" % os.path.join(run, "mine") in p.stderr and
+           len(p.stderr.strip().splitlines()) == 1,
+           "metrics_path naming a directory is refused in one line: exit %d: %s" % (p.returncode, p.stderr[-800:]))
+    expect(open(os.path.join(run, "mine", "notes.txt")).read() == "keep\n" and os.path.isdir(os.path.join(run, "mine", "sub")),
+           "the directory metrics_path named is as it was")
+
+    # Issue 40: under `ulimit -v 3000000` the run once aborted (exit 134: std::bad_alloc or
+    # "pthread_create has failed") although its plan said it fit. The plan counts the address space
+    # LibTorch and the threads reserve, and the refusal is one line and exit 1.
+    import resource
+
+    def limit_address_space():
+        resource.setrlimit(resource.RLIMIT_AS, (3_000_000 * 1024, 3_000_000 * 1024))
+
+    run = os.path.join(tmp, "ulimit-v")
+    p = subprocess.run([zoffload, "train", "--config", demo_config, "--model", "tiny", "--data", corpus, "--steps", "2",
+                        "--out", run], capture_output=True, text=True, timeout=300, preexec_fn=limit_address_space)
+    errors = [line for line in p.stderr.splitlines() if "error" in line]
+    expect(p.returncode == 1 and len(errors) == 1 and "address space (ulimit -v)" in errors[0],
+           "under ulimit -v 3000000 the run is refused in one line: exit %d: %s" % (p.returncode, p.stderr[-1500:]))
+    expect(not [f for f in files_under(run) if f.endswith(".swp")], "the refused run leaves no swap file")
+
+    # Issue 40: a 100 KB --config path was echoed twice per error line.
+    p = train("--config", os.path.join(tmp, "c" * 100_000 + ".json"), "--model", "tiny", "--data", corpus, timeout=60)
+    expect(p.returncode == 2 and len(p.stderr) < 2000 and "cannot read config file" in p.stderr,
+           "a 100 KB config path is one short line: exit %d, %d bytes: %s" % (p.returncode, len(p.stderr), p.stderr[:300]))
 
     p = subprocess.run([zoffload, "train", "--help"], capture_output=True, text=True)
     expect(p.returncode == 0 and "--model" in p.stdout and "metrics.jsonl" in p.stdout, "--help answers")

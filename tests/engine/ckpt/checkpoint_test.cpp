@@ -1,7 +1,9 @@
 // Checkpoints over real files: every tier saves and loads bit-exactly (also into a store with another
 // sub-group size and placement), the commit protocol leaves `latest`, pruning and stale tmp
-// directories as documented, a flipped byte anywhere is caught by verify and by load, and ENOSPC or
-// EIO during a save is a clear error that leaves the previous checkpoint and the store untouched.
+// directories as documented, a flipped byte anywhere is caught by verify and by load, a
+// trainer_state.json counter that is not a whole number in its range is refused naming its key, and
+// ENOSPC or EIO during a save is a clear error that leaves the previous checkpoint and the store
+// untouched.
 // Kills mid-save are in crash_test.cpp.
 #include "engine/ckpt/checkpoint.h"
 
@@ -9,6 +11,8 @@
 #include <gtest/gtest.h>
 
 #include <barrier>
+#include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -16,7 +20,10 @@
 #include <thread>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "common/aligned_buffer.h"
+#include "common/crc32c.h"
 #include "engine/model/safetensors.h"
 #include "io/env.h"
 #include "tests/engine/ckpt/ckpt_rig.h"
@@ -244,6 +251,107 @@ TEST(Checkpoint, AManifestNamingAFileOrTensorTwiceIsCorruption) {
   const Status t = Manifest::from_json(twice_tensor.to_json(), "m.json").status();
   EXPECT_EQ(t.code(), StatusCode::kCorruption);
   EXPECT_THAT(t.message(), HasSubstr("tensor \"w\" appears twice"));
+}
+
+// Rewrites DIR/trainer_state.json as `state` and its manifest entry to match (size and CRC-32C), as
+// a hand edit or a tool that knows the format would: only the reader's checks of the values stand
+// between the file and a run.
+void rewrite_trainer_state(const std::string& dir, const nlohmann::json& state) {
+  const std::string text = state.dump(2) + "\n";
+  std::ofstream(dir + "/trainer_state.json", std::ios::binary | std::ios::trunc) << text;
+  nlohmann::json manifest = nlohmann::json::parse(read_file(dir + "/manifest.json"));
+  char crc[9];
+  std::snprintf(crc, sizeof crc, "%08x", crc32c(text.data(), text.size()));
+  int rewritten = 0;
+  for (nlohmann::json& f : manifest["files"]) {
+    if (f["name"] != "trainer_state.json") continue;
+    f["size_bytes"] = text.size();
+    f["crc32c"] = {crc};
+    ++rewritten;
+  }
+  ASSERT_EQ(rewritten, 1);
+  std::ofstream(dir + "/manifest.json", std::ios::binary | std::ios::trunc) << manifest.dump(2) << "\n";
+}
+
+// Issue 40: trainer_state.json's counters were read with nlohmann's get<uint64_t>(), which takes
+// -1 as 2^64 - 1, casts 1e30 out of range and reads true as 1, and world_size 0 was accepted. Each
+// is refused at open (what --resume, ckpt verify, ckpt inspect and export use), naming the key.
+TEST(Checkpoint, TrainerStateCountersMustBeWholeNumbersInRange) {
+  TempDir dir;
+  Rig rig;
+  ASSERT_TRUE(rig.init({.optimizer = "cpu", .param = "cpu"}, dir.path + "/swap").is_ok());
+  ASSERT_TRUE(rig.fill(4).is_ok());
+  const std::string step = dir.path + "/ckpt/step-5";
+  ASSERT_TRUE(save_checkpoint(*rig.store, state_at(5), "{}", save_options(dir.path + "/ckpt")).is_ok());
+  const nlohmann::json saved = nlohmann::json::parse(read_file(step + "/trainer_state.json"));
+  ASSERT_EQ(saved.at("steps_done"), 5);
+
+  struct Case {
+    std::string pointer;  // the field, as a JSON pointer
+    nlohmann::json value;
+    std::string message;  // after "STEP/trainer_state.json: "
+  };
+  const uint64_t max_u64 = UINT64_MAX;
+  const std::vector<Case> cases = {
+      {"/world_size", 0, "world_size: 0 is not a whole number in [1, 2^64)"},
+      {"/steps_done", -1, "steps_done: -1 is not a whole number in [0, 2^64)"},
+      {"/steps_done", 1e30, "steps_done: 1e+30 is not a whole number in [0, 2^64)"},
+      {"/steps_done", "5", "steps_done: \"5\" is not a whole number in [0, 2^64)"},
+      {"/steps_done", 5.0, "steps_done: 5.0 is not a whole number in [0, 2^64)"},
+      {"/optimizer_steps", true, "optimizer_steps: true is not a whole number in [0, 2^64)"},
+      {"/seed", nullptr, "seed: null is not a whole number in [0, 2^64)"},
+      {"/seq_len", -128, "seq_len: -128 is not a whole number in [0, 2^64)"},
+      {"/data_position/index", 2.5, "data_position.index: 2.5 is not a whole number in [0, 2^64)"},
+      {"/data_position/epoch", -3, "data_position.epoch: -3 is not a whole number in [0, 2^64)"},
+      {"/loss_scaler/cur_iter", -5, "loss_scaler.cur_iter: -5 is not a whole number in [0, 2^64)"},
+      {"/loss_scaler/last_overflow_iter", -2, "loss_scaler.last_overflow_iter: -2 is not a whole number in [-1, 2^63)"},
+      {"/loss_scaler/last_overflow_iter", max_u64,
+       "loss_scaler.last_overflow_iter: 18446744073709551615 is not a whole number in [-1, 2^63)"},
+      {"/loss_scaler/cur_hysteresis", 0, "loss_scaler.cur_hysteresis: 0 is not a whole number in [1, 2^64)"},
+      {"/loss_scaler/cur_scale", 0, "loss_scaler.cur_scale: 0 is not a finite number > 0"},
+      {"/loss_scaler/cur_scale", "2048", "loss_scaler.cur_scale: \"2048\" is not a finite number > 0"},
+      {"/loss_scaler", 7, "loss_scaler: 7 is not an object"},
+      {"/model", 12, "model: 12 is not a string"},
+  };
+  Rig dst;
+  ASSERT_TRUE(dst.init({.optimizer = "nvme", .param = "nvme"}, dir.path + "/swap2").is_ok());
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.pointer + " = " + c.value.dump());
+    const std::string copy = dir.path + "/bad";
+    fs::remove_all(copy);
+    fs::copy(step, copy);
+    nlohmann::json state = saved;
+    state[nlohmann::json::json_pointer(c.pointer)] = c.value;
+    rewrite_trainer_state(copy, state);
+    const Status open = open_checkpoint(copy).status();
+    EXPECT_EQ(open.code(), StatusCode::kCorruption);
+    EXPECT_EQ(open.message(), copy + "/trainer_state.json: " + c.message);
+    const Status loaded = load(copy, dst);
+    EXPECT_EQ(loaded.code(), StatusCode::kCorruption);
+    EXPECT_THAT(loaded.message(), HasSubstr("trainer_state.json: " + c.message));
+  }
+
+  // The edit itself is sound: values at the edges of their ranges, and no world_size (a checkpoint
+  // from before data parallel: 1 rank), load.
+  nlohmann::json edge = saved;
+  edge["seed"] = max_u64;
+  edge["seq_len"] = 0;
+  edge["optimizer_steps"] = 0;
+  edge["loss_scaler"]["last_overflow_iter"] = -1;
+  edge["loss_scaler"]["cur_scale"] = 1;
+  edge.erase("world_size");
+  const std::string copy = dir.path + "/edge";
+  fs::copy(step, copy);
+  rewrite_trainer_state(copy, edge);
+  auto info = open_checkpoint(copy);
+  ASSERT_TRUE(info.is_ok()) << info.status().to_string();
+  EXPECT_EQ(info->state.seed, max_u64);
+  EXPECT_EQ(info->state.world_size, 1u);
+  EXPECT_EQ(info->state.loss_scaler.last_overflow_iter, -1);
+  EXPECT_EQ(info->state.loss_scaler.cur_scale, 1.0);
+  const Status loaded = load(copy, dst);
+  ASSERT_TRUE(loaded.is_ok()) << loaded.to_string();
+  EXPECT_TRUE(rig.gather(StateKind::kMaster) == dst.gather(StateKind::kMaster));
 }
 
 TEST(Checkpoint, AFlippedByteInAnyFileIsCaughtByVerifyAndLoad) {
