@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <random>
 #include <utility>
 
 #include "io/file.h"
@@ -389,8 +390,11 @@ Status Env::publish_file(const std::string& path, std::string_view bytes, std::s
   const std::filesystem::path normal = std::filesystem::path(path).lexically_normal();
   const std::string parent = normal.has_parent_path() ? normal.parent_path().string() : ".";
   ZO_RETURN_IF_ERROR(make_dirs(parent).with_context(std::string(what) + " " + path));
-  const std::string tmp = normal.string() + ".tmp-" + std::to_string(::getpid());
-  (void)remove_all(tmp);  // a file this process left by a failed publish of the same path
+  // A name nothing else uses; write_file creates it (O_EXCL), so nothing already there is touched.
+  std::random_device rd;
+  char suffix[17];
+  std::snprintf(suffix, sizeof suffix, "%08x%08x", rd(), rd());
+  const std::string tmp = normal.string() + ".tmp-" + suffix;
   ZO_RETURN_IF_ERROR(write_file(tmp, bytes).with_context(std::string(what)));
   // rename(2) replaces a file and never a directory (EISDIR), whatever appeared since the check.
   if (Status s = rename(tmp, normal.string()); !s.is_ok()) {

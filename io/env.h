@@ -122,7 +122,7 @@ class Env {
   // FIFO, socket or device), "<what> PATH: A is not a directory" (an ancestor).
   Status check_output_file(const std::string& path, std::string_view what);
   // Creates or replaces the regular file `path` with `bytes`: check_output_file, the missing parent
-  // directories made, the bytes written to PATH.tmp-<pid> beside it (write_file: fdatasynced), renamed
+  // directories made, the bytes written to a new PATH.tmp-<random> beside it (write_file: fdatasynced), renamed
   // over `path` and the parent fsynced. On failure `path` is as it was and the temporary is removed.
   Status publish_file(const std::string& path, std::string_view bytes, std::string_view what);
   // Opens `path` to append to, as a new empty file: an existing regular file is replaced by

@@ -40,6 +40,19 @@ namespace {
 
 constexpr uint32_t kWriteSlots = 4;  // of the staging buffer a state file is written through
 
+// The names a save gives its temporaries — tmp-<step>-<random>, tmp-pruned-<step>-<random>,
+// latest.tmp-<random> — and nothing else: a user's "tmp-notes" in the directory is not ours.
+bool is_save_tmp_name(std::string_view name) {
+  auto random_at = [&](size_t at) {
+    if (name.size() != at + 16) return false;
+    for (size_t i = at; i < name.size(); ++i)
+      if (!std::isxdigit(static_cast<unsigned char>(name[i]))) return false;
+    return true;
+  };
+  if (name.rfind("latest.tmp-", 0) == 0) return random_at(11);
+  return name.rfind("tmp-", 0) == 0 && name.size() > 4 + 17 && name[name.size() - 17] == '-' && random_at(name.size() - 16);
+}
+
 std::string random_suffix() {
   std::random_device rd;
   char buf[17];
@@ -528,7 +541,7 @@ Result<std::vector<std::string>> clean_stale_checkpoints(const std::string& dir,
   if (kind != io::PathKind::kDirectory) return removed;
   ZO_ASSIGN_OR_RETURN(const std::vector<std::string> names, env.list_dir(dir));
   for (const std::string& name : names) {
-    if (name.rfind("tmp-", 0) != 0 && name.rfind("latest.tmp-", 0) != 0) continue;
+    if (!is_save_tmp_name(name)) continue;
     ZO_RETURN_IF_ERROR(env.remove_all(dir + "/" + name).with_context("removing a stale save"));
     removed.push_back(name);
   }

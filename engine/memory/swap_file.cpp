@@ -62,8 +62,7 @@ Result<std::unique_ptr<SwapFile>> SwapFile::create(const std::string& dir, const
                                                   uint64_t capacity_bytes, io::IoEngine& engine,
                                                   MemoryAccounting* accounting, io::Env* env,
                                                   const std::function<void(const std::string&)>& claimed) {
-  std::string created_dir;  // the outermost directory made here, if any
-  ZO_RETURN_IF_ERROR(env->make_dirs(dir, &created_dir).with_context("creating swap directory " + dir));
+  ZO_RETURN_IF_ERROR(env->make_dirs(dir).with_context("creating swap directory " + dir));
   auto impl = std::make_unique<Impl>();
   impl->env = env;
   impl->path = (std::filesystem::path(dir) / name).string();
@@ -81,13 +80,13 @@ Result<std::unique_ptr<SwapFile>> SwapFile::create(const std::string& dir, const
                       "its own nvme_path, or wait for that run to end");
   }
   if (claimed) claimed(impl->path);
-  // From here the file is this process's: one it created and could not size is removed again
-  // (with the directories made for it), so a failed start leaves no empty swap file behind.
+  // From here the file is this process's: one it created and could not size is removed again, so
+  // a failed start leaves no empty swap file behind. Only the file: the directories above it may
+  // hold other ranks' and runs' swap files by now.
   auto fail = [&](Status st) {
     if (before == io::PathKind::kMissing) {
       (void)impl->file.close();
-      if (Status rm = env->remove_all(created_dir.empty() ? impl->path : created_dir); !rm.is_ok())
-        ZO_LOG(kWarn) << rm.to_string();
+      if (Status rm = env->remove_all(impl->path); !rm.is_ok()) ZO_LOG(kWarn) << rm.to_string();
     }
     return st;
   };

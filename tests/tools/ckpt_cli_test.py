@@ -292,7 +292,7 @@ with tempfile.TemporaryDirectory(prefix="zo-ckpt-cli-", dir=os.environ.get("TMPD
 
     # 7. A stale tmp directory (a killed save) is removed at the next start with that config; a start
     # already at the requested step trains nothing and saves nothing.
-    stale = os.path.join(a_ckpt, "tmp-99-deadbeef")
+    stale = os.path.join(a_ckpt, "tmp-99-deadbeef01234567")
     os.makedirs(stale)
     with open(os.path.join(stale, "junk"), "w") as f:
         f.write("left by a killed save")
@@ -300,7 +300,7 @@ with tempfile.TemporaryDirectory(prefix="zo-ckpt-cli-", dir=os.environ.get("TMPD
     check(p.returncode == 0 and as_json(p).get("checkpoints") == [],
           "a start at step 6 of 6 exits 0 and saves nothing: %d %s %s" % (p.returncode, p.stdout[-300:], p.stderr[-1000:]))
     check(not os.path.exists(stale) and sorted(os.listdir(a_ckpt)) == ["latest", "step-4", "step-6"],
-          "the stale tmp-99-deadbeef is removed, the checkpoints kept: %s" % sorted(os.listdir(a_ckpt)))
+          "the stale tmp-99-deadbeef01234567 is removed, the checkpoints kept: %s" % sorted(os.listdir(a_ckpt)))
 
     # 8. --resume latest continues from step 6 to 8 in the same directory.
     p = train(config, a, 8, "--resume", "latest", "--json")

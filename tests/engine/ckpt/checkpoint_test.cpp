@@ -190,14 +190,22 @@ TEST(Checkpoint, LatestPruningAndStaleTmpDirectories) {
   ASSERT_TRUE(save_checkpoint(*rig.store, state_at(9), "{}", save_options(ckpt, 0)).is_ok());
   EXPECT_TRUE(fs::exists(ckpt + "/step-6") && fs::exists(ckpt + "/step-8"));
 
-  // What a killed save leaves is removed at the next start; checkpoints stay.
-  fs::create_directories(ckpt + "/tmp-10-0123abcd");
-  std::ofstream(ckpt + "/tmp-10-0123abcd/master.safetensors") << "partial";
-  std::ofstream(ckpt + "/latest.tmp-feedbeef") << "step-10\n";
+  // What a killed save leaves is removed at the next start; checkpoints stay, and so do a user's
+  // entries that only start like a save's temporaries (issue 40: nothing this run did not create).
+  fs::create_directories(ckpt + "/tmp-10-0123abcd89abcdef");
+  std::ofstream(ckpt + "/tmp-10-0123abcd89abcdef/master.safetensors") << "partial";
+  std::ofstream(ckpt + "/latest.tmp-feedbeef01234567") << "step-10\n";
+  fs::create_directories(ckpt + "/tmp-notes");
+  std::ofstream(ckpt + "/tmp-notes/keep.txt") << "mine\n";
+  std::ofstream(ckpt + "/latest.tmp-mine") << "mine\n";
   auto removed = clean_stale_checkpoints(ckpt);
   ASSERT_TRUE(removed.is_ok());
   EXPECT_EQ(removed->size(), 2u);
-  EXPECT_FALSE(fs::exists(ckpt + "/tmp-10-0123abcd"));
+  EXPECT_FALSE(fs::exists(ckpt + "/tmp-10-0123abcd89abcdef"));
+  EXPECT_FALSE(fs::exists(ckpt + "/latest.tmp-feedbeef01234567"));
+  EXPECT_TRUE(fs::exists(ckpt + "/tmp-notes/keep.txt") && fs::exists(ckpt + "/latest.tmp-mine"));
+  fs::remove_all(ckpt + "/tmp-notes");
+  fs::remove(ckpt + "/latest.tmp-mine");
   EXPECT_TRUE(fs::exists(ckpt + "/step-9/manifest.json"));
   EXPECT_TRUE(clean_stale_checkpoints(dir.path + "/nowhere").is_ok());
 
