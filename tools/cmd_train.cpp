@@ -357,8 +357,9 @@ int run_train(const TrainArgs& args) {
     // A save that failed because a rank is gone ends the run here: training on would only wait for
     // that rank again, through another --dist-timeout, at the next collective.
     if (!st.is_ok() && group != nullptr && group->broken())
-      return fail("the checkpoint after step " + std::to_string(m->step) + " failed, and the ranks are no longer "
-                  "connected (the previous checkpoints are intact): " + st.to_string(), 1);
+      return fail("the checkpoint after step " + std::to_string(m->step) + " did not complete on every rank, and the "
+                  "ranks are no longer connected (`zoffload ckpt verify` tells which checkpoints are whole): " +
+                  st.to_string(), 1);
     if (!st.is_ok()) {
       std::cerr << "zoffload train: warning: the checkpoint after step " << m->step << " failed: " << st.to_string()
                 << "; the previous checkpoints are intact and training goes on\n";

@@ -54,6 +54,7 @@ class ProcessGroup {
 
   // A collective of this group has failed (Note [A rank that fails]): the ranks are no longer all
   // connected, and every later collective would fail too, after waiting for the timeout again.
+  // Asked by the thread that issues the collectives.
   bool broken() const;
 
   // Payload bytes this rank has passed to collectives, and the wall time spent in them.

@@ -72,15 +72,15 @@ Result<std::unique_ptr<CsvMonitor>> CsvMonitor::open(io::Env* env, std::string d
   return std::unique_ptr<CsvMonitor>(new CsvMonitor(env, std::move(dir), append));
 }
 
-std::string CsvMonitor::path_of(const std::string& tag) const {
+std::string CsvMonitor::path_of(const std::string& dir, const std::string& tag) {
   std::string name = tag;
   for (char& c : name)
     if (c == '/' || c == ' ') c = '_';
-  return dir_ + "/" + name + ".csv";
+  return dir + "/" + name + ".csv";
 }
 
-Status CsvMonitor::check_files(const std::vector<Scalar>& scalars) {
-  for (const Scalar& s : scalars) ZO_RETURN_IF_ERROR(env_->check_output_file(path_of(s.tag), "csv_monitor file"));
+Status CsvMonitor::check_files(io::Env* env, const std::string& dir, const std::vector<Scalar>& scalars) {
+  for (const Scalar& s : scalars) ZO_RETURN_IF_ERROR(env->check_output_file(path_of(dir, s.tag), "csv_monitor file"));
   return Status::ok();
 }
 
@@ -90,7 +90,7 @@ Status CsvMonitor::write(uint64_t samples, const std::vector<Scalar>& scalars) {
     for (const auto& f : files_)
       if (f->tag == s.tag) file = f.get();
     if (file == nullptr) {
-      const std::string path = path_of(s.tag);
+      const std::string path = path_of(dir_, s.tag);
       // A new run replaces an earlier run's file whole; a resumed one appends (Note [Output files]).
       ZO_RETURN_IF_ERROR(env_->check_output_file(path, "csv_monitor file"));
       uint64_t size = 0;

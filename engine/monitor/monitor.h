@@ -37,9 +37,9 @@ class CsvMonitor {
   // Creates `dir` when missing. `append`: keep the rows already there (a resumed run); otherwise a
   // file this monitor writes starts afresh.
   static Result<std::unique_ptr<CsvMonitor>> open(io::Env* env, std::string dir, bool append);
-  // Before the first step: the files of these scalars' tags can be written (io::Env::
+  // Before the run starts: the files of these scalars' tags in `dir` can be written (io::Env::
   // check_output_file: a directory in the way is an error naming it, and is never removed).
-  Status check_files(const std::vector<Scalar>& scalars);
+  static Status check_files(io::Env* env, const std::string& dir, const std::vector<Scalar>& scalars);
   Status write(uint64_t samples, const std::vector<Scalar>& scalars);
   const std::string& dir() const { return dir_; }
 
@@ -49,7 +49,7 @@ class CsvMonitor {
     std::string tag;
     std::unique_ptr<io::AppendFile> out;
   };
-  std::string path_of(const std::string& tag) const;  // dir/Train_Samples_<name>.csv
+  static std::string path_of(const std::string& dir, const std::string& tag);  // dir/Train_Samples_<name>.csv
 
   io::Env* env_;
   std::string dir_;

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cmath>
@@ -224,6 +225,8 @@ struct Trainer::Impl {
   Status create_schedules();      // loss scaler and learning-rate schedule
   Status open_data();             // dataset and RoPE tables
   Status open_metrics();          // metrics.jsonl, appended to when resuming
+  // Where a DeepSpeed monitor writes: output_path/job_name, relative to the run directory.
+  std::string monitor_dir(const MonitorConfig& mc) const;
   Status init_weights();
   // The block's compute copies as tensors; leaves that collect gradients when `grad`.
   std::vector<torch::Tensor> wrap(uint32_t block, const std::vector<gpu::DevicePtr>& ptrs, bool grad) const;
@@ -359,7 +362,7 @@ Status Trainer::Impl::prepare_run_dir() {
   // directory before anything in it is touched (the other ranks write nothing there before they
   // have connected to it); the lock file stays, so that no two processes can lock two files.
   if (rank() == 0 && !opt.run_dir_lock) {
-    ZO_ASSIGN_OR_RETURN(opt.run_dir_lock, lock_run_dir(opt.out_dir.empty() ? "." : opt.out_dir, env()));
+    ZO_ASSIGN_OR_RETURN(opt.run_dir_lock, lock_run_dir(opt.out_dir, env()));
   } else if (!opt.out_dir.empty()) {
     ZO_RETURN_IF_ERROR(env()->make_dirs(opt.out_dir).with_context("creating the run directory " + opt.out_dir));
   }
@@ -367,12 +370,21 @@ Status Trainer::Impl::prepare_run_dir() {
   metrics_path = resolve_run_path(opt.out_dir, config.zoffload.log.metrics_path.empty() ? "metrics.jsonl"
                                                                                      : config.zoffload.log.metrics_path);
   // Note [Output files] (io/env.h): the files this run writes are checked now, not after a step.
-  if (rank() == 0) ZO_RETURN_IF_ERROR(env()->check_output_file(metrics_path, "the metrics file (zoffload.log.metrics_path)"));
+  if (rank() == 0) {
+    ZO_RETURN_IF_ERROR(env()->check_output_file(metrics_path, "the metrics file (zoffload.log.metrics_path)"));
+    if (config.csv_monitor.enabled) {
+      ZO_RETURN_IF_ERROR(monitor::CsvMonitor::check_files(env(), monitor_dir(config.csv_monitor),
+                                                          monitor::scalars_of_metrics_record(StepMetrics{}.to_json())));
+    }
+  }
   if (!config.zoffload.checkpoint.dir.empty()) {
     checkpoint_dir = resolve_run_path(opt.out_dir, config.zoffload.checkpoint.dir);
     ZO_ASSIGN_OR_RETURN(const io::PathKind kind, env()->path_kind(checkpoint_dir));
     if (kind != io::PathKind::kMissing && kind != io::PathKind::kDirectory)
       return invalid_argument("zoffload.checkpoint.dir " + checkpoint_dir + " exists and is not a directory");
+    // Missing: its parents must be directories or missing (not "file/ckpt").
+    if (kind == io::PathKind::kMissing)
+      ZO_RETURN_IF_ERROR(env()->check_output_file(checkpoint_dir, "zoffload.checkpoint.dir"));
     if (rank() != 0) return Status::ok();  // rank 0 writes the checkpoints, and tidies them
     ZO_ASSIGN_OR_RETURN(std::vector<std::string> stale, clean_stale_checkpoints(checkpoint_dir, env()));
     for (const std::string& name : stale)
@@ -580,23 +592,21 @@ Status Trainer::Impl::open_metrics() {
   } else {
     ZO_ASSIGN_OR_RETURN(metrics, env()->open_fresh_append(metrics_path, "the metrics file (zoffload.log.metrics_path)"));
   }
-  // DeepSpeed writes to os.path.join(output_path, job_name); output_path is relative to the run
-  // directory here, as every path of the config is.
   const Config& config = opt.config;
-  auto monitor_dir = [&](const MonitorConfig& mc) {
-    const std::string base = resolve_run_path(opt.out_dir, mc.output_path.empty() ? "." : mc.output_path);
-    return mc.job_name.empty() ? base : mc.job_name.front() == '/' ? mc.job_name : base + "/" + mc.job_name;
-  };
   if (config.tensorboard.enabled) {
     ZO_ASSIGN_OR_RETURN(tensorboard, monitor::TensorBoardMonitor::open(env(), monitor_dir(config.tensorboard)));
   }
   if (config.csv_monitor.enabled) {
     ZO_ASSIGN_OR_RETURN(csv_monitor, monitor::CsvMonitor::open(env(), monitor_dir(config.csv_monitor), resumed));
-    // The files a step's record goes to, checked before the first step (Note [Output files]).
-    ZO_RETURN_IF_ERROR(csv_monitor->check_files(monitor::scalars_of_metrics_record(StepMetrics{}.to_json()))
-                           .with_context("csv_monitor"));
   }
   return Status::ok();
+}
+
+std::string Trainer::Impl::monitor_dir(const MonitorConfig& mc) const {
+  // DeepSpeed writes to os.path.join(output_path, job_name); output_path is relative to the run
+  // directory here, as every path of the config is.
+  const std::string base = resolve_run_path(opt.out_dir, mc.output_path.empty() ? "." : mc.output_path);
+  return mc.job_name.empty() ? base : mc.job_name.front() == '/' ? mc.job_name : base + "/" + mc.job_name;
 }
 
 namespace {
@@ -1266,12 +1276,21 @@ Result<OptimizerStepReport> Trainer::Impl::update(const OptimizerStepArgs& args,
 Trainer::Trainer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Trainer::~Trainer() = default;
 
-Result<std::shared_ptr<io::File>> lock_run_dir(const std::string& out_dir, io::Env* env) {
+Result<std::shared_ptr<io::File>> lock_run_dir(const std::string& out_dir_or_empty, io::Env* env) {
   if (env == nullptr) env = io::Env::posix();
+  const std::string out_dir = out_dir_or_empty.empty() ? "." : out_dir_or_empty;
   ZO_RETURN_IF_ERROR(env->make_dirs(out_dir).with_context("creating the run directory " + out_dir));
   const std::string path = out_dir + "/.zoffload.lock";
   ZO_ASSIGN_OR_RETURN(io::File file, io::File::open(path, io::OpenMode::kCreate, /*direct=*/false));
   if (Status st = file.lock_exclusive(); !st.is_ok()) {
+    const int err = st.sys_errno();
+    if (st.code() != StatusCode::kFailedPrecondition && (err == ENOSYS || err == ENOLCK || err == EOPNOTSUPP)) {
+      // A file system without flock (Lustre without -o flock, NFS without lockd): the run goes on
+      // unguarded rather than not at all.
+      ZO_LOG(kWarn) << "cannot lock the run directory " << out_dir << " (" << st.message()
+                    << "): nothing stops a second run on it";
+      return std::make_shared<io::File>(std::move(file));
+    }
     if (st.code() != StatusCode::kFailedPrecondition) return st.with_context("locking the run directory " + out_dir);
     return failed_precondition("run directory " + out_dir + " is in use by another zoffload run (it holds " + path +
                                "): wait for that run to end, or give this one another --out");

@@ -67,10 +67,11 @@ struct TrainOptions {
   std::shared_ptr<io::File> run_dir_lock;
 };
 
-// Creates `out_dir` when missing and locks it for this run: an exclusive flock on
-// OUT/.zoffload.lock, held until the returned file is closed. kFailedPrecondition "run directory
-// OUT is in use by another zoffload run ..." when another process (or another lock in this one)
-// holds it.
+// Creates `out_dir` (empty: the current directory) when missing and locks it for this run: an
+// exclusive flock on OUT/.zoffload.lock, held until the returned file is closed.
+// kFailedPrecondition "run directory OUT is in use by another zoffload run ..." when another
+// process (or another lock in this one) holds it. On a file system without flock the run is not
+// refused: a warning says it is unguarded.
 Result<std::shared_ptr<io::File>> lock_run_dir(const std::string& out_dir, io::Env* env = nullptr);
 
 // What one optimizer step did and where its time went (seconds of wall time).

@@ -78,12 +78,12 @@ TEST_F(MonitorDir, ADirectoryWhereACsvFileGoesIsRefusedAndKept) {
   auto m = CsvMonitor::open(io::Env::posix(), dir_ + "/job", /*append=*/false);
   ASSERT_TRUE(m.is_ok()) << m.status().to_string();
   const std::vector<Scalar> record = {{"Train/Samples/train_loss", 2.5}, {"Train/Samples/lr", 0.1}};
-  const Status checked = (*m)->check_files(record);
+  const Status checked = CsvMonitor::check_files(io::Env::posix(), dir_ + "/job", record);
   EXPECT_EQ(checked.code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(checked.message(), "csv_monitor file " + dir_ + "/job/Train_Samples_lr.csv is a directory: give the path of a file");
   EXPECT_FALSE((*m)->write(8, record).is_ok());
   EXPECT_EQ(read_all(dir_ + "/job/Train_Samples_lr.csv/mine/notes.txt"), "keep\n");
-  ASSERT_TRUE((*m)->check_files({{"Train/Samples/train_loss", 2.5}}).is_ok());
+  ASSERT_TRUE(CsvMonitor::check_files(io::Env::posix(), dir_ + "/job", {{"Train/Samples/train_loss", 2.5}}).is_ok());
 }
 
 TEST_F(MonitorDir, AFailedWriteNamesTheFile) {

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
@@ -614,6 +615,48 @@ TEST(Trainer, ASecondRunOnTheSameRunDirectoryIsRefused) {
   first->reset();
   auto third = Trainer::create(o);
   EXPECT_TRUE(third.is_ok()) << "the lock ends with the run: " << third.status().to_string();
+}
+
+// Issue 40 (Note [Output files]): what the run would write over is checked before anything is
+// built — a directory where the metrics or a csv_monitor file goes, a checkpoint directory under a
+// regular file — with one error naming it, and nothing of the user's is touched.
+TEST(Trainer, OutputPathsInTheWayAreRefusedAtStartAndKept) {
+  TempDir dir;
+  const std::string run = dir.path + "/run";
+  std::filesystem::create_directories(run + "/mine/sub");
+  std::ofstream(run + "/mine/keep.txt") << "keep\n";
+  std::ofstream(dir.path + "/notes.txt") << "mine\n";
+  struct Case {
+    std::string name, want;
+    std::function<void(TrainOptions&)> set;
+  };
+  const std::vector<Case> cases = {
+      {"metrics_path", "the metrics file (zoffload.log.metrics_path) " + run + "/mine is a directory",
+       [&](TrainOptions& o) { o.config.zoffload.log.metrics_path = "mine"; }},
+      {"csv_monitor", "csv_monitor file " + run + "/logs/mine/Train_Samples_train_loss.csv is a directory",
+       [&](TrainOptions& o) {
+         std::filesystem::create_directories(run + "/logs/mine/Train_Samples_train_loss.csv");
+         o.config.csv_monitor = {.enabled = true, .output_path = "logs", .job_name = "mine"};
+       }},
+      {"checkpoint.dir", dir.path + "/notes.txt is not a directory",
+       [&](TrainOptions& o) { o.config.zoffload.checkpoint.dir = dir.path + "/notes.txt/ckpt"; }},
+  };
+  for (const Case& c : cases) {
+    TrainOptions o = make_options({.param = "cpu", .optimizer = "nvme"}, dir);
+    c.set(o);
+    auto t = Trainer::create(o);
+    ASSERT_FALSE(t.is_ok()) << c.name;
+    EXPECT_EQ(t.status().code(), StatusCode::kInvalidArgument) << c.name;
+    EXPECT_THAT(t.status().message(), HasSubstr(c.want)) << c.name;
+    EXPECT_FALSE(std::filesystem::exists(dir.path + "/nvme")) << c.name << ": refused after the swap files were made";
+  }
+  std::ifstream keep(run + "/mine/keep.txt"), notes(dir.path + "/notes.txt");
+  std::string a, b;
+  std::getline(keep, a);
+  std::getline(notes, b);
+  EXPECT_EQ(a, "keep");
+  EXPECT_EQ(b, "mine");
+  EXPECT_TRUE(std::filesystem::is_directory(run + "/mine/sub"));
 }
 
 // A step that fails before the optimizer (here: a label outside the vocabulary in the data) loses
