@@ -462,6 +462,8 @@ bool prescan_json_text(std::string_view text, ConfigDiagnostics* diag) {
     return p;
   };
   bool ok = true;
+  constexpr uint64_t kMaxReported = 20;
+  uint64_t underflows = 0;
   for (size_t i = 0; i < text.size();) {
     const char c = text[i];
     if (c == '"') {
@@ -494,7 +496,9 @@ bool prescan_json_text(std::string_view text, ConfigDiagnostics* diag) {
         ++end;
       const std::string_view number = text.substr(i, end - i);
       if (std::string why = detail::underflow_reason(number); !why.empty()) {
-        diag->errors.push_back({path(), quote_excerpt(number, 40) + " is not representable (" + why + ")"});
+        // A file of a million such numbers is reported in a screenful.
+        if (++underflows <= kMaxReported)
+          diag->errors.push_back({path(), quote_excerpt(number, 40) + " is not representable (" + why + ")"});
         ok = false;
       }
       i = end;
@@ -502,6 +506,8 @@ bool prescan_json_text(std::string_view text, ConfigDiagnostics* diag) {
       ++i;
     }
   }
+  if (underflows > kMaxReported)
+    diag->errors.push_back({"", "and " + std::to_string(underflows - kMaxReported) + " more numbers that underflow"});
   return ok;
 }
 

@@ -23,6 +23,7 @@
 
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <cmath>
@@ -445,10 +446,10 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
     // Note [Address space]: the threads a run starts — LibTorch's intra-op pool and the optimizer's
     // (one per CPU each, at most), the I/O engine's, and about ten of its own (the optimizer and
     // gradient workers, the gatherer, Gloo's) — each reserve a stack, and each may open a malloc
-    // arena of 64 MiB (glibc: at most 8 per CPU).
+    // arena of 64 MiB (glibc: at most 8 per CPU, or MALLOC_ARENA_MAX).
     const uint64_t cpus = std::max<unsigned>(1, host.logical_cpus);
     const uint64_t threads = 2 * cpus + c.aio.intra_op_parallelism + 10;
-    const uint64_t arenas = std::min(threads, 8 * cpus);
+    const uint64_t arenas = std::min({threads, 8 * cpus, host.malloc_arena_max});
     p.thread_reserve_bytes = threads * host.thread_stack_bytes + arenas * (uint64_t{64} << 20);
     p.address_space_bytes = host.process_virtual_bytes + p.ram_bytes + (in.host.cuda ? 0 : p.device_total_bytes) +
                             p.thread_reserve_bytes;
@@ -457,7 +458,8 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
                             "the process with LibTorch " + format_bytes(host.process_virtual_bytes) + " + the run's memory " +
                                 format_bytes(p.address_space_bytes - host.process_virtual_bytes - p.thread_reserve_bytes) +
                                 " + about " + std::to_string(threads) + " threads' stacks and malloc arenas " +
-                                format_bytes(p.thread_reserve_bytes) + ": raise ulimit -v"});
+                                format_bytes(p.thread_reserve_bytes) +
+                                ": raise ulimit -v, or set MALLOC_ARENA_MAX=2 to cap the arenas"});
     }
   }
   const uint64_t ram_need = p.ram_bytes + p.process_bytes;
@@ -692,6 +694,12 @@ HostFacts probe_host(const Config& config, const std::string& out_dir) {
   f.process_virtual_bytes = rss.virtual_bytes;
   f.thread_stack_bytes = h.thread_stack_bytes;
   f.logical_cpus = h.logical_cpus;
+  // glibc reads MALLOC_ARENA_MAX at start; a number ≥ 1 caps the arenas (Note [Address space]).
+  if (const char* text = std::getenv("MALLOC_ARENA_MAX"); text != nullptr) {
+    char* end = nullptr;
+    const unsigned long long v = std::strtoull(text, &end, 10);
+    if (end != text && *end == '\0' && v >= 1) f.malloc_arena_max = v;
+  }
   f.device_name = "host (emulated)";
   f.device_total_bytes = h.mem_total_bytes;
   if (config.zero.offload_optimizer.device == OffloadDevice::kNvme)

@@ -33,6 +33,7 @@ struct HostFacts {
   uint64_t process_virtual_bytes = 0;
   uint64_t thread_stack_bytes = uint64_t{8} << 20;
   unsigned logical_cpus = 1;
+  uint64_t malloc_arena_max = UINT64_MAX;  // MALLOC_ARENA_MAX when set, else no cap beyond glibc's own
   bool cuda = false;                 // the run's device is a GPU (else the emulated device on the host)
   std::string device_name;           // "NVIDIA H100 80GB HBM3", or "host (emulated)"
   uint64_t device_total_bytes = 0;   // the GPU's memory (cuda), else RAM
