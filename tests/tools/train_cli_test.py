@@ -251,15 +251,20 @@ with tempfile.TemporaryDirectory(prefix="zo-train-cli-", dir=os.environ.get("TMP
     def files_under(path):
         return [os.path.join(r, f) for r, _, fs in os.walk(path) for f in fs]
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        run = os.path.join(tmp, "interrupted-%d" % sig)
-        proc = subprocess.Popen([zoffload, "train", "--config", demo_config, "--model", "tiny", "--data", corpus,
-                                 "--steps", "100000", "--out", run], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    def start_long_run(cfg, out):
+        """A run of 100000 steps, returned with its metrics path once its first step is written."""
+        proc = subprocess.Popen([zoffload, "train", "--config", cfg, "--model", "tiny", "--data", corpus,
+                                 "--steps", "100000", "--out", out], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True)
-        metrics = os.path.join(run, "metrics.jsonl")
+        metrics = os.path.join(out, "metrics.jsonl")
         deadline = time.time() + 120
         while time.time() < deadline and not (os.path.exists(metrics) and os.path.getsize(metrics) > 0):
             time.sleep(0.2)
+        return proc, metrics
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        run = os.path.join(tmp, "interrupted-%d" % sig)
+        proc, _ = start_long_run(demo_config, run)
         swaps = files_under(os.path.join(run, "zoffload-nvme"))
         expect(len(swaps) > 0, "signal %d: the run has swap files while it trains: %s" % (sig, swaps))
         proc.send_signal(sig)
@@ -301,13 +306,7 @@ with tempfile.TemporaryDirectory(prefix="zo-train-cli-", dir=os.environ.get("TMP
     shared_cfg = os.path.join(tmp, "shared-nvme.json")
     with open(shared_cfg, "w") as f:
         json.dump(shared, f)
-    first = subprocess.Popen([zoffload, "train", "--config", shared_cfg, "--model", "tiny", "--data", corpus,
-                              "--steps", "100000", "--out", first_run], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
-    metrics = os.path.join(first_run, "metrics.jsonl")
-    deadline = time.time() + 120
-    while time.time() < deadline and not (os.path.exists(metrics) and os.path.getsize(metrics) > 0):
-        time.sleep(0.2)
+    first, _ = start_long_run(shared_cfg, first_run)
     p = train("--config", shared_cfg, "--model", "tiny", "--data", corpus, "--steps", "2", "--out",
               os.path.join(tmp, "second"), timeout=300)
     expect(p.returncode == 1 and "is in use by another process" in p.stderr and "nvme_path" in p.stderr,
@@ -328,13 +327,7 @@ with tempfile.TemporaryDirectory(prefix="zo-train-cli-", dir=os.environ.get("TMP
     with open(in_ram_cfg, "w") as f:
         json.dump(in_ram, f)
     shared_out = os.path.join(tmp, "shared-out")
-    first = subprocess.Popen([zoffload, "train", "--config", in_ram_cfg, "--model", "tiny", "--data", corpus,
-                              "--steps", "100000", "--out", shared_out], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
-    metrics = os.path.join(shared_out, "metrics.jsonl")
-    deadline = time.time() + 120
-    while time.time() < deadline and not (os.path.exists(metrics) and os.path.getsize(metrics) > 0):
-        time.sleep(0.2)
+    first, metrics = start_long_run(in_ram_cfg, shared_out)
     p = train("--config", in_ram_cfg, "--model", "tiny", "--data", corpus, "--steps", "2", "--out", shared_out,
               timeout=300)
     expect(p.returncode == 1 and ("run directory %s is in use by another zoffload run" % shared_out) in p.stderr and
