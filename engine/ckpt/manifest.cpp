@@ -44,59 +44,59 @@ std::string quoted(const json& v) {
 // are instead: a JSON integer (no fraction, exponent, string or boolean) within the field's range,
 // else kCorruption "SOURCE: KEY: VALUE is not a whole number in [MIN, MAX)". KEY is `prefix` +
 // `field`: the dotted path of a nested field (loss_scaler.cur_iter).
+
+// The field `prefix` + `field` names, or kCorruption "SOURCE: missing "KEY"".
+Result<const json*> find_field(const json& j, const std::string& prefix, const char* field, const std::string& source) {
+  auto it = j.find(field);
+  if (it == j.end()) return corruption(source + ": missing \"" + prefix + field + "\"");
+  return &*it;
+}
+
 Status get_whole(const json& j, const std::string& prefix, const char* field, uint64_t min, uint64_t* out,
                  const std::string& source) {
-  const std::string key = prefix + field;
-  auto it = j.find(field);
-  if (it == j.end()) return corruption(source + ": missing \"" + key + "\"");
-  const bool whole = it->is_number_unsigned() || (it->is_number_integer() && it->get<int64_t>() >= 0);
-  if (!whole || it->get<uint64_t>() < min)
-    return corruption(source + ": " + key + ": " + quoted(*it) + " is not a whole number in [" + std::to_string(min) +
-                      ", 2^64)");
-  *out = it->get<uint64_t>();
+  ZO_ASSIGN_OR_RETURN(const json* v, find_field(j, prefix, field, source));
+  const bool whole = v->is_number_unsigned() || (v->is_number_integer() && v->get<int64_t>() >= 0);
+  if (!whole || v->get<uint64_t>() < min)
+    return corruption(source + ": " + prefix + field + ": " + quoted(*v) + " is not a whole number in [" +
+                      std::to_string(min) + ", 2^64)");
+  *out = v->get<uint64_t>();
   return Status::ok();
 }
 
 // The same for a signed counter in [min, 2^63).
 Status get_whole(const json& j, const std::string& prefix, const char* field, int64_t min, int64_t* out,
                  const std::string& source) {
-  const std::string key = prefix + field;
-  auto it = j.find(field);
-  if (it == j.end()) return corruption(source + ": missing \"" + key + "\"");
-  const bool whole = it->is_number_integer() &&
-                     (!it->is_number_unsigned() || it->get<uint64_t>() <= static_cast<uint64_t>(INT64_MAX));
-  if (!whole || it->get<int64_t>() < min)
-    return corruption(source + ": " + key + ": " + quoted(*it) + " is not a whole number in [" + std::to_string(min) +
-                      ", 2^63)");
-  *out = it->get<int64_t>();
+  ZO_ASSIGN_OR_RETURN(const json* v, find_field(j, prefix, field, source));
+  const bool whole = v->is_number_integer() &&
+                     (!v->is_number_unsigned() || v->get<uint64_t>() <= static_cast<uint64_t>(INT64_MAX));
+  if (!whole || v->get<int64_t>() < min)
+    return corruption(source + ": " + prefix + field + ": " + quoted(*v) + " is not a whole number in [" +
+                      std::to_string(min) + ", 2^63)");
+  *out = v->get<int64_t>();
   return Status::ok();
 }
 
 // A loss scale: a JSON number, finite and > 0.
 Status get_scale(const json& j, const std::string& prefix, const char* field, double* out, const std::string& source) {
-  const std::string key = prefix + field;
-  auto it = j.find(field);
-  if (it == j.end()) return corruption(source + ": missing \"" + key + "\"");
-  if (!it->is_number() || !std::isfinite(it->get<double>()) || it->get<double>() <= 0)
-    return corruption(source + ": " + key + ": " + quoted(*it) + " is not a finite number > 0");
-  *out = it->get<double>();
+  ZO_ASSIGN_OR_RETURN(const json* v, find_field(j, prefix, field, source));
+  if (!v->is_number() || !std::isfinite(v->get<double>()) || v->get<double>() <= 0)
+    return corruption(source + ": " + prefix + field + ": " + quoted(*v) + " is not a finite number > 0");
+  *out = v->get<double>();
   return Status::ok();
 }
 
 Status get_string(const json& j, const char* key, std::string* out, const std::string& source) {
-  auto it = j.find(key);
-  if (it == j.end()) return corruption(source + ": missing \"" + key + "\"");
-  if (!it->is_string()) return corruption(source + ": " + key + ": " + quoted(*it) + " is not a string");
-  *out = it->get<std::string>();
+  ZO_ASSIGN_OR_RETURN(const json* v, find_field(j, "", key, source));
+  if (!v->is_string()) return corruption(source + ": " + key + ": " + quoted(*v) + " is not a string");
+  *out = v->get<std::string>();
   return Status::ok();
 }
 
 // An object-valued field, or kCorruption naming it.
 Status get_object(const json& j, const char* key, json* out, const std::string& source) {
-  auto it = j.find(key);
-  if (it == j.end()) return corruption(source + ": missing \"" + key + "\"");
-  if (!it->is_object()) return corruption(source + ": " + key + ": " + quoted(*it) + " is not an object");
-  *out = *it;
+  ZO_ASSIGN_OR_RETURN(const json* v, find_field(j, "", key, source));
+  if (!v->is_object()) return corruption(source + ": " + key + ": " + quoted(*v) + " is not an object");
+  *out = *v;
   return Status::ok();
 }
 

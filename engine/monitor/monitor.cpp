@@ -91,12 +91,13 @@ Status CsvMonitor::write(uint64_t samples, const std::vector<Scalar>& scalars) {
       if (f->tag == s.tag) file = f.get();
     if (file == nullptr) {
       const std::string path = path_of(dir_, s.tag);
-      // A new run replaces an earlier run's file whole; a resumed one appends (Note [Output files]).
-      ZO_RETURN_IF_ERROR(env_->check_output_file(path, "csv_monitor file"));
+      // A new run replaces an earlier run's file whole (open_fresh_append checks the path); a
+      // resumed one appends (Note [Output files]).
       uint64_t size = 0;
       auto f = std::make_unique<File>();
       f->tag = s.tag;
       if (append_) {
+        ZO_RETURN_IF_ERROR(env_->check_output_file(path, "csv_monitor file"));
         ZO_ASSIGN_OR_RETURN(io::PathKind kind, env_->path_kind(path));
         if (kind == io::PathKind::kFile) {
           ZO_ASSIGN_OR_RETURN(size, env_->file_size(path));
