@@ -450,7 +450,7 @@ void register_train_command(CLI::App& app, int* exit_code) {
   train->add_option("--config", args->config, "DeepSpeed/zoffload JSON config (see docs/config.md)")->required();
   train->add_option("--model", args->model,
                     "A Hugging Face model directory (config.json + *.safetensors) or a preset with random init: "
-                    "tiny, tinyllama-1.1b, llama3.2-1b, llama-7b, llama3-8b, llama-13b, llama-70b")
+                    "tiny, tinyllama-1.1b, llama3.2-1b, llama3.2-3b, llama-7b, llama3-8b, llama-13b, llama-70b")
       ->required();
   train->add_option("--data", args->data,
                     "Training data: .bin tokens (llm.c/nanoGPT), .jsonl with input_ids [and labels], or any other "

@@ -308,6 +308,9 @@ std::vector<std::pair<std::string, ModelConfig>> presets() {
   ModelConfig l32 = llama3(2048, 8192, 16, 32, 8, 32.0);
   l32.tie_word_embeddings = true;
   p.emplace_back("llama3.2-1b", l32);
+  ModelConfig l32_3b = llama3(3072, 8192, 28, 24, 8, 32.0);
+  l32_3b.tie_word_embeddings = true;
+  p.emplace_back("llama3.2-3b", l32_3b);
   p.emplace_back("llama-7b", llama2(4096, 11008, 32, 32, 32));
   p.emplace_back("llama3-8b", llama3(4096, 14336, 32, 32, 8, 8.0));
   p.emplace_back("llama-13b", llama2(5120, 13824, 40, 40, 40));

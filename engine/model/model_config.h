@@ -54,10 +54,10 @@ inline constexpr uint64_t kMaxModelConfigBytes = 16ull << 20;
 Result<ModelConfig> load_hf_config(const std::string& model_dir, io::Env* env = io::Env::posix());
 
 // Built-in shapes for random init: "tiny" (byte-level vocab 256, hidden 256, intermediate 688,
-// 4 layers, 8 heads, 4 kv heads, untied, max_position 1024), "tinyllama-1.1b", "llama3.2-1b" (tied),
-// "llama-7b" (Llama-2-7B), "llama3-8b" (Llama-3.1-8B: rope_theta 5e5, llama3 rope scaling),
-// "llama-13b" (Llama-2-13B), "llama-70b" (Llama-2-70B, GQA 8). kNotFound listing the names, with a
-// close-match suggestion.
+// 4 layers, 8 heads, 4 kv heads, untied, max_position 1024), "tinyllama-1.1b", "llama3.2-1b" and
+// "llama3.2-3b" (tied), "llama-7b" (Llama-2-7B), "llama3-8b" (Llama-3.1-8B: rope_theta 5e5, llama3
+// rope scaling), "llama-13b" (Llama-2-13B), "llama-70b" (Llama-2-70B, GQA 8). kNotFound listing the
+// names, with a close-match suggestion.
 Result<ModelConfig> model_preset(std::string_view name);
 std::vector<std::string> model_preset_names();
 // The model a --model argument names: config.json of a Hugging Face model directory, or a preset.

@@ -397,8 +397,9 @@ TEST(HfConfig, LoadsFromModelDirectory) {
 
 TEST(ModelPreset, ParameterCountsMatchPublishedFigures) {
   const std::pair<const char*, uint64_t> expected[] = {
-      {"tinyllama-1.1b", 1'100'048'384u}, {"llama3.2-1b", 1'235'814'400u}, {"llama-7b", 6'738'415'616u},
-      {"llama3-8b", 8'030'261'248u},     {"llama-13b", 13'015'864'320u},  {"llama-70b", 68'976'648'192u}};
+      {"tinyllama-1.1b", 1'100'048'384u}, {"llama3.2-1b", 1'235'814'400u}, {"llama3.2-3b", 3'212'749'824u},
+      {"llama-7b", 6'738'415'616u},       {"llama3-8b", 8'030'261'248u},   {"llama-13b", 13'015'864'320u},
+      {"llama-70b", 68'976'648'192u}};
   for (const auto& [name, count] : expected) {
     Result<ModelConfig> c = model_preset(name);
     ASSERT_TRUE(c.is_ok()) << c.status().to_string();
@@ -420,6 +421,7 @@ TEST(ModelPreset, ShapesAsDocumented) {
   EXPECT_GT(num_parameters(tiny), 2'000'000u);
   EXPECT_LT(num_parameters(tiny), 10'000'000u);
   EXPECT_TRUE(model_preset("llama3.2-1b")->tie_word_embeddings);
+  EXPECT_TRUE(model_preset("llama3.2-3b")->tie_word_embeddings);
   const ModelConfig l3 = *model_preset("llama3-8b");
   EXPECT_EQ(l3.rope_theta, 500000.0);
   EXPECT_EQ(l3.rope_scaling.type, RopeScalingType::kLlama3);
