@@ -45,9 +45,12 @@ done
 if ! ninja -C "$build" -n 2>/dev/null | grep -q "no work to do"; then
   die "$build is not up to date with the sources: run ninja -C $build first"
 fi
-ldd "$build/tools/zoffload" | grep -q 'libtorch_cuda\.so' ||
+# ldd's output is read whole first: `ldd | grep -q` under pipefail fails when grep's early exit
+# kills ldd with SIGPIPE, which depends on timing.
+needed=$(ldd "$build/tools/zoffload")
+grep -q 'libtorch_cuda\.so' <<<"$needed" ||
   die "$build/tools/zoffload does not link libtorch_cuda.so: configure $build with a CUDA PyTorch (-Dpython=...) and -Dcuda=enabled"
-ldd "$build/tools/zoffload" | grep -q 'libcudart\.so' ||
+grep -q 'libcudart\.so' <<<"$needed" ||
   die "$build/tools/zoffload does not link the CUDA runtime: configure $build with -Dcuda=enabled"
 python=$(meson introspect --buildoptions "$build" |
   python3 -c 'import json, sys; print(next(o["value"] for o in json.load(sys.stdin) if o["name"] == "python"))')
