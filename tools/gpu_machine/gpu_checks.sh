@@ -1,22 +1,28 @@
 #!/usr/bin/env bash
 # tools/gpu_machine/gpu_checks.sh: the GPU checks of docs/gpu.md ("Checks on the GPU machine") in one
 # device command: the gpu suite, transformers parity on cuda, zoffload-bench pcie, CudaDevice
-# against HostDevice, the device budget, llama3-8b at GAS 1 and 8, and a 7B model whose gradient
-# accumulators the host's RAM holds.
+# against HostDevice, the device budget, llama3-8b at GAS 1 and 8, a 7B model whose gradient
+# accumulators the host's RAM holds, and zoffload against DeepSpeed ZeRO-3 offload on the same runs.
 # Runs THERE, from the repository root, with .carry carried after tools/gpu_machine/pack_prebuilt.sh
 # ran here (or with BIN_DIR naming a build made there by build_there.sh):
 #   tools/gpu_machine/gpu_checks.sh [--time-limit S] [PART...]
-# PART: suite parity pcie tiny budget llama8b ram (default: all, in that order). Each part is given at
+# PART: suite parity pcie tiny budget llama8b ram deepspeed (default: all, in that order). Each part is given at
 # most its own share of time and the time left before --time-limit (default 560 s, under the tool's
 # 600 s for one command), so a slow part cannot take the later ones' time unseen; the line of a
 # part that was cut says so. Ends with a table of parts, seconds and results.
 # Files in $OUT (the device tool brings them back): checks.log (everything printed), gpu_test.log,
-# hf_parity.log, runs.tgz (every run's metrics.jsonl, log and plan), trace-llama8b-gas8.json.gz and
-# trace-ram.json.gz.
+# hf_parity.log, runs.tgz (every run's metrics.jsonl, log and plan), trace-llama8b-gas8.json.gz,
+# trace-ram.json.gz and the deepspeed part's zoffload traces, trace-ds-<shape>-gas<N>.json.gz.
 # Exit status: 0 when every part passed, 1 otherwise, 2 on bad usage.
 #
 # Environment: BIN_DIR (zoffload, zoffload-bench and gpu_test; default .carry/prebuilt/bin, whose
-# libraries are in .carry/prebuilt/lib), OUT (default /tmp/gpu-checks).
+# libraries are in .carry/prebuilt/lib), OUT (default /tmp/gpu-checks). The deepspeed part's runs:
+# ZO_DS_RUNS (default "llama3.2-3b:8:3 llama3.2-3b:1:3 llama3-8b:8:2", model:GAS:steps, in that
+# order: the comparison that matters most first),
+# ZO_DS_MICRO (micro-batch, default 4), ZO_DS_SEQ (default 1024), ZO_DS_DEVICE (zoffload.device,
+# default cuda; host for a test without a GPU), ZO_DS_SIDES (both, or zoffload: zoffload's runs
+# alone, DeepSpeed neither installed nor run), ZO_DS_ZOFFLOAD (JSON merged into the runs'
+# "zoffload" section, e.g. '{"activation_checkpoints": "cpu"}').
 set -uo pipefail
 
 usage() {
@@ -31,11 +37,11 @@ while [ $# -gt 0 ]; do
     -h|--help) usage 0 ;;
     --time-limit) [ $# -ge 2 ] && [[ "$2" =~ ^[0-9]+$ ]] || { echo "gpu_checks: --time-limit takes seconds" >&2; exit 2; }
                   limit=$2; shift 2 ;;
-    suite|parity|pcie|tiny|budget|llama8b|ram) parts+=("$1"); shift ;;
+    suite|parity|pcie|tiny|budget|llama8b|ram|deepspeed) parts+=("$1"); shift ;;
     *) echo "gpu_checks: unknown part or option '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
-[ ${#parts[@]} -gt 0 ] || parts=(suite parity pcie tiny budget llama8b ram)
+[ ${#parts[@]} -gt 0 ] || parts=(suite parity pcie tiny budget llama8b ram deepspeed)
 
 root=$(pwd)
 if [ ! -f "$root/meson.build" ] || ! grep -q "^project('zoffload'" "$root/meson.build"; then
@@ -77,7 +83,7 @@ rm -rf "$runs"
 mkdir -p "$runs"
 
 pack() {
-  (cd "$runs" && find . \( -name metrics.jsonl -o -name '*.log' -o -name '*.txt' -o -name '*.json' \) -print |
+  (cd "$runs" && find . \( -name '*.jsonl' -o -name '*.log' -o -name '*.txt' -o -name '*.json' \) -print |
      grep -v trace | tar czf "$out/runs.tgz" -T -) 2>/dev/null
   echo
   echo "== gpu_checks: $(elapsed) s in all"
@@ -292,6 +298,161 @@ c['zero_optimization']['stage3_gather_16bit_weights_on_model_save'] = False"
     return 1
   fi
   train_traced "$name" llama-7b 240 trace-ram.json.gz
+}
+
+# peak_rss FILE CMD...: runs CMD and writes the peak resident set of the largest process of its tree
+# (KiB, from getrusage of the waited-for children) to FILE; returns CMD's status.
+peak_rss() {
+  "$python" -c 'import resource, subprocess, sys
+r = subprocess.call(sys.argv[2:])
+open(sys.argv[1], "w").write("%d\n" % resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+sys.exit(r if r >= 0 else 128 - r)' "$@"
+}
+
+# zoffload against DeepSpeed ZeRO-3 with parameters and optimizer offloaded to pinned CPU memory, on
+# the same runs: the same JSON config, model shape (random init, bf16), micro-batch, GAS and
+# sequence length. DeepSpeed is installed from .carry/deepspeed first (install_deepspeed.sh, timed);
+# tools/deepspeed_zero3.py asks DeepSpeed's estimator first and does not start a run it says this
+# host cannot hold. Each run gets its share of the time left; a table ends the part. It fails when a
+# run fails or is cut, not on the figures.
+ds_share() {  # RUNS_AFTER: the seconds one run may take
+  local s=$(($(seconds_left) - 45 * $1))
+  [ "$s" -lt 30 ] && s=30
+  budget "$s"
+}
+ds_run() {  # NAME MODEL GAS STEPS
+  local name=$1 model=$2 gas=$3 steps=$4 cfg=$runs/$1.json r seconds
+  local micro=${ZO_DS_MICRO:-4} seq=${ZO_DS_SEQ:-1024}
+  # One config for both: DeepSpeed ignores the zoffload section and nvme_path with a cpu optimizer.
+  config "$runs/tiny-base.json" "$cfg" "c['train_micro_batch_size_per_gpu'] = $micro; c['gradient_accumulation_steps'] = $gas
+c['bf16'] = {'enabled': True}; c['steps_per_print'] = 1
+c['optimizer']['params'] = {'lr': 2e-5, 'betas': [0.9, 0.95], 'eps': 1e-8, 'weight_decay': 0.0}
+z = c['zero_optimization']
+z.update({'stage3_prefetch_bucket_size': 'auto', 'stage3_param_persistence_threshold': 'auto', 'reduce_bucket_size': 'auto',
+          'stage3_gather_16bit_weights_on_model_save': False})
+c['zoffload'] = {'schedule': 'vertical', 'device': '${ZO_DS_DEVICE:-cuda}'}
+if '$model' == 'llama3-8b':
+    # 8 B parameters' fp32 masters, moments and accumulators (128 GB) do not fit this host's RAM; and
+    # at DeepSpeed's default sub_group_size (1e9) zoffload's sub-group buffers (18.4 GiB) leave the
+    # plan 2 GiB over a 125 GiB host (H100 machine, 2026-11-26), at 1e8 they take 3.7 GiB.
+    c['zoffload']['gradient_accumulators'] = 'nvme'; z['offload_optimizer']['nvme_path'] = '$work/nvme'
+    z['sub_group_size'] = 1e8
+c['zoffload'].update(json.loads(__import__('os').environ.get('ZO_DS_ZOFFLOAD') or '{}'))"
+  # A run may take the time left less 45 s for each run after it (DeepSpeed's and zoffload's), so a
+  # quick one passes its time on and a slow one cannot starve the rest.
+  seconds=$(ds_share $((ds_runs_left * 2 - 1)))
+  local ok=0
+  if [ "${ZO_DS_SIDES:-both}" = zoffload ]; then
+    echo "  $name: $model, micro-batch $micro, GAS $gas, seq $seq, $steps steps; DeepSpeed not run (ZO_DS_SIDES=zoffload)"
+  else
+    echo "  $name: $model, micro-batch $micro, GAS $gas, seq $seq, $steps steps; DeepSpeed (at most $seconds s)"
+    PYTHONUNBUFFERED=1 peak_rss "$runs/$name-ds.rss" timeout -k 10 "$seconds" "$python" "$root/tools/deepspeed_zero3.py" \
+      --config "$cfg" --model "$model" --seq-len "$seq" --steps "$steps" --json "$runs/$name-ds.jsonl" \
+      >"$runs/$name-ds.log" 2>&1
+    r=$?
+    grep -E '^(step|init|estimate|DeepSpeed needs|deepspeed_zero3)' "$runs/$name-ds.log" | sed 's/^/    /'
+    case $r in
+      0 | 3) ;;
+      124 | 137) echo "    $name: DeepSpeed cut by the time limit"; ok=1 ;;
+      *) echo "    $name: DeepSpeed failed (exit $r); its log's end:"; tail -n 15 "$runs/$name-ds.log" | sed 's/^/      /'; ok=1 ;;
+    esac
+  fi
+  ds_runs_left=$((ds_runs_left - 1))
+  seconds=$(ds_share $((ds_runs_left * 2)))
+  echo "  $name: zoffload (at most $seconds s)"
+  local trace=()
+  [ "$gas" -gt 1 ] && trace=(--trace "$work/$name.trace.json" --trace-steps "$steps")
+  peak_rss "$runs/$name-zo.rss" timeout -k 10 "$seconds" "$zo" train --config "$cfg" --model "$model" --data "$data" \
+    --seq-len "$seq" --steps "$steps" --out "$work/$name" "${trace[@]}" >"$runs/$name-zo.log" 2>&1
+  r=$?
+  grep -E '^(plan|setup|done):|error' "$runs/$name-zo.log" | sed 's/^/    /'
+  mkdir -p "$runs/$name"
+  cp "$work/$name/metrics.jsonl" "$runs/$name/" 2>/dev/null && steps "$runs/$name/metrics.jsonl" | sed 's/^/  /'
+  [ -f "$work/$name.trace.json" ] && gzip -c "$work/$name.trace.json" >"$out/trace-$name.json.gz"
+  rm -rf "$work/$name" "$work/$name.trace.json" "$work/nvme"
+  case $r in
+    0) ;;
+    124 | 137) echo "    $name: zoffload cut by the time limit"; ok=1 ;;
+    *) echo "    $name: zoffload failed (exit $r)"; tail -n 5 "$runs/$name-zo.log" | sed 's/^/      /'; ok=1 ;;
+  esac
+  return $ok
+}
+part_deepspeed() {
+  local ok=0 spec model gas steps r
+  if [ "${ZO_DS_SIDES:-both}" = zoffload ]; then
+    echo "  ZO_DS_SIDES=zoffload: zoffload's runs alone, DeepSpeed not installed"
+  else
+    ZO_DS_PREFIX=/tmp/zo-deepspeed timeout -k 5 "$(budget 240)" "$root/tools/gpu_machine/install_deepspeed.sh" \
+      >"$runs/install_deepspeed.log" 2>&1
+    r=$?
+    grep -vE '^  [a-z-]+ +[^ ]+ +(carried|machine) ' "$runs/install_deepspeed.log" | grep -v '^W[0-9]' | sed 's/^/  /'
+    [ $r -eq 0 ] || { echo "  DeepSpeed is not installed (install_deepspeed.sh exit $r)"; return 1; }
+    # shellcheck source=/dev/null
+    . /tmp/zo-deepspeed/env.sh
+  fi
+  local specs=(${ZO_DS_RUNS:-llama3.2-3b:8:3 llama3.2-3b:1:3 llama3-8b:8:2})
+  ds_runs_left=${#specs[@]}
+  local names=()
+  for spec in "${specs[@]}"; do
+    IFS=: read -r model gas steps <<<"$spec"
+    names+=("ds-$model-gas$gas")
+    ds_run "ds-$model-gas$gas" "$model" "$gas" "$steps" || ok=1
+  done
+  "$python" - "$runs" "${names[@]}" <<'PY' || ok=1
+import json, os, re, statistics, sys
+runs = sys.argv[1]
+GiB = 2**30
+def rss(path):
+    try:
+        return int(open(path).read()) * 1024 / GiB
+    except (OSError, ValueError):
+        return None
+fmt = lambda v, f="%.0f": "-" if v is None else f % v
+rows = [("run", "params", "tokens/s DS", "tokens/s zo", "zo/DS", "GPU peak DS", "GPU peak zo", "host peak DS", "host peak zo",
+         "DeepSpeed")]
+for name in sys.argv[2:]:
+    ds = {}
+    try:
+        recs = [json.loads(l) for l in open(os.path.join(runs, name + "-ds.jsonl"))]
+        ds = next((r for r in recs if "status" in r), {})
+    except (OSError, ValueError):
+        pass
+    zo = []
+    try:
+        zo = [json.loads(l) for l in open(os.path.join(runs, name, "metrics.jsonl"))]
+    except (OSError, ValueError):
+        pass
+    zo_tps = statistics.median(m["tokens_per_s"] for m in zo[1:] or zo) if zo else None
+    zo_gpu = max(m["device_peak_bytes"] + m["torch_peak_bytes"] for m in zo) / GiB if zo else None
+    ds_tps = ds.get("tokens_per_s") if ds.get("status") == "ran" else None
+    ds_gpu = ds["gpu_peak_bytes"] / GiB if ds.get("status") == "ran" else None
+    params = ds.get("params")
+    if params is None:
+        m = re.search(r"([0-9.]+) B params", open(os.path.join(runs, name + "-zo.log")).read()) if os.path.exists(
+            os.path.join(runs, name + "-zo.log")) else None
+        params = float(m.group(1)) * 1e9 if m else None
+    if ds.get("status") == "refused":
+        note = "not started: needs %.0f GB of host memory (its estimator), the host has %.0f" % (
+            ds["estimate_cpu_bytes"] / 1e9, ds["host_bytes"] / 1e9)
+    elif ds.get("status") == "ran":
+        zo_tflops = zo_tps and params and 6 * params * zo_tps / 1e12
+        note = "ran, %.1f TFLOPS by 6N (zoffload %s)" % (ds["tflops"], fmt(zo_tflops, "%.1f"))
+    elif not os.path.exists(os.path.join(runs, name + "-ds.log")):
+        note = "not run (ZO_DS_SIDES=zoffload)"
+    else:
+        note = "failed or cut (see %s-ds.log)" % name
+    rows.append((name[3:], fmt(params and params / 1e9, "%.2f B"), fmt(ds_tps), fmt(zo_tps),
+                 fmt(ds_tps and zo_tps and zo_tps / ds_tps, "%.2f"), fmt(ds_gpu, "%.1f GiB"), fmt(zo_gpu, "%.1f GiB"),
+                 fmt(rss(os.path.join(runs, name + "-ds.rss")) if ds.get("status") == "ran" else None, "%.1f GiB"),
+                 fmt(rss(os.path.join(runs, name + "-zo.rss")) if zo else None, "%.1f GiB"), note))
+widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+print()
+for r in rows:
+    print("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
+print("  tokens/s: the median of the steps after the first; GPU peak: DeepSpeed's torch.cuda.max_memory_allocated,"
+      "\n  zoffload's device pool peak + LibTorch's; host peak: the largest resident set of the run's processes.")
+PY
+  return $ok
 }
 
 for p in "${parts[@]}"; do
