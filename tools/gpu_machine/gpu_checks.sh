@@ -85,6 +85,8 @@ mkdir -p "$runs"
 pack() {
   (cd "$runs" && find . \( -name '*.jsonl' -o -name '*.log' -o -name '*.txt' -o -name '*.json' \) -print |
      grep -v trace | tar czf "$out/runs.tgz" -T -) 2>/dev/null
+  # The work folder (swap files, NVMe sections) may be on the checkout's disk: never left behind.
+  [ -n "${work:-}" ] && rm -rf "$work"
   echo
   echo "== gpu_checks: $(elapsed) s in all"
   printf '%s\n' "${results[@]}"
