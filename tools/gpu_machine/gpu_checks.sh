@@ -22,7 +22,7 @@
 # ZO_DS_MICRO (micro-batch, default 4), ZO_DS_SEQ (default 1024), ZO_DS_DEVICE (zoffload.device,
 # default cuda; host for a test without a GPU), ZO_DS_SIDES (both, or zoffload: zoffload's runs
 # alone, DeepSpeed neither installed nor run), ZO_DS_ZOFFLOAD (JSON merged into the runs'
-# "zoffload" section, e.g. '{"activation_checkpoints": "cpu"}').
+# "zoffload" section, e.g. '{"activation_checkpoints": "cpu"}'), ZO_DS_CARRY (install_deepspeed.sh's).
 set -uo pipefail
 
 usage() {
