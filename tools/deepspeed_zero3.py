@@ -356,7 +356,7 @@ def model_config(a, transformers):
             fail(f"--model-config {a.model_config}: no model_type", 2)
         return transformers.AutoConfig.for_model(**hf_dict)
     except (ValueError, TypeError, KeyError) as e:
-        fail(f"--model-config {a.model_config}: {e}", 2)
+        fail(f"--model {a.model}: {e}" if a.model else f"--model-config {a.model_config}: {e}", 2)
 
 
 def checked_config(a, ds_file, hidden, world, DeepSpeedConfig):
