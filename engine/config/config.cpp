@@ -23,6 +23,7 @@ using detail::format_number;
 using detail::json_at;
 using detail::ObjectReader;
 using detail::kMaxFloat;
+using detail::NoEffectValue;
 using detail::ParseState;
 using nlohmann::json;
 
@@ -115,7 +116,9 @@ class Reader {
   }
   void alias(std::string_view old_key, std::string_view new_key, bool deprecated) { top().alias(old_key, new_key, deprecated); }
   void legacy(std::string_view, std::string_view) {}  // read by the rule beside it
-  void no_effect(std::string_view key, std::string_view why) { top().accept_without_effect(key, why); }
+  void no_effect(std::string_view key, std::string_view why, NoEffectValue value = NoEffectValue::kAny) {
+    top().accept_without_effect(key, why, value);
+  }
   template <class Fn>
   void rule(Fn&& check) {
     check(detail::ReadContext{top(), st_, frames_.back().valid});
@@ -237,8 +240,6 @@ void resolve(ParseState* st, const ResolveContext& ctx, const json& root, Config
     if (st->is_auto("zero_optimization.stage3_param_persistence_threshold"))
       z.stage3_param_persistence_threshold = 10 * h;
   }
-  const json* zjson = root.contains("zero_optimization") ? &root["zero_optimization"] : nullptr;
-  if (zjson == nullptr || !zjson->is_object() || !zjson->contains("overlap_comm")) z.overlap_comm = z.stage == 3;
   if (st->is_auto("zero_optimization.stage3_gather_16bit_weights_on_model_save"))
     z.stage3_gather_16bit_weights_on_model_save = false;  // Accelerate's zero3_save_16bit_model default
 

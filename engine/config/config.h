@@ -54,27 +54,20 @@ struct OffloadOptimizerConfig {
   bool pin_memory = true;
   bool pipeline_read = false;
   bool pipeline_write = false;
-  bool fast_init = false;
   double ratio = 1.0;
 };
 
 // zero_optimization. Sizes and thresholds count elements.
 struct ZeroConfig {
   int stage = 0;
-  bool contiguous_gradients = true;
-  bool reduce_scatter = true;
   uint64_t reduce_bucket_size = 500'000'000;
-  bool allgather_partitions = true;
   uint64_t allgather_bucket_size = 500'000'000;
-  bool overlap_comm = false;  // resolved: true iff stage 3 unless given
   uint64_t sub_group_size = 1'000'000'000;
   uint64_t stage3_prefetch_bucket_size = 50'000'000;
   uint64_t stage3_param_persistence_threshold = 100'000;
-  uint64_t stage3_model_persistence_threshold = kUnlimited;
   uint64_t stage3_max_live_parameters = 1'000'000'000;
   uint64_t stage3_max_reuse_distance = 1'000'000'000;
   bool stage3_gather_16bit_weights_on_model_save = false;
-  bool round_robin_gradients = false;
   uint64_t zero_hpz_partition_size = 1;
   bool zero_quantized_weights = false;
   bool zero_quantized_gradients = false;

@@ -14,6 +14,7 @@ namespace zo::engine {
 namespace {
 
 using detail::AutoOk;
+using detail::NoEffectValue;
 using detail::Named;
 using detail::Range;
 using nlohmann::json;
@@ -79,7 +80,7 @@ class Writer {
   }
   void alias(std::string_view, std::string_view, bool) {}
   void legacy(std::string_view, std::string_view) {}
-  void no_effect(std::string_view, std::string_view) {}
+  void no_effect(std::string_view, std::string_view, NoEffectValue = NoEffectValue::kAny) {}
   template <class Fn>
   void rule(Fn&&) {}
 
@@ -144,7 +145,9 @@ class Lister {
   void legacy(std::string_view key, std::string_view reads_as) {
     out_->aliases.push_back({path(key), std::string(reads_as), true});
   }
-  void no_effect(std::string_view key, std::string_view why) { out_->no_effect.push_back({path(key), std::string(why)}); }
+  void no_effect(std::string_view key, std::string_view why, NoEffectValue = NoEffectValue::kAny) {
+    out_->no_effect.push_back({path(key), std::string(why)});
+  }
   template <class Fn>
   void rule(Fn&&) {}
 

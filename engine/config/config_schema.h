@@ -43,7 +43,7 @@ namespace zo::engine::detail {
 //   alias(old_key, new_key, deprecated)
 //   legacy(key, reads_as)                       a deprecated key a rule reads (listed only;
 //                                               reads_as is written out in full)
-//   no_effect(key, why)
+//   no_effect(key, why[, NoEffectValue])    accepted with a warning; the value's type still checked
 //   rule(fn(ReadContext&))
 
 // A real number's range: [min, max], or (min, max] with min_exclusive.
@@ -103,7 +103,8 @@ void keys(V& v, OffloadOptimizerConfig& c) {
   v.flag("pin_memory", c.pin_memory);
   v.flag("pipeline_read", c.pipeline_read);
   v.flag("pipeline_write", c.pipeline_write);
-  v.flag("fast_init", c.fast_init);
+  v.no_effect("fast_init", "swap files are sized once at start (fallocate)", NoEffectValue::kBool);
+  v.no_effect("cpuadam_cores_perc", "zoffload's CPU optimizer chooses its own threads");
   v.legacy("pipeline", "zero_optimization.offload_optimizer.pipeline_read and pipeline_write");
   v.rule([&](const ReadContext& x) {
     // DeepSpeed's old single flag for both directions.
@@ -123,12 +124,15 @@ void keys(V& v, OffloadOptimizerConfig& c) {
 template <class V>
 void keys(V& v, ZeroConfig& z) {
   v.integer("stage", z.stage, 0, 3);
-  v.flag("contiguous_gradients", z.contiguous_gradients);
-  v.flag("reduce_scatter", z.reduce_scatter);
+  v.no_effect("contiguous_gradients", "zoffload's gradient path stages and accumulates gradients its own way",
+              NoEffectValue::kBool);
+  v.no_effect("reduce_scatter", "zoffload reduces each gradient partition to the rank that owns it its own way",
+              NoEffectValue::kBool);
   v.count("reduce_bucket_size", z.reduce_bucket_size, 1, AutoOk::kYes);
-  v.flag("allgather_partitions", z.allgather_partitions);
+  v.no_effect("allgather_partitions", "updated partitions are always all-gathered", NoEffectValue::kBool);
   v.count("allgather_bucket_size", z.allgather_bucket_size, 1);
-  v.flag("overlap_comm", z.overlap_comm);  // resolved: true iff stage 3 unless given
+  v.no_effect("overlap_comm", "zoffload overlaps gradient offload with backward on its own schedule",
+              NoEffectValue::kBool);
   v.count("sub_group_size", z.sub_group_size, 1);
 
   // DeepSpeed's pydantic model names these without the stage3_ prefix and accepts both.
@@ -139,14 +143,35 @@ void keys(V& v, ZeroConfig& z) {
   v.alias("max_reuse_distance", "stage3_max_reuse_distance", false);
   v.alias("gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save", false);
   v.alias("stage3_gather_fp16_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save", true);
+  v.alias("module_granularity_threshold", "stage3_module_granularity_threshold", false);
+  v.alias("use_all_reduce_for_fetch_params", "stage3_use_all_reduce_for_fetch_params", false);
+  v.alias("allgather_sequential", "stage3_allgather_sequential", false);
   v.count("stage3_prefetch_bucket_size", z.stage3_prefetch_bucket_size, 0, AutoOk::kYes);
   v.count("stage3_param_persistence_threshold", z.stage3_param_persistence_threshold, 0, AutoOk::kYes);
-  v.count("stage3_model_persistence_threshold", z.stage3_model_persistence_threshold, 0);
+  v.no_effect("stage3_model_persistence_threshold",
+              "which parameters stay resident is decided by stage3_param_persistence_threshold alone",
+              NoEffectValue::kCount);
   v.count("stage3_max_live_parameters", z.stage3_max_live_parameters, 0);
   v.count("stage3_max_reuse_distance", z.stage3_max_reuse_distance, 0);
   v.flag("stage3_gather_16bit_weights_on_model_save", z.stage3_gather_16bit_weights_on_model_save, AutoOk::kYes);
 
-  v.flag("round_robin_gradients", z.round_robin_gradients);
+  v.no_effect("round_robin_gradients", "zoffload's gradient path has one order", NoEffectValue::kBool);
+  // Newer DeepSpeed keys for its own machinery (0.19.8's DeepSpeedZeroConfig; the golden file of
+  // tests/tools/deepspeed_defaults_test.py lists them): a config that sets them trains here too.
+  v.no_effect("stage3_module_granularity_threshold", "zoffload fetches whole decoder blocks", NoEffectValue::kCount);
+  v.no_effect("stage3_use_all_reduce_for_fetch_params", "zoffload gathers each block its own way", NoEffectValue::kBool);
+  v.no_effect("stage3_allgather_sequential", "zoffload gathers each block its own way", NoEffectValue::kBool);
+  v.no_effect("compute_grad_norm", "the global gradient norm is always computed (clipping and the metrics use it)",
+              NoEffectValue::kBool);
+  v.no_effect("load_from_fp32_weights", "a resume always loads the fp32 master weights", NoEffectValue::kBool);
+  v.no_effect("enable_sanity_checks", "zoffload's own checks always run", NoEffectValue::kBool);
+  v.no_effect("log_trace_cache_warnings", "zoffload's fetch schedule is fixed; it keeps no trace cache",
+              NoEffectValue::kBool);
+  v.no_effect("override_module_apply", "zoffload wraps no nn.Module", NoEffectValue::kBool);
+  v.no_effect("pipeline_loading_checkpoint", "checkpoints are read by zoffload's own loader", NoEffectValue::kBool);
+  v.no_effect("parameter_alignment", "zoffload aligns its own buffers", NoEffectValue::kBool);
+  v.no_effect("save_muon_momentum_buffer_in_memory", "zoffload has no Muon optimizer", NoEffectValue::kBool);
+  v.no_effect("leaf_module", "zoffload fetches whole decoder blocks (no MoE leaf modules)");
   v.count("zero_hpz_partition_size", z.zero_hpz_partition_size, 1);
   v.flag("zero_quantized_weights", z.zero_quantized_weights);
   v.flag("zero_quantized_gradients", z.zero_quantized_gradients);

@@ -110,9 +110,18 @@ void ObjectReader::alias(std::string_view old_key, std::string_view new_key, boo
   keys_.erase(it);
 }
 
-void ObjectReader::accept_without_effect(std::string_view key, std::string_view why) {
+void ObjectReader::accept_without_effect(std::string_view key, std::string_view why, NoEffectValue value) {
   known_.emplace_back(key);
-  if (take(key) != nullptr) state_->warn(key_path(key), "accepted but has no effect in zoffload: " + std::string(why));
+  if (!has(key)) return;
+  bool valid = true;
+  bool flag = false;
+  uint64_t n = 0;
+  switch (value) {
+    case NoEffectValue::kAny: take(key); break;
+    case NoEffectValue::kBool: valid = boolean(key, &flag); break;
+    case NoEffectValue::kCount: valid = count(key, &n); break;
+  }
+  if (valid) state_->warn(key_path(key), "accepted but has no effect in zoffload: " + std::string(why));
 }
 
 const json* ObjectReader::take(std::string_view key) {

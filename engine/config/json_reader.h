@@ -44,6 +44,10 @@ const nlohmann::json* json_at(const nlohmann::json& root, std::string_view dotte
 // and the output keeps its default until resolution.
 enum class AutoOk { kNo, kYes };
 
+// What a key with no effect must still hold: anything, or a value of the type DeepSpeed gives it,
+// so that a typo'd value ("yes" for a flag) is an error rather than a warning about nothing.
+enum class NoEffectValue { kAny, kBool, kCount };
+
 class ObjectReader {
  public:
   // `json` may be null (key absent): every getter then leaves its default.
@@ -56,8 +60,9 @@ class ObjectReader {
   // `old_key` is another name for `new_key`. With `deprecated`, using it warns and names the new
   // key. Giving both is an error. Call before reading `new_key`.
   void alias(std::string_view old_key, std::string_view new_key, bool deprecated);
-  // A key DeepSpeed knows that has no effect in zoffload: accepted (any value) with a warning.
-  void accept_without_effect(std::string_view key, std::string_view why);
+  // A key DeepSpeed knows that has no effect in zoffload: accepted with a warning when its value is
+  // of the kind `value` says (any value by default), a type error otherwise.
+  void accept_without_effect(std::string_view key, std::string_view why, NoEffectValue value = NoEffectValue::kAny);
 
   // Each returns true when the key was present and valid (so `*out` was set).
   bool boolean(std::string_view key, bool* out, AutoOk auto_ok = AutoOk::kNo);
