@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <latch>
 #include <barrier>
 #include <cstring>
 #include <functional>
@@ -757,11 +758,15 @@ TEST(GradWorker, ItemsDroppedAfterAnErrorStillWaitForTheirCopies) {
   auto acc = GradAccumulator::create(*rig.store, testing::contribution_order(), testing::executor());
   ASSERT_TRUE(acc.is_ok());
   AlignedBuffer ring = std::move(AlignedBuffer::allocate(1 << 20)).value();
-  // The worker holds the first item for 100 ms after waiting for its copy, so the later items
-  // are queued after that wait: their copies are covered only by their own.
+  // The worker holds the first item, after waiting for its copy, until every later item is queued:
+  // their copies are covered only by their own waits. Latches, not sleeps: the order is the same
+  // however loaded the machine is.
+  std::latch past_first_wait{1}, later_items_queued{1};
   std::atomic<int> adds{0};
   auto hold_first = [&] {
-    if (adds++ == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    if (adds++ != 0) return;
+    past_first_wait.count_down();
+    later_items_queued.wait();
   };
   auto worker = GradWorker::create(**acc, ring.bytes(), hold_first, rig.device.get());
   ASSERT_TRUE(worker.is_ok());
@@ -773,8 +778,9 @@ TEST(GradWorker, ItemsDroppedAfterAnErrorStillWaitForTheirCopies) {
     // The first contribution is 4 bytes short: its add fails, and every later item is dropped.
     const uint64_t size = grads[0][c].size() - (c == 0 ? 4 : 0);
     (void)lander.submit(**worker, order[c], DType::kF32, grads[0][c], size, 20'000);
-    if (c == 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the worker is past its wait
+    if (c == 0) past_first_wait.wait();  // the worker is past the first item's wait
   }
+  later_items_queued.count_down();
   const Status st = (*worker)->drain();
   ASSERT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
   Result<bool> done = rig.device->query(lander.landed());
