@@ -3,7 +3,6 @@
 
 #include <unistd.h>
 
-#include <chrono>
 #include <cstdio>
 #include <iostream>
 #include <memory>
@@ -12,6 +11,7 @@
 
 #include "common/aligned_buffer.h"
 #include "common/bytes.h"
+#include "common/timer.h"
 #include "engine/ckpt/checkpoint.h"
 #include "io/io_engine.h"
 #include "tools/commands.h"
@@ -58,14 +58,14 @@ int run_verify(const CkptArgs& a) {
   auto staging = AlignedBuffer::allocate(*staging_bytes);
   if (!staging.is_ok()) return fail("verify", staging.status());
   const bool tty = isatty(fileno(stderr)) != 0 && !a.quiet && !a.json;
-  const auto t0 = std::chrono::steady_clock::now();
+  const Stopwatch watch;
   uint64_t bytes = 0;
   Status s = engine::verify_checkpoint(*info, **io, staging->bytes(), [&](uint64_t done, uint64_t total) {
     bytes = total;
     if (tty) std::fprintf(stderr, "\r\033[Kverifying: %s of %s", format_bytes(done).c_str(), format_bytes(total).c_str());
   });
   if (tty) std::fputs("\r\033[K", stderr);
-  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double secs = watch.elapsed_s();
   if (a.json) {
     nlohmann::json j = {{"path", info->path}, {"ok", s.is_ok()}, {"bytes", bytes}, {"seconds", secs},
                         {"files", info->manifest.files.size()}};

@@ -14,6 +14,7 @@
 #include "common/bytes.h"
 #include "common/dtype.h"
 #include "common/host_info.h"
+#include "common/timer.h"
 #include "engine/ckpt/checkpoint.h"
 #include "engine/ckpt/export.h"
 #include "engine/model/model_config.h"
@@ -141,9 +142,9 @@ int run_export(const ExportArgs& a) {
   // The RAM the export itself adds (the staging buffer, by design): the peak over the export
   // minus the RSS just before it; -1 where the kernel does not let the peak be reset.
   const PhaseRss phase;
-  const auto t0 = std::chrono::steady_clock::now();
+  const Stopwatch watch;
   auto result = engine::export_checkpoint(*ckpt, **io, options);
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double seconds = watch.elapsed_s();
   const int64_t extra_rss = phase.peak_extra_bytes();
   if (!result.is_ok()) {
     progress.abandon();

@@ -23,6 +23,7 @@
 #include "common/host_info.h"
 #include "common/log.h"
 #include "common/string_util.h"
+#include "common/timer.h"
 #include "common/trace.h"
 #include "engine/config/config.h"
 #include "engine/data/token_source.h"
@@ -239,7 +240,7 @@ int run_train(const TrainArgs& args) {
     options.group = group.get();
   }
 
-  const auto t0 = std::chrono::steady_clock::now();
+  const Stopwatch setup_watch;
   engine::tune_allocator_for_host_compute();
   options.on_swap_file = remove_on_stop_signal;
   install_stop_signal_handler();
@@ -250,7 +251,7 @@ int run_train(const TrainArgs& args) {
     return fail(s.to_string(), s.code() == StatusCode::kInvalidArgument ? 2 : 1);
   }
   engine::Trainer& trainer = **trainer_r;
-  const double setup_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double setup_s = setup_watch.elapsed_s();
   const uint64_t first_step = trainer.steps_done();
   // End-of-training exports a killed run left half-written (hf-export-step-N.tmp-<pid>).
   if (auto names = io::Env::posix()->list_dir(a.out); names.is_ok() && world->rank == 0) {

@@ -4,7 +4,6 @@
 #include <cctype>
 #include <charconv>
 #include <cerrno>
-#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <deque>
@@ -18,6 +17,7 @@
 #include "common/crc32c.h"
 #include "common/log.h"
 #include "common/string_util.h"
+#include "common/timer.h"
 #include "engine/model/safetensors.h"
 
 namespace zo::engine {
@@ -271,7 +271,7 @@ Result<std::string> begin_save(io::Env& env, StateStore& store, const TrainingSt
 Result<SaveResult> save_collaborative(StateStore& store, const TrainingState& state, const std::string& model_config_json,
                                       const SaveOptions& options, io::Env& env,
                                       const std::function<void(SavePhase)>& phase) {
-  const auto t0 = std::chrono::steady_clock::now();
+  const Stopwatch watch;
   const SaveOptions::Collective& c = *options.collective;
   const std::string name = "step-" + std::to_string(state.steps_done);
   const std::string context = "saving checkpoint " + options.dir + "/" + name;
@@ -423,7 +423,7 @@ Result<SaveResult> save_collaborative(StateStore& store, const TrainingState& st
       return Status(StatusCode::kAborted, context + ": rank 0 could not commit it: " + outcome.substr(5));
     result.bytes = own_bytes;
   }
-  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  result.seconds = watch.elapsed_s();
   return result;
 }
 
@@ -431,7 +431,7 @@ Result<SaveResult> save_collaborative(StateStore& store, const TrainingState& st
 
 Result<SaveResult> save_checkpoint(StateStore& store, const TrainingState& state, const std::string& model_config_json,
                                    const SaveOptions& options) {
-  const auto t0 = std::chrono::steady_clock::now();
+  const Stopwatch watch;
   const std::string name = "step-" + std::to_string(state.steps_done);
   const std::string context = "saving checkpoint " + options.dir + "/" + name;
   io::Env& env = options.env != nullptr ? *options.env : *io::Env::posix();
@@ -479,7 +479,7 @@ Result<SaveResult> save_checkpoint(StateStore& store, const TrainingState& state
   phase(SavePhase::kRenamed);
   ZO_RETURN_IF_ERROR(point_latest_and_prune(env, options, name, state.steps_done, context, &result, phase));
   result.path = final_dir;
-  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  result.seconds = watch.elapsed_s();
   return result;
 }
 

@@ -2,7 +2,6 @@
 #include "engine/model/torch_runtime.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <exception>
 #include <numbers>
@@ -14,6 +13,8 @@
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <torch/version.h>
 #pragma GCC diagnostic pop
+
+#include "common/timer.h"
 
 namespace zo::engine {
 namespace {
@@ -213,11 +214,11 @@ double measure_matmul_flops(DType dtype, bool cuda) {
   sync();
   double best = 0;
   for (int i = 0; i < 3; ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
+    const Stopwatch watch;
     const int reps = cuda ? 10 : 1;
     for (int r = 0; r < reps; ++r) c = at::matmul(a, b);
     sync();
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double s = watch.elapsed_s();
     best = std::max(best, 2.0 * static_cast<double>(n) * n * n * reps / s);
   }
   return best;
