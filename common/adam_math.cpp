@@ -61,8 +61,8 @@ AdamConstants adam_constants(const AdamConfig& config, int64_t step, float grad_
   // Note [Decoupled decay rounding]: DeepSpeed applies the decay as fma(p, -lr*wd, p); we multiply
   // by fp32(1 - lr*wd) as torch.optim.AdamW does. Same formula, but the rounding of the factor is a
   // systematic bias (up to 3e-8 relative per step when lr*wd ≈ 1e-5), so DeepSpeed's form drifts
-  // ~3e-6 from LibTorch over 200 steps while this one stays within ~1e-8 (DESIGN: the fp32 engine
-  // matches plain LibTorch AdamW training).
+  // ~3e-6 from LibTorch over 200 steps while this one stays within ~1e-8 (docs/design.md,
+  // "Invariants": the fp32 engine matches plain LibTorch AdamW training).
   k.decay_factor = static_cast<float>(1.0 - lr * wd);
   return k;
 }

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Nothing above io/ calls a file syscall (DESIGN.md, "Every file operation goes through one Env").
+"""Nothing above io/ calls a file syscall (docs/design.md, "Every file operation goes through one
+Env").
 
 Scans engine/ and tools/ for direct file system calls: POSIX ones (::open, ::pread, ::rename,
 ::mkdir, ::statvfs, ...), iostreams on files, and std::filesystem operations that touch the disk

@@ -143,7 +143,8 @@ struct GradAccumulator::Impl {
     return Status::ok();
   }
 
-  // Note [Partitioned gradients]: reduce the buffer to the owner, which adds it to its accumulator.
+  // Reduces the buffer to the owner (Note [Partitioned gradients]), which adds it to its
+  // accumulator.
   Status flush_partitioned(uint32_t g) {
     const uint64_t bytes = store->state_bytes(g, StateKind::kGradAccum);
     const uint64_t n = bytes / gb;

@@ -7,16 +7,16 @@
 // Note [Overlapped optimizer]
 //
 // The optimizer of step N runs on its own thread while the main thread reads the next batch and
-// runs the forward of step N+1's first micro-batch (DESIGN.md, "the overlapped step"). Sub-groups
-// are updated in registry order, which is forward order (embedding, layers, head), so the forward
-// trails the optimizer: block k waits only for the sub-groups holding its params. Before the update
-// starts the coordinator drops every cached compute copy (invalidate()), so a block can only be
-// read from its home, and only once the gate says the home holds the new copy: acquire waits for
-// the block's sub-groups, prefetch stops at the first param that is not final. The backward needs
-// every block, and the head's sub-groups come last, so the trainer joins the optimizer before the
-// head: gradients of step N+1 never meet an accumulator the optimizer of step N is still reading.
-// Nothing is computed from a different value than in the sequential step, so the weights are
-// bit-identical to it.
+// runs the forward of step N+1's first micro-batch (docs/design.md, "The overlapped step").
+// Sub-groups are updated in registry order, which is forward order (embedding, layers, head), so
+// the forward trails the optimizer: block k waits only for the sub-groups holding its params.
+// Before the update starts the coordinator drops every cached compute copy (invalidate()), so a
+// block can only be read from its home, and only once the gate says the home holds the new copy:
+// acquire waits for the block's sub-groups, prefetch stops at the first param that is not final.
+// The backward needs every block, and the head's sub-groups come last, so the trainer joins the
+// optimizer before the head: gradients of step N+1 never meet an accumulator the optimizer of step
+// N is still reading. Nothing is computed from a different value than in the sequential step, so
+// the weights are bit-identical to it.
 
 namespace zo::engine {
 

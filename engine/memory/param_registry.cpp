@@ -52,15 +52,15 @@ namespace zo::engine {
 
 // Note [Partitions]
 // Data-parallel ranks each own the optimizer states of one partition of the flat parameter space
-// (ZeRO stages 1-3, DESIGN.md "Scaling out"), as DeepSpeed gives each rank 1/N of the flattened
-// parameters. The partitions are contiguous, so each rank's states are one run of every checkpoint
-// state file; their boundaries sit near total·r/N, moved to the nearest element a split may cut at
-// (a multiple of kSplitAlignElems from the param's start, or its end); and no sub-group crosses one,
-// so a rank steps whole sub-groups. A param cut by a boundary starts a sub-group of its own, so
-// its pieces stay back to back (the layout rule below). The sub-groups, and with them the order of
-// the norm's partial sums, therefore depend on the number of partitions: a data-parallel run cuts
-// into one partition per rank whatever its ZeRO stage, so stage 0 and stages 1-3 at one world size
-// lay out alike.
+// (ZeRO stages 1-3, docs/design.md "Scaling out"), as DeepSpeed gives each rank 1/N of the
+// flattened parameters. The partitions are contiguous, so each rank's states are one run of every
+// checkpoint state file; their boundaries sit near total·r/N, moved to the nearest element a split
+// may cut at (a multiple of kSplitAlignElems from the param's start, or its end); and no sub-group
+// crosses one, so a rank steps whole sub-groups. A param cut by a boundary starts a sub-group of
+// its own, so its pieces stay back to back (the layout rule below). The sub-groups, and with them
+// the order of the norm's partial sums, therefore depend on the number of partitions: a
+// data-parallel run cuts into one partition per rank whatever its ZeRO stage, so stage 0 and stages
+// 1-3 at one world size lay out alike.
 namespace {
 
 Result<std::vector<uint64_t>> partition_bounds(const std::vector<ParamInfo>& params, uint64_t total, uint32_t n) {

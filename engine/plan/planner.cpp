@@ -301,13 +301,23 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
   p.save_rss_bytes = staging_bytes_for(c.zoffload.checkpoint.staging_buffer_size, largest_ckpt_file);
   p.export_rss_bytes = p.save_rss_bytes;
 
-  // Bytes moved per step (Note [Bytes per step]).
-  // NVMe transfers move whole 4 KiB-aligned sections, one per state per sub-group, so each is
-  // counted rounded as the swap file lays it out; a write that ends at a state's end pads its last
-  // page without reading it back. Measured, and checked exactly by tests/engine/plan against real
-  // runs.
+  // Note [Bytes per step]
+  // What one optimizer step moves between the tiers, counted as the run moves it: NVMe read and
+  // written (RunPlan::nvme_*; in metrics.jsonl, the steps' deltas of memory.nvme_read_bytes and
+  // memory.nvme_write_bytes), compute copies host→device (h2d_*) and gradients device→host
+  // (d2h_bytes, on CUDA). NVMe transfers move whole 4 KiB-aligned sections, one per state per
+  // sub-group, so each is counted rounded as the swap file lays it out; a write that ends at a
+  // state's end pads its last page without reading it back.
   // A pass is one forward and backward over the blocks: GAS per step, or one with the vertical
-  // schedule, which carries every micro-batch through each block at once.
+  // schedule, which carries every micro-batch through each block at once. Per pass each
+  // NVMe-resident gradient accumulator this rank holds is written, and read back on every pass but
+  // the first, and the optimizer reads it once more; an optimizer on NVMe reads and writes master,
+  // exp_avg and exp_avg_sq of the sub-groups this rank owns. Compute copies on NVMe are written
+  // once (the optimizer's new copy) and read between once per step and twice per pass (forward and
+  // backward), as the coordinator's cache decides: a range (nvme_exact false), like the H2D copies
+  // of every fetched param. Gathered parameters (stage 3 across ranks) are read at every position
+  // of the schedule, exactly. The real runs of tests/tools/plan_cli_test.py and
+  // tests/tools/dist_cli_test.py move exactly these NVMe bytes, or bytes within the range.
   const uint64_t passes = gas / p.held_micro_batches;
   uint64_t rd = 0, wr = 0, compute_nvme_bytes = 0, n_fetched = 0;
   uint64_t grad_rd = 0, grad_wr = 0;  // the accumulators' share, moved during backward
@@ -443,10 +453,10 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
                               : "raise ulimit -l or set pin_memory false"});
   }
   {
-    // Note [Address space]: the threads a run starts — LibTorch's intra-op pool and the optimizer's
-    // (one per CPU each, at most), the I/O engine's, and about ten of its own (the optimizer and
-    // gradient workers, the gatherer, Gloo's) — each reserve a stack, and each may open a malloc
-    // arena of 64 MiB (glibc: at most 8 per CPU, or MALLOC_ARENA_MAX).
+    // The threads a run starts (Note [Address space]) — LibTorch's intra-op pool and the
+    // optimizer's (one per CPU each, at most), the I/O engine's, and about ten of its own (the
+    // optimizer and gradient workers, the gatherer, Gloo's) — each reserve a stack, and each may
+    // open a malloc arena of 64 MiB (glibc: at most 8 per CPU, or MALLOC_ARENA_MAX).
     const uint64_t cpus = std::max<unsigned>(1, host.logical_cpus);
     const uint64_t threads = 2 * cpus + c.aio.intra_op_parallelism + 10;
     const uint64_t arenas = std::min({threads, 8 * cpus, host.malloc_arena_max});

@@ -213,7 +213,7 @@ struct Trainer::Impl {
       if (e) device->destroy_event(e);
   }
 
-  // Note [Trainer construction]: init and its steps, in the order it runs them.
+  // init and its steps, in the order it runs them (Note [Trainer construction]).
   Status init(const TrainOptions& options);
   Status resolve_model();         // model config, size checks, layout, sequence length
   Status prepare_run_dir();       // run directory, metrics path, stale checkpoints removed
@@ -880,7 +880,7 @@ void Trainer::Impl::fold_grads(std::vector<torch::Tensor>& params, std::vector<t
 
 // One micro-step: forward block by block keeping only block inputs, then the head's loss and
 // backward, then each block in reverse: re-fetch, recompute with autograd, backpropagate, hand its
-// gradients to the accumulators, release (DESIGN.md, "One training step").
+// gradients to the accumulators, release (docs/design.md, "One training step").
 //
 // Note [Vertical schedule]
 // With gradient accumulation the horizontal schedule runs each micro-batch through every block, so
@@ -1134,8 +1134,8 @@ Result<GradNormReport> Trainer::Impl::owners_norm(std::vector<double> chunk_sq) 
 
 namespace detail {
 
-// Note [Gather beside the step]: the owned sub-groups whose new compute copy is at its home, told by
-// the optimizer's thread, waited for by the thread that broadcasts them.
+// The owned sub-groups whose new compute copy is at its home, told by the optimizer's thread,
+// waited for by the thread that broadcasts them (Note [Gather beside the step]).
 class ReadyGroups {
  public:
   explicit ReadyGroups(uint32_t n) : ready_(n, 0) {}

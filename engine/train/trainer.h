@@ -1,6 +1,6 @@
 // Trainer: one training run — the model, its states in their tiers, the stage-3 coordinator, the
 // gradient accumulator, the optimizer swapper, loss scaling, the lr schedule and the data — driven
-// one optimizer step at a time (DESIGN.md, "One training step"). This header includes no LibTorch.
+// one optimizer step at a time (docs/design.md, "One training step"). Includes no LibTorch header.
 // Not thread-safe: one thread drives a Trainer.
 #pragma once
 
@@ -62,8 +62,9 @@ struct TrainOptions {
   // process. Every rank creates its Trainer with the same options and calls step() and
   // save_checkpoint() in the same order. Owned by the caller; outlives the Trainer.
   dist::ProcessGroup* group = nullptr;
-  // Note [One run per run directory]: rank 0 holds out_dir's lock for the whole run. zoffload train
-  // takes it (lock_run_dir) before the ranks connect and hands it over here; null: init takes it.
+  // Rank 0 holds out_dir's lock for the whole run (Note [One run per run directory] in
+  // trainer.cpp). zoffload train takes it (lock_run_dir) before the ranks connect and hands it over
+  // here; null: init takes it.
   std::shared_ptr<io::File> run_dir_lock;
 };
 

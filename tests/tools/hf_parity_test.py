@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""transformers is the oracle (DESIGN.md, invariants): tiny random models built and saved by Hugging
-Face transformers train a few AdamW steps with `zoffload train`, and the same steps are taken by
-the same saved directory loaded with `AutoModelForCausalLM.from_pretrained` and trained with
-torch.optim.AdamW on the same batches.
+"""transformers is the oracle (docs/design.md, "Invariants"): tiny random models built and saved by
+Hugging Face transformers train a few AdamW steps with `zoffload train`, and the same steps are
+taken by the same saved directory loaded with `AutoModelForCausalLM.from_pretrained` and trained
+with torch.optim.AdamW on the same batches.
 
 Per step, metrics.jsonl's `loss`, `grad_norm` and `lr` must equal the reference's. After training,
 the end-of-training export (`hf-export-step-N`) must load with `from_pretrained`, hold the
