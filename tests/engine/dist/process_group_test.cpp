@@ -3,11 +3,6 @@
 // arrives at a collective named within seconds (Note [A rank that fails]).
 #include "engine/dist/process_group.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <barrier>
 #include <chrono>
 #include <csignal>
@@ -19,7 +14,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "common/check.h"
+#include "tests/engine/free_port.h"
 
 namespace zo::engine::dist {
 namespace {
@@ -31,18 +26,6 @@ const bool kSigpipeIgnored = [] {
   std::signal(SIGPIPE, SIG_IGN);
   return true;
 }();
-
-uint16_t free_port() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ZO_CHECK(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
-  socklen_t len = sizeof a;
-  ZO_CHECK(getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0);
-  close(fd);
-  return ntohs(a.sin_port);
-}
 
 // Runs `body` on `world` ranks, each a thread with its own ProcessGroup; returns each rank's
 // status. The groups outlive every thread's body (the ranks share Gloo's device loop: one tears

@@ -20,8 +20,6 @@
 #include <thread>
 #include <vector>
 
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include "common/bytes.h"
@@ -32,6 +30,7 @@
 #include "engine/memory/swap_file.h"
 #include "engine/model/llama.h"
 #include "engine/optim/lr_schedule.h"
+#include "tests/engine/free_port.h"
 #include "tests/engine/temp_dir.h"
 #include "tests/engine/test_config.h"
 
@@ -1011,18 +1010,6 @@ TEST(Resume, RefusesWhatItCannotContinue) {
 // I/O error, and rank 0 stops too, naming rank 1, instead of waiting for copies that will never
 // come: at stage 1 the updated compute copies rank 1 still sends, at stage 3 (Note [Gathered
 // parameters]) the blocks the next forward gathers from it.
-uint16_t free_port() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ZO_CHECK(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
-  socklen_t len = sizeof a;
-  ZO_CHECK(getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0);
-  close(fd);
-  return ntohs(a.sin_port);
-}
-
 TEST(Trainer, APartitionedRankWhoseOptimizerFailsStopsEveryRank) {
   for (const int stage : {1, 3}) {
   SCOPED_TRACE("stage " + std::to_string(stage));
