@@ -15,6 +15,18 @@ def expect(cond, what):
     return cond
 
 
+def flatten(node, prefix="", leaves=()):
+    """A nested JSON object as {"a.b.c": value}; the keys named in `leaves` stay whole values."""
+    out = {}
+    for k, v in node.items():
+        path = prefix + k
+        if isinstance(v, dict) and k not in leaves:
+            out.update(flatten(v, path + ".", leaves))
+        else:
+            out[path] = v
+    return out
+
+
 def report_and_exit():
     for f in failures:
         print("FAIL:", f)

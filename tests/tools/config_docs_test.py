@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 
-from cli_checks import expect, report_and_exit
+from cli_checks import expect, flatten, report_and_exit
 
 zoffload, docs_path = sys.argv[1], sys.argv[2]
 
@@ -75,17 +75,6 @@ def expand_braces(item):
     if not m:
         return [item]
     return [m.group(1) + part.strip() for part in m.group(2).split(",")]
-
-
-def flatten(obj, prefix=""):
-    out = {}
-    for k, v in obj.items():
-        path = prefix + k
-        if isinstance(v, dict):
-            out.update(flatten(v, path + "."))
-        else:
-            out[path] = v
-    return out
 
 
 def literal(default):

@@ -588,17 +588,17 @@ def run_case(case, tmp):
     # fp32 gradient accumulator, 16 bytes, each of the four arrays of a sub-group rounded up to a
     # 4 KiB page. A sub-group holds at least one tensor or one sub_group_size (20000) slice of one,
     # so there are at most (tensors + params / 20000) of them.
-    only_pool = mem["pinned"]["peak_bytes"] + (4 << 20)
+    pool_and_scratch = mem["pinned"]["peak_bytes"] + (4 << 20)
     params = list(refs[0][2].parameters())
     n = sum(p.numel() for p in params)
     states = 16 * n
     padding = 4 * 4096 * (len(params) + -(-n // 20000))
-    extra = mem["cpu"]["peak_bytes"] - only_pool
+    extra = mem["cpu"]["peak_bytes"] - pool_and_scratch
     placed = {"none": mem["nvme"]["peak_bytes"] == 0 and extra == 0,
               "cpu": mem["nvme"]["peak_bytes"] == 0 and states <= extra <= states + padding,
               "nvme": mem["nvme"]["peak_bytes"] > 0 and mem["nvme_read_bytes"] > 0}[case["placement"]]
     expect(placed, "%s: the states live where offload %s puts them (pool + scratch %d, states %d + at most %d "
-           "of padding): %s" % (name, case["placement"], only_pool, states, padding, mem))
+           "of padding): %s" % (name, case["placement"], pool_and_scratch, states, padding, mem))
 
     export_dir = os.path.join(out_dir, "hf-export-step-%d" % STEPS)
     if expect(os.path.isdir(export_dir), "%s: the export %s exists" % (name, export_dir)):
