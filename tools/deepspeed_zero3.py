@@ -127,6 +127,12 @@ class Parser(argparse.ArgumentParser):
         fail(f"{message} (see --help)", 2)
 
 
+def first_line(e):
+    """An exception's message, its first line only ("" when it has none)."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
+
+
 def parse_bytes(text):
     """A byte count: 123, 2e9, 64GiB, 64GB, 512MiB."""
     units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "kb": 1e3, "mb": 1e6, "gb": 1e9,
@@ -374,7 +380,7 @@ def checked_config(a, ds_file, hidden, world, DeepSpeedConfig):
             where = ".".join(str(x) for x in err.get("loc", ()))
             text = f"{getattr(e, 'title', type(e).__name__)} {where}: {err.get('msg')}"
         else:
-            text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            text = first_line(e) or type(e).__name__
         fail(f"--config {a.config}: DeepSpeed refuses the resolved config: {text}", 2)
     return ds, filled
 
@@ -492,14 +498,14 @@ def main():
         summary = train(a, ds, cfg, dtype, params, records, summary)
     except (torch.OutOfMemoryError, MemoryError) as e:
         where = accel if isinstance(e, torch.OutOfMemoryError) else "host"
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first_line(e) or type(e).__name__
         msg, code = f"out of {where} memory: {first}", 1
     except ImportError as e:  # a requirement DeepSpeed imports only when it builds an op
         msg, code = f"DeepSpeed cannot run without {e.name or 'a module'} ({type(e).__name__}: {e}); {INSTALL_HINT}", 2
     except Exception as e:
         import traceback
         traceback.print_exc()
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        first = first_line(e)
         msg, code = f"the run failed: {type(e).__name__}: {first}", 1
     else:
         records.write(summary)
