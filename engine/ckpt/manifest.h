@@ -41,7 +41,7 @@ struct TrainingState {
   std::string model;             // what --model named (a directory or preset), for humans
   std::string data;              // the data file, and the window length its position counts in
   uint64_t seq_len = 0;
-  // The ranks that trained it (Note [Replicated data parallel] in trainer.cpp): any world size
+  // The ranks that trained it (Note [Replicated data parallel] in engine/dist/data_parallel.cpp): any world size
   // resumes it. Absent in checkpoints written before data parallel: 1.
   uint64_t world_size = 1;
   nlohmann::json config;         // the resolved training config (to_json(Config))

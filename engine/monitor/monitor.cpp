@@ -56,9 +56,8 @@ double wall_time_s() {
 
 }  // namespace
 
-std::vector<Scalar> scalars_of_metrics_record(std::string_view metrics_json_line) {
+std::vector<Scalar> scalars_of_metrics_record(const nlohmann::json& j) {
   std::vector<Scalar> out;
-  const nlohmann::json j = nlohmann::json::parse(metrics_json_line, nullptr, /*allow_exceptions=*/false);
   if (!j.is_object()) return out;
   for (auto it = j.begin(); it != j.end(); ++it)
     if (it.key() != "step") flatten(it.value(), it.key(), &out);  // the step is the x axis's

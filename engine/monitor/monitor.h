@@ -11,6 +11,8 @@
 #include <utility>
 #include <vector>
 
+#include <nlohmann/json_fwd.hpp>
+
 #include "common/status.h"
 #include "io/env.h"
 
@@ -27,7 +29,7 @@ struct Scalar {
 // metrics.jsonl record, nested keys joined with "/" ("time_s/compute"), except that the loss is
 // DeepSpeed's "train_loss"; every number of the record is written (true/false as 1/0, a null
 // gradient norm — an overflow — not at all), so the monitors hold what metrics.jsonl holds.
-std::vector<Scalar> scalars_of_metrics_record(std::string_view metrics_json_line);
+std::vector<Scalar> scalars_of_metrics_record(const nlohmann::json& record);
 
 // A directory of CSV files as DeepSpeed's csvMonitor writes them: one file per tag, named by the
 // tag with "/" and " " replaced by "_" (Train_Samples_train_loss.csv), holding "step,<last tag

@@ -11,6 +11,8 @@
 #include <sstream>
 #include <string>
 
+#include <nlohmann/json.hpp>
+
 #include "io/env.h"
 #include "io/fault_injector.h"
 
@@ -38,8 +40,8 @@ class MonitorDir : public ::testing::Test {
 };
 
 TEST(MonitorTags, AreDeepSpeedsForEveryNumberOfTheRecord) {
-  const std::vector<Scalar> s = scalars_of_metrics_record(
-      R"({"step":3,"loss":2.5,"lr":1e-4,"grad_norm":null,"skipped":true,"time_s":{"compute":1.5},"memory":{"cpu":{"peak_bytes":7}}})");
+  const std::vector<Scalar> s = scalars_of_metrics_record(nlohmann::json::parse(
+      R"({"step":3,"loss":2.5,"lr":1e-4,"grad_norm":null,"skipped":true,"time_s":{"compute":1.5},"memory":{"cpu":{"peak_bytes":7}}})"));
   std::map<std::string, double> got;
   for (const Scalar& x : s) got[x.tag] = x.value;
   const std::map<std::string, double> want = {{"Train/Samples/train_loss", 2.5}, {"Train/Samples/lr", 1e-4},

@@ -1,0 +1,498 @@
+// One optimizer step of the trainer: LibTorch and the device around each block, the micro-steps
+// forward and backward with their gradients sent to the accumulators, the accumulation boundary,
+// and the optimizer on its own thread beside the next step's first forward (trainer_impl.h).
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <limits>
+#include <system_error>
+#include <thread>
+#include <utility>
+
+#include <nlohmann/json.hpp>
+
+#include "common/log.h"
+#include "common/timer.h"
+#include "common/trace.h"
+#include "engine/optim/grad_clip.h"
+#include "engine/train/trainer_impl.h"
+
+namespace zo::engine {
+
+std::vector<torch::Tensor> Trainer::Impl::wrap(uint32_t block, const std::vector<gpu::DevicePtr>& ptrs,
+                                               bool grad) const {
+  const BlockSpec& spec = layout.blocks[block];
+  std::vector<torch::Tensor> out;
+  out.reserve(ptrs.size());
+  for (size_t i = 0; i < ptrs.size(); ++i) {
+    torch::Tensor t = param_tensor(ptrs[i].addr, layout.params[spec.params[i]], compute_dtype, torch_device);
+    if (grad) t.set_requires_grad(true);
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
+// LibTorch's current stream, where the blocks compute (nullptr on the CPU).
+Result<void*> Trainer::Impl::compute_stream() {
+  void* stream = nullptr;
+  ZO_RETURN_IF_ERROR(torch_call("reading LibTorch's stream", [&] { stream = torch_compute_stream(torch_device.is_cuda()); }));
+  return stream;
+}
+
+// A block's forward or backward: a LibTorch call that is a span of the compute track when tracing,
+// timed by the device as it runs it (its busy time, and the trace's device compute track).
+Status Trainer::Impl::compute_call(const std::string& what, const std::function<void()>& fn) {
+  trace::Span span(trace::Track::kCompute, [&] { return what; });
+  ZO_ASSIGN_OR_RETURN(void* stream, compute_stream());
+  return device->foreign_work(gpu::DeviceWork::kCompute, 0, stream, what, [&] { return torch_call(what, fn); });
+}
+
+Result<std::vector<gpu::DevicePtr>> Trainer::Impl::acquire(uint32_t block) {
+  trace::Span span(trace::Track::kFetch, [&] { return "fetch " + layout.blocks[block].name; });
+  // No host wait on CUDA: LibTorch's stream waits on the device for the block's ready event, so the
+  // host queues the block's kernels while its copies are still landing.
+  ZO_ASSIGN_OR_RETURN(ParamCoordinator::Acquired a, coord->acquire_async(block));
+  if (!a.ready) return std::move(a.ptrs);  // nothing in transfer
+  ZO_ASSIGN_OR_RETURN(void* stream, compute_stream());
+  const Stopwatch waited;
+  Status st = device->wait_foreign(stream, a.ready);
+  ready_wait_s += waited.elapsed_s();
+  ZO_RETURN_IF_ERROR(st.with_context("waiting for the parameters of " + layout.blocks[block].name));
+  return std::move(a.ptrs);
+}
+
+Status Trainer::Impl::release(uint32_t block) {
+  // No host sync: the coordinator's copy stream waits for this event, recorded after the kernels
+  // LibTorch has queued so far (all that read the block), before it refills the block's space.
+  ZO_ASSIGN_OR_RETURN(void* stream, compute_stream());
+  ZO_RETURN_IF_ERROR(device->record_foreign(released, stream).with_context("releasing " + layout.blocks[block].name));
+  return coord->release(block, released);
+}
+
+Status Trainer::Impl::offload_grads(uint32_t block, const std::vector<torch::Tensor>& grads, bool inject_overflow) {
+  // Each gradient is copied into the gradient worker's landing ring (pinned) and accumulated there
+  // behind the next block's backward (Note [Gradient landing ring]). On CUDA the copies are D2H
+  // on LibTorch's copy stream, ordered after the backward kernels queued so far by an event on the
+  // compute stream, so they overlap the next block's kernels instead of queueing between them; the
+  // worker waits for the copy's event, and the host for neither.
+  const BlockSpec& spec = layout.blocks[block];
+  trace::Span span(trace::Track::kGradOffload, [&] { return "offload " + spec.name; });
+  // The compute dtype, or grad_accum_dtype for the vertical schedule's device-side sums.
+  const DType dtype = grad_transfer_dtype(opt.config);
+  const bool cuda = torch_device.is_cuda();
+  std::optional<TorchCopyStreamScope> copies;
+  ZO_RETURN_IF_ERROR(begin_copies(&copies, "sending the gradients of " + spec.name));
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const std::string& name = layout.params[spec.params[i]].name;
+    const torch::Tensor& g = grads[i];
+    if (!g.defined()) return internal_error("no gradient reached " + name);
+    ZO_CHECK(g.scalar_type() == to_torch_dtype(dtype)) << "the gradient of " << name << " is not " << dtype_name(dtype);
+    const uint64_t bytes = static_cast<uint64_t>(g.numel()) * g.element_size();
+    ZO_RETURN_IF_ERROR(grad_worker->submit(
+        spec.params[i], dtype, bytes,
+        [&](std::span<std::byte> slot) {
+          ZO_RETURN_IF_ERROR(device->foreign_work(gpu::DeviceWork::kD2H, bytes, copies->native_stream(), {}, [&] {
+            return torch_call("copying the gradient of " + name, [&] {
+              torch::Tensor src = g;
+              if (inject_overflow && i == 0) {  // on the source: the copy below may still be in flight
+                src = g.clone();
+                src.view(-1)[0] = std::numeric_limits<float>::infinity();
+              }
+              copies->record_use(g);  // g's memory is not reused before the copy stream has read it
+              torch::Tensor landed = torch::from_blob(slot.data(), g.sizes(), g.options().device(torch::kCPU));
+              landed.copy_(src, /*non_blocking=*/true);
+            });
+          }));
+          return device->record_foreign(landed, copies->native_stream());
+        },
+        landed));
+    if (cuda) accounting.add_moved(Move::kDeviceToHost, bytes);
+  }
+  return Status::ok();
+}
+
+Status Trainer::Impl::begin_copies(std::optional<TorchCopyStreamScope>* copies, const std::string& where) {
+  const bool cuda = torch_device.is_cuda();
+  void* compute = nullptr;
+  ZO_RETURN_IF_ERROR(torch_call(where, [&] { compute = torch_compute_stream(cuda); }));
+  ZO_RETURN_IF_ERROR(device->record_foreign(copies_after, compute).with_context(where));
+  ZO_RETURN_IF_ERROR(torch_call(where, [&] { copies->emplace(cuda); }));
+  return device->wait_foreign((*copies)->native_stream(), copies_after).with_context(where);
+}
+
+
+void Trainer::Impl::fold_grads(std::vector<torch::Tensor>& params, std::vector<torch::Tensor>& sums, bool first) const {
+  // Called inside torch_call. The sum is over micro-batches in order, each added once in
+  // grad_accum_dtype: the additions the accumulator makes on the host with the horizontal schedule.
+  const torch::ScalarType accum = to_torch_dtype(opt.config.grad_accum_dtype);
+  sums.resize(params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    torch::Tensor& g = params[i].mutable_grad();
+    if (first) {
+      sums[i] = g.to(accum, /*non_blocking=*/false, /*copy=*/true);
+    } else {
+      sums[i].add_(g);
+    }
+    g.reset();
+  }
+}
+
+// One micro-step: forward block by block keeping only block inputs, then the head's loss and
+// backward, then each block in reverse: re-fetch, recompute with autograd, backpropagate, hand its
+// gradients to the accumulators, release (docs/design.md, "One training step").
+//
+// Note [Vertical schedule]
+// With gradient accumulation the horizontal schedule runs each micro-batch through every block, so
+// a step fetches every block 2·GAS times and sends every gradient to the host GAS times. The
+// vertical one (zoffload.schedule "vertical", GreedySnake's order) runs all GAS micro-batches
+// through block b before block b+1, forward and backward: one fetch of each block per direction
+// and step, and one gradient transfer per parameter, at the price of holding every micro-batch's
+// activation checkpoints at once (the planner counts GAS times the checkpoints, and the summed
+// gradients of the largest block, in grad_accum_dtype).
+// The gradients of a block are summed on the device in grad_accum_dtype, micro-batch by
+// micro-batch in order (fold_grads), then sent once; the host accumulator sees one contribution.
+// These are the same additions, in the same order and dtype, that the accumulator makes with the
+// horizontal schedule, so the two agree to the bit where both sides round alike (fp32 sums: IEEE
+// additions; the test compares them); the per-micro-batch forward and backward are unchanged.
+Result<Trainer::Impl::Forward> Trainer::Impl::forward(uint64_t count) {
+  Forward f;
+  f.micro.resize(count);
+  const uint32_t n = static_cast<uint32_t>(layout.blocks.size());
+  auto out_of_vocab = [&](int32_t token, bool label) { return !(label && token == kIgnoreLabel) && (token < 0 || static_cast<uint64_t>(token) >= model.vocab_size); };
+  for (Micro& mb : f.micro) {
+    const Stopwatch reading;
+    ZO_RETURN_IF_ERROR(data->next_batch(&batch));
+    mb.position = batch.position;
+    for (size_t i = 0; i < batch.inputs.size(); ++i) {
+      const bool bad_input = out_of_vocab(batch.inputs[i], false);
+      if (bad_input || out_of_vocab(batch.targets[i], true))
+        return invalid_argument(opt.data_path + ": " + (bad_input ? "token " : "label ") +
+                                std::to_string(bad_input ? batch.inputs[i] : batch.targets[i]) + " (window " +
+                                std::to_string(batch.windows[i / batch.seq_len]) + ") is outside the model's vocabulary of " +
+                                std::to_string(model.vocab_size));
+    }
+    for (int32_t t : batch.targets) mb.tokens += t != kIgnoreLabel;
+    f.data_s += reading.elapsed_s();
+    mb.inputs.resize(n);
+    ZO_RETURN_IF_ERROR(torch_call("preparing the batch", [&] {
+      const int64_t b = static_cast<int64_t>(batch.batch), t = static_cast<int64_t>(batch.seq_len);
+      mb.inputs[0] = torch::from_blob(batch.inputs.data(), {b, t}, torch::kInt32).to(torch_device, torch::kInt64);
+      mb.targets = torch::from_blob(batch.targets.data(), {b, t}, torch::kInt32).to(torch_device, torch::kInt64);
+    }));
+  }
+
+  coord->begin_micro_step();
+  for (uint32_t b = 0; b + 1 < n; ++b) {
+    ZO_ASSIGN_OR_RETURN(std::vector<gpu::DevicePtr> ptrs, acquire(b));
+    ZO_RETURN_IF_ERROR(compute_call("forward of " + layout.blocks[b].name, [&] {
+      torch::NoGradGuard no_grad;
+      const std::vector<torch::Tensor> params = wrap(b, ptrs, false);
+      for (Micro& mb : f.micro) mb.inputs[b + 1] = block_forward(model, layout.blocks[b], params, mb.inputs[b], rope);
+    }));
+    ZO_RETURN_IF_ERROR(release(b));
+    if (host_checkpoint(b)) ZO_RETURN_IF_ERROR(checkpoints_out(b, f));
+  }
+  return f;
+}
+
+Result<Trainer::Impl::MicroResult> Trainer::Impl::finish_micro_step(Forward& f, bool first, bool last,
+                                                                    bool inject_overflow) {
+  MicroResult result;
+  ZO_RETURN_IF_ERROR(grads->begin_micro_step(first, last));
+  // A failure below leaves the accumulator's window open; close it so the next step can start
+  // (blocks still held are treated as released by the next begin_micro_step).
+  struct Abandon {
+    GradWorker* worker;
+    GradAccumulator* grads;
+    bool armed = true;
+    ~Abandon() {
+      if (!armed) return;
+      (void)worker->drain();  // the worker must be idle before the window closes; the step's error is reported
+      grads->abandon_micro_step();
+    }
+  } abandon{grad_worker.get(), grads.get()};
+  const uint32_t n = static_cast<uint32_t>(layout.blocks.size());
+  // Data parallel: each rank's share of the mean, so that the all-reduced sum is the mean.
+  const double loss_factor = scaler->scale() / static_cast<double>(opt.config.gradient_accumulation_steps * world_size());
+  const size_t count = f.micro.size();
+  // With several micro-batches (the vertical schedule) each block's gradients are summed on the
+  // device and leave it once (Note [Vertical schedule]).
+  const bool fold = count > 1;
+  // The block's gradients to send: the params' own, or their sums.
+  auto block_grads = [&](const std::vector<torch::Tensor>& params, std::vector<torch::Tensor>& sums) {
+    if (fold) return sums;
+    std::vector<torch::Tensor> g;
+    for (const torch::Tensor& p : params) g.push_back(p.grad());
+    return g;
+  };
+
+  // The head: its forward and backward follow each other in the schedule, so it runs once with
+  // autograd and its backward entry only acquires and releases it.
+  std::vector<torch::Tensor> grad_out(count);
+  {
+    const uint32_t h = n - 1;
+    ZO_ASSIGN_OR_RETURN(std::vector<gpu::DevicePtr> ptrs, acquire(h));
+    std::vector<torch::Tensor> params, sums, grads_h;
+    ZO_RETURN_IF_ERROR(compute_call("forward and backward of " + layout.blocks[h].name, [&] {
+      params = wrap(h, ptrs, true);
+      for (size_t k = 0; k < count; ++k) {
+        Micro& mb = f.micro[k];
+        torch::Tensor x = mb.inputs[h].detach().set_requires_grad(true);
+        torch::Tensor loss = lm_loss(block_forward(model, layout.blocks[h], params, x, rope), mb.targets);
+        result.loss += loss.item<double>();
+        (loss * loss_factor).backward();
+        grad_out[k] = x.grad();
+        if (fold) fold_grads(params, sums, k == 0);
+      }
+      grads_h = block_grads(params, sums);
+    }));
+    const Stopwatch sending;
+    ZO_RETURN_IF_ERROR(offload_grads(h, grads_h, false));
+    result.grad_offload_s += sending.elapsed_s();
+    ZO_RETURN_IF_ERROR(release(h));
+    ZO_RETURN_IF_ERROR(acquire(h).status());
+    ZO_RETURN_IF_ERROR(release(h));
+  }
+
+  for (uint32_t b = n - 1; b-- > 0;) {
+    // Note [Checkpoints on the CPU]: block b's inputs were queued back with block b+1 (or now, for
+    // the last layer), and block b-1's are queued before b computes.
+    if (host_checkpoint(b) && b + 2 == n) ZO_RETURN_IF_ERROR(checkpoints_back(b, f));
+    if (b > 0 && host_checkpoint(b - 1)) ZO_RETURN_IF_ERROR(checkpoints_back(b - 1, f));
+    if (host_checkpoint(b)) ZO_RETURN_IF_ERROR(wait_checkpoints(b));
+    ZO_ASSIGN_OR_RETURN(std::vector<gpu::DevicePtr> ptrs, acquire(b));
+    std::vector<torch::Tensor> params, sums, grads_b;
+    ZO_RETURN_IF_ERROR(compute_call("backward of " + layout.blocks[b].name, [&] {
+      params = wrap(b, ptrs, true);
+      for (size_t k = 0; k < count; ++k) {
+        Micro& mb = f.micro[k];
+        torch::Tensor x = b == 0 ? mb.inputs[0] : mb.inputs[b].detach().set_requires_grad(true);
+        torch::Tensor out = block_forward(model, layout.blocks[b], params, x, rope);
+        torch::autograd::backward({out}, {grad_out[k]});
+        grad_out[k] = b == 0 ? torch::Tensor() : x.grad();
+        mb.inputs[b] = torch::Tensor();
+        if (fold) fold_grads(params, sums, k == 0);
+      }
+      grads_b = block_grads(params, sums);
+    }));
+    const Stopwatch sending;
+    ZO_RETURN_IF_ERROR(offload_grads(b, grads_b, b == 0 && inject_overflow));
+    result.grad_offload_s += sending.elapsed_s();
+    ZO_RETURN_IF_ERROR(release(b));
+  }
+  {
+    trace::Span span(trace::Track::kGradOffload, "wait for the gradient worker");
+    const Stopwatch draining;
+    Status drained = grad_worker->drain();
+    result.grad_offload_s += draining.elapsed_s();
+    ZO_RETURN_IF_ERROR(drained.with_context("accumulating gradients"));
+  }
+  ZO_ASSIGN_OR_RETURN(result.grads, grads->end_micro_step());
+  abandon.armed = false;
+  return result;
+}
+
+Result<StepMetrics> Trainer::Impl::step_once() {
+  const Stopwatch wall;
+  if (!ahead_error.is_ok()) return std::exchange(ahead_error, Status::ok());  // this step's first forward failed
+  StepMetrics out;
+  out.step = steps_done + 1;
+  out.loss_scale = scaler->scale();
+  out.lr = schedule->lr_at(optimizer_steps);
+  const auto& inject = opt.inject_overflow_steps;
+  const bool overflow_here = std::find(inject.begin(), inject.end(), out.step) != inject.end();
+  const StepCounters before = counters();
+  const bool cuda = torch_device.is_cuda();
+  reset_torch_memory_peak(cuda);
+
+  // The micro-steps, then (data parallel) the sums over the ranks.
+  ZO_ASSIGN_OR_RETURN(Accumulated acc, accumulate(overflow_here, &out));
+  if (opt.group != nullptr) ZO_RETURN_IF_ERROR(sum_over_ranks(before, &acc, &out));
+  out.loss = acc.loss_sum / static_cast<double>(opt.config.gradient_accumulation_steps * world_size());
+  out.torch_peak_bytes = torch_memory(cuda).peak_bytes;
+
+  // The accumulation boundary: overflow check, loss-scale update, clipping, then the optimizer on
+  // its own thread while this one runs the next step's first forward (Note [Overlapped optimizer]).
+  out.grad_norm = std::sqrt(acc.boundary.sum_sq) / out.loss_scale;
+  out.skipped = scaler->update(acc.boundary.nonfinite || !is_finite_norm(out.grad_norm));
+  std::optional<Result<OptimizerStepReport>> stepped;
+  double join_s = 0;  // waiting for the optimizer (all of it when it does not overlap)
+  if (!out.skipped) ZO_RETURN_IF_ERROR(start_update(out, &stepped, &join_s));
+  if (opt.config.zoffload.overlap_optimizer && (opt.last_step == 0 || out.step < opt.last_step)) {
+    Result<Forward> next = forward(vertical_micro_batches(opt.config));
+    if (next.is_ok()) {
+      out.data_s += next->data_s;
+      ahead = std::move(*next);
+    } else {
+      ahead_error = next.status();
+    }
+  }
+  ZO_RETURN_IF_ERROR(finish_update(stepped, &join_s, &out));
+  ++steps_done;
+
+  out.step_s = wall.elapsed_s();
+  out.optimizer_wait_s = join_s;
+  if (data_parallel && stepped && stepped->is_ok()) out.gather_s = data_parallel->gather_s();
+  add_counter_deltas(before, counters(), &out);
+  out.memory = accounting.snapshot();
+  const gpu::DeviceStats ds = device->stats();
+  out.device_peak_bytes = ds.peak_allocated_bytes;
+  out.device_budget_bytes = ds.budget_bytes;
+  ZO_RETURN_IF_ERROR(record(out));
+  return out;
+}
+
+Result<Trainer::Impl::Accumulated> Trainer::Impl::accumulate(bool inject_overflow, StepMetrics* out) {
+  Accumulated acc;
+  const uint64_t gas = opt.config.gradient_accumulation_steps;
+  const uint64_t per_forward = vertical_micro_batches(opt.config);  // micro-batches per forward
+  for (uint64_t micro = 0; micro < gas; micro += per_forward) {
+    const bool last = micro + per_forward == gas;
+    Forward f;
+    if (micro == 0 && ahead) {  // run behind the last step's optimizer (its data time is that step's)
+      f = std::move(*ahead);
+      ahead.reset();
+    } else {
+      ZO_ASSIGN_OR_RETURN(f, forward(per_forward));
+      out->data_s += f.data_s;
+    }
+    ZO_ASSIGN_OR_RETURN(MicroResult r, finish_micro_step(f, micro == 0, last, inject_overflow && last));
+    acc.loss_sum += r.loss;
+    for (const Micro& mb : f.micro) out->tokens += mb.tokens;
+    out->grad_offload_s += r.grad_offload_s;
+    out->grad_worker_s += r.grads.offload_s;
+    if (last) acc.boundary = std::move(r.grads);
+  }
+  return acc;
+}
+
+Status Trainer::Impl::sum_over_ranks(const StepCounters& before_step, Accumulated* acc, StepMetrics* out) {
+  // The micro-steps' collectives (partitioned gradients) ran on the gradient worker's thread.
+  out->grad_reduce_s = opt.group->seconds() - before_step.collective_s;
+  const double before = opt.group->seconds();
+  // Note [Replicated data parallel]: the step's facts, then its gradients, summed over the ranks.
+  std::array<double, 2> sums{acc->loss_sum, static_cast<double>(out->tokens)};
+  {
+    trace::Span span(trace::Track::kCollective, "all-reduce the loss");
+    ZO_RETURN_IF_ERROR(opt.group->all_reduce_sum(sums, "all-reducing the loss"));
+    out->rank_wait_s = opt.group->seconds() - before;
+  }
+  acc->loss_sum = sums[0];
+  out->tokens = static_cast<uint64_t>(sums[1]);
+  if (plan.partition_grads) {
+    // Already reduced to their owners during backward: only the owners' chunk norms remain.
+    trace::Span span(trace::Track::kCollective, "all-reduce the gradient norm");
+    ZO_ASSIGN_OR_RETURN(acc->boundary, data_parallel->owners_norm(std::move(acc->boundary.chunk_sq)));
+  } else {
+    ZO_ASSIGN_OR_RETURN(acc->boundary, data_parallel->reduce_gradients());
+  }
+  out->collective_s = opt.group->seconds() - before;
+  return Status::ok();
+}
+
+Status Trainer::Impl::start_update(const StepMetrics& out, std::optional<Result<OptimizerStepReport>>* stepped,
+                                   double* join_s) {
+  const Config& config = opt.config;
+  const OptimizerConfig& oc = config.optimizer;
+  OptimizerStepArgs args;
+  args.adam = {.lr = static_cast<float>(out.lr),
+               .beta1 = static_cast<float>(oc.betas[0]),
+               .beta2 = static_cast<float>(oc.betas[1]),
+               .eps = static_cast<float>(oc.eps),
+               .weight_decay = static_cast<float>(oc.weight_decay),
+               .adam_w_mode = oc.type == OptimizerType::kAdamW || oc.adam_w_mode,
+               .bias_correction = oc.bias_correction};
+  args.step = static_cast<int64_t>(optimizer_steps + 1);
+  // A non-finite norm that does not skip (fp32, or bf16 without check_grad_overflow, as in
+  // DeepSpeed) cannot be clipped by: the gradients go in unclipped, and the log says so.
+  double clip = 1.0;
+  if (is_finite_norm(out.grad_norm)) {
+    clip = clip_coefficient(out.grad_norm, config.gradient_clipping);
+  } else {
+    ZO_LOG(kWarn) << "step " << out.step << ": the gradient norm is not finite (" << out.grad_norm
+                  << ") and this precision does not skip such steps: updating without clipping";
+  }
+  args.grad_scale = static_cast<float>(clip / out.loss_scale);
+  // Every device copy is dropped before the update writes (even a failed one may have changed
+  // some: a torn store); from here the forward reads the compute copies from their homes, gated.
+  coord->invalidate();
+  auto update = [this](const OptimizerStepArgs& a, const std::function<void(uint32_t)>& publish) {
+    return data_parallel ? data_parallel->update(*optimizer, a, publish) : optimizer->step(a);
+  };
+  if (!config.zoffload.overlap_optimizer) {
+    const Stopwatch updating;
+    stepped->emplace(update(args, {}));
+    *join_s = updating.elapsed_s();
+    return Status::ok();
+  }
+  UpdateGate* g = gate.get();
+  auto publish = [g](uint32_t sub_group) { g->publish(sub_group); };
+  args.on_compute_ready = publish;
+  g->open();
+  try {
+    update_thread = std::thread([stepped, g, args, publish, update] {
+      Result<OptimizerStepReport> r = update(args, publish);
+      g->close(r.is_ok() ? Status::ok() : r.status());
+      stepped->emplace(std::move(r));
+    });
+  } catch (const std::system_error& e) {
+    g->close(Status::ok());  // nothing was written
+    return errno_status("step " + std::to_string(out.step) + ": starting the optimizer thread", e.code().value());
+  }
+  return Status::ok();
+}
+
+Status Trainer::Impl::finish_update(std::optional<Result<OptimizerStepReport>>& stepped, double* join_s,
+                                    StepMetrics* out) {
+  if (update_thread.joinable()) {
+    const Stopwatch joining;
+    update_thread.join();
+    *join_s = joining.elapsed_s();
+  }
+  if (!stepped) return Status::ok();  // skipped
+  if (!stepped->is_ok()) {
+    // The run ends here (the states may be torn); what the forward run ahead did or hit is moot.
+    // The gate stops failing forwards: as in the sequential step, the next optimizer step is
+    // what refuses the torn states (OptimizerSwapper::step).
+    ahead.reset();
+    ahead_error = Status::ok();
+    gate->close(Status::ok());
+    return stepped->status();
+  }
+  const OptimizerStepReport& report = **stepped;
+  ++optimizer_steps;
+  out->optimizer_s = report.total_s;
+  out->nvme_read_wait_s = report.read_wait_s;
+  out->nvme_write_wait_s = report.write_wait_s;
+  return Status::ok();
+}
+
+StepCounters Trainer::Impl::counters() const {
+  StepCounters c;
+  c.coord = coord->stats();
+  c.ready_wait_s = ready_wait_s;
+  c.io_busy_s = io->stats().busy_s;
+  c.device = device->busy();
+  if (opt.group != nullptr) {
+    c.collective_bytes = opt.group->bytes();
+    c.collective_s = opt.group->seconds();
+  }
+  if (gatherer) c.gathered = gatherer->stats();
+  return c;
+}
+
+Status Trainer::Impl::record(const StepMetrics& out) {
+  if (metrics == nullptr) return Status::ok();  // not rank 0
+  const nlohmann::json line = out.record();
+  ZO_RETURN_IF_ERROR(metrics->append(line.dump() + "\n"));
+  if (tensorboard || csv_monitor) {
+    // The same record, as DeepSpeed's monitors write it (Note [Monitor tags] in engine/monitor).
+    const std::vector<monitor::Scalar> scalars = monitor::scalars_of_metrics_record(line);
+    const uint64_t samples = out.step * opt.config.train_batch_size;
+    if (tensorboard) ZO_RETURN_IF_ERROR(tensorboard->write(samples, scalars).with_context("tensorboard"));
+    if (csv_monitor) ZO_RETURN_IF_ERROR(csv_monitor->write(samples, scalars).with_context("csv_monitor"));
+  }
+  return Status::ok();
+}
+
+}  // namespace zo::engine
