@@ -26,8 +26,19 @@ Result<std::optional<uint32_t>> first_failed_rank(ProcessGroup& group, bool fail
 }
 
 DataParallel::DataParallel(ProcessGroup& group, StateStore& store, const ParamRegistry& registry,
-                           const cpu_optim::Executor& executor, DataParallelOptions options)
-    : group_(group), store_(store), registry_(registry), executor_(executor), options_(options) {}
+                           const cpu_optim::Executor& executor, MemoryAccounting& accounting, DataParallelOptions options)
+    : group_(group), store_(store), registry_(registry), executor_(executor), accounting_(accounting), options_(options) {}
+
+DataParallel::~DataParallel() {
+  for (const std::optional<AlignedBuffer>* b : {&reduce_staging_, &gather_staging_})
+    if (b->has_value()) accounting_.remove_resident(Tier::kCpu, (*b)->size());
+}
+
+Result<AlignedBuffer> DataParallel::allocate_staging(uint64_t bytes) {
+  ZO_ASSIGN_OR_RETURN(AlignedBuffer b, AlignedBuffer::allocate(bytes));
+  accounting_.add_resident(Tier::kCpu, b.size());
+  return b;
+}
 
 // Note [Replicated data parallel]
 // With several ranks (torchrun, mpirun, srun; engine/dist) each rank trains on its own slice of
@@ -83,7 +94,7 @@ Result<GradNormReport> DataParallel::reduce_gradients() {
         p = loc.host + offset_bytes;
       } else {
         if (!reduce_staging_) {
-          ZO_ASSIGN_OR_RETURN(AlignedBuffer b, AlignedBuffer::allocate(kReduceChunkElems * elem_bytes));
+          ZO_ASSIGN_OR_RETURN(AlignedBuffer b, allocate_staging(kReduceChunkElems * elem_bytes));
           reduce_staging_.emplace(std::move(b));
         }
         p = reduce_staging_->data();
@@ -228,8 +239,7 @@ Result<OptimizerStepReport> DataParallel::update(OptimizerSwapper& optimizer, co
   const MemoryPlan& plan = store_.plan();
   if (!plan.partitioned()) return optimizer.step(args);
   if (!gather_staging_ && !plan.partition_params) {  // for compute copies not in host memory; before any collective
-    ZO_ASSIGN_OR_RETURN(AlignedBuffer b,
-                        AlignedBuffer::allocate(kReduceChunkElems * state_elem_bytes(plan.placement, StateKind::kCompute)));
+    ZO_ASSIGN_OR_RETURN(AlignedBuffer b, allocate_staging(kReduceChunkElems * state_elem_bytes(plan.placement, StateKind::kCompute)));
     gather_staging_.emplace(std::move(b));
   }
   ReadyGroups ready(plan.n_sub_groups);

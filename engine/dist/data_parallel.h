@@ -2,7 +2,8 @@
 // the gradient sums at the accumulation boundary, the norm of partitioned gradients, and the
 // optimizer step with the updated compute copies sent from their owners beside it (Note [Replicated
 // data parallel], Note [Partitioned data parallel], Note [Gather beside the step]). It owns the
-// staging buffers those collectives use for states that do not live in host memory. Not
+// staging buffers those collectives use for states that do not live in host memory (charged to the
+// run's MemoryAccounting as CPU memory; the planner counts them: data_parallel_staging_bytes). Not
 // thread-safe: the trainer's thread calls it (reduce_in_buckets also from the gradient worker's
 // thread, on the gradient worker's collectives, while the trainer's thread issues none). This header
 // includes no LibTorch header.
@@ -27,7 +28,7 @@ namespace zo::engine::dist {
 
 // Gradients and parameters cross between ranks in chunks of this many elements, whatever the tier
 // of their state, so the norm's summation order (and the weights) do not depend on the tier.
-inline constexpr uint64_t kReduceChunkElems = uint64_t{1} << 22;
+inline constexpr uint64_t kReduceChunkElems = kDataParallelChunkElems;  // engine/memory/memory_plan.h
 
 // Note [One outcome for every rank]: each rank says whether its part of a collective piece of work
 // failed, and every rank learns the lowest rank that did (nullopt: none), with one all-reduce of a
@@ -46,7 +47,8 @@ class DataParallel {
   // Borrows everything; all must outlive it. `store`'s plan says how the states are split
   // (MemoryPlan::partitioned, partition_grads, partition_params).
   DataParallel(ProcessGroup& group, StateStore& store, const ParamRegistry& registry, const cpu_optim::Executor& executor,
-               DataParallelOptions options);
+               MemoryAccounting& accounting, DataParallelOptions options);
+  ~DataParallel();
   DataParallel(const DataParallel&) = delete;
   DataParallel& operator=(const DataParallel&) = delete;
 
@@ -72,11 +74,14 @@ class DataParallel {
 
  private:
   Status gather_compute(ReadyGroups& ready, const std::function<void(uint32_t)>& publish);
+  // A staging buffer of `bytes`, charged to the accounting until the destructor.
+  Result<AlignedBuffer> allocate_staging(uint64_t bytes);
 
   ProcessGroup& group_;
   StateStore& store_;
   const ParamRegistry& registry_;
   const cpu_optim::Executor& executor_;
+  MemoryAccounting& accounting_;
   const DataParallelOptions options_;
   std::optional<AlignedBuffer> reduce_staging_;  // for accumulators not in host memory
   std::optional<AlignedBuffer> gather_staging_;  // for compute copies not in host memory

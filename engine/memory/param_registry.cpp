@@ -273,6 +273,16 @@ uint64_t state_elem_bytes(const Placement& placement, StateKind kind) {
   return 0;
 }
 
+uint64_t data_parallel_staging_bytes(const MemoryPlan& plan, uint32_t world_size) {
+  if (world_size <= 1) return 0;
+  uint64_t bytes = 0;
+  if (!plan.partition_grads && plan.placement.grad != Tier::kCpu)
+    bytes += kDataParallelChunkElems * dtype_size_bytes(plan.placement.grad_dtype);
+  if (plan.partitioned() && !plan.partition_params)
+    bytes += kDataParallelChunkElems * state_elem_bytes(plan.placement, StateKind::kCompute);
+  return bytes;
+}
+
 uint64_t MemoryPlan::pinned_pool_bytes() const {
   auto buffers = [](uint32_t count, uint64_t size) { return count * align_up(size, kPinnedAlignment); };
   return align_up(cpu_pinned_bytes, kPinnedAlignment) + buffers(optimizer_swap_buffers, optimizer_swap_buffer_bytes) +

@@ -192,6 +192,15 @@ struct MemoryPlan {
   std::string to_json() const;
 };
 
+// Data parallel: gradients and compute copies cross between ranks in chunks of this many elements
+// (engine/dist/data_parallel.h), whatever the tier of their state.
+inline constexpr uint64_t kDataParallelChunkElems = uint64_t{1} << 22;
+// The host staging the data-parallel steps allocate for states that do not live in host memory: one
+// chunk of gradient accumulators where they are summed at the boundary (ZeRO stages 0–1) and are not
+// on the CPU, and one chunk of compute copies where the owners send them after the step (stages
+// 1–2). 0 with one rank.
+uint64_t data_parallel_staging_bytes(const MemoryPlan& plan, uint32_t world_size);
+
 // Derives the placement from `config` and sizes everything for `registry`. The gradient
 // accumulators go where zoffload.gradient_accumulators says; "auto" puts them with the optimizer
 // states (the planner resolves "auto" against the host first, Note [Where the gradients wait]).

@@ -291,7 +291,8 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
   const GradAccumulator::BufferPlan gbuf = GradAccumulator::plan_buffers(registry, pl, contribution_order, mp.partition_grads);
   p.grad_ring_bytes = mp.grad_ring_bytes;  // in the pool
   p.host_buffer_bytes = kStoreScratchBytes + uint64_t{gbuf.count} * gbuf.bytes_each +
-                        uint64_t{mp.grad_read_buffers} * mp.grad_read_buffer_bytes;
+                        uint64_t{mp.grad_read_buffers} * mp.grad_read_buffer_bytes +
+                        data_parallel_staging_bytes(mp, in.world_size);
   p.ram_bytes = p.pool_bytes + p.pageable_state_bytes + p.host_buffer_bytes + p.checkpoint_host_bytes +
                 (in.host.cuda ? 0 : p.activation_bytes);
   p.process_bytes = in.host.process_bytes;

@@ -122,7 +122,7 @@ struct RunPlan {
   uint64_t pinned_bytes = 0;        // the pinned pool (0 when both pin_memory flags are false) + host checkpoints
   uint64_t pool_bytes = 0;          // the pool, pinned or not
   uint64_t pageable_state_bytes = 0;
-  uint64_t host_buffer_bytes = 0;   // scratch and gradient staging buffers
+  uint64_t host_buffer_bytes = 0;   // scratch, gradient staging and data-parallel staging buffers
   uint64_t grad_ring_bytes = 0;     // the gradient worker's landing ring (in the pool)
   uint64_t ram_bytes = 0;           // pool + pageable states + buffers + host checkpoints (+ activations on the host)
   uint64_t process_bytes = 0;       // LibTorch and the program itself (measured at plan time)

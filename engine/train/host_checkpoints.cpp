@@ -20,6 +20,7 @@ Status Trainer::Impl::create_host_checkpoints() {
   if (!run_plan.checkpoints_on_host) return Status::ok();
   ckpt_slot_bytes = host_checkpoint_bytes_per_micro_batch(opt.config, model, seq_len) / model.num_hidden_layers;
   ZO_ASSIGN_OR_RETURN(ckpt_host, device->allocate_pinned(run_plan.checkpoint_host_bytes));
+  accounting.add_resident(Tier::kCpu, run_plan.checkpoint_host_bytes, /*pinned=*/true);
   ZO_ASSIGN_OR_RETURN(ckpt_copied, device->create_event());
   for (gpu::Event& e : ckpt_back) {
     ZO_ASSIGN_OR_RETURN(e, device->create_event());

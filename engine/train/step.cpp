@@ -11,6 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/host_info.h"
 #include "common/log.h"
 #include "common/timer.h"
 #include "common/trace.h"
@@ -338,6 +339,8 @@ Result<StepMetrics> Trainer::Impl::step_once() {
   const gpu::DeviceStats ds = device->stats();
   out.device_peak_bytes = ds.peak_allocated_bytes;
   out.device_budget_bytes = ds.budget_bytes;
+  out.device_pinned_bytes = ds.pinned_bytes;
+  out.process_peak_rss_bytes = process_rss().peak;
   ZO_RETURN_IF_ERROR(record(out));
   return out;
 }

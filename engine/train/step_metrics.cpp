@@ -40,6 +40,8 @@ nlohmann::json StepMetrics::record() const {
   j["device_budget_bytes"] = device_budget_bytes;
   j["device_arena_bytes"] = device_arena_bytes;
   j["torch_peak_bytes"] = torch_peak_bytes;
+  j["process_peak_rss_bytes"] = process_peak_rss_bytes;
+  j["device_pinned_bytes"] = device_pinned_bytes;
   j["collective_bytes"] = collective_bytes;
   j["time_s"]["collective"] = collective_s;
   j["time_s"]["rank_wait"] = rank_wait_s;

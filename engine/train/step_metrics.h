@@ -83,6 +83,12 @@ struct StepMetrics {
   // LibTorch's allocations (activations, autograd buffers, block gradients) at their highest during
   // this step: on CUDA GPU memory outside the budget above, on the emulated device host RAM.
   uint64_t torch_peak_bytes = 0;
+  // What the OS and the device measured, beside the engine's own accounting in `memory`: this
+  // process's resident set at its highest since it started (VmHWM), and the host bytes the device
+  // holds pinned now (Device::stats, allocate_pinned: the pinned pool and the activation checkpoint
+  // slab).
+  uint64_t process_peak_rss_bytes = 0;
+  uint64_t device_pinned_bytes = 0;
 
   // The record of metrics.jsonl (one line of it: record().dump()), which the monitors write too.
   nlohmann::json record() const;

@@ -266,7 +266,7 @@ Status Trainer::Impl::create_step_pipeline() {
   ZO_RETURN_IF_ERROR(create_host_checkpoints());
   coord->set_update_gate(gate.get());
   if (opt.group != nullptr)
-    data_parallel = std::make_unique<dist::DataParallel>(*opt.group, *store, *registry, *executor,
+    data_parallel = std::make_unique<dist::DataParallel>(*opt.group, *store, *registry, *executor, accounting,
                                                          dist::DataParallelOptions{.reduce_bucket_elems = config.zero.reduce_bucket_size});
   ReducerOptions reducer;
   if (plan.partition_grads) {

@@ -127,6 +127,7 @@ struct Trainer::Impl {
     if (ckpt_host != nullptr) {
       if (ckpt_copied) (void)device->synchronize(ckpt_copied);  // copies of a failed step may be in flight
       device->free_pinned(ckpt_host);
+      accounting.remove_resident(Tier::kCpu, run_plan.checkpoint_host_bytes, /*pinned=*/true);
     }
     if (ckpt_copied) device->destroy_event(ckpt_copied);
     for (gpu::Event e : ckpt_back)

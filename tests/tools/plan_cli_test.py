@@ -4,7 +4,9 @@ with several placements and on the 1B-class tinyllama-1.1b, the per-tier peaks (
 arena, pinned pool, CPU, NVMe swap files) equal the measured ones, LibTorch's activation peak is
 within 10% (1 MiB at the tiniest shapes, for oneDNN's bf16 scratch), and NVMe bytes per step (the second step, when every state has been written once) are
 exact (the vertical schedule's too); with compute copies on NVMe the measured reads lie in the
-predicted range. A plan that does not
+predicted range. Beside the engine's own accounting, what the device and the OS measured: the host
+bytes the device holds pinned equal the planned pinned bytes, and the process's peak RSS (VmHWM)
+stays within the planned RAM plus a fixed allowance for the runtime. A plan that does not
 fit exits 3 and lists changes that, planned again, fit; `train` refuses it at start with the
 planner's message."""
 import json
@@ -18,6 +20,13 @@ from cli_checks import expect, report_and_exit
 zoffload, source_dir = sys.argv[1], sys.argv[2]
 corpus = os.path.join(source_dir, "configs", "data", "demo_corpus.txt")
 KERNEL_SCRATCH = 1 << 20  # bytes: see check()
+# What no plan counts: LibTorch's intra-op pool and kernel scratch, oneDNN's JIT code, glibc's
+# per-thread arenas and the threads' stacks, grown after `zoffload plan` measured the process (a
+# fixed part), and the heap that LibTorch's freed activation buffers leave behind under the trainer's
+# trim threshold (Note [Host compute]; a part of the RAM). On a 2-core AMD EPYC (AVX2) the tiny cases
+# peaked 30-40 MiB above the plan, tinyllama-1.1b 241 MiB above its 10.9 GB (2.2%).
+RUNTIME_ALLOWANCE = 96 << 20
+RUNTIME_ALLOWANCE_SHARE = 0.05
 ENV = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
 
 
@@ -74,8 +83,21 @@ def check(name, plan, metrics):
     expect(mem["pinned"]["peak_bytes"] == host["pinned_bytes"],
            f"{name}: pinned peak {mem['pinned']['peak_bytes']} == planned {host['pinned_bytes']}")
     scratch = 4 << 20
-    expect(mem["cpu"]["peak_bytes"] == host["pool_bytes"] + host["pageable_state_bytes"] + scratch,
-           f"{name}: CPU peak {mem['cpu']['peak_bytes']} == planned pool + pageable + scratch")
+    cpu = host["pool_bytes"] + host["pageable_state_bytes"] + host["checkpoint_bytes"] + scratch
+    expect(mem["cpu"]["peak_bytes"] == cpu,
+           f"{name}: CPU peak {mem['cpu']['peak_bytes']} == planned pool + pageable + checkpoints + scratch {cpu}")
+    # The device's own count of what it pinned (the pool and the checkpoint slab), not the engine's.
+    expect(last["device_pinned_bytes"] == host["pinned_bytes"],
+           f"{name}: the device holds {last['device_pinned_bytes']} bytes pinned, planned {host['pinned_bytes']}")
+    # The OS's: every byte the run allocates is in the plan, up to the runtime's allowance. On the
+    # emulated device its states and arena are host RAM too.
+    on_host = dev["state_bytes"] + dev["arena_bytes"] if plan["device_name"].startswith("host") else 0
+    planned_rss = host["ram_bytes"] + host["process_bytes"] + on_host
+    rss = last["process_peak_rss_bytes"]
+    allowance = RUNTIME_ALLOWANCE + int(RUNTIME_ALLOWANCE_SHARE * planned_rss)
+    expect(0 < rss <= planned_rss + allowance,
+           f"{name}: peak RSS {rss} within the planned RAM {planned_rss} + {allowance} "
+           f"({(rss - planned_rss) / (1 << 20):+.1f} MiB)")
     nvme = plan["nvme"]["optimizer_file_bytes"] + plan["nvme"]["param_file_bytes"]
     expect(mem["nvme"]["peak_bytes"] == nvme, f"{name}: NVMe files {mem['nvme']['peak_bytes']} == planned {nvme}")
     act = plan["device"]["activation_bytes"]
@@ -120,6 +142,10 @@ with tempfile.TemporaryDirectory() as tmp:
         ("tiny-nvme-bf16-gas3-vertical", "tiny", 128, config(opt="nvme", micro=2, gas=3,
                                                              zoffload={"schedule": "vertical",
                                                                        "gradient_accumulators": "nvme"})),
+        # The decoder layers' inputs in pinned host slots between forward and backward.
+        ("tiny-nvme-bf16-gas3-ckpt-cpu", "tiny", 128, config(opt="nvme", micro=2, gas=3,
+                                                             zoffload={"schedule": "vertical",
+                                                                       "activation_checkpoints": "cpu"})),
         ("tiny-device", "tiny", 64, config(opt="none", par="none", prec="fp32")),
         ("tiny-unpinned", "tiny", 64, config(opt="cpu", par="cpu", micro=4,
                                              zero_optimization={"stage": 3, "sub_group_size": 1e6,
