@@ -4,6 +4,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <optional>
 #include <random>
@@ -16,6 +17,7 @@
 #include "engine/coord/update_gate.h"
 #include "engine/memory/optimizer_swapper.h"
 #include "tests/engine/coord/coord_rig.h"
+#include "tests/engine/file_bytes.h"
 
 namespace zo::engine {
 namespace {
@@ -369,6 +371,59 @@ TEST(GradAccumulator, NvmeWritesAreQueuedBehindTheAddsAndFinishedByTheBoundary) 
   ASSERT_TRUE(report.is_ok()) << report.status().to_string();
   EXPECT_EQ((*acc)->queued_writes(), 0u);
   EXPECT_EQ(rig.gather(StateKind::kGradAccum), expected);
+}
+
+// Note [Asynchronous accumulator writes]: the write-behind carries the region's whole pages; past an
+// accumulator's end they are its padding, zeroed as the store's own writes zero it
+// (StateStore.AWriteEndingAtAStatesEndZeroesThePaddingOfItsLastPageUnread in swapper_test), whatever
+// was on disk there and whatever a reused buffer held there from a larger sub-group. Two micro-steps
+// send every buffer round the sub-groups twice; the file's bytes are checked as the OS returns them.
+TEST(GradAccumulator, NvmeWritesZeroThePaddingPastEachAccumulatorsEnd) {
+  Placing p;
+  p.optimizer = "nvme";
+  Rig rig;
+  ASSERT_TRUE(rig.init(p).is_ok());
+  ASSERT_EQ(rig.plan.placement.grad, Tier::kNvme);
+  const std::string path = rig.store->optimizer_file()->path();
+  uint32_t odd = 0;
+  for (const auto& g : rig.registry.sub_groups()) {
+    const uint64_t size = rig.store->state_bytes(g.index, StateKind::kGradAccum);
+    const uint64_t padded = rig.store->padded_state_bytes(g.index, StateKind::kGradAccum);
+    if (size == padded) continue;
+    ++odd;
+    write_file_bytes(path, rig.store->location(g.index, StateKind::kGradAccum).region.offset_bytes + size,
+                     Bytes(padded - size, std::byte{0xa5}));
+  }
+  ASSERT_GE(odd, 2u) << "sub-groups of the test model that end mid-page";
+  const auto order = testing::contribution_order();
+  auto acc = GradAccumulator::create(*rig.store, order, testing::executor());
+  ASSERT_TRUE(acc.is_ok()) << acc.status().to_string();
+  const auto grads = testing::random_grads(rig, 2, DType::kF32, 13);
+  const std::vector<Bytes> expected = testing::reference_accumulate(rig, grads, DType::kF32, DType::kF32);
+  for (int m = 0; m < 2; ++m) {
+    ASSERT_TRUE((*acc)->begin_micro_step(m == 0, m == 1).is_ok());
+    for (size_t c = 0; c < order.size(); ++c) ASSERT_TRUE((*acc)->add(order[c], grads[m][c], DType::kF32).is_ok());
+    auto report = (*acc)->end_micro_step();
+    ASSERT_TRUE(report.is_ok()) << report.status().to_string();
+  }
+  const uint64_t eb = rig.grad_bytes();
+  for (const auto& g : rig.registry.sub_groups()) {
+    SCOPED_TRACE("sub-group " + std::to_string(g.index));
+    const uint64_t size = rig.store->state_bytes(g.index, StateKind::kGradAccum);
+    const uint64_t padded = rig.store->padded_state_bytes(g.index, StateKind::kGradAccum);
+    Bytes want(padded, std::byte{0});
+    for (const auto& piece : rig.registry.pieces_of_group(g.index)) {
+      std::memcpy(want.data() + piece.group_offset * eb, expected[piece.param].data() + piece.param_offset * eb,
+                  piece.n_elems * eb);
+    }
+    const Bytes disk = read_file_bytes(path, rig.store->location(g.index, StateKind::kGradAccum).region.offset_bytes, padded);
+    EXPECT_TRUE(std::equal(disk.begin(), disk.begin() + static_cast<std::ptrdiff_t>(size), want.begin()))
+        << "the accumulator's bytes on disk";
+    EXPECT_EQ(std::count_if(disk.begin() + static_cast<std::ptrdiff_t>(size), disk.end(),
+                            [](std::byte x) { return x != std::byte{0}; }),
+              0)
+        << "of the " << padded - size << " bytes of padding";
+  }
 }
 
 // An I/O error in an accumulator write the worker does behind backward: later submits fail fast
