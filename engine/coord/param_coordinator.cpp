@@ -123,7 +123,7 @@ struct ParamCoordinator::Impl {
   CoordinatorOptions options;
   std::vector<std::vector<uint32_t>> blocks;
   std::vector<std::string> names;
-  std::vector<std::vector<uint32_t>> fetched;  // per block: its unique params that are not on the device
+  FetchSchedule schedule;  // the micro-step's positions and what each fetches
   std::vector<Param> params;
   uint32_t n_blocks = 0;
   DType compute_dtype = DType::kF32;
@@ -166,10 +166,7 @@ struct ParamCoordinator::Impl {
     }
   }
 
-  uint32_t block_at(uint64_t q) const {
-    q %= 2 * uint64_t{n_blocks};
-    return static_cast<uint32_t>(q < n_blocks ? q : 2 * uint64_t{n_blocks} - 1 - q);
-  }
+  uint32_t block_at(uint64_t q) const { return schedule.block_at(q); }
   std::string block_text(uint32_t b) const {
     if (b >= n_blocks) return "block " + std::to_string(b) + " (out of range: " + std::to_string(n_blocks) + " blocks)";
     return "block " + std::to_string(b) + " '" + names[b] + "'";
@@ -382,7 +379,7 @@ struct ParamCoordinator::Impl {
   }
 
   Status place_block(uint32_t b, uint64_t cur) {
-    const std::vector<uint32_t>& ps = fetched[b];
+    const std::vector<uint32_t>& ps = schedule.fetched[b];
     for (int attempt = 0; attempt < 2; ++attempt) {
       bool placed_all = true;
       for (uint32_t p : ps) {
@@ -418,7 +415,7 @@ struct ParamCoordinator::Impl {
 
   void prefetch(uint64_t cur) {
     for (uint64_t q = cur + 1; q < 2 * uint64_t{n_blocks}; ++q) {
-      for (uint32_t p : fetched[block_at(q)]) {
+      for (uint32_t p : schedule.fetched[block_at(q)]) {
         Param& x = params[p];
         if (x.state != Residence::kAbsent) {
           frontier = std::max(frontier, q);
@@ -451,62 +448,79 @@ struct ParamCoordinator::Impl {
 
   void unhold(uint32_t b) {
     --block_holds[b];
-    for (uint32_t p : fetched[b]) --params[p].holds;
+    for (uint32_t p : schedule.fetched[b]) --params[p].holds;
   }
 };
+
+FetchSchedule FetchSchedule::build(const ParamRegistry& registry, const Placement& placement,
+                                   const std::vector<std::vector<uint32_t>>& blocks, const CoordinatorOptions& options,
+                                   bool gathered) {
+  const uint64_t cb = state_elem_bytes(placement, StateKind::kCompute);
+  const detail::RangeAllocator sizing(0, 0, gpu::kDeviceAlignment);
+  const size_t n_params = registry.params().size();
+  FetchSchedule s;
+  s.n_blocks = static_cast<uint32_t>(blocks.size());
+  s.fetched.resize(s.n_blocks);
+  s.block_elems.assign(s.n_blocks, 0);
+  s.used.assign(n_params, 0);
+  s.fetches.assign(n_params, 0);
+  s.persistent.assign(n_params, 0);
+  s.slot_bytes.assign(n_params, 0);
+  s.n_elems.assign(n_params, 0);
+  for (const ParamInfo& info : registry.params()) {
+    const uint32_t p = info.id;
+    s.n_elems[p] = info.n_elems;
+    s.slot_bytes[p] = sizing.rounded(info.n_elems * cb);
+    s.fetches[p] = gathered || placement.compute[registry.pieces_of_param(p).front().sub_group] != Tier::kDevice;
+    s.persistent[p] = s.fetches[p] && info.n_elems <= options.persistence_threshold_elems;
+  }
+  std::vector<uint32_t> seen(n_params, UINT32_MAX);  // the last block that listed the param
+  for (uint32_t b = 0; b < s.n_blocks; ++b) {
+    for (uint32_t p : blocks[b]) {
+      ZO_CHECK_LT(p, n_params);
+      if (seen[p] == b) continue;
+      seen[p] = b;
+      s.used[p] = 1;
+      s.block_elems[b] += s.n_elems[p];
+      if (s.fetches[p]) s.fetched[b].push_back(p);
+    }
+  }
+  return s;
+}
 
 ArenaPlan plan_arena(const ParamRegistry& registry, const Placement& placement,
                      const std::vector<std::vector<uint32_t>>& blocks, const CoordinatorOptions& options,
                      bool gathered) {
-  const uint64_t cb = state_elem_bytes(placement, StateKind::kCompute);
-  const detail::RangeAllocator sizing(0, 0, gpu::kDeviceAlignment);
-  struct P {
-    uint64_t n_elems = 0, slot = 0;
-    bool used = false, fetched = false, persistent = false;
-    uint64_t mark = 0;
-  };
-  std::vector<P> ps(registry.params().size());
-  for (const ParamInfo& info : registry.params()) {
-    P& x = ps[info.id];
-    x.n_elems = info.n_elems;
-    x.slot = sizing.rounded(info.n_elems * cb);
-    x.fetched = gathered || placement.compute[registry.pieces_of_param(info.id).front().sub_group] != Tier::kDevice;
-    x.persistent = x.fetched && x.n_elems <= options.persistence_threshold_elems;
-  }
-  const auto n_blocks = static_cast<uint32_t>(blocks.size());
-  uint64_t epoch = 0;
-  std::vector<std::vector<uint32_t>> fetched(n_blocks);  // unique, off the device
-  for (uint32_t b = 0; b < n_blocks; ++b) {
-    ++epoch;
-    for (uint32_t p : blocks[b]) {
-      ZO_CHECK_LT(p, ps.size());
-      if (ps[p].mark == epoch) continue;
-      ps[p].mark = epoch;
-      ps[p].used = true;
-      if (ps[p].fetched) fetched[b].push_back(p);
-    }
-  }
+  return plan_arena(FetchSchedule::build(registry, placement, blocks, options, gathered), options);
+}
+
+ArenaPlan plan_arena(const FetchSchedule& schedule, const CoordinatorOptions& options) {
+  const auto& fetched = schedule.fetched;
+  const auto& elems = schedule.n_elems;
+  const auto& slot = schedule.slot_bytes;
+  const auto& persistent = schedule.persistent;
+  const uint32_t n_blocks = schedule.n_blocks;
   ArenaPlan out;
   uint64_t ceiling = 0;
-  for (const P& x : ps) {
-    if (!x.used || !x.fetched) continue;
-    (x.persistent ? out.persistent_bytes : ceiling) += x.slot;
+  for (size_t p = 0; p < schedule.used.size(); ++p) {
+    if (!schedule.used[p] || !schedule.fetches[p]) continue;
+    (persistent[p] ? out.persistent_bytes : ceiling) += slot[p];
   }
   uint64_t largest_block_fetch_elems = 0;  // a block's fetched elements, persistent ones included
   for (uint32_t b = 0; b < n_blocks; ++b) {
-    uint64_t need = 0, elems = 0, fetch_elems = 0;
+    uint64_t need = 0, block_elems = 0, fetch_elems = 0;
     for (uint32_t p : fetched[b]) {
-      fetch_elems += ps[p].n_elems;
-      if (ps[p].persistent) continue;
-      need += ps[p].slot;
-      elems += ps[p].n_elems;
-      out.largest_param_elems = std::max(out.largest_param_elems, ps[p].n_elems);
+      fetch_elems += elems[p];
+      if (persistent[p]) continue;
+      need += slot[p];
+      block_elems += elems[p];
+      out.largest_param_elems = std::max(out.largest_param_elems, elems[p]);
     }
     largest_block_fetch_elems = std::max(largest_block_fetch_elems, fetch_elems);
     if (need > out.largest_block_bytes) {
       out.largest_block_bytes = need;
       out.largest_block = b;
-      out.largest_block_elems = elems;
+      out.largest_block_elems = block_elems;
     }
   }
   out.prefetch_bucket_elems = options.prefetch_bucket_elems;
@@ -516,35 +530,31 @@ ArenaPlan plan_arena(const ParamRegistry& registry, const Placement& placement,
   }
   // The dynamic region: the most that any position's block plus what prefetch would fetch ahead of
   // it from an empty arena needs, in slots (at least the largest block; at most every fetchable param).
-  auto block_at = [&](uint32_t q) { return q < n_blocks ? q : 2 * n_blocks - 1 - q; };
-  const uint32_t n_pos = 2 * n_blocks;
+  const uint32_t n_pos = schedule.positions();
+  std::vector<uint32_t> mark(elems.size(), UINT32_MAX);  // the position that counted the param
   uint64_t dynamic_bytes = out.largest_block_bytes;
   for (uint32_t q = 0; q < n_pos; ++q) {
-    ++epoch;
     uint64_t bytes = 0, live = 0, ahead = 0;
-    for (uint32_t p : fetched[block_at(q)]) {
-      P& x = ps[p];
-      x.mark = epoch;
-      if (!x.persistent) {
-        bytes += x.slot;
-        live += x.n_elems;
+    for (uint32_t p : fetched[schedule.block_at(q)]) {
+      mark[p] = q;
+      if (!persistent[p]) {
+        bytes += slot[p];
+        live += elems[p];
       }
     }
     bool full = false;
     for (uint32_t r = q + 1; r < n_pos && !full; ++r) {
-      for (uint32_t p : fetched[block_at(r)]) {
-        P& x = ps[p];
-        if (x.mark == epoch) continue;
-        x.mark = epoch;
-        if (ahead + x.n_elems > out.prefetch_bucket_elems ||
-            (!x.persistent && live + x.n_elems > options.max_live_elems)) {
+      for (uint32_t p : fetched[schedule.block_at(r)]) {
+        if (mark[p] == q) continue;
+        mark[p] = q;
+        if (ahead + elems[p] > out.prefetch_bucket_elems || (!persistent[p] && live + elems[p] > options.max_live_elems)) {
           full = true;
           break;
         }
-        ahead += x.n_elems;
-        if (!x.persistent) {
-          bytes += x.slot;
-          live += x.n_elems;
+        ahead += elems[p];
+        if (!persistent[p]) {
+          bytes += slot[p];
+          live += elems[p];
         }
       }
     }
@@ -607,6 +617,7 @@ Result<std::unique_ptr<ParamCoordinator>> ParamCoordinator::create(StateStore& s
       }
     }
   }
+  s.schedule = FetchSchedule::build(registry, store.plan().placement, s.blocks, options, gathered);
   for (uint32_t p = 0; p < s.params.size(); ++p) {
     Impl::Param& x = s.params[p];
     const ParamInfo& info = registry.params()[p];
@@ -614,10 +625,8 @@ Result<std::unique_ptr<ParamCoordinator>> ParamCoordinator::create(StateStore& s
     x.bytes = info.n_elems * cb;
     const auto pieces = registry.pieces_of_param(p);
     x.groups_end = pieces.back().sub_group + 1;
-    if (gathered) {  // from the gatherer's slots: nothing of the store's locations is used
-      x.persistent = x.n_elems <= options.persistence_threshold_elems;
-      continue;
-    }
+    x.persistent = s.schedule.persistent[p];
+    if (gathered) continue;  // from the gatherer's slots: nothing of the store's locations is used
     const StateLocation& first = store.location(pieces.front().sub_group, StateKind::kCompute);
     uint32_t on_device = 0;
     for (const ParamPiece& piece : pieces) {
@@ -638,7 +647,11 @@ Result<std::unique_ptr<ParamCoordinator>> ParamCoordinator::create(StateStore& s
       return internal_error("parameter coordinator: param " + info.name +
                             " has its compute copy partly on the device and partly off it");
     }
-    x.on_device = on_device != 0;
+    x.on_device = !s.schedule.fetches[p];
+    if (x.on_device != (on_device != 0)) {
+      return internal_error("parameter coordinator: param " + info.name + "'s compute copy is " +
+                            (x.on_device ? "off" : "on") + " the device in the store, not where the placement puts it");
+    }
     if (x.on_device) x.home = first.device + pieces.front().group_offset * cb;
     if (!x.on_device && param_swapper == nullptr) {
       if (x.nvme_bytes > 0) {
@@ -647,45 +660,32 @@ Result<std::unique_ptr<ParamCoordinator>> ParamCoordinator::create(StateStore& s
       }
       x.host = first.host + pieces.front().group_offset * cb;
     }
-    x.persistent = !x.on_device && x.n_elems <= options.persistence_threshold_elems;
   }
 
-  // Schedule: positions of every use, unique fetchable params per block, elements per position.
-  std::vector<uint64_t> block_elems(s.n_blocks, 0);
-  s.fetched.resize(s.n_blocks);
+  // The schedule's positions of every use, and the elements up to each position.
   s.block_groups_end.assign(s.n_blocks, 0);
   for (uint32_t b = 0; b < s.n_blocks; ++b) {
-    ++s.mark_epoch;
-    for (uint32_t p : s.blocks[b]) {
-      Impl::Param& x = s.params[p];
-      s.block_groups_end[b] = std::max(s.block_groups_end[b], x.groups_end);
-      if (x.mark == s.mark_epoch) continue;
-      x.mark = s.mark_epoch;
-      x.used = true;
-      block_elems[b] += x.n_elems;
-      if (!x.on_device) s.fetched[b].push_back(p);
-    }
+    for (uint32_t p : s.blocks[b]) s.block_groups_end[b] = std::max(s.block_groups_end[b], s.params[p].groups_end);
   }
-  ++s.mark_epoch;
-  const uint32_t n_pos = 2 * s.n_blocks;
+  for (uint32_t p = 0; p < s.params.size(); ++p) s.params[p].used = s.schedule.used[p] != 0;
+  s.mark_epoch = 1;  // no param is marked (Param::mark == mark_epoch) before the first acquire
+  const uint32_t n_pos = s.schedule.positions();
   s.prefix.assign(2 * n_pos + 1, 0);
-  for (uint32_t q = 0; q < 2 * n_pos; ++q) s.prefix[q + 1] = s.prefix[q] + block_elems[s.block_at(q)];
+  for (uint32_t q = 0; q < 2 * n_pos; ++q) s.prefix[q + 1] = s.prefix[q] + s.schedule.block_elems[s.block_at(q)];
   for (uint32_t q = 0; q < n_pos; ++q) {
-    for (uint32_t p : s.fetched[s.block_at(q)]) s.params[p].uses.push_back(q);
+    for (uint32_t p : s.schedule.fetched[s.block_at(q)]) s.params[p].uses.push_back(q);
   }
 
-  // Arena sizing (Note [Prefetch and release]): plan_arena decides, the persistent params get their
-  // slots here in the same order and rounding.
-  const ArenaPlan ap = plan_arena(registry, store.plan().placement, s.blocks, options, gathered);
+  // Arena sizing (Note [Prefetch and release]): from the same schedule; the persistent params get
+  // their slots in registry order.
+  const ArenaPlan ap = plan_arena(s.schedule, options);
   s.options.prefetch_bucket_elems = ap.prefetch_bucket_elems;
-  const detail::RangeAllocator sizing(0, 0, gpu::kDeviceAlignment);
   uint64_t persistent_bytes = 0;
-  for (Impl::Param& x : s.params) {
-    if (!x.used || x.on_device || !x.persistent) continue;
-    x.offset = persistent_bytes;
-    persistent_bytes += sizing.rounded(x.bytes);
+  for (uint32_t p = 0; p < s.params.size(); ++p) {
+    if (!s.schedule.used[p] || !s.schedule.persistent[p]) continue;
+    s.params[p].offset = persistent_bytes;
+    persistent_bytes += s.schedule.slot_bytes[p];
   }
-  ZO_CHECK_EQ(persistent_bytes, ap.persistent_bytes);
   const uint64_t largest = ap.largest_block_bytes;
   const uint32_t largest_block = ap.largest_block;
 
@@ -763,7 +763,7 @@ Result<ParamCoordinator::Acquired> ParamCoordinator::Impl::acquire(uint32_t bloc
                                s.position_text(s.pos) + "), given " + s.block_text(block));
   }
   const uint64_t cur = s.pos;
-  const std::vector<uint32_t>& ps = s.fetched[block];
+  const std::vector<uint32_t>& ps = s.schedule.fetched[block];
   if (s.gate != nullptr && s.gate->final_prefix() < s.block_groups_end[block]) {
     Stopwatch wait;
     Status st = s.gate->wait_prefix(s.block_groups_end[block]);
@@ -867,7 +867,7 @@ Status ParamCoordinator::release(uint32_t block, gpu::Event reads_done) {
   if (reads_done) ZO_RETURN_IF_ERROR(s.device->wait(s.stream, reads_done));
   s.unhold(block);
   const uint64_t cur = s.block_pos[block];
-  for (uint32_t p : s.fetched[block]) {
+  for (uint32_t p : s.schedule.fetched[block]) {
     s.settle(p);
     const Impl::Param& x = s.params[p];
     if (x.holds > 0 || x.persistent || x.state == Residence::kAbsent) continue;

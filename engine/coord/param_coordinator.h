@@ -40,6 +40,37 @@ struct CoordinatorOptions {
   static CoordinatorOptions from_config(const Config& config);
 };
 
+// One micro-step's schedule — forward blocks 0..n-1, then backward n-1..0, 2n positions — and what
+// each position fetches, from the placement alone (Note [Prefetch and release]). Built once; the
+// arena's size (plan_arena, which the planner calls before anything is allocated) and the
+// coordinator's fetches, slots and reuse distances (create) all read this one.
+struct FetchSchedule {
+  uint32_t n_blocks = 0;
+  // Per block: its params that are fetched (compute copy off the device, or gathered), each once,
+  // in the block's order; and the elements of all its params, each once (device-resident too).
+  std::vector<std::vector<uint32_t>> fetched;
+  std::vector<uint64_t> block_elems;
+  // Per param (registry order).
+  std::vector<uint8_t> used;        // some block uses it
+  std::vector<uint8_t> fetches;     // its compute copy is off the device, or gathered
+  std::vector<uint8_t> persistent;  // fetched, and at most stage3_param_persistence_threshold elements
+  std::vector<uint64_t> n_elems;
+  std::vector<uint64_t> slot_bytes; // its compute copy's bytes rounded to the arena's slots
+
+  // `blocks[b]` = the param ids block b uses (each < registry.params().size(); ZO_CHECK). A param's
+  // compute copy is on the device when its sub-groups' placement.compute is Tier::kDevice, unless
+  // `gathered` (MemoryPlan::partition_params: every param is fetched, from a BlockGatherer).
+  static FetchSchedule build(const ParamRegistry& registry, const Placement& placement,
+                             const std::vector<std::vector<uint32_t>>& blocks, const CoordinatorOptions& options,
+                             bool gathered);
+  uint32_t positions() const { return 2 * n_blocks; }
+  // The block at schedule position q, wrapping into the next micro-step.
+  uint32_t block_at(uint64_t q) const {
+    q %= 2 * uint64_t{n_blocks};
+    return static_cast<uint32_t>(q < n_blocks ? q : 2 * uint64_t{n_blocks} - 1 - q);
+  }
+};
+
 // The device arena a schedule needs, from the placement alone: create() sizes its arena with this,
 // and the planner calls it before anything is allocated (Note [Prefetch and release]).
 struct ArenaPlan {
@@ -60,9 +91,8 @@ struct ArenaPlan {
   uint64_t bytes_within(uint64_t left) const;
 };
 
-// `blocks[b]` = the param ids block b uses (each < registry.params().size()); a param's compute
-// copy is on the device when its sub-groups' placement.compute is Tier::kDevice, unless `gathered`
-// (MemoryPlan::partition_params: every param is fetched, from a BlockGatherer).
+ArenaPlan plan_arena(const FetchSchedule& schedule, const CoordinatorOptions& options);
+// The same, building the schedule (FetchSchedule::build) first.
 ArenaPlan plan_arena(const ParamRegistry& registry, const Placement& placement,
                      const std::vector<std::vector<uint32_t>>& blocks, const CoordinatorOptions& options,
                      bool gathered = false);
