@@ -207,48 +207,30 @@ std::string PlanProblem::to_string() const {
   return resource + ": needs " + format_bytes(need_bytes) + ", has " + format_bytes(have_bytes) + (detail.empty() ? "" : " (" + detail + ")");
 }
 
-Result<RunPlan> plan_run(const PlanInputs& in) {
-  // Note [Where the gradients wait]: with the optimizer on NVMe, "auto" keeps the gradient
-  // accumulators in RAM when the whole plan then still leaves a tenth of MemAvailable free: the
-  // drive moves 4 bytes per element less each way at every step. Otherwise they go with the states.
-  if (in.config.zoffload.gradient_accumulators == "auto" &&
-      in.config.zero.offload_optimizer.device == OffloadDevice::kNvme && in.host.ram_available_bytes > 0) {
-    PlanInputs in_ram = in;
-    in_ram.config.zoffload.gradient_accumulators = "cpu";
-    Result<RunPlan> p = plan_run(in_ram);
-    if (p.is_ok() && p->ram_bytes + p->process_bytes <= in.host.ram_available_bytes / 10 * 9) {
-      p->notes.push_back("gradient accumulators in RAM (zoffload.gradient_accumulators \"auto\": they fit with " +
-                         format_bytes(in.host.ram_available_bytes - p->ram_bytes - p->process_bytes) +
-                         " of MemAvailable to spare)");
-      return p;
-    }
-  }
-  const Config& c = in.config;
-  const ModelConfig& m = in.model;
-  if (in.seq_len == 0) return invalid_argument("--seq-len: 0 tokens per sequence");
-  ZO_RETURN_IF_ERROR(check_model_size(m));
-  const ModelLayout layout = model_layout(m);
-  ZO_ASSIGN_OR_RETURN(ParamRegistry registry, ParamRegistry::build(layout.params, c.zero.sub_group_size, in.world_size));
-  RunPlan p;
-  ZO_ASSIGN_OR_RETURN(p.memory, plan_memory_with_ring(c, registry, layout,
-                                                      in.world_size > 1 && c.zero.stage >= 1 ? std::optional<uint32_t>(in.rank) : std::nullopt));
-  const MemoryPlan& mp = p.memory;
-  const Placement& pl = mp.placement;
-  p.n_params = registry.total_elems();
-  const uint64_t micro = c.train_micro_batch_size_per_gpu;
-  const uint64_t gas = c.gradient_accumulation_steps;
-  p.tokens_per_micro_step = micro * in.seq_len;
-  const uint64_t cb = state_elem_bytes(pl, StateKind::kCompute);
+namespace {
 
-  // The device: states, the coordinator's arena (what it wants, capped as create() caps it), and
-  // LibTorch's own memory.
-  std::vector<std::vector<uint32_t>> blocks;
-  std::vector<uint32_t> contribution_order;
-  for (const BlockSpec& b : layout.blocks) blocks.push_back(b.params);
-  for (size_t b = layout.blocks.size(); b-- > 0;)
-    for (uint32_t id : layout.blocks[b].params) contribution_order.push_back(id);
-  p.arena = plan_arena(registry, pl, blocks, CoordinatorOptions::from_config(c), mp.partition_params);
-  p.device_budget_bytes = in.device_budget_bytes;
+// What every part of plan_run reads: its inputs and what is derived from them once.
+struct PlanBasis {
+  const PlanInputs& in;
+  const Config& c;
+  const ModelConfig& m;
+  const ModelLayout& layout;
+  const ParamRegistry& registry;
+  std::vector<std::vector<uint32_t>> blocks;  // each block's params
+  std::vector<uint32_t> contribution_order;   // backward's: the head, the layers n-2..1, the embedding
+  uint64_t device_limit = 0;                  // the budget, capped by the GPU's memory
+  uint64_t passes = 0;                        // forward and backward passes per step
+  uint64_t compute_elem_bytes = 0;
+};
+
+// The device: states, the coordinator's arena (what it wants, capped as create() caps it), and
+// LibTorch's own memory; where the activation checkpoints wait.
+void plan_device(const PlanBasis& b, RunPlan* out) {
+  RunPlan& p = *out;
+  const Config& c = b.c;
+  const MemoryPlan& mp = p.memory;
+  p.arena = plan_arena(b.registry, mp.placement, b.blocks, CoordinatorOptions::from_config(c), mp.partition_params);
+  p.device_budget_bytes = b.in.device_budget_bytes;
   p.device_state_bytes = mp.device_bytes;
   // Note [The budget holds LibTorch too]: zoffload.gpu_memory_limit (else the device's memory) is
   // the budget for everything zoffload puts on the GPU: the states and the coordinator's arena,
@@ -258,71 +240,84 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
   // H200, with the budget compared to the card's 140 GiB rather than to gpu_memory_limit, llama3-8b
   // at micro-batch 8 (vertical, GAS 8) ran with 31.0 GiB of LibTorch beside a 2.8 GiB arena under
   // a "24GiB" limit, and tinyllama-1.1b with 1.01 GiB beside 0.37 GiB under "1GiB".
-  const uint64_t device_limit = in.host.cuda && in.host.device_total_bytes > 0
-                                    ? std::min(in.device_budget_bytes, in.host.device_total_bytes)
-                                    : in.device_budget_bytes;
-  const uint64_t left = device_limit > mp.device_bytes ? device_limit - mp.device_bytes : 0;
-  p.held_micro_batches = vertical_micro_batches(c);
+  const uint64_t left = b.device_limit > mp.device_bytes ? b.device_limit - mp.device_bytes : 0;
   // Note [Checkpoints on the CPU]: "auto" moves the checkpoints to the host only where that is
   // what makes the GPU fit (with the arena it wants); on the emulated device activations are in
   // host RAM already.
   auto activations = [&](bool on_host) {
-    return activation_estimate(m, micro, in.seq_len, cb, p.held_micro_batches,
-                               p.held_micro_batches > 1 ? dtype_size_bytes(c.grad_accum_dtype) : 0, on_host);
+    return activation_estimate(b.m, c.train_micro_batch_size_per_gpu, b.in.seq_len, b.compute_elem_bytes,
+                               p.held_micro_batches, p.held_micro_batches > 1 ? dtype_size_bytes(c.grad_accum_dtype) : 0,
+                               on_host);
   };
   const uint64_t wanted_fixed = p.device_state_bytes + p.arena.bytes_within(left);
   const std::string& where = c.zoffload.activation_checkpoints;
   p.checkpoints_on_host = where == "cpu" ||
-                          (where == "auto" && in.host.cuda && device_limit > 0 &&
-                           wanted_fixed + activations(false) > device_limit &&
-                           wanted_fixed + activations(true) <= device_limit);
+                          (where == "auto" && b.in.host.cuda && b.device_limit > 0 &&
+                           wanted_fixed + activations(false) > b.device_limit &&
+                           wanted_fixed + activations(true) <= b.device_limit);
   p.activation_bytes = activations(p.checkpoints_on_host);
-  p.device_torch_reserve_bytes = in.host.cuda ? p.activation_bytes : 0;
+  p.device_torch_reserve_bytes = b.in.host.cuda ? p.activation_bytes : 0;
   p.device_arena_bytes = p.arena.bytes_within(left > p.device_torch_reserve_bytes ? left - p.device_torch_reserve_bytes : 0);
   p.checkpoint_host_bytes =
-      p.checkpoints_on_host ? p.held_micro_batches * host_checkpoint_bytes_per_micro_batch(c, m, in.seq_len) : 0;
+      p.checkpoints_on_host ? p.held_micro_batches * host_checkpoint_bytes_per_micro_batch(c, b.m, b.in.seq_len) : 0;
   p.device_total_bytes = p.device_state_bytes + p.device_arena_bytes + p.device_torch_reserve_bytes;
+}
 
-  // Host memory.
+// Host memory: the pool (pinned or not), pageable states, buffers, checkpoints, the swap files, and
+// what a checkpoint save or an export adds.
+void plan_host(const PlanBasis& b, RunPlan* out) {
+  RunPlan& p = *out;
+  const MemoryPlan& mp = p.memory;
+  const Placement& pl = mp.placement;
   p.pool_bytes = mp.pinned_pool_bytes();
-  const bool pin = pool_is_pinned(pl);
-  p.pinned_bytes = (pin ? p.pool_bytes : 0) + p.checkpoint_host_bytes;
+  p.pinned_bytes = (pool_is_pinned(pl) ? p.pool_bytes : 0) + p.checkpoint_host_bytes;
   p.pageable_state_bytes = mp.cpu_pageable_bytes;
-  const GradAccumulator::BufferPlan gbuf = GradAccumulator::plan_buffers(registry, pl, contribution_order, mp.partition_grads);
+  const GradAccumulator::BufferPlan gbuf = GradAccumulator::plan_buffers(b.registry, pl, b.contribution_order, mp.partition_grads);
   p.grad_ring_bytes = mp.grad_ring_bytes;  // in the pool
   p.host_buffer_bytes = kStoreScratchBytes + uint64_t{gbuf.count} * gbuf.bytes_each +
                         uint64_t{mp.grad_read_buffers} * mp.grad_read_buffer_bytes +
-                        data_parallel_staging_bytes(mp, in.world_size);
+                        data_parallel_staging_bytes(mp, b.in.world_size);
   p.ram_bytes = p.pool_bytes + p.pageable_state_bytes + p.host_buffer_bytes + p.checkpoint_host_bytes +
-                (in.host.cuda ? 0 : p.activation_bytes);
-  p.process_bytes = in.host.process_bytes;
+                (b.in.host.cuda ? 0 : p.activation_bytes);
+  p.process_bytes = b.in.host.process_bytes;
   p.nvme_optimizer_bytes = mp.nvme_optimizer_bytes;
   p.nvme_param_bytes = mp.nvme_param_bytes;
-  const uint64_t largest_ckpt_file = registry.total_elems() * 4;  // one state of every sub-group
-  p.save_rss_bytes = staging_bytes_for(c.zoffload.checkpoint.staging_buffer_size, largest_ckpt_file);
+  const uint64_t largest_ckpt_file = b.registry.total_elems() * 4;  // one state of every sub-group
+  p.save_rss_bytes = staging_bytes_for(b.c.zoffload.checkpoint.staging_buffer_size, largest_ckpt_file);
   p.export_rss_bytes = p.save_rss_bytes;
+}
 
-  // Note [Bytes per step]
-  // What one optimizer step moves between the tiers, counted as the run moves it: NVMe read and
-  // written (RunPlan::nvme_*; in metrics.jsonl, the steps' deltas of memory.nvme_read_bytes and
-  // memory.nvme_write_bytes), compute copies host→device (h2d_*) and gradients device→host
-  // (d2h_bytes, on CUDA). NVMe transfers move whole 4 KiB-aligned sections, one per state per
-  // sub-group, so each is counted rounded as the swap file lays it out; a write that ends at a
-  // state's end pads its last page without reading it back.
-  // A pass is one forward and backward over the blocks: GAS per step, or one with the vertical
-  // schedule, which carries every micro-batch through each block at once. Per pass each
-  // NVMe-resident gradient accumulator this rank holds is written, and read back on every pass but
-  // the first, and the optimizer reads it once more; an optimizer on NVMe reads and writes master,
-  // exp_avg and exp_avg_sq of the sub-groups this rank owns. Compute copies on NVMe are written
-  // once (the optimizer's new copy) and read between once per step and twice per pass (forward and
-  // backward), as the coordinator's cache decides: a range (nvme_exact false), like the H2D copies
-  // of every fetched param. Gathered parameters (stage 3 across ranks) are read at every position
-  // of the schedule, exactly. The real runs of tests/tools/plan_cli_test.py and
-  // tests/tools/dist_cli_test.py move exactly these NVMe bytes, or bytes within the range.
-  const uint64_t passes = gas / p.held_micro_batches;
+// The accumulators' share of a step's NVMe traffic, moved during backward by the gradient worker.
+struct GradTraffic {
+  uint64_t read_bytes = 0, write_bytes = 0;
+};
+
+// Note [Bytes per step]
+// What one optimizer step moves between the tiers, counted as the run moves it: NVMe read and
+// written (RunPlan::nvme_*; in metrics.jsonl, the steps' deltas of memory.nvme_read_bytes and
+// memory.nvme_write_bytes), compute copies host→device (h2d_*) and gradients device→host
+// (d2h_bytes, on CUDA). NVMe transfers move whole 4 KiB-aligned sections, one per state per
+// sub-group, so each is counted rounded as the swap file lays it out; a write that ends at a
+// state's end pads its last page without reading it back.
+// A pass is one forward and backward over the blocks: GAS per step, or one with the vertical
+// schedule, which carries every micro-batch through each block at once. Per pass each
+// NVMe-resident gradient accumulator this rank holds is written, and read back on every pass but
+// the first, and the optimizer reads it once more; an optimizer on NVMe reads and writes master,
+// exp_avg and exp_avg_sq of the sub-groups this rank owns. Compute copies on NVMe are written
+// once (the optimizer's new copy) and read between once per step and twice per pass (forward and
+// backward), as the coordinator's cache decides: a range (nvme_exact false), like the H2D copies
+// of every fetched param. Gathered parameters (stage 3 across ranks) are read at every position
+// of the schedule, exactly. The real runs of tests/tools/plan_cli_test.py and
+// tests/tools/dist_cli_test.py move exactly these NVMe bytes, or bytes within the range.
+GradTraffic plan_bytes_per_step(const PlanBasis& b, RunPlan* out) {
+  RunPlan& p = *out;
+  const MemoryPlan& mp = p.memory;
+  const Placement& pl = mp.placement;
+  const uint64_t passes = b.passes;
+  const uint64_t cb = b.compute_elem_bytes;
   uint64_t rd = 0, wr = 0, compute_nvme_bytes = 0, n_fetched = 0;
   uint64_t grad_rd = 0, grad_wr = 0;  // the accumulators' share, moved during backward
-  for (const SubGroup& g : registry.sub_groups()) {
+  for (const SubGroup& g : b.registry.sub_groups()) {
     if (pl.compute[g.index] != Tier::kDevice || mp.partition_params) n_fetched += g.n_elems;
     auto sec = [&](StateKind k) { return align_up(g.n_elems * state_elem_bytes(pl, k), kSwapAlignment); };
     if (pl.compute[g.index] == Tier::kNvme && mp.holds(g.index, StateKind::kCompute))
@@ -358,22 +353,31 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
     // Note [Gathered parameters]: the owner reads its part of every block at every position of the
     // schedule, whatever is cached on the device.
     p.nvme_read_min_bytes = p.nvme_read_max_bytes =
-        rd + passes * BlockGatherer::nvme_read_bytes_per_pass(registry, mp, blocks);
+        rd + passes * BlockGatherer::nvme_read_bytes_per_pass(b.registry, mp, b.blocks);
     p.nvme_exact = true;
   }
   p.nvme_read_bytes = p.nvme_exact ? p.nvme_read_min_bytes : p.nvme_read_max_bytes;
   p.h2d_min_bytes = n_fetched * cb;
   p.h2d_max_bytes = 2 * passes * n_fetched * cb;
-  p.d2h_bytes = in.host.cuda ? passes * p.n_params * dtype_size_bytes(grad_transfer_dtype(c)) : 0;
+  p.d2h_bytes = b.in.host.cuda ? passes * p.n_params * dtype_size_bytes(grad_transfer_dtype(b.c)) : 0;
+  return {grad_rd, grad_wr};
+}
 
-  // Step time from measured speeds.
-  const HostSpeeds& sp = in.speeds;
+// Step time from measured speeds: a range, everything overlapped to nothing overlapped.
+void plan_step_time(const PlanBasis& b, const GradTraffic& grads, RunPlan* out) {
+  RunPlan& p = *out;
+  const ModelConfig& m = b.m;
+  const uint64_t micro = b.c.train_micro_batch_size_per_gpu;
+  const uint64_t gas = b.c.gradient_accumulation_steps;
+  const uint64_t passes = b.passes;
+  const uint64_t grad_rd = grads.read_bytes, grad_wr = grads.write_bytes;
+  const HostSpeeds& sp = b.in.speeds;
   const double tokens = static_cast<double>(gas * p.tokens_per_micro_step);
   const double matmul_params = static_cast<double>(p.n_params - m.vocab_size * m.hidden_size * (m.tie_word_embeddings ? 0 : 1));
   // Forward, the recomputed forward and backward: 2 + 2 + 4 FLOPs per matmul weight per token, and
   // causal attention's two matmuls (half of T×T) the same four times over.
   const double flops = 8 * matmul_params * tokens +
-                       4 * 2.0 * static_cast<double>(gas * micro) * static_cast<double>(in.seq_len * in.seq_len) *
+                       4 * 2.0 * static_cast<double>(gas * micro) * static_cast<double>(b.in.seq_len * b.in.seq_len) *
                            static_cast<double>(m.num_attention_heads * m.head_dim) * static_cast<double>(m.num_hidden_layers);
   auto add_part = [&](const std::string& name, double rate, double amount, const std::string& basis) {
     if (amount <= 0) return;
@@ -384,7 +388,7 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
     p.time_parts.push_back({name, amount / rate, basis});
   };
   add_part("compute", sp.compute_flops, flops, sp.compute_source);
-  if (in.host.cuda) add_part("pcie", sp.pcie_bytes_per_s, static_cast<double>(p.h2d_min_bytes + p.d2h_bytes), "host↔GPU copies");
+  if (b.in.host.cuda) add_part("pcie", sp.pcie_bytes_per_s, static_cast<double>(p.h2d_min_bytes + p.d2h_bytes), "host↔GPU copies");
   add_part("gradients", sp.accumulate_elems_per_s, static_cast<double>(passes * p.n_params), "accumulate + norm kernel, measured");
   add_part("optimizer", sp.adam_elems_per_s, static_cast<double>(p.n_params), "cpu_optim Adam, measured");
   // NVMe in two parts, as the step runs them: the accumulators are written (and read back) during
@@ -417,14 +421,23 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
   low = std::max({low, opt_s, nvme_grad_s + nvme_opt_s});
   p.step_s_high = high + std::max(opt_s, nvme_opt_s);
   p.step_s_low = low;
+}
 
-  // Does it fit?
+// Does it fit? Every resource the run would exceed, with the numbers.
+void check_fits(const PlanBasis& b, RunPlan* out) {
+  RunPlan& p = *out;
+  const PlanInputs& in = b.in;
+  const Config& c = b.c;
+  const MemoryPlan& mp = p.memory;
+  const uint64_t micro = c.train_micro_batch_size_per_gpu;
+  const uint64_t device_limit = b.device_limit;
+  const bool pin = pool_is_pinned(mp.placement);
   const HostFacts& host = in.host;
   const uint64_t arena_min = p.arena.persistent_bytes + p.arena.largest_block_bytes;
   if (p.device_state_bytes + arena_min + p.device_torch_reserve_bytes > device_limit) {
     const bool budget_binds = in.device_budget_bytes <= device_limit;
     std::string detail = "device-resident states " + format_bytes(p.device_state_bytes) + " + the largest block '" +
-                         layout.blocks[p.arena.largest_block].name + "' " + format_bytes(p.arena.largest_block_bytes) +
+                         b.layout.blocks[p.arena.largest_block].name + "' " + format_bytes(p.arena.largest_block_bytes) +
                          " + persistent params " + format_bytes(p.arena.persistent_bytes);
     if (p.device_torch_reserve_bytes > 0) {
       detail += " + LibTorch's activations " + format_bytes(p.activation_bytes) + " at micro-batch " + std::to_string(micro) +
@@ -494,11 +507,61 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
     if (p.nvme_param_bytes > host.param_disk_free_bytes)
       p.problems.push_back({"disk at " + par_path, p.nvme_param_bytes, host.param_disk_free_bytes, "the parameter swap file"});
   }
-  if (!in.host.cuda) p.notes.push_back("no GPU: the device is emulated in host memory and LibTorch computes on the CPU");
-  if (p.arena.prefetch_by_blocks) p.notes.push_back("prefetch " + prefetch_by_blocks_text(p.arena, c.zero.stage3_prefetch_bucket_size));
+}
+
+// What the summary says besides the figures.
+void add_notes(const PlanBasis& b, RunPlan* out) {
+  RunPlan& p = *out;
+  if (!b.in.host.cuda) p.notes.push_back("no GPU: the device is emulated in host memory and LibTorch computes on the CPU");
+  if (p.arena.prefetch_by_blocks) p.notes.push_back("prefetch " + prefetch_by_blocks_text(p.arena, b.c.zero.stage3_prefetch_bucket_size));
   if (!p.nvme_exact)
-    p.notes.push_back("compute copies on NVMe are read once to " + std::to_string(2 * passes) +
+    p.notes.push_back("compute copies on NVMe are read once to " + std::to_string(2 * b.passes) +
                       " times per step, as the coordinator's cache and prefetch decide");
+}
+
+}  // namespace
+
+Result<RunPlan> plan_run(const PlanInputs& in) {
+  // Note [Where the gradients wait]: with the optimizer on NVMe, "auto" keeps the gradient
+  // accumulators in RAM when the whole plan then still leaves a tenth of MemAvailable free: the
+  // drive moves 4 bytes per element less each way at every step. Otherwise they go with the states.
+  if (in.config.zoffload.gradient_accumulators == "auto" &&
+      in.config.zero.offload_optimizer.device == OffloadDevice::kNvme && in.host.ram_available_bytes > 0) {
+    PlanInputs in_ram = in;
+    in_ram.config.zoffload.gradient_accumulators = "cpu";
+    Result<RunPlan> p = plan_run(in_ram);
+    if (p.is_ok() && p->ram_bytes + p->process_bytes <= in.host.ram_available_bytes / 10 * 9) {
+      p->notes.push_back("gradient accumulators in RAM (zoffload.gradient_accumulators \"auto\": they fit with " +
+                         format_bytes(in.host.ram_available_bytes - p->ram_bytes - p->process_bytes) +
+                         " of MemAvailable to spare)");
+      return p;
+    }
+  }
+  const Config& c = in.config;
+  if (in.seq_len == 0) return invalid_argument("--seq-len: 0 tokens per sequence");
+  ZO_RETURN_IF_ERROR(check_model_size(in.model));
+  const ModelLayout layout = model_layout(in.model);
+  ZO_ASSIGN_OR_RETURN(ParamRegistry registry, ParamRegistry::build(layout.params, c.zero.sub_group_size, in.world_size));
+  RunPlan p;
+  ZO_ASSIGN_OR_RETURN(p.memory, plan_memory_with_ring(c, registry, layout,
+                                                      in.world_size > 1 && c.zero.stage >= 1 ? std::optional<uint32_t>(in.rank) : std::nullopt));
+  p.n_params = registry.total_elems();
+  p.tokens_per_micro_step = c.train_micro_batch_size_per_gpu * in.seq_len;
+  p.held_micro_batches = vertical_micro_batches(c);
+  PlanBasis b{.in = in, .c = c, .m = in.model, .layout = layout, .registry = registry};
+  for (const BlockSpec& block : layout.blocks) b.blocks.push_back(block.params);
+  for (size_t k = layout.blocks.size(); k-- > 0;)
+    for (uint32_t id : layout.blocks[k].params) b.contribution_order.push_back(id);
+  b.device_limit = in.host.cuda && in.host.device_total_bytes > 0 ? std::min(in.device_budget_bytes, in.host.device_total_bytes)
+                                                                   : in.device_budget_bytes;
+  b.passes = c.gradient_accumulation_steps / p.held_micro_batches;
+  b.compute_elem_bytes = state_elem_bytes(p.memory.placement, StateKind::kCompute);
+  plan_device(b, &p);
+  plan_host(b, &p);
+  const GradTraffic grads = plan_bytes_per_step(b, &p);
+  plan_step_time(b, grads, &p);
+  check_fits(b, &p);
+  add_notes(b, &p);
   return p;
 }
 
