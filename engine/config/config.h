@@ -148,7 +148,7 @@ struct ZoffloadConfig {
   DeviceKind device = DeviceKind::kAuto;
   uint64_t gpu_memory_limit = 0;     // bytes; 0: what the device has
   uint64_t pinned_memory_limit = 0;  // bytes; 0: sized from the plan, capped by RAM and ulimit -l
-  uint64_t optimizer_threads = 0;    // CPU optimizer threads; 0: one per physical core
+  uint64_t optimizer_threads = 0;    // CPU optimizer threads; 0: one per CPU this process may run on (oneTBB's default concurrency: logical CPUs)
   bool bind_cores = false;           // pin optimizer threads to cores (hwloc)
   // (addition) Run each optimizer step beside the next step's first forward (Note [Overlapped
   // optimizer]); false: after the backward, on the training thread. Bit-identical either way.

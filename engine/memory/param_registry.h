@@ -142,7 +142,7 @@ struct MemoryPlan {
   bool partition_grads = false;
   // ZeRO stage 3 with a partition: the compute copies too exist only for the owned sub-groups; the
   // stage-3 coordinator gathers each block's from their owners when it fetches the block
-  // (Note [Gathered parameters] in block_gatherer.h).
+  // (Note [Gathered parameters] in block_gatherer.cpp).
   bool partition_params = false;
   // Whether this rank holds state `kind` of `sub_group`.
   bool holds(uint32_t sub_group, StateKind kind) const {

@@ -1,6 +1,6 @@
-// Streaming reader of safetensors files (format in ../shared/REFERENCE.md: 8-byte little-endian header
-// length, JSON header, data) and of a Hugging Face model directory's weights (one file or an index
-// with shards). Reads by range with pread into caller buffers: never a whole tensor or file in RAM.
+// Streaming reader of safetensors files (the format: an 8-byte little-endian header length, a JSON
+// header of dtype, shape and data_offsets per tensor, then the data) and of a Hugging Face model
+// directory's weights (one file or an index with shards). Reads by range with pread into caller buffers: never a whole tensor or file in RAM.
 // Immutable after open; find/read_* are thread-safe.
 #pragma once
 
