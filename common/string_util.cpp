@@ -2,9 +2,22 @@
 
 #include <algorithm>
 #include <cctype>
+#include <charconv>
 #include <numeric>
+#include <sstream>
 
 namespace zo {
+
+std::string format_number(double v) {
+  char buf[32];
+  const auto [end, ec] = std::to_chars(buf, buf + sizeof buf, v);
+  if (ec != std::errc()) {
+    std::ostringstream os;
+    os << v;
+    return os.str();
+  }
+  return std::string(buf, end);
+}
 
 size_t edit_distance(std::string_view a, std::string_view b) {
   std::vector<size_t> row(b.size() + 1);

@@ -1,5 +1,5 @@
-// Small string helpers: edit distance and "did you mean" suggestions, joining and splitting,
-// bounded quotes of untrusted text.
+// Small string helpers: numbers as shortest round-trip text, edit distance and "did you mean"
+// suggestions, joining and splitting, bounded quotes of untrusted text.
 // Pure functions; thread-safe.
 #pragma once
 
@@ -9,6 +9,11 @@
 #include <vector>
 
 namespace zo {
+
+// The shortest text that reads back as exactly `v` (std::to_chars: fixed or scientific, whichever
+// is shorter, fixed on a tie: "0.1", "1e-05", "1500000", "0.3333333333333333"), so two different
+// values never print alike. For config errors, CSV cells and the like.
+std::string format_number(double v);
 
 // Levenshtein distance (insert, delete, substitute each cost 1), case-sensitive.
 size_t edit_distance(std::string_view a, std::string_view b);

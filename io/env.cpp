@@ -242,6 +242,10 @@ class PosixEnv final : public Env {
     return std::unique_ptr<AppendFile>(new PosixAppendFile(fd, path));
   }
 
+  Result<File> open_file(const std::string& path, OpenMode mode, bool direct) override {
+    return File::open(path, mode, direct);
+  }
+
   Status make_dirs(const std::string& path, std::string* created_top) override {
     if (created_top) created_top->clear();
     std::filesystem::path normal = std::filesystem::path(path).lexically_normal();
@@ -359,8 +363,9 @@ Result<std::string> Env::read_file(const std::string& path, std::string_view wha
   ZO_ASSIGN_OR_RETURN(std::unique_ptr<ReadFile> file, open_read(path, what));
   const uint64_t size = file->size_bytes();
   if (size > max_bytes) {
-    return invalid_argument(std::string(what) + " " + path + " is " + std::to_string(size) + " bytes, over the " +
-                            std::to_string(max_bytes) + "-byte limit");
+    return Status(StatusCode::kInvalidArgument, std::string(what) + " " + path + " is " + std::to_string(size) +
+                                                    " bytes, over the " + std::to_string(max_bytes) + "-byte limit",
+                  EFBIG);
   }
   std::string bytes(size, '\0');
   ZO_RETURN_IF_ERROR(file->read_exact(0, std::as_writable_bytes(std::span(bytes))));
@@ -478,6 +483,11 @@ Result<std::unique_ptr<AppendFile>> FaultyEnv::open_append(const std::string& pa
   ZO_RETURN_IF_ERROR(inject("opening " + path + " to append", path, IoOp::kCreate));
   ZO_ASSIGN_OR_RETURN(std::unique_ptr<AppendFile> file, base_->open_append(path));
   return std::unique_ptr<AppendFile>(new FaultyAppendFile(std::move(file), this));
+}
+
+Result<File> FaultyEnv::open_file(const std::string& path, OpenMode mode, bool direct) {
+  ZO_RETURN_IF_ERROR(inject("open " + path, path, IoOp::kOpen));
+  return base_->open_file(path, mode, direct);
 }
 
 Status FaultyEnv::make_dirs(const std::string& path, std::string* created_top) {

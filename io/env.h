@@ -1,8 +1,9 @@
-// Env: every file operation other than the async engine's block reads and writes — files read at
-// any offset or whole, files written whole or appended to, directory fsyncs, renames, directory
-// creation, listing and removal, file kinds and free space — behind one interface, so a test can
-// make any of them fail (FaultyEnv) the way FaultInjector makes the engine's requests fail.
-// Env::posix() is the real one. Nothing above io/ calls a file syscall (tests/lint_file_syscalls.py).
+// Env: every file operation other than the async engine's block reads and writes — opening the
+// engine's files, files read at any offset or whole, files written whole or appended to, directory
+// fsyncs, renames, directory creation, listing and removal, file kinds and free space — behind one
+// interface, so a test can make any of them fail (FaultyEnv) the way FaultInjector makes the
+// engine's requests fail. Env::posix() is the real one. Nothing above io/ calls a file syscall or
+// File::open (tests/lint_file_syscalls.py).
 // Env implementations are thread-safe, and so is ReadFile::read_exact; the other file methods are
 // used by one thread at a time. Errors carry the path and errno text ("<op> PATH: <strerror>") and
 // keep the errno's StatusCode.
@@ -18,6 +19,7 @@
 
 #include "common/status.h"
 #include "io/fault_injector.h"
+#include "io/file.h"
 
 namespace zo::io {
 
@@ -96,6 +98,12 @@ class Env {
   virtual Result<std::unique_ptr<MappedFile>> map_read(const std::string& path, std::string_view what) = 0;
   // Opens `path` for appending, creating it (0644) when missing.
   virtual Result<std::unique_ptr<AppendFile>> open_append(const std::string& path) = 0;
+  // Opens `path` as a File for the I/O engine (swap, checkpoint and export files) or for a lock:
+  // File::open(path, mode, direct), with its O_DIRECT fallback and its errors ("open PATH:
+  // <strerror>", kAlreadyExists for kCreateNew on an existing path). The File's reads and writes
+  // go through the IoEngine (and its FaultInjector); its preallocate, truncate, sync and lock are
+  // the File's own.
+  virtual Result<File> open_file(const std::string& path, OpenMode mode, bool direct) = 0;
   // mkdir -p: creates `path` and any missing parents (0755); an existing directory is not an
   // error. When `created_top` is given it receives the outermost directory this call created
   // (empty when none), so a caller can remove what it made.
@@ -110,7 +118,8 @@ class Env {
   virtual Result<uint64_t> free_bytes(const std::string& path) = 0;
 
   // Reads a whole regular file of at most `max_bytes` through open_read; a larger one is
-  // kInvalidArgument "<what> PATH is N bytes, over the M-byte limit", refused before reading.
+  // kInvalidArgument "<what> PATH is N bytes, over the M-byte limit" with errno EFBIG (so a caller
+  // for whom it means a damaged file can tell it from a FIFO), refused before reading.
   Result<std::string> read_file(const std::string& path, std::string_view what, uint64_t max_bytes);
 
   // Note [Output files]: a path the user names for a file this run writes (a trace, the metrics,
@@ -133,12 +142,13 @@ class Env {
 
 // An Env that fails the operations `faults` chooses and passes every other one to `base`. Rules
 // match on the path (a rename's is "FROM -> TO") and on the op: IoOp::kCreate (creating a file or
-// directory, opening one to append), kWrite (a file's bytes, written whole or appended; the rule's
-// offset picks the byte), kRead (a ReadFile's bytes, or mapping a file: offset 0), kSync (fdatasync
-// of a file, fsync of a directory), kRename, kRemove. kEio and kNoSpace fail the operation with EIO
-// or ENOSPC as the kernel would (a failed write_file leaves no file); kShortTransfer, kEagain and
-// kEintr are transient and retried, as the POSIX Env retries them. Queries (path_kind, file_size,
-// list_dir, free_bytes) are passed through.
+// directory, opening one to append), kOpen (open_file, in any mode: nothing is created or opened
+// when it fails), kWrite (a file's bytes, written whole or appended; the rule's offset picks the
+// byte), kRead (a ReadFile's bytes, or mapping a file: offset 0), kSync (fdatasync of a file, fsync
+// of a directory), kRename, kRemove. kEio and kNoSpace fail the operation with EIO or ENOSPC as the
+// kernel would (a failed write_file leaves no file); kShortTransfer, kEagain and kEintr are
+// transient and retried, as the POSIX Env retries them. Queries (path_kind, file_size, list_dir,
+// free_bytes) are passed through.
 class FaultyEnv final : public Env {
  public:
   FaultyEnv(Env* base, std::shared_ptr<FaultInjector> faults);
@@ -152,6 +162,7 @@ class FaultyEnv final : public Env {
   Result<std::unique_ptr<ReadFile>> open_read(const std::string& path, std::string_view what) override;
   Result<std::unique_ptr<MappedFile>> map_read(const std::string& path, std::string_view what) override;
   Result<std::unique_ptr<AppendFile>> open_append(const std::string& path) override;
+  Result<File> open_file(const std::string& path, OpenMode mode, bool direct) override;
   Status make_dirs(const std::string& path, std::string* created_top = nullptr) override;
   Result<PathKind> path_kind(const std::string& path) override;
   Result<uint64_t> file_size(const std::string& path) override;

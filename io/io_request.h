@@ -11,8 +11,9 @@ namespace zo::io {
 class File;
 
 // kRead and kWrite are the engine's requests; the others are Env's file operations (io/env.h),
-// named here so one FaultRule can aim at either.
-enum class IoOp : uint8_t { kRead, kWrite, kCreate, kSync, kRename, kRemove };
+// named here so one FaultRule can aim at either. kOpen is Env::open_file, opening a File for the
+// engine.
+enum class IoOp : uint8_t { kRead, kWrite, kCreate, kSync, kRename, kRemove, kOpen };
 
 inline std::string_view op_name(IoOp op) {
   switch (op) {
@@ -22,6 +23,7 @@ inline std::string_view op_name(IoOp op) {
     case IoOp::kSync: return "sync";
     case IoOp::kRename: return "rename";
     case IoOp::kRemove: return "remove";
+    case IoOp::kOpen: return "open";
   }
   return "?";
 }

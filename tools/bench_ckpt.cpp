@@ -27,7 +27,7 @@
 #include "engine/memory/param_registry.h"
 #include "engine/memory/state_store.h"
 #include "gpu/device.h"
-#include "io/file.h"
+#include "io/env.h"
 #include "io/io_engine.h"
 #include "tools/commands.h"
 
@@ -55,7 +55,7 @@ double gbps(uint64_t bytes, double s) { return s > 0 ? static_cast<double>(bytes
 // without the reads that feed it.
 Result<double> time_plain_write(io::IoEngine& io, const std::string& dir, uint64_t bytes, std::span<std::byte> buf) {
   const std::string path = dir + "/zoffload-bench-ckpt-baseline." + std::to_string(::getpid()) + ".dat";
-  ZO_ASSIGN_OR_RETURN(io::File file, io::File::open(path, io::OpenMode::kCreateNew, /*direct=*/true));
+  ZO_ASSIGN_OR_RETURN(io::File file, io::Env::posix()->open_file(path, io::OpenMode::kCreateNew, /*direct=*/true));
   const uint64_t slot = buf.size() / 4 / kDirectIoAlignment * kDirectIoAlignment;
   std::vector<std::optional<io::Ticket>> tickets(4);
   const auto t0 = Clock::now();
@@ -93,8 +93,8 @@ Result<double> time_plain_write(io::IoEngine& io, const std::string& dir, uint64
 Result<double> time_plain_copy(io::IoEngine& io, const std::string& src, const std::string& dir, uint64_t bytes,
                                std::span<std::byte> buf) {
   const std::string path = dir + "/zoffload-bench-ckpt-copy." + std::to_string(::getpid()) + ".dat";
-  ZO_ASSIGN_OR_RETURN(io::File in, io::File::open(src, io::OpenMode::kRead, /*direct=*/true));
-  ZO_ASSIGN_OR_RETURN(io::File out, io::File::open(path, io::OpenMode::kCreateNew, /*direct=*/true));
+  ZO_ASSIGN_OR_RETURN(io::File in, io::Env::posix()->open_file(src, io::OpenMode::kRead, /*direct=*/true));
+  ZO_ASSIGN_OR_RETURN(io::File out, io::Env::posix()->open_file(path, io::OpenMode::kCreateNew, /*direct=*/true));
   const uint64_t slot = buf.size() / 4 / kDirectIoAlignment * kDirectIoAlignment;
   const uint64_t n_chunks = (bytes + slot - 1) / slot;
   std::vector<std::optional<io::Ticket>> rt(4), wt(4);

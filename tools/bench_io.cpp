@@ -30,6 +30,7 @@
 #include "common/host_memory.h"
 #include "common/log.h"
 #include "common/timer.h"
+#include "io/env.h"
 #include "io/io_engine.h"
 #include "tools/bench_util.h"
 #include "tools/commands.h"
@@ -357,7 +358,7 @@ int run_bench(const Args& args) {
   struct stat existing {};
   const bool reuse = args.reuse && ::stat(data_path.c_str(), &existing) == 0 &&
                      static_cast<uint64_t>(existing.st_size) >= plan.size_bytes;
-  auto file_or = File::open(data_path, io::OpenMode::kCreate, plan.direct);
+  auto file_or = io::Env::posix()->open_file(data_path, io::OpenMode::kCreate, plan.direct);
   if (!file_or.is_ok()) return fail(file_or.status());
   File& file = *file_or;
   if (plan.direct && !file.direct())

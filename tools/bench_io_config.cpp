@@ -1,31 +1,25 @@
 #include "tools/bench_io_config.h"
 
-#include <fcntl.h>
-#include <unistd.h>
-
-#include <cerrno>
-#include <cstdio>
-#include <fstream>
 #include <nlohmann/json.hpp>
-#include <sstream>
+#include <string_view>
 
 #include "common/string_util.h"
+#include "engine/config/config.h"
+#include "io/env.h"
 
 namespace zo::tools {
 namespace {
 
 using Json = nlohmann::ordered_json;
 
+constexpr std::string_view kWhat = "--emit-config file";
+
 // Loads the existing config: an empty object if the file does not exist.
 Result<Json> load(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) {
-    if (errno == ENOENT) return Json::object();
-    return errno_status("open " + path, errno);
-  }
-  std::stringstream ss;
-  ss << in.rdbuf();
-  const std::string text = ss.str();
+  io::Env* env = io::Env::posix();
+  ZO_ASSIGN_OR_RETURN(const io::PathKind kind, env->path_kind(path));
+  if (kind == io::PathKind::kMissing) return Json::object();
+  ZO_ASSIGN_OR_RETURN(const std::string text, env->read_file(path, kWhat, engine::kMaxConfigFileBytes));
   if (text.find_first_not_of(" \t\r\n") == std::string::npos) return Json::object();
   Json j;
   try {
@@ -39,20 +33,10 @@ Result<Json> load(const std::string& path) {
   return j;
 }
 
-Status write_all(int fd, const std::string& data, const std::string& path) {
-  size_t done = 0;
-  while (done < data.size()) {
-    const ssize_t n = ::write(fd, data.data() + done, data.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return errno_status("write " + path, errno);
-    done += static_cast<size_t>(n);
-  }
-  return Status::ok();
-}
-
 }  // namespace
 
 Status check_emit_config_target(const std::string& path) {
+  ZO_RETURN_IF_ERROR(io::Env::posix()->check_output_file(path, kWhat));
   auto j = load(path);
   return j.is_ok() ? Status::ok() : j.status();
 }
@@ -67,17 +51,7 @@ Status emit_aio_config(const std::string& path, const io::IoOptions& best) {
   aio["single_submit"] = best.single_submit;
   aio["overlap_events"] = best.overlap_events;
   config["aio"] = aio;
-  const std::string text = config.dump(2) + "\n";
-
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return errno_status("create " + tmp, errno);
-  Status s = write_all(fd, text, tmp);
-  if (s.is_ok() && ::fsync(fd) != 0) s = errno_status("fsync " + tmp, errno);
-  if (::close(fd) != 0 && s.is_ok()) s = errno_status("close " + tmp, errno);
-  if (s.is_ok() && std::rename(tmp.c_str(), path.c_str()) != 0) s = errno_status("rename " + tmp + " to " + path, errno);
-  if (!s.is_ok()) std::remove(tmp.c_str());
-  return s;
+  return io::Env::posix()->publish_file(path, config.dump(2) + "\n", kWhat);
 }
 
 }  // namespace zo::tools

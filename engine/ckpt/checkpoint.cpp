@@ -305,7 +305,7 @@ Result<SaveResult> save_collaborative(StateStore& store, const TrainingState& st
     for (StateKind kind : kSavedStates) {
       if (!started.is_ok()) break;
       const uint64_t size = state_file_header(kind, tensors).size() + reg.total_elems() * 4;
-      started = create_sized_file(tmp + "/" + state_file_name(kind), size).with_context(context);
+      started = create_sized_file(tmp + "/" + state_file_name(kind), size, env).with_context(context);
     }
     if (started.is_ok()) phase(SavePhase::kStarted);
     if (!started.is_ok() && !tmp.empty()) remove_failed_save(env, tmp, context);
@@ -343,7 +343,7 @@ Result<SaveResult> save_collaborative(StateStore& store, const TrainingState& st
       };
       const std::string path = tmp + "/" + state_file_name(kind);
       ZO_ASSIGN_OR_RETURN(auto writer, RangeWriter::create(store.io(), path, file_offset(c.rank), file_offset(c.rank + 1),
-                                                           staging.bytes(), kWriteSlots));
+                                                           staging.bytes(), kWriteSlots, env));
       if (c.rank == 0) ZO_RETURN_IF_ERROR(writer->append(std::as_bytes(std::span(header.data(), header.size()))));
       ZO_RETURN_IF_ERROR(stream_groups(*writer, store, kind, plan.owned_begin, plan.owned_end, on_bytes));
       ZO_ASSIGN_OR_RETURN(RangeDigest d, writer->finish());

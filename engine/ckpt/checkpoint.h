@@ -42,8 +42,8 @@ struct SaveOptions {
   std::function<void(uint64_t done_bytes, uint64_t total_bytes)> progress;
   // Called on the saving thread at each phase boundary (tests).
   std::function<void(SavePhase)> on_phase;
-  // Creates, syncs, renames and removes through this Env (null: io::Env::posix()); tests pass an
-  // io::FaultyEnv. The state files' bytes go through the store's I/O engine.
+  // Creates, opens, syncs, renames and removes through this Env (null: io::Env::posix()); tests pass
+  // an io::FaultyEnv. The state files' bytes go through the store's I/O engine.
   io::Env* env = nullptr;
   // Data parallel with partitioned optimizer states (StateStore's plan partitioned over
   // world_size ranks): every rank calls save_checkpoint with the same state and options, each

@@ -1,6 +1,7 @@
 #include "engine/ckpt/checkpoint.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <filesystem>
 
 #include "common/check.h"
@@ -10,6 +11,18 @@
 namespace zo::engine {
 using json = nlohmann::json;
 
+namespace {
+
+// A small file of a checkpoint (latest, the manifest, the trainer state, config.json), whole. No
+// save writes one over kMaxSmallFileBytes, so a larger one is kCorruption, not a bad argument.
+Result<std::string> read_checkpoint_file(io::Env& env, const std::string& path) {
+  Result<std::string> text = env.read_file(path, "checkpoint file", kMaxSmallFileBytes);
+  if (!text.is_ok() && text.status().sys_errno() == EFBIG) return corruption(text.status().message());
+  return text;
+}
+
+}  // namespace
+
 Result<std::string> resolve_checkpoint(const std::string& path, io::Env& env) {
   auto kind = [&env](const std::string& p) {
     Result<io::PathKind> k = env.path_kind(p);
@@ -18,7 +31,7 @@ Result<std::string> resolve_checkpoint(const std::string& path, io::Env& env) {
   if (kind(path) == io::PathKind::kMissing) return not_found("checkpoint " + path + " does not exist");
   if (kind(path + "/" + kManifestFile) != io::PathKind::kMissing) return path;
   if (kind(path + "/" + kLatestFile) != io::PathKind::kMissing) {
-    ZO_ASSIGN_OR_RETURN(std::string text, read_small_file(env, path + "/" + kLatestFile));
+    ZO_ASSIGN_OR_RETURN(std::string text, read_checkpoint_file(env, path + "/" + kLatestFile));
     while (!text.empty() && (text.back() == '\n' || text.back() == ' ')) text.pop_back();
     if (text.rfind("step-", 0) != 0 || text.find('/') != std::string::npos) {
       return corruption(path + "/" + kLatestFile + " names \"" + quote_excerpt(text) + "\", not a step-<N> directory");
@@ -47,7 +60,7 @@ Result<CheckpointInfo> open_checkpoint(const std::string& path, io::Env& env) {
   CheckpointInfo info;
   info.path = path;
   const std::string mpath = path + "/" + kManifestFile;
-  auto mtext = read_small_file(env, mpath);
+  auto mtext = read_checkpoint_file(env, mpath);
   if (!mtext.is_ok()) {
     if (mtext.status().code() == StatusCode::kNotFound) {
       return corruption(path + " has no " + kManifestFile + ": an incomplete save, never loaded");
@@ -71,7 +84,7 @@ Result<CheckpointInfo> open_checkpoint(const std::string& path, io::Env& env) {
   // The small files are read whole and checked here; the state files by verify/load.
   auto small = [&](const char* name) -> Result<std::string> {
     const std::string fpath = path + "/" + name;
-    ZO_ASSIGN_OR_RETURN(std::string text, read_small_file(env, fpath));
+    ZO_ASSIGN_OR_RETURN(std::string text, read_checkpoint_file(env, fpath));
     ChunkVerifier v(*info.manifest.find(name), fpath);
     ZO_RETURN_IF_ERROR(v.update(std::as_bytes(std::span(text.data(), text.size()))));
     ZO_RETURN_IF_ERROR(v.finish());

@@ -204,7 +204,8 @@ class ShardExporter {
 
   Status write(const Shard& shard, const std::string& path) {
     ZO_ASSIGN_OR_RETURN(std::unique_ptr<StreamWriter> writer,
-                        StreamWriter::create(io_, path, staging_.writer, kWriterSlots));
+                        StreamWriter::create(io_, path, staging_.writer, kWriterSlots,
+                                             o_.env != nullptr ? *o_.env : *io::Env::posix()));
     std::vector<SafetensorsEntry> entries;
     for (size_t i = shard.first; i < shard.end; ++i) entries.push_back({params_[i].name, o_.dtype, params_[i].shape});
     const std::string header = safetensors_header(entries, {{"format", "pt"}});
@@ -329,7 +330,7 @@ Result<ExportResult> export_impl(std::span<const ParamInfo> params, const std::s
       return invalid_argument("export: side file " + path + " would replace a file the export writes");
     for (const auto& [other, text] : sides)
       if (other == name) return invalid_argument("export: two side files are named " + name);
-    ZO_ASSIGN_OR_RETURN(std::string text, read_small_file(env, path));  // stream_file.h
+    ZO_ASSIGN_OR_RETURN(std::string text, env.read_file(path, "side file", kMaxSmallFileBytes));
     sides.emplace_back(name, std::move(text));
   }
   uint64_t total_bytes = 0;

@@ -284,7 +284,7 @@ Result<std::unique_ptr<StreamWriter>> StreamWriter::create(io::IoEngine& io, con
   ZO_ASSIGN_OR_RETURN(const io::PathKind kind, env.path_kind(path));
   if (kind != io::PathKind::kMissing) return Status(StatusCode::kAlreadyExists, path + " already exists");
   auto impl = std::make_unique<detail::SlotWriter>();
-  ZO_ASSIGN_OR_RETURN(impl->file, io::File::open(path, io::OpenMode::kCreate, /*direct=*/true));
+  ZO_ASSIGN_OR_RETURN(impl->file, env.open_file(path, io::OpenMode::kCreate, /*direct=*/true));
   impl->init(io, path, staging, n_slots);
   return std::unique_ptr<StreamWriter>(new StreamWriter(std::move(impl)));
 }
@@ -308,8 +308,8 @@ Result<FileDigest> StreamWriter::finish() {
   return digest;
 }
 
-Status create_sized_file(const std::string& path, uint64_t size_bytes) {
-  ZO_ASSIGN_OR_RETURN(io::File file, io::File::open(path, io::OpenMode::kCreateNew, /*direct=*/false));
+Status create_sized_file(const std::string& path, uint64_t size_bytes, io::Env& env) {
+  ZO_ASSIGN_OR_RETURN(io::File file, env.open_file(path, io::OpenMode::kCreateNew, /*direct=*/false));
   Status s = file.truncate(size_bytes);
   if (s.is_ok()) s = file.sync();
   Status closed = file.close();
@@ -324,18 +324,19 @@ RangeWriter::~RangeWriter() {
 
 Result<std::unique_ptr<RangeWriter>> RangeWriter::create(io::IoEngine& io, const std::string& path,
                                                          uint64_t begin_bytes, uint64_t end_bytes,
-                                                         std::span<std::byte> staging, uint32_t n_slots) {
+                                                         std::span<std::byte> staging, uint32_t n_slots,
+                                                         io::Env& env) {
   ZO_RETURN_IF_ERROR(detail::SlotWriter::check_staging(path, staging, n_slots));
   const std::string range = "[" + std::to_string(begin_bytes) + ", " + std::to_string(end_bytes) + ")";
   if (begin_bytes > end_bytes) return invalid_argument("range writer for " + path + ": the range " + range + " is reversed");
   auto impl = std::make_unique<detail::SlotWriter>();
-  ZO_ASSIGN_OR_RETURN(impl->file, io::File::open(path, io::OpenMode::kReadWrite, /*direct=*/true));
+  ZO_ASSIGN_OR_RETURN(impl->file, env.open_file(path, io::OpenMode::kReadWrite, /*direct=*/true));
   ZO_ASSIGN_OR_RETURN(const uint64_t size, impl->file.size_bytes());
   if (size < end_bytes) {
     return invalid_argument("range writer for " + path + ": the range " + range + " ends past the file's " +
                             std::to_string(size) + " bytes");
   }
-  ZO_ASSIGN_OR_RETURN(impl->edge_file, io::File::open(path, io::OpenMode::kReadWrite, /*direct=*/false));
+  ZO_ASSIGN_OR_RETURN(impl->edge_file, env.open_file(path, io::OpenMode::kReadWrite, /*direct=*/false));
   impl->init(io, path, staging, n_slots);
   impl->range_begin = begin_bytes;
   impl->range_end = end_bytes;
@@ -499,14 +500,6 @@ uint64_t staging_bytes_for(uint64_t configured, uint64_t file_bytes) {
   return std::min(configured, std::max(kMinStagingBytes, align_up(file_bytes, kUnit))) / kUnit * kUnit;
 }
 
-Result<std::string> read_small_file(io::Env& env, const std::string& path) {
-  ZO_ASSIGN_OR_RETURN(std::unique_ptr<io::ReadFile> file, env.open_read(path, "file"));
-  const uint64_t size = file->size_bytes();
-  if (size > kMaxSmallFileBytes) return corruption(path + ": " + std::to_string(size) + " bytes is too large");
-  std::string text(size, '\0');
-  ZO_RETURN_IF_ERROR(file->read_exact(0, std::as_writable_bytes(std::span(text))));
-  return text;
-}
 
 // Note [Reading a stream]: the mirror of StreamWriter. kReadSlots slots of the staging buffer are
 // read ahead of the consumer, so the disk is busy while the previous slot is checked and consumed.
@@ -518,7 +511,7 @@ Status read_checked(io::IoEngine& io, io::Env& env, const std::string& path, con
                     std::span<std::byte> staging, uint64_t read_begin, uint64_t read_end, uint64_t from_bytes,
                     uint64_t until_bytes, const std::function<Status(uint64_t, std::span<const std::byte>)>& consume,
                     const std::function<void(uint64_t)>& on_bytes) {
-  ZO_ASSIGN_OR_RETURN(io::File file, io::File::open(path, io::OpenMode::kRead, /*direct=*/true));
+  ZO_ASSIGN_OR_RETURN(io::File file, env.open_file(path, io::OpenMode::kRead, /*direct=*/true));
   ChunkVerifier verifier(digest, path, read_begin);
   const uint64_t size = digest.size_bytes;
   // read_begin is a chunk start, so 4096-aligned; read_end a chunk end (aligned) or the file's end.

@@ -5,8 +5,9 @@
 // parallel, and combine_range_digests joins their checksums; ChunkVerifier checks bytes read back
 // against those CRCs; read_stream / read_stream_range read a file (or part of it) back through a
 // bounded staging buffer, checked as it goes. None is thread-safe; one thread drives each (distinct
-// writers may run on distinct threads). read_small_file reads their small files (manifest, config,
-// tokenizer files) whole. Files are opened through an io::Env or io::File.
+// writers may run on distinct threads). Every file is opened through an io::Env (the engine's with
+// Env::open_file), so a FaultyEnv can fail any of them; small files are read whole with
+// Env::read_file.
 #pragma once
 
 #include <cstdint>
@@ -42,9 +43,10 @@ struct SlotWriter;  // the staging slots, asynchronous writes and chunk CRCs bot
 
 class StreamWriter {
  public:
-  // Creates `path` (which must not exist: kAlreadyExists) for writing with O_DIRECT where the file
-  // system allows it. `staging` (4096-aligned, size a multiple of 4096 × n_slots, ≥ 4096 × n_slots)
-  // is cut into n_slots slots; the writer never allocates more than a few KiB itself.
+  // Creates `path` (which must not exist: kAlreadyExists) through `env` (Env::open_file) for
+  // writing with O_DIRECT where the file system allows it. `staging` (4096-aligned, size a multiple
+  // of 4096 × n_slots, ≥ 4096 × n_slots) is cut into n_slots slots; the writer never allocates
+  // more than a few KiB itself.
   static Result<std::unique_ptr<StreamWriter>> create(io::IoEngine& io, const std::string& path,
                                                       std::span<std::byte> staging, uint32_t n_slots = 4,
                                                       io::Env& env = *io::Env::posix());
@@ -84,8 +86,8 @@ class StreamWriter {
 // Creates `path` (kAlreadyExists if it exists, with no change to it) holding exactly `size_bytes`
 // bytes that all read as zero (ftruncate: sparse where the file system allows it), fdatasynced and
 // closed: the file that RangeWriters, one per range and possibly in other processes, then fill in
-// place. Errors name the path and errno.
-Status create_sized_file(const std::string& path, uint64_t size_bytes);
+// place. Opened through `env` (Env::open_file); errors name the path and errno.
+Status create_sized_file(const std::string& path, uint64_t size_bytes, io::Env& env = *io::Env::posix());
 
 // What a RangeWriter wrote: its range [begin_bytes, end_bytes) of the file and the CRC-32C of each
 // intersection of that range with a kChecksumChunkBytes-aligned chunk of the file, in file order
@@ -106,12 +108,13 @@ struct RangeDigest {
 // far from begin_bytes (file offset = begin_bytes + position()).
 class RangeWriter {
  public:
-  // Opens `path` (which must exist and hold at least end_bytes bytes: kInvalidArgument otherwise;
-  // errors opening it name the path and errno) to write [begin_bytes, end_bytes), begin ≤ end.
-  // `staging` as for StreamWriter::create; the writer never allocates more than a few KiB itself.
+  // Opens `path` twice through `env` (Env::open_file; it must exist and hold at least end_bytes
+  // bytes: kInvalidArgument otherwise; errors opening it name the path and errno) to write
+  // [begin_bytes, end_bytes), begin ≤ end. `staging` as for StreamWriter::create; the writer never
+  // allocates more than a few KiB itself.
   static Result<std::unique_ptr<RangeWriter>> create(io::IoEngine& io, const std::string& path, uint64_t begin_bytes,
                                                      uint64_t end_bytes, std::span<std::byte> staging,
-                                                     uint32_t n_slots = 4);
+                                                     uint32_t n_slots = 4, io::Env& env = *io::Env::posix());
   ~RangeWriter();  // an unfinished writer waits for its writes and closes the file
   RangeWriter(const RangeWriter&) = delete;
   RangeWriter& operator=(const RangeWriter&) = delete;
@@ -166,9 +169,10 @@ class ChunkVerifier {
 // Reads `path` front to back through `staging` (4096-aligned, a multiple of 4096 × kReadSlots;
 // Note [Reading a stream] in the .cpp): every byte is checked against `digest` and the bytes at and
 // after `from_bytes` are handed to `consume(file_offset, bytes)` in order; `on_bytes` (may be empty)
-// hears how many bytes each slot held. Whole 4 KiB blocks are read with O_DIRECT through `io`, the
-// tail through `env`. Errors name the file and offset; kCorruption for a checksum mismatch or a file
-// shorter than the digest; consume's own error stops the read and is returned.
+// hears how many bytes each slot held. The file is opened through `env`; whole 4 KiB blocks are
+// read with O_DIRECT through `io`, the tail through `env`. Errors name the file and offset;
+// kCorruption for a checksum mismatch or a file shorter than the digest; consume's own error stops
+// the read and is returned.
 inline constexpr uint32_t kReadSlots = 4;
 Status read_stream(io::IoEngine& io, io::Env& env, const std::string& path, const FileDigest& digest,
                    std::span<std::byte> staging, uint64_t from_bytes,
@@ -205,11 +209,8 @@ Status check_staging_bytes(uint64_t bytes, std::string_view what);
 // kMinStagingBytes, in whole units of 4 slots of 4096 bytes.
 uint64_t staging_bytes_for(uint64_t configured, uint64_t file_bytes);
 
-// The whole of a small file of a checkpoint or an export (manifest, trainer state, config, a
-// tokenizer file), at most kMaxSmallFileBytes, read through `env`: kNotFound naming a missing path,
-// kInvalidArgument for a FIFO or other non-regular file, kCorruption for a larger file, kIoError
-// otherwise.
+// The size cap for reading a small file of a checkpoint or an export whole (manifest, trainer
+// state, config, a tokenizer file) with Env::read_file.
 inline constexpr uint64_t kMaxSmallFileBytes = uint64_t{64} << 20;
-Result<std::string> read_small_file(io::Env& env, const std::string& path);
 
 }  // namespace zo::engine

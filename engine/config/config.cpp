@@ -19,7 +19,6 @@
 namespace zo::engine {
 
 using detail::AutoOk;
-using detail::format_number;
 using detail::json_at;
 using detail::ObjectReader;
 using detail::kMaxFloat;

@@ -6,6 +6,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/string_util.h"
 #include "engine/config/config.h"
 #include "engine/config/config_schema.h"
 #include "engine/config/json_reader.h"
@@ -93,9 +94,9 @@ class Writer {
 };
 
 std::string range_text(const Range& r) {
-  const std::string lo = detail::format_number(r.min);
+  const std::string lo = format_number(r.min);
   if (r.max == detail::kMaxDouble) return std::string(r.min_exclusive ? "> " : "≥ ") + lo;
-  const std::string hi = r.max == detail::kMaxFloat ? "3.4028e38 (fp32 max)" : detail::format_number(r.max);
+  const std::string hi = r.max == detail::kMaxFloat ? "3.4028e38 (fp32 max)" : format_number(r.max);
   return std::string("in ") + (r.min_exclusive ? "(" : "[") + lo + ", " + hi + "]";
 }
 

@@ -1,11 +1,9 @@
 #include "engine/config/json_reader.h"
 
 #include <algorithm>
-#include <charconv>
 #include <cfloat>
 #include <cmath>
 #include <cstdlib>
-#include <sstream>
 
 #include "common/bytes.h"
 #include "common/string_util.h"
@@ -55,18 +53,6 @@ std::string describe(const json& v) {
   std::string s = v.dump();
   if (s.size() > 40) s = s.substr(0, 37) + "...";
   return s;
-}
-
-std::string format_number(double v) {
-  // The shortest text that reads back as v, so two different values never print alike.
-  char buf[32];
-  const auto [end, ec] = std::to_chars(buf, buf + sizeof buf, v);
-  if (ec != std::errc()) {
-    std::ostringstream os;
-    os << v;
-    return os.str();
-  }
-  return std::string(buf, end);
 }
 
 const json* json_at(const json& root, std::string_view dotted_path) {

@@ -34,8 +34,6 @@ struct ParseState {
   }
 };
 
-// A number as config errors print it ("1e-05", "0.9").
-std::string format_number(double v);
 // The value at a dotted key path ("optimizer.params.lr") of `root`; nullptr where any part is
 // absent, null, or not an object.
 const nlohmann::json* json_at(const nlohmann::json& root, std::string_view dotted_path);

@@ -199,6 +199,7 @@ Status StateStore::Impl::allocate_states() {
 }
 
 Status StateStore::Impl::create_swap_files() {
+  io::Env* env = options.env != nullptr ? options.env : io::Env::posix();
   const uint32_t n_groups = plan.n_sub_groups;
   bool optimizer_nvme = false, param_nvme = false;
   for (uint32_t g = 0; g < n_groups; ++g) {
@@ -214,15 +215,14 @@ Status StateStore::Impl::create_swap_files() {
     }
     ZO_ASSIGN_OR_RETURN(optimizer_file, SwapFile::create(swap_dir(options.optimizer_nvme_path, options.rank),
                                                          "optimizer.swp", plan.nvme_optimizer_bytes, *io, accounting,
-                                                         io::Env::posix(), options.on_swap_file));
+                                                         env, options.on_swap_file));
   }
   if (param_nvme) {
     if (options.param_nvme_path.empty()) {
       return invalid_argument("zero_optimization.offload_param.nvme_path: required with offload_param.device nvme");
     }
     ZO_ASSIGN_OR_RETURN(param_file, SwapFile::create(swap_dir(options.param_nvme_path, options.rank), "param.swp",
-                                                     plan.nvme_param_bytes, *io, accounting, io::Env::posix(),
-                                                     options.on_swap_file));
+                                                     plan.nvme_param_bytes, *io, accounting, env, options.on_swap_file));
   }
   // One record per sub-group in the optimizer file, [master|exp_avg|exp_avg_sq|grad], so a step
   // reads a sub-group with one request and writes master|exp_avg|exp_avg_sq back with another; one

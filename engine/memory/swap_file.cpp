@@ -70,7 +70,7 @@ Result<std::unique_ptr<SwapFile>> SwapFile::create(const std::string& dir, const
   impl->accounting = accounting;
   impl->capacity = align_up(capacity_bytes, kSwapAlignment);
   ZO_ASSIGN_OR_RETURN(const io::PathKind before, env->path_kind(impl->path));
-  ZO_ASSIGN_OR_RETURN(impl->file, io::File::open(impl->path, io::OpenMode::kCreate, engine.options().direct));
+  ZO_ASSIGN_OR_RETURN(impl->file, env->open_file(impl->path, io::OpenMode::kCreate, engine.options().direct));
   // Two runs writing one swap file would silently train on each other's states.
   if (Status st = impl->file.lock_exclusive(); !st.is_ok()) {
     if (st.code() != StatusCode::kFailedPrecondition) return st.with_context("locking swap file " + impl->path);

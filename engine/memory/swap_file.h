@@ -42,7 +42,8 @@ class SwapFile {
   // kFailedPrecondition naming it. `claimed` (may be empty) is called with the path once the lock
   // is held, before the file is sized: from then on the file is this process's to remove.
   // `accounting` (may be null) counts reserved regions as NVMe-resident and I/O as moved bytes.
-  // Directory creation, free space and removal go through `env` (it must outlive the file).
+  // Directory creation, opening the file, free space and removal go through `env` (it must outlive
+  // the file).
   static Result<std::unique_ptr<SwapFile>> create(const std::string& dir, const std::string& name,
                                                   uint64_t capacity_bytes, io::IoEngine& engine,
                                                   MemoryAccounting* accounting, io::Env* env = io::Env::posix(),

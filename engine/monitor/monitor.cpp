@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/crc32c.h"
+#include "common/string_util.h"
 #include "zo_build_config.h"
 
 #if ZO_HAVE_PROTOBUF
@@ -32,14 +33,7 @@ void flatten(const nlohmann::json& j, const std::string& name, std::vector<Scala
 }
 
 // A number as a CSV cell: shortest text that reads back to the same double.
-std::string cell(double v) {
-  char buf[32];
-  for (int precision = 6; precision <= 17; ++precision) {
-    std::snprintf(buf, sizeof buf, "%.*g", precision, v);
-    if (std::strtod(buf, nullptr) == v) break;
-  }
-  return buf;
-}
+std::string cell(double v) { return format_number(v); }
 
 uint32_t masked_crc(std::string_view bytes) {
   const uint32_t crc = crc32c(bytes.data(), bytes.size());

@@ -814,7 +814,8 @@ Status measure_cpu_speeds(const Config& config, HostSpeeds* speeds) {
 }
 
 Status read_io_results(const std::string& path, const Config& config, HostSpeeds* speeds) {
-  ZO_ASSIGN_OR_RETURN(std::string text, read_small_file(*io::Env::posix(), path));
+  constexpr uint64_t kMaxIoResultsBytes = uint64_t{64} << 20;  // a sweep's JSON is a few KiB
+  ZO_ASSIGN_OR_RETURN(std::string text, io::Env::posix()->read_file(path, "io results file", kMaxIoResultsBytes));
   nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object() || !j.contains("best") || !j["best"].is_object())
     return invalid_argument(path + ": not the JSON of `zoffload-bench io --json` (no \"best\" object)");

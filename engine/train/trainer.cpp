@@ -134,12 +134,12 @@ Status Trainer::Impl::find_resume() {
                               "checkpoint's path instead");
     where = checkpoint_dir;
   }
-  auto path = resolve_checkpoint(where);
+  auto path = resolve_checkpoint(where, *env());
   // A --resume that names no checkpoint is bad input, like a bad --model.
   if (!path.is_ok() && path.status().code() == StatusCode::kNotFound)
     return invalid_argument("--resume: " + path.status().message());
   if (!path.is_ok()) return path.status();
-  ZO_ASSIGN_OR_RETURN(CheckpointInfo info, open_checkpoint(*path));
+  ZO_ASSIGN_OR_RETURN(CheckpointInfo info, open_checkpoint(*path, *env()));
   resume = std::move(info);
   return Status::ok();
 }
@@ -210,6 +210,7 @@ Status Trainer::Impl::create_states() {
   so.pinned_cap_bytes = config.zoffload.pinned_memory_limit;
   so.rank = rank();
   so.on_swap_file = opt.on_swap_file;
+  so.env = env();
   ZO_ASSIGN_OR_RETURN(store, StateStore::create(*registry, plan, *device, *io, so, accounting));
   if (store->optimizer_file() != nullptr) swap_dir = zo::engine::swap_dir(so.optimizer_nvme_path, so.rank);
   else if (store->param_file() != nullptr) swap_dir = zo::engine::swap_dir(so.param_nvme_path, so.rank);
@@ -221,7 +222,7 @@ Status Trainer::Impl::create_states() {
   for (const FileDigest& f : resume->manifest.files) largest = std::max(largest, f.size_bytes);
   ZO_ASSIGN_OR_RETURN(AlignedBuffer staging, AlignedBuffer::allocate(staging_bytes_for(
                                                  config.zoffload.checkpoint.staging_buffer_size, largest)));
-  return load_checkpoint(*resume, *store, *io, staging.bytes());
+  return load_checkpoint(*resume, *store, *io, staging.bytes(), *env());
 }
 
 Status Trainer::Impl::create_step_pipeline() {
@@ -423,7 +424,7 @@ Result<std::shared_ptr<io::File>> lock_run_dir(const std::string& out_dir_or_emp
   const std::string out_dir = out_dir_or_empty.empty() ? "." : out_dir_or_empty;
   ZO_RETURN_IF_ERROR(env->make_dirs(out_dir).with_context("creating the run directory " + out_dir));
   const std::string path = out_dir + "/.zoffload.lock";
-  ZO_ASSIGN_OR_RETURN(io::File file, io::File::open(path, io::OpenMode::kCreate, /*direct=*/false));
+  ZO_ASSIGN_OR_RETURN(io::File file, env->open_file(path, io::OpenMode::kCreate, /*direct=*/false));
   if (Status st = file.lock_exclusive(); !st.is_ok()) {
     const int err = st.sys_errno();
     if (st.code() != StatusCode::kFailedPrecondition && (err == ENOSYS || err == ENOLCK || err == EOPNOTSUPP)) {

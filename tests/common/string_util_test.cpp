@@ -2,8 +2,29 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+#include <limits>
+
 namespace zo {
 namespace {
+
+// Worked out by hand: the shortest decimal that reads back as the same double, in whichever of
+// fixed or scientific notation is shorter (fixed on a tie).
+TEST(FormatNumber, IsTheShortestTextThatReadsBack) {
+  EXPECT_EQ(format_number(0.1), "0.1");
+  EXPECT_EQ(format_number(2.5), "2.5");
+  EXPECT_EQ(format_number(4), "4");
+  EXPECT_EQ(format_number(-0.5), "-0.5");
+  EXPECT_EQ(format_number(1e-4), "1e-04");   // "0.0001" is one longer
+  EXPECT_EQ(format_number(0.001), "0.001");  // a tie with "1e-03"
+  EXPECT_EQ(format_number(1e5), "1e+05");
+  EXPECT_EQ(format_number(1500000), "1500000");
+  EXPECT_EQ(format_number(1.0 / 3.0), "0.3333333333333333");
+  EXPECT_EQ(format_number(0.1 + 0.2), "0.30000000000000004");  // not 0.3: a different double
+  EXPECT_EQ(format_number(std::numeric_limits<double>::infinity()), "inf");
+  for (double v : {1.0 / 7.0, 6.02214076e23, 5e-324, std::numeric_limits<double>::max(), -123.456})
+    EXPECT_EQ(std::strtod(format_number(v).c_str(), nullptr), v) << format_number(v);
+}
 
 TEST(EditDistance, Classic) {
   EXPECT_EQ(edit_distance("kitten", "sitting"), 3u);

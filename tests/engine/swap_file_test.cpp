@@ -1,6 +1,7 @@
 // SwapFile over real files in a temp dir ($ZO_TEST_TMPDIR, else $TMPDIR, else /tmp; O_DIRECT where
 // the file system allows it): aligned regions, round trips, preallocation, running out of space at
-// reserve and at create, and injected I/O errors reported with what, path and offset.
+// reserve and at create, and injected I/O errors (opening the file, reading and writing it)
+// reported with what, path and offset.
 #include "engine/memory/swap_file.h"
 
 #include <sys/mount.h>
@@ -16,6 +17,7 @@
 #include <random>
 
 #include "common/aligned_buffer.h"
+#include "io/env.h"
 #include "io/fault_injector.h"
 #include "io/io_engine.h"
 #include "tests/engine/temp_dir.h"
@@ -95,6 +97,29 @@ TEST(SwapFile, AFileInUseIsRefusedUntouchedAndClaimedOnlyWhenHeld) {
   auto third = SwapFile::create(tmp.path, "optimizer.swp", 8192, *engine, nullptr, io::Env::posix(), claim);
   ASSERT_TRUE(third.is_ok()) << "the lock ends with the file's owner: " << third.status().to_string();
   EXPECT_EQ(claimed.size(), 2u);
+}
+
+// The file is opened through the Env: a fault injected there is reported naming the file, and
+// nothing is created or claimed.
+TEST(SwapFile, AFaultOpeningTheFileIsReportedAndNothingIsClaimed) {
+  TempDir tmp;
+  auto engine = make_engine();
+  auto faults = std::make_shared<io::FaultInjector>();
+  io::FaultyEnv env(io::Env::posix(), faults);
+  std::vector<std::string> claimed;
+  auto claim = [&](const std::string& path) { claimed.push_back(path); };
+  faults->add({.kind = io::FaultKind::kNoSpace, .op = io::IoOp::kOpen, .path_contains = "optimizer.swp"});
+  auto f = SwapFile::create(tmp.path, "optimizer.swp", 8192, *engine, nullptr, &env, claim);
+  ASSERT_FALSE(f.is_ok());
+  EXPECT_EQ(f.status().code(), StatusCode::kNoSpace);
+  EXPECT_EQ(f.status().sys_errno(), ENOSPC);
+  EXPECT_THAT(f.status().message(), HasSubstr("open " + tmp.path + "/optimizer.swp (injected)"));
+  EXPECT_FALSE(std::filesystem::exists(tmp.path + "/optimizer.swp"));
+  EXPECT_TRUE(claimed.empty());
+  EXPECT_EQ(faults->injected(), 1u);
+  auto again = SwapFile::create(tmp.path, "optimizer.swp", 8192, *engine, nullptr, &env, claim);
+  ASSERT_TRUE(again.is_ok()) << "the rule is used up: " << again.status().to_string();
+  EXPECT_EQ(claimed, std::vector<std::string>{(*again)->path()});
 }
 
 TEST(SwapFile, ReservesAlignedRegionsInOrderUntilFull) {

@@ -10,9 +10,11 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -21,8 +23,10 @@
 #include "cpu_optim/adam.h"
 #include "engine/config/config.h"
 #include "gpu/device.h"
+#include "io/env.h"
 #include "io/fault_injector.h"
 #include "io/io_engine.h"
+#include "tests/engine/file_bytes.h"
 #include "tests/engine/temp_dir.h"
 #include "tests/engine/test_config.h"
 
@@ -371,6 +375,33 @@ TEST(StateStore, ReusedSwapFilesStartZeroedToo) {
   }
 }
 
+// The swap files are created through StateStoreOptions::env: a fault injected when one is opened
+// fails create() naming the file, and leaves no swap file behind.
+TEST(StateStore, SwapFilesAreOpenedThroughTheOptionsEnv) {
+  Placing s;
+  s.optimizer = "nvme";
+  s.param = "nvme";
+  s.max_in_cpu = 0;
+  Rig rig;
+  ASSERT_TRUE(rig.prepare(s).is_ok());
+  io::FaultyEnv env(io::Env::posix(), rig.faults);
+  StateStoreOptions o = rig.store_options();
+  o.env = &env;
+  for (const char* name : {"optimizer.swp", "param.swp"}) {
+    SCOPED_TRACE(name);
+    rig.faults->add({.kind = io::FaultKind::kEio, .op = io::IoOp::kOpen, .path_contains = name});
+    auto store = StateStore::create(rig.registry, rig.plan, *rig.device, *rig.io, o, rig.accounting);
+    ASSERT_FALSE(store.is_ok());
+    EXPECT_EQ(store.status().code(), StatusCode::kIoError) << store.status().to_string();
+    EXPECT_THAT(store.status().message(), HasSubstr("open " + swap_dir(rig.dir.path, 0) + "/" + name + " (injected)"));
+    EXPECT_FALSE(std::filesystem::exists(swap_dir(rig.dir.path, 0) + "/" + name));
+  }
+  EXPECT_EQ(rig.faults->injected(), 2u);
+  auto store = StateStore::create(rig.registry, rig.plan, *rig.device, *rig.io, o, rig.accounting);
+  ASSERT_TRUE(store.is_ok()) << "the rules are used up: " << store.status().to_string();
+  EXPECT_TRUE(std::filesystem::exists((*store)->optimizer_file()->path()));
+}
+
 TEST(StateStore, WriteStateReadsBackBitExactInEveryTier) {
   for (const Placing& s : tier_setups()) {
     SCOPED_TRACE(s.describe());
@@ -395,6 +426,84 @@ TEST(StateStore, WriteStateReadsBackBitExactInEveryTier) {
     // A wrong size is refused.
     Bytes small(3);
     EXPECT_EQ(rig.store->read_state(0, StateKind::kMaster, small).code(), StatusCode::kInvalidArgument);
+  }
+}
+
+// A state whose size is not a whole number of 4 KiB pages ends mid-page; the rest of that page is
+// its region's padding, never read as the state. A write that ends at the state's end zeroes the
+// padding instead of reading the page back (Note [Bytes per step] in planner.cpp counts no such
+// read), so the padding on disk is zero whatever was there and whatever the store's scratch held,
+// and a write of the whole state reads nothing. Checked on the file's bytes as the OS returns them.
+TEST(StateStore, AWriteEndingAtAStatesEndZeroesThePaddingOfItsLastPageUnread) {
+  Placing s;
+  s.optimizer = "nvme";
+  s.accumulators = "nvme";
+  Rig rig;
+  ASSERT_TRUE(rig.init(s).is_ok());
+  ASSERT_NE(rig.store->optimizer_file(), nullptr);
+  const std::string path = rig.store->optimizer_file()->path();
+  // A sub-group ending mid-page, and one larger than its padded region: reading the larger one
+  // leaves the scratch holding nonzero bytes where the smaller one's padding would be.
+  std::optional<uint32_t> odd, large;
+  for (const auto& g : rig.registry.sub_groups()) {
+    const uint64_t bytes = rig.store->state_bytes(g.index, StateKind::kMaster);
+    if (!odd && bytes % kSwapAlignment != 0) odd = g.index;
+  }
+  ASSERT_TRUE(odd.has_value()) << "no sub-group of the test model ends mid-page";
+  for (const auto& g : rig.registry.sub_groups()) {
+    if (rig.store->state_bytes(g.index, StateKind::kMaster) >= rig.store->padded_state_bytes(*odd, StateKind::kMaster))
+      large = g.index;
+  }
+  ASSERT_TRUE(large.has_value());
+  const uint32_t g = *odd;
+  std::mt19937 rng(23);
+  const Bytes garbage_byte(1, std::byte{0xa5});
+  auto nonzero = [](const Bytes& b, uint64_t from) {
+    return std::count_if(b.begin() + static_cast<std::ptrdiff_t>(from), b.end(), [](std::byte x) { return x != std::byte{0}; });
+  };
+  for (StateKind kind : {StateKind::kMaster, StateKind::kExpAvg, StateKind::kExpAvgSq, StateKind::kGradAccum}) {
+    SCOPED_TRACE(std::string(state_name(kind)) + " of sub-group " + std::to_string(g));
+    ASSERT_EQ(rig.store->location(g, kind).tier, Tier::kNvme);
+    const uint64_t size = rig.store->state_bytes(g, kind);
+    const uint64_t padded = rig.store->padded_state_bytes(g, kind);
+    const SwapRegion region = rig.store->location(g, kind).region;
+    ASSERT_EQ(region.size_bytes, padded);
+    ASSERT_LT(size, padded);
+    // Written once, so that the last page lies below the zero watermark (Note [Zero watermark]): a
+    // read-modify-write of it would read the disk. Then garbage in its padding, past the store.
+    ASSERT_TRUE(rig.store->write_state(g, kind, random_bytes(size, rng)).is_ok());
+    write_file_bytes(path, region.offset_bytes + size, Bytes(padded - size, std::byte{0xa5}));
+    ASSERT_EQ(read_file_bytes(path, region.offset_bytes + size, 1), garbage_byte);
+    Bytes other(rig.store->state_bytes(*large, kind));
+    ASSERT_TRUE(rig.store->write_state(*large, kind, random_bytes(other.size(), rng)).is_ok());
+    ASSERT_TRUE(rig.store->read_state(*large, kind, other).is_ok());
+
+    const Bytes want = random_bytes(size, rng);
+    const auto before = rig.accounting.snapshot();
+    ASSERT_TRUE(rig.store->write_state(g, kind, want).is_ok());
+    const auto after = rig.accounting.snapshot();
+    EXPECT_EQ(after.nvme_read_bytes - before.nvme_read_bytes, 0u) << "the last page was read back";
+    EXPECT_EQ(after.nvme_write_bytes - before.nvme_write_bytes, padded);
+    Bytes disk = read_file_bytes(path, region.offset_bytes, padded);
+    EXPECT_TRUE(std::equal(want.begin(), want.end(), disk.begin())) << "the state's bytes on disk";
+    EXPECT_EQ(nonzero(disk, size), 0) << "of the " << padded - size << " bytes of padding";
+
+    // A range write of the state's last bytes from mid-page reads that page once, for the bytes
+    // before the range, and zeroes the padding all the same.
+    write_file_bytes(path, region.offset_bytes + size, Bytes(padded - size, std::byte{0xa5}));
+    const uint64_t from = size - (size % kSwapAlignment) / 2;
+    ASSERT_NE(from % kSwapAlignment, 0u);
+    const Bytes tail = random_bytes(size - from, rng);
+    const auto before_tail = rig.accounting.snapshot();
+    ASSERT_TRUE(rig.store->write_state_range(g, kind, from, tail).is_ok());
+    const auto after_tail = rig.accounting.snapshot();
+    EXPECT_EQ(after_tail.nvme_read_bytes - before_tail.nvme_read_bytes, kSwapAlignment);
+    disk = read_file_bytes(path, region.offset_bytes, padded);
+    EXPECT_TRUE(std::equal(want.begin(), want.begin() + static_cast<std::ptrdiff_t>(from), disk.begin()))
+        << "the bytes before the range";
+    EXPECT_TRUE(std::equal(tail.begin(), tail.end(), disk.begin() + static_cast<std::ptrdiff_t>(from)))
+        << "the range's bytes on disk";
+    EXPECT_EQ(nonzero(disk, size), 0) << "of the " << padded - size << " bytes of padding";
   }
 }
 

@@ -55,7 +55,7 @@ a = j["aio"]
 assert a == {"use_gds": False, "queue_depth": 4, "block_size": 1048576, "intra_op_parallelism": 1,
              "single_submit": False, "overlap_events": True}, a
 PY
-ls "$work"/ds.json.tmp.* >/dev/null 2>&1 && fail "temporary config file left behind"
+ls "$work"/ds.json.tmp* >/dev/null 2>&1 && fail "temporary config file left behind"
 
 # A new file is created.
 expect_rc 0 "emit-config new file" "$bench" io --path "$work" "${quick[@]}" --emit-config "$work/new.json"
@@ -67,6 +67,12 @@ cp "$work/bad.json" "$work/bad.orig"
 expect_rc 2 "emit-config into bad JSON" "$bench" io --path "$work" "${quick[@]}" --emit-config "$work/bad.json"
 grep -q "bad.json" "$work/err" || fail "bad config message does not name the file"
 cmp -s "$work/bad.json" "$work/bad.orig" || fail "bad config was modified"
+
+# A directory is no config file: refused before any I/O (Note [Output files]), and left as it is.
+mkdir -p "$work/dir.json/mine"
+expect_rc 2 "emit-config into a directory" "$bench" io --path "$work" "${quick[@]}" --emit-config "$work/dir.json"
+grep -q "dir.json is a directory" "$work/err" || fail "directory message does not say what is wrong"
+[[ -d "$work/dir.json/mine" ]] || fail "the directory was changed"
 
 # tmpfs: O_DIRECT is not honoured; the run works buffered and says so.
 if [[ $(stat -f -c %T /dev/shm 2>/dev/null) == tmpfs ]]; then

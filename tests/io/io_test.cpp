@@ -845,6 +845,7 @@ TEST(PosixEnv, ReadsExactlyAndRefusesWhatIsNotARegularFile) {
   Status big = env->read_file(dir.file("w"), "config file", 9).status();
   EXPECT_EQ(big.code(), StatusCode::kInvalidArgument);
   EXPECT_THAT(big.message(), HasSubstr("config file " + dir.file("w") + " is 10 bytes, over the 9-byte limit"));
+  EXPECT_EQ(big.sys_errno(), EFBIG) << "a caller can tell a file too large from one of the wrong kind";
 
   // Missing, a directory, a FIFO: refused by name, never opened (a FIFO would block).
   EXPECT_EQ(env->open_read(dir.file("none"), "data file").status().code(), StatusCode::kNotFound);
@@ -853,6 +854,7 @@ TEST(PosixEnv, ReadsExactlyAndRefusesWhatIsNotARegularFile) {
   EXPECT_THAT(env->open_read(dir.file("fifo"), "data file").status().message(),
               HasSubstr("data file " + dir.file("fifo") + " is a FIFO (named pipe), not a regular file"));
   EXPECT_THAT(env->map_read(dir.file("fifo"), "data file").status().message(), HasSubstr("FIFO"));
+  EXPECT_NE(env->read_file(dir.file("fifo"), "data file", 9).status().sys_errno(), EFBIG);
 
   auto mapped = env->map_read(dir.file("w"), "data file");
   ZO_ASSERT_OK(mapped.status());
@@ -1007,6 +1009,39 @@ TEST(FaultyEnv, FailsReadsAppendsAndDirectoryCreation) {
   faults->add({.kind = FaultKind::kEagain, .op = IoOp::kRead, .path_contains = "/w"});
   ZO_ASSERT_OK((*file)->read_exact(0, std::as_writable_bytes(std::span(buf))));
   EXPECT_EQ(faults->injected(), 8u);
+}
+
+// The engine's files (swap, checkpoint and export files) are opened through the Env too, so a rule
+// on IoOp::kOpen fails the opening itself, before anything is created.
+TEST(FaultyEnv, FailsOpeningAFileForTheEngineBeforeCreatingIt) {
+  TempDir dir(test_root());
+  auto faults = std::make_shared<FaultInjector>();
+  FaultyEnv env(Env::posix(), faults);
+  const std::string path = dir.file("optimizer.swp");
+  faults->add({.kind = FaultKind::kEio, .op = IoOp::kOpen, .path_contains = "optimizer.swp"});
+  auto refused = env.open_file(path, OpenMode::kCreate, /*direct=*/true);
+  ASSERT_FALSE(refused.is_ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kIoError);
+  EXPECT_EQ(refused.status().sys_errno(), EIO);
+  EXPECT_THAT(refused.status().message(), HasSubstr("open " + path + " (injected)"));
+  EXPECT_FALSE(std::filesystem::exists(path)) << "nothing is created when the open fails";
+  // Another op's rule does not touch open_file; the rule above is used up: the file is made.
+  faults->add({.kind = FaultKind::kEio, .op = IoOp::kCreate, .path_contains = "optimizer.swp"});
+  auto made = env.open_file(path, OpenMode::kCreate, /*direct=*/true);
+  ZO_ASSERT_OK(made.status());
+  EXPECT_TRUE(made->is_open());
+  EXPECT_EQ(made->path(), path);
+  EXPECT_TRUE(std::filesystem::exists(path));
+  faults->clear();
+  // Any mode: ENOSPC opening the existing file to read it; a transient fault is retried.
+  faults->add({.kind = FaultKind::kNoSpace, .op = IoOp::kOpen, .path_contains = "optimizer.swp"});
+  EXPECT_EQ(env.open_file(path, OpenMode::kRead, /*direct=*/false).status().code(), StatusCode::kNoSpace);
+  faults->add({.kind = FaultKind::kEintr, .op = IoOp::kOpen});
+  ZO_ASSERT_OK(env.open_file(path, OpenMode::kReadWrite, /*direct=*/false).status());
+  EXPECT_EQ(faults->injected(), 3u);
+  // The base's own errors pass through unchanged.
+  EXPECT_EQ(env.open_file(path, OpenMode::kCreateNew, /*direct=*/false).status().code(), StatusCode::kAlreadyExists);
+  EXPECT_EQ(op_name(IoOp::kOpen), "open");
 }
 
 }  // namespace

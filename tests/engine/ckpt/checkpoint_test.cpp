@@ -239,6 +239,12 @@ TEST(Checkpoint, ResolveNamesWhatIsWrong) {
   EXPECT_THAT(message, HasSubstr("bytes)"));
   EXPECT_EQ(message.find('\0'), std::string::npos);
   EXPECT_LT(message.size(), dir.path.size() + 200);
+  // A `latest` of 64 MiB + 1 (sparse: never read, refused by its size) is corruption, not a bad
+  // argument: no save writes one.
+  fs::resize_file(dir.path + "/latest", (uint64_t{64} << 20) + 1);
+  const Status huge = resolve_checkpoint(dir.path).status();
+  EXPECT_EQ(huge.code(), StatusCode::kCorruption) << huge.to_string();
+  EXPECT_THAT(huge.message(), HasSubstr(dir.path + "/latest is 67108865 bytes, over the 67108864-byte limit"));
 }
 
 // Issue 19, finding 8: a manifest naming one file (or tensor) twice was accepted, so the second
@@ -474,7 +480,8 @@ TEST(Checkpoint, FaultsDuringASaveLoseNothing) {
 }
 
 // The file operations around the commit (issue 19), failed through io::FaultyEnv: ENOSPC writing
-// each small file, a failed fsync of the tmp directory and a failed rename into place lose nothing
+// each small file, a failed open of a state file (EIO, ENOSPC: creating it), a failed fsync of the
+// tmp directory and a failed rename into place lose nothing
 // (as above); a failed fsync of the checkpoint directory after the rename, and a failed update of
 // `latest`, report the save as failed while `latest` still names the previous checkpoint, which
 // verifies; the next save of the same step then replaces the renamed directory and succeeds.
@@ -493,6 +500,10 @@ TEST(Checkpoint, FileOperationFaultsAroundTheCommitLoseNothing) {
        false, StatusCode::kNoSpace, "trainer_state.json"},
       {"config ENOSPC", {.kind = io::FaultKind::kNoSpace, .op = io::IoOp::kWrite, .path_contains = "/config.json"},
        false, StatusCode::kNoSpace, "config.json"},
+      {"state file open", {.kind = io::FaultKind::kEio, .op = io::IoOp::kOpen, .path_contains = "/exp_avg.safetensors"},
+       false, StatusCode::kIoError, "exp_avg.safetensors (injected)"},
+      {"state file open ENOSPC", {.kind = io::FaultKind::kNoSpace, .op = io::IoOp::kOpen, .path_contains = "/master.safetensors"},
+       false, StatusCode::kNoSpace, "master.safetensors (injected)"},
       {"manifest fdatasync", {.kind = io::FaultKind::kEio, .op = io::IoOp::kSync, .path_contains = "/manifest.json"},
        false, StatusCode::kIoError, "fdatasync of"},
       // After the three small files' fdatasyncs (passed), the tmp directory's fsync.
@@ -603,6 +614,35 @@ TEST(Checkpoint, ReadFaultsNameTheFileAndNeverLoadSilently) {
   }
   EXPECT_EQ(rig.faults->injected() - injected_before, 6u) << "each read fault was met once";
   EXPECT_TRUE(verify(ckpt, *rig.io).is_ok()) << "the checkpoint itself is whole";
+}
+
+// Opening a state file to verify or load it goes through the Env too: a fault there fails both,
+// naming the file.
+TEST(Checkpoint, AFaultOpeningAStateFileFailsVerifyAndLoadNamingIt) {
+  TempDir dir;
+  Rig rig;
+  ASSERT_TRUE(rig.init({.optimizer = "cpu"}, dir.path + "/swap").is_ok());
+  ASSERT_TRUE(rig.fill(1).is_ok());
+  const std::string ckpt = dir.path + "/ckpt";
+  ASSERT_TRUE(save_checkpoint(*rig.store, state_at(1), "{}", save_options(ckpt)).is_ok());
+  const std::string step = ckpt + "/step-1";
+  io::FaultyEnv env(io::Env::posix(), rig.faults);
+  auto info = open_checkpoint(step, env);
+  ASSERT_TRUE(info.is_ok()) << info.status().to_string();
+  const std::string victim = step + "/" + state_file_name(StateKind::kExpAvgSq);
+  Buffers b;
+  rig.faults->add({.kind = io::FaultKind::kEio, .op = io::IoOp::kOpen, .path_contains = victim});
+  Status v = verify_checkpoint(*info, *rig.io, b.staging.bytes(), {}, env);
+  EXPECT_EQ(v.code(), StatusCode::kIoError) << v.to_string();
+  EXPECT_THAT(v.message(), HasSubstr("open " + victim + " (injected)"));
+  rig.faults->add({.kind = io::FaultKind::kEio, .op = io::IoOp::kOpen, .path_contains = victim});
+  Rig dst;
+  ASSERT_TRUE(dst.init({.optimizer = "cpu"}, dir.path + "/swap-dst").is_ok());
+  Status l = load_checkpoint(*info, *dst.store, *rig.io, b.staging.bytes(), env);
+  EXPECT_EQ(l.code(), StatusCode::kIoError) << l.to_string();
+  EXPECT_THAT(l.message(), HasSubstr("open " + victim + " (injected)"));
+  EXPECT_EQ(rig.faults->injected(), 2u);
+  EXPECT_TRUE(verify_checkpoint(*info, *rig.io, b.staging.bytes(), {}, env).is_ok()) << "the rules are used up";
 }
 
 TEST(Checkpoint, RefusesBadOptionsAndATornStore) {

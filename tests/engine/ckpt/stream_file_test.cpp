@@ -1,7 +1,7 @@
 // StreamWriter and ChunkVerifier over real files: any sequence of spans and appends lands in the
 // file byte for byte with its exact size and per-chunk CRC-32C, aligned spans stay aligned, an
-// existing file is refused, injected write errors surface with the path, and the verifier names
-// the chunk a flipped byte is in. RangeWriters filling adjacent unaligned ranges of one file from
+// existing file is refused, injected open and write errors surface with the path, and the verifier
+// names the chunk a flipped byte is in. RangeWriters filling adjacent unaligned ranges of one file from
 // several threads give the same bytes and, combined, the same digest as one StreamWriter, touch no
 // byte outside their ranges, and read_stream_range reads and checks only the chunks it needs.
 #include "engine/ckpt/stream_file.h"
@@ -18,6 +18,7 @@
 
 #include "common/aligned_buffer.h"
 #include "common/crc32c.h"
+#include "io/env.h"
 #include "io/fault_injector.h"
 #include "tests/engine/temp_dir.h"
 
@@ -383,6 +384,45 @@ TEST(RangeWriter, AnInjectedWriteErrorSurfacesWithThePath) {
     EXPECT_EQ(d.status().code(), StatusCode::kIoError);
     EXPECT_THAT(d.status().to_string(), HasSubstr("victim"));
   }
+}
+
+// Every file is opened through the Env: a fault injected at open time fails the create (nothing
+// made) or the read, naming the file; RangeWriter's second, buffered descriptor too.
+TEST(StreamFiles, AFaultOpeningAFileIsReportedWithThePath) {
+  TempDir dir;
+  auto faults = std::make_shared<io::FaultInjector>();
+  io::FaultyEnv env(io::Env::posix(), faults);
+  auto io = io::IoEngine::create(io::IoOptions{}, faults);
+  ASSERT_TRUE(io.is_ok());
+  auto staging = AlignedBuffer::allocate(8 * 4096);
+  auto expect_refused = [&](const Status& s, const std::string& path) {
+    EXPECT_EQ(s.code(), StatusCode::kIoError) << s.to_string();
+    EXPECT_EQ(s.sys_errno(), EIO);
+    EXPECT_THAT(s.message(), HasSubstr("open " + path + " (injected)"));
+  };
+  const std::string streamed = dir.path + "/master.safetensors";
+  faults->add({.kind = io::FaultKind::kEio, .op = io::IoOp::kOpen, .path_contains = "master"});
+  expect_refused(StreamWriter::create(**io, streamed, staging->bytes(), 4, env).status(), streamed);
+  EXPECT_FALSE(std::filesystem::exists(streamed));
+
+  const std::string sized = dir.path + "/exp_avg.safetensors";
+  faults->add({.kind = io::FaultKind::kEio, .op = io::IoOp::kOpen, .path_contains = "exp_avg"});
+  expect_refused(create_sized_file(sized, 20000, env), sized);
+  EXPECT_FALSE(std::filesystem::exists(sized));
+  ASSERT_TRUE(create_sized_file(sized, 20000, env).is_ok()) << "the rule is used up";
+  faults->add({.kind = io::FaultKind::kEio, .op = io::IoOp::kOpen, .path_contains = "exp_avg", .skip = 1});
+  expect_refused(RangeWriter::create(**io, sized, 100, 9000, staging->bytes(), 4, env).status(), sized);
+
+  auto w = StreamWriter::create(**io, streamed, staging->bytes(), 4, env);
+  ASSERT_TRUE(w.is_ok()) << w.status().to_string();
+  ASSERT_TRUE((*w)->append(random_bytes(10000, 3)).is_ok());
+  auto digest = (*w)->finish();
+  ASSERT_TRUE(digest.is_ok()) << digest.status().to_string();
+  faults->add({.kind = io::FaultKind::kEio, .op = io::IoOp::kOpen, .path_contains = "master"});
+  expect_refused(read_stream(**io, env, streamed, *digest, staging->bytes(), 0,
+                             [](uint64_t, std::span<const std::byte>) { return Status::ok(); }),
+                 streamed);
+  EXPECT_EQ(faults->injected(), 4u);
 }
 
 TEST(RangeWriter, CombineRefusesGapsOverlapsAndWrongPieceCounts) {
