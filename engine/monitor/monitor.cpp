@@ -4,8 +4,6 @@
 
 #include <chrono>
 #include <cmath>
-#include <cstdio>
-#include <cstring>
 
 #include <nlohmann/json.hpp>
 
