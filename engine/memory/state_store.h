@@ -1,9 +1,13 @@
 // StateStore: the storage of every state of every sub-group of this rank, allocated once at start
 // from a MemoryPlan — device memory, pinned pool, pageable CPU memory and the NVMe swap files —
 // plus the pinned swap and staging buffers the swappers use. The one owner of model-state bytes.
-// Not thread-safe: one thread drives it (the swappers it hands buffers to use their own threads),
-// except that the synchronous transfers (init_param, read_param_*, read_state*, write_state*,
-// write_compute_from_master) may come from several threads: they take turns.
+// Thread-safety: layout queries (location, state_bytes, plan, registry, buffers) are read-only after
+// create() and safe from any thread. The synchronous transfers (init_param, read_param_*,
+// read_state*, write_state*, write_compute_from_master) share one scratch buffer and one stream and
+// take turns under one mutex (recursive: a transfer may call another); during a step they come from
+// the training thread, the optimizer's, the gradient worker's and the block gatherer's. Everything
+// else (mark_torn, the asynchronous reads and writes of the swappers) is driven by one thread at a
+// time, as the trainer's step orders it.
 #pragma once
 
 #include <array>
