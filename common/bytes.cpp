@@ -25,10 +25,16 @@ std::string lower(std::string_view s) {
 bool parse_leading_number(std::string_view text, long double* value, std::string_view* rest) {
   size_t i = 0;
   bool digits = false;
-  while (i < text.size() && std::isdigit(static_cast<unsigned char>(text[i]))) { ++i; digits = true; }
+  while (i < text.size() && std::isdigit(static_cast<unsigned char>(text[i]))) {
+    ++i;
+    digits = true;
+  }
   if (i < text.size() && text[i] == '.') {
     ++i;
-    while (i < text.size() && std::isdigit(static_cast<unsigned char>(text[i]))) { ++i; digits = true; }
+    while (i < text.size() && std::isdigit(static_cast<unsigned char>(text[i]))) {
+      ++i;
+      digits = true;
+    }
   }
   if (!digits) return false;
   if (i < text.size() && (text[i] == 'e' || text[i] == 'E')) {
@@ -94,7 +100,10 @@ std::string format_bytes(uint64_t size_bytes) {
   if (size_bytes < kKiB) return std::to_string(size_bytes) + " B";
   double v = static_cast<double>(size_bytes);
   int u = 0;
-  while (v >= 1024.0 && u < 6) { v /= 1024.0; ++u; }
+  while (v >= 1024.0 && u < 6) {
+    v /= 1024.0;
+    ++u;
+  }
   char buf[32];
   std::snprintf(buf, sizeof buf, v < 10 ? "%.2f %s" : v < 100 ? "%.1f %s" : "%.0f %s", v, kUnits[u]);
   return buf;

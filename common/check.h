@@ -30,9 +30,9 @@ struct Voidify {
 
 }  // namespace zo::detail
 
-#define ZO_CHECK(cond)                  \
+#define ZO_CHECK(cond)                      \
   (__builtin_expect(!!(cond), 1)) ? (void)0 \
-      : ::zo::detail::Voidify() & ::zo::detail::CheckFailure(__FILE__, __LINE__, #cond)
+                                  : ::zo::detail::Voidify() & ::zo::detail::CheckFailure(__FILE__, __LINE__, #cond)
 
 #define ZO_CHECK_EQ(a, b) ZO_CHECK((a) == (b)) << "(" << (a) << " vs " << (b) << ") "
 #define ZO_CHECK_LE(a, b) ZO_CHECK((a) <= (b)) << "(" << (a) << " vs " << (b) << ") "

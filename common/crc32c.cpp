@@ -33,9 +33,8 @@ uint32_t crc32c_extend_portable(uint32_t crc, const void* data, size_t n) {
     std::memcpy(&lo, p, 4);
     std::memcpy(&hi, p + 4, 4);
     lo ^= crc;
-    crc = kTables[7][lo & 0xFF] ^ kTables[6][(lo >> 8) & 0xFF] ^ kTables[5][(lo >> 16) & 0xFF] ^
-          kTables[4][lo >> 24] ^ kTables[3][hi & 0xFF] ^ kTables[2][(hi >> 8) & 0xFF] ^
-          kTables[1][(hi >> 16) & 0xFF] ^ kTables[0][hi >> 24];
+    crc = kTables[7][lo & 0xFF] ^ kTables[6][(lo >> 8) & 0xFF] ^ kTables[5][(lo >> 16) & 0xFF] ^ kTables[4][lo >> 24] ^
+          kTables[3][hi & 0xFF] ^ kTables[2][(hi >> 8) & 0xFF] ^ kTables[1][(hi >> 16) & 0xFF] ^ kTables[0][hi >> 24];
     p += 8;
     n -= 8;
   }
@@ -112,7 +111,9 @@ uint32_t crc32c_extend(uint32_t crc, const void* data, size_t n) {
 }
 #else
 bool crc32c_is_hardware() { return false; }
-uint32_t crc32c_extend(uint32_t crc, const void* data, size_t n) { return detail::crc32c_extend_portable(crc, data, n); }
+uint32_t crc32c_extend(uint32_t crc, const void* data, size_t n) {
+  return detail::crc32c_extend_portable(crc, data, n);
+}
 #endif
 
 }  // namespace zo

@@ -8,14 +8,14 @@
 namespace zo {
 
 struct HostInfo {
-  std::string cpu_model;        // /proc/cpuinfo "model name", or "" when unknown
-  unsigned logical_cpus = 0;    // CPUs this process may run on (affinity mask)
+  std::string cpu_model;      // /proc/cpuinfo "model name", or "" when unknown
+  unsigned logical_cpus = 0;  // CPUs this process may run on (affinity mask)
   bool avx2 = false, fma = false, f16c = false, avx512f = false, avx512bw = false, avx512_bf16 = false;
-  uint64_t mem_total_bytes = 0;      // MemTotal
-  uint64_t mem_available_bytes = 0;  // MemAvailable
-  uint64_t memlock_limit_bytes = 0;  // RLIMIT_MEMLOCK soft limit; UINT64_MAX when unlimited
+  uint64_t mem_total_bytes = 0;            // MemTotal
+  uint64_t mem_available_bytes = 0;        // MemAvailable
+  uint64_t memlock_limit_bytes = 0;        // RLIMIT_MEMLOCK soft limit; UINT64_MAX when unlimited
   uint64_t address_space_limit_bytes = 0;  // RLIMIT_AS soft limit (ulimit -v); UINT64_MAX when unlimited
-  uint64_t thread_stack_bytes = 0;   // the address space a new thread's stack reserves (glibc's default)
+  uint64_t thread_stack_bytes = 0;         // the address space a new thread's stack reserves (glibc's default)
 };
 
 HostInfo host_info();

@@ -38,6 +38,7 @@ struct LogVoidify {
 
 }  // namespace zo
 
-#define ZO_LOG(level)                                          \
-  (::zo::LogLevel::level < ::zo::log_level()) ? (void)0        \
+#define ZO_LOG(level)                         \
+  (::zo::LogLevel::level < ::zo::log_level()) \
+      ? (void)0                               \
       : ::zo::detail::LogVoidify() & ::zo::detail::LogMessage(::zo::LogLevel::level, __FILE__, __LINE__)

@@ -19,11 +19,11 @@ enum class StatusCode {
   kInvalidArgument,  // bad input: config, command line, file contents
   kNotFound,
   kAlreadyExists,
-  kIoError,          // an I/O syscall failed (errno is set)
-  kNoSpace,          // ENOSPC, or a byte budget that cannot be met
-  kOutOfMemory,      // allocation failed or a device/pinned budget was exceeded
-  kUnavailable,      // a feature the kernel/hardware/build lacks (io_uring, CUDA, ...)
-  kCorruption,       // checksum or format mismatch
+  kIoError,      // an I/O syscall failed (errno is set)
+  kNoSpace,      // ENOSPC, or a byte budget that cannot be met
+  kOutOfMemory,  // allocation failed or a device/pinned budget was exceeded
+  kUnavailable,  // a feature the kernel/hardware/build lacks (io_uring, CUDA, ...)
+  kCorruption,   // checksum or format mismatch
   kFailedPrecondition,
   kAborted,
   kInternal,
@@ -73,7 +73,7 @@ Status errno_status(std::string message, int sys_errno);
 template <typename T>
 class [[nodiscard]] Result {
  public:
-  Result(T value) : v_(std::move(value)) {}  // NOLINT(google-explicit-constructor)
+  Result(T value) : v_(std::move(value)) {}        // NOLINT(google-explicit-constructor)
   Result(Status status) : v_(std::move(status)) {  // NOLINT(google-explicit-constructor)
     ZO_CHECK(!std::get<Status>(v_).is_ok()) << "Result constructed from an OK Status";
   }
@@ -109,10 +109,10 @@ class [[nodiscard]] Result {
 }  // namespace zo
 
 // Returns the Status from the enclosing function if `expr` is not OK.
-#define ZO_RETURN_IF_ERROR(expr)                 \
-  do {                                           \
-    ::zo::Status zo_status_ = (expr);            \
-    if (!zo_status_.is_ok()) return zo_status_;  \
+#define ZO_RETURN_IF_ERROR(expr)                \
+  do {                                          \
+    ::zo::Status zo_status_ = (expr);           \
+    if (!zo_status_.is_ok()) return zo_status_; \
   } while (0)
 
 #define ZO_CONCAT_INNER_(a, b) a##b

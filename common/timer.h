@@ -9,9 +9,7 @@ class Stopwatch {
  public:
   Stopwatch() : start_(std::chrono::steady_clock::now()) {}
   void reset() { start_ = std::chrono::steady_clock::now(); }
-  double elapsed_s() const {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
-  }
+  double elapsed_s() const { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count(); }
 
  private:
   std::chrono::steady_clock::time_point start_;

@@ -18,20 +18,20 @@ namespace zo::trace {
 // One track per stream of work. Spans on one track never partly overlap: each track is written
 // from one thread at a time, or (NVMe, device copies) as the busy periods of a resource.
 enum class Track : uint8_t {
-  kStep,            // the training thread: one span per Trainer::step call
-  kCompute,         // the training thread: forward, recompute and backward of each block
-  kFetch,           // the training thread waiting for a block's parameters (NVMe reads, H2D copies)
-  kGradOffload,     // the training thread handing a block's gradients off (D2H into the landing ring)
-  kGradWorker,      // the gradient worker: accumulating a parameter's gradient
-  kOptimizer,       // the optimizer's thread: each sub-group's update
-  kNvmeRead,        // the I/O engine with reads outstanding
-  kNvmeWrite,       // the I/O engine with writes outstanding
-  kCheckpoint,      // saving a checkpoint
-  kCollective,      // the training thread in a collective across ranks (data parallel)
-  kGather,          // the parameter gatherer's thread: each block gathered from its owners (stage 3 ranks)
-  kCopyH2D,         // the device copying host → device (its copy streams' busy periods, as the device ran them)
-  kCopyD2H,         // the device copying device → host
-  kDeviceCompute,   // the device running a block's forward or backward, as it ran it (on a GPU, not when queued)
+  kStep,           // the training thread: one span per Trainer::step call
+  kCompute,        // the training thread: forward, recompute and backward of each block
+  kFetch,          // the training thread waiting for a block's parameters (NVMe reads, H2D copies)
+  kGradOffload,    // the training thread handing a block's gradients off (D2H into the landing ring)
+  kGradWorker,     // the gradient worker: accumulating a parameter's gradient
+  kOptimizer,      // the optimizer's thread: each sub-group's update
+  kNvmeRead,       // the I/O engine with reads outstanding
+  kNvmeWrite,      // the I/O engine with writes outstanding
+  kCheckpoint,     // saving a checkpoint
+  kCollective,     // the training thread in a collective across ranks (data parallel)
+  kGather,         // the parameter gatherer's thread: each block gathered from its owners (stage 3 ranks)
+  kCopyH2D,        // the device copying host → device (its copy streams' busy periods, as the device ran them)
+  kCopyD2H,        // the device copying device → host
+  kDeviceCompute,  // the device running a block's forward or backward, as it ran it (on a GPU, not when queued)
   kCount
 };
 std::string_view track_name(Track t);
@@ -50,7 +50,8 @@ void pause();
 void resume();
 
 inline int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
 }
 
 // Records a finished span [start_ns, end_ns) (steady clock) when recording is on.

@@ -23,7 +23,8 @@ namespace {
 class CoreBinder final : public tbb::task_scheduler_observer {
  public:
   CoreBinder(tbb::task_arena& arena, hwloc_topology_t topology)
-      : tbb::task_scheduler_observer(arena), topology_(topology),
+      : tbb::task_scheduler_observer(arena),
+        topology_(topology),
         n_cores_(hwloc_get_nbobjs_by_type(topology, HWLOC_OBJ_CORE)) {}
 
   void on_scheduler_entry(bool) override {
@@ -34,8 +35,7 @@ class CoreBinder final : public tbb::task_scheduler_observer {
     if (saved_ == nullptr) saved_ = hwloc_bitmap_alloc();
     if (hwloc_get_cpubind(topology_, saved_, HWLOC_CPUBIND_THREAD) != 0) hwloc_bitmap_fill(saved_);
     if (hwloc_set_cpubind(topology_, core->cpuset, HWLOC_CPUBIND_THREAD) != 0 && !warned_.exchange(true))
-      ZO_LOG(kWarn) << "cpu_optim: hwloc could not bind a thread to core " << slot % n_cores_
-                    << "; running unbound";
+      ZO_LOG(kWarn) << "cpu_optim: hwloc could not bind a thread to core " << slot % n_cores_ << "; running unbound";
   }
   void on_scheduler_exit(bool) override {
     if (saved_ != nullptr) hwloc_set_cpubind(topology_, saved_, HWLOC_CPUBIND_THREAD);
@@ -75,9 +75,9 @@ Result<std::unique_ptr<Executor>> Executor::create(const ExecutorOptions& option
     return invalid_argument("cpu_optim: thread count must be ≥ 0 (0 = all), got " + std::to_string(options.n_threads));
   const Isa isa = options.isa == Isa::kAuto ? best_isa() : options.isa;
   if (!isa_supported(isa))
-    return unavailable("cpu_optim: the " + std::string(isa_name(isa)) +
-                       " path is not supported by this CPU or build (best available: " +
-                       std::string(isa_name(best_isa())) + ")");
+    return unavailable(
+        "cpu_optim: the " + std::string(isa_name(isa)) +
+        " path is not supported by this CPU or build (best available: " + std::string(isa_name(best_isa())) + ")");
   auto impl = std::make_unique<Impl>();
   impl->isa = isa;
   impl->n_threads = options.n_threads > 0 ? options.n_threads : std::max(1, tbb::info::default_concurrency());

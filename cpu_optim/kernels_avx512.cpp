@@ -34,7 +34,8 @@ struct Avx512Vec {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
   }
   static void store_f16(uint16_t* p, F x) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
   static F set1(float x) { return _mm512_set1_ps(x); }
   static F add(F a, F b) { return _mm512_add_ps(a, b); }

@@ -27,7 +27,8 @@ Status check_sizes(const char* op, size_t n, std::initializer_list<std::pair<con
 Status check_pointers(const char* op, size_t n, std::initializer_list<std::pair<const char*, const void*>> ptrs) {
   if (n == 0) return Status::ok();
   for (const auto& [name, ptr] : ptrs)
-    if (ptr == nullptr) return invalid_argument(std::string(op) + ": " + name + " is null for " + size_text(n) + " elements");
+    if (ptr == nullptr)
+      return invalid_argument(std::string(op) + ": " + name + " is null for " + size_text(n) + " elements");
   return Status::ok();
 }
 
@@ -60,8 +61,11 @@ Status adam_step(const AdamConfig& config, int64_t step, std::span<float> params
   const char* op = "adam_step";
   const size_t n = params.size();
   ZO_RETURN_IF_ERROR(check_sizes(op, n, {{"exp_avg", exp_avg.size()}, {"exp_avg_sq", exp_avg_sq.size()}}));
-  ZO_RETURN_IF_ERROR(check_pointers(
-      op, n, {{"params", params.data()}, {"exp_avg", exp_avg.data()}, {"exp_avg_sq", exp_avg_sq.data()}, {"grad", grad.data}}));
+  ZO_RETURN_IF_ERROR(check_pointers(op, n,
+                                    {{"params", params.data()},
+                                     {"exp_avg", exp_avg.data()},
+                                     {"exp_avg_sq", exp_avg_sq.data()},
+                                     {"grad", grad.data}}));
   ZO_RETURN_IF_ERROR(check_adam_hyperparameters(op, config, step, grad_scale));
   ZO_RETURN_IF_ERROR(check_dtypes(op, grad, copy_out));
   if (n == 0) return Status::ok();

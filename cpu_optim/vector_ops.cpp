@@ -30,9 +30,8 @@ Status accumulate(ElemSpan acc, ConstElemSpan grad, size_t n_elems, bool from_ze
   if (acc.data == nullptr || grad.data == nullptr)
     return invalid_argument("accumulate: null accumulator or gradient for " + std::to_string(n_elems) + " elements");
   const auto kernel = table_for(executor).accumulate;
-  executor.for_each_tile(n_elems, [&](size_t b, size_t e) {
-    kernel(acc.data, acc.dtype, grad.data, grad.dtype, from_zero, b, e);
-  });
+  executor.for_each_tile(
+      n_elems, [&](size_t b, size_t e) { kernel(acc.data, acc.dtype, grad.data, grad.dtype, from_zero, b, e); });
   return Status::ok();
 }
 
@@ -42,7 +41,8 @@ Status accumulate(ElemSpan acc, ConstElemSpan grad, size_t n_elems, bool from_ze
 // boundaries are fixed (kTileElems), so the result depends on neither the thread count nor the ISA.
 Result<double> squared_norm(ConstElemSpan grad, size_t n_elems, const Executor& executor) {
   if (n_elems == 0) return 0.0;
-  if (grad.data == nullptr) return invalid_argument("squared_norm: null gradient for " + std::to_string(n_elems) + " elements");
+  if (grad.data == nullptr)
+    return invalid_argument("squared_norm: null gradient for " + std::to_string(n_elems) + " elements");
   const auto kernel = table_for(executor).squared_norm;
   std::vector<double> partial((n_elems + kTileElems - 1) / kTileElems);
   executor.for_each_tile(n_elems,
@@ -60,8 +60,8 @@ void fill(std::span<float> data, float value, const Executor& executor) {
 Status stream_triad(std::span<float> a, std::span<const float> b, std::span<const float> c, float scalar,
                     const Executor& executor) {
   if (b.size() != a.size() || c.size() != a.size())
-    return invalid_argument("stream_triad: sizes differ (" + std::to_string(a.size()) + ", " + std::to_string(b.size()) +
-                            ", " + std::to_string(c.size()) + ")");
+    return invalid_argument("stream_triad: sizes differ (" + std::to_string(a.size()) + ", " +
+                            std::to_string(b.size()) + ", " + std::to_string(c.size()) + ")");
   const auto kernel = table_for(executor).triad;
   executor.for_each_tile(a.size(), [&](size_t lo, size_t hi) { kernel(a.data(), b.data(), c.data(), scalar, lo, hi); });
   return Status::ok();

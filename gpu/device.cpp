@@ -27,8 +27,9 @@ Result<DeviceKind> parse_device_kind(std::string_view text) {
 Result<DeviceChoice> choose_device(DeviceKind kind, const GpuProbe& probe) {
   if (kind == DeviceKind::kHost) return DeviceChoice{DeviceKind::kHost, false, "device: host (emulated GPU)"};
   if (!probe.gpus.empty())
-    return DeviceChoice{DeviceKind::kCuda, false,
-                        "device: " + probe.gpus.front().name + ", " + std::to_string(probe.gpus.size()) + " GPU(s) visible"};
+    return DeviceChoice{
+        DeviceKind::kCuda, false,
+        "device: " + probe.gpus.front().name + ", " + std::to_string(probe.gpus.size()) + " GPU(s) visible"};
   if (kind == DeviceKind::kCuda) return unavailable("device cuda requested but no GPU is usable: " + probe.reason);
   if (probe.gpu_present)
     return DeviceChoice{DeviceKind::kHost, true,

@@ -293,7 +293,8 @@ Status HostDevice::record(Event event, Stream stream) {
 
 Status HostDevice::record_foreign(Event event, void* native_stream) {
   if (native_stream != nullptr)
-    return invalid_argument("record_foreign: the emulated device has no foreign streams (the host computes synchronously)");
+    return invalid_argument(
+        "record_foreign: the emulated device has no foreign streams (the host computes synchronously)");
   std::shared_ptr<HostEvent> ev = s_->event(event);
   {
     std::lock_guard lock(ev->mu);
@@ -305,14 +306,16 @@ Status HostDevice::record_foreign(Event event, void* native_stream) {
 
 Status HostDevice::wait_foreign(void* native_stream, Event event) {
   if (native_stream != nullptr)
-    return invalid_argument("wait_foreign: the emulated device has no foreign streams (the host computes synchronously)");
+    return invalid_argument(
+        "wait_foreign: the emulated device has no foreign streams (the host computes synchronously)");
   return synchronize(event);
 }
 
 Status HostDevice::foreign_work(DeviceWork kind, uint64_t size_bytes, void* native_stream, const std::string& name,
                                 const std::function<Status()>& queue) {
   if (native_stream != nullptr)
-    return invalid_argument("foreign_work: the emulated device has no foreign streams (the host runs the work synchronously)");
+    return invalid_argument(
+        "foreign_work: the emulated device has no foreign streams (the host runs the work synchronously)");
   Status st;
   s_->timed(kind, size_bytes, name, [&] { st = queue(); });
   return st;
@@ -409,7 +412,8 @@ Status HostDevice::cast(DevicePtr dst, DType dst_dtype, DevicePtr src, DType src
   const uint64_t src_bytes = n_elems * dtype_size_bytes(src_dtype);
   ZO_RETURN_IF_ERROR(s_->acct.check_range(dst.addr, dst_bytes, "cast destination"));
   ZO_RETURN_IF_ERROR(s_->acct.check_range(src.addr, src_bytes, "cast source"));
-  if (overlaps(dst.addr, dst_bytes, src.addr, src_bytes)) return invalid_argument("cast: source and destination overlap");
+  if (overlaps(dst.addr, dst_bytes, src.addr, src_bytes))
+    return invalid_argument("cast: source and destination overlap");
   if (dst_dtype == src_dtype) {
     st->push([dst, src, dst_bytes] { std::memcpy(dst.addr, src.addr, dst_bytes); });
     return Status::ok();

@@ -53,8 +53,7 @@ class HostDevice final : public Device {
   Status copy_d2h(void* dst, DevicePtr src, uint64_t size_bytes, Stream stream) override;
   Status copy_d2d(DevicePtr dst, DevicePtr src, uint64_t size_bytes, Stream stream) override;
   Status fill_zero(DevicePtr dst, uint64_t size_bytes, Stream stream) override;
-  Status cast(DevicePtr dst, DType dst_dtype, DevicePtr src, DType src_dtype, uint64_t n_elems,
-              Stream stream) override;
+  Status cast(DevicePtr dst, DType dst_dtype, DevicePtr src, DType src_dtype, uint64_t n_elems, Stream stream) override;
   Status adam_step(const DeviceAdamArgs& args, Stream stream) override;
   Status delay(Stream stream, uint32_t duration_us) override;
 

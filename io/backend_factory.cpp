@@ -33,10 +33,8 @@ Result<std::unique_ptr<Queue>> make_queue(Backend backend, const QueueOptions& o
 #else
       return unavailable("libaio backend not built (libaio-dev was not found at build time)");
 #endif
-    case Backend::kPsync:
-      return make_psync_queue(options);
-    case Backend::kAuto:
-      break;
+    case Backend::kPsync: return make_psync_queue(options);
+    case Backend::kAuto: break;
   }
   return internal_error("make_queue called with Backend::kAuto");
 }
@@ -57,8 +55,7 @@ Result<Backend> resolve_backend(Backend requested, std::string* fallback_reason)
     const std::string why = std::string(backend_name(candidate)) + ": " + s.message();
     if (!fallback_reason->empty()) *fallback_reason += "; ";
     *fallback_reason += why;
-    ZO_LOG(kWarn) << "I/O backend " << backend_name(candidate) << " not usable (" << s.message()
-                  << "), falling back";
+    ZO_LOG(kWarn) << "I/O backend " << backend_name(candidate) << " not usable (" << s.message() << "), falling back";
   }
   return Backend::kPsync;
 }

@@ -81,16 +81,15 @@ class PosixAppendFile final : public AppendFile {
       else done += static_cast<size_t>(n);
     }
     if (!s.is_ok() && done > 0 && start >= 0 && ::ftruncate(fd_, start) != 0)
-      s = Status(s.code(), s.message() + "; cutting the torn record off again failed too: " + std::strerror(errno), s.sys_errno());
+      s = Status(s.code(), s.message() + "; cutting the torn record off again failed too: " + std::strerror(errno),
+                 s.sys_errno());
     return s;
   }
 
   Status sync() override {
     if (fd_ < 0) return Status(StatusCode::kFailedPrecondition, "fdatasync of " + path_ + ": it is closed");
     int rc;
-    do {
-      rc = ::fdatasync(fd_);
-    } while (rc != 0 && errno == EINTR);
+    do { rc = ::fdatasync(fd_); } while (rc != 0 && errno == EINTR);
     if (rc != 0) return errno_status("fdatasync of " + path_, errno);
     return Status::ok();
   }
@@ -194,8 +193,10 @@ class PosixEnv final : public Env {
     const int err = errno;
     if (err == EINVAL || err == ENOSYS || err == EOPNOTSUPP) {
       return Status(StatusCode::kAlreadyExists,
-                    to + " already exists and this file system cannot swap directories atomically "
-                         "(renameat2 RENAME_EXCHANGE: " + std::string(std::strerror(err)) + "): remove it first");
+                    to +
+                        " already exists and this file system cannot swap directories atomically "
+                        "(renameat2 RENAME_EXCHANGE: " +
+                        std::string(std::strerror(err)) + "): remove it first");
     }
     return errno_status("swapping " + from + " with the existing " + to, err);
   }
@@ -256,8 +257,8 @@ class PosixEnv final : public Env {
       ZO_ASSIGN_OR_RETURN(const PathKind kind, path_kind(p.string()));
       if (kind == PathKind::kDirectory) break;
       if (kind != PathKind::kMissing) {
-        return Status(StatusCode::kAlreadyExists, "creating " + normal.string() + ": " + p.string() +
-                                                      " exists and is not a directory", ENOTDIR);
+        return Status(StatusCode::kAlreadyExists,
+                      "creating " + normal.string() + ": " + p.string() + " exists and is not a directory", ENOTDIR);
       }
       missing.push_back(p);
       if (p == p.parent_path()) break;
@@ -327,7 +328,9 @@ class FaultyReadFile final : public ReadFile {
     return base_->read_exact(offset_bytes, out);
   }
   void will_read_sequentially() override { base_->will_read_sequentially(); }
-  void drop_cached(uint64_t offset_bytes, uint64_t length_bytes) override { base_->drop_cached(offset_bytes, length_bytes); }
+  void drop_cached(uint64_t offset_bytes, uint64_t length_bytes) override {
+    base_->drop_cached(offset_bytes, length_bytes);
+  }
 
  private:
   std::unique_ptr<ReadFile> base_;
@@ -339,8 +342,8 @@ class FaultyAppendFile final : public AppendFile {
   FaultyAppendFile(std::unique_ptr<AppendFile> base, FaultyEnv* env) : base_(std::move(base)), env_(env) {}
   const std::string& path() const override { return base_->path(); }
   Status append(std::string_view bytes) override {
-    ZO_RETURN_IF_ERROR(env_->inject("appending to " + path(), path(), IoOp::kWrite, appended_,
-                                    std::max<uint64_t>(bytes.size(), 1)));
+    ZO_RETURN_IF_ERROR(
+        env_->inject("appending to " + path(), path(), IoOp::kWrite, appended_, std::max<uint64_t>(bytes.size(), 1)));
     ZO_RETURN_IF_ERROR(base_->append(bytes));
     appended_ += bytes.size();
     return Status::ok();
@@ -363,8 +366,9 @@ Result<std::string> Env::read_file(const std::string& path, std::string_view wha
   ZO_ASSIGN_OR_RETURN(std::unique_ptr<ReadFile> file, open_read(path, what));
   const uint64_t size = file->size_bytes();
   if (size > max_bytes) {
-    return Status(StatusCode::kInvalidArgument, std::string(what) + " " + path + " is " + std::to_string(size) +
-                                                    " bytes, over the " + std::to_string(max_bytes) + "-byte limit",
+    return Status(StatusCode::kInvalidArgument,
+                  std::string(what) + " " + path + " is " + std::to_string(size) + " bytes, over the " +
+                      std::to_string(max_bytes) + "-byte limit",
                   EFBIG);
   }
   std::string bytes(size, '\0');
@@ -375,7 +379,8 @@ Result<std::string> Env::read_file(const std::string& path, std::string_view wha
 Status Env::check_output_file(const std::string& path, std::string_view what) {
   ZO_ASSIGN_OR_RETURN(const PathKind kind, path_kind(path));
   if (kind == PathKind::kDirectory)
-    return Status(StatusCode::kInvalidArgument, std::string(what) + " " + path + " is a directory: give the path of a file", EISDIR);
+    return Status(StatusCode::kInvalidArgument,
+                  std::string(what) + " " + path + " is a directory: give the path of a file", EISDIR);
   if (kind == PathKind::kOther) return invalid_argument(std::string(what) + " " + path + " is not a regular file");
   if (kind == PathKind::kFile) return Status::ok();
   // Missing: its nearest existing ancestor must be a directory.
@@ -384,7 +389,8 @@ Status Env::check_output_file(const std::string& path, std::string_view what) {
     ZO_ASSIGN_OR_RETURN(const PathKind up, path_kind(p.string()));
     if (up == PathKind::kDirectory) return Status::ok();
     if (up != PathKind::kMissing)
-      return Status(StatusCode::kInvalidArgument, std::string(what) + " " + path + ": " + p.string() + " is not a directory", ENOTDIR);
+      return Status(StatusCode::kInvalidArgument,
+                    std::string(what) + " " + path + ": " + p.string() + " is not a directory", ENOTDIR);
     if (p == p.parent_path()) break;
   }
   return Status::ok();

@@ -25,11 +25,11 @@ enum class FaultKind : uint8_t {
 
 struct FaultRule {
   FaultKind kind = FaultKind::kEio;
-  std::optional<IoOp> op;          // any op when empty
-  std::string path_contains;       // any file when empty
-  uint64_t offset_bytes = 0;       // the piece must cover this file offset
-  int times = 1;                   // how many pieces it hits; negative = every matching piece
-  int skip = 0;                    // matching pieces let through before the first hit
+  std::optional<IoOp> op;     // any op when empty
+  std::string path_contains;  // any file when empty
+  uint64_t offset_bytes = 0;  // the piece must cover this file offset
+  int times = 1;              // how many pieces it hits; negative = every matching piece
+  int skip = 0;               // matching pieces let through before the first hit
 };
 
 class FaultInjector {

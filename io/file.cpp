@@ -30,9 +30,7 @@ int open_flags(OpenMode mode) {
 
 int retry_open(const std::string& path, int flags) {
   int fd;
-  do {
-    fd = ::open(path.c_str(), flags, 0644);
-  } while (fd < 0 && errno == EINTR);
+  do { fd = ::open(path.c_str(), flags, 0644); } while (fd < 0 && errno == EINTR);
   return fd;
 }
 
@@ -68,7 +66,8 @@ Result<File> File::open(const std::string& path, OpenMode mode, bool direct) {
   int fd = -1;
   if (direct) {
     fd = retry_open(path, flags | O_DIRECT);
-    if (fd < 0 && errno == EINVAL) reason = "open with O_DIRECT failed with EINVAL (the file system does not support it)";
+    if (fd < 0 && errno == EINVAL)
+      reason = "open with O_DIRECT failed with EINVAL (the file system does not support it)";
     else if (fd < 0) return open_error(path, errno);
   }
   if (fd < 0) {
@@ -99,7 +98,8 @@ Result<File> File::open(const std::string& path, OpenMode mode, bool direct) {
     }
     if (!reason.empty()) {
       const int fl = ::fcntl(fd, F_GETFL);
-      if (fl < 0 || ::fcntl(fd, F_SETFL, fl & ~O_DIRECT) < 0) return errno_status("fcntl clear O_DIRECT " + path, errno);
+      if (fl < 0 || ::fcntl(fd, F_SETFL, fl & ~O_DIRECT) < 0)
+        return errno_status("fcntl clear O_DIRECT " + path, errno);
       f.direct_ = false;
       f.mem_align_ = f.offset_align_ = 1;
     }
@@ -146,9 +146,7 @@ File::~File() {
 Status File::preallocate(uint64_t target_bytes) {
   if (target_bytes == 0) return Status::ok();
   int rc;
-  do {
-    rc = ::fallocate(fd_, 0, 0, static_cast<off_t>(target_bytes));
-  } while (rc != 0 && errno == EINTR);
+  do { rc = ::fallocate(fd_, 0, 0, static_cast<off_t>(target_bytes)); } while (rc != 0 && errno == EINTR);
   if (rc == 0) return Status::ok();
   if (errno != EOPNOTSUPP) return errno_status("fallocate " + path_ + " length " + std::to_string(target_bytes), errno);
   ZO_LOG(kWarn) << "fallocate is not supported for " << path_
@@ -162,11 +160,10 @@ Status File::preallocate(uint64_t target_bytes) {
 
 Status File::lock_exclusive() {
   int rc;
-  do {
-    rc = ::flock(fd_, LOCK_EX | LOCK_NB);
-  } while (rc != 0 && errno == EINTR);
+  do { rc = ::flock(fd_, LOCK_EX | LOCK_NB); } while (rc != 0 && errno == EINTR);
   if (rc == 0) return Status::ok();
-  if (errno == EWOULDBLOCK) return Status(StatusCode::kFailedPrecondition, path_ + " is in use by another process", errno);
+  if (errno == EWOULDBLOCK)
+    return Status(StatusCode::kFailedPrecondition, path_ + " is in use by another process", errno);
   return errno_status("flock " + path_, errno);
 }
 
@@ -184,9 +181,7 @@ Status File::truncate(uint64_t size_bytes) {
 
 Status File::sync() {
   int rc;
-  do {
-    rc = ::fdatasync(fd_);
-  } while (rc != 0 && errno == EINTR);
+  do { rc = ::fdatasync(fd_); } while (rc != 0 && errno == EINTR);
   if (rc != 0) return errno_status("fdatasync " + path_, errno);
   return Status::ok();
 }
@@ -207,8 +202,8 @@ Status check_regular_file(const std::string& path, std::string_view what) {
     return errno_status(named, err);
   }
   if (S_ISREG(st.st_mode)) return Status::ok();
-  const char* kind = S_ISFIFO(st.st_mode)  ? "a FIFO (named pipe)"
-                     : S_ISDIR(st.st_mode) ? "a directory"
+  const char* kind = S_ISFIFO(st.st_mode)   ? "a FIFO (named pipe)"
+                     : S_ISDIR(st.st_mode)  ? "a directory"
                      : S_ISSOCK(st.st_mode) ? "a socket"
                      : S_ISCHR(st.st_mode)  ? "a character device"
                      : S_ISBLK(st.st_mode)  ? "a block device"

@@ -13,10 +13,10 @@
 namespace zo::io {
 
 enum class OpenMode : uint8_t {
-  kRead,        // read only; must exist
-  kReadWrite,   // read and write; must exist
-  kCreate,      // read and write; created (0644) if missing, never truncated
-  kCreateNew,   // read and write; created (0644), and StatusCode::kAlreadyExists if it exists
+  kRead,       // read only; must exist
+  kReadWrite,  // read and write; must exist
+  kCreate,     // read and write; created (0644) if missing, never truncated
+  kCreateNew,  // read and write; created (0644), and StatusCode::kAlreadyExists if it exists
 };
 
 class File {

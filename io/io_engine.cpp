@@ -27,8 +27,8 @@ struct TicketState {
   uint64_t remaining_bytes = 0;  // bytes of pieces not yet finished (done or failed)
   Status status;                 // first error
   bool done = false;
-  bool writes = false;           // the batch writes (for the trace's NVMe read and write tracks)
-  bool traced = false;           // counted in a BusyTrack
+  bool writes = false;  // the batch writes (for the trace's NVMe read and write tracks)
+  bool traced = false;  // counted in a BusyTrack
 };
 
 // The not-yet-split rest of a request, waiting in the shared queue.
@@ -62,7 +62,8 @@ std::string describe(const Piece& p, uint64_t at_offset, uint64_t length) {
 
 class IoEngine::Impl {
  public:
-  Impl(IoOptions options, std::string fallback_reason) : options_(options), fallback_reason_(std::move(fallback_reason)) {}
+  Impl(IoOptions options, std::string fallback_reason)
+      : options_(options), fallback_reason_(std::move(fallback_reason)) {}
 
   ~Impl() {
     {
@@ -93,9 +94,9 @@ class IoEngine::Impl {
         work_cv_.notify_all();
         for (auto& t : threads_) t.join();
         threads_.clear();
-        return errno_status("starting I/O worker thread " + std::to_string(i + 1) + " of " +
-                                std::to_string(queues.size()),
-                            e.code().value());
+        return errno_status(
+            "starting I/O worker thread " + std::to_string(i + 1) + " of " + std::to_string(queues.size()),
+            e.code().value());
       }
       (void)queues[i].release();  // now owned by its worker
     }
@@ -107,7 +108,8 @@ class IoEngine::Impl {
     for (const IoRequest& r : batch) {
       ZO_RETURN_IF_ERROR(validate(r));
       if (total + r.size_bytes < total)
-        return invalid_argument("I/O batch of " + std::to_string(batch.size()) + " requests totals more than 2^64 bytes");
+        return invalid_argument("I/O batch of " + std::to_string(batch.size()) +
+                                " requests totals more than 2^64 bytes");
       total += r.size_bytes;
     }
     std::lock_guard<std::mutex> lock(mu_);
@@ -133,7 +135,8 @@ class IoEngine::Impl {
   Status wait(Ticket ticket) {
     std::unique_lock<std::mutex> lock(mu_);
     auto it = tickets_.find(ticket);
-    if (it == tickets_.end()) return invalid_argument("unknown or already consumed I/O ticket " + std::to_string(ticket));
+    if (it == tickets_.end())
+      return invalid_argument("unknown or already consumed I/O ticket " + std::to_string(ticket));
     // Note [Concurrent consumers]: another thread may consume (erase) the ticket while this one
     // sleeps, so no TicketState* is held across the wait; the ticket is looked up again on each wake.
     done_cv_.wait(lock, [&] {
@@ -150,7 +153,8 @@ class IoEngine::Impl {
   std::optional<Status> poll(Ticket ticket) {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = tickets_.find(ticket);
-    if (it == tickets_.end()) return invalid_argument("unknown or already consumed I/O ticket " + std::to_string(ticket));
+    if (it == tickets_.end())
+      return invalid_argument("unknown or already consumed I/O ticket " + std::to_string(ticket));
     if (!it->second->done) return std::nullopt;
     Status s = std::move(it->second->status);
     tickets_.erase(it);
@@ -225,7 +229,8 @@ class IoEngine::Impl {
     };
     if (r.size_bytes == 0) return Status::ok();
     if (r.buffer == nullptr) return invalid_argument(where() + ": null buffer");
-    if (r.offset_bytes + r.size_bytes < r.offset_bytes) return invalid_argument(where() + ": offset + length overflows");
+    if (r.offset_bytes + r.size_bytes < r.offset_bytes)
+      return invalid_argument(where() + ": offset + length overflows");
     if (r.file->direct()) {
       const uint64_t mem = r.file->mem_align(), off = r.file->offset_align();
       const auto addr = reinterpret_cast<uintptr_t>(r.buffer);
@@ -283,8 +288,15 @@ class IoEngine::Impl {
       Piece& p = slots[slot];
       const uint64_t left = p.size_bytes - p.done_bytes;
       std::byte* buf = p.buffer + p.done_bytes;
-      return detail::Sqe{p.op, p.file->fd(), &p.file->path(), p.offset_bytes + p.done_bytes, buf,
-                         static_cast<uint32_t>(left), slot, p.file->offset_align(), fixed_index(buf, left, queue)};
+      return detail::Sqe{p.op,
+                         p.file->fd(),
+                         &p.file->path(),
+                         p.offset_bytes + p.done_bytes,
+                         buf,
+                         static_cast<uint32_t>(left),
+                         slot,
+                         p.file->offset_align(),
+                         fixed_index(buf, left, queue)};
     };
     auto fail = [&](uint32_t slot, Status s) {
       errors_.fetch_add(1, std::memory_order_relaxed);
@@ -354,7 +366,8 @@ class IoEngine::Impl {
           for (const detail::Sqe& sqe : sqes) {
             const Piece& p = slots[sqe.slot];
             Status e = s;
-            e.with_context(describe(p, sqe.offset_bytes, sqe.size_bytes) + " (" + std::string(backend_name(options_.backend)) + ")");
+            e.with_context(describe(p, sqe.offset_bytes, sqe.size_bytes) + " (" +
+                           std::string(backend_name(options_.backend)) + ")");
             fail(sqe.slot, std::move(e));
           }
           continue;
@@ -366,7 +379,8 @@ class IoEngine::Impl {
       if (!reaped.is_ok()) {
         // Waiting itself failed (not a piece). The pieces may still be in the kernel, so their
         // buffers cannot be handed back: report the failure once per streak and keep waiting.
-        if (reap_failures++ == 0) ZO_LOG(kWarn) << "I/O completion wait failed, retrying: " << reaped.status().to_string();
+        if (reap_failures++ == 0)
+          ZO_LOG(kWarn) << "I/O completion wait failed, retrying: " << reaped.status().to_string();
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
         continue;
       }
@@ -387,8 +401,9 @@ class IoEngine::Impl {
     if (c.result == -EAGAIN || c.result == -EINTR) {
       transient_retries_.fetch_add(1, std::memory_order_relaxed);
       if (++p.transient_retries > kMaxTransientRetries) {
-        fail(c.slot, errno_status(where() + ": still failing after " + std::to_string(kMaxTransientRetries) + " retries",
-                                  static_cast<int>(-c.result)));
+        fail(c.slot,
+             errno_status(where() + ": still failing after " + std::to_string(kMaxTransientRetries) + " retries",
+                          static_cast<int>(-c.result)));
         return;
       }
       if (c.result == -EAGAIN && p.transient_retries > 8) std::this_thread::yield();
@@ -400,9 +415,10 @@ class IoEngine::Impl {
       return;
     }
     if (c.result == 0) {
-      fail(c.slot, io_error(where() + ": " + (p.op == IoOp::kRead ? "unexpected end of file" : "wrote 0 bytes") +
-                                " after " + std::to_string(p.done_bytes) + " of " + std::to_string(p.size_bytes) + " bytes",
-                            0));
+      fail(c.slot,
+           io_error(where() + ": " + (p.op == IoOp::kRead ? "unexpected end of file" : "wrote 0 bytes") + " after " +
+                        std::to_string(p.done_bytes) + " of " + std::to_string(p.size_bytes) + " bytes",
+                    0));
       return;
     }
     const uint64_t got = std::min<uint64_t>(static_cast<uint64_t>(c.result), left);

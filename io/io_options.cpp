@@ -23,8 +23,7 @@ Result<Backend> parse_backend(std::string_view text) {
   if (lower == "io_uring" || lower == "uring") return Backend::kUring;
   if (lower == "libaio" || lower == "aio") return Backend::kAio;
   if (lower == "psync" || lower == "pool") return Backend::kPsync;
-  return invalid_argument("unknown I/O backend '" + std::string(text) +
-                          "' (expected auto, io_uring, libaio or psync)");
+  return invalid_argument("unknown I/O backend '" + std::string(text) + "' (expected auto, io_uring, libaio or psync)");
 }
 
 Status IoOptions::validate() const {

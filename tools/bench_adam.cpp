@@ -80,8 +80,12 @@ struct Buffers {
 Status run_step(const std::string& optimizer, const Hyper& h, int64_t step, std::span<float> p, std::span<float> m,
                 std::span<float> v, ConstElemSpan grad, ElemSpan copy, const Executor& ex) {
   if (optimizer == "adamw" || optimizer == "adam") {
-    const cpu_optim::AdamConfig cfg{.lr = h.lr, .beta1 = h.beta1, .beta2 = h.beta2, .eps = h.eps,
-                                    .weight_decay = h.weight_decay, .adam_w_mode = optimizer == "adamw"};
+    const cpu_optim::AdamConfig cfg{.lr = h.lr,
+                                    .beta1 = h.beta1,
+                                    .beta2 = h.beta2,
+                                    .eps = h.eps,
+                                    .weight_decay = h.weight_decay,
+                                    .adam_w_mode = optimizer == "adamw"};
     return cpu_optim::adam_step(cfg, step, p, m, v, grad, 1.0f / 1024.0f, copy, ex);
   }
   if (optimizer == "adagrad")
@@ -132,8 +136,9 @@ Status check_against_scalar(const Args& a, const Hyper& h, DType gdt, bool has_c
     if (!ok && mismatches++ == 0) first = i;
   }
   if (mismatches > 0)
-    return internal_error(std::to_string(mismatches) + " of " + std::to_string(n_check) + " parameters differ between " +
-                          std::string(cpu_optim::isa_name(ex.isa())) + " and scalar, first at " + std::to_string(first));
+    return internal_error(std::to_string(mismatches) + " of " + std::to_string(n_check) +
+                          " parameters differ between " + std::string(cpu_optim::isa_name(ex.isa())) +
+                          " and scalar, first at " + std::to_string(first));
   *summary = std::string(cpu_optim::isa_name(ex.isa())) + " vs scalar on " + std::to_string(n_check) +
              " params x 3 steps (denormals, inf, NaN planted): bit-identical";
   return Status::ok();
@@ -182,11 +187,11 @@ Result<TorchCheck> check_torch_fused(const Args& a, const Hyper& h, DType gdt, c
   for (int64_t step = 1; step <= c.steps; ++step)
     ZO_RETURN_IF_ERROR(run_step(a.optimizer, h, step, p[0], m[0], v[0], {g.data(), gdt}, ElemSpan{}, ex));
   const detail::TorchHyper th{h.lr, h.beta1, h.beta2, h.eps, h.weight_decay};
-  ZO_ASSIGN_OR_RETURN(auto torch_step,
-                      detail::make_torch_fused_step(a.optimizer, th,
-                                                    {p[1].data(), g32.data(), uses_m ? m[1].data() : nullptr,
-                                                     v[1].data(), n_check, nullptr, 0},
-                                                    ex.n_threads()));
+  ZO_ASSIGN_OR_RETURN(
+      auto torch_step,
+      detail::make_torch_fused_step(
+          a.optimizer, th, {p[1].data(), g32.data(), uses_m ? m[1].data() : nullptr, v[1].data(), n_check, nullptr, 0},
+          ex.n_threads()));
   for (int step = 1; step <= c.steps; ++step) ZO_RETURN_IF_ERROR(torch_step());
   c.err_params = rel_l2(p[1], p[0]);
   c.err_exp_avg = uses_m ? rel_l2(m[1], m[0]) : 0.0;
@@ -217,7 +222,8 @@ int run_bench(const Args& a) {
     return 1;
   };
   const Result<uint64_t> n_parsed = parse_count(a.params);
-  if (!n_parsed.is_ok() || *n_parsed == 0) return usage("--params: expected a positive count like 2e8, got '" + a.params + "'");
+  if (!n_parsed.is_ok() || *n_parsed == 0)
+    return usage("--params: expected a positive count like 2e8, got '" + a.params + "'");
   const size_t n = *n_parsed;
   if (a.optimizer != "adamw" && a.optimizer != "adam" && a.optimizer != "adagrad" && a.optimizer != "lion")
     return usage("--optimizer: expected adamw, adam, adagrad or lion, got '" + a.optimizer + "'");
@@ -227,7 +233,8 @@ int run_bench(const Args& a) {
   DType cdt = DType::kBF16;
   if (has_copy) {
     const Result<DType> c = cpu_optim::parse_dtype(a.copy_out);
-    if (!c.is_ok() || *c == DType::kF32) return usage("--copy-out: expected bf16, fp16 or none, got '" + a.copy_out + "'");
+    if (!c.is_ok() || *c == DType::kF32)
+      return usage("--copy-out: expected bf16, fp16 or none, got '" + a.copy_out + "'");
     cdt = *c;
   }
   const Result<Isa> isa = cpu_optim::parse_isa(a.isa);
@@ -239,8 +246,8 @@ int run_bench(const Args& a) {
   if (!ex_r.is_ok()) return failure(ex_r.status().to_string());
   const Executor& ex = **ex_r;
   const Hyper h = hyper_for(a.optimizer);
-  const bool uses_m = a.optimizer != "adagrad", uses_v = a.optimizer == "adamw" || a.optimizer == "adam" ||
-                                                         a.optimizer == "adagrad";
+  const bool uses_m = a.optimizer != "adagrad",
+             uses_v = a.optimizer == "adamw" || a.optimizer == "adam" || a.optimizer == "adagrad";
   const size_t gs = cpu_optim::dtype_size_bytes(*gdt), cs = has_copy ? cpu_optim::dtype_size_bytes(cdt) : 0;
   const size_t n_states = 1 + uses_m + uses_v;  // fp32 params + moments
   const size_t read_bytes = 4 * n_states + gs, write_bytes = 4 * n_states + cs;
@@ -248,14 +255,15 @@ int run_bench(const Args& a) {
   if (!a.json) {
     std::printf("zoffload-bench adam: %s, %zu params, grad %s, copy-out %s, %s\n", opt_label.c_str(), n,
                 a.grad_dtype.c_str(), has_copy ? a.copy_out.c_str() : "none", ex.describe().c_str());
-    std::printf("hyper     lr %g, betas (%g, %g), eps %g, weight_decay %g%s\n", h.lr, h.beta1,
-                h.beta2, h.eps, h.weight_decay,
+    std::printf("hyper     lr %g, betas (%g, %g), eps %g, weight_decay %g%s\n", h.lr, h.beta1, h.beta2, h.eps,
+                h.weight_decay,
                 a.optimizer == "adagrad" ? " (Adagrad: torch's decays the numerator too, cpu_optim's does not)" : "");
   }
 
   // 1. Correctness: the timed path against scalar, and the torch baseline against cpu_optim.
   std::string check_summary;
-  const Status check = check_against_scalar(a, h, *gdt, has_copy, cdt, ex, std::min<size_t>(n, size_t{1} << 20), &check_summary);
+  const Status check =
+      check_against_scalar(a, h, *gdt, has_copy, cdt, ex, std::min<size_t>(n, size_t{1} << 20), &check_summary);
   if (!check.is_ok()) return failure("check failed: " + check.to_string());
   if (!a.json) std::printf("check     %s\n", check_summary.c_str());
 
@@ -333,17 +341,24 @@ int run_bench(const Args& a) {
 #if ZO_HAVE_TORCH
   const detail::TorchHyper th{h.lr, h.beta1, h.beta2, h.eps, h.weight_decay};
   auto torch_buffers = [&]() -> detail::TorchBuffers {
-    return {p.data(), g32.as<float>().data(), uses_m ? m.data() : nullptr, v.data(), n,
-            has_copy ? b.copy.data() : nullptr, has_copy ? (cdt == DType::kBF16 ? 1 : 2) : 0};
+    return {p.data(),
+            g32.as<float>().data(),
+            uses_m ? m.data() : nullptr,
+            v.data(),
+            n,
+            has_copy ? b.copy.data() : nullptr,
+            has_copy ? (cdt == DType::kBF16 ? 1 : 2) : 0};
   };
   if (torch_on) {
-    if (Status s = alloc(&g32, n * 4); !s.is_ok()) return failure(s.to_string() + " (try a smaller --params or --no-torch)");
+    if (Status s = alloc(&g32, n * 4); !s.is_ok())
+      return failure(s.to_string() + " (try a smaller --params or --no-torch)");
     (void)cpu_optim::convert(grad, {g32.data(), DType::kF32}, n, ex);
     float* g32p = g32.as<float>().data();
     ex.for_each_tile(n, [&](size_t lo, size_t hi) {
       for (size_t i = lo; i < hi; ++i) g32p[i] *= 1.0f / 1024.0f;
     });
-    Result<std::function<Status()>> ts = detail::make_torch_fused_step(a.optimizer, th, torch_buffers(), ex.n_threads());
+    Result<std::function<Status()>> ts =
+        detail::make_torch_fused_step(a.optimizer, th, torch_buffers(), ex.n_threads());
     if (!ts.is_ok()) return failure(ts.status().to_string());
     torch_step = *ts;
   }
@@ -377,8 +392,8 @@ int run_bench(const Args& a) {
   extra = AlignedBuffer();
 
   // 4. Optionally torch::optim's per-tensor loop, after the rounds (it keeps moments of its own).
-  std::string loop_name = a.optimizer == "adamw" ? "torch::optim::AdamW"
-                          : a.optimizer == "adam" ? "torch::optim::Adam"
+  std::string loop_name = a.optimizer == "adamw"     ? "torch::optim::AdamW"
+                          : a.optimizer == "adam"    ? "torch::optim::Adam"
                           : a.optimizer == "adagrad" ? "torch::optim::Adagrad"
                                                      : "(none)";
   std::vector<double> loop_s;
@@ -389,7 +404,8 @@ int run_bench(const Args& a) {
     b.m = AlignedBuffer();
     b.v = AlignedBuffer();
     random_fill(p.data(), DType::kF32, n, 1, -1.0f, 1.0f, ex);
-    Result<std::vector<double>> ls = detail::time_torch_loop(a.optimizer, th, torch_buffers(), ex.n_threads(), a.repeats);
+    Result<std::vector<double>> ls =
+        detail::time_torch_loop(a.optimizer, th, torch_buffers(), ex.n_threads(), a.repeats);
     if (ls.is_ok()) loop_s = *ls;
     else loop_skip = ls.status().to_string();
   } else if (a.torch_loop) {
@@ -423,10 +439,16 @@ int run_bench(const Args& a) {
     j["threads"] = ex.n_threads();
     j["bind_cores"] = ex.cores_bound();
     j["repeats"] = a.repeats;
-    j["hyper"] = {{"lr", h.lr}, {"beta1", h.beta1}, {"beta2", h.beta2},
-                  {"eps", h.eps}, {"weight_decay", h.weight_decay}, {"grad_scale", 1.0 / 1024.0}};
+    j["hyper"] = {{"lr", h.lr},
+                  {"beta1", h.beta1},
+                  {"beta2", h.beta2},
+                  {"eps", h.eps},
+                  {"weight_decay", h.weight_decay},
+                  {"grad_scale", 1.0 / 1024.0}};
     j["check"] = check_summary;
-    j["bytes_per_param"] = {{"read", read_bytes}, {"write", write_bytes}, {"total", read_bytes + write_bytes},
+    j["bytes_per_param"] = {{"read", read_bytes},
+                            {"write", write_bytes},
+                            {"total", read_bytes + write_bytes},
                             {"streams", bytes_text + " fp32 read+write; grad " + a.grad_dtype + " read" +
                                             (has_copy ? "; copy " + a.copy_out + " written" : "")}};
     j["step_s"] = {{"median", opt_med}, {"all", opt_s}};
@@ -471,10 +493,11 @@ int run_bench(const Args& a) {
     j["targets"] = {{"ratio_to_triad", 0.85}, {"ratio_to_torch", 1.0}};
     std::printf("%s\n", j.dump(2).c_str());
   } else {
-    std::printf("bytes     %zu B/param = read %zu (%s fp32, grad %s) + write %zu (%s fp32%s); "
-                "triad counts 12 B/elem (read b, c; write a; write-allocate not counted, as STREAM)\n",
-                read_bytes + write_bytes, read_bytes, bytes_text.c_str(), a.grad_dtype.c_str(), write_bytes,
-                bytes_text.c_str(), has_copy ? (", copy " + a.copy_out).c_str() : "");
+    std::printf(
+        "bytes     %zu B/param = read %zu (%s fp32, grad %s) + write %zu (%s fp32%s); "
+        "triad counts 12 B/elem (read b, c; write a; write-allocate not counted, as STREAM)\n",
+        read_bytes + write_bytes, read_bytes, bytes_text.c_str(), a.grad_dtype.c_str(), write_bytes, bytes_text.c_str(),
+        has_copy ? (", copy " + a.copy_out).c_str() : "");
     std::printf("%-9s median %.4f s/step of %d (min %.4f, max %.4f): %.1f M params/s, %.2f GB/s effective\n",
                 opt_label.c_str(), opt_med, a.repeats, *std::min_element(opt_s.begin(), opt_s.end()),
                 *std::max_element(opt_s.begin(), opt_s.end()), params_per_s / 1e6, eff_gbps);
@@ -485,13 +508,11 @@ int run_bench(const Args& a) {
                   torch_kernel.c_str(), copy_text.c_str(), torch_med, a.repeats,
                   *std::min_element(torch_s.begin(), torch_s.end()), *std::max_element(torch_s.begin(), torch_s.end()),
                   torch_pps / 1e6);
-    else
-      std::printf("torch     baseline %s: %s\n", torch_failed ? "refused" : "skipped", torch_skip.c_str());
+    else std::printf("torch     baseline %s: %s\n", torch_failed ? "refused" : "skipped", torch_skip.c_str());
     if (have_loop)
       std::printf("torch     %s per-tensor loop%s, after the rounds: median %.4f s/step of %d: %.1f M params/s\n",
                   loop_name.c_str(), copy_text.c_str(), loop_med, a.repeats, loop_pps / 1e6);
-    else if (a.torch_loop)
-      std::printf("torch     per-tensor loop skipped: %s\n", loop_skip.c_str());
+    else if (a.torch_loop) std::printf("torch     per-tensor loop skipped: %s\n", loop_skip.c_str());
     std::printf("ratio     effective/triad %.2f (target >= 0.85)", ratio_triad);
     if (have_torch) std::printf(", vs torch's fused kernel %.2fx params/s (target >= 1)", ratio_torch);
     std::printf("\n");
@@ -508,8 +529,9 @@ int run_bench(const Args& a) {
 void register_bench_adam(CLI::App& app, int* exit_code) {
   auto args = std::make_shared<Args>();
   CLI::App* cmd = app.add_subcommand(
-      "adam", "CPU optimizer step (cpu_optim): params/s and effective GB/s, checked against the scalar path, "
-              "with a same-run STREAM triad and torch's fused kernel (at::_fused_adamw_) and their ratios");
+      "adam",
+      "CPU optimizer step (cpu_optim): params/s and effective GB/s, checked against the scalar path, "
+      "with a same-run STREAM triad and torch's fused kernel (at::_fused_adamw_) and their ratios");
   cmd->add_option("--params", args->params, "number of parameters, e.g. 2e8")->capture_default_str();
   cmd->add_option("--optimizer", args->optimizer, "adamw|adam|adagrad|lion (adam = L2 decay, adam_w_mode off)")
       ->capture_default_str();

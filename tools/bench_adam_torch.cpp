@@ -43,8 +43,7 @@ Status torch_failure(const char* what, const std::exception& e) {
 
 Result<std::function<Status()>> make_torch_fused_step(const std::string& optimizer, const TorchHyper& h,
                                                       const TorchBuffers& b, int threads) {
-  if (torch_fused_kernel(optimizer) == nullptr)
-    return unavailable("torch has no fused CPU kernel for " + optimizer);
+  if (torch_fused_kernel(optimizer) == nullptr) return unavailable("torch has no fused CPU kernel for " + optimizer);
   try {
     at::set_num_threads(threads);
     const auto n64 = static_cast<int64_t>(b.n);
@@ -67,14 +66,10 @@ Result<std::function<Status()>> make_torch_fused_step(const std::string& optimiz
           at::_fused_adam_(p, g, m, v, /*max_exp_avg_sqs=*/{}, step, h.lr, h.beta1, h.beta2, h.weight_decay, h.eps,
                            /*amsgrad=*/false, /*maximize=*/false);
         if (copy.defined()) copy.copy_(p[0]);
-      } catch (const std::exception& e) {
-        return torch_failure(torch_fused_kernel(optimizer), e);
-      }
+      } catch (const std::exception& e) { return torch_failure(torch_fused_kernel(optimizer), e); }
       return Status::ok();
     });
-  } catch (const std::exception& e) {
-    return torch_failure("setting up the torch baseline", e);
-  }
+  } catch (const std::exception& e) { return torch_failure("setting up the torch baseline", e); }
 }
 
 Result<std::vector<double>> time_torch_loop(const std::string& optimizer, const TorchHyper& h, const TorchBuffers& b,
@@ -118,9 +113,7 @@ Result<std::vector<double>> time_torch_loop(const std::string& optimizer, const 
       seconds.push_back(sw.elapsed_s());
     }
     return seconds;
-  } catch (const std::exception& e) {
-    return torch_failure("torch::optim", e);
-  }
+  } catch (const std::exception& e) { return torch_failure("torch::optim", e); }
 }
 
 }  // namespace zo::tools::detail

@@ -112,7 +112,10 @@ Result<double> time_plain_copy(io::IoEngine& io, const std::string& src, const s
       s = wait(wt[k]);
       if (!s.is_ok()) break;
       auto t = io.submit(io::read_request(in, c * slot, buf.data() + k * slot, slot));
-      if (!t.is_ok()) { s = t.status(); break; }
+      if (!t.is_ok()) {
+        s = t.status();
+        break;
+      }
       rt[k] = *t;
     }
     if (c >= 1) {
@@ -120,7 +123,10 @@ Result<double> time_plain_copy(io::IoEngine& io, const std::string& src, const s
       s = wait(rt[k]);
       if (!s.is_ok()) break;
       auto t = io.submit(io::write_request(out, (c - 1) * slot, buf.data() + k * slot, slot));
-      if (!t.is_ok()) { s = t.status(); break; }
+      if (!t.is_ok()) {
+        s = t.status();
+        break;
+      }
       wt[k] = *t;
     }
   }
@@ -151,7 +157,8 @@ int run_bench(const Args& a) {
     return 1;
   };
   const auto n_total = parse_count(a.params);
-  if (!n_total.is_ok() || *n_total == 0) return usage("--params: expected a positive count like 1.1e9, got '" + a.params + "'");
+  if (!n_total.is_ok() || *n_total == 0)
+    return usage("--params: expected a positive count like 1.1e9, got '" + a.params + "'");
   const auto per_param = parse_count(a.param_elems);
   if (!per_param.is_ok() || *per_param == 0) return usage("--param-elems: expected a positive count");
   const auto sgs = parse_count(a.sub_group_size);
@@ -209,10 +216,11 @@ int run_bench(const Args& a) {
   if (!store.is_ok()) return failure(store.status().to_string());
 
   if (!a.json) {
-    std::printf("zoffload-bench ckpt: %s params, %s of fp32 states (master, exp_avg, exp_avg_sq) on NVMe in %zu "
-                "sub-groups; staging %s; I/O %s\n",
-                a.params.c_str(), format_bytes(state_bytes).c_str(), reg->sub_groups().size(), a.staging.c_str(),
-                std::string(io::backend_name((*io)->backend())).c_str());
+    std::printf(
+        "zoffload-bench ckpt: %s params, %s of fp32 states (master, exp_avg, exp_avg_sq) on NVMe in %zu "
+        "sub-groups; staging %s; I/O %s\n",
+        a.params.c_str(), format_bytes(state_bytes).c_str(), reg->sub_groups().size(), a.staging.c_str(),
+        std::string(io::backend_name((*io)->backend())).c_str());
     std::fflush(stdout);
   }
   // Fill every state on disk with distinct values (a never-written state would read as zeros
@@ -226,8 +234,7 @@ int run_bench(const Args& a) {
       for (StateKind kind : {StateKind::kMaster, StateKind::kExpAvg, StateKind::kExpAvgSq}) {
         for (uint64_t e = 0; e < g.n_elems; e += floats.size()) {
           const uint64_t n = std::min<uint64_t>(floats.size(), g.n_elems - e);
-          for (uint64_t i = 0; i < n; ++i)
-            floats[i] = fill_value(g.first_elem + e + i, kind);
+          for (uint64_t i = 0; i < n; ++i) floats[i] = fill_value(g.first_elem + e + i, kind);
           Status s = (*store)->write_state_range(g.index, kind, e * 4, buf->bytes().first(n * 4));
           if (!s.is_ok()) return failure(s.to_string());
         }
@@ -254,7 +261,8 @@ int run_bench(const Args& a) {
   // The swap file holds every state (and the gradients) back to back: copying its first
   // state_bytes moves as many bytes each way as the save.
   const uint64_t copy_slot = staging->size() / 4 / kDirectIoAlignment * kDirectIoAlignment;
-  const uint64_t copy_bytes = std::min(state_bytes, (*store)->optimizer_file()->capacity_bytes()) / copy_slot * copy_slot;
+  const uint64_t copy_bytes =
+      std::min(state_bytes, (*store)->optimizer_file()->capacity_bytes()) / copy_slot * copy_slot;
   auto copy = time_plain_copy(**io, (*store)->optimizer_file()->path(), a.nvme_path, copy_bytes, staging->bytes());
   if (!copy.is_ok()) return failure("baseline copy: " + copy.status().to_string());
   staging = AlignedBuffer();  // the save allocates its own
@@ -295,8 +303,9 @@ int run_bench(const Args& a) {
         if (!rs.is_ok()) return failure("reading back: " + rs.to_string());
         for (uint64_t i = 0; i < g->n_elems; ++i) {
           if (got[i] != fill_value(g->first_elem + i, kind))
-            return failure("the loaded checkpoint differs from the saved states: sub-group " + std::to_string(g->index) +
-                           " " + std::string(engine::state_name(kind)) + " element " + std::to_string(i));
+            return failure("the loaded checkpoint differs from the saved states: sub-group " +
+                           std::to_string(g->index) + " " + std::string(engine::state_name(kind)) + " element " +
+                           std::to_string(i));
         }
       }
     }
@@ -344,9 +353,10 @@ int run_bench(const Args& a) {
               format_bytes(state_bytes).c_str());
   std::printf("  baseline: plain copy     %7.2f GB/s  (swap file -> new file on the same drive, no checksums)\n",
               copy_gbps);
-  std::printf("  save                     %7.2f GB/s  %.1f s, %.2f x write baseline, %.2f x copy baseline, peak RSS %s\n",
-              save_gbps, saved->seconds, base_gbps > 0 ? save_gbps / base_gbps : 0.0,
-              copy_gbps > 0 ? save_gbps / copy_gbps : 0.0, rss(save_rss).c_str());
+  std::printf(
+      "  save                     %7.2f GB/s  %.1f s, %.2f x write baseline, %.2f x copy baseline, peak RSS %s\n",
+      save_gbps, saved->seconds, base_gbps > 0 ? save_gbps / base_gbps : 0.0,
+      copy_gbps > 0 ? save_gbps / copy_gbps : 0.0, rss(save_rss).c_str());
   std::printf("  verify                   %7.2f GB/s\n", gbps(saved->bytes, verify_s));
   std::printf("  load (resume)            %7.2f GB/s\n", gbps(saved->bytes, load_s));
   std::printf("  export bf16              %7.2f GB/s of master read, %.1f s, %s written, peak RSS %s\n",
@@ -366,7 +376,8 @@ void register_bench_ckpt(CLI::App& app, int* exit_code) {
       "same drive (measured in the same run); prints GB/s, the save/baseline ratio and the peak extra RSS of\n"
       "the save and the export. Needs room for the swap files, one checkpoint and the baseline file.");
   cmd->add_option("--params", args->params, "number of parameters, e.g. 1.1e9")->capture_default_str();
-  cmd->add_option("--nvme-path", args->nvme_path, "directory on the drive to measure (swap files, checkpoint)")->required();
+  cmd->add_option("--nvme-path", args->nvme_path, "directory on the drive to measure (swap files, checkpoint)")
+      ->required();
   cmd->add_option("--sub-group-size", args->sub_group_size, "zero_optimization.sub_group_size")->capture_default_str();
   cmd->add_option("--param-elems", args->param_elems, "elements per synthetic parameter tensor")->capture_default_str();
   cmd->add_option("--staging", args->staging, "zoffload.checkpoint.staging_buffer_size")->capture_default_str();

@@ -89,7 +89,8 @@ int run_bench(const Args& a) {
   const Result<uint64_t> n_r = parse_count(a.elems);
   if (!n_r.is_ok() || *n_r == 0) return usage("--elems: expected a positive count such as 2e8, got '" + a.elems + "'");
   const size_t n = *n_r;
-  const Result<DType> acc_dtype = cpu_optim::parse_dtype(a.acc_dtype), grad_dtype = cpu_optim::parse_dtype(a.grad_dtype);
+  const Result<DType> acc_dtype = cpu_optim::parse_dtype(a.acc_dtype),
+                      grad_dtype = cpu_optim::parse_dtype(a.grad_dtype);
   if (!acc_dtype.is_ok()) return usage("--acc-dtype: expected fp32, bf16 or fp16, got '" + a.acc_dtype + "'");
   if (!grad_dtype.is_ok()) return usage("--grad-dtype: expected fp32, bf16 or fp16, got '" + a.grad_dtype + "'");
   const Result<Isa> isa = cpu_optim::parse_isa(a.isa);
@@ -118,7 +119,8 @@ int run_bench(const Args& a) {
 
   // 1. Correctness first.
   std::string check_summary;
-  if (Status s = check_against_scalar(*acc_dtype, *grad_dtype, ex, std::min<size_t>(n, size_t{1} << 20), &check_summary);
+  if (Status s =
+          check_against_scalar(*acc_dtype, *grad_dtype, ex, std::min<size_t>(n, size_t{1} << 20), &check_summary);
       !s.is_ok())
     return failure("check failed: " + s.to_string());
   if (!a.json) std::printf("check     %s\n", check_summary.c_str());
@@ -192,7 +194,8 @@ int run_bench(const Args& a) {
                        {"gbps", gbps(acc_bytes, acc_med)},
                        {"elems_per_s", static_cast<double>(n) / acc_med}};
     if (acc_roofline) {
-      j["accumulate_roofline"] = {{"median_s", acc_roof_med}, {"all_s", acc_roof_s}, {"gbps", gbps(acc_bytes, acc_roof_med)}};
+      j["accumulate_roofline"] = {
+          {"median_s", acc_roof_med}, {"all_s", acc_roof_s}, {"gbps", gbps(acc_bytes, acc_roof_med)}};
       j["accumulate_ratio_to_roofline"] = acc_ratio;
     } else {
       j["accumulate_roofline"] = nullptr;
@@ -204,14 +207,15 @@ int run_bench(const Args& a) {
                          {"all_s", norm_s},
                          {"gbps", gbps(norm_bytes, norm_med)},
                          {"elems_per_s", static_cast<double>(n) / norm_med}};
-    j["squared_norm_roofline"] = {{"median_s", norm_roof_med}, {"all_s", norm_roof_s}, {"gbps", gbps(norm_bytes, norm_roof_med)}};
+    j["squared_norm_roofline"] = {
+        {"median_s", norm_roof_med}, {"all_s", norm_roof_s}, {"gbps", gbps(norm_bytes, norm_roof_med)}};
     j["squared_norm_ratio_to_roofline"] = norm_ratio;
     j["targets"] = {{"ratio_to_roofline", kTarget}};
     std::printf("%s\n", j.dump(2).c_str());
     return 0;
   }
-  std::printf("bytes     accumulate %.0f B/elem (read acc and grad, write acc); norm %.0f B/elem (read acc)\n", acc_bytes,
-              norm_bytes);
+  std::printf("bytes     accumulate %.0f B/elem (read acc and grad, write acc); norm %.0f B/elem (read acc)\n",
+              acc_bytes, norm_bytes);
   std::printf("roofline  the same stream mix with one add per element (cpu_optim::roofline_pass), %s path\n",
               std::string(isa_name(roof_ex.isa())).c_str());
   std::printf("accumulate median %.4f s of %d: %.2f GB/s, %.2f G elements/s\n", acc_med, a.repeats,
@@ -234,16 +238,18 @@ int run_bench(const Args& a) {
 void register_bench_grad(CLI::App& app, int* exit_code) {
   auto args = std::make_shared<Args>();
   CLI::App* cmd = app.add_subcommand(
-      "grad", "Gradient accumulation kernels (cpu_optim::accumulate and squared_norm): GB/s, checked against the "
-              "scalar path, with a same-run memory roofline of each kernel's stream mix and their ratios");
+      "grad",
+      "Gradient accumulation kernels (cpu_optim::accumulate and squared_norm): GB/s, checked against the "
+      "scalar path, with a same-run memory roofline of each kernel's stream mix and their ratios");
   cmd->add_option("--elems", args->elems, "elements per pass, e.g. 2e8")->capture_default_str();
   cmd->add_option("--acc-dtype", args->acc_dtype, "fp32|bf16|fp16: the accumulator (data_types.grad_accum_dtype)")
       ->capture_default_str();
   cmd->add_option("--grad-dtype", args->grad_dtype, "fp32|bf16|fp16: the gradients (the compute dtype)")
       ->capture_default_str();
   cmd->add_option("--threads", args->threads, "threads (0 = all hardware threads)")->capture_default_str();
-  cmd->add_option("--isa", args->isa, "auto|avx512|avx2|scalar: force the kernels' SIMD path (the roofline keeps "
-                                      "the best)")
+  cmd->add_option("--isa", args->isa,
+                  "auto|avx512|avx2|scalar: force the kernels' SIMD path (the roofline keeps "
+                  "the best)")
       ->capture_default_str();
   cmd->add_option("--repeats", args->repeats, "timed rounds; medians are reported")->capture_default_str();
   cmd->add_flag("--bind-cores", args->bind_cores, "pin the threads to cores (hwloc)");

@@ -171,7 +171,8 @@ class Progress {
       cv_.wait_for(lock, std::chrono::milliseconds(250));
       if (stop_ || engine_ == nullptr) continue;
       const io::IoStats s = engine_->stats();
-      const double pct = 100.0 * static_cast<double>(s.bytes_read + s.bytes_written - base_) / static_cast<double>(total_);
+      const double pct =
+          100.0 * static_cast<double>(s.bytes_read + s.bytes_written - base_) / static_cast<double>(total_);
       std::fprintf(stderr, "\r\033[K  %s %5.1f%%", label_.c_str(), std::min(pct, 100.0));
       shown_ = true;
     }
@@ -208,7 +209,7 @@ uint64_t window_bytes(const IoOptions& o) {
 }
 
 double cpu_seconds() {
-  rusage ru {};
+  rusage ru{};
   ::getrusage(RUSAGE_SELF, &ru);
   return static_cast<double>(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) +
          static_cast<double>(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) / 1e6;
@@ -256,7 +257,9 @@ Result<double> baseline_pass(File& file, IoOp op, uint64_t bytes, uint64_t bs, s
       const ssize_t n = op == IoOp::kRead ? ::pread(file.fd(), buf + done, len - done, static_cast<off_t>(off + done))
                                           : ::pwrite(file.fd(), buf + done, len - done, static_cast<off_t>(off + done));
       if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
-      if (n < 0) return errno_status(std::string(io::op_name(op)) + " " + file.path() + " offset " + std::to_string(off + done), errno);
+      if (n < 0)
+        return errno_status(std::string(io::op_name(op)) + " " + file.path() + " offset " + std::to_string(off + done),
+                            errno);
       if (n == 0) return io_error(file.path() + ": unexpected end of file at offset " + std::to_string(off + done), 0);
       done += static_cast<uint64_t>(n);
     }
@@ -335,7 +338,8 @@ int run_bench(const Args& args) {
     if (b == Backend::kAuto && !(*e)->fallback_reason().empty())
       std::fprintf(stderr, "zoffload-bench io: auto chose %s because %s\n",
                    std::string(io::backend_name((*e)->backend())).c_str(), (*e)->fallback_reason().c_str());
-    if (std::find(backends.begin(), backends.end(), (*e)->backend()) == backends.end()) backends.push_back((*e)->backend());
+    if (std::find(backends.begin(), backends.end(), (*e)->backend()) == backends.end())
+      backends.push_back((*e)->backend());
   }
 
   const std::string data_path =
@@ -362,9 +366,11 @@ int run_bench(const Args& args) {
   if (!file_or.is_ok()) return fail(file_or.status());
   File& file = *file_or;
   if (plan.direct && !file.direct())
-    std::fprintf(stderr, "zoffload-bench io: note: %s is buffered: %s\n", data_path.c_str(), file.buffered_reason().c_str());
-  if (struct statfs sf {}; ::fstatfs(file.fd(), &sf) == 0 && (sf.f_type == TMPFS_MAGIC || sf.f_type == RAMFS_MAGIC))
-    std::fprintf(stderr, "zoffload-bench io: warning: %s is on tmpfs/ramfs: these numbers are memory copies, not a drive\n",
+    std::fprintf(stderr, "zoffload-bench io: note: %s is buffered: %s\n", data_path.c_str(),
+                 file.buffered_reason().c_str());
+  if (struct statfs sf{}; ::fstatfs(file.fd(), &sf) == 0 && (sf.f_type == TMPFS_MAGIC || sf.f_type == RAMFS_MAGIC))
+    std::fprintf(stderr,
+                 "zoffload-bench io: warning: %s is on tmpfs/ramfs: these numbers are memory copies, not a drive\n",
                  plan.dir.c_str());
   if (Status s = file.preallocate(plan.size_bytes); !s.is_ok()) return fail(s);
 
@@ -384,7 +390,8 @@ int run_bench(const Args& args) {
     auto window = AlignedBuffer::allocate(64 * kMiB);
     if (!window.is_ok()) return fail(window.status());
     fill_random(window->bytes(), 42);
-    std::fprintf(stderr, "zoffload-bench io: filling %s (%s)\n", data_path.c_str(), format_bytes(plan.size_bytes).c_str());
+    std::fprintf(stderr, "zoffload-bench io: filling %s (%s)\n", data_path.c_str(),
+                 format_bytes(plan.size_bytes).c_str());
     auto r = pass(**e, file, IoOp::kWrite, plan.size_bytes, window->data(), window->size(), true, &progress, "fill");
     if (!r.is_ok()) return fail(r.status());
   }
@@ -418,7 +425,8 @@ int run_bench(const Args& args) {
     }
   }
   if (!args.no_baseline)
-    std::fprintf(stderr, "zoffload-bench io: baseline pread/pwrite 1 thread QD1 %s:%s%s\n", format_bytes(base_bs).c_str(),
+    std::fprintf(stderr, "zoffload-bench io: baseline pread/pwrite 1 thread QD1 %s:%s%s\n",
+                 format_bytes(base_bs).c_str(),
                  plan.do_write ? (" write " + fmt(median(base_write)) + " GB/s").c_str() : "",
                  plan.do_read ? (" read " + fmt(median(base_read)) + " GB/s").c_str() : "");
 
@@ -457,13 +465,15 @@ int run_bench(const Args& args) {
           for (int r = 0; r < plan.runs; ++r) {
             double cpu = 0;
             if (plan.do_write) {
-              auto g = pass(engine, file, IoOp::kWrite, plan.size_bytes, window->data(), wsize, true, &progress, label + " write", &cpu);
+              auto g = pass(engine, file, IoOp::kWrite, plan.size_bytes, window->data(), wsize, true, &progress,
+                            label + " write", &cpu);
               if (!g.is_ok()) return fail(g.status());
               row.write_gbps.push_back(*g);
               row.write_cpu.push_back(cpu);
             }
             if (plan.do_read) {
-              auto g = pass(engine, file, IoOp::kRead, plan.size_bytes, window->data(), wsize, true, &progress, label + " read", &cpu);
+              auto g = pass(engine, file, IoOp::kRead, plan.size_bytes, window->data(), wsize, true, &progress,
+                            label + " read", &cpu);
               if (!g.is_ok()) return fail(g.status());
               row.read_gbps.push_back(*g);
               row.read_cpu.push_back(cpu);
@@ -553,8 +563,8 @@ int run_bench(const Args& args) {
                 file.direct() ? ("O_DIRECT (alignment " + std::to_string(file.offset_align()) + ")").c_str()
                               : "buffered (writes include fdatasync; page cache dropped before reads)",
                 plan.runs, plan.runs == 1 ? "" : "s", thp.c_str());
-    std::printf("%-9s %10s %5s %7s %11s %10s %10s %9s\n", "backend", "block", "QD", "threads", "write GB/s", "read GB/s",
-                "write/base", "read/base");
+    std::printf("%-9s %10s %5s %7s %11s %10s %10s %9s\n", "backend", "block", "QD", "threads", "write GB/s",
+                "read GB/s", "write/base", "read/base");
     for (const Row& r : rows) {
       std::printf("%-9s %10s %5u %7u %11s %10s %10s %9s\n", std::string(io::backend_name(r.options.backend)).c_str(),
                   format_bytes(r.options.block_size_bytes).c_str(), r.options.queue_depth, r.options.threads,
@@ -565,23 +575,27 @@ int run_bench(const Args& args) {
     }
     if (!args.no_baseline)
       std::printf("baseline: pread/pwrite, 1 thread, QD 1, %s blocks:%s%s\n", format_bytes(base_bs).c_str(),
-                plan.do_write ? (" write " + fmt(median(base_write)) + " GB/s").c_str() : "",
-                plan.do_read ? (" read " + fmt(median(base_read)) + " GB/s").c_str() : "");
+                  plan.do_write ? (" write " + fmt(median(base_write)) + " GB/s").c_str() : "",
+                  plan.do_read ? (" read " + fmt(median(base_read)) + " GB/s").c_str() : "");
     if (plan.do_write)
-      std::printf("best write: %s  %s GB/s\n", best_write->options.to_string().c_str(), fmt(median(best_write->write_gbps)).c_str());
+      std::printf("best write: %s  %s GB/s\n", best_write->options.to_string().c_str(),
+                  fmt(median(best_write->write_gbps)).c_str());
     if (plan.do_read)
-      std::printf("best read:  %s  %s GB/s\n", best_read->options.to_string().c_str(), fmt(median(best_read->read_gbps)).c_str());
+      std::printf("best read:  %s  %s GB/s\n", best_read->options.to_string().c_str(),
+                  fmt(median(best_read->read_gbps)).c_str());
     std::printf("best overall (%s): %s\n", plan.do_read && plan.do_write ? "mean of read and write" : "by throughput",
                 best->options.to_string().c_str());
-    std::printf("as a config: \"aio\": {\"block_size\": %llu, \"queue_depth\": %u, \"intra_op_parallelism\": %u, "
-                "\"single_submit\": false, \"overlap_events\": true}\n",
-                static_cast<unsigned long long>(best->options.block_size_bytes), best->options.queue_depth,
-                best->options.threads);
+    std::printf(
+        "as a config: \"aio\": {\"block_size\": %llu, \"queue_depth\": %u, \"intra_op_parallelism\": %u, "
+        "\"single_submit\": false, \"overlap_events\": true}\n",
+        static_cast<unsigned long long>(best->options.block_size_bytes), best->options.queue_depth,
+        best->options.threads);
     if (!backend_note.empty()) std::printf("%s\n", backend_note.c_str());
   }
   if (!args.emit_config.empty()) {
     if (Status s = emit_aio_config(args.emit_config, best->options); !s.is_ok()) return fail(s);
-    std::fprintf(stderr, "zoffload-bench io: wrote the best settings to %s (\"aio\" block)\n", args.emit_config.c_str());
+    std::fprintf(stderr, "zoffload-bench io: wrote the best settings to %s (\"aio\" block)\n",
+                 args.emit_config.c_str());
     if (!backend_note.empty()) std::fprintf(stderr, "zoffload-bench io: %s\n", backend_note.c_str());
   }
   if (args.keep) std::fprintf(stderr, "zoffload-bench io: kept %s\n", data_path.c_str());
@@ -593,14 +607,18 @@ int run_bench(const Args& args) {
 void register_bench_io(CLI::App& app, int* exit_code) {
   auto args = std::make_shared<Args>();
   CLI::App* cmd = app.add_subcommand(
-      "io", "NVMe/file I/O: sweep backend x block size x queue depth x threads on a preallocated file; "
-            "prints GB/s per combination and direction, the best settings, and a QD1 pread/pwrite baseline");
-  cmd->add_option("--path", args->path, "directory on the drive to test (a temporary data file is created there)")->required();
+      "io",
+      "NVMe/file I/O: sweep backend x block size x queue depth x threads on a preallocated file; "
+      "prints GB/s per combination and direction, the best settings, and a QD1 pread/pwrite baseline");
+  cmd->add_option("--path", args->path, "directory on the drive to test (a temporary data file is created there)")
+      ->required();
   cmd->add_option("--size", args->size, "data file size, e.g. 1GiB, 4GiB")->capture_default_str();
   cmd->add_option("--backend", args->backend, "auto|io_uring|libaio|psync|all, or a comma list")->capture_default_str();
-  cmd->add_option("--block-size", args->block_sizes, "comma list of request sizes, e.g. 128K,1M,8M")->capture_default_str();
+  cmd->add_option("--block-size", args->block_sizes, "comma list of request sizes, e.g. 128K,1M,8M")
+      ->capture_default_str();
   cmd->add_option("--queue-depth", args->queue_depths, "comma list of queue depths per thread")->capture_default_str();
-  cmd->add_option("--threads", args->threads, "comma list of worker threads (aio.intra_op_parallelism)")->capture_default_str();
+  cmd->add_option("--threads", args->threads, "comma list of worker threads (aio.intra_op_parallelism)")
+      ->capture_default_str();
   cmd->add_option("--direct", args->direct, "on|off: O_DIRECT (falls back to buffered, with a note, where unsupported)")
       ->capture_default_str();
   cmd->add_option("--mode", args->mode, "read|write|both")->capture_default_str();

@@ -58,7 +58,8 @@ Result<std::vector<uint64_t>> parse_sizes(const std::string& text) {
   ZO_ASSIGN_OR_RETURN(std::vector<uint64_t> out, parse_list<uint64_t>("--sizes", text, parse_size_bytes));
   for (const uint64_t n : out) {
     if (n == 0) return invalid_argument("--sizes: a size must be positive");
-    if (n > 64 * kGiB) return invalid_argument("--sizes: " + format_bytes(n) + " is over the 64 GiB this benchmark allows");
+    if (n > 64 * kGiB)
+      return invalid_argument("--sizes: " + format_bytes(n) + " is over the 64 GiB this benchmark allows");
   }
   return out;
 }
@@ -95,7 +96,7 @@ struct Row {
   std::string host;  // "pinned" or "pageable"
   bool h2d = true;
   uint64_t bytes = 0;
-  int copies = 1;  // per timed sample
+  int copies = 1;                     // per timed sample
   std::vector<double> zo_s, torch_s;  // seconds per copy, one per round
 };
 
@@ -127,7 +128,7 @@ int run_bench(const Args& a) {
   auto pinned_r = dev.allocate_pinned(max_bytes);
   if (!pinned_r.is_ok()) return failure(pinned_r.status().to_string() + " (try smaller --sizes)");
   std::unique_ptr<std::byte, std::function<void(std::byte*)>> pinned(static_cast<std::byte*>(*pinned_r),
-                                                                    [&dev](std::byte* p) { dev.free_pinned(p); });
+                                                                     [&dev](std::byte* p) { dev.free_pinned(p); });
   auto pageable_r = AlignedBuffer::allocate(max_bytes);
   if (!pageable_r.is_ok()) return failure(pageable_r.status().to_string() + " (try smaller --sizes)");
   AlignedBuffer pageable = std::move(*pageable_r);
@@ -135,9 +136,10 @@ int run_bench(const Args& a) {
   std::memcpy(pageable.data(), pinned.get(), max_bytes);
 
   const bool with_torch = ZO_HAVE_TORCH && !a.no_torch;
-  const std::string baseline = with_torch ? std::string("torch copy_(non_blocking=True) between torch's own tensors (") +
-                                                (cuda ? "cuda:0" : "CPU: the device is emulated") + ")"
-                                          : (ZO_HAVE_TORCH ? "none (--no-torch)" : "none (built without LibTorch)");
+  const std::string baseline = with_torch
+                                   ? std::string("torch copy_(non_blocking=True) between torch's own tensors (") +
+                                         (cuda ? "cuda:0" : "CPU: the device is emulated") + ")"
+                                   : (ZO_HAVE_TORCH ? "none (--no-torch)" : "none (built without LibTorch)");
   if (!a.json) {
     std::printf("zoffload-bench pcie: %s (%s), %zu sizes up to %s, %d rounds, >= %s per sample\n", dev.name().c_str(),
                 std::string(gpu::device_kind_name(dev.kind())).c_str(), sizes.size(), format_bytes(max_bytes).c_str(),
@@ -173,7 +175,8 @@ int run_bench(const Args& a) {
         // A warm-up of each, then the rounds, the two alternating.
         for (int r = -1; r < a.repeats; ++r) {
           Stopwatch sw;
-          if (Status s = zo_copies(dev, stream, d, host, bytes, h2d, row.copies); !s.is_ok()) return failure(s.to_string());
+          if (Status s = zo_copies(dev, stream, d, host, bytes, h2d, row.copies); !s.is_ok())
+            return failure(s.to_string());
           const double t = sw.elapsed_s() / row.copies;
           if (r >= 0) row.zo_s.push_back(t);
 #if ZO_HAVE_TORCH
@@ -189,8 +192,8 @@ int run_bench(const Args& a) {
       }
     }
   }
-  std::string check_summary = "round trip host -> device -> host of " + format_bytes(check_bytes) +
-                              " gives back every byte:";
+  std::string check_summary =
+      "round trip host -> device -> host of " + format_bytes(check_bytes) + " gives back every byte:";
   for (const std::string& c : checks) check_summary += " " + c + ";";
   check_summary.pop_back();
 
@@ -239,8 +242,9 @@ int run_bench(const Args& a) {
     std::printf("%-9s %-4s %10s %8d %15.2f %12s %7s\n", r.host.c_str(), r.h2d ? "H2D" : "D2H",
                 format_bytes(r.bytes).c_str(), r.copies, gbps(r.bytes, zm), torch_col, ratio_col);
   }
-  std::printf("GB/s are medians of %d rounds (1e9 bytes/s); ratio = torch time / zoffload time (> 1: zoffload faster)\n",
-              a.repeats);
+  std::printf(
+      "GB/s are medians of %d rounds (1e9 bytes/s); ratio = torch time / zoffload time (> 1: zoffload faster)\n",
+      a.repeats);
   return 0;
 }
 
@@ -249,9 +253,10 @@ int run_bench(const Args& a) {
 void register_bench_pcie(CLI::App& app, int* exit_code) {
   auto args = std::make_shared<Args>();
   CLI::App* cmd = app.add_subcommand(
-      "pcie", "Host<->device copies through zoffload's device (the engine's parameter and gradient path) from pinned "
-              "and pageable memory, 1 MiB to 1 GiB: GB/s each way, checked by a round trip, with torch's copy_ "
-              "between its own tensors as the same-run baseline and the ratio");
+      "pcie",
+      "Host<->device copies through zoffload's device (the engine's parameter and gradient path) from pinned "
+      "and pageable memory, 1 MiB to 1 GiB: GB/s each way, checked by a round trip, with torch's copy_ "
+      "between its own tensors as the same-run baseline and the ratio");
   cmd->add_option("--device", args->device, "auto|cuda|host: the device (host: emulated in host memory, no PCIe)")
       ->capture_default_str();
   cmd->add_option("--sizes", args->sizes, "comma-separated copy sizes")->capture_default_str();

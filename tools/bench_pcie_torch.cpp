@@ -59,10 +59,9 @@ class TorchCopiesImpl final : public TorchCopies {
       ZO_RETURN_IF_ERROR(run(/*h2d=*/true, bytes, 1));
       host.fill_(0xA5);
       ZO_RETURN_IF_ERROR(run(/*h2d=*/false, bytes, 1));
-      if (!torch::equal(host, pattern)) return internal_error("torch's round trip host -> device -> host changed bytes");
-    } catch (const std::exception& e) {
-      return torch_failure("torch round-trip check", e);
-    }
+      if (!torch::equal(host, pattern))
+        return internal_error("torch's round trip host -> device -> host changed bytes");
+    } catch (const std::exception& e) { return torch_failure("torch round-trip check", e); }
     return Status::ok();
   }
 
@@ -79,13 +78,12 @@ Result<std::unique_ptr<TorchCopies>> TorchCopies::create(uint64_t size_bytes, bo
     torch::Tensor host = torch::empty({n}, torch::TensorOptions().dtype(torch::kUInt8).pinned_memory(pinned && cuda));
     auto* bytes = host.data_ptr<uint8_t>();
     for (int64_t i = 0; i < n; ++i) bytes[i] = static_cast<uint8_t>((i * 131) % 251);
-    torch::Tensor dev = torch::empty({n}, torch::TensorOptions()
-                                              .dtype(torch::kUInt8)
-                                              .device(cuda ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU)));
+    torch::Tensor dev =
+        torch::empty({n}, torch::TensorOptions()
+                              .dtype(torch::kUInt8)
+                              .device(cuda ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU)));
     return std::unique_ptr<TorchCopies>(new TorchCopiesImpl(std::move(host), std::move(dev), cuda));
-  } catch (const std::exception& e) {
-    return torch_failure("torch buffers for the baseline", e);
-  }
+  } catch (const std::exception& e) { return torch_failure("torch buffers for the baseline", e); }
 }
 
 }  // namespace zo::tools::detail

@@ -164,8 +164,8 @@ Result<double> time_io_alone(engine::StateStore& store, bool pipeline_read, bool
     ZO_RETURN_IF_ERROR(finish_write(s));
     const auto region = store.location(g, StateKind::kMaster).region;
     const engine::SwapRegion whole{region.offset_bytes, record_bytes(g)};
-    ZO_ASSIGN_OR_RETURN(s.read, ofile->read_async(whole, 0, bufs[g % bufs.size()].first(whole.size_bytes),
-                                                  "io-alone read"));
+    ZO_ASSIGN_OR_RETURN(s.read,
+                        ofile->read_async(whole, 0, bufs[g % bufs.size()].first(whole.size_bytes), "io-alone read"));
     s.reading = true;
     return Status::ok();
   };
@@ -187,8 +187,9 @@ Result<double> time_io_alone(engine::StateStore& store, bool pipeline_read, bool
     if (s.has_compute) {
       // Any bytes of the buffer past the record do: the next optimizer step rewrites every compute copy.
       const uint64_t offset = record_bytes(g);
-      ZO_ASSIGN_OR_RETURN(s.write_compute, pfile->write_async(cloc.region, 0, buf.subspan(offset, cloc.region.size_bytes),
-                                                              "io-alone compute write"));
+      ZO_ASSIGN_OR_RETURN(
+          s.write_compute,
+          pfile->write_async(cloc.region, 0, buf.subspan(offset, cloc.region.size_bytes), "io-alone compute write"));
     }
     s.writing = true;
     if (!pipeline_write) ZO_RETURN_IF_ERROR(finish_write(s));
@@ -258,7 +259,9 @@ Status check_step(const GroupSnapshot& before, const GroupSnapshot& after, const
                                                {"exp_avg_sq", ref.v == after.v},
                                                {"compute copy", ref.compute == after.compute}};
   for (const auto& [name, ok] : same)
-    if (!ok) return internal_error(std::string("sub-group 0 ") + name + " differs from cpu_optim::adam_step on the same inputs");
+    if (!ok)
+      return internal_error(std::string("sub-group 0 ") + name +
+                            " differs from cpu_optim::adam_step on the same inputs");
   return Status::ok();
 }
 
@@ -274,14 +277,16 @@ int run_bench(Args a) {
     return 1;
   };
   const Result<uint64_t> n_total = parse_count(a.params);
-  if (!n_total.is_ok() || *n_total == 0) return usage("--params: expected a positive count like 5e8, got '" + a.params + "'");
+  if (!n_total.is_ok() || *n_total == 0)
+    return usage("--params: expected a positive count like 5e8, got '" + a.params + "'");
   const Result<uint64_t> per_param = parse_count(a.param_elems);
   if (!per_param.is_ok() || *per_param == 0)
     return usage("--param-elems: expected a positive count, got '" + a.param_elems + "'");
   uint64_t sgs = 0;
   if (!a.sub_group_size.empty()) {
     const Result<uint64_t> s = parse_count(a.sub_group_size);
-    if (!s.is_ok() || *s == 0) return usage("--sub-group-size: expected a positive count, got '" + a.sub_group_size + "'");
+    if (!s.is_ok() || *s == 0)
+      return usage("--sub-group-size: expected a positive count, got '" + a.sub_group_size + "'");
     sgs = *s;
   }
   if (a.optimizer_device != "cpu" && a.optimizer_device != "nvme")
@@ -325,16 +330,19 @@ int run_bench(Args a) {
   }
   const uint64_t pinned_cap = config.zoffload.pinned_memory_limit;
   if (!a.json) {
-    std::printf("zoffload-bench pipeline: %s params in %zu sub-groups of <= %s elements; optimizer on %s, "
-                "params on %s, %s compute, grads %s\n",
-                a.params.c_str(), reg->sub_groups().size(), std::to_string(config.zero.sub_group_size).c_str(),
-                a.optimizer_device.c_str(), a.param_device.c_str(), std::string(dtype_name(plan->placement.compute_dtype)).c_str(),
-                std::string(dtype_name(plan->placement.grad_dtype)).c_str());
+    std::printf(
+        "zoffload-bench pipeline: %s params in %zu sub-groups of <= %s elements; optimizer on %s, "
+        "params on %s, %s compute, grads %s\n",
+        a.params.c_str(), reg->sub_groups().size(), std::to_string(config.zero.sub_group_size).c_str(),
+        a.optimizer_device.c_str(), a.param_device.c_str(),
+        std::string(dtype_name(plan->placement.compute_dtype)).c_str(),
+        std::string(dtype_name(plan->placement.grad_dtype)).c_str());
     uint32_t compute_on[3] = {0, 0, 0};
     for (const Tier t : plan->placement.compute) ++compute_on[static_cast<int>(t)];
-    std::printf("placement compute copies of %u sub-groups on nvme, %u on cpu (offload_param.max_in_cpu = %s), "
-                "%u on the device\n",
-                compute_on[2], compute_on[1], std::to_string(par.max_in_cpu).c_str(), compute_on[0]);
+    std::printf(
+        "placement compute copies of %u sub-groups on nvme, %u on cpu (offload_param.max_in_cpu = %s), "
+        "%u on the device\n",
+        compute_on[2], compute_on[1], std::to_string(par.max_in_cpu).c_str(), compute_on[0]);
     std::printf("plan      pinned pool %s (cap %s); swap files %s; pipeline read %s, write %s\n",
                 format_bytes(plan->pinned_pool_bytes()).c_str(),
                 pinned_cap ? format_bytes(pinned_cap).c_str() : "= plan", format_bytes(nvme_need).c_str(),
@@ -348,8 +356,8 @@ int run_bench(Args a) {
   if (!io_opts.is_ok()) return failure(io_opts.status().to_string());
   auto io = io::IoEngine::create(*io_opts);
   if (!io.is_ok()) return failure(io.status().to_string());
-  auto ex = cpu_optim::Executor::create({.n_threads = static_cast<int>(config.zoffload.optimizer_threads),
-                                         .bind_cores = config.zoffload.bind_cores});
+  auto ex = cpu_optim::Executor::create(
+      {.n_threads = static_cast<int>(config.zoffload.optimizer_threads), .bind_cores = config.zoffload.bind_cores});
   if (!ex.is_ok()) return failure(ex.status().to_string());
 
   engine::MemoryAccounting acct;
@@ -410,8 +418,9 @@ int run_bench(Args a) {
   if (!after.is_ok()) return failure(after.status().to_string());
   if (Status s = check_step(*before, *after, plan->placement, adam, 1, grad_scale, **ex); !s.is_ok())
     return failure("check failed: " + s.to_string());
-  const std::string check = "sub-group 0 after step 1 (" + std::to_string(reg->sub_groups()[0].n_elems) +
-                            " params): master, exp_avg, exp_avg_sq and compute copy bit-identical to cpu_optim::adam_step";
+  const std::string check =
+      "sub-group 0 after step 1 (" + std::to_string(reg->sub_groups()[0].n_elems) +
+      " params): master, exp_avg, exp_avg_sq and compute copy bit-identical to cpu_optim::adam_step";
   if (!a.json) std::printf("check     %s\n", check.c_str());
 
   // 2. Timed: each repeat runs the I/O alone, the update alone, then a full step, so all three see
@@ -437,8 +446,10 @@ int run_bench(Args a) {
     bytes_read = rep->bytes_read;
     bytes_written = rep->bytes_written;
     if (!a.json)
-      std::printf("step %-4d %.3f s  (update %.3f s, read wait %.3f s, write wait %.3f s) | io alone %.3f s | adam alone %.3f s\n",
-                  2 + r, rep->total_s, rep->update_s, rep->read_wait_s, rep->write_wait_s, *t_io, *t_adam);
+      std::printf(
+          "step %-4d %.3f s  (update %.3f s, read wait %.3f s, write wait %.3f s) | io alone %.3f s | adam alone %.3f "
+          "s\n",
+          2 + r, rep->total_s, rep->update_s, rep->read_wait_s, rep->write_wait_s, *t_io, *t_adam);
     std::fflush(stdout);
   }
   scratch.clear();
@@ -493,13 +504,15 @@ int run_bench(Args a) {
   std::printf("step      median %.3f s of %d: reads %s + writes %s = %.2f + %.2f GB/s\n", step_med, a.steps,
               format_bytes(bytes_read).c_str(), format_bytes(bytes_written).c_str(), gbps(bytes_read, step_med),
               gbps(bytes_written, step_med));
-  std::printf("parts     io alone %.3f s, adam alone %.3f s (medians); in the step: update %.3f s, read wait %.3f s, "
-              "write wait %.3f s\n",
-              io_med, adam_med, median(update_s), median(read_wait_s), median(write_wait_s));
+  std::printf(
+      "parts     io alone %.3f s, adam alone %.3f s (medians); in the step: update %.3f s, read wait %.3f s, "
+      "write wait %.3f s\n",
+      io_med, adam_med, median(update_s), median(read_wait_s), median(write_wait_s));
   std::printf("overlap   max(io, adam) / step = %.2f (target >= 0.9)\n", overlap);
   std::printf("memory    pinned peak %s of cap %s (swap/staging buffers %s, CPU-resident states %s)%s\n",
               format_bytes(pool_peak).c_str(), format_bytes(pool_cap).c_str(), format_bytes(buffer_bytes).c_str(),
-              format_bytes(plan->cpu_pinned_bytes).c_str(), pool_grew ? "; the pool changed inside the step loop!" : "");
+              format_bytes(plan->cpu_pinned_bytes).c_str(),
+              pool_grew ? "; the pool changed inside the step loop!" : "");
   std::printf("          RSS peak %s; model state %s, of it %s on NVMe; NVMe written %s in this run\n",
               format_bytes(rss.peak).c_str(), format_bytes(state_bytes).c_str(), format_bytes(nvme_state_bytes).c_str(),
               format_bytes(ms.nvme_write_bytes).c_str());
@@ -519,8 +532,9 @@ void register_bench_pipeline(CLI::App& app, int* exit_code) {
                   "directory on the drive to measure; swap files go to DIR/zoffload-swap/rank0 and are removed after");
   cmd->add_option("--optimizer-device", args->optimizer_device, "cpu|nvme: where optimizer states and gradients live")
       ->capture_default_str();
-  cmd->add_option("--param-device", args->param_device,
-                  "none|cpu|nvme: where the bf16 compute copies live (default: nvme with the optimizer on nvme, else cpu)");
+  cmd->add_option(
+      "--param-device", args->param_device,
+      "none|cpu|nvme: where the bf16 compute copies live (default: nvme with the optimizer on nvme, else cpu)");
   cmd->add_option("--config", args->config_path,
                   "a DeepSpeed JSON config whose aio, sub_group_size, buffer and pipeline settings to use; "
                   "the flags above override it");
@@ -528,7 +542,8 @@ void register_bench_pipeline(CLI::App& app, int* exit_code) {
                   "elements per sub-group (default 2.5e7, or the config's): the pipeline needs several sub-groups")
       ->check(CLI::TypeValidator<std::string>());
   cmd->add_option("--param-elems", args->param_elems, "elements per synthetic parameter tensor")->capture_default_str();
-  cmd->add_option("--pinned-limit", args->pinned_limit, "zoffload.pinned_memory_limit, e.g. 2GiB (default: what the plan needs)");
+  cmd->add_option("--pinned-limit", args->pinned_limit,
+                  "zoffload.pinned_memory_limit, e.g. 2GiB (default: what the plan needs)");
   cmd->add_option("--steps", args->steps, "timed steps (after one checked warm-up step); medians are reported")
       ->capture_default_str();
   cmd->add_flag("--no-pipeline-read", args->no_pipeline_read, "read sub-group i+1 only after updating i");

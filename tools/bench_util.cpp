@@ -32,5 +32,4 @@ void random_fill(void* data, DType dtype, size_t n, uint64_t seed, float lo, flo
   });
 }
 
-
 }  // namespace zo::tools

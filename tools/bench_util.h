@@ -38,5 +38,4 @@ Result<std::vector<T>> parse_list(const std::string& flag, const std::string& te
   return out;
 }
 
-
 }  // namespace zo::tools

@@ -49,7 +49,8 @@ int run_verify(const CkptArgs& a) {
     return fail("verify", st);
   auto info = open_named(a.path);
   if (!info.is_ok() && a.json) {
-    std::cout << nlohmann::json({{"path", a.path}, {"ok", false}, {"error", info.status().to_string()}}).dump(2) << "\n";
+    std::cout << nlohmann::json({{"path", a.path}, {"ok", false}, {"error", info.status().to_string()}}).dump(2)
+              << "\n";
     return exit_code_of(info.status());
   }
   if (!info.is_ok()) return fail("verify", info.status());
@@ -62,12 +63,16 @@ int run_verify(const CkptArgs& a) {
   uint64_t bytes = 0;
   Status s = engine::verify_checkpoint(*info, **io, staging->bytes(), [&](uint64_t done, uint64_t total) {
     bytes = total;
-    if (tty) std::fprintf(stderr, "\r\033[Kverifying: %s of %s", format_bytes(done).c_str(), format_bytes(total).c_str());
+    if (tty)
+      std::fprintf(stderr, "\r\033[Kverifying: %s of %s", format_bytes(done).c_str(), format_bytes(total).c_str());
   });
   if (tty) std::fputs("\r\033[K", stderr);
   const double secs = watch.elapsed_s();
   if (a.json) {
-    nlohmann::json j = {{"path", info->path}, {"ok", s.is_ok()}, {"bytes", bytes}, {"seconds", secs},
+    nlohmann::json j = {{"path", info->path},
+                        {"ok", s.is_ok()},
+                        {"bytes", bytes},
+                        {"seconds", secs},
                         {"files", info->manifest.files.size()}};
     if (!s.is_ok()) j["error"] = s.to_string();
     std::cout << j.dump(2) << "\n";
@@ -102,8 +107,8 @@ int run_inspect(const CkptArgs& a) {
               static_cast<unsigned long long>(info->state.data_position.epoch),
               static_cast<unsigned long long>(info->state.data_position.index));
   for (const engine::FileDigest& f : info->manifest.files) {
-    std::printf("  %-24s %12s  %zu chunk%s\n", f.name.c_str(), format_bytes(f.size_bytes).c_str(), f.chunk_crc32c.size(),
-                f.chunk_crc32c.size() == 1 ? "" : "s");
+    std::printf("  %-24s %12s  %zu chunk%s\n", f.name.c_str(), format_bytes(f.size_bytes).c_str(),
+                f.chunk_crc32c.size(), f.chunk_crc32c.size() == 1 ? "" : "s");
   }
   std::printf("  total %s (checksums not read: `zoffload ckpt verify` checks them)\n",
               format_bytes(d["bytes"].get<uint64_t>()).c_str());
@@ -121,8 +126,9 @@ void register_ckpt_command(CLI::App& app, int* exit_code) {
 
   auto va = std::make_shared<CkptArgs>();
   CLI::App* verify = ckpt->add_subcommand(
-      "verify", "Re-read every file of a checkpoint and check every CRC-32C chunk against the manifest; exit 0 only "
-                "when all match (1 on corruption or I/O errors, 2 when PATH is not a checkpoint)");
+      "verify",
+      "Re-read every file of a checkpoint and check every CRC-32C chunk against the manifest; exit 0 only "
+      "when all match (1 on corruption or I/O errors, 2 when PATH is not a checkpoint)");
   verify->add_option("PATH", va->path, "Checkpoint (step-N directory or checkpoint directory)")->required();
   verify->add_option("--staging", va->staging, "Read buffer (default 64MiB; at least 1MiB, a multiple of 4096)");
   verify->add_flag("--json", va->json, "Print one JSON object (path, ok, bytes, seconds, error)");
@@ -130,9 +136,10 @@ void register_ckpt_command(CLI::App& app, int* exit_code) {
   verify->callback([va, exit_code] { *exit_code = run_verify(*va); });
 
   auto ia = std::make_shared<CkptArgs>();
-  CLI::App* inspect = ckpt->add_subcommand(
-      "inspect", "Summarise a checkpoint: step, counters, loss scale, data position, model, files and sizes "
-                 "(reads the manifest and the small files only)");
+  CLI::App* inspect =
+      ckpt->add_subcommand("inspect",
+                           "Summarise a checkpoint: step, counters, loss scale, data position, model, files and sizes "
+                           "(reads the manifest and the small files only)");
   inspect->add_option("PATH", ia->path, "Checkpoint (step-N directory or checkpoint directory)")->required();
   inspect->add_flag("--json", ia->json, "Print one JSON object (with the config highlights)");
   inspect->callback([ia, exit_code] { *exit_code = run_inspect(*ia); });

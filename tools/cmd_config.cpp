@@ -37,7 +37,7 @@ int run_config_check(const ConfigCheckArgs& a) {
   const std::string source = a.demo ? "<embedded demo config>" : bounded_name(a.file);
   engine::ConfigDiagnostics diag;
   std::optional<engine::Config> config = a.demo ? engine::parse_config(engine::embedded_demo_config(), ctx, &diag)
-                                                 : engine::load_config_file(a.file, ctx, &diag);
+                                                : engine::load_config_file(a.file, ctx, &diag);
   for (const engine::ConfigIssue& w : diag.warnings) std::cerr << source << ": warning: " << w.to_string() << "\n";
   if (!config) {
     for (const engine::ConfigIssue& e : diag.errors) std::cerr << source << ": error: " << e.to_string() << "\n";
@@ -51,14 +51,18 @@ int run_config_check(const ConfigCheckArgs& a) {
 int run_config_keys(bool as_json) {
   const engine::ConfigKeyList list = engine::config_keys();
   if (as_json) {
-    nlohmann::json out = {{"keys", nlohmann::json::array()}, {"aliases", nlohmann::json::array()},
+    nlohmann::json out = {{"keys", nlohmann::json::array()},
+                          {"aliases", nlohmann::json::array()},
                           {"no_effect", nlohmann::json::array()}};
     for (const engine::ConfigKey& k : list.keys)
-      out["keys"].push_back({{"path", k.path}, {"type", k.type}, {"default", nlohmann::json::parse(k.default_json)},
+      out["keys"].push_back({{"path", k.path},
+                             {"type", k.type},
+                             {"default", nlohmann::json::parse(k.default_json)},
                              {"auto", k.auto_ok}});
     for (const engine::ConfigAlias& a : list.aliases)
       out["aliases"].push_back({{"path", a.path}, {"reads_as", a.reads_as}, {"deprecated", a.deprecated}});
-    for (const engine::ConfigNoEffect& n : list.no_effect) out["no_effect"].push_back({{"path", n.path}, {"why", n.why}});
+    for (const engine::ConfigNoEffect& n : list.no_effect)
+      out["no_effect"].push_back({{"path", n.path}, {"why", n.why}});
     std::cout << out.dump(2) << "\n";
     return 0;
   }
@@ -112,8 +116,10 @@ void register_config_command(CLI::App& app, int* exit_code) {
   check->add_option("--hidden-size", args->hidden_size,
                     "Model hidden size: resolves reduce_bucket_size (h·h), stage3_prefetch_bucket_size (0.9·h·h) "
                     "and stage3_param_persistence_threshold (10·h)");
-  check->add_option("--world-size", args->world_size, "Number of ranks, for train_batch_size")->check(CLI::PositiveNumber);
-  check->add_option("--steps", args->steps, "Training steps: resolves scheduler total_num_steps")->check(CLI::PositiveNumber);
+  check->add_option("--world-size", args->world_size, "Number of ranks, for train_batch_size")
+      ->check(CLI::PositiveNumber);
+  check->add_option("--steps", args->steps, "Training steps: resolves scheduler total_num_steps")
+      ->check(CLI::PositiveNumber);
   add_auto_flags(check, &args->flags);
   check->add_flag("-q,--quiet", args->quiet, "Print nothing on success");
   check->callback([args, exit_code, check] {

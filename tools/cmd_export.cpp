@@ -47,10 +47,8 @@ int exit_code_of(const Status& s) {
   switch (s.code()) {
     case StatusCode::kInvalidArgument:
     case StatusCode::kNotFound:
-    case StatusCode::kAlreadyExists:
-      return 2;
-    default:
-      return 1;
+    case StatusCode::kAlreadyExists: return 2;
+    default: return 1;
   }
 }
 
@@ -87,7 +85,8 @@ class Progress {
     const int filled = kWidth * percent / 100;
     std::string bar(static_cast<size_t>(filled), '=');
     if (filled < kWidth) bar += '>' + std::string(static_cast<size_t>(kWidth - filled - 1), ' ');
-    return "export " + format_bytes(done) + "/" + format_bytes(total) + " [" + bar + "] " + std::to_string(percent) + "%";
+    return "export " + format_bytes(done) + "/" + format_bytes(total) + " [" + bar + "] " + std::to_string(percent) +
+           "%";
   }
 
   bool enabled_;
@@ -153,16 +152,21 @@ int run_export(const ExportArgs& a) {
 
   const std::string dtype_text(dtype_name(*dtype));
   if (a.json) {
-    nlohmann::json j = {{"checkpoint", *path},       {"out_dir", result->out_dir},       {"files", result->files},
-                        {"tensor_bytes", result->tensor_bytes}, {"seconds", seconds}, {"dtype", dtype_text},
-                        {"overflowed", result->overflowed},     {"step", ckpt->manifest.step},
-                        {"staging_bytes", *staging},            {"peak_extra_rss_bytes", extra_rss}};
+    nlohmann::json j = {{"checkpoint", *path},
+                        {"out_dir", result->out_dir},
+                        {"files", result->files},
+                        {"tensor_bytes", result->tensor_bytes},
+                        {"seconds", seconds},
+                        {"dtype", dtype_text},
+                        {"overflowed", result->overflowed},
+                        {"step", ckpt->manifest.step},
+                        {"staging_bytes", *staging},
+                        {"peak_extra_rss_bytes", extra_rss}};
     std::cout << j.dump(2) << "\n";
   } else if (!a.quiet) {
     std::printf("exported %s (step %llu) as %s: %zu tensors, %s in %zu files to %s in %.1f s%s\n", path->c_str(),
-                static_cast<unsigned long long>(ckpt->manifest.step), dtype_text.c_str(),
-                ckpt->manifest.tensors.size(), format_bytes(result->tensor_bytes).c_str(), result->files.size(),
-                result->out_dir.c_str(), seconds,
+                static_cast<unsigned long long>(ckpt->manifest.step), dtype_text.c_str(), ckpt->manifest.tensors.size(),
+                format_bytes(result->tensor_bytes).c_str(), result->files.size(), result->out_dir.c_str(), seconds,
                 extra_rss >= 0 ? (", peak extra RSS " + format_bytes(static_cast<uint64_t>(extra_rss))).c_str() : "");
   }
   if (result->overflowed != 0 && !a.quiet)

@@ -43,13 +43,27 @@ nlohmann::json info_json() {
                     {"compute_capability", std::to_string(d.compute_major) + "." + std::to_string(d.compute_minor)}});
   return {
       {"version", ZO_VERSION},
-      {"build", {{"io_uring", bool(ZO_HAVE_URING)}, {"libaio", bool(ZO_HAVE_AIO)}, {"libtorch", bool(ZO_HAVE_TORCH)},
-                 {"cuda", bool(ZO_HAVE_CUDA)}, {"nccl", bool(ZO_HAVE_NCCL)}, {"protobuf", bool(ZO_HAVE_PROTOBUF)}}},
+      {"build",
+       {{"io_uring", bool(ZO_HAVE_URING)},
+        {"libaio", bool(ZO_HAVE_AIO)},
+        {"libtorch", bool(ZO_HAVE_TORCH)},
+        {"cuda", bool(ZO_HAVE_CUDA)},
+        {"nccl", bool(ZO_HAVE_NCCL)},
+        {"protobuf", bool(ZO_HAVE_PROTOBUF)}}},
       {"libtorch", libtorch_json()},
-      {"cpu", {{"model", h.cpu_model}, {"logical_cpus", h.logical_cpus}, {"avx2", h.avx2}, {"fma", h.fma},
-               {"f16c", h.f16c}, {"avx512f", h.avx512f}, {"avx512bw", h.avx512bw}, {"avx512_bf16", h.avx512_bf16}}},
-      {"memory", {{"total_bytes", h.mem_total_bytes}, {"available_bytes", h.mem_available_bytes},
-                  {"memlock_limit_bytes", h.memlock_limit_bytes}}},
+      {"cpu",
+       {{"model", h.cpu_model},
+        {"logical_cpus", h.logical_cpus},
+        {"avx2", h.avx2},
+        {"fma", h.fma},
+        {"f16c", h.f16c},
+        {"avx512f", h.avx512f},
+        {"avx512bw", h.avx512bw},
+        {"avx512_bf16", h.avx512_bf16}}},
+      {"memory",
+       {{"total_bytes", h.mem_total_bytes},
+        {"available_bytes", h.mem_available_bytes},
+        {"memlock_limit_bytes", h.memlock_limit_bytes}}},
       {"gpus", gpus},
       {"gpu_note", g.gpus.empty() ? g.reason : ""},
   };
@@ -90,7 +104,8 @@ void print_text(const nlohmann::json& j) {
 
 void register_info_command(CLI::App& app, int* exit_code) {
   auto json_out = std::make_shared<bool>(false);
-  CLI::App* info = app.add_subcommand("info", "Show what this build supports and what the host offers (CPU ISA, memory, pinned limit, GPUs)");
+  CLI::App* info = app.add_subcommand(
+      "info", "Show what this build supports and what the host offers (CPU ISA, memory, pinned limit, GPUs)");
   info->add_flag("--json", *json_out, "Print machine-readable JSON");
   info->callback([json_out, exit_code] {
     const nlohmann::json j = info_json();

@@ -45,31 +45,36 @@ int fail(const std::string& what, int code) {
 void print_plan(const engine::RunPlan& p, const engine::PlanInputs& in, const std::vector<engine::PlanFix>& fixes) {
   const engine::MemoryPlan& mp = p.memory;
   const engine::Placement& pl = mp.placement;
-  std::printf("zoffload plan: %s, %.2f B params, %llu sub-groups | micro-batch %llu x seq %llu, %llu micro-steps per step\n",
-              in.model_name.c_str(), static_cast<double>(p.n_params) / 1e9, static_cast<unsigned long long>(mp.n_sub_groups),
-              static_cast<unsigned long long>(in.config.train_micro_batch_size_per_gpu),
-              static_cast<unsigned long long>(in.seq_len),
-              static_cast<unsigned long long>(in.config.gradient_accumulation_steps));
+  std::printf(
+      "zoffload plan: %s, %.2f B params, %llu sub-groups | micro-batch %llu x seq %llu, %llu micro-steps per step\n",
+      in.model_name.c_str(), static_cast<double>(p.n_params) / 1e9, static_cast<unsigned long long>(mp.n_sub_groups),
+      static_cast<unsigned long long>(in.config.train_micro_batch_size_per_gpu),
+      static_cast<unsigned long long>(in.seq_len),
+      static_cast<unsigned long long>(in.config.gradient_accumulation_steps));
   if (in.world_size > 1) {
-    std::printf("data parallel: rank 0 of %u on this node, planned with 1/%u of its RAM and disk%s\n", in.world_size,
-                in.world_size,
-                mp.partitioned() ? (", holding the optimizer states" + std::string(mp.partition_grads ? ", gradient accumulators" : "") +
-                                    (mp.partition_params ? " and compute copies (each block gathered from its owners at fetch)" : "") +
-                                    " of sub-groups " + std::to_string(mp.owned_begin) + "-" +
-                                    std::to_string(mp.owned_end - 1) + " (ZeRO stage " + std::to_string(in.config.zero.stage) + ")")
-                                       .c_str()
-                                 : " and every state (ZeRO stage 0)");
+    std::printf(
+        "data parallel: rank 0 of %u on this node, planned with 1/%u of its RAM and disk%s\n", in.world_size,
+        in.world_size,
+        mp.partitioned()
+            ? (", holding the optimizer states" + std::string(mp.partition_grads ? ", gradient accumulators" : "") +
+               (mp.partition_params ? " and compute copies (each block gathered from its owners at fetch)" : "") +
+               " of sub-groups " + std::to_string(mp.owned_begin) + "-" + std::to_string(mp.owned_end - 1) +
+               " (ZeRO stage " + std::to_string(in.config.zero.stage) + ")")
+                  .c_str()
+            : " and every state (ZeRO stage 0)");
   }
-  std::printf("placement: optimizer states on %s, gradient accumulators on %s, compute copies %s, %s compute, %s gradients\n",
-              std::string(engine::tier_name(pl.optimizer)).c_str(), std::string(engine::tier_name(pl.grad)).c_str(),
-              std::string(engine::tier_name(pl.compute.empty() ? engine::Tier::kDevice : pl.compute.back())).c_str(),
-              std::string(dtype_name(pl.compute_dtype)).c_str(), std::string(dtype_name(pl.grad_dtype)).c_str());
+  std::printf(
+      "placement: optimizer states on %s, gradient accumulators on %s, compute copies %s, %s compute, %s gradients\n",
+      std::string(engine::tier_name(pl.optimizer)).c_str(), std::string(engine::tier_name(pl.grad)).c_str(),
+      std::string(engine::tier_name(pl.compute.empty() ? engine::Tier::kDevice : pl.compute.back())).c_str(),
+      std::string(dtype_name(pl.compute_dtype)).c_str(), std::string(dtype_name(pl.grad_dtype)).c_str());
   std::printf("\nmemory\n");
   std::printf("  device %-22s %10s of budget %s\n", ("(" + in.host.device_name + ")").c_str(),
               format_bytes(p.device_total_bytes).c_str(), format_bytes(p.device_budget_bytes).c_str());
   std::printf("    states                        %10s\n", format_bytes(p.device_state_bytes).c_str());
-  std::printf("    coordinator arena             %10s (wants %s: the largest block, prefetch window, persistent params)\n",
-              format_bytes(p.device_arena_bytes).c_str(), format_bytes(p.arena.total_bytes()).c_str());
+  std::printf(
+      "    coordinator arena             %10s (wants %s: the largest block, prefetch window, persistent params)\n",
+      format_bytes(p.device_arena_bytes).c_str(), format_bytes(p.arena.total_bytes()).c_str());
   std::printf("    LibTorch activations          %10s%s\n", format_bytes(p.activation_bytes).c_str(),
               in.host.cuda ? "" : " (in host RAM: the device is emulated)");
   std::printf("  pinned                          %10s (pool %s)\n", format_bytes(p.pinned_bytes).c_str(),
@@ -80,8 +85,8 @@ void print_plan(const engine::RunPlan& p, const engine::PlanInputs& in, const st
               in.host.cuda ? "" : (" + activations " + format_bytes(p.activation_bytes)).c_str(),
               format_bytes(p.process_bytes).c_str());
   std::printf("  NVMe                            %10s (optimizer file %s, parameter file %s)\n",
-              format_bytes(p.nvme_optimizer_bytes + p.nvme_param_bytes).c_str(), format_bytes(p.nvme_optimizer_bytes).c_str(),
-              format_bytes(p.nvme_param_bytes).c_str());
+              format_bytes(p.nvme_optimizer_bytes + p.nvme_param_bytes).c_str(),
+              format_bytes(p.nvme_optimizer_bytes).c_str(), format_bytes(p.nvme_param_bytes).c_str());
   std::printf("  checkpoint save peak RSS        +%9s; export +%s\n", format_bytes(p.save_rss_bytes).c_str(),
               format_bytes(p.export_rss_bytes).c_str());
   std::printf("\nper step\n");
@@ -89,14 +94,15 @@ void print_plan(const engine::RunPlan& p, const engine::PlanInputs& in, const st
     std::printf("  NVMe read %s, written %s (drive wear %s per 1000 steps)\n", format_bytes(p.nvme_read_bytes).c_str(),
                 format_bytes(p.nvme_write_bytes).c_str(), format_bytes(p.nvme_write_bytes * 1000).c_str());
   } else {
-    std::printf("  NVMe read %s to %s, written %s (drive wear %s per 1000 steps)\n", format_bytes(p.nvme_read_min_bytes).c_str(),
-                format_bytes(p.nvme_read_max_bytes).c_str(), format_bytes(p.nvme_write_bytes).c_str(),
-                format_bytes(p.nvme_write_bytes * 1000).c_str());
+    std::printf("  NVMe read %s to %s, written %s (drive wear %s per 1000 steps)\n",
+                format_bytes(p.nvme_read_min_bytes).c_str(), format_bytes(p.nvme_read_max_bytes).c_str(),
+                format_bytes(p.nvme_write_bytes).c_str(), format_bytes(p.nvme_write_bytes * 1000).c_str());
   }
   std::printf("  to the device %s to %s; from it %s\n", format_bytes(p.h2d_min_bytes).c_str(),
               format_bytes(p.h2d_max_bytes).c_str(), format_bytes(p.d2h_bytes).c_str());
   if (!p.time_parts.empty()) {
-    std::printf("\nstep time %.2f s (everything overlapped) to %.2f s (phases one after another)\n", p.step_s_low, p.step_s_high);
+    std::printf("\nstep time %.2f s (everything overlapped) to %.2f s (phases one after another)\n", p.step_s_low,
+                p.step_s_high);
     for (const engine::StepTimePart& t : p.time_parts)
       std::printf("  %-10s %8.2f s   %s\n", t.name.c_str(), t.seconds, t.basis.c_str());
     if (!p.time_unknown.empty())
@@ -111,18 +117,21 @@ void print_plan(const engine::RunPlan& p, const engine::PlanInputs& in, const st
   std::printf("does NOT fit this machine:\n");
   for (const engine::PlanProblem& pr : p.problems) std::printf("  %s\n", pr.to_string().c_str());
   if (fixes.empty()) {
-    std::printf("no single or paired change to the offload settings makes it fit: a smaller model, a shorter sequence or "
-                "a larger machine\n");
+    std::printf(
+        "no single or paired change to the offload settings makes it fit: a smaller model, a shorter sequence or "
+        "a larger machine\n");
   } else {
     std::printf("changes that make it fit (each checked by planning again):\n");
-    for (const engine::PlanFix& f : fixes) std::printf("  %s\n    -> %s\n", join(f.changes, "; ").c_str(), f.result.c_str());
+    for (const engine::PlanFix& f : fixes)
+      std::printf("  %s\n    -> %s\n", join(f.changes, "; ").c_str(), f.result.c_str());
   }
 }
 
 int run_plan(const PlanArgs& a) {
   auto model = engine::resolve_model_config(a.model);
   if (!model.is_ok()) return fail(model.status().message(), 2);
-  std::optional<engine::Config> config = load_config_with_flags(a.config, model->hidden_size, a.steps, a.flags, a.ranks);
+  std::optional<engine::Config> config =
+      load_config_with_flags(a.config, model->hidden_size, a.steps, a.flags, a.ranks);
   if (!config) return 2;
   engine::PlanInputs in;
   in.world_size = a.ranks;
@@ -160,7 +169,8 @@ int run_plan(const PlanArgs& a) {
   // --ranks: one of that many ranks started on this node, as `train` plans each (rank 0; the
   // partitions differ by at most 4096 elements).
   engine::share_host(&in.host, a.ranks);
-  in.device_budget_bytes = config->zoffload.gpu_memory_limit != 0 ? config->zoffload.gpu_memory_limit : in.host.device_total_bytes;
+  in.device_budget_bytes =
+      config->zoffload.gpu_memory_limit != 0 ? config->zoffload.gpu_memory_limit : in.host.device_total_bytes;
 
   if (!a.io_results.empty()) {
     Status st = engine::read_io_results(a.io_results, *config, &in.speeds);
@@ -201,7 +211,9 @@ int run_plan(const PlanArgs& a) {
   } else {
     print_plan(*plan, in, fixes);
     if (in.speeds.nvme_read_bytes_per_s == 0 && plan->nvme_read_min_bytes + plan->nvme_write_bytes > 0)
-      std::printf("(for NVMe time: zoffload-bench io --file <nvme_path>/bench.dat --json > io.json, then --io-results io.json)\n");
+      std::printf(
+          "(for NVMe time: zoffload-bench io --file <nvme_path>/bench.dat --json > io.json, then --io-results "
+          "io.json)\n");
   }
   return plan->fits() ? 0 : 3;
 }
@@ -226,11 +238,13 @@ void register_plan_command(CLI::App& app, int* exit_code) {
                    "A Hugging Face model directory (only its config.json is read) or a preset: tiny, tinyllama-1.1b, "
                    "llama3.2-1b, llama3.2-3b, llama-7b, llama3-8b, llama-13b, llama-70b")
       ->required();
-  plan->add_option("--seq-len", args->seq_len, "Tokens per sequence (default: min(256, max_position_embeddings), as train)")
+  plan->add_option("--seq-len", args->seq_len,
+                   "Tokens per sequence (default: min(256, max_position_embeddings), as train)")
       ->check(CLI::PositiveNumber);
   plan->add_option("--steps", args->steps, "Training steps: resolves scheduler total_num_steps, as train")
       ->check(CLI::PositiveNumber);
-  plan->add_option("--out", args->out, "The run directory train would use: relative nvme_path resolve against it (default: zoffload-run)");
+  plan->add_option("--out", args->out,
+                   "The run directory train would use: relative nvme_path resolve against it (default: zoffload-run)");
   plan->add_option("--io-results", args->io_results, "`zoffload-bench io --json` output for the NVMe read/write speed");
   add_auto_flags(plan, &args->flags);
   plan->add_option("--ranks", args->ranks,

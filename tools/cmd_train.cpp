@@ -52,8 +52,8 @@ struct TrainArgs {
   AutoFlags flags;
   bool json = false;
   bool quiet = false;
-  std::string trace;        // --trace FILE
-  std::string trace_steps;  // --trace-steps A-B
+  std::string trace;               // --trace FILE
+  std::string trace_steps;         // --trace-steps A-B
   uint64_t dist_timeout_s = 1800;  // --dist-timeout
 };
 
@@ -102,7 +102,8 @@ extern "C" void on_stop_signal(int sig) {
   static constexpr char kRemoved[] = "zoffload train: interrupted; the NVMe swap files are removed\n";
   static constexpr char kNone[] = "zoffload train: interrupted\n";
   const bool removed = n > 0;
-  if (::write(STDERR_FILENO, removed ? kRemoved : kNone, removed ? sizeof kRemoved - 1 : sizeof kNone - 1) < 0) {  // file-syscall-ok: signal handler
+  const size_t size = removed ? sizeof kRemoved - 1 : sizeof kNone - 1;
+  if (::write(STDERR_FILENO, removed ? kRemoved : kNone, size) < 0) {  // file-syscall-ok: signal handler
     // Nothing to do: the process is ending.
   }
   ::signal(sig, SIG_DFL);
@@ -144,8 +145,8 @@ std::string breakdown(const engine::StepMetrics& m) {
                 "gradient worker %.2fs, optimizer %.2fs (nvme read wait %.2fs, write wait %.2fs), nvme busy %.2fs, "
                 "device compute %.2fs (busy %.2f), h2d %.2fs, d2h %.2fs",
                 m.data_s, m.fetch_s, m.compute_s, m.grad_offload_s, m.optimizer_wait_s, m.grad_worker_s, m.optimizer_s,
-                m.nvme_read_wait_s, m.nvme_write_wait_s, m.nvme_busy_s, m.device_compute_s, m.device_busy, m.device_h2d_s,
-                m.device_d2h_s);
+                m.nvme_read_wait_s, m.nvme_write_wait_s, m.nvme_busy_s, m.device_compute_s, m.device_busy,
+                m.device_h2d_s, m.device_d2h_s);
   return buf;
 }
 
@@ -225,8 +226,7 @@ int run_train(const TrainArgs& args) {
   if (world->distributed()) {
     // Note [One GPU per rank] (engine/dist/world.h), before anything initialises CUDA.
     if (config->zoffload.device != gpu::DeviceKind::kHost) {
-      auto device =
-          engine::dist::visible_device_for_rank(*world, engine::dist::process_env()("CUDA_VISIBLE_DEVICES"));
+      auto device = engine::dist::visible_device_for_rank(*world, engine::dist::process_env()("CUDA_VISIBLE_DEVICES"));
       if (!device.is_ok()) return fail(device.status().message(), 2);
       if (device->has_value()) ::setenv("CUDA_VISIBLE_DEVICES", (*device)->c_str(), 1);
     }
@@ -271,8 +271,8 @@ int run_train(const TrainArgs& args) {
     if (!trainer.resumed_from().empty())
       std::printf("resumed from %s at step %llu\n", trainer.resumed_from().c_str(),
                   static_cast<unsigned long long>(first_step));
-    std::printf("setup %.1f s; training to step %llu, metrics -> %s%s\n", setup_s, static_cast<unsigned long long>(steps),
-                trainer.metrics_path().c_str(),
+    std::printf("setup %.1f s; training to step %llu, metrics -> %s%s\n", setup_s,
+                static_cast<unsigned long long>(steps), trainer.metrics_path().c_str(),
                 trainer.checkpoint_dir().empty() ? "" : (", checkpoints -> " + trainer.checkpoint_dir()).c_str());
     std::fflush(stdout);
   }
@@ -296,13 +296,18 @@ int run_train(const TrainArgs& args) {
     // buffer, see docs/checkpoint_format.md); -1 where the kernel cannot reset the peak.
     const PhaseRss phase;
     auto r = trainer.save_checkpoint([&](uint64_t done, uint64_t total) {
-      if (show) std::fprintf(stderr, "\r\033[Ksaving %s: %s of %s", name.c_str(), format_bytes(done).c_str(), format_bytes(total).c_str());
+      if (show)
+        std::fprintf(stderr, "\r\033[Ksaving %s: %s of %s", name.c_str(), format_bytes(done).c_str(),
+                     format_bytes(total).c_str());
     });
     if (show) std::fputs("\r\033[K", stderr);
     if (!r.is_ok()) return r.status();
     const int64_t extra = phase.peak_extra_bytes();
-    saved.push_back({{"path", r->path}, {"bytes", r->bytes}, {"seconds", r->seconds},
-                     {"gb_per_s", r->seconds > 0 ? r->bytes / r->seconds / 1e9 : 0.0}, {"peak_extra_rss_bytes", extra}});
+    saved.push_back({{"path", r->path},
+                     {"bytes", r->bytes},
+                     {"seconds", r->seconds},
+                     {"gb_per_s", r->seconds > 0 ? r->bytes / r->seconds / 1e9 : 0.0},
+                     {"peak_extra_rss_bytes", extra}});
     if (!a.quiet && !a.json) {
       std::fprintf(stderr, "checkpoint %s: %s in %.2f s (%.2f GB/s, peak RSS +%s)%s\n", r->path.c_str(),
                    format_bytes(r->bytes).c_str(), r->seconds, r->seconds > 0 ? r->bytes / r->seconds / 1e9 : 0.0,
@@ -325,8 +330,9 @@ int run_train(const TrainArgs& args) {
     if (!a.quiet && !a.json)
       std::fprintf(stderr, "trace: %llu spans%s -> %s (open it in https://ui.perfetto.dev or chrome://tracing)\n",
                    static_cast<unsigned long long>(trace::spans_kept()),
-                   trace::spans_dropped() ? (", " + std::to_string(trace::spans_dropped()) + " dropped (over the limit)").c_str()
-                                          : "",
+                   trace::spans_dropped()
+                       ? (", " + std::to_string(trace::spans_dropped()) + " dropped (over the limit)").c_str()
+                       : "",
                    a.trace.c_str());
     return Status::ok();
   };
@@ -335,7 +341,8 @@ int run_train(const TrainArgs& args) {
     auto m = trainer.step();
     if (!m.is_ok()) {
       if (tty && !a.quiet && !a.json) std::fputc('\n', stderr);
-      if (Status st = write_trace(); !st.is_ok()) std::cerr << "zoffload train: warning: writing the trace: " << st.to_string() << "\n";
+      if (Status st = write_trace(); !st.is_ok())
+        std::cerr << "zoffload train: warning: writing the trace: " << st.to_string() << "\n";
       return fail(m.status().to_string(), 1);  // "step N: ..."
     }
     if (i == first_step) first_loss = m->loss;
@@ -358,9 +365,11 @@ int run_train(const TrainArgs& args) {
     // A save that failed because a rank is gone ends the run here: training on would only wait for
     // that rank again, through another --dist-timeout, at the next collective.
     if (!st.is_ok() && group != nullptr && group->broken())
-      return fail("the checkpoint after step " + std::to_string(m->step) + " did not complete on every rank, and the "
-                  "ranks are no longer connected (`zoffload ckpt verify` tells which checkpoints are whole): " +
-                  st.to_string(), 1);
+      return fail("the checkpoint after step " + std::to_string(m->step) +
+                      " did not complete on every rank, and the "
+                      "ranks are no longer connected (`zoffload ckpt verify` tells which checkpoints are whole): " +
+                      st.to_string(),
+                  1);
     if (!st.is_ok()) {
       std::cerr << "zoffload train: warning: the checkpoint after step " << m->step << " failed: " << st.to_string()
                 << "; the previous checkpoints are intact and training goes on\n";
@@ -376,7 +385,8 @@ int run_train(const TrainArgs& args) {
   // streamed from their tiers (never gathered in RAM or on the GPU).
   std::string exported;
   // At ZeRO stage 3 across ranks every rank takes part (each sends its partition); rank 0 writes.
-  if (config->zero.stage3_gather_16bit_weights_on_model_save && (world->rank == 0 || trainer.export_needs_every_rank())) {
+  if (config->zero.stage3_gather_16bit_weights_on_model_save &&
+      (world->rank == 0 || trainer.export_needs_every_rank())) {
     engine::ExportOptions eo;
     eo.dtype = trainer.export_dtype();
     // Published whole (Note [Publishing a directory]); an earlier run's export of the same step
@@ -397,19 +407,27 @@ int run_train(const TrainArgs& args) {
 
   const std::string swap = trainer.swap_dir();
   if (a.json) {
-    nlohmann::json j = {{"steps", steps},           {"skipped_steps", skipped},
-                        {"first_loss", first_loss}, {"last_loss", last_loss},
-                        {"tokens", tokens},         {"train_s", train_s},
-                        {"setup_s", setup_s},       {"tokens_per_s", train_s > 0 ? tokens / train_s : 0.0},
-                        {"metrics_path", trainer.metrics_path()}, {"parameters", trainer.num_parameters()},
-                        {"first_step", first_step}, {"resumed_from", trainer.resumed_from()},
-                        {"checkpoints", saved}, {"export", exported}, {"trace", a.trace},
+    nlohmann::json j = {{"steps", steps},
+                        {"skipped_steps", skipped},
+                        {"first_loss", first_loss},
+                        {"last_loss", last_loss},
+                        {"tokens", tokens},
+                        {"train_s", train_s},
+                        {"setup_s", setup_s},
+                        {"tokens_per_s", train_s > 0 ? tokens / train_s : 0.0},
+                        {"metrics_path", trainer.metrics_path()},
+                        {"parameters", trainer.num_parameters()},
+                        {"first_step", first_step},
+                        {"resumed_from", trainer.resumed_from()},
+                        {"checkpoints", saved},
+                        {"export", exported},
+                        {"trace", a.trace},
                         {"plan", nlohmann::json::parse(trainer.plan_json())}};
     std::cout << j.dump(2) << "\n";
   } else if (!a.quiet) {
     std::printf("done: %llu steps in %.1f s (%.0f tok/s), loss %.4f -> %.4f%s\n",
-                static_cast<unsigned long long>(steps - std::min(steps, first_step)),
-                train_s, train_s > 0 ? tokens / train_s : 0.0, first_loss, last_loss,
+                static_cast<unsigned long long>(steps - std::min(steps, first_step)), train_s,
+                train_s > 0 ? tokens / train_s : 0.0, first_loss, last_loss,
                 skipped ? (", " + std::to_string(skipped) + " steps skipped on overflow").c_str() : "");
     std::printf("outputs: metrics %s%s\n", trainer.metrics_path().c_str(),
                 swap.empty() ? "" : ("; NVMe swap files under " + swap + " are removed on exit").c_str());
@@ -449,18 +467,25 @@ void register_train_command(CLI::App& app, int* exit_code) {
       "its owners when it is fetched)\n"
       "(docs/training.md, \"Several processes\").");
   train->add_option("--config", args->config, "DeepSpeed/zoffload JSON config (see docs/config.md)")->required();
-  train->add_option("--model", args->model,
-                    "A Hugging Face model directory (config.json + *.safetensors) or a preset with random init: "
-                    "tiny, tinyllama-1.1b, llama3.2-1b, llama3.2-3b, llama-7b, llama3-8b, llama-13b, llama-70b")
+  train
+      ->add_option("--model", args->model,
+                   "A Hugging Face model directory (config.json + *.safetensors) or a preset with random init: "
+                   "tiny, tinyllama-1.1b, llama3.2-1b, llama3.2-3b, llama-7b, llama3-8b, llama-13b, llama-70b")
       ->required();
-  train->add_option("--data", args->data,
-                    "Training data: .bin tokens (llm.c/nanoGPT), .jsonl with input_ids [and labels], or any other "
-                    "file as text with the byte-level tokenizer (vocabulary 256, for the tiny model)")
+  train
+      ->add_option("--data", args->data,
+                   "Training data: .bin tokens (llm.c/nanoGPT), .jsonl with input_ids [and labels], or any other "
+                   "file as text with the byte-level tokenizer (vocabulary 256, for the tiny model)")
       ->required();
   train->add_option("--data-format", args->data_format, "auto | llmc | raw | jsonl | text (default: by extension)");
-  train->add_option("--steps", args->steps, "Train until this optimizer step, counted from the start of the run (default: scheduler total_num_steps)")->check(CLI::PositiveNumber);
+  train
+      ->add_option(
+          "--steps", args->steps,
+          "Train until this optimizer step, counted from the start of the run (default: scheduler total_num_steps)")
+      ->check(CLI::PositiveNumber);
   train->add_option("--out", args->out, "Run directory: metrics.jsonl, relative swap paths (default: zoffload-run)");
-  train->add_option("--seed", args->seed, "Seed of the random init and the data order (default 0; a resumed run keeps its checkpoint's)");
+  train->add_option("--seed", args->seed,
+                    "Seed of the random init and the data order (default 0; a resumed run keeps its checkpoint's)");
   train->add_option("--resume", args->resume,
                     "Continue from a checkpoint: latest (the newest in zoffload.checkpoint.dir), a checkpoint "
                     "directory, or a step-N directory. Weights, optimizer states, loss scale, counters and the data "
@@ -470,16 +495,18 @@ void register_train_command(CLI::App& app, int* exit_code) {
   add_auto_flags(train, &args->flags);
   train->add_flag("--json", args->json, "Print a JSON summary on stdout instead of progress");
   train->add_flag("-q,--quiet", args->quiet, "Print nothing but errors and warnings");
-  train->add_option("--trace", args->trace,
-                    "Write a timeline of the steps (Chrome trace JSON: open it in https://ui.perfetto.dev): one track "
-                    "per stream of work (compute, fetch wait, gradient offload, gradient worker, optimizer, NVMe reads "
-                    "and writes, the device's own compute and H2D and D2H copies, checkpoint, collectives), spans named by "
-                    "block and sub-group. See docs/training.md");
+  train->add_option(
+      "--trace", args->trace,
+      "Write a timeline of the steps (Chrome trace JSON: open it in https://ui.perfetto.dev): one track "
+      "per stream of work (compute, fetch wait, gradient offload, gradient worker, optimizer, NVMe reads "
+      "and writes, the device's own compute and H2D and D2H copies, checkpoint, collectives), spans named by "
+      "block and sub-group. See docs/training.md");
   train->add_option("--trace-steps", args->trace_steps, "The steps to trace, A-B or A (default: all)");
-  train->add_option("--dist-timeout", args->dist_timeout_s,
-                    "Data parallel (torchrun, mpirun, srun): seconds a rank waits for the others at the rendezvous and "
-                    "in each collective before it stops with an error naming the ranks that did not respond "
-                    "(default 1800, at most a week). See docs/training.md, \"Several processes\"")
+  train
+      ->add_option("--dist-timeout", args->dist_timeout_s,
+                   "Data parallel (torchrun, mpirun, srun): seconds a rank waits for the others at the rendezvous and "
+                   "in each collective before it stops with an error naming the ranks that did not respond "
+                   "(default 1800, at most a week). See docs/training.md, \"Several processes\"")
       ->check(CLI::Range(uint64_t{1}, uint64_t{7 * 24 * 3600}));
   train->callback([args, exit_code] { *exit_code = run_train(*args); });
 }

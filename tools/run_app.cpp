@@ -29,10 +29,11 @@ int run_app(CLI::App& app, int argc, char** argv, const int& exit_code) {
               << "host's memory; `zoffload plan` shows what the run needs)\n";
     return 1;
   } catch (const std::system_error& e) {
-    std::cerr << tool << ": error: " << (e.code() == std::errc::resource_unavailable_try_again
-                                             ? "could not start a thread (" + std::string(e.what()) +
-                                                   "): the process is out of memory or threads (ulimit -v, ulimit -u)"
-                                             : std::string(e.what()))
+    std::cerr << tool << ": error: "
+              << (e.code() == std::errc::resource_unavailable_try_again
+                      ? "could not start a thread (" + std::string(e.what()) +
+                            "): the process is out of memory or threads (ulimit -v, ulimit -u)"
+                      : std::string(e.what()))
               << "\n";
     return 1;
   }

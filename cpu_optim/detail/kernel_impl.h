@@ -104,9 +104,8 @@ void adam_kernel(const AdamArgs& a, size_t begin, size_t end) {
   using F = typename V::F;
   const AdamConstants& k = a.k;
   const F scale = V::set1(k.grad_scale), b1 = V::set1(k.beta1), omb1 = V::set1(k.one_minus_beta1),
-          b2 = V::set1(k.beta2), omb2 = V::set1(k.one_minus_beta2), eps = V::set1(k.eps),
-          bc2 = V::set1(k.bc2_rsqrt), neg_step = V::set1(k.neg_step), l2 = V::set1(k.l2_decay),
-          decay = V::set1(k.decay_factor);
+          b2 = V::set1(k.beta2), omb2 = V::set1(k.one_minus_beta2), eps = V::set1(k.eps), bc2 = V::set1(k.bc2_rsqrt),
+          neg_step = V::set1(k.neg_step), l2 = V::set1(k.l2_decay), decay = V::set1(k.decay_factor);
   const bool use_l2 = k.use_l2, use_decoupled = k.use_decoupled;
   with_dtypes(a.grad_dtype, a.copy_out, a.copy_dtype, [&]<DType G, bool kCopy, DType C>() {
     const Stream streams[5] = {{a.params, 4, true},
@@ -142,8 +141,7 @@ void adam_kernel(const AdamArgs& a, size_t begin, size_t end) {
 template <class V>
 void adagrad_kernel(const AdagradArgs& a, size_t begin, size_t end) {
   using F = typename V::F;
-  const F scale = V::set1(a.grad_scale), eps = V::set1(a.eps), neg_lr = V::set1(a.neg_lr),
-          wd = V::set1(a.weight_decay);
+  const F scale = V::set1(a.grad_scale), eps = V::set1(a.eps), neg_lr = V::set1(a.neg_lr), wd = V::set1(a.weight_decay);
   const bool use_decay = a.use_decay;
   with_dtypes(a.grad_dtype, a.copy_out, a.copy_dtype, [&]<DType G, bool kCopy, DType C>() {
     const Stream streams[4] = {{a.params, 4, true},
@@ -201,12 +199,10 @@ void lion_kernel(const LionArgs& a, size_t begin, size_t end) {
 }
 
 template <class V>
-void convert_kernel(const void* src, DType src_dtype, void* dst, DType dst_dtype,
-                    size_t begin, size_t end) {
+void convert_kernel(const void* src, DType src_dtype, void* dst, DType dst_dtype, size_t begin, size_t end) {
   with_dtypes(src_dtype, dst, dst_dtype, [&]<DType S, bool kCopy, DType D>() {
     if constexpr (kCopy) {
-      const Stream streams[2] = {{const_cast<void*>(src), kElemBytes<S>, false},
-                                 {dst, kElemBytes<D>, true}};
+      const Stream streams[2] = {{const_cast<void*>(src), kElemBytes<S>, false}, {dst, kElemBytes<D>, true}};
       for_blocks<V::W>(streams, begin, end, [&](const Ptrs<2>& at, size_t i) {
         store_elems<V, D>(at.p[1], i, load_elems<V, S>(at.p[0], i));
       });
@@ -335,7 +331,8 @@ template <class V>
 void fill_kernel(float* data, float value, size_t begin, size_t end) {
   const typename V::F x = V::set1(value);
   const Stream streams[1] = {{data, 4, true}};
-  for_blocks<V::W>(streams, begin, end, [&](const Ptrs<1>& at, size_t i) { V::store(static_cast<float*>(at.p[0]) + i, x); });
+  for_blocks<V::W>(streams, begin, end,
+                   [&](const Ptrs<1>& at, size_t i) { V::store(static_cast<float*>(at.p[0]) + i, x); });
 }
 
 template <class V>

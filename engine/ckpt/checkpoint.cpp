@@ -50,7 +50,8 @@ bool is_save_tmp_name(std::string_view name) {
     return true;
   };
   if (name.rfind("latest.tmp-", 0) == 0) return random_at(11);
-  return name.rfind("tmp-", 0) == 0 && name.size() > 4 + 17 && name[name.size() - 17] == '-' && random_at(name.size() - 16);
+  return name.rfind("tmp-", 0) == 0 && name.size() > 4 + 17 && name[name.size() - 17] == '-' &&
+         random_at(name.size() - 16);
 }
 
 std::string random_suffix() {
@@ -62,7 +63,8 @@ std::string random_suffix() {
 
 // Writes a small file in one go through the Env (fdatasynced; nothing left on failure) and
 // returns its digest.
-Result<FileDigest> write_small_file(io::Env& env, const std::string& dir, const std::string& name, const std::string& text) {
+Result<FileDigest> write_small_file(io::Env& env, const std::string& dir, const std::string& name,
+                                    const std::string& text) {
   ZO_RETURN_IF_ERROR(env.write_file(dir + "/" + name, text));
   FileDigest d;
   d.name = name;
@@ -227,7 +229,8 @@ void remove_failed_save(io::Env& env, const std::string& tmp, const std::string&
 }
 
 Status point_latest_and_prune(io::Env& env, const SaveOptions& options, const std::string& name, uint64_t steps_done,
-                              const std::string& context, SaveResult* result, const std::function<void(SavePhase)>& phase);
+                              const std::string& context, SaveResult* result,
+                              const std::function<void(SavePhase)>& phase);
 
 // The checks of a save, its directory, and its tmp directory (returned).
 Result<std::string> begin_save(io::Env& env, StateStore& store, const TrainingState& state, const SaveOptions& options,
@@ -268,8 +271,8 @@ Result<std::string> begin_save(io::Env& env, StateStore& store, const TrainingSt
 // a hang; a rank that dies fails the broadcasts (the process group names it). The tmp directory,
 // files and rename are rank 0's, so a kill at any moment leaves what a single-process save leaves.
 // The ranks must see one file system at the checkpoint directory (one node, or a shared one).
-Result<SaveResult> save_collaborative(StateStore& store, const TrainingState& state, const std::string& model_config_json,
-                                      const SaveOptions& options, io::Env& env,
+Result<SaveResult> save_collaborative(StateStore& store, const TrainingState& state,
+                                      const std::string& model_config_json, const SaveOptions& options, io::Env& env,
                                       const std::function<void(SavePhase)>& phase) {
   const Stopwatch watch;
   const SaveOptions::Collective& c = *options.collective;
@@ -342,8 +345,8 @@ Result<SaveResult> save_collaborative(StateStore& store, const TrainingState& st
         return data_start + reg.sub_groups()[reg.partition_groups(partition).first].first_elem * 4;
       };
       const std::string path = tmp + "/" + state_file_name(kind);
-      ZO_ASSIGN_OR_RETURN(auto writer, RangeWriter::create(store.io(), path, file_offset(c.rank), file_offset(c.rank + 1),
-                                                           staging.bytes(), kWriteSlots, env));
+      ZO_ASSIGN_OR_RETURN(auto writer, RangeWriter::create(store.io(), path, file_offset(c.rank),
+                                                           file_offset(c.rank + 1), staging.bytes(), kWriteSlots, env));
       if (c.rank == 0) ZO_RETURN_IF_ERROR(writer->append(std::as_bytes(std::span(header.data(), header.size()))));
       ZO_RETURN_IF_ERROR(stream_groups(*writer, store, kind, plan.owned_begin, plan.owned_end, on_bytes));
       ZO_ASSIGN_OR_RETURN(RangeDigest d, writer->finish());
@@ -368,8 +371,8 @@ Result<SaveResult> save_collaborative(StateStore& store, const TrainingState& st
       if (failure.is_ok())
         failure = r == c.rank ? Status(written).with_context(context)
                               : Status(StatusCode::kAborted, context + ": rank " + std::to_string(r) + " of " +
-                                                                 std::to_string(c.world_size) + " could not write its part: " +
-                                                                 text.substr(5));
+                                                                 std::to_string(c.world_size) +
+                                                                 " could not write its part: " + text.substr(5));
       continue;
     }
     size_t at = 2;
@@ -486,7 +489,8 @@ Result<SaveResult> save_checkpoint(StateStore& store, const TrainingState& state
 namespace {
 
 Status point_latest_and_prune(io::Env& env, const SaveOptions& options, const std::string& name, uint64_t steps_done,
-                              const std::string& context, SaveResult* result, const std::function<void(SavePhase)>& phase) {
+                              const std::string& context, SaveResult* result,
+                              const std::function<void(SavePhase)>& phase) {
   // Point `latest` at it: a new file renamed over the old one.
   const std::string latest_tmp = "latest.tmp-" + random_suffix();
   if (auto written = write_small_file(env, options.dir, latest_tmp, name + "\n"); !written.is_ok()) {
@@ -521,8 +525,8 @@ Status point_latest_and_prune(io::Env& env, const SaveOptions& options, const st
       }
       Status p = prune_one(env, options.dir, dir_name);
       if (!p.is_ok()) {
-        ZO_LOG(kWarn) << context << ": pruning " << dir_name << " failed (the new checkpoint is complete): "
-                      << p.to_string();
+        ZO_LOG(kWarn) << context << ": pruning " << dir_name
+                      << " failed (the new checkpoint is complete): " << p.to_string();
         continue;
       }
       result->pruned.push_back(dir_name);

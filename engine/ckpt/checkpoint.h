@@ -35,8 +35,8 @@ enum class SavePhase : uint8_t {
 std::string_view save_phase_name(SavePhase phase);
 
 struct SaveOptions {
-  std::string dir;                             // created if missing
-  uint64_t keep_last = 2;                      // 0: keep all
+  std::string dir;                               // created if missing
+  uint64_t keep_last = 2;                        // 0: keep all
   uint64_t staging_bytes = uint64_t{256} << 20;  // ≥ 1 MiB, a multiple of 4096
   // Called on the saving thread with bytes written so far and the total (for progress lines).
   std::function<void(uint64_t done_bytes, uint64_t total_bytes)> progress;
@@ -58,8 +58,8 @@ struct SaveOptions {
 };
 
 struct SaveResult {
-  std::string path;           // DIR/step-<N>; empty on ranks other than 0 of a collaborative save
-  uint64_t bytes = 0;         // of every file written (a collaborative save's other ranks: their part)
+  std::string path;    // DIR/step-<N>; empty on ranks other than 0 of a collaborative save
+  uint64_t bytes = 0;  // of every file written (a collaborative save's other ranks: their part)
   double seconds = 0;
   std::vector<std::string> pruned;  // directories removed
 };

@@ -78,7 +78,8 @@ Result<CheckpointInfo> open_checkpoint(const std::string& path, io::Env& env) {
     if (!size_or.is_ok()) return corruption(fpath + ": listed in the manifest but " + size_or.status().message());
     const uint64_t size = *size_or;
     if (size != f.size_bytes) {
-      return corruption(fpath + ": " + std::to_string(size) + " bytes, the manifest says " + std::to_string(f.size_bytes));
+      return corruption(fpath + ": " + std::to_string(size) + " bytes, the manifest says " +
+                        std::to_string(f.size_bytes));
     }
   }
   // The small files are read whole and checked here; the state files by verify/load.
@@ -137,7 +138,8 @@ Status verify_checkpoint(const CheckpointInfo& ckpt, io::IoEngine& io, std::span
   for (const FileDigest& f : ckpt.manifest.files) total += f.size_bytes;
   for (const FileDigest& f : ckpt.manifest.files) {
     ZO_RETURN_IF_ERROR(read_stream(
-        io, env, ckpt.path + "/" + f.name, f, staging, f.size_bytes, [](uint64_t, std::span<const std::byte>) { return Status::ok(); },
+        io, env, ckpt.path + "/" + f.name, f, staging, f.size_bytes,
+        [](uint64_t, std::span<const std::byte>) { return Status::ok(); },
         [&](uint64_t n) {
           done += n;
           if (progress) progress(done, total);
@@ -168,8 +170,8 @@ Status load_checkpoint(const CheckpointInfo& ckpt, StateStore& store, io::IoEngi
   for (StateKind kind : kSavedStates) {
     const std::string fpath = ckpt.path + "/" + state_file_name(kind);
     ZO_ASSIGN_OR_RETURN(auto header, SafetensorsFile::open(fpath, &env));
-    const uint64_t data_start = header->tensors().empty() ? header->file_size_bytes()
-                                                          : header->tensors().front().data_offset_bytes;
+    const uint64_t data_start =
+        header->tensors().empty() ? header->file_size_bytes() : header->tensors().front().data_offset_bytes;
     // File bytes [data_start, ...) are the flat fp32 state of every sub-group in order.
     uint32_t g = 0;
     auto consume = [&](uint64_t offset, std::span<const std::byte> bytes) -> Status {

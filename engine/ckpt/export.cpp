@@ -47,7 +47,8 @@ const char* torch_dtype_name(DType dtype) {
 
 Status validate(std::span<const ParamInfo> params, const ExportOptions& o) {
   if (o.dtype != DType::kBF16 && o.dtype != DType::kF16 && o.dtype != DType::kF32)
-    return invalid_argument("export: dtype " + std::to_string(static_cast<int>(o.dtype)) + " is not bf16, fp16 or fp32");
+    return invalid_argument("export: dtype " + std::to_string(static_cast<int>(o.dtype)) +
+                            " is not bf16, fp16 or fp32");
   if (o.out_dir.empty()) return invalid_argument("export: no output directory given");
   if (o.shard_bytes == 0) return invalid_argument("export: the shard size must be at least 1 byte");
   ZO_RETURN_IF_ERROR(check_staging_bytes(o.staging_bytes, "export"));
@@ -132,8 +133,8 @@ class OutputDir {
     const std::filesystem::path normal = std::filesystem::path(dir).lexically_normal();
     const std::filesystem::path parent = normal.parent_path().empty() ? "." : normal.parent_path();
     // The outermost missing ancestor is removed again if the export fails.
-    ZO_RETURN_IF_ERROR(env_.make_dirs(parent.string(), &created_parent_).with_context("export: creating the directory " +
-                                                                                      parent.string()));
+    ZO_RETURN_IF_ERROR(env_.make_dirs(parent.string(), &created_parent_)
+                           .with_context("export: creating the directory " + parent.string()));
     dir_ = normal.string();
     tmp_ = dir_ + ".tmp-" + random_hex();
     return env_.make_dir(tmp_).with_context("export");
@@ -500,9 +501,11 @@ Result<ExportResult> export_store(StateStore& store, const std::string& model_co
   const MemoryPlan& plan = store.plan();
   if (plan.partitioned()) {
     if (options.dtype != plan.placement.compute_dtype)
-      return failed_precondition("export: this data-parallel rank holds the fp32 masters of its own partition only; "
-                                 "it can export in the compute dtype (" + std::string(dtype_name(plan.placement.compute_dtype)) +
-                                 "), or export another dtype from a checkpoint with `zoffload export --dtype`");
+      return failed_precondition(
+          "export: this data-parallel rank holds the fp32 masters of its own partition only; "
+          "it can export in the compute dtype (" +
+          std::string(dtype_name(plan.placement.compute_dtype)) +
+          "), or export another dtype from a checkpoint with `zoffload export --dtype`");
     const Fp32Reader read = [&store](uint32_t p, uint64_t off, std::span<float> out) {
       return store.read_param_compute(p, off, out);
     };
@@ -515,10 +518,16 @@ Result<ExportResult> export_store(StateStore& store, const std::string& model_co
 }
 
 std::vector<std::string> model_side_files(const std::string& model_dir, io::Env& env) {
-  static constexpr const char* kNames[] = {
-      "tokenizer.json",     "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-      "added_tokens.json",  "vocab.json",            "merges.txt",              "chat_template.jinja",
-      "chat_template.json", "generation_config.json"};
+  static constexpr const char* kNames[] = {"tokenizer.json",
+                                           "tokenizer_config.json",
+                                           "special_tokens_map.json",
+                                           "tokenizer.model",
+                                           "added_tokens.json",
+                                           "vocab.json",
+                                           "merges.txt",
+                                           "chat_template.jinja",
+                                           "chat_template.json",
+                                           "generation_config.json"};
   auto kind = [&env](const std::string& path) {
     Result<io::PathKind> k = env.path_kind(path);
     return k.is_ok() ? *k : io::PathKind::kMissing;

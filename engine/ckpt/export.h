@@ -27,7 +27,7 @@ inline constexpr const char* kShardIndexFile = "model.safetensors.index.json";
 std::string shard_file_name(uint32_t shard, uint32_t n_shards);  // shard counts from 1
 
 struct ExportOptions {
-  DType dtype = DType::kBF16;                    // kBF16, kF16 or kF32
+  DType dtype = DType::kBF16;  // kBF16, kF16 or kF32
   // Written into a sibling OUT.tmp-<random> and published whole (Note [Publishing a directory]):
   // out_dir must be missing or empty, or anything with `replace`, which swaps it out atomically.
   std::string out_dir;

@@ -23,7 +23,8 @@ Result<ExportResult> export_gathered(StateStore& store, const std::string& model
   const ParamRegistry& registry = store.registry();
   const uint32_t rank = ranks.rank;
   const std::string of_world = " of " + std::to_string(ranks.world_size);
-  ZO_ASSIGN_OR_RETURN(std::optional<uint32_t> torn, ranks.first_failed_rank(!store.torn_reason().empty(), "exporting the model"));
+  ZO_ASSIGN_OR_RETURN(std::optional<uint32_t> torn,
+                      ranks.first_failed_rank(!store.torn_reason().empty(), "exporting the model"));
   if (torn)
     return failed_precondition("export: the weights of rank " + std::to_string(*torn) + of_world +
                                " are inconsistent after a failed step; export from a checkpoint instead");
@@ -80,10 +81,12 @@ Result<ExportResult> export_gathered(StateStore& store, const std::string& model
     }
   }
   const DType compute_dtype = store.plan().placement.compute_dtype;
-  Result<ExportResult> r = failed_precondition(
-      "export: at ZeRO stage 3 each of the " + std::to_string(ranks.world_size) + " ranks holds its partition's compute copies "
-      "only; it exports in the compute dtype (" + std::string(dtype_name(compute_dtype)) +
-      "), or export another dtype from a checkpoint with `zoffload export --dtype`");
+  Result<ExportResult> r =
+      failed_precondition("export: at ZeRO stage 3 each of the " + std::to_string(ranks.world_size) +
+                          " ranks holds its partition's compute copies "
+                          "only; it exports in the compute dtype (" +
+                          std::string(dtype_name(compute_dtype)) +
+                          "), or export another dtype from a checkpoint with `zoffload export --dtype`");
   if (o.dtype == compute_dtype) {
     const Fp32Reader read = [&](uint32_t p, uint64_t off, std::span<float> out) -> Status {
       if (broken) return Status(StatusCode::kAborted, "export: the ranks are no longer connected");

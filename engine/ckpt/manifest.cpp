@@ -27,16 +27,12 @@ Status get(const json& j, const char* key, T* out, const std::string& source) {
   if (it == j.end()) return corruption(source + ": missing \"" + key + "\"");
   try {
     *out = it->get<T>();
-  } catch (const json::exception& e) {
-    return corruption(source + ": \"" + key + "\": " + e.what());
-  }
+  } catch (const json::exception& e) { return corruption(source + ": \"" + key + "\": " + e.what()); }
   return Status::ok();
 }
 
 // A value as an error quotes it: JSON, bounded.
-std::string quoted(const json& v) {
-  return quote_excerpt(v.dump(-1, ' ', false, json::error_handler_t::replace), 32);
-}
+std::string quoted(const json& v) { return quote_excerpt(v.dump(-1, ' ', false, json::error_handler_t::replace), 32); }
 
 // Note [Strict counters]
 // nlohmann's get<uint64_t>() converts whatever number it finds: -1 wraps to 2^64 − 1, 1e30 is cast
@@ -67,8 +63,8 @@ Status get_whole(const json& j, const std::string& prefix, const char* field, ui
 Status get_whole(const json& j, const std::string& prefix, const char* field, int64_t min, int64_t* out,
                  const std::string& source) {
   ZO_ASSIGN_OR_RETURN(const json* v, find_field(j, prefix, field, source));
-  const bool whole = v->is_number_integer() &&
-                     (!v->is_number_unsigned() || v->get<uint64_t>() <= static_cast<uint64_t>(INT64_MAX));
+  const bool whole =
+      v->is_number_integer() && (!v->is_number_unsigned() || v->get<uint64_t>() <= static_cast<uint64_t>(INT64_MAX));
   if (!whole || v->get<int64_t>() < min)
     return corruption(source + ": " + prefix + field + ": " + quoted(*v) + " is not a whole number in [" +
                       std::to_string(min) + ", 2^63)");
@@ -158,7 +154,8 @@ Result<TrainingState> TrainingState::from_json(const json& j, const std::string&
   LossScalerState& ls = s.loss_scaler;
   ZO_RETURN_IF_ERROR(get_scale(scaler, "loss_scaler.", "cur_scale", &ls.cur_scale, source));
   ZO_RETURN_IF_ERROR(get_whole(scaler, "loss_scaler.", "cur_iter", 0, &ls.cur_iter, source));
-  ZO_RETURN_IF_ERROR(get_whole(scaler, "loss_scaler.", "last_overflow_iter", int64_t{-1}, &ls.last_overflow_iter, source));
+  ZO_RETURN_IF_ERROR(
+      get_whole(scaler, "loss_scaler.", "last_overflow_iter", int64_t{-1}, &ls.last_overflow_iter, source));
   ZO_RETURN_IF_ERROR(get_whole(scaler, "loss_scaler.", "cur_hysteresis", 1, &ls.cur_hysteresis, source));
   ZO_RETURN_IF_ERROR(get_object(j, "data_position", &data, source));
   ZO_RETURN_IF_ERROR(get_whole(data, "data_position.", "epoch", 0, &s.data_position.epoch, source));
@@ -176,12 +173,15 @@ json Manifest::to_json() const {
   for (const FileDigest& f : files) {
     json crcs = json::array();
     for (uint32_t c : f.chunk_crc32c) crcs.push_back(hex32(c));
-    files_j.push_back({{"name", f.name}, {"size_bytes", f.size_bytes}, {"chunk_bytes", f.chunk_bytes}, {"crc32c", crcs}});
+    files_j.push_back(
+        {{"name", f.name}, {"size_bytes", f.size_bytes}, {"chunk_bytes", f.chunk_bytes}, {"crc32c", crcs}});
   }
   json tensors_j = json::array();
-  for (const CheckpointTensor& t : tensors) tensors_j.push_back({{"name", t.name}, {"dtype", "F32"}, {"shape", t.shape}});
-  return {{"format", kFormatName}, {"format_version", format_version}, {"step", step},
-          {"state_files", {kMasterFile, kExpAvgFile, kExpAvgSqFile}}, {"tensors", tensors_j}, {"files", files_j}};
+  for (const CheckpointTensor& t : tensors)
+    tensors_j.push_back({{"name", t.name}, {"dtype", "F32"}, {"shape", t.shape}});
+  return {{"format", kFormatName}, {"format_version", format_version},
+          {"step", step},          {"state_files", {kMasterFile, kExpAvgFile, kExpAvgSqFile}},
+          {"tensors", tensors_j},  {"files", files_j}};
 }
 
 Result<Manifest> Manifest::from_json(const json& j, const std::string& source) {
@@ -213,13 +213,16 @@ Result<Manifest> Manifest::from_json(const json& j, const std::string& source) {
     }
     for (const std::string& c : crcs) {
       char* end = nullptr;
-      const bool hex = c.size() == 8 && std::all_of(c.begin(), c.end(), [](char x) { return std::isxdigit(static_cast<unsigned char>(x)) != 0; });
+      const bool hex = c.size() == 8 && std::all_of(c.begin(), c.end(), [](char x) {
+                         return std::isxdigit(static_cast<unsigned char>(x)) != 0;
+                       });
       const unsigned long v = hex ? std::strtoul(c.c_str(), &end, 16) : 0;
       if (!hex || *end != '\0') return corruption(source + ": " + d.name + ": bad crc32c \"" + c + "\"");
       d.chunk_crc32c.push_back(static_cast<uint32_t>(v));
     }
     // Two entries for one file would let the second's sizes and checksums go unchecked.
-    if (m.find(d.name) != nullptr) return corruption(source + ": file entry \"" + quote_excerpt(d.name) + "\" appears twice");
+    if (m.find(d.name) != nullptr)
+      return corruption(source + ": file entry \"" + quote_excerpt(d.name) + "\" appears twice");
     m.files.push_back(std::move(d));
   }
   for (const json& t : tensors_j) {
@@ -229,7 +232,8 @@ Result<Manifest> Manifest::from_json(const json& j, const std::string& source) {
     ct.n_elems = 1;
     for (int64_t d : ct.shape) {
       if (d < 1) return corruption(source + ": tensor " + ct.name + " has shape " + shape_string(ct.shape));
-      if (__builtin_mul_overflow(ct.n_elems, static_cast<uint64_t>(d), &ct.n_elems) || ct.n_elems > (uint64_t{1} << 50)) {
+      if (__builtin_mul_overflow(ct.n_elems, static_cast<uint64_t>(d), &ct.n_elems) ||
+          ct.n_elems > (uint64_t{1} << 50)) {
         return corruption(source + ": tensor " + ct.name + " has an impossible shape " + shape_string(ct.shape));
       }
     }

@@ -38,13 +38,13 @@ struct TrainingState {
   LossScalerState loss_scaler;
   DataPosition data_position;
   uint64_t seed = 0;
-  std::string model;             // what --model named (a directory or preset), for humans
-  std::string data;              // the data file, and the window length its position counts in
+  std::string model;  // what --model named (a directory or preset), for humans
+  std::string data;   // the data file, and the window length its position counts in
   uint64_t seq_len = 0;
   // The ranks that trained it (Note [Replicated data parallel] in engine/dist/data_parallel.cpp): any world size
   // resumes it. Absent in checkpoints written before data parallel: 1.
   uint64_t world_size = 1;
-  nlohmann::json config;         // the resolved training config (to_json(Config))
+  nlohmann::json config;  // the resolved training config (to_json(Config))
 
   nlohmann::json to_json() const;
   // kCorruption "SOURCE: KEY: ..." for a missing field or one of the wrong kind: every counter a
@@ -64,7 +64,7 @@ struct CheckpointTensor {
 struct Manifest {
   int format_version = kCheckpointFormatVersion;
   uint64_t step = 0;
-  std::vector<FileDigest> files;  // every file of the directory but the manifest
+  std::vector<FileDigest> files;          // every file of the directory but the manifest
   std::vector<CheckpointTensor> tensors;  // in file order; dtype F32
 
   nlohmann::json to_json() const;

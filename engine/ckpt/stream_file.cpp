@@ -55,16 +55,16 @@ struct SlotWriter {
   uint64_t direct_begin = 0;  // of which these go to `file`, the rest to `edge_file`
   uint64_t direct_end = std::numeric_limits<uint64_t>::max();
   std::vector<std::optional<io::Ticket>> tickets;  // per slot: a write in flight
-  uint32_t cur = 0;          // the slot being filled
-  uint64_t fill = 0;         // bytes of it filled (for a RangeWriter's first slot, from the block start)
-  uint64_t position = 0;     // file offset of the next byte to commit
-  uint64_t span_bytes = 0;   // size of the span next_span() last returned (0: none outstanding)
-  uint32_t res_slot = 0;     // where the next reservation starts (ahead of cur/fill while reserved)
+  uint32_t cur = 0;                                // the slot being filled
+  uint64_t fill = 0;        // bytes of it filled (for a RangeWriter's first slot, from the block start)
+  uint64_t position = 0;    // file offset of the next byte to commit
+  uint64_t span_bytes = 0;  // size of the span next_span() last returned (0: none outstanding)
+  uint32_t res_slot = 0;    // where the next reservation starts (ahead of cur/fill while reserved)
   uint64_t res_fill = 0;
   std::deque<uint64_t> reservations;
   std::vector<uint32_t> crcs;  // per chunk (piece of a chunk) completed
   uint32_t chunk_crc = 0;
-  uint64_t chunk_fill = 0;   // bytes in chunk_crc
+  uint64_t chunk_fill = 0;  // bytes in chunk_crc
   bool done = false;
 
   // kInvalidArgument unless `staging` can be cut into n_slots 4096-aligned slots.
@@ -324,11 +324,11 @@ RangeWriter::~RangeWriter() {
 
 Result<std::unique_ptr<RangeWriter>> RangeWriter::create(io::IoEngine& io, const std::string& path,
                                                          uint64_t begin_bytes, uint64_t end_bytes,
-                                                         std::span<std::byte> staging, uint32_t n_slots,
-                                                         io::Env& env) {
+                                                         std::span<std::byte> staging, uint32_t n_slots, io::Env& env) {
   ZO_RETURN_IF_ERROR(detail::SlotWriter::check_staging(path, staging, n_slots));
   const std::string range = "[" + std::to_string(begin_bytes) + ", " + std::to_string(end_bytes) + ")";
-  if (begin_bytes > end_bytes) return invalid_argument("range writer for " + path + ": the range " + range + " is reversed");
+  if (begin_bytes > end_bytes)
+    return invalid_argument("range writer for " + path + ": the range " + range + " is reversed");
   auto impl = std::make_unique<detail::SlotWriter>();
   ZO_ASSIGN_OR_RETURN(impl->file, env.open_file(path, io::OpenMode::kReadWrite, /*direct=*/true));
   ZO_ASSIGN_OR_RETURN(const uint64_t size, impl->file.size_bytes());
@@ -387,7 +387,8 @@ Result<FileDigest> combine_range_digests(std::string name, uint64_t size_bytes, 
   digest.size_bytes = size_bytes;
   const std::string what = "combining the range digests of " + digest.name;
   auto range_name = [](size_t i, const RangeDigest& r) {
-    return "range " + std::to_string(i) + " [" + std::to_string(r.begin_bytes) + ", " + std::to_string(r.end_bytes) + ")";
+    return "range " + std::to_string(i) + " [" + std::to_string(r.begin_bytes) + ", " + std::to_string(r.end_bytes) +
+           ")";
   };
   uint64_t covered = 0;  // [0, covered) is tiled so far
   uint32_t chunk_crc = 0;
@@ -482,14 +483,16 @@ Status publish_directory(io::Env& env, const std::string& tmp, const std::string
     // What was replaced, now at the tmp name: gone for good (or, if this fails, by whoever cleans
     // the tmp names; it is no longer reachable under final_dir either way).
     Status rm = env.remove_all(tmp);
-    if (!rm.is_ok()) ZO_LOG(kWarn) << "could not remove the replaced " << final_dir << " at " << tmp << ": " << rm.to_string();
+    if (!rm.is_ok())
+      ZO_LOG(kWarn) << "could not remove the replaced " << final_dir << " at " << tmp << ": " << rm.to_string();
   }
   return Status::ok();
 }
 
 Status check_staging_bytes(uint64_t bytes, std::string_view what) {
   if (bytes < kMinStagingBytes || bytes % kDirectIoAlignment != 0) {
-    return invalid_argument(std::string(what) + ": the staging buffer must be at least 1 MiB and a multiple of 4096 bytes, not " +
+    return invalid_argument(std::string(what) +
+                            ": the staging buffer must be at least 1 MiB and a multiple of 4096 bytes, not " +
                             std::to_string(bytes));
   }
   return Status::ok();
@@ -499,7 +502,6 @@ uint64_t staging_bytes_for(uint64_t configured, uint64_t file_bytes) {
   constexpr uint64_t kUnit = 4 * kDirectIoAlignment;
   return std::min(configured, std::max(kMinStagingBytes, align_up(file_bytes, kUnit))) / kUnit * kUnit;
 }
-
 
 // Note [Reading a stream]: the mirror of StreamWriter. kReadSlots slots of the staging buffer are
 // read ahead of the consumer, so the disk is busy while the previous slot is checked and consumed.

@@ -20,9 +20,9 @@ namespace zo::engine {
 
 using detail::AutoOk;
 using detail::json_at;
-using detail::ObjectReader;
 using detail::kMaxFloat;
 using detail::NoEffectValue;
+using detail::ObjectReader;
 using detail::ParseState;
 using nlohmann::json;
 
@@ -113,7 +113,9 @@ class Reader {
     if (top().has(key)) read_scheduler(st_, top().child(key), &s);
     else top().child(key);
   }
-  void alias(std::string_view old_key, std::string_view new_key, bool deprecated) { top().alias(old_key, new_key, deprecated); }
+  void alias(std::string_view old_key, std::string_view new_key, bool deprecated) {
+    top().alias(old_key, new_key, deprecated);
+  }
   void legacy(std::string_view, std::string_view) {}  // read by the rule beside it
   void no_effect(std::string_view key, std::string_view why, NoEffectValue value = NoEffectValue::kAny) {
     top().accept_without_effect(key, why, value);
@@ -168,7 +170,8 @@ void read_optimizer(ParseState* st, ObjectReader r, OptimizerConfig* o) {
     }
     p.boolean("bias_correction", &o->bias_correction);
     bool amsgrad = false;
-    if (p.boolean("amsgrad", &amsgrad) && amsgrad) st->error(p.key_path("amsgrad"), "AMSGrad is not supported; use false");
+    if (p.boolean("amsgrad", &amsgrad) && amsgrad)
+      st->error(p.key_path("amsgrad"), "AMSGrad is not supported; use false");
     p.accept_without_effect("torch_adam", "zoffload always uses its own vectorized CPU Adam");
     p.accept_without_effect("fused", "zoffload always uses its own vectorized CPU Adam");
   }
@@ -218,16 +221,15 @@ void read_scheduler(ParseState* st, ObjectReader r, SchedulerConfig* s) {
 
 void resolve(ParseState* st, const ResolveContext& ctx, const json& root, Config* c) {
   ZeroConfig& z = c->zero;
-  auto needs = [&](const std::string& path, const std::string& what) {
-    st->error(path, "\"auto\" needs " + what);
-  };
+  auto needs = [&](const std::string& path, const std::string& what) { st->error(path, "\"auto\" needs " + what); };
 
   // Model-size buckets, as Accelerate sets them from hidden_size.
   const bool hidden_auto = st->is_auto("zero_optimization.reduce_bucket_size") ||
                            st->is_auto("zero_optimization.stage3_prefetch_bucket_size") ||
                            st->is_auto("zero_optimization.stage3_param_persistence_threshold");
   if (hidden_auto && !ctx.hidden_size) {
-    for (const char* key : {"reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"}) {
+    for (const char* key :
+         {"reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"}) {
       const std::string path = std::string("zero_optimization.") + key;
       if (st->is_auto(path)) needs(path, "the model's hidden size (pass --hidden-size H or --model)");
     }
@@ -259,21 +261,19 @@ void resolve(ParseState* st, const ResolveContext& ctx, const json& root, Config
   };
   auto fill = [&](const std::string& path, auto* field, auto flag_value, const std::string& flag) {
     if (explicit_key(path) && *field != flag_value)
-      disagree(path, format_number(static_cast<double>(*field)), flag + " " + format_number(static_cast<double>(flag_value)));
-    else
-      *field = flag_value;
+      disagree(path, format_number(static_cast<double>(*field)),
+               flag + " " + format_number(static_cast<double>(flag_value)));
+    else *field = flag_value;
   };
 
   // Precision.
   if (ctx.mixed_precision) {
     const bool f16 = *ctx.mixed_precision == DType::kF16, b16 = *ctx.mixed_precision == DType::kBF16;
     const std::string flag = std::string("--precision ") + (f16 ? "fp16" : b16 ? "bf16" : "fp32");
-    for (auto [path, field, want] : {std::tuple{"fp16.enabled", &c->fp16.enabled, f16},
-                                     std::tuple{"bf16.enabled", &c->bf16.enabled, b16}}) {
-      if (explicit_key(path) && *field != want)
-        disagree(path, *field ? "true" : "false", flag);
-      else
-        *field = want;
+    for (auto [path, field, want] :
+         {std::tuple{"fp16.enabled", &c->fp16.enabled, f16}, std::tuple{"bf16.enabled", &c->bf16.enabled, b16}}) {
+      if (explicit_key(path) && *field != want) disagree(path, *field ? "true" : "false", flag);
+      else *field = want;
     }
   } else {
     if (st->is_auto("fp16.enabled")) c->fp16.enabled = false;
@@ -284,20 +284,23 @@ void resolve(ParseState* st, const ResolveContext& ctx, const json& root, Config
 
   // Optimizer hyper-parameters: command line, else the optimizer's defaults.
   if (ctx.lr) fill("optimizer.params.lr", &c->optimizer.lr, *ctx.lr, "--lr");
-  if (ctx.weight_decay) fill("optimizer.params.weight_decay", &c->optimizer.weight_decay, *ctx.weight_decay, "--weight-decay");
+  if (ctx.weight_decay)
+    fill("optimizer.params.weight_decay", &c->optimizer.weight_decay, *ctx.weight_decay, "--weight-decay");
   if (ctx.max_grad_norm) fill("gradient_clipping", &c->gradient_clipping, *ctx.max_grad_norm, "--max-grad-norm");
   else if (st->is_auto("gradient_clipping")) c->gradient_clipping = 1.0;
 
   // Scheduler.
   SchedulerConfig& s = c->scheduler;
   if (s.type == SchedulerType::kNone && ctx.warmup_steps && *ctx.warmup_steps > 0)
-    st->error("scheduler", "--warmup-steps needs a scheduler in the config (WarmupLR, WarmupDecayLR or WarmupCosineLR)");
+    st->error("scheduler",
+              "--warmup-steps needs a scheduler in the config (WarmupLR, WarmupDecayLR or WarmupCosineLR)");
   if (s.type != SchedulerType::kNone) {
     if (st->is_auto("scheduler.params.warmup_min_lr")) s.warmup_min_lr = 0;
     if (st->is_auto("scheduler.params.warmup_max_lr")) s.warmup_max_lr = c->optimizer.lr;
     else if (ctx.lr && explicit_key("scheduler.params.warmup_max_lr") && s.warmup_max_lr != *ctx.lr)
       disagree("scheduler.params.warmup_max_lr", format_number(s.warmup_max_lr), "--lr " + format_number(*ctx.lr));
-    if (ctx.warmup_steps) fill("scheduler.params.warmup_num_steps", &s.warmup_num_steps, *ctx.warmup_steps, "--warmup-steps");
+    if (ctx.warmup_steps)
+      fill("scheduler.params.warmup_num_steps", &s.warmup_num_steps, *ctx.warmup_steps, "--warmup-steps");
     else if (st->is_auto("scheduler.params.warmup_num_steps")) s.warmup_num_steps = 0;
     if (st->is_auto("scheduler.params.total_num_steps")) {
       if (ctx.total_steps) s.total_num_steps = *ctx.total_steps;
@@ -317,7 +320,8 @@ void resolve(ParseState* st, const ResolveContext& ctx, const json& root, Config
     const uint64_t warmup_len = std::max<uint64_t>(2, s.warmup_num_steps);
     const uint64_t total = s.total_num_steps;
     const bool short_of_peak = s.warmup_type == WarmupType::kLog ? total < warmup_len : total <= warmup_len;
-    if ((s.type == SchedulerType::kWarmupDecayLR || s.type == SchedulerType::kWarmupCosineLR) && total > 0 && short_of_peak)
+    if ((s.type == SchedulerType::kWarmupDecayLR || s.type == SchedulerType::kWarmupCosineLR) && total > 0 &&
+        short_of_peak)
       st->warn("scheduler.params.total_num_steps",
                std::to_string(total) + " steps end inside the warm-up of max(2, warmup_num_steps) = " +
                    std::to_string(warmup_len) + " steps: the lr never reaches its peak");
@@ -328,7 +332,8 @@ void resolve(ParseState* st, const ResolveContext& ctx, const json& root, Config
   // Batch sizes: train_batch_size = micro × accumulation × world size, derived as DeepSpeed does
   // when one of the three is missing.
   // A batch key that was itself invalid would only produce echo errors here.
-  const bool batch_keys_valid = !st->has_error("train_batch_size") && !st->has_error("train_micro_batch_size_per_gpu") &&
+  const bool batch_keys_valid = !st->has_error("train_batch_size") &&
+                                !st->has_error("train_micro_batch_size_per_gpu") &&
                                 !st->has_error("gradient_accumulation_steps");
   const bool tbs_auto = st->is_auto("train_batch_size");
   const bool micro_auto = st->is_auto("train_micro_batch_size_per_gpu");
@@ -337,7 +342,8 @@ void resolve(ParseState* st, const ResolveContext& ctx, const json& root, Config
   const bool has_micro = root.contains("train_micro_batch_size_per_gpu") && !micro_auto;
   const bool has_gas = root.contains("gradient_accumulation_steps") && !gas_auto;
   const uint64_t world = ctx.world_size;
-  if (has_micro && ctx.micro_batch_size && batch_keys_valid && *ctx.micro_batch_size != c->train_micro_batch_size_per_gpu)
+  if (has_micro && ctx.micro_batch_size && batch_keys_valid &&
+      *ctx.micro_batch_size != c->train_micro_batch_size_per_gpu)
     disagree("train_micro_batch_size_per_gpu", std::to_string(c->train_micro_batch_size_per_gpu),
              "--micro-batch " + std::to_string(*ctx.micro_batch_size));
   if (has_gas && ctx.gradient_accumulation_steps && batch_keys_valid &&
@@ -359,24 +365,23 @@ void resolve(ParseState* st, const ResolveContext& ctx, const json& root, Config
     if (micro_known && gas_known) {
       const uint64_t product = c->train_micro_batch_size_per_gpu * c->gradient_accumulation_steps * world;
       if (product != tbs)
-        st->error("train_batch_size", "must equal train_micro_batch_size_per_gpu × gradient_accumulation_steps × world size (" +
-                                          std::to_string(c->train_micro_batch_size_per_gpu) + " × " +
-                                          std::to_string(c->gradient_accumulation_steps) + " × " + std::to_string(world) +
-                                          " = " + std::to_string(product) + "), got " + std::to_string(tbs));
+        st->error("train_batch_size",
+                  "must equal train_micro_batch_size_per_gpu × gradient_accumulation_steps × world size (" +
+                      std::to_string(c->train_micro_batch_size_per_gpu) + " × " +
+                      std::to_string(c->gradient_accumulation_steps) + " × " + std::to_string(world) + " = " +
+                      std::to_string(product) + "), got " + std::to_string(tbs));
     } else if (micro_known) {  // derive accumulation
       const uint64_t denom = c->train_micro_batch_size_per_gpu * world;
       if (tbs % denom != 0)
         st->error("train_batch_size", "must be a multiple of train_micro_batch_size_per_gpu × world size (" +
                                           std::to_string(denom) + "), got " + std::to_string(tbs));
-      else
-        c->gradient_accumulation_steps = tbs / denom;
+      else c->gradient_accumulation_steps = tbs / denom;
     } else {  // derive the micro-batch
       const uint64_t denom = c->gradient_accumulation_steps * world;
       if (tbs % denom != 0)
         st->error("train_batch_size", "must be a multiple of gradient_accumulation_steps × world size (" +
                                           std::to_string(denom) + "), got " + std::to_string(tbs));
-      else
-        c->train_micro_batch_size_per_gpu = tbs / denom;
+      else c->train_micro_batch_size_per_gpu = tbs / denom;
     }
   } else if (!micro_known && !micro_auto) {
     st->error("train_micro_batch_size_per_gpu",
@@ -397,17 +402,20 @@ void resolve(ParseState* st, const ResolveContext& ctx, const json& root, Config
     st->error("zero_optimization.offload_param.device",
               "parameter offload needs stage 3 (zero_optimization.stage is " + std::to_string(z.stage) + ")");
   if (oo.device != OffloadDevice::kNone && z.stage == 0)
-    st->error("zero_optimization.offload_optimizer.device", "optimizer offload needs stage 1, 2 or 3 (zero_optimization.stage is 0)");
-  if (op.device == OffloadDevice::kNvme && op.nvme_path.empty() && !st->has_error("zero_optimization.offload_param.nvme_path"))
+    st->error("zero_optimization.offload_optimizer.device",
+              "optimizer offload needs stage 1, 2 or 3 (zero_optimization.stage is 0)");
+  if (op.device == OffloadDevice::kNvme && op.nvme_path.empty() &&
+      !st->has_error("zero_optimization.offload_param.nvme_path"))
     st->error("zero_optimization.offload_param.nvme_path", "needed when offload_param.device is \"nvme\"");
   if (oo.device == OffloadDevice::kNvme && oo.nvme_path.empty() &&
       !st->has_error("zero_optimization.offload_optimizer.nvme_path"))
     st->error("zero_optimization.offload_optimizer.nvme_path", "needed when offload_optimizer.device is \"nvme\"");
   const std::string& grads = c->zoffload.gradient_accumulators;
   if (grads != "auto" && oo.device == OffloadDevice::kNone)
-    st->error("zoffload.gradient_accumulators", "\"" + grads +
-                                                    "\" needs the optimizer offloaded (zero_optimization.offload_optimizer.device "
-                                                    "cpu or nvme); with the optimizer on the device its accumulators stay there");
+    st->error("zoffload.gradient_accumulators",
+              "\"" + grads +
+                  "\" needs the optimizer offloaded (zero_optimization.offload_optimizer.device "
+                  "cpu or nvme); with the optimizer on the device its accumulators stay there");
   if (grads == "nvme" && oo.nvme_path.empty() && !st->has_error("zero_optimization.offload_optimizer.nvme_path"))
     st->error("zero_optimization.offload_optimizer.nvme_path",
               "needed when zoffload.gradient_accumulators is \"nvme\" (their swap file lives there)");
@@ -470,7 +478,8 @@ bool prescan_json_text(std::string_view text, ConfigDiagnostics* diag) {
       size_t end = i + 1;
       while (end < text.size() && text[end] != '"') end += text[end] == '\\' ? 2 : 1;
       if (end >= text.size()) break;  // unterminated
-      if (key_next && !open.empty() && open.back().object) open.back().key = bounded_name(text.substr(i + 1, end - i - 1));
+      if (key_next && !open.empty() && open.back().object)
+        open.back().key = bounded_name(text.substr(i + 1, end - i - 1));
       key_next = false;
       i = end + 1;
     } else if (c == '{' || c == '[') {
@@ -492,7 +501,8 @@ bool prescan_json_text(std::string_view text, ConfigDiagnostics* diag) {
       ++i;
     } else if (c == '-' || std::isdigit(static_cast<unsigned char>(c))) {
       size_t end = i;
-      while (end < text.size() && (std::isdigit(static_cast<unsigned char>(text[end])) || std::strchr(".eE+-", text[end]) != nullptr))
+      while (end < text.size() &&
+             (std::isdigit(static_cast<unsigned char>(text[end])) || std::strchr(".eE+-", text[end]) != nullptr))
         ++end;
       const std::string_view number = text.substr(i, end - i);
       if (std::string why = detail::underflow_reason(number); !why.empty()) {
@@ -521,7 +531,8 @@ std::optional<json> parse_json_text(std::string_view text, ConfigDiagnostics* di
     (void)depth;
     switch (event) {
       case json::parse_event_t::object_start: {
-        std::string path = stack.empty() ? "" : (stack.back().first.empty() ? last_key : stack.back().first + "." + last_key);
+        std::string path =
+            stack.empty() ? "" : (stack.back().first.empty() ? last_key : stack.back().first + "." + last_key);
         stack.push_back({path, {}});
         break;
       }
@@ -539,8 +550,7 @@ std::optional<json> parse_json_text(std::string_view text, ConfigDiagnostics* di
         }
         break;
       }
-      default:
-        break;
+      default: break;
     }
     return true;
   };
@@ -602,7 +612,8 @@ std::optional<Config> load_config_file(const std::string& path, const ResolveCon
     } else {  // "config file PATH is a FIFO (named pipe), ...", "config file PATH is N bytes, over ..."
       message = st.message();
       const std::string named = "config file " + path;
-      if (const size_t at = message.find(named); at != std::string::npos) message.replace(at, named.size(), "config file");
+      if (const size_t at = message.find(named); at != std::string::npos)
+        message.replace(at, named.size(), "config file");
     }
     diag->errors.push_back({"", message});
     return std::nullopt;

@@ -21,8 +21,8 @@
 namespace zo::engine {
 
 // Element types and device kinds are the ones the rest of zoffload uses.
-using ::zo::DType;
 using gpu::DeviceKind;
+using ::zo::DType;
 
 enum class OffloadDevice { kNone, kCpu, kNvme };
 enum class OptimizerType { kAdam, kAdamW, kAdagrad, kLion };
@@ -108,20 +108,20 @@ struct OptimizerConfig {
   std::array<double, 2> betas = {0.9, 0.999};
   double eps = 1e-8;
   double weight_decay = 0;
-  bool adam_w_mode = true;      // Adam/AdamW: decoupled weight decay
-  bool bias_correction = true;  // Adam/AdamW
+  bool adam_w_mode = true;               // Adam/AdamW: decoupled weight decay
+  bool bias_correction = true;           // Adam/AdamW
   double initial_accumulator_value = 0;  // Adagrad
 };
 
 struct SchedulerConfig {
   SchedulerType type = SchedulerType::kNone;
-  double warmup_min_lr = 0;         // WarmupLR, WarmupDecayLR
-  double warmup_max_lr = 1e-3;      // WarmupLR, WarmupDecayLR (resolved: optimizer lr)
+  double warmup_min_lr = 0;     // WarmupLR, WarmupDecayLR
+  double warmup_max_lr = 1e-3;  // WarmupLR, WarmupDecayLR (resolved: optimizer lr)
   uint64_t warmup_num_steps = 1000;
   WarmupType warmup_type = WarmupType::kLog;
-  uint64_t total_num_steps = 0;     // WarmupDecayLR, WarmupCosineLR
-  double warmup_min_ratio = 0;      // WarmupCosineLR
-  double cos_min_ratio = 1e-4;      // WarmupCosineLR
+  uint64_t total_num_steps = 0;  // WarmupDecayLR, WarmupCosineLR
+  double warmup_min_ratio = 0;   // WarmupCosineLR
+  double cos_min_ratio = 1e-4;   // WarmupCosineLR
 };
 
 // tensorboard, csv_monitor: DeepSpeed's monitors (engine/monitor). Files go to
@@ -133,9 +133,9 @@ struct MonitorConfig {
 };
 
 struct CheckpointConfig {
-  std::string dir;               // empty: no periodic checkpoints
-  uint64_t every_steps = 0;      // 0: only at the end (when dir is set)
-  uint64_t keep_last = 2;        // 0: keep all
+  std::string dir;                              // empty: no periodic checkpoints
+  uint64_t every_steps = 0;                     // 0: only at the end (when dir is set)
+  uint64_t keep_last = 2;                       // 0: keep all
   uint64_t staging_buffer_size = 256ull << 20;  // bytes
 };
 
@@ -148,8 +148,9 @@ struct ZoffloadConfig {
   DeviceKind device = DeviceKind::kAuto;
   uint64_t gpu_memory_limit = 0;     // bytes; 0: what the device has
   uint64_t pinned_memory_limit = 0;  // bytes; 0: sized from the plan, capped by RAM and ulimit -l
-  uint64_t optimizer_threads = 0;    // CPU optimizer threads; 0: one per CPU this process may run on (oneTBB's default concurrency: logical CPUs)
-  bool bind_cores = false;           // pin optimizer threads to cores (hwloc)
+  uint64_t optimizer_threads =
+      0;  // CPU optimizer threads; 0: one per CPU this process may run on (oneTBB's default concurrency: logical CPUs)
+  bool bind_cores = false;  // pin optimizer threads to cores (hwloc)
   // (addition) Run each optimizer step beside the next step's first forward (Note [Overlapped
   // optimizer]); false: after the backward, on the training thread. Bit-identical either way.
   bool overlap_optimizer = true;
@@ -168,7 +169,7 @@ struct ZoffloadConfig {
   // states, except that with the optimizer on NVMe they stay in RAM when the planner finds room
   // (Note [Where the gradients wait]).
   std::string gradient_accumulators = "auto";
-  std::string io_backend = "auto";   // auto | io_uring | libaio | psync (the aio block tunes it)
+  std::string io_backend = "auto";  // auto | io_uring | libaio | psync (the aio block tunes it)
   CheckpointConfig checkpoint;
   LogConfig log;
 };
@@ -198,16 +199,16 @@ struct Config {
 // What "auto" values resolve from: the model and the command line. Anything unset that an "auto"
 // needs is an error naming the value (and the flag that gives it).
 struct ResolveContext {
-  std::optional<uint64_t> hidden_size;        // from the model (--hidden-size, --model)
-  std::optional<uint64_t> micro_batch_size;   // --micro-batch
+  std::optional<uint64_t> hidden_size;                  // from the model (--hidden-size, --model)
+  std::optional<uint64_t> micro_batch_size;             // --micro-batch
   std::optional<uint64_t> gradient_accumulation_steps;  // --grad-accum
   uint64_t world_size = 1;
-  std::optional<double> lr;                   // --lr
-  std::optional<double> weight_decay;         // --weight-decay
-  std::optional<double> max_grad_norm;        // --max-grad-norm
-  std::optional<uint64_t> warmup_steps;       // --warmup-steps
-  std::optional<uint64_t> total_steps;        // --steps
-  std::optional<DType> mixed_precision;       // --precision bf16|fp16|fp32
+  std::optional<double> lr;              // --lr
+  std::optional<double> weight_decay;    // --weight-decay
+  std::optional<double> max_grad_norm;   // --max-grad-norm
+  std::optional<uint64_t> warmup_steps;  // --warmup-steps
+  std::optional<uint64_t> total_steps;   // --steps
+  std::optional<DType> mixed_precision;  // --precision bf16|fp16|fp32
 };
 
 // One problem found in a config, located by its key path ("zero_optimization.offload_param.device").

@@ -15,8 +15,8 @@ namespace zo::engine {
 namespace {
 
 using detail::AutoOk;
-using detail::NoEffectValue;
 using detail::Named;
+using detail::NoEffectValue;
 using detail::Range;
 using nlohmann::json;
 
@@ -63,7 +63,9 @@ class Writer {
   void number(std::string_view key, double& v, Range, AutoOk = AutoOk::kNo) { put(key, v); }
   void text(std::string_view key, std::string& v) { put(key, v); }
   void bytes(std::string_view key, uint64_t& v) { put(key, v); }
-  void choice(std::string_view key, std::string& v, std::span<const std::string_view>, AutoOk = AutoOk::kNo) { put(key, v); }
+  void choice(std::string_view key, std::string& v, std::span<const std::string_view>, AutoOk = AutoOk::kNo) {
+    put(key, v);
+  }
   template <class E, size_t N>
   void choice(std::string_view key, E& v, const std::array<Named<E>, N>& names, AutoOk = AutoOk::kNo) {
     put(key, name_of(v, names));
@@ -137,9 +139,7 @@ class Lister {
   void custom(std::string_view key, OptimizerConfig& o) {
     add(key, "object {type, params}", optimizer_json(o), AutoOk::kNo);
   }
-  void custom(std::string_view key, SchedulerConfig&) {
-    add(key, "object {type, params}", json(nullptr), AutoOk::kNo);
-  }
+  void custom(std::string_view key, SchedulerConfig&) { add(key, "object {type, params}", json(nullptr), AutoOk::kNo); }
   void alias(std::string_view old_key, std::string_view new_key, bool deprecated) {
     out_->aliases.push_back({path(old_key), path(new_key), deprecated});
   }

@@ -159,7 +159,8 @@ void keys(V& v, ZeroConfig& z) {
   // Newer DeepSpeed keys for its own machinery (0.19.8's DeepSpeedZeroConfig; the golden file of
   // tests/tools/deepspeed_defaults_test.py lists them): a config that sets them trains here too.
   v.no_effect("stage3_module_granularity_threshold", "zoffload fetches whole decoder blocks", NoEffectValue::kCount);
-  v.no_effect("stage3_use_all_reduce_for_fetch_params", "zoffload gathers each block its own way", NoEffectValue::kBool);
+  v.no_effect("stage3_use_all_reduce_for_fetch_params", "zoffload gathers each block its own way",
+              NoEffectValue::kBool);
   v.no_effect("stage3_allgather_sequential", "zoffload gathers each block its own way", NoEffectValue::kBool);
   v.no_effect("compute_grad_norm", "the global gradient norm is always computed (clipping and the metrics use it)",
               NoEffectValue::kBool);
@@ -199,8 +200,9 @@ void keys(V& v, ZeroConfig& z) {
     bool value = false;
     bool given = false;
   };
-  LegacyDevice legacy[] = {{"cpu_offload", "offload_optimizer", &z.offload_optimizer.device, &z.offload_optimizer.pin_memory},
-                           {"cpu_offload_params", "offload_param", &z.offload_param.device, &z.offload_param.pin_memory}};
+  LegacyDevice legacy[] = {
+      {"cpu_offload", "offload_optimizer", &z.offload_optimizer.device, &z.offload_optimizer.pin_memory},
+      {"cpu_offload_params", "offload_param", &z.offload_param.device, &z.offload_param.pin_memory}};
   bool legacy_pin = true, has_legacy_pin = false;
   v.rule([&](const ReadContext& x) {
     for (LegacyDevice& l : legacy) l.given = x.r.boolean(l.key, &l.value);
@@ -208,10 +210,8 @@ void keys(V& v, ZeroConfig& z) {
     for (const LegacyDevice& l : legacy) {
       if (!l.given) continue;
       const std::string block = l.block;
-      if (x.r.has(block))
-        x.error(l.key, "given together with " + block + "; keep only " + block);
-      else
-        x.warn(l.key, "deprecated; read as " + block + ".device = \"" + (l.value ? "cpu" : "none") + "\"");
+      if (x.r.has(block)) x.error(l.key, "given together with " + block + "; keep only " + block);
+      else x.warn(l.key, "deprecated; read as " + block + ".device = \"" + (l.value ? "cpu" : "none") + "\"");
     }
     if (has_legacy_pin)
       x.warn("cpu_offload_use_pin_memory", "deprecated; read as pin_memory of offload_optimizer/offload_param");
@@ -247,11 +247,11 @@ void keys(V& v, AioConfig& a) {
     if (x.given("use_gds") && a.use_gds)
       x.warn("use_gds", "GPUDirect Storage is not available in zoffload; NVMe I/O goes through pinned host memory");
     if (x.given("block_size") && (a.block_size % 4096 != 0 || a.block_size > io::kMaxRequestBytes))
-      x.error("block_size", "must be a multiple of 4096 bytes (O_DIRECT) and at most " + format_bytes(io::kMaxRequestBytes) +
-                                " (got " + std::to_string(a.block_size) + ")");
+      x.error("block_size", "must be a multiple of 4096 bytes (O_DIRECT) and at most " +
+                                format_bytes(io::kMaxRequestBytes) + " (got " + std::to_string(a.block_size) + ")");
     if (a.queue_depth > io::kMaxQueueDepth)
-      x.error("queue_depth", "must be at most " + std::to_string(io::kMaxQueueDepth) + " (got " +
-                                 std::to_string(a.queue_depth) + ")");
+      x.error("queue_depth",
+              "must be at most " + std::to_string(io::kMaxQueueDepth) + " (got " + std::to_string(a.queue_depth) + ")");
     if (a.intra_op_parallelism > io::kMaxThreads)
       x.error("intra_op_parallelism", "must be at most " + std::to_string(io::kMaxThreads) + " (got " +
                                           std::to_string(a.intra_op_parallelism) + ")");
@@ -286,8 +286,8 @@ void keys(V& v, CheckpointConfig& c) {
   v.bytes("staging_buffer_size", c.staging_buffer_size);
   v.rule([&](const ReadContext& x) {
     if (x.given("staging_buffer_size") && (c.staging_buffer_size < (1u << 20) || c.staging_buffer_size % 4096 != 0))
-      x.error("staging_buffer_size", "must be at least 1MiB and a multiple of 4096 bytes (got " +
-                                         std::to_string(c.staging_buffer_size) + ")");
+      x.error("staging_buffer_size",
+              "must be at least 1MiB and a multiple of 4096 bytes (got " + std::to_string(c.staging_buffer_size) + ")");
     if (x.r.has("every_steps") && c.every_steps > 0 && c.dir.empty())
       x.error("dir", "needed (a directory, not \"\") when every_steps is set");
   });
@@ -335,9 +335,10 @@ void keys(V& v, Config& c) {
   v.object("tensorboard", [&] { keys(v, c.tensorboard); });
   v.rule([&](const ReadContext& x) {
     if (c.tensorboard.enabled && !ZO_HAVE_PROTOBUF)
-      x.error("tensorboard.enabled", "this zoffload was built without protobuf, which writes TensorBoard's event files "
-                                     "(install libprotobuf-dev and protobuf-compiler and run tools/setup.sh again; "
-                                     "csv_monitor needs neither)");
+      x.error("tensorboard.enabled",
+              "this zoffload was built without protobuf, which writes TensorBoard's event files "
+              "(install libprotobuf-dev and protobuf-compiler and run tools/setup.sh again; "
+              "csv_monitor needs neither)");
   });
   v.object("csv_monitor", [&] { keys(v, c.csv_monitor); });
   v.object("zoffload", [&] { keys(v, c.zoffload); });

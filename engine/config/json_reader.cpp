@@ -60,7 +60,8 @@ const json* json_at(const json& root, std::string_view dotted_path) {
   size_t begin = 0;
   while (true) {
     const size_t dot = dotted_path.find('.', begin);
-    const std::string key(dotted_path.substr(begin, dot == std::string_view::npos ? std::string_view::npos : dot - begin));
+    const std::string key(
+        dotted_path.substr(begin, dot == std::string_view::npos ? std::string_view::npos : dot - begin));
     if (!node->is_object()) return nullptr;
     auto it = node->find(key);
     if (it == node->end() || it->is_null()) return nullptr;
@@ -85,12 +86,11 @@ void ObjectReader::alias(std::string_view old_key, std::string_view new_key, boo
   if (it == keys_.end()) return;
   taken_.insert(std::string(old_key));
   if (keys_.count(std::string(new_key))) {
-    state_->error(key_path(old_key), "given together with its newer name " + key_path(new_key) + "; keep only " +
-                                         std::string(new_key));
+    state_->error(key_path(old_key),
+                  "given together with its newer name " + key_path(new_key) + "; keep only " + std::string(new_key));
     return;
   }
-  if (deprecated)
-    state_->warn(key_path(old_key), "deprecated name; read as " + key_path(new_key) + " (rename it)");
+  if (deprecated) state_->warn(key_path(old_key), "deprecated name; read as " + key_path(new_key) + " (rename it)");
   keys_[std::string(new_key)] = it->second;
   renamed_[std::string(new_key)] = std::string(old_key);
   keys_.erase(it);
@@ -325,7 +325,8 @@ bool ObjectReader::number_array(std::string_view key, std::span<double> out, dou
       continue;
     }
     if (d < min || d >= max) {
-      state_->error(p, "must be ≥ " + format_number(min) + " and < " + format_number(max) + " (got " + describe(e) + ")");
+      state_->error(p,
+                    "must be ≥ " + format_number(min) + " and < " + format_number(max) + " (got " + describe(e) + ")");
       ok = false;
       continue;
     }

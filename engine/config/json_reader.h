@@ -102,7 +102,7 @@ class ObjectReader {
   std::map<std::string, const nlohmann::json*> keys_;  // present keys, by (aliased) name
   std::vector<std::string> known_;                     // every key a getter asked about
   std::set<std::string> taken_;
-  std::map<std::string, std::string> renamed_;         // new name → the old name the user wrote
+  std::map<std::string, std::string> renamed_;  // new name → the old name the user wrote
 };
 
 // Note [Numbers as strings]

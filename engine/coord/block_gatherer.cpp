@@ -92,11 +92,11 @@ struct BlockGatherer::Impl {
   mutable std::mutex mu;
   std::condition_variable cv;
   bool stop = false;
-  bool in_step = false;     // a micro-step's positions are being gathered
-  bool abandoned = false;   // its consumer is gone: gather the rest without waiting for done()
-  uint32_t gathered = 0;    // positions of the micro-step gathered (each < 2n)
-  uint32_t done_count = 0;  // positions done() by the coordinator
-  Status failure;           // a broadcast failed: no more gathering
+  bool in_step = false;                // a micro-step's positions are being gathered
+  bool abandoned = false;              // its consumer is gone: gather the rest without waiting for done()
+  uint32_t gathered = 0;               // positions of the micro-step gathered (each < 2n)
+  uint32_t done_count = 0;             // positions done() by the coordinator
+  Status failure;                      // a broadcast failed: no more gathering
   std::vector<Status> local_failures;  // per position of this micro-step: reading own bytes failed
   BlockGathererStats stats;
   std::thread thread;
@@ -116,9 +116,8 @@ struct BlockGatherer::Impl {
   // Gathers position q into its slot: this rank's bytes from their homes, then one broadcast per run.
   Status gather(uint32_t q, Status* local) {
     const Block& b = blocks[block_at(q)];
-    trace::Span span(trace::Track::kGather, [&] {
-      return "gather " + b.name + (q < n_blocks ? " (forward)" : " (backward)");
-    });
+    trace::Span span(trace::Track::kGather,
+                     [&] { return "gather " + b.name + (q < n_blocks ? " (forward)" : " (backward)"); });
     std::byte* base = slot(q);
     for (const Run& run : b.runs) {
       if (run.owner == options.rank) {
@@ -134,8 +133,9 @@ struct BlockGatherer::Impl {
         }
       }
       Stopwatch sw;
-      Status st = options.broadcast(base + run.slot_offset_bytes, run.bytes, run.owner,
-                                    "gathering the parameters of " + b.name + " from rank " + std::to_string(run.owner));
+      Status st =
+          options.broadcast(base + run.slot_offset_bytes, run.bytes, run.owner,
+                            "gathering the parameters of " + b.name + " from rank " + std::to_string(run.owner));
       const double s = sw.elapsed_s();
       std::lock_guard<std::mutex> lock(mu);
       stats.collective_s += s;
@@ -210,7 +210,8 @@ BlockGatherer::~BlockGatherer() {
   if (impl_->thread.joinable()) impl_->thread.join();
 }
 
-Result<std::unique_ptr<BlockGatherer>> BlockGatherer::create(StateStore& store, std::vector<std::vector<uint32_t>> blocks,
+Result<std::unique_ptr<BlockGatherer>> BlockGatherer::create(StateStore& store,
+                                                             std::vector<std::vector<uint32_t>> blocks,
                                                              BlockGathererOptions options) {
   const MemoryPlan& plan = store.plan();
   const ParamRegistry& registry = store.registry();
@@ -218,7 +219,8 @@ Result<std::unique_ptr<BlockGatherer>> BlockGatherer::create(StateStore& store, 
     return invalid_argument("block gatherer: this rank's plan does not partition the parameters");
   if (blocks.empty()) return invalid_argument("block gatherer: no blocks");
   if (!options.broadcast) return invalid_argument("block gatherer: no broadcast");
-  if (options.slots < 2) return invalid_argument("block gatherer: " + std::to_string(options.slots) + " slots; it needs 2");
+  if (options.slots < 2)
+    return invalid_argument("block gatherer: " + std::to_string(options.slots) + " slots; it needs 2");
   if (options.bucket_elems == 0) return invalid_argument("block gatherer: a bucket of 0 elements");
   if (!options.block_names.empty() && options.block_names.size() != blocks.size())
     return invalid_argument("block gatherer: " + std::to_string(blocks.size()) + " blocks but " +
@@ -257,8 +259,10 @@ Result<std::unique_ptr<BlockGatherer>> BlockGatherer::create(StateStore& store, 
         run.bytes += bytes;
         run.groups_end = std::max(run.groups_end, piece.sub_group + 1);
         if (owner == s.options.rank)
-          run.fills.push_back({.group = piece.sub_group, .group_offset_bytes = piece.group_offset * cb,
-                               .slot_offset_bytes = at, .bytes = bytes});
+          run.fills.push_back({.group = piece.sub_group,
+                               .group_offset_bytes = piece.group_offset * cb,
+                               .slot_offset_bytes = at,
+                               .bytes = bytes});
       }
       off += registry.params()[p].n_elems * cb;
     }
@@ -268,8 +272,10 @@ Result<std::unique_ptr<BlockGatherer>> BlockGatherer::create(StateStore& store, 
     std::vector<Impl::Run> split;
     for (Impl::Run& run : b.runs) {
       for (uint64_t at = 0; at < run.bytes; at += bucket_bytes) {
-        Impl::Run part{.slot_offset_bytes = run.slot_offset_bytes + at, .bytes = std::min(bucket_bytes, run.bytes - at),
-                       .owner = run.owner, .groups_end = run.groups_end};
+        Impl::Run part{.slot_offset_bytes = run.slot_offset_bytes + at,
+                       .bytes = std::min(bucket_bytes, run.bytes - at),
+                       .owner = run.owner,
+                       .groups_end = run.groups_end};
         if (at == 0) part.fills = std::move(run.fills);  // read before the run's first broadcast
         split.push_back(std::move(part));
       }

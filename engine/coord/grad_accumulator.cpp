@@ -53,13 +53,12 @@
 
 namespace zo::engine {
 
-
 struct GradAccumulator::Impl {
   StateStore* store = nullptr;
   const cpu_optim::Executor* executor = nullptr;
   DType grad_dtype = DType::kF32;
   uint64_t gb = 4;
-  bool in_place = false;  // CPU-resident accumulators: no buffers
+  bool in_place = false;              // CPU-resident accumulators: no buffers
   std::vector<uint32_t> uses;         // per param, per micro-step
   std::vector<uint32_t> group_total;  // per sub-group: contributions (over its params) per micro-step
   std::vector<AlignedBuffer> buffers;
@@ -69,7 +68,7 @@ struct GradAccumulator::Impl {
   ReducerOptions reducer;
   bool partitioned = false;
   std::optional<AlignedBuffer> home;  // an owned accumulator not in host memory, read to be added to
-  std::vector<uint64_t> first_chunk;   // per sub-group: the index of its first norm chunk
+  std::vector<uint64_t> first_chunk;  // per sub-group: the index of its first norm chunk
   uint64_t n_chunks = 0;
 
   // The open micro-step.
@@ -200,7 +199,8 @@ struct GradAccumulator::Impl {
     const uint64_t bytes = store->state_bytes(g, StateKind::kGradAccum);
     if (last) {
       Result<double> sq = cpu_optim::squared_norm({group_bytes(g), grad_dtype}, bytes / gb, *executor);
-      if (!sq.is_ok()) return Status(sq.status()).with_context("gradient accumulator: norm of sub-group " + std::to_string(g));
+      if (!sq.is_ok())
+        return Status(sq.status()).with_context("gradient accumulator: norm of sub-group " + std::to_string(g));
       report.sum_sq += *sq;
       report.nonfinite = report.nonfinite || !std::isfinite(*sq);
     }
@@ -239,14 +239,15 @@ struct GradAccumulator::Impl {
   }
 };
 
-Status GradAccumulator::measure_kernel(std::byte* acc, DType acc_dtype, const std::byte* grad, DType grad_dtype, uint64_t n,
-                                       const cpu_optim::Executor& executor) {
+Status GradAccumulator::measure_kernel(std::byte* acc, DType acc_dtype, const std::byte* grad, DType grad_dtype,
+                                       uint64_t n, const cpu_optim::Executor& executor) {
   ZO_RETURN_IF_ERROR(cpu_optim::accumulate({acc, acc_dtype}, {grad, grad_dtype}, n, /*from_zero=*/false, executor));
   return cpu_optim::squared_norm({acc, acc_dtype}, n, executor).status();
 }
 
 GradAccumulator::BufferPlan GradAccumulator::plan_buffers(const ParamRegistry& registry, const Placement& placement,
-                                                          const std::vector<uint32_t>& contribution_order, bool partitioned) {
+                                                          const std::vector<uint32_t>& contribution_order,
+                                                          bool partitioned) {
   BufferPlan out;
   if (placement.grad == Tier::kCpu && !partitioned) return out;  // accumulated in place
   const auto n_groups = static_cast<uint32_t>(registry.sub_groups().size());
@@ -271,8 +272,8 @@ GradAccumulator::BufferPlan GradAccumulator::plan_buffers(const ParamRegistry& r
   }
   if (partitioned && placement.grad != Tier::kCpu) ++out.count;  // the owner's accumulator, read to add to
   out.bytes_each = registry.max_group_elems() * dtype_size_bytes(placement.grad_dtype);
-  if (!partitioned && placement.grad == Tier::kNvme) {  // Note [Asynchronous accumulator writes]
-    ++out.count;                                          // one write behind the accumulation
+  if (!partitioned && placement.grad == Tier::kNvme) {          // Note [Asynchronous accumulator writes]
+    ++out.count;                                                // one write behind the accumulation
     out.bytes_each = align_up(out.bytes_each, kSwapAlignment);  // whole blocks: the region's padded size
   }
   return out;
@@ -350,8 +351,9 @@ Result<std::unique_ptr<GradAccumulator>> GradAccumulator::create(StateStore& sto
 Status GradAccumulator::begin_micro_step(bool first, bool last) {
   Impl& s = *impl_;
   if (s.open) {
-    return failed_precondition("gradient accumulator: begin_micro_step while a micro-step is open "
-                               "(end_micro_step has not succeeded; abandon_micro_step drops it)");
+    return failed_precondition(
+        "gradient accumulator: begin_micro_step while a micro-step is open "
+        "(end_micro_step has not succeeded; abandon_micro_step drops it)");
   }
   s.open = true;
   s.first = first;
@@ -397,8 +399,8 @@ Status GradAccumulator::add(uint32_t param, std::span<const std::byte> grad, DTy
   }
   for (const ParamPiece& piece : pieces) {
     std::byte* acc = s.group_bytes(piece.sub_group) + piece.group_offset * s.gb;
-    Status st = cpu_optim::accumulate({acc, s.grad_dtype}, {grad.data() + piece.param_offset * eb, dtype}, piece.n_elems,
-                                      from_zero, *s.executor);
+    Status st = cpu_optim::accumulate({acc, s.grad_dtype}, {grad.data() + piece.param_offset * eb, dtype},
+                                      piece.n_elems, from_zero, *s.executor);
     if (!st.is_ok()) {
       s.report.offload_s += timer.elapsed_s();
       return st.with_context("add of " + info.name);

@@ -1,6 +1,5 @@
 #include "engine/coord/grad_worker.h"
 
-
 #include <algorithm>
 #include <condition_variable>
 #include <deque>
@@ -53,7 +52,7 @@ struct GradWorker::Impl {
   uint64_t head = 0;                // where the next slot starts (producer only, under mu)
   uint64_t in_flight = 0;           // bytes of the queued items
   bool stop = false;
-  Status error;                     // the first failed add since the last drain()
+  Status error;  // the first failed add since the last drain()
   Stats stats;
   std::thread thread;
 
@@ -84,8 +83,8 @@ struct GradWorker::Impl {
       // Re-recording moves the event forward on the same stream, so its latest record completing
       // means this item's copy has too. A dropped item waits as well: its slot must not be handed
       // out again while a copy may still be landing in it.
-      Status st = item.ready ? device->synchronize(item.ready).with_context("waiting for the gradient's copy")
-                             : Status::ok();
+      Status st =
+          item.ready ? device->synchronize(item.ready).with_context("waiting for the gradient's copy") : Status::ok();
       if (add && st.is_ok()) {
         trace::Span span(trace::Track::kGradWorker, [&] { return "accumulate param " + std::to_string(item.param); });
         if (before_add) before_add();
@@ -113,7 +112,8 @@ GradWorker::~GradWorker() {
 
 Result<std::unique_ptr<GradWorker>> GradWorker::create(GradAccumulator& acc, std::span<std::byte> ring,
                                                        std::function<void()> before_add, gpu::Device* device) {
-  if (ring.size() < kSlotAlignment) return invalid_argument("gradient worker: a landing ring of " + std::to_string(ring.size()) + " bytes");
+  if (ring.size() < kSlotAlignment)
+    return invalid_argument("gradient worker: a landing ring of " + std::to_string(ring.size()) + " bytes");
   ZO_CHECK(reinterpret_cast<uintptr_t>(ring.data()) % kSlotAlignment == 0) << "landing ring not 64-byte aligned";
   auto impl = std::make_unique<Impl>();
   impl->acc = &acc;

@@ -22,7 +22,7 @@ namespace zo::engine {
 class GradWorker {
  public:
   struct Stats {
-    uint64_t full_waits = 0;   // submits that had to wait for room in the ring
+    uint64_t full_waits = 0;  // submits that had to wait for room in the ring
     uint64_t peak_in_flight_bytes = 0;
     uint64_t items = 0;
   };

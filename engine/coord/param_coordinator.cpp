@@ -94,7 +94,7 @@ CoordinatorOptions CoordinatorOptions::from_config(const Config& config) {
 struct ParamCoordinator::Impl {
   struct Param {
     bool used = false;
-    bool on_device = false;       // compute copy lives on the device: `home`, no arena slot
+    bool on_device = false;  // compute copy lives on the device: `home`, no arena slot
     gpu::DevicePtr home;
     const std::byte* host = nullptr;  // CPU-resident copy, read directly when there is no swapper
     uint64_t n_elems = 0;
@@ -107,12 +107,12 @@ struct ParamCoordinator::Impl {
     uint64_t offset = 0;  // arena offset of its slot (fixed for persistent params)
     bool has_handle = false;
     ParamHandle handle;
-    gpu::Event event;      // recorded behind its latest H2D copy
-    uint64_t copy_seq = 0;  // that copy's place in the copy stream's order
-    bool ahead = false;   // fetched by a prefetch, not yet acquired
-    uint32_t holds = 0;   // acquired blocks using it
-    uint64_t mark = 0;    // == mark_epoch: excluded from eviction
-    Status failure;       // why its transfer failed (state back to kPlaced, buffer given back)
+    gpu::Event event;         // recorded behind its latest H2D copy
+    uint64_t copy_seq = 0;    // that copy's place in the copy stream's order
+    bool ahead = false;       // fetched by a prefetch, not yet acquired
+    uint32_t holds = 0;       // acquired blocks using it
+    uint64_t mark = 0;        // == mark_epoch: excluded from eviction
+    Status failure;           // why its transfer failed (state back to kPlaced, buffer given back)
     uint32_t groups_end = 0;  // its sub-groups are below this: final once the gate's prefix reaches it
   };
 
@@ -133,7 +133,7 @@ struct ParamCoordinator::Impl {
   uint64_t persistent_bytes = 0;
   detail::RangeAllocator dynamic;
   gpu::Stream stream;
-  uint64_t copies_issued = 0;  // H2D copies queued so far (Param::copy_seq)
+  uint64_t copies_issued = 0;     // H2D copies queued so far (Param::copy_seq)
   std::deque<uint32_t> buffered;  // params holding a swap buffer, oldest fetch first
   UpdateGate* gate = nullptr;
   std::vector<uint32_t> block_groups_end;  // per block: the max groups_end of its params
@@ -434,7 +434,8 @@ struct ParamCoordinator::Impl {
         Status st = start_fetch(p, q, /*blocking=*/false, &would_block);
         if (!st.is_ok() || would_block) {
           // A failed prefetch is retried, and its error reported, by the acquire that needs it.
-          if (!st.is_ok()) ZO_LOG(kDebug) << "coordinator: prefetch of " << param_name(p) << " failed: " << st.to_string();
+          if (!st.is_ok())
+            ZO_LOG(kDebug) << "coordinator: prefetch of " << param_name(p) << " failed: " << st.to_string();
           drop(p);
           return;
         }
@@ -547,7 +548,8 @@ ArenaPlan plan_arena(const FetchSchedule& schedule, const CoordinatorOptions& op
       for (uint32_t p : fetched[schedule.block_at(r)]) {
         if (mark[p] == q) continue;
         mark[p] = q;
-        if (ahead + elems[p] > out.prefetch_bucket_elems || (!persistent[p] && live + elems[p] > options.max_live_elems)) {
+        if (ahead + elems[p] > out.prefetch_bucket_elems ||
+            (!persistent[p] && live + elems[p] > options.max_live_elems)) {
           full = true;
           break;
         }
@@ -584,8 +586,9 @@ Result<std::unique_ptr<ParamCoordinator>> ParamCoordinator::create(StateStore& s
   const bool gathered = store.plan().partition_params;
   if (blocks.empty()) return invalid_argument("parameter coordinator: no blocks");
   if (gathered != (gatherer != nullptr)) {
-    return invalid_argument(gathered ? "parameter coordinator: this rank holds a partition of the params; it needs a gatherer"
-                                     : "parameter coordinator: a gatherer, but the params are not partitioned");
+    return invalid_argument(
+        gathered ? "parameter coordinator: this rank holds a partition of the params; it needs a gatherer"
+                 : "parameter coordinator: a gatherer, but the params are not partitioned");
   }
   if (gathered && param_swapper != nullptr)
     return invalid_argument("parameter coordinator: gathered params are not read through a parameter swapper");
@@ -636,10 +639,12 @@ Result<std::unique_ptr<ParamCoordinator>> ParamCoordinator::create(StateStore& s
       // A split param is contiguous in every tier (non-final pieces fill whole sub-groups whose
       // sizes are 4096-element multiples), so one address and one copy cover it.
       if (loc.tier == first.tier && loc.tier == Tier::kDevice) {
-        ZO_CHECK((loc.device + piece.group_offset * cb) == (first.device + (pieces.front().group_offset + piece.param_offset) * cb))
+        ZO_CHECK((loc.device + piece.group_offset * cb) ==
+                 (first.device + (pieces.front().group_offset + piece.param_offset) * cb))
             << "param " << info.name << ": its device compute copy is not contiguous";
       } else if (loc.tier == first.tier && loc.tier == Tier::kCpu && param_swapper == nullptr) {
-        ZO_CHECK(loc.host + piece.group_offset * cb == first.host + (pieces.front().group_offset + piece.param_offset) * cb)
+        ZO_CHECK(loc.host + piece.group_offset * cb ==
+                 first.host + (pieces.front().group_offset + piece.param_offset) * cb)
             << "param " << info.name << ": its CPU compute copy is not contiguous";
       }
     }
@@ -695,15 +700,17 @@ Result<std::unique_ptr<ParamCoordinator>> ParamCoordinator::create(StateStore& s
     left = left > options.device_reserve_bytes ? left - options.device_reserve_bytes : 0;
     if (persistent_bytes + largest > left) {
       const uint64_t block_elems_off = ap.largest_block_elems;
-      std::string msg = "gpu budget " + bytes_text(ds.budget_bytes) + " leaves " + bytes_text(left) +
-                        " for parameters";
-      if (options.device_reserve_bytes > 0) msg += " (after " + bytes_text(ds.allocated_bytes) + " in use and a reserve of " + bytes_text(options.device_reserve_bytes) + ")";
+      std::string msg = "gpu budget " + bytes_text(ds.budget_bytes) + " leaves " + bytes_text(left) + " for parameters";
+      if (options.device_reserve_bytes > 0)
+        msg += " (after " + bytes_text(ds.allocated_bytes) + " in use and a reserve of " +
+               bytes_text(options.device_reserve_bytes) + ")";
       else msg += " (after " + bytes_text(ds.allocated_bytes) + " in use)";
       msg += "; block '" + s.names[largest_block] + "' alone needs " + bytes_text(largest) + " (" +
              std::to_string(block_elems_off) + " elements, compute dtype " + std::string(dtype_name(s.compute_dtype)) +
              ")";
       if (persistent_bytes > 0) {
-        msg += " besides " + bytes_text(persistent_bytes) + " for the persistent params (stage3_param_persistence_threshold " +
+        msg += " besides " + bytes_text(persistent_bytes) +
+               " for the persistent params (stage3_param_persistence_threshold " +
                std::to_string(options.persistence_threshold_elems) + ")";
       }
       return out_of_memory(msg + "; raise zoffload.gpu_memory_limit or offload fewer states to the device");
@@ -717,9 +724,7 @@ Result<std::unique_ptr<ParamCoordinator>> ParamCoordinator::create(StateStore& s
   s.stats.arena_bytes = s.arena_bytes;
   ZO_ASSIGN_OR_RETURN(s.stream, s.device->create_stream());
   for (Impl::Param& x : s.params) {
-    if (x.used && !x.on_device) {
-      ZO_ASSIGN_OR_RETURN(x.event, s.device->create_event());
-    }
+    if (x.used && !x.on_device) { ZO_ASSIGN_OR_RETURN(x.event, s.device->create_event()); }
   }
   return std::unique_ptr<ParamCoordinator>(new ParamCoordinator(std::move(impl)));
 }
@@ -754,8 +759,8 @@ Result<ParamCoordinator::Acquired> ParamCoordinator::Impl::acquire(uint32_t bloc
   Impl& s = *this;
   if (!s.in_step) return failed_precondition("acquire " + s.block_text(block) + ": begin_micro_step was not called");
   if (s.pos >= 2 * s.n_blocks) {
-    return failed_precondition("acquire " + s.block_text(block) + ": the micro-step's " + std::to_string(2 * s.n_blocks) +
-                               " acquires are done; call begin_micro_step first");
+    return failed_precondition("acquire " + s.block_text(block) + ": the micro-step's " +
+                               std::to_string(2 * s.n_blocks) + " acquires are done; call begin_micro_step first");
   }
   const uint32_t expected = s.block_at(s.pos);
   if (block != expected) {

@@ -55,7 +55,7 @@ struct FetchSchedule {
   std::vector<uint8_t> fetches;     // its compute copy is off the device, or gathered
   std::vector<uint8_t> persistent;  // fetched, and at most stage3_param_persistence_threshold elements
   std::vector<uint64_t> n_elems;
-  std::vector<uint64_t> slot_bytes; // its compute copy's bytes rounded to the arena's slots
+  std::vector<uint64_t> slot_bytes;  // its compute copy's bytes rounded to the arena's slots
 
   // `blocks[b]` = the param ids block b uses (each < registry.params().size(); ZO_CHECK). A param's
   // compute copy is on the device when its sub-groups' placement.compute is Tier::kDevice, unless
@@ -105,10 +105,10 @@ struct CoordinatorStats {
   // Params copied to the device / found already resident (or already in flight because a prefetch
   // issued them) when their block was acquired. Device-resident params count in neither.
   uint64_t fetches = 0, hits = 0;
-  uint64_t prefetches = 0;        // (addition) fetches issued ahead of the acquire that needs them
-  uint64_t evictions = 0;         // (addition) cached params dropped to make room
-  uint64_t arena_bytes = 0;       // device bytes the coordinator allocated at create (fixed)
-  uint64_t peak_live_bytes = 0;   // high-water mark of fetched-param bytes in the arena
+  uint64_t prefetches = 0;       // (addition) fetches issued ahead of the acquire that needs them
+  uint64_t evictions = 0;        // (addition) cached params dropped to make room
+  uint64_t arena_bytes = 0;      // device bytes the coordinator allocated at create (fixed)
+  uint64_t peak_live_bytes = 0;  // high-water mark of fetched-param bytes in the arena
 };
 
 class ParamCoordinator {

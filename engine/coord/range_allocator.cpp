@@ -9,7 +9,8 @@ namespace zo::engine::detail {
 
 RangeAllocator::RangeAllocator(uint64_t begin, uint64_t size_bytes, uint64_t alignment)
     : begin_(begin), size_bytes_(size_bytes), alignment_(alignment), free_bytes_(size_bytes) {
-  ZO_CHECK(alignment > 0 && (alignment & (alignment - 1)) == 0) << "alignment " << alignment << " is not a power of two";
+  ZO_CHECK(alignment > 0 && (alignment & (alignment - 1)) == 0)
+      << "alignment " << alignment << " is not a power of two";
   ZO_CHECK(begin % alignment == 0 && size_bytes % alignment == 0)
       << "range [" << begin << ", +" << size_bytes << ") is not " << alignment << "-aligned";
   if (size_bytes > 0) free_.emplace(begin, size_bytes);
@@ -35,14 +36,14 @@ void RangeAllocator::free(uint64_t offset, uint64_t size_bytes) {
   ZO_CHECK(offset >= begin_ && offset + len <= begin_ + size_bytes_)
       << "free of [" << offset << ", +" << len << ") outside the range";
   auto next = free_.lower_bound(offset);
-  ZO_CHECK(next == free_.end() || next->first >= offset + len) << "free of [" << offset << ", +" << len
-                                                                << ") overlaps a free range (double free?)";
+  ZO_CHECK(next == free_.end() || next->first >= offset + len)
+      << "free of [" << offset << ", +" << len << ") overlaps a free range (double free?)";
   uint64_t start = offset;
   uint64_t end = offset + len;
   if (next != free_.begin()) {
     auto prev = std::prev(next);
-    ZO_CHECK(prev->first + prev->second <= offset) << "free of [" << offset << ", +" << len
-                                                   << ") overlaps a free range (double free?)";
+    ZO_CHECK(prev->first + prev->second <= offset)
+        << "free of [" << offset << ", +" << len << ") overlaps a free range (double free?)";
     if (prev->first + prev->second == offset) {
       start = prev->first;
       free_.erase(prev);

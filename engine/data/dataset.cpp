@@ -52,13 +52,13 @@ Status check_something_to_train_on(const TokenSource& source, uint64_t windows, 
   ZO_ASSIGN_OR_RETURN(bool tail, any_unmasked(source, target_end, source.num_tokens()));
   if (!first && !tail)
     return invalid_argument(source.path() + ": every label is -100 (masked): there is nothing to train on");
-  return invalid_argument(source.path() + ": every target of its " + std::to_string(windows) + " windows of seq_len " +
-                          std::to_string(seq_len) + " is -100 (masked); its other labels are " +
-                          (first ? "at token 0, which is never a target" : "") + (first && tail ? ", and " : "") +
-                          (tail ? "in the last " + std::to_string(source.num_tokens() - target_end) +
-                                      " tokens, which fill no window"
-                                : "") +
-                          ": there is nothing to train on");
+  return invalid_argument(
+      source.path() + ": every target of its " + std::to_string(windows) + " windows of seq_len " +
+      std::to_string(seq_len) + " is -100 (masked); its other labels are " +
+      (first ? "at token 0, which is never a target" : "") + (first && tail ? ", and " : "") +
+      (tail ? "in the last " + std::to_string(source.num_tokens() - target_end) + " tokens, which fill no window"
+            : "") +
+      ": there is nothing to train on");
 }
 
 }  // namespace

@@ -20,8 +20,8 @@ struct DataOptions {
   uint64_t seq_len = 0;      // tokens per row of inputs (and of targets); > 0
   uint64_t micro_batch = 1;  // windows per batch; > 0
   uint64_t seed = 0;
-  bool shuffle = true;       // false: windows in file order every epoch
-  uint64_t rank = 0;         // this process's rank, < world_size
+  bool shuffle = true;  // false: windows in file order every epoch
+  uint64_t rank = 0;    // this process's rank, < world_size
   uint64_t world_size = 1;
 };
 

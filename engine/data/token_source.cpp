@@ -288,7 +288,8 @@ std::string_view to_string(DataFormat format) {
 }
 
 Result<DataFormat> parse_data_format(std::string_view name) {
-  for (DataFormat f : {DataFormat::kAuto, DataFormat::kLlmcBin, DataFormat::kRawBin, DataFormat::kJsonl, DataFormat::kText})
+  for (DataFormat f :
+       {DataFormat::kAuto, DataFormat::kLlmcBin, DataFormat::kRawBin, DataFormat::kJsonl, DataFormat::kText})
     if (name == to_string(f)) return f;
   return invalid_argument("unknown data format \"" + std::string(name) + "\" (auto, llmc, raw, jsonl, text)");
 }
@@ -309,25 +310,22 @@ Result<std::unique_ptr<TokenSource>> open_token_source(const std::string& path, 
       format = DataFormat::kLlmcBin;
     } else if (const std::optional<LlmcLookalike> h = llmc_lookalike(*file)) {  // Note [llm.c lookalike]
       return corruption(path + ": looks like an llm.c token file (version " + std::to_string(h->version) + ", " +
-                        std::to_string(h->count) + " tokens) but its magic is " + std::to_string(h->magic) +
-                        ", not " + std::to_string(kLlmcMagic) + ": pass --data-format raw to read it as raw uint" +
+                        std::to_string(h->count) + " tokens) but its magic is " + std::to_string(h->magic) + ", not " +
+                        std::to_string(kLlmcMagic) + ": pass --data-format raw to read it as raw uint" +
                         std::to_string(8 * options.raw_token_bytes) + " tokens");
     } else {
       format = DataFormat::kRawBin;
     }
   }
   switch (format) {
-    case DataFormat::kLlmcBin:
-      return open_llmc(path, std::move(file));
-    case DataFormat::kRawBin:
-      return open_raw(path, std::move(file), options.raw_token_bytes);
+    case DataFormat::kLlmcBin: return open_llmc(path, std::move(file));
+    case DataFormat::kRawBin: return open_raw(path, std::move(file), options.raw_token_bytes);
     case DataFormat::kText: {
       const uint64_t size = file->size_bytes();
       return std::unique_ptr<TokenSource>(new MappedTokens(path, std::move(file), 0, 1, size, DataFormat::kText));
     }
     case DataFormat::kAuto:
-    case DataFormat::kJsonl:
-      break;
+    case DataFormat::kJsonl: break;
   }
   return internal_error("unreachable data format for " + path);
 }

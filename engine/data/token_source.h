@@ -34,7 +34,7 @@ inline constexpr int32_t kIgnoreLabel = -100;
 
 struct SourceOptions {
   DataFormat format = DataFormat::kAuto;
-  uint32_t raw_token_bytes = 2;  // kRawBin (and .bin without llm.c magic): 2 = uint16, 4 = uint32
+  uint32_t raw_token_bytes = 2;     // kRawBin (and .bin without llm.c magic): 2 = uint16, 4 = uint32
   io::Env* env = io::Env::posix();  // reads the file; must outlive the source
 };
 

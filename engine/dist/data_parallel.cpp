@@ -26,8 +26,14 @@ Result<std::optional<uint32_t>> first_failed_rank(ProcessGroup& group, bool fail
 }
 
 DataParallel::DataParallel(ProcessGroup& group, StateStore& store, const ParamRegistry& registry,
-                           const cpu_optim::Executor& executor, MemoryAccounting& accounting, DataParallelOptions options)
-    : group_(group), store_(store), registry_(registry), executor_(executor), accounting_(accounting), options_(options) {}
+                           const cpu_optim::Executor& executor, MemoryAccounting& accounting,
+                           DataParallelOptions options)
+    : group_(group),
+      store_(store),
+      registry_(registry),
+      executor_(executor),
+      accounting_(accounting),
+      options_(options) {}
 
 DataParallel::~DataParallel() {
   for (const std::optional<AlignedBuffer>* b : {&reduce_staging_, &gather_staging_})
@@ -74,7 +80,8 @@ Result<AlignedBuffer> DataParallel::allocate_staging(uint64_t bytes) {
 Result<GradNormReport> DataParallel::reduce_gradients() {
   const MemoryPlan& plan = store_.plan();
   const bool partitioned = plan.partitioned();
-  trace::Span span(trace::Track::kCollective, partitioned ? "reduce the gradients to their owners" : "all-reduce the gradients");
+  trace::Span span(trace::Track::kCollective,
+                   partitioned ? "reduce the gradients to their owners" : "all-reduce the gradients");
   const DType dtype = plan.placement.grad_dtype;
   const uint64_t elem_bytes = dtype_size_bytes(dtype);
   GradNormReport report;
@@ -84,8 +91,9 @@ Result<GradNormReport> DataParallel::reduce_gradients() {
     const uint64_t n = store_.state_bytes(g, StateKind::kGradAccum) / elem_bytes;
     const uint32_t owner = registry_.partition_of_group(g);
     const bool mine = !partitioned || owner == group_.rank();
-    const std::string what = (partitioned ? "reducing the gradients of sub-group " : "all-reducing the gradients of sub-group ") +
-                             std::to_string(g);
+    const std::string what =
+        (partitioned ? "reducing the gradients of sub-group " : "all-reducing the gradients of sub-group ") +
+        std::to_string(g);
     for (uint64_t first = 0; first < n; first += kReduceChunkElems) {
       const uint64_t count = std::min(kReduceChunkElems, n - first);
       const uint64_t offset_bytes = first * elem_bytes;
@@ -100,7 +108,8 @@ Result<GradNormReport> DataParallel::reduce_gradients() {
         p = reduce_staging_->data();
         ZO_RETURN_IF_ERROR(store_.read_state_range(g, StateKind::kGradAccum, offset_bytes, {p, count * elem_bytes}));
       }
-      ZO_RETURN_IF_ERROR(reduce_in_buckets(p, count, partitioned ? std::optional<uint32_t>(owner) : std::nullopt, what));
+      ZO_RETURN_IF_ERROR(
+          reduce_in_buckets(p, count, partitioned ? std::optional<uint32_t>(owner) : std::nullopt, what));
       double sq = 0;
       if (mine) {
         ZO_ASSIGN_OR_RETURN(sq, cpu_optim::squared_norm({p, dtype}, count, executor_));
@@ -126,7 +135,8 @@ Status DataParallel::reduce_in_buckets(void* data, uint64_t n, std::optional<uin
   for (uint64_t at = 0; at < n; at += bucket) {
     const uint64_t count = std::min(bucket, n - at);
     std::byte* p = bytes + at * dtype_size_bytes(dtype);
-    ZO_RETURN_IF_ERROR(owner ? group_.reduce_sum(p, count, dtype, *owner, what) : group_.all_reduce_sum(p, count, dtype, what));
+    ZO_RETURN_IF_ERROR(owner ? group_.reduce_sum(p, count, dtype, *owner, what)
+                             : group_.all_reduce_sum(p, count, dtype, what));
   }
   return Status::ok();
 }
@@ -213,7 +223,8 @@ Status DataParallel::gather_compute(ReadyGroups& ready, const std::function<void
           p = gather_staging_->data();
           // A local failure (here or below) is kept for the end: this rank still takes part in every
           // broadcast, so that the others do not wait for it.
-          if (owner == rank && local.is_ok()) local = store_.read_state_range(g, StateKind::kCompute, offset_bytes, {p, bytes});
+          if (owner == rank && local.is_ok())
+            local = store_.read_state_range(g, StateKind::kCompute, offset_bytes, {p, bytes});
         }
         ZO_RETURN_IF_ERROR(group_.broadcast(p, bytes, owner, what));
         if (owner != rank && loc.tier != Tier::kCpu && local.is_ok())
@@ -223,13 +234,15 @@ Status DataParallel::gather_compute(ReadyGroups& ready, const std::function<void
     }
   }
   const bool ok = ready.outcome();
-  ZO_ASSIGN_OR_RETURN(std::optional<uint32_t> failed,
-                      first_failed_rank(group_, !(ok && local.is_ok()), "exchanging the outcome of the optimizer step"));
+  ZO_ASSIGN_OR_RETURN(
+      std::optional<uint32_t> failed,
+      first_failed_rank(group_, !(ok && local.is_ok()), "exchanging the outcome of the optimizer step"));
   if (!local.is_ok()) return local.with_context("all-gathering the compute copies");
   if (!ok) return Status::ok();  // the optimizer's own error is the step's
   if (failed)
     return Status(StatusCode::kAborted, "the optimizer step of rank " + std::to_string(*failed) + " of " +
-                                            std::to_string(group_.world_size()) + " failed (its own output has the error)");
+                                            std::to_string(group_.world_size()) +
+                                            " failed (its own output has the error)");
   return Status::ok();
 }
 
@@ -239,7 +252,8 @@ Result<OptimizerStepReport> DataParallel::update(OptimizerSwapper& optimizer, co
   const MemoryPlan& plan = store_.plan();
   if (!plan.partitioned()) return optimizer.step(args);
   if (!gather_staging_ && !plan.partition_params) {  // for compute copies not in host memory; before any collective
-    ZO_ASSIGN_OR_RETURN(AlignedBuffer b, allocate_staging(kReduceChunkElems * state_elem_bytes(plan.placement, StateKind::kCompute)));
+    ZO_ASSIGN_OR_RETURN(AlignedBuffer b,
+                        allocate_staging(kReduceChunkElems * state_elem_bytes(plan.placement, StateKind::kCompute)));
     gather_staging_.emplace(std::move(b));
   }
   ReadyGroups ready(plan.n_sub_groups);

@@ -46,8 +46,8 @@ class DataParallel {
  public:
   // Borrows everything; all must outlive it. `store`'s plan says how the states are split
   // (MemoryPlan::partitioned, partition_grads, partition_params).
-  DataParallel(ProcessGroup& group, StateStore& store, const ParamRegistry& registry, const cpu_optim::Executor& executor,
-               MemoryAccounting& accounting, DataParallelOptions options);
+  DataParallel(ProcessGroup& group, StateStore& store, const ParamRegistry& registry,
+               const cpu_optim::Executor& executor, MemoryAccounting& accounting, DataParallelOptions options);
   ~DataParallel();
   DataParallel(const DataParallel&) = delete;
   DataParallel& operator=(const DataParallel&) = delete;

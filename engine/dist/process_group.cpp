@@ -51,9 +51,7 @@ struct ProcessGroup::Impl {
     try {
       c10::intrusive_ptr<c10d::Work> work = start();
       work->wait();
-    } catch (const std::exception& e) {
-      error = first_line(e.what());
-    }
+    } catch (const std::exception& e) { error = first_line(e.what()); }
     seconds += std::chrono::duration<double>(Clock::now() - t0).count();
     bytes += payload;
     if (error.empty()) return Status::ok();
@@ -61,7 +59,8 @@ struct ProcessGroup::Impl {
   }
 
   // In place over n_elems elements of `type` at `data` (host memory).
-  Status all_reduce_sum(void* data, uint64_t n_elems, at::ScalarType type, uint64_t elem_bytes, const std::string& what) {
+  Status all_reduce_sum(void* data, uint64_t n_elems, at::ScalarType type, uint64_t elem_bytes,
+                        const std::string& what) {
     if (n_elems == 0) return Status::ok();
     return run(what, n_elems * elem_bytes, [&] {
       std::vector<at::Tensor> t{host_tensor(data, n_elems, type)};
@@ -89,9 +88,10 @@ struct ProcessGroup::Impl {
       }
     } catch (const std::exception&) {
       // Rank 0 serves the store unless torchrun's agent does.
-      return world.agent_store ? "the rendezvous store (torchrun's agent) is unreachable"
-                               : "rank 0 of " + std::to_string(world.world_size) +
-                                     " did not respond (died or stalled): the rendezvous store it serves is unreachable";
+      return world.agent_store
+                 ? "the rendezvous store (torchrun's agent) is unreachable"
+                 : "rank 0 of " + std::to_string(world.world_size) +
+                       " did not respond (died or stalled): the rendezvous store it serves is unreachable";
     }
     if (absent.empty()) return "every rank is still running (a collective failed on the network)";
     std::vector<std::string> names;
@@ -116,9 +116,10 @@ Result<std::unique_ptr<ProcessGroup>> ProcessGroup::create(const WorldInfo& worl
     auto tcp = c10::make_intrusive<c10d::TCPStore>(world.master_addr, so);
     impl->store = c10::make_intrusive<c10d::PrefixStore>(world.store_prefix, tcp);
   } catch (const std::exception& e) {
-    return Status(StatusCode::kUnavailable, world.describe() + ": the rendezvous at " + where +
-                                                (world.rank == 0 && !world.agent_store ? " (served by this rank)" : "") +
-                                                " failed: " + first_line(e.what()));
+    return Status(StatusCode::kUnavailable,
+                  world.describe() + ": the rendezvous at " + where +
+                      (world.rank == 0 && !world.agent_store ? " (served by this rank)" : "") +
+                      " failed: " + first_line(e.what()));
   }
   try {
     auto options = c10d::ProcessGroupGloo::Options::create_default(timeout);

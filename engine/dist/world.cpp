@@ -20,7 +20,8 @@ struct Launcher {
 
 constexpr Launcher kLaunchers[] = {
     {"torchrun", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"},
-    {"Open MPI", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"},
+    {"Open MPI", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",
+     "OMPI_COMM_WORLD_LOCAL_SIZE"},
     {"MPICH/Intel MPI", "PMI_SIZE", "PMI_RANK", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"},
     {"srun", "SLURM_STEP_NUM_TASKS", "SLURM_PROCID", "SLURM_LOCALID", nullptr},
 };
@@ -72,21 +73,24 @@ Result<WorldInfo> world_from_env(const EnvLookup& env) {
       return invalid_argument(std::string(var) + "=" + quote_excerpt(*v, 40) + " (set by " + launcher->name +
                               ") is not a count");
     if (*out > max)
-      return invalid_argument(std::string(var) + "=" + *v + " (set by " + launcher->name + ") is over " +
-                              (std::string_view(var) == launcher->size_var ? std::string("the ") + std::to_string(max) + " ranks zoffload takes"
-                                                         : std::string("the last rank, ") + launcher->size_var + " - 1 = " +
-                                                               std::to_string(max)));
+      return invalid_argument(
+          std::string(var) + "=" + *v + " (set by " + launcher->name + ") is over " +
+          (std::string_view(var) == launcher->size_var
+               ? std::string("the ") + std::to_string(max) + " ranks zoffload takes"
+               : std::string("the last rank, ") + launcher->size_var + " - 1 = " + std::to_string(max)));
     return Status::ok();
   };
   uint64_t size = 0, rank = 0, local_rank = 0, local_size = 1;
   ZO_RETURN_IF_ERROR(count(launcher->size_var, 1u << 20, true, &size));
-  if (size == 0) return invalid_argument(std::string(launcher->size_var) + "=0 (set by " + launcher->name + "): no process to run");
+  if (size == 0)
+    return invalid_argument(std::string(launcher->size_var) + "=0 (set by " + launcher->name + "): no process to run");
   w.launcher = launcher->name;
   w.world_size = static_cast<uint32_t>(size);
   if (size == 1) return w;
   ZO_RETURN_IF_ERROR(count(launcher->rank_var, size - 1, true, &rank));
   ZO_RETURN_IF_ERROR(count(launcher->local_rank_var, size - 1, false, &local_rank));
-  if (launcher->local_size_var != nullptr) ZO_RETURN_IF_ERROR(count(launcher->local_size_var, size, false, &local_size));
+  if (launcher->local_size_var != nullptr)
+    ZO_RETURN_IF_ERROR(count(launcher->local_size_var, size, false, &local_size));
   w.rank = static_cast<uint32_t>(rank);
   w.local_rank = static_cast<uint32_t>(local_rank);
   w.local_world_size = static_cast<uint32_t>(std::max<uint64_t>(local_size, 1));

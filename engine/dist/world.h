@@ -15,15 +15,15 @@ namespace zo::engine::dist {
 struct WorldInfo {
   uint32_t rank = 0;
   uint32_t world_size = 1;
-  uint32_t local_rank = 0;     // the rank among this node's processes (device index with one GPU each)
+  uint32_t local_rank = 0;  // the rank among this node's processes (device index with one GPU each)
   uint32_t local_world_size = 1;
-  std::string launcher;        // "torchrun", "Open MPI", "MPICH/Intel MPI", "srun"; empty for one process
-  std::string master_addr;     // the TCPStore's host (MASTER_ADDR)
-  uint16_t master_port = 0;    // and port (MASTER_PORT)
+  std::string launcher;      // "torchrun", "Open MPI", "MPICH/Intel MPI", "srun"; empty for one process
+  std::string master_addr;   // the TCPStore's host (MASTER_ADDR)
+  uint16_t master_port = 0;  // and port (MASTER_PORT)
   // torchrun's agent already hosts the TCPStore at master_addr:master_port
   // (TORCHELASTIC_USE_AGENT_STORE=True): rank 0 joins it as a client instead of serving one.
   bool agent_store = false;
-  std::string store_prefix;    // keys of this run in that store (restarts of torchrun get new ones)
+  std::string store_prefix;  // keys of this run in that store (restarts of torchrun get new ones)
 
   bool distributed() const { return world_size > 1; }
   // "rank 1 of 2 (torchrun)"

@@ -40,8 +40,7 @@ void MemoryAccounting::add(Counter& c, uint64_t size_bytes) {
   const uint64_t now = c.resident.fetch_add(size_bytes, std::memory_order_relaxed) + size_bytes;
   // A CAS loop rather than load+store: two threads adding at once must not lose the larger peak.
   uint64_t peak = c.peak.load(std::memory_order_relaxed);
-  while (now > peak && !c.peak.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
-  }
+  while (now > peak && !c.peak.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {}
 }
 
 void MemoryAccounting::remove(Counter& c, uint64_t size_bytes, const char* what) {

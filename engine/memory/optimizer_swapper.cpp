@@ -1,6 +1,5 @@
 #include "engine/memory/optimizer_swapper.h"
 
-
 #include <algorithm>
 #include <cstring>
 #include <string>
@@ -61,8 +60,8 @@ struct OptimizerSwapper::Impl {
   StateStore* store = nullptr;
   const cpu_optim::Executor* executor = nullptr;
   PipelineOptions options;
-  gpu::Stream stream;               // device Adam and H2D copies of compute copies
-  std::vector<gpu::Event> events;   // per swap / staging buffer: its H2D copy completed
+  gpu::Stream stream;              // device Adam and H2D copies of compute copies
+  std::vector<gpu::Event> events;  // per swap / staging buffer: its H2D copy completed
 
   // One buffer of the NVMe pipeline or of the CPU path's compute staging.
   struct Slot {
@@ -142,8 +141,8 @@ Status OptimizerSwapper::Impl::update(uint32_t g, float* p, float* m, float* v, 
                                    args.grad_scale, out_span, *executor);
       break;
     case OptimizerType::kLion:
-      st = cpu_optim::lion_step({.lr = h.lr, .beta1 = h.beta1, .beta2 = h.beta2, .weight_decay = h.weight_decay}, {p, n},
-                                {m, n}, g_span, args.grad_scale, out_span, *executor);
+      st = cpu_optim::lion_step({.lr = h.lr, .beta1 = h.beta1, .beta2 = h.beta2, .weight_decay = h.weight_decay},
+                                {p, n}, {m, n}, g_span, args.grad_scale, out_span, *executor);
       break;
   }
   report.update_s += sw.elapsed_s();
@@ -223,7 +222,8 @@ Status OptimizerSwapper::Impl::wait_writes(Slot& slot) {
     Stopwatch tw;
     const size_t index = static_cast<size_t>(&slot - slots.data());
     Status st = store->device().synchronize(events[index]);
-    if (!st.is_ok() && first.is_ok()) first = st.with_context("H2D copy of sub-group " + std::to_string(slot.group) + " compute copy");
+    if (!st.is_ok() && first.is_ok())
+      first = st.with_context("H2D copy of sub-group " + std::to_string(slot.group) + " compute copy");
     slot.h2d_pending = false;
     report.transfer_s += tw.elapsed_s();
   }
@@ -286,8 +286,8 @@ Status OptimizerSwapper::Impl::step_cpu() {
       copy_out = slot->buf.data();
     }
     Status st = update(g, reinterpret_cast<float*>(loc(g, StateKind::kMaster).host),
-                     reinterpret_cast<float*>(loc(g, StateKind::kExpAvg).host),
-                     reinterpret_cast<float*>(loc(g, StateKind::kExpAvgSq).host), grad, copy_out);
+                       reinterpret_cast<float*>(loc(g, StateKind::kExpAvg).host),
+                       reinterpret_cast<float*>(loc(g, StateKind::kExpAvgSq).host), grad, copy_out);
     if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(g));
     written = true;
     if (grads_on_nvme() && g + 1 < end && grad_bufs.size() == 1) {
@@ -329,8 +329,8 @@ Status OptimizerSwapper::Impl::issue_read(Slot& slot, uint32_t g) {
   uint64_t run_begin = 0, run_end = 0;  // a pending run of bytes to read, relative to the record
   auto flush = [&]() -> Status {
     if (run_end > run_begin) {
-      ZO_ASSIGN_OR_RETURN(auto t, file->read_async(record, run_begin, slot.buf.subspan(run_begin, run_end - run_begin),
-                                                   group_what(g)));
+      ZO_ASSIGN_OR_RETURN(
+          auto t, file->read_async(record, run_begin, slot.buf.subspan(run_begin, run_end - run_begin), group_what(g)));
       slot.reads.push_back(t);
       report.bytes_read += run_end - run_begin;
     }
@@ -410,14 +410,17 @@ Status OptimizerSwapper::Impl::step_nvme() {
       if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(g + 1));
     }
     const SwapRegion master = loc(g, StateKind::kMaster).region;
-    auto section = [&](StateKind kind) { return slot.buf.data() + (loc(g, kind).region.offset_bytes - master.offset_bytes); };
+    auto section = [&](StateKind kind) {
+      return slot.buf.data() + (loc(g, kind).region.offset_bytes - master.offset_bytes);
+    };
     const StateKind last = grads_on_nvme() ? StateKind::kGradAccum : StateKind::kExpAvgSq;
     std::byte* compute_section = section(last) + loc(g, last).region.size_bytes;
     const std::byte* grad = grads_on_nvme() ? section(StateKind::kGradAccum) : loc(g, StateKind::kGradAccum).host;
     const StateLocation& home = loc(g, StateKind::kCompute);
     std::byte* copy_out = home.tier == Tier::kCpu ? home.host : compute_section;
-    st = update(g, reinterpret_cast<float*>(section(StateKind::kMaster)), reinterpret_cast<float*>(section(StateKind::kExpAvg)),
-              reinterpret_cast<float*>(section(StateKind::kExpAvgSq)), grad, copy_out);
+    st = update(g, reinterpret_cast<float*>(section(StateKind::kMaster)),
+                reinterpret_cast<float*>(section(StateKind::kExpAvg)),
+                reinterpret_cast<float*>(section(StateKind::kExpAvgSq)), grad, copy_out);
     if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(g));
     written = true;
     if (home.tier == Tier::kCpu) compute_ready(g);
@@ -462,11 +465,13 @@ void OptimizerSwapper::Impl::drain() {
 OptimizerSwapper::OptimizerSwapper(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 OptimizerSwapper::~OptimizerSwapper() = default;
 
-Result<std::unique_ptr<OptimizerSwapper>> OptimizerSwapper::create(StateStore& store, const cpu_optim::Executor& executor,
+Result<std::unique_ptr<OptimizerSwapper>> OptimizerSwapper::create(StateStore& store,
+                                                                   const cpu_optim::Executor& executor,
                                                                    const PipelineOptions& options) {
   const MemoryPlan& plan = store.plan();
   const Placement& pl = plan.placement;
-  if (options.optimizer != OptimizerType::kAdam && options.optimizer != OptimizerType::kAdamW && pl.optimizer == Tier::kDevice) {
+  if (options.optimizer != OptimizerType::kAdam && options.optimizer != OptimizerType::kAdamW &&
+      pl.optimizer == Tier::kDevice) {
     return unavailable("optimizer.type " + std::string(to_string(options.optimizer)) +
                        ": runs on the CPU only (the device's optimizer kernel is Adam's); set "
                        "zero_optimization.offload_optimizer.device to cpu or nvme");
@@ -492,20 +497,22 @@ Result<std::unique_ptr<OptimizerSwapper>> OptimizerSwapper::create(StateStore& s
   if (pl.optimizer == Tier::kDevice) {
     for (uint32_t g = 0; g < n_groups; ++g) {
       if (pl.compute[g] != Tier::kDevice) {
-        return invalid_argument("zero_optimization.offload_param.device: compute copies off the device need the "
-                                "optimizer offloaded too (offload_optimizer.device cpu or nvme)");
+        return invalid_argument(
+            "zero_optimization.offload_param.device: compute copies off the device need the "
+            "optimizer offloaded too (offload_optimizer.device cpu or nvme)");
       }
     }
   } else if (pl.optimizer == Tier::kNvme) {
-    const uint32_t want = std::min<uint32_t>(1 + options.pipeline_read + options.pipeline_write, plan.owned_end - plan.owned_begin);
+    const uint32_t want =
+        std::min<uint32_t>(1 + options.pipeline_read + options.pipeline_write, plan.owned_end - plan.owned_begin);
     const uint64_t need = sec(StateKind::kMaster) * 3 + (pl.grad == Tier::kNvme ? sec(StateKind::kGradAccum) : 0) +
                           sec(StateKind::kCompute);
     buffers = store.optimizer_swap_buffers();
     if (buffers.size() < want) {
-      return invalid_argument("zero_optimization.offload_optimizer: pipeline_read " + std::to_string(options.pipeline_read) +
-                              " and pipeline_write " + std::to_string(options.pipeline_write) + " need " +
-                              std::to_string(want) + " optimizer swap buffers, the plan has " +
-                              std::to_string(buffers.size()));
+      return invalid_argument("zero_optimization.offload_optimizer: pipeline_read " +
+                              std::to_string(options.pipeline_read) + " and pipeline_write " +
+                              std::to_string(options.pipeline_write) + " need " + std::to_string(want) +
+                              " optimizer swap buffers, the plan has " + std::to_string(buffers.size()));
     }
     for (auto b : buffers) {
       if (b.size() < need) {
@@ -527,8 +534,8 @@ Result<std::unique_ptr<OptimizerSwapper>> OptimizerSwapper::create(StateStore& s
     if (plan.grad_read_buffers == 0 || plan.grad_read_buffer_bytes < sec(StateKind::kGradAccum)) {
       return invalid_argument("optimizer swapper: the plan's " + std::to_string(plan.grad_read_buffers) +
                               " gradient read buffer(s) of " + std::to_string(plan.grad_read_buffer_bytes) +
-                              " bytes cannot hold the largest sub-group's " + std::to_string(sec(StateKind::kGradAccum)) +
-                              " bytes");
+                              " bytes cannot hold the largest sub-group's " +
+                              std::to_string(sec(StateKind::kGradAccum)) + " bytes");
     }
     for (uint32_t i = 0; i < plan.grad_read_buffers; ++i) {
       auto buf = AlignedBuffer::allocate(plan.grad_read_buffer_bytes);

@@ -32,8 +32,8 @@ struct OptimizerStepArgs {
   // This step's hyperparameters (lr from the scheduler). Adagrad reads lr, eps and weight_decay;
   // Lion lr, beta1, beta2 and weight_decay.
   cpu_optim::AdamConfig adam;
-  int64_t step = 1;            // 1-based optimizer step (bias correction)
-  float grad_scale = 1.0f;     // 1/loss_scale × clip coefficient, applied as gradients are read
+  int64_t step = 1;         // 1-based optimizer step (bias correction)
+  float grad_scale = 1.0f;  // 1/loss_scale × clip coefficient, applied as gradients are read
   // step() updates the sub-groups the store's plan owns (MemoryPlan::owns: all of them, or a
   // data-parallel rank's partition). Called on step()'s thread, once per such sub-group, as soon as the sub-group's new compute copy is
   // at its home (written to CPU memory, NVMe write or H2D copy completed), before step() returns;

@@ -88,7 +88,8 @@ Result<std::vector<uint64_t>> partition_bounds(const std::vector<ParamInfo>& par
 
 }  // namespace
 
-Result<ParamRegistry> ParamRegistry::build(std::vector<ParamSpec> params, uint64_t sub_group_size, uint32_t n_partitions) {
+Result<ParamRegistry> ParamRegistry::build(std::vector<ParamSpec> params, uint64_t sub_group_size,
+                                           uint32_t n_partitions) {
   if (params.empty()) return invalid_argument("parameter registry: the model has no trainable parameters");
   if (sub_group_size < kSplitAlignElems) {
     return invalid_argument("zero_optimization.sub_group_size: " + std::to_string(sub_group_size) +
@@ -122,13 +123,14 @@ Result<ParamRegistry> ParamRegistry::build(std::vector<ParamSpec> params, uint64
   // claims: the sub-group table is counted before it is built.
   uint64_t total = 0;
   for (const ParamInfo& p : r.params_) {
-    if (__builtin_add_overflow(total, p.n_elems, &total)) return invalid_argument("the model has more elements than 64 bits count");
+    if (__builtin_add_overflow(total, p.n_elems, &total))
+      return invalid_argument("the model has more elements than 64 bits count");
   }
   const uint64_t groups_at_least = total / (sub_group_size / kSplitAlignElems * kSplitAlignElems);
   if (groups_at_least > kMaxSubGroups) {
-    return invalid_argument("zero_optimization.sub_group_size: " + std::to_string(sub_group_size) + " elements cuts the model's " +
-                            std::to_string(total) + " elements into more than " + std::to_string(kMaxSubGroups) +
-                            " sub-groups; raise it to at least " +
+    return invalid_argument("zero_optimization.sub_group_size: " + std::to_string(sub_group_size) +
+                            " elements cuts the model's " + std::to_string(total) + " elements into more than " +
+                            std::to_string(kMaxSubGroups) + " sub-groups; raise it to at least " +
                             std::to_string(align_up(total / kMaxSubGroups + 1, kSplitAlignElems)));
   }
 
@@ -206,7 +208,7 @@ Result<ParamRegistry> ParamRegistry::build(std::vector<ParamSpec> params, uint64
 std::pair<uint32_t, uint32_t> ParamRegistry::partition_groups(uint32_t partition) const {
   ZO_CHECK_LT(partition, partition_starts_.size());
   const uint32_t end = partition + 1 < partition_starts_.size() ? partition_starts_[partition + 1]
-                                                                  : static_cast<uint32_t>(groups_.size());
+                                                                : static_cast<uint32_t>(groups_.size());
   return {partition_starts_[partition], end};
 }
 
@@ -340,14 +342,15 @@ Tier tier_of(OffloadDevice d) {
   return Tier::kDevice;
 }
 
-constexpr StateKind kAllStates[] = {StateKind::kMaster, StateKind::kExpAvg, StateKind::kExpAvgSq,
-                                    StateKind::kGradAccum, StateKind::kCompute};
+constexpr StateKind kAllStates[] = {StateKind::kMaster, StateKind::kExpAvg, StateKind::kExpAvgSq, StateKind::kGradAccum,
+                                    StateKind::kCompute};
 constexpr StateKind kOptimizerRecord[] = {StateKind::kMaster, StateKind::kExpAvg, StateKind::kExpAvgSq,
                                           StateKind::kGradAccum};
 
 }  // namespace
 
-Result<MemoryPlan> plan_memory(const Config& config, const ParamRegistry& registry, std::optional<uint32_t> owned_partition) {
+Result<MemoryPlan> plan_memory(const Config& config, const ParamRegistry& registry,
+                               std::optional<uint32_t> owned_partition) {
   const OffloadOptimizerConfig& oo = config.zero.offload_optimizer;
   const OffloadParamConfig& op = config.zero.offload_param;
   if (op.device != OffloadDevice::kNone && oo.device == OffloadDevice::kNone) {
@@ -452,8 +455,9 @@ Result<MemoryPlan> plan_memory(const Config& config, const ParamRegistry& regist
   const ParamInfo* largest = nullptr;
   for (const ParamInfo& p : registry.params()) {
     const auto pieces = registry.pieces_of_param(p.id);
-    const bool on_nvme = std::any_of(pieces.begin(), pieces.end(),
-                                     [&](const ParamPiece& piece) { return pl.compute[piece.sub_group] == Tier::kNvme; });
+    const bool on_nvme = std::any_of(pieces.begin(), pieces.end(), [&](const ParamPiece& piece) {
+      return pl.compute[piece.sub_group] == Tier::kNvme;
+    });
     if (!on_nvme) continue;
     ++nvme_params;
     if (largest == nullptr || p.n_elems > largest->n_elems) largest = &p;
@@ -461,8 +465,9 @@ Result<MemoryPlan> plan_memory(const Config& config, const ParamRegistry& regist
   // Partitioned parameters are read from their homes by the gatherer, not through swap buffers.
   if (nvme_params > 0 && !plan.partition_params) {
     if (op.buffer_count == 0) {
-      return invalid_argument("zero_optimization.offload_param.buffer_count: 0, but parameters on NVMe need at least one "
-                              "swap buffer");
+      return invalid_argument(
+          "zero_optimization.offload_param.buffer_count: 0, but parameters on NVMe need at least one "
+          "swap buffer");
     }
     if (op.buffer_size < largest->n_elems) {
       return invalid_argument("zero_optimization.offload_param.buffer_size: " + std::to_string(op.buffer_size) +

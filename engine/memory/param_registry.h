@@ -47,9 +47,9 @@ struct ParamPiece {
 
 struct SubGroup {
   uint32_t index = 0;
-  uint64_t n_elems = 0;       // ≤ sub_group_size
-  uint64_t first_elem = 0;    // offset of its first element in the flat parameter space
-  uint32_t first_piece = 0;   // its pieces, in order: [first_piece, first_piece + n_pieces)
+  uint64_t n_elems = 0;      // ≤ sub_group_size
+  uint64_t first_elem = 0;   // offset of its first element in the flat parameter space
+  uint32_t first_piece = 0;  // its pieces, in order: [first_piece, first_piece + n_pieces)
   uint32_t n_pieces = 0;
 };
 
@@ -106,8 +106,8 @@ struct Placement {
   // The compute copy, per sub-group: offload_param.device, except that with nvme the first
   // sub-groups whose elements total at most offload_param.max_in_cpu stay on the CPU.
   std::vector<Tier> compute;
-  bool optimizer_pinned = true;    // offload_optimizer.pin_memory (its buffers; the states never cross PCIe)
-  bool param_pinned = true;        // offload_param.pin_memory
+  bool optimizer_pinned = true;  // offload_optimizer.pin_memory (its buffers; the states never cross PCIe)
+  bool param_pinned = true;      // offload_param.pin_memory
   DType compute_dtype = DType::kF32;
   DType grad_dtype = DType::kF32;  // data_types.grad_accum_dtype
 };
@@ -152,10 +152,10 @@ struct MemoryPlan {
     return false;
   }
 
-  uint64_t device_bytes = 0;        // states resident on the device (parameters fetched by the
-                                    // stage-3 coordinator are budgeted separately)
-  uint64_t cpu_pinned_bytes = 0;    // states resident in pinned CPU memory (from the pool)
-  uint64_t cpu_pageable_bytes = 0;  // states resident in pageable CPU memory (pin_memory false)
+  uint64_t device_bytes = 0;          // states resident on the device (parameters fetched by the
+                                      // stage-3 coordinator are budgeted separately)
+  uint64_t cpu_pinned_bytes = 0;      // states resident in pinned CPU memory (from the pool)
+  uint64_t cpu_pageable_bytes = 0;    // states resident in pageable CPU memory (pin_memory false)
   uint64_t nvme_optimizer_bytes = 0;  // size of the optimizer swap file (states + gradients)
   uint64_t nvme_param_bytes = 0;      // size of the parameter swap file (compute copies)
 

@@ -78,7 +78,8 @@ Result<ParamHandle> ParamSwapper::fetch(uint32_t param) {
     const Tier tier = s.store->location(piece.sub_group, StateKind::kCompute).tier;
     if (tier == Tier::kDevice) {
       return invalid_argument("fetch: param " + registry.params()[param].name +
-                              ": its compute copy lives on the device (sub-group " + std::to_string(piece.sub_group) + ")");
+                              ": its compute copy lives on the device (sub-group " + std::to_string(piece.sub_group) +
+                              ")");
     }
     any_nvme |= tier == Tier::kNvme;
   }
@@ -150,7 +151,8 @@ Result<ParamHandle> ParamSwapper::fetch(uint32_t param) {
     const SwapRegion r = s.store->location(piece->sub_group, StateKind::kCompute).region;
     const uint64_t lo = std::max(a, r.offset_bytes), hi = std::min(b, r.offset_bytes + r.size_bytes);
     if (lo >= hi) continue;
-    const uint64_t valid_end = std::min(hi, r.offset_bytes + s.store->nvme_written_bytes(piece->sub_group, StateKind::kCompute));
+    const uint64_t valid_end =
+        std::min(hi, r.offset_bytes + s.store->nvme_written_bytes(piece->sub_group, StateKind::kCompute));
     std::byte* dst = slot.buf.data() + read_at + (lo - a);
     if (valid_end > lo) {
       auto t = file->read_async(r, lo - r.offset_bytes, {dst, valid_end - lo}, what);
@@ -161,7 +163,8 @@ Result<ParamHandle> ParamSwapper::fetch(uint32_t param) {
       }
       slot.reads.push_back(*t);
     }
-    if (hi > std::max(lo, valid_end)) std::memset(dst + (std::max(lo, valid_end) - lo), 0, hi - std::max(lo, valid_end));
+    if (hi > std::max(lo, valid_end))
+      std::memset(dst + (std::max(lo, valid_end) - lo), 0, hi - std::max(lo, valid_end));
   }
   return ParamHandle{param, index, slot.fetch_id};
 }

@@ -46,15 +46,14 @@ bool process_can_lock_unlimited() {
 Status check_pinned_cap(uint64_t cap_bytes, bool pin, const HostInfo& host, bool can_lock_unlimited,
                         std::string_view what, std::string_view ram_remedy) {
   const std::string name(what);
-  if (cap_bytes > host.mem_available_bytes ||
-      host.mem_available_bytes - cap_bytes < kHostMemoryReserveBytes) {
-    return out_of_memory(name + ": " + std::string(pin ? "pinned" : "host") + " memory of " +
-                         format_bytes(cap_bytes) + " plus " + format_bytes(kHostMemoryReserveBytes) +
-                         " kept free for the system does not fit in the " +
-                         format_bytes(host.mem_available_bytes) + " of RAM available (MemAvailable, of " +
-                         format_bytes(host.mem_total_bytes) + " total); " +
-                         (ram_remedy.empty() ? "lower " + name + ", offload more to NVMe, or use a machine with more RAM"
-                                             : std::string(ram_remedy)));
+  if (cap_bytes > host.mem_available_bytes || host.mem_available_bytes - cap_bytes < kHostMemoryReserveBytes) {
+    return out_of_memory(name + ": " + std::string(pin ? "pinned" : "host") + " memory of " + format_bytes(cap_bytes) +
+                         " plus " + format_bytes(kHostMemoryReserveBytes) +
+                         " kept free for the system does not fit in the " + format_bytes(host.mem_available_bytes) +
+                         " of RAM available (MemAvailable, of " + format_bytes(host.mem_total_bytes) + " total); " +
+                         (ram_remedy.empty()
+                              ? "lower " + name + ", offload more to NVMe, or use a machine with more RAM"
+                              : std::string(ram_remedy)));
   }
   if (pin && !can_lock_unlimited && host.memlock_limit_bytes != UINT64_MAX && cap_bytes > host.memlock_limit_bytes) {
     return out_of_memory(name + ": pinned memory of " + format_bytes(cap_bytes) +
@@ -84,7 +83,7 @@ struct PinnedPool::Impl {
 };
 
 Result<std::unique_ptr<PinnedPool>> PinnedPool::create(gpu::Device& device, uint64_t capacity_bytes, bool pin,
-                                                      MemoryAccounting* accounting) {
+                                                       MemoryAccounting* accounting) {
   auto impl = std::make_unique<Impl>();
   impl->device = &device;
   impl->pin = pin;

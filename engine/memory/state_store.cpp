@@ -210,19 +210,21 @@ Status StateStore::Impl::create_swap_files() {
   }
   if (optimizer_nvme) {
     if (options.optimizer_nvme_path.empty()) {
-      return invalid_argument("zero_optimization.offload_optimizer.nvme_path: required with offload_optimizer.device nvme "
-                              "or zoffload.gradient_accumulators nvme");
+      return invalid_argument(
+          "zero_optimization.offload_optimizer.nvme_path: required with offload_optimizer.device nvme "
+          "or zoffload.gradient_accumulators nvme");
     }
-    ZO_ASSIGN_OR_RETURN(optimizer_file, SwapFile::create(swap_dir(options.optimizer_nvme_path, options.rank),
-                                                         "optimizer.swp", plan.nvme_optimizer_bytes, *io, accounting,
-                                                         env, options.on_swap_file));
+    ZO_ASSIGN_OR_RETURN(optimizer_file,
+                        SwapFile::create(swap_dir(options.optimizer_nvme_path, options.rank), "optimizer.swp",
+                                         plan.nvme_optimizer_bytes, *io, accounting, env, options.on_swap_file));
   }
   if (param_nvme) {
     if (options.param_nvme_path.empty()) {
       return invalid_argument("zero_optimization.offload_param.nvme_path: required with offload_param.device nvme");
     }
-    ZO_ASSIGN_OR_RETURN(param_file, SwapFile::create(swap_dir(options.param_nvme_path, options.rank), "param.swp",
-                                                     plan.nvme_param_bytes, *io, accounting, env, options.on_swap_file));
+    ZO_ASSIGN_OR_RETURN(param_file,
+                        SwapFile::create(swap_dir(options.param_nvme_path, options.rank), "param.swp",
+                                         plan.nvme_param_bytes, *io, accounting, env, options.on_swap_file));
   }
   // One record per sub-group in the optimizer file, [master|exp_avg|exp_avg_sq|grad], so a step
   // reads a sub-group with one request and writes master|exp_avg|exp_avg_sq back with another; one
@@ -231,14 +233,15 @@ Status StateStore::Impl::create_swap_files() {
   for (uint32_t g = 0; g < n_groups; ++g) {
     uint64_t record = 0;
     for (int k = 0; k < kNumStateKinds - 1; ++k) {
-      if (locations[g][k].tier == Tier::kNvme && locations[g][k].held) record += align_up(n_elems(g) * elem_bytes(static_cast<StateKind>(k)), kSwapAlignment);
+      if (locations[g][k].tier == Tier::kNvme && locations[g][k].held)
+        record += align_up(n_elems(g) * elem_bytes(static_cast<StateKind>(k)), kSwapAlignment);
     }
     if (record > 0) {
       auto region = optimizer_file->reserve(record);
       if (!region.is_ok()) {
         Status s = region.status();
-        return s.with_context("optimizer swap file, sub-group " + std::to_string(g) + " (plan: " +
-                              std::to_string(plan.nvme_optimizer_bytes) + " bytes)");
+        return s.with_context("optimizer swap file, sub-group " + std::to_string(g) +
+                              " (plan: " + std::to_string(plan.nvme_optimizer_bytes) + " bytes)");
       }
       uint64_t off = region->offset_bytes;
       for (int k = 0; k < kNumStateKinds - 1; ++k) {
@@ -254,8 +257,8 @@ Status StateStore::Impl::create_swap_files() {
       auto region = param_file->reserve(n_elems(g) * elem_bytes(StateKind::kCompute));
       if (!region.is_ok()) {
         Status s = region.status();
-        return s.with_context("parameter swap file, sub-group " + std::to_string(g) + " (plan: " +
-                              std::to_string(plan.nvme_param_bytes) + " bytes)");
+        return s.with_context("parameter swap file, sub-group " + std::to_string(g) +
+                              " (plan: " + std::to_string(plan.nvme_param_bytes) + " bytes)");
       }
       compute.region = *region;
     }
@@ -270,12 +273,12 @@ Status StateStore::Impl::carve_buffers() {
     uint64_t size;
     const char* what;
   };
-  for (const Spec& spec : {Spec{&optimizer_swap_buffers, plan.optimizer_swap_buffers, plan.optimizer_swap_buffer_bytes,
-                                "optimizer swap buffer"},
-                           Spec{&compute_staging_buffers, plan.compute_staging_buffers, plan.compute_staging_buffer_bytes,
-                                "compute staging buffer"},
-                           Spec{&param_swap_buffers, plan.param_swap_buffers, plan.param_swap_buffer_bytes,
-                                "parameter swap buffer"}}) {
+  for (const Spec& spec :
+       {Spec{&optimizer_swap_buffers, plan.optimizer_swap_buffers, plan.optimizer_swap_buffer_bytes,
+             "optimizer swap buffer"},
+        Spec{&compute_staging_buffers, plan.compute_staging_buffers, plan.compute_staging_buffer_bytes,
+             "compute staging buffer"},
+        Spec{&param_swap_buffers, plan.param_swap_buffers, plan.param_swap_buffer_bytes, "parameter swap buffer"}}) {
     if (spec.size == 0) continue;
     for (uint32_t i = 0; i < spec.count; ++i) {
       ZO_ASSIGN_OR_RETURN(auto span, pool->allocate(spec.size, spec.what));
@@ -342,7 +345,8 @@ Status StateStore::Impl::nvme_write(uint32_t g, StateKind kind, uint64_t begin, 
     if (ce < b && ce == state_end) {
       std::memset(buf + (ce - a), 0, b - ce);
     } else if (ce < b && (b - kSwapAlignment > a || cb == a)) {
-      ZO_RETURN_IF_ERROR(nvme_read_aligned(g, kind, b - kSwapAlignment, kSwapAlignment, buf + (b - kSwapAlignment - a)));
+      ZO_RETURN_IF_ERROR(
+          nvme_read_aligned(g, kind, b - kSwapAlignment, kSwapAlignment, buf + (b - kSwapAlignment - a)));
     }
     fill(buf + (cb - a), cb - begin, ce - cb);
     ZO_RETURN_IF_ERROR(file->write(loc.region, a, {buf, b - a}, what));
@@ -367,9 +371,7 @@ Status StateStore::Impl::nvme_read(uint32_t g, StateKind kind, uint64_t begin, u
 Status StateStore::Impl::write_range(uint32_t g, StateKind kind, uint64_t begin, uint64_t end, const Fill& fill) {
   const StateLocation& loc = locations[g][static_cast<int>(kind)];
   switch (loc.tier) {
-    case Tier::kCpu:
-      fill(loc.host + begin, 0, end - begin);
-      return Status::ok();
+    case Tier::kCpu: fill(loc.host + begin, 0, end - begin); return Status::ok();
     case Tier::kDevice:
       for (uint64_t cb = begin; cb < end; cb += kScratchBytes) {
         const uint64_t n = std::min(end - cb, kScratchBytes);
@@ -379,8 +381,7 @@ Status StateStore::Impl::write_range(uint32_t g, StateKind kind, uint64_t begin,
         ZO_RETURN_IF_ERROR(device->synchronize(stream));
       }
       return Status::ok();
-    case Tier::kNvme:
-      return nvme_write(g, kind, begin, end, fill);
+    case Tier::kNvme: return nvme_write(g, kind, begin, end, fill);
   }
   return internal_error("unknown tier");
 }
@@ -388,9 +389,7 @@ Status StateStore::Impl::write_range(uint32_t g, StateKind kind, uint64_t begin,
 Status StateStore::Impl::read_range(uint32_t g, StateKind kind, uint64_t begin, uint64_t end, const Consume& consume) {
   const StateLocation& loc = locations[g][static_cast<int>(kind)];
   switch (loc.tier) {
-    case Tier::kCpu:
-      consume(loc.host + begin, 0, end - begin);
-      return Status::ok();
+    case Tier::kCpu: consume(loc.host + begin, 0, end - begin); return Status::ok();
     case Tier::kDevice:
       for (uint64_t cb = begin; cb < end; cb += kScratchBytes) {
         const uint64_t n = std::min(end - cb, kScratchBytes);
@@ -400,8 +399,7 @@ Status StateStore::Impl::read_range(uint32_t g, StateKind kind, uint64_t begin, 
         consume(scratch.data(), cb - begin, n);
       }
       return Status::ok();
-    case Tier::kNvme:
-      return nvme_read(g, kind, begin, end, consume);
+    case Tier::kNvme: return nvme_read(g, kind, begin, end, consume);
   }
   return internal_error("unknown tier");
 }
@@ -442,8 +440,7 @@ StateStore::~StateStore() = default;
 
 Result<std::unique_ptr<StateStore>> StateStore::create(const ParamRegistry& registry, const MemoryPlan& plan,
                                                        gpu::Device& device, io::IoEngine& io,
-                                                       const StateStoreOptions& options,
-                                                       MemoryAccounting& accounting) {
+                                                       const StateStoreOptions& options, MemoryAccounting& accounting) {
   if (plan.n_sub_groups != registry.sub_groups().size() || plan.placement.compute.size() != plan.n_sub_groups) {
     return invalid_argument("state store: the memory plan (" + std::to_string(plan.n_sub_groups) +
                             " sub-groups) was not made for this registry (" +
@@ -459,7 +456,8 @@ Result<std::unique_ptr<StateStore>> StateStore::create(const ParamRegistry& regi
         << plan.optimizer_swap_buffers << " x " << plan.optimizer_swap_buffer_bytes << " + compute staging buffers "
         << plan.compute_staging_buffers << " x " << plan.compute_staging_buffer_bytes << " + parameter swap buffers "
         << plan.param_swap_buffers << " x " << plan.param_swap_buffer_bytes << " + the gradient landing ring "
-        << plan.grad_ring_bytes << " (each rounded to " << kPinnedAlignment << " bytes); raise " << options.pinned_cap_key
+        << plan.grad_ring_bytes << " (each rounded to " << kPinnedAlignment << " bytes); raise "
+        << options.pinned_cap_key
         << ", lower zero_optimization.sub_group_size or the buffer counts, or set pin_memory false";
     return out_of_memory(msg.str());
   }
@@ -571,13 +569,14 @@ Status StateStore::read_param(uint32_t param, uint64_t offset_elems, std::span<f
       // read_state_range: whole 4 KiB blocks of an NVMe state go straight into `out` (O_DIRECT).
       st = read_state_range(g, kind, first * 4, std::as_writable_bytes(out.subspan(a - lo, b - a)));
     } else if (st.is_ok()) {
-      st = impl_->read_range(g, kind, first * 2, (first + b - a) * 2, [dst = out.data() + (a - lo), dtype](const std::byte* src, uint64_t rel, uint64_t n) {
-        for (uint64_t i = 0; i < n / 2; ++i) {
-          uint16_t h;
-          std::memcpy(&h, src + 2 * i, 2);
-          dst[rel / 2 + i] = dtype == DType::kBF16 ? bf16_to_float(h) : f16_to_float(h);
-        }
-      });
+      st = impl_->read_range(g, kind, first * 2, (first + b - a) * 2,
+                             [dst = out.data() + (a - lo), dtype](const std::byte* src, uint64_t rel, uint64_t n) {
+                               for (uint64_t i = 0; i < n / 2; ++i) {
+                                 uint16_t h;
+                                 std::memcpy(&h, src + 2 * i, 2);
+                                 dst[rel / 2 + i] = dtype == DType::kBF16 ? bf16_to_float(h) : f16_to_float(h);
+                               }
+                             });
     }
     if (!st.is_ok()) return st.with_context("reading the " + std::string(state_name(kind)) + " of " + info.name);
   }
@@ -586,8 +585,9 @@ Status StateStore::read_param(uint32_t param, uint64_t offset_elems, std::span<f
 
 Status StateStore::Impl::check_held(uint32_t g, StateKind kind, const char* op) const {
   if (g < plan.n_sub_groups && !locations[g][static_cast<int>(kind)].held) {
-    return failed_precondition(std::string(op) + ": " + what_of(g, kind) + " is held by another data-parallel rank (sub-groups " +
-                               std::to_string(plan.owned_begin) + "-" + std::to_string(plan.owned_end) + " are this rank's)");
+    return failed_precondition(
+        std::string(op) + ": " + what_of(g, kind) + " is held by another data-parallel rank (sub-groups " +
+        std::to_string(plan.owned_begin) + "-" + std::to_string(plan.owned_end) + " are this rank's)");
   }
   return Status::ok();
 }
@@ -597,12 +597,11 @@ Status StateStore::read_state(uint32_t sub_group, StateKind kind, std::span<std:
   std::lock_guard<std::recursive_mutex> transfer(s.transfer_mu);
   ZO_RETURN_IF_ERROR(s.check_held(sub_group, kind, "read_state"));
   if (sub_group >= s.plan.n_sub_groups || out.size() != state_bytes(sub_group, kind)) {
-    return invalid_argument("read_state: sub-group " + std::to_string(sub_group) + " " +
-                            std::string(state_name(kind)) + ": bad sub-group or size " + std::to_string(out.size()));
+    return invalid_argument("read_state: sub-group " + std::to_string(sub_group) + " " + std::string(state_name(kind)) +
+                            ": bad sub-group or size " + std::to_string(out.size()));
   }
-  return s.read_range(sub_group, kind, 0, out.size(), [out](const std::byte* src, uint64_t rel, uint64_t n) {
-    std::memcpy(out.data() + rel, src, n);
-  });
+  return s.read_range(sub_group, kind, 0, out.size(),
+                      [out](const std::byte* src, uint64_t rel, uint64_t n) { std::memcpy(out.data() + rel, src, n); });
 }
 
 Status StateStore::write_state(uint32_t sub_group, StateKind kind, std::span<const std::byte> in) {
@@ -613,9 +612,8 @@ Status StateStore::write_state(uint32_t sub_group, StateKind kind, std::span<con
     return invalid_argument("write_state: sub-group " + std::to_string(sub_group) + " " +
                             std::string(state_name(kind)) + ": bad sub-group or size " + std::to_string(in.size()));
   }
-  return s.write_range(sub_group, kind, 0, in.size(), [in](std::byte* dst, uint64_t rel, uint64_t n) {
-    std::memcpy(dst, in.data() + rel, n);
-  });
+  return s.write_range(sub_group, kind, 0, in.size(),
+                       [in](std::byte* dst, uint64_t rel, uint64_t n) { std::memcpy(dst, in.data() + rel, n); });
 }
 
 Status StateStore::read_state_range(uint32_t sub_group, StateKind kind, uint64_t offset_bytes,
@@ -670,7 +668,8 @@ Result<StateStore::PendingRead> StateStore::read_state_range_async(uint32_t sub_
   }
   if (disk > 0) {
     SwapFile* file = s.file_of(kind);
-    ZO_ASSIGN_OR_RETURN(pending.ticket, file->read_async(loc.region, offset_bytes, out.first(disk), what_of(sub_group, kind)));
+    ZO_ASSIGN_OR_RETURN(pending.ticket,
+                        file->read_async(loc.region, offset_bytes, out.first(disk), what_of(sub_group, kind)));
     pending.file = file;
   }
   return pending;
@@ -726,7 +725,8 @@ Status StateStore::write_state_range(uint32_t sub_group, StateKind kind, uint64_
   const int k = static_cast<int>(kind);
   const StateLocation& loc = s.locations[sub_group][k];
   uint64_t direct = 0;
-  if (loc.tier == Tier::kNvme && is_aligned(offset_bytes, kSwapAlignment) && offset_bytes <= s.nvme_written[sub_group][k] &&
+  if (loc.tier == Tier::kNvme && is_aligned(offset_bytes, kSwapAlignment) &&
+      offset_bytes <= s.nvme_written[sub_group][k] &&
       is_aligned(reinterpret_cast<uintptr_t>(in.data()), kSwapAlignment)) {
     direct = align_down(in.size(), kSwapAlignment);
     if (direct > 0) {
@@ -783,7 +783,9 @@ const StateLocation& StateStore::location(uint32_t sub_group, StateKind kind) co
   ZO_CHECK_LT(sub_group, impl_->plan.n_sub_groups);
   return impl_->locations[sub_group][static_cast<int>(kind)];
 }
-std::span<const std::span<std::byte>> StateStore::optimizer_swap_buffers() const { return impl_->optimizer_swap_buffers; }
+std::span<const std::span<std::byte>> StateStore::optimizer_swap_buffers() const {
+  return impl_->optimizer_swap_buffers;
+}
 std::span<const std::span<std::byte>> StateStore::compute_staging_buffers() const {
   return impl_->compute_staging_buffers;
 }

@@ -59,9 +59,9 @@ struct SwapFile::Impl {
 };
 
 Result<std::unique_ptr<SwapFile>> SwapFile::create(const std::string& dir, const std::string& name,
-                                                  uint64_t capacity_bytes, io::IoEngine& engine,
-                                                  MemoryAccounting* accounting, io::Env* env,
-                                                  const std::function<void(const std::string&)>& claimed) {
+                                                   uint64_t capacity_bytes, io::IoEngine& engine,
+                                                   MemoryAccounting* accounting, io::Env* env,
+                                                   const std::function<void(const std::string&)>& claimed) {
   ZO_RETURN_IF_ERROR(env->make_dirs(dir).with_context("creating swap directory " + dir));
   auto impl = std::make_unique<Impl>();
   impl->env = env;
@@ -94,15 +94,16 @@ Result<std::unique_ptr<SwapFile>> SwapFile::create(const std::string& dir, const
   Result<uint64_t> existing = impl->file.size_bytes();
   if (!existing.is_ok()) return fail(existing.status());
   if (*existing > impl->capacity) {
-    if (Status st = impl->file.truncate(impl->capacity); !st.is_ok()) return fail(st.with_context("trimming swap file"));
+    if (Status st = impl->file.truncate(impl->capacity); !st.is_ok())
+      return fail(st.with_context("trimming swap file"));
   }
   Status s = impl->file.preallocate(impl->capacity);
   if (!s.is_ok()) {
     if (s.code() == StatusCode::kNoSpace) {
       return fail(Status(StatusCode::kNoSpace,
                          "swap file " + impl->path + " needs " + format_bytes(impl->capacity) + " but there is only " +
-                             free_space_text(env, dir) + "; point nvme_path at a larger drive or offload less to NVMe (" +
-                             s.message() + ")",
+                             free_space_text(env, dir) +
+                             "; point nvme_path at a larger drive or offload less to NVMe (" + s.message() + ")",
                          s.sys_errno()));
     }
     return fail(s.with_context("preallocating swap file " + impl->path));
@@ -174,7 +175,8 @@ Status SwapFile::wait(io::Ticket ticket) {
     }
   }
   if (!known) {
-    if (s.is_ok()) return internal_error("swap file " + impl_->path + ": ticket " + std::to_string(ticket) + " is not ours");
+    if (s.is_ok())
+      return internal_error("swap file " + impl_->path + ": ticket " + std::to_string(ticket) + " is not ours");
     return s.with_context("swap file " + impl_->path);
   }
   if (!s.is_ok()) return wrap(s, ctx, impl_->path);

@@ -49,12 +49,9 @@ at::Tensor dense(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b =
 
 size_t expected_params(const ModelConfig& config, BlockKind kind) {
   switch (kind) {
-    case BlockKind::kEmbedding:
-      return 1;
-    case BlockKind::kDecoder:
-      return config.attention_bias ? 12 : 9;
-    case BlockKind::kHead:
-      return 2;
+    case BlockKind::kEmbedding: return 1;
+    case BlockKind::kDecoder: return config.attention_bias ? 12 : 9;
+    case BlockKind::kHead: return 2;
   }
   return 0;
 }
@@ -65,9 +62,10 @@ at::Tensor decoder_forward(const ModelConfig& config, const std::vector<at::Tens
   const auto heads = static_cast<int64_t>(config.num_attention_heads);
   const auto kv_heads = static_cast<int64_t>(config.num_key_value_heads);
   const auto head_dim = static_cast<int64_t>(config.head_dim);
-  TORCH_CHECK(x.dim() == 3 && x.size(2) == static_cast<int64_t>(config.hidden_size),
-              "decoder input must be [B, T, ", config.hidden_size, "], got ", x.sizes());
-  TORCH_CHECK(rope.cos.defined() && rope.cos.size(0) >= T, "RoPE tables cover fewer positions than the sequence (", T, ")");
+  TORCH_CHECK(x.dim() == 3 && x.size(2) == static_cast<int64_t>(config.hidden_size), "decoder input must be [B, T, ",
+              config.hidden_size, "], got ", x.sizes());
+  TORCH_CHECK(rope.cos.defined() && rope.cos.size(0) >= T, "RoPE tables cover fewer positions than the sequence (", T,
+              ")");
   TORCH_CHECK(config.sliding_window == 0 || static_cast<uint64_t>(T) <= config.sliding_window, "sequence length ", T,
               " exceeds the model's sliding attention window ", config.sliding_window,
               " (sliding-window attention is not implemented)");
@@ -106,12 +104,9 @@ at::Tensor decoder_forward(const ModelConfig& config, const std::vector<at::Tens
 
 torch::ScalarType to_torch_dtype(DType dtype) {
   switch (dtype) {
-    case DType::kF32:
-      return at::kFloat;
-    case DType::kBF16:
-      return at::kBFloat16;
-    case DType::kF16:
-      return at::kHalf;
+    case DType::kF32: return at::kFloat;
+    case DType::kBF16: return at::kBFloat16;
+    case DType::kF16: return at::kHalf;
   }
   return at::kFloat;
 }
@@ -127,21 +122,19 @@ torch::Tensor rope_inv_freq(const ModelConfig& config) {
   at::Tensor inv_freq = at::reciprocal(at::pow(config.rope_theta, exponent));
   const RopeScaling& s = config.rope_scaling;
   switch (s.type) {
-    case RopeScalingType::kNone:
-      break;
-    case RopeScalingType::kLinear:
-      inv_freq = inv_freq / s.factor;
-      break;
+    case RopeScalingType::kNone: break;
+    case RopeScalingType::kLinear: inv_freq = inv_freq / s.factor; break;
     case RopeScalingType::kLlama3: {
       const auto old_context_len = static_cast<double>(s.original_max_position_embeddings);
       const double low_freq_wavelen = old_context_len / s.low_freq_factor;
       const double high_freq_wavelen = old_context_len / s.high_freq_factor;
       const at::Tensor wavelen = at::reciprocal(inv_freq) * (2 * std::numbers::pi);
       at::Tensor scaled = at::where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq);
-      const at::Tensor smooth = (at::reciprocal(wavelen) * old_context_len - s.low_freq_factor) /
-                                (s.high_freq_factor - s.low_freq_factor);
+      const at::Tensor smooth =
+          (at::reciprocal(wavelen) * old_context_len - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
       const at::Tensor smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled;
-      const at::Tensor is_medium = at::logical_not(wavelen < high_freq_wavelen) * at::logical_not(wavelen > low_freq_wavelen);
+      const at::Tensor is_medium =
+          at::logical_not(wavelen < high_freq_wavelen) * at::logical_not(wavelen > low_freq_wavelen);
       inv_freq = at::where(is_medium, smoothed, scaled);
       break;
     }
@@ -158,7 +151,8 @@ RopeTables make_rope_tables(const ModelConfig& config, int64_t seq_len, torch::D
 }
 
 torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, bool use_sdpa) {
-  if (use_sdpa) return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true);
+  if (use_sdpa)
+    return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true);
   // HF's eager attention: scores in the compute dtype, softmax in fp32, probabilities cast back.
   const int64_t T = q.size(-2);
   const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
@@ -179,8 +173,7 @@ torch::Tensor block_forward(const ModelConfig& config, const BlockSpec& block, c
       TORCH_CHECK(input.dim() == 2, "embedding input must be token ids [B, T], got ", input.sizes());
       return at::embedding(params[0], input.to(at::kLong));
     }
-    case BlockKind::kDecoder:
-      return decoder_forward(config, params, input, rope);
+    case BlockKind::kDecoder: return decoder_forward(config, params, input, rope);
     case BlockKind::kHead: {
       TORCH_CHECK(input.dim() == 3, "head input must be [B, T, H], got ", input.sizes());
       return dense(rms_norm(input, params[0], config.rms_norm_eps), params[1]).to(at::kFloat);
@@ -229,9 +222,7 @@ Status torch_call(std::string_view what, const std::function<void()>& fn) {
     fn();
   } catch (const c10::Error& e) {
     return internal_error(std::string(what) + ": " + e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    return internal_error(std::string(what) + ": " + e.what());
-  } catch (...) {
+  } catch (const std::exception& e) { return internal_error(std::string(what) + ": " + e.what()); } catch (...) {
     return internal_error(std::string(what) + ": unknown exception");
   }
   return Status::ok();

@@ -117,8 +117,9 @@ Status parse_rope(const KeyReader& top, const char* key, const json& dict, const
     if (s.high_freq_factor <= s.low_freq_factor)
       return r.error("high_freq_factor", "must be greater than low_freq_factor");
   } else {
-    return r.error(type_key, "unsupported RoPE type \"" + type +
-                                 "\" (supported: default, linear, llama3); training with it would give a different model");
+    return r.error(type_key,
+                   "unsupported RoPE type \"" + type +
+                       "\" (supported: default, linear, llama3); training with it would give a different model");
   }
   c->rope_scaling = s;
   return Status::ok();
@@ -166,7 +167,8 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, const std::strin
                                                 std::to_string(c.num_attention_heads) + " (and head_dim is absent)");
     c.head_dim = c.hidden_size / c.num_attention_heads;
   }
-  if (c.head_dim % 2 != 0) return r.error("head_dim", "must be even for rotary embeddings, got " + std::to_string(c.head_dim));
+  if (c.head_dim % 2 != 0)
+    return r.error("head_dim", "must be even for rotary embeddings, got " + std::to_string(c.head_dim));
   if (c.num_attention_heads % c.num_key_value_heads != 0)
     return r.error("num_key_value_heads", "num_attention_heads " + std::to_string(c.num_attention_heads) +
                                               " is not a multiple of num_key_value_heads " +
@@ -234,8 +236,8 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, const std::strin
     if (use_sliding) ZO_RETURN_IF_ERROR(read_window());
     if (const json* lt = r.find("layer_types"); lt != nullptr) {
       if (!lt->is_array() || lt->size() != c.num_hidden_layers)
-        return r.error("layer_types", "expected a list of num_hidden_layers (" + std::to_string(c.num_hidden_layers) +
-                                          ") strings");
+        return r.error("layer_types",
+                       "expected a list of num_hidden_layers (" + std::to_string(c.num_hidden_layers) + ") strings");
       for (const json& t : *lt) {
         if (t != "full_attention" && t != "sliding_attention")
           return r.error("layer_types", t.dump() + " is not supported (full_attention or sliding_attention)");
@@ -245,7 +247,8 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, const std::strin
     // Llama's attention_bias puts biases on o_proj too, and mlp_bias on the MLP: not this layout.
     bool bias = false;
     ZO_RETURN_IF_ERROR(r.boolean("attention_bias", &bias));
-    if (bias) return r.error("attention_bias", "true (biases on q/k/v/o_proj) is not supported for model_type " + c.model_type);
+    if (bias)
+      return r.error("attention_bias", "true (biases on q/k/v/o_proj) is not supported for model_type " + c.model_type);
     ZO_RETURN_IF_ERROR(r.boolean("mlp_bias", &bias));
     if (bias) return r.error("mlp_bias", "true is not supported");
     if (c.model_type == "mistral") ZO_RETURN_IF_ERROR(read_window());
@@ -288,8 +291,11 @@ ModelConfig llama3(uint64_t hidden, uint64_t inter, uint64_t layers, uint64_t he
   c.vocab_size = 128256;
   c.max_position_embeddings = 131072;
   c.rope_theta = 500000.0;
-  c.rope_scaling = {.type = RopeScalingType::kLlama3, .factor = factor, .low_freq_factor = 1.0,
-                    .high_freq_factor = 4.0, .original_max_position_embeddings = 8192};
+  c.rope_scaling = {.type = RopeScalingType::kLlama3,
+                    .factor = factor,
+                    .low_freq_factor = 1.0,
+                    .high_freq_factor = 4.0,
+                    .original_max_position_embeddings = 8192};
   c.source_dtype = "bfloat16";
   return c;
 }
@@ -331,7 +337,8 @@ Result<ModelConfig> model_preset(std::string_view name) {
     if (preset == name) return config;
   const std::vector<std::string> names = model_preset_names();
   std::string message = "unknown model preset \"" + std::string(name) + "\"";
-  if (const std::string guess = closest_match(name, names); !guess.empty()) message += " (did you mean \"" + guess + "\"?)";
+  if (const std::string guess = closest_match(name, names); !guess.empty())
+    message += " (did you mean \"" + guess + "\"?)";
   return not_found(message + "; presets: " + join(names, ", "));
 }
 
@@ -352,9 +359,7 @@ std::string to_hf_config_json(const ModelConfig& c, std::string_view torch_dtype
   j["rope_theta"] = c.rope_theta;
   j["initializer_range"] = c.initializer_range;
   switch (c.rope_scaling.type) {
-    case RopeScalingType::kNone:
-      j["rope_scaling"] = nullptr;
-      break;
+    case RopeScalingType::kNone: j["rope_scaling"] = nullptr; break;
     case RopeScalingType::kLinear:
       j["rope_scaling"] = {{"rope_type", "linear"}, {"type", "linear"}, {"factor", c.rope_scaling.factor}};
       break;
@@ -417,10 +422,8 @@ ModelLayout model_layout(const ModelConfig& c) {
 
   BlockSpec head{.kind = BlockKind::kHead, .layer = -1, .name = "model.norm+lm_head", .params = {}};
   add(&head, "model.norm.weight", {H});
-  if (c.tie_word_embeddings)
-    head.params.push_back(embed_param);
-  else
-    add(&head, "lm_head.weight", {V, H});
+  if (c.tie_word_embeddings) head.params.push_back(embed_param);
+  else add(&head, "lm_head.weight", {V, H});
   layout.blocks.push_back(std::move(head));
   return layout;
 }
@@ -440,8 +443,10 @@ Result<ModelConfig> resolve_model_config(const std::string& model, io::Env* env)
   if (preset.is_ok()) return preset;
   std::string names;
   for (const std::string& n : model_preset_names()) names += (names.empty() ? "" : ", ") + n;
-  return not_found("--model " + model + ": not a directory (a Hugging Face model with config.json and *.safetensors) "
-                   "nor a preset (" + names + ")");
+  return not_found("--model " + model +
+                   ": not a directory (a Hugging Face model with config.json and *.safetensors) "
+                   "nor a preset (" +
+                   names + ")");
 }
 
 }  // namespace zo::engine

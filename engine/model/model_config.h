@@ -19,16 +19,15 @@ enum class RopeScalingType : uint8_t { kNone, kLinear, kLlama3 };
 struct RopeScaling {
   RopeScalingType type = RopeScalingType::kNone;
   double factor = 1.0;
-  double low_freq_factor = 1.0;   // llama3 only
-  double high_freq_factor = 4.0;  // llama3 only
+  double low_freq_factor = 1.0;                      // llama3 only
+  double high_freq_factor = 4.0;                     // llama3 only
   uint64_t original_max_position_embeddings = 8192;  // llama3 only
 };
 
 struct ModelConfig {
   std::string model_type = "llama";  // "llama", "mistral", "qwen2" (qwen2 => attention_bias true)
-  uint64_t vocab_size = 0, hidden_size = 0, intermediate_size = 0, num_hidden_layers = 0,
-           num_attention_heads = 0, num_key_value_heads = 0,
-           head_dim = 0 /*resolved: hidden/heads when absent*/, max_position_embeddings = 2048;
+  uint64_t vocab_size = 0, hidden_size = 0, intermediate_size = 0, num_hidden_layers = 0, num_attention_heads = 0,
+           num_key_value_heads = 0, head_dim = 0 /*resolved: hidden/heads when absent*/, max_position_embeddings = 2048;
   double rms_norm_eps = 1e-6, rope_theta = 10000.0, initializer_range = 0.02;
   RopeScaling rope_scaling;
   bool tie_word_embeddings = false;
@@ -79,7 +78,8 @@ struct BlockSpec {
 };
 
 struct ModelLayout {
-  std::vector<ParamSpec> params;  // registration order: embed_tokens, layers 0..L-1, model.norm, lm_head (absent when tied)
+  std::vector<ParamSpec>
+      params;  // registration order: embed_tokens, layers 0..L-1, model.norm, lm_head (absent when tied)
   std::vector<BlockSpec> blocks;  // embedding, decoder 0..L-1, head — the order forward runs them
 };
 

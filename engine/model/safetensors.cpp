@@ -52,18 +52,22 @@ Result<std::unique_ptr<SafetensorsFile>> SafetensorsFile::open(const std::string
   f->file_size_bytes_ = f->file_->size_bytes();
   const uint64_t file_size = f->file_size_bytes_;
 
-  if (file_size < 8) return corruption(path + ": not a safetensors file: " + std::to_string(file_size) + " bytes, shorter than the 8-byte header length");
+  if (file_size < 8)
+    return corruption(path + ": not a safetensors file: " + std::to_string(file_size) +
+                      " bytes, shorter than the 8-byte header length");
   uint8_t len_bytes[8];
   ZO_RETURN_IF_ERROR(read_exact(*f->file_, 0, len_bytes, path + " header length"));
   uint64_t header_len = 0;
   for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | len_bytes[i];
   if (header_len > kMaxHeaderBytes)
-    return corruption(path + ": header length " + std::to_string(header_len) + " bytes exceeds the 100 MB limit (not a safetensors file?)");
+    return corruption(path + ": header length " + std::to_string(header_len) +
+                      " bytes exceeds the 100 MB limit (not a safetensors file?)");
   if (header_len > file_size - 8)
     return corruption(path + ": header length " + std::to_string(header_len) + " bytes runs beyond the file (" +
                       std::to_string(file_size) + " bytes; truncated?)");
   std::string header(header_len, '\0');
-  ZO_RETURN_IF_ERROR(read_exact(*f->file_, 8, {reinterpret_cast<uint8_t*>(header.data()), header.size()}, path + " header"));
+  ZO_RETURN_IF_ERROR(
+      read_exact(*f->file_, 8, {reinterpret_cast<uint8_t*>(header.data()), header.size()}, path + " header"));
   const json doc = json::parse(header, nullptr, /*allow_exceptions=*/false);
   if (doc.is_discarded()) return corruption(path + ": header is not valid JSON");
   if (!doc.is_object()) return corruption(path + ": header is not a JSON object");
@@ -105,7 +109,8 @@ Result<std::unique_ptr<SafetensorsFile>> SafetensorsFile::open(const std::string
     if (!as_u64((*off)[0], &begin) || !as_u64((*off)[1], &end))
       return corruption(where + ": data_offsets are not non-negative integers");
     if (end < begin)
-      return corruption(where + ": data_offsets out of order [" + std::to_string(begin) + ", " + std::to_string(end) + "]");
+      return corruption(where + ": data_offsets out of order [" + std::to_string(begin) + ", " + std::to_string(end) +
+                        "]");
     if (end > data_size)
       return corruption(where + ": data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) +
                         "] outside the data section of " + std::to_string(data_size) + " bytes (truncated file?)");
@@ -132,14 +137,15 @@ Result<std::unique_ptr<SafetensorsFile>> SafetensorsFile::open(const std::string
       return corruption(path + ": tensors \"" + f->tensors_[i - 1].name + "\" and \"" + t.name +
                         "\" overlap in the data section");
     if (t.data_offset_bytes > covered)
-      return corruption(path + ": " + std::to_string(t.data_offset_bytes - covered) + " bytes before tensor \"" + t.name +
-                        "\" (data offset " + std::to_string(covered - data_start) +
+      return corruption(path + ": " + std::to_string(t.data_offset_bytes - covered) + " bytes before tensor \"" +
+                        t.name + "\" (data offset " + std::to_string(covered - data_start) +
                         ") belong to no tensor: the header's offsets do not describe this file");
     covered = t.data_offset_bytes + t.size_bytes;
   }
   if (covered != file_size)
-    return corruption(path + ": the last " + std::to_string(file_size - covered) + " bytes of the file belong to no tensor (" +
-                      std::to_string(data_size) + " data bytes, " + std::to_string(covered - data_start) +
+    return corruption(path + ": the last " + std::to_string(file_size - covered) +
+                      " bytes of the file belong to no tensor (" + std::to_string(data_size) + " data bytes, " +
+                      std::to_string(covered - data_start) +
                       " described): the header's offsets do not describe this file");
   for (size_t i = 0; i < f->tensors_.size(); ++i) f->by_name_.emplace(f->tensors_[i].name, i);
   return f;
@@ -155,8 +161,9 @@ Status SafetensorsFile::read_raw(const SafetensorsTensor& tensor, uint64_t offse
     return invalid_argument(path_ + ": read of bytes [" + std::to_string(offset_bytes) + ", " +
                             std::to_string(offset_bytes + out.size()) + ") beyond tensor \"" + tensor.name + "\" of " +
                             std::to_string(tensor.size_bytes) + " bytes");
-  return read_exact(*file_, tensor.data_offset_bytes + offset_bytes, out,
-                    path_ + " tensor \"" + tensor.name + "\" (byte " + std::to_string(offset_bytes) + " of the tensor)");
+  return read_exact(
+      *file_, tensor.data_offset_bytes + offset_bytes, out,
+      path_ + " tensor \"" + tensor.name + "\" (byte " + std::to_string(offset_bytes) + " of the tensor)");
 }
 
 Status SafetensorsFile::read_f32(const SafetensorsTensor& tensor, uint64_t offset_elems, std::span<float> out) const {
@@ -198,7 +205,8 @@ Result<std::unique_ptr<HfWeights>> HfWeights::open(const std::string& model_dir,
       if (!shard_json.is_string()) return corruption(index_path + ": weight_map[\"" + name + "\"] is not a file name");
       const std::string shard = shard_json.get<std::string>();
       if (shard.empty() || shard.find('/') != std::string::npos || shard == "." || shard == "..")
-        return corruption(index_path + ": weight_map[\"" + name + "\"] = \"" + shard + "\" is not a file name in the directory");
+        return corruption(index_path + ": weight_map[\"" + name + "\"] = \"" + shard +
+                          "\" is not a file name in the directory");
       auto it = shards.find(shard);
       if (it == shards.end()) {
         const std::string shard_path = model_dir + "/" + shard;
@@ -211,7 +219,8 @@ Result<std::unique_ptr<HfWeights>> HfWeights::open(const std::string& model_dir,
       }
       const SafetensorsTensor* t = it->second->find(name);
       if (t == nullptr)
-        return corruption(index_path + " maps tensor \"" + name + "\" to " + it->second->path() + ", which does not contain it");
+        return corruption(index_path + " maps tensor \"" + name + "\" to " + it->second->path() +
+                          ", which does not contain it");
       w->entries_[name] = {it->second, t};
     }
     return w;
@@ -224,7 +233,8 @@ Result<std::unique_ptr<HfWeights>> HfWeights::open(const std::string& model_dir,
     for (const SafetensorsTensor& t : f->tensors()) w->entries_[t.name] = {f, &t};
     return w;
   }
-  return not_found("no weights in " + model_dir + ": neither model.safetensors nor model.safetensors.index.json exists "
+  return not_found("no weights in " + model_dir +
+                   ": neither model.safetensors nor model.safetensors.index.json exists "
                    "(.bin / PyTorch checkpoints are not supported: convert them to safetensors)");
 }
 
@@ -278,7 +288,8 @@ std::string safetensors_header(std::span<const SafetensorsEntry> tensors,
   uint64_t offset = 0;
   for (const SafetensorsEntry& t : tensors) {
     const uint64_t bytes = safetensors_entry_bytes(t);
-    header[t.name] = {{"dtype", safetensors_dtype_name(t.dtype)}, {"shape", t.shape}, {"data_offsets", {offset, offset + bytes}}};
+    header[t.name] = {
+        {"dtype", safetensors_dtype_name(t.dtype)}, {"shape", t.shape}, {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
   }
   std::string text = header.dump();

@@ -43,7 +43,7 @@ class SafetensorsFile {
   const std::string& path() const { return path_; }
   // In file order (ascending data offset).
   const std::vector<SafetensorsTensor>& tensors() const { return tensors_; }
-  const SafetensorsTensor* find(std::string_view name) const;  // nullptr if absent
+  const SafetensorsTensor* find(std::string_view name) const;                       // nullptr if absent
   const std::map<std::string, std::string>& metadata() const { return metadata_; }  // "__metadata__"
   uint64_t file_size_bytes() const { return file_size_bytes_; }
 

@@ -35,10 +35,11 @@ gpu::GpuProbe probe_usable_gpus() {
   if (probe.gpus.empty()) return probe;
   const LibTorchInfo t = libtorch_info();
   if (!t.cuda_linked || t.cuda_devices == 0) {
-    probe.reason = !t.cuda_linked ? "LibTorch " + t.version +
-                                        " has no CUDA backend: a CPU-only PyTorch, or libtorch_cuda not linked (see docs/gpu.md)"
-                                  : "LibTorch " + t.version + " (CUDA " + t.cuda_version +
-                                        ") sees no GPU while the CUDA runtime lists " + std::to_string(probe.gpus.size());
+    probe.reason = !t.cuda_linked
+                       ? "LibTorch " + t.version +
+                             " has no CUDA backend: a CPU-only PyTorch, or libtorch_cuda not linked (see docs/gpu.md)"
+                       : "LibTorch " + t.version + " (CUDA " + t.cuda_version +
+                             ") sees no GPU while the CUDA runtime lists " + std::to_string(probe.gpus.size());
     probe.gpus.clear();
   }
   return probe;
@@ -63,8 +64,7 @@ class CountingCpuAllocator final : public c10::Allocator {
     }
     const uint64_t now = current_.fetch_add(n, std::memory_order_relaxed) + n;
     uint64_t peak = peak_.load(std::memory_order_relaxed);
-    while (now > peak && !peak_.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
-    }
+    while (now > peak && !peak_.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {}
     return {data, data, &CountingCpuAllocator::release, c10::Device(c10::DeviceType::CPU)};
   }
   c10::DeleterFnPtr raw_deleter() const override { return &CountingCpuAllocator::release; }

@@ -77,15 +77,16 @@ void fill_normal_serial(uint64_t key, double std, uint64_t first, std::span<floa
 // are split over threads. Each element depends only on its index, so the split cannot change values.
 void fill_normal(uint64_t key, double std, uint64_t first, std::span<float> out) {
   constexpr uint64_t kMinPerThread = 1 << 16;
-  const uint64_t n_threads = std::min<uint64_t>({std::max(1u, std::thread::hardware_concurrency()), 32,
-                                                 out.size() / kMinPerThread});
+  const uint64_t n_threads =
+      std::min<uint64_t>({std::max(1u, std::thread::hardware_concurrency()), 32, out.size() / kMinPerThread});
   if (n_threads <= 1) return fill_normal_serial(key, std, first, out);
   const uint64_t per = (out.size() + n_threads - 1) / n_threads;
   std::vector<std::thread> workers;
   for (uint64_t t = 1; t < n_threads; ++t) {
     const uint64_t begin = t * per;
     if (begin >= out.size()) break;
-    workers.emplace_back(fill_normal_serial, key, std, first + begin, out.subspan(begin, std::min(per, out.size() - begin)));
+    workers.emplace_back(fill_normal_serial, key, std, first + begin,
+                         out.subspan(begin, std::min(per, out.size() - begin)));
   }
   fill_normal_serial(key, std, first, out.subspan(0, per));
   for (std::thread& w : workers) w.join();
@@ -112,10 +113,12 @@ Status load_hf_weights(const std::string& model_dir, const ModelLayout& layout, 
     const SafetensorsFile* file = nullptr;
     const SafetensorsTensor* t = weights->find(spec.name, &file);
     if (t == nullptr) {
-      std::string message = "tensor " + spec.name + " " + shape_string(spec.shape) + " is missing from the weights in " + model_dir;
+      std::string message =
+          "tensor " + spec.name + " " + shape_string(spec.shape) + " is missing from the weights in " + model_dir;
       if (spec.name == "lm_head.weight")
-        message += " (the config has tie_word_embeddings false, so the model needs its own lm_head.weight; "
-                   "if the checkpoint ties it to model.embed_tokens.weight, set tie_word_embeddings true in config.json)";
+        message +=
+            " (the config has tie_word_embeddings false, so the model needs its own lm_head.weight; "
+            "if the checkpoint ties it to model.embed_tokens.weight, set tie_word_embeddings true in config.json)";
       return not_found(message);
     }
     if (t->shape != spec.shape)
@@ -126,8 +129,8 @@ Status load_hf_weights(const std::string& model_dir, const ModelLayout& layout, 
   }
   std::vector<std::string> unused;
   for (const std::string& name : weights->names()) {
-    const bool used = std::any_of(layout.params.begin(), layout.params.end(),
-                                  [&](const ParamSpec& s) { return s.name == name; });
+    const bool used =
+        std::any_of(layout.params.begin(), layout.params.end(), [&](const ParamSpec& s) { return s.name == name; });
     if (!used) unused.push_back(name);
   }
   if (!unused.empty()) {

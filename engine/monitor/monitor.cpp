@@ -22,7 +22,8 @@ constexpr std::string_view kTagPrefix = "Train/Samples/";
 
 void flatten(const nlohmann::json& j, const std::string& name, std::vector<Scalar>* out) {
   if (j.is_object()) {
-    for (auto it = j.begin(); it != j.end(); ++it) flatten(it.value(), name.empty() ? it.key() : name + "/" + it.key(), out);
+    for (auto it = j.begin(); it != j.end(); ++it)
+      flatten(it.value(), name.empty() ? it.key() : name + "/" + it.key(), out);
   } else if (j.is_number()) {
     out->push_back({std::string(kTagPrefix) + (name == "loss" ? "train_loss" : name), j.get<double>()});
   } else if (j.is_boolean()) {
@@ -90,9 +91,7 @@ Status CsvMonitor::write(uint64_t samples, const std::vector<Scalar>& scalars) {
       if (append_) {
         ZO_RETURN_IF_ERROR(env_->check_output_file(path, "csv_monitor file"));
         ZO_ASSIGN_OR_RETURN(io::PathKind kind, env_->path_kind(path));
-        if (kind == io::PathKind::kFile) {
-          ZO_ASSIGN_OR_RETURN(size, env_->file_size(path));
-        }
+        if (kind == io::PathKind::kFile) { ZO_ASSIGN_OR_RETURN(size, env_->file_size(path)); }
         ZO_ASSIGN_OR_RETURN(f->out, env_->open_append(path));
       } else {
         ZO_ASSIGN_OR_RETURN(f->out, env_->open_fresh_append(path, "csv_monitor file"));

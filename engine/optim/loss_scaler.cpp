@@ -25,16 +25,20 @@ Result<LossScaler> LossScaler::from_fp16(const Fp16Config& c) {
   if (c.loss_scale > 0) return LossScaler(false, true, c.loss_scale, 1, 1, false, c.loss_scale);
   // 2^127 is the largest power of two a double scale can hold and still halve back exactly.
   if (c.initial_scale_power < 0 || c.initial_scale_power > 127)
-    return invalid_argument("fp16.initial_scale_power: must be in [0, 127], got " + std::to_string(c.initial_scale_power));
+    return invalid_argument("fp16.initial_scale_power: must be in [0, 127], got " +
+                            std::to_string(c.initial_scale_power));
   if (c.loss_scale_window == 0) return invalid_argument("fp16.loss_scale_window: must be ≥ 1");
   if (c.hysteresis == 0) return invalid_argument("fp16.hysteresis: must be ≥ 1");
   if (!std::isfinite(c.min_loss_scale) || c.min_loss_scale <= 0)
-    return invalid_argument("fp16.min_loss_scale: must be a finite number > 0, got " + std::to_string(c.min_loss_scale));
+    return invalid_argument("fp16.min_loss_scale: must be a finite number > 0, got " +
+                            std::to_string(c.min_loss_scale));
   return LossScaler(true, true, std::ldexp(1.0, c.initial_scale_power), c.loss_scale_window, c.hysteresis,
                     c.consecutive_hysteresis, c.min_loss_scale);
 }
 
-LossScaler LossScaler::unscaled(bool skip_on_overflow) { return LossScaler(false, skip_on_overflow, 1, 1, 1, false, 1); }
+LossScaler LossScaler::unscaled(bool skip_on_overflow) {
+  return LossScaler(false, skip_on_overflow, 1, 1, 1, false, 1);
+}
 
 Result<LossScaler> LossScaler::for_config(const Config& config) {
   if (config.fp16.enabled) return from_fp16(config.fp16);

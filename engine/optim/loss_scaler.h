@@ -14,9 +14,9 @@ namespace zo::engine {
 // Everything a checkpoint needs to continue the dynamic scale exactly (DeepSpeed's field names).
 struct LossScalerState {
   double cur_scale = 1;
-  uint64_t cur_iter = 0;             // update() calls so far
-  int64_t last_overflow_iter = -1;   // cur_iter of the last overflow; -1: none yet
-  uint64_t cur_hysteresis = 1;       // overflows still tolerated before the next halving
+  uint64_t cur_iter = 0;            // update() calls so far
+  int64_t last_overflow_iter = -1;  // cur_iter of the last overflow; -1: none yet
+  uint64_t cur_hysteresis = 1;      // overflows still tolerated before the next halving
 };
 
 class LossScaler {
@@ -56,8 +56,8 @@ class LossScaler {
 
   bool dynamic_ = false;
   bool skip_on_overflow_ = false;
-  uint64_t window_ = 1;          // loss_scale_window
-  uint64_t delayed_shift_ = 1;   // hysteresis
+  uint64_t window_ = 1;         // loss_scale_window
+  uint64_t delayed_shift_ = 1;  // hysteresis
   bool consecutive_hysteresis_ = false;
   double min_scale_ = 1;
   LossScalerState state_;

@@ -28,8 +28,7 @@ Result<LrSchedule> LrSchedule::create(const SchedulerConfig& config, double base
   if (!finite_nonnegative(base_lr))
     return invalid_argument("optimizer.params.lr: must be a finite number ≥ 0, got " + std::to_string(base_lr));
   switch (config.type) {
-    case SchedulerType::kNone:
-      break;
+    case SchedulerType::kNone: break;
     case SchedulerType::kWarmupLR:
     case SchedulerType::kWarmupDecayLR:
       if (!finite_nonnegative(config.warmup_min_lr))
@@ -69,10 +68,8 @@ double LrSchedule::lr_at(uint64_t t) const {
   const double min_lr = config_.warmup_min_lr;
   const double delta_lr = config_.warmup_max_lr - config_.warmup_min_lr;
   switch (config_.type) {
-    case SchedulerType::kNone:
-      return base_lr_;
-    case SchedulerType::kWarmupLR:
-      return min_lr + delta_lr * (t < warmup_steps_ ? warmup_gamma(t) : 1.0);
+    case SchedulerType::kNone: return base_lr_;
+    case SchedulerType::kWarmupLR: return min_lr + delta_lr * (t < warmup_steps_ ? warmup_gamma(t) : 1.0);
     case SchedulerType::kWarmupDecayLR: {
       if (t < warmup_steps_) return min_lr + delta_lr * warmup_gamma(t);
       const double total = static_cast<double>(config_.total_num_steps);

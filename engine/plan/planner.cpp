@@ -21,7 +21,6 @@
 
 #include "engine/plan/planner.h"
 
-
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -97,16 +96,15 @@ uint64_t activation_estimate(const ModelConfig& m, uint64_t micro_batch, uint64_
   const double n_held = static_cast<double>(held);
   const double on_device = ckpts_on_host ? std::min<double>(3, static_cast<double>(m.num_hidden_layers + 1))
                                          : static_cast<double>(m.num_hidden_layers + 1);
-  const double resident = n_held * (on_device * bt * h * de + 2 * bt * 8) +
-                          (n_held - 1) * bt * h * de + 2.0 * static_cast<double>(seq_len * m.head_dim) * 4;
+  const double resident = n_held * (on_device * bt * h * de + 2 * bt * 8) + (n_held - 1) * bt * h * de +
+                          2.0 * static_cast<double>(seq_len * m.head_dim) * 4;
   const double p_attn = 2 * h * q_dim + 2 * h * kv_dim + 2 * h;
   const double p_mlp = 3 * h * inter;
   const double p_head = v * h + h;
   const double ds = static_cast<double>(sum_bytes);
   const double dec_end = (p_attn + p_mlp) * (de + ds) + bt * h * de * kDecEndPerBth;
-  const double dec_mid =
-      bt * (inter * kDecMidPerBti * de + h * (kDecMidPerBthE * de + kDecMidPerBthF32 * 4)) + p_mlp * de * kDecMidGradShare +
-      (p_attn + p_mlp) * ds;
+  const double dec_mid = bt * (inter * kDecMidPerBti * de + h * (kDecMidPerBthE * de + kDecMidPerBthF32 * 4)) +
+                         p_mlp * de * kDecMidGradShare + (p_attn + p_mlp) * ds;
   const double head_a = bt * v * kHeadPerBtv + p_head * ds;
   const double head_b = p_head * (de + ds) + bt * v * (kHeadGradPerBtvE * de + kHeadGradPerBtvF32 * 4);
   return static_cast<uint64_t>(resident + std::max({dec_end, dec_mid, head_a, head_b}));
@@ -139,11 +137,12 @@ Status check_model_size(const ModelConfig& m) {
                             " key/value heads): more than any plan can hold (at most " + std::to_string(kMaxLayers) +
                             " layers and " + std::to_string(kMaxHeads) + " heads)");
   if (!ok || total > kMaxParams || h > (uint64_t{1} << 20))
-    return invalid_argument("the model's config claims " + (ok ? std::to_string(total) + " parameters" : std::string("more parameters than 64 bits count")) +
-                            " (hidden_size " + std::to_string(h) + ", intermediate_size " + std::to_string(m.intermediate_size) +
-                            ", num_hidden_layers " + std::to_string(m.num_hidden_layers) + ", vocab_size " +
-                            std::to_string(m.vocab_size) + "): more than any plan can hold (at most " +
-                            std::to_string(kMaxParams) + " parameters)");
+    return invalid_argument(
+        "the model's config claims " +
+        (ok ? std::to_string(total) + " parameters" : std::string("more parameters than 64 bits count")) +
+        " (hidden_size " + std::to_string(h) + ", intermediate_size " + std::to_string(m.intermediate_size) +
+        ", num_hidden_layers " + std::to_string(m.num_hidden_layers) + ", vocab_size " + std::to_string(m.vocab_size) +
+        "): more than any plan can hold (at most " + std::to_string(kMaxParams) + " parameters)");
   return Status::ok();
 }
 
@@ -164,7 +163,8 @@ uint64_t vertical_micro_batches(const Config& c) {
 }
 
 uint64_t host_checkpoint_bytes_per_micro_batch(const Config& c, const ModelConfig& m, uint64_t seq_len) {
-  return c.train_micro_batch_size_per_gpu * seq_len * m.hidden_size * m.num_hidden_layers * dtype_size_bytes(c.compute_dtype());
+  return c.train_micro_batch_size_per_gpu * seq_len * m.hidden_size * m.num_hidden_layers *
+         dtype_size_bytes(c.compute_dtype());
 }
 
 uint64_t grad_ring_bytes(const ModelLayout& layout, const ParamRegistry& registry, DType dtype) {
@@ -204,7 +204,8 @@ std::string resolve_run_path(const std::string& out_dir, const std::string& path
 }
 
 std::string PlanProblem::to_string() const {
-  return resource + ": needs " + format_bytes(need_bytes) + ", has " + format_bytes(have_bytes) + (detail.empty() ? "" : " (" + detail + ")");
+  return resource + ": needs " + format_bytes(need_bytes) + ", has " + format_bytes(have_bytes) +
+         (detail.empty() ? "" : " (" + detail + ")");
 }
 
 namespace {
@@ -246,18 +247,18 @@ void plan_device(const PlanBasis& b, RunPlan* out) {
   // host RAM already.
   auto activations = [&](bool on_host) {
     return activation_estimate(b.m, c.train_micro_batch_size_per_gpu, b.in.seq_len, b.compute_elem_bytes,
-                               p.held_micro_batches, p.held_micro_batches > 1 ? dtype_size_bytes(c.grad_accum_dtype) : 0,
-                               on_host);
+                               p.held_micro_batches,
+                               p.held_micro_batches > 1 ? dtype_size_bytes(c.grad_accum_dtype) : 0, on_host);
   };
   const uint64_t wanted_fixed = p.device_state_bytes + p.arena.bytes_within(left);
   const std::string& where = c.zoffload.activation_checkpoints;
-  p.checkpoints_on_host = where == "cpu" ||
-                          (where == "auto" && b.in.host.cuda && b.device_limit > 0 &&
-                           wanted_fixed + activations(false) > b.device_limit &&
-                           wanted_fixed + activations(true) <= b.device_limit);
+  p.checkpoints_on_host = where == "cpu" || (where == "auto" && b.in.host.cuda && b.device_limit > 0 &&
+                                             wanted_fixed + activations(false) > b.device_limit &&
+                                             wanted_fixed + activations(true) <= b.device_limit);
   p.activation_bytes = activations(p.checkpoints_on_host);
   p.device_torch_reserve_bytes = b.in.host.cuda ? p.activation_bytes : 0;
-  p.device_arena_bytes = p.arena.bytes_within(left > p.device_torch_reserve_bytes ? left - p.device_torch_reserve_bytes : 0);
+  p.device_arena_bytes =
+      p.arena.bytes_within(left > p.device_torch_reserve_bytes ? left - p.device_torch_reserve_bytes : 0);
   p.checkpoint_host_bytes =
       p.checkpoints_on_host ? p.held_micro_batches * host_checkpoint_bytes_per_micro_batch(c, b.m, b.in.seq_len) : 0;
   p.device_total_bytes = p.device_state_bytes + p.device_arena_bytes + p.device_torch_reserve_bytes;
@@ -272,7 +273,8 @@ void plan_host(const PlanBasis& b, RunPlan* out) {
   p.pool_bytes = mp.pinned_pool_bytes();
   p.pinned_bytes = (pool_is_pinned(pl) ? p.pool_bytes : 0) + p.checkpoint_host_bytes;
   p.pageable_state_bytes = mp.cpu_pageable_bytes;
-  const GradAccumulator::BufferPlan gbuf = GradAccumulator::plan_buffers(b.registry, pl, b.contribution_order, mp.partition_grads);
+  const GradAccumulator::BufferPlan gbuf =
+      GradAccumulator::plan_buffers(b.registry, pl, b.contribution_order, mp.partition_grads);
   p.grad_ring_bytes = mp.grad_ring_bytes;  // in the pool
   p.host_buffer_bytes = kStoreScratchBytes + uint64_t{gbuf.count} * gbuf.bytes_each +
                         uint64_t{mp.grad_read_buffers} * mp.grad_read_buffer_bytes +
@@ -373,12 +375,14 @@ void plan_step_time(const PlanBasis& b, const GradTraffic& grads, RunPlan* out) 
   const uint64_t grad_rd = grads.read_bytes, grad_wr = grads.write_bytes;
   const HostSpeeds& sp = b.in.speeds;
   const double tokens = static_cast<double>(gas * p.tokens_per_micro_step);
-  const double matmul_params = static_cast<double>(p.n_params - m.vocab_size * m.hidden_size * (m.tie_word_embeddings ? 0 : 1));
+  const double matmul_params =
+      static_cast<double>(p.n_params - m.vocab_size * m.hidden_size * (m.tie_word_embeddings ? 0 : 1));
   // Forward, the recomputed forward and backward: 2 + 2 + 4 FLOPs per matmul weight per token, and
   // causal attention's two matmuls (half of T×T) the same four times over.
-  const double flops = 8 * matmul_params * tokens +
-                       4 * 2.0 * static_cast<double>(gas * micro) * static_cast<double>(b.in.seq_len * b.in.seq_len) *
-                           static_cast<double>(m.num_attention_heads * m.head_dim) * static_cast<double>(m.num_hidden_layers);
+  const double flops = 8 * matmul_params * tokens + 4 * 2.0 * static_cast<double>(gas * micro) *
+                                                        static_cast<double>(b.in.seq_len * b.in.seq_len) *
+                                                        static_cast<double>(m.num_attention_heads * m.head_dim) *
+                                                        static_cast<double>(m.num_hidden_layers);
   auto add_part = [&](const std::string& name, double rate, double amount, const std::string& basis) {
     if (amount <= 0) return;
     if (rate <= 0) {
@@ -388,8 +392,10 @@ void plan_step_time(const PlanBasis& b, const GradTraffic& grads, RunPlan* out) 
     p.time_parts.push_back({name, amount / rate, basis});
   };
   add_part("compute", sp.compute_flops, flops, sp.compute_source);
-  if (b.in.host.cuda) add_part("pcie", sp.pcie_bytes_per_s, static_cast<double>(p.h2d_min_bytes + p.d2h_bytes), "host↔GPU copies");
-  add_part("gradients", sp.accumulate_elems_per_s, static_cast<double>(passes * p.n_params), "accumulate + norm kernel, measured");
+  if (b.in.host.cuda)
+    add_part("pcie", sp.pcie_bytes_per_s, static_cast<double>(p.h2d_min_bytes + p.d2h_bytes), "host↔GPU copies");
+  add_part("gradients", sp.accumulate_elems_per_s, static_cast<double>(passes * p.n_params),
+           "accumulate + norm kernel, measured");
   add_part("optimizer", sp.adam_elems_per_s, static_cast<double>(p.n_params), "cpu_optim Adam, measured");
   // NVMe in two parts, as the step runs them: the accumulators are written (and read back) during
   // backward, by the gradient worker; the optimizer's reads and writes are pipelined with Adam.
@@ -437,30 +443,34 @@ void check_fits(const PlanBasis& b, RunPlan* out) {
   if (p.device_state_bytes + arena_min + p.device_torch_reserve_bytes > device_limit) {
     const bool budget_binds = in.device_budget_bytes <= device_limit;
     std::string detail = "device-resident states " + format_bytes(p.device_state_bytes) + " + the largest block '" +
-                         b.layout.blocks[p.arena.largest_block].name + "' " + format_bytes(p.arena.largest_block_bytes) +
-                         " + persistent params " + format_bytes(p.arena.persistent_bytes);
+                         b.layout.blocks[p.arena.largest_block].name + "' " +
+                         format_bytes(p.arena.largest_block_bytes) + " + persistent params " +
+                         format_bytes(p.arena.persistent_bytes);
     if (p.device_torch_reserve_bytes > 0) {
-      detail += " + LibTorch's activations " + format_bytes(p.activation_bytes) + " at micro-batch " + std::to_string(micro) +
-                ", seq " + std::to_string(in.seq_len) +
-                (p.held_micro_batches > 1 ? ", " + std::to_string(p.held_micro_batches) +
-                                                " micro-batches held by the vertical schedule (\"horizontal\" holds one)"
-                                          : std::string());
+      detail +=
+          " + LibTorch's activations " + format_bytes(p.activation_bytes) + " at micro-batch " + std::to_string(micro) +
+          ", seq " + std::to_string(in.seq_len) +
+          (p.held_micro_batches > 1 ? ", " + std::to_string(p.held_micro_batches) +
+                                          " micro-batches held by the vertical schedule (\"horizontal\" holds one)"
+                                    : std::string());
     }
     detail += budget_binds ? "; the budget is zoffload.gpu_memory_limit or the device's free memory"
                            : "; the budget is the device's memory";
-    p.problems.push_back({in.host.cuda ? "GPU memory" : "device budget", p.device_state_bytes + arena_min + p.device_torch_reserve_bytes,
-                          device_limit, detail});
+    p.problems.push_back({in.host.cuda ? "GPU memory" : "device budget",
+                          p.device_state_bytes + arena_min + p.device_torch_reserve_bytes, device_limit, detail});
   }
   const uint64_t cap = c.zoffload.pinned_memory_limit;
   if (cap != 0 && p.pool_bytes + p.checkpoint_host_bytes > cap) {
     p.problems.push_back({"zoffload.pinned_memory_limit", p.pool_bytes + p.checkpoint_host_bytes, cap,
                           "CPU-resident states " + format_bytes(mp.cpu_pinned_bytes) +
-                              ", swap/staging buffers and the gradient landing ring " + format_bytes(mp.grad_ring_bytes) +
+                              ", swap/staging buffers and the gradient landing ring " +
+                              format_bytes(mp.grad_ring_bytes) +
                               (p.checkpoint_host_bytes > 0
                                    ? ", activation checkpoints on the CPU " + format_bytes(p.checkpoint_host_bytes)
                                    : std::string())});
   }
-  if ((pin || p.checkpoint_host_bytes > 0) && !host.can_lock_unlimited && host.memlock_limit_bytes != UINT64_MAX && p.pinned_bytes > host.memlock_limit_bytes) {
+  if ((pin || p.checkpoint_host_bytes > 0) && !host.can_lock_unlimited && host.memlock_limit_bytes != UINT64_MAX &&
+      p.pinned_bytes > host.memlock_limit_bytes) {
     p.problems.push_back({"locked memory (ulimit -l)", p.pinned_bytes, host.memlock_limit_bytes,
                           p.checkpoint_host_bytes > 0
                               ? "raise ulimit -l, set pin_memory false or zoffload.activation_checkpoints \"device\""
@@ -475,25 +485,26 @@ void check_fits(const PlanBasis& b, RunPlan* out) {
     const uint64_t threads = 2 * cpus + c.aio.intra_op_parallelism + 10;
     const uint64_t arenas = std::min({threads, 8 * cpus, host.malloc_arena_max});
     p.thread_reserve_bytes = threads * host.thread_stack_bytes + arenas * (uint64_t{64} << 20);
-    p.address_space_bytes = host.process_virtual_bytes + p.ram_bytes + (in.host.cuda ? 0 : p.device_total_bytes) +
-                            p.thread_reserve_bytes;
+    p.address_space_bytes =
+        host.process_virtual_bytes + p.ram_bytes + (in.host.cuda ? 0 : p.device_total_bytes) + p.thread_reserve_bytes;
     if (host.address_space_limit_bytes != UINT64_MAX && p.address_space_bytes > host.address_space_limit_bytes) {
-      p.problems.push_back({"address space (ulimit -v)", p.address_space_bytes, host.address_space_limit_bytes,
-                            "the process with LibTorch " + format_bytes(host.process_virtual_bytes) + " + the run's memory " +
-                                format_bytes(p.address_space_bytes - host.process_virtual_bytes - p.thread_reserve_bytes) +
-                                " + about " + std::to_string(threads) + " threads' stacks and malloc arenas " +
-                                format_bytes(p.thread_reserve_bytes) +
-                                ": raise ulimit -v, or set MALLOC_ARENA_MAX=2 to cap the arenas"});
+      p.problems.push_back(
+          {"address space (ulimit -v)", p.address_space_bytes, host.address_space_limit_bytes,
+           "the process with LibTorch " + format_bytes(host.process_virtual_bytes) + " + the run's memory " +
+               format_bytes(p.address_space_bytes - host.process_virtual_bytes - p.thread_reserve_bytes) + " + about " +
+               std::to_string(threads) + " threads' stacks and malloc arenas " + format_bytes(p.thread_reserve_bytes) +
+               ": raise ulimit -v, or set MALLOC_ARENA_MAX=2 to cap the arenas"});
     }
   }
   const uint64_t ram_need = p.ram_bytes + p.process_bytes;
   if (host.ram_available_bytes > 0 && ram_need > host.ram_available_bytes) {
-    p.problems.push_back({"RAM (MemAvailable)", ram_need, host.ram_available_bytes,
-                          "pool " + format_bytes(p.pool_bytes) + " + pageable states " + format_bytes(p.pageable_state_bytes) +
-                              " + buffers " + format_bytes(p.host_buffer_bytes) +
-                              (p.checkpoint_host_bytes > 0 ? " + checkpoints " + format_bytes(p.checkpoint_host_bytes) : "") +
-                              (in.host.cuda ? "" : " + activations " + format_bytes(p.activation_bytes)) + " + process " +
-                              format_bytes(p.process_bytes)});
+    p.problems.push_back(
+        {"RAM (MemAvailable)", ram_need, host.ram_available_bytes,
+         "pool " + format_bytes(p.pool_bytes) + " + pageable states " + format_bytes(p.pageable_state_bytes) +
+             " + buffers " + format_bytes(p.host_buffer_bytes) +
+             (p.checkpoint_host_bytes > 0 ? " + checkpoints " + format_bytes(p.checkpoint_host_bytes) : "") +
+             (in.host.cuda ? "" : " + activations " + format_bytes(p.activation_bytes)) + " + process " +
+             format_bytes(p.process_bytes)});
   }
   const std::string opt_path = resolve_run_path(in.out_dir, c.zero.offload_optimizer.nvme_path);
   const std::string par_path = resolve_run_path(in.out_dir, c.zero.offload_param.nvme_path);
@@ -505,15 +516,18 @@ void check_fits(const PlanBasis& b, RunPlan* out) {
   }
   if (p.nvme_param_bytes > 0 && host.param_disk_free_bytes > 0 && !(same_disk && p.nvme_optimizer_bytes > 0)) {
     if (p.nvme_param_bytes > host.param_disk_free_bytes)
-      p.problems.push_back({"disk at " + par_path, p.nvme_param_bytes, host.param_disk_free_bytes, "the parameter swap file"});
+      p.problems.push_back(
+          {"disk at " + par_path, p.nvme_param_bytes, host.param_disk_free_bytes, "the parameter swap file"});
   }
 }
 
 // What the summary says besides the figures.
 void add_notes(const PlanBasis& b, RunPlan* out) {
   RunPlan& p = *out;
-  if (!b.in.host.cuda) p.notes.push_back("no GPU: the device is emulated in host memory and LibTorch computes on the CPU");
-  if (p.arena.prefetch_by_blocks) p.notes.push_back("prefetch " + prefetch_by_blocks_text(p.arena, b.c.zero.stage3_prefetch_bucket_size));
+  if (!b.in.host.cuda)
+    p.notes.push_back("no GPU: the device is emulated in host memory and LibTorch computes on the CPU");
+  if (p.arena.prefetch_by_blocks)
+    p.notes.push_back("prefetch " + prefetch_by_blocks_text(p.arena, b.c.zero.stage3_prefetch_bucket_size));
   if (!p.nvme_exact)
     p.notes.push_back("compute copies on NVMe are read once to " + std::to_string(2 * b.passes) +
                       " times per step, as the coordinator's cache and prefetch decide");
@@ -541,10 +555,13 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
   if (in.seq_len == 0) return invalid_argument("--seq-len: 0 tokens per sequence");
   ZO_RETURN_IF_ERROR(check_model_size(in.model));
   const ModelLayout layout = model_layout(in.model);
-  ZO_ASSIGN_OR_RETURN(ParamRegistry registry, ParamRegistry::build(layout.params, c.zero.sub_group_size, in.world_size));
+  ZO_ASSIGN_OR_RETURN(ParamRegistry registry,
+                      ParamRegistry::build(layout.params, c.zero.sub_group_size, in.world_size));
   RunPlan p;
-  ZO_ASSIGN_OR_RETURN(p.memory, plan_memory_with_ring(c, registry, layout,
-                                                      in.world_size > 1 && c.zero.stage >= 1 ? std::optional<uint32_t>(in.rank) : std::nullopt));
+  ZO_ASSIGN_OR_RETURN(
+      p.memory,
+      plan_memory_with_ring(c, registry, layout,
+                            in.world_size > 1 && c.zero.stage >= 1 ? std::optional<uint32_t>(in.rank) : std::nullopt));
   p.n_params = registry.total_elems();
   p.tokens_per_micro_step = c.train_micro_batch_size_per_gpu * in.seq_len;
   p.held_micro_batches = vertical_micro_batches(c);
@@ -552,8 +569,9 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
   for (const BlockSpec& block : layout.blocks) b.blocks.push_back(block.params);
   for (size_t k = layout.blocks.size(); k-- > 0;)
     for (uint32_t id : layout.blocks[k].params) b.contribution_order.push_back(id);
-  b.device_limit = in.host.cuda && in.host.device_total_bytes > 0 ? std::min(in.device_budget_bytes, in.host.device_total_bytes)
-                                                                   : in.device_budget_bytes;
+  b.device_limit = in.host.cuda && in.host.device_total_bytes > 0
+                       ? std::min(in.device_budget_bytes, in.host.device_total_bytes)
+                       : in.device_budget_bytes;
   b.passes = c.gradient_accumulation_steps / p.held_micro_batches;
   b.compute_elem_bytes = state_elem_bytes(p.memory.placement, StateKind::kCompute);
   plan_device(b, &p);
@@ -567,12 +585,12 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
 
 std::string RunPlan::summary() const {
   std::ostringstream s;
-  s << "plan: " << format_bytes(device_total_bytes) << " device (states " << format_bytes(device_state_bytes) << ", arena "
-    << format_bytes(device_arena_bytes) << ", activations " << format_bytes(activation_bytes)
-    << (held_micro_batches > 1 ? " for " + std::to_string(held_micro_batches) + " micro-batches, vertical" : std::string())
+  s << "plan: " << format_bytes(device_total_bytes) << " device (states " << format_bytes(device_state_bytes)
+    << ", arena " << format_bytes(device_arena_bytes) << ", activations " << format_bytes(activation_bytes)
+    << (held_micro_batches > 1 ? " for " + std::to_string(held_micro_batches) + " micro-batches, vertical"
+                               : std::string())
     << (checkpoints_on_host ? "; checkpoints on the CPU, " + format_bytes(checkpoint_host_bytes) : std::string())
-    << "), pinned "
-    << format_bytes(pinned_bytes) << ", RAM " << format_bytes(ram_bytes + process_bytes) << ", NVMe "
+    << "), pinned " << format_bytes(pinned_bytes) << ", RAM " << format_bytes(ram_bytes + process_bytes) << ", NVMe "
     << format_bytes(nvme_optimizer_bytes + nvme_param_bytes);
   if (nvme_read_bytes + nvme_write_bytes > 0)
     s << " (" << format_bytes(nvme_read_bytes) << " read, " << format_bytes(nvme_write_bytes) << " written per step)";
@@ -589,17 +607,25 @@ std::string RunPlan::to_json() const {
   j["fits"] = fits();
   j["n_params"] = n_params;
   j["tokens_per_micro_step"] = tokens_per_micro_step;
-  j["device"] = {{"budget_bytes", device_budget_bytes}, {"state_bytes", device_state_bytes},
-                 {"arena_bytes", device_arena_bytes}, {"arena_wanted_bytes", arena.total_bytes()},
+  j["device"] = {{"budget_bytes", device_budget_bytes},
+                 {"state_bytes", device_state_bytes},
+                 {"arena_bytes", device_arena_bytes},
+                 {"arena_wanted_bytes", arena.total_bytes()},
                  {"torch_reserve_bytes", device_torch_reserve_bytes},
-                 {"activation_bytes", activation_bytes}, {"held_micro_batches", held_micro_batches},
+                 {"activation_bytes", activation_bytes},
+                 {"held_micro_batches", held_micro_batches},
                  {"checkpoints_on_host", checkpoints_on_host},
                  {"total_bytes", device_total_bytes}};
-  j["host"] = {{"pinned_bytes", pinned_bytes},        {"pool_bytes", pool_bytes},
-               {"pageable_state_bytes", pageable_state_bytes}, {"buffer_bytes", host_buffer_bytes},
-               {"grad_ring_bytes", grad_ring_bytes},   {"checkpoint_bytes", checkpoint_host_bytes},
-               {"ram_bytes", ram_bytes},              {"process_bytes", process_bytes},
-               {"address_space_bytes", address_space_bytes}, {"thread_reserve_bytes", thread_reserve_bytes}};
+  j["host"] = {{"pinned_bytes", pinned_bytes},
+               {"pool_bytes", pool_bytes},
+               {"pageable_state_bytes", pageable_state_bytes},
+               {"buffer_bytes", host_buffer_bytes},
+               {"grad_ring_bytes", grad_ring_bytes},
+               {"checkpoint_bytes", checkpoint_host_bytes},
+               {"ram_bytes", ram_bytes},
+               {"process_bytes", process_bytes},
+               {"address_space_bytes", address_space_bytes},
+               {"thread_reserve_bytes", thread_reserve_bytes}};
   j["nvme"] = {{"optimizer_file_bytes", nvme_optimizer_bytes}, {"param_file_bytes", nvme_param_bytes}};
   j["save_peak_extra_rss_bytes"] = save_rss_bytes;
   j["export_peak_extra_rss_bytes"] = export_rss_bytes;
@@ -613,11 +639,15 @@ std::string RunPlan::to_json() const {
                    {"h2d_max_bytes", h2d_max_bytes},
                    {"d2h_bytes", d2h_bytes}};
   nlohmann::ordered_json parts = nlohmann::ordered_json::array();
-  for (const StepTimePart& t : time_parts) parts.push_back({{"name", t.name}, {"seconds", t.seconds}, {"basis", t.basis}});
+  for (const StepTimePart& t : time_parts)
+    parts.push_back({{"name", t.name}, {"seconds", t.seconds}, {"basis", t.basis}});
   j["step_time"] = {{"low_s", step_s_low}, {"high_s", step_s_high}, {"parts", parts}, {"unknown", time_unknown}};
   nlohmann::ordered_json probs = nlohmann::ordered_json::array();
   for (const PlanProblem& pr : problems)
-    probs.push_back({{"resource", pr.resource}, {"need_bytes", pr.need_bytes}, {"have_bytes", pr.have_bytes}, {"detail", pr.detail}});
+    probs.push_back({{"resource", pr.resource},
+                     {"need_bytes", pr.need_bytes},
+                     {"have_bytes", pr.have_bytes},
+                     {"detail", pr.detail}});
   j["problems"] = probs;
   j["notes"] = notes;
   j["memory_plan"] = nlohmann::json::parse(memory.to_json());
@@ -639,7 +669,8 @@ std::vector<Candidate> candidates(const Config& base) {
   if (oo.device != OffloadDevice::kNvme) {
     out.push_back({"zero_optimization.offload_optimizer.device: nvme", [](Config& c) {
                      c.zero.offload_optimizer.device = OffloadDevice::kNvme;
-                     if (c.zero.offload_optimizer.nvme_path.empty()) c.zero.offload_optimizer.nvme_path = "zoffload-nvme";
+                     if (c.zero.offload_optimizer.nvme_path.empty())
+                       c.zero.offload_optimizer.nvme_path = "zoffload-nvme";
                      return true;
                    }});
   }
@@ -692,9 +723,8 @@ std::vector<Candidate> candidates(const Config& base) {
                      if (c.zero.offload_optimizer.device != OffloadDevice::kCpu) return false;
                      c.zoffload.gradient_accumulators = "nvme";
                      if (c.zero.offload_optimizer.nvme_path.empty())
-                       c.zero.offload_optimizer.nvme_path = c.zero.offload_param.nvme_path.empty()
-                                                                ? "zoffload-nvme"
-                                                                : c.zero.offload_param.nvme_path;
+                       c.zero.offload_optimizer.nvme_path =
+                           c.zero.offload_param.nvme_path.empty() ? "zoffload-nvme" : c.zero.offload_param.nvme_path;
                      return true;
                    }});
   }
@@ -784,14 +814,20 @@ HostFacts probe_host(const Config& config, const std::string& out_dir) {
 }
 
 Status measure_cpu_speeds(const Config& config, HostSpeeds* speeds) {
-  ZO_ASSIGN_OR_RETURN(auto executor, cpu_optim::Executor::create({.n_threads = static_cast<int>(config.zoffload.optimizer_threads)}));
+  ZO_ASSIGN_OR_RETURN(auto executor,
+                      cpu_optim::Executor::create({.n_threads = static_cast<int>(config.zoffload.optimizer_threads)}));
   constexpr uint64_t kElems = uint64_t{1} << 23;  // 8 Mi elements: 32 MiB per fp32 stream, past the caches
   ZO_ASSIGN_OR_RETURN(AlignedBuffer buf, AlignedBuffer::allocate(kElems * 4 * 5));
   std::memset(buf.data(), 0, buf.size());
   auto f32 = [&](int i) { return std::span<float>(reinterpret_cast<float*>(buf.data()) + i * kElems, kElems); };
   const DType cdt = config.compute_dtype();
-  const AdamConfig adam{.lr = 1e-4f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f, .weight_decay = 0.0f,
-                                   .adam_w_mode = true, .bias_correction = true};
+  const AdamConfig adam{.lr = 1e-4f,
+                        .beta1 = 0.9f,
+                        .beta2 = 0.999f,
+                        .eps = 1e-8f,
+                        .weight_decay = 0.0f,
+                        .adam_w_mode = true,
+                        .bias_correction = true};
   auto rate = [&](const std::function<Status()>& fn) -> Result<double> {
     ZO_RETURN_IF_ERROR(fn());  // first touch
     double best = 0;
@@ -803,13 +839,15 @@ Status measure_cpu_speeds(const Config& config, HostSpeeds* speeds) {
     return best;
   };
   ZO_ASSIGN_OR_RETURN(speeds->adam_elems_per_s, rate([&] {
-    return cpu_optim::adam_step(adam, 1, f32(0), f32(1), f32(2), cpu_optim::ConstElemSpan{f32(3).data(), DType::kF32},
-                                1.0f, cpu_optim::ElemSpan{f32(4).data(), cdt}, *executor);
-  }));
+                        return cpu_optim::adam_step(adam, 1, f32(0), f32(1), f32(2),
+                                                    cpu_optim::ConstElemSpan{f32(3).data(), DType::kF32}, 1.0f,
+                                                    cpu_optim::ElemSpan{f32(4).data(), cdt}, *executor);
+                      }));
   ZO_ASSIGN_OR_RETURN(speeds->accumulate_elems_per_s, rate([&] {
-    return GradAccumulator::measure_kernel(reinterpret_cast<std::byte*>(f32(0).data()), config.grad_accum_dtype,
-                                           reinterpret_cast<const std::byte*>(f32(1).data()), cdt, kElems, *executor);
-  }));
+                        return GradAccumulator::measure_kernel(
+                            reinterpret_cast<std::byte*>(f32(0).data()), config.grad_accum_dtype,
+                            reinterpret_cast<const std::byte*>(f32(1).data()), cdt, kElems, *executor);
+                      }));
   return Status::ok();
 }
 
@@ -850,9 +888,11 @@ Status read_io_results(const std::string& path, const Config& config, HostSpeeds
     speeds->nvme_source = "zoffload-bench io " + path + " at the config's aio (" + settings + ")";
   } else {
     if (!has_speeds(j["best"]))
-      return invalid_argument(path + ": its \"best\" row lacks read_gbps or write_gbps (run the benchmark with reads and writes)");
+      return invalid_argument(
+          path + ": its \"best\" row lacks read_gbps or write_gbps (run the benchmark with reads and writes)");
     chosen = &j["best"];
-    speeds->nvme_source = "zoffload-bench io " + path + ", best row (the config's aio, " + settings + ", was not measured)";
+    speeds->nvme_source =
+        "zoffload-bench io " + path + ", best row (the config's aio, " + settings + ", was not measured)";
   }
   speeds->nvme_read_bytes_per_s = (*chosen)["read_gbps"].get<double>() * 1e9;
   speeds->nvme_write_bytes_per_s = (*chosen)["write_gbps"].get<double>() * 1e9;

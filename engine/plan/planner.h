@@ -21,10 +21,10 @@ namespace zo::engine {
 // The machine the plan is checked against (HostFacts::probe reads this one; tests make their own).
 struct HostFacts {
   uint64_t ram_total_bytes = 0;
-  uint64_t ram_available_bytes = 0;  // MemAvailable
+  uint64_t ram_available_bytes = 0;           // MemAvailable
   uint64_t memlock_limit_bytes = UINT64_MAX;  // ulimit -l; UINT64_MAX: unlimited
-  bool can_lock_unlimited = false;   // CAP_IPC_LOCK: the limit does not apply
-  uint64_t process_bytes = 0;        // RSS of a process with LibTorch loaded, before the run allocates
+  bool can_lock_unlimited = false;            // CAP_IPC_LOCK: the limit does not apply
+  uint64_t process_bytes = 0;                 // RSS of a process with LibTorch loaded, before the run allocates
   // Note [Address space]: ulimit -v (RLIMIT_AS; UINT64_MAX: unlimited) limits what the process maps,
   // resident or not: LibTorch's libraries, every allocation, each thread's stack and each malloc
   // arena a thread opens. The address space of this process at plan time (VmSize, LibTorch loaded),
@@ -34,9 +34,9 @@ struct HostFacts {
   uint64_t thread_stack_bytes = uint64_t{8} << 20;
   unsigned logical_cpus = 1;
   uint64_t malloc_arena_max = UINT64_MAX;  // MALLOC_ARENA_MAX when set, else no cap beyond glibc's own
-  bool cuda = false;                 // the run's device is a GPU (else the emulated device on the host)
-  std::string device_name;           // "NVIDIA H100 80GB HBM3", or "host (emulated)"
-  uint64_t device_total_bytes = 0;   // the GPU's memory (cuda), else RAM
+  bool cuda = false;                       // the run's device is a GPU (else the emulated device on the host)
+  std::string device_name;                 // "NVIDIA H100 80GB HBM3", or "host (emulated)"
+  uint64_t device_total_bytes = 0;         // the GPU's memory (cuda), else RAM
   // Free space of the file systems the swap files go to (0: not known, e.g. the path does not exist).
   uint64_t optimizer_disk_free_bytes = 0;
   uint64_t param_disk_free_bytes = 0;
@@ -52,7 +52,7 @@ void share_host(HostFacts* host, uint32_t local_ranks);
 struct HostSpeeds {
   double nvme_read_bytes_per_s = 0;
   double nvme_write_bytes_per_s = 0;
-  std::string nvme_source;  // "zoffload-bench io results FILE"
+  std::string nvme_source;            // "zoffload-bench io results FILE"
   double adam_elems_per_s = 0;        // cpu_optim Adam on the optimizer's threads, measured
   double accumulate_elems_per_s = 0;  // the gradient accumulator's kernel plus its norm, measured
   double compute_flops = 0;           // dense matmul FLOP/s in the compute dtype
@@ -61,12 +61,12 @@ struct HostSpeeds {
 };
 
 struct PlanInputs {
-  Config config;                 // resolved (flags applied)
+  Config config;  // resolved (flags applied)
   ModelConfig model;
-  std::string model_name;        // for messages: the --model argument
-  uint64_t seq_len = 0;          // tokens per sequence
+  std::string model_name;            // for messages: the --model argument
+  uint64_t seq_len = 0;              // tokens per sequence
   uint64_t device_budget_bytes = 0;  // what the device is given: gpu_memory_limit, else its memory
-  std::string out_dir;           // relative nvme paths resolve against it
+  std::string out_dir;               // relative nvme paths resolve against it
   HostFacts host;
   HostSpeeds speeds;
   // Data parallel: the registry is cut into world_size partitions (Note [Partitions]) and, at ZeRO
@@ -92,9 +92,9 @@ struct PlanFix {
 };
 
 struct StepTimePart {
-  std::string name;     // compute, pcie, gradients, optimizer, nvme grads, nvme optim
+  std::string name;  // compute, pcie, gradients, optimizer, nvme grads, nvme optim
   double seconds = 0;
-  std::string basis;    // how it was computed
+  std::string basis;  // how it was computed
 };
 
 struct RunPlan {
@@ -115,17 +115,17 @@ struct RunPlan {
   // checkpoints wait in pinned host memory, `checkpoint_host_bytes` of it (allocated at start).
   bool checkpoints_on_host = false;
   uint64_t checkpoint_host_bytes = 0;
-  uint64_t device_total_bytes = 0;  // states + arena (+ activations on CUDA)
+  uint64_t device_total_bytes = 0;          // states + arena (+ activations on CUDA)
   uint64_t device_torch_reserve_bytes = 0;  // the budget left to LibTorch: its activations on CUDA, else 0
 
   // Host.
-  uint64_t pinned_bytes = 0;        // the pinned pool (0 when both pin_memory flags are false) + host checkpoints
-  uint64_t pool_bytes = 0;          // the pool, pinned or not
+  uint64_t pinned_bytes = 0;  // the pinned pool (0 when both pin_memory flags are false) + host checkpoints
+  uint64_t pool_bytes = 0;    // the pool, pinned or not
   uint64_t pageable_state_bytes = 0;
-  uint64_t host_buffer_bytes = 0;   // scratch, gradient staging and data-parallel staging buffers
-  uint64_t grad_ring_bytes = 0;     // the gradient worker's landing ring (in the pool)
-  uint64_t ram_bytes = 0;           // pool + pageable states + buffers + host checkpoints (+ activations on the host)
-  uint64_t process_bytes = 0;       // LibTorch and the program itself (measured at plan time)
+  uint64_t host_buffer_bytes = 0;  // scratch, gradient staging and data-parallel staging buffers
+  uint64_t grad_ring_bytes = 0;    // the gradient worker's landing ring (in the pool)
+  uint64_t ram_bytes = 0;          // pool + pageable states + buffers + host checkpoints (+ activations on the host)
+  uint64_t process_bytes = 0;      // LibTorch and the program itself (measured at plan time)
   // The address space the run maps (Note [Address space]): the process at plan time + what the plan
   // allocates (+ the emulated device's bytes) + the threads' stacks and malloc arenas (estimated).
   uint64_t address_space_bytes = 0;
@@ -140,16 +140,16 @@ struct RunPlan {
   uint64_t export_rss_bytes = 0;
 
   // Bytes moved per optimizer step (gradient_accumulation_steps micro-steps).
-  uint64_t nvme_read_bytes = 0;   // exact when nvme_exact, else the range below
+  uint64_t nvme_read_bytes = 0;  // exact when nvme_exact, else the range below
   uint64_t nvme_write_bytes = 0;
-  bool nvme_exact = true;         // false when compute copies on NVMe are re-read (coordinator caching)
+  bool nvme_exact = true;  // false when compute copies on NVMe are re-read (coordinator caching)
   uint64_t nvme_read_min_bytes = 0, nvme_read_max_bytes = 0;
   uint64_t h2d_min_bytes = 0, h2d_max_bytes = 0;  // compute copies to the device (fetch caching decides)
-  uint64_t d2h_bytes = 0;                          // gradients leaving the device (CUDA)
+  uint64_t d2h_bytes = 0;                         // gradients leaving the device (CUDA)
 
   std::vector<StepTimePart> time_parts;
-  double step_s_low = 0;   // every part overlapped: the longest part
-  double step_s_high = 0;  // every phase one after another (no overlap but the optimizer's pipeline)
+  double step_s_low = 0;                  // every part overlapped: the longest part
+  double step_s_high = 0;                 // every phase one after another (no overlap but the optimizer's pipeline)
   std::vector<std::string> time_unknown;  // parts left out for want of a measured speed
 
   std::vector<PlanProblem> problems;  // empty: it fits

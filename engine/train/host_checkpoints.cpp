@@ -22,19 +22,19 @@ Status Trainer::Impl::create_host_checkpoints() {
   ZO_ASSIGN_OR_RETURN(ckpt_host, device->allocate_pinned(run_plan.checkpoint_host_bytes));
   accounting.add_resident(Tier::kCpu, run_plan.checkpoint_host_bytes, /*pinned=*/true);
   ZO_ASSIGN_OR_RETURN(ckpt_copied, device->create_event());
-  for (gpu::Event& e : ckpt_back) {
-    ZO_ASSIGN_OR_RETURN(e, device->create_event());
-  }
+  for (gpu::Event& e : ckpt_back) { ZO_ASSIGN_OR_RETURN(e, device->create_event()); }
   return Status::ok();
 }
 
 torch::Tensor Trainer::Impl::checkpoint_slot(uint32_t block, size_t k, const torch::Tensor& like) const {
   const uint64_t layers = model.num_hidden_layers;
   const uint64_t offset = (k * layers + (block - 1)) * ckpt_slot_bytes;
-  ZO_CHECK(static_cast<uint64_t>(like.nbytes()) <= ckpt_slot_bytes && offset + ckpt_slot_bytes <= run_plan.checkpoint_host_bytes)
+  ZO_CHECK(static_cast<uint64_t>(like.nbytes()) <= ckpt_slot_bytes &&
+           offset + ckpt_slot_bytes <= run_plan.checkpoint_host_bytes)
       << "checkpoint of block " << block << ", micro-batch " << k << ": " << like.nbytes() << " bytes for a slot of "
       << ckpt_slot_bytes;
-  return torch::from_blob(static_cast<std::byte*>(ckpt_host) + offset, like.sizes(), like.options().device(torch::kCPU));
+  return torch::from_blob(static_cast<std::byte*>(ckpt_host) + offset, like.sizes(),
+                          like.options().device(torch::kCPU));
 }
 
 // The bytes of block's activation checkpoints, over the micro-batches (one copy each way).
@@ -48,17 +48,18 @@ Status Trainer::Impl::checkpoints_out(uint32_t block, Forward& f) {
   const std::string where = "moving the checkpoints of " + layout.blocks[block].name + " to the CPU";
   std::optional<TorchCopyStreamScope> copies;
   ZO_RETURN_IF_ERROR(begin_copies(&copies, where));
-  ZO_RETURN_IF_ERROR(device->foreign_work(gpu::DeviceWork::kD2H, checkpoint_bytes(block, f), copies->native_stream(), {}, [&] {
-    return torch_call(where, [&] {
-      for (size_t k = 0; k < f.micro.size(); ++k) {
-        torch::Tensor& x = f.micro[k].inputs[block];
-        torch::Tensor slot = checkpoint_slot(block, k, x);
-        slot.copy_(x, /*non_blocking=*/true);
-        copies->record_use(x);  // freed now; not reused before the copy has read it
-        x = slot;
-      }
-    });
-  }));
+  ZO_RETURN_IF_ERROR(
+      device->foreign_work(gpu::DeviceWork::kD2H, checkpoint_bytes(block, f), copies->native_stream(), {}, [&] {
+        return torch_call(where, [&] {
+          for (size_t k = 0; k < f.micro.size(); ++k) {
+            torch::Tensor& x = f.micro[k].inputs[block];
+            torch::Tensor slot = checkpoint_slot(block, k, x);
+            slot.copy_(x, /*non_blocking=*/true);
+            copies->record_use(x);  // freed now; not reused before the copy has read it
+            x = slot;
+          }
+        });
+      }));
   return device->record_foreign(ckpt_copied, copies->native_stream()).with_context(where);
 }
 
@@ -71,15 +72,16 @@ Status Trainer::Impl::checkpoints_back(uint32_t block, Forward& f) {
   }));
   std::optional<TorchCopyStreamScope> copies;
   ZO_RETURN_IF_ERROR(begin_copies(&copies, where));
-  ZO_RETURN_IF_ERROR(device->foreign_work(gpu::DeviceWork::kH2D, checkpoint_bytes(block, f), copies->native_stream(), {}, [&] {
-    return torch_call(where, [&] {
-      for (size_t k = 0; k < back.size(); ++k) {
-        back[k].copy_(f.micro[k].inputs[block], /*non_blocking=*/true);
-        copies->record_use(back[k]);
-        f.micro[k].inputs[block] = back[k];
-      }
-    });
-  }));
+  ZO_RETURN_IF_ERROR(
+      device->foreign_work(gpu::DeviceWork::kH2D, checkpoint_bytes(block, f), copies->native_stream(), {}, [&] {
+        return torch_call(where, [&] {
+          for (size_t k = 0; k < back.size(); ++k) {
+            back[k].copy_(f.micro[k].inputs[block], /*non_blocking=*/true);
+            copies->record_use(back[k]);
+            f.micro[k].inputs[block] = back[k];
+          }
+        });
+      }));
   ZO_RETURN_IF_ERROR(device->record_foreign(ckpt_back[block % 2], copies->native_stream()).with_context(where));
   return device->record_foreign(ckpt_copied, copies->native_stream()).with_context(where);
 }

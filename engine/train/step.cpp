@@ -36,7 +36,8 @@ std::vector<torch::Tensor> Trainer::Impl::wrap(uint32_t block, const std::vector
 // LibTorch's current stream, where the blocks compute (nullptr on the CPU).
 Result<void*> Trainer::Impl::compute_stream() {
   void* stream = nullptr;
-  ZO_RETURN_IF_ERROR(torch_call("reading LibTorch's stream", [&] { stream = torch_compute_stream(torch_device.is_cuda()); }));
+  ZO_RETURN_IF_ERROR(
+      torch_call("reading LibTorch's stream", [&] { stream = torch_compute_stream(torch_device.is_cuda()); }));
   return stream;
 }
 
@@ -121,7 +122,6 @@ Status Trainer::Impl::begin_copies(std::optional<TorchCopyStreamScope>* copies, 
   return device->wait_foreign((*copies)->native_stream(), copies_after).with_context(where);
 }
 
-
 void Trainer::Impl::fold_grads(std::vector<torch::Tensor>& params, std::vector<torch::Tensor>& sums, bool first) const {
   // Called inside torch_call. The sum is over micro-batches in order, each added once in
   // grad_accum_dtype: the additions the accumulator makes on the host with the horizontal schedule.
@@ -159,7 +159,9 @@ Result<Trainer::Impl::Forward> Trainer::Impl::forward(uint64_t count) {
   Forward f;
   f.micro.resize(count);
   const uint32_t n = static_cast<uint32_t>(layout.blocks.size());
-  auto out_of_vocab = [&](int32_t token, bool label) { return !(label && token == kIgnoreLabel) && (token < 0 || static_cast<uint64_t>(token) >= model.vocab_size); };
+  auto out_of_vocab = [&](int32_t token, bool label) {
+    return !(label && token == kIgnoreLabel) && (token < 0 || static_cast<uint64_t>(token) >= model.vocab_size);
+  };
   for (Micro& mb : f.micro) {
     const Stopwatch reading;
     ZO_RETURN_IF_ERROR(data->next_batch(&batch));
@@ -169,8 +171,8 @@ Result<Trainer::Impl::Forward> Trainer::Impl::forward(uint64_t count) {
       if (bad_input || out_of_vocab(batch.targets[i], true))
         return invalid_argument(opt.data_path + ": " + (bad_input ? "token " : "label ") +
                                 std::to_string(bad_input ? batch.inputs[i] : batch.targets[i]) + " (window " +
-                                std::to_string(batch.windows[i / batch.seq_len]) + ") is outside the model's vocabulary of " +
-                                std::to_string(model.vocab_size));
+                                std::to_string(batch.windows[i / batch.seq_len]) +
+                                ") is outside the model's vocabulary of " + std::to_string(model.vocab_size));
     }
     for (int32_t t : batch.targets) mb.tokens += t != kIgnoreLabel;
     f.data_s += reading.elapsed_s();
@@ -214,7 +216,8 @@ Result<Trainer::Impl::MicroResult> Trainer::Impl::finish_micro_step(Forward& f, 
   } abandon{grad_worker.get(), grads.get()};
   const uint32_t n = static_cast<uint32_t>(layout.blocks.size());
   // Data parallel: each rank's share of the mean, so that the all-reduced sum is the mean.
-  const double loss_factor = scaler->scale() / static_cast<double>(opt.config.gradient_accumulation_steps * world_size());
+  const double loss_factor =
+      scaler->scale() / static_cast<double>(opt.config.gradient_accumulation_steps * world_size());
   const size_t count = f.micro.size();
   // With several micro-batches (the vertical schedule) each block's gradients are summed on the
   // device and leave it once (Note [Vertical schedule]).

@@ -60,17 +60,18 @@ void add_counter_deltas(const StepCounters& before, const StepCounters& after, S
     out->collective_bytes += after.gathered->bytes - before.gathered->bytes;
     out->gather_s = after.gathered->collective_s - before.gathered->collective_s;
   }
-  out->compute_s = std::max(0.0, out->step_s - out->fetch_s - out->grad_offload_s - out->data_s - out->optimizer_wait_s -
-                                     out->collective_s);
+  out->compute_s = std::max(
+      0.0, out->step_s - out->fetch_s - out->grad_offload_s - out->data_s - out->optimizer_wait_s - out->collective_s);
   out->nvme_busy_s = after.io_busy_s - before.io_busy_s;
   out->device_h2d_s = after.device.h2d_s - before.device.h2d_s;
   out->device_d2h_s = after.device.d2h_s - before.device.d2h_s;
   out->device_compute_s = after.device.compute_s - before.device.compute_s;
   out->device_busy = out->step_s > 0 ? out->device_compute_s / out->step_s : 0.0;
-  out->overlap = out->step_s > 0 ? std::max({out->compute_s, out->device_compute_s, out->device_h2d_s, out->device_d2h_s,
-                                             out->grad_worker_s, out->optimizer_s, out->nvme_busy_s}) /
-                                       out->step_s
-                                 : 0.0;
+  out->overlap = out->step_s > 0
+                     ? std::max({out->compute_s, out->device_compute_s, out->device_h2d_s, out->device_d2h_s,
+                                 out->grad_worker_s, out->optimizer_s, out->nvme_busy_s}) /
+                           out->step_s
+                     : 0.0;
   out->device_arena_bytes = after.coord.arena_bytes;
 }
 

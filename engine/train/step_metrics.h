@@ -18,23 +18,23 @@ namespace zo::engine {
 
 // What one optimizer step did and where its time went (seconds of wall time).
 struct StepMetrics {
-  uint64_t step = 0;           // 1-based
-  double loss = 0;             // mean over the micro-batches (of every rank) of their mean token loss
-  double lr = 0;               // this step's lr (what the optimizer used, or would have when skipped)
-  double loss_scale = 1;       // the scale this step's backward used
-  double grad_norm = 0;        // global L2 norm of the unscaled gradients (inf/nan on overflow)
-  bool skipped = false;        // overflow: no optimizer step
-  uint64_t tokens = 0;         // tokens trained on in this step, by every rank (targets not masked)
+  uint64_t step = 0;      // 1-based
+  double loss = 0;        // mean over the micro-batches (of every rank) of their mean token loss
+  double lr = 0;          // this step's lr (what the optimizer used, or would have when skipped)
+  double loss_scale = 1;  // the scale this step's backward used
+  double grad_norm = 0;   // global L2 norm of the unscaled gradients (inf/nan on overflow)
+  bool skipped = false;   // overflow: no optimizer step
+  uint64_t tokens = 0;    // tokens trained on in this step, by every rank (targets not masked)
   // Wall time of the step() call. The main thread's parts below add up to it; the optimizer runs
   // beside them on its own thread. A step's call also runs the next step's first forward (behind
   // its optimizer), so its parts include that forward's data, fetch and compute.
   double step_s = 0;
-  double fetch_s = 0;          // blocked on parameter fetches (NVMe reads, H2D copies)
-  double data_s = 0;           // reading and checking the batches
-  double compute_s = 0;        // forward, recompute and backward (and the coordinator's bookkeeping)
-  double grad_offload_s = 0;   // backward waiting on the gradient path: copies into the landing ring (D2H), a
-                               // full ring, the last accumulation of each micro-step (the rest overlaps backward)
-  double optimizer_wait_s = 0; // the forward waiting for the optimizer's update of a block, and for its end
+  double fetch_s = 0;           // blocked on parameter fetches (NVMe reads, H2D copies)
+  double data_s = 0;            // reading and checking the batches
+  double compute_s = 0;         // forward, recompute and backward (and the coordinator's bookkeeping)
+  double grad_offload_s = 0;    // backward waiting on the gradient path: copies into the landing ring (D2H), a
+                                // full ring, the last accumulation of each micro-step (the rest overlaps backward)
+  double optimizer_wait_s = 0;  // the forward waiting for the optimizer's update of a block, and for its end
   // The gradient worker's time in the accumulator, on its thread beside backward: adding each
   // gradient (the cpu_optim kernels), the squared norms, reading device- or NVMe-resident
   // accumulators, writing device-resident ones and waiting for NVMe writes whose buffer it needs
@@ -56,7 +56,7 @@ struct StepMetrics {
   // optimizer_s and nvme_busy_s over step_s: near 1 when the step is as long as its busiest
   // resource (everything else hidden behind it), lower when parts wait on each other.
   double overlap = 0;
-  MemoryStats memory;          // tiers after the step (peaks since the start of the run)
+  MemoryStats memory;              // tiers after the step (peaks since the start of the run)
   uint64_t device_peak_bytes = 0;  // Device::stats().peak_allocated_bytes
   uint64_t device_budget_bytes = 0;
   // Of the device's resident bytes: the stage-3 coordinator's arena for fetched parameters (fixed at
@@ -97,12 +97,12 @@ struct StepMetrics {
 
 // The run's counters that only grow, read at a step's start and end (Trainer::Impl::counters).
 struct StepCounters {
-  CoordinatorStats coord;     // fetch and update waits; arena_bytes (fixed)
-  double ready_wait_s = 0;    // the trainer's own waits for a block's copies
-  double io_busy_s = 0;       // IoEngine::stats().busy_s
-  gpu::DeviceBusy device;     // Device::busy()
-  uint64_t collective_bytes = 0;  // the process group's (0 with one process)
-  double collective_s = 0;        // the process group's
+  CoordinatorStats coord;                      // fetch and update waits; arena_bytes (fixed)
+  double ready_wait_s = 0;                     // the trainer's own waits for a block's copies
+  double io_busy_s = 0;                        // IoEngine::stats().busy_s
+  gpu::DeviceBusy device;                      // Device::busy()
+  uint64_t collective_bytes = 0;               // the process group's (0 with one process)
+  double collective_s = 0;                     // the process group's
   std::optional<BlockGathererStats> gathered;  // stage 3 across ranks: the block gatherer's
 };
 

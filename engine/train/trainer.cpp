@@ -50,9 +50,12 @@ Status Trainer::Impl::init(const TrainOptions& options) {
     const Config& c = opt.config;
     const uint64_t product = c.train_micro_batch_size_per_gpu * c.gradient_accumulation_steps * world_size();
     if (c.train_batch_size != product)
-      return invalid_argument("train_batch_size " + std::to_string(c.train_batch_size) + " is not train_micro_batch_size_per_gpu × "
-                              "gradient_accumulation_steps × world size (" + std::to_string(c.train_micro_batch_size_per_gpu) +
-                              " × " + std::to_string(c.gradient_accumulation_steps) + " × " + std::to_string(world_size()) + ")");
+      return invalid_argument("train_batch_size " + std::to_string(c.train_batch_size) +
+                              " is not train_micro_batch_size_per_gpu × "
+                              "gradient_accumulation_steps × world size (" +
+                              std::to_string(c.train_micro_batch_size_per_gpu) + " × " +
+                              std::to_string(c.gradient_accumulation_steps) + " × " + std::to_string(world_size()) +
+                              ")");
   }
   if (opt.io_faults) faulty_env = std::make_unique<io::FaultyEnv>(io::Env::posix(), opt.io_faults);
   ZO_RETURN_IF_ERROR(resolve_model());
@@ -99,8 +102,8 @@ Status Trainer::Impl::prepare_run_dir() {
     ZO_RETURN_IF_ERROR(env()->make_dirs(opt.out_dir).with_context("creating the run directory " + opt.out_dir));
   }
   const Config& config = opt.config;
-  metrics_path = resolve_run_path(opt.out_dir, config.zoffload.log.metrics_path.empty() ? "metrics.jsonl"
-                                                                                     : config.zoffload.log.metrics_path);
+  metrics_path = resolve_run_path(
+      opt.out_dir, config.zoffload.log.metrics_path.empty() ? "metrics.jsonl" : config.zoffload.log.metrics_path);
   // Note [Output files] (io/env.h): the files this run writes are checked now, not after a step.
   if (rank() == 0) {
     ZO_RETURN_IF_ERROR(env()->check_output_file(metrics_path, "the metrics file (zoffload.log.metrics_path)"));
@@ -130,8 +133,9 @@ Status Trainer::Impl::find_resume() {
   std::string where = opt.resume;
   if (where == "latest") {
     if (checkpoint_dir.empty())
-      return invalid_argument("--resume latest: the config sets no zoffload.checkpoint.dir to look in; give the "
-                              "checkpoint's path instead");
+      return invalid_argument(
+          "--resume latest: the config sets no zoffload.checkpoint.dir to look in; give the "
+          "checkpoint's path instead");
     where = checkpoint_dir;
   }
   auto path = resolve_checkpoint(where, *env());
@@ -187,10 +191,10 @@ Status Trainer::Impl::plan_memory() {
   if (!run_plan.fits()) {
     std::vector<std::string> problems;
     for (const PlanProblem& p : run_plan.problems) problems.push_back(p.to_string());
-    const std::string shared =
-        local_ranks > 1 ? " (each of this node's " + std::to_string(local_ranks) + " ranks is planned with 1/" +
-                              std::to_string(local_ranks) + " of its RAM and disk space)"
-                        : "";
+    const std::string shared = local_ranks > 1 ? " (each of this node's " + std::to_string(local_ranks) +
+                                                     " ranks is planned with 1/" + std::to_string(local_ranks) +
+                                                     " of its RAM and disk space)"
+                                               : "";
     return out_of_memory("the plan does not fit this machine" + shared + ": " + join(problems, "; ") +
                          " (`zoffload plan` with the same arguments lists the changes that make it fit)");
   }
@@ -202,8 +206,9 @@ Status Trainer::Impl::create_states() {
   const Config& config = opt.config;
   ZO_ASSIGN_OR_RETURN(io::IoOptions io_options, io_options_from_config(config));
   ZO_ASSIGN_OR_RETURN(io, io::IoEngine::create(io_options, opt.io_faults));
-  ZO_ASSIGN_OR_RETURN(executor, cpu_optim::Executor::create({.n_threads = static_cast<int>(config.zoffload.optimizer_threads),
-                                                             .bind_cores = config.zoffload.bind_cores}));
+  ZO_ASSIGN_OR_RETURN(executor,
+                      cpu_optim::Executor::create({.n_threads = static_cast<int>(config.zoffload.optimizer_threads),
+                                                   .bind_cores = config.zoffload.bind_cores}));
   StateStoreOptions so;
   so.optimizer_nvme_path = resolve_run_path(opt.out_dir, config.zero.offload_optimizer.nvme_path);
   so.param_nvme_path = resolve_run_path(opt.out_dir, config.zero.offload_param.nvme_path);
@@ -244,7 +249,7 @@ Status Trainer::Impl::create_step_pipeline() {
   if (plan.partition_params) {
     ZO_ASSIGN_OR_RETURN(param_group, opt.group->create_sibling("params"));
     ZO_ASSIGN_OR_RETURN(std::span<std::byte> slots, store->pool().allocate(plan.gather_slots * plan.gather_slot_bytes,
-                                                                          "the parameter gather slots"));
+                                                                           "the parameter gather slots"));
     BlockGathererOptions go;
     go.rank = rank();
     go.gate = gate.get();
@@ -267,8 +272,9 @@ Status Trainer::Impl::create_step_pipeline() {
   ZO_RETURN_IF_ERROR(create_host_checkpoints());
   coord->set_update_gate(gate.get());
   if (opt.group != nullptr)
-    data_parallel = std::make_unique<dist::DataParallel>(*opt.group, *store, *registry, *executor, accounting,
-                                                         dist::DataParallelOptions{.reduce_bucket_elems = config.zero.reduce_bucket_size});
+    data_parallel = std::make_unique<dist::DataParallel>(
+        *opt.group, *store, *registry, *executor, accounting,
+        dist::DataParallelOptions{.reduce_bucket_elems = config.zero.reduce_bucket_size});
   ReducerOptions reducer;
   if (plan.partition_grads) {
     // Note [Partitioned gradients] (grad_accumulator.h): on the gradient worker's thread, as
@@ -279,9 +285,11 @@ Status Trainer::Impl::create_step_pipeline() {
                                               "reducing the gradients of sub-group " + std::to_string(g));
     };
   }
-  ZO_ASSIGN_OR_RETURN(grads, GradAccumulator::create(*store, std::move(contribution_order), *executor, std::move(reducer)));
+  ZO_ASSIGN_OR_RETURN(grads,
+                      GradAccumulator::create(*store, std::move(contribution_order), *executor, std::move(reducer)));
   // The landing ring comes from the pool: pinned, so that gradients leave the GPU by DMA.
-  ZO_ASSIGN_OR_RETURN(std::span<std::byte> ring, store->pool().allocate(plan.grad_ring_bytes, "the gradient landing ring"));
+  ZO_ASSIGN_OR_RETURN(std::span<std::byte> ring,
+                      store->pool().allocate(plan.grad_ring_bytes, "the gradient landing ring"));
   ZO_ASSIGN_OR_RETURN(grad_worker, GradWorker::create(*grads, ring, {}, device.get()));
   return Status::ok();
 }
@@ -305,9 +313,8 @@ Status Trainer::Impl::open_data() {
   d.rank = rank();
   d.world_size = world_size();
   ZO_ASSIGN_OR_RETURN(data, Dataset::open(d));
-  return torch_call("building the RoPE tables", [&] {
-    rope = make_rope_tables(model, static_cast<int64_t>(d.seq_len), torch_device);
-  });
+  return torch_call("building the RoPE tables",
+                    [&] { rope = make_rope_tables(model, static_cast<int64_t>(d.seq_len), torch_device); });
 }
 
 Status Trainer::Impl::open_metrics() {
@@ -320,7 +327,8 @@ Status Trainer::Impl::open_metrics() {
   if (resumed) {
     ZO_ASSIGN_OR_RETURN(metrics, env()->open_append(metrics_path));
   } else {
-    ZO_ASSIGN_OR_RETURN(metrics, env()->open_fresh_append(metrics_path, "the metrics file (zoffload.log.metrics_path)"));
+    ZO_ASSIGN_OR_RETURN(metrics,
+                        env()->open_fresh_append(metrics_path, "the metrics file (zoffload.log.metrics_path)"));
   }
   const Config& config = opt.config;
   if (config.tensorboard.enabled) {
@@ -346,8 +354,8 @@ void config_diff(const nlohmann::json& a, const nlohmann::json& b, const std::st
                  std::vector<std::string>* out) {
   // Where the states live, how they move and where files go never change the arithmetic (the
   // offload invariant): only the rest is worth a warning.
-  for (const char* skip : {"zoffload", "aio", "zero_optimization", "steps_per_print", "wall_clock_breakdown", "tensorboard",
-                           "csv_monitor"}) {
+  for (const char* skip : {"zoffload", "aio", "zero_optimization", "steps_per_print", "wall_clock_breakdown",
+                           "tensorboard", "csv_monitor"}) {
     if (path.rfind(skip, 0) == 0) return;
   }
   if (a.is_object() && b.is_object()) {
@@ -370,7 +378,9 @@ const char* torch_dtype_name(DType dtype) {
 
 }  // namespace
 
-std::string Trainer::Impl::model_config_json() const { return to_hf_config_json(model, torch_dtype_name(compute_dtype)); }
+std::string Trainer::Impl::model_config_json() const {
+  return to_hf_config_json(model, torch_dtype_name(compute_dtype));
+}
 
 // The counters, loss scale and data position of the checkpoint; what differs from it is said.
 Status Trainer::Impl::resume_from_checkpoint() {
@@ -385,9 +395,9 @@ Status Trainer::Impl::resume_from_checkpoint() {
   config_diff(st.config, to_json(opt.config), "", &diff);
   if (!diff.empty()) {
     std::vector<std::string> shown(diff.begin(), diff.begin() + std::min<size_t>(diff.size(), 8));
-    ZO_LOG(kWarn) << "resuming from " << resume->path << " with a config that differs from the one it was saved with at "
-                  << join(shown, ", ") << (diff.size() > shown.size() ? ", ..." : "")
-                  << ": training continues with the new values";
+    ZO_LOG(kWarn) << "resuming from " << resume->path
+                  << " with a config that differs from the one it was saved with at " << join(shown, ", ")
+                  << (diff.size() > shown.size() ? ", ..." : "") << ": training continues with the new values";
   }
   if (st.data != fs::absolute(opt.data_path).lexically_normal().string() || st.seq_len != data->options().seq_len) {
     ZO_LOG(kWarn) << "resuming from " << resume->path << ", saved while reading " << st.data << " with --seq-len "
@@ -400,7 +410,8 @@ Status Trainer::Impl::resume_from_checkpoint() {
     auto saved_model = parse_hf_config(saved, resume->path + "/config.json");
     if (saved_model.is_ok() && to_hf_config_json(*saved_model, "") != to_hf_config_json(model, "")) {
       ZO_LOG(kWarn) << "resuming from " << resume->path << ": its config.json differs from " << opt.model
-                    << "'s beyond the tensor shapes (norm eps, rope, ...): training continues with " << opt.model << "'s";
+                    << "'s beyond the tensor shapes (norm eps, rope, ...): training continues with " << opt.model
+                    << "'s";
     }
   }
   resume.reset();
@@ -523,12 +534,12 @@ Result<SaveResult> Trainer::save_checkpoint(const std::function<void(uint64_t, u
   if (m.plan.partitioned()) {
     // Note [Partitioned data parallel]: each rank writes its partition (Note [Collaborative save]).
     dist::ProcessGroup* group = m.opt.group;
-    o.collective = SaveOptions::Collective{
-        .rank = m.rank(),
-        .world_size = m.world_size(),
-        .broadcast = [group](void* data, uint64_t n, uint32_t root, const std::string& what) {
-          return group->broadcast(data, n, root, what);
-        }};
+    o.collective =
+        SaveOptions::Collective{.rank = m.rank(),
+                                .world_size = m.world_size(),
+                                .broadcast = [group](void* data, uint64_t n, uint32_t root, const std::string& what) {
+                                  return group->broadcast(data, n, root, what);
+                                }};
     Result<SaveResult> r = engine::save_checkpoint(*m.store, training_state(), m.model_config_json(), o);
     if (r.is_ok()) m.last_saved_step = m.steps_done;
     return r;
@@ -555,10 +566,10 @@ Result<ExportResult> Trainer::export_model(const ExportOptions& options) {
   const ExportCollective ranks{
       .rank = m.rank(),
       .world_size = m.world_size(),
-      .broadcast = [group](void* data, uint64_t n, uint32_t root, const std::string& what) {
-        return group->broadcast(data, n, root, what);
-      },
-      .first_failed_rank = [group](bool failed, const std::string& what) { return dist::first_failed_rank(*group, failed, what); }};
+      .broadcast = [group](void* data, uint64_t n, uint32_t root,
+                           const std::string& what) { return group->broadcast(data, n, root, what); },
+      .first_failed_rank = [group](bool failed,
+                                   const std::string& what) { return dist::first_failed_rank(*group, failed, what); }};
   return export_gathered(*m.store, config_json, *m.io, ranks, o);
 }
 
@@ -578,19 +589,21 @@ std::string Trainer::describe() const {
     else if (t == Tier::kCpu) ++compute_cpu;
   }
   std::ostringstream s;
-  s << "model " << m.opt.model << " (" << m.model.num_hidden_layers << " layers, hidden " << m.model.hidden_size
-    << ", " << format_count(m.registry->total_elems()) << " params) | " << dtype_name(m.compute_dtype) << " compute, "
+  s << "model " << m.opt.model << " (" << m.model.num_hidden_layers << " layers, hidden " << m.model.hidden_size << ", "
+    << format_count(m.registry->total_elems()) << " params) | " << dtype_name(m.compute_dtype) << " compute, "
     << dtype_name(pl.grad_dtype) << " gradients | ZeRO stage " << m.opt.config.zero.stage << ", "
     << m.registry->sub_groups().size() << " sub-groups";
   if (m.plan.partitioned())
-    s << " (this rank steps " << m.plan.owned_begin << "-" << m.plan.owned_end - 1 << ": partition " << m.rank() << " of "
-      << m.world_size() << (m.plan.partition_params ? "; it holds their compute copies only, each block gathered from its owners at fetch" : "")
+    s << " (this rank steps " << m.plan.owned_begin << "-" << m.plan.owned_end - 1 << ": partition " << m.rank()
+      << " of " << m.world_size()
+      << (m.plan.partition_params ? "; it holds their compute copies only, each block gathered from its owners at fetch"
+                                  : "")
       << ")";
-  s << " | optimizer states on " << tier_name(pl.optimizer)
-    << ", gradient accumulators on " << tier_name(pl.grad)
+  s << " | optimizer states on " << tier_name(pl.optimizer) << ", gradient accumulators on " << tier_name(pl.grad)
     << ", compute copies: " << (pl.compute.size() - compute_cpu - compute_nvme) << " device, " << compute_cpu
     << " cpu, " << compute_nvme << " nvme | device " << m.device->name() << ", budget "
-    << format_bytes(m.device->stats().budget_bytes) << " | pinned pool " << format_bytes(m.store->pool().capacity_bytes());
+    << format_bytes(m.device->stats().budget_bytes) << " | pinned pool "
+    << format_bytes(m.store->pool().capacity_bytes());
   const ArenaPlan& ap = m.run_plan.arena;
   if (ap.largest_param_elems > 0) {  // some params are fetched
     s << " | prefetch ";

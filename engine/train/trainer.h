@@ -27,15 +27,15 @@
 namespace zo::engine {
 
 struct TrainOptions {
-  Config config;             // resolved (load_config / parse_config)
-  std::string model;         // a Hugging Face model directory, or a preset name (model_preset_names())
+  Config config;      // resolved (load_config / parse_config)
+  std::string model;  // a Hugging Face model directory, or a preset name (model_preset_names())
   // Tests and benchmarks: this shape with random init instead of what `model` names (which then
   // only labels the run).
   std::optional<ModelConfig> model_config;
-  std::string data_path;     // tokens: .bin (llm.c/nanoGPT), .jsonl with input_ids, or text (bytes)
+  std::string data_path;  // tokens: .bin (llm.c/nanoGPT), .jsonl with input_ids, or text (bytes)
   DataFormat data_format = DataFormat::kAuto;
-  uint64_t seq_len = 0;      // tokens per row; 0: min(256, max_position_embeddings)
-  uint64_t seed = 0;         // random init, data order (a resumed run keeps its checkpoint's)
+  uint64_t seq_len = 0;  // tokens per row; 0: min(256, max_position_embeddings)
+  uint64_t seed = 0;     // random init, data order (a resumed run keeps its checkpoint's)
   // Continue from a checkpoint: a step directory, a checkpoint directory whose `latest` names one,
   // or "latest" (zoffload.checkpoint.dir's). Weights, optimizer states, counters, loss scale and
   // data position come from it (checksums checked as it loads); `model` then only has to name the
@@ -121,7 +121,8 @@ class Trainer {
   // replicated states (ZeRO stage 0) rank 0 writes while the others wait; partitioned, each rank
   // writes its partition's range of the state files in parallel and rank 0 commits (Note
   // [Collaborative save] in checkpoint.cpp). Other ranks return an empty path.
-  Result<SaveResult> save_checkpoint(const std::function<void(uint64_t done_bytes, uint64_t total_bytes)>& progress = {});
+  Result<SaveResult> save_checkpoint(
+      const std::function<void(uint64_t done_bytes, uint64_t total_bytes)>& progress = {});
   TrainingState training_state() const;
   // Exports the current master weights as a Hugging Face model directory (export.h), streamed from
   // their tiers through options.staging_bytes. When export_needs_every_rank(), a collective: every

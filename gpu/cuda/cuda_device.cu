@@ -30,17 +30,17 @@ Status cuda_error(cudaError_t err, const std::string& what) {
   return internal_error(std::move(msg));
 }
 
-#define ZO_CUDA_RETURN_IF_ERROR(call, what)                 \
-  do {                                                      \
-    const cudaError_t zo_err_ = (call);                     \
+#define ZO_CUDA_RETURN_IF_ERROR(call, what)                       \
+  do {                                                            \
+    const cudaError_t zo_err_ = (call);                           \
     if (zo_err_ != cudaSuccess) return cuda_error(zo_err_, what); \
   } while (0)
 
-#define ZO_CUDA_CHECK(call)                                                                      \
-  do {                                                                                           \
-    const cudaError_t zo_err_ = (call);                                                          \
+#define ZO_CUDA_CHECK(call)                                                                \
+  do {                                                                                     \
+    const cudaError_t zo_err_ = (call);                                                    \
     ZO_CHECK(zo_err_ == cudaSuccess) << #call << ": " << cudaGetErrorName(zo_err_) << " (" \
-                                     << cudaGetErrorString(zo_err_) << ")";                      \
+                                     << cudaGetErrorString(zo_err_) << ")";                \
   } while (0)
 
 // Grid-stride loop over the same scalar conversions HostDevice uses (common/half.h), so both
@@ -92,7 +92,9 @@ Status register_range(void* ptr, uint64_t size_bytes) {
 // `check`: abort on a failure; false in the destructor, which cannot report one.
 void unregister_range(void* ptr, bool check = true) {
   const cudaError_t err = cudaHostUnregister(ptr);
-  if (check) ZO_CHECK(err == cudaSuccess) << "cudaHostUnregister(p): " << cudaGetErrorName(err) << " (" << cudaGetErrorString(err) << ")";
+  if (check)
+    ZO_CHECK(err == cudaSuccess) << "cudaHostUnregister(p): " << cudaGetErrorName(err) << " ("
+                                 << cudaGetErrorString(err) << ")";
 }
 
 cudaStream_t to_cuda(Stream s) { return static_cast<cudaStream_t>(s.handle); }
@@ -168,7 +170,8 @@ struct CudaDevice::State {
     std::lock_guard lock(timing_mu);
     if (base == nullptr || (timed.empty() && trace::now_ns() - base_ns > kBaseRenewNs)) {
       if (base_stream == nullptr)
-        ZO_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&base_stream, cudaStreamNonBlocking), "cudaStreamCreate (timing)");
+        ZO_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&base_stream, cudaStreamNonBlocking),
+                                "cudaStreamCreate (timing)");
       if (base == nullptr) ZO_CUDA_RETURN_IF_ERROR(cudaEventCreate(&base), "cudaEventCreate (timing)");
       ZO_CUDA_RETURN_IF_ERROR(cudaEventRecord(base, base_stream), "cudaEventRecord (timing)");
       ZO_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(base), "cudaEventSynchronize (timing)");
@@ -218,7 +221,8 @@ struct CudaDevice::State {
       if (err == cudaSuccess) err = cudaEventElapsedTime(&begin_ms, base, c.begin);
       if (err == cudaSuccess) err = cudaEventElapsedTime(&end_ms, base, c.end);
       if (err == cudaSuccess) {
-        add(c, base_ns + static_cast<int64_t>(double{begin_ms} * 1e6), base_ns + static_cast<int64_t>(double{end_ms} * 1e6));
+        add(c, base_ns + static_cast<int64_t>(double{begin_ms} * 1e6),
+            base_ns + static_cast<int64_t>(double{end_ms} * 1e6));
       } else {
         cudaGetLastError();  // a failed operation: its error reaches its caller through the stream, not here
       }
@@ -288,13 +292,13 @@ struct CudaDevice::State {
   const int device;
   std::string name;
   detail::Accounting acct;
-  std::mutex mu;  // guards the cache and the handle sets
+  std::mutex mu;                         // guards the cache and the handle sets
   std::multimap<uint64_t, void*> cache;  // rounded size → freed block
   uint64_t cached_bytes = 0;
   std::set<cudaStream_t> streams;
   std::set<cudaEvent_t> events;
 
-  std::mutex timing_mu;  // guards what follows (Note [Device time from events])
+  std::mutex timing_mu;     // guards what follows (Note [Device time from events])
   std::deque<Timed> timed;  // queued, not yet resolved, in queue order
   std::vector<cudaEvent_t> spare_events;
   cudaStream_t base_stream = nullptr;
@@ -322,8 +326,8 @@ Result<std::unique_ptr<Device>> CudaDevice::create(int device_index, uint64_t bu
   }
   size_t free_b = 0, total_b = 0;
   if (cudaMemGetInfo(&free_b, &total_b) == cudaSuccess && budget_bytes > free_b) {
-    ZO_LOG(kWarn) << where << ": budget " << format_bytes(budget_bytes) << " exceeds the "
-                  << format_bytes(free_b) << " free on the device; allocations may fail before the budget is reached";
+    ZO_LOG(kWarn) << where << ": budget " << format_bytes(budget_bytes) << " exceeds the " << format_bytes(free_b)
+                  << " free on the device; allocations may fail before the budget is reached";
   }
   state->name = "cuda:" + std::to_string(device_index) + " " + prop.name;
   State* raw = state.get();
@@ -353,7 +357,8 @@ CudaDevice::~CudaDevice() {
     unregister_range(reinterpret_cast<void*>(addr), /*check=*/false);
     free_host(reinterpret_cast<void*>(addr), size);
   }
-  for (const auto& range : s_->acct.live_registered()) unregister_range(reinterpret_cast<void*>(range.first), /*check=*/false);
+  for (const auto& range : s_->acct.live_registered())
+    unregister_range(reinterpret_cast<void*>(range.first), /*check=*/false);
 }
 
 std::string CudaDevice::name() const { return s_->name; }
@@ -502,7 +507,8 @@ Status CudaDevice::record(Event event, Stream stream) {
 Status CudaDevice::record_foreign(Event event, void* native_stream) {
   cudaEvent_t ev = s_->event(event);
   ZO_RETURN_IF_ERROR(s_->use());
-  ZO_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev, static_cast<cudaStream_t>(native_stream)), "cudaEventRecord on a foreign stream");
+  ZO_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev, static_cast<cudaStream_t>(native_stream)),
+                          "cudaEventRecord on a foreign stream");
   return Status::ok();
 }
 

@@ -6,7 +6,8 @@ namespace zo::gpu {
 Result<std::unique_ptr<Device>> CudaDevice::create(int device_index, uint64_t budget_bytes) {
   (void)device_index;
   (void)budget_bytes;
-  return unavailable("CudaDevice: zoffload was built without CUDA (meson -Dcuda=enabled needs nvcc and the CUDA toolkit)");
+  return unavailable(
+      "CudaDevice: zoffload was built without CUDA (meson -Dcuda=enabled needs nvcc and the CUDA toolkit)");
 }
 
 }  // namespace zo::gpu

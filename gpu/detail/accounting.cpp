@@ -63,8 +63,8 @@ Status Accounting::check_range(const void* addr, uint64_t size_bytes, const char
   }
   if (size_bytes > it->first + it->second - a) {
     return invalid_argument(std::string(what) + ": " + std::to_string(size_bytes) + " bytes at offset " +
-                            std::to_string(a - it->first) + " run past the end of a " +
-                            std::to_string(it->second) + "-byte device allocation");
+                            std::to_string(a - it->first) + " run past the end of a " + std::to_string(it->second) +
+                            "-byte device allocation");
   }
   return Status::ok();
 }

@@ -22,7 +22,8 @@ bool known(DType d) { return static_cast<unsigned>(d) <= static_cast<unsigned>(D
 Status check_adam_args(const Accounting& acct, const DeviceAdamArgs& args) {
   ZO_RETURN_IF_ERROR(check_adam_hyperparameters("adam_step", args.config, args.step, args.grad_scale));
   for (DType d : {args.grad_dtype, args.copy_dtype})
-    if (!known(d)) return invalid_argument("adam_step: unknown dtype value " + std::to_string(static_cast<unsigned>(d)));
+    if (!known(d))
+      return invalid_argument("adam_step: unknown dtype value " + std::to_string(static_cast<unsigned>(d)));
   const uint64_t n = args.n_elems;
   if (n == 0) return Status::ok();
   if (n > std::numeric_limits<uint64_t>::max() / 4)

@@ -73,8 +73,9 @@ class PsyncQueue final : public Queue {
       lock.unlock();
       // One call, reported as the kernel returned it: the engine handles short transfers and
       // EINTR/EAGAIN the same way for every backend.
-      const ssize_t rc = s.op == IoOp::kRead ? ::pread(s.fd, s.buffer, s.size_bytes, static_cast<off_t>(s.offset_bytes))
-                                             : ::pwrite(s.fd, s.buffer, s.size_bytes, static_cast<off_t>(s.offset_bytes));
+      const ssize_t rc = s.op == IoOp::kRead
+                             ? ::pread(s.fd, s.buffer, s.size_bytes, static_cast<off_t>(s.offset_bytes))
+                             : ::pwrite(s.fd, s.buffer, s.size_bytes, static_cast<off_t>(s.offset_bytes));
       const int64_t result = rc < 0 ? -static_cast<int64_t>(errno) : static_cast<int64_t>(rc);
       lock.lock();
       done_.push_back(Cqe{s.slot, result});

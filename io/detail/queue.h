@@ -26,8 +26,8 @@ struct Sqe {
   std::byte* buffer;
   uint32_t size_bytes;
   uint32_t slot;
-  uint32_t offset_align;    // the file's direct-I/O alignment (1 when buffered)
-  int buf_index;            // registered buffer index, or -1
+  uint32_t offset_align;  // the file's direct-I/O alignment (1 when buffered)
+  int buf_index;          // registered buffer index, or -1
 };
 
 // `result` is the byte count transferred or -errno, exactly as the kernel reported it.

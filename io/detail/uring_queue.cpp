@@ -30,7 +30,8 @@ class UringQueue final : public Queue {
       io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
       ZO_CHECK(sqe != nullptr) << "io_uring SQ ring full with " << sqes.size() << " pieces to submit";
       if (s.buf_index >= 0) {
-        if (s.op == IoOp::kRead) io_uring_prep_read_fixed(sqe, s.fd, s.buffer, s.size_bytes, s.offset_bytes, s.buf_index);
+        if (s.op == IoOp::kRead)
+          io_uring_prep_read_fixed(sqe, s.fd, s.buffer, s.size_bytes, s.offset_bytes, s.buf_index);
         else io_uring_prep_write_fixed(sqe, s.fd, s.buffer, s.size_bytes, s.offset_bytes, s.buf_index);
       } else {
         if (s.op == IoOp::kRead) io_uring_prep_read(sqe, s.fd, s.buffer, s.size_bytes, s.offset_bytes);

@@ -11,9 +11,7 @@ TEST(HostInfo, ReadsCpusAndMemory) {
   EXPECT_GT(h.mem_total_bytes, 0u);
   EXPECT_LE(h.mem_available_bytes, h.mem_total_bytes);
   EXPECT_GT(h.memlock_limit_bytes, 0u);
-  if (h.avx512bw) {
-    EXPECT_TRUE(h.avx512f);
-  }
+  if (h.avx512bw) { EXPECT_TRUE(h.avx512f); }
 }
 
 }  // namespace

@@ -20,8 +20,8 @@ bool all_zero(const std::byte* p, size_t n) {
 }
 
 TEST(HostMemory, AllocationsAreAlignedZeroAndWritableOnBothSidesOfTheHugePageSize) {
-  for (size_t size : {size_t{1}, size_t{4096}, kHugePageBytes - 1, kHugePageBytes, kHugePageBytes + 1,
-                      9 * kHugePageBytes + 17}) {
+  for (size_t size :
+       {size_t{1}, size_t{4096}, kHugePageBytes - 1, kHugePageBytes, kHugePageBytes + 1, 9 * kHugePageBytes + 17}) {
     for (size_t alignment : {size_t{64}, size_t{4096}}) {
       SCOPED_TRACE("size " + std::to_string(size) + " alignment " + std::to_string(alignment));
       auto* p = static_cast<std::byte*>(allocate_host(size, alignment));

@@ -23,7 +23,8 @@ TEST(Status, CarriesCodeErrnoAndContext) {
   EXPECT_EQ(s.code(), StatusCode::kNoSpace);
   EXPECT_EQ(s.sys_errno(), ENOSPC);
   s.with_context("sub-group 3");
-  EXPECT_EQ(s.to_string().rfind("NoSpace: sub-group 3: pwrite /tmp/x offset 4096 length 512: ", 0), 0u) << s.to_string();
+  EXPECT_EQ(s.to_string().rfind("NoSpace: sub-group 3: pwrite /tmp/x offset 4096 length 512: ", 0), 0u)
+      << s.to_string();
   EXPECT_EQ(errno_status("read", EIO).code(), StatusCode::kIoError);
   EXPECT_TRUE(Status::ok().is_ok());
   EXPECT_EQ(Status::ok().to_string(), "OK");
@@ -43,7 +44,8 @@ TEST(ResultDeathTest, ValueOnErrorAborts) {
 }
 
 TEST(CheckDeathTest, ReportsFileAndLine) {
-  EXPECT_DEATH({ ZO_CHECK(1 + 1 == 3) << "arithmetic"; }, "status_test.cpp:[0-9]+: check failed: 1 \\+ 1 == 3 arithmetic");
+  EXPECT_DEATH({ ZO_CHECK(1 + 1 == 3) << "arithmetic"; },
+               "status_test.cpp:[0-9]+: check failed: 1 \\+ 1 == 3 arithmetic");
 }
 
 }  // namespace

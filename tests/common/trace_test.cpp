@@ -17,7 +17,12 @@ TEST(Trace, RecordsOnlyWhileOnAndKeepsAtMostItsCapacity) {
   { Span s(Track::kCompute, "a"); }
   pause();
   bool built = false;
-  { Span s(Track::kCompute, [&] { built = true; return std::string("while-paused"); }); }
+  {
+    Span s(Track::kCompute, [&] {
+      built = true;
+      return std::string("while-paused");
+    });
+  }
   EXPECT_FALSE(built) << "a span's name is not built while the trace is off";
   resume();
   for (int i = 0; i < 5; ++i) record(Track::kOptimizer, "sub-group " + std::to_string(i), 10, 20);

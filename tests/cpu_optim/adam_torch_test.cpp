@@ -52,8 +52,13 @@ TEST_P(AgainstLibTorch, TwoHundredAdamStepsMatchWithinOnePpm) {
   at::set_num_threads(1);
 
   for (const Case c : {Case{true, DType::kF32}, Case{true, DType::kBF16}, Case{false, DType::kF32}}) {
-    const AdamConfig cfg{.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f, .weight_decay = 0.01f,
-                         .adam_w_mode = c.adam_w_mode, .bias_correction = true};
+    const AdamConfig cfg{.lr = 1e-3f,
+                         .beta1 = 0.9f,
+                         .beta2 = 0.999f,
+                         .eps = 1e-8f,
+                         .weight_decay = 0.01f,
+                         .adam_w_mode = c.adam_w_mode,
+                         .bias_correction = true};
     torch::Tensor tp = torch::randn({kN}, torch::kFloat32);
     std::vector<float> p(tp.data_ptr<float>(), tp.data_ptr<float>() + kN), m(kN, 0.0f), v(kN, 0.0f);
     const torch::Tensor p0 = tp.clone();
@@ -61,17 +66,17 @@ TEST_P(AgainstLibTorch, TwoHundredAdamStepsMatchWithinOnePpm) {
     // Hyperparameters as the exact doubles of our floats, so both sides start from the same values.
     std::unique_ptr<torch::optim::Optimizer> opt;
     if (c.adam_w_mode) {
-      opt = std::make_unique<torch::optim::AdamW>(
-          std::vector<torch::Tensor>{tp}, torch::optim::AdamWOptions(double{cfg.lr})
-                                              .betas({double{cfg.beta1}, double{cfg.beta2}})
-                                              .eps(double{cfg.eps})
-                                              .weight_decay(double{cfg.weight_decay}));
+      opt = std::make_unique<torch::optim::AdamW>(std::vector<torch::Tensor>{tp},
+                                                  torch::optim::AdamWOptions(double{cfg.lr})
+                                                      .betas({double{cfg.beta1}, double{cfg.beta2}})
+                                                      .eps(double{cfg.eps})
+                                                      .weight_decay(double{cfg.weight_decay}));
     } else {
-      opt = std::make_unique<torch::optim::Adam>(
-          std::vector<torch::Tensor>{tp}, torch::optim::AdamOptions(double{cfg.lr})
-                                              .betas({double{cfg.beta1}, double{cfg.beta2}})
-                                              .eps(double{cfg.eps})
-                                              .weight_decay(double{cfg.weight_decay}));
+      opt = std::make_unique<torch::optim::Adam>(std::vector<torch::Tensor>{tp},
+                                                 torch::optim::AdamOptions(double{cfg.lr})
+                                                     .betas({double{cfg.beta1}, double{cfg.beta2}})
+                                                     .eps(double{cfg.eps})
+                                                     .weight_decay(double{cfg.weight_decay}));
     }
     std::vector<uint16_t> g16(kN);
     std::vector<float> g_loss_scaled(kN);

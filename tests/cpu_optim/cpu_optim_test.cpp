@@ -41,9 +41,7 @@ std::string hex(uint32_t x) {
   return buf;
 }
 
-bool is_nan16(uint16_t h, DType dtype) {
-  return dtype == DType::kBF16 ? (h & 0x7FFF) > 0x7F80 : (h & 0x7FFF) > 0x7C00;
-}
+bool is_nan16(uint16_t h, DType dtype) { return dtype == DType::kBF16 ? (h & 0x7FFF) > 0x7F80 : (h & 0x7FFF) > 0x7C00; }
 
 // Same bits, or both NaN (payload and sign of NaNs are not part of the contract).
 ::testing::AssertionResult same_floats(const std::vector<float>& a, const std::vector<float>& b, const char* what) {
@@ -114,7 +112,9 @@ struct Grad {
   DType dtype;
   std::vector<float> f32;
   std::vector<uint16_t> u16;
-  ConstElemSpan span() const { return {dtype == DType::kF32 ? static_cast<const void*>(f32.data()) : u16.data(), dtype}; }
+  ConstElemSpan span() const {
+    return {dtype == DType::kF32 ? static_cast<const void*>(f32.data()) : u16.data(), dtype};
+  }
 };
 
 Grad make_random_grad(DType dtype, size_t n, uint32_t seed) {
@@ -191,9 +191,9 @@ TEST(Conversion, F16RoundsToNearestEvenIncludingDenormalsAndOverflow) {
   EXPECT_EQ(float_to_f16(65519.996f), 0x7BFF);
   EXPECT_EQ(float_to_f16(65520.0f), 0x7C00);  // tie between 65504 and 65536 goes to even = inf
   EXPECT_EQ(float_to_f16(std::ldexp(1.0f, -24)), 0x0001);
-  EXPECT_EQ(float_to_f16(std::ldexp(1.0f, -25)), 0x0000);   // tie to even
+  EXPECT_EQ(float_to_f16(std::ldexp(1.0f, -25)), 0x0000);  // tie to even
   EXPECT_EQ(float_to_f16(std::ldexp(1.5f, -25)), 0x0001);
-  EXPECT_EQ(float_to_f16(std::ldexp(3.0f, -25)), 0x0002);   // 1.5 ulp: tie, odd → even
+  EXPECT_EQ(float_to_f16(std::ldexp(3.0f, -25)), 0x0002);     // 1.5 ulp: tie, odd → even
   EXPECT_EQ(float_to_f16(std::ldexp(1023.5f, -24)), 0x0400);  // rounds up into the smallest normal
   EXPECT_EQ(float_to_f16(-0.0f), 0x8000);
   EXPECT_EQ(float_to_f16(bits_float(0x00000001)), 0x0000);
@@ -207,8 +207,8 @@ class SimdPath : public ::testing::TestWithParam<Isa> {
  protected:
   void SetUp() override {
     if (!isa_supported(GetParam()))
-      GTEST_SKIP() << "this CPU cannot run the " << isa_name(GetParam()) << " path (best here: "
-                   << isa_name(best_isa()) << "); it is tested on a machine that can";
+      GTEST_SKIP() << "this CPU cannot run the " << isa_name(GetParam()) << " path (best here: " << isa_name(best_isa())
+                   << "); it is tested on a machine that can";
     simd_ = make_executor(GetParam());
     scalar_ = make_executor(Isa::kScalar);
   }
@@ -286,7 +286,8 @@ TEST_P(SimdPath, AdamIsBitIdenticalToScalar) {
   AdamConfig configs[4];
   configs[0] = {.lr = 1e-3f, .weight_decay = 0.01f, .adam_w_mode = true, .bias_correction = true};
   configs[1] = {.lr = 2e-4f, .weight_decay = 0.1f, .adam_w_mode = false, .bias_correction = true};
-  configs[2] = {.lr = 1e-2f, .beta1 = 0.8f, .beta2 = 0.95f, .eps = 1e-6f, .weight_decay = 0.0f, .bias_correction = false};
+  configs[2] = {
+      .lr = 1e-2f, .beta1 = 0.8f, .beta2 = 0.95f, .eps = 1e-6f, .weight_decay = 0.0f, .bias_correction = false};
   configs[3] = {.lr = 5e-3f, .weight_decay = 0.0f, .adam_w_mode = false, .bias_correction = true};
   for (int c = 0; c < 4; ++c) {
     for (DType g : kDTypes) {
@@ -317,8 +318,9 @@ TEST_P(SimdPath, AdagradIsBitIdenticalToScalar) {
           p[k] = random_floats(kN, 1, 1.0f);
           v[k] = random_floats(kN, 3, 1e-4f, true);
           for (int s = 1; s <= 3; ++s)
-            ASSERT_TRUE(adagrad_step(cfg, p[k], v[k], random_grad(g, kN, 200 + s).span(), 0.5f, copies[k].span(), *ex[k])
-                            .is_ok());
+            ASSERT_TRUE(
+                adagrad_step(cfg, p[k], v[k], random_grad(g, kN, 200 + s).span(), 0.5f, copies[k].span(), *ex[k])
+                    .is_ok());
         }
         const std::string what = "wd " + std::to_string(wd) + ", " + case_name(g, cc);
         ASSERT_TRUE(mostly_updated(random_floats(kN, 1, 1.0f), p[0])) << what;
@@ -401,8 +403,8 @@ TEST_P(SimdPath, AccumulatesEveryDtypePairLikeScalar) {
         Copy simd = random_acc(a, 501), scalar = random_acc(a, 501);
         ASSERT_TRUE(accumulate(simd.span(), grad.span(), kN, from_zero, *simd_).is_ok());
         ASSERT_TRUE(accumulate(scalar.span(), grad.span(), kN, from_zero, *scalar_).is_ok());
-        EXPECT_TRUE(same_acc(simd, scalar, "accumulate")) << dtype_name(a) << " += " << dtype_name(g)
-                                                           << (from_zero ? ", from zero" : "");
+        EXPECT_TRUE(same_acc(simd, scalar, "accumulate"))
+            << dtype_name(a) << " += " << dtype_name(g) << (from_zero ? ", from zero" : "");
       }
     }
   }
@@ -493,7 +495,8 @@ TEST(ScalarAdam, MatchesNaiveDeepSpeedFormulas) {
   auto ex = make_executor(Isa::kScalar, 1);
   for (bool w_mode : {true, false}) {
     const AdamConfig cfg{.lr = 1e-3f, .weight_decay = 0.02f, .adam_w_mode = w_mode, .bias_correction = true};
-    std::vector<float> p = random_floats(kN, 5, 1.0f), m = random_floats(kN, 6, 0.01f), v = random_floats(kN, 7, 1e-4f, true);
+    std::vector<float> p = random_floats(kN, 5, 1.0f), m = random_floats(kN, 6, 0.01f),
+                       v = random_floats(kN, 7, 1e-4f, true);
     std::vector<float> rp = p, rm = m, rv = v;
     const float scale = 0.125f;
     for (int step = 1; step <= 4; ++step) {
@@ -631,8 +634,7 @@ TEST(Adam, RejectsBadArgumentsWithoutWriting) {
   EXPECT_EQ(adam_step({.beta2 = 1.0f}, 1, p, m, v, {g.data(), DType::kF32}, 1.0f, {}, *ex).code(),
             StatusCode::kInvalidArgument);
   EXPECT_EQ(adam_step({}, 1, p, m, v, {nullptr, DType::kF32}, 1.0f, {}, *ex).code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(adam_step({}, 1, p, m, v, {g.data(), DType::kF32}, INFINITY, {}, *ex).code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(adam_step({}, 1, p, m, v, {g.data(), DType::kF32}, INFINITY, {}, *ex).code(), StatusCode::kInvalidArgument);
   for (float x : p) EXPECT_EQ(x, 1.0f);
   EXPECT_TRUE(adam_step({}, 1, {}, {}, {}, {nullptr, DType::kF32}, 1.0f, {}, *ex).is_ok());  // n = 0
 }

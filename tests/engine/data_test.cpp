@@ -42,7 +42,9 @@ class DataFiles : public ::testing::Test {
     out.write(static_cast<const char*>(data), static_cast<std::streamsize>(size));
     return path;
   }
-  std::string write_text(const std::string& name, const std::string& text) { return write(name, text.data(), text.size()); }
+  std::string write_text(const std::string& name, const std::string& text) {
+    return write(name, text.data(), text.size());
+  }
   template <typename T>
   std::string write_tokens(const std::string& name, const std::vector<T>& tokens) {
     return write(name, tokens.data(), tokens.size() * sizeof(T));
@@ -120,7 +122,8 @@ TEST_F(DataFiles, RawBinIsUint16UnlessToldUint32) {
 }
 
 TEST_F(DataFiles, RawUint32TokenBeyondInt32IsAnError) {
-  auto s = open_ok(write_tokens<uint32_t>("big.bin", {1, 0x80000000u}), {.format = DataFormat::kRawBin, .raw_token_bytes = 4});
+  auto s = open_ok(write_tokens<uint32_t>("big.bin", {1, 0x80000000u}),
+                   {.format = DataFormat::kRawBin, .raw_token_bytes = 4});
   ASSERT_TRUE(s);
   int32_t t[2];
   Status st = s->read(0, 2, t, nullptr);
@@ -130,8 +133,8 @@ TEST_F(DataFiles, RawUint32TokenBeyondInt32IsAnError) {
 }
 
 TEST_F(DataFiles, LlmcHeaderErrorsNameTheFileAndTheMismatch) {
-  auto bad_magic = open_token_source(write_llmc<uint16_t>("m.bin", {1, 2}, 1, /*magic=*/12345),
-                                     {.format = DataFormat::kLlmcBin});
+  auto bad_magic =
+      open_token_source(write_llmc<uint16_t>("m.bin", {1, 2}, 1, /*magic=*/12345), {.format = DataFormat::kLlmcBin});
   ASSERT_FALSE(bad_magic);
   EXPECT_EQ(bad_magic.status().code(), StatusCode::kCorruption);
   EXPECT_THAT(bad_magic.status().message(), HasSubstr("m.bin: bad llm.c magic 12345"));
@@ -158,17 +161,19 @@ TEST_F(DataFiles, AnLlmcHeaderWithAWrongMagicIsRefusedUnderAuto) {
   ASSERT_FALSE(r);
   EXPECT_EQ(r.status().code(), StatusCode::kCorruption);
   EXPECT_EQ(r.status().message(), v1 + ": looks like an llm.c token file (version 1, 5 tokens) but its magic is 12345, "
-                                        "not 20240520: pass --data-format raw to read it as raw uint16 tokens");
+                                       "not 20240520: pass --data-format raw to read it as raw uint16 tokens");
 
   // Version 2 (uint32 tokens), magic zeroed: the count fits the size (1024 + 3 · 4 bytes).
   auto v2 = open_token_source(write_llmc<uint32_t>("zero.bin", {1, 2, 3}, 2, /*magic=*/0), {});
   ASSERT_FALSE(v2);
-  EXPECT_THAT(v2.status().message(), HasSubstr("zero.bin: looks like an llm.c token file (version 2, 3 tokens) but its magic is 0,"));
+  EXPECT_THAT(v2.status().message(),
+              HasSubstr("zero.bin: looks like an llm.c token file (version 2, 3 tokens) but its magic is 0,"));
 
   // One bit off the magic (20240520 ^ 1) in a file cut short: the count no longer fits, the magic still says llm.c.
   auto cut = open_token_source(write_llmc<uint16_t>("cut.bin", {1, 2, 3}, 1, 20240520 ^ 1, /*count=*/1000), {});
   ASSERT_FALSE(cut);
-  EXPECT_THAT(cut.status().message(), HasSubstr("cut.bin: looks like an llm.c token file (version 1, 1000 tokens) but its magic is 20240521,"));
+  EXPECT_THAT(cut.status().message(),
+              HasSubstr("cut.bin: looks like an llm.c token file (version 1, 1000 tokens) but its magic is 20240521,"));
 
   // Told raw, it is raw: the header's int32s as uint16 pairs (12345, 0, 1, 0, 5, 0, then zeros), then the tokens.
   auto raw = open_ok(v1, {.format = DataFormat::kRawBin});
@@ -249,10 +254,12 @@ TEST_F(DataFiles, JsonlErrorsNameFileAndLine) {
       {"{\"input_ids\": [1, 2.5]}", "bad.jsonl:3: input_ids[1] = 2.5"},
       {"{\"input_ids\": \"hello\"}", "bad.jsonl:3: \"input_ids\" must be an array"},
       {"{\"input_ids\": [1, 2], \"labels\": [1]}", "bad.jsonl:3: \"labels\" has 1 entries but \"input_ids\" has 2"},
-      {"{\"input_ids\": [1, 2], \"labels\": [1, -7]}", "bad.jsonl:3: labels[1] = -7 is not a token id in [0, 2^31) or -100"},
+      {"{\"input_ids\": [1, 2], \"labels\": [1, -7]}",
+       "bad.jsonl:3: labels[1] = -7 is not a token id in [0, 2^31) or -100"},
   };
   for (const Case& c : cases) {
-    auto r = open_token_source(write_text("bad.jsonl", "{\"input_ids\": [1]}\n{\"input_ids\": [2]}\n" + c.third_line + "\n"), {});
+    auto r = open_token_source(
+        write_text("bad.jsonl", "{\"input_ids\": [1]}\n{\"input_ids\": [2]}\n" + c.third_line + "\n"), {});
     ASSERT_FALSE(r) << c.third_line;
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
     EXPECT_THAT(r.status().message(), HasSubstr(c.message)) << c.third_line;
@@ -323,7 +330,8 @@ TEST_F(DataFiles, ExplicitFormatOverridesTheExtension) {
 }
 
 TEST(DataFormat, ParsesItsNames) {
-  for (DataFormat f : {DataFormat::kAuto, DataFormat::kLlmcBin, DataFormat::kRawBin, DataFormat::kJsonl, DataFormat::kText})
+  for (DataFormat f :
+       {DataFormat::kAuto, DataFormat::kLlmcBin, DataFormat::kRawBin, DataFormat::kJsonl, DataFormat::kText})
     EXPECT_EQ(parse_data_format(to_string(f)).value(), f);
   EXPECT_THAT(parse_data_format("csv").status().message(), HasSubstr("auto, llmc, raw, jsonl, text"));
 }
@@ -433,23 +441,27 @@ TEST_F(DataFiles, AllMaskedLabelsAreRefusedAtOpen) {
 
   // 9 tokens, seq_len 4: 2 windows with targets at tokens 1–8. A label only at token 0 is never a target.
   const std::string first = write_text("first.jsonl",
-      "{\"input_ids\": [1, 2, 3, 4, 5, 6, 7, 8, 9], \"labels\": [1, -100, -100, -100, -100, -100, -100, -100, -100]}\n");
+                                       "{\"input_ids\": [1, 2, 3, 4, 5, 6, 7, 8, 9], \"labels\": [1, -100, -100, -100, "
+                                       "-100, -100, -100, -100, -100]}\n");
   auto f = Dataset::open(options(first, 4, 1));
   ASSERT_FALSE(f);
-  EXPECT_EQ(f.status().message(), first + ": every target of its 2 windows of seq_len 4 is -100 (masked); its other "
-                                          "labels are at token 0, which is never a target: there is nothing to train on");
+  EXPECT_EQ(f.status().message(), first +
+                                      ": every target of its 2 windows of seq_len 4 is -100 (masked); its other "
+                                      "labels are at token 0, which is never a target: there is nothing to train on");
   // 11 tokens, seq_len 4: still 2 windows (targets 1–8); the labels of the second example, tokens
   // 9 and 10, fill no window.
   const std::string tail = write_text("tail.jsonl",
-      "{\"input_ids\": [1, 2, 3, 4, 5, 6, 7, 8, 9], \"labels\": [-100, -100, -100, -100, -100, -100, -100, -100, -100]}\n"
-      "{\"input_ids\": [10, 11]}\n");
+                                      "{\"input_ids\": [1, 2, 3, 4, 5, 6, 7, 8, 9], \"labels\": [-100, -100, -100, "
+                                      "-100, -100, -100, -100, -100, -100]}\n"
+                                      "{\"input_ids\": [10, 11]}\n");
   auto t = Dataset::open(options(tail, 4, 1));
   ASSERT_FALSE(t);
   EXPECT_THAT(t.status().message(), HasSubstr("its other labels are in the last 2 tokens, which fill no window"));
 
   // One real label among the targets is enough, and the batch that holds it trains on it.
   const std::string one = write_text("one.jsonl",
-      "{\"input_ids\": [1, 2, 3, 4, 5, 6, 7, 8, 9], \"labels\": [-100, -100, -100, -100, -100, 6, -100, -100, -100]}\n");
+                                     "{\"input_ids\": [1, 2, 3, 4, 5, 6, 7, 8, 9], \"labels\": [-100, -100, -100, "
+                                     "-100, -100, 6, -100, -100, -100]}\n");
   auto d = open_dataset(options(one, 4, 1, 0, /*shuffle=*/false));
   ASSERT_TRUE(d);
   EXPECT_THAT(next(*d).targets, ElementsAre(-100, -100, -100, -100));
@@ -462,7 +474,8 @@ TEST_F(DataFiles, TooLittleDataSaysHowMuchIsNeeded) {
   auto r = Dataset::open(options(write_text("small.txt", std::string(40, 'x')), 16, 2, 0, true, 0, 2));
   ASSERT_FALSE(r);
   EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_THAT(r.status().message(), HasSubstr("small.txt: too little data: 40 tokens (text) make 2 windows of seq_len 16"));
+  EXPECT_THAT(r.status().message(),
+              HasSubstr("small.txt: too little data: 40 tokens (text) make 2 windows of seq_len 16"));
   EXPECT_THAT(r.status().message(), HasSubstr("needs 4 windows, i.e. at least 65 tokens"));
   EXPECT_THAT(Dataset::open(options(write_text("one.txt", "x"), 1, 1)).status().message(), HasSubstr("make 0 windows"));
 }

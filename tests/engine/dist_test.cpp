@@ -31,9 +31,14 @@ TEST(WorldFromEnv, AWorldOfOneNeedsNoRendezvous) {
 }
 
 TEST(WorldFromEnv, ReadsTorchrun) {
-  auto w = world_from_env(env_of({{"WORLD_SIZE", "4"}, {"RANK", "3"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "2"},
-                                  {"MASTER_ADDR", "node0"}, {"MASTER_PORT", "29500"},
-                                  {"TORCHELASTIC_USE_AGENT_STORE", "True"}, {"TORCHELASTIC_RESTART_COUNT", "2"}}));
+  auto w = world_from_env(env_of({{"WORLD_SIZE", "4"},
+                                  {"RANK", "3"},
+                                  {"LOCAL_RANK", "1"},
+                                  {"LOCAL_WORLD_SIZE", "2"},
+                                  {"MASTER_ADDR", "node0"},
+                                  {"MASTER_PORT", "29500"},
+                                  {"TORCHELASTIC_USE_AGENT_STORE", "True"},
+                                  {"TORCHELASTIC_RESTART_COUNT", "2"}}));
   ASSERT_TRUE(w.is_ok()) << w.status().to_string();
   EXPECT_EQ(w->rank, 3u);
   EXPECT_EQ(w->world_size, 4u);
@@ -47,8 +52,11 @@ TEST(WorldFromEnv, ReadsTorchrun) {
 }
 
 TEST(WorldFromEnv, ReadsOpenMpiMpichAndSrun) {
-  auto ompi = world_from_env(env_of({{"OMPI_COMM_WORLD_SIZE", "2"}, {"OMPI_COMM_WORLD_RANK", "1"},
-                                     {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "1"}}));
+  auto ompi = world_from_env(env_of({{"OMPI_COMM_WORLD_SIZE", "2"},
+                                     {"OMPI_COMM_WORLD_RANK", "1"},
+                                     {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
+                                     {"MASTER_ADDR", "h"},
+                                     {"MASTER_PORT", "1"}}));
   ASSERT_TRUE(ompi.is_ok()) << ompi.status().to_string();
   EXPECT_EQ(ompi->launcher, "Open MPI");
   EXPECT_EQ(ompi->rank, 1u);
@@ -57,8 +65,11 @@ TEST(WorldFromEnv, ReadsOpenMpiMpichAndSrun) {
   ASSERT_TRUE(pmi.is_ok()) << pmi.status().to_string();
   EXPECT_EQ(pmi->launcher, "MPICH/Intel MPI");
   EXPECT_EQ(pmi->rank, 2u);
-  auto srun = world_from_env(env_of({{"SLURM_STEP_NUM_TASKS", "2"}, {"SLURM_PROCID", "0"}, {"SLURM_LOCALID", "0"},
-                                     {"MASTER_ADDR", "h"}, {"MASTER_PORT", "3"}}));
+  auto srun = world_from_env(env_of({{"SLURM_STEP_NUM_TASKS", "2"},
+                                     {"SLURM_PROCID", "0"},
+                                     {"SLURM_LOCALID", "0"},
+                                     {"MASTER_ADDR", "h"},
+                                     {"MASTER_PORT", "3"}}));
   ASSERT_TRUE(srun.is_ok()) << srun.status().to_string();
   EXPECT_EQ(srun->launcher, "srun");
   EXPECT_EQ(srun->world_size, 2u);
@@ -75,7 +86,8 @@ TEST(WorldFromEnv, RefusesWhatItCannotServeNamingTheVariable) {
   expect_refused({{"WORLD_SIZE", "two"}}, "WORLD_SIZE=two (set by torchrun) is not a count");
   expect_refused({{"WORLD_SIZE", "0"}}, "WORLD_SIZE=0");
   expect_refused({{"WORLD_SIZE", "2"}}, "RANK is not set");
-  expect_refused({{"WORLD_SIZE", "2"}, {"RANK", "2"}}, "RANK=2 (set by torchrun) is over the last rank, WORLD_SIZE - 1 = 1");
+  expect_refused({{"WORLD_SIZE", "2"}, {"RANK", "2"}},
+                 "RANK=2 (set by torchrun) is over the last rank, WORLD_SIZE - 1 = 1");
   expect_refused({{"WORLD_SIZE", "2"}, {"RANK", "-1"}}, "RANK=-1 (set by torchrun) is not a count");
   expect_refused({{"WORLD_SIZE", "2"}, {"RANK", "1"}}, "rank 1 of 2 (torchrun): MASTER_ADDR is not set");
   expect_refused({{"PMI_SIZE", "2"}, {"PMI_RANK", "1"}, {"MASTER_ADDR", "h"}}, "MASTER_PORT is not set");

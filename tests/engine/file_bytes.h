@@ -25,9 +25,8 @@ inline std::vector<std::byte> read_file_bytes(const std::string& path, uint64_t 
   const ssize_t n = ::pread(fd, out.data(), out.size(), static_cast<off_t>(offset_bytes));
   const int err = errno;
   ::close(fd);
-  ZO_CHECK(n == static_cast<ssize_t>(size_bytes))
-      << "pread " << path << " offset " << offset_bytes << " length " << size_bytes << ": " << n << " "
-      << std::strerror(err);
+  ZO_CHECK(n == static_cast<ssize_t>(size_bytes)) << "pread " << path << " offset " << offset_bytes << " length "
+                                                  << size_bytes << ": " << n << " " << std::strerror(err);
   return out;
 }
 
@@ -44,8 +43,8 @@ inline void write_file_bytes(const std::string& path, uint64_t offset_bytes, con
     err = errno;
   }
   ::close(fd);
-  ZO_CHECK(done) << "pwrite and fdatasync " << path << " offset " << offset_bytes << " length " << bytes.size()
-                 << ": " << n << " " << std::strerror(err);
+  ZO_CHECK(done) << "pwrite and fdatasync " << path << " offset " << offset_bytes << " length " << bytes.size() << ": "
+                 << n << " " << std::strerror(err);
 }
 
 }  // namespace zo::engine

@@ -20,8 +20,8 @@
 namespace zo::engine {
 namespace {
 
-using ::testing::HasSubstr;
 using nlohmann::json;
+using ::testing::HasSubstr;
 
 TEST(MemoryAccounting, TracksResidentAndPeakPerTier) {
   MemoryAccounting acc;
@@ -278,7 +278,9 @@ void expect_consistent(const ParamRegistry& r, uint64_t sub_group_size) {
   EXPECT_EQ(flat, r.total_elems());
   uint64_t total = 0;
   for (const ParamInfo& p : r.params()) {
-    auto flat_of = [&](const ParamPiece& piece) { return r.sub_groups()[piece.sub_group].first_elem + piece.group_offset; };
+    auto flat_of = [&](const ParamPiece& piece) {
+      return r.sub_groups()[piece.sub_group].first_elem + piece.group_offset;
+    };
     const uint64_t start = flat_of(r.pieces_of_param(p.id)[0]);
     uint64_t covered = 0;
     uint32_t prev_group = 0;
@@ -288,7 +290,7 @@ void expect_consistent(const ParamRegistry& r, uint64_t sub_group_size) {
       if (covered > 0) {
         EXPECT_EQ(piece.sub_group, prev_group + 1);  // consecutive groups
       }
-      EXPECT_EQ(flat_of(piece), start + covered);                     // contiguous in the flat space
+      EXPECT_EQ(flat_of(piece), start + covered);  // contiguous in the flat space
       covered += piece.n_elems;
       prev_group = piece.sub_group;
     }
@@ -301,8 +303,8 @@ void expect_consistent(const ParamRegistry& r, uint64_t sub_group_size) {
 TEST(ParamRegistry, PacksWholeParamsWhileTheyFit) {
   auto r = must_build({spec("a", {3000}), spec("b", {1000, 2}), spec("c", {8000}), spec("d", {10})}, 10000);
   ASSERT_EQ(r.sub_groups().size(), 2u);
-  EXPECT_EQ(r.sub_groups()[0].n_elems, 5000u);   // a + b
-  EXPECT_EQ(r.sub_groups()[1].n_elems, 8010u);   // c + d: c did not fit after a, b
+  EXPECT_EQ(r.sub_groups()[0].n_elems, 5000u);  // a + b
+  EXPECT_EQ(r.sub_groups()[1].n_elems, 8010u);  // c + d: c did not fit after a, b
   EXPECT_EQ(r.params()[1].n_elems, 2000u);
   EXPECT_EQ(r.pieces_of_group(1)[1].group_offset, 8000u);
   EXPECT_EQ(r.max_group_elems(), 8010u);
@@ -354,7 +356,8 @@ TEST(ParamRegistry, PartitionsAreContiguousBalancedAndCutNoSubGroup) {
     const auto world = static_cast<uint32_t>(2 + rng() % 4);
     std::vector<ParamSpec> params;
     const int n = 1 + static_cast<int>(rng() % 30);
-    for (int i = 0; i < n; ++i) params.push_back(spec("p" + std::to_string(i), {1 + static_cast<int64_t>(rng() % 300000)}));
+    for (int i = 0; i < n; ++i)
+      params.push_back(spec("p" + std::to_string(i), {1 + static_cast<int64_t>(rng() % 300000)}));
     auto built = ParamRegistry::build(params, sgs, world);
     if (!built.is_ok()) {  // only a model too small to cut
       EXPECT_THAT(built.status().message(), HasSubstr("too few to partition"));
@@ -434,10 +437,16 @@ struct Offload {
 };
 
 Config config_for(const Offload& o) {
-  json oo = {{"device", o.optimizer}, {"buffer_count", o.optimizer_buffer_count}, {"pin_memory", o.pin_optimizer},
-             {"pipeline_read", o.pipeline_read}, {"pipeline_write", o.pipeline_write}};
-  json op = {{"device", o.param}, {"buffer_count", o.param_buffer_count}, {"buffer_size", o.param_buffer_size},
-             {"max_in_cpu", o.max_in_cpu}, {"pin_memory", o.pin_param}};
+  json oo = {{"device", o.optimizer},
+             {"buffer_count", o.optimizer_buffer_count},
+             {"pin_memory", o.pin_optimizer},
+             {"pipeline_read", o.pipeline_read},
+             {"pipeline_write", o.pipeline_write}};
+  json op = {{"device", o.param},
+             {"buffer_count", o.param_buffer_count},
+             {"buffer_size", o.param_buffer_size},
+             {"max_in_cpu", o.max_in_cpu},
+             {"pin_memory", o.pin_param}};
   if (o.optimizer == "nvme") oo["nvme_path"] = "/nvme";
   if (o.param == "nvme") op["nvme_path"] = "/nvme";
   json j = {{"train_micro_batch_size_per_gpu", 1},
@@ -617,7 +626,7 @@ TEST(PlanMemory, ParamBuffersAtMostTheParamsOnNvme) {
   o.max_in_cpu = 0;
   auto r = uniform(2, 5000, 1 << 20);
   MemoryPlan p = must_plan(config_for(o), r);
-  EXPECT_EQ(p.param_swap_buffers, 2u);  // buffer_count 5, but only 2 params
+  EXPECT_EQ(p.param_swap_buffers, 2u);       // buffer_count 5, but only 2 params
   EXPECT_EQ(p.compute_staging_buffers, 0u);  // the optimizer swap buffer carries the compute section
 }
 

@@ -44,8 +44,10 @@ TEST(MonitorTags, AreDeepSpeedsForEveryNumberOfTheRecord) {
       R"({"step":3,"loss":2.5,"lr":1e-4,"grad_norm":null,"skipped":true,"time_s":{"compute":1.5},"memory":{"cpu":{"peak_bytes":7}}})"));
   std::map<std::string, double> got;
   for (const Scalar& x : s) got[x.tag] = x.value;
-  const std::map<std::string, double> want = {{"Train/Samples/train_loss", 2.5}, {"Train/Samples/lr", 1e-4},
-                                              {"Train/Samples/skipped", 1.0}, {"Train/Samples/time_s/compute", 1.5},
+  const std::map<std::string, double> want = {{"Train/Samples/train_loss", 2.5},
+                                              {"Train/Samples/lr", 1e-4},
+                                              {"Train/Samples/skipped", 1.0},
+                                              {"Train/Samples/time_s/compute", 1.5},
                                               {"Train/Samples/memory/cpu/peak_bytes", 7.0}};
   EXPECT_EQ(got, want);  // no step (the x axis), no null grad_norm
 }
@@ -82,7 +84,8 @@ TEST_F(MonitorDir, ADirectoryWhereACsvFileGoesIsRefusedAndKept) {
   const std::vector<Scalar> record = {{"Train/Samples/train_loss", 2.5}, {"Train/Samples/lr", 0.1}};
   const Status checked = CsvMonitor::check_files(io::Env::posix(), dir_ + "/job", record);
   EXPECT_EQ(checked.code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(checked.message(), "csv_monitor file " + dir_ + "/job/Train_Samples_lr.csv is a directory: give the path of a file");
+  EXPECT_EQ(checked.message(),
+            "csv_monitor file " + dir_ + "/job/Train_Samples_lr.csv is a directory: give the path of a file");
   EXPECT_FALSE((*m)->write(8, record).is_ok());
   EXPECT_EQ(read_all(dir_ + "/job/Train_Samples_lr.csv/mine/notes.txt"), "keep\n");
   ASSERT_TRUE(CsvMonitor::check_files(io::Env::posix(), dir_ + "/job", {{"Train/Samples/train_loss", 2.5}}).is_ok());

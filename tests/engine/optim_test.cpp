@@ -125,8 +125,12 @@ TEST(LrSchedule, WarmupCosineLrLogWarmup) {
   c.cos_min_ratio = 0.05;
   auto s = LrSchedule::create(c, 1e-3);
   ASSERT_TRUE(s) << s.status().to_string();
-  expect_schedule(*s, {{0, 0.0}, {1, 0.0003333333333333334}, {7, 0.001}, {8, 0.0009838147674873074},
-                       {13, 0.0005250000000000001}, {19, 5e-05}});
+  expect_schedule(*s, {{0, 0.0},
+                       {1, 0.0003333333333333334},
+                       {7, 0.001},
+                       {8, 0.0009838147674873074},
+                       {13, 0.0005250000000000001},
+                       {19, 5e-05}});
 }
 
 TEST(LrSchedule, WarmupCosineLrHoldsItsMinimumPastTheEnd) {

@@ -229,8 +229,8 @@ TEST(SwapFile, InjectedErrorNamesWhatPathOffsetAndKeepsErrno) {
   ASSERT_FALSE(s.is_ok());
   EXPECT_EQ(s.code(), StatusCode::kIoError);
   EXPECT_EQ(s.sys_errno(), EIO);
-  EXPECT_THAT(s.message(), HasSubstr("sub-group 1 optimizer states: read of 128 KiB at offset 131072 in " +
-                                     (*f)->path()));
+  EXPECT_THAT(s.message(),
+              HasSubstr("sub-group 1 optimizer states: read of 128 KiB at offset 131072 in " + (*f)->path()));
   EXPECT_EQ(acc.snapshot().nvme_read_bytes, 0u);  // a failed read moved nothing usable
 
   rule.kind = io::FaultKind::kNoSpace;

@@ -46,17 +46,18 @@ struct Placing {
   bool pipeline_write = false;
   bool pin_optimizer = true;
   bool pin_param = true;
-  bool bf16 = true;                // compute dtype bf16, else fp32
-  std::string grad = "fp32";       // data_types.grad_accum_dtype
+  bool bf16 = true;           // compute dtype bf16, else fp32
+  std::string grad = "fp32";  // data_types.grad_accum_dtype
   uint64_t max_in_cpu = 1'000'000'000;
   uint64_t param_buffer_count = 3;
   std::string optimizer_type = "AdamW";
   std::string accumulators = "auto";  // zoffload.gradient_accumulators
 
   std::string describe() const {
-    return "optimizer " + optimizer + " accumulators " + accumulators + " param " + param + " read " + std::to_string(pipeline_read) + " write " +
-           std::to_string(pipeline_write) + " pin " + std::to_string(pin_optimizer) + std::to_string(pin_param) +
-           (bf16 ? " bf16" : " fp32") + " grad " + grad + " max_in_cpu " + std::to_string(max_in_cpu);
+    return "optimizer " + optimizer + " accumulators " + accumulators + " param " + param + " read " +
+           std::to_string(pipeline_read) + " write " + std::to_string(pipeline_write) + " pin " +
+           std::to_string(pin_optimizer) + std::to_string(pin_param) + (bf16 ? " bf16" : " fp32") + " grad " + grad +
+           " max_in_cpu " + std::to_string(max_in_cpu);
   }
 };
 
@@ -65,24 +66,32 @@ std::string b(bool v) { return v ? "true" : "false"; }
 Config make_config(const Placing& s, const std::string& dir) {
   std::string json = R"({"train_micro_batch_size_per_gpu": 1,
     "zero_optimization": {"stage": 3, "sub_group_size": 8192,
-      "offload_optimizer": {"device": ")" + s.optimizer + R"(", "nvme_path": ")" + dir + R"(",
-        "pipeline_read": )" + b(s.pipeline_read) + R"(, "pipeline_write": )" + b(s.pipeline_write) +
-                     R"(, "pin_memory": )" + b(s.pin_optimizer) + R"(},
-      "offload_param": {"device": ")" + s.param + R"(", "nvme_path": ")" + dir + R"(",
-        "buffer_count": )" + std::to_string(s.param_buffer_count) + R"(, "buffer_size": 100000,
-        "max_in_cpu": )" + std::to_string(s.max_in_cpu) + R"(, "pin_memory": )" + b(s.pin_param) + R"(}},
-    "bf16": {"enabled": )" + b(s.bf16) + R"(},
-    "data_types": {"grad_accum_dtype": ")" + s.grad + R"("},
-    "optimizer": {"type": ")" + s.optimizer_type + R"(", "params": {"lr": 0.01, "weight_decay": 0.1}},
-    "zoffload": {"gradient_accumulators": ")" + s.accumulators + R"("}})";
+      "offload_optimizer": {"device": ")" +
+                     s.optimizer + R"(", "nvme_path": ")" + dir + R"(",
+        "pipeline_read": )" +
+                     b(s.pipeline_read) + R"(, "pipeline_write": )" + b(s.pipeline_write) + R"(, "pin_memory": )" +
+                     b(s.pin_optimizer) + R"(},
+      "offload_param": {"device": ")" +
+                     s.param + R"(", "nvme_path": ")" + dir + R"(",
+        "buffer_count": )" +
+                     std::to_string(s.param_buffer_count) + R"(, "buffer_size": 100000,
+        "max_in_cpu": )" +
+                     std::to_string(s.max_in_cpu) + R"(, "pin_memory": )" + b(s.pin_param) + R"(}},
+    "bf16": {"enabled": )" +
+                     b(s.bf16) + R"(},
+    "data_types": {"grad_accum_dtype": ")" +
+                     s.grad + R"("},
+    "optimizer": {"type": ")" +
+                     s.optimizer_type + R"(", "params": {"lr": 0.01, "weight_decay": 0.1}},
+    "zoffload": {"gradient_accumulators": ")" +
+                     s.accumulators + R"("}})";
   return parse_test_config(json);
 }
 
 // Odd sizes: "b" is split over three sub-groups of 8192 elements, "e" over two.
 std::vector<ParamSpec> model() {
-  return {{"model.a.weight", {37, 53}}, {"model.b.weight", {3, 7000}}, {"model.c.bias", {5000}},
-          {"model.d.scale", {1}},       {"model.e.weight", {12288}},    {"model.f.weight", {4099}},
-          {"model.g.bias", {777}}};
+  return {{"model.a.weight", {37, 53}}, {"model.b.weight", {3, 7000}}, {"model.c.bias", {5000}}, {"model.d.scale", {1}},
+          {"model.e.weight", {12288}},  {"model.f.weight", {4099}},    {"model.g.bias", {777}}};
 }
 
 AdamConfig adam_of(const Config& c) {
@@ -420,7 +429,8 @@ TEST(StateStore, WriteStateReadsBackBitExactInEveryTier) {
       for (const auto& g : rig.registry.sub_groups()) {
         Bytes buf(written[k][g.index].size());
         ASSERT_TRUE(rig.store->read_state(g.index, static_cast<StateKind>(k), buf).is_ok());
-        EXPECT_TRUE(buf == written[k][g.index]) << "sub-group " << g.index << " " << state_name(static_cast<StateKind>(k));
+        EXPECT_TRUE(buf == written[k][g.index])
+            << "sub-group " << g.index << " " << state_name(static_cast<StateKind>(k));
       }
     }
     // A wrong size is refused.
@@ -459,7 +469,8 @@ TEST(StateStore, AWriteEndingAtAStatesEndZeroesThePaddingOfItsLastPageUnread) {
   std::mt19937 rng(23);
   const Bytes garbage_byte(1, std::byte{0xa5});
   auto nonzero = [](const Bytes& b, uint64_t from) {
-    return std::count_if(b.begin() + static_cast<std::ptrdiff_t>(from), b.end(), [](std::byte x) { return x != std::byte{0}; });
+    return std::count_if(b.begin() + static_cast<std::ptrdiff_t>(from), b.end(),
+                         [](std::byte x) { return x != std::byte{0}; });
   };
   for (StateKind kind : {StateKind::kMaster, StateKind::kExpAvg, StateKind::kExpAvgSq, StateKind::kGradAccum}) {
     SCOPED_TRACE(std::string(state_name(kind)) + " of sub-group " + std::to_string(g));
@@ -517,7 +528,8 @@ TEST(StateStore, InitParamInSlicesSetsMasterComputeAndZeroesMoments) {
     std::mt19937 rng(3);
     for (const auto& g : rig.registry.sub_groups()) {
       for (StateKind kind : {StateKind::kExpAvg, StateKind::kExpAvgSq}) {
-        ASSERT_TRUE(rig.store->write_state(g.index, kind, random_bytes(rig.store->state_bytes(g.index, kind), rng)).is_ok());
+        ASSERT_TRUE(
+            rig.store->write_state(g.index, kind, random_bytes(rig.store->state_bytes(g.index, kind), rng)).is_ok());
       }
     }
     ASSERT_TRUE(init_all(*rig.store, in).is_ok());
@@ -790,7 +802,8 @@ TEST(StateStoreBudget, StepsStayWithinTheCapsAndAllocateNothing) {
       auto report = (*swapper)->step(step_args(rig, i + 1));
       ASSERT_TRUE(report.is_ok()) << report.status().to_string();
       EXPECT_EQ(rig.store->pool().used_bytes(), pool_used) << "no pinned allocation inside the step";
-      EXPECT_EQ(rig.device->stats().allocated_bytes, dev_before.allocated_bytes) << "no device allocation inside the step";
+      EXPECT_EQ(rig.device->stats().allocated_bytes, dev_before.allocated_bytes)
+          << "no device allocation inside the step";
     }
     const auto dev = rig.device->stats();
     const auto mem = rig.accounting.snapshot();
@@ -979,7 +992,8 @@ TEST(ParamSwapper, BuffersAreBounded) {
   ASSERT_TRUE(h3.is_ok());
   auto bytes = f.swapper->wait(*h3);
   ASSERT_TRUE(bytes.is_ok());
-  EXPECT_TRUE(std::equal(bytes->begin(), bytes->end(), to_dtype(f.in.weights[f.nvme_params[2]], f.rig.compute_dtype()).begin()));
+  EXPECT_TRUE(std::equal(bytes->begin(), bytes->end(),
+                         to_dtype(f.in.weights[f.nvme_params[2]], f.rig.compute_dtype()).begin()));
   EXPECT_FALSE(f.swapper->wait(*h0).is_ok()) << "a released handle is stale";
   f.swapper->release(*h1);
   f.swapper->release(*h3);

@@ -60,8 +60,13 @@ inline std::vector<AdamCase> adam_cases() {
           c.grad_dtype = g;
           c.copy = copy > 0;
           c.copy_dtype = copy == 1 ? DType::kBF16 : copy == 2 ? DType::kF16 : DType::kF32;
-          c.config = {.lr = 3e-3f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f, .weight_decay = wd,
-                      .adam_w_mode = w, .bias_correction = true};
+          c.config = {.lr = 3e-3f,
+                      .beta1 = 0.9f,
+                      .beta2 = 0.999f,
+                      .eps = 1e-8f,
+                      .weight_decay = wd,
+                      .adam_w_mode = w,
+                      .bias_correction = true};
           cases.push_back(c);
         }
   return cases;

@@ -23,14 +23,41 @@ inline std::vector<uint16_t> all_16bit_patterns() {
 // and near-ties for both 16-bit formats, fp32 denormals, and a strided sweep of all bit patterns.
 inline std::vector<float> float_cast_inputs() {
   using cpu_optim::bits_float;
-  std::vector<uint32_t> bits = {
-      0x00000000u, 0x80000000u, 0x7F800000u, 0xFF800000u, 0x7FC00000u, 0xFFC00000u, 0x7F800001u,
-      0xFF812345u, 0x7FBFFFFFu, 0x00000001u, 0x80000001u, 0x007FFFFFu, 0x00800000u, 0x7F7FFFFFu,
-      0xFF7FFFFFu, 0x477FE000u /*65504*/, 0x477FEFFFu, 0x477FF000u /*65520*/, 0x477FF001u,
-      0x38800000u /*2^-14*/, 0x387FFFFFu, 0x33000000u /*2^-25*/, 0x33000001u, 0x33800000u /*2^-24*/,
-      0x3F800000u, 0x3F808000u /*bf16 tie to even (down)*/, 0x3F818000u /*tie up*/, 0x3F807FFFu,
-      0x3F808001u, 0x3F801000u /*fp16 tie*/, 0x3F803000u, 0x3F800FFFu, 0x3F801001u, 0x7F7F8000u,
-      0x7F7F7FFFu};
+  std::vector<uint32_t> bits = {0x00000000u,
+                                0x80000000u,
+                                0x7F800000u,
+                                0xFF800000u,
+                                0x7FC00000u,
+                                0xFFC00000u,
+                                0x7F800001u,
+                                0xFF812345u,
+                                0x7FBFFFFFu,
+                                0x00000001u,
+                                0x80000001u,
+                                0x007FFFFFu,
+                                0x00800000u,
+                                0x7F7FFFFFu,
+                                0xFF7FFFFFu,
+                                0x477FE000u /*65504*/,
+                                0x477FEFFFu,
+                                0x477FF000u /*65520*/,
+                                0x477FF001u,
+                                0x38800000u /*2^-14*/,
+                                0x387FFFFFu,
+                                0x33000000u /*2^-25*/,
+                                0x33000001u,
+                                0x33800000u /*2^-24*/,
+                                0x3F800000u,
+                                0x3F808000u /*bf16 tie to even (down)*/,
+                                0x3F818000u /*tie up*/,
+                                0x3F807FFFu,
+                                0x3F808001u,
+                                0x3F801000u /*fp16 tie*/,
+                                0x3F803000u,
+                                0x3F800FFFu,
+                                0x3F801001u,
+                                0x7F7F8000u,
+                                0x7F7F7FFFu};
   std::mt19937 rng(1234);
   for (int i = 0; i < 20000; ++i) {
     const uint32_t r = rng();

@@ -10,8 +10,8 @@ namespace {
 
 using test::DeviceConformance;
 
-INSTANTIATE_TEST_SUITE_P(AllBackends, DeviceConformance,
-                         ::testing::Values(DeviceKind::kHost, DeviceKind::kCuda), test::KindName());
+INSTANTIATE_TEST_SUITE_P(AllBackends, DeviceConformance, ::testing::Values(DeviceKind::kHost, DeviceKind::kCuda),
+                         test::KindName());
 
 }  // namespace
 }  // namespace zo::gpu

@@ -51,10 +51,10 @@ void DeviceConformance::TearDown() {
 
 namespace {
 
-#define ZO_ASSERT_OK(expr)                             \
-  do {                                                 \
-    const ::zo::Status zo_s_ = (expr);                 \
-    ASSERT_TRUE(zo_s_.is_ok()) << zo_s_.to_string();   \
+#define ZO_ASSERT_OK(expr)                           \
+  do {                                               \
+    const ::zo::Status zo_s_ = (expr);               \
+    ASSERT_TRUE(zo_s_.is_ok()) << zo_s_.to_string(); \
   } while (0)
 
 DevicePtr alloc(Device& dev, uint64_t n) {
@@ -99,8 +99,8 @@ TEST_P(DeviceConformance, AllocationBeyondTheBudgetFailsNamingTheNumbers) {
   ASSERT_FALSE(b.is_ok());
   EXPECT_EQ(b.status().code(), StatusCode::kOutOfMemory);
   const std::string& msg = b.status().message();
-  EXPECT_NE(msg.find(std::to_string(20ull << 20)), std::string::npos) << msg;  // requested
-  EXPECT_NE(msg.find(std::to_string(48ull << 20)), std::string::npos) << msg;  // in use
+  EXPECT_NE(msg.find(std::to_string(20ull << 20)), std::string::npos) << msg;       // requested
+  EXPECT_NE(msg.find(std::to_string(48ull << 20)), std::string::npos) << msg;       // in use
   EXPECT_NE(msg.find(std::to_string(kTestBudgetBytes)), std::string::npos) << msg;  // budget
   EXPECT_EQ(dev_->stats().allocated_bytes, 48ull << 20) << "a failed allocation must not count";
   // Exactly what is left fits.
@@ -296,7 +296,8 @@ TEST_P(DeviceConformance, TheTraceShowsCopiesWhenTheDeviceRunsThem) {
     spans[dir].push_back(r);
     copies[dir] += std::stoull(r.name);  // "<copies> copies, <bytes>"
     EXPECT_NE(r.name.find(" copies, "), std::string::npos) << r.name;
-    EXPECT_GE(r.start_ns, queued_ns + 200'000'000 - kSlackNs) << r.name << " started before the delay ahead of it ended";
+    EXPECT_GE(r.start_ns, queued_ns + 200'000'000 - kSlackNs)
+        << r.name << " started before the delay ahead of it ended";
     EXPECT_LE(r.end_ns, synced_ns + kSlackNs) << r.name << " ended after the stream was synchronized";
     EXPECT_LE(r.start_ns, r.end_ns);
   }
@@ -421,8 +422,8 @@ TEST_P(DeviceConformance, CastsFromFp32MatchCpuOptimBitForBit) {
     int bad = 0;
     for (size_t i = 0; i < in.size() && bad < 10; ++i) {
       const uint16_t want = ref_16_from_float(in[i], dst);
-      const bool ok = is_nan_16(want, dst) ? is_nan_16(out[i], dst) && (out[i] & 0x8000) == (want & 0x8000)
-                                           : out[i] == want;
+      const bool ok =
+          is_nan_16(want, dst) ? is_nan_16(out[i], dst) && (out[i] & 0x8000) == (want & 0x8000) : out[i] == want;
       if (!ok) {
         ++bad;
         ADD_FAILURE() << "fp32 0x" << std::hex << cpu_optim::float_bits(in[i]) << " → " << dtype_name(dst) << " 0x"
@@ -493,7 +494,8 @@ TEST_P(DeviceConformance, CopiesSpanAGibibyteBoundaryOfPinnedMemory) {
   // The window [boundary - 4 MiB, boundary + 4 MiB) around the first multiple of 1 GiB after the
   // range's start, moved to the start when the boundary is closer to it than 4 MiB.
   auto round_trip = [&](std::byte* base, const char* what) {
-    const uint64_t to_boundary = (reinterpret_cast<uintptr_t>(base) / kGiB + 1) * kGiB - reinterpret_cast<uintptr_t>(base);
+    const uint64_t to_boundary =
+        (reinterpret_cast<uintptr_t>(base) / kGiB + 1) * kGiB - reinterpret_cast<uintptr_t>(base);
     std::byte* w = base + (to_boundary >= kWindow / 2 ? to_boundary - kWindow / 2 : 0);
     ASSERT_LE(w + kWindow, base + kSize) << what;
     std::memcpy(w, want.data(), kWindow);
@@ -503,7 +505,8 @@ TEST_P(DeviceConformance, CopiesSpanAGibibyteBoundaryOfPinnedMemory) {
     std::memset(w, 0xA5, kWindow);
     ZO_ASSERT_OK(dev_->copy_d2h(w, d, kWindow, stream_));
     ZO_ASSERT_OK(dev_->synchronize(stream_));
-    EXPECT_EQ(std::memcmp(w, want.data(), kWindow), 0) << what << ": the round trip across a 1 GiB address changed bytes";
+    EXPECT_EQ(std::memcmp(w, want.data(), kWindow), 0)
+        << what << ": the round trip across a 1 GiB address changed bytes";
   };
   Result<void*> p = dev_->allocate_pinned(kSize);
   ASSERT_TRUE(p.is_ok()) << p.status().to_string();
@@ -626,10 +629,17 @@ TEST_P(DeviceConformance, AdamStepMatchesCpuOptimBitForBit) {
       for (size_t k = 0; k < paths.size(); ++k)
         ZO_ASSERT_OK(cpu_adam_step(c, step, kGradScale, g, *paths[k].executor, cpu[k]));
       ZO_ASSERT_OK(dev_->copy_h2d(dg, g.data(), g.size_bytes(), stream_));
-      const DeviceAdamArgs args{.params = dp, .exp_avg = dm, .exp_avg_sq = dv, .grad = dg,
-                                .grad_dtype = c.grad_dtype, .grad_scale = kGradScale,
-                                .copy_out = c.copy ? dc : DevicePtr{}, .copy_dtype = c.copy_dtype,
-                                .n_elems = kN, .config = c.config, .step = step};
+      const DeviceAdamArgs args{.params = dp,
+                                .exp_avg = dm,
+                                .exp_avg_sq = dv,
+                                .grad = dg,
+                                .grad_dtype = c.grad_dtype,
+                                .grad_scale = kGradScale,
+                                .copy_out = c.copy ? dc : DevicePtr{},
+                                .copy_dtype = c.copy_dtype,
+                                .n_elems = kN,
+                                .config = c.config,
+                                .step = step};
       ZO_ASSERT_OK(dev_->adam_step(args, stream_));
       AdamState got(kN, c.copy ? kN * dtype_size_bytes(c.copy_dtype) : 0);
       ZO_ASSERT_OK(dev_->copy_d2h(got.p.data(), dp, kN * 4, stream_));
@@ -659,9 +669,17 @@ TEST_P(DeviceConformance, AdamStepRejectsBadArgumentsAndQueuesNothing) {
   ZO_ASSERT_OK(dev_->copy_h2d(dc, ones.data(), kN * 2, stream_));
   ZO_ASSERT_OK(dev_->synchronize(stream_));
   const DeviceStats before = dev_->stats();
-  const DeviceAdamArgs good{.params = dp, .exp_avg = dm, .exp_avg_sq = dv, .grad = dg,
-                            .grad_dtype = DType::kBF16, .grad_scale = 0.5f, .copy_out = dc,
-                            .copy_dtype = DType::kF16, .n_elems = kN, .config = {.weight_decay = 0.01f}, .step = 3};
+  const DeviceAdamArgs good{.params = dp,
+                            .exp_avg = dm,
+                            .exp_avg_sq = dv,
+                            .grad = dg,
+                            .grad_dtype = DType::kBF16,
+                            .grad_scale = 0.5f,
+                            .copy_out = dc,
+                            .copy_dtype = DType::kF16,
+                            .n_elems = kN,
+                            .config = {.weight_decay = 0.01f},
+                            .step = 3};
   std::vector<std::pair<const char*, DeviceAdamArgs>> bad;
   auto with = [&](const char* what, auto&& change) {
     DeviceAdamArgs a = good;
@@ -729,7 +747,9 @@ TEST_P(DeviceConformance, AdamStepRunsInStreamOrder) {
   constexpr size_t kN = 4099;
   const AdamState init = adam_initial_state(kN, 7);
   const AdamGrad g = adam_grad(DType::kF32, kN, 8);
-  const AdamCase c{.grad_dtype = DType::kF32, .copy = true, .copy_dtype = DType::kBF16,
+  const AdamCase c{.grad_dtype = DType::kF32,
+                   .copy = true,
+                   .copy_dtype = DType::kBF16,
                    .config = {.lr = 1e-2f, .weight_decay = 0.1f}};
   const DevicePtr dp = alloc(*dev_, kN * 4), dm = alloc(*dev_, kN * 4), dv = alloc(*dev_, kN * 4);
   const DevicePtr dg = alloc(*dev_, kN * 4), dc = alloc(*dev_, kN * 2);
@@ -742,8 +762,15 @@ TEST_P(DeviceConformance, AdamStepRunsInStreamOrder) {
   ZO_ASSERT_OK(dev_->copy_h2d(dg, g.data(), kN * 4, stream_));
   ZO_ASSERT_OK(dev_->synchronize(stream_));
   ZO_ASSERT_OK(dev_->delay(stream_, 200'000));
-  ZO_ASSERT_OK(dev_->adam_step({.params = dp, .exp_avg = dm, .exp_avg_sq = dv, .grad = dg, .copy_out = dc,
-                                .copy_dtype = DType::kBF16, .n_elems = kN, .config = c.config, .step = 1},
+  ZO_ASSERT_OK(dev_->adam_step({.params = dp,
+                                .exp_avg = dm,
+                                .exp_avg_sq = dv,
+                                .grad = dg,
+                                .copy_out = dc,
+                                .copy_dtype = DType::kBF16,
+                                .n_elems = kN,
+                                .config = c.config,
+                                .step = 1},
                                stream_));
   ZO_ASSERT_OK(dev_->copy_d2h(out.data(), dp, kN * 4, stream_));
   ZO_ASSERT_OK(dev_->record(*done, stream_));

@@ -22,8 +22,7 @@ namespace {
 
 using test::DeviceConformance;
 
-INSTANTIATE_TEST_SUITE_P(Host, DeviceConformance, ::testing::Values(DeviceKind::kHost),
-                         test::KindName());
+INSTANTIATE_TEST_SUITE_P(Host, DeviceConformance, ::testing::Values(DeviceKind::kHost), test::KindName());
 
 std::unique_ptr<HostDevice> make_host(uint64_t budget_bytes = 1 << 20) {
   Result<std::unique_ptr<HostDevice>> dev = HostDevice::create(budget_bytes);
@@ -159,9 +158,17 @@ TEST(HostDevice, AdamStepWritesOnlyWhenItsStreamReachesIt) {
   ASSERT_TRUE(dev->synchronize(s).is_ok());
   const test::AdamCase c{.grad_dtype = DType::kBF16, .config = {.weight_decay = 0.01f, .adam_w_mode = false}};
   ASSERT_TRUE(dev->delay(s, 200'000).is_ok());
-  ASSERT_TRUE(dev->adam_step({.params = dp, .exp_avg = dm, .exp_avg_sq = dv, .grad = dg, .grad_dtype = DType::kBF16,
-                              .grad_scale = 0.25f, .n_elems = kN, .config = c.config, .step = 2},
-                             s).is_ok());
+  ASSERT_TRUE(dev->adam_step({.params = dp,
+                              .exp_avg = dm,
+                              .exp_avg_sq = dv,
+                              .grad = dg,
+                              .grad_dtype = DType::kBF16,
+                              .grad_scale = 0.25f,
+                              .n_elems = kN,
+                              .config = c.config,
+                              .step = 2},
+                             s)
+                  .is_ok());
   EXPECT_EQ(std::memcmp(dp.addr, init.p.data(), kN * 4), 0) << "adam_step ran before the delay ahead of it";
   EXPECT_EQ(std::memcmp(dv.addr, init.v.data(), kN * 4), 0);
   ASSERT_TRUE(dev->synchronize(s).is_ok());

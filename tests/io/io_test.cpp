@@ -38,9 +38,9 @@ namespace {
 
 using ::testing::HasSubstr;
 
-#define ZO_ASSERT_OK(expr)                              \
-  do {                                                  \
-    const ::zo::Status zo_assert_status_ = (expr);      \
+#define ZO_ASSERT_OK(expr)                                                                    \
+  do {                                                                                        \
+    const ::zo::Status zo_assert_status_ = (expr);                                            \
     ASSERT_TRUE(zo_assert_status_.is_ok()) << #expr << ": " << zo_assert_status_.to_string(); \
   } while (0)
 
@@ -207,11 +207,11 @@ class BackendTest : public ::testing::TestWithParam<Backend> {
   std::string skip_reason_;
 };
 
-#define ZO_ENGINE_OR_SKIP(var, ...)                           \
-  auto var = engine(__VA_ARGS__);                             \
-  if (!var) {                                                 \
+#define ZO_ENGINE_OR_SKIP(var, ...)                          \
+  auto var = engine(__VA_ARGS__);                            \
+  if (!var) {                                                \
     if (!skip_reason_.empty()) GTEST_SKIP() << skip_reason_; \
-    return;                                                   \
+    return;                                                  \
   }
 
 TEST_P(BackendTest, RoundTripsOddSizesAtUnalignedOffsetsBuffered) {
@@ -221,7 +221,8 @@ TEST_P(BackendTest, RoundTripsOddSizesAtUnalignedOffsetsBuffered) {
   o.threads = 2;
   ZO_ENGINE_OR_SKIP(e, o);
   File f = open("odd", /*direct=*/false);
-  const std::vector<std::pair<uint64_t, uint64_t>> cases = {{0, 1}, {1, 4095}, {4097, 8193}, {12345, 100003}, {200001, 65536 * 3 + 7}};
+  const std::vector<std::pair<uint64_t, uint64_t>> cases = {
+      {0, 1}, {1, 4095}, {4097, 8193}, {12345, 100003}, {200001, 65536 * 3 + 7}};
   uint32_t seed = 1;
   for (auto [off, len] : cases) {
     AlignedBuffer src = random_buffer(len, seed++);
@@ -362,7 +363,8 @@ TEST_P(BackendTest, ConcurrentSubmittersKeepTheirBytesApart) {
       AlignedBuffer back = AlignedBuffer::allocate(kRegion).value();
       Status s = e->read(f, t * kRegion, back.bytes());
       if (!s.is_ok()) results[t] = s;
-      else if (std::memcmp(back.data(), data[t].data(), kRegion) != 0) results[t] = corruption("thread " + std::to_string(t));
+      else if (std::memcmp(back.data(), data[t].data(), kRegion) != 0)
+        results[t] = corruption("thread " + std::to_string(t));
     });
   }
   for (auto& th : threads) th.join();
@@ -470,7 +472,8 @@ TEST_P(BackendTest, InjectedEioReachesTheCallerWithPathOffsetLengthAndErrno) {
   ASSERT_FALSE(s.is_ok());
   EXPECT_EQ(s.code(), StatusCode::kIoError);
   EXPECT_EQ(s.sys_errno(), EIO);
-  EXPECT_THAT(s.message(), HasSubstr("read " + f.path() + " offset " + std::to_string(5 * 64 * kKiB) + " length 65536"));
+  EXPECT_THAT(s.message(),
+              HasSubstr("read " + f.path() + " offset " + std::to_string(5 * 64 * kKiB) + " length 65536"));
   EXPECT_THAT(s.message(), HasSubstr(std::strerror(EIO)));
   EXPECT_EQ(faults->injected(), 1u);
   // The fault was one-shot: the same read now succeeds and the engine is still usable.
@@ -496,7 +499,8 @@ TEST_P(BackendTest, ShortTransfersAreResubmittedAndTransientErrorsRetried) {
   o.queue_depth = 4;
   ZO_ENGINE_OR_SKIP(e, o, faults);
   File f = open("short_transfer", direct_);
-  faults->add(FaultRule{FaultKind::kShortTransfer, IoOp::kWrite, "", 65535, 3});  // the remainder is shortened again, 3 times
+  faults->add(
+      FaultRule{FaultKind::kShortTransfer, IoOp::kWrite, "", 65535, 3});  // the remainder is shortened again, 3 times
   faults->add(FaultRule{FaultKind::kEagain, IoOp::kWrite, "", 200000, 2});
   faults->add(FaultRule{FaultKind::kShortTransfer, IoOp::kRead, "", 300000, 1});
   faults->add(FaultRule{FaultKind::kEintr, IoOp::kRead, "", 500000, 2});
@@ -573,7 +577,8 @@ TEST(BackendsAgree, EachReadsWhatEveryOtherWrote) {
     o.queue_depth = 8;
     auto e = IoEngine::create(o);
     if (e.is_ok()) engines.push_back(std::move(e).value());
-    else std::printf("[ io ] %s not compared: %s\n", std::string(backend_name(b)).c_str(), e.status().to_string().c_str());
+    else
+      std::printf("[ io ] %s not compared: %s\n", std::string(backend_name(b)).c_str(), e.status().to_string().c_str());
   }
   ASSERT_GE(engines.size(), 1u);
   auto f = File::open(dir.file("agree"), OpenMode::kCreate, direct);
@@ -591,7 +596,8 @@ TEST(BackendsAgree, EachReadsWhatEveryOtherWrote) {
   for (auto& e : engines) {
     AlignedBuffer all = AlignedBuffer::allocate(ref.size()).value();
     ASSERT_TRUE(e->read(*f, 0, all.bytes()).is_ok());
-    EXPECT_EQ(std::memcmp(all.data(), ref.data(), ref.size()), 0) << backend_name(e->backend()) << " disagrees with pread";
+    EXPECT_EQ(std::memcmp(all.data(), ref.data(), ref.size()), 0)
+        << backend_name(e->backend()) << " disagrees with pread";
   }
 }
 
@@ -599,9 +605,7 @@ TEST(AutoBackend, PicksABackendAndSaysWhyItFellBack) {
   auto e = IoEngine::create(IoOptions{});
   ASSERT_TRUE(e.is_ok()) << e.status().to_string();
   EXPECT_NE((*e)->backend(), Backend::kAuto);
-  if ((*e)->backend() != Backend::kUring) {
-    EXPECT_FALSE((*e)->fallback_reason().empty());
-  }
+  if ((*e)->backend() != Backend::kUring) { EXPECT_FALSE((*e)->fallback_reason().empty()); }
   std::printf("[ io ] auto picked %s%s%s\n", std::string(backend_name((*e)->backend())).c_str(),
               (*e)->fallback_reason().empty() ? "" : " because ", (*e)->fallback_reason().c_str());
 }
@@ -849,7 +853,8 @@ TEST(PosixEnv, ReadsExactlyAndRefusesWhatIsNotARegularFile) {
 
   // Missing, a directory, a FIFO: refused by name, never opened (a FIFO would block).
   EXPECT_EQ(env->open_read(dir.file("none"), "data file").status().code(), StatusCode::kNotFound);
-  EXPECT_THAT(env->open_read(dir.path(), "data file").status().message(), HasSubstr("is a directory, not a regular file"));
+  EXPECT_THAT(env->open_read(dir.path(), "data file").status().message(),
+              HasSubstr("is a directory, not a regular file"));
   ASSERT_EQ(::mkfifo(dir.file("fifo").c_str(), 0644), 0);
   EXPECT_THAT(env->open_read(dir.file("fifo"), "data file").status().message(),
               HasSubstr("data file " + dir.file("fifo") + " is a FIFO (named pipe), not a regular file"));
@@ -858,7 +863,8 @@ TEST(PosixEnv, ReadsExactlyAndRefusesWhatIsNotARegularFile) {
 
   auto mapped = env->map_read(dir.file("w"), "data file");
   ZO_ASSERT_OK(mapped.status());
-  EXPECT_EQ(std::string(reinterpret_cast<const char*>((*mapped)->bytes().data()), (*mapped)->bytes().size()), "0123456789");
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>((*mapped)->bytes().data()), (*mapped)->bytes().size()),
+            "0123456789");
   ZO_ASSERT_OK(env->write_file(dir.file("empty"), ""));
   auto none = env->map_read(dir.file("empty"), "data file");
   ZO_ASSERT_OK(none.status());
@@ -914,11 +920,13 @@ TEST(PosixEnv, PublishesFilesAndNeverRemovesWhatIsNotOne) {
   Env* env = Env::posix();
   ZO_ASSERT_OK(env->make_dirs(dir.file("v/sub")));
   ZO_ASSERT_OK(env->write_file(dir.file("v/important.txt"), "keep\n"));
-  for (Status st : {env->check_output_file(dir.file("v"), "--trace"), env->publish_file(dir.file("v"), "{}", "--trace")}) {
+  for (Status st :
+       {env->check_output_file(dir.file("v"), "--trace"), env->publish_file(dir.file("v"), "{}", "--trace")}) {
     EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
     EXPECT_EQ(st.message(), "--trace " + dir.file("v") + " is a directory: give the path of a file");
   }
-  EXPECT_EQ(env->open_fresh_append(dir.file("v/sub"), "the metrics file").status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(env->open_fresh_append(dir.file("v/sub"), "the metrics file").status().code(),
+            StatusCode::kInvalidArgument);
   EXPECT_EQ(slurp(dir.file("v/important.txt")), "keep\n");
   EXPECT_EQ(*env->path_kind(dir.file("v/sub")), PathKind::kDirectory);
 

@@ -16,8 +16,7 @@ void delay(const char* variable = "ZO_TEST_FALLOCATE_DELAY_MS") {
   if (text == nullptr) return;
   const long ms = std::strtol(text, nullptr, 10);
   timespec left{ms / 1000, (ms % 1000) * 1'000'000};
-  while (nanosleep(&left, &left) != 0 && errno == EINTR) {
-  }
+  while (nanosleep(&left, &left) != 0 && errno == EINTR) {}
 }
 
 template <class Fn>

@@ -96,10 +96,12 @@ Status load(const std::string& path, Rig& rig) {
 }
 
 TEST(Checkpoint, EveryTierRoundTripsBitExactlyAcrossPlacements) {
-  const std::vector<Placing> placings = {
-      {.optimizer = "nvme", .param = "nvme"}, {.optimizer = "cpu", .param = "cpu"},
-      {.optimizer = "none", .param = "none"}, {.optimizer = "nvme", .param = "cpu", .sub_group_size = 20000},
-      {.optimizer = "cpu", .param = "nvme", .precision = "fp16"}, {.optimizer = "nvme", .param = "nvme", .precision = "fp32"}};
+  const std::vector<Placing> placings = {{.optimizer = "nvme", .param = "nvme"},
+                                         {.optimizer = "cpu", .param = "cpu"},
+                                         {.optimizer = "none", .param = "none"},
+                                         {.optimizer = "nvme", .param = "cpu", .sub_group_size = 20000},
+                                         {.optimizer = "cpu", .param = "nvme", .precision = "fp16"},
+                                         {.optimizer = "nvme", .param = "nvme", .precision = "fp32"}};
   for (const Placing& from : placings) {
     SCOPED_TRACE(from.optimizer + "/" + from.param + " " + from.precision);
     TempDir dir;
@@ -151,7 +153,8 @@ TEST(Checkpoint, StateFilesAreSafetensorsWithHfNames) {
   ASSERT_TRUE((*st)->read_f32(*t, 6000, got).is_ok());
   const uint64_t flat = rig.registry.pieces_of_param(1)[0].group_offset +
                         rig.registry.sub_groups()[rig.registry.pieces_of_param(1)[0].sub_group].first_elem;
-  for (uint64_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i], testing::rig_value(3, StateKind::kMaster, flat + 6000 + i));
+  for (uint64_t i = 0; i < got.size(); ++i)
+    EXPECT_EQ(got[i], testing::rig_value(3, StateKind::kMaster, flat + 6000 + i));
 }
 
 TEST(Checkpoint, LatestPruningAndStaleTmpDirectories) {
@@ -232,7 +235,8 @@ TEST(Checkpoint, ResolveNamesWhatIsWrong) {
   // Issue 19, finding 5: a `latest` holding (or linking to) a long file with NUL bytes was echoed
   // whole; the error quotes a bounded, escaped excerpt.
   std::string junk;
-  for (int i = 0; i < 24; ++i) junk += "line " + std::to_string(i) + std::string(1, '\0') + " of a file that is not ours\n";
+  for (int i = 0; i < 24; ++i)
+    junk += "line " + std::to_string(i) + std::string(1, '\0') + " of a file that is not ours\n";
   std::ofstream(dir.path + "/latest", std::ios::binary | std::ios::trunc) << junk;
   const std::string message = resolve_checkpoint(dir.path).status().message();
   EXPECT_THAT(message, HasSubstr("names \"line 0\\x00 of a file"));
@@ -393,9 +397,7 @@ TEST(Checkpoint, AFlippedByteInAnyFileIsCaughtByVerifyAndLoad) {
       ASSERT_TRUE(dst.init({.optimizer = "cpu", .param = "cpu"}, dir.path + "/swap2").is_ok());
       Status l = load(copy, dst);
       EXPECT_FALSE(l.is_ok());
-      if (!v.is_ok()) {
-        EXPECT_THAT(v.to_string(), HasSubstr(f.name));
-      }
+      if (!v.is_ok()) { EXPECT_THAT(v.to_string(), HasSubstr(f.name)); }
       ++checked;
     }
   }
@@ -455,20 +457,22 @@ TEST(Checkpoint, FaultsDuringASaveLoseNothing) {
     const auto before_v = rig.gather(StateKind::kExpAvgSq);
 
     const uint64_t injected = rig.faults->injected();
-    rig.faults->add({.kind = c.kind, .op = c.file == "optimizer.swp" ? io::IoOp::kRead : io::IoOp::kWrite,
-                     .path_contains = c.file, .offset_bytes = c.offset, .times = 1});
+    rig.faults->add({.kind = c.kind,
+                     .op = c.file == "optimizer.swp" ? io::IoOp::kRead : io::IoOp::kWrite,
+                     .path_contains = c.file,
+                     .offset_bytes = c.offset,
+                     .times = 1});
     auto r = save_checkpoint(*rig.store, state_at(2), "{}", save_options(ckpt));
     ASSERT_FALSE(r.is_ok());
     EXPECT_GT(rig.faults->injected(), injected);
     EXPECT_THAT(r.status().to_string(), HasSubstr(c.file));
     EXPECT_THAT(r.status().to_string(), HasSubstr("step-2"));
-    if (c.kind == io::FaultKind::kNoSpace) {
-      EXPECT_EQ(r.status().code(), StatusCode::kNoSpace);
-    }
+    if (c.kind == io::FaultKind::kNoSpace) { EXPECT_EQ(r.status().code(), StatusCode::kNoSpace); }
     rig.faults->clear();
 
     EXPECT_FALSE(fs::exists(ckpt + "/step-2"));
-    for (const auto& e : fs::directory_iterator(ckpt)) EXPECT_THAT(e.path().filename().string(), ::testing::Not(HasSubstr("tmp")));
+    for (const auto& e : fs::directory_iterator(ckpt))
+      EXPECT_THAT(e.path().filename().string(), ::testing::Not(HasSubstr("tmp")));
     EXPECT_EQ(read_file(ckpt + "/latest"), "step-1\n");
     EXPECT_TRUE(verify(ckpt, *rig.io).is_ok());
     EXPECT_TRUE(rig.gather(StateKind::kMaster) == before_master);
@@ -488,37 +492,70 @@ TEST(Checkpoint, FaultsDuringASaveLoseNothing) {
 TEST(Checkpoint, FileOperationFaultsAroundTheCommitLoseNothing) {
   struct Case {
     const char* name;
-    io::FaultRule rule;       // path_contains is relative to the checkpoint directory
-    bool after_rename;        // step-2 is in place, `latest` is not updated
+    io::FaultRule rule;  // path_contains is relative to the checkpoint directory
+    bool after_rename;   // step-2 is in place, `latest` is not updated
     StatusCode code;
     const char* says;
   };
   const std::vector<Case> cases = {
-      {"manifest ENOSPC", {.kind = io::FaultKind::kNoSpace, .op = io::IoOp::kWrite, .path_contains = "/manifest.json"},
-       false, StatusCode::kNoSpace, "manifest.json"},
-      {"trainer_state ENOSPC", {.kind = io::FaultKind::kNoSpace, .op = io::IoOp::kWrite, .path_contains = "/trainer_state.json"},
-       false, StatusCode::kNoSpace, "trainer_state.json"},
-      {"config ENOSPC", {.kind = io::FaultKind::kNoSpace, .op = io::IoOp::kWrite, .path_contains = "/config.json"},
-       false, StatusCode::kNoSpace, "config.json"},
-      {"state file open", {.kind = io::FaultKind::kEio, .op = io::IoOp::kOpen, .path_contains = "/exp_avg.safetensors"},
-       false, StatusCode::kIoError, "exp_avg.safetensors (injected)"},
-      {"state file open ENOSPC", {.kind = io::FaultKind::kNoSpace, .op = io::IoOp::kOpen, .path_contains = "/master.safetensors"},
-       false, StatusCode::kNoSpace, "master.safetensors (injected)"},
-      {"manifest fdatasync", {.kind = io::FaultKind::kEio, .op = io::IoOp::kSync, .path_contains = "/manifest.json"},
-       false, StatusCode::kIoError, "fdatasync of"},
+      {"manifest ENOSPC",
+       {.kind = io::FaultKind::kNoSpace, .op = io::IoOp::kWrite, .path_contains = "/manifest.json"},
+       false,
+       StatusCode::kNoSpace,
+       "manifest.json"},
+      {"trainer_state ENOSPC",
+       {.kind = io::FaultKind::kNoSpace, .op = io::IoOp::kWrite, .path_contains = "/trainer_state.json"},
+       false,
+       StatusCode::kNoSpace,
+       "trainer_state.json"},
+      {"config ENOSPC",
+       {.kind = io::FaultKind::kNoSpace, .op = io::IoOp::kWrite, .path_contains = "/config.json"},
+       false,
+       StatusCode::kNoSpace,
+       "config.json"},
+      {"state file open",
+       {.kind = io::FaultKind::kEio, .op = io::IoOp::kOpen, .path_contains = "/exp_avg.safetensors"},
+       false,
+       StatusCode::kIoError,
+       "exp_avg.safetensors (injected)"},
+      {"state file open ENOSPC",
+       {.kind = io::FaultKind::kNoSpace, .op = io::IoOp::kOpen, .path_contains = "/master.safetensors"},
+       false,
+       StatusCode::kNoSpace,
+       "master.safetensors (injected)"},
+      {"manifest fdatasync",
+       {.kind = io::FaultKind::kEio, .op = io::IoOp::kSync, .path_contains = "/manifest.json"},
+       false,
+       StatusCode::kIoError,
+       "fdatasync of"},
       // After the three small files' fdatasyncs (passed), the tmp directory's fsync.
-      {"tmp directory fsync", {.kind = io::FaultKind::kEio, .op = io::IoOp::kSync, .path_contains = "/tmp-2-", .skip = 3},
-       false, StatusCode::kIoError, "fsync of directory"},
-      {"rename into place", {.kind = io::FaultKind::kEio, .op = io::IoOp::kRename, .path_contains = "-> CKPT/step-2"},
-       false, StatusCode::kIoError, "renaming"},
+      {"tmp directory fsync",
+       {.kind = io::FaultKind::kEio, .op = io::IoOp::kSync, .path_contains = "/tmp-2-", .skip = 3},
+       false,
+       StatusCode::kIoError,
+       "fsync of directory"},
+      {"rename into place",
+       {.kind = io::FaultKind::kEio, .op = io::IoOp::kRename, .path_contains = "-> CKPT/step-2"},
+       false,
+       StatusCode::kIoError,
+       "renaming"},
       // Syncs under CKPT, in order: trainer_state.json, config.json, manifest.json, the tmp
       // directory (all passed), then the checkpoint directory after the rename (failed).
-      {"directory fsync after the rename", {.kind = io::FaultKind::kEio, .op = io::IoOp::kSync, .path_contains = "CKPT", .skip = 4},
-       true, StatusCode::kIoError, "fsync of directory CKPT"},
-      {"latest.tmp ENOSPC", {.kind = io::FaultKind::kNoSpace, .op = io::IoOp::kWrite, .path_contains = "/latest.tmp-"},
-       true, StatusCode::kNoSpace, "updating latest"},
-      {"latest rename", {.kind = io::FaultKind::kEio, .op = io::IoOp::kRename, .path_contains = "-> CKPT/latest"},
-       true, StatusCode::kIoError, "updating latest"},
+      {"directory fsync after the rename",
+       {.kind = io::FaultKind::kEio, .op = io::IoOp::kSync, .path_contains = "CKPT", .skip = 4},
+       true,
+       StatusCode::kIoError,
+       "fsync of directory CKPT"},
+      {"latest.tmp ENOSPC",
+       {.kind = io::FaultKind::kNoSpace, .op = io::IoOp::kWrite, .path_contains = "/latest.tmp-"},
+       true,
+       StatusCode::kNoSpace,
+       "updating latest"},
+      {"latest rename",
+       {.kind = io::FaultKind::kEio, .op = io::IoOp::kRename, .path_contains = "-> CKPT/latest"},
+       true,
+       StatusCode::kIoError,
+       "updating latest"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
@@ -535,7 +572,8 @@ TEST(Checkpoint, FileOperationFaultsAroundTheCommitLoseNothing) {
     const auto before = rig.gather(StateKind::kMaster);
 
     io::FaultRule rule = c.rule;
-    if (const size_t at = rule.path_contains.find("CKPT"); at != std::string::npos) rule.path_contains.replace(at, 4, ckpt);
+    if (const size_t at = rule.path_contains.find("CKPT"); at != std::string::npos)
+      rule.path_contains.replace(at, 4, ckpt);
     rig.faults->add(rule);
     auto r = save_checkpoint(*rig.store, state_at(2), "{}", o);
     ASSERT_FALSE(r.is_ok());
@@ -548,7 +586,8 @@ TEST(Checkpoint, FileOperationFaultsAroundTheCommitLoseNothing) {
     rig.faults->clear();
 
     EXPECT_EQ(fs::exists(ckpt + "/step-2"), c.after_rename);
-    for (const auto& e : fs::directory_iterator(ckpt)) EXPECT_THAT(e.path().filename().string(), ::testing::Not(HasSubstr("tmp")));
+    for (const auto& e : fs::directory_iterator(ckpt))
+      EXPECT_THAT(e.path().filename().string(), ::testing::Not(HasSubstr("tmp")));
     EXPECT_EQ(read_file(ckpt + "/latest"), "step-1\n");
     EXPECT_TRUE(verify(ckpt, *rig.io).is_ok()) << "the previous checkpoint, which `latest` names, is whole";
     EXPECT_TRUE(rig.gather(StateKind::kMaster) == before);
@@ -598,12 +637,16 @@ TEST(Checkpoint, ReadFaultsNameTheFileAndNeverLoadSilently) {
     const FileDigest* f = info->manifest.find(name);
     ASSERT_NE(f, nullptr);
     Buffers b;
-    rig.faults->add({.kind = io::FaultKind::kEio, .op = io::IoOp::kRead, .path_contains = "/" + name,
+    rig.faults->add({.kind = io::FaultKind::kEio,
+                     .op = io::IoOp::kRead,
+                     .path_contains = "/" + name,
                      .offset_bytes = f->size_bytes - 1});
     Status v = verify_checkpoint(*info, *rig.io, b.staging.bytes(), {}, env);
     EXPECT_EQ(v.code(), StatusCode::kIoError) << v.to_string();
     EXPECT_THAT(v.message(), HasSubstr(step + "/" + name));
-    rig.faults->add({.kind = io::FaultKind::kEio, .op = io::IoOp::kRead, .path_contains = "/" + name,
+    rig.faults->add({.kind = io::FaultKind::kEio,
+                     .op = io::IoOp::kRead,
+                     .path_contains = "/" + name,
                      .offset_bytes = f->size_bytes - 1});
     Rig dst;
     ASSERT_TRUE(dst.init({.optimizer = "cpu"}, dir.path + "/swap-" + name).is_ok());
@@ -661,7 +704,6 @@ TEST(Checkpoint, RefusesBadOptionsAndATornStore) {
   EXPECT_FALSE(fs::exists(dir.path + "/c/step-1"));
 }
 
-
 // ---------------------------------------------------------------------------------------------
 // Collaborative saves (Note [Collaborative save]): data-parallel ranks with partitioned optimizer
 // states, here threads joined by an in-process broadcast in place of the process group.
@@ -673,7 +715,9 @@ struct LocalBus {
   std::barrier<> sync;
   std::vector<std::byte> buf;
   SaveOptions::Collective collective(uint32_t rank) {
-    return {.rank = rank, .world_size = world, .broadcast = [this, rank](void* data, uint64_t n, uint32_t root, const std::string&) {
+    return {.rank = rank,
+            .world_size = world,
+            .broadcast = [this, rank](void* data, uint64_t n, uint32_t root, const std::string&) {
               if (rank == root) buf.assign(static_cast<std::byte*>(data), static_cast<std::byte*>(data) + n);
               sync.arrive_and_wait();
               if (rank != root) std::memcpy(data, buf.data(), n);
@@ -717,7 +761,8 @@ TEST(CollaborativeSave, RanksWriteTheFilesOneProcessWouldAndAnyWorldLoadsThem) {
       }
       const std::string ckpt = dir.path + "/w" + std::to_string(world);
       auto results = save_together(rigs, ckpt, 3);
-      for (uint32_t r = 0; r < world; ++r) ASSERT_TRUE(results[r].is_ok()) << r << ": " << results[r].status().to_string();
+      for (uint32_t r = 0; r < world; ++r)
+        ASSERT_TRUE(results[r].is_ok()) << r << ": " << results[r].status().to_string();
       EXPECT_EQ(results[0]->path, ckpt + "/step-3");
       EXPECT_TRUE(results[1]->path.empty());
       // The same bytes, and so the same manifest (every chunk's CRC), as one process's save.
@@ -734,7 +779,8 @@ TEST(CollaborativeSave, RanksWriteTheFilesOneProcessWouldAndAnyWorldLoadsThem) {
         SCOPED_TRACE("loaded at stage " + std::to_string(stage));
         Rig back;
         ASSERT_TRUE(back.init({.optimizer = optimizer, .param = stage == 3 ? "cpu" : "none", .stage = stage},
-                              dir.path + "/swap-back", 1, other, r % other).is_ok());
+                              dir.path + "/swap-back", 1, other, r % other)
+                        .is_ok());
         EXPECT_EQ(back.plan.partition_params, stage == 3);
         ASSERT_TRUE(load(ckpt, back).is_ok());
         for (const SubGroup& g : back.registry.sub_groups()) {
@@ -775,8 +821,11 @@ TEST(CollaborativeSave, AFailedRankFailsEveryRankAndLeavesThePreviousCheckpoint)
   // Rank 1 cannot write its run of exp_avg: both ranks fail, rank 0 naming rank 1.
   // (The file's last byte is in the last rank's run.)
   const uint64_t last_byte = fs::file_size(ckpt + "/step-1/exp_avg.safetensors") - 1;
-  rigs[1].faults->add({.kind = io::FaultKind::kEio, .op = io::IoOp::kWrite, .path_contains = "exp_avg.safetensors",
-                       .offset_bytes = last_byte, .times = -1});
+  rigs[1].faults->add({.kind = io::FaultKind::kEio,
+                       .op = io::IoOp::kWrite,
+                       .path_contains = "exp_avg.safetensors",
+                       .offset_bytes = last_byte,
+                       .times = -1});
   auto failed = save_together(rigs, ckpt, 2);
   ASSERT_FALSE(failed[0].is_ok());
   ASSERT_FALSE(failed[1].is_ok());
@@ -784,7 +833,8 @@ TEST(CollaborativeSave, AFailedRankFailsEveryRankAndLeavesThePreviousCheckpoint)
   EXPECT_THAT(failed[0].status().to_string(), HasSubstr("rank 1 of 2 could not write its part"));
   EXPECT_THAT(failed[1].status().to_string(), HasSubstr("exp_avg.safetensors"));
   EXPECT_FALSE(fs::exists(ckpt + "/step-2"));
-  for (const auto& e : fs::directory_iterator(ckpt)) EXPECT_THAT(e.path().filename().string(), ::testing::Not(HasSubstr("tmp")));
+  for (const auto& e : fs::directory_iterator(ckpt))
+    EXPECT_THAT(e.path().filename().string(), ::testing::Not(HasSubstr("tmp")));
   EXPECT_EQ(read_file(ckpt + "/latest"), "step-1\n");
   EXPECT_TRUE(verify(ckpt, *rigs[0].io).is_ok());
   // Rank 0 cannot create the files: every rank says so, nothing is left.

@@ -26,7 +26,7 @@ struct Placing {
   std::string param = "cpu";       // offload_param.device
   uint64_t sub_group_size = 8192;
   std::string precision = "bf16";  // bf16, fp16 or fp32 compute
-  uint32_t stage = 3;               // zero_optimization.stage (offload_param needs 3)
+  uint32_t stage = 3;              // zero_optimization.stage (offload_param needs 3)
 };
 
 // Odd sizes: params split over sub-groups, tails that are not multiples of 4 KiB.
@@ -41,14 +41,17 @@ inline std::vector<ParamSpec> rig_model(uint64_t scale = 1) {
 }
 
 inline Config rig_config(const Placing& p, const std::string& nvme_dir) {
-  const std::string precision = p.precision == "fp32" ? "" : R"("fp16": {"enabled": )" +
-                                                                 std::string(p.precision == "fp16" ? "true" : "false") +
-                                                                 R"(}, "bf16": {"enabled": )" +
-                                                                 (p.precision == "bf16" ? "true" : "false") + "},";
+  const std::string precision =
+      p.precision == "fp32" ? ""
+                            : R"("fp16": {"enabled": )" + std::string(p.precision == "fp16" ? "true" : "false") +
+                                  R"(}, "bf16": {"enabled": )" + (p.precision == "bf16" ? "true" : "false") + "},";
   const std::string json = R"({"train_micro_batch_size_per_gpu": 1, )" + precision + R"(
-    "zero_optimization": {"stage": )" + std::to_string(p.stage) + R"(, "sub_group_size": )" + std::to_string(p.sub_group_size) + R"(,
-      "offload_optimizer": {"device": ")" + p.optimizer + R"(", "nvme_path": ")" + nvme_dir + R"("},
-      "offload_param": {"device": ")" + p.param + R"(", "nvme_path": ")" + nvme_dir + R"(", "max_in_cpu": 0}},
+    "zero_optimization": {"stage": )" +
+                           std::to_string(p.stage) + R"(, "sub_group_size": )" + std::to_string(p.sub_group_size) + R"(,
+      "offload_optimizer": {"device": ")" +
+                           p.optimizer + R"(", "nvme_path": ")" + nvme_dir + R"("},
+      "offload_param": {"device": ")" +
+                           p.param + R"(", "nvme_path": ")" + nvme_dir + R"(", "max_in_cpu": 0}},
     "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}})";
   return parse_test_config(json);
 }
@@ -73,11 +76,13 @@ struct Rig {
 
   // With n_partitions > 1: rank `rank` of a data-parallel run, holding the optimizer states of its
   // partition only (its swap files under rank<r>).
-  Status init(const Placing& p, const std::string& dir, uint64_t scale = 1, uint32_t n_partitions = 1, uint32_t rank = 0) {
+  Status init(const Placing& p, const std::string& dir, uint64_t scale = 1, uint32_t n_partitions = 1,
+              uint32_t rank = 0) {
     nvme_dir = dir;
     config = rig_config(p, dir);
     ZO_ASSIGN_OR_RETURN(registry, ParamRegistry::build(rig_model(scale), config.zero.sub_group_size, n_partitions));
-    ZO_ASSIGN_OR_RETURN(plan, plan_memory(config, registry, n_partitions > 1 ? std::optional<uint32_t>(rank) : std::nullopt));
+    ZO_ASSIGN_OR_RETURN(plan,
+                        plan_memory(config, registry, n_partitions > 1 ? std::optional<uint32_t>(rank) : std::nullopt));
     ZO_ASSIGN_OR_RETURN(device, gpu::make_device(gpu::DeviceKind::kHost, uint64_t{256} << 20));
     ZO_ASSIGN_OR_RETURN(io, io::IoEngine::create(io::IoOptions{}, faults));
     StateStoreOptions o;

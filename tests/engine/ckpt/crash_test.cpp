@@ -113,9 +113,7 @@ uint64_t check_invariants(const std::string& dir, uint64_t previous_latest) {
     if (name.rfind("step-", 0) != 0) continue;
     auto info = open_checkpoint(e.path().string());
     EXPECT_TRUE(info.is_ok()) << name << ": " << info.status().to_string();
-    if (info.is_ok()) {
-      EXPECT_TRUE(verify_checkpoint(*info, **io, staging->bytes()).is_ok()) << name;
-    }
+    if (info.is_ok()) { EXPECT_TRUE(verify_checkpoint(*info, **io, staging->bytes()).is_ok()) << name; }
   }
   auto info = open_checkpoint(*latest);
   EXPECT_TRUE(info.is_ok());

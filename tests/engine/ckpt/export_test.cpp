@@ -117,8 +117,8 @@ std::set<std::string> files_in(const std::string& dir) {
 uint16_t expected_half(DType dtype, float f) { return dtype == DType::kBF16 ? float_to_bf16(f) : float_to_f16(f); }
 
 // The tensor in `file` is `name` with `shape` in `dtype`, its bytes the source converted bit for bit.
-void expect_tensor(const SafetensorsFile& file, const std::string& name, const std::vector<int64_t>& shape,
-                   DType dtype, const std::vector<float>& src) {
+void expect_tensor(const SafetensorsFile& file, const std::string& name, const std::vector<int64_t>& shape, DType dtype,
+                   const std::vector<float>& src) {
   const SafetensorsTensor* t = file.find(name);
   ASSERT_NE(t, nullptr) << name << " in " << file.path();
   EXPECT_EQ(t->dtype, dtype) << name;
@@ -180,9 +180,7 @@ TEST_P(ExportDtype, OneFileHoldsTheSourceRoundedBitForBit) {
   EXPECT_THAT(r->files, UnorderedElementsAre("model.safetensors", "config.json"));
   EXPECT_THAT(files_in(out), UnorderedElementsAre("model.safetensors", "config.json"));
   EXPECT_EQ(r->overflowed, dtype == DType::kF16 ? expected_overflow(m) : 0u);
-  if (dtype == DType::kF16) {
-    EXPECT_GT(r->overflowed, 0u);
-  }
+  if (dtype == DType::kF16) { EXPECT_GT(r->overflowed, 0u); }
 
   // Front to back, several chunks for the embedding, each bounded by the staging.
   uint64_t embed_calls = 0;
@@ -232,11 +230,11 @@ TEST(Export, ShardsConsecutiveTensorsWithAnIndex) {
   TempDir tmp("zo_export_test");
   const std::string out = tmp.path + "/hf";
   Model m;
-  m.add("a", {100});      // 200 bytes in bf16
-  m.add("b", {5, 10});    // 100: a + b is exactly the shard size
-  m.add("c", {1000});     // 2000: larger than a shard, alone
-  m.add("d", {10});       // 20
-  m.add("e", {2, 5});     // 20
+  m.add("a", {100});    // 200 bytes in bf16
+  m.add("b", {5, 10});  // 100: a + b is exactly the shard size
+  m.add("c", {1000});   // 2000: larger than a shard, alone
+  m.add("d", {10});     // 20
+  m.add("e", {2, 5});   // 20
   MemReader reader{&m};
   auto io = make_io();
   ExportOptions o = options_for(out, DType::kBF16);
@@ -246,16 +244,16 @@ TEST(Export, ShardsConsecutiveTensorsWithAnIndex) {
   EXPECT_EQ(r->tensor_bytes, 2340u);
   const std::vector<std::string> shards = {"model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors",
                                            "model-00003-of-00003.safetensors"};
-  EXPECT_THAT(files_in(out), UnorderedElementsAre(shards[0], shards[1], shards[2], "model.safetensors.index.json",
-                                                  "config.json"));
+  EXPECT_THAT(files_in(out),
+              UnorderedElementsAre(shards[0], shards[1], shards[2], "model.safetensors.index.json", "config.json"));
   EXPECT_EQ(r->files.size(), 5u);
 
   std::ifstream in(out + "/model.safetensors.index.json");
   const auto index = nlohmann::json::parse(in, nullptr, false);
   ASSERT_TRUE(index.is_object());
   EXPECT_EQ(index["metadata"]["total_size"], 2340);
-  const nlohmann::json expected_map = {{"a", shards[0]}, {"b", shards[0]}, {"c", shards[1]},
-                                       {"d", shards[2]}, {"e", shards[2]}};
+  const nlohmann::json expected_map = {
+      {"a", shards[0]}, {"b", shards[0]}, {"c", shards[1]}, {"d", shards[2]}, {"e", shards[2]}};
   EXPECT_EQ(index["weight_map"], expected_map);
 
   const std::vector<std::vector<std::string>> held = {{"a", "b"}, {"c"}, {"d", "e"}};
@@ -292,9 +290,9 @@ TEST(Export, AShardSizeAboveTheModelGivesOneFile) {
   o.shard_bytes = 299;
   r = export_hf_model(m.params, kConfigJson, reader.reader(), *io, o);
   ASSERT_TRUE(r.is_ok()) << r.status().to_string();
-  EXPECT_THAT(files_in(o.out_dir), UnorderedElementsAre("model-00001-of-00002.safetensors",
-                                                        "model-00002-of-00002.safetensors",
-                                                        "model.safetensors.index.json", "config.json"));
+  EXPECT_THAT(files_in(o.out_dir),
+              UnorderedElementsAre("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                                   "model.safetensors.index.json", "config.json"));
 }
 
 // The tokenizer and generation config of the trained model go along, byte for byte, so the export
@@ -328,9 +326,10 @@ TEST(Export, CopiesSideFilesAndRefusesBadOnes) {
   EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}), tokenizer);
 
   const std::string out = tmp.path + "/refused";
-  for (const std::vector<std::string>& bad :
-       {std::vector<std::string>{model_dir + "/missing.json"}, {model_dir + "/tokenizer.json", model_dir + "/tokenizer.json"},
-        {tmp.path + "/hf/config.json"}, {tmp.path + "/hf/model.safetensors"}}) {
+  for (const std::vector<std::string>& bad : {std::vector<std::string>{model_dir + "/missing.json"},
+                                              {model_dir + "/tokenizer.json", model_dir + "/tokenizer.json"},
+                                              {tmp.path + "/hf/config.json"},
+                                              {tmp.path + "/hf/model.safetensors"}}) {
     ExportOptions b = options_for(out, DType::kBF16);
     b.side_files = bad;
     auto refused = export_hf_model(m.params, kConfigJson, reader.reader(), *io, b);
@@ -444,8 +443,9 @@ TEST(Export, AFailingReaderLeavesNothingBehind) {
         // Count the calls of a good export, then fail the last one (in the last shard).
         MemReader probe{&m};
         TempDir scratch("zo_export_probe");
-        ASSERT_TRUE(export_hf_model(m.params, kConfigJson, probe.reader(), *io, options_for(scratch.path + "/x", DType::kBF16))
-                        .is_ok());
+        ASSERT_TRUE(
+            export_hf_model(m.params, kConfigJson, probe.reader(), *io, options_for(scratch.path + "/x", DType::kBF16))
+                .is_ok());
         reader.fail_at = probe.calls.size() - 1;
       } else {
         reader.fail_at = fail_at;
@@ -456,8 +456,7 @@ TEST(Export, AFailingReaderLeavesNothingBehind) {
       EXPECT_THAT(r.status().message(), HasSubstr("injected read failure"));
       const auto [p, off, n] = reader.calls.back();
       EXPECT_THAT(r.status().message(), HasSubstr(m.params[p].name));
-      EXPECT_THAT(r.status().message(),
-                  HasSubstr("[" + std::to_string(off) + ", " + std::to_string(off + n) + ")"));
+      EXPECT_THAT(r.status().message(), HasSubstr("[" + std::to_string(off) + ", " + std::to_string(off + n) + ")"));
       EXPECT_THAT(r.status().message(), HasSubstr(".safetensors"));
       if (existed) {
         EXPECT_TRUE(fs::is_directory(out));
@@ -551,7 +550,8 @@ struct StoreRig {
   Status init(const std::string& optimizer_device, const Model& m) {
     const std::string json = R"({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": true},
       "zero_optimization": {"stage": 3, "sub_group_size": 8192,
-        "offload_optimizer": {"device": ")" + optimizer_device + R"(", "nvme_path": ")" + dir.path + R"("}}})";
+        "offload_optimizer": {"device": ")" +
+                             optimizer_device + R"(", "nvme_path": ")" + dir.path + R"("}}})";
     ConfigDiagnostics diag;
     auto c = parse_config(json, ResolveContext{}, &diag);
     if (!c) return invalid_argument("config: " + (diag.errors.empty() ? "" : diag.errors[0].to_string()));
@@ -683,8 +683,8 @@ TEST(ExportCheckpoint, HoldsTheMasterRoundedAndChecksItsChecksums) {
   const uint64_t data_begin = (*file)->tensors()[0].data_offset_bytes;
   file->reset();
   ASSERT_EQ(byte_at(master, data_begin - 1), ' ') << "the header is padded to the 4 KiB-aligned data";
-  for (const auto& [offset, to] : {std::pair<uint64_t, int>{data_begin + 4 * 2000 + 1, -1},
-                                  std::pair<uint64_t, int>{data_begin - 1, '\t'}}) {
+  for (const auto& [offset, to] :
+       {std::pair<uint64_t, int>{data_begin + 4 * 2000 + 1, -1}, std::pair<uint64_t, int>{data_begin - 1, '\t'}}) {
     const uint8_t before = byte_at(master, offset);
     flip_byte(master, offset, to < 0 ? static_cast<uint8_t>(before ^ 0x10) : static_cast<uint8_t>(to));
     const std::string out = ckpt.rig.dir.path + "/hf-corrupt";
@@ -743,7 +743,9 @@ TEST(ExportCheckpoint, AReadErrorNamesTheFileAndLeavesNothing) {
   ExportOptions o = options_for(out, DType::kBF16);
   o.env = &env;
   // The header is read when the file is opened; this rule waits for the data.
-  faults->add({.kind = io::FaultKind::kEio, .op = io::IoOp::kRead, .path_contains = "/" + std::string(kMasterFile),
+  faults->add({.kind = io::FaultKind::kEio,
+               .op = io::IoOp::kRead,
+               .path_contains = "/" + std::string(kMasterFile),
                .offset_bytes = middle});
   auto r = export_checkpoint(*info, *io, o);
   ASSERT_FALSE(r.is_ok());

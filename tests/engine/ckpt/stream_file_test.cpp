@@ -43,8 +43,8 @@ TEST(StreamWriter, WritesExactBytesSizeAndChunkCrcs) {
   ASSERT_TRUE(staging.is_ok());
   std::mt19937 rng(1);
   // Sizes around slot (64 KiB), block and chunk boundaries; 33 MiB crosses two 16 MiB chunks.
-  for (uint64_t size : {uint64_t{0}, uint64_t{1}, uint64_t{4095}, uint64_t{65536}, uint64_t{65537},
-                        uint64_t{33} << 20 | 12345}) {
+  for (uint64_t size :
+       {uint64_t{0}, uint64_t{1}, uint64_t{4095}, uint64_t{65536}, uint64_t{65537}, uint64_t{33} << 20 | 12345}) {
     SCOPED_TRACE(size);
     std::vector<std::byte> data(size);
     for (auto& b : data) b = static_cast<std::byte>(rng());
@@ -58,9 +58,7 @@ TEST(StreamWriter, WritesExactBytesSizeAndChunkCrcs) {
       if (use_span) {
         auto span = (*w)->next_span(want);
         ASSERT_TRUE(span.is_ok());
-        if ((*w)->position() % 4096 == 0) {
-          EXPECT_EQ(reinterpret_cast<uintptr_t>(span->data()) % 4096, 0u);
-        }
+        if ((*w)->position() % 4096 == 0) { EXPECT_EQ(reinterpret_cast<uintptr_t>(span->data()) % 4096, 0u); }
         std::memcpy(span->data(), data.data() + off, span->size());
         ASSERT_TRUE((*w)->commit(span->size()).is_ok());
         off += span->size();
@@ -82,7 +80,8 @@ TEST(StreamWriter, WritesExactBytesSizeAndChunkCrcs) {
     }
     // The verifier accepts the bytes fed in any pieces, and locates a flipped byte.
     ChunkVerifier ok(*digest, path);
-    for (uint64_t a = 0; a < size; a += 7777) ASSERT_TRUE(ok.update({data.data() + a, std::min<uint64_t>(7777, size - a)}).is_ok());
+    for (uint64_t a = 0; a < size; a += 7777)
+      ASSERT_TRUE(ok.update({data.data() + a, std::min<uint64_t>(7777, size - a)}).is_ok());
     EXPECT_TRUE(ok.finish().is_ok());
     if (size > 0) {
       data[size - 1] ^= std::byte{1};
@@ -114,7 +113,8 @@ TEST(StreamWriter, AWriteErrorSurfacesWithThePath) {
   auto faults = std::make_shared<io::FaultInjector>();
   auto io = io::IoEngine::create(io::IoOptions{}, faults);
   auto staging = AlignedBuffer::allocate(16 * 4096);
-  faults->add({.kind = io::FaultKind::kNoSpace, .op = io::IoOp::kWrite, .path_contains = "victim", .offset_bytes = 20000});
+  faults->add(
+      {.kind = io::FaultKind::kNoSpace, .op = io::IoOp::kWrite, .path_contains = "victim", .offset_bytes = 20000});
   auto w = StreamWriter::create(**io, dir.path + "/victim", staging->bytes(), 4);
   ASSERT_TRUE(w.is_ok());
   std::vector<std::byte> data(200000, std::byte{7});
@@ -232,8 +232,8 @@ TEST(RangeWriter, AdjacentUnalignedRangesFromThreadsMatchAStreamWriter) {
   const FileDigest whole = stream_digest(dir.path + "/whole", data);
   ASSERT_EQ(whole.chunk_crc32c.size(), 3u);
   const std::vector<std::vector<uint64_t>> layouts = {
-      {0, 4096 * 4100 + 123, size},                                  // two: the first crosses a chunk
-      {0, 4096 * 3000 + 123, 4096 * 6000 + 123, size},               // three: the middle one crosses
+      {0, 4096 * 4100 + 123, size},                                        // two: the first crosses a chunk
+      {0, 4096 * 3000 + 123, 4096 * 6000 + 123, size},                     // three: the middle one crosses
       {0, 4096 * 5 + 123, 4096 * 5 + 123, 2 * kChecksumChunkBytes, size},  // an empty one, a chunk-aligned cut
   };
   for (size_t l = 0; l < layouts.size(); ++l) {
@@ -276,9 +276,11 @@ TEST(RangeWriter, TouchesNoByteOutsideItsRange) {
   // Inside one block; across one block boundary (no whole block); many blocks with unaligned ends;
   // ending exactly at a block; and the file's unaligned tail. Garbage in the staging buffer around
   // the range's bytes must never reach the file.
-  const std::vector<std::pair<uint64_t, uint64_t>> ranges = {
-      {2 * 4096 + 100, 2 * 4096 + 300}, {5 * 4096 - 10, 5 * 4096 + 20}, {8 * 4096 + 123, 30 * 4096 + 4000},
-      {33 * 4096 + 1, 40 * 4096}, {64 * 4096 + 5, size}};
+  const std::vector<std::pair<uint64_t, uint64_t>> ranges = {{2 * 4096 + 100, 2 * 4096 + 300},
+                                                             {5 * 4096 - 10, 5 * 4096 + 20},
+                                                             {8 * 4096 + 123, 30 * 4096 + 4000},
+                                                             {33 * 4096 + 1, 40 * 4096},
+                                                             {64 * 4096 + 5, size}};
   uint32_t seed = 1;
   for (auto [b, e] : ranges) {
     SCOPED_TRACE(b);
@@ -347,7 +349,8 @@ TEST(RangeWriter, RefusesToWritePastItsEndAndAShortRangeAtFinish) {
   EXPECT_EQ(got[8999], std::byte{2});
   EXPECT_EQ(got[9000], std::byte{0});
   // A range past the file's end, a reversed range and a missing file are refused at create.
-  EXPECT_EQ(RangeWriter::create(**io, path, 0, 20001, staging->bytes(), 4).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(RangeWriter::create(**io, path, 0, 20001, staging->bytes(), 4).status().code(),
+            StatusCode::kInvalidArgument);
   EXPECT_EQ(RangeWriter::create(**io, path, 10, 9, staging->bytes(), 4).status().code(), StatusCode::kInvalidArgument);
   EXPECT_FALSE(RangeWriter::create(**io, dir.path + "/missing", 0, 0, staging->bytes(), 4).is_ok());
 }
@@ -374,7 +377,8 @@ TEST(RangeWriter, AnInjectedWriteErrorSurfacesWithThePath) {
     auto io = io::IoEngine::create(io::IoOptions{}, faults);
     ASSERT_TRUE(io.is_ok());
     auto staging = AlignedBuffer::allocate(8 * 4096);
-    faults->add({.kind = io::FaultKind::kEio, .op = io::IoOp::kWrite, .path_contains = "victim", .offset_bytes = fault_at});
+    faults->add(
+        {.kind = io::FaultKind::kEio, .op = io::IoOp::kWrite, .path_contains = "victim", .offset_bytes = fault_at});
     auto w = RangeWriter::create(**io, path, b, e, staging->bytes(), 4);
     ASSERT_TRUE(w.is_ok()) << w.status().to_string();
     Status s = (*w)->append(random_bytes(e - b, 5));
@@ -427,8 +431,8 @@ TEST(StreamFiles, AFaultOpeningAFileIsReportedWithThePath) {
 
 TEST(RangeWriter, CombineRefusesGapsOverlapsAndWrongPieceCounts) {
   const uint64_t size = kChecksumChunkBytes + 100;
-  const std::vector<RangeDigest> ok = {{0, 1000, {1}}, {1000, kChecksumChunkBytes + 50, {2, 3}},
-                                       {kChecksumChunkBytes + 50, size, {4}}};
+  const std::vector<RangeDigest> ok = {
+      {0, 1000, {1}}, {1000, kChecksumChunkBytes + 50, {2, 3}}, {kChecksumChunkBytes + 50, size, {4}}};
   EXPECT_TRUE(combine_range_digests("f", size, ok).is_ok());
   auto expect_refused = [&](std::vector<RangeDigest> ranges, const std::string& says) {
     auto d = combine_range_digests("f", size, ranges);

@@ -22,8 +22,8 @@
 namespace zo::engine {
 namespace {
 
-using ::testing::HasSubstr;
 using testing::Bytes;
+using ::testing::HasSubstr;
 using testing::Placing;
 using testing::Rig;
 
@@ -76,9 +76,7 @@ TEST(ParamCoordinator, PrefetchReadsAheadFromNvme) {
     const uint32_t b = q < n ? q : 2 * n - 1 - q;
     const uint64_t hits = coord->stats().hits;
     ASSERT_TRUE(coord->acquire(b).is_ok());
-    if (q > 0) {
-      EXPECT_EQ(coord->stats().hits - hits, bl[b].size()) << "position " << q;
-    }
+    if (q > 0) { EXPECT_EQ(coord->stats().hits - hits, bl[b].size()) << "position " << q; }
     ASSERT_TRUE(coord->release(b).is_ok());
   }
   EXPECT_GT(coord->stats().prefetches, 0u);
@@ -163,8 +161,8 @@ TEST(ParamCoordinator, PrefetchReadErrorSurfacesAtTheAcquireThatNeedsIt) {
 TEST(ParamCoordinator, NvmeParamWithoutSwapperIsRejected) {
   Rig rig;
   ASSERT_TRUE(rig.init(nvme(2)).is_ok());
-  auto coord = ParamCoordinator::create(*rig.store, nullptr, testing::blocks(), testing::block_names(),
-                                        CoordinatorOptions{});
+  auto coord =
+      ParamCoordinator::create(*rig.store, nullptr, testing::blocks(), testing::block_names(), CoordinatorOptions{});
   ASSERT_FALSE(coord.is_ok());
   EXPECT_EQ(coord.status().code(), StatusCode::kInvalidArgument);
   EXPECT_THAT(coord.status().message(), HasSubstr("on NVMe but no ParamSwapper"));
@@ -256,15 +254,16 @@ TEST(GradAccumulator, BitIdenticalOnCpuDeviceAndNvme) {
           Rig rig;
           Status st = rig.init(p);
           ASSERT_TRUE(st.is_ok()) << st.to_string();
-          ASSERT_EQ(rig.plan.placement.grad, std::string(tier) == "cpu" ? Tier::kCpu
-                                                 : std::string(tier) == "none" ? Tier::kDevice
-                                                                               : Tier::kNvme);
+          ASSERT_EQ(rig.plan.placement.grad, std::string(tier) == "cpu"    ? Tier::kCpu
+                                             : std::string(tier) == "none" ? Tier::kDevice
+                                                                           : Tier::kNvme);
           const auto grads = testing::random_grads(rig, steps, gdt, 21);
           if (ref.empty()) ref = testing::reference_accumulate(rig, grads, gdt, rig.plan.placement.grad_dtype);
           // Garbage in the accumulators first: the first micro-step must not read it.
           std::mt19937 rng(5);
           std::vector<Bytes> garbage;
-          for (const auto& q : rig.registry.params()) garbage.push_back(testing::random_bytes(q.n_elems * rig.grad_bytes(), rng));
+          for (const auto& q : rig.registry.params())
+            garbage.push_back(testing::random_bytes(q.n_elems * rig.grad_bytes(), rng));
           ASSERT_TRUE(rig.scatter(StateKind::kGradAccum, garbage).is_ok());
           auto acc = GradAccumulator::create(*rig.store, testing::contribution_order(), testing::executor());
           ASSERT_TRUE(acc.is_ok());
@@ -416,7 +415,8 @@ TEST(GradAccumulator, NvmeWritesZeroThePaddingPastEachAccumulatorsEnd) {
       std::memcpy(want.data() + piece.group_offset * eb, expected[piece.param].data() + piece.param_offset * eb,
                   piece.n_elems * eb);
     }
-    const Bytes disk = read_file_bytes(path, rig.store->location(g.index, StateKind::kGradAccum).region.offset_bytes, padded);
+    const Bytes disk =
+        read_file_bytes(path, rig.store->location(g.index, StateKind::kGradAccum).region.offset_bytes, padded);
     EXPECT_TRUE(std::equal(disk.begin(), disk.begin() + static_cast<std::ptrdiff_t>(size), want.begin()))
         << "the accumulator's bytes on disk";
     EXPECT_EQ(std::count_if(disk.begin() + static_cast<std::ptrdiff_t>(size), disk.end(),
@@ -461,9 +461,7 @@ TEST(GradWorker, AWriteErrorBehindBackwardIsReportedByDrainAndCleared) {
   EXPECT_THAT(st.message(), HasSubstr("writing sub-group 0"));
   EXPECT_THAT(st.message(), HasSubstr("optimizer.swp"));
   EXPECT_THAT(st.message(), HasSubstr(std::to_string(first.offset_bytes)));
-  if (refused > 0) {
-    EXPECT_EQ(first_refusal.message(), st.message());
-  }
+  if (refused > 0) { EXPECT_EQ(first_refusal.message(), st.message()); }
   (*acc)->abandon_micro_step();
 
   // The fault fired once: the next window accumulates and drains cleanly.
@@ -485,7 +483,8 @@ TEST(BlockGatherer, GathersComputeCopiesFromNvmeAndAFailedOwnReadFailsThatRankOn
     // Rank 1 cannot read its first piece once: its acquire fails with the I/O error; rank 0 goes
     // on (with stale bytes for rank 1's part: not checked), and the next micro-step is whole on both.
     if (r == 1)
-      g.rig.faults->add({.kind = io::FaultKind::kEio, .op = io::IoOp::kRead, .path_contains = "param.swp", .offset_bytes = 0});
+      g.rig.faults->add(
+          {.kind = io::FaultKind::kEio, .op = io::IoOp::kRead, .path_contains = "param.swp", .offset_bytes = 0});
     Status first = g.micro_step({}, false);
     if (r == 1) {
       EXPECT_EQ(first.code(), StatusCode::kIoError) << first.to_string();

@@ -44,11 +44,11 @@ struct Placing {
   std::string optimizer = "cpu";  // offload_optimizer.device (also the gradient accumulators' tier)
   std::string param = "cpu";      // offload_param.device
   bool bf16 = true;
-  std::string grad = "fp32";      // data_types.grad_accum_dtype
+  std::string grad = "fp32";  // data_types.grad_accum_dtype
   uint64_t max_in_cpu = 1'000'000'000;
   uint64_t param_buffer_count = 4;
   bool pin = true;
-  bool pipeline = false;          // offload_optimizer.pipeline_read and pipeline_write
+  bool pipeline = false;  // offload_optimizer.pipeline_read and pipeline_write
 
   std::string describe() const {
     return "optimizer " + optimizer + " param " + param + (bf16 ? " bf16" : " fp32") + " grad " + grad +
@@ -61,14 +61,21 @@ inline std::string json_bool(bool v) { return v ? "true" : "false"; }
 inline Config make_config(const Placing& s, const std::string& dir) {
   const std::string json = R"({"train_micro_batch_size_per_gpu": 1,
     "zero_optimization": {"stage": 3, "sub_group_size": 8192,
-      "offload_optimizer": {"device": ")" + s.optimizer + R"(", "nvme_path": ")" + dir + R"(",
-        "pin_memory": )" + json_bool(s.pin) + R"(, "pipeline_read": )" + json_bool(s.pipeline) +
-                           R"(, "pipeline_write": )" + json_bool(s.pipeline) + R"(},
-      "offload_param": {"device": ")" + s.param + R"(", "nvme_path": ")" + dir + R"(",
-        "buffer_count": )" + std::to_string(s.param_buffer_count) + R"(, "buffer_size": 100000,
-        "max_in_cpu": )" + std::to_string(s.max_in_cpu) + R"(, "pin_memory": )" + json_bool(s.pin) + R"(}},
-    "bf16": {"enabled": )" + json_bool(s.bf16) + R"(},
-    "data_types": {"grad_accum_dtype": ")" + s.grad + R"("},
+      "offload_optimizer": {"device": ")" +
+                           s.optimizer + R"(", "nvme_path": ")" + dir + R"(",
+        "pin_memory": )" + json_bool(s.pin) +
+                           R"(, "pipeline_read": )" + json_bool(s.pipeline) + R"(, "pipeline_write": )" +
+                           json_bool(s.pipeline) + R"(},
+      "offload_param": {"device": ")" +
+                           s.param + R"(", "nvme_path": ")" + dir + R"(",
+        "buffer_count": )" +
+                           std::to_string(s.param_buffer_count) + R"(, "buffer_size": 100000,
+        "max_in_cpu": )" + std::to_string(s.max_in_cpu) +
+                           R"(, "pin_memory": )" + json_bool(s.pin) + R"(}},
+    "bf16": {"enabled": )" +
+                           json_bool(s.bf16) + R"(},
+    "data_types": {"grad_accum_dtype": ")" +
+                           s.grad + R"("},
     "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}})";
   return parse_test_config(json);
 }
@@ -228,7 +235,6 @@ struct Rig {
     return out;
   }
 };
-
 
 // One micro-step through the full schedule (forward 0..n-1, backward n-1..0): every acquired
 // address holds exactly `expected[param]` (compute bytes per param), checked by D2H; each block is
@@ -425,8 +431,8 @@ inline std::vector<Bytes> whole_compute(const Placing& p) {
 }
 
 // Runs fn(rank, GatherRank&) on `world` threads over one bus.
-inline void on_ranks(uint32_t world, const Placing& p, LocalBus& bus, const std::function<void(uint32_t, GatherRank&)>& fn,
-              uint64_t bucket_elems = 500'000'000) {
+inline void on_ranks(uint32_t world, const Placing& p, LocalBus& bus,
+                     const std::function<void(uint32_t, GatherRank&)>& fn, uint64_t bucket_elems = 500'000'000) {
   std::vector<GatherRank> ranks(world);
   std::vector<Status> setup(world);
   for (uint32_t r = 0; r < world; ++r) {
@@ -458,35 +464,33 @@ inline std::unique_ptr<ParamCoordinator> make_coordinator(Rig& rig, const Coordi
 // Every setting, with acquire() and with acquire_async().
 inline void check_every_setting(const Placing& placing) {
   for (const bool async : {false, true})
-  for (const Settings& s : settings()) {
-    SCOPED_TRACE(placing.describe() + " / " + s.name + (async ? " / acquire_async" : ""));
-    Rig rig;
-    Status st = rig.init(placing);
-    ASSERT_TRUE(st.is_ok()) << st.to_string();
-    const auto expected = rig.gather(StateKind::kCompute);
-    auto coord = make_coordinator(rig, s.options);
-    uint64_t checked = 0;
-    for (int step = 0; step < 3; ++step) {
-      run_micro_step(rig, *coord, expected, &checked, async);
-      if (::testing::Test::HasFatalFailure()) return;
+    for (const Settings& s : settings()) {
+      SCOPED_TRACE(placing.describe() + " / " + s.name + (async ? " / acquire_async" : ""));
+      Rig rig;
+      Status st = rig.init(placing);
+      ASSERT_TRUE(st.is_ok()) << st.to_string();
+      const auto expected = rig.gather(StateKind::kCompute);
+      auto coord = make_coordinator(rig, s.options);
+      uint64_t checked = 0;
+      for (int step = 0; step < 3; ++step) {
+        run_micro_step(rig, *coord, expected, &checked, async);
+        if (::testing::Test::HasFatalFailure()) return;
+      }
+      EXPECT_EQ(checked, 3u * 2 * (1 + 3 * kLayers + 2));
+      const CoordinatorStats cs = coord->stats();
+      // Every use of a fetchable param is a hit or a fetch; prefetches add fetches that become hits.
+      if (s.options.prefetch_bucket_elems == 0) {
+        EXPECT_EQ(cs.fetches + cs.hits, 3 * fetchable_uses_per_micro_step(rig));
+        EXPECT_EQ(cs.prefetches, 0u);
+      } else {
+        EXPECT_GE(cs.fetches + cs.hits, 3 * fetchable_uses_per_micro_step(rig));
+        EXPECT_LE(cs.hits, 3 * fetchable_uses_per_micro_step(rig));
+      }
+      if (rig.swapper) { EXPECT_EQ(rig.swapper->buffers_free(), rig.swapper->buffers_total()); }
+      const gpu::DeviceStats ds = rig.device->stats();
+      EXPECT_LE(ds.peak_allocated_bytes, ds.budget_bytes);
+      EXPECT_LE(cs.peak_live_bytes, cs.arena_bytes);
     }
-    EXPECT_EQ(checked, 3u * 2 * (1 + 3 * kLayers + 2));
-    const CoordinatorStats cs = coord->stats();
-    // Every use of a fetchable param is a hit or a fetch; prefetches add fetches that become hits.
-    if (s.options.prefetch_bucket_elems == 0) {
-      EXPECT_EQ(cs.fetches + cs.hits, 3 * fetchable_uses_per_micro_step(rig));
-      EXPECT_EQ(cs.prefetches, 0u);
-    } else {
-      EXPECT_GE(cs.fetches + cs.hits, 3 * fetchable_uses_per_micro_step(rig));
-      EXPECT_LE(cs.hits, 3 * fetchable_uses_per_micro_step(rig));
-    }
-    if (rig.swapper) {
-      EXPECT_EQ(rig.swapper->buffers_free(), rig.swapper->buffers_total());
-    }
-    const gpu::DeviceStats ds = rig.device->stats();
-    EXPECT_LE(ds.peak_allocated_bytes, ds.budget_bytes);
-    EXPECT_LE(cs.peak_live_bytes, cs.arena_bytes);
-  }
 }
 
 }  // namespace zo::engine::testing

@@ -30,16 +30,16 @@
 namespace zo::engine {
 namespace {
 
-using ::testing::HasSubstr;
 using testing::Bytes;
+using testing::check_every_setting;
+using testing::GatherRank;
+using ::testing::HasSubstr;
+using testing::LocalBus;
+using testing::make_coordinator;
+using testing::on_ranks;
+using testing::opts;
 using testing::Placing;
 using testing::Rig;
-using testing::check_every_setting;
-using testing::make_coordinator;
-using testing::opts;
-using testing::GatherRank;
-using testing::LocalBus;
-using testing::on_ranks;
 
 // ---- RangeAllocator ------------------------------------------------------------------------------
 
@@ -292,14 +292,16 @@ TEST(ParamCoordinator, ABucketBelowTheLargestParamPrefetchesWholeBlocks) {
   Rig rig;
   ASSERT_TRUE(rig.init(Placing{}).is_ok());
   const auto bl = testing::blocks();
-  const ArenaPlan small = plan_arena(rig.store->registry(), rig.store->plan().placement, bl, opts(1000, 1'000'000, 0, 0));
+  const ArenaPlan small =
+      plan_arena(rig.store->registry(), rig.store->plan().placement, bl, opts(1000, 1'000'000, 0, 0));
   EXPECT_TRUE(small.prefetch_by_blocks);
   EXPECT_GT(small.largest_param_elems, 1000u);
   EXPECT_GE(small.prefetch_bucket_elems, 96u * 96 + 96 * 200);  // at least one layer
   const ArenaPlan off = plan_arena(rig.store->registry(), rig.store->plan().placement, bl, opts(0, 1'000'000, 0, 0));
   EXPECT_FALSE(off.prefetch_by_blocks);
   EXPECT_EQ(off.prefetch_bucket_elems, 0u);  // 0 still turns prefetch off
-  const ArenaPlan big = plan_arena(rig.store->registry(), rig.store->plan().placement, bl, opts(1'000'000, 1'000'000, 0, 0));
+  const ArenaPlan big =
+      plan_arena(rig.store->registry(), rig.store->plan().placement, bl, opts(1'000'000, 1'000'000, 0, 0));
   EXPECT_FALSE(big.prefetch_by_blocks);
   EXPECT_EQ(big.prefetch_bucket_elems, 1'000'000u);
 
@@ -611,7 +613,8 @@ AccResult accumulate_all(Rig& rig, const std::vector<std::vector<Bytes>>& grads,
   AccResult r;
   std::mt19937 rng(99);
   std::vector<Bytes> garbage;
-  for (const auto& p : rig.registry.params()) garbage.push_back(testing::random_bytes(p.n_elems * rig.grad_bytes(), rng));
+  for (const auto& p : rig.registry.params())
+    garbage.push_back(testing::random_bytes(p.n_elems * rig.grad_bytes(), rng));
   Status st = rig.scatter(StateKind::kGradAccum, garbage);
   ZO_CHECK(st.is_ok()) << st.to_string();
   auto acc = GradAccumulator::create(*rig.store, testing::contribution_order(), testing::executor());
@@ -621,8 +624,8 @@ AccResult accumulate_all(Rig& rig, const std::vector<std::vector<Bytes>>& grads,
   if (ring_bytes > 0) {
     ring = std::move(AlignedBuffer::allocate(align_up(ring_bytes, 64))).value();
     // A worker slower than the producer, so that a small ring fills and submits wait.
-    auto w = GradWorker::create(**acc, ring.bytes(), [] { std::this_thread::sleep_for(std::chrono::milliseconds(1)); },
-                                rig.device.get());
+    auto w = GradWorker::create(
+        **acc, ring.bytes(), [] { std::this_thread::sleep_for(std::chrono::milliseconds(1)); }, rig.device.get());
     ZO_CHECK(w.is_ok()) << w.status().to_string();
     worker = std::move(*w);
   }
@@ -700,14 +703,13 @@ TEST(GradAccumulator, MatchesTheReferenceSumOnCpuAndDeviceBitForBit) {
           const GradNormReport& last = results.back().reports.back();
           EXPECT_FALSE(last.nonfinite);
           EXPECT_NEAR(last.sum_sq, reference_sum_sq(ref, rig.plan.placement.grad_dtype), 1e-9 * last.sum_sq);
-          for (size_t m = 0; m + 1 < results.back().reports.size(); ++m) EXPECT_EQ(results.back().reports[m].sum_sq, 0.0);
+          for (size_t m = 0; m + 1 < results.back().reports.size(); ++m)
+            EXPECT_EQ(results.back().reports[m].sum_sq, 0.0);
         }
         EXPECT_EQ(double_bits(results[0].reports.back().sum_sq), double_bits(results[1].reports.back().sum_sq));
         EXPECT_EQ(results[0].reports.back().bytes_read + results[0].reports.back().bytes_written, 0u);  // in place
         EXPECT_GT(results[1].reports.back().bytes_written, 0u);
-        if (steps > 1) {
-          EXPECT_GT(results[1].reports.back().bytes_read, 0u);
-        }
+        if (steps > 1) { EXPECT_GT(results[1].reports.back().bytes_read, 0u); }
         EXPECT_EQ(results[1].reports.front().bytes_read, 0u);  // first: nothing read
       }
     }
@@ -732,21 +734,19 @@ TEST(GradWorker, AddsInOrderBitIdenticalToDirectAddsUnderBackPressureAndAsynchro
     uint64_t largest = 0;
     for (const auto& g : grads[0]) largest = std::max<uint64_t>(largest, g.size());
     for (bool async_fill : {false, true})
-    for (uint64_t ring : {largest, 3 * largest + 100}) {
-      SCOPED_TRACE(std::string(async_fill ? "asynchronous" : "synchronous") + " fills, ring " + std::to_string(ring));
-      Rig rig;
-      ASSERT_TRUE(rig.init(p).is_ok());
-      GradWorker::Stats stats;
-      const AccResult via = accumulate_all(rig, grads, DType::kBF16, ring, &stats, async_fill);
-      EXPECT_EQ(via.acc, direct.acc);
-      ASSERT_EQ(via.reports.size(), direct.reports.size());
-      EXPECT_EQ(double_bits(via.reports.back().sum_sq), double_bits(direct.reports.back().sum_sq));
-      EXPECT_EQ(stats.items, 3 * testing::contribution_order().size());
-      EXPECT_LE(stats.peak_in_flight_bytes, align_up(ring, 64));
-      if (ring == largest) {
-        EXPECT_GT(stats.full_waits, 0u) << "back-pressure was not exercised";
+      for (uint64_t ring : {largest, 3 * largest + 100}) {
+        SCOPED_TRACE(std::string(async_fill ? "asynchronous" : "synchronous") + " fills, ring " + std::to_string(ring));
+        Rig rig;
+        ASSERT_TRUE(rig.init(p).is_ok());
+        GradWorker::Stats stats;
+        const AccResult via = accumulate_all(rig, grads, DType::kBF16, ring, &stats, async_fill);
+        EXPECT_EQ(via.acc, direct.acc);
+        ASSERT_EQ(via.reports.size(), direct.reports.size());
+        EXPECT_EQ(double_bits(via.reports.back().sum_sq), double_bits(direct.reports.back().sum_sq));
+        EXPECT_EQ(stats.items, 3 * testing::contribution_order().size());
+        EXPECT_LE(stats.peak_in_flight_bytes, align_up(ring, 64));
+        if (ring == largest) { EXPECT_GT(stats.full_waits, 0u) << "back-pressure was not exercised"; }
       }
-    }
   }
 }
 
@@ -798,11 +798,15 @@ TEST(GradWorker, RefusesAZeroRingAnOversizedGradientAndReturnsAFailedFill) {
   AlignedBuffer ring = std::move(AlignedBuffer::allocate(1024)).value();
   auto worker = GradWorker::create(**acc, ring.bytes());
   ASSERT_TRUE(worker.is_ok());
-  auto never = [](std::span<std::byte>) -> Status { ADD_FAILURE() << "filled"; return Status::ok(); };
+  auto never = [](std::span<std::byte>) -> Status {
+    ADD_FAILURE() << "filled";
+    return Status::ok();
+  };
   const Status big = (*worker)->submit(0, DType::kF32, 4096, never);
   EXPECT_EQ(big.code(), StatusCode::kInvalidArgument);
   EXPECT_THAT(big.message(), HasSubstr("landing ring"));
-  const Status bad = (*worker)->submit(0, DType::kF32, 64, [](std::span<std::byte>) { return internal_error("copy failed"); });
+  const Status bad =
+      (*worker)->submit(0, DType::kF32, 64, [](std::span<std::byte>) { return internal_error("copy failed"); });
   EXPECT_THAT(bad.message(), HasSubstr("copy failed"));
   EXPECT_TRUE((*worker)->drain().is_ok());
   EXPECT_EQ((*worker)->stats().items, 0u);
@@ -886,7 +890,8 @@ TEST(GradAccumulator, AParamWithoutContributionsIsRejectedAtCreate) {
   EXPECT_EQ(acc.status().code(), StatusCode::kInvalidArgument);
   EXPECT_THAT(acc.status().message(), HasSubstr("model.norm.weight never appears"));
   order.push_back(12345);
-  EXPECT_EQ(GradAccumulator::create(*rig.store, order, testing::executor()).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(GradAccumulator::create(*rig.store, order, testing::executor()).status().code(),
+            StatusCode::kInvalidArgument);
 }
 
 // The number of sub-groups open at once in contribution order, counted by hand from the layout.
@@ -1003,10 +1008,13 @@ TEST(BlockGatherer, AllgatherBucketSizeSplitsTheBroadcastsNotTheBytes) {
   std::vector<int> calls;
   for (const uint64_t bucket : {uint64_t{500'000'000}, uint64_t{1000}}) {
     LocalBus bus(2);
-    on_ranks(2, p, bus, [&](uint32_t r, GatherRank& g) {
-      Status st = g.micro_step(expected, false);
-      EXPECT_TRUE(st.is_ok()) << "rank " << r << ": " << st.to_string();
-    }, bucket);
+    on_ranks(
+        2, p, bus,
+        [&](uint32_t r, GatherRank& g) {
+          Status st = g.micro_step(expected, false);
+          EXPECT_TRUE(st.is_ok()) << "rank " << r << ": " << st.to_string();
+        },
+        bucket);
     calls.push_back(bus.calls[0]);
   }
   // The largest run (a layer's mlp, 19200 elements) alone needs 20 broadcasts of 1000.
@@ -1035,7 +1043,8 @@ TEST(BlockGatherer, AFailedBroadcastFailsTheAcquireOnEveryRankNamingTheBlock) {
   on_ranks(2, p, bus, [&](uint32_t r, GatherRank& g) {
     Status st = g.micro_step(expected, false);
     EXPECT_EQ(st.code(), StatusCode::kAborted) << "rank " << r << ": " << st.to_string();
-    EXPECT_THAT(st.to_string(), HasSubstr("acquire block 2 'layers.1': gathering the parameters of block 2 'layers.1' from rank 1"));
+    EXPECT_THAT(st.to_string(),
+                HasSubstr("acquire block 2 'layers.1': gathering the parameters of block 2 'layers.1' from rank 1"));
     EXPECT_THAT(st.to_string(), HasSubstr("did not respond"));
     EXPECT_THAT(st.to_string(), HasSubstr("acquire block"));
   });
@@ -1045,13 +1054,14 @@ TEST(BlockGatherer, TheCoordinatorTakesAGathererExactlyWhenTheParamsArePartition
   LocalBus bus(2);
   GatherRank g;
   ASSERT_TRUE(g.init(Placing{}, 2, 0, bus).is_ok());
-  auto without = ParamCoordinator::create(*g.rig.store, nullptr, testing::blocks(), testing::block_names(), CoordinatorOptions{});
+  auto without =
+      ParamCoordinator::create(*g.rig.store, nullptr, testing::blocks(), testing::block_names(), CoordinatorOptions{});
   EXPECT_EQ(without.status().code(), StatusCode::kInvalidArgument);
   EXPECT_THAT(without.status().message(), HasSubstr("needs a gatherer"));
   Rig whole;
   ASSERT_TRUE(whole.init(Placing{}).is_ok());
-  auto with = ParamCoordinator::create(*whole.store, nullptr, testing::blocks(), testing::block_names(), CoordinatorOptions{},
-                                       g.gatherer.get());
+  auto with = ParamCoordinator::create(*whole.store, nullptr, testing::blocks(), testing::block_names(),
+                                       CoordinatorOptions{}, g.gatherer.get());
   EXPECT_EQ(with.status().code(), StatusCode::kInvalidArgument);
   auto gatherer = BlockGatherer::create(*whole.store, testing::blocks(), {.broadcast = bus.broadcast(0)});
   EXPECT_EQ(gatherer.status().code(), StatusCode::kInvalidArgument);

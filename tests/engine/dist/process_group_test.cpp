@@ -107,8 +107,8 @@ TEST(ProcessGroup, ReduceSumsOnEachRootAndBroadcastCopiesEachRootsBytes) {
       ZO_RETURN_IF_ERROR(g.broadcast(bytes.data(), kN, root, "test broadcast"));
       for (uint64_t i = 0; i < kN; ++i)
         if (bytes[i] != static_cast<unsigned char>(i * 31 + root * 101))
-          return internal_error("broadcast from root " + std::to_string(root) + " on rank " +
-                                std::to_string(g.rank()) + ": byte " + std::to_string(i));
+          return internal_error("broadcast from root " + std::to_string(root) + " on rank " + std::to_string(g.rank()) +
+                                ": byte " + std::to_string(i));
     }
     return g.barrier("test barrier");
   });

@@ -229,7 +229,8 @@ TEST(HfConfig, ExplicitHeadDimNeedNotDivideHidden) {
 }
 
 TEST(HfConfig, RopeScalingDefaultAndLinear) {
-  EXPECT_EQ(parse_ok(llama2_with("rope_scaling", R"({"rope_type": "default"})")).rope_scaling.type, RopeScalingType::kNone);
+  EXPECT_EQ(parse_ok(llama2_with("rope_scaling", R"({"rope_type": "default"})")).rope_scaling.type,
+            RopeScalingType::kNone);
   const ModelConfig c = parse_ok(llama2_with("rope_scaling", R"({"type": "linear", "factor": 4.0})"));
   EXPECT_EQ(c.rope_scaling.type, RopeScalingType::kLinear);
   EXPECT_EQ(c.rope_scaling.factor, 4.0);
@@ -270,11 +271,16 @@ TEST(HfConfig, ReadsTransformers5RopeParametersAsTheOldForm) {
 
 TEST(HfConfig, RopePrecedenceFollowsTransformers) {
   // The dict's rope_theta wins over the top-level one.
-  EXPECT_EQ(parse_ok(llama2_with("rope_scaling", R"(null, "rope_theta": 20000.0, "rope_parameters": {"rope_type": "default", "rope_theta": 40000.0})"))
-                .rope_theta,
-            40000.0);
+  EXPECT_EQ(
+      parse_ok(
+          llama2_with(
+              "rope_scaling",
+              R"(null, "rope_theta": 20000.0, "rope_parameters": {"rope_type": "default", "rope_theta": 40000.0})"))
+          .rope_theta,
+      40000.0);
   // Without one in the dict, the top-level rope_theta holds.
-  EXPECT_EQ(parse_ok(llama2_with("rope_scaling", R"(null, "rope_theta": 20000.0, "rope_parameters": {"rope_type": "default"})"))
+  EXPECT_EQ(parse_ok(llama2_with("rope_scaling",
+                                 R"(null, "rope_theta": 20000.0, "rope_parameters": {"rope_type": "default"})"))
                 .rope_theta,
             20000.0);
   // A non-null rope_scaling is read in place of rope_parameters.
@@ -283,19 +289,23 @@ TEST(HfConfig, RopePrecedenceFollowsTransformers) {
   EXPECT_EQ(both.rope_scaling.type, RopeScalingType::kLinear);
   // llama3 without original_max_position_embeddings: max_position_embeddings, as transformers 5.
   const ModelConfig l3 = parse_ok(llama2_with(
-      "rope_scaling", R"(null, "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0})"));
+      "rope_scaling",
+      R"(null, "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0})"));
   EXPECT_EQ(l3.rope_scaling.original_max_position_embeddings, 4096u);
   // An empty rope_scaling is no rope_scaling (Python's `rope_scaling or rope_parameters`).
   const ModelConfig empty = parse_ok(llama2_with(
-      "rope_scaling", R"({}, "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0})"));
+      "rope_scaling",
+      R"({}, "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0})"));
   EXPECT_EQ(empty.rope_scaling.type, RopeScalingType::kLlama3);
   EXPECT_EQ(empty.rope_theta, 500000.0);
   // A top-level original_max_position_embeddings wins over the dict's (standardize_rope_params).
   const ModelConfig top = parse_ok(llama2_with(
-      "rope_scaling", R"(null, "original_max_position_embeddings": 64, "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 32})"));
+      "rope_scaling",
+      R"(null, "original_max_position_embeddings": 64, "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 32})"));
   EXPECT_EQ(top.rope_scaling.original_max_position_embeddings, 64u);
   // partial_rotary_factor 1.0 is the plain rotary.
-  EXPECT_EQ(parse_ok(llama2_with("rope_scaling", R"({"rope_type": "default", "partial_rotary_factor": 1.0})")).rope_scaling.type,
+  EXPECT_EQ(parse_ok(llama2_with("rope_scaling", R"({"rope_type": "default", "partial_rotary_factor": 1.0})"))
+                .rope_scaling.type,
             RopeScalingType::kNone);
 }
 
@@ -315,9 +325,7 @@ void expect_error(const std::string& text, const std::string& key, const std::st
   EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
   EXPECT_THAT(r.status().message(), HasSubstr("/models/x/config.json"));
   EXPECT_THAT(r.status().message(), HasSubstr("'" + key + "'"));
-  if (!also.empty()) {
-    EXPECT_THAT(r.status().message(), HasSubstr(also));
-  }
+  if (!also.empty()) { EXPECT_THAT(r.status().message(), HasSubstr(also)); }
 }
 
 TEST(HfConfig, ErrorsNameFileAndKey) {
@@ -336,7 +344,8 @@ TEST(HfConfig, ErrorsNameFileAndKey) {
   expect_error(llama2_with("rope_scaling", R"({"rope_type": "yarn", "factor": 4.0})"), "rope_scaling.rope_type",
                "linear, llama3");
   expect_error(llama2_with("rope_scaling", R"({"type": "dynamic", "factor": 4.0})"), "rope_scaling.type");
-  expect_error(llama2_with("rope_scaling", R"({"rope_type": "llama3", "factor": 8.0})"), "rope_scaling.low_freq_factor");
+  expect_error(llama2_with("rope_scaling", R"({"rope_type": "llama3", "factor": 8.0})"),
+               "rope_scaling.low_freq_factor");
   expect_error(llama2_with("rope_scaling", R"({"rope_type": "linear"})"), "rope_scaling.factor", "missing");
   expect_error(llama2_with("rope_scaling", "4"), "rope_scaling");
   expect_error(llama2_with("hidden_act", "\"gelu\""), "hidden_act", "silu");
@@ -450,14 +459,10 @@ TEST(ModelLayout, TinyNamesShapesAndOrder) {
   EXPECT_EQ(layout.params[0].name, "model.embed_tokens.weight");
   EXPECT_EQ(layout.params[0].shape, (std::vector<int64_t>{256, 256}));
   const std::vector<std::pair<std::string, std::vector<int64_t>>> layer1 = {
-      {"model.layers.1.input_layernorm.weight", {256}},
-      {"model.layers.1.self_attn.q_proj.weight", {256, 256}},
-      {"model.layers.1.self_attn.k_proj.weight", {128, 256}},
-      {"model.layers.1.self_attn.v_proj.weight", {128, 256}},
-      {"model.layers.1.self_attn.o_proj.weight", {256, 256}},
-      {"model.layers.1.post_attention_layernorm.weight", {256}},
-      {"model.layers.1.mlp.gate_proj.weight", {688, 256}},
-      {"model.layers.1.mlp.up_proj.weight", {688, 256}},
+      {"model.layers.1.input_layernorm.weight", {256}},       {"model.layers.1.self_attn.q_proj.weight", {256, 256}},
+      {"model.layers.1.self_attn.k_proj.weight", {128, 256}}, {"model.layers.1.self_attn.v_proj.weight", {128, 256}},
+      {"model.layers.1.self_attn.o_proj.weight", {256, 256}}, {"model.layers.1.post_attention_layernorm.weight", {256}},
+      {"model.layers.1.mlp.gate_proj.weight", {688, 256}},    {"model.layers.1.mlp.up_proj.weight", {688, 256}},
       {"model.layers.1.mlp.down_proj.weight", {256, 688}}};
   const BlockSpec& b1 = layout.blocks[2];
   EXPECT_EQ(b1.kind, BlockKind::kDecoder);

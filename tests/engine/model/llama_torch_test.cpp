@@ -41,7 +41,7 @@ std::vector<double> reference_inv_freq(const ModelConfig& c) {
       const double old_len = static_cast<double>(s.original_max_position_embeddings);
       const double wavelen = 2 * std::numbers::pi / f;
       if (wavelen > old_len / s.low_freq_factor) {
-        f /= s.factor;  // low frequency: scaled
+        f /= s.factor;                                       // low frequency: scaled
       } else if (wavelen >= old_len / s.high_freq_factor) {  // medium: interpolated
         const double smooth = (old_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
         f = (1 - smooth) * f / s.factor + smooth * f;
@@ -53,7 +53,8 @@ std::vector<double> reference_inv_freq(const ModelConfig& c) {
 }
 
 // The whole model in fp64: `params` in ModelLayout::params order (any dtype; cast here).
-torch::Tensor reference_logits(const ModelConfig& c, const std::vector<torch::Tensor>& params, const torch::Tensor& ids) {
+torch::Tensor reference_logits(const ModelConfig& c, const std::vector<torch::Tensor>& params,
+                               const torch::Tensor& ids) {
   const auto opt = torch::TensorOptions().dtype(torch::kFloat64);
   std::vector<torch::Tensor> P;
   for (const torch::Tensor& p : params) P.push_back(p.to(torch::kFloat64));
@@ -86,7 +87,8 @@ torch::Tensor reference_logits(const ModelConfig& c, const std::vector<torch::Te
     v = v.view({B, T, nkv, hd}).repeat_interleave(nh / nkv, 2);
     torch::Tensor scores = torch::einsum("bqhd,bkhd->bhqk", {q, k}) / std::sqrt(static_cast<double>(hd));
     scores = scores.masked_fill(future, -INFINITY);
-    const torch::Tensor attn = torch::einsum("bhqk,bkhd->bqhd", {torch::softmax(scores, -1), v}).reshape({B, T, nh * hd});
+    const torch::Tensor attn =
+        torch::einsum("bhqk,bkhd->bqhd", {torch::softmax(scores, -1), v}).reshape({B, T, nh * hd});
     x = x + attn.matmul(P[i++].t());
     const torch::Tensor n = rms(x, P[i++]);
     const torch::Tensor g = n.matmul(P[i++].t());
@@ -108,8 +110,11 @@ ModelConfig test_config(bool qwen_like) {
     c.tie_word_embeddings = true;
     c.num_key_value_heads = 2;
     c.rope_theta = 500000.0;
-    c.rope_scaling = {.type = RopeScalingType::kLlama3, .factor = 8.0, .low_freq_factor = 1.0,
-                      .high_freq_factor = 4.0, .original_max_position_embeddings = 64};
+    c.rope_scaling = {.type = RopeScalingType::kLlama3,
+                      .factor = 8.0,
+                      .low_freq_factor = 1.0,
+                      .high_freq_factor = 4.0,
+                      .original_max_position_embeddings = 64};
   }
   return c;
 }
@@ -237,16 +242,20 @@ TEST(LlamaForward, BadInputsBecomeStatusesAtTheBoundary) {
   const std::vector<torch::Tensor> params = random_params(layout, 12);
   const RopeTables rope = make_rope_tables(c, 8, torch::kCPU);
   const torch::Tensor x = torch::randn({1, 8, static_cast<int64_t>(c.hidden_size)});
-  Status s = torch_call("layer 0", [&] { block_forward(c, layout.blocks[1], block_params(layout.blocks[2], params), x, rope).sum(); });
+  Status s = torch_call(
+      "layer 0", [&] { block_forward(c, layout.blocks[1], block_params(layout.blocks[2], params), x, rope).sum(); });
   ASSERT_TRUE(s.is_ok()) << "a decoder takes any decoder's params: " << s.to_string();
   s = torch_call("layer 0", [&] { block_forward(c, layout.blocks[1], {params[0]}, x, rope); });
   EXPECT_EQ(s.code(), StatusCode::kInternal);
   EXPECT_THAT(s.message(), HasSubstr("layer 0: block model.layers.0 takes 9 parameters, got 1"));
-  s = torch_call("long", [&] { block_forward(c, layout.blocks[1], block_params(layout.blocks[1], params),
-                                             torch::randn({1, 9, static_cast<int64_t>(c.hidden_size)}), rope); });
+  s = torch_call("long", [&] {
+    block_forward(c, layout.blocks[1], block_params(layout.blocks[1], params),
+                  torch::randn({1, 9, static_cast<int64_t>(c.hidden_size)}), rope);
+  });
   EXPECT_THAT(s.message(), HasSubstr("RoPE tables"));
   c.sliding_window = 4;
-  s = torch_call("mistral", [&] { block_forward(c, layout.blocks[1], block_params(layout.blocks[1], params), x, rope); });
+  s = torch_call("mistral",
+                 [&] { block_forward(c, layout.blocks[1], block_params(layout.blocks[1], params), x, rope); });
   EXPECT_THAT(s.message(), HasSubstr("sliding"));
   s = torch_call("std", [] { throw std::runtime_error("boom"); });
   EXPECT_EQ(s.code(), StatusCode::kInternal);
@@ -295,7 +304,8 @@ TEST(Rope, TablesAreCosSinOfPositionTimesFrequencyTwice) {
 
 TEST(CausalAttention, SdpaMatchesExplicitMaskedSoftmax) {
   torch::manual_seed(13);
-  const torch::Tensor q = torch::randn({2, 4, 33, 16}), k = torch::randn({2, 4, 33, 16}), v = torch::randn({2, 4, 33, 16});
+  const torch::Tensor q = torch::randn({2, 4, 33, 16}), k = torch::randn({2, 4, 33, 16}),
+                      v = torch::randn({2, 4, 33, 16});
   EXPECT_LT(max_rel_error(causal_attention(q, k, v, true), causal_attention(q, k, v, false)), 1e-5);
 }
 

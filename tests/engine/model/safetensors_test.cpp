@@ -18,16 +18,17 @@
 namespace zo::engine {
 namespace {
 
-using ::testing::HasSubstr;
 using testing::f32_tensor;
 using testing::half_tensor;
+using ::testing::HasSubstr;
 using testing::TempDir;
 using testing::write_file;
 using testing::write_safetensors;
 
 std::vector<float> ramp(size_t n, float scale) {
   std::vector<float> v(n);
-  for (size_t i = 0; i < n; ++i) v[i] = scale * std::sin(0.37f * static_cast<float>(i) + 0.1f) * static_cast<float>(i + 1);
+  for (size_t i = 0; i < n; ++i)
+    v[i] = scale * std::sin(0.37f * static_cast<float>(i) + 0.1f) * static_cast<float>(i + 1);
   return v;
 }
 
@@ -40,8 +41,8 @@ std::unique_ptr<SafetensorsFile> open_ok(const std::string& path) {
 TEST(SafetensorsFile, ReadsBackF32Bf16F16Exactly) {
   TempDir dir;
   const std::vector<float> a = ramp(60, 0.5f), b = ramp(35, 3.0f), c = ramp(17, 0.01f);
-  write_safetensors(dir.file("m.safetensors"),
-                    {f32_tensor("a", {3, 4, 5}, a), half_tensor("b", true, {35}, b), half_tensor("c", false, {17, 1}, c)});
+  write_safetensors(dir.file("m.safetensors"), {f32_tensor("a", {3, 4, 5}, a), half_tensor("b", true, {35}, b),
+                                                half_tensor("c", false, {17, 1}, c)});
   auto f = open_ok(dir.file("m.safetensors"));
   ASSERT_NE(f, nullptr);
   ASSERT_EQ(f->tensors().size(), 3u);
@@ -294,8 +295,8 @@ TEST(HfWeights, AFifoInsteadOfAModelFileIsRefusedNotWaitedOn) {
     SCOPED_TRACE(name);
     TempDir dir;
     ASSERT_EQ(::mkfifo(dir.file(name).c_str(), 0600), 0);
-    const Status st = std::string(name) == "config.json" ? load_hf_config(dir.path()).status()
-                                                          : HfWeights::open(dir.path()).status();
+    const Status st =
+        std::string(name) == "config.json" ? load_hf_config(dir.path()).status() : HfWeights::open(dir.path()).status();
     EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
     EXPECT_THAT(st.message(), HasSubstr(dir.file(name) + " is a FIFO (named pipe), not a regular file"));
   }

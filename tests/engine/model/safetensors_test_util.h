@@ -88,7 +88,8 @@ inline void write_safetensors(const std::string& path, const std::vector<TestTen
   std::string data;
   for (const TestTensor& t : tensors) {
     header += ",\"" + t.name + "\":{\"dtype\":\"" + t.dtype + "\",\"shape\":" + shape_json(t.shape) +
-              ",\"data_offsets\":[" + std::to_string(data.size()) + "," + std::to_string(data.size() + t.bytes.size()) + "]}";
+              ",\"data_offsets\":[" + std::to_string(data.size()) + "," + std::to_string(data.size() + t.bytes.size()) +
+              "]}";
     data += t.bytes;
   }
   write_file(path, safetensors_bytes(header + "}", data));

@@ -165,7 +165,9 @@ TEST(LoadHfWeights, MissingLmHeadWithUntiedConfigSaysSo) {
 TEST(LoadHfWeights, UnusedTensorsAreOneWarningNotAnError) {
   const ModelLayout layout = model_layout(small_config());
   TempDir dir;
-  write_model_dir(dir, layout, {.extra = {"model.layers.0.self_attn.rotary_emb.inv_freq", "model.layers.1.self_attn.rotary_emb.inv_freq"}});
+  write_model_dir(
+      dir, layout,
+      {.extra = {"model.layers.0.self_attn.rotary_emb.inv_freq", "model.layers.1.self_attn.rotary_emb.inv_freq"}});
   Collected c;
   ::testing::internal::CaptureStderr();
   const Status s = load_hf_weights(dir.path(), layout, 64, collector(&c));

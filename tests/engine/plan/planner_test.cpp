@@ -287,7 +287,8 @@ TEST(Planner, OnAGpuTheBudgetHoldsTheActivationsAndTheArenaTakesTheRest) {
 
   // A budget between the minimum and what the arena wants: it fits, with a smaller arena, and the
   // total stays within the budget.
-  in.device_budget_bytes = roomy->device_state_bytes + roomy->activation_bytes + (arena_min + roomy->arena.total_bytes()) / 2;
+  in.device_budget_bytes =
+      roomy->device_state_bytes + roomy->activation_bytes + (arena_min + roomy->arena.total_bytes()) / 2;
   auto tight = plan_run(in);
   ASSERT_TRUE(tight.is_ok());
   EXPECT_TRUE(tight->fits()) << tight->summary();
@@ -376,7 +377,8 @@ TEST(Planner, UlimitVCountsTheProcessTheRunAndItsThreads) {
   ASSERT_TRUE(unlimited.is_ok());
   EXPECT_TRUE(unlimited->fits());
   EXPECT_EQ(unlimited->thread_reserve_bytes, uint64_t{1080} << 20);
-  const uint64_t need = (uint64_t{3} << 30) + unlimited->ram_bytes + unlimited->device_total_bytes + (uint64_t{1080} << 20);
+  const uint64_t need =
+      (uint64_t{3} << 30) + unlimited->ram_bytes + unlimited->device_total_bytes + (uint64_t{1080} << 20);
   EXPECT_EQ(unlimited->address_space_bytes, need);
   in.host.address_space_limit_bytes = need - 1;
   auto short_by_one = plan_run(in);
@@ -427,7 +429,8 @@ TEST(Planner, StepTimePutsTheAccumulatorWritesInBackwardAndTheRestBesideAdam) {
               static_cast<double>(p->nvme_read_bytes) / 1e9 + static_cast<double>(p->nvme_write_bytes) / 2e9, 1e-9);
   EXPECT_GT(s["optimizer"], s["nvme optim"]);
   EXPECT_DOUBLE_EQ(p->step_s_high, s["compute"] + s["gradients"] + s["nvme grads"] + s["optimizer"]);
-  EXPECT_DOUBLE_EQ(p->step_s_low, std::max({s["compute"], s["gradients"], s["optimizer"], s["nvme grads"] + s["nvme optim"]}));
+  EXPECT_DOUBLE_EQ(p->step_s_low,
+                   std::max({s["compute"], s["gradients"], s["optimizer"], s["nvme grads"] + s["nvme optim"]}));
 }
 
 TEST(Planner, IoResultsAreReadAtTheConfigsAioSettings) {

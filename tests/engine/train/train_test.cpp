@@ -81,39 +81,45 @@ struct RunSetup {
   uint64_t grad_accum = 2;
   std::string gpu_limit = "256MiB";
   bool scheduler = true;
-  std::string opt_type = "AdamW";  // optimizer.type
+  std::string opt_type = "AdamW";       // optimizer.type
   std::string schedule = "horizontal";  // zoffload.schedule
   std::string checkpoints = "auto";     // zoffload.activation_checkpoints
   std::string accumulators = "auto";    // zoffload.gradient_accumulators
 };
 
 Config make_config(const RunSetup& s, const std::string& nvme) {
-  nlohmann::json j = {
-      {"train_micro_batch_size_per_gpu", 2},
-      {"gradient_accumulation_steps", s.grad_accum},
-      {"gradient_clipping", s.clipping},
-      {"optimizer", {{"type", s.opt_type}, {"params", {{"lr", 3e-3}, {"betas", {0.9, 0.95}}, {"eps", 1e-8}, {"weight_decay", 0.01}}}}},
-      {"zero_optimization",
-       {{"stage", s.stage},
-        {"sub_group_size", 16384},
-        {"stage3_prefetch_bucket_size", s.prefetch},
-        {"stage3_max_live_parameters", s.max_live},
-        {"stage3_param_persistence_threshold", s.persistence},
-        {"stage3_max_reuse_distance", s.reuse}}},
-      {"zoffload", {{"device", "host"}, {"gpu_memory_limit", s.gpu_limit}, {"schedule", s.schedule}, {"activation_checkpoints", s.checkpoints},
-                    {"gradient_accumulators", s.accumulators}}}};
+  nlohmann::json j = {{"train_micro_batch_size_per_gpu", 2},
+                      {"gradient_accumulation_steps", s.grad_accum},
+                      {"gradient_clipping", s.clipping},
+                      {"optimizer",
+                       {{"type", s.opt_type},
+                        {"params", {{"lr", 3e-3}, {"betas", {0.9, 0.95}}, {"eps", 1e-8}, {"weight_decay", 0.01}}}}},
+                      {"zero_optimization",
+                       {{"stage", s.stage},
+                        {"sub_group_size", 16384},
+                        {"stage3_prefetch_bucket_size", s.prefetch},
+                        {"stage3_max_live_parameters", s.max_live},
+                        {"stage3_param_persistence_threshold", s.persistence},
+                        {"stage3_max_reuse_distance", s.reuse}}},
+                      {"zoffload",
+                       {{"device", "host"},
+                        {"gpu_memory_limit", s.gpu_limit},
+                        {"schedule", s.schedule},
+                        {"activation_checkpoints", s.checkpoints},
+                        {"gradient_accumulators", s.accumulators}}}};
   if (s.scheduler)
-    j["scheduler"] = {{"type", "WarmupCosineLR"}, {"params", {{"warmup_num_steps", 3}, {"total_num_steps", 20}, {"warmup_type", "linear"}}}};
+    j["scheduler"] = {{"type", "WarmupCosineLR"},
+                      {"params", {{"warmup_num_steps", 3}, {"total_num_steps", 20}, {"warmup_type", "linear"}}}};
   if (s.opt_type == "Adagrad") j["optimizer"]["params"] = {{"lr", 1e-2}, {"eps", 1e-10}, {"weight_decay", 0.0}};
   if (s.opt_type == "Lion") j["optimizer"]["params"] = {{"lr", 3e-4}, {"betas", {0.9, 0.99}}, {"weight_decay", 0.01}};
   if (s.precision == "bf16") j["bf16"] = {{"enabled", true}};
   if (s.precision == "fp16") j["fp16"] = {{"enabled", true}, {"initial_scale_power", 12}, {"hysteresis", 1}};
   if (s.stage == 3 && s.param != "none")
-    j["zero_optimization"]["offload_param"] = {{"device", s.param}, {"nvme_path", nvme}, {"max_in_cpu", s.max_in_cpu},
-                                               {"buffer_count", 4}};
+    j["zero_optimization"]["offload_param"] = {
+        {"device", s.param}, {"nvme_path", nvme}, {"max_in_cpu", s.max_in_cpu}, {"buffer_count", 4}};
   if (s.optimizer != "none")
-    j["zero_optimization"]["offload_optimizer"] = {{"device", s.optimizer}, {"nvme_path", nvme},
-                                                   {"pipeline_read", s.pipeline}, {"pipeline_write", s.pipeline}};
+    j["zero_optimization"]["offload_optimizer"] = {
+        {"device", s.optimizer}, {"nvme_path", nvme}, {"pipeline_read", s.pipeline}, {"pipeline_write", s.pipeline}};
   return parse_test_config(j.dump());
 }
 
@@ -158,7 +164,8 @@ std::vector<std::vector<float>> train(const TrainOptions& o, int steps, std::vec
 bool bit_identical(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
   if (a.size() != b.size()) return false;
   for (size_t i = 0; i < a.size(); ++i)
-    if (a[i].size() != b[i].size() || std::memcmp(a[i].data(), b[i].data(), a[i].size() * sizeof(float)) != 0) return false;
+    if (a[i].size() != b[i].size() || std::memcmp(a[i].data(), b[i].data(), a[i].size() * sizeof(float)) != 0)
+      return false;
   return true;
 }
 
@@ -176,7 +183,8 @@ TEST(Trainer, OffloadAndPrefetchSettingsGiveBitIdenticalWeights) {
   };
   std::vector<Variant> variants = {
       {"params cpu, optimizer cpu", {.param = "cpu", .optimizer = "cpu"}},
-      {"params nvme, optimizer nvme, pipelined", {.param = "nvme", .optimizer = "nvme", .pipeline = true, .max_in_cpu = 0}},
+      {"params nvme, optimizer nvme, pipelined",
+       {.param = "nvme", .optimizer = "nvme", .pipeline = true, .max_in_cpu = 0}},
       {"params cpu, optimizer nvme, no prefetch, no reuse",
        {.param = "cpu", .optimizer = "nvme", .prefetch = 0, .max_live = 40000, .reuse = 0}},
       {"params nvme, optimizer cpu, persistent small params, big prefetch",
@@ -200,12 +208,10 @@ TEST(Trainer, OffloadAndPrefetchSettingsGiveBitIdenticalWeights) {
     const nlohmann::json& placed = plan["memory_plan"]["placement"];
     EXPECT_EQ(placed["optimizer"], tier(v.setup.optimizer)) << placed.dump();
     const std::string grads = v.setup.accumulators != "auto" ? v.setup.accumulators
-                              : v.setup.optimizer == "nvme"   ? "cpu"  // the planner's choice: this host has room
-                                                              : tier(v.setup.optimizer);
+                              : v.setup.optimizer == "nvme"  ? "cpu"  // the planner's choice: this host has room
+                                                             : tier(v.setup.optimizer);
     EXPECT_EQ(placed["grad"], grads) << placed.dump();
-    if (v.setup.param != "none") {
-      EXPECT_GT(placed["compute"][v.setup.param].get<uint64_t>(), 0u) << placed.dump();
-    }
+    if (v.setup.param != "none") { EXPECT_GT(placed["compute"][v.setup.param].get<uint64_t>(), 0u) << placed.dump(); }
     EXPECT_TRUE(bit_identical(weights, reference));
     ASSERT_EQ(metrics.size(), ref_metrics.size());
     for (size_t i = 0; i < metrics.size(); ++i) EXPECT_EQ(metrics[i].loss, ref_metrics[i].loss) << "step " << i + 1;
@@ -215,7 +221,8 @@ TEST(Trainer, OffloadAndPrefetchSettingsGiveBitIdenticalWeights) {
 TEST(Trainer, TiedEmbeddingsAreBitIdenticalAcrossOffload) {
   TempDir a, b;
   const auto ref = train(make_options(RunSetup{}, a, /*tied=*/true), 5);
-  const auto off = train(make_options({.param = "nvme", .optimizer = "nvme", .pipeline = true, .max_in_cpu = 0}, b, true), 5);
+  const auto off =
+      train(make_options({.param = "nvme", .optimizer = "nvme", .pipeline = true, .max_in_cpu = 0}, b, true), 5);
   EXPECT_TRUE(bit_identical(ref, off));
 }
 
@@ -223,16 +230,21 @@ TEST(Trainer, TiedEmbeddingsAreBitIdenticalAcrossOffload) {
 // block-wise recompute, no offload), torch::optim::AdamW, the same batches.
 struct Reference {
   Reference(Trainer& trainer, const TrainOptions& o)
-      : model(trainer.model_config()), layout(trainer.layout()), gas(o.config.gradient_accumulation_steps),
+      : model(trainer.model_config()),
+        layout(trainer.layout()),
+        gas(o.config.gradient_accumulation_steps),
         schedule(*LrSchedule::create(o.config.scheduler, o.config.optimizer.lr)) {
     for (std::vector<float>& w : masters(trainer)) {
       params.push_back(torch::from_blob(w.data(), {static_cast<int64_t>(w.size())}, torch::kFloat).clone());
     }
-    for (size_t i = 0; i < params.size(); ++i) params[i] = params[i].view(layout.params[i].shape).set_requires_grad(true);
+    for (size_t i = 0; i < params.size(); ++i)
+      params[i] = params[i].view(layout.params[i].shape).set_requires_grad(true);
     oc = o.config.optimizer;
     if (oc.type == OptimizerType::kAdamW) {
-      opt = std::make_unique<torch::optim::AdamW>(
-          params, torch::optim::AdamWOptions(oc.lr).betas({oc.betas[0], oc.betas[1]}).eps(oc.eps).weight_decay(oc.weight_decay));
+      opt = std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(oc.lr)
+                                                              .betas({oc.betas[0], oc.betas[1]})
+                                                              .eps(oc.eps)
+                                                              .weight_decay(oc.weight_decay));
     } else if (oc.type == OptimizerType::kAdagrad) {
       // Without weight decay torch's Adagrad and DeepSpeed's (cpu_optim's) are the same update.
       ZO_CHECK(oc.weight_decay == 0) << "torch's Adagrad decays the numerator too";
@@ -311,7 +323,8 @@ struct Reference {
 double max_relative_error(const std::vector<std::vector<float>>& got, const std::vector<torch::Tensor>& want) {
   double worst = 0;
   for (size_t i = 0; i < got.size(); ++i) {
-    torch::Tensor g = torch::from_blob(const_cast<float*>(got[i].data()), {static_cast<int64_t>(got[i].size())}, torch::kFloat);
+    torch::Tensor g =
+        torch::from_blob(const_cast<float*>(got[i].data()), {static_cast<int64_t>(got[i].size())}, torch::kFloat);
     torch::Tensor w = want[i].detach().reshape({-1});
     worst = std::max(worst, ((g - w).norm() / w.norm()).item<double>());
   }
@@ -344,8 +357,13 @@ TEST(Trainer, Fp32Stage0MatchesPlainLibTorchAdamW) {
 TEST(Trainer, ClippingMatchesTorchClipGradNorm) {
   TempDir dir;
   // A max norm far below the gradients' so every step clips.
-  const TrainOptions o = make_options({.stage = 3, .param = "cpu", .optimizer = "nvme", .precision = "fp32", .clipping = 0.05,
-                                       .grad_accum = 1, .scheduler = false},
+  const TrainOptions o = make_options({.stage = 3,
+                                       .param = "cpu",
+                                       .optimizer = "nvme",
+                                       .precision = "fp32",
+                                       .clipping = 0.05,
+                                       .grad_accum = 1,
+                                       .scheduler = false},
                                       dir);
   auto t = Trainer::create(o);
   ASSERT_TRUE(t.is_ok()) << t.status().to_string();
@@ -367,7 +385,8 @@ TEST(Trainer, AdagradAndLionTrainOnCpuAndNvmeAsTorch) {
   for (const char* type : {"Adagrad", "Lion"}) {
     SCOPED_TRACE(type);
     TempDir dir, nvme_dir;
-    const TrainOptions o = make_options({.stage = 2, .optimizer = "cpu", .precision = "fp32", .clipping = 0, .opt_type = type}, dir);
+    const TrainOptions o =
+        make_options({.stage = 2, .optimizer = "cpu", .precision = "fp32", .clipping = 0, .opt_type = type}, dir);
     auto t = Trainer::create(o);
     ASSERT_TRUE(t.is_ok()) << t.status().to_string();
     Reference ref(**t, o);
@@ -383,8 +402,14 @@ TEST(Trainer, AdagradAndLionTrainOnCpuAndNvmeAsTorch) {
     // Measured: Adagrad 1.4e-6, Lion 1.3e-7 (the gradients differ in summation order only; no
     // element of Lion's lr·sign(c) flipped here, which would cost 2·lr in that element).
     EXPECT_LT(max_relative_error(masters(**t), ref.params), 1e-5);
-    const auto on_nvme = train(make_options({.stage = 3, .param = "nvme", .optimizer = "nvme", .pipeline = true,
-                                             .max_in_cpu = 0, .precision = "fp32", .clipping = 0, .opt_type = type},
+    const auto on_nvme = train(make_options({.stage = 3,
+                                             .param = "nvme",
+                                             .optimizer = "nvme",
+                                             .pipeline = true,
+                                             .max_in_cpu = 0,
+                                             .precision = "fp32",
+                                             .clipping = 0,
+                                             .opt_type = type},
                                             nvme_dir),
                                10);
     EXPECT_TRUE(bit_identical(masters(**t), on_nvme));
@@ -408,7 +433,8 @@ TEST(Trainer, DeviceBudgetBelowTheModelHolds) {
   // The device refuses an allocation over its budget anyway, so "peak ≤ budget" alone proves
   // nothing: the peak must be exactly what the plan said fits the budget (issue 19).
   const nlohmann::json plan = nlohmann::json::parse((*t)->plan_json());
-  const uint64_t planned = plan["device"]["state_bytes"].get<uint64_t>() + plan["device"]["arena_bytes"].get<uint64_t>();
+  const uint64_t planned =
+      plan["device"]["state_bytes"].get<uint64_t>() + plan["device"]["arena_bytes"].get<uint64_t>();
   for (int i = 0; i < 3; ++i) {
     auto m = (*t)->step();
     ASSERT_TRUE(m.is_ok()) << m.status().to_string();
@@ -435,8 +461,8 @@ TEST(Trainer, Fp16OverflowSkipsTheStepAndHalvesTheScale) {
   for (const char* schedule : {"horizontal", "vertical"}) {
     SCOPED_TRACE(schedule);
     TempDir dir;
-    TrainOptions o = make_options({.param = "cpu", .optimizer = "nvme", .precision = "fp16", .grad_accum = 3,
-                                   .schedule = schedule}, dir);
+    TrainOptions o = make_options(
+        {.param = "cpu", .optimizer = "nvme", .precision = "fp16", .grad_accum = 3, .schedule = schedule}, dir);
     o.inject_overflow_steps = {3};
     auto t = Trainer::create(o);
     ASSERT_TRUE(t.is_ok()) << t.status().to_string();
@@ -478,8 +504,15 @@ TEST(Trainer, VerticalScheduleMatchesHorizontalOnEveryPlacementAndPrecision) {
       {"bf16, params cpu, optimizer nvme, pipelined",
        {.param = "cpu", .optimizer = "nvme", .pipeline = true, .grad_accum = 3, .accumulators = "nvme"}},
       {"bf16, params nvme, optimizer nvme, no cache",
-       {.param = "nvme", .optimizer = "nvme", .max_in_cpu = 0, .max_live = 40000, .reuse = 0, .grad_accum = 4, .accumulators = "nvme"}},
-      {"bf16, optimizer cpu, accumulators nvme", {.param = "cpu", .optimizer = "cpu", .grad_accum = 3, .accumulators = "nvme"}},
+       {.param = "nvme",
+        .optimizer = "nvme",
+        .max_in_cpu = 0,
+        .max_live = 40000,
+        .reuse = 0,
+        .grad_accum = 4,
+        .accumulators = "nvme"}},
+      {"bf16, optimizer cpu, accumulators nvme",
+       {.param = "cpu", .optimizer = "cpu", .grad_accum = 3, .accumulators = "nvme"}},
       {"fp32, params cpu, optimizer cpu", {.param = "cpu", .optimizer = "cpu", .precision = "fp32", .grad_accum = 3}},
       {"fp16, params cpu, optimizer nvme", {.param = "cpu", .optimizer = "nvme", .precision = "fp16", .grad_accum = 2}},
       {"bf16, stage 0", {.stage = 0, .grad_accum = 3}},
@@ -528,7 +561,8 @@ TEST(Trainer, CheckpointsOnTheCpuGiveBitIdenticalWeightsUnderBothSchedules) {
     RunSetup setup;
   };
   const std::vector<Variant> variants = {
-      {"bf16, vertical, params cpu, optimizer nvme", {.param = "cpu", .optimizer = "nvme", .grad_accum = 4, .schedule = "vertical"}},
+      {"bf16, vertical, params cpu, optimizer nvme",
+       {.param = "cpu", .optimizer = "nvme", .grad_accum = 4, .schedule = "vertical"}},
       {"fp32, horizontal, optimizer cpu", {.optimizer = "cpu", .precision = "fp32", .grad_accum = 2}},
       {"fp16, vertical, stage 0", {.stage = 0, .precision = "fp16", .grad_accum = 3, .schedule = "vertical"}},
   };
@@ -568,7 +602,8 @@ TEST(Trainer, CheckpointsOnTheCpuGiveBitIdenticalWeightsUnderBothSchedules) {
     EXPECT_GT(pj["host"]["checkpoint_bytes"].get<uint64_t>(), 0u) << plan;
     // The checkpoints really left LibTorch's memory: its peak (backward's first layer) falls by the
     // four of six layers' inputs that no longer wait there, 2/3 of the host bytes.
-    EXPECT_LE(cm.back().torch_peak_bytes + pj["host"]["checkpoint_bytes"].get<uint64_t>() / 2, dm.back().torch_peak_bytes)
+    EXPECT_LE(cm.back().torch_peak_bytes + pj["host"]["checkpoint_bytes"].get<uint64_t>() / 2,
+              dm.back().torch_peak_bytes)
         << "LibTorch's peak: checkpoints on the CPU " << cm.back().torch_peak_bytes << ", on the device "
         << dm.back().torch_peak_bytes;
   }
@@ -604,7 +639,8 @@ TEST(Trainer, ASecondRunOnTheSameRunDirectoryIsRefused) {
   auto second = Trainer::create(o);
   ASSERT_FALSE(second.is_ok());
   EXPECT_EQ(second.status().code(), StatusCode::kFailedPrecondition);
-  EXPECT_THAT(second.status().message(), HasSubstr("run directory " + o.out_dir + " is in use by another zoffload run"));
+  EXPECT_THAT(second.status().message(),
+              HasSubstr("run directory " + o.out_dir + " is in use by another zoffload run"));
   ASSERT_TRUE((*first)->step().is_ok());
   std::ifstream metrics((*first)->metrics_path());
   std::string line;
@@ -711,7 +747,8 @@ TEST(Trainer, OverlappedOptimizerIsBitIdenticalToTheSequentialStep) {
       {"params on the device, optimizer cpu", {.optimizer = "cpu"}},
       {"params cpu, optimizer cpu, persistent small params", {.param = "cpu", .optimizer = "cpu", .persistence = 5000}},
       {"params cpu, optimizer nvme, prefetch", {.param = "cpu", .optimizer = "nvme", .pipeline = true}},
-      {"params nvme, optimizer nvme, pipelined", {.param = "nvme", .optimizer = "nvme", .pipeline = true, .max_in_cpu = 0}},
+      {"params nvme, optimizer nvme, pipelined",
+       {.param = "nvme", .optimizer = "nvme", .pipeline = true, .max_in_cpu = 0}},
       {"tied embeddings, params nvme, optimizer nvme", {.param = "nvme", .optimizer = "nvme", .max_in_cpu = 0}},
       {"stage 0", {.stage = 0}},
   };
@@ -747,7 +784,8 @@ TEST(Trainer, AnOptimizerFailureBehindTheNextForwardEndsTheRun) {
   ASSERT_TRUE(t.is_ok()) << t.status().to_string();
   ASSERT_TRUE((*t)->step().is_ok());
   // Offset 0 of optimizer.swp is sub-group 0's master: only the optimizer writes it.
-  o.io_faults->add({.kind = io::FaultKind::kEio, .op = io::IoOp::kWrite, .path_contains = "optimizer.swp", .offset_bytes = 0});
+  o.io_faults->add(
+      {.kind = io::FaultKind::kEio, .op = io::IoOp::kWrite, .path_contains = "optimizer.swp", .offset_bytes = 0});
   auto failed = (*t)->step();
   ASSERT_FALSE(failed.is_ok());
   EXPECT_EQ(failed.status().code(), StatusCode::kIoError);
@@ -771,7 +809,8 @@ TEST(Trainer, AGradientWriteFailureIsReportedAndTheNextStepsTrain) {
   for (const char* schedule : {"horizontal", "vertical"}) {
     SCOPED_TRACE(schedule);
     TempDir dir;
-    TrainOptions o = make_options({.param = "cpu", .optimizer = "nvme", .schedule = schedule, .accumulators = "nvme"}, dir);
+    TrainOptions o =
+        make_options({.param = "cpu", .optimizer = "nvme", .schedule = schedule, .accumulators = "nvme"}, dir);
     o.io_faults = std::make_shared<io::FaultInjector>();
     // The head's sub-group is the last, the first whose gradients backward writes; its gradient
     // section sits after its master and moments in optimizer.swp (docs/memory.md, swap file layout).
@@ -787,7 +826,9 @@ TEST(Trainer, AGradientWriteFailureIsReportedAndTheNextStepsTrain) {
     auto t = Trainer::create(o);
     ASSERT_TRUE(t.is_ok()) << t.status().to_string();
     ASSERT_TRUE((*t)->step().is_ok());
-    o.io_faults->add({.kind = io::FaultKind::kEio, .op = io::IoOp::kWrite, .path_contains = "optimizer.swp",
+    o.io_faults->add({.kind = io::FaultKind::kEio,
+                      .op = io::IoOp::kWrite,
+                      .path_contains = "optimizer.swp",
                       .offset_bytes = grad_offset});
     auto failed = (*t)->step();
     ASSERT_FALSE(failed.is_ok());
@@ -876,20 +917,26 @@ TEST(Resume, ContinuesBitExactlyWithTheOptimizerOnNvme) {
   const std::vector<Variant> variants = {
       {"bf16 nvme/nvme -> nvme/nvme",
        {.param = "nvme", .optimizer = "nvme", .pipeline = true, .max_in_cpu = 0},
-       {.param = "nvme", .optimizer = "nvme", .pipeline = true, .max_in_cpu = 0}, {}},
-      {"bf16 nvme/nvme -> cpu/cpu", {.param = "nvme", .optimizer = "nvme", .max_in_cpu = 0},
-       {.param = "cpu", .optimizer = "cpu"}, {}},
+       {.param = "nvme", .optimizer = "nvme", .pipeline = true, .max_in_cpu = 0},
+       {}},
+      {"bf16 nvme/nvme -> cpu/cpu",
+       {.param = "nvme", .optimizer = "nvme", .max_in_cpu = 0},
+       {.param = "cpu", .optimizer = "cpu"},
+       {}},
       {"fp16 with an overflow before the save, nvme/cpu",
        {.param = "cpu", .optimizer = "nvme", .precision = "fp16"},
-       {.param = "cpu", .optimizer = "nvme", .precision = "fp16"}, {2}},
+       {.param = "cpu", .optimizer = "nvme", .precision = "fp16"},
+       {2}},
       // The vertical schedule reads all three batches of the next step ahead: the checkpoint
       // records the position before them, whichever schedule resumes.
       {"vertical, GAS 3, nvme/nvme -> vertical cpu/cpu",
        {.param = "nvme", .optimizer = "nvme", .max_in_cpu = 0, .grad_accum = 3, .schedule = "vertical"},
-       {.param = "cpu", .optimizer = "cpu", .grad_accum = 3, .schedule = "vertical"}, {}},
+       {.param = "cpu", .optimizer = "cpu", .grad_accum = 3, .schedule = "vertical"},
+       {}},
       {"vertical, GAS 3, cpu/nvme -> horizontal cpu/nvme",
        {.param = "cpu", .optimizer = "nvme", .grad_accum = 3, .schedule = "vertical"},
-       {.param = "cpu", .optimizer = "nvme", .grad_accum = 3}, {}},
+       {.param = "cpu", .optimizer = "nvme", .grad_accum = 3},
+       {}},
   };
   for (const Variant& v : variants) {
     SCOPED_TRACE(v.name);
@@ -911,9 +958,7 @@ TEST(Resume, ContinuesBitExactlyWithTheOptimizerOnNvme) {
     }
     ASSERT_TRUE((*ta)->save_checkpoint().is_ok());
     const auto a_master = masters(**ta);
-    if (!v.overflow.empty()) {
-      EXPECT_TRUE(am[1].skipped);
-    }
+    if (!v.overflow.empty()) { EXPECT_TRUE(am[1].skipped); }
 
     // The same run without any save: saving changed nothing.
     TempDir c_dir;
@@ -966,7 +1011,9 @@ TEST(Resume, AFailedSaveLeavesTrainingUnchanged) {
   ASSERT_TRUE((*t)->step().is_ok());
   ASSERT_TRUE((*t)->save_checkpoint().is_ok());
   ASSERT_TRUE((*t)->step().is_ok());
-  o.io_faults->add({.kind = io::FaultKind::kNoSpace, .op = io::IoOp::kWrite, .path_contains = "exp_avg_sq.safetensors",
+  o.io_faults->add({.kind = io::FaultKind::kNoSpace,
+                    .op = io::IoOp::kWrite,
+                    .path_contains = "exp_avg_sq.safetensors",
                     .offset_bytes = 8192});
   auto failed = (*t)->save_checkpoint();
   ASSERT_FALSE(failed.is_ok());
@@ -1012,76 +1059,79 @@ TEST(Resume, RefusesWhatItCannotContinue) {
 // parameters]) the blocks the next forward gathers from it.
 TEST(Trainer, APartitionedRankWhoseOptimizerFailsStopsEveryRank) {
   for (const int stage : {1, 3}) {
-  SCOPED_TRACE("stage " + std::to_string(stage));
-  TempDir dir;
-  const uint16_t port = free_port();
-  std::vector<Result<StepMetrics>> second(2, Result<StepMetrics>(internal_error("not run")));
-  std::vector<Status> setup(2);
-  // The ranks share this process (and Gloo's device loop), so neither tears its trainer down before
-  // both have left their last step (a barrier), and the groups outlive both threads. Separate
-  // processes, as `zoffload train` runs them, have no such overlap. A CI run once died in this test
-  // with SIGSEGV while each thread destroyed its trainer and group as it left; about 150 runs here
-  // did not reproduce it. The trainers are still torn down side by side: one by one, the first
-  // would wait for the other's part of a collective until the group's timeout.
-  TempDir own[2];
-  std::vector<std::unique_ptr<dist::ProcessGroup>> groups(2);
-  std::vector<std::unique_ptr<Trainer>> trainers(2);
-  std::barrier both_done(2);
-  std::vector<std::thread> ranks;
-  for (uint32_t r = 0; r < 2; ++r) {
-    ranks.emplace_back([&, r] {
-      struct TearDown {
-        std::barrier<>& both_done;
-        std::unique_ptr<Trainer>& trainer;
-        ~TearDown() {
-          both_done.arrive_and_wait();
-          trainer.reset();
+    SCOPED_TRACE("stage " + std::to_string(stage));
+    TempDir dir;
+    const uint16_t port = free_port();
+    std::vector<Result<StepMetrics>> second(2, Result<StepMetrics>(internal_error("not run")));
+    std::vector<Status> setup(2);
+    // The ranks share this process (and Gloo's device loop), so neither tears its trainer down before
+    // both have left their last step (a barrier), and the groups outlive both threads. Separate
+    // processes, as `zoffload train` runs them, have no such overlap. A CI run once died in this test
+    // with SIGSEGV while each thread destroyed its trainer and group as it left; about 150 runs here
+    // did not reproduce it. The trainers are still torn down side by side: one by one, the first
+    // would wait for the other's part of a collective until the group's timeout.
+    TempDir own[2];
+    std::vector<std::unique_ptr<dist::ProcessGroup>> groups(2);
+    std::vector<std::unique_ptr<Trainer>> trainers(2);
+    std::barrier both_done(2);
+    std::vector<std::thread> ranks;
+    for (uint32_t r = 0; r < 2; ++r) {
+      ranks.emplace_back([&, r] {
+        struct TearDown {
+          std::barrier<>& both_done;
+          std::unique_ptr<Trainer>& trainer;
+          ~TearDown() {
+            both_done.arrive_and_wait();
+            trainer.reset();
+          }
+        } tear_down{both_done, trainers[r]};
+        dist::WorldInfo w;
+        w.rank = r;
+        w.world_size = 2;
+        w.local_rank = r;
+        w.local_world_size = 2;
+        w.master_addr = "127.0.0.1";
+        w.master_port = port;
+        auto group = dist::ProcessGroup::create(w, std::chrono::seconds(60));
+        if (!group.is_ok()) {
+          setup[r] = group.status();
+          return;
         }
-      } tear_down{both_done, trainers[r]};
-      dist::WorldInfo w;
-      w.rank = r;
-      w.world_size = 2;
-      w.local_rank = r;
-      w.local_world_size = 2;
-      w.master_addr = "127.0.0.1";
-      w.master_port = port;
-      auto group = dist::ProcessGroup::create(w, std::chrono::seconds(60));
-      if (!group.is_ok()) {
-        setup[r] = group.status();
-        return;
-      }
-      groups[r] = std::move(*group);
-      TrainOptions o = make_options({.stage = stage, .param = stage == 3 ? "cpu" : "none", .optimizer = "nvme"}, own[r]);
-      o.config.train_batch_size *= 2;
-      o.group = groups[r].get();
-      o.io_faults = std::make_shared<io::FaultInjector>();
-      auto t = Trainer::create(o);
-      if (!t.is_ok()) {
-        setup[r] = t.status();
-        return;
-      }
-      trainers[r] = std::move(*t);
-      auto first = trainers[r]->step();
-      if (!first.is_ok()) {
-        setup[r] = first.status();
-        return;
-      }
-      // Offset 0 of rank 1's optimizer.swp is the master of the first sub-group it owns.
-      if (r == 1)
-        o.io_faults->add({.kind = io::FaultKind::kEio, .op = io::IoOp::kWrite, .path_contains = "optimizer.swp",
-                          .offset_bytes = 0});
-      second[r] = trainers[r]->step();
-    });
-  }
-  for (std::thread& t : ranks) t.join();
-  groups.clear();
-  for (uint32_t r = 0; r < 2; ++r) ASSERT_TRUE(setup[r].is_ok()) << "rank " << r << ": " << setup[r].to_string();
-  ASSERT_FALSE(second[1].is_ok());
-  EXPECT_EQ(second[1].status().code(), StatusCode::kIoError) << second[1].status().to_string();
-  EXPECT_THAT(second[1].status().to_string(), HasSubstr("optimizer.swp"));
-  ASSERT_FALSE(second[0].is_ok());
-  EXPECT_EQ(second[0].status().code(), StatusCode::kAborted) << second[0].status().to_string();
-  EXPECT_THAT(second[0].status().to_string(), HasSubstr("the optimizer step of rank 1 of 2 failed"));
+        groups[r] = std::move(*group);
+        TrainOptions o =
+            make_options({.stage = stage, .param = stage == 3 ? "cpu" : "none", .optimizer = "nvme"}, own[r]);
+        o.config.train_batch_size *= 2;
+        o.group = groups[r].get();
+        o.io_faults = std::make_shared<io::FaultInjector>();
+        auto t = Trainer::create(o);
+        if (!t.is_ok()) {
+          setup[r] = t.status();
+          return;
+        }
+        trainers[r] = std::move(*t);
+        auto first = trainers[r]->step();
+        if (!first.is_ok()) {
+          setup[r] = first.status();
+          return;
+        }
+        // Offset 0 of rank 1's optimizer.swp is the master of the first sub-group it owns.
+        if (r == 1)
+          o.io_faults->add({.kind = io::FaultKind::kEio,
+                            .op = io::IoOp::kWrite,
+                            .path_contains = "optimizer.swp",
+                            .offset_bytes = 0});
+        second[r] = trainers[r]->step();
+      });
+    }
+    for (std::thread& t : ranks) t.join();
+    groups.clear();
+    for (uint32_t r = 0; r < 2; ++r) ASSERT_TRUE(setup[r].is_ok()) << "rank " << r << ": " << setup[r].to_string();
+    ASSERT_FALSE(second[1].is_ok());
+    EXPECT_EQ(second[1].status().code(), StatusCode::kIoError) << second[1].status().to_string();
+    EXPECT_THAT(second[1].status().to_string(), HasSubstr("optimizer.swp"));
+    ASSERT_FALSE(second[0].is_ok());
+    EXPECT_EQ(second[0].status().code(), StatusCode::kAborted) << second[0].status().to_string();
+    EXPECT_THAT(second[0].status().to_string(), HasSubstr("the optimizer step of rank 1 of 2 failed"));
   }
 }
 
