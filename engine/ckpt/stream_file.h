@@ -7,7 +7,8 @@
 // bounded staging buffer, checked as it goes. None is thread-safe; one thread drives each (distinct
 // writers may run on distinct threads). Every file is opened through an io::Env (the engine's with
 // Env::open_file), so a FaultyEnv can fail any of them; small files are read whole with
-// Env::read_file.
+// Env::read_file. The writers are in stream_writer.cpp, the readers and verifiers in
+// stream_reader.cpp.
 #pragma once
 
 #include <cstdint>
