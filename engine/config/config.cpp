@@ -219,11 +219,51 @@ void read_scheduler(ParseState* st, ObjectReader r, SchedulerConfig* s) {
 
 // ---- resolution of "auto" and cross-key rules -----------------------------------------------------
 
-void resolve(ParseState* st, const ResolveContext& ctx, const json& root, Config* c) {
-  ZeroConfig& z = c->zero;
-  auto needs = [&](const std::string& path, const std::string& what) { st->error(path, "\"auto\" needs " + what); };
+// resolve() in its parts, each one key family's "auto" and cross-key rules, over the helpers they
+// share.
+struct Resolver {
+  ParseState* st;
+  const ResolveContext& ctx;
+  const json& root;
+  Config* c;
 
-  // Model-size buckets, as Accelerate sets them from hidden_size.
+  void model_size_buckets();
+  void precision();
+  void optimizer_hyperparameters();
+  void scheduler();
+  void batch_sizes();
+  void grad_accum_dtype();
+  void offload_placement();
+
+  void needs(const std::string& path, const std::string& what) { st->error(path, "\"auto\" needs " + what); }
+
+  // Note [Flags fill the config]: a command-line value (ResolveContext) fills its key where the
+  // config says "auto" or nothing; where the config gives another value it is an error naming
+  // both, as Accelerate refuses a DeepSpeed config that disagrees with the Trainer's arguments.
+  // A flag is never silently outvoted by the file.
+  // The file's own key, under its deprecated alias too ("bfloat16" for "bf16", the only alias
+  // among the keys a flag fills).
+  bool explicit_key(const std::string& path) const {
+    if (st->is_auto(path)) return false;
+    if (json_at(root, path) != nullptr) return true;
+    return path.starts_with("bf16.") && json_at(root, "bfloat16." + path.substr(5)) != nullptr;
+  }
+  void disagree(const std::string& path, const std::string& config_value, const std::string& flag) {
+    st->error(path, config_value + " in the config disagrees with " + flag +
+                        " (set the key to \"auto\" or remove it to take the flag, or drop the flag)");
+  }
+  template <typename T, typename V>
+  void fill(const std::string& path, T* field, V flag_value, const std::string& flag) {
+    if (explicit_key(path) && *field != flag_value)
+      disagree(path, format_number(static_cast<double>(*field)),
+               flag + " " + format_number(static_cast<double>(flag_value)));
+    else *field = flag_value;
+  }
+};
+
+// Model-size buckets, as Accelerate sets them from hidden_size.
+void Resolver::model_size_buckets() {
+  ZeroConfig& z = c->zero;
   const bool hidden_auto = st->is_auto("zero_optimization.reduce_bucket_size") ||
                            st->is_auto("zero_optimization.stage3_prefetch_bucket_size") ||
                            st->is_auto("zero_optimization.stage3_param_persistence_threshold");
@@ -243,30 +283,10 @@ void resolve(ParseState* st, const ResolveContext& ctx, const json& root, Config
   }
   if (st->is_auto("zero_optimization.stage3_gather_16bit_weights_on_model_save"))
     z.stage3_gather_16bit_weights_on_model_save = false;  // Accelerate's zero3_save_16bit_model default
+}
 
-  // Note [Flags fill the config]: a command-line value (ResolveContext) fills its key where the
-  // config says "auto" or nothing; where the config gives another value it is an error naming
-  // both, as Accelerate refuses a DeepSpeed config that disagrees with the Trainer's arguments.
-  // A flag is never silently outvoted by the file.
-  // The file's own key, under its deprecated alias too ("bfloat16" for "bf16", the only alias
-  // among the keys a flag fills).
-  auto explicit_key = [&](const std::string& path) {
-    if (st->is_auto(path)) return false;
-    if (json_at(root, path) != nullptr) return true;
-    return path.starts_with("bf16.") && json_at(root, "bfloat16." + path.substr(5)) != nullptr;
-  };
-  auto disagree = [&](const std::string& path, const std::string& config_value, const std::string& flag) {
-    st->error(path, config_value + " in the config disagrees with " + flag +
-                        " (set the key to \"auto\" or remove it to take the flag, or drop the flag)");
-  };
-  auto fill = [&](const std::string& path, auto* field, auto flag_value, const std::string& flag) {
-    if (explicit_key(path) && *field != flag_value)
-      disagree(path, format_number(static_cast<double>(*field)),
-               flag + " " + format_number(static_cast<double>(flag_value)));
-    else *field = flag_value;
-  };
-
-  // Precision.
+// Precision.
+void Resolver::precision() {
   if (ctx.mixed_precision) {
     const bool f16 = *ctx.mixed_precision == DType::kF16, b16 = *ctx.mixed_precision == DType::kBF16;
     const std::string flag = std::string("--precision ") + (f16 ? "fp16" : b16 ? "bf16" : "fp32");
@@ -281,15 +301,19 @@ void resolve(ParseState* st, const ResolveContext& ctx, const json& root, Config
   }
   if (c->fp16.enabled && c->bf16.enabled && !st->has_error("fp16.enabled") && !st->has_error("bf16.enabled"))
     st->error("bf16.enabled", "fp16 and bf16 cannot both be enabled");
+}
 
-  // Optimizer hyper-parameters: command line, else the optimizer's defaults.
+// Optimizer hyper-parameters: command line, else the optimizer's defaults.
+void Resolver::optimizer_hyperparameters() {
   if (ctx.lr) fill("optimizer.params.lr", &c->optimizer.lr, *ctx.lr, "--lr");
   if (ctx.weight_decay)
     fill("optimizer.params.weight_decay", &c->optimizer.weight_decay, *ctx.weight_decay, "--weight-decay");
   if (ctx.max_grad_norm) fill("gradient_clipping", &c->gradient_clipping, *ctx.max_grad_norm, "--max-grad-norm");
   else if (st->is_auto("gradient_clipping")) c->gradient_clipping = 1.0;
+}
 
-  // Scheduler.
+// Scheduler.
+void Resolver::scheduler() {
   SchedulerConfig& s = c->scheduler;
   if (s.type == SchedulerType::kNone && ctx.warmup_steps && *ctx.warmup_steps > 0)
     st->error("scheduler",
@@ -328,9 +352,11 @@ void resolve(ParseState* st, const ResolveContext& ctx, const json& root, Config
     if (s.type != SchedulerType::kWarmupCosineLR && s.warmup_min_lr > s.warmup_max_lr)
       st->error("scheduler.params.warmup_min_lr", "must be ≤ warmup_max_lr");
   }
+}
 
-  // Batch sizes: train_batch_size = micro × accumulation × world size, derived as DeepSpeed does
-  // when one of the three is missing.
+// Batch sizes: train_batch_size = micro × accumulation × world size, derived as DeepSpeed does
+// when one of the three is missing.
+void Resolver::batch_sizes() {
   // A batch key that was itself invalid would only produce echo errors here.
   const bool batch_keys_valid = !st->has_error("train_batch_size") &&
                                 !st->has_error("train_micro_batch_size_per_gpu") &&
@@ -388,13 +414,18 @@ void resolve(ParseState* st, const ResolveContext& ctx, const json& root, Config
               "missing: give train_micro_batch_size_per_gpu or train_batch_size (or pass --micro-batch N)");
   }
   if (!has_tbs) c->train_batch_size = c->train_micro_batch_size_per_gpu * c->gradient_accumulation_steps * world;
+}
 
-  // Gradient accumulation dtype: fp32 unless given (DeepSpeed would use the compute dtype; fp32
-  // accumulation is what keeps 16-bit training stable, so it is our default).
+// Gradient accumulation dtype: fp32 unless given (DeepSpeed would use the compute dtype; fp32
+// accumulation is what keeps 16-bit training stable, so it is our default).
+void Resolver::grad_accum_dtype() {
   const json* dt = root.contains("data_types") ? &root["data_types"] : nullptr;
   if (dt == nullptr || !dt->is_object() || !dt->contains("grad_accum_dtype")) c->grad_accum_dtype = DType::kF32;
+}
 
-  // Offload placement rules (skipped when the stage itself was invalid: they would only echo it).
+// Offload placement rules (skipped when the stage itself was invalid: they would only echo it).
+void Resolver::offload_placement() {
+  ZeroConfig& z = c->zero;
   if (st->has_error("zero_optimization.stage")) return;
   const OffloadParamConfig& op = z.offload_param;
   const OffloadOptimizerConfig& oo = z.offload_optimizer;
@@ -429,6 +460,17 @@ void resolve(ParseState* st, const ResolveContext& ctx, const json& root, Config
     st->error("optimizer.type", std::string(to_string(type)) +
                                     " steps on the CPU only (the GPU optimizer kernel is Adam's): set "
                                     "zero_optimization.offload_optimizer.device to \"cpu\" or \"nvme\"");
+}
+
+void resolve(ParseState* st, const ResolveContext& ctx, const json& root, Config* c) {
+  Resolver r{.st = st, .ctx = ctx, .root = root, .c = c};
+  r.model_size_buckets();
+  r.precision();
+  r.optimizer_hyperparameters();
+  r.scheduler();
+  r.batch_sizes();
+  r.grad_accum_dtype();
+  r.offload_placement();  // last: it stops early when the stage itself is invalid
 }
 
 // ---- JSON text → json, with duplicate keys rejected ----------------------------------------------
