@@ -33,8 +33,9 @@ std::string format_bytes(uint64_t size_bytes);
 // "3.41 M", "1.24 B", "4096": element and parameter counts for humans.
 std::string format_count(uint64_t n);
 
-// Rounds `n` up to a multiple of `alignment` (a power of two).
+// Rounds `n` up (align_up) or down (align_down) to a multiple of `alignment` (a power of two).
 constexpr uint64_t align_up(uint64_t n, uint64_t alignment) { return (n + alignment - 1) & ~(alignment - 1); }
+constexpr uint64_t align_down(uint64_t n, uint64_t alignment) { return n & ~(alignment - 1); }
 constexpr bool is_aligned(uint64_t n, uint64_t alignment) { return (n & (alignment - 1)) == 0; }
 
 }  // namespace zo

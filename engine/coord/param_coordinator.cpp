@@ -76,8 +76,6 @@ enum class Residence : uint8_t {
   kResident,    // on the device, copy complete
 };
 
-constexpr uint64_t align_down(uint64_t n, uint64_t alignment) { return n & ~(alignment - 1); }
-
 std::string bytes_text(uint64_t n) { return format_bytes(n) + " (" + std::to_string(n) + " bytes)"; }
 
 }  // namespace

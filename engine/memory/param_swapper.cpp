@@ -10,12 +10,6 @@
 
 namespace zo::engine {
 
-namespace {
-
-constexpr uint64_t align_down(uint64_t n, uint64_t alignment) { return n & ~(alignment - 1); }
-
-}  // namespace
-
 struct ParamSwapper::Impl {
   StateStore* store = nullptr;
   struct Slot {
