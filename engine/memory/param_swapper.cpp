@@ -138,7 +138,7 @@ Result<ParamHandle> ParamSwapper::fetch(uint32_t param) {
     copied += piece.n_elems * cb;
   }
   // One read per sub-group region the superset touches, clipped to that region's zero watermark
-  // (Note [Zero watermark] in state_store.cpp); what lies beyond it is zeroed here instead.
+  // (Note [Zero watermark] in state_store_io.cpp); what lies beyond it is zeroed here instead.
   const std::string what = s.param_what(param);
   SwapFile* file = s.store->param_file();
   for (const ParamPiece* piece : nvme_pieces) {

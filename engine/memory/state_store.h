@@ -145,7 +145,7 @@ class StateStore {
 
   // n_elems × state_elem_bytes of one state of a sub-group (the bytes read_state/write_state move).
   uint64_t state_bytes(uint32_t sub_group, StateKind kind) const;
-  // NVMe states only — Note [Zero watermark] in state_store.cpp: the bytes of the state's region at
+  // NVMe states only — Note [Zero watermark] in state_store_io.cpp: the bytes of the state's region at
   // and beyond this offset were never written since create() and read as zeros (nothing is written
   // to zero a swap file). A multiple of kSwapAlignment. Swappers clip their reads to it (the rest of
   // their buffer is zeroed instead) and raise it with mark_nvme_written() after a completed write
