@@ -54,7 +54,7 @@ Result<AlignedBuffer> DataParallel::allocate_staging(uint64_t bytes) {
 // world size already, so the sum is the mean), and each rank takes the norm of the sums. From
 // there every rank holds the same gradients, norm, overflow flag and loss scale, and runs the same
 // optimizer step on the same states, so the replicas stay bit-identical without exchanging
-// weights; rank 0 writes the metrics and checkpoints. The chunks are kReduceChunkElems whatever the
+// weights; rank 0 writes the metrics and checkpoints. The chunks are kDataParallelChunkElems whatever the
 // tier, so the norm's summation order, and the weights, do not depend on where the accumulators
 // live.
 //
@@ -94,15 +94,15 @@ Result<GradNormReport> DataParallel::reduce_gradients() {
     const std::string what =
         (partitioned ? "reducing the gradients of sub-group " : "all-reducing the gradients of sub-group ") +
         std::to_string(g);
-    for (uint64_t first = 0; first < n; first += kReduceChunkElems) {
-      const uint64_t count = std::min(kReduceChunkElems, n - first);
+    for (uint64_t first = 0; first < n; first += kDataParallelChunkElems) {
+      const uint64_t count = std::min(kDataParallelChunkElems, n - first);
       const uint64_t offset_bytes = first * elem_bytes;
       std::byte* p = nullptr;
       if (loc.tier == Tier::kCpu) {
         p = loc.host + offset_bytes;
       } else {
         if (!reduce_staging_) {
-          ZO_ASSIGN_OR_RETURN(AlignedBuffer b, allocate_staging(kReduceChunkElems * elem_bytes));
+          ZO_ASSIGN_OR_RETURN(AlignedBuffer b, allocate_staging(kDataParallelChunkElems * elem_bytes));
           reduce_staging_.emplace(std::move(b));
         }
         p = reduce_staging_->data();
@@ -213,8 +213,8 @@ Status DataParallel::gather_compute(ReadyGroups& ready, const std::function<void
       const uint32_t owner = registry_.partition_of_group(g);
       const std::string what = "all-gathering the compute copies of sub-group " + std::to_string(g);
       if (owner == rank) (void)ready.wait(g);  // sent even when not updated: see above
-      for (uint64_t first = 0; first < n; first += kReduceChunkElems) {
-        const uint64_t bytes = std::min(kReduceChunkElems, n - first) * elem_bytes;
+      for (uint64_t first = 0; first < n; first += kDataParallelChunkElems) {
+        const uint64_t bytes = std::min(kDataParallelChunkElems, n - first) * elem_bytes;
         const uint64_t offset_bytes = first * elem_bytes;
         std::byte* p = nullptr;
         if (loc.tier == Tier::kCpu) {
@@ -252,8 +252,8 @@ Result<OptimizerStepReport> DataParallel::update(OptimizerSwapper& optimizer, co
   const MemoryPlan& plan = store_.plan();
   if (!plan.partitioned()) return optimizer.step(args);
   if (!gather_staging_ && !plan.partition_params) {  // for compute copies not in host memory; before any collective
-    ZO_ASSIGN_OR_RETURN(AlignedBuffer b,
-                        allocate_staging(kReduceChunkElems * state_elem_bytes(plan.placement, StateKind::kCompute)));
+    ZO_ASSIGN_OR_RETURN(AlignedBuffer b, allocate_staging(kDataParallelChunkElems *
+                                                          state_elem_bytes(plan.placement, StateKind::kCompute)));
     gather_staging_.emplace(std::move(b));
   }
   ReadyGroups ready(plan.n_sub_groups);

@@ -26,10 +26,6 @@
 
 namespace zo::engine::dist {
 
-// Gradients and parameters cross between ranks in chunks of this many elements, whatever the tier
-// of their state, so the norm's summation order (and the weights) do not depend on the tier.
-inline constexpr uint64_t kReduceChunkElems = kDataParallelChunkElems;  // engine/memory/memory_plan.h
-
 // Note [One outcome for every rank]: each rank says whether its part of a collective piece of work
 // failed, and every rank learns the lowest rank that did (nullopt: none), with one all-reduce of a
 // flag per rank. A rank that failed still takes part, so that the others never wait for it.

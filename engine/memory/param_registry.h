@@ -193,7 +193,8 @@ struct MemoryPlan {
 };
 
 // Data parallel: gradients and compute copies cross between ranks in chunks of this many elements
-// (engine/dist/data_parallel.h), whatever the tier of their state.
+// (engine/dist/data_parallel.h), whatever the tier of their state, so the norm's summation order
+// (and the weights) do not depend on the tier.
 inline constexpr uint64_t kDataParallelChunkElems = uint64_t{1} << 22;
 // The host staging the data-parallel steps allocate for states that do not live in host memory: one
 // chunk of gradient accumulators where they are summed at the boundary (ZeRO stages 0–1) and are not

@@ -249,7 +249,7 @@ Result<std::unique_ptr<StateStore>> StateStore::create(const ParamRegistry& regi
   ZO_ASSIGN_OR_RETURN(impl->pool, PinnedPool::create(device, need, pin, &accounting));
   ZO_ASSIGN_OR_RETURN(impl->stream, device.create_stream());
   {
-    auto scratch = AlignedBuffer::allocate(kScratchBytes);
+    auto scratch = AlignedBuffer::allocate(kStoreScratchBytes);
     if (!scratch.is_ok()) return scratch.status();
     impl->scratch = std::move(scratch).value();
     accounting.add_resident(Tier::kCpu, impl->scratch.size());

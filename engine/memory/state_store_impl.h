@@ -15,8 +15,6 @@
 
 namespace zo::engine {
 
-inline constexpr uint64_t kScratchBytes = kStoreScratchBytes;
-
 inline std::string what_of(uint32_t g, StateKind kind) {
   return "sub-group " + std::to_string(g) + " " + std::string(state_name(kind));
 }

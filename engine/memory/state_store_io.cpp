@@ -49,7 +49,7 @@ Status StateStore::Impl::nvme_write(uint32_t g, StateKind kind, uint64_t begin, 
   // Zero the never-written gap below the first write so the watermark stays one number.
   const uint64_t first = align_down(begin, kSwapAlignment);
   while (written < first) {
-    const uint64_t n = std::min(first - written, kScratchBytes);
+    const uint64_t n = std::min(first - written, kStoreScratchBytes);
     std::memset(buf, 0, n);
     ZO_RETURN_IF_ERROR(file->write(loc.region, written, {buf, n}, what));
     written += n;
@@ -60,7 +60,7 @@ Status StateStore::Impl::nvme_write(uint32_t g, StateKind kind, uint64_t begin, 
   const uint64_t state_end = n_elems(g) * elem_bytes(kind);
   for (uint64_t cb = begin; cb < end;) {
     const uint64_t a = align_down(cb, kSwapAlignment);
-    const uint64_t ce = std::min(end, a + kScratchBytes);
+    const uint64_t ce = std::min(end, a + kStoreScratchBytes);
     const uint64_t b = align_up(ce, kSwapAlignment);
     ZO_CHECK_LE(b, loc.region.size_bytes);
     if (cb > a) ZO_RETURN_IF_ERROR(nvme_read_aligned(g, kind, a, kSwapAlignment, buf));
@@ -81,7 +81,7 @@ Status StateStore::Impl::nvme_write(uint32_t g, StateKind kind, uint64_t begin, 
 Status StateStore::Impl::nvme_read(uint32_t g, StateKind kind, uint64_t begin, uint64_t end, const Consume& consume) {
   for (uint64_t cb = begin; cb < end;) {
     const uint64_t a = align_down(cb, kSwapAlignment);
-    const uint64_t ce = std::min(end, a + kScratchBytes);
+    const uint64_t ce = std::min(end, a + kStoreScratchBytes);
     const uint64_t b = align_up(ce, kSwapAlignment);
     ZO_RETURN_IF_ERROR(nvme_read_aligned(g, kind, a, b - a, scratch.data()));
     consume(scratch.data() + (cb - a), cb - begin, ce - cb);
@@ -95,8 +95,8 @@ Status StateStore::Impl::write_range(uint32_t g, StateKind kind, uint64_t begin,
   switch (loc.tier) {
     case Tier::kCpu: fill(loc.host + begin, 0, end - begin); return Status::ok();
     case Tier::kDevice:
-      for (uint64_t cb = begin; cb < end; cb += kScratchBytes) {
-        const uint64_t n = std::min(end - cb, kScratchBytes);
+      for (uint64_t cb = begin; cb < end; cb += kStoreScratchBytes) {
+        const uint64_t n = std::min(end - cb, kStoreScratchBytes);
         fill(scratch.data(), cb - begin, n);
         ZO_RETURN_IF_ERROR(device->copy_h2d(loc.device + cb, scratch.data(), n, stream));
         accounting->add_moved(Move::kHostToDevice, n);
@@ -113,8 +113,8 @@ Status StateStore::Impl::read_range(uint32_t g, StateKind kind, uint64_t begin, 
   switch (loc.tier) {
     case Tier::kCpu: consume(loc.host + begin, 0, end - begin); return Status::ok();
     case Tier::kDevice:
-      for (uint64_t cb = begin; cb < end; cb += kScratchBytes) {
-        const uint64_t n = std::min(end - cb, kScratchBytes);
+      for (uint64_t cb = begin; cb < end; cb += kStoreScratchBytes) {
+        const uint64_t n = std::min(end - cb, kStoreScratchBytes);
         ZO_RETURN_IF_ERROR(device->copy_d2h(scratch.data(), loc.device + cb, n, stream));
         accounting->add_moved(Move::kDeviceToHost, n);
         ZO_RETURN_IF_ERROR(device->synchronize(stream));

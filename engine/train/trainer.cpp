@@ -279,7 +279,7 @@ Status Trainer::Impl::create_step_pipeline() {
   if (plan.partition_grads) {
     // Note [Partitioned gradients] (grad_accumulator.h): on the gradient worker's thread, as
     // backward produces them; the training thread issues no collective until the worker is drained.
-    reducer.chunk_elems = dist::kReduceChunkElems;
+    reducer.chunk_elems = kDataParallelChunkElems;
     reducer.reduce = [this](uint32_t g, std::byte* data, uint64_t n) {
       return data_parallel->reduce_in_buckets(data, n, registry->partition_of_group(g),
                                               "reducing the gradients of sub-group " + std::to_string(g));
