@@ -5,6 +5,10 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/torch.h>
 
+#include <c10/util/Logging.h>
+
+#include <cstdlib>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -31,6 +35,20 @@ std::string first_line(const std::string& s) {
   // c10::Error appends a C++ backtrace after the first line.
   const size_t nl = s.find('\n');
   return nl == std::string::npos ? s : s.substr(0, nl);
+}
+
+// The check-in after a failed collective (Note [A rank that fails]) expects the store to be gone when
+// rank 0, which serves it, died. c10d logs every failed socket call of the store as a warning with
+// its C++ backtrace (some 20 lines), from whichever thread made it, often after this rank's own
+// error line has been printed: the user's last lines would be a backtrace instead of which rank
+// failed. Those warnings say nothing the error does not, so from the first check-in on only
+// c10's errors are logged — unless TORCH_CPP_LOG_LEVEL asks for a level itself.
+void quiet_store_warnings() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    if (std::getenv("TORCH_CPP_LOG_LEVEL") == nullptr)
+      FLAGS_caffe2_log_level = std::max(FLAGS_caffe2_log_level, static_cast<int>(c10::GLOG_ERROR));
+  });
 }
 
 }  // namespace
@@ -75,6 +93,7 @@ struct ProcessGroup::Impl {
   // The survivors' check-in after a failed collective: which ranks did not respond.
   std::string absent_ranks() {
     const std::string round = "failed/" + std::to_string(failures++) + "/";
+    quiet_store_warnings();
     std::vector<uint32_t> absent;
     try {
       store->set(round + std::to_string(world.rank), std::vector<uint8_t>{1});

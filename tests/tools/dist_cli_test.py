@@ -114,6 +114,15 @@ def weights(out, step=STEPS):
     return load_file(os.path.join(out, "hf-export-step-%d" % step, "model.safetensors"))
 
 
+def error_line(err):
+    """The tool's own error line (the last one it printed), and whether a C++ backtrace came with it.
+
+    c10d logs a failed store call with its backtrace, from whichever thread made it: a rank's stderr
+    must show which rank failed, not 20 lines of frames (Note [A rank that fails])."""
+    lines = [l for l in err.splitlines() if l.startswith("zoffload train") and "error:" in l]
+    return (lines[-1] if lines else ""), "Exception raised from" in err
+
+
 def close(a, b, rel=REL_TOL):
     return abs(a - b) <= rel * max(abs(a), abs(b), 1e-12)
 
@@ -407,9 +416,10 @@ with tempfile.TemporaryDirectory(dir=os.environ.get("MESON_BUILD_ROOT")) as tmp:
         took = time.time() - t0
         procs[victim].kill()
         procs[victim].communicate()
-        last = err.strip().splitlines()[-1] if err.strip() else ""
+        last, backtrace = error_line(err)
         expect(survivor.returncode not in (0, None) and ("rank %d of 2 did not respond" % victim) in last,
                "%s: rank %d exits non-zero naming rank %d: exit %s: %s" % (name, 1 - victim, victim, survivor.returncode, err[-1500:]))
+        expect(not backtrace, "%s: no C++ backtrace on rank %d's stderr: %s" % (name, 1 - victim, err[-1500:]))
         expect(took <= timeout_s + 30, "%s: within --dist-timeout %d s (+ the check-in): %.1f s" % (name, timeout_s, took))
         print("%s: the survivor stopped after %.1f s: %s" % (name, took, last))
         q = single(["ckpt", "verify", os.path.join(out, "ckpt")])
@@ -438,9 +448,10 @@ with tempfile.TemporaryDirectory(dir=os.environ.get("MESON_BUILD_ROOT")) as tmp:
             procs[0].kill()
             _, err = procs[0].communicate()
         took = time.time() - t0
-        last = err.strip().splitlines()[-1] if err.strip() else ""
+        last, backtrace = error_line(err)
         expect(procs[0].returncode == 1 and "checkpoint after step" in last and "rank 1 of 2 did not respond" in last,
                "%s: rank 0 stops at the failed save, naming rank 1: exit %s: %s" % (name, procs[0].returncode, err[-1500:]))
+        expect(not backtrace, "%s: no C++ backtrace on rank 0's stderr: %s" % (name, err[-1500:]))
         expect(took <= 3 * delay_s + timeout_s + 20,
                "%s: within one --dist-timeout (%d s) of the stall, not two: %.1f s" % (name, timeout_s, took))
         print("%s: rank 0 stopped after %.1f s: %s" % (name, took, last))
