@@ -11,7 +11,12 @@
 #include <ATen/ops/_fused_adagrad.h>
 #include <ATen/ops/_fused_adam.h>
 #include <ATen/ops/_fused_adamw.h>
-#include <torch/torch.h>
+#include <ATen/Parallel.h>
+#include <torch/optim/adagrad.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/types.h>
+#include <torch/utils.h>
 #pragma GCC diagnostic pop
 
 #include <cstddef>

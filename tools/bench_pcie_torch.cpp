@@ -7,7 +7,7 @@
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wunused-parameter"
 #include <torch/cuda.h>
-#include <torch/torch.h>
+#include <torch/types.h>
 #pragma GCC diagnostic pop
 
 #include <cstdint>

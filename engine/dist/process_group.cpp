@@ -3,10 +3,11 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
-#include <torch/torch.h>
+#include <torch/types.h>
 
 #include <c10/util/Logging.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <mutex>
 #include <thread>

@@ -4,7 +4,11 @@
 // to engine/train; includes LibTorch.
 #pragma once
 
-#include <torch/torch.h>
+// Not <torch/torch.h>: tensors, autograd and NoGradGuard are all the trainer uses, and the whole
+// C++ frontend (nn, optim, data, serialize) costs each of its files some 10 s more to compile.
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/types.h>
+#include <torch/utils.h>
 
 #include <cstdint>
 #include <functional>

@@ -7,7 +7,10 @@
 // LibTorch's headers are not clean under -Wextra; silence them here, not project-wide.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wunused-parameter"
-#include <torch/torch.h>
+#include <ATen/Parallel.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/types.h>
 #pragma GCC diagnostic pop
 
 #include <cmath>

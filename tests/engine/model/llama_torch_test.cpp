@@ -6,7 +6,9 @@
 // LibTorch's headers are not clean under -Wextra; silence them here, not project-wide.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wunused-parameter"
-#include <torch/torch.h>
+#include <ATen/TensorIndexing.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/types.h>
 #pragma GCC diagnostic pop
 
 #include <cmath>
