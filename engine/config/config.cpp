@@ -219,8 +219,9 @@ void read_scheduler(ParseState* st, ObjectReader r, SchedulerConfig* s) {
 
 // ---- resolution of "auto" and cross-key rules -----------------------------------------------------
 
-// resolve() in its parts, each one key family's "auto" and cross-key rules, over the helpers they
-// share.
+// resolve() in its parts, each one key family's "auto" and the rules between keys of different
+// blocks, over the helpers they share. A rule within one object sits beside its keys in
+// config_schema.h (Note [Keys declared once]).
 struct Resolver {
   ParseState* st;
   const ResolveContext& ctx;
@@ -435,12 +436,6 @@ void Resolver::offload_placement() {
   if (oo.device != OffloadDevice::kNone && z.stage == 0)
     st->error("zero_optimization.offload_optimizer.device",
               "optimizer offload needs stage 1, 2 or 3 (zero_optimization.stage is 0)");
-  if (op.device == OffloadDevice::kNvme && op.nvme_path.empty() &&
-      !st->has_error("zero_optimization.offload_param.nvme_path"))
-    st->error("zero_optimization.offload_param.nvme_path", "needed when offload_param.device is \"nvme\"");
-  if (oo.device == OffloadDevice::kNvme && oo.nvme_path.empty() &&
-      !st->has_error("zero_optimization.offload_optimizer.nvme_path"))
-    st->error("zero_optimization.offload_optimizer.nvme_path", "needed when offload_optimizer.device is \"nvme\"");
   const std::string& grads = c->zoffload.gradient_accumulators;
   if (grads != "auto" && oo.device == OffloadDevice::kNone)
     st->error("zoffload.gradient_accumulators",
@@ -450,8 +445,6 @@ void Resolver::offload_placement() {
   if (grads == "nvme" && oo.nvme_path.empty() && !st->has_error("zero_optimization.offload_optimizer.nvme_path"))
     st->error("zero_optimization.offload_optimizer.nvme_path",
               "needed when zoffload.gradient_accumulators is \"nvme\" (their swap file lives there)");
-  if (oo.device != OffloadDevice::kNvme && (oo.pipeline_read || oo.pipeline_write))
-    st->warn("zero_optimization.offload_optimizer", "pipeline_read/pipeline_write only apply with device \"nvme\"");
   // What training supports, said here so `config check` and `train` cannot disagree: Adagrad and
   // Lion step on the CPU (cpu_optim); the device's optimizer kernel is Adam's.
   const OptimizerType type = c->optimizer.type;

@@ -24,11 +24,11 @@ namespace zo::engine::detail {
 // Note [Keys declared once]
 // A plain key is one line here: `v.count("buffer_count", c.buffer_count, 1)`. The struct's member
 // initializer is its default. What a table cannot say stays code, placed where it runs while
-// reading: `v.rule(...)` holds a check between keys or a value the table's ranges cannot express
-// (it runs only when reading, after the keys above it), `v.alias` a second name (before the key it
-// renames), `v.no_effect` a DeepSpeed key accepted with a warning. The optimizer's and the
-// scheduler's params depend on their type and are hand-written (`v.custom`: read_optimizer,
-// read_scheduler in config.cpp; their JSON in config_describe.cpp).
+// reading: `v.rule(...)` holds a check between keys of its object or a value the table's ranges
+// cannot express (it runs only when reading, after the keys above it), `v.alias` a second name
+// (before the key it renames), `v.no_effect` a DeepSpeed key accepted with a warning. The
+// optimizer's and the scheduler's params depend on their type and are hand-written (`v.custom`:
+// read_optimizer, read_scheduler in config.cpp; their JSON in config_describe.cpp).
 //
 // The visitor interface (each visitor implements all of it):
 //   flag(key, bool&, AutoOk)                    true or false
@@ -45,6 +45,10 @@ namespace zo::engine::detail {
 //                                               reads_as is written out in full)
 //   no_effect(key, why[, NoEffectValue])    accepted with a warning; the value's type still checked
 //   rule(fn(ReadContext&))
+
+// Rules between keys of different blocks, and the resolution of "auto", need the whole file and
+// the command line: they are resolve()'s (config.cpp), one Resolver part per key family. A rule whose
+// keys are all in one object is written here, beside them.
 
 // A real number's range: [min, max], or (min, max] with min_exclusive.
 struct Range {
@@ -85,6 +89,13 @@ struct ReadContext {
   void warn(std::string_view key, std::string message) const { st->warn(r.key_path(key), std::move(message)); }
 };
 
+// An offload block's device "nvme" needs its directory (an nvme_path of the wrong type has already
+// been reported at its key, and is not echoed).
+inline void nvme_path_rule(const ReadContext& x, OffloadDevice device, const std::string& nvme_path) {
+  if (device == OffloadDevice::kNvme && nvme_path.empty() && (x.given("nvme_path") || !x.r.has("nvme_path")))
+    x.error("nvme_path", "needed when device is \"nvme\"");
+}
+
 template <class V>
 void keys(V& v, OffloadParamConfig& c) {
   v.choice("device", c.device, kOffloadDevices);
@@ -93,6 +104,7 @@ void keys(V& v, OffloadParamConfig& c) {
   v.count("buffer_size", c.buffer_size, 1);
   v.count("max_in_cpu", c.max_in_cpu, 0);
   v.flag("pin_memory", c.pin_memory);
+  v.rule([&](const ReadContext& x) { nvme_path_rule(x, c.device, c.nvme_path); });
 }
 
 template <class V>
@@ -113,6 +125,14 @@ void keys(V& v, OffloadOptimizerConfig& c) {
     x.warn("pipeline", "deprecated; read as pipeline_read and pipeline_write");
     if (!x.r.has("pipeline_read")) c.pipeline_read = pipeline;
     if (!x.r.has("pipeline_write")) c.pipeline_write = pipeline;
+  });
+  v.rule([&](const ReadContext& x) {
+    nvme_path_rule(x, c.device, c.nvme_path);
+    if (c.device == OffloadDevice::kNvme || !(c.pipeline_read || c.pipeline_write)) return;
+    const char* key = c.pipeline_read && x.given("pipeline_read")     ? "pipeline_read"
+                      : c.pipeline_write && x.given("pipeline_write") ? "pipeline_write"
+                                                                      : "pipeline";
+    x.warn(key, "has no effect: the read-ahead and write-behind of sub-groups apply with device \"nvme\" only");
   });
   v.number("ratio", c.ratio, {.min = 0.0, .max = 1.0, .min_exclusive = true});
   v.rule([&](const ReadContext& x) {

@@ -21,6 +21,7 @@ namespace {
 
 using nlohmann::json;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 // A minimal valid config; tests patch it.
 json base() { return json{{"train_micro_batch_size_per_gpu", 2}}; }
@@ -440,6 +441,32 @@ TEST(ConfigParse, DeprecatedAliasesWarnAndNameTheNewKey) {
                            "zero_optimization.stage3_gather_16bit_weights_on_model_save"));
   EXPECT_THAT(w, HasSubstr("bfloat16: deprecated name; read as bf16"));
   EXPECT_THAT(w, HasSubstr("zero_optimization.cpu_offload: deprecated; read as offload_optimizer.device = \"cpu\""));
+}
+
+// The read-ahead and write-behind of sub-groups are NVMe's: on another device they warn at the key
+// that asked for them (the legacy "pipeline" too), and on "nvme" they are silent.
+TEST(ConfigParse, PipelineFlagsOffNvmeWarnAtTheirKey) {
+  struct Case {
+    json offload;
+    const char* warned;  // nullptr: no warning
+  };
+  const Case cases[] = {
+      {{{"device", "cpu"}, {"pipeline_write", true}}, "zero_optimization.offload_optimizer.pipeline_write"},
+      {{{"device", "cpu"}, {"pipeline_read", true}, {"pipeline_write", true}},
+       "zero_optimization.offload_optimizer.pipeline_read"},
+      {{{"device", "cpu"}, {"pipeline", true}}, "zero_optimization.offload_optimizer.pipeline"},
+      {{{"device", "cpu"}, {"pipeline_read", false}}, nullptr},
+      {{{"device", "nvme"}, {"nvme_path", "/nvme"}, {"pipeline_read", true}}, nullptr},
+  };
+  for (const Case& k : cases) {
+    json j = base();
+    j["zero_optimization"] = {{"stage", 3}, {"offload_optimizer", k.offload}};
+    ConfigDiagnostics d;
+    ASSERT_TRUE(parse(j, &d)) << all(d.errors);
+    const std::string w = all(d.warnings);
+    if (k.warned == nullptr) EXPECT_THAT(w, Not(HasSubstr("has no effect: the read-ahead"))) << k.offload.dump();
+    else EXPECT_THAT(w, HasSubstr(std::string(k.warned) + ": has no effect: the read-ahead")) << k.offload.dump();
+  }
 }
 
 // DeepSpeed keys nothing in zoffload reads are accepted with a warning that says so, each once;
