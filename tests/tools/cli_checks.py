@@ -1,5 +1,7 @@
 """What the command-line tests here share: checks that are counted and collect their failures, and
 the report at the end (every failure, then the counts; exit 1 when any check failed)."""
+import json
+import os
 import sys
 
 failures = []
@@ -25,6 +27,24 @@ def flatten(node, prefix="", leaves=()):
         else:
             out[path] = v
     return out
+
+
+def demo_config_as_setup_runs_it(source_dir, tmp):
+    """configs/tiny_demo_nvme.json as `tools/setup.sh demo` runs it on this machine: with bf16 off
+    where there is no GPU and the CPU has no native bf16 (avx512_bf16, amx_bf16), as LibTorch's bf16
+    matmuls take a slow path there (some 13 times slower); else the file itself."""
+    path = os.path.join(source_dir, "configs", "tiny_demo_nvme.json")
+    with open("/proc/cpuinfo") as f:
+        flags = set(f.read().split())
+    if os.path.exists("/proc/driver/nvidia/gpus") or flags & {"avx512_bf16", "amx_bf16"}:
+        return path
+    with open(path) as f:
+        c = json.load(f)
+    c["bf16"] = {"enabled": False}
+    fp32 = os.path.join(tmp, "tiny_demo_nvme_fp32.json")
+    with open(fp32, "w") as f:
+        json.dump(c, f, indent=2)
+    return fp32
 
 
 def report_and_exit():
