@@ -63,9 +63,9 @@ std::string random_suffix() {
 
 // Writes a small file in one go through the Env (fdatasynced; nothing left on failure) and
 // returns its digest.
-Result<FileDigest> write_small_file(io::Env& env, const std::string& dir, const std::string& name,
+Result<FileDigest> write_small_file(io::Env* env, const std::string& dir, const std::string& name,
                                     const std::string& text) {
-  ZO_RETURN_IF_ERROR(env.write_file(dir + "/" + name, text));
+  ZO_RETURN_IF_ERROR(env->write_file(dir + "/" + name, text));
   FileDigest d;
   d.name = name;
   d.size_bytes = text.size();
@@ -102,11 +102,11 @@ std::string_view save_phase_name(SavePhase phase) {
 namespace {
 
 // Moves `victim` (a step directory) out of the way atomically, then deletes it.
-Status prune_one(io::Env& env, const std::string& dir, const std::string& victim) {
+Status prune_one(io::Env* env, const std::string& dir, const std::string& victim) {
   const std::string doomed = dir + "/tmp-pruned-" + victim + "-" + random_suffix();
-  ZO_RETURN_IF_ERROR(env.rename(dir + "/" + victim, doomed).with_context("moving " + victim + " away to prune it"));
-  ZO_RETURN_IF_ERROR(env.sync_dir(dir));
-  return env.remove_all(doomed);
+  ZO_RETURN_IF_ERROR(env->rename(dir + "/" + victim, doomed).with_context("moving " + victim + " away to prune it"));
+  ZO_RETURN_IF_ERROR(env->sync_dir(dir));
+  return env->remove_all(doomed);
 }
 
 // Note [Replacing a step directory]: DIR/step-<N> can exist already — left by a save killed after
@@ -117,9 +117,9 @@ Status prune_one(io::Env& env, const std::string& dir, const std::string& victim
 // without RENAME_EXCHANGE get kAlreadyExists.
 
 // step-<N> directories of DIR, oldest first.
-Result<std::vector<std::pair<uint64_t, std::string>>> step_dirs(io::Env& env, const std::string& dir) {
+Result<std::vector<std::pair<uint64_t, std::string>>> step_dirs(io::Env* env, const std::string& dir) {
   std::vector<std::pair<uint64_t, std::string>> out;
-  ZO_ASSIGN_OR_RETURN(const std::vector<std::string> names, env.list_dir(dir));
+  ZO_ASSIGN_OR_RETURN(const std::vector<std::string> names, env->list_dir(dir));
   for (const std::string& name : names) {
     if (name.rfind("step-", 0) != 0 || name.size() == 5) continue;
     if (name.find_first_not_of("0123456789", 5) != std::string::npos) continue;
@@ -187,7 +187,7 @@ Status stream_groups(Writer& writer, StateStore& store, StateKind kind, uint32_t
   return s;
 }
 
-Status write_state_file(io::Env& env, StateStore& store, StateKind kind, const std::string& path,
+Status write_state_file(io::Env* env, StateStore& store, StateKind kind, const std::string& path,
                         std::span<std::byte> staging, const std::vector<CheckpointTensor>& tensors, FileDigest* digest,
                         const std::function<void(uint64_t)>& on_bytes) {
   const std::string header = state_file_header(kind, tensors);
@@ -200,7 +200,7 @@ Status write_state_file(io::Env& env, StateStore& store, StateKind kind, const s
 
 // Writes trainer_state.json, config.json and, last, the manifest (whose files list the state files
 // already) into tmp, fsyncs it and publishes it as final_dir. *bytes += the manifest's size.
-Status publish_save(io::Env& env, const std::string& tmp, const std::string& final_dir, const TrainingState& state,
+Status publish_save(io::Env* env, const std::string& tmp, const std::string& final_dir, const TrainingState& state,
                     const std::string& model_config_json, Manifest& manifest, uint64_t* bytes,
                     const std::function<void(SavePhase)>& phase) {
   ZO_ASSIGN_OR_RETURN(FileDigest st, write_small_file(env, tmp, kTrainerStateFile, state.to_json().dump(2) + "\n"));
@@ -209,7 +209,7 @@ Status publish_save(io::Env& env, const std::string& tmp, const std::string& fin
   manifest.files.push_back(std::move(cfg));
   ZO_ASSIGN_OR_RETURN(FileDigest mf, write_small_file(env, tmp, kManifestFile, manifest.to_json().dump(1) + "\n"));
   *bytes += mf.size_bytes;
-  ZO_RETURN_IF_ERROR(env.sync_dir(tmp));
+  ZO_RETURN_IF_ERROR(env->sync_dir(tmp));
   phase(SavePhase::kManifestWritten);
   // Note [A save that fails after its rename]: once published, step-<N> is complete, but
   // `latest` still names the previous checkpoint, which stays intact and is what a resume
@@ -223,17 +223,17 @@ Status publish_save(io::Env& env, const std::string& tmp, const std::string& fin
 
 // Before the rename tmp is this save; after an exchange whose fsync failed, the replaced
 // checkpoint. Either is removable (a missing tmp is fine).
-void remove_failed_save(io::Env& env, const std::string& tmp, const std::string& context) {
-  Status rm = env.remove_all(tmp);
+void remove_failed_save(io::Env* env, const std::string& tmp, const std::string& context) {
+  Status rm = env->remove_all(tmp);
   if (!rm.is_ok()) ZO_LOG(kWarn) << context << ": could not remove " << tmp << ": " << rm.to_string();
 }
 
-Status point_latest_and_prune(io::Env& env, const SaveOptions& options, const std::string& name, uint64_t steps_done,
+Status point_latest_and_prune(io::Env* env, const SaveOptions& options, const std::string& name, uint64_t steps_done,
                               const std::string& context, SaveResult* result,
                               const std::function<void(SavePhase)>& phase);
 
 // The checks of a save, its directory, and its tmp directory (returned).
-Result<std::string> begin_save(io::Env& env, StateStore& store, const TrainingState& state, const SaveOptions& options,
+Result<std::string> begin_save(io::Env* env, StateStore& store, const TrainingState& state, const SaveOptions& options,
                                const std::string& context) {
   if (options.dir.empty()) return invalid_argument(context + ": no checkpoint directory (zoffload.checkpoint.dir)");
   ZO_RETURN_IF_ERROR(check_staging_bytes(options.staging_bytes, context));
@@ -242,14 +242,14 @@ Result<std::string> begin_save(io::Env& env, StateStore& store, const TrainingSt
                                "): nothing consistent to save");
   }
   std::string created;
-  ZO_RETURN_IF_ERROR(env.make_dirs(options.dir, &created).with_context(context));
+  ZO_RETURN_IF_ERROR(env->make_dirs(options.dir, &created).with_context(context));
   if (!created.empty()) {
     // The new directories' own entries must survive a power cut too.
     const fs::path parent = fs::absolute(created).lexically_normal().parent_path();
-    ZO_RETURN_IF_ERROR(env.sync_dir(parent.string()).with_context(context));
+    ZO_RETURN_IF_ERROR(env->sync_dir(parent.string()).with_context(context));
   }
   const std::string tmp = options.dir + "/tmp-" + std::to_string(state.steps_done) + "-" + random_suffix();
-  ZO_RETURN_IF_ERROR(env.make_dir(tmp).with_context(context));
+  ZO_RETURN_IF_ERROR(env->make_dir(tmp).with_context(context));
   return tmp;
 }
 
@@ -272,7 +272,7 @@ Result<std::string> begin_save(io::Env& env, StateStore& store, const TrainingSt
 // files and rename are rank 0's, so a kill at any moment leaves what a single-process save leaves.
 // The ranks must see one file system at the checkpoint directory (one node, or a shared one).
 Result<SaveResult> save_collaborative(StateStore& store, const TrainingState& state,
-                                      const std::string& model_config_json, const SaveOptions& options, io::Env& env,
+                                      const std::string& model_config_json, const SaveOptions& options, io::Env* env,
                                       const std::function<void(SavePhase)>& phase) {
   const Stopwatch watch;
   const SaveOptions::Collective& c = *options.collective;
@@ -437,7 +437,7 @@ Result<SaveResult> save_checkpoint(StateStore& store, const TrainingState& state
   const Stopwatch watch;
   const std::string name = "step-" + std::to_string(state.steps_done);
   const std::string context = "saving checkpoint " + options.dir + "/" + name;
-  io::Env& env = options.env != nullptr ? *options.env : *io::Env::posix();
+  io::Env* env = options.env;
   auto phase = [&](SavePhase p) {
     if (options.on_phase) options.on_phase(p);
   };
@@ -488,7 +488,7 @@ Result<SaveResult> save_checkpoint(StateStore& store, const TrainingState& state
 
 namespace {
 
-Status point_latest_and_prune(io::Env& env, const SaveOptions& options, const std::string& name, uint64_t steps_done,
+Status point_latest_and_prune(io::Env* env, const SaveOptions& options, const std::string& name, uint64_t steps_done,
                               const std::string& context, SaveResult* result,
                               const std::function<void(SavePhase)>& phase) {
   // Point `latest` at it: a new file renamed over the old one.
@@ -497,12 +497,12 @@ Status point_latest_and_prune(io::Env& env, const SaveOptions& options, const st
     Status st = written.status();
     return st.with_context(context + " (updating latest)");
   }
-  Status replaced = env.rename(options.dir + "/" + latest_tmp, options.dir + "/" + kLatestFile);
+  Status replaced = env->rename(options.dir + "/" + latest_tmp, options.dir + "/" + kLatestFile);
   if (!replaced.is_ok()) {
-    (void)env.remove_all(options.dir + "/" + latest_tmp);
+    (void)env->remove_all(options.dir + "/" + latest_tmp);
     return replaced.with_context(context + " (updating latest)");
   }
-  ZO_RETURN_IF_ERROR(env.sync_dir(options.dir).with_context(context + " (updating latest)"));
+  ZO_RETURN_IF_ERROR(env->sync_dir(options.dir).with_context(context + " (updating latest)"));
   phase(SavePhase::kLatestUpdated);
 
   if (options.keep_last > 0) {
@@ -538,18 +538,17 @@ Status point_latest_and_prune(io::Env& env, const SaveOptions& options, const st
 
 }  // namespace
 
-Result<std::vector<std::string>> clean_stale_checkpoints(const std::string& dir, io::Env* env_or_null) {
-  io::Env& env = env_or_null != nullptr ? *env_or_null : *io::Env::posix();
+Result<std::vector<std::string>> clean_stale_checkpoints(const std::string& dir, io::Env* env) {
   std::vector<std::string> removed;
-  ZO_ASSIGN_OR_RETURN(const io::PathKind kind, env.path_kind(dir));
+  ZO_ASSIGN_OR_RETURN(const io::PathKind kind, env->path_kind(dir));
   if (kind != io::PathKind::kDirectory) return removed;
-  ZO_ASSIGN_OR_RETURN(const std::vector<std::string> names, env.list_dir(dir));
+  ZO_ASSIGN_OR_RETURN(const std::vector<std::string> names, env->list_dir(dir));
   for (const std::string& name : names) {
     if (!is_save_tmp_name(name)) continue;
-    ZO_RETURN_IF_ERROR(env.remove_all(dir + "/" + name).with_context("removing a stale save"));
+    ZO_RETURN_IF_ERROR(env->remove_all(dir + "/" + name).with_context("removing a stale save"));
     removed.push_back(name);
   }
-  if (!removed.empty()) ZO_RETURN_IF_ERROR(env.sync_dir(dir));
+  if (!removed.empty()) ZO_RETURN_IF_ERROR(env->sync_dir(dir));
   return removed;
 }
 

@@ -15,17 +15,17 @@ namespace {
 
 // A small file of a checkpoint (latest, the manifest, the trainer state, config.json), whole. No
 // save writes one over kMaxSmallFileBytes, so a larger one is kCorruption, not a bad argument.
-Result<std::string> read_checkpoint_file(io::Env& env, const std::string& path) {
-  Result<std::string> text = env.read_file(path, "checkpoint file", kMaxSmallFileBytes);
+Result<std::string> read_checkpoint_file(io::Env* env, const std::string& path) {
+  Result<std::string> text = env->read_file(path, "checkpoint file", kMaxSmallFileBytes);
   if (!text.is_ok() && text.status().sys_errno() == EFBIG) return corruption(text.status().message());
   return text;
 }
 
 }  // namespace
 
-Result<std::string> resolve_checkpoint(const std::string& path, io::Env& env) {
-  auto kind = [&env](const std::string& p) {
-    Result<io::PathKind> k = env.path_kind(p);
+Result<std::string> resolve_checkpoint(const std::string& path, io::Env* env) {
+  auto kind = [env](const std::string& p) {
+    Result<io::PathKind> k = env->path_kind(p);
     return k.is_ok() ? *k : io::PathKind::kMissing;
   };
   if (kind(path) == io::PathKind::kMissing) return not_found("checkpoint " + path + " does not exist");
@@ -56,7 +56,7 @@ Result<std::string> resolve_checkpoint(const std::string& path, io::Env& env) {
   return not_found(path + " is not a checkpoint directory");
 }
 
-Result<CheckpointInfo> open_checkpoint(const std::string& path, io::Env& env) {
+Result<CheckpointInfo> open_checkpoint(const std::string& path, io::Env* env) {
   CheckpointInfo info;
   info.path = path;
   const std::string mpath = path + "/" + kManifestFile;
@@ -74,7 +74,7 @@ Result<CheckpointInfo> open_checkpoint(const std::string& path, io::Env& env) {
   }
   for (const FileDigest& f : info.manifest.files) {
     const std::string fpath = path + "/" + f.name;
-    Result<uint64_t> size_or = env.file_size(fpath);
+    Result<uint64_t> size_or = env->file_size(fpath);
     if (!size_or.is_ok()) return corruption(fpath + ": listed in the manifest but " + size_or.status().message());
     const uint64_t size = *size_or;
     if (size != f.size_bytes) {
@@ -102,7 +102,7 @@ Result<CheckpointInfo> open_checkpoint(const std::string& path, io::Env& env) {
   // The state files' headers must list the manifest's tensors, in order, as F32.
   for (StateKind kind : kSavedStates) {
     const std::string fpath = path + "/" + state_file_name(kind);
-    ZO_ASSIGN_OR_RETURN(auto st, SafetensorsFile::open(fpath, &env));
+    ZO_ASSIGN_OR_RETURN(auto st, SafetensorsFile::open(fpath, env));
     const auto& ts = st->tensors();
     if (ts.size() != info.manifest.tensors.size()) {
       return corruption(fpath + ": " + std::to_string(ts.size()) + " tensors, the manifest lists " +
@@ -132,7 +132,7 @@ Result<CheckpointInfo> open_checkpoint(const std::string& path, io::Env& env) {
 }
 
 Status verify_checkpoint(const CheckpointInfo& ckpt, io::IoEngine& io, std::span<std::byte> staging,
-                         const std::function<void(uint64_t, uint64_t)>& progress, io::Env& env) {
+                         const std::function<void(uint64_t, uint64_t)>& progress, io::Env* env) {
   ZO_RETURN_IF_ERROR(check_staging_bytes(staging.size(), "verifying " + ckpt.path));
   uint64_t total = 0, done = 0;
   for (const FileDigest& f : ckpt.manifest.files) total += f.size_bytes;
@@ -149,7 +149,7 @@ Status verify_checkpoint(const CheckpointInfo& ckpt, io::IoEngine& io, std::span
 }
 
 Status load_checkpoint(const CheckpointInfo& ckpt, StateStore& store, io::IoEngine& io, std::span<std::byte> staging,
-                       io::Env& env) {
+                       io::Env* env) {
   const std::string context = "loading checkpoint " + ckpt.path;
   ZO_RETURN_IF_ERROR(check_staging_bytes(staging.size(), context));
   const ParamRegistry& reg = store.registry();
@@ -169,7 +169,7 @@ Status load_checkpoint(const CheckpointInfo& ckpt, StateStore& store, io::IoEngi
   const MemoryPlan& plan = store.plan();
   for (StateKind kind : kSavedStates) {
     const std::string fpath = ckpt.path + "/" + state_file_name(kind);
-    ZO_ASSIGN_OR_RETURN(auto header, SafetensorsFile::open(fpath, &env));
+    ZO_ASSIGN_OR_RETURN(auto header, SafetensorsFile::open(fpath, env));
     const uint64_t data_start =
         header->tensors().empty() ? header->file_size_bytes() : header->tensors().front().data_offset_bytes;
     // File bytes [data_start, ...) are the flat fp32 state of every sub-group in order.

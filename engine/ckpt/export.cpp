@@ -107,24 +107,24 @@ std::vector<Shard> plan_shards(std::span<const ParamInfo> params, DType dtype, u
 // the parents of out_dir it created.
 class OutputDir {
  public:
-  explicit OutputDir(io::Env& env) : env_(env) {}
+  explicit OutputDir(io::Env* env) : env_(env) {}
   ~OutputDir() {
     if (committed_ || tmp_.empty()) return;
-    (void)env_.remove_all(tmp_);  // best effort: the export's error is what the caller reports
+    (void)env_->remove_all(tmp_);  // best effort: the export's error is what the caller reports
     // Unless the failure came after the rename (the parent's fsync): then out_dir is in place.
     if (created_parent_.empty()) return;
-    Result<io::PathKind> out = env_.path_kind(dir_);
-    if (out.is_ok() && *out == io::PathKind::kMissing) (void)env_.remove_all(created_parent_);
+    Result<io::PathKind> out = env_->path_kind(dir_);
+    if (out.is_ok() && *out == io::PathKind::kMissing) (void)env_->remove_all(created_parent_);
   }
 
   // out_dir must be missing or an empty directory; with `replace`, any directory (it is swapped
   // out atomically at the commit and removed).
   Status open(const std::string& dir, bool replace) {
-    ZO_ASSIGN_OR_RETURN(const io::PathKind kind, env_.path_kind(dir));
+    ZO_ASSIGN_OR_RETURN(const io::PathKind kind, env_->path_kind(dir));
     if (kind != io::PathKind::kMissing && kind != io::PathKind::kDirectory)
       return Status(StatusCode::kAlreadyExists, "export directory " + dir + " exists and is not a directory");
     if (kind == io::PathKind::kDirectory && !replace) {
-      Result<std::vector<std::string>> entries = env_.list_dir(dir);
+      Result<std::vector<std::string>> entries = env_->list_dir(dir);
       if (!entries.is_ok()) return Status(entries.status()).with_context("export");
       if (!entries->empty())
         return Status(StatusCode::kAlreadyExists, "export directory " + dir + " is not empty (it holds " +
@@ -133,11 +133,11 @@ class OutputDir {
     const std::filesystem::path normal = std::filesystem::path(dir).lexically_normal();
     const std::filesystem::path parent = normal.parent_path().empty() ? "." : normal.parent_path();
     // The outermost missing ancestor is removed again if the export fails.
-    ZO_RETURN_IF_ERROR(env_.make_dirs(parent.string(), &created_parent_)
+    ZO_RETURN_IF_ERROR(env_->make_dirs(parent.string(), &created_parent_)
                            .with_context("export: creating the directory " + parent.string()));
     dir_ = normal.string();
     tmp_ = dir_ + ".tmp-" + random_hex();
-    return env_.make_dir(tmp_).with_context("export");
+    return env_->make_dir(tmp_).with_context("export");
   }
 
   // Where file `name` is written until the commit.
@@ -147,13 +147,13 @@ class OutputDir {
 
   // fsyncs the written directory and publishes it as out_dir.
   Status commit() {
-    ZO_RETURN_IF_ERROR(env_.sync_dir(tmp_).with_context("export"));
+    ZO_RETURN_IF_ERROR(env_->sync_dir(tmp_).with_context("export"));
     ZO_RETURN_IF_ERROR(publish_directory(env_, tmp_, dir_).with_context("export"));
     committed_ = true;
     if (!created_parent_.empty()) {
       // The created parents' own entries must survive a power cut too.
       const std::string above = std::filesystem::path(created_parent_).parent_path().string();
-      ZO_RETURN_IF_ERROR(env_.sync_dir(above.empty() ? "." : above).with_context("export"));
+      ZO_RETURN_IF_ERROR(env_->sync_dir(above.empty() ? "." : above).with_context("export"));
     }
     return Status::ok();
   }
@@ -166,7 +166,7 @@ class OutputDir {
     return buf;
   }
 
-  io::Env& env_;
+  io::Env* env_;
   std::string dir_, tmp_;
   std::string created_parent_;  // the outermost parent directory this export created, if any
   std::vector<std::string> names_;
@@ -205,8 +205,7 @@ class ShardExporter {
 
   Status write(const Shard& shard, const std::string& path) {
     ZO_ASSIGN_OR_RETURN(std::unique_ptr<StreamWriter> writer,
-                        StreamWriter::create(io_, path, staging_.writer, kWriterSlots,
-                                             o_.env != nullptr ? *o_.env : *io::Env::posix()));
+                        StreamWriter::create(io_, path, staging_.writer, kWriterSlots, o_.env));
     std::vector<SafetensorsEntry> entries;
     for (size_t i = shard.first; i < shard.end; ++i) entries.push_back({params_[i].name, o_.dtype, params_[i].shape});
     const std::string header = safetensors_header(entries, {{"format", "pt"}});
@@ -322,7 +321,7 @@ Result<ExportResult> export_impl(std::span<const ParamInfo> params, const std::s
   ZO_ASSIGN_OR_RETURN(std::string config_text, config_with_dtype(model_config_json, options.dtype));
   const std::vector<Shard> shards = plan_shards(params, options.dtype, options.shard_bytes);
   // Side files are read before anything is written: a missing one fails the export at once.
-  io::Env& env = options.env != nullptr ? *options.env : *io::Env::posix();
+  io::Env* env = options.env;
   std::vector<std::pair<std::string, std::string>> sides;  // name, content
   for (const std::string& path : options.side_files) {
     const std::string name = std::filesystem::path(path).filename().string();
@@ -331,7 +330,7 @@ Result<ExportResult> export_impl(std::span<const ParamInfo> params, const std::s
       return invalid_argument("export: side file " + path + " would replace a file the export writes");
     for (const auto& [other, text] : sides)
       if (other == name) return invalid_argument("export: two side files are named " + name);
-    ZO_ASSIGN_OR_RETURN(std::string text, env.read_file(path, "side file", kMaxSmallFileBytes));
+    ZO_ASSIGN_OR_RETURN(std::string text, env->read_file(path, "side file", kMaxSmallFileBytes));
     sides.emplace_back(name, std::move(text));
   }
   uint64_t total_bytes = 0;
@@ -340,8 +339,8 @@ Result<ExportResult> export_impl(std::span<const ParamInfo> params, const std::s
   ZO_ASSIGN_OR_RETURN(AlignedBuffer staging, AlignedBuffer::allocate(options.staging_bytes));
   OutputDir out(env);
   // A small file (config.json, the index, a side file): whole, fdatasynced, nothing left on failure.
-  auto write_small_file = [&env](const std::string& path, const std::string& text) {
-    return env.write_file(path, text).with_context("export");
+  auto write_small_file = [env](const std::string& path, const std::string& text) {
+    return env->write_file(path, text).with_context("export");
   };
   ZO_RETURN_IF_ERROR(out.open(options.out_dir, options.replace));
 
@@ -387,8 +386,8 @@ class MasterReader {
   MasterReader(const MasterReader&) = delete;
   MasterReader& operator=(const MasterReader&) = delete;
 
-  Status open(io::Env& env, std::vector<uint64_t> data_offsets, uint64_t file_size_bytes) {
-    ZO_ASSIGN_OR_RETURN(file_, env.open_read(path_, "checkpoint file"));
+  Status open(io::Env* env, std::vector<uint64_t> data_offsets, uint64_t file_size_bytes) {
+    ZO_ASSIGN_OR_RETURN(file_, env->open_read(path_, "checkpoint file"));
     file_->will_read_sequentially();
     data_offsets_ = std::move(data_offsets);
     file_size_bytes_ = file_size_bytes;
@@ -452,12 +451,12 @@ Result<ExportResult> export_hf_model(std::span<const ParamInfo> params, const st
 }
 
 Result<ExportResult> export_checkpoint(const CheckpointInfo& ckpt, io::IoEngine& io, const ExportOptions& options) {
-  io::Env& env = options.env != nullptr ? *options.env : *io::Env::posix();
+  io::Env* env = options.env;
   const std::string path = ckpt.path + "/" + kMasterFile;
   const FileDigest* digest = ckpt.manifest.find(kMasterFile);
   if (digest == nullptr)
     return corruption("export: " + ckpt.path + "/" + kManifestFile + " does not list " + kMasterFile);
-  ZO_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> file, SafetensorsFile::open(path, &env));
+  ZO_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> file, SafetensorsFile::open(path, env));
   const std::vector<SafetensorsTensor>& tensors = file->tensors();
   const std::vector<CheckpointTensor>& expected = ckpt.manifest.tensors;
   if (tensors.size() != expected.size())
@@ -517,7 +516,7 @@ Result<ExportResult> export_store(StateStore& store, const std::string& model_co
   return export_impl(store.registry().params(), model_config_json, read, io, options, {});
 }
 
-std::vector<std::string> model_side_files(const std::string& model_dir, io::Env& env) {
+std::vector<std::string> model_side_files(const std::string& model_dir, io::Env* env) {
   static constexpr const char* kNames[] = {"tokenizer.json",
                                            "tokenizer_config.json",
                                            "special_tokens_map.json",
@@ -528,8 +527,8 @@ std::vector<std::string> model_side_files(const std::string& model_dir, io::Env&
                                            "chat_template.jinja",
                                            "chat_template.json",
                                            "generation_config.json"};
-  auto kind = [&env](const std::string& path) {
-    Result<io::PathKind> k = env.path_kind(path);
+  auto kind = [env](const std::string& path) {
+    Result<io::PathKind> k = env->path_kind(path);
     return k.is_ok() ? *k : io::PathKind::kMissing;
   };
   std::vector<std::string> found;

@@ -16,6 +16,7 @@
 #include "engine/ckpt/checkpoint.h"
 #include "engine/memory/param_registry.h"
 #include "engine/memory/state_store.h"
+#include "io/env.h"
 #include "io/io_engine.h"
 
 namespace zo::engine {
@@ -43,9 +44,9 @@ struct ExportOptions {
   // Called on the exporting thread after every chunk with the tensor bytes written so far and
   // their total (in the export dtype).
   std::function<void(uint64_t done_bytes, uint64_t total_bytes)> progress;
-  // Small files, renames and directory fsyncs go through this Env (null: io::Env::posix()); tests
+  // Small files, renames and directory fsyncs go through this Env; tests
   // pass an io::FaultyEnv. The shards' bytes go through the I/O engine.
-  io::Env* env = nullptr;
+  io::Env* env = io::Env::posix();
 };
 
 struct ExportResult {
@@ -88,6 +89,6 @@ Result<ExportResult> export_store(StateStore& store, const std::string& model_co
 // `model_dir` (none when it is not a directory, e.g. a preset name): tokenizer.json,
 // tokenizer_config.json, special_tokens_map.json, tokenizer.model, added_tokens.json, vocab.json,
 // merges.txt, chat_template.jinja, chat_template.json, generation_config.json.
-std::vector<std::string> model_side_files(const std::string& model_dir, io::Env& env = *io::Env::posix());
+std::vector<std::string> model_side_files(const std::string& model_dir, io::Env* env = io::Env::posix());
 
 }  // namespace zo::engine

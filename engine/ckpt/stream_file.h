@@ -50,7 +50,7 @@ class StreamWriter {
   // more than a few KiB itself.
   static Result<std::unique_ptr<StreamWriter>> create(io::IoEngine& io, const std::string& path,
                                                       std::span<std::byte> staging, uint32_t n_slots = 4,
-                                                      io::Env& env = *io::Env::posix());
+                                                      io::Env* env = io::Env::posix());
   ~StreamWriter();  // an unfinished writer waits for its writes and closes the file (left on disk)
   StreamWriter(const StreamWriter&) = delete;
   StreamWriter& operator=(const StreamWriter&) = delete;
@@ -88,7 +88,7 @@ class StreamWriter {
 // bytes that all read as zero (ftruncate: sparse where the file system allows it), fdatasynced and
 // closed: the file that RangeWriters, one per range and possibly in other processes, then fill in
 // place. Opened through `env` (Env::open_file); errors name the path and errno.
-Status create_sized_file(const std::string& path, uint64_t size_bytes, io::Env& env = *io::Env::posix());
+Status create_sized_file(const std::string& path, uint64_t size_bytes, io::Env* env = io::Env::posix());
 
 // What a RangeWriter wrote: its range [begin_bytes, end_bytes) of the file and the CRC-32C of each
 // intersection of that range with a kChecksumChunkBytes-aligned chunk of the file, in file order
@@ -115,7 +115,7 @@ class RangeWriter {
   // allocates more than a few KiB itself.
   static Result<std::unique_ptr<RangeWriter>> create(io::IoEngine& io, const std::string& path, uint64_t begin_bytes,
                                                      uint64_t end_bytes, std::span<std::byte> staging,
-                                                     uint32_t n_slots = 4, io::Env& env = *io::Env::posix());
+                                                     uint32_t n_slots = 4, io::Env* env = io::Env::posix());
   ~RangeWriter();  // an unfinished writer waits for its writes and closes the file
   RangeWriter(const RangeWriter&) = delete;
   RangeWriter& operator=(const RangeWriter&) = delete;
@@ -175,7 +175,7 @@ class ChunkVerifier {
 // kCorruption for a checksum mismatch or a file shorter than the digest; consume's own error stops
 // the read and is returned.
 inline constexpr uint32_t kReadSlots = 4;
-Status read_stream(io::IoEngine& io, io::Env& env, const std::string& path, const FileDigest& digest,
+Status read_stream(io::IoEngine& io, io::Env* env, const std::string& path, const FileDigest& digest,
                    std::span<std::byte> staging, uint64_t from_bytes,
                    const std::function<Status(uint64_t, std::span<const std::byte>)>& consume,
                    const std::function<void(uint64_t)>& on_bytes = {});
@@ -184,7 +184,7 @@ Status read_stream(io::IoEngine& io, io::Env& env, const std::string& path, cons
 // each of them against `digest`, and hands `consume` exactly the bytes in [from_bytes, until_bytes),
 // in order. Nothing is read for an empty range. kInvalidArgument unless from ≤ until ≤ the digest's
 // size; otherwise as read_stream (kCorruption names the chunk; chunks outside are not read).
-Status read_stream_range(io::IoEngine& io, io::Env& env, const std::string& path, const FileDigest& digest,
+Status read_stream_range(io::IoEngine& io, io::Env* env, const std::string& path, const FileDigest& digest,
                          std::span<std::byte> staging, uint64_t from_bytes, uint64_t until_bytes,
                          const std::function<Status(uint64_t, std::span<const std::byte>)>& consume,
                          const std::function<void(uint64_t)>& on_bytes = {});
@@ -197,7 +197,7 @@ Status read_stream_range(io::IoEngine& io, io::Env& env, const std::string& path
 // replaced something. An error before the rename leaves `final_dir` as it was and `tmp` for the
 // caller to remove; an error after it (the parent's fsync) leaves the new contents in place but
 // not yet durable, and is returned all the same.
-Status publish_directory(io::Env& env, const std::string& tmp, const std::string& final_dir, bool* replaced = nullptr);
+Status publish_directory(io::Env* env, const std::string& tmp, const std::string& final_dir, bool* replaced = nullptr);
 
 // The staging buffers checkpoints and exports stream through: at least this many bytes, and a
 // multiple of 4096 (O_DIRECT).

@@ -120,11 +120,11 @@ Status ChunkVerifier::finish() {
 
 namespace {
 
-Status read_checked(io::IoEngine& io, io::Env& env, const std::string& path, const FileDigest& digest,
+Status read_checked(io::IoEngine& io, io::Env* env, const std::string& path, const FileDigest& digest,
                     std::span<std::byte> staging, uint64_t read_begin, uint64_t read_end, uint64_t from_bytes,
                     uint64_t until_bytes, const std::function<Status(uint64_t, std::span<const std::byte>)>& consume,
                     const std::function<void(uint64_t)>& on_bytes) {
-  ZO_ASSIGN_OR_RETURN(io::File file, env.open_file(path, io::OpenMode::kRead, /*direct=*/true));
+  ZO_ASSIGN_OR_RETURN(io::File file, env->open_file(path, io::OpenMode::kRead, /*direct=*/true));
   ChunkVerifier verifier(digest, path, read_begin);
   const uint64_t size = digest.size_bytes;
   // read_begin is a chunk start, so 4096-aligned; read_end a chunk end (aligned) or the file's end.
@@ -176,7 +176,7 @@ Status read_checked(io::IoEngine& io, io::Env& env, const std::string& path, con
   drain();
   if (s.is_ok() && body < read_end) {
     // The tail (less than one 4 KiB block) through the Env: a direct read past the end is short.
-    ZO_ASSIGN_OR_RETURN(std::unique_ptr<io::ReadFile> tail, env.open_read(path, "checkpoint file"));
+    ZO_ASSIGN_OR_RETURN(std::unique_ptr<io::ReadFile> tail, env->open_read(path, "checkpoint file"));
     const uint64_t n = read_end - body;
     ZO_RETURN_IF_ERROR(tail->read_exact(body, staging.first(n)));
     s = feed(body, {staging.data(), n});
@@ -189,7 +189,7 @@ Status read_checked(io::IoEngine& io, io::Env& env, const std::string& path, con
 
 }  // namespace
 
-Status read_stream(io::IoEngine& io, io::Env& env, const std::string& path, const FileDigest& digest,
+Status read_stream(io::IoEngine& io, io::Env* env, const std::string& path, const FileDigest& digest,
                    std::span<std::byte> staging, uint64_t from_bytes,
                    const std::function<Status(uint64_t, std::span<const std::byte>)>& consume,
                    const std::function<void(uint64_t)>& on_bytes) {
@@ -197,7 +197,7 @@ Status read_stream(io::IoEngine& io, io::Env& env, const std::string& path, cons
                       on_bytes);
 }
 
-Status read_stream_range(io::IoEngine& io, io::Env& env, const std::string& path, const FileDigest& digest,
+Status read_stream_range(io::IoEngine& io, io::Env* env, const std::string& path, const FileDigest& digest,
                          std::span<std::byte> staging, uint64_t from_bytes, uint64_t until_bytes,
                          const std::function<Status(uint64_t, std::span<const std::byte>)>& consume,
                          const std::function<void(uint64_t)>& on_bytes) {

@@ -279,12 +279,12 @@ StreamWriter::~StreamWriter() {
 
 Result<std::unique_ptr<StreamWriter>> StreamWriter::create(io::IoEngine& io, const std::string& path,
                                                            std::span<std::byte> staging, uint32_t n_slots,
-                                                           io::Env& env) {
+                                                           io::Env* env) {
   ZO_RETURN_IF_ERROR(detail::SlotWriter::check_staging(path, staging, n_slots));
-  ZO_ASSIGN_OR_RETURN(const io::PathKind kind, env.path_kind(path));
+  ZO_ASSIGN_OR_RETURN(const io::PathKind kind, env->path_kind(path));
   if (kind != io::PathKind::kMissing) return Status(StatusCode::kAlreadyExists, path + " already exists");
   auto impl = std::make_unique<detail::SlotWriter>();
-  ZO_ASSIGN_OR_RETURN(impl->file, env.open_file(path, io::OpenMode::kCreate, /*direct=*/true));
+  ZO_ASSIGN_OR_RETURN(impl->file, env->open_file(path, io::OpenMode::kCreate, /*direct=*/true));
   impl->init(io, path, staging, n_slots);
   return std::unique_ptr<StreamWriter>(new StreamWriter(std::move(impl)));
 }
@@ -308,8 +308,8 @@ Result<FileDigest> StreamWriter::finish() {
   return digest;
 }
 
-Status create_sized_file(const std::string& path, uint64_t size_bytes, io::Env& env) {
-  ZO_ASSIGN_OR_RETURN(io::File file, env.open_file(path, io::OpenMode::kCreateNew, /*direct=*/false));
+Status create_sized_file(const std::string& path, uint64_t size_bytes, io::Env* env) {
+  ZO_ASSIGN_OR_RETURN(io::File file, env->open_file(path, io::OpenMode::kCreateNew, /*direct=*/false));
   Status s = file.truncate(size_bytes);
   if (s.is_ok()) s = file.sync();
   Status closed = file.close();
@@ -324,19 +324,19 @@ RangeWriter::~RangeWriter() {
 
 Result<std::unique_ptr<RangeWriter>> RangeWriter::create(io::IoEngine& io, const std::string& path,
                                                          uint64_t begin_bytes, uint64_t end_bytes,
-                                                         std::span<std::byte> staging, uint32_t n_slots, io::Env& env) {
+                                                         std::span<std::byte> staging, uint32_t n_slots, io::Env* env) {
   ZO_RETURN_IF_ERROR(detail::SlotWriter::check_staging(path, staging, n_slots));
   const std::string range = "[" + std::to_string(begin_bytes) + ", " + std::to_string(end_bytes) + ")";
   if (begin_bytes > end_bytes)
     return invalid_argument("range writer for " + path + ": the range " + range + " is reversed");
   auto impl = std::make_unique<detail::SlotWriter>();
-  ZO_ASSIGN_OR_RETURN(impl->file, env.open_file(path, io::OpenMode::kReadWrite, /*direct=*/true));
+  ZO_ASSIGN_OR_RETURN(impl->file, env->open_file(path, io::OpenMode::kReadWrite, /*direct=*/true));
   ZO_ASSIGN_OR_RETURN(const uint64_t size, impl->file.size_bytes());
   if (size < end_bytes) {
     return invalid_argument("range writer for " + path + ": the range " + range + " ends past the file's " +
                             std::to_string(size) + " bytes");
   }
-  ZO_ASSIGN_OR_RETURN(impl->edge_file, env.open_file(path, io::OpenMode::kReadWrite, /*direct=*/false));
+  ZO_ASSIGN_OR_RETURN(impl->edge_file, env->open_file(path, io::OpenMode::kReadWrite, /*direct=*/false));
   impl->init(io, path, staging, n_slots);
   impl->range_begin = begin_bytes;
   impl->range_end = end_bytes;
@@ -371,16 +371,16 @@ Result<RangeDigest> RangeWriter::finish() {
   return RangeDigest{w.range_begin, w.range_end, std::move(w.crcs)};
 }
 
-Status publish_directory(io::Env& env, const std::string& tmp, const std::string& final_dir, bool* replaced) {
+Status publish_directory(io::Env* env, const std::string& tmp, const std::string& final_dir, bool* replaced) {
   bool exchanged = false;
-  ZO_RETURN_IF_ERROR(env.rename_or_exchange(tmp, final_dir, &exchanged));
+  ZO_RETURN_IF_ERROR(env->rename_or_exchange(tmp, final_dir, &exchanged));
   if (replaced != nullptr) *replaced = exchanged;
   const std::string parent = std::filesystem::path(final_dir).lexically_normal().parent_path().string();
-  ZO_RETURN_IF_ERROR(env.sync_dir(parent.empty() ? "." : parent));
+  ZO_RETURN_IF_ERROR(env->sync_dir(parent.empty() ? "." : parent));
   if (exchanged) {
     // What was replaced, now at the tmp name: gone for good (or, if this fails, by whoever cleans
     // the tmp names; it is no longer reachable under final_dir either way).
-    Status rm = env.remove_all(tmp);
+    Status rm = env->remove_all(tmp);
     if (!rm.is_ok())
       ZO_LOG(kWarn) << "could not remove the replaced " << final_dir << " at " << tmp << ": " << rm.to_string();
   }

@@ -100,7 +100,7 @@ Status StateStore::Impl::allocate_states() {
 }
 
 Status StateStore::Impl::create_swap_files() {
-  io::Env* env = options.env != nullptr ? options.env : io::Env::posix();
+  io::Env* env = options.env;
   const uint32_t n_groups = plan.n_sub_groups;
   bool optimizer_nvme = false, param_nvme = false;
   for (uint32_t g = 0; g < n_groups; ++g) {

@@ -24,6 +24,7 @@
 #include "engine/memory/pinned_pool.h"
 #include "engine/memory/swap_file.h"
 #include "gpu/device.h"
+#include "io/env.h"
 #include "io/io_engine.h"
 
 namespace zo::engine {
@@ -48,9 +49,9 @@ struct StateStoreOptions {
   // Called with each swap file's path once this process holds it, before the file is sized and
   // filled (SwapFile::create's `claimed`): a stop signal's handler may remove it from then on.
   std::function<void(const std::string&)> on_swap_file;
-  // The swap files are created, opened and removed through this Env (null: io::Env::posix()); it
-  // must outlive the store. Tests pass an io::FaultyEnv.
-  io::Env* env = nullptr;
+  // The swap files are created, opened and removed through this Env; it must outlive the store.
+  // Tests pass an io::FaultyEnv.
+  io::Env* env = io::Env::posix();
 };
 
 // Where one state of one sub-group lives. Exactly one of the three is set, per `tier`, unless the

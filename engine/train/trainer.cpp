@@ -138,12 +138,12 @@ Status Trainer::Impl::find_resume() {
           "checkpoint's path instead");
     where = checkpoint_dir;
   }
-  auto path = resolve_checkpoint(where, *env());
+  auto path = resolve_checkpoint(where, env());
   // A --resume that names no checkpoint is bad input, like a bad --model.
   if (!path.is_ok() && path.status().code() == StatusCode::kNotFound)
     return invalid_argument("--resume: " + path.status().message());
   if (!path.is_ok()) return path.status();
-  ZO_ASSIGN_OR_RETURN(CheckpointInfo info, open_checkpoint(*path, *env()));
+  ZO_ASSIGN_OR_RETURN(CheckpointInfo info, open_checkpoint(*path, env()));
   resume = std::move(info);
   return Status::ok();
 }
@@ -227,7 +227,7 @@ Status Trainer::Impl::create_states() {
   for (const FileDigest& f : resume->manifest.files) largest = std::max(largest, f.size_bytes);
   ZO_ASSIGN_OR_RETURN(AlignedBuffer staging, AlignedBuffer::allocate(staging_bytes_for(
                                                  config.zoffload.checkpoint.staging_buffer_size, largest)));
-  return load_checkpoint(*resume, *store, *io, staging.bytes(), *env());
+  return load_checkpoint(*resume, *store, *io, staging.bytes(), env());
 }
 
 Status Trainer::Impl::create_step_pipeline() {
@@ -431,7 +431,6 @@ Trainer::Trainer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Trainer::~Trainer() = default;
 
 Result<std::shared_ptr<io::File>> lock_run_dir(const std::string& out_dir_or_empty, io::Env* env) {
-  if (env == nullptr) env = io::Env::posix();
   const std::string out_dir = out_dir_or_empty.empty() ? "." : out_dir_or_empty;
   ZO_RETURN_IF_ERROR(env->make_dirs(out_dir).with_context("creating the run directory " + out_dir));
   const std::string path = out_dir + "/.zoffload.lock";
@@ -559,7 +558,7 @@ Result<SaveResult> Trainer::save_checkpoint(const std::function<void(uint64_t, u
 Result<ExportResult> Trainer::export_model(const ExportOptions& options) {
   Impl& m = *impl_;
   ExportOptions o = options;
-  if (o.env == nullptr) o.env = m.env();
+  o.env = m.env();  // the run's own: io_faults reach the export too
   const std::string config_json = to_hf_config_json(m.model, torch_dtype_name(options.dtype));
   if (!m.plan.partition_params) return export_store(*m.store, config_json, *m.io, o);
   dist::ProcessGroup* group = m.opt.group;

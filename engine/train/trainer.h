@@ -21,6 +21,7 @@
 #include "engine/memory/accounting.h"
 #include "engine/model/model_config.h"
 #include "engine/train/step_metrics.h"
+#include "io/env.h"
 #include "io/fault_injector.h"
 #include "io/file.h"
 
@@ -74,7 +75,7 @@ struct TrainOptions {
 // kFailedPrecondition "run directory OUT is in use by another zoffload run ..." when another
 // process (or another lock in this one) holds it. On a file system without flock the run is not
 // refused: a warning says it is unguarded.
-Result<std::shared_ptr<io::File>> lock_run_dir(const std::string& out_dir, io::Env* env = nullptr);
+Result<std::shared_ptr<io::File>> lock_run_dir(const std::string& out_dir, io::Env* env = io::Env::posix());
 
 // Tunes glibc's allocator for LibTorch's CPU kernels (Note [Host compute] in trainer.cpp): freed
 // activation buffers stay in the heap instead of being unmapped and faulted in again, which was ~40%

@@ -613,7 +613,7 @@ TEST(Checkpoint, ReadFaultsNameTheFileAndNeverLoadSilently) {
   io::FaultyEnv env(io::Env::posix(), rig.faults);
   for (const char* name : {"latest"}) {
     rig.faults->add({.kind = io::FaultKind::kEio, .op = io::IoOp::kRead, .path_contains = std::string("/") + name});
-    Status s = resolve_checkpoint(ckpt, env).status();
+    Status s = resolve_checkpoint(ckpt, &env).status();
     EXPECT_EQ(s.code(), StatusCode::kIoError) << s.to_string();
     EXPECT_THAT(s.message(), HasSubstr("reading " + ckpt + "/" + name + " at offset 0"));
     rig.faults->clear();
@@ -622,13 +622,13 @@ TEST(Checkpoint, ReadFaultsNameTheFileAndNeverLoadSilently) {
     SCOPED_TRACE(name);
     const uint64_t before = rig.faults->injected();
     rig.faults->add({.kind = io::FaultKind::kEio, .op = io::IoOp::kRead, .path_contains = std::string("/") + name});
-    Status s = open_checkpoint(step, env).status();
+    Status s = open_checkpoint(step, &env).status();
     EXPECT_EQ(s.code(), StatusCode::kIoError) << s.to_string();
     EXPECT_THAT(s.message(), HasSubstr(step + "/" + name));
     EXPECT_EQ(rig.faults->injected() - before, 1u);
     rig.faults->clear();
   }
-  auto info = open_checkpoint(step, env);
+  auto info = open_checkpoint(step, &env);
   ASSERT_TRUE(info.is_ok()) << info.status().to_string();
   const uint64_t injected_before = rig.faults->injected();
   for (StateKind kind : kSavedStates) {
@@ -641,7 +641,7 @@ TEST(Checkpoint, ReadFaultsNameTheFileAndNeverLoadSilently) {
                      .op = io::IoOp::kRead,
                      .path_contains = "/" + name,
                      .offset_bytes = f->size_bytes - 1});
-    Status v = verify_checkpoint(*info, *rig.io, b.staging.bytes(), {}, env);
+    Status v = verify_checkpoint(*info, *rig.io, b.staging.bytes(), {}, &env);
     EXPECT_EQ(v.code(), StatusCode::kIoError) << v.to_string();
     EXPECT_THAT(v.message(), HasSubstr(step + "/" + name));
     rig.faults->add({.kind = io::FaultKind::kEio,
@@ -650,7 +650,7 @@ TEST(Checkpoint, ReadFaultsNameTheFileAndNeverLoadSilently) {
                      .offset_bytes = f->size_bytes - 1});
     Rig dst;
     ASSERT_TRUE(dst.init({.optimizer = "cpu"}, dir.path + "/swap-" + name).is_ok());
-    Status l = load_checkpoint(*info, *dst.store, *rig.io, b.staging.bytes(), env);
+    Status l = load_checkpoint(*info, *dst.store, *rig.io, b.staging.bytes(), &env);
     EXPECT_EQ(l.code(), StatusCode::kIoError) << l.to_string();
     EXPECT_THAT(l.message(), HasSubstr(step + "/" + name));
     rig.faults->clear();
@@ -670,22 +670,22 @@ TEST(Checkpoint, AFaultOpeningAStateFileFailsVerifyAndLoadNamingIt) {
   ASSERT_TRUE(save_checkpoint(*rig.store, state_at(1), "{}", save_options(ckpt)).is_ok());
   const std::string step = ckpt + "/step-1";
   io::FaultyEnv env(io::Env::posix(), rig.faults);
-  auto info = open_checkpoint(step, env);
+  auto info = open_checkpoint(step, &env);
   ASSERT_TRUE(info.is_ok()) << info.status().to_string();
   const std::string victim = step + "/" + state_file_name(StateKind::kExpAvgSq);
   Buffers b;
   rig.faults->add({.kind = io::FaultKind::kEio, .op = io::IoOp::kOpen, .path_contains = victim});
-  Status v = verify_checkpoint(*info, *rig.io, b.staging.bytes(), {}, env);
+  Status v = verify_checkpoint(*info, *rig.io, b.staging.bytes(), {}, &env);
   EXPECT_EQ(v.code(), StatusCode::kIoError) << v.to_string();
   EXPECT_THAT(v.message(), HasSubstr("open " + victim + " (injected)"));
   rig.faults->add({.kind = io::FaultKind::kEio, .op = io::IoOp::kOpen, .path_contains = victim});
   Rig dst;
   ASSERT_TRUE(dst.init({.optimizer = "cpu"}, dir.path + "/swap-dst").is_ok());
-  Status l = load_checkpoint(*info, *dst.store, *rig.io, b.staging.bytes(), env);
+  Status l = load_checkpoint(*info, *dst.store, *rig.io, b.staging.bytes(), &env);
   EXPECT_EQ(l.code(), StatusCode::kIoError) << l.to_string();
   EXPECT_THAT(l.message(), HasSubstr("open " + victim + " (injected)"));
   EXPECT_EQ(rig.faults->injected(), 2u);
-  EXPECT_TRUE(verify_checkpoint(*info, *rig.io, b.staging.bytes(), {}, env).is_ok()) << "the rules are used up";
+  EXPECT_TRUE(verify_checkpoint(*info, *rig.io, b.staging.bytes(), {}, &env).is_ok()) << "the rules are used up";
 }
 
 TEST(Checkpoint, RefusesBadOptionsAndATornStore) {

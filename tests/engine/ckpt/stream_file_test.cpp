@@ -406,24 +406,24 @@ TEST(StreamFiles, AFaultOpeningAFileIsReportedWithThePath) {
   };
   const std::string streamed = dir.path + "/master.safetensors";
   faults->add({.kind = io::FaultKind::kEio, .op = io::IoOp::kOpen, .path_contains = "master"});
-  expect_refused(StreamWriter::create(**io, streamed, staging->bytes(), 4, env).status(), streamed);
+  expect_refused(StreamWriter::create(**io, streamed, staging->bytes(), 4, &env).status(), streamed);
   EXPECT_FALSE(std::filesystem::exists(streamed));
 
   const std::string sized = dir.path + "/exp_avg.safetensors";
   faults->add({.kind = io::FaultKind::kEio, .op = io::IoOp::kOpen, .path_contains = "exp_avg"});
-  expect_refused(create_sized_file(sized, 20000, env), sized);
+  expect_refused(create_sized_file(sized, 20000, &env), sized);
   EXPECT_FALSE(std::filesystem::exists(sized));
-  ASSERT_TRUE(create_sized_file(sized, 20000, env).is_ok()) << "the rule is used up";
+  ASSERT_TRUE(create_sized_file(sized, 20000, &env).is_ok()) << "the rule is used up";
   faults->add({.kind = io::FaultKind::kEio, .op = io::IoOp::kOpen, .path_contains = "exp_avg", .skip = 1});
-  expect_refused(RangeWriter::create(**io, sized, 100, 9000, staging->bytes(), 4, env).status(), sized);
+  expect_refused(RangeWriter::create(**io, sized, 100, 9000, staging->bytes(), 4, &env).status(), sized);
 
-  auto w = StreamWriter::create(**io, streamed, staging->bytes(), 4, env);
+  auto w = StreamWriter::create(**io, streamed, staging->bytes(), 4, &env);
   ASSERT_TRUE(w.is_ok()) << w.status().to_string();
   ASSERT_TRUE((*w)->append(random_bytes(10000, 3)).is_ok());
   auto digest = (*w)->finish();
   ASSERT_TRUE(digest.is_ok()) << digest.status().to_string();
   faults->add({.kind = io::FaultKind::kEio, .op = io::IoOp::kOpen, .path_contains = "master"});
-  expect_refused(read_stream(**io, env, streamed, *digest, staging->bytes(), 0,
+  expect_refused(read_stream(**io, &env, streamed, *digest, staging->bytes(), 0,
                              [](uint64_t, std::span<const std::byte>) { return Status::ok(); }),
                  streamed);
   EXPECT_EQ(faults->injected(), 4u);
@@ -465,7 +465,7 @@ TEST(ReadStreamRange, ChecksOnlyTheChunksItReadsAndConsumesExactlyTheRange) {
     uint64_t next = from;
     *read_bytes = 0;
     Status s = read_stream_range(
-        **io, *io::Env::posix(), path, digest, staging->bytes(), from, until,
+        **io, io::Env::posix(), path, digest, staging->bytes(), from, until,
         [&](uint64_t offset, std::span<const std::byte> bytes) -> Status {
           if (offset != next || bytes.empty() || offset + bytes.size() > until ||
               std::memcmp(bytes.data(), data.data() + offset, bytes.size()) != 0) {
@@ -507,11 +507,11 @@ TEST(ReadStreamRange, ChecksOnlyTheChunksItReadsAndConsumesExactlyTheRange) {
   EXPECT_EQ(bad.code(), StatusCode::kCorruption);
   EXPECT_THAT(bad.message(), HasSubstr("chunk 2"));
   EXPECT_THAT(bad.message(), HasSubstr(path));
-  Status whole = read_stream(**io, *io::Env::posix(), path, digest, staging->bytes(), 0,
+  Status whole = read_stream(**io, io::Env::posix(), path, digest, staging->bytes(), 0,
                              [](uint64_t, std::span<const std::byte>) { return Status::ok(); });
   EXPECT_EQ(whole.code(), StatusCode::kCorruption);
   // read_stream with from_bytes at the end still verifies the whole file (verify_checkpoint's use).
-  Status verify = read_stream(**io, *io::Env::posix(), path, digest, staging->bytes(), size,
+  Status verify = read_stream(**io, io::Env::posix(), path, digest, staging->bytes(), size,
                               [](uint64_t, std::span<const std::byte>) { return Status::ok(); });
   EXPECT_EQ(verify.code(), StatusCode::kCorruption);
 }
