@@ -284,17 +284,29 @@ Status StateStore::write_state(uint32_t sub_group, StateKind kind, std::span<con
                        [in](std::byte* dst, uint64_t rel, uint64_t n) { std::memcpy(dst, in.data() + rel, n); });
 }
 
+namespace {
+
+// The byte range [offset_bytes, offset_bytes + size) of one state of one sub-group, or
+// kInvalidArgument naming the call (`what`) and the range.
+Status check_state_range(const StateStore& store, uint32_t n_sub_groups, const char* what, uint32_t sub_group,
+                         StateKind kind, uint64_t offset_bytes, uint64_t size) {
+  if (sub_group < n_sub_groups && offset_bytes <= store.state_bytes(sub_group, kind) &&
+      size <= store.state_bytes(sub_group, kind) - offset_bytes)
+    return Status::ok();
+  return invalid_argument(std::string(what) + ": sub-group " + std::to_string(sub_group) + " " +
+                          std::string(state_name(kind)) + ": bad sub-group or range at " +
+                          std::to_string(offset_bytes) + " + " + std::to_string(size));
+}
+
+}  // namespace
+
 Status StateStore::read_state_range(uint32_t sub_group, StateKind kind, uint64_t offset_bytes,
                                     std::span<std::byte> out) {
   Impl& s = *impl_;
   std::lock_guard<std::recursive_mutex> transfer(s.transfer_mu);
   ZO_RETURN_IF_ERROR(s.check_held(sub_group, kind, "read_state_range"));
-  if (sub_group >= s.plan.n_sub_groups || offset_bytes > state_bytes(sub_group, kind) ||
-      out.size() > state_bytes(sub_group, kind) - offset_bytes) {
-    return invalid_argument("read_state_range: sub-group " + std::to_string(sub_group) + " " +
-                            std::string(state_name(kind)) + ": bad sub-group or range at " +
-                            std::to_string(offset_bytes) + " + " + std::to_string(out.size()));
-  }
+  ZO_RETURN_IF_ERROR(
+      check_state_range(*this, s.plan.n_sub_groups, "read_state_range", sub_group, kind, offset_bytes, out.size()));
   uint64_t direct = 0;
   if (s.locations[sub_group][static_cast<int>(kind)].tier == Tier::kNvme && is_aligned(offset_bytes, kSwapAlignment) &&
       is_aligned(reinterpret_cast<uintptr_t>(out.data()), kSwapAlignment)) {
@@ -313,12 +325,8 @@ Result<StateStore::PendingRead> StateStore::read_state_range_async(uint32_t sub_
   Impl& s = *impl_;
   std::lock_guard<std::recursive_mutex> transfer(s.transfer_mu);
   ZO_RETURN_IF_ERROR(s.check_held(sub_group, kind, "read_state_range_async"));
-  if (sub_group >= s.plan.n_sub_groups || offset_bytes > state_bytes(sub_group, kind) ||
-      out.size() > state_bytes(sub_group, kind) - offset_bytes) {
-    return invalid_argument("read_state_range_async: sub-group " + std::to_string(sub_group) + " " +
-                            std::string(state_name(kind)) + ": bad sub-group or range at " +
-                            std::to_string(offset_bytes) + " + " + std::to_string(out.size()));
-  }
+  ZO_RETURN_IF_ERROR(check_state_range(*this, s.plan.n_sub_groups, "read_state_range_async", sub_group, kind,
+                                       offset_bytes, out.size()));
   PendingRead pending;
   const StateLocation& loc = s.locations[sub_group][static_cast<int>(kind)];
   if (loc.tier != Tier::kNvme || !is_aligned(offset_bytes, kSwapAlignment) ||
@@ -383,12 +391,8 @@ Status StateStore::write_state_range(uint32_t sub_group, StateKind kind, uint64_
   Impl& s = *impl_;
   std::lock_guard<std::recursive_mutex> transfer(s.transfer_mu);
   ZO_RETURN_IF_ERROR(s.check_held(sub_group, kind, "write_state_range"));
-  if (sub_group >= s.plan.n_sub_groups || offset_bytes > state_bytes(sub_group, kind) ||
-      in.size() > state_bytes(sub_group, kind) - offset_bytes) {
-    return invalid_argument("write_state_range: sub-group " + std::to_string(sub_group) + " " +
-                            std::string(state_name(kind)) + ": bad sub-group or range at " +
-                            std::to_string(offset_bytes) + " + " + std::to_string(in.size()));
-  }
+  ZO_RETURN_IF_ERROR(
+      check_state_range(*this, s.plan.n_sub_groups, "write_state_range", sub_group, kind, offset_bytes, in.size()));
   // Whole 4 KiB blocks go from `in` straight to the swap file when nothing below them is a hole.
   const int k = static_cast<int>(kind);
   const StateLocation& loc = s.locations[sub_group][k];
