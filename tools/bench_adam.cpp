@@ -44,7 +44,7 @@ using cpu_optim::ElemSpan;
 using cpu_optim::Executor;
 using cpu_optim::Isa;
 
-struct Args {
+struct AdamArgs {
   std::string params = "2e8";
   std::string optimizer = "adamw";
   std::string grad_dtype = "fp32";
@@ -101,7 +101,7 @@ bool same_or_both_nan(float a, float b) {
 
 // Correctness first: three steps on a slice (with denormals, ±inf, NaN and ±0 planted) with the
 // timed path and with the scalar path; every output must match bit for bit (NaN payloads aside).
-Status check_against_scalar(const Args& a, const Hyper& h, DType gdt, bool has_copy, DType cdt, const Executor& ex,
+Status check_against_scalar(const AdamArgs& a, const Hyper& h, DType gdt, bool has_copy, DType cdt, const Executor& ex,
                             size_t n_check, std::string* summary) {
   ZO_ASSIGN_OR_RETURN(auto scalar, Executor::create({.n_threads = ex.n_threads(), .isa = Isa::kScalar}));
   const size_t gs = cpu_optim::dtype_size_bytes(gdt), cs = cpu_optim::dtype_size_bytes(cdt);
@@ -169,7 +169,7 @@ struct TorchCheck {
 // cpu_optim (on the timed path) from the same parameters and gradients (the grads as the timed run
 // hands them to each: grad dtype ×1024 unscaled in the pass for cpu_optim, the same values in fp32
 // for torch), then the relative L2 error of each state vs cpu_optim's. Fails above `tolerance`.
-Result<TorchCheck> check_torch_fused(const Args& a, const Hyper& h, DType gdt, const Executor& ex, size_t n_check) {
+Result<TorchCheck> check_torch_fused(const AdamArgs& a, const Hyper& h, DType gdt, const Executor& ex, size_t n_check) {
   TorchCheck c;
   c.n = n_check;
   const bool uses_m = a.optimizer != "adagrad";
@@ -212,7 +212,7 @@ Result<TorchCheck> check_torch_fused(const Args& a, const Hyper& h, DType gdt, c
 }
 #endif
 
-int run_bench(const Args& a) {
+int run_adam_bench(const AdamArgs& a) {
   auto usage = [](const std::string& msg) {
     std::fprintf(stderr, "zoffload-bench adam: %s\n", msg.c_str());
     return 2;
@@ -527,7 +527,7 @@ int run_bench(const Args& a) {
 }  // namespace
 
 void register_bench_adam(CLI::App& app, int* exit_code) {
-  auto args = std::make_shared<Args>();
+  auto args = std::make_shared<AdamArgs>();
   CLI::App* cmd = app.add_subcommand(
       "adam",
       "CPU optimizer step (cpu_optim): params/s and effective GB/s, checked against the scalar path, "
@@ -548,7 +548,7 @@ void register_bench_adam(CLI::App& app, int* exit_code) {
                 "also time torch::optim's per-tensor loop (torch::optim::AdamW etc.), after the rounds; "
                 "the ratio stays against the fused kernel");
   cmd->add_flag("--json", args->json, "print machine-readable results on stdout");
-  cmd->callback([args, exit_code] { *exit_code = run_bench(*args); });
+  cmd->callback([args, exit_code] { *exit_code = run_adam_bench(*args); });
 }
 
 }  // namespace zo::tools

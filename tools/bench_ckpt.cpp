@@ -29,6 +29,7 @@
 #include "gpu/device.h"
 #include "io/env.h"
 #include "io/io_engine.h"
+#include "tools/bench_util.h"
 #include "tools/commands.h"
 
 namespace zo::tools {
@@ -37,7 +38,7 @@ namespace {
 namespace fs = std::filesystem;
 using engine::StateKind;
 
-struct Args {
+struct CkptArgs {
   std::string params = "5e8";
   std::string nvme_path;
   std::string sub_group_size = "2.5e7";
@@ -48,8 +49,6 @@ struct Args {
 
 using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
-double gbps(uint64_t bytes, double s) { return s > 0 ? static_cast<double>(bytes) / s / 1e9 : 0.0; }
-
 // The baseline: `bytes` written front to back into a new file in `dir` by the same engine, from a
 // buffer of the staging size cut into 4 slots with all 4 in flight — the save's write pattern
 // without the reads that feed it.
@@ -147,7 +146,7 @@ float fill_value(uint64_t i, StateKind kind) {
   return static_cast<float>(i % 1000003) * 1e-6f + static_cast<float>(kind);
 }
 
-int run_bench(const Args& a) {
+int run_ckpt_bench(const CkptArgs& a) {
   auto usage = [](const std::string& msg) {
     std::fprintf(stderr, "zoffload-bench ckpt: %s\n", msg.c_str());
     return 2;
@@ -368,7 +367,7 @@ int run_bench(const Args& a) {
 }  // namespace
 
 void register_bench_ckpt(CLI::App& app, int* exit_code) {
-  auto args = std::make_shared<Args>();
+  auto args = std::make_shared<CkptArgs>();
   CLI::App* cmd = app.add_subcommand(
       "ckpt",
       "Checkpoint throughput with the optimizer on NVMe: save (swap files -> staging -> checkpoint files), verify,\n"
@@ -382,7 +381,7 @@ void register_bench_ckpt(CLI::App& app, int* exit_code) {
   cmd->add_option("--param-elems", args->param_elems, "elements per synthetic parameter tensor")->capture_default_str();
   cmd->add_option("--staging", args->staging, "zoffload.checkpoint.staging_buffer_size")->capture_default_str();
   cmd->add_flag("--json", args->json, "print machine-readable results on stdout");
-  cmd->callback([args, exit_code] { *exit_code = run_bench(*args); });
+  cmd->callback([args, exit_code] { *exit_code = run_ckpt_bench(*args); });
 }
 
 }  // namespace zo::tools

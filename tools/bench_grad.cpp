@@ -35,7 +35,7 @@ using cpu_optim::DType;
 using cpu_optim::Executor;
 using cpu_optim::Isa;
 
-struct Args {
+struct GradArgs {
   std::string elems = "2e8";
   std::string acc_dtype = "fp32";
   std::string grad_dtype = "bf16";
@@ -47,16 +47,6 @@ struct Args {
 };
 
 constexpr double kTarget = 0.85;  // the ratio to the roofline at which a kernel counts as running at memory speed
-
-int usage(const std::string& msg) {
-  std::fprintf(stderr, "zoffload-bench grad: %s\n", msg.c_str());
-  return 2;
-}
-
-int failure(const std::string& msg) {
-  std::fprintf(stderr, "zoffload-bench grad: %s\n", msg.c_str());
-  return 1;
-}
 
 // The timed path against the scalar path on the first `n` elements: the same accumulator bits
 // (NaN patterns compared as NaN) and the same norm.
@@ -85,7 +75,15 @@ Status check_against_scalar(DType acc_dtype, DType grad_dtype, const Executor& e
   return Status::ok();
 }
 
-int run_bench(const Args& a) {
+int run_grad_bench(const GradArgs& a) {
+  auto usage = [](const std::string& msg) {
+    std::fprintf(stderr, "zoffload-bench grad: %s\n", msg.c_str());
+    return 2;
+  };
+  auto failure = [](const std::string& msg) {
+    std::fprintf(stderr, "zoffload-bench grad: %s\n", msg.c_str());
+    return 1;
+  };
   const Result<uint64_t> n_r = parse_count(a.elems);
   if (!n_r.is_ok() || *n_r == 0) return usage("--elems: expected a positive count such as 2e8, got '" + a.elems + "'");
   const size_t n = *n_r;
@@ -236,7 +234,7 @@ int run_bench(const Args& a) {
 }  // namespace
 
 void register_bench_grad(CLI::App& app, int* exit_code) {
-  auto args = std::make_shared<Args>();
+  auto args = std::make_shared<GradArgs>();
   CLI::App* cmd = app.add_subcommand(
       "grad",
       "Gradient accumulation kernels (cpu_optim::accumulate and squared_norm): GB/s, checked against the "
@@ -254,7 +252,7 @@ void register_bench_grad(CLI::App& app, int* exit_code) {
   cmd->add_option("--repeats", args->repeats, "timed rounds; medians are reported")->capture_default_str();
   cmd->add_flag("--bind-cores", args->bind_cores, "pin the threads to cores (hwloc)");
   cmd->add_flag("--json", args->json, "print machine-readable results on stdout");
-  cmd->callback([args, exit_code] { *exit_code = run_bench(*args); });
+  cmd->callback([args, exit_code] { *exit_code = run_grad_bench(*args); });
 }
 
 }  // namespace zo::tools

@@ -46,7 +46,7 @@ using io::IoOp;
 using io::IoOptions;
 using io::IoRequest;
 
-struct Args {
+struct IoArgs {
   std::string path;
   std::string size = "1GiB";
   std::string backend = "auto";
@@ -77,7 +77,7 @@ struct Plan {
   int runs = 1;
 };
 
-struct Row {
+struct IoRow {
   IoOptions options;
   std::vector<double> write_gbps, read_gbps;  // one per run
   std::vector<double> write_cpu, read_cpu;    // process CPU time / wall time, percent, one per run
@@ -91,7 +91,7 @@ void on_signal(int sig) {
   std::raise(sig);
 }
 
-Result<Plan> make_plan(const Args& a) {
+Result<Plan> make_plan(const IoArgs& a) {
   Plan p;
   p.dir = a.path;
   struct stat st {};
@@ -304,12 +304,12 @@ std::string fmt(double gbps) {
   return buf;
 }
 
-double score(const Row& r, const Plan& p) {
+double score(const IoRow& r, const Plan& p) {
   if (p.do_read && p.do_write) return (median(r.read_gbps) + median(r.write_gbps)) / 2;
   return p.do_read ? median(r.read_gbps) : median(r.write_gbps);
 }
 
-int run_bench(const Args& args) {
+int run_io_bench(const IoArgs& args) {
   auto plan_or = make_plan(args);
   if (!plan_or.is_ok()) {
     std::fprintf(stderr, "zoffload-bench io: %s\n", plan_or.status().message().c_str());
@@ -431,7 +431,7 @@ int run_bench(const Args& args) {
                  plan.do_read ? (" read " + fmt(median(base_read)) + " GB/s").c_str() : "");
 
   // The sweep.
-  std::vector<Row> rows;
+  std::vector<IoRow> rows;
   const size_t n_combos = backends.size() * plan.block_sizes.size() * plan.queue_depths.size() * plan.threads.size();
   size_t combo = 0;
   for (Backend b : backends)
@@ -439,7 +439,7 @@ int run_bench(const Args& args) {
       for (uint32_t qd : plan.queue_depths)
         for (uint32_t th : plan.threads) {
           ++combo;
-          Row row;
+          IoRow row;
           row.options.backend = b;
           row.options.block_size_bytes = bs;
           row.options.queue_depth = qd;
@@ -487,10 +487,10 @@ int run_bench(const Args& args) {
           rows.push_back(std::move(row));
         }
 
-  const Row* best = &rows.front();
-  const Row* best_write = &rows.front();
-  const Row* best_read = &rows.front();
-  for (const Row& r : rows) {
+  const IoRow* best = &rows.front();
+  const IoRow* best_write = &rows.front();
+  const IoRow* best_read = &rows.front();
+  for (const IoRow& r : rows) {
     if (score(r, plan) > score(*best, plan)) best = &r;
     if (median(r.write_gbps) > median(best_write->write_gbps)) best_write = &r;
     if (median(r.read_gbps) > median(best_read->read_gbps)) best_read = &r;
@@ -528,7 +528,7 @@ int run_bench(const Args& args) {
     if (plan.do_write && !base_write.empty()) j["baseline"]["write_gbps"] = median(base_write);
     if (plan.do_read && !base_read.empty()) j["baseline"]["read_gbps"] = median(base_read);
     j["skipped"] = skipped;
-    auto row_json = [&](const Row& r) {
+    auto row_json = [&](const IoRow& r) {
       nlohmann::ordered_json o{{"backend", io::backend_name(r.options.backend)},
                                {"block_size", r.options.block_size_bytes},
                                {"queue_depth", r.options.queue_depth},
@@ -548,7 +548,7 @@ int run_bench(const Args& args) {
       return o;
     };
     j["results"] = nlohmann::ordered_json::array();
-    for (const Row& r : rows) j["results"].push_back(row_json(r));
+    for (const IoRow& r : rows) j["results"].push_back(row_json(r));
     j["best"] = row_json(*best);
     j["auto_backend"] = io::backend_name(auto_backend);
     j["best"]["aio"] = {{"block_size", best->options.block_size_bytes},
@@ -565,7 +565,7 @@ int run_bench(const Args& args) {
                 plan.runs, plan.runs == 1 ? "" : "s", thp.c_str());
     std::printf("%-9s %10s %5s %7s %11s %10s %10s %9s\n", "backend", "block", "QD", "threads", "write GB/s",
                 "read GB/s", "write/base", "read/base");
-    for (const Row& r : rows) {
+    for (const IoRow& r : rows) {
       std::printf("%-9s %10s %5u %7u %11s %10s %10s %9s\n", std::string(io::backend_name(r.options.backend)).c_str(),
                   format_bytes(r.options.block_size_bytes).c_str(), r.options.queue_depth, r.options.threads,
                   plan.do_write ? fmt(median(r.write_gbps)).c_str() : "-",
@@ -605,7 +605,7 @@ int run_bench(const Args& args) {
 }  // namespace
 
 void register_bench_io(CLI::App& app, int* exit_code) {
-  auto args = std::make_shared<Args>();
+  auto args = std::make_shared<IoArgs>();
   CLI::App* cmd = app.add_subcommand(
       "io",
       "NVMe/file I/O: sweep backend x block size x queue depth x threads on a preallocated file; "
@@ -632,7 +632,7 @@ void register_bench_io(CLI::App& app, int* exit_code) {
   cmd->add_flag("--no-baseline", args->no_baseline, "skip the QD1 pread/pwrite baseline");
   cmd->add_option("--emit-config", args->emit_config,
                   "write the best settings as the \"aio\" block of this JSON config (merged, other keys kept)");
-  cmd->callback([args, exit_code] { *exit_code = run_bench(*args); });
+  cmd->callback([args, exit_code] { *exit_code = run_io_bench(*args); });
 }
 
 }  // namespace zo::tools

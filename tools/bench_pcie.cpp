@@ -33,7 +33,7 @@ namespace zo::tools {
 
 namespace {
 
-struct Args {
+struct PcieArgs {
   std::string device = "auto";
   std::string sizes = "1MiB,4MiB,16MiB,64MiB,256MiB,1GiB";
   std::string sample_bytes = "256MiB";
@@ -43,16 +43,6 @@ struct Args {
 };
 
 constexpr uint64_t kCheckBytes = 64 * kMiB;  // the round trip's size (or the largest size, if smaller)
-
-int usage(const std::string& msg) {
-  std::fprintf(stderr, "zoffload-bench pcie: %s\n", msg.c_str());
-  return 2;
-}
-
-int failure(const std::string& msg) {
-  std::fprintf(stderr, "zoffload-bench pcie: %s\n", msg.c_str());
-  return 1;
-}
 
 Result<std::vector<uint64_t>> parse_sizes(const std::string& text) {
   ZO_ASSIGN_OR_RETURN(std::vector<uint64_t> out, parse_list<uint64_t>("--sizes", text, parse_size_bytes));
@@ -92,7 +82,7 @@ Status check_round_trip(gpu::Device& dev, gpu::Stream stream, gpu::DevicePtr d, 
   return Status::ok();
 }
 
-struct Row {
+struct PcieRow {
   std::string host;  // "pinned" or "pageable"
   bool h2d = true;
   uint64_t bytes = 0;
@@ -100,9 +90,15 @@ struct Row {
   std::vector<double> zo_s, torch_s;  // seconds per copy, one per round
 };
 
-double gbps(uint64_t bytes, double s) { return s > 0 ? static_cast<double>(bytes) / s / 1e9 : 0.0; }
-
-int run_bench(const Args& a) {
+int run_pcie_bench(const PcieArgs& a) {
+  auto usage = [](const std::string& msg) {
+    std::fprintf(stderr, "zoffload-bench pcie: %s\n", msg.c_str());
+    return 2;
+  };
+  auto failure = [](const std::string& msg) {
+    std::fprintf(stderr, "zoffload-bench pcie: %s\n", msg.c_str());
+    return 1;
+  };
   auto kind = gpu::parse_device_kind(a.device);
   if (!kind.is_ok()) return usage("--device: " + kind.status().message());
   auto sizes_r = parse_sizes(a.sizes);
@@ -151,7 +147,7 @@ int run_bench(const Args& a) {
   // 1. Correctness first, then the rounds, host memory kind by kind (the torch buffers of one at a time).
   const uint64_t check_bytes = std::min(max_bytes, kCheckBytes);
   std::vector<std::string> checks;
-  std::vector<Row> rows;
+  std::vector<PcieRow> rows;
   for (const bool use_pinned : {true, false}) {
     const char* host_name = use_pinned ? "pinned" : "pageable";
     std::byte* host = use_pinned ? pinned.get() : pageable.data();
@@ -170,7 +166,7 @@ int run_bench(const Args& a) {
 #endif
     for (const uint64_t bytes : sizes) {
       for (const bool h2d : {true, false}) {
-        Row row{.host = host_name, .h2d = h2d, .bytes = bytes};
+        PcieRow row{.host = host_name, .h2d = h2d, .bytes = bytes};
         row.copies = static_cast<int>(std::min<uint64_t>(1024, std::max<uint64_t>(1, (*sample_r + bytes - 1) / bytes)));
         // A warm-up of each, then the rounds, the two alternating.
         for (int r = -1; r < a.repeats; ++r) {
@@ -206,7 +202,7 @@ int run_bench(const Args& a) {
     j["baseline"] = baseline;
     j["check"] = check_summary;
     nlohmann::ordered_json results = nlohmann::ordered_json::array();
-    for (const Row& r : rows) {
+    for (const PcieRow& r : rows) {
       nlohmann::ordered_json o;
       o["host"] = r.host;
       o["direction"] = r.h2d ? "h2d" : "d2h";
@@ -231,7 +227,7 @@ int run_bench(const Args& a) {
   std::printf("check     %s\n", check_summary.c_str());
   std::printf("%-9s %-4s %10s %8s %15s %12s %7s\n", "host", "dir", "size", "copies", "zoffload GB/s", "torch GB/s",
               "ratio");
-  for (const Row& r : rows) {
+  for (const PcieRow& r : rows) {
     const double zm = median(r.zo_s);
     char torch_col[64] = "-", ratio_col[32] = "-";
     if (!r.torch_s.empty()) {
@@ -251,7 +247,7 @@ int run_bench(const Args& a) {
 }  // namespace
 
 void register_bench_pcie(CLI::App& app, int* exit_code) {
-  auto args = std::make_shared<Args>();
+  auto args = std::make_shared<PcieArgs>();
   CLI::App* cmd = app.add_subcommand(
       "pcie",
       "Host<->device copies through zoffload's device (the engine's parameter and gradient path) from pinned "
@@ -266,7 +262,7 @@ void register_bench_pcie(CLI::App& app, int* exit_code) {
   cmd->add_option("--repeats", args->repeats, "timed rounds; medians are reported")->capture_default_str();
   cmd->add_flag("--no-torch", args->no_torch, "skip the torch baseline");
   cmd->add_flag("--json", args->json, "print machine-readable results on stdout");
-  cmd->callback([args, exit_code] { *exit_code = run_bench(*args); });
+  cmd->callback([args, exit_code] { *exit_code = run_pcie_bench(*args); });
 }
 
 }  // namespace zo::tools

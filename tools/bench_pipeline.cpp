@@ -43,7 +43,7 @@ namespace {
 using engine::StateKind;
 using engine::Tier;
 
-struct Args {
+struct PipelineArgs {
   std::string params = "5e8";
   std::string nvme_path;
   std::string optimizer_device = "nvme";
@@ -62,7 +62,7 @@ constexpr uint64_t kDefaultSubGroupSize = 25'000'000;
 
 // The run's config: the user's file (or an empty one) with the benchmark's choices laid over it, so
 // a user measures their own aio, buffer and pipeline settings; parsed by the real config parser.
-Result<engine::Config> make_config(const Args& a, uint64_t sub_group_size_override, std::string* why_usage) {
+Result<engine::Config> make_config(const PipelineArgs& a, uint64_t sub_group_size_override, std::string* why_usage) {
   nlohmann::json j = nlohmann::json::object();
   if (!a.config_path.empty()) {
     std::ifstream in(a.config_path);
@@ -265,9 +265,7 @@ Status check_step(const GroupSnapshot& before, const GroupSnapshot& after, const
   return Status::ok();
 }
 
-double gbps(uint64_t bytes, double s) { return s > 0 ? static_cast<double>(bytes) / s / 1e9 : 0.0; }
-
-int run_bench(Args a) {
+int run_pipeline_bench(PipelineArgs a) {
   auto usage = [](const std::string& msg) {
     std::fprintf(stderr, "zoffload-bench pipeline: %s\n", msg.c_str());
     return 2;
@@ -522,7 +520,7 @@ int run_bench(Args a) {
 }  // namespace
 
 void register_bench_pipeline(CLI::App& app, int* exit_code) {
-  auto args = std::make_shared<Args>();
+  auto args = std::make_shared<PipelineArgs>();
   CLI::App* cmd = app.add_subcommand(
       "pipeline",
       "optimizer steps with states on cpu or nvme through the real swapper; times the I/O alone and Adam alone "
@@ -549,7 +547,7 @@ void register_bench_pipeline(CLI::App& app, int* exit_code) {
   cmd->add_flag("--no-pipeline-read", args->no_pipeline_read, "read sub-group i+1 only after updating i");
   cmd->add_flag("--no-pipeline-write", args->no_pipeline_write, "wait for the write of i before updating i+1");
   cmd->add_flag("--json", args->json, "print machine-readable results on stdout");
-  cmd->callback([args, exit_code] { *exit_code = run_bench(*args); });
+  cmd->callback([args, exit_code] { *exit_code = run_pipeline_bench(*args); });
 }
 
 }  // namespace zo::tools

@@ -19,6 +19,11 @@ namespace zo::tools {
 // The median of `v` (the mean of the two middle values for an even count); 0 for an empty vector.
 double median(std::vector<double> v);
 
+// `bytes` moved in `seconds`, in GB/s (10^9 bytes a second); 0 for no time.
+inline double gbps(uint64_t bytes, double seconds) {
+  return seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0.0;
+}
+
 // Fills n elements of `dtype` at `data` with uniform values in [lo, hi), the same for the same seed
 // on any thread count (splitmix64 of seed and index), in parallel on `ex`.
 void random_fill(void* data, DType dtype, size_t n, uint64_t seed, float lo, float hi, const cpu_optim::Executor& ex);

@@ -26,17 +26,6 @@ struct CkptArgs {
   bool quiet = false;
 };
 
-// A checkpoint that is not there or is not one, or a bad option, is bad input (2); corruption and
-// I/O errors are runtime failures (1).
-int exit_code_of(const Status& s) {
-  return s.code() == StatusCode::kNotFound || s.code() == StatusCode::kInvalidArgument ? 2 : 1;
-}
-
-int fail(const char* verb, const Status& s) {
-  std::cerr << "zoffload ckpt " << verb << ": error: " << s.to_string() << "\n";
-  return exit_code_of(s);
-}
-
 Result<engine::CheckpointInfo> open_named(const std::string& path) {
   ZO_ASSIGN_OR_RETURN(std::string dir, engine::resolve_checkpoint(path));
   return engine::open_checkpoint(dir);
@@ -44,20 +33,21 @@ Result<engine::CheckpointInfo> open_named(const std::string& path) {
 
 int run_verify(const CkptArgs& a) {
   auto staging_bytes = parse_size_bytes(a.staging);
-  if (!staging_bytes.is_ok()) return fail("verify", invalid_argument("--staging: " + staging_bytes.status().message()));
+  if (!staging_bytes.is_ok())
+    return command_error("zoffload ckpt verify", invalid_argument("--staging: " + staging_bytes.status().message()));
   if (Status st = engine::check_staging_bytes(*staging_bytes, "--staging " + a.staging); !st.is_ok())
-    return fail("verify", st);
+    return command_error("zoffload ckpt verify", st);
   auto info = open_named(a.path);
   if (!info.is_ok() && a.json) {
     std::cout << nlohmann::json({{"path", a.path}, {"ok", false}, {"error", info.status().to_string()}}).dump(2)
               << "\n";
     return exit_code_of(info.status());
   }
-  if (!info.is_ok()) return fail("verify", info.status());
+  if (!info.is_ok()) return command_error("zoffload ckpt verify", info.status());
   auto io = io::IoEngine::create(io::IoOptions{});
-  if (!io.is_ok()) return fail("verify", io.status());
+  if (!io.is_ok()) return command_error("zoffload ckpt verify", io.status());
   auto staging = AlignedBuffer::allocate(*staging_bytes);
-  if (!staging.is_ok()) return fail("verify", staging.status());
+  if (!staging.is_ok()) return command_error("zoffload ckpt verify", staging.status());
   const bool tty = isatty(fileno(stderr)) != 0 && !a.quiet && !a.json;
   const Stopwatch watch;
   uint64_t bytes = 0;
@@ -78,7 +68,7 @@ int run_verify(const CkptArgs& a) {
     std::cout << j.dump(2) << "\n";
     return s.is_ok() ? 0 : 1;
   }
-  if (!s.is_ok()) return fail("verify", s);
+  if (!s.is_ok()) return command_error("zoffload ckpt verify", s);
   if (!a.quiet) {
     std::printf("%s: OK — %zu files, %s, every CRC-32C matches (%.1f s, %.2f GB/s)\n", info->path.c_str(),
                 info->manifest.files.size(), format_bytes(bytes).c_str(), secs, secs > 0 ? bytes / secs / 1e9 : 0.0);
@@ -88,7 +78,7 @@ int run_verify(const CkptArgs& a) {
 
 int run_inspect(const CkptArgs& a) {
   auto info = open_named(a.path);
-  if (!info.is_ok()) return fail("inspect", info.status());
+  if (!info.is_ok()) return command_error("zoffload ckpt inspect", info.status());
   const nlohmann::json d = engine::describe_checkpoint(*info);
   if (a.json) {
     std::cout << d.dump(2) << "\n";

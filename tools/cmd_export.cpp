@@ -36,22 +36,6 @@ struct ExportArgs {
   bool quiet = false;
 };
 
-int fail(const std::string& what, int code) {
-  std::cerr << "zoffload export: error: " << what << "\n";
-  return code;
-}
-
-// Bad input (a missing checkpoint, a non-empty --out, bad options) is exit 2; failures while
-// reading or writing (corruption, I/O) are exit 1.
-int exit_code_of(const Status& s) {
-  switch (s.code()) {
-    case StatusCode::kInvalidArgument:
-    case StatusCode::kNotFound:
-    case StatusCode::kAlreadyExists: return 2;
-    default: return 1;
-  }
-}
-
 // "export 312 MiB/1.20 GiB [=====>      ] 26%" on stderr: redrawn in place on a terminal, a line
 // per 10% otherwise.
 class Progress {
@@ -97,21 +81,22 @@ class Progress {
 
 int run_export(const ExportArgs& a) {
   auto dtype = parse_dtype(a.dtype);
-  if (!dtype.is_ok()) return fail("--dtype " + a.dtype + ": give bf16, fp16 or fp32", 2);
+  if (!dtype.is_ok()) return command_error("zoffload export", "--dtype " + a.dtype + ": give bf16, fp16 or fp32", 2);
   auto shard_bytes = parse_size_bytes(a.shard_size);
-  if (!shard_bytes.is_ok()) return fail("--shard-size: " + shard_bytes.status().message(), 2);
-  if (*shard_bytes == 0) return fail("--shard-size must be more than 0 bytes", 2);
+  if (!shard_bytes.is_ok())
+    return command_error("zoffload export", "--shard-size: " + shard_bytes.status().message(), 2);
+  if (*shard_bytes == 0) return command_error("zoffload export", "--shard-size must be more than 0 bytes", 2);
   auto staging = parse_size_bytes(a.staging);
-  if (!staging.is_ok()) return fail("--staging: " + staging.status().message(), 2);
+  if (!staging.is_ok()) return command_error("zoffload export", "--staging: " + staging.status().message(), 2);
   if (Status st = engine::check_staging_bytes(*staging, "--staging " + a.staging); !st.is_ok())
-    return fail(st.message(), 2);
+    return command_error("zoffload export", st.message(), 2);
 
   auto path = engine::resolve_checkpoint(a.checkpoint);
-  if (!path.is_ok()) return fail(path.status().to_string(), exit_code_of(path.status()));
+  if (!path.is_ok()) return command_error("zoffload export", path.status());
   auto ckpt = engine::open_checkpoint(*path);
-  if (!ckpt.is_ok()) return fail(ckpt.status().to_string(), exit_code_of(ckpt.status()));
+  if (!ckpt.is_ok()) return command_error("zoffload export", ckpt.status());
   auto io = io::IoEngine::create(io::IoOptions{});
-  if (!io.is_ok()) return fail(io.status().to_string(), 1);
+  if (!io.is_ok()) return command_error("zoffload export", io.status().to_string(), 1);
 
   Progress progress(!a.quiet && !a.json);
   engine::ExportOptions options;
@@ -128,7 +113,7 @@ int run_export(const ExportArgs& a) {
     const std::string from = given ? a.tokenizer_from : ckpt->state.model;
     Result<io::PathKind> kind = io::Env::posix()->path_kind(from);
     const bool is_dir = kind.is_ok() && *kind == io::PathKind::kDirectory;
-    if (given && !is_dir) return fail("--tokenizer-from " + from + ": not a directory", 2);
+    if (given && !is_dir) return command_error("zoffload export", "--tokenizer-from " + from + ": not a directory", 2);
     options.side_files = engine::model_side_files(from);
     if (!is_dir && !engine::model_preset(from).is_ok() && !a.quiet)
       std::cerr << "zoffload export: note: no tokenizer copied: the run's --model " << from
@@ -147,7 +132,7 @@ int run_export(const ExportArgs& a) {
   const int64_t extra_rss = phase.peak_extra_bytes();
   if (!result.is_ok()) {
     progress.abandon();
-    return fail(result.status().to_string(), exit_code_of(result.status()));
+    return command_error("zoffload export", result.status());
   }
 
   const std::string dtype_text(dtype_name(*dtype));

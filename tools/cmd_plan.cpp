@@ -37,11 +37,6 @@ struct PlanArgs {
   bool json = false;
 };
 
-int fail(const std::string& what, int code) {
-  std::cerr << "zoffload plan: error: " << what << "\n";
-  return code;
-}
-
 void print_plan(const engine::RunPlan& p, const engine::PlanInputs& in, const std::vector<engine::PlanFix>& fixes) {
   const engine::MemoryPlan& mp = p.memory;
   const engine::Placement& pl = mp.placement;
@@ -129,7 +124,7 @@ void print_plan(const engine::RunPlan& p, const engine::PlanInputs& in, const st
 
 int run_plan(const PlanArgs& a) {
   auto model = engine::resolve_model_config(a.model);
-  if (!model.is_ok()) return fail(model.status().message(), 2);
+  if (!model.is_ok()) return command_error("zoffload plan", model.status().message(), 2);
   std::optional<engine::Config> config =
       load_config_with_flags(a.config, model->hidden_size, a.steps, a.flags, a.ranks);
   if (!config) return 2;
@@ -140,9 +135,10 @@ int run_plan(const PlanArgs& a) {
   in.model_name = a.model;
   in.seq_len = a.seq_len != 0 ? a.seq_len : std::min<uint64_t>(256, model->max_position_embeddings);
   if (in.seq_len > model->max_position_embeddings)
-    return fail("--seq-len " + std::to_string(in.seq_len) + " exceeds the model's max_position_embeddings (" +
-                    std::to_string(model->max_position_embeddings) + ")",
-                2);
+    return command_error("zoffload plan",
+                         "--seq-len " + std::to_string(in.seq_len) + " exceeds the model's max_position_embeddings (" +
+                             std::to_string(model->max_position_embeddings) + ")",
+                         2);
   in.out_dir = a.out;
   in.host = engine::probe_host(*config, a.out);
 
@@ -161,9 +157,10 @@ int run_plan(const PlanArgs& a) {
       in.host.device_name = probe.gpus.front().name;
       in.host.device_total_bytes = probe.gpus.front().total_bytes;
     } else if (config->zoffload.device == gpu::DeviceKind::kCuda) {
-      return fail("zoffload.device is cuda but no usable GPU is here" +
-                      (probe.reason.empty() ? std::string() : " (" + probe.reason + ")"),
-                  1);
+      return command_error("zoffload plan",
+                           "zoffload.device is cuda but no usable GPU is here" +
+                               (probe.reason.empty() ? std::string() : " (" + probe.reason + ")"),
+                           1);
     }
   }
   // --ranks: one of that many ranks started on this node, as `train` plans each (rank 0; the
@@ -174,11 +171,11 @@ int run_plan(const PlanArgs& a) {
 
   if (!a.io_results.empty()) {
     Status st = engine::read_io_results(a.io_results, *config, &in.speeds);
-    if (!st.is_ok()) return fail("--io-results: " + st.message(), 2);
+    if (!st.is_ok()) return command_error("zoffload plan", "--io-results: " + st.message(), 2);
   }
   if (!a.no_measure) {
     Status st = engine::measure_cpu_speeds(*config, &in.speeds);
-    if (!st.is_ok()) return fail("measuring the CPU kernels: " + st.to_string(), 1);
+    if (!st.is_ok()) return command_error("zoffload plan", "measuring the CPU kernels: " + st.to_string(), 1);
 #if ZO_HAVE_TORCH
     in.speeds.compute_flops = engine::measure_matmul_flops(config->compute_dtype(), cuda);
     in.speeds.compute_source = std::string("measured: LibTorch ") + std::string(dtype_name(config->compute_dtype())) +
@@ -188,7 +185,7 @@ int run_plan(const PlanArgs& a) {
   auto plan = engine::plan_run(in);
   if (!plan.is_ok()) {
     const Status& s = plan.status();
-    return fail(s.to_string(), s.code() == StatusCode::kInvalidArgument ? 2 : 1);
+    return command_error("zoffload plan", s.to_string(), s.code() == StatusCode::kInvalidArgument ? 2 : 1);
   }
   const std::vector<engine::PlanFix> fixes = engine::suggest_fixes(in);
   if (a.json) {

@@ -3,6 +3,10 @@
 // (0 ok, 1 runtime failure, 2 bad usage or bad config) in `*exit_code`, which must outlive parsing.
 #pragma once
 
+#include <string>
+
+#include "common/status.h"
+
 namespace CLI {
 class App;
 }
@@ -28,5 +32,15 @@ void register_bench_pcie(CLI::App& app, int* exit_code);
 // Parses the command line and runs the chosen subcommand; returns the process exit code: the
 // command's `exit_code`, 0 for --help/--version, 2 for a command line CLI11 rejects.
 int run_app(CLI::App& app, int argc, char** argv, const int& exit_code);
+
+// The exit code for a failed status: bad input (a path that is not there, a bad option, an output
+// that already exists) is 2; a failure while running (corruption, I/O) is 1.
+int exit_code_of(const Status& s);
+
+// Prints "<command>: error: <what>" on stderr and returns `code`: a command's early return, e.g.
+// `return command_error("zoffload export", "--shard-size must be more than 0 bytes", 2);`.
+int command_error(const std::string& command, const std::string& what, int code);
+// The same for a failed status, with its exit code (exit_code_of).
+int command_error(const std::string& command, const Status& s);
 
 }  // namespace zo::tools

@@ -40,4 +40,22 @@ int run_app(CLI::App& app, int argc, char** argv, const int& exit_code) {
   return exit_code;
 }
 
+int exit_code_of(const Status& s) {
+  switch (s.code()) {
+    case StatusCode::kInvalidArgument:
+    case StatusCode::kNotFound:
+    case StatusCode::kAlreadyExists: return 2;
+    default: return 1;
+  }
+}
+
+int command_error(const std::string& command, const std::string& what, int code) {
+  std::cerr << command << ": error: " << what << "\n";
+  return code;
+}
+
+int command_error(const std::string& command, const Status& s) {
+  return command_error(command, s.to_string(), exit_code_of(s));
+}
+
 }  // namespace zo::tools
