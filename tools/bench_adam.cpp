@@ -213,14 +213,7 @@ Result<TorchCheck> check_torch_fused(const AdamArgs& a, const Hyper& h, DType gd
 #endif
 
 int run_adam_bench(const AdamArgs& a) {
-  auto usage = [](const std::string& msg) {
-    std::fprintf(stderr, "zoffload-bench adam: %s\n", msg.c_str());
-    return 2;
-  };
-  auto failure = [](const std::string& msg) {
-    std::fprintf(stderr, "zoffload-bench adam: %s\n", msg.c_str());
-    return 1;
-  };
+  const BenchError usage{"adam", 2}, failure{"adam", 1};
   const Result<uint64_t> n_parsed = parse_count(a.params);
   if (!n_parsed.is_ok() || *n_parsed == 0)
     return usage("--params: expected a positive count like 2e8, got '" + a.params + "'");

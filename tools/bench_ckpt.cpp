@@ -147,14 +147,7 @@ float fill_value(uint64_t i, StateKind kind) {
 }
 
 int run_ckpt_bench(const CkptArgs& a) {
-  auto usage = [](const std::string& msg) {
-    std::fprintf(stderr, "zoffload-bench ckpt: %s\n", msg.c_str());
-    return 2;
-  };
-  auto failure = [](const std::string& msg) {
-    std::fprintf(stderr, "zoffload-bench ckpt: %s\n", msg.c_str());
-    return 1;
-  };
+  const BenchError usage{"ckpt", 2}, failure{"ckpt", 1};
   const auto n_total = parse_count(a.params);
   if (!n_total.is_ok() || *n_total == 0)
     return usage("--params: expected a positive count like 1.1e9, got '" + a.params + "'");

@@ -76,14 +76,7 @@ Status check_against_scalar(DType acc_dtype, DType grad_dtype, const Executor& e
 }
 
 int run_grad_bench(const GradArgs& a) {
-  auto usage = [](const std::string& msg) {
-    std::fprintf(stderr, "zoffload-bench grad: %s\n", msg.c_str());
-    return 2;
-  };
-  auto failure = [](const std::string& msg) {
-    std::fprintf(stderr, "zoffload-bench grad: %s\n", msg.c_str());
-    return 1;
-  };
+  const BenchError usage{"grad", 2}, failure{"grad", 1};
   const Result<uint64_t> n_r = parse_count(a.elems);
   if (!n_r.is_ok() || *n_r == 0) return usage("--elems: expected a positive count such as 2e8, got '" + a.elems + "'");
   const size_t n = *n_r;

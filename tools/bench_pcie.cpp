@@ -91,14 +91,7 @@ struct PcieRow {
 };
 
 int run_pcie_bench(const PcieArgs& a) {
-  auto usage = [](const std::string& msg) {
-    std::fprintf(stderr, "zoffload-bench pcie: %s\n", msg.c_str());
-    return 2;
-  };
-  auto failure = [](const std::string& msg) {
-    std::fprintf(stderr, "zoffload-bench pcie: %s\n", msg.c_str());
-    return 1;
-  };
+  const BenchError usage{"pcie", 2}, failure{"pcie", 1};
   auto kind = gpu::parse_device_kind(a.device);
   if (!kind.is_ok()) return usage("--device: " + kind.status().message());
   auto sizes_r = parse_sizes(a.sizes);

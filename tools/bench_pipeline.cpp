@@ -266,14 +266,7 @@ Status check_step(const GroupSnapshot& before, const GroupSnapshot& after, const
 }
 
 int run_pipeline_bench(PipelineArgs a) {
-  auto usage = [](const std::string& msg) {
-    std::fprintf(stderr, "zoffload-bench pipeline: %s\n", msg.c_str());
-    return 2;
-  };
-  auto failure = [](const std::string& msg) {
-    std::fprintf(stderr, "zoffload-bench pipeline: %s\n", msg.c_str());
-    return 1;
-  };
+  const BenchError usage{"pipeline", 2}, failure{"pipeline", 1};
   const Result<uint64_t> n_total = parse_count(a.params);
   if (!n_total.is_ok() || *n_total == 0)
     return usage("--params: expected a positive count like 5e8, got '" + a.params + "'");

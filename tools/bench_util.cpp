@@ -8,6 +8,11 @@
 
 namespace zo::tools {
 
+int BenchError::operator()(const std::string& msg) const {
+  std::fprintf(stderr, "zoffload-bench %s: %s\n", bench, msg.c_str());
+  return code;
+}
+
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   const size_t n = v.size();

@@ -19,6 +19,15 @@ namespace zo::tools {
 // The median of `v` (the mean of the two middle values for an even count); 0 for an empty vector.
 double median(std::vector<double> v);
 
+// A bench's error line, "zoffload-bench <bench>: <msg>" on stderr; the call returns `code`, the
+// exit code (2 bad usage, 1 a failure while running): `const BenchError usage{"adam", 2};` then
+// `return usage("--params: ...");`.
+struct BenchError {
+  const char* bench;
+  int code;
+  int operator()(const std::string& msg) const;
+};
+
 // `bytes` moved in `seconds`, in GB/s (10^9 bytes a second); 0 for no time.
 inline double gbps(uint64_t bytes, double seconds) {
   return seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0.0;
