@@ -17,6 +17,7 @@
 
 #include "cpu_optim/adagrad.h"
 #include "cpu_optim/adam.h"
+#include "cpu_optim/adam8bit.h"
 #include "cpu_optim/dtype.h"
 #include "cpu_optim/executor.h"
 #include "cpu_optim/isa.h"
@@ -650,6 +651,55 @@ TEST(Executor, ResolvesAutoAndRejectsNegativeThreads) {
     if (isa_supported(isa)) continue;
     EXPECT_EQ(Executor::create({.isa = isa}).status().code(), StatusCode::kUnavailable);
   }
+}
+
+// ---- 8-bit blockwise Adam (the bitsandbytes comparison is tests/cpu_optim/adam8bit_bnb_test.py) ----
+
+TEST(Adam8bit, QuantizeNearestTakesTheNearestEntryAndTheLowerOnATie) {
+  for (const auto* map : {&signed_dynamic_map(), &unsigned_dynamic_map()}) {
+    const std::array<float, 256>& m = *map;
+    for (size_t i = 0; i < 256; ++i) EXPECT_EQ(quantize_nearest(m, m[i]), i) << "an entry itself, " << i;
+    for (size_t i = 0; i + 1 < 256; ++i) {
+      const float mid = m[i] + (m[i + 1] - m[i]) / 2;
+      const uint8_t q = quantize_nearest(m, mid);
+      const float dl = std::fabs(mid - m[i]), dr = std::fabs(mid - m[i + 1]);
+      EXPECT_EQ(q, dr < dl ? i + 1 : i) << "between " << i << " and " << i + 1;
+    }
+    EXPECT_EQ(quantize_nearest(m, std::numeric_limits<float>::quiet_NaN()), 0);
+    EXPECT_EQ(quantize_nearest(m, -2.0f), 0);
+    EXPECT_EQ(quantize_nearest(m, 2.0f), 255);
+  }
+}
+
+TEST(Adam8bit, ZeroGradientKeepsTheZeroStateAndTheParameters) {
+  auto ex = Executor::create({.n_threads = 2});
+  ASSERT_TRUE(ex.is_ok());
+  const size_t n = 300;  // a full block and a partial one
+  std::vector<float> p(n, 0.5f), g(n, 0.0f), am(quant_block_count(n), 0.0f), av(quant_block_count(n), 0.0f);
+  std::vector<uint8_t> cm(n, 0), cv(n, 0);
+  AdamConfig c;
+  ASSERT_TRUE(adam8bit_step(c, 1, p, {cm, am}, {cv, av}, {g.data(), DType::kF32}, 1.0f, {}, **ex).is_ok());
+  for (float x : p) EXPECT_EQ(x, 0.5f);
+  for (float x : am) EXPECT_EQ(x, 0.0f);
+  for (float x : av) EXPECT_EQ(x, 0.0f);
+}
+
+TEST(Adam8bit, RefusesMismatchedStatesBeforeWritingAnything) {
+  auto ex = Executor::create({.n_threads = 1});
+  ASSERT_TRUE(ex.is_ok());
+  const size_t n = 300;
+  std::vector<float> p(n, 1.0f), g(n, 1.0f), am(2, 0.0f), av(2, 0.0f), short_absmax(1, 0.0f);
+  std::vector<uint8_t> cm(n, 0), cv(n, 0), short_codes(n - 1, 0);
+  const AdamConfig c;
+  Status s = adam8bit_step(c, 1, p, {cm, short_absmax}, {cv, av}, {g.data(), DType::kF32}, 1.0f, {}, **ex);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("exp_avg has 1 absmax values; 300 elements need 2"), std::string::npos) << s.to_string();
+  s = adam8bit_step(c, 1, p, {cm, am}, {short_codes, av}, {g.data(), DType::kF32}, 1.0f, {}, **ex);
+  EXPECT_NE(s.message().find("exp_avg_sq has 299 codes but params has 300"), std::string::npos) << s.to_string();
+  s = adam8bit_step(c, 0, p, {cm, am}, {cv, av}, {g.data(), DType::kF32}, 1.0f, {}, **ex);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  for (float x : p) EXPECT_EQ(x, 1.0f);
+  for (uint8_t x : cm) EXPECT_EQ(x, 0);
 }
 
 }  // namespace
