@@ -1,9 +1,13 @@
-// adam8bit_step: the scalar reference of 8-bit blockwise Adam (cpu_optim/adam8bit.h). Built with
-// -ffp-contract=off like the other kernels, so every fma below is the only fused operation.
+// adam8bit_step: validates the spans and hyperparameters, derives the per-call constants once and runs
+// the executor's adam8bit kernel (cpu_optim/detail/kernel_impl.h) over tiles of whole blocks; and the
+// two dynamic maps the states index.
 #include "cpu_optim/adam8bit.h"
 
 #include <cmath>
 #include <string>
+
+#include "common/check.h"
+#include "cpu_optim/detail/kernels.h"
 
 namespace zo::cpu_optim {
 namespace {
@@ -337,21 +341,9 @@ constexpr std::array<float, 256> kUnsignedDynamicMap = {
 
 // The per-call constants, each derived in double from the float hyperparameters and rounded once
 // to float, as bitsandbytes' Python passes them to torch's float32 ops.
-struct Constants {
-  float grad_scale;
-  float beta1, one_minus_beta1;
-  float beta2, one_minus_beta2;
-  float c2;  // sqrt(1 - beta2^step), or 1
-  float eps;
-  float step_size;  // -lr / (1 - beta1^step), or -lr
-  float decay;      // 1 - lr*wd
-  float wd;
-  bool use_l2, use_decoupled;
-};
-
-Constants constants(const AdamConfig& c, int64_t step, float grad_scale) {
+detail::Adam8bitConstants constants(const AdamConfig& c, int64_t step, float grad_scale) {
   const double b1 = c.beta1, b2 = c.beta2, lr = c.lr, wd = c.weight_decay, t = static_cast<double>(step);
-  Constants k{};
+  detail::Adam8bitConstants k{};
   k.grad_scale = grad_scale;
   k.beta1 = c.beta1;
   k.one_minus_beta1 = static_cast<float>(1.0 - b1);
@@ -365,58 +357,6 @@ Constants constants(const AdamConfig& c, int64_t step, float grad_scale) {
   k.use_l2 = !c.adam_w_mode && c.weight_decay > 0.0f;
   k.use_decoupled = c.adam_w_mode && c.weight_decay > 0.0f;
   return k;
-}
-
-struct Args {
-  Constants k;
-  float* params;
-  BlockwiseState m, v;
-  ConstElemSpan grad;
-  ElemSpan copy_out;
-};
-
-// Largest |x| over the block that is not NaN; 0 if none.
-float block_absmax(const float* x, size_t n) {
-  float a = 0.0f;
-  for (size_t i = 0; i < n; ++i) {
-    const float y = std::fabs(x[i]);
-    if (y > a) a = y;  // false for NaN
-  }
-  return a;
-}
-
-// Block `b` of the state: elements [b*256, b*256 + n).
-void step_block(const Args& a, size_t b, size_t n) {
-  const Constants& k = a.k;
-  const std::array<float, 256>& smap = kSignedDynamicMap;
-  const std::array<float, 256>& umap = kUnsignedDynamicMap;
-  const size_t first = b * kQuantBlockElems;
-  const float m_scale = a.m.absmax[b], v_scale = a.v.absmax[b];
-  float m_new[kQuantBlockElems], v_new[kQuantBlockElems];
-  for (size_t j = 0; j < n; ++j) {
-    const size_t i = first + j;
-    float p = a.params[i];
-    float g = load_as_float(a.grad.data, a.grad.dtype, i) * k.grad_scale;
-    if (k.use_l2) g = std::fma(p, k.wd, g);
-    float m = smap[a.m.codes[i]] * m_scale;
-    float v = umap[a.v.codes[i]] * v_scale;
-    m = std::fma(g, k.one_minus_beta1, m * k.beta1);
-    v = std::fma(k.one_minus_beta2 * g, g, v * k.beta2);
-    const float denom = std::sqrt(v) / k.c2 + k.eps;
-    if (k.use_decoupled) p = p * k.decay;
-    p = (k.step_size * m) / denom + p;
-    a.params[i] = p;
-    if (a.copy_out.data != nullptr) store_from_float(a.copy_out.data, a.copy_out.dtype, i, p);
-    m_new[j] = m;
-    v_new[j] = v;
-  }
-  const float m_max = block_absmax(m_new, n), v_max = block_absmax(v_new, n);
-  a.m.absmax[b] = m_max;
-  a.v.absmax[b] = v_max;
-  for (size_t j = 0; j < n; ++j) {
-    a.m.codes[first + j] = quantize_nearest(smap, m_new[j] / m_max);
-    a.v.codes[first + j] = quantize_nearest(umap, v_new[j] / v_max);
-  }
 }
 
 Status check_state(const char* name, size_t n, const BlockwiseState& s) {
@@ -460,12 +400,25 @@ Status adam8bit_step(const AdamConfig& config, int64_t step, std::span<float> pa
       return invalid_argument(std::string(op) + ": unknown dtype value " + std::to_string(static_cast<unsigned>(d)));
   if (n == 0) return Status::ok();
 
-  const Args a{constants(config, step, grad_scale), params.data(), exp_avg, exp_avg_sq, grad, copy_out};
+  detail::Adam8bitArgs a{};
+  a.params = params.data();
+  a.m_codes = exp_avg.codes.data();
+  a.m_absmax = exp_avg.absmax.data();
+  a.v_codes = exp_avg_sq.codes.data();
+  a.v_absmax = exp_avg_sq.absmax.data();
+  a.m_map = kSignedDynamicMap.data();
+  a.v_map = kUnsignedDynamicMap.data();
+  a.grad = grad.data;
+  a.grad_dtype = grad.dtype;
+  a.copy_out = copy_out.data;
+  a.copy_dtype = copy_out.dtype;
+  a.k = constants(config, step, grad_scale);
+  const detail::KernelTable* table = detail::kernel_table(executor.isa());
+  ZO_CHECK(table != nullptr) << "executor ISA " << isa_name(executor.isa()) << " has no kernels";
   static_assert(kTileElems % kQuantBlockElems == 0, "a block must not straddle two tiles");
-  executor.for_each_tile(n, [&](size_t begin, size_t end) {
-    for (size_t first = begin; first < end; first += kQuantBlockElems)
-      step_block(a, first / kQuantBlockElems, std::min(kQuantBlockElems, end - first));
-  });
+  static_assert(detail::kQuantBlock == kQuantBlockElems);
+  const auto kernel = table->adam8bit;
+  executor.for_each_tile(n, [&](size_t begin, size_t end) { kernel(a, begin, end); });
   return Status::ok();
 }
 

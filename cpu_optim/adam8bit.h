@@ -5,7 +5,8 @@
 // and re-quantizes each block. One deliberate difference: re-quantization takes the nearest map
 // entry (ties to the lower index), as bitsandbytes' CUDA kernels do; its CPU library looks entries
 // up through an approximate table that, near zero, often returns a farther one (docs/cpu_optim.md,
-// "8-bit moments"). The scalar reference; stateless; spans of one call must not overlap.
+// "Adam with 8-bit moments"). Scalar, AVX2 and AVX-512 paths give the same bits. Stateless; spans of
+// one call must not overlap.
 #pragma once
 
 #include <array>

@@ -41,6 +41,37 @@ struct Avx2Vec {
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F div(F a, F b) { return _mm256_div_ps(a, b); }
   static F sqrt(F x) { return _mm256_sqrt_ps(x); }
+  using I = __m256i;
+  static I load_codes(const uint8_t* p) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  }
+  static void store_codes(uint8_t* p, I x) {  // the low byte of each lane, in order
+    const __m256i bytes =
+        _mm256_shuffle_epi8(x, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8,
+                                                12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
+    const __m128i lo = _mm256_castsi256_si128(bytes), hi = _mm256_extracti128_si256(bytes, 1);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_unpacklo_epi32(lo, hi));
+  }
+  static F gather(const float* table, I i) { return _mm256_i32gather_ps(table, i, 4); }
+  static I izero() { return _mm256_setzero_si256(); }
+  static I iadd(I i, int k) { return _mm256_add_epi32(i, _mm256_set1_epi32(k)); }
+  static I imin(I i, int k) { return _mm256_min_epi32(i, _mm256_set1_epi32(k)); }
+  static I add_where_le(I i, F c, F x, int k) {
+    const __m256i le = _mm256_castps_si256(_mm256_cmp_ps(c, x, _CMP_LE_OQ));
+    return _mm256_add_epi32(i, _mm256_and_si256(le, _mm256_set1_epi32(k)));
+  }
+  static I add_where_lt(I i, F a, F b) {  // the all-ones mask is -1: subtract it
+    return _mm256_sub_epi32(i, _mm256_castps_si256(_mm256_cmp_ps(a, b, _CMP_LT_OQ)));
+  }
+  static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  static F abs(F x) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x); }
+  static F max_keep(F acc, F x) { return _mm256_max_ps(x, acc); }  // acc where x is NaN
+  static float hmax(F x) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+  }
   static F lion_update(F c, F lr) {
     const F zero = _mm256_setzero_ps();
     const F neg_lr = _mm256_xor_ps(lr, _mm256_set1_ps(-0.0f));

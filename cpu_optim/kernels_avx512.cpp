@@ -37,6 +37,35 @@ struct Avx512Vec {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
                         _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
+  using I = __m512i;
+  static I load_codes(const uint8_t* p) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static void store_codes(uint8_t* p, I x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(x)); }
+  static F gather(const float* table, I i) { return _mm512_i32gather_ps(i, table, 4); }
+  static I izero() { return _mm512_setzero_si512(); }
+  static I iadd(I i, int k) { return _mm512_add_epi32(i, _mm512_set1_epi32(k)); }
+  static I imin(I i, int k) { return _mm512_min_epi32(i, _mm512_set1_epi32(k)); }
+  static I add_where_le(I i, F c, F x, int k) {
+    return _mm512_mask_add_epi32(i, _mm512_cmp_ps_mask(c, x, _CMP_LE_OQ), i, _mm512_set1_epi32(k));
+  }
+  static I add_where_lt(I i, F a, F b) {
+    return _mm512_mask_add_epi32(i, _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ), i, _mm512_set1_epi32(1));
+  }
+  static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  // The masked and generic forms: GCC 12's plain _mm512_andnot_si512 and _mm512_max_ps pass an
+  // _mm512_undefined_* source that -Wuninitialized reports inside avx512fintrin.h.
+  static F abs(F x) {
+    return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MAX)));
+  }
+  static F max_keep(F acc, F x) { return _mm512_maskz_max_ps(0xFFFF, x, acc); }  // acc where x is NaN
+  static float hmax(F x) {  // once per block: through memory
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, x);
+    float m = lanes[0];
+    for (float y : lanes) m = y > m ? y : m;
+    return m;
+  }
   static F set1(float x) { return _mm512_set1_ps(x); }
   static F add(F a, F b) { return _mm512_add_ps(a, b); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }

@@ -27,6 +27,19 @@ struct ScalarVec {
   static F fma(F a, F b, F c) { return std::fma(a, b, c); }
   static F div(F a, F b) { return a / b; }
   static F sqrt(F x) { return std::sqrt(x); }
+  using I = int32_t;
+  static I load_codes(const uint8_t* p) { return *p; }
+  static void store_codes(uint8_t* p, I x) { *p = static_cast<uint8_t>(x); }
+  static F gather(const float* table, I i) { return table[i]; }
+  static I izero() { return 0; }
+  static I iadd(I i, int k) { return i + k; }
+  static I imin(I i, int k) { return i < k ? i : k; }
+  static I add_where_le(I i, F c, F x, int k) { return c <= x ? i + k : i; }
+  static I add_where_lt(I i, F a, F b) { return a < b ? i + 1 : i; }
+  static F sub(F a, F b) { return a - b; }
+  static F abs(F x) { return std::fabs(x); }
+  static F max_keep(F acc, F x) { return x > acc ? x : acc; }
+  static float hmax(F x) { return x; }
   static F lion_update(F c, F lr) {
     if (c > 0.0f) return -lr;
     if (c < 0.0f) return lr;

@@ -11,7 +11,10 @@
 // V provides: F (W floats), W, load(const float*), store(float*, F), load_bf16/load_f16(const
 // uint16_t*), store_bf16/store_f16(uint16_t*, F), set1, add, mul, fma(a, b, c) = a*b + c rounded
 // once, div, sqrt, lion_update(c, lr) = -lr*sign(c), NormAcc with norm_zero/norm_add(acc, k, x) for
-// the k-th W-wide part of a 16-element chunk / norm_lanes(acc, double[16]).
+// the k-th W-wide part of a 16-element chunk / norm_lanes(acc, double[16]); for the 8-bit states,
+// I (W int32 lanes) with load_codes/store_codes (W bytes), gather(const float* table, I), izero,
+// iadd(I, int), imin(I, int), add_where_le(i, c, x, k) = i + k where c <= x, add_where_lt(i, a, b)
+// = i + 1 where a < b, and on F sub, abs, max_keep(acc, x) = x > acc ? x : acc, hmax.
 #pragma once
 
 #include <cstdint>
@@ -335,6 +338,84 @@ void fill_kernel(float* data, float value, size_t begin, size_t end) {
                    [&](const Ptrs<1>& at, size_t i) { V::store(static_cast<float*>(at.p[0]) + i, x); });
 }
 
+// The entry of `map` (256 ascending floats) nearest x, per lane, the lower on a tie, 0 for NaN: a
+// branch-free binary search for the largest i with map[i] <= x (0 when none: every comparison with
+// NaN is false), then a step right where map[i+1] is strictly nearer (at 255, map[i+1] is map[255]).
+template <class V>
+typename V::I nearest_code(const float* map, typename V::F x) {
+  typename V::I i = V::izero();
+  for (int half = 128; half > 0; half >>= 1) i = V::add_where_le(i, V::gather(map, V::iadd(i, half)), x, half);
+  const typename V::F lo = V::gather(map, i), hi = V::gather(map, V::imin(V::iadd(i, 1), 255));
+  return V::add_where_lt(i, V::abs(V::sub(x, hi)), V::abs(V::sub(x, lo)));
+}
+
+// One block of 8-bit blockwise Adam, elements [first, first + n), n <= 256: dequantize, update in
+// bitsandbytes' order (docs/cpu_optim.md), then the block's absmax (the largest non-NaN |x|, 0 if
+// none) and the nearest codes. The moments between the passes live in two local arrays.
+template <class V, DType G, bool kCopy, DType C>
+void adam8bit_block(const Adam8bitArgs& a, size_t first, size_t n) {
+  using F = typename V::F;
+  constexpr size_t W = V::W;
+  const Adam8bitConstants& k = a.k;
+  const F scale = V::set1(k.grad_scale), b1 = V::set1(k.beta1), omb1 = V::set1(k.one_minus_beta1),
+          b2 = V::set1(k.beta2), omb2 = V::set1(k.one_minus_beta2), c2 = V::set1(k.c2), eps = V::set1(k.eps),
+          step_size = V::set1(k.step_size), decay = V::set1(k.decay), wd = V::set1(k.wd);
+  const size_t b = first / kQuantBlock;
+  const F m_scale = V::set1(a.m_absmax[b]), v_scale = V::set1(a.v_absmax[b]);
+  alignas(64) float m_new[kQuantBlock] = {}, v_new[kQuantBlock] = {};  // lanes past n stay +0
+  const Stream update[7] = {
+      {a.params + first, 4, true},
+      {a.m_codes + first, 1, false},
+      {a.v_codes + first, 1, false},
+      {const_cast<char*>(static_cast<const char*>(a.grad)) + first * kElemBytes<G>, kElemBytes<G>, false},
+      {kCopy ? static_cast<char*>(a.copy_out) + first * kElemBytes<C> : nullptr, kElemBytes<C>, true},
+      {m_new, 4, true},
+      {v_new, 4, true}};
+  for_blocks<W>(update, 0, n, [&](const Ptrs<7>& at, size_t i) {
+    float* pp = static_cast<float*>(at.p[0]) + i;
+    F g = V::mul(load_elems<V, G>(at.p[3], i), scale);
+    F p = V::load(pp);
+    if (k.use_l2) g = V::fma(p, wd, g);
+    F m = V::mul(V::gather(a.m_map, V::load_codes(static_cast<const uint8_t*>(at.p[1]) + i)), m_scale);
+    F v = V::mul(V::gather(a.v_map, V::load_codes(static_cast<const uint8_t*>(at.p[2]) + i)), v_scale);
+    m = V::fma(g, omb1, V::mul(m, b1));
+    v = V::fma(V::mul(omb2, g), g, V::mul(v, b2));
+    const F denom = V::add(V::div(V::sqrt(v), c2), eps);
+    if (k.use_decoupled) p = V::mul(p, decay);
+    p = V::add(V::div(V::mul(step_size, m), denom), p);
+    V::store(pp, p);
+    if constexpr (kCopy) store_elems<V, C>(at.p[4], i, p);
+    V::store(static_cast<float*>(at.p[5]) + i, m);
+    V::store(static_cast<float*>(at.p[6]) + i, v);
+  });
+  const size_t padded = (n + W - 1) / W * W;  // +0 past n: no absmax is below it
+  F m_max = V::set1(0.0f), v_max = V::set1(0.0f);
+  for (size_t j = 0; j < padded; j += W) {
+    m_max = V::max_keep(m_max, V::abs(V::load(m_new + j)));
+    v_max = V::max_keep(v_max, V::abs(V::load(v_new + j)));
+  }
+  const float m_amax = V::hmax(m_max), v_amax = V::hmax(v_max);
+  a.m_absmax[b] = m_amax;
+  a.v_absmax[b] = v_amax;
+  const F m_div = V::set1(m_amax), v_div = V::set1(v_amax);
+  const Stream quantize[4] = {
+      {m_new, 4, false}, {v_new, 4, false}, {a.m_codes + first, 1, true}, {a.v_codes + first, 1, true}};
+  for_blocks<W>(quantize, 0, n, [&](const Ptrs<4>& at, size_t i) {
+    V::store_codes(static_cast<uint8_t*>(at.p[2]) + i,
+                   nearest_code<V>(a.m_map, V::div(V::load(static_cast<const float*>(at.p[0]) + i), m_div)));
+    V::store_codes(static_cast<uint8_t*>(at.p[3]) + i,
+                   nearest_code<V>(a.v_map, V::div(V::load(static_cast<const float*>(at.p[1]) + i), v_div)));
+  });
+}
+
+template <class V>
+void adam8bit_kernel(const Adam8bitArgs& a, size_t begin, size_t end) {
+  with_dtypes(a.grad_dtype, a.copy_out, a.copy_dtype, [&]<DType G, bool kCopy, DType C>() {
+    for (size_t first = begin; first < end; first += kQuantBlock)
+      adam8bit_block<V, G, kCopy, C>(a, first, end - first < kQuantBlock ? end - first : kQuantBlock);
+  });
+}
+
 template <class V>
 constexpr KernelTable make_table(Isa isa) {
   return {isa,
@@ -346,7 +427,8 @@ constexpr KernelTable make_table(Isa isa) {
           &squared_norm_kernel<V>,
           &triad_kernel<V>,
           &roofline_kernel<V>,
-          &fill_kernel<V>};
+          &fill_kernel<V>,
+          &adam8bit_kernel<V>};
 }
 
 }  // namespace zo::cpu_optim::detail

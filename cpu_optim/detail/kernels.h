@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 #include "common/adam_math.h"
 #include "cpu_optim/dtype.h"
@@ -51,6 +52,37 @@ struct LionArgs {
   bool use_decay;
 };
 
+// 8-bit blockwise Adam (cpu_optim/adam8bit.h): the per-call constants, derived in double from the
+// float hyperparameters and rounded once to float, as bitsandbytes' Python hands them to torch.
+struct Adam8bitConstants {
+  float grad_scale;
+  float beta1, one_minus_beta1;
+  float beta2, one_minus_beta2;
+  float c2;  // sqrt(1 - beta2^step), or 1
+  float eps;
+  float step_size;  // -lr / (1 - beta1^step), or -lr
+  float decay;      // 1 - lr*wd; used when use_decoupled
+  float wd;         // used when use_l2
+  bool use_l2, use_decoupled;
+};
+
+// A kernel call covers whole 256-element blocks: begin is a multiple of 256 (end may cut the last).
+struct Adam8bitArgs {
+  float* params;
+  uint8_t* m_codes;
+  float* m_absmax;
+  uint8_t* v_codes;
+  float* v_absmax;
+  const float* m_map;  // 256 entries, ascending (the signed dynamic map)
+  const float* v_map;  // (the unsigned one)
+  const void* grad;
+  DType grad_dtype;
+  void* copy_out;  // nullptr: none
+  DType copy_dtype;
+  Adam8bitConstants k;
+};
+inline constexpr size_t kQuantBlock = 256;
+
 // Number of double accumulators of the squared norm; element i of a tile goes to lane i % 16.
 inline constexpr size_t kNormLanes = 16;
 
@@ -72,6 +104,7 @@ struct KernelTable {
   // rw[j][i] += float(ro[i]) for j < n_rw (≤ kMaxRooflineRw); with n_rw = 0 returns Σ float(ro[i]).
   double (*roofline)(float* const* rw, size_t n_rw, const void* ro, DType ro_dtype, size_t begin, size_t end);
   void (*fill)(float* data, float value, size_t begin, size_t end);
+  void (*adam8bit)(const Adam8bitArgs& args, size_t begin, size_t end);
 };
 
 // The table for `isa` (never kAuto), or nullptr if this build lacks it. Defined in dispatch.cpp,

@@ -2,7 +2,8 @@
 """cpu_optim::adam8bit_step against bitsandbytes' AdamW8bit (its CPU path) as the oracle: 20 steps
 on tensors of awkward sizes (a partial last block, a tensor under bitsandbytes' default 8-bit size
 threshold, a block whose gradient is always zero, a NaN gradient), then the state bytes and the absmax
-values bit for bit, and the parameters within a bound derived below, with 1 and 2 threads.
+values bit for bit, and the parameters within a bound derived below: the best kernel path here with
+1 and 2 threads, and the scalar one.
 
 The parameters cannot be bit for bit: bitsandbytes takes sqrt(v) with torch's vectorized CPU sqrt,
 which is not correctly rounded (1 ulp off for about 16% of fp32 inputs on an AVX2 build, measured),
@@ -82,13 +83,13 @@ def run_bnb(p0, grads, nearest):
         bnb_cpu_ops._quant_blockwise_fp32_direct = saved
 
 
-def run_zoffload(tmp, p0, grads, threads):
+def run_zoffload(tmp, p0, grads, threads, isa):
     n = p0.size
     with open(os.path.join(tmp, "meta.txt"), "w") as f:
         f.write("%d %d %r %r %r %r %r\n" % (n, len(grads), LR, BETAS[0], BETAS[1], EPS, WD))
     p0.astype(np.float32).tofile(os.path.join(tmp, "params.f32"))
     np.stack(grads).astype(np.float32).tofile(os.path.join(tmp, "grads.f32"))
-    r = subprocess.run([oracle, tmp, str(threads)], capture_output=True, text=True)
+    r = subprocess.run([oracle, tmp, str(threads), isa], capture_output=True, text=True)
     if not expect(r.returncode == 0, "adam8bit_oracle runs: %s" % r.stderr):
         return None
     read = lambda name, dt: np.fromfile(os.path.join(tmp, name), dtype=dt)  # noqa: E731
@@ -124,16 +125,16 @@ with tempfile.TemporaryDirectory() as tmp:
 
     for name, p0, grads in cases:
         want = run_bnb(p0, grads, nearest=True)
-        for threads in (1, 2):
-            got = run_zoffload(tmp, p0, grads, threads)
+        for threads, isa in ((1, "auto"), (2, "auto"), (1, "scalar")):
+            got = run_zoffload(tmp, p0, grads, threads, isa)
             if got is None:
                 continue
             nan = np.isnan(want[0])
             diff = np.abs(got[0].astype(np.float64) - want[0])
             expect(np.array_equal(np.isnan(got[0]), nan) and bool(np.all(diff[~nan] <= want[5][~nan])),
-                   "%s, %d thread(s): parameters within the derived bound of bitsandbytes' after %d steps "
+                   "%s, %s, %d thread(s): parameters within the derived bound of bitsandbytes' after %d steps "
                    "(%d differ; the largest difference is %.3g of its bound)" % (
-                       name, threads, STEPS, int(np.sum(diff[~nan] > 0)),
+                       name, isa, threads, STEPS, int(np.sum(diff[~nan] > 0)),
                        float(np.max(diff[~nan] / want[5][~nan]))))
             for label, a, b in zip(("exp_avg codes", "exp_avg absmax", "exp_avg_sq codes", "exp_avg_sq absmax"),
                                    got[1:], want[1:5]):
@@ -142,8 +143,8 @@ with tempfile.TemporaryDirectory() as tmp:
                                                                                     else np.uint32) !=
                                                                              b.view(np.uint8 if b.dtype == np.uint8
                                                                                     else np.uint32))), a.size)
-                expect(same, "%s, %d thread(s): %s equal bitsandbytes' after %d steps%s" % (
-                    name, threads, label, STEPS, detail))
+                expect(same, "%s, %s, %d thread(s): %s equal bitsandbytes' after %d steps%s" % (
+                    name, isa, threads, label, STEPS, detail))
         if name == "zero-block":
             expect(want[2][1] == 0 and want[4][1] == 0, "zero-block: the always-zero block keeps absmax 0")
         if name == "nan-grad":

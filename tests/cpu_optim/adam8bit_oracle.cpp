@@ -1,7 +1,7 @@
 // The zoffload side of tests/cpu_optim/adam8bit_bnb_test.py: runs cpu_optim::adam8bit_step over the
 // steps that script wrote and writes the parameters and both states back for it to compare with
-// bitsandbytes. usage: adam8bit_oracle DIR THREADS, or adam8bit_oracle --maps FILE (writes the
-// signed then the unsigned dynamic map, 512 floats).
+// bitsandbytes. usage: adam8bit_oracle DIR THREADS ISA (auto, scalar, avx2, avx512), or
+// adam8bit_oracle --maps FILE (writes the signed then the unsigned dynamic map, 512 floats).
 //   DIR/meta.txt: n steps lr beta1 beta2 eps weight_decay (text); DIR/params.f32 (n floats);
 //   DIR/grads.f32 (steps × n floats). Writes DIR/out_params.f32, out_m_codes.u8, out_m_absmax.f32,
 //   out_v_codes.u8, out_v_absmax.f32. Exit 0, or 1 with a line on stderr.
@@ -13,6 +13,7 @@
 
 #include "cpu_optim/adam8bit.h"
 #include "cpu_optim/executor.h"
+#include "cpu_optim/isa.h"
 
 namespace {
 
@@ -39,12 +40,12 @@ int fail(const std::string& msg) {
 
 int main(int argc, char** argv) {
   using namespace zo::cpu_optim;
-  if (argc != 3) return fail("usage: adam8bit_oracle DIR THREADS | --maps FILE");
-  if (std::string(argv[1]) == "--maps") {
+  if (argc == 3 && std::string(argv[1]) == "--maps") {
     std::vector<float> maps(signed_dynamic_map().begin(), signed_dynamic_map().end());
     maps.insert(maps.end(), unsigned_dynamic_map().begin(), unsigned_dynamic_map().end());
     return write_all(argv[2], maps) ? 0 : fail(std::string("cannot write ") + argv[2]);
   }
+  if (argc != 4) return fail("usage: adam8bit_oracle DIR THREADS ISA | --maps FILE");
   const std::string dir = argv[1];
   size_t n = 0, steps = 0;
   zo::AdamConfig c;
@@ -57,7 +58,9 @@ int main(int argc, char** argv) {
   std::vector<uint8_t> m_codes(n), v_codes(n);
   if (!read_all(dir + "/params.f32", &params) || !read_all(dir + "/grads.f32", &grads))
     return fail("params.f32 or grads.f32 is not n (steps × n) floats");
-  auto ex = Executor::create({.n_threads = std::stoi(argv[2])});
+  const auto isa = parse_isa(argv[3]);
+  if (!isa.is_ok()) return fail(isa.status().to_string());
+  auto ex = Executor::create({.n_threads = std::stoi(argv[2]), .isa = *isa});
   if (!ex.is_ok()) return fail(ex.status().to_string());
   for (size_t t = 0; t < steps; ++t) {
     const zo::Status s =

@@ -654,6 +654,66 @@ TEST(Executor, ResolvesAutoAndRejectsNegativeThreads) {
 }
 
 // ---- 8-bit blockwise Adam (the bitsandbytes comparison is tests/cpu_optim/adam8bit_bnb_test.py) ----
+// Five steps from the zero state on a multi-tile size with a partial last block, the gradients
+// with their specials (NaN, ±inf, denormals): every parameter, code, absmax and copy-out as scalar.
+struct Adam8bitRun {
+  std::vector<float> p, m_absmax, v_absmax;
+  std::vector<uint8_t> m_codes, v_codes;
+  Copy copy;
+};
+
+Adam8bitRun run_adam8bit(const Executor& ex, const AdamConfig& cfg, DType gdt, CopyCase cc) {
+  Adam8bitRun r{random_floats(kN, 31, 1.0f),
+                std::vector<float>(quant_block_count(kN), 0.0f),
+                std::vector<float>(quant_block_count(kN), 0.0f),
+                std::vector<uint8_t>(kN, 0),
+                std::vector<uint8_t>(kN, 0),
+                Copy(cc.on, cc.dtype, kN)};
+  for (int step = 1; step <= 5; ++step) {
+    const Grad g = random_grad(gdt, kN, 40 + static_cast<uint32_t>(step));
+    const Status s = adam8bit_step(cfg, step, r.p, {r.m_codes, r.m_absmax}, {r.v_codes, r.v_absmax}, g.span(), 0.5f,
+                                   r.copy.span(), ex);
+    ZO_CHECK(s.is_ok()) << s.to_string();
+  }
+  return r;
+}
+
+TEST_P(SimdPath, Adam8bitMatchesScalarBitForBit) {
+  AdamConfig adamw;
+  adamw.weight_decay = 0.01f;
+  AdamConfig l2 = adamw;
+  l2.adam_w_mode = false;
+  AdamConfig no_bias = adamw;
+  no_bias.bias_correction = false;
+  for (const AdamConfig& cfg : {adamw, l2, no_bias}) {
+    for (DType gdt : kDTypes) {
+      for (CopyCase cc : {CopyCase{false, DType::kBF16}, CopyCase{true, DType::kBF16}, CopyCase{true, DType::kF16}}) {
+        SCOPED_TRACE(std::string("adam_w_mode ") + (cfg.adam_w_mode ? "1" : "0") + ", bias correction " +
+                     (cfg.bias_correction ? "1" : "0") + ", grad " + std::string(dtype_name(gdt)));
+        const Adam8bitRun a = run_adam8bit(*simd_, cfg, gdt, cc), b = run_adam8bit(*scalar_, cfg, gdt, cc);
+        EXPECT_TRUE(same_floats(a.p, b.p, "params"));
+        EXPECT_TRUE(same_floats(a.m_absmax, b.m_absmax, "exp_avg absmax"));
+        EXPECT_TRUE(same_floats(a.v_absmax, b.v_absmax, "exp_avg_sq absmax"));
+        EXPECT_EQ(a.m_codes, b.m_codes);
+        EXPECT_EQ(a.v_codes, b.v_codes);
+        if (cc.on) {
+          EXPECT_TRUE(same_u16(a.copy.u16, b.copy.u16, cc.dtype, "copy-out"));
+        }
+      }
+    }
+  }
+}
+
+TEST(Adam8bit, ThreadCountDoesNotChangeTheResult) {
+  AdamConfig cfg;
+  cfg.weight_decay = 0.01f;
+  const Adam8bitRun one = run_adam8bit(*make_executor(Isa::kAuto, 1), cfg, DType::kBF16, {true, DType::kBF16});
+  const Adam8bitRun three = run_adam8bit(*make_executor(Isa::kAuto, 3), cfg, DType::kBF16, {true, DType::kBF16});
+  EXPECT_TRUE(same_floats(one.p, three.p, "params"));
+  EXPECT_TRUE(same_floats(one.m_absmax, three.m_absmax, "exp_avg absmax"));
+  EXPECT_EQ(one.m_codes, three.m_codes);
+  EXPECT_EQ(one.v_codes, three.v_codes);
+}
 
 TEST(Adam8bit, QuantizeNearestTakesTheNearestEntryAndTheLowerOnATie) {
   for (const auto* map : {&signed_dynamic_map(), &unsigned_dynamic_map()}) {
