@@ -1,13 +1,14 @@
-// adam_step, adagrad_step and lion_step: validate the spans and hyperparameters, derive every
-// per-call constant once (in double, rounded once to float, so all ISA paths see the same values),
-// then run the executor's kernel over tiles. Adam's validation and constants are common/adam_math's,
-// the ones gpu::Device::adam_step uses.
+// adam_step, adam8bit_step, adagrad_step and lion_step: validate the spans and hyperparameters,
+// derive every per-call constant once (in double, rounded once to float, so all ISA paths see the
+// same values), then run the executor's kernel over tiles. Adam's validation and constants are
+// common/adam_math's, the ones gpu::Device::adam_step uses; the 8-bit Adam's follow bitsandbytes.
 #include <cmath>
 #include <string>
 
 #include "common/adam_math.h"
 #include "cpu_optim/adagrad.h"
 #include "cpu_optim/adam.h"
+#include "cpu_optim/adam8bit.h"
 #include "cpu_optim/detail/kernels.h"
 #include "cpu_optim/lion.h"
 
@@ -52,6 +53,39 @@ const detail::KernelTable& table_for(const Executor& executor) {
 }
 
 constexpr float kInf = INFINITY;
+
+// The per-call constants, each derived in double from the float hyperparameters and rounded once
+// to float, as bitsandbytes' Python passes them to torch's float32 ops.
+detail::Adam8bitConstants constants(const AdamConfig& c, int64_t step, float grad_scale) {
+  const double b1 = c.beta1, b2 = c.beta2, lr = c.lr, wd = c.weight_decay, t = static_cast<double>(step);
+  detail::Adam8bitConstants k{};
+  k.grad_scale = grad_scale;
+  k.beta1 = c.beta1;
+  k.one_minus_beta1 = static_cast<float>(1.0 - b1);
+  k.beta2 = c.beta2;
+  k.one_minus_beta2 = static_cast<float>(1.0 - b2);
+  k.c2 = c.bias_correction ? static_cast<float>(std::sqrt(1.0 - std::pow(b2, t))) : 1.0f;
+  k.eps = c.eps;
+  k.step_size = static_cast<float>(-lr / (c.bias_correction ? 1.0 - std::pow(b1, t) : 1.0));
+  k.decay = static_cast<float>(1.0 - lr * wd);
+  k.wd = c.weight_decay;
+  k.use_l2 = !c.adam_w_mode && c.weight_decay > 0.0f;
+  k.use_decoupled = c.adam_w_mode && c.weight_decay > 0.0f;
+  return k;
+}
+
+Status check_state(const char* name, size_t n, const BlockwiseState& s) {
+  const std::string what = std::string("adam8bit_step: ") + name;
+  if (s.codes.size() != n)
+    return invalid_argument(what + " has " + std::to_string(s.codes.size()) + " codes but params has " +
+                            std::to_string(n) + " elements");
+  if (s.absmax.size() != quant_block_count(n))
+    return invalid_argument(what + " has " + std::to_string(s.absmax.size()) + " absmax values; " + std::to_string(n) +
+                            " elements need " + std::to_string(quant_block_count(n)));
+  if (n > 0 && (s.codes.data() == nullptr || s.absmax.data() == nullptr))
+    return invalid_argument(what + " is null for " + std::to_string(n) + " elements");
+  return Status::ok();
+}
 
 }  // namespace
 
@@ -146,6 +180,38 @@ Status lion_step(const LionConfig& config, std::span<float> params, std::span<fl
   a.after_decay = static_cast<float>(1.0 - static_cast<double>(config.lr) * config.weight_decay);
   a.use_decay = config.weight_decay > 0.0f;
   const auto kernel = table_for(executor).lion;
+  executor.for_each_tile(n, [&](size_t begin, size_t end) { kernel(a, begin, end); });
+  return Status::ok();
+}
+
+Status adam8bit_step(const AdamConfig& config, int64_t step, std::span<float> params, BlockwiseState exp_avg,
+                     BlockwiseState exp_avg_sq, ConstElemSpan grad, float grad_scale, ElemSpan copy_out,
+                     const Executor& executor) {
+  const char* op = "adam8bit_step";
+  const size_t n = params.size();
+  ZO_RETURN_IF_ERROR(check_state("exp_avg", n, exp_avg));
+  ZO_RETURN_IF_ERROR(check_state("exp_avg_sq", n, exp_avg_sq));
+  ZO_RETURN_IF_ERROR(check_pointers(op, n, {{"params", params.data()}, {"grad", grad.data}}));
+  ZO_RETURN_IF_ERROR(check_adam_hyperparameters(op, config, step, grad_scale));
+  ZO_RETURN_IF_ERROR(check_dtypes(op, grad, copy_out));
+  if (n == 0) return Status::ok();
+
+  detail::Adam8bitArgs a{};
+  a.params = params.data();
+  a.m_codes = exp_avg.codes.data();
+  a.m_absmax = exp_avg.absmax.data();
+  a.v_codes = exp_avg_sq.codes.data();
+  a.v_absmax = exp_avg_sq.absmax.data();
+  a.m_map = signed_dynamic_map().data();
+  a.v_map = unsigned_dynamic_map().data();
+  a.grad = grad.data;
+  a.grad_dtype = grad.dtype;
+  a.copy_out = copy_out.data;
+  a.copy_dtype = copy_out.dtype;
+  a.k = constants(config, step, grad_scale);
+  static_assert(kTileElems % kQuantBlockElems == 0, "a block must not straddle two tiles");
+  static_assert(detail::kQuantBlock == kQuantBlockElems);
+  const auto kernel = table_for(executor).adam8bit;
   executor.for_each_tile(n, [&](size_t begin, size_t end) { kernel(a, begin, end); });
   return Status::ok();
 }
