@@ -4,6 +4,8 @@
 
 #include <cmath>
 
+#include "cpu_optim/detail/kernels.h"
+
 namespace zo::cpu_optim {
 namespace {
 
@@ -106,6 +108,15 @@ constexpr std::array<float, 256> kUnsignedDynamicMap = {
 
 const std::array<float, 256>& signed_dynamic_map() { return kSignedDynamicMap; }
 const std::array<float, 256>& unsigned_dynamic_map() { return kUnsignedDynamicMap; }
+
+namespace detail {
+void fill_search_tables(const float* map, SearchTables* t) {
+  float* levels[] = {t->l128, t->l64, t->l32, t->l16, t->l8, t->l4};
+  const size_t sizes[] = {8, 8, 8, 8, 16, 32};
+  for (size_t l = 0, half = 128; l < 6; ++l, half >>= 1)
+    for (size_t j = 0; j < sizes[l]; ++j) levels[l][j] = j < 128 / half ? map[j * 2 * half + half] : map[255];
+}
+}  // namespace detail
 
 uint8_t quantize_nearest(const std::array<float, 256>& map, float x) {
   size_t i = 0;  // the largest index with map[i] <= x (0 when none, or for NaN)

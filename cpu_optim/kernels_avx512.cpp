@@ -59,7 +59,8 @@ struct Avx512Vec {
     return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MAX)));
   }
   static F max_keep(F acc, F x) { return _mm512_maskz_max_ps(0xFFFF, x, acc); }  // acc where x is NaN
-  static float hmax(F x) {  // once per block: through memory
+  // Once per block: through memory.
+  static float hmax(F x) {
     alignas(64) float lanes[16];
     _mm512_store_ps(lanes, x);
     float m = lanes[0];

@@ -341,10 +341,18 @@ void fill_kernel(float* data, float value, size_t begin, size_t end) {
 // The entry of `map` (256 ascending floats) nearest x, per lane, the lower on a tie, 0 for NaN: a
 // branch-free binary search for the largest i with map[i] <= x (0 when none: every comparison with
 // NaN is false), then a step right where map[i+1] is strictly nearer (at 255, map[i+1] is map[255]).
+// A V may provide search_top(const SearchTables&, F x): the first six levels (half = 128 … 4), whose
+// candidates map[j*2*half + half] are few enough to be picked from registers instead of gathered
+// (the same values, so the same comparisons and result).
 template <class V>
-typename V::I nearest_code(const float* map, typename V::F x) {
+typename V::I nearest_code(const float* map, const SearchTables& top, typename V::F x) {
   typename V::I i = V::izero();
-  for (int half = 128; half > 0; half >>= 1) i = V::add_where_le(i, V::gather(map, V::iadd(i, half)), x, half);
+  int half = 128;
+  if constexpr (requires { V::search_top(top, x); }) {
+    i = V::search_top(top, x);
+    half = 2;
+  }
+  for (; half > 0; half >>= 1) i = V::add_where_le(i, V::gather(map, V::iadd(i, half)), x, half);
   const typename V::F lo = V::gather(map, i), hi = V::gather(map, V::imin(V::iadd(i, 1), 255));
   return V::add_where_lt(i, V::abs(V::sub(x, hi)), V::abs(V::sub(x, lo)));
 }
@@ -402,9 +410,9 @@ void adam8bit_block(const Adam8bitArgs& a, size_t first, size_t n) {
       {m_new, 4, false}, {v_new, 4, false}, {a.m_codes + first, 1, true}, {a.v_codes + first, 1, true}};
   for_blocks<W>(quantize, 0, n, [&](const Ptrs<4>& at, size_t i) {
     V::store_codes(static_cast<uint8_t*>(at.p[2]) + i,
-                   nearest_code<V>(a.m_map, V::div(V::load(static_cast<const float*>(at.p[0]) + i), m_div)));
+                   nearest_code<V>(a.m_map, a.m_top, V::div(V::load(static_cast<const float*>(at.p[0]) + i), m_div)));
     V::store_codes(static_cast<uint8_t*>(at.p[3]) + i,
-                   nearest_code<V>(a.v_map, V::div(V::load(static_cast<const float*>(at.p[1]) + i), v_div)));
+                   nearest_code<V>(a.v_map, a.v_top, V::div(V::load(static_cast<const float*>(at.p[1]) + i), v_div)));
   });
 }
 

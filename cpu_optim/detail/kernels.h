@@ -66,6 +66,13 @@ struct Adam8bitConstants {
   bool use_l2, use_decoupled;
 };
 
+// The candidates of the first six levels of the binary search over a 256-entry map: level[h] holds
+// map[j*2h + h] for j < 128/h (h = 128, 64, 32, 16, 8, 4), padded to whole 8-float rows.
+struct SearchTables {
+  alignas(32) float l128[8], l64[8], l32[8], l16[8], l8[16], l4[32];
+};
+void fill_search_tables(const float* map, SearchTables* t);  // cpu_optim/adam8bit.cpp
+
 // A kernel call covers whole 256-element blocks: begin is a multiple of 256 (end may cut the last).
 struct Adam8bitArgs {
   float* params;
@@ -73,8 +80,9 @@ struct Adam8bitArgs {
   float* m_absmax;
   uint8_t* v_codes;
   float* v_absmax;
-  const float* m_map;  // 256 entries, ascending (the signed dynamic map)
-  const float* v_map;  // (the unsigned one)
+  const float* m_map;         // 256 entries, ascending (the signed dynamic map)
+  const float* v_map;         // (the unsigned one)
+  SearchTables m_top, v_top;  // fill_search_tables of m_map and v_map
   const void* grad;
   DType grad_dtype;
   void* copy_out;  // nullptr: none
