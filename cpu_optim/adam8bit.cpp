@@ -1,8 +1,7 @@
-// The two dynamic maps the 8-bit states index, and the nearest-entry rule (cpu_optim/adam8bit.h).
+// The two dynamic maps the 8-bit states index, their search tables, and quantize_nearest (the
+// kernels' nearest-entry rule for one value, through the scalar path).
 // adam8bit_step is in optimizers.cpp, beside the other optimizers' validation and dispatch.
 #include "cpu_optim/adam8bit.h"
-
-#include <cmath>
 
 #include "cpu_optim/detail/kernels.h"
 
@@ -116,14 +115,32 @@ void fill_search_tables(const float* map, SearchTables* t) {
   for (size_t l = 0, half = 128; l < 6; ++l, half >>= 1)
     for (size_t j = 0; j < sizes[l]; ++j) levels[l][j] = j < 128 / half ? map[j * 2 * half + half] : map[255];
 }
+
+const SearchTables& signed_map_search_tables() {
+  static const SearchTables t = [] {
+    SearchTables s;
+    fill_search_tables(kSignedDynamicMap.data(), &s);
+    return s;
+  }();
+  return t;
+}
+
+const SearchTables& unsigned_map_search_tables() {
+  static const SearchTables t = [] {
+    SearchTables s;
+    fill_search_tables(kUnsignedDynamicMap.data(), &s);
+    return s;
+  }();
+  return t;
+}
 }  // namespace detail
 
 uint8_t quantize_nearest(const std::array<float, 256>& map, float x) {
-  size_t i = 0;  // the largest index with map[i] <= x (0 when none, or for NaN)
-  for (size_t half = 128; half > 0; half >>= 1)
-    if (map[i + half] <= x) i += half;
-  if (i < 255 && std::fabs(x - map[i + 1]) < std::fabs(x - map[i])) ++i;
-  return static_cast<uint8_t>(i);
+  detail::SearchTables top;
+  detail::fill_search_tables(map.data(), &top);
+  uint8_t code = 0;
+  detail::kScalarKernels.nearest_codes(map.data(), top, &x, &code, 0, 1);
+  return code;
 }
 
 }  // namespace zo::cpu_optim

@@ -30,7 +30,8 @@ inline constexpr size_t quant_block_count(size_t n) { return (n + kQuantBlockEle
 const std::array<float, 256>& signed_dynamic_map();
 const std::array<float, 256>& unsigned_dynamic_map();
 
-// The index of the entry of `map` (ascending) nearest x, the lower one on a tie; 0 for NaN.
+// The index of the entry of `map` (ascending) nearest x, the lower one on a tie; 0 for NaN: the
+// kernels' rule for one value (through the scalar path; for tests and one-off values).
 uint8_t quantize_nearest(const std::array<float, 256>& map, float x);
 
 // One 8-bit blockwise state of n elements: element i is map[codes[i]] * absmax[i / 256].

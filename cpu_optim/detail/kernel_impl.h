@@ -410,9 +410,9 @@ void adam8bit_block(const Adam8bitArgs& a, size_t first, size_t n) {
       {m_new, 4, false}, {v_new, 4, false}, {a.m_codes + first, 1, true}, {a.v_codes + first, 1, true}};
   for_blocks<W>(quantize, 0, n, [&](const Ptrs<4>& at, size_t i) {
     V::store_codes(static_cast<uint8_t*>(at.p[2]) + i,
-                   nearest_code<V>(a.m_map, a.m_top, V::div(V::load(static_cast<const float*>(at.p[0]) + i), m_div)));
+                   nearest_code<V>(a.m_map, *a.m_top, V::div(V::load(static_cast<const float*>(at.p[0]) + i), m_div)));
     V::store_codes(static_cast<uint8_t*>(at.p[3]) + i,
-                   nearest_code<V>(a.v_map, a.v_top, V::div(V::load(static_cast<const float*>(at.p[1]) + i), v_div)));
+                   nearest_code<V>(a.v_map, *a.v_top, V::div(V::load(static_cast<const float*>(at.p[1]) + i), v_div)));
   });
 }
 
@@ -421,6 +421,16 @@ void adam8bit_kernel(const Adam8bitArgs& a, size_t begin, size_t end) {
   with_dtypes(a.grad_dtype, a.copy_out, a.copy_dtype, [&]<DType G, bool kCopy, DType C>() {
     for (size_t first = begin; first < end; first += kQuantBlock)
       adam8bit_block<V, G, kCopy, C>(a, first, end - first < kQuantBlock ? end - first : kQuantBlock);
+  });
+}
+
+template <class V>
+void nearest_codes_kernel(const float* map, const SearchTables& top, const float* x, uint8_t* codes, size_t begin,
+                          size_t end) {
+  const Stream streams[2] = {{const_cast<float*>(x), 4, false}, {codes, 1, true}};
+  for_blocks<V::W>(streams, begin, end, [&](const Ptrs<2>& at, size_t i) {
+    V::store_codes(static_cast<uint8_t*>(at.p[1]) + i,
+                   nearest_code<V>(map, top, V::load(static_cast<const float*>(at.p[0]) + i)));
   });
 }
 
@@ -436,7 +446,8 @@ constexpr KernelTable make_table(Isa isa) {
           &triad_kernel<V>,
           &roofline_kernel<V>,
           &fill_kernel<V>,
-          &adam8bit_kernel<V>};
+          &adam8bit_kernel<V>,
+          &nearest_codes_kernel<V>};
 }
 
 }  // namespace zo::cpu_optim::detail

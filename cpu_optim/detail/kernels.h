@@ -72,6 +72,9 @@ struct SearchTables {
   alignas(32) float l128[8], l64[8], l32[8], l16[8], l8[16], l4[32];
 };
 void fill_search_tables(const float* map, SearchTables* t);  // cpu_optim/adam8bit.cpp
+// The tables of the two dynamic maps, filled once (cpu_optim/adam8bit.cpp).
+const SearchTables& signed_map_search_tables();
+const SearchTables& unsigned_map_search_tables();
 
 // A kernel call covers whole 256-element blocks: begin is a multiple of 256 (end may cut the last).
 struct Adam8bitArgs {
@@ -82,7 +85,8 @@ struct Adam8bitArgs {
   float* v_absmax;
   const float* m_map;         // 256 entries, ascending (the signed dynamic map)
   const float* v_map;         // (the unsigned one)
-  SearchTables m_top, v_top;  // fill_search_tables of m_map and v_map
+  const SearchTables* m_top;  // the search tables of m_map and v_map
+  const SearchTables* v_top;
   const void* grad;
   DType grad_dtype;
   void* copy_out;  // nullptr: none
@@ -113,6 +117,9 @@ struct KernelTable {
   double (*roofline)(float* const* rw, size_t n_rw, const void* ro, DType ro_dtype, size_t begin, size_t end);
   void (*fill)(float* data, float value, size_t begin, size_t end);
   void (*adam8bit)(const Adam8bitArgs& args, size_t begin, size_t end);
+  // codes[i] = the entry of `map` nearest x[i] (adam8bit's rule: the lower on a tie, 0 for NaN).
+  void (*nearest_codes)(const float* map, const SearchTables& top, const float* x, uint8_t* codes, size_t begin,
+                        size_t end);
 };
 
 // The table for `isa` (never kAuto), or nullptr if this build lacks it. Defined in dispatch.cpp,
