@@ -310,16 +310,11 @@ double score(const IoRow& r, const Plan& p) {
 }
 
 int run_io_bench(const IoArgs& args) {
+  const BenchError usage{"io", 2}, failure{"io", 1};
   auto plan_or = make_plan(args);
-  if (!plan_or.is_ok()) {
-    std::fprintf(stderr, "zoffload-bench io: %s\n", plan_or.status().message().c_str());
-    return 2;
-  }
+  if (!plan_or.is_ok()) return usage(plan_or.status().message());
   const Plan& plan = *plan_or;
-  auto fail = [](const Status& s) {
-    std::fprintf(stderr, "zoffload-bench io: %s\n", s.to_string().c_str());
-    return 1;
-  };
+  auto fail = [&failure](const Status& s) { return failure(s.to_string()); };
 
   // Resolve backends: "auto" once; unavailable ones in a list of several are skipped and said so.
   std::vector<Backend> backends;
