@@ -92,6 +92,9 @@ int run_inspect(const CkptArgs& a) {
               info->state.loss_scaler.cur_scale);
   std::printf("  model %s: %zu tensors, %llu parameters\n", info->state.model.c_str(), info->manifest.tensors.size(),
               static_cast<unsigned long long>(d["parameters"].get<uint64_t>()));
+  std::printf("  Adam moments %s\n", info->manifest.moments == engine::MomentDtype::k8bit
+                                         ? "8-bit blockwise (codes + absmax per 256, fp32 under 4096 elements)"
+                                         : "fp32");
   std::printf("  data %s, seq_len %llu, seed %llu, position epoch %llu batch %llu\n", info->state.data.c_str(),
               static_cast<unsigned long long>(info->state.seq_len), static_cast<unsigned long long>(info->state.seed),
               static_cast<unsigned long long>(info->state.data_position.epoch),

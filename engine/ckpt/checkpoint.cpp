@@ -18,6 +18,7 @@
 #include "common/log.h"
 #include "common/string_util.h"
 #include "common/timer.h"
+#include "engine/ckpt/state_files.h"
 #include "engine/model/safetensors.h"
 
 namespace zo::engine {
@@ -132,16 +133,16 @@ Result<std::vector<std::pair<uint64_t, std::string>>> step_dirs(io::Env* env, co
   return out;
 }
 
-std::string state_file_header(StateKind kind, const std::vector<CheckpointTensor>& tensors) {
-  std::vector<SafetensorsEntry> entries;
-  for (const CheckpointTensor& t : tensors) entries.push_back({t.name, DType::kF32, t.shape});
-  return safetensors_header(entries, {{"format", "pt"}, {"zoffload_state", std::string(state_name(kind))}});
+// The bytes `file` carries of sub-group g's state.
+std::pair<uint64_t, uint64_t> part_of(const StateStore& store, uint32_t g, const StateFile& file) {
+  return group_part(store.registry(), store.plan().placement, g, file);
 }
 
-// Appends `kind` of sub-groups [begin, end) to `writer` (a StreamWriter or a RangeWriter).
+// Appends the part `file` carries of sub-groups [begin, end) to `writer` (a StreamWriter or a RangeWriter).
 template <class Writer>
-Status stream_groups(Writer& writer, StateStore& store, StateKind kind, uint32_t begin, uint32_t end,
+Status stream_groups(Writer& writer, StateStore& store, const StateFile& file, uint32_t begin, uint32_t end,
                      const std::function<void(uint64_t)>& on_bytes) {
+  const StateKind kind = file.kind;
   // Note [Save pipeline]: up to kWriteSlots - 1 reads from the swap file are in flight into reserved
   // staging spans while the oldest is checksummed and committed, and full slots are being written:
   // the drive reads and writes at once and the CRC overlaps both.
@@ -153,14 +154,14 @@ Status stream_groups(Writer& writer, StateStore& store, StateKind kind, uint32_t
     inflight.clear();
   };
   uint32_t gi = begin;
-  uint64_t off = 0;
+  uint64_t off = gi < end ? part_of(store, gi, file).first : 0;
   Status s;
   while (s.is_ok()) {
     while (s.is_ok() && gi < end && inflight.size() < kWriteSlots - 1) {
-      const uint64_t bytes = store.state_bytes(gi, kind);
+      const uint64_t bytes = part_of(store, gi, file).second;
       if (off == bytes) {
         ++gi;
-        off = 0;
+        if (gi < end) off = part_of(store, gi, file).first;
         continue;
       }
       auto span = writer.reserve(bytes - off);
@@ -187,13 +188,13 @@ Status stream_groups(Writer& writer, StateStore& store, StateKind kind, uint32_t
   return s;
 }
 
-Status write_state_file(io::Env* env, StateStore& store, StateKind kind, const std::string& path,
+Status write_state_file(io::Env* env, StateStore& store, const StateFile& file, const std::string& path,
                         std::span<std::byte> staging, const std::vector<CheckpointTensor>& tensors, FileDigest* digest,
                         const std::function<void(uint64_t)>& on_bytes) {
-  const std::string header = state_file_header(kind, tensors);
+  const std::string header = state_file_prefix(file, tensors);
   ZO_ASSIGN_OR_RETURN(auto writer, StreamWriter::create(store.io(), path, staging, kWriteSlots, env));
-  ZO_RETURN_IF_ERROR(writer->append(std::as_bytes(std::span(header.data(), header.size()))));
-  ZO_RETURN_IF_ERROR(stream_groups(*writer, store, kind, 0, store.plan().n_sub_groups, on_bytes));
+  if (!header.empty()) ZO_RETURN_IF_ERROR(writer->append(std::as_bytes(std::span(header.data(), header.size()))));
+  ZO_RETURN_IF_ERROR(stream_groups(*writer, store, file, 0, store.plan().n_sub_groups, on_bytes));
   ZO_ASSIGN_OR_RETURN(*digest, writer->finish());
   return Status::ok();
 }
@@ -285,6 +286,7 @@ Result<SaveResult> save_collaborative(StateStore& store, const TrainingState& st
     return internal_error(context + ": a collaborative save needs a store partitioned over the " +
                           std::to_string(c.world_size) + " ranks");
   const std::vector<CheckpointTensor> tensors = tensors_of(reg);
+  const std::vector<StateFile> files = state_files(plan.placement.moments);
   // root's text on every rank.
   auto share = [&](uint32_t root, std::string text, const std::string& what) -> Result<std::string> {
     uint64_t n = text.size();
@@ -305,10 +307,10 @@ Result<SaveResult> save_collaborative(StateStore& store, const TrainingState& st
     Result<std::string> t = begin_save(env, store, state, options, context);
     started = t.status();
     if (t.is_ok()) tmp = *t;
-    for (StateKind kind : kSavedStates) {
+    for (const StateFile& file : files) {
       if (!started.is_ok()) break;
-      const uint64_t size = state_file_header(kind, tensors).size() + reg.total_elems() * 4;
-      started = create_sized_file(tmp + "/" + state_file_name(kind), size, env).with_context(context);
+      const uint64_t size = state_file_prefix(file, tensors).size() + state_file_data_bytes(file, tensors);
+      started = create_sized_file(tmp + "/" + file.name, size, env).with_context(context);
     }
     if (started.is_ok()) phase(SavePhase::kStarted);
     if (!started.is_ok() && !tmp.empty()) remove_failed_save(env, tmp, context);
@@ -322,8 +324,11 @@ Result<SaveResult> save_collaborative(StateStore& store, const TrainingState& st
 
   // 2. This rank's run of each state file.
   uint64_t own_bytes = 0;
-  for (StateKind kind : kSavedStates) {
-    for (uint32_t g = plan.owned_begin; g < plan.owned_end; ++g) own_bytes += store.state_bytes(g, kind);
+  for (const StateFile& file : files) {
+    for (uint32_t g = plan.owned_begin; g < plan.owned_end; ++g) {
+      const auto [b, e] = part_of(store, g, file);
+      own_bytes += e - b;
+    }
   }
   std::vector<RangeDigest> mine;
   Status written = [&]() -> Status {
@@ -336,19 +341,26 @@ Result<SaveResult> save_collaborative(StateStore& store, const TrainingState& st
       done += n;
       if (options.progress) options.progress(done, own_bytes);
     };
-    for (StateKind kind : kSavedStates) {
-      const std::string header = state_file_header(kind, tensors);
+    for (const StateFile& file : files) {
+      const std::string header = state_file_prefix(file, tensors);
       const uint64_t data_start = header.size();
+      // Where each partition's parts start: the parts of the sub-groups before it, after the prefix.
       auto file_offset = [&](uint32_t partition) {
         if (partition == 0) return uint64_t{0};
-        if (partition == c.world_size) return data_start + reg.total_elems() * 4;
-        return data_start + reg.sub_groups()[reg.partition_groups(partition).first].first_elem * 4;
+        if (partition == c.world_size) return data_start + state_file_data_bytes(file, tensors);
+        uint64_t off = data_start;
+        for (uint32_t g = 0; g < reg.partition_groups(partition).first; ++g) {
+          const auto [b, e] = part_of(store, g, file);
+          off += e - b;
+        }
+        return off;
       };
-      const std::string path = tmp + "/" + state_file_name(kind);
+      const std::string path = tmp + "/" + file.name;
       ZO_ASSIGN_OR_RETURN(auto writer, RangeWriter::create(store.io(), path, file_offset(c.rank),
                                                            file_offset(c.rank + 1), staging.bytes(), kWriteSlots, env));
-      if (c.rank == 0) ZO_RETURN_IF_ERROR(writer->append(std::as_bytes(std::span(header.data(), header.size()))));
-      ZO_RETURN_IF_ERROR(stream_groups(*writer, store, kind, plan.owned_begin, plan.owned_end, on_bytes));
+      if (c.rank == 0 && !header.empty())
+        ZO_RETURN_IF_ERROR(writer->append(std::as_bytes(std::span(header.data(), header.size()))));
+      ZO_RETURN_IF_ERROR(stream_groups(*writer, store, file, plan.owned_begin, plan.owned_end, on_bytes));
       ZO_ASSIGN_OR_RETURN(RangeDigest d, writer->finish());
       mine.push_back(std::move(d));
       if (c.rank == 0) phase(SavePhase::kStateFileDone);
@@ -361,8 +373,8 @@ Result<SaveResult> save_collaborative(StateStore& store, const TrainingState& st
     payload.append(reinterpret_cast<const char*>(head), sizeof head);
     payload.append(reinterpret_cast<const char*>(d.piece_crc32c.data()), d.piece_crc32c.size() * sizeof(uint32_t));
   }
-  // Every rank's digests, per state file in kSavedStates order; the first failure.
-  std::vector<std::vector<RangeDigest>> ranges(std::size(kSavedStates));
+  // Every rank's digests, per state file in `files` order; the first failure.
+  std::vector<std::vector<RangeDigest>> ranges(files.size());
   Status failure;
   for (uint32_t r = 0; r < c.world_size; ++r) {
     ZO_ASSIGN_OR_RETURN(const std::string text, share(r, r == c.rank ? ok_or_error(written, payload) : std::string(),
@@ -396,11 +408,11 @@ Result<SaveResult> save_collaborative(StateStore& store, const TrainingState& st
       Manifest manifest;
       manifest.step = state.steps_done;
       manifest.tensors = tensors;
+      manifest.moments = plan.placement.moments;
       committed = [&]() -> Status {
-        for (size_t k = 0; k < std::size(kSavedStates); ++k) {
-          const std::string file = state_file_name(kSavedStates[k]);
-          const uint64_t size = state_file_header(kSavedStates[k], tensors).size() + reg.total_elems() * 4;
-          ZO_ASSIGN_OR_RETURN(FileDigest d, combine_range_digests(file, size, ranges[k]));
+        for (size_t k = 0; k < files.size(); ++k) {
+          const uint64_t size = state_file_prefix(files[k], tensors).size() + state_file_data_bytes(files[k], tensors);
+          ZO_ASSIGN_OR_RETURN(FileDigest d, combine_range_digests(files[k].name, size, ranges[k]));
           manifest.files.push_back(std::move(d));
         }
         return publish_save(env, tmp, final_dir, state, model_config_json, manifest, &result.bytes, phase);
@@ -451,12 +463,12 @@ Result<SaveResult> save_checkpoint(StateStore& store, const TrainingState& state
   Manifest manifest;
   manifest.step = state.steps_done;
   manifest.tensors = tensors_of(store.registry());
+  manifest.moments = store.plan().placement.moments;
+  const std::vector<StateFile> files = state_files(manifest.moments);
   // Everything up to the rename happens in tmp: on failure, remove it and report.
   auto write_all = [&]() -> Status {
     uint64_t total = 0, done = 0;
-    for (StateKind kind : kSavedStates) {
-      for (const SubGroup& g : store.registry().sub_groups()) total += store.state_bytes(g.index, kind);
-    }
+    for (const StateFile& file : files) total += state_file_data_bytes(file, manifest.tensors);
     // No more staging than one state file (and 1 MiB for its header) needs.
     ZO_ASSIGN_OR_RETURN(AlignedBuffer staging, AlignedBuffer::allocate(staging_bytes_for(
                                                    options.staging_bytes, total / 3 + (uint64_t{1} << 20))));
@@ -464,10 +476,10 @@ Result<SaveResult> save_checkpoint(StateStore& store, const TrainingState& state
       done += n;
       if (options.progress) options.progress(done, total);
     };
-    for (StateKind kind : kSavedStates) {
+    for (const StateFile& file : files) {
       FileDigest digest;
-      ZO_RETURN_IF_ERROR(write_state_file(env, store, kind, tmp + "/" + state_file_name(kind), staging.bytes(),
-                                          manifest.tensors, &digest, on_bytes));
+      ZO_RETURN_IF_ERROR(write_state_file(env, store, file, tmp + "/" + file.name, staging.bytes(), manifest.tensors,
+                                          &digest, on_bytes));
       manifest.files.push_back(std::move(digest));
       phase(SavePhase::kStateFileDone);
     }

@@ -1,11 +1,15 @@
 #include "engine/ckpt/checkpoint.h"
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
+#include <cstring>
 #include <filesystem>
 
 #include "common/check.h"
 #include "common/string_util.h"
+#include "cpu_optim/adam8bit.h"
+#include "engine/ckpt/state_files.h"
 #include "engine/model/safetensors.h"
 
 namespace zo::engine {
@@ -69,8 +73,11 @@ Result<CheckpointInfo> open_checkpoint(const std::string& path, io::Env* env) {
   }
   ZO_ASSIGN_OR_RETURN(json mj, parse_json_object(*mtext, mpath));
   ZO_ASSIGN_OR_RETURN(info.manifest, Manifest::from_json(mj, mpath));
-  for (const char* required : {kMasterFile, kExpAvgFile, kExpAvgSqFile, kTrainerStateFile, kModelConfigFile}) {
+  for (const char* required : {kTrainerStateFile, kModelConfigFile}) {
     if (!info.manifest.find(required)) return corruption(mpath + ": lists no " + required);
+  }
+  for (const StateFile& file : state_files(info.manifest.moments)) {
+    if (!info.manifest.find(file.name)) return corruption(mpath + ": lists no " + file.name);
   }
   for (const FileDigest& f : info.manifest.files) {
     const std::string fpath = path + "/" + f.name;
@@ -99,14 +106,24 @@ Result<CheckpointInfo> open_checkpoint(const std::string& path, io::Env* env) {
     return corruption(mpath + ": step " + std::to_string(info.manifest.step) + " but " + kTrainerStateFile +
                       " says steps_done " + std::to_string(info.state.steps_done));
   }
-  // The state files' headers must list the manifest's tensors, in order, as F32.
-  for (StateKind kind : kSavedStates) {
-    const std::string fpath = path + "/" + state_file_name(kind);
+  // The state files' headers must list the tensors the manifest's imply, in order, as F32; a codes
+  // file holds a byte per element of the quantized ones.
+  for (const StateFile& file : state_files(info.manifest.moments)) {
+    const std::string fpath = path + "/" + file.name;
+    if (file.part == StatePart::kMomentCodes) {
+      const uint64_t want = state_file_data_bytes(file, info.manifest.tensors);
+      if (info.manifest.find(file.name)->size_bytes != want) {
+        return corruption(fpath + ": " + std::to_string(info.manifest.find(file.name)->size_bytes) +
+                          " bytes, but the manifest's tensors have " + std::to_string(want) + " quantized elements");
+      }
+      continue;
+    }
+    const std::vector<SafetensorsEntry> expected = state_file_tensors(file, info.manifest.tensors);
     ZO_ASSIGN_OR_RETURN(auto st, SafetensorsFile::open(fpath, env));
     const auto& ts = st->tensors();
-    if (ts.size() != info.manifest.tensors.size()) {
-      return corruption(fpath + ": " + std::to_string(ts.size()) + " tensors, the manifest lists " +
-                        std::to_string(info.manifest.tensors.size()));
+    if (ts.size() != expected.size()) {
+      return corruption(fpath + ": " + std::to_string(ts.size()) + " tensors, the manifest implies " +
+                        std::to_string(expected.size()));
     }
     uint64_t expect_offset = ts.empty() ? 0 : ts.front().data_offset_bytes;
     if (expect_offset % 4 != 0) {
@@ -114,7 +131,7 @@ Result<CheckpointInfo> open_checkpoint(const std::string& path, io::Env* env) {
                         ", not a multiple of 4 (a zoffload checkpoint pads it to 4096)");
     }
     for (size_t i = 0; i < ts.size(); ++i) {
-      const CheckpointTensor& t = info.manifest.tensors[i];
+      const SafetensorsEntry& t = expected[i];
       if (ts[i].name != t.name || ts[i].shape != t.shape || ts[i].dtype != DType::kF32 ||
           ts[i].data_offset_bytes != expect_offset) {
         return corruption(fpath + ": tensor " + std::to_string(i) + " is " + ts[i].name + " " +
@@ -167,24 +184,50 @@ Status load_checkpoint(const CheckpointInfo& ckpt, StateStore& store, io::IoEngi
     }
   }
   const MemoryPlan& plan = store.plan();
-  for (StateKind kind : kSavedStates) {
-    const std::string fpath = ckpt.path + "/" + state_file_name(kind);
-    ZO_ASSIGN_OR_RETURN(auto header, SafetensorsFile::open(fpath, env));
-    const uint64_t data_start =
-        header->tensors().empty() ? header->file_size_bytes() : header->tensors().front().data_offset_bytes;
-    // File bytes [data_start, ...) are the flat fp32 state of every sub-group in order.
+  if (ckpt.manifest.moments != plan.placement.moments) {
+    return invalid_argument(context + ": it keeps Adam's moments in " +
+                            std::string(moment_dtype_name(ckpt.manifest.moments)) + ", this run in " +
+                            std::string(moment_dtype_name(plan.placement.moments)) +
+                            " (zoffload.moment_dtype): resume with the checkpoint's moment_dtype");
+  }
+  const uint32_t n_groups = plan.n_sub_groups;
+  for (const StateFile& file : state_files(plan.placement.moments)) {
+    const StateKind kind = file.kind;
+    const std::string fpath = ckpt.path + "/" + file.name;
+    // What precedes the sub-groups' parts: the header (a codes file has none) and, in an 8-bit
+    // moment's safetensors, the map, which must be the one this build quantizes with.
+    uint64_t data_start = 0;
+    if (file.part != StatePart::kMomentCodes) {
+      ZO_ASSIGN_OR_RETURN(auto header, SafetensorsFile::open(fpath, env));
+      data_start = header->tensors().empty() ? header->file_size_bytes() : header->tensors().front().data_offset_bytes;
+      if (file.part == StatePart::kMomentAux) {
+        const auto& want =
+            kind == StateKind::kExpAvg ? cpu_optim::signed_dynamic_map() : cpu_optim::unsigned_dynamic_map();
+        std::array<float, 256> map{};
+        ZO_RETURN_IF_ERROR(
+            header->read_raw(header->tensors().front(), 0, {reinterpret_cast<uint8_t*>(map.data()), sizeof map}));
+        if (std::memcmp(map.data(), want.data(), sizeof map) != 0)
+          return corruption(fpath + ": its " + kQuantMapTensor + " is not the map this zoffload quantizes with");
+        data_start += sizeof map;
+      }
+    }
+    // File bytes [data_start, ...) are the parts of every sub-group in order: part_start[g] is where
+    // sub-group g's begins, relative to data_start.
+    std::vector<uint64_t> part_start(n_groups + 1, 0);
+    std::vector<uint64_t> part_first(n_groups, 0);
+    for (uint32_t i = 0; i < n_groups; ++i) {
+      const auto [b, e] = group_part(reg, plan.placement, i, file);
+      part_first[i] = b;
+      part_start[i + 1] = part_start[i] + (e - b);
+    }
     uint32_t g = 0;
     auto consume = [&](uint64_t offset, std::span<const std::byte> bytes) -> Status {
       uint64_t flat = offset - data_start;
       while (!bytes.empty()) {
-        while (g < reg.sub_groups().size() &&
-               flat >= (reg.sub_groups()[g].first_elem + reg.sub_groups()[g].n_elems) * 4) {
-          ++g;
-        }
-        if (g == reg.sub_groups().size()) return corruption(fpath + ": more data than the model's parameters");
-        const SubGroup& sg = reg.sub_groups()[g];
-        const uint64_t in_group = flat - sg.first_elem * 4;
-        const uint64_t n = std::min<uint64_t>(bytes.size(), sg.n_elems * 4 - in_group);
+        while (g < n_groups && flat >= part_start[g + 1]) ++g;
+        if (g == n_groups) return corruption(fpath + ": more data than the model's parameters");
+        const uint64_t in_group = part_first[g] + (flat - part_start[g]);
+        const uint64_t n = std::min<uint64_t>(bytes.size(), part_start[g + 1] - flat);
         if (plan.owns(g)) ZO_RETURN_IF_ERROR(store.write_state_range(g, kind, in_group, bytes.first(n)));
         if (kind == StateKind::kMaster && plan.holds(g, StateKind::kCompute)) {
           ZO_CHECK(in_group % 4 == 0 && n % 4 == 0) << fpath << ": unaligned fp32 run";
@@ -199,16 +242,14 @@ Status load_checkpoint(const CheckpointInfo& ckpt, StateStore& store, io::IoEngi
     // A data-parallel rank (Note [Partitions]) reads its partition's run of exp_avg and exp_avg_sq,
     // and all of master, whose every element sets a compute copy — or, when the compute copies are
     // partitioned too (stage 3), its run of master as well.
-    const FileDigest& digest = *ckpt.manifest.find(state_file_name(kind));
+    const FileDigest& digest = *ckpt.manifest.find(file.name);
     Status read;
     if ((kind == StateKind::kMaster && !plan.partition_params) || !plan.partitioned()) {
       read = read_stream(io, env, fpath, digest, staging, data_start, consume, {});
     } else {
-      const SubGroup& first = reg.sub_groups()[plan.owned_begin];
-      const SubGroup& last = reg.sub_groups()[plan.owned_end - 1];
       g = plan.owned_begin;
-      read = read_stream_range(io, env, fpath, digest, staging, data_start + first.first_elem * 4,
-                               data_start + (last.first_elem + last.n_elems) * 4, consume, {});
+      read = read_stream_range(io, env, fpath, digest, staging, data_start + part_start[plan.owned_begin],
+                               data_start + part_start[plan.owned_end], consume, {});
     }
     ZO_RETURN_IF_ERROR(read.with_context(context));
   }
@@ -236,6 +277,7 @@ json describe_checkpoint(const CheckpointInfo& ckpt) {
               {"data", ckpt.state.data},
               {"seq_len", ckpt.state.seq_len},
               {"world_size", ckpt.state.world_size},
+              {"moment_dtype", moment_dtype_name(ckpt.manifest.moments)},
               {"tensors", ckpt.manifest.tensors.size()},
               {"parameters", params},
               {"bytes", bytes},

@@ -6,6 +6,7 @@
 
 #include "common/check.h"
 #include "common/string_util.h"
+#include "engine/ckpt/state_files.h"
 
 namespace zo::engine {
 using json = nlohmann::json;
@@ -179,9 +180,15 @@ json Manifest::to_json() const {
   json tensors_j = json::array();
   for (const CheckpointTensor& t : tensors)
     tensors_j.push_back({{"name", t.name}, {"dtype", "F32"}, {"shape", t.shape}});
-  return {{"format", kFormatName}, {"format_version", format_version},
-          {"step", step},          {"state_files", {kMasterFile, kExpAvgFile, kExpAvgSqFile}},
-          {"tensors", tensors_j},  {"files", files_j}};
+  json state_files_j = json::array();
+  for (const StateFile& f : state_files(moments)) state_files_j.push_back(f.name);
+  return {{"format", kFormatName},
+          {"format_version", format_version},
+          {"step", step},
+          {"moment_dtype", moment_dtype_name(moments)},
+          {"state_files", state_files_j},
+          {"tensors", tensors_j},
+          {"files", files_j}};
 }
 
 Result<Manifest> Manifest::from_json(const json& j, const std::string& source) {
@@ -196,6 +203,15 @@ Result<Manifest> Manifest::from_json(const json& j, const std::string& source) {
                             std::to_string(kCheckpointFormatVersion) + ")");
   }
   ZO_RETURN_IF_ERROR(get(j, "step", &m.step, source));
+  if (j.contains("moment_dtype")) {
+    std::string moments;
+    ZO_RETURN_IF_ERROR(get(j, "moment_dtype", &moments, source));
+    if (moments == "8bit") {
+      m.moments = MomentDtype::k8bit;
+    } else if (moments != "fp32") {
+      return corruption(source + ": moment_dtype \"" + quote_excerpt(moments) + "\" is neither \"fp32\" nor \"8bit\"");
+    }
+  }
   json files_j, tensors_j;
   ZO_RETURN_IF_ERROR(get(j, "files", &files_j, source));
   ZO_RETURN_IF_ERROR(get(j, "tensors", &tensors_j, source));

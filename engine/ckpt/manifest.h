@@ -66,6 +66,9 @@ struct Manifest {
   uint64_t step = 0;
   std::vector<FileDigest> files;          // every file of the directory but the manifest
   std::vector<CheckpointTensor> tensors;  // in file order; dtype F32
+  // How the moments are stored: "moment_dtype" in the JSON, absent (fp32) in checkpoints older than
+  // 8-bit moments. It decides the state files (state_files in state_files.h).
+  MomentDtype moments = MomentDtype::kF32;
 
   nlohmann::json to_json() const;
   static Result<Manifest> from_json(const nlohmann::json& json, const std::string& source);

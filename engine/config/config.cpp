@@ -453,6 +453,16 @@ void Resolver::offload_placement() {
     st->error("optimizer.type", std::string(to_string(type)) +
                                     " steps on the CPU only (the GPU optimizer kernel is Adam's): set "
                                     "zero_optimization.offload_optimizer.device to \"cpu\" or \"nvme\"");
+  if (c->zoffload.moment_dtype == "8bit" && !st->has_error("zoffload.moment_dtype")) {
+    if (type != OptimizerType::kAdam && type != OptimizerType::kAdamW && !st->has_error("optimizer.type")) {
+      st->error("zoffload.moment_dtype", std::string("\"8bit\" is Adam's and AdamW's (optimizer.type is ") +
+                                             std::string(to_string(type)) + "); use \"fp32\"");
+    } else if (oo.device == OffloadDevice::kNone) {
+      st->error("zoffload.moment_dtype",
+                "\"8bit\" steps on the CPU only for now (the GPU optimizer kernel keeps fp32 moments): set "
+                "zero_optimization.offload_optimizer.device to \"cpu\" or \"nvme\"");
+    }
+  }
 }
 
 void resolve(ParseState* st, const ResolveContext& ctx, const json& root, Config* c) {

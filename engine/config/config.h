@@ -169,6 +169,10 @@ struct ZoffloadConfig {
   // states, except that with the optimizer on NVMe they stay in RAM when the planner finds room
   // (Note [Where the gradients wait]).
   std::string gradient_accumulators = "auto";
+  // (addition) How Adam keeps exp_avg and exp_avg_sq: "fp32", or "8bit": bitsandbytes' AdamW8bit
+  // blockwise states (a byte per element plus one fp32 absmax per 256), fp32 for parameters under
+  // 4096 elements (Note [8-bit moment layout] in engine/memory/moment_layout.cpp).
+  std::string moment_dtype = "fp32";
   std::string io_backend = "auto";  // auto | io_uring | libaio | psync (the aio block tunes it)
   CheckpointConfig checkpoint;
   LogConfig log;

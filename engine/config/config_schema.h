@@ -76,6 +76,7 @@ inline constexpr std::array<Named<DType>, 3> kAccumDtypes = {
 inline constexpr std::array<std::string_view, 2> kSchedules = {"horizontal", "vertical"};
 inline constexpr std::array<std::string_view, 3> kCheckpointPlaces = {"auto", "device", "cpu"};
 inline constexpr std::array<std::string_view, 3> kGradPlaces = {"auto", "cpu", "nvme"};
+inline constexpr std::array<std::string_view, 2> kMomentDtypes = {"fp32", "8bit"};
 inline constexpr std::array<std::string_view, 4> kIoBackends = {"auto", "io_uring", "libaio", "psync"};
 
 // What a rule sees: the object being read, the parse, and which of its keys were read valid.
@@ -331,6 +332,7 @@ void keys(V& v, ZoffloadConfig& z) {
   v.choice("schedule", z.schedule, kSchedules);
   v.choice("activation_checkpoints", z.activation_checkpoints, kCheckpointPlaces);
   v.choice("gradient_accumulators", z.gradient_accumulators, kGradPlaces);
+  v.choice("moment_dtype", z.moment_dtype, kMomentDtypes);
   v.choice("io_backend", z.io_backend, kIoBackends);
   v.object("checkpoint", [&] { keys(v, z.checkpoint); });
   v.object("log", [&] { v.text("metrics_path", z.log.metrics_path); });

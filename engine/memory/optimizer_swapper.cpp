@@ -12,7 +12,9 @@
 #include "common/timer.h"
 #include "common/trace.h"
 #include "cpu_optim/adagrad.h"
+#include "cpu_optim/adam8bit.h"
 #include "cpu_optim/lion.h"
+#include "engine/memory/moment_layout.h"
 
 namespace zo::engine {
 
@@ -103,7 +105,10 @@ struct OptimizerSwapper::Impl {
   Status step_nvme();
 
   // One optimizer step of sub-group g on host spans (Adam, AdamW, Adagrad or Lion), timed into update_s.
-  Status update(uint32_t g, float* p, float* m, float* v, const void* grad, void* copy_out);
+  // m and v hold the moments as group_state_bytes lays them out.
+  Status update(uint32_t g, float* p, std::byte* m, std::byte* v, const void* grad, void* copy_out);
+  // Adam with 8-bit moments, piece by piece (Note [8-bit moment layout]).
+  Status update_8bit(uint32_t g, float* p, std::byte* m, std::byte* v, const void* grad, void* copy_out);
   bool grads_on_nvme() const { return store->plan().placement.grad == Tier::kNvme; }
   Status issue_read(Slot& slot, uint32_t g);
   Status issue_grad_read(uint32_t g);
@@ -119,11 +124,49 @@ struct OptimizerSwapper::Impl {
   void drain();
 };
 
-Status OptimizerSwapper::Impl::update(uint32_t g, float* p, float* m, float* v, const void* grad, void* copy_out) {
+Status OptimizerSwapper::Impl::update_8bit(uint32_t g, float* p, std::byte* m, std::byte* v, const void* grad,
+                                           void* copy_out) {
+  const Placement& pl = store->plan().placement;
+  const uint64_t gb = dtype_size_bytes(pl.grad_dtype), cb = dtype_size_bytes(pl.compute_dtype);
+  const MomentLayout layout = moment_layout(store->registry(), g);
+  for (const MomentPiece& mp : layout.pieces) {
+    const uint64_t off = mp.piece->group_offset, n = mp.piece->n_elems;
+    const cpu_optim::ConstElemSpan g_span{static_cast<const std::byte*>(grad) + off * gb, pl.grad_dtype};
+    const cpu_optim::ElemSpan out_span{copy_out == nullptr ? nullptr : static_cast<std::byte*>(copy_out) + off * cb,
+                                       pl.compute_dtype};
+    Status st;
+    if (mp.quantized) {
+      auto state = [&](std::byte* base) {
+        return cpu_optim::BlockwiseState{{reinterpret_cast<uint8_t*>(base + mp.codes_offset_bytes), n},
+                                         {reinterpret_cast<float*>(base + mp.aux_offset_bytes), mp.aux_bytes / 4}};
+      };
+      st = cpu_optim::adam8bit_step(args.adam, args.step, {p + off, n}, state(m), state(v), g_span, args.grad_scale,
+                                    out_span, *executor);
+    } else {
+      // bitsandbytes keeps a small parameter's moments in fp32 and steps it with its 32-bit Adam; this
+      // is torch's AdamW order, as for every fp32 moment here (docs/cpu_optim.md).
+      st = cpu_optim::adam_step(
+          args.adam, args.step, {p + off, n}, {reinterpret_cast<float*>(m + mp.aux_offset_bytes), n},
+          {reinterpret_cast<float*>(v + mp.aux_offset_bytes), n}, g_span, args.grad_scale, out_span, *executor);
+    }
+    if (!st.is_ok()) return st.with_context(store->registry().params()[mp.piece->param].name);
+  }
+  return Status::ok();
+}
+
+Status OptimizerSwapper::Impl::update(uint32_t g, float* p, std::byte* m_bytes, std::byte* v_bytes, const void* grad,
+                                      void* copy_out) {
   const uint64_t n = n_elems(g);
   trace::Span span(trace::Track::kOptimizer, [&] { return "sub-group " + std::to_string(g); });
   const Placement& pl = store->plan().placement;
   Stopwatch sw;
+  if (pl.moments == MomentDtype::k8bit) {
+    Status st = update_8bit(g, p, m_bytes, v_bytes, grad, copy_out);
+    report.update_s += sw.elapsed_s();
+    return st;
+  }
+  auto* m = reinterpret_cast<float*>(m_bytes);
+  auto* v = reinterpret_cast<float*>(v_bytes);
   const cpu_optim::ConstElemSpan g_span{grad, pl.grad_dtype};
   const cpu_optim::ElemSpan out_span{copy_out, pl.compute_dtype};
   const cpu_optim::AdamConfig& h = args.adam;
@@ -285,9 +328,8 @@ Status OptimizerSwapper::Impl::step_cpu() {
       }
       copy_out = slot->buf.data();
     }
-    Status st = update(g, reinterpret_cast<float*>(loc(g, StateKind::kMaster).host),
-                       reinterpret_cast<float*>(loc(g, StateKind::kExpAvg).host),
-                       reinterpret_cast<float*>(loc(g, StateKind::kExpAvgSq).host), grad, copy_out);
+    Status st = update(g, reinterpret_cast<float*>(loc(g, StateKind::kMaster).host), loc(g, StateKind::kExpAvg).host,
+                       loc(g, StateKind::kExpAvgSq).host, grad, copy_out);
     if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(g));
     written = true;
     if (grads_on_nvme() && g + 1 < end && grad_bufs.size() == 1) {
@@ -418,9 +460,8 @@ Status OptimizerSwapper::Impl::step_nvme() {
     const std::byte* grad = grads_on_nvme() ? section(StateKind::kGradAccum) : loc(g, StateKind::kGradAccum).host;
     const StateLocation& home = loc(g, StateKind::kCompute);
     std::byte* copy_out = home.tier == Tier::kCpu ? home.host : compute_section;
-    st = update(g, reinterpret_cast<float*>(section(StateKind::kMaster)),
-                reinterpret_cast<float*>(section(StateKind::kExpAvg)),
-                reinterpret_cast<float*>(section(StateKind::kExpAvgSq)), grad, copy_out);
+    st = update(g, reinterpret_cast<float*>(section(StateKind::kMaster)), section(StateKind::kExpAvg),
+                section(StateKind::kExpAvgSq), grad, copy_out);
     if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(g));
     written = true;
     if (home.tier == Tier::kCpu) compute_ready(g);
@@ -476,6 +517,17 @@ Result<std::unique_ptr<OptimizerSwapper>> OptimizerSwapper::create(StateStore& s
                        ": runs on the CPU only (the device's optimizer kernel is Adam's); set "
                        "zero_optimization.offload_optimizer.device to cpu or nvme");
   }
+  if (pl.moments == MomentDtype::k8bit) {
+    if (options.optimizer != OptimizerType::kAdam && options.optimizer != OptimizerType::kAdamW) {
+      return unavailable("zoffload.moment_dtype \"8bit\": Adam's and AdamW's, not " +
+                         std::string(to_string(options.optimizer)) + "'s");
+    }
+    if (pl.optimizer == Tier::kDevice) {
+      return unavailable(
+          "zoffload.moment_dtype \"8bit\": steps on the CPU only (the device's optimizer kernel keeps fp32 "
+          "moments); set zero_optimization.offload_optimizer.device to cpu or nvme");
+    }
+  }
   if (pl.grad != pl.optimizer && (pl.grad == Tier::kDevice || pl.optimizer == Tier::kDevice)) {
     return invalid_argument("optimizer swapper: gradients on " + std::string(tier_name(pl.grad)) +
                             " but optimizer states on " + std::string(tier_name(pl.optimizer)) +
@@ -486,8 +538,9 @@ Result<std::unique_ptr<OptimizerSwapper>> OptimizerSwapper::create(StateStore& s
   impl->executor = &executor;
   impl->options = options;
   const uint32_t n_groups = plan.n_sub_groups;
-  const uint64_t max_elems = store.registry().max_group_elems();
-  auto sec = [&](StateKind kind) { return align_up(max_elems * state_elem_bytes(pl, kind), kSwapAlignment); };
+  auto sec = [&](StateKind kind) {
+    return align_up(max_group_state_bytes(pl, store.registry(), kind), kSwapAlignment);
+  };
   bool device_compute = false, offloaded_compute = false;
   for (uint32_t g = 0; g < n_groups; ++g) {
     device_compute |= pl.compute[g] == Tier::kDevice;
@@ -505,8 +558,8 @@ Result<std::unique_ptr<OptimizerSwapper>> OptimizerSwapper::create(StateStore& s
   } else if (pl.optimizer == Tier::kNvme) {
     const uint32_t want =
         std::min<uint32_t>(1 + options.pipeline_read + options.pipeline_write, plan.owned_end - plan.owned_begin);
-    const uint64_t need = sec(StateKind::kMaster) * 3 + (pl.grad == Tier::kNvme ? sec(StateKind::kGradAccum) : 0) +
-                          sec(StateKind::kCompute);
+    const uint64_t need = sec(StateKind::kMaster) + sec(StateKind::kExpAvg) + sec(StateKind::kExpAvgSq) +
+                          (pl.grad == Tier::kNvme ? sec(StateKind::kGradAccum) : 0) + sec(StateKind::kCompute);
     buffers = store.optimizer_swap_buffers();
     if (buffers.size() < want) {
       return invalid_argument("zero_optimization.offload_optimizer: pipeline_read " +

@@ -56,8 +56,9 @@ struct OptimizerStepReport {
 
 class OptimizerSwapper {
  public:
-  // kUnavailable for Adagrad or Lion with the states on the device (named); kInvalidArgument when the plan's
-  // buffers cannot carry the requested pipelining.
+  // kUnavailable for Adagrad or Lion with the states on the device (named), and for 8-bit moments
+  // with the states on the device or with an optimizer other than Adam; kInvalidArgument when the
+  // plan's buffers cannot carry the requested pipelining.
   static Result<std::unique_ptr<OptimizerSwapper>> create(StateStore& store, const cpu_optim::Executor& executor,
                                                           const PipelineOptions& options);
   ~OptimizerSwapper();

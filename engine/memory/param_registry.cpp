@@ -45,6 +45,7 @@
 #include "common/bytes.h"
 #include "common/check.h"
 #include "common/string_util.h"
+#include "engine/memory/moment_layout.h"
 #include "engine/memory/pinned_pool.h"
 #include "engine/memory/swap_file.h"
 
@@ -264,15 +265,35 @@ bool state_is_pinned(const Placement& placement, StateKind kind) {
 
 bool pool_is_pinned(const Placement& placement) { return placement.optimizer_pinned || placement.param_pinned; }
 
+std::string_view moment_dtype_name(MomentDtype dtype) { return dtype == MomentDtype::k8bit ? "8bit" : "fp32"; }
+
 uint64_t state_elem_bytes(const Placement& placement, StateKind kind) {
   switch (kind) {
-    case StateKind::kMaster:
+    case StateKind::kMaster: return 4;
     case StateKind::kExpAvg:
-    case StateKind::kExpAvgSq: return 4;
+    case StateKind::kExpAvgSq:
+      ZO_CHECK(placement.moments == MomentDtype::kF32) << "state_elem_bytes of 8-bit " << state_name(kind);
+      return 4;
     case StateKind::kGradAccum: return dtype_size_bytes(placement.grad_dtype);
     case StateKind::kCompute: return dtype_size_bytes(placement.compute_dtype);
   }
   return 0;
+}
+
+uint64_t group_state_bytes(const Placement& placement, const ParamRegistry& registry, uint32_t sub_group,
+                           StateKind kind) {
+  if (placement.moments == MomentDtype::k8bit && (kind == StateKind::kExpAvg || kind == StateKind::kExpAvgSq))
+    return moment_layout(registry, sub_group).total_bytes;
+  return registry.sub_groups()[sub_group].n_elems * state_elem_bytes(placement, kind);
+}
+
+uint64_t max_group_state_bytes(const Placement& placement, const ParamRegistry& registry, StateKind kind) {
+  if (placement.moments == MomentDtype::kF32 || (kind != StateKind::kExpAvg && kind != StateKind::kExpAvgSq))
+    return registry.max_group_elems() * state_elem_bytes(placement, kind);
+  uint64_t most = 0;
+  for (const SubGroup& g : registry.sub_groups())
+    most = std::max(most, group_state_bytes(placement, registry, g.index, kind));
+  return most;
 }
 
 uint64_t data_parallel_staging_bytes(const MemoryPlan& plan, uint32_t world_size) {
@@ -305,6 +326,7 @@ std::string MemoryPlan::to_json() const {
       {"param_pinned", placement.param_pinned},
       {"compute_dtype", dtype_name(placement.compute_dtype)},
       {"grad_dtype", dtype_name(placement.grad_dtype)},
+      {"moment_dtype", moment_dtype_name(placement.moments)},
   };
   j["n_sub_groups"] = n_sub_groups;
   j["total_elems"] = total_elems;
@@ -377,6 +399,7 @@ Result<MemoryPlan> plan_memory(const Config& config, const ParamRegistry& regist
   pl.param_pinned = op.pin_memory;
   pl.compute_dtype = config.compute_dtype();
   pl.grad_dtype = config.grad_accum_dtype;
+  pl.moments = config.zoffload.moment_dtype == "8bit" ? MomentDtype::k8bit : MomentDtype::kF32;
 
   const auto groups = registry.sub_groups();
   plan.n_sub_groups = static_cast<uint32_t>(groups.size());
@@ -408,7 +431,7 @@ Result<MemoryPlan> plan_memory(const Config& config, const ParamRegistry& regist
   for (const SubGroup& g : groups) {
     for (StateKind k : kAllStates) {
       if (!plan.holds(g.index, k)) continue;  // another rank's (Note [Partitions])
-      const uint64_t raw = g.n_elems * state_elem_bytes(pl, k);
+      const uint64_t raw = group_state_bytes(pl, registry, g.index, k);
       switch (tier_of_state(g.index, k)) {
         case Tier::kDevice: plan.device_bytes += align_up(raw, gpu::kDeviceAlignment); break;
         case Tier::kCpu:
@@ -438,7 +461,7 @@ Result<MemoryPlan> plan_memory(const Config& config, const ParamRegistry& regist
     plan.optimizer_swap_buffers = static_cast<uint32_t>(std::min<uint64_t>(needed, owned_groups));
     for (StateKind k : kAllStates) {
       if (k == StateKind::kGradAccum && pl.grad != Tier::kNvme) continue;  // read in place
-      plan.optimizer_swap_buffer_bytes += align_up(max_group * state_elem_bytes(pl, k), kSwapAlignment);
+      plan.optimizer_swap_buffer_bytes += align_up(max_group_state_bytes(pl, registry, k), kSwapAlignment);
     }
   }
   if (pl.optimizer == Tier::kCpu && pl.grad == Tier::kNvme) {

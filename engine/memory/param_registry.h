@@ -99,6 +99,11 @@ enum class StateKind : uint8_t { kMaster = 0, kExpAvg = 1, kExpAvgSq = 2, kGradA
 inline constexpr int kNumStateKinds = 5;
 std::string_view state_name(StateKind kind);  // "master", "exp_avg", "exp_avg_sq", "grad_accum", "compute"
 
+// How Adam's moments are stored (zoffload.moment_dtype): fp32, or 8-bit blockwise in the layout of
+// engine/memory/moment_layout.h.
+enum class MomentDtype : uint8_t { kF32 = 0, k8bit = 1 };
+std::string_view moment_dtype_name(MomentDtype dtype);  // "fp32", "8bit": the config's spelling
+
 // Where the states live (from zero_optimization.offload_optimizer / offload_param) and their dtypes.
 struct Placement {
   Tier optimizer = Tier::kDevice;  // master, exp_avg, exp_avg_sq
@@ -109,14 +114,22 @@ struct Placement {
   bool optimizer_pinned = true;  // offload_optimizer.pin_memory (its buffers; the states never cross PCIe)
   bool param_pinned = true;      // offload_param.pin_memory
   DType compute_dtype = DType::kF32;
-  DType grad_dtype = DType::kF32;  // data_types.grad_accum_dtype
+  DType grad_dtype = DType::kF32;           // data_types.grad_accum_dtype
+  MomentDtype moments = MomentDtype::kF32;  // exp_avg and exp_avg_sq
 };
 
 // master, exp_avg and exp_avg_sq: the states a data-parallel rank holds only for its own partition.
 bool is_optimizer_state(StateKind kind);
 
-// Bytes per element of each state, from its dtype.
+// Bytes per element of each state, from its dtype. Not for the moments when they are 8-bit (their
+// bytes are not a multiple of the elements): group_state_bytes.
 uint64_t state_elem_bytes(const Placement& placement, StateKind kind);
+// The bytes of state `kind` of one sub-group: n_elems × state_elem_bytes, or for 8-bit moments their
+// MomentLayout's total_bytes. What the store allocates and read_state/write_state move.
+uint64_t group_state_bytes(const Placement& placement, const ParamRegistry& registry, uint32_t sub_group,
+                           StateKind kind);
+// The largest group_state_bytes of `kind` over the sub-groups (what one swap buffer section holds).
+uint64_t max_group_state_bytes(const Placement& placement, const ParamRegistry& registry, StateKind kind);
 // Whether a CPU-resident state of this kind is pinned: only the compute copy, and only with
 // offload_param.pin_memory — the other states never cross PCIe (Note [Pinned pool sizing]).
 bool state_is_pinned(const Placement& placement, StateKind kind);

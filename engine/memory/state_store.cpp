@@ -42,16 +42,20 @@ Status StateStore::Impl::allocate_states() {
   const uint32_t n_groups = plan.n_sub_groups;
   locations.assign(n_groups, {});
   nvme_written.assign(n_groups, {});
+  group_bytes.assign(n_groups, {});
+  for (uint32_t g = 0; g < n_groups; ++g) {
+    for (int k = 0; k < kNumStateKinds; ++k)
+      group_bytes[g][k] = group_state_bytes(plan.placement, registry, g, static_cast<StateKind>(k));
+  }
   for (int k = 0; k < kNumStateKinds; ++k) {
     const auto kind = static_cast<StateKind>(k);
-    const uint64_t eb = elem_bytes(kind);
     uint64_t device_total = 0, cpu_total = 0;
     for (uint32_t g = 0; g < n_groups; ++g) {
       locations[g][k].tier = tier_of(g, kind);
       locations[g][k].held = plan.holds(g, kind);
       if (!locations[g][k].held) continue;
-      if (locations[g][k].tier == Tier::kDevice) device_total += align_up(n_elems(g) * eb, gpu::kDeviceAlignment);
-      if (locations[g][k].tier == Tier::kCpu) cpu_total += align_up(n_elems(g) * eb, kPinnedAlignment);
+      if (locations[g][k].tier == Tier::kDevice) device_total += align_up(bytes(g, kind), gpu::kDeviceAlignment);
+      if (locations[g][k].tier == Tier::kCpu) cpu_total += align_up(bytes(g, kind), kPinnedAlignment);
     }
     if (device_total > 0) {
       auto block = device->allocate(device_total);
@@ -89,10 +93,10 @@ Status StateStore::Impl::allocate_states() {
       if (!loc.held) continue;
       if (loc.tier == Tier::kDevice) {
         loc.device = device_blocks[k] + device_off;
-        device_off += align_up(n_elems(g) * eb, gpu::kDeviceAlignment);
+        device_off += align_up(bytes(g, kind), gpu::kDeviceAlignment);
       } else if (loc.tier == Tier::kCpu) {
         loc.host = host_base + cpu_off;
-        cpu_off += align_up(n_elems(g) * eb, kPinnedAlignment);
+        cpu_off += align_up(bytes(g, kind), kPinnedAlignment);
       }
     }
   }
@@ -135,7 +139,7 @@ Status StateStore::Impl::create_swap_files() {
     uint64_t record = 0;
     for (int k = 0; k < kNumStateKinds - 1; ++k) {
       if (locations[g][k].tier == Tier::kNvme && locations[g][k].held)
-        record += align_up(n_elems(g) * elem_bytes(static_cast<StateKind>(k)), kSwapAlignment);
+        record += align_up(bytes(g, static_cast<StateKind>(k)), kSwapAlignment);
     }
     if (record > 0) {
       auto region = optimizer_file->reserve(record);
@@ -148,14 +152,14 @@ Status StateStore::Impl::create_swap_files() {
       for (int k = 0; k < kNumStateKinds - 1; ++k) {
         StateLocation& loc = locations[g][k];
         if (loc.tier != Tier::kNvme || !loc.held) continue;
-        const uint64_t size = align_up(n_elems(g) * elem_bytes(static_cast<StateKind>(k)), kSwapAlignment);
+        const uint64_t size = align_up(bytes(g, static_cast<StateKind>(k)), kSwapAlignment);
         loc.region = {off, size};
         off += size;
       }
     }
     StateLocation& compute = locations[g][static_cast<int>(StateKind::kCompute)];
     if (compute.tier == Tier::kNvme && compute.held) {
-      auto region = param_file->reserve(n_elems(g) * elem_bytes(StateKind::kCompute));
+      auto region = param_file->reserve(bytes(g, StateKind::kCompute));
       if (!region.is_ok()) {
         Status s = region.status();
         return s.with_context("parameter swap file, sub-group " + std::to_string(g) +
@@ -199,7 +203,7 @@ Status StateStore::Impl::zero_states() {
     if (!device_blocks[k]) continue;
     for (uint32_t g = 0; g < plan.n_sub_groups; ++g) {
       if (locations[g][k].tier == Tier::kDevice && locations[g][k].held) {
-        device_off[k] += align_up(n_elems(g) * elem_bytes(static_cast<StateKind>(k)), gpu::kDeviceAlignment);
+        device_off[k] += align_up(bytes(g, static_cast<StateKind>(k)), gpu::kDeviceAlignment);
       }
     }
     ZO_RETURN_IF_ERROR(device->fill_zero(device_blocks[k], device_off[k], stream));
@@ -264,9 +268,7 @@ Result<std::unique_ptr<StateStore>> StateStore::create(const ParamRegistry& regi
 void StateStore::mark_torn(std::string reason) { impl_->torn_reason = std::move(reason); }
 const std::string& StateStore::torn_reason() const { return impl_->torn_reason; }
 
-uint64_t StateStore::state_bytes(uint32_t sub_group, StateKind kind) const {
-  return impl_->n_elems(sub_group) * impl_->elem_bytes(kind);
-}
+uint64_t StateStore::state_bytes(uint32_t sub_group, StateKind kind) const { return impl_->bytes(sub_group, kind); }
 
 uint64_t StateStore::nvme_written_bytes(uint32_t sub_group, StateKind kind) const {
   return impl_->nvme_written[sub_group][static_cast<int>(kind)];

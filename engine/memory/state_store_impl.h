@@ -30,6 +30,7 @@ struct StateStore::Impl {
   std::unique_ptr<PinnedPool> pool;
   std::vector<std::array<StateLocation, kNumStateKinds>> locations;
   std::vector<std::array<uint64_t, kNumStateKinds>> nvme_written;
+  std::vector<std::array<uint64_t, kNumStateKinds>> group_bytes;  // group_state_bytes, per sub-group
 
   // One block per state kind and tier, with a section per sub-group in sub-group order, so the
   // pieces of a split param (whose non-final pieces fill whole sub-groups of a multiple of
@@ -58,6 +59,7 @@ struct StateStore::Impl {
 
   uint64_t n_elems(uint32_t g) const { return registry.sub_groups()[g].n_elems; }
   uint64_t elem_bytes(StateKind kind) const { return state_elem_bytes(plan.placement, kind); }
+  uint64_t bytes(uint32_t g, StateKind kind) const { return group_bytes[g][static_cast<int>(kind)]; }
   Tier tier_of(uint32_t g, StateKind kind) const {
     if (kind == StateKind::kCompute) return plan.placement.compute[g];
     if (kind == StateKind::kGradAccum) return plan.placement.grad;

@@ -6,11 +6,15 @@
 #include <cstring>
 #include <mutex>
 #include <utility>
+#include <vector>
 
 #include "common/aligned_buffer.h"
+#include "common/check.h"
 #include "common/bytes.h"
 #include "common/half.h"
 #include "common/log.h"
+#include "cpu_optim/adam8bit.h"
+#include "engine/memory/moment_layout.h"
 #include "engine/memory/state_store_impl.h"
 
 namespace zo::engine {
@@ -57,7 +61,7 @@ Status StateStore::Impl::nvme_write(uint32_t g, StateKind kind, uint64_t begin, 
   // Chunks end on aligned offsets, so only the first and the last chunk can have unaligned edges.
   // Past the state's end the last page is the region's padding, never read as the state: a write
   // that ends there zeroes it instead of reading it back first.
-  const uint64_t state_end = n_elems(g) * elem_bytes(kind);
+  const uint64_t state_end = bytes(g, kind);
   for (uint64_t cb = begin; cb < end;) {
     const uint64_t a = align_down(cb, kSwapAlignment);
     const uint64_t ce = std::min(end, a + kStoreScratchBytes);
@@ -157,6 +161,29 @@ Status StateStore::Impl::write_compute(uint32_t g, uint64_t first, std::span<con
                      });
 }
 
+namespace {
+
+// The byte ranges of a moment that hold elements [rel, rel + n) of `piece`: fp32, or under 8-bit
+// moments (Note [8-bit moment layout]) their codes and the absmax of every block they touch (a
+// small parameter's fp32 moment in the aux run).
+std::vector<std::pair<uint64_t, uint64_t>> moment_bytes_of(const StateStore::Impl& s, const ParamPiece& piece,
+                                                           uint64_t rel, uint64_t n) {
+  const uint64_t first = piece.group_offset + rel;
+  if (s.plan.placement.moments == MomentDtype::kF32) return {{first * 4, (first + n) * 4}};
+  const MomentLayout layout = moment_layout(s.registry, piece.sub_group);
+  for (const MomentPiece& mp : layout.pieces) {
+    if (mp.piece->param != piece.param) continue;
+    if (!mp.quantized) return {{mp.aux_offset_bytes + rel * 4, mp.aux_offset_bytes + (rel + n) * 4}};
+    const uint64_t b0 = rel / cpu_optim::kQuantBlockElems, b1 = cpu_optim::quant_block_count(rel + n);
+    return {{mp.codes_offset_bytes + rel, mp.codes_offset_bytes + rel + n},
+            {mp.aux_offset_bytes + b0 * 4, mp.aux_offset_bytes + b1 * 4}};
+  }
+  ZO_CHECK(false) << "param " << piece.param << " has no piece in sub-group " << piece.sub_group;
+  return {};
+}
+
+}  // namespace
+
 StateStore::StateStore(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 StateStore::~StateStore() = default;
 
@@ -191,8 +218,10 @@ Status StateStore::init_param(uint32_t param, uint64_t offset_elems, std::span<c
                          });
       if (!st.is_ok()) return context(std::move(st), StateKind::kMaster);
       for (StateKind kind : {StateKind::kExpAvg, StateKind::kExpAvgSq}) {
-        st = s.zero_range(g, kind, first * 4, (first + n) * 4);
-        if (!st.is_ok()) return context(std::move(st), kind);
+        for (auto [zb, ze] : moment_bytes_of(s, piece, a - piece.param_offset, n)) {
+          st = s.zero_range(g, kind, zb, ze);
+          if (!st.is_ok()) return context(std::move(st), kind);
+        }
       }
     }
     if (!s.plan.holds(g, StateKind::kCompute)) continue;  // another rank's (partitioned params)

@@ -39,6 +39,7 @@
 #include "common/string_util.h"
 #include "common/timer.h"
 #include "cpu_optim/adam.h"
+#include "cpu_optim/adam8bit.h"
 #include "cpu_optim/executor.h"
 #include "engine/ckpt/stream_file.h"
 #include "engine/coord/block_gatherer.h"
@@ -321,7 +322,7 @@ GradTraffic plan_bytes_per_step(const PlanBasis& b, RunPlan* out) {
   uint64_t grad_rd = 0, grad_wr = 0;  // the accumulators' share, moved during backward
   for (const SubGroup& g : b.registry.sub_groups()) {
     if (pl.compute[g.index] != Tier::kDevice || mp.partition_params) n_fetched += g.n_elems;
-    auto sec = [&](StateKind k) { return align_up(g.n_elems * state_elem_bytes(pl, k), kSwapAlignment); };
+    auto sec = [&](StateKind k) { return align_up(group_state_bytes(pl, b.registry, g.index, k), kSwapAlignment); };
     if (pl.compute[g.index] == Tier::kNvme && mp.holds(g.index, StateKind::kCompute))
       compute_nvme_bytes += sec(StateKind::kCompute);
     if (pl.grad == Tier::kNvme && mp.holds(g.index, StateKind::kGradAccum)) {
@@ -396,7 +397,9 @@ void plan_step_time(const PlanBasis& b, const GradTraffic& grads, RunPlan* out) 
     add_part("pcie", sp.pcie_bytes_per_s, static_cast<double>(p.h2d_min_bytes + p.d2h_bytes), "host↔GPU copies");
   add_part("gradients", sp.accumulate_elems_per_s, static_cast<double>(passes * p.n_params),
            "accumulate + norm kernel, measured");
-  add_part("optimizer", sp.adam_elems_per_s, static_cast<double>(p.n_params), "cpu_optim Adam, measured");
+  add_part("optimizer", sp.adam_elems_per_s, static_cast<double>(p.n_params),
+           p.memory.placement.moments == MomentDtype::k8bit ? "cpu_optim Adam with 8-bit moments, measured"
+                                                            : "cpu_optim Adam, measured");
   // NVMe in two parts, as the step runs them: the accumulators are written (and read back) during
   // backward, by the gradient worker; the optimizer's reads and writes are pipelined with Adam.
   double nvme_grad_s = 0, nvme_opt_s = 0;
@@ -838,10 +841,21 @@ Status measure_cpu_speeds(const Config& config, HostSpeeds* speeds) {
     }
     return best;
   };
+  // 8-bit moments: the codes and then the absmax in the fp32 moments' buffers (kElems bytes and kElems/64 floats).
+  auto blockwise = [&](int i) {
+    auto* base = reinterpret_cast<uint8_t*>(f32(i).data());
+    return cpu_optim::BlockwiseState{{base, kElems},
+                                     {reinterpret_cast<float*>(base + kElems), cpu_optim::quant_block_count(kElems)}};
+  };
+  const bool moments_8bit = config.zoffload.moment_dtype == "8bit";
   ZO_ASSIGN_OR_RETURN(speeds->adam_elems_per_s, rate([&] {
-                        return cpu_optim::adam_step(adam, 1, f32(0), f32(1), f32(2),
-                                                    cpu_optim::ConstElemSpan{f32(3).data(), DType::kF32}, 1.0f,
-                                                    cpu_optim::ElemSpan{f32(4).data(), cdt}, *executor);
+                        const cpu_optim::ConstElemSpan grad{f32(3).data(), DType::kF32};
+                        const cpu_optim::ElemSpan out{f32(4).data(), cdt};
+                        if (moments_8bit) {
+                          return cpu_optim::adam8bit_step(adam, 1, f32(0), blockwise(1), blockwise(2), grad, 1.0f, out,
+                                                          *executor);
+                        }
+                        return cpu_optim::adam_step(adam, 1, f32(0), f32(1), f32(2), grad, 1.0f, out, *executor);
                       }));
   ZO_ASSIGN_OR_RETURN(speeds->accumulate_elems_per_s, rate([&] {
                         return GradAccumulator::measure_kernel(

@@ -1,0 +1,83 @@
+#include "engine/ckpt/state_files.h"
+
+#include <cstring>
+
+#include "common/check.h"
+#include "cpu_optim/adam8bit.h"
+#include "engine/memory/moment_layout.h"
+
+namespace zo::engine {
+
+std::vector<StateFile> state_files(MomentDtype moments) {
+  if (moments == MomentDtype::kF32) {
+    return {{StateKind::kMaster, StatePart::kWhole, kMasterFile},
+            {StateKind::kExpAvg, StatePart::kWhole, kExpAvgFile},
+            {StateKind::kExpAvgSq, StatePart::kWhole, kExpAvgSqFile}};
+  }
+  return {{StateKind::kMaster, StatePart::kWhole, kMasterFile},
+          {StateKind::kExpAvg, StatePart::kMomentAux, kExpAvgFile},
+          {StateKind::kExpAvgSq, StatePart::kMomentAux, kExpAvgSqFile},
+          {StateKind::kExpAvg, StatePart::kMomentCodes, kExpAvgCodesFile},
+          {StateKind::kExpAvgSq, StatePart::kMomentCodes, kExpAvgSqCodesFile}};
+}
+
+std::pair<uint64_t, uint64_t> group_part(const ParamRegistry& registry, const Placement& placement, uint32_t sub_group,
+                                         const StateFile& file) {
+  if (file.part == StatePart::kWhole) return {0, group_state_bytes(placement, registry, sub_group, file.kind)};
+  ZO_CHECK(placement.moments == MomentDtype::k8bit) << "an 8-bit part of fp32 moments";
+  const MomentLayout layout = moment_layout(registry, sub_group);
+  if (file.part == StatePart::kMomentCodes) return {0, layout.codes_bytes};
+  return {layout.aux_begin_bytes, layout.total_bytes};
+}
+
+std::vector<SafetensorsEntry> state_file_tensors(const StateFile& file, const std::vector<CheckpointTensor>& tensors) {
+  std::vector<SafetensorsEntry> out;
+  switch (file.part) {
+    case StatePart::kWhole:
+      for (const CheckpointTensor& t : tensors) out.push_back({t.name, DType::kF32, t.shape});
+      break;
+    case StatePart::kMomentAux:
+      out.push_back({kQuantMapTensor, DType::kF32, {256}});
+      for (const CheckpointTensor& t : tensors) {
+        if (quantized_param(t.n_elems)) {
+          out.push_back(
+              {t.name + ".absmax", DType::kF32, {static_cast<int64_t>(cpu_optim::quant_block_count(t.n_elems))}});
+        } else {
+          out.push_back({t.name, DType::kF32, t.shape});
+        }
+      }
+      break;
+    case StatePart::kMomentCodes: break;
+  }
+  return out;
+}
+
+std::string state_file_prefix(const StateFile& file, const std::vector<CheckpointTensor>& tensors) {
+  if (file.part == StatePart::kMomentCodes) return {};
+  std::map<std::string, std::string> metadata{{"format", "pt"}, {"zoffload_state", std::string(state_name(file.kind))}};
+  if (file.part == StatePart::kMomentAux) metadata["zoffload_moment_dtype"] = "8bit";
+  std::string out = safetensors_header(state_file_tensors(file, tensors), metadata);
+  if (file.part == StatePart::kMomentAux) {
+    const auto& map =
+        file.kind == StateKind::kExpAvg ? cpu_optim::signed_dynamic_map() : cpu_optim::unsigned_dynamic_map();
+    const size_t at = out.size();
+    out.resize(at + sizeof(float) * map.size());
+    std::memcpy(out.data() + at, map.data(), sizeof(float) * map.size());
+  }
+  return out;
+}
+
+uint64_t state_file_data_bytes(const StateFile& file, const std::vector<CheckpointTensor>& tensors) {
+  uint64_t bytes = 0;
+  for (const CheckpointTensor& t : tensors) {
+    const bool q = quantized_param(t.n_elems);
+    switch (file.part) {
+      case StatePart::kWhole: bytes += 4 * t.n_elems; break;
+      case StatePart::kMomentAux: bytes += q ? 4 * cpu_optim::quant_block_count(t.n_elems) : 4 * t.n_elems; break;
+      case StatePart::kMomentCodes: bytes += q ? t.n_elems : 0; break;
+    }
+  }
+  return bytes;
+}
+
+}  // namespace zo::engine
