@@ -21,6 +21,7 @@
 
 #include "common/half.h"
 #include "cpu_optim/adam.h"
+#include "cpu_optim/adam8bit.h"
 #include "engine/config/config.h"
 #include "gpu/device.h"
 #include "io/env.h"
@@ -52,12 +53,13 @@ struct Placing {
   uint64_t param_buffer_count = 3;
   std::string optimizer_type = "AdamW";
   std::string accumulators = "auto";  // zoffload.gradient_accumulators
+  std::string moments = "fp32";       // zoffload.moment_dtype
 
   std::string describe() const {
     return "optimizer " + optimizer + " accumulators " + accumulators + " param " + param + " read " +
            std::to_string(pipeline_read) + " write " + std::to_string(pipeline_write) + " pin " +
            std::to_string(pin_optimizer) + std::to_string(pin_param) + (bf16 ? " bf16" : " fp32") + " grad " + grad +
-           " max_in_cpu " + std::to_string(max_in_cpu);
+           " max_in_cpu " + std::to_string(max_in_cpu) + " moments " + moments;
   }
 };
 
@@ -84,7 +86,7 @@ Config make_config(const Placing& s, const std::string& dir) {
     "optimizer": {"type": ")" +
                      s.optimizer_type + R"(", "params": {"lr": 0.01, "weight_decay": 0.1}},
     "zoffload": {"gradient_accumulators": ")" +
-                     s.accumulators + R"("}})";
+                     s.accumulators + R"(", "moment_dtype": ")" + s.moments + R"("}})";
   return parse_test_config(json);
 }
 
@@ -612,6 +614,216 @@ void check_placements_match_reference(bool bf16, const std::string& grad) {
 TEST(OptimizerSwapper, Bf16ComputeFp32GradsBitIdenticalEverywhere) { check_placements_match_reference(true, "fp32"); }
 TEST(OptimizerSwapper, Bf16ComputeBf16GradsBitIdenticalEverywhere) { check_placements_match_reference(true, "bf16"); }
 TEST(OptimizerSwapper, Fp32ComputeBitIdenticalEverywhere) { check_placements_match_reference(false, "fp32"); }
+
+// ---- 8-bit moments ------------------------------------------------------------------------------
+
+// One param's 8-bit moment as the test reads it: its codes then its absmax bytes (n ≥ 4096), or
+// its fp32 moment.
+using Moment8 = Bytes;
+
+// Decodes the moments of every param from the store's sub-groups by the layout docs/memory.md
+// states (Note [8-bit moment layout]), written out here on its own: per sub-group, the codes of
+// its pieces of params of ≥ 4096 elements in order, zeros to a multiple of 4, then per piece its
+// absmax (4 bytes per 256 elements, the last block partial) or its fp32 moment.
+std::vector<Moment8> gather8(StateStore& store, StateKind kind) {
+  const ParamRegistry& reg = store.registry();
+  std::vector<Bytes> codes(reg.params().size()), aux(reg.params().size());
+  for (const auto& g : reg.sub_groups()) {
+    Bytes buf(store.state_bytes(g.index, kind));
+    Status st = store.read_state(g.index, kind, buf);
+    ZO_CHECK(st.is_ok()) << st.to_string();
+    uint64_t at = 0;
+    for (const auto& piece : reg.pieces_of_group(g.index)) {
+      if (reg.params()[piece.param].n_elems < 4096) continue;
+      codes[piece.param].insert(codes[piece.param].end(), buf.begin() + at, buf.begin() + at + piece.n_elems);
+      at += piece.n_elems;
+    }
+    const uint64_t pad = (4 - at % 4) % 4;
+    for (uint64_t i = 0; i < pad; ++i) EXPECT_EQ(buf[at + i], std::byte{0}) << "pad of sub-group " << g.index;
+    at += pad;
+    for (const auto& piece : reg.pieces_of_group(g.index)) {
+      const bool q = reg.params()[piece.param].n_elems >= 4096;
+      const uint64_t n = q ? 4 * ((piece.n_elems + 255) / 256) : 4 * piece.n_elems;
+      aux[piece.param].insert(aux[piece.param].end(), buf.begin() + at, buf.begin() + at + n);
+      at += n;
+    }
+    EXPECT_EQ(at, buf.size()) << "sub-group " << g.index << " " << state_name(kind);
+  }
+  std::vector<Moment8> out;
+  for (size_t p = 0; p < codes.size(); ++p) {
+    out.push_back(codes[p]);
+    out.back().insert(out.back().end(), aux[p].begin(), aux[p].end());
+  }
+  return out;
+}
+
+ParamStates gather_all8(StateStore& store) {
+  return {gather(store, StateKind::kMaster), gather8(store, StateKind::kExpAvg), gather8(store, StateKind::kExpAvgSq),
+          gather(store, StateKind::kCompute)};
+}
+
+// bitsandbytes' per-tensor semantics, one whole param at a time on one thread: adam8bit_step for a
+// param of ≥ 4096 elements, fp32 adam_step under that. Every placement's sub-groups (pieces of
+// split params, several params per sub-group, two threads) must give these bits.
+ParamStates reference_run8(const Inputs& in, const AdamConfig& adam, DType compute, DType grad, int steps) {
+  auto ex = cpu_optim::Executor::create({.n_threads = 1});
+  ZO_CHECK(ex.is_ok());
+  ParamStates r;
+  for (const auto& w : in.weights) {
+    const uint64_t n = w.size();
+    r.master.emplace_back(n * 4);
+    std::memcpy(r.master.back().data(), w.data(), n * 4);
+    const uint64_t moment = n >= 4096 ? n + 4 * cpu_optim::quant_block_count(n) : 4 * n;
+    r.exp_avg.emplace_back(moment);
+    r.exp_avg_sq.emplace_back(moment);
+    r.compute.push_back(to_dtype(w, compute));
+  }
+  for (int s = 0; s < steps; ++s) {
+    for (size_t p = 0; p < in.weights.size(); ++p) {
+      const size_t n = in.weights[p].size();
+      Bytes g = to_dtype(in.grads[s][p], grad);
+      const std::span<float> master{reinterpret_cast<float*>(r.master[p].data()), n};
+      const cpu_optim::ConstElemSpan gs{g.data(), grad};
+      const cpu_optim::ElemSpan out{r.compute[p].data(), compute};
+      Status st;
+      if (n >= 4096) {
+        auto state = [&](Bytes& b) {
+          return cpu_optim::BlockwiseState{{reinterpret_cast<uint8_t*>(b.data()), n},
+                                           {reinterpret_cast<float*>(b.data() + n), cpu_optim::quant_block_count(n)}};
+        };
+        st = cpu_optim::adam8bit_step(adam, s + 1, master, state(r.exp_avg[p]), state(r.exp_avg_sq[p]), gs, kGradScale,
+                                      out, **ex);
+      } else {
+        st = cpu_optim::adam_step(adam, s + 1, master, {reinterpret_cast<float*>(r.exp_avg[p].data()), n},
+                                  {reinterpret_cast<float*>(r.exp_avg_sq[p].data()), n}, gs, kGradScale, out, **ex);
+      }
+      ZO_CHECK(st.is_ok()) << st.to_string();
+    }
+  }
+  return r;
+}
+
+ParamStates engine_run8(const Placing& s, const Inputs& in, int steps) {
+  Rig rig;
+  Status st = rig.init(s);
+  ZO_CHECK(st.is_ok()) << s.describe() << ": " << st.to_string();
+  st = init_all(*rig.store, in);
+  ZO_CHECK(st.is_ok()) << st.to_string();
+  auto swapper = OptimizerSwapper::create(*rig.store, *rig.executor, PipelineOptions::from_config(rig.config));
+  ZO_CHECK(swapper.is_ok()) << swapper.status().to_string();
+  for (int i = 0; i < steps; ++i) {
+    st = write_grads(rig, in, i);
+    ZO_CHECK(st.is_ok()) << st.to_string();
+    auto report = (*swapper)->step(step_args(rig, i + 1));
+    ZO_CHECK(report.is_ok()) << s.describe() << ": " << report.status().to_string();
+  }
+  return gather_all8(*rig.store);
+}
+
+// The model has params under 4096 elements (a, d, g), quantized ones with a partial last block
+// (b, c, f), and ones split over sub-groups (b over three, e over two).
+TEST(OptimizerSwapper8bit, EveryPlacementEqualsPerTensorStepsBitForBit) {
+  constexpr int kSteps = 4;
+  const Inputs in = make_inputs(kSteps);
+  for (bool bf16 : {true, false}) {
+    Placing base;
+    base.bf16 = bf16;
+    base.moments = "8bit";
+    base.optimizer = "cpu";
+    const Config c = make_config(base, "/tmp");
+    const ParamStates want = reference_run8(in, adam_of(c), bf16 ? DType::kBF16 : DType::kF32, DType::kF32, kSteps);
+    std::vector<Placing> setups;
+    for (const char* param : {"none", "cpu", "nvme"}) {
+      Placing s = base;
+      s.param = param;
+      setups.push_back(s);
+      for (int rw = 0; rw < 4; ++rw) {
+        Placing n = s;
+        n.optimizer = "nvme";
+        n.pipeline_read = rw & 1;
+        n.pipeline_write = rw & 2;
+        setups.push_back(n);
+      }
+    }
+    Placing split = base;  // the accumulators apart from the states, both ways
+    split.accumulators = "nvme";
+    setups.push_back(split);
+    split.optimizer = "nvme";
+    split.accumulators = "cpu";
+    split.pipeline_read = split.pipeline_write = true;
+    setups.push_back(split);
+    Placing pageable = base;
+    pageable.pin_optimizer = pageable.pin_param = false;
+    pageable.param = "cpu";
+    setups.push_back(pageable);
+    for (const Placing& s : setups) expect_same(engine_run8(s, in, kSteps), want, s.describe());
+  }
+}
+
+// Both moments take 2.03 bytes per element of a large param: the plan, the store and the swap file
+// agree on the closed form.
+TEST(OptimizerSwapper8bit, MomentsTakeTheirLayoutsBytesInThePlanAndTheStore) {
+  Placing s;
+  s.moments = "8bit";
+  s.optimizer = "nvme";
+  Rig rig;
+  ASSERT_TRUE(rig.init(s).is_ok());
+  uint64_t codes = 0, aux = 0;
+  for (const auto& spec : model()) {
+    uint64_t n = 1;
+    for (auto d : spec.shape) n *= static_cast<uint64_t>(d);
+    if (n >= 4096) {
+      codes += n;
+      aux += 4 * ((n + 255) / 256);
+    } else {
+      aux += 4 * n;
+    }
+  }
+  uint64_t stored = 0, pad = 0;
+  for (const auto& g : rig.registry.sub_groups()) {
+    const uint64_t bytes = rig.store->state_bytes(g.index, StateKind::kExpAvg);
+    EXPECT_EQ(bytes, rig.store->state_bytes(g.index, StateKind::kExpAvgSq));
+    stored += bytes;
+    uint64_t group_codes = 0;
+    for (const auto& piece : rig.registry.pieces_of_group(g.index))
+      if (rig.registry.params()[piece.param].n_elems >= 4096) group_codes += piece.n_elems;
+    pad += (4 - group_codes % 4) % 4;
+  }
+  EXPECT_EQ(stored, codes + pad + aux);
+  EXPECT_EQ(rig.plan.placement.moments, MomentDtype::k8bit);
+}
+
+// 8-bit moments step on the CPU with Adam only; the swapper refuses the rest, naming the key.
+TEST(OptimizerSwapper8bit, RefusesTheDeviceAndOtherOptimizers) {
+  {
+    Rig rig;
+    Placing s;
+    ASSERT_TRUE(rig.prepare(s).is_ok());
+    rig.config.zoffload.moment_dtype = "8bit";
+    auto plan = plan_memory(rig.config, rig.registry);
+    ASSERT_TRUE(plan.is_ok());
+    rig.plan = *plan;
+    ASSERT_TRUE(rig.create_store().is_ok());
+    auto swapper = OptimizerSwapper::create(*rig.store, *rig.executor, PipelineOptions::from_config(rig.config));
+    ASSERT_FALSE(swapper.is_ok());
+    EXPECT_EQ(swapper.status().code(), StatusCode::kUnavailable);
+    EXPECT_THAT(swapper.status().message(), HasSubstr("zoffload.moment_dtype"));
+    EXPECT_THAT(swapper.status().message(), HasSubstr("offload_optimizer.device to cpu or nvme"));
+  }
+  for (OptimizerType type : {OptimizerType::kAdagrad, OptimizerType::kLion}) {
+    Placing s;
+    s.optimizer = "cpu";
+    s.moments = "8bit";
+    Rig rig;
+    ASSERT_TRUE(rig.init(s).is_ok());
+    PipelineOptions options = PipelineOptions::from_config(rig.config);
+    options.optimizer = type;
+    auto swapper = OptimizerSwapper::create(*rig.store, *rig.executor, options);
+    ASSERT_FALSE(swapper.is_ok());
+    EXPECT_EQ(swapper.status().code(), StatusCode::kUnavailable);
+    EXPECT_THAT(swapper.status().message(), HasSubstr(std::string(to_string(type))));
+  }
+}
 
 // Adagrad and Lion step on the CPU; with the states on the device (which config check refuses
 // already) the swapper refuses too, naming the optimizer and the way out.

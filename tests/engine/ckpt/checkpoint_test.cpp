@@ -135,6 +135,74 @@ TEST(Checkpoint, EveryTierRoundTripsBitExactlyAcrossPlacements) {
   }
 }
 
+// 8-bit moments (zoffload.moment_dtype): the codes and absmax of every param come back whatever the
+// placement and sub-group size of the loading store; the files are what docs/checkpoint_format.md says.
+TEST(Checkpoint, EightBitMomentsRoundTripAcrossPlacementsAndSubGroupSizes) {
+  const std::vector<std::pair<Placing, Placing>> pairs = {
+      {{.optimizer = "nvme", .param = "nvme", .moments = "8bit"},
+       {.optimizer = "cpu", .param = "cpu", .sub_group_size = 4096, .moments = "8bit"}},
+      {{.optimizer = "cpu", .param = "cpu", .sub_group_size = 20000, .moments = "8bit"},
+       {.optimizer = "nvme", .param = "cpu", .sub_group_size = 12288, .moments = "8bit"}}};
+  for (const auto& [from, to] : pairs) {
+    SCOPED_TRACE(from.optimizer + " " + std::to_string(from.sub_group_size));
+    TempDir dir;
+    Rig src;
+    ASSERT_TRUE(src.init(from, dir.path + "/swap-a").is_ok());
+    ASSERT_TRUE(src.fill(7).is_ok());
+    const std::string ckpt = dir.path + "/ckpt";
+    auto saved = save_checkpoint(*src.store, state_at(5), "{}", save_options(ckpt));
+    ASSERT_TRUE(saved.is_ok()) << saved.status().to_string();
+    ASSERT_TRUE(verify(ckpt, *src.io).is_ok());
+    Rig dst;
+    ASSERT_TRUE(dst.init(to, dir.path + "/swap-b").is_ok());
+    ASSERT_TRUE(dst.fill(99).is_ok());
+    Status s = load(ckpt, dst);
+    ASSERT_TRUE(s.is_ok()) << s.to_string();
+    for (StateKind kind : {StateKind::kMaster, StateKind::kExpAvg, StateKind::kExpAvgSq, StateKind::kCompute})
+      EXPECT_TRUE(src.gather(kind) == dst.gather(kind)) << state_name(kind);
+
+    // The files: exp_avg.safetensors lists the map, then NAME.absmax (≥ 4096 elements) or NAME;
+    // exp_avg.codes is one byte per element of the quantized params, in order.
+    auto info = open_checkpoint(ckpt + "/step-5");
+    ASSERT_TRUE(info.is_ok()) << info.status().to_string();
+    EXPECT_EQ(info->manifest.moments, MomentDtype::k8bit);
+    auto st = SafetensorsFile::open(ckpt + "/step-5/exp_avg.safetensors");
+    ASSERT_TRUE(st.is_ok()) << st.status().to_string();
+    EXPECT_EQ((*st)->metadata().at("zoffload_moment_dtype"), "8bit");
+    EXPECT_EQ((*st)->tensors().front().name, "zoffload.qmap");
+    std::vector<float> map(256);
+    ASSERT_TRUE((*st)->read_f32((*st)->tensors().front(), 0, map).is_ok());
+    EXPECT_EQ(map.front(), -0.99296875f);  // bitsandbytes' signed map, ascending, ends at 1
+    EXPECT_EQ(map.back(), 1.0f);
+    uint64_t quantized = 0;
+    for (const ParamInfo& p : src.registry.params()) {
+      const SafetensorsTensor* a = (*st)->find(p.n_elems >= 4096 ? p.name + ".absmax" : p.name);
+      ASSERT_NE(a, nullptr) << p.name;
+      EXPECT_EQ(a->n_elems, p.n_elems >= 4096 ? (p.n_elems + 255) / 256 : p.n_elems) << p.name;
+      if (p.n_elems >= 4096) quantized += p.n_elems;
+    }
+    EXPECT_EQ(fs::file_size(ckpt + "/step-5/exp_avg.codes"), quantized);
+    EXPECT_EQ(fs::file_size(ckpt + "/step-5/exp_avg_sq.codes"), quantized);
+  }
+}
+
+// A checkpoint resumes only with the moment dtype it was saved with, and says so.
+TEST(Checkpoint, LoadRefusesAnotherMomentDtype) {
+  for (const auto& [saved_as, loaded_as] : {std::pair{"8bit", "fp32"}, std::pair{"fp32", "8bit"}}) {
+    TempDir dir;
+    Rig src;
+    ASSERT_TRUE(src.init({.optimizer = "cpu", .moments = saved_as}, dir.path + "/swap-a").is_ok());
+    ASSERT_TRUE(src.fill(1).is_ok());
+    ASSERT_TRUE(save_checkpoint(*src.store, state_at(2), "{}", save_options(dir.path + "/c")).is_ok());
+    Rig dst;
+    ASSERT_TRUE(dst.init({.optimizer = "cpu", .moments = loaded_as}, dir.path + "/swap-b").is_ok());
+    Status s = load(dir.path + "/c", dst);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+    EXPECT_THAT(s.message(), HasSubstr(std::string("moments in ") + saved_as));
+    EXPECT_THAT(s.message(), HasSubstr("zoffload.moment_dtype"));
+  }
+}
+
 TEST(Checkpoint, StateFilesAreSafetensorsWithHfNames) {
   TempDir dir;
   Rig rig;
@@ -805,6 +873,42 @@ TEST(CollaborativeSave, RanksWriteTheFilesOneProcessWouldAndAnyWorldLoadsThem) {
             ASSERT_EQ(c[i], float_to_bf16(rig_value(5, StateKind::kMaster, g.first_elem + i))) << g.index;
         }
       }
+    }
+  }
+}
+
+// With 8-bit moments each rank writes its run of the two parts of each moment (absmax file and codes
+// file): the files are one process's, and they load back into one process whole.
+TEST(CollaborativeSave, EightBitMomentsGiveOneProcesssFiles) {
+  for (const std::string optimizer : {"nvme", "cpu"}) {
+    SCOPED_TRACE(optimizer);
+    TempDir dir;
+    const Placing placing{.optimizer = optimizer, .moments = "8bit"};
+    Rig one;
+    ASSERT_TRUE(one.init(placing, dir.path + "/swap-one").is_ok());
+    ASSERT_TRUE(one.fill(5).is_ok());
+    ASSERT_TRUE(save_checkpoint(*one.store, state_at(3), "{}", save_options(dir.path + "/one")).is_ok());
+    for (uint32_t world : {2u, 3u}) {
+      SCOPED_TRACE(world);
+      std::vector<Rig> rigs(world);
+      for (uint32_t r = 0; r < world; ++r) {
+        ASSERT_TRUE(rigs[r].init(placing, dir.path + "/swap", 1, world, r).is_ok());
+        ASSERT_TRUE(rigs[r].fill(5).is_ok());
+      }
+      const std::string ckpt = dir.path + "/w" + std::to_string(world);
+      auto results = save_together(rigs, ckpt, 3);
+      for (uint32_t r = 0; r < world; ++r)
+        ASSERT_TRUE(results[r].is_ok()) << r << ": " << results[r].status().to_string();
+      for (const char* f : {"master.safetensors", "exp_avg.safetensors", "exp_avg_sq.safetensors", "exp_avg.codes",
+                            "exp_avg_sq.codes", "manifest.json"}) {
+        EXPECT_EQ(read_file(ckpt + "/step-3/" + f), read_file(dir.path + "/one/step-3/" + f)) << f;
+      }
+      Rig back;
+      ASSERT_TRUE(
+          back.init({.optimizer = "cpu", .sub_group_size = 4096, .moments = "8bit"}, dir.path + "/swap-back").is_ok());
+      ASSERT_TRUE(load(ckpt, back).is_ok());
+      for (StateKind kind : {StateKind::kMaster, StateKind::kExpAvg, StateKind::kExpAvgSq})
+        EXPECT_TRUE(back.gather(kind) == one.gather(kind)) << state_name(kind);
     }
   }
 }

@@ -3,6 +3,7 @@
 // element) so any two stores can be compared. Test-only; not thread-safe.
 #pragma once
 
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <optional>
@@ -12,6 +13,7 @@
 #include "common/check.h"
 #include "common/half.h"
 #include "engine/config/config.h"
+#include "engine/memory/moment_layout.h"
 #include "engine/memory/param_registry.h"
 #include "engine/memory/state_store.h"
 #include "gpu/device.h"
@@ -27,6 +29,7 @@ struct Placing {
   uint64_t sub_group_size = 8192;
   std::string precision = "bf16";  // bf16, fp16 or fp32 compute
   uint32_t stage = 3;              // zero_optimization.stage (offload_param needs 3)
+  std::string moments = "fp32";    // zoffload.moment_dtype
 };
 
 // Odd sizes: params split over sub-groups, tails that are not multiples of 4 KiB.
@@ -52,7 +55,9 @@ inline Config rig_config(const Placing& p, const std::string& nvme_dir) {
                            p.optimizer + R"(", "nvme_path": ")" + nvme_dir + R"("},
       "offload_param": {"device": ")" +
                            p.param + R"(", "nvme_path": ")" + nvme_dir + R"(", "max_in_cpu": 0}},
-    "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}})";
+    "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+    "zoffload": {"moment_dtype": ")" +
+                           p.moments + R"("}})";
   return parse_test_config(json);
 }
 
@@ -96,9 +101,15 @@ struct Rig {
   // Sets master, exp_avg and exp_avg_sq of every element to generation `gen`'s values and the
   // compute copies to the master rounded (as the optimizer leaves them). Partitioned: the optimizer
   // states (and, at stage 3, the compute copies) of the rank's own sub-groups.
+  // With 8-bit moments, each code and absmax is likewise a function of (gen, state, param, element
+  // or block), whatever the sub-group size.
   Status fill(uint64_t gen) {
     for (const SubGroup& g : registry.sub_groups()) {
       for (StateKind kind : {StateKind::kMaster, StateKind::kExpAvg, StateKind::kExpAvgSq}) {
+        if (kind != StateKind::kMaster && plan.placement.moments == MomentDtype::k8bit) {
+          if (plan.owns(g.index)) ZO_RETURN_IF_ERROR(store->write_state(g.index, kind, moment8(gen, kind, g)));
+          continue;
+        }
         std::vector<float> v(g.n_elems);
         for (uint64_t i = 0; i < g.n_elems; ++i) v[i] = rig_value(gen, kind, g.first_elem + i);
         if (plan.owns(g.index)) ZO_RETURN_IF_ERROR(store->write_state(g.index, kind, std::as_bytes(std::span(v))));
@@ -109,8 +120,56 @@ struct Rig {
     return Status::ok();
   }
 
-  // One state of the whole flat parameter space, in sub-group order.
+  // Sub-group g's 8-bit moment of generation `gen` in the store's layout.
+  std::vector<std::byte> moment8(uint64_t gen, StateKind kind, const SubGroup& g) const {
+    const MomentLayout layout = moment_layout(registry, g.index);
+    std::vector<std::byte> out(layout.total_bytes);
+    for (const MomentPiece& mp : layout.pieces) {
+      const ParamPiece& piece = *mp.piece;
+      const uint64_t key = uint64_t{piece.param} << 32;
+      if (!mp.quantized) {
+        for (uint64_t i = 0; i < piece.n_elems; ++i) {
+          const float v = rig_value(gen, kind, g.first_elem + piece.group_offset + i);
+          std::memcpy(out.data() + mp.aux_offset_bytes + 4 * i, &v, 4);
+        }
+        continue;
+      }
+      for (uint64_t i = 0; i < piece.n_elems; ++i) {
+        const float v = rig_value(gen, kind, key + piece.param_offset + i);
+        out[mp.codes_offset_bytes + i] = static_cast<std::byte>(static_cast<uint32_t>(v * 4096.0f) & 0xff);
+      }
+      for (uint64_t b = 0; b < mp.aux_bytes / 4; ++b) {
+        const float v = std::abs(rig_value(gen, kind, key + (uint64_t{1} << 31) + piece.param_offset / 256 + b));
+        std::memcpy(out.data() + mp.aux_offset_bytes + 4 * b, &v, 4);
+      }
+    }
+    return out;
+  }
+
+  // One state of the whole flat parameter space, in sub-group order. 8-bit moments: per param
+  // (in order) its codes then its absmax, or its fp32 moment — independent of the sub-groups.
   std::vector<std::byte> gather(StateKind kind) {
+    if (kind != StateKind::kMaster && kind != StateKind::kCompute && plan.placement.moments == MomentDtype::k8bit) {
+      std::vector<std::vector<std::byte>> codes(registry.params().size()), aux(registry.params().size());
+      for (const SubGroup& g : registry.sub_groups()) {
+        std::vector<std::byte> part(store->state_bytes(g.index, kind));
+        ZO_CHECK(store->read_state(g.index, kind, part).is_ok());
+        for (const MomentPiece& mp : moment_layout(registry, g.index).pieces) {
+          auto& c = codes[mp.piece->param];
+          if (mp.quantized)
+            c.insert(c.end(), part.begin() + mp.codes_offset_bytes,
+                     part.begin() + mp.codes_offset_bytes + mp.piece->n_elems);
+          auto& a = aux[mp.piece->param];
+          a.insert(a.end(), part.begin() + mp.aux_offset_bytes, part.begin() + mp.aux_offset_bytes + mp.aux_bytes);
+        }
+      }
+      std::vector<std::byte> out;
+      for (size_t p = 0; p < codes.size(); ++p) {
+        out.insert(out.end(), codes[p].begin(), codes[p].end());
+        out.insert(out.end(), aux[p].begin(), aux[p].end());
+      }
+      return out;
+    }
     std::vector<std::byte> out;
     for (const SubGroup& g : registry.sub_groups()) {
       std::vector<std::byte> part(store->state_bytes(g.index, kind));
