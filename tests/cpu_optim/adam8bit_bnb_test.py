@@ -32,7 +32,7 @@ try:
     import numpy as np
     import torch
     import bitsandbytes as bnb
-    import bitsandbytes.backends.cpu.ops as bnb_cpu_ops
+    import bnb_nearest
     import bitsandbytes.functional as bnb_f
 except ImportError as e:
     print("skipping: bitsandbytes, torch or numpy is missing (%s); tools/requirements.txt lists them" % e)
@@ -44,26 +44,8 @@ f32 = lambda x: float(np.float32(x))  # noqa: E731
 LR, BETAS, EPS, WD = f32(1e-3), (f32(0.9), f32(0.999)), f32(1e-8), f32(0.01)
 
 
-def nearest_requantize(A_fp32, code, absmax_out, out_uint8, blocksize):
-    """Each block: absmax = the largest |x| that is not NaN (0 if none); code = the nearest entry to
-    x / absmax, the lower on a tie, 0 for NaN."""
-    x = A_fp32.reshape(-1)
-    for b in range(0, x.numel(), blocksize):
-        blk = x[b:b + blocksize]
-        am = torch.nan_to_num(blk.abs(), nan=0.0).max()
-        normed = blk / am
-        d = (normed.view(-1, 1) - code.view(1, -1)).abs()
-        d = torch.nan_to_num(d, nan=float("inf"))
-        idx = d.argmin(dim=1)  # the first minimum: the lower index on a tie; NaN rows: 0
-        absmax_out[b // blocksize] = am
-        out_uint8.view(-1)[b:b + blocksize] = idx.to(torch.uint8)
-
-
 def run_bnb(p0, grads, nearest):
-    saved = bnb_cpu_ops._quant_blockwise_fp32_direct
-    if nearest:
-        bnb_cpu_ops._quant_blockwise_fp32_direct = nearest_requantize
-    try:
+    with bnb_nearest.nearest(nearest):
         p = torch.nn.Parameter(torch.from_numpy(p0.copy()))
         opt = bnb.optim.AdamW8bit([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, min_8bit_size=1)
         bound = np.zeros(p0.size, dtype=np.float64)
@@ -78,8 +60,6 @@ def run_bnb(p0, grads, nearest):
         st = opt.state[p]
         return (p.detach().numpy().copy(), st["state1"].numpy().copy(), st["absmax1"].numpy().copy(),
                 st["state2"].numpy().copy(), st["absmax2"].numpy().copy(), bound)
-    finally:
-        bnb_cpu_ops._quant_blockwise_fp32_direct = saved
 
 
 def run_zoffload(tmp, p0, grads, threads, isa):

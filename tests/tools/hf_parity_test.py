@@ -26,6 +26,9 @@ reference's final weights (rounded to the export dtype) and give the reference's
     checked against the mirror only).
   (The fp32 cases check transformers' attention and torch's AdamW semantics tightly, so what the
   mirror redoes the engine's way hides nothing.)
+- the 8-bit case (zoffload.moment_dtype "8bit"): fp32, and bitsandbytes' AdamW8bit in place of
+  torch's AdamW, re-quantizing to the nearest code as zoffload does (bnb_nearest.py). Left out,
+  with a line saying so, when bitsandbytes is not installed.
 
 The models: llama untied, llama tied (in fp32, and in bf16, where the engine adds the shared
 matrix's two gradients into its fp32 sum, which the mirror does too), mistral, qwen2 (q/k/v biases,
@@ -43,6 +46,7 @@ Usage: hf_parity_test.py ZOFFLOAD SOURCE_DIR
                           the emulated device ("host"), the reference on the CPU
   ZO_PARITY_CASES=a,b     only these cases
 Exit 77 (skip) when this Python lacks transformers, safetensors or numpy."""
+import contextlib
 import json
 import math
 import os
@@ -66,6 +70,12 @@ except ImportError as e:
     print("SKIP: the transformers oracle is not installed in %s (%s); tools/requirements.txt pins it" %
           (sys.executable, e))
     sys.exit(77)
+
+try:  # the oracle of the 8-bit moments case (its AdamW8bit runs on the CPU)
+    import bitsandbytes as bnb
+    import bnb_nearest
+except ImportError:
+    bnb = None
 
 DEVICE = os.environ.get("ZO_PARITY_DEVICE", "cpu")
 if DEVICE not in ("cpu", "cuda"):
@@ -119,6 +129,16 @@ TOLERANCES = {
     # into full-size update differences on small elements, so the weights are checked against the
     # mirror alone.
     "bf16-hf": {"loss": 2e-3, "grad_norm": 1e-2},
+    # 8-bit moments vs transformers + bitsandbytes' AdamW8bit (re-quantizing to the nearest code,
+    # bnb_nearest.py) with clip_grad_norm_: its state bytes equal zoffload's kernel's (tests/cpu_optim),
+    # but here the gradients differ in the last bits as in the fp32 case, bitsandbytes' sqrt is not
+    # correctly rounded, and it steps params under 4096 elements with its own 32-bit Adam expression;
+    # a moment that lands near the midpoint of two codes then takes the other one, a step of up to
+    # 1/127 of its block's absmax. Measured over seeds 18–26: ≤ 3.8e-7 in loss, ≤ 1.7e-6 in grad_norm,
+    # ≤ 1.9e-5 in weights, ≤ 1.3e-4 in logits; bounds ≈ 10×. A real error is far beyond them: fp32
+    # moments in zoffload move the weights by 6.6e-2 and the loss by 3.6e-4 by step 4; quantizing the
+    # small tensors too (no 4096 threshold) the weights by 6.0e-3.
+    "fp32-8bit": {"loss": 1e-5, "grad_norm": 2e-5, "weights": 2e-4, "logits": 1e-3},
 }
 if DEVICE == "cuda":
     # Measured on an H200 (torch 2.11.0+cu130, transformers 5.17, TF32 off), one run of these cases:
@@ -153,6 +173,12 @@ CASES = [
          precision="bf16", placement="nvme", stage=3, gas=2, clip=1.0, schedule=None, lr=2e-3, seed=17),
     dict(name="llama-untied-bf16-none", arch="llama", tied=False, vocab=384, seq=32, disk="bfloat16", shard=True,
          precision="bf16", placement="none", stage=2, gas=1, clip=0.3, schedule="warmup", lr=2e-3, seed=16),
+    # zoffload.moment_dtype "8bit" against bitsandbytes' AdamW8bit: quantized tensors with a partial
+    # last block (the embeddings and the head, 385 × 64) and whole ones (q/o 4096, MLP 10240), fp32
+    # ones under 4096 elements (k/v 2048, the norms).
+    dict(name="llama-untied-fp32-nvme-8bit", arch="llama", tied=False, vocab=385, seq=32, disk="float32",
+         shard=False, precision="fp32", placement="nvme", stage=3, gas=2, clip=1.0, schedule="warmup", lr=2e-3,
+         seed=18, moments="8bit"),
 ]
 
 WARMUP = {"warmup_min_lr": 1e-4, "warmup_num_steps": 3}
@@ -189,7 +215,7 @@ def zoffload_config(case):
         "optimizer": {"type": "AdamW", "params": {"lr": case["lr"], "betas": list(BETAS), "eps": EPS,
                                                   "weight_decay": WEIGHT_DECAY}},
         "zero_optimization": zero,
-        "zoffload": {"device": ZO_DEVICE, "optimizer_threads": 1},
+        "zoffload": {"device": ZO_DEVICE, "optimizer_threads": 1, "moment_dtype": case.get("moments", "fp32")},
     }
     if case["schedule"] == "warmup":
         cfg["scheduler"] = {"type": "WarmupLR", "params": {
@@ -373,6 +399,9 @@ def reference_train(case, model_dir, batches, attention, engine_adam):
     if engine_adam:
         masters = {n: mparams[n].detach().cpu().numpy().copy() for n in names}
         opt = EngineAdamW(masters)
+    elif case.get("moments") == "8bit":
+        opt = bnb.optim.AdamW8bit(master.parameters(), lr=case["lr"], betas=BETAS, eps=EPS,
+                                  weight_decay=WEIGHT_DECAY, min_8bit_size=4096)
     else:
         opt = torch.optim.AdamW(master.parameters(), lr=case["lr"], betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
     gas = case["gas"]
@@ -413,7 +442,8 @@ def reference_train(case, model_dir, batches, attention, engine_adam):
                 norm = torch.nn.utils.clip_grad_norm_(master.parameters(), case["clip"]).item()
             else:
                 norm = torch.nn.utils.get_total_norm([mparams[n].grad for n in names]).item()
-            opt.step()
+            with bnb_nearest.nearest() if case.get("moments") == "8bit" else contextlib.nullcontext():
+                opt.step()
             opt.zero_grad(set_to_none=True)
         steps.append({"loss": sum(losses) / gas, "grad_norm": norm, "lr": lr})
     if engine_adam:
@@ -558,7 +588,9 @@ def run_case(case, tmp):
         return
 
     batches = batches_of(case, tokens, data_seed)
-    if precision == "fp32":
+    if case.get("moments") == "8bit":
+        runs = [("bnb", "sdpa", False, TOLERANCES["fp32-8bit"])]
+    elif precision == "fp32":
         runs = [("hf", "sdpa", False, TOLERANCES["fp32"])]
     else:
         runs = [("mirror", "zoffload_mirror", True, TOLERANCES["bf16-mirror"]),
@@ -612,6 +644,10 @@ def main():
     transformers.utils.logging.disable_progress_bar()
     only = [n for n in os.environ.get("ZO_PARITY_CASES", "").split(",") if n]
     cases = [c for c in CASES if not only or c["name"] in only]
+    if bnb is None:
+        print("bitsandbytes is not installed (tools/requirements.txt pins it): the 8-bit case is left out")
+        only = [n for n in only if not n.endswith("-8bit")]
+        cases = [c for c in cases if c.get("moments") != "8bit"]
     if not expect(len(cases) == (len(only) or len(CASES)), "ZO_PARITY_CASES names known cases: %s" % only):
         report_and_exit()
     print("transformers %s, torch %s, device %s (zoffload.device %s)" %
