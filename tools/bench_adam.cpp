@@ -29,6 +29,7 @@
 #include "cpu_optim/isa.h"
 #include "cpu_optim/lion.h"
 #include "cpu_optim/vector_ops.h"
+#include "tools/bench_adam.h"
 #include "tools/bench_adam_torch.h"
 #include "tools/bench_util.h"
 #include "tools/commands.h"
@@ -43,20 +44,6 @@ using cpu_optim::DType;
 using cpu_optim::ElemSpan;
 using cpu_optim::Executor;
 using cpu_optim::Isa;
-
-struct AdamArgs {
-  std::string params = "2e8";
-  std::string optimizer = "adamw";
-  std::string grad_dtype = "fp32";
-  std::string copy_out = "bf16";
-  std::string isa = "auto";
-  int threads = 0;
-  int repeats = 5;
-  bool bind_cores = false;
-  bool no_torch = false;
-  bool torch_loop = false;
-  bool json = false;
-};
 
 struct Hyper {
   float lr = 1e-3f, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 0.01f;
@@ -214,6 +201,8 @@ Result<TorchCheck> check_torch_fused(const AdamArgs& a, const Hyper& h, DType gd
 
 int run_adam_bench(const AdamArgs& a) {
   const BenchError usage{"adam", 2}, failure{"adam", 1};
+  if (a.moments == "8bit") return run_adam8bit_bench(a);
+  if (a.moments != "fp32") return usage("--moments: expected fp32 or 8bit, got '" + a.moments + "'");
   const Result<uint64_t> n_parsed = parse_count(a.params);
   if (!n_parsed.is_ok() || *n_parsed == 0)
     return usage("--params: expected a positive count like 2e8, got '" + a.params + "'");
@@ -527,6 +516,10 @@ void register_bench_adam(CLI::App& app, int* exit_code) {
       "with a same-run STREAM triad and torch's fused kernel (at::_fused_adamw_) and their ratios");
   cmd->add_option("--params", args->params, "number of parameters, e.g. 2e8")->capture_default_str();
   cmd->add_option("--optimizer", args->optimizer, "adamw|adam|adagrad|lion (adam = L2 decay, adam_w_mode off)")
+      ->capture_default_str();
+  cmd->add_option("--moments", args->moments,
+                  "fp32|8bit: Adam's moments (zoffload.moment_dtype); 8bit times adam8bit_step beside the fp32 "
+                  "kernel and the triad (no torch baseline: tools/bench_adam_bnb.py runs bitsandbytes' beside it)")
       ->capture_default_str();
   cmd->add_option("--grad-dtype", args->grad_dtype, "fp32|bf16|fp16")->capture_default_str();
   cmd->add_option("--copy-out", args->copy_out, "bf16|fp16|none: fused 16-bit copy of the new params")

@@ -102,6 +102,12 @@ Result<engine::Config> make_config(const PipelineArgs& a, uint64_t sub_group_siz
     *why_usage = msg;
     return invalid_argument(msg);
   }
+  if (c->zoffload.moment_dtype != "fp32") {
+    *why_usage = "zoffload.moment_dtype \"" + c->zoffload.moment_dtype +
+                 "\": this benchmark steps fp32 moments only (zoffload-bench adam --moments 8bit times the 8-bit "
+                 "kernel; zoffload train runs the whole step)";
+    return invalid_argument(*why_usage);
+  }
   return *c;
 }
 

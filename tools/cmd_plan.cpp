@@ -199,6 +199,7 @@ int run_plan(const PlanArgs& a) {
     j["speeds"] = {{"nvme_read_bytes_per_s", in.speeds.nvme_read_bytes_per_s},
                    {"nvme_write_bytes_per_s", in.speeds.nvme_write_bytes_per_s},
                    {"adam_elems_per_s", in.speeds.adam_elems_per_s},
+                   {"adam8bit_elems_per_s", in.speeds.adam8bit_elems_per_s},
                    {"accumulate_elems_per_s", in.speeds.accumulate_elems_per_s},
                    {"compute_flops", in.speeds.compute_flops}};
     nlohmann::ordered_json fx = nlohmann::ordered_json::array();

@@ -397,9 +397,12 @@ void plan_step_time(const PlanBasis& b, const GradTraffic& grads, RunPlan* out) 
     add_part("pcie", sp.pcie_bytes_per_s, static_cast<double>(p.h2d_min_bytes + p.d2h_bytes), "host↔GPU copies");
   add_part("gradients", sp.accumulate_elems_per_s, static_cast<double>(passes * p.n_params),
            "accumulate + norm kernel, measured");
-  add_part("optimizer", sp.adam_elems_per_s, static_cast<double>(p.n_params),
-           p.memory.placement.moments == MomentDtype::k8bit ? "cpu_optim Adam with 8-bit moments, measured"
-                                                            : "cpu_optim Adam, measured");
+  if (p.memory.placement.moments == MomentDtype::k8bit) {
+    add_part("optimizer", sp.adam8bit_elems_per_s, static_cast<double>(p.n_params),
+             "cpu_optim Adam with 8-bit moments, measured");
+  } else {
+    add_part("optimizer", sp.adam_elems_per_s, static_cast<double>(p.n_params), "cpu_optim Adam, measured");
+  }
   // NVMe in two parts, as the step runs them: the accumulators are written (and read back) during
   // backward, by the gradient worker; the optimizer's reads and writes are pipelined with Adam.
   double nvme_grad_s = 0, nvme_opt_s = 0;
@@ -731,6 +734,16 @@ std::vector<Candidate> candidates(const Config& base) {
                      return true;
                    }});
   }
+  if (base.zoffload.moment_dtype != "8bit" && oo.device != OffloadDevice::kNone &&
+      (base.optimizer.type == OptimizerType::kAdam || base.optimizer.type == OptimizerType::kAdamW)) {
+    // The one candidate here that changes the arithmetic: bitsandbytes' 8-bit moments, 6 bytes per
+    // parameter less on the optimizer's tier. Last of the memory fixes, so the exact ones come first.
+    out.push_back(
+        {"zoffload.moment_dtype: 8bit (rounds Adam's moments to bitsandbytes' 8-bit blockwise states)", [](Config& c) {
+           c.zoffload.moment_dtype = "8bit";
+           return true;
+         }});
+  }
   if (base.zoffload.activation_checkpoints == "device") {  // "auto" moves them when that is what fits
     out.push_back({"zoffload.activation_checkpoints: cpu", [](Config& c) {
                      c.zoffload.activation_checkpoints = "cpu";
@@ -847,15 +860,16 @@ Status measure_cpu_speeds(const Config& config, HostSpeeds* speeds) {
     return cpu_optim::BlockwiseState{{base, kElems},
                                      {reinterpret_cast<float*>(base + kElems), cpu_optim::quant_block_count(kElems)}};
   };
-  const bool moments_8bit = config.zoffload.moment_dtype == "8bit";
+  const cpu_optim::ConstElemSpan grad{f32(3).data(), DType::kF32};
+  const cpu_optim::ElemSpan out{f32(4).data(), cdt};
   ZO_ASSIGN_OR_RETURN(speeds->adam_elems_per_s, rate([&] {
-                        const cpu_optim::ConstElemSpan grad{f32(3).data(), DType::kF32};
-                        const cpu_optim::ElemSpan out{f32(4).data(), cdt};
-                        if (moments_8bit) {
-                          return cpu_optim::adam8bit_step(adam, 1, f32(0), blockwise(1), blockwise(2), grad, 1.0f, out,
-                                                          *executor);
-                        }
                         return cpu_optim::adam_step(adam, 1, f32(0), f32(1), f32(2), grad, 1.0f, out, *executor);
+                      }));
+  // Measured whatever the config says: a fix the planner suggests may switch the moments.
+  std::memset(buf.data(), 0, buf.size());
+  ZO_ASSIGN_OR_RETURN(speeds->adam8bit_elems_per_s, rate([&] {
+                        return cpu_optim::adam8bit_step(adam, 1, f32(0), blockwise(1), blockwise(2), grad, 1.0f, out,
+                                                        *executor);
                       }));
   ZO_ASSIGN_OR_RETURN(speeds->accumulate_elems_per_s, rate([&] {
                         return GradAccumulator::measure_kernel(

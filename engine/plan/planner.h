@@ -54,6 +54,7 @@ struct HostSpeeds {
   double nvme_write_bytes_per_s = 0;
   std::string nvme_source;            // "zoffload-bench io results FILE"
   double adam_elems_per_s = 0;        // cpu_optim Adam on the optimizer's threads, measured
+  double adam8bit_elems_per_s = 0;    // the same with 8-bit moments (zoffload.moment_dtype "8bit")
   double accumulate_elems_per_s = 0;  // the gradient accumulator's kernel plus its norm, measured
   double compute_flops = 0;           // dense matmul FLOP/s in the compute dtype
   std::string compute_source;         // "measured: LibTorch matmul on the host", "H100 datasheet", ...

@@ -192,6 +192,78 @@ TEST(Planner, TheShipped8bConfigFitsA128GiBHostWithRoomToSpare) {
   EXPECT_LE(p->pinned_bytes, in.config.zoffload.pinned_memory_limit);
 }
 
+// A CPU optimizer on a host a little short of RAM for fp32 moments but not for 8-bit ones: the plan
+// offers zoffload.moment_dtype 8bit, says it rounds, and offers it after the exact fixes (which here
+// also fit: the accumulators or the optimizer to the drive).
+TEST(Planner, EightBitMomentsAreOfferedAfterTheExactFixes) {
+  PlanInputs in = tiny_inputs(OffloadDevice::kCpu, OffloadDevice::kCpu);
+  in.config.zero.sub_group_size = 65536;
+  in.config.zoffload.gradient_accumulators = "cpu";
+  auto fp32 = plan_run(in);
+  PlanInputs q = in;
+  q.config.zoffload.moment_dtype = "8bit";
+  auto eight = plan_run(q);
+  ASSERT_TRUE(fp32.is_ok() && eight.is_ok());
+  // 3,033,344 params, each ≥ 4096 elements except the norms (256): 6 bytes per parameter fewer,
+  // less the absmax, give or take a page per section.
+  const uint64_t saved = (fp32->ram_bytes + fp32->process_bytes) - (eight->ram_bytes + eight->process_bytes);
+  EXPECT_GT(saved, 5 * fp32->n_params);
+  EXPECT_LT(saved, 6 * fp32->n_params + 2 * fp32->memory.n_sub_groups * 4096);
+  in.host.ram_available_bytes = eight->ram_bytes + eight->process_bytes + saved / 2;
+  EXPECT_FALSE(plan_run(in)->fits());
+  const std::vector<PlanFix> fixes = suggest_fixes(in, 16);
+  size_t at = fixes.size();
+  for (size_t i = 0; i < fixes.size(); ++i) {
+    if (fixes[i].changes.size() == 1 && fixes[i].changes[0].rfind("zoffload.moment_dtype: 8bit", 0) == 0) at = i;
+  }
+  ASSERT_LT(at, fixes.size()) << fixes.size() << " fixes";
+  EXPECT_THAT(fixes[at].changes[0], HasSubstr("rounds"));
+  EXPECT_THAT(fixes[at].result, HasSubstr("; fits"));
+  EXPECT_GT(at, 0u) << "an exact fix comes first: " << fixes.front().changes.front();
+}
+
+// Its sibling with 8-bit moments and everything in RAM: on the same 128 GiB host nothing touches a
+// drive. Every llama3-8b tensor has ≥ 4096 elements, so each moment is n + 4⌈n/256⌉ bytes per
+// sub-group: the pageable states are the fp32 masters and accumulators (8 B per parameter) and the
+// two moments (2 × (1 + 4/256) B), each section of each of the 108 sub-groups rounded up to 4 KiB.
+TEST(Planner, TheShipped8bit8bConfigPlansEverythingInRamOnA128GiBHost) {
+  const char* src = std::getenv("ZO_SOURCE_DIR");
+  ASSERT_NE(src, nullptr) << "ZO_SOURCE_DIR is set by meson test";
+  PlanInputs in;
+  in.model = *model_preset("llama3-8b");
+  in.model_name = "llama3-8b";
+  ResolveContext ctx;
+  ctx.hidden_size = in.model.hidden_size;
+  ctx.total_steps = 1000;
+  ConfigDiagnostics d;
+  auto c = load_config_file(std::string(src) + "/configs/llama8b_24gb_8bit_ram.json", ctx, &d);
+  ASSERT_TRUE(c);
+  in.config = *c;
+  in.seq_len = 1024;
+  in.device_budget_bytes = in.config.zoffload.gpu_memory_limit;
+  in.host.cuda = true;
+  in.host.device_name = "a 24 GB card";
+  in.host.device_total_bytes = uint64_t{24'000'000'000};
+  in.host.ram_total_bytes = uint64_t{128} << 30;
+  in.host.ram_available_bytes = uint64_t{124} << 30;
+  in.host.process_bytes = uint64_t{2} << 30;
+  auto p = plan_run(in);
+  ASSERT_TRUE(p.is_ok()) << p.status().to_string();
+  EXPECT_TRUE(p->fits()) << p->summary();
+  EXPECT_EQ(p->memory.placement.moments, MomentDtype::k8bit);
+  EXPECT_EQ(p->memory.placement.optimizer, Tier::kCpu);
+  EXPECT_EQ(p->memory.placement.grad, Tier::kCpu);
+  EXPECT_EQ(p->nvme_read_max_bytes, 0u);
+  EXPECT_EQ(p->nvme_write_bytes, 0u);
+  EXPECT_EQ(p->memory.nvme_optimizer_bytes + p->memory.nvme_param_bytes, 0u);
+  const uint64_t n = p->n_params, groups = p->memory.n_sub_groups;
+  EXPECT_EQ(groups, 108u);
+  const uint64_t exact = 8 * n + 2 * (n + 4 * (n / 256));  // lower bound: blocks rounded down
+  EXPECT_GE(p->memory.cpu_pageable_bytes, exact);
+  EXPECT_LE(p->memory.cpu_pageable_bytes, exact + groups * 4 * (4096 + 4096));
+  EXPECT_LE(p->ram_bytes + p->process_bytes, in.host.ram_total_bytes / 10 * 9) << p->summary();
+}
+
 // Note [Vertical schedule]: every micro-batch's checkpoints held at once, the gradients sent once
 // per step in grad_accum_dtype, the NVMe accumulators written once per step.
 TEST(Planner, VerticalScheduleHoldsEveryMicroBatchAndMovesGradientsOnce) {

@@ -1,0 +1,52 @@
+#!/usr/bin/env python3
+"""`zoffload-bench adam --moments 8bit` as a user runs it: a small run per ISA path and copy-out,
+its JSON (the check ran, times and ratios are there and consistent with the bytes counted), and
+the usage errors (exit 2, one line naming the flag)."""
+import json
+import subprocess
+import sys
+
+from cli_checks import expect, report_and_exit
+
+bench = sys.argv[1]
+
+
+def run(*args):
+    return subprocess.run([bench, "adam", *args], capture_output=True, text=True, timeout=120)
+
+
+N = 300_000
+for isa, copy, grad in [("auto", "bf16", "fp32"), ("scalar", "none", "bf16")]:
+    what = "isa %s, copy-out %s, grad %s" % (isa, copy, grad)
+    p = run("--moments", "8bit", "--params", str(N), "--isa", isa, "--copy-out", copy, "--grad-dtype", grad,
+            "--repeats", "2", "--threads", "2", "--json")
+    expect(p.returncode == 0, what + ": exits 0: " + p.stderr)
+    if p.returncode != 0:
+        continue
+    j = json.loads(p.stdout)
+    expect(j["moments"] == "8bit" and "bit-identical" in j["check"], what + ": checked against scalar first")
+    # Per parameter: params 4 B, two codes 1 B each, two absmax 4 B per 256 elements, each way;
+    # the gradient read, the copy written.
+    gb, cb = (4 if grad == "fp32" else 2), (2 if copy != "none" else 0)
+    b = j["bytes_per_param"]
+    expect(abs(b["read"] - (6 + 8 / 256 + gb)) < 1e-9 and abs(b["write"] - (6 + 8 / 256 + cb)) < 1e-9,
+           what + ": bytes counted per stream: %s" % b)
+    expect(len(j["step_s"]["all"]) == 2 and len(j["fp32_kernel"]["all_s"]) == 2 and len(j["triad"]["all_s"]) == 2,
+           what + ": two timed rounds of each")
+    expect(abs(j["params_per_s"] - N / j["step_s"]["median"]) < 1e-6 * j["params_per_s"], what + ": params/s from the median")
+    expect(abs(j["effective_gbps"] - N * b["total"] / j["step_s"]["median"] / 1e9) < 1e-6 * j["effective_gbps"],
+           what + ": GB/s from the bytes counted")
+    expect(abs(j["ratio_to_fp32"] - j["params_per_s"] / j["fp32_kernel"]["params_per_s"]) < 1e-9,
+           what + ": the ratio to the fp32 kernel")
+    expect(abs(j["ratio_to_triad"] - j["effective_gbps"] / j["triad"]["gbps"]) < 1e-9, what + ": the ratio to the triad")
+    if isa == "scalar":
+        expect(j["isa"] == "scalar", what + ": ran on the path asked for")
+
+for args, flag in [(["--optimizer", "lion"], "--moments 8bit"), (["--torch-loop"], "--torch-loop"),
+                   (["--params", "0"], "--params"), (["--copy-out", "fp32"], "--copy-out")]:
+    p = run("--moments", "8bit", *args)
+    expect(p.returncode == 2 and flag in p.stderr and len(p.stderr.strip().splitlines()) == 1,
+           "%s: exit 2 naming %s (got %d: %s)" % (args, flag, p.returncode, p.stderr))
+p = run("--moments", "4bit")
+expect(p.returncode == 2 and "--moments" in p.stderr, "--moments 4bit: exit 2 naming --moments: " + p.stderr)
+report_and_exit()

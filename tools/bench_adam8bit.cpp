@@ -1,0 +1,255 @@
+// zoffload-bench adam --moments 8bit: one cpu_optim step with 8-bit blockwise moments
+// (adam8bit_step, zoffload.moment_dtype "8bit") over N parameters, after checking the chosen SIMD
+// path against the scalar path bit for bit; then, alternating round by round on the same threads
+// and parameters, the fp32-moment kernel (adam_step) and a STREAM triad. Prints medians, the
+// kernel's effective bandwidth over its own byte mix against the triad's, and its speed against the
+// fp32 kernel's; --json for scripts (tools/bench_adam_bnb.py reads it).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "common/aligned_buffer.h"
+#include "common/bytes.h"
+#include "common/status.h"
+#include "common/timer.h"
+#include "cpu_optim/adam.h"
+#include "cpu_optim/adam8bit.h"
+#include "cpu_optim/dtype.h"
+#include "cpu_optim/executor.h"
+#include "cpu_optim/isa.h"
+#include "cpu_optim/vector_ops.h"
+#include "tools/bench_adam.h"
+#include "tools/bench_util.h"
+
+namespace zo::tools {
+
+namespace {
+
+using cpu_optim::ConstElemSpan;
+using cpu_optim::DType;
+using cpu_optim::ElemSpan;
+using cpu_optim::Executor;
+
+// bitsandbytes' AdamW8bit defaults (betas, eps), the weight decay of the fp32 run.
+constexpr cpu_optim::AdamConfig kHyper{
+    .lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f, .weight_decay = 0.01f, .adam_w_mode = true};
+
+// One moment's codes and absmax, owned.
+struct Moment8 {
+  std::vector<uint8_t> codes;
+  std::vector<float> absmax;
+  explicit Moment8(size_t n) : codes(n, 0), absmax(cpu_optim::quant_block_count(n), 0.0f) {}
+  cpu_optim::BlockwiseState state() { return {codes, absmax}; }
+};
+
+// Correctness first: three steps on a slice (denormals, ±inf, NaN and ±0 planted in the gradients
+// and parameters, a partial last block) with the timed path and with the scalar path; parameters,
+// codes, absmax and the copy must match bit for bit (NaN payloads aside).
+Status check_against_scalar(const cpu_optim::AdamConfig& h, DType gdt, bool has_copy, DType cdt, const Executor& ex,
+                            size_t n, std::string* summary) {
+  ZO_ASSIGN_OR_RETURN(auto scalar, Executor::create({.n_threads = ex.n_threads(), .isa = cpu_optim::Isa::kScalar}));
+  const size_t gs = cpu_optim::dtype_size_bytes(gdt), cs = cpu_optim::dtype_size_bytes(cdt);
+  std::vector<unsigned char> g(n * gs);
+  random_fill(g.data(), gdt, n, 4, -1.0f, 1.0f, ex);
+  std::vector<float> p0(n);
+  random_fill(p0.data(), DType::kF32, n, 3, -1.0f, 1.0f, ex);
+  const float specials[] = {1e-40f, -3e-39f, INFINITY, -INFINITY, NAN, -0.0f, 0.0f, 3e38f};
+  for (size_t i = 0, s = 0; i < n; i += 997, ++s) {
+    cpu_optim::store_from_float(g.data(), gdt, i, specials[s % 8]);
+    p0[(i + 13) % n] = specials[(s + 3) % 8];
+  }
+  std::vector<float> p[2] = {p0, p0};
+  std::vector<Moment8> m{Moment8(n), Moment8(n)}, v{Moment8(n), Moment8(n)};
+  std::vector<unsigned char> c[2] = {std::vector<unsigned char>(has_copy ? n * cs : 0),
+                                     std::vector<unsigned char>(has_copy ? n * cs : 0)};
+  for (int k = 0; k < 2; ++k) {
+    for (int64_t step = 1; step <= 3; ++step)
+      ZO_RETURN_IF_ERROR(cpu_optim::adam8bit_step(h, step, p[k], m[k].state(), v[k].state(), {g.data(), gdt},
+                                                  1.0f / 1024.0f, has_copy ? ElemSpan{c[k].data(), cdt} : ElemSpan{},
+                                                  k == 0 ? ex : *scalar));
+  }
+  auto same = [](float a, float b) {
+    return (std::isnan(a) && std::isnan(b)) || cpu_optim::float_bits(a) == cpu_optim::float_bits(b);
+  };
+  size_t bad = 0;
+  for (size_t i = 0; i < n; ++i) {
+    bad += !same(p[0][i], p[1][i]) || m[0].codes[i] != m[1].codes[i] || v[0].codes[i] != v[1].codes[i] ||
+           (has_copy && c[0][i * cs] != c[1][i * cs]) || (has_copy && c[0][i * cs + 1] != c[1][i * cs + 1]);
+  }
+  for (size_t b = 0; b < m[0].absmax.size(); ++b)
+    bad += !same(m[0].absmax[b], m[1].absmax[b]) || !same(v[0].absmax[b], v[1].absmax[b]);
+  if (bad > 0)
+    return internal_error(std::to_string(bad) + " parameters or blocks of " + std::to_string(n) + " differ between " +
+                          std::string(cpu_optim::isa_name(ex.isa())) + " and scalar");
+  *summary = std::string(cpu_optim::isa_name(ex.isa())) + " vs scalar on " + std::to_string(n) +
+             " params x 3 steps (params, codes, absmax; denormals, inf, NaN planted): bit-identical";
+  return Status::ok();
+}
+
+}  // namespace
+
+int run_adam8bit_bench(const AdamArgs& a) {
+  const BenchError usage{"adam", 2}, failure{"adam", 1};
+  const Result<uint64_t> n_parsed = parse_count(a.params);
+  if (!n_parsed.is_ok() || *n_parsed == 0)
+    return usage("--params: expected a positive count like 2e8, got '" + a.params + "'");
+  const size_t n = *n_parsed;
+  if (a.optimizer != "adamw" && a.optimizer != "adam")
+    return usage("--moments 8bit: Adam's and AdamW's (--optimizer adamw or adam), not " + a.optimizer + "'s");
+  if (a.torch_loop) return usage("--torch-loop: not with --moments 8bit (torch has no 8-bit Adam)");
+  const Result<DType> gdt = cpu_optim::parse_dtype(a.grad_dtype);
+  if (!gdt.is_ok()) return usage("--grad-dtype: " + gdt.status().message());
+  const bool has_copy = a.copy_out != "none";
+  DType cdt = DType::kBF16;
+  if (has_copy) {
+    const Result<DType> c = cpu_optim::parse_dtype(a.copy_out);
+    if (!c.is_ok() || *c == DType::kF32)
+      return usage("--copy-out: expected bf16, fp16 or none, got '" + a.copy_out + "'");
+    cdt = *c;
+  }
+  const Result<cpu_optim::Isa> isa = cpu_optim::parse_isa(a.isa);
+  if (!isa.is_ok()) return usage("--isa: " + isa.status().message());
+  if (a.threads < 0) return usage("--threads must be ≥ 0");
+  if (a.repeats < 1) return usage("--repeats must be ≥ 1");
+  auto ex_r = Executor::create({.n_threads = a.threads, .bind_cores = a.bind_cores, .isa = *isa});
+  if (!ex_r.is_ok()) return failure(ex_r.status().to_string());
+  const Executor& ex = **ex_r;
+  cpu_optim::AdamConfig h = kHyper;
+  h.adam_w_mode = a.optimizer == "adamw";
+  const size_t gs = cpu_optim::dtype_size_bytes(*gdt), cs = has_copy ? cpu_optim::dtype_size_bytes(cdt) : 0;
+  // Bytes per parameter the kernel moves: params fp32, two codes and two absmax (4 B per 256) each
+  // way, the gradient read and the copy written.
+  const double absmax_bytes = 2.0 * 4.0 / static_cast<double>(cpu_optim::kQuantBlockElems);
+  const double read_bytes = 4 + 2 + absmax_bytes + static_cast<double>(gs);
+  const double write_bytes = 4 + 2 + absmax_bytes + static_cast<double>(cs);
+  const double fp32_bytes = 12 + static_cast<double>(gs) + 12 + static_cast<double>(cs);
+  if (!a.json) {
+    std::printf("zoffload-bench adam: %s with 8-bit moments, %zu params, grad %s, copy-out %s, %s\n",
+                a.optimizer.c_str(), n, a.grad_dtype.c_str(), has_copy ? a.copy_out.c_str() : "none",
+                ex.describe().c_str());
+    std::printf("hyper     lr %g, betas (%g, %g), eps %g, weight_decay %g\n", h.lr, h.beta1, h.beta2, h.eps,
+                h.weight_decay);
+  }
+  std::string check_summary;
+  // 2^20 + 100 elements: whole tiles on every path and a partial last block.
+  if (Status s = check_against_scalar(h, *gdt, has_copy, cdt, ex, std::min<size_t>(n, (size_t{1} << 20) + 100),
+                                      &check_summary);
+      !s.is_ok())
+    return failure("check failed: " + s.to_string());
+  if (!a.json) std::printf("check     %s\n", check_summary.c_str());
+
+  // Buffers: the params and gradients both kernels step, 8-bit moments, and fp32 moments that the
+  // fp32 kernel steps and the triad runs over (a = p, b = m, c = v, as zoffload-bench adam's).
+  AlignedBuffer p_buf, g_buf, c_buf, m32_buf, v32_buf, mc_buf, vc_buf, ma_buf, va_buf;
+  const size_t blocks = cpu_optim::quant_block_count(n);
+  for (auto [buf, bytes] : {std::pair{&p_buf, n * 4},
+                            {&g_buf, n * gs},
+                            {&c_buf, has_copy ? n * cs : 0},
+                            {&m32_buf, n * 4},
+                            {&v32_buf, n * 4},
+                            {&mc_buf, n},
+                            {&vc_buf, n},
+                            {&ma_buf, blocks * 4},
+                            {&va_buf, blocks * 4}}) {
+    if (bytes == 0) continue;
+    auto r = AlignedBuffer::allocate(bytes);
+    if (!r.is_ok()) return failure(r.status().to_string() + " (try a smaller --params)");
+    *buf = std::move(r).value();
+  }
+  auto p = p_buf.as<float>(), m32 = m32_buf.as<float>(), v32 = v32_buf.as<float>();
+  random_fill(p.data(), DType::kF32, n, 1, -1.0f, 1.0f, ex);
+  cpu_optim::fill(m32, 0.0f, ex);
+  cpu_optim::fill(v32, 0.0f, ex);
+  random_fill(g_buf.data(), *gdt, n, 2, -1024.0f, 1024.0f, ex);
+  ex.for_each_tile(n, [&](size_t lo, size_t hi) {  // first touch in the step's partition
+    std::fill(mc_buf.as<uint8_t>().begin() + lo, mc_buf.as<uint8_t>().begin() + hi, 0);
+    std::fill(vc_buf.as<uint8_t>().begin() + lo, vc_buf.as<uint8_t>().begin() + hi, 0);
+  });
+  std::fill(ma_buf.as<float>().begin(), ma_buf.as<float>().end(), 0.0f);
+  std::fill(va_buf.as<float>().begin(), va_buf.as<float>().end(), 0.0f);
+  const ConstElemSpan grad{g_buf.data(), *gdt};
+  const ElemSpan copy = has_copy ? ElemSpan{c_buf.data(), cdt} : ElemSpan{};
+  const cpu_optim::BlockwiseState m8{mc_buf.as<uint8_t>(), ma_buf.as<float>()},
+      v8{vc_buf.as<uint8_t>(), va_buf.as<float>()};
+  auto step8 = [&](int64_t t) { return cpu_optim::adam8bit_step(h, t, p, m8, v8, grad, 1.0f / 1024.0f, copy, ex); };
+  auto step32 = [&](int64_t t) { return cpu_optim::adam_step(h, t, p, m32, v32, grad, 1.0f / 1024.0f, copy, ex); };
+
+  // Warm-ups, then --repeats rounds of: the 8-bit step, the fp32 step, the triad.
+  if (Status s = step8(1); !s.is_ok()) return failure(s.to_string());
+  if (Status s = step32(1); !s.is_ok()) return failure(s.to_string());
+  if (Status s = cpu_optim::stream_triad(p, m32, v32, 3.0f, ex); !s.is_ok()) return failure(s.to_string());
+  std::vector<double> s8, s32, triad;
+  for (int r = 0; r < a.repeats; ++r) {
+    Stopwatch sw;
+    if (Status s = step8(2 + r); !s.is_ok()) return failure(s.to_string());
+    s8.push_back(sw.elapsed_s());
+    sw.reset();
+    if (Status s = step32(2 + r); !s.is_ok()) return failure(s.to_string());
+    s32.push_back(sw.elapsed_s());
+    sw.reset();
+    (void)cpu_optim::stream_triad(p, m32, v32, 3.0f, ex);
+    triad.push_back(sw.elapsed_s());
+  }
+  const double n_d = static_cast<double>(n);
+  const double med8 = median(s8), med32 = median(s32), med_triad = median(triad);
+  const double pps8 = n_d / med8, pps32 = n_d / med32;
+  const double gbps8 = n_d * (read_bytes + write_bytes) / med8 / 1e9;
+  const double triad_gbps = n_d * 12.0 / med_triad / 1e9;
+  const double ratio_triad = gbps8 / triad_gbps, ratio_fp32 = pps8 / pps32;
+  if (a.json) {
+    nlohmann::json j;
+    j["optimizer"] = a.optimizer;
+    j["moments"] = "8bit";
+    j["params"] = n;
+    j["grad_dtype"] = a.grad_dtype;
+    j["copy_out"] = has_copy ? a.copy_out : "none";
+    j["isa"] = std::string(cpu_optim::isa_name(ex.isa()));
+    j["threads"] = ex.n_threads();
+    j["bind_cores"] = ex.cores_bound();
+    j["repeats"] = a.repeats;
+    j["hyper"] = {{"lr", h.lr},
+                  {"beta1", h.beta1},
+                  {"beta2", h.beta2},
+                  {"eps", h.eps},
+                  {"weight_decay", h.weight_decay},
+                  {"grad_scale", 1.0 / 1024.0}};
+    j["check"] = check_summary;
+    j["bytes_per_param"] = {{"read", read_bytes},
+                            {"write", write_bytes},
+                            {"total", read_bytes + write_bytes},
+                            {"streams",
+                             "params fp32, exp_avg and exp_avg_sq codes (1 B) and absmax (4 B per 256) "
+                             "read+write; grad " +
+                                 a.grad_dtype + " read" + (has_copy ? "; copy " + a.copy_out + " written" : "")}};
+    j["step_s"] = {{"median", med8}, {"all", s8}};
+    j["params_per_s"] = pps8;
+    j["effective_gbps"] = gbps8;
+    j["fp32_kernel"] = {{"median_s", med32}, {"all_s", s32}, {"params_per_s", pps32}, {"bytes_per_param", fp32_bytes}};
+    j["ratio_to_fp32"] = ratio_fp32;
+    j["triad"] = {{"bytes_per_elem", 12}, {"median_s", med_triad}, {"all_s", triad}, {"gbps", triad_gbps}};
+    j["ratio_to_triad"] = ratio_triad;
+    j["targets"] = {{"ratio_to_triad", 0.85}};
+    std::printf("%s\n", j.dump(2).c_str());
+    return 0;
+  }
+  std::printf(
+      "bytes     %.2f B/param = read %.2f (params fp32, codes 2 x 1 B, absmax 2 x 4 B / 256, grad %s) + "
+      "write %.2f (the same%s); fp32 moments: %.0f B/param\n",
+      read_bytes + write_bytes, read_bytes, a.grad_dtype.c_str(), write_bytes,
+      has_copy ? (", copy " + a.copy_out).c_str() : "", fp32_bytes);
+  std::printf("8-bit     median %.4f s/step of %d (min %.4f, max %.4f): %.1f M params/s, %.2f GB/s effective\n", med8,
+              a.repeats, *std::min_element(s8.begin(), s8.end()), *std::max_element(s8.begin(), s8.end()), pps8 / 1e6,
+              gbps8);
+  std::printf("fp32      median %.4f s/step of %d: %.1f M params/s (adam_step, fp32 moments)\n", med32, a.repeats,
+              pps32 / 1e6);
+  std::printf("triad     median %.4f s of %d: %.2f GB/s\n", med_triad, a.repeats, triad_gbps);
+  std::printf("ratio     effective/triad %.2f (target >= 0.85), vs the fp32 kernel %.2fx params/s\n", ratio_triad,
+              ratio_fp32);
+  return 0;
+}
+
+}  // namespace zo::tools

@@ -1,0 +1,202 @@
+#!/usr/bin/env python3
+"""bitsandbytes' AdamW8bit (its CPU path) beside zoffload's 8-bit Adam: the peer ratio of
+`zoffload-bench adam --moments 8bit`, in one command.
+
+Alternating rounds: each runs `zoffload-bench adam --moments 8bit --json` (a separate process: its
+check against the scalar path, warm-up and --repeats timed steps, alternating with the fp32 kernel
+and a STREAM triad inside it), then --repeats timed steps of bitsandbytes' AdamW8bit (or Adam8bit)
+over one tensor of the same size, in this process, as bitsandbytes ships it (its own CPU
+re-quantization). Prints the median over rounds of each round's median step time for zoffload's
+8-bit kernel, its fp32 kernel and bitsandbytes, and the ratios in params/s; --json for scripts.
+
+Before timing, bitsandbytes' step is checked against torch's: after 3 steps on 66 536 parameters
+from the same start, its parameters must be within a relative L2 error of 1e-3 of
+torch.optim.AdamW's (Adam's), else exit 1: 8-bit moments move each update by about a percent of its
+size, a wrong optimizer or hyperparameter by far more. (That its states are zoffload's, code for
+code, is the adam8bit-bnb test's job, tests/cpu_optim/adam8bit_bnb_test.py.)
+
+What bitsandbytes is given: fp32 params and grads (its optimizer takes grads in the params'
+dtype), bias correction on, the hyperparameters zoffload-bench reports, no gradient scale
+(zoffload-bench unscales ×1024 in its pass) and no 16-bit copy (--copy-out none is passed to
+zoffload-bench as well: the like-for-like comparison). Threads: torch.set_num_threads(--threads),
+which bitsandbytes' CPU ops run under.
+
+Exit codes: 0 success; 1 runtime failure (a check failed, zoffload-bench failed); 2 bad usage or
+bitsandbytes not importable (tools/requirements.txt pins it).
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+PROG = "bench_adam_bnb.py"
+CHECK_PARAMS = 66536
+CHECK_STEPS = 3
+CHECK_TOLERANCE = 1e-3
+
+
+def fail(msg, code=1):
+    print(f"{PROG}: {msg}", file=sys.stderr)
+    sys.exit(code)
+
+
+def parse_count(text):
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1
+    if value < 1 or value != int(value):
+        fail(f"--params: expected a positive count like 2e7, got '{text}'", 2)
+    return int(value)
+
+
+def parse_args():
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--params", default="2e7", help="number of parameters, e.g. 2e7 (default 2e7)")
+    ap.add_argument("--optimizer", default="adamw", choices=["adamw", "adam"],
+                    help="adamw (AdamW8bit) or adam (Adam8bit); default adamw")
+    ap.add_argument("--threads", type=int, default=0, help="threads for both (0 = all the process may use)")
+    ap.add_argument("--repeats", type=int, default=5, help="timed steps per round for each (default 5)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
+    ap.add_argument("--isa", default="auto", help="passed to zoffload-bench adam --isa (default auto)")
+    ap.add_argument("--bench", default="build/tools/zoffload-bench",
+                    help="path of zoffload-bench (default build/tools/zoffload-bench)")
+    ap.add_argument("--json", action="store_true", help="print machine-readable results on stdout")
+    a = ap.parse_args()
+    a.n = parse_count(a.params)
+    if a.threads < 0:
+        fail("--threads must be >= 0", 2)
+    if a.repeats < 1 or a.rounds < 1:
+        fail("--repeats and --rounds must be >= 1", 2)
+    if not (os.path.isfile(a.bench) and os.access(a.bench, os.X_OK)):
+        fail(f"--bench: {a.bench} is not an executable file (build with ninja -C build, or pass --bench PATH)", 2)
+    return a
+
+
+a = parse_args()
+threads = a.threads or len(os.sched_getaffinity(0))
+os.environ["OMP_NUM_THREADS"] = str(threads)
+try:
+    import torch
+    import bitsandbytes as bnb
+except Exception as e:
+    fail(f"cannot import bitsandbytes ({type(e).__name__}: {e}); tools/requirements.txt pins it", 2)
+torch.set_num_threads(threads)
+say = (lambda *x: None) if a.json else print
+
+
+def run_zoffload():
+    cmd = [a.bench, "adam", "--moments", "8bit", "--params", str(a.n), "--optimizer", a.optimizer,
+           "--copy-out", "none", "--threads", str(threads), "--repeats", str(a.repeats), "--isa", a.isa, "--json"]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        fail(f"{' '.join(cmd)} exited {r.returncode}: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ''}")
+    try:
+        return json.loads(r.stdout)
+    except json.JSONDecodeError as e:
+        fail(f"{' '.join(cmd)}: output is not JSON ({e})")
+
+
+def make_bnb(params, h):
+    cls = bnb.optim.AdamW8bit if a.optimizer == "adamw" else bnb.optim.Adam8bit
+    return cls([params], lr=h["lr"], betas=(h["beta1"], h["beta2"]), eps=h["eps"], weight_decay=h["weight_decay"],
+               min_8bit_size=1)
+
+
+def rel_l2(x, ref):
+    x, ref = x.double(), ref.double()
+    den = ref.norm()
+    return float((x - ref).norm() / den) if den > 0 else float((x - ref).norm())
+
+
+def check_bnb(h):
+    gen = torch.Generator().manual_seed(7)
+    p0 = torch.rand(CHECK_PARAMS, generator=gen) * 2 - 1
+    grads = [torch.rand(CHECK_PARAMS, generator=gen) * 2 - 1 for _ in range(CHECK_STEPS)]
+    q_p, ref_p = torch.nn.Parameter(p0.clone()), torch.nn.Parameter(p0.clone())
+    ref_cls = torch.optim.AdamW if a.optimizer == "adamw" else torch.optim.Adam
+    ref = ref_cls([ref_p], lr=h["lr"], betas=(h["beta1"], h["beta2"]), eps=h["eps"], weight_decay=h["weight_decay"],
+                  foreach=False, fused=False)
+    q = make_bnb(q_p, h)
+    for g in grads:
+        q_p.grad, ref_p.grad = g.clone(), g.clone()
+        q.step()
+        ref.step()
+    err = rel_l2(q_p.detach(), ref_p.detach())
+    passed = err <= CHECK_TOLERANCE
+    text = (f"bitsandbytes {type(q).__name__} vs torch.optim.{ref_cls.__name__} after {CHECK_STEPS} steps on "
+            f"{CHECK_PARAMS} params: relative L2 error params {err:.1e} (limit {CHECK_TOLERANCE:.0e})")
+    return {"params": CHECK_PARAMS, "steps": CHECK_STEPS, "rel_l2_params": err, "tolerance": CHECK_TOLERANCE,
+            "passed": passed, "text": text}
+
+
+class BnbRun:
+    def __init__(self, h):
+        gen = torch.Generator().manual_seed(1)
+        self.p = torch.nn.Parameter(torch.rand(a.n, generator=gen) * 2 - 1)
+        self.p.grad = torch.rand(a.n, generator=gen) * 2 - 1
+        self.opt = make_bnb(self.p, h)
+        self.opt.step()  # allocates its states
+
+    def time_steps(self, repeats):
+        seconds = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            self.opt.step()
+            seconds.append(time.perf_counter() - t0)
+        return seconds
+
+
+say(f"{PROG}: {a.optimizer} with 8-bit moments, {a.n} params, {threads} thread(s), {a.rounds} alternating rounds "
+    f"of {a.repeats} steps; bitsandbytes {bnb.__version__}, torch {torch.__version__}")
+rounds = []
+run = None
+check = None
+hyper = None
+for r in range(a.rounds):
+    z = run_zoffload()
+    if run is None:
+        hyper = z["hyper"]
+        check = check_bnb(hyper)
+        say(f"check     {check['text']}: {'ok' if check['passed'] else 'FAILED'}")
+        if not check["passed"]:
+            fail(f"bitsandbytes' check against torch failed, not timing it: {check['text']}")
+        say(f"check     zoffload-bench: {z['check']}")
+        run = BnbRun(hyper)
+    b_s = run.time_steps(a.repeats)
+    row = {"zoffload_s": z["step_s"]["median"], "fp32_s": z["fp32_kernel"]["median_s"],
+           "bnb_s": statistics.median(b_s), "bnb_all_s": b_s, "ratio_to_triad": z["ratio_to_triad"]}
+    rounds.append(row)
+    say(f"round {r + 1}   zoffload 8-bit {a.n / row['zoffload_s'] / 1e6:.1f} M params/s, zoffload fp32 "
+        f"{a.n / row['fp32_s'] / 1e6:.1f}, bitsandbytes {a.n / row['bnb_s'] / 1e6:.1f}; zoffload 8-bit "
+        f"effective/triad {row['ratio_to_triad']:.2f}  (medians of {a.repeats} steps)")
+
+
+def summary(key):
+    vals = [row[key] for row in rounds]
+    med = statistics.median(vals)
+    return {"median_s": med, "round_medians_s": vals, "params_per_s": a.n / med}
+
+
+zo, fp, bb = summary("zoffload_s"), summary("fp32_s"), summary("bnb_s")
+ratio_bnb = zo["params_per_s"] / bb["params_per_s"]
+ratio_fp32 = zo["params_per_s"] / fp["params_per_s"]
+ratio_triad = statistics.median(row["ratio_to_triad"] for row in rounds)
+if a.json:
+    print(json.dumps({
+        "optimizer": a.optimizer, "params": a.n, "threads": threads, "rounds": a.rounds, "repeats": a.repeats,
+        "hyper": hyper, "zoffload_8bit": zo, "zoffload_fp32": fp,
+        "bitsandbytes": dict(bb, version=bnb.__version__, check=check), "torch_version": torch.__version__,
+        "ratio_zoffload_to_bitsandbytes": ratio_bnb, "ratio_8bit_to_fp32": ratio_fp32,
+        "ratio_to_triad": ratio_triad,
+    }, indent=2))
+else:
+    print(f"median    zoffload 8-bit {zo['params_per_s'] / 1e6:.1f} M params/s, zoffload fp32 "
+          f"{fp['params_per_s'] / 1e6:.1f}, bitsandbytes {bb['params_per_s'] / 1e6:.1f} "
+          f"(median over {a.rounds} rounds of each round's median)")
+    print(f"ratio     zoffload/bitsandbytes {ratio_bnb:.2f}x, 8-bit/fp32 {ratio_fp32:.2f}x (params/s); "
+          f"zoffload 8-bit effective/triad {ratio_triad:.2f} (target >= 0.85)")
