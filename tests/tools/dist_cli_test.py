@@ -9,7 +9,8 @@ on CPU ranks joined by c10d's TCPStore and Gloo.
   optimizer states; stage 3: the gradient accumulators and the compute copies too, each block
   gathered from its owners at fetch), where each rank holds half of them, in fp32 and in bf16; the
   end-of-run export, made by all ranks together at stage 3, writes what `zoffload export` writes
-  from the final checkpoint; 1000-element reduce and all-gather buckets change nothing;
+  from the final checkpoint; 1000-element reduce and all-gather buckets change nothing; with 8-bit
+  moments (zoffload.moment_dtype) too, on NVMe and in CPU memory;
 - a checkpoint saved at world 2 (its manifest says so) resumes at world 1 and at world 3 with the same
   global batch and continues like the uninterrupted run, to the same tolerances;
 - one rank killed (SIGKILL) or stalled (SIGSTOP) mid-run: the other exits non-zero within
@@ -61,8 +62,10 @@ def free_port():
 
 
 def write_config(tmp, name, micro, gas, placement="nvme", ckpt_every=None, tbs=None, stage=None, grads=None,
-                 buckets=None):
+                 buckets=None, moments=None):
     c = json.loads(json.dumps(BASE))
+    if moments is not None:
+        c["zoffload"]["moment_dtype"] = moments
     if buckets is not None:
         c["zero_optimization"]["reduce_bucket_size"] = buckets
         c["zero_optimization"]["allgather_bucket_size"] = buckets
@@ -219,6 +222,22 @@ with tempfile.TemporaryDirectory(dir=os.environ.get("MESON_BUILD_ROOT")) as tmp:
                    "world 2: the weights are bit-identical with the states on nvme and %s" % placement)
             expect([m["loss"] for m in metrics(runs[placement])] == [m["loss"] for m in metrics(runs["nvme"])],
                    "world 2: the losses are identical on nvme and %s" % placement)
+
+    # 8-bit moments (zoffload.moment_dtype): each rank steps its partition piece by piece, and a
+    # partition boundary falls where a split may, on a 4096-element multiple of its parameter, so the
+    # blocks are the parameters' whatever the world: on nvme and on cpu the same bits, and not fp32's.
+    eight = {}
+    for placement in ("nvme", "cpu"):
+        out = os.path.join(tmp, "w2-8bit-" + placement)
+        p = torchrun(2, train_args(write_config(tmp, "m1-8bit-" + placement, 1, 1, placement, moments="8bit"), out))
+        if expect(p.returncode == 0, "world 2 with 8-bit moments (%s) trains: %s" % (placement, p.stderr[-3000:])):
+            eight[placement] = out
+    if len(eight) == 2 and "nvme" in runs:
+        a, b, f = weights(eight["nvme"]), weights(eight["cpu"]), weights(runs["nvme"])
+        expect(all(np.array_equal(a[k].view(np.uint32), b[k].view(np.uint32)) for k in a),
+               "world 2, 8-bit moments: the weights are bit-identical with the states on nvme and cpu")
+        expect(any(not np.array_equal(a[k].view(np.uint32), f[k].view(np.uint32)) for k in a),
+               "world 2: 8-bit moments give other weights than fp32 ones (they ran)")
 
     # ---- partitioned (stages 1, 3) vs replicated (stage 0) states at world 2 ---------------------------
     # Note [Partitioned data parallel]: with two ranks the reduce to the owner computes the same sums
