@@ -35,9 +35,74 @@ struct PlanArgs {
   AutoFlags flags;
   bool no_measure = false;
   bool json = false;
+  // The machine to plan for, when it is not this one (empty / 0: this machine's own).
+  std::string host_ram, gpu_memory, disk_free;
+  double gpu_tflops = 0, nvme_read_gbps = 0, nvme_write_gbps = 0;
+  unsigned cpus = 0;
+  bool target() const { return !host_ram.empty() || !gpu_memory.empty() || !disk_free.empty() || cpus != 0; }
 };
 
-void print_plan(const engine::RunPlan& p, const engine::PlanInputs& in, const std::vector<engine::PlanFix>& fixes) {
+// --host-ram, --gpu-memory, --gpu-tflops, --cpus, --disk-free, --nvme-read, --nvme-write: the
+// machine the user is about to buy or rent, in place of the facts probed here. A target's
+// ulimit -l and -v are taken as unlimited (a machine set up for training). Returns a usage error.
+std::string gbps_text(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  return buf;
+}
+
+std::string apply_target(const PlanArgs& a, engine::PlanInputs* in, std::vector<std::string>* notes) {
+  auto size = [](const std::string& flag, const std::string& text, uint64_t* out) -> std::string {
+    auto v = parse_size_bytes(text);
+    if (!v.is_ok() || *v == 0) return flag + ": expected a size such as 128GiB, got '" + text + "'";
+    *out = *v;
+    return {};
+  };
+  engine::HostFacts& h = in->host;
+  if (!a.host_ram.empty()) {
+    uint64_t ram = 0;
+    if (auto e = size("--host-ram", a.host_ram, &ram); !e.empty()) return e;
+    h.ram_total_bytes = h.ram_available_bytes = ram;
+    h.memlock_limit_bytes = UINT64_MAX;
+    h.address_space_limit_bytes = UINT64_MAX;
+    notes->push_back("RAM: --host-ram " + format_bytes(ram) +
+                     " as MemAvailable, ulimit -l and -v unlimited; the process's own RSS is this machine's");
+  }
+  if (!a.gpu_memory.empty()) {
+    uint64_t gpu = 0;
+    if (auto e = size("--gpu-memory", a.gpu_memory, &gpu); !e.empty()) return e;
+    h.cuda = true;
+    h.device_total_bytes = gpu;
+    h.device_name = "a GPU of " + format_bytes(gpu) + " (--gpu-memory)";
+  }
+  if (a.gpu_tflops > 0) {
+    in->speeds.compute_flops = a.gpu_tflops * 1e12;
+    in->speeds.compute_source = "--gpu-tflops " + gbps_text(a.gpu_tflops);
+  }
+  if (!a.disk_free.empty()) {
+    uint64_t free = 0;
+    if (auto e = size("--disk-free", a.disk_free, &free); !e.empty()) return e;
+    h.optimizer_disk_free_bytes = h.param_disk_free_bytes = free;
+    in->disk_free_given = true;
+  }
+  if (a.cpus != 0) {
+    h.logical_cpus = a.cpus;
+    notes->push_back("CPUs: --cpus " + std::to_string(a.cpus) +
+                     " for the threads the run starts; the CPU kernels' speeds are this machine's");
+  }
+  if (a.nvme_read_gbps > 0 || a.nvme_write_gbps > 0) {
+    if (a.nvme_read_gbps <= 0 || a.nvme_write_gbps <= 0) return "--nvme-read and --nvme-write go together";
+    in->speeds.nvme_read_bytes_per_s = a.nvme_read_gbps * 1e9;
+    in->speeds.nvme_write_bytes_per_s = a.nvme_write_gbps * 1e9;
+    in->speeds.nvme_source =
+        "--nvme-read " + gbps_text(a.nvme_read_gbps) + " GB/s, --nvme-write " + gbps_text(a.nvme_write_gbps) + " GB/s";
+  }
+  return {};
+}
+
+void print_plan(const engine::RunPlan& p, const engine::PlanInputs& in, const std::vector<engine::PlanFix>& fixes,
+                bool target) {
+  const char* machine = target ? "the machine given (--host-ram, --gpu-memory, ...)" : "this machine";
   const engine::MemoryPlan& mp = p.memory;
   const engine::Placement& pl = mp.placement;
   std::printf(
@@ -106,10 +171,10 @@ void print_plan(const engine::RunPlan& p, const engine::PlanInputs& in, const st
   for (const std::string& n : p.notes) std::printf("note: %s\n", n.c_str());
   std::printf("\n");
   if (p.fits()) {
-    std::printf("fits this machine\n");
+    std::printf("fits %s\n", machine);
     return;
   }
-  std::printf("does NOT fit this machine:\n");
+  std::printf("does NOT fit %s:\n", machine);
   for (const engine::PlanProblem& pr : p.problems) std::printf("  %s\n", pr.to_string().c_str());
   if (fixes.empty()) {
     std::printf(
@@ -144,7 +209,7 @@ int run_plan(const PlanArgs& a) {
 
   // The device the run would get, as `train` chooses it (docs/gpu.md).
   bool cuda = false;
-  if (config->zoffload.device != gpu::DeviceKind::kHost) {
+  if (config->zoffload.device != gpu::DeviceKind::kHost && a.gpu_memory.empty()) {
 #if ZO_HAVE_TORCH
     const gpu::GpuProbe probe = engine::probe_usable_gpus();
     cuda = !probe.gpus.empty();
@@ -163,6 +228,16 @@ int run_plan(const PlanArgs& a) {
                            1);
     }
   }
+  // The target machine, when one is given, replaces what was probed (and the GPU found here).
+  std::vector<std::string> target_notes;
+  if (a.target() || a.gpu_tflops > 0 || a.nvme_read_gbps > 0 || a.nvme_write_gbps > 0) {
+    if (a.gpu_tflops > 0 && a.gpu_memory.empty())
+      return command_error("zoffload plan", "--gpu-tflops needs --gpu-memory", 2);
+    if (!a.io_results.empty() && (a.nvme_read_gbps > 0 || a.nvme_write_gbps > 0))
+      return command_error("zoffload plan", "--io-results and --nvme-read/--nvme-write: give one", 2);
+    if (std::string e = apply_target(a, &in, &target_notes); !e.empty()) return command_error("zoffload plan", e, 2);
+    cuda = in.host.cuda;
+  }
   // --ranks: one of that many ranks started on this node, as `train` plans each (rank 0; the
   // partitions differ by at most 4096 elements).
   engine::share_host(&in.host, a.ranks);
@@ -177,9 +252,12 @@ int run_plan(const PlanArgs& a) {
     Status st = engine::measure_cpu_speeds(*config, &in.speeds);
     if (!st.is_ok()) return command_error("zoffload plan", "measuring the CPU kernels: " + st.to_string(), 1);
 #if ZO_HAVE_TORCH
-    in.speeds.compute_flops = engine::measure_matmul_flops(config->compute_dtype(), cuda);
-    in.speeds.compute_source = std::string("measured: LibTorch ") + std::string(dtype_name(config->compute_dtype())) +
-                               " matmul on " + (cuda ? in.host.device_name : "the host CPU");
+    // A target GPU is not here to measure: its speed comes from --gpu-tflops or is left out.
+    if (a.gpu_memory.empty()) {
+      in.speeds.compute_flops = engine::measure_matmul_flops(config->compute_dtype(), cuda);
+      in.speeds.compute_source = std::string("measured: LibTorch ") + std::string(dtype_name(config->compute_dtype())) +
+                                 " matmul on " + (cuda ? in.host.device_name : "the host CPU");
+    }
 #endif
   }
   auto plan = engine::plan_run(in);
@@ -187,6 +265,7 @@ int run_plan(const PlanArgs& a) {
     const Status& s = plan.status();
     return command_error("zoffload plan", s.to_string(), s.code() == StatusCode::kInvalidArgument ? 2 : 1);
   }
+  for (const std::string& n : target_notes) plan->notes.push_back("target machine: " + n);
   const std::vector<engine::PlanFix> fixes = engine::suggest_fixes(in);
   if (a.json) {
     nlohmann::ordered_json j = nlohmann::ordered_json::parse(plan->to_json());
@@ -196,6 +275,7 @@ int run_plan(const PlanArgs& a) {
     j["device_name"] = in.host.device_name;
     j["host"]["ram_available_bytes"] = in.host.ram_available_bytes;
     j["host"]["memlock_limit_bytes"] = in.host.memlock_limit_bytes;
+    j["target"] = a.target();
     j["speeds"] = {{"nvme_read_bytes_per_s", in.speeds.nvme_read_bytes_per_s},
                    {"nvme_write_bytes_per_s", in.speeds.nvme_write_bytes_per_s},
                    {"adam_elems_per_s", in.speeds.adam_elems_per_s},
@@ -207,7 +287,7 @@ int run_plan(const PlanArgs& a) {
     j["fixes"] = fx;
     std::cout << j.dump(2) << "\n";
   } else {
-    print_plan(*plan, in, fixes);
+    print_plan(*plan, in, fixes, a.target() || a.gpu_tflops > 0);
     if (in.speeds.nvme_read_bytes_per_s == 0 && plan->nvme_read_min_bytes + plan->nvme_write_bytes > 0)
       std::printf(
           "(for NVMe time: zoffload-bench io --file <nvme_path>/bench.dat --json > io.json, then --io-results "
@@ -249,6 +329,28 @@ void register_plan_command(CLI::App& app, int* exit_code) {
                    "Plan one of N data-parallel ranks started on this node (torchrun --nproc-per-node N): each gets "
                    "1/N of its RAM and disk, and at ZeRO stage >= 1 holds 1/N of the optimizer states (default 1)")
       ->check(CLI::Range(1u, 65536u));
+  const char* target = "The machine to plan for, when not this one";
+  plan->add_option("--host-ram", args->host_ram,
+                   "The target's RAM as the run may use it (its MemAvailable with nothing else running), e.g. 124GiB; "
+                   "its ulimit -l and -v are taken as unlimited")
+      ->group(target);
+  plan->add_option("--gpu-memory", args->gpu_memory, "The target's GPU memory, e.g. 24GiB (plans a CUDA run)")
+      ->group(target);
+  plan->add_option("--gpu-tflops", args->gpu_tflops,
+                   "The target GPU's dense matmul TFLOP/s in the compute dtype, for the step time (else left out)")
+      ->check(CLI::PositiveNumber)
+      ->group(target);
+  plan->add_option("--cpus", args->cpus, "The target's logical CPUs (threads and malloc arenas the run starts)")
+      ->check(CLI::Range(1u, 65536u))
+      ->group(target);
+  plan->add_option("--disk-free", args->disk_free, "Free space where the target's nvme_path is, e.g. 2TB")
+      ->group(target);
+  plan->add_option("--nvme-read", args->nvme_read_gbps, "The target drive's read GB/s (with --nvme-write)")
+      ->check(CLI::PositiveNumber)
+      ->group(target);
+  plan->add_option("--nvme-write", args->nvme_write_gbps, "The target drive's write GB/s (with --nvme-read)")
+      ->check(CLI::PositiveNumber)
+      ->group(target);
   plan->add_flag("--no-measure", args->no_measure, "Do not time the CPU kernels and the matmul (no step-time range)");
   plan->add_flag("--json", args->json, "Print the plan as JSON on stdout");
   plan->callback([args, exit_code] { *exit_code = run_plan(*args); });

@@ -784,10 +784,12 @@ std::vector<PlanFix> suggest_fixes(const PlanInputs& in, size_t max_fixes) {
       if (!cand->apply(next.config)) return;
       names.push_back(cand->change);
     }
-    // The disk facts follow the config's paths.
-    const HostFacts fresh = probe_host(next.config, next.out_dir);
-    next.host.optimizer_disk_free_bytes = fresh.optimizer_disk_free_bytes;
-    next.host.param_disk_free_bytes = fresh.param_disk_free_bytes;
+    // The disk facts follow the config's paths (unless the user gave them for another machine).
+    if (!in.disk_free_given) {
+      const HostFacts fresh = probe_host(next.config, next.out_dir);
+      next.host.optimizer_disk_free_bytes = fresh.optimizer_disk_free_bytes;
+      next.host.param_disk_free_bytes = fresh.param_disk_free_bytes;
+    }
     auto r = plan_run(next);
     if (r.is_ok() && r->fits()) out.push_back({names, r->summary()});
   };

@@ -73,6 +73,9 @@ struct PlanInputs {
   // Data parallel: the registry is cut into world_size partitions (Note [Partitions]) and, at ZeRO
   // stage ≥ 1, this rank holds the states of partition `rank` only (plan_memory). host is already
   // this rank's share of the node.
+  // The free space of the drives is the user's (zoffload plan --disk-free), not probed: the fixes
+  // keep it when they move a swap file instead of probing the path they would use.
+  bool disk_free_given = false;
   uint32_t world_size = 1;
   uint32_t rank = 0;
 };

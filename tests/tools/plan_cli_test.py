@@ -8,7 +8,8 @@ predicted range. Beside the engine's own accounting, what the device and the OS 
 bytes the device holds pinned equal the planned pinned bytes, and the process's peak RSS (VmHWM)
 stays within the planned RAM plus a fixed allowance for the runtime. A plan that does not
 fit exits 3 and lists changes that, planned again, fit; `train` refuses it at start with the
-planner's message."""
+planner's message. A target machine given by flags (--host-ram, --gpu-memory, --disk-free, ...) is
+planned in place of this one."""
 import json
 import os
 import subprocess
@@ -218,5 +219,32 @@ with tempfile.TemporaryDirectory() as tmp:
     expect(p.returncode == 0 and "data parallel: rank 0 of 2 on this node" in p.stdout and
            "compute copies (each block gathered from its owners at fetch)" in p.stdout,
            f"plan --ranks 2 says what it planned: {p.stdout[:600]} {p.stderr}")
+
+    # The machine a user is about to buy or rent: llama3-8b with 8-bit moments plans entirely in RAM
+    # on a 128 GiB host (124 GiB available) with a 24 GB card, and not on a 64 GiB one, where the
+    # optimizer to the drive (whose free space and speed are given) is the fix.
+    eight = os.path.join(source_dir, "configs", "llama8b_24gb_8bit_ram.json")
+    box = ["--gpu-memory", "24GB", "--gpu-tflops", "160", "--cpus", "16", "--disk-free", "2TB", "--nvme-read", "6",
+           "--nvme-write", "5"]
+    base = [zoffload, "plan", "--config", eight, "--model", "llama3-8b", "--seq-len", "1024", "--steps", "1000",
+            "--out", tmp, "--no-measure", "--json"]
+    p = subprocess.run(base + box + ["--host-ram", "124GiB"], capture_output=True, text=True, env=ENV)
+    if expect(p.returncode == 0 and p.stdout, f"llama3-8b, 8-bit moments, fits a 128 GiB target: {p.returncode} {p.stderr}"):
+        j = json.loads(p.stdout)
+        expect(j["target"] and j["memory_plan"]["placement"]["moment_dtype"] == "8bit" and
+               j["per_step"]["nvme_write_bytes"] == 0 and j["per_step"]["nvme_read_max_bytes"] == 0 and
+               j["nvme"]["optimizer_file_bytes"] == 0,
+               f"all in RAM, nothing on a drive per step: {j['per_step']}")
+        expect(j["device_name"] == "a GPU of 22.4 GiB (--gpu-memory)", f"the target's GPU: {j['device_name']}")
+    p = subprocess.run(base + box + ["--host-ram", "62GiB"], capture_output=True, text=True, env=ENV)
+    if expect(p.returncode == 3 and p.stdout, f"not on a 64 GiB target: {p.returncode} {p.stderr}"):
+        fixes = json.loads(p.stdout)["fixes"]
+        expect(any(f["changes"] == ["zero_optimization.offload_optimizer.device: nvme"] and "; fits" in f["result"]
+                   for f in fixes), f"the optimizer to the given drive is a fix: {fixes}")
+    for args, flag in [(["--host-ram", "lots"], "--host-ram"), (["--gpu-tflops", "100"], "--gpu-tflops"),
+                       (["--nvme-read", "3"], "--nvme-read")]:
+        p = subprocess.run(base + args, capture_output=True, text=True, env=ENV)
+        expect(p.returncode == 2 and flag in p.stderr and len(p.stderr.strip().splitlines()) == 1,
+               f"{args}: one line naming {flag}, exit 2: {p.returncode} {p.stderr}")
 
 report_and_exit()
