@@ -199,38 +199,54 @@ Result<TorchCheck> check_torch_fused(const AdamArgs& a, const Hyper& h, DType gd
 }
 #endif
 
+}  // namespace
+
+Result<AdamCommon> parse_adam_common(const AdamArgs& a) {
+  AdamCommon c;
+  const Result<uint64_t> n = parse_count(a.params);
+  if (!n.is_ok() || *n == 0)
+    return invalid_argument("--params: expected a positive count like 2e8, got '" + a.params + "'");
+  c.n = *n;
+  const Result<DType> gdt = cpu_optim::parse_dtype(a.grad_dtype);
+  if (!gdt.is_ok()) return invalid_argument("--grad-dtype: " + gdt.status().message());
+  c.grad = *gdt;
+  c.has_copy = a.copy_out != "none";
+  if (c.has_copy) {
+    const Result<DType> copy = cpu_optim::parse_dtype(a.copy_out);
+    if (!copy.is_ok() || *copy == DType::kF32)
+      return invalid_argument("--copy-out: expected bf16, fp16 or none, got '" + a.copy_out + "'");
+    c.copy = *copy;
+  }
+  const Result<Isa> isa = cpu_optim::parse_isa(a.isa);
+  if (!isa.is_ok()) return invalid_argument("--isa: " + isa.status().message());
+  c.isa = *isa;
+  if (a.threads < 0) return invalid_argument("--threads must be ≥ 0");
+  if (a.repeats < 1) return invalid_argument("--repeats must be ≥ 1");
+  return c;
+}
+
+namespace {
+
 int run_adam_bench(const AdamArgs& a) {
   const BenchError usage{"adam", 2}, failure{"adam", 1};
   if (a.moments == "8bit") return run_adam8bit_bench(a);
   if (a.moments != "fp32") return usage("--moments: expected fp32 or 8bit, got '" + a.moments + "'");
-  const Result<uint64_t> n_parsed = parse_count(a.params);
-  if (!n_parsed.is_ok() || *n_parsed == 0)
-    return usage("--params: expected a positive count like 2e8, got '" + a.params + "'");
-  const size_t n = *n_parsed;
+  const Result<AdamCommon> common = parse_adam_common(a);
+  if (!common.is_ok()) return usage(common.status().message());
   if (a.optimizer != "adamw" && a.optimizer != "adam" && a.optimizer != "adagrad" && a.optimizer != "lion")
     return usage("--optimizer: expected adamw, adam, adagrad or lion, got '" + a.optimizer + "'");
-  const Result<DType> gdt = cpu_optim::parse_dtype(a.grad_dtype);
-  if (!gdt.is_ok()) return usage("--grad-dtype: " + gdt.status().message());
-  const bool has_copy = a.copy_out != "none";
-  DType cdt = DType::kBF16;
-  if (has_copy) {
-    const Result<DType> c = cpu_optim::parse_dtype(a.copy_out);
-    if (!c.is_ok() || *c == DType::kF32)
-      return usage("--copy-out: expected bf16, fp16 or none, got '" + a.copy_out + "'");
-    cdt = *c;
-  }
-  const Result<Isa> isa = cpu_optim::parse_isa(a.isa);
-  if (!isa.is_ok()) return usage("--isa: " + isa.status().message());
-  if (a.threads < 0) return usage("--threads must be ≥ 0");
-  if (a.repeats < 1) return usage("--repeats must be ≥ 1");
+  const size_t n = common->n;
+  const DType gdt = common->grad;
+  const bool has_copy = common->has_copy;
+  const DType cdt = common->copy;
 
-  auto ex_r = Executor::create({.n_threads = a.threads, .bind_cores = a.bind_cores, .isa = *isa});
+  auto ex_r = Executor::create({.n_threads = a.threads, .bind_cores = a.bind_cores, .isa = common->isa});
   if (!ex_r.is_ok()) return failure(ex_r.status().to_string());
   const Executor& ex = **ex_r;
   const Hyper h = hyper_for(a.optimizer);
   const bool uses_m = a.optimizer != "adagrad",
              uses_v = a.optimizer == "adamw" || a.optimizer == "adam" || a.optimizer == "adagrad";
-  const size_t gs = cpu_optim::dtype_size_bytes(*gdt), cs = has_copy ? cpu_optim::dtype_size_bytes(cdt) : 0;
+  const size_t gs = cpu_optim::dtype_size_bytes(gdt), cs = has_copy ? cpu_optim::dtype_size_bytes(cdt) : 0;
   const size_t n_states = 1 + uses_m + uses_v;  // fp32 params + moments
   const size_t read_bytes = 4 * n_states + gs, write_bytes = 4 * n_states + cs;
   const std::string opt_label = a.optimizer;
@@ -245,7 +261,7 @@ int run_adam_bench(const AdamArgs& a) {
   // 1. Correctness: the timed path against scalar, and the torch baseline against cpu_optim.
   std::string check_summary;
   const Status check =
-      check_against_scalar(a, h, *gdt, has_copy, cdt, ex, std::min<size_t>(n, size_t{1} << 20), &check_summary);
+      check_against_scalar(a, h, gdt, has_copy, cdt, ex, std::min<size_t>(n, size_t{1} << 20), &check_summary);
   if (!check.is_ok()) return failure("check failed: " + check.to_string());
   if (!a.json) std::printf("check     %s\n", check_summary.c_str());
 
@@ -261,7 +277,7 @@ int run_adam_bench(const AdamArgs& a) {
     torch_skip = "torch has no " + a.optimizer + " optimizer";
   } else {
     // 65 536 + 1 000 elements: whole vectors and a ragged tail on every path.
-    Result<TorchCheck> tc = check_torch_fused(a, h, *gdt, ex, std::min<size_t>(n, 66536));
+    Result<TorchCheck> tc = check_torch_fused(a, h, gdt, ex, std::min<size_t>(n, 66536));
     if (!tc.is_ok()) {
       torch_skip = tc.status().to_string();
       torch_failed = true;
@@ -299,8 +315,8 @@ int run_adam_bench(const AdamArgs& a) {
   if (uses_m) cpu_optim::fill(m, 0.0f, ex);
   if (uses_v) cpu_optim::fill(v, 0.0f, ex);
   // Gradients as a loss-scaled run would hand them over (×1024), unscaled inside the step.
-  random_fill(b.grad.data(), *gdt, n, 2, -1024.0f, 1024.0f, ex);
-  const ConstElemSpan grad{b.grad.data(), *gdt};
+  random_fill(b.grad.data(), gdt, n, 2, -1024.0f, 1024.0f, ex);
+  const ConstElemSpan grad{b.grad.data(), gdt};
   const ElemSpan copy = has_copy ? ElemSpan{b.copy.data(), cdt} : ElemSpan{};
   auto opt_step = [&](int64_t step) { return run_step(a.optimizer, h, step, p, m, v, grad, copy, ex); };
   // STREAM triad a = b + 3c over three n-float buffers: the params and moment buffers (a fresh one

@@ -2,7 +2,12 @@
 // moment run (bench_adam8bit.cpp). Plain values.
 #pragma once
 
+#include <cstddef>
 #include <string>
+
+#include "common/status.h"
+#include "cpu_optim/dtype.h"
+#include "cpu_optim/isa.h"
 
 namespace zo::tools {
 
@@ -20,6 +25,17 @@ struct AdamArgs {
   bool torch_loop = false;
   bool json = false;
 };
+
+// The flags every run of the command reads, parsed and checked (--params, --grad-dtype, --copy-out,
+// --isa, --threads, --repeats); kInvalidArgument with the usage line naming the flag.
+struct AdamCommon {
+  size_t n = 0;
+  cpu_optim::DType grad = cpu_optim::DType::kF32;
+  bool has_copy = false;
+  cpu_optim::DType copy = cpu_optim::DType::kBF16;
+  cpu_optim::Isa isa = cpu_optim::Isa::kAuto;
+};
+Result<AdamCommon> parse_adam_common(const AdamArgs& args);
 
 // --moments 8bit: adam8bit_step against the scalar path, then timed beside the fp32 kernel on the
 // same parameters and a STREAM triad. Exit code as run_adam_bench's.

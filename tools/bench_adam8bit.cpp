@@ -94,33 +94,21 @@ Status check_against_scalar(const cpu_optim::AdamConfig& h, DType gdt, bool has_
 
 int run_adam8bit_bench(const AdamArgs& a) {
   const BenchError usage{"adam", 2}, failure{"adam", 1};
-  const Result<uint64_t> n_parsed = parse_count(a.params);
-  if (!n_parsed.is_ok() || *n_parsed == 0)
-    return usage("--params: expected a positive count like 2e8, got '" + a.params + "'");
-  const size_t n = *n_parsed;
+  const Result<AdamCommon> common = parse_adam_common(a);
+  if (!common.is_ok()) return usage(common.status().message());
   if (a.optimizer != "adamw" && a.optimizer != "adam")
     return usage("--moments 8bit: Adam's and AdamW's (--optimizer adamw or adam), not " + a.optimizer + "'s");
   if (a.torch_loop) return usage("--torch-loop: not with --moments 8bit (torch has no 8-bit Adam)");
-  const Result<DType> gdt = cpu_optim::parse_dtype(a.grad_dtype);
-  if (!gdt.is_ok()) return usage("--grad-dtype: " + gdt.status().message());
-  const bool has_copy = a.copy_out != "none";
-  DType cdt = DType::kBF16;
-  if (has_copy) {
-    const Result<DType> c = cpu_optim::parse_dtype(a.copy_out);
-    if (!c.is_ok() || *c == DType::kF32)
-      return usage("--copy-out: expected bf16, fp16 or none, got '" + a.copy_out + "'");
-    cdt = *c;
-  }
-  const Result<cpu_optim::Isa> isa = cpu_optim::parse_isa(a.isa);
-  if (!isa.is_ok()) return usage("--isa: " + isa.status().message());
-  if (a.threads < 0) return usage("--threads must be ≥ 0");
-  if (a.repeats < 1) return usage("--repeats must be ≥ 1");
-  auto ex_r = Executor::create({.n_threads = a.threads, .bind_cores = a.bind_cores, .isa = *isa});
+  const size_t n = common->n;
+  const DType gdt = common->grad;
+  const bool has_copy = common->has_copy;
+  const DType cdt = common->copy;
+  auto ex_r = Executor::create({.n_threads = a.threads, .bind_cores = a.bind_cores, .isa = common->isa});
   if (!ex_r.is_ok()) return failure(ex_r.status().to_string());
   const Executor& ex = **ex_r;
   cpu_optim::AdamConfig h = kHyper;
   h.adam_w_mode = a.optimizer == "adamw";
-  const size_t gs = cpu_optim::dtype_size_bytes(*gdt), cs = has_copy ? cpu_optim::dtype_size_bytes(cdt) : 0;
+  const size_t gs = cpu_optim::dtype_size_bytes(gdt), cs = has_copy ? cpu_optim::dtype_size_bytes(cdt) : 0;
   // Bytes per parameter the kernel moves: params fp32, two codes and two absmax (4 B per 256) each
   // way, the gradient read and the copy written.
   const double absmax_bytes = 2.0 * 4.0 / static_cast<double>(cpu_optim::kQuantBlockElems);
@@ -136,8 +124,8 @@ int run_adam8bit_bench(const AdamArgs& a) {
   }
   std::string check_summary;
   // 2^20 + 100 elements: whole tiles on every path and a partial last block.
-  if (Status s = check_against_scalar(h, *gdt, has_copy, cdt, ex, std::min<size_t>(n, (size_t{1} << 20) + 100),
-                                      &check_summary);
+  if (Status s =
+          check_against_scalar(h, gdt, has_copy, cdt, ex, std::min<size_t>(n, (size_t{1} << 20) + 100), &check_summary);
       !s.is_ok())
     return failure("check failed: " + s.to_string());
   if (!a.json) std::printf("check     %s\n", check_summary.c_str());
@@ -164,14 +152,14 @@ int run_adam8bit_bench(const AdamArgs& a) {
   random_fill(p.data(), DType::kF32, n, 1, -1.0f, 1.0f, ex);
   cpu_optim::fill(m32, 0.0f, ex);
   cpu_optim::fill(v32, 0.0f, ex);
-  random_fill(g_buf.data(), *gdt, n, 2, -1024.0f, 1024.0f, ex);
+  random_fill(g_buf.data(), gdt, n, 2, -1024.0f, 1024.0f, ex);
   ex.for_each_tile(n, [&](size_t lo, size_t hi) {  // first touch in the step's partition
     std::fill(mc_buf.as<uint8_t>().begin() + lo, mc_buf.as<uint8_t>().begin() + hi, 0);
     std::fill(vc_buf.as<uint8_t>().begin() + lo, vc_buf.as<uint8_t>().begin() + hi, 0);
   });
   std::fill(ma_buf.as<float>().begin(), ma_buf.as<float>().end(), 0.0f);
   std::fill(va_buf.as<float>().begin(), va_buf.as<float>().end(), 0.0f);
-  const ConstElemSpan grad{g_buf.data(), *gdt};
+  const ConstElemSpan grad{g_buf.data(), gdt};
   const ElemSpan copy = has_copy ? ElemSpan{c_buf.data(), cdt} : ElemSpan{};
   const cpu_optim::BlockwiseState m8{mc_buf.as<uint8_t>(), ma_buf.as<float>()},
       v8{vc_buf.as<uint8_t>(), va_buf.as<float>()};

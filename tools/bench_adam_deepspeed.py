@@ -42,9 +42,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
+
+import bench_adam_common as common
 
 PROG = "bench_adam_deepspeed.py"
 CHECK_PARAMS = 66536  # whole vectors and a ragged tail, as zoffload-bench's own torch check
@@ -53,18 +54,7 @@ CHECK_TOLERANCE = 1e-6
 
 
 def fail(msg, code=1):
-    print(f"{PROG}: {msg}", file=sys.stderr)
-    sys.exit(code)
-
-
-def parse_count(text):
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1
-    if value < 1 or value != int(value):
-        fail(f"--params: expected a positive count like 2e8, got '{text}'", 2)
-    return int(value)
+    common.fail(PROG, msg, code)
 
 
 def parse_args():
@@ -85,7 +75,7 @@ def parse_args():
                     help="path of zoffload-bench (default build/tools/zoffload-bench)")
     ap.add_argument("--json", action="store_true", help="print machine-readable results on stdout")
     a = ap.parse_args()
-    a.n = parse_count(a.params)
+    a.n = common.parse_count(PROG, a.params, "2e8")
     if a.threads < 0:
         fail("--threads must be >= 0", 2)
     if a.repeats < 1 or a.rounds < 1:
@@ -117,13 +107,7 @@ say = (lambda *x: None) if a.json else print
 def run_zoffload():
     cmd = [a.bench, "adam", "--params", str(a.n), "--optimizer", a.optimizer, "--grad-dtype", a.grad_dtype,
            "--copy-out", a.copy_out, "--threads", str(threads), "--repeats", str(a.repeats), "--isa", a.isa, "--json"]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        fail(f"{' '.join(cmd)} exited {r.returncode}: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ''}")
-    try:
-        return json.loads(r.stdout)
-    except json.JSONDecodeError as e:
-        fail(f"{' '.join(cmd)}: output is not JSON ({e})")
+    return common.run_bench_json(PROG, cmd)
 
 
 def make_deepspeed(params, h):

@@ -292,8 +292,8 @@ OptimizerStepArgs step_args(const Rig& rig, int step) {
   return a;
 }
 
-// Runs `steps` optimizer steps of `s` and returns every param's final states.
-ParamStates engine_run(const Placing& s, const Inputs& in, int steps) {
+// Runs `steps` optimizer steps of `s` and returns every param's final states, as `gather` reads them.
+ParamStates engine_run(const Placing& s, const Inputs& in, int steps, ParamStates (*gather)(StateStore&) = gather_all) {
   Rig rig;
   Status st = rig.init(s);
   ZO_CHECK(st.is_ok()) << s.describe() << ": " << st.to_string();
@@ -308,7 +308,7 @@ ParamStates engine_run(const Placing& s, const Inputs& in, int steps) {
     ZO_CHECK(report.is_ok()) << s.describe() << ": " << report.status().to_string();
     ZO_CHECK_EQ(report->sub_groups, rig.plan.n_sub_groups);
   }
-  return gather_all(*rig.store);
+  return gather(*rig.store);
 }
 
 void expect_same(const ParamStates& got, const ParamStates& want, const std::string& what) {
@@ -703,23 +703,6 @@ ParamStates reference_run8(const Inputs& in, const AdamConfig& adam, DType compu
   return r;
 }
 
-ParamStates engine_run8(const Placing& s, const Inputs& in, int steps) {
-  Rig rig;
-  Status st = rig.init(s);
-  ZO_CHECK(st.is_ok()) << s.describe() << ": " << st.to_string();
-  st = init_all(*rig.store, in);
-  ZO_CHECK(st.is_ok()) << st.to_string();
-  auto swapper = OptimizerSwapper::create(*rig.store, *rig.executor, PipelineOptions::from_config(rig.config));
-  ZO_CHECK(swapper.is_ok()) << swapper.status().to_string();
-  for (int i = 0; i < steps; ++i) {
-    st = write_grads(rig, in, i);
-    ZO_CHECK(st.is_ok()) << st.to_string();
-    auto report = (*swapper)->step(step_args(rig, i + 1));
-    ZO_CHECK(report.is_ok()) << s.describe() << ": " << report.status().to_string();
-  }
-  return gather_all8(*rig.store);
-}
-
 // The model has params under 4096 elements (a, d, g), quantized ones with a partial last block
 // (b, c, f), and ones split over sub-groups (b over three, e over two).
 TEST(OptimizerSwapper8bit, EveryPlacementEqualsPerTensorStepsBitForBit) {
@@ -756,7 +739,7 @@ TEST(OptimizerSwapper8bit, EveryPlacementEqualsPerTensorStepsBitForBit) {
     pageable.pin_optimizer = pageable.pin_param = false;
     pageable.param = "cpu";
     setups.push_back(pageable);
-    for (const Placing& s : setups) expect_same(engine_run8(s, in, kSteps), want, s.describe());
+    for (const Placing& s : setups) expect_same(engine_run(s, in, kSteps, gather_all8), want, s.describe());
   }
 }
 

@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <map>
+#include <optional>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -161,9 +162,11 @@ TEST(Planner, AutoKeepsTheAccumulatorsInRamWhenTheHostHasRoom) {
 // The flagship config on the machine it is for: llama3-8b on a 24 GB card and a 128 GiB host. Its
 // gradient accumulators on the drive (16 bytes per parameter would not leave room) and the
 // vertical schedule (each written once per step) leave more than a tenth of the host free.
-TEST(Planner, TheShipped8bConfigFitsA128GiBHostWithRoomToSpare) {
+// A shipped llama3-8b config (seq 1024, 1000 steps) on the machine it is for: a 24 GB card and a
+// 128 GiB host.
+std::optional<PlanInputs> shipped_8b_on_128gib(const std::string& file) {
   const char* src = std::getenv("ZO_SOURCE_DIR");
-  ASSERT_NE(src, nullptr) << "ZO_SOURCE_DIR is set by meson test";
+  if (src == nullptr) return std::nullopt;  // set by meson test
   PlanInputs in;
   in.model = *model_preset("llama3-8b");
   in.model_name = "llama3-8b";
@@ -171,8 +174,8 @@ TEST(Planner, TheShipped8bConfigFitsA128GiBHostWithRoomToSpare) {
   ctx.hidden_size = in.model.hidden_size;
   ctx.total_steps = 1000;
   ConfigDiagnostics d;
-  auto c = load_config_file(std::string(src) + "/configs/llama8b_24gb_optimizer_cpu.json", ctx, &d);
-  ASSERT_TRUE(c);
+  auto c = load_config_file(std::string(src) + "/configs/" + file, ctx, &d);
+  if (!c) return std::nullopt;
   in.config = *c;
   in.seq_len = 1024;
   in.device_budget_bytes = in.config.zoffload.gpu_memory_limit;
@@ -182,6 +185,13 @@ TEST(Planner, TheShipped8bConfigFitsA128GiBHostWithRoomToSpare) {
   in.host.ram_total_bytes = uint64_t{128} << 30;
   in.host.ram_available_bytes = uint64_t{124} << 30;  // what such a host reports with nothing else running
   in.host.process_bytes = uint64_t{2} << 30;          // LibTorch with CUDA loaded
+  return in;
+}
+
+TEST(Planner, TheShipped8bConfigFitsA128GiBHostWithRoomToSpare) {
+  const std::optional<PlanInputs> shipped = shipped_8b_on_128gib("llama8b_24gb_optimizer_cpu.json");
+  ASSERT_TRUE(shipped) << "ZO_SOURCE_DIR set and the config loads";
+  const PlanInputs& in = *shipped;
   auto p = plan_run(in);
   ASSERT_TRUE(p.is_ok()) << p.status().to_string();
   EXPECT_TRUE(p->fits()) << p->summary();
@@ -227,26 +237,9 @@ TEST(Planner, EightBitMomentsAreOfferedAfterTheExactFixes) {
 // sub-group: the pageable states are the fp32 masters and accumulators (8 B per parameter) and the
 // two moments (2 × (1 + 4/256) B), each section of each of the 108 sub-groups rounded up to 4 KiB.
 TEST(Planner, TheShipped8bit8bConfigPlansEverythingInRamOnA128GiBHost) {
-  const char* src = std::getenv("ZO_SOURCE_DIR");
-  ASSERT_NE(src, nullptr) << "ZO_SOURCE_DIR is set by meson test";
-  PlanInputs in;
-  in.model = *model_preset("llama3-8b");
-  in.model_name = "llama3-8b";
-  ResolveContext ctx;
-  ctx.hidden_size = in.model.hidden_size;
-  ctx.total_steps = 1000;
-  ConfigDiagnostics d;
-  auto c = load_config_file(std::string(src) + "/configs/llama8b_24gb_8bit_ram.json", ctx, &d);
-  ASSERT_TRUE(c);
-  in.config = *c;
-  in.seq_len = 1024;
-  in.device_budget_bytes = in.config.zoffload.gpu_memory_limit;
-  in.host.cuda = true;
-  in.host.device_name = "a 24 GB card";
-  in.host.device_total_bytes = uint64_t{24'000'000'000};
-  in.host.ram_total_bytes = uint64_t{128} << 30;
-  in.host.ram_available_bytes = uint64_t{124} << 30;
-  in.host.process_bytes = uint64_t{2} << 30;
+  const std::optional<PlanInputs> shipped = shipped_8b_on_128gib("llama8b_24gb_8bit_ram.json");
+  ASSERT_TRUE(shipped) << "ZO_SOURCE_DIR set and the config loads";
+  const PlanInputs& in = *shipped;
   auto p = plan_run(in);
   ASSERT_TRUE(p.is_ok()) << p.status().to_string();
   EXPECT_TRUE(p->fits()) << p->summary();
