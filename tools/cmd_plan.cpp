@@ -183,7 +183,7 @@ void print_plan(const engine::RunPlan& p, const engine::PlanInputs& in, const st
   } else {
     std::printf("changes that make it fit (each checked by planning again):\n");
     for (const engine::PlanFix& f : fixes)
-      std::printf("  %s\n    -> %s\n", join(f.changes, "; ").c_str(), f.result.c_str());
+      std::printf("  %s\n    -> %s\n       %s\n", join(f.changes, "; ").c_str(), f.result.c_str(), f.trade.c_str());
   }
 }
 
@@ -283,7 +283,8 @@ int run_plan(const PlanArgs& a) {
                    {"accumulate_elems_per_s", in.speeds.accumulate_elems_per_s},
                    {"compute_flops", in.speeds.compute_flops}};
     nlohmann::ordered_json fx = nlohmann::ordered_json::array();
-    for (const engine::PlanFix& f : fixes) fx.push_back({{"changes", f.changes}, {"result", f.result}});
+    for (const engine::PlanFix& f : fixes)
+      fx.push_back({{"changes", f.changes}, {"result", f.result}, {"trade", f.trade}});
     j["fixes"] = fx;
     std::cout << j.dump(2) << "\n";
   } else {

@@ -666,6 +666,9 @@ namespace {
 struct Candidate {
   std::string change;
   std::function<bool(Config&)> apply;  // false: does not apply to this config
+  // What it does to the numbers: empty for a placement change, which gives the same weights bit for
+  // bit (docs/memory.md); else one line on what rounds or sums differently.
+  std::string trade;
 };
 
 std::vector<Candidate> candidates(const Config& base) {
@@ -734,16 +737,6 @@ std::vector<Candidate> candidates(const Config& base) {
                      return true;
                    }});
   }
-  if (base.zoffload.moment_dtype != "8bit" && oo.device != OffloadDevice::kNone &&
-      (base.optimizer.type == OptimizerType::kAdam || base.optimizer.type == OptimizerType::kAdamW)) {
-    // The one candidate here that changes the arithmetic: bitsandbytes' 8-bit moments, 6 bytes per
-    // parameter less on the optimizer's tier. Last of the memory fixes, so the exact ones come first.
-    out.push_back(
-        {"zoffload.moment_dtype: 8bit (rounds Adam's moments to bitsandbytes' 8-bit blockwise states)", [](Config& c) {
-           c.zoffload.moment_dtype = "8bit";
-           return true;
-         }});
-  }
   if (base.zoffload.activation_checkpoints == "device") {  // "auto" moves them when that is what fits
     out.push_back({"zoffload.activation_checkpoints: cpu", [](Config& c) {
                      c.zoffload.activation_checkpoints = "cpu";
@@ -752,10 +745,13 @@ std::vector<Candidate> candidates(const Config& base) {
   }
   for (uint64_t sg : {uint64_t{100'000'000}, uint64_t{25'000'000}, uint64_t{5'000'000}}) {
     if (base.zero.sub_group_size <= sg) continue;
-    out.push_back({"zero_optimization.sub_group_size: " + std::to_string(sg), [sg](Config& c) {
+    out.push_back({"zero_optimization.sub_group_size: " + std::to_string(sg),
+                   [sg](Config& c) {
                      c.zero.sub_group_size = sg;
                      return true;
-                   }});
+                   },
+                   "the same update; the gradient norm is summed per sub-group, so a clipped step can differ in "
+                   "the last bits"});
   }
   if (base.train_micro_batch_size_per_gpu > 1) {
     const uint64_t mb = base.train_micro_batch_size_per_gpu / 2;
@@ -765,7 +761,20 @@ std::vector<Candidate> candidates(const Config& base) {
                      c.train_micro_batch_size_per_gpu /= 2;
                      c.gradient_accumulation_steps *= 2;
                      return true;
-                   }});
+                   },
+                   "the same batch and update; the loss and gradients are summed in another order"});
+  }
+  if (base.zoffload.moment_dtype != "8bit" && oo.device != OffloadDevice::kNone &&
+      (base.optimizer.type == OptimizerType::kAdam || base.optimizer.type == OptimizerType::kAdamW)) {
+    // The one candidate that rounds: bitsandbytes' 8-bit moments, 6 bytes per parameter less on the
+    // optimizer's tier. Last, so every fix that keeps the arithmetic comes first.
+    out.push_back({"zoffload.moment_dtype: 8bit",
+                   [](Config& c) {
+                     c.zoffload.moment_dtype = "8bit";
+                     return true;
+                   },
+                   "rounds: Adam's moments kept as bitsandbytes' AdamW8bit keeps them (a byte per element, an "
+                   "fp32 absmax per 256); masters, gradients and the update stay fp32"});
   }
   return out;
 }
@@ -779,10 +788,11 @@ std::vector<PlanFix> suggest_fixes(const PlanInputs& in, size_t max_fixes) {
   const std::vector<Candidate> cs = candidates(in.config);
   auto try_changes = [&](const std::vector<const Candidate*>& chosen) {
     PlanInputs next = in;
-    std::vector<std::string> names;
+    std::vector<std::string> names, trades;
     for (const Candidate* cand : chosen) {
       if (!cand->apply(next.config)) return;
       names.push_back(cand->change);
+      if (!cand->trade.empty()) trades.push_back(cand->trade);
     }
     // The disk facts follow the config's paths (unless the user gave them for another machine).
     if (!in.disk_free_given) {
@@ -791,7 +801,8 @@ std::vector<PlanFix> suggest_fixes(const PlanInputs& in, size_t max_fixes) {
       next.host.param_disk_free_bytes = fresh.param_disk_free_bytes;
     }
     auto r = plan_run(next);
-    if (r.is_ok() && r->fits()) out.push_back({names, r->summary()});
+    if (r.is_ok() && r->fits())
+      out.push_back({names, r->summary(), trades.empty() ? "exact: the same weights bit for bit" : join(trades, "; ")});
   };
   for (const Candidate& a : cs) {
     if (out.size() >= max_fixes) return out;

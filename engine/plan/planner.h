@@ -93,6 +93,7 @@ struct PlanProblem {
 struct PlanFix {
   std::vector<std::string> changes;  // "zero_optimization.offload_optimizer.device: nvme", ...
   std::string result;                // the re-planned summary
+  std::string trade;                 // what it does to the numbers: "exact: ..." or what rounds
 };
 
 struct StepTimePart {
