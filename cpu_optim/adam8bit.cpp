@@ -109,35 +109,28 @@ const std::array<float, 256>& signed_dynamic_map() { return kSignedDynamicMap; }
 const std::array<float, 256>& unsigned_dynamic_map() { return kUnsignedDynamicMap; }
 
 namespace detail {
-void fill_search_tables(const float* map, SearchTables* t) {
-  float* levels[] = {t->l128, t->l64, t->l32, t->l16, t->l8, t->l4};
+SearchTables search_tables_of(const float* map) {
+  SearchTables t;
+  float* levels[] = {t.l128, t.l64, t.l32, t.l16, t.l8, t.l4};
   const size_t sizes[] = {8, 8, 8, 8, 16, 32};
   for (size_t l = 0, half = 128; l < 6; ++l, half >>= 1)
     for (size_t j = 0; j < sizes[l]; ++j) levels[l][j] = j < 128 / half ? map[j * 2 * half + half] : map[255];
+  return t;
 }
 
 const SearchTables& signed_map_search_tables() {
-  static const SearchTables t = [] {
-    SearchTables s;
-    fill_search_tables(kSignedDynamicMap.data(), &s);
-    return s;
-  }();
+  static const SearchTables t = search_tables_of(kSignedDynamicMap.data());
   return t;
 }
 
 const SearchTables& unsigned_map_search_tables() {
-  static const SearchTables t = [] {
-    SearchTables s;
-    fill_search_tables(kUnsignedDynamicMap.data(), &s);
-    return s;
-  }();
+  static const SearchTables t = search_tables_of(kUnsignedDynamicMap.data());
   return t;
 }
 }  // namespace detail
 
 uint8_t quantize_nearest(const std::array<float, 256>& map, float x) {
-  detail::SearchTables top;
-  detail::fill_search_tables(map.data(), &top);
+  const detail::SearchTables top = detail::search_tables_of(map.data());
   uint8_t code = 0;
   detail::kScalarKernels.nearest_codes(map.data(), top, &x, &code, 0, 1);
   return code;

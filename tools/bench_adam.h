@@ -3,10 +3,12 @@
 #pragma once
 
 #include <cstddef>
+#include <nlohmann/json.hpp>
 #include <string>
 
 #include "common/status.h"
 #include "cpu_optim/dtype.h"
+#include "cpu_optim/executor.h"
 #include "cpu_optim/isa.h"
 
 namespace zo::tools {
@@ -36,6 +38,31 @@ struct AdamCommon {
   cpu_optim::Isa isa = cpu_optim::Isa::kAuto;
 };
 Result<AdamCommon> parse_adam_common(const AdamArgs& args);
+
+// The fields every run's --json opens with: the flags as run (n parameters), the executor, the hyperparameters
+// (`h` has lr, beta1, beta2, eps and weight_decay; the gradients are unscaled ×1/1024 in the pass)
+// and the check's summary.
+template <class Hyper>
+nlohmann::json adam_run_json(const AdamArgs& a, size_t n, bool has_copy, const cpu_optim::Executor& ex, const Hyper& h,
+                             const std::string& check) {
+  nlohmann::json j;
+  j["optimizer"] = a.optimizer;
+  j["params"] = n;
+  j["grad_dtype"] = a.grad_dtype;
+  j["copy_out"] = has_copy ? a.copy_out : "none";
+  j["isa"] = std::string(cpu_optim::isa_name(ex.isa()));
+  j["threads"] = ex.n_threads();
+  j["bind_cores"] = ex.cores_bound();
+  j["repeats"] = a.repeats;
+  j["hyper"] = {{"lr", h.lr},
+                {"beta1", h.beta1},
+                {"beta2", h.beta2},
+                {"eps", h.eps},
+                {"weight_decay", h.weight_decay},
+                {"grad_scale", 1.0 / 1024.0}};
+  j["check"] = check;
+  return j;
+}
 
 // --moments 8bit: adam8bit_step against the scalar path, then timed beside the fp32 kernel on the
 // same parameters and a STREAM triad. Exit code as run_adam_bench's.

@@ -189,23 +189,8 @@ int run_adam8bit_bench(const AdamArgs& a) {
   const double triad_gbps = n_d * 12.0 / med_triad / 1e9;
   const double ratio_triad = gbps8 / triad_gbps, ratio_fp32 = pps8 / pps32;
   if (a.json) {
-    nlohmann::json j;
-    j["optimizer"] = a.optimizer;
+    nlohmann::json j = adam_run_json(a, n, has_copy, ex, h, check_summary);
     j["moments"] = "8bit";
-    j["params"] = n;
-    j["grad_dtype"] = a.grad_dtype;
-    j["copy_out"] = has_copy ? a.copy_out : "none";
-    j["isa"] = std::string(cpu_optim::isa_name(ex.isa()));
-    j["threads"] = ex.n_threads();
-    j["bind_cores"] = ex.cores_bound();
-    j["repeats"] = a.repeats;
-    j["hyper"] = {{"lr", h.lr},
-                  {"beta1", h.beta1},
-                  {"beta2", h.beta2},
-                  {"eps", h.eps},
-                  {"weight_decay", h.weight_decay},
-                  {"grad_scale", 1.0 / 1024.0}};
-    j["check"] = check_summary;
     j["bytes_per_param"] = {{"read", read_bytes},
                             {"write", write_bytes},
                             {"total", read_bytes + write_bytes},

@@ -60,28 +60,15 @@ def fail(msg, code=1):
 def parse_args():
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--params", default="2e8", help="number of parameters, e.g. 2e8 (default 2e8)")
     ap.add_argument("--optimizer", default="adamw", choices=["adamw", "adam"],
                     help="adamw (decoupled decay) or adam (L2 decay); default adamw")
     ap.add_argument("--grad-dtype", default="fp32", choices=["fp32"],
                     help="fp32 only: DeepSpeed's cpu_adam takes grads in the params' dtype")
     ap.add_argument("--copy-out", default="none", choices=["none", "bf16", "fp16"],
                     help="16-bit copy of the new params after the step (default none: cpu_adam has none)")
-    ap.add_argument("--threads", type=int, default=0, help="threads for both (0 = all the process may use)")
-    ap.add_argument("--repeats", type=int, default=5, help="timed steps per round for each (default 5)")
-    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
-    ap.add_argument("--isa", default="auto", help="passed to zoffload-bench adam --isa (default auto)")
-    ap.add_argument("--bench", default="build/tools/zoffload-bench",
-                    help="path of zoffload-bench (default build/tools/zoffload-bench)")
-    ap.add_argument("--json", action="store_true", help="print machine-readable results on stdout")
+    common.add_run_args(ap, "2e8")
     a = ap.parse_args()
-    a.n = common.parse_count(PROG, a.params, "2e8")
-    if a.threads < 0:
-        fail("--threads must be >= 0", 2)
-    if a.repeats < 1 or a.rounds < 1:
-        fail("--repeats and --rounds must be >= 1", 2)
-    if not (os.path.isfile(a.bench) and os.access(a.bench, os.X_OK)):
-        fail(f"--bench: {a.bench} is not an executable file (build with ninja -C build, or pass --bench PATH)", 2)
+    common.check_run_args(PROG, a, "2e8")
     return a
 
 

@@ -71,7 +71,7 @@ struct Adam8bitConstants {
 struct SearchTables {
   alignas(32) float l128[8], l64[8], l32[8], l16[8], l8[16], l4[32];
 };
-void fill_search_tables(const float* map, SearchTables* t);  // cpu_optim/adam8bit.cpp
+SearchTables search_tables_of(const float* map);  // cpu_optim/adam8bit.cpp
 // The tables of the two dynamic maps, filled once (cpu_optim/adam8bit.cpp).
 const SearchTables& signed_map_search_tables();
 const SearchTables& unsigned_map_search_tables();

@@ -752,9 +752,8 @@ TEST(OptimizerSwapper8bit, MomentsTakeTheirLayoutsBytesInThePlanAndTheStore) {
   Rig rig;
   ASSERT_TRUE(rig.init(s).is_ok());
   uint64_t codes = 0, aux = 0;
-  for (const auto& spec : model()) {
-    uint64_t n = 1;
-    for (auto d : spec.shape) n *= static_cast<uint64_t>(d);
+  for (const ParamInfo& p : rig.registry.params()) {
+    const uint64_t n = p.n_elems;
     if (n >= 4096) {
       codes += n;
       aux += 4 * ((n + 255) / 256);
