@@ -31,7 +31,9 @@ const std::array<float, 256>& signed_dynamic_map();
 const std::array<float, 256>& unsigned_dynamic_map();
 
 // The index of the entry of `map` (ascending) nearest x, the lower one on a tie; 0 for NaN: the
-// kernels' rule for one value (through the scalar path; for tests and one-off values).
+// kernels' rule for one value (through the scalar path; for tests and one-off values). A map other
+// than the two above gets its table built on each call, and aborts the process if its entries are
+// too dense for the table's buckets (Note [Nearest codes by bucket] in adam8bit.cpp).
 uint8_t quantize_nearest(const std::array<float, 256>& map, float x);
 
 // One 8-bit blockwise state of n elements: element i is map[codes[i]] * absmax[i / 256].

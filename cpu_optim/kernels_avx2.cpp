@@ -53,33 +53,23 @@ struct Avx2Vec {
     _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_unpacklo_epi32(lo, hi));
   }
   static F gather(const float* table, I i) { return _mm256_i32gather_ps(table, i, 4); }
-  static I izero() { return _mm256_setzero_si256(); }
-  static I iadd(I i, int k) { return _mm256_add_epi32(i, _mm256_set1_epi32(k)); }
-  static I imin(I i, int k) { return _mm256_min_epi32(i, _mm256_set1_epi32(k)); }
+  static I gather_u8(const uint8_t* table, I i) {  // 4 bytes at table + i, the first kept
+    return _mm256_and_si256(_mm256_i32gather_epi32(reinterpret_cast<const int*>(table), i, 1), _mm256_set1_epi32(0xFF));
+  }
+  static I bucket_of(F x) {
+    const __m256i bits = _mm256_castps_si256(x);
+    __m256i k = _mm256_srli_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(INT32_MAX)), 16);
+    k = _mm256_min_epi32(_mm256_max_epi32(_mm256_sub_epi32(k, _mm256_set1_epi32(kBucketFloor)), _mm256_setzero_si256()),
+                         _mm256_set1_epi32(kBucketTop));
+    return _mm256_add_epi32(k, _mm256_and_si256(_mm256_srai_epi32(bits, 31), _mm256_set1_epi32(kBucketNegative)));
+  }
   static I add_where_le(I i, F c, F x, int k) {
     const __m256i le = _mm256_castps_si256(_mm256_cmp_ps(c, x, _CMP_LE_OQ));
     return _mm256_add_epi32(i, _mm256_and_si256(le, _mm256_set1_epi32(k)));
   }
-  static I add_where_lt(I i, F a, F b) {  // the all-ones mask is -1: subtract it
-    return _mm256_sub_epi32(i, _mm256_castps_si256(_mm256_cmp_ps(a, b, _CMP_LT_OQ)));
+  static I zero_where_nan(I i, F x) {
+    return _mm256_andnot_si256(_mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)), i);
   }
-  // Levels 128 … 4 of the nearest-code search from registers: the candidate of level h is row
-  // (i >> log2(2h)) of its table, picked by permutevar8x32 (8 per register) and blends.
-  static I search_top(const SearchTables& t, F x) {
-    auto pick8 = [](const float* row, I j) { return _mm256_permutevar8x32_ps(_mm256_loadu_ps(row), j); };
-    auto bit = [](I j, int b) { return _mm256_castsi256_ps(_mm256_slli_epi32(j, 31 - b)); };  // bit b → sign
-    I i = add_where_le(izero(), _mm256_set1_ps(t.l128[0]), x, 128);
-    i = add_where_le(i, pick8(t.l64, _mm256_srli_epi32(i, 7)), x, 64);
-    i = add_where_le(i, pick8(t.l32, _mm256_srli_epi32(i, 6)), x, 32);
-    i = add_where_le(i, pick8(t.l16, _mm256_srli_epi32(i, 5)), x, 16);
-    I j = _mm256_srli_epi32(i, 4);
-    i = add_where_le(i, _mm256_blendv_ps(pick8(t.l8, j), pick8(t.l8 + 8, j), bit(j, 3)), x, 8);
-    j = _mm256_srli_epi32(i, 3);
-    const F lo = _mm256_blendv_ps(pick8(t.l4, j), pick8(t.l4 + 8, j), bit(j, 3));
-    const F hi = _mm256_blendv_ps(pick8(t.l4 + 16, j), pick8(t.l4 + 24, j), bit(j, 3));
-    return add_where_le(i, _mm256_blendv_ps(lo, hi, bit(j, 4)), x, 4);
-  }
-  static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
   static F abs(F x) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x); }
   static F max_keep(F acc, F x) { return _mm256_max_ps(x, acc); }  // acc where x is NaN
   static float hmax(F x) {

@@ -43,16 +43,20 @@ struct Avx512Vec {
   }
   static void store_codes(uint8_t* p, I x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(x)); }
   static F gather(const float* table, I i) { return _mm512_i32gather_ps(i, table, 4); }
-  static I izero() { return _mm512_setzero_si512(); }
-  static I iadd(I i, int k) { return _mm512_add_epi32(i, _mm512_set1_epi32(k)); }
-  static I imin(I i, int k) { return _mm512_min_epi32(i, _mm512_set1_epi32(k)); }
+  static I gather_u8(const uint8_t* table, I i) {  // 4 bytes at table + i, the first kept
+    return _mm512_and_si512(_mm512_i32gather_epi32(i, table, 1), _mm512_set1_epi32(0xFF));
+  }
+  static I bucket_of(F x) {
+    const __m512i bits = _mm512_castps_si512(x);
+    __m512i k = _mm512_srli_epi32(_mm512_and_si512(bits, _mm512_set1_epi32(INT32_MAX)), 16);
+    k = _mm512_min_epi32(_mm512_max_epi32(_mm512_sub_epi32(k, _mm512_set1_epi32(kBucketFloor)), _mm512_setzero_si512()),
+                         _mm512_set1_epi32(kBucketTop));
+    return _mm512_mask_add_epi32(k, _mm512_movepi32_mask(bits), k, _mm512_set1_epi32(kBucketNegative));
+  }
   static I add_where_le(I i, F c, F x, int k) {
     return _mm512_mask_add_epi32(i, _mm512_cmp_ps_mask(c, x, _CMP_LE_OQ), i, _mm512_set1_epi32(k));
   }
-  static I add_where_lt(I i, F a, F b) {
-    return _mm512_mask_add_epi32(i, _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ), i, _mm512_set1_epi32(1));
-  }
-  static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  static I zero_where_nan(I i, F x) { return _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), i); }
   // The masked and generic forms: GCC 12's plain _mm512_andnot_si512 and _mm512_max_ps pass an
   // _mm512_undefined_* source that -Wuninitialized reports inside avx512fintrin.h.
   static F abs(F x) {

@@ -2,6 +2,8 @@
 // (or architectures) without one. Built with the default flags plus -ffp-contract=off, so a*b + c is
 // never fused behind our back; fma() below is the correctly rounded std::fma. Its Adam is
 // zo::adam_update (common/adam_math.h) itself, the per-element function the Device backends run.
+#include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 
@@ -31,12 +33,14 @@ struct ScalarVec {
   static I load_codes(const uint8_t* p) { return *p; }
   static void store_codes(uint8_t* p, I x) { *p = static_cast<uint8_t>(x); }
   static F gather(const float* table, I i) { return table[i]; }
-  static I izero() { return 0; }
-  static I iadd(I i, int k) { return i + k; }
-  static I imin(I i, int k) { return i < k ? i : k; }
+  static I gather_u8(const uint8_t* table, I i) { return table[i]; }
+  static I bucket_of(F x) {
+    const uint32_t bits = std::bit_cast<uint32_t>(x);
+    const int k = std::clamp(static_cast<int>((bits & 0x7FFFFFFFu) >> 16) - kBucketFloor, 0, kBucketTop);
+    return (bits >> 31) != 0 ? k + kBucketNegative : k;
+  }
   static I add_where_le(I i, F c, F x, int k) { return c <= x ? i + k : i; }
-  static I add_where_lt(I i, F a, F b) { return a < b ? i + 1 : i; }
-  static F sub(F a, F b) { return a - b; }
+  static I zero_where_nan(I i, F x) { return std::isnan(x) ? 0 : i; }
   static F abs(F x) { return std::fabs(x); }
   static F max_keep(F acc, F x) { return x > acc ? x : acc; }
   static float hmax(F x) { return x; }

@@ -204,8 +204,8 @@ Status adam8bit_step(const AdamConfig& config, int64_t step, std::span<float> pa
   a.v_absmax = exp_avg_sq.absmax.data();
   a.m_map = signed_dynamic_map().data();
   a.v_map = unsigned_dynamic_map().data();
-  a.m_top = &detail::signed_map_search_tables();
-  a.v_top = &detail::unsigned_map_search_tables();
+  a.m_quant = &detail::signed_map_quant_table();
+  a.v_quant = &detail::unsigned_map_quant_table();
   a.grad = grad.data;
   a.grad_dtype = grad.dtype;
   a.copy_out = copy_out.data;

@@ -12,9 +12,10 @@
 // uint16_t*), store_bf16/store_f16(uint16_t*, F), set1, add, mul, fma(a, b, c) = a*b + c rounded
 // once, div, sqrt, lion_update(c, lr) = -lr*sign(c), NormAcc with norm_zero/norm_add(acc, k, x) for
 // the k-th W-wide part of a 16-element chunk / norm_lanes(acc, double[16]); for the 8-bit states,
-// I (W int32 lanes) with load_codes/store_codes (W bytes), gather(const float* table, I), izero,
-// iadd(I, int), imin(I, int), add_where_le(i, c, x, k) = i + k where c <= x, add_where_lt(i, a, b)
-// = i + 1 where a < b, and on F sub, abs, max_keep(acc, x) = x > acc ? x : acc, hmax.
+// I (W int32 lanes) with load_codes/store_codes (W bytes), gather(const float* table, I),
+// gather_u8(const uint8_t* table, I), bucket_of(F) (kernels.h's QuantTable buckets),
+// add_where_le(i, c, x, k) = i + k where c <= x, zero_where_nan(i, x), and on F abs,
+// max_keep(acc, x) = x > acc ? x : acc, hmax.
 #pragma once
 
 #include <cstdint>
@@ -338,23 +339,12 @@ void fill_kernel(float* data, float value, size_t begin, size_t end) {
                    [&](const Ptrs<1>& at, size_t i) { V::store(static_cast<float*>(at.p[0]) + i, x); });
 }
 
-// The entry of `map` (256 ascending floats) nearest x, per lane, the lower on a tie, 0 for NaN: a
-// branch-free binary search for the largest i with map[i] <= x (0 when none: every comparison with
-// NaN is false), then a step right where map[i+1] is strictly nearer (at 255, map[i+1] is map[255]).
-// A V may provide search_top(const SearchTables&, F x): the first six levels (half = 128 … 4), whose
-// candidates map[j*2*half + half] are few enough to be picked from registers instead of gathered
-// (the same values, so the same comparisons and result).
+// The entry of a map nearest x, per lane, the lower on a tie, 0 for NaN, from the map's QuantTable:
+// the first code of x's bucket, plus one where x is at or past that code's threshold.
 template <class V>
-typename V::I nearest_code(const float* map, const SearchTables& top, typename V::F x) {
-  typename V::I i = V::izero();
-  int half = 128;
-  if constexpr (requires { V::search_top(top, x); }) {
-    i = V::search_top(top, x);
-    half = 2;
-  }
-  for (; half > 0; half >>= 1) i = V::add_where_le(i, V::gather(map, V::iadd(i, half)), x, half);
-  const typename V::F lo = V::gather(map, i), hi = V::gather(map, V::imin(V::iadd(i, 1), 255));
-  return V::add_where_lt(i, V::abs(V::sub(x, hi)), V::abs(V::sub(x, lo)));
+typename V::I nearest_code(const QuantTable& t, typename V::F x) {
+  const typename V::I c = V::gather_u8(t.first_code, V::bucket_of(x));
+  return V::zero_where_nan(V::add_where_le(c, V::gather(t.tau, c), x, 1), x);
 }
 
 // One block of 8-bit blockwise Adam, elements [first, first + n), n <= 256: dequantize, update in
@@ -410,9 +400,9 @@ void adam8bit_block(const Adam8bitArgs& a, size_t first, size_t n) {
       {m_new, 4, false}, {v_new, 4, false}, {a.m_codes + first, 1, true}, {a.v_codes + first, 1, true}};
   for_blocks<W>(quantize, 0, n, [&](const Ptrs<4>& at, size_t i) {
     V::store_codes(static_cast<uint8_t*>(at.p[2]) + i,
-                   nearest_code<V>(a.m_map, *a.m_top, V::div(V::load(static_cast<const float*>(at.p[0]) + i), m_div)));
+                   nearest_code<V>(*a.m_quant, V::div(V::load(static_cast<const float*>(at.p[0]) + i), m_div)));
     V::store_codes(static_cast<uint8_t*>(at.p[3]) + i,
-                   nearest_code<V>(a.v_map, *a.v_top, V::div(V::load(static_cast<const float*>(at.p[1]) + i), v_div)));
+                   nearest_code<V>(*a.v_quant, V::div(V::load(static_cast<const float*>(at.p[1]) + i), v_div)));
   });
 }
 
@@ -425,12 +415,11 @@ void adam8bit_kernel(const Adam8bitArgs& a, size_t begin, size_t end) {
 }
 
 template <class V>
-void nearest_codes_kernel(const float* map, const SearchTables& top, const float* x, uint8_t* codes, size_t begin,
-                          size_t end) {
+void nearest_codes_kernel(const QuantTable& table, const float* x, uint8_t* codes, size_t begin, size_t end) {
   const Stream streams[2] = {{const_cast<float*>(x), 4, false}, {codes, 1, true}};
   for_blocks<V::W>(streams, begin, end, [&](const Ptrs<2>& at, size_t i) {
     V::store_codes(static_cast<uint8_t*>(at.p[1]) + i,
-                   nearest_code<V>(map, top, V::load(static_cast<const float*>(at.p[0]) + i)));
+                   nearest_code<V>(table, V::load(static_cast<const float*>(at.p[0]) + i)));
   });
 }
 

@@ -66,15 +66,27 @@ struct Adam8bitConstants {
   bool use_l2, use_decoupled;
 };
 
-// The candidates of the first six levels of the binary search over a 256-entry map: level[h] holds
-// map[j*2h + h] for j < 128/h (h = 128, 64, 32, 16, 8, 4), padded to whole 8-float rows.
-struct SearchTables {
-  alignas(32) float l128[8], l64[8], l32[8], l16[8], l8[16], l4[32];
+// Nearest map entries by bucket (Note [Nearest codes by bucket] in cpu_optim/adam8bit.cpp). A float
+// x falls in bucket k = clamp((|x|'s bits >> 16) - kBucketFloor, 0, kBucketTop): its exponent and
+// the top 7 bits of its mantissa, with every |x| below 2^-24·(1 + 2^-7) in bucket 0 and every |x|
+// from 2 up (inf, NaN) in kBucketTop; negative x use the buckets from kBucketNegative on. Each bucket
+// holds at most one threshold of its map, so the nearest entry of x is first_code[bucket] plus one
+// where x >= tau[first_code[bucket]] (0 for NaN).
+inline constexpr int kBucketFloor = 103 << 7;  // biased exponent 103 (2^-24), 7 mantissa bits
+inline constexpr int kBucketTop = 25 << 7;     // |x| >= 2
+inline constexpr int kBucketNegative = 3208;   // kBucketTop + 1, rounded up to a multiple of 8
+struct QuantTable {
+  // tau[c] (c < 255): the smallest float whose nearest entry is above c; tau[255] = NaN (never <= x).
+  alignas(64) float tau[256];
+  // The nearest entry of each bucket's smallest x; 4-byte gathers read up to 3 bytes past the last.
+  alignas(64) uint8_t first_code[2 * kBucketNegative + 8];
 };
-SearchTables search_tables_of(const float* map);  // cpu_optim/adam8bit.cpp
-// The tables of the two dynamic maps, filled once (cpu_optim/adam8bit.cpp).
-const SearchTables& signed_map_search_tables();
-const SearchTables& unsigned_map_search_tables();
+// Builds the table of an ascending 256-entry map; aborts if a bucket would hold two thresholds
+// (cpu_optim/adam8bit.cpp).
+QuantTable quant_table_of(const float* map);
+// The tables of the two dynamic maps, built once (cpu_optim/adam8bit.cpp).
+const QuantTable& signed_map_quant_table();
+const QuantTable& unsigned_map_quant_table();
 
 // A kernel call covers whole 256-element blocks: begin is a multiple of 256 (end may cut the last).
 struct Adam8bitArgs {
@@ -85,8 +97,8 @@ struct Adam8bitArgs {
   float* v_absmax;
   const float* m_map;         // 256 entries, ascending (the signed dynamic map)
   const float* v_map;         // (the unsigned one)
-  const SearchTables* m_top;  // the search tables of m_map and v_map
-  const SearchTables* v_top;
+  const QuantTable* m_quant;  // the nearest-entry tables of m_map and v_map
+  const QuantTable* v_quant;
   const void* grad;
   DType grad_dtype;
   void* copy_out;  // nullptr: none
@@ -118,8 +130,7 @@ struct KernelTable {
   void (*fill)(float* data, float value, size_t begin, size_t end);
   void (*adam8bit)(const Adam8bitArgs& args, size_t begin, size_t end);
   // codes[i] = the entry of `map` nearest x[i] (adam8bit's rule: the lower on a tie, 0 for NaN).
-  void (*nearest_codes)(const float* map, const SearchTables& top, const float* x, uint8_t* codes, size_t begin,
-                        size_t end);
+  void (*nearest_codes)(const QuantTable& table, const float* x, uint8_t* codes, size_t begin, size_t end);
 };
 
 // The table for `isa` (never kAuto), or nullptr if this build lacks it. Defined in dispatch.cpp,

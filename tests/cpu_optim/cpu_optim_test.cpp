@@ -3,6 +3,8 @@
 // of the formulas; conversions against hand-picked edge cases; determinism of the squared norm.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -18,6 +20,7 @@
 #include "cpu_optim/adagrad.h"
 #include "cpu_optim/adam.h"
 #include "cpu_optim/adam8bit.h"
+#include "cpu_optim/detail/kernels.h"
 #include "cpu_optim/dtype.h"
 #include "cpu_optim/executor.h"
 #include "cpu_optim/isa.h"
@@ -696,11 +699,80 @@ TEST_P(SimdPath, Adam8bitMatchesScalarBitForBit) {
         EXPECT_TRUE(same_floats(a.v_absmax, b.v_absmax, "exp_avg_sq absmax"));
         EXPECT_EQ(a.m_codes, b.m_codes);
         EXPECT_EQ(a.v_codes, b.v_codes);
-        if (cc.on) {
-          EXPECT_TRUE(same_u16(a.copy.u16, b.copy.u16, cc.dtype, "copy-out"));
-        }
+        if (cc.on) { EXPECT_TRUE(same_u16(a.copy.u16, b.copy.u16, cc.dtype, "copy-out")); }
       }
     }
+  }
+}
+
+// The oracle of the nearest-entry rule, independent of the kernels' tables: 0 for NaN; a scan keeping
+// the first of equally near entries over the entries within 3 of where x falls (farther ones are
+// farther by many ulps); beyond the map's ends the end entries (there, float differences of a huge x
+// tie where exact ones do not).
+uint8_t nearest_by_scan(const std::array<float, 256>& map, float x) {
+  if (std::isnan(x) || x < map[0]) return 0;
+  if (x > map[255]) return 255;
+  const size_t at = static_cast<size_t>(std::upper_bound(map.begin(), map.end(), x) - map.begin());
+  size_t best = at > 3 ? at - 3 : 0;
+  for (size_t j = best + 1; j < 256 && j <= at + 3; ++j)
+    if (std::fabs(x - map[j]) < std::fabs(x - map[best])) best = j;
+  return static_cast<uint8_t>(best);
+}
+
+// Where the nearest entry changes, and everywhere else in [-1, 1], the values the 8-bit step
+// re-quantizes: 2^20 floats evenly spaced in bit order over [-1, 1], each pair of neighbouring
+// entries' float midpoint ±40 ulps, each entry ±8 ulps, and every 65,537th bit pattern (NaN, inf,
+// beyond ±1, denormals).
+std::vector<float> nearest_code_sweep(const std::array<float, 256>& map) {
+  std::vector<float> xs;
+  const auto step_ulps = [](float x, int k) {
+    for (; k > 0; --k) x = std::nextafter(x, std::numeric_limits<float>::infinity());
+    for (; k < 0; ++k) x = std::nextafter(x, -std::numeric_limits<float>::infinity());
+    return x;
+  };
+  const uint32_t one = std::bit_cast<uint32_t>(1.0f);
+  for (uint32_t i = 0; i < (1u << 20); ++i) {
+    const uint32_t b = static_cast<uint32_t>(uint64_t{i} * one >> 19);  // 0 .. 2·one, in order of |x|
+    xs.push_back(std::bit_cast<float>(b >= one ? b - one : (one - b) | 0x80000000u));
+  }
+  for (size_t c = 0; c + 1 < 256; ++c)
+    for (int k = -40; k <= 40; ++k) xs.push_back(step_ulps(map[c] + (map[c + 1] - map[c]) / 2, k));
+  for (size_t c = 0; c < 256; ++c)
+    for (int k = -8; k <= 8; ++k) xs.push_back(step_ulps(map[c], k));
+  for (uint64_t b = 0; b < (uint64_t{1} << 32); b += 65537)
+    xs.push_back(std::bit_cast<float>(static_cast<uint32_t>(b)));
+  return xs;
+}
+
+TEST(Adam8bit, QuantizeNearestMatchesALinearScan) {
+  for (const auto* map : {&signed_dynamic_map(), &unsigned_dynamic_map()}) {
+    size_t wrong = 0;
+    for (float x : nearest_code_sweep(*map)) {
+      const uint8_t want = nearest_by_scan(*map, x), got = quantize_nearest(*map, x);
+      if (got != want && ++wrong <= 5)
+        ADD_FAILURE() << std::hexfloat << x << ": " << int(got) << ", the scan " << int(want);
+    }
+    EXPECT_EQ(wrong, 0u) << (map == &signed_dynamic_map() ? "signed map" : "unsigned map");
+  }
+}
+
+// The SIMD paths' nearest codes (the kernels' bucket tables) against the same scan.
+TEST_P(SimdPath, NearestCodesMatchALinearScan) {
+  const detail::KernelTable* kernels = detail::kernel_table(GetParam());
+  ASSERT_NE(kernels, nullptr);
+  for (const auto* map : {&signed_dynamic_map(), &unsigned_dynamic_map()}) {
+    const detail::QuantTable& table =
+        map == &signed_dynamic_map() ? detail::signed_map_quant_table() : detail::unsigned_map_quant_table();
+    const std::vector<float> xs = nearest_code_sweep(*map);
+    std::vector<uint8_t> codes(xs.size());
+    kernels->nearest_codes(table, xs.data(), codes.data(), 0, xs.size());
+    size_t wrong = 0;
+    for (size_t i = 0; i < xs.size(); ++i) {
+      const uint8_t want = nearest_by_scan(*map, xs[i]);
+      if (codes[i] != want && ++wrong <= 5)
+        ADD_FAILURE() << std::hexfloat << xs[i] << ": " << int(codes[i]) << ", the scan " << int(want);
+    }
+    EXPECT_EQ(wrong, 0u) << (map == &signed_dynamic_map() ? "signed map" : "unsigned map");
   }
 }
 

@@ -18,7 +18,8 @@
 #
 # Environment: BIN_DIR (zoffload, zoffload-bench and gpu_test; default .carry/prebuilt/bin, whose
 # libraries are in .carry/prebuilt/lib), OUT (default /tmp/gpu-checks). The ram8bit part:
-# ZO_8BIT_MODEL (default llama3-8b) and ZO_8BIT_DEVICE (default cuda; host for a test). The deepspeed part's runs:
+# ZO_8BIT_MODEL (default llama3-8b), ZO_8BIT_DEVICE (default cuda; host for a test), ZO_8BIT_MICRO,
+# ZO_8BIT_GAS, ZO_8BIT_BASELINE (0: no fp32 baseline run). The deepspeed part's runs:
 # ZO_DS_RUNS (default "llama3.2-3b:8:3 llama3.2-3b:1:3 llama3-8b:8:2", model:GAS:steps, in that
 # order: the comparison that matters most first),
 # ZO_DS_MICRO (micro-batch, default 4), ZO_DS_SEQ (default 1024), ZO_DS_DEVICE (zoffload.device,
@@ -287,7 +288,8 @@ part_llama8b() {
 # baseline, the same config with fp32 moments, which this host holds only with the accumulators
 # on the disk (the planner's fix); the part ends with each run's median tokens/s and device_busy
 # over steps 2-3 and their ratio. ZO_8BIT_MODEL, ZO_8BIT_DEVICE, ZO_8BIT_MICRO and ZO_8BIT_GAS
-# replace the model, zoffload.device, micro-batch and GAS (for a test without a GPU).
+# replace the model, zoffload.device, micro-batch and GAS (for a test without a GPU);
+# ZO_8BIT_BASELINE=0 runs the 8-bit run alone.
 ram8bit_run() {  # NAME MOMENTS ACCUMULATORS SECONDS [TRACE]
   local name=$1 cfg=$runs/$1.json r
   config "$root/configs/llama8b_24gb_8bit_ram.json" "$cfg" "c['wall_clock_breakdown'] = True; c['steps_per_print'] = 1
@@ -318,6 +320,7 @@ c['zero_optimization']['stage3_gather_16bit_weights_on_model_save'] = False"
 part_ram8bit() {
   local ok=0
   ram8bit_run ram8bit 8bit cpu 300 trace-ram8bit.json.gz || ok=1
+  [ "${ZO_8BIT_BASELINE:-1}" = 0 ] && return $ok
   ram8bit_run ram8bit-fp32 fp32 nvme 200 || ok=1
   "$python" - "$runs" <<'PY' || ok=1
 import json, statistics, sys
