@@ -35,4 +35,11 @@ Status adam_step(const AdamConfig& config, int64_t step, std::span<float> params
                  std::span<float> exp_avg_sq, ConstElemSpan grad, float grad_scale, ElemSpan copy_out,
                  const Executor& executor);
 
+// The same step with bf16 moments (zoffload.moment_dtype "bf16"): each moment element is widened
+// to fp32 (exactly) as it is read, updated as above, and stored rounded to nearest even; the
+// parameter's update uses the fp32 moments before the rounding. The same errors.
+Status adam_step_bf16_moments(const AdamConfig& config, int64_t step, std::span<float> params,
+                              std::span<uint16_t> exp_avg, std::span<uint16_t> exp_avg_sq, ConstElemSpan grad,
+                              float grad_scale, ElemSpan copy_out, const Executor& executor);
+
 }  // namespace zo::cpu_optim

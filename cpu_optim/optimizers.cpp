@@ -89,25 +89,25 @@ Status check_state(const char* name, size_t n, const BlockwiseState& s) {
 
 }  // namespace
 
-Status adam_step(const AdamConfig& config, int64_t step, std::span<float> params, std::span<float> exp_avg,
-                 std::span<float> exp_avg_sq, ConstElemSpan grad, float grad_scale, ElemSpan copy_out,
-                 const Executor& executor) {
-  const char* op = "adam_step";
+namespace {
+
+// adam_step's checks and dispatch, for moments of either dtype (fp32 or bf16; element counts given).
+Status run_adam(const char* op, const AdamConfig& config, int64_t step, std::span<float> params, void* exp_avg,
+                size_t exp_avg_n, void* exp_avg_sq, size_t exp_avg_sq_n, DType moment_dtype, ConstElemSpan grad,
+                float grad_scale, ElemSpan copy_out, const Executor& executor) {
   const size_t n = params.size();
-  ZO_RETURN_IF_ERROR(check_sizes(op, n, {{"exp_avg", exp_avg.size()}, {"exp_avg_sq", exp_avg_sq.size()}}));
-  ZO_RETURN_IF_ERROR(check_pointers(op, n,
-                                    {{"params", params.data()},
-                                     {"exp_avg", exp_avg.data()},
-                                     {"exp_avg_sq", exp_avg_sq.data()},
-                                     {"grad", grad.data}}));
+  ZO_RETURN_IF_ERROR(check_sizes(op, n, {{"exp_avg", exp_avg_n}, {"exp_avg_sq", exp_avg_sq_n}}));
+  ZO_RETURN_IF_ERROR(check_pointers(
+      op, n, {{"params", params.data()}, {"exp_avg", exp_avg}, {"exp_avg_sq", exp_avg_sq}, {"grad", grad.data}}));
   ZO_RETURN_IF_ERROR(check_adam_hyperparameters(op, config, step, grad_scale));
   ZO_RETURN_IF_ERROR(check_dtypes(op, grad, copy_out));
   if (n == 0) return Status::ok();
 
   detail::AdamArgs a{};
   a.params = params.data();
-  a.exp_avg = exp_avg.data();
-  a.exp_avg_sq = exp_avg_sq.data();
+  a.exp_avg = exp_avg;
+  a.exp_avg_sq = exp_avg_sq;
+  a.moment_dtype = moment_dtype;
   a.grad = grad.data;
   a.grad_dtype = grad.dtype;
   a.copy_out = copy_out.data;
@@ -116,6 +116,22 @@ Status adam_step(const AdamConfig& config, int64_t step, std::span<float> params
   const auto kernel = table_for(executor).adam;
   executor.for_each_tile(n, [&](size_t begin, size_t end) { kernel(a, begin, end); });
   return Status::ok();
+}
+
+}  // namespace
+
+Status adam_step(const AdamConfig& config, int64_t step, std::span<float> params, std::span<float> exp_avg,
+                 std::span<float> exp_avg_sq, ConstElemSpan grad, float grad_scale, ElemSpan copy_out,
+                 const Executor& executor) {
+  return run_adam("adam_step", config, step, params, exp_avg.data(), exp_avg.size(), exp_avg_sq.data(),
+                  exp_avg_sq.size(), DType::kF32, grad, grad_scale, copy_out, executor);
+}
+
+Status adam_step_bf16_moments(const AdamConfig& config, int64_t step, std::span<float> params,
+                              std::span<uint16_t> exp_avg, std::span<uint16_t> exp_avg_sq, ConstElemSpan grad,
+                              float grad_scale, ElemSpan copy_out, const Executor& executor) {
+  return run_adam("adam_step_bf16_moments", config, step, params, exp_avg.data(), exp_avg.size(), exp_avg_sq.data(),
+                  exp_avg_sq.size(), DType::kBF16, grad, grad_scale, copy_out, executor);
 }
 
 Status adagrad_step(const AdagradConfig& config, std::span<float> params, std::span<float> exp_avg_sq,

@@ -102,7 +102,9 @@ inline void for_blocks(const Stream (&streams)[N], size_t begin, size_t end, Bod
 }
 
 // The vector form of zo::adam_update (common/adam_math.h), operation for operation; the scalar
-// path runs adam_update itself, and the tests hold every SIMD path to it bit for bit.
+// path runs adam_update itself, and the tests hold every SIMD path to it bit for bit. bf16 moments
+// are widened as they are read and rounded to nearest even as they are stored; the update in
+// between, the parameter's included, uses the fp32 values.
 template <class V>
 void adam_kernel(const AdamArgs& a, size_t begin, size_t end) {
   using F = typename V::F;
@@ -111,35 +113,37 @@ void adam_kernel(const AdamArgs& a, size_t begin, size_t end) {
           b2 = V::set1(k.beta2), omb2 = V::set1(k.one_minus_beta2), eps = V::set1(k.eps), bc2 = V::set1(k.bc2_rsqrt),
           neg_step = V::set1(k.neg_step), l2 = V::set1(k.l2_decay), decay = V::set1(k.decay_factor);
   const bool use_l2 = k.use_l2, use_decoupled = k.use_decoupled;
-  with_dtypes(a.grad_dtype, a.copy_out, a.copy_dtype, [&]<DType G, bool kCopy, DType C>() {
-    const Stream streams[5] = {{a.params, 4, true},
-                               {a.exp_avg, 4, true},
-                               {a.exp_avg_sq, 4, true},
-                               {const_cast<void*>(a.grad), kElemBytes<G>, false},
-                               {kCopy ? a.copy_out : nullptr, kElemBytes<C>, true}};
-    for_blocks<V::W>(streams, begin, end, [&](const Ptrs<5>& at, size_t i) {
-      float* pp = static_cast<float*>(at.p[0]) + i;
-      float* mp = static_cast<float*>(at.p[1]) + i;
-      float* vp = static_cast<float*>(at.p[2]) + i;
-      F g = V::mul(load_elems<V, G>(at.p[3], i), scale);
-      F p = V::load(pp);
-      if (use_l2) g = V::fma(p, l2, g);
-      F m = V::mul(V::load(mp), b1);
-      m = V::fma(g, omb1, m);
-      F v = V::mul(V::load(vp), b2);
-      g = V::mul(g, g);
-      v = V::fma(g, omb2, v);
-      F d = V::sqrt(v);
-      d = V::fma(d, bc2, eps);
-      d = V::div(m, d);
-      if (use_decoupled) p = V::mul(p, decay);  // Note [Decoupled decay rounding]
-      p = V::fma(d, neg_step, p);
-      V::store(pp, p);
-      V::store(mp, m);
-      V::store(vp, v);
-      if constexpr (kCopy) store_elems<V, C>(at.p[4], i, p);
+  auto run = [&]<DType M>() {
+    with_dtypes(a.grad_dtype, a.copy_out, a.copy_dtype, [&]<DType G, bool kCopy, DType C>() {
+      const Stream streams[5] = {{a.params, 4, true},
+                                 {a.exp_avg, kElemBytes<M>, true},
+                                 {a.exp_avg_sq, kElemBytes<M>, true},
+                                 {const_cast<void*>(a.grad), kElemBytes<G>, false},
+                                 {kCopy ? a.copy_out : nullptr, kElemBytes<C>, true}};
+      for_blocks<V::W>(streams, begin, end, [&](const Ptrs<5>& at, size_t i) {
+        float* pp = static_cast<float*>(at.p[0]) + i;
+        F g = V::mul(load_elems<V, G>(at.p[3], i), scale);
+        F p = V::load(pp);
+        if (use_l2) g = V::fma(p, l2, g);
+        F m = V::mul(load_elems<V, M>(at.p[1], i), b1);
+        m = V::fma(g, omb1, m);
+        F v = V::mul(load_elems<V, M>(at.p[2], i), b2);
+        g = V::mul(g, g);
+        v = V::fma(g, omb2, v);
+        F d = V::sqrt(v);
+        d = V::fma(d, bc2, eps);
+        d = V::div(m, d);
+        if (use_decoupled) p = V::mul(p, decay);  // Note [Decoupled decay rounding]
+        p = V::fma(d, neg_step, p);
+        V::store(pp, p);
+        store_elems<V, M>(at.p[1], i, m);
+        store_elems<V, M>(at.p[2], i, v);
+        if constexpr (kCopy) store_elems<V, C>(at.p[4], i, p);
+      });
     });
-  });
+  };
+  if (a.moment_dtype == DType::kBF16) run.template operator()<DType::kBF16>();
+  else run.template operator()<DType::kF32>();
 }
 
 template <class V>

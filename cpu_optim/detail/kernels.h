@@ -14,8 +14,9 @@ namespace zo::cpu_optim::detail {
 
 struct AdamArgs {
   float* params;
-  float* exp_avg;
-  float* exp_avg_sq;
+  void* exp_avg;  // moment_dtype each: fp32, or bf16 (widened exactly, stored rounded to nearest even)
+  void* exp_avg_sq;
+  DType moment_dtype;
   const void* grad;
   DType grad_dtype;
   void* copy_out;  // nullptr: none

@@ -310,6 +310,79 @@ TEST_P(SimdPath, AdamIsBitIdenticalToScalar) {
   }
 }
 
+// bf16 moments (adam_step_bf16_moments): 3 steps, every ISA against the scalar path, bit for bit.
+struct Bf16MomentRun {
+  std::vector<float> p;
+  std::vector<uint16_t> m, v;
+  Copy copy;
+};
+
+Bf16MomentRun run_adam_bf16_moments(const Executor& ex, const AdamConfig& cfg, DType gdt, CopyCase cc, int steps) {
+  Bf16MomentRun r{random_floats(kN, 1, 1.0f), {}, {}, Copy(cc.on, cc.dtype, kN)};
+  for (float x : random_floats(kN, 2, 0.01f)) r.m.push_back(float_to_bf16(x));
+  for (float x : random_floats(kN, 3, 1e-4f, true)) r.v.push_back(float_to_bf16(x));
+  for (int s = 1; s <= steps; ++s) {
+    const Grad g = random_grad(gdt, kN, 100 + s);
+    const Status st = adam_step_bf16_moments(cfg, s, r.p, r.m, r.v, g.span(), 0.7f / 1024.0f, r.copy.span(), ex);
+    ZO_CHECK(st.is_ok()) << st.to_string();
+  }
+  return r;
+}
+
+TEST_P(SimdPath, AdamWithBf16MomentsIsBitIdenticalToScalar) {
+  const AdamConfig adamw{.lr = 1e-3f, .weight_decay = 0.01f, .adam_w_mode = true, .bias_correction = true};
+  const AdamConfig l2{.lr = 2e-4f, .weight_decay = 0.1f, .adam_w_mode = false, .bias_correction = true};
+  for (const AdamConfig& cfg : {adamw, l2}) {
+    for (DType g : kDTypes) {
+      for (const CopyCase& cc : kCopyCases) {
+        const Bf16MomentRun a = run_adam_bf16_moments(*simd_, cfg, g, cc, 3);
+        const Bf16MomentRun b = run_adam_bf16_moments(*scalar_, cfg, g, cc, 3);
+        const std::string what = std::string(cfg.adam_w_mode ? "AdamW, " : "Adam (L2), ") + case_name(g, cc);
+        ASSERT_TRUE(mostly_updated(random_floats(kN, 1, 1.0f), a.p)) << what;
+        ASSERT_TRUE(same_floats(a.p, b.p, "params")) << what;
+        ASSERT_EQ(a.m, b.m) << what;
+        ASSERT_EQ(a.v, b.v) << what;
+        expect_same_copy(a.copy, b.copy, what);
+      }
+    }
+  }
+}
+
+// The definition: one step with bf16 moments is the fp32 step on the widened moments, the parameters
+// bit for bit, with the new moments rounded to nearest even.
+TEST(AdamBf16Moments, IsTheFp32StepWithTheMomentsRounded) {
+  const auto ex = make_executor(Isa::kAuto);
+  const AdamConfig cfg{.lr = 1e-3f, .weight_decay = 0.01f, .adam_w_mode = true, .bias_correction = true};
+  std::vector<float> p = random_floats(kN, 1, 1.0f), p32 = p, m32, v32;
+  std::vector<uint16_t> m, v;
+  for (float x : random_floats(kN, 2, 0.01f)) m.push_back(float_to_bf16(x));
+  for (float x : random_floats(kN, 3, 1e-4f, true)) v.push_back(float_to_bf16(x));
+  for (uint16_t x : m) m32.push_back(bf16_to_float(x));
+  for (uint16_t x : v) v32.push_back(bf16_to_float(x));
+  const Grad g = random_grad(DType::kF32, kN, 7);
+  ASSERT_TRUE(adam_step_bf16_moments(cfg, 5, p, m, v, g.span(), 1.0f, {}, *ex).is_ok());
+  ASSERT_TRUE(adam_step(cfg, 5, p32, m32, v32, g.span(), 1.0f, {}, *ex).is_ok());
+  EXPECT_TRUE(same_floats(p, p32, "params"));
+  size_t rounded = 0;
+  for (size_t i = 0; i < kN; ++i) {
+    ASSERT_EQ(m[i], float_to_bf16(m32[i])) << i;
+    ASSERT_EQ(v[i], float_to_bf16(v32[i])) << i;
+    rounded += bf16_to_float(m[i]) != m32[i];
+  }
+  EXPECT_GT(rounded, kN / 2) << "the fp32 moments should mostly not be bf16 values";
+}
+
+TEST(AdamBf16Moments, RefusesMismatchedSpansBeforeWritingAnything) {
+  const auto ex = make_executor(Isa::kAuto);
+  std::vector<float> p(10, 1.0f), g(10, 1.0f);
+  std::vector<uint16_t> m(10, 0), v(9, 0);
+  const Status s = adam_step_bf16_moments(AdamConfig{}, 1, p, m, v, {g.data(), DType::kF32}, 1.0f, {}, *ex);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("adam_step_bf16_moments: exp_avg_sq has 9 elements but params has 10"), std::string::npos)
+      << s.to_string();
+  for (float x : p) EXPECT_EQ(x, 1.0f);
+}
+
 TEST_P(SimdPath, AdagradIsBitIdenticalToScalar) {
   for (float wd : {0.0f, 0.05f}) {
     for (DType g : kDTypes) {
