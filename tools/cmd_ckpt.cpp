@@ -94,7 +94,8 @@ int run_inspect(const CkptArgs& a) {
               static_cast<unsigned long long>(d["parameters"].get<uint64_t>()));
   std::printf("  Adam moments %s\n", info->manifest.moments == engine::MomentDtype::k8bit
                                          ? "8-bit blockwise (codes + absmax per 256, fp32 under 4096 elements)"
-                                         : "fp32");
+                                     : info->manifest.moments == engine::MomentDtype::kBF16 ? "bf16"
+                                                                                            : "fp32");
   std::printf("  data %s, seq_len %llu, seed %llu, position epoch %llu batch %llu\n", info->state.data.c_str(),
               static_cast<unsigned long long>(info->state.seq_len), static_cast<unsigned long long>(info->state.seed),
               static_cast<unsigned long long>(info->state.data_position.epoch),

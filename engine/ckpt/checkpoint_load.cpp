@@ -106,8 +106,8 @@ Result<CheckpointInfo> open_checkpoint(const std::string& path, io::Env* env) {
     return corruption(mpath + ": step " + std::to_string(info.manifest.step) + " but " + kTrainerStateFile +
                       " says steps_done " + std::to_string(info.state.steps_done));
   }
-  // The state files' headers must list the tensors the manifest's imply, in order, as F32; a codes
-  // file holds a byte per element of the quantized ones.
+  // The state files' headers must list the tensors the manifest's imply, in order, in their dtype
+  // (F32; BF16 for bf16 moments); a codes file holds a byte per element of the quantized ones.
   for (const StateFile& file : state_files(info.manifest.moments)) {
     const std::string fpath = path + "/" + file.name;
     if (file.part == StatePart::kMomentCodes) {
@@ -132,11 +132,12 @@ Result<CheckpointInfo> open_checkpoint(const std::string& path, io::Env* env) {
     }
     for (size_t i = 0; i < ts.size(); ++i) {
       const SafetensorsEntry& t = expected[i];
-      if (ts[i].name != t.name || ts[i].shape != t.shape || ts[i].dtype != DType::kF32 ||
+      if (ts[i].name != t.name || ts[i].shape != t.shape || ts[i].dtype != t.dtype ||
           ts[i].data_offset_bytes != expect_offset) {
         return corruption(fpath + ": tensor " + std::to_string(i) + " is " + ts[i].name + " " +
-                          shape_string(ts[i].shape) + ", the manifest says " + t.name + " " + shape_string(t.shape) +
-                          " F32, stored back to back");
+                          std::string(dtype_name(ts[i].dtype)) + " " + shape_string(ts[i].shape) +
+                          ", the manifest says " + t.name + " " + std::string(dtype_name(t.dtype)) + " " +
+                          shape_string(t.shape) + ", stored back to back");
       }
       expect_offset += ts[i].size_bytes;
     }

@@ -208,8 +208,11 @@ Result<Manifest> Manifest::from_json(const json& j, const std::string& source) {
     ZO_RETURN_IF_ERROR(get(j, "moment_dtype", &moments, source));
     if (moments == "8bit") {
       m.moments = MomentDtype::k8bit;
+    } else if (moments == "bf16") {
+      m.moments = MomentDtype::kBF16;
     } else if (moments != "fp32") {
-      return corruption(source + ": moment_dtype \"" + quote_excerpt(moments) + "\" is neither \"fp32\" nor \"8bit\"");
+      return corruption(source + ": moment_dtype \"" + quote_excerpt(moments) +
+                        "\" is none of \"fp32\", \"8bit\" and \"bf16\"");
     }
   }
   json files_j, tensors_j;

@@ -9,10 +9,11 @@
 namespace zo::engine {
 
 std::vector<StateFile> state_files(MomentDtype moments) {
-  if (moments == MomentDtype::kF32) {
+  if (moments != MomentDtype::k8bit) {
+    const DType m = moment_elem_dtype(moments);
     return {{StateKind::kMaster, StatePart::kWhole, kMasterFile},
-            {StateKind::kExpAvg, StatePart::kWhole, kExpAvgFile},
-            {StateKind::kExpAvgSq, StatePart::kWhole, kExpAvgSqFile}};
+            {StateKind::kExpAvg, StatePart::kWhole, kExpAvgFile, m},
+            {StateKind::kExpAvgSq, StatePart::kWhole, kExpAvgSqFile, m}};
   }
   return {{StateKind::kMaster, StatePart::kWhole, kMasterFile},
           {StateKind::kExpAvg, StatePart::kMomentAux, kExpAvgFile},
@@ -34,7 +35,7 @@ std::vector<SafetensorsEntry> state_file_tensors(const StateFile& file, const st
   std::vector<SafetensorsEntry> out;
   switch (file.part) {
     case StatePart::kWhole:
-      for (const CheckpointTensor& t : tensors) out.push_back({t.name, DType::kF32, t.shape});
+      for (const CheckpointTensor& t : tensors) out.push_back({t.name, file.dtype, t.shape});
       break;
     case StatePart::kMomentAux:
       out.push_back({kQuantMapTensor, DType::kF32, {256}});
@@ -56,6 +57,7 @@ std::string state_file_prefix(const StateFile& file, const std::vector<Checkpoin
   if (file.part == StatePart::kMomentCodes) return {};
   std::map<std::string, std::string> metadata{{"format", "pt"}, {"zoffload_state", std::string(state_name(file.kind))}};
   if (file.part == StatePart::kMomentAux) metadata["zoffload_moment_dtype"] = "8bit";
+  if (file.part == StatePart::kWhole && file.dtype == DType::kBF16) metadata["zoffload_moment_dtype"] = "bf16";
   std::string out = safetensors_header(state_file_tensors(file, tensors), metadata);
   if (file.part == StatePart::kMomentAux) {
     const auto& map =
@@ -72,7 +74,7 @@ uint64_t state_file_data_bytes(const StateFile& file, const std::vector<Checkpoi
   for (const CheckpointTensor& t : tensors) {
     const bool q = quantized_param(t.n_elems);
     switch (file.part) {
-      case StatePart::kWhole: bytes += 4 * t.n_elems; break;
+      case StatePart::kWhole: bytes += dtype_size_bytes(file.dtype) * t.n_elems; break;
       case StatePart::kMomentAux: bytes += q ? 4 * cpu_optim::quant_block_count(t.n_elems) : 4 * t.n_elems; break;
       case StatePart::kMomentCodes: bytes += q ? t.n_elems : 0; break;
     }

@@ -1,4 +1,4 @@
-// The state files of a checkpoint: which files hold the optimizer states for fp32 or 8-bit
+// The state files of a checkpoint: which files hold the optimizer states for fp32, bf16 or 8-bit
 // moments, which bytes of each sub-group's state each file carries, and what precedes them (the
 // safetensors header; for an 8-bit moment's file, its quantization map). On-disk format:
 // docs/checkpoint_format.md. Pure functions; thread-safe.
@@ -24,6 +24,7 @@ struct StateFile {
   StateKind kind = StateKind::kMaster;
   StatePart part = StatePart::kWhole;
   const char* name = "";
+  DType dtype = DType::kF32;  // a whole state's elements: fp32, or bf16 for bf16 moments
 };
 
 // 8-bit moments' codes: one byte per element of each quantized parameter, no header.
@@ -39,9 +40,9 @@ std::vector<StateFile> state_files(MomentDtype moments);
 std::pair<uint64_t, uint64_t> group_part(const ParamRegistry& registry, const Placement& placement, uint32_t sub_group,
                                          const StateFile& file);
 
-// The tensors a state file lists, in file order (none for a codes file): F32 per parameter for a
-// whole fp32 state; for an 8-bit moment the map, then per parameter its absmax (`NAME.absmax`, F32
-// [blocks]) or, under 4096 elements, its fp32 moment (`NAME`).
+// The tensors a state file lists, in file order (none for a codes file): per parameter, F32 for a
+// whole fp32 state, BF16 for a bf16 moment; for an 8-bit moment the map, then per parameter its
+// absmax (`NAME.absmax`, F32 [blocks]) or, under 4096 elements, its fp32 moment (`NAME`).
 std::vector<SafetensorsEntry> state_file_tensors(const StateFile& file, const std::vector<CheckpointTensor>& tensors);
 
 // The bytes a file holds before the sub-groups' parts: the safetensors header (4096-aligned) and

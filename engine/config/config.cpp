@@ -453,14 +453,35 @@ void Resolver::offload_placement() {
     st->error("optimizer.type", std::string(to_string(type)) +
                                     " steps on the CPU only (the GPU optimizer kernel is Adam's): set "
                                     "zero_optimization.offload_optimizer.device to \"cpu\" or \"nvme\"");
-  if (c->zoffload.moment_dtype == "8bit" && !st->has_error("zoffload.moment_dtype")) {
+  // DeepSpeed's bf16.bf16_optimizer_states is zoffload.moment_dtype "bf16" (DeepSpeed reads the bf16
+  // section's keys only with bf16.enabled); its bf16 masters are not built.
+  const bool moment_dtype_given = json_at(root, "zoffload.moment_dtype") != nullptr;
+  if (c->bf16.bf16_optimizer_states && !st->has_error("bf16.bf16_optimizer_states")) {
+    if (!c->bf16.enabled) {
+      st->error("bf16.bf16_optimizer_states",
+                "needs bf16.enabled true (DeepSpeed reads it only then); for bf16 moments with another compute "
+                "dtype set zoffload.moment_dtype to \"bf16\"");
+    } else if (moment_dtype_given && c->zoffload.moment_dtype != "bf16") {
+      st->error("bf16.bf16_optimizer_states", "asks for bf16 moments but zoffload.moment_dtype is \"" +
+                                                  c->zoffload.moment_dtype + "\": keep one of the two");
+    } else {
+      c->zoffload.moment_dtype = "bf16";
+    }
+  }
+  if (c->bf16.bf16_master_weights_and_grads && !st->has_error("bf16.bf16_master_weights_and_grads"))
+    st->error("bf16.bf16_master_weights_and_grads",
+              "bf16 master weights are not built: zoffload keeps fp32 masters and gradient sums (remove the key, "
+              "or set it to false; zoffload.moment_dtype \"bf16\" or \"8bit\" shrinks the moments)");
+  const std::string& md = c->zoffload.moment_dtype;
+  if (md != "fp32" && !st->has_error("zoffload.moment_dtype") && !st->has_error("bf16.bf16_optimizer_states")) {
+    const char* key = c->bf16.bf16_optimizer_states ? "bf16.bf16_optimizer_states" : "zoffload.moment_dtype";
     if (type != OptimizerType::kAdam && type != OptimizerType::kAdamW && !st->has_error("optimizer.type")) {
-      st->error("zoffload.moment_dtype", std::string("\"8bit\" is Adam's and AdamW's (optimizer.type is ") +
-                                             std::string(to_string(type)) + "); use \"fp32\"");
+      st->error(key, "\"" + md + "\" moments are Adam's and AdamW's (optimizer.type is " +
+                         std::string(to_string(type)) + "); use \"fp32\"");
     } else if (oo.device == OffloadDevice::kNone) {
-      st->error("zoffload.moment_dtype",
-                "\"8bit\" steps on the CPU only for now (the GPU optimizer kernel keeps fp32 moments): set "
-                "zero_optimization.offload_optimizer.device to \"cpu\" or \"nvme\"");
+      st->error(key, "\"" + md +
+                         "\" moments step on the CPU only for now (the GPU optimizer kernel keeps fp32 moments): set "
+                         "zero_optimization.offload_optimizer.device to \"cpu\" or \"nvme\"");
     }
   }
 }

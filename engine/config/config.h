@@ -99,6 +99,10 @@ struct Fp16Config {
 struct Bf16Config {
   bool enabled = false;
   bool check_grad_overflow = true;
+  // DeepSpeed's: Adam's moments in bf16 (resolved into zoffload.moment_dtype "bf16"), and bf16
+  // master weights and gradients (not built: refused when true).
+  bool bf16_optimizer_states = false;
+  bool bf16_master_weights_and_grads = false;
 };
 
 // optimizer: {"type", "params"}. Defaults depend on the type (see docs/config.md).
@@ -169,9 +173,10 @@ struct ZoffloadConfig {
   // states, except that with the optimizer on NVMe they stay in RAM when the planner finds room
   // (Note [Where the gradients wait]).
   std::string gradient_accumulators = "auto";
-  // (addition) How Adam keeps exp_avg and exp_avg_sq: "fp32", or "8bit": bitsandbytes' AdamW8bit
+  // (addition) How Adam keeps exp_avg and exp_avg_sq: "fp32"; "8bit": bitsandbytes' AdamW8bit
   // blockwise states (a byte per element plus one fp32 absmax per 256), fp32 for parameters under
-  // 4096 elements (Note [8-bit moment layout] in engine/memory/moment_layout.cpp).
+  // 4096 elements (Note [8-bit moment layout] in engine/memory/moment_layout.cpp); or "bf16" (also
+  // what DeepSpeed's bf16.bf16_optimizer_states asks for).
   std::string moment_dtype = "fp32";
   std::string io_backend = "auto";  // auto | io_uring | libaio | psync (the aio block tunes it)
   CheckpointConfig checkpoint;

@@ -76,7 +76,7 @@ inline constexpr std::array<Named<DType>, 3> kAccumDtypes = {
 inline constexpr std::array<std::string_view, 2> kSchedules = {"horizontal", "vertical"};
 inline constexpr std::array<std::string_view, 3> kCheckpointPlaces = {"auto", "device", "cpu"};
 inline constexpr std::array<std::string_view, 3> kGradPlaces = {"auto", "cpu", "nvme"};
-inline constexpr std::array<std::string_view, 2> kMomentDtypes = {"fp32", "8bit"};
+inline constexpr std::array<std::string_view, 3> kMomentDtypes = {"fp32", "8bit", "bf16"};
 inline constexpr std::array<std::string_view, 4> kIoBackends = {"auto", "io_uring", "libaio", "psync"};
 
 // What a rule sees: the object being read, the parse, and which of its keys were read valid.
@@ -296,6 +296,8 @@ template <class V>
 void keys(V& v, Bf16Config& b) {
   v.flag("enabled", b.enabled, AutoOk::kYes);
   v.flag("check_grad_overflow", b.check_grad_overflow);
+  v.flag("bf16_optimizer_states", b.bf16_optimizer_states);
+  v.flag("bf16_master_weights_and_grads", b.bf16_master_weights_and_grads);
   v.no_effect("immediate_grad_update", "gradients are accumulated in grad_accum_dtype");
 }
 

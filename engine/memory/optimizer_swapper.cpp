@@ -177,7 +177,13 @@ Status OptimizerSwapper::Impl::update(uint32_t g, float* p, std::byte* m_bytes, 
   switch (options.optimizer) {
     case OptimizerType::kAdam:
     case OptimizerType::kAdamW:
-      st = cpu_optim::adam_step(h, args.step, {p, n}, {m, n}, {v, n}, g_span, args.grad_scale, out_span, *executor);
+      if (pl.moments == MomentDtype::kBF16) {
+        st = cpu_optim::adam_step_bf16_moments(h, args.step, {p, n}, {reinterpret_cast<uint16_t*>(m_bytes), n},
+                                               {reinterpret_cast<uint16_t*>(v_bytes), n}, g_span, args.grad_scale,
+                                               out_span, *executor);
+      } else {
+        st = cpu_optim::adam_step(h, args.step, {p, n}, {m, n}, {v, n}, g_span, args.grad_scale, out_span, *executor);
+      }
       break;
     case OptimizerType::kAdagrad:
       st = cpu_optim::adagrad_step({.lr = h.lr, .eps = h.eps, .weight_decay = h.weight_decay}, {p, n}, {v, n}, g_span,
@@ -517,15 +523,14 @@ Result<std::unique_ptr<OptimizerSwapper>> OptimizerSwapper::create(StateStore& s
                        ": runs on the CPU only (the device's optimizer kernel is Adam's); set "
                        "zero_optimization.offload_optimizer.device to cpu or nvme");
   }
-  if (pl.moments == MomentDtype::k8bit) {
-    if (options.optimizer != OptimizerType::kAdam && options.optimizer != OptimizerType::kAdamW) {
-      return unavailable("zoffload.moment_dtype \"8bit\": Adam's and AdamW's, not " +
-                         std::string(to_string(options.optimizer)) + "'s");
-    }
+  if (pl.moments != MomentDtype::kF32) {
+    const std::string key = "zoffload.moment_dtype \"" + std::string(moment_dtype_name(pl.moments)) + "\"";
+    if (options.optimizer != OptimizerType::kAdam && options.optimizer != OptimizerType::kAdamW)
+      return unavailable(key + ": Adam's and AdamW's, not " + std::string(to_string(options.optimizer)) + "'s");
     if (pl.optimizer == Tier::kDevice) {
-      return unavailable(
-          "zoffload.moment_dtype \"8bit\": steps on the CPU only (the device's optimizer kernel keeps fp32 "
-          "moments); set zero_optimization.offload_optimizer.device to cpu or nvme");
+      return unavailable(key +
+                         ": steps on the CPU only (the device's optimizer kernel keeps fp32 moments); set "
+                         "zero_optimization.offload_optimizer.device to cpu or nvme");
     }
   }
   if (pl.grad != pl.optimizer && (pl.grad == Tier::kDevice || pl.optimizer == Tier::kDevice)) {

@@ -265,15 +265,27 @@ bool state_is_pinned(const Placement& placement, StateKind kind) {
 
 bool pool_is_pinned(const Placement& placement) { return placement.optimizer_pinned || placement.param_pinned; }
 
-std::string_view moment_dtype_name(MomentDtype dtype) { return dtype == MomentDtype::k8bit ? "8bit" : "fp32"; }
+std::string_view moment_dtype_name(MomentDtype dtype) {
+  switch (dtype) {
+    case MomentDtype::kF32: return "fp32";
+    case MomentDtype::k8bit: return "8bit";
+    case MomentDtype::kBF16: return "bf16";
+  }
+  return "?";
+}
+
+DType moment_elem_dtype(MomentDtype dtype) {
+  ZO_CHECK(dtype != MomentDtype::k8bit) << "8-bit moments have no element dtype";
+  return dtype == MomentDtype::kBF16 ? DType::kBF16 : DType::kF32;
+}
 
 uint64_t state_elem_bytes(const Placement& placement, StateKind kind) {
   switch (kind) {
     case StateKind::kMaster: return 4;
     case StateKind::kExpAvg:
     case StateKind::kExpAvgSq:
-      ZO_CHECK(placement.moments == MomentDtype::kF32) << "state_elem_bytes of 8-bit " << state_name(kind);
-      return 4;
+      ZO_CHECK(placement.moments != MomentDtype::k8bit) << "state_elem_bytes of 8-bit " << state_name(kind);
+      return dtype_size_bytes(moment_elem_dtype(placement.moments));
     case StateKind::kGradAccum: return dtype_size_bytes(placement.grad_dtype);
     case StateKind::kCompute: return dtype_size_bytes(placement.compute_dtype);
   }
@@ -288,7 +300,7 @@ uint64_t group_state_bytes(const Placement& placement, const ParamRegistry& regi
 }
 
 uint64_t max_group_state_bytes(const Placement& placement, const ParamRegistry& registry, StateKind kind) {
-  if (placement.moments == MomentDtype::kF32 || (kind != StateKind::kExpAvg && kind != StateKind::kExpAvgSq))
+  if (placement.moments != MomentDtype::k8bit || (kind != StateKind::kExpAvg && kind != StateKind::kExpAvgSq))
     return registry.max_group_elems() * state_elem_bytes(placement, kind);
   uint64_t most = 0;
   for (const SubGroup& g : registry.sub_groups())
@@ -399,7 +411,9 @@ Result<MemoryPlan> plan_memory(const Config& config, const ParamRegistry& regist
   pl.param_pinned = op.pin_memory;
   pl.compute_dtype = config.compute_dtype();
   pl.grad_dtype = config.grad_accum_dtype;
-  pl.moments = config.zoffload.moment_dtype == "8bit" ? MomentDtype::k8bit : MomentDtype::kF32;
+  pl.moments = config.zoffload.moment_dtype == "8bit"   ? MomentDtype::k8bit
+               : config.zoffload.moment_dtype == "bf16" ? MomentDtype::kBF16
+                                                        : MomentDtype::kF32;
 
   const auto groups = registry.sub_groups();
   plan.n_sub_groups = static_cast<uint32_t>(groups.size());

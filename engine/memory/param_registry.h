@@ -99,10 +99,12 @@ enum class StateKind : uint8_t { kMaster = 0, kExpAvg = 1, kExpAvgSq = 2, kGradA
 inline constexpr int kNumStateKinds = 5;
 std::string_view state_name(StateKind kind);  // "master", "exp_avg", "exp_avg_sq", "grad_accum", "compute"
 
-// How Adam's moments are stored (zoffload.moment_dtype): fp32, or 8-bit blockwise in the layout of
-// engine/memory/moment_layout.h.
-enum class MomentDtype : uint8_t { kF32 = 0, k8bit = 1 };
-std::string_view moment_dtype_name(MomentDtype dtype);  // "fp32", "8bit": the config's spelling
+// How Adam's moments are stored (zoffload.moment_dtype): fp32, 8-bit blockwise in the layout of
+// engine/memory/moment_layout.h, or bf16 (two bytes per element, like fp32's layout).
+enum class MomentDtype : uint8_t { kF32 = 0, k8bit = 1, kBF16 = 2 };
+std::string_view moment_dtype_name(MomentDtype dtype);  // "fp32", "8bit", "bf16": the config's spelling
+// The dtype of a moment's elements when it has one (fp32, bf16); not for 8-bit moments.
+DType moment_elem_dtype(MomentDtype dtype);
 
 // Where the states live (from zero_optimization.offload_optimizer / offload_param) and their dtypes.
 struct Placement {
@@ -121,8 +123,8 @@ struct Placement {
 // master, exp_avg and exp_avg_sq: the states a data-parallel rank holds only for its own partition.
 bool is_optimizer_state(StateKind kind);
 
-// Bytes per element of each state, from its dtype. Not for the moments when they are 8-bit (their
-// bytes are not a multiple of the elements): group_state_bytes.
+// Bytes per element of each state, from its dtype (bf16 moments: 2). Not for the moments when they
+// are 8-bit (their bytes are not a multiple of the elements): group_state_bytes.
 uint64_t state_elem_bytes(const Placement& placement, StateKind kind);
 // The bytes of state `kind` of one sub-group: n_elems × state_elem_bytes, or for 8-bit moments their
 // MomentLayout's total_bytes. What the store allocates and read_state/write_state move.

@@ -163,13 +163,16 @@ Status StateStore::Impl::write_compute(uint32_t g, uint64_t first, std::span<con
 
 namespace {
 
-// The byte ranges of a moment that hold elements [rel, rel + n) of `piece`: fp32, or under 8-bit
-// moments (Note [8-bit moment layout]) their codes and the absmax of every block they touch (a
-// small parameter's fp32 moment in the aux run).
+// The byte ranges of a moment that hold elements [rel, rel + n) of `piece`: fp32 or bf16 elements,
+// or under 8-bit moments (Note [8-bit moment layout]) their codes and the absmax of every block they
+// touch (a small parameter's fp32 moment in the aux run).
 std::vector<std::pair<uint64_t, uint64_t>> moment_bytes_of(const StateStore::Impl& s, const ParamPiece& piece,
                                                            uint64_t rel, uint64_t n) {
   const uint64_t first = piece.group_offset + rel;
-  if (s.plan.placement.moments == MomentDtype::kF32) return {{first * 4, (first + n) * 4}};
+  if (s.plan.placement.moments != MomentDtype::k8bit) {
+    const uint64_t bytes = state_elem_bytes(s.plan.placement, StateKind::kExpAvg);
+    return {{first * bytes, (first + n) * bytes}};
+  }
   const MomentLayout layout = moment_layout(s.registry, piece.sub_group);
   for (const MomentPiece& mp : layout.pieces) {
     if (mp.piece->param != piece.param) continue;

@@ -1026,9 +1026,11 @@ TEST(ConfigKeys, EveryKeyIsReadAndWrittenAtItsPath) {
                                {"offload_param", {{"device", "cpu"}, {"nvme_path", "/nvme"}}},
                                {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", "/nvme"}}}};
   rich["zoffload"] = {{"checkpoint", {{"dir", "ck"}}}};
+  rich["bf16"] = {{"enabled", true}};  // bf16.bf16_optimizer_states is read only then
   const std::set<std::string> only_default = {
       "zero_optimization.offload_optimizer.ratio", "zero_optimization.zero_hpz_partition_size",
-      "zero_optimization.zero_quantized_weights", "zero_optimization.zero_quantized_gradients"};
+      "zero_optimization.zero_quantized_weights", "zero_optimization.zero_quantized_gradients",
+      "bf16.bf16_master_weights_and_grads"};
   int checked = 0;
   for (const ConfigKey& k : config_keys().keys) {
     if (is_custom(k.path)) continue;
@@ -1089,6 +1091,55 @@ TEST(ConfigKeys, EveryStringKeyRefusesANul) {
     "offload_param": {"device": "nvme", "nvme_path": "a\u0000b"}}})"),
                             {}, &d));
   EXPECT_EQ(all(d.errors), "zero_optimization.offload_param.nvme_path: contains a NUL character (\\u0000)\n");
+}
+
+// Adam's moment dtype: zoffload.moment_dtype, or DeepSpeed's bf16.bf16_optimizer_states for bf16
+// moments; each refusal names its key.
+TEST(ConfigParse, MomentDtypesAndDeepSpeedsBf16OptimizerStates) {
+  auto with = [](json patch) {
+    json j = base();
+    j["zero_optimization"] = {{"stage", 3}, {"offload_optimizer", {{"device", "cpu"}}}};
+    j["bf16"] = {{"enabled", true}};
+    j.merge_patch(patch);
+    return j;
+  };
+  for (const char* md : {"fp32", "8bit", "bf16"}) {
+    ConfigDiagnostics d;
+    const auto c = parse(with({{"zoffload", {{"moment_dtype", md}}}}), &d);
+    ASSERT_TRUE(c) << md << ": " << all(d.errors);
+    EXPECT_EQ(c->zoffload.moment_dtype, md);
+  }
+  {
+    ConfigDiagnostics d;
+    const auto c = parse(with({{"bf16", {{"bf16_optimizer_states", true}}}}), &d);
+    ASSERT_TRUE(c) << all(d.errors);
+    EXPECT_EQ(c->zoffload.moment_dtype, "bf16");
+    const auto same =
+        parse(with({{"bf16", {{"bf16_optimizer_states", true}}}, {"zoffload", {{"moment_dtype", "bf16"}}}}), &d);
+    ASSERT_TRUE(same) << all(d.errors);
+  }
+  const std::pair<json, std::string> refused[] = {
+      {{{"bf16", {{"bf16_optimizer_states", true}}}, {"zoffload", {{"moment_dtype", "8bit"}}}},
+       "bf16.bf16_optimizer_states: asks for bf16 moments but zoffload.moment_dtype is \"8bit\": keep one of the two"},
+      {{{"bf16", {{"bf16_optimizer_states", true}}}, {"zoffload", {{"moment_dtype", "fp32"}}}},
+       "bf16.bf16_optimizer_states: asks for bf16 moments but zoffload.moment_dtype is \"fp32\": keep one of the two"},
+      {{{"bf16", {{"enabled", false}, {"bf16_optimizer_states", true}}}},
+       "bf16.bf16_optimizer_states: needs bf16.enabled true (DeepSpeed reads it only then); for bf16 moments with "
+       "another compute dtype set zoffload.moment_dtype to \"bf16\""},
+      {{{"bf16", {{"bf16_master_weights_and_grads", true}}}},
+       "bf16.bf16_master_weights_and_grads: bf16 master weights"},
+      {{{"zoffload", {{"moment_dtype", "bf16"}}}, {"optimizer", {{"type", "Lion"}}}},
+       "zoffload.moment_dtype: \"bf16\" moments are Adam's and AdamW's (optimizer.type is Lion); use \"fp32\""},
+      {{{"bf16", {{"bf16_optimizer_states", true}}},
+        {"zero_optimization", {{"offload_optimizer", {{"device", "none"}}}}}},
+       "bf16.bf16_optimizer_states: \"bf16\" moments step on the CPU only for now"},
+      {{{"zoffload", {{"moment_dtype", "fp16"}}}}, "zoffload.moment_dtype"},
+  };
+  for (const auto& [patch, want] : refused) {
+    ConfigDiagnostics d;
+    EXPECT_FALSE(parse(with(patch), &d)) << patch.dump();
+    EXPECT_THAT(all(d.errors), HasSubstr(want)) << patch.dump();
+  }
 }
 
 }  // namespace

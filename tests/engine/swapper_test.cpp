@@ -615,6 +615,65 @@ TEST(OptimizerSwapper, Bf16ComputeFp32GradsBitIdenticalEverywhere) { check_place
 TEST(OptimizerSwapper, Bf16ComputeBf16GradsBitIdenticalEverywhere) { check_placements_match_reference(true, "bf16"); }
 TEST(OptimizerSwapper, Fp32ComputeBitIdenticalEverywhere) { check_placements_match_reference(false, "fp32"); }
 
+// ---- bf16 moments -------------------------------------------------------------------------------
+
+// adam_step_bf16_moments over whole params, one at a time: what every placement must give, bit for bit.
+ParamStates reference_run_bf16(const Inputs& in, const AdamConfig& adam, DType compute, int steps) {
+  auto ex = cpu_optim::Executor::create({.n_threads = 1});
+  ZO_CHECK(ex.is_ok());
+  ParamStates r;
+  for (const auto& w : in.weights) {
+    r.master.emplace_back(w.size() * 4);
+    std::memcpy(r.master.back().data(), w.data(), w.size() * 4);
+    r.exp_avg.emplace_back(w.size() * 2);
+    r.exp_avg_sq.emplace_back(w.size() * 2);
+    r.compute.push_back(to_dtype(w, compute));
+  }
+  for (int s = 0; s < steps; ++s) {
+    for (size_t p = 0; p < in.weights.size(); ++p) {
+      const size_t n = in.weights[p].size();
+      Bytes g = to_dtype(in.grads[s][p], DType::kF32);
+      Status st = cpu_optim::adam_step_bf16_moments(adam, s + 1, {reinterpret_cast<float*>(r.master[p].data()), n},
+                                                    {reinterpret_cast<uint16_t*>(r.exp_avg[p].data()), n},
+                                                    {reinterpret_cast<uint16_t*>(r.exp_avg_sq[p].data()), n},
+                                                    cpu_optim::ConstElemSpan{g.data(), DType::kF32}, kGradScale,
+                                                    cpu_optim::ElemSpan{r.compute[p].data(), compute}, **ex);
+      ZO_CHECK(st.is_ok()) << st.to_string();
+    }
+  }
+  return r;
+}
+
+// bf16 moments (zoffload.moment_dtype "bf16") on every tier the optimizer states use, split over
+// sub-groups and threads: the per-param reference's bits, moments two bytes per element.
+TEST(OptimizerSwapperBf16, EveryPlacementEqualsPerTensorStepsBitForBit) {
+  constexpr int kSteps = 3;
+  const Inputs in = make_inputs(kSteps);
+  Placing base;
+  base.bf16 = true;
+  base.moments = "bf16";
+  base.optimizer = "cpu";
+  const Config c = make_config(base, "/tmp");
+  const ParamStates want = reference_run_bf16(in, adam_of(c), DType::kBF16, kSteps);
+  std::vector<Placing> setups = {base};
+  for (const char* param : {"cpu", "nvme"}) {
+    Placing n = base;
+    n.param = param;
+    n.optimizer = "nvme";
+    n.pipeline_read = n.pipeline_write = true;
+    setups.push_back(n);
+  }
+  Placing split = base;
+  split.accumulators = "nvme";
+  setups.push_back(split);
+  for (const Placing& s : setups) expect_same(engine_run(s, in, kSteps, gather_all), want, s.describe());
+  Rig rig;
+  ASSERT_TRUE(rig.init(base).is_ok());
+  EXPECT_EQ(rig.plan.placement.moments, MomentDtype::kBF16);
+  for (const auto& g : rig.registry.sub_groups())
+    EXPECT_EQ(rig.store->state_bytes(g.index, StateKind::kExpAvg), 2 * g.n_elems);
+}
+
 // ---- 8-bit moments ------------------------------------------------------------------------------
 
 // One param's 8-bit moment as the test reads it: its codes then its absmax bytes (n ≥ 4096), or

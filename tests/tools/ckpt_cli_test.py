@@ -4,8 +4,8 @@ demo (optimizer states on NVMe) trains 6 steps saving every 2 with keep_last 2: 
 remain, `latest` names step-6, nothing tmp-* is left, and the files are what the format document
 says (read here with the standard library: safetensors headers, manifest, CRC-32C of the small
 files). Resuming from step-4 in another directory reproduces step-6 byte for byte, a save of a step
-that exists replaces it, and `--resume latest` continues from step 6; with 8-bit moments the same
-resume is byte for byte too, and one into fp32 moments is refused naming the key. `ckpt verify`/`inspect`
+that exists replaces it, and `--resume latest` continues from step 6; with 8-bit and with bf16 moments
+the same resume is byte for byte too, and one into fp32 moments is refused naming the key. `ckpt verify`/`inspect`
 accept it; one flipped byte in any file, or a missing manifest, makes verify and --resume refuse it
 with one error line naming the file; bad arguments give one line and the documented exit code; a
 stale tmp directory is removed at the next start."""
@@ -201,34 +201,35 @@ with tempfile.TemporaryDirectory(prefix="zo-ckpt-cli-", dir=os.environ.get("TMPD
         check(os.path.isfile(theirs) and read(mine) == read(theirs),
               "%s after resuming at step 4 is byte-identical to the uninterrupted run's" % name)
 
-    # 3b. 8-bit moments (zoffload.moment_dtype): five state files, the same bit-exact resume, and a
-    # resume into fp32 moments refused in one line naming the key.
-    cfg8 = json.loads(json.dumps(cfg))
-    cfg8["zoffload"]["moment_dtype"] = "8bit"
-    config8 = os.path.join(tmp, "ckpt8.json")
-    with open(config8, "w") as f:
-        json.dump(cfg8, f)
-    q = os.path.join(tmp, "Q")
-    p = train(config8, q, 4, "-q")
-    files8 = STATE_FILES + ["exp_avg.codes", "exp_avg_sq.codes"]
-    if check(p.returncode == 0, "4 steps with 8-bit moments exit 0: " + p.stderr[-2000:]):
+    # 3b. 8-bit moments (zoffload.moment_dtype): five state files; bf16 moments: the three, BF16.
+    # Each: the same bit-exact resume, and a resume into fp32 moments refused in one line naming the key.
+    for md, files_md in (("8bit", STATE_FILES + ["exp_avg.codes", "exp_avg_sq.codes"]), ("bf16", STATE_FILES)):
+        cfg_md = json.loads(json.dumps(cfg))
+        cfg_md["zoffload"]["moment_dtype"] = md
+        config_md = os.path.join(tmp, "ckpt-%s.json" % md)
+        with open(config_md, "w") as f:
+            json.dump(cfg_md, f)
+        q = os.path.join(tmp, "Q-" + md)
+        p = train(config_md, q, 4, "-q")
+        if not check(p.returncode == 0, "4 steps with %s moments exit 0: %s" % (md, p.stderr[-2000:])):
+            continue
         q4 = os.path.join(q, "ckpt", "step-4")
-        check(all(os.path.isfile(os.path.join(q4, n)) for n in files8) and
-              json.loads(read(os.path.join(q4, "manifest.json")))["moment_dtype"] == "8bit",
-              "an 8-bit checkpoint has the codes files and says moment_dtype 8bit: %s" % sorted(os.listdir(q4)))
-        r8 = os.path.join(tmp, "R8")
-        os.makedirs(r8)
-        shutil.copytree(os.path.join(q, "ckpt", "step-2"), os.path.join(r8, "step-2"))
-        p = train(config8, r8, 4, "--resume", os.path.join(r8, "step-2"), "-q")
-        check(p.returncode == 0 and all(read(os.path.join(q4, n)) == read(os.path.join(r8, "ckpt", "step-4", n))
-                                        for n in files8),
-              "8-bit moments: resumed at step 2, step-4 is byte-identical to the uninterrupted run's: %s" %
-              p.stderr[-1000:])
-        p = train(config, os.path.join(tmp, "R32"), 6, "--resume", q4, "-q")
-        check(p.returncode == 2 and "zoffload.moment_dtype" in p.stderr and "8bit" in p.stderr and
+        check(all(os.path.isfile(os.path.join(q4, n)) for n in files_md) and
+              json.loads(read(os.path.join(q4, "manifest.json")))["moment_dtype"] == md,
+              "a %s checkpoint has its state files and says moment_dtype %s: %s" % (md, md, sorted(os.listdir(q4))))
+        r_md = os.path.join(tmp, "R-" + md)
+        os.makedirs(r_md)
+        shutil.copytree(os.path.join(q, "ckpt", "step-2"), os.path.join(r_md, "step-2"))
+        p = train(config_md, r_md, 4, "--resume", os.path.join(r_md, "step-2"), "-q")
+        check(p.returncode == 0 and all(read(os.path.join(q4, n)) == read(os.path.join(r_md, "ckpt", "step-4", n))
+                                        for n in files_md),
+              "%s moments: resumed at step 2, step-4 is byte-identical to the uninterrupted run's: %s" %
+              (md, p.stderr[-1000:]))
+        p = train(config, os.path.join(tmp, "R32-" + md), 6, "--resume", q4, "-q")
+        check(p.returncode == 2 and "zoffload.moment_dtype" in p.stderr and md in p.stderr and
               len(error_lines(p)) == 1,
-              "an 8-bit checkpoint resumed with fp32 moments: exit 2, one line naming the key: %d %s" %
-              (p.returncode, p.stderr))
+              "a %s checkpoint resumed with fp32 moments: exit 2, one line naming the key: %d %s" %
+              (md, p.returncode, p.stderr))
 
     # Again from step-4 into B, whose checkpoint directory already has step-6 (as after a run that
     # went further): the new step-6 replaces the old one atomically, and nothing tmp-* is left.

@@ -30,8 +30,6 @@ REFUSED = {
     "zero_optimization.zenflow": "ZenFlow (stall-free offload) is not implemented",
     "zero_optimization.zero_quantized_nontrainable_weights": "ZeRO++ quantization is not implemented",
     "zero_optimization.offload_optimizer.super_offload": "SuperOffload is not implemented",
-    "bf16.bf16_master_weights_and_grads": "masters and gradients are fp32",
-    "bf16.bf16_optimizer_states": "optimizer states are fp32",
 }
 
 

@@ -29,6 +29,8 @@ reference's final weights (rounded to the export dtype) and give the reference's
 - the 8-bit case (zoffload.moment_dtype "8bit"): fp32, and bitsandbytes' AdamW8bit in place of
   torch's AdamW, re-quantizing to the nearest code as zoffload does (bnb_nearest.py). Left out,
   with a line saying so, when bitsandbytes is not installed.
+- the bf16-moments case (zoffload.moment_dtype "bf16"): fp32, and torch's AdamW with its exp_avg and
+  exp_avg_sq rounded to bf16 after every step.
 
 The models: llama untied, llama tied (in fp32, and in bf16, where the engine adds the shared
 matrix's two gradients into its fp32 sum, which the mirror does too), mistral, qwen2 (q/k/v biases,
@@ -139,6 +141,14 @@ TOLERANCES = {
     # moments in zoffload move the weights by 6.6e-2 and the loss by 3.6e-4 by step 4; quantizing the
     # small tensors too (no 4096 threshold) the weights by 6.0e-3.
     "fp32-8bit": {"loss": 1e-5, "grad_norm": 2e-5, "weights": 2e-4, "logits": 1e-3},
+    # bf16 moments vs transformers + torch.optim.AdamW with its moments rounded to bf16 after each
+    # step: the gradients differ in the last bits as in the fp32 case, and a moment whose two fp32
+    # values straddle a bf16 rounding boundary would be stored one bf16 ulp (2^-8) apart. Measured
+    # (seed 19, the 2-core AMD EPYC): ≤ 4.0e-8 in loss, ≤ 5.9e-8 in grad_norm, 1.2e-6 in weights,
+    # 7.4e-6 in logits; bounds ≈ 7–17× except the loss's. The error they catch: zoffload keeping
+    # fp32 moments against this reference differs by 6.8e-6 in grad_norm, 4.0e-5 in weights and
+    # 2.4e-4 in logits by step 4 (3.2e-7 in loss: the loss alone would not tell).
+    "fp32-bf16-moments": {"loss": 1e-6, "grad_norm": 1e-6, "weights": 1e-5, "logits": 5e-5},
 }
 if DEVICE == "cuda":
     # Measured on an H200 (torch 2.11.0+cu130, transformers 5.17, TF32 off), one run of these cases:
@@ -179,6 +189,11 @@ CASES = [
     dict(name="llama-untied-fp32-nvme-8bit", arch="llama", tied=False, vocab=385, seq=32, disk="float32",
          shard=False, precision="fp32", placement="nvme", stage=3, gas=2, clip=1.0, schedule="warmup", lr=2e-3,
          seed=18, moments="8bit"),
+    # zoffload.moment_dtype "bf16" against torch.optim.AdamW whose moments are rounded to bf16 after
+    # every step (the documented semantics: the fp32 update, the moments stored in bf16).
+    dict(name="llama-tied-fp32-cpu-bf16moments", arch="llama", tied=True, vocab=256, seq=32, disk="float32",
+         shard=False, precision="fp32", placement="cpu", stage=3, gas=2, clip=1.0, schedule=None, lr=2e-3,
+         seed=19, moments="bf16"),
 ]
 
 WARMUP = {"warmup_min_lr": 1e-4, "warmup_num_steps": 3}
@@ -444,6 +459,11 @@ def reference_train(case, model_dir, batches, attention, engine_adam):
                 norm = torch.nn.utils.get_total_norm([mparams[n].grad for n in names]).item()
             with bnb_nearest.nearest() if case.get("moments") == "8bit" else contextlib.nullcontext():
                 opt.step()
+            if case.get("moments") == "bf16":
+                with torch.no_grad():
+                    for st in opt.state.values():
+                        for k in ("exp_avg", "exp_avg_sq"):
+                            st[k].copy_(st[k].to(torch.bfloat16).float())
             opt.zero_grad(set_to_none=True)
         steps.append({"loss": sum(losses) / gas, "grad_norm": norm, "lr": lr})
     if engine_adam:
@@ -590,6 +610,8 @@ def run_case(case, tmp):
     batches = batches_of(case, tokens, data_seed)
     if case.get("moments") == "8bit":
         runs = [("bnb", "sdpa", False, TOLERANCES["fp32-8bit"])]
+    elif case.get("moments") == "bf16":
+        runs = [("hf-bf16m", "sdpa", False, TOLERANCES["fp32-bf16-moments"])]
     elif precision == "fp32":
         runs = [("hf", "sdpa", False, TOLERANCES["fp32"])]
     else:
@@ -617,13 +639,13 @@ def run_case(case, tmp):
     # The CPU holds the pinned pool (buffers and the gradient landing ring, with offload none too)
     # and the store's 4 MiB scratch, plus the states offload cpu puts there: per parameter (counted
     # by transformers' model, a tied weight once) the fp32 master, exp_avg and exp_avg_sq and the
-    # fp32 gradient accumulator, 16 bytes, each of the four arrays of a sub-group rounded up to a
-    # 4 KiB page. A sub-group holds at least one tensor or one sub_group_size (20000) slice of one,
-    # so there are at most (tensors + params / 20000) of them.
+    # fp32 gradient accumulator, 16 bytes (12 with bf16 moments), each of the four arrays of a
+    # sub-group rounded up to a 4 KiB page. A sub-group holds at least one tensor or one
+    # sub_group_size (20000) slice of one, so there are at most (tensors + params / 20000) of them.
     pool_and_scratch = mem["pinned"]["peak_bytes"] + (4 << 20)
     params = list(refs[0][2].parameters())
     n = sum(p.numel() for p in params)
-    states = 16 * n
+    states = (12 if case.get("moments") == "bf16" else 16) * n
     padding = 4 * 4096 * (len(params) + -(-n // 20000))
     extra = mem["cpu"]["peak_bytes"] - pool_and_scratch
     placed = {"none": mem["nvme"]["peak_bytes"] == 0 and extra == 0,

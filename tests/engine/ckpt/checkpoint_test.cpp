@@ -135,6 +135,24 @@ TEST(Checkpoint, EveryTierRoundTripsBitExactlyAcrossPlacements) {
   }
 }
 
+// Fills a store placed as `from` with generation 7, saves it at step 5 into dir/ckpt, loads that
+// into a store placed as `to` (filled with generation 99 first) and expects every state back.
+void round_trip(const Placing& from, const Placing& to, const std::string& dir, Rig* src) {
+  ASSERT_TRUE(src->init(from, dir + "/swap-a").is_ok());
+  ASSERT_TRUE(src->fill(7).is_ok());
+  const std::string ckpt = dir + "/ckpt";
+  auto saved = save_checkpoint(*src->store, state_at(5), "{}", save_options(ckpt));
+  ASSERT_TRUE(saved.is_ok()) << saved.status().to_string();
+  ASSERT_TRUE(verify(ckpt, *src->io).is_ok());
+  Rig dst;
+  ASSERT_TRUE(dst.init(to, dir + "/swap-b").is_ok());
+  ASSERT_TRUE(dst.fill(99).is_ok());
+  Status s = load(ckpt, dst);
+  ASSERT_TRUE(s.is_ok()) << s.to_string();
+  for (StateKind kind : {StateKind::kMaster, StateKind::kExpAvg, StateKind::kExpAvgSq, StateKind::kCompute})
+    EXPECT_TRUE(src->gather(kind) == dst.gather(kind)) << state_name(kind);
+}
+
 // 8-bit moments (zoffload.moment_dtype): the codes and absmax of every param come back whatever the
 // placement and sub-group size of the loading store; the files are what docs/checkpoint_format.md says.
 TEST(Checkpoint, EightBitMomentsRoundTripAcrossPlacementsAndSubGroupSizes) {
@@ -147,19 +165,9 @@ TEST(Checkpoint, EightBitMomentsRoundTripAcrossPlacementsAndSubGroupSizes) {
     SCOPED_TRACE(from.optimizer + " " + std::to_string(from.sub_group_size));
     TempDir dir;
     Rig src;
-    ASSERT_TRUE(src.init(from, dir.path + "/swap-a").is_ok());
-    ASSERT_TRUE(src.fill(7).is_ok());
     const std::string ckpt = dir.path + "/ckpt";
-    auto saved = save_checkpoint(*src.store, state_at(5), "{}", save_options(ckpt));
-    ASSERT_TRUE(saved.is_ok()) << saved.status().to_string();
-    ASSERT_TRUE(verify(ckpt, *src.io).is_ok());
-    Rig dst;
-    ASSERT_TRUE(dst.init(to, dir.path + "/swap-b").is_ok());
-    ASSERT_TRUE(dst.fill(99).is_ok());
-    Status s = load(ckpt, dst);
-    ASSERT_TRUE(s.is_ok()) << s.to_string();
-    for (StateKind kind : {StateKind::kMaster, StateKind::kExpAvg, StateKind::kExpAvgSq, StateKind::kCompute})
-      EXPECT_TRUE(src.gather(kind) == dst.gather(kind)) << state_name(kind);
+    round_trip(from, to, dir.path, &src);
+    if (HasFatalFailure()) return;
 
     // The files: exp_avg.safetensors lists the map, then NAME.absmax (≥ 4096 elements) or NAME;
     // exp_avg.codes is one byte per element of the quantized params, in order.
@@ -186,9 +194,39 @@ TEST(Checkpoint, EightBitMomentsRoundTripAcrossPlacementsAndSubGroupSizes) {
   }
 }
 
+// bf16 moments: the moments come back whatever the placement and sub-group size, and the files
+// list them as BF16 tensors of the parameters' shapes (docs/checkpoint_format.md).
+TEST(Checkpoint, Bf16MomentsRoundTripAcrossPlacementsAndSubGroupSizes) {
+  TempDir dir;
+  Rig src;
+  const std::string ckpt = dir.path + "/ckpt";
+  round_trip({.optimizer = "nvme", .param = "nvme", .moments = "bf16"},
+             {.optimizer = "cpu", .param = "cpu", .sub_group_size = 12288, .moments = "bf16"}, dir.path, &src);
+  if (HasFatalFailure()) return;
+  auto info = open_checkpoint(ckpt + "/step-5");
+  ASSERT_TRUE(info.is_ok()) << info.status().to_string();
+  EXPECT_EQ(info->manifest.moments, MomentDtype::kBF16);
+  for (const char* file : {"exp_avg.safetensors", "exp_avg_sq.safetensors"}) {
+    auto st = SafetensorsFile::open(ckpt + "/step-5/" + file);
+    ASSERT_TRUE(st.is_ok()) << st.status().to_string();
+    EXPECT_EQ((*st)->metadata().at("zoffload_moment_dtype"), "bf16");
+    ASSERT_EQ((*st)->tensors().size(), src.registry.params().size());
+    for (const ParamInfo& p : src.registry.params()) {
+      const SafetensorsTensor* t = (*st)->find(p.name);
+      ASSERT_NE(t, nullptr) << p.name;
+      EXPECT_EQ(t->dtype, DType::kBF16) << p.name;
+      EXPECT_EQ(t->n_elems, p.n_elems) << p.name;
+    }
+  }
+  auto master = SafetensorsFile::open(ckpt + "/step-5/master.safetensors");
+  ASSERT_TRUE(master.is_ok());
+  EXPECT_EQ((*master)->tensors().front().dtype, DType::kF32);
+}
+
 // A checkpoint resumes only with the moment dtype it was saved with, and says so.
 TEST(Checkpoint, LoadRefusesAnotherMomentDtype) {
-  for (const auto& [saved_as, loaded_as] : {std::pair{"8bit", "fp32"}, std::pair{"fp32", "8bit"}}) {
+  for (const auto& [saved_as, loaded_as] :
+       {std::pair{"8bit", "fp32"}, std::pair{"fp32", "8bit"}, std::pair{"bf16", "fp32"}, std::pair{"bf16", "8bit"}}) {
     TempDir dir;
     Rig src;
     ASSERT_TRUE(src.init({.optimizer = "cpu", .moments = saved_as}, dir.path + "/swap-a").is_ok());

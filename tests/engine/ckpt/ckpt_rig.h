@@ -102,12 +102,18 @@ struct Rig {
   // compute copies to the master rounded (as the optimizer leaves them). Partitioned: the optimizer
   // states (and, at stage 3, the compute copies) of the rank's own sub-groups.
   // With 8-bit moments, each code and absmax is likewise a function of (gen, state, param, element
-  // or block), whatever the sub-group size.
+  // or block), whatever the sub-group size; bf16 moments are those values rounded to bf16.
   Status fill(uint64_t gen) {
     for (const SubGroup& g : registry.sub_groups()) {
       for (StateKind kind : {StateKind::kMaster, StateKind::kExpAvg, StateKind::kExpAvgSq}) {
         if (kind != StateKind::kMaster && plan.placement.moments == MomentDtype::k8bit) {
           if (plan.owns(g.index)) ZO_RETURN_IF_ERROR(store->write_state(g.index, kind, moment8(gen, kind, g)));
+          continue;
+        }
+        if (kind != StateKind::kMaster && plan.placement.moments == MomentDtype::kBF16) {
+          std::vector<uint16_t> h(g.n_elems);
+          for (uint64_t i = 0; i < g.n_elems; ++i) h[i] = float_to_bf16(rig_value(gen, kind, g.first_elem + i));
+          if (plan.owns(g.index)) ZO_RETURN_IF_ERROR(store->write_state(g.index, kind, std::as_bytes(std::span(h))));
           continue;
         }
         std::vector<float> v(g.n_elems);

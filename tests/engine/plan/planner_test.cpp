@@ -229,11 +229,46 @@ TEST(Planner, EightBitMomentsAreOfferedAfterTheExactFixes) {
   ASSERT_LT(at, fixes.size()) << fixes.size() << " fixes";
   EXPECT_THAT(fixes[at].trade, HasSubstr("rounds"));
   for (size_t i = 0; i < at; ++i) {
-    if (fixes[i].changes.size() == 1 && fixes[i].changes[0].rfind("zero_optimization.offload_", 0) == 0)
+    if (fixes[i].changes.size() == 1 && fixes[i].changes[0].rfind("zero_optimization.offload_", 0) == 0) {
       EXPECT_EQ(fixes[i].trade, "exact: the same weights bit for bit") << fixes[i].changes[0];
+    }
   }
   EXPECT_THAT(fixes[at].result, HasSubstr("; fits"));
   EXPECT_GT(at, 0u) << "an exact fix comes first: " << fixes.front().changes.front();
+}
+
+// bf16 moments (zoffload.moment_dtype "bf16", or DeepSpeed's bf16.bf16_optimizer_states): 4 bytes
+// per parameter fewer on the optimizer's tier, give or take a page per section; on a host that
+// holds them and not fp32 moments the plan offers them after the exact fixes and before 8-bit.
+TEST(Planner, Bf16MomentsSaveFourBytesAParameterAndComeBefore8bit) {
+  PlanInputs in = tiny_inputs(OffloadDevice::kCpu, OffloadDevice::kCpu);
+  in.config.zero.sub_group_size = 65536;
+  in.config.zoffload.gradient_accumulators = "cpu";
+  auto fp32 = plan_run(in);
+  PlanInputs q = in;
+  q.config.zoffload.moment_dtype = "bf16";
+  auto bf16 = plan_run(q);
+  ASSERT_TRUE(fp32.is_ok() && bf16.is_ok());
+  EXPECT_EQ(bf16->memory.placement.moments, MomentDtype::kBF16);
+  const uint64_t saved = (fp32->ram_bytes + fp32->process_bytes) - (bf16->ram_bytes + bf16->process_bytes);
+  EXPECT_GE(saved + 2 * fp32->memory.n_sub_groups * 4096, 4 * fp32->n_params);
+  EXPECT_LE(saved, 4 * fp32->n_params + 2 * fp32->memory.n_sub_groups * 4096);
+  in.host.ram_available_bytes = bf16->ram_bytes + bf16->process_bytes + saved / 4;
+  EXPECT_FALSE(plan_run(in)->fits());
+  const std::vector<PlanFix> fixes = suggest_fixes(in, 16);
+  size_t at_bf16 = fixes.size(), at_8bit = fixes.size();
+  for (size_t i = 0; i < fixes.size(); ++i) {
+    if (fixes[i].changes.size() != 1) continue;
+    if (fixes[i].changes[0] == "zoffload.moment_dtype: bf16") at_bf16 = i;
+    if (fixes[i].changes[0] == "zoffload.moment_dtype: 8bit") at_8bit = i;
+  }
+  ASSERT_LT(at_bf16, fixes.size()) << fixes.size() << " fixes";
+  ASSERT_LT(at_8bit, fixes.size()) << fixes.size() << " fixes";
+  EXPECT_LT(at_bf16, at_8bit);
+  EXPECT_GT(at_bf16, 0u) << "an exact fix comes first: " << fixes.front().changes.front();
+  EXPECT_THAT(fixes[at_bf16].trade, HasSubstr("rounds"));
+  EXPECT_THAT(fixes[at_bf16].trade, HasSubstr("bf16"));
+  EXPECT_THAT(fixes[at_bf16].result, HasSubstr("; fits"));
 }
 
 // Its sibling with 8-bit moments and everything in RAM: on the same 128 GiB host nothing touches a
