@@ -229,8 +229,8 @@ namespace {
 
 int run_adam_bench(const AdamArgs& a) {
   const BenchError usage{"adam", 2}, failure{"adam", 1};
-  if (a.moments == "8bit") return run_adam8bit_bench(a);
-  if (a.moments != "fp32") return usage("--moments: expected fp32 or 8bit, got '" + a.moments + "'");
+  if (a.moments == "8bit" || a.moments == "bf16") return run_adam_narrow_moments_bench(a);
+  if (a.moments != "fp32") return usage("--moments: expected fp32, bf16 or 8bit, got '" + a.moments + "'");
   const Result<AdamCommon> common = parse_adam_common(a);
   if (!common.is_ok()) return usage(common.status().message());
   if (a.optimizer != "adamw" && a.optimizer != "adam" && a.optimizer != "adagrad" && a.optimizer != "lion")
@@ -519,8 +519,9 @@ void register_bench_adam(CLI::App& app, int* exit_code) {
   cmd->add_option("--optimizer", args->optimizer, "adamw|adam|adagrad|lion (adam = L2 decay, adam_w_mode off)")
       ->capture_default_str();
   cmd->add_option("--moments", args->moments,
-                  "fp32|8bit: Adam's moments (zoffload.moment_dtype); 8bit times adam8bit_step beside the fp32 "
-                  "kernel and the triad (no torch baseline: tools/bench_adam_bnb.py runs bitsandbytes' beside it)")
+                  "fp32|bf16|8bit: Adam's moments (zoffload.moment_dtype); bf16 and 8bit time adam_step_bf16_moments "
+                  "or adam8bit_step beside the fp32 kernel and the triad (no torch baseline; for 8bit "
+                  "tools/bench_adam_bnb.py runs bitsandbytes' beside it)")
       ->capture_default_str();
   cmd->add_option("--grad-dtype", args->grad_dtype, "fp32|bf16|fp16")->capture_default_str();
   cmd->add_option("--copy-out", args->copy_out, "bf16|fp16|none: fused 16-bit copy of the new params")

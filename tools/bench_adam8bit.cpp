@@ -1,9 +1,10 @@
-// zoffload-bench adam --moments 8bit: one cpu_optim step with 8-bit blockwise moments
-// (adam8bit_step, zoffload.moment_dtype "8bit") over N parameters, after checking the chosen SIMD
-// path against the scalar path bit for bit; then, alternating round by round on the same threads
-// and parameters, the fp32-moment kernel (adam_step) and a STREAM triad. Prints medians, the
-// kernel's effective bandwidth over its own byte mix against the triad's, and its speed against the
-// fp32 kernel's; --json for scripts (tools/bench_adam_bnb.py reads it).
+// zoffload-bench adam --moments 8bit|bf16: one cpu_optim step with narrow moments over N
+// parameters — 8-bit blockwise (adam8bit_step, zoffload.moment_dtype "8bit") or bf16
+// (adam_step_bf16_moments, "bf16") — after checking the chosen SIMD path against the scalar path
+// bit for bit; then, alternating round by round on the same threads and parameters, the fp32-moment
+// kernel (adam_step) and a STREAM triad. Prints medians, the kernel's effective bandwidth over its
+// own byte mix against the triad's, and its speed against the fp32 kernel's; --json for scripts
+// (tools/bench_adam_bnb.py reads the 8-bit one).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -38,18 +39,40 @@ using cpu_optim::Executor;
 constexpr cpu_optim::AdamConfig kHyper{
     .lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f, .weight_decay = 0.01f, .adam_w_mode = true};
 
-// One moment's codes and absmax, owned.
+// One moment's codes and absmax, owned; the elements and blocks where two differ.
 struct Moment8 {
   std::vector<uint8_t> codes;
   std::vector<float> absmax;
   explicit Moment8(size_t n) : codes(n, 0), absmax(cpu_optim::quant_block_count(n), 0.0f) {}
   cpu_optim::BlockwiseState state() { return {codes, absmax}; }
+  size_t differ(const Moment8& o) const {
+    size_t bad = 0;
+    for (size_t i = 0; i < codes.size(); ++i) bad += codes[i] != o.codes[i];
+    for (size_t b = 0; b < absmax.size(); ++b)
+      bad += cpu_optim::float_bits(absmax[b]) != cpu_optim::float_bits(o.absmax[b]);
+    return bad;
+  }
+};
+
+// One bf16 moment, owned.
+struct Moment16 {
+  std::vector<uint16_t> bits;
+  explicit Moment16(size_t n) : bits(n, 0) {}
+  size_t differ(const Moment16& o) const {
+    size_t bad = 0;
+    for (size_t i = 0; i < bits.size(); ++i)
+      bad += bits[i] != o.bits[i] && !(is_nan_bf16(bits[i]) && is_nan_bf16(o.bits[i]));
+    return bad;
+  }
+  static bool is_nan_bf16(uint16_t b) { return (b & 0x7F80) == 0x7F80 && (b & 0x7F) != 0; }
 };
 
 // Correctness first: three steps on a slice (denormals, ±inf, NaN and ±0 planted in the gradients
 // and parameters, a partial last block) with the timed path and with the scalar path; parameters,
-// codes, absmax and the copy must match bit for bit (NaN payloads aside).
-Status check_against_scalar(const cpu_optim::AdamConfig& h, DType gdt, bool has_copy, DType cdt, const Executor& ex,
+// moments and the copy must match bit for bit (NaN payloads aside). step(t, p, m, v, grad, copy,
+// executor) runs one step with moments of type M.
+template <class M, class Step>
+Status check_against_scalar(Step step, const char* moments, DType gdt, bool has_copy, DType cdt, const Executor& ex,
                             size_t n, std::string* summary) {
   ZO_ASSIGN_OR_RETURN(auto scalar, Executor::create({.n_threads = ex.n_threads(), .isa = cpu_optim::Isa::kScalar}));
   const size_t gs = cpu_optim::dtype_size_bytes(gdt), cs = cpu_optim::dtype_size_bytes(cdt);
@@ -63,42 +86,42 @@ Status check_against_scalar(const cpu_optim::AdamConfig& h, DType gdt, bool has_
     p0[(i + 13) % n] = specials[(s + 3) % 8];
   }
   std::vector<float> p[2] = {p0, p0};
-  std::vector<Moment8> m{Moment8(n), Moment8(n)}, v{Moment8(n), Moment8(n)};
+  std::vector<M> m{M(n), M(n)}, v{M(n), M(n)};
   std::vector<unsigned char> c[2] = {std::vector<unsigned char>(has_copy ? n * cs : 0),
                                      std::vector<unsigned char>(has_copy ? n * cs : 0)};
   for (int k = 0; k < 2; ++k) {
-    for (int64_t step = 1; step <= 3; ++step)
-      ZO_RETURN_IF_ERROR(cpu_optim::adam8bit_step(h, step, p[k], m[k].state(), v[k].state(), {g.data(), gdt},
-                                                  1.0f / 1024.0f, has_copy ? ElemSpan{c[k].data(), cdt} : ElemSpan{},
-                                                  k == 0 ? ex : *scalar));
+    for (int64_t t = 1; t <= 3; ++t)
+      ZO_RETURN_IF_ERROR(step(t, std::span<float>(p[k]), m[k], v[k], ConstElemSpan{g.data(), gdt},
+                              has_copy ? ElemSpan{c[k].data(), cdt} : ElemSpan{}, k == 0 ? ex : *scalar));
   }
   auto same = [](float a, float b) {
     return (std::isnan(a) && std::isnan(b)) || cpu_optim::float_bits(a) == cpu_optim::float_bits(b);
   };
-  size_t bad = 0;
+  size_t bad = m[0].differ(m[1]) + v[0].differ(v[1]);
   for (size_t i = 0; i < n; ++i) {
-    bad += !same(p[0][i], p[1][i]) || m[0].codes[i] != m[1].codes[i] || v[0].codes[i] != v[1].codes[i] ||
-           (has_copy && c[0][i * cs] != c[1][i * cs]) || (has_copy && c[0][i * cs + 1] != c[1][i * cs + 1]);
+    bad += !same(p[0][i], p[1][i]) || (has_copy && c[0][i * cs] != c[1][i * cs]) ||
+           (has_copy && c[0][i * cs + 1] != c[1][i * cs + 1]);
   }
-  for (size_t b = 0; b < m[0].absmax.size(); ++b)
-    bad += !same(m[0].absmax[b], m[1].absmax[b]) || !same(v[0].absmax[b], v[1].absmax[b]);
   if (bad > 0)
-    return internal_error(std::to_string(bad) + " parameters or blocks of " + std::to_string(n) + " differ between " +
-                          std::string(cpu_optim::isa_name(ex.isa())) + " and scalar");
-  *summary = std::string(cpu_optim::isa_name(ex.isa())) + " vs scalar on " + std::to_string(n) +
-             " params x 3 steps (params, codes, absmax; denormals, inf, NaN planted): bit-identical";
+    return internal_error(std::to_string(bad) + " parameters, moments or blocks of " + std::to_string(n) +
+                          " differ between " + std::string(cpu_optim::isa_name(ex.isa())) + " and scalar");
+  *summary = std::string(cpu_optim::isa_name(ex.isa())) + " vs scalar on " + std::to_string(n) + " params x 3 steps (" +
+             moments + "; denormals, inf, NaN planted): bit-identical";
   return Status::ok();
 }
 
 }  // namespace
 
-int run_adam8bit_bench(const AdamArgs& a) {
+int run_adam_narrow_moments_bench(const AdamArgs& a) {
   const BenchError usage{"adam", 2}, failure{"adam", 1};
+  const bool q8 = a.moments == "8bit";
+  const std::string flag = "--moments " + a.moments;
   const Result<AdamCommon> common = parse_adam_common(a);
   if (!common.is_ok()) return usage(common.status().message());
   if (a.optimizer != "adamw" && a.optimizer != "adam")
-    return usage("--moments 8bit: Adam's and AdamW's (--optimizer adamw or adam), not " + a.optimizer + "'s");
-  if (a.torch_loop) return usage("--torch-loop: not with --moments 8bit (torch has no 8-bit Adam)");
+    return usage(flag + ": Adam's and AdamW's (--optimizer adamw or adam), not " + a.optimizer + "'s");
+  if (a.torch_loop)
+    return usage("--torch-loop: not with " + flag + " (torch has no " + (q8 ? "8-bit" : "bf16-moment") + " Adam)");
   const size_t n = common->n;
   const DType gdt = common->grad;
   const bool has_copy = common->has_copy;
@@ -109,29 +132,41 @@ int run_adam8bit_bench(const AdamArgs& a) {
   cpu_optim::AdamConfig h = kHyper;
   h.adam_w_mode = a.optimizer == "adamw";
   const size_t gs = cpu_optim::dtype_size_bytes(gdt), cs = has_copy ? cpu_optim::dtype_size_bytes(cdt) : 0;
-  // Bytes per parameter the kernel moves: params fp32, two codes and two absmax (4 B per 256) each
-  // way, the gradient read and the copy written.
-  const double absmax_bytes = 2.0 * 4.0 / static_cast<double>(cpu_optim::kQuantBlockElems);
-  const double read_bytes = 4 + 2 + absmax_bytes + static_cast<double>(gs);
-  const double write_bytes = 4 + 2 + absmax_bytes + static_cast<double>(cs);
+  // Bytes per parameter the kernel moves each way: params fp32 and the two moments (8-bit: a code
+  // and 4 B of absmax per 256 each; bf16: 2 B each), the gradient read and the copy written.
+  const double moment_bytes = q8 ? 2.0 + 2.0 * 4.0 / static_cast<double>(cpu_optim::kQuantBlockElems) : 4.0;
+  const double read_bytes = 4 + moment_bytes + static_cast<double>(gs);
+  const double write_bytes = 4 + moment_bytes + static_cast<double>(cs);
   const double fp32_bytes = 12 + static_cast<double>(gs) + 12 + static_cast<double>(cs);
+  const char* label = q8 ? "8-bit" : "bf16";
   if (!a.json) {
-    std::printf("zoffload-bench adam: %s with 8-bit moments, %zu params, grad %s, copy-out %s, %s\n",
-                a.optimizer.c_str(), n, a.grad_dtype.c_str(), has_copy ? a.copy_out.c_str() : "none",
-                ex.describe().c_str());
+    std::printf("zoffload-bench adam: %s with %s moments, %zu params, grad %s, copy-out %s, %s\n", a.optimizer.c_str(),
+                label, n, a.grad_dtype.c_str(), has_copy ? a.copy_out.c_str() : "none", ex.describe().c_str());
     std::printf("hyper     lr %g, betas (%g, %g), eps %g, weight_decay %g\n", h.lr, h.beta1, h.beta2, h.eps,
                 h.weight_decay);
   }
   std::string check_summary;
   // 2^20 + 100 elements: whole tiles on every path and a partial last block.
-  if (Status s =
-          check_against_scalar(h, gdt, has_copy, cdt, ex, std::min<size_t>(n, (size_t{1} << 20) + 100), &check_summary);
-      !s.is_ok())
-    return failure("check failed: " + s.to_string());
+  const size_t check_n = std::min<size_t>(n, (size_t{1} << 20) + 100);
+  const Status checked =
+      q8 ? check_against_scalar<Moment8>(
+               [&](int64_t t, std::span<float> p, Moment8& m, Moment8& v, ConstElemSpan g, ElemSpan c,
+                   const Executor& e) {
+                 return cpu_optim::adam8bit_step(h, t, p, m.state(), v.state(), g, 1.0f / 1024.0f, c, e);
+               },
+               "params, codes, absmax", gdt, has_copy, cdt, ex, check_n, &check_summary)
+         : check_against_scalar<Moment16>(
+               [&](int64_t t, std::span<float> p, Moment16& m, Moment16& v, ConstElemSpan g, ElemSpan c,
+                   const Executor& e) {
+                 return cpu_optim::adam_step_bf16_moments(h, t, p, m.bits, v.bits, g, 1.0f / 1024.0f, c, e);
+               },
+               "params, bf16 moments", gdt, has_copy, cdt, ex, check_n, &check_summary);
+  if (!checked.is_ok()) return failure("check failed: " + checked.to_string());
   if (!a.json) std::printf("check     %s\n", check_summary.c_str());
 
-  // Buffers: the params and gradients both kernels step, 8-bit moments, and fp32 moments that the
-  // fp32 kernel steps and the triad runs over (a = p, b = m, c = v, as zoffload-bench adam's).
+  // Buffers: the params and gradients both kernels step, the narrow moments, and fp32 moments that
+  // the fp32 kernel steps and the triad runs over (a = p, b = m, c = v, as zoffload-bench adam's).
+  // 8-bit moments: codes (n bytes) and absmax; bf16: n × 2 bytes each (in the codes buffers).
   AlignedBuffer p_buf, g_buf, c_buf, m32_buf, v32_buf, mc_buf, vc_buf, ma_buf, va_buf;
   const size_t blocks = cpu_optim::quant_block_count(n);
   for (auto [buf, bytes] : {std::pair{&p_buf, n * 4},
@@ -139,10 +174,10 @@ int run_adam8bit_bench(const AdamArgs& a) {
                             {&c_buf, has_copy ? n * cs : 0},
                             {&m32_buf, n * 4},
                             {&v32_buf, n * 4},
-                            {&mc_buf, n},
-                            {&vc_buf, n},
-                            {&ma_buf, blocks * 4},
-                            {&va_buf, blocks * 4}}) {
+                            {&mc_buf, q8 ? n : 2 * n},
+                            {&vc_buf, q8 ? n : 2 * n},
+                            {&ma_buf, q8 ? blocks * 4 : 0},
+                            {&va_buf, q8 ? blocks * 4 : 0}}) {
     if (bytes == 0) continue;
     auto r = AlignedBuffer::allocate(bytes);
     if (!r.is_ok()) return failure(r.status().to_string() + " (try a smaller --params)");
@@ -153,28 +188,37 @@ int run_adam8bit_bench(const AdamArgs& a) {
   cpu_optim::fill(m32, 0.0f, ex);
   cpu_optim::fill(v32, 0.0f, ex);
   random_fill(g_buf.data(), gdt, n, 2, -1024.0f, 1024.0f, ex);
+  const size_t per_elem = q8 ? 1 : 2;
   ex.for_each_tile(n, [&](size_t lo, size_t hi) {  // first touch in the step's partition
-    std::fill(mc_buf.as<uint8_t>().begin() + lo, mc_buf.as<uint8_t>().begin() + hi, 0);
-    std::fill(vc_buf.as<uint8_t>().begin() + lo, vc_buf.as<uint8_t>().begin() + hi, 0);
+    std::fill(mc_buf.as<uint8_t>().begin() + lo * per_elem, mc_buf.as<uint8_t>().begin() + hi * per_elem, 0);
+    std::fill(vc_buf.as<uint8_t>().begin() + lo * per_elem, vc_buf.as<uint8_t>().begin() + hi * per_elem, 0);
   });
-  std::fill(ma_buf.as<float>().begin(), ma_buf.as<float>().end(), 0.0f);
-  std::fill(va_buf.as<float>().begin(), va_buf.as<float>().end(), 0.0f);
+  if (q8) {
+    std::fill(ma_buf.as<float>().begin(), ma_buf.as<float>().end(), 0.0f);
+    std::fill(va_buf.as<float>().begin(), va_buf.as<float>().end(), 0.0f);
+  }
   const ConstElemSpan grad{g_buf.data(), gdt};
   const ElemSpan copy = has_copy ? ElemSpan{c_buf.data(), cdt} : ElemSpan{};
-  const cpu_optim::BlockwiseState m8{mc_buf.as<uint8_t>(), ma_buf.as<float>()},
-      v8{vc_buf.as<uint8_t>(), va_buf.as<float>()};
-  auto step8 = [&](int64_t t) { return cpu_optim::adam8bit_step(h, t, p, m8, v8, grad, 1.0f / 1024.0f, copy, ex); };
+  auto step_narrow = [&](int64_t t) {
+    if (q8) {
+      const cpu_optim::BlockwiseState m8{mc_buf.as<uint8_t>(), ma_buf.as<float>()},
+          v8{vc_buf.as<uint8_t>(), va_buf.as<float>()};
+      return cpu_optim::adam8bit_step(h, t, p, m8, v8, grad, 1.0f / 1024.0f, copy, ex);
+    }
+    return cpu_optim::adam_step_bf16_moments(h, t, p, mc_buf.as<uint16_t>(), vc_buf.as<uint16_t>(), grad,
+                                             1.0f / 1024.0f, copy, ex);
+  };
   auto step32 = [&](int64_t t) { return cpu_optim::adam_step(h, t, p, m32, v32, grad, 1.0f / 1024.0f, copy, ex); };
 
-  // Warm-ups, then --repeats rounds of: the 8-bit step, the fp32 step, the triad.
-  if (Status s = step8(1); !s.is_ok()) return failure(s.to_string());
+  // Warm-ups, then --repeats rounds of: the narrow step, the fp32 step, the triad.
+  if (Status s = step_narrow(1); !s.is_ok()) return failure(s.to_string());
   if (Status s = step32(1); !s.is_ok()) return failure(s.to_string());
   if (Status s = cpu_optim::stream_triad(p, m32, v32, 3.0f, ex); !s.is_ok()) return failure(s.to_string());
-  std::vector<double> s8, s32, triad;
+  std::vector<double> sn, s32, triad;
   for (int r = 0; r < a.repeats; ++r) {
     Stopwatch sw;
-    if (Status s = step8(2 + r); !s.is_ok()) return failure(s.to_string());
-    s8.push_back(sw.elapsed_s());
+    if (Status s = step_narrow(2 + r); !s.is_ok()) return failure(s.to_string());
+    sn.push_back(sw.elapsed_s());
     sw.reset();
     if (Status s = step32(2 + r); !s.is_ok()) return failure(s.to_string());
     s32.push_back(sw.elapsed_s());
@@ -183,24 +227,24 @@ int run_adam8bit_bench(const AdamArgs& a) {
     triad.push_back(sw.elapsed_s());
   }
   const double n_d = static_cast<double>(n);
-  const double med8 = median(s8), med32 = median(s32), med_triad = median(triad);
-  const double pps8 = n_d / med8, pps32 = n_d / med32;
-  const double gbps8 = n_d * (read_bytes + write_bytes) / med8 / 1e9;
+  const double medn = median(sn), med32 = median(s32), med_triad = median(triad);
+  const double ppsn = n_d / medn, pps32 = n_d / med32;
+  const double gbpsn = n_d * (read_bytes + write_bytes) / medn / 1e9;
   const double triad_gbps = n_d * 12.0 / med_triad / 1e9;
-  const double ratio_triad = gbps8 / triad_gbps, ratio_fp32 = pps8 / pps32;
+  const double ratio_triad = gbpsn / triad_gbps, ratio_fp32 = ppsn / pps32;
+  const std::string moment_streams =
+      q8 ? "exp_avg and exp_avg_sq codes (1 B) and absmax (4 B per 256)" : "exp_avg and exp_avg_sq bf16 (2 B)";
   if (a.json) {
     nlohmann::json j = adam_run_json(a, n, has_copy, ex, h, check_summary);
-    j["moments"] = "8bit";
+    j["moments"] = a.moments;
     j["bytes_per_param"] = {{"read", read_bytes},
                             {"write", write_bytes},
                             {"total", read_bytes + write_bytes},
-                            {"streams",
-                             "params fp32, exp_avg and exp_avg_sq codes (1 B) and absmax (4 B per 256) "
-                             "read+write; grad " +
-                                 a.grad_dtype + " read" + (has_copy ? "; copy " + a.copy_out + " written" : "")}};
-    j["step_s"] = {{"median", med8}, {"all", s8}};
-    j["params_per_s"] = pps8;
-    j["effective_gbps"] = gbps8;
+                            {"streams", "params fp32, " + moment_streams + " read+write; grad " + a.grad_dtype +
+                                            " read" + (has_copy ? "; copy " + a.copy_out + " written" : "")}};
+    j["step_s"] = {{"median", medn}, {"all", sn}};
+    j["params_per_s"] = ppsn;
+    j["effective_gbps"] = gbpsn;
     j["fp32_kernel"] = {{"median_s", med32}, {"all_s", s32}, {"params_per_s", pps32}, {"bytes_per_param", fp32_bytes}};
     j["ratio_to_fp32"] = ratio_fp32;
     j["triad"] = {{"bytes_per_elem", 12}, {"median_s", med_triad}, {"all_s", triad}, {"gbps", triad_gbps}};
@@ -210,13 +254,13 @@ int run_adam8bit_bench(const AdamArgs& a) {
     return 0;
   }
   std::printf(
-      "bytes     %.2f B/param = read %.2f (params fp32, codes 2 x 1 B, absmax 2 x 4 B / 256, grad %s) + "
-      "write %.2f (the same%s); fp32 moments: %.0f B/param\n",
-      read_bytes + write_bytes, read_bytes, a.grad_dtype.c_str(), write_bytes,
-      has_copy ? (", copy " + a.copy_out).c_str() : "", fp32_bytes);
-  std::printf("8-bit     median %.4f s/step of %d (min %.4f, max %.4f): %.1f M params/s, %.2f GB/s effective\n", med8,
-              a.repeats, *std::min_element(s8.begin(), s8.end()), *std::max_element(s8.begin(), s8.end()), pps8 / 1e6,
-              gbps8);
+      "bytes     %.2f B/param = read %.2f (params fp32, %s, grad %s) + write %.2f (the same%s); fp32 moments: "
+      "%.0f B/param\n",
+      read_bytes + write_bytes, read_bytes, q8 ? "codes 2 x 1 B, absmax 2 x 4 B / 256" : "moments 2 x 2 B",
+      a.grad_dtype.c_str(), write_bytes, has_copy ? (", copy " + a.copy_out).c_str() : "", fp32_bytes);
+  std::printf("%-9s median %.4f s/step of %d (min %.4f, max %.4f): %.1f M params/s, %.2f GB/s effective\n", label, medn,
+              a.repeats, *std::min_element(sn.begin(), sn.end()), *std::max_element(sn.begin(), sn.end()), ppsn / 1e6,
+              gbpsn);
   std::printf("fp32      median %.4f s/step of %d: %.1f M params/s (adam_step, fp32 moments)\n", med32, a.repeats,
               pps32 / 1e6);
   std::printf("triad     median %.4f s of %d: %.2f GB/s\n", med_triad, a.repeats, triad_gbps);

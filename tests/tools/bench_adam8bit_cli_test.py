@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""`zoffload-bench adam --moments 8bit` as a user runs it: a small run per ISA path and copy-out,
-its JSON (the check ran, times and ratios are there and consistent with the bytes counted), and
-the usage errors (exit 2, one line naming the flag)."""
+"""`zoffload-bench adam --moments 8bit` and `--moments bf16` as a user runs them: a small run per ISA
+path and copy-out, its JSON (the check ran, times and ratios are there and consistent with the bytes
+counted), and the usage errors (exit 2, one line naming the flag)."""
 import json
 import subprocess
 import sys
@@ -16,20 +16,22 @@ def run(*args):
 
 
 N = 300_000
-for isa, copy, grad in [("auto", "bf16", "fp32"), ("scalar", "none", "bf16")]:
-    what = "isa %s, copy-out %s, grad %s" % (isa, copy, grad)
-    p = run("--moments", "8bit", "--params", str(N), "--isa", isa, "--copy-out", copy, "--grad-dtype", grad,
+for moments, isa, copy, grad in [("8bit", "auto", "bf16", "fp32"), ("8bit", "scalar", "none", "bf16"),
+                                 ("bf16", "auto", "bf16", "fp32"), ("bf16", "scalar", "none", "bf16")]:
+    what = "%s moments, isa %s, copy-out %s, grad %s" % (moments, isa, copy, grad)
+    p = run("--moments", moments, "--params", str(N), "--isa", isa, "--copy-out", copy, "--grad-dtype", grad,
             "--repeats", "2", "--threads", "2", "--json")
     expect(p.returncode == 0, what + ": exits 0: " + p.stderr)
     if p.returncode != 0:
         continue
     j = json.loads(p.stdout)
-    expect(j["moments"] == "8bit" and "bit-identical" in j["check"], what + ": checked against scalar first")
-    # Per parameter: params 4 B, two codes 1 B each, two absmax 4 B per 256 elements, each way;
-    # the gradient read, the copy written.
+    expect(j["moments"] == moments and "bit-identical" in j["check"], what + ": checked against scalar first")
+    # Per parameter: params 4 B and the moments (8-bit: two codes 1 B each and two absmax 4 B per
+    # 256 elements; bf16: 2 B each), each way; the gradient read, the copy written.
     gb, cb = (4 if grad == "fp32" else 2), (2 if copy != "none" else 0)
+    mb = 2 + 8 / 256 if moments == "8bit" else 4
     b = j["bytes_per_param"]
-    expect(abs(b["read"] - (6 + 8 / 256 + gb)) < 1e-9 and abs(b["write"] - (6 + 8 / 256 + cb)) < 1e-9,
+    expect(abs(b["read"] - (4 + mb + gb)) < 1e-9 and abs(b["write"] - (4 + mb + cb)) < 1e-9,
            what + ": bytes counted per stream: %s" % b)
     expect(len(j["step_s"]["all"]) == 2 and len(j["fp32_kernel"]["all_s"]) == 2 and len(j["triad"]["all_s"]) == 2,
            what + ": two timed rounds of each")
@@ -47,6 +49,8 @@ for args, flag in [(["--optimizer", "lion"], "--moments 8bit"), (["--torch-loop"
     p = run("--moments", "8bit", *args)
     expect(p.returncode == 2 and flag in p.stderr and len(p.stderr.strip().splitlines()) == 1,
            "%s: exit 2 naming %s (got %d: %s)" % (args, flag, p.returncode, p.stderr))
+p = run("--moments", "bf16", "--optimizer", "adagrad")
+expect(p.returncode == 2 and "--moments bf16" in p.stderr, "--moments bf16 --optimizer adagrad: exit 2: " + p.stderr)
 p = run("--moments", "4bit")
 expect(p.returncode == 2 and "--moments" in p.stderr, "--moments 4bit: exit 2 naming --moments: " + p.stderr)
 report_and_exit()
