@@ -159,6 +159,9 @@ if DEVICE == "cuda":
     # SDPA backward accumulates in another order, still far below a real error (see fp32 above).
     TOLERANCES["fp32"] = {"loss": 1e-5, "grad_norm": 1e-5, "weights": 5e-5, "logits": 5e-5}
     TOLERANCES["bf16-mirror"] = {"loss": 1e-5, "grad_norm": 1e-5, "weights": 1e-5, "logits": 1e-5}
+    # Not yet run on a GPU: the fp32 case's GPU bounds (cuBLAS's summation orders), which still
+    # catch fp32 moments in zoffload by the logits (2.4e-4 on the CPU).
+    TOLERANCES["fp32-bf16-moments"] = dict(TOLERANCES["fp32"])
 
 
 # ---- The cases ---------------------------------------------------------------------------------
