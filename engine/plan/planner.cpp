@@ -782,14 +782,18 @@ std::vector<Candidate> candidates(const Config& base) {
                    "gradients and the update stay fp32"});
   }
   if (base.zoffload.moment_dtype != "8bit" && oo.device != OffloadDevice::kNone && adam) {
-    out.push_back({"zoffload.moment_dtype: 8bit",
-                   [](Config& c) {
-                     if (c.zoffload.moment_dtype == "bf16") return false;  // paired with the bf16 candidate
-                     c.zoffload.moment_dtype = "8bit";
-                     return true;
-                   },
-                   "rounds: Adam's moments kept as bitsandbytes' AdamW8bit keeps them (a byte per element, an "
-                   "fp32 absmax per 256); masters, gradients and the update stay fp32"});
+    // DeepSpeed's bf16.bf16_optimizer_states would contradict it: the change says to drop that too.
+    const bool ds_key = base.bf16.bf16_optimizer_states;
+    out.push_back(
+        {std::string("zoffload.moment_dtype: 8bit") + (ds_key ? " and bf16.bf16_optimizer_states: false" : ""),
+         [from = base.zoffload.moment_dtype](Config& c) {
+           if (c.zoffload.moment_dtype != from) return false;  // paired with the bf16 candidate
+           c.zoffload.moment_dtype = "8bit";
+           c.bf16.bf16_optimizer_states = false;
+           return true;
+         },
+         "rounds: Adam's moments kept as bitsandbytes' AdamW8bit keeps them (a byte per element, an "
+         "fp32 absmax per 256); masters, gradients and the update stay fp32"});
   }
   return out;
 }

@@ -269,6 +269,22 @@ TEST(Planner, Bf16MomentsSaveFourBytesAParameterAndComeBefore8bit) {
   EXPECT_THAT(fixes[at_bf16].trade, HasSubstr("rounds"));
   EXPECT_THAT(fixes[at_bf16].trade, HasSubstr("bf16"));
   EXPECT_THAT(fixes[at_bf16].result, HasSubstr("; fits"));
+
+  // Already in bf16 (DeepSpeed's key) on a host that holds only 8-bit moments: 8-bit is offered,
+  // with the key that would contradict it dropped.
+  PlanInputs b = q;
+  b.config.bf16.bf16_optimizer_states = true;
+  PlanInputs e = in;
+  e.config.zoffload.moment_dtype = "8bit";
+  auto eight = plan_run(e);
+  ASSERT_TRUE(eight.is_ok());
+  b.host.ram_available_bytes = eight->ram_bytes + eight->process_bytes + fp32->n_params / 2;
+  EXPECT_FALSE(plan_run(b)->fits());
+  bool offered = false;
+  for (const PlanFix& f : suggest_fixes(b, 16))
+    offered |=
+        f.changes.size() == 1 && f.changes[0] == "zoffload.moment_dtype: 8bit and bf16.bf16_optimizer_states: false";
+  EXPECT_TRUE(offered);
 }
 
 // Its sibling with 8-bit moments and everything in RAM: on the same 128 GiB host nothing touches a
