@@ -29,7 +29,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import bench_adam_common as common
 
@@ -78,26 +77,9 @@ def make_bnb(params, h):
                min_8bit_size=1)
 
 
-def rel_l2(x, ref):
-    x, ref = x.double(), ref.double()
-    den = ref.norm()
-    return float((x - ref).norm() / den) if den > 0 else float((x - ref).norm())
-
-
 def check_bnb(h):
-    gen = torch.Generator().manual_seed(7)
-    p0 = torch.rand(CHECK_PARAMS, generator=gen) * 2 - 1
-    grads = [torch.rand(CHECK_PARAMS, generator=gen) * 2 - 1 for _ in range(CHECK_STEPS)]
-    q_p, ref_p = torch.nn.Parameter(p0.clone()), torch.nn.Parameter(p0.clone())
-    ref_cls = torch.optim.AdamW if a.optimizer == "adamw" else torch.optim.Adam
-    ref = ref_cls([ref_p], lr=h["lr"], betas=(h["beta1"], h["beta2"]), eps=h["eps"], weight_decay=h["weight_decay"],
-                  foreach=False, fused=False)
-    q = make_bnb(q_p, h)
-    for g in grads:
-        q_p.grad, ref_p.grad = g.clone(), g.clone()
-        q.step()
-        ref.step()
-    err = rel_l2(q_p.detach(), ref_p.detach())
+    q, q_p, _, ref_p, ref_cls = common.step_beside_torch(make_bnb, a.optimizer, h, CHECK_PARAMS, CHECK_STEPS)
+    err = common.rel_l2(q_p.detach(), ref_p.detach())
     passed = err <= CHECK_TOLERANCE
     text = (f"bitsandbytes {type(q).__name__} vs torch.optim.{ref_cls.__name__} after {CHECK_STEPS} steps on "
             f"{CHECK_PARAMS} params: relative L2 error params {err:.1e} (limit {CHECK_TOLERANCE:.0e})")
@@ -107,19 +89,12 @@ def check_bnb(h):
 
 class BnbRun:
     def __init__(self, h):
-        gen = torch.Generator().manual_seed(1)
-        self.p = torch.nn.Parameter(torch.rand(a.n, generator=gen) * 2 - 1)
-        self.p.grad = torch.rand(a.n, generator=gen) * 2 - 1
+        self.p = common.timed_param(a.n)
         self.opt = make_bnb(self.p, h)
         self.opt.step()  # allocates its states
 
     def time_steps(self, repeats):
-        seconds = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            self.opt.step()
-            seconds.append(time.perf_counter() - t0)
-        return seconds
+        return common.time_steps(self.opt.step, repeats)
 
 
 say(f"{PROG}: {a.optimizer} with 8-bit moments, {a.n} params, {threads} thread(s), {a.rounds} alternating rounds "
@@ -147,13 +122,7 @@ for r in range(a.rounds):
         f"effective/triad {row['ratio_to_triad']:.2f}  (medians of {a.repeats} steps)")
 
 
-def summary(key):
-    vals = [row[key] for row in rounds]
-    med = statistics.median(vals)
-    return {"median_s": med, "round_medians_s": vals, "params_per_s": a.n / med}
-
-
-zo, fp, bb = summary("zoffload_s"), summary("fp32_s"), summary("bnb_s")
+zo, fp, bb = (common.summary(rounds, k, a.n) for k in ("zoffload_s", "fp32_s", "bnb_s"))
 ratio_bnb = zo["params_per_s"] / bb["params_per_s"]
 ratio_fp32 = zo["params_per_s"] / fp["params_per_s"]
 ratio_triad = statistics.median(row["ratio_to_triad"] for row in rounds)

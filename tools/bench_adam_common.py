@@ -1,10 +1,13 @@
 """What the peer-baseline scripts of `zoffload-bench adam` share (bench_adam_deepspeed.py,
-bench_adam_bnb.py): failing with their exit codes, their common flags, and running zoffload-bench
-adam with --json."""
+bench_adam_bnb.py): failing with their exit codes, their common flags, running zoffload-bench
+adam with --json, stepping the peer beside torch's own Adam for its check, timing its steps and
+summarizing the rounds. The torch helpers take torch's objects (each script imports torch itself)."""
 import json
 import os
+import statistics
 import subprocess
 import sys
+import time
 
 
 def fail(prog, msg, code=1):
@@ -58,3 +61,59 @@ def check_run_args(prog, a, example):
     if not (os.path.isfile(a.bench) and os.access(a.bench, os.X_OK)):
         fail(prog, f"--bench: {a.bench} is not an executable file (build with ninja -C build, or pass --bench PATH)",
              2)
+
+
+def rel_l2(x, ref):
+    """Relative L2 error of tensor x against ref (absolute where ref is all zeros), in double."""
+    x, ref = x.double(), ref.double()
+    den = ref.norm()
+    return float((x - ref).norm() / den) if den > 0 else float((x - ref).norm())
+
+
+def step_beside_torch(make_peer, optimizer, h, n, steps):
+    """`steps` steps of make_peer(param, h) and of torch's single-tensor AdamW (optimizer "adamw") or
+    Adam from the same n random params and gradients (seed 7). Returns (peer, peer_param, ref,
+    ref_param, ref_cls)."""
+    import torch
+    gen = torch.Generator().manual_seed(7)
+    p0 = torch.rand(n, generator=gen) * 2 - 1
+    grads = [torch.rand(n, generator=gen) * 2 - 1 for _ in range(steps)]
+    peer_p, ref_p = torch.nn.Parameter(p0.clone()), torch.nn.Parameter(p0.clone())
+    ref_cls = torch.optim.AdamW if optimizer == "adamw" else torch.optim.Adam
+    ref = ref_cls([ref_p], lr=h["lr"], betas=(h["beta1"], h["beta2"]), eps=h["eps"], weight_decay=h["weight_decay"],
+                  foreach=False, fused=False)
+    peer = make_peer(peer_p, h)
+    for g in grads:
+        peer_p.grad, ref_p.grad = g.clone(), g.clone()
+        peer.step()
+        ref.step()
+    return peer, peer_p, ref, ref_p, ref_cls
+
+
+def timed_param(n):
+    """The timed runs' parameter: n random values with a random gradient (seed 1)."""
+    import torch
+    gen = torch.Generator().manual_seed(1)
+    p = torch.nn.Parameter(torch.rand(n, generator=gen) * 2 - 1)
+    p.grad = torch.rand(n, generator=gen) * 2 - 1
+    return p
+
+
+def time_steps(step, repeats):
+    """Seconds of each of `repeats` calls of step()."""
+    seconds = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        seconds.append(time.perf_counter() - t0)
+    return seconds
+
+
+def summary(rounds, key, n):
+    """The median over the rounds of row[key] (a round's median step, None where not measured), the
+    rounds' values and n / median as params/s; None when no round has it."""
+    vals = [row[key] for row in rounds if row[key] is not None]
+    if not vals:
+        return None
+    med = statistics.median(vals)
+    return {"median_s": med, "round_medians_s": vals, "params_per_s": n / med}

@@ -43,7 +43,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import bench_adam_common as common
 
@@ -102,29 +101,13 @@ def make_deepspeed(params, h):
                             weight_decay=h["weight_decay"], bias_correction=True, adamw_mode=a.optimizer == "adamw")
 
 
-def rel_l2(x, ref):
-    x, ref = x.double(), ref.double()
-    den = ref.norm()
-    return float((x - ref).norm() / den) if den > 0 else float((x - ref).norm())
-
-
 def check_deepspeed(h):
     """CHECK_STEPS steps of DeepSpeedCPUAdam and of torch's single-tensor reference from the same start."""
-    gen = torch.Generator().manual_seed(7)
-    p0 = torch.rand(CHECK_PARAMS, generator=gen) * 2 - 1
-    grads = [torch.rand(CHECK_PARAMS, generator=gen) * 2 - 1 for _ in range(CHECK_STEPS)]
-    ds_p, ref_p = torch.nn.Parameter(p0.clone()), torch.nn.Parameter(p0.clone())
-    ref_cls = torch.optim.AdamW if a.optimizer == "adamw" else torch.optim.Adam
-    ref = ref_cls([ref_p], lr=h["lr"], betas=(h["beta1"], h["beta2"]), eps=h["eps"], weight_decay=h["weight_decay"],
-                  foreach=False, fused=False)
-    ds = make_deepspeed(ds_p, h)
-    for g in grads:
-        ds_p.grad, ref_p.grad = g.clone(), g.clone()
-        ds.step()
-        ref.step()
-    errs = {"params": rel_l2(ds_p.detach(), ref_p.detach())}
+    ds, ds_p, ref, ref_p, ref_cls = common.step_beside_torch(make_deepspeed, a.optimizer, h, CHECK_PARAMS,
+                                                             CHECK_STEPS)
+    errs = {"params": common.rel_l2(ds_p.detach(), ref_p.detach())}
     for k in ("exp_avg", "exp_avg_sq"):
-        errs[k] = rel_l2(ds.state[ds_p][k], ref.state[ref_p][k])
+        errs[k] = common.rel_l2(ds.state[ds_p][k], ref.state[ref_p][k])
     passed = all(e <= CHECK_TOLERANCE for e in errs.values())
     text = (f"DeepSpeedCPUAdam vs {ref_cls.__module__.split('.')[0]}.optim.{ref_cls.__name__} after {CHECK_STEPS} "
             f"steps on {CHECK_PARAMS} params: relative L2 error params {errs['params']:.1e}, "
@@ -137,9 +120,7 @@ class DeepSpeedRun:
     """DeepSpeedCPUAdam over n fp32 params with fp32 grads; moments allocated by its first (warm-up) step."""
 
     def __init__(self, h):
-        gen = torch.Generator().manual_seed(1)
-        self.p = torch.nn.Parameter(torch.rand(a.n, generator=gen) * 2 - 1)
-        self.p.grad = torch.rand(a.n, generator=gen) * 2 - 1
+        self.p = common.timed_param(a.n)
         self.copy = None
         if a.copy_out != "none":
             self.copy = torch.empty(a.n, dtype=torch.bfloat16 if a.copy_out == "bf16" else torch.float16)
@@ -153,12 +134,7 @@ class DeepSpeedRun:
                 self.copy.copy_(self.p)
 
     def time_steps(self, repeats):
-        seconds = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            self.step()
-            seconds.append(time.perf_counter() - t0)
-        return seconds
+        return common.time_steps(self.step, repeats)
 
 
 say(f"{PROG}: {a.optimizer}, {a.n} params, grad {a.grad_dtype}, copy-out {a.copy_out}, {threads} thread(s), "
@@ -192,15 +168,7 @@ for r in range(a.rounds):
         f"{a.n / row['deepspeed_s'] / 1e9:.3f}{torch_text}  (medians of {a.repeats} steps)")
 
 
-def summary(key):
-    vals = [row[key] for row in rounds if row[key] is not None]
-    if not vals:
-        return None
-    med = statistics.median(vals)
-    return {"median_s": med, "round_medians_s": vals, "params_per_s": a.n / med}
-
-
-zo, ds, tf = summary("zoffload_s"), summary("deepspeed_s"), summary("torch_fused_s")
+zo, ds, tf = (common.summary(rounds, k, a.n) for k in ("zoffload_s", "deepspeed_s", "torch_fused_s"))
 ratio_ds = zo["params_per_s"] / ds["params_per_s"]
 ratio_tf = zo["params_per_s"] / tf["params_per_s"] if tf else None
 if a.json:
