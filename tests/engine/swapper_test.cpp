@@ -251,27 +251,35 @@ Status init_all(StateStore& store, const Inputs& in) {
 
 constexpr float kGradScale = 0.5f;
 
-// cpu_optim::adam_step on whole params: what every placement must reproduce bit for bit.
-ParamStates reference_run(const Inputs& in, const AdamConfig& adam, DType compute, DType grad, int steps) {
+// cpu_optim::adam_step on whole params (adam_step_bf16_moments with bf16 moments): what every
+// placement must reproduce bit for bit.
+ParamStates reference_run(const Inputs& in, const AdamConfig& adam, DType compute, DType grad, int steps,
+                          DType moments = DType::kF32) {
   auto ex = cpu_optim::Executor::create({});
   ZO_CHECK(ex.is_ok());
+  const size_t mb = dtype_size_bytes(moments);
   ParamStates r;
   for (const auto& w : in.weights) {
     r.master.emplace_back(w.size() * 4);
     std::memcpy(r.master.back().data(), w.data(), w.size() * 4);
-    r.exp_avg.emplace_back(w.size() * 4);
-    r.exp_avg_sq.emplace_back(w.size() * 4);
+    r.exp_avg.emplace_back(w.size() * mb);
+    r.exp_avg_sq.emplace_back(w.size() * mb);
     r.compute.push_back(to_dtype(w, compute));
   }
   for (int s = 0; s < steps; ++s) {
     for (size_t p = 0; p < in.weights.size(); ++p) {
       const size_t n = in.weights[p].size();
       Bytes g = to_dtype(in.grads[s][p], grad);
-      Status st = cpu_optim::adam_step(adam, s + 1, {reinterpret_cast<float*>(r.master[p].data()), n},
-                                       {reinterpret_cast<float*>(r.exp_avg[p].data()), n},
-                                       {reinterpret_cast<float*>(r.exp_avg_sq[p].data()), n},
-                                       cpu_optim::ConstElemSpan{g.data(), grad}, kGradScale,
-                                       cpu_optim::ElemSpan{r.compute[p].data(), compute}, **ex);
+      const std::span<float> master{reinterpret_cast<float*>(r.master[p].data()), n};
+      const cpu_optim::ConstElemSpan gs{g.data(), grad};
+      const cpu_optim::ElemSpan out{r.compute[p].data(), compute};
+      Status st =
+          moments == DType::kBF16
+              ? cpu_optim::adam_step_bf16_moments(
+                    adam, s + 1, master, {reinterpret_cast<uint16_t*>(r.exp_avg[p].data()), n},
+                    {reinterpret_cast<uint16_t*>(r.exp_avg_sq[p].data()), n}, gs, kGradScale, out, **ex)
+              : cpu_optim::adam_step(adam, s + 1, master, {reinterpret_cast<float*>(r.exp_avg[p].data()), n},
+                                     {reinterpret_cast<float*>(r.exp_avg_sq[p].data()), n}, gs, kGradScale, out, **ex);
       ZO_CHECK(st.is_ok()) << st.to_string();
     }
   }
@@ -617,33 +625,6 @@ TEST(OptimizerSwapper, Fp32ComputeBitIdenticalEverywhere) { check_placements_mat
 
 // ---- bf16 moments -------------------------------------------------------------------------------
 
-// adam_step_bf16_moments over whole params, one at a time: what every placement must give, bit for bit.
-ParamStates reference_run_bf16(const Inputs& in, const AdamConfig& adam, DType compute, int steps) {
-  auto ex = cpu_optim::Executor::create({.n_threads = 1});
-  ZO_CHECK(ex.is_ok());
-  ParamStates r;
-  for (const auto& w : in.weights) {
-    r.master.emplace_back(w.size() * 4);
-    std::memcpy(r.master.back().data(), w.data(), w.size() * 4);
-    r.exp_avg.emplace_back(w.size() * 2);
-    r.exp_avg_sq.emplace_back(w.size() * 2);
-    r.compute.push_back(to_dtype(w, compute));
-  }
-  for (int s = 0; s < steps; ++s) {
-    for (size_t p = 0; p < in.weights.size(); ++p) {
-      const size_t n = in.weights[p].size();
-      Bytes g = to_dtype(in.grads[s][p], DType::kF32);
-      Status st = cpu_optim::adam_step_bf16_moments(adam, s + 1, {reinterpret_cast<float*>(r.master[p].data()), n},
-                                                    {reinterpret_cast<uint16_t*>(r.exp_avg[p].data()), n},
-                                                    {reinterpret_cast<uint16_t*>(r.exp_avg_sq[p].data()), n},
-                                                    cpu_optim::ConstElemSpan{g.data(), DType::kF32}, kGradScale,
-                                                    cpu_optim::ElemSpan{r.compute[p].data(), compute}, **ex);
-      ZO_CHECK(st.is_ok()) << st.to_string();
-    }
-  }
-  return r;
-}
-
 // bf16 moments (zoffload.moment_dtype "bf16") on every tier the optimizer states use, split over
 // sub-groups and threads: the per-param reference's bits, moments two bytes per element.
 TEST(OptimizerSwapperBf16, EveryPlacementEqualsPerTensorStepsBitForBit) {
@@ -654,7 +635,7 @@ TEST(OptimizerSwapperBf16, EveryPlacementEqualsPerTensorStepsBitForBit) {
   base.moments = "bf16";
   base.optimizer = "cpu";
   const Config c = make_config(base, "/tmp");
-  const ParamStates want = reference_run_bf16(in, adam_of(c), DType::kBF16, kSteps);
+  const ParamStates want = reference_run(in, adam_of(c), DType::kBF16, DType::kF32, kSteps, DType::kBF16);
   std::vector<Placing> setups = {base};
   for (const char* param : {"cpu", "nvme"}) {
     Placing n = base;
