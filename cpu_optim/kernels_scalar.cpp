@@ -80,18 +80,22 @@ namespace {
 void adam_reference_kernel(const AdamArgs& a, size_t begin, size_t end) {
   with_dtypes(a.grad_dtype, a.copy_out, a.copy_dtype, [&]<DType G, bool kCopy, DType C>() {
     float* const p = a.params;
-    for (size_t i = begin; i < end; ++i) {
-      if (a.moment_dtype == DType::kBF16) {
-        auto* const m16 = static_cast<uint16_t*>(a.exp_avg);
-        auto* const v16 = static_cast<uint16_t*>(a.exp_avg_sq);
+    if (a.moment_dtype == DType::kBF16) {
+      auto* const m16 = static_cast<uint16_t*>(a.exp_avg);
+      auto* const v16 = static_cast<uint16_t*>(a.exp_avg_sq);
+      for (size_t i = begin; i < end; ++i) {
         float m = bf16_to_float(m16[i]), v = bf16_to_float(v16[i]);
         adam_update(a.k, load_elems<ScalarVec, G>(a.grad, i), p[i], m, v);
         m16[i] = float_to_bf16(m);
         v16[i] = float_to_bf16(v);
-      } else {
-        adam_update(a.k, load_elems<ScalarVec, G>(a.grad, i), p[i], static_cast<float*>(a.exp_avg)[i],
-                    static_cast<float*>(a.exp_avg_sq)[i]);
+        if constexpr (kCopy) store_elems<ScalarVec, C>(a.copy_out, i, p[i]);
       }
+      return;
+    }
+    float* const m = static_cast<float*>(a.exp_avg);
+    float* const v = static_cast<float*>(a.exp_avg_sq);
+    for (size_t i = begin; i < end; ++i) {
+      adam_update(a.k, load_elems<ScalarVec, G>(a.grad, i), p[i], m[i], v[i]);
       if constexpr (kCopy) store_elems<ScalarVec, C>(a.copy_out, i, p[i]);
     }
   });
