@@ -60,6 +60,14 @@ DType Config::compute_dtype() const {
   return DType::kF32;
 }
 
+DType Config::grad_store_dtype() const {
+  const std::string& d = zoffload.gradient_store_dtype;
+  if (d == "bf16") return DType::kBF16;
+  if (d == "fp16") return DType::kF16;
+  if (d == "fp32") return DType::kF32;
+  return grad_accum_dtype;  // "auto"
+}
+
 namespace {
 
 // ---- reading: JSON → structs through the key table, "auto" recorded in ParseState::autos ---------
@@ -235,6 +243,7 @@ struct Resolver {
   void batch_sizes();
   void grad_accum_dtype();
   void offload_placement();
+  void gradient_store_dtype();
 
   void needs(const std::string& path, const std::string& what) { st->error(path, "\"auto\" needs " + what); }
 
@@ -486,6 +495,38 @@ void Resolver::offload_placement() {
   }
 }
 
+// zoffload.gradient_store_dtype: "auto" is grad_accum_dtype; a narrower dtype rounds fp32 sums, each
+// once, after its norm is taken, which needs the step's whole sum on the host at once (Note
+// [Gradients stored in 16 bits] in engine/coord/grad_accumulator.cpp).
+void Resolver::gradient_store_dtype() {
+  std::string& d = c->zoffload.gradient_store_dtype;
+  const std::string_view accum = dtype_name(c->grad_accum_dtype);
+  if (st->has_error("zoffload.gradient_store_dtype") || st->has_error("data_types.grad_accum_dtype")) return;
+  if (d == "auto") d = std::string(accum);
+  if (d == accum) return;
+  const char* key = "zoffload.gradient_store_dtype";
+  if (c->grad_accum_dtype != DType::kF32) {
+    st->error(key, "\"" + d + "\" needs fp32 sums (data_types.grad_accum_dtype is " + std::string(accum) +
+                       ", which the accumulators already keep)");
+  } else if (d == "fp16") {
+    st->error(key,
+              "\"fp16\" cannot hold every loss-scaled fp32 sum (its range ends at 65504): use \"bf16\", or \"auto\"");
+  } else if (c->zero.offload_optimizer.device == OffloadDevice::kNone && !st->has_error("zero_optimization.stage")) {
+    st->error(key, "\"" + d +
+                       "\" stores the gradient sums the host keeps for the optimizer: set "
+                       "zero_optimization.offload_optimizer.device to \"cpu\" or \"nvme\"");
+  } else if (c->gradient_accumulation_steps > 1 && c->zoffload.schedule != "vertical") {
+    st->error(key, "\"" + d + "\" needs the step's whole sum on the host at once, but gradient_accumulation_steps is " +
+                       std::to_string(c->gradient_accumulation_steps) +
+                       " with the horizontal schedule: set zoffload.schedule to \"vertical\" (the device sums "
+                       "the micro-batches in fp32), or leave this \"auto\"");
+  } else if (ctx.world_size > 1 && c->zero.stage < 2) {
+    st->error(key, "\"" + d + "\" with " + std::to_string(ctx.world_size) + " ranks needs zero_optimization.stage " +
+                       "2 or 3 (each rank's fp32 sums are reduced to their owner before they are rounded; at stage " +
+                       std::to_string(c->zero.stage) + " the stored gradients would be summed over the ranks)");
+  }
+}
+
 void resolve(ParseState* st, const ResolveContext& ctx, const json& root, Config* c) {
   Resolver r{.st = st, .ctx = ctx, .root = root, .c = c};
   r.model_size_buckets();
@@ -494,7 +535,8 @@ void resolve(ParseState* st, const ResolveContext& ctx, const json& root, Config
   r.scheduler();
   r.batch_sizes();
   r.grad_accum_dtype();
-  r.offload_placement();  // last: it stops early when the stage itself is invalid
+  r.offload_placement();  // it stops early when the stage itself is invalid
+  r.gradient_store_dtype();
 }
 
 // ---- JSON text → json, with duplicate keys rejected ----------------------------------------------

@@ -178,6 +178,13 @@ struct ZoffloadConfig {
   // 4096 elements (Note [8-bit moment layout] in engine/memory/moment_layout.cpp); or "bf16" (also
   // what DeepSpeed's bf16.bf16_optimizer_states asks for).
   std::string moment_dtype = "fp32";
+  // (addition) The dtype the host keeps each step's gradient sum in until the optimizer reads it:
+  // "auto" resolves to data_types.grad_accum_dtype (the sums as they were added); "bf16" with fp32
+  // sums rounds each final fp32 sum to bf16 after its squared norm is taken, so the norm, clipping
+  // and the overflow check are the fp32 gradient's (Note [Gradients stored in 16 bits] in
+  // engine/coord/grad_accumulator.cpp). Needs one sum per step on the host: GAS 1 or the vertical
+  // schedule.
+  std::string gradient_store_dtype = "auto";
   std::string io_backend = "auto";  // auto | io_uring | libaio | psync (the aio block tunes it)
   CheckpointConfig checkpoint;
   LogConfig log;
@@ -203,6 +210,9 @@ struct Config {
 
   // The dtype the model computes in: bf16, fp16 or fp32.
   DType compute_dtype() const;
+  // The dtype the gradient accumulators are stored in (zoffload.gradient_store_dtype, resolved):
+  // grad_accum_dtype, or bf16 when fp32 sums are stored rounded.
+  DType grad_store_dtype() const;
 };
 
 // What "auto" values resolve from: the model and the command line. Anything unset that an "auto"

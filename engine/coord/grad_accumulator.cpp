@@ -26,6 +26,23 @@
 // same values. The norm is cpu_optim::squared_norm of each sub-group (its fixed tile order), added
 // in the order sub-groups complete, so the report is bit-identical whatever the tier.
 
+// Note [Gradients stored in 16 bits]
+//
+// With zoffload.gradient_store_dtype "bf16" and fp32 sums (data_types.grad_accum_dtype fp32) the
+// accumulators are stored in bf16, two bytes per element instead of four, and the sums are still
+// fp32 until they are final. The config allows it only where the host sees one window per step
+// (GAS 1, or the vertical schedule, whose device sums the micro-batches in fp32), so every window
+// is first and last. Each sub-group's contributions are then summed in an fp32 host buffer, on
+// every tier (a tied param's two uses are one fp32 addition, as with fp32 accumulators); when the
+// sub-group is complete its squared norm is taken from the fp32 values and only then are they
+// rounded to bf16 (cpu_optim::convert, nearest even) into the accumulator's home: directly into
+// CPU memory, or in place in the buffer, a chunk at a time through a small scratch, before the
+// device or NVMe write. So the global norm, clipping coefficient and overflow check are exactly
+// those of the fp32 gradient, and the optimizer reads round_to_bf16(fp32 sum): the gradient rounds
+// once. Partitioned gradients (ZeRO stage 2, 3) are reduced over the ranks in fp32, in the buffer,
+// and rounded by their owner after its chunk norms; at stage 1 the stored accumulators would be
+// summed over the ranks, so the config refuses it with several ranks.
+
 // Note [Direct accumulator I/O]
 //
 // NVMe-resident accumulators are read and written with read_state_range/write_state_range: the
@@ -53,14 +70,32 @@
 
 namespace zo::engine {
 
+// Chunk k's output lies within the inputs of chunks 0..k, all read into the scratch by then.
+Status narrow_in_place(std::byte* data, uint64_t n, DType from, DType to, std::span<std::byte> scratch,
+                       const cpu_optim::Executor& executor) {
+  const uint64_t fb = dtype_size_bytes(from), tb = dtype_size_bytes(to);
+  const uint64_t chunk = scratch.size() / tb;
+  if (tb > fb || chunk == 0) return invalid_argument("narrow_in_place: a wider dtype or a scratch under one element");
+  for (uint64_t at = 0; at < n; at += chunk) {
+    const uint64_t count = std::min(chunk, n - at);
+    ZO_RETURN_IF_ERROR(cpu_optim::convert({data + at * fb, from}, {scratch.data(), to}, count, executor));
+    std::memcpy(data + at * tb, scratch.data(), count * tb);
+  }
+  return Status::ok();
+}
+
 struct GradAccumulator::Impl {
   StateStore* store = nullptr;
   const cpu_optim::Executor* executor = nullptr;
-  DType grad_dtype = DType::kF32;
+  DType grad_dtype = DType::kF32;  // the accumulators as stored
   uint64_t gb = 4;
-  bool in_place = false;              // CPU-resident accumulators: no buffers
-  std::vector<uint32_t> uses;         // per param, per micro-step
-  std::vector<uint32_t> group_total;  // per sub-group: contributions (over its params) per micro-step
+  DType sum_dtype = DType::kF32;  // the additions (and the host buffers)
+  uint64_t sb = 4;
+  bool rounded = false;                    // Note [Gradients stored in 16 bits]
+  std::optional<AlignedBuffer> narrowing;  // rounded, not CPU-resident: narrow_in_place's scratch
+  bool in_place = false;                   // CPU-resident accumulators summed where they live: no buffers
+  std::vector<uint32_t> uses;              // per param, per micro-step
+  std::vector<uint32_t> group_total;       // per sub-group: contributions (over its params) per micro-step
   std::vector<AlignedBuffer> buffers;
   std::vector<int32_t> free_buffers;
   uint64_t buffer_bytes = 0;
@@ -116,6 +151,10 @@ struct GradAccumulator::Impl {
     return buffers[group_buffer[g]].data();
   }
 
+  Status narrow_in_place(std::byte* data, uint64_t n) {
+    return engine::narrow_in_place(data, n, sum_dtype, grad_dtype, narrowing->bytes(), *executor);
+  }
+
   // Whether a param's first contribution of this micro-step starts its elements from zero.
   bool starts_from_zero() const { return first || partitioned; }
 
@@ -148,7 +187,7 @@ struct GradAccumulator::Impl {
     const uint64_t bytes = store->state_bytes(g, StateKind::kGradAccum);
     const uint64_t n = bytes / gb;
     const int32_t b = group_buffer[g];
-    std::byte* sums = buffers[b].data();
+    std::byte* sums = buffers[b].data();  // in the sum dtype
     auto release = [&] {
       group_buffer[g] = -1;
       free_buffers.push_back(b);
@@ -163,6 +202,11 @@ struct GradAccumulator::Impl {
       return Status::ok();
     }
     const StateLocation& loc = store->location(g, StateKind::kGradAccum);
+    if (rounded) {
+      st = flush_rounded(g, sums, n, loc);
+      release();
+      return st;
+    }
     std::byte* acc = sums;  // the accumulator's new value, once combined
     if (loc.tier == Tier::kCpu) {
       acc = loc.host;
@@ -194,11 +238,52 @@ struct GradAccumulator::Impl {
     return Status::ok();
   }
 
+  // Note [Gradients stored in 16 bits]: the owner's (or the only rank's) complete sums of sub-group
+  // g at `sums` (sum dtype): their squared norm (per chunk when partitioned), then rounded into the
+  // accumulator's home. Not for NVMe-resident accumulators of an unpartitioned run (flush_group
+  // queues those). The caller releases the buffer.
+  Status flush_rounded(uint32_t g, std::byte* sums, uint64_t n, const StateLocation& loc) {
+    Status st;
+    if (partitioned) {
+      for (uint64_t c = 0; st.is_ok() && c * reducer.chunk_elems < n; ++c) {
+        const uint64_t at = c * reducer.chunk_elems, count = std::min(reducer.chunk_elems, n - at);
+        Result<double> sq = cpu_optim::squared_norm({sums + at * sb, sum_dtype}, count, *executor);
+        if (sq.is_ok()) report.chunk_sq[first_chunk[g] + c] = *sq;
+        st = sq.status();
+      }
+    } else {
+      Result<double> sq = cpu_optim::squared_norm({sums, sum_dtype}, n, *executor);
+      if (sq.is_ok()) {
+        report.sum_sq += *sq;
+        report.nonfinite = report.nonfinite || !std::isfinite(*sq);
+      }
+      st = sq.status();
+    }
+    if (!st.is_ok()) return st.with_context("gradient accumulator: norm of sub-group " + std::to_string(g));
+    if (loc.tier == Tier::kCpu) {
+      st = cpu_optim::convert({sums, sum_dtype}, {loc.host, grad_dtype}, n, *executor);
+    } else {
+      st = narrow_in_place(sums, n);
+      if (st.is_ok()) st = store->write_state_range(g, StateKind::kGradAccum, 0, {sums, n * gb});
+      if (st.is_ok()) report.bytes_written += n * gb;
+    }
+    if (!st.is_ok()) return st.with_context("gradient accumulator: storing sub-group " + std::to_string(g));
+    return Status::ok();
+  }
+
   Status flush_group(uint32_t g) {
     if (partitioned) return flush_partitioned(g);
     const uint64_t bytes = store->state_bytes(g, StateKind::kGradAccum);
+    const StateLocation& loc = store->location(g, StateKind::kGradAccum);
+    if (rounded && loc.tier != Tier::kNvme) {
+      const int32_t b = group_buffer[g];
+      Status st = flush_rounded(g, buffers[b].data(), bytes / gb, loc);
+      group_buffer[g] = -1;
+      free_buffers.push_back(b);
+      return st;
+    }
     if (last) {
-      Result<double> sq = cpu_optim::squared_norm({group_bytes(g), grad_dtype}, bytes / gb, *executor);
+      Result<double> sq = cpu_optim::squared_norm({group_bytes(g), sum_dtype}, bytes / gb, *executor);
       if (!sq.is_ok())
         return Status(sq.status()).with_context("gradient accumulator: norm of sub-group " + std::to_string(g));
       report.sum_sq += *sq;
@@ -206,8 +291,15 @@ struct GradAccumulator::Impl {
     }
     if (in_place) return Status::ok();
     const int32_t b = group_buffer[g];
-    if (store->location(g, StateKind::kGradAccum).tier == Tier::kNvme) {  // Note [Asynchronous accumulator writes]
+    if (loc.tier == Tier::kNvme) {  // Note [Asynchronous accumulator writes]
       group_buffer[g] = -1;
+      if (rounded) {  // the norm above was the fp32 sums'
+        Status st = narrow_in_place(buffers[b].data(), bytes / gb);
+        if (!st.is_ok()) {
+          free_buffers.push_back(b);
+          return st.with_context("gradient accumulator: storing sub-group " + std::to_string(g));
+        }
+      }
       const uint64_t padded = store->padded_state_bytes(g, StateKind::kGradAccum);
       std::memset(buffers[b].data() + bytes, 0, padded - bytes);  // the region's padding, as the store writes it
       Result<StateStore::PendingWrite> queued =
@@ -249,7 +341,8 @@ GradAccumulator::BufferPlan GradAccumulator::plan_buffers(const ParamRegistry& r
                                                           const std::vector<uint32_t>& contribution_order,
                                                           bool partitioned) {
   BufferPlan out;
-  if (placement.grad == Tier::kCpu && !partitioned) return out;  // accumulated in place
+  const bool rounded = placement.grads_rounded();
+  if (placement.grad == Tier::kCpu && !partitioned && !rounded) return out;  // accumulated in place
   const auto n_groups = static_cast<uint32_t>(registry.sub_groups().size());
   std::vector<uint32_t> pending(n_groups, 0);
   for (uint32_t p : contribution_order) {
@@ -270,8 +363,12 @@ GradAccumulator::BufferPlan GradAccumulator::plan_buffers(const ParamRegistry& r
       if (--pending[piece.sub_group] == 0) --open_now;
     }
   }
-  if (partitioned && placement.grad != Tier::kCpu) ++out.count;  // the owner's accumulator, read to add to
-  out.bytes_each = registry.max_group_elems() * dtype_size_bytes(placement.grad_dtype);
+  // The owner's accumulator, read to add to (rounded sums are never added to: each window is the step's).
+  if (partitioned && placement.grad != Tier::kCpu && !rounded) ++out.count;
+  out.bytes_each = registry.max_group_elems() * dtype_size_bytes(placement.grad_sum_dtype);
+  if (rounded && placement.grad != Tier::kCpu)  // Note [Gradients stored in 16 bits]
+    out.narrowing_bytes =
+        std::min(registry.max_group_elems(), kNarrowChunkElems) * dtype_size_bytes(placement.grad_dtype);
   if (!partitioned && placement.grad == Tier::kNvme) {          // Note [Asynchronous accumulator writes]
     ++out.count;                                                // one write behind the accumulation
     out.bytes_each = align_up(out.bytes_each, kSwapAlignment);  // whole blocks: the region's padded size
@@ -294,8 +391,12 @@ Result<std::unique_ptr<GradAccumulator>> GradAccumulator::create(StateStore& sto
   Impl& s = *impl;
   s.store = &store;
   s.executor = &executor;
-  s.grad_dtype = store.plan().placement.grad_dtype;
+  const Placement& pl = store.plan().placement;
+  s.grad_dtype = pl.grad_dtype;
   s.gb = dtype_size_bytes(s.grad_dtype);
+  s.sum_dtype = pl.grad_sum_dtype;
+  s.sb = dtype_size_bytes(s.sum_dtype);
+  s.rounded = pl.grads_rounded();
   s.partitioned = static_cast<bool>(reducer.reduce);
   if (s.partitioned != store.plan().partition_grads)
     return invalid_argument(std::string("gradient accumulator: ") +
@@ -303,7 +404,7 @@ Result<std::unique_ptr<GradAccumulator>> GradAccumulator::create(StateStore& sto
                                            : "the store holds one partition's accumulators but no reducer was given"));
   if (s.partitioned && reducer.chunk_elems == 0) return invalid_argument("gradient accumulator: chunk_elems 0");
   s.reducer = std::move(reducer);
-  s.in_place = store.plan().placement.grad == Tier::kCpu && !s.partitioned;
+  s.in_place = pl.grad == Tier::kCpu && !s.partitioned && !s.rounded;
   const uint32_t n_params = static_cast<uint32_t>(registry.params().size());
   const uint32_t n_groups = static_cast<uint32_t>(registry.sub_groups().size());
   s.uses.assign(n_params, 0);
@@ -326,7 +427,11 @@ Result<std::unique_ptr<GradAccumulator>> GradAccumulator::create(StateStore& sto
   }
   BufferPlan bp = plan_buffers(registry, store.plan().placement, contribution_order, s.partitioned);
   s.buffer_bytes = bp.bytes_each;
-  if (s.partitioned && store.plan().placement.grad != Tier::kCpu) {
+  if (bp.narrowing_bytes > 0) {
+    ZO_ASSIGN_OR_RETURN(AlignedBuffer scratch, AlignedBuffer::allocate(bp.narrowing_bytes));
+    s.narrowing.emplace(std::move(scratch));
+  }
+  if (s.partitioned && pl.grad != Tier::kCpu && !s.rounded) {
     --bp.count;
     ZO_ASSIGN_OR_RETURN(AlignedBuffer home, AlignedBuffer::allocate(s.buffer_bytes));
     s.home.emplace(std::move(home));
@@ -354,6 +459,11 @@ Status GradAccumulator::begin_micro_step(bool first, bool last) {
     return failed_precondition(
         "gradient accumulator: begin_micro_step while a micro-step is open "
         "(end_micro_step has not succeeded; abandon_micro_step drops it)");
+  }
+  if (s.rounded && !(first && last)) {
+    return failed_precondition(
+        "gradient accumulator: stored gradients are rounded once final, so every micro-step must be the "
+        "step's only window (first and last); gradient_store_dtype needs GAS 1 or the vertical schedule");
   }
   s.open = true;
   s.first = first;
@@ -398,9 +508,9 @@ Status GradAccumulator::add(uint32_t param, std::span<const std::byte> grad, DTy
     }
   }
   for (const ParamPiece& piece : pieces) {
-    std::byte* acc = s.group_bytes(piece.sub_group) + piece.group_offset * s.gb;
-    Status st = cpu_optim::accumulate({acc, s.grad_dtype}, {grad.data() + piece.param_offset * eb, dtype},
-                                      piece.n_elems, from_zero, *s.executor);
+    std::byte* acc = s.group_bytes(piece.sub_group) + piece.group_offset * s.sb;
+    Status st = cpu_optim::accumulate({acc, s.sum_dtype}, {grad.data() + piece.param_offset * eb, dtype}, piece.n_elems,
+                                      from_zero, *s.executor);
     if (!st.is_ok()) {
       s.report.offload_s += timer.elapsed_s();
       return st.with_context("add of " + info.name);

@@ -48,8 +48,17 @@ struct ReducerOptions {
   uint64_t chunk_elems = uint64_t{1} << 22;  // GradNormReport::chunk_sq's chunks
 };
 
+// Rounds n elements of `from` at `data` to the narrower (or equal) `to` at the front of the same
+// memory, scratch.size() / sizeof(to) elements at a time through `scratch` (Note [Gradients stored
+// in 16 bits]). kInvalidArgument for a wider `to` or a scratch under one element.
+Status narrow_in_place(std::byte* data, uint64_t n, DType from, DType to, std::span<std::byte> scratch,
+                       const cpu_optim::Executor& executor);
+
 class GradAccumulator {
  public:
+  // Stored-16-bit sums are rounded in place in chunks of this many elements.
+  static constexpr uint64_t kNarrowChunkElems = uint64_t{1} << 20;
+
   // `contribution_order`: the param ids in the order gradients arrive in one micro-step (backward
   // order of the blocks; a tied param appears once per use). Gives each param's uses per
   // micro-step and, simulated, the most sub-groups open at once (first contribution arrived, not
@@ -65,9 +74,12 @@ class GradAccumulator {
 
   // The host buffers create() allocates (none when the accumulators are CPU-resident): the planner's
   // figure and create()'s. `contribution_order` must be valid (as create() checks it).
+  // bytes_each holds the largest sub-group's accumulator in the sum dtype; narrowing_bytes is the
+  // scratch that rounds stored-16-bit sums in place (Note [Gradients stored in 16 bits]), 0 otherwise.
   struct BufferPlan {
     uint32_t count = 0;
     uint64_t bytes_each = 0;
+    uint64_t narrowing_bytes = 0;
   };
   // Runs the accumulate kernel and the squared norm over n elements, as add() and the last
   // micro-step do (the planner times it).

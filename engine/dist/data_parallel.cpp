@@ -109,7 +109,7 @@ Result<GradNormReport> DataParallel::reduce_gradients() {
         ZO_RETURN_IF_ERROR(store_.read_state_range(g, StateKind::kGradAccum, offset_bytes, {p, count * elem_bytes}));
       }
       ZO_RETURN_IF_ERROR(
-          reduce_in_buckets(p, count, partitioned ? std::optional<uint32_t>(owner) : std::nullopt, what));
+          reduce_in_buckets(p, count, dtype, partitioned ? std::optional<uint32_t>(owner) : std::nullopt, what));
       double sq = 0;
       if (mine) {
         ZO_ASSIGN_OR_RETURN(sq, cpu_optim::squared_norm({p, dtype}, count, executor_));
@@ -128,8 +128,8 @@ Result<GradNormReport> DataParallel::reduce_gradients() {
   return report;
 }
 
-Status DataParallel::reduce_in_buckets(void* data, uint64_t n, std::optional<uint32_t> owner, const std::string& what) {
-  const DType dtype = store_.plan().placement.grad_dtype;
+Status DataParallel::reduce_in_buckets(void* data, uint64_t n, DType dtype, std::optional<uint32_t> owner,
+                                       const std::string& what) {
   const uint64_t bucket = std::max<uint64_t>(1, options_.reduce_bucket_elems);
   auto* bytes = static_cast<std::byte*>(data);
   for (uint64_t at = 0; at < n; at += bucket) {

@@ -55,9 +55,9 @@ class DataParallel {
   // Partitioned: every chunk's squared norm, filled by its owner (0 elsewhere), all-reduced and
   // added up in chunk order on every rank (Note [Partitioned data parallel]).
   Result<GradNormReport> owners_norm(std::vector<double> chunk_sq);
-  // Sums n gradients (the plan's grad dtype) at data over the ranks: to `owner` (reduce) or, without
+  // Sums n gradients of `dtype` at data over the ranks: to `owner` (reduce) or, without
   // one, to every rank (all-reduce), in collectives of at most reduce_bucket_elems elements.
-  Status reduce_in_buckets(void* data, uint64_t n, std::optional<uint32_t> owner, const std::string& what);
+  Status reduce_in_buckets(void* data, uint64_t n, DType dtype, std::optional<uint32_t> owner, const std::string& what);
   // The optimizer step, then (partitioned) the updated compute copies from their owners to the other
   // ranks beside it, on a thread of its own; `publish` (may be empty) is told of each sub-group whose
   // new compute copy is at its home here. Unpartitioned: optimizer.step(args) alone.

@@ -338,6 +338,7 @@ std::string MemoryPlan::to_json() const {
       {"param_pinned", placement.param_pinned},
       {"compute_dtype", dtype_name(placement.compute_dtype)},
       {"grad_dtype", dtype_name(placement.grad_dtype)},
+      {"grad_sum_dtype", dtype_name(placement.grad_sum_dtype)},
       {"moment_dtype", moment_dtype_name(placement.moments)},
   };
   j["n_sub_groups"] = n_sub_groups;
@@ -410,7 +411,8 @@ Result<MemoryPlan> plan_memory(const Config& config, const ParamRegistry& regist
   pl.optimizer_pinned = oo.pin_memory;
   pl.param_pinned = op.pin_memory;
   pl.compute_dtype = config.compute_dtype();
-  pl.grad_dtype = config.grad_accum_dtype;
+  pl.grad_dtype = config.grad_store_dtype();
+  pl.grad_sum_dtype = config.grad_accum_dtype;
   pl.moments = config.zoffload.moment_dtype == "8bit"   ? MomentDtype::k8bit
                : config.zoffload.moment_dtype == "bf16" ? MomentDtype::kBF16
                                                         : MomentDtype::kF32;

@@ -116,7 +116,11 @@ struct Placement {
   bool optimizer_pinned = true;  // offload_optimizer.pin_memory (its buffers; the states never cross PCIe)
   bool param_pinned = true;      // offload_param.pin_memory
   DType compute_dtype = DType::kF32;
-  DType grad_dtype = DType::kF32;           // data_types.grad_accum_dtype
+  DType grad_dtype = DType::kF32;      // the accumulators as stored (zoffload.gradient_store_dtype)
+  DType grad_sum_dtype = DType::kF32;  // the sums as added (data_types.grad_accum_dtype)
+  // Whether the gradient sums are stored rounded to a narrower dtype once final (Note [Gradients
+  // stored in 16 bits] in engine/coord/grad_accumulator.cpp).
+  bool grads_rounded() const { return grad_dtype != grad_sum_dtype; }
   MomentDtype moments = MomentDtype::kF32;  // exp_avg and exp_avg_sq
 };
 

@@ -277,7 +277,7 @@ void plan_host(const PlanBasis& b, RunPlan* out) {
   const GradAccumulator::BufferPlan gbuf =
       GradAccumulator::plan_buffers(b.registry, pl, b.contribution_order, mp.partition_grads);
   p.grad_ring_bytes = mp.grad_ring_bytes;  // in the pool
-  p.host_buffer_bytes = kStoreScratchBytes + uint64_t{gbuf.count} * gbuf.bytes_each +
+  p.host_buffer_bytes = kStoreScratchBytes + uint64_t{gbuf.count} * gbuf.bytes_each + gbuf.narrowing_bytes +
                         uint64_t{mp.grad_read_buffers} * mp.grad_read_buffer_bytes +
                         data_parallel_staging_bytes(mp, b.in.world_size);
   p.ram_bytes = p.pool_bytes + p.pageable_state_bytes + p.host_buffer_bytes + p.checkpoint_host_bytes +
@@ -675,7 +675,7 @@ struct Candidate {
   std::string trade;
 };
 
-std::vector<Candidate> candidates(const Config& base) {
+std::vector<Candidate> candidates(const Config& base, uint32_t world_size) {
   std::vector<Candidate> out;
   auto& oo = base.zero.offload_optimizer;
   auto& op = base.zero.offload_param;
@@ -769,9 +769,23 @@ std::vector<Candidate> candidates(const Config& base) {
                    "the same batch and update; the loss and gradients are summed in another order"});
   }
   const bool adam = base.optimizer.type == OptimizerType::kAdam || base.optimizer.type == OptimizerType::kAdamW;
-  // The candidates that round come last, so every fix that keeps the arithmetic comes first: bf16
-  // moments (4 bytes per parameter less on the optimizer's tier), then bitsandbytes' 8-bit moments
-  // (6 bytes less).
+  // The candidates that round come last, so every fix that keeps the arithmetic comes first: the
+  // gradient sums stored in bf16 (2 bytes per parameter less where the accumulators live), bf16
+  // moments (4 bytes less on the optimizer's tier), then bitsandbytes' 8-bit moments (6 bytes less).
+  if (base.grad_accum_dtype == DType::kF32 && base.grad_store_dtype() == DType::kF32 &&
+      oo.device != OffloadDevice::kNone && (world_size <= 1 || base.zero.stage >= 2)) {
+    // Note [Gradients stored in 16 bits]: one sum per step on the host, so with GAS the vertical schedule.
+    const bool to_vertical = base.gradient_accumulation_steps > 1 && base.zoffload.schedule != "vertical";
+    out.push_back(
+        {std::string("zoffload.gradient_store_dtype: bf16") + (to_vertical ? " and zoffload.schedule: vertical" : ""),
+         [](Config& c) {
+           c.zoffload.gradient_store_dtype = "bf16";
+           if (c.gradient_accumulation_steps > 1) c.zoffload.schedule = "vertical";
+           return true;
+         },
+         "rounds: each step's fp32 gradient sum is stored in bf16 once final; the norm, clipping and "
+         "overflow check are the fp32 sum's, and masters, moments and the update stay fp32"});
+  }
   if (base.zoffload.moment_dtype == "fp32" && oo.device != OffloadDevice::kNone && adam) {
     out.push_back({"zoffload.moment_dtype: bf16",
                    [](Config& c) {
@@ -804,7 +818,7 @@ std::vector<PlanFix> suggest_fixes(const PlanInputs& in, size_t max_fixes) {
   std::vector<PlanFix> out;
   auto first = plan_run(in);
   if (!first.is_ok() || first->fits()) return out;
-  const std::vector<Candidate> cs = candidates(in.config);
+  const std::vector<Candidate> cs = candidates(in.config, in.world_size);
   auto try_changes = [&](const std::vector<const Candidate*>& chosen) {
     PlanInputs next = in;
     std::vector<std::string> names, trades;

@@ -281,7 +281,8 @@ Status Trainer::Impl::create_step_pipeline() {
     // backward produces them; the training thread issues no collective until the worker is drained.
     reducer.chunk_elems = kDataParallelChunkElems;
     reducer.reduce = [this](uint32_t g, std::byte* data, uint64_t n) {
-      return data_parallel->reduce_in_buckets(data, n, registry->partition_of_group(g),
+      // In the sum dtype: stored-16-bit gradients are rounded by their owner after the reduce.
+      return data_parallel->reduce_in_buckets(data, n, plan.placement.grad_sum_dtype, registry->partition_of_group(g),
                                               "reducing the gradients of sub-group " + std::to_string(g));
     };
   }
@@ -590,8 +591,9 @@ std::string Trainer::describe() const {
   std::ostringstream s;
   s << "model " << m.opt.model << " (" << m.model.num_hidden_layers << " layers, hidden " << m.model.hidden_size << ", "
     << format_count(m.registry->total_elems()) << " params) | " << dtype_name(m.compute_dtype) << " compute, "
-    << dtype_name(pl.grad_dtype) << " gradients | ZeRO stage " << m.opt.config.zero.stage << ", "
-    << m.registry->sub_groups().size() << " sub-groups";
+    << dtype_name(pl.grad_dtype) << " gradients"
+    << (pl.grads_rounded() ? " (" + std::string(dtype_name(pl.grad_sum_dtype)) + " sums, norm before rounding)" : "")
+    << " | ZeRO stage " << m.opt.config.zero.stage << ", " << m.registry->sub_groups().size() << " sub-groups";
   if (m.plan.partitioned())
     s << " (this rank steps " << m.plan.owned_begin << "-" << m.plan.owned_end - 1 << ": partition " << m.rank()
       << " of " << m.world_size()

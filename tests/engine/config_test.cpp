@@ -1041,7 +1041,8 @@ TEST(ConfigKeys, EveryKeyIsReadAndWrittenAtItsPath) {
       ASSERT_TRUE(c0) << all(d0.errors);
       const json resolved = at(to_json(*c0), k.path);
       for (const json& v : candidates(k, resolved)) {
-        if (v == resolved) continue;
+        // "auto" is every choice key's default, or (zoffload.gradient_store_dtype) resolved away.
+        if (v == resolved || v == "auto") continue;
         json j = b;
         put(&j, k.path, v);
         ConfigDiagnostics d;
@@ -1140,6 +1141,74 @@ TEST(ConfigParse, MomentDtypesAndDeepSpeedsBf16OptimizerStates) {
     EXPECT_FALSE(parse(with(patch), &d)) << patch.dump();
     EXPECT_THAT(all(d.errors), HasSubstr(want)) << patch.dump();
   }
+}
+
+// zoffload.gradient_store_dtype: "auto" is the accumulation dtype; "bf16" over fp32 sums only where
+// the host holds one sum per step (GAS 1 or vertical), with the optimizer offloaded, and with several
+// ranks only at stage 2 or 3.
+TEST(ConfigParse, GradientStoreDtype) {
+  auto with = [](json patch) {
+    json j = base();
+    j["zero_optimization"] = {{"stage", 2}, {"offload_optimizer", {{"device", "cpu"}}}};
+    j["bf16"] = {{"enabled", true}};
+    j.merge_patch(patch);
+    return j;
+  };
+  struct Accepted {
+    json patch;
+    std::string resolved;
+    DType stored;
+  };
+  const Accepted accepted[] = {
+      {json::object(), "fp32", DType::kF32},
+      {{{"data_types", {{"grad_accum_dtype", "bf16"}}}}, "bf16", DType::kBF16},
+      {{{"zoffload", {{"gradient_store_dtype", "bf16"}}}}, "bf16", DType::kBF16},
+      {{{"zoffload", {{"gradient_store_dtype", "fp32"}}}}, "fp32", DType::kF32},
+      {{{"zoffload", {{"gradient_store_dtype", "bf16"}, {"schedule", "vertical"}}}, {"gradient_accumulation_steps", 4}},
+       "bf16",
+       DType::kBF16},
+      {{{"data_types", {{"grad_accum_dtype", "bf16"}}}, {"zoffload", {{"gradient_store_dtype", "bf16"}}}},
+       "bf16",
+       DType::kBF16},
+  };
+  for (const Accepted& a : accepted) {
+    ConfigDiagnostics d;
+    const auto c = parse(with(a.patch), &d);
+    ASSERT_TRUE(c) << a.patch.dump() << ": " << all(d.errors);
+    EXPECT_EQ(c->zoffload.gradient_store_dtype, a.resolved) << a.patch.dump();
+    EXPECT_EQ(c->grad_store_dtype(), a.stored) << a.patch.dump();
+  }
+  {  // several ranks at stage 2: the fp32 sums are reduced before their owner rounds them
+    ConfigDiagnostics d;
+    ResolveContext two;
+    two.world_size = 2;
+    EXPECT_TRUE(parse(with({{"zoffload", {{"gradient_store_dtype", "bf16"}}}}), &d, two)) << all(d.errors);
+  }
+  const std::pair<json, std::string> refused[] = {
+      {{{"zoffload", {{"gradient_store_dtype", "bf16"}}}, {"gradient_accumulation_steps", 4}},
+       "zoffload.gradient_store_dtype: \"bf16\" needs the step's whole sum on the host at once, but "
+       "gradient_accumulation_steps is 4 with the horizontal schedule: set zoffload.schedule to \"vertical\""},
+      {{{"zoffload", {{"gradient_store_dtype", "fp16"}}}},
+       "zoffload.gradient_store_dtype: \"fp16\" cannot hold every loss-scaled fp32 sum"},
+      {{{"zoffload", {{"gradient_store_dtype", "fp32"}}}, {"data_types", {{"grad_accum_dtype", "bf16"}}}},
+       "zoffload.gradient_store_dtype: \"fp32\" needs fp32 sums (data_types.grad_accum_dtype is bf16"},
+      {{{"zoffload", {{"gradient_store_dtype", "bf16"}}},
+        {"zero_optimization", {{"offload_optimizer", {{"device", "none"}}}}}},
+       "zoffload.gradient_store_dtype: \"bf16\" stores the gradient sums the host keeps for the optimizer"},
+      {{{"zoffload", {{"gradient_store_dtype", "int8"}}}}, "zoffload.gradient_store_dtype"},
+  };
+  for (const auto& [patch, want] : refused) {
+    ConfigDiagnostics d;
+    EXPECT_FALSE(parse(with(patch), &d)) << patch.dump();
+    EXPECT_THAT(all(d.errors), HasSubstr(want)) << patch.dump();
+  }
+  ConfigDiagnostics d;
+  ResolveContext two;
+  two.world_size = 2;
+  EXPECT_FALSE(
+      parse(with({{"zero_optimization", {{"stage", 1}}}, {"zoffload", {{"gradient_store_dtype", "bf16"}}}}), &d, two));
+  EXPECT_THAT(all(d.errors), HasSubstr("zoffload.gradient_store_dtype: \"bf16\" with 2 ranks needs "
+                                       "zero_optimization.stage 2 or 3"));
 }
 
 }  // namespace

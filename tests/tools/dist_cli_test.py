@@ -62,8 +62,10 @@ def free_port():
 
 
 def write_config(tmp, name, micro, gas, placement="nvme", ckpt_every=None, tbs=None, stage=None, grads=None,
-                 buckets=None, moments=None):
+                 buckets=None, moments=None, store=None):
     c = json.loads(json.dumps(BASE))
+    if store is not None:
+        c["zoffload"]["gradient_store_dtype"] = store
     if moments is not None:
         c["zoffload"]["moment_dtype"] = moments
     if buckets is not None:
@@ -238,6 +240,33 @@ with tempfile.TemporaryDirectory(dir=os.environ.get("MESON_BUILD_ROOT")) as tmp:
                "world 2, 8-bit moments: the weights are bit-identical with the states on nvme and cpu")
         expect(any(not np.array_equal(a[k].view(np.uint32), f[k].view(np.uint32)) for k in a),
                "world 2: 8-bit moments give other weights than fp32 ones (they ran)")
+
+    # Gradients stored in bf16 (zoffload.gradient_store_dtype): at stage 3 each micro-step's fp32 sums
+    # are reduced to their owner, which takes their norm and only then rounds them (Note [Gradients
+    # stored in 16 bits]): step 1's gradient norm is the fp32 run's bit for bit, the weights are the
+    # same on nvme and cpu, and not fp32's. At stage 1 the stored gradients would be summed over the
+    # ranks, so it is refused before any rendezvous.
+    stored = {}
+    for placement in ("nvme", "cpu"):
+        out = os.path.join(tmp, "w2-bf16grads-" + placement)
+        p = torchrun(2, train_args(write_config(tmp, "m1-bf16grads-" + placement, 1, 1, placement, store="bf16"), out))
+        if expect(p.returncode == 0, "world 2 with bf16-stored gradients (%s) trains: %s" % (placement, p.stderr[-3000:])):
+            stored[placement] = out
+            expect("bf16 gradients (fp32 sums, norm before rounding)" in p.stdout,
+                   "the start line says the gradients are stored in bf16: %s" % p.stdout[:1500])
+    if len(stored) == 2 and "nvme" in runs:
+        a, b, f = weights(stored["nvme"]), weights(stored["cpu"]), weights(runs["nvme"])
+        expect(all(np.array_equal(a[k].view(np.uint32), b[k].view(np.uint32)) for k in a),
+               "world 2, bf16-stored gradients: the weights are bit-identical with the states on nvme and cpu")
+        expect(any(not np.array_equal(a[k].view(np.uint32), f[k].view(np.uint32)) for k in a),
+               "world 2: bf16-stored gradients give other weights than fp32 ones (they were rounded)")
+        g16, g32 = metrics(stored["nvme"])[0]["grad_norm"], metrics(runs["nvme"])[0]["grad_norm"]
+        expect(g16 == g32, "world 2: step 1's gradient norm is the fp32 sums' with bf16-stored gradients "
+                           "(%.17g vs %.17g)" % (g16, g32))
+    p = torchrun(2, train_args(write_config(tmp, "m1-bf16grads-stage1", 1, 1, "cpu", stage=1, store="bf16"),
+                               os.path.join(tmp, "refused-stage1")), timeout=120)
+    expect(p.returncode != 0 and "zoffload.gradient_store_dtype" in p.stderr and "stage 2 or 3" in p.stderr,
+           "world 2 at stage 1 with bf16-stored gradients is refused naming the key: %s" % p.stderr[-1500:])
 
     # ---- partitioned (stages 1, 3) vs replicated (stage 0) states at world 2 ---------------------------
     # Note [Partitioned data parallel]: with two ranks the reduce to the owner computes the same sums

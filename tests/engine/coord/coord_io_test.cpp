@@ -298,6 +298,102 @@ TEST(GradAccumulator, BitIdenticalOnCpuDeviceAndNvme) {
   }
 }
 
+// bf16 rounded to nearest even, NaN kept quiet: written here, not taken from cpu_optim.
+uint16_t bf16_nearest_even(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+Bytes rounded_to_bf16(const Bytes& fp32) {
+  Bytes out(fp32.size() / 2);
+  for (size_t i = 0; i < fp32.size() / 4; ++i) {
+    float f;
+    std::memcpy(&f, fp32.data() + 4 * i, 4);
+    const uint16_t b = bf16_nearest_even(f);
+    std::memcpy(out.data() + 2 * i, &b, 2);
+  }
+  return out;
+}
+
+// Note [Gradients stored in 16 bits]: with zoffload.gradient_store_dtype bf16 over fp32 sums, every
+// tier stores each fp32 sum (a tied param's two contributions added in fp32 first) rounded once to
+// bf16, and the norm is the fp32 sums' — the same bits as with fp32 accumulators.
+TEST(GradAccumulator, Bf16StoredSumsAreTheFp32SumsRoundedOnceWithTheFp32Norm) {
+  for (DType gdt : {DType::kF32, DType::kBF16}) {
+    SCOPED_TRACE("grad " + std::string(dtype_name(gdt)));
+    std::vector<Bytes> expected;
+    uint64_t fp32_norm = 0;
+    for (const char* tier : {"cpu", "nvme"}) {  // the config refuses it with the optimizer on the device
+      for (const char* store : {"auto", "bf16"}) {
+        SCOPED_TRACE(std::string("tier ") + tier + " store " + store);
+        Placing p;
+        p.optimizer = tier;
+        p.param = "cpu";
+        p.store = store;
+        Rig rig;
+        Status st = rig.init(p);
+        ASSERT_TRUE(st.is_ok()) << st.to_string();
+        const bool rounded = std::string(store) == "bf16";
+        ASSERT_EQ(rig.grad_bytes(), rounded ? 2u : 4u);
+        const auto grads = testing::random_grads(rig, 1, gdt, 33);
+        if (expected.empty()) {
+          for (const Bytes& sum : testing::reference_accumulate(rig, grads, gdt, DType::kF32))
+            expected.push_back(rounded_to_bf16(sum));
+        }
+        auto acc = GradAccumulator::create(*rig.store, testing::contribution_order(), testing::executor());
+        ASSERT_TRUE(acc.is_ok()) << acc.status().to_string();
+        if (rounded) {  // a window that is not the step's only one would add to rounded sums
+          st = (*acc)->begin_micro_step(true, false);
+          EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition);
+          EXPECT_THAT(st.message(), HasSubstr("vertical schedule"));
+        }
+        ASSERT_TRUE((*acc)->begin_micro_step(true, true).is_ok());
+        const auto order = testing::contribution_order();
+        for (size_t c = 0; c < order.size(); ++c) {
+          st = (*acc)->add(order[c], grads[0][c], gdt);
+          ASSERT_TRUE(st.is_ok()) << st.to_string();
+        }
+        auto report = (*acc)->end_micro_step();
+        ASSERT_TRUE(report.is_ok()) << report.status().to_string();
+        EXPECT_GT(report->sum_sq, 0.0);
+        if (fp32_norm == 0) fp32_norm = double_bits(report->sum_sq);
+        EXPECT_EQ(double_bits(report->sum_sq), fp32_norm);
+        if (rounded) {
+          EXPECT_EQ(rig.gather(StateKind::kGradAccum), expected);
+          if (std::string(tier) == "nvme") EXPECT_EQ(report->bytes_written, rig.registry.total_elems() * 2);
+        }
+      }
+    }
+  }
+}
+
+// Rounding in place through a scratch smaller than the data, over odd sizes, gives what rounding
+// into another buffer gives.
+TEST(GradAccumulator, NarrowInPlaceThroughASmallScratchMatchesRoundingElsewhere) {
+  std::mt19937 rng(4);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  for (uint64_t n : {1u, 7u, 64u, 1000u, 4099u}) {
+    for (uint64_t scratch_elems : {1u, 5u, 64u, 5000u}) {
+      Bytes data(n * 4);
+      for (uint64_t i = 0; i < n; ++i) {
+        const float f = normal(rng);
+        std::memcpy(data.data() + 4 * i, &f, 4);
+      }
+      const Bytes want = rounded_to_bf16(data);
+      Bytes scratch(scratch_elems * 2);
+      Status st = narrow_in_place(data.data(), n, DType::kF32, DType::kBF16, scratch, testing::executor());
+      ASSERT_TRUE(st.is_ok()) << st.to_string();
+      EXPECT_EQ(Bytes(data.begin(), data.begin() + static_cast<std::ptrdiff_t>(n * 2)), want)
+          << "n " << n << " scratch " << scratch_elems;
+    }
+  }
+  Bytes one(4), none;
+  EXPECT_EQ(narrow_in_place(one.data(), 1, DType::kF32, DType::kBF16, none, testing::executor()).code(),
+            StatusCode::kInvalidArgument);
+}
+
 TEST(GradAccumulator, WriteErrorNamesTheSubGroup) {
   Placing p;
   p.optimizer = "nvme";

@@ -44,7 +44,8 @@ struct Placing {
   std::string optimizer = "cpu";  // offload_optimizer.device (also the gradient accumulators' tier)
   std::string param = "cpu";      // offload_param.device
   bool bf16 = true;
-  std::string grad = "fp32";  // data_types.grad_accum_dtype
+  std::string grad = "fp32";   // data_types.grad_accum_dtype
+  std::string store = "auto";  // zoffload.gradient_store_dtype
   uint64_t max_in_cpu = 1'000'000'000;
   uint64_t param_buffer_count = 4;
   bool pin = true;
@@ -76,6 +77,8 @@ inline Config make_config(const Placing& s, const std::string& dir) {
                            json_bool(s.bf16) + R"(},
     "data_types": {"grad_accum_dtype": ")" +
                            s.grad + R"("},
+    "zoffload": {"gradient_store_dtype": ")" +
+                           s.store + R"("},
     "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}})";
   return parse_test_config(json);
 }

@@ -287,6 +287,72 @@ TEST(Planner, Bf16MomentsSaveFourBytesAParameterAndComeBefore8bit) {
   EXPECT_TRUE(offered);
 }
 
+// Note [Gradients stored in 16 bits]: the accumulators in bf16 (2 bytes per parameter less where
+// they live) summed in fp32 host buffers of the largest sub-group each, one per sub-group open at
+// once, plus a 2 MiB rounding scratch where they are not in RAM. Offered as a fix that rounds,
+// before bf16 moments, and with the vertical schedule when the config accumulates horizontally.
+TEST(Planner, Bf16StoredGradientsSaveTwoBytesAParameterLessTheirFp32Buffers) {
+  for (const char* where : {"cpu", "nvme"}) {
+    SCOPED_TRACE(where);
+    PlanInputs in = tiny_inputs(OffloadDevice::kCpu, OffloadDevice::kCpu);
+    in.config.zero.sub_group_size = 65536;
+    in.config.zoffload.gradient_accumulators = where;
+    auto fp32 = plan_run(in);
+    PlanInputs q = in;
+    q.config.zoffload.gradient_store_dtype = "bf16";
+    auto bf16 = plan_run(q);
+    ASSERT_TRUE(fp32.is_ok() && bf16.is_ok());
+    EXPECT_EQ(bf16->memory.placement.grad_dtype, DType::kBF16);
+    EXPECT_EQ(bf16->memory.placement.grad_sum_dtype, DType::kF32);
+    const uint64_t n = fp32->n_params, groups = fp32->memory.n_sub_groups;
+    const uint64_t largest = 65536;  // the tiny preset's largest tensor is under a sub-group
+    if (std::string(where) == "cpu") {
+      // The states: 2 bytes a parameter less, each sub-group's accumulator rounded up to 4 KiB.
+      const uint64_t saved = fp32->memory.cpu_pageable_bytes - bf16->memory.cpu_pageable_bytes;
+      EXPECT_GE(saved + groups * 4096, 2 * n);
+      EXPECT_LE(saved, 2 * n + groups * 4096);
+      // The buffers: none before (summed in place), now at least one fp32 sub-group.
+      EXPECT_GE(bf16->host_buffer_bytes - fp32->host_buffer_bytes, 4 * largest);
+    } else {
+      // The NVMe section shrinks; the accumulator's buffers hold the same fp32 sub-groups, plus the
+      // scratch (min(65536, 2^20) bf16 elements), and the optimizer's read buffers hold bf16 now.
+      EXPECT_LT(bf16->memory.nvme_optimizer_bytes, fp32->memory.nvme_optimizer_bytes);
+      const MemoryPlan &a = fp32->memory, &b = bf16->memory;
+      EXPECT_EQ(b.grad_read_buffers, a.grad_read_buffers);
+      EXPECT_EQ(b.grad_read_buffer_bytes * 2, a.grad_read_buffer_bytes);
+      EXPECT_EQ(bf16->host_buffer_bytes + a.grad_read_buffers * (a.grad_read_buffer_bytes - b.grad_read_buffer_bytes),
+                fp32->host_buffer_bytes + 2 * largest);
+      EXPECT_LT(bf16->nvme_write_bytes, fp32->nvme_write_bytes);
+    }
+  }
+
+  PlanInputs in = tiny_inputs(OffloadDevice::kCpu, OffloadDevice::kCpu);
+  in.config.zero.sub_group_size = 65536;
+  in.config.zoffload.gradient_accumulators = "cpu";
+  in.config.gradient_accumulation_steps = 2;
+  auto fp32 = plan_run(in);
+  PlanInputs q = in;
+  q.config.zoffload.gradient_store_dtype = "bf16";
+  q.config.zoffload.schedule = "vertical";
+  auto bf16 = plan_run(q);
+  ASSERT_TRUE(fp32.is_ok() && bf16.is_ok());
+  ASSERT_TRUE(bf16->fits());
+  in.host.ram_available_bytes = bf16->ram_bytes + bf16->process_bytes;
+  ASSERT_FALSE(plan_run(in)->fits());
+  const std::vector<PlanFix> fixes = suggest_fixes(in, 16);
+  size_t at_grads = fixes.size(), at_moments = fixes.size();
+  for (size_t i = 0; i < fixes.size(); ++i) {
+    if (fixes[i].changes.size() != 1) continue;
+    if (fixes[i].changes[0] == "zoffload.gradient_store_dtype: bf16 and zoffload.schedule: vertical") at_grads = i;
+    if (fixes[i].changes[0] == "zoffload.moment_dtype: bf16") at_moments = i;
+  }
+  ASSERT_LT(at_grads, fixes.size()) << fixes.size() << " fixes";
+  EXPECT_LT(at_grads, at_moments);
+  EXPECT_THAT(fixes[at_grads].trade, HasSubstr("rounds"));
+  EXPECT_THAT(fixes[at_grads].trade, HasSubstr("norm"));
+  EXPECT_THAT(fixes[at_grads].result, HasSubstr("; fits"));
+}
+
 // Its sibling with 8-bit moments and everything in RAM: on the same 128 GiB host nothing touches a
 // drive. Every llama3-8b tensor has ≥ 4096 elements, so each moment is n + 4⌈n/256⌉ bytes per
 // sub-group: the pageable states are the fp32 masters and accumulators (8 B per parameter) and the

@@ -90,6 +90,7 @@ struct RunSetup {
   std::string schedule = "horizontal";  // zoffload.schedule
   std::string checkpoints = "auto";     // zoffload.activation_checkpoints
   std::string accumulators = "auto";    // zoffload.gradient_accumulators
+  std::string store = "auto";           // zoffload.gradient_store_dtype
 };
 
 Config make_config(const RunSetup& s, const std::string& nvme) {
@@ -111,7 +112,8 @@ Config make_config(const RunSetup& s, const std::string& nvme) {
                         {"gpu_memory_limit", s.gpu_limit},
                         {"schedule", s.schedule},
                         {"activation_checkpoints", s.checkpoints},
-                        {"gradient_accumulators", s.accumulators}}}};
+                        {"gradient_accumulators", s.accumulators},
+                        {"gradient_store_dtype", s.store}}}};
   if (s.scheduler)
     j["scheduler"] = {{"type", "WarmupCosineLR"},
                       {"params", {{"warmup_num_steps", 3}, {"total_num_steps", 20}, {"warmup_type", "linear"}}}};
@@ -555,6 +557,75 @@ TEST(Trainer, VerticalScheduleMatchesHorizontalOnEveryPlacementAndPrecision) {
       EXPECT_LT(v_wr, h_wr) << "NVMe bytes written per step";
     }
   }
+}
+
+// Note [Gradients stored in 16 bits]: the step's fp32 sums rounded once to bf16 where the optimizer
+// reads them, on every tier and schedule the same bits, with the fp32 sums' norm: step 1's norm
+// equals the fp32-stored run's, and the weights do not (the rounding happened).
+TEST(Trainer, Bf16StoredGradientsAreBitIdenticalAcrossPlacementsWithTheFp32Norm) {
+  constexpr int kSteps = 5;
+  struct Variant {
+    const char* name;
+    RunSetup setup;
+  };
+  const RunSetup ref_setup{.optimizer = "cpu", .grad_accum = 3, .schedule = "vertical", .store = "bf16"};
+  const std::vector<Variant> variants = {
+      {"params cpu, optimizer nvme, accumulators nvme",
+       {.param = "cpu",
+        .optimizer = "nvme",
+        .grad_accum = 3,
+        .schedule = "vertical",
+        .accumulators = "nvme",
+        .store = "bf16"}},
+      {"params nvme, optimizer nvme, accumulators cpu",
+       {.param = "nvme",
+        .optimizer = "nvme",
+        .max_in_cpu = 0,
+        .grad_accum = 3,
+        .schedule = "vertical",
+        .accumulators = "cpu",
+        .store = "bf16"}},
+      {"stage 2, optimizer cpu, accumulators nvme",
+       {.stage = 2,
+        .optimizer = "cpu",
+        .grad_accum = 3,
+        .schedule = "vertical",
+        .accumulators = "nvme",
+        .store = "bf16"}},
+  };
+  TempDir ref_dir, fp32_dir;
+  std::vector<StepMetrics> ref_metrics, fp32_metrics;
+  nlohmann::json plan;
+  const auto reference = train(make_options(ref_setup, ref_dir), kSteps, &ref_metrics, &plan);
+  EXPECT_EQ(plan["memory_plan"]["placement"]["grad_dtype"], "bf16") << plan.dump();
+  EXPECT_EQ(plan["memory_plan"]["placement"]["grad_sum_dtype"], "fp32") << plan.dump();
+  EXPECT_LT(ref_metrics.back().loss, ref_metrics.front().loss);
+  RunSetup fp32_setup = ref_setup;
+  fp32_setup.store = "auto";
+  const auto fp32 = train(make_options(fp32_setup, fp32_dir), kSteps, &fp32_metrics);
+  EXPECT_EQ(ref_metrics[0].grad_norm, fp32_metrics[0].grad_norm);
+  EXPECT_EQ(ref_metrics[0].loss, fp32_metrics[0].loss);
+  EXPECT_FALSE(bit_identical(reference, fp32));
+  for (const Variant& v : variants) {
+    SCOPED_TRACE(v.name);
+    TempDir dir;
+    std::vector<StepMetrics> metrics;
+    const auto weights = train(make_options(v.setup, dir), kSteps, &metrics);
+    EXPECT_TRUE(bit_identical(weights, reference));
+    ASSERT_EQ(metrics.size(), ref_metrics.size());
+    for (size_t i = 0; i < metrics.size(); ++i) {
+      EXPECT_EQ(metrics[i].loss, ref_metrics[i].loss) << "step " << i + 1;
+      EXPECT_EQ(metrics[i].grad_norm, ref_metrics[i].grad_norm) << "step " << i + 1;
+    }
+  }
+  // GAS 1 needs no vertical schedule (one window per step either way). With bf16 compute and no
+  // tied parameter each gradient leaves the device in bf16 and its sum is that one value, so storing
+  // it in bf16 rounds nothing: the weights are the fp32-stored run's.
+  TempDir one_dir, one_fp32_dir;
+  RunSetup one_setup{.param = "cpu", .optimizer = "nvme", .grad_accum = 1, .accumulators = "nvme", .store = "bf16"};
+  const auto one = train(make_options(one_setup, one_dir), 3);
+  one_setup.store = "auto";
+  EXPECT_TRUE(bit_identical(one, train(make_options(one_setup, one_fp32_dir), 3)));
 }
 
 // Note [Checkpoints on the CPU]: the layers' inputs wait in pinned host slots and come back for
