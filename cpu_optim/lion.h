@@ -3,6 +3,7 @@
 // and must not touch them from another thread during the call. Spans must not overlap.
 #pragma once
 
+#include <cstdint>
 #include <span>
 
 #include "common/status.h"
@@ -24,5 +25,11 @@ struct LionConfig {
 // Fails with kInvalidArgument on mismatched sizes, null data or out-of-range hyperparameters.
 Status lion_step(const LionConfig& config, std::span<float> params, std::span<float> exp_avg, ConstElemSpan grad,
                  float grad_scale, ElemSpan copy_out, const Executor& executor);
+
+// The same step with the momentum kept in bf16 (zoffload.moment_dtype "bf16"): widened exactly as
+// it is read, the update (the parameter's included) in fp32, stored rounded to nearest even. One
+// step equals lion_step's with the state rounded afterwards.
+Status lion_step_bf16_state(const LionConfig& config, std::span<float> params, std::span<uint16_t> exp_avg,
+                            ConstElemSpan grad, float grad_scale, ElemSpan copy_out, const Executor& executor);
 
 }  // namespace zo::cpu_optim

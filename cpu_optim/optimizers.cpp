@@ -134,13 +134,15 @@ Status adam_step_bf16_moments(const AdamConfig& config, int64_t step, std::span<
                   exp_avg_sq.size(), DType::kBF16, grad, grad_scale, copy_out, executor);
 }
 
-Status adagrad_step(const AdagradConfig& config, std::span<float> params, std::span<float> exp_avg_sq,
-                    ConstElemSpan grad, float grad_scale, ElemSpan copy_out, const Executor& executor) {
-  const char* op = "adagrad_step";
+namespace {
+
+Status run_adagrad(const char* op, const AdagradConfig& config, std::span<float> params, void* exp_avg_sq,
+                   size_t exp_avg_sq_n, DType state_dtype, ConstElemSpan grad, float grad_scale, ElemSpan copy_out,
+                   const Executor& executor) {
   const size_t n = params.size();
-  ZO_RETURN_IF_ERROR(check_sizes(op, n, {{"exp_avg_sq", exp_avg_sq.size()}}));
+  ZO_RETURN_IF_ERROR(check_sizes(op, n, {{"exp_avg_sq", exp_avg_sq_n}}));
   ZO_RETURN_IF_ERROR(
-      check_pointers(op, n, {{"params", params.data()}, {"exp_avg_sq", exp_avg_sq.data()}, {"grad", grad.data}}));
+      check_pointers(op, n, {{"params", params.data()}, {"exp_avg_sq", exp_avg_sq}, {"grad", grad.data}}));
   ZO_RETURN_IF_ERROR(check_hyperparameter(op, "lr", config.lr, 0.0f, kInf, true));
   ZO_RETURN_IF_ERROR(check_hyperparameter(op, "eps", config.eps, 0.0f, kInf, true));
   ZO_RETURN_IF_ERROR(check_hyperparameter(op, "weight_decay", config.weight_decay, 0.0f, kInf, true));
@@ -150,7 +152,8 @@ Status adagrad_step(const AdagradConfig& config, std::span<float> params, std::s
 
   detail::AdagradArgs a{};
   a.params = params.data();
-  a.exp_avg_sq = exp_avg_sq.data();
+  a.exp_avg_sq = exp_avg_sq;
+  a.state_dtype = state_dtype;
   a.grad = grad.data;
   a.grad_dtype = grad.dtype;
   a.copy_out = copy_out.data;
@@ -165,13 +168,11 @@ Status adagrad_step(const AdagradConfig& config, std::span<float> params, std::s
   return Status::ok();
 }
 
-Status lion_step(const LionConfig& config, std::span<float> params, std::span<float> exp_avg, ConstElemSpan grad,
-                 float grad_scale, ElemSpan copy_out, const Executor& executor) {
-  const char* op = "lion_step";
+Status run_lion(const char* op, const LionConfig& config, std::span<float> params, void* exp_avg, size_t exp_avg_n,
+                DType state_dtype, ConstElemSpan grad, float grad_scale, ElemSpan copy_out, const Executor& executor) {
   const size_t n = params.size();
-  ZO_RETURN_IF_ERROR(check_sizes(op, n, {{"exp_avg", exp_avg.size()}}));
-  ZO_RETURN_IF_ERROR(
-      check_pointers(op, n, {{"params", params.data()}, {"exp_avg", exp_avg.data()}, {"grad", grad.data}}));
+  ZO_RETURN_IF_ERROR(check_sizes(op, n, {{"exp_avg", exp_avg_n}}));
+  ZO_RETURN_IF_ERROR(check_pointers(op, n, {{"params", params.data()}, {"exp_avg", exp_avg}, {"grad", grad.data}}));
   ZO_RETURN_IF_ERROR(check_hyperparameter(op, "lr", config.lr, 0.0f, kInf, true));
   ZO_RETURN_IF_ERROR(check_hyperparameter(op, "beta1", config.beta1, 0.0f, 1.0f, false));
   ZO_RETURN_IF_ERROR(check_hyperparameter(op, "beta2", config.beta2, 0.0f, 1.0f, false));
@@ -182,7 +183,8 @@ Status lion_step(const LionConfig& config, std::span<float> params, std::span<fl
 
   detail::LionArgs a{};
   a.params = params.data();
-  a.exp_avg = exp_avg.data();
+  a.exp_avg = exp_avg;
+  a.state_dtype = state_dtype;
   a.grad = grad.data;
   a.grad_dtype = grad.dtype;
   a.copy_out = copy_out.data;
@@ -198,6 +200,32 @@ Status lion_step(const LionConfig& config, std::span<float> params, std::span<fl
   const auto kernel = table_for(executor).lion;
   executor.for_each_tile(n, [&](size_t begin, size_t end) { kernel(a, begin, end); });
   return Status::ok();
+}
+
+}  // namespace
+
+Status adagrad_step(const AdagradConfig& config, std::span<float> params, std::span<float> exp_avg_sq,
+                    ConstElemSpan grad, float grad_scale, ElemSpan copy_out, const Executor& executor) {
+  return run_adagrad("adagrad_step", config, params, exp_avg_sq.data(), exp_avg_sq.size(), DType::kF32, grad,
+                     grad_scale, copy_out, executor);
+}
+
+Status adagrad_step_bf16_state(const AdagradConfig& config, std::span<float> params, std::span<uint16_t> exp_avg_sq,
+                               ConstElemSpan grad, float grad_scale, ElemSpan copy_out, const Executor& executor) {
+  return run_adagrad("adagrad_step_bf16_state", config, params, exp_avg_sq.data(), exp_avg_sq.size(), DType::kBF16,
+                     grad, grad_scale, copy_out, executor);
+}
+
+Status lion_step(const LionConfig& config, std::span<float> params, std::span<float> exp_avg, ConstElemSpan grad,
+                 float grad_scale, ElemSpan copy_out, const Executor& executor) {
+  return run_lion("lion_step", config, params, exp_avg.data(), exp_avg.size(), DType::kF32, grad, grad_scale, copy_out,
+                  executor);
+}
+
+Status lion_step_bf16_state(const LionConfig& config, std::span<float> params, std::span<uint16_t> exp_avg,
+                            ConstElemSpan grad, float grad_scale, ElemSpan copy_out, const Executor& executor) {
+  return run_lion("lion_step_bf16_state", config, params, exp_avg.data(), exp_avg.size(), DType::kBF16, grad,
+                  grad_scale, copy_out, executor);
 }
 
 Status adam8bit_step(const AdamConfig& config, int64_t step, std::span<float> params, BlockwiseState exp_avg,

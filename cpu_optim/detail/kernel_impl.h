@@ -146,33 +146,38 @@ void adam_kernel(const AdamArgs& a, size_t begin, size_t end) {
   else run.template operator()<DType::kF32>();
 }
 
+// Adagrad's and Lion's state in fp32 or bf16, as Adam's moments: widened as read, the update (the
+// parameter's included) in fp32, stored rounded to nearest even.
 template <class V>
 void adagrad_kernel(const AdagradArgs& a, size_t begin, size_t end) {
   using F = typename V::F;
   const F scale = V::set1(a.grad_scale), eps = V::set1(a.eps), neg_lr = V::set1(a.neg_lr), wd = V::set1(a.weight_decay);
   const bool use_decay = a.use_decay;
-  with_dtypes(a.grad_dtype, a.copy_out, a.copy_dtype, [&]<DType G, bool kCopy, DType C>() {
-    const Stream streams[4] = {{a.params, 4, true},
-                               {a.exp_avg_sq, 4, true},
-                               {const_cast<void*>(a.grad), kElemBytes<G>, false},
-                               {kCopy ? a.copy_out : nullptr, kElemBytes<C>, true}};
-    for_blocks<V::W>(streams, begin, end, [&](const Ptrs<4>& at, size_t i) {
-      float* pp = static_cast<float*>(at.p[0]) + i;
-      float* vp = static_cast<float*>(at.p[1]) + i;
-      const F num = V::mul(load_elems<V, G>(at.p[2], i), scale);
-      F p = V::load(pp);
-      F g = num;
-      if (use_decay) g = V::fma(p, wd, g);
-      F v = V::fma(g, g, V::load(vp));
-      F d = V::sqrt(v);
-      d = V::add(d, eps);
-      d = V::div(num, d);
-      p = V::fma(d, neg_lr, p);
-      V::store(pp, p);
-      V::store(vp, v);
-      if constexpr (kCopy) store_elems<V, C>(at.p[3], i, p);
+  auto run = [&]<DType M>() {
+    with_dtypes(a.grad_dtype, a.copy_out, a.copy_dtype, [&]<DType G, bool kCopy, DType C>() {
+      const Stream streams[4] = {{a.params, 4, true},
+                                 {a.exp_avg_sq, kElemBytes<M>, true},
+                                 {const_cast<void*>(a.grad), kElemBytes<G>, false},
+                                 {kCopy ? a.copy_out : nullptr, kElemBytes<C>, true}};
+      for_blocks<V::W>(streams, begin, end, [&](const Ptrs<4>& at, size_t i) {
+        float* pp = static_cast<float*>(at.p[0]) + i;
+        const F num = V::mul(load_elems<V, G>(at.p[2], i), scale);
+        F p = V::load(pp);
+        F g = num;
+        if (use_decay) g = V::fma(p, wd, g);
+        F v = V::fma(g, g, load_elems<V, M>(at.p[1], i));
+        F d = V::sqrt(v);
+        d = V::add(d, eps);
+        d = V::div(num, d);
+        p = V::fma(d, neg_lr, p);
+        V::store(pp, p);
+        store_elems<V, M>(at.p[1], i, v);
+        if constexpr (kCopy) store_elems<V, C>(at.p[3], i, p);
+      });
     });
-  });
+  };
+  if (a.state_dtype == DType::kBF16) run.template operator()<DType::kBF16>();
+  else run.template operator()<DType::kF32>();
 }
 
 template <class V>
@@ -182,28 +187,31 @@ void lion_kernel(const LionArgs& a, size_t begin, size_t end) {
           b2 = V::set1(a.beta2), omb2 = V::set1(a.one_minus_beta2), lr = V::set1(a.lr),
           after_decay = V::set1(a.after_decay);
   const bool use_decay = a.use_decay;
-  with_dtypes(a.grad_dtype, a.copy_out, a.copy_dtype, [&]<DType G, bool kCopy, DType C>() {
-    const Stream streams[4] = {{a.params, 4, true},
-                               {a.exp_avg, 4, true},
-                               {const_cast<void*>(a.grad), kElemBytes<G>, false},
-                               {kCopy ? a.copy_out : nullptr, kElemBytes<C>, true}};
-    for_blocks<V::W>(streams, begin, end, [&](const Ptrs<4>& at, size_t i) {
-      float* pp = static_cast<float*>(at.p[0]) + i;
-      float* mp = static_cast<float*>(at.p[1]) + i;
-      const F g = V::mul(load_elems<V, G>(at.p[2], i), scale);
-      F m = V::load(mp);
-      F p = V::load(pp);
-      F c = V::mul(m, b1);
-      c = V::fma(g, omb1, c);
-      const F u = V::lion_update(c, lr);
-      p = use_decay ? V::fma(p, after_decay, u) : V::add(p, u);
-      m = V::mul(m, b2);
-      m = V::fma(g, omb2, m);
-      V::store(pp, p);
-      V::store(mp, m);
-      if constexpr (kCopy) store_elems<V, C>(at.p[3], i, p);
+  auto run = [&]<DType M>() {
+    with_dtypes(a.grad_dtype, a.copy_out, a.copy_dtype, [&]<DType G, bool kCopy, DType C>() {
+      const Stream streams[4] = {{a.params, 4, true},
+                                 {a.exp_avg, kElemBytes<M>, true},
+                                 {const_cast<void*>(a.grad), kElemBytes<G>, false},
+                                 {kCopy ? a.copy_out : nullptr, kElemBytes<C>, true}};
+      for_blocks<V::W>(streams, begin, end, [&](const Ptrs<4>& at, size_t i) {
+        float* pp = static_cast<float*>(at.p[0]) + i;
+        const F g = V::mul(load_elems<V, G>(at.p[2], i), scale);
+        F m = load_elems<V, M>(at.p[1], i);
+        F p = V::load(pp);
+        F c = V::mul(m, b1);
+        c = V::fma(g, omb1, c);
+        const F u = V::lion_update(c, lr);
+        p = use_decay ? V::fma(p, after_decay, u) : V::add(p, u);
+        m = V::mul(m, b2);
+        m = V::fma(g, omb2, m);
+        V::store(pp, p);
+        store_elems<V, M>(at.p[1], i, m);
+        if constexpr (kCopy) store_elems<V, C>(at.p[3], i, p);
+      });
     });
-  });
+  };
+  if (a.state_dtype == DType::kBF16) run.template operator()<DType::kBF16>();
+  else run.template operator()<DType::kF32>();
 }
 
 template <class V>

@@ -26,7 +26,8 @@ struct AdamArgs {
 
 struct AdagradArgs {
   float* params;
-  float* exp_avg_sq;
+  void* exp_avg_sq;  // state_dtype: fp32, or bf16 (widened exactly, stored rounded to nearest even)
+  DType state_dtype;
   const void* grad;
   DType grad_dtype;
   void* copy_out;
@@ -40,7 +41,8 @@ struct AdagradArgs {
 
 struct LionArgs {
   float* params;
-  float* exp_avg;
+  void* exp_avg;  // state_dtype: fp32, or bf16 (widened exactly, stored rounded to nearest even)
+  DType state_dtype;
   const void* grad;
   DType grad_dtype;
   void* copy_out;

@@ -186,7 +186,7 @@ Status load_checkpoint(const CheckpointInfo& ckpt, StateStore& store, io::IoEngi
   }
   const MemoryPlan& plan = store.plan();
   if (ckpt.manifest.moments != plan.placement.moments) {
-    return invalid_argument(context + ": it keeps Adam's moments in " +
+    return invalid_argument(context + ": it keeps the optimizer's moments in " +
                             std::string(moment_dtype_name(ckpt.manifest.moments)) + ", this run in " +
                             std::string(moment_dtype_name(plan.placement.moments)) +
                             " (zoffload.moment_dtype): resume with the checkpoint's moment_dtype");

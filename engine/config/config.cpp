@@ -484,9 +484,10 @@ void Resolver::offload_placement() {
   const std::string& md = c->zoffload.moment_dtype;
   if (md != "fp32" && !st->has_error("zoffload.moment_dtype") && !st->has_error("bf16.bf16_optimizer_states")) {
     const char* key = c->bf16.bf16_optimizer_states ? "bf16.bf16_optimizer_states" : "zoffload.moment_dtype";
-    if (type != OptimizerType::kAdam && type != OptimizerType::kAdamW && !st->has_error("optimizer.type")) {
-      st->error(key, "\"" + md + "\" moments are Adam's and AdamW's (optimizer.type is " +
-                         std::string(to_string(type)) + "); use \"fp32\"");
+    if (md == "8bit" && type != OptimizerType::kAdam && type != OptimizerType::kAdamW &&
+        !st->has_error("optimizer.type")) {
+      st->error(key, "\"8bit\" moments are Adam's and AdamW's (bitsandbytes' AdamW8bit; optimizer.type is " +
+                         std::string(to_string(type)) + "); use \"bf16\" or \"fp32\"");
     } else if (oo.device == OffloadDevice::kNone) {
       st->error(key, "\"" + md +
                          "\" moments step on the CPU only for now (the GPU optimizer kernel keeps fp32 moments): set "

@@ -185,14 +185,22 @@ Status OptimizerSwapper::Impl::update(uint32_t g, float* p, std::byte* m_bytes, 
         st = cpu_optim::adam_step(h, args.step, {p, n}, {m, n}, {v, n}, g_span, args.grad_scale, out_span, *executor);
       }
       break;
-    case OptimizerType::kAdagrad:
-      st = cpu_optim::adagrad_step({.lr = h.lr, .eps = h.eps, .weight_decay = h.weight_decay}, {p, n}, {v, n}, g_span,
-                                   args.grad_scale, out_span, *executor);
+    case OptimizerType::kAdagrad: {
+      const cpu_optim::AdagradConfig c{.lr = h.lr, .eps = h.eps, .weight_decay = h.weight_decay};
+      st = pl.moments == MomentDtype::kBF16
+               ? cpu_optim::adagrad_step_bf16_state(c, {p, n}, {reinterpret_cast<uint16_t*>(v_bytes), n}, g_span,
+                                                    args.grad_scale, out_span, *executor)
+               : cpu_optim::adagrad_step(c, {p, n}, {v, n}, g_span, args.grad_scale, out_span, *executor);
       break;
-    case OptimizerType::kLion:
-      st = cpu_optim::lion_step({.lr = h.lr, .beta1 = h.beta1, .beta2 = h.beta2, .weight_decay = h.weight_decay},
-                                {p, n}, {m, n}, g_span, args.grad_scale, out_span, *executor);
+    }
+    case OptimizerType::kLion: {
+      const cpu_optim::LionConfig c{.lr = h.lr, .beta1 = h.beta1, .beta2 = h.beta2, .weight_decay = h.weight_decay};
+      st = pl.moments == MomentDtype::kBF16
+               ? cpu_optim::lion_step_bf16_state(c, {p, n}, {reinterpret_cast<uint16_t*>(m_bytes), n}, g_span,
+                                                 args.grad_scale, out_span, *executor)
+               : cpu_optim::lion_step(c, {p, n}, {m, n}, g_span, args.grad_scale, out_span, *executor);
       break;
+    }
   }
   report.update_s += sw.elapsed_s();
   return st;
@@ -525,7 +533,8 @@ Result<std::unique_ptr<OptimizerSwapper>> OptimizerSwapper::create(StateStore& s
   }
   if (pl.moments != MomentDtype::kF32) {
     const std::string key = "zoffload.moment_dtype \"" + std::string(moment_dtype_name(pl.moments)) + "\"";
-    if (options.optimizer != OptimizerType::kAdam && options.optimizer != OptimizerType::kAdamW)
+    if (pl.moments == MomentDtype::k8bit && options.optimizer != OptimizerType::kAdam &&
+        options.optimizer != OptimizerType::kAdamW)
       return unavailable(key + ": Adam's and AdamW's, not " + std::string(to_string(options.optimizer)) + "'s");
     if (pl.optimizer == Tier::kDevice) {
       return unavailable(key +

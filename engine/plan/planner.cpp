@@ -786,14 +786,18 @@ std::vector<Candidate> candidates(const Config& base, uint32_t world_size) {
          "rounds: each step's fp32 gradient sum is stored in bf16 once final; the norm, clipping and "
          "overflow check are the fp32 sum's, and masters, moments and the update stay fp32"});
   }
-  if (base.zoffload.moment_dtype == "fp32" && oo.device != OffloadDevice::kNone && adam) {
+  if (base.zoffload.moment_dtype == "fp32" && oo.device != OffloadDevice::kNone) {
     out.push_back({"zoffload.moment_dtype: bf16",
                    [](Config& c) {
                      c.zoffload.moment_dtype = "bf16";
                      return true;
                    },
-                   "rounds: Adam's moments stored in bf16 (rounded to nearest even after each update); masters, "
-                   "gradients and the update stay fp32"});
+                   std::string("rounds: ") +
+                       (adam                                          ? "Adam's moments"
+                        : base.optimizer.type == OptimizerType::kLion ? "Lion's momentum"
+                                                                      : "Adagrad's sum of squares") +
+                       " stored in bf16 (rounded to nearest even after each update); masters, gradients and the "
+                       "update stay fp32"});
   }
   if (base.zoffload.moment_dtype != "8bit" && oo.device != OffloadDevice::kNone && adam) {
     // DeepSpeed's bf16.bf16_optimizer_states would contradict it: the change says to drop that too.

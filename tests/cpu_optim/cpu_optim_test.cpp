@@ -434,6 +434,84 @@ TEST_P(SimdPath, LionIsBitIdenticalToScalar) {
   }
 }
 
+// Adagrad's sum of squares and Lion's momentum in bf16 (zoffload.moment_dtype "bf16"): 3 steps,
+// every ISA against the scalar path, bit for bit.
+TEST_P(SimdPath, AdagradAndLionWithBf16StateAreBitIdenticalToScalar) {
+  for (float wd : {0.0f, 0.05f}) {
+    for (DType g : kDTypes) {
+      for (const CopyCase& cc : kCopyCases) {
+        const std::string what = "wd " + std::to_string(wd) + ", " + case_name(g, cc);
+        const AdagradConfig ada{.lr = 1e-2f, .eps = 1e-10f, .weight_decay = wd};
+        const LionConfig lion{.lr = 1e-4f, .beta1 = 0.9f, .beta2 = 0.99f, .weight_decay = wd};
+        std::vector<float> p[2][2];
+        std::vector<uint16_t> state[2][2];  // [optimizer][path]
+        Copy copies[2][2] = {{Copy(cc.on, cc.dtype, kN), Copy(cc.on, cc.dtype, kN)},
+                             {Copy(cc.on, cc.dtype, kN), Copy(cc.on, cc.dtype, kN)}};
+        const Executor* ex[2] = {simd_.get(), scalar_.get()};
+        for (int k = 0; k < 2; ++k) {
+          for (int o = 0; o < 2; ++o) {
+            p[o][k] = random_floats(kN, 1, 1.0f);
+            for (float x : random_floats(kN, 3, o == 0 ? 1e-4f : 0.01f, o == 0))
+              state[o][k].push_back(float_to_bf16(x));
+          }
+          for (int s = 1; s <= 3; ++s) {
+            ASSERT_TRUE(adagrad_step_bf16_state(ada, p[0][k], state[0][k], random_grad(g, kN, 200 + s).span(), 0.5f,
+                                                copies[0][k].span(), *ex[k])
+                            .is_ok());
+            ASSERT_TRUE(lion_step_bf16_state(lion, p[1][k], state[1][k], random_grad(g, kN, 300 + s).span(), 2.0f,
+                                             copies[1][k].span(), *ex[k])
+                            .is_ok());
+          }
+        }
+        for (int o = 0; o < 2; ++o) {
+          const std::string which = (o == 0 ? "Adagrad, " : "Lion, ") + what;
+          ASSERT_TRUE(mostly_updated(random_floats(kN, 1, 1.0f), p[o][0])) << which;
+          ASSERT_TRUE(same_floats(p[o][0], p[o][1], "params")) << which;
+          ASSERT_EQ(state[o][0], state[o][1]) << which;
+          expect_same_copy(copies[o][0], copies[o][1], which);
+        }
+      }
+    }
+  }
+}
+
+// The definition: one step with a bf16 state is the fp32 step on the widened state, the parameters
+// bit for bit, with the new state rounded to nearest even.
+TEST(Bf16State, AdagradAndLionStepsAreTheFp32StepsWithTheStateRounded) {
+  const auto ex = make_executor(Isa::kAuto);
+  const Grad g = random_grad(DType::kF32, kN, 7);
+  for (int o = 0; o < 2; ++o) {
+    SCOPED_TRACE(o == 0 ? "Adagrad" : "Lion");
+    std::vector<float> p = random_floats(kN, 1, 1.0f), p32 = p, s32;
+    std::vector<uint16_t> s;
+    for (float x : random_floats(kN, 3, o == 0 ? 1e-4f : 0.01f, o == 0)) s.push_back(float_to_bf16(x));
+    for (uint16_t x : s) s32.push_back(bf16_to_float(x));
+    if (o == 0) {
+      const AdagradConfig cfg{.lr = 1e-2f, .eps = 1e-10f, .weight_decay = 0.05f};
+      ASSERT_TRUE(adagrad_step_bf16_state(cfg, p, s, g.span(), 1.0f, {}, *ex).is_ok());
+      ASSERT_TRUE(adagrad_step(cfg, p32, s32, g.span(), 1.0f, {}, *ex).is_ok());
+    } else {
+      const LionConfig cfg{.lr = 3e-4f, .beta1 = 0.9f, .beta2 = 0.99f, .weight_decay = 0.1f};
+      ASSERT_TRUE(lion_step_bf16_state(cfg, p, s, g.span(), 1.0f, {}, *ex).is_ok());
+      ASSERT_TRUE(lion_step(cfg, p32, s32, g.span(), 1.0f, {}, *ex).is_ok());
+    }
+    EXPECT_TRUE(same_floats(p, p32, "params"));
+    size_t rounded = 0;
+    for (size_t i = 0; i < kN; ++i) {
+      ASSERT_EQ(s[i], float_to_bf16(s32[i])) << i;
+      rounded += bf16_to_float(s[i]) != s32[i];
+    }
+    EXPECT_GT(rounded, kN / 2) << "the fp32 state should mostly not be bf16 values";
+  }
+  std::vector<float> p(10, 1.0f), gg(10, 1.0f);
+  std::vector<uint16_t> short_state(9, 0);
+  const Status st = lion_step_bf16_state(LionConfig{}, p, short_state, {gg.data(), DType::kF32}, 1.0f, {}, *ex);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("lion_step_bf16_state: exp_avg has 9 elements but params has 10"), std::string::npos)
+      << st.to_string();
+  for (float x : p) EXPECT_EQ(x, 1.0f);
+}
+
 TEST_P(SimdPath, SquaredNormIsBitIdenticalToScalar) {
   for (DType g : kDTypes) {
     // Finite data (an inf or NaN would make every path return inf/NaN and prove little).

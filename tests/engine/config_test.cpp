@@ -1110,6 +1110,12 @@ TEST(ConfigParse, MomentDtypesAndDeepSpeedsBf16OptimizerStates) {
     ASSERT_TRUE(c) << md << ": " << all(d.errors);
     EXPECT_EQ(c->zoffload.moment_dtype, md);
   }
+  for (const char* type : {"Lion", "Adagrad"}) {  // their one state in bf16 too
+    ConfigDiagnostics d;
+    const auto c = parse(with({{"zoffload", {{"moment_dtype", "bf16"}}}, {"optimizer", {{"type", type}}}}), &d);
+    ASSERT_TRUE(c) << type << ": " << all(d.errors);
+    EXPECT_EQ(c->zoffload.moment_dtype, "bf16");
+  }
   {
     ConfigDiagnostics d;
     const auto c = parse(with({{"bf16", {{"bf16_optimizer_states", true}}}}), &d);
@@ -1129,8 +1135,9 @@ TEST(ConfigParse, MomentDtypesAndDeepSpeedsBf16OptimizerStates) {
        "another compute dtype set zoffload.moment_dtype to \"bf16\""},
       {{{"bf16", {{"bf16_master_weights_and_grads", true}}}},
        "bf16.bf16_master_weights_and_grads: bf16 master weights"},
-      {{{"zoffload", {{"moment_dtype", "bf16"}}}, {"optimizer", {{"type", "Lion"}}}},
-       "zoffload.moment_dtype: \"bf16\" moments are Adam's and AdamW's (optimizer.type is Lion); use \"fp32\""},
+      {{{"zoffload", {{"moment_dtype", "8bit"}}}, {"optimizer", {{"type", "Lion"}}}},
+       "zoffload.moment_dtype: \"8bit\" moments are Adam's and AdamW's (bitsandbytes' AdamW8bit; optimizer.type is "
+       "Lion); use \"bf16\" or \"fp32\""},
       {{{"bf16", {{"bf16_optimizer_states", true}}},
         {"zero_optimization", {{"offload_optimizer", {{"device", "none"}}}}}},
        "bf16.bf16_optimizer_states: \"bf16\" moments step on the CPU only for now"},

@@ -91,6 +91,7 @@ struct RunSetup {
   std::string checkpoints = "auto";     // zoffload.activation_checkpoints
   std::string accumulators = "auto";    // zoffload.gradient_accumulators
   std::string store = "auto";           // zoffload.gradient_store_dtype
+  std::string moments = "fp32";         // zoffload.moment_dtype
 };
 
 Config make_config(const RunSetup& s, const std::string& nvme) {
@@ -113,7 +114,8 @@ Config make_config(const RunSetup& s, const std::string& nvme) {
                         {"schedule", s.schedule},
                         {"activation_checkpoints", s.checkpoints},
                         {"gradient_accumulators", s.accumulators},
-                        {"gradient_store_dtype", s.store}}}};
+                        {"gradient_store_dtype", s.store},
+                        {"moment_dtype", s.moments}}}};
   if (s.scheduler)
     j["scheduler"] = {{"type", "WarmupCosineLR"},
                       {"params", {{"warmup_num_steps", 3}, {"total_num_steps", 20}, {"warmup_type", "linear"}}}};
@@ -420,6 +422,30 @@ TEST(Trainer, AdagradAndLionTrainOnCpuAndNvmeAsTorch) {
                                             nvme_dir),
                                10);
     EXPECT_TRUE(bit_identical(masters(**t), on_nvme));
+  }
+}
+
+// Adagrad's sum of squares and Lion's momentum in bf16 (zoffload.moment_dtype "bf16"): on the CPU and
+// on NVMe the same bits; not the fp32 state's (the rounding happened); and it trains.
+TEST(Trainer, AdagradAndLionWithBf16StatesAreBitIdenticalOnCpuAndNvme) {
+  for (const char* type : {"Adagrad", "Lion"}) {
+    SCOPED_TRACE(type);
+    TempDir cpu_dir, nvme_dir, fp32_dir;
+    RunSetup cpu{.stage = 2, .optimizer = "cpu", .precision = "fp32", .clipping = 0, .opt_type = type};
+    cpu.moments = "bf16";
+    RunSetup nvme = cpu;
+    nvme.stage = 3;
+    nvme.param = "nvme";
+    nvme.optimizer = "nvme";
+    nvme.pipeline = true;
+    nvme.max_in_cpu = 0;
+    RunSetup fp32 = cpu;
+    fp32.moments = "fp32";
+    std::vector<StepMetrics> metrics;
+    const auto on_cpu = train(make_options(cpu, cpu_dir), 8, &metrics);
+    EXPECT_LT(metrics.back().loss, metrics.front().loss) << "it trains";
+    EXPECT_TRUE(bit_identical(on_cpu, train(make_options(nvme, nvme_dir), 8)));
+    EXPECT_FALSE(bit_identical(on_cpu, train(make_options(fp32, fp32_dir), 8)));
   }
 }
 
