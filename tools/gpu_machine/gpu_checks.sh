@@ -19,7 +19,8 @@
 # Environment: BIN_DIR (zoffload, zoffload-bench and gpu_test; default .carry/prebuilt/bin, whose
 # libraries are in .carry/prebuilt/lib), OUT (default /tmp/gpu-checks). The ram8bit part:
 # ZO_8BIT_MODEL (default llama3-8b), ZO_8BIT_DEVICE (default cuda; host for a test), ZO_8BIT_MICRO,
-# ZO_8BIT_GAS, ZO_8BIT_BASELINE (0: no fp32 baseline run). The deepspeed part's runs:
+# ZO_8BIT_GAS, ZO_8BIT_BASELINE (0: no fp32 baseline run), ZO_8BIT_GRADS (bf16: the 8-bit run
+# stores its gradient sums in bf16, zoffload.gradient_store_dtype). The deepspeed part's runs:
 # ZO_DS_RUNS (default "llama3.2-3b:8:3 llama3.2-3b:1:3 llama3-8b:8:2", model:GAS:steps, in that
 # order: the comparison that matters most first),
 # ZO_DS_MICRO (micro-batch, default 4), ZO_DS_SEQ (default 1024), ZO_DS_DEVICE (zoffload.device,
@@ -289,19 +290,22 @@ part_llama8b() {
 # on the disk (the planner's fix); the part ends with each run's median tokens/s and device_busy
 # over steps 2-3 and their ratio. ZO_8BIT_MODEL, ZO_8BIT_DEVICE, ZO_8BIT_MICRO and ZO_8BIT_GAS
 # replace the model, zoffload.device, micro-batch and GAS (for a test without a GPU);
-# ZO_8BIT_BASELINE=0 runs the 8-bit run alone.
+# ZO_8BIT_BASELINE=0 runs the 8-bit run alone; ZO_8BIT_GRADS=bf16 stores the 8-bit run's gradient
+# sums in bf16 (the baseline keeps fp32 ones).
 ram8bit_run() {  # NAME MOMENTS ACCUMULATORS SECONDS [TRACE]
-  local name=$1 cfg=$runs/$1.json r
+  local name=$1 cfg=$runs/$1.json r grads=auto
+  [ "$2" = 8bit ] && grads=${ZO_8BIT_GRADS:-auto}
   config "$root/configs/llama8b_24gb_8bit_ram.json" "$cfg" "c['wall_clock_breakdown'] = True; c['steps_per_print'] = 1
 c['scheduler']['params']['warmup_num_steps'] = 0; c['zoffload'].pop('checkpoint')
 c['train_micro_batch_size_per_gpu'] = ${ZO_8BIT_MICRO:-4}; c['gradient_accumulation_steps'] = ${ZO_8BIT_GAS:-8}
 c['zoffload']['device'] = '${ZO_8BIT_DEVICE:-cuda}'; c['zoffload']['moment_dtype'] = '$2'
 c['zoffload']['gradient_accumulators'] = '$3'; c['zero_optimization']['offload_optimizer']['nvme_path'] = '$work/nvme'
+c['zoffload']['gradient_store_dtype'] = '$grads'
 c['zero_optimization']['stage3_gather_16bit_weights_on_model_save'] = False"
   "$zo" plan --config "$cfg" --model "${ZO_8BIT_MODEL:-llama3-8b}" --seq-len 1024 --steps 3 --out "$work/$name" \
     >"$runs/plan-$name.txt" 2>&1
   r=$?
-  echo "  $name: $2 moments, gradient accumulators on $3"
+  echo "  $name: $2 moments, gradient accumulators on $3 (gradient_store_dtype $grads)"
   sed -n '/^  RAM /p;/^  NVMe  /p;/^  NVMe read/p' "$runs/plan-$name.txt" | sed 's/^/  /'
   if [ $r -ne 0 ]; then
     echo "  $name does not fit this host (zoffload plan exit $r):"
