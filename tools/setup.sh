@@ -33,6 +33,7 @@ packages=(
   liburing-dev libaio-dev libhwloc-dev libtbb-dev
   libgtest-dev libgmock-dev nlohmann-json3-dev libcli11-dev libprotobuf-dev protobuf-compiler
   fio
+  fortunes
 )
 missing=()
 for p in "${packages[@]}"; do
