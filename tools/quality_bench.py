@@ -43,6 +43,8 @@ import time
 
 import numpy as np
 
+from data_order import epoch_permutation, write_llmc
+
 FORTUNES = "/usr/share/games/fortunes"
 ZOFFLOAD_VARIANTS = {
     "fp32": {},
@@ -115,43 +117,6 @@ def corpus_bytes():
     if len(text) < 100_000:
         fail("%s holds only %d bytes of text" % (FORTUNES, len(text)))
     return bytes(text), names
-
-
-def write_llmc(path, tokens):
-    """llm.c .bin (engine/data/token_source.h): 256 int32 header (magic, version 1 = uint16, count)."""
-    header = np.zeros(256, dtype="<i4")
-    header[:3] = [20240520, 1, len(tokens)]
-    with open(path, "wb") as f:
-        f.write(header.tobytes())
-        f.write(np.asarray(tokens, dtype="<u2").tobytes())
-
-
-M64 = (1 << 64) - 1
-
-
-def mix64(x):
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & M64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & M64
-    return x ^ (x >> 31)
-
-
-def epoch_permutation(n, seed, epoch):
-    """The window order of `zoffload train` (docs/training.md, Data/Order; engine/data/shuffle.cpp)."""
-    state = mix64(seed ^ mix64(epoch))
-
-    def below(bound):
-        nonlocal state
-        while True:
-            state = (state + 0x9E3779B97F4A7C15) & M64
-            m = mix64(state) * bound
-            if (m & M64) >= ((1 << 64) - bound) % bound:
-                return m >> 64
-
-    order = list(range(n))
-    for i in range(n, 1, -1):
-        j = below(i)
-        order[i - 1], order[j] = order[j], order[i - 1]
-    return order
 
 
 def lr_at(a, t):

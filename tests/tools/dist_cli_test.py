@@ -225,41 +225,40 @@ with tempfile.TemporaryDirectory(dir=os.environ.get("MESON_BUILD_ROOT")) as tmp:
             expect([m["loss"] for m in metrics(runs[placement])] == [m["loss"] for m in metrics(runs["nvme"])],
                    "world 2: the losses are identical on nvme and %s" % placement)
 
+    def on_nvme_and_cpu(label, tag, start_line=None, **config):
+        """World 2 with write_config's `config` on nvme and on cpu: the weights bit-identical, and not
+        the fp32 run's (the variant ran). Returns {placement: run directory} of the runs that trained."""
+        outs = {}
+        for placement in ("nvme", "cpu"):
+            out = os.path.join(tmp, "w2-%s-%s" % (tag, placement))
+            p = torchrun(2, train_args(write_config(tmp, "m1-%s-%s" % (tag, placement), 1, 1, placement, **config),
+                                       out))
+            if expect(p.returncode == 0, "world 2 with %s (%s) trains: %s" % (label, placement, p.stderr[-3000:])):
+                outs[placement] = out
+                if start_line:
+                    expect(start_line in p.stdout, "world 2 with %s: the start line says %r: %s" %
+                           (label, start_line, p.stdout[:1500]))
+        if len(outs) == 2 and "nvme" in runs:
+            a, b, f = weights(outs["nvme"]), weights(outs["cpu"]), weights(runs["nvme"])
+            expect(all(np.array_equal(a[k].view(np.uint32), b[k].view(np.uint32)) for k in a),
+                   "world 2, %s: the weights are bit-identical with the states on nvme and cpu" % label)
+            expect(any(not np.array_equal(a[k].view(np.uint32), f[k].view(np.uint32)) for k in a),
+                   "world 2: %s give other weights than fp32 ones (they ran)" % label)
+        return outs
+
     # 8-bit moments (zoffload.moment_dtype): each rank steps its partition piece by piece, and a
     # partition boundary falls where a split may, on a 4096-element multiple of its parameter, so the
     # blocks are the parameters' whatever the world: on nvme and on cpu the same bits, and not fp32's.
-    eight = {}
-    for placement in ("nvme", "cpu"):
-        out = os.path.join(tmp, "w2-8bit-" + placement)
-        p = torchrun(2, train_args(write_config(tmp, "m1-8bit-" + placement, 1, 1, placement, moments="8bit"), out))
-        if expect(p.returncode == 0, "world 2 with 8-bit moments (%s) trains: %s" % (placement, p.stderr[-3000:])):
-            eight[placement] = out
-    if len(eight) == 2 and "nvme" in runs:
-        a, b, f = weights(eight["nvme"]), weights(eight["cpu"]), weights(runs["nvme"])
-        expect(all(np.array_equal(a[k].view(np.uint32), b[k].view(np.uint32)) for k in a),
-               "world 2, 8-bit moments: the weights are bit-identical with the states on nvme and cpu")
-        expect(any(not np.array_equal(a[k].view(np.uint32), f[k].view(np.uint32)) for k in a),
-               "world 2: 8-bit moments give other weights than fp32 ones (they ran)")
+    on_nvme_and_cpu("8-bit moments", "8bit", moments="8bit")
 
     # Gradients stored in bf16 (zoffload.gradient_store_dtype): at stage 3 each micro-step's fp32 sums
     # are reduced to their owner, which takes their norm and only then rounds them (Note [Gradients
     # stored in 16 bits]): step 1's gradient norm is the fp32 run's bit for bit, the weights are the
     # same on nvme and cpu, and not fp32's. At stage 1 the stored gradients would be summed over the
     # ranks, so it is refused before any rendezvous.
-    stored = {}
-    for placement in ("nvme", "cpu"):
-        out = os.path.join(tmp, "w2-bf16grads-" + placement)
-        p = torchrun(2, train_args(write_config(tmp, "m1-bf16grads-" + placement, 1, 1, placement, store="bf16"), out))
-        if expect(p.returncode == 0, "world 2 with bf16-stored gradients (%s) trains: %s" % (placement, p.stderr[-3000:])):
-            stored[placement] = out
-            expect("bf16 gradients (fp32 sums, norm before rounding)" in p.stdout,
-                   "the start line says the gradients are stored in bf16: %s" % p.stdout[:1500])
-    if len(stored) == 2 and "nvme" in runs:
-        a, b, f = weights(stored["nvme"]), weights(stored["cpu"]), weights(runs["nvme"])
-        expect(all(np.array_equal(a[k].view(np.uint32), b[k].view(np.uint32)) for k in a),
-               "world 2, bf16-stored gradients: the weights are bit-identical with the states on nvme and cpu")
-        expect(any(not np.array_equal(a[k].view(np.uint32), f[k].view(np.uint32)) for k in a),
-               "world 2: bf16-stored gradients give other weights than fp32 ones (they were rounded)")
+    stored = on_nvme_and_cpu("bf16-stored gradients", "bf16grads", "bf16 gradients (fp32 sums, norm before rounding)",
+                             store="bf16")
+    if "nvme" in stored and "nvme" in runs:
         g16, g32 = metrics(stored["nvme"])[0]["grad_norm"], metrics(runs["nvme"])[0]["grad_norm"]
         expect(g16 == g32, "world 2: step 1's gradient norm is the fp32 sums' with bf16-stored gradients "
                            "(%.17g vs %.17g)" % (g16, g32))

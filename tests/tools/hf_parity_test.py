@@ -62,9 +62,11 @@ import time
 from cli_checks import expect, report_and_exit
 
 zoffload, source_dir = sys.argv[1], sys.argv[2]
+sys.path.insert(0, os.path.join(source_dir, "tools"))  # data_order: zoffload's token files and window order
 
 try:
     import numpy as np
+    from data_order import epoch_permutation, write_llmc
     import safetensors  # noqa: F401  (save_pretrained and from_pretrained go through it)
     import torch
     import torch.nn.functional as F
@@ -292,46 +294,6 @@ def save_model(case, model_dir):
            "%s: saved %s: %s" % (case["name"], "sharded" if case["shard"] else "as one file", files))
     with open(os.path.join(model_dir, "config.json")) as f:
         return json.load(f)
-
-
-def write_llmc(path, tokens):
-    """llm.c .bin (engine/data/token_source.h): 256 int32 header (magic, version 1 = uint16, count)."""
-    header = np.zeros(256, dtype="<i4")
-    header[:3] = [20240520, 1, len(tokens)]
-    with open(path, "wb") as f:
-        f.write(header.tobytes())
-        f.write(np.asarray(tokens, dtype="<u2").tobytes())
-
-
-M64 = (1 << 64) - 1
-
-
-def mix64(x):
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & M64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & M64
-    return x ^ (x >> 31)
-
-
-def epoch_permutation(n, seed, epoch):
-    """docs/training.md, Data/Order (engine/data/shuffle.cpp): Fisher–Yates from n−1 down to 1 driven
-    by splitmix64 started at mix64(seed ^ mix64(epoch)), bounded draws by Lemire's multiply-and-reject.
-    `zoffload train` always shuffles (its config has no key to turn it off), so the reference takes
-    the windows in the same documented order."""
-    state = mix64(seed ^ mix64(epoch))
-
-    def below(bound):
-        nonlocal state
-        while True:
-            state = (state + 0x9E3779B97F4A7C15) & M64
-            m = mix64(state) * bound
-            if (m & M64) >= ((1 << 64) - bound) % bound:
-                return m >> 64
-
-    order = list(range(n))
-    for i in range(n, 1, -1):
-        j = below(i)
-        order[i - 1], order[j] = order[j], order[i - 1]
-    return order
 
 
 def batches_of(case, tokens, data_seed):
