@@ -44,6 +44,14 @@ inline void store_elems(void* base, size_t i, typename V::F x) {
   if constexpr (D == DType::kF16) V::store_f16(static_cast<uint16_t*>(base) + i, x);
 }
 
+// Calls fn.template operator()<M>() for an optimizer state's runtime dtype: fp32, or bf16 (widened
+// exactly as read, stored rounded to nearest even).
+template <class Fn>
+inline void with_state_dtype(DType m, Fn&& fn) {
+  if (m == DType::kBF16) fn.template operator()<DType::kBF16>();
+  else fn.template operator()<DType::kF32>();
+}
+
 // Calls fn.template operator()<G, kCopy, C>() for the runtime dtypes (C is kF32 when there is no copy).
 template <class Fn>
 inline void with_dtypes(DType g, const void* copy, DType c, Fn&& fn) {
@@ -113,7 +121,7 @@ void adam_kernel(const AdamArgs& a, size_t begin, size_t end) {
           b2 = V::set1(k.beta2), omb2 = V::set1(k.one_minus_beta2), eps = V::set1(k.eps), bc2 = V::set1(k.bc2_rsqrt),
           neg_step = V::set1(k.neg_step), l2 = V::set1(k.l2_decay), decay = V::set1(k.decay_factor);
   const bool use_l2 = k.use_l2, use_decoupled = k.use_decoupled;
-  auto run = [&]<DType M>() {
+  with_state_dtype(a.moment_dtype, [&]<DType M>() {
     with_dtypes(a.grad_dtype, a.copy_out, a.copy_dtype, [&]<DType G, bool kCopy, DType C>() {
       const Stream streams[5] = {{a.params, 4, true},
                                  {a.exp_avg, kElemBytes<M>, true},
@@ -141,9 +149,7 @@ void adam_kernel(const AdamArgs& a, size_t begin, size_t end) {
         if constexpr (kCopy) store_elems<V, C>(at.p[4], i, p);
       });
     });
-  };
-  if (a.moment_dtype == DType::kBF16) run.template operator()<DType::kBF16>();
-  else run.template operator()<DType::kF32>();
+  });
 }
 
 // Adagrad's and Lion's state in fp32 or bf16, as Adam's moments: widened as read, the update (the
@@ -153,7 +159,7 @@ void adagrad_kernel(const AdagradArgs& a, size_t begin, size_t end) {
   using F = typename V::F;
   const F scale = V::set1(a.grad_scale), eps = V::set1(a.eps), neg_lr = V::set1(a.neg_lr), wd = V::set1(a.weight_decay);
   const bool use_decay = a.use_decay;
-  auto run = [&]<DType M>() {
+  with_state_dtype(a.state_dtype, [&]<DType M>() {
     with_dtypes(a.grad_dtype, a.copy_out, a.copy_dtype, [&]<DType G, bool kCopy, DType C>() {
       const Stream streams[4] = {{a.params, 4, true},
                                  {a.exp_avg_sq, kElemBytes<M>, true},
@@ -175,9 +181,7 @@ void adagrad_kernel(const AdagradArgs& a, size_t begin, size_t end) {
         if constexpr (kCopy) store_elems<V, C>(at.p[3], i, p);
       });
     });
-  };
-  if (a.state_dtype == DType::kBF16) run.template operator()<DType::kBF16>();
-  else run.template operator()<DType::kF32>();
+  });
 }
 
 template <class V>
@@ -187,7 +191,7 @@ void lion_kernel(const LionArgs& a, size_t begin, size_t end) {
           b2 = V::set1(a.beta2), omb2 = V::set1(a.one_minus_beta2), lr = V::set1(a.lr),
           after_decay = V::set1(a.after_decay);
   const bool use_decay = a.use_decay;
-  auto run = [&]<DType M>() {
+  with_state_dtype(a.state_dtype, [&]<DType M>() {
     with_dtypes(a.grad_dtype, a.copy_out, a.copy_dtype, [&]<DType G, bool kCopy, DType C>() {
       const Stream streams[4] = {{a.params, 4, true},
                                  {a.exp_avg, kElemBytes<M>, true},
@@ -209,9 +213,7 @@ void lion_kernel(const LionArgs& a, size_t begin, size_t end) {
         if constexpr (kCopy) store_elems<V, C>(at.p[3], i, p);
       });
     });
-  };
-  if (a.state_dtype == DType::kBF16) run.template operator()<DType::kBF16>();
-  else run.template operator()<DType::kF32>();
+  });
 }
 
 template <class V>
