@@ -48,6 +48,48 @@ ZO_HOST_DEVICE uint16_t float_to_bf16(float f) {
   return static_cast<uint16_t>(rounded >> 16);
 }
 
+// Note [Stochastic rounding to bf16]
+// bf16 masters (zoffload.master_dtype "bf16") keep no fp32 copy: each update is computed in fp32
+// and rounded to one of the two bf16 neighbours of the result, the one away from zero with
+// probability (dropped low 16 bits) / 2^16 — torchao's bf16_stochastic_round rule. Its expectation
+// is the fp32 value, so updates far below a bf16 ulp still move the weight on average, where
+// round-to-nearest would drop every one of them. The 16 random bits of element `index` of a
+// parameter come from a fixed integer hash of (key, index), the key from (the run's seed, the
+// optimizer step, the parameter): no generator state, so every ISA, thread count, tier,
+// sub-group size and a resumed run draw the same bits for the same element.
+
+// The 16 random bits of element `index` under `key`: Chris Wellons' lowbias32 of the index spread
+// by the golden ratio and xor-ed with the key. Every path computes exactly this.
+ZO_HOST_DEVICE uint32_t sr_random16(uint32_t key, uint32_t index) {
+  uint32_t x = (index * 0x9E3779B9u) ^ key;
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  x ^= x >> 16;
+  return x >> 16;
+}
+
+// Rounds f to its bf16 neighbour toward zero, or away from zero when random16 (uniform in
+// [0, 2^16)) is below f's dropped low 16 bits: unbiased. Values exact in bf16, ±0 and ±inf are
+// kept; the largest finite values may round to ±inf as often as their fraction says; NaN → quiet
+// NaN with the sign kept (as float_to_bf16).
+ZO_HOST_DEVICE uint16_t float_to_bf16_sr(float f, uint32_t random16) {
+  const uint32_t u = float_bits(f);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);
+  return static_cast<uint16_t>((u >> 16) + (random16 < (u & 0xFFFFu) ? 1u : 0u));
+}
+
+// The key of one parameter's rounding in one optimizer step: splitmix64's finaliser over the
+// run's seed, the step and the parameter's index, folded to 32 bits.
+ZO_HOST_DEVICE uint32_t sr_key(uint64_t seed, uint64_t step, uint32_t param) {
+  uint64_t x = seed ^ (step * 0x9E3779B97F4A7C15ull) ^ (uint64_t{param} * 0xD1B54A32D192ED03ull);
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  x ^= x >> 31;
+  return static_cast<uint32_t>(x ^ (x >> 32));
+}
+
 // Exact: fp16 denormals become fp32 normals.
 ZO_HOST_DEVICE float f16_to_float(uint16_t h) {
   const uint32_t sign = (uint32_t{h} & 0x8000u) << 16;

@@ -31,4 +31,9 @@ Status adagrad_step(const AdagradConfig& config, std::span<float> params, std::s
 Status adagrad_step_bf16_state(const AdagradConfig& config, std::span<float> params, std::span<uint16_t> exp_avg_sq,
                                ConstElemSpan grad, float grad_scale, ElemSpan copy_out, const Executor& executor);
 
+// The step with bf16 masters (Bf16Master; adam_step_bf16_master's rules), the sum of squares of
+// n elements in fp32 or bf16.
+Status adagrad_step_bf16_master(const AdagradConfig& config, Bf16Master params, ElemSpan exp_avg_sq, ConstElemSpan grad,
+                                float grad_scale, ElemSpan copy_out, const Executor& executor);
+
 }  // namespace zo::cpu_optim

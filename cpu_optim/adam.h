@@ -42,4 +42,13 @@ Status adam_step_bf16_moments(const AdamConfig& config, int64_t step, std::span<
                               std::span<uint16_t> exp_avg, std::span<uint16_t> exp_avg_sq, ConstElemSpan grad,
                               float grad_scale, ElemSpan copy_out, const Executor& executor);
 
+// The step with bf16 masters (Bf16Master): p widened exactly, updated as above in fp32, stored
+// with stochastic rounding; the moments `exp_avg` and `exp_avg_sq` have n elements of fp32 or bf16
+// (as adam_step or adam_step_bf16_moments keep them); `copy_out` none or bf16 (the master's bits).
+// The same errors, and kInvalidArgument for moments of another dtype, a copy-out of another dtype,
+// or first_index + n beyond 2^32.
+Status adam_step_bf16_master(const AdamConfig& config, int64_t step, Bf16Master params, ElemSpan exp_avg,
+                             ElemSpan exp_avg_sq, ConstElemSpan grad, float grad_scale, ElemSpan copy_out,
+                             const Executor& executor);
+
 }  // namespace zo::cpu_optim

@@ -59,4 +59,9 @@ Status adam8bit_step(const AdamConfig& config, int64_t step, std::span<float> pa
                      BlockwiseState exp_avg_sq, ConstElemSpan grad, float grad_scale, ElemSpan copy_out,
                      const Executor& executor);
 
+// The step with bf16 masters (Bf16Master; adam_step_bf16_master's rules).
+Status adam8bit_step_bf16_master(const AdamConfig& config, int64_t step, Bf16Master params, BlockwiseState exp_avg,
+                                 BlockwiseState exp_avg_sq, ConstElemSpan grad, float grad_scale, ElemSpan copy_out,
+                                 const Executor& executor);
+
 }  // namespace zo::cpu_optim

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <span>
 #include <string_view>
 
 #include "common/dtype.h"
@@ -33,6 +34,17 @@ struct ElemSpan {
   DType dtype = DType::kBF16;
 };
 
+// Parameters kept as bf16 masters (zoffload.master_dtype "bf16"): the update is computed in fp32
+// from the widened value and stored with stochastic rounding (Note [Stochastic rounding to bf16]
+// in common/half.h), element i drawing sr_random16(sr_key, first_index + i). first_index is where
+// bits[0] sits in its parameter, so any split of a parameter draws the same bits; first_index +
+// bits.size() must not exceed 2^32. A copy-out, if any, must be bf16 and receives the same bits.
+struct Bf16Master {
+  std::span<uint16_t> bits;
+  uint32_t sr_key = 0;
+  uint32_t first_index = 0;
+};
+
 // ---- Scalar reference conversions -------------------------------------------------------------
 // These define the results: every SIMD kernel produces exactly these bits for every input,
 // including denormals, ±inf and ±0. NaN in gives NaN out (quiet, sign kept); the payload bits are
@@ -44,7 +56,10 @@ using ::zo::bits_float;
 using ::zo::f16_to_float;
 using ::zo::float_bits;
 using ::zo::float_to_bf16;
+using ::zo::float_to_bf16_sr;
 using ::zo::float_to_f16;
+using ::zo::sr_key;
+using ::zo::sr_random16;
 
 inline float load_as_float(const void* data, DType dtype, size_t i) {
   switch (dtype) {

@@ -70,6 +70,32 @@ struct Avx2Vec {
   static I zero_where_nan(I i, F x) {
     return _mm256_andnot_si256(_mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)), i);
   }
+  // common/half.h's sr_random16 for index + 0..7, in 32-bit integer lanes.
+  static I sr_random16(uint32_t key, uint32_t index) {
+    __m256i x = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(index)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    x = _mm256_xor_si256(_mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x9E3779B9u))),
+                         _mm256_set1_epi32(static_cast<int>(key)));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7FEB352D));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x846CA68Bu)));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    return _mm256_srli_epi32(x, 16);
+  }
+  // float_to_bf16_sr lane by lane: the high half, plus one where r < the dropped low half (both are
+  // below 2^16, so the signed compare is exact); NaN → quiet NaN.
+  static I round_bf16_sr(F x, I r) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i hi = _mm256_srli_epi32(u, 16);
+    const __m256i up = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0xFFFF)), r);
+    const __m256i out = _mm256_sub_epi32(hi, up);  // up is -1 where rounding away from zero
+    const __m256i qnan = _mm256_or_si256(hi, _mm256_set1_epi32(0x40));
+    return _mm256_blendv_epi8(out, qnan, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+  }
+  static void store_u16(uint16_t* p, I x) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1)));
+  }
   static F abs(F x) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x); }
   static F max_keep(F acc, F x) { return _mm256_max_ps(x, acc); }  // acc where x is NaN
   static float hmax(F x) {

@@ -59,6 +59,31 @@ struct Avx512Vec {
   static I zero_where_nan(I i, F x) { return _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), i); }
   // The masked and generic forms: GCC 12's plain _mm512_andnot_si512 and _mm512_max_ps pass an
   // _mm512_undefined_* source that -Wuninitialized reports inside avx512fintrin.h.
+  // common/half.h's sr_random16 for index + 0..15, in 32-bit integer lanes.
+  static I sr_random16(uint32_t key, uint32_t index) {
+    __m512i x = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(index)),
+                                 _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    x = _mm512_xor_si512(_mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0x9E3779B9u))),
+                         _mm512_set1_epi32(static_cast<int>(key)));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7FEB352D));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0x846CA68Bu)));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+    return _mm512_srli_epi32(x, 16);
+  }
+  // float_to_bf16_sr lane by lane (see the AVX2 path).
+  static I round_bf16_sr(F x, I r) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i hi = _mm512_srli_epi32(u, 16);
+    const __mmask16 up = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0xFFFF)), r);
+    const __m512i out = _mm512_mask_add_epi32(hi, up, hi, _mm512_set1_epi32(1));
+    return _mm512_mask_mov_epi32(out, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q),
+                                 _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
+  }
+  static void store_u16(uint16_t* p, I x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(x));
+  }
   static F abs(F x) {
     return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MAX)));
   }

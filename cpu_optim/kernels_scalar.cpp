@@ -41,6 +41,9 @@ struct ScalarVec {
   }
   static I add_where_le(I i, F c, F x, int k) { return c <= x ? i + k : i; }
   static I zero_where_nan(I i, F x) { return std::isnan(x) ? 0 : i; }
+  static I sr_random16(uint32_t key, uint32_t index) { return static_cast<I>(::zo::sr_random16(key, index)); }
+  static I round_bf16_sr(F x, I r) { return float_to_bf16_sr(x, static_cast<uint32_t>(r)); }
+  static void store_u16(uint16_t* p, I x) { *p = static_cast<uint16_t>(x); }
   static F abs(F x) { return std::fabs(x); }
   static F max_keep(F acc, F x) { return x > acc ? x : acc; }
   static float hmax(F x) { return x; }
@@ -76,27 +79,37 @@ namespace {
 
 // adam_kernel<ScalarVec> spelled through the shared per-element function: the same operations in
 // the same order, so this is what the SIMD paths are tested against and what gpu/ reproduces. bf16
-// moments: widened before the update, rounded to nearest even after it.
+// moments: widened before the update, rounded to nearest even after it. bf16 masters: widened
+// before it, rounded stochastically after it (Note [Stochastic rounding to bf16]), the copy-out the
+// same bits.
 void adam_reference_kernel(const AdamArgs& a, size_t begin, size_t end) {
   with_dtypes(a.grad_dtype, a.copy_out, a.copy_dtype, [&]<DType G, bool kCopy, DType C>() {
-    float* const p = a.params;
-    if (a.moment_dtype == DType::kBF16) {
-      auto* const m16 = static_cast<uint16_t*>(a.exp_avg);
-      auto* const v16 = static_cast<uint16_t*>(a.exp_avg_sq);
-      for (size_t i = begin; i < end; ++i) {
-        float m = bf16_to_float(m16[i]), v = bf16_to_float(v16[i]);
+    const bool bf16_moments = a.moment_dtype == DType::kBF16;
+    auto* const m32 = static_cast<float*>(a.exp_avg);
+    auto* const v32 = static_cast<float*>(a.exp_avg_sq);
+    auto* const m16 = static_cast<uint16_t*>(a.exp_avg);
+    auto* const v16 = static_cast<uint16_t*>(a.exp_avg_sq);
+    for (size_t i = begin; i < end; ++i) {
+      float m = bf16_moments ? bf16_to_float(m16[i]) : m32[i];
+      float v = bf16_moments ? bf16_to_float(v16[i]) : v32[i];
+      if (a.p.param_dtype == DType::kBF16) {
+        auto* const p16 = static_cast<uint16_t*>(a.p.params);
+        float p = bf16_to_float(p16[i]);
+        adam_update(a.k, load_elems<ScalarVec, G>(a.grad, i), p, m, v);
+        p16[i] = float_to_bf16_sr(p, sr_random16(a.p.sr_key, a.p.sr_first + static_cast<uint32_t>(i)));
+        if constexpr (kCopy) static_cast<uint16_t*>(a.copy_out)[i] = p16[i];
+      } else {
+        float* const p = static_cast<float*>(a.p.params);
         adam_update(a.k, load_elems<ScalarVec, G>(a.grad, i), p[i], m, v);
-        m16[i] = float_to_bf16(m);
-        v16[i] = float_to_bf16(v);
         if constexpr (kCopy) store_elems<ScalarVec, C>(a.copy_out, i, p[i]);
       }
-      return;
-    }
-    float* const m = static_cast<float*>(a.exp_avg);
-    float* const v = static_cast<float*>(a.exp_avg_sq);
-    for (size_t i = begin; i < end; ++i) {
-      adam_update(a.k, load_elems<ScalarVec, G>(a.grad, i), p[i], m[i], v[i]);
-      if constexpr (kCopy) store_elems<ScalarVec, C>(a.copy_out, i, p[i]);
+      if (bf16_moments) {
+        m16[i] = float_to_bf16(m);
+        v16[i] = float_to_bf16(v);
+      } else {
+        m32[i] = m;
+        v32[i] = v;
+      }
     }
   });
 }

@@ -32,4 +32,9 @@ Status lion_step(const LionConfig& config, std::span<float> params, std::span<fl
 Status lion_step_bf16_state(const LionConfig& config, std::span<float> params, std::span<uint16_t> exp_avg,
                             ConstElemSpan grad, float grad_scale, ElemSpan copy_out, const Executor& executor);
 
+// The step with bf16 masters (Bf16Master; adam_step_bf16_master's rules), the momentum of n
+// elements in fp32 or bf16.
+Status lion_step_bf16_master(const LionConfig& config, Bf16Master params, ElemSpan exp_avg, ConstElemSpan grad,
+                             float grad_scale, ElemSpan copy_out, const Executor& executor);
+
 }  // namespace zo::cpu_optim

@@ -87,24 +87,44 @@ Status check_state(const char* name, size_t n, const BlockwiseState& s) {
   return Status::ok();
 }
 
+detail::ParamArgs fp32_params(std::span<float> p) { return {p.data(), DType::kF32, 0, 0}; }
+
+// A bf16 master's span, its copy-out and its state's dtype, checked before anything is written.
+Status check_bf16_master(const char* op, const Bf16Master& p, ElemSpan copy_out,
+                         std::initializer_list<std::pair<const char*, DType>> states) {
+  if (uint64_t{p.first_index} + p.bits.size() > (uint64_t{1} << 32))
+    return invalid_argument(std::string(op) + ": elements [" + std::to_string(p.first_index) + ", " +
+                            std::to_string(uint64_t{p.first_index} + p.bits.size()) +
+                            ") of a parameter: a bf16 master indexes its elements in 32 bits");
+  if (copy_out.data != nullptr && copy_out.dtype != DType::kBF16)
+    return invalid_argument(std::string(op) + ": a bf16 master's copy-out is bf16 (its own bits), not " +
+                            std::string(dtype_name(copy_out.dtype)));
+  for (const auto& [name, dtype] : states)
+    if (dtype != DType::kF32 && dtype != DType::kBF16)
+      return invalid_argument(std::string(op) + ": " + name + " must be fp32 or bf16, not dtype value " +
+                              std::to_string(static_cast<unsigned>(dtype)));
+  return Status::ok();
+}
+
+detail::ParamArgs bf16_params(const Bf16Master& p) { return {p.bits.data(), DType::kBF16, p.sr_key, p.first_index}; }
+
 }  // namespace
 
 namespace {
 
 // adam_step's checks and dispatch, for moments of either dtype (fp32 or bf16; element counts given).
-Status run_adam(const char* op, const AdamConfig& config, int64_t step, std::span<float> params, void* exp_avg,
-                size_t exp_avg_n, void* exp_avg_sq, size_t exp_avg_sq_n, DType moment_dtype, ConstElemSpan grad,
-                float grad_scale, ElemSpan copy_out, const Executor& executor) {
-  const size_t n = params.size();
+Status run_adam(const char* op, const AdamConfig& config, int64_t step, detail::ParamArgs params, size_t n,
+                void* exp_avg, size_t exp_avg_n, void* exp_avg_sq, size_t exp_avg_sq_n, DType moment_dtype,
+                ConstElemSpan grad, float grad_scale, ElemSpan copy_out, const Executor& executor) {
   ZO_RETURN_IF_ERROR(check_sizes(op, n, {{"exp_avg", exp_avg_n}, {"exp_avg_sq", exp_avg_sq_n}}));
   ZO_RETURN_IF_ERROR(check_pointers(
-      op, n, {{"params", params.data()}, {"exp_avg", exp_avg}, {"exp_avg_sq", exp_avg_sq}, {"grad", grad.data}}));
+      op, n, {{"params", params.params}, {"exp_avg", exp_avg}, {"exp_avg_sq", exp_avg_sq}, {"grad", grad.data}}));
   ZO_RETURN_IF_ERROR(check_adam_hyperparameters(op, config, step, grad_scale));
   ZO_RETURN_IF_ERROR(check_dtypes(op, grad, copy_out));
   if (n == 0) return Status::ok();
 
   detail::AdamArgs a{};
-  a.params = params.data();
+  a.p = params;
   a.exp_avg = exp_avg;
   a.exp_avg_sq = exp_avg_sq;
   a.moment_dtype = moment_dtype;
@@ -123,26 +143,39 @@ Status run_adam(const char* op, const AdamConfig& config, int64_t step, std::spa
 Status adam_step(const AdamConfig& config, int64_t step, std::span<float> params, std::span<float> exp_avg,
                  std::span<float> exp_avg_sq, ConstElemSpan grad, float grad_scale, ElemSpan copy_out,
                  const Executor& executor) {
-  return run_adam("adam_step", config, step, params, exp_avg.data(), exp_avg.size(), exp_avg_sq.data(),
-                  exp_avg_sq.size(), DType::kF32, grad, grad_scale, copy_out, executor);
+  return run_adam("adam_step", config, step, fp32_params(params), params.size(), exp_avg.data(), exp_avg.size(),
+                  exp_avg_sq.data(), exp_avg_sq.size(), DType::kF32, grad, grad_scale, copy_out, executor);
 }
 
 Status adam_step_bf16_moments(const AdamConfig& config, int64_t step, std::span<float> params,
                               std::span<uint16_t> exp_avg, std::span<uint16_t> exp_avg_sq, ConstElemSpan grad,
                               float grad_scale, ElemSpan copy_out, const Executor& executor) {
-  return run_adam("adam_step_bf16_moments", config, step, params, exp_avg.data(), exp_avg.size(), exp_avg_sq.data(),
-                  exp_avg_sq.size(), DType::kBF16, grad, grad_scale, copy_out, executor);
+  return run_adam("adam_step_bf16_moments", config, step, fp32_params(params), params.size(), exp_avg.data(),
+                  exp_avg.size(), exp_avg_sq.data(), exp_avg_sq.size(), DType::kBF16, grad, grad_scale, copy_out,
+                  executor);
+}
+
+Status adam_step_bf16_master(const AdamConfig& config, int64_t step, Bf16Master params, ElemSpan exp_avg,
+                             ElemSpan exp_avg_sq, ConstElemSpan grad, float grad_scale, ElemSpan copy_out,
+                             const Executor& executor) {
+  const char* op = "adam_step_bf16_master";
+  ZO_RETURN_IF_ERROR(
+      check_bf16_master(op, params, copy_out, {{"exp_avg", exp_avg.dtype}, {"exp_avg_sq", exp_avg_sq.dtype}}));
+  if (exp_avg.dtype != exp_avg_sq.dtype)
+    return invalid_argument(std::string(op) + ": exp_avg and exp_avg_sq have different dtypes");
+  const size_t n = params.bits.size();
+  return run_adam(op, config, step, bf16_params(params), n, exp_avg.data, n, exp_avg_sq.data, n, exp_avg.dtype, grad,
+                  grad_scale, copy_out, executor);
 }
 
 namespace {
 
-Status run_adagrad(const char* op, const AdagradConfig& config, std::span<float> params, void* exp_avg_sq,
+Status run_adagrad(const char* op, const AdagradConfig& config, detail::ParamArgs params, size_t n, void* exp_avg_sq,
                    size_t exp_avg_sq_n, DType state_dtype, ConstElemSpan grad, float grad_scale, ElemSpan copy_out,
                    const Executor& executor) {
-  const size_t n = params.size();
   ZO_RETURN_IF_ERROR(check_sizes(op, n, {{"exp_avg_sq", exp_avg_sq_n}}));
   ZO_RETURN_IF_ERROR(
-      check_pointers(op, n, {{"params", params.data()}, {"exp_avg_sq", exp_avg_sq}, {"grad", grad.data}}));
+      check_pointers(op, n, {{"params", params.params}, {"exp_avg_sq", exp_avg_sq}, {"grad", grad.data}}));
   ZO_RETURN_IF_ERROR(check_hyperparameter(op, "lr", config.lr, 0.0f, kInf, true));
   ZO_RETURN_IF_ERROR(check_hyperparameter(op, "eps", config.eps, 0.0f, kInf, true));
   ZO_RETURN_IF_ERROR(check_hyperparameter(op, "weight_decay", config.weight_decay, 0.0f, kInf, true));
@@ -151,7 +184,7 @@ Status run_adagrad(const char* op, const AdagradConfig& config, std::span<float>
   if (n == 0) return Status::ok();
 
   detail::AdagradArgs a{};
-  a.params = params.data();
+  a.p = params;
   a.exp_avg_sq = exp_avg_sq;
   a.state_dtype = state_dtype;
   a.grad = grad.data;
@@ -168,11 +201,11 @@ Status run_adagrad(const char* op, const AdagradConfig& config, std::span<float>
   return Status::ok();
 }
 
-Status run_lion(const char* op, const LionConfig& config, std::span<float> params, void* exp_avg, size_t exp_avg_n,
-                DType state_dtype, ConstElemSpan grad, float grad_scale, ElemSpan copy_out, const Executor& executor) {
-  const size_t n = params.size();
+Status run_lion(const char* op, const LionConfig& config, detail::ParamArgs params, size_t n, void* exp_avg,
+                size_t exp_avg_n, DType state_dtype, ConstElemSpan grad, float grad_scale, ElemSpan copy_out,
+                const Executor& executor) {
   ZO_RETURN_IF_ERROR(check_sizes(op, n, {{"exp_avg", exp_avg_n}}));
-  ZO_RETURN_IF_ERROR(check_pointers(op, n, {{"params", params.data()}, {"exp_avg", exp_avg}, {"grad", grad.data}}));
+  ZO_RETURN_IF_ERROR(check_pointers(op, n, {{"params", params.params}, {"exp_avg", exp_avg}, {"grad", grad.data}}));
   ZO_RETURN_IF_ERROR(check_hyperparameter(op, "lr", config.lr, 0.0f, kInf, true));
   ZO_RETURN_IF_ERROR(check_hyperparameter(op, "beta1", config.beta1, 0.0f, 1.0f, false));
   ZO_RETURN_IF_ERROR(check_hyperparameter(op, "beta2", config.beta2, 0.0f, 1.0f, false));
@@ -182,7 +215,7 @@ Status run_lion(const char* op, const LionConfig& config, std::span<float> param
   if (n == 0) return Status::ok();
 
   detail::LionArgs a{};
-  a.params = params.data();
+  a.p = params;
   a.exp_avg = exp_avg;
   a.state_dtype = state_dtype;
   a.grad = grad.data;
@@ -206,42 +239,60 @@ Status run_lion(const char* op, const LionConfig& config, std::span<float> param
 
 Status adagrad_step(const AdagradConfig& config, std::span<float> params, std::span<float> exp_avg_sq,
                     ConstElemSpan grad, float grad_scale, ElemSpan copy_out, const Executor& executor) {
-  return run_adagrad("adagrad_step", config, params, exp_avg_sq.data(), exp_avg_sq.size(), DType::kF32, grad,
-                     grad_scale, copy_out, executor);
+  return run_adagrad("adagrad_step", config, fp32_params(params), params.size(), exp_avg_sq.data(), exp_avg_sq.size(),
+                     DType::kF32, grad, grad_scale, copy_out, executor);
 }
 
 Status adagrad_step_bf16_state(const AdagradConfig& config, std::span<float> params, std::span<uint16_t> exp_avg_sq,
                                ConstElemSpan grad, float grad_scale, ElemSpan copy_out, const Executor& executor) {
-  return run_adagrad("adagrad_step_bf16_state", config, params, exp_avg_sq.data(), exp_avg_sq.size(), DType::kBF16,
-                     grad, grad_scale, copy_out, executor);
+  return run_adagrad("adagrad_step_bf16_state", config, fp32_params(params), params.size(), exp_avg_sq.data(),
+                     exp_avg_sq.size(), DType::kBF16, grad, grad_scale, copy_out, executor);
+}
+
+Status adagrad_step_bf16_master(const AdagradConfig& config, Bf16Master params, ElemSpan exp_avg_sq, ConstElemSpan grad,
+                                float grad_scale, ElemSpan copy_out, const Executor& executor) {
+  const char* op = "adagrad_step_bf16_master";
+  ZO_RETURN_IF_ERROR(check_bf16_master(op, params, copy_out, {{"exp_avg_sq", exp_avg_sq.dtype}}));
+  const size_t n = params.bits.size();
+  return run_adagrad(op, config, bf16_params(params), n, exp_avg_sq.data, n, exp_avg_sq.dtype, grad, grad_scale,
+                     copy_out, executor);
 }
 
 Status lion_step(const LionConfig& config, std::span<float> params, std::span<float> exp_avg, ConstElemSpan grad,
                  float grad_scale, ElemSpan copy_out, const Executor& executor) {
-  return run_lion("lion_step", config, params, exp_avg.data(), exp_avg.size(), DType::kF32, grad, grad_scale, copy_out,
-                  executor);
+  return run_lion("lion_step", config, fp32_params(params), params.size(), exp_avg.data(), exp_avg.size(), DType::kF32,
+                  grad, grad_scale, copy_out, executor);
 }
 
 Status lion_step_bf16_state(const LionConfig& config, std::span<float> params, std::span<uint16_t> exp_avg,
                             ConstElemSpan grad, float grad_scale, ElemSpan copy_out, const Executor& executor) {
-  return run_lion("lion_step_bf16_state", config, params, exp_avg.data(), exp_avg.size(), DType::kBF16, grad,
-                  grad_scale, copy_out, executor);
+  return run_lion("lion_step_bf16_state", config, fp32_params(params), params.size(), exp_avg.data(), exp_avg.size(),
+                  DType::kBF16, grad, grad_scale, copy_out, executor);
 }
 
-Status adam8bit_step(const AdamConfig& config, int64_t step, std::span<float> params, BlockwiseState exp_avg,
-                     BlockwiseState exp_avg_sq, ConstElemSpan grad, float grad_scale, ElemSpan copy_out,
-                     const Executor& executor) {
-  const char* op = "adam8bit_step";
-  const size_t n = params.size();
+Status lion_step_bf16_master(const LionConfig& config, Bf16Master params, ElemSpan exp_avg, ConstElemSpan grad,
+                             float grad_scale, ElemSpan copy_out, const Executor& executor) {
+  const char* op = "lion_step_bf16_master";
+  ZO_RETURN_IF_ERROR(check_bf16_master(op, params, copy_out, {{"exp_avg", exp_avg.dtype}}));
+  const size_t n = params.bits.size();
+  return run_lion(op, config, bf16_params(params), n, exp_avg.data, n, exp_avg.dtype, grad, grad_scale, copy_out,
+                  executor);
+}
+
+namespace {
+
+Status run_adam8bit(const char* op, const AdamConfig& config, int64_t step, detail::ParamArgs params, size_t n,
+                    BlockwiseState exp_avg, BlockwiseState exp_avg_sq, ConstElemSpan grad, float grad_scale,
+                    ElemSpan copy_out, const Executor& executor) {
   ZO_RETURN_IF_ERROR(check_state("exp_avg", n, exp_avg));
   ZO_RETURN_IF_ERROR(check_state("exp_avg_sq", n, exp_avg_sq));
-  ZO_RETURN_IF_ERROR(check_pointers(op, n, {{"params", params.data()}, {"grad", grad.data}}));
+  ZO_RETURN_IF_ERROR(check_pointers(op, n, {{"params", params.params}, {"grad", grad.data}}));
   ZO_RETURN_IF_ERROR(check_adam_hyperparameters(op, config, step, grad_scale));
   ZO_RETURN_IF_ERROR(check_dtypes(op, grad, copy_out));
   if (n == 0) return Status::ok();
 
   detail::Adam8bitArgs a{};
-  a.params = params.data();
+  a.p = params;
   a.m_codes = exp_avg.codes.data();
   a.m_absmax = exp_avg.absmax.data();
   a.v_codes = exp_avg_sq.codes.data();
@@ -260,6 +311,24 @@ Status adam8bit_step(const AdamConfig& config, int64_t step, std::span<float> pa
   const auto kernel = table_for(executor).adam8bit;
   executor.for_each_tile(n, [&](size_t begin, size_t end) { kernel(a, begin, end); });
   return Status::ok();
+}
+
+}  // namespace
+
+Status adam8bit_step(const AdamConfig& config, int64_t step, std::span<float> params, BlockwiseState exp_avg,
+                     BlockwiseState exp_avg_sq, ConstElemSpan grad, float grad_scale, ElemSpan copy_out,
+                     const Executor& executor) {
+  return run_adam8bit("adam8bit_step", config, step, fp32_params(params), params.size(), exp_avg, exp_avg_sq, grad,
+                      grad_scale, copy_out, executor);
+}
+
+Status adam8bit_step_bf16_master(const AdamConfig& config, int64_t step, Bf16Master params, BlockwiseState exp_avg,
+                                 BlockwiseState exp_avg_sq, ConstElemSpan grad, float grad_scale, ElemSpan copy_out,
+                                 const Executor& executor) {
+  const char* op = "adam8bit_step_bf16_master";
+  ZO_RETURN_IF_ERROR(check_bf16_master(op, params, copy_out, {}));
+  return run_adam8bit(op, config, step, bf16_params(params), params.bits.size(), exp_avg, exp_avg_sq, grad, grad_scale,
+                      copy_out, executor);
 }
 
 }  // namespace zo::cpu_optim

@@ -229,8 +229,11 @@ namespace {
 
 int run_adam_bench(const AdamArgs& a) {
   const BenchError usage{"adam", 2}, failure{"adam", 1};
-  if (a.moments == "8bit" || a.moments == "bf16") return run_adam_narrow_moments_bench(a);
-  if (a.moments != "fp32") return usage("--moments: expected fp32, bf16 or 8bit, got '" + a.moments + "'");
+  if (a.masters != "fp32" && a.masters != "bf16")
+    return usage("--masters: expected fp32 or bf16, got '" + a.masters + "'");
+  if (a.moments != "fp32" && a.moments != "bf16" && a.moments != "8bit")
+    return usage("--moments: expected fp32, bf16 or 8bit, got '" + a.moments + "'");
+  if (a.moments != "fp32" || a.masters == "bf16") return run_adam_narrow_moments_bench(a);
   const Result<AdamCommon> common = parse_adam_common(a);
   if (!common.is_ok()) return usage(common.status().message());
   if (a.optimizer != "adamw" && a.optimizer != "adam" && a.optimizer != "adagrad" && a.optimizer != "lion")
@@ -522,6 +525,11 @@ void register_bench_adam(CLI::App& app, int* exit_code) {
                   "fp32|bf16|8bit: Adam's moments (zoffload.moment_dtype); bf16 and 8bit time adam_step_bf16_moments "
                   "or adam8bit_step beside the fp32 kernel and the triad (no torch baseline; for 8bit "
                   "tools/bench_adam_bnb.py runs bitsandbytes' beside it)")
+      ->capture_default_str();
+  cmd->add_option("--masters", args->masters,
+                  "fp32|bf16: the master weights (zoffload.master_dtype); bf16 times adam_step_bf16_master (or "
+                  "adam8bit_step_bf16_master with --moments 8bit), stochastic rounding, beside the fp32 kernel and "
+                  "the triad; the copy-out is then bf16 or none")
       ->capture_default_str();
   cmd->add_option("--grad-dtype", args->grad_dtype, "fp32|bf16|fp16")->capture_default_str();
   cmd->add_option("--copy-out", args->copy_out, "bf16|fp16|none: fused 16-bit copy of the new params")

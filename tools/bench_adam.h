@@ -17,6 +17,7 @@ struct AdamArgs {
   std::string params = "2e8";
   std::string optimizer = "adamw";
   std::string moments = "fp32";  // fp32 | bf16 | 8bit (zoffload.moment_dtype)
+  std::string masters = "fp32";  // fp32 | bf16 (zoffload.master_dtype)
   std::string grad_dtype = "fp32";
   std::string copy_out = "bf16";
   std::string isa = "auto";
@@ -64,8 +65,9 @@ nlohmann::json adam_run_json(const AdamArgs& a, size_t n, bool has_copy, const c
   return j;
 }
 
-// --moments 8bit | bf16: adam8bit_step or adam_step_bf16_moments against the scalar path, then
-// timed beside the fp32 kernel on the same parameters and a STREAM triad (tools/bench_adam8bit.cpp).
+// --moments 8bit | bf16, or --masters bf16 with any moments: adam8bit_step, adam_step_bf16_moments
+// or the *_bf16_master steps against the scalar path, then timed beside the fp32 kernel on the same
+// parameters and a STREAM triad (tools/bench_adam8bit.cpp).
 // Exit code as run_adam_bench's.
 int run_adam_narrow_moments_bench(const AdamArgs& args);
 

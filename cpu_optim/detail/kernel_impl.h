@@ -15,7 +15,9 @@
 // I (W int32 lanes) with load_codes/store_codes (W bytes), gather(const float* table, I),
 // gather_u8(const uint8_t* table, I), bucket_of(F) (kernels.h's QuantTable buckets),
 // add_where_le(i, c, x, k) = i + k where c <= x, zero_where_nan(i, x), and on F abs,
-// max_keep(acc, x) = x > acc ? x : acc, hmax.
+// max_keep(acc, x) = x > acc ? x : acc, hmax; for bf16 masters sr_random16(key, index) (lane l:
+// common/half.h's sr_random16(key, index + l)), round_bf16_sr(F, I) (float_to_bf16_sr per lane, as
+// I) and store_u16(uint16_t*, I) (the low 16 bits of each lane).
 #pragma once
 
 #include <cstdint>
@@ -52,6 +54,14 @@ inline void with_state_dtype(DType m, Fn&& fn) {
   else fn.template operator()<DType::kF32>();
 }
 
+// Calls fn.template operator()<P>() for a parameter span's runtime dtype: fp32 masters, or bf16
+// masters stored with stochastic rounding.
+template <class Fn>
+inline void with_param_dtype(DType p, Fn&& fn) {
+  if (p == DType::kBF16) fn.template operator()<DType::kBF16>();
+  else fn.template operator()<DType::kF32>();
+}
+
 // Calls fn.template operator()<G, kCopy, C>() for the runtime dtypes (C is kF32 when there is no copy).
 template <class Fn>
 inline void with_dtypes(DType g, const void* copy, DType c, Fn&& fn) {
@@ -85,12 +95,14 @@ struct Ptrs {
   void* p[N];
 };
 
+// for_blocks_at passes body the element index the block starts at as well (i for a full block; the
+// tail's true index beside its i = 0), for what depends on where an element is (stochastic rounding).
 template <size_t W, size_t N, class Body>
-inline void for_blocks(const Stream (&streams)[N], size_t begin, size_t end, Body&& body) {
+inline void for_blocks_at(const Stream (&streams)[N], size_t begin, size_t end, Body&& body) {
   Ptrs<N> base;
   for (size_t s = 0; s < N; ++s) base.p[s] = streams[s].ptr;
   size_t i = begin;
-  for (; i + W <= end; i += W) body(base, i);
+  for (; i + W <= end; i += W) body(base, i, i);
   if (i == end) return;
   const size_t rem = end - i;
   alignas(64) unsigned char local[N][W * 4];
@@ -102,12 +114,36 @@ inline void for_blocks(const Stream (&streams)[N], size_t begin, size_t end, Bod
       std::memcpy(local[s], static_cast<unsigned char*>(streams[s].ptr) + i * streams[s].elem_size,
                   rem * streams[s].elem_size);
   }
-  body(tail, 0);
+  body(tail, 0, i);
   for (size_t s = 0; s < N; ++s)
     if (streams[s].ptr && streams[s].written)
       std::memcpy(static_cast<unsigned char*>(streams[s].ptr) + i * streams[s].elem_size, local[s],
                   rem * streams[s].elem_size);
 }
+
+template <size_t W, size_t N, class Body>
+inline void for_blocks(const Stream (&streams)[N], size_t begin, size_t end, Body&& body) {
+  for_blocks_at<W>(streams, begin, end, [&](const Ptrs<N>& at, size_t i, size_t) { body(at, i); });
+}
+
+// A kernel's new parameters: fp32 stored as computed (the copy-out rounded to nearest even), or a
+// bf16 master rounded stochastically at element `index` of the call, its copy-out the same bits.
+template <class V, DType P, bool kCopy, DType C>
+inline void store_params(const ParamArgs& a, void* p, void* copy, size_t i, size_t index, typename V::F x) {
+  if constexpr (P == DType::kF32) {
+    V::store(static_cast<float*>(p) + i, x);
+    if constexpr (kCopy) store_elems<V, C>(copy, i, x);
+  } else {
+    const typename V::I r = V::round_bf16_sr(x, V::sr_random16(a.sr_key, a.sr_first + static_cast<uint32_t>(index)));
+    V::store_u16(static_cast<uint16_t*>(p) + i, r);
+    if constexpr (kCopy) V::store_u16(static_cast<uint16_t*>(copy) + i, r);
+  }
+}
+
+// A bf16 master's copy-out is bf16 (the entry points refuse another dtype): the other combinations
+// are never instantiated.
+template <DType P, bool kCopy, DType C>
+inline constexpr bool kValidCopy = P == DType::kF32 || !kCopy || C == DType::kBF16;
 
 // The vector form of zo::adam_update (common/adam_math.h), operation for operation; the scalar
 // path runs adam_update itself, and the tests hold every SIMD path to it bit for bit. bf16 moments
@@ -121,32 +157,34 @@ void adam_kernel(const AdamArgs& a, size_t begin, size_t end) {
           b2 = V::set1(k.beta2), omb2 = V::set1(k.one_minus_beta2), eps = V::set1(k.eps), bc2 = V::set1(k.bc2_rsqrt),
           neg_step = V::set1(k.neg_step), l2 = V::set1(k.l2_decay), decay = V::set1(k.decay_factor);
   const bool use_l2 = k.use_l2, use_decoupled = k.use_decoupled;
-  with_state_dtype(a.moment_dtype, [&]<DType M>() {
-    with_dtypes(a.grad_dtype, a.copy_out, a.copy_dtype, [&]<DType G, bool kCopy, DType C>() {
-      const Stream streams[5] = {{a.params, 4, true},
-                                 {a.exp_avg, kElemBytes<M>, true},
-                                 {a.exp_avg_sq, kElemBytes<M>, true},
-                                 {const_cast<void*>(a.grad), kElemBytes<G>, false},
-                                 {kCopy ? a.copy_out : nullptr, kElemBytes<C>, true}};
-      for_blocks<V::W>(streams, begin, end, [&](const Ptrs<5>& at, size_t i) {
-        float* pp = static_cast<float*>(at.p[0]) + i;
-        F g = V::mul(load_elems<V, G>(at.p[3], i), scale);
-        F p = V::load(pp);
-        if (use_l2) g = V::fma(p, l2, g);
-        F m = V::mul(load_elems<V, M>(at.p[1], i), b1);
-        m = V::fma(g, omb1, m);
-        F v = V::mul(load_elems<V, M>(at.p[2], i), b2);
-        g = V::mul(g, g);
-        v = V::fma(g, omb2, v);
-        F d = V::sqrt(v);
-        d = V::fma(d, bc2, eps);
-        d = V::div(m, d);
-        if (use_decoupled) p = V::mul(p, decay);  // Note [Decoupled decay rounding]
-        p = V::fma(d, neg_step, p);
-        V::store(pp, p);
-        store_elems<V, M>(at.p[1], i, m);
-        store_elems<V, M>(at.p[2], i, v);
-        if constexpr (kCopy) store_elems<V, C>(at.p[4], i, p);
+  with_param_dtype(a.p.param_dtype, [&]<DType P>() {
+    with_state_dtype(a.moment_dtype, [&]<DType M>() {
+      with_dtypes(a.grad_dtype, a.copy_out, a.copy_dtype, [&]<DType G, bool kCopy, DType C>() {
+        if constexpr (kValidCopy<P, kCopy, C>) {
+          const Stream streams[5] = {{a.p.params, kElemBytes<P>, true},
+                                     {a.exp_avg, kElemBytes<M>, true},
+                                     {a.exp_avg_sq, kElemBytes<M>, true},
+                                     {const_cast<void*>(a.grad), kElemBytes<G>, false},
+                                     {kCopy ? a.copy_out : nullptr, kElemBytes<C>, true}};
+          for_blocks_at<V::W>(streams, begin, end, [&](const Ptrs<5>& at, size_t i, size_t index) {
+            F g = V::mul(load_elems<V, G>(at.p[3], i), scale);
+            F p = load_elems<V, P>(at.p[0], i);
+            if (use_l2) g = V::fma(p, l2, g);
+            F m = V::mul(load_elems<V, M>(at.p[1], i), b1);
+            m = V::fma(g, omb1, m);
+            F v = V::mul(load_elems<V, M>(at.p[2], i), b2);
+            g = V::mul(g, g);
+            v = V::fma(g, omb2, v);
+            F d = V::sqrt(v);
+            d = V::fma(d, bc2, eps);
+            d = V::div(m, d);
+            if (use_decoupled) p = V::mul(p, decay);  // Note [Decoupled decay rounding]
+            p = V::fma(d, neg_step, p);
+            store_params<V, P, kCopy, C>(a.p, at.p[0], at.p[4], i, index, p);
+            store_elems<V, M>(at.p[1], i, m);
+            store_elems<V, M>(at.p[2], i, v);
+          });
+        }
       });
     });
   });
@@ -159,26 +197,28 @@ void adagrad_kernel(const AdagradArgs& a, size_t begin, size_t end) {
   using F = typename V::F;
   const F scale = V::set1(a.grad_scale), eps = V::set1(a.eps), neg_lr = V::set1(a.neg_lr), wd = V::set1(a.weight_decay);
   const bool use_decay = a.use_decay;
-  with_state_dtype(a.state_dtype, [&]<DType M>() {
-    with_dtypes(a.grad_dtype, a.copy_out, a.copy_dtype, [&]<DType G, bool kCopy, DType C>() {
-      const Stream streams[4] = {{a.params, 4, true},
-                                 {a.exp_avg_sq, kElemBytes<M>, true},
-                                 {const_cast<void*>(a.grad), kElemBytes<G>, false},
-                                 {kCopy ? a.copy_out : nullptr, kElemBytes<C>, true}};
-      for_blocks<V::W>(streams, begin, end, [&](const Ptrs<4>& at, size_t i) {
-        float* pp = static_cast<float*>(at.p[0]) + i;
-        const F num = V::mul(load_elems<V, G>(at.p[2], i), scale);
-        F p = V::load(pp);
-        F g = num;
-        if (use_decay) g = V::fma(p, wd, g);
-        F v = V::fma(g, g, load_elems<V, M>(at.p[1], i));
-        F d = V::sqrt(v);
-        d = V::add(d, eps);
-        d = V::div(num, d);
-        p = V::fma(d, neg_lr, p);
-        V::store(pp, p);
-        store_elems<V, M>(at.p[1], i, v);
-        if constexpr (kCopy) store_elems<V, C>(at.p[3], i, p);
+  with_param_dtype(a.p.param_dtype, [&]<DType P>() {
+    with_state_dtype(a.state_dtype, [&]<DType M>() {
+      with_dtypes(a.grad_dtype, a.copy_out, a.copy_dtype, [&]<DType G, bool kCopy, DType C>() {
+        if constexpr (kValidCopy<P, kCopy, C>) {
+          const Stream streams[4] = {{a.p.params, kElemBytes<P>, true},
+                                     {a.exp_avg_sq, kElemBytes<M>, true},
+                                     {const_cast<void*>(a.grad), kElemBytes<G>, false},
+                                     {kCopy ? a.copy_out : nullptr, kElemBytes<C>, true}};
+          for_blocks_at<V::W>(streams, begin, end, [&](const Ptrs<4>& at, size_t i, size_t index) {
+            const F num = V::mul(load_elems<V, G>(at.p[2], i), scale);
+            F p = load_elems<V, P>(at.p[0], i);
+            F g = num;
+            if (use_decay) g = V::fma(p, wd, g);
+            F v = V::fma(g, g, load_elems<V, M>(at.p[1], i));
+            F d = V::sqrt(v);
+            d = V::add(d, eps);
+            d = V::div(num, d);
+            p = V::fma(d, neg_lr, p);
+            store_params<V, P, kCopy, C>(a.p, at.p[0], at.p[3], i, index, p);
+            store_elems<V, M>(at.p[1], i, v);
+          });
+        }
       });
     });
   });
@@ -191,26 +231,28 @@ void lion_kernel(const LionArgs& a, size_t begin, size_t end) {
           b2 = V::set1(a.beta2), omb2 = V::set1(a.one_minus_beta2), lr = V::set1(a.lr),
           after_decay = V::set1(a.after_decay);
   const bool use_decay = a.use_decay;
-  with_state_dtype(a.state_dtype, [&]<DType M>() {
-    with_dtypes(a.grad_dtype, a.copy_out, a.copy_dtype, [&]<DType G, bool kCopy, DType C>() {
-      const Stream streams[4] = {{a.params, 4, true},
-                                 {a.exp_avg, kElemBytes<M>, true},
-                                 {const_cast<void*>(a.grad), kElemBytes<G>, false},
-                                 {kCopy ? a.copy_out : nullptr, kElemBytes<C>, true}};
-      for_blocks<V::W>(streams, begin, end, [&](const Ptrs<4>& at, size_t i) {
-        float* pp = static_cast<float*>(at.p[0]) + i;
-        const F g = V::mul(load_elems<V, G>(at.p[2], i), scale);
-        F m = load_elems<V, M>(at.p[1], i);
-        F p = V::load(pp);
-        F c = V::mul(m, b1);
-        c = V::fma(g, omb1, c);
-        const F u = V::lion_update(c, lr);
-        p = use_decay ? V::fma(p, after_decay, u) : V::add(p, u);
-        m = V::mul(m, b2);
-        m = V::fma(g, omb2, m);
-        V::store(pp, p);
-        store_elems<V, M>(at.p[1], i, m);
-        if constexpr (kCopy) store_elems<V, C>(at.p[3], i, p);
+  with_param_dtype(a.p.param_dtype, [&]<DType P>() {
+    with_state_dtype(a.state_dtype, [&]<DType M>() {
+      with_dtypes(a.grad_dtype, a.copy_out, a.copy_dtype, [&]<DType G, bool kCopy, DType C>() {
+        if constexpr (kValidCopy<P, kCopy, C>) {
+          const Stream streams[4] = {{a.p.params, kElemBytes<P>, true},
+                                     {a.exp_avg, kElemBytes<M>, true},
+                                     {const_cast<void*>(a.grad), kElemBytes<G>, false},
+                                     {kCopy ? a.copy_out : nullptr, kElemBytes<C>, true}};
+          for_blocks_at<V::W>(streams, begin, end, [&](const Ptrs<4>& at, size_t i, size_t index) {
+            const F g = V::mul(load_elems<V, G>(at.p[2], i), scale);
+            F m = load_elems<V, M>(at.p[1], i);
+            F p = load_elems<V, P>(at.p[0], i);
+            F c = V::mul(m, b1);
+            c = V::fma(g, omb1, c);
+            const F u = V::lion_update(c, lr);
+            p = use_decay ? V::fma(p, after_decay, u) : V::add(p, u);
+            m = V::mul(m, b2);
+            m = V::fma(g, omb2, m);
+            store_params<V, P, kCopy, C>(a.p, at.p[0], at.p[3], i, index, p);
+            store_elems<V, M>(at.p[1], i, m);
+          });
+        }
       });
     });
   });
@@ -364,7 +406,7 @@ typename V::I nearest_code(const QuantTable& t, typename V::F x) {
 // One block of 8-bit blockwise Adam, elements [first, first + n), n <= 256: dequantize, update in
 // bitsandbytes' order (docs/cpu_optim.md), then the block's absmax (the largest non-NaN |x|, 0 if
 // none) and the nearest codes. The moments between the passes live in two local arrays.
-template <class V, DType G, bool kCopy, DType C>
+template <class V, DType P, DType G, bool kCopy, DType C>
 void adam8bit_block(const Adam8bitArgs& a, size_t first, size_t n) {
   using F = typename V::F;
   constexpr size_t W = V::W;
@@ -376,17 +418,16 @@ void adam8bit_block(const Adam8bitArgs& a, size_t first, size_t n) {
   const F m_scale = V::set1(a.m_absmax[b]), v_scale = V::set1(a.v_absmax[b]);
   alignas(64) float m_new[kQuantBlock] = {}, v_new[kQuantBlock] = {};  // lanes past n stay +0
   const Stream update[7] = {
-      {a.params + first, 4, true},
+      {static_cast<char*>(a.p.params) + first * kElemBytes<P>, kElemBytes<P>, true},
       {a.m_codes + first, 1, false},
       {a.v_codes + first, 1, false},
       {const_cast<char*>(static_cast<const char*>(a.grad)) + first * kElemBytes<G>, kElemBytes<G>, false},
       {kCopy ? static_cast<char*>(a.copy_out) + first * kElemBytes<C> : nullptr, kElemBytes<C>, true},
       {m_new, 4, true},
       {v_new, 4, true}};
-  for_blocks<W>(update, 0, n, [&](const Ptrs<7>& at, size_t i) {
-    float* pp = static_cast<float*>(at.p[0]) + i;
+  for_blocks_at<W>(update, 0, n, [&](const Ptrs<7>& at, size_t i, size_t index) {
     F g = V::mul(load_elems<V, G>(at.p[3], i), scale);
-    F p = V::load(pp);
+    F p = load_elems<V, P>(at.p[0], i);
     if (k.use_l2) g = V::fma(p, wd, g);
     F m = V::mul(V::gather(a.m_map, V::load_codes(static_cast<const uint8_t*>(at.p[1]) + i)), m_scale);
     F v = V::mul(V::gather(a.v_map, V::load_codes(static_cast<const uint8_t*>(at.p[2]) + i)), v_scale);
@@ -395,8 +436,7 @@ void adam8bit_block(const Adam8bitArgs& a, size_t first, size_t n) {
     const F denom = V::add(V::div(V::sqrt(v), c2), eps);
     if (k.use_decoupled) p = V::mul(p, decay);
     p = V::add(V::div(V::mul(step_size, m), denom), p);
-    V::store(pp, p);
-    if constexpr (kCopy) store_elems<V, C>(at.p[4], i, p);
+    store_params<V, P, kCopy, C>(a.p, at.p[0], at.p[4], i, first + index, p);
     V::store(static_cast<float*>(at.p[5]) + i, m);
     V::store(static_cast<float*>(at.p[6]) + i, v);
   });
@@ -422,9 +462,13 @@ void adam8bit_block(const Adam8bitArgs& a, size_t first, size_t n) {
 
 template <class V>
 void adam8bit_kernel(const Adam8bitArgs& a, size_t begin, size_t end) {
-  with_dtypes(a.grad_dtype, a.copy_out, a.copy_dtype, [&]<DType G, bool kCopy, DType C>() {
-    for (size_t first = begin; first < end; first += kQuantBlock)
-      adam8bit_block<V, G, kCopy, C>(a, first, end - first < kQuantBlock ? end - first : kQuantBlock);
+  with_param_dtype(a.p.param_dtype, [&]<DType P>() {
+    with_dtypes(a.grad_dtype, a.copy_out, a.copy_dtype, [&]<DType G, bool kCopy, DType C>() {
+      if constexpr (kValidCopy<P, kCopy, C>) {
+        for (size_t first = begin; first < end; first += kQuantBlock)
+          adam8bit_block<V, P, G, kCopy, C>(a, first, end - first < kQuantBlock ? end - first : kQuantBlock);
+      }
+    });
   });
 }
 

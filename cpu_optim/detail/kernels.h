@@ -12,8 +12,18 @@
 
 namespace zo::cpu_optim::detail {
 
+// The parameters a kernel updates: fp32 masters, or bf16 masters stored with stochastic rounding
+// (Note [Stochastic rounding to bf16] in common/half.h): element i of the call draws
+// sr_random16(sr_key, sr_first + i). A bf16 master's copy-out, if any, is bf16: the same bits.
+struct ParamArgs {
+  void* params;
+  DType param_dtype;  // kF32 or kBF16
+  uint32_t sr_key;
+  uint32_t sr_first;
+};
+
 struct AdamArgs {
-  float* params;
+  ParamArgs p;
   void* exp_avg;  // moment_dtype each: fp32, or bf16 (widened exactly, stored rounded to nearest even)
   void* exp_avg_sq;
   DType moment_dtype;
@@ -25,7 +35,7 @@ struct AdamArgs {
 };
 
 struct AdagradArgs {
-  float* params;
+  ParamArgs p;
   void* exp_avg_sq;  // state_dtype: fp32, or bf16 (widened exactly, stored rounded to nearest even)
   DType state_dtype;
   const void* grad;
@@ -40,7 +50,7 @@ struct AdagradArgs {
 };
 
 struct LionArgs {
-  float* params;
+  ParamArgs p;
   void* exp_avg;  // state_dtype: fp32, or bf16 (widened exactly, stored rounded to nearest even)
   DType state_dtype;
   const void* grad;
@@ -93,7 +103,7 @@ const QuantTable& unsigned_map_quant_table();
 
 // A kernel call covers whole 256-element blocks: begin is a multiple of 256 (end may cut the last).
 struct Adam8bitArgs {
-  float* params;
+  ParamArgs p;
   uint8_t* m_codes;
   float* m_absmax;
   uint8_t* v_codes;

@@ -985,5 +985,268 @@ TEST(Adam8bit, RefusesMismatchedStatesBeforeWritingAnything) {
   for (uint8_t x : cm) EXPECT_EQ(x, 0);
 }
 
+// ---- bf16 masters with stochastic rounding (Note [Stochastic rounding to bf16]) ------------------
+
+enum class MasterOpt { kAdam, kAdagrad, kLion, kAdam8bit };
+
+struct MasterCase {
+  const char* name;
+  MasterOpt opt;
+  DType moments;  // fp32 or bf16 (8-bit: its own)
+  AdamConfig adam;
+};
+
+const MasterCase kMasterCases[] = {
+    {"AdamW fp32 moments", MasterOpt::kAdam, DType::kF32, {.lr = 1e-3f, .weight_decay = 0.01f, .adam_w_mode = true}},
+    {"Adam L2 bf16 moments", MasterOpt::kAdam, DType::kBF16, {.lr = 2e-4f, .weight_decay = 0.1f, .adam_w_mode = false}},
+    {"Adagrad fp32", MasterOpt::kAdagrad, DType::kF32, {.lr = 1e-2f, .weight_decay = 0.01f}},
+    {"Adagrad bf16", MasterOpt::kAdagrad, DType::kBF16, {.lr = 1e-2f}},
+    {"Lion fp32", MasterOpt::kLion, DType::kF32, {.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.99f, .weight_decay = 0.1f}},
+    {"Lion bf16", MasterOpt::kLion, DType::kBF16, {.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.99f}},
+    {"AdamW 8-bit", MasterOpt::kAdam8bit, DType::kF32, {.lr = 1e-3f, .weight_decay = 0.01f, .adam_w_mode = true}},
+};
+
+struct MasterRun {
+  std::vector<uint16_t> p;
+  std::vector<float> m32, v32, ma, va;
+  std::vector<uint16_t> m16, v16;
+  std::vector<uint8_t> mc, vc;
+  Copy copy;
+};
+
+std::vector<uint16_t> to_bf16(const std::vector<float>& x) {
+  std::vector<uint16_t> out;
+  for (float v : x) out.push_back(float_to_bf16(v));
+  return out;
+}
+
+MasterRun fresh_master_run(size_t n, bool copy) {
+  MasterRun r{to_bf16(random_floats(n, 61, 1.0f)),
+              std::vector<float>(n, 0.0f),
+              std::vector<float>(n, 0.0f),
+              std::vector<float>(quant_block_count(n), 0.0f),
+              std::vector<float>(quant_block_count(n), 0.0f),
+              std::vector<uint16_t>(n, 0),
+              std::vector<uint16_t>(n, 0),
+              std::vector<uint8_t>(n, 0),
+              std::vector<uint8_t>(n, 0),
+              Copy(copy, DType::kBF16, n)};
+  return r;
+}
+
+// One step of elements [b, e) of the run, as a parameter's piece starting at element b.
+Status master_step(const MasterCase& c, MasterRun& r, int step, uint32_t key, size_t b, size_t e, const Grad& g,
+                   const Executor& ex) {
+  const size_t n = e - b;
+  const Bf16Master p{{r.p.data() + b, n}, key, static_cast<uint32_t>(b)};
+  const size_t gb = dtype_size_bytes(g.dtype);
+  const ConstElemSpan grad{static_cast<const char*>(g.span().data) + b * gb, g.dtype};
+  const ElemSpan copy = r.copy.enabled ? ElemSpan{r.copy.u16.data() + b, DType::kBF16} : ElemSpan{};
+  const bool m16 = c.moments == DType::kBF16;
+  const ElemSpan m = m16 ? ElemSpan{r.m16.data() + b, DType::kBF16} : ElemSpan{r.m32.data() + b, DType::kF32};
+  const ElemSpan v = m16 ? ElemSpan{r.v16.data() + b, DType::kBF16} : ElemSpan{r.v32.data() + b, DType::kF32};
+  const AdamConfig& h = c.adam;
+  switch (c.opt) {
+    case MasterOpt::kAdam: return adam_step_bf16_master(h, step, p, m, v, grad, 0.5f, copy, ex);
+    case MasterOpt::kAdagrad:
+      return adagrad_step_bf16_master({.lr = h.lr, .eps = h.eps, .weight_decay = h.weight_decay}, p, v, grad, 0.5f,
+                                      copy, ex);
+    case MasterOpt::kLion:
+      return lion_step_bf16_master({.lr = h.lr, .beta1 = h.beta1, .beta2 = h.beta2, .weight_decay = h.weight_decay}, p,
+                                   m, grad, 0.5f, copy, ex);
+    case MasterOpt::kAdam8bit: {
+      ZO_CHECK(b % kQuantBlockElems == 0) << "an 8-bit piece starts on a block";
+      const size_t ab = b / kQuantBlockElems, an = quant_block_count(n);
+      return adam8bit_step_bf16_master(h, step, p, {{r.mc.data() + b, n}, {r.ma.data() + ab, an}},
+                                       {{r.vc.data() + b, n}, {r.va.data() + ab, an}}, grad, 0.5f, copy, ex);
+    }
+  }
+  return Status::ok();
+}
+
+uint32_t step_key(int step, uint64_t seed = 7) { return sr_key(seed, static_cast<uint64_t>(step), 3); }
+
+// Gradients without specials: a block of 8-bit moments holding an inf is NaN from then on, which would
+// leave nothing of the 8-bit cases to compare.
+Grad finite_grad(DType dtype, size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  Grad g{dtype, {}, {}};
+  for (size_t i = 0; i < n; ++i) {
+    const float x = normal(rng);
+    if (dtype == DType::kF32) g.f32.push_back(x);
+    else g.u16.push_back(float_to_bf16(x));
+  }
+  return g;
+}
+
+// Three steps over n elements, each as one call or as two pieces split at `split`.
+MasterRun run_master(const Executor& ex, const MasterCase& c, DType gdt, bool copy, size_t n = kN, size_t split = 0,
+                     uint64_t seed = 7) {
+  MasterRun r = fresh_master_run(n, copy);
+  for (int step = 1; step <= 3; ++step) {
+    const uint32_t gseed = 70 + static_cast<uint32_t>(step);
+    const Grad g = c.opt == MasterOpt::kAdam8bit ? finite_grad(gdt, n, gseed) : random_grad(gdt, n, gseed);
+    const uint32_t key = step_key(step, seed);
+    Status st = split == 0 ? master_step(c, r, step, key, 0, n, g, ex) : master_step(c, r, step, key, 0, split, g, ex);
+    if (st.is_ok() && split != 0) st = master_step(c, r, step, key, split, n, g, ex);
+    ZO_CHECK(st.is_ok()) << st.to_string();
+  }
+  return r;
+}
+
+::testing::AssertionResult same_master_runs(const MasterRun& a, const MasterRun& b) {
+  if (auto r = same_u16(a.p, b.p, DType::kBF16, "params"); !r) return r;
+  if (auto r = same_floats(a.m32, b.m32, "exp_avg"); !r) return r;
+  if (auto r = same_floats(a.v32, b.v32, "exp_avg_sq"); !r) return r;
+  if (auto r = same_u16(a.m16, b.m16, DType::kBF16, "bf16 exp_avg"); !r) return r;
+  if (auto r = same_u16(a.v16, b.v16, DType::kBF16, "bf16 exp_avg_sq"); !r) return r;
+  if (auto r = same_floats(a.ma, b.ma, "exp_avg absmax"); !r) return r;
+  if (auto r = same_floats(a.va, b.va, "exp_avg_sq absmax"); !r) return r;
+  if (a.mc != b.mc || a.vc != b.vc) return ::testing::AssertionFailure() << "8-bit codes differ";
+  if (a.copy.enabled) {
+    if (auto r = same_u16(a.copy.u16, b.copy.u16, DType::kBF16, "copy_out"); !r) return r;
+    if (auto r = same_u16(a.copy.u16, a.p, DType::kBF16, "copy_out against the master"); !r) return r;
+  }
+  return ::testing::AssertionSuccess();
+}
+
+TEST_P(SimdPath, Bf16MastersAreBitIdenticalToScalar) {
+  for (const MasterCase& c : kMasterCases) {
+    for (DType g : {DType::kF32, DType::kBF16}) {
+      for (bool copy : {false, true}) {
+        SCOPED_TRACE(std::string(c.name) + ", grad " + std::string(dtype_name(g)) + (copy ? ", copy" : ""));
+        const MasterRun a = run_master(*simd_, c, g, copy), b = run_master(*scalar_, c, g, copy);
+        EXPECT_NE(a.p, fresh_master_run(kN, false).p);
+        EXPECT_TRUE(same_master_runs(a, b));
+      }
+    }
+  }
+}
+
+// The definition: one step is the fp32-master step on the widened parameters, the moments bit for bit,
+// with the new parameters rounded by float_to_bf16_sr with element i's bits sr_random16(key, first + i).
+TEST(Bf16Master, OneStepIsTheFp32StepRoundedStochastically) {
+  const auto ex = make_executor(Isa::kAuto);
+  const AdamConfig cfg{.lr = 1e-3f, .weight_decay = 0.01f, .adam_w_mode = true};
+  const size_t first = 123457;  // the piece's offset in its parameter
+  std::vector<uint16_t> p16 = to_bf16(random_floats(kN, 61, 1.0f));
+  std::vector<float> p32, m(kN, 0.0f), v(kN, 0.0f), m2(kN, 0.0f), v2(kN, 0.0f);
+  for (uint16_t h : p16) p32.push_back(bf16_to_float(h));
+  const Grad g = random_grad(DType::kF32, kN, 71);
+  const uint32_t key = step_key(1);
+  ASSERT_TRUE(adam_step(cfg, 1, p32, m, v, g.span(), 0.5f, {}, *ex).is_ok());
+  ASSERT_TRUE(adam_step_bf16_master(cfg, 1, {p16, key, first}, {m2.data(), DType::kF32}, {v2.data(), DType::kF32},
+                                    g.span(), 0.5f, {}, *ex)
+                  .is_ok());
+  EXPECT_TRUE(same_floats(m, m2, "exp_avg"));
+  EXPECT_TRUE(same_floats(v, v2, "exp_avg_sq"));
+  std::vector<uint16_t> want;
+  size_t rounded_up = 0, rounded_down = 0;
+  for (size_t i = 0; i < kN; ++i) {
+    want.push_back(float_to_bf16_sr(p32[i], sr_random16(key, static_cast<uint32_t>(first + i))));
+    if (std::isfinite(p32[i]) && bf16_to_float(want[i]) != p32[i]) {
+      (std::fabs(bf16_to_float(want[i])) > std::fabs(p32[i]) ? rounded_up : rounded_down)++;
+    }
+  }
+  EXPECT_TRUE(same_u16(want, p16, DType::kBF16, "params"));
+  // Both directions happen (round-to-nearest would also give both, but not in these proportions).
+  EXPECT_GT(rounded_up, kN / 5);
+  EXPECT_GT(rounded_down, kN / 5);
+}
+
+// Unbiasedness: an update far below a bf16 ulp (every weight moving up), rounded under 2,000 keys,
+// averages to the exact fp32 result. Per element within 6 standard errors of a Bernoulli(f) ulp step; over all elements the
+// summed bias in ulps within 6 of its standard deviation. Round-to-nearest, on the same inputs, is
+// biased by hundreds of those deviations: the test tells the two apart.
+TEST(Bf16Master, StochasticRoundingIsUnbiased) {
+  const auto ex = make_executor(Isa::kAuto);
+  constexpr size_t n = 4096;
+  constexpr int kKeys = 2000;
+  const AdamConfig cfg{.lr = 1e-4f, .weight_decay = 0.0f, .adam_w_mode = true};
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<uint16_t> p0(n);
+  std::vector<float> grad(n);
+  for (size_t i = 0; i < n; ++i) {
+    p0[i] = float_to_bf16(0.25f + std::fabs(normal(rng)));  // ulps from 2^-9 to 2^-6
+    grad[i] = -std::fabs(normal(rng));                      // every weight moves up: round-to-nearest's bias adds up
+  }
+  std::vector<float> exact(n), m(n, 0.0f), v(n, 0.0f);
+  for (size_t i = 0; i < n; ++i) exact[i] = bf16_to_float(p0[i]);
+  ASSERT_TRUE(adam_step(cfg, 1, exact, m, v, {grad.data(), DType::kF32}, 1.0f, {}, *ex).is_ok());
+  std::vector<double> sum(n, 0.0);
+  std::vector<uint16_t> p(n);
+  for (int k = 0; k < kKeys; ++k) {
+    p = p0;
+    std::fill(m.begin(), m.end(), 0.0f);
+    std::fill(v.begin(), v.end(), 0.0f);
+    ASSERT_TRUE(adam_step_bf16_master(cfg, 1, {p, sr_key(11, 1, static_cast<uint32_t>(k)), 0}, {m.data(), DType::kF32},
+                                      {v.data(), DType::kF32}, {grad.data(), DType::kF32}, 1.0f, {}, *ex)
+                    .is_ok());
+    for (size_t i = 0; i < n; ++i) {
+      const uint32_t down = float_bits(exact[i]) >> 16;
+      ASSERT_TRUE(p[i] == down || p[i] == down + 1) << "element " << i << " left its two neighbours";
+      sum[i] += bf16_to_float(p[i]);
+    }
+  }
+  double bias_ulps = 0, var_ulps = 0, rne_bias_ulps = 0;
+  size_t moved = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const uint32_t down = float_bits(exact[i]) >> 16;
+    const double lo = bf16_to_float(static_cast<uint16_t>(down));
+    const double ulp = bf16_to_float(static_cast<uint16_t>(down + 1)) - lo;
+    const double f = (exact[i] - lo) / ulp;  // the exact fraction of an ulp
+    const double mean = sum[i] / kKeys;
+    const double se = std::sqrt(f * (1 - f) / kKeys);
+    EXPECT_LE(std::fabs(mean - exact[i]) / ulp, 6 * se + 1e-9) << "element " << i << ", fraction " << f;
+    bias_ulps += (mean - exact[i]) / ulp;
+    var_ulps += f * (1 - f) / kKeys;
+    rne_bias_ulps += (bf16_to_float(float_to_bf16(exact[i])) - exact[i]) / ulp;
+    moved += bf16_to_float(p0[i]) != bf16_to_float(float_to_bf16(exact[i]));
+  }
+  const double sd = std::sqrt(var_ulps);
+  EXPECT_LE(std::fabs(bias_ulps), 6 * sd) << "summed bias " << bias_ulps << " ulps, sd " << sd;
+  EXPECT_GT(std::fabs(rne_bias_ulps), 100 * sd) << "round-to-nearest: " << rne_bias_ulps << " ulps";
+  EXPECT_EQ(moved, 0u) << "round-to-nearest would move no weight: the update is below half an ulp";
+}
+
+// Where an element sits in its parameter, not how the call is cut or threaded, decides its bits;
+// another seed gives other bits.
+TEST(Bf16Master, SplitsThreadsAndSeedsDecideTheBitsAsDocumented) {
+  const auto one = make_executor(Isa::kAuto, 1), two = make_executor(Isa::kAuto, 2);
+  for (const MasterCase& c : kMasterCases) {
+    SCOPED_TRACE(c.name);
+    const MasterRun whole = run_master(*two, c, DType::kBF16, true);
+    const size_t split = c.opt == MasterOpt::kAdam8bit ? 3 * kQuantBlockElems : 1001;
+    EXPECT_TRUE(same_master_runs(whole, run_master(*two, c, DType::kBF16, true, kN, split)));
+    EXPECT_TRUE(same_master_runs(whole, run_master(*one, c, DType::kBF16, true)));
+    EXPECT_NE(whole.p, run_master(*two, c, DType::kBF16, true, kN, 0, 8).p);
+  }
+}
+
+TEST(Bf16Master, RefusesABadCopyIndexOrMomentDtypeBeforeWriting) {
+  const auto ex = make_executor(Isa::kAuto);
+  constexpr size_t n = 100;
+  std::vector<uint16_t> p(n, 0x3F80), before = p;
+  std::vector<float> m(n, 0.0f), v(n, 0.0f), grad(n, 1.0f), copy32(n, 0.0f);
+  std::vector<uint16_t> v16(n, 0);
+  const ConstElemSpan g{grad.data(), DType::kF32};
+  const AdamConfig cfg;
+  const ElemSpan ms{m.data(), DType::kF32}, vs{v.data(), DType::kF32};
+  const Status bad_copy = adam_step_bf16_master(cfg, 1, {p, 1, 0}, ms, vs, g, 1.0f, {copy32.data(), DType::kF32}, *ex);
+  EXPECT_EQ(bad_copy.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad_copy.message().find("copy-out is bf16"), std::string::npos) << bad_copy.to_string();
+  const Status past = adam_step_bf16_master(cfg, 1, {p, 1, 0xFFFFFFFFu - 10}, ms, vs, g, 1.0f, {}, *ex);
+  EXPECT_EQ(past.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(past.message().find("32 bits"), std::string::npos) << past.to_string();
+  const Status mixed = adam_step_bf16_master(cfg, 1, {p, 1, 0}, ms, {v16.data(), DType::kBF16}, g, 1.0f, {}, *ex);
+  EXPECT_EQ(mixed.code(), StatusCode::kInvalidArgument);
+  const Status f16 = lion_step_bf16_master({}, {p, 1, 0}, {v16.data(), DType::kF16}, g, 1.0f, {}, *ex);
+  EXPECT_EQ(f16.code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(p, before);
+  EXPECT_EQ(m, std::vector<float>(n, 0.0f));
+}
+
 }  // namespace
 }  // namespace zo::cpu_optim
