@@ -108,6 +108,12 @@ Result<engine::Config> make_config(const PipelineArgs& a, uint64_t sub_group_siz
                  "kernel; zoffload train runs the whole step)";
     return invalid_argument(*why_usage);
   }
+  if (c->zoffload.master_dtype != "fp32") {
+    *why_usage = "zoffload.master_dtype \"" + c->zoffload.master_dtype +
+                 "\": this benchmark steps fp32 masters only (zoffload-bench adam --masters bf16 times the "
+                 "bf16-master kernel; zoffload train runs the whole step)";
+    return invalid_argument(*why_usage);
+  }
   return *c;
 }
 

@@ -286,7 +286,7 @@ Result<SaveResult> save_collaborative(StateStore& store, const TrainingState& st
     return internal_error(context + ": a collaborative save needs a store partitioned over the " +
                           std::to_string(c.world_size) + " ranks");
   const std::vector<CheckpointTensor> tensors = tensors_of(reg);
-  const std::vector<StateFile> files = state_files(plan.placement.moments);
+  const std::vector<StateFile> files = state_files(plan.placement.moments, plan.placement.master_dtype);
   // root's text on every rank.
   auto share = [&](uint32_t root, std::string text, const std::string& what) -> Result<std::string> {
     uint64_t n = text.size();
@@ -409,6 +409,7 @@ Result<SaveResult> save_collaborative(StateStore& store, const TrainingState& st
       manifest.step = state.steps_done;
       manifest.tensors = tensors;
       manifest.moments = plan.placement.moments;
+      manifest.master_dtype = plan.placement.master_dtype;
       committed = [&]() -> Status {
         for (size_t k = 0; k < files.size(); ++k) {
           const uint64_t size = state_file_prefix(files[k], tensors).size() + state_file_data_bytes(files[k], tensors);
@@ -464,7 +465,8 @@ Result<SaveResult> save_checkpoint(StateStore& store, const TrainingState& state
   manifest.step = state.steps_done;
   manifest.tensors = tensors_of(store.registry());
   manifest.moments = store.plan().placement.moments;
-  const std::vector<StateFile> files = state_files(manifest.moments);
+  manifest.master_dtype = store.plan().placement.master_dtype;
+  const std::vector<StateFile> files = state_files(manifest.moments, manifest.master_dtype);
   // Everything up to the rename happens in tmp: on failure, remove it and report.
   auto write_all = [&]() -> Status {
     uint64_t total = 0, done = 0;

@@ -7,6 +7,7 @@
 #include <filesystem>
 
 #include "common/check.h"
+#include "common/half.h"
 #include "common/string_util.h"
 #include "cpu_optim/adam8bit.h"
 #include "engine/ckpt/state_files.h"
@@ -76,7 +77,7 @@ Result<CheckpointInfo> open_checkpoint(const std::string& path, io::Env* env) {
   for (const char* required : {kTrainerStateFile, kModelConfigFile}) {
     if (!info.manifest.find(required)) return corruption(mpath + ": lists no " + required);
   }
-  for (const StateFile& file : state_files(info.manifest.moments)) {
+  for (const StateFile& file : state_files(info.manifest.moments, info.manifest.master_dtype)) {
     if (!info.manifest.find(file.name)) return corruption(mpath + ": lists no " + file.name);
   }
   for (const FileDigest& f : info.manifest.files) {
@@ -107,8 +108,8 @@ Result<CheckpointInfo> open_checkpoint(const std::string& path, io::Env* env) {
                       " says steps_done " + std::to_string(info.state.steps_done));
   }
   // The state files' headers must list the tensors the manifest's imply, in order, in their dtype
-  // (F32; BF16 for bf16 moments); a codes file holds a byte per element of the quantized ones.
-  for (const StateFile& file : state_files(info.manifest.moments)) {
+  // (F32; BF16 for bf16 moments or masters); a codes file holds a byte per element of the quantized ones.
+  for (const StateFile& file : state_files(info.manifest.moments, info.manifest.master_dtype)) {
     const std::string fpath = path + "/" + file.name;
     if (file.part == StatePart::kMomentCodes) {
       const uint64_t want = state_file_data_bytes(file, info.manifest.tensors);
@@ -191,8 +192,15 @@ Status load_checkpoint(const CheckpointInfo& ckpt, StateStore& store, io::IoEngi
                             std::string(moment_dtype_name(plan.placement.moments)) +
                             " (zoffload.moment_dtype): resume with the checkpoint's moment_dtype");
   }
+  if (ckpt.manifest.master_dtype != plan.placement.master_dtype) {
+    return invalid_argument(context + ": it keeps the master weights in " +
+                            std::string(dtype_name(ckpt.manifest.master_dtype)) + ", this run in " +
+                            std::string(dtype_name(plan.placement.master_dtype)) +
+                            " (zoffload.master_dtype): resume with the checkpoint's master_dtype, or start a new "
+                            "run from `zoffload export` of it");
+  }
   const uint32_t n_groups = plan.n_sub_groups;
-  for (const StateFile& file : state_files(plan.placement.moments)) {
+  for (const StateFile& file : state_files(plan.placement.moments, plan.placement.master_dtype)) {
     const StateKind kind = file.kind;
     const std::string fpath = ckpt.path + "/" + file.name;
     // What precedes the sub-groups' parts: the header (a codes file has none) and, in an 8-bit
@@ -222,6 +230,7 @@ Status load_checkpoint(const CheckpointInfo& ckpt, StateStore& store, io::IoEngi
       part_start[i + 1] = part_start[i] + (e - b);
     }
     uint32_t g = 0;
+    std::vector<float> widened;  // a bf16 master run, widened for write_compute_from_master
     auto consume = [&](uint64_t offset, std::span<const std::byte> bytes) -> Status {
       uint64_t flat = offset - data_start;
       while (!bytes.empty()) {
@@ -231,9 +240,21 @@ Status load_checkpoint(const CheckpointInfo& ckpt, StateStore& store, io::IoEngi
         const uint64_t n = std::min<uint64_t>(bytes.size(), part_start[g + 1] - flat);
         if (plan.owns(g)) ZO_RETURN_IF_ERROR(store.write_state_range(g, kind, in_group, bytes.first(n)));
         if (kind == StateKind::kMaster && plan.holds(g, StateKind::kCompute)) {
-          ZO_CHECK(in_group % 4 == 0 && n % 4 == 0) << fpath << ": unaligned fp32 run";
-          const auto* values = reinterpret_cast<const float*>(bytes.data());
-          ZO_RETURN_IF_ERROR(store.write_compute_from_master(g, in_group / 4, {values, n / 4}));
+          if (file.dtype == DType::kF32) {
+            ZO_CHECK(in_group % 4 == 0 && n % 4 == 0) << fpath << ": unaligned fp32 run";
+            const auto* values = reinterpret_cast<const float*>(bytes.data());
+            ZO_RETURN_IF_ERROR(store.write_compute_from_master(g, in_group / 4, {values, n / 4}));
+          } else {
+            // A bf16 master is its compute copy's bits: widened exactly, rounded back unchanged.
+            ZO_CHECK(in_group % 2 == 0 && n % 2 == 0) << fpath << ": unaligned bf16 run";
+            widened.resize(n / 2);
+            for (size_t i = 0; i < widened.size(); ++i) {
+              uint16_t h;
+              std::memcpy(&h, bytes.data() + 2 * i, 2);
+              widened[i] = bf16_to_float(h);
+            }
+            ZO_RETURN_IF_ERROR(store.write_compute_from_master(g, in_group / 2, widened));
+          }
         }
         bytes = bytes.subspan(n);
         flat += n;

@@ -382,7 +382,9 @@ Result<ExportResult> export_impl(std::span<const ParamInfo> params, const std::s
 // the last one ended (the bytes before the first tensor are read and checked on the way).
 class MasterReader {
  public:
-  MasterReader(std::string path, const FileDigest& digest) : path_(std::move(path)), verifier_(digest, path_) {}
+  // The masters are fp32, or bf16 (zoffload.master_dtype), widened exactly as they are read.
+  MasterReader(std::string path, const FileDigest& digest, DType dtype)
+      : path_(std::move(path)), verifier_(digest, path_), dtype_(dtype) {}
   MasterReader(const MasterReader&) = delete;
   MasterReader& operator=(const MasterReader&) = delete;
 
@@ -395,12 +397,24 @@ class MasterReader {
   }
 
   Status read(uint32_t tensor, uint64_t offset_elems, std::span<float> out) {
-    const uint64_t pos = data_offsets_[tensor] + offset_elems * sizeof(float);
+    const uint64_t elem = dtype_size_bytes(dtype_);
+    const uint64_t pos = data_offsets_[tensor] + offset_elems * elem;
     if (pos < verifier_.position())
       return internal_error("export: " + path_ + " read out of order at offset " + std::to_string(pos) + " (at " +
                             std::to_string(verifier_.position()) + ")");
     ZO_RETURN_IF_ERROR(skip_to(pos));
-    return read_checked(std::as_writable_bytes(out));
+    if (dtype_ == DType::kF32) return read_checked(std::as_writable_bytes(out));
+    // bf16: read into the back half of `out`, then widen from the front, so no element is
+    // overwritten before it is read.
+    auto bytes = std::as_writable_bytes(out);
+    const auto half = bytes.subspan(bytes.size() / 2);
+    ZO_RETURN_IF_ERROR(read_checked(half));
+    for (size_t i = 0; i < out.size(); ++i) {
+      uint16_t h;
+      std::memcpy(&h, half.data() + 2 * i, 2);
+      out[i] = bf16_to_float(h);
+    }
+    return Status::ok();
   }
 
   // Reads and checks what follows the last tensor, then the file's size and last chunk.
@@ -436,6 +450,7 @@ class MasterReader {
   static constexpr uint64_t kDropBytes = uint64_t{64} << 20;
   std::string path_;
   ChunkVerifier verifier_;
+  DType dtype_;
   std::unique_ptr<io::ReadFile> file_;
   std::vector<uint64_t> data_offsets_;
   uint64_t file_size_bytes_ = 0;
@@ -466,9 +481,11 @@ Result<ExportResult> export_checkpoint(const CheckpointInfo& ckpt, io::IoEngine&
   std::vector<uint64_t> data_offsets(tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
     const SafetensorsTensor& t = tensors[i];
-    if (t.name != expected[i].name || t.shape != expected[i].shape || t.dtype != DType::kF32)
+    const DType want = ckpt.manifest.master_dtype;
+    if (t.name != expected[i].name || t.shape != expected[i].shape || t.dtype != want)
       return corruption("export: " + path + ": tensor " + std::to_string(i) + " is " + t.name + " (" +
-                        std::string(dtype_name(t.dtype)) + "), the manifest says " + expected[i].name + " (fp32)");
+                        std::string(dtype_name(t.dtype)) + "), the manifest says " + expected[i].name + " (" +
+                        std::string(dtype_name(want)) + ")");
     params[i].id = static_cast<uint32_t>(i);
     params[i].name = t.name;
     params[i].shape = t.shape;
@@ -478,7 +495,7 @@ Result<ExportResult> export_checkpoint(const CheckpointInfo& ckpt, io::IoEngine&
   const uint64_t file_size = file->file_size_bytes();
   file.reset();
 
-  MasterReader master(path, *digest);
+  MasterReader master(path, *digest, ckpt.manifest.master_dtype);
   ZO_RETURN_IF_ERROR(master.open(env, std::move(data_offsets), file_size));
   return export_impl(
       params, ckpt.model_config_json,
@@ -491,8 +508,6 @@ Result<ExportResult> export_store(StateStore& store, const std::string& model_co
   if (!store.torn_reason().empty())
     return failed_precondition("export: the master weights are inconsistent after a failed step (" +
                                store.torn_reason() + "); export from a checkpoint instead");
-  if (state_elem_bytes(store.plan().placement, StateKind::kMaster) != sizeof(float))
-    return internal_error("export: the store's master weights are not fp32");
   // Note [Exporting partitioned states]: a data-parallel rank holds the masters of its partition
   // only, but the compute copies of every param, and a compute copy is its master rounded to the
   // compute dtype with the same round-to-nearest-even the export uses: exporting in the compute

@@ -181,11 +181,12 @@ json Manifest::to_json() const {
   for (const CheckpointTensor& t : tensors)
     tensors_j.push_back({{"name", t.name}, {"dtype", "F32"}, {"shape", t.shape}});
   json state_files_j = json::array();
-  for (const StateFile& f : state_files(moments)) state_files_j.push_back(f.name);
+  for (const StateFile& f : state_files(moments, master_dtype)) state_files_j.push_back(f.name);
   return {{"format", kFormatName},
           {"format_version", format_version},
           {"step", step},
           {"moment_dtype", moment_dtype_name(moments)},
+          {"master_dtype", dtype_name(master_dtype)},
           {"state_files", state_files_j},
           {"tensors", tensors_j},
           {"files", files_j}};
@@ -213,6 +214,15 @@ Result<Manifest> Manifest::from_json(const json& j, const std::string& source) {
     } else if (moments != "fp32") {
       return corruption(source + ": moment_dtype \"" + quote_excerpt(moments) +
                         "\" is none of \"fp32\", \"8bit\" and \"bf16\"");
+    }
+  }
+  if (j.contains("master_dtype")) {
+    std::string master;
+    ZO_RETURN_IF_ERROR(get(j, "master_dtype", &master, source));
+    if (master == "bf16") {
+      m.master_dtype = DType::kBF16;
+    } else if (master != "fp32") {
+      return corruption(source + ": master_dtype \"" + quote_excerpt(master) + "\" is neither \"fp32\" nor \"bf16\"");
     }
   }
   json files_j, tensors_j;

@@ -69,6 +69,9 @@ struct Manifest {
   // How the moments are stored: "moment_dtype" in the JSON, absent (fp32) in checkpoints older than
   // 8-bit moments. It decides the state files (state_files in state_files.h).
   MomentDtype moments = MomentDtype::kF32;
+  // The masters' dtype: "master_dtype" in the JSON ("fp32" or "bf16"), absent (fp32) in checkpoints
+  // older than bf16 masters. master.safetensors holds F32 or BF16 tensors accordingly.
+  DType master_dtype = DType::kF32;
 
   nlohmann::json to_json() const;
   static Result<Manifest> from_json(const nlohmann::json& json, const std::string& source);

@@ -8,14 +8,14 @@
 
 namespace zo::engine {
 
-std::vector<StateFile> state_files(MomentDtype moments) {
+std::vector<StateFile> state_files(MomentDtype moments, DType master) {
   if (moments != MomentDtype::k8bit) {
     const DType m = moment_elem_dtype(moments);
-    return {{StateKind::kMaster, StatePart::kWhole, kMasterFile},
+    return {{StateKind::kMaster, StatePart::kWhole, kMasterFile, master},
             {StateKind::kExpAvg, StatePart::kWhole, kExpAvgFile, m},
             {StateKind::kExpAvgSq, StatePart::kWhole, kExpAvgSqFile, m}};
   }
-  return {{StateKind::kMaster, StatePart::kWhole, kMasterFile},
+  return {{StateKind::kMaster, StatePart::kWhole, kMasterFile, master},
           {StateKind::kExpAvg, StatePart::kMomentAux, kExpAvgFile},
           {StateKind::kExpAvgSq, StatePart::kMomentAux, kExpAvgSqFile},
           {StateKind::kExpAvg, StatePart::kMomentCodes, kExpAvgCodesFile},
@@ -57,7 +57,8 @@ std::string state_file_prefix(const StateFile& file, const std::vector<Checkpoin
   if (file.part == StatePart::kMomentCodes) return {};
   std::map<std::string, std::string> metadata{{"format", "pt"}, {"zoffload_state", std::string(state_name(file.kind))}};
   if (file.part == StatePart::kMomentAux) metadata["zoffload_moment_dtype"] = "8bit";
-  if (file.part == StatePart::kWhole && file.dtype == DType::kBF16) metadata["zoffload_moment_dtype"] = "bf16";
+  if (file.part == StatePart::kWhole && file.dtype == DType::kBF16)
+    metadata[file.kind == StateKind::kMaster ? "zoffload_master_dtype" : "zoffload_moment_dtype"] = "bf16";
   std::string out = safetensors_header(state_file_tensors(file, tensors), metadata);
   if (file.part == StatePart::kMomentAux) {
     const auto& map =

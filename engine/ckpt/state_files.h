@@ -24,7 +24,7 @@ struct StateFile {
   StateKind kind = StateKind::kMaster;
   StatePart part = StatePart::kWhole;
   const char* name = "";
-  DType dtype = DType::kF32;  // a whole state's elements: fp32, or bf16 for bf16 moments
+  DType dtype = DType::kF32;  // a whole state's elements: fp32, or bf16 for bf16 moments or masters
 };
 
 // 8-bit moments' codes: one byte per element of each quantized parameter, no header.
@@ -33,8 +33,9 @@ inline constexpr const char* kExpAvgSqCodesFile = "exp_avg_sq.codes";
 // The quantization map an 8-bit moment's safetensors file holds first: F32 [256].
 inline constexpr const char* kQuantMapTensor = "zoffload.qmap";
 
-// The state files of a checkpoint whose moments are `moments`, in the order a save writes them.
-std::vector<StateFile> state_files(MomentDtype moments);
+// The state files of a checkpoint whose moments are `moments` and masters `master` (fp32 or bf16),
+// in the order a save writes them.
+std::vector<StateFile> state_files(MomentDtype moments, DType master);
 
 // Bytes [first, second) of state `file.kind` of sub-group `sub_group` that the file carries.
 std::pair<uint64_t, uint64_t> group_part(const ParamRegistry& registry, const Placement& placement, uint32_t sub_group,

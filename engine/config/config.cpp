@@ -477,10 +477,25 @@ void Resolver::offload_placement() {
       c->zoffload.moment_dtype = "bf16";
     }
   }
+  // DeepSpeed's bf16.bf16_master_weights_and_grads rounds its bf16 masters to nearest; zoffload's
+  // round stochastically, a different algorithm, so the key is refused with the one that asks for it.
   if (c->bf16.bf16_master_weights_and_grads && !st->has_error("bf16.bf16_master_weights_and_grads"))
     st->error("bf16.bf16_master_weights_and_grads",
-              "bf16 master weights are not built: zoffload keeps fp32 masters and gradient sums (remove the key, "
-              "or set it to false; zoffload.moment_dtype \"bf16\" or \"8bit\" shrinks the moments)");
+              "DeepSpeed's round-to-nearest bf16 masters are not built: zoffload's bf16 masters round "
+              "stochastically; set zoffload.master_dtype to \"bf16\" (and zoffload.gradient_store_dtype to "
+              "\"bf16\" for bf16 gradients), and remove this key or set it to false");
+  if (c->zoffload.master_dtype == "bf16" && !st->has_error("zoffload.master_dtype")) {
+    if (!c->bf16.enabled) {
+      st->error("zoffload.master_dtype",
+                "\"bf16\" masters are the bf16 compute copies' source: needs bf16.enabled true (the compute "
+                "dtype is " +
+                    std::string(c->fp16.enabled ? "fp16" : "fp32") + ")");
+    } else if (oo.device == OffloadDevice::kNone) {
+      st->error("zoffload.master_dtype",
+                "\"bf16\" masters step on the CPU only for now (the GPU optimizer kernel keeps fp32 masters): set "
+                "zero_optimization.offload_optimizer.device to \"cpu\" or \"nvme\"");
+    }
+  }
   const std::string& md = c->zoffload.moment_dtype;
   if (md != "fp32" && !st->has_error("zoffload.moment_dtype") && !st->has_error("bf16.bf16_optimizer_states")) {
     const char* key = c->bf16.bf16_optimizer_states ? "bf16.bf16_optimizer_states" : "zoffload.moment_dtype";

@@ -185,6 +185,11 @@ struct ZoffloadConfig {
   // engine/coord/grad_accumulator.cpp). Needs one sum per step on the host: GAS 1 or the vertical
   // schedule.
   std::string gradient_store_dtype = "auto";
+  // (addition) The dtype of the masters the optimizer updates: "fp32", or "bf16": no fp32 copy, each
+  // update computed in fp32 and stored with seeded stochastic rounding (torchao's
+  // bf16_stochastic_round rule; Note [Stochastic rounding to bf16] in common/half.h), the new
+  // compute copy its bits. Needs bf16 compute (bf16.enabled) and the optimizer offloaded.
+  std::string master_dtype = "fp32";
   std::string io_backend = "auto";  // auto | io_uring | libaio | psync (the aio block tunes it)
   CheckpointConfig checkpoint;
   LogConfig log;

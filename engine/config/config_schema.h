@@ -77,6 +77,7 @@ inline constexpr std::array<std::string_view, 2> kSchedules = {"horizontal", "ve
 inline constexpr std::array<std::string_view, 3> kCheckpointPlaces = {"auto", "device", "cpu"};
 inline constexpr std::array<std::string_view, 3> kGradPlaces = {"auto", "cpu", "nvme"};
 inline constexpr std::array<std::string_view, 3> kMomentDtypes = {"fp32", "8bit", "bf16"};
+inline constexpr std::array<std::string_view, 2> kMasterDtypes = {"fp32", "bf16"};
 inline constexpr std::array<std::string_view, 4> kGradStoreDtypes = {"auto", "fp32", "bf16", "fp16"};
 inline constexpr std::array<std::string_view, 4> kIoBackends = {"auto", "io_uring", "libaio", "psync"};
 
@@ -337,6 +338,7 @@ void keys(V& v, ZoffloadConfig& z) {
   v.choice("gradient_accumulators", z.gradient_accumulators, kGradPlaces);
   v.choice("moment_dtype", z.moment_dtype, kMomentDtypes);
   v.choice("gradient_store_dtype", z.gradient_store_dtype, kGradStoreDtypes);
+  v.choice("master_dtype", z.master_dtype, kMasterDtypes);
   v.choice("io_backend", z.io_backend, kIoBackends);
   v.object("checkpoint", [&] { keys(v, z.checkpoint); });
   v.object("log", [&] { v.text("metrics_path", z.log.metrics_path); });

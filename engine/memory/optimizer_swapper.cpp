@@ -105,8 +105,11 @@ struct OptimizerSwapper::Impl {
   Status step_nvme();
 
   // One optimizer step of sub-group g on host spans (Adam, AdamW, Adagrad or Lion), timed into update_s.
-  // m and v hold the moments as group_state_bytes lays them out.
-  Status update(uint32_t g, float* p, std::byte* m, std::byte* v, const void* grad, void* copy_out);
+  // p holds the masters (fp32 or bf16), m and v the moments, as group_state_bytes lays them out.
+  Status update(uint32_t g, std::byte* p, std::byte* m, std::byte* v, const void* grad, void* copy_out);
+  // The same with bf16 masters, parameter piece by piece (each piece's rounding keyed by its
+  // parameter and indexed by its offset in it, so a sub-group size or a partition changes no bit).
+  Status update_bf16_master(uint32_t g, std::byte* p, std::byte* m, std::byte* v, const void* grad, void* copy_out);
   // Adam with 8-bit moments, piece by piece (Note [8-bit moment layout]).
   Status update_8bit(uint32_t g, float* p, std::byte* m, std::byte* v, const void* grad, void* copy_out);
   bool grads_on_nvme() const { return store->plan().placement.grad == Tier::kNvme; }
@@ -154,12 +157,97 @@ Status OptimizerSwapper::Impl::update_8bit(uint32_t g, float* p, std::byte* m, s
   return Status::ok();
 }
 
-Status OptimizerSwapper::Impl::update(uint32_t g, float* p, std::byte* m_bytes, std::byte* v_bytes, const void* grad,
-                                      void* copy_out) {
+namespace {
+
+cpu_optim::AdagradConfig adagrad_config(const cpu_optim::AdamConfig& h) {
+  return {.lr = h.lr, .eps = h.eps, .weight_decay = h.weight_decay};
+}
+
+cpu_optim::LionConfig lion_config(const cpu_optim::AdamConfig& h) {
+  return {.lr = h.lr, .beta1 = h.beta1, .beta2 = h.beta2, .weight_decay = h.weight_decay};
+}
+
+}  // namespace
+
+Status OptimizerSwapper::Impl::update_bf16_master(uint32_t g, std::byte* p, std::byte* m, std::byte* v,
+                                                  const void* grad, void* copy_out) {
+  const Placement& pl = store->plan().placement;
+  const ParamRegistry& registry = store->registry();
+  const uint64_t gb = dtype_size_bytes(pl.grad_dtype);
+  auto master = [&](const ParamPiece& piece) {
+    return cpu_optim::Bf16Master{{reinterpret_cast<uint16_t*>(p) + piece.group_offset, piece.n_elems},
+                                 sr_key(args.rounding_seed, static_cast<uint64_t>(args.step), piece.param),
+                                 static_cast<uint32_t>(piece.param_offset)};
+  };
+  auto grad_at = [&](uint64_t off) {
+    return cpu_optim::ConstElemSpan{static_cast<const std::byte*>(grad) + off * gb, pl.grad_dtype};
+  };
+  auto copy_at = [&](uint64_t off) {
+    return cpu_optim::ElemSpan{copy_out == nullptr ? nullptr : static_cast<std::byte*>(copy_out) + off * 2,
+                               DType::kBF16};
+  };
+  auto named = [&](Status st, const ParamPiece& piece) {
+    return st.is_ok() ? st : st.with_context(registry.params()[piece.param].name);
+  };
+  if (pl.moments == MomentDtype::k8bit) {
+    for (const MomentPiece& mp : moment_layout(registry, g).pieces) {
+      const ParamPiece& piece = *mp.piece;
+      const uint64_t off = piece.group_offset;
+      Status st;
+      if (mp.quantized) {
+        auto state = [&](std::byte* base) {
+          return cpu_optim::BlockwiseState{{reinterpret_cast<uint8_t*>(base + mp.codes_offset_bytes), piece.n_elems},
+                                           {reinterpret_cast<float*>(base + mp.aux_offset_bytes), mp.aux_bytes / 4}};
+        };
+        st = cpu_optim::adam8bit_step_bf16_master(args.adam, args.step, master(piece), state(m), state(v), grad_at(off),
+                                                  args.grad_scale, copy_at(off), *executor);
+      } else {
+        st = cpu_optim::adam_step_bf16_master(
+            args.adam, args.step, master(piece), {m + mp.aux_offset_bytes, DType::kF32},
+            {v + mp.aux_offset_bytes, DType::kF32}, grad_at(off), args.grad_scale, copy_at(off), *executor);
+      }
+      ZO_RETURN_IF_ERROR(named(std::move(st), piece));
+    }
+    return Status::ok();
+  }
+  const DType md = moment_elem_dtype(pl.moments);
+  const uint64_t mb = dtype_size_bytes(md);
+  for (const ParamPiece& piece : registry.pieces_of_group(g)) {
+    const uint64_t off = piece.group_offset;
+    const cpu_optim::ElemSpan ms{m + off * mb, md}, vs{v + off * mb, md};
+    Status st;
+    switch (options.optimizer) {
+      case OptimizerType::kAdam:
+      case OptimizerType::kAdamW:
+        st = cpu_optim::adam_step_bf16_master(args.adam, args.step, master(piece), ms, vs, grad_at(off),
+                                              args.grad_scale, copy_at(off), *executor);
+        break;
+      case OptimizerType::kAdagrad:
+        st = cpu_optim::adagrad_step_bf16_master(adagrad_config(args.adam), master(piece), vs, grad_at(off),
+                                                 args.grad_scale, copy_at(off), *executor);
+        break;
+      case OptimizerType::kLion:
+        st = cpu_optim::lion_step_bf16_master(lion_config(args.adam), master(piece), ms, grad_at(off), args.grad_scale,
+                                              copy_at(off), *executor);
+        break;
+    }
+    ZO_RETURN_IF_ERROR(named(std::move(st), piece));
+  }
+  return Status::ok();
+}
+
+Status OptimizerSwapper::Impl::update(uint32_t g, std::byte* p_bytes, std::byte* m_bytes, std::byte* v_bytes,
+                                      const void* grad, void* copy_out) {
   const uint64_t n = n_elems(g);
   trace::Span span(trace::Track::kOptimizer, [&] { return "sub-group " + std::to_string(g); });
   const Placement& pl = store->plan().placement;
   Stopwatch sw;
+  if (pl.master_dtype == DType::kBF16) {
+    Status st = update_bf16_master(g, p_bytes, m_bytes, v_bytes, grad, copy_out);
+    report.update_s += sw.elapsed_s();
+    return st;
+  }
+  auto* p = reinterpret_cast<float*>(p_bytes);
   if (pl.moments == MomentDtype::k8bit) {
     Status st = update_8bit(g, p, m_bytes, v_bytes, grad, copy_out);
     report.update_s += sw.elapsed_s();
@@ -186,7 +274,7 @@ Status OptimizerSwapper::Impl::update(uint32_t g, float* p, std::byte* m_bytes, 
       }
       break;
     case OptimizerType::kAdagrad: {
-      const cpu_optim::AdagradConfig c{.lr = h.lr, .eps = h.eps, .weight_decay = h.weight_decay};
+      const cpu_optim::AdagradConfig c = adagrad_config(h);
       st = pl.moments == MomentDtype::kBF16
                ? cpu_optim::adagrad_step_bf16_state(c, {p, n}, {reinterpret_cast<uint16_t*>(v_bytes), n}, g_span,
                                                     args.grad_scale, out_span, *executor)
@@ -194,7 +282,7 @@ Status OptimizerSwapper::Impl::update(uint32_t g, float* p, std::byte* m_bytes, 
       break;
     }
     case OptimizerType::kLion: {
-      const cpu_optim::LionConfig c{.lr = h.lr, .beta1 = h.beta1, .beta2 = h.beta2, .weight_decay = h.weight_decay};
+      const cpu_optim::LionConfig c = lion_config(h);
       st = pl.moments == MomentDtype::kBF16
                ? cpu_optim::lion_step_bf16_state(c, {p, n}, {reinterpret_cast<uint16_t*>(m_bytes), n}, g_span,
                                                  args.grad_scale, out_span, *executor)
@@ -342,7 +430,7 @@ Status OptimizerSwapper::Impl::step_cpu() {
       }
       copy_out = slot->buf.data();
     }
-    Status st = update(g, reinterpret_cast<float*>(loc(g, StateKind::kMaster).host), loc(g, StateKind::kExpAvg).host,
+    Status st = update(g, loc(g, StateKind::kMaster).host, loc(g, StateKind::kExpAvg).host,
                        loc(g, StateKind::kExpAvgSq).host, grad, copy_out);
     if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(g));
     written = true;
@@ -474,8 +562,8 @@ Status OptimizerSwapper::Impl::step_nvme() {
     const std::byte* grad = grads_on_nvme() ? section(StateKind::kGradAccum) : loc(g, StateKind::kGradAccum).host;
     const StateLocation& home = loc(g, StateKind::kCompute);
     std::byte* copy_out = home.tier == Tier::kCpu ? home.host : compute_section;
-    st = update(g, reinterpret_cast<float*>(section(StateKind::kMaster)), section(StateKind::kExpAvg),
-                section(StateKind::kExpAvgSq), grad, copy_out);
+    st = update(g, section(StateKind::kMaster), section(StateKind::kExpAvg), section(StateKind::kExpAvgSq), grad,
+                copy_out);
     if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(g));
     written = true;
     if (home.tier == Tier::kCpu) compute_ready(g);
@@ -541,6 +629,16 @@ Result<std::unique_ptr<OptimizerSwapper>> OptimizerSwapper::create(StateStore& s
                          ": steps on the CPU only (the device's optimizer kernel keeps fp32 moments); set "
                          "zero_optimization.offload_optimizer.device to cpu or nvme");
     }
+  }
+  if (pl.master_dtype != DType::kF32) {
+    if (pl.optimizer == Tier::kDevice)
+      return unavailable(
+          "zoffload.master_dtype \"bf16\": steps on the CPU only (the device's optimizer kernel keeps fp32 "
+          "masters); set zero_optimization.offload_optimizer.device to cpu or nvme");
+    if (pl.master_dtype != DType::kBF16 || pl.compute_dtype != DType::kBF16)
+      return unavailable("zoffload.master_dtype \"" + std::string(dtype_name(pl.master_dtype)) +
+                         "\": bf16 masters with bf16 compute copies only (the compute dtype is " +
+                         std::string(dtype_name(pl.compute_dtype)) + ")");
   }
   if (pl.grad != pl.optimizer && (pl.grad == Tier::kDevice || pl.optimizer == Tier::kDevice)) {
     return invalid_argument("optimizer swapper: gradients on " + std::string(tier_name(pl.grad)) +

@@ -34,6 +34,9 @@ struct OptimizerStepArgs {
   cpu_optim::AdamConfig adam;
   int64_t step = 1;         // 1-based optimizer step (bias correction)
   float grad_scale = 1.0f;  // 1/loss_scale × clip coefficient, applied as gradients are read
+  // With bf16 masters: the seed of their stochastic rounding (the run's seed), which with the step
+  // and the parameter keys every element's random bits (Note [Stochastic rounding to bf16]).
+  uint64_t rounding_seed = 0;
   // step() updates the sub-groups the store's plan owns (MemoryPlan::owns: all of them, or a
   // data-parallel rank's partition). Called on step()'s thread, once per such sub-group, as soon as the sub-group's new compute copy is
   // at its home (written to CPU memory, NVMe write or H2D copy completed), before step() returns;
@@ -56,8 +59,9 @@ struct OptimizerStepReport {
 
 class OptimizerSwapper {
  public:
-  // kUnavailable for Adagrad or Lion with the states on the device (named), and for 8-bit moments
-  // with the states on the device or with an optimizer other than Adam; kInvalidArgument when the
+  // kUnavailable for Adagrad or Lion with the states on the device (named), for 8-bit moments
+  // with the states on the device or with an optimizer other than Adam, and for bf16 masters with
+  // the states on the device or a compute dtype other than bf16; kInvalidArgument when the
   // plan's buffers cannot carry the requested pipelining.
   static Result<std::unique_ptr<OptimizerSwapper>> create(StateStore& store, const cpu_optim::Executor& executor,
                                                           const PipelineOptions& options);

@@ -281,7 +281,7 @@ DType moment_elem_dtype(MomentDtype dtype) {
 
 uint64_t state_elem_bytes(const Placement& placement, StateKind kind) {
   switch (kind) {
-    case StateKind::kMaster: return 4;
+    case StateKind::kMaster: return dtype_size_bytes(placement.master_dtype);
     case StateKind::kExpAvg:
     case StateKind::kExpAvgSq:
       ZO_CHECK(placement.moments != MomentDtype::k8bit) << "state_elem_bytes of 8-bit " << state_name(kind);
@@ -340,6 +340,7 @@ std::string MemoryPlan::to_json() const {
       {"grad_dtype", dtype_name(placement.grad_dtype)},
       {"grad_sum_dtype", dtype_name(placement.grad_sum_dtype)},
       {"moment_dtype", moment_dtype_name(placement.moments)},
+      {"master_dtype", dtype_name(placement.master_dtype)},
   };
   j["n_sub_groups"] = n_sub_groups;
   j["total_elems"] = total_elems;
@@ -416,6 +417,7 @@ Result<MemoryPlan> plan_memory(const Config& config, const ParamRegistry& regist
   pl.moments = config.zoffload.moment_dtype == "8bit"   ? MomentDtype::k8bit
                : config.zoffload.moment_dtype == "bf16" ? MomentDtype::kBF16
                                                         : MomentDtype::kF32;
+  pl.master_dtype = config.zoffload.master_dtype == "bf16" ? DType::kBF16 : DType::kF32;
 
   const auto groups = registry.sub_groups();
   plan.n_sub_groups = static_cast<uint32_t>(groups.size());

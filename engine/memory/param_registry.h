@@ -122,6 +122,10 @@ struct Placement {
   // stored in 16 bits] in engine/coord/grad_accumulator.cpp).
   bool grads_rounded() const { return grad_dtype != grad_sum_dtype; }
   MomentDtype moments = MomentDtype::kF32;  // exp_avg and exp_avg_sq
+  // The masters (zoffload.master_dtype): fp32, or bf16 updated with stochastic rounding (then the
+  // compute dtype is bf16 and each new compute copy is its master's bits; Note [Stochastic
+  // rounding to bf16] in common/half.h).
+  DType master_dtype = DType::kF32;
 };
 
 // master, exp_avg and exp_avg_sq: the states a data-parallel rank holds only for its own partition.

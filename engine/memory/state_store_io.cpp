@@ -214,11 +214,22 @@ Status StateStore::init_param(uint32_t param, uint64_t offset_elems, std::span<c
       return st.with_context("init_param " + info.name + " (" + what_of(g, kind) + ")");
     };
     Status st;
-    if (s.plan.owns(g)) {
+    if (s.plan.owns(g) && s.plan.placement.master_dtype == DType::kBF16) {
+      // A bf16 master starts as the weight rounded to nearest even: the compute copy's bits.
+      st = s.write_range(g, StateKind::kMaster, first * 2, (first + n) * 2,
+                         [src](std::byte* dst, uint64_t rel, uint64_t bytes) {
+                           for (uint64_t i = 0; i < bytes / 2; ++i) {
+                             const uint16_t h = float_to_bf16(src[rel / 2 + i]);
+                             std::memcpy(dst + 2 * i, &h, 2);
+                           }
+                         });
+    } else if (s.plan.owns(g)) {
       st = s.write_range(g, StateKind::kMaster, first * 4, (first + n) * 4,
                          [src](std::byte* dst, uint64_t rel, uint64_t bytes) {
                            std::memcpy(dst, reinterpret_cast<const std::byte*>(src) + rel, bytes);
                          });
+    }
+    if (s.plan.owns(g)) {
       if (!st.is_ok()) return context(std::move(st), StateKind::kMaster);
       for (StateKind kind : {StateKind::kExpAvg, StateKind::kExpAvgSq}) {
         for (auto [zb, ze] : moment_bytes_of(s, piece, a - piece.param_offset, n)) {
@@ -257,7 +268,7 @@ Status StateStore::read_param(uint32_t param, uint64_t offset_elems, std::span<f
                             std::to_string(offset_elems + out.size()) + ") outside its " +
                             std::to_string(info.n_elems) + " elements");
   }
-  const DType dtype = kind == StateKind::kMaster ? DType::kF32 : plan.placement.compute_dtype;
+  const DType dtype = kind == StateKind::kMaster ? plan.placement.master_dtype : plan.placement.compute_dtype;
   const uint64_t lo = offset_elems, hi = offset_elems + out.size();
   for (const ParamPiece& piece : registry.pieces_of_param(param)) {
     const uint64_t a = std::max(lo, piece.param_offset), b = std::min(hi, piece.param_offset + piece.n_elems);

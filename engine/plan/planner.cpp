@@ -397,15 +397,18 @@ void plan_step_time(const PlanBasis& b, const GradTraffic& grads, RunPlan* out) 
     add_part("pcie", sp.pcie_bytes_per_s, static_cast<double>(p.h2d_min_bytes + p.d2h_bytes), "host↔GPU copies");
   add_part("gradients", sp.accumulate_elems_per_s, static_cast<double>(passes * p.n_params),
            "accumulate + norm kernel, measured");
+  // bf16 masters move 2 bytes per parameter less each way than the kernel measured here, and hash
+  // and round on the way: that kernel's speed stands for theirs.
+  const std::string masters = p.memory.placement.master_dtype == DType::kBF16 ? " (with fp32 masters)" : "";
   if (p.memory.placement.moments == MomentDtype::k8bit) {
     add_part("optimizer", sp.adam8bit_elems_per_s, static_cast<double>(p.n_params),
-             "cpu_optim Adam with 8-bit moments, measured");
+             "cpu_optim Adam with 8-bit moments, measured" + masters);
   } else if (p.memory.placement.moments == MomentDtype::kBF16) {
     // The fp32 kernel's speed: the bf16 one moves 4 bytes per parameter less and converts on the way.
     add_part("optimizer", sp.adam_elems_per_s, static_cast<double>(p.n_params),
-             "cpu_optim Adam, measured with fp32 moments");
+             "cpu_optim Adam, measured with fp32 moments" + masters);
   } else {
-    add_part("optimizer", sp.adam_elems_per_s, static_cast<double>(p.n_params), "cpu_optim Adam, measured");
+    add_part("optimizer", sp.adam_elems_per_s, static_cast<double>(p.n_params), "cpu_optim Adam, measured" + masters);
   }
   // NVMe in two parts, as the step runs them: the accumulators are written (and read back) during
   // backward, by the gradient worker; the optimizer's reads and writes are pipelined with Adam.
@@ -771,7 +774,8 @@ std::vector<Candidate> candidates(const Config& base, uint32_t world_size) {
   const bool adam = base.optimizer.type == OptimizerType::kAdam || base.optimizer.type == OptimizerType::kAdamW;
   // The candidates that round come last, so every fix that keeps the arithmetic comes first: the
   // gradient sums stored in bf16 (2 bytes per parameter less where the accumulators live), bf16
-  // moments (4 bytes less on the optimizer's tier), then bitsandbytes' 8-bit moments (6 bytes less).
+  // moments (4 bytes less on the optimizer's tier), bitsandbytes' 8-bit moments (6 bytes less),
+  // then bf16 masters with stochastic rounding (2 bytes less).
   if (base.grad_accum_dtype == DType::kF32 && base.grad_store_dtype() == DType::kF32 &&
       oo.device != OffloadDevice::kNone && (world_size <= 1 || base.zero.stage >= 2)) {
     // Note [Gradients stored in 16 bits]: one sum per step on the host, so with GAS the vertical schedule.
@@ -813,6 +817,15 @@ std::vector<Candidate> candidates(const Config& base, uint32_t world_size) {
          "rounds: Adam's moments kept as bitsandbytes' AdamW8bit keeps them (a byte per element, an "
          "fp32 absmax per 256); masters, gradients and the update stay fp32"});
   }
+  if (base.zoffload.master_dtype == "fp32" && base.bf16.enabled && oo.device != OffloadDevice::kNone) {
+    out.push_back({"zoffload.master_dtype: bf16",
+                   [](Config& c) {
+                     c.zoffload.master_dtype = "bf16";
+                     return true;
+                   },
+                   "rounds: no fp32 masters; each update is computed in fp32 and stored in bf16 with seeded "
+                   "stochastic rounding (unbiased, so updates below a bf16 ulp still count on average)"});
+  }
   return out;
 }
 
@@ -848,6 +861,12 @@ std::vector<PlanFix> suggest_fixes(const PlanInputs& in, size_t max_fixes) {
   if (!out.empty()) return out;
   for (size_t i = 0; i < cs.size() && out.size() < max_fixes; ++i)
     for (size_t j = i + 1; j < cs.size() && out.size() < max_fixes; ++j) try_changes({&cs[i], &cs[j]});
+  if (!out.empty()) return out;
+  // Three at once: what a 64 GiB host needs for an 8B model (8-bit moments, bf16 gradients and bf16
+  // masters together).
+  for (size_t i = 0; i < cs.size() && out.size() < max_fixes; ++i)
+    for (size_t j = i + 1; j < cs.size() && out.size() < max_fixes; ++j)
+      for (size_t k = j + 1; k < cs.size() && out.size() < max_fixes; ++k) try_changes({&cs[i], &cs[j], &cs[k]});
   return out;
 }
 

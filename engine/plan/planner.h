@@ -202,7 +202,7 @@ Status check_model_size(const ModelConfig& model);
 // merely does not fit this machine is returned with its problems.
 Result<RunPlan> plan_run(const PlanInputs& in);
 
-// Single config changes (then pairs) that make a plan with problems fit, each checked by planning
+// Single config changes (then pairs, then triples) that make a plan with problems fit, each checked by planning
 // again; at most `max_fixes`, smallest first. Empty when the plan fits or nothing tried helps.
 std::vector<PlanFix> suggest_fixes(const PlanInputs& in, size_t max_fixes = 4);
 

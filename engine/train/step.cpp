@@ -409,6 +409,7 @@ Status Trainer::Impl::start_update(const StepMetrics& out, std::optional<Result<
                .adam_w_mode = oc.type == OptimizerType::kAdamW || oc.adam_w_mode,
                .bias_correction = oc.bias_correction};
   args.step = static_cast<int64_t>(optimizer_steps + 1);
+  args.rounding_seed = data->options().seed;  // the run's seed, a resumed run's from its checkpoint
   // A non-finite norm that does not skip (fp32, or bf16 without check_grad_overflow, as in
   // DeepSpeed) cannot be clipped by: the gradients go in unclipped, and the log says so.
   double clip = 1.0;

@@ -600,7 +600,12 @@ std::string Trainer::describe() const {
       << (m.plan.partition_params ? "; it holds their compute copies only, each block gathered from its owners at fetch"
                                   : "")
       << ")";
-  s << " | optimizer states on " << tier_name(pl.optimizer) << ", gradient accumulators on " << tier_name(pl.grad)
+  s << " | optimizer states on " << tier_name(pl.optimizer);
+  if (pl.master_dtype != DType::kF32 || pl.moments != MomentDtype::kF32)
+    s << " (" << dtype_name(pl.master_dtype) << " masters"
+      << (pl.master_dtype == DType::kBF16 ? " rounded stochastically" : "") << ", " << moment_dtype_name(pl.moments)
+      << " moments)";
+  s << ", gradient accumulators on " << tier_name(pl.grad)
     << ", compute copies: " << (pl.compute.size() - compute_cpu - compute_nvme) << " device, " << compute_cpu
     << " cpu, " << compute_nvme << " nvme | device " << m.device->name() << ", budget "
     << format_bytes(m.device->stats().budget_bytes) << " | pinned pool "

@@ -1134,7 +1134,8 @@ TEST(ConfigParse, MomentDtypesAndDeepSpeedsBf16OptimizerStates) {
        "bf16.bf16_optimizer_states: needs bf16.enabled true (DeepSpeed reads it only then); for bf16 moments with "
        "another compute dtype set zoffload.moment_dtype to \"bf16\""},
       {{{"bf16", {{"bf16_master_weights_and_grads", true}}}},
-       "bf16.bf16_master_weights_and_grads: bf16 master weights"},
+       "bf16.bf16_master_weights_and_grads: DeepSpeed's round-to-nearest bf16 masters are not built: zoffload's "
+       "bf16 masters round stochastically; set zoffload.master_dtype to \"bf16\""},
       {{{"zoffload", {{"moment_dtype", "8bit"}}}, {"optimizer", {{"type", "Lion"}}}},
        "zoffload.moment_dtype: \"8bit\" moments are Adam's and AdamW's (bitsandbytes' AdamW8bit; optimizer.type is "
        "Lion); use \"bf16\" or \"fp32\""},
@@ -1216,6 +1217,46 @@ TEST(ConfigParse, GradientStoreDtype) {
       parse(with({{"zero_optimization", {{"stage", 1}}}, {"zoffload", {{"gradient_store_dtype", "bf16"}}}}), &d, two));
   EXPECT_THAT(all(d.errors), HasSubstr("zoffload.gradient_store_dtype: \"bf16\" with 2 ranks needs "
                                        "zero_optimization.stage 2 or 3"));
+}
+
+// zoffload.master_dtype: "fp32" by default; "bf16" with bf16 compute and the optimizer offloaded,
+// with any moment dtype, optimizer and stored-gradient dtype.
+TEST(ConfigParse, MasterDtype) {
+  auto with = [](json patch) {
+    json j = base();
+    j["zero_optimization"] = {{"stage", 3}, {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", "/tmp/x"}}}};
+    j["bf16"] = {{"enabled", true}};
+    j.merge_patch(patch);
+    return j;
+  };
+  {
+    ConfigDiagnostics d;
+    const auto c = parse(with(json::object()), &d);
+    ASSERT_TRUE(c) << all(d.errors);
+    EXPECT_EQ(c->zoffload.master_dtype, "fp32");
+  }
+  for (const json& patch : {json{{"zoffload", {{"master_dtype", "bf16"}}}},
+                            json{{"zoffload", {{"master_dtype", "bf16"}, {"moment_dtype", "8bit"}}}},
+                            json{{"zoffload", {{"master_dtype", "bf16"}, {"gradient_store_dtype", "bf16"}}}},
+                            json{{"zoffload", {{"master_dtype", "bf16"}}}, {"optimizer", {{"type", "Lion"}}}}}) {
+    ConfigDiagnostics d;
+    const auto c = parse(with(patch), &d);
+    ASSERT_TRUE(c) << patch.dump() << ": " << all(d.errors);
+    EXPECT_EQ(c->zoffload.master_dtype, "bf16");
+  }
+  const std::pair<json, std::string> refused[] = {
+      {{{"zoffload", {{"master_dtype", "bf16"}}}, {"bf16", {{"enabled", false}}}},
+       "zoffload.master_dtype: \"bf16\" masters are the bf16 compute copies' source: needs bf16.enabled true (the "
+       "compute dtype is fp32)"},
+      {{{"zoffload", {{"master_dtype", "bf16"}}}, {"zero_optimization", {{"offload_optimizer", {{"device", "none"}}}}}},
+       "zoffload.master_dtype: \"bf16\" masters step on the CPU only for now"},
+      {{{"zoffload", {{"master_dtype", "fp16"}}}}, "zoffload.master_dtype"},
+  };
+  for (const auto& [patch, want] : refused) {
+    ConfigDiagnostics d;
+    EXPECT_FALSE(parse(with(patch), &d)) << patch.dump();
+    EXPECT_THAT(all(d.errors), HasSubstr(want)) << patch.dump();
+  }
 }
 
 }  // namespace

@@ -349,6 +349,69 @@ TEST(Planner, Bf16StoredGradientsSaveTwoBytesAParameterLessTheirFp32Buffers) {
   EXPECT_THAT(fixes[at_grads].result, HasSubstr("; fits"));
 }
 
+// bf16 masters (zoffload.master_dtype "bf16"): 2 bytes per parameter fewer on the optimizer's tier,
+// give or take a page per sub-group, in RAM and in the swap file; offered, with bf16 compute, as the
+// last fix that rounds; and the three rounding fixes together are tried when no one or two fit.
+TEST(Planner, Bf16MastersSaveTwoBytesAParameterAndAreOfferedLast) {
+  for (OffloadDevice where : {OffloadDevice::kCpu, OffloadDevice::kNvme}) {
+    PlanInputs in = tiny_inputs(where, OffloadDevice::kCpu);
+    in.config.bf16.enabled = true;
+    in.config.zero.sub_group_size = 65536;
+    in.config.zoffload.gradient_accumulators = "cpu";
+    auto fp32 = plan_run(in);
+    PlanInputs q = in;
+    q.config.zoffload.master_dtype = "bf16";
+    auto bf16 = plan_run(q);
+    ASSERT_TRUE(fp32.is_ok() && bf16.is_ok());
+    EXPECT_EQ(bf16->memory.placement.master_dtype, DType::kBF16);
+    const uint64_t n = fp32->n_params, pages = fp32->memory.n_sub_groups * 4096;
+    const uint64_t saved = where == OffloadDevice::kCpu
+                               ? fp32->memory.cpu_pageable_bytes - bf16->memory.cpu_pageable_bytes
+                               : fp32->memory.nvme_optimizer_bytes - bf16->memory.nvme_optimizer_bytes;
+    EXPECT_GE(saved + pages, 2 * n);
+    EXPECT_LE(saved, 2 * n + pages);
+    if (where == OffloadDevice::kNvme) { EXPECT_LT(bf16->nvme_write_bytes, fp32->nvme_write_bytes); }
+  }
+
+  PlanInputs in = tiny_inputs(OffloadDevice::kCpu, OffloadDevice::kCpu);
+  in.config.bf16.enabled = true;
+  in.config.zero.sub_group_size = 65536;
+  in.config.zoffload.gradient_accumulators = "cpu";
+  in.config.zoffload.moment_dtype = "8bit";
+  in.config.zoffload.gradient_store_dtype = "bf16";
+  PlanInputs q = in;
+  q.config.zoffload.master_dtype = "bf16";
+  auto lean = plan_run(q);
+  ASSERT_TRUE(lean.is_ok());
+  in.host.ram_available_bytes = lean->ram_bytes + lean->process_bytes;
+  ASSERT_FALSE(plan_run(in)->fits());
+  const std::vector<PlanFix> fixes = suggest_fixes(in, 16);
+  const size_t at_master = fix_index(fixes, "zoffload.master_dtype: bf16");
+  ASSERT_LT(at_master, fixes.size()) << fixes.size() << " fixes";
+  EXPECT_GT(at_master, 0u) << "an exact fix comes first: " << fixes.front().changes.front();
+  EXPECT_THAT(fixes[at_master].trade, HasSubstr("stochastic"));
+  EXPECT_THAT(fixes[at_master].result, HasSubstr("; fits"));
+
+  // fp32 everything, on a host that holds the states only with all three narrowed and no room on
+  // the drive for a swap file: no single change nor pair fits, the three together do.
+  PlanInputs all = in;
+  all.config.zoffload.moment_dtype = "fp32";
+  all.config.zoffload.gradient_store_dtype = "auto";
+  all.host.optimizer_disk_free_bytes = all.host.param_disk_free_bytes = 1 << 20;
+  all.disk_free_given = true;
+  ASSERT_FALSE(plan_run(all)->fits());
+  for (const PlanFix& f : suggest_fixes(all, 16)) {
+    SCOPED_TRACE(f.result);
+    EXPECT_EQ(f.changes.size(), 3u);
+    EXPECT_THAT(f.result, HasSubstr("; fits"));
+  }
+  bool found = false;
+  for (const PlanFix& f : suggest_fixes(all, 16))
+    found |= f.changes == std::vector<std::string>{"zoffload.gradient_store_dtype: bf16", "zoffload.moment_dtype: 8bit",
+                                                   "zoffload.master_dtype: bf16"};
+  EXPECT_TRUE(found) << "the three rounding fixes together";
+}
+
 // Its sibling with 8-bit moments and everything in RAM: on the same 128 GiB host nothing touches a
 // drive. Every llama3-8b tensor has ≥ 4096 elements, so each moment is n + 4⌈n/256⌉ bytes per
 // sub-group: the pageable states are the fp32 masters and accumulators (8 B per parameter) and the

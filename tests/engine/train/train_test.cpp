@@ -29,6 +29,7 @@
 
 #include "common/bytes.h"
 #include "common/check.h"
+#include "common/half.h"
 #include "engine/data/dataset.h"
 #include "engine/dist/process_group.h"
 #include "engine/memory/param_registry.h"
@@ -92,6 +93,7 @@ struct RunSetup {
   std::string accumulators = "auto";    // zoffload.gradient_accumulators
   std::string store = "auto";           // zoffload.gradient_store_dtype
   std::string moments = "fp32";         // zoffload.moment_dtype
+  std::string master = "fp32";          // zoffload.master_dtype
 };
 
 Config make_config(const RunSetup& s, const std::string& nvme) {
@@ -115,7 +117,8 @@ Config make_config(const RunSetup& s, const std::string& nvme) {
                         {"activation_checkpoints", s.checkpoints},
                         {"gradient_accumulators", s.accumulators},
                         {"gradient_store_dtype", s.store},
-                        {"moment_dtype", s.moments}}}};
+                        {"moment_dtype", s.moments},
+                        {"master_dtype", s.master}}}};
   if (s.scheduler)
     j["scheduler"] = {{"type", "WarmupCosineLR"},
                       {"params", {{"warmup_num_steps", 3}, {"total_num_steps", 20}, {"warmup_type", "linear"}}}};
@@ -1099,6 +1102,95 @@ TEST(Resume, ContinuesBitExactlyWithTheOptimizerOnNvme) {
     EXPECT_NE(file_bytes(a_dir.path + step + "exp_avg.safetensors"),
               file_bytes(a_dir.path + "/ckpt/step-" + std::to_string(kN) + "/exp_avg.safetensors"));
   }
+}
+
+// bf16 masters (Note [Stochastic rounding to bf16]): every element's rounding is keyed by the run's
+// seed, the step and its parameter, so the placement, the sub-group size, the optimizer's threads
+// and a resume change no bit; the weights are bf16 values, unlike an fp32-master run's; a checkpoint
+// keeps them in bf16, and a run with fp32 masters refuses to resume from it.
+TEST(Resume, Bf16MastersAreBitIdenticalAcrossPlacementsThreadsAndAResume) {
+  constexpr int kN = 3, kM = 3;
+  struct Variant {
+    const char* name;
+    RunSetup setup;
+    uint64_t sub_group_size = 16384;
+    int threads = 0;
+  };
+  const RunSetup ref_setup{.optimizer = "cpu", .master = "bf16"};
+  const std::vector<Variant> variants = {
+      {"params cpu, optimizer nvme, pipelined",
+       {.param = "cpu", .optimizer = "nvme", .pipeline = true, .master = "bf16"}},
+      {"params nvme, optimizer nvme, sub-groups of 4096",
+       {.param = "nvme", .optimizer = "nvme", .max_in_cpu = 0, .master = "bf16"},
+       4096},
+      {"stage 2, optimizer cpu, one optimizer thread", {.stage = 2, .optimizer = "cpu", .master = "bf16"}, 16384, 1},
+  };
+  TempDir a_dir;
+  TrainOptions a = with_checkpoints(make_options(ref_setup, a_dir), a_dir.path + "/ckpt");
+  auto ta = Trainer::create(a);
+  ASSERT_TRUE(ta.is_ok()) << ta.status().to_string();
+  EXPECT_EQ(nlohmann::json::parse((*ta)->plan_json())["memory_plan"]["placement"]["master_dtype"], "bf16");
+  std::vector<StepMetrics> am;
+  for (int i = 0; i < kN + kM; ++i) {
+    auto m = (*ta)->step();
+    ASSERT_TRUE(m.is_ok()) << m.status().to_string();
+    am.push_back(*m);
+    if (i + 1 == kN) ASSERT_TRUE((*ta)->save_checkpoint().is_ok());
+  }
+  ASSERT_TRUE((*ta)->save_checkpoint().is_ok());
+  const auto reference = masters(**ta);
+  EXPECT_LT(am.back().loss, am.front().loss);
+  size_t elems = 0;
+  for (const auto& p : reference)
+    for (float x : p) {
+      EXPECT_EQ(float_bits(x) & 0xFFFFu, 0u) << "a bf16 master holds bf16 values";
+      ++elems;
+    }
+  ASSERT_GT(elems, 0u);
+  TempDir fp32_dir;
+  RunSetup fp32_setup = ref_setup;
+  fp32_setup.master = "fp32";
+  EXPECT_FALSE(bit_identical(train(make_options(fp32_setup, fp32_dir), kN + kM), reference));
+
+  for (const Variant& v : variants) {
+    SCOPED_TRACE(v.name);
+    TempDir dir;
+    TrainOptions o = make_options(v.setup, dir);
+    o.config.zero.sub_group_size = v.sub_group_size;
+    o.config.zoffload.optimizer_threads = v.threads;
+    std::vector<StepMetrics> metrics;
+    EXPECT_TRUE(bit_identical(train(o, kN + kM, &metrics), reference));
+    for (size_t i = 0; i < metrics.size(); ++i) EXPECT_EQ(metrics[i].loss, am[i].loss) << "step " << i + 1;
+  }
+
+  // Resumed from step N on NVMe: the same steps, weights and checkpoint files.
+  TempDir b_dir;
+  TrainOptions b = with_checkpoints(make_options(variants[1].setup, b_dir), b_dir.path + "/ckpt");
+  b.resume = a_dir.path + "/ckpt/step-" + std::to_string(kN);
+  b.seed = 12345;  // ignored: the checkpoint's seed orders the data and keys the rounding
+  auto tb = Trainer::create(b);
+  ASSERT_TRUE(tb.is_ok()) << tb.status().to_string();
+  for (int i = kN; i < kN + kM; ++i) {
+    auto m = (*tb)->step();
+    ASSERT_TRUE(m.is_ok()) << m.status().to_string();
+    EXPECT_EQ(m->loss, am[i].loss) << "step " << m->step;
+    EXPECT_EQ(m->grad_norm, am[i].grad_norm) << "step " << m->step;
+  }
+  ASSERT_TRUE((*tb)->save_checkpoint().is_ok());
+  EXPECT_TRUE(bit_identical(masters(**tb), reference));
+  const std::string step = "/ckpt/step-" + std::to_string(kN + kM) + "/";
+  const std::string master_file = file_bytes(a_dir.path + step + "master.safetensors");
+  EXPECT_EQ(master_file, file_bytes(b_dir.path + step + "master.safetensors"));
+  EXPECT_NE(master_file.find("\"BF16\""), std::string::npos) << "the masters are saved in bf16";
+  EXPECT_EQ(nlohmann::json::parse(file_bytes(a_dir.path + step + "manifest.json"))["master_dtype"], "bf16");
+
+  // A run with fp32 masters does not resume from bf16 ones.
+  TempDir c_dir;
+  TrainOptions c = make_options(RunSetup{.optimizer = "cpu"}, c_dir);
+  c.resume = b.resume;
+  auto tc = Trainer::create(c);
+  EXPECT_EQ(tc.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(tc.status().message(), HasSubstr("zoffload.master_dtype"));
 }
 
 // ENOSPC in the middle of a save: the error names the file; the previous checkpoint and `latest`
