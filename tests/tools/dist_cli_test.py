@@ -39,6 +39,7 @@ from cli_checks import expect, report_and_exit
 
 try:
     import numpy as np
+    from safetensors import safe_open
     from safetensors.numpy import load_file
 except ImportError as e:  # the oracle readers come with tools/requirements.txt
     print("skipped: %s" % e)
@@ -62,8 +63,11 @@ def free_port():
 
 
 def write_config(tmp, name, micro, gas, placement="nvme", ckpt_every=None, tbs=None, stage=None, grads=None,
-                 buckets=None, moments=None, store=None):
+                 buckets=None, moments=None, store=None, master=None):
     c = json.loads(json.dumps(BASE))
+    if master is not None:  # bf16 masters need bf16 compute
+        c["zoffload"]["master_dtype"] = master
+        c["bf16"] = {"enabled": True}
     if store is not None:
         c["zoffload"]["gradient_store_dtype"] = store
     if moments is not None:
@@ -116,7 +120,10 @@ def metrics(out):
 
 
 def weights(out, step=STEPS):
-    return load_file(os.path.join(out, "hf-export-step-%d" % step, "model.safetensors"))
+    """The export's tensors as fp32 numpy arrays (a bf16 export widened exactly: numpy has no bf16)."""
+    path = os.path.join(out, "hf-export-step-%d" % step, "model.safetensors")
+    with safe_open(path, framework="pt") as f:
+        return {k: f.get_tensor(k).float().numpy() for k in f.keys()}
 
 
 def error_line(err):
@@ -262,6 +269,10 @@ with tempfile.TemporaryDirectory(dir=os.environ.get("MESON_BUILD_ROOT")) as tmp:
         g16, g32 = metrics(stored["nvme"])[0]["grad_norm"], metrics(runs["nvme"])[0]["grad_norm"]
         expect(g16 == g32, "world 2: step 1's gradient norm is the fp32 sums' with bf16-stored gradients "
                            "(%.17g vs %.17g)" % (g16, g32))
+    # bf16 masters (zoffload.master_dtype, bf16 compute): each rank rounds its partition's masters with
+    # random bits keyed by the parameter and the element's index in it, not by the partition: on nvme
+    # and on cpu the same bits.
+    on_nvme_and_cpu("bf16 masters", "bf16masters", "bf16 masters rounded stochastically", master="bf16")
     p = torchrun(2, train_args(write_config(tmp, "m1-bf16grads-stage1", 1, 1, "cpu", stage=1, store="bf16"),
                                os.path.join(tmp, "refused-stage1")), timeout=120)
     expect(p.returncode != 0 and "zoffload.gradient_store_dtype" in p.stderr and "stage 2 or 3" in p.stderr,

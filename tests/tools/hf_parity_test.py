@@ -33,6 +33,10 @@ reference's final weights (rounded to the export dtype) and give the reference's
   exp_avg_sq rounded to bf16 after every step.
 - the bf16-gradients case (zoffload.gradient_store_dtype "bf16", vertical schedule): fp32, and torch's
   AdamW fed each step's fp32 gradient sums rounded to bf16 after their norm was taken, then clipped.
+- the bf16-masters case (zoffload.master_dtype "bf16"): a bf16 case whose masters start as the
+  weights rounded to nearest even and, after every optimizer step, are rounded to bf16
+  stochastically with the documented random bits (sr_round below: common/half.h's sr_key,
+  sr_random16 and float_to_bf16_sr, redone in numpy), in the mirror and in the "hf" run.
 
 The models: llama untied, llama tied (in fp32, and in bf16, where the engine adds the shared
 matrix's two gradients into its fp32 sum, which the mirror does too), mistral, qwen2 (q/k/v biases,
@@ -218,6 +222,12 @@ CASES = [
     dict(name="llama-tied-fp32-nvme-bf16grads", arch="llama", tied=True, vocab=256, seq=32, disk="float32",
          shard=False, precision="fp32", placement="nvme", stage=3, gas=2, clip=0.5, schedule=None, lr=2e-3,
          seed=20, grads="bf16"),
+    # zoffload.master_dtype "bf16": the masters rounded stochastically after every step, with the
+    # engine's random bits keyed by --seed, the step and the parameter's index in the engine's order.
+    # Qwen2, for its biases (parameters of their own between the projections).
+    dict(name="qwen2-bf16-cpu-bf16masters", arch="qwen2", tied=False, vocab=320, seq=32, disk="float32",
+         shard=False, precision="bf16", placement="cpu", stage=3, gas=2, clip=1.0, schedule="warmup", lr=2e-3,
+         seed=21, master="bf16", rope={"rope_type": "default", "rope_theta": 1e6}),
 ]
 
 WARMUP = {"warmup_min_lr": 1e-4, "warmup_num_steps": 3}
@@ -258,6 +268,8 @@ def zoffload_config(case):
     }
     if case.get("grads") == "bf16":
         cfg["zoffload"].update({"gradient_store_dtype": "bf16", "schedule": "vertical"})
+    if case.get("master") == "bf16":
+        cfg["zoffload"]["master_dtype"] = "bf16"
     if case["schedule"] == "warmup":
         cfg["scheduler"] = {"type": "WarmupLR", "params": {
             "warmup_min_lr": WARMUP["warmup_min_lr"], "warmup_max_lr": case["lr"],
@@ -340,6 +352,55 @@ def fma32(a, b, c):
     return s.astype(np.float32)
 
 
+# ---- bf16 masters: the engine's stochastic rounding, redone (Note [Stochastic rounding to bf16]) ----
+
+_M64 = (1 << 64) - 1
+# The engine's parameter order within a decoder layer (engine/model/model_config.cpp), which keys
+# each parameter's rounding.
+_LAYER_ORDER = ["input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.q_proj.bias",
+                "self_attn.k_proj.weight", "self_attn.k_proj.bias", "self_attn.v_proj.weight",
+                "self_attn.v_proj.bias", "self_attn.o_proj.weight", "post_attention_layernorm.weight",
+                "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
+
+
+def engine_param_index(names):
+    """name -> the engine's index of that parameter (embedding, layers, final norm, untied head)."""
+    def key(n):
+        if n == "model.embed_tokens.weight":
+            return (0, 0, 0)
+        if n.startswith("model.layers."):
+            layer, rest = n[len("model.layers."):].split(".", 1)
+            return (1, int(layer), _LAYER_ORDER.index(rest))
+        return (2, 0, 0 if n == "model.norm.weight" else 1)
+    return {n: i for i, n in enumerate(sorted(names, key=key))}
+
+
+def sr_key(seed, step, param):
+    x = (seed ^ ((step * 0x9E3779B97F4A7C15) & _M64) ^ ((param * 0xD1B54A32D192ED03) & _M64)) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    x ^= x >> 31
+    return (x ^ (x >> 32)) & 0xFFFFFFFF
+
+
+def sr_round(values, key):
+    """An fp32 array rounded to bf16 stochastically (returned as fp32 holding bf16 values): element i
+    (row-major) rounds away from zero when sr_random16(key, i) < its low 16 bits."""
+    u = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32).ravel()
+    with np.errstate(over="ignore"):
+        x = np.arange(u.size, dtype=np.uint32) * np.uint32(0x9E3779B9) ^ np.uint32(key)
+        x ^= x >> np.uint32(16)
+        x *= np.uint32(0x7FEB352D)
+        x ^= x >> np.uint32(15)
+        x *= np.uint32(0x846CA68B)
+        x ^= x >> np.uint32(16)
+    rand16 = x >> np.uint32(16)
+    hi = u >> np.uint32(16)
+    out = hi + (rand16 < (u & np.uint32(0xFFFF))).astype(np.uint32)
+    out = np.where((u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000), hi | np.uint32(0x40), out)
+    return (out << np.uint32(16)).view(np.float32).reshape(np.shape(values))
+
+
 class EngineAdamW:
     """AdamW, the per-step constants and the clipping in the engine's documented operation order
     (common/adam_math.h adam_constants/adam_update, docs/cpu_optim.md; engine/optim/grad_clip.cpp),
@@ -373,9 +434,10 @@ class EngineAdamW:
         return norm
 
 
-def reference_train(case, model_dir, batches, attention, engine_adam):
+def reference_train(case, model_dir, batches, attention, engine_adam, data_seed):
     """transformers + AdamW (see the top): torch.optim.AdamW with clip_grad_norm_, or EngineAdamW.
-    Returns the per-step figures and the final fp32 model (the masters)."""
+    Returns the per-step figures and the final fp32 model (the masters). data_seed keys bf16
+    masters' rounding, as zoffload's --seed does."""
     dev = torch.device(DEVICE)
     master = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attention).to(dev)
     master.train()
@@ -397,6 +459,12 @@ def reference_train(case, model_dir, batches, attention, engine_adam):
     copies = {n: [cparams[n]] for n in names}
     if tied_bf16:
         copies["model.embed_tokens.weight"].insert(0, cparams["lm_head.weight"])
+    bf16_masters = case.get("master") == "bf16"
+    param_index = engine_param_index(names)
+    if bf16_masters:  # they start as the weights rounded to nearest even
+        with torch.no_grad():
+            for n in names:
+                mparams[n].copy_(mparams[n].to(torch.bfloat16).float())
     if engine_adam:
         masters = {n: mparams[n].detach().cpu().numpy().copy() for n in names}
         opt = EngineAdamW(masters)
@@ -431,6 +499,9 @@ def reference_train(case, model_dir, batches, attention, engine_adam):
         if engine_adam:
             grads = {n: (acc[n] if bf16 else mparams[n].grad).detach().cpu().numpy() for n in names}
             norm = opt.step(grads, step + 1, lr, case["clip"])
+            if bf16_masters:
+                for n in names:
+                    masters[n][...] = sr_round(masters[n], sr_key(data_seed, step + 1, param_index[n]))
             if not bf16:
                 master.zero_grad(set_to_none=True)
         else:
@@ -457,6 +528,11 @@ def reference_train(case, model_dir, batches, attention, engine_adam):
                     for st in opt.state.values():
                         for k in ("exp_avg", "exp_avg_sq"):
                             st[k].copy_(st[k].to(torch.bfloat16).float())
+            if bf16_masters:
+                with torch.no_grad():
+                    for n in names:
+                        rounded = sr_round(mparams[n].detach().cpu().numpy(), sr_key(data_seed, step + 1, param_index[n]))
+                        mparams[n].copy_(torch.from_numpy(rounded))
             opt.zero_grad(set_to_none=True)
         steps.append({"loss": sum(losses) / gas, "grad_norm": norm, "lr": lr})
     if engine_adam:
@@ -614,7 +690,7 @@ def run_case(case, tmp):
                 ("hf", "sdpa", False, TOLERANCES["bf16-hf"])]
     refs = []
     for label, attention, engine_adam, tol in runs:
-        steps, model = reference_train(case, model_dir, batches, attention, engine_adam)
+        steps, model = reference_train(case, model_dir, batches, attention, engine_adam, data_seed)
         refs.append((label, steps, model, tol))
     check_premises(case, saved, refs[0][1], batches, model_dir)
 
@@ -634,13 +710,13 @@ def run_case(case, tmp):
     # The CPU holds the pinned pool (buffers and the gradient landing ring, with offload none too)
     # and the store's 4 MiB scratch, plus the states offload cpu puts there: per parameter (counted
     # by transformers' model, a tied weight once) the fp32 master, exp_avg and exp_avg_sq and the
-    # fp32 gradient accumulator, 16 bytes (12 with bf16 moments), each of the four arrays of a
-    # sub-group rounded up to a 4 KiB page. A sub-group holds at least one tensor or one
+    # fp32 gradient accumulator, 16 bytes (12 with bf16 moments, 2 less with bf16 masters), each of
+    # the four arrays of a sub-group rounded up to a 4 KiB page. A sub-group holds at least one tensor or one
     # sub_group_size (20000) slice of one, so there are at most (tensors + params / 20000) of them.
     pool_and_scratch = mem["pinned"]["peak_bytes"] + (4 << 20)
     params = list(refs[0][2].parameters())
     n = sum(p.numel() for p in params)
-    states = (12 if case.get("moments") == "bf16" else 16) * n
+    states = ((12 if case.get("moments") == "bf16" else 16) - (2 if case.get("master") == "bf16" else 0)) * n
     padding = 4 * 4096 * (len(params) + -(-n // 20000))
     extra = mem["cpu"]["peak_bytes"] - pool_and_scratch
     placed = {"none": mem["nvme"]["peak_bytes"] == 0 and extra == 0,
