@@ -8,7 +8,8 @@ The corpus is Debian's `fortunes` package (/usr/share/games/fortunes: English qu
 1.3 MB of text; `apt-get install fortunes`), byte-level tokens (vocabulary 256), the last
 --held-out fraction of the bytes kept for evaluation. The model is a transformers LlamaConfig
 initialised by transformers (seeded) and saved with save_pretrained; every zoffload run starts from
-that directory, computes in fp32 (bf16 matmuls are slow on CPUs without AVX512-BF16), keeps the
+that directory, computes in fp32 (bf16 matmuls are slow on CPUs without AVX512-BF16) except for the
+variants whose masters are bf16, which need bf16 compute and are compared with bf16-compute, keeps the
 optimizer on the CPU (ZeRO stage 2), and saves a checkpoint every --eval-every steps, which is
 exported with `zoffload export` and evaluated with transformers.
 
@@ -17,16 +18,21 @@ Variants (--variants, comma-separated; default all but hf-adamw):
   bf16-moments      zoffload.moment_dtype "bf16"
   8bit-moments      zoffload.moment_dtype "8bit" (bitsandbytes' AdamW8bit blockwise states)
   bf16-grads        zoffload.gradient_store_dtype "bf16" (each step's fp32 sum stored rounded)
-  8bit+bf16-grads   both of the last two: the smallest host footprint zoffload builds today
+  8bit+bf16-grads   both of the last two
+  bf16-compute      bf16 compute, fp32 masters, moments and gradients: the baseline of the next two
+  bf16-masters      bf16 compute, zoffload.master_dtype "bf16" (stochastic rounding)
+  8bit+bf16-grads+bf16-masters
+                    bf16 compute with all three narrowed: the smallest host footprint, what fits
+                    an 8B model's optimizer states in a 64 GB host
   hf-bnb-8bit       transformers + bitsandbytes.optim.AdamW8bit (min_8bit_size 4096) with
                     clip_grad_norm_, the batches in zoffload's order (docs/training.md, Data)
   hf-adamw          transformers + torch.optim.AdamW (not by default): how far transformers' own
                     fp32 run is from zoffload's fp32 one (summation order alone)
-bf16 masters with stochastic rounding are not built yet; the report says so.
 
-Target (issue 43): every variant's final held-out loss within 1% of fp32 AdamW's. With the
-defaults the six runs take about an hour on a 2-core VM; the results are in docs/memory.md ("What
-the narrow states cost in quality").
+Target (issue 43): every variant's final held-out loss within 1% of fp32 AdamW's (the report also
+gives the bf16-compute variants against bf16-compute). With the defaults the nine runs take about
+an hour and a half on a 2-core VM; the results are in docs/memory.md ("What the narrow states cost
+in quality").
 
 Usage: quality_bench.py --zoffload BUILD/tools/zoffload --out DIR [--steps 300] [--eval-every 25]
        [--variants ...] [--smoke]   (--smoke: a 4-layer model for 10 steps, to check the plumbing)
@@ -52,9 +58,14 @@ ZOFFLOAD_VARIANTS = {
     "8bit-moments": {"moment_dtype": "8bit"},
     "bf16-grads": {"gradient_store_dtype": "bf16"},
     "8bit+bf16-grads": {"moment_dtype": "8bit", "gradient_store_dtype": "bf16"},
+    "bf16-compute": {},
+    "bf16-masters": {"master_dtype": "bf16"},
+    "8bit+bf16-grads+bf16-masters": {"moment_dtype": "8bit", "gradient_store_dtype": "bf16", "master_dtype": "bf16"},
 }
+# The variants that compute in bf16 (bf16 masters need it), compared with BF16_BASE as well as fp32.
+BF16_COMPUTE = ("bf16-compute", "bf16-masters", "8bit+bf16-grads+bf16-masters")
+BF16_BASE = "bf16-compute"
 HF_VARIANTS = ("hf-bnb-8bit", "hf-adamw")
-NOT_BUILT = {"bf16-sr-masters": "bf16 master weights with stochastic rounding are not built yet"}
 BETAS, EPS, WEIGHT_DECAY, CLIP = (0.9, 0.95), 1e-8, 0.1, 1.0
 
 
@@ -175,7 +186,7 @@ def eval_dir(model_dir, windows):
 def zoffload_config(a, variant, ckpt_dir):
     return {
         "train_micro_batch_size_per_gpu": a.micro_batch, "gradient_accumulation_steps": 1,
-        "gradient_clipping": CLIP, "steps_per_print": a.eval_every, "bf16": {"enabled": False},
+        "gradient_clipping": CLIP, "steps_per_print": a.eval_every, "bf16": {"enabled": variant in BF16_COMPUTE},
         "optimizer": {"type": "AdamW", "params": {"lr": a.lr, "betas": list(BETAS), "eps": EPS,
                                                   "weight_decay": WEIGHT_DECAY}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": a.lr,
@@ -259,14 +270,15 @@ def report(a, results, initial, meta):
     print("\nheld-out loss (mean cross-entropy per byte, %d windows of %d), initial %.4f:" %
           (meta["eval_windows"], a.seq_len, initial))
     base = results.get("fp32", {}).get("eval_loss", {}).get(a.steps)
-    print("  %-18s %10s %12s %8s %10s" % ("variant", "final", "vs fp32", "≤ 1%", "train s"))
+    bf16_base = results.get(BF16_BASE, {}).get("eval_loss", {}).get(a.steps)
+    print("  %-28s %10s %10s %6s %14s %10s" % ("variant", "final", "vs fp32", "≤ 1%", "vs " + BF16_BASE, "train s"))
     for name, r in results.items():
         final = r["eval_loss"][a.steps]
         rel = "" if base is None else "%+.3f%%" % (100 * (final - base) / base)
         ok = "" if base is None or name == "fp32" else ("yes" if abs(final - base) <= 0.01 * base else "NO")
-        print("  %-18s %10.4f %12s %8s %10.0f" % (name, final, rel, ok, r["train_s"]))
-    for name, why in NOT_BUILT.items():
-        print("  %-18s %s" % (name, "not run: " + why))
+        rel16 = ("%+.3f%%" % (100 * (final - bf16_base) / bf16_base)
+                 if bf16_base is not None and name in BF16_COMPUTE and name != BF16_BASE else "")
+        print("  %-28s %10.4f %10s %6s %14s %10.0f" % (name, final, rel, ok, rel16, r["train_s"]))
     try:
         import matplotlib
         matplotlib.use("Agg")
