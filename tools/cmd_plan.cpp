@@ -124,10 +124,12 @@ void print_plan(const engine::RunPlan& p, const engine::PlanInputs& in, const st
             : " and every state (ZeRO stage 0)");
   }
   std::printf(
-      "placement: optimizer states on %s, gradient accumulators on %s, compute copies %s, %s compute, %s gradients\n",
+      "placement: optimizer states on %s, gradient accumulators on %s, compute copies %s, %s compute, %s gradients, "
+      "%s masters, %s moments\n",
       std::string(engine::tier_name(pl.optimizer)).c_str(), std::string(engine::tier_name(pl.grad)).c_str(),
       std::string(engine::tier_name(pl.compute.empty() ? engine::Tier::kDevice : pl.compute.back())).c_str(),
-      std::string(dtype_name(pl.compute_dtype)).c_str(), std::string(dtype_name(pl.grad_dtype)).c_str());
+      std::string(dtype_name(pl.compute_dtype)).c_str(), std::string(dtype_name(pl.grad_dtype)).c_str(),
+      std::string(dtype_name(pl.master_dtype)).c_str(), std::string(engine::moment_dtype_name(pl.moments)).c_str());
   std::printf("\nmemory\n");
   std::printf("  device %-22s %10s of budget %s\n", ("(" + in.host.device_name + ")").c_str(),
               format_bytes(p.device_total_bytes).c_str(), format_bytes(p.device_budget_bytes).c_str());
