@@ -174,6 +174,7 @@ Status OptimizerSwapper::Impl::update_bf16_master(uint32_t g, std::byte* p, std:
   const Placement& pl = store->plan().placement;
   const ParamRegistry& registry = store->registry();
   const uint64_t gb = dtype_size_bytes(pl.grad_dtype);
+  if (copy_out == p) copy_out = nullptr;  // Note [A bf16 master is its compute copy]: updated in place
   auto master = [&](const ParamPiece& piece) {
     return cpu_optim::Bf16Master{{reinterpret_cast<uint16_t*>(p) + piece.group_offset, piece.n_elems},
                                  sr_key(args.rounding_seed, static_cast<uint64_t>(args.step), piece.param),

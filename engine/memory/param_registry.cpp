@@ -259,6 +259,23 @@ bool is_optimizer_state(StateKind kind) {
   return kind == StateKind::kMaster || kind == StateKind::kExpAvg || kind == StateKind::kExpAvgSq;
 }
 
+// Note [A bf16 master is its compute copy]
+// With bf16 masters the new compute copy is the master's bits (Note [Stochastic rounding to bf16]).
+// Where both would live in CPU memory (the optimizer's states on the CPU, the sub-group's compute
+// copy offloaded to the CPU) they are one array: the master's location is the compute copy's, in
+// the pinned pool when offload_param pins, and the optimizer updates it in place with no copy-out.
+// The plan counts its bytes once, as the compute copy. Everything that reads or writes the master
+// (a checkpoint's save and load, init_param) reads or writes those bytes, and the values it writes
+// to the compute copy as well are the same bf16 values. The forward reads a sub-group's compute
+// copy only after its update published it (UpdateGate), as for any compute copy the optimizer
+// writes in place. Elsewhere (the optimizer on NVMe, a compute copy on the device or NVMe) the
+// master is a bf16 array of its own, swapped with the other optimizer states.
+bool master_is_compute_copy(const Placement& placement, uint32_t sub_group) {
+  return placement.master_dtype == DType::kBF16 && placement.compute_dtype == DType::kBF16 &&
+         placement.optimizer == Tier::kCpu && sub_group < placement.compute.size() &&
+         placement.compute[sub_group] == Tier::kCpu;
+}
+
 bool state_is_pinned(const Placement& placement, StateKind kind) {
   return kind == StateKind::kCompute && placement.param_pinned;
 }
@@ -449,6 +466,7 @@ Result<MemoryPlan> plan_memory(const Config& config, const ParamRegistry& regist
   for (const SubGroup& g : groups) {
     for (StateKind k : kAllStates) {
       if (!plan.holds(g.index, k)) continue;  // another rank's (Note [Partitions])
+      if (k == StateKind::kMaster && master_is_compute_copy(pl, g.index)) continue;  // counted as the compute copy
       const uint64_t raw = group_state_bytes(pl, registry, g.index, k);
       switch (tier_of_state(g.index, k)) {
         case Tier::kDevice: plan.device_bytes += align_up(raw, gpu::kDeviceAlignment); break;

@@ -131,6 +131,11 @@ struct Placement {
 // master, exp_avg and exp_avg_sq: the states a data-parallel rank holds only for its own partition.
 bool is_optimizer_state(StateKind kind);
 
+// Whether sub-group g's master is its compute copy (Note [A bf16 master is its compute copy] in
+// param_registry.cpp): bf16 masters and bf16 compute copies both in CPU memory. The master then has
+// no bytes of its own; the store points it at the compute copy.
+bool master_is_compute_copy(const Placement& placement, uint32_t sub_group);
+
 // Bytes per element of each state, from its dtype (bf16 moments: 2). Not for the moments when they
 // are 8-bit (their bytes are not a multiple of the elements): group_state_bytes.
 uint64_t state_elem_bytes(const Placement& placement, StateKind kind);

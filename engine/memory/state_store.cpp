@@ -54,6 +54,7 @@ Status StateStore::Impl::allocate_states() {
       locations[g][k].tier = tier_of(g, kind);
       locations[g][k].held = plan.holds(g, kind);
       if (!locations[g][k].held) continue;
+      if (kind == StateKind::kMaster && master_is_compute_copy(plan.placement, g)) continue;  // pointed below
       if (locations[g][k].tier == Tier::kDevice) device_total += align_up(bytes(g, kind), gpu::kDeviceAlignment);
       if (locations[g][k].tier == Tier::kCpu) cpu_total += align_up(bytes(g, kind), kPinnedAlignment);
     }
@@ -90,7 +91,7 @@ Status StateStore::Impl::allocate_states() {
     uint64_t device_off = 0, cpu_off = 0;
     for (uint32_t g = 0; g < n_groups; ++g) {
       StateLocation& loc = locations[g][k];
-      if (!loc.held) continue;
+      if (!loc.held || (kind == StateKind::kMaster && master_is_compute_copy(plan.placement, g))) continue;
       if (loc.tier == Tier::kDevice) {
         loc.device = device_blocks[k] + device_off;
         device_off += align_up(bytes(g, kind), gpu::kDeviceAlignment);
@@ -99,6 +100,12 @@ Status StateStore::Impl::allocate_states() {
         cpu_off += align_up(bytes(g, kind), kPinnedAlignment);
       }
     }
+  }
+  // Note [A bf16 master is its compute copy]: the master's bytes are the compute copy's.
+  for (uint32_t g = 0; g < n_groups; ++g) {
+    StateLocation& master = locations[g][static_cast<int>(StateKind::kMaster)];
+    if (master.held && master_is_compute_copy(plan.placement, g))
+      master.host = locations[g][static_cast<int>(StateKind::kCompute)].host;
   }
   return Status::ok();
 }

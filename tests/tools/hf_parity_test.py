@@ -710,13 +710,15 @@ def run_case(case, tmp):
     # The CPU holds the pinned pool (buffers and the gradient landing ring, with offload none too)
     # and the store's 4 MiB scratch, plus the states offload cpu puts there: per parameter (counted
     # by transformers' model, a tied weight once) the fp32 master, exp_avg and exp_avg_sq and the
-    # fp32 gradient accumulator, 16 bytes (12 with bf16 moments, 2 less with bf16 masters), each of
+    # fp32 gradient accumulator, 16 bytes (12 with bf16 moments, 4 less with bf16 masters), each of
     # the four arrays of a sub-group rounded up to a 4 KiB page. A sub-group holds at least one tensor or one
     # sub_group_size (20000) slice of one, so there are at most (tensors + params / 20000) of them.
     pool_and_scratch = mem["pinned"]["peak_bytes"] + (4 << 20)
     params = list(refs[0][2].parameters())
     n = sum(p.numel() for p in params)
-    states = ((12 if case.get("moments") == "bf16" else 16) - (2 if case.get("master") == "bf16" else 0)) * n
+    # bf16 masters on the CPU beside the compute copies are those copies (Note [A bf16 master is its
+    # compute copy]): no bytes of their own.
+    states = ((12 if case.get("moments") == "bf16" else 16) - (4 if case.get("master") == "bf16" else 0)) * n
     padding = 4 * 4096 * (len(params) + -(-n // 20000))
     extra = mem["cpu"]["peak_bytes"] - pool_and_scratch
     placed = {"none": mem["nvme"]["peak_bytes"] == 0 and extra == 0,

@@ -1124,6 +1124,9 @@ TEST(Resume, Bf16MastersAreBitIdenticalAcrossPlacementsThreadsAndAResume) {
        {.param = "nvme", .optimizer = "nvme", .max_in_cpu = 0, .master = "bf16"},
        4096},
       {"stage 2, optimizer cpu, one optimizer thread", {.stage = 2, .optimizer = "cpu", .master = "bf16"}, 16384, 1},
+      // Note [A bf16 master is its compute copy]: both in RAM, one array, updated in place.
+      {"params cpu, optimizer cpu: the master is the compute copy",
+       {.param = "cpu", .optimizer = "cpu", .master = "bf16"}},
   };
   TempDir a_dir;
   TrainOptions a = with_checkpoints(make_options(ref_setup, a_dir), a_dir.path + "/ckpt");
@@ -1159,8 +1162,18 @@ TEST(Resume, Bf16MastersAreBitIdenticalAcrossPlacementsThreadsAndAResume) {
     o.config.zero.sub_group_size = v.sub_group_size;
     o.config.zoffload.optimizer_threads = v.threads;
     std::vector<StepMetrics> metrics;
-    EXPECT_TRUE(bit_identical(train(o, kN + kM, &metrics), reference));
+    nlohmann::json plan;
+    EXPECT_TRUE(bit_identical(train(o, kN + kM, &metrics, &plan), reference));
     for (size_t i = 0; i < metrics.size(); ++i) EXPECT_EQ(metrics[i].loss, am[i].loss) << "step " << i + 1;
+    if (v.setup.param == "cpu" && v.setup.optimizer == "cpu") {
+      // RAM holds the fp32 moments and accumulators, 12 bytes a parameter (each section of each
+      // sub-group rounded up to a page), and no master beside the pinned compute copies.
+      const nlohmann::json& mp = plan["memory_plan"];
+      const uint64_t n = mp["total_elems"], groups = mp["n_sub_groups"];
+      EXPECT_GE(mp["cpu_pageable_bytes"].get<uint64_t>(), 12 * n);
+      EXPECT_LE(mp["cpu_pageable_bytes"].get<uint64_t>(), 12 * n + 3 * 4096 * groups);
+      EXPECT_LE(mp["cpu_pinned_bytes"].get<uint64_t>(), 2 * n + 4096 * groups);
+    }
   }
 
   // Resumed from step N on NVMe: the same steps, weights and checkpoint files.
