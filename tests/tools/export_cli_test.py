@@ -5,7 +5,8 @@ written here with only the standard library parses every file (header length, JS
 offsets, __metadata__.format == "pt", weight_map and total_size) and finds every tensor equal, bit
 for bit, to the checkpoint's own fp32 master rounded to nearest even; the exported directory trains
 again with `zoffload train --model`; bad input fails with one line and exit 2 (1 for a corrupted
-checkpoint, which leaves nothing behind)."""
+checkpoint, which leaves nothing behind). A run with bf16 masters saves them as BF16, and its bf16
+and fp32 exports hold their bits."""
 import array
 import json
 import math
@@ -112,6 +113,16 @@ def to_f16(raw_f32):
             except OverflowError:
                 out += struct.pack("<e", math.copysign(math.inf, v))
         return bytes(out)
+
+
+def widened_bf16(raw_f32):
+    """The bf16 bytes of fp32 values whose low 16 bits are all zero (bf16 values widened), else None."""
+    zeros = bytes(len(raw_f32) // 4)
+    if raw_f32[0::4] != zeros or raw_f32[1::4] != zeros:
+        return None
+    out = bytearray(len(raw_f32) // 2)
+    out[0::2], out[1::2] = raw_f32[2::4], raw_f32[3::4]
+    return bytes(out)
 
 
 def overflow_count(raw_f32):
@@ -316,5 +327,34 @@ with tempfile.TemporaryDirectory(prefix="zo-export-cli-", dir=os.environ.get("TM
 
     p = run("export", "--help")
     expect(p.returncode == 0 and "--shard-size" in p.stdout and "--dtype" in p.stdout, "--help answers")
+
+    # bf16 masters (zoffload.master_dtype): the checkpoint keeps them as BF16 tensors, a bf16 export
+    # writes their bytes and an fp32 one widens them exactly (each value's low 16 bits zero).
+    masters16 = json.loads(json.dumps(config))
+    masters16["zoffload"]["master_dtype"] = "bf16"
+    masters16_path = os.path.join(tmp, "masters16.json")
+    with open(masters16_path, "w") as f:
+        json.dump(masters16, f)
+    run16 = os.path.join(tmp, "run16")
+    p = run("train", "--config", masters16_path, "--model", "tiny", "--data", corpus, "--steps", "2", "--seq-len",
+            SEQ_LEN, "--out", run16, "-q")
+    if expect(p.returncode == 0, "training with bf16 masters exits 0: %s" % p.stderr[-2000:]):
+        ckpt16 = os.path.join(run16, "ckpt", "step-2")
+        master16 = read_safetensors(os.path.join(ckpt16, "master.safetensors"), exported=False)
+        expect(len(master16) > 10 and all(t[0] == "BF16" for t in master16.values()), "the bf16 masters are saved as BF16")
+        for dtype in ("bf16", "fp32"):
+            out = os.path.join(tmp, "hf16-" + dtype)
+            p = run("export", "--checkpoint", ckpt16, "--dtype", dtype, "--out", out, "-q")
+            if not expect(p.returncode == 0, "export %s of bf16 masters exits 0: %s" % (dtype, p.stderr)):
+                continue
+            tensors, _ = read_model_dir(out)
+            bad = []
+            for name, (_, _, raw16) in master16.items():
+                raw = tensors[name][2]
+                if dtype == "fp32":
+                    raw = widened_bf16(raw)
+                if raw != raw16:
+                    bad.append(name)
+            expect(not bad, "the %s export of bf16 masters holds their bits: %s differ" % (dtype, bad[:3]))
 
 report_and_exit()
