@@ -775,7 +775,8 @@ std::vector<Candidate> candidates(const Config& base, uint32_t world_size) {
   // The candidates that round come last, so every fix that keeps the arithmetic comes first: the
   // gradient sums stored in bf16 (2 bytes per parameter less where the accumulators live), bf16
   // moments (4 bytes less on the optimizer's tier), bitsandbytes' 8-bit moments (6 bytes less),
-  // then bf16 masters with stochastic rounding (2 bytes less).
+  // then bf16 masters with stochastic rounding (2 bytes less; all 4 where the compute copies are in
+  // RAM beside them, Note [A bf16 master is its compute copy]).
   if (base.grad_accum_dtype == DType::kF32 && base.grad_store_dtype() == DType::kF32 &&
       oo.device != OffloadDevice::kNone && (world_size <= 1 || base.zero.stage >= 2)) {
     // Note [Gradients stored in 16 bits]: one sum per step on the host, so with GAS the vertical schedule.

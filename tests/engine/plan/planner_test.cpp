@@ -353,7 +353,7 @@ TEST(Planner, Bf16StoredGradientsSaveTwoBytesAParameterLessTheirFp32Buffers) {
 // optimizer on NVMe), all 4 fewer in RAM when the compute copies are there too (Note [A bf16 master
 // is its compute copy]), give or take a page per sub-group; offered, with bf16 compute, as the last
 // fix that rounds; and the three rounding fixes together are tried when no one or two fit.
-TEST(Planner, Bf16MastersSaveTwoBytesAParameterAndAreOfferedLast) {
+TEST(Planner, Bf16MastersSaveTwoBytesOrAllFourAndAreOfferedLast) {
   for (OffloadDevice where : {OffloadDevice::kCpu, OffloadDevice::kNvme}) {
     PlanInputs in = tiny_inputs(where, OffloadDevice::kCpu);
     in.config.bf16.enabled = true;
