@@ -83,34 +83,29 @@ namespace {
 // before it, rounded stochastically after it (Note [Stochastic rounding to bf16]), the copy-out the
 // same bits.
 void adam_reference_kernel(const AdamArgs& a, size_t begin, size_t end) {
-  with_dtypes(a.grad_dtype, a.copy_out, a.copy_dtype, [&]<DType G, bool kCopy, DType C>() {
-    const bool bf16_moments = a.moment_dtype == DType::kBF16;
-    auto* const m32 = static_cast<float*>(a.exp_avg);
-    auto* const v32 = static_cast<float*>(a.exp_avg_sq);
-    auto* const m16 = static_cast<uint16_t*>(a.exp_avg);
-    auto* const v16 = static_cast<uint16_t*>(a.exp_avg_sq);
-    for (size_t i = begin; i < end; ++i) {
-      float m = bf16_moments ? bf16_to_float(m16[i]) : m32[i];
-      float v = bf16_moments ? bf16_to_float(v16[i]) : v32[i];
-      if (a.p.param_dtype == DType::kBF16) {
-        auto* const p16 = static_cast<uint16_t*>(a.p.params);
-        float p = bf16_to_float(p16[i]);
-        adam_update(a.k, load_elems<ScalarVec, G>(a.grad, i), p, m, v);
-        p16[i] = float_to_bf16_sr(p, sr_random16(a.p.sr_key, a.p.sr_first + static_cast<uint32_t>(i)));
-        if constexpr (kCopy) static_cast<uint16_t*>(a.copy_out)[i] = p16[i];
-      } else {
-        float* const p = static_cast<float*>(a.p.params);
-        adam_update(a.k, load_elems<ScalarVec, G>(a.grad, i), p[i], m, v);
-        if constexpr (kCopy) store_elems<ScalarVec, C>(a.copy_out, i, p[i]);
-      }
-      if (bf16_moments) {
-        m16[i] = float_to_bf16(m);
-        v16[i] = float_to_bf16(v);
-      } else {
-        m32[i] = m;
-        v32[i] = v;
-      }
-    }
+  with_param_dtype(a.p.param_dtype, [&]<DType P>() {
+    with_state_dtype(a.moment_dtype, [&]<DType M>() {
+      with_dtypes(a.grad_dtype, a.copy_out, a.copy_dtype, [&]<DType G, bool kCopy, DType C>() {
+        if constexpr (kValidCopy<P, kCopy, C>) {
+          for (size_t i = begin; i < end; ++i) {
+            float p = load_elems<ScalarVec, P>(a.p.params, i);
+            float m = load_elems<ScalarVec, M>(a.exp_avg, i), v = load_elems<ScalarVec, M>(a.exp_avg_sq, i);
+            adam_update(a.k, load_elems<ScalarVec, G>(a.grad, i), p, m, v);
+            if constexpr (P == DType::kBF16) {
+              const uint16_t bits =
+                  float_to_bf16_sr(p, sr_random16(a.p.sr_key, a.p.sr_first + static_cast<uint32_t>(i)));
+              static_cast<uint16_t*>(a.p.params)[i] = bits;
+              if constexpr (kCopy) static_cast<uint16_t*>(a.copy_out)[i] = bits;
+            } else {
+              static_cast<float*>(a.p.params)[i] = p;
+              if constexpr (kCopy) store_elems<ScalarVec, C>(a.copy_out, i, p);
+            }
+            store_elems<ScalarVec, M>(a.exp_avg, i, m);
+            store_elems<ScalarVec, M>(a.exp_avg_sq, i, v);
+          }
+        }
+      });
+    });
   });
 }
 
