@@ -7,7 +7,6 @@
 #include <filesystem>
 
 #include "common/check.h"
-#include "common/half.h"
 #include "common/string_util.h"
 #include "cpu_optim/adam8bit.h"
 #include "engine/ckpt/state_files.h"
@@ -230,7 +229,6 @@ Status load_checkpoint(const CheckpointInfo& ckpt, StateStore& store, io::IoEngi
       part_start[i + 1] = part_start[i] + (e - b);
     }
     uint32_t g = 0;
-    std::vector<float> widened;  // a bf16 master run, widened for write_compute_from_master
     auto consume = [&](uint64_t offset, std::span<const std::byte> bytes) -> Status {
       uint64_t flat = offset - data_start;
       while (!bytes.empty()) {
@@ -244,16 +242,10 @@ Status load_checkpoint(const CheckpointInfo& ckpt, StateStore& store, io::IoEngi
             ZO_CHECK(in_group % 4 == 0 && n % 4 == 0) << fpath << ": unaligned fp32 run";
             const auto* values = reinterpret_cast<const float*>(bytes.data());
             ZO_RETURN_IF_ERROR(store.write_compute_from_master(g, in_group / 4, {values, n / 4}));
-          } else {
-            // A bf16 master is its compute copy's bits: widened exactly, rounded back unchanged.
-            ZO_CHECK(in_group % 2 == 0 && n % 2 == 0) << fpath << ": unaligned bf16 run";
-            widened.resize(n / 2);
-            for (size_t i = 0; i < widened.size(); ++i) {
-              uint16_t h;
-              std::memcpy(&h, bytes.data() + 2 * i, 2);
-              widened[i] = bf16_to_float(h);
-            }
-            ZO_RETURN_IF_ERROR(store.write_compute_from_master(g, in_group / 2, widened));
+          } else if (!(plan.owns(g) && master_is_compute_copy(plan.placement, g))) {
+            // A bf16 master's bytes are its compute copy's (bf16 too), at the same offsets; where the
+            // master is the compute copy (Note [A bf16 master is its compute copy]) they are written.
+            ZO_RETURN_IF_ERROR(store.write_state_range(g, StateKind::kCompute, in_group, bytes.first(n)));
           }
         }
         bytes = bytes.subspan(n);

@@ -107,11 +107,18 @@ struct OptimizerSwapper::Impl {
   // One optimizer step of sub-group g on host spans (Adam, AdamW, Adagrad or Lion), timed into update_s.
   // p holds the masters (fp32 or bf16), m and v the moments, as group_state_bytes lays them out.
   Status update(uint32_t g, std::byte* p, std::byte* m, std::byte* v, const void* grad, void* copy_out);
-  // The same with bf16 masters, parameter piece by piece (each piece's rounding keyed by its
-  // parameter and indexed by its offset in it, so a sub-group size or a partition changes no bit).
+  // fp32 or bf16 moments with bf16 masters, parameter piece by piece.
   Status update_bf16_master(uint32_t g, std::byte* p, std::byte* m, std::byte* v, const void* grad, void* copy_out);
-  // Adam with 8-bit moments, piece by piece (Note [8-bit moment layout]).
-  Status update_8bit(uint32_t g, float* p, std::byte* m, std::byte* v, const void* grad, void* copy_out);
+  // Adam with 8-bit moments and either masters, piece by piece (Note [8-bit moment layout]).
+  Status update_8bit(uint32_t g, std::byte* p, std::byte* m, std::byte* v, const void* grad, void* copy_out);
+  // Piece `piece` of sub-group g's bf16 masters at p, its rounding keyed by the run's seed, the step
+  // and its parameter and indexed by its offset in the parameter, so that a sub-group size or a
+  // partition changes no bit (Note [Stochastic rounding to bf16]).
+  cpu_optim::Bf16Master bf16_master(std::byte* p, const ParamPiece& piece) const {
+    return {{reinterpret_cast<uint16_t*>(p) + piece.group_offset, piece.n_elems},
+            sr_key(args.rounding_seed, static_cast<uint64_t>(args.step), piece.param),
+            static_cast<uint32_t>(piece.param_offset)};
+  }
   bool grads_on_nvme() const { return store->plan().placement.grad == Tier::kNvme; }
   Status issue_read(Slot& slot, uint32_t g);
   Status issue_grad_read(uint32_t g);
@@ -127,9 +134,11 @@ struct OptimizerSwapper::Impl {
   void drain();
 };
 
-Status OptimizerSwapper::Impl::update_8bit(uint32_t g, float* p, std::byte* m, std::byte* v, const void* grad,
+Status OptimizerSwapper::Impl::update_8bit(uint32_t g, std::byte* p_bytes, std::byte* m, std::byte* v, const void* grad,
                                            void* copy_out) {
   const Placement& pl = store->plan().placement;
+  const bool bf16_masters = pl.master_dtype == DType::kBF16;
+  auto* p = reinterpret_cast<float*>(p_bytes);  // fp32 masters
   const uint64_t gb = dtype_size_bytes(pl.grad_dtype), cb = dtype_size_bytes(pl.compute_dtype);
   const MomentLayout layout = moment_layout(store->registry(), g);
   for (const MomentPiece& mp : layout.pieces) {
@@ -143,8 +152,15 @@ Status OptimizerSwapper::Impl::update_8bit(uint32_t g, float* p, std::byte* m, s
         return cpu_optim::BlockwiseState{{reinterpret_cast<uint8_t*>(base + mp.codes_offset_bytes), n},
                                          {reinterpret_cast<float*>(base + mp.aux_offset_bytes), mp.aux_bytes / 4}};
       };
-      st = cpu_optim::adam8bit_step(args.adam, args.step, {p + off, n}, state(m), state(v), g_span, args.grad_scale,
-                                    out_span, *executor);
+      st = bf16_masters
+               ? cpu_optim::adam8bit_step_bf16_master(args.adam, args.step, bf16_master(p_bytes, *mp.piece), state(m),
+                                                      state(v), g_span, args.grad_scale, out_span, *executor)
+               : cpu_optim::adam8bit_step(args.adam, args.step, {p + off, n}, state(m), state(v), g_span,
+                                          args.grad_scale, out_span, *executor);
+    } else if (bf16_masters) {
+      st = cpu_optim::adam_step_bf16_master(
+          args.adam, args.step, bf16_master(p_bytes, *mp.piece), {m + mp.aux_offset_bytes, DType::kF32},
+          {v + mp.aux_offset_bytes, DType::kF32}, g_span, args.grad_scale, out_span, *executor);
     } else {
       // bitsandbytes keeps a small parameter's moments in fp32 and steps it with its 32-bit Adam; this
       // is torch's AdamW order, as for every fp32 moment here (docs/cpu_optim.md).
@@ -172,67 +188,33 @@ cpu_optim::LionConfig lion_config(const cpu_optim::AdamConfig& h) {
 Status OptimizerSwapper::Impl::update_bf16_master(uint32_t g, std::byte* p, std::byte* m, std::byte* v,
                                                   const void* grad, void* copy_out) {
   const Placement& pl = store->plan().placement;
-  const ParamRegistry& registry = store->registry();
-  const uint64_t gb = dtype_size_bytes(pl.grad_dtype);
-  if (copy_out == p) copy_out = nullptr;  // Note [A bf16 master is its compute copy]: updated in place
-  auto master = [&](const ParamPiece& piece) {
-    return cpu_optim::Bf16Master{{reinterpret_cast<uint16_t*>(p) + piece.group_offset, piece.n_elems},
-                                 sr_key(args.rounding_seed, static_cast<uint64_t>(args.step), piece.param),
-                                 static_cast<uint32_t>(piece.param_offset)};
-  };
-  auto grad_at = [&](uint64_t off) {
-    return cpu_optim::ConstElemSpan{static_cast<const std::byte*>(grad) + off * gb, pl.grad_dtype};
-  };
-  auto copy_at = [&](uint64_t off) {
-    return cpu_optim::ElemSpan{copy_out == nullptr ? nullptr : static_cast<std::byte*>(copy_out) + off * 2,
-                               DType::kBF16};
-  };
-  auto named = [&](Status st, const ParamPiece& piece) {
-    return st.is_ok() ? st : st.with_context(registry.params()[piece.param].name);
-  };
-  if (pl.moments == MomentDtype::k8bit) {
-    for (const MomentPiece& mp : moment_layout(registry, g).pieces) {
-      const ParamPiece& piece = *mp.piece;
-      const uint64_t off = piece.group_offset;
-      Status st;
-      if (mp.quantized) {
-        auto state = [&](std::byte* base) {
-          return cpu_optim::BlockwiseState{{reinterpret_cast<uint8_t*>(base + mp.codes_offset_bytes), piece.n_elems},
-                                           {reinterpret_cast<float*>(base + mp.aux_offset_bytes), mp.aux_bytes / 4}};
-        };
-        st = cpu_optim::adam8bit_step_bf16_master(args.adam, args.step, master(piece), state(m), state(v), grad_at(off),
-                                                  args.grad_scale, copy_at(off), *executor);
-      } else {
-        st = cpu_optim::adam_step_bf16_master(
-            args.adam, args.step, master(piece), {m + mp.aux_offset_bytes, DType::kF32},
-            {v + mp.aux_offset_bytes, DType::kF32}, grad_at(off), args.grad_scale, copy_at(off), *executor);
-      }
-      ZO_RETURN_IF_ERROR(named(std::move(st), piece));
-    }
-    return Status::ok();
-  }
+  const uint64_t gb = dtype_size_bytes(pl.grad_dtype), cb = dtype_size_bytes(pl.compute_dtype);
   const DType md = moment_elem_dtype(pl.moments);
   const uint64_t mb = dtype_size_bytes(md);
-  for (const ParamPiece& piece : registry.pieces_of_group(g)) {
+  for (const ParamPiece& piece : store->registry().pieces_of_group(g)) {
     const uint64_t off = piece.group_offset;
     const cpu_optim::ElemSpan ms{m + off * mb, md}, vs{v + off * mb, md};
+    const cpu_optim::ConstElemSpan g_span{static_cast<const std::byte*>(grad) + off * gb, pl.grad_dtype};
+    const cpu_optim::ElemSpan out_span{copy_out == nullptr ? nullptr : static_cast<std::byte*>(copy_out) + off * cb,
+                                       pl.compute_dtype};
+    const cpu_optim::Bf16Master master = bf16_master(p, piece);
     Status st;
     switch (options.optimizer) {
       case OptimizerType::kAdam:
       case OptimizerType::kAdamW:
-        st = cpu_optim::adam_step_bf16_master(args.adam, args.step, master(piece), ms, vs, grad_at(off),
-                                              args.grad_scale, copy_at(off), *executor);
+        st = cpu_optim::adam_step_bf16_master(args.adam, args.step, master, ms, vs, g_span, args.grad_scale, out_span,
+                                              *executor);
         break;
       case OptimizerType::kAdagrad:
-        st = cpu_optim::adagrad_step_bf16_master(adagrad_config(args.adam), master(piece), vs, grad_at(off),
-                                                 args.grad_scale, copy_at(off), *executor);
+        st = cpu_optim::adagrad_step_bf16_master(adagrad_config(args.adam), master, vs, g_span, args.grad_scale,
+                                                 out_span, *executor);
         break;
       case OptimizerType::kLion:
-        st = cpu_optim::lion_step_bf16_master(lion_config(args.adam), master(piece), ms, grad_at(off), args.grad_scale,
-                                              copy_at(off), *executor);
+        st = cpu_optim::lion_step_bf16_master(lion_config(args.adam), master, ms, g_span, args.grad_scale, out_span,
+                                              *executor);
         break;
     }
-    ZO_RETURN_IF_ERROR(named(std::move(st), piece));
+    if (!st.is_ok()) return st.with_context(store->registry().params()[piece.param].name);
   }
   return Status::ok();
 }
@@ -243,17 +225,14 @@ Status OptimizerSwapper::Impl::update(uint32_t g, std::byte* p_bytes, std::byte*
   trace::Span span(trace::Track::kOptimizer, [&] { return "sub-group " + std::to_string(g); });
   const Placement& pl = store->plan().placement;
   Stopwatch sw;
-  if (pl.master_dtype == DType::kBF16) {
-    Status st = update_bf16_master(g, p_bytes, m_bytes, v_bytes, grad, copy_out);
+  if (copy_out == p_bytes) copy_out = nullptr;  // Note [A bf16 master is its compute copy]: updated in place
+  if (pl.moments == MomentDtype::k8bit || pl.master_dtype == DType::kBF16) {
+    Status st = pl.moments == MomentDtype::k8bit ? update_8bit(g, p_bytes, m_bytes, v_bytes, grad, copy_out)
+                                                 : update_bf16_master(g, p_bytes, m_bytes, v_bytes, grad, copy_out);
     report.update_s += sw.elapsed_s();
     return st;
   }
   auto* p = reinterpret_cast<float*>(p_bytes);
-  if (pl.moments == MomentDtype::k8bit) {
-    Status st = update_8bit(g, p, m_bytes, v_bytes, grad, copy_out);
-    report.update_s += sw.elapsed_s();
-    return st;
-  }
   auto* m = reinterpret_cast<float*>(m_bytes);
   auto* v = reinterpret_cast<float*>(v_bytes);
   const cpu_optim::ConstElemSpan g_span{grad, pl.grad_dtype};
