@@ -83,30 +83,24 @@ namespace {
 // before it, rounded stochastically after it (Note [Stochastic rounding to bf16]), the copy-out the
 // same bits.
 void adam_reference_kernel(const AdamArgs& a, size_t begin, size_t end) {
-  with_param_dtype(a.p.param_dtype, [&]<DType P>() {
-    with_state_dtype(a.moment_dtype, [&]<DType M>() {
-      with_dtypes(a.grad_dtype, a.copy_out, a.copy_dtype, [&]<DType G, bool kCopy, DType C>() {
-        if constexpr (kValidCopy<P, kCopy, C>) {
-          for (size_t i = begin; i < end; ++i) {
-            float p = load_elems<ScalarVec, P>(a.p.params, i);
-            float m = load_elems<ScalarVec, M>(a.exp_avg, i), v = load_elems<ScalarVec, M>(a.exp_avg_sq, i);
-            adam_update(a.k, load_elems<ScalarVec, G>(a.grad, i), p, m, v);
-            if constexpr (P == DType::kBF16) {
-              const uint16_t bits =
-                  float_to_bf16_sr(p, sr_random16(a.p.sr_key, a.p.sr_first + static_cast<uint32_t>(i)));
-              static_cast<uint16_t*>(a.p.params)[i] = bits;
-              if constexpr (kCopy) static_cast<uint16_t*>(a.copy_out)[i] = bits;
-            } else {
-              static_cast<float*>(a.p.params)[i] = p;
-              if constexpr (kCopy) store_elems<ScalarVec, C>(a.copy_out, i, p);
-            }
-            store_elems<ScalarVec, M>(a.exp_avg, i, m);
-            store_elems<ScalarVec, M>(a.exp_avg_sq, i, v);
-          }
-        }
-      });
-    });
-  });
+  auto step = [&]<DType P, DType M, DType G, bool kCopy, DType C>() {
+    for (size_t i = begin; i < end; ++i) {
+      float p = load_elems<ScalarVec, P>(a.p.params, i);
+      float m = load_elems<ScalarVec, M>(a.exp_avg, i), v = load_elems<ScalarVec, M>(a.exp_avg_sq, i);
+      adam_update(a.k, load_elems<ScalarVec, G>(a.grad, i), p, m, v);
+      if constexpr (P == DType::kBF16) {
+        const uint16_t bits = float_to_bf16_sr(p, sr_random16(a.p.sr_key, a.p.sr_first + static_cast<uint32_t>(i)));
+        static_cast<uint16_t*>(a.p.params)[i] = bits;
+        if constexpr (kCopy) static_cast<uint16_t*>(a.copy_out)[i] = bits;
+      } else {
+        static_cast<float*>(a.p.params)[i] = p;
+        if constexpr (kCopy) store_elems<ScalarVec, C>(a.copy_out, i, p);
+      }
+      store_elems<ScalarVec, M>(a.exp_avg, i, m);
+      store_elems<ScalarVec, M>(a.exp_avg_sq, i, v);
+    }
+  };
+  with_step_dtypes(a.p.param_dtype, a.moment_dtype, a.grad_dtype, a.copy_out, a.copy_dtype, step);
 }
 
 constexpr KernelTable scalar_table() {

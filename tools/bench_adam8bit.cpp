@@ -58,33 +58,29 @@ struct Moment8 {
   }
 };
 
-// One fp32 moment, owned (beside bf16 masters).
-struct Moment32 {
-  std::vector<float> values;
-  explicit Moment32(size_t n) : values(n, 0.0f) {}
-  cpu_optim::ElemSpan span() { return {values.data(), DType::kF32}; }
-  size_t differ(const Moment32& o) const {
-    size_t bad = 0;
-    for (size_t i = 0; i < values.size(); ++i)
-      bad += cpu_optim::float_bits(values[i]) != cpu_optim::float_bits(o.values[i]) &&
-             !(std::isnan(values[i]) && std::isnan(o.values[i]));
-    return bad;
-  }
-};
+// The same bits, or both NaN (payloads aside).
+bool same_bits(float a, float b) {
+  return cpu_optim::float_bits(a) == cpu_optim::float_bits(b) || (std::isnan(a) && std::isnan(b));
+}
+bool same_bits(uint16_t a, uint16_t b) {  // bf16
+  auto nan = [](uint16_t x) { return (x & 0x7F80) == 0x7F80 && (x & 0x7F) != 0; };
+  return a == b || (nan(a) && nan(b));
+}
 
-// One bf16 moment, owned.
-struct Moment16 {
-  std::vector<uint16_t> bits;
-  explicit Moment16(size_t n) : bits(n, 0) {}
-  cpu_optim::ElemSpan span() { return {bits.data(), DType::kBF16}; }
-  size_t differ(const Moment16& o) const {
+// One fp32 moment (beside bf16 masters) or bf16 moment, owned.
+template <class T, DType D>
+struct MomentOf {
+  std::vector<T> values;
+  explicit MomentOf(size_t n) : values(n, T{}) {}
+  cpu_optim::ElemSpan span() { return {values.data(), D}; }
+  size_t differ(const MomentOf& o) const {
     size_t bad = 0;
-    for (size_t i = 0; i < bits.size(); ++i)
-      bad += bits[i] != o.bits[i] && !(is_nan_bf16(bits[i]) && is_nan_bf16(o.bits[i]));
+    for (size_t i = 0; i < values.size(); ++i) bad += !same_bits(values[i], o.values[i]);
     return bad;
   }
-  static bool is_nan_bf16(uint16_t b) { return (b & 0x7F80) == 0x7F80 && (b & 0x7F) != 0; }
 };
+using Moment32 = MomentOf<float, DType::kF32>;
+using Moment16 = MomentOf<uint16_t, DType::kBF16>;
 
 // Correctness first: three steps on a slice (denormals, ±inf, NaN and ±0 planted in the gradients
 // and parameters, a partial last block) with the timed path and with the scalar path; parameters,
@@ -119,14 +115,9 @@ Status check_against_scalar(Step step, const char* moments, DType gdt, bool has_
       ZO_RETURN_IF_ERROR(step(t, std::span<P>(p[k]), m[k], v[k], ConstElemSpan{g.data(), gdt},
                               has_copy ? ElemSpan{c[k].data(), cdt} : ElemSpan{}, k == 0 ? ex : *scalar));
   }
-  auto same = [](P a, P b) {
-    if constexpr (std::is_same_v<P, float>)
-      return (std::isnan(a) && std::isnan(b)) || cpu_optim::float_bits(a) == cpu_optim::float_bits(b);
-    else return a == b || (Moment16::is_nan_bf16(a) && Moment16::is_nan_bf16(b));
-  };
   size_t bad = m[0].differ(m[1]) + v[0].differ(v[1]);
   for (size_t i = 0; i < n; ++i) {
-    bad += !same(p[0][i], p[1][i]) || (has_copy && c[0][i * cs] != c[1][i * cs]) ||
+    bad += !same_bits(p[0][i], p[1][i]) || (has_copy && c[0][i * cs] != c[1][i * cs]) ||
            (has_copy && c[0][i * cs + 1] != c[1][i * cs + 1]);
   }
   if (bad > 0)
@@ -201,7 +192,7 @@ int run_adam_narrow_moments_bench(const AdamArgs& a) {
                  : check_against_scalar<float, Moment16>(
                        [&](int64_t t, std::span<float> p, Moment16& m, Moment16& v, ConstElemSpan g, ElemSpan c,
                            const Executor& e) {
-                         return cpu_optim::adam_step_bf16_moments(h, t, p, m.bits, v.bits, g, scale, c, e);
+                         return cpu_optim::adam_step_bf16_moments(h, t, p, m.values, v.values, g, scale, c, e);
                        },
                        "params, bf16 moments", gdt, has_copy, cdt, ex, check_n, &check_summary);
   } else if (q8) {

@@ -80,6 +80,24 @@ inline void with_dtypes(DType g, const void* copy, DType c, Fn&& fn) {
   }
 }
 
+// A bf16 master's copy-out is bf16 (the entry points refuse another dtype): the other combinations
+// are never instantiated.
+template <DType P, bool kCopy, DType C>
+inline constexpr bool kValidCopy = P == DType::kF32 || !kCopy || C == DType::kBF16;
+
+// Calls fn.template operator()<P, M, G, kCopy, C>() for an optimizer step's runtime dtypes: the
+// parameters' (P), the state's (M), the gradient's (G) and the copy-out's (C), for the valid copies.
+template <class Fn>
+inline void with_step_dtypes(DType p, DType m, DType g, const void* copy, DType c, Fn&& fn) {
+  with_param_dtype(p, [&]<DType P>() {
+    with_state_dtype(m, [&]<DType M>() {
+      with_dtypes(g, copy, c, [&]<DType G, bool kCopy, DType C>() {
+        if constexpr (kValidCopy<P, kCopy, C>) fn.template operator()<P, M, G, kCopy, C>();
+      });
+    });
+  });
+}
+
 // Runs body(ptrs, i) for i = begin, begin + W, ... over the full W-wide blocks of [begin, end), with
 // ptrs the streams' base pointers (kept in registers: the loop is just the body's loads and stores).
 // The last partial block is copied into zero-padded local buffers, run through the same body at
@@ -140,11 +158,6 @@ inline void store_params(const ParamArgs& a, void* p, void* copy, size_t i, size
   }
 }
 
-// A bf16 master's copy-out is bf16 (the entry points refuse another dtype): the other combinations
-// are never instantiated.
-template <DType P, bool kCopy, DType C>
-inline constexpr bool kValidCopy = P == DType::kF32 || !kCopy || C == DType::kBF16;
-
 // The vector form of zo::adam_update (common/adam_math.h), operation for operation; the scalar
 // path runs adam_update itself, and the tests hold every SIMD path to it bit for bit. bf16 moments
 // are widened as they are read and rounded to nearest even as they are stored; the update in
@@ -157,37 +170,32 @@ void adam_kernel(const AdamArgs& a, size_t begin, size_t end) {
           b2 = V::set1(k.beta2), omb2 = V::set1(k.one_minus_beta2), eps = V::set1(k.eps), bc2 = V::set1(k.bc2_rsqrt),
           neg_step = V::set1(k.neg_step), l2 = V::set1(k.l2_decay), decay = V::set1(k.decay_factor);
   const bool use_l2 = k.use_l2, use_decoupled = k.use_decoupled;
-  with_param_dtype(a.p.param_dtype, [&]<DType P>() {
-    with_state_dtype(a.moment_dtype, [&]<DType M>() {
-      with_dtypes(a.grad_dtype, a.copy_out, a.copy_dtype, [&]<DType G, bool kCopy, DType C>() {
-        if constexpr (kValidCopy<P, kCopy, C>) {
-          const Stream streams[5] = {{a.p.params, kElemBytes<P>, true},
-                                     {a.exp_avg, kElemBytes<M>, true},
-                                     {a.exp_avg_sq, kElemBytes<M>, true},
-                                     {const_cast<void*>(a.grad), kElemBytes<G>, false},
-                                     {kCopy ? a.copy_out : nullptr, kElemBytes<C>, true}};
-          for_blocks_at<V::W>(streams, begin, end, [&](const Ptrs<5>& at, size_t i, size_t index) {
-            F g = V::mul(load_elems<V, G>(at.p[3], i), scale);
-            F p = load_elems<V, P>(at.p[0], i);
-            if (use_l2) g = V::fma(p, l2, g);
-            F m = V::mul(load_elems<V, M>(at.p[1], i), b1);
-            m = V::fma(g, omb1, m);
-            F v = V::mul(load_elems<V, M>(at.p[2], i), b2);
-            g = V::mul(g, g);
-            v = V::fma(g, omb2, v);
-            F d = V::sqrt(v);
-            d = V::fma(d, bc2, eps);
-            d = V::div(m, d);
-            if (use_decoupled) p = V::mul(p, decay);  // Note [Decoupled decay rounding]
-            p = V::fma(d, neg_step, p);
-            store_params<V, P, kCopy, C>(a.p, at.p[0], at.p[4], i, index, p);
-            store_elems<V, M>(at.p[1], i, m);
-            store_elems<V, M>(at.p[2], i, v);
-          });
-        }
-      });
+  auto step = [&]<DType P, DType M, DType G, bool kCopy, DType C>() {
+    const Stream streams[5] = {{a.p.params, kElemBytes<P>, true},
+                               {a.exp_avg, kElemBytes<M>, true},
+                               {a.exp_avg_sq, kElemBytes<M>, true},
+                               {const_cast<void*>(a.grad), kElemBytes<G>, false},
+                               {kCopy ? a.copy_out : nullptr, kElemBytes<C>, true}};
+    for_blocks_at<V::W>(streams, begin, end, [&](const Ptrs<5>& at, size_t i, size_t index) {
+      F g = V::mul(load_elems<V, G>(at.p[3], i), scale);
+      F p = load_elems<V, P>(at.p[0], i);
+      if (use_l2) g = V::fma(p, l2, g);
+      F m = V::mul(load_elems<V, M>(at.p[1], i), b1);
+      m = V::fma(g, omb1, m);
+      F v = V::mul(load_elems<V, M>(at.p[2], i), b2);
+      g = V::mul(g, g);
+      v = V::fma(g, omb2, v);
+      F d = V::sqrt(v);
+      d = V::fma(d, bc2, eps);
+      d = V::div(m, d);
+      if (use_decoupled) p = V::mul(p, decay);  // Note [Decoupled decay rounding]
+      p = V::fma(d, neg_step, p);
+      store_params<V, P, kCopy, C>(a.p, at.p[0], at.p[4], i, index, p);
+      store_elems<V, M>(at.p[1], i, m);
+      store_elems<V, M>(at.p[2], i, v);
     });
-  });
+  };
+  with_step_dtypes(a.p.param_dtype, a.moment_dtype, a.grad_dtype, a.copy_out, a.copy_dtype, step);
 }
 
 // Adagrad's and Lion's state in fp32 or bf16, as Adam's moments: widened as read, the update (the
@@ -197,31 +205,26 @@ void adagrad_kernel(const AdagradArgs& a, size_t begin, size_t end) {
   using F = typename V::F;
   const F scale = V::set1(a.grad_scale), eps = V::set1(a.eps), neg_lr = V::set1(a.neg_lr), wd = V::set1(a.weight_decay);
   const bool use_decay = a.use_decay;
-  with_param_dtype(a.p.param_dtype, [&]<DType P>() {
-    with_state_dtype(a.state_dtype, [&]<DType M>() {
-      with_dtypes(a.grad_dtype, a.copy_out, a.copy_dtype, [&]<DType G, bool kCopy, DType C>() {
-        if constexpr (kValidCopy<P, kCopy, C>) {
-          const Stream streams[4] = {{a.p.params, kElemBytes<P>, true},
-                                     {a.exp_avg_sq, kElemBytes<M>, true},
-                                     {const_cast<void*>(a.grad), kElemBytes<G>, false},
-                                     {kCopy ? a.copy_out : nullptr, kElemBytes<C>, true}};
-          for_blocks_at<V::W>(streams, begin, end, [&](const Ptrs<4>& at, size_t i, size_t index) {
-            const F num = V::mul(load_elems<V, G>(at.p[2], i), scale);
-            F p = load_elems<V, P>(at.p[0], i);
-            F g = num;
-            if (use_decay) g = V::fma(p, wd, g);
-            F v = V::fma(g, g, load_elems<V, M>(at.p[1], i));
-            F d = V::sqrt(v);
-            d = V::add(d, eps);
-            d = V::div(num, d);
-            p = V::fma(d, neg_lr, p);
-            store_params<V, P, kCopy, C>(a.p, at.p[0], at.p[3], i, index, p);
-            store_elems<V, M>(at.p[1], i, v);
-          });
-        }
-      });
+  auto step = [&]<DType P, DType M, DType G, bool kCopy, DType C>() {
+    const Stream streams[4] = {{a.p.params, kElemBytes<P>, true},
+                               {a.exp_avg_sq, kElemBytes<M>, true},
+                               {const_cast<void*>(a.grad), kElemBytes<G>, false},
+                               {kCopy ? a.copy_out : nullptr, kElemBytes<C>, true}};
+    for_blocks_at<V::W>(streams, begin, end, [&](const Ptrs<4>& at, size_t i, size_t index) {
+      const F num = V::mul(load_elems<V, G>(at.p[2], i), scale);
+      F p = load_elems<V, P>(at.p[0], i);
+      F g = num;
+      if (use_decay) g = V::fma(p, wd, g);
+      F v = V::fma(g, g, load_elems<V, M>(at.p[1], i));
+      F d = V::sqrt(v);
+      d = V::add(d, eps);
+      d = V::div(num, d);
+      p = V::fma(d, neg_lr, p);
+      store_params<V, P, kCopy, C>(a.p, at.p[0], at.p[3], i, index, p);
+      store_elems<V, M>(at.p[1], i, v);
     });
-  });
+  };
+  with_step_dtypes(a.p.param_dtype, a.state_dtype, a.grad_dtype, a.copy_out, a.copy_dtype, step);
 }
 
 template <class V>
@@ -231,31 +234,26 @@ void lion_kernel(const LionArgs& a, size_t begin, size_t end) {
           b2 = V::set1(a.beta2), omb2 = V::set1(a.one_minus_beta2), lr = V::set1(a.lr),
           after_decay = V::set1(a.after_decay);
   const bool use_decay = a.use_decay;
-  with_param_dtype(a.p.param_dtype, [&]<DType P>() {
-    with_state_dtype(a.state_dtype, [&]<DType M>() {
-      with_dtypes(a.grad_dtype, a.copy_out, a.copy_dtype, [&]<DType G, bool kCopy, DType C>() {
-        if constexpr (kValidCopy<P, kCopy, C>) {
-          const Stream streams[4] = {{a.p.params, kElemBytes<P>, true},
-                                     {a.exp_avg, kElemBytes<M>, true},
-                                     {const_cast<void*>(a.grad), kElemBytes<G>, false},
-                                     {kCopy ? a.copy_out : nullptr, kElemBytes<C>, true}};
-          for_blocks_at<V::W>(streams, begin, end, [&](const Ptrs<4>& at, size_t i, size_t index) {
-            const F g = V::mul(load_elems<V, G>(at.p[2], i), scale);
-            F m = load_elems<V, M>(at.p[1], i);
-            F p = load_elems<V, P>(at.p[0], i);
-            F c = V::mul(m, b1);
-            c = V::fma(g, omb1, c);
-            const F u = V::lion_update(c, lr);
-            p = use_decay ? V::fma(p, after_decay, u) : V::add(p, u);
-            m = V::mul(m, b2);
-            m = V::fma(g, omb2, m);
-            store_params<V, P, kCopy, C>(a.p, at.p[0], at.p[3], i, index, p);
-            store_elems<V, M>(at.p[1], i, m);
-          });
-        }
-      });
+  auto step = [&]<DType P, DType M, DType G, bool kCopy, DType C>() {
+    const Stream streams[4] = {{a.p.params, kElemBytes<P>, true},
+                               {a.exp_avg, kElemBytes<M>, true},
+                               {const_cast<void*>(a.grad), kElemBytes<G>, false},
+                               {kCopy ? a.copy_out : nullptr, kElemBytes<C>, true}};
+    for_blocks_at<V::W>(streams, begin, end, [&](const Ptrs<4>& at, size_t i, size_t index) {
+      const F g = V::mul(load_elems<V, G>(at.p[2], i), scale);
+      F m = load_elems<V, M>(at.p[1], i);
+      F p = load_elems<V, P>(at.p[0], i);
+      F c = V::mul(m, b1);
+      c = V::fma(g, omb1, c);
+      const F u = V::lion_update(c, lr);
+      p = use_decay ? V::fma(p, after_decay, u) : V::add(p, u);
+      m = V::mul(m, b2);
+      m = V::fma(g, omb2, m);
+      store_params<V, P, kCopy, C>(a.p, at.p[0], at.p[3], i, index, p);
+      store_elems<V, M>(at.p[1], i, m);
     });
-  });
+  };
+  with_step_dtypes(a.p.param_dtype, a.state_dtype, a.grad_dtype, a.copy_out, a.copy_dtype, step);
 }
 
 template <class V>
