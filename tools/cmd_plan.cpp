@@ -124,9 +124,12 @@ void print_plan(const engine::RunPlan& p, const engine::PlanInputs& in, const st
             : " and every state (ZeRO stage 0)");
   }
   std::printf(
-      "placement: optimizer states on %s, gradient accumulators on %s, compute copies %s, %s compute, %s gradients, "
+      "placement: optimizer states on %s, gradient accumulators %s, compute copies %s, %s compute, %s gradients, "
       "%s masters, %s moments\n",
-      std::string(engine::tier_name(pl.optimizer)).c_str(), std::string(engine::tier_name(pl.grad)).c_str(),
+      std::string(engine::tier_name(pl.optimizer)).c_str(),
+      (pl.no_accumulator ? std::string("none (each sub-group stepped from backward)")
+                         : "on " + std::string(engine::tier_name(pl.grad)))
+          .c_str(),
       std::string(engine::tier_name(pl.compute.empty() ? engine::Tier::kDevice : pl.compute.back())).c_str(),
       std::string(dtype_name(pl.compute_dtype)).c_str(), std::string(dtype_name(pl.grad_dtype)).c_str(),
       std::string(dtype_name(pl.master_dtype)).c_str(), std::string(engine::moment_dtype_name(pl.moments)).c_str());

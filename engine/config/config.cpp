@@ -4,6 +4,7 @@
 #include <cctype>
 #include <cstring>
 #include <set>
+#include <sstream>
 #include <span>
 #include <tuple>
 #include <vector>
@@ -244,6 +245,7 @@ struct Resolver {
   void grad_accum_dtype();
   void offload_placement();
   void gradient_store_dtype();
+  void no_accumulator();
 
   void needs(const std::string& path, const std::string& what) { st->error(path, "\"auto\" needs " + what); }
 
@@ -543,6 +545,41 @@ void Resolver::gradient_store_dtype() {
   }
 }
 
+// zoffload.gradient_accumulators "none": each sub-group's gradient goes from the landing ring to the
+// optimizer when it is final, so nothing global may be needed before the first update and every
+// window must be the step's only one (Note [No accumulator] in engine/coord/grad_accumulator.cpp).
+void Resolver::no_accumulator() {
+  const char* key = "zoffload.gradient_accumulators";
+  if (c->zoffload.gradient_accumulators != "none" || st->has_error(key)) return;
+  const std::string why = "\"none\" updates each sub-group as its gradient lands, before the step's norm is known: ";
+  if (c->zero.offload_optimizer.device != OffloadDevice::kCpu) {
+    if (c->zero.offload_optimizer.device == OffloadDevice::kNone) return;  // offload_placement said so
+    st->error(key, why +
+                       "it needs the optimizer states in RAM for now (zero_optimization.offload_optimizer.device "
+                       "\"cpu\"; it is \"nvme\")");
+  } else if (c->gradient_clipping != 0 && !st->has_error("gradient_clipping")) {
+    std::ostringstream v;
+    v << c->gradient_clipping;
+    st->error(key, why + "set gradient_clipping to 0 (it is " + v.str() +
+                       "; clipping scales every update by the step's global norm), or keep the accumulators");
+  } else if (c->fp16.enabled) {
+    st->error(key, why +
+                       "fp16's loss scaling skips a step whose gradients overflow, which needs every gradient "
+                       "first: use bf16 or fp32, or keep the accumulators");
+  } else if (c->bf16.enabled && c->bf16.check_grad_overflow) {
+    st->error(key, why +
+                       "set bf16.check_grad_overflow to false (it skips a step whose gradients overflow, which "
+                       "needs every gradient first), or keep the accumulators");
+  } else if (c->gradient_accumulation_steps > 1 && c->zoffload.schedule != "vertical") {
+    st->error(key, why + "gradient_accumulation_steps is " + std::to_string(c->gradient_accumulation_steps) +
+                       " with the horizontal schedule, so a gradient is final only after the last micro-batch: set "
+                       "zoffload.schedule to \"vertical\" (the device sums the micro-batches) or use GAS 1");
+  } else if (ctx.world_size > 1) {
+    st->error(key, why + "one rank only for now (" + std::to_string(ctx.world_size) +
+                       " ranks sum their gradients before the update); keep the accumulators");
+  }
+}
+
 void resolve(ParseState* st, const ResolveContext& ctx, const json& root, Config* c) {
   Resolver r{.st = st, .ctx = ctx, .root = root, .c = c};
   r.model_size_buckets();
@@ -553,6 +590,7 @@ void resolve(ParseState* st, const ResolveContext& ctx, const json& root, Config
   r.grad_accum_dtype();
   r.offload_placement();  // it stops early when the stage itself is invalid
   r.gradient_store_dtype();
+  r.no_accumulator();
 }
 
 // ---- JSON text → json, with duplicate keys rejected ----------------------------------------------

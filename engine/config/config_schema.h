@@ -75,7 +75,7 @@ inline constexpr std::array<Named<DType>, 3> kAccumDtypes = {
     {{DType::kF32, "fp32"}, {DType::kF16, "fp16"}, {DType::kBF16, "bf16"}}};
 inline constexpr std::array<std::string_view, 2> kSchedules = {"horizontal", "vertical"};
 inline constexpr std::array<std::string_view, 3> kCheckpointPlaces = {"auto", "device", "cpu"};
-inline constexpr std::array<std::string_view, 3> kGradPlaces = {"auto", "cpu", "nvme"};
+inline constexpr std::array<std::string_view, 4> kGradPlaces = {"auto", "cpu", "nvme", "none"};
 inline constexpr std::array<std::string_view, 3> kMomentDtypes = {"fp32", "8bit", "bf16"};
 inline constexpr std::array<std::string_view, 2> kMasterDtypes = {"fp32", "bf16"};
 inline constexpr std::array<std::string_view, 4> kGradStoreDtypes = {"auto", "fp32", "bf16", "fp16"};

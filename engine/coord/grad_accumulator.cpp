@@ -43,6 +43,25 @@
 // and rounded by their owner after its chunk norms; at stage 1 the stored accumulators would be
 // summed over the ranks, so the config refuses it with several ranks.
 
+// Note [No accumulator]
+//
+// With zoffload.gradient_accumulators "none" (Placement::no_accumulator) the host keeps no gradient
+// between backward and the optimizer. The config allows it only where nothing global is needed
+// before an update — gradient_clipping 0, no step that an overflow would skip (fp32, or bf16 with
+// check_grad_overflow false), one window per step (GAS 1 or the vertical schedule), one rank — so a
+// sub-group's gradient is final when its last contribution lands. Each sub-group's contributions
+// are then summed in a host buffer exactly as for an NVMe-resident accumulator (the same
+// cpu_optim::accumulate calls from zero, in arrival order), its squared norm is taken for the
+// report, it is rounded in place when stored gradients are 16-bit, and the buffer goes to the sink:
+// the trainer's, which runs the optimizer on that sub-group (OptimizerSwapper::step_direct) on this
+// thread while backward goes on, and the buffer is free again when it returns. The optimizer reads
+// the values the stored path would have stored, with grad_scale 1/loss_scale either way (the clip
+// coefficient is 1 without clipping), so the weights are bit-identical to it. What the host saves is
+// every accumulator byte (4 per parameter in fp32); what it holds instead is the buffers of the
+// sub-groups open at once (plan_buffers), the same as for NVMe-resident accumulators less the write
+// behind. A buffer is not the landing ring itself: a sub-group spans parameters (and parts of them)
+// that arrive in several ring items, and a tied parameter's two uses are one sum.
+
 // Note [Direct accumulator I/O]
 //
 // NVMe-resident accumulators are read and written with read_state_range/write_state_range: the
@@ -94,6 +113,7 @@ struct GradAccumulator::Impl {
   bool rounded = false;                    // Note [Gradients stored in 16 bits]
   std::optional<AlignedBuffer> narrowing;  // rounded, not CPU-resident: narrow_in_place's scratch
   bool in_place = false;                   // CPU-resident accumulators summed where they live: no buffers
+  FinalGradSink sink;                      // Note [No accumulator]: set when there are no accumulators
   std::vector<uint32_t> uses;              // per param, per micro-step
   std::vector<uint32_t> group_total;       // per sub-group: contributions (over its params) per micro-step
   std::vector<AlignedBuffer> buffers;
@@ -271,7 +291,31 @@ struct GradAccumulator::Impl {
     return Status::ok();
   }
 
+  // Note [No accumulator]: sub-group g's complete sums go to the sink, and its buffer is free again.
+  Status flush_to_sink(uint32_t g) {
+    const int32_t b = group_buffer[g];
+    group_buffer[g] = -1;
+    struct Free {
+      Impl* s;
+      int32_t b;
+      ~Free() { s->free_buffers.push_back(b); }
+    } free_on_return{this, b};
+    const uint64_t n = store->registry().sub_groups()[g].n_elems;
+    std::byte* sums = buffers[b].data();
+    Result<double> sq = cpu_optim::squared_norm({sums, sum_dtype}, n, *executor);
+    if (!sq.is_ok())
+      return Status(sq.status()).with_context("gradient accumulator: norm of sub-group " + std::to_string(g));
+    report.sum_sq += *sq;
+    report.nonfinite = report.nonfinite || !std::isfinite(*sq);
+    if (rounded) {
+      Status st = narrow_in_place(sums, n);
+      if (!st.is_ok()) return st.with_context("gradient accumulator: rounding sub-group " + std::to_string(g));
+    }
+    return sink(g, sums).with_context("sub-group " + std::to_string(g) + " stepped from its gradient");
+  }
+
   Status flush_group(uint32_t g) {
+    if (sink) return flush_to_sink(g);
     if (partitioned) return flush_partitioned(g);
     const uint64_t bytes = store->state_bytes(g, StateKind::kGradAccum);
     const StateLocation& loc = store->location(g, StateKind::kGradAccum);
@@ -342,7 +386,8 @@ GradAccumulator::BufferPlan GradAccumulator::plan_buffers(const ParamRegistry& r
                                                           bool partitioned) {
   BufferPlan out;
   const bool rounded = placement.grads_rounded();
-  if (placement.grad == Tier::kCpu && !partitioned && !rounded) return out;  // accumulated in place
+  const bool home_in_ram = placement.grad == Tier::kCpu && !placement.no_accumulator;
+  if (home_in_ram && !partitioned && !rounded) return out;  // accumulated in place
   const auto n_groups = static_cast<uint32_t>(registry.sub_groups().size());
   std::vector<uint32_t> pending(n_groups, 0);
   for (uint32_t p : contribution_order) {
@@ -366,7 +411,7 @@ GradAccumulator::BufferPlan GradAccumulator::plan_buffers(const ParamRegistry& r
   // The owner's accumulator, read to add to (rounded sums are never added to: each window is the step's).
   if (partitioned && placement.grad != Tier::kCpu && !rounded) ++out.count;
   out.bytes_each = registry.max_group_elems() * dtype_size_bytes(placement.grad_sum_dtype);
-  if (rounded && placement.grad != Tier::kCpu)  // Note [Gradients stored in 16 bits]
+  if (rounded && !home_in_ram)  // Note [Gradients stored in 16 bits]
     out.narrowing_bytes =
         std::min(registry.max_group_elems(), kNarrowChunkElems) * dtype_size_bytes(placement.grad_dtype);
   if (!partitioned && placement.grad == Tier::kNvme) {          // Note [Asynchronous accumulator writes]
@@ -385,7 +430,7 @@ GradAccumulator::~GradAccumulator() {
 Result<std::unique_ptr<GradAccumulator>> GradAccumulator::create(StateStore& store,
                                                                  std::vector<uint32_t> contribution_order,
                                                                  const cpu_optim::Executor& executor,
-                                                                 ReducerOptions reducer) {
+                                                                 ReducerOptions reducer, FinalGradSink sink) {
   const ParamRegistry& registry = store.registry();
   auto impl = std::make_unique<Impl>();
   Impl& s = *impl;
@@ -404,7 +449,14 @@ Result<std::unique_ptr<GradAccumulator>> GradAccumulator::create(StateStore& sto
                                            : "the store holds one partition's accumulators but no reducer was given"));
   if (s.partitioned && reducer.chunk_elems == 0) return invalid_argument("gradient accumulator: chunk_elems 0");
   s.reducer = std::move(reducer);
-  s.in_place = pl.grad == Tier::kCpu && !s.partitioned && !s.rounded;
+  if (static_cast<bool>(sink) != pl.no_accumulator)
+    return invalid_argument(std::string("gradient accumulator: ") +
+                            (pl.no_accumulator ? "the plan has no accumulators but no sink takes the final gradients"
+                                               : "a sink for final gradients, but the plan has accumulators"));
+  if (pl.no_accumulator && s.partitioned)
+    return invalid_argument("gradient accumulator: no accumulators with partitioned gradients");
+  s.sink = std::move(sink);
+  s.in_place = pl.grad == Tier::kCpu && !s.partitioned && !s.rounded && !pl.no_accumulator;
   const uint32_t n_params = static_cast<uint32_t>(registry.params().size());
   const uint32_t n_groups = static_cast<uint32_t>(registry.sub_groups().size());
   s.uses.assign(n_params, 0);
@@ -459,6 +511,12 @@ Status GradAccumulator::begin_micro_step(bool first, bool last) {
     return failed_precondition(
         "gradient accumulator: begin_micro_step while a micro-step is open "
         "(end_micro_step has not succeeded; abandon_micro_step drops it)");
+  }
+  if (s.sink && !(first && last)) {
+    return failed_precondition(
+        "gradient accumulator: with no accumulators each gradient goes to the optimizer once final, so every "
+        "micro-step must be the step's only window (first and last); gradient_accumulators \"none\" needs GAS 1 "
+        "or the vertical schedule");
   }
   if (s.rounded && !(first && last)) {
     return failed_precondition(

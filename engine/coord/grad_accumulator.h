@@ -48,6 +48,12 @@ struct ReducerOptions {
   uint64_t chunk_elems = uint64_t{1} << 22;  // GradNormReport::chunk_sq's chunks
 };
 
+// Note [No accumulator] (grad_accumulator.cpp): with the plan's Placement::no_accumulator there are
+// no accumulators; each sub-group's sums, once complete (and their squared norm taken), are handed
+// here as n_elems of Placement::grad_dtype in a host buffer that stays valid until this returns —
+// the optimizer steps the sub-group from it. Called on add()'s thread; its error is add()'s.
+using FinalGradSink = std::function<Status(uint32_t sub_group, const std::byte* grad)>;
+
 // Rounds n elements of `from` at `data` to the narrower (or equal) `to` at the front of the same
 // memory, scratch.size() / sizeof(to) elements at a time through `scratch` (Note [Gradients stored
 // in 16 bits]). kInvalidArgument for a wider `to` or a scratch under one element.
@@ -68,9 +74,11 @@ class GradAccumulator {
   // The kernels run on `executor`'s threads and SIMD path; it must outlive this.
   // With reducer.reduce set, the gradients are partitioned (Note [Partitioned gradients]): the
   // store's plan must partition them (MemoryPlan::partition_grads), and the other way round.
+  // `sink` is given exactly when the plan has no accumulators (Placement::no_accumulator; not
+  // with partitioned gradients); kInvalidArgument otherwise.
   static Result<std::unique_ptr<GradAccumulator>> create(StateStore& store, std::vector<uint32_t> contribution_order,
                                                          const cpu_optim::Executor& executor,
-                                                         ReducerOptions reducer = {});
+                                                         ReducerOptions reducer = {}, FinalGradSink sink = {});
 
   // The host buffers create() allocates (none when the accumulators are CPU-resident): the planner's
   // figure and create()'s. `contribution_order` must be valid (as create() checks it).
@@ -95,7 +103,8 @@ class GradAccumulator {
 
   // first: the accumulators start from zero this micro-step (previous contents ignored, not read);
   // last: the accumulation boundary (fills the norm report). Both may be true (no accumulation).
-  // kFailedPrecondition while a micro-step is open (end_micro_step not yet successful).
+  // kFailedPrecondition while a micro-step is open (end_micro_step not yet successful), and with
+  // stored-16-bit gradients or no accumulators unless both are true.
   Status begin_micro_step(bool first, bool last);
 
   // Adds one gradient contribution of `param`: n_elems of `dtype` in host memory, row-major as the

@@ -103,6 +103,23 @@ struct OptimizerSwapper::Impl {
   Status step_device();
   Status step_cpu();
   Status step_nvme();
+  // One sub-group of the CPU path from `grad` (its gradient in grad_dtype); after_update (may be
+  // empty) runs once the kernels are done, before the compute copy is delivered.
+  Status cpu_group(uint32_t g, const std::byte* grad, const std::function<Status()>& after_update);
+  // Waits for the CPU path's compute copies still on their way home.
+  Status finish_cpu_writes();
+  // After a failure: drains, and marks the store torn when a sub-group was written.
+  Status fail(Status st, const std::string& step_name) {
+    drain();
+    st.with_context(step_name);
+    if (written) store->mark_torn(st.to_string());
+    return st;
+  }
+
+  // A direct step in progress (Note [No accumulator]): begun, and its first failure.
+  bool direct_open = false;
+  Status direct_failure;
+  std::string direct_name;
 
   // One optimizer step of sub-group g on host spans (Adam, AdamW, Adagrad or Lion), timed into update_s.
   // p holds the masters (fp32 or bf16), m and v the moments, as group_state_bytes lays them out.
@@ -397,40 +414,53 @@ Status OptimizerSwapper::Impl::step_cpu() {
       if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(g));
       grad = grad_bufs[g % grad_bufs.size()].data();
     }
-    const StateLocation& home = loc(g, StateKind::kCompute);
-    std::byte* copy_out = home.host;
-    Slot* slot = nullptr;
-    int index = -1;
-    if (home.tier != Tier::kCpu) {
-      index = static_cast<int>(g % slots.size());
-      slot = &slots[index];
-      if (slot->state == Slot::State::kBusy) {
-        Status st = wait_writes(*slot);
-        if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(slot->group));
+    ZO_RETURN_IF_ERROR(cpu_group(g, grad, [&]() -> Status {
+      if (grads_on_nvme() && g + 1 < end && grad_bufs.size() == 1) {
+        Status st = issue_grad_read(g + 1);
+        if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(g + 1));
       }
-      copy_out = slot->buf.data();
-    }
-    Status st = update(g, loc(g, StateKind::kMaster).host, loc(g, StateKind::kExpAvg).host,
-                       loc(g, StateKind::kExpAvgSq).host, grad, copy_out);
-    if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(g));
-    written = true;
-    if (grads_on_nvme() && g + 1 < end && grad_bufs.size() == 1) {
-      st = issue_grad_read(g + 1);
-      if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(g + 1));
-    }
-    if (slot == nullptr) compute_ready(g);
-    if (slot != nullptr) {
-      slot->group = g;
-      slot->state = Slot::State::kBusy;
-      st = deliver_compute(*slot, g, copy_out, index);
-      if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(g));
-      if (slots.size() == 1) {
-        st = wait_writes(*slot);
-        if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(g));
-      }
-    }
-    ++report.sub_groups;
+      return Status::ok();
+    }));
   }
+  return finish_cpu_writes();
+}
+
+Status OptimizerSwapper::Impl::cpu_group(uint32_t g, const std::byte* grad,
+                                         const std::function<Status()>& after_update) {
+  const StateLocation& home = loc(g, StateKind::kCompute);
+  std::byte* copy_out = home.host;
+  Slot* slot = nullptr;
+  int index = -1;
+  if (home.tier != Tier::kCpu) {
+    index = static_cast<int>(g % slots.size());
+    slot = &slots[index];
+    if (slot->state == Slot::State::kBusy) {
+      Status st = wait_writes(*slot);
+      if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(slot->group));
+    }
+    copy_out = slot->buf.data();
+  }
+  Status st = update(g, loc(g, StateKind::kMaster).host, loc(g, StateKind::kExpAvg).host,
+                     loc(g, StateKind::kExpAvgSq).host, grad, copy_out);
+  if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(g));
+  written = true;
+  if (after_update) ZO_RETURN_IF_ERROR(after_update());
+  if (slot == nullptr) compute_ready(g);
+  if (slot != nullptr) {
+    slot->group = g;
+    slot->state = Slot::State::kBusy;
+    st = deliver_compute(*slot, g, copy_out, index);
+    if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(g));
+    if (slots.size() == 1) {
+      st = wait_writes(*slot);
+      if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(g));
+    }
+  }
+  ++report.sub_groups;
+  return Status::ok();
+}
+
+Status OptimizerSwapper::Impl::finish_cpu_writes() {
   for (auto& slot : slots) {
     if (slot.state != Slot::State::kBusy) continue;
     Status st = wait_writes(slot);
@@ -715,6 +745,10 @@ Result<OptimizerStepReport> OptimizerSwapper::step(const OptimizerStepArgs& args
     return failed_precondition(step_name + ": the optimizer states are torn (" + s.store->torn_reason() +
                                "); restore them from a checkpoint first");
   }
+  if (s.store->plan().placement.no_accumulator)
+    return failed_precondition(step_name +
+                               ": the plan has no gradient accumulators to step from (a direct step: "
+                               "begin_direct, step_direct, end_direct)");
   // Checked before any sub-group is touched, so bad hyperparameters never tear the states.
   ZO_RETURN_IF_ERROR(check_adam_hyperparameters(step_name, args.adam, args.step, args.grad_scale));
   s.args = args;
@@ -727,13 +761,64 @@ Result<OptimizerStepReport> OptimizerSwapper::step(const OptimizerStepArgs& args
     case Tier::kCpu: st = s.step_cpu(); break;
     case Tier::kNvme: st = s.step_nvme(); break;
   }
-  if (!st.is_ok()) {
-    s.drain();
-    st.with_context(step_name);
-    if (s.written) s.store->mark_torn(st.to_string());
-    return st;
-  }
+  if (!st.is_ok()) return s.fail(std::move(st), step_name);
   s.report.total_s = total.elapsed_s();
+  return s.report;
+}
+
+Status OptimizerSwapper::begin_direct(const OptimizerStepArgs& args) {
+  Impl& s = *impl_;
+  const std::string step_name = "optimizer step " + std::to_string(args.step);
+  if (s.direct_open) return failed_precondition(step_name + ": begin_direct while a direct step is open");
+  if (!s.store->plan().placement.no_accumulator || s.store->plan().placement.optimizer != Tier::kCpu ||
+      s.store->plan().partitioned())
+    return failed_precondition(step_name +
+                               ": a direct step needs a plan with no accumulators, the optimizer states in RAM "
+                               "and one rank (zoffload.gradient_accumulators \"none\")");
+  if (!s.store->torn_reason().empty()) {
+    return failed_precondition(step_name + ": the optimizer states are torn (" + s.store->torn_reason() +
+                               "); restore them from a checkpoint first");
+  }
+  ZO_RETURN_IF_ERROR(check_adam_hyperparameters(step_name, args.adam, args.step, args.grad_scale));
+  s.args = args;
+  s.report = {};
+  s.written = false;
+  s.direct_open = true;
+  s.direct_failure = Status::ok();
+  s.direct_name = step_name;
+  return Status::ok();
+}
+
+Status OptimizerSwapper::step_direct(uint32_t sub_group, const std::byte* grad) {
+  Impl& s = *impl_;
+  if (!s.direct_open) return failed_precondition("optimizer: step_direct outside a direct step");
+  if (!s.direct_failure.is_ok()) return s.direct_failure;
+  if (sub_group >= s.store->plan().n_sub_groups)
+    return invalid_argument(s.direct_name + ": sub-group " + std::to_string(sub_group) + " of " +
+                            std::to_string(s.store->plan().n_sub_groups));
+  Stopwatch sw;
+  Status st = s.cpu_group(sub_group, grad, {});
+  s.report.total_s += sw.elapsed_s();
+  if (!st.is_ok()) s.direct_failure = s.fail(std::move(st), s.direct_name);
+  return s.direct_failure;
+}
+
+Result<OptimizerStepReport> OptimizerSwapper::end_direct() {
+  Impl& s = *impl_;
+  if (!s.direct_open) return failed_precondition("optimizer: end_direct without begin_direct");
+  s.direct_open = false;
+  if (!s.direct_failure.is_ok()) return s.direct_failure;
+  Stopwatch sw;
+  Status st = s.finish_cpu_writes();
+  s.report.total_s += sw.elapsed_s();
+  if (!st.is_ok()) return s.fail(std::move(st), s.direct_name);
+  if (s.report.sub_groups != s.store->plan().n_sub_groups) {
+    // A sub-group never stepped: the step is incomplete (an abandoned backward); the others are new.
+    Status incomplete = failed_precondition(std::to_string(s.report.sub_groups) + " of " +
+                                            std::to_string(s.store->plan().n_sub_groups) +
+                                            " sub-groups were stepped before the step ended");
+    return s.fail(std::move(incomplete), s.direct_name);
+  }
   return s.report;
 }
 

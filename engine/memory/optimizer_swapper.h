@@ -70,11 +70,28 @@ class OptimizerSwapper {
   OptimizerSwapper& operator=(const OptimizerSwapper&) = delete;
 
   // Updates every sub-group once from its gradient accumulator (which is left unchanged; the caller
-  // zeroes it). Returns when every new state is at its home (all writes completed). On failure the
+  // zeroes it); kFailedPrecondition for a plan without accumulators. Returns when every new state is at its home (all writes completed). On failure the
   // Status names the step, the sub-group, and for I/O the file, offset and length; outstanding I/O
   // is drained first, and the store is marked torn (see StateStore::mark_torn) unless no sub-group
   // was written yet. A torn store fails at once with kFailedPrecondition.
   Result<OptimizerStepReport> step(const OptimizerStepArgs& args);
+
+  // A direct step (Note [No accumulator] in engine/coord/grad_accumulator.cpp): the same update of
+  // every sub-group, each from a gradient handed over as it becomes final, in any order, instead of
+  // from the accumulators. Needs the plan's Placement::no_accumulator, the states on the CPU and
+  // one rank (kFailedPrecondition otherwise, or while a direct step is open, or for torn states);
+  // args as for step() (on_compute_ready is called per sub-group as there).
+  Status begin_direct(const OptimizerStepArgs& args);
+  // Steps sub-group g from `grad` (its n_elems of the placement's grad dtype, in host memory, read
+  // before this returns); the compute copy may still be on its way home. May run on another thread
+  // than begin_direct and end_direct, one call at a time, ordered with them by the caller. The first
+  // failure drains, marks the store torn once something was written (as step() does), and is
+  // returned again by every later call.
+  Status step_direct(uint32_t sub_group, const std::byte* grad);
+  // Waits for every compute copy to be home; the report (total_s: the time inside step_direct and
+  // here). The step's failure, or kFailedPrecondition (the store marked torn) when some sub-group was
+  // never stepped. Closes the direct step either way.
+  Result<OptimizerStepReport> end_direct();
 
   struct Impl;
 

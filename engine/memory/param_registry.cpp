@@ -343,13 +343,17 @@ uint64_t MemoryPlan::pinned_pool_bytes() const {
          buffers(gather_slots, gather_slot_bytes);
 }
 
+std::string_view accumulator_home(const Placement& placement) {
+  return placement.no_accumulator ? std::string_view("none") : tier_name(placement.grad);
+}
+
 std::string MemoryPlan::to_json() const {
   uint64_t compute_counts[3] = {0, 0, 0};
   for (Tier t : placement.compute) ++compute_counts[static_cast<int>(t)];
   nlohmann::ordered_json j;
   j["placement"] = {
       {"optimizer", tier_name(placement.optimizer)},
-      {"grad", tier_name(placement.grad)},
+      {"grad", accumulator_home(placement)},
       {"compute", {{"device", compute_counts[0]}, {"cpu", compute_counts[1]}, {"nvme", compute_counts[2]}}},
       {"optimizer_pinned", placement.optimizer_pinned},
       {"param_pinned", placement.param_pinned},
@@ -425,6 +429,15 @@ Result<MemoryPlan> plan_memory(const Config& config, const ParamRegistry& regist
                               "\" needs zero_optimization.offload_optimizer.device cpu or nvme");
     }
     pl.grad = grads == "nvme" ? Tier::kNvme : Tier::kCpu;
+    pl.no_accumulator = grads == "none";
+  }
+  // Note [No accumulator] in engine/coord/grad_accumulator.cpp; the config's other rules (no
+  // clipping, no overflow skip) are the resolver's. Checked here too for configs built in code.
+  if (pl.no_accumulator && (pl.optimizer != Tier::kCpu || owned_partition ||
+                            (config.gradient_accumulation_steps > 1 && config.zoffload.schedule != "vertical"))) {
+    return invalid_argument(
+        "zoffload.gradient_accumulators: \"none\" needs the optimizer states on the cpu, one rank, and one "
+        "gradient window per step (GAS 1 or zoffload.schedule \"vertical\")");
   }
   pl.optimizer_pinned = oo.pin_memory;
   pl.param_pinned = op.pin_memory;

@@ -126,7 +126,14 @@ struct Placement {
   // compute dtype is bf16 and each new compute copy is its master's bits; Note [Stochastic
   // rounding to bf16] in common/half.h).
   DType master_dtype = DType::kF32;
+  // zoffload.gradient_accumulators "none": no accumulator at all. Each sub-group's gradient is summed
+  // in a host buffer until final and handed to the optimizer there (Note [No accumulator] in
+  // engine/coord/grad_accumulator.cpp); `grad` is then kCpu, where those buffers are.
+  bool no_accumulator = false;
 };
+
+// Where the gradient accumulators live: the tier's name, or "none" (Placement::no_accumulator).
+std::string_view accumulator_home(const Placement& placement);
 
 // master, exp_avg and exp_avg_sq: the states a data-parallel rank holds only for its own partition.
 bool is_optimizer_state(StateKind kind);
@@ -174,6 +181,7 @@ struct MemoryPlan {
   bool partition_params = false;
   // Whether this rank holds state `kind` of `sub_group`.
   bool holds(uint32_t sub_group, StateKind kind) const {
+    if (kind == StateKind::kGradAccum && placement.no_accumulator) return false;
     if (owns(sub_group)) return true;
     if (kind == StateKind::kGradAccum) return !partition_grads;
     if (kind == StateKind::kCompute) return !partition_params;

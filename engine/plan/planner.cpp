@@ -438,6 +438,13 @@ void plan_step_time(const PlanBasis& b, const GradTraffic& grads, RunPlan* out) 
   // writes, then the optimizer, whose NVMe reads and writes are pipelined with Adam, with no other
   // overlap (the gradient worker runs the gradients behind backward, so a step may beat it).
   low = std::max({low, opt_s, nvme_grad_s + nvme_opt_s});
+  // Note [No accumulator]: the gradient worker runs the gradients and the optimizer one after the other.
+  if (p.memory.placement.no_accumulator) {
+    double grads_s = 0;
+    for (const StepTimePart& t : p.time_parts)
+      if (t.name == "gradients") grads_s = t.seconds;
+    low = std::max(low, grads_s + opt_s);
+  }
   p.step_s_high = high + std::max(opt_s, nvme_opt_s);
   p.step_s_low = low;
 }
@@ -682,6 +689,24 @@ std::vector<Candidate> candidates(const Config& base, uint32_t world_size) {
   std::vector<Candidate> out;
   auto& oo = base.zero.offload_optimizer;
   auto& op = base.zero.offload_param;
+  // Note [No accumulator]: the exact fix that saves the most RAM, where nothing global is needed
+  // before an update (no clipping, no fp16, one rank). It turns off bf16's overflow skip, and with
+  // GAS on the horizontal schedule it takes the vertical one (the same sums, in the same order).
+  if (oo.device == OffloadDevice::kCpu && base.zoffload.gradient_accumulators != "none" &&
+      base.gradient_clipping == 0 && !base.fp16.enabled && world_size <= 1) {
+    const bool unskip = base.bf16.enabled && base.bf16.check_grad_overflow;
+    const bool to_vertical = base.gradient_accumulation_steps > 1 && base.zoffload.schedule != "vertical";
+    out.push_back(
+        {std::string("zoffload.gradient_accumulators: none") + (unskip ? " and bf16.check_grad_overflow: false" : "") +
+             (to_vertical ? " and zoffload.schedule: vertical" : ""),
+         [](Config& c) {
+           c.zoffload.gradient_accumulators = "none";
+           c.bf16.check_grad_overflow = false;
+           if (c.gradient_accumulation_steps > 1) c.zoffload.schedule = "vertical";
+           return true;
+         },
+         unskip ? "the same update; a step whose gradients hold inf or NaN is applied instead of skipped" : ""});
+  }
   if (oo.device != OffloadDevice::kNvme) {
     out.push_back({"zero_optimization.offload_optimizer.device: nvme", [](Config& c) {
                      c.zero.offload_optimizer.device = OffloadDevice::kNvme;

@@ -309,8 +309,12 @@ Result<StepMetrics> Trainer::Impl::step_once() {
   const bool cuda = torch_device.is_cuda();
   reset_torch_memory_peak(cuda);
 
-  // The micro-steps, then (data parallel) the sums over the ranks.
-  ZO_ASSIGN_OR_RETURN(Accumulated acc, accumulate(overflow_here, &out));
+  // The micro-steps, then (data parallel) the sums over the ranks. Without accumulators the
+  // optimizer has stepped every sub-group by the end of backward (Note [No accumulator]).
+  const bool direct = plan.placement.no_accumulator;
+  std::optional<Result<OptimizerStepReport>> stepped;
+  ZO_ASSIGN_OR_RETURN(Accumulated acc,
+                      direct ? accumulate_and_update(overflow_here, &out, &stepped) : accumulate(overflow_here, &out));
   if (opt.group != nullptr) ZO_RETURN_IF_ERROR(sum_over_ranks(before, &acc, &out));
   out.loss = acc.loss_sum / static_cast<double>(opt.config.gradient_accumulation_steps * world_size());
   out.torch_peak_bytes = torch_memory(cuda).peak_bytes;
@@ -319,9 +323,17 @@ Result<StepMetrics> Trainer::Impl::step_once() {
   // its own thread while this one runs the next step's first forward (Note [Overlapped optimizer]).
   out.grad_norm = std::sqrt(acc.boundary.sum_sq) / out.loss_scale;
   out.skipped = scaler->update(acc.boundary.nonfinite || !is_finite_norm(out.grad_norm));
-  std::optional<Result<OptimizerStepReport>> stepped;
   double join_s = 0;  // waiting for the optimizer (all of it when it does not overlap)
-  if (!out.skipped) ZO_RETURN_IF_ERROR(start_update(out, &stepped, &join_s));
+  if (direct) {
+    // The config allows no accumulators only where no overflow skips a step.
+    if (out.skipped) return internal_error("a step without accumulators was skipped after its update");
+    if (!is_finite_norm(out.grad_norm))
+      ZO_LOG(kWarn) << "step " << out.step << ": the gradient norm is not finite (" << out.grad_norm
+                    << ") and this precision does not skip such steps: updated as the gradients came";
+    coord->invalidate();  // the compute copies changed under the device's cached copies
+  } else if (!out.skipped) {
+    ZO_RETURN_IF_ERROR(start_update(out, &stepped, &join_s));
+  }
   if (opt.config.zoffload.overlap_optimizer && (opt.last_step == 0 || out.step < opt.last_step)) {
     Result<Forward> next = forward(vertical_micro_batches(opt.config));
     if (next.is_ok()) {
@@ -372,6 +384,35 @@ Result<Trainer::Impl::Accumulated> Trainer::Impl::accumulate(bool inject_overflo
   return acc;
 }
 
+Result<Trainer::Impl::Accumulated> Trainer::Impl::accumulate_and_update(
+    bool inject_overflow, StepMetrics* out, std::optional<Result<OptimizerStepReport>>* stepped) {
+  // Without clipping the coefficient is 1, and nothing skips: the update needs no norm.
+  ZO_RETURN_IF_ERROR(optimizer->begin_direct(step_args(*out, 1.0)));
+  Result<Accumulated> acc = accumulate(inject_overflow, out);
+  // Closed whatever happened: a failed backward after some sub-groups were stepped leaves the
+  // states torn (end_direct marks them), as a failed optimizer step does.
+  Result<OptimizerStepReport> report = optimizer->end_direct();
+  if (!acc.is_ok()) return acc.status();
+  stepped->emplace(std::move(report));
+  return acc;
+}
+
+OptimizerStepArgs Trainer::Impl::step_args(const StepMetrics& out, double clip) const {
+  const OptimizerConfig& oc = opt.config.optimizer;
+  OptimizerStepArgs args;
+  args.adam = {.lr = static_cast<float>(out.lr),
+               .beta1 = static_cast<float>(oc.betas[0]),
+               .beta2 = static_cast<float>(oc.betas[1]),
+               .eps = static_cast<float>(oc.eps),
+               .weight_decay = static_cast<float>(oc.weight_decay),
+               .adam_w_mode = oc.type == OptimizerType::kAdamW || oc.adam_w_mode,
+               .bias_correction = oc.bias_correction};
+  args.step = static_cast<int64_t>(optimizer_steps + 1);
+  args.rounding_seed = data->options().seed;  // the run's seed, a resumed run's from its checkpoint
+  args.grad_scale = static_cast<float>(clip / out.loss_scale);
+  return args;
+}
+
 Status Trainer::Impl::sum_over_ranks(const StepCounters& before_step, Accumulated* acc, StepMetrics* out) {
   // The micro-steps' collectives (partitioned gradients) ran on the gradient worker's thread.
   out->grad_reduce_s = opt.group->seconds() - before_step.collective_s;
@@ -399,17 +440,6 @@ Status Trainer::Impl::sum_over_ranks(const StepCounters& before_step, Accumulate
 Status Trainer::Impl::start_update(const StepMetrics& out, std::optional<Result<OptimizerStepReport>>* stepped,
                                    double* join_s) {
   const Config& config = opt.config;
-  const OptimizerConfig& oc = config.optimizer;
-  OptimizerStepArgs args;
-  args.adam = {.lr = static_cast<float>(out.lr),
-               .beta1 = static_cast<float>(oc.betas[0]),
-               .beta2 = static_cast<float>(oc.betas[1]),
-               .eps = static_cast<float>(oc.eps),
-               .weight_decay = static_cast<float>(oc.weight_decay),
-               .adam_w_mode = oc.type == OptimizerType::kAdamW || oc.adam_w_mode,
-               .bias_correction = oc.bias_correction};
-  args.step = static_cast<int64_t>(optimizer_steps + 1);
-  args.rounding_seed = data->options().seed;  // the run's seed, a resumed run's from its checkpoint
   // A non-finite norm that does not skip (fp32, or bf16 without check_grad_overflow, as in
   // DeepSpeed) cannot be clipped by: the gradients go in unclipped, and the log says so.
   double clip = 1.0;
@@ -419,7 +449,7 @@ Status Trainer::Impl::start_update(const StepMetrics& out, std::optional<Result<
     ZO_LOG(kWarn) << "step " << out.step << ": the gradient norm is not finite (" << out.grad_norm
                   << ") and this precision does not skip such steps: updating without clipping";
   }
-  args.grad_scale = static_cast<float>(clip / out.loss_scale);
+  OptimizerStepArgs args = step_args(out, clip);
   // Every device copy is dropped before the update writes (even a failed one may have changed
   // some: a torn store); from here the forward reads the compute copies from their homes, gated.
   coord->invalidate();

@@ -286,8 +286,12 @@ Status Trainer::Impl::create_step_pipeline() {
                                               "reducing the gradients of sub-group " + std::to_string(g));
     };
   }
-  ZO_ASSIGN_OR_RETURN(grads,
-                      GradAccumulator::create(*store, std::move(contribution_order), *executor, std::move(reducer)));
+  FinalGradSink sink;
+  if (plan.placement.no_accumulator) {  // Note [No accumulator]: on the gradient worker's thread
+    sink = [this](uint32_t g, const std::byte* grad) { return optimizer->step_direct(g, grad); };
+  }
+  ZO_ASSIGN_OR_RETURN(grads, GradAccumulator::create(*store, std::move(contribution_order), *executor,
+                                                     std::move(reducer), std::move(sink)));
   // The landing ring comes from the pool: pinned, so that gradients leave the GPU by DMA.
   ZO_ASSIGN_OR_RETURN(std::span<std::byte> ring,
                       store->pool().allocate(plan.grad_ring_bytes, "the gradient landing ring"));
@@ -605,8 +609,9 @@ std::string Trainer::describe() const {
     s << " (" << dtype_name(pl.master_dtype) << " masters"
       << (pl.master_dtype == DType::kBF16 ? " rounded stochastically" : "") << ", " << moment_dtype_name(pl.moments)
       << " moments)";
-  s << ", gradient accumulators on " << tier_name(pl.grad)
-    << ", compute copies: " << (pl.compute.size() - compute_cpu - compute_nvme) << " device, " << compute_cpu
+  if (pl.no_accumulator) s << ", no gradient accumulators (each sub-group stepped as its gradient lands)";
+  else s << ", gradient accumulators on " << tier_name(pl.grad);
+  s << ", compute copies: " << (pl.compute.size() - compute_cpu - compute_nvme) << " device, " << compute_cpu
     << " cpu, " << compute_nvme << " nvme | device " << m.device->name() << ", budget "
     << format_bytes(m.device->stats().budget_bytes) << " | pinned pool "
     << format_bytes(m.store->pool().capacity_bytes());

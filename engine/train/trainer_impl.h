@@ -224,6 +224,13 @@ struct Trainer::Impl {
     GradNormReport boundary;
   };
   Result<Accumulated> accumulate(bool inject_overflow, StepMetrics* out);
+  // With no accumulators (Note [No accumulator]): the micro-steps as accumulate() runs them, with the
+  // optimizer stepping each sub-group from backward as its gradient is final; its report or error
+  // in `stepped`, the states' failure before backward's.
+  Result<Accumulated> accumulate_and_update(bool inject_overflow, StepMetrics* out,
+                                            std::optional<Result<OptimizerStepReport>>* stepped);
+  // This step's optimizer arguments: hyperparameters, step, seed, and grad_scale = clip / loss scale.
+  OptimizerStepArgs step_args(const StepMetrics& out, double clip) const;
   // Data parallel: the loss and token count summed over the ranks, the gradients summed (into their
   // owners, partitioned) and the norm of the sums, the same on every rank.
   Status sum_over_ranks(const StepCounters& before_step, Accumulated* acc, StepMetrics* out);

@@ -1259,5 +1259,48 @@ TEST(ConfigParse, MasterDtype) {
   }
 }
 
+// Note [No accumulator]: allowed only where no global fact is needed before an update; each
+// refusal names the key and what to change.
+TEST(ConfigParse, NoAccumulatorNeedsNothingGlobalBeforeTheUpdate) {
+  auto with = [](json patch) {
+    json j = base();
+    j["gradient_clipping"] = 0;
+    j["zero_optimization"] = {{"stage", 3}, {"offload_optimizer", {{"device", "cpu"}}}};
+    j["bf16"] = {{"enabled", true}, {"check_grad_overflow", false}};
+    j["zoffload"] = {{"gradient_accumulators", "none"}};
+    j.merge_patch(patch);
+    return j;
+  };
+  for (const json& patch : {json::object(), json{{"bf16", {{"enabled", false}}}},
+                            json{{"gradient_accumulation_steps", 4}, {"zoffload", {{"schedule", "vertical"}}}},
+                            json{{"zoffload", {{"gradient_store_dtype", "bf16"}, {"moment_dtype", "8bit"}}}}}) {
+    ConfigDiagnostics d;
+    const auto c = parse(with(patch), &d);
+    ASSERT_TRUE(c) << patch.dump() << ": " << all(d.errors);
+    EXPECT_EQ(c->zoffload.gradient_accumulators, "none");
+  }
+  const std::string key = "zoffload.gradient_accumulators: \"none\" updates each sub-group as its gradient lands";
+  const std::pair<json, std::string> refused[] = {
+      {{{"gradient_clipping", 1.0}}, key + ", before the step's norm is known: set gradient_clipping to 0 (it is 1;"},
+      {{{"bf16", {{"check_grad_overflow", true}}}}, "set bf16.check_grad_overflow to false"},
+      {{{"bf16", {{"enabled", false}}}, {"fp16", {{"enabled", true}}}}, "fp16's loss scaling skips a step"},
+      {{{"gradient_accumulation_steps", 2}}, "gradient_accumulation_steps is 2 with the horizontal schedule"},
+      {{{"zero_optimization", {{"offload_optimizer", {{"device", "nvme"}, {"nvme_path", "/tmp/x"}}}}}},
+       "the optimizer states in RAM for now"},
+      {{{"zero_optimization", {{"offload_optimizer", {{"device", "none"}}}}}},
+       "zoffload.gradient_accumulators: \"none\" needs the optimizer offloaded"},
+  };
+  for (const auto& [patch, want] : refused) {
+    ConfigDiagnostics d;
+    EXPECT_FALSE(parse(with(patch), &d)) << patch.dump();
+    EXPECT_THAT(all(d.errors), HasSubstr(want)) << patch.dump();
+  }
+  ResolveContext two;
+  two.world_size = 2;
+  ConfigDiagnostics d;
+  EXPECT_FALSE(parse(with(json::object()), &d, two));
+  EXPECT_THAT(all(d.errors), HasSubstr("one rank only for now (2 ranks"));
+}
+
 }  // namespace
 }  // namespace zo::engine

@@ -50,6 +50,9 @@ struct Placing {
   uint64_t param_buffer_count = 4;
   bool pin = true;
   bool pipeline = false;  // offload_optimizer.pipeline_read and pipeline_write
+  // zoffload.gradient_accumulators; "none" also sets gradient_clipping 0 and, with bf16,
+  // check_grad_overflow false (what it needs).
+  std::string accumulators = "auto";
 
   std::string describe() const {
     return "optimizer " + optimizer + " param " + param + (bf16 ? " bf16" : " fp32") + " grad " + grad +
@@ -73,12 +76,15 @@ inline Config make_config(const Placing& s, const std::string& dir) {
                            std::to_string(s.param_buffer_count) + R"(, "buffer_size": 100000,
         "max_in_cpu": )" + std::to_string(s.max_in_cpu) +
                            R"(, "pin_memory": )" + json_bool(s.pin) + R"(}},
+    "gradient_clipping": )" +
+                           std::string(s.accumulators == "none" ? "0" : "1.0") + R"(,
     "bf16": {"enabled": )" +
-                           json_bool(s.bf16) + R"(},
+                           json_bool(s.bf16) + R"(, "check_grad_overflow": )" + json_bool(s.accumulators != "none") +
+                           R"(},
     "data_types": {"grad_accum_dtype": ")" +
                            s.grad + R"("},
     "zoffload": {"gradient_store_dtype": ")" +
-                           s.store + R"("},
+                           s.store + R"(", "gradient_accumulators": ")" + s.accumulators + R"("},
     "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}})";
   return parse_test_config(json);
 }

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <map>
 #include <latch>
 #include <barrier>
 #include <cstring>
@@ -964,6 +965,84 @@ TEST(GradAccumulator, BuffersAreBoundedByTheOpenSubGroupsWithTiedParams) {
   auto in_place = GradAccumulator::create(*cpu.store, order, testing::executor());
   ASSERT_TRUE(in_place.is_ok());
   EXPECT_EQ((*in_place)->buffer_count(), 0u);
+}
+
+// Note [No accumulator]: every sub-group reaches the sink once, when its last contribution lands,
+// with the bits a CPU accumulator holds after the same adds (also rounded to a bf16 store), and the
+// norm of the stored path; the buffers are the sub-groups open at once, none behind.
+TEST(GradAccumulator, NoAccumulatorHandsEachSubGroupItsFinalSumOnce) {
+  const auto order = testing::contribution_order();
+  for (const char* store : {"auto", "bf16"}) {
+    SCOPED_TRACE(store);
+    Placing stored_p;
+    stored_p.store = store;
+    Placing direct_p = stored_p;
+    direct_p.accumulators = "none";
+    Rig stored, direct;
+    ASSERT_TRUE(stored.init(stored_p).is_ok());
+    ASSERT_TRUE(direct.init(direct_p).is_ok());
+    ASSERT_TRUE(direct.plan.placement.no_accumulator);
+    uint64_t accumulator_bytes = 0;  // each sub-group's accumulator, rounded up as the store carves it
+    for (const SubGroup& g : stored.registry.sub_groups())
+      accumulator_bytes += align_up(g.n_elems * stored.grad_bytes(), kPinnedAlignment);
+    EXPECT_EQ(stored.plan.cpu_pageable_bytes - direct.plan.cpu_pageable_bytes, accumulator_bytes);
+    const auto grads = testing::random_grads(stored, 1, DType::kBF16, 9);
+
+    auto plain = GradAccumulator::create(*stored.store, order, testing::executor());
+    ASSERT_TRUE(plain.is_ok()) << plain.status().to_string();
+    ASSERT_TRUE((*plain)->begin_micro_step(true, true).is_ok());
+    for (size_t c = 0; c < order.size(); ++c) ASSERT_TRUE((*plain)->add(order[c], grads[0][c], DType::kBF16).is_ok());
+    auto plain_report = (*plain)->end_micro_step();
+    ASSERT_TRUE(plain_report.is_ok());
+
+    std::map<uint32_t, Bytes> handed;
+    std::vector<uint32_t> order_handed;
+    uint32_t fail_at = UINT32_MAX;
+    const uint64_t gb = direct.grad_bytes();
+    FinalGradSink sink = [&](uint32_t g, const std::byte* grad) -> Status {
+      if (g == fail_at) return io_error("the optimizer failed", EIO);
+      order_handed.push_back(g);
+      const uint64_t bytes = direct.registry.sub_groups()[g].n_elems * gb;
+      handed[g] = Bytes(grad, grad + bytes);
+      return Status::ok();
+    };
+    auto acc = GradAccumulator::create(*direct.store, order, testing::executor(), {}, sink);
+    ASSERT_TRUE(acc.is_ok()) << acc.status().to_string();
+    EXPECT_EQ((*acc)->buffer_count(), expected_open_groups(direct.registry, order));
+    EXPECT_EQ((*acc)->begin_micro_step(true, false).code(), StatusCode::kFailedPrecondition);
+    ASSERT_TRUE((*acc)->begin_micro_step(true, true).is_ok());
+    for (size_t c = 0; c < order.size(); ++c) ASSERT_TRUE((*acc)->add(order[c], grads[0][c], DType::kBF16).is_ok());
+    auto report = (*acc)->end_micro_step();
+    ASSERT_TRUE(report.is_ok());
+    EXPECT_EQ(double_bits(report->sum_sq), double_bits(plain_report->sum_sq));
+    EXPECT_EQ(report->bytes_read + report->bytes_written, 0u);
+    ASSERT_EQ(handed.size(), direct.registry.sub_groups().size());
+    ASSERT_EQ(order_handed.size(), handed.size());
+    for (const auto& [g, bytes] : handed) {
+      Bytes want(stored.store->state_bytes(g, StateKind::kGradAccum));
+      ASSERT_TRUE(stored.store->read_state(g, StateKind::kGradAccum, want).is_ok());
+      EXPECT_EQ(bytes, want) << "sub-group " << g;
+    }
+
+    // A sink that fails fails the add that completed the sub-group, naming it; the buffers come back.
+    fail_at = order_handed[order_handed.size() / 2];
+    ASSERT_TRUE((*acc)->begin_micro_step(true, true).is_ok());
+    Status st;
+    for (size_t c = 0; c < order.size() && st.is_ok(); ++c) st = (*acc)->add(order[c], grads[0][c], DType::kBF16);
+    EXPECT_EQ(st.code(), StatusCode::kIoError);
+    EXPECT_THAT(st.to_string(), HasSubstr("sub-group " + std::to_string(fail_at) + " stepped from its gradient"));
+    (*acc)->abandon_micro_step();
+    fail_at = UINT32_MAX;
+    ASSERT_TRUE((*acc)->begin_micro_step(true, true).is_ok());
+    for (size_t c = 0; c < order.size(); ++c) ASSERT_TRUE((*acc)->add(order[c], grads[0][c], DType::kBF16).is_ok());
+    ASSERT_TRUE((*acc)->end_micro_step().is_ok());
+
+    // The sink is given exactly when the plan has no accumulators.
+    EXPECT_EQ(GradAccumulator::create(*direct.store, order, testing::executor()).status().code(),
+              StatusCode::kInvalidArgument);
+    EXPECT_EQ(GradAccumulator::create(*stored.store, order, testing::executor(), {}, sink).status().code(),
+              StatusCode::kInvalidArgument);
+  }
 }
 
 // ---- BlockGatherer (partitioned parameters, Note [Gathered parameters]) -------------------------

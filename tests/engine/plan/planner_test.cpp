@@ -9,11 +9,13 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 namespace zo::engine {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 PlanInputs tiny_inputs(OffloadDevice optimizer, OffloadDevice param) {
   PlanInputs in;
@@ -413,6 +415,52 @@ TEST(Planner, Bf16MastersSaveTwoBytesOrAllFourAndAreOfferedLast) {
     found |= f.changes == std::vector<std::string>{"zoffload.gradient_store_dtype: bf16", "zoffload.moment_dtype: 8bit",
                                                    "zoffload.master_dtype: bf16"};
   EXPECT_TRUE(found) << "the three rounding fixes together";
+}
+
+// Note [No accumulator]: without clipping the accumulators' 4 bytes per parameter go (less the
+// buffers of the sub-groups open at once), and the fix is offered first, as exact; with clipping
+// it is not offered.
+TEST(Planner, NoAccumulatorIsTheFirstExactFixWhereNothingIsClipped) {
+  PlanInputs in = tiny_inputs(OffloadDevice::kCpu, OffloadDevice::kCpu);
+  in.config.bf16.enabled = true;
+  in.config.gradient_clipping = 0;
+  in.config.zero.sub_group_size = 65536;
+  in.config.zoffload.gradient_accumulators = "cpu";
+  PlanInputs q = in;
+  q.config.zoffload.gradient_accumulators = "none";
+  q.config.bf16.check_grad_overflow = false;
+  auto stored = plan_run(in);
+  auto direct = plan_run(q);
+  ASSERT_TRUE(stored.is_ok() && direct.is_ok()) << direct.status().to_string();
+  EXPECT_TRUE(direct->memory.placement.no_accumulator);
+  const uint64_t n = stored->n_params, pages = stored->memory.n_sub_groups * 4096;
+  const uint64_t saved = stored->memory.cpu_pageable_bytes - direct->memory.cpu_pageable_bytes;
+  EXPECT_GE(saved + pages, 4 * n);
+  EXPECT_LE(saved, 4 * n + pages);
+  EXPECT_GT(direct->host_buffer_bytes, stored->host_buffer_bytes) << "the open sub-groups' sums";
+  EXPECT_LT(direct->ram_bytes, stored->ram_bytes);
+  EXPECT_EQ(nlohmann::json::parse(direct->to_json())["memory_plan"]["placement"]["grad"], "none");
+
+  in.host.ram_available_bytes = direct->ram_bytes + direct->process_bytes;
+  ASSERT_FALSE(plan_run(in)->fits());
+  const std::vector<PlanFix> fixes = suggest_fixes(in, 16);
+  ASSERT_FALSE(fixes.empty());
+  EXPECT_EQ(fixes.front().changes,
+            std::vector<std::string>{"zoffload.gradient_accumulators: none and bf16.check_grad_overflow: false"});
+  EXPECT_THAT(fixes.front().trade, HasSubstr("applied instead of skipped"));
+  EXPECT_THAT(fixes.front().result, HasSubstr("; fits"));
+
+  // Already unskipped: exact, bit for bit.
+  in.config.bf16.check_grad_overflow = false;
+  const std::vector<PlanFix> exact = suggest_fixes(in, 16);
+  ASSERT_FALSE(exact.empty());
+  EXPECT_EQ(exact.front().changes, std::vector<std::string>{"zoffload.gradient_accumulators: none"});
+  EXPECT_EQ(exact.front().trade, "exact: the same weights bit for bit");
+
+  // With clipping the update needs the step's norm first: not offered.
+  in.config.gradient_clipping = 1.0;
+  for (const PlanFix& f : suggest_fixes(in, 16))
+    for (const std::string& c : f.changes) EXPECT_THAT(c, Not(HasSubstr("gradient_accumulators: none")));
 }
 
 // Its sibling with 8-bit moments and everything in RAM: on the same 128 GiB host nothing touches a

@@ -94,6 +94,7 @@ struct RunSetup {
   std::string store = "auto";           // zoffload.gradient_store_dtype
   std::string moments = "fp32";         // zoffload.moment_dtype
   std::string master = "fp32";          // zoffload.master_dtype
+  bool check_overflow = true;           // bf16.check_grad_overflow
 };
 
 Config make_config(const RunSetup& s, const std::string& nvme) {
@@ -124,7 +125,7 @@ Config make_config(const RunSetup& s, const std::string& nvme) {
                       {"params", {{"warmup_num_steps", 3}, {"total_num_steps", 20}, {"warmup_type", "linear"}}}};
   if (s.opt_type == "Adagrad") j["optimizer"]["params"] = {{"lr", 1e-2}, {"eps", 1e-10}, {"weight_decay", 0.0}};
   if (s.opt_type == "Lion") j["optimizer"]["params"] = {{"lr", 3e-4}, {"betas", {0.9, 0.99}}, {"weight_decay", 0.01}};
-  if (s.precision == "bf16") j["bf16"] = {{"enabled", true}};
+  if (s.precision == "bf16") j["bf16"] = {{"enabled", true}, {"check_grad_overflow", s.check_overflow}};
   if (s.precision == "fp16") j["fp16"] = {{"enabled", true}, {"initial_scale_power", 12}, {"hysteresis", 1}};
   if (s.stage == 3 && s.param != "none")
     j["zero_optimization"]["offload_param"] = {
@@ -655,6 +656,99 @@ TEST(Trainer, Bf16StoredGradientsAreBitIdenticalAcrossPlacementsWithTheFp32Norm)
   const auto one = train(make_options(one_setup, one_dir), 3);
   one_setup.store = "auto";
   EXPECT_TRUE(bit_identical(one, train(make_options(one_setup, one_fp32_dir), 3)));
+}
+
+// Note [No accumulator]: each sub-group is stepped from its final gradient while backward goes on,
+// with no accumulator; the weights, losses and norms are those of the stored path, on every
+// placement of the compute copies, with the vertical schedule, 16-bit stored gradients, 8-bit
+// moments and bf16 masters updated in place in the pinned compute copies.
+TEST(Trainer, NoAccumulatorIsBitIdenticalToTheStoredPath) {
+  constexpr int kSteps = 4;
+  struct Variant {
+    const char* name;
+    RunSetup setup;
+    bool tied = false;
+    uint64_t sub_group_size = 16384;
+  };
+  auto base = [](RunSetup s) {
+    s.optimizer = "cpu";
+    s.clipping = 0;
+    s.check_overflow = false;
+    return s;
+  };
+  const std::vector<Variant> variants = {
+      {"bf16, GAS 1, params on the device, tied", base({.grad_accum = 1}), true},
+      {"bf16, vertical GAS 3, params cpu", base({.param = "cpu", .grad_accum = 3, .schedule = "vertical"})},
+      {"bf16, GAS 1, params nvme, bf16 stored gradients, sub-groups of 4096",
+       base({.param = "nvme", .max_in_cpu = 0, .grad_accum = 1, .store = "bf16"}), false, 4096},
+      {"bf16, GAS 1, params cpu, 8-bit moments, bf16 masters in the compute copies",
+       base({.param = "cpu", .grad_accum = 1, .moments = "8bit", .master = "bf16"}), true},
+      {"fp32, stage 2, GAS 1, one optimizer thread", base({.stage = 2, .precision = "fp32", .grad_accum = 1})},
+  };
+  for (const Variant& v : variants) {
+    SCOPED_TRACE(v.name);
+    TempDir stored_dir, direct_dir;
+    RunSetup direct = v.setup;
+    direct.accumulators = "none";
+    TrainOptions so = make_options(v.setup, stored_dir, v.tied), dopt = make_options(direct, direct_dir, v.tied);
+    so.config.zero.sub_group_size = dopt.config.zero.sub_group_size = v.sub_group_size;
+    if (v.setup.stage == 2) so.config.zoffload.optimizer_threads = dopt.config.zoffload.optimizer_threads = 1;
+    std::vector<StepMetrics> sm, dm;
+    nlohmann::json splan, dplan;
+    const auto stored = train(so, kSteps, &sm, &splan);
+    const auto direct_run = train(dopt, kSteps, &dm, &dplan);
+    EXPECT_LT(sm.back().loss, sm.front().loss);  // it trains, so equality proves something
+    EXPECT_TRUE(bit_identical(direct_run, stored));
+    ASSERT_EQ(dm.size(), sm.size());
+    for (size_t i = 0; i < dm.size(); ++i) {
+      EXPECT_EQ(dm[i].loss, sm[i].loss) << "step " << i + 1;
+      EXPECT_EQ(dm[i].grad_norm, sm[i].grad_norm) << "step " << i + 1;
+      EXPECT_GT(dm[i].optimizer_s, 0.0) << "step " << i + 1;
+      EXPECT_EQ(dm[i].optimizer_wait_s, 0.0) << "step " << i + 1;
+    }
+    // The plan holds no accumulator: RAM is smaller by at least the stored gradients' bytes, less the
+    // host buffers of the sub-groups open at once.
+    const nlohmann::json &sp = splan["memory_plan"], &dp = dplan["memory_plan"];
+    EXPECT_EQ(dp["placement"]["grad"], "none") << dp.dump();
+    const uint64_t n = sp["total_elems"];
+    const uint64_t grad_bytes = v.setup.store == "bf16" ? 2 : 4;
+    EXPECT_GE(sp["cpu_pageable_bytes"].get<uint64_t>() - dp["cpu_pageable_bytes"].get<uint64_t>(), grad_bytes * n);
+  }
+}
+
+// A compute copy's write fails while backward is stepping the sub-groups: the step reports it with
+// the sub-group and file, and the run refuses to go on with states some of whose sub-groups are a
+// step ahead (torn), as after a failed optimizer step.
+TEST(Trainer, ANoAccumulatorStepFailureEndsTheRun) {
+  TempDir dir;
+  TrainOptions o = make_options({.param = "nvme",
+                                 .optimizer = "cpu",
+                                 .max_in_cpu = 0,
+                                 .clipping = 0,
+                                 .grad_accum = 1,
+                                 .accumulators = "none",
+                                 .check_overflow = false},
+                                dir);
+  o.io_faults = std::make_shared<io::FaultInjector>();
+  auto t = Trainer::create(o);
+  ASSERT_TRUE(t.is_ok()) << t.status().to_string();
+  ASSERT_TRUE((*t)->step().is_ok());
+  // Offset 0 of param.swp is sub-group 0's compute copy (the embedding's): backward's last, so the
+  // other sub-groups have been stepped when it fails.
+  o.io_faults->add(
+      {.kind = io::FaultKind::kEio, .op = io::IoOp::kWrite, .path_contains = "param.swp", .offset_bytes = 0});
+  auto failed = (*t)->step();
+  ASSERT_FALSE(failed.is_ok());
+  EXPECT_EQ(failed.status().code(), StatusCode::kIoError);
+  const std::string msg = failed.status().to_string();
+  EXPECT_THAT(msg, HasSubstr("optimizer step 2"));
+  EXPECT_THAT(msg, HasSubstr("sub-group 0"));
+  EXPECT_THAT(msg, HasSubstr("param.swp"));
+  EXPECT_EQ(o.io_faults->injected(), 1u);
+  auto after = (*t)->step();
+  ASSERT_FALSE(after.is_ok());
+  EXPECT_EQ(after.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_THAT(after.status().to_string(), HasSubstr("torn"));
 }
 
 // Note [Checkpoints on the CPU]: the layers' inputs wait in pinned host slots and come back for
