@@ -26,6 +26,7 @@ FLAGS = {
     "bench_1b_nvme.json": [],
     "llama13b_24gb_nvme.json": [],
     "llama8b_24gb_8bit_ram.json": [],
+    "llama8b_24gb_exact_ram.json": [],
     "llama8b_24gb_optimizer_cpu.json": [],
     "stage2_cpu_offload.json": [],
     "tiny_demo_nvme.json": [],

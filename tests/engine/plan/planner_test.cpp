@@ -488,6 +488,28 @@ TEST(Planner, TheShipped8bit8bConfigPlansEverythingInRamOnA128GiBHost) {
   EXPECT_LE(p->ram_bytes + p->process_bytes, in.host.ram_total_bytes / 10 * 9) << p->summary();
 }
 
+// Its exact sibling: fp32 masters and moments in RAM (12 bytes per parameter, each section of each
+// sub-group rounded up to 4 KiB) and no accumulator, so the same 128 GiB host holds it with no drive
+// in the step (Note [No accumulator]).
+TEST(Planner, TheShippedExact8bConfigPlansEverythingInRamOnA128GiBHost) {
+  const std::optional<PlanInputs> shipped = shipped_8b_on_128gib("llama8b_24gb_exact_ram.json");
+  ASSERT_TRUE(shipped) << "ZO_SOURCE_DIR set and the config loads";
+  const PlanInputs& in = *shipped;
+  auto p = plan_run(in);
+  ASSERT_TRUE(p.is_ok()) << p.status().to_string();
+  EXPECT_TRUE(p->fits()) << p->summary();
+  EXPECT_TRUE(p->memory.placement.no_accumulator);
+  EXPECT_EQ(p->memory.placement.moments, MomentDtype::kF32);
+  EXPECT_EQ(p->memory.placement.master_dtype, DType::kF32);
+  EXPECT_EQ(p->memory.placement.grad_dtype, DType::kF32);
+  EXPECT_EQ(p->nvme_read_max_bytes + p->nvme_write_bytes, 0u);
+  EXPECT_EQ(p->memory.nvme_optimizer_bytes + p->memory.nvme_param_bytes, 0u);
+  const uint64_t n = p->n_params, groups = p->memory.n_sub_groups;
+  EXPECT_GE(p->memory.cpu_pageable_bytes, 12 * n);
+  EXPECT_LE(p->memory.cpu_pageable_bytes, 12 * n + groups * 3 * 4096);
+  EXPECT_LE(p->ram_bytes + p->process_bytes, in.host.ram_total_bytes / 10 * 9) << p->summary();
+}
+
 // Note [Vertical schedule]: every micro-batch's checkpoints held at once, the gradients sent once
 // per step in grad_accum_dtype, the NVMe accumulators written once per step.
 TEST(Planner, VerticalScheduleHoldsEveryMicroBatchAndMovesGradientsOnce) {
