@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <numeric>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -79,8 +80,10 @@ Config make_config(const Placing& s, const std::string& dir) {
                      std::to_string(s.param_buffer_count) + R"(, "buffer_size": 100000,
         "max_in_cpu": )" +
                      std::to_string(s.max_in_cpu) + R"(, "pin_memory": )" + b(s.pin_param) + R"(}},
+    "gradient_clipping": )" +
+                     std::string(s.accumulators == "none" ? "0" : "1.0") + R"(,
     "bf16": {"enabled": )" +
-                     b(s.bf16) + R"(},
+                     b(s.bf16) + R"(, "check_grad_overflow": )" + b(s.accumulators != "none") + R"(},
     "data_types": {"grad_accum_dtype": ")" +
                      s.grad + R"("},
     "optimizer": {"type": ")" +
@@ -921,6 +924,71 @@ TEST(OptimizerSwapper, AccumulatorsInRamLeaveTheSwapFileAndItsTraffic) {
   ASSERT_GT(grad_bytes, 0u);
   EXPECT_EQ(file[0] - file[1], grad_bytes) << "the accumulators' sections leave the swap file";
   EXPECT_EQ(read[0] - read[1], grad_bytes) << "and the step reads them from RAM";
+}
+
+// Note [No accumulator]: a direct step takes each sub-group's gradient as it is handed over, in
+// any order (backward's is the reverse), and leaves the states and compute copies bit-identical to a
+// step from the accumulators; the two kinds of step are not mixed up, and a step that ends before
+// every sub-group was stepped leaves the store torn.
+TEST(OptimizerSwapperDirect, AnyOrderOfSubGroupsEqualsTheStoredStepBitForBit) {
+  const Inputs in = make_inputs(2);
+  for (const char* param : {"none", "cpu", "nvme"}) {
+    SCOPED_TRACE(param);
+    Placing stored_p;
+    stored_p.optimizer = "cpu";
+    stored_p.param = param;
+    stored_p.max_in_cpu = 0;
+    stored_p.accumulators = "cpu";
+    Placing direct_p = stored_p;
+    direct_p.accumulators = "none";
+    Rig stored, direct;
+    ASSERT_TRUE(stored.init(stored_p).is_ok());
+    ASSERT_TRUE(direct.init(direct_p).is_ok());
+    ASSERT_TRUE(init_all(*stored.store, in).is_ok());
+    ASSERT_TRUE(init_all(*direct.store, in).is_ok());
+    auto a = OptimizerSwapper::create(*stored.store, *stored.executor, PipelineOptions::from_config(stored.config));
+    auto d = OptimizerSwapper::create(*direct.store, *direct.executor, PipelineOptions::from_config(direct.config));
+    ASSERT_TRUE(a.is_ok() && d.is_ok()) << d.status().to_string();
+    const uint32_t n_groups = stored.plan.n_sub_groups;
+    ASSERT_GT(n_groups, 2u);
+    for (int step = 0; step < 2; ++step) {
+      ASSERT_TRUE(write_grads(stored, in, step).is_ok());
+      ASSERT_TRUE((*a)->step(step_args(stored, step + 1)).is_ok());
+      ASSERT_TRUE((*d)->begin_direct(step_args(direct, step + 1)).is_ok());
+      // Backward's order, then another one: the result may not depend on it.
+      std::vector<uint32_t> order(n_groups);
+      std::iota(order.begin(), order.end(), 0u);
+      if (step == 0) std::reverse(order.begin(), order.end());
+      else std::rotate(order.begin(), order.begin() + n_groups / 2, order.end());
+      for (uint32_t g : order) {
+        Bytes grad(stored.store->state_bytes(g, StateKind::kGradAccum));
+        ASSERT_TRUE(stored.store->read_state(g, StateKind::kGradAccum, grad).is_ok());
+        ASSERT_TRUE((*d)->step_direct(g, grad.data()).is_ok()) << "sub-group " << g;
+      }
+      auto report = (*d)->end_direct();
+      ASSERT_TRUE(report.is_ok()) << report.status().to_string();
+      EXPECT_EQ(report->sub_groups, n_groups);
+    }
+    for (StateKind kind : {StateKind::kMaster, StateKind::kExpAvg, StateKind::kExpAvgSq, StateKind::kCompute})
+      EXPECT_EQ(gather(*direct.store, kind), gather(*stored.store, kind)) << state_name(kind);
+
+    // The two kinds of step refuse each other's plan.
+    EXPECT_EQ((*d)->step(step_args(direct, 3)).status().code(), StatusCode::kFailedPrecondition);
+    EXPECT_EQ((*a)->begin_direct(step_args(stored, 3)).code(), StatusCode::kFailedPrecondition);
+    // An incomplete direct step: the sub-group stepped is ahead of the others, so the store is torn.
+    ASSERT_TRUE((*d)->begin_direct(step_args(direct, 3)).is_ok());
+    EXPECT_EQ((*d)->begin_direct(step_args(direct, 3)).code(), StatusCode::kFailedPrecondition);
+    Bytes grad(stored.store->state_bytes(0, StateKind::kGradAccum));
+    ASSERT_TRUE(stored.store->read_state(0, StateKind::kGradAccum, grad).is_ok());
+    ASSERT_TRUE((*d)->step_direct(0, grad.data()).is_ok());
+    auto incomplete = (*d)->end_direct();
+    ASSERT_FALSE(incomplete.is_ok());
+    EXPECT_EQ(incomplete.status().code(), StatusCode::kFailedPrecondition);
+    EXPECT_THAT(incomplete.status().to_string(), HasSubstr("optimizer step 3"));
+    EXPECT_THAT(incomplete.status().to_string(), HasSubstr("1 of " + std::to_string(n_groups) + " sub-groups"));
+    EXPECT_FALSE(direct.store->torn_reason().empty());
+    EXPECT_THAT((*d)->begin_direct(step_args(direct, 3)).to_string(), HasSubstr("torn"));
+  }
 }
 
 TEST(OptimizerSwapperFaults, AGradientReadErrorWithTheStatesInRamNamesSubGroupAndFile) {
