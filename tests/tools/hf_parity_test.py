@@ -228,6 +228,13 @@ CASES = [
     dict(name="qwen2-bf16-cpu-bf16masters", arch="qwen2", tied=False, vocab=320, seq=32, disk="float32",
          shard=False, precision="bf16", placement="cpu", stage=3, gas=2, clip=1.0, schedule="warmup", lr=2e-3,
          seed=21, master="bf16", rope={"rope_type": "default", "rope_theta": 1e6}),
+    # zoffload.gradient_accumulators "none": no clipping and no overflow skip, each sub-group stepped
+    # from its gradient during backward (the vertical schedule sums the two micro-batches on the
+    # device first) against torch.optim.AdamW on the same sums. Tied, so the head's and the
+    # embedding's gradients meet in one sum before their sub-group is stepped.
+    dict(name="llama-tied-bf16-cpu-noacc", arch="llama", tied=True, vocab=256, seq=32, disk="float32",
+         shard=False, precision="bf16", placement="cpu", stage=3, gas=2, clip=0.0, schedule="warmup", lr=2e-3,
+         seed=22, accumulators="none"),
 ]
 
 WARMUP = {"warmup_min_lr": 1e-4, "warmup_num_steps": 3}
@@ -270,6 +277,9 @@ def zoffload_config(case):
         cfg["zoffload"].update({"gradient_store_dtype": "bf16", "schedule": "vertical"})
     if case.get("master") == "bf16":
         cfg["zoffload"]["master_dtype"] = "bf16"
+    if case.get("accumulators") == "none":
+        cfg["zoffload"].update({"gradient_accumulators": "none", "schedule": "vertical"})
+        cfg["bf16"]["check_grad_overflow"] = False
     if case["schedule"] == "warmup":
         cfg["scheduler"] = {"type": "WarmupLR", "params": {
             "warmup_min_lr": WARMUP["warmup_min_lr"], "warmup_max_lr": case["lr"],
@@ -717,8 +727,10 @@ def run_case(case, tmp):
     params = list(refs[0][2].parameters())
     n = sum(p.numel() for p in params)
     # bf16 masters on the CPU beside the compute copies are those copies (Note [A bf16 master is its
-    # compute copy]): no bytes of their own.
-    states = ((12 if case.get("moments") == "bf16" else 16) - (4 if case.get("master") == "bf16" else 0)) * n
+    # compute copy]): no bytes of their own; with no accumulators (Note [No accumulator]) the
+    # gradient has none either.
+    states = ((12 if case.get("moments") == "bf16" else 16) - (4 if case.get("master") == "bf16" else 0)
+              - (4 if case.get("accumulators") == "none" else 0)) * n
     padding = 4 * 4096 * (len(params) + -(-n // 20000))
     extra = mem["cpu"]["peak_bytes"] - pool_and_scratch
     placed = {"none": mem["nvme"]["peak_bytes"] == 0 and extra == 0,
