@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """tools/gpu_machine/gpu_checks.sh without a GPU: its usage errors, a part skipped when --time-limit
-leaves it no time, the deepspeed part failing with one line where DeepSpeed was not fetched, that
+leaves it no time, the exact part on the emulated device with the tiny model, the deepspeed part failing with one line where DeepSpeed was not fetched, that
 part's zoffload half on the emulated device (ZO_DS_SIDES=zoffload: a table row with zoffload's
 tokens/s, ZO_DS_ZOFFLOAD merged into the run's config), a run cut by the part's share of the time
 limit reported as cut and failing the part, and no work folder left behind.
@@ -73,6 +73,15 @@ try:
     expect(len(metrics) == 2, "two steps in metrics.jsonl: %d" % len(metrics))
 except (OSError, KeyError, tarfile.TarError, ValueError) as e:
     expect(False, "runs.tgz holds the run's config and metrics: %s" % e)
+
+# The exact part on the emulated device with the tiny model: the plan moves nothing through a disk,
+# three steps train, and the part ends with its tokens/s beside the first runs'.
+rc, text, _ = run(["--time-limit", "200", "exact"], ZO_EXACT_MODEL="tiny", ZO_EXACT_DEVICE="host", ZO_EXACT_MICRO="2",
+                  ZO_EXACT_GAS="2", ZO_EXACT_SEQ="64")
+expect(rc == 0, "the exact part: exit %d: %s" % (rc, text[-800:]))
+expect("gradient accumulators none" in text and "NVMe read 0 B, written 0 B" in text,
+       "the exact part's plan: no accumulators, no disk: %s" % text[-800:])
+expect("exact, all in RAM:" in text and "tokens/s, device_busy" in text, "the exact part's figures: " + text[-400:])
 
 # A run longer than its share of the time limit: cut, said so, the part fails.
 rc, text, _ = run(["--time-limit", "80", "deepspeed"], ZO_DS_SIDES="zoffload", ZO_DS_RUNS="tiny:2:500",
