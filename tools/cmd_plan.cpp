@@ -285,6 +285,11 @@ int run_plan(const PlanArgs& a) {
                    {"nvme_write_bytes_per_s", in.speeds.nvme_write_bytes_per_s},
                    {"adam_elems_per_s", in.speeds.adam_elems_per_s},
                    {"adam8bit_elems_per_s", in.speeds.adam8bit_elems_per_s},
+                   {"adam_bf16_moments_elems_per_s", in.speeds.adam_bf16_moments_elems_per_s},
+                   {"bf16_master_elems_per_s",
+                    {{"fp32_moments", in.speeds.bf16_master_elems_per_s[0]},
+                     {"bf16_moments", in.speeds.bf16_master_elems_per_s[1]},
+                     {"8bit_moments", in.speeds.bf16_master_elems_per_s[2]}}},
                    {"accumulate_elems_per_s", in.speeds.accumulate_elems_per_s},
                    {"compute_flops", in.speeds.compute_flops}};
     nlohmann::ordered_json fx = nlohmann::ordered_json::array();

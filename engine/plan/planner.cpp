@@ -397,18 +397,26 @@ void plan_step_time(const PlanBasis& b, const GradTraffic& grads, RunPlan* out) 
     add_part("pcie", sp.pcie_bytes_per_s, static_cast<double>(p.h2d_min_bytes + p.d2h_bytes), "host↔GPU copies");
   add_part("gradients", sp.accumulate_elems_per_s, static_cast<double>(passes * p.n_params),
            "accumulate + norm kernel, measured");
-  // bf16 masters move 2 bytes per parameter less each way than the kernel measured here, and hash
-  // and round on the way: that kernel's speed stands for theirs.
-  const std::string masters = p.memory.placement.master_dtype == DType::kBF16 ? " (with fp32 masters)" : "";
-  if (p.memory.placement.moments == MomentDtype::k8bit) {
-    add_part("optimizer", sp.adam8bit_elems_per_s, static_cast<double>(p.n_params),
-             "cpu_optim Adam with 8-bit moments, measured" + masters);
-  } else if (p.memory.placement.moments == MomentDtype::kBF16) {
-    // The fp32 kernel's speed: the bf16 one moves 4 bytes per parameter less and converts on the way.
-    add_part("optimizer", sp.adam_elems_per_s, static_cast<double>(p.n_params),
-             "cpu_optim Adam, measured with fp32 moments" + masters);
-  } else {
-    add_part("optimizer", sp.adam_elems_per_s, static_cast<double>(p.n_params), "cpu_optim Adam, measured" + masters);
+  // The kernel the placement runs, measured at plan time (measure_cpu_speeds); where its own speed
+  // is not known, the nearest one measured stands for it and the basis says which.
+  {
+    const Placement& pl = p.memory.placement;
+    const int mi = pl.moments == MomentDtype::kF32 ? 0 : pl.moments == MomentDtype::kBF16 ? 1 : 2;
+    const char* moments_name[] = {"fp32", "bf16", "8-bit"};
+    const double fp32_master_rate[] = {sp.adam_elems_per_s, sp.adam_bf16_moments_elems_per_s, sp.adam8bit_elems_per_s};
+    const bool bf16_masters = pl.master_dtype == DType::kBF16;
+    std::string basis = std::string("cpu_optim Adam with ") + (bf16_masters ? "bf16" : "fp32") + " masters and " +
+                        moments_name[mi] + " moments, measured";
+    double rate = bf16_masters ? sp.bf16_master_elems_per_s[mi] : fp32_master_rate[mi];
+    if (rate <= 0 && bf16_masters && fp32_master_rate[mi] > 0) {
+      rate = fp32_master_rate[mi];
+      basis = std::string("cpu_optim Adam, measured with fp32 masters and ") + moments_name[mi] + " moments";
+    }
+    if (rate <= 0 && mi == 1) {
+      rate = sp.adam_elems_per_s;
+      basis = "cpu_optim Adam, measured with fp32 masters and moments";
+    }
+    add_part("optimizer", rate, static_cast<double>(p.n_params), basis);
   }
   // NVMe in two parts, as the step runs them: the accumulators are written (and read back) during
   // backward, by the gradient worker; the optimizer's reads and writes are pipelined with Adam.
@@ -931,6 +939,7 @@ Status measure_cpu_speeds(const Config& config, HostSpeeds* speeds) {
   ZO_ASSIGN_OR_RETURN(AlignedBuffer buf, AlignedBuffer::allocate(kElems * 4 * 5));
   std::memset(buf.data(), 0, buf.size());
   auto f32 = [&](int i) { return std::span<float>(reinterpret_cast<float*>(buf.data()) + i * kElems, kElems); };
+  auto u16 = [&](int i) { return std::span<uint16_t>(reinterpret_cast<uint16_t*>(f32(i).data()), kElems); };
   const DType cdt = config.compute_dtype();
   const AdamConfig adam{.lr = 1e-4f,
                         .beta1 = 0.9f,
@@ -965,6 +974,32 @@ Status measure_cpu_speeds(const Config& config, HostSpeeds* speeds) {
   ZO_ASSIGN_OR_RETURN(speeds->adam8bit_elems_per_s, rate([&] {
                         return cpu_optim::adam8bit_step(adam, 1, f32(0), blockwise(1), blockwise(2), grad, 1.0f, out,
                                                         *executor);
+                      }));
+  std::memset(buf.data(), 0, buf.size());
+  ZO_ASSIGN_OR_RETURN(speeds->adam_bf16_moments_elems_per_s, rate([&] {
+                        return cpu_optim::adam_step_bf16_moments(adam, 1, f32(0), u16(1), u16(2), grad, 1.0f, out,
+                                                                 *executor);
+                      }));
+  // bf16 masters (a fix may switch to them whatever the config says): the master's bits in the
+  // first buffer, the copy-out none (the master is the compute copy), each moment dtype.
+  const cpu_optim::Bf16Master master{u16(0), 1, 0};
+  const cpu_optim::ElemSpan no_copy{nullptr, DType::kBF16};
+  const cpu_optim::ElemSpan m32{f32(1).data(), DType::kF32}, v32{f32(2).data(), DType::kF32};
+  const cpu_optim::ElemSpan m16{u16(1).data(), DType::kBF16}, v16{u16(2).data(), DType::kBF16};
+  std::memset(buf.data(), 0, buf.size());
+  ZO_ASSIGN_OR_RETURN(speeds->bf16_master_elems_per_s[0], rate([&] {
+                        return cpu_optim::adam_step_bf16_master(adam, 1, master, m32, v32, grad, 1.0f, no_copy,
+                                                                *executor);
+                      }));
+  std::memset(buf.data(), 0, buf.size());
+  ZO_ASSIGN_OR_RETURN(speeds->bf16_master_elems_per_s[1], rate([&] {
+                        return cpu_optim::adam_step_bf16_master(adam, 1, master, m16, v16, grad, 1.0f, no_copy,
+                                                                *executor);
+                      }));
+  std::memset(buf.data(), 0, buf.size());
+  ZO_ASSIGN_OR_RETURN(speeds->bf16_master_elems_per_s[2], rate([&] {
+                        return cpu_optim::adam8bit_step_bf16_master(adam, 1, master, blockwise(1), blockwise(2), grad,
+                                                                    1.0f, no_copy, *executor);
                       }));
   ZO_ASSIGN_OR_RETURN(speeds->accumulate_elems_per_s, rate([&] {
                         return GradAccumulator::measure_kernel(

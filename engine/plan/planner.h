@@ -52,9 +52,13 @@ void share_host(HostFacts* host, uint32_t local_ranks);
 struct HostSpeeds {
   double nvme_read_bytes_per_s = 0;
   double nvme_write_bytes_per_s = 0;
-  std::string nvme_source;            // "zoffload-bench io results FILE"
-  double adam_elems_per_s = 0;        // cpu_optim Adam on the optimizer's threads, measured
-  double adam8bit_elems_per_s = 0;    // the same with 8-bit moments (zoffload.moment_dtype "8bit")
+  std::string nvme_source;                   // "zoffload-bench io results FILE"
+  double adam_elems_per_s = 0;               // cpu_optim Adam on the optimizer's threads, measured
+  double adam8bit_elems_per_s = 0;           // the same with 8-bit moments (zoffload.moment_dtype "8bit")
+  double adam_bf16_moments_elems_per_s = 0;  // the same with bf16 moments (zoffload.moment_dtype "bf16")
+  // With bf16 masters (zoffload.master_dtype "bf16"), by moment dtype: fp32, bf16, 8-bit. 0 where not
+  // measured: the kernel with fp32 masters stands for it, and the plan says so.
+  double bf16_master_elems_per_s[3] = {0, 0, 0};
   double accumulate_elems_per_s = 0;  // the gradient accumulator's kernel plus its norm, measured
   double compute_flops = 0;           // dense matmul FLOP/s in the compute dtype
   std::string compute_source;         // "measured: LibTorch matmul on the host", "H100 datasheet", ...

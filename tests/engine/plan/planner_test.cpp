@@ -6,6 +6,7 @@
 #include <fstream>
 #include <map>
 #include <optional>
+#include <tuple>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -749,6 +750,45 @@ TEST(Planner, StepTimePutsTheAccumulatorWritesInBackwardAndTheRestBesideAdam) {
   EXPECT_DOUBLE_EQ(p->step_s_high, s["compute"] + s["gradients"] + s["nvme grads"] + s["optimizer"]);
   EXPECT_DOUBLE_EQ(p->step_s_low,
                    std::max({s["compute"], s["gradients"], s["optimizer"], s["nvme grads"] + s["nvme optim"]}));
+}
+
+// The optimizer's time is the measured kernel of the placement's masters and moments; a kernel not
+// measured is stood in for by the nearest one, and the basis says which.
+TEST(Planner, TheOptimizerIsTimedByItsOwnMastersAndMomentsKernel) {
+  PlanInputs in = tiny_inputs(OffloadDevice::kCpu, OffloadDevice::kCpu);
+  in.config.bf16.enabled = true;
+  in.speeds.adam_elems_per_s = 4e8;
+  in.speeds.adam8bit_elems_per_s = 2e8;
+  in.speeds.adam_bf16_moments_elems_per_s = 5e8;
+  in.speeds.bf16_master_elems_per_s[0] = 6e8;
+  in.speeds.bf16_master_elems_per_s[2] = 1e8;
+  auto optimizer_part = [](const PlanInputs& q) {
+    auto p = plan_run(q);
+    EXPECT_TRUE(p.is_ok());
+    for (const StepTimePart& t : p->time_parts)
+      if (t.name == "optimizer") return std::make_tuple(t.seconds * 1e9 / static_cast<double>(p->n_params), t.basis);
+    return std::make_tuple(0.0, std::string("no optimizer part"));
+  };
+  struct Want {
+    const char* masters;
+    const char* moments;
+    double rate;
+    const char* basis;
+  };
+  for (const Want& w : {Want{"fp32", "fp32", 4e8, "with fp32 masters and fp32 moments, measured"},
+                        Want{"fp32", "bf16", 5e8, "with fp32 masters and bf16 moments, measured"},
+                        Want{"fp32", "8bit", 2e8, "with fp32 masters and 8-bit moments, measured"},
+                        Want{"bf16", "fp32", 6e8, "with bf16 masters and fp32 moments, measured"},
+                        Want{"bf16", "8bit", 1e8, "with bf16 masters and 8-bit moments, measured"},
+                        Want{"bf16", "bf16", 5e8, "measured with fp32 masters and bf16 moments"}}) {
+    SCOPED_TRACE(std::string(w.masters) + " masters, " + w.moments + " moments");
+    PlanInputs q = in;
+    q.config.zoffload.master_dtype = w.masters;
+    q.config.zoffload.moment_dtype = w.moments;
+    const auto [seconds_per_1e9, basis] = optimizer_part(q);
+    EXPECT_NEAR(seconds_per_1e9 * w.rate, 1e9, 1.0);
+    EXPECT_THAT(basis, HasSubstr(w.basis));
+  }
 }
 
 TEST(Planner, IoResultsAreReadAtTheConfigsAioSettings) {
