@@ -552,11 +552,8 @@ void Resolver::no_accumulator() {
   const char* key = "zoffload.gradient_accumulators";
   if (c->zoffload.gradient_accumulators != "none" || st->has_error(key)) return;
   const std::string why = "\"none\" updates each sub-group as its gradient lands, before the step's norm is known: ";
-  if (c->zero.offload_optimizer.device != OffloadDevice::kCpu) {
-    if (c->zero.offload_optimizer.device == OffloadDevice::kNone) return;  // offload_placement said so
-    st->error(key, why +
-                       "it needs the optimizer states in RAM for now (zero_optimization.offload_optimizer.device "
-                       "\"cpu\"; it is \"nvme\")");
+  if (c->zero.offload_optimizer.device == OffloadDevice::kNone) {
+    return;  // offload_placement said so
   } else if (c->gradient_clipping != 0 && !st->has_error("gradient_clipping")) {
     std::ostringstream v;
     v << c->gradient_clipping;

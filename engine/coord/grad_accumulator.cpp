@@ -60,7 +60,10 @@
 // every accumulator byte (4 per parameter in fp32); what it holds instead is the buffers of the
 // sub-groups open at once (plan_buffers), the same as for NVMe-resident accumulators less the write
 // behind. A buffer is not the landing ring itself: a sub-group spans parameters (and parts of them)
-// that arrive in several ring items, and a tied parameter's two uses are one sum.
+// that arrive in several ring items, and a tied parameter's two uses are one sum. With the
+// optimizer states on NVMe the optimizer reads each sub-group's record when its gradient is final,
+// and the next one's ahead in completion_order() (the order this simulates from the contribution
+// order) while it updates, as the stored step's pipeline does in index order.
 
 // Note [Direct accumulator I/O]
 //
@@ -116,6 +119,7 @@ struct GradAccumulator::Impl {
   FinalGradSink sink;                      // Note [No accumulator]: set when there are no accumulators
   std::vector<uint32_t> uses;              // per param, per micro-step
   std::vector<uint32_t> group_total;       // per sub-group: contributions (over its params) per micro-step
+  std::vector<uint32_t> completion;        // the sub-groups as they complete in the contribution order
   std::vector<AlignedBuffer> buffers;
   std::vector<int32_t> free_buffers;
   uint64_t buffer_bytes = 0;
@@ -477,6 +481,11 @@ Result<std::unique_ptr<GradAccumulator>> GradAccumulator::create(StateStore& sto
   for (uint32_t p = 0; p < n_params; ++p) {
     for (const ParamPiece& piece : registry.pieces_of_param(p)) s.group_total[piece.sub_group] += s.uses[p];
   }
+  std::vector<uint32_t> pending = s.group_total;
+  for (uint32_t p : contribution_order) {
+    for (const ParamPiece& piece : registry.pieces_of_param(p))
+      if (--pending[piece.sub_group] == 0) s.completion.push_back(piece.sub_group);
+  }
   BufferPlan bp = plan_buffers(registry, store.plan().placement, contribution_order, s.partitioned);
   s.buffer_bytes = bp.bytes_each;
   if (bp.narrowing_bytes > 0) {
@@ -618,6 +627,7 @@ void GradAccumulator::abandon_micro_step() { impl_->reset_step(); }
 
 Status GradAccumulator::finish_writes() { return impl_->finish_writes(); }
 
+const std::vector<uint32_t>& GradAccumulator::completion_order() const { return impl_->completion; }
 uint32_t GradAccumulator::buffer_count() const { return static_cast<uint32_t>(impl_->buffers.size()); }
 uint64_t GradAccumulator::buffer_bytes() const { return impl_->buffer_bytes; }
 uint32_t GradAccumulator::queued_writes() const { return static_cast<uint32_t>(impl_->writing.size()); }

@@ -135,6 +135,10 @@ class GradAccumulator {
   // Accumulators are then undefined until a micro-step with first = true.
   void abandon_micro_step();
 
+  // The sub-groups in the order they complete in a micro-step whose gradients arrive in the
+  // contribution order given at create (an optimizer reading ahead for a direct step follows it).
+  const std::vector<uint32_t>& completion_order() const;
+
   // (addition) The host buffers allocated at create(): count (0 when the accumulators are
   // CPU-resident) and bytes each.
   uint32_t buffer_count() const;

@@ -116,10 +116,19 @@ struct OptimizerSwapper::Impl {
     return st;
   }
 
-  // A direct step in progress (Note [No accumulator]): begun, and its first failure.
+  // A direct step in progress (Note [No accumulator]): begun, its first failure, the sub-groups
+  // stepped, and with the states on NVMe the expected order and the one sub-group read ahead.
   bool direct_open = false;
   Status direct_failure;
   std::string direct_name;
+  std::vector<char> direct_stepped;
+  std::vector<uint32_t> direct_order;
+  size_t direct_next = 0;  // direct_order[direct_next..]: not stepped yet, in expected order
+  int direct_ahead = -1;   // the slot reading (or holding) a sub-group ahead, -1: none
+  // One sub-group of a direct step with the states on NVMe (Note [No accumulator]).
+  Status nvme_group(uint32_t g, const std::byte* grad);
+  // Reads the next expected sub-group ahead into a slot, when pipeline_read allows and none is.
+  Status read_ahead();
 
   // One optimizer step of sub-group g on host spans (Adam, AdamW, Adagrad or Lion), timed into update_s.
   // p holds the masters (fp32 or bf16), m and v the moments, as group_state_bytes lays them out.
@@ -460,6 +469,56 @@ Status OptimizerSwapper::Impl::cpu_group(uint32_t g, const std::byte* grad,
   return Status::ok();
 }
 
+Status OptimizerSwapper::Impl::read_ahead() {
+  if (!options.pipeline_read || direct_ahead >= 0) return Status::ok();
+  while (direct_next < direct_order.size() && direct_stepped[direct_order[direct_next]]) ++direct_next;
+  if (direct_next == direct_order.size()) return Status::ok();
+  const uint32_t next = direct_order[direct_next];
+  ZO_ASSIGN_OR_RETURN(int index, take_slot());
+  Status st = issue_read(slots[index], next);
+  if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(next));
+  direct_ahead = index;
+  return Status::ok();
+}
+
+Status OptimizerSwapper::Impl::nvme_group(uint32_t g, const std::byte* grad) {
+  // Its record read ahead, or read now; a read ahead for another sub-group stays (it comes later).
+  int current = -1;
+  if (direct_ahead >= 0 && slots[direct_ahead].group == g) {
+    current = std::exchange(direct_ahead, -1);
+  } else {
+    ZO_ASSIGN_OR_RETURN(current, take_slot());
+    Status st = issue_read(slots[current], g);
+    if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(g));
+  }
+  Slot& slot = slots[current];
+  if (slot.state == Slot::State::kReading) {
+    Status st = wait_reads(slot);
+    if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(g));
+  }
+  direct_stepped[g] = 1;
+  // The next one's read runs beside this update (a slot is free or writing: at most one reads ahead).
+  ZO_RETURN_IF_ERROR(read_ahead());
+  const SwapRegion master = loc(g, StateKind::kMaster).region;
+  auto section = [&](StateKind kind) {
+    return slot.buf.data() + (loc(g, kind).region.offset_bytes - master.offset_bytes);
+  };
+  std::byte* compute_section = section(StateKind::kExpAvgSq) + loc(g, StateKind::kExpAvgSq).region.size_bytes;
+  const StateLocation& home = loc(g, StateKind::kCompute);
+  std::byte* copy_out = home.tier == Tier::kCpu ? home.host : compute_section;
+  Status st = update(g, section(StateKind::kMaster), section(StateKind::kExpAvg), section(StateKind::kExpAvgSq), grad,
+                     copy_out);
+  if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(g));
+  written = true;
+  if (home.tier == Tier::kCpu) compute_ready(g);
+  st = issue_writes(slot, g);
+  if (st.is_ok()) st = deliver_compute(slot, g, compute_section, current);
+  if (st.is_ok() && !options.pipeline_write) st = wait_writes(slot);
+  if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(g));
+  ++report.sub_groups;
+  return Status::ok();
+}
+
 Status OptimizerSwapper::Impl::finish_cpu_writes() {
   for (auto& slot : slots) {
     if (slot.state != Slot::State::kBusy) continue;
@@ -766,15 +825,23 @@ Result<OptimizerStepReport> OptimizerSwapper::step(const OptimizerStepArgs& args
   return s.report;
 }
 
-Status OptimizerSwapper::begin_direct(const OptimizerStepArgs& args) {
+Status OptimizerSwapper::begin_direct(const OptimizerStepArgs& args, std::vector<uint32_t> expected_order) {
   Impl& s = *impl_;
   const std::string step_name = "optimizer step " + std::to_string(args.step);
   if (s.direct_open) return failed_precondition(step_name + ": begin_direct while a direct step is open");
-  if (!s.store->plan().placement.no_accumulator || s.store->plan().placement.optimizer != Tier::kCpu ||
+  if (!s.store->plan().placement.no_accumulator || s.store->plan().placement.optimizer == Tier::kDevice ||
       s.store->plan().partitioned())
     return failed_precondition(step_name +
-                               ": a direct step needs a plan with no accumulators, the optimizer states in RAM "
-                               "and one rank (zoffload.gradient_accumulators \"none\")");
+                               ": a direct step needs a plan with no accumulators, the optimizer states offloaded "
+                               "(cpu or nvme) and one rank (zoffload.gradient_accumulators \"none\")");
+  const uint32_t n_groups = s.store->plan().n_sub_groups;
+  std::vector<char> listed(n_groups, 0);
+  for (uint32_t g : expected_order) {
+    if (g >= n_groups || listed[g])
+      return invalid_argument(step_name + ": the expected order of sub-groups names " + std::to_string(g) +
+                              (g >= n_groups ? " of " + std::to_string(n_groups) : " twice"));
+    listed[g] = 1;
+  }
   if (!s.store->torn_reason().empty()) {
     return failed_precondition(step_name + ": the optimizer states are torn (" + s.store->torn_reason() +
                                "); restore them from a checkpoint first");
@@ -786,6 +853,18 @@ Status OptimizerSwapper::begin_direct(const OptimizerStepArgs& args) {
   s.direct_open = true;
   s.direct_failure = Status::ok();
   s.direct_name = step_name;
+  s.direct_stepped.assign(n_groups, 0);
+  s.direct_order = std::move(expected_order);
+  s.direct_next = 0;
+  s.direct_ahead = -1;
+  if (s.store->plan().placement.optimizer == Tier::kNvme) {
+    Status st = s.read_ahead();
+    if (!st.is_ok()) {
+      s.direct_open = false;
+      s.drain();
+      return st.with_context(step_name);
+    }
+  }
   return Status::ok();
 }
 
@@ -796,8 +875,16 @@ Status OptimizerSwapper::step_direct(uint32_t sub_group, const std::byte* grad) 
   if (sub_group >= s.store->plan().n_sub_groups)
     return invalid_argument(s.direct_name + ": sub-group " + std::to_string(sub_group) + " of " +
                             std::to_string(s.store->plan().n_sub_groups));
+  if (s.direct_stepped[sub_group])
+    return invalid_argument(s.direct_name + ": sub-group " + std::to_string(sub_group) + " was stepped already");
   Stopwatch sw;
-  Status st = s.cpu_group(sub_group, grad, {});
+  Status st;
+  if (s.store->plan().placement.optimizer == Tier::kNvme) {
+    st = s.nvme_group(sub_group, grad);
+  } else {
+    s.direct_stepped[sub_group] = 1;
+    st = s.cpu_group(sub_group, grad, {});
+  }
   s.report.total_s += sw.elapsed_s();
   if (!st.is_ok()) s.direct_failure = s.fail(std::move(st), s.direct_name);
   return s.direct_failure;
@@ -809,7 +896,12 @@ Result<OptimizerStepReport> OptimizerSwapper::end_direct() {
   s.direct_open = false;
   if (!s.direct_failure.is_ok()) return s.direct_failure;
   Stopwatch sw;
-  Status st = s.finish_cpu_writes();
+  if (s.direct_ahead >= 0) {  // read ahead for a sub-group that never came (an incomplete step)
+    Impl::Slot& ahead = s.slots[std::exchange(s.direct_ahead, -1)];
+    (void)s.wait_reads(ahead);
+    ahead.state = Impl::Slot::State::kFree;
+  }
+  Status st = s.finish_cpu_writes();  // every busy buffer's writes, whatever the tier
   s.report.total_s += sw.elapsed_s();
   if (!st.is_ok()) return s.fail(std::move(st), s.direct_name);
   if (s.report.sub_groups != s.store->plan().n_sub_groups) {

@@ -387,7 +387,7 @@ Result<Trainer::Impl::Accumulated> Trainer::Impl::accumulate(bool inject_overflo
 Result<Trainer::Impl::Accumulated> Trainer::Impl::accumulate_and_update(
     bool inject_overflow, StepMetrics* out, std::optional<Result<OptimizerStepReport>>* stepped) {
   // Without clipping the coefficient is 1, and nothing skips: the update needs no norm.
-  ZO_RETURN_IF_ERROR(optimizer->begin_direct(step_args(*out, 1.0)));
+  ZO_RETURN_IF_ERROR(optimizer->begin_direct(step_args(*out, 1.0), grads->completion_order()));
   Result<Accumulated> acc = accumulate(inject_overflow, out);
   // Closed whatever happened: a failed backward after some sub-groups were stepped leaves the
   // states torn (end_direct marks them), as a failed optimizer step does.

@@ -1018,6 +1018,7 @@ TEST(GradAccumulator, NoAccumulatorHandsEachSubGroupItsFinalSumOnce) {
     EXPECT_EQ(report->bytes_read + report->bytes_written, 0u);
     ASSERT_EQ(handed.size(), direct.registry.sub_groups().size());
     ASSERT_EQ(order_handed.size(), handed.size());
+    EXPECT_EQ(order_handed, (*acc)->completion_order()) << "the order an optimizer reads ahead in";
     for (const auto& [g, bytes] : handed) {
       Bytes want(stored.store->state_bytes(g, StateKind::kGradAccum));
       ASSERT_TRUE(stored.store->read_state(g, StateKind::kGradAccum, want).is_ok());

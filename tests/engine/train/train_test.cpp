@@ -670,8 +670,9 @@ TEST(Trainer, NoAccumulatorIsBitIdenticalToTheStoredPath) {
     bool tied = false;
     uint64_t sub_group_size = 16384;
   };
-  auto base = [](RunSetup s) {
-    s.optimizer = "cpu";
+  auto base = [](RunSetup s, const char* optimizer = "cpu", bool pipeline = false) {
+    s.optimizer = optimizer;
+    s.pipeline = pipeline;
     s.clipping = 0;
     s.check_overflow = false;
     return s;
@@ -684,6 +685,10 @@ TEST(Trainer, NoAccumulatorIsBitIdenticalToTheStoredPath) {
       {"bf16, GAS 1, params cpu, 8-bit moments, bf16 masters in the compute copies",
        base({.param = "cpu", .grad_accum = 1, .moments = "8bit", .master = "bf16"}), true},
       {"fp32, stage 2, GAS 1, one optimizer thread", base({.stage = 2, .precision = "fp32", .grad_accum = 1})},
+      {"bf16, vertical GAS 2, params cpu, optimizer nvme pipelined",
+       base({.param = "cpu", .grad_accum = 2, .schedule = "vertical"}, "nvme", true), true},
+      {"bf16, GAS 1, params nvme, optimizer nvme, 8-bit moments, sub-groups of 4096",
+       base({.param = "nvme", .max_in_cpu = 0, .grad_accum = 1, .moments = "8bit"}, "nvme"), false, 4096},
   };
   for (const Variant& v : variants) {
     SCOPED_TRACE(v.name);
@@ -706,13 +711,14 @@ TEST(Trainer, NoAccumulatorIsBitIdenticalToTheStoredPath) {
       EXPECT_GT(dm[i].optimizer_s, 0.0) << "step " << i + 1;
       EXPECT_EQ(dm[i].optimizer_wait_s, 0.0) << "step " << i + 1;
     }
-    // The plan holds no accumulator: RAM is smaller by at least the stored gradients' bytes, less the
-    // host buffers of the sub-groups open at once.
+    // The plan holds no accumulator: RAM is smaller by at least the stored gradients' bytes (beside
+    // an NVMe optimizer too: "auto" keeps them in RAM there).
     const nlohmann::json &sp = splan["memory_plan"], &dp = dplan["memory_plan"];
     EXPECT_EQ(dp["placement"]["grad"], "none") << dp.dump();
     const uint64_t n = sp["total_elems"];
     const uint64_t grad_bytes = v.setup.store == "bf16" ? 2 : 4;
     EXPECT_GE(sp["cpu_pageable_bytes"].get<uint64_t>() - dp["cpu_pageable_bytes"].get<uint64_t>(), grad_bytes * n);
+    EXPECT_EQ(sp["nvme_optimizer_bytes"], dp["nvme_optimizer_bytes"]);
   }
 }
 
