@@ -106,8 +106,9 @@ struct OptimizerSwapper::Impl {
   // One sub-group of the CPU path from `grad` (its gradient in grad_dtype); after_update (may be
   // empty) runs once the kernels are done, before the compute copy is delivered.
   Status cpu_group(uint32_t g, const std::byte* grad, const std::function<Status()>& after_update);
-  // Waits for the CPU path's compute copies still on their way home.
-  Status finish_cpu_writes();
+  // Waits for every buffer's writes still in flight (the CPU path's compute copies, the NVMe
+  // path's states and compute copies).
+  Status wait_busy_slots();
   // After a failure: drains, and marks the store torn when a sub-group was written.
   Status fail(Status st, const std::string& step_name) {
     drain();
@@ -127,6 +128,9 @@ struct OptimizerSwapper::Impl {
   int direct_ahead = -1;   // the slot reading (or holding) a sub-group ahead, -1: none
   // One sub-group of a direct step with the states on NVMe (Note [No accumulator]).
   Status nvme_group(uint32_t g, const std::byte* grad);
+  // The NVMe path's update of sub-group g, whose record is read into slots[current], and its
+  // write-back: from `grad`, or (nullptr) from its accumulator (the record's section or RAM).
+  Status update_in_slot(int current, uint32_t g, const std::byte* grad);
   // Reads the next expected sub-group ahead into a slot, when pipeline_read allows and none is.
   Status read_ahead();
 
@@ -431,7 +435,7 @@ Status OptimizerSwapper::Impl::step_cpu() {
       return Status::ok();
     }));
   }
-  return finish_cpu_writes();
+  return wait_busy_slots();
 }
 
 Status OptimizerSwapper::Impl::cpu_group(uint32_t g, const std::byte* grad,
@@ -499,11 +503,18 @@ Status OptimizerSwapper::Impl::nvme_group(uint32_t g, const std::byte* grad) {
   direct_stepped[g] = 1;
   // The next one's read runs beside this update (a slot is free or writing: at most one reads ahead).
   ZO_RETURN_IF_ERROR(read_ahead());
+  return update_in_slot(current, g, grad);
+}
+
+Status OptimizerSwapper::Impl::update_in_slot(int current, uint32_t g, const std::byte* grad) {
+  Slot& slot = slots[current];
   const SwapRegion master = loc(g, StateKind::kMaster).region;
   auto section = [&](StateKind kind) {
     return slot.buf.data() + (loc(g, kind).region.offset_bytes - master.offset_bytes);
   };
-  std::byte* compute_section = section(StateKind::kExpAvgSq) + loc(g, StateKind::kExpAvgSq).region.size_bytes;
+  const StateKind last = grads_on_nvme() ? StateKind::kGradAccum : StateKind::kExpAvgSq;
+  std::byte* compute_section = section(last) + loc(g, last).region.size_bytes;
+  if (grad == nullptr) grad = grads_on_nvme() ? section(StateKind::kGradAccum) : loc(g, StateKind::kGradAccum).host;
   const StateLocation& home = loc(g, StateKind::kCompute);
   std::byte* copy_out = home.tier == Tier::kCpu ? home.host : compute_section;
   Status st = update(g, section(StateKind::kMaster), section(StateKind::kExpAvg), section(StateKind::kExpAvgSq), grad,
@@ -519,7 +530,7 @@ Status OptimizerSwapper::Impl::nvme_group(uint32_t g, const std::byte* grad) {
   return Status::ok();
 }
 
-Status OptimizerSwapper::Impl::finish_cpu_writes() {
+Status OptimizerSwapper::Impl::wait_busy_slots() {
   for (auto& slot : slots) {
     if (slot.state != Slot::State::kBusy) continue;
     Status st = wait_writes(slot);
@@ -622,25 +633,7 @@ Status OptimizerSwapper::Impl::step_nvme() {
       st = issue_read(slots[next], g + 1);
       if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(g + 1));
     }
-    const SwapRegion master = loc(g, StateKind::kMaster).region;
-    auto section = [&](StateKind kind) {
-      return slot.buf.data() + (loc(g, kind).region.offset_bytes - master.offset_bytes);
-    };
-    const StateKind last = grads_on_nvme() ? StateKind::kGradAccum : StateKind::kExpAvgSq;
-    std::byte* compute_section = section(last) + loc(g, last).region.size_bytes;
-    const std::byte* grad = grads_on_nvme() ? section(StateKind::kGradAccum) : loc(g, StateKind::kGradAccum).host;
-    const StateLocation& home = loc(g, StateKind::kCompute);
-    std::byte* copy_out = home.tier == Tier::kCpu ? home.host : compute_section;
-    st = update(g, section(StateKind::kMaster), section(StateKind::kExpAvg), section(StateKind::kExpAvgSq), grad,
-                copy_out);
-    if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(g));
-    written = true;
-    if (home.tier == Tier::kCpu) compute_ready(g);
-    st = issue_writes(slot, g);
-    if (st.is_ok()) st = deliver_compute(slot, g, compute_section, current);
-    if (st.is_ok() && !options.pipeline_write) st = wait_writes(slot);
-    if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(g));
-    ++report.sub_groups;
+    ZO_RETURN_IF_ERROR(update_in_slot(current, g, nullptr));
     if (next < 0 && g + 1 < end) {
       ZO_ASSIGN_OR_RETURN(next, take_slot());
       st = issue_read(slots[next], g + 1);
@@ -648,12 +641,7 @@ Status OptimizerSwapper::Impl::step_nvme() {
     }
     current = next;
   }
-  for (auto& slot : slots) {
-    if (slot.state != Slot::State::kBusy) continue;
-    st = wait_writes(slot);
-    if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(slot.group));
-  }
-  return Status::ok();
+  return wait_busy_slots();
 }
 
 void OptimizerSwapper::Impl::drain() {
@@ -901,7 +889,7 @@ Result<OptimizerStepReport> OptimizerSwapper::end_direct() {
     (void)s.wait_reads(ahead);
     ahead.state = Impl::Slot::State::kFree;
   }
-  Status st = s.finish_cpu_writes();  // every busy buffer's writes, whatever the tier
+  Status st = s.wait_busy_slots();  // every busy buffer's writes, whatever the tier
   s.report.total_s += sw.elapsed_s();
   if (!st.is_ok()) return s.fail(std::move(st), s.direct_name);
   if (s.report.sub_groups != s.store->plan().n_sub_groups) {
