@@ -282,6 +282,20 @@ part_llama8b() {
   return $ok
 }
 
+# plan_checked NAME STATUS IN_RAM: after `zoffload plan` wrote $runs/plan-NAME.txt with STATUS,
+# fails saying why when the plan does not fit, or (IN_RAM 1) when it moves state through the disk.
+plan_checked() {
+  if [ "$2" -ne 0 ]; then
+    echo "  $1 does not fit this host (zoffload plan exit $2):"
+    sed -n '/^does NOT fit/,$p' "$runs/plan-$1.txt" | head -n 6 | sed 's/^/    /'
+    return 1
+  fi
+  if [ "$3" = 1 ] && ! grep -q '^  NVMe read 0 B, written 0 B' "$runs/plan-$1.txt"; then
+    echo "  $1: the plan moves state through the disk"
+    return 1
+  fi
+}
+
 # llama3-8b as configs/llama8b_24gb_8bit_ram.json ships it for a 24 GB card on a 128 GiB host: 8-bit
 # Adam moments (2 bytes a parameter instead of 8), so fp32 masters, moments and gradient
 # accumulators all stay in RAM; micro-batch 4, GAS 8, vertical, its 22 GiB GPU limit; three steps
@@ -307,15 +321,7 @@ c['zero_optimization']['stage3_gather_16bit_weights_on_model_save'] = False"
   r=$?
   echo "  $name: $2 moments, gradient accumulators on $3 (gradient_store_dtype $grads)"
   sed -n '/^  RAM /p;/^  NVMe  /p;/^  NVMe read/p' "$runs/plan-$name.txt" | sed 's/^/  /'
-  if [ $r -ne 0 ]; then
-    echo "  $name does not fit this host (zoffload plan exit $r):"
-    sed -n '/^does NOT fit/,$p' "$runs/plan-$name.txt" | head -n 6 | sed 's/^/    /'
-    return 1
-  fi
-  if [ "$3" = cpu ] && ! grep -q '^  NVMe read 0 B, written 0 B' "$runs/plan-$name.txt"; then
-    echo "  $name: the plan moves state through the disk"
-    return 1
-  fi
+  plan_checked "$name" "$r" "$([ "$3" = cpu ] && echo 1 || echo 0)" || return 1
   train_traced "$name" "${ZO_8BIT_MODEL:-llama3-8b}" "$4" "${5:-}"
   r=$?
   rm -rf "$work/nvme"
@@ -365,15 +371,7 @@ c['zero_optimization']['stage3_gather_16bit_weights_on_model_save'] = False"
   r=$?
   echo "  $name: $model, fp32 masters and moments, no gradient accumulators"
   sed -n '/^placement:/p;/^  RAM /p;/^  NVMe read/p' "$runs/plan-$name.txt" | sed 's/^/  /'
-  if [ $r -ne 0 ]; then
-    echo "  $name does not fit this host (zoffload plan exit $r):"
-    sed -n '/^does NOT fit/,$p' "$runs/plan-$name.txt" | head -n 6 | sed 's/^/    /'
-    return 1
-  fi
-  if ! grep -q '^  NVMe read 0 B, written 0 B' "$runs/plan-$name.txt"; then
-    echo "  $name: the plan moves state through the disk"
-    return 1
-  fi
+  plan_checked "$name" "$r" 1 || return 1
   train_traced "$name" "$model" 300 trace-exact.json.gz "$seq" || return 1
   "$python" - "$runs/$name/metrics.jsonl" <<'PY'
 import json, statistics, sys
