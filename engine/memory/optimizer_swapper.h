@@ -71,10 +71,11 @@ class OptimizerSwapper {
   OptimizerSwapper& operator=(const OptimizerSwapper&) = delete;
 
   // Updates every sub-group once from its gradient accumulator (which is left unchanged; the caller
-  // zeroes it); kFailedPrecondition for a plan without accumulators. Returns when every new state is at its home (all writes completed). On failure the
-  // Status names the step, the sub-group, and for I/O the file, offset and length; outstanding I/O
-  // is drained first, and the store is marked torn (see StateStore::mark_torn) unless no sub-group
-  // was written yet. A torn store fails at once with kFailedPrecondition.
+  // zeroes it); kFailedPrecondition for a plan without accumulators. Returns when every new state is
+  // at its home (all writes completed). On failure the Status names the step, the sub-group, and for
+  // I/O the file, offset and length; outstanding I/O is drained first, and the store is marked torn
+  // (see StateStore::mark_torn) unless no sub-group was written yet. A torn store fails at once with
+  // kFailedPrecondition.
   Result<OptimizerStepReport> step(const OptimizerStepArgs& args);
 
   // A direct step (Note [No accumulator] in engine/coord/grad_accumulator.cpp): the same update of
@@ -94,9 +95,9 @@ class OptimizerSwapper {
   // failure drains, marks the store torn once something was written (as step() does), and is
   // returned again by every later call.
   Status step_direct(uint32_t sub_group, const std::byte* grad);
-  // Waits for every state and compute copy to be home; the report (total_s: the time inside step_direct and
-  // here). The step's failure, or kFailedPrecondition (the store marked torn) when some sub-group was
-  // never stepped. Closes the direct step either way.
+  // Waits for every state and compute copy to be home; the report (total_s: the time inside
+  // step_direct and here). The step's failure, or kFailedPrecondition (the store marked torn) when
+  // some sub-group was never stepped. Closes the direct step either way.
   Result<OptimizerStepReport> end_direct();
 
   struct Impl;

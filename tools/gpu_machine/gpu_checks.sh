@@ -1,32 +1,36 @@
 #!/usr/bin/env bash
-# tools/gpu_machine/gpu_checks.sh: the GPU checks of docs/gpu.md ("Checks on the GPU machine") in one
-# device command: the gpu suite, transformers parity on cuda, zoffload-bench pcie, CudaDevice
+# tools/gpu_machine/gpu_checks.sh: the GPU checks of docs/gpu.md ("Checks on the GPU machine") in
+# one device command: the gpu suite, transformers parity on cuda, zoffload-bench pcie, CudaDevice
 # against HostDevice, the device budget, llama3-8b at GAS 1 and 8, llama3-8b with 8-bit moments and
-# every state in RAM, llama3-8b with every state fp32 in RAM and no gradient accumulators, a 7B model whose gradient accumulators the host's RAM holds, and zoffload
-# against DeepSpeed ZeRO-3 offload on the same runs.
-# Runs THERE, from the repository root, with .carry carried after tools/gpu_machine/pack_prebuilt.sh
-# ran here (or with BIN_DIR naming a build made there by build_there.sh):
+# every state in RAM, llama3-8b with every state fp32 in RAM and no gradient accumulators, a 7B
+# model whose gradient accumulators the host's RAM holds, and zoffload against DeepSpeed ZeRO-3
+# offload on the same runs. Runs THERE, from the repository root, with .carry carried after
+# tools/gpu_machine/pack_prebuilt.sh ran here (or with BIN_DIR naming a build made there by
+# build_there.sh):
 #   tools/gpu_machine/gpu_checks.sh [--time-limit S] [PART...]
-# PART: suite parity pcie tiny budget llama8b ram8bit exact ram deepspeed (default: all, in that order). Each part is given at
-# most its own share of time and the time left before --time-limit (default 560 s, under the tool's
-# 600 s for one command), so a slow part cannot take the later ones' time unseen; the line of a
-# part that was cut says so. Ends with a table of parts, seconds and results.
-# Files in $OUT (the device tool brings them back): checks.log (everything printed), gpu_test.log,
-# hf_parity.log, runs.tgz (every run's metrics.jsonl, log and plan), trace-llama8b-gas8.json.gz,
-# trace-ram8bit.json.gz, trace-exact.json.gz, trace-ram.json.gz and the deepspeed part's zoffload traces, trace-ds-<shape>-gas<N>.json.gz.
-# Exit status: 0 when every part passed, 1 otherwise, 2 on bad usage.
+# PART: suite parity pcie tiny budget llama8b ram8bit exact ram deepspeed (default: all, in that
+# order). Each part is given at most its own share of time and the time left before --time-limit
+# (default 560 s, under the tool's 600 s for one command), so a slow part cannot take the later
+# ones' time unseen; the line of a part that was cut says so. Ends with a table of parts, seconds
+# and results. Files in $OUT (the device tool brings them back): checks.log (everything printed),
+# gpu_test.log, hf_parity.log, runs.tgz (every run's metrics.jsonl, log and plan),
+# trace-llama8b-gas8.json.gz, trace-ram8bit.json.gz, trace-exact.json.gz, trace-ram.json.gz and the
+# deepspeed part's zoffload traces, trace-ds-<shape>-gas<N>.json.gz. Exit status: 0 when every part
+# passed, 1 otherwise, 2 on bad usage.
 #
 # Environment: BIN_DIR (zoffload, zoffload-bench and gpu_test; default .carry/prebuilt/bin, whose
 # libraries are in .carry/prebuilt/lib), OUT (default /tmp/gpu-checks). The ram8bit part:
 # ZO_8BIT_MODEL (default llama3-8b), ZO_8BIT_DEVICE (default cuda; host for a test), ZO_8BIT_MICRO,
-# ZO_8BIT_GAS, ZO_8BIT_BASELINE (0: no fp32 baseline run), ZO_8BIT_GRADS (bf16: the 8-bit run
-# stores its gradient sums in bf16, zoffload.gradient_store_dtype). The deepspeed part's runs:
-# ZO_DS_RUNS (default "llama3.2-3b:8:3 llama3.2-3b:1:3 llama3-8b:8:2", model:GAS:steps, in that
-# order: the comparison that matters most first),
-# ZO_DS_MICRO (micro-batch, default 4), ZO_DS_SEQ (default 1024), ZO_DS_DEVICE (zoffload.device,
-# default cuda; host for a test without a GPU), ZO_DS_SIDES (both, or zoffload: zoffload's runs
-# alone, DeepSpeed neither installed nor run), ZO_DS_ZOFFLOAD (JSON merged into the runs'
-# "zoffload" section, e.g. '{"activation_checkpoints": "cpu"}'), ZO_DS_CARRY (install_deepspeed.sh's).
+# ZO_8BIT_GAS, ZO_8BIT_BASELINE (0: no fp32 baseline run), ZO_8BIT_GRADS (bf16: the 8-bit run stores
+# its gradient sums in bf16, zoffload.gradient_store_dtype). The exact part: ZO_EXACT_MODEL (default
+# llama3-8b), ZO_EXACT_DEVICE (default cuda; host for a test), ZO_EXACT_MICRO, ZO_EXACT_GAS,
+# ZO_EXACT_SEQ (default 1024). The deepspeed part's runs: ZO_DS_RUNS (default "llama3.2-3b:8:3
+# llama3.2-3b:1:3 llama3-8b:8:2", model:GAS:steps, in that order: the comparison that matters most
+# first), ZO_DS_MICRO (micro-batch, default 4), ZO_DS_SEQ (default 1024), ZO_DS_DEVICE
+# (zoffload.device, default cuda; host for a test without a GPU), ZO_DS_SIDES (both, or zoffload:
+# zoffload's runs alone, DeepSpeed neither installed nor run), ZO_DS_ZOFFLOAD (JSON merged into the
+# runs' "zoffload" section, e.g. '{"activation_checkpoints": "cpu"}'), ZO_DS_CARRY
+# (install_deepspeed.sh's).
 set -uo pipefail
 
 usage() {
