@@ -114,6 +114,12 @@ Result<engine::Config> make_config(const PipelineArgs& a, uint64_t sub_group_siz
                  "bf16-master kernel; zoffload train runs the whole step)";
     return invalid_argument(*why_usage);
   }
+  if (c->zoffload.gradient_accumulators == "none") {
+    *why_usage =
+        "zoffload.gradient_accumulators \"none\": this benchmark steps from stored gradients; without them each "
+        "sub-group is stepped during backward, which zoffload train times (its gradient worker and optimizer)";
+    return invalid_argument(*why_usage);
+  }
   return *c;
 }
 

@@ -55,6 +55,20 @@ expect(p.returncode == 2 and "--params" in p.stderr, "bad --params: exit 2")
 p = run("--params", "1e6", "--optimizer-device", "cpu", "--param-device", "cpu", "--pinned-limit", "64KiB",
         "--sub-group-size", "2e5")
 expect(p.returncode == 1 and "pinned" in p.stderr, "pinned cap below the plan: exit 1 with the numbers (%d %s)" % (p.returncode, p.stderr))
+# Configs whose step this benchmark does not run: refused before anything is allocated, naming the key.
+with tempfile.TemporaryDirectory(prefix="zo-bench-pipeline-cfg-", dir=os.environ.get("TMPDIR", "/tmp")) as d:
+    for key, value, extra in [("master_dtype", "bf16", {}), ("moment_dtype", "8bit", {}),
+                              ("gradient_accumulators", "none",
+                               {"gradient_clipping": 0, "bf16": {"enabled": True, "check_grad_overflow": False}})]:
+        cfg = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+               "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}, "zoffload": {key: value}}
+        cfg.update(extra)
+        path = os.path.join(d, key + ".json")
+        with open(path, "w") as f:
+            json.dump(cfg, f)
+        p = run("--config", path, "--params", "1e6", "--optimizer-device", "cpu", "--nvme-path", d)
+        expect(p.returncode == 2 and ("zoffload.%s \"%s\"" % (key, value)) in p.stderr,
+               "a %s %s config: exit 2 naming the key (%d %s)" % (key, value, p.returncode, p.stderr))
 p = subprocess.run([bench, "pipeline", "--help"], capture_output=True, text=True)
 expect(p.returncode == 0 and "overlap" in p.stdout and "--nvme-path" in p.stdout, "--help describes it")
 
