@@ -20,6 +20,8 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
@@ -1304,6 +1306,61 @@ TEST(Resume, Bf16MastersAreBitIdenticalAcrossPlacementsThreadsAndAResume) {
   auto tc = Trainer::create(c);
   EXPECT_EQ(tc.status().code(), StatusCode::kInvalidArgument);
   EXPECT_THAT(tc.status().message(), HasSubstr("zoffload.master_dtype"));
+}
+
+// Note [No accumulator]: the accumulators are not part of a checkpoint, so a run without them saves
+// what a run with them saves, and either resumes the other's checkpoint bit-exactly.
+TEST(Resume, NoAccumulatorAndStoredRunsResumeEachOthersCheckpointsBitExactly) {
+  constexpr int kN = 2, kM = 2;
+  auto setup = [](const char* accumulators) {
+    return RunSetup{.param = "cpu",
+                    .optimizer = "nvme",
+                    .pipeline = true,
+                    .clipping = 0,
+                    .grad_accum = 2,
+                    .schedule = "vertical",
+                    .accumulators = accumulators,
+                    .check_overflow = false};
+  };
+  struct Run {
+    std::vector<StepMetrics> metrics;
+    std::vector<std::vector<float>> weights;
+  };
+  std::map<std::string, Run> full;
+  std::map<std::string, std::unique_ptr<TempDir>> dirs;
+  for (const char* acc : {"none", "cpu"}) {
+    dirs[acc] = std::make_unique<TempDir>();
+    TrainOptions o = with_checkpoints(make_options(setup(acc), *dirs[acc]), dirs[acc]->path + "/ckpt");
+    auto t = Trainer::create(o);
+    ASSERT_TRUE(t.is_ok()) << t.status().to_string();
+    for (int i = 0; i < kN + kM; ++i) {
+      auto m = (*t)->step();
+      ASSERT_TRUE(m.is_ok()) << m.status().to_string();
+      full[acc].metrics.push_back(*m);
+      if (i + 1 == kN) ASSERT_TRUE((*t)->save_checkpoint().is_ok());
+    }
+    full[acc].weights = masters(**t);
+  }
+  EXPECT_TRUE(bit_identical(full["none"].weights, full["cpu"].weights));
+  const std::string step = "/ckpt/step-" + std::to_string(kN) + "/";
+  for (const char* file : {"master.safetensors", "exp_avg.safetensors", "exp_avg_sq.safetensors"})
+    EXPECT_EQ(file_bytes(dirs["none"]->path + step + file), file_bytes(dirs["cpu"]->path + step + file)) << file;
+  // Each resumes the other's checkpoint.
+  for (const auto& [from, to] : {std::pair<std::string, const char*>{"cpu", "none"}, {"none", "cpu"}}) {
+    SCOPED_TRACE("resumed from a " + from + " run's checkpoint with accumulators " + to);
+    TempDir dir;
+    TrainOptions o = make_options(setup(to), dir);
+    o.resume = dirs[from]->path + "/ckpt/step-" + std::to_string(kN);
+    auto t = Trainer::create(o);
+    ASSERT_TRUE(t.is_ok()) << t.status().to_string();
+    for (int i = kN; i < kN + kM; ++i) {
+      auto m = (*t)->step();
+      ASSERT_TRUE(m.is_ok()) << m.status().to_string();
+      EXPECT_EQ(m->loss, full[from].metrics[i].loss) << "step " << m->step;
+      EXPECT_EQ(m->grad_norm, full[from].metrics[i].grad_norm) << "step " << m->step;
+    }
+    EXPECT_TRUE(bit_identical(masters(**t), full[from].weights));
+  }
 }
 
 // ENOSPC in the middle of a save: the error names the file; the previous checkpoint and `latest`
