@@ -182,11 +182,22 @@ with tempfile.TemporaryDirectory(dir=os.environ.get("MESON_BUILD_ROOT")) as tmp:
         json.dump({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
                    "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
                                          "offload_optimizer": {"device": "cpu"}}}, f)
-    p = torchrun(2, ["train", "--config", big, "--model", "tinyllama-1.1b", "--data", corpus, "--out",
-                     os.path.join(tmp, "big"), "--steps", "1", "--seq-len", "64"], timeout=300)
-    expect(p.returncode != 0 and "each of this node's 2 ranks is planned with 1/2 of its RAM" in p.stderr and
-           "rank 1: error: OutOfMemory: the plan does not fit" in p.stderr,
-           "a plan that fits one rank's share of the node's RAM only is refused by every rank: %s" % p.stderr[-2000:])
+    # The two ranks are started by hand, as torchrun starts them: torchrun stops the other workers as
+    # soon as one exits, so under load rank 1 could be stopped before it has said why.
+    port = str(free_port())
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        procs.append(subprocess.Popen([zoffload, "train", "--config", big, "--model", "tinyllama-1.1b", "--data",
+                                       corpus, "--out", os.path.join(tmp, "big"), "--steps", "1", "--seq-len", "64"],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    for rank, proc in enumerate(procs):
+        _, err = proc.communicate(timeout=300)
+        expect(proc.returncode == 1 and "each of this node's 2 ranks is planned with 1/2 of its RAM" in err and
+               "OutOfMemory: the plan does not fit" in err and (rank == 0 or "rank 1: error:" in err),
+               "a plan that fits one rank's share of the node's RAM only is refused by rank %d: exit %d: %s"
+               % (rank, proc.returncode, err[-2000:]))
 
     # ---- world 2 x micro 1 == world 1 x micro 2 ---------------------------------------------------------
     w1 = os.path.join(tmp, "w1")
