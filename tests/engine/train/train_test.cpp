@@ -727,36 +727,41 @@ TEST(Trainer, NoAccumulatorIsBitIdenticalToTheStoredPath) {
 // A compute copy's write fails while backward is stepping the sub-groups: the step reports it with
 // the sub-group and file, and the run refuses to go on with states some of whose sub-groups are a
 // step ahead (torn), as after a failed optimizer step.
-TEST(Trainer, ANoAccumulatorStepFailureEndsTheRun) {
-  TempDir dir;
-  TrainOptions o = make_options({.param = "nvme",
-                                 .optimizer = "cpu",
-                                 .max_in_cpu = 0,
-                                 .clipping = 0,
-                                 .grad_accum = 1,
-                                 .accumulators = "none",
-                                 .check_overflow = false},
-                                dir);
+// Trains step 1, makes the write at offset 0 of the swap file named `file` fail (EIO) in step 2, and
+// checks that step 2 fails with an I/O error whose message holds each of `named`, and that step 3
+// refuses the torn states.
+void expect_a_failed_write_ends_the_run(TrainOptions o, const std::string& file,
+                                        const std::vector<std::string>& named) {
   o.io_faults = std::make_shared<io::FaultInjector>();
   auto t = Trainer::create(o);
   ASSERT_TRUE(t.is_ok()) << t.status().to_string();
   ASSERT_TRUE((*t)->step().is_ok());
-  // Offset 0 of param.swp is sub-group 0's compute copy (the embedding's): backward's last, so the
-  // other sub-groups have been stepped when it fails.
-  o.io_faults->add(
-      {.kind = io::FaultKind::kEio, .op = io::IoOp::kWrite, .path_contains = "param.swp", .offset_bytes = 0});
+  o.io_faults->add({.kind = io::FaultKind::kEio, .op = io::IoOp::kWrite, .path_contains = file, .offset_bytes = 0});
   auto failed = (*t)->step();
   ASSERT_FALSE(failed.is_ok());
   EXPECT_EQ(failed.status().code(), StatusCode::kIoError);
   const std::string msg = failed.status().to_string();
-  EXPECT_THAT(msg, HasSubstr("optimizer step 2"));
-  EXPECT_THAT(msg, HasSubstr("sub-group 0"));
-  EXPECT_THAT(msg, HasSubstr("param.swp"));
+  for (const std::string& part : named) EXPECT_THAT(msg, HasSubstr(part));
   EXPECT_EQ(o.io_faults->injected(), 1u);
   auto after = (*t)->step();
   ASSERT_FALSE(after.is_ok());
   EXPECT_EQ(after.status().code(), StatusCode::kFailedPrecondition);
   EXPECT_THAT(after.status().to_string(), HasSubstr("torn"));
+}
+
+TEST(Trainer, ANoAccumulatorStepFailureEndsTheRun) {
+  TempDir dir;
+  // Offset 0 of param.swp is sub-group 0's compute copy (the embedding's): backward's last, so the
+  // other sub-groups have been stepped when it fails.
+  expect_a_failed_write_ends_the_run(make_options({.param = "nvme",
+                                                   .optimizer = "cpu",
+                                                   .max_in_cpu = 0,
+                                                   .clipping = 0,
+                                                   .grad_accum = 1,
+                                                   .accumulators = "none",
+                                                   .check_overflow = false},
+                                                  dir),
+                                     "param.swp", {"optimizer step 2", "sub-group 0", "param.swp"});
 }
 
 // Note [Checkpoints on the CPU]: the layers' inputs wait in pinned host slots and come back for
@@ -985,27 +990,10 @@ TEST(Trainer, OverlappedOptimizerIsBitIdenticalToTheSequentialStep) {
 // (docs/memory.md) instead of training on them.
 TEST(Trainer, AnOptimizerFailureBehindTheNextForwardEndsTheRun) {
   TempDir dir;
-  TrainOptions o = make_options({.param = "cpu", .optimizer = "nvme", .pipeline = true}, dir);
-  o.io_faults = std::make_shared<io::FaultInjector>();
-  auto t = Trainer::create(o);
-  ASSERT_TRUE(t.is_ok()) << t.status().to_string();
-  ASSERT_TRUE((*t)->step().is_ok());
   // Offset 0 of optimizer.swp is sub-group 0's master: only the optimizer writes it.
-  o.io_faults->add(
-      {.kind = io::FaultKind::kEio, .op = io::IoOp::kWrite, .path_contains = "optimizer.swp", .offset_bytes = 0});
-  auto failed = (*t)->step();
-  ASSERT_FALSE(failed.is_ok());
-  EXPECT_EQ(failed.status().code(), StatusCode::kIoError);
-  const std::string msg = failed.status().to_string();
-  EXPECT_THAT(msg, HasSubstr("step 2: optimizer step 2"));
-  EXPECT_THAT(msg, HasSubstr("sub-group 0"));
-  EXPECT_THAT(msg, HasSubstr("optimizer.swp"));
-  EXPECT_THAT(msg, HasSubstr("offset 0"));
-  EXPECT_EQ(o.io_faults->injected(), 1u);
-  auto after = (*t)->step();
-  ASSERT_FALSE(after.is_ok());
-  EXPECT_EQ(after.status().code(), StatusCode::kFailedPrecondition);
-  EXPECT_THAT(after.status().to_string(), HasSubstr("torn"));
+  expect_a_failed_write_ends_the_run(make_options({.param = "cpu", .optimizer = "nvme", .pipeline = true}, dir),
+                                     "optimizer.swp",
+                                     {"step 2: optimizer step 2", "sub-group 0", "optimizer.swp", "offset 0"});
 }
 
 // A write of an NVMe gradient accumulator fails on the gradient worker's thread, behind the
