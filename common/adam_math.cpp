@@ -67,4 +67,22 @@ AdamConstants adam_constants(const AdamConfig& config, int64_t step, float grad_
   return k;
 }
 
+Adam8bitConstants adam8bit_constants(const AdamConfig& c, int64_t step, float grad_scale) {
+  const double b1 = c.beta1, b2 = c.beta2, lr = c.lr, wd = c.weight_decay, t = static_cast<double>(step);
+  Adam8bitConstants k{};
+  k.grad_scale = grad_scale;
+  k.beta1 = c.beta1;
+  k.one_minus_beta1 = static_cast<float>(1.0 - b1);
+  k.beta2 = c.beta2;
+  k.one_minus_beta2 = static_cast<float>(1.0 - b2);
+  k.c2 = c.bias_correction ? static_cast<float>(std::sqrt(1.0 - std::pow(b2, t))) : 1.0f;
+  k.eps = c.eps;
+  k.step_size = static_cast<float>(-lr / (c.bias_correction ? 1.0 - std::pow(b1, t) : 1.0));
+  k.decay = static_cast<float>(1.0 - lr * wd);
+  k.wd = c.weight_decay;
+  k.use_l2 = !c.adam_w_mode && c.weight_decay > 0.0f;
+  k.use_decoupled = c.adam_w_mode && c.weight_decay > 0.0f;
+  return k;
+}
+
 }  // namespace zo

@@ -54,26 +54,6 @@ const detail::KernelTable& table_for(const Executor& executor) {
 
 constexpr float kInf = INFINITY;
 
-// The per-call constants, each derived in double from the float hyperparameters and rounded once
-// to float, as bitsandbytes' Python passes them to torch's float32 ops.
-detail::Adam8bitConstants constants(const AdamConfig& c, int64_t step, float grad_scale) {
-  const double b1 = c.beta1, b2 = c.beta2, lr = c.lr, wd = c.weight_decay, t = static_cast<double>(step);
-  detail::Adam8bitConstants k{};
-  k.grad_scale = grad_scale;
-  k.beta1 = c.beta1;
-  k.one_minus_beta1 = static_cast<float>(1.0 - b1);
-  k.beta2 = c.beta2;
-  k.one_minus_beta2 = static_cast<float>(1.0 - b2);
-  k.c2 = c.bias_correction ? static_cast<float>(std::sqrt(1.0 - std::pow(b2, t))) : 1.0f;
-  k.eps = c.eps;
-  k.step_size = static_cast<float>(-lr / (c.bias_correction ? 1.0 - std::pow(b1, t) : 1.0));
-  k.decay = static_cast<float>(1.0 - lr * wd);
-  k.wd = c.weight_decay;
-  k.use_l2 = !c.adam_w_mode && c.weight_decay > 0.0f;
-  k.use_decoupled = c.adam_w_mode && c.weight_decay > 0.0f;
-  return k;
-}
-
 Status check_state(const char* name, size_t n, const BlockwiseState& s) {
   const std::string what = std::string("adam8bit_step: ") + name;
   if (s.codes.size() != n)
@@ -305,7 +285,7 @@ Status run_adam8bit(const char* op, const AdamConfig& config, int64_t step, deta
   a.grad_dtype = grad.dtype;
   a.copy_out = copy_out.data;
   a.copy_dtype = copy_out.dtype;
-  a.k = constants(config, step, grad_scale);
+  a.k = adam8bit_constants(config, step, grad_scale);
   static_assert(kTileElems % kQuantBlockElems == 0, "a block must not straddle two tiles");
   static_assert(detail::kQuantBlock == kQuantBlockElems);
   const auto kernel = table_for(executor).adam8bit;

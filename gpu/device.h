@@ -69,12 +69,19 @@ struct DeviceBusy {
 };
 
 // One Adam/AdamW step over n_elems device-resident elements, for Device::adam_step. The buffers
-// are device ranges of n_elems elements each (fp32 unless a dtype is given) that must not overlap.
+// are device ranges of n_elems elements each (of the dtype named beside them) that must not overlap.
 struct DeviceAdamArgs {
-  DevicePtr params;      // fp32 master parameters, updated in place
-  DevicePtr exp_avg;     // fp32 first moment, updated in place
-  DevicePtr exp_avg_sq;  // fp32 second moment, updated in place
-  DevicePtr grad;        // read only, grad_dtype (fp32, bf16 or fp16)
+  DevicePtr params;  // the masters, param_dtype, updated in place
+  // kF32, or kBF16: bf16 masters, widened exactly and stored with stochastic rounding, element i
+  // drawing sr_random16(sr_key, sr_first + i) (Note [Stochastic rounding to bf16] in common/half.h);
+  // copy_out, if any, must then be bf16 and gets the same bits.
+  DType param_dtype = DType::kF32;
+  uint32_t sr_key = 0;
+  uint32_t sr_first = 0;
+  DevicePtr exp_avg;                 // first moment, moment_dtype, updated in place
+  DevicePtr exp_avg_sq;              // second moment, moment_dtype, updated in place
+  DType moment_dtype = DType::kF32;  // kF32, or kBF16 (widened exactly, stored rounded to nearest even)
+  DevicePtr grad;                    // read only, grad_dtype (fp32, bf16 or fp16)
   DType grad_dtype = DType::kF32;
   float grad_scale = 1.0f;  // 1/loss_scale × clip coefficient, applied to each gradient as it is read
   DevicePtr copy_out;       // null: none; else receives the new params as copy_dtype (round to nearest even)
@@ -82,6 +89,30 @@ struct DeviceAdamArgs {
   uint64_t n_elems = 0;
   AdamConfig config;  // common/adam_math.h: the same hyperparameters cpu_optim::adam_step takes
   int64_t step = 1;   // 1-based step number of this update
+};
+
+// One step of Adam/AdamW with 8-bit blockwise moments over n_elems device-resident elements, for
+// Device::adam8bit_step: each moment is n_elems codes into bitsandbytes' dynamic map
+// (common/dynamic_maps.h: the signed one for exp_avg, the unsigned one for exp_avg_sq) and one fp32
+// absmax per block of 256 elements, the last block partial (cpu_optim::BlockwiseState). Ranges must
+// not overlap.
+struct DeviceAdam8bitArgs {
+  DevicePtr params;  // param_dtype (fp32, or bf16 with sr_key / sr_first as in DeviceAdamArgs)
+  DType param_dtype = DType::kF32;
+  uint32_t sr_key = 0;
+  uint32_t sr_first = 0;
+  DevicePtr m_codes;   // n_elems bytes
+  DevicePtr m_absmax;  // ⌈n_elems / 256⌉ fp32
+  DevicePtr v_codes;
+  DevicePtr v_absmax;
+  DevicePtr grad;
+  DType grad_dtype = DType::kF32;
+  float grad_scale = 1.0f;
+  DevicePtr copy_out;
+  DType copy_dtype = DType::kBF16;
+  uint64_t n_elems = 0;
+  AdamConfig config;
+  int64_t step = 1;
 };
 
 // Counters since creation. The memory fields are read together under one lock; the moved-bytes
@@ -200,6 +231,13 @@ class Device {
   // range is not inside one live allocation or two ranges overlap. n_elems == 0 queues nothing.
   // Moves no bytes in stats() (it is a kernel).
   virtual Status adam_step(const DeviceAdamArgs& args, Stream stream) = 0;
+  // One step of Adam with 8-bit blockwise moments (see DeviceAdam8bitArgs) as a kernel on `stream`:
+  // every element dequantizes its moments and runs zo::adam8bit_update, then each block's absmax is
+  // the largest non-NaN |moment| (0 if none) and each code zo::nearest_map_entry of moment/absmax
+  // (common/adam_math.h), so the bits equal cpu_optim::adam8bit_step's (and
+  // adam8bit_step_bf16_master's) on the same inputs, on every backend. InvalidArgument as for
+  // adam_step. n_elems == 0 queues nothing.
+  virtual Status adam8bit_step(const DeviceAdam8bitArgs& args, Stream stream) = 0;
   // Occupies `stream` for at least `duration_us` microseconds (a sleeping kernel). For tests and
   // benchmarks that need a slow operation to expose ordering.
   virtual Status delay(Stream stream, uint32_t duration_us) = 0;

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "common/adam_math.h"
+#include "common/dynamic_maps.h"
 #include "common/bytes.h"
 #include "common/check.h"
 #include "common/host_memory.h"
@@ -433,14 +434,35 @@ Status HostDevice::adam_step(const DeviceAdamArgs& args, Stream stream) {
   ZO_RETURN_IF_ERROR(detail::check_adam_args(s_->acct, args));
   if (args.n_elems == 0) return Status::ok();
   const AdamConstants k = adam_constants(args.config, args.step, args.grad_scale);
-  st->push([args, k] {
-    auto* p = static_cast<float*>(args.params.addr);
-    auto* m = static_cast<float*>(args.exp_avg.addr);
-    auto* v = static_cast<float*>(args.exp_avg_sq.addr);
-    const auto gdt = static_cast<uint8_t>(args.grad_dtype);
-    const auto cdt = static_cast<uint8_t>(args.copy_dtype);
-    for (uint64_t i = 0; i < args.n_elems; ++i) {
-      detail::adam_element(k, p, m, v, args.grad.addr, gdt, args.copy_out.addr, cdt, i);
+  st->push([a = detail::element_args(args), n = args.n_elems, k] {
+    for (uint64_t i = 0; i < n; ++i) detail::adam_element(k, a, i);
+  });
+  return Status::ok();
+}
+
+Status HostDevice::adam8bit_step(const DeviceAdam8bitArgs& args, Stream stream) {
+  HostStream* st = s_->stream(stream);
+  ZO_RETURN_IF_ERROR(detail::check_adam8bit_args(s_->acct, args));
+  if (args.n_elems == 0) return Status::ok();
+  const Adam8bitConstants k = adam8bit_constants(args.config, args.step, args.grad_scale);
+  st->push([a = detail::element_args(args), n = args.n_elems, k] {
+    // Block by block, as CudaDevice's kernel does with one thread block per quantization block.
+    constexpr uint64_t kBlock = detail::kQuantBlockElems;
+    float m[kBlock], v[kBlock];
+    for (uint64_t first = 0; first < n; first += kBlock) {
+      const uint64_t count = std::min(kBlock, n - first);
+      float m_amax = 0.0f, v_amax = 0.0f;
+      for (uint64_t j = 0; j < count; ++j) {
+        detail::adam8bit_element(k, a, kSignedDynamicMap.data(), kUnsignedDynamicMap.data(), first + j, m[j], v[j]);
+        m_amax = std::max(m_amax, detail::absmax_term(m[j]));
+        v_amax = std::max(v_amax, detail::absmax_term(v[j]));
+      }
+      a.m_absmax[first / kBlock] = m_amax;
+      a.v_absmax[first / kBlock] = v_amax;
+      for (uint64_t j = 0; j < count; ++j) {
+        a.m_codes[first + j] = detail::requantize(kSignedDynamicMap.data(), m[j], m_amax);
+        a.v_codes[first + j] = detail::requantize(kUnsignedDynamicMap.data(), v[j], v_amax);
+      }
     }
   });
   return Status::ok();

@@ -55,6 +55,7 @@ class HostDevice final : public Device {
   Status fill_zero(DevicePtr dst, uint64_t size_bytes, Stream stream) override;
   Status cast(DevicePtr dst, DType dst_dtype, DevicePtr src, DType src_dtype, uint64_t n_elems, Stream stream) override;
   Status adam_step(const DeviceAdamArgs& args, Stream stream) override;
+  Status adam8bit_step(const DeviceAdam8bitArgs& args, Stream stream) override;
   Status delay(Stream stream, uint32_t duration_us) override;
 
   DeviceStats stats() const override;

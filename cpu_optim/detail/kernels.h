@@ -65,19 +65,8 @@ struct LionArgs {
   bool use_decay;
 };
 
-// 8-bit blockwise Adam (cpu_optim/adam8bit.h): the per-call constants, derived in double from the
-// float hyperparameters and rounded once to float, as bitsandbytes' Python hands them to torch.
-struct Adam8bitConstants {
-  float grad_scale;
-  float beta1, one_minus_beta1;
-  float beta2, one_minus_beta2;
-  float c2;  // sqrt(1 - beta2^step), or 1
-  float eps;
-  float step_size;  // -lr / (1 - beta1^step), or -lr
-  float decay;      // 1 - lr*wd; used when use_decoupled
-  float wd;         // used when use_l2
-  bool use_l2, use_decoupled;
-};
+// 8-bit blockwise Adam (cpu_optim/adam8bit.h): its per-call constants (common/adam_math.h).
+using ::zo::Adam8bitConstants;
 
 // Nearest map entries by bucket (Note [Nearest codes by bucket] in cpu_optim/adam8bit.cpp). A float
 // x falls in bucket k = clamp((|x|'s bits >> 16) - kBucketFloor, 0, kBucketTop): its exponent and

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "common/adam_math.h"
+#include "common/dynamic_maps.h"
 #include "common/bytes.h"
 #include "common/check.h"
 #include "common/host_memory.h"
@@ -56,11 +57,54 @@ __global__ void cast_kernel(void* dst, uint8_t dst_dtype, const void* src, uint8
 // runs. Bit-identical to the CPU because adam_update spells every operation as a correctly rounded
 // _rn intrinsic and gpu/meson.build builds this file with -fmad=false -prec-div=true
 // -prec-sqrt=true -ftz=false (see docs/gpu.md, "Adam on the device").
-__global__ void adam_kernel(AdamConstants k, float* params, float* exp_avg, float* exp_avg_sq, const void* grad,
-                            uint8_t grad_dtype, void* copy, uint8_t copy_dtype, uint64_t n) {
+__global__ void adam_kernel(AdamConstants k, detail::AdamElementArgs a, uint64_t n) {
   const uint64_t stride = uint64_t{gridDim.x} * blockDim.x;
   for (uint64_t i = uint64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n; i += stride) {
-    detail::adam_element(k, params, exp_avg, exp_avg_sq, grad, grad_dtype, copy, copy_dtype, i);
+    detail::adam_element(k, a, i);
+  }
+}
+
+// The two dynamic maps, passed by value (2 KiB of kernel parameters) and copied to shared memory.
+struct DynamicMaps {
+  float m[256];  // signed
+  float v[256];  // unsigned
+};
+
+// One thread block of kQuantBlockElems threads per quantization block (grid-stride over blocks):
+// each thread updates one element through adam8bit_element, the block's absmax is a shared-memory
+// max over absmax_term (exact in any order), and each thread re-quantizes its own moments. The
+// arithmetic is HostDevice's and cpu_optim's, operation for operation (Note [Bit-exact device Adam]).
+__global__ void adam8bit_kernel(Adam8bitConstants k, detail::Adam8bitElementArgs a, DynamicMaps maps, uint64_t n) {
+  constexpr unsigned kBlock = static_cast<unsigned>(detail::kQuantBlockElems);
+  __shared__ float m_map[256], v_map[256], m_red[kBlock], v_red[kBlock];
+  m_map[threadIdx.x] = maps.m[threadIdx.x];
+  v_map[threadIdx.x] = maps.v[threadIdx.x];
+  __syncthreads();
+  const uint64_t n_blocks = (n + kBlock - 1) / kBlock;
+  for (uint64_t b = blockIdx.x; b < n_blocks; b += gridDim.x) {
+    const uint64_t i = b * kBlock + threadIdx.x;
+    float m = 0.0f, v = 0.0f;
+    if (i < n) detail::adam8bit_element(k, a, m_map, v_map, i, m, v);
+    m_red[threadIdx.x] = detail::absmax_term(m);
+    v_red[threadIdx.x] = detail::absmax_term(v);
+    __syncthreads();
+    for (unsigned half = kBlock / 2; half > 0; half /= 2) {
+      if (threadIdx.x < half) {
+        m_red[threadIdx.x] = fmaxf(m_red[threadIdx.x], m_red[threadIdx.x + half]);
+        v_red[threadIdx.x] = fmaxf(v_red[threadIdx.x], v_red[threadIdx.x + half]);
+      }
+      __syncthreads();
+    }
+    const float m_amax = m_red[0], v_amax = v_red[0];
+    if (i < n) {
+      a.m_codes[i] = detail::requantize(m_map, m, m_amax);
+      a.v_codes[i] = detail::requantize(v_map, v, v_amax);
+    }
+    if (threadIdx.x == 0) {
+      a.m_absmax[b] = m_amax;
+      a.v_absmax[b] = v_amax;
+    }
+    __syncthreads();  // m_red[0] is read by every thread before the next block overwrites it
   }
 }
 
@@ -637,11 +681,25 @@ Status CudaDevice::adam_step(const DeviceAdamArgs& args, Stream stream) {
   const AdamConstants k = adam_constants(args.config, args.step, args.grad_scale);
   constexpr unsigned kThreads = 256;
   const uint64_t blocks = std::min<uint64_t>((args.n_elems + kThreads - 1) / kThreads, 65535);
-  adam_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, st>>>(
-      k, static_cast<float*>(args.params.addr), static_cast<float*>(args.exp_avg.addr),
-      static_cast<float*>(args.exp_avg_sq.addr), args.grad.addr, static_cast<uint8_t>(args.grad_dtype),
-      args.copy_out.addr, static_cast<uint8_t>(args.copy_dtype), args.n_elems);
+  adam_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, st>>>(k, detail::element_args(args), args.n_elems);
   ZO_CUDA_RETURN_IF_ERROR(cudaGetLastError(), "launching the adam kernel");
+  return Status::ok();
+}
+
+Status CudaDevice::adam8bit_step(const DeviceAdam8bitArgs& args, Stream stream) {
+  cudaStream_t st = s_->stream(stream);
+  ZO_RETURN_IF_ERROR(detail::check_adam8bit_args(s_->acct, args));
+  if (args.n_elems == 0) return Status::ok();
+  ZO_RETURN_IF_ERROR(s_->use());
+  const Adam8bitConstants k = adam8bit_constants(args.config, args.step, args.grad_scale);
+  DynamicMaps maps;
+  std::copy(kSignedDynamicMap.begin(), kSignedDynamicMap.end(), maps.m);
+  std::copy(kUnsignedDynamicMap.begin(), kUnsignedDynamicMap.end(), maps.v);
+  constexpr unsigned kThreads = static_cast<unsigned>(detail::kQuantBlockElems);
+  const uint64_t blocks = std::min<uint64_t>((args.n_elems + kThreads - 1) / kThreads, 65535);
+  adam8bit_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, st>>>(k, detail::element_args(args), maps,
+                                                                      args.n_elems);
+  ZO_CUDA_RETURN_IF_ERROR(cudaGetLastError(), "launching the adam8bit kernel");
   return Status::ok();
 }
 

@@ -1,10 +1,11 @@
-// The argument checks of Device::adam_step, shared by HostDevice and CudaDevice so both accept and
+// The argument checks of Device::adam_step and adam8bit_step, shared by HostDevice and CudaDevice so both accept and
 // reject exactly the same calls. Thread-safe (reads the accounting tables under their lock).
 // Internal to gpu/.
 #pragma once
 
 #include "common/status.h"
 #include "gpu/detail/accounting.h"
+#include "gpu/detail/adam_element.h"
 #include "gpu/device.h"
 
 namespace zo::gpu::detail {
@@ -14,5 +15,11 @@ namespace zo::gpu::detail {
 // lies inside one live allocation of `acct` and no two ranges overlap. InvalidArgument naming the
 // buffer otherwise.
 Status check_adam_args(const Accounting& acct, const DeviceAdamArgs& args);
+// The same for Device::adam8bit_step (its buffers' sizes: n codes and ⌈n / 256⌉ absmax per moment).
+Status check_adam8bit_args(const Accounting& acct, const DeviceAdam8bitArgs& args);
+
+// The kernels' view of checked arguments (adam_element.h).
+AdamElementArgs element_args(const DeviceAdamArgs& args);
+Adam8bitElementArgs element_args(const DeviceAdam8bitArgs& args);
 
 }  // namespace zo::gpu::detail

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "cpu_optim/adam.h"
+#include "cpu_optim/adam8bit.h"
 #include "cpu_optim/executor.h"
 #include "cpu_optim/isa.h"
 #include "common/trace.h"
@@ -655,6 +656,239 @@ TEST_P(DeviceConformance, AdamStepMatchesCpuOptimBitForBit) {
     ++cases;
   }
   EXPECT_EQ(cases, 48);
+  for (DevicePtr d : {dp, dm, dv, dg, dc}) dev_->free(d);
+}
+
+// The narrow optimizer states on the device: bf16 moments, bf16 masters with stochastic rounding,
+// and 8-bit blockwise moments (alone and with bf16 masters), each against its cpu_optim step on
+// every CPU path here, every output byte compared after each of five steps. n = 100003 ends in a
+// partial 8-bit block; the gradients hold a block of zeros, denormals and tiny normals; the
+// parameters' rounding key and first index are not zero (a piece in the middle of a parameter).
+TEST_P(DeviceConformance, NarrowStatesMatchCpuOptimBitForBit) {
+  if (!dev_) return;
+  constexpr size_t kN = 100003;
+  constexpr size_t kBlocks = (kN + 255) / 256;
+  constexpr int kSteps = 5;
+  constexpr float kGradScale = 0.7311f;
+  constexpr uint32_t kSrFirst = 4096 * 3;
+  enum class Variant { kBf16Moments, kBf16Masters, kBf16MastersBf16Moments, k8bit, k8bitBf16Masters };
+  const std::vector<AdamCpuPath> paths = adam_cpu_paths();
+  ASSERT_FALSE(paths.empty());
+  // Bytes of each state: params (fp32 or bf16), each moment (fp32, bf16, or codes then absmax).
+  struct State {
+    std::vector<uint8_t> p, m, v, copy;
+  };
+  std::mt19937 rng(7);
+  std::vector<float> p0(kN), m0(kN), v0(kN);
+  for (size_t i = 0; i < kN; ++i) {
+    p0[i] = adam_test_value(rng, 1e3f, false);
+    m0[i] = adam_test_value(rng, 1e2f, false);
+    v0[i] = adam_test_value(rng, 1e4f, true);
+  }
+  auto bytes_of = [](const auto& vec) {
+    std::vector<uint8_t> b(vec.size() * sizeof(vec[0]));
+    std::memcpy(b.data(), vec.data(), b.size());
+    return b;
+  };
+  auto bf16_of = [&](const std::vector<float>& x) {
+    std::vector<uint16_t> h(x.size());
+    for (size_t i = 0; i < x.size(); ++i) h[i] = cpu_optim::float_to_bf16(x[i]);
+    return bytes_of(h);
+  };
+  auto blockwise_of = [&](bool is_signed) {  // random codes, absmax up to 1e2; one all-zero block
+    std::vector<uint8_t> b(kN + kBlocks * 4);
+    for (size_t i = 0; i < kN; ++i) b[i] = static_cast<uint8_t>(rng());
+    for (size_t k = 0; k < kBlocks; ++k) {
+      const float a = k == 5 ? 0.0f : adam_test_value(rng, 1e2f, true) * (is_signed ? 1.0f : 0.5f);
+      std::memcpy(b.data() + kN + k * 4, &a, 4);
+    }
+    return b;
+  };
+  const std::vector<uint8_t> m8 = blockwise_of(true), v8 = blockwise_of(false);
+  const DevicePtr dp = alloc(*dev_, kN * 4), dm = alloc(*dev_, kN * 4 + kBlocks * 4),
+                  dv = alloc(*dev_, kN * 4 + kBlocks * 4), dg = alloc(*dev_, kN * 4), dc = alloc(*dev_, kN * 4);
+  int cases = 0;
+  for (Variant variant : {Variant::kBf16Moments, Variant::kBf16Masters, Variant::kBf16MastersBf16Moments,
+                          Variant::k8bit, Variant::k8bitBf16Masters})
+    for (DType grad_dtype : {DType::kF32, DType::kBF16})
+      for (bool copy : {false, true})
+        for (bool adam_w : {true, false}) {
+          const bool bf16_masters = variant == Variant::kBf16Masters || variant == Variant::kBf16MastersBf16Moments ||
+                                    variant == Variant::k8bitBf16Masters;
+          const bool eight_bit = variant == Variant::k8bit || variant == Variant::k8bitBf16Masters;
+          const bool bf16_moments = variant == Variant::kBf16Moments || variant == Variant::kBf16MastersBf16Moments;
+          const DType copy_dtype = bf16_masters ? DType::kBF16 : DType::kF16;
+          const AdamConfig config{.lr = 3e-3f, .weight_decay = 0.05f, .adam_w_mode = adam_w};
+          const uint32_t key = sr_key(99, 1, 3);
+          SCOPED_TRACE("variant " + std::to_string(static_cast<int>(variant)) + ", grad " +
+                       std::string(dtype_name(grad_dtype)) + ", copy " + (copy ? "yes" : "no") + ", adam_w " +
+                       (adam_w ? "true" : "false"));
+          State init;
+          init.p = bf16_masters ? bf16_of(p0) : bytes_of(p0);
+          init.m = eight_bit ? m8 : bf16_moments ? bf16_of(m0) : bytes_of(m0);
+          init.v = eight_bit ? v8 : bf16_moments ? bf16_of(v0) : bytes_of(v0);
+          if (copy) init.copy.assign(kN * 2, 0);
+          std::vector<State> cpu(paths.size(), init);
+          ZO_ASSERT_OK(dev_->copy_h2d(dp, init.p.data(), init.p.size(), stream_));
+          ZO_ASSERT_OK(dev_->copy_h2d(dm, init.m.data(), init.m.size(), stream_));
+          ZO_ASSERT_OK(dev_->copy_h2d(dv, init.v.data(), init.v.size(), stream_));
+          for (int step = 1; step <= kSteps; ++step) {
+            AdamGrad g = adam_grad(grad_dtype, kN, static_cast<uint32_t>(1000 * step + cases));
+            for (size_t i = 512; i < 768; ++i) {  // a block of zeros
+              if (grad_dtype == DType::kF32) g.f32[i] = 0.0f;
+              else g.u16[i] = 0;
+            }
+            const uint32_t step_key = key + static_cast<uint32_t>(step);
+            for (size_t k = 0; k < paths.size(); ++k) {
+              State& c = cpu[k];
+              const cpu_optim::ConstElemSpan gs{g.data(), g.dtype};
+              const cpu_optim::ElemSpan out{copy ? c.copy.data() : nullptr, copy_dtype};
+              const cpu_optim::Bf16Master master{{reinterpret_cast<uint16_t*>(c.p.data()), kN}, step_key, kSrFirst};
+              auto f32 = [&](std::vector<uint8_t>& b) {
+                return std::span<float>(reinterpret_cast<float*>(b.data()), kN);
+              };
+              auto u16 = [&](std::vector<uint8_t>& b) {
+                return std::span<uint16_t>(reinterpret_cast<uint16_t*>(b.data()), kN);
+              };
+              auto blockwise = [&](std::vector<uint8_t>& b) {
+                return cpu_optim::BlockwiseState{{b.data(), kN}, {reinterpret_cast<float*>(b.data() + kN), kBlocks}};
+              };
+              const auto& ex = *paths[k].executor;
+              const DType md = bf16_moments ? DType::kBF16 : DType::kF32;
+              Status st;
+              switch (variant) {
+                case Variant::kBf16Moments:
+                  st = cpu_optim::adam_step_bf16_moments(config, step, f32(c.p), u16(c.m), u16(c.v), gs, kGradScale,
+                                                         out, ex);
+                  break;
+                case Variant::kBf16Masters:
+                case Variant::kBf16MastersBf16Moments:
+                  st = cpu_optim::adam_step_bf16_master(config, step, master, {c.m.data(), md}, {c.v.data(), md}, gs,
+                                                        kGradScale, out, ex);
+                  break;
+                case Variant::k8bit:
+                  st = cpu_optim::adam8bit_step(config, step, f32(c.p), blockwise(c.m), blockwise(c.v), gs, kGradScale,
+                                                out, ex);
+                  break;
+                case Variant::k8bitBf16Masters:
+                  st = cpu_optim::adam8bit_step_bf16_master(config, step, master, blockwise(c.m), blockwise(c.v), gs,
+                                                            kGradScale, out, ex);
+                  break;
+              }
+              ZO_ASSERT_OK(st);
+            }
+            ZO_ASSERT_OK(dev_->copy_h2d(dg, g.data(), g.size_bytes(), stream_));
+            const DType pd = bf16_masters ? DType::kBF16 : DType::kF32;
+            const DevicePtr out = copy ? dc : DevicePtr{};
+            if (eight_bit) {
+              const DeviceAdam8bitArgs a{.params = dp,
+                                         .param_dtype = pd,
+                                         .sr_key = step_key,
+                                         .sr_first = kSrFirst,
+                                         .m_codes = dm,
+                                         .m_absmax = dm + kN,
+                                         .v_codes = dv,
+                                         .v_absmax = dv + kN,
+                                         .grad = dg,
+                                         .grad_dtype = grad_dtype,
+                                         .grad_scale = kGradScale,
+                                         .copy_out = out,
+                                         .copy_dtype = copy_dtype,
+                                         .n_elems = kN,
+                                         .config = config,
+                                         .step = step};
+              ZO_ASSERT_OK(dev_->adam8bit_step(a, stream_));
+            } else {
+              const DeviceAdamArgs a{.params = dp,
+                                     .param_dtype = pd,
+                                     .sr_key = step_key,
+                                     .sr_first = kSrFirst,
+                                     .exp_avg = dm,
+                                     .exp_avg_sq = dv,
+                                     .moment_dtype = bf16_moments ? DType::kBF16 : DType::kF32,
+                                     .grad = dg,
+                                     .grad_dtype = grad_dtype,
+                                     .grad_scale = kGradScale,
+                                     .copy_out = out,
+                                     .copy_dtype = copy_dtype,
+                                     .n_elems = kN,
+                                     .config = config,
+                                     .step = step};
+              ZO_ASSERT_OK(dev_->adam_step(a, stream_));
+            }
+            State got = init;
+            ZO_ASSERT_OK(dev_->copy_d2h(got.p.data(), dp, got.p.size(), stream_));
+            ZO_ASSERT_OK(dev_->copy_d2h(got.m.data(), dm, got.m.size(), stream_));
+            ZO_ASSERT_OK(dev_->copy_d2h(got.v.data(), dv, got.v.size(), stream_));
+            if (copy) ZO_ASSERT_OK(dev_->copy_d2h(got.copy.data(), dc, got.copy.size(), stream_));
+            ZO_ASSERT_OK(dev_->synchronize(stream_));
+            for (size_t k = 0; k < paths.size(); ++k) {
+              SCOPED_TRACE("step " + std::to_string(step) + " vs cpu_optim " + paths[k].name);
+              ASSERT_TRUE(got.p == cpu[k].p) << "params differ";
+              ASSERT_TRUE(got.m == cpu[k].m) << "exp_avg differs";
+              ASSERT_TRUE(got.v == cpu[k].v) << "exp_avg_sq differs";
+              ASSERT_TRUE(got.copy == cpu[k].copy) << "copy_out differs";
+            }
+            if (step == kSteps && eight_bit) {  // the update moved the states: not a no-op kernel
+              EXPECT_NE(got.m, init.m);
+              EXPECT_NE(got.v, init.v);
+            }
+          }
+          ++cases;
+        }
+  EXPECT_EQ(cases, 40);
+  for (DevicePtr d : {dp, dm, dv, dg, dc}) dev_->free(d);
+}
+
+TEST_P(DeviceConformance, NarrowStateStepsRejectBadArguments) {
+  if (!dev_) return;
+  constexpr uint64_t kN = 1024;  // allocations of whole kDeviceAlignment units: no slack past them
+  const DevicePtr dp = alloc(*dev_, kN * 4), dm = alloc(*dev_, kN * 4), dv = alloc(*dev_, kN * 4);
+  const DevicePtr dg = alloc(*dev_, kN * 4), dc = alloc(*dev_, kN * 4);
+  const DeviceAdamArgs adam{.params = dp,
+                            .param_dtype = DType::kBF16,
+                            .exp_avg = dm,
+                            .exp_avg_sq = dv,
+                            .moment_dtype = DType::kBF16,
+                            .grad = dg,
+                            .copy_out = dc,
+                            .copy_dtype = DType::kBF16,
+                            .n_elems = kN};
+  const DeviceAdam8bitArgs eight{
+      .params = dp, .m_codes = dm, .m_absmax = dm + kN, .v_codes = dv, .v_absmax = dv + kN, .grad = dg, .n_elems = kN};
+  auto expect_refused = [&](const char* what, const Status& st, const char* names) {
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << what << ": " << st.to_string();
+    EXPECT_NE(st.message().find(names), std::string::npos) << what << ": " << st.message();
+  };
+  DeviceAdamArgs a = adam;
+  a.param_dtype = DType::kF16;
+  expect_refused("fp16 masters", dev_->adam_step(a, stream_), "param_dtype");
+  a = adam;
+  a.copy_dtype = DType::kF32;
+  expect_refused("bf16 masters with an fp32 copy-out", dev_->adam_step(a, stream_), "copy_dtype must be bf16");
+  a = adam;
+  a.moment_dtype = DType::kF16;
+  expect_refused("fp16 moments", dev_->adam_step(a, stream_), "moment_dtype");
+  a = adam;
+  a.param_dtype = DType::kF32;
+  a.moment_dtype = DType::kF32;
+  a.exp_avg = dm + 8;  // fp32 moments no longer fit their allocation
+  expect_refused("fp32 moments past the end", dev_->adam_step(a, stream_), "exp_avg");
+  DeviceAdam8bitArgs e = eight;
+  e.m_absmax = dm + (kN - 8);  // overlaps the codes
+  expect_refused("absmax over the codes", dev_->adam8bit_step(e, stream_), "overlap");
+  e = eight;
+  e.v_absmax = dv + (kN * 4 - 8);  // 4 blocks need 16 bytes
+  expect_refused("absmax past the end", dev_->adam8bit_step(e, stream_), "v_absmax");
+  e = eight;
+  e.step = 0;
+  expect_refused("step 0", dev_->adam8bit_step(e, stream_), "adam8bit_step");
+  e = eight;
+  e.param_dtype = DType::kBF16;
+  e.copy_out = dc;
+  e.copy_dtype = DType::kF16;
+  expect_refused("bf16 masters with an fp16 copy-out", dev_->adam8bit_step(e, stream_), "copy_dtype must be bf16");
+  ZO_ASSERT_OK(dev_->synchronize(stream_));
   for (DevicePtr d : {dp, dm, dv, dg, dc}) dev_->free(d);
 }
 
