@@ -492,10 +492,6 @@ void Resolver::offload_placement() {
                 "\"bf16\" masters are the bf16 compute copies' source: needs bf16.enabled true (the compute "
                 "dtype is " +
                     std::string(c->fp16.enabled ? "fp16" : "fp32") + ")");
-    } else if (oo.device == OffloadDevice::kNone) {
-      st->error("zoffload.master_dtype",
-                "\"bf16\" masters step on the CPU only for now (the GPU optimizer kernel keeps fp32 masters): set "
-                "zero_optimization.offload_optimizer.device to \"cpu\" or \"nvme\"");
     }
   }
   const std::string& md = c->zoffload.moment_dtype;
@@ -505,10 +501,6 @@ void Resolver::offload_placement() {
         !st->has_error("optimizer.type")) {
       st->error(key, "\"8bit\" moments are Adam's and AdamW's (bitsandbytes' AdamW8bit; optimizer.type is " +
                          std::string(to_string(type)) + "); use \"bf16\" or \"fp32\"");
-    } else if (oo.device == OffloadDevice::kNone) {
-      st->error(key, "\"" + md +
-                         "\" moments step on the CPU only for now (the GPU optimizer kernel keeps fp32 moments): set "
-                         "zero_optimization.offload_optimizer.device to \"cpu\" or \"nvme\"");
     }
   }
 }

@@ -101,6 +101,7 @@ struct OptimizerSwapper::Impl {
   uint64_t elem_bytes(StateKind kind) const { return state_elem_bytes(store->plan().placement, kind); }
 
   Status step_device();
+  Status device_group(uint32_t g);
   Status step_cpu();
   Status step_nvme();
   // One sub-group of the CPU path from `grad` (its gradient in grad_dtype); after_update (may be
@@ -306,25 +307,12 @@ Status OptimizerSwapper::Impl::update(uint32_t g, std::byte* p_bytes, std::byte*
 
 Status OptimizerSwapper::Impl::step_device() {
   gpu::Device& device = store->device();
-  const Placement& pl = store->plan().placement;
   Status first;
   const uint32_t begin = store->plan().owned_begin, end = store->plan().owned_end;
   uint32_t g = begin;
   Stopwatch sw;
   for (; g < end; ++g) {
-    gpu::DeviceAdamArgs a;
-    a.params = loc(g, StateKind::kMaster).device;
-    a.exp_avg = loc(g, StateKind::kExpAvg).device;
-    a.exp_avg_sq = loc(g, StateKind::kExpAvgSq).device;
-    a.grad = loc(g, StateKind::kGradAccum).device;
-    a.grad_dtype = pl.grad_dtype;
-    a.grad_scale = args.grad_scale;
-    a.copy_out = loc(g, StateKind::kCompute).device;
-    a.copy_dtype = pl.compute_dtype;
-    a.n_elems = n_elems(g);
-    a.config = args.adam;
-    a.step = args.step;
-    first = device.adam_step(a, stream);
+    first = device_group(g);
     if (!first.is_ok()) break;
     written = true;
   }
@@ -335,6 +323,93 @@ Status OptimizerSwapper::Impl::step_device() {
   if (!sync.is_ok()) return sync.with_context("device Adam");
   report.sub_groups = end - begin;
   for (uint32_t done = begin; done < end; ++done) compute_ready(done);
+  return Status::ok();
+}
+
+// Queues sub-group g's update on the device, as update() steps it on the CPU: the whole group in one
+// kernel with fp32 masters and fp32 or bf16 moments; per parameter piece with bf16 masters (each
+// piece draws its parameter's rounding bits) or 8-bit moments (each piece's blocks are its own, or
+// a small parameter's moments are fp32: Note [8-bit moment layout]). The same kernels' arithmetic
+// as cpu_optim's, so the states are bit-identical to the CPU tier's.
+Status OptimizerSwapper::Impl::device_group(uint32_t g) {
+  gpu::Device& device = store->device();
+  const Placement& pl = store->plan().placement;
+  const bool bf16_masters = pl.master_dtype == DType::kBF16;
+  gpu::DevicePtr params = loc(g, StateKind::kMaster).device;
+  gpu::DevicePtr m = loc(g, StateKind::kExpAvg).device, v = loc(g, StateKind::kExpAvgSq).device;
+  gpu::DevicePtr grad = loc(g, StateKind::kGradAccum).device;
+  gpu::DevicePtr copy = loc(g, StateKind::kCompute).device;
+  if (copy.addr == params.addr) copy = {};  // Note [A bf16 master is its compute copy]: updated in place
+  const uint64_t pb = dtype_size_bytes(pl.master_dtype), gb = dtype_size_bytes(pl.grad_dtype),
+                 cb = dtype_size_bytes(pl.compute_dtype);
+  auto at = [](gpu::DevicePtr base, uint64_t offset) { return base ? base + offset : base; };
+  auto adam_args = [&](uint64_t off, uint64_t n) {
+    gpu::DeviceAdamArgs a;
+    a.params = at(params, off * pb);
+    a.param_dtype = pl.master_dtype;
+    a.grad = at(grad, off * gb);
+    a.grad_dtype = pl.grad_dtype;
+    a.grad_scale = args.grad_scale;
+    a.copy_out = at(copy, off * cb);
+    a.copy_dtype = pl.compute_dtype;
+    a.n_elems = n;
+    a.config = args.adam;
+    a.step = args.step;
+    return a;
+  };
+  auto sr = [&](const ParamPiece& piece, uint32_t& key, uint32_t& first) {
+    key = sr_key(args.rounding_seed, static_cast<uint64_t>(args.step), piece.param);
+    first = static_cast<uint32_t>(piece.param_offset);
+  };
+  if (pl.moments == MomentDtype::k8bit) {
+    for (const MomentPiece& mp : moment_layout(store->registry(), g).pieces) {
+      const uint64_t off = mp.piece->group_offset, n = mp.piece->n_elems;
+      Status st;
+      if (mp.quantized) {
+        gpu::DeviceAdam8bitArgs a{.params = at(params, off * pb),
+                                  .param_dtype = pl.master_dtype,
+                                  .m_codes = at(m, mp.codes_offset_bytes),
+                                  .m_absmax = at(m, mp.aux_offset_bytes),
+                                  .v_codes = at(v, mp.codes_offset_bytes),
+                                  .v_absmax = at(v, mp.aux_offset_bytes),
+                                  .grad = at(grad, off * gb),
+                                  .grad_dtype = pl.grad_dtype,
+                                  .grad_scale = args.grad_scale,
+                                  .copy_out = at(copy, off * cb),
+                                  .copy_dtype = pl.compute_dtype,
+                                  .n_elems = n,
+                                  .config = args.adam,
+                                  .step = args.step};
+        if (bf16_masters) sr(*mp.piece, a.sr_key, a.sr_first);
+        st = device.adam8bit_step(a, stream);
+      } else {
+        gpu::DeviceAdamArgs a = adam_args(off, n);
+        if (bf16_masters) sr(*mp.piece, a.sr_key, a.sr_first);
+        a.exp_avg = at(m, mp.aux_offset_bytes);
+        a.exp_avg_sq = at(v, mp.aux_offset_bytes);
+        st = device.adam_step(a, stream);
+      }
+      if (!st.is_ok()) return st.with_context(store->registry().params()[mp.piece->param].name);
+    }
+    return Status::ok();
+  }
+  const uint64_t mb = dtype_size_bytes(moment_elem_dtype(pl.moments));
+  if (!bf16_masters) {
+    gpu::DeviceAdamArgs a = adam_args(0, n_elems(g));
+    a.exp_avg = m;
+    a.exp_avg_sq = v;
+    a.moment_dtype = moment_elem_dtype(pl.moments);
+    return device.adam_step(a, stream);
+  }
+  for (const ParamPiece& piece : store->registry().pieces_of_group(g)) {
+    gpu::DeviceAdamArgs a = adam_args(piece.group_offset, piece.n_elems);
+    sr(piece, a.sr_key, a.sr_first);
+    a.exp_avg = at(m, piece.group_offset * mb);
+    a.exp_avg_sq = at(v, piece.group_offset * mb);
+    a.moment_dtype = moment_elem_dtype(pl.moments);
+    Status st = device.adam_step(a, stream);
+    if (!st.is_ok()) return st.with_context(store->registry().params()[piece.param].name);
+  }
   return Status::ok();
 }
 
@@ -681,17 +756,8 @@ Result<std::unique_ptr<OptimizerSwapper>> OptimizerSwapper::create(StateStore& s
     if (pl.moments == MomentDtype::k8bit && options.optimizer != OptimizerType::kAdam &&
         options.optimizer != OptimizerType::kAdamW)
       return unavailable(key + ": Adam's and AdamW's, not " + std::string(to_string(options.optimizer)) + "'s");
-    if (pl.optimizer == Tier::kDevice) {
-      return unavailable(key +
-                         ": steps on the CPU only (the device's optimizer kernel keeps fp32 moments); set "
-                         "zero_optimization.offload_optimizer.device to cpu or nvme");
-    }
   }
   if (pl.master_dtype != DType::kF32) {
-    if (pl.optimizer == Tier::kDevice)
-      return unavailable(
-          "zoffload.master_dtype \"bf16\": steps on the CPU only (the device's optimizer kernel keeps fp32 "
-          "masters); set zero_optimization.offload_optimizer.device to cpu or nvme");
     if (pl.master_dtype != DType::kBF16 || pl.compute_dtype != DType::kBF16)
       return unavailable("zoffload.master_dtype \"" + std::string(dtype_name(pl.master_dtype)) +
                          "\": bf16 masters with bf16 compute copies only (the compute dtype is " +

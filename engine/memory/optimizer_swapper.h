@@ -1,7 +1,7 @@
 // OptimizerSwapper: one optimizer step over every sub-group of a StateStore, wherever the states
 // live. On NVMe it runs as a pipeline — read sub-group i+1 ‖ update i ‖ write i−1 — as far as
 // offload_optimizer.pipeline_read / pipeline_write allow; on the CPU it updates in place; on the
-// device it runs the device's Adam kernel. The update also writes the new compute copy into the
+// device it runs the device's Adam kernels (fp32, bf16 or 8-bit moments; fp32 or bf16 masters). The update also writes the new compute copy into the
 // parameter tier. The arithmetic is the same everywhere (bit-identical results). Not thread-safe:
 // one step at a time, from one thread.
 #pragma once
@@ -61,9 +61,8 @@ struct OptimizerStepReport {
 class OptimizerSwapper {
  public:
   // kUnavailable for Adagrad or Lion with the states on the device (named), for 8-bit moments
-  // with the states on the device or with an optimizer other than Adam, and for bf16 masters with
-  // the states on the device or a compute dtype other than bf16; kInvalidArgument when the
-  // plan's buffers cannot carry the requested pipelining.
+  // with an optimizer other than Adam, and for bf16 masters with a compute dtype other than bf16;
+  // kInvalidArgument when the plan's buffers cannot carry the requested pipelining.
   static Result<std::unique_ptr<OptimizerSwapper>> create(StateStore& store, const cpu_optim::Executor& executor,
                                                           const PipelineOptions& options);
   ~OptimizerSwapper();

@@ -262,7 +262,8 @@ bool is_optimizer_state(StateKind kind) {
 // Note [A bf16 master is its compute copy]
 // With bf16 masters the new compute copy is the master's bits (Note [Stochastic rounding to bf16]).
 // Where both would live in CPU memory (the optimizer's states on the CPU, the sub-group's compute
-// copy offloaded to the CPU) they are one array: the master's location is the compute copy's, in
+// copy offloaded to the CPU) or both on the device (the optimizer on the device, whose compute
+// copies are always there) they are one array: the master's location is the compute copy's, in
 // the pinned pool when offload_param pins, and the optimizer updates it in place with no copy-out.
 // The plan counts its bytes once, as the compute copy. Everything that reads or writes the master
 // (a checkpoint's save and load, init_param) reads or writes those bytes, and the values it writes
@@ -272,8 +273,8 @@ bool is_optimizer_state(StateKind kind) {
 // master is a bf16 array of its own, swapped with the other optimizer states.
 bool master_is_compute_copy(const Placement& placement, uint32_t sub_group) {
   return placement.master_dtype == DType::kBF16 && placement.compute_dtype == DType::kBF16 &&
-         placement.optimizer == Tier::kCpu && sub_group < placement.compute.size() &&
-         placement.compute[sub_group] == Tier::kCpu;
+         (placement.optimizer == Tier::kCpu || placement.optimizer == Tier::kDevice) &&
+         sub_group < placement.compute.size() && placement.compute[sub_group] == placement.optimizer;
 }
 
 bool state_is_pinned(const Placement& placement, StateKind kind) {

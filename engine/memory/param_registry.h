@@ -139,8 +139,8 @@ std::string_view accumulator_home(const Placement& placement);
 bool is_optimizer_state(StateKind kind);
 
 // Whether sub-group g's master is its compute copy (Note [A bf16 master is its compute copy] in
-// param_registry.cpp): bf16 masters and bf16 compute copies both in CPU memory. The master then has
-// no bytes of its own; the store points it at the compute copy.
+// param_registry.cpp): bf16 masters and bf16 compute copies both in CPU memory, or both on the
+// device. The master then has no bytes of its own; the store points it at the compute copy.
 bool master_is_compute_copy(const Placement& placement, uint32_t sub_group);
 
 // Bytes per element of each state, from its dtype (bf16 moments: 2). Not for the moments when they

@@ -104,8 +104,11 @@ Status StateStore::Impl::allocate_states() {
   // Note [A bf16 master is its compute copy]: the master's bytes are the compute copy's.
   for (uint32_t g = 0; g < n_groups; ++g) {
     StateLocation& master = locations[g][static_cast<int>(StateKind::kMaster)];
-    if (master.held && master_is_compute_copy(plan.placement, g))
-      master.host = locations[g][static_cast<int>(StateKind::kCompute)].host;
+    if (master.held && master_is_compute_copy(plan.placement, g)) {
+      const StateLocation& compute = locations[g][static_cast<int>(StateKind::kCompute)];
+      master.host = compute.host;
+      master.device = compute.device;
+    }
   }
   return Status::ok();
 }

@@ -808,8 +808,9 @@ std::vector<Candidate> candidates(const Config& base, uint32_t world_size) {
   // The candidates that round come last, so every fix that keeps the arithmetic comes first: the
   // gradient sums stored in bf16 (2 bytes per parameter less where the accumulators live), bf16
   // moments (4 bytes less on the optimizer's tier), bitsandbytes' 8-bit moments (6 bytes less),
-  // then bf16 masters with stochastic rounding (2 bytes less; all 4 where the compute copies are in
-  // RAM beside them, Note [A bf16 master is its compute copy]).
+  // then bf16 masters with stochastic rounding (2 bytes less; all 4 where the compute copies are
+  // beside them, in RAM or on the device: Note [A bf16 master is its compute copy]). The moments and
+  // masters narrow on every tier, the device's included (Device::adam_step, adam8bit_step).
   if (base.grad_accum_dtype == DType::kF32 && base.grad_store_dtype() == DType::kF32 &&
       oo.device != OffloadDevice::kNone && (world_size <= 1 || base.zero.stage >= 2)) {
     // Note [Gradients stored in 16 bits]: one sum per step on the host, so with GAS the vertical schedule.
@@ -824,7 +825,7 @@ std::vector<Candidate> candidates(const Config& base, uint32_t world_size) {
          "rounds: each step's fp32 gradient sum is stored in bf16 once final; the norm, clipping and "
          "overflow check are the fp32 sum's, and masters, moments and the update stay fp32"});
   }
-  if (base.zoffload.moment_dtype == "fp32" && oo.device != OffloadDevice::kNone) {
+  if (base.zoffload.moment_dtype == "fp32") {
     out.push_back({"zoffload.moment_dtype: bf16",
                    [](Config& c) {
                      c.zoffload.moment_dtype = "bf16";
@@ -837,7 +838,7 @@ std::vector<Candidate> candidates(const Config& base, uint32_t world_size) {
                        " stored in bf16 (rounded to nearest even after each update); masters, gradients and the "
                        "update stay fp32"});
   }
-  if (base.zoffload.moment_dtype != "8bit" && oo.device != OffloadDevice::kNone && adam) {
+  if (base.zoffload.moment_dtype != "8bit" && adam) {
     // DeepSpeed's bf16.bf16_optimizer_states would contradict it: the change says to drop that too.
     const bool ds_key = base.bf16.bf16_optimizer_states;
     out.push_back(
@@ -851,7 +852,7 @@ std::vector<Candidate> candidates(const Config& base, uint32_t world_size) {
          "rounds: Adam's moments kept as bitsandbytes' AdamW8bit keeps them (a byte per element, an "
          "fp32 absmax per 256); masters, gradients and the update stay fp32"});
   }
-  if (base.zoffload.master_dtype == "fp32" && base.bf16.enabled && oo.device != OffloadDevice::kNone) {
+  if (base.zoffload.master_dtype == "fp32" && base.bf16.enabled) {
     out.push_back({"zoffload.master_dtype: bf16",
                    [](Config& c) {
                      c.zoffload.master_dtype = "bf16";

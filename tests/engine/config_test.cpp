@@ -1124,6 +1124,14 @@ TEST(ConfigParse, MomentDtypesAndDeepSpeedsBf16OptimizerStates) {
     const auto same =
         parse(with({{"bf16", {{"bf16_optimizer_states", true}}}, {"zoffload", {{"moment_dtype", "bf16"}}}}), &d);
     ASSERT_TRUE(same) << all(d.errors);
+    // Every moment dtype steps on the device too (Device::adam_step and adam8bit_step).
+    for (const char* md : {"bf16", "8bit"}) {
+      const auto on_device = parse(with({{"zoffload", {{"moment_dtype", md}}},
+                                         {"zero_optimization", {{"offload_optimizer", {{"device", "none"}}}}}}),
+                                   &d);
+      ASSERT_TRUE(on_device) << md << ": " << all(d.errors);
+      EXPECT_EQ(on_device->zoffload.moment_dtype, md);
+    }
   }
   const std::pair<json, std::string> refused[] = {
       {{{"bf16", {{"bf16_optimizer_states", true}}}, {"zoffload", {{"moment_dtype", "8bit"}}}},
@@ -1139,9 +1147,6 @@ TEST(ConfigParse, MomentDtypesAndDeepSpeedsBf16OptimizerStates) {
       {{{"zoffload", {{"moment_dtype", "8bit"}}}, {"optimizer", {{"type", "Lion"}}}},
        "zoffload.moment_dtype: \"8bit\" moments are Adam's and AdamW's (bitsandbytes' AdamW8bit; optimizer.type is "
        "Lion); use \"bf16\" or \"fp32\""},
-      {{{"bf16", {{"bf16_optimizer_states", true}}},
-        {"zero_optimization", {{"offload_optimizer", {{"device", "none"}}}}}},
-       "bf16.bf16_optimizer_states: \"bf16\" moments step on the CPU only for now"},
       {{{"zoffload", {{"moment_dtype", "fp16"}}}}, "zoffload.moment_dtype"},
   };
   for (const auto& [patch, want] : refused) {
@@ -1238,7 +1243,9 @@ TEST(ConfigParse, MasterDtype) {
   for (const json& patch : {json{{"zoffload", {{"master_dtype", "bf16"}}}},
                             json{{"zoffload", {{"master_dtype", "bf16"}, {"moment_dtype", "8bit"}}}},
                             json{{"zoffload", {{"master_dtype", "bf16"}, {"gradient_store_dtype", "bf16"}}}},
-                            json{{"zoffload", {{"master_dtype", "bf16"}}}, {"optimizer", {{"type", "Lion"}}}}}) {
+                            json{{"zoffload", {{"master_dtype", "bf16"}}}, {"optimizer", {{"type", "Lion"}}}},
+                            json{{"zoffload", {{"master_dtype", "bf16"}, {"moment_dtype", "8bit"}}},
+                                 {"zero_optimization", {{"offload_optimizer", {{"device", "none"}}}}}}}) {
     ConfigDiagnostics d;
     const auto c = parse(with(patch), &d);
     ASSERT_TRUE(c) << patch.dump() << ": " << all(d.errors);
@@ -1248,8 +1255,6 @@ TEST(ConfigParse, MasterDtype) {
       {{{"zoffload", {{"master_dtype", "bf16"}}}, {"bf16", {{"enabled", false}}}},
        "zoffload.master_dtype: \"bf16\" masters are the bf16 compute copies' source: needs bf16.enabled true (the "
        "compute dtype is fp32)"},
-      {{{"zoffload", {{"master_dtype", "bf16"}}}, {"zero_optimization", {{"offload_optimizer", {{"device", "none"}}}}}},
-       "zoffload.master_dtype: \"bf16\" masters step on the CPU only for now"},
       {{{"zoffload", {{"master_dtype", "fp16"}}}}, "zoffload.master_dtype"},
   };
   for (const auto& [patch, want] : refused) {

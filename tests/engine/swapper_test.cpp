@@ -628,8 +628,9 @@ TEST(OptimizerSwapper, Fp32ComputeBitIdenticalEverywhere) { check_placements_mat
 
 // ---- bf16 moments -------------------------------------------------------------------------------
 
-// bf16 moments (zoffload.moment_dtype "bf16") on every tier the optimizer states use, split over
-// sub-groups and threads: the per-param reference's bits, moments two bytes per element.
+// bf16 moments (zoffload.moment_dtype "bf16") on every tier the optimizer states use (the device's
+// included), split over sub-groups and threads: the per-param reference's bits, moments two bytes
+// per element.
 TEST(OptimizerSwapperBf16, EveryPlacementEqualsPerTensorStepsBitForBit) {
   constexpr int kSteps = 3;
   const Inputs in = make_inputs(kSteps);
@@ -650,6 +651,9 @@ TEST(OptimizerSwapperBf16, EveryPlacementEqualsPerTensorStepsBitForBit) {
   Placing split = base;
   split.accumulators = "nvme";
   setups.push_back(split);
+  Placing device = base;  // Device::adam_step with bf16 moments (HostDevice here)
+  device.optimizer = "none";
+  setups.push_back(device);
   for (const Placing& s : setups) expect_same(engine_run(s, in, kSteps, gather_all), want, s.describe());
   Rig rig;
   ASSERT_TRUE(rig.init(base).is_ok());
@@ -782,6 +786,9 @@ TEST(OptimizerSwapper8bit, EveryPlacementEqualsPerTensorStepsBitForBit) {
     pageable.pin_optimizer = pageable.pin_param = false;
     pageable.param = "cpu";
     setups.push_back(pageable);
+    Placing device = base;  // Device::adam8bit_step per quantized piece, adam_step per small one
+    device.optimizer = "none";
+    setups.push_back(device);
     for (const Placing& s : setups) expect_same(engine_run(s, in, kSteps, gather_all8), want, s.describe());
   }
 }
@@ -818,23 +825,8 @@ TEST(OptimizerSwapper8bit, MomentsTakeTheirLayoutsBytesInThePlanAndTheStore) {
   EXPECT_EQ(rig.plan.placement.moments, MomentDtype::k8bit);
 }
 
-// 8-bit moments step on the CPU with Adam only; the swapper refuses the rest, naming the key.
-TEST(OptimizerSwapper8bit, RefusesTheDeviceAndOtherOptimizers) {
-  {
-    Rig rig;
-    Placing s;
-    ASSERT_TRUE(rig.prepare(s).is_ok());
-    rig.config.zoffload.moment_dtype = "8bit";
-    auto plan = plan_memory(rig.config, rig.registry);
-    ASSERT_TRUE(plan.is_ok());
-    rig.plan = *plan;
-    ASSERT_TRUE(rig.create_store().is_ok());
-    auto swapper = OptimizerSwapper::create(*rig.store, *rig.executor, PipelineOptions::from_config(rig.config));
-    ASSERT_FALSE(swapper.is_ok());
-    EXPECT_EQ(swapper.status().code(), StatusCode::kUnavailable);
-    EXPECT_THAT(swapper.status().message(), HasSubstr("zoffload.moment_dtype"));
-    EXPECT_THAT(swapper.status().message(), HasSubstr("offload_optimizer.device to cpu or nvme"));
-  }
+// 8-bit moments are Adam's only; the swapper refuses Adagrad and Lion with them, naming the optimizer.
+TEST(OptimizerSwapper8bit, RefusesOtherOptimizers) {
   for (OptimizerType type : {OptimizerType::kAdagrad, OptimizerType::kLion}) {
     Placing s;
     s.optimizer = "cpu";

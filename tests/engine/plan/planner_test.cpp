@@ -418,6 +418,55 @@ TEST(Planner, Bf16MastersSaveTwoBytesOrAllFourAndAreOfferedLast) {
   EXPECT_TRUE(found) << "the three rounding fixes together";
 }
 
+// With the optimizer on the device the states narrow there too: the device bytes of 8-bit moments
+// and bf16 masters (the master being the compute copy) are the closed form's, and on a GPU budget
+// that holds 8-bit moments but not fp32 ones the plan offers them after the exact fixes (the
+// optimizer offloaded), keeping the optimizer on the device.
+TEST(Planner, NarrowStatesOnTheDeviceAreFixesThereToo) {
+  PlanInputs in = tiny_inputs(OffloadDevice::kNone, OffloadDevice::kNone);
+  in.config.bf16.enabled = true;
+  in.config.zero.stage = 2;
+  auto fp32 = plan_run(in);
+  PlanInputs q = in;
+  q.config.zoffload.moment_dtype = "8bit";
+  q.config.zoffload.master_dtype = "bf16";
+  auto narrow = plan_run(q);
+  ASSERT_TRUE(fp32.is_ok() && narrow.is_ok()) << narrow.status().to_string();
+  EXPECT_EQ(narrow->memory.placement.optimizer, Tier::kDevice);
+  // fp32 masters, moments and accumulators and bf16 compute copies: 18 bytes a parameter; then the
+  // masters are the compute copies (4 bytes fewer) and both moments 2 + 8/256 bytes instead of 8
+  // (the nine 256-element norms keep fp32 moments), give or take kDeviceAlignment per state and
+  // sub-group: 9.97 bytes a parameter fewer.
+  const uint64_t n = fp32->n_params, slack = 5 * 256 * fp32->memory.n_sub_groups;
+  const uint64_t saved = fp32->memory.device_bytes - narrow->memory.device_bytes;
+  EXPECT_GE(saved + slack, n * 99 / 10);
+  EXPECT_LE(saved, 10 * n + slack);
+  // A budget that holds 8-bit moments beside fp32 masters, and not fp32 moments.
+  PlanInputs e = in;
+  e.config.zoffload.moment_dtype = "8bit";
+  auto eight = plan_run(e);
+  ASSERT_TRUE(eight.is_ok()) << eight.status().to_string();
+  in.device_budget_bytes = eight->device_total_bytes + (fp32->device_total_bytes - eight->device_total_bytes) / 4;
+  ASSERT_FALSE(plan_run(in)->fits());
+  const std::vector<PlanFix> fixes = suggest_fixes(in, 32);
+  ASSERT_FALSE(fixes.empty());
+  EXPECT_EQ(fixes.front().trade, "exact: the same weights bit for bit") << fixes.front().changes.front();
+  bool narrowed_on_device = false;
+  for (const PlanFix& f : fixes) {
+    bool moves_the_optimizer = false, narrows = false;
+    for (const std::string& c : f.changes) {
+      moves_the_optimizer |= c.rfind("zero_optimization.offload_optimizer.device", 0) == 0;
+      narrows |= c.rfind("zoffload.moment_dtype", 0) == 0 || c.rfind("zoffload.master_dtype", 0) == 0;
+    }
+    if (narrows && !moves_the_optimizer) {
+      narrowed_on_device = true;
+      EXPECT_THAT(f.trade, HasSubstr("rounds"));
+      EXPECT_THAT(f.result, HasSubstr("; fits"));
+    }
+  }
+  EXPECT_TRUE(narrowed_on_device) << fixes.size() << " fixes";
+}
+
 // Note [No accumulator]: without clipping the accumulators' 4 bytes per parameter go (less the
 // buffers of the sub-groups open at once), and the fix is offered first, as exact; with clipping
 // it is not offered.

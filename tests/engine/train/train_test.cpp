@@ -1296,6 +1296,84 @@ TEST(Resume, Bf16MastersAreBitIdenticalAcrossPlacementsThreadsAndAResume) {
   EXPECT_THAT(tc.status().message(), HasSubstr("zoffload.master_dtype"));
 }
 
+// The narrow states on the device (the optimizer not offloaded): bf16 moments, 8-bit moments and
+// bf16 masters, alone and together, step through Device::adam_step / adam8bit_step with the CPU
+// tier's arithmetic, so a run is bit-identical to the same run with the optimizer on the CPU; a
+// bf16 master is its device compute copy (no bytes of its own on the device); and a run resumed on
+// the device from the CPU tier's checkpoint continues it bit-exactly.
+TEST(Trainer, NarrowStatesOnTheDeviceAreBitIdenticalToTheCpuTier) {
+  constexpr int kN = 3, kM = 2;
+  struct Variant {
+    const char* name;
+    std::string moments, master;
+  };
+  const std::vector<Variant> variants = {{"bf16 moments", "bf16", "fp32"},
+                                         {"8-bit moments", "8bit", "fp32"},
+                                         {"bf16 masters", "fp32", "bf16"},
+                                         {"8-bit moments, bf16 masters", "8bit", "bf16"}};
+  for (const Variant& v : variants) {
+    SCOPED_TRACE(v.name);
+    // Stage 2 with the optimizer on the CPU and the compute copies on the device, against stage 2
+    // with everything on the device; 4096-element sub-groups split the larger parameters.
+    RunSetup device_setup{.stage = 2, .grad_accum = 1};
+    device_setup.moments = v.moments;
+    device_setup.master = v.master;
+    RunSetup cpu_setup = device_setup;
+    cpu_setup.optimizer = "cpu";
+    TempDir cpu_dir, device_dir, fp32_dir, resume_dir;
+    TrainOptions co = with_checkpoints(make_options(cpu_setup, cpu_dir), cpu_dir.path + "/ckpt");
+    TrainOptions dopt = make_options(device_setup, device_dir);
+    co.config.zero.sub_group_size = dopt.config.zero.sub_group_size = 4096;
+    auto tc = Trainer::create(co);
+    ASSERT_TRUE(tc.is_ok()) << tc.status().to_string();
+    std::vector<StepMetrics> cm;
+    for (int i = 0; i < kN + kM; ++i) {
+      auto m = (*tc)->step();
+      ASSERT_TRUE(m.is_ok()) << m.status().to_string();
+      cm.push_back(*m);
+      if (i + 1 == kN) ASSERT_TRUE((*tc)->save_checkpoint().is_ok());
+    }
+    const auto on_cpu = masters(**tc);
+    EXPECT_LT(cm.back().loss, cm.front().loss) << "it trains";
+    std::vector<StepMetrics> dm;
+    nlohmann::json dplan;
+    EXPECT_TRUE(bit_identical(train(dopt, kN + kM, &dm, &dplan), on_cpu));
+    ASSERT_EQ(dm.size(), cm.size());
+    for (size_t i = 0; i < dm.size(); ++i) {
+      EXPECT_EQ(dm[i].loss, cm[i].loss) << "step " << i + 1;
+      EXPECT_EQ(dm[i].grad_norm, cm[i].grad_norm) << "step " << i + 1;
+    }
+    const nlohmann::json& placement = dplan["memory_plan"]["placement"];
+    EXPECT_EQ(placement["optimizer"], "device") << placement.dump();
+    EXPECT_EQ(placement["moment_dtype"], v.moments) << placement.dump();
+    EXPECT_EQ(placement["master_dtype"], v.master) << placement.dump();
+    // The narrowing is real: the fp32 run's weights differ.
+    RunSetup fp32_setup{.stage = 2, .grad_accum = 1};
+    TrainOptions fo = make_options(fp32_setup, fp32_dir);
+    fo.config.zero.sub_group_size = 4096;
+    const nlohmann::json fplan = [&] {
+      nlohmann::json plan;
+      EXPECT_FALSE(bit_identical(train(fo, kN + kM, nullptr, &plan), on_cpu));
+      return plan;
+    }();
+    // Device bytes: the states shrink with them (a bf16 master has none of its own).
+    EXPECT_LT(dplan["memory_plan"]["device_bytes"].get<uint64_t>(),
+              fplan["memory_plan"]["device_bytes"].get<uint64_t>());
+    // Resumed on the device from the CPU run's step-kN checkpoint: the CPU run's last steps.
+    TrainOptions ro = make_options(device_setup, resume_dir);
+    ro.config.zero.sub_group_size = 4096;
+    ro.resume = cpu_dir.path + "/ckpt/step-" + std::to_string(kN);
+    auto tr = Trainer::create(ro);
+    ASSERT_TRUE(tr.is_ok()) << tr.status().to_string();
+    for (int i = kN; i < kN + kM; ++i) {
+      auto m = (*tr)->step();
+      ASSERT_TRUE(m.is_ok()) << m.status().to_string();
+      EXPECT_EQ(m->loss, cm[i].loss) << "step " << m->step;
+    }
+    EXPECT_TRUE(bit_identical(masters(**tr), on_cpu));
+  }
+}
+
 // Note [No accumulator]: the accumulators are not part of a checkpoint, so a run without them saves
 // what a run with them saves, and either resumes the other's checkpoint bit-exactly.
 TEST(Resume, NoAccumulatorAndStoredRunsResumeEachOthersCheckpointsBitExactly) {
