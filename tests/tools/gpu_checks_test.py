@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """tools/gpu_machine/gpu_checks.sh without a GPU: its usage errors, a part skipped when --time-limit
-leaves it no time, the exact part on the emulated device with the tiny model, the deepspeed part failing with one line where DeepSpeed was not fetched, that
+leaves it no time, the exact and devstates parts on the emulated device with the tiny model, the deepspeed part failing with one line where DeepSpeed was not fetched, that
 part's zoffload half on the emulated device (ZO_DS_SIDES=zoffload: a table row with zoffload's
 tokens/s, ZO_DS_ZOFFLOAD merged into the run's config), a run cut by the part's share of the time
 limit reported as cut and failing the part, and no work folder left behind.
@@ -83,8 +83,16 @@ expect("gradient accumulators none" in text and "NVMe read 0 B, written 0 B" in 
        "the exact part's plan: no accumulators, no disk: %s" % text[-800:])
 expect("exact, all in RAM:" in text and "tokens/s, device_busy" in text, "the exact part's figures: " + text[-400:])
 
+# The devstates part on the emulated device: the optimizer on the device with 8-bit moments and bf16
+# masters, every step equal to the CPU tier's.
+rc, text, _ = run(["--time-limit", "200", "devstates"], ZO_DEVSTATES_DEVICE="host")
+expect(rc == 0, "the devstates part: exit %d: %s" % (rc, text[-800:]))
+expect("optimizer on the device, moments 8bit, masters bf16" in text
+       and "every step's loss and grad norm: equal" in text, "the devstates part's lines: " + text[-600:])
+
 # A run longer than its share of the time limit: cut, said so, the part fails.
-rc, text, _ = run(["--time-limit", "80", "deepspeed"], ZO_DS_SIDES="zoffload", ZO_DS_RUNS="tiny:2:500",
+# (5000 steps: 500 took 41 s of the 45 s share on an idle 2-core VM, and were not cut.)
+rc, text, _ = run(["--time-limit", "80", "deepspeed"], ZO_DS_SIDES="zoffload", ZO_DS_RUNS="tiny:2:5000",
                   ZO_DS_MICRO="2", ZO_DS_SEQ="64", ZO_DS_DEVICE="host")
 expect(rc == 1 and "zoffload cut by the time limit" in text and "FAILED" in text.split("== gpu_checks:")[-1],
        "a run past its share is cut: exit %d: %s" % (rc, text[-600:]))

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # tools/gpu_machine/gpu_checks.sh: the GPU checks of docs/gpu.md ("Checks on the GPU machine") in
 # one device command: the gpu suite, transformers parity on cuda, zoffload-bench pcie, CudaDevice
-# against HostDevice, the device budget, llama3-8b at GAS 1 and 8, llama3-8b with 8-bit moments and
+# against HostDevice, the narrow optimizer states stepped on the device against the CPU's, the
+# device budget, llama3-8b at GAS 1 and 8, llama3-8b with 8-bit moments and
 # every state in RAM, llama3-8b with every state fp32 in RAM and no gradient accumulators, a 7B
 # model whose gradient accumulators the host's RAM holds, and zoffload against DeepSpeed ZeRO-3
 # offload on the same runs. Runs THERE, from the repository root, with .carry carried after
 # tools/gpu_machine/pack_prebuilt.sh ran here (or with BIN_DIR naming a build made there by
 # build_there.sh):
 #   tools/gpu_machine/gpu_checks.sh [--time-limit S] [PART...]
-# PART: suite parity pcie tiny budget llama8b ram8bit exact ram deepspeed (default: all, in that
+# PART: suite parity pcie tiny devstates budget llama8b ram8bit exact ram deepspeed (default: all, in that
 # order). Each part is given at most its own share of time and the time left before --time-limit
 # (default 560 s, under the tool's 600 s for one command), so a slow part cannot take the later
 # ones' time unseen; the line of a part that was cut says so. Ends with a table of parts, seconds
@@ -24,7 +25,8 @@
 # ZO_8BIT_GAS, ZO_8BIT_BASELINE (0: no fp32 baseline run), ZO_8BIT_GRADS (bf16: the 8-bit run stores
 # its gradient sums in bf16, zoffload.gradient_store_dtype). The exact part: ZO_EXACT_MODEL (default
 # llama3-8b), ZO_EXACT_DEVICE (default cuda; host for a test), ZO_EXACT_MICRO, ZO_EXACT_GAS,
-# ZO_EXACT_SEQ (default 1024). The deepspeed part's runs: ZO_DS_RUNS (default "llama3.2-3b:8:3
+# ZO_EXACT_SEQ (default 1024). The devstates part: ZO_DEVSTATES_DEVICE (default cuda; host for a
+# test). The deepspeed part's runs: ZO_DS_RUNS (default "llama3.2-3b:8:3
 # llama3.2-3b:1:3 llama3-8b:8:2", model:GAS:steps, in that order: the comparison that matters most
 # first), ZO_DS_MICRO (micro-batch, default 4), ZO_DS_SEQ (default 1024), ZO_DS_DEVICE
 # (zoffload.device, default cuda; host for a test without a GPU), ZO_DS_SIDES (both, or zoffload:
@@ -45,11 +47,11 @@ while [ $# -gt 0 ]; do
     -h|--help) usage 0 ;;
     --time-limit) [ $# -ge 2 ] && [[ "$2" =~ ^[0-9]+$ ]] || { echo "gpu_checks: --time-limit takes seconds" >&2; exit 2; }
                   limit=$2; shift 2 ;;
-    suite|parity|pcie|tiny|budget|llama8b|ram8bit|exact|ram|deepspeed) parts+=("$1"); shift ;;
+    suite|parity|pcie|tiny|devstates|budget|llama8b|ram8bit|exact|ram|deepspeed) parts+=("$1"); shift ;;
     *) echo "gpu_checks: unknown part or option '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
-[ ${#parts[@]} -gt 0 ] || parts=(suite parity pcie tiny budget llama8b ram8bit exact ram deepspeed)
+[ ${#parts[@]} -gt 0 ] || parts=(suite parity pcie tiny devstates budget llama8b ram8bit exact ram deepspeed)
 
 root=$(pwd)
 if [ ! -f "$root/meson.build" ] || ! grep -q "^project('zoffload'" "$root/meson.build"; then
@@ -216,6 +218,48 @@ for prec, tol in (("fp32", 1e-5), ("bf16", 1e-2)):
 sys.exit(1 if bad else 0)
 PY
   return $ok
+}
+
+# The narrow optimizer states on the device (Device::adam8bit_step and adam_step with bf16 masters):
+# the tiny preset in bf16, 8-bit moments and bf16 masters, stage 2, 10 steps, with the optimizer on
+# the device and then on the CPU, the compute copies on the device both times. The optimizer's
+# arithmetic is the same on both tiers, so every step's loss and gradient norm must be equal, bit
+# for bit, where a repeat of the CPU-tier run is (backward itself deterministic); where it is not,
+# the part says so and compares within the repeat's own spread.
+part_devstates() {
+  local dev=${ZO_DEVSTATES_DEVICE:-cuda} ok=0 v
+  for v in device cpu cpu-again; do
+    local od=none
+    [ "$v" != device ] && od=cpu
+    config "$runs/tiny-base.json" "$runs/devstates-$v.json" "c['zero_optimization'] = {'stage': 2, 'offload_optimizer': {'device': '$od'}}
+c['bf16'] = {'enabled': True}; c['zoffload'] = {'device': '$dev', 'moment_dtype': '8bit', 'master_dtype': 'bf16'}"
+    timeout -k 5 "$(budget 45)" "$zo" train --config "$runs/devstates-$v.json" --model tiny --data "$data" --seq-len 64 \
+      --steps 10 --out "$runs/devstates-$v" --json >"$runs/devstates-$v.out" 2>"$runs/devstates-$v.log" ||
+      { ok=1; echo "  $v: failed (devstates-$v.log)"; tail -n 3 "$runs/devstates-$v.log"; }
+  done
+  [ $ok -eq 0 ] || return 1
+  "$python" - "$runs" <<'PY'
+import json, sys
+r = sys.argv[1]
+run = lambda v: [(m["loss"], m["grad_norm"]) for m in map(json.loads, open("%s/devstates-%s/metrics.jsonl" % (r, v)))]
+dev, cpu, again = run("device"), run("cpu"), run("cpu-again")
+plan = json.load(open("%s/devstates-device.out" % r))["plan"]["memory_plan"]["placement"]
+print("  optimizer on the %s, moments %s, masters %s; %d steps, loss %.5f -> %.5f" % (
+    plan["optimizer"], plan["moment_dtype"], plan["master_dtype"], len(dev), dev[0][0], dev[-1][0]))
+ok = plan["optimizer"] == "device" and len(dev) == len(cpu) == 10 and dev[-1][0] < dev[0][0]
+if cpu == again:
+    same = dev == cpu
+    print("  device tier against CPU tier, every step's loss and grad norm: %s" % ("equal" if same else "DIFFERENT"))
+    ok = ok and same
+else:
+    rel = lambda a, b: abs(a - b) / max(abs(b), 1e-30)
+    spread = max(rel(x[0], y[0]) for x, y in zip(cpu, again))
+    diff = max(rel(x[0], y[0]) for x, y in zip(dev, cpu))
+    print("  two CPU-tier runs differ (backward is not deterministic here, loss spread %.1e): device tier within %.1e" % (
+        spread, diff))
+    ok = ok and diff <= 4 * spread
+sys.exit(0 if ok else 1)
+PY
 }
 
 # tinyllama-1.1b in bf16 (2.2 GB of weights) under a 1 GiB budget: it must train, and the device
