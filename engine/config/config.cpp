@@ -563,9 +563,11 @@ void Resolver::no_accumulator() {
     st->error(key, why + "gradient_accumulation_steps is " + std::to_string(c->gradient_accumulation_steps) +
                        " with the horizontal schedule, so a gradient is final only after the last micro-batch: set "
                        "zoffload.schedule to \"vertical\" (the device sums the micro-batches) or use GAS 1");
-  } else if (ctx.world_size > 1) {
-    st->error(key, why + "one rank only for now (" + std::to_string(ctx.world_size) +
-                       " ranks sum their gradients before the update); keep the accumulators");
+  } else if (ctx.world_size > 1 && c->zero.stage < 2 && !st->has_error("zero_optimization.stage")) {
+    st->error(key, why + "with " + std::to_string(ctx.world_size) +
+                       " ranks each sub-group's gradient must be reduced to its owner as it lands, which needs "
+                       "zero_optimization.stage 2 or 3 (it is " +
+                       std::to_string(c->zero.stage) + "); or keep the accumulators");
   }
 }
 

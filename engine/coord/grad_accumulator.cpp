@@ -48,8 +48,9 @@
 // With zoffload.gradient_accumulators "none" (Placement::no_accumulator) the host keeps no gradient
 // between backward and the optimizer. The config allows it only where nothing global is needed
 // before an update — gradient_clipping 0, no step that an overflow would skip (fp32, or bf16 with
-// check_grad_overflow false), one window per step (GAS 1 or the vertical schedule), one rank — so a
-// sub-group's gradient is final when its last contribution lands. Each sub-group's contributions
+// check_grad_overflow false), one window per step (GAS 1 or the vertical schedule), and with several
+// ranks partitioned gradients (ZeRO stage 2 or 3) — so a sub-group's gradient is final when its last
+// contribution lands (and, with ranks, once it is reduced to its owner, which alone steps it). Each sub-group's contributions
 // are then summed in a host buffer exactly as for an NVMe-resident accumulator (the same
 // cpu_optim::accumulate calls from zero, in arrival order), its squared norm is taken for the
 // report, it is rounded in place when stored gradients are 16-bit, and the buffer goes to the sink:
@@ -63,7 +64,11 @@
 // that arrive in several ring items, and a tied parameter's two uses are one sum. With the
 // optimizer states on NVMe the optimizer reads each sub-group's record when its gradient is final,
 // and the next one's ahead in completion_order() (the order this simulates from the contribution
-// order) while it updates, as the stored step's pipeline does in index order.
+// order) while it updates, as the stored step's pipeline does in index order. With ranks, the reduce
+// to the owner (Note [Partitioned gradients]) comes first, on this thread as for stored gradients;
+// the owner takes its chunks' norms from the reduced fp32 sums, as flush_partitioned does, and the
+// trainer sends the updated compute copies to the other ranks after backward (stage 2) or lets the
+// next forward gather them from their owners (stage 3).
 
 // Note [Direct accumulator I/O]
 //
@@ -306,11 +311,26 @@ struct GradAccumulator::Impl {
     } free_on_return{this, b};
     const uint64_t n = store->registry().sub_groups()[g].n_elems;
     std::byte* sums = buffers[b].data();
-    Result<double> sq = cpu_optim::squared_norm({sums, sum_dtype}, n, *executor);
-    if (!sq.is_ok())
-      return Status(sq.status()).with_context("gradient accumulator: norm of sub-group " + std::to_string(g));
-    report.sum_sq += *sq;
-    report.nonfinite = report.nonfinite || !std::isfinite(*sq);
+    if (partitioned) {
+      // Note [Partitioned gradients]: the sums over the ranks go to the owner, which alone steps
+      // the sub-group; its chunks' squared norms are what owners_norm adds up over the ranks.
+      Status st = reducer.reduce(g, sums, n);
+      if (!st.is_ok()) return st.with_context("gradient accumulator: reducing sub-group " + std::to_string(g));
+      if (!store->plan().owns(g)) return Status::ok();
+      for (uint64_t c = 0; c * reducer.chunk_elems < n; ++c) {
+        const uint64_t at = c * reducer.chunk_elems, count = std::min(reducer.chunk_elems, n - at);
+        Result<double> sq = cpu_optim::squared_norm({sums + at * sb, sum_dtype}, count, *executor);
+        if (!sq.is_ok())
+          return Status(sq.status()).with_context("gradient accumulator: norm of sub-group " + std::to_string(g));
+        report.chunk_sq[first_chunk[g] + c] = *sq;
+      }
+    } else {
+      Result<double> sq = cpu_optim::squared_norm({sums, sum_dtype}, n, *executor);
+      if (!sq.is_ok())
+        return Status(sq.status()).with_context("gradient accumulator: norm of sub-group " + std::to_string(g));
+      report.sum_sq += *sq;
+      report.nonfinite = report.nonfinite || !std::isfinite(*sq);
+    }
     if (rounded) {
       Status st = narrow_in_place(sums, n);
       if (!st.is_ok()) return st.with_context("gradient accumulator: rounding sub-group " + std::to_string(g));
@@ -457,8 +477,6 @@ Result<std::unique_ptr<GradAccumulator>> GradAccumulator::create(StateStore& sto
     return invalid_argument(std::string("gradient accumulator: ") +
                             (pl.no_accumulator ? "the plan has no accumulators but no sink takes the final gradients"
                                                : "a sink for final gradients, but the plan has accumulators"));
-  if (pl.no_accumulator && s.partitioned)
-    return invalid_argument("gradient accumulator: no accumulators with partitioned gradients");
   s.sink = std::move(sink);
   s.in_place = pl.grad == Tier::kCpu && !s.partitioned && !s.rounded && !pl.no_accumulator;
   const uint32_t n_params = static_cast<uint32_t>(registry.params().size());

@@ -246,6 +246,25 @@ Status DataParallel::gather_compute(ReadyGroups& ready, const std::function<void
   return Status::ok();
 }
 
+Status DataParallel::send_direct_update(bool stepped) {
+  gather_s_ = 0;
+  const MemoryPlan& plan = store_.plan();
+  if (!plan.partitioned()) return Status::ok();
+  if (!gather_staging_ && !plan.partition_params) {
+    ZO_ASSIGN_OR_RETURN(AlignedBuffer b, allocate_staging(kDataParallelChunkElems *
+                                                          state_elem_bytes(plan.placement, StateKind::kCompute)));
+    gather_staging_.emplace(std::move(b));
+  }
+  ReadyGroups ready(plan.n_sub_groups);
+  for (uint32_t g = plan.owned_begin; stepped && g < plan.owned_end; ++g) ready.ready(g);
+  ready.finish(stepped);
+  const double t0 = group_.seconds();
+  Status gathered = gather_compute(ready, {});
+  gather_s_ = group_.seconds() - t0;
+  if (!gathered.is_ok()) store_.mark_torn(gathered.to_string());  // some compute copies may be stale
+  return gathered;
+}
+
 Result<OptimizerStepReport> DataParallel::update(OptimizerSwapper& optimizer, const OptimizerStepArgs& args,
                                                  const std::function<void(uint32_t)>& publish) {
   gather_s_ = 0;

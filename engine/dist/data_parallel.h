@@ -63,7 +63,14 @@ class DataParallel {
   // new compute copy is at its home here. Unpartitioned: optimizer.step(args) alone.
   Result<OptimizerStepReport> update(OptimizerSwapper& optimizer, const OptimizerStepArgs& args,
                                      const std::function<void(uint32_t)>& publish);
-  // The last update's time in collectives (0 unpartitioned).
+  // After a direct step (Note [No accumulator]), which each rank ran on its own partition during
+  // backward: the updated compute copies from their owners to the other ranks (stage 2; at stage 3
+  // the next forward gathers them), and every rank learns whether every rank's step succeeded
+  // (`stepped`: this rank's did). kAborted naming the first rank whose step failed; OK here when
+  // this rank's own failed (its error is the step's). On failure the store is marked torn, as after
+  // update(). Unpartitioned: nothing.
+  Status send_direct_update(bool stepped);
+  // The last update's (or send_direct_update's) time in collectives (0 unpartitioned).
   double gather_s() const { return gather_s_; }
 
   class ReadyGroups;

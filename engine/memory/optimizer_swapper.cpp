@@ -883,12 +883,14 @@ Status OptimizerSwapper::begin_direct(const OptimizerStepArgs& args, std::vector
   Impl& s = *impl_;
   const std::string step_name = "optimizer step " + std::to_string(args.step);
   if (s.direct_open) return failed_precondition(step_name + ": begin_direct while a direct step is open");
-  if (!s.store->plan().placement.no_accumulator || s.store->plan().placement.optimizer == Tier::kDevice ||
-      s.store->plan().partitioned())
+  const MemoryPlan& plan = s.store->plan();
+  if (!plan.placement.no_accumulator || plan.placement.optimizer == Tier::kDevice ||
+      (plan.partitioned() && !plan.partition_grads))
     return failed_precondition(step_name +
                                ": a direct step needs a plan with no accumulators, the optimizer states offloaded "
-                               "(cpu or nvme) and one rank (zoffload.gradient_accumulators \"none\")");
-  const uint32_t n_groups = s.store->plan().n_sub_groups;
+                               "(cpu or nvme) and, with several ranks, partitioned gradients "
+                               "(zoffload.gradient_accumulators \"none\")");
+  const uint32_t n_groups = plan.n_sub_groups;
   std::vector<char> listed(n_groups, 0);
   for (uint32_t g : expected_order) {
     if (g >= n_groups || listed[g])
@@ -896,6 +898,8 @@ Status OptimizerSwapper::begin_direct(const OptimizerStepArgs& args, std::vector
                               (g >= n_groups ? " of " + std::to_string(n_groups) : " twice"));
     listed[g] = 1;
   }
+  // A data-parallel rank steps its own partition only (Note [Partitions]).
+  std::erase_if(expected_order, [&](uint32_t g) { return !plan.owns(g); });
   if (!s.store->torn_reason().empty()) {
     return failed_precondition(step_name + ": the optimizer states are torn (" + s.store->torn_reason() +
                                "); restore them from a checkpoint first");
@@ -931,6 +935,9 @@ Status OptimizerSwapper::step_direct(uint32_t sub_group, const std::byte* grad) 
                             std::to_string(s.store->plan().n_sub_groups));
   if (s.direct_stepped[sub_group])
     return invalid_argument(s.direct_name + ": sub-group " + std::to_string(sub_group) + " was stepped already");
+  if (!s.store->plan().owns(sub_group))
+    return invalid_argument(s.direct_name + ": sub-group " + std::to_string(sub_group) +
+                            " belongs to another rank's partition");
   Stopwatch sw;
   Status st;
   if (s.store->plan().placement.optimizer == Tier::kNvme) {
@@ -958,10 +965,10 @@ Result<OptimizerStepReport> OptimizerSwapper::end_direct() {
   Status st = s.wait_busy_slots();  // every busy buffer's writes, whatever the tier
   s.report.total_s += sw.elapsed_s();
   if (!st.is_ok()) return s.fail(std::move(st), s.direct_name);
-  if (s.report.sub_groups != s.store->plan().n_sub_groups) {
+  const uint32_t owned = s.store->plan().owned_end - s.store->plan().owned_begin;
+  if (s.report.sub_groups != owned) {
     // A sub-group never stepped: the step is incomplete (an abandoned backward); the others are new.
-    Status incomplete = failed_precondition(std::to_string(s.report.sub_groups) + " of " +
-                                            std::to_string(s.store->plan().n_sub_groups) +
+    Status incomplete = failed_precondition(std::to_string(s.report.sub_groups) + " of " + std::to_string(owned) +
                                             " sub-groups were stepped before the step ended");
     return s.fail(std::move(incomplete), s.direct_name);
   }

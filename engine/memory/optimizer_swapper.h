@@ -80,8 +80,10 @@ class OptimizerSwapper {
   // A direct step (Note [No accumulator] in engine/coord/grad_accumulator.cpp): the same update of
   // every sub-group, each from a gradient handed over as it becomes final, in any order, instead of
   // from the accumulators. Needs the plan's Placement::no_accumulator, the states on the CPU or NVMe
-  // and one rank (kFailedPrecondition otherwise, or while a direct step is open, or for torn
-  // states); args as for step() (on_compute_ready is called per sub-group as there).
+  // and, with several ranks, partitioned gradients (kFailedPrecondition otherwise, or while a direct
+  // step is open, or for torn states); a data-parallel rank steps the sub-groups it owns
+  // (MemoryPlan::owns) and no others. args as for step() (on_compute_ready is called per sub-group
+  // as there).
   // expected_order: the order the sub-groups will most likely come in (GradAccumulator::
   // completion_order); with the states on NVMe and pipeline_read, the next one's record is read
   // while one is updated. Any order is stepped correctly; another only reads less ahead.
@@ -90,13 +92,14 @@ class OptimizerSwapper {
   // Steps sub-group g from `grad` (its n_elems of the placement's grad dtype, in host memory, read
   // before this returns); the compute copy and (NVMe) the states may still be on their way home.
   // May run on another thread than begin_direct and end_direct, one call at a time, ordered with
-  // them by the caller. kInvalidArgument for a sub-group out of range or already stepped. The first
+  // them by the caller. kInvalidArgument for a sub-group out of range, already stepped or another
+  // rank's. The first
   // failure drains, marks the store torn once something was written (as step() does), and is
   // returned again by every later call.
   Status step_direct(uint32_t sub_group, const std::byte* grad);
   // Waits for every state and compute copy to be home; the report (total_s: the time inside
   // step_direct and here). The step's failure, or kFailedPrecondition (the store marked torn) when
-  // some sub-group was never stepped. Closes the direct step either way.
+  // some sub-group this rank owns was never stepped. Closes the direct step either way.
   Result<OptimizerStepReport> end_direct();
 
   struct Impl;

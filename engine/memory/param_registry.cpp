@@ -434,11 +434,12 @@ Result<MemoryPlan> plan_memory(const Config& config, const ParamRegistry& regist
   }
   // Note [No accumulator] in engine/coord/grad_accumulator.cpp; the config's other rules (no
   // clipping, no overflow skip) are the resolver's. Checked here too for configs built in code.
-  if (pl.no_accumulator && (pl.optimizer == Tier::kDevice || owned_partition ||
+  if (pl.no_accumulator && (pl.optimizer == Tier::kDevice || (owned_partition && config.zero.stage < 2) ||
                             (config.gradient_accumulation_steps > 1 && config.zoffload.schedule != "vertical"))) {
     return invalid_argument(
-        "zoffload.gradient_accumulators: \"none\" needs the optimizer states offloaded (cpu or nvme), one rank, "
-        "and one gradient window per step (GAS 1 or zoffload.schedule \"vertical\")");
+        "zoffload.gradient_accumulators: \"none\" needs the optimizer states offloaded (cpu or nvme), with "
+        "several ranks ZeRO stage 2 or 3, and one gradient window per step (GAS 1 or zoffload.schedule "
+        "\"vertical\")");
   }
   pl.optimizer_pinned = oo.pin_memory;
   pl.param_pinned = op.pin_memory;

@@ -698,10 +698,11 @@ std::vector<Candidate> candidates(const Config& base, uint32_t world_size) {
   auto& oo = base.zero.offload_optimizer;
   auto& op = base.zero.offload_param;
   // Note [No accumulator]: the exact fix that saves the most RAM (or NVMe traffic), where nothing
-  // global is needed before an update (no clipping, no fp16, one rank). It turns off bf16's overflow skip, and with
-  // GAS on the horizontal schedule it takes the vertical one (the same sums, in the same order).
+  // global is needed before an update (no clipping, no fp16; with ranks, partitioned gradients). It turns off
+  // bf16's overflow skip, and with GAS on the horizontal schedule it takes the vertical one (the same sums, in
+  // the same order).
   if (oo.device != OffloadDevice::kNone && base.zoffload.gradient_accumulators != "none" &&
-      base.gradient_clipping == 0 && !base.fp16.enabled && world_size <= 1) {
+      base.gradient_clipping == 0 && !base.fp16.enabled && (world_size <= 1 || base.zero.stage >= 2)) {
     const bool unskip = base.bf16.enabled && base.bf16.check_grad_overflow;
     const bool to_vertical = base.gradient_accumulation_steps > 1 && base.zoffload.schedule != "vertical";
     out.push_back(

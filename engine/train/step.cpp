@@ -330,7 +330,11 @@ Result<StepMetrics> Trainer::Impl::step_once() {
     if (!is_finite_norm(out.grad_norm))
       ZO_LOG(kWarn) << "step " << out.step << ": the gradient norm is not finite (" << out.grad_norm
                     << ") and this precision does not skip such steps: updated as the gradients came";
-    coord->invalidate();  // the compute copies changed under the device's cached copies
+    coord->invalidate();             // the compute copies changed under the device's cached copies
+    if (data_parallel && stepped) {  // each rank stepped its own partition: the others' copies now
+      Status sent = data_parallel->send_direct_update(stepped->is_ok());
+      if (!sent.is_ok() && stepped->is_ok()) stepped.emplace(std::move(sent));
+    }
   } else if (!out.skipped) {
     ZO_RETURN_IF_ERROR(start_update(out, &stepped, &join_s));
   }

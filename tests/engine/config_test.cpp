@@ -1300,11 +1300,19 @@ TEST(ConfigParse, NoAccumulatorNeedsNothingGlobalBeforeTheUpdate) {
     EXPECT_FALSE(parse(with(patch), &d)) << patch.dump();
     EXPECT_THAT(all(d.errors), HasSubstr(want)) << patch.dump();
   }
+  // Several ranks: each sub-group's gradient is reduced to its owner as it lands (stage 2 or 3).
   ResolveContext two;
   two.world_size = 2;
   ConfigDiagnostics d;
-  EXPECT_FALSE(parse(with(json::object()), &d, two));
-  EXPECT_THAT(all(d.errors), HasSubstr("one rank only for now (2 ranks"));
+  EXPECT_TRUE(parse(with(json::object()), &d, two)) << all(d.errors);
+  for (int stage : {1, 2}) {
+    ConfigDiagnostics ds;
+    const bool ok = static_cast<bool>(parse(with({{"zero_optimization", {{"stage", stage}}}}), &ds, two));
+    EXPECT_EQ(ok, stage == 2) << stage << ": " << all(ds.errors);
+    if (stage == 1)
+      EXPECT_THAT(all(ds.errors), HasSubstr("with 2 ranks each sub-group's gradient must be reduced to its owner as it "
+                                            "lands, which needs zero_optimization.stage 2 or 3 (it is 1)"));
+  }
 }
 
 }  // namespace

@@ -10,7 +10,8 @@ on CPU ranks joined by c10d's TCPStore and Gloo.
   gathered from its owners at fetch), where each rank holds half of them, in fp32 and in bf16; the
   end-of-run export, made by all ranks together at stage 3, writes what `zoffload export` writes
   from the final checkpoint; 1000-element reduce and all-gather buckets change nothing; with 8-bit
-  moments (zoffload.moment_dtype) too, on NVMe and in CPU memory;
+  moments (zoffload.moment_dtype) too, on NVMe and in CPU memory; without gradient accumulators
+  (each rank stepping its partition during backward) the stored path's bits;
 - a checkpoint saved at world 2 (its manifest says so) resumes at world 1 and at world 3 with the same
   global batch and continues like the uninterrupted run, to the same tolerances;
 - one rank killed (SIGKILL) or stalled (SIGSTOP) mid-run: the other exits non-zero within
@@ -63,8 +64,12 @@ def free_port():
 
 
 def write_config(tmp, name, micro, gas, placement="nvme", ckpt_every=None, tbs=None, stage=None, grads=None,
-                 buckets=None, moments=None, store=None, master=None):
+                 buckets=None, moments=None, store=None, master=None, clipping=None, schedule=None):
     c = json.loads(json.dumps(BASE))
+    if clipping is not None:
+        c["gradient_clipping"] = clipping
+    if schedule is not None:
+        c["zoffload"]["schedule"] = schedule
     if master is not None:  # bf16 masters need bf16 compute
         c["zoffload"]["master_dtype"] = master
         c["bf16"] = {"enabled": True}
@@ -373,6 +378,30 @@ with tempfile.TemporaryDirectory(dir=os.environ.get("MESON_BUILD_ROOT")) as tmp:
                "world 2 x GAS 2: partitioned accumulators on cpu and nvme give the same weights and norms")
         expect(metrics(acc["nvme"])[-1]["memory"]["nvme_write_bytes"] > metrics(acc["cpu"])[-1]["memory"]["nvme_write_bytes"],
                "the nvme run's accumulators do go to the drive")
+
+    # ---- no gradient accumulators at world 2 (Note [No accumulator]) ------------------------------------
+    # Without clipping, each rank steps the sub-groups it owns as their gradients are reduced to it,
+    # during backward: at stage 3 with GAS 2 on the vertical schedule, the weights, losses and norms
+    # of the stored path bit for bit; at stage 1 it is refused naming the stage.
+    direct = {}
+    for grads in ("cpu", "none"):
+        out = os.path.join(tmp, "w2-direct-" + grads)
+        p = torchrun(2, train_args(write_config(tmp, "d2-" + grads, 1, 2, "cpu", grads=grads, clipping=0,
+                                                schedule="vertical"), out))
+        if expect(p.returncode == 0, "world 2, accumulators %s, no clipping, trains: %s" % (grads, p.stderr[-3000:])):
+            direct[grads] = out
+            if grads == "none":
+                expect("no gradient accumulators" in p.stdout, "the start line says so: %s" % p.stdout[:1500])
+    if len(direct) == 2:
+        a, b = weights(direct["cpu"]), weights(direct["none"])
+        ma, mb = metrics(direct["cpu"]), metrics(direct["none"])
+        expect(all(np.array_equal(a[k].view(np.uint32), b[k].view(np.uint32)) for k in a) and
+               [(m["loss"], m["grad_norm"]) for m in ma] == [(m["loss"], m["grad_norm"]) for m in mb],
+               "world 2: no accumulators gives the stored path's weights, losses and norms bit for bit")
+    p = torchrun(2, train_args(write_config(tmp, "d2-stage1", 1, 1, "cpu", stage=1, grads="none", clipping=0),
+                               os.path.join(tmp, "refused-direct-stage1")), timeout=120)
+    expect(p.returncode != 0 and "zoffload.gradient_accumulators" in p.stderr and "stage 2 or 3" in p.stderr,
+           "world 2 at stage 1 without accumulators is refused naming the key: %s" % p.stderr[-1500:])
 
     # ---- save at world 2, resume at world 1 and world 3 (the same 6 rows per step) -------------------
     full = os.path.join(tmp, "full")

@@ -507,6 +507,25 @@ TEST(Planner, NoAccumulatorIsTheFirstExactFixWhereNothingIsClipped) {
   EXPECT_EQ(exact.front().changes, std::vector<std::string>{"zoffload.gradient_accumulators: none"});
   EXPECT_EQ(exact.front().trade, "exact: the same weights bit for bit");
 
+  // Two ranks: offered at stage 2 or 3 (each owner steps its partition), not at stage 1, where the
+  // gradients are all-reduced whole after backward.
+  for (int stage : {1, 3}) {
+    PlanInputs ranks = in;
+    ranks.world_size = 2;
+    ranks.config.zero.stage = stage;
+    auto whole = plan_run(ranks);
+    ASSERT_TRUE(whole.is_ok()) << whole.status().to_string();
+    PlanInputs none = ranks;
+    none.config.zoffload.gradient_accumulators = "none";
+    auto without = plan_run(none);
+    ASSERT_EQ(without.is_ok(), stage == 3) << without.status().to_string();
+    if (stage != 3) continue;
+    ranks.host.ram_available_bytes = without->ram_bytes + without->process_bytes;
+    const std::vector<PlanFix> two = suggest_fixes(ranks, 16);
+    ASSERT_FALSE(two.empty());
+    EXPECT_EQ(two.front().changes, std::vector<std::string>{"zoffload.gradient_accumulators: none"});
+  }
+
   // With clipping the update needs the step's norm first: not offered.
   in.config.gradient_clipping = 1.0;
   for (const PlanFix& f : suggest_fixes(in, 16))

@@ -1482,6 +1482,110 @@ TEST(Resume, RefusesWhatItCannotContinue) {
   EXPECT_THAT(r.status().message(), HasSubstr("model.embed_tokens.weight"));
 }
 
+// Two ranks (threads of this process, joined by a real TCPStore and Gloo) train `steps` steps of
+// `setup` at twice its batch; returns each rank's metrics and, per param, its master where that
+// rank holds all of it (empty where not). The ranks tear down side by side, as in the test below.
+struct TwoRanks {
+  Status setup[2];
+  std::vector<StepMetrics> metrics[2];
+  std::vector<std::vector<float>> masters[2];
+};
+TwoRanks train_two_ranks(const RunSetup& setup, int steps) {
+  TwoRanks out;
+  const uint16_t port = free_port();
+  TempDir own[2];
+  std::vector<std::unique_ptr<dist::ProcessGroup>> groups(2);
+  std::vector<std::unique_ptr<Trainer>> trainers(2);
+  std::barrier both_done(2);
+  std::vector<std::thread> ranks;
+  for (uint32_t r = 0; r < 2; ++r) {
+    ranks.emplace_back([&, r] {
+      struct TearDown {
+        std::barrier<>& both_done;
+        std::unique_ptr<Trainer>& trainer;
+        ~TearDown() {
+          both_done.arrive_and_wait();
+          trainer.reset();
+        }
+      } tear_down{both_done, trainers[r]};
+      dist::WorldInfo w;
+      w.rank = r;
+      w.world_size = 2;
+      w.local_rank = r;
+      w.local_world_size = 2;
+      w.master_addr = "127.0.0.1";
+      w.master_port = port;
+      auto group = dist::ProcessGroup::create(w, std::chrono::seconds(60));
+      if (!group.is_ok()) {
+        out.setup[r] = group.status();
+        return;
+      }
+      groups[r] = std::move(*group);
+      TrainOptions o = make_options(setup, own[r]);
+      o.config.train_batch_size *= 2;
+      o.group = groups[r].get();
+      auto t = Trainer::create(o);
+      if (!t.is_ok()) {
+        out.setup[r] = t.status();
+        return;
+      }
+      trainers[r] = std::move(*t);
+      for (int i = 0; i < steps; ++i) {
+        auto m = trainers[r]->step();
+        if (!m.is_ok()) {
+          out.setup[r] = m.status();
+          return;
+        }
+        out.metrics[r].push_back(*m);
+      }
+      for (uint32_t p = 0; p < trainers[r]->layout().params.size(); ++p) {
+        uint64_t n = 1;
+        for (int64_t d : trainers[r]->layout().params[p].shape) n *= static_cast<uint64_t>(d);
+        std::vector<float> v(n);
+        out.masters[r].push_back(trainers[r]->read_master(p, v).is_ok() ? std::move(v) : std::vector<float>{});
+      }
+    });
+  }
+  for (std::thread& t : ranks) t.join();
+  groups.clear();
+  return out;
+}
+
+// Note [No accumulator] with two ranks at stage 2 (the compute copies replicated: each owner sends
+// its updated ones after backward) and stage 3 (the compute copies partitioned, on the CPU, and the
+// optimizer states on NVMe: the next forward gathers the blocks from their owners): each rank steps
+// the sub-groups it owns as their reduced gradients land, and every step's loss and norm and every
+// rank's masters are those of the stored path.
+TEST(Trainer, NoAccumulatorOverTwoRanksIsBitIdenticalToTheStoredPath) {
+  constexpr int kSteps = 3;
+  for (const int stage : {2, 3}) {
+    SCOPED_TRACE("stage " + std::to_string(stage));
+    RunSetup stored{.stage = stage, .clipping = 0, .grad_accum = 1, .check_overflow = false};
+    stored.param = stage == 3 ? "cpu" : "none";
+    stored.optimizer = stage == 3 ? "nvme" : "cpu";
+    RunSetup direct = stored;
+    direct.accumulators = "none";
+    const TwoRanks a = train_two_ranks(stored, kSteps), b = train_two_ranks(direct, kSteps);
+    for (uint32_t r = 0; r < 2; ++r) {
+      SCOPED_TRACE("rank " + std::to_string(r));
+      ASSERT_TRUE(a.setup[r].is_ok()) << a.setup[r].to_string();
+      ASSERT_TRUE(b.setup[r].is_ok()) << b.setup[r].to_string();
+      ASSERT_EQ(a.metrics[r].size(), static_cast<size_t>(kSteps));
+      ASSERT_EQ(b.metrics[r].size(), static_cast<size_t>(kSteps));
+      for (int i = 0; i < kSteps; ++i) {
+        EXPECT_EQ(b.metrics[r][i].loss, a.metrics[r][i].loss) << "step " << i + 1;
+        EXPECT_EQ(b.metrics[r][i].grad_norm, a.metrics[r][i].grad_norm) << "step " << i + 1;
+      }
+      EXPECT_LT(a.metrics[r].back().loss, a.metrics[r].front().loss) << "it trains";
+      size_t held = 0;
+      for (const auto& m : a.masters[r]) held += m.empty() ? 0 : 1;
+      EXPECT_GT(held, 0u) << "this rank holds whole params";
+      EXPECT_LT(held, a.masters[r].size()) << "and not all of them: the states are partitioned";
+      EXPECT_TRUE(bit_identical(b.masters[r], a.masters[r]));
+    }
+  }
+}
+
 // Note [Gather beside the step]: two ranks (threads of this process, joined by a real TCPStore and
 // Gloo) with partitioned optimizer states on NVMe. Rank 1's optimizer cannot write: it reports its
 // I/O error, and rank 0 stops too, naming rank 1, instead of waiting for copies that will never
