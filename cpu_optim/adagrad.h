@@ -7,6 +7,7 @@
 #include <span>
 
 #include "common/status.h"
+#include "cpu_optim/adam8bit.h"
 #include "cpu_optim/dtype.h"
 #include "cpu_optim/executor.h"
 
@@ -35,5 +36,19 @@ Status adagrad_step_bf16_state(const AdagradConfig& config, std::span<float> par
 // n elements in fp32 or bf16.
 Status adagrad_step_bf16_master(const AdagradConfig& config, Bf16Master params, ElemSpan exp_avg_sq, ConstElemSpan grad,
                                 float grad_scale, ElemSpan copy_out, const Executor& executor);
+
+// The step with the sum of squares 8-bit blockwise (zoffload.moment_dtype "8bit"), as bitsandbytes'
+// Adagrad8bit keeps it: codes into the signed dynamic map (bitsandbytes' choice for this state too)
+// and one fp32 absmax per 256 elements (BlockwiseState). Per element, dequantized s = map[code] *
+// absmax, zoffload's Adagrad above in bitsandbytes' CPU operations:
+//   d = fma(p, wd, g) (even at wd 0, as bitsandbytes) ;  s = fma(d, d, s) ;
+//   p = (-lr*g) / (sqrt(s) + eps) + p
+// (bitsandbytes' numerator is d; the same without weight decay), then the block's absmax and the
+// nearest codes as adam8bit_step. Any thread count and ISA give the same bits.
+Status adagrad8bit_step(const AdagradConfig& config, std::span<float> params, BlockwiseState exp_avg_sq,
+                        ConstElemSpan grad, float grad_scale, ElemSpan copy_out, const Executor& executor);
+// The same with bf16 masters (Bf16Master; adam_step_bf16_master's rules).
+Status adagrad8bit_step_bf16_master(const AdagradConfig& config, Bf16Master params, BlockwiseState exp_avg_sq,
+                                    ConstElemSpan grad, float grad_scale, ElemSpan copy_out, const Executor& executor);
 
 }  // namespace zo::cpu_optim

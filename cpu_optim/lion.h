@@ -7,6 +7,7 @@
 #include <span>
 
 #include "common/status.h"
+#include "cpu_optim/adam8bit.h"
 #include "cpu_optim/dtype.h"
 #include "cpu_optim/executor.h"
 
@@ -36,5 +37,18 @@ Status lion_step_bf16_state(const LionConfig& config, std::span<float> params, s
 // elements in fp32 or bf16.
 Status lion_step_bf16_master(const LionConfig& config, Bf16Master params, ElemSpan exp_avg, ConstElemSpan grad,
                              float grad_scale, ElemSpan copy_out, const Executor& executor);
+
+// The step with the momentum 8-bit blockwise (zoffload.moment_dtype "8bit"), as bitsandbytes'
+// Lion8bit keeps it: codes into the signed dynamic map and one fp32 absmax per 256 elements
+// (BlockwiseState). Per element, dequantized m = map[code] * absmax, in bitsandbytes' CPU order:
+//   p = p*(1 - lr*wd) (wd > 0) ;  c = m*beta1 + g*(1-beta1) (two products, one add) ;
+//   p = p - lr*sign(c) (sign(NaN) = 0, as torch's) ;  m = fma(g, 1-beta2, m*beta2)
+// then each block's absmax is the largest non-NaN |m| and each code the nearest entry to m/absmax
+// (adam8bit_step's rule). Any thread count and ISA give the same bits.
+Status lion8bit_step(const LionConfig& config, std::span<float> params, BlockwiseState exp_avg, ConstElemSpan grad,
+                     float grad_scale, ElemSpan copy_out, const Executor& executor);
+// The same with bf16 masters (Bf16Master; adam_step_bf16_master's rules).
+Status lion8bit_step_bf16_master(const LionConfig& config, Bf16Master params, BlockwiseState exp_avg,
+                                 ConstElemSpan grad, float grad_scale, ElemSpan copy_out, const Executor& executor);
 
 }  // namespace zo::cpu_optim

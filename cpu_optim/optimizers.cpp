@@ -54,8 +54,8 @@ const detail::KernelTable& table_for(const Executor& executor) {
 
 constexpr float kInf = INFINITY;
 
-Status check_state(const char* name, size_t n, const BlockwiseState& s) {
-  const std::string what = std::string("adam8bit_step: ") + name;
+Status check_state(const char* op, const char* name, size_t n, const BlockwiseState& s) {
+  const std::string what = std::string(op) + ": " + name;
   if (s.codes.size() != n)
     return invalid_argument(what + " has " + std::to_string(s.codes.size()) + " codes but params has " +
                             std::to_string(n) + " elements");
@@ -264,8 +264,8 @@ namespace {
 Status run_adam8bit(const char* op, const AdamConfig& config, int64_t step, detail::ParamArgs params, size_t n,
                     BlockwiseState exp_avg, BlockwiseState exp_avg_sq, ConstElemSpan grad, float grad_scale,
                     ElemSpan copy_out, const Executor& executor) {
-  ZO_RETURN_IF_ERROR(check_state("exp_avg", n, exp_avg));
-  ZO_RETURN_IF_ERROR(check_state("exp_avg_sq", n, exp_avg_sq));
+  ZO_RETURN_IF_ERROR(check_state(op, "exp_avg", n, exp_avg));
+  ZO_RETURN_IF_ERROR(check_state(op, "exp_avg_sq", n, exp_avg_sq));
   ZO_RETURN_IF_ERROR(check_pointers(op, n, {{"params", params.params}, {"grad", grad.data}}));
   ZO_RETURN_IF_ERROR(check_adam_hyperparameters(op, config, step, grad_scale));
   ZO_RETURN_IF_ERROR(check_dtypes(op, grad, copy_out));
@@ -309,6 +309,98 @@ Status adam8bit_step_bf16_master(const AdamConfig& config, int64_t step, Bf16Mas
   ZO_RETURN_IF_ERROR(check_bf16_master(op, params, copy_out, {}));
   return run_adam8bit(op, config, step, bf16_params(params), params.bits.size(), exp_avg, exp_avg_sq, grad, grad_scale,
                       copy_out, executor);
+}
+
+namespace {
+
+// Lion's or Adagrad's one 8-bit state (detail::OneState8bitArgs), the hyperparameters checked by
+// the caller.
+Status run_one_state8bit(const char* op, detail::OneState8bitArgs a, size_t n, const char* state_name,
+                         BlockwiseState state, ConstElemSpan grad, float grad_scale, ElemSpan copy_out,
+                         const Executor& executor) {
+  ZO_RETURN_IF_ERROR(check_state(op, state_name, n, state));
+  ZO_RETURN_IF_ERROR(check_pointers(op, n, {{"params", a.p.params}, {"grad", grad.data}}));
+  ZO_RETURN_IF_ERROR(check_scale(op, grad_scale));
+  ZO_RETURN_IF_ERROR(check_dtypes(op, grad, copy_out));
+  if (n == 0) return Status::ok();
+  a.codes = state.codes.data();
+  a.absmax = state.absmax.data();
+  a.map = signed_dynamic_map().data();
+  a.quant = &detail::signed_map_quant_table();
+  a.grad = grad.data;
+  a.grad_dtype = grad.dtype;
+  a.copy_out = copy_out.data;
+  a.copy_dtype = copy_out.dtype;
+  a.grad_scale = grad_scale;
+  const auto kernel = table_for(executor).one_state8bit;
+  executor.for_each_tile(n, [&](size_t begin, size_t end) { kernel(a, begin, end); });
+  return Status::ok();
+}
+
+Status run_lion8bit(const char* op, const LionConfig& config, detail::ParamArgs params, size_t n,
+                    BlockwiseState exp_avg, ConstElemSpan grad, float grad_scale, ElemSpan copy_out,
+                    const Executor& executor) {
+  ZO_RETURN_IF_ERROR(check_hyperparameter(op, "lr", config.lr, 0.0f, kInf, true));
+  ZO_RETURN_IF_ERROR(check_hyperparameter(op, "beta1", config.beta1, 0.0f, 1.0f, false));
+  ZO_RETURN_IF_ERROR(check_hyperparameter(op, "beta2", config.beta2, 0.0f, 1.0f, false));
+  ZO_RETURN_IF_ERROR(check_hyperparameter(op, "weight_decay", config.weight_decay, 0.0f, kInf, true));
+  detail::OneState8bitArgs a{};
+  a.p = params;
+  a.lion = true;
+  a.beta1 = config.beta1;
+  a.one_minus_beta1 = static_cast<float>(1.0 - static_cast<double>(config.beta1));
+  a.beta2 = config.beta2;
+  a.one_minus_beta2 = static_cast<float>(1.0 - static_cast<double>(config.beta2));
+  a.lr = config.lr;
+  a.after_decay = static_cast<float>(1.0 - static_cast<double>(config.lr) * config.weight_decay);
+  a.use_decay = config.weight_decay > 0.0f;
+  return run_one_state8bit(op, a, n, "exp_avg", exp_avg, grad, grad_scale, copy_out, executor);
+}
+
+Status run_adagrad8bit(const char* op, const AdagradConfig& config, detail::ParamArgs params, size_t n,
+                       BlockwiseState exp_avg_sq, ConstElemSpan grad, float grad_scale, ElemSpan copy_out,
+                       const Executor& executor) {
+  ZO_RETURN_IF_ERROR(check_hyperparameter(op, "lr", config.lr, 0.0f, kInf, true));
+  ZO_RETURN_IF_ERROR(check_hyperparameter(op, "eps", config.eps, 0.0f, kInf, true));
+  ZO_RETURN_IF_ERROR(check_hyperparameter(op, "weight_decay", config.weight_decay, 0.0f, kInf, true));
+  detail::OneState8bitArgs a{};
+  a.p = params;
+  a.lion = false;
+  a.eps = config.eps;
+  a.neg_lr = -config.lr;
+  a.weight_decay = config.weight_decay;
+  a.use_decay = config.weight_decay > 0.0f;
+  return run_one_state8bit(op, a, n, "exp_avg_sq", exp_avg_sq, grad, grad_scale, copy_out, executor);
+}
+
+}  // namespace
+
+Status lion8bit_step(const LionConfig& config, std::span<float> params, BlockwiseState exp_avg, ConstElemSpan grad,
+                     float grad_scale, ElemSpan copy_out, const Executor& executor) {
+  return run_lion8bit("lion8bit_step", config, fp32_params(params), params.size(), exp_avg, grad, grad_scale, copy_out,
+                      executor);
+}
+
+Status lion8bit_step_bf16_master(const LionConfig& config, Bf16Master params, BlockwiseState exp_avg,
+                                 ConstElemSpan grad, float grad_scale, ElemSpan copy_out, const Executor& executor) {
+  const char* op = "lion8bit_step_bf16_master";
+  ZO_RETURN_IF_ERROR(check_bf16_master(op, params, copy_out, {}));
+  return run_lion8bit(op, config, bf16_params(params), params.bits.size(), exp_avg, grad, grad_scale, copy_out,
+                      executor);
+}
+
+Status adagrad8bit_step(const AdagradConfig& config, std::span<float> params, BlockwiseState exp_avg_sq,
+                        ConstElemSpan grad, float grad_scale, ElemSpan copy_out, const Executor& executor) {
+  return run_adagrad8bit("adagrad8bit_step", config, fp32_params(params), params.size(), exp_avg_sq, grad, grad_scale,
+                         copy_out, executor);
+}
+
+Status adagrad8bit_step_bf16_master(const AdagradConfig& config, Bf16Master params, BlockwiseState exp_avg_sq,
+                                    ConstElemSpan grad, float grad_scale, ElemSpan copy_out, const Executor& executor) {
+  const char* op = "adagrad8bit_step_bf16_master";
+  ZO_RETURN_IF_ERROR(check_bf16_master(op, params, copy_out, {}));
+  return run_adagrad8bit(op, config, bf16_params(params), params.bits.size(), exp_avg_sq, grad, grad_scale, copy_out,
+                         executor);
 }
 
 }  // namespace zo::cpu_optim

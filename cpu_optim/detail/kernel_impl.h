@@ -470,6 +470,73 @@ void adam8bit_kernel(const Adam8bitArgs& a, size_t begin, size_t end) {
   });
 }
 
+// One block of Lion or Adagrad with an 8-bit blockwise state, elements [first, first + n), n <= 256:
+// dequantize, update in bitsandbytes' CPU order (backends/cpu/ops.py; docs/cpu_optim.md), then the
+// block's absmax and the nearest codes, as adam8bit_block does for two states.
+template <class V, DType P, DType G, bool kCopy, DType C>
+void one_state8bit_block(const OneState8bitArgs& a, size_t first, size_t n) {
+  using F = typename V::F;
+  constexpr size_t W = V::W;
+  const F scale = V::set1(a.grad_scale), b1 = V::set1(a.beta1), omb1 = V::set1(a.one_minus_beta1),
+          b2 = V::set1(a.beta2), omb2 = V::set1(a.one_minus_beta2), lr = V::set1(a.lr),
+          after_decay = V::set1(a.after_decay), eps = V::set1(a.eps), neg_lr = V::set1(a.neg_lr),
+          wd = V::set1(a.weight_decay), zero = V::set1(0.0f), minus_one = V::set1(-1.0f);
+  const bool lion = a.lion, use_decay = a.use_decay;
+  const size_t b = first / kQuantBlock;
+  const F s_scale = V::set1(a.absmax[b]);
+  alignas(64) float s_new[kQuantBlock] = {};  // lanes past n stay +0
+  const Stream update[5] = {
+      {static_cast<char*>(a.p.params) + first * kElemBytes<P>, kElemBytes<P>, true},
+      {a.codes + first, 1, false},
+      {const_cast<char*>(static_cast<const char*>(a.grad)) + first * kElemBytes<G>, kElemBytes<G>, false},
+      {kCopy ? static_cast<char*>(a.copy_out) + first * kElemBytes<C> : nullptr, kElemBytes<C>, true},
+      {s_new, 4, true}};
+  for_blocks_at<W>(update, 0, n, [&](const Ptrs<5>& at, size_t i, size_t index) {
+    F g = V::mul(load_elems<V, G>(at.p[2], i), scale);
+    F p = load_elems<V, P>(at.p[0], i);
+    F st = V::mul(V::gather(a.map, V::load_codes(static_cast<const uint8_t*>(at.p[1]) + i)), s_scale);
+    if (lion) {
+      if (use_decay) p = V::mul(p, after_decay);
+      F c = V::add(V::mul(st, b1), V::mul(g, omb1));
+      // torch.sign(NaN) is 0: a NaN c moves nothing, as in bitsandbytes. c's positive part minus its
+      // negative part is c exactly, and 0 for NaN (max_keep drops it).
+      c = V::add(V::max_keep(zero, c), V::mul(minus_one, V::max_keep(zero, V::mul(minus_one, c))));
+      p = V::add(p, V::lion_update(c, lr));
+      st = V::fma(g, omb2, V::mul(st, b2));
+    } else {  // zoffload's Adagrad (the numerator before weight decay) in bitsandbytes' operations,
+              // whose decay term is added even at weight decay 0 (so a non-finite p poisons d)
+      const F d = V::fma(p, wd, g);
+      st = V::fma(d, d, st);
+      p = V::add(V::div(V::mul(neg_lr, g), V::add(V::sqrt(st), eps)), p);
+    }
+    store_params<V, P, kCopy, C>(a.p, at.p[0], at.p[3], i, first + index, p);
+    V::store(static_cast<float*>(at.p[4]) + i, st);
+  });
+  const size_t padded = (n + W - 1) / W * W;  // +0 past n: no absmax is below it
+  F s_max = V::set1(0.0f);
+  for (size_t j = 0; j < padded; j += W) s_max = V::max_keep(s_max, V::abs(V::load(s_new + j)));
+  const float s_amax = V::hmax(s_max);
+  a.absmax[b] = s_amax;
+  const F s_div = V::set1(s_amax);
+  const Stream quantize[2] = {{s_new, 4, false}, {a.codes + first, 1, true}};
+  for_blocks<W>(quantize, 0, n, [&](const Ptrs<2>& at, size_t i) {
+    V::store_codes(static_cast<uint8_t*>(at.p[1]) + i,
+                   nearest_code<V>(*a.quant, V::div(V::load(static_cast<const float*>(at.p[0]) + i), s_div)));
+  });
+}
+
+template <class V>
+void one_state8bit_kernel(const OneState8bitArgs& a, size_t begin, size_t end) {
+  with_param_dtype(a.p.param_dtype, [&]<DType P>() {
+    with_dtypes(a.grad_dtype, a.copy_out, a.copy_dtype, [&]<DType G, bool kCopy, DType C>() {
+      if constexpr (kValidCopy<P, kCopy, C>) {
+        for (size_t first = begin; first < end; first += kQuantBlock)
+          one_state8bit_block<V, P, G, kCopy, C>(a, first, end - first < kQuantBlock ? end - first : kQuantBlock);
+      }
+    });
+  });
+}
+
 template <class V>
 void nearest_codes_kernel(const QuantTable& table, const float* x, uint8_t* codes, size_t begin, size_t end) {
   const Stream streams[2] = {{const_cast<float*>(x), 4, false}, {codes, 1, true}};
@@ -492,7 +559,8 @@ constexpr KernelTable make_table(Isa isa) {
           &roofline_kernel<V>,
           &fill_kernel<V>,
           &adam8bit_kernel<V>,
-          &nearest_codes_kernel<V>};
+          &nearest_codes_kernel<V>,
+          &one_state8bit_kernel<V>};
 }
 
 }  // namespace zo::cpu_optim::detail

@@ -109,6 +109,31 @@ struct Adam8bitArgs {
 };
 inline constexpr size_t kQuantBlock = 256;
 
+// Lion or Adagrad with their one state 8-bit blockwise, as bitsandbytes' Lion8bit and Adagrad8bit
+// keep it (cpu_optim/adam8bit.h): codes into the signed dynamic map (bitsandbytes' qmap1 for both)
+// and one absmax per block. The update is bitsandbytes' CPU order (docs/cpu_optim.md). Whole blocks
+// per call, as Adam8bitArgs.
+struct OneState8bitArgs {
+  ParamArgs p;
+  uint8_t* codes;
+  float* absmax;
+  const float* map;         // the signed dynamic map
+  const QuantTable* quant;  // its nearest-entry table
+  const void* grad;
+  DType grad_dtype;
+  void* copy_out;  // nullptr: none
+  DType copy_dtype;
+  bool lion;  // else Adagrad
+  float grad_scale;
+  // Lion: fp32 constants from double, as bitsandbytes' Python hands them to torch.
+  float beta1, one_minus_beta1, beta2, one_minus_beta2;
+  float lr;           // |u| = lr
+  float after_decay;  // 1 - lr*wd (Lion's decoupled decay), used when use_decay
+  // Adagrad: d = g + wd*p (always, as bitsandbytes), s += d*d, p += -lr*g/(sqrt(s) + eps).
+  float eps, neg_lr, weight_decay;
+  bool use_decay;
+};
+
 // Number of double accumulators of the squared norm; element i of a tile goes to lane i % 16.
 inline constexpr size_t kNormLanes = 16;
 
@@ -133,6 +158,7 @@ struct KernelTable {
   void (*adam8bit)(const Adam8bitArgs& args, size_t begin, size_t end);
   // codes[i] = the entry of `map` nearest x[i] (adam8bit's rule: the lower on a tie, 0 for NaN).
   void (*nearest_codes)(const QuantTable& table, const float* x, uint8_t* codes, size_t begin, size_t end);
+  void (*one_state8bit)(const OneState8bitArgs& args, size_t begin, size_t end);
 };
 
 // The table for `isa` (never kAuto), or nullptr if this build lacks it. Defined in dispatch.cpp,

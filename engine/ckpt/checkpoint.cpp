@@ -191,7 +191,7 @@ Status stream_groups(Writer& writer, StateStore& store, const StateFile& file, u
 Status write_state_file(io::Env* env, StateStore& store, const StateFile& file, const std::string& path,
                         std::span<std::byte> staging, const std::vector<CheckpointTensor>& tensors, FileDigest* digest,
                         const std::function<void(uint64_t)>& on_bytes) {
-  const std::string header = state_file_prefix(file, tensors);
+  const std::string header = state_file_prefix(file, tensors, store.plan().placement);
   ZO_ASSIGN_OR_RETURN(auto writer, StreamWriter::create(store.io(), path, staging, kWriteSlots, env));
   if (!header.empty()) ZO_RETURN_IF_ERROR(writer->append(std::as_bytes(std::span(header.data(), header.size()))));
   ZO_RETURN_IF_ERROR(stream_groups(*writer, store, file, 0, store.plan().n_sub_groups, on_bytes));
@@ -309,7 +309,8 @@ Result<SaveResult> save_collaborative(StateStore& store, const TrainingState& st
     if (t.is_ok()) tmp = *t;
     for (const StateFile& file : files) {
       if (!started.is_ok()) break;
-      const uint64_t size = state_file_prefix(file, tensors).size() + state_file_data_bytes(file, tensors);
+      const uint64_t size =
+          state_file_prefix(file, tensors, store.plan().placement).size() + state_file_data_bytes(file, tensors);
       started = create_sized_file(tmp + "/" + file.name, size, env).with_context(context);
     }
     if (started.is_ok()) phase(SavePhase::kStarted);
@@ -342,7 +343,7 @@ Result<SaveResult> save_collaborative(StateStore& store, const TrainingState& st
       if (options.progress) options.progress(done, own_bytes);
     };
     for (const StateFile& file : files) {
-      const std::string header = state_file_prefix(file, tensors);
+      const std::string header = state_file_prefix(file, tensors, store.plan().placement);
       const uint64_t data_start = header.size();
       // Where each partition's parts start: the parts of the sub-groups before it, after the prefix.
       auto file_offset = [&](uint32_t partition) {
@@ -412,7 +413,8 @@ Result<SaveResult> save_collaborative(StateStore& store, const TrainingState& st
       manifest.master_dtype = plan.placement.master_dtype;
       committed = [&]() -> Status {
         for (size_t k = 0; k < files.size(); ++k) {
-          const uint64_t size = state_file_prefix(files[k], tensors).size() + state_file_data_bytes(files[k], tensors);
+          const uint64_t size = state_file_prefix(files[k], tensors, store.plan().placement).size() +
+                                state_file_data_bytes(files[k], tensors);
           ZO_ASSIGN_OR_RETURN(FileDigest d, combine_range_digests(files[k].name, size, ranges[k]));
           manifest.files.push_back(std::move(d));
         }

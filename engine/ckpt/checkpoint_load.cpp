@@ -10,6 +10,7 @@
 #include "common/string_util.h"
 #include "cpu_optim/adam8bit.h"
 #include "engine/ckpt/state_files.h"
+#include "engine/memory/moment_layout.h"
 #include "engine/model/safetensors.h"
 
 namespace zo::engine {
@@ -209,13 +210,14 @@ Status load_checkpoint(const CheckpointInfo& ckpt, StateStore& store, io::IoEngi
       ZO_ASSIGN_OR_RETURN(auto header, SafetensorsFile::open(fpath, env));
       data_start = header->tensors().empty() ? header->file_size_bytes() : header->tensors().front().data_offset_bytes;
       if (file.part == StatePart::kMomentAux) {
-        const auto& want =
-            kind == StateKind::kExpAvg ? cpu_optim::signed_dynamic_map() : cpu_optim::unsigned_dynamic_map();
+        const auto& want = quant_map(plan.placement, kind);
         std::array<float, 256> map{};
         ZO_RETURN_IF_ERROR(
             header->read_raw(header->tensors().front(), 0, {reinterpret_cast<uint8_t*>(map.data()), sizeof map}));
         if (std::memcmp(map.data(), want.data(), sizeof map) != 0)
-          return corruption(fpath + ": its " + kQuantMapTensor + " is not the map this zoffload quantizes with");
+          return corruption(fpath + ": its " + kQuantMapTensor + " is not the map this run's " +
+                            std::string(to_string(plan.placement.optimizer_type)) + " quantizes " +
+                            std::string(state_name(kind)) + " with (a checkpoint of another optimizer.type?)");
         data_start += sizeof map;
       }
     }

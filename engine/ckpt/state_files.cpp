@@ -53,7 +53,8 @@ std::vector<SafetensorsEntry> state_file_tensors(const StateFile& file, const st
   return out;
 }
 
-std::string state_file_prefix(const StateFile& file, const std::vector<CheckpointTensor>& tensors) {
+std::string state_file_prefix(const StateFile& file, const std::vector<CheckpointTensor>& tensors,
+                              const Placement& placement) {
   if (file.part == StatePart::kMomentCodes) return {};
   std::map<std::string, std::string> metadata{{"format", "pt"}, {"zoffload_state", std::string(state_name(file.kind))}};
   if (file.part == StatePart::kMomentAux) metadata["zoffload_moment_dtype"] = "8bit";
@@ -61,8 +62,7 @@ std::string state_file_prefix(const StateFile& file, const std::vector<Checkpoin
     metadata[file.kind == StateKind::kMaster ? "zoffload_master_dtype" : "zoffload_moment_dtype"] = "bf16";
   std::string out = safetensors_header(state_file_tensors(file, tensors), metadata);
   if (file.part == StatePart::kMomentAux) {
-    const auto& map =
-        file.kind == StateKind::kExpAvg ? cpu_optim::signed_dynamic_map() : cpu_optim::unsigned_dynamic_map();
+    const auto& map = quant_map(placement, file.kind);
     const size_t at = out.size();
     out.resize(at + sizeof(float) * map.size());
     std::memcpy(out.data() + at, map.data(), sizeof(float) * map.size());

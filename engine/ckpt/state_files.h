@@ -47,8 +47,9 @@ std::pair<uint64_t, uint64_t> group_part(const ParamRegistry& registry, const Pl
 std::vector<SafetensorsEntry> state_file_tensors(const StateFile& file, const std::vector<CheckpointTensor>& tensors);
 
 // The bytes a file holds before the sub-groups' parts: the safetensors header (4096-aligned) and
-// for an 8-bit moment the map's bytes; nothing for a codes file.
-std::string state_file_prefix(const StateFile& file, const std::vector<CheckpointTensor>& tensors);
+// for an 8-bit moment the map its codes index under `placement` (quant_map); nothing for a codes file.
+std::string state_file_prefix(const StateFile& file, const std::vector<CheckpointTensor>& tensors,
+                              const Placement& placement);
 
 // The bytes of the sub-groups' parts, all of them: what follows the prefix.
 uint64_t state_file_data_bytes(const StateFile& file, const std::vector<CheckpointTensor>& tensors);

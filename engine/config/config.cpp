@@ -494,15 +494,6 @@ void Resolver::offload_placement() {
                     std::string(c->fp16.enabled ? "fp16" : "fp32") + ")");
     }
   }
-  const std::string& md = c->zoffload.moment_dtype;
-  if (md != "fp32" && !st->has_error("zoffload.moment_dtype") && !st->has_error("bf16.bf16_optimizer_states")) {
-    const char* key = c->bf16.bf16_optimizer_states ? "bf16.bf16_optimizer_states" : "zoffload.moment_dtype";
-    if (md == "8bit" && type != OptimizerType::kAdam && type != OptimizerType::kAdamW &&
-        !st->has_error("optimizer.type")) {
-      st->error(key, "\"8bit\" moments are Adam's and AdamW's (bitsandbytes' AdamW8bit; optimizer.type is " +
-                         std::string(to_string(type)) + "); use \"bf16\" or \"fp32\"");
-    }
-  }
 }
 
 // zoffload.gradient_store_dtype: "auto" is grad_accum_dtype; a narrower dtype rounds fp32 sums, each

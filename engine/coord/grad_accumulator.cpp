@@ -312,7 +312,7 @@ struct GradAccumulator::Impl {
     const uint64_t n = store->registry().sub_groups()[g].n_elems;
     std::byte* sums = buffers[b].data();
     if (partitioned) {
-      // Note [Partitioned gradients]: the sums over the ranks go to the owner, which alone steps
+      // The sums over the ranks go to the owner (Note [Partitioned gradients]), which alone steps
       // the sub-group; its chunks' squared norms are what owners_norm adds up over the ranks.
       Status st = reducer.reduce(g, sums, n);
       if (!st.is_ok()) return st.with_context("gradient accumulator: reducing sub-group " + std::to_string(g));

@@ -1,5 +1,7 @@
 #include "engine/memory/moment_layout.h"
 
+#include "common/dynamic_maps.h"
+
 #include "common/bytes.h"
 #include "cpu_optim/adam8bit.h"
 
@@ -44,6 +46,11 @@ MomentLayout moment_layout(const ParamRegistry& registry, uint32_t sub_group) {
   }
   out.total_bytes = aux;
   return out;
+}
+
+const std::array<float, 256>& quant_map(const Placement& placement, StateKind kind) {
+  return kind == StateKind::kExpAvgSq && placement.optimizer_type != OptimizerType::kAdagrad ? kUnsignedDynamicMap
+                                                                                             : kSignedDynamicMap;
 }
 
 }  // namespace zo::engine

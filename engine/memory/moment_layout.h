@@ -5,6 +5,7 @@
 // it. Pure functions of the registry; thread-safe.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <vector>
 
@@ -37,5 +38,10 @@ struct MomentLayout {
 
 // The 8-bit layout of sub-group `sub_group`'s moments.
 MomentLayout moment_layout(const ParamRegistry& registry, uint32_t sub_group);
+
+// The map (common/dynamic_maps.h) the 8-bit codes of state `kind` (exp_avg or exp_avg_sq) index, as
+// bitsandbytes picks it: the signed map for exp_avg; for exp_avg_sq the unsigned one, except
+// Adagrad's sum of squares, which bitsandbytes' Adagrad8bit keeps with the signed map (its qmap1).
+const std::array<float, 256>& quant_map(const Placement& placement, StateKind kind);
 
 }  // namespace zo::engine

@@ -165,45 +165,6 @@ struct OptimizerSwapper::Impl {
   void drain();
 };
 
-Status OptimizerSwapper::Impl::update_8bit(uint32_t g, std::byte* p_bytes, std::byte* m, std::byte* v, const void* grad,
-                                           void* copy_out) {
-  const Placement& pl = store->plan().placement;
-  const bool bf16_masters = pl.master_dtype == DType::kBF16;
-  auto* p = reinterpret_cast<float*>(p_bytes);  // fp32 masters
-  const uint64_t gb = dtype_size_bytes(pl.grad_dtype), cb = dtype_size_bytes(pl.compute_dtype);
-  const MomentLayout layout = moment_layout(store->registry(), g);
-  for (const MomentPiece& mp : layout.pieces) {
-    const uint64_t off = mp.piece->group_offset, n = mp.piece->n_elems;
-    const cpu_optim::ConstElemSpan g_span{static_cast<const std::byte*>(grad) + off * gb, pl.grad_dtype};
-    const cpu_optim::ElemSpan out_span{copy_out == nullptr ? nullptr : static_cast<std::byte*>(copy_out) + off * cb,
-                                       pl.compute_dtype};
-    Status st;
-    if (mp.quantized) {
-      auto state = [&](std::byte* base) {
-        return cpu_optim::BlockwiseState{{reinterpret_cast<uint8_t*>(base + mp.codes_offset_bytes), n},
-                                         {reinterpret_cast<float*>(base + mp.aux_offset_bytes), mp.aux_bytes / 4}};
-      };
-      st = bf16_masters
-               ? cpu_optim::adam8bit_step_bf16_master(args.adam, args.step, bf16_master(p_bytes, *mp.piece), state(m),
-                                                      state(v), g_span, args.grad_scale, out_span, *executor)
-               : cpu_optim::adam8bit_step(args.adam, args.step, {p + off, n}, state(m), state(v), g_span,
-                                          args.grad_scale, out_span, *executor);
-    } else if (bf16_masters) {
-      st = cpu_optim::adam_step_bf16_master(
-          args.adam, args.step, bf16_master(p_bytes, *mp.piece), {m + mp.aux_offset_bytes, DType::kF32},
-          {v + mp.aux_offset_bytes, DType::kF32}, g_span, args.grad_scale, out_span, *executor);
-    } else {
-      // bitsandbytes keeps a small parameter's moments in fp32 and steps it with its 32-bit Adam; this
-      // is torch's AdamW order, as for every fp32 moment here (docs/cpu_optim.md).
-      st = cpu_optim::adam_step(
-          args.adam, args.step, {p + off, n}, {reinterpret_cast<float*>(m + mp.aux_offset_bytes), n},
-          {reinterpret_cast<float*>(v + mp.aux_offset_bytes), n}, g_span, args.grad_scale, out_span, *executor);
-    }
-    if (!st.is_ok()) return st.with_context(store->registry().params()[mp.piece->param].name);
-  }
-  return Status::ok();
-}
-
 namespace {
 
 cpu_optim::AdagradConfig adagrad_config(const cpu_optim::AdamConfig& h) {
@@ -215,6 +176,78 @@ cpu_optim::LionConfig lion_config(const cpu_optim::AdamConfig& h) {
 }
 
 }  // namespace
+
+Status OptimizerSwapper::Impl::update_8bit(uint32_t g, std::byte* p_bytes, std::byte* m, std::byte* v, const void* grad,
+                                           void* copy_out) {
+  const Placement& pl = store->plan().placement;
+  const bool bf16_masters = pl.master_dtype == DType::kBF16;
+  auto* p = reinterpret_cast<float*>(p_bytes);  // fp32 masters
+  const uint64_t gb = dtype_size_bytes(pl.grad_dtype), cb = dtype_size_bytes(pl.compute_dtype);
+  const MomentLayout layout = moment_layout(store->registry(), g);
+  // Lion's momentum is exp_avg, Adagrad's sum of squares exp_avg_sq (Note [One moment for Adagrad
+  // and Lion]), each in the 8-bit layout; the other region stays the zero state.
+  const bool lion = options.optimizer == OptimizerType::kLion, adagrad = options.optimizer == OptimizerType::kAdagrad;
+  std::byte* one = lion ? m : v;
+  for (const MomentPiece& mp : layout.pieces) {
+    const uint64_t off = mp.piece->group_offset, n = mp.piece->n_elems;
+    const cpu_optim::ConstElemSpan g_span{static_cast<const std::byte*>(grad) + off * gb, pl.grad_dtype};
+    const cpu_optim::ElemSpan out_span{copy_out == nullptr ? nullptr : static_cast<std::byte*>(copy_out) + off * cb,
+                                       pl.compute_dtype};
+    const std::span<float> fp32{p + off, n};
+    Status st;
+    if (mp.quantized) {
+      auto state = [&](std::byte* base) {
+        return cpu_optim::BlockwiseState{{reinterpret_cast<uint8_t*>(base + mp.codes_offset_bytes), n},
+                                         {reinterpret_cast<float*>(base + mp.aux_offset_bytes), mp.aux_bytes / 4}};
+      };
+      if (lion) {
+        const cpu_optim::LionConfig c = lion_config(args.adam);
+        st = bf16_masters ? cpu_optim::lion8bit_step_bf16_master(c, bf16_master(p_bytes, *mp.piece), state(one), g_span,
+                                                                 args.grad_scale, out_span, *executor)
+                          : cpu_optim::lion8bit_step(c, fp32, state(one), g_span, args.grad_scale, out_span, *executor);
+      } else if (adagrad) {
+        const cpu_optim::AdagradConfig c = adagrad_config(args.adam);
+        st = bf16_masters
+                 ? cpu_optim::adagrad8bit_step_bf16_master(c, bf16_master(p_bytes, *mp.piece), state(one), g_span,
+                                                           args.grad_scale, out_span, *executor)
+                 : cpu_optim::adagrad8bit_step(c, fp32, state(one), g_span, args.grad_scale, out_span, *executor);
+      } else {
+        st = bf16_masters
+                 ? cpu_optim::adam8bit_step_bf16_master(args.adam, args.step, bf16_master(p_bytes, *mp.piece), state(m),
+                                                        state(v), g_span, args.grad_scale, out_span, *executor)
+                 : cpu_optim::adam8bit_step(args.adam, args.step, fp32, state(m), state(v), g_span, args.grad_scale,
+                                            out_span, *executor);
+      }
+    } else {
+      // bitsandbytes keeps a small parameter's state in fp32 and steps it with its 32-bit optimizer;
+      // here it is the fp32 state's own step (torch's AdamW order, DeepSpeed's Adagrad and Lion), as
+      // for every fp32 state (docs/cpu_optim.md).
+      auto f32_state = [&](std::byte* base) { return reinterpret_cast<float*>(base + mp.aux_offset_bytes); };
+      const cpu_optim::ElemSpan m_span{f32_state(m), DType::kF32}, v_span{f32_state(v), DType::kF32};
+      if (lion) {
+        const cpu_optim::LionConfig c = lion_config(args.adam);
+        st = bf16_masters
+                 ? cpu_optim::lion_step_bf16_master(c, bf16_master(p_bytes, *mp.piece), m_span, g_span, args.grad_scale,
+                                                    out_span, *executor)
+                 : cpu_optim::lion_step(c, fp32, {f32_state(m), n}, g_span, args.grad_scale, out_span, *executor);
+      } else if (adagrad) {
+        const cpu_optim::AdagradConfig c = adagrad_config(args.adam);
+        st = bf16_masters
+                 ? cpu_optim::adagrad_step_bf16_master(c, bf16_master(p_bytes, *mp.piece), v_span, g_span,
+                                                       args.grad_scale, out_span, *executor)
+                 : cpu_optim::adagrad_step(c, fp32, {f32_state(v), n}, g_span, args.grad_scale, out_span, *executor);
+      } else if (bf16_masters) {
+        st = cpu_optim::adam_step_bf16_master(args.adam, args.step, bf16_master(p_bytes, *mp.piece), m_span, v_span,
+                                              g_span, args.grad_scale, out_span, *executor);
+      } else {
+        st = cpu_optim::adam_step(args.adam, args.step, fp32, {f32_state(m), n}, {f32_state(v), n}, g_span,
+                                  args.grad_scale, out_span, *executor);
+      }
+    }
+    if (!st.is_ok()) return st.with_context(store->registry().params()[mp.piece->param].name);
+  }
+  return Status::ok();
+}
 
 Status OptimizerSwapper::Impl::update_bf16_master(uint32_t g, std::byte* p, std::byte* m, std::byte* v,
                                                   const void* grad, void* copy_out) {
@@ -750,12 +783,6 @@ Result<std::unique_ptr<OptimizerSwapper>> OptimizerSwapper::create(StateStore& s
     return unavailable("optimizer.type " + std::string(to_string(options.optimizer)) +
                        ": runs on the CPU only (the device's optimizer kernel is Adam's); set "
                        "zero_optimization.offload_optimizer.device to cpu or nvme");
-  }
-  if (pl.moments != MomentDtype::kF32) {
-    const std::string key = "zoffload.moment_dtype \"" + std::string(moment_dtype_name(pl.moments)) + "\"";
-    if (pl.moments == MomentDtype::k8bit && options.optimizer != OptimizerType::kAdam &&
-        options.optimizer != OptimizerType::kAdamW)
-      return unavailable(key + ": Adam's and AdamW's, not " + std::string(to_string(options.optimizer)) + "'s");
   }
   if (pl.master_dtype != DType::kF32) {
     if (pl.master_dtype != DType::kBF16 || pl.compute_dtype != DType::kBF16)

@@ -60,9 +60,9 @@ struct OptimizerStepReport {
 
 class OptimizerSwapper {
  public:
-  // kUnavailable for Adagrad or Lion with the states on the device (named), for 8-bit moments
-  // with an optimizer other than Adam, and for bf16 masters with a compute dtype other than bf16;
-  // kInvalidArgument when the plan's buffers cannot carry the requested pipelining.
+  // kUnavailable for Adagrad or Lion with the states on the device (named), and for bf16 masters
+  // with a compute dtype other than bf16; kInvalidArgument when the plan's buffers cannot carry the
+  // requested pipelining.
   static Result<std::unique_ptr<OptimizerSwapper>> create(StateStore& store, const cpu_optim::Executor& executor,
                                                           const PipelineOptions& options);
   ~OptimizerSwapper();

@@ -450,6 +450,7 @@ Result<MemoryPlan> plan_memory(const Config& config, const ParamRegistry& regist
                : config.zoffload.moment_dtype == "bf16" ? MomentDtype::kBF16
                                                         : MomentDtype::kF32;
   pl.master_dtype = config.zoffload.master_dtype == "bf16" ? DType::kBF16 : DType::kF32;
+  pl.optimizer_type = config.optimizer.type;
 
   const auto groups = registry.sub_groups();
   plan.n_sub_groups = static_cast<uint32_t>(groups.size());

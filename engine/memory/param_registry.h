@@ -130,6 +130,9 @@ struct Placement {
   // in a host buffer until final and handed to the optimizer there (Note [No accumulator] in
   // engine/coord/grad_accumulator.cpp); `grad` is then kCpu, where those buffers are.
   bool no_accumulator = false;
+  // optimizer.type: which state an 8-bit layout holds in each region and the map its codes index
+  // (quant_map in moment_layout.h; Note [One moment for Adagrad and Lion]).
+  OptimizerType optimizer_type = OptimizerType::kAdamW;
 };
 
 // Where the gradient accumulators live: the tier's name, or "none" (Placement::no_accumulator).

@@ -839,7 +839,7 @@ std::vector<Candidate> candidates(const Config& base, uint32_t world_size) {
                        " stored in bf16 (rounded to nearest even after each update); masters, gradients and the "
                        "update stay fp32"});
   }
-  if (base.zoffload.moment_dtype != "8bit" && adam) {
+  if (base.zoffload.moment_dtype != "8bit") {
     // DeepSpeed's bf16.bf16_optimizer_states would contradict it: the change says to drop that too.
     const bool ds_key = base.bf16.bf16_optimizer_states;
     out.push_back(
@@ -850,8 +850,12 @@ std::vector<Candidate> candidates(const Config& base, uint32_t world_size) {
            c.bf16.bf16_optimizer_states = false;
            return true;
          },
-         "rounds: Adam's moments kept as bitsandbytes' AdamW8bit keeps them (a byte per element, an "
-         "fp32 absmax per 256); masters, gradients and the update stay fp32"});
+         std::string("rounds: ") +
+             (adam ? "Adam's moments kept as bitsandbytes' AdamW8bit keeps them"
+              : base.optimizer.type == OptimizerType::kLion ? "Lion's momentum kept as bitsandbytes' Lion8bit keeps it"
+                                                            : "Adagrad's sum of squares kept as bitsandbytes' "
+                                                              "Adagrad8bit keeps it") +
+             " (a byte per element, an fp32 absmax per 256); masters, gradients and the update stay fp32"});
   }
   if (base.zoffload.master_dtype == "fp32" && base.bf16.enabled) {
     out.push_back({"zoffload.master_dtype: bf16",

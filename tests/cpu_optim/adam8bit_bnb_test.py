@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""cpu_optim::adam8bit_step against bitsandbytes' AdamW8bit (its CPU path) as the oracle: 20 steps
+"""cpu_optim::adam8bit_step against bitsandbytes' AdamW8bit (its CPU path) as the oracle (and
+lion8bit_step and adagrad8bit_step against its Lion8bit and Adagrad8bit, at the end): 20 steps
 on tensors of awkward sizes (a partial last block, a tensor under bitsandbytes' default 8-bit size
 threshold, a block whose gradient is always zero, a NaN gradient), then the state bytes and the absmax
 values bit for bit, and the parameters within a bound derived below: the best kernel path here with
@@ -135,5 +136,76 @@ with tempfile.TemporaryDirectory() as tmp:
               "parameters differ by at most %.2e relative (median %.2e)" % (
                   name, 100.0 * np.mean(plain[1] != want[1]), 100.0 * np.mean(plain[3] != want[3]),
                   float(rel.max()), float(np.median(rel))))
+
+    # ---- Lion8bit and Adagrad8bit: one state, the signed map (bitsandbytes' qmap1 for both) --------
+    # Lion has no sqrt: its parameters must be bitsandbytes' bit for bit, as its momentum is.
+    # Adagrad's sqrt is torch's (not correctly rounded), so its parameters are held to the bound
+    # derived above with no decay factor; without weight decay its sum of squares does not depend on
+    # the parameters and must be bitsandbytes' bit for bit (with weight decay zoffload keeps its own
+    # Adagrad's numerator, the gradient before decay, where bitsandbytes' is after: cpu_optim/adagrad.h).
+    LION_LR, LION_BETAS = f32(3e-4), (f32(0.9), f32(0.99))
+    ADAGRAD_LR, ADAGRAD_EPS = f32(1e-2), f32(1e-10)
+
+    def run_bnb_one(kind, p0, grads, nearest):
+        with bnb_nearest.nearest(nearest):
+            p = torch.nn.Parameter(torch.from_numpy(p0.copy()))
+            if kind == "lion":
+                opt = bnb.optim.Lion8bit([p], lr=LION_LR, betas=LION_BETAS, weight_decay=WD, min_8bit_size=1)
+            else:
+                opt = bnb.optim.Adagrad8bit([p], lr=ADAGRAD_LR, eps=ADAGRAD_EPS, weight_decay=0.0, min_8bit_size=1)
+            bound = np.zeros(p0.size, dtype=np.float64)
+            for g in grads:
+                before = p.detach().numpy().copy()
+                p.grad = torch.from_numpy(g.copy())
+                opt.step()
+                after = p.detach().numpy()
+                u = after.astype(np.float64) - before.astype(np.float64)
+                bound += np.spacing(np.abs(after)).astype(np.float64) + 2.0 ** -22 * np.abs(u)
+            st = opt.state[p]
+            return p.detach().numpy().copy(), st["state1"].numpy().copy(), st["absmax1"].numpy().copy(), bound
+
+    def run_zoffload_one(kind, p0, grads, threads, isa):
+        n = p0.size
+        lr, b1, b2, eps, wd = ((LION_LR, LION_BETAS[0], LION_BETAS[1], EPS, WD) if kind == "lion"
+                               else (ADAGRAD_LR, BETAS[0], BETAS[1], ADAGRAD_EPS, 0.0))
+        with open(os.path.join(tmp, "meta.txt"), "w") as f:
+            f.write("%d %d %r %r %r %r %r\n" % (n, len(grads), lr, b1, b2, eps, wd))
+        p0.astype(np.float32).tofile(os.path.join(tmp, "params.f32"))
+        np.stack(grads).astype(np.float32).tofile(os.path.join(tmp, "grads.f32"))
+        r = subprocess.run([oracle, tmp, str(threads), isa, kind], capture_output=True, text=True)
+        if not expect(r.returncode == 0, "adam8bit_oracle %s runs: %s" % (kind, r.stderr)):
+            return None
+        read = lambda name, dt: np.fromfile(os.path.join(tmp, name), dtype=dt)  # noqa: E731
+        return read("out_params.f32", np.float32), read("out_m_codes.u8", np.uint8), read("out_m_absmax.f32", np.float32)
+
+    for kind in ("lion", "adagrad"):
+        for name, p0, grads in cases:
+            want = run_bnb_one(kind, p0, grads, nearest=True)
+            nan = np.isnan(want[0])
+            for threads, isa in ((1, "auto"), (2, "auto"), (1, "scalar")):
+                got = run_zoffload_one(kind, p0, grads, threads, isa)
+                if got is None:
+                    continue
+                where = "%s %s, %s, %d thread(s)" % (kind, name, isa, threads)
+                if kind == "lion":
+                    expect(same_bits(got[0], want[0]), "%s: parameters equal bitsandbytes' bit for bit after %d steps "
+                           "(%d differ)" % (where, STEPS, int(np.sum(got[0].view(np.uint32) != want[0].view(np.uint32)))))
+                else:
+                    diff = np.abs(got[0].astype(np.float64) - want[0])
+                    expect(np.array_equal(np.isnan(got[0]), nan) and bool(np.all(diff[~nan] <= want[3][~nan])),
+                           "%s: parameters within the derived bound of bitsandbytes' after %d steps (%d differ)" % (
+                               where, STEPS, int(np.sum(diff[~nan] > 0))))
+                expect(np.array_equal(got[1], want[1]), "%s: the state's codes equal bitsandbytes' (%d of %d differ)" % (
+                    where, int(np.sum(got[1] != want[1])), got[1].size))
+                expect(same_bits(got[2], want[2]), "%s: the state's absmax equal bitsandbytes'" % where)
+            if name == "nan-grad":  # Lion: torch.sign(NaN) is 0, so the NaN gradient moves nothing
+                expect(np.isnan(want[0][1000]) == (kind == "adagrad") and not np.isnan(np.delete(want[0], 1000)).any(),
+                       "%s nan-grad: the parameter whose gradient was NaN is %s, the others finite" % (
+                           kind, "NaN" if kind == "adagrad" else "finite"))
+            if name == "zero-block" and kind == "lion":
+                expect(want[2][1] == 0, "lion zero-block: the always-zero block keeps absmax 0")
+            plain = run_bnb_one(kind, p0, grads, nearest=False)
+            print("%s %s: bitsandbytes' own CPU re-quantization: state codes differ at %.1f%%" % (
+                kind, name, 100.0 * np.mean(plain[1] != want[1])))
 
 report_and_exit()

@@ -856,6 +856,80 @@ TEST_P(SimdPath, Adam8bitMatchesScalarBitForBit) {
   }
 }
 
+// Lion's and Adagrad's one 8-bit state (lion8bit_step, adagrad8bit_step), and with bf16 masters:
+// every SIMD path gives the scalar path's parameters, codes, absmax and copy-out over 5 steps; a NaN
+// gradient and a block of zero gradients are planted.
+TEST_P(SimdPath, OneState8bitMatchesScalarBitForBit) {
+  struct Run {
+    std::vector<float> p, absmax;
+    std::vector<uint16_t> bf16_p;
+    std::vector<uint8_t> codes;
+    Copy copy;
+  };
+  auto run = [](const Executor& ex, bool lion, bool bf16_master, float wd, DType gdt, CopyCase cc) {
+    // Finite parameters and fp32 gradients (but for the NaN planted below): an inf or 3e38 in a block
+    // makes its absmax inf and, from the next step on, every element of it NaN, for both optimizers
+    // (as in bitsandbytes), which would leave little to compare. The 16-bit gradients keep their raw
+    // bit patterns.
+    auto finite = [](std::vector<float> v) {
+      for (float& x : v)
+        if (!std::isfinite(x) || std::fabs(x) > 1e10f) x = 0.25f;
+      return v;
+    };
+    Run r{finite(random_floats(kN, 33, 1.0f)),
+          std::vector<float>(quant_block_count(kN), 0.0f),
+          {},
+          std::vector<uint8_t>(kN, 0),
+          Copy(cc.on, cc.dtype, kN)};
+    for (float x : r.p) r.bf16_p.push_back(float_to_bf16(x));
+    for (int step = 1; step <= 5; ++step) {
+      Grad g = random_grad(gdt, kN, 60 + static_cast<uint32_t>(step));
+      if (gdt == DType::kF32) g.f32 = finite(g.f32);
+      auto set = [&](size_t i, float x) {
+        if (gdt == DType::kF32) g.f32[i] = x;
+        else g.u16[i] = gdt == DType::kBF16 ? float_to_bf16(x) : float_to_f16(x);
+      };
+      if (step == 3) set(300, NAN);
+      for (size_t i = 512; i < 768; ++i) set(i, 0.0f);
+      const BlockwiseState st{r.codes, r.absmax};
+      const Bf16Master master{r.bf16_p, sr_key(5, static_cast<uint64_t>(step), 2), 4096};
+      Status s;
+      if (lion) {
+        const LionConfig c{.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.99f, .weight_decay = wd};
+        s = bf16_master ? lion8bit_step_bf16_master(c, master, st, g.span(), 0.5f, r.copy.span(), ex)
+                        : lion8bit_step(c, r.p, st, g.span(), 0.5f, r.copy.span(), ex);
+      } else {
+        const AdagradConfig c{.lr = 1e-2f, .eps = 1e-8f, .weight_decay = wd};
+        s = bf16_master ? adagrad8bit_step_bf16_master(c, master, st, g.span(), 0.5f, r.copy.span(), ex)
+                        : adagrad8bit_step(c, r.p, st, g.span(), 0.5f, r.copy.span(), ex);
+      }
+      ZO_CHECK(s.is_ok()) << s.to_string();
+    }
+    return r;
+  };
+  for (bool lion : {true, false})
+    for (bool bf16_master : {false, true})
+      for (float wd : {0.0f, 0.01f})
+        for (DType gdt : kDTypes)
+          for (CopyCase cc : {CopyCase{false, DType::kBF16}, CopyCase{true, DType::kBF16}}) {
+            SCOPED_TRACE(std::string(lion ? "lion" : "adagrad") + (bf16_master ? ", bf16 masters" : "") + ", wd " +
+                         std::to_string(wd) + ", grad " + std::string(dtype_name(gdt)));
+            const Run a = run(*simd_, lion, bf16_master, wd, gdt, cc),
+                      b = run(*scalar_, lion, bf16_master, wd, gdt, cc);
+            EXPECT_TRUE(same_floats(a.p, b.p, "params"));
+            EXPECT_TRUE(same_u16(a.bf16_p, b.bf16_p, DType::kBF16, "bf16 masters"));
+            EXPECT_TRUE(same_floats(a.absmax, b.absmax, "absmax"));
+            EXPECT_EQ(a.codes, b.codes);
+            if (gdt == DType::kF32) {  // not a vacuous comparison: the state moved, the weights are numbers
+              EXPECT_NE(a.codes, std::vector<uint8_t>(kN, 0)) << "the state moved";
+              size_t nan = 0;
+              for (float x : a.p) nan += std::isnan(x) ? 1 : 0;
+              EXPECT_LT(nan, kN / 100) << "NaN parameters";
+            }
+            if (cc.on) { EXPECT_TRUE(same_u16(a.copy.u16, b.copy.u16, cc.dtype, "copy-out")); }
+          }
+}
+
 // The oracle of the nearest-entry rule, independent of the kernels' tables: 0 for NaN; a scan keeping
 // the first of equally near entries over the entries within 3 of where x falls (farther ones are
 // farther by many ulps); beyond the map's ends the end entries (there, float differences of a huge x

@@ -1110,12 +1110,13 @@ TEST(ConfigParse, MomentDtypesAndDeepSpeedsBf16OptimizerStates) {
     ASSERT_TRUE(c) << md << ": " << all(d.errors);
     EXPECT_EQ(c->zoffload.moment_dtype, md);
   }
-  for (const char* type : {"Lion", "Adagrad"}) {  // their one state in bf16 too
-    ConfigDiagnostics d;
-    const auto c = parse(with({{"zoffload", {{"moment_dtype", "bf16"}}}, {"optimizer", {{"type", type}}}}), &d);
-    ASSERT_TRUE(c) << type << ": " << all(d.errors);
-    EXPECT_EQ(c->zoffload.moment_dtype, "bf16");
-  }
+  for (const char* type : {"Lion", "Adagrad"})  // their one state in bf16 or 8 bits too
+    for (const char* md : {"bf16", "8bit"}) {
+      ConfigDiagnostics d;
+      const auto c = parse(with({{"zoffload", {{"moment_dtype", md}}}, {"optimizer", {{"type", type}}}}), &d);
+      ASSERT_TRUE(c) << type << " " << md << ": " << all(d.errors);
+      EXPECT_EQ(c->zoffload.moment_dtype, md);
+    }
   {
     ConfigDiagnostics d;
     const auto c = parse(with({{"bf16", {{"bf16_optimizer_states", true}}}}), &d);
@@ -1144,9 +1145,6 @@ TEST(ConfigParse, MomentDtypesAndDeepSpeedsBf16OptimizerStates) {
       {{{"bf16", {{"bf16_master_weights_and_grads", true}}}},
        "bf16.bf16_master_weights_and_grads: DeepSpeed's round-to-nearest bf16 masters are not built: zoffload's "
        "bf16 masters round stochastically; set zoffload.master_dtype to \"bf16\""},
-      {{{"zoffload", {{"moment_dtype", "8bit"}}}, {"optimizer", {{"type", "Lion"}}}},
-       "zoffload.moment_dtype: \"8bit\" moments are Adam's and AdamW's (bitsandbytes' AdamW8bit; optimizer.type is "
-       "Lion); use \"bf16\" or \"fp32\""},
       {{{"zoffload", {{"moment_dtype", "fp16"}}}}, "zoffload.moment_dtype"},
   };
   for (const auto& [patch, want] : refused) {

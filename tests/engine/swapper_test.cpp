@@ -21,8 +21,10 @@
 #include <vector>
 
 #include "common/half.h"
+#include "cpu_optim/adagrad.h"
 #include "cpu_optim/adam.h"
 #include "cpu_optim/adam8bit.h"
+#include "cpu_optim/lion.h"
 #include "engine/config/config.h"
 #include "gpu/device.h"
 #include "io/env.h"
@@ -793,6 +795,85 @@ TEST(OptimizerSwapper8bit, EveryPlacementEqualsPerTensorStepsBitForBit) {
   }
 }
 
+// Lion's momentum and Adagrad's sum of squares in 8 bits: per param, as bitsandbytes keeps them,
+// lion8bit_step / adagrad8bit_step on a param of >= 4096 elements and the fp32 step under that, the
+// state in its own region (exp_avg for Lion, exp_avg_sq for Adagrad) and the other one the zero
+// state of the same layout (Note [One moment for Adagrad and Lion]). Every placement's sub-groups
+// give these bits.
+ParamStates reference_run_one8(const Inputs& in, const AdamConfig& h, bool lion, DType compute, int steps) {
+  auto ex = cpu_optim::Executor::create({.n_threads = 1});
+  ZO_CHECK(ex.is_ok());
+  ParamStates r;
+  for (const auto& w : in.weights) {
+    const uint64_t n = w.size();
+    r.master.emplace_back(n * 4);
+    std::memcpy(r.master.back().data(), w.data(), n * 4);
+    const uint64_t moment = n >= 4096 ? n + 4 * cpu_optim::quant_block_count(n) : 4 * n;
+    r.exp_avg.emplace_back(moment);
+    r.exp_avg_sq.emplace_back(moment);
+    r.compute.push_back(to_dtype(w, compute));
+  }
+  const cpu_optim::LionConfig lc{.lr = h.lr, .beta1 = h.beta1, .beta2 = h.beta2, .weight_decay = h.weight_decay};
+  const cpu_optim::AdagradConfig ac{.lr = h.lr, .eps = h.eps, .weight_decay = h.weight_decay};
+  for (int s = 0; s < steps; ++s) {
+    for (size_t p = 0; p < in.weights.size(); ++p) {
+      const size_t n = in.weights[p].size();
+      const Bytes g = to_dtype(in.grads[s][p], DType::kF32);
+      const std::span<float> master{reinterpret_cast<float*>(r.master[p].data()), n};
+      const cpu_optim::ConstElemSpan gs{g.data(), DType::kF32};
+      const cpu_optim::ElemSpan out{r.compute[p].data(), compute};
+      Bytes& state = lion ? r.exp_avg[p] : r.exp_avg_sq[p];
+      Status st;
+      if (n >= 4096) {
+        const cpu_optim::BlockwiseState b{
+            {reinterpret_cast<uint8_t*>(state.data()), n},
+            {reinterpret_cast<float*>(state.data() + n), cpu_optim::quant_block_count(n)}};
+        st = lion ? cpu_optim::lion8bit_step(lc, master, b, gs, kGradScale, out, **ex)
+                  : cpu_optim::adagrad8bit_step(ac, master, b, gs, kGradScale, out, **ex);
+      } else {
+        const std::span<float> f{reinterpret_cast<float*>(state.data()), n};
+        st = lion ? cpu_optim::lion_step(lc, master, f, gs, kGradScale, out, **ex)
+                  : cpu_optim::adagrad_step(ac, master, f, gs, kGradScale, out, **ex);
+      }
+      ZO_CHECK(st.is_ok()) << st.to_string();
+    }
+  }
+  return r;
+}
+
+TEST(OptimizerSwapper8bit, LionAndAdagradOnEveryTierEqualPerTensorStepsBitForBit) {
+  constexpr int kSteps = 4;
+  const Inputs in = make_inputs(kSteps);
+  for (const char* type : {"Lion", "Adagrad"}) {
+    SCOPED_TRACE(type);
+    Placing base;
+    base.bf16 = false;
+    base.moments = "8bit";
+    base.optimizer = "cpu";
+    base.optimizer_type = type;
+    const Config c = make_config(base, "/tmp");
+    const ParamStates want = reference_run_one8(in, adam_of(c), std::string(type) == "Lion", DType::kF32, kSteps);
+    std::vector<Placing> setups = {base};
+    Placing nvme = base;
+    nvme.optimizer = "nvme";
+    nvme.param = "nvme";
+    nvme.pipeline_read = nvme.pipeline_write = true;
+    setups.push_back(nvme);
+    Placing split = base;
+    split.accumulators = "nvme";
+    setups.push_back(split);
+    for (const Placing& s : setups) expect_same(engine_run(s, in, kSteps, gather_all8), want, s.describe());
+    const ParamStates fp32 = [&] {
+      Placing f = base;
+      f.moments = "fp32";
+      return engine_run(f, in, kSteps);
+    }();
+    bool differs = false;
+    for (size_t p = 0; p < want.master.size(); ++p) differs |= fp32.master[p] != want.master[p];
+    EXPECT_TRUE(differs) << "the 8-bit state changes the weights (it ran)";
+  }
+}
+
 // Both moments take 2.03 bytes per element of a large param: the plan, the store and the swap file
 // agree on the closed form.
 TEST(OptimizerSwapper8bit, MomentsTakeTheirLayoutsBytesInThePlanAndTheStore) {
@@ -823,23 +904,6 @@ TEST(OptimizerSwapper8bit, MomentsTakeTheirLayoutsBytesInThePlanAndTheStore) {
   }
   EXPECT_EQ(stored, codes + pad + aux);
   EXPECT_EQ(rig.plan.placement.moments, MomentDtype::k8bit);
-}
-
-// 8-bit moments are Adam's only; the swapper refuses Adagrad and Lion with them, naming the optimizer.
-TEST(OptimizerSwapper8bit, RefusesOtherOptimizers) {
-  for (OptimizerType type : {OptimizerType::kAdagrad, OptimizerType::kLion}) {
-    Placing s;
-    s.optimizer = "cpu";
-    s.moments = "8bit";
-    Rig rig;
-    ASSERT_TRUE(rig.init(s).is_ok());
-    PipelineOptions options = PipelineOptions::from_config(rig.config);
-    options.optimizer = type;
-    auto swapper = OptimizerSwapper::create(*rig.store, *rig.executor, options);
-    ASSERT_FALSE(swapper.is_ok());
-    EXPECT_EQ(swapper.status().code(), StatusCode::kUnavailable);
-    EXPECT_THAT(swapper.status().message(), HasSubstr(std::string(to_string(type))));
-  }
 }
 
 // Adagrad and Lion step on the CPU; with the states on the device (which config check refuses

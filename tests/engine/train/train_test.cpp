@@ -13,6 +13,7 @@
 #include <torch/types.h>
 #include <torch/utils.h>
 
+#include <array>
 #include <barrier>
 #include <cmath>
 #include <cstdlib>
@@ -31,11 +32,13 @@
 
 #include "common/bytes.h"
 #include "common/check.h"
+#include "common/dynamic_maps.h"
 #include "common/half.h"
 #include "engine/data/dataset.h"
 #include "engine/dist/process_group.h"
 #include "engine/memory/param_registry.h"
 #include "engine/memory/swap_file.h"
+#include "engine/model/safetensors.h"
 #include "engine/model/llama.h"
 #include "engine/optim/lr_schedule.h"
 #include "tests/engine/free_port.h"
@@ -431,28 +434,66 @@ TEST(Trainer, AdagradAndLionTrainOnCpuAndNvmeAsTorch) {
   }
 }
 
-// Adagrad's sum of squares and Lion's momentum in bf16 (zoffload.moment_dtype "bf16"): on the CPU and
-// on NVMe the same bits; not the fp32 state's (the rounding happened); and it trains.
-TEST(Trainer, AdagradAndLionWithBf16StatesAreBitIdenticalOnCpuAndNvme) {
-  for (const char* type : {"Adagrad", "Lion"}) {
-    SCOPED_TRACE(type);
-    TempDir cpu_dir, nvme_dir, fp32_dir;
-    RunSetup cpu{.stage = 2, .optimizer = "cpu", .precision = "fp32", .clipping = 0, .opt_type = type};
-    cpu.moments = "bf16";
-    RunSetup nvme = cpu;
-    nvme.stage = 3;
-    nvme.param = "nvme";
-    nvme.optimizer = "nvme";
-    nvme.pipeline = true;
-    nvme.max_in_cpu = 0;
-    RunSetup fp32 = cpu;
-    fp32.moments = "fp32";
-    std::vector<StepMetrics> metrics;
-    const auto on_cpu = train(make_options(cpu, cpu_dir), 8, &metrics);
-    EXPECT_LT(metrics.back().loss, metrics.front().loss) << "it trains";
-    EXPECT_TRUE(bit_identical(on_cpu, train(make_options(nvme, nvme_dir), 8)));
-    EXPECT_FALSE(bit_identical(on_cpu, train(make_options(fp32, fp32_dir), 8)));
-  }
+// Adagrad's sum of squares and Lion's momentum in bf16 or 8 bits (zoffload.moment_dtype): on the CPU
+// and on NVMe the same bits; not the fp32 state's (the rounding happened); and it trains. With 8 bits
+// a run resumed on NVMe from the CPU run's step-4 checkpoint (the state saved in its own bytes)
+// continues it bit-exactly.
+TrainOptions with_checkpoints(TrainOptions o, const std::string& dir);  // below, beside the resume tests
+
+TEST(Trainer, AdagradAndLionWithNarrowStatesAreBitIdenticalOnCpuAndNvme) {
+  constexpr int kSteps = 8, kSaveAt = 4;
+  for (const char* type : {"Adagrad", "Lion"})
+    for (const char* md : {"bf16", "8bit"}) {
+      SCOPED_TRACE(std::string(type) + " " + md);
+      TempDir cpu_dir, nvme_dir, fp32_dir, resume_dir;
+      RunSetup cpu{.stage = 2, .optimizer = "cpu", .precision = "fp32", .clipping = 0, .opt_type = type};
+      cpu.moments = md;
+      RunSetup nvme = cpu;
+      nvme.stage = 3;
+      nvme.param = "nvme";
+      nvme.optimizer = "nvme";
+      nvme.pipeline = true;
+      nvme.max_in_cpu = 0;
+      RunSetup fp32 = cpu;
+      fp32.moments = "fp32";
+      TrainOptions co = with_checkpoints(make_options(cpu, cpu_dir), cpu_dir.path + "/ckpt");
+      auto tc = Trainer::create(co);
+      ASSERT_TRUE(tc.is_ok()) << tc.status().to_string();
+      std::vector<StepMetrics> metrics;
+      for (int i = 0; i < kSteps; ++i) {
+        auto m = (*tc)->step();
+        ASSERT_TRUE(m.is_ok()) << m.status().to_string();
+        metrics.push_back(*m);
+        if (i + 1 == kSaveAt) ASSERT_TRUE((*tc)->save_checkpoint().is_ok());
+      }
+      const auto on_cpu = masters(**tc);
+      EXPECT_LT(metrics.back().loss, metrics.front().loss) << "it trains";
+      EXPECT_TRUE(bit_identical(on_cpu, train(make_options(nvme, nvme_dir), kSteps)));
+      EXPECT_FALSE(bit_identical(on_cpu, train(make_options(fp32, fp32_dir), kSteps)));
+      if (std::string(md) != "8bit") continue;
+      // The checkpoint names the map each state's codes index: bitsandbytes' signed map for Lion's
+      // momentum (exp_avg) and for Adagrad's sum of squares (exp_avg_sq), as its optimizers keep them.
+      for (const char* file : {"exp_avg.safetensors", "exp_avg_sq.safetensors"}) {
+        auto f = SafetensorsFile::open(cpu_dir.path + "/ckpt/step-" + std::to_string(kSaveAt) + "/" + file);
+        ASSERT_TRUE(f.is_ok()) << f.status().to_string();
+        ASSERT_EQ((*f)->tensors().front().name, "zoffload.qmap");
+        std::array<float, 256> map{};
+        ASSERT_TRUE(
+            (*f)->read_raw((*f)->tensors().front(), 0, {reinterpret_cast<uint8_t*>(map.data()), sizeof map}).is_ok());
+        const bool unsigned_map = std::string(file) == "exp_avg_sq.safetensors" && std::string(type) == "Lion";
+        EXPECT_EQ(map, unsigned_map ? kUnsignedDynamicMap : kSignedDynamicMap) << file;
+      }
+      TrainOptions ro = make_options(nvme, resume_dir);
+      ro.resume = cpu_dir.path + "/ckpt/step-" + std::to_string(kSaveAt);
+      auto tr = Trainer::create(ro);
+      ASSERT_TRUE(tr.is_ok()) << tr.status().to_string();
+      for (int i = kSaveAt; i < kSteps; ++i) {
+        auto m = (*tr)->step();
+        ASSERT_TRUE(m.is_ok()) << m.status().to_string();
+        EXPECT_EQ(m->loss, metrics[i].loss) << "step " << m->step;
+      }
+      EXPECT_TRUE(bit_identical(masters(**tr), on_cpu));
+    }
 }
 
 // The compute copies are ~233 KiB in bf16, a decoder layer ~84 KiB: a 96 KiB budget forces the
