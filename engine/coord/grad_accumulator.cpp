@@ -50,10 +50,11 @@
 // before an update — gradient_clipping 0, no step that an overflow would skip (fp32, or bf16 with
 // check_grad_overflow false), one window per step (GAS 1 or the vertical schedule), and with several
 // ranks partitioned gradients (ZeRO stage 2 or 3) — so a sub-group's gradient is final when its last
-// contribution lands (and, with ranks, once it is reduced to its owner, which alone steps it). Each sub-group's contributions
-// are then summed in a host buffer exactly as for an NVMe-resident accumulator (the same
-// cpu_optim::accumulate calls from zero, in arrival order), its squared norm is taken for the
-// report, it is rounded in place when stored gradients are 16-bit, and the buffer goes to the sink:
+// contribution lands (and, with ranks, once it is reduced to its owner, which alone steps it). Each
+// sub-group's contributions are then summed in a host buffer exactly as for an NVMe-resident
+// accumulator (the same cpu_optim::accumulate calls from zero, in arrival order), its squared norm
+// is taken for the report, it is rounded in place when stored gradients are 16-bit, and the buffer
+// goes to the sink:
 // the trainer's, which runs the optimizer on that sub-group (OptimizerSwapper::step_direct) on this
 // thread while backward goes on, and the buffer is free again when it returns. The optimizer reads
 // the values the stored path would have stored, with grad_scale 1/loss_scale either way (the clip

@@ -1,9 +1,9 @@
 // OptimizerSwapper: one optimizer step over every sub-group of a StateStore, wherever the states
 // live. On NVMe it runs as a pipeline — read sub-group i+1 ‖ update i ‖ write i−1 — as far as
 // offload_optimizer.pipeline_read / pipeline_write allow; on the CPU it updates in place; on the
-// device it runs the device's Adam kernels (fp32, bf16 or 8-bit moments; fp32 or bf16 masters). The update also writes the new compute copy into the
-// parameter tier. The arithmetic is the same everywhere (bit-identical results). Not thread-safe:
-// one step at a time, from one thread.
+// device it runs the device's Adam kernels (fp32, bf16 or 8-bit moments; fp32 or bf16 masters).
+// The update also writes the new compute copy into the parameter tier. The arithmetic is the same
+// everywhere (bit-identical results). Not thread-safe: one step at a time, from one thread.
 #pragma once
 
 #include <cstdint>

@@ -176,7 +176,8 @@ with tempfile.TemporaryDirectory() as tmp:
         if not expect(r.returncode == 0, "adam8bit_oracle %s runs: %s" % (kind, r.stderr)):
             return None
         read = lambda name, dt: np.fromfile(os.path.join(tmp, name), dtype=dt)  # noqa: E731
-        return read("out_params.f32", np.float32), read("out_m_codes.u8", np.uint8), read("out_m_absmax.f32", np.float32)
+        return (read("out_params.f32", np.float32), read("out_m_codes.u8", np.uint8),
+                read("out_m_absmax.f32", np.float32))
 
     for kind in ("lion", "adagrad"):
         for name, p0, grads in cases:
@@ -188,15 +189,16 @@ with tempfile.TemporaryDirectory() as tmp:
                     continue
                 where = "%s %s, %s, %d thread(s)" % (kind, name, isa, threads)
                 if kind == "lion":
+                    differ = int(np.sum(got[0].view(np.uint32) != want[0].view(np.uint32)))
                     expect(same_bits(got[0], want[0]), "%s: parameters equal bitsandbytes' bit for bit after %d steps "
-                           "(%d differ)" % (where, STEPS, int(np.sum(got[0].view(np.uint32) != want[0].view(np.uint32)))))
+                           "(%d differ)" % (where, STEPS, differ))
                 else:
                     diff = np.abs(got[0].astype(np.float64) - want[0])
                     expect(np.array_equal(np.isnan(got[0]), nan) and bool(np.all(diff[~nan] <= want[3][~nan])),
                            "%s: parameters within the derived bound of bitsandbytes' after %d steps (%d differ)" % (
                                where, STEPS, int(np.sum(diff[~nan] > 0))))
-                expect(np.array_equal(got[1], want[1]), "%s: the state's codes equal bitsandbytes' (%d of %d differ)" % (
-                    where, int(np.sum(got[1] != want[1])), got[1].size))
+                expect(np.array_equal(got[1], want[1]), "%s: the state's codes equal bitsandbytes' (%d of %d differ)"
+                       % (where, int(np.sum(got[1] != want[1])), got[1].size))
                 expect(same_bits(got[2], want[2]), "%s: the state's absmax equal bitsandbytes'" % where)
             if name == "nan-grad":  # Lion: torch.sign(NaN) is 0, so the NaN gradient moves nothing
                 expect(np.isnan(want[0][1000]) == (kind == "adagrad") and not np.isnan(np.delete(want[0], 1000)).any(),

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """tools/gpu_machine/gpu_checks.sh without a GPU: its usage errors, a part skipped when --time-limit
-leaves it no time, the exact and devstates parts on the emulated device with the tiny model, the deepspeed part failing with one line where DeepSpeed was not fetched, that
+leaves it no time, the exact and devstates parts on the emulated device with the tiny
+model, the deepspeed part failing with one line where DeepSpeed was not fetched, that
 part's zoffload half on the emulated device (ZO_DS_SIDES=zoffload: a table row with zoffload's
 tokens/s, ZO_DS_ZOFFLOAD merged into the run's config), a run cut by the part's share of the time
 limit reported as cut and failing the part, and no work folder left behind.
