@@ -150,15 +150,47 @@ Status adam_step_bf16_master(const AdamConfig& config, int64_t step, Bf16Master 
 
 namespace {
 
+// The hyperparameter checks and per-call constants Adagrad's and Lion's kernels share with their
+// 8-bit forms (detail::AdagradArgs / LionArgs / OneState8bitArgs).
+Status check_adagrad(const char* op, const AdagradConfig& config) {
+  ZO_RETURN_IF_ERROR(check_hyperparameter(op, "lr", config.lr, 0.0f, kInf, true));
+  ZO_RETURN_IF_ERROR(check_hyperparameter(op, "eps", config.eps, 0.0f, kInf, true));
+  return check_hyperparameter(op, "weight_decay", config.weight_decay, 0.0f, kInf, true);
+}
+
+template <class Args>
+void set_adagrad_constants(const AdagradConfig& config, Args& a) {
+  a.eps = config.eps;
+  a.neg_lr = -config.lr;
+  a.weight_decay = config.weight_decay;
+  a.use_decay = config.weight_decay > 0.0f;
+}
+
+Status check_lion(const char* op, const LionConfig& config) {
+  ZO_RETURN_IF_ERROR(check_hyperparameter(op, "lr", config.lr, 0.0f, kInf, true));
+  ZO_RETURN_IF_ERROR(check_hyperparameter(op, "beta1", config.beta1, 0.0f, 1.0f, false));
+  ZO_RETURN_IF_ERROR(check_hyperparameter(op, "beta2", config.beta2, 0.0f, 1.0f, false));
+  return check_hyperparameter(op, "weight_decay", config.weight_decay, 0.0f, kInf, true);
+}
+
+template <class Args>
+void set_lion_constants(const LionConfig& config, Args& a) {
+  a.beta1 = config.beta1;
+  a.one_minus_beta1 = static_cast<float>(1.0 - static_cast<double>(config.beta1));
+  a.beta2 = config.beta2;
+  a.one_minus_beta2 = static_cast<float>(1.0 - static_cast<double>(config.beta2));
+  a.lr = config.lr;
+  a.after_decay = static_cast<float>(1.0 - static_cast<double>(config.lr) * config.weight_decay);
+  a.use_decay = config.weight_decay > 0.0f;
+}
+
 Status run_adagrad(const char* op, const AdagradConfig& config, detail::ParamArgs params, size_t n, void* exp_avg_sq,
                    size_t exp_avg_sq_n, DType state_dtype, ConstElemSpan grad, float grad_scale, ElemSpan copy_out,
                    const Executor& executor) {
   ZO_RETURN_IF_ERROR(check_sizes(op, n, {{"exp_avg_sq", exp_avg_sq_n}}));
   ZO_RETURN_IF_ERROR(
       check_pointers(op, n, {{"params", params.params}, {"exp_avg_sq", exp_avg_sq}, {"grad", grad.data}}));
-  ZO_RETURN_IF_ERROR(check_hyperparameter(op, "lr", config.lr, 0.0f, kInf, true));
-  ZO_RETURN_IF_ERROR(check_hyperparameter(op, "eps", config.eps, 0.0f, kInf, true));
-  ZO_RETURN_IF_ERROR(check_hyperparameter(op, "weight_decay", config.weight_decay, 0.0f, kInf, true));
+  ZO_RETURN_IF_ERROR(check_adagrad(op, config));
   ZO_RETURN_IF_ERROR(check_scale(op, grad_scale));
   ZO_RETURN_IF_ERROR(check_dtypes(op, grad, copy_out));
   if (n == 0) return Status::ok();
@@ -172,10 +204,7 @@ Status run_adagrad(const char* op, const AdagradConfig& config, detail::ParamArg
   a.copy_out = copy_out.data;
   a.copy_dtype = copy_out.dtype;
   a.grad_scale = grad_scale;
-  a.eps = config.eps;
-  a.neg_lr = -config.lr;
-  a.weight_decay = config.weight_decay;
-  a.use_decay = config.weight_decay > 0.0f;
+  set_adagrad_constants(config, a);
   const auto kernel = table_for(executor).adagrad;
   executor.for_each_tile(n, [&](size_t begin, size_t end) { kernel(a, begin, end); });
   return Status::ok();
@@ -186,10 +215,7 @@ Status run_lion(const char* op, const LionConfig& config, detail::ParamArgs para
                 const Executor& executor) {
   ZO_RETURN_IF_ERROR(check_sizes(op, n, {{"exp_avg", exp_avg_n}}));
   ZO_RETURN_IF_ERROR(check_pointers(op, n, {{"params", params.params}, {"exp_avg", exp_avg}, {"grad", grad.data}}));
-  ZO_RETURN_IF_ERROR(check_hyperparameter(op, "lr", config.lr, 0.0f, kInf, true));
-  ZO_RETURN_IF_ERROR(check_hyperparameter(op, "beta1", config.beta1, 0.0f, 1.0f, false));
-  ZO_RETURN_IF_ERROR(check_hyperparameter(op, "beta2", config.beta2, 0.0f, 1.0f, false));
-  ZO_RETURN_IF_ERROR(check_hyperparameter(op, "weight_decay", config.weight_decay, 0.0f, kInf, true));
+  ZO_RETURN_IF_ERROR(check_lion(op, config));
   ZO_RETURN_IF_ERROR(check_scale(op, grad_scale));
   ZO_RETURN_IF_ERROR(check_dtypes(op, grad, copy_out));
   if (n == 0) return Status::ok();
@@ -203,13 +229,7 @@ Status run_lion(const char* op, const LionConfig& config, detail::ParamArgs para
   a.copy_out = copy_out.data;
   a.copy_dtype = copy_out.dtype;
   a.grad_scale = grad_scale;
-  a.beta1 = config.beta1;
-  a.one_minus_beta1 = static_cast<float>(1.0 - static_cast<double>(config.beta1));
-  a.beta2 = config.beta2;
-  a.one_minus_beta2 = static_cast<float>(1.0 - static_cast<double>(config.beta2));
-  a.lr = config.lr;
-  a.after_decay = static_cast<float>(1.0 - static_cast<double>(config.lr) * config.weight_decay);
-  a.use_decay = config.weight_decay > 0.0f;
+  set_lion_constants(config, a);
   const auto kernel = table_for(executor).lion;
   executor.for_each_tile(n, [&](size_t begin, size_t end) { kernel(a, begin, end); });
   return Status::ok();
@@ -340,36 +360,22 @@ Status run_one_state8bit(const char* op, detail::OneState8bitArgs a, size_t n, c
 Status run_lion8bit(const char* op, const LionConfig& config, detail::ParamArgs params, size_t n,
                     BlockwiseState exp_avg, ConstElemSpan grad, float grad_scale, ElemSpan copy_out,
                     const Executor& executor) {
-  ZO_RETURN_IF_ERROR(check_hyperparameter(op, "lr", config.lr, 0.0f, kInf, true));
-  ZO_RETURN_IF_ERROR(check_hyperparameter(op, "beta1", config.beta1, 0.0f, 1.0f, false));
-  ZO_RETURN_IF_ERROR(check_hyperparameter(op, "beta2", config.beta2, 0.0f, 1.0f, false));
-  ZO_RETURN_IF_ERROR(check_hyperparameter(op, "weight_decay", config.weight_decay, 0.0f, kInf, true));
+  ZO_RETURN_IF_ERROR(check_lion(op, config));
   detail::OneState8bitArgs a{};
   a.p = params;
   a.lion = true;
-  a.beta1 = config.beta1;
-  a.one_minus_beta1 = static_cast<float>(1.0 - static_cast<double>(config.beta1));
-  a.beta2 = config.beta2;
-  a.one_minus_beta2 = static_cast<float>(1.0 - static_cast<double>(config.beta2));
-  a.lr = config.lr;
-  a.after_decay = static_cast<float>(1.0 - static_cast<double>(config.lr) * config.weight_decay);
-  a.use_decay = config.weight_decay > 0.0f;
+  set_lion_constants(config, a);
   return run_one_state8bit(op, a, n, "exp_avg", exp_avg, grad, grad_scale, copy_out, executor);
 }
 
 Status run_adagrad8bit(const char* op, const AdagradConfig& config, detail::ParamArgs params, size_t n,
                        BlockwiseState exp_avg_sq, ConstElemSpan grad, float grad_scale, ElemSpan copy_out,
                        const Executor& executor) {
-  ZO_RETURN_IF_ERROR(check_hyperparameter(op, "lr", config.lr, 0.0f, kInf, true));
-  ZO_RETURN_IF_ERROR(check_hyperparameter(op, "eps", config.eps, 0.0f, kInf, true));
-  ZO_RETURN_IF_ERROR(check_hyperparameter(op, "weight_decay", config.weight_decay, 0.0f, kInf, true));
+  ZO_RETURN_IF_ERROR(check_adagrad(op, config));
   detail::OneState8bitArgs a{};
   a.p = params;
   a.lion = false;
-  a.eps = config.eps;
-  a.neg_lr = -config.lr;
-  a.weight_decay = config.weight_decay;
-  a.use_decay = config.weight_decay > 0.0f;
+  set_adagrad_constants(config, a);
   return run_one_state8bit(op, a, n, "exp_avg_sq", exp_avg_sq, grad, grad_scale, copy_out, executor);
 }
 

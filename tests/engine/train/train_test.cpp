@@ -165,6 +165,18 @@ std::vector<std::vector<float>> masters(Trainer& t) {
   return out;
 }
 
+// Per param, its master where this (data-parallel) rank holds all of it, else empty.
+std::vector<std::vector<float>> masters_held(Trainer& t) {
+  std::vector<std::vector<float>> out;
+  for (uint32_t p = 0; p < t.layout().params.size(); ++p) {
+    uint64_t n = 1;
+    for (int64_t d : t.layout().params[p].shape) n *= static_cast<uint64_t>(d);
+    std::vector<float> v(n);
+    out.push_back(t.read_master(p, v).is_ok() ? std::move(v) : std::vector<float>{});
+  }
+  return out;
+}
+
 // Runs `steps` steps; returns the masters after them (and the metrics through `metrics`).
 std::vector<std::vector<float>> train(const TrainOptions& o, int steps, std::vector<StepMetrics>* metrics = nullptr,
                                       nlohmann::json* plan = nullptr) {
@@ -1523,18 +1535,19 @@ TEST(Resume, RefusesWhatItCannotContinue) {
   EXPECT_THAT(r.status().message(), HasSubstr("model.embed_tokens.weight"));
 }
 
-// Two ranks (threads of this process, joined by a real TCPStore and Gloo) train `steps` steps of
-// `setup` at twice its batch; returns each rank's metrics and, per param, its master where that
-// rank holds all of it (empty where not). The ranks tear down side by side, as in the test below.
-struct TwoRanks {
-  Status setup[2];
-  std::vector<StepMetrics> metrics[2];
-  std::vector<std::vector<float>> masters[2];
-};
-TwoRanks train_two_ranks(const RunSetup& setup, int steps) {
-  TwoRanks out;
+// Runs two ranks as threads of this process, joined by a real TCPStore and Gloo: each makes its
+// options with `options(rank)` (the group is set here, and the batch doubled for the two ranks),
+// creates its Trainer and runs `body(rank, trainer, options)`. Returns each rank's first error:
+// creating its group or trainer, or the body's. The ranks share this process (and Gloo's device
+// loop), so neither tears its trainer down before both have left `body` (a barrier), and the groups
+// outlive both threads. Separate processes, as `zoffload train` runs them, have no such overlap. A
+// CI run once died with SIGSEGV while each thread destroyed its trainer and group as it left; about
+// 150 runs here did not reproduce it. The trainers are still torn down side by side: one by one, the
+// first would wait for the other's part of a collective until the group's timeout.
+std::array<Status, 2> run_two_ranks(const std::function<TrainOptions(uint32_t)>& options,
+                                    const std::function<Status(uint32_t, Trainer&, const TrainOptions&)>& body) {
+  std::array<Status, 2> out;
   const uint16_t port = free_port();
-  TempDir own[2];
   std::vector<std::unique_ptr<dist::ProcessGroup>> groups(2);
   std::vector<std::unique_ptr<Trainer>> trainers(2);
   std::barrier both_done(2);
@@ -1558,37 +1571,47 @@ TwoRanks train_two_ranks(const RunSetup& setup, int steps) {
       w.master_port = port;
       auto group = dist::ProcessGroup::create(w, std::chrono::seconds(60));
       if (!group.is_ok()) {
-        out.setup[r] = group.status();
+        out[r] = group.status();
         return;
       }
       groups[r] = std::move(*group);
-      TrainOptions o = make_options(setup, own[r]);
+      TrainOptions o = options(r);
       o.config.train_batch_size *= 2;
       o.group = groups[r].get();
       auto t = Trainer::create(o);
       if (!t.is_ok()) {
-        out.setup[r] = t.status();
+        out[r] = t.status();
         return;
       }
       trainers[r] = std::move(*t);
-      for (int i = 0; i < steps; ++i) {
-        auto m = trainers[r]->step();
-        if (!m.is_ok()) {
-          out.setup[r] = m.status();
-          return;
-        }
-        out.metrics[r].push_back(*m);
-      }
-      for (uint32_t p = 0; p < trainers[r]->layout().params.size(); ++p) {
-        uint64_t n = 1;
-        for (int64_t d : trainers[r]->layout().params[p].shape) n *= static_cast<uint64_t>(d);
-        std::vector<float> v(n);
-        out.masters[r].push_back(trainers[r]->read_master(p, v).is_ok() ? std::move(v) : std::vector<float>{});
-      }
+      out[r] = body(r, *trainers[r], o);
     });
   }
   for (std::thread& t : ranks) t.join();
   groups.clear();
+  return out;
+}
+
+// Two ranks train `steps` steps of `setup`: each rank's metrics and, per param, its master where that
+// rank holds all of it (empty where not).
+struct TwoRanks {
+  std::array<Status, 2> setup;
+  std::vector<StepMetrics> metrics[2];
+  std::vector<std::vector<float>> masters[2];
+};
+TwoRanks train_two_ranks(const RunSetup& setup, int steps) {
+  TwoRanks out;
+  TempDir own[2];
+  out.setup = run_two_ranks([&](uint32_t r) { return make_options(setup, own[r]); },
+                            [&](uint32_t r, Trainer& t, const TrainOptions&) -> Status {
+                              for (int i = 0; i < steps; ++i) {
+                                auto m = t.step();
+                                if (!m.is_ok()) return m.status();
+                                out.metrics[r].push_back(*m);
+                              }
+                              out.masters[r] = masters_held(t);
+                              return Status::ok();
+                            });
   return out;
 }
 
@@ -1635,71 +1658,27 @@ TEST(Trainer, NoAccumulatorOverTwoRanksIsBitIdenticalToTheStoredPath) {
 TEST(Trainer, APartitionedRankWhoseOptimizerFailsStopsEveryRank) {
   for (const int stage : {1, 3}) {
     SCOPED_TRACE("stage " + std::to_string(stage));
-    TempDir dir;
-    const uint16_t port = free_port();
     std::vector<Result<StepMetrics>> second(2, Result<StepMetrics>(internal_error("not run")));
-    std::vector<Status> setup(2);
-    // The ranks share this process (and Gloo's device loop), so neither tears its trainer down before
-    // both have left their last step (a barrier), and the groups outlive both threads. Separate
-    // processes, as `zoffload train` runs them, have no such overlap. A CI run once died in this test
-    // with SIGSEGV while each thread destroyed its trainer and group as it left; about 150 runs here
-    // did not reproduce it. The trainers are still torn down side by side: one by one, the first
-    // would wait for the other's part of a collective until the group's timeout.
     TempDir own[2];
-    std::vector<std::unique_ptr<dist::ProcessGroup>> groups(2);
-    std::vector<std::unique_ptr<Trainer>> trainers(2);
-    std::barrier both_done(2);
-    std::vector<std::thread> ranks;
-    for (uint32_t r = 0; r < 2; ++r) {
-      ranks.emplace_back([&, r] {
-        struct TearDown {
-          std::barrier<>& both_done;
-          std::unique_ptr<Trainer>& trainer;
-          ~TearDown() {
-            both_done.arrive_and_wait();
-            trainer.reset();
-          }
-        } tear_down{both_done, trainers[r]};
-        dist::WorldInfo w;
-        w.rank = r;
-        w.world_size = 2;
-        w.local_rank = r;
-        w.local_world_size = 2;
-        w.master_addr = "127.0.0.1";
-        w.master_port = port;
-        auto group = dist::ProcessGroup::create(w, std::chrono::seconds(60));
-        if (!group.is_ok()) {
-          setup[r] = group.status();
-          return;
-        }
-        groups[r] = std::move(*group);
-        TrainOptions o =
-            make_options({.stage = stage, .param = stage == 3 ? "cpu" : "none", .optimizer = "nvme"}, own[r]);
-        o.config.train_batch_size *= 2;
-        o.group = groups[r].get();
-        o.io_faults = std::make_shared<io::FaultInjector>();
-        auto t = Trainer::create(o);
-        if (!t.is_ok()) {
-          setup[r] = t.status();
-          return;
-        }
-        trainers[r] = std::move(*t);
-        auto first = trainers[r]->step();
-        if (!first.is_ok()) {
-          setup[r] = first.status();
-          return;
-        }
-        // Offset 0 of rank 1's optimizer.swp is the master of the first sub-group it owns.
-        if (r == 1)
-          o.io_faults->add({.kind = io::FaultKind::kEio,
-                            .op = io::IoOp::kWrite,
-                            .path_contains = "optimizer.swp",
-                            .offset_bytes = 0});
-        second[r] = trainers[r]->step();
-      });
-    }
-    for (std::thread& t : ranks) t.join();
-    groups.clear();
+    const std::array<Status, 2> setup = run_two_ranks(
+        [&](uint32_t r) {
+          TrainOptions o =
+              make_options({.stage = stage, .param = stage == 3 ? "cpu" : "none", .optimizer = "nvme"}, own[r]);
+          o.io_faults = std::make_shared<io::FaultInjector>();
+          return o;
+        },
+        [&](uint32_t r, Trainer& t, const TrainOptions& o) -> Status {
+          auto first = t.step();
+          if (!first.is_ok()) return first.status();
+          // Offset 0 of rank 1's optimizer.swp is the master of the first sub-group it owns.
+          if (r == 1)
+            o.io_faults->add({.kind = io::FaultKind::kEio,
+                              .op = io::IoOp::kWrite,
+                              .path_contains = "optimizer.swp",
+                              .offset_bytes = 0});
+          second[r] = t.step();
+          return Status::ok();
+        });
     for (uint32_t r = 0; r < 2; ++r) ASSERT_TRUE(setup[r].is_ok()) << "rank " << r << ": " << setup[r].to_string();
     ASSERT_FALSE(second[1].is_ok());
     EXPECT_EQ(second[1].status().code(), StatusCode::kIoError) << second[1].status().to_string();
