@@ -411,6 +411,7 @@ Result<SaveResult> save_collaborative(StateStore& store, const TrainingState& st
       manifest.tensors = tensors;
       manifest.moments = plan.placement.moments;
       manifest.master_dtype = plan.placement.master_dtype;
+      manifest.optimizer_type = plan.placement.optimizer_type;
       committed = [&]() -> Status {
         for (size_t k = 0; k < files.size(); ++k) {
           const uint64_t size = state_file_prefix(files[k], tensors, store.plan().placement).size() +
@@ -468,6 +469,7 @@ Result<SaveResult> save_checkpoint(StateStore& store, const TrainingState& state
   manifest.tensors = tensors_of(store.registry());
   manifest.moments = store.plan().placement.moments;
   manifest.master_dtype = store.plan().placement.master_dtype;
+  manifest.optimizer_type = store.plan().placement.optimizer_type;
   const std::vector<StateFile> files = state_files(manifest.moments, manifest.master_dtype);
   // Everything up to the rename happens in tmp: on failure, remove it and report.
   auto write_all = [&]() -> Status {

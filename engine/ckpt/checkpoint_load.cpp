@@ -192,6 +192,17 @@ Status load_checkpoint(const CheckpointInfo& ckpt, StateStore& store, io::IoEngi
                             std::string(moment_dtype_name(plan.placement.moments)) +
                             " (zoffload.moment_dtype): resume with the checkpoint's moment_dtype");
   }
+  // Adam and AdamW keep the same two moments; Adagrad's sum of squares and Lion's momentum are
+  // other states (Note [One moment for Adagrad and Lion]). A checkpoint that does not say is older
+  // than the optimizers that could tell them apart by their files, and is read as it always was.
+  const auto family = [](OptimizerType t) { return t == OptimizerType::kAdamW ? OptimizerType::kAdam : t; };
+  if (ckpt.manifest.optimizer_type && family(*ckpt.manifest.optimizer_type) != family(plan.placement.optimizer_type)) {
+    return invalid_argument(context + ": it holds " + std::string(to_string(*ckpt.manifest.optimizer_type)) +
+                            "'s optimizer states, this run steps " +
+                            std::string(to_string(plan.placement.optimizer_type)) +
+                            " (optimizer.type): resume with the checkpoint's optimizer.type, or start a new run "
+                            "from `zoffload export` of it");
+  }
   if (ckpt.manifest.master_dtype != plan.placement.master_dtype) {
     return invalid_argument(context + ": it keeps the master weights in " +
                             std::string(dtype_name(ckpt.manifest.master_dtype)) + ", this run in " +

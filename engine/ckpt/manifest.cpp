@@ -182,14 +182,16 @@ json Manifest::to_json() const {
     tensors_j.push_back({{"name", t.name}, {"dtype", "F32"}, {"shape", t.shape}});
   json state_files_j = json::array();
   for (const StateFile& f : state_files(moments, master_dtype)) state_files_j.push_back(f.name);
-  return {{"format", kFormatName},
-          {"format_version", format_version},
-          {"step", step},
-          {"moment_dtype", moment_dtype_name(moments)},
-          {"master_dtype", dtype_name(master_dtype)},
-          {"state_files", state_files_j},
-          {"tensors", tensors_j},
-          {"files", files_j}};
+  json out = {{"format", kFormatName},
+              {"format_version", format_version},
+              {"step", step},
+              {"moment_dtype", moment_dtype_name(moments)},
+              {"master_dtype", dtype_name(master_dtype)},
+              {"state_files", state_files_j},
+              {"tensors", tensors_j},
+              {"files", files_j}};
+  if (optimizer_type) out["optimizer_type"] = to_string(*optimizer_type);
+  return out;
 }
 
 Result<Manifest> Manifest::from_json(const json& j, const std::string& source) {
@@ -224,6 +226,15 @@ Result<Manifest> Manifest::from_json(const json& j, const std::string& source) {
     } else if (master != "fp32") {
       return corruption(source + ": master_dtype \"" + quote_excerpt(master) + "\" is neither \"fp32\" nor \"bf16\"");
     }
+  }
+  if (j.contains("optimizer_type")) {
+    std::string type;
+    ZO_RETURN_IF_ERROR(get(j, "optimizer_type", &type, source));
+    for (OptimizerType t : {OptimizerType::kAdam, OptimizerType::kAdamW, OptimizerType::kAdagrad, OptimizerType::kLion})
+      if (type == to_string(t)) m.optimizer_type = t;
+    if (!m.optimizer_type)
+      return corruption(source + ": optimizer_type \"" + quote_excerpt(type) +
+                        "\" is none of \"Adam\", \"AdamW\", \"Adagrad\" and \"Lion\"");
   }
   json files_j, tensors_j;
   ZO_RETURN_IF_ERROR(get(j, "files", &files_j, source));

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -72,6 +73,9 @@ struct Manifest {
   // The masters' dtype: "master_dtype" in the JSON ("fp32" or "bf16"), absent (fp32) in checkpoints
   // older than bf16 masters. master.safetensors holds F32 or BF16 tensors accordingly.
   DType master_dtype = DType::kF32;
+  // optimizer.type of the run that saved it: "optimizer_type" in the JSON, absent (unknown) in
+  // checkpoints older than 8-bit Lion and Adagrad. Which optimizer's states the files hold.
+  std::optional<OptimizerType> optimizer_type;
 
   nlohmann::json to_json() const;
   static Result<Manifest> from_json(const nlohmann::json& json, const std::string& source);

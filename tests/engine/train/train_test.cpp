@@ -451,6 +451,7 @@ TEST(Trainer, AdagradAndLionTrainOnCpuAndNvmeAsTorch) {
 // a run resumed on NVMe from the CPU run's step-4 checkpoint (the state saved in its own bytes)
 // continues it bit-exactly.
 TrainOptions with_checkpoints(TrainOptions o, const std::string& dir);  // below, beside the resume tests
+std::string file_bytes(const std::string& path);                        // below
 
 TEST(Trainer, AdagradAndLionWithNarrowStatesAreBitIdenticalOnCpuAndNvme) {
   constexpr int kSteps = 8, kSaveAt = 4;
@@ -505,6 +506,18 @@ TEST(Trainer, AdagradAndLionWithNarrowStatesAreBitIdenticalOnCpuAndNvme) {
         EXPECT_EQ(m->loss, metrics[i].loss) << "step " << m->step;
       }
       EXPECT_TRUE(bit_identical(masters(**tr), on_cpu));
+      // The manifest names the optimizer; another optimizer's run refuses the states, naming the key.
+      const std::string ckpt = cpu_dir.path + "/ckpt/step-" + std::to_string(kSaveAt);
+      EXPECT_EQ(nlohmann::json::parse(file_bytes(ckpt + "/manifest.json"))["optimizer_type"], type);
+      RunSetup adamw = nvme;
+      adamw.opt_type = "AdamW";
+      TempDir other_dir;
+      TrainOptions oo = make_options(adamw, other_dir);
+      oo.resume = ckpt;
+      auto refused = Trainer::create(oo);
+      EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+      EXPECT_THAT(refused.status().message(), HasSubstr(std::string("it holds ") + type +
+                                                        "'s optimizer states, this run steps AdamW (optimizer.type)"));
     }
 }
 
