@@ -50,7 +50,7 @@ at::Tensor dense(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b =
 size_t expected_params(const ModelConfig& config, BlockKind kind) {
   switch (kind) {
     case BlockKind::kEmbedding: return 1;
-    case BlockKind::kDecoder: return config.attention_bias ? 12 : 9;
+    case BlockKind::kDecoder: return (config.attention_bias ? 12 : 9) + (config.qk_norm ? 2 : 0);
     case BlockKind::kHead: return 2;
   }
   return 0;
@@ -78,6 +78,8 @@ at::Tensor decoder_forward(const ModelConfig& config, const std::vector<at::Tens
   const at::Tensor& w_v = p[i++];
   const at::Tensor b_v = config.attention_bias ? p[i++] : at::Tensor();
   const at::Tensor& w_o = p[i++];
+  const at::Tensor w_q_norm = config.qk_norm ? p[i++] : at::Tensor();
+  const at::Tensor w_k_norm = config.qk_norm ? p[i++] : at::Tensor();
   const at::Tensor& w_post = p[i++];
   const at::Tensor& w_gate = p[i++];
   const at::Tensor& w_up = p[i++];
@@ -87,6 +89,10 @@ at::Tensor decoder_forward(const ModelConfig& config, const std::vector<at::Tens
   at::Tensor q = split_heads(dense(n, w_q, b_q), heads, head_dim);
   at::Tensor k = split_heads(dense(n, w_k, b_k), kv_heads, head_dim);
   const at::Tensor v = split_heads(dense(n, w_v, b_v), kv_heads, head_dim);
+  if (config.qk_norm) {  // Qwen3: RMSNorm over each head's dims, before RoPE
+    q = rms_norm(q, w_q_norm, config.rms_norm_eps);
+    k = rms_norm(k, w_k_norm, config.rms_norm_eps);
+  }
   // HF casts the fp32 tables to the activations' dtype before rotating.
   const at::Tensor cos = rope.cos.narrow(0, 0, T).to(q.scalar_type());
   const at::Tensor sin = rope.sin.narrow(0, 0, T).to(q.scalar_type());

@@ -132,13 +132,28 @@ Status require_default(const KeyReader& r, std::string_view key, const json& exp
   return r.error(key, v->dump() + " is not supported (" + std::string(why) + ")");
 }
 
-const char* architecture_of(const std::string& model_type) {
-  if (model_type == "qwen2") return "Qwen2ForCausalLM";
-  if (model_type == "mistral") return "MistralForCausalLM";
-  return "LlamaForCausalLM";
-}
+const char* architecture_of(const std::string& model_type) { return find_model_family(model_type)->architecture; }
 
 }  // namespace
+
+const std::vector<ModelFamily>& model_families() {
+  // clang-format off
+  static const std::vector<ModelFamily> families = {
+      // model_type  architecture          qkv_bias qk_norm window window_opt_in mlp_bias_key head_dim
+      {"llama",      "LlamaForCausalLM",   false,   false,  false, false,        true,        0},
+      {"mistral",    "MistralForCausalLM", false,   false,  true,  false,        true,        0},
+      {"qwen2",      "Qwen2ForCausalLM",   true,    false,  true,  true,         false,       0},
+      {"qwen3",      "Qwen3ForCausalLM",   false,   true,   true,  true,         false,       128},
+  };
+  // clang-format on
+  return families;
+}
+
+const ModelFamily* find_model_family(std::string_view model_type) {
+  for (const ModelFamily& f : model_families())
+    if (model_type == f.model_type) return &f;
+  return nullptr;
+}
 
 Result<ModelConfig> parse_hf_config(std::string_view json_text, const std::string& source_name) {
   const json doc = json::parse(json_text, nullptr, /*allow_exceptions=*/false);
@@ -148,8 +163,14 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, const std::strin
   ModelConfig c;
 
   ZO_RETURN_IF_ERROR(r.string("model_type", &c.model_type, /*required=*/true));
-  if (c.model_type != "llama" && c.model_type != "mistral" && c.model_type != "qwen2")
-    return r.error("model_type", "unsupported model_type \"" + c.model_type + "\" (supported: llama, mistral, qwen2)");
+  const ModelFamily* family = find_model_family(c.model_type);
+  if (family == nullptr) {
+    std::vector<std::string> names;
+    for (const ModelFamily& f : model_families()) names.emplace_back(f.model_type);
+    return r.error("model_type",
+                   "unsupported model_type \"" + c.model_type + "\" (supported: " + join(names, ", ") + ")");
+  }
+  c.qk_norm = family->qk_norm;
 
   ZO_RETURN_IF_ERROR(r.size("vocab_size", &c.vocab_size, true));
   ZO_RETURN_IF_ERROR(r.size("hidden_size", &c.hidden_size, true));
@@ -160,7 +181,9 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, const std::strin
   ZO_RETURN_IF_ERROR(r.size("num_key_value_heads", &c.num_key_value_heads, false));
   bool has_head_dim = false;
   ZO_RETURN_IF_ERROR(r.size("head_dim", &c.head_dim, false, &has_head_dim));
-  if (!has_head_dim) {
+  if (!has_head_dim && family->default_head_dim != 0) {
+    c.head_dim = family->default_head_dim;
+  } else if (!has_head_dim) {
     if (c.hidden_size % c.num_attention_heads != 0)
       return r.error("num_attention_heads", "hidden_size " + std::to_string(c.hidden_size) +
                                                 " is not divisible by num_attention_heads " +
@@ -229,8 +252,21 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, const std::strin
     }
     return r.size("sliding_window", &c.sliding_window, false);
   };
-  if (c.model_type == "qwen2") {
+  if (family->qkv_bias) {
     c.attention_bias = true;  // Qwen2's q/k/v projections always have biases, o_proj none
+  } else {
+    // Llama's and Qwen3's attention_bias put biases on o_proj too, and mlp_bias on the MLP: not
+    // this layout.
+    bool bias = false;
+    ZO_RETURN_IF_ERROR(r.boolean("attention_bias", &bias));
+    if (bias)
+      return r.error("attention_bias", "true (biases on q/k/v/o_proj) is not supported for model_type " + c.model_type);
+    if (family->mlp_bias_key) {
+      ZO_RETURN_IF_ERROR(r.boolean("mlp_bias", &bias));
+      if (bias) return r.error("mlp_bias", "true is not supported");
+    }
+  }
+  if (family->window_opt_in) {
     bool use_sliding = false;
     ZO_RETURN_IF_ERROR(r.boolean("use_sliding_window", &use_sliding));
     if (use_sliding) ZO_RETURN_IF_ERROR(read_window());
@@ -243,15 +279,8 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, const std::strin
           return r.error("layer_types", t.dump() + " is not supported (full_attention or sliding_attention)");
       }
     }
-  } else {
-    // Llama's attention_bias puts biases on o_proj too, and mlp_bias on the MLP: not this layout.
-    bool bias = false;
-    ZO_RETURN_IF_ERROR(r.boolean("attention_bias", &bias));
-    if (bias)
-      return r.error("attention_bias", "true (biases on q/k/v/o_proj) is not supported for model_type " + c.model_type);
-    ZO_RETURN_IF_ERROR(r.boolean("mlp_bias", &bias));
-    if (bias) return r.error("mlp_bias", "true is not supported");
-    if (c.model_type == "mistral") ZO_RETURN_IF_ERROR(read_window());
+  } else if (family->window) {
+    ZO_RETURN_IF_ERROR(read_window());
   }
 
   // Newer transformers write "dtype", older "torch_dtype".
@@ -372,15 +401,11 @@ std::string to_hf_config_json(const ModelConfig& c, std::string_view torch_dtype
       break;
   }
   j["tie_word_embeddings"] = c.tie_word_embeddings;
-  if (c.model_type == "qwen2") {
-    j["use_sliding_window"] = c.sliding_window != 0;
-    j["sliding_window"] = c.sliding_window != 0 ? nlohmann::ordered_json(c.sliding_window) : nullptr;
-  } else {
-    j["attention_bias"] = false;
-    j["mlp_bias"] = false;
-    if (c.model_type == "mistral")
-      j["sliding_window"] = c.sliding_window != 0 ? nlohmann::ordered_json(c.sliding_window) : nullptr;
-  }
+  const ModelFamily& family = *find_model_family(c.model_type);
+  if (!family.qkv_bias) j["attention_bias"] = false;
+  if (family.mlp_bias_key) j["mlp_bias"] = false;
+  if (family.window_opt_in) j["use_sliding_window"] = c.sliding_window != 0;
+  if (family.window) j["sliding_window"] = c.sliding_window != 0 ? nlohmann::ordered_json(c.sliding_window) : nullptr;
   j["torch_dtype"] = std::string(torch_dtype);
   return j.dump(2) + "\n";
 }
@@ -413,6 +438,10 @@ ModelLayout model_layout(const ModelConfig& c) {
     add(&b, p + ".self_attn.v_proj.weight", {kv_dim, H});
     if (c.attention_bias) add(&b, p + ".self_attn.v_proj.bias", {kv_dim});
     add(&b, p + ".self_attn.o_proj.weight", {H, q_dim});
+    if (c.qk_norm) {
+      add(&b, p + ".self_attn.q_norm.weight", {static_cast<int64_t>(c.head_dim)});
+      add(&b, p + ".self_attn.k_norm.weight", {static_cast<int64_t>(c.head_dim)});
+    }
     add(&b, p + ".post_attention_layernorm.weight", {H});
     add(&b, p + ".mlp.gate_proj.weight", {I, H});
     add(&b, p + ".mlp.up_proj.weight", {I, H});
@@ -433,6 +462,7 @@ uint64_t num_parameters(const ModelConfig& c) {
   const uint64_t q_dim = c.num_attention_heads * c.head_dim, kv_dim = c.num_key_value_heads * c.head_dim;
   uint64_t layer = 2 * H + 2 * H * q_dim + 2 * H * kv_dim + 3 * H * c.intermediate_size;
   if (c.attention_bias) layer += q_dim + 2 * kv_dim;
+  if (c.qk_norm) layer += 2 * c.head_dim;
   return V * H + c.num_hidden_layers * layer + H + (c.tie_word_embeddings ? 0 : V * H);
 }
 

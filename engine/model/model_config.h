@@ -1,4 +1,4 @@
-// ModelConfig: the shape of a LLaMA-family model (llama, mistral, qwen2) read from a Hugging Face
+// ModelConfig: the shape of a LLaMA-family model (llama, mistral, qwen2, qwen3) read from a Hugging Face
 // config.json or a built-in preset, and ModelLayout: its parameters (HF names, HF shapes) and the
 // blocks forward runs, in order. No LibTorch. Pure values and functions; thread-safe.
 #pragma once
@@ -24,14 +24,33 @@ struct RopeScaling {
   uint64_t original_max_position_embeddings = 8192;  // llama3 only
 };
 
+// Note [Model families]: the families differ from llama by a few choices of the one decoder block
+// (engine/model/llama.cpp) and of the config keys that say so; each is a row here, looked up by
+// config.json's model_type. The next family that is llama-shaped is a row (and its parity case).
+struct ModelFamily {
+  const char* model_type;
+  const char* architecture;   // the *ForCausalLM class transformers saves and loads
+  bool qkv_bias;              // q/k/v projections always carry biases (Qwen2); else attention_bias must be false
+  bool qk_norm;               // q_norm, k_norm: RMSNorm over each head's dims before RoPE (Qwen3)
+  bool window;                // a sliding window: mistral's always, Qwen's with use_sliding_window
+  bool window_opt_in;         // the window applies only with use_sliding_window (and layer_types names it)
+  bool mlp_bias_key;          // config.json has mlp_bias (llama, mistral), which must be false
+  uint64_t default_head_dim;  // head_dim where config.json has none (Qwen3Config's 128); 0: hidden / heads
+};
+// The rows, in the order error messages list them.
+const std::vector<ModelFamily>& model_families();
+// The row of `model_type`, or nullptr.
+const ModelFamily* find_model_family(std::string_view model_type);
+
 struct ModelConfig {
-  std::string model_type = "llama";  // "llama", "mistral", "qwen2" (qwen2 => attention_bias true)
+  std::string model_type = "llama";  // a ModelFamily's (qwen2 => attention_bias true, qwen3 => qk_norm true)
   uint64_t vocab_size = 0, hidden_size = 0, intermediate_size = 0, num_hidden_layers = 0, num_attention_heads = 0,
            num_key_value_heads = 0, head_dim = 0 /*resolved: hidden/heads when absent*/, max_position_embeddings = 2048;
   double rms_norm_eps = 1e-6, rope_theta = 10000.0, initializer_range = 0.02;
   RopeScaling rope_scaling;
   bool tie_word_embeddings = false;
   bool attention_bias = false;           // q/k/v projections have biases (Qwen2)
+  bool qk_norm = false;                  // q_norm and k_norm per layer, [head_dim] each (Qwen3)
   std::string source_dtype = "float32";  // config.json "torch_dtype", informational
   // Mistral's (or Qwen2's, when use_sliding_window) attention window in tokens; 0 = full causal.
   // block_forward runs full causal attention and refuses sequences longer than a set window.
@@ -42,7 +61,7 @@ struct ModelConfig {
 // rope_parameters; torch_dtype or dtype). kInvalidArgument naming `source_name` and the key for a
 // missing required key, a wrong type, a non-positive size, heads not dividing hidden (when head_dim
 // is absent), num_attention_heads not a multiple of num_key_value_heads, and for every key that
-// would change the arithmetic to something not implemented: model_type (llama/mistral/qwen2),
+// would change the arithmetic to something not implemented: model_type (a ModelFamily's),
 // architectures (the *ForCausalLM of the model_type), RoPE type (default/linear/llama3),
 // partial_rotary_factor ≠ 1, per-layer-type RoPE, hidden_act (silu), llama's attention_bias/mlp_bias,
 // attention_dropout ≠ 0, quantization_config, use_mrope, Qwen2 layer_types. Other keys (token ids,
@@ -63,8 +82,8 @@ std::vector<std::string> model_preset_names();
 // kNotFound naming both possibilities (and the presets) when it is neither.
 Result<ModelConfig> resolve_model_config(const std::string& model, io::Env* env = io::Env::posix());
 
-// HF config.json text for export (architectures ["LlamaForCausalLM"] / ["Qwen2ForCausalLM"] /
-// ["MistralForCausalLM"], torch_dtype as given); parse_hf_config reads it back to `config`.
+// HF config.json text for export (architectures: the family's *ForCausalLM, torch_dtype as given);
+// parse_hf_config reads it back to `config`.
 std::string to_hf_config_json(const ModelConfig& config, std::string_view torch_dtype);
 uint64_t num_parameters(const ModelConfig& config);
 
@@ -85,7 +104,8 @@ struct ModelLayout {
 
 // Decoder param order (HF names, "model.layers.<i>." prefix): input_layernorm.weight,
 // self_attn.q_proj.weight, [self_attn.q_proj.bias], self_attn.k_proj.weight, [k_proj.bias],
-// self_attn.v_proj.weight, [v_proj.bias], self_attn.o_proj.weight, post_attention_layernorm.weight,
+// self_attn.v_proj.weight, [v_proj.bias], self_attn.o_proj.weight, [self_attn.q_norm.weight,
+// self_attn.k_norm.weight] (qk_norm), post_attention_layernorm.weight,
 // mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight (biases when attention_bias).
 // Head block: model.norm.weight, then lm_head.weight — or model.embed_tokens.weight when tied (the
 // embedding param is then used by two blocks). Shapes as HF stores them ([out, in] for Linear).

@@ -40,7 +40,8 @@ reference's final weights (rounded to the export dtype) and give the reference's
 
 The models: llama untied, llama tied (in fp32, and in bf16, where the engine adds the shared
 matrix's two gradients into its fp32 sum, which the mirror does too), mistral, qwen2 (q/k/v biases,
-rope_theta 1e6 as Qwen2 ships it) and a Llama-3 rope as transformers ≥ 5 writes it
+rope_theta 1e6 as Qwen2 ships it), qwen3 (q/k norms, an explicit head_dim; none, cpu and nvme) and a
+Llama-3 rope as transformers ≥ 5 writes it
 (`rope_parameters`, rope_type llama3) whose original context is short enough that the scaling
 changes most frequencies within the sequence. One file and sharded, fp32 and bf16 on disk. Each
 placement (nothing offloaded: stage 3 in fp32, stage 2 in bf16; CPU; NVMe) runs in fp32 and in
@@ -75,7 +76,8 @@ try:
     import torch
     import torch.nn.functional as F
     import transformers
-    from transformers import AttentionInterface, AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import (AttentionInterface, AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config,
+                              Qwen3Config)
 except ImportError as e:
     print("SKIP: the transformers oracle is not installed in %s (%s); tools/requirements.txt pins it" %
           (sys.executable, e))
@@ -232,6 +234,16 @@ CASES = [
     # from its gradient during backward (the vertical schedule sums the two micro-batches on the
     # device first) against torch.optim.AdamW on the same sums. Tied, so the head's and the
     # embedding's gradients meet in one sum before their sub-group is stepped.
+    # Qwen3: q_norm and k_norm over each head's dims before RoPE (randomised below like every norm), an
+    # explicit head_dim (32, not hidden / heads = 16: the projections are 128 wide), on every placement.
+    dict(name="qwen3-tied-fp32-none", arch="qwen3", tied=True, vocab=320, seq=32, disk="float32", shard=False,
+         precision="fp32", placement="none", stage=3, gas=2, clip=0.5, schedule=None, lr=2e-3, seed=23, head_dim=32,
+         rope={"rope_type": "default", "rope_theta": 1e6}),
+    dict(name="qwen3-untied-bf16-cpu", arch="qwen3", tied=False, vocab=384, seq=32, disk="bfloat16", shard=True,
+         precision="bf16", placement="cpu", stage=3, gas=2, clip=1.0, schedule="warmup", lr=2e-3, seed=24,
+         head_dim=32, rope={"rope_type": "default", "rope_theta": 1e6}),
+    dict(name="qwen3-untied-fp32-nvme", arch="qwen3", tied=False, vocab=256, seq=32, disk="float32", shard=False,
+         precision="fp32", placement="nvme", stage=3, gas=1, clip=1.0, schedule=None, lr=2e-3, seed=25, head_dim=16),
     dict(name="llama-tied-bf16-cpu-noacc", arch="llama", tied=True, vocab=256, seq=32, disk="float32",
          shard=False, precision="bf16", placement="cpu", stage=3, gas=2, clip=0.0, schedule="warmup", lr=2e-3,
          seed=22, accumulators="none"),
@@ -290,12 +302,13 @@ def zoffload_config(case):
 # ---- Models and data ---------------------------------------------------------------------------
 
 def hf_config(case, rope=None):
-    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[case["arch"]]
+    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[case["arch"]]
+    extra = {"head_dim": case["head_dim"]} if "head_dim" in case else {}
     return cls(vocab_size=case["vocab"], hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
                num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
                max_position_embeddings=case.get("max_position", 64), rms_norm_eps=1e-5,
                initializer_range=INIT_STD, tie_word_embeddings=case["tied"],
-               rope_parameters=rope or case.get("rope", {"rope_type": "default", "rope_theta": 10000.0}))
+               rope_parameters=rope or case.get("rope", {"rope_type": "default", "rope_theta": 10000.0}), **extra)
 
 
 def save_model(case, model_dir):
@@ -369,7 +382,8 @@ _M64 = (1 << 64) - 1
 # each parameter's rounding.
 _LAYER_ORDER = ["input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.q_proj.bias",
                 "self_attn.k_proj.weight", "self_attn.k_proj.bias", "self_attn.v_proj.weight",
-                "self_attn.v_proj.bias", "self_attn.o_proj.weight", "post_attention_layernorm.weight",
+                "self_attn.v_proj.bias", "self_attn.o_proj.weight", "self_attn.q_norm.weight",
+                "self_attn.k_norm.weight", "post_attention_layernorm.weight",
                 "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
 
 

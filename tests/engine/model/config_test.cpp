@@ -110,6 +110,17 @@ constexpr const char* kQwen25_7b_v5 = R"({
   "use_mrope": false, "use_sliding_window": false, "vocab_size": 152064
 })";
 
+// Qwen3-8B's config.json from its model page (transformers 4.51).
+constexpr const char* kQwen3_8b = R"({
+  "architectures": ["Qwen3ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0, "bos_token_id": 151643,
+  "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+  "intermediate_size": 12288, "max_position_embeddings": 40960, "max_window_layers": 36, "model_type": "qwen3",
+  "num_attention_heads": 32, "num_hidden_layers": 36, "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
+  "rope_scaling": null, "rope_theta": 1000000, "sliding_window": null, "tie_word_embeddings": false,
+  "torch_dtype": "bfloat16", "transformers_version": "4.51.0", "use_cache": true, "use_sliding_window": false,
+  "vocab_size": 151936
+})";
+
 ModelConfig parse_ok(const std::string& text) {
   Result<ModelConfig> r = parse_hf_config(text, "config.json");
   EXPECT_TRUE(r.is_ok()) << r.status().to_string();
@@ -151,6 +162,7 @@ void expect_same(const ModelConfig& a, const ModelConfig& b) {
   EXPECT_EQ(a.attention_bias, b.attention_bias);
   EXPECT_EQ(a.source_dtype, b.source_dtype);
   EXPECT_EQ(a.sliding_window, b.sliding_window);
+  EXPECT_EQ(a.qk_norm, b.qk_norm);
 }
 
 TEST(HfConfig, ParsesLlama2) {
@@ -196,6 +208,42 @@ TEST(HfConfig, ParsesQwen2WithBiasesAndTiedEmbeddings) {
   EXPECT_EQ(c.rms_norm_eps, 1e-6);
   EXPECT_EQ(c.sliding_window, 0u) << "use_sliding_window is false";
   EXPECT_EQ(num_parameters(c), 494'032'768u);  // Qwen2-0.5B
+}
+
+// Qwen3: llama plus q_norm and k_norm ([head_dim] each, per layer), an explicit head_dim, no biases.
+// Its parameter count is transformers' for Qwen3-8B (Qwen3ForCausalLM built from this config on the
+// meta device: 8,190,735,360).
+TEST(HfConfig, ParsesQwen3WithQkNorms) {
+  const ModelConfig c = parse_ok(kQwen3_8b);
+  EXPECT_EQ(c.model_type, "qwen3");
+  EXPECT_TRUE(c.qk_norm);
+  EXPECT_FALSE(c.attention_bias);
+  EXPECT_EQ(c.head_dim, 128u);
+  EXPECT_EQ(c.sliding_window, 0u) << "use_sliding_window is false";
+  EXPECT_EQ(num_parameters(c), 8'190'735'360u);
+  const ModelLayout layout = model_layout(c);
+  const BlockSpec& b0 = layout.blocks[1];
+  ASSERT_EQ(b0.params.size(), 11u);
+  EXPECT_EQ(layout.params[b0.params[5]].name, "model.layers.0.self_attn.q_norm.weight");
+  EXPECT_EQ(layout.params[b0.params[5]].shape, std::vector<int64_t>{128});
+  EXPECT_EQ(layout.params[b0.params[6]].name, "model.layers.0.self_attn.k_norm.weight");
+  uint64_t total = 0;
+  for (const ParamSpec& p : layout.params) {
+    uint64_t n = 1;
+    for (int64_t d : p.shape) n *= static_cast<uint64_t>(d);
+    total += n;
+  }
+  EXPECT_EQ(total, num_parameters(c));
+  // Without head_dim, Qwen3Config's default (128), not hidden / heads as for llama.
+  const ModelConfig small = parse_ok(R"({"model_type": "qwen3", "vocab_size": 256, "hidden_size": 64,
+    "intermediate_size": 160, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2})");
+  EXPECT_EQ(small.head_dim, 128u);
+  // Biases on all four projections are another layout: refused, naming the key.
+  std::string biased = kQwen3_8b;
+  biased.replace(biased.find("\"attention_bias\": false"), 23, "\"attention_bias\": true");
+  const Result<ModelConfig> r = parse_hf_config(biased, "config.json");
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_THAT(r.status().message(), HasSubstr("attention_bias"));
 }
 
 TEST(HfConfig, ParsesMistralWithSlidingWindow) {
@@ -340,7 +388,7 @@ TEST(HfConfig, ErrorsNameFileAndKey) {
   expect_error(llama2_with("tie_word_embeddings", "1"), "tie_word_embeddings");
   expect_error(llama2_with("num_attention_heads", "30"), "num_attention_heads", "not divisible");
   expect_error(llama2_with("num_key_value_heads", "5"), "num_key_value_heads", "multiple");
-  expect_error(llama2_with("model_type", "\"gpt2\""), "model_type", "llama, mistral, qwen2");
+  expect_error(llama2_with("model_type", "\"gpt2\""), "model_type", "llama, mistral, qwen2, qwen3");
   expect_error(llama2_with("rope_scaling", R"({"rope_type": "yarn", "factor": 4.0})"), "rope_scaling.rope_type",
                "linear, llama3");
   expect_error(llama2_with("rope_scaling", R"({"type": "dynamic", "factor": 4.0})"), "rope_scaling.type");
@@ -510,10 +558,11 @@ TEST(ModelLayout, TiedHeadReusesEmbeddingAndQwenHasBiases) {
 }
 
 TEST(HfConfigExport, RoundTripsEveryFamily) {
-  for (const char* text : {kLlama2_7b, kLlama31_8b, kQwen2_05b, kMistral_7b}) {
+  for (const char* text : {kLlama2_7b, kLlama31_8b, kQwen2_05b, kMistral_7b, kQwen3_8b}) {
     ModelConfig c = parse_ok(text);
     const std::string json = to_hf_config_json(c, "bfloat16");
     EXPECT_THAT(json, HasSubstr(c.model_type == "qwen2"     ? "Qwen2ForCausalLM"
+                                : c.model_type == "qwen3"   ? "Qwen3ForCausalLM"
                                 : c.model_type == "mistral" ? "MistralForCausalLM"
                                                             : "LlamaForCausalLM"));
     c.source_dtype = "bfloat16";
