@@ -3,9 +3,7 @@
 // adam8bit_step is in optimizers.cpp, beside the other optimizers' validation and dispatch.
 #include "cpu_optim/adam8bit.h"
 
-#include <algorithm>
 #include <bit>
-#include <cmath>
 #include <limits>
 #include <memory>
 
@@ -22,16 +20,17 @@ const std::array<float, 256>& unsigned_dynamic_map() { return kUnsignedDynamicMa
 // Note [Nearest codes by bucket]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // Re-quantizing takes, for each x = m / absmax, the entry of a 256-entry ascending map nearest x,
-// the lower on a tie, 0 for NaN (the rule of nearest_entry below, zo::nearest_map_entry, computed in
-// float as the kernels compute it). A binary search over the map costs 8 dependent comparisons and, on AVX2/AVX-512,
-// gathers: it was about 90% of the 8-bit step. Instead:
+// the lower on a tie, 0 for NaN (the rule of zo::nearest_map_entry in common/adam_math.h, computed in
+// float as the kernels compute it; the device's 8-bit Adam runs it per element). A binary search
+// over the map costs 8 dependent comparisons and, on AVX2/AVX-512, gathers: it was about 90% of the
+// 8-bit step. Instead:
 //
 // * Thresholds. Between two neighbours map[c] < map[c+1], "map[c+1] is strictly nearer" is
 //   |x - map[c+1]| < |x - map[c]| in float, which is monotone in x (a float subtraction is monotone
 //   in its first operand): false at map[c], true at map[c+1]. So there is one smallest float tau[c]
 //   from which the nearest entry is above c, and the nearest entry of any x is the number of
 //   thresholds at or below it. quant_table_of finds each tau[c] by bisection over the floats
-//   between the two entries, with nearest_entry itself deciding.
+//   between the two entries, with nearest_map_entry itself deciding.
 // * Buckets. A float's bits above bit 16 (sign, exponent, 7 mantissa bits) split each binade into
 //   128 buckets of equal width, as fine relative to x everywhere as the maps are. With 7 bits, no
 //   bucket of either dynamic map holds two thresholds (6 bits would put two in 8 buckets of the
@@ -40,16 +39,12 @@ const std::array<float, 256>& unsigned_dynamic_map() { return kUnsignedDynamicMa
 //   smallest float; the code of any x in it is that entry, plus one where x >= its threshold.
 //
 // quant_table_of checks the one-threshold property for every bucket and both signs from the two
-// ends of each bucket (nearest_entry is monotone, so the ends bound everything between) and aborts
+// ends of each bucket (nearest_map_entry is monotone, so the ends bound everything between) and aborts
 // otherwise, so a wrong table cannot be built. NaN lands in the top bucket and is zeroed apart.
 // The result is the binary search's, bit for bit: a one-off run put all 2^32 floats through the
-// AVX2 kernel and nearest_entry (no difference, either map), and the tests compare every ISA's
+// AVX2 kernel and nearest_map_entry (no difference, either map), and the tests compare every ISA's
 // codes with a scan of the neighbouring entries over 1.1 M values (tests/cpu_optim).
 namespace {
-
-// The reference rule, zo::nearest_map_entry (common/adam_math.h), which the device's 8-bit Adam
-// runs per element.
-uint8_t nearest_entry(const float* map, float x) { return nearest_map_entry(map, x); }
 
 // Floats in ascending order as integers, and back (-0 and +0 both map to 0).
 int64_t ordered(float x) {
@@ -67,11 +62,11 @@ QuantTable quant_table_of(const float* map) {
   QuantTable t{};
   for (size_t c = 0; c < 255; ++c) {
     ZO_CHECK(map[c] < map[c + 1]) << "the map is not ascending at " << c;
-    int64_t lo = ordered(map[c]), hi = ordered(map[c + 1]);  // nearest_entry: c at lo, c + 1 at hi
-    ZO_CHECK(nearest_entry(map, from_ordered(lo)) == c && nearest_entry(map, from_ordered(hi)) == c + 1);
+    int64_t lo = ordered(map[c]), hi = ordered(map[c + 1]);  // nearest_map_entry: c at lo, c + 1 at hi
+    ZO_CHECK(nearest_map_entry(map, from_ordered(lo)) == c && nearest_map_entry(map, from_ordered(hi)) == c + 1);
     while (hi - lo > 1) {
       const int64_t mid = lo + (hi - lo) / 2;
-      (nearest_entry(map, from_ordered(mid)) > c ? hi : lo) = mid;
+      (nearest_map_entry(map, from_ordered(mid)) > c ? hi : lo) = mid;
     }
     t.tau[c] = from_ordered(hi);
   }
@@ -83,8 +78,8 @@ QuantTable quant_table_of(const float* map) {
     for (bool negative : {false, true}) {
       const float a = std::bit_cast<float>(low), b = std::bit_cast<float>(high);
       const float smallest = negative ? -b : a, largest = negative ? -a : b;
-      const uint8_t first = nearest_entry(map, smallest);
-      ZO_CHECK(nearest_entry(map, largest) <= first + 1)
+      const uint8_t first = nearest_map_entry(map, smallest);
+      ZO_CHECK(nearest_map_entry(map, largest) <= first + 1)
           << "bucket " << k << (negative ? " (negative)" : "") << " holds two thresholds of the map";
       t.first_code[negative ? k + kBucketNegative : k] = first;
     }

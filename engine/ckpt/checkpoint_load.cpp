@@ -8,7 +8,6 @@
 
 #include "common/check.h"
 #include "common/string_util.h"
-#include "cpu_optim/adam8bit.h"
 #include "engine/ckpt/state_files.h"
 #include "engine/memory/moment_layout.h"
 #include "engine/model/safetensors.h"

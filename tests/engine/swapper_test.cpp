@@ -711,12 +711,9 @@ ParamStates gather_all8(StateStore& store) {
           gather(store, StateKind::kCompute)};
 }
 
-// bitsandbytes' per-tensor semantics, one whole param at a time on one thread: adam8bit_step for a
-// param of ≥ 4096 elements, fp32 adam_step under that. Every placement's sub-groups (pieces of
-// split params, several params per sub-group, two threads) must give these bits.
-ParamStates reference_run8(const Inputs& in, const AdamConfig& adam, DType compute, DType grad, int steps) {
-  auto ex = cpu_optim::Executor::create({.n_threads = 1});
-  ZO_CHECK(ex.is_ok());
+// Every param's fp32 master and compute copy as initialised, and its two states as the 8-bit layout
+// starts them: zeros, n codes and an absmax per 256 (n >= 4096), or an fp32 state.
+ParamStates initial_states8(const Inputs& in, DType compute) {
   ParamStates r;
   for (const auto& w : in.weights) {
     const uint64_t n = w.size();
@@ -727,6 +724,16 @@ ParamStates reference_run8(const Inputs& in, const AdamConfig& adam, DType compu
     r.exp_avg_sq.emplace_back(moment);
     r.compute.push_back(to_dtype(w, compute));
   }
+  return r;
+}
+
+// bitsandbytes' per-tensor semantics, one whole param at a time on one thread: adam8bit_step for a
+// param of ≥ 4096 elements, fp32 adam_step under that. Every placement's sub-groups (pieces of
+// split params, several params per sub-group, two threads) must give these bits.
+ParamStates reference_run8(const Inputs& in, const AdamConfig& adam, DType compute, DType grad, int steps) {
+  auto ex = cpu_optim::Executor::create({.n_threads = 1});
+  ZO_CHECK(ex.is_ok());
+  ParamStates r = initial_states8(in, compute);
   for (int s = 0; s < steps; ++s) {
     for (size_t p = 0; p < in.weights.size(); ++p) {
       const size_t n = in.weights[p].size();
@@ -803,16 +810,7 @@ TEST(OptimizerSwapper8bit, EveryPlacementEqualsPerTensorStepsBitForBit) {
 ParamStates reference_run_one8(const Inputs& in, const AdamConfig& h, bool lion, DType compute, int steps) {
   auto ex = cpu_optim::Executor::create({.n_threads = 1});
   ZO_CHECK(ex.is_ok());
-  ParamStates r;
-  for (const auto& w : in.weights) {
-    const uint64_t n = w.size();
-    r.master.emplace_back(n * 4);
-    std::memcpy(r.master.back().data(), w.data(), n * 4);
-    const uint64_t moment = n >= 4096 ? n + 4 * cpu_optim::quant_block_count(n) : 4 * n;
-    r.exp_avg.emplace_back(moment);
-    r.exp_avg_sq.emplace_back(moment);
-    r.compute.push_back(to_dtype(w, compute));
-  }
+  ParamStates r = initial_states8(in, compute);
   const cpu_optim::LionConfig lc{.lr = h.lr, .beta1 = h.beta1, .beta2 = h.beta2, .weight_decay = h.weight_decay};
   const cpu_optim::AdagradConfig ac{.lr = h.lr, .eps = h.eps, .weight_decay = h.weight_decay};
   for (int s = 0; s < steps; ++s) {

@@ -121,6 +121,17 @@ constexpr const char* kQwen3_8b = R"({
   "vocab_size": 151936
 })";
 
+// Σ over the layout's tensors of their element counts.
+uint64_t layout_elems(const ModelLayout& layout) {
+  uint64_t total = 0;
+  for (const ParamSpec& p : layout.params) {
+    uint64_t n = 1;
+    for (int64_t d : p.shape) n *= static_cast<uint64_t>(d);
+    total += n;
+  }
+  return total;
+}
+
 ModelConfig parse_ok(const std::string& text) {
   Result<ModelConfig> r = parse_hf_config(text, "config.json");
   EXPECT_TRUE(r.is_ok()) << r.status().to_string();
@@ -227,13 +238,7 @@ TEST(HfConfig, ParsesQwen3WithQkNorms) {
   EXPECT_EQ(layout.params[b0.params[5]].name, "model.layers.0.self_attn.q_norm.weight");
   EXPECT_EQ(layout.params[b0.params[5]].shape, std::vector<int64_t>{128});
   EXPECT_EQ(layout.params[b0.params[6]].name, "model.layers.0.self_attn.k_norm.weight");
-  uint64_t total = 0;
-  for (const ParamSpec& p : layout.params) {
-    uint64_t n = 1;
-    for (int64_t d : p.shape) n *= static_cast<uint64_t>(d);
-    total += n;
-  }
-  EXPECT_EQ(total, num_parameters(c));
+  EXPECT_EQ(layout_elems(layout), num_parameters(c));
   // Without head_dim, Qwen3Config's default (128), not hidden / heads as for llama.
   const ModelConfig small = parse_ok(R"({"model_type": "qwen3", "vocab_size": 256, "hidden_size": 64,
     "intermediate_size": 160, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2})");
@@ -532,13 +537,7 @@ TEST(ModelLayout, TinyNamesShapesAndOrder) {
   EXPECT_EQ(layout.params[head.params[0]].name, "model.norm.weight");
   EXPECT_EQ(layout.params[head.params[1]].name, "lm_head.weight");
   EXPECT_EQ(head.params[1], layout.params.size() - 1);
-  uint64_t total = 0;
-  for (const ParamSpec& p : layout.params) {
-    uint64_t n = 1;
-    for (int64_t d : p.shape) n *= static_cast<uint64_t>(d);
-    total += n;
-  }
-  EXPECT_EQ(total, num_parameters(c));
+  EXPECT_EQ(layout_elems(layout), num_parameters(c));
 }
 
 TEST(ModelLayout, TiedHeadReusesEmbeddingAndQwenHasBiases) {

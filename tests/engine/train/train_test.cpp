@@ -153,12 +153,16 @@ TrainOptions make_options(const RunSetup& s, const TempDir& dir, bool tied = fal
   return o;
 }
 
+uint64_t param_elems(const ParamSpec& p) {
+  uint64_t n = 1;
+  for (int64_t d : p.shape) n *= static_cast<uint64_t>(d);
+  return n;
+}
+
 std::vector<std::vector<float>> masters(Trainer& t) {
   std::vector<std::vector<float>> out;
   for (uint32_t p = 0; p < t.layout().params.size(); ++p) {
-    uint64_t n = 1;
-    for (int64_t d : t.layout().params[p].shape) n *= static_cast<uint64_t>(d);
-    out.emplace_back(n);
+    out.emplace_back(param_elems(t.layout().params[p]));
     Status s = t.read_master(p, out.back());
     ZO_CHECK(s.is_ok()) << s.to_string();
   }
@@ -169,9 +173,7 @@ std::vector<std::vector<float>> masters(Trainer& t) {
 std::vector<std::vector<float>> masters_held(Trainer& t) {
   std::vector<std::vector<float>> out;
   for (uint32_t p = 0; p < t.layout().params.size(); ++p) {
-    uint64_t n = 1;
-    for (int64_t d : t.layout().params[p].shape) n *= static_cast<uint64_t>(d);
-    std::vector<float> v(n);
+    std::vector<float> v(param_elems(t.layout().params[p]));
     out.push_back(t.read_master(p, v).is_ok() ? std::move(v) : std::vector<float>{});
   }
   return out;
@@ -530,11 +532,7 @@ TEST(Trainer, DeviceBudgetBelowTheModelHolds) {
   auto t = Trainer::create(o);
   ASSERT_TRUE(t.is_ok()) << t.status().to_string();
   uint64_t model_bytes = 0;
-  for (const ParamSpec& p : (*t)->layout().params) {
-    uint64_t n = 1;
-    for (int64_t d : p.shape) n *= static_cast<uint64_t>(d);
-    model_bytes += 2 * n;
-  }
+  for (const ParamSpec& p : (*t)->layout().params) model_bytes += 2 * param_elems(p);
   // The device refuses an allocation over its budget anyway, so "peak ≤ budget" alone proves
   // nothing: the peak must be exactly what the plan said fits the budget (issue 19).
   const nlohmann::json plan = nlohmann::json::parse((*t)->plan_json());
