@@ -2,6 +2,7 @@
 #include "engine/model/torch_runtime.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <exception>
 #include <numbers>
@@ -19,11 +20,17 @@
 namespace zo::engine {
 namespace {
 
-// Hugging Face's LlamaRMSNorm: normalize in fp32, cast back to the input dtype, then scale.
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+// Hugging Face's RMSNorm: normalize in fp32, then LlamaRMSNorm casts back to the input dtype and
+// scales, Olmo2RMSNorm scales in fp32 and casts back.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, NormScale scale) {
   const at::Tensor xf = x.to(at::kFloat);
   const at::Tensor variance = xf.pow(2).mean(-1, /*keepdim=*/true);
-  return weight * (xf * at::rsqrt(variance + eps)).to(x.scalar_type());
+  const at::Tensor normed = xf * at::rsqrt(variance + eps);
+  switch (scale) {
+    case NormScale::kCastThenScale: return weight * normed.to(x.scalar_type());
+    case NormScale::kScaleInFp32: return (weight * normed).to(x.scalar_type());
+  }
+  TORCH_CHECK(false, "unknown norm scale");
 }
 
 at::Tensor rotate_half(const at::Tensor& x) {
@@ -50,7 +57,7 @@ at::Tensor dense(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b =
 size_t expected_params(const ModelConfig& config, BlockKind kind) {
   switch (kind) {
     case BlockKind::kEmbedding: return 1;
-    case BlockKind::kDecoder: return (config.attention_bias ? 12 : 9) + (config.qk_norm ? 2 : 0);
+    case BlockKind::kDecoder: return decoder_params(config).size();
     case BlockKind::kHead: return 2;
   }
   return 0;
@@ -69,41 +76,57 @@ at::Tensor decoder_forward(const ModelConfig& config, const std::vector<at::Tens
   TORCH_CHECK(config.sliding_window == 0 || static_cast<uint64_t>(T) <= config.sliding_window, "sequence length ", T,
               " exceeds the model's sliding attention window ", config.sliding_window,
               " (sliding-window attention is not implemented)");
-  size_t i = 0;
-  const at::Tensor& w_in = p[i++];
-  const at::Tensor& w_q = p[i++];
-  const at::Tensor b_q = config.attention_bias ? p[i++] : at::Tensor();
-  const at::Tensor& w_k = p[i++];
-  const at::Tensor b_k = config.attention_bias ? p[i++] : at::Tensor();
-  const at::Tensor& w_v = p[i++];
-  const at::Tensor b_v = config.attention_bias ? p[i++] : at::Tensor();
-  const at::Tensor& w_o = p[i++];
-  const at::Tensor w_q_norm = config.qk_norm ? p[i++] : at::Tensor();
-  const at::Tensor w_k_norm = config.qk_norm ? p[i++] : at::Tensor();
-  const at::Tensor& w_post = p[i++];
-  const at::Tensor& w_gate = p[i++];
-  const at::Tensor& w_up = p[i++];
-  const at::Tensor& w_down = p[i++];
+  std::array<at::Tensor, static_cast<size_t>(DecoderRole::kCount)> w;  // undefined: not in this family
+  const std::vector<DecoderParam> slots = decoder_params(config);
+  for (size_t i = 0; i < slots.size(); ++i) w[static_cast<size_t>(slots[i].role)] = p[i];
+  auto at_role = [&](DecoderRole role) -> const at::Tensor& { return w[static_cast<size_t>(role)]; };
+  const ModelFamily& family = config.family();
+  auto norm = [&](const at::Tensor& t, DecoderRole role) {
+    return rms_norm(t, at_role(role), config.rms_norm_eps, family.norm_scale);
+  };
+  using R = DecoderRole;
+  const bool pre = family.norms != NormPlacement::kPost, post = family.norms != NormPlacement::kPre;
 
-  const at::Tensor n = rms_norm(x, w_in, config.rms_norm_eps);
-  at::Tensor q = split_heads(dense(n, w_q, b_q), heads, head_dim);
-  at::Tensor k = split_heads(dense(n, w_k, b_k), kv_heads, head_dim);
-  const at::Tensor v = split_heads(dense(n, w_v, b_v), kv_heads, head_dim);
-  if (config.qk_norm) {  // Qwen3: RMSNorm over each head's dims, before RoPE
-    q = rms_norm(q, w_q_norm, config.rms_norm_eps);
-    k = rms_norm(k, w_k_norm, config.rms_norm_eps);
+  const at::Tensor n = pre ? norm(x, R::kInputNorm) : x;
+  // Each projection with its norm, in transformers' order (q, then k, then v): in bf16 the order
+  // autograd adds the three gradients of `n` in follows the order the ops were recorded in.
+  auto project = [&](DecoderRole weight, DecoderRole bias, DecoderRole qk_norm, int64_t n_heads) {
+    at::Tensor t = dense(n, at_role(weight), at_role(bias));
+    if (family.qk_norm == QkNorm::kWhole) t = norm(t, qk_norm);  // OLMo 2: the whole projection
+    t = split_heads(t, n_heads, head_dim);
+    if (family.qk_norm == QkNorm::kPerHead) t = norm(t, qk_norm);  // Qwen3: each head's dims
+    return t;
+  };
+  at::Tensor q = project(R::kQ, R::kQBias, R::kQNorm, heads);
+  at::Tensor k = project(R::kK, R::kKBias, R::kKNorm, kv_heads);
+  const at::Tensor v = split_heads(dense(n, at_role(R::kV), at_role(R::kVBias)), kv_heads, head_dim);
+  if (family.rope_in_fp32) {
+    // OLMo 2 rotates with the fp32 tables (q, k promoted to fp32) and casts the result back.
+    const at::Tensor cos = rope.cos.narrow(0, 0, T), sin = rope.sin.narrow(0, 0, T);
+    q = (q * cos + rotate_half(q) * sin).to(x.scalar_type());
+    k = (k * cos + rotate_half(k) * sin).to(x.scalar_type());
+  } else {
+    // HF casts the fp32 tables to the activations' dtype before rotating.
+    const at::Tensor cos = rope.cos.narrow(0, 0, T).to(q.scalar_type());
+    const at::Tensor sin = rope.sin.narrow(0, 0, T).to(q.scalar_type());
+    q = q * cos + rotate_half(q) * sin;
+    k = k * cos + rotate_half(k) * sin;
   }
-  // HF casts the fp32 tables to the activations' dtype before rotating.
-  const at::Tensor cos = rope.cos.narrow(0, 0, T).to(q.scalar_type());
-  const at::Tensor sin = rope.sin.narrow(0, 0, T).to(q.scalar_type());
-  q = q * cos + rotate_half(q) * sin;
-  k = k * cos + rotate_half(k) * sin;
   const int64_t n_rep = heads / kv_heads;
   const at::Tensor attn = causal_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), /*use_sdpa=*/true);
-  const at::Tensor h = x + dense(attn.transpose(1, 2).reshape({x.size(0), T, heads * head_dim}), w_o);
+  at::Tensor a = dense(attn.transpose(1, 2).reshape({x.size(0), T, heads * head_dim}), at_role(R::kO));
+  if (post) a = norm(a, R::kPostAttnNorm);
+  const at::Tensor h = x + a;
 
-  const at::Tensor m = rms_norm(h, w_post, config.rms_norm_eps);
-  return h + dense(at::silu(dense(m, w_gate)) * dense(m, w_up), w_down);
+  const at::Tensor m = pre ? norm(h, R::kPreMlpNorm) : h;
+  // gate before up, as transformers records them (C++ leaves the order of a product's operands open):
+  // where `m` is the residual stream itself (post-norm), the order its three gradients are added in
+  // shows in bf16.
+  const at::Tensor gate = at::silu(dense(m, at_role(R::kGate)));
+  const at::Tensor up = dense(m, at_role(R::kUp));
+  at::Tensor f = dense(gate * up, at_role(R::kDown));
+  if (post) f = norm(f, R::kPostMlpNorm);
+  return h + f;
 }
 
 }  // namespace
@@ -177,12 +200,13 @@ torch::Tensor block_forward(const ModelConfig& config, const BlockSpec& block, c
   switch (block.kind) {
     case BlockKind::kEmbedding: {
       TORCH_CHECK(input.dim() == 2, "embedding input must be token ids [B, T], got ", input.sizes());
-      return at::embedding(params[0], input.to(at::kLong));
+      return at::embedding(params[0], input.to(at::kLong), config.pad_token_id);
     }
     case BlockKind::kDecoder: return decoder_forward(config, params, input, rope);
     case BlockKind::kHead: {
       TORCH_CHECK(input.dim() == 3, "head input must be [B, T, H], got ", input.sizes());
-      return dense(rms_norm(input, params[0], config.rms_norm_eps), params[1]).to(at::kFloat);
+      return dense(rms_norm(input, params[0], config.rms_norm_eps, config.family().norm_scale), params[1])
+          .to(at::kFloat);
     }
   }
   TORCH_CHECK(false, "unknown block kind");

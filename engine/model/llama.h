@@ -1,4 +1,4 @@
-// The LLaMA-family forward pass in LibTorch, functional: each block takes its parameters as tensors
+// The forward pass of the LLaMA-shaped families in LibTorch, functional: each block takes its parameters as tensors
 // (memory the engine owns, wrapped without a copy) and owns none. The only LibTorch header of
 // engine/model. Functions throw c10::Error on bad input like any LibTorch op: call them inside
 // torch_call(), which turns that into a Status. Thread-safe (no shared state).
@@ -38,12 +38,13 @@ torch::Tensor param_tensor(void* addr, const ParamSpec& spec, DType dtype, torch
 torch::ScalarType to_torch_dtype(DType dtype);
 
 // Runs one block. `params` are the block's tensors in BlockSpec::params order, in the compute dtype.
-// kEmbedding: int64 (or int32) token ids [B, T] -> [B, T, H]. kDecoder: [B, T, H] -> [B, T, H]:
-// h = x + o_proj(attn(rmsnorm(x))), h + down(silu(gate(n)) * up(n)) with n = rmsnorm(h); causal
-// grouped-query attention with RoPE (q/k/v biases when config.attention_bias). kHead: [B, T, H] ->
-// logits [B, T, V] = lm_head(rmsnorm(x)) computed in the compute dtype, returned as fp32.
-// RMSNorm as HF LlamaRMSNorm (normalize in fp32, cast back, then * weight); attention softmax in fp32.
-// `rope` must cover at least T positions. Autograd records it as usual.
+// kEmbedding: int64 (or int32) token ids [B, T] -> [B, T, H], the pad_token_id row getting no gradient
+// from the lookup (nn.Embedding's padding_idx). kDecoder: [B, T, H] -> [B, T, H], the family's block
+// (Note [Model families]); llama's is h = x + o_proj(attn(rmsnorm(x))), h + down(silu(gate(n)) * up(n))
+// with n = rmsnorm(h); causal grouped-query attention with RoPE (q/k/v biases when
+// config.attention_bias). kHead: [B, T, H] -> logits [B, T, V] = lm_head(rmsnorm(x)) computed in the
+// compute dtype, returned as fp32. RMSNorm as HF's (normalize in fp32, the family's NormScale);
+// attention softmax in fp32. `rope` must cover at least T positions. Autograd records it as usual.
 torch::Tensor block_forward(const ModelConfig& config, const BlockSpec& block, const std::vector<torch::Tensor>& params,
                             const torch::Tensor& input, const RopeTables& rope);
 

@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/check.h"
 #include "common/string_util.h"
 
 namespace zo::engine {
@@ -139,11 +140,18 @@ const char* architecture_of(const std::string& model_type) { return find_model_f
 const std::vector<ModelFamily>& model_families() {
   // clang-format off
   static const std::vector<ModelFamily> families = {
-      // model_type  architecture          qkv_bias qk_norm window window_opt_in mlp_bias_key head_dim
-      {"llama",      "LlamaForCausalLM",   false,   false,  false, false,        true,        0},
-      {"mistral",    "MistralForCausalLM", false,   false,  true,  false,        true,        0},
-      {"qwen2",      "Qwen2ForCausalLM",   true,    false,  true,  true,         false,       0},
-      {"qwen3",      "Qwen3ForCausalLM",   false,   true,   true,  true,         false,       128},
+      // model_type architecture          qkv_bias qk_norm           norms                   norm_scale
+      //   rope_in_fp32 window window_opt_in mlp_bias_key head_dim pad_token_id
+      {"llama",     "LlamaForCausalLM",   false,   QkNorm::kNone,    NormPlacement::kPre,  NormScale::kCastThenScale,
+         false,       false, false,        true,        0,       -1},
+      {"mistral",   "MistralForCausalLM", false,   QkNorm::kNone,    NormPlacement::kPre,  NormScale::kCastThenScale,
+         false,       true,  false,        true,        0,       -1},
+      {"qwen2",     "Qwen2ForCausalLM",   true,    QkNorm::kNone,    NormPlacement::kPre,  NormScale::kCastThenScale,
+         false,       true,  true,         false,       0,       -1},
+      {"qwen3",     "Qwen3ForCausalLM",   false,   QkNorm::kPerHead, NormPlacement::kPre,  NormScale::kCastThenScale,
+         false,       true,  true,         false,       128,     -1},
+      {"olmo2",     "Olmo2ForCausalLM",   false,   QkNorm::kWhole,   NormPlacement::kPost, NormScale::kScaleInFp32,
+         true,        false, false,        false,       0,       1},
   };
   // clang-format on
   return families;
@@ -153,6 +161,12 @@ const ModelFamily* find_model_family(std::string_view model_type) {
   for (const ModelFamily& f : model_families())
     if (model_type == f.model_type) return &f;
   return nullptr;
+}
+
+const ModelFamily& ModelConfig::family() const {
+  const ModelFamily* f = find_model_family(model_type);
+  ZO_CHECK(f != nullptr) << "model_type " << model_type << " has no family row";
+  return *f;
 }
 
 Result<ModelConfig> parse_hf_config(std::string_view json_text, const std::string& source_name) {
@@ -170,7 +184,6 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, const std::strin
     return r.error("model_type",
                    "unsupported model_type \"" + c.model_type + "\" (supported: " + join(names, ", ") + ")");
   }
-  c.qk_norm = family->qk_norm;
 
   ZO_RETURN_IF_ERROR(r.size("vocab_size", &c.vocab_size, true));
   ZO_RETURN_IF_ERROR(r.size("hidden_size", &c.hidden_size, true));
@@ -201,6 +214,17 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, const std::strin
   ZO_RETURN_IF_ERROR(r.positive("rope_theta", &c.rope_theta));
   ZO_RETURN_IF_ERROR(r.positive("initializer_range", &c.initializer_range, false, /*allow_zero=*/true));
   ZO_RETURN_IF_ERROR(r.boolean("tie_word_embeddings", &c.tie_word_embeddings));
+  c.pad_token_id = family->default_pad_token_id;
+  if (const json* pad = r.find("pad_token_id"); pad != nullptr) {
+    // As nn.Embedding takes padding_idx: -vocab_size ≤ id < vocab_size, a negative one from the end.
+    const auto vocab = static_cast<int64_t>(c.vocab_size);
+    if (!pad->is_number_integer() || pad->get<int64_t>() < -vocab || pad->get<int64_t>() >= vocab)
+      return r.error("pad_token_id", "expected a token id in [-vocab_size, vocab_size) (vocab_size " +
+                                         std::to_string(vocab) + ") or null, got " + pad->dump());
+    c.pad_token_id = pad->get<int64_t>() < 0 ? pad->get<int64_t>() + vocab : pad->get<int64_t>();
+  } else if (doc.contains("pad_token_id")) {
+    c.pad_token_id = -1;  // null: no padding row, whatever the family's default
+  }
   // Note [Two RoPE forms]: transformers < 5 writes top-level rope_theta plus rope_scaling (null when
   // unscaled); transformers ≥ 5 writes rope_parameters {rope_type, rope_theta, factor, ...} and no
   // top-level rope_theta. transformers ≥ 5 reads a non-null rope_scaling in place of
@@ -401,7 +425,8 @@ std::string to_hf_config_json(const ModelConfig& c, std::string_view torch_dtype
       break;
   }
   j["tie_word_embeddings"] = c.tie_word_embeddings;
-  const ModelFamily& family = *find_model_family(c.model_type);
+  j["pad_token_id"] = c.pad_token_id >= 0 ? nlohmann::ordered_json(c.pad_token_id) : nullptr;
+  const ModelFamily& family = c.family();
   if (!family.qkv_bias) j["attention_bias"] = false;
   if (family.mlp_bias_key) j["mlp_bias"] = false;
   if (family.window_opt_in) j["use_sliding_window"] = c.sliding_window != 0;
@@ -410,12 +435,47 @@ std::string to_hf_config_json(const ModelConfig& c, std::string_view torch_dtype
   return j.dump(2) + "\n";
 }
 
-ModelLayout model_layout(const ModelConfig& c) {
+std::vector<DecoderParam> decoder_params(const ModelConfig& c) {
+  using R = DecoderRole;
   const auto H = static_cast<int64_t>(c.hidden_size);
   const auto I = static_cast<int64_t>(c.intermediate_size);
+  const auto D = static_cast<int64_t>(c.head_dim);
+  const auto q_dim = static_cast<int64_t>(c.num_attention_heads) * D;
+  const auto kv_dim = static_cast<int64_t>(c.num_key_value_heads) * D;
+  const ModelFamily& f = c.family();
+  std::vector<DecoderParam> out;
+  auto add = [&](R role, const char* name, std::vector<int64_t> shape) {
+    out.push_back({role, name, std::move(shape)});
+  };
+  // The pre-norm families keep the order this engine has always used (bf16 masters' rounding keys
+  // follow it, so checkpoints stay resumable); the others take their HF module order.
+  if (f.norms == NormPlacement::kPre) add(R::kInputNorm, "input_layernorm.weight", {H});
+  add(R::kQ, "self_attn.q_proj.weight", {q_dim, H});
+  if (c.attention_bias) add(R::kQBias, "self_attn.q_proj.bias", {q_dim});
+  add(R::kK, "self_attn.k_proj.weight", {kv_dim, H});
+  if (c.attention_bias) add(R::kKBias, "self_attn.k_proj.bias", {kv_dim});
+  add(R::kV, "self_attn.v_proj.weight", {kv_dim, H});
+  if (c.attention_bias) add(R::kVBias, "self_attn.v_proj.bias", {kv_dim});
+  add(R::kO, "self_attn.o_proj.weight", {H, q_dim});
+  if (f.qk_norm != QkNorm::kNone) {
+    const bool whole = f.qk_norm == QkNorm::kWhole;
+    add(R::kQNorm, "self_attn.q_norm.weight", {whole ? q_dim : D});
+    add(R::kKNorm, "self_attn.k_norm.weight", {whole ? kv_dim : D});
+  }
+  if (f.norms == NormPlacement::kPre) add(R::kPreMlpNorm, "post_attention_layernorm.weight", {H});
+  add(R::kGate, "mlp.gate_proj.weight", {I, H});
+  add(R::kUp, "mlp.up_proj.weight", {I, H});
+  add(R::kDown, "mlp.down_proj.weight", {H, I});
+  if (f.norms == NormPlacement::kPost) {
+    add(R::kPostAttnNorm, "post_attention_layernorm.weight", {H});
+    add(R::kPostMlpNorm, "post_feedforward_layernorm.weight", {H});
+  }
+  return out;
+}
+
+ModelLayout model_layout(const ModelConfig& c) {
+  const auto H = static_cast<int64_t>(c.hidden_size);
   const auto V = static_cast<int64_t>(c.vocab_size);
-  const auto q_dim = static_cast<int64_t>(c.num_attention_heads * c.head_dim);
-  const auto kv_dim = static_cast<int64_t>(c.num_key_value_heads * c.head_dim);
   ModelLayout layout;
   auto add = [&](BlockSpec* block, std::string name, std::vector<int64_t> shape) {
     block->params.push_back(static_cast<uint32_t>(layout.params.size()));
@@ -427,25 +487,11 @@ ModelLayout model_layout(const ModelConfig& c) {
   const uint32_t embed_param = embedding.params[0];
   layout.blocks.push_back(std::move(embedding));
 
+  const std::vector<DecoderParam> decoder = decoder_params(c);
   for (uint64_t l = 0; l < c.num_hidden_layers; ++l) {
     const std::string p = "model.layers." + std::to_string(l);
     BlockSpec b{.kind = BlockKind::kDecoder, .layer = static_cast<int64_t>(l), .name = p, .params = {}};
-    add(&b, p + ".input_layernorm.weight", {H});
-    add(&b, p + ".self_attn.q_proj.weight", {q_dim, H});
-    if (c.attention_bias) add(&b, p + ".self_attn.q_proj.bias", {q_dim});
-    add(&b, p + ".self_attn.k_proj.weight", {kv_dim, H});
-    if (c.attention_bias) add(&b, p + ".self_attn.k_proj.bias", {kv_dim});
-    add(&b, p + ".self_attn.v_proj.weight", {kv_dim, H});
-    if (c.attention_bias) add(&b, p + ".self_attn.v_proj.bias", {kv_dim});
-    add(&b, p + ".self_attn.o_proj.weight", {H, q_dim});
-    if (c.qk_norm) {
-      add(&b, p + ".self_attn.q_norm.weight", {static_cast<int64_t>(c.head_dim)});
-      add(&b, p + ".self_attn.k_norm.weight", {static_cast<int64_t>(c.head_dim)});
-    }
-    add(&b, p + ".post_attention_layernorm.weight", {H});
-    add(&b, p + ".mlp.gate_proj.weight", {I, H});
-    add(&b, p + ".mlp.up_proj.weight", {I, H});
-    add(&b, p + ".mlp.down_proj.weight", {H, I});
+    for (const DecoderParam& d : decoder) add(&b, p + "." + d.name, d.shape);
     layout.blocks.push_back(std::move(b));
   }
 
@@ -458,11 +504,13 @@ ModelLayout model_layout(const ModelConfig& c) {
 }
 
 uint64_t num_parameters(const ModelConfig& c) {
+  uint64_t layer = 0;
+  for (const DecoderParam& d : decoder_params(c)) {
+    uint64_t n = 1;
+    for (const int64_t e : d.shape) n *= static_cast<uint64_t>(e);
+    layer += n;
+  }
   const uint64_t H = c.hidden_size, V = c.vocab_size;
-  const uint64_t q_dim = c.num_attention_heads * c.head_dim, kv_dim = c.num_key_value_heads * c.head_dim;
-  uint64_t layer = 2 * H + 2 * H * q_dim + 2 * H * kv_dim + 3 * H * c.intermediate_size;
-  if (c.attention_bias) layer += q_dim + 2 * kv_dim;
-  if (c.qk_norm) layer += 2 * c.head_dim;
   return V * H + c.num_hidden_layers * layer + H + (c.tie_word_embeddings ? 0 : V * H);
 }
 

@@ -1,4 +1,4 @@
-// ModelConfig: the shape of a LLaMA-family model (llama, mistral, qwen2, qwen3) read from a Hugging Face
+// ModelConfig: the shape of a LLaMA-shaped model (llama, mistral, qwen2, qwen3, olmo2) read from a Hugging Face
 // config.json or a built-in preset, and ModelLayout: its parameters (HF names, HF shapes) and the
 // blocks forward runs, in order. No LibTorch. Pure values and functions; thread-safe.
 #pragma once
@@ -24,18 +24,41 @@ struct RopeScaling {
   uint64_t original_max_position_embeddings = 8192;  // llama3 only
 };
 
+// How a family's decoder block normalizes (Note [Model families]).
+enum class NormPlacement : uint8_t {
+  kPre,       // llama: h = x + attn(norm(x)); h + mlp(norm(h))
+  kPost,      // OLMo 2: h = x + norm(attn(x)); h + norm(mlp(h))
+  kSandwich,  // Gemma 3: h = x + norm(attn(norm(x))); h + norm(mlp(norm(h)))
+};
+// How an RMSNorm applies its weight to x normalized in fp32 (every norm of the model, the final one too).
+enum class NormScale : uint8_t {
+  kCastThenScale,  // llama: weight * x̂.to(dtype)
+  kScaleInFp32,    // OLMo 2: (weight * x̂).to(dtype), the product in fp32
+};
+enum class QkNorm : uint8_t {
+  kNone,
+  kPerHead,  // Qwen3: RMSNorm over each head's dims after the head split, weight [head_dim]
+  kWhole,    // OLMo 2: RMSNorm over the whole projection before the split, weight [heads · head_dim]
+};
+
 // Note [Model families]: the families differ from llama by a few choices of the one decoder block
 // (engine/model/llama.cpp) and of the config keys that say so; each is a row here, looked up by
-// config.json's model_type. The next family that is llama-shaped is a row (and its parity case).
+// config.json's model_type. decoder_params() turns a row into the block's parameters (HF names,
+// shapes, the role each plays), which the layout, the weights and block_forward all read; the next
+// family that is llama-shaped is a row (and its parity case).
 struct ModelFamily {
   const char* model_type;
-  const char* architecture;   // the *ForCausalLM class transformers saves and loads
-  bool qkv_bias;              // q/k/v projections always carry biases (Qwen2); else attention_bias must be false
-  bool qk_norm;               // q_norm, k_norm: RMSNorm over each head's dims before RoPE (Qwen3)
-  bool window;                // a sliding window: mistral's always, Qwen's with use_sliding_window
-  bool window_opt_in;         // the window applies only with use_sliding_window (and layer_types names it)
-  bool mlp_bias_key;          // config.json has mlp_bias (llama, mistral), which must be false
-  uint64_t default_head_dim;  // head_dim where config.json has none (Qwen3Config's 128); 0: hidden / heads
+  const char* architecture;      // the *ForCausalLM class transformers saves and loads
+  bool qkv_bias;                 // q/k/v projections always carry biases (Qwen2); else attention_bias must be false
+  QkNorm qk_norm;                // q_norm, k_norm
+  NormPlacement norms;           // where the block's norms sit
+  NormScale norm_scale;          // how a norm's weight scales
+  bool rope_in_fp32;             // q, k rotated in fp32 and cast back (OLMo 2); else the tables are cast to q's dtype
+  bool window;                   // a sliding window: mistral's always, Qwen's with use_sliding_window
+  bool window_opt_in;            // the window applies only with use_sliding_window (and layer_types names it)
+  bool mlp_bias_key;             // config.json has mlp_bias (llama, mistral), which must be false
+  uint64_t default_head_dim;     // head_dim where config.json has none (Qwen3Config's 128); 0: hidden / heads
+  int64_t default_pad_token_id;  // pad_token_id where config.json has none (Olmo2Config's 1); -1: none
 };
 // The rows, in the order error messages list them.
 const std::vector<ModelFamily>& model_families();
@@ -43,18 +66,23 @@ const std::vector<ModelFamily>& model_families();
 const ModelFamily* find_model_family(std::string_view model_type);
 
 struct ModelConfig {
-  std::string model_type = "llama";  // a ModelFamily's (qwen2 => attention_bias true, qwen3 => qk_norm true)
+  std::string model_type = "llama";  // a ModelFamily's (qwen2 => attention_bias true)
   uint64_t vocab_size = 0, hidden_size = 0, intermediate_size = 0, num_hidden_layers = 0, num_attention_heads = 0,
            num_key_value_heads = 0, head_dim = 0 /*resolved: hidden/heads when absent*/, max_position_embeddings = 2048;
   double rms_norm_eps = 1e-6, rope_theta = 10000.0, initializer_range = 0.02;
   RopeScaling rope_scaling;
   bool tie_word_embeddings = false;
-  bool attention_bias = false;           // q/k/v projections have biases (Qwen2)
-  bool qk_norm = false;                  // q_norm and k_norm per layer, [head_dim] each (Qwen3)
+  bool attention_bias = false;  // q/k/v projections have biases (Qwen2)
+  // transformers' nn.Embedding padding_idx: the lookup adds no gradient to this row (the head's
+  // use of a tied matrix still does); -1: none.
+  int64_t pad_token_id = -1;
   std::string source_dtype = "float32";  // config.json "torch_dtype", informational
   // Mistral's (or Qwen2's, when use_sliding_window) attention window in tokens; 0 = full causal.
   // block_forward runs full causal attention and refuses sequences longer than a set window.
   uint64_t sliding_window = 0;
+
+  // The row of model_type (which must be one: parse_hf_config and model_preset only return those).
+  const ModelFamily& family() const;
 };
 
 // Parses a Hugging Face config.json as transformers < 5 and ≥ 5 write it (rope_theta/rope_scaling or
@@ -64,8 +92,9 @@ struct ModelConfig {
 // would change the arithmetic to something not implemented: model_type (a ModelFamily's),
 // architectures (the *ForCausalLM of the model_type), RoPE type (default/linear/llama3),
 // partial_rotary_factor ≠ 1, per-layer-type RoPE, hidden_act (silu), llama's attention_bias/mlp_bias,
-// attention_dropout ≠ 0, quantization_config, use_mrope, Qwen2 layer_types. Other keys (token ids,
-// use_cache, ...) do not change training and are ignored. The audit is in docs/training.md.
+// attention_dropout ≠ 0, quantization_config, use_mrope, Qwen2 layer_types, a pad_token_id outside
+// the vocabulary. Other keys (bos/eos token ids, use_cache, ...) do not change training and are
+// ignored. The audit is in docs/training.md.
 Result<ModelConfig> parse_hf_config(std::string_view json_text, const std::string& source_name);
 // Reads model_dir/config.json through `env` (at most kMaxModelConfigBytes); kNotFound naming the path.
 inline constexpr uint64_t kMaxModelConfigBytes = 16ull << 20;
@@ -102,13 +131,41 @@ struct ModelLayout {
   std::vector<BlockSpec> blocks;  // embedding, decoder 0..L-1, head — the order forward runs them
 };
 
-// Decoder param order (HF names, "model.layers.<i>." prefix): input_layernorm.weight,
-// self_attn.q_proj.weight, [self_attn.q_proj.bias], self_attn.k_proj.weight, [k_proj.bias],
-// self_attn.v_proj.weight, [v_proj.bias], self_attn.o_proj.weight, [self_attn.q_norm.weight,
-// self_attn.k_norm.weight] (qk_norm), post_attention_layernorm.weight,
-// mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight (biases when attention_bias).
-// Head block: model.norm.weight, then lm_head.weight — or model.embed_tokens.weight when tied (the
-// embedding param is then used by two blocks). Shapes as HF stores them ([out, in] for Linear).
+// What a decoder parameter is to the block (a family's norms play different roles under one name:
+// llama's post_attention_layernorm is the norm before the MLP, OLMo 2's the norm after attention).
+enum class DecoderRole : uint8_t {
+  kInputNorm,  // before attention (kPre, kSandwich)
+  kQ,
+  kQBias,
+  kK,
+  kKBias,
+  kV,
+  kVBias,
+  kO,
+  kQNorm,
+  kKNorm,
+  kPostAttnNorm,  // after attention, before the residual add (kPost, kSandwich)
+  kPreMlpNorm,    // before the MLP (kPre, kSandwich)
+  kPostMlpNorm,   // after the MLP, before the residual add (kPost, kSandwich)
+  kGate,
+  kUp,
+  kDown,
+  kCount
+};
+struct DecoderParam {
+  DecoderRole role;
+  std::string name;  // HF name after "model.layers.<i>."
+  std::vector<int64_t> shape;
+};
+// One decoder layer's parameters in the engine's order (block_forward takes them so). llama, mistral,
+// qwen2, qwen3: input_layernorm, q_proj (weight, [bias]), k_proj, v_proj, o_proj, [q_norm, k_norm],
+// post_attention_layernorm (the pre-MLP norm), gate_proj, up_proj, down_proj. OLMo 2 in its module order:
+// q/k/v/o_proj, q_norm, k_norm, gate/up/down_proj, post_attention_layernorm, post_feedforward_layernorm.
+std::vector<DecoderParam> decoder_params(const ModelConfig& config);
+
+// Layout: the embedding; per layer decoder_params with the "model.layers.<i>." prefix; the head block:
+// model.norm.weight, then lm_head.weight — or model.embed_tokens.weight when tied (the embedding param
+// is then used by two blocks). Shapes as HF stores them ([out, in] for Linear).
 // `config` must be valid (as parse_hf_config / model_preset return it).
 ModelLayout model_layout(const ModelConfig& config);
 

@@ -76,8 +76,8 @@ try:
     import torch
     import torch.nn.functional as F
     import transformers
-    from transformers import (AttentionInterface, AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config,
-                              Qwen3Config)
+    from transformers import (AttentionInterface, AutoModelForCausalLM, LlamaConfig, MistralConfig, Olmo2Config,
+                              Qwen2Config, Qwen3Config)
 except ImportError as e:
     print("SKIP: the transformers oracle is not installed in %s (%s); tools/requirements.txt pins it" %
           (sys.executable, e))
@@ -244,6 +244,17 @@ CASES = [
          head_dim=32, rope={"rope_type": "default", "rope_theta": 1e6}),
     dict(name="qwen3-untied-fp32-nvme", arch="qwen3", tied=False, vocab=256, seq=32, disk="float32", shard=False,
          precision="fp32", placement="nvme", stage=3, gas=1, clip=1.0, schedule=None, lr=2e-3, seed=25, head_dim=16),
+    # OLMo 2: norms after attention and after the MLP (none before), q/k norms over the whole
+    # projection, the norms' weights applied in fp32 and RoPE in fp32 (which only bf16 shows), and
+    # Olmo2Config's pad_token_id 1: the random tokens hit that embedding row, which transformers'
+    # lookup gives no gradient.
+    dict(name="olmo2-untied-fp32-none", arch="olmo2", tied=False, vocab=320, seq=32, disk="float32", shard=False,
+         precision="fp32", placement="none", stage=3, gas=2, clip=0.5, schedule=None, lr=2e-3, seed=26,
+         rope={"rope_type": "default", "rope_theta": 500000.0}),
+    dict(name="olmo2-untied-bf16-cpu", arch="olmo2", tied=False, vocab=384, seq=32, disk="bfloat16", shard=True,
+         precision="bf16", placement="cpu", stage=3, gas=2, clip=1.0, schedule="warmup", lr=2e-3, seed=27),
+    dict(name="olmo2-tied-fp32-nvme", arch="olmo2", tied=True, vocab=256, seq=32, disk="float32", shard=False,
+         precision="fp32", placement="nvme", stage=3, gas=2, clip=1.0, schedule=None, lr=2e-3, seed=28),
     dict(name="llama-tied-bf16-cpu-noacc", arch="llama", tied=True, vocab=256, seq=32, disk="float32",
          shard=False, precision="bf16", placement="cpu", stage=3, gas=2, clip=0.0, schedule="warmup", lr=2e-3,
          seed=22, accumulators="none"),
@@ -302,7 +313,8 @@ def zoffload_config(case):
 # ---- Models and data ---------------------------------------------------------------------------
 
 def hf_config(case, rope=None):
-    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[case["arch"]]
+    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
+           "olmo2": Olmo2Config}[case["arch"]]
     extra = {"head_dim": case["head_dim"]} if "head_dim" in case else {}
     return cls(vocab_size=case["vocab"], hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
                num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
@@ -378,8 +390,9 @@ def fma32(a, b, c):
 # ---- bf16 masters: the engine's stochastic rounding, redone (Note [Stochastic rounding to bf16]) ----
 
 _M64 = (1 << 64) - 1
-# The engine's parameter order within a decoder layer (engine/model/model_config.cpp), which keys
-# each parameter's rounding.
+# The engine's parameter order within a decoder layer of the pre-norm families
+# (engine/model/model_config.cpp, decoder_params), which keys each parameter's rounding.
+_PRE_NORM = ("llama", "mistral", "qwen2", "qwen3")
 _LAYER_ORDER = ["input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.q_proj.bias",
                 "self_attn.k_proj.weight", "self_attn.k_proj.bias", "self_attn.v_proj.weight",
                 "self_attn.v_proj.bias", "self_attn.o_proj.weight", "self_attn.q_norm.weight",
@@ -387,16 +400,19 @@ _LAYER_ORDER = ["input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.
                 "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
 
 
-def engine_param_index(names):
-    """name -> the engine's index of that parameter (embedding, layers, final norm, untied head)."""
-    def key(n):
+def engine_param_index(names, arch):
+    """name -> the engine's index of that parameter (embedding, layers, final norm, untied head).
+    `names` in transformers' module order, which the engine keeps within a layer except for the
+    pre-norm families (_LAYER_ORDER)."""
+    def key(i_name):
+        i, n = i_name
         if n == "model.embed_tokens.weight":
             return (0, 0, 0)
         if n.startswith("model.layers."):
             layer, rest = n[len("model.layers."):].split(".", 1)
-            return (1, int(layer), _LAYER_ORDER.index(rest))
+            return (1, int(layer), _LAYER_ORDER.index(rest) if arch in _PRE_NORM else i)
         return (2, 0, 0 if n == "model.norm.weight" else 1)
-    return {n: i for i, n in enumerate(sorted(names, key=key))}
+    return {n: i for i, (_, n) in enumerate(sorted(enumerate(names), key=key))}
 
 
 def sr_key(seed, step, param):
@@ -484,7 +500,7 @@ def reference_train(case, model_dir, batches, attention, engine_adam, data_seed)
     if tied_bf16:
         copies["model.embed_tokens.weight"].insert(0, cparams["lm_head.weight"])
     bf16_masters = case.get("master") == "bf16"
-    param_index = engine_param_index(names)
+    param_index = engine_param_index(names, case["arch"])
     if bf16_masters:  # they start as the weights rounded to nearest even
         with torch.no_grad():
             for n in names:

@@ -110,6 +110,15 @@ constexpr const char* kQwen25_7b_v5 = R"({
   "use_mrope": false, "use_sliding_window": false, "vocab_size": 152064
 })";
 
+// OLMo-2-1124-7B's config.json from its model page (transformers 4.46).
+constexpr const char* kOlmo2_7b = R"({
+  "architectures": ["Olmo2ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0, "eos_token_id": 100257,
+  "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 11008,
+  "max_position_embeddings": 4096, "model_type": "olmo2", "num_attention_heads": 32, "num_hidden_layers": 32,
+  "num_key_value_heads": 32, "pad_token_id": 100277, "rms_norm_eps": 1e-06, "rope_scaling": null, "rope_theta": 500000,
+  "tie_word_embeddings": false, "torch_dtype": "float32", "transformers_version": "4.46.0.dev0", "use_cache": true,
+  "vocab_size": 100352})";
+
 // Qwen3-8B's config.json from its model page (transformers 4.51).
 constexpr const char* kQwen3_8b = R"({
   "architectures": ["Qwen3ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0, "bos_token_id": 151643,
@@ -173,7 +182,7 @@ void expect_same(const ModelConfig& a, const ModelConfig& b) {
   EXPECT_EQ(a.attention_bias, b.attention_bias);
   EXPECT_EQ(a.source_dtype, b.source_dtype);
   EXPECT_EQ(a.sliding_window, b.sliding_window);
-  EXPECT_EQ(a.qk_norm, b.qk_norm);
+  EXPECT_EQ(a.pad_token_id, b.pad_token_id);
 }
 
 TEST(HfConfig, ParsesLlama2) {
@@ -227,7 +236,7 @@ TEST(HfConfig, ParsesQwen2WithBiasesAndTiedEmbeddings) {
 TEST(HfConfig, ParsesQwen3WithQkNorms) {
   const ModelConfig c = parse_ok(kQwen3_8b);
   EXPECT_EQ(c.model_type, "qwen3");
-  EXPECT_TRUE(c.qk_norm);
+  EXPECT_EQ(c.family().qk_norm, QkNorm::kPerHead);
   EXPECT_FALSE(c.attention_bias);
   EXPECT_EQ(c.head_dim, 128u);
   EXPECT_EQ(c.sliding_window, 0u) << "use_sliding_window is false";
@@ -249,6 +258,64 @@ TEST(HfConfig, ParsesQwen3WithQkNorms) {
   const Result<ModelConfig> r = parse_hf_config(biased, "config.json");
   ASSERT_FALSE(r.is_ok());
   EXPECT_THAT(r.status().message(), HasSubstr("attention_bias"));
+}
+
+// OLMo 2: no input norm, norms after attention and after the MLP, q/k norms over the whole
+// projection. Its parameter count is transformers' for OLMo-2-1124-7B (Olmo2ForCausalLM built from
+// this config on the meta device: 7,298,617,344).
+TEST(HfConfig, ParsesOlmo2WithPostNorms) {
+  const ModelConfig c = parse_ok(kOlmo2_7b);
+  EXPECT_EQ(c.model_type, "olmo2");
+  EXPECT_EQ(c.family().norms, NormPlacement::kPost);
+  EXPECT_EQ(c.family().qk_norm, QkNorm::kWhole);
+  EXPECT_EQ(c.head_dim, 128u);
+  EXPECT_EQ(c.rope_theta, 500000.0);
+  EXPECT_EQ(num_parameters(c), 7'298'617'344u);
+  const ModelLayout layout = model_layout(c);
+  const BlockSpec& b0 = layout.blocks[1];
+  std::vector<std::string> names;
+  for (const uint32_t p : b0.params)
+    names.push_back(layout.params[p].name.substr(std::string("model.layers.0.").size()));
+  EXPECT_THAT(names,
+              ::testing::ElementsAre("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                                     "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+                                     "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+                                     "post_attention_layernorm.weight", "post_feedforward_layernorm.weight"));
+  EXPECT_EQ(layout.params[b0.params[4]].shape, std::vector<int64_t>{4096});
+  EXPECT_EQ(layout_elems(layout), num_parameters(c));
+  // Biases on all four projections are another layout: refused, naming the key.
+  std::string biased = kOlmo2_7b;
+  biased.replace(biased.find("\"attention_bias\": false"), 23, "\"attention_bias\": true");
+  const Result<ModelConfig> r = parse_hf_config(biased, "config.json");
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_THAT(r.status().message(), HasSubstr("attention_bias"));
+}
+
+// pad_token_id is nn.Embedding's padding_idx in transformers: read, the family's default where absent,
+// null for none, negative from the end as torch takes it, refused outside the vocabulary; exported.
+TEST(HfConfig, PadTokenIdIsReadWithTheFamilysDefault) {
+  auto llama_with_pad = [](const std::string& value) {
+    return "{\"pad_token_id\": " + value + "," + std::string(kLlama2_7b).substr(1);
+  };
+  EXPECT_EQ(parse_ok(kLlama2_7b).pad_token_id, -1);
+  EXPECT_EQ(parse_ok(kOlmo2_7b).pad_token_id, 100277);
+  std::string olmo = kOlmo2_7b;
+  olmo.replace(olmo.find("\"pad_token_id\": 100277, "), 24, "");
+  EXPECT_EQ(parse_ok(olmo).pad_token_id, 1) << "Olmo2Config's default";
+  EXPECT_EQ(parse_ok(llama_with_pad("null")).pad_token_id, -1);
+  EXPECT_EQ(parse_ok(llama_with_pad("0")).pad_token_id, 0);
+  EXPECT_EQ(parse_ok(llama_with_pad("-1")).pad_token_id, 31999);
+  for (const char* bad : {"32000", "-32001", "\"0\"", "1.5"}) {
+    const Result<ModelConfig> r = parse_hf_config(llama_with_pad(bad), "config.json");
+    ASSERT_FALSE(r.is_ok()) << bad;
+    EXPECT_THAT(r.status().message(), HasSubstr("key 'pad_token_id'")) << bad;
+  }
+  ModelConfig c = parse_ok(llama_with_pad("7"));
+  c.source_dtype = "bfloat16";
+  expect_same(parse_ok(to_hf_config_json(c, "bfloat16")), c);
+  ModelConfig none = parse_ok(kOlmo2_7b);
+  none.pad_token_id = -1;
+  EXPECT_EQ(parse_ok(to_hf_config_json(none, "float32")).pad_token_id, -1) << "null, not Olmo2Config's default";
 }
 
 TEST(HfConfig, ParsesMistralWithSlidingWindow) {
@@ -557,11 +624,12 @@ TEST(ModelLayout, TiedHeadReusesEmbeddingAndQwenHasBiases) {
 }
 
 TEST(HfConfigExport, RoundTripsEveryFamily) {
-  for (const char* text : {kLlama2_7b, kLlama31_8b, kQwen2_05b, kMistral_7b, kQwen3_8b}) {
+  for (const char* text : {kLlama2_7b, kLlama31_8b, kQwen2_05b, kMistral_7b, kQwen3_8b, kOlmo2_7b}) {
     ModelConfig c = parse_ok(text);
     const std::string json = to_hf_config_json(c, "bfloat16");
     EXPECT_THAT(json, HasSubstr(c.model_type == "qwen2"     ? "Qwen2ForCausalLM"
                                 : c.model_type == "qwen3"   ? "Qwen3ForCausalLM"
+                                : c.model_type == "olmo2"   ? "Olmo2ForCausalLM"
                                 : c.model_type == "mistral" ? "MistralForCausalLM"
                                                             : "LlamaForCausalLM"));
     c.source_dtype = "bfloat16";

@@ -238,6 +238,24 @@ TEST(LlamaForward, Int32TokenIdsEmbedLikeInt64) {
                            block_forward(c, emb, block_params(emb, params), ids, rope)));
 }
 
+// transformers' nn.Embedding(padding_idx=pad_token_id): looking the pad token up adds nothing to its
+// row's gradient; the other rows get theirs.
+TEST(LlamaForward, PadTokensRowGetsNoGradientFromTheLookup) {
+  ModelConfig c = test_config(false);
+  c.pad_token_id = 3;
+  const ModelLayout layout = model_layout(c);
+  const BlockSpec& emb = layout.blocks[0];
+  std::vector<torch::Tensor> params = block_params(emb, random_params(layout, 12));
+  params[0].set_requires_grad(true);
+  const torch::Tensor ids = torch::tensor({{3, 5, 3, 7}}, torch::kInt64);
+  const RopeTables rope = make_rope_tables(c, 4, torch::kCPU);
+  block_forward(c, emb, params, ids, rope).sum().backward();
+  const torch::Tensor g = params[0].grad();
+  EXPECT_TRUE(torch::equal(g[3], torch::zeros_like(g[3])));
+  EXPECT_TRUE(torch::equal(g[5], torch::ones_like(g[5])));
+  EXPECT_TRUE(torch::equal(g[7], torch::ones_like(g[7])));
+}
+
 TEST(LlamaForward, BadInputsBecomeStatusesAtTheBoundary) {
   ModelConfig c = test_config(false);
   const ModelLayout layout = model_layout(c);
