@@ -6,7 +6,10 @@
 #include <cmath>
 #include <exception>
 #include <numbers>
+#include <optional>
 #include <string>
+#include <tuple>
+#include <utility>
 
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wunused-parameter"
@@ -29,6 +32,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, N
   switch (scale) {
     case NormScale::kCastThenScale: return weight * normed.to(x.scalar_type());
     case NormScale::kScaleInFp32: return (weight * normed).to(x.scalar_type());
+    case NormScale::kOnePlusInFp32: return (normed * (1.0 + weight.to(at::kFloat))).to(x.scalar_type());
   }
   TORCH_CHECK(false, "unknown norm scale");
 }
@@ -63,8 +67,8 @@ size_t expected_params(const ModelConfig& config, BlockKind kind) {
   return 0;
 }
 
-at::Tensor decoder_forward(const ModelConfig& config, const std::vector<at::Tensor>& p, const at::Tensor& x,
-                           const RopeTables& rope) {
+at::Tensor decoder_forward(const ModelConfig& config, int64_t layer, const std::vector<at::Tensor>& p,
+                           const at::Tensor& x, const RopeTables& rope) {
   const int64_t T = x.size(1);
   const auto heads = static_cast<int64_t>(config.num_attention_heads);
   const auto kv_heads = static_cast<int64_t>(config.num_key_value_heads);
@@ -73,9 +77,12 @@ at::Tensor decoder_forward(const ModelConfig& config, const std::vector<at::Tens
               config.hidden_size, "], got ", x.sizes());
   TORCH_CHECK(rope.cos.defined() && rope.cos.size(0) >= T, "RoPE tables cover fewer positions than the sequence (", T,
               ")");
-  TORCH_CHECK(config.sliding_window == 0 || static_cast<uint64_t>(T) <= config.sliding_window, "sequence length ", T,
-              " exceeds the model's sliding attention window ", config.sliding_window,
-              " (sliding-window attention is not implemented)");
+  TORCH_CHECK(
+      !config.sliding_layers.empty() || config.sliding_window == 0 || static_cast<uint64_t>(T) <= config.sliding_window,
+      "sequence length ", T, " exceeds the model's sliding attention window ", config.sliding_window,
+      " (sliding-window attention is implemented for gemma3_text only)");
+  const bool sliding = !config.sliding_layers.empty() && config.sliding_layers.at(static_cast<size_t>(layer));
+  TORCH_CHECK(!sliding || rope.local_cos.defined(), "the sliding layers' RoPE tables are missing");
   std::array<at::Tensor, static_cast<size_t>(DecoderRole::kCount)> w;  // undefined: not in this family
   const std::vector<DecoderParam> slots = decoder_params(config);
   for (size_t i = 0; i < slots.size(); ++i) w[static_cast<size_t>(slots[i].role)] = p[i];
@@ -100,20 +107,24 @@ at::Tensor decoder_forward(const ModelConfig& config, const std::vector<at::Tens
   at::Tensor q = project(R::kQ, R::kQBias, R::kQNorm, heads);
   at::Tensor k = project(R::kK, R::kKBias, R::kKNorm, kv_heads);
   const at::Tensor v = split_heads(dense(n, at_role(R::kV), at_role(R::kVBias)), kv_heads, head_dim);
+  const at::Tensor& cos_table = sliding ? rope.local_cos : rope.cos;
+  const at::Tensor& sin_table = sliding ? rope.local_sin : rope.sin;
   if (family.rope_in_fp32) {
     // OLMo 2 rotates with the fp32 tables (q, k promoted to fp32) and casts the result back.
-    const at::Tensor cos = rope.cos.narrow(0, 0, T), sin = rope.sin.narrow(0, 0, T);
+    const at::Tensor cos = cos_table.narrow(0, 0, T), sin = sin_table.narrow(0, 0, T);
     q = (q * cos + rotate_half(q) * sin).to(x.scalar_type());
     k = (k * cos + rotate_half(k) * sin).to(x.scalar_type());
   } else {
     // HF casts the fp32 tables to the activations' dtype before rotating.
-    const at::Tensor cos = rope.cos.narrow(0, 0, T).to(q.scalar_type());
-    const at::Tensor sin = rope.sin.narrow(0, 0, T).to(q.scalar_type());
+    const at::Tensor cos = cos_table.narrow(0, 0, T).to(q.scalar_type());
+    const at::Tensor sin = sin_table.narrow(0, 0, T).to(q.scalar_type());
     q = q * cos + rotate_half(q) * sin;
     k = k * cos + rotate_half(k) * sin;
   }
   const int64_t n_rep = heads / kv_heads;
-  const at::Tensor attn = causal_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), /*use_sdpa=*/true);
+  const double scale = config.query_pre_attn_scalar > 0 ? std::pow(config.query_pre_attn_scalar, -0.5) : 0.0;
+  const at::Tensor attn = causal_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), /*use_sdpa=*/true, scale,
+                                           sliding ? static_cast<int64_t>(config.sliding_window) : 0);
   at::Tensor a = dense(attn.transpose(1, 2).reshape({x.size(0), T, heads * head_dim}), at_role(R::kO));
   if (post) a = norm(a, R::kPostAttnNorm);
   const at::Tensor h = x + a;
@@ -122,7 +133,8 @@ at::Tensor decoder_forward(const ModelConfig& config, const std::vector<at::Tens
   // gate before up, as transformers records them (C++ leaves the order of a product's operands open):
   // where `m` is the residual stream itself (post-norm), the order its three gradients are added in
   // shows in bf16.
-  const at::Tensor gate = at::silu(dense(m, at_role(R::kGate)));
+  const at::Tensor gate_in = dense(m, at_role(R::kGate));
+  const at::Tensor gate = config.activation == MlpActivation::kGeluTanh ? at::gelu(gate_in, "tanh") : at::silu(gate_in);
   const at::Tensor up = dense(m, at_role(R::kUp));
   at::Tensor f = dense(gate * up, at_role(R::kDown));
   if (post) f = norm(f, R::kPostMlpNorm);
@@ -172,23 +184,47 @@ torch::Tensor rope_inv_freq(const ModelConfig& config) {
 }
 
 RopeTables make_rope_tables(const ModelConfig& config, int64_t seq_len, torch::Device device) {
-  const at::Tensor inv_freq = rope_inv_freq(config).to(device);
   const at::Tensor positions = at::arange(seq_len, at::TensorOptions().dtype(at::kFloat).device(device));
-  const at::Tensor freqs = at::outer(positions, inv_freq);
-  const at::Tensor emb = at::cat({freqs, freqs}, -1);
-  return {emb.cos(), emb.sin()};
+  auto tables = [&](const ModelConfig& c) {
+    const at::Tensor freqs = at::outer(positions, rope_inv_freq(c).to(device));
+    const at::Tensor emb = at::cat({freqs, freqs}, -1);
+    return std::pair{emb.cos(), emb.sin()};
+  };
+  RopeTables out;
+  std::tie(out.cos, out.sin) = tables(config);
+  if (!config.sliding_layers.empty()) {  // Gemma 3's sliding layers: their own theta, no scaling
+    ModelConfig local = config;
+    local.rope_theta = config.local_rope_theta;
+    local.rope_scaling = RopeScaling{};
+    std::tie(out.local_cos, out.local_sin) = tables(local);
+  }
+  return out;
 }
 
-torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, bool use_sdpa) {
-  if (use_sdpa)
-    return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true);
+torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, bool use_sdpa,
+                               double scale, int64_t window) {
+  const int64_t T = q.size(-2), S = k.size(-2);
+  // Keys a query may not see: later ones, and with a window those window or more behind it.
+  at::Tensor hidden;
+  if (window > 0 && window < S) {
+    const at::Tensor i = at::arange(T, q.options().dtype(at::kLong)).unsqueeze(1);
+    const at::Tensor j = at::arange(S, q.options().dtype(at::kLong)).unsqueeze(0);
+    hidden = at::logical_or(j > i, j <= i - window);
+  }
+  const std::optional<double> sdpa_scale = scale > 0 ? std::optional<double>(scale) : std::nullopt;
+  if (use_sdpa) {
+    if (!hidden.defined())
+      return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true,
+                                              sdpa_scale);
+    return at::scaled_dot_product_attention(q, k, v, at::logical_not(hidden), /*dropout_p=*/0.0, /*is_causal=*/false,
+                                            sdpa_scale);
+  }
   // HF's eager attention: scores in the compute dtype, softmax in fp32, probabilities cast back.
-  const int64_t T = q.size(-2);
-  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
-  const at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) * scale;
-  const at::Tensor future = at::ones({T, k.size(-2)}, q.options().dtype(at::kBool)).triu(1);
+  const double s = scale > 0 ? scale : 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
+  const at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) * s;
+  if (!hidden.defined()) hidden = at::ones({T, S}, q.options().dtype(at::kBool)).triu(1);
   const at::Tensor probs =
-      at::softmax(scores.to(at::kFloat).masked_fill(future, -std::numeric_limits<float>::infinity()), -1)
+      at::softmax(scores.to(at::kFloat).masked_fill(hidden, -std::numeric_limits<float>::infinity()), -1)
           .to(q.scalar_type());
   return at::matmul(probs, v);
 }
@@ -200,13 +236,19 @@ torch::Tensor block_forward(const ModelConfig& config, const BlockSpec& block, c
   switch (block.kind) {
     case BlockKind::kEmbedding: {
       TORCH_CHECK(input.dim() == 2, "embedding input must be token ids [B, T], got ", input.sizes());
-      return at::embedding(params[0], input.to(at::kLong), config.pad_token_id);
+      const at::Tensor embedded = at::embedding(params[0], input.to(at::kLong), config.pad_token_id);
+      if (!config.scale_embeddings) return embedded;
+      // Gemma: √hidden as an fp32 tensor, rounded to the weights' dtype (transformers' embed_scale).
+      const double root = std::sqrt(static_cast<double>(config.hidden_size));
+      return embedded * at::scalar_tensor(root, at::kFloat).to(params[0].scalar_type());
     }
-    case BlockKind::kDecoder: return decoder_forward(config, params, input, rope);
+    case BlockKind::kDecoder: return decoder_forward(config, block.layer, params, input, rope);
     case BlockKind::kHead: {
       TORCH_CHECK(input.dim() == 3, "head input must be [B, T, H], got ", input.sizes());
-      return dense(rms_norm(input, params[0], config.rms_norm_eps, config.family().norm_scale), params[1])
-          .to(at::kFloat);
+      at::Tensor logits = dense(rms_norm(input, params[0], config.rms_norm_eps, config.family().norm_scale), params[1]);
+      if (config.final_logit_softcap > 0)  // Gemma: in the compute dtype, as transformers caps them
+        logits = at::tanh(logits / config.final_logit_softcap) * config.final_logit_softcap;
+      return logits.to(at::kFloat);
     }
   }
   TORCH_CHECK(false, "unknown block kind");

@@ -25,6 +25,7 @@ namespace zo::engine {
 // freqs[t, i] = t · inv_freq[i].
 struct RopeTables {
   torch::Tensor cos, sin;
+  torch::Tensor local_cos, local_sin;  // the sliding layers' (config.sliding_layers): local_rope_theta, unscaled
 };
 
 // inv_freq[i] = 1 / rope_theta^(2i / head_dim), i < head_dim/2, with linear or llama3 scaling applied
@@ -39,20 +40,24 @@ torch::ScalarType to_torch_dtype(DType dtype);
 
 // Runs one block. `params` are the block's tensors in BlockSpec::params order, in the compute dtype.
 // kEmbedding: int64 (or int32) token ids [B, T] -> [B, T, H], the pad_token_id row getting no gradient
-// from the lookup (nn.Embedding's padding_idx). kDecoder: [B, T, H] -> [B, T, H], the family's block
-// (Note [Model families]); llama's is h = x + o_proj(attn(rmsnorm(x))), h + down(silu(gate(n)) * up(n))
-// with n = rmsnorm(h); causal grouped-query attention with RoPE (q/k/v biases when
-// config.attention_bias). kHead: [B, T, H] -> logits [B, T, V] = lm_head(rmsnorm(x)) computed in the
-// compute dtype, returned as fp32. RMSNorm as HF's (normalize in fp32, the family's NormScale);
-// attention softmax in fp32. `rope` must cover at least T positions. Autograd records it as usual.
+// from the lookup (nn.Embedding's padding_idx), times √hidden in the compute dtype where
+// config.scale_embeddings. kDecoder: [B, T, H] -> [B, T, H], the family's block (Note [Model
+// families]); llama's is h = x + o_proj(attn(rmsnorm(x))), h + down(silu(gate(n)) * up(n)) with
+// n = rmsnorm(h); causal grouped-query attention with RoPE (q/k/v biases when config.attention_bias),
+// within the window on config.sliding_layers. kHead: [B, T, H] -> logits [B, T, V] =
+// lm_head(rmsnorm(x)) computed (and soft-capped, config.final_logit_softcap) in the compute dtype,
+// returned as fp32. RMSNorm as HF's (normalize in fp32, the family's NormScale); attention softmax
+// in fp32. `rope` must cover at least T positions. Autograd records it as usual.
 torch::Tensor block_forward(const ModelConfig& config, const BlockSpec& block, const std::vector<torch::Tensor>& params,
                             const torch::Tensor& input, const RopeTables& rope);
 
 // Causal attention over q [B, heads, T, D] and k, v [B, heads, T, D] (already expanded to `heads`),
-// scale 1/sqrt(D), softmax in fp32. use_sdpa: at::scaled_dot_product_attention with is_causal
-// (what block_forward uses), else an explicit masked softmax as HF's eager attention (the
-// reference the tests compare SDPA with). Same math to float tolerance.
-torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, bool use_sdpa);
+// scores scaled by `scale` (0: 1/sqrt(D)), softmax in fp32. window > 0 and < T: query i sees keys
+// i - window < j ≤ i only (transformers' sliding-window mask). use_sdpa: at::scaled_dot_product_attention,
+// with is_causal or that boolean mask (what block_forward uses), else an explicit masked softmax as
+// HF's eager attention (the reference the tests compare SDPA with). Same math to float tolerance.
+torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, bool use_sdpa,
+                               double scale = 0, int64_t window = 0);
 
 // Mean cross-entropy in fp32 over the targets != -100 (int64 or int32 [B, T]) of logits [B, T, V];
 // 0 (still with a grad) when every target is masked. No host synchronisation.

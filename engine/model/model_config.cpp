@@ -1,5 +1,6 @@
 #include "engine/model/model_config.h"
 
+#include <cmath>
 #include <span>
 #include <utility>
 
@@ -133,6 +134,67 @@ Status require_default(const KeyReader& r, std::string_view key, const json& exp
   return r.error(key, v->dump() + " is not supported (" + std::string(why) + ")");
 }
 
+// Gemma 3's own keys (Gemma3TextConfig; its defaults where absent). RoPE: transformers ≥ 5 writes
+// rope_parameters per layer type ({"full_attention": {...}, "sliding_attention": {...}}); < 5 wrote
+// rope_theta and rope_scaling for the full layers and rope_local_base_freq for the sliding ones.
+Status parse_gemma(const KeyReader& r, const json& doc, const std::string& source, ModelConfig* c) {
+  c->scale_embeddings = true;
+  std::string act = "gelu_pytorch_tanh";
+  ZO_RETURN_IF_ERROR(r.string("hidden_activation", &act));
+  if (act != "gelu_pytorch_tanh")
+    return r.error("hidden_activation", "unsupported activation \"" + act + "\" (supported: gelu_pytorch_tanh)");
+  c->activation = MlpActivation::kGeluTanh;
+  c->query_pre_attn_scalar = 256;
+  ZO_RETURN_IF_ERROR(r.positive("query_pre_attn_scalar", &c->query_pre_attn_scalar));
+  ZO_RETURN_IF_ERROR(r.positive("final_logit_softcapping", &c->final_logit_softcap));
+  ZO_RETURN_IF_ERROR(
+      require_default(r, "attn_logit_softcapping", nullptr, "soft-capped attention scores are not implemented"));
+  ZO_RETURN_IF_ERROR(
+      require_default(r, "use_bidirectional_attention", false, "zoffload trains causal language models"));
+  c->sliding_window = 4096;
+  if (doc.contains("sliding_window") && doc["sliding_window"].is_null())
+    return r.error("sliding_window", "null is not supported: Gemma 3's sliding layers need a window");
+  ZO_RETURN_IF_ERROR(r.size("sliding_window", &c->sliding_window, false));
+  c->sliding_layers.assign(c->num_hidden_layers, false);
+  if (const json* lt = r.find("layer_types"); lt != nullptr) {
+    if (!lt->is_array() || lt->size() != c->num_hidden_layers)
+      return r.error("layer_types",
+                     "expected a list of num_hidden_layers (" + std::to_string(c->num_hidden_layers) + ") strings");
+    for (size_t i = 0; i < lt->size(); ++i) {
+      const json& t = (*lt)[i];
+      if (t != "full_attention" && t != "sliding_attention")
+        return r.error("layer_types", t.dump() + " is not supported (full_attention or sliding_attention)");
+      c->sliding_layers[i] = t == "sliding_attention";
+    }
+  } else {
+    uint64_t pattern = 6;  // every sixth layer full, the others sliding
+    ZO_RETURN_IF_ERROR(r.size("sliding_window_pattern", &pattern, false));
+    for (uint64_t i = 0; i < c->num_hidden_layers; ++i) c->sliding_layers[i] = (i + 1) % pattern != 0;
+  }
+  ZO_RETURN_IF_ERROR(r.positive("rope_local_base_freq", &c->local_rope_theta));
+  const json* rp = r.find("rope_parameters");
+  if (rp == nullptr || r.find("rope_scaling") != nullptr) return Status::ok();  // < 5's form, read above
+  if (!rp->is_object()) return r.error("rope_parameters", "expected an object or null, got " + type_name(*rp));
+  for (const auto& [type, value] : rp->items()) {
+    if (type == "full_attention") {
+      ZO_RETURN_IF_ERROR(parse_rope(r, "rope_parameters.full_attention", value, source, c->max_position_embeddings, c));
+    } else if (type == "sliding_attention") {
+      ModelConfig local;
+      local.rope_theta = c->local_rope_theta;
+      ZO_RETURN_IF_ERROR(
+          parse_rope(r, "rope_parameters.sliding_attention", value, source, c->max_position_embeddings, &local));
+      if (local.rope_scaling.type != RopeScalingType::kNone)
+        return r.error("rope_parameters.sliding_attention",
+                       "only the default RoPE type is supported for the sliding layers (as Gemma 3 ships)");
+      c->local_rope_theta = local.rope_theta;
+    } else {
+      return r.error("rope_parameters." + type,
+                     "expected the settings of full_attention and sliding_attention (per layer type)");
+    }
+  }
+  return Status::ok();
+}
+
 const char* architecture_of(const std::string& model_type) { return find_model_family(model_type)->architecture; }
 
 }  // namespace
@@ -140,18 +202,20 @@ const char* architecture_of(const std::string& model_type) { return find_model_f
 const std::vector<ModelFamily>& model_families() {
   // clang-format off
   static const std::vector<ModelFamily> families = {
-      // model_type architecture          qkv_bias qk_norm           norms                   norm_scale
-      //   rope_in_fp32 window window_opt_in mlp_bias_key head_dim pad_token_id
-      {"llama",     "LlamaForCausalLM",   false,   QkNorm::kNone,    NormPlacement::kPre,  NormScale::kCastThenScale,
-         false,       false, false,        true,        0,       -1},
-      {"mistral",   "MistralForCausalLM", false,   QkNorm::kNone,    NormPlacement::kPre,  NormScale::kCastThenScale,
-         false,       true,  false,        true,        0,       -1},
-      {"qwen2",     "Qwen2ForCausalLM",   true,    QkNorm::kNone,    NormPlacement::kPre,  NormScale::kCastThenScale,
-         false,       true,  true,         false,       0,       -1},
-      {"qwen3",     "Qwen3ForCausalLM",   false,   QkNorm::kPerHead, NormPlacement::kPre,  NormScale::kCastThenScale,
-         false,       true,  true,         false,       128,     -1},
-      {"olmo2",     "Olmo2ForCausalLM",   false,   QkNorm::kWhole,   NormPlacement::kPost, NormScale::kScaleInFp32,
-         true,        false, false,        false,       0,       1},
+      // model_type     architecture         qkv_bias qk_norm           norms
+      //   norm_scale                  rope_in_fp32 gemma  window window_opt_in mlp_bias_key head_dim pad_token_id
+      {"llama",         "LlamaForCausalLM",   false, QkNorm::kNone,    NormPlacement::kPre,
+         NormScale::kCastThenScale,  false,       false, false, false,        true,        0,       -1},
+      {"mistral",       "MistralForCausalLM", false, QkNorm::kNone,    NormPlacement::kPre,
+         NormScale::kCastThenScale,  false,       false, true,  false,        true,        0,       -1},
+      {"qwen2",         "Qwen2ForCausalLM",   true,  QkNorm::kNone,    NormPlacement::kPre,
+         NormScale::kCastThenScale,  false,       false, true,  true,         false,       0,       -1},
+      {"qwen3",         "Qwen3ForCausalLM",   false, QkNorm::kPerHead, NormPlacement::kPre,
+         NormScale::kCastThenScale,  false,       false, true,  true,         false,       128,     -1},
+      {"olmo2",         "Olmo2ForCausalLM",   false, QkNorm::kWhole,   NormPlacement::kPost,
+         NormScale::kScaleInFp32,    true,        false, false, false,        false,       0,       1},
+      {"gemma3_text",   "Gemma3ForCausalLM",  false, QkNorm::kPerHead, NormPlacement::kSandwich,
+         NormScale::kOnePlusInFp32,  false,       true,  false, false,        false,       256,     0},
   };
   // clang-format on
   return families;
@@ -181,8 +245,16 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, const std::strin
   if (family == nullptr) {
     std::vector<std::string> names;
     for (const ModelFamily& f : model_families()) names.emplace_back(f.model_type);
+    std::string why;
+    if (c.model_type == "qwen3_moe" || c.model_type == "qwen2_moe" || c.model_type == "mixtral" ||
+        c.model_type == "olmoe" || c.model_type == "deepseek_v3")
+      why = "; mixture-of-experts models are not supported";
+    else if (c.model_type == "gemma3")
+      why =
+          "; this is multimodal Gemma 3 (Gemma3ForConditionalGeneration): its text model, saved as gemma3_text "
+          "(Gemma3ForCausalLM), is supported";
     return r.error("model_type",
-                   "unsupported model_type \"" + c.model_type + "\" (supported: " + join(names, ", ") + ")");
+                   "unsupported model_type \"" + c.model_type + "\" (supported: " + join(names, ", ") + ")" + why);
   }
 
   ZO_RETURN_IF_ERROR(r.size("vocab_size", &c.vocab_size, true));
@@ -211,6 +283,10 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, const std::strin
                                               std::to_string(c.num_key_value_heads));
   ZO_RETURN_IF_ERROR(r.size("max_position_embeddings", &c.max_position_embeddings, false));
   ZO_RETURN_IF_ERROR(r.positive("rms_norm_eps", &c.rms_norm_eps));
+  if (family->gemma) {
+    c.rope_theta = 1e6;  // Gemma3TextConfig's defaults: global 1e6, local 1e4, tied
+    c.tie_word_embeddings = true;
+  }
   ZO_RETURN_IF_ERROR(r.positive("rope_theta", &c.rope_theta));
   ZO_RETURN_IF_ERROR(r.positive("initializer_range", &c.initializer_range, false, /*allow_zero=*/true));
   ZO_RETURN_IF_ERROR(r.boolean("tie_word_embeddings", &c.tie_word_embeddings));
@@ -236,9 +312,10 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, const std::strin
   };
   if (const json* rs = given("rope_scaling"); rs != nullptr) {
     ZO_RETURN_IF_ERROR(parse_rope(r, "rope_scaling", *rs, source_name, c.max_position_embeddings, &c));
-  } else if (const json* rp = given("rope_parameters"); rp != nullptr) {
+  } else if (const json* rp = given("rope_parameters"); rp != nullptr && !family->gemma) {
     ZO_RETURN_IF_ERROR(parse_rope(r, "rope_parameters", *rp, source_name, c.max_position_embeddings, &c));
   }
+  if (family->gemma) ZO_RETURN_IF_ERROR(parse_gemma(r, doc, source_name, &c));
   double partial = 1.0;
   ZO_RETURN_IF_ERROR(r.positive("partial_rotary_factor", &partial));
   if (partial != 1.0) return r.error("partial_rotary_factor", "only 1.0 (rotary over the whole head) is supported");
@@ -263,9 +340,11 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, const std::strin
     }
   }
 
-  std::string act = "silu";
-  ZO_RETURN_IF_ERROR(r.string("hidden_act", &act));
-  if (act != "silu") return r.error("hidden_act", "unsupported activation \"" + act + "\" (supported: silu)");
+  if (!family->gemma) {  // Gemma3TextConfig reads hidden_activation instead (parse_gemma)
+    std::string act = "silu";
+    ZO_RETURN_IF_ERROR(r.string("hidden_act", &act));
+    if (act != "silu") return r.error("hidden_act", "unsupported activation \"" + act + "\" (supported: silu)");
+  }
 
   // A sliding window only matters for sequences longer than it, and block_forward refuses those;
   // transformers' default window (4096) applies where the key is absent, null means none.
@@ -406,7 +485,9 @@ std::string to_hf_config_json(const ModelConfig& c, std::string_view torch_dtype
   j["num_attention_heads"] = c.num_attention_heads;
   j["num_key_value_heads"] = c.num_key_value_heads;
   j["head_dim"] = c.head_dim;
-  j["hidden_act"] = "silu";
+  const ModelFamily& family = c.family();
+  if (family.gemma) j["hidden_activation"] = "gelu_pytorch_tanh";
+  else j["hidden_act"] = "silu";
   j["max_position_embeddings"] = c.max_position_embeddings;
   j["rms_norm_eps"] = c.rms_norm_eps;
   j["rope_theta"] = c.rope_theta;
@@ -426,11 +507,24 @@ std::string to_hf_config_json(const ModelConfig& c, std::string_view torch_dtype
   }
   j["tie_word_embeddings"] = c.tie_word_embeddings;
   j["pad_token_id"] = c.pad_token_id >= 0 ? nlohmann::ordered_json(c.pad_token_id) : nullptr;
-  const ModelFamily& family = c.family();
   if (!family.qkv_bias) j["attention_bias"] = false;
   if (family.mlp_bias_key) j["mlp_bias"] = false;
   if (family.window_opt_in) j["use_sliding_window"] = c.sliding_window != 0;
   if (family.window) j["sliding_window"] = c.sliding_window != 0 ? nlohmann::ordered_json(c.sliding_window) : nullptr;
+  if (family.gemma) {  // transformers ≥ 5 reads rope_theta/rope_scaling/rope_local_base_freq as < 5 wrote them
+    j["rope_local_base_freq"] = c.local_rope_theta;
+    // An int in Gemma3TextConfig, which from_pretrained checks.
+    const double q = c.query_pre_attn_scalar;
+    j["query_pre_attn_scalar"] =
+        q == std::floor(q) ? nlohmann::ordered_json(static_cast<int64_t>(q)) : nlohmann::ordered_json(q);
+    j["sliding_window"] = c.sliding_window;
+    std::vector<std::string> types;
+    for (const bool sliding : c.sliding_layers) types.emplace_back(sliding ? "sliding_attention" : "full_attention");
+    j["layer_types"] = types;
+    j["final_logit_softcapping"] = c.final_logit_softcap > 0 ? nlohmann::ordered_json(c.final_logit_softcap) : nullptr;
+    j["attn_logit_softcapping"] = nullptr;
+    j["use_bidirectional_attention"] = false;
+  }
   j["torch_dtype"] = std::string(torch_dtype);
   return j.dump(2) + "\n";
 }
@@ -468,6 +562,11 @@ std::vector<DecoderParam> decoder_params(const ModelConfig& c) {
   add(R::kDown, "mlp.down_proj.weight", {H, I});
   if (f.norms == NormPlacement::kPost) {
     add(R::kPostAttnNorm, "post_attention_layernorm.weight", {H});
+    add(R::kPostMlpNorm, "post_feedforward_layernorm.weight", {H});
+  } else if (f.norms == NormPlacement::kSandwich) {
+    add(R::kInputNorm, "input_layernorm.weight", {H});
+    add(R::kPostAttnNorm, "post_attention_layernorm.weight", {H});
+    add(R::kPreMlpNorm, "pre_feedforward_layernorm.weight", {H});
     add(R::kPostMlpNorm, "post_feedforward_layernorm.weight", {H});
   }
   return out;

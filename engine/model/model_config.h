@@ -1,4 +1,4 @@
-// ModelConfig: the shape of a LLaMA-shaped model (llama, mistral, qwen2, qwen3, olmo2) read from a Hugging Face
+// ModelConfig: the shape of a LLaMA-shaped model (llama, mistral, qwen2, qwen3, olmo2, gemma3_text) read from a Hugging Face
 // config.json or a built-in preset, and ModelLayout: its parameters (HF names, HF shapes) and the
 // blocks forward runs, in order. No LibTorch. Pure values and functions; thread-safe.
 #pragma once
@@ -34,11 +34,17 @@ enum class NormPlacement : uint8_t {
 enum class NormScale : uint8_t {
   kCastThenScale,  // llama: weight * x̂.to(dtype)
   kScaleInFp32,    // OLMo 2: (weight * x̂).to(dtype), the product in fp32
+  kOnePlusInFp32,  // Gemma 3: (x̂ * (1 + weight)).to(dtype) in fp32; the weight starts at 0
 };
 enum class QkNorm : uint8_t {
   kNone,
   kPerHead,  // Qwen3: RMSNorm over each head's dims after the head split, weight [head_dim]
   kWhole,    // OLMo 2: RMSNorm over the whole projection before the split, weight [heads · head_dim]
+};
+// The MLP's gate activation, config.json's hidden_act (or Gemma's hidden_activation).
+enum class MlpActivation : uint8_t {
+  kSilu,      // "silu"
+  kGeluTanh,  // "gelu_pytorch_tanh": GELU with the tanh approximation
 };
 
 // Note [Model families]: the families differ from llama by a few choices of the one decoder block
@@ -48,13 +54,15 @@ enum class QkNorm : uint8_t {
 // family that is llama-shaped is a row (and its parity case).
 struct ModelFamily {
   const char* model_type;
-  const char* architecture;      // the *ForCausalLM class transformers saves and loads
-  bool qkv_bias;                 // q/k/v projections always carry biases (Qwen2); else attention_bias must be false
-  QkNorm qk_norm;                // q_norm, k_norm
-  NormPlacement norms;           // where the block's norms sit
-  NormScale norm_scale;          // how a norm's weight scales
-  bool rope_in_fp32;             // q, k rotated in fp32 and cast back (OLMo 2); else the tables are cast to q's dtype
-  bool window;                   // a sliding window: mistral's always, Qwen's with use_sliding_window
+  const char* architecture;  // the *ForCausalLM class transformers saves and loads
+  bool qkv_bias;             // q/k/v projections always carry biases (Qwen2); else attention_bias must be false
+  QkNorm qk_norm;            // q_norm, k_norm
+  NormPlacement norms;       // where the block's norms sit
+  NormScale norm_scale;      // how a norm's weight scales
+  bool rope_in_fp32;         // q, k rotated in fp32 and cast back (OLMo 2); else the tables are cast to q's dtype
+  bool gemma;   // Gemma 3's keys: hidden_activation, √hidden embedding scale, query_pre_attn_scalar, sliding and
+                // full layers with their own RoPE, logit soft-capping; tied by default
+  bool window;  // a sliding window: mistral's always, Qwen's with use_sliding_window
   bool window_opt_in;            // the window applies only with use_sliding_window (and layer_types names it)
   bool mlp_bias_key;             // config.json has mlp_bias (llama, mistral), which must be false
   uint64_t default_head_dim;     // head_dim where config.json has none (Qwen3Config's 128); 0: hidden / heads
@@ -73,13 +81,23 @@ struct ModelConfig {
   RopeScaling rope_scaling;
   bool tie_word_embeddings = false;
   bool attention_bias = false;  // q/k/v projections have biases (Qwen2)
+  MlpActivation activation = MlpActivation::kSilu;
+  bool scale_embeddings = false;     // the embedding's output times √hidden_size rounded to the compute dtype (Gemma)
+  double query_pre_attn_scalar = 0;  // Gemma: q·k is scaled by its ^-1/2; 0: by head_dim^-1/2
+  double final_logit_softcap = 0;    // logits = cap · tanh(logits / cap) in the compute dtype; 0: none
   // transformers' nn.Embedding padding_idx: the lookup adds no gradient to this row (the head's
   // use of a tied matrix still does); -1: none.
   int64_t pad_token_id = -1;
   std::string source_dtype = "float32";  // config.json "torch_dtype", informational
   // Mistral's (or Qwen2's, when use_sliding_window) attention window in tokens; 0 = full causal.
-  // block_forward runs full causal attention and refuses sequences longer than a set window.
+  // Without sliding_layers, block_forward runs full causal attention and refuses sequences longer
+  // than a set window.
   uint64_t sliding_window = 0;
+  // Gemma 3: per layer, whether it attends within the window (a query sees the sliding_window keys
+  // up to itself) with RoPE of local_rope_theta, unscaled, or to every earlier key with rope_theta
+  // and rope_scaling. Empty for the other families.
+  std::vector<bool> sliding_layers;
+  double local_rope_theta = 10000.0;
 
   // The row of model_type (which must be one: parse_hf_config and model_preset only return those).
   const ModelFamily& family() const;
@@ -161,6 +179,8 @@ struct DecoderParam {
 // qwen2, qwen3: input_layernorm, q_proj (weight, [bias]), k_proj, v_proj, o_proj, [q_norm, k_norm],
 // post_attention_layernorm (the pre-MLP norm), gate_proj, up_proj, down_proj. OLMo 2 in its module order:
 // q/k/v/o_proj, q_norm, k_norm, gate/up/down_proj, post_attention_layernorm, post_feedforward_layernorm.
+// Gemma 3 likewise: ..., down_proj, input_layernorm, post_attention_layernorm, pre_feedforward_layernorm,
+// post_feedforward_layernorm.
 std::vector<DecoderParam> decoder_params(const ModelConfig& config);
 
 // Layout: the embedding; per layer decoder_params with the "model.layers.<i>." prefix; the head block:

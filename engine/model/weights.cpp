@@ -168,7 +168,9 @@ Status random_init_weights(const ModelConfig& config, const ModelLayout& layout,
     for (uint64_t off = 0; off < n; off += chunk_elems) {
       const std::span<float> chunk(buffer.data(), std::min(chunk_elems, n - off));
       if (is_norm || is_bias) {
-        std::fill(chunk.begin(), chunk.end(), is_norm ? 1.0f : 0.0f);
+        // A norm scales by 1 at init: its weight is 1, or 0 where it scales by 1 + weight (Gemma).
+        const bool one_plus = config.family().norm_scale == NormScale::kOnePlusInFp32;
+        std::fill(chunk.begin(), chunk.end(), is_norm && !one_plus ? 1.0f : 0.0f);
       } else {
         fill_normal(key, std, off, chunk);
       }

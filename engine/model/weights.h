@@ -31,7 +31,7 @@ Status load_hf_weights(const std::string& model_dir, const ModelLayout& layout, 
 
 // Random init, deterministic in (seed, param name, element index) and independent of chunk_elems:
 // Linear and embedding weights ~ normal(0, config.initializer_range) (counter-based splitmix64 +
-// Box–Muller), norm weights 1, biases 0 — as Hugging Face initializes a LLaMA.
+// Box–Muller), norm weights 1 (0 for Gemma's 1 + weight), biases 0 — as Hugging Face initializes them.
 Status random_init_weights(const ModelConfig& config, const ModelLayout& layout, uint64_t seed, uint64_t chunk_elems,
                            const ParamSink& sink);
 

@@ -76,8 +76,8 @@ try:
     import torch
     import torch.nn.functional as F
     import transformers
-    from transformers import (AttentionInterface, AutoModelForCausalLM, LlamaConfig, MistralConfig, Olmo2Config,
-                              Qwen2Config, Qwen3Config)
+    from transformers import (AttentionInterface, AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig,
+                              Olmo2Config, Qwen2Config, Qwen3Config)
 except ImportError as e:
     print("SKIP: the transformers oracle is not installed in %s (%s); tools/requirements.txt pins it" %
           (sys.executable, e))
@@ -255,12 +255,29 @@ CASES = [
          precision="bf16", placement="cpu", stage=3, gas=2, clip=1.0, schedule="warmup", lr=2e-3, seed=27),
     dict(name="olmo2-tied-fp32-nvme", arch="olmo2", tied=True, vocab=256, seq=32, disk="float32", shard=False,
          precision="fp32", placement="nvme", stage=3, gas=2, clip=1.0, schedule=None, lr=2e-3, seed=28),
+    # Gemma 3 (text): four norms per layer scaling by 1 + weight in fp32, GELU-tanh, the embeddings
+    # times √hidden, per-head q/k norms, and GEMMA's settings; Gemma3TextConfig's pad_token_id 0.
+    dict(name="gemma3-tied-fp32-none", arch="gemma3_text", tied=True, vocab=320, seq=32, disk="float32",
+         shard=False, precision="fp32", placement="none", stage=3, gas=2, clip=0.5, schedule=None, lr=2e-3, seed=29,
+         head_dim=16),
+    dict(name="gemma3-tied-bf16-cpu", arch="gemma3_text", tied=True, vocab=384, seq=32, disk="bfloat16", shard=True,
+         precision="bf16", placement="cpu", stage=3, gas=2, clip=1.0, schedule="warmup", lr=2e-3, seed=30,
+         head_dim=16),
+    dict(name="gemma3-untied-fp32-nvme", arch="gemma3_text", tied=False, vocab=256, seq=32, disk="float32",
+         shard=False, precision="fp32", placement="nvme", stage=3, gas=2, clip=1.0, schedule=None, lr=2e-3, seed=31,
+         head_dim=16),
     dict(name="llama-tied-bf16-cpu-noacc", arch="llama", tied=True, vocab=256, seq=32, disk="float32",
          shard=False, precision="bf16", placement="cpu", stage=3, gas=2, clip=0.0, schedule="warmup", lr=2e-3,
          seed=22, accumulators="none"),
 ]
 
 WARMUP = {"warmup_min_lr": 1e-4, "warmup_num_steps": 3}
+# Gemma 3's own settings, each far from what a mistake would give: q·k scaled by 24^-1/2 (not the
+# head_dim 16's), a window of 4 on the sliding layer 0 (the rows are 32 long), linear RoPE scaling
+# on the full layer 1 and another theta on the sliding one, logits capped at 5.
+GEMMA = {"query_pre_attn_scalar": 24, "sliding_window": 4, "softcap": 5.0,
+         "rope": {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                  "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}
 
 
 def lr_at(case, t):
@@ -313,6 +330,14 @@ def zoffload_config(case):
 # ---- Models and data ---------------------------------------------------------------------------
 
 def hf_config(case, rope=None):
+    if case["arch"] == "gemma3_text":
+        return Gemma3TextConfig(
+            vocab_size=case["vocab"], hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
+            num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=case["head_dim"],
+            max_position_embeddings=64, rms_norm_eps=1e-5, initializer_range=INIT_STD, tie_word_embeddings=case["tied"],
+            query_pre_attn_scalar=GEMMA["query_pre_attn_scalar"], sliding_window=GEMMA["sliding_window"],
+            layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=GEMMA["softcap"],
+            rope_parameters=rope or GEMMA["rope"])
     cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
            "olmo2": Olmo2Config}[case["arch"]]
     extra = {"head_dim": case["head_dim"]} if "head_dim" in case else {}
@@ -358,15 +383,24 @@ def batches_of(case, tokens, data_seed):
 
 # ---- The references ----------------------------------------------------------------------------
 
-def _engine_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
-    """The engine's attention (engine/model/llama.cpp, decoder_forward): k and v repeated per query
-    head (transformers' repeat_kv), then SDPA with is_causal and the default 1/√d scale. An unknown
-    implementation gets no mask from transformers, so is_causal is the whole mask (no padding here)."""
-    assert attention_mask is None and dropout == 0.0 and scaling == query.size(-1) ** -0.5
+def _engine_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                      sliding_window=None, **kwargs):
+    """The engine's attention (engine/model/llama.cpp, causal_attention): k and v repeated per query
+    head (transformers' repeat_kv), then SDPA with is_causal, or on Gemma's sliding layers with the
+    boolean mask i - window < j ≤ i, and the module's scale. An unknown implementation gets no mask
+    from transformers (no padding here)."""
+    assert attention_mask is None and dropout == 0.0
     n_rep = module.num_key_value_groups
     k = transformers.integrations.sdpa_attention.repeat_kv(key, n_rep)
     v = transformers.integrations.sdpa_attention.repeat_kv(value, n_rep)
-    out = F.scaled_dot_product_attention(query, k, v, is_causal=True)
+    t = query.size(-2)
+    scale = None if scaling == query.size(-1) ** -0.5 else scaling
+    if sliding_window is not None and sliding_window < t:
+        i, j = torch.arange(t).unsqueeze(1), torch.arange(t).unsqueeze(0)
+        hidden = torch.logical_or(j > i, j <= i - sliding_window).to(query.device)
+        out = F.scaled_dot_product_attention(query, k, v, attn_mask=torch.logical_not(hidden), scale=scale)
+    else:
+        out = F.scaled_dot_product_attention(query, k, v, is_causal=True, scale=scale)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -657,26 +691,41 @@ def check_premises(case, saved, ref_steps, batches, model_dir):
     if case["clip"] < 1.0:
         expect(any(s["grad_norm"] > case["clip"] for s in ref_steps), "%s: clipping is active on some step "
                "(norms %s, clip %g)" % (name, [round(s["grad_norm"], 4) for s in ref_steps], case["clip"]))
+    x, y = batches[0]
+
+    def first_loss(**overrides):
+        m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **overrides).to(DEVICE)
+        return F.cross_entropy(logits_of(m, x).reshape(-1, case["vocab"]), y.to(DEVICE).reshape(-1)).item()
+
+    # Against the tightest loss bound this case is checked with on this device (on cuda the bf16
+    # mirror's is loosened), so a wrong setting cannot pass unseen wherever the test runs.
+    kinds = ("fp32",) if case["precision"] == "fp32" else ("bf16-mirror", "bf16-hf")
+    tightest = min(TOLERANCES[k]["loss"] for k in kinds)
     rope = case.get("rope")
     if rope is not None:
         expect("rope_parameters" in saved and "rope_scaling" not in saved and "rope_theta" not in saved,
                "%s: config.json in transformers-5 form (rope_parameters only): %s" % (name, sorted(saved)))
         # The rope settings change the loss far beyond the tolerance: with transformers' defaults
         # instead (rope_theta 10000, no scaling) the first batch's loss differs clearly.
-        x, y = batches[0]
-
-        def first_loss(**overrides):
-            m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **overrides).to(DEVICE)
-            return F.cross_entropy(logits_of(m, x).reshape(-1, case["vocab"]), y.to(DEVICE).reshape(-1)).item()
-
         with_rope, plain = first_loss(), first_loss(rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-        # Against the tightest loss bound this case is checked with on this device (on cuda the
-        # bf16 mirror's is loosened), so a wrong rope cannot pass unseen wherever the test runs.
-        kinds = ("fp32",) if case["precision"] == "fp32" else ("bf16-mirror", "bf16-hf")
-        tightest = min(TOLERANCES[k]["loss"] for k in kinds)
         expect(rel(plain, with_rope) > 10 * tightest,
                "%s: the rope settings matter: first loss %.6g, with the default rope %.6g" % (name, with_rope, plain))
         print("  premise: first loss %.7g with this rope, %.7g with the default one" % (with_rope, plain))
+    if case["arch"] == "gemma3_text":
+        # Each of Gemma's own settings changes the first loss: the window, the rope of either layer
+        # type, the attention scale and the soft-capping.
+        base = first_loss()
+        default_rope = {"rope_type": "default", "rope_theta": 10000.0}
+        for what, override in [
+                ("window", dict(sliding_window=case["seq"])),
+                ("full layers' rope", dict(rope_parameters=dict(GEMMA["rope"], full_attention=default_rope))),
+                ("sliding layers' rope", dict(rope_parameters=dict(
+                    GEMMA["rope"], sliding_attention={"rope_type": "default", "rope_theta": 1e6}))),
+                ("query_pre_attn_scalar", dict(query_pre_attn_scalar=case["head_dim"])),
+                ("soft-capping", dict(final_logit_softcapping=None))]:
+            other = first_loss(**override)
+            expect(rel(other, base) > 10 * tightest, "%s: the %s matters: first loss %.6g, without it %.6g" %
+                   (name, what, base, other))
     if rope is not None and rope["rope_type"] == "llama3":
         scaled = AutoModelForCausalLM.from_config(hf_config(case)).model.rotary_emb.inv_freq
         unscaled = AutoModelForCausalLM.from_config(hf_config(case, rope={

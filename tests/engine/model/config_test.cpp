@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include "engine/model/model_config.h"
 #include "tests/engine/model/safetensors_test_util.h"
@@ -119,6 +121,39 @@ constexpr const char* kOlmo2_7b = R"({
   "tie_word_embeddings": false, "torch_dtype": "float32", "transformers_version": "4.46.0.dev0", "use_cache": true,
   "vocab_size": 100352})";
 
+// Gemma-3-4B's text model: its model page's text_config (hidden 2560, intermediate 10240, 34 layers,
+// linear RoPE scaling 8 on the full layers, window 1024) with Gemma3TextConfig's defaults written out,
+// in the form transformers < 5 wrote (rope_theta, rope_local_base_freq, sliding_window_pattern).
+constexpr const char* kGemma3_4b = R"({
+  "architectures": ["Gemma3ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+  "attn_logit_softcapping": null, "bos_token_id": 2, "cache_implementation": "hybrid", "eos_token_id": [1, 106],
+  "final_logit_softcapping": null, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 2560,
+  "initializer_range": 0.02, "intermediate_size": 10240, "max_position_embeddings": 131072,
+  "model_type": "gemma3_text", "num_attention_heads": 8, "num_hidden_layers": 34, "num_key_value_heads": 4,
+  "pad_token_id": 0, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000.0,
+  "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "rope_theta": 1000000.0, "sliding_window": 1024,
+  "sliding_window_pattern": 6, "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0", "use_cache": true,
+  "vocab_size": 262208})";
+
+// Gemma-3-12B's text model likewise, as transformers 5.17 writes it (rope_parameters per layer type,
+// layer_types; tie_word_embeddings left out where it is the default).
+std::string gemma3_12b() {
+  std::string types;
+  for (int i = 0; i < 48; ++i)
+    types += std::string(i == 0 ? "" : ", ") + ((i + 1) % 6 ? "\"sliding_attention\"" : "\"full_attention\"");
+  return R"({"architectures": ["Gemma3ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+  "attn_logit_softcapping": null, "bos_token_id": 2, "eos_token_id": 1, "final_logit_softcapping": null,
+  "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 3840, "initializer_range": 0.02,
+  "intermediate_size": 15360, "layer_types": [)" +
+         types + R"(], "max_position_embeddings": 131072,
+  "model_type": "gemma3_text", "num_attention_heads": 16, "num_hidden_layers": 48, "num_key_value_heads": 8,
+  "pad_token_id": 0, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06,
+  "rope_parameters": {"full_attention": {"factor": 8.0, "rope_theta": 1000000.0, "rope_type": "linear"},
+                      "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}},
+  "sliding_window": 1024, "transformers_version": "5.17.0", "use_bidirectional_attention": false,
+  "use_cache": true, "vocab_size": 262208})";
+}
+
 // Qwen3-8B's config.json from its model page (transformers 4.51).
 constexpr const char* kQwen3_8b = R"({
   "architectures": ["Qwen3ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0, "bos_token_id": 151643,
@@ -183,6 +218,12 @@ void expect_same(const ModelConfig& a, const ModelConfig& b) {
   EXPECT_EQ(a.source_dtype, b.source_dtype);
   EXPECT_EQ(a.sliding_window, b.sliding_window);
   EXPECT_EQ(a.pad_token_id, b.pad_token_id);
+  EXPECT_EQ(a.activation, b.activation);
+  EXPECT_EQ(a.scale_embeddings, b.scale_embeddings);
+  EXPECT_EQ(a.query_pre_attn_scalar, b.query_pre_attn_scalar);
+  EXPECT_EQ(a.final_logit_softcap, b.final_logit_softcap);
+  EXPECT_EQ(a.sliding_layers, b.sliding_layers);
+  EXPECT_EQ(a.local_rope_theta, b.local_rope_theta);
 }
 
 TEST(HfConfig, ParsesLlama2) {
@@ -289,6 +330,75 @@ TEST(HfConfig, ParsesOlmo2WithPostNorms) {
   const Result<ModelConfig> r = parse_hf_config(biased, "config.json");
   ASSERT_FALSE(r.is_ok());
   EXPECT_THAT(r.status().message(), HasSubstr("attention_bias"));
+}
+
+// Gemma 3 text: four norms per layer (1 + weight), GELU-tanh, q/k norms per head, the embeddings
+// scaled by √hidden, five sliding layers to one full one with their own RoPE. Parameter counts are
+// transformers' for these configs (Gemma3ForCausalLM on the meta device): 3,880,263,168 (4B) and
+// 11,766,034,176 (12B).
+TEST(HfConfig, ParsesGemma3TextInBothForms) {
+  const ModelConfig c = parse_ok(kGemma3_4b);
+  EXPECT_EQ(c.model_type, "gemma3_text");
+  EXPECT_EQ(c.family().norms, NormPlacement::kSandwich);
+  EXPECT_EQ(c.family().norm_scale, NormScale::kOnePlusInFp32);
+  EXPECT_EQ(c.activation, MlpActivation::kGeluTanh);
+  EXPECT_TRUE(c.scale_embeddings);
+  EXPECT_TRUE(c.tie_word_embeddings) << "Gemma3TextConfig's default";
+  EXPECT_EQ(c.pad_token_id, 0);
+  EXPECT_EQ(c.head_dim, 256u);
+  EXPECT_EQ(c.query_pre_attn_scalar, 256.0);
+  EXPECT_EQ(c.sliding_window, 1024u);
+  EXPECT_EQ(c.rope_theta, 1e6);
+  EXPECT_EQ(c.rope_scaling.type, RopeScalingType::kLinear);
+  EXPECT_EQ(c.rope_scaling.factor, 8.0);
+  EXPECT_EQ(c.local_rope_theta, 1e4);
+  ASSERT_EQ(c.sliding_layers.size(), 34u);
+  for (size_t i = 0; i < 34; ++i) EXPECT_EQ(c.sliding_layers[i], (i + 1) % 6 != 0) << i;
+  EXPECT_EQ(num_parameters(c), 3'880'263'168u);
+  const ModelLayout layout = model_layout(c);
+  EXPECT_EQ(layout_elems(layout), num_parameters(c));
+  const BlockSpec& b0 = layout.blocks[1];
+  ASSERT_EQ(b0.params.size(), 13u);
+  EXPECT_EQ(layout.params[b0.params[4]].name, "model.layers.0.self_attn.q_norm.weight");
+  EXPECT_EQ(layout.params[b0.params[4]].shape, std::vector<int64_t>{256});
+  EXPECT_EQ(layout.params[b0.params[11]].name, "model.layers.0.pre_feedforward_layernorm.weight");
+
+  const ModelConfig big = parse_ok(gemma3_12b());
+  EXPECT_EQ(num_parameters(big), 11'766'034'176u);
+  EXPECT_TRUE(big.tie_word_embeddings);
+  EXPECT_EQ(big.rope_theta, 1e6);
+  EXPECT_EQ(big.rope_scaling.type, RopeScalingType::kLinear);
+  EXPECT_EQ(big.local_rope_theta, 1e4);
+  ASSERT_EQ(big.sliding_layers.size(), 48u);
+  for (size_t i = 0; i < 48; ++i) EXPECT_EQ(big.sliding_layers[i], (i + 1) % 6 != 0) << i;
+}
+
+// What Gemma 3 sets that zoffload does not compute is refused, naming the key.
+TEST(HfConfig, RefusesGemma3SettingsNotImplemented) {
+  const std::string base = kGemma3_4b;
+  auto with = [&](const std::string& from, const std::string& to) {
+    std::string t = base;
+    const size_t at = t.find(from);
+    EXPECT_NE(at, std::string::npos) << from;
+    return t.replace(at, from.size(), to);
+  };
+  for (const auto& [from, to, key] : std::vector<std::tuple<std::string, std::string, std::string>>{
+           {"\"attn_logit_softcapping\": null", "\"attn_logit_softcapping\": 50.0", "attn_logit_softcapping"},
+           {"\"hidden_activation\": \"gelu_pytorch_tanh\"", "\"hidden_activation\": \"gelu\"", "hidden_activation"},
+           {"\"use_cache\": true", "\"use_bidirectional_attention\": true", "use_bidirectional_attention"},
+           {"\"sliding_window\": 1024", "\"sliding_window\": null", "sliding_window"},
+           {"\"use_cache\": true", "\"layer_types\": [\"full_attention\"]", "layer_types"}}) {
+    const Result<ModelConfig> r = parse_hf_config(with(from, to), "config.json");
+    ASSERT_FALSE(r.is_ok()) << to;
+    EXPECT_THAT(r.status().message(), HasSubstr("key '" + key + "'")) << to;
+  }
+  std::string local_scaled = gemma3_12b();
+  const std::string local = "{\"rope_theta\": 10000.0, \"rope_type\": \"default\"}";
+  local_scaled.replace(local_scaled.find(local), local.size(),
+                       "{\"rope_theta\": 10000.0, \"rope_type\": \"linear\", \"factor\": 2.0}");
+  const Result<ModelConfig> r = parse_hf_config(local_scaled, "config.json");
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_THAT(r.status().message(), HasSubstr("rope_parameters.sliding_attention"));
 }
 
 // pad_token_id is nn.Embedding's padding_idx in transformers: read, the family's default where absent,
@@ -460,7 +570,9 @@ TEST(HfConfig, ErrorsNameFileAndKey) {
   expect_error(llama2_with("tie_word_embeddings", "1"), "tie_word_embeddings");
   expect_error(llama2_with("num_attention_heads", "30"), "num_attention_heads", "not divisible");
   expect_error(llama2_with("num_key_value_heads", "5"), "num_key_value_heads", "multiple");
-  expect_error(llama2_with("model_type", "\"gpt2\""), "model_type", "llama, mistral, qwen2, qwen3");
+  expect_error(llama2_with("model_type", "\"gpt2\""), "model_type", "llama, mistral, qwen2, qwen3, olmo2, gemma3_text");
+  expect_error(llama2_with("model_type", "\"qwen3_moe\""), "model_type", "mixture-of-experts");
+  expect_error(llama2_with("model_type", "\"gemma3\""), "model_type", "gemma3_text (Gemma3ForCausalLM), is supported");
   expect_error(llama2_with("rope_scaling", R"({"rope_type": "yarn", "factor": 4.0})"), "rope_scaling.rope_type",
                "linear, llama3");
   expect_error(llama2_with("rope_scaling", R"({"type": "dynamic", "factor": 4.0})"), "rope_scaling.type");
@@ -624,14 +736,17 @@ TEST(ModelLayout, TiedHeadReusesEmbeddingAndQwenHasBiases) {
 }
 
 TEST(HfConfigExport, RoundTripsEveryFamily) {
-  for (const char* text : {kLlama2_7b, kLlama31_8b, kQwen2_05b, kMistral_7b, kQwen3_8b, kOlmo2_7b}) {
+  for (const std::string& text :
+       {std::string(kLlama2_7b), std::string(kLlama31_8b), std::string(kQwen2_05b), std::string(kMistral_7b),
+        std::string(kQwen3_8b), std::string(kOlmo2_7b), std::string(kGemma3_4b), gemma3_12b()}) {
     ModelConfig c = parse_ok(text);
     const std::string json = to_hf_config_json(c, "bfloat16");
-    EXPECT_THAT(json, HasSubstr(c.model_type == "qwen2"     ? "Qwen2ForCausalLM"
-                                : c.model_type == "qwen3"   ? "Qwen3ForCausalLM"
-                                : c.model_type == "olmo2"   ? "Olmo2ForCausalLM"
-                                : c.model_type == "mistral" ? "MistralForCausalLM"
-                                                            : "LlamaForCausalLM"));
+    EXPECT_THAT(json, HasSubstr(c.model_type == "qwen2"         ? "Qwen2ForCausalLM"
+                                : c.model_type == "qwen3"       ? "Qwen3ForCausalLM"
+                                : c.model_type == "olmo2"       ? "Olmo2ForCausalLM"
+                                : c.model_type == "gemma3_text" ? "Gemma3ForCausalLM"
+                                : c.model_type == "mistral"     ? "MistralForCausalLM"
+                                                                : "LlamaForCausalLM"));
     c.source_dtype = "bfloat16";
     expect_same(parse_ok(json), c);
   }

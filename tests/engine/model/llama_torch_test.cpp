@@ -329,6 +329,31 @@ TEST(CausalAttention, SdpaMatchesExplicitMaskedSoftmax) {
   EXPECT_LT(max_rel_error(causal_attention(q, k, v, true), causal_attention(q, k, v, false)), 1e-5);
 }
 
+// Gemma's scale and sliding window: SDPA with the boolean mask against the explicit softmax, and the
+// window against its definition (query i sees keys i - window < j ≤ i): changing a key the window
+// hides leaves the output alone, changing one it shows does not.
+TEST(CausalAttention, SlidingWindowAndScaleMatchTheExplicitSoftmax) {
+  torch::manual_seed(15);
+  const torch::Tensor q = torch::randn({2, 4, 33, 16}), k = torch::randn({2, 4, 33, 16}),
+                      v = torch::randn({2, 4, 33, 16});
+  const double scale = 1.0 / std::sqrt(24.0);
+  const torch::Tensor out = causal_attention(q, k, v, true, scale, 5);
+  EXPECT_LT(max_rel_error(out, causal_attention(q, k, v, false, scale, 5)), 1e-5);
+  EXPECT_GT(max_rel_error(out, causal_attention(q, k, v, true, scale)), 1e-2) << "the window must hide keys";
+  EXPECT_GT(max_rel_error(out, causal_attention(q, k, v, true, 0, 5)), 1e-3) << "the scale must matter";
+  EXPECT_TRUE(torch::equal(causal_attention(q, k, v, true, scale, 40), causal_attention(q, k, v, true, scale)))
+      << "a window as long as the row hides nothing";
+  torch::Tensor v2 = v.clone();
+  v2.index_put_({torch::indexing::Slice(), torch::indexing::Slice(), 20}, 7.0);  // key 20
+  const torch::Tensor moved = causal_attention(q, k, v2, true, scale, 5);
+  using torch::indexing::Slice;
+  EXPECT_TRUE(torch::equal(moved.index({Slice(), Slice(), Slice(0, 20)}), out.index({Slice(), Slice(), Slice(0, 20)})));
+  EXPECT_TRUE(
+      torch::equal(moved.index({Slice(), Slice(), Slice(25, 33)}), out.index({Slice(), Slice(), Slice(25, 33)})))
+      << "queries 25.. are 5 or more past key 20";
+  EXPECT_FALSE(torch::equal(moved.index({Slice(), Slice(), 24}), out.index({Slice(), Slice(), 24})));
+}
+
 TEST(LmLoss, MeanOverUnmaskedTargetsMatchesManual) {
   torch::manual_seed(14);
   const torch::Tensor logits = torch::randn({2, 5, 11}, torch::requires_grad());
