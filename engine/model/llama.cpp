@@ -82,7 +82,8 @@ at::Tensor decoder_forward(const ModelConfig& config, int64_t layer, const std::
       "sequence length ", T, " exceeds the model's sliding attention window ", config.sliding_window,
       " (sliding-window attention is implemented for gemma3_text only)");
   const bool sliding = !config.sliding_layers.empty() && config.sliding_layers.at(static_cast<size_t>(layer));
-  TORCH_CHECK(!sliding || rope.local_cos.defined(), "the sliding layers' RoPE tables are missing");
+  const bool local_rope = sliding && config.local_rope_theta > 0;
+  TORCH_CHECK(!local_rope || rope.local_cos.defined(), "the sliding layers' RoPE tables are missing");
   std::array<at::Tensor, static_cast<size_t>(DecoderRole::kCount)> w;  // undefined: not in this family
   const std::vector<DecoderParam> slots = decoder_params(config);
   for (size_t i = 0; i < slots.size(); ++i) w[static_cast<size_t>(slots[i].role)] = p[i];
@@ -104,11 +105,20 @@ at::Tensor decoder_forward(const ModelConfig& config, int64_t layer, const std::
     if (family.qk_norm == QkNorm::kPerHead) t = norm(t, qk_norm);  // Qwen3: each head's dims
     return t;
   };
-  at::Tensor q = project(R::kQ, R::kQBias, R::kQNorm, heads);
-  at::Tensor k = project(R::kK, R::kKBias, R::kKNorm, kv_heads);
-  const at::Tensor v = split_heads(dense(n, at_role(R::kV), at_role(R::kVBias)), kv_heads, head_dim);
-  const at::Tensor& cos_table = sliding ? rope.local_cos : rope.cos;
-  const at::Tensor& sin_table = sliding ? rope.local_sin : rope.sin;
+  at::Tensor q, k, v;
+  if (family.phi3) {  // one fused projection, sliced as Phi3Attention slices it
+    const at::Tensor qkv = dense(n, at_role(R::kQkv));
+    const int64_t q_dim = heads * head_dim, kv_dim = kv_heads * head_dim;
+    q = split_heads(qkv.narrow(-1, 0, q_dim), heads, head_dim);
+    k = split_heads(qkv.narrow(-1, q_dim, kv_dim), kv_heads, head_dim);
+    v = split_heads(qkv.narrow(-1, q_dim + kv_dim, kv_dim), kv_heads, head_dim);
+  } else {
+    q = project(R::kQ, R::kQBias, R::kQNorm, heads);
+    k = project(R::kK, R::kKBias, R::kKNorm, kv_heads);
+    v = split_heads(dense(n, at_role(R::kV), at_role(R::kVBias)), kv_heads, head_dim);
+  }
+  const at::Tensor& cos_table = local_rope ? rope.local_cos : rope.cos;
+  const at::Tensor& sin_table = local_rope ? rope.local_sin : rope.sin;
   if (family.rope_in_fp32) {
     // OLMo 2 rotates with the fp32 tables (q, k promoted to fp32) and casts the result back.
     const at::Tensor cos = cos_table.narrow(0, 0, T), sin = sin_table.narrow(0, 0, T);
@@ -118,8 +128,18 @@ at::Tensor decoder_forward(const ModelConfig& config, int64_t layer, const std::
     // HF casts the fp32 tables to the activations' dtype before rotating.
     const at::Tensor cos = cos_table.narrow(0, 0, T).to(q.scalar_type());
     const at::Tensor sin = sin_table.narrow(0, 0, T).to(q.scalar_type());
-    q = q * cos + rotate_half(q) * sin;
-    k = k * cos + rotate_half(k) * sin;
+    const int64_t rotary = config.rotary_dim();
+    if (rotary == head_dim) {
+      q = q * cos + rotate_half(q) * sin;
+      k = k * cos + rotate_half(k) * sin;
+    } else {  // Phi-3's partial rotary: the first `rotary` dims turn, the rest pass
+      auto turn = [&](const at::Tensor& t) {
+        const at::Tensor r = t.narrow(-1, 0, rotary);
+        return at::cat({r * cos + rotate_half(r) * sin, t.narrow(-1, rotary, head_dim - rotary)}, -1);
+      };
+      q = turn(q);
+      k = turn(k);
+    }
   }
   const int64_t n_rep = heads / kv_heads;
   const double scale = config.query_pre_attn_scalar > 0 ? std::pow(config.query_pre_attn_scalar, -0.5) : 0.0;
@@ -133,9 +153,17 @@ at::Tensor decoder_forward(const ModelConfig& config, int64_t layer, const std::
   // gate before up, as transformers records them (C++ leaves the order of a product's operands open):
   // where `m` is the residual stream itself (post-norm), the order its three gradients are added in
   // shows in bf16.
-  const at::Tensor gate_in = dense(m, at_role(R::kGate));
+  at::Tensor gate_in, up;
+  if (family.phi3) {  // Phi3MLP: one projection, chunked into the gate and up halves
+    const at::Tensor gate_up = dense(m, at_role(R::kGateUp));
+    const auto I = static_cast<int64_t>(config.intermediate_size);
+    gate_in = gate_up.narrow(-1, 0, I);
+    up = gate_up.narrow(-1, I, I);
+  } else {
+    gate_in = dense(m, at_role(R::kGate));
+  }
   const at::Tensor gate = config.activation == MlpActivation::kGeluTanh ? at::gelu(gate_in, "tanh") : at::silu(gate_in);
-  const at::Tensor up = dense(m, at_role(R::kUp));
+  if (!family.phi3) up = dense(m, at_role(R::kUp));
   at::Tensor f = dense(gate * up, at_role(R::kDown));
   if (post) f = norm(f, R::kPostMlpNorm);
   return h + f;
@@ -156,14 +184,20 @@ torch::Tensor param_tensor(void* addr, const ParamSpec& spec, DType dtype, torch
   return at::from_blob(addr, spec.shape, at::TensorOptions().dtype(to_torch_dtype(dtype)).device(device));
 }
 
-torch::Tensor rope_inv_freq(const ModelConfig& config) {
+torch::Tensor rope_inv_freq(const ModelConfig& config, int64_t seq_len) {
   // Written op for op as transformers' rope init functions, so the fp32 roundings agree.
-  const auto dim = static_cast<int64_t>(config.head_dim);
+  const int64_t dim = config.rotary_dim();
   const at::Tensor exponent = at::arange(0, dim, 2, at::kLong).to(at::kFloat) / static_cast<double>(dim);
-  at::Tensor inv_freq = at::reciprocal(at::pow(config.rope_theta, exponent));
   const RopeScaling& s = config.rope_scaling;
+  if (s.type == RopeScalingType::kLongRope) {
+    const bool long_rows = static_cast<uint64_t>(seq_len) > s.original_max_position_embeddings;
+    const at::Tensor ext = at::tensor(long_rows ? s.long_factor : s.short_factor, at::kDouble).to(at::kFloat);
+    return at::reciprocal(ext * at::pow(config.rope_theta, exponent));
+  }
+  at::Tensor inv_freq = at::reciprocal(at::pow(config.rope_theta, exponent));
   switch (s.type) {
-    case RopeScalingType::kNone: break;
+    case RopeScalingType::kNone:
+    case RopeScalingType::kLongRope: break;
     case RopeScalingType::kLinear: inv_freq = inv_freq / s.factor; break;
     case RopeScalingType::kLlama3: {
       const auto old_context_len = static_cast<double>(s.original_max_position_embeddings);
@@ -183,16 +217,27 @@ torch::Tensor rope_inv_freq(const ModelConfig& config) {
   return inv_freq;
 }
 
+double rope_attention_factor(const ModelConfig& config) {
+  const RopeScaling& s = config.rope_scaling;
+  if (s.type != RopeScalingType::kLongRope) return 1.0;
+  if (s.attention_factor > 0) return s.attention_factor;
+  const auto original = static_cast<double>(s.original_max_position_embeddings);
+  const double factor = s.factor > 0 ? s.factor : static_cast<double>(config.max_position_embeddings) / original;
+  return factor <= 1.0 ? 1.0 : std::sqrt(1 + std::log(factor) / std::log(original));
+}
+
 RopeTables make_rope_tables(const ModelConfig& config, int64_t seq_len, torch::Device device) {
   const at::Tensor positions = at::arange(seq_len, at::TensorOptions().dtype(at::kFloat).device(device));
   auto tables = [&](const ModelConfig& c) {
-    const at::Tensor freqs = at::outer(positions, rope_inv_freq(c).to(device));
+    const at::Tensor freqs = at::outer(positions, rope_inv_freq(c, seq_len).to(device));
     const at::Tensor emb = at::cat({freqs, freqs}, -1);
+    if (const double factor = rope_attention_factor(c); factor != 1.0)
+      return std::pair{emb.cos() * factor, emb.sin() * factor};
     return std::pair{emb.cos(), emb.sin()};
   };
   RopeTables out;
   std::tie(out.cos, out.sin) = tables(config);
-  if (!config.sliding_layers.empty()) {  // Gemma 3's sliding layers: their own theta, no scaling
+  if (config.local_rope_theta > 0) {  // Gemma 3's sliding layers: their own theta, no scaling
     ModelConfig local = config;
     local.rope_theta = config.local_rope_theta;
     local.rope_scaling = RopeScaling{};

@@ -21,16 +21,20 @@
 
 namespace zo::engine {
 
-// [seq_len, head_dim] fp32 on the device, HF's rotate_half convention: cos/sin of cat(freqs, freqs),
-// freqs[t, i] = t · inv_freq[i].
+// [seq_len, rotary_dim] fp32 on the device, HF's rotate_half convention: cos/sin of cat(freqs, freqs),
+// freqs[t, i] = t · inv_freq[i], times longrope's attention factor.
 struct RopeTables {
   torch::Tensor cos, sin;
-  torch::Tensor local_cos, local_sin;  // the sliding layers' (config.sliding_layers): local_rope_theta, unscaled
+  torch::Tensor local_cos, local_sin;  // Gemma's sliding layers' (config.local_rope_theta, unscaled)
 };
 
-// inv_freq[i] = 1 / rope_theta^(2i / head_dim), i < head_dim/2, with linear or llama3 scaling applied
-// exactly as Hugging Face transformers computes it (in fp32). Returned on the CPU, fp32.
-torch::Tensor rope_inv_freq(const ModelConfig& config);
+// inv_freq[i] = 1 / rope_theta^(2i / rotary_dim), i < rotary_dim/2, with linear, llama3 or longrope
+// scaling applied exactly as Hugging Face transformers computes it (in fp32). longrope divides by its
+// long factors for rows longer than original_max_position_embeddings (`seq_len`), as transformers
+// switches them by the row's length, else by its short ones. Returned on the CPU, fp32.
+torch::Tensor rope_inv_freq(const ModelConfig& config, int64_t seq_len = 0);
+// longrope's factor on cos and sin (transformers' attention_factor); 1 for the other types.
+double rope_attention_factor(const ModelConfig& config);
 RopeTables make_rope_tables(const ModelConfig& config, int64_t seq_len, torch::Device device);
 
 // Wraps memory the engine owns as a tensor of the param's shape, no copy (from_blob; the caller

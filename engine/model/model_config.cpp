@@ -80,10 +80,24 @@ class KeyReader {
   std::string prefix_;
 };
 
+// A list of positive numbers.
+Status positive_list(const KeyReader& r, std::string_view key, std::vector<double>* out) {
+  const json* v = r.find(key);
+  if (v == nullptr) return r.missing(key);
+  if (!v->is_array()) return r.error(key, "expected a list of numbers, got " + type_name(*v));
+  out->clear();
+  for (const json& x : *v) {
+    if (!x.is_number() || !(x.get<double>() > 0)) return r.error(key, "expected positive numbers, got " + x.dump());
+    out->push_back(x.get<double>());
+  }
+  return Status::ok();
+}
+
 // The RoPE settings in either form transformers writes (Note [Two RoPE forms]): `dict` is the
-// object under `key` ("rope_scaling" or "rope_parameters"), `top` the config's top level.
+// object under `key` ("rope_scaling" or "rope_parameters"), `top` the config's top level. `phi3`:
+// partial_rotary_factor and longrope (Phi-3's, also under its old names su and yarn) are read.
 Status parse_rope(const KeyReader& top, const char* key, const json& dict, const std::string& source,
-                  uint64_t max_position_embeddings, ModelConfig* c) {
+                  uint64_t max_position_embeddings, ModelConfig* c, bool phi3 = false) {
   if (!dict.is_object()) return top.error(key, "expected an object or null, got " + type_name(dict));
   KeyReader r(dict, source, std::string(key) + ".");
   for (const auto& [name, value] : dict.items()) {
@@ -97,9 +111,11 @@ Status parse_rope(const KeyReader& top, const char* key, const json& dict, const
   ZO_RETURN_IF_ERROR(r.string(type_key, &type));
   // The dict's rope_theta wins over the top-level one (as in transformers' convert_rope_params_to_dict).
   ZO_RETURN_IF_ERROR(r.positive("rope_theta", &c->rope_theta));
-  double partial = 1.0;
+  double partial = c->partial_rotary_factor;
   ZO_RETURN_IF_ERROR(r.positive("partial_rotary_factor", &partial));
-  if (partial != 1.0) return r.error("partial_rotary_factor", "only 1.0 (rotary over the whole head) is supported");
+  if (phi3) c->partial_rotary_factor = partial;
+  else if (partial != 1.0)
+    return r.error("partial_rotary_factor", "only 1.0 (rotary over the whole head) is supported");
   RopeScaling s;
   if (type == "default") {
     // No scaling.
@@ -118,10 +134,20 @@ Status parse_rope(const KeyReader& top, const char* key, const json& dict, const
     ZO_RETURN_IF_ERROR(top.size("original_max_position_embeddings", &s.original_max_position_embeddings, false));
     if (s.high_freq_factor <= s.low_freq_factor)
       return r.error("high_freq_factor", "must be greater than low_freq_factor");
+  } else if (phi3 && (type == "longrope" || type == "su" || type == "yarn")) {
+    // Phi3Config renames su and yarn to longrope; its factors are checked against rotary_dim later.
+    s.type = RopeScalingType::kLongRope;
+    s.factor = 0;
+    ZO_RETURN_IF_ERROR(positive_list(r, "short_factor", &s.short_factor));
+    ZO_RETURN_IF_ERROR(positive_list(r, "long_factor", &s.long_factor));
+    ZO_RETURN_IF_ERROR(r.positive("factor", &s.factor));
+    ZO_RETURN_IF_ERROR(r.positive("attention_factor", &s.attention_factor));
+    s.original_max_position_embeddings = 4096;  // Phi3Config's default
+    ZO_RETURN_IF_ERROR(r.size("original_max_position_embeddings", &s.original_max_position_embeddings, false));
+    ZO_RETURN_IF_ERROR(top.size("original_max_position_embeddings", &s.original_max_position_embeddings, false));
   } else {
-    return r.error(type_key,
-                   "unsupported RoPE type \"" + type +
-                       "\" (supported: default, linear, llama3); training with it would give a different model");
+    return r.error(type_key, "unsupported RoPE type \"" + type + "\" (supported: default, linear, llama3" +
+                                 (phi3 ? ", longrope" : "") + "); training with it would give a different model");
   }
   c->rope_scaling = s;
   return Status::ok();
@@ -171,6 +197,7 @@ Status parse_gemma(const KeyReader& r, const json& doc, const std::string& sourc
     ZO_RETURN_IF_ERROR(r.size("sliding_window_pattern", &pattern, false));
     for (uint64_t i = 0; i < c->num_hidden_layers; ++i) c->sliding_layers[i] = (i + 1) % pattern != 0;
   }
+  c->local_rope_theta = 10000.0;
   ZO_RETURN_IF_ERROR(r.positive("rope_local_base_freq", &c->local_rope_theta));
   const json* rp = r.find("rope_parameters");
   if (rp == nullptr || r.find("rope_scaling") != nullptr) return Status::ok();  // < 5's form, read above
@@ -195,6 +222,36 @@ Status parse_gemma(const KeyReader& r, const json& doc, const std::string& sourc
   return Status::ok();
 }
 
+// Phi-3's own keys (Phi3Config; its defaults where absent), after the RoPE settings are read.
+Status parse_phi3(const KeyReader& r, ModelConfig* c) {
+  const double partial = c->partial_rotary_factor;
+  const int64_t rotary = c->rotary_dim();
+  if (!(partial > 0 && partial <= 1) || rotary < 2 || rotary % 2 != 0)
+    return r.error("partial_rotary_factor",
+                   "must give an even rotary width int(head_dim · factor) ≥ 2 within the "
+                   "head (head_dim " +
+                       std::to_string(c->head_dim) + "), got " + std::to_string(partial));
+  const RopeScaling& s = c->rope_scaling;
+  if (s.type == RopeScalingType::kLongRope) {
+    const auto want = static_cast<size_t>(rotary / 2);
+    const char* key = r.find("rope_scaling") != nullptr ? "rope_scaling" : "rope_parameters";
+    if (s.short_factor.size() != want || s.long_factor.size() != want)
+      return r.error(key, "short_factor and long_factor must have rotary_dim / 2 = " + std::to_string(want) +
+                              " entries each, got " + std::to_string(s.short_factor.size()) + " and " +
+                              std::to_string(s.long_factor.size()));
+  }
+  for (const char* key : {"resid_pdrop", "embd_pdrop"}) {
+    double dropout = 0.0;
+    ZO_RETURN_IF_ERROR(r.positive(key, &dropout, false, /*allow_zero=*/true));
+    if (dropout != 0.0) return r.error(key, "only 0 is supported (zoffload trains without dropout)");
+  }
+  // Phi3Config's window (none by default) applies to every layer, as its model's mask does.
+  c->sliding_window = 0;
+  ZO_RETURN_IF_ERROR(r.size("sliding_window", &c->sliding_window, false));
+  if (c->sliding_window != 0) c->sliding_layers.assign(c->num_hidden_layers, true);
+  return Status::ok();
+}
+
 const char* architecture_of(const std::string& model_type) { return find_model_family(model_type)->architecture; }
 
 }  // namespace
@@ -203,19 +260,21 @@ const std::vector<ModelFamily>& model_families() {
   // clang-format off
   static const std::vector<ModelFamily> families = {
       // model_type     architecture         qkv_bias qk_norm           norms
-      //   norm_scale                  rope_in_fp32 gemma  window window_opt_in mlp_bias_key head_dim pad_token_id
+      //   norm_scale                  rope_in_fp32 phi3  gemma  window window_opt_in mlp_bias_key head_dim pad
       {"llama",         "LlamaForCausalLM",   false, QkNorm::kNone,    NormPlacement::kPre,
-         NormScale::kCastThenScale,  false,       false, false, false,        true,        0,       -1},
+         NormScale::kCastThenScale,  false,       false, false, false, false,        true,        0,       -1},
       {"mistral",       "MistralForCausalLM", false, QkNorm::kNone,    NormPlacement::kPre,
-         NormScale::kCastThenScale,  false,       false, true,  false,        true,        0,       -1},
+         NormScale::kCastThenScale,  false,       false, false, true,  false,        true,        0,       -1},
       {"qwen2",         "Qwen2ForCausalLM",   true,  QkNorm::kNone,    NormPlacement::kPre,
-         NormScale::kCastThenScale,  false,       false, true,  true,         false,       0,       -1},
+         NormScale::kCastThenScale,  false,       false, false, true,  true,         false,       0,       -1},
       {"qwen3",         "Qwen3ForCausalLM",   false, QkNorm::kPerHead, NormPlacement::kPre,
-         NormScale::kCastThenScale,  false,       false, true,  true,         false,       128,     -1},
+         NormScale::kCastThenScale,  false,       false, false, true,  true,         false,       128,     -1},
       {"olmo2",         "Olmo2ForCausalLM",   false, QkNorm::kWhole,   NormPlacement::kPost,
-         NormScale::kScaleInFp32,    true,        false, false, false,        false,       0,       1},
+         NormScale::kScaleInFp32,    true,        false, false, false, false,        false,       0,       1},
       {"gemma3_text",   "Gemma3ForCausalLM",  false, QkNorm::kPerHead, NormPlacement::kSandwich,
-         NormScale::kOnePlusInFp32,  false,       true,  false, false,        false,       256,     0},
+         NormScale::kOnePlusInFp32,  false,       false, true,  false, false,        false,       256,     0},
+      {"phi3",          "Phi3ForCausalLM",    false, QkNorm::kNone,    NormPlacement::kPre,
+         NormScale::kCastThenScale,  false,       true,  false, false, false,        false,       0,       32000},
   };
   // clang-format on
   return families;
@@ -300,6 +359,10 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, const std::strin
     c.pad_token_id = pad->get<int64_t>() < 0 ? pad->get<int64_t>() + vocab : pad->get<int64_t>();
   } else if (doc.contains("pad_token_id")) {
     c.pad_token_id = -1;  // null: no padding row, whatever the family's default
+  } else if (c.pad_token_id >= static_cast<int64_t>(c.vocab_size)) {
+    return r.error("pad_token_id", "absent, and " + std::string(family->architecture) + "'s default " +
+                                       std::to_string(c.pad_token_id) + " is outside the vocabulary (vocab_size " +
+                                       std::to_string(c.vocab_size) + "): give it, or null for none");
   }
   // Note [Two RoPE forms]: transformers < 5 writes top-level rope_theta plus rope_scaling (null when
   // unscaled); transformers ≥ 5 writes rope_parameters {rope_type, rope_theta, factor, ...} and no
@@ -310,15 +373,21 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, const std::strin
     const json* v = r.find(key);
     return v != nullptr && !(v->is_object() && v->empty()) ? v : nullptr;
   };
+  // Phi-3's top-level partial_rotary_factor; one in the RoPE dict wins (Phi3Config's setdefault).
+  if (family->phi3) ZO_RETURN_IF_ERROR(r.positive("partial_rotary_factor", &c.partial_rotary_factor));
   if (const json* rs = given("rope_scaling"); rs != nullptr) {
-    ZO_RETURN_IF_ERROR(parse_rope(r, "rope_scaling", *rs, source_name, c.max_position_embeddings, &c));
+    ZO_RETURN_IF_ERROR(parse_rope(r, "rope_scaling", *rs, source_name, c.max_position_embeddings, &c, family->phi3));
   } else if (const json* rp = given("rope_parameters"); rp != nullptr && !family->gemma) {
-    ZO_RETURN_IF_ERROR(parse_rope(r, "rope_parameters", *rp, source_name, c.max_position_embeddings, &c));
+    ZO_RETURN_IF_ERROR(parse_rope(r, "rope_parameters", *rp, source_name, c.max_position_embeddings, &c, family->phi3));
   }
   if (family->gemma) ZO_RETURN_IF_ERROR(parse_gemma(r, doc, source_name, &c));
-  double partial = 1.0;
-  ZO_RETURN_IF_ERROR(r.positive("partial_rotary_factor", &partial));
-  if (partial != 1.0) return r.error("partial_rotary_factor", "only 1.0 (rotary over the whole head) is supported");
+  if (family->phi3) {
+    ZO_RETURN_IF_ERROR(parse_phi3(r, &c));
+  } else {
+    double partial = 1.0;
+    ZO_RETURN_IF_ERROR(r.positive("partial_rotary_factor", &partial));
+    if (partial != 1.0) return r.error("partial_rotary_factor", "only 1.0 (rotary over the whole head) is supported");
+  }
 
   // Note [Config keys that change the arithmetic]: HF configs carry many keys that do not affect
   // training (token ids, use_cache, transformers_version, ...), and those are ignored. The keys
@@ -504,6 +573,17 @@ std::string to_hf_config_json(const ModelConfig& c, std::string_view torch_dtype
                            {"high_freq_factor", c.rope_scaling.high_freq_factor},
                            {"original_max_position_embeddings", c.rope_scaling.original_max_position_embeddings}};
       break;
+    case RopeScalingType::kLongRope: {
+      nlohmann::ordered_json rope = {{"rope_type", "longrope"},
+                                     {"type", "longrope"},
+                                     {"short_factor", c.rope_scaling.short_factor},
+                                     {"long_factor", c.rope_scaling.long_factor}};
+      if (c.rope_scaling.factor > 0) rope["factor"] = c.rope_scaling.factor;
+      if (c.rope_scaling.attention_factor > 0) rope["attention_factor"] = c.rope_scaling.attention_factor;
+      j["rope_scaling"] = rope;
+      j["original_max_position_embeddings"] = c.rope_scaling.original_max_position_embeddings;
+      break;
+    }
   }
   j["tie_word_embeddings"] = c.tie_word_embeddings;
   j["pad_token_id"] = c.pad_token_id >= 0 ? nlohmann::ordered_json(c.pad_token_id) : nullptr;
@@ -511,6 +591,12 @@ std::string to_hf_config_json(const ModelConfig& c, std::string_view torch_dtype
   if (family.mlp_bias_key) j["mlp_bias"] = false;
   if (family.window_opt_in) j["use_sliding_window"] = c.sliding_window != 0;
   if (family.window) j["sliding_window"] = c.sliding_window != 0 ? nlohmann::ordered_json(c.sliding_window) : nullptr;
+  if (family.phi3) {
+    j["partial_rotary_factor"] = c.partial_rotary_factor;
+    j["sliding_window"] = c.sliding_window != 0 ? nlohmann::ordered_json(c.sliding_window) : nullptr;
+    j["resid_pdrop"] = 0.0;
+    j["embd_pdrop"] = 0.0;
+  }
   if (family.gemma) {  // transformers ≥ 5 reads rope_theta/rope_scaling/rope_local_base_freq as < 5 wrote them
     j["rope_local_base_freq"] = c.local_rope_theta;
     // An int in Gemma3TextConfig, which from_pretrained checks.
@@ -544,12 +630,16 @@ std::vector<DecoderParam> decoder_params(const ModelConfig& c) {
   // The pre-norm families keep the order this engine has always used (bf16 masters' rounding keys
   // follow it, so checkpoints stay resumable); the others take their HF module order.
   if (f.norms == NormPlacement::kPre) add(R::kInputNorm, "input_layernorm.weight", {H});
-  add(R::kQ, "self_attn.q_proj.weight", {q_dim, H});
-  if (c.attention_bias) add(R::kQBias, "self_attn.q_proj.bias", {q_dim});
-  add(R::kK, "self_attn.k_proj.weight", {kv_dim, H});
-  if (c.attention_bias) add(R::kKBias, "self_attn.k_proj.bias", {kv_dim});
-  add(R::kV, "self_attn.v_proj.weight", {kv_dim, H});
-  if (c.attention_bias) add(R::kVBias, "self_attn.v_proj.bias", {kv_dim});
+  if (f.phi3) {  // fused, read and written as stored
+    add(R::kQkv, "self_attn.qkv_proj.weight", {q_dim + 2 * kv_dim, H});
+  } else {
+    add(R::kQ, "self_attn.q_proj.weight", {q_dim, H});
+    if (c.attention_bias) add(R::kQBias, "self_attn.q_proj.bias", {q_dim});
+    add(R::kK, "self_attn.k_proj.weight", {kv_dim, H});
+    if (c.attention_bias) add(R::kKBias, "self_attn.k_proj.bias", {kv_dim});
+    add(R::kV, "self_attn.v_proj.weight", {kv_dim, H});
+    if (c.attention_bias) add(R::kVBias, "self_attn.v_proj.bias", {kv_dim});
+  }
   add(R::kO, "self_attn.o_proj.weight", {H, q_dim});
   if (f.qk_norm != QkNorm::kNone) {
     const bool whole = f.qk_norm == QkNorm::kWhole;
@@ -557,8 +647,12 @@ std::vector<DecoderParam> decoder_params(const ModelConfig& c) {
     add(R::kKNorm, "self_attn.k_norm.weight", {whole ? kv_dim : D});
   }
   if (f.norms == NormPlacement::kPre) add(R::kPreMlpNorm, "post_attention_layernorm.weight", {H});
-  add(R::kGate, "mlp.gate_proj.weight", {I, H});
-  add(R::kUp, "mlp.up_proj.weight", {I, H});
+  if (f.phi3) {
+    add(R::kGateUp, "mlp.gate_up_proj.weight", {2 * I, H});
+  } else {
+    add(R::kGate, "mlp.gate_proj.weight", {I, H});
+    add(R::kUp, "mlp.up_proj.weight", {I, H});
+  }
   add(R::kDown, "mlp.down_proj.weight", {H, I});
   if (f.norms == NormPlacement::kPost) {
     add(R::kPostAttnNorm, "post_attention_layernorm.weight", {H});

@@ -1,6 +1,6 @@
-// ModelConfig: the shape of a LLaMA-shaped model (llama, mistral, qwen2, qwen3, olmo2, gemma3_text) read from a Hugging Face
-// config.json or a built-in preset, and ModelLayout: its parameters (HF names, HF shapes) and the
-// blocks forward runs, in order. No LibTorch. Pure values and functions; thread-safe.
+// ModelConfig: the shape of a LLaMA-shaped model (llama, mistral, qwen2, qwen3, olmo2, gemma3_text,
+// phi3) read from a Hugging Face config.json or a built-in preset, and ModelLayout: its parameters
+// (HF names, HF shapes) and the blocks forward runs, in order. No LibTorch. Pure values and functions; thread-safe.
 #pragma once
 
 #include <cstdint>
@@ -14,14 +14,19 @@
 
 namespace zo::engine {
 
-enum class RopeScalingType : uint8_t { kNone, kLinear, kLlama3 };
+enum class RopeScalingType : uint8_t { kNone, kLinear, kLlama3, kLongRope };
 
 struct RopeScaling {
   RopeScalingType type = RopeScalingType::kNone;
-  double factor = 1.0;
+  double factor = 1.0;                               // longrope: 0 = max_position_embeddings / original
   double low_freq_factor = 1.0;                      // llama3 only
   double high_freq_factor = 4.0;                     // llama3 only
-  uint64_t original_max_position_embeddings = 8192;  // llama3 only
+  uint64_t original_max_position_embeddings = 8192;  // llama3 and longrope
+  // longrope (Phi-3): the per-frequency divisors for rows up to original_max_position_embeddings
+  // (short) and longer (long), rotary_dim / 2 each, and the factor cos and sin are scaled by (0: from
+  // `factor`, as transformers derives it).
+  std::vector<double> short_factor, long_factor;
+  double attention_factor = 0;
 };
 
 // How a family's decoder block normalizes (Note [Model families]).
@@ -60,6 +65,7 @@ struct ModelFamily {
   NormPlacement norms;       // where the block's norms sit
   NormScale norm_scale;      // how a norm's weight scales
   bool rope_in_fp32;         // q, k rotated in fp32 and cast back (OLMo 2); else the tables are cast to q's dtype
+  bool phi3;    // Phi-3's: fused qkv_proj and gate_up_proj, partial_rotary_factor, longrope, resid/embd_pdrop
   bool gemma;   // Gemma 3's keys: hidden_activation, √hidden embedding scale, query_pre_attn_scalar, sliding and
                 // full layers with their own RoPE, logit soft-capping; tied by default
   bool window;  // a sliding window: mistral's always, Qwen's with use_sliding_window
@@ -93,11 +99,15 @@ struct ModelConfig {
   // Without sliding_layers, block_forward runs full causal attention and refuses sequences longer
   // than a set window.
   uint64_t sliding_window = 0;
-  // Gemma 3: per layer, whether it attends within the window (a query sees the sliding_window keys
-  // up to itself) with RoPE of local_rope_theta, unscaled, or to every earlier key with rope_theta
-  // and rope_scaling. Empty for the other families.
+  // Gemma 3 and Phi-3: per layer, whether it attends within the window (a query sees the
+  // sliding_window keys up to itself), or to every earlier key. Empty for the other families.
   std::vector<bool> sliding_layers;
-  double local_rope_theta = 10000.0;
+  // Gemma 3: the sliding layers rotate with this theta, unscaled; 0 (the others): every layer with
+  // rope_theta and rope_scaling.
+  double local_rope_theta = 0;
+  // Phi-3: RoPE rotates the first int(head_dim · factor) dims of each head and passes the rest.
+  double partial_rotary_factor = 1.0;
+  int64_t rotary_dim() const { return static_cast<int64_t>(static_cast<double>(head_dim) * partial_rotary_factor); }
 
   // The row of model_type (which must be one: parse_hf_config and model_preset only return those).
   const ModelFamily& family() const;
@@ -162,12 +172,15 @@ enum class DecoderRole : uint8_t {
   kO,
   kQNorm,
   kKNorm,
+  kQkv,  // Phi-3's qkv_proj: the q, k and v rows one after the other
+
   kPostAttnNorm,  // after attention, before the residual add (kPost, kSandwich)
   kPreMlpNorm,    // before the MLP (kPre, kSandwich)
   kPostMlpNorm,   // after the MLP, before the residual add (kPost, kSandwich)
   kGate,
   kUp,
   kDown,
+  kGateUp,  // Phi-3's gate_up_proj: the gate's rows, then up's
   kCount
 };
 struct DecoderParam {
@@ -180,7 +193,8 @@ struct DecoderParam {
 // post_attention_layernorm (the pre-MLP norm), gate_proj, up_proj, down_proj. OLMo 2 in its module order:
 // q/k/v/o_proj, q_norm, k_norm, gate/up/down_proj, post_attention_layernorm, post_feedforward_layernorm.
 // Gemma 3 likewise: ..., down_proj, input_layernorm, post_attention_layernorm, pre_feedforward_layernorm,
-// post_feedforward_layernorm.
+// post_feedforward_layernorm. Phi-3: input_layernorm, qkv_proj, o_proj, post_attention_layernorm,
+// gate_up_proj, down_proj.
 std::vector<DecoderParam> decoder_params(const ModelConfig& config);
 
 // Layout: the embedding; per layer decoder_params with the "model.layers.<i>." prefix; the head block:

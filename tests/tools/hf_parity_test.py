@@ -77,7 +77,7 @@ try:
     import torch.nn.functional as F
     import transformers
     from transformers import (AttentionInterface, AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig,
-                              Olmo2Config, Qwen2Config, Qwen3Config)
+                              Olmo2Config, Phi3Config, Qwen2Config, Qwen3Config)
 except ImportError as e:
     print("SKIP: the transformers oracle is not installed in %s (%s); tools/requirements.txt pins it" %
           (sys.executable, e))
@@ -124,7 +124,9 @@ TOLERANCES = {
     # another order (the engine's block-wise recompute, repeat_kv vs enable_gqa, an fp64 norm vs
     # torch's fp32 one, another Adam expression order). Measured ≤ 1.5e-7 in loss, ≤ 2.7e-7 in
     # grad_norm, ≤ 1.3e-6 in weights (Adam turns the rounding noise of a gradient element that nearly
-    # cancels into an update difference of up to 2.4e-5 on that one element), ≤ 1.2e-6 in logits.
+    # cancels into an update difference of up to 2.4e-5 on that one element) but for
+    # phi3-longrope-long, whose embedding has one such element moved 2.3e-4 apart (1.4e-5 over the
+    # tensor; its other elements ≤ 1.2e-5), ≤ 1.2e-6 in logits.
     # Bounds ≈ 15–40× that, for other kernels (GPU); a real error is far beyond them: eps 1e-6 in
     # place of 1e-8 moves grad_norm by 7e-5 by step 2, beta2 0.96 for 0.95 the weights by 8e-5, a
     # missing weight decay the weights by 1e-3, an Adam step more or less by ~1e-2.
@@ -185,6 +187,13 @@ if DEVICE == "cuda":
 
 
 # ---- The cases ---------------------------------------------------------------------------------
+
+def phi_longrope(n):
+    """A longrope dict for n = rotary_dim / 2 frequencies: short and long factors that differ per
+    frequency and from each other (as Phi's do), the long ones stretching the low frequencies most."""
+    return {"rope_type": "longrope", "rope_theta": 10000.0,
+            "short_factor": [1.0 + 0.05 * i for i in range(n)], "long_factor": [1.0 + 1.5 * i for i in range(n)]}
+
 
 # placement: where the params and the optimizer states live ("none" at ZeRO stage `stage`).
 CASES = [
@@ -266,12 +275,27 @@ CASES = [
     dict(name="gemma3-untied-fp32-nvme", arch="gemma3_text", tied=False, vocab=256, seq=32, disk="float32",
          shard=False, precision="fp32", placement="nvme", stage=3, gas=2, clip=1.0, schedule=None, lr=2e-3, seed=31,
          head_dim=16),
+    # Phi-3: fused qkv_proj and gate_up_proj, RoPE over part of each head (Phi-4-mini's 0.75: 12 of
+    # 16 dims; 0.5), longrope in both regimes: rows of 32 longer than original_max_position_embeddings
+    # 16 (the long factors) and shorter than 64 (the short ones), with the attention factor from
+    # max / original; and a window of 8 over every layer.
+    dict(name="phi3-longrope-long-fp32-none", arch="phi3", tied=False, vocab=320, seq=32, disk="float32", shard=False,
+         precision="fp32", placement="none", stage=3, gas=2, clip=0.5, schedule=None, lr=2e-3, seed=32, partial=0.5,
+         max_position=64, original_max=16, rope=phi_longrope(4)),
+    dict(name="phi3-longrope-short-bf16-cpu", arch="phi3", tied=True, vocab=384, seq=32, disk="bfloat16", shard=True,
+         precision="bf16", placement="cpu", stage=3, gas=2, clip=1.0, schedule="warmup", lr=2e-3, seed=33,
+         partial=0.75, max_position=512, original_max=64, rope=phi_longrope(6)),
+    dict(name="phi3-window-fp32-nvme", arch="phi3", tied=False, vocab=256, seq=32, disk="float32", shard=False,
+         precision="fp32", placement="nvme", stage=3, gas=2, clip=1.0, schedule=None, lr=2e-3, seed=34, partial=1.0,
+         max_position=64, original_max=64, window=8),
     dict(name="llama-tied-bf16-cpu-noacc", arch="llama", tied=True, vocab=256, seq=32, disk="float32",
          shard=False, precision="bf16", placement="cpu", stage=3, gas=2, clip=0.0, schedule="warmup", lr=2e-3,
          seed=22, accumulators="none"),
 ]
 
 WARMUP = {"warmup_min_lr": 1e-4, "warmup_num_steps": 3}
+
+
 # Gemma 3's own settings, each far from what a mistake would give: q·k scaled by 24^-1/2 (not the
 # head_dim 16's), a window of 4 on the sliding layer 0 (the rows are 32 long), linear RoPE scaling
 # on the full layer 1 and another theta on the sliding one, logits capped at 5.
@@ -338,6 +362,16 @@ def hf_config(case, rope=None):
             query_pre_attn_scalar=GEMMA["query_pre_attn_scalar"], sliding_window=GEMMA["sliding_window"],
             layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=GEMMA["softcap"],
             rope_parameters=rope or GEMMA["rope"])
+    if case["arch"] == "phi3":
+        # Phi3Config's pad_token_id (32000) lies outside these vocabularies; its sliding window,
+        # partial rotary and longrope come from the case.
+        return Phi3Config(
+            vocab_size=case["vocab"], hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
+            num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=case["max_position"],
+            original_max_position_embeddings=case["original_max"], rms_norm_eps=1e-5, initializer_range=INIT_STD,
+            tie_word_embeddings=case["tied"], pad_token_id=3, sliding_window=case.get("window"),
+            partial_rotary_factor=case["partial"],
+            rope_parameters=rope or case.get("rope", {"rope_type": "default", "rope_theta": 10000.0}))
     cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
            "olmo2": Olmo2Config}[case["arch"]]
     extra = {"head_dim": case["head_dim"]} if "head_dim" in case else {}
@@ -426,12 +460,12 @@ def fma32(a, b, c):
 _M64 = (1 << 64) - 1
 # The engine's parameter order within a decoder layer of the pre-norm families
 # (engine/model/model_config.cpp, decoder_params), which keys each parameter's rounding.
-_PRE_NORM = ("llama", "mistral", "qwen2", "qwen3")
-_LAYER_ORDER = ["input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.q_proj.bias",
+_PRE_NORM = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+_LAYER_ORDER = ["input_layernorm.weight", "self_attn.qkv_proj.weight", "self_attn.q_proj.weight", "self_attn.q_proj.bias",
                 "self_attn.k_proj.weight", "self_attn.k_proj.bias", "self_attn.v_proj.weight",
                 "self_attn.v_proj.bias", "self_attn.o_proj.weight", "self_attn.q_norm.weight",
                 "self_attn.k_norm.weight", "post_attention_layernorm.weight",
-                "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
+                "mlp.gate_up_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
 
 
 def engine_param_index(names, arch):
@@ -711,6 +745,36 @@ def check_premises(case, saved, ref_steps, batches, model_dir):
         expect(rel(plain, with_rope) > 10 * tightest,
                "%s: the rope settings matter: first loss %.6g, with the default rope %.6g" % (name, with_rope, plain))
         print("  premise: first loss %.7g with this rope, %.7g with the default one" % (with_rope, plain))
+    if case["arch"] == "phi3":
+        # The window, and the longrope regime the row length picks (moving original_max_position_embeddings
+        # to the row's other side switches it), change the first loss.
+        checks = []
+        if case.get("window"):
+            checks.append(("window", dict(sliding_window=None)))
+        if rope is not None and rope["rope_type"] == "longrope":
+            other = 64 if case["original_max"] < case["seq"] else 16
+            checks.append(("longrope regime", dict(original_max_position_embeddings=other, rope_parameters=dict(
+                rope, original_max_position_embeddings=other, factor=case["max_position"] / case["original_max"]))))
+        base = first_loss()
+        for what, override in checks:
+            other_loss = first_loss(**override)
+            expect(rel(other_loss, base) > 10 * tightest, "%s: the %s matters: first loss %.6g, otherwise %.6g" %
+                   (name, what, base, other_loss))
+    if case["arch"] == "phi3":
+        # The window, and the longrope regime the row length picks (moving original_max_position_embeddings
+        # to the row's other side switches it), change the first loss.
+        checks = []
+        if case.get("window"):
+            checks.append(("window", dict(sliding_window=None)))
+        if rope is not None and rope["rope_type"] == "longrope":
+            other = 64 if case["original_max"] < case["seq"] else 16
+            checks.append(("longrope regime", dict(original_max_position_embeddings=other, rope_parameters=dict(
+                rope, original_max_position_embeddings=other, factor=case["max_position"] / case["original_max"]))))
+        base = first_loss()
+        for what, override in checks:
+            other_loss = first_loss(**override)
+            expect(rel(other_loss, base) > 10 * tightest, "%s: the %s matters: first loss %.6g, otherwise %.6g" %
+                   (name, what, base, other_loss))
     if case["arch"] == "gemma3_text":
         # Each of Gemma's own settings changes the first loss: the window, the rope of either layer
         # type, the attention scale and the soft-capping.

@@ -154,6 +154,39 @@ std::string gemma3_12b() {
   "use_cache": true, "vocab_size": 262208})";
 }
 
+// Phi-3-mini-4k-instruct's config.json from its model page (auto_map left out): window 2047 on
+// every layer, RoPE unscaled over the whole head.
+constexpr const char* kPhi3_mini = R"({
+  "architectures": ["Phi3ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0, "bos_token_id": 1,
+  "embd_pdrop": 0.0, "eos_token_id": 32000, "hidden_act": "silu", "hidden_size": 3072, "initializer_range": 0.02,
+  "intermediate_size": 8192, "max_position_embeddings": 4096, "model_type": "phi3", "num_attention_heads": 32,
+  "num_hidden_layers": 32, "num_key_value_heads": 32, "original_max_position_embeddings": 4096, "pad_token_id": 32000,
+  "resid_pdrop": 0.0, "rms_norm_eps": 1e-05, "rope_scaling": null, "rope_theta": 10000.0, "sliding_window": 2047,
+  "tie_word_embeddings": false, "torch_dtype": "bfloat16", "transformers_version": "4.40.2", "use_cache": true,
+  "vocab_size": 32064})";
+
+// Phi-4-mini-instruct's config.json from its model page (auto_map left out, and its 48 short and 48
+// long RoPE factors replaced by placeholders of the same count): GQA, RoPE over 0.75 of each head
+// with longrope, tied, and the keys transformers' Phi3Config does not read (lm_head_bias, mlp_bias,
+// full_attn_mod, interpolate_factor).
+std::string phi4_mini() {
+  std::string short_factor, long_factor;
+  for (int i = 0; i < 48; ++i) {
+    short_factor += std::string(i == 0 ? "" : ", ") + "1.0";
+    long_factor += std::string(i == 0 ? "" : ", ") + std::to_string(1.0 + i);
+  }
+  return R"({"architectures": ["Phi3ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+  "bos_token_id": 199999, "embd_pdrop": 0.0, "eos_token_id": 199999, "full_attn_mod": 1, "hidden_act": "silu",
+  "hidden_size": 3072, "initializer_range": 0.02, "intermediate_size": 8192, "interpolate_factor": 1,
+  "lm_head_bias": false, "max_position_embeddings": 131072, "mlp_bias": false, "model_type": "phi3",
+  "num_attention_heads": 24, "num_hidden_layers": 32, "num_key_value_heads": 8,
+  "original_max_position_embeddings": 4096, "pad_token_id": 199999, "partial_rotary_factor": 0.75,
+  "resid_pdrop": 0.0, "rms_norm_eps": 1e-05, "rope_scaling": {"long_factor": [)" +
+         long_factor + R"(], "short_factor": [)" + short_factor + R"(], "type": "longrope"},
+  "rope_theta": 10000.0, "sliding_window": 262144, "tie_word_embeddings": true, "torch_dtype": "bfloat16",
+  "transformers_version": "4.45.0", "use_cache": true, "vocab_size": 200064})";
+}
+
 // Qwen3-8B's config.json from its model page (transformers 4.51).
 constexpr const char* kQwen3_8b = R"({
   "architectures": ["Qwen3ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0, "bos_token_id": 151643,
@@ -224,6 +257,10 @@ void expect_same(const ModelConfig& a, const ModelConfig& b) {
   EXPECT_EQ(a.final_logit_softcap, b.final_logit_softcap);
   EXPECT_EQ(a.sliding_layers, b.sliding_layers);
   EXPECT_EQ(a.local_rope_theta, b.local_rope_theta);
+  EXPECT_EQ(a.partial_rotary_factor, b.partial_rotary_factor);
+  EXPECT_EQ(a.rope_scaling.short_factor, b.rope_scaling.short_factor);
+  EXPECT_EQ(a.rope_scaling.long_factor, b.rope_scaling.long_factor);
+  EXPECT_EQ(a.rope_scaling.attention_factor, b.rope_scaling.attention_factor);
 }
 
 TEST(HfConfig, ParsesLlama2) {
@@ -399,6 +436,72 @@ TEST(HfConfig, RefusesGemma3SettingsNotImplemented) {
   const Result<ModelConfig> r = parse_hf_config(local_scaled, "config.json");
   ASSERT_FALSE(r.is_ok());
   EXPECT_THAT(r.status().message(), HasSubstr("rope_parameters.sliding_attention"));
+}
+
+// Phi-3: fused qkv_proj and gate_up_proj read as stored, partial rotary and longrope. Parameter
+// counts are transformers' for these configs (Phi3ForCausalLM on the meta device): 3,821,079,552
+// (Phi-3-mini) and 3,836,021,760 (Phi-4-mini).
+TEST(HfConfig, ParsesPhi3AndPhi4Mini) {
+  const ModelConfig mini = parse_ok(kPhi3_mini);
+  EXPECT_EQ(mini.model_type, "phi3");
+  EXPECT_TRUE(mini.family().phi3);
+  EXPECT_EQ(mini.rotary_dim(), 96);
+  EXPECT_EQ(mini.sliding_window, 2047u);
+  EXPECT_EQ(mini.sliding_layers, std::vector<bool>(32, true)) << "Phi-3's window is every layer's";
+  EXPECT_EQ(mini.pad_token_id, 32000);
+  EXPECT_EQ(num_parameters(mini), 3'821'079'552u);
+  const ModelLayout layout = model_layout(mini);
+  EXPECT_EQ(layout_elems(layout), num_parameters(mini));
+  std::vector<std::string> names;
+  for (const uint32_t p : layout.blocks[1].params) names.push_back(layout.params[p].name);
+  EXPECT_THAT(names, ::testing::ElementsAre(
+                         "model.layers.0.input_layernorm.weight", "model.layers.0.self_attn.qkv_proj.weight",
+                         "model.layers.0.self_attn.o_proj.weight", "model.layers.0.post_attention_layernorm.weight",
+                         "model.layers.0.mlp.gate_up_proj.weight", "model.layers.0.mlp.down_proj.weight"));
+  EXPECT_EQ(layout.params[layout.blocks[1].params[1]].shape, (std::vector<int64_t>{3 * 3072, 3072}));
+  EXPECT_EQ(layout.params[layout.blocks[1].params[4]].shape, (std::vector<int64_t>{2 * 8192, 3072}));
+
+  const ModelConfig phi4 = parse_ok(phi4_mini());
+  EXPECT_EQ(num_parameters(phi4), 3'836'021'760u);
+  EXPECT_TRUE(phi4.tie_word_embeddings);
+  EXPECT_EQ(phi4.partial_rotary_factor, 0.75);
+  EXPECT_EQ(phi4.rotary_dim(), 96);
+  EXPECT_EQ(phi4.rope_scaling.type, RopeScalingType::kLongRope);
+  EXPECT_EQ(phi4.rope_scaling.original_max_position_embeddings, 4096u);
+  ASSERT_EQ(phi4.rope_scaling.long_factor.size(), 48u);
+  EXPECT_EQ(phi4.rope_scaling.long_factor[47], 48.0);
+  EXPECT_EQ(layout_elems(model_layout(phi4)), num_parameters(phi4));
+}
+
+// What Phi-3 sets that zoffload does not compute is refused, naming the key.
+TEST(HfConfig, RefusesPhi3SettingsNotImplemented) {
+  auto with = [](std::string text, const std::string& from, const std::string& to) {
+    const size_t at = text.find(from);
+    EXPECT_NE(at, std::string::npos) << from;
+    return text.replace(at, from.size(), to);
+  };
+  for (const auto& [text, key] : std::vector<std::pair<std::string, std::string>>{
+           {with(kPhi3_mini, "\"resid_pdrop\": 0.0", "\"resid_pdrop\": 0.1"), "resid_pdrop"},
+           {with(kPhi3_mini, "\"embd_pdrop\": 0.0", "\"embd_pdrop\": 0.1"), "embd_pdrop"},
+           {with(kPhi3_mini, "\"rope_scaling\": null", "\"rope_scaling\": {\"type\": \"dynamic\", \"factor\": 2.0}"),
+            "rope_scaling.type"},
+           {with(phi4_mini(), "\"partial_rotary_factor\": 0.75", "\"partial_rotary_factor\": 0.7"),
+            "partial_rotary_factor"},
+           {with(phi4_mini(), "\"partial_rotary_factor\": 0.75", "\"partial_rotary_factor\": 0.5"), "rope_scaling"},
+           {with(phi4_mini(), "\"type\": \"longrope\"", "\"type\": \"longrope\", \"short_factor\": 2"),
+            "rope_scaling.short_factor"},
+           {with(kPhi3_mini, "\"pad_token_id\": 32000,", ""), "pad_token_id"}}) {
+    std::string input = text;
+    if (key == "pad_token_id") input = with(input, "\"vocab_size\": 32064", "\"vocab_size\": 32000");
+    const Result<ModelConfig> r = parse_hf_config(input, "config.json");
+    ASSERT_FALSE(r.is_ok()) << key;
+    EXPECT_THAT(r.status().message(), HasSubstr("key '" + key + "'")) << key;
+  }
+  // partial_rotary_factor is Phi-3's only.
+  const Result<ModelConfig> llama =
+      parse_hf_config(llama2_with("rms_norm_eps", "1e-05, \"partial_rotary_factor\": 0.5"), "config.json");
+  ASSERT_FALSE(llama.is_ok());
+  EXPECT_THAT(llama.status().message(), HasSubstr("partial_rotary_factor"));
 }
 
 // pad_token_id is nn.Embedding's padding_idx in transformers: read, the family's default where absent,
@@ -736,15 +839,16 @@ TEST(ModelLayout, TiedHeadReusesEmbeddingAndQwenHasBiases) {
 }
 
 TEST(HfConfigExport, RoundTripsEveryFamily) {
-  for (const std::string& text :
-       {std::string(kLlama2_7b), std::string(kLlama31_8b), std::string(kQwen2_05b), std::string(kMistral_7b),
-        std::string(kQwen3_8b), std::string(kOlmo2_7b), std::string(kGemma3_4b), gemma3_12b()}) {
+  for (const std::string& text : {std::string(kLlama2_7b), std::string(kLlama31_8b), std::string(kQwen2_05b),
+                                  std::string(kMistral_7b), std::string(kQwen3_8b), std::string(kOlmo2_7b),
+                                  std::string(kGemma3_4b), gemma3_12b(), std::string(kPhi3_mini), phi4_mini()}) {
     ModelConfig c = parse_ok(text);
     const std::string json = to_hf_config_json(c, "bfloat16");
     EXPECT_THAT(json, HasSubstr(c.model_type == "qwen2"         ? "Qwen2ForCausalLM"
                                 : c.model_type == "qwen3"       ? "Qwen3ForCausalLM"
                                 : c.model_type == "olmo2"       ? "Olmo2ForCausalLM"
                                 : c.model_type == "gemma3_text" ? "Gemma3ForCausalLM"
+                                : c.model_type == "phi3"        ? "Phi3ForCausalLM"
                                 : c.model_type == "mistral"     ? "MistralForCausalLM"
                                                                 : "LlamaForCausalLM"));
     c.source_dtype = "bfloat16";

@@ -308,6 +308,36 @@ TEST(Rope, InvFreqMatchesTransformersFormulas) {
     EXPECT_NEAR(linear[i].item<double>(), std::pow(10000.0, -2.0 * static_cast<double>(i) / 128.0) / 4.0, 1e-6) << i;
 }
 
+// Phi's longrope over a partial rotary width: inv_freq[i] = 1 / (factor[i] · theta^(2i / rotary_dim)),
+// the long factors for rows longer than original_max_position_embeddings, the short ones otherwise;
+// cos and sin scaled by transformers' attention factor (1.1902380714238083 for Phi-4-mini's 131072 /
+// 4096, as transformers 5.17 computes it).
+TEST(Rope, LongRopeSwitchesFactorsByRowLengthOverThePartialWidth) {
+  ModelConfig c = test_config(false);
+  c.model_type = "phi3";
+  c.head_dim = 16;
+  c.partial_rotary_factor = 0.75;  // 12 dims turn
+  c.max_position_embeddings = 131072;
+  c.rope_scaling.type = RopeScalingType::kLongRope;
+  c.rope_scaling.factor = 0;
+  c.rope_scaling.original_max_position_embeddings = 4096;
+  c.rope_scaling.short_factor = {1.0, 1.5, 2.0, 2.5, 3.0, 3.5};
+  c.rope_scaling.long_factor = {4.0, 8.0, 16.0, 32.0, 64.0, 128.0};
+  const torch::Tensor short_rows = rope_inv_freq(c, 4096), long_rows = rope_inv_freq(c, 4097);
+  ASSERT_EQ(short_rows.numel(), 6);
+  for (int64_t i = 0; i < 6; ++i) {
+    const double base = std::pow(10000.0, -2.0 * static_cast<double>(i) / 12.0);
+    EXPECT_NEAR(short_rows[i].item<double>(), base / c.rope_scaling.short_factor[static_cast<size_t>(i)], 1e-6 * base);
+    EXPECT_NEAR(long_rows[i].item<double>(), base / c.rope_scaling.long_factor[static_cast<size_t>(i)], 1e-6 * base);
+  }
+  EXPECT_DOUBLE_EQ(rope_attention_factor(c), 1.1902380714238083);
+  const RopeTables t = make_rope_tables(c, 8, torch::kCPU);
+  ASSERT_EQ(t.cos.size(1), 12);
+  EXPECT_NEAR(t.cos[0][0].item<double>(), 1.1902380714238083, 1e-6);  // cos 0, scaled
+  c.rope_scaling.attention_factor = 1.5;                              // given: used as is
+  EXPECT_EQ(rope_attention_factor(c), 1.5);
+}
+
 TEST(Rope, TablesAreCosSinOfPositionTimesFrequencyTwice) {
   const ModelConfig c = *model_preset("tiny");
   const RopeTables t = make_rope_tables(c, 50, torch::kCPU);
