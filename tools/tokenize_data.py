@@ -7,7 +7,8 @@
                    [--no-eos] [--no-special-tokens] [--json] [-q]
 
 The tokenizer is loaded from DIR with transformers (local files only, never the network) and every
-id is checked against DIR/config.json's vocab_size. Input, by --format (default: jsonl for .jsonl
+id is checked against DIR/config.json's vocab_size (at its top or in "text_config"; where it names
+none, transformers' default for its model_type). Input, by --format (default: jsonl for .jsonl
 inputs, text otherwise):
   text   plain UTF-8; --split paragraph (default: blank lines separate documents), line (each
          non-blank line is a document) or file (each input file is one document, read whole).
@@ -141,7 +142,15 @@ def parse_args(argv):
 
 # ---- the model directory -------------------------------------------------------------------------
 
+# Note [Default vocab_size]: transformers writes a nested config (a multimodal model's text_config)
+# with only the values that differ from its class's defaults, so gemma-3-4b-it's config.json has no
+# vocab_size anywhere: its text_config is Gemma3TextConfig's, whose default is 262208. Where
+# config.json names no vocab_size at its top or in "text_config", the tool takes the one transformers
+# loads the config with (AutoConfig, the model_type's default), once the tokenizer has imported
+# transformers. A vocab_size that is there but not a positive integer is an error, not a default.
 def read_vocab_size(model_dir):
+    """config.json's vocab_size, at its top or in "text_config"; None where neither names one (Note
+    [Default vocab_size])."""
     path = os.path.join(model_dir, "config.json")
     try:
         with open(path, "rb") as f:
@@ -152,10 +161,30 @@ def read_vocab_size(model_dir):
         raise Failure("%s: not valid JSON (%s)" % (path, e))
     except OSError as e:
         raise Failure("cannot read %s: %s" % (path, e.strerror or e), 1)
-    for c in (config, config.get("text_config") if isinstance(config, dict) else None):
-        if isinstance(c, dict) and isinstance(c.get("vocab_size"), int) and c["vocab_size"] > 0:
+    text_config = config.get("text_config") if isinstance(config, dict) else None
+    levels = [c for c in (config, text_config) if isinstance(c, dict)]
+    for c in levels:
+        if isinstance(c.get("vocab_size"), int) and c["vocab_size"] > 0:
             return c["vocab_size"]
-    raise Failure('%s: no positive integer "vocab_size"' % path)
+    if not levels or any("vocab_size" in c for c in levels):
+        raise Failure('%s: no positive integer "vocab_size"' % path)
+    return None
+
+
+def default_vocab_size(model_dir):
+    """Note [Default vocab_size]: the vocab_size transformers gives the config (load_tokenizer first)."""
+    path = os.path.join(model_dir, "config.json")
+    try:
+        config = sys.modules["transformers"].AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        n = config.get_text_config().vocab_size
+    except Exception as e:  # ValueError for an unknown model_type, and whatever a config class raises
+        blame = torch_blame(e)
+        raise Failure('%s: no "vocab_size" (at its top or in "text_config"), and transformers cannot load the config '
+                      'for its default: %s%s' % (path, first_line(e), "; " + blame if blame else ""), 1 if blame else 2)
+    if not isinstance(n, int) or n <= 0:
+        raise Failure('%s: no "vocab_size" (at its top or in "text_config"), and transformers\' default for it is %r'
+                      % (path, n))
+    return n
 
 
 def check_model_dir(model_dir):
@@ -504,14 +533,31 @@ class Encoder:
 
 
 # Note [Assistant spans]: the labels of a conversation come from rendering it incrementally. For
-# each assistant message i, render(messages[:i], add_generation_prompt=True) must be a prefix of
-# render(messages[:i+1]), which must be a prefix of the whole conversation's rendering; the reply is
-# the text between the two prefixes: its content and whatever the template closes the turn with
-# (end-of-turn token, line break). A template that renders earlier turns differently once more
-# follow (e.g. one that drops past reasoning) has no such spans and is refused. The whole rendering
-# is then encoded once without added special tokens (the template writes its own, as
+# each assistant message i, before = render(messages[:i], add_generation_prompt=True) must be a
+# prefix of through = render(messages[:i+1]) and of the whole conversation's rendering; the reply is
+# the text between before and through: its content and whatever the template closes the turn with
+# (end-of-turn token, line break). Where through is a prefix of the whole rendering too, that text is
+# the reply there. Otherwise the template renders the reply differently once more messages follow,
+# and two such changes are known (Note [Changed replies]); the reply is then the text of the
+# reply as through has it less one or both, found verbatim right after before in the whole
+# rendering, and a template that changes earlier turns in any other way is refused. The whole
+# rendering is then encoded once without added special tokens (the template writes its own, as
 # apply_chat_template(tokenize=True) does) and a token keeps its label when its characters overlap
 # a reply.
+#
+# Note [Changed replies]: what templates do to a reply that is not the last message.
+#  - They drop its reasoning: Qwen3 opens the last reply after the last user message with a
+#    <think>...</think> block (empty, "<think>\n\n</think>\n\n", when the message has no reasoning)
+#    and renders earlier replies without it. The reply in the whole rendering is the rest of it
+#    (the block, the whitespace after it, or part of that whitespace, cut from its head), so an
+#    earlier reply is labelled from its answer on and the last one with its block.
+#  - They end the conversation with the end-of-text token after the last message, where no
+#    generation prompt follows (Phi-3 and Phi-4-mini write eos_token there). An earlier
+#    reply ends before it (at its <|end|>); the last reply keeps it, as what the template closes it
+#    with.
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
 class ChatEncoder:
     def __init__(self, tok, model_dir):
         if getattr(tok, "backend_tokenizer", None) is None:
@@ -522,6 +568,7 @@ class ChatEncoder:
                           "chat_template.jinja), which --format chat renders conversations with" % model_dir)
         self.tok = tok
         self.backend = tok.backend_tokenizer
+        self.eos_text = tok.eos_token
 
     def render(self, messages, generation_prompt, where):
         try:
@@ -535,7 +582,8 @@ class ChatEncoder:
         return text
 
     def spans(self, messages, where):
-        """The whole rendering and the [begin, end) character spans of the assistant replies."""
+        """The whole rendering and the [begin, end) character spans of the assistant replies (Note
+        [Assistant spans])."""
         full = self.render(messages, False, where)
         spans = []
         for i, m in enumerate(messages):
@@ -543,14 +591,52 @@ class ChatEncoder:
                 continue
             before = self.render(messages[:i], True, where)
             through = self.render(messages[:i + 1], False, where)
-            if not through.startswith(before) or not full.startswith(through):
-                raise Failure("%s: the chat template is not prefix-stable at message %d (assistant): rendering the "
-                              "conversation up to it %s, so its reply's tokens cannot be told apart"
-                              % (where, i, "with the generation prompt is not a prefix of rendering it with the reply"
-                                 if not through.startswith(before) else "is not a prefix of rendering all of it"))
-            if len(through) > len(before):
-                spans.append((len(before), len(through)))
+            if not through.startswith(before):
+                problem = "with the generation prompt is not a prefix of rendering it with the reply"
+            elif not full.startswith(before):
+                problem = "with the generation prompt is not a prefix of rendering all of it"
+            else:
+                reply = self.reply_in(full, len(before), through[len(before):])
+                if reply is not None:
+                    if reply:
+                        spans.append((len(before), len(before) + len(reply)))
+                    continue
+                problem = ("with the reply is not a prefix of rendering all of it, nor is it without a leading %s...%s "
+                           "block or a closing end-of-text token" % (THINK_OPEN, THINK_CLOSE))
+            raise Failure("%s: the chat template is not prefix-stable at message %d (assistant): rendering the "
+                          "conversation up to it %s, so its reply's tokens cannot be told apart" % (where, i, problem))
         return full, spans
+
+    def reply_in(self, full, begin, reply):
+        """The reply as full has it at begin: reply itself, or reply less the changes of Note
+        [Changed replies]; None where it is none of them."""
+        if full.startswith(reply, begin):
+            return reply
+        tails = [reply]
+        if self.eos_text and reply.endswith(self.eos_text) and len(reply) > len(self.eos_text):
+            tails.append(reply[:-len(self.eos_text)])
+        for tail in tails:
+            for cut in [0] + self.reasoning_cuts(tail):
+                kept = tail[cut:]
+                if kept and full.startswith(kept, begin):
+                    return kept
+        return None
+
+    @staticmethod
+    def reasoning_cuts(reply):
+        """Where a leading <think>...</think> block of reply ends, and each place in the whitespace after it."""
+        opened = len(reply) - len(reply.lstrip())
+        if not reply.startswith(THINK_OPEN, opened):
+            return []
+        close = reply.find(THINK_CLOSE, opened + len(THINK_OPEN))
+        if close < 0:
+            return []
+        end = close + len(THINK_CLOSE)
+        cuts = [end]
+        while end < len(reply) and reply[end].isspace():
+            end += 1
+            cuts.append(end)
+        return cuts
 
     def encode(self, conversations):
         """(input_ids, labels) of each (where, messages)."""
@@ -704,6 +790,8 @@ def run(args):
     check_model_dir(args.model)
     vocab_size = read_vocab_size(args.model)
     tok = load_tokenizer(args.model)
+    if vocab_size is None:
+        vocab_size = default_vocab_size(args.model)
     specials = special_ids(tok)
     check_tokenizer_size(tok, specials, vocab_size, args.model)
     special_texts = sorted({t for t in tok.convert_ids_to_tokens(sorted(specials)) if t}, key=len, reverse=True)

@@ -4,14 +4,20 @@ network): text paragraphs, lines and whole files, JSONL with a named field, and 
 65536 become llm.c .bin files whose header is right and whose tokens are the tokenizer's own
 encoding of each document followed by the end-of-text token, decoding back to the input; chat JSONL
 keeps labels on exactly the assistant replies, computed here piece by piece from the template's
-parts; both outputs train with `zoffload train` on a LLaMA written by transformers. A missing or
-tokenizer-less model directory, one with tokenizer_config.json but no vocabulary file, one whose
-vocabulary files are empty (transformers loads a tokenizer of special tokens only), a document the
-tokenizer encodes to special tokens only, an id past vocab_size, a chat file for a tokenizer without
-a chat template or with one that is not prefix-stable, a malformed JSONL line, a line nested
-100,000 deep, a lone UTF-16 surrogate in JSONL or chat text (escaped or as bytes; an escaped pair is
-its character), a missing field and bad usage each fail with one line and exit 2; a failed write, a transformers that breaks under the
-tool's block on importing torch and one that cannot be imported fail with one line and exit 1. None
+parts. So it does with the chat templates of Qwen3 (which drops the <think> block of earlier
+replies), OLMo 2, Gemma 3, Phi-3 and Phi-4-mini (which end the conversation with eos), whose
+renderings are written out here by hand, with apply_chat_template's input_ids; gemma-3-4b-it's
+config.json, which has no vocab_size, gets transformers' default. Both outputs train with
+`zoffload train` on a LLaMA written by transformers. A missing or tokenizer-less model directory,
+one with tokenizer_config.json but no vocabulary file, one whose vocabulary files are empty
+(transformers loads a tokenizer of special tokens only), a document the tokenizer encodes to
+special tokens only, an id past vocab_size, a config.json with neither a vocab_size nor a
+model_type transformers knows, a chat file for a tokenizer without a chat template
+or with one that is not prefix-stable (a made-up one; Qwen3's where two replies follow the last
+user message), a malformed JSONL line, a line nested 100,000 deep, a lone UTF-16 surrogate in JSONL
+or chat text (escaped or as bytes; an escaped pair is its character), a missing field and bad usage
+each fail with one line and exit 2; a failed write, a transformers that breaks under the tool's
+block on importing torch and one that cannot be imported fail with one line and exit 1. None
 leaves an output or a temporary file, and an existing --out is untouched. With
 ZO_TOKENIZE_ALLOW_TORCH=1 (the block off) the tool writes the same tokens.
 Usage: tokenize_cli_test.py TOOLS/tokenize_data.py ZOFFLOAD"""
@@ -24,6 +30,8 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 from cli_checks import expect, report_and_exit
+from chat_families import (FAMILIES, FAMILY_CHATS, GEMMA3_4B_CONFIG, GEMMA3_VOCAB_SIZE, QWEN3_UNMASKABLE,
+                          SYS_MULTI)
 
 tool, zoffload = sys.argv[1], sys.argv[2]
 
@@ -60,15 +68,18 @@ CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
           "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}}
 
 
-def make_tokenizer():
-    """A byte-level BPE (any text round-trips) trained on TRAIN_LINES, with ChatML's special tokens."""
+def make_tokenizer(specials=(EOS, IM_START, IM_END), eos=EOS, bos=None, added=()):
+    """A byte-level BPE (any text round-trips) trained on TRAIN_LINES, with these special tokens
+    (ChatML's unless given) and added ordinary tokens."""
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     bpe.train_from_iterator(TRAIN_LINES * 4, trainers.BpeTrainer(
-        vocab_size=320, special_tokens=[EOS, IM_START, IM_END], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=320, special_tokens=list(specials), initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False))
-    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=eos, bos_token=bos)
+    tok.add_tokens(list(added))
+    return tok
 
 
 def write_model_dir(d, tok, template, vocab_size=None, weights=False):
@@ -144,6 +155,19 @@ with tempfile.TemporaryDirectory(prefix="zo-tokenize-cli-", dir=os.environ.get("
         write(p("emptyvocab", f), open(p("configonly", f)).read())
     write(p("emptyvocab", "vocab.json"), "{}")
     write(p("emptyvocab", "merges.txt"), "#version: 0.2\n")
+    for family, (model_type, template, specials, f_eos, f_bos, added) in FAMILIES.items():
+        ftok = make_tokenizer(specials, f_eos, f_bos, added)
+        ftok.chat_template = template
+        ftok.save_pretrained(p(family))
+        write(p(family, "config.json"), json.dumps({"model_type": model_type, "vocab_size": len(ftok)}))
+        write(p("chat-%s.jsonl" % family), "".join(json.dumps({"messages": c}) + "\n" for c, _ in FAMILY_CHATS[family]))
+        if family == "gemma3":
+            ftok.save_pretrained(p("gemma3-4b"))
+            write(p("gemma3-4b", "config.json"), json.dumps(GEMMA3_4B_CONFIG))
+    write(p("qwen3-unmaskable.jsonl"), "".join(json.dumps({"messages": c}) + "\n" for c in (SYS_MULTI, QWEN3_UNMASKABLE)))
+    # No vocab_size, and a model_type transformers does not know, so no default for it either.
+    tok.save_pretrained(p("novocab"))
+    write(p("novocab", "config.json"), json.dumps({"model_type": "no_such_model_zo", "hidden_size": 64}))
     wordlevel = make_wordlevel()
     wordlevel.save_pretrained(p("wordlevel"))
     write(p("wordlevel", "config.json"), json.dumps({"model_type": "llama", "vocab_size": len(wordlevel)}))
@@ -219,7 +243,12 @@ with tempfile.TemporaryDirectory(prefix="zo-tokenize-cli-", dir=os.environ.get("
         "chat": ["--model", model, "--input", p("chat.jsonl"), "--format", "chat", "--out", p("out", "chat.jsonl"),
                  "--json"],
         "pair": ["--model", model, "--input", p("pair.jsonl"), "--out", p("out", "pair.jsonl"), "-q"],
+        "gemma3-4b": ["--model", p("gemma3-4b"), "--input", p("chat-gemma3.jsonl"), "--format", "chat",
+                      "--out", p("out", "chat-gemma3-4b.jsonl"), "--json"],
     }
+    for family in FAMILIES:
+        runs["chat " + family] = ["--model", p(family), "--input", p("chat-%s.jsonl" % family), "--format", "chat",
+                                  "--out", p("out", "chat-%s.jsonl" % family), "--json"]
     # (args, exit code, what the one line must contain); args may be (args, env, prefix) as run_tool takes
     failures = {
         "config only": (["--model", p("configonly"), "--input", p("corpus.txt"), "--out", p("existing", "keep.bin")], 2,
@@ -244,6 +273,15 @@ with tempfile.TemporaryDirectory(prefix="zo-tokenize-cli-", dir=os.environ.get("
                               "--out", p("existing", "keep.jsonl")], 2, "no chat template"),
         "not prefix-stable": (["--model", p("unstable"), "--input", p("chat.jsonl"), "--format", "chat",
                                "--out", p("existing", "keep.jsonl")], 2, "chat.jsonl:1: the chat template is not prefix-stable"),
+        "qwen3 unmaskable": (["--model", p("qwen3"), "--input", p("qwen3-unmaskable.jsonl"), "--format", "chat",
+                              "--out", p("existing", "keep.jsonl")], 2,
+                             "qwen3-unmaskable.jsonl:2: the chat template is not prefix-stable at message 2 (assistant): "
+                             "rendering the conversation up to it with the generation prompt is not a prefix of "
+                             "rendering it with the reply"),
+        "no vocab_size": (["--model", p("novocab"), "--input", p("corpus.txt"), "--out", p("existing", "keep.bin")], 2,
+                          'config.json: no "vocab_size" (at its top or in "text_config"), and transformers cannot load '
+                          'the config for its default: The checkpoint you are trying to load has model type '
+                          '`no_such_model_zo`'),
         "malformed line": (["--model", model, "--input", p("bad.jsonl"), "--out", p("existing", "keep.bin")], 2,
                            "bad.jsonl:5001: not valid JSON"),
         "lone surrogate": (["--model", model, "--input", p("surrogate.jsonl"), "--out", p("existing", "keep.bin")], 2,
@@ -342,6 +380,42 @@ with tempfile.TemporaryDirectory(prefix="zo-tokenize-cli-", dir=os.environ.get("
         s = json.loads(done["chat"].stdout)
         expect(s["conversations_without_reply"] == 4 and s["labelled_tokens"] == sum(
             sum(1 for l in r["labels"] if l != -100) for r in rows), "chat summary: %s" % s)
+
+    # The families' templates (issue 44): input_ids are apply_chat_template's, and equal the expected
+    # rendering's pieces encoded one by one (each piece starts a pre-token), whose labelled pieces
+    # are exactly the labels.
+    from transformers import AutoTokenizer
+    for family in FAMILIES:
+        key = "chat " + family
+        if not ok(key):
+            continue
+        ftok = AutoTokenizer.from_pretrained(p(family))
+        rows = [json.loads(l) for l in open(p("out", "chat-%s.jsonl" % family))]
+        expect(len(rows) == len(FAMILY_CHATS[family]), "%s: one line per conversation: %d" % (key, len(rows)))
+        for k, (row, (conv, pieces)) in enumerate(zip(rows, FAMILY_CHATS[family])):
+            ids, labels = [], []
+            for text, labelled in pieces:
+                piece = ftok.encode(text, add_special_tokens=False)
+                ids += piece
+                labels += piece if labelled else [-100] * len(piece)
+            whole = ftok.apply_chat_template(conv, tokenize=True, return_dict=True)["input_ids"]
+            rendered = ftok.apply_chat_template(conv, tokenize=False)
+            expect(rendered == "".join(t for t, _ in pieces), "%s %d: the template renders as written out here:"
+                   "\n  got  %r\n  want %r" % (key, k, rendered, "".join(t for t, _ in pieces)))
+            expect(row["input_ids"] == whole == ids, "%s %d: input_ids are apply_chat_template's tokens:\n  got  %s\n"
+                   "  template %s\n  pieces   %s" % (key, k, row["input_ids"], whole, ids))
+            expect(row["labels"] == labels, "%s %d: labels on exactly the replies and what closes their turn %r, "
+                   "got them on %r:\n  got  %s\n  want %s" % (key, k, [t for t, l in pieces if l], ftok.decode(
+                       [t for t in row["labels"] if t != -100]), row["labels"], labels))
+        s = json.loads(done[key].stdout)
+        expect(s["vocab_size"] == len(ftok) and s["conversations_without_reply"] == 0,
+               "%s: the summary names config.json's vocab_size %d: %s" % (key, len(ftok), s))
+    if ok("gemma3-4b") and done["chat gemma3"].returncode == 0:
+        s = json.loads(done["gemma3-4b"].stdout)
+        expect(s["vocab_size"] == GEMMA3_VOCAB_SIZE, "gemma3 config.json without vocab_size: transformers' %d: %s"
+               % (GEMMA3_VOCAB_SIZE, s))
+        expect(open(p("out", "chat-gemma3-4b.jsonl")).read() == open(p("out", "chat-gemma3.jsonl")).read(),
+               "gemma-3-4b-it's config.json: the same rows as gemma3_text's")
 
     # Failures: one line, the exit code, nothing written, an existing --out untouched.
     first_bad = next((i, t) for i, l in enumerate(small_lines) for t in enc(l) + [eos] if t >= 259)
