@@ -56,7 +56,9 @@ enum class MlpActivation : uint8_t {
 // (engine/model/llama.cpp) and of the config keys that say so; each is a row here, looked up by
 // config.json's model_type. decoder_params() turns a row into the block's parameters (HF names,
 // shapes, the role each plays), which the layout, the weights and block_forward all read; the next
-// family that is llama-shaped is a row (and its parity case).
+// family that is llama-shaped is a row (and its parity case). Gemma 3 and Phi-3 also write config
+// keys no other family has (their flags below); a reader of their own in model_config.cpp turns
+// those into ModelConfig fields block_forward reads as it reads the others.
 struct ModelFamily {
   const char* model_type;
   const char* architecture;  // the *ForCausalLM class transformers saves and loads

@@ -1610,10 +1610,16 @@ struct TwoRanks {
   std::vector<StepMetrics> metrics[2];
   std::vector<std::vector<float>> masters[2];
 };
-TwoRanks train_two_ranks(const RunSetup& setup, int steps) {
+// `model`: the ranks' model where not small_model().
+TwoRanks train_two_ranks(const RunSetup& setup, int steps, const ModelConfig* model = nullptr) {
   TwoRanks out;
   TempDir own[2];
-  out.setup = run_two_ranks([&](uint32_t r) { return make_options(setup, own[r]); },
+  out.setup = run_two_ranks(
+      [&](uint32_t r) {
+        TrainOptions o = make_options(setup, own[r]);
+        if (model != nullptr) o.model_config = *model;
+        return o;
+      },
                             [&](uint32_t r, Trainer& t, const TrainOptions&) -> Status {
                               for (int i = 0; i < steps; ++i) {
                                 auto m = t.step();
@@ -1701,4 +1707,82 @@ TEST(Trainer, APartitionedRankWhoseOptimizerFailsStopsEveryRank) {
 }
 
 }  // namespace
+// The families beside llama (Note [Model families]) hold what every llama placement holds: the
+// small model in each family's shape (Qwen3's per-head q/k norms, OLMo 2's post norms and whole
+// q/k norms, Gemma 3's sandwich norms with a window shorter than the rows on its sliding layer,
+// Phi-3's fused projections with longrope over part of each head and a window on every layer)
+// trains bit-identically with its parameters and optimizer on NVMe as with nothing offloaded,
+// resumes from a checkpoint bit-exactly on another placement, and trains over two ranks at stage 3
+// (partitioned, gathered over Gloo) bit-identically whether the ranks offload or not.
+TEST(Trainer, EveryFamilyTrainsAlikeOnEveryPlacementOverTwoRanksAndAfterAResume) {
+  const std::string shape = R"("vocab_size": 256, "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
+      "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256, "rms_norm_eps": 1e-5)";
+  const std::vector<std::pair<std::string, std::string>> families = {
+      {"qwen3", R"({"model_type": "qwen3", "head_dim": 32, )" + shape + "}"},
+      {"olmo2", R"({"model_type": "olmo2", )" + shape + "}"},
+      {"gemma3_text", R"({"model_type": "gemma3_text", "head_dim": 16, "query_pre_attn_scalar": 24,
+          "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"], "final_logit_softcapping": 5.0,
+          "rope_scaling": {"rope_type": "linear", "factor": 2.0}, )" + shape + "}"},
+      {"phi3", R"({"model_type": "phi3", "pad_token_id": 0, "partial_rotary_factor": 0.5, "sliding_window": 8,
+          "original_max_position_embeddings": 16, "rope_scaling": {"type": "longrope",
+          "short_factor": [1.0, 1.1, 1.2, 1.3], "long_factor": [1.0, 2.0, 4.0, 8.0]}, )" + shape + "}"},
+  };
+  constexpr int kN = 2, kM = 2;
+  for (const auto& [name, json] : families) {
+    SCOPED_TRACE(name);
+    Result<ModelConfig> model = parse_hf_config(json, name + "/config.json");
+    ASSERT_TRUE(model.is_ok()) << model.status().to_string();
+    const RunSetup resident{.param = "none", .optimizer = "none"};
+    const RunSetup offloaded{.param = "nvme", .optimizer = "nvme", .pipeline = true, .max_in_cpu = 0};
+
+    TempDir a_dir, b_dir, c_dir;
+    TrainOptions a = with_checkpoints(make_options(resident, a_dir), a_dir.path + "/ckpt");
+    a.model_config = *model;
+    auto ta = Trainer::create(a);
+    ASSERT_TRUE(ta.is_ok()) << ta.status().to_string();
+    std::vector<StepMetrics> am;
+    for (int i = 0; i < kN + kM; ++i) {
+      auto m = (*ta)->step();
+      ASSERT_TRUE(m.is_ok()) << m.status().to_string();
+      am.push_back(*m);
+      if (i + 1 == kN) ASSERT_TRUE((*ta)->save_checkpoint().is_ok());
+    }
+    EXPECT_LT(am.back().loss, am.front().loss) << "it trains";
+    const auto a_master = masters(**ta);
+
+    TrainOptions b = make_options(offloaded, b_dir);
+    b.model_config = *model;
+    std::vector<StepMetrics> bm;
+    EXPECT_TRUE(bit_identical(train(b, kN + kM, &bm), a_master)) << "offloaded to NVMe";
+    for (int i = 0; i < kN + kM; ++i) EXPECT_EQ(bm[i].loss, am[i].loss) << "step " << i + 1;
+
+    TrainOptions c = make_options(offloaded, c_dir);
+    c.model_config = *model;
+    c.resume = a_dir.path + "/ckpt/step-" + std::to_string(kN);
+    auto tc = Trainer::create(c);
+    ASSERT_TRUE(tc.is_ok()) << tc.status().to_string();
+    for (int i = kN; i < kN + kM; ++i) {
+      auto m = (*tc)->step();
+      ASSERT_TRUE(m.is_ok()) << m.status().to_string();
+      EXPECT_EQ(m->loss, am[i].loss) << "resumed, step " << m->step;
+      EXPECT_EQ(m->grad_norm, am[i].grad_norm) << "resumed, step " << m->step;
+    }
+    EXPECT_TRUE(bit_identical(masters(**tc), a_master)) << "resumed on NVMe";
+
+    RunSetup ranks_resident = resident, ranks_offloaded = offloaded;
+    ranks_resident.grad_accum = ranks_offloaded.grad_accum = 1;
+    const TwoRanks x = train_two_ranks(ranks_resident, 3, &*model), y = train_two_ranks(ranks_offloaded, 3, &*model);
+    for (uint32_t r = 0; r < 2; ++r) {
+      SCOPED_TRACE("rank " + std::to_string(r));
+      ASSERT_TRUE(x.setup[r].is_ok()) << x.setup[r].to_string();
+      ASSERT_TRUE(y.setup[r].is_ok()) << y.setup[r].to_string();
+      ASSERT_EQ(x.metrics[r].size(), 3u);
+      ASSERT_EQ(y.metrics[r].size(), 3u);
+      for (int i = 0; i < 3; ++i) EXPECT_EQ(y.metrics[r][i].loss, x.metrics[r][i].loss) << "step " << i + 1;
+      EXPECT_LT(x.metrics[r].back().loss, x.metrics[r].front().loss) << "it trains";
+      EXPECT_TRUE(bit_identical(y.masters[r], x.masters[r]));
+    }
+  }
+}
+
 }  // namespace zo::engine
