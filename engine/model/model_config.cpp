@@ -35,6 +35,7 @@ class KeyReader {
     return invalid_argument(source_ + ": key '" + prefix_ + std::string(key) + "': " + std::string(what));
   }
   Status missing(std::string_view key) const { return error(key, "required but missing"); }
+  const std::string& prefix() const { return prefix_; }
 
   // A positive integer. Absent: `*out` unchanged unless `required`.
   Status size(std::string_view key, uint64_t* out, bool required, bool* present = nullptr) const {
@@ -99,7 +100,7 @@ Status positive_list(const KeyReader& r, std::string_view key, std::vector<doubl
 Status parse_rope(const KeyReader& top, const char* key, const json& dict, const std::string& source,
                   uint64_t max_position_embeddings, ModelConfig* c, bool phi3 = false) {
   if (!dict.is_object()) return top.error(key, "expected an object or null, got " + type_name(dict));
-  KeyReader r(dict, source, std::string(key) + ".");
+  KeyReader r(dict, source, top.prefix() + key + ".");
   for (const auto& [name, value] : dict.items()) {
     // transformers ≥ 5 may key the dict by layer type ("full_attention": {...}, ...).
     if (value.is_object())
@@ -292,11 +293,11 @@ const ModelFamily& ModelConfig::family() const {
   return *f;
 }
 
-Result<ModelConfig> parse_hf_config(std::string_view json_text, const std::string& source_name) {
-  const json doc = json::parse(json_text, nullptr, /*allow_exceptions=*/false);
-  if (doc.is_discarded()) return invalid_argument(source_name + ": not valid JSON");
-  if (!doc.is_object()) return invalid_argument(source_name + ": expected a JSON object, got " + type_name(doc));
-  const KeyReader r(doc, source_name, "");
+namespace {
+
+// One model's config.json object (`prefix`: its key path, "text_config." inside a multimodal one).
+Result<ModelConfig> parse_config(const json& doc, const std::string& source_name, const std::string& prefix) {
+  const KeyReader r(doc, source_name, prefix);
   ModelConfig c;
 
   ZO_RETURN_IF_ERROR(r.string("model_type", &c.model_type, /*required=*/true));
@@ -308,10 +309,6 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, const std::strin
     if (c.model_type == "qwen3_moe" || c.model_type == "qwen2_moe" || c.model_type == "mixtral" ||
         c.model_type == "olmoe" || c.model_type == "deepseek_v3")
       why = "; mixture-of-experts models are not supported";
-    else if (c.model_type == "gemma3")
-      why =
-          "; this is multimodal Gemma 3 (Gemma3ForConditionalGeneration): its text model, saved as gemma3_text "
-          "(Gemma3ForCausalLM), is supported";
     return r.error("model_type",
                    "unsupported model_type \"" + c.model_type + "\" (supported: " + join(names, ", ") + ")" + why);
   }
@@ -458,6 +455,50 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, const std::strin
   // Newer transformers write "dtype", older "torch_dtype".
   ZO_RETURN_IF_ERROR(r.string("dtype", &c.source_dtype));
   ZO_RETURN_IF_ERROR(r.string("torch_dtype", &c.source_dtype));
+  return c;
+}
+
+// Gemma3TextConfig's defaults for the keys parse_config requires, which the text_config of a
+// multimodal Gemma 3 leaves out where they are the defaults (transformers writes a nested config's
+// differences only).
+const json& gemma3_text_defaults() {
+  static const json defaults = {{"vocab_size", 262208},      {"hidden_size", 2304},
+                                {"intermediate_size", 9216}, {"num_hidden_layers", 26},
+                                {"num_attention_heads", 8},  {"num_key_value_heads", 4},
+                                {"head_dim", 256},           {"max_position_embeddings", 131072}};
+  return defaults;
+}
+
+}  // namespace
+
+Result<ModelConfig> parse_hf_config(std::string_view json_text, const std::string& source_name) {
+  const json doc = json::parse(json_text, nullptr, /*allow_exceptions=*/false);
+  if (doc.is_discarded()) return invalid_argument(source_name + ": not valid JSON");
+  if (!doc.is_object()) return invalid_argument(source_name + ": expected a JSON object, got " + type_name(doc));
+  if (doc.value("model_type", json()) != "gemma3") return parse_config(doc, source_name, "");
+  // Multimodal Gemma 3 (Gemma 3 4B and up as Google ships them): its text model, trained and
+  // exported as gemma3_text (Gemma3ForCausalLM); the vision tower is not read (Note [Text weights of
+  // a multimodal checkpoint] in weights.cpp).
+  const KeyReader r(doc, source_name, "");
+  if (const json* arch = r.find("architectures"); arch != nullptr && *arch != json{"Gemma3ForConditionalGeneration"})
+    return r.error("architectures", arch->dump() +
+                                        " is not supported for model_type gemma3 (only "
+                                        "[\"Gemma3ForConditionalGeneration\"], whose text model is trained)");
+  const json* tc = r.find("text_config");
+  if (tc == nullptr || !tc->is_object())
+    return r.error("text_config", "a multimodal Gemma 3 config needs its text model's settings here");
+  json text = *tc;
+  if (text.value("model_type", json("gemma3_text")) != "gemma3_text")
+    return r.error("text_config.model_type", text["model_type"].dump() + " is not gemma3_text");
+  text["model_type"] = "gemma3_text";
+  for (const auto& [key, value] : gemma3_text_defaults().items())
+    if (!text.contains(key) || text[key].is_null()) text[key] = value;
+  if (!text.contains("torch_dtype") && !text.contains("dtype") && doc.contains("torch_dtype"))
+    text["torch_dtype"] = doc["torch_dtype"];
+  Result<ModelConfig> c = parse_config(text, source_name, "text_config.");
+  // Gemma3ForConditionalGeneration does not soft-cap its logits (transformers 5.17), whatever
+  // text_config says (Gemma 3 ships with none); its text model is trained as it computes.
+  if (c.is_ok()) c->final_logit_softcap = 0;
   return c;
 }
 

@@ -4,6 +4,8 @@
 #include <cmath>
 #include <memory>
 #include <numbers>
+#include <set>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -92,6 +94,22 @@ void fill_normal(uint64_t key, double std, uint64_t first, std::span<float> out)
   for (std::thread& w : workers) w.join();
 }
 
+// Note [Text weights of a multimodal checkpoint]: multimodal Gemma 3 (Gemma3ForConditionalGeneration)
+// stores its text model under another prefix — "language_model.model." as transformers < 5 saved it
+// (Google's files), "model.language_model." as transformers ≥ 5 saves it — beside the vision tower,
+// which the text model does not use. The stored name of a layout param ("model.…", "lm_head.weight")
+// is the first of these the checkpoint holds.
+std::string stored_name(const HfWeights& weights, const std::string& name) {
+  const SafetensorsFile* file = nullptr;
+  if (weights.find(name, &file) != nullptr) return name;
+  const std::string rest = name.starts_with("model.") ? name.substr(6) : "";
+  for (const std::string& candidate : {rest.empty() ? "" : "model.language_model." + rest,
+                                       rest.empty() ? "language_model." + name : "language_model.model." + rest}) {
+    if (!candidate.empty() && weights.find(candidate, &file) != nullptr) return candidate;
+  }
+  return name;
+}
+
 }  // namespace
 
 float random_init_normal(uint64_t seed, std::string_view name, uint64_t index, double std) {
@@ -107,11 +125,14 @@ Status load_hf_weights(const std::string& model_dir, const ModelLayout& layout, 
 
   // Every check before any data moves, so a wrong model directory never half-fills the tiers.
   std::vector<std::pair<const SafetensorsFile*, const SafetensorsTensor*>> sources(layout.params.size());
+  std::set<std::string> used;  // the stored names read
   uint64_t max_elems = 0;
   for (size_t p = 0; p < layout.params.size(); ++p) {
     const ParamSpec& spec = layout.params[p];
     const SafetensorsFile* file = nullptr;
-    const SafetensorsTensor* t = weights->find(spec.name, &file);
+    const std::string stored = stored_name(*weights, spec.name);
+    used.insert(stored);
+    const SafetensorsTensor* t = weights->find(stored, &file);
     if (t == nullptr) {
       std::string message =
           "tensor " + spec.name + " " + shape_string(spec.shape) + " is missing from the weights in " + model_dir;
@@ -122,17 +143,14 @@ Status load_hf_weights(const std::string& model_dir, const ModelLayout& layout, 
       return not_found(message);
     }
     if (t->shape != spec.shape)
-      return invalid_argument("tensor " + spec.name + " has shape " + shape_string(t->shape) + " in " + file->path() +
+      return invalid_argument("tensor " + stored + " has shape " + shape_string(t->shape) + " in " + file->path() +
                               ", expected " + shape_string(spec.shape) + " from the model config");
     sources[p] = {file, t};
     max_elems = std::max(max_elems, elems_of(spec.shape));
   }
   std::vector<std::string> unused;
-  for (const std::string& name : weights->names()) {
-    const bool used =
-        std::any_of(layout.params.begin(), layout.params.end(), [&](const ParamSpec& s) { return s.name == name; });
-    if (!used) unused.push_back(name);
-  }
+  for (const std::string& name : weights->names())
+    if (!used.contains(name)) unused.push_back(name);
   if (!unused.empty()) {
     std::string list;
     for (size_t i = 0; i < unused.size() && i < 16; ++i) list += (i ? ", " : "") + unused[i];

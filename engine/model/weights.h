@@ -24,7 +24,9 @@ using ParamSink = std::function<Status(uint32_t param, uint64_t offset_elems, st
 // (> 0) elements. Before reading any data, checks every param is present with its exact shape
 // (errors name the tensor, the expected and found shapes and the file; a missing lm_head.weight says
 // the config is untied) and logs one warning line listing the tensors the layout does not use
-// (rotary_emb.inv_freq etc.) — not an error.
+// (rotary_emb.inv_freq, a multimodal model's vision tower etc.) — not an error. A multimodal
+// checkpoint's text weights are found under their prefix (Note [Text weights of a multimodal
+// checkpoint]).
 // The files are read through `env`.
 Status load_hf_weights(const std::string& model_dir, const ModelLayout& layout, uint64_t chunk_elems,
                        const ParamSink& sink, io::Env* env = io::Env::posix());

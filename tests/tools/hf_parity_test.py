@@ -53,7 +53,7 @@ per-step figures, zoffload beside each reference, so a failure shows where the t
 Usage: hf_parity_test.py ZOFFLOAD SOURCE_DIR
   ZO_PARITY_DEVICE=cuda   both sides on the GPU (zoffload.device "cuda"); default cpu: zoffload on
                           the emulated device ("host"), the reference on the CPU
-  ZO_PARITY_CASES=a,b     only these cases
+  ZO_PARITY_CASES=a,b     only these cases (gemma3-multimodal: the multimodal Gemma 3 check)
 Exit 77 (skip) when this Python lacks transformers, safetensors or numpy."""
 import contextlib
 import json
@@ -72,7 +72,7 @@ sys.path.insert(0, os.path.join(source_dir, "tools"))  # data_order: zoffload's 
 try:
     import numpy as np
     from data_order import epoch_permutation, write_llmc
-    import safetensors  # noqa: F401  (save_pretrained and from_pretrained go through it)
+    import safetensors  # save_pretrained and from_pretrained go through it; safe_open lists a file's tensors
     import torch
     import torch.nn.functional as F
     import transformers
@@ -889,23 +889,102 @@ def run_case(case, tmp):
     print("  %.1f s" % (time.time() - t0))
 
 
+def check_multimodal_gemma3(tmp):
+    """Multimodal Gemma 3 (Gemma3ForConditionalGeneration, as Gemma 3 4B and up ship) trains as its text
+    model: transformers saves a tiny one (text weights under model.language_model., a vision tower
+    beside them) and the same text weights as a Gemma3ForCausalLM, whose logits it gives equal to the
+    multimodal model's on text; zoffload trains both directories with the same data and seed, and
+    every step's loss and grad_norm and the exported weights are equal (the text directory is the
+    gemma3 cases' oracle-checked path)."""
+    from transformers import Gemma3Config, Gemma3ForCausalLM, Gemma3ForConditionalGeneration
+    name = "gemma3-multimodal"
+    print("%s: Gemma3ForConditionalGeneration against its text model as Gemma3ForCausalLM" % name)
+    case = dict(CASES[[c["name"] for c in CASES].index("gemma3-tied-fp32-none")])
+    torch.manual_seed(35)
+    text = hf_config(case)
+    # Gemma3ForConditionalGeneration does not soft-cap its logits (transformers 5.17), whatever its
+    # text_config says, and zoffload reads a multimodal config so; Gemma 3 ships without capping.
+    text.final_logit_softcapping = None
+    vision = {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "image_size": 28, "patch_size": 14}
+    mm = Gemma3ForConditionalGeneration(Gemma3Config(text_config=text.to_dict(), vision_config=vision,
+                                                     mm_tokens_per_image=4)).float().eval()
+    with torch.no_grad():
+        for n, p in mm.named_parameters():
+            if n.endswith("norm.weight"):
+                p.copy_(0.2 * torch.randn_like(p))
+    lm = Gemma3ForCausalLM(mm.config.text_config).float().eval()
+    state = {"model." + k: v for k, v in mm.model.language_model.state_dict().items()}
+    state["lm_head.weight"] = mm.lm_head.weight
+    missing, unexpected = lm.load_state_dict(state, strict=False)
+    expect(not unexpected and set(missing) <= {"lm_head.weight"}, "%s: the text model takes the multimodal model's "
+           "text weights (missing %s, unexpected %s)" % (name, missing, unexpected))
+    x = torch.randint(0, case["vocab"], (2, case["seq"]))
+    with torch.no_grad():
+        same = torch.equal(mm(input_ids=x).logits, lm(input_ids=x).logits)
+    expect(same, "%s: transformers gives the text model the multimodal model's logits on text" % name)
+    dirs = {}
+    for label, model in (("multimodal", mm), ("text", lm)):
+        dirs[label] = os.path.join(tmp, name, label)
+        model.save_pretrained(dirs[label])
+    with open(os.path.join(dirs["multimodal"], "config.json")) as f:
+        saved = json.load(f)
+    with safetensors.safe_open(os.path.join(dirs["multimodal"], "model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    # transformers 5.17 saves the text weights under Google's names (language_model.model.), and reads
+    # its own (model.language_model.) too; the loader takes either.
+    expect(saved["model_type"] == "gemma3" and any(k.startswith(("language_model.model.", "model.language_model."))
+                                                   for k in keys) and any("vision_tower" in k for k in keys),
+           "%s: saved as a multimodal checkpoint (model_type %s, tensors %s...)" % (name, saved["model_type"], keys[:3]))
+    rng = np.random.default_rng(35)
+    data_path = os.path.join(tmp, name, "tokens.bin")
+    write_llmc(data_path, rng.integers(0, case["vocab"], size=3 * STEPS * 2 * MICRO_BATCH * case["seq"] + 1))
+    config_path = os.path.join(tmp, name, "ds_config.json")
+    with open(config_path, "w") as f:
+        json.dump(zoffload_config(dict(case, placement="cpu")), f)
+    results = {}
+    for label, model_dir in dirs.items():
+        out = os.path.join(tmp, name, "run-" + label)
+        proc = subprocess.run([zoffload, "train", "--config", config_path, "--model", model_dir, "--data", data_path,
+                               "--steps", str(STEPS), "--seq-len", str(case["seq"]), "--seed", "7", "--out", out],
+                              capture_output=True, text=True, env=ZO_ENV, timeout=600)
+        if not expect(proc.returncode == 0, "%s: zoffload train on the %s directory exits 0: %s" %
+                      (name, label, proc.stderr[-2000:])):
+            return
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            steps = [json.loads(line) for line in f]
+        export = AutoModelForCausalLM.from_pretrained(os.path.join(out, "hf-export-step-%d" % STEPS),
+                                                      dtype=torch.float32)
+        results[label] = ([(s["loss"], s["grad_norm"]) for s in steps], export.state_dict(), type(export).__name__)
+    (mm_steps, mm_state, mm_class), (lm_steps, lm_state, _) = results["multimodal"], results["text"]
+    expect(mm_steps == lm_steps and len(mm_steps) == STEPS, "%s: every step's loss and grad_norm are the text "
+           "model's: %s vs %s" % (name, mm_steps, lm_steps))
+    expect(mm_class == "Gemma3ForCausalLM" and sorted(mm_state) == sorted(lm_state) and
+           all(torch.equal(mm_state[k], lm_state[k]) for k in lm_state),
+           "%s: the export is the text model's (%s)" % (name, mm_class))
+    print("  %d steps alike, losses %s" % (len(mm_steps), [round(l, 6) for l, _ in mm_steps]))
+
+
 def main():
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    only = [n for n in os.environ.get("ZO_PARITY_CASES", "").split(",") if n]
-    cases = [c for c in CASES if not only or c["name"] in only]
+    named = [n for n in os.environ.get("ZO_PARITY_CASES", "").split(",") if n]
+    multimodal = not named or "gemma3-multimodal" in named  # check_multimodal_gemma3, not a CASES row
+    only = [n for n in named if n != "gemma3-multimodal"]
+    if not expect(set(only) <= {c["name"] for c in CASES}, "ZO_PARITY_CASES names known cases: %s" % named):
+        report_and_exit()
+    cases = [c for c in CASES if not named or c["name"] in only]
     if bnb is None:
         print("bitsandbytes is not installed (tools/requirements.txt pins it): the 8-bit case is left out")
-        only = [n for n in only if not n.endswith("-8bit")]
         cases = [c for c in cases if c.get("moments") != "8bit"]
-    if not expect(len(cases) == (len(only) or len(CASES)), "ZO_PARITY_CASES names known cases: %s" % only):
-        report_and_exit()
     print("transformers %s, torch %s, device %s (zoffload.device %s)" %
           (transformers.__version__, torch.__version__, DEVICE, ZO_DEVICE))
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="zo-hf-parity-", dir=os.environ.get("TMPDIR", "/tmp")) as tmp:
         for case in cases:
             run_case(case, tmp)
+        if multimodal:
+            check_multimodal_gemma3(tmp)
     print("%d cases in %.1f s" % (len(cases), time.time() - t0))
     report_and_exit()
 

@@ -410,6 +410,50 @@ TEST(HfConfig, ParsesGemma3TextInBothForms) {
   for (size_t i = 0; i < 48; ++i) EXPECT_EQ(big.sliding_layers[i], (i + 1) % 6 != 0) << i;
 }
 
+// Multimodal Gemma 3 as gemma-3-4b-it's config.json ships (vision_config abridged): its text model,
+// with Gemma3TextConfig's defaults for what text_config leaves out, as transformers reads it (the same
+// 3,880,263,168 parameters as the 4B text model above). Errors inside name text_config's keys.
+TEST(HfConfig, ParsesMultimodalGemma3AsItsTextModel) {
+  const std::string gemma3_4b_it = R"({"architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999,
+    "eoi_token_index": 256000, "eos_token_id": [1, 106], "image_token_index": 262144, "initializer_range": 0.02,
+    "mm_tokens_per_image": 256, "model_type": "gemma3",
+    "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                    "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                    "sliding_window": 1024},
+    "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0",
+    "vision_config": {"hidden_size": 1152, "image_size": 896, "model_type": "siglip_vision_model"}})";
+  const ModelConfig c = parse_ok(gemma3_4b_it);
+  EXPECT_EQ(c.model_type, "gemma3_text") << "trained and exported as its text model";
+  EXPECT_EQ(c.vocab_size, 262208u);
+  EXPECT_EQ(c.num_attention_heads, 8u);
+  EXPECT_EQ(c.head_dim, 256u);
+  EXPECT_TRUE(c.tie_word_embeddings);
+  EXPECT_EQ(c.rope_scaling.type, RopeScalingType::kLinear);
+  EXPECT_EQ(c.source_dtype, "bfloat16");
+  EXPECT_EQ(num_parameters(c), 3'880'263'168u);
+  std::string bad = gemma3_4b_it;
+  bad.replace(bad.find("\"sliding_window\": 1024"), 22, "\"sliding_window\": null");
+  const Result<ModelConfig> r = parse_hf_config(bad, "config.json");
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_THAT(r.status().message(), HasSubstr("key 'text_config.sliding_window'"));
+  std::string scaled = gemma3_4b_it;
+  scaled.replace(scaled.find("\"factor\": 8.0"), 13, "\"factor\": 0");
+  const Result<ModelConfig> s = parse_hf_config(scaled, "config.json");
+  ASSERT_FALSE(s.is_ok());
+  EXPECT_THAT(s.status().message(), HasSubstr("key 'text_config.rope_scaling.factor'"));
+  // Gemma3ForConditionalGeneration does not cap its logits, whatever text_config says.
+  std::string capped = gemma3_4b_it;
+  capped.replace(capped.find("\"sliding_window\": 1024"), 22,
+                 "\"sliding_window\": 1024, \"final_logit_softcapping\": 30.0");
+  EXPECT_EQ(parse_ok(capped).final_logit_softcap, 0.0);
+  const Result<ModelConfig> no_text = parse_hf_config(R"({"model_type": "gemma3"})", "config.json");
+  ASSERT_FALSE(no_text.is_ok());
+  EXPECT_THAT(no_text.status().message(), HasSubstr("key 'text_config'"));
+  std::string vision = gemma3_4b_it;
+  vision.replace(vision.find("Gemma3ForConditionalGeneration"), 30, "Gemma3ForImageTextToText");
+  EXPECT_FALSE(parse_hf_config(vision, "config.json").is_ok());
+}
+
 // What Gemma 3 sets that zoffload does not compute is refused, naming the key.
 TEST(HfConfig, RefusesGemma3SettingsNotImplemented) {
   const std::string base = kGemma3_4b;
@@ -675,7 +719,7 @@ TEST(HfConfig, ErrorsNameFileAndKey) {
   expect_error(llama2_with("num_key_value_heads", "5"), "num_key_value_heads", "multiple");
   expect_error(llama2_with("model_type", "\"gpt2\""), "model_type", "llama, mistral, qwen2, qwen3, olmo2, gemma3_text");
   expect_error(llama2_with("model_type", "\"qwen3_moe\""), "model_type", "mixture-of-experts");
-  expect_error(llama2_with("model_type", "\"gemma3\""), "model_type", "gemma3_text (Gemma3ForCausalLM), is supported");
+  expect_error(llama2_with("model_type", "\"gemma3\""), "architectures", "Gemma3ForConditionalGeneration");
   expect_error(llama2_with("rope_scaling", R"({"rope_type": "yarn", "factor": 4.0})"), "rope_scaling.rope_type",
                "linear, llama3");
   expect_error(llama2_with("rope_scaling", R"({"type": "dynamic", "factor": 4.0})"), "rope_scaling.type");

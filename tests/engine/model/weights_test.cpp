@@ -47,6 +47,7 @@ struct DirOptions {
   std::string reshape;  // this param gets a transposed/odd shape
   std::vector<std::string> extra;
   bool sharded = false;
+  std::string prefix;  // stored as prefix + the name less its "model." (a multimodal checkpoint's text model)
 };
 
 void write_model_dir(const TempDir& dir, const ModelLayout& layout, const DirOptions& opt = {}) {
@@ -59,9 +60,10 @@ void write_model_dir(const TempDir& dir, const ModelLayout& layout, const DirOpt
     std::vector<int64_t> shape = spec.shape;
     if (spec.name == opt.reshape) shape = {shape.back() + 1};
     if (spec.name == opt.reshape) v.resize(elems(shape));
-    testing::TestTensor t = p % 3 == 0   ? testing::f32_tensor(spec.name, shape, v)
-                            : p % 3 == 1 ? testing::half_tensor(spec.name, true, shape, v)
-                                         : testing::half_tensor(spec.name, false, shape, v);
+    const std::string name = opt.prefix.empty() ? spec.name : opt.prefix + spec.name.substr(6);
+    testing::TestTensor t = p % 3 == 0   ? testing::f32_tensor(name, shape, v)
+                            : p % 3 == 1 ? testing::half_tensor(name, true, shape, v)
+                                         : testing::half_tensor(name, false, shape, v);
     shards[opt.sharded ? p % 2 : 0].push_back(std::move(t));
   }
   for (const std::string& name : opt.extra) shards[0].push_back(testing::f32_tensor(name, {2}, {1, 2}));
@@ -177,6 +179,27 @@ TEST(LoadHfWeights, UnusedTensorsAreOneWarningNotAnError) {
   EXPECT_THAT(err, HasSubstr("model.layers.0.self_attn.rotary_emb.inv_freq"));
   EXPECT_THAT(err, HasSubstr("model.layers.1.self_attn.rotary_emb.inv_freq"));
   EXPECT_EQ(std::count(err.begin(), err.end(), '\n'), 1) << err;
+}
+
+// Note [Text weights of a multimodal checkpoint]: a tied text model stored under either prefix of
+// multimodal Gemma 3, beside a vision tower, loads as if stored under its own names; the vision
+// tensors are the one warning line.
+TEST(LoadHfWeights, AMultimodalCheckpointsTextModelLoadsUnderEitherPrefix) {
+  const ModelLayout layout = model_layout(small_config(/*tied=*/true));
+  for (const std::string prefix : {"language_model.model.", "model.language_model."}) {
+    SCOPED_TRACE(prefix);
+    TempDir dir;
+    write_model_dir(dir, layout, {.extra = {"vision_tower.vision_model.post_layernorm.weight"}, .prefix = prefix});
+    Collected c;
+    ::testing::internal::CaptureStderr();
+    const Status s = load_hf_weights(dir.path(), layout, 64, collector(&c));
+    const std::string err = ::testing::internal::GetCapturedStderr();
+    ASSERT_TRUE(s.is_ok()) << s.to_string();
+    ASSERT_EQ(c.values.size(), layout.params.size());
+    for (size_t p = 0; p < layout.params.size(); ++p)
+      EXPECT_EQ(c.values[static_cast<uint32_t>(p)].front(), value_of(p, 0)) << layout.params[p].name;
+    EXPECT_THAT(err, HasSubstr("1 tensor(s) not used by the model, ignored: vision_tower"));
+  }
 }
 
 TEST(LoadHfWeights, SinkErrorStopsTheLoad) {
