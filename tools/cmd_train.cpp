@@ -451,7 +451,8 @@ void register_train_command(CLI::App& app, int* exit_code) {
   auto args = std::make_shared<TrainArgs>();
   CLI::App* train = app.add_subcommand(
       "train",
-      "Train (fine-tune) a LLaMA-family model with the offload your config asks for: parameters fetched\n"
+      "Train (fine-tune) a model of a LLaMA-shaped family (llama, mistral, qwen2, qwen3, olmo2, gemma3_text\n"
+      "or multimodal gemma3's text model, phi3) with the offload your config asks for: parameters fetched\n"
       "block by block (ZeRO stage 3) from pinned CPU memory or NVMe, optimizer states on the device, CPU\n"
       "or NVMe, Adam on the CPU. Shows step, loss, tokens/s (and, with wall_clock_breakdown, where the\n"
       "time went); writes one JSON object per step to metrics.jsonl in --out. With zoffload.checkpoint.dir\n"
