@@ -193,6 +193,17 @@ std::vector<std::vector<float>> train(const TrainOptions& o, int steps, std::vec
   return masters(**t);
 }
 
+// Runs `steps` steps of `t`, saving a checkpoint after step `save_after`; each step's metrics.
+Result<std::vector<StepMetrics>> steps_saving_after(Trainer& t, int steps, int save_after) {
+  std::vector<StepMetrics> out;
+  for (int i = 0; i < steps; ++i) {
+    ZO_ASSIGN_OR_RETURN(StepMetrics m, t.step());
+    out.push_back(m);
+    if (i + 1 == save_after) ZO_RETURN_IF_ERROR(t.save_checkpoint().status());
+  }
+  return out;
+}
+
 bool bit_identical(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
   if (a.size() != b.size()) return false;
   for (size_t i = 0; i < a.size(); ++i)
@@ -1287,13 +1298,9 @@ TEST(Resume, Bf16MastersAreBitIdenticalAcrossPlacementsThreadsAndAResume) {
   auto ta = Trainer::create(a);
   ASSERT_TRUE(ta.is_ok()) << ta.status().to_string();
   EXPECT_EQ(nlohmann::json::parse((*ta)->plan_json())["memory_plan"]["placement"]["master_dtype"], "bf16");
-  std::vector<StepMetrics> am;
-  for (int i = 0; i < kN + kM; ++i) {
-    auto m = (*ta)->step();
-    ASSERT_TRUE(m.is_ok()) << m.status().to_string();
-    am.push_back(*m);
-    if (i + 1 == kN) ASSERT_TRUE((*ta)->save_checkpoint().is_ok());
-  }
+  auto run = steps_saving_after(**ta, kN + kM, kN);
+  ASSERT_TRUE(run.is_ok()) << run.status().to_string();
+  const std::vector<StepMetrics>& am = *run;
   ASSERT_TRUE((*ta)->save_checkpoint().is_ok());
   const auto reference = masters(**ta);
   EXPECT_LT(am.back().loss, am.front().loss);
@@ -1390,13 +1397,9 @@ TEST(Trainer, NarrowStatesOnTheDeviceAreBitIdenticalToTheCpuTier) {
     co.config.zero.sub_group_size = dopt.config.zero.sub_group_size = 4096;
     auto tc = Trainer::create(co);
     ASSERT_TRUE(tc.is_ok()) << tc.status().to_string();
-    std::vector<StepMetrics> cm;
-    for (int i = 0; i < kN + kM; ++i) {
-      auto m = (*tc)->step();
-      ASSERT_TRUE(m.is_ok()) << m.status().to_string();
-      cm.push_back(*m);
-      if (i + 1 == kN) ASSERT_TRUE((*tc)->save_checkpoint().is_ok());
-    }
+    auto run = steps_saving_after(**tc, kN + kM, kN);
+    ASSERT_TRUE(run.is_ok()) << run.status().to_string();
+    const std::vector<StepMetrics>& cm = *run;
     const auto on_cpu = masters(**tc);
     EXPECT_LT(cm.back().loss, cm.front().loss) << "it trains";
     std::vector<StepMetrics> dm;
@@ -1463,12 +1466,9 @@ TEST(Resume, NoAccumulatorAndStoredRunsResumeEachOthersCheckpointsBitExactly) {
     TrainOptions o = with_checkpoints(make_options(setup(acc), *dirs[acc]), dirs[acc]->path + "/ckpt");
     auto t = Trainer::create(o);
     ASSERT_TRUE(t.is_ok()) << t.status().to_string();
-    for (int i = 0; i < kN + kM; ++i) {
-      auto m = (*t)->step();
-      ASSERT_TRUE(m.is_ok()) << m.status().to_string();
-      full[acc].metrics.push_back(*m);
-      if (i + 1 == kN) ASSERT_TRUE((*t)->save_checkpoint().is_ok());
-    }
+    auto run = steps_saving_after(**t, kN + kM, kN);
+    ASSERT_TRUE(run.is_ok()) << run.status().to_string();
+    full[acc].metrics = *run;
     full[acc].weights = masters(**t);
   }
   EXPECT_TRUE(bit_identical(full["none"].weights, full["cpu"].weights));
@@ -1620,15 +1620,15 @@ TwoRanks train_two_ranks(const RunSetup& setup, int steps, const ModelConfig* mo
         if (model != nullptr) o.model_config = *model;
         return o;
       },
-                            [&](uint32_t r, Trainer& t, const TrainOptions&) -> Status {
-                              for (int i = 0; i < steps; ++i) {
-                                auto m = t.step();
-                                if (!m.is_ok()) return m.status();
-                                out.metrics[r].push_back(*m);
-                              }
-                              out.masters[r] = masters_held(t);
-                              return Status::ok();
-                            });
+      [&](uint32_t r, Trainer& t, const TrainOptions&) -> Status {
+        for (int i = 0; i < steps; ++i) {
+          auto m = t.step();
+          if (!m.is_ok()) return m.status();
+          out.metrics[r].push_back(*m);
+        }
+        out.masters[r] = masters_held(t);
+        return Status::ok();
+      });
   return out;
 }
 
@@ -1722,10 +1722,12 @@ TEST(Trainer, EveryFamilyTrainsAlikeOnEveryPlacementOverTwoRanksAndAfterAResume)
       {"olmo2", R"({"model_type": "olmo2", )" + shape + "}"},
       {"gemma3_text", R"({"model_type": "gemma3_text", "head_dim": 16, "query_pre_attn_scalar": 24,
           "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"], "final_logit_softcapping": 5.0,
-          "rope_scaling": {"rope_type": "linear", "factor": 2.0}, )" + shape + "}"},
+          "rope_scaling": {"rope_type": "linear", "factor": 2.0}, )" +
+                          shape + "}"},
       {"phi3", R"({"model_type": "phi3", "pad_token_id": 0, "partial_rotary_factor": 0.5, "sliding_window": 8,
           "original_max_position_embeddings": 16, "rope_scaling": {"type": "longrope",
-          "short_factor": [1.0, 1.1, 1.2, 1.3], "long_factor": [1.0, 2.0, 4.0, 8.0]}, )" + shape + "}"},
+          "short_factor": [1.0, 1.1, 1.2, 1.3], "long_factor": [1.0, 2.0, 4.0, 8.0]}, )" +
+                   shape + "}"},
   };
   constexpr int kN = 2, kM = 2;
   for (const auto& [name, json] : families) {
@@ -1740,13 +1742,9 @@ TEST(Trainer, EveryFamilyTrainsAlikeOnEveryPlacementOverTwoRanksAndAfterAResume)
     a.model_config = *model;
     auto ta = Trainer::create(a);
     ASSERT_TRUE(ta.is_ok()) << ta.status().to_string();
-    std::vector<StepMetrics> am;
-    for (int i = 0; i < kN + kM; ++i) {
-      auto m = (*ta)->step();
-      ASSERT_TRUE(m.is_ok()) << m.status().to_string();
-      am.push_back(*m);
-      if (i + 1 == kN) ASSERT_TRUE((*ta)->save_checkpoint().is_ok());
-    }
+    auto run = steps_saving_after(**ta, kN + kM, kN);
+    ASSERT_TRUE(run.is_ok()) << run.status().to_string();
+    const std::vector<StepMetrics>& am = *run;
     EXPECT_LT(am.back().loss, am.front().loss) << "it trains";
     const auto a_master = masters(**ta);
 
