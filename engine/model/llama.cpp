@@ -80,7 +80,7 @@ at::Tensor decoder_forward(const ModelConfig& config, int64_t layer, const std::
   TORCH_CHECK(
       !config.sliding_layers.empty() || config.sliding_window == 0 || static_cast<uint64_t>(T) <= config.sliding_window,
       "sequence length ", T, " exceeds the model's sliding attention window ", config.sliding_window,
-      " (sliding-window attention is implemented for gemma3_text only)");
+      " (zoffload applies a window for gemma3_text and phi3 only: train with --seq-len at most the window)");
   const bool sliding = !config.sliding_layers.empty() && config.sliding_layers.at(static_cast<size_t>(layer));
   const bool local_rope = sliding && config.local_rope_theta > 0;
   TORCH_CHECK(!local_rope || rope.local_cos.defined(), "the sliding layers' RoPE tables are missing");
@@ -121,6 +121,7 @@ at::Tensor decoder_forward(const ModelConfig& config, int64_t layer, const std::
   const at::Tensor& sin_table = local_rope ? rope.local_sin : rope.sin;
   if (family.rope_in_fp32) {
     // OLMo 2 rotates with the fp32 tables (q, k promoted to fp32) and casts the result back.
+    TORCH_CHECK(config.rotary_dim() == head_dim, "RoPE in fp32 over part of the head is not implemented");
     const at::Tensor cos = cos_table.narrow(0, 0, T), sin = sin_table.narrow(0, 0, T);
     q = (q * cos + rotate_half(q) * sin).to(x.scalar_type());
     k = (k * cos + rotate_half(k) * sin).to(x.scalar_type());
