@@ -144,6 +144,11 @@ Status Trainer::Impl::find_resume() {
     return invalid_argument("--resume: " + path.status().message());
   if (!path.is_ok()) return path.status();
   ZO_ASSIGN_OR_RETURN(CheckpointInfo info, open_checkpoint(*path, env()));
+  // A model this build cannot compute (a family it does not know, saved by a newer build) is
+  // refused before anything is read, even where its tensors have the run's names and shapes.
+  Result<ModelConfig> saved = parse_hf_config(info.model_config_json, info.path + "/config.json");
+  if (!saved.is_ok())
+    return Status(saved.status()).with_context("--resume " + info.path + ": its model is not one this build trains");
   resume = std::move(info);
   return Status::ok();
 }
@@ -412,7 +417,7 @@ Status Trainer::Impl::resume_from_checkpoint() {
   }
   const std::string saved = resume->model_config_json;
   if (saved != model_config_json()) {
-    auto saved_model = parse_hf_config(saved, resume->path + "/config.json");
+    auto saved_model = parse_hf_config(saved, resume->path + "/config.json");  // parsed by find_resume
     if (saved_model.is_ok() && to_hf_config_json(*saved_model, "") != to_hf_config_json(model, "")) {
       ZO_LOG(kWarn) << "resuming from " << resume->path << ": its config.json differs from " << opt.model
                     << "'s beyond the tensor shapes (norm eps, rope, ...): training continues with " << opt.model

@@ -16,6 +16,7 @@
 #include <array>
 #include <barrier>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -32,6 +33,7 @@
 
 #include "common/bytes.h"
 #include "common/check.h"
+#include "common/crc32c.h"
 #include "common/dynamic_maps.h"
 #include "common/half.h"
 #include "engine/data/dataset.h"
@@ -1544,6 +1546,31 @@ TEST(Resume, RefusesWhatItCannotContinue) {
   auto r = Trainer::create(wide);
   EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
   EXPECT_THAT(r.status().message(), HasSubstr("model.embed_tokens.weight"));
+
+  // A checkpoint of a family this build does not know (as a newer build would save it: its
+  // config.json says so and the manifest checks it), though its tensors have the run's names and
+  // shapes: refused naming model_type, before anything is read.
+  const std::string step = dir.path + "/ckpt/step-1";
+  std::string config = file_bytes(step + "/config.json");
+  const size_t at = config.find("\"llama\"");
+  ASSERT_NE(at, std::string::npos) << config;
+  config.replace(at, 7, "\"mamba2\"");
+  std::ofstream(step + "/config.json", std::ios::binary | std::ios::trunc) << config;
+  nlohmann::json manifest = nlohmann::json::parse(file_bytes(step + "/manifest.json"));
+  char crc[9];
+  std::snprintf(crc, sizeof crc, "%08x", crc32c(config.data(), config.size()));
+  for (nlohmann::json& f : manifest["files"]) {
+    if (f["name"] != "config.json") continue;
+    f["size_bytes"] = config.size();
+    f["crc32c"] = {std::string(crc)};
+  }
+  std::ofstream(step + "/manifest.json", std::ios::binary | std::ios::trunc) << manifest.dump(1);
+  TrainOptions same = make_options(RunSetup{}, other);
+  same.resume = step;
+  auto unknown = Trainer::create(same);
+  EXPECT_EQ(unknown.status().code(), StatusCode::kInvalidArgument) << unknown.status().to_string();
+  EXPECT_THAT(unknown.status().message(), HasSubstr("key 'model_type': unsupported model_type \"mamba2\""));
+  EXPECT_THAT(unknown.status().message(), HasSubstr("its model is not one this build trains"));
 }
 
 // Runs two ranks as threads of this process, joined by a real TCPStore and Gloo: each makes its
