@@ -1738,9 +1738,10 @@ TEST(Trainer, APartitionedRankWhoseOptimizerFailsStopsEveryRank) {
 // small model in each family's shape (Qwen3's per-head q/k norms, OLMo 2's post norms and whole
 // q/k norms, Gemma 3's sandwich norms with a window shorter than the rows on its sliding layer,
 // Phi-3's fused projections with longrope over part of each head and a window on every layer)
-// trains bit-identically with its parameters and optimizer on NVMe as with nothing offloaded,
-// resumes from a checkpoint bit-exactly on another placement, and trains over two ranks at stage 3
-// (partitioned, gathered over Gloo) bit-identically whether the ranks offload or not.
+// trains bit-identically with its parameters and optimizer on NVMe as with nothing offloaded, and
+// at stages 0–2 with the optimizer resident, on the CPU or on NVMe; resumes from a checkpoint
+// bit-exactly on another placement; and trains over two ranks at stage 3 (partitioned, gathered
+// over Gloo) bit-identically whether the ranks offload or not.
 TEST(Trainer, EveryFamilyTrainsAlikeOnEveryPlacementOverTwoRanksAndAfterAResume) {
   const std::string shape = R"("vocab_size": 256, "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
       "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256, "rms_norm_eps": 1e-5)";
@@ -1793,6 +1794,19 @@ TEST(Trainer, EveryFamilyTrainsAlikeOnEveryPlacementOverTwoRanksAndAfterAResume)
       EXPECT_EQ(m->grad_norm, am[i].grad_norm) << "resumed, step " << m->step;
     }
     EXPECT_TRUE(bit_identical(masters(**tc), a_master)) << "resumed on NVMe";
+
+    // Stages 0–2 keep the compute copies whole on the device: with the optimizer on the CPU, on NVMe
+    // or resident, the same weights as stage 3's.
+    for (const auto& [stage, optimizer] :
+         std::vector<std::pair<int, std::string>>{{0, "none"}, {1, "cpu"}, {2, "nvme"}}) {
+      TempDir d;
+      RunSetup setup = resident;
+      setup.stage = stage;
+      setup.optimizer = optimizer;
+      TrainOptions o = make_options(setup, d);
+      o.model_config = *model;
+      EXPECT_TRUE(bit_identical(train(o, kN + kM), a_master)) << "stage " << stage << ", optimizer " << optimizer;
+    }
 
     RunSetup ranks_resident = resident, ranks_offloaded = offloaded;
     ranks_resident.grad_accum = ranks_offloaded.grad_accum = 1;
