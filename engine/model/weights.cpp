@@ -95,9 +95,10 @@ void fill_normal(uint64_t key, double std, uint64_t first, std::span<float> out)
 }
 
 // Note [Text weights of a multimodal checkpoint]: multimodal Gemma 3 (Gemma3ForConditionalGeneration)
-// stores its text model under another prefix — "language_model.model." as transformers < 5 saved it
-// (Google's files), "model.language_model." as transformers ≥ 5 saves it — beside the vision tower,
-// which the text model does not use. The stored name of a layout param ("model.…", "lm_head.weight")
+// stores its text model under another prefix — "language_model.model." in Google's files and as
+// transformers (5.17 too) saves it, "model.language_model." as transformers ≥ 5 names its modules,
+// which a state dict saved directly keeps — beside the vision tower, which the text model does not
+// use. The stored name of a layout param ("model.…", "lm_head.weight")
 // is the first of these the checkpoint holds.
 std::string stored_name(const HfWeights& weights, const std::string& name) {
   const SafetensorsFile* file = nullptr;

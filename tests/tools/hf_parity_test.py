@@ -916,8 +916,8 @@ def check_multimodal_gemma3(tmp):
         saved = json.load(f)
     with safetensors.safe_open(os.path.join(dirs["multimodal"], "model.safetensors"), "pt") as f:
         keys = list(f.keys())
-    # transformers 5.17 saves the text weights under Google's names (language_model.model.), and reads
-    # its own (model.language_model.) too; the loader takes either.
+    # transformers 5.17 saves the text weights under Google's names (language_model.model.), though its
+    # modules are named model.language_model.; the loader takes either.
     expect(saved["model_type"] == "gemma3" and any(k.startswith(("language_model.model.", "model.language_model."))
                                                    for k in keys) and any("vision_tower" in k for k in keys),
            "%s: saved as a multimodal checkpoint (model_type %s, tensors %s...)" % (name, saved["model_type"], keys[:3]))
