@@ -13,6 +13,7 @@ struct Range {
   const char* name;
   uintptr_t begin;
   uint64_t size_bytes;
+  uint64_t align;  // the size of the element the kernels read there
 };
 
 bool known(DType d) { return static_cast<unsigned>(d) <= static_cast<unsigned>(DType::kF16); }
@@ -30,10 +31,14 @@ Status check_params(const char* op, DType param_dtype, bool copy, DType copy_dty
   return Status::ok();
 }
 
-// Each range inside one live allocation, no two overlapping.
+// Each range inside one live allocation, aligned to its element (a misaligned fp32 absmax is a CUDA
+// fault, not a slow read), no two overlapping.
 Status check_ranges(const Accounting& acct, const char* op, const Range* ranges, int n_ranges) {
   for (int i = 0; i < n_ranges; ++i) {
     const Range& r = ranges[i];
+    if (r.begin % r.align != 0)
+      return invalid_argument(std::string(op) + ": " + r.name + " is not " + std::to_string(r.align) +
+                              "-byte aligned (address " + std::to_string(r.begin) + ")");
     ZO_RETURN_IF_ERROR(acct.check_range(reinterpret_cast<const void*>(r.begin), r.size_bytes,
                                         (std::string(op) + " " + r.name).c_str()));
   }
@@ -65,11 +70,13 @@ Status check_adam_args(const Accounting& acct, const DeviceAdamArgs& args) {
   if (n > std::numeric_limits<uint64_t>::max() / 4)
     return invalid_argument("adam_step: n_elems = " + std::to_string(n) + " is too large");
   const uint64_t mb = dtype_size_bytes(args.moment_dtype);
-  const Range ranges[5] = {{"params", at(args.params), n * dtype_size_bytes(args.param_dtype)},
-                           {"exp_avg", at(args.exp_avg), n * mb},
-                           {"exp_avg_sq", at(args.exp_avg_sq), n * mb},
-                           {"grad", at(args.grad), n * dtype_size_bytes(args.grad_dtype)},
-                           {"copy_out", at(args.copy_out), n * dtype_size_bytes(args.copy_dtype)}};
+  const uint64_t ps = dtype_size_bytes(args.param_dtype), gs = dtype_size_bytes(args.grad_dtype),
+                 cs = dtype_size_bytes(args.copy_dtype);
+  const Range ranges[5] = {{"params", at(args.params), n * ps, ps},
+                           {"exp_avg", at(args.exp_avg), n * mb, mb},
+                           {"exp_avg_sq", at(args.exp_avg_sq), n * mb, mb},
+                           {"grad", at(args.grad), n * gs, gs},
+                           {"copy_out", at(args.copy_out), n * cs, cs}};
   return check_ranges(acct, "adam_step", ranges, args.copy_out ? 5 : 4);
 }
 
@@ -85,13 +92,12 @@ Status check_adam8bit_args(const Accounting& acct, const DeviceAdam8bitArgs& arg
   if (n > std::numeric_limits<uint64_t>::max() / 4)
     return invalid_argument("adam8bit_step: n_elems = " + std::to_string(n) + " is too large");
   const uint64_t absmax_bytes = (n + 255) / 256 * 4;
-  const Range ranges[7] = {{"params", at(args.params), n * dtype_size_bytes(args.param_dtype)},
-                           {"m_codes", at(args.m_codes), n},
-                           {"m_absmax", at(args.m_absmax), absmax_bytes},
-                           {"v_codes", at(args.v_codes), n},
-                           {"v_absmax", at(args.v_absmax), absmax_bytes},
-                           {"grad", at(args.grad), n * dtype_size_bytes(args.grad_dtype)},
-                           {"copy_out", at(args.copy_out), n * dtype_size_bytes(args.copy_dtype)}};
+  const uint64_t ps = dtype_size_bytes(args.param_dtype), gs = dtype_size_bytes(args.grad_dtype),
+                 cs = dtype_size_bytes(args.copy_dtype);
+  const Range ranges[7] = {{"params", at(args.params), n * ps, ps},          {"m_codes", at(args.m_codes), n, 1},
+                           {"m_absmax", at(args.m_absmax), absmax_bytes, 4}, {"v_codes", at(args.v_codes), n, 1},
+                           {"v_absmax", at(args.v_absmax), absmax_bytes, 4}, {"grad", at(args.grad), n * gs, gs},
+                           {"copy_out", at(args.copy_out), n * cs, cs}};
   return check_ranges(acct, "adam8bit_step", ranges, args.copy_out ? 7 : 6);
 }
 

@@ -668,6 +668,7 @@ TEST_P(DeviceConformance, NarrowStatesMatchCpuOptimBitForBit) {
   if (!dev_) return;
   constexpr size_t kN = 100003;
   constexpr size_t kBlocks = (kN + 255) / 256;
+  constexpr size_t kAbsmax = (kN + 3) / 4 * 4;  // the absmax after the codes, 4-byte aligned as the swapper lays it
   constexpr int kSteps = 5;
   constexpr float kGradScale = 0.7311f;
   constexpr uint32_t kSrFirst = 4096 * 3;
@@ -696,11 +697,11 @@ TEST_P(DeviceConformance, NarrowStatesMatchCpuOptimBitForBit) {
     return bytes_of(h);
   };
   auto blockwise_of = [&](bool is_signed) {  // random codes, absmax up to 1e2; one all-zero block
-    std::vector<uint8_t> b(kN + kBlocks * 4);
+    std::vector<uint8_t> b(kAbsmax + kBlocks * 4);
     for (size_t i = 0; i < kN; ++i) b[i] = static_cast<uint8_t>(rng());
     for (size_t k = 0; k < kBlocks; ++k) {
       const float a = k == 5 ? 0.0f : adam_test_value(rng, 1e2f, true) * (is_signed ? 1.0f : 0.5f);
-      std::memcpy(b.data() + kN + k * 4, &a, 4);
+      std::memcpy(b.data() + kAbsmax + k * 4, &a, 4);
     }
     return b;
   };
@@ -751,7 +752,8 @@ TEST_P(DeviceConformance, NarrowStatesMatchCpuOptimBitForBit) {
                 return std::span<uint16_t>(reinterpret_cast<uint16_t*>(b.data()), kN);
               };
               auto blockwise = [&](std::vector<uint8_t>& b) {
-                return cpu_optim::BlockwiseState{{b.data(), kN}, {reinterpret_cast<float*>(b.data() + kN), kBlocks}};
+                return cpu_optim::BlockwiseState{{b.data(), kN},
+                                                 {reinterpret_cast<float*>(b.data() + kAbsmax), kBlocks}};
               };
               const auto& ex = *paths[k].executor;
               const DType md = bf16_moments ? DType::kBF16 : DType::kF32;
@@ -786,9 +788,9 @@ TEST_P(DeviceConformance, NarrowStatesMatchCpuOptimBitForBit) {
                                          .sr_key = step_key,
                                          .sr_first = kSrFirst,
                                          .m_codes = dm,
-                                         .m_absmax = dm + kN,
+                                         .m_absmax = dm + kAbsmax,
                                          .v_codes = dv,
-                                         .v_absmax = dv + kN,
+                                         .v_absmax = dv + kAbsmax,
                                          .grad = dg,
                                          .grad_dtype = grad_dtype,
                                          .grad_scale = kGradScale,
@@ -877,6 +879,9 @@ TEST_P(DeviceConformance, NarrowStateStepsRejectBadArguments) {
   DeviceAdam8bitArgs e = eight;
   e.m_absmax = dm + (kN - 8);  // overlaps the codes
   expect_refused("absmax over the codes", dev_->adam8bit_step(e, stream_), "overlap");
+  e = eight;
+  e.m_absmax = dm + (kN + 1);  // a float the device cannot read (a CUDA fault, found on an H200)
+  expect_refused("absmax not 4-byte aligned", dev_->adam8bit_step(e, stream_), "m_absmax is not 4-byte aligned");
   e = eight;
   e.v_absmax = dv + (kN * 4 - 8);  // 4 blocks need 16 bytes
   expect_refused("absmax past the end", dev_->adam8bit_step(e, stream_), "v_absmax");
