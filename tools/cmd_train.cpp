@@ -15,6 +15,7 @@
 #include <limits>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -49,6 +50,9 @@ struct TrainArgs {
   uint64_t steps = 0;
   uint64_t seed = 0;
   uint64_t seq_len = 0;
+  std::string eval_data;       // --eval-data
+  uint64_t eval_every = 0;     // --eval-every
+  uint64_t eval_batches = 16;  // --eval-batches
   AutoFlags flags;
   bool json = false;
   bool quiet = false;
@@ -161,6 +165,11 @@ std::string progress_line(const engine::StepMetrics& m, uint64_t total, bool wit
                 m.step_s > 0 ? static_cast<double>(m.tokens) / m.step_s : 0.0, m.lr, m.overlap,
                 m.skipped ? " | overflow: step skipped" : "");
   std::string line = buf;
+  if (m.eval) {
+    std::snprintf(buf, sizeof buf, " | eval loss %.4f ppl %.4g (%.2f s)", m.eval->loss, m.eval->perplexity,
+                  m.eval->eval_s);
+    line += buf;
+  }
   if (with_breakdown) line += " | " + breakdown(m);
   return line;
 }
@@ -215,6 +224,9 @@ int run_train(const TrainArgs& args) {
   options.out_dir = a.out;
   options.resume = a.resume;
   options.last_step = steps;
+  options.eval_data_path = a.eval_data;
+  options.eval_every = a.eval_every;
+  options.eval_batches = a.eval_batches;
   // Note [One run per run directory] (engine/train/trainer.cpp): rank 0 locks --out before the ranks
   // connect, so the other ranks of a run refused here never get past the rendezvous.
   if (world->rank == 0) {
@@ -287,6 +299,8 @@ int run_train(const TrainArgs& args) {
   double first_loss = NAN, last_loss = NAN, train_s = 0;
   uint64_t tokens = 0, skipped = 0;
   nlohmann::json saved = nlohmann::json::array();
+  nlohmann::json evals = nlohmann::json::array();  // --eval-data: each evaluation's figures
+  std::optional<engine::EvalMetrics> last_eval;
   // Saves when due; a failed save leaves the previous checkpoint and the training state as they were.
   auto save = [&](bool end_of_run) -> Status {
     if (!trainer.checkpoint_due(end_of_run)) return Status::ok();
@@ -350,13 +364,19 @@ int run_train(const TrainArgs& args) {
     train_s += m->step_s;
     tokens += m->tokens;
     skipped += m->skipped;
+    if (m->eval) {
+      last_eval = m->eval;
+      nlohmann::json e = m->record()["eval"];
+      e["step"] = m->step;
+      evals.push_back(std::move(e));
+    }
     const bool last = i + 1 == steps;
     if (!a.json && !a.quiet) {
       const bool due = trainer.checkpoint_due(last);
       if (tty) {
         std::fprintf(stderr, "\r\033[K%s", progress_line(*m, steps, show_breakdown).c_str());
-        if (last || due) std::fputc('\n', stderr);
-      } else if (i == first_step || last || due || m->step % print_every == 0) {
+        if (last || due || m->eval) std::fputc('\n', stderr);  // an evaluation's line stays
+      } else if (i == first_step || last || due || m->eval || m->step % print_every == 0) {
         std::fprintf(stderr, "%s\n", progress_line(*m, steps, show_breakdown).c_str());
       }
     }
@@ -420,6 +440,7 @@ int run_train(const TrainArgs& args) {
                         {"first_step", first_step},
                         {"resumed_from", trainer.resumed_from()},
                         {"checkpoints", saved},
+                        {"evals", evals},
                         {"export", exported},
                         {"trace", a.trace},
                         {"plan", nlohmann::json::parse(trainer.plan_json())}};
@@ -429,6 +450,10 @@ int run_train(const TrainArgs& args) {
                 static_cast<unsigned long long>(steps - std::min(steps, first_step)), train_s,
                 train_s > 0 ? tokens / train_s : 0.0, first_loss, last_loss,
                 skipped ? (", " + std::to_string(skipped) + " steps skipped on overflow").c_str() : "");
+    if (last_eval)
+      std::printf("eval: loss %.4f, perplexity %.4g over %llu batches (%llu tokens) of %s\n", last_eval->loss,
+                  last_eval->perplexity, static_cast<unsigned long long>(last_eval->batches),
+                  static_cast<unsigned long long>(last_eval->tokens), a.eval_data.c_str());
     std::printf("outputs: metrics %s%s\n", trainer.metrics_path().c_str(),
                 swap.empty() ? "" : ("; NVMe swap files under " + swap + " are removed on exit").c_str());
   }
@@ -478,7 +503,19 @@ void register_train_command(CLI::App& app, int* exit_code) {
                    "Training data: .bin tokens (llm.c/nanoGPT), .jsonl with input_ids [and labels], or any other "
                    "file as text with the byte-level tokenizer (vocabulary 256, for the tiny model)")
       ->required();
-  train->add_option("--data-format", args->data_format, "auto | llmc | raw | jsonl | text (default: by extension)");
+  train->add_option("--data-format", args->data_format,
+                    "auto | llmc | raw | jsonl | text (default: by extension; applies to --eval-data too)");
+  train->add_option("--eval-data", args->eval_data,
+                    "Held-out data in --data's formats: after every --eval-every steps and after the last step, "
+                    "its first --eval-batches micro-batches (file order) run forward without gradients through "
+                    "the same offload; loss and perplexity go to the progress line, metrics.jsonl (\"eval\") "
+                    "and the monitors (eval/loss)");
+  train->add_option("--eval-every", args->eval_every,
+                    "Evaluate --eval-data every N steps (default 0: at the end only)");
+  train
+      ->add_option("--eval-batches", args->eval_batches,
+                   "Micro-batches per evaluation, all ranks together (default 16; fewer when the file is shorter)")
+      ->check(CLI::PositiveNumber);
   train
       ->add_option(
           "--steps", args->steps,

@@ -559,6 +559,12 @@ void Resolver::no_accumulator() {
                        " ranks each sub-group's gradient must be reduced to its owner as it lands, which needs "
                        "zero_optimization.stage 2 or 3 (it is " +
                        std::to_string(c->zero.stage) + "); or keep the accumulators");
+  } else if (ctx.world_size > 1 && c->zoffload.loss_normalization == "tokens") {
+    st->error(key, why +
+                       "zoffload.loss_normalization \"tokens\" divides by the labelled tokens of every rank, "
+                       "which are summed only after backward with " +
+                       std::to_string(ctx.world_size) +
+                       " ranks: use \"micro_batch\", one rank, or keep the accumulators");
   }
 }
 

@@ -147,6 +147,11 @@ struct LogConfig {
   std::string metrics_path;  // JSONL, one record per step; empty: none
 };
 
+// (addition) The order the training data is read in (engine/data/dataset.h).
+struct DataConfig {
+  bool shuffle = true;  // each epoch in its own seeded order; false: file order every epoch
+};
+
 // The "zoffload" block: what DeepSpeed has no key for.
 struct ZoffloadConfig {
   DeviceKind device = DeviceKind::kAuto;
@@ -191,6 +196,12 @@ struct ZoffloadConfig {
   // compute copy its bits. Needs bf16 compute (bf16.enabled) and the optimizer offloaded.
   std::string master_dtype = "fp32";
   std::string io_backend = "auto";  // auto | io_uring | libaio | psync (the aio block tunes it)
+  // (addition) How a step's loss averages its tokens (Note [Loss normalisation] in
+  // engine/train/step.cpp): "micro_batch" weighs each micro-batch's mean token loss equally, as
+  // DeepSpeed's engine does; "tokens" divides the step's summed token losses by its labelled tokens,
+  // over every micro-batch and rank, as transformers' Trainer does (num_items_in_batch).
+  std::string loss_normalization = "micro_batch";
+  DataConfig data;
   CheckpointConfig checkpoint;
   LogConfig log;
 };

@@ -80,6 +80,7 @@ inline constexpr std::array<std::string_view, 3> kMomentDtypes = {"fp32", "8bit"
 inline constexpr std::array<std::string_view, 2> kMasterDtypes = {"fp32", "bf16"};
 inline constexpr std::array<std::string_view, 4> kGradStoreDtypes = {"auto", "fp32", "bf16", "fp16"};
 inline constexpr std::array<std::string_view, 4> kIoBackends = {"auto", "io_uring", "libaio", "psync"};
+inline constexpr std::array<std::string_view, 2> kLossNormalizations = {"micro_batch", "tokens"};
 
 // What a rule sees: the object being read, the parse, and which of its keys were read valid.
 struct ReadContext {
@@ -340,6 +341,8 @@ void keys(V& v, ZoffloadConfig& z) {
   v.choice("gradient_store_dtype", z.gradient_store_dtype, kGradStoreDtypes);
   v.choice("master_dtype", z.master_dtype, kMasterDtypes);
   v.choice("io_backend", z.io_backend, kIoBackends);
+  v.choice("loss_normalization", z.loss_normalization, kLossNormalizations);
+  v.object("data", [&] { v.flag("shuffle", z.data.shuffle); });
   v.object("checkpoint", [&] { keys(v, z.checkpoint); });
   v.object("log", [&] { v.text("metrics_path", z.log.metrics_path); });
 }

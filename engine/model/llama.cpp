@@ -10,6 +10,7 @@
 #include <string>
 #include <tuple>
 #include <utility>
+#include <utility>
 
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wunused-parameter"
@@ -300,17 +301,32 @@ torch::Tensor block_forward(const ModelConfig& config, const BlockSpec& block, c
   TORCH_CHECK(false, "unknown block kind");
 }
 
-torch::Tensor lm_loss(const torch::Tensor& logits, const torch::Tensor& targets) {
+namespace {
+
+// Sum of the cross-entropy over the unmasked targets, and those targets as int64 [B·T].
+std::pair<at::Tensor, at::Tensor> summed_loss(const torch::Tensor& logits, const torch::Tensor& targets) {
   TORCH_CHECK(logits.dim() == 3, "logits must be [B, T, V], got ", logits.sizes());
   TORCH_CHECK(targets.dim() == 2 && targets.size(0) == logits.size(0) && targets.size(1) == logits.size(1),
               "targets must be [B, T] matching logits ", logits.sizes(), ", got ", targets.sizes());
   const at::Tensor flat_logits = logits.reshape({-1, logits.size(-1)}).to(at::kFloat);
-  const at::Tensor flat_targets = targets.reshape({-1}).to(at::kLong);
+  at::Tensor flat_targets = targets.reshape({-1}).to(at::kLong);
+  at::Tensor sum =
+      at::cross_entropy_loss(flat_logits, flat_targets, /*weight=*/{}, at::Reduction::Sum, /*ignore_index=*/-100);
+  return {std::move(sum), std::move(flat_targets)};
+}
+
+}  // namespace
+
+torch::Tensor lm_loss(const torch::Tensor& logits, const torch::Tensor& targets) {
+  auto [sum, flat_targets] = summed_loss(logits, targets);
   // Sum over unmasked targets / their count (at least 1): an all-masked batch gives 0, not 0/0, and
   // the count stays on the device.
   const at::Tensor count = flat_targets.ne(-100).sum().to(at::kFloat).clamp_min(1.0);
-  return at::cross_entropy_loss(flat_logits, flat_targets, /*weight=*/{}, at::Reduction::Sum, /*ignore_index=*/-100) /
-         count;
+  return sum / count;
+}
+
+torch::Tensor lm_loss_sum(const torch::Tensor& logits, const torch::Tensor& targets) {
+  return summed_loss(logits, targets).first;
 }
 
 double measure_matmul_flops(DType dtype, bool cuda) {

@@ -66,6 +66,9 @@ torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, c
 // Mean cross-entropy in fp32 over the targets != -100 (int64 or int32 [B, T]) of logits [B, T, V];
 // 0 (still with a grad) when every target is masked. No host synchronisation.
 torch::Tensor lm_loss(const torch::Tensor& logits, const torch::Tensor& targets);
+// The same cross-entropy summed over the targets != -100 instead of averaged (0 when all are masked):
+// what transformers' causal-LM loss divides by num_items_in_batch.
+torch::Tensor lm_loss_sum(const torch::Tensor& logits, const torch::Tensor& targets);
 
 // Runs `fn`, turning any c10::Error / std::exception it throws into kInternal "<what>: <message>"
 // (without LibTorch's backtrace) — the LibTorch boundary.

@@ -25,7 +25,9 @@ void flatten(const nlohmann::json& j, const std::string& name, std::vector<Scala
     for (auto it = j.begin(); it != j.end(); ++it)
       flatten(it.value(), name.empty() ? it.key() : name + "/" + it.key(), out);
   } else if (j.is_number()) {
-    out->push_back({std::string(kTagPrefix) + (name == "loss" ? "train_loss" : name), j.get<double>()});
+    // The evaluation's figures go under transformers' names (eval/loss), which DeepSpeed lacks.
+    const bool eval = name.starts_with("eval/");
+    out->push_back({eval ? name : std::string(kTagPrefix) + (name == "loss" ? "train_loss" : name), j.get<double>()});
   } else if (j.is_boolean()) {
     out->push_back({std::string(kTagPrefix) + name, j.get<bool>() ? 1.0 : 0.0});
   }

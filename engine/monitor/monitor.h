@@ -28,7 +28,10 @@ struct Scalar {
 // samples trained on so far as the x axis (DeepSpeed's global_samples). The names are the keys of a
 // metrics.jsonl record, nested keys joined with "/" ("time_s/compute"), except that the loss is
 // DeepSpeed's "train_loss"; every number of the record is written (true/false as 1/0, a null
-// gradient norm — an overflow — not at all), so the monitors hold what metrics.jsonl holds.
+// gradient norm — an overflow — not at all), so the monitors hold what metrics.jsonl holds. The
+// record's "eval" object (a step after which the held-out data was evaluated) is written under
+// transformers' Trainer's tags instead, which DeepSpeed has none for: "eval/loss", "eval/perplexity",
+// ... (CSV: eval_loss.csv), at the same x.
 std::vector<Scalar> scalars_of_metrics_record(const nlohmann::json& record);
 
 // A directory of CSV files as DeepSpeed's csvMonitor writes them: one file per tag, named by the

@@ -155,33 +155,41 @@ void Trainer::Impl::fold_grads(std::vector<torch::Tensor>& params, std::vector<t
 // These are the same additions, in the same order and dtype, that the accumulator makes with the
 // horizontal schedule, so the two agree to the bit where both sides round alike (fp32 sums: IEEE
 // additions; the test compares them); the per-micro-batch forward and backward are unchanged.
+Status Trainer::Impl::load_micro(const Batch& batch, const std::string& path, Micro* mb) {
+  auto out_of_vocab = [&](int32_t token, bool label) {
+    return !(label && token == kIgnoreLabel) && (token < 0 || static_cast<uint64_t>(token) >= model.vocab_size);
+  };
+  mb->position = batch.position;
+  for (size_t i = 0; i < batch.inputs.size(); ++i) {
+    const bool bad_input = out_of_vocab(batch.inputs[i], false);
+    if (bad_input || out_of_vocab(batch.targets[i], true))
+      return invalid_argument(path + ": " + (bad_input ? "token " : "label ") +
+                              std::to_string(bad_input ? batch.inputs[i] : batch.targets[i]) + " (window " +
+                              std::to_string(batch.windows[i / batch.seq_len]) +
+                              ") is outside the model's vocabulary of " + std::to_string(model.vocab_size));
+  }
+  mb->tokens = 0;
+  for (int32_t t : batch.targets) mb->tokens += t != kIgnoreLabel;
+  mb->inputs.assign(layout.blocks.size(), torch::Tensor());
+  return torch_call("preparing the batch", [&] {
+    const int64_t b = static_cast<int64_t>(batch.batch), t = static_cast<int64_t>(batch.seq_len);
+    // from_blob does not copy: the copies to the device's int64 are made before `batch` is reused.
+    mb->inputs[0] = torch::from_blob(const_cast<int32_t*>(batch.inputs.data()), {b, t}, torch::kInt32)
+                        .to(torch_device, torch::kInt64);
+    mb->targets = torch::from_blob(const_cast<int32_t*>(batch.targets.data()), {b, t}, torch::kInt32)
+                      .to(torch_device, torch::kInt64);
+  });
+}
+
 Result<Trainer::Impl::Forward> Trainer::Impl::forward(uint64_t count) {
   Forward f;
   f.micro.resize(count);
   const uint32_t n = static_cast<uint32_t>(layout.blocks.size());
-  auto out_of_vocab = [&](int32_t token, bool label) {
-    return !(label && token == kIgnoreLabel) && (token < 0 || static_cast<uint64_t>(token) >= model.vocab_size);
-  };
   for (Micro& mb : f.micro) {
     const Stopwatch reading;
     ZO_RETURN_IF_ERROR(data->next_batch(&batch));
-    mb.position = batch.position;
-    for (size_t i = 0; i < batch.inputs.size(); ++i) {
-      const bool bad_input = out_of_vocab(batch.inputs[i], false);
-      if (bad_input || out_of_vocab(batch.targets[i], true))
-        return invalid_argument(opt.data_path + ": " + (bad_input ? "token " : "label ") +
-                                std::to_string(bad_input ? batch.inputs[i] : batch.targets[i]) + " (window " +
-                                std::to_string(batch.windows[i / batch.seq_len]) +
-                                ") is outside the model's vocabulary of " + std::to_string(model.vocab_size));
-    }
-    for (int32_t t : batch.targets) mb.tokens += t != kIgnoreLabel;
+    ZO_RETURN_IF_ERROR(load_micro(batch, opt.data_path, &mb));
     f.data_s += reading.elapsed_s();
-    mb.inputs.resize(n);
-    ZO_RETURN_IF_ERROR(torch_call("preparing the batch", [&] {
-      const int64_t b = static_cast<int64_t>(batch.batch), t = static_cast<int64_t>(batch.seq_len);
-      mb.inputs[0] = torch::from_blob(batch.inputs.data(), {b, t}, torch::kInt32).to(torch_device, torch::kInt64);
-      mb.targets = torch::from_blob(batch.targets.data(), {b, t}, torch::kInt32).to(torch_device, torch::kInt64);
-    }));
   }
 
   coord->begin_micro_step();
@@ -215,9 +223,12 @@ Result<Trainer::Impl::MicroResult> Trainer::Impl::finish_micro_step(Forward& f, 
     }
   } abandon{grad_worker.get(), grads.get()};
   const uint32_t n = static_cast<uint32_t>(layout.blocks.size());
-  // Data parallel: each rank's share of the mean, so that the all-reduced sum is the mean.
+  // What backward differentiates (Note [Loss normalisation]): each micro-batch's mean over GAS and
+  // the ranks (data parallel: each rank's share of the mean, so that the all-reduced sum is the
+  // mean), or its summed token losses over every target the step could have.
   const double loss_factor =
-      scaler->scale() / static_cast<double>(opt.config.gradient_accumulation_steps * world_size());
+      scaler->scale() / (by_tokens() ? static_cast<double>(target_slots())
+                                     : static_cast<double>(opt.config.gradient_accumulation_steps * world_size()));
   const size_t count = f.micro.size();
   // With several micro-batches (the vertical schedule) each block's gradients are summed on the
   // device and leave it once (Note [Vertical schedule]).
@@ -242,7 +253,9 @@ Result<Trainer::Impl::MicroResult> Trainer::Impl::finish_micro_step(Forward& f, 
       for (size_t k = 0; k < count; ++k) {
         Micro& mb = f.micro[k];
         torch::Tensor x = mb.inputs[h].detach().set_requires_grad(true);
-        torch::Tensor loss = lm_loss(block_forward(model, layout.blocks[h], params, x, rope), mb.targets);
+        torch::Tensor logits = block_forward(model, layout.blocks[h], params, x, rope);
+        torch::Tensor loss = by_tokens() ? lm_loss_sum(logits, mb.targets) : lm_loss(logits, mb.targets);
+        logits.reset();
         result.loss += loss.item<double>();
         (loss * loss_factor).backward();
         grad_out[k] = x.grad();
@@ -296,6 +309,26 @@ Result<Trainer::Impl::MicroResult> Trainer::Impl::finish_micro_step(Forward& f, 
   return result;
 }
 
+// Note [Loss normalisation]
+// With masked labels the micro-batches of a step carry different numbers of labelled tokens, and
+// two conventions average them differently. zoffload.loss_normalization "micro_batch" (DeepSpeed's
+// engine, and zoffload's default): the step's loss is the mean over its GAS · world micro-batches of
+// each one's mean token loss, so a token of a sparsely labelled micro-batch weighs more.
+// "tokens" (transformers' Trainer since 4.46, num_items_in_batch; average_tokens_across_devices,
+// its default, counts every rank's): the summed token losses of every micro-batch and rank divided
+// by the step's labelled tokens N, so every token weighs the same.
+// N is known only once the step's last batch is read (and, data parallel, summed over the ranks),
+// after the first backward has run. So backward differentiates each micro-batch's summed token
+// losses over S = GAS · world · micro_batch · seq_len, the most targets a step can have (a constant:
+// the gradients keep the scale they have under "micro_batch" when nothing is masked), and the
+// boundary multiplies by S / N (token_factor): in the norm, and so in the clipping coefficient, and
+// in the optimizer's grad_scale beside 1/loss_scale. The rank all-reduce that sums the loss already
+// sums N. Without accumulators (Note [No accumulator]) the update starts during backward, so N must
+// be known before it: the whole step is then one forward (GAS 1 or the vertical schedule), whose
+// batches give N, and the config refuses "tokens" there with more than one rank (N would need a
+// collective before backward, beside the gatherer's). The same S and S / N in both paths keep
+// them, and the two schedules, bit-identical. A step with no labelled token has N = 0: its
+// gradients are zero, and its loss is 0 as an all-masked micro-batch's is.
 Result<StepMetrics> Trainer::Impl::step_once() {
   const Stopwatch wall;
   if (!ahead_error.is_ok()) return std::exchange(ahead_error, Status::ok());  // this step's first forward failed
@@ -307,6 +340,7 @@ Result<StepMetrics> Trainer::Impl::step_once() {
   const bool overflow_here = std::find(inject.begin(), inject.end(), out.step) != inject.end();
   const StepCounters before = counters();
   const bool cuda = torch_device.is_cuda();
+  token_factor = 1.0;
   reset_torch_memory_peak(cuda);
 
   // The micro-steps, then (data parallel) the sums over the ranks. Without accumulators the
@@ -316,12 +350,20 @@ Result<StepMetrics> Trainer::Impl::step_once() {
   ZO_ASSIGN_OR_RETURN(Accumulated acc,
                       direct ? accumulate_and_update(overflow_here, &out, &stepped) : accumulate(overflow_here, &out));
   if (opt.group != nullptr) ZO_RETURN_IF_ERROR(sum_over_ranks(before, &acc, &out));
-  out.loss = acc.loss_sum / static_cast<double>(opt.config.gradient_accumulation_steps * world_size());
+  if (by_tokens()) {
+    // Note [Loss normalisation]: the gradients hold the summed token losses over target_slots(); the
+    // step's labelled tokens (every rank's: out.tokens is all-reduced) finish the division.
+    const double labelled = static_cast<double>(std::max<uint64_t>(out.tokens, 1));
+    out.loss = acc.loss_sum / labelled;
+    if (!direct) token_factor = static_cast<double>(target_slots()) / labelled;
+  } else {
+    out.loss = acc.loss_sum / static_cast<double>(opt.config.gradient_accumulation_steps * world_size());
+  }
   out.torch_peak_bytes = torch_memory(cuda).peak_bytes;
 
   // The accumulation boundary: overflow check, loss-scale update, clipping, then the optimizer on
   // its own thread while this one runs the next step's first forward (Note [Overlapped optimizer]).
-  out.grad_norm = std::sqrt(acc.boundary.sum_sq) / out.loss_scale;
+  out.grad_norm = std::sqrt(acc.boundary.sum_sq) / out.loss_scale * token_factor;
   out.skipped = scaler->update(acc.boundary.nonfinite || !is_finite_norm(out.grad_norm));
   double join_s = 0;  // waiting for the optimizer (all of it when it does not overlap)
   if (direct) {
@@ -338,7 +380,10 @@ Result<StepMetrics> Trainer::Impl::step_once() {
   } else if (!out.skipped) {
     ZO_RETURN_IF_ERROR(start_update(out, &stepped, &join_s));
   }
-  if (opt.config.zoffload.overlap_optimizer && (opt.last_step == 0 || out.step < opt.last_step)) {
+  // The next forward runs ahead unless this is the run's last step, or the held-out data is
+  // evaluated first (Note [Evaluation]).
+  const bool evaluating = eval_due(out.step);
+  if (opt.config.zoffload.overlap_optimizer && (opt.last_step == 0 || out.step < opt.last_step) && !evaluating) {
     Result<Forward> next = forward(vertical_micro_batches(opt.config));
     if (next.is_ok()) {
       out.data_s += next->data_s;
@@ -360,11 +405,82 @@ Result<StepMetrics> Trainer::Impl::step_once() {
   out.device_budget_bytes = ds.budget_bytes;
   out.device_pinned_bytes = ds.pinned_bytes;
   out.process_peak_rss_bytes = process_rss().peak;
+  if (evaluating) {
+    trace::Span span(trace::Track::kStep, "evaluate");
+    ZO_ASSIGN_OR_RETURN(out.eval, evaluate());
+  }
   ZO_RETURN_IF_ERROR(record(out));
   return out;
 }
 
-Result<Trainer::Impl::Accumulated> Trainer::Impl::accumulate(bool inject_overflow, StepMetrics* out) {
+// Note [Evaluation]
+// With --eval-data the held-out file is evaluated after every eval_every-th step and after the
+// run's last step, once that step's update is complete (the step does not run the next forward
+// ahead then, so the evaluation sees the updated weights, as transformers' Trainer evaluates after
+// its optimizer step). Each evaluation reads the same batches: the first eval_batches micro-batches
+// of the file in file order (fewer when the file has fewer; rounded down to a multiple of the
+// ranks, each rank taking every world_size-th). They run forward only, without autograd, through
+// the same coordinator as training: the schedule begins a micro-step and acquires blocks 0..n−1,
+// prefetch included, and the micro-step is left there (the next begin_micro_step treats it as
+// abandoned). A pass takes as many micro-batches as a training forward holds (GAS with the vertical
+// schedule, else 1), so each block is fetched once per pass and the activations never exceed the
+// training forward's; no activation checkpoint is kept. The loss is transformers' eval_loss: the
+// mean over the batches of each batch's mean token loss (a batch with no labelled target is left
+// out, where transformers would average in its NaN), summed over the ranks; the perplexity is its
+// exponential. Nothing the step depends on changes: the training data's position, the RNG (there is
+// none) and the weights are untouched, so a run trains bit-identically with and without evaluation;
+// its time is reported apart (EvalMetrics::eval_s) and is not in step_s.
+Result<EvalMetrics> Trainer::Impl::evaluate() {
+  const Stopwatch wall;
+  EvalMetrics out;
+  ZO_RETURN_IF_ERROR(eval_data->set_position({}));
+  const uint32_t n = static_cast<uint32_t>(layout.blocks.size());
+  const uint64_t per_pass = vertical_micro_batches(opt.config);
+  std::array<double, 3> sums{};  // loss over the counted batches, those batches, labelled targets
+  Batch read;
+  std::vector<Micro> micro;
+  for (uint64_t done = 0; done < eval_batches_per_rank; done += per_pass) {
+    micro.resize(std::min(per_pass, eval_batches_per_rank - done));
+    for (Micro& mb : micro) {
+      ZO_RETURN_IF_ERROR(eval_data->next_batch(&read));
+      ZO_RETURN_IF_ERROR(load_micro(read, opt.eval_data_path, &mb));
+      sums[2] += static_cast<double>(mb.tokens);
+    }
+    coord->begin_micro_step();
+    for (uint32_t b = 0; b < n; ++b) {
+      ZO_ASSIGN_OR_RETURN(std::vector<gpu::DevicePtr> ptrs, acquire(b));
+      ZO_RETURN_IF_ERROR(compute_call("evaluating " + layout.blocks[b].name, [&] {
+        torch::NoGradGuard no_grad;
+        const std::vector<torch::Tensor> params = wrap(b, ptrs, false);
+        for (Micro& mb : micro) {
+          torch::Tensor y = block_forward(model, layout.blocks[b], params, mb.inputs[b], rope);
+          mb.inputs[b] = torch::Tensor();
+          if (b + 1 < n) {
+            mb.inputs[b + 1] = std::move(y);
+          } else if (mb.tokens > 0) {
+            sums[0] += lm_loss(y, mb.targets).item<double>();
+            sums[1] += 1;
+          }
+        }
+      }));
+      ZO_RETURN_IF_ERROR(release(b));
+    }
+  }
+  if (opt.group != nullptr) {
+    trace::Span span(trace::Track::kCollective, "all-reduce the evaluation");
+    ZO_RETURN_IF_ERROR(opt.group->all_reduce_sum(sums, "all-reducing the evaluation loss"));
+  }
+  out.batches = eval_batches_per_rank * world_size();
+  out.tokens = static_cast<uint64_t>(sums[2]);
+  // No batch with a labelled target: no loss (null in metrics.jsonl, left out of the monitors).
+  out.loss = sums[1] > 0 ? sums[0] / sums[1] : std::numeric_limits<double>::quiet_NaN();
+  out.perplexity = std::exp(out.loss);
+  out.eval_s = wall.elapsed_s();
+  return out;
+}
+
+Result<Trainer::Impl::Accumulated> Trainer::Impl::accumulate(bool inject_overflow, StepMetrics* out,
+                                                             const std::function<Status(const Forward&)>& first) {
   Accumulated acc;
   const uint64_t gas = opt.config.gradient_accumulation_steps;
   const uint64_t per_forward = vertical_micro_batches(opt.config);  // micro-batches per forward
@@ -378,6 +494,7 @@ Result<Trainer::Impl::Accumulated> Trainer::Impl::accumulate(bool inject_overflo
       ZO_ASSIGN_OR_RETURN(f, forward(per_forward));
       out->data_s += f.data_s;
     }
+    if (micro == 0 && first) ZO_RETURN_IF_ERROR(first(f));
     ZO_ASSIGN_OR_RETURN(MicroResult r, finish_micro_step(f, micro == 0, last, inject_overflow && last));
     acc.loss_sum += r.loss;
     for (const Micro& mb : f.micro) out->tokens += mb.tokens;
@@ -390,9 +507,25 @@ Result<Trainer::Impl::Accumulated> Trainer::Impl::accumulate(bool inject_overflo
 
 Result<Trainer::Impl::Accumulated> Trainer::Impl::accumulate_and_update(
     bool inject_overflow, StepMetrics* out, std::optional<Result<OptimizerStepReport>>* stepped) {
-  // Without clipping the coefficient is 1, and nothing skips: the update needs no norm.
-  ZO_RETURN_IF_ERROR(optimizer->begin_direct(step_args(*out, 1.0), grads->completion_order()));
-  Result<Accumulated> acc = accumulate(inject_overflow, out);
+  // Without clipping the coefficient is 1, and nothing skips: the update needs no norm. Its
+  // arguments are fixed once the step's batches are read: with no accumulators those are all in
+  // the first forward (GAS 1, or the vertical schedule), and with loss_normalization "tokens" their
+  // labelled tokens give the division (one rank: the config refuses more, Note [Loss normalisation]).
+  bool begun = false;
+  auto begin = [&](const Forward& f) -> Status {
+    if (f.micro.size() != opt.config.gradient_accumulation_steps)
+      return internal_error("without accumulators a step's micro-batches must be one forward's");
+    if (by_tokens()) {
+      uint64_t labelled = 0;
+      for (const Micro& mb : f.micro) labelled += mb.tokens;
+      token_factor = static_cast<double>(target_slots()) / static_cast<double>(std::max<uint64_t>(labelled, 1));
+    }
+    ZO_RETURN_IF_ERROR(optimizer->begin_direct(step_args(*out, 1.0), grads->completion_order()));
+    begun = true;
+    return Status::ok();
+  };
+  Result<Accumulated> acc = accumulate(inject_overflow, out, begin);
+  if (!begun) return acc.status();  // nothing was stepped
   // Closed whatever happened: a failed backward after some sub-groups were stepped leaves the
   // states torn (end_direct marks them), as a failed optimizer step does.
   Result<OptimizerStepReport> report = optimizer->end_direct();
@@ -413,7 +546,7 @@ OptimizerStepArgs Trainer::Impl::step_args(const StepMetrics& out, double clip) 
                .bias_correction = oc.bias_correction};
   args.step = static_cast<int64_t>(optimizer_steps + 1);
   args.rounding_seed = data->options().seed;  // the run's seed, a resumed run's from its checkpoint
-  args.grad_scale = static_cast<float>(clip / out.loss_scale);
+  args.grad_scale = static_cast<float>(clip / out.loss_scale * token_factor);
   return args;
 }
 

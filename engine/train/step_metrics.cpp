@@ -47,6 +47,14 @@ nlohmann::json StepMetrics::record() const {
   j["time_s"]["rank_wait"] = rank_wait_s;
   j["time_s"]["gather"] = gather_s;
   j["time_s"]["grad_reduce"] = grad_reduce_s;
+  if (eval) {
+    auto finite = [](double v) { return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(nullptr); };
+    j["eval"] = {{"loss", finite(eval->loss)},
+                 {"perplexity", finite(eval->perplexity)},
+                 {"batches", eval->batches},
+                 {"tokens", eval->tokens},
+                 {"runtime_s", eval->eval_s}};
+  }
   return j;
 }
 

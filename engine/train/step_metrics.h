@@ -16,6 +16,17 @@
 
 namespace zo::engine {
 
+// One evaluation on the held-out data (TrainOptions::eval_data_path), after a step's update.
+struct EvalMetrics {
+  // Mean over the batches (of every rank) with a labelled target of their mean token loss; NaN when
+  // none has one.
+  double loss = 0;
+  double perplexity = 0;  // exp(loss): inf past exp(709)
+  uint64_t batches = 0;   // micro-batches evaluated, every rank's
+  uint64_t tokens = 0;    // labelled targets in them
+  double eval_s = 0;      // wall time, outside the step's step_s
+};
+
 // What one optimizer step did and where its time went (seconds of wall time).
 struct StepMetrics {
   uint64_t step = 0;      // 1-based
@@ -89,6 +100,8 @@ struct StepMetrics {
   // slab).
   uint64_t process_peak_rss_bytes = 0;
   uint64_t device_pinned_bytes = 0;
+  // The evaluation run after this step's update, when one was due.
+  std::optional<EvalMetrics> eval;
 
   // The record of metrics.jsonl (one line of it: record().dump()), which the monitors write too.
   nlohmann::json record() const;

@@ -108,8 +108,10 @@ Status Trainer::Impl::prepare_run_dir() {
   if (rank() == 0) {
     ZO_RETURN_IF_ERROR(env()->check_output_file(metrics_path, "the metrics file (zoffload.log.metrics_path)"));
     if (config.csv_monitor.enabled) {
+      StepMetrics prototype;
+      if (!opt.eval_data_path.empty()) prototype.eval.emplace();  // its files too
       ZO_RETURN_IF_ERROR(monitor::CsvMonitor::check_files(env(), monitor_dir(config.csv_monitor),
-                                                          monitor::scalars_of_metrics_record(StepMetrics{}.record())));
+                                                          monitor::scalars_of_metrics_record(prototype.record())));
     }
   }
   if (!config.zoffload.checkpoint.dir.empty()) {
@@ -320,11 +322,38 @@ Status Trainer::Impl::open_data() {
   d.seq_len = seq_len;
   d.micro_batch = opt.config.train_micro_batch_size_per_gpu;
   d.seed = resume ? resume->state.seed : opt.seed;
+  d.shuffle = opt.config.zoffload.data.shuffle;
   d.rank = rank();
   d.world_size = world_size();
   ZO_ASSIGN_OR_RETURN(data, Dataset::open(d));
+  if (!opt.eval_data_path.empty()) ZO_RETURN_IF_ERROR(open_eval_data(d));
   return torch_call("building the RoPE tables",
                     [&] { rope = make_rope_tables(model, static_cast<int64_t>(d.seq_len), torch_device); });
+}
+
+Status Trainer::Impl::open_eval_data(const DataOptions& train) {
+  if (opt.eval_batches == 0) return invalid_argument("--eval-batches must be at least 1");
+  if (opt.eval_every == 0 && opt.last_step == 0)
+    return invalid_argument("--eval-data " + opt.eval_data_path +
+                            " would never be evaluated: it is evaluated every --eval-every steps and after the "
+                            "last step, and neither is set");
+  DataOptions d = train;
+  d.path = opt.eval_data_path;
+  d.shuffle = false;  // Note [Evaluation]: the same batches every time, in file order
+  Result<std::unique_ptr<Dataset>> opened = Dataset::open(d);
+  if (!opened.is_ok()) return Status(opened.status()).with_context("--eval-data");
+  eval_data = std::move(*opened);
+  const uint64_t batches = std::min(opt.eval_batches, eval_data->batches_per_epoch());
+  eval_batches_per_rank = batches / world_size();
+  if (eval_batches_per_rank == 0)
+    return invalid_argument("--eval-batches " + std::to_string(opt.eval_batches) + " gives " +
+                            std::to_string(world_size()) + " ranks no batch each: ask for at least " +
+                            std::to_string(world_size()));
+  if (batches < opt.eval_batches)
+    ZO_LOG(kInfo) << "--eval-data " << opt.eval_data_path << " holds " << batches << " micro-batches of "
+                  << train.micro_batch << " x " << train.seq_len << " tokens: each evaluation reads those ("
+                  << "--eval-batches asked for " << opt.eval_batches << ")";
+  return Status::ok();
 }
 
 Status Trainer::Impl::open_metrics() {
@@ -363,9 +392,16 @@ namespace {
 void config_diff(const nlohmann::json& a, const nlohmann::json& b, const std::string& path,
                  std::vector<std::string>* out) {
   // Where the states live, how they move and where files go never change the arithmetic (the
-  // offload invariant): only the rest is worth a warning.
-  for (const char* skip : {"zoffload", "aio", "zero_optimization", "steps_per_print", "wall_clock_breakdown",
-                           "tensorboard", "csv_monitor"}) {
+  // offload invariant): only the rest is worth a warning. Of the zoffload block, the loss's
+  // normalisation and the data's order do (the state dtypes are checked apart, and refused).
+  if (path == "zoffload") {
+    for (const char* key : {"loss_normalization", "data"}) {
+      if (a.contains(key) && b.contains(key)) config_diff(a[key], b[key], path + "." + key, out);
+    }
+    return;
+  }
+  for (const char* skip :
+       {"aio", "zero_optimization", "steps_per_print", "wall_clock_breakdown", "tensorboard", "csv_monitor"}) {
     if (path.rfind(skip, 0) == 0) return;
   }
   if (a.is_object() && b.is_object()) {

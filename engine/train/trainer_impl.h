@@ -85,6 +85,9 @@ struct Trainer::Impl {
   std::unique_ptr<Dataset> data;
   RopeTables rope;
   Batch batch;
+  // TrainOptions::eval_data_path's batches, in file order; null without one (Note [Evaluation]).
+  std::unique_ptr<Dataset> eval_data;
+  uint64_t eval_batches_per_rank = 0;
 
   uint64_t steps_done = 0;       // optimizer steps attempted (skipped ones too)
   uint64_t optimizer_steps = 0;  // optimizer steps taken (Adam's step count, the lr index)
@@ -149,7 +152,10 @@ struct Trainer::Impl {
   Status create_step_pipeline();  // optimizer, coordinator, events, host checkpoints, gradient path
   Status create_schedules();      // loss scaler and learning-rate schedule
   Status open_data();             // dataset and RoPE tables
-  Status open_metrics();          // metrics.jsonl, appended to when resuming
+  // The held-out data with the training data's options but file order (`train` is what open_data
+  // opened the training data with); errors name --eval-data.
+  Status open_eval_data(const DataOptions& train);
+  Status open_metrics();  // metrics.jsonl, appended to when resuming
   // Where a DeepSpeed monitor writes: output_path/job_name, relative to the run directory.
   std::string monitor_dir(const MonitorConfig& mc) const;
   Status init_weights();
@@ -206,6 +212,9 @@ struct Trainer::Impl {
     double grad_offload_s = 0;  // gradients off the device and into the accumulators
     GradNormReport grads;
   };
+  // `batch` (read from `path`) as mb's token ids and targets on the device, its labelled targets in
+  // mb.tokens; kInvalidArgument naming the file and window for a token outside the vocabulary.
+  Status load_micro(const Batch& batch, const std::string& path, Micro* mb);
   // Reads the next `count` batches and runs them forward through blocks 0..n-2, block by block
   // (begins the coordinator's micro-step: each block is fetched once for all of them).
   Result<Forward> forward(uint64_t count);
@@ -223,14 +232,25 @@ struct Trainer::Impl {
     double loss_sum = 0;
     GradNormReport boundary;
   };
-  Result<Accumulated> accumulate(bool inject_overflow, StepMetrics* out);
+  // `first`, when given, runs once the step's first forward is done, before its backward.
+  Result<Accumulated> accumulate(bool inject_overflow, StepMetrics* out,
+                                 const std::function<Status(const Forward&)>& first = {});
   // With no accumulators (Note [No accumulator]): the micro-steps as accumulate() runs them, with the
   // optimizer stepping each sub-group from backward as its gradient is final; its report or error
   // in `stepped`, the states' failure before backward's.
   Result<Accumulated> accumulate_and_update(bool inject_overflow, StepMetrics* out,
                                             std::optional<Result<OptimizerStepReport>>* stepped);
-  // This step's optimizer arguments: hyperparameters, step, seed, and grad_scale = clip / loss scale.
+  // This step's optimizer arguments: hyperparameters, step, seed, and grad_scale = clip ·
+  // token_factor / loss scale.
   OptimizerStepArgs step_args(const StepMetrics& out, double clip) const;
+  // Note [Loss normalisation] (step.cpp): zoffload.loss_normalization "tokens"; then backward
+  // differentiates each micro-batch's summed token losses / target_slots(), and token_factor =
+  // target_slots() / the step's labelled tokens finishes the division at the boundary (1 otherwise).
+  bool by_tokens() const { return opt.config.zoffload.loss_normalization == "tokens"; }
+  uint64_t target_slots() const {
+    return opt.config.gradient_accumulation_steps * world_size() * opt.config.train_micro_batch_size_per_gpu * seq_len;
+  }
+  double token_factor = 1.0;  // this step's
   // Data parallel: the loss and token count summed over the ranks, the gradients summed (into their
   // owners, partitioned) and the norm of the sums, the same on every rank.
   Status sum_over_ranks(const StepCounters& before_step, Accumulated* acc, StepMetrics* out);
@@ -240,6 +260,12 @@ struct Trainer::Impl {
   Status start_update(const StepMetrics& out, std::optional<Result<OptimizerStepReport>>* stepped, double* join_s);
   // Joins the update; its report into `out`, or its error (the run ends there).
   Status finish_update(std::optional<Result<OptimizerStepReport>>& stepped, double* join_s, StepMetrics* out);
+  // Note [Evaluation] (step.cpp): whether the held-out data is evaluated after step `step`, and
+  // that evaluation (all ranks together; collective).
+  bool eval_due(uint64_t step) const {
+    return eval_data != nullptr && ((opt.eval_every > 0 && step % opt.eval_every == 0) || step == opt.last_step);
+  }
+  Result<EvalMetrics> evaluate();
   // The counters a step's metrics are differences of.
   StepCounters counters() const;
   // Rank 0: the step's record into metrics.jsonl and the monitors.

@@ -711,6 +711,18 @@ const Malformed kMalformed[] = {
      {{"zoffload", {{"io_backend", "spdk"}}}},
      "zoffload.io_backend",
      "one of auto, io_uring, libaio, psync"},
+    {"loss_normalization",
+     {{"zoffload", {{"loss_normalization", "mean"}}}},
+     "zoffload.loss_normalization",
+     "one of micro_batch, tokens"},
+    {"data_shuffle_string",
+     {{"zoffload", {{"data", {{"shuffle", "no"}}}}}},
+     "zoffload.data.shuffle",
+     "expected true or false"},
+    {"data_unknown",
+     {{"zoffload", {{"data", {{"shufle", false}}}}}},
+     "zoffload.data.shufle",
+     "did you mean \"shuffle\""},
     {"both_precisions",
      {{"fp16", {{"enabled", true}}}, {"bf16", {{"enabled", true}}}},
      "bf16.enabled",
@@ -1311,6 +1323,17 @@ TEST(ConfigParse, NoAccumulatorNeedsNothingGlobalBeforeTheUpdate) {
       EXPECT_THAT(all(ds.errors), HasSubstr("with 2 ranks each sub-group's gradient must be reduced to its owner as it "
                                             "lands, which needs zero_optimization.stage 2 or 3 (it is 1)"));
   }
+  // Note [Loss normalisation]: "tokens" needs the step's labelled tokens before the first update;
+  // one rank knows them from its batches, several would need a collective before backward.
+  const json by_tokens = {{"zoffload", {{"loss_normalization", "tokens"}}}};
+  ConfigDiagnostics one_rank;
+  EXPECT_TRUE(parse(with(by_tokens), &one_rank)) << all(one_rank.errors);
+  ConfigDiagnostics ranks;
+  EXPECT_FALSE(parse(with(by_tokens), &ranks, two));
+  EXPECT_THAT(all(ranks.errors), HasSubstr("zoffload.gradient_accumulators: \"none\" updates each sub-group as its "
+                                           "gradient lands, before the step's norm is known: "
+                                           "zoffload.loss_normalization \"tokens\" divides by the labelled tokens of "
+                                           "every rank"));
 }
 
 }  // namespace

@@ -3,7 +3,9 @@
 `csv_monitor` enabled writes TensorBoard event files and CSV files that the reference readers
 (TensorBoard's own EventAccumulator, Python's csv) read back with the same values as
 metrics.jsonl, under DeepSpeed's tag names, with samples as the x axis; a resumed run continues
-them (a new event file, CSV rows appended under one header) and metrics.jsonl. Skips (77) where the
+them (a new event file, CSV rows appended under one header) and metrics.jsonl. The runs evaluate
+held-out data (--eval-data) after steps 2 and 4: those records' "eval" figures go under
+transformers' tags (eval/loss, ...) at the same x. Skips (77) where the
 build writes event files but the tensorboard package, their reader, is not importable.
 
 usage: monitors_cli_test.py ZOFFLOAD SOURCE_DIR"""
@@ -44,7 +46,8 @@ config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = False
 
 def flatten(record):
     """{tag: value} as Note [Monitor tags] says: Train/Samples/<key>, nested keys joined with "/",
-    loss as train_loss, booleans as 0/1, nulls left out, step left out (it is the x axis)."""
+    loss as train_loss, booleans as 0/1, nulls left out, step left out (it is the x axis); the
+    evaluation's keys as eval/<key>."""
     out = {}
 
     def walk(v, name):
@@ -54,7 +57,8 @@ def flatten(record):
         elif isinstance(v, bool):
             out["Train/Samples/" + name] = 1.0 if v else 0.0
         elif isinstance(v, (int, float)):
-            out["Train/Samples/" + ("train_loss" if name == "loss" else name)] = float(v)
+            out[name if name.startswith("eval/") else "Train/Samples/" + ("train_loss" if name == "loss" else name)] = \
+                float(v)
 
     for k, v in record.items():
         if k != "step":
@@ -76,7 +80,8 @@ with tempfile.TemporaryDirectory(dir=os.environ.get("MESON_BUILD_ROOT")) as tmp:
     run = os.path.join(tmp, "run")
     # 32-token sequences: the demo config's bf16 is slow on CPUs without native bf16, and the
     # monitors' files are the same at any length.
-    base = [zoffload, "train", "--config", cfg, "--model", "tiny", "--data", corpus, "--out", run, "-q", "--seq-len", "32"]
+    base = [zoffload, "train", "--config", cfg, "--model", "tiny", "--data", corpus, "--out", run, "-q", "--seq-len", "32",
+            "--eval-data", corpus, "--eval-batches", "2"]
     p = subprocess.run(base + ["--steps", "2"], capture_output=True, text=True, timeout=600)
     expect(p.returncode == 0, "the first run trains: %s" % p.stderr[-2000:])
     p = subprocess.run(base + ["--steps", "4", "--resume", "latest"], capture_output=True, text=True, timeout=600)
@@ -91,8 +96,11 @@ with tempfile.TemporaryDirectory(dir=os.environ.get("MESON_BUILD_ROOT")) as tmp:
         for tag, value in flatten(r).items():
             want.setdefault(tag, []).append((r["step"] * batch, value))
     for tag in ("Train/Samples/train_loss", "Train/Samples/lr", "Train/Samples/loss_scale", "Train/Samples/grad_norm",
-                "Train/Samples/tokens_per_s", "Train/Samples/time_s/compute", "Train/Samples/overlap"):
+                "Train/Samples/tokens_per_s", "Train/Samples/time_s/compute", "Train/Samples/overlap",
+                "eval/loss", "eval/perplexity", "eval/tokens", "eval/runtime_s"):
         expect(tag in want, "the record gives %s" % tag)
+    expect([s for s, _ in want.get("eval/loss", [])] == [2 * batch, 4 * batch],
+           "the evaluations after steps 2 and 4 (the end of each run): %s" % want.get("eval/loss"))
 
     # CSV, read with Python's csv module.
     csv_dir = os.path.join(run, "csv", "demo")

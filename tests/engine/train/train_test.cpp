@@ -1824,4 +1824,120 @@ TEST(Trainer, EveryFamilyTrainsAlikeOnEveryPlacementOverTwoRanksAndAfterAResume)
   }
 }
 
+namespace {
+
+// Chat-like JSONL of a masked prompt and a labelled reply per example, of uneven lengths (so every
+// micro-batch has its own count of labelled targets): about `tokens` tokens under the byte vocabulary.
+std::string write_masked_jsonl(const std::string& path, uint64_t tokens, uint64_t seed) {
+  std::ofstream out(path);
+  uint64_t state = seed, written = 0;
+  auto next = [&](uint64_t bound) {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    return (state >> 33) % bound;
+  };
+  while (written < tokens) {
+    const uint64_t prompt = 2 + next(23), reply = 1 + next(12);
+    nlohmann::json ids = nlohmann::json::array(), labels = nlohmann::json::array();
+    for (uint64_t i = 0; i < prompt + reply; ++i) {
+      const uint64_t token = next(256);
+      ids.push_back(token);
+      labels.push_back(i < prompt ? nlohmann::json(-100) : nlohmann::json(token));
+    }
+    out << nlohmann::json{{"input_ids", ids}, {"labels", labels}}.dump() << "\n";
+    written += prompt + reply;
+  }
+  return path;
+}
+
+// Note [Loss normalisation] and Note [Evaluation] over ranks: two ranks at stage 3 (the compute
+// copies partitioned and gathered, the vertical schedule, GAS 2) read the same global batches per
+// step as one rank with GAS 4, so with loss_normalization "tokens" (the labelled tokens of every
+// rank) the two runs take the same steps, and the held-out data's loss (each rank evaluating every
+// other batch, the vertical schedule's passes of two) is the one rank's. Equal to float rounding:
+// the sums are added in another order.
+TEST(Trainer, LossByTokensAndEvaluationOverTwoRanksAreOneRanks) {
+  TempDir data_dir;
+  const std::string data = write_masked_jsonl(data_dir.path + "/chat.jsonl", 6000, 45);
+  const std::string eval = write_masked_jsonl(data_dir.path + "/eval.jsonl", 1200, 46);
+  constexpr int kSteps = 3;
+  auto options = [&](const RunSetup& setup, const TempDir& dir) {
+    TrainOptions o = make_options(setup, dir);
+    o.config.zoffload.loss_normalization = "tokens";
+    o.data_path = data;
+    o.eval_data_path = eval;
+    o.eval_every = 2;
+    o.eval_batches = 4;
+    o.last_step = kSteps;
+    return o;
+  };
+  const RunSetup one{.param = "cpu", .optimizer = "cpu", .precision = "fp32", .grad_accum = 4};
+  const RunSetup two{.param = "cpu", .optimizer = "cpu", .precision = "fp32", .grad_accum = 2, .schedule = "vertical"};
+  TempDir single_dir;
+  std::vector<StepMetrics> want;
+  {
+    auto single = Trainer::create(options(one, single_dir));
+    ASSERT_TRUE(single.is_ok()) << single.status().to_string();
+    for (int i = 0; i < kSteps; ++i) {
+      auto m = (*single)->step();
+      ASSERT_TRUE(m.is_ok()) << m.status().to_string();
+      want.push_back(*m);
+    }
+  }
+  ASSERT_TRUE(want[1].eval && want[2].eval && !want[0].eval) << "evaluated after steps 2 and 3 (the last)";
+  // The steps are worth comparing: their labelled tokens differ, so the two normalisations differ.
+  EXPECT_NE(want[0].tokens, want[1].tokens);
+  EXPECT_LT(want[0].tokens, uint64_t{4 * 2 * 32});
+
+  TempDir own[2];
+  std::vector<StepMetrics> got[2];
+  const std::array<Status, 2> ranks = run_two_ranks([&](uint32_t r) { return options(two, own[r]); },
+                                                    [&](uint32_t r, Trainer& t, const TrainOptions&) -> Status {
+                                                      for (int i = 0; i < kSteps; ++i) {
+                                                        auto m = t.step();
+                                                        if (!m.is_ok()) return m.status();
+                                                        got[r].push_back(*m);
+                                                      }
+                                                      return Status::ok();
+                                                    });
+  for (uint32_t r = 0; r < 2; ++r) ASSERT_TRUE(ranks[r].is_ok()) << "rank " << r << ": " << ranks[r].to_string();
+  auto near = [](double a, double b) { return std::abs(a - b) <= 1e-5 * std::abs(b); };
+  for (uint32_t r = 0; r < 2; ++r) {
+    ASSERT_EQ(got[r].size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) {
+      SCOPED_TRACE("rank " + std::to_string(r) + ", step " + std::to_string(i + 1));
+      EXPECT_EQ(got[r][i].tokens, want[i].tokens);
+      EXPECT_PRED2(near, got[r][i].loss, want[i].loss);
+      EXPECT_PRED2(near, got[r][i].grad_norm, want[i].grad_norm);
+      ASSERT_EQ(got[r][i].eval.has_value(), want[i].eval.has_value());
+      if (!want[i].eval) continue;
+      EXPECT_EQ(got[r][i].eval->batches, 4u);
+      EXPECT_EQ(got[r][i].eval->tokens, want[i].eval->tokens);
+      EXPECT_PRED2(near, got[r][i].eval->loss, want[i].eval->loss);
+      EXPECT_GT(got[r][i].eval->eval_s, 0.0);
+    }
+  }
+  // The evaluation after step 2 saw step 2's weights, not step 3's: its loss moved by step 3.
+  EXPECT_NE(want[1].eval->loss, want[2].eval->loss);
+}
+
+// Evaluation refuses what it cannot do, before the run starts.
+TEST(Trainer, EvaluationSettingsAreCheckedAtStart) {
+  TempDir dir;
+  TrainOptions o = make_options({.precision = "fp32"}, dir);
+  o.eval_data_path = corpus_path();
+  o.eval_every = 0;
+  o.last_step = 0;
+  auto never = Trainer::create(o);
+  ASSERT_FALSE(never.is_ok());
+  EXPECT_THAT(never.status().message(), HasSubstr("would never be evaluated"));
+  o.eval_every = 1;
+  o.eval_data_path = dir.path + "/missing.bin";
+  auto missing = Trainer::create(o);
+  ASSERT_FALSE(missing.is_ok());
+  EXPECT_THAT(missing.status().message(), HasSubstr("--eval-data"));
+  EXPECT_THAT(missing.status().message(), HasSubstr("missing.bin"));
+}
+
+}  // namespace
+
 }  // namespace zo::engine
