@@ -12,6 +12,9 @@ namespace zo {
 struct ParamSpec {
   std::string name;            // Hugging Face name, e.g. "model.layers.0.mlp.up_proj.weight"
   std::vector<int64_t> shape;  // every dimension ≥ 1
+  // false: a frozen param, fetched for the forward but never updated; it has no optimizer state and
+  // no gradient (Note [Frozen sub-groups] in engine/memory/param_registry.cpp).
+  bool trainable = true;
 };
 
 }  // namespace zo

@@ -152,8 +152,10 @@ struct OptimizerSwapper::Impl {
   }
   bool grads_on_nvme() const { return store->plan().placement.grad == Tier::kNvme; }
   Status issue_read(Slot& slot, uint32_t g);
-  Status issue_grad_read(uint32_t g);
-  Status wait_grad_read(uint32_t g);
+  // Sub-group g's accumulator into gradient read buffer `buf` (the position of g in the order it is
+  // stepped, modulo the buffers), and the wait for it.
+  Status issue_grad_read(uint32_t g, size_t buf);
+  Status wait_grad_read(size_t buf);
   Status wait_reads(Slot& slot);
   Status issue_writes(Slot& slot, uint32_t g);
   Status deliver_compute(Slot& slot, uint32_t g, std::byte* compute, int slot_index);
@@ -341,21 +343,21 @@ Status OptimizerSwapper::Impl::update(uint32_t g, std::byte* p_bytes, std::byte*
 Status OptimizerSwapper::Impl::step_device() {
   gpu::Device& device = store->device();
   Status first;
-  const uint32_t begin = store->plan().owned_begin, end = store->plan().owned_end;
-  uint32_t g = begin;
+  const std::vector<uint32_t>& order = store->plan().stepped;  // as step_cpu's
+  size_t i = 0;
   Stopwatch sw;
-  for (; g < end; ++g) {
-    first = device_group(g);
+  for (; i < order.size(); ++i) {
+    first = device_group(order[i]);
     if (!first.is_ok()) break;
     written = true;
   }
   // Kernels already queued run whatever happened to a later one: wait for them before returning.
   Status sync = device.synchronize(stream);
   report.update_s += sw.elapsed_s();
-  if (!first.is_ok()) return first.with_context("sub-group " + std::to_string(g));
+  if (!first.is_ok()) return first.with_context("sub-group " + std::to_string(order[i]));
   if (!sync.is_ok()) return sync.with_context("device Adam");
-  report.sub_groups = end - begin;
-  for (uint32_t done = begin; done < end; ++done) compute_ready(done);
+  report.sub_groups = static_cast<uint32_t>(order.size());
+  for (uint32_t done : order) compute_ready(done);
   return Status::ok();
 }
 
@@ -495,50 +497,53 @@ Status OptimizerSwapper::Impl::wait_writes(Slot& slot) {
   return first;
 }
 
-Status OptimizerSwapper::Impl::issue_grad_read(uint32_t g) {
+Status OptimizerSwapper::Impl::issue_grad_read(uint32_t g, size_t buf) {
   // The region is whole pages; bytes beyond what was written are zeros, as in issue_read.
   const SwapRegion r = loc(g, StateKind::kGradAccum).region;
-  std::byte* dst = grad_bufs[g % grad_bufs.size()].data();
+  std::byte* dst = grad_bufs[buf % grad_bufs.size()].data();
   const uint64_t valid = std::min(store->nvme_written_bytes(g, StateKind::kGradAccum), r.size_bytes);
   std::memset(dst + valid, 0, r.size_bytes - valid);
   if (valid == 0) return Status::ok();
   ZO_ASSIGN_OR_RETURN(auto t, store->optimizer_file()->read_async(r, 0, {dst, valid}, group_what(g) + " (gradient)"));
-  grad_reads[g % grad_bufs.size()].push_back(t);
+  grad_reads[buf % grad_bufs.size()].push_back(t);
   report.bytes_read += valid;
   return Status::ok();
 }
 
-Status OptimizerSwapper::Impl::wait_grad_read(uint32_t g) {
+Status OptimizerSwapper::Impl::wait_grad_read(size_t buf) {
   Status first;
   Stopwatch sw;
-  for (io::Ticket t : grad_reads[g % grad_bufs.size()]) {
+  for (io::Ticket t : grad_reads[buf % grad_bufs.size()]) {
     Status st = store->optimizer_file()->wait(t);
     if (!st.is_ok() && first.is_ok()) first = std::move(st);
   }
-  grad_reads[g % grad_bufs.size()].clear();
+  grad_reads[buf % grad_bufs.size()].clear();
   report.read_wait_s += sw.elapsed_s();
   return first;
 }
 
 Status OptimizerSwapper::Impl::step_cpu() {
-  // This rank's sub-groups (all of them unless data parallel partitions them: Note [Partitions]).
-  const uint32_t begin = store->plan().owned_begin, end = store->plan().owned_end;
-  if (grads_on_nvme() && begin < end) {
-    Status st = issue_grad_read(begin);
-    if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(begin));
+  // This rank's trainable sub-groups (all of them unless data parallel partitions them: Note
+  // [Partitions]; never a frozen one: Note [Frozen sub-groups]).
+  const std::vector<uint32_t>& order = store->plan().stepped;
+  if (grads_on_nvme() && !order.empty()) {
+    Status st = issue_grad_read(order[0], 0);
+    if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(order[0]));
   }
-  for (uint32_t g = begin; g < end; ++g) {
+  for (size_t i = 0; i < order.size(); ++i) {
+    const uint32_t g = order[i];
+    const bool more = i + 1 < order.size();
     const std::byte* grad = loc(g, StateKind::kGradAccum).host;
     if (grads_on_nvme()) {
-      Status st = wait_grad_read(g);
-      if (st.is_ok() && g + 1 < end && grad_bufs.size() > 1) st = issue_grad_read(g + 1);
+      Status st = wait_grad_read(i);
+      if (st.is_ok() && more && grad_bufs.size() > 1) st = issue_grad_read(order[i + 1], i + 1);
       if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(g));
-      grad = grad_bufs[g % grad_bufs.size()].data();
+      grad = grad_bufs[i % grad_bufs.size()].data();
     }
     ZO_RETURN_IF_ERROR(cpu_group(g, grad, [&]() -> Status {
-      if (grads_on_nvme() && g + 1 < end && grad_bufs.size() == 1) {
-        Status st = issue_grad_read(g + 1);
-        if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(g + 1));
+      if (grads_on_nvme() && more && grad_bufs.size() == 1) {
+        Status st = issue_grad_read(order[i + 1], i + 1);
+        if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(order[i + 1]));
       }
       return Status::ok();
     }));
@@ -726,26 +731,28 @@ Result<int> OptimizerSwapper::Impl::take_slot() {
 }
 
 Status OptimizerSwapper::Impl::step_nvme() {
-  const uint32_t begin = store->plan().owned_begin, end = store->plan().owned_end;
-  if (begin == end) return Status::ok();
+  const std::vector<uint32_t>& order = store->plan().stepped;  // as step_cpu's
+  if (order.empty()) return Status::ok();
   ZO_ASSIGN_OR_RETURN(int current, take_slot());
-  Status st = issue_read(slots[current], begin);
-  if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(begin));
-  for (uint32_t g = begin; g < end; ++g) {
+  Status st = issue_read(slots[current], order[0]);
+  if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(order[0]));
+  for (size_t i = 0; i < order.size(); ++i) {
+    const uint32_t g = order[i];
+    const bool more = i + 1 < order.size();
     Slot& slot = slots[current];
     st = wait_reads(slot);
     if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(g));
     int next = -1;
-    if (options.pipeline_read && g + 1 < end) {
+    if (options.pipeline_read && more) {
       ZO_ASSIGN_OR_RETURN(next, take_slot());
-      st = issue_read(slots[next], g + 1);
-      if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(g + 1));
+      st = issue_read(slots[next], order[i + 1]);
+      if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(order[i + 1]));
     }
     ZO_RETURN_IF_ERROR(update_in_slot(current, g, nullptr));
-    if (next < 0 && g + 1 < end) {
+    if (next < 0 && more) {
       ZO_ASSIGN_OR_RETURN(next, take_slot());
-      st = issue_read(slots[next], g + 1);
-      if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(g + 1));
+      st = issue_read(slots[next], order[i + 1]);
+      if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(order[i + 1]));
     }
     current = next;
   }
@@ -818,8 +825,8 @@ Result<std::unique_ptr<OptimizerSwapper>> OptimizerSwapper::create(StateStore& s
       }
     }
   } else if (pl.optimizer == Tier::kNvme) {
-    const uint32_t want =
-        std::min<uint32_t>(1 + options.pipeline_read + options.pipeline_write, plan.owned_end - plan.owned_begin);
+    const uint32_t want = static_cast<uint32_t>(
+        std::min<uint64_t>(1 + options.pipeline_read + options.pipeline_write, plan.stepped.size()));
     const uint64_t need = sec(StateKind::kMaster) + sec(StateKind::kExpAvg) + sec(StateKind::kExpAvgSq) +
                           (pl.grad == Tier::kNvme ? sec(StateKind::kGradAccum) : 0) + sec(StateKind::kCompute);
     buffers = store.optimizer_swap_buffers();
@@ -925,8 +932,9 @@ Status OptimizerSwapper::begin_direct(const OptimizerStepArgs& args, std::vector
                               (g >= n_groups ? " of " + std::to_string(n_groups) : " twice"));
     listed[g] = 1;
   }
-  // A data-parallel rank steps its own partition only (Note [Partitions]).
-  std::erase_if(expected_order, [&](uint32_t g) { return !plan.owns(g); });
+  // A data-parallel rank steps its own partition only (Note [Partitions]), and nobody a frozen
+  // sub-group (Note [Frozen sub-groups]).
+  std::erase_if(expected_order, [&](uint32_t g) { return !plan.steps(g); });
   if (!s.store->torn_reason().empty()) {
     return failed_precondition(step_name + ": the optimizer states are torn (" + s.store->torn_reason() +
                                "); restore them from a checkpoint first");
@@ -965,6 +973,9 @@ Status OptimizerSwapper::step_direct(uint32_t sub_group, const std::byte* grad) 
   if (!s.store->plan().owns(sub_group))
     return invalid_argument(s.direct_name + ": sub-group " + std::to_string(sub_group) +
                             " belongs to another rank's partition");
+  if (s.store->plan().is_frozen(sub_group))
+    return invalid_argument(s.direct_name + ": sub-group " + std::to_string(sub_group) +
+                            " is frozen (it has no optimizer state)");
   Stopwatch sw;
   Status st;
   if (s.store->plan().placement.optimizer == Tier::kNvme) {
@@ -992,7 +1003,7 @@ Result<OptimizerStepReport> OptimizerSwapper::end_direct() {
   Status st = s.wait_busy_slots();  // every busy buffer's writes, whatever the tier
   s.report.total_s += sw.elapsed_s();
   if (!st.is_ok()) return s.fail(std::move(st), s.direct_name);
-  const uint32_t owned = s.store->plan().owned_end - s.store->plan().owned_begin;
+  const auto owned = static_cast<uint32_t>(s.store->plan().stepped.size());
   if (s.report.sub_groups != owned) {
     // A sub-group never stepped: the step is incomplete (an abandoned backward); the others are new.
     Status incomplete = failed_precondition(std::to_string(s.report.sub_groups) + " of " + std::to_string(owned) +

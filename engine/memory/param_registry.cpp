@@ -62,6 +62,23 @@ namespace zo::engine {
 // the order of the norm's partial sums, therefore depend on the number of partitions: a
 // data-parallel run cuts into one partition per rank whatever its ZeRO stage, so stage 0 and stages
 // 1-3 at one world size lay out alike.
+// Note [Frozen sub-groups]
+// A frozen param (ParamSpec::trainable false: a fine-tune's frozen embedding or layers, a LoRA
+// adapter's base weights) is fetched for the forward like any other and never updated, so it needs
+// its compute copy and nothing else: no master, no moments, no gradient accumulator, no record in
+// the optimizer's swap file. The registry keeps frozen and trainable params in different sub-groups
+// (a param whose trainability differs from the open group's closes it, as a param that does not fit
+// does), so a sub-group is frozen or trainable whole and every per-sub-group structure stays dense:
+// the Adam kernels, the 8-bit moment layout and the swap records never see a hole. With nothing
+// frozen the rule never fires and the layout is the one it always was. MemoryPlan::frozen marks the
+// frozen sub-groups; holds() is false for their other states, which removes them from the plan's
+// bytes, the store's allocation and the swap files in one place; plan.stepped lists the sub-groups
+// this rank steps (owned and trainable), which the optimizer's loops walk, and the optimizer's
+// buffers are sized for the largest trainable sub-group. The partitions of data-parallel ranks are
+// still cut by all elements, so the compute copies, which frozen params dominate, stay balanced.
+// Not yet aware of frozen sub-groups, so the trainer makes none: the gradient accumulator and
+// worker, the update gate, the data-parallel steps and checkpoints (issue 45 continues there).
+
 namespace {
 
 Result<std::vector<uint64_t>> partition_bounds(const std::vector<ParamInfo>& params, uint64_t total, uint32_t n) {
@@ -118,6 +135,7 @@ Result<ParamRegistry> ParamRegistry::build(std::vector<ParamSpec> params, uint64
     info.name = std::move(spec.name);
     info.shape = std::move(spec.shape);
     info.n_elems = n;
+    info.trainable = spec.trainable;
     r.params_.push_back(std::move(info));
   }
   // Finding 1 of issue 19: a model the plan could never hold must not cost RAM in proportion to its
@@ -145,11 +163,12 @@ Result<ParamRegistry> ParamRegistry::build(std::vector<ParamSpec> params, uint64
   ZO_ASSIGN_OR_RETURN(const std::vector<uint64_t> bounds, partition_bounds(r.params_, total, n_partitions));
   r.partition_starts_.push_back(0);
   uint64_t flat = 0;
-  auto open_group = [&] {
+  auto open_group = [&](bool trainable) {
     SubGroup g;
     g.index = static_cast<uint32_t>(r.groups_.size());
     g.first_elem = flat;
     g.first_piece = static_cast<uint32_t>(r.pieces_.size());
+    g.trainable = trainable;
     r.groups_.push_back(g);
   };
   auto add_piece = [&](ParamInfo& p, uint64_t param_offset, uint64_t n) {
@@ -161,8 +180,11 @@ Result<ParamRegistry> ParamRegistry::build(std::vector<ParamSpec> params, uint64
     flat += n;
   };
   // Elements [offset, offset + n) of p, all in one partition.
+  // Note [Frozen sub-groups]: a param that differs in trainability from the group's closes it too.
   auto pack = [&](ParamInfo& p, uint64_t offset, uint64_t n, bool fresh_group) {
-    if (fresh_group || r.groups_.empty() || r.groups_.back().n_elems + n > sub_group_size) open_group();
+    if (fresh_group || r.groups_.empty() || r.groups_.back().n_elems + n > sub_group_size ||
+        r.groups_.back().trainable != p.trainable)
+      open_group(p.trainable);
     if (n <= sub_group_size) {
       add_piece(p, offset, n);
       return;
@@ -170,11 +192,11 @@ Result<ParamRegistry> ParamRegistry::build(std::vector<ParamSpec> params, uint64
     // Too big even for the empty group just opened.
     uint64_t done = 0;
     while (n - done > split) {
-      if (r.groups_.back().n_elems > 0) open_group();
+      if (r.groups_.back().n_elems > 0) open_group(p.trainable);
       add_piece(p, offset + done, split);
       done += split;
     }
-    open_group();
+    open_group(p.trainable);
     add_piece(p, offset + done, n - done);
   };
   size_t next_bound = 0;
@@ -200,6 +222,9 @@ Result<ParamRegistry> ParamRegistry::build(std::vector<ParamSpec> params, uint64
   for (const SubGroup& g : r.groups_) {
     ZO_CHECK(g.n_elems > 0 && g.n_elems <= sub_group_size) << "sub-group " << g.index << " has " << g.n_elems;
     r.max_group_elems_ = std::max(r.max_group_elems_, g.n_elems);
+    if (!g.trainable) continue;
+    r.max_trainable_group_elems_ = std::max(r.max_trainable_group_elems_, g.n_elems);
+    r.trainable_elems_ += g.n_elems;
   }
   for (const ParamInfo& p : r.params_) r.max_param_elems_ = std::max(r.max_param_elems_, p.n_elems);
   r.total_elems_ = flat;
@@ -318,11 +343,12 @@ uint64_t group_state_bytes(const Placement& placement, const ParamRegistry& regi
 }
 
 uint64_t max_group_state_bytes(const Placement& placement, const ParamRegistry& registry, StateKind kind) {
+  // Note [Frozen sub-groups]: the optimizer never steps a frozen one.
   if (placement.moments != MomentDtype::k8bit || (kind != StateKind::kExpAvg && kind != StateKind::kExpAvgSq))
-    return registry.max_group_elems() * state_elem_bytes(placement, kind);
+    return registry.max_trainable_group_elems() * state_elem_bytes(placement, kind);
   uint64_t most = 0;
   for (const SubGroup& g : registry.sub_groups())
-    most = std::max(most, group_state_bytes(placement, registry, g.index, kind));
+    if (g.trainable) most = std::max(most, group_state_bytes(placement, registry, g.index, kind));
   return most;
 }
 
@@ -367,6 +393,7 @@ std::string MemoryPlan::to_json() const {
   j["n_sub_groups"] = n_sub_groups;
   j["total_elems"] = total_elems;
   j["owned_sub_groups"] = {owned_begin, owned_end};
+  j["frozen_sub_groups"] = std::count(frozen.begin(), frozen.end(), uint8_t{1});
   j["partition_grads"] = partition_grads;
   j["partition_params"] = partition_params;
   j["device_bytes"] = device_bytes;
@@ -461,7 +488,14 @@ Result<MemoryPlan> plan_memory(const Config& config, const ParamRegistry& regist
     plan.partition_grads = plan.partitioned() && config.zero.stage >= 2;
     plan.partition_params = plan.partitioned() && config.zero.stage >= 3;
   }
-  const uint32_t owned_groups = plan.owned_end - plan.owned_begin;
+  // Note [Frozen sub-groups]: a frozen sub-group keeps its compute copy and nothing else.
+  if (registry.trainable_elems() != registry.total_elems()) {
+    plan.frozen.resize(groups.size());
+    for (const SubGroup& g : groups) plan.frozen[g.index] = g.trainable ? 0 : 1;
+  }
+  for (uint32_t g = plan.owned_begin; g < plan.owned_end; ++g)
+    if (plan.steps(g)) plan.stepped.push_back(g);
+  const uint32_t owned_groups = static_cast<uint32_t>(plan.stepped.size());
   pl.compute.resize(groups.size(), tier_of(op.device));
   if (op.device == OffloadDevice::kNvme) {
     uint64_t in_cpu = 0;
@@ -500,8 +534,8 @@ Result<MemoryPlan> plan_memory(const Config& config, const ParamRegistry& regist
     }
   }
 
-  // Buffers: see Note [Pinned pool sizing].
-  const uint64_t max_group = registry.max_group_elems();
+  // Buffers: see Note [Pinned pool sizing]. The optimizer's are for the sub-groups it steps.
+  const uint64_t max_group = registry.max_trainable_group_elems();
   const uint64_t compute_bytes = state_elem_bytes(pl, StateKind::kCompute);
   if (pl.optimizer == Tier::kNvme) {
     const uint64_t needed = 1 + uint64_t{oo.pipeline_read} + uint64_t{oo.pipeline_write};
@@ -520,10 +554,11 @@ Result<MemoryPlan> plan_memory(const Config& config, const ParamRegistry& regist
     plan.grad_read_buffers = static_cast<uint32_t>(std::min<uint32_t>(2, owned_groups));
     plan.grad_read_buffer_bytes = align_up(max_group * state_elem_bytes(pl, StateKind::kGradAccum), kSwapAlignment);
   }
-  const bool compute_off_cpu =
-      std::any_of(pl.compute.begin(), pl.compute.end(), [](Tier t) { return t != Tier::kCpu; });
+  bool compute_off_cpu = false;  // of a sub-group the optimizer writes
+  for (const SubGroup& g : groups) compute_off_cpu |= g.trainable && pl.compute[g.index] != Tier::kCpu;
   if (pl.optimizer == Tier::kCpu && compute_off_cpu) {
-    plan.compute_staging_buffers = static_cast<uint32_t>(std::min<size_t>(2, groups.size()));
+    plan.compute_staging_buffers = static_cast<uint32_t>(std::min<size_t>(
+        2, std::count_if(groups.begin(), groups.end(), [](const SubGroup& g) { return g.trainable; })));
     plan.compute_staging_buffer_bytes = align_up(max_group * compute_bytes, kPinnedAlignment);
   }
   uint64_t nvme_params = 0;

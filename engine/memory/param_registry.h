@@ -34,6 +34,7 @@ struct ParamInfo {
   uint64_t n_elems = 0;
   uint32_t first_piece = 0;  // its pieces are [first_piece, first_piece + n_pieces) of pieces()
   uint32_t n_pieces = 0;
+  bool trainable = true;  // ParamSpec::trainable
 };
 
 // A run of a param's elements inside one sub-group.
@@ -51,13 +52,15 @@ struct SubGroup {
   uint64_t first_elem = 0;   // offset of its first element in the flat parameter space
   uint32_t first_piece = 0;  // its pieces, in order: [first_piece, first_piece + n_pieces)
   uint32_t n_pieces = 0;
+  bool trainable = true;  // its params' (a sub-group never mixes frozen and trainable params)
 };
 
 class ParamRegistry {
  public:
   // Lays the params out in the given order: consecutive whole params are packed into a sub-group
   // while they fit in `sub_group_size` elements; a param that does not fit in an empty sub-group is
-  // split into pieces of at most sub_group_size elements (rounded down to kSplitAlignElems).
+  // split into pieces of at most sub_group_size elements (rounded down to kSplitAlignElems). A
+  // frozen param never shares a sub-group with a trainable one (Note [Frozen sub-groups]).
   // kInvalidArgument (naming the param) for an empty list, an empty or duplicate name, a
   // dimension < 1, sub_group_size < kSplitAlignElems, or more than kMaxSubGroups sub-groups
   // (naming the sub_group_size that would do).
@@ -82,6 +85,10 @@ class ParamRegistry {
 
   uint64_t total_elems() const { return total_elems_; }
   uint64_t max_group_elems() const { return max_group_elems_; }
+  // Of the trainable params (Note [Frozen sub-groups]): their elements, and the largest sub-group
+  // holding them (0 when every param is frozen).
+  uint64_t trainable_elems() const { return trainable_elems_; }
+  uint64_t max_trainable_group_elems() const { return max_trainable_group_elems_; }
   uint64_t max_param_elems() const { return max_param_elems_; }
 
  private:
@@ -91,6 +98,8 @@ class ParamRegistry {
   std::vector<uint32_t> partition_starts_;  // the first sub-group of each partition
   uint64_t total_elems_ = 0;
   uint64_t max_group_elems_ = 0;
+  uint64_t trainable_elems_ = 0;
+  uint64_t max_trainable_group_elems_ = 0;
   uint64_t max_param_elems_ = 0;
 };
 
@@ -153,7 +162,8 @@ uint64_t state_elem_bytes(const Placement& placement, StateKind kind);
 // MomentLayout's total_bytes. What the store allocates and read_state/write_state move.
 uint64_t group_state_bytes(const Placement& placement, const ParamRegistry& registry, uint32_t sub_group,
                            StateKind kind);
-// The largest group_state_bytes of `kind` over the sub-groups (what one swap buffer section holds).
+// The largest group_state_bytes of `kind` over the sub-groups the optimizer steps, the trainable
+// ones (what one optimizer swap buffer section holds).
 uint64_t max_group_state_bytes(const Placement& placement, const ParamRegistry& registry, StateKind kind);
 // Whether a CPU-resident state of this kind is pinned: only the compute copy, and only with
 // offload_param.pin_memory — the other states never cross PCIe (Note [Pinned pool sizing]).
@@ -182,8 +192,18 @@ struct MemoryPlan {
   // stage-3 coordinator gathers each block's from their owners when it fetches the block
   // (Note [Gathered parameters] in block_gatherer.cpp).
   bool partition_params = false;
+  // Per sub-group: 1 where its params are frozen (SubGroup::trainable false; Note [Frozen
+  // sub-groups] in param_registry.cpp): it holds its compute copy only, and is never stepped.
+  // Empty: nothing is frozen.
+  std::vector<uint8_t> frozen;
+  bool is_frozen(uint32_t sub_group) const { return !frozen.empty() && frozen[sub_group] != 0; }
+  // Whether this rank steps `sub_group`: it owns it and it is trainable.
+  bool steps(uint32_t sub_group) const { return owns(sub_group) && !is_frozen(sub_group); }
+  // The sub-groups this rank steps, in order: [owned_begin, owned_end) less the frozen ones.
+  std::vector<uint32_t> stepped;
   // Whether this rank holds state `kind` of `sub_group`.
   bool holds(uint32_t sub_group, StateKind kind) const {
+    if (kind != StateKind::kCompute && is_frozen(sub_group)) return false;
     if (kind == StateKind::kGradAccum && placement.no_accumulator) return false;
     if (owns(sub_group)) return true;
     if (kind == StateKind::kGradAccum) return !partition_grads;

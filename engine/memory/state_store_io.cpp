@@ -214,7 +214,10 @@ Status StateStore::init_param(uint32_t param, uint64_t offset_elems, std::span<c
       return st.with_context("init_param " + info.name + " (" + what_of(g, kind) + ")");
     };
     Status st;
-    if (s.plan.owns(g) && s.plan.placement.master_dtype == DType::kBF16) {
+    // The optimizer states of this rank's trainable sub-groups (not another rank's, nor a frozen
+    // one's: Note [Frozen sub-groups]).
+    const bool stepped = s.plan.holds(g, StateKind::kMaster);
+    if (stepped && s.plan.placement.master_dtype == DType::kBF16) {
       // A bf16 master starts as the weight rounded to nearest even: the compute copy's bits.
       st = s.write_range(g, StateKind::kMaster, first * 2, (first + n) * 2,
                          [src](std::byte* dst, uint64_t rel, uint64_t bytes) {
@@ -223,13 +226,13 @@ Status StateStore::init_param(uint32_t param, uint64_t offset_elems, std::span<c
                              std::memcpy(dst + 2 * i, &h, 2);
                            }
                          });
-    } else if (s.plan.owns(g)) {
+    } else if (stepped) {
       st = s.write_range(g, StateKind::kMaster, first * 4, (first + n) * 4,
                          [src](std::byte* dst, uint64_t rel, uint64_t bytes) {
                            std::memcpy(dst, reinterpret_cast<const std::byte*>(src) + rel, bytes);
                          });
     }
-    if (s.plan.owns(g)) {
+    if (stepped) {
       if (!st.is_ok()) return context(std::move(st), StateKind::kMaster);
       for (StateKind kind : {StateKind::kExpAvg, StateKind::kExpAvgSq}) {
         for (auto [zb, ze] : moment_bytes_of(s, piece, a - piece.param_offset, n)) {
@@ -296,6 +299,9 @@ Status StateStore::read_param(uint32_t param, uint64_t offset_elems, std::span<f
 
 Status StateStore::Impl::check_held(uint32_t g, StateKind kind, const char* op) const {
   if (g < plan.n_sub_groups && !locations[g][static_cast<int>(kind)].held) {
+    if (plan.is_frozen(g))
+      return failed_precondition(std::string(op) + ": " + what_of(g, kind) +
+                                 " does not exist: the sub-group is frozen (it holds its compute copy only)");
     return failed_precondition(
         std::string(op) + ": " + what_of(g, kind) + " is held by another data-parallel rank (sub-groups " +
         std::to_string(plan.owned_begin) + "-" + std::to_string(plan.owned_end) + " are this rank's)");

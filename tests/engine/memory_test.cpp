@@ -14,6 +14,7 @@
 #include "engine/config/config.h"
 #include "engine/memory/param_registry.h"
 #include "engine/memory/pinned_pool.h"
+#include "engine/memory/swap_file.h"
 #include "gpu/host_device.h"
 #include "tests/engine/test_config.h"
 
@@ -523,6 +524,107 @@ TEST(PlanMemory, APartitionHoldsItsOwnOptimizerStatesFromStage2ItsGradientsAndAt
     }
     EXPECT_NEAR(parts, static_cast<double>(whole.cpu_pageable_bytes) - grads_whole, per_elem * 4096 * 4);
   }
+}
+
+// Note [Frozen sub-groups]: a sub-group never mixes frozen and trainable params; where nothing is
+// frozen the layout is the one without the rule.
+TEST(ParamRegistry, FrozenAndTrainableParamsNeverShareASubGroup) {
+  std::mt19937 rng(45);
+  for (int trial = 0; trial < 60; ++trial) {
+    const uint64_t sgs = kSplitAlignElems + rng() % 50000;
+    const auto world = static_cast<uint32_t>(1 + rng() % 3);
+    std::vector<ParamSpec> params;
+    const int n = 1 + static_cast<int>(rng() % 30);
+    for (int i = 0; i < n; ++i) {
+      params.push_back(spec("p" + std::to_string(i), {1 + static_cast<int64_t>(rng() % 60000)}));
+      params.back().trainable = rng() % 3 != 0;
+    }
+    auto built = ParamRegistry::build(params, sgs, world);
+    if (!built.is_ok()) continue;  // a model too small to cut over the ranks
+    const ParamRegistry& r = *built;
+    SCOPED_TRACE("trial " + std::to_string(trial));
+    expect_consistent(r, sgs);
+    uint64_t trainable = 0, largest = 0;
+    for (const SubGroup& g : r.sub_groups()) {
+      for (const ParamPiece& piece : r.pieces_of_group(g.index))
+        EXPECT_EQ(r.params()[piece.param].trainable, g.trainable) << "sub-group " << g.index;
+      if (g.trainable) {
+        trainable += g.n_elems;
+        largest = std::max(largest, g.n_elems);
+      }
+    }
+    EXPECT_EQ(r.trainable_elems(), trainable);
+    EXPECT_EQ(r.max_trainable_group_elems(), largest);
+    // The rule only adds boundaries: every trainable one's layout stays the plain rule's.
+    for (ParamSpec& p : params) p.trainable = true;
+    auto all = ParamRegistry::build(params, sgs, world);
+    ASSERT_TRUE(all.is_ok());
+    EXPECT_LE(all->sub_groups().size(), r.sub_groups().size());
+    EXPECT_EQ(all->trainable_elems(), all->total_elems());
+    EXPECT_EQ(all->max_trainable_group_elems(), all->max_group_elems());
+  }
+  // Packed together when trainable alike, apart otherwise.
+  auto alike = must_build({spec("a", {3000}), spec("b", {1000}), spec("c", {2000})}, 10000);
+  EXPECT_EQ(alike.sub_groups().size(), 1u);
+  std::vector<ParamSpec> mixed = {spec("a", {3000}), spec("b", {1000}), spec("c", {2000})};
+  mixed[1].trainable = false;
+  auto apart = must_build(mixed, 10000);
+  ASSERT_EQ(apart.sub_groups().size(), 3u);
+  EXPECT_FALSE(apart.sub_groups()[1].trainable);
+  EXPECT_EQ(apart.trainable_elems(), 5000u);
+  EXPECT_EQ(apart.max_trainable_group_elems(), 3000u);
+}
+
+// A frozen sub-group holds its compute copy and nothing else on every tier; the optimizer's buffers
+// are sized for the trainable sub-groups.
+TEST(PlanMemory, FrozenSubGroupsHoldOnlyTheirComputeCopy) {
+  for (const std::string tier : {"none", "cpu", "nvme"}) {
+    SCOPED_TRACE(tier);
+    Offload o;
+    o.optimizer = tier;
+    o.param = tier;
+    o.sub_group_size = 8192;
+    o.max_in_cpu = 0;  // with param nvme, every compute copy on the drive
+    // The frozen embedding fills four sub-groups (8192, 8192, 8192, 5424); q, k and the norm one
+    // of 2064.
+    std::vector<ParamSpec> params = {spec("embed", {30000}), spec("q", {1000}), spec("k", {1000}), spec("norm", {64})};
+    params[0].trainable = false;
+    const ParamRegistry r = must_build(params, 8192);
+    const MemoryPlan p = must_plan(config_for(o), r);
+    ASSERT_EQ(p.n_sub_groups, 5u);
+    ASSERT_EQ(p.frozen.size(), p.n_sub_groups);
+    for (const SubGroup& g : r.sub_groups()) {
+      EXPECT_EQ(p.is_frozen(g.index), !g.trainable);
+      EXPECT_EQ(p.steps(g.index), g.trainable);
+      EXPECT_TRUE(p.holds(g.index, StateKind::kCompute));
+      for (StateKind k : {StateKind::kMaster, StateKind::kExpAvg, StateKind::kExpAvgSq, StateKind::kGradAccum})
+        EXPECT_EQ(p.holds(g.index, k), g.trainable) << "sub-group " << g.index << " " << state_name(k);
+    }
+    EXPECT_EQ(p.stepped, std::vector<uint32_t>{4});
+    // Where the optimizer lives: 16 bytes (fp32 master, moments, accumulator) per trainable element,
+    // each state a whole number of pages; the bf16 compute copies of every element where they live.
+    const uint64_t states = 4 * align_up(2064 * 4, 4096);
+    const uint64_t computes = 3 * align_up(8192 * 2, 4096) + align_up(5424 * 2, 4096) + align_up(2064 * 2, 4096);
+    if (tier == "cpu") {
+      EXPECT_EQ(p.cpu_pageable_bytes, states);
+      EXPECT_EQ(p.cpu_pinned_bytes, computes);
+      // The new compute copy of a stepped sub-group leaves through staging as large as the largest.
+      EXPECT_EQ(p.compute_staging_buffers, 0u);  // every compute copy is on the CPU
+    }
+    if (tier == "nvme") {
+      EXPECT_EQ(p.nvme_optimizer_bytes, states);
+      EXPECT_EQ(p.nvme_param_bytes, computes);
+      // One swap buffer, for the one trainable sub-group's four states and its new compute copy
+      // (not for the embedding's larger sub-groups, which are never stepped).
+      EXPECT_EQ(p.optimizer_swap_buffers, 1u);
+      EXPECT_EQ(p.optimizer_swap_buffer_bytes, states + align_up(2064 * 2, kSwapAlignment));
+    }
+    EXPECT_EQ(nlohmann::json::parse(p.to_json())["frozen_sub_groups"], 4);
+  }
+  // Nothing frozen: no per-group flags, and every owned sub-group is stepped.
+  const MemoryPlan all = must_plan(config_for(Offload{}), must_build({spec("a", {100}), spec("b", {100})}, 8192));
+  EXPECT_TRUE(all.frozen.empty());
+  EXPECT_EQ(all.stepped, std::vector<uint32_t>{0});
 }
 
 TEST(PlanMemory, OptimizerOnCpuStagesComputeCopiesForTheDevice) {

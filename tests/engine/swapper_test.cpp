@@ -125,11 +125,14 @@ struct Rig {
   std::unique_ptr<cpu_optim::Executor> executor;
   MemoryAccounting accounting;
   std::unique_ptr<StateStore> store;
+  std::vector<uint32_t> frozen_params;  // of model(): made frozen (ParamSpec::trainable false)
 
   // Everything up to the plan; the store is created by create_store().
   Status prepare(const Placing& s, uint64_t device_budget = kDefaultBudget) {
     config = make_config(s, dir.path);
-    ZO_ASSIGN_OR_RETURN(registry, ParamRegistry::build(model(), config.zero.sub_group_size));
+    std::vector<ParamSpec> specs = model();
+    for (uint32_t p : frozen_params) specs[p].trainable = false;
+    ZO_ASSIGN_OR_RETURN(registry, ParamRegistry::build(std::move(specs), config.zero.sub_group_size));
     ZO_ASSIGN_OR_RETURN(plan, plan_memory(config, registry));
     ZO_ASSIGN_OR_RETURN(device, gpu::make_device(gpu::DeviceKind::kHost, device_budget));
     ZO_ASSIGN_OR_RETURN(io, io::IoEngine::create(io::IoOptions{}, faults));
@@ -906,6 +909,132 @@ TEST(OptimizerSwapper8bit, MomentsTakeTheirLayoutsBytesInThePlanAndTheStore) {
 
 // Adagrad and Lion step on the CPU; with the states on the device (which config check refuses
 // already) the swapper refuses too, naming the optimizer and the way out.
+// Note [Frozen sub-groups]: with params "b" (split over three sub-groups) and "e" (two) frozen, the
+// store holds only their compute copies on every tier, the optimizer steps the other sub-groups
+// alone (stored and direct), and every trainable param ends bit for bit as per-tensor Adam leaves
+// it, the frozen ones as they started.
+TEST(OptimizerSwapperFrozen, FrozenSubGroupsKeepTheirComputeCopyAndAreNeverStepped) {
+  constexpr int kSteps = 3;
+  const std::vector<uint32_t> frozen = {1, 4};
+  const Inputs in = make_inputs(kSteps);
+  std::vector<Placing> setups = tier_setups();
+  Placing piped;
+  piped.optimizer = piped.param = "nvme";
+  piped.pipeline_read = piped.pipeline_write = true;
+  setups.push_back(piped);
+  Placing grads_on_nvme;
+  grads_on_nvme.optimizer = "cpu";
+  grads_on_nvme.accumulators = "nvme";
+  grads_on_nvme.moments = "bf16";
+  setups.push_back(grads_on_nvme);
+  for (const std::string tier : {"cpu", "nvme"}) {  // no accumulators: every step direct
+    Placing direct;
+    direct.optimizer = tier;
+    direct.accumulators = "none";
+    setups.push_back(direct);
+  }
+  for (const Placing& s : setups) {
+    SCOPED_TRACE(s.describe());
+    Rig rig;
+    rig.frozen_params = frozen;
+    ASSERT_TRUE(rig.init(s).is_ok());
+    const ParamRegistry& reg = rig.registry;
+    std::vector<char> is_frozen(reg.params().size(), 0);
+    for (uint32_t p : frozen) is_frozen[p] = 1;
+    uint32_t n_frozen = 0;
+    for (const SubGroup& g : reg.sub_groups()) {
+      for (const ParamPiece& piece : reg.pieces_of_group(g.index)) ASSERT_EQ(!g.trainable, is_frozen[piece.param]);
+      n_frozen += g.trainable ? 0 : 1;
+    }
+    ASSERT_EQ(n_frozen, 5u);
+    ASSERT_EQ(rig.plan.stepped.size(), reg.sub_groups().size() - n_frozen);
+    ASSERT_TRUE(init_all(*rig.store, in).is_ok());
+    // Only the compute copy of a frozen sub-group exists; asking for another state says so.
+    for (const SubGroup& g : reg.sub_groups()) {
+      if (g.trainable) continue;
+      Bytes buf(rig.store->state_bytes(g.index, StateKind::kCompute));
+      EXPECT_TRUE(rig.store->read_state(g.index, StateKind::kCompute, buf).is_ok());
+      Bytes master(g.n_elems * 4);
+      Status st = rig.store->read_state(g.index, StateKind::kMaster, master);
+      EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition);
+      EXPECT_THAT(st.message(), HasSubstr("the sub-group is frozen"));
+    }
+    auto swapper = OptimizerSwapper::create(*rig.store, *rig.executor, PipelineOptions::from_config(rig.config));
+    ASSERT_TRUE(swapper.is_ok()) << swapper.status().to_string();
+    const bool direct = s.accumulators == "none";
+    const uint64_t eb = dtype_size_bytes(rig.grad_dtype());
+    // The trainable sub-group g's gradient of step i.
+    auto grad_of = [&](const SubGroup& g, int i) {
+      Bytes buf(g.n_elems * eb);
+      for (const ParamPiece& piece : reg.pieces_of_group(g.index)) {
+        const Bytes v = to_dtype(in.grads[i][piece.param], rig.grad_dtype());
+        std::memcpy(buf.data() + piece.group_offset * eb, v.data() + piece.param_offset * eb, piece.n_elems * eb);
+      }
+      return buf;
+    };
+    for (int i = 0; i < kSteps; ++i) {
+      if (!direct) {
+        for (const SubGroup& g : reg.sub_groups())
+          if (g.trainable) ASSERT_TRUE(rig.store->write_state(g.index, StateKind::kGradAccum, grad_of(g, i)).is_ok());
+        auto report = (*swapper)->step(step_args(rig, i + 1));
+        ASSERT_TRUE(report.is_ok()) << report.status().to_string();
+        EXPECT_EQ(report->sub_groups, rig.plan.stepped.size());
+        continue;
+      }
+      // Without accumulators (Note [No accumulator]): every sub-group offered in the order, the
+      // frozen ones dropped from it, the trainable ones stepped as their gradients come.
+      std::vector<uint32_t> order(reg.sub_groups().size());
+      for (uint32_t g = 0; g < order.size(); ++g) order[g] = g;
+      Status begun = (*swapper)->begin_direct(step_args(rig, i + 1), order);
+      ASSERT_TRUE(begun.is_ok()) << begun.to_string();
+      for (const SubGroup& g : reg.sub_groups()) {
+        if (!g.trainable) continue;
+        const Bytes grad = grad_of(g, i);
+        ASSERT_TRUE((*swapper)->step_direct(g.index, grad.data()).is_ok());
+      }
+      auto report = (*swapper)->end_direct();
+      ASSERT_TRUE(report.is_ok()) << report.status().to_string();
+      EXPECT_EQ(report->sub_groups, rig.plan.stepped.size());
+    }
+    const ParamStates want = reference_run(in, adam_of(rig.config), rig.compute_dtype(), rig.grad_dtype(), kSteps,
+                                           s.moments == "bf16" ? DType::kBF16 : DType::kF32);
+    const std::vector<Bytes> compute = gather(*rig.store, StateKind::kCompute);
+    for (uint32_t p = 0; p < reg.params().size(); ++p) {
+      if (is_frozen[p]) {
+        EXPECT_TRUE(compute[p] == to_dtype(in.weights[p], rig.compute_dtype())) << "frozen param " << p;
+        continue;
+      }
+      EXPECT_TRUE(compute[p] == want.compute[p]) << "compute of param " << p;
+    }
+    // The trainable params' optimizer states, read from their sub-groups only.
+    for (StateKind kind : {StateKind::kMaster, StateKind::kExpAvg, StateKind::kExpAvgSq}) {
+      const uint64_t sb = state_elem_bytes(rig.plan.placement, kind);
+      const std::vector<Bytes>& ref = kind == StateKind::kMaster   ? want.master
+                                      : kind == StateKind::kExpAvg ? want.exp_avg
+                                                                   : want.exp_avg_sq;
+      for (const SubGroup& g : reg.sub_groups()) {
+        if (!g.trainable) continue;
+        Bytes buf(rig.store->state_bytes(g.index, kind));
+        ASSERT_TRUE(rig.store->read_state(g.index, kind, buf).is_ok());
+        for (const ParamPiece& piece : reg.pieces_of_group(g.index)) {
+          EXPECT_EQ(std::memcmp(buf.data() + piece.group_offset * sb, ref[piece.param].data() + piece.param_offset * sb,
+                                piece.n_elems * sb),
+                    0)
+              << state_name(kind) << " of param " << piece.param;
+        }
+      }
+    }
+    if (!direct) continue;
+    // A direct step refuses a frozen sub-group by name.
+    std::vector<uint32_t> order;
+    ASSERT_TRUE((*swapper)->begin_direct(step_args(rig, kSteps + 1), order).is_ok());
+    Bytes grad(rig.store->state_bytes(1, StateKind::kCompute) * 4);
+    Status refused = (*swapper)->step_direct(1, grad.data());
+    EXPECT_THAT(refused.message(), HasSubstr("sub-group 1 is frozen"));
+    (void)(*swapper)->end_direct();
+  }
+}
+
 TEST(OptimizerSwapper, RejectsAdagradAndLionOnTheDevice) {
   for (OptimizerType type : {OptimizerType::kAdagrad, OptimizerType::kLion}) {
     Rig rig;
