@@ -105,9 +105,12 @@ void print_plan(const engine::RunPlan& p, const engine::PlanInputs& in, const st
   const char* machine = target ? "the machine given (--host-ram, --gpu-memory, ...)" : "this machine";
   const engine::MemoryPlan& mp = p.memory;
   const engine::Placement& pl = mp.placement;
+  const std::string trainable =
+      p.n_trainable != p.n_params ? " (" + format_count(p.n_trainable) + " trainable, the rest frozen)" : "";
   std::printf(
-      "zoffload plan: %s, %.2f B params, %llu sub-groups | micro-batch %llu x seq %llu, %llu micro-steps per step\n",
-      in.model_name.c_str(), static_cast<double>(p.n_params) / 1e9, static_cast<unsigned long long>(mp.n_sub_groups),
+      "zoffload plan: %s, %.2f B params%s, %llu sub-groups | micro-batch %llu x seq %llu, %llu micro-steps per step\n",
+      in.model_name.c_str(), static_cast<double>(p.n_params) / 1e9, trainable.c_str(),
+      static_cast<unsigned long long>(mp.n_sub_groups),
       static_cast<unsigned long long>(in.config.train_micro_batch_size_per_gpu),
       static_cast<unsigned long long>(in.seq_len),
       static_cast<unsigned long long>(in.config.gradient_accumulation_steps));

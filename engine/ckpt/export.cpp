@@ -525,8 +525,11 @@ Result<ExportResult> export_store(StateStore& store, const std::string& model_co
     };
     return export_impl(store.registry().params(), model_config_json, read, io, options, {});
   }
+  // A frozen param has no master (Note [Frozen sub-groups]): it is exported as the run held it, its
+  // compute copy, which no step changed.
   const Fp32Reader read = [&store](uint32_t p, uint64_t off, std::span<float> out) {
-    return store.read_param_master(p, off, out);
+    return store.registry().params()[p].trainable ? store.read_param_master(p, off, out)
+                                                  : store.read_param_compute(p, off, out);
   };
   return export_impl(store.registry().params(), model_config_json, read, io, options, {});
 }

@@ -91,6 +91,7 @@ class Reader {
     note(key, top().number(key, &out, range.min, range.max, range.min_exclusive, a));
   }
   void text(std::string_view key, std::string& out) { note(key, top().string(key, &out)); }
+  void texts(std::string_view key, std::vector<std::string>& out) { note(key, top().string_list(key, &out)); }
   void bytes(std::string_view key, uint64_t& out) { note(key, top().size_bytes(key, &out)); }
   void choice(std::string_view key, std::string& out, std::span<const std::string_view> names, AutoOk a = AutoOk::kNo) {
     note(key, top().choice(key, names, &out, a));

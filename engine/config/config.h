@@ -201,6 +201,12 @@ struct ZoffloadConfig {
   // DeepSpeed's engine does; "tokens" divides the step's summed token losses by its labelled tokens,
   // over every micro-batch and rank, as transformers' Trainer does (num_items_in_batch).
   std::string loss_normalization = "micro_batch";
+  // (addition) Parameters that are not trained, by Hugging Face name: glob patterns ("*" any run of
+  // characters, "?" one, "{a..b}" a decimal in [a, b]) matched against the whole name, e.g.
+  // "model.embed_tokens.weight" or "model.layers.{0..7}.*". A frozen parameter is fetched for the
+  // forward and never updated: no master, moments, accumulator or gradient (Note [Frozen
+  // sub-groups] in engine/memory/param_registry.cpp). Each pattern must match a parameter.
+  std::vector<std::string> freeze;
   DataConfig data;
   CheckpointConfig checkpoint;
   LogConfig log;

@@ -259,6 +259,31 @@ bool ObjectReader::string(std::string_view key, std::string* out) {
   return true;
 }
 
+bool ObjectReader::string_list(std::string_view key, std::vector<std::string>* out) {
+  const json* v = take(key);
+  if (v == nullptr) return false;
+  if (!v->is_array()) {
+    type_error(key, *v, "an array of strings");
+    return false;
+  }
+  std::vector<std::string> values;
+  for (size_t i = 0; i < v->size(); ++i) {
+    const json& e = (*v)[i];
+    const std::string at = key_path(key) + "[" + std::to_string(i) + "]";
+    if (!e.is_string()) {
+      state_->error(at, "expected a string, got " + std::string(e.type_name()));
+      return false;
+    }
+    if (e.get_ref<const std::string&>().find('\0') != std::string::npos) {
+      state_->error(at, "contains a NUL character (\\u0000)");
+      return false;
+    }
+    values.push_back(e.get<std::string>());
+  }
+  *out = std::move(values);
+  return true;
+}
+
 bool ObjectReader::choice(std::string_view key, std::span<const std::string_view> choices, std::string* out,
                           AutoOk auto_ok) {
   const json* v = take(key);

@@ -491,10 +491,13 @@ Result<std::unique_ptr<GradAccumulator>> GradAccumulator::create(StateStore& sto
     ++s.uses[p];
   }
   for (uint32_t p = 0; p < n_params; ++p) {
-    if (s.uses[p] == 0) {
-      return invalid_argument("gradient accumulator: param " + registry.params()[p].name +
+    const ParamInfo& info = registry.params()[p];
+    if (s.uses[p] == 0 && info.trainable) {
+      return invalid_argument("gradient accumulator: param " + info.name +
                               " never appears in the contribution order (every trainable param needs a gradient)");
     }
+    if (s.uses[p] > 0 && !info.trainable)  // Note [Frozen sub-groups]: it has no accumulator
+      return invalid_argument("gradient accumulator: param " + info.name + " is frozen but has a gradient");
   }
   s.group_total.assign(n_groups, 0);
   for (uint32_t p = 0; p < n_params; ++p) {
@@ -519,7 +522,7 @@ Result<std::unique_ptr<GradAccumulator>> GradAccumulator::create(StateStore& sto
   if (s.partitioned) {
     for (const SubGroup& g : registry.sub_groups()) {
       s.first_chunk.push_back(s.n_chunks);
-      s.n_chunks += (g.n_elems + s.reducer.chunk_elems - 1) / s.reducer.chunk_elems;
+      if (g.trainable) s.n_chunks += (g.n_elems + s.reducer.chunk_elems - 1) / s.reducer.chunk_elems;
     }
   }
   for (uint32_t i = 0; i < bp.count; ++i) {

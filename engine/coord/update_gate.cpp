@@ -1,6 +1,7 @@
 #include "engine/coord/update_gate.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "common/check.h"
 
@@ -20,13 +21,19 @@
 
 namespace zo::engine {
 
-UpdateGate::UpdateGate(uint32_t n_groups) : final_(n_groups, 1), n_groups_(n_groups), prefix_(n_groups) {}
+UpdateGate::UpdateGate(uint32_t n_groups, std::vector<uint8_t> always_final)
+    : final_(n_groups, 1), always_final_(std::move(always_final)), n_groups_(n_groups), prefix_(n_groups) {
+  if (always_final_.empty()) always_final_.assign(n_groups, 0);
+  ZO_CHECK_EQ(always_final_.size(), uint64_t{n_groups});
+}
 
 void UpdateGate::open() {
   std::lock_guard<std::mutex> lock(mu_);
-  std::fill(final_.begin(), final_.end(), 0);
+  final_ = always_final_;
   failure_ = Status::ok();
-  prefix_.store(0, std::memory_order_release);
+  uint32_t p = 0;
+  while (p < n_groups_ && final_[p] != 0) ++p;
+  prefix_.store(p, std::memory_order_release);
 }
 
 void UpdateGate::publish(uint32_t g) {

@@ -18,7 +18,9 @@ namespace zo::engine {
 class UpdateGate {
  public:
   // n_groups: the store's sub-groups. Starts closed (no update running: everything final).
-  explicit UpdateGate(uint32_t n_groups);
+  // `always_final` (empty, or one flag per sub-group): sub-groups no update writes, final even
+  // while one runs (the frozen ones, MemoryPlan::frozen).
+  explicit UpdateGate(uint32_t n_groups, std::vector<uint8_t> always_final = {});
 
   // An update starts: no sub-group is final until published. Nobody may be waiting.
   void open();
@@ -41,6 +43,7 @@ class UpdateGate {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::vector<uint8_t> final_;
+  std::vector<uint8_t> always_final_;
   uint32_t n_groups_ = 0;
   std::atomic<uint32_t> prefix_;
   Status failure_;

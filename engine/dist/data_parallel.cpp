@@ -87,6 +87,7 @@ Result<GradNormReport> DataParallel::reduce_gradients() {
   GradNormReport report;
   std::vector<double> chunk_sq;  // partitioned: each chunk's squared norm, from its owner
   for (uint32_t g = 0; g < plan.n_sub_groups; ++g) {
+    if (plan.is_frozen(g)) continue;  // no gradient on any rank (Note [Frozen sub-groups])
     const StateLocation& loc = store_.location(g, StateKind::kGradAccum);
     const uint64_t n = store_.state_bytes(g, StateKind::kGradAccum) / elem_bytes;
     const uint32_t owner = registry_.partition_of_group(g);
@@ -208,6 +209,9 @@ Status DataParallel::gather_compute(ReadyGroups& ready, const std::function<void
       if (!plan.owns(g)) publish(g);
   } else {
     for (uint32_t g = 0; g < plan.n_sub_groups; ++g) {
+      // A frozen sub-group's compute copy is the same on every rank and no step changes it (the
+      // gate holds it final: Note [Frozen sub-groups]).
+      if (plan.is_frozen(g)) continue;
       const StateLocation& loc = store_.location(g, StateKind::kCompute);
       const uint64_t n = store_.state_bytes(g, StateKind::kCompute) / elem_bytes;
       const uint32_t owner = registry_.partition_of_group(g);

@@ -76,8 +76,11 @@ namespace zo::engine {
 // this rank steps (owned and trainable), which the optimizer's loops walk, and the optimizer's
 // buffers are sized for the largest trainable sub-group. The partitions of data-parallel ranks are
 // still cut by all elements, so the compute copies, which frozen params dominate, stay balanced.
-// Not yet aware of frozen sub-groups, so the trainer makes none: the gradient accumulator and
-// worker, the update gate, the data-parallel steps and checkpoints (issue 45 continues there).
+// Above the store: the gradient accumulator expects no gradient of a frozen param, the update gate
+// holds a frozen sub-group final while an update runs (UpdateGate's always_final), the data-parallel
+// steps neither reduce nor send one, and the trainer computes no gradient for it (requires_grad
+// false) and none below the lowest block that trains. zoffload.freeze makes them. Checkpoints do not
+// handle them yet: the config refuses checkpoint.dir with freeze.
 
 namespace {
 

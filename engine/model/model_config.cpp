@@ -1,5 +1,6 @@
 #include "engine/model/model_config.h"
 
+#include <algorithm>
 #include <cmath>
 #include <span>
 #include <utility>
@@ -705,6 +706,94 @@ std::vector<DecoderParam> decoder_params(const ModelConfig& c) {
     add(R::kPostMlpNorm, "post_feedforward_layernorm.weight", {H});
   }
   return out;
+}
+
+namespace {
+
+// "{a..b}" at the start of `p` (after its "{"): its bounds and its length with the braces.
+bool parse_range(std::string_view p, uint64_t* lo, uint64_t* hi, size_t* length) {
+  const size_t close = p.find('}');
+  if (p.empty() || p[0] != '{' || close == std::string_view::npos) return false;
+  const std::string_view body = p.substr(1, close - 1);
+  const size_t dots = body.find("..");
+  if (dots == std::string_view::npos || dots == 0 || dots + 2 >= body.size()) return false;
+  auto number = [](std::string_view t, uint64_t* out) {
+    if (t.empty() || t.size() > 18) return false;
+    *out = 0;
+    for (char ch : t) {
+      if (ch < '0' || ch > '9') return false;
+      *out = *out * 10 + static_cast<uint64_t>(ch - '0');
+    }
+    return true;
+  };
+  if (!number(body.substr(0, dots), lo) || !number(body.substr(dots + 2), hi) || *lo > *hi) return false;
+  *length = close + 1;
+  return true;
+}
+
+bool glob(std::string_view p, std::string_view s) {
+  if (p.empty()) return s.empty();
+  if (p[0] == '*') {
+    for (size_t i = 0; i <= s.size(); ++i)
+      if (glob(p.substr(1), s.substr(i))) return true;
+    return false;
+  }
+  if (p[0] == '?') return !s.empty() && glob(p.substr(1), s.substr(1));
+  if (p[0] == '{') {
+    uint64_t lo = 0, hi = 0;
+    size_t length = 0;
+    ZO_CHECK(parse_range(p, &lo, &hi, &length)) << "checked by name_matches";
+    // A number without a leading zero: its digits, as many as are there (at most 18).
+    uint64_t value = 0;
+    for (size_t n = 1; n <= s.size() && n <= 18 && s[n - 1] >= '0' && s[n - 1] <= '9'; ++n) {
+      if (n == 2 && s[0] == '0') break;
+      value = value * 10 + static_cast<uint64_t>(s[n - 1] - '0');
+      if (value >= lo && value <= hi && glob(p.substr(length), s.substr(n))) return true;
+    }
+    return false;
+  }
+  return !s.empty() && p[0] == s[0] && glob(p.substr(1), s.substr(1));
+}
+
+}  // namespace
+
+Result<bool> name_matches(std::string_view pattern, std::string_view name) {
+  for (size_t i = 0; i < pattern.size(); ++i) {
+    if (pattern[i] != '{') continue;
+    uint64_t lo = 0, hi = 0;
+    size_t length = 0;
+    if (!parse_range(pattern.substr(i), &lo, &hi, &length))
+      return invalid_argument("\"" + std::string(pattern) + "\": \"{\" at character " + std::to_string(i + 1) +
+                              " does not open a range {a..b} of decimal numbers with a ≤ b");
+    i += length - 1;
+  }
+  return glob(pattern, name);
+}
+
+Status freeze_params(std::span<const std::string> patterns, ModelLayout* layout) {
+  std::vector<std::string> names;
+  for (const ParamSpec& p : layout->params) names.push_back(p.name);
+  for (size_t i = 0; i < patterns.size(); ++i) {
+    const std::string key = "zoffload.freeze[" + std::to_string(i) + "]";
+    bool matched = false;
+    for (ParamSpec& p : layout->params) {
+      Result<bool> m = name_matches(patterns[i], p.name);
+      if (!m.is_ok()) return invalid_argument(key + ": " + m.status().message());
+      if (!*m) continue;
+      p.trainable = false;
+      matched = true;
+    }
+    if (!matched) {
+      std::string message = key + ": \"" + patterns[i] + "\" matches no parameter of the model";
+      if (const std::string guess = closest_match(patterns[i], names); !guess.empty())
+        message += " (did you mean \"" + guess + "\"?)";
+      return invalid_argument(
+          message + " (the names are Hugging Face's, as in the model's safetensors: " + names.front() + ", ...)");
+    }
+  }
+  if (std::none_of(layout->params.begin(), layout->params.end(), [](const ParamSpec& p) { return p.trainable; }))
+    return invalid_argument("zoffload.freeze freezes every parameter of the model: nothing would train");
+  return Status::ok();
 }
 
 ModelLayout model_layout(const ModelConfig& c) {

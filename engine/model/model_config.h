@@ -205,4 +205,14 @@ std::vector<DecoderParam> decoder_params(const ModelConfig& config);
 // `config` must be valid (as parse_hf_config / model_preset return it).
 ModelLayout model_layout(const ModelConfig& config);
 
+// Whether `name` matches the glob `pattern` whole: "*" any run of characters (dots too), "?" one
+// character, "{a..b}" a decimal number in [a, b] (no sign, no leading zero), anything else itself.
+// kInvalidArgument for a "{" that does not open "{a..b}" with a ≤ b.
+Result<bool> name_matches(std::string_view pattern, std::string_view name);
+// zoffload.freeze: marks the params of `layout` that some pattern matches frozen (ParamSpec::
+// trainable false; Note [Frozen sub-groups] in engine/memory/param_registry.cpp). kInvalidArgument
+// naming zoffload.freeze[i] for a malformed pattern or one that matches no param (with the closest
+// name), and naming zoffload.freeze when every param would be frozen.
+Status freeze_params(std::span<const std::string> patterns, ModelLayout* layout);
+
 }  // namespace zo::engine

@@ -168,11 +168,26 @@ uint64_t host_checkpoint_bytes_per_micro_batch(const Config& c, const ModelConfi
          dtype_size_bytes(c.compute_dtype());
 }
 
+Result<ModelLayout> training_layout(const ModelConfig& model, const Config& config) {
+  ModelLayout layout = model_layout(model);
+  ZO_RETURN_IF_ERROR(freeze_params(config.zoffload.freeze, &layout));
+  return layout;
+}
+
+std::vector<uint32_t> contribution_order(const ModelLayout& layout) {
+  std::vector<uint32_t> order;
+  for (size_t b = layout.blocks.size(); b-- > 0;)
+    for (uint32_t p : layout.blocks[b].params)
+      if (layout.params[p].trainable) order.push_back(p);
+  return order;
+}
+
 uint64_t grad_ring_bytes(const ModelLayout& layout, const ParamRegistry& registry, DType dtype) {
   uint64_t most = 0;
   for (const BlockSpec& b : layout.blocks) {
     uint64_t elems = 0;
-    for (uint32_t p : b.params) elems += registry.params()[p].n_elems;
+    for (uint32_t p : b.params)
+      if (registry.params()[p].trainable) elems += registry.params()[p].n_elems;
     most = std::max(most, elems);
   }
   return most * dtype_size_bytes(dtype);
@@ -318,13 +333,15 @@ GradTraffic plan_bytes_per_step(const PlanBasis& b, RunPlan* out) {
   const Placement& pl = mp.placement;
   const uint64_t passes = b.passes;
   const uint64_t cb = b.compute_elem_bytes;
-  uint64_t rd = 0, wr = 0, compute_nvme_bytes = 0, n_fetched = 0;
+  uint64_t rd = 0, wr = 0, compute_nvme_bytes = 0, compute_nvme_written = 0, n_fetched = 0;
   uint64_t grad_rd = 0, grad_wr = 0;  // the accumulators' share, moved during backward
   for (const SubGroup& g : b.registry.sub_groups()) {
     if (pl.compute[g.index] != Tier::kDevice || mp.partition_params) n_fetched += g.n_elems;
     auto sec = [&](StateKind k) { return align_up(group_state_bytes(pl, b.registry, g.index, k), kSwapAlignment); };
-    if (pl.compute[g.index] == Tier::kNvme && mp.holds(g.index, StateKind::kCompute))
+    if (pl.compute[g.index] == Tier::kNvme && mp.holds(g.index, StateKind::kCompute)) {
       compute_nvme_bytes += sec(StateKind::kCompute);
+      if (g.trainable) compute_nvme_written += sec(StateKind::kCompute);  // a frozen one is never rewritten
+    }
     if (pl.grad == Tier::kNvme && mp.holds(g.index, StateKind::kGradAccum)) {
       const uint64_t grad = sec(StateKind::kGradAccum);
       // The gradient accumulator: written every pass, read back on all but the first, and read
@@ -334,18 +351,18 @@ GradTraffic plan_bytes_per_step(const PlanBasis& b, RunPlan* out) {
       rd += grad;
       // Stage 1 across ranks (every rank holds every accumulator): the read above is the boundary's
       // reduce; the owner writes the sums back, and its optimizer reads them once more.
-      if (mp.partitioned() && !mp.partition_grads && mp.owns(g.index)) {
+      if (mp.partitioned() && !mp.partition_grads && mp.steps(g.index)) {
         wr += grad;
         rd += grad;
       }
     }
     // The optimizer step: master, exp_avg and exp_avg_sq in and out, of this rank's sub-groups.
-    if (pl.optimizer != Tier::kNvme || !mp.owns(g.index)) continue;
+    if (pl.optimizer != Tier::kNvme || !mp.steps(g.index)) continue;
     const uint64_t states = sec(StateKind::kMaster) + sec(StateKind::kExpAvg) + sec(StateKind::kExpAvgSq);
     rd += states;
     wr += states;
   }
-  wr += compute_nvme_bytes;  // the new compute copies of params that live on NVMe
+  wr += compute_nvme_written;  // the new compute copies of trainable params that live on NVMe
   rd += grad_rd;
   wr += grad_wr;
   p.nvme_write_bytes = wr;
@@ -362,7 +379,7 @@ GradTraffic plan_bytes_per_step(const PlanBasis& b, RunPlan* out) {
   p.nvme_read_bytes = p.nvme_exact ? p.nvme_read_min_bytes : p.nvme_read_max_bytes;
   p.h2d_min_bytes = n_fetched * cb;
   p.h2d_max_bytes = 2 * passes * n_fetched * cb;
-  p.d2h_bytes = b.in.host.cuda ? passes * p.n_params * dtype_size_bytes(grad_transfer_dtype(b.c)) : 0;
+  p.d2h_bytes = b.in.host.cuda ? passes * p.n_trainable * dtype_size_bytes(grad_transfer_dtype(b.c)) : 0;
   return {grad_rd, grad_wr};
 }
 
@@ -376,14 +393,20 @@ void plan_step_time(const PlanBasis& b, const GradTraffic& grads, RunPlan* out) 
   const uint64_t grad_rd = grads.read_bytes, grad_wr = grads.write_bytes;
   const HostSpeeds& sp = b.in.speeds;
   const double tokens = static_cast<double>(gas * p.tokens_per_micro_step);
-  const double matmul_params =
-      static_cast<double>(p.n_params - m.vocab_size * m.hidden_size * (m.tie_word_embeddings ? 0 : 1));
-  // Forward, the recomputed forward and backward: 2 + 2 + 4 FLOPs per matmul weight per token, and
-  // causal attention's two matmuls (half of T×T) the same four times over.
-  const double flops = 8 * matmul_params * tokens + 4 * 2.0 * static_cast<double>(gas * micro) *
-                                                        static_cast<double>(b.in.seq_len * b.in.seq_len) *
-                                                        static_cast<double>(m.num_attention_heads * m.head_dim) *
-                                                        static_cast<double>(m.num_hidden_layers);
+  const double embedding = static_cast<double>(m.vocab_size * m.hidden_size * (m.tie_word_embeddings ? 0 : 1));
+  const double matmul_params = static_cast<double>(p.n_params) - embedding;
+  // Of them, those with a weight gradient: a frozen one's is never computed (the embedding, a lookup,
+  // counted out of the trainable ones when it trains; a frozen norm's few elements are noise).
+  const double trainable_matmul =
+      std::min(matmul_params,
+               std::max(0.0, static_cast<double>(p.n_trainable) - (b.layout.params[0].trainable ? embedding : 0.0)));
+  // Forward, the recomputed forward and backward: 2 + 2 FLOPs per matmul weight per token, 2 for the
+  // input's gradient and 2 for the weight's (trainable weights only), and causal attention's two
+  // matmuls (half of T×T) the same four times over.
+  const double flops = (6 * matmul_params + 2 * trainable_matmul) * tokens +
+                       4 * 2.0 * static_cast<double>(gas * micro) * static_cast<double>(b.in.seq_len * b.in.seq_len) *
+                           static_cast<double>(m.num_attention_heads * m.head_dim) *
+                           static_cast<double>(m.num_hidden_layers);
   auto add_part = [&](const std::string& name, double rate, double amount, const std::string& basis) {
     if (amount <= 0) return;
     if (rate <= 0) {
@@ -395,7 +418,7 @@ void plan_step_time(const PlanBasis& b, const GradTraffic& grads, RunPlan* out) 
   add_part("compute", sp.compute_flops, flops, sp.compute_source);
   if (b.in.host.cuda)
     add_part("pcie", sp.pcie_bytes_per_s, static_cast<double>(p.h2d_min_bytes + p.d2h_bytes), "host↔GPU copies");
-  add_part("gradients", sp.accumulate_elems_per_s, static_cast<double>(passes * p.n_params),
+  add_part("gradients", sp.accumulate_elems_per_s, static_cast<double>(passes * p.n_trainable),
            "accumulate + norm kernel, measured");
   // The kernel the placement runs, measured at plan time (measure_cpu_speeds); where its own speed
   // is not known, the nearest one measured stands for it and the basis says which.
@@ -416,7 +439,7 @@ void plan_step_time(const PlanBasis& b, const GradTraffic& grads, RunPlan* out) 
       rate = sp.adam_elems_per_s;
       basis = "cpu_optim Adam, measured with fp32 masters and moments";
     }
-    add_part("optimizer", rate, static_cast<double>(p.n_params), basis);
+    add_part("optimizer", rate, static_cast<double>(p.n_trainable), basis);
   }
   // NVMe in two parts, as the step runs them: the accumulators are written (and read back) during
   // backward, by the gradient worker; the optimizer's reads and writes are pipelined with Adam.
@@ -582,7 +605,7 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
   const Config& c = in.config;
   if (in.seq_len == 0) return invalid_argument("--seq-len: 0 tokens per sequence");
   ZO_RETURN_IF_ERROR(check_model_size(in.model));
-  const ModelLayout layout = model_layout(in.model);
+  ZO_ASSIGN_OR_RETURN(const ModelLayout layout, training_layout(in.model, c));
   ZO_ASSIGN_OR_RETURN(ParamRegistry registry,
                       ParamRegistry::build(layout.params, c.zero.sub_group_size, in.world_size));
   RunPlan p;
@@ -591,12 +614,12 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
       plan_memory_with_ring(c, registry, layout,
                             in.world_size > 1 && c.zero.stage >= 1 ? std::optional<uint32_t>(in.rank) : std::nullopt));
   p.n_params = registry.total_elems();
+  p.n_trainable = registry.trainable_elems();
   p.tokens_per_micro_step = c.train_micro_batch_size_per_gpu * in.seq_len;
   p.held_micro_batches = vertical_micro_batches(c);
   PlanBasis b{.in = in, .c = c, .m = in.model, .layout = layout, .registry = registry};
   for (const BlockSpec& block : layout.blocks) b.blocks.push_back(block.params);
-  for (size_t k = layout.blocks.size(); k-- > 0;)
-    for (uint32_t id : layout.blocks[k].params) b.contribution_order.push_back(id);
+  b.contribution_order = contribution_order(layout);
   b.device_limit = in.host.cuda && in.host.device_total_bytes > 0
                        ? std::min(in.device_budget_bytes, in.host.device_total_bytes)
                        : in.device_budget_bytes;
@@ -634,6 +657,7 @@ std::string RunPlan::to_json() const {
   nlohmann::ordered_json j;
   j["fits"] = fits();
   j["n_params"] = n_params;
+  j["n_trainable"] = n_trainable;
   j["tokens_per_micro_step"] = tokens_per_micro_step;
   j["device"] = {{"budget_bytes", device_budget_bytes},
                  {"state_bytes", device_state_bytes},

@@ -108,6 +108,7 @@ struct StepTimePart {
 
 struct RunPlan {
   uint64_t n_params = 0;
+  uint64_t n_trainable = 0;  // of n_params, not frozen (zoffload.freeze): the ones with gradients and states
   uint64_t tokens_per_micro_step = 0;
   MemoryPlan memory;
   ArenaPlan arena;
@@ -170,9 +171,16 @@ struct RunPlan {
   std::string to_json() const;  // every field above, one JSON object
 };
 
+// The layout a run trains: model_layout(model) with zoffload.freeze applied (freeze_params), the
+// one the trainer and the planner both build.
+Result<ModelLayout> training_layout(const ModelConfig& model, const Config& config);
+// The order backward hands gradients to the accumulators: the blocks last to first, each block's
+// trainable params in its order (a tied embedding in both of its blocks; no frozen param).
+std::vector<uint32_t> contribution_order(const ModelLayout& layout);
+
 // The gradient worker's landing ring (engine/coord/grad_worker.h): the largest block's gradients
-// in `dtype`, so that one block's gradients are accumulated while the next block's backward
-// computes.
+// (of its trainable params) in `dtype`, so that one block's gradients are accumulated while the
+// next block's backward computes.
 uint64_t grad_ring_bytes(const ModelLayout& layout, const ParamRegistry& registry, DType dtype);
 // plan_memory, with the landing ring (grad_ring_bytes in grad_transfer_dtype) in the pinned pool:
 // the plan the trainer allocates and the planner reports.

@@ -26,8 +26,9 @@ std::vector<torch::Tensor> Trainer::Impl::wrap(uint32_t block, const std::vector
   std::vector<torch::Tensor> out;
   out.reserve(ptrs.size());
   for (size_t i = 0; i < ptrs.size(); ++i) {
-    torch::Tensor t = param_tensor(ptrs[i].addr, layout.params[spec.params[i]], compute_dtype, torch_device);
-    if (grad) t.set_requires_grad(true);
+    const ParamSpec& param = layout.params[spec.params[i]];
+    torch::Tensor t = param_tensor(ptrs[i].addr, param, compute_dtype, torch_device);
+    if (grad && param.trainable) t.set_requires_grad(true);  // a frozen one gets no gradient
     out.push_back(std::move(t));
   }
   return out;
@@ -84,14 +85,17 @@ Status Trainer::Impl::offload_grads(uint32_t block, const std::vector<torch::Ten
   const bool cuda = torch_device.is_cuda();
   std::optional<TorchCopyStreamScope> copies;
   ZO_RETURN_IF_ERROR(begin_copies(&copies, "sending the gradients of " + spec.name));
+  const std::vector<uint32_t>& ids = trainable_params[block];
+  ZO_CHECK_EQ(grads.size(), ids.size()) << "one gradient per trainable param of " << spec.name;
+  if (grads.empty()) return Status::ok();  // a frozen block (Note [Frozen sub-groups])
   for (size_t i = 0; i < grads.size(); ++i) {
-    const std::string& name = layout.params[spec.params[i]].name;
+    const std::string& name = layout.params[ids[i]].name;
     const torch::Tensor& g = grads[i];
     if (!g.defined()) return internal_error("no gradient reached " + name);
     ZO_CHECK(g.scalar_type() == to_torch_dtype(dtype)) << "the gradient of " << name << " is not " << dtype_name(dtype);
     const uint64_t bytes = static_cast<uint64_t>(g.numel()) * g.element_size();
     ZO_RETURN_IF_ERROR(grad_worker->submit(
-        spec.params[i], dtype, bytes,
+        ids[i], dtype, bytes,
         [&](std::span<std::byte> slot) {
           ZO_RETURN_IF_ERROR(device->foreign_work(gpu::DeviceWork::kD2H, bytes, copies->native_stream(), {}, [&] {
             return torch_call("copying the gradient of " + name, [&] {
@@ -233,13 +237,23 @@ Result<Trainer::Impl::MicroResult> Trainer::Impl::finish_micro_step(Forward& f, 
   // With several micro-batches (the vertical schedule) each block's gradients are summed on the
   // device and leave it once (Note [Vertical schedule]).
   const bool fold = count > 1;
-  // The block's gradients to send: the params' own, or their sums.
+  // The block's gradients to send: its trainable params' own, or their sums.
   auto block_grads = [&](const std::vector<torch::Tensor>& params, std::vector<torch::Tensor>& sums) {
     if (fold) return sums;
     std::vector<torch::Tensor> g;
     for (const torch::Tensor& p : params) g.push_back(p.grad());
     return g;
   };
+  // The block's trainable params, of wrap()'s tensors (trainable_params).
+  auto trainable = [&](uint32_t block, const std::vector<torch::Tensor>& params) {
+    std::vector<torch::Tensor> out;
+    for (size_t i = 0; i < params.size(); ++i)
+      if (layout.params[layout.blocks[block].params[i]].trainable) out.push_back(params[i]);
+    return out;
+  };
+  // Note [Frozen sub-groups]: below the lowest block with a trainable param no gradient is wanted,
+  // and that block's input needs none.
+  auto input_needs_grad = [&](uint32_t block) { return block > lowest_trainable_block; };
 
   // The head: its forward and backward follow each other in the schedule, so it runs once with
   // autograd and its backward entry only acquires and releases it.
@@ -250,18 +264,19 @@ Result<Trainer::Impl::MicroResult> Trainer::Impl::finish_micro_step(Forward& f, 
     std::vector<torch::Tensor> params, sums, grads_h;
     ZO_RETURN_IF_ERROR(compute_call("forward and backward of " + layout.blocks[h].name, [&] {
       params = wrap(h, ptrs, true);
+      std::vector<torch::Tensor> learned = trainable(h, params);
       for (size_t k = 0; k < count; ++k) {
         Micro& mb = f.micro[k];
-        torch::Tensor x = mb.inputs[h].detach().set_requires_grad(true);
+        torch::Tensor x = mb.inputs[h].detach().set_requires_grad(input_needs_grad(h));
         torch::Tensor logits = block_forward(model, layout.blocks[h], params, x, rope);
         torch::Tensor loss = by_tokens() ? lm_loss_sum(logits, mb.targets) : lm_loss(logits, mb.targets);
         logits.reset();
         result.loss += loss.item<double>();
         (loss * loss_factor).backward();
         grad_out[k] = x.grad();
-        if (fold) fold_grads(params, sums, k == 0);
+        if (fold) fold_grads(learned, sums, k == 0);
       }
-      grads_h = block_grads(params, sums);
+      grads_h = block_grads(learned, sums);
     }));
     const Stopwatch sending;
     ZO_RETURN_IF_ERROR(offload_grads(h, grads_h, false));
@@ -281,16 +296,21 @@ Result<Trainer::Impl::MicroResult> Trainer::Impl::finish_micro_step(Forward& f, 
     std::vector<torch::Tensor> params, sums, grads_b;
     ZO_RETURN_IF_ERROR(compute_call("backward of " + layout.blocks[b].name, [&] {
       params = wrap(b, ptrs, true);
+      std::vector<torch::Tensor> learned = trainable(b, params);
       for (size_t k = 0; k < count; ++k) {
         Micro& mb = f.micro[k];
-        torch::Tensor x = b == 0 ? mb.inputs[0] : mb.inputs[b].detach().set_requires_grad(true);
+        if (b < lowest_trainable_block) {  // frozen below: the schedule's acquire and release only
+          mb.inputs[b] = torch::Tensor();
+          continue;
+        }
+        torch::Tensor x = b == 0 ? mb.inputs[0] : mb.inputs[b].detach().set_requires_grad(input_needs_grad(b));
         torch::Tensor out = block_forward(model, layout.blocks[b], params, x, rope);
         torch::autograd::backward({out}, {grad_out[k]});
-        grad_out[k] = b == 0 ? torch::Tensor() : x.grad();
+        grad_out[k] = input_needs_grad(b) ? x.grad() : torch::Tensor();
         mb.inputs[b] = torch::Tensor();
-        if (fold) fold_grads(params, sums, k == 0);
+        if (fold) fold_grads(learned, sums, k == 0);
       }
-      grads_b = block_grads(params, sums);
+      grads_b = block_grads(learned, sums);
     }));
     const Stopwatch sending;
     ZO_RETURN_IF_ERROR(offload_grads(b, grads_b, b == 0 && inject_overflow));

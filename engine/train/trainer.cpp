@@ -82,7 +82,14 @@ Status Trainer::Impl::resolve_model() {
     ZO_ASSIGN_OR_RETURN(model, resolve_model_config(opt.model, env()));
   }
   ZO_RETURN_IF_ERROR(check_model_size(model));
-  layout = model_layout(model);
+  ZO_ASSIGN_OR_RETURN(layout, training_layout(model, opt.config));
+  trainable_params.assign(layout.blocks.size(), {});
+  lowest_trainable_block = static_cast<uint32_t>(layout.blocks.size());
+  for (uint32_t b = 0; b < layout.blocks.size(); ++b) {
+    for (uint32_t p : layout.blocks[b].params)
+      if (layout.params[p].trainable) trainable_params[b].push_back(p);
+    if (!trainable_params[b].empty()) lowest_trainable_block = std::min(lowest_trainable_block, b);
+  }
   compute_dtype = opt.config.compute_dtype();
   seq_len = opt.seq_len != 0 ? opt.seq_len : std::min<uint64_t>(256, model.max_position_embeddings);
   if (seq_len > model.max_position_embeddings)
@@ -132,6 +139,9 @@ Status Trainer::Impl::prepare_run_dir() {
 
 Status Trainer::Impl::find_resume() {
   if (opt.resume.empty()) return Status::ok();
+  if (!opt.config.zoffload.freeze.empty())
+    return invalid_argument(
+        "--resume: a run with frozen parameters (zoffload.freeze) cannot resume from a checkpoint yet");
   std::string where = opt.resume;
   if (where == "latest") {
     if (checkpoint_dir.empty())
@@ -245,14 +255,14 @@ Status Trainer::Impl::create_step_pipeline() {
   }
   std::vector<std::vector<uint32_t>> blocks;
   std::vector<std::string> names;
-  std::vector<uint32_t> contribution_order;  // backward: head, decoders n-2..1, embedding
   for (const BlockSpec& b : layout.blocks) {
     blocks.push_back(b.params);
     names.push_back(b.name);
   }
-  for (size_t b = layout.blocks.size(); b-- > 0;)
-    for (uint32_t p : layout.blocks[b].params) contribution_order.push_back(p);
-  gate = std::make_unique<UpdateGate>(store->plan().n_sub_groups);
+  // Backward's order: head, decoders n-2..1, embedding; their trainable params only.
+  std::vector<uint32_t> contribution_order = engine::contribution_order(layout);
+  // A frozen sub-group is final while an update runs (Note [Frozen sub-groups]).
+  gate = std::make_unique<UpdateGate>(store->plan().n_sub_groups, store->plan().frozen);
   if (plan.partition_params) {
     ZO_ASSIGN_OR_RETURN(param_group, opt.group->create_sibling("params"));
     ZO_ASSIGN_OR_RETURN(std::span<std::byte> slots, store->pool().allocate(plan.gather_slots * plan.gather_slot_bytes,
@@ -526,7 +536,9 @@ Status Trainer::read_master(uint32_t param, std::span<float> out) {
   if (out.size() != info.n_elems)
     return invalid_argument("read_master: " + info.name + " has " + std::to_string(info.n_elems) + " elements, not " +
                             std::to_string(out.size()));
-  return impl_->store->read_param_master(param, 0, out);
+  // A frozen param's only copy is its compute copy (Note [Frozen sub-groups]).
+  return info.trainable ? impl_->store->read_param_master(param, 0, out)
+                        : impl_->store->read_param_compute(param, 0, out);
 }
 
 const std::string& Trainer::checkpoint_dir() const { return impl_->checkpoint_dir; }
@@ -564,6 +576,8 @@ Result<SaveResult> Trainer::save_checkpoint(const std::function<void(uint64_t, u
   trace::Span span(trace::Track::kCheckpoint, [&] { return "save step-" + std::to_string(m.steps_done); });
   if (m.checkpoint_dir.empty())
     return failed_precondition("no checkpoint directory: set zoffload.checkpoint.dir in the config");
+  if (!m.opt.config.zoffload.freeze.empty())  // the config refuses it; a config built in code too
+    return failed_precondition("checkpoints of a run with frozen parameters (zoffload.freeze) are not supported yet");
   const CheckpointConfig& cc = m.opt.config.zoffload.checkpoint;
   SaveOptions o;
   o.dir = m.checkpoint_dir;
@@ -635,8 +649,11 @@ std::string Trainer::describe() const {
   }
   std::ostringstream s;
   s << "model " << m.opt.model << " (" << m.model.num_hidden_layers << " layers, hidden " << m.model.hidden_size << ", "
-    << format_count(m.registry->total_elems()) << " params) | " << dtype_name(m.compute_dtype) << " compute, "
-    << dtype_name(pl.grad_dtype) << " gradients"
+    << format_count(m.registry->total_elems()) << " params"
+    << (m.registry->trainable_elems() != m.registry->total_elems()
+            ? ", " + format_count(m.registry->trainable_elems()) + " trainable (zoffload.freeze)"
+            : "")
+    << ") | " << dtype_name(m.compute_dtype) << " compute, " << dtype_name(pl.grad_dtype) << " gradients"
     << (pl.grads_rounded() ? " (" + std::string(dtype_name(pl.grad_sum_dtype)) + " sums, norm before rounding)" : "")
     << " | ZeRO stage " << m.opt.config.zero.stage << ", " << m.registry->sub_groups().size() << " sub-groups";
   if (m.plan.partitioned())

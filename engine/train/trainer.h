@@ -144,7 +144,8 @@ class Trainer {
   const ModelConfig& model_config() const;
   const ModelLayout& layout() const;
   uint64_t num_parameters() const;
-  // The fp32 master weights of param `param` (layout().params order), n_elems of them.
+  // The fp32 master weights of param `param` (layout().params order), n_elems of them; of a frozen
+  // param (zoffload.freeze), which has no master, its compute copy widened.
   Status read_master(uint32_t param, std::span<float> out);
   // One line for humans: model, parameters, where each state lives, the device and budgets.
   std::string describe() const;

@@ -50,7 +50,11 @@ struct Trainer::Impl {
   TrainOptions opt;
   ModelConfig model;
   bool model_dir = false;  // --model is a Hugging Face model directory (else a preset or TrainOptions::model_config)
-  ModelLayout layout;
+  ModelLayout layout;      // training_layout: zoffload.freeze applied
+  // Per block, the ids of its trainable params (its gradients, in block order), and the lowest
+  // block that has one: backward stops computing there (Note [Frozen sub-groups]).
+  std::vector<std::vector<uint32_t>> trainable_params;
+  uint32_t lowest_trainable_block = 0;
   std::optional<ParamRegistry> registry;
   MemoryPlan plan;
   RunPlan run_plan;  // the planner's view, checked at start (Trainer::plan_summary)
@@ -202,7 +206,7 @@ struct Trainer::Impl {
   Status wait_checkpoints(uint32_t block);
 
   // ---- One micro-step: forward, backward, gradients (step.cpp) ----
-  // Hands a block's gradients (one per param, in block order) to the accumulator.
+  // Hands a block's gradients (one per trainable param, in block order) to the accumulator.
   Status offload_grads(uint32_t block, const std::vector<torch::Tensor>& grads, bool inject_overflow);
   // Moves the gradients the last backward left in `params` into `sums` (the first micro-batch's are
   // copied, in grad_accum_dtype; later ones added), leaving the params without gradients.

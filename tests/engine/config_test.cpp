@@ -719,6 +719,15 @@ const Malformed kMalformed[] = {
      {{"zoffload", {{"data", {{"shuffle", "no"}}}}}},
      "zoffload.data.shuffle",
      "expected true or false"},
+    {"freeze_not_a_list",
+     {{"zoffload", {{"freeze", "model.embed_tokens.weight"}}}},
+     "zoffload.freeze",
+     "expected an array of strings"},
+    {"freeze_not_strings", {{"zoffload", {{"freeze", {"a", 3}}}}}, "zoffload.freeze[1]", "expected a string"},
+    {"freeze_with_checkpoints",
+     {{"zoffload", {{"freeze", {"model.embed_tokens.weight"}}, {"checkpoint", {{"dir", "ckpt"}}}}}},
+     "zoffload.freeze",
+     "checkpoints of a run with frozen parameters are not supported yet"},
     {"data_unknown",
      {{"zoffload", {{"data", {{"shufle", false}}}}}},
      "zoffload.data.shufle",
@@ -1016,6 +1025,7 @@ std::vector<json> candidates(const ConfigKey& k, const json& resolved) {
     return out;
   }
   if (k.type == "string") return {"some/where"};
+  if (k.type == "list of strings") return {json::array({"model.layers.{0..1}.*"})};
   if (resolved.is_number_unsigned() || resolved.is_number_integer()) {
     const uint64_t d = resolved.get<uint64_t>();
     for (uint64_t v : {d + 4096, d - 4096, d + 1, d - 1, uint64_t{1}, uint64_t{2}, uint64_t{3}})

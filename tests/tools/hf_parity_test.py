@@ -33,6 +33,8 @@ reference's final weights (rounded to the export dtype) and give the reference's
   exp_avg_sq rounded to bf16 after every step.
 - the bf16-gradients case (zoffload.gradient_store_dtype "bf16", vertical schedule): fp32, and torch's
   AdamW fed each step's fp32 gradient sums rounded to bf16 after their norm was taken, then clipped.
+- the freeze cases (zoffload.freeze): fp32, the frozen params requires_grad_(False) in transformers and
+  skipped by torch's AdamW; the export's frozen tensors must be the saved model's, byte for byte.
 - the bf16-masters case (zoffload.master_dtype "bf16"): a bf16 case whose masters start as the
   weights rounded to nearest even and, after every optimizer step, are rounded to bf16
   stochastically with the documented random bits (sr_round below: common/half.h's sr_key,
@@ -59,6 +61,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -291,6 +294,17 @@ CASES = [
     dict(name="llama-tied-bf16-cpu-noacc", arch="llama", tied=True, vocab=256, seq=32, disk="float32",
          shard=False, precision="bf16", placement="cpu", stage=3, gas=2, clip=0.0, schedule="warmup", lr=2e-3,
          seed=22, accumulators="none"),
+    # zoffload.freeze: the frozen params get requires_grad_(False) in transformers, torch's AdamW steps
+    # the rest; the export's frozen tensors are the saved model's, byte for byte.
+    dict(name="llama-freeze-fp32-none", arch="llama", tied=False, vocab=384, seq=32, disk="float32", shard=False,
+         precision="fp32", placement="none", stage=0, gas=2, clip=0.3, schedule=None, lr=2e-3, seed=41,
+         freeze=["model.embed_tokens.weight", "model.layers.0.*"]),
+    dict(name="qwen2-freeze-fp32-cpu", arch="qwen2", tied=True, vocab=256, seq=32, disk="float32", shard=False,
+         precision="fp32", placement="cpu", stage=3, gas=2, clip=1.0, schedule=None, lr=2e-3, seed=42,
+         freeze=["model.layers.{1..1}.mlp.*", "model.norm.weight"]),
+    dict(name="mistral-freeze-fp32-nvme", arch="mistral", tied=False, vocab=320, seq=32, disk="float32", shard=True,
+         precision="fp32", placement="nvme", stage=3, gas=2, clip=1.0, schedule="warmup", lr=2e-3, seed=43,
+         freeze=["model.layers.0.self_attn.*", "lm_head.weight"]),
 ]
 
 WARMUP = {"warmup_min_lr": 1e-4, "warmup_num_steps": 3}
@@ -343,6 +357,8 @@ def zoffload_config(case):
         cfg["zoffload"]["master_dtype"] = "bf16"
     if case.get("accumulators") == "none":
         cfg["zoffload"].update({"gradient_accumulators": "none", "schedule": "vertical"})
+    if case.get("freeze"):
+        cfg["zoffload"]["freeze"] = case["freeze"]
         cfg["bf16"]["check_grad_overflow"] = False
     if case["schedule"] == "warmup":
         cfg["scheduler"] = {"type": "WarmupLR", "params": {
@@ -542,6 +558,26 @@ class EngineAdamW:
         return norm
 
 
+def frozen_names(case, names):
+    """The names zoffload.freeze's globs match (docs/config.md): "*" any run, "?" one character,
+    "{a..b}" a decimal in [a, b]; written here as regular expressions."""
+    def regex(pattern):
+        out = ""
+        for token in re.split(r"(\{\d+\.\.\d+\}|\*|\?)", pattern):
+            if token == "*":
+                out += ".*"
+            elif token == "?":
+                out += "."
+            elif re.fullmatch(r"\{\d+\.\.\d+\}", token):
+                lo, hi = map(int, token[1:-1].split(".."))
+                out += "(?:%s)" % "|".join(str(v) for v in range(lo, hi + 1))
+            else:
+                out += re.escape(token)
+        return re.compile(out + r"\Z")
+    patterns = [regex(p) for p in case.get("freeze", [])]
+    return {n for n in names if any(p.match(n) for p in patterns)}
+
+
 def reference_train(case, model_dir, batches, attention, engine_adam, data_seed):
     """transformers + AdamW (see the top): torch.optim.AdamW with clip_grad_norm_, or EngineAdamW.
     Returns the per-step figures and the final fp32 model (the masters). data_seed keys bf16
@@ -556,6 +592,11 @@ def reference_train(case, model_dir, batches, attention, engine_adam, data_seed)
                                                    attn_implementation=attention).to(dev) if bf16 else master
     compute.train()
     names = [n for n, _ in master.named_parameters()]  # a tied matrix once, as model.embed_tokens.weight
+    frozen = frozen_names(case, names)
+    expect(len(frozen) == 0 or not bf16, "%s: frozen params are compared in fp32 only" % case["name"])
+    for n, p in master.named_parameters():
+        if n in frozen:  # zoffload.freeze: no gradient, and AdamW skips it
+            p.requires_grad_(False)
     tied_bf16 = bf16 and engine_adam and case["tied"]
     if tied_bf16:
         # The engine adds the two gradients of a tied matrix into its fp32 sum one after the other,
@@ -628,7 +669,7 @@ def reference_train(case, model_dir, batches, attention, engine_adam, data_seed)
             elif case["clip"] > 0:  # clip_coef = min(1, clip / (norm + 1e-6)): torch's rule and DeepSpeed's
                 norm = torch.nn.utils.clip_grad_norm_(master.parameters(), case["clip"]).item()
             else:
-                norm = torch.nn.utils.get_total_norm([mparams[n].grad for n in names]).item()
+                norm = torch.nn.utils.get_total_norm([mparams[n].grad for n in names if n not in frozen]).item()
             with bnb_nearest.nearest() if case.get("moments") == "8bit" else contextlib.nullcontext():
                 opt.step()
             if case.get("moments") == "bf16":
@@ -693,6 +734,16 @@ def check_export(case, export_dir, batch, refs):
         expect(False, "%s: from_pretrained(%s) fails: %r" % (name, export_dir, e))
         return
     exp_state = exported.state_dict()
+    frozen = frozen_names(case, exp_state.keys())
+    if frozen:
+        # zoffload.freeze: the frozen tensors are exported as they were saved (fp32 on disk and in
+        # compute here), bit for bit; the references agree.
+        saved = AutoModelForCausalLM.from_pretrained(os.path.join(os.path.dirname(os.path.dirname(export_dir)), "model"),
+                                                     dtype=torch.float32).state_dict()
+        same = all(torch.equal(exp_state[k].cpu(), saved[k]) for k in frozen)
+        expect(same and all(torch.equal(refs[0][1].state_dict()[k].cpu(), saved[k]) for k in frozen),
+               "%s: the %d frozen tensors are exported as saved" % (name, len(frozen)))
+        print("  %d frozen tensors exported as saved: %s" % (len(frozen), "yes" if same else "NO"))
     for label, ref_model, tol in refs:
         ref_state = ref_model.state_dict()
         expect(sorted(ref_state) == sorted(exp_state), "%s: the export holds the reference's tensors (differ: %s)" %
@@ -852,7 +903,10 @@ def run_case(case, tmp):
     # the four arrays of a sub-group rounded up to a 4 KiB page. A sub-group holds at least one tensor or one
     # sub_group_size (20000) slice of one, so there are at most (tensors + params / 20000) of them.
     pool_and_scratch = mem["pinned"]["peak_bytes"] + (4 << 20)
-    params = list(refs[0][2].parameters())
+    # (Frozen params hold no optimizer state or accumulator: only the trainable ones count.)
+    named = list(refs[0][2].named_parameters())
+    frozen = frozen_names(case, [k for k, _ in named])
+    params = [p for k, p in named if k not in frozen]
     n = sum(p.numel() for p in params)
     # bf16 masters on the CPU beside the compute copies are those copies (Note [A bf16 master is its
     # compute copy]): no bytes of their own; with no accumulators (Note [No accumulator]) the

@@ -148,6 +148,11 @@ with tempfile.TemporaryDirectory() as tmp:
                                                              zoffload={"schedule": "vertical",
                                                                        "activation_checkpoints": "cpu"})),
         ("tiny-device", "tiny", 64, config(opt="none", par="none", prec="fp32")),
+        # zoffload.freeze: the frozen params' sub-groups hold compute copies only (on NVMe here), and
+        # their NVMe traffic is reads alone.
+        ("tiny-nvme-frozen", "tiny", 64, config(opt="nvme", par="nvme", max_in_cpu=0, gas=2,
+                                                zoffload={"freeze": ["model.embed_tokens.weight",
+                                                                     "model.layers.{0..1}.*"]})),
         ("tiny-unpinned", "tiny", 64, config(opt="cpu", par="cpu", micro=4,
                                              zero_optimization={"stage": 3, "sub_group_size": 1e6,
                                                                 "offload_param": {"device": "cpu", "pin_memory": False},
@@ -167,6 +172,10 @@ with tempfile.TemporaryDirectory() as tmp:
             got = plan["memory_plan"]["placement"]["grad"]
             expect(got == want_grads, f"{name}: gradient accumulators on {got}, as configured ({want_grads})")
         check(name, plan, metrics)
+        if cfg.get("zoffload", {}).get("freeze"):
+            expect(0 < plan["n_trainable"] < plan["n_params"] and plan["memory_plan"]["frozen_sub_groups"] > 0,
+                   f"{name}: {plan['n_trainable']} of {plan['n_params']} params trainable, "
+                   f"{plan['memory_plan']['frozen_sub_groups']} frozen sub-groups")
 
     # Does not fit: a pinned cap below the pool. plan exits 3 with fixes that fit; train refuses at start.
     bad = os.path.join(tmp, "bad.json")

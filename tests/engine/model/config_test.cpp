@@ -903,5 +903,60 @@ TEST(HfConfigExport, RoundTripsEveryFamily) {
   expect_same(parse_ok(to_hf_config_json(linear, "float32")), linear);
 }
 
+// zoffload.freeze's globs (Note [Frozen sub-groups]): "*" any run (dots too), "?" one character,
+// "{a..b}" a decimal in [a, b] without a leading zero; the whole name must match.
+TEST(Freeze, GlobsMatchWholeNamesWithRanges) {
+  const std::pair<std::string, std::string> yes[] = {
+      {"model.embed_tokens.weight", "model.embed_tokens.weight"},
+      {"model.layers.*", "model.layers.3.mlp.up_proj.weight"},
+      {"model.layers.{0..7}.*", "model.layers.7.self_attn.q_proj.weight"},
+      {"model.layers.{8..11}.*", "model.layers.10.mlp.down_proj.weight"},
+      {"*.self_attn.?_proj.weight", "model.layers.0.self_attn.k_proj.weight"},
+      {"*norm*", "model.norm.weight"},
+  };
+  for (const auto& [pattern, name] : yes) {
+    auto m = name_matches(pattern, name);
+    ASSERT_TRUE(m.is_ok()) << m.status().to_string();
+    EXPECT_TRUE(*m) << pattern << " ~ " << name;
+  }
+  const std::pair<std::string, std::string> no[] = {
+      {"model.layers.{0..7}.*", "model.layers.8.mlp.up_proj.weight"},
+      {"model.layers.{0..7}.*", "model.layers.07.mlp.up_proj.weight"},  // no leading zero
+      {"model.layers.{1..1}.*", "model.layers.10.mlp.up_proj.weight"},  // the whole number
+      {"model.embed_tokens", "model.embed_tokens.weight"},              // the whole name
+      {"*.self_attn.?_proj.weight", "model.layers.0.self_attn.qk_proj.weight"},
+  };
+  for (const auto& [pattern, name] : no) {
+    auto m = name_matches(pattern, name);
+    ASSERT_TRUE(m.is_ok()) << m.status().to_string();
+    EXPECT_FALSE(*m) << pattern << " ~ " << name;
+  }
+  for (const std::string bad : {"model.layers.{3..1}.*", "model.layers.{a..b}.*", "model.layers.{1}.*", "x{"}) {
+    auto m = name_matches(bad, "model.layers.1.mlp.up_proj.weight");
+    ASSERT_FALSE(m.is_ok()) << bad;
+    EXPECT_THAT(m.status().message(), HasSubstr("does not open a range {a..b}")) << bad;
+  }
+}
+
+TEST(Freeze, MarksMatchedParamsAndRefusesByKey) {
+  ModelConfig c = *model_preset("tiny");
+  ModelLayout layout = model_layout(c);
+  const std::vector<std::string> patterns = {"model.embed_tokens.weight", "model.layers.{0..1}.*"};
+  ASSERT_TRUE(freeze_params(patterns, &layout).is_ok());
+  uint32_t frozen = 0;
+  for (const ParamSpec& p : layout.params) {
+    const bool expected = p.name == "model.embed_tokens.weight" || p.name.starts_with("model.layers.0.") ||
+                          p.name.starts_with("model.layers.1.");
+    EXPECT_EQ(p.trainable, !expected) << p.name;
+    frozen += expected;
+  }
+  EXPECT_EQ(frozen, 1 + 2 * 9u);
+  ModelLayout other = model_layout(c);
+  Status none = freeze_params(std::vector<std::string>{"model.layers.0.*", "model.layer.1.mlp.*"}, &other);
+  EXPECT_THAT(none.message(), HasSubstr("zoffload.freeze[1]: \"model.layer.1.mlp.*\" matches no parameter"));
+  Status all = freeze_params(std::vector<std::string>{"*"}, &other);
+  EXPECT_THAT(all.message(), HasSubstr("zoffload.freeze freezes every parameter of the model"));
+}
+
 }  // namespace
 }  // namespace zo::engine

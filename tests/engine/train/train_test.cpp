@@ -102,6 +102,7 @@ struct RunSetup {
   std::string moments = "fp32";         // zoffload.moment_dtype
   std::string master = "fp32";          // zoffload.master_dtype
   bool check_overflow = true;           // bf16.check_grad_overflow
+  std::vector<std::string> freeze;      // zoffload.freeze
 };
 
 Config make_config(const RunSetup& s, const std::string& nvme) {
@@ -130,6 +131,7 @@ Config make_config(const RunSetup& s, const std::string& nvme) {
   if (s.scheduler)
     j["scheduler"] = {{"type", "WarmupCosineLR"},
                       {"params", {{"warmup_num_steps", 3}, {"total_num_steps", 20}, {"warmup_type", "linear"}}}};
+  if (!s.freeze.empty()) j["zoffload"]["freeze"] = s.freeze;
   if (s.opt_type == "Adagrad") j["optimizer"]["params"] = {{"lr", 1e-2}, {"eps", 1e-10}, {"weight_decay", 0.0}};
   if (s.opt_type == "Lion") j["optimizer"]["params"] = {{"lr", 3e-4}, {"betas", {0.9, 0.99}}, {"weight_decay", 0.01}};
   if (s.precision == "bf16") j["bf16"] = {{"enabled", true}, {"check_grad_overflow", s.check_overflow}};
@@ -282,8 +284,8 @@ struct Reference {
     for (std::vector<float>& w : masters(trainer)) {
       params.push_back(torch::from_blob(w.data(), {static_cast<int64_t>(w.size())}, torch::kFloat).clone());
     }
-    for (size_t i = 0; i < params.size(); ++i)
-      params[i] = params[i].view(layout.params[i].shape).set_requires_grad(true);
+    for (size_t i = 0; i < params.size(); ++i)  // a frozen one (zoffload.freeze) gets no gradient
+      params[i] = params[i].view(layout.params[i].shape).set_requires_grad(layout.params[i].trainable);
     oc = o.config.optimizer;
     if (oc.type == OptimizerType::kAdamW) {
       opt = std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(oc.lr)
@@ -329,7 +331,8 @@ struct Reference {
       (lm_loss(x, y) / static_cast<double>(gas)).backward();
     }
     double norm = 0;
-    for (const torch::Tensor& p : params) norm += p.grad().pow(2).sum().item<double>();
+    for (const torch::Tensor& p : params)
+      if (p.grad().defined()) norm += p.grad().pow(2).sum().item<double>();
     norm = std::sqrt(norm);
     if (clip > 0) torch::nn::utils::clip_grad_norm_(params, clip);
     const double lr = schedule.lr_at(steps);
@@ -397,6 +400,158 @@ TEST(Trainer, Fp32Stage0MatchesPlainLibTorchAdamW) {
     const double err = max_relative_error(masters(**t), ref.params);
     EXPECT_LT(err, 1e-5) << "relative error of the weights after 20 steps";
   }
+}
+
+// Note [Frozen sub-groups]: with the embedding and layer 0 frozen (zoffload.freeze), the run is plain
+// LibTorch's with requires_grad false on them and torch's AdamW over the rest, untied and tied (the
+// tied head is then frozen too), at stage 0 and with the states offloaded at stage 3; the frozen
+// weights end bit for bit as they started.
+TEST(Trainer, FrozenParamsMatchLibTorchAndNeverMove) {
+  for (bool tied : {false, true}) {
+    for (const RunSetup& setup :
+         {RunSetup{.stage = 0, .precision = "fp32", .clipping = 0},
+          RunSetup{.param = "cpu", .optimizer = "nvme", .precision = "fp32", .clipping = 1.0}}) {
+      SCOPED_TRACE(std::string(tied ? "tied" : "untied") + ", stage " + std::to_string(setup.stage));
+      TempDir dir;
+      RunSetup s = setup;
+      s.freeze = {"model.embed_tokens.weight", "model.layers.0.*"};
+      const TrainOptions o = make_options(s, dir, tied);
+      auto t = Trainer::create(o);
+      ASSERT_TRUE(t.is_ok()) << t.status().to_string();
+      const std::vector<std::vector<float>> before = masters(**t);
+      Reference ref(**t, o);
+      uint32_t frozen = 0;
+      for (const ParamSpec& p : (*t)->layout().params) frozen += p.trainable ? 0 : 1;
+      EXPECT_EQ(frozen, 1 + 9u);  // the embedding and layer 0's nine params
+      for (int i = 0; i < 8; ++i) {
+        auto m = (*t)->step();
+        ASSERT_TRUE(m.is_ok()) << m.status().to_string();
+        const double ref_norm = ref.step(s.clipping);
+        EXPECT_NEAR(m->grad_norm, ref_norm, 1e-4 * ref_norm) << "step " << i + 1;
+      }
+      const std::vector<std::vector<float>> after = masters(**t);
+      EXPECT_LT(max_relative_error(after, ref.params), 1e-5) << "relative error of the weights after 8 steps";
+      for (uint32_t p = 0; p < after.size(); ++p) {
+        if ((*t)->layout().params[p].trainable) {
+          EXPECT_NE(after[p], before[p]) << (*t)->layout().params[p].name << " trains";
+        } else {
+          EXPECT_EQ(after[p], before[p]) << (*t)->layout().params[p].name << " is frozen";
+        }
+      }
+    }
+  }
+}
+
+// Frozen params on every placement, both schedules, stages 0 to 3, without accumulators and over
+// two ranks: the same bits as resident stage 3 (and, without accumulators, as the stored path), and
+// the plan holds no optimizer state for them.
+TEST(Trainer, FrozenIsBitIdenticalAcrossPlacementsSchedulesStagesAndRanks) {
+  constexpr int kSteps = 4;
+  const std::vector<std::string> freeze = {"model.embed_tokens.weight", "model.layers.1.mlp.*", "model.norm.weight"};
+  RunSetup resident{.grad_accum = 2, .freeze = freeze};
+  TempDir rd;
+  std::vector<StepMetrics> rm;
+  nlohmann::json rplan;
+  const auto want = train(make_options(resident, rd), kSteps, &rm, &rplan);
+  EXPECT_LT(rm.back().loss, rm.front().loss) << "it trains";
+  // The plan: 16 bytes per trainable element only (fp32 master, moments, accumulator).
+  TempDir all_dir;
+  RunSetup unfrozen = resident;
+  unfrozen.freeze.clear();
+  nlohmann::json all_plan;
+  train(make_options(unfrozen, all_dir), 1, nullptr, &all_plan);
+  EXPECT_LT(rplan["n_trainable"].get<uint64_t>(), rplan["n_params"].get<uint64_t>());
+  EXPECT_EQ(all_plan["n_trainable"], all_plan["n_params"]);
+  EXPECT_GT(rplan["memory_plan"]["frozen_sub_groups"].get<uint64_t>(), 0u);
+  const double frozen_elems = rplan["n_params"].get<double>() - rplan["n_trainable"].get<double>();
+  EXPECT_NEAR(
+      all_plan["memory_plan"]["device_bytes"].get<double>() - rplan["memory_plan"]["device_bytes"].get<double>(),
+      16 * frozen_elems, 16 * 4 * 4096.0);
+
+  struct Variant {
+    const char* name;
+    RunSetup setup;
+  };
+  auto with = [&](RunSetup s) {
+    s.freeze = freeze;
+    return s;
+  };
+  const std::vector<Variant> variants = {
+      {"params and optimizer on the CPU", with({.param = "cpu", .optimizer = "cpu"})},
+      {"params and optimizer on NVMe, pipelined",
+       with({.param = "nvme", .optimizer = "nvme", .pipeline = true, .max_in_cpu = 0})},
+      {"vertical, params cpu, optimizer nvme", with({.param = "cpu", .optimizer = "nvme", .schedule = "vertical"})},
+      {"8-bit moments and bf16 masters on the CPU",
+       with({.param = "cpu", .optimizer = "cpu", .moments = "8bit", .master = "bf16"})},
+      {"stage 0", with({.stage = 0})},
+      {"stage 2, optimizer on the CPU, accumulators on NVMe",
+       with({.stage = 2, .optimizer = "cpu", .accumulators = "nvme"})},
+  };
+  for (const Variant& v : variants) {
+    SCOPED_TRACE(v.name);
+    TempDir d;
+    RunSetup s = v.setup;
+    s.grad_accum = 2;
+    std::vector<StepMetrics> m;
+    const auto got = train(make_options(s, d), kSteps, &m);
+    // 8-bit moments and bf16 masters round otherwise: they train, and the frozen params stay put.
+    if (v.setup.moments == "8bit") {
+      ModelLayout layout = model_layout(small_model());
+      ASSERT_TRUE(freeze_params(freeze, &layout).is_ok());
+      for (size_t p = 0; p < got.size(); ++p)
+        if (!layout.params[p].trainable) EXPECT_EQ(got[p], want[p]) << layout.params[p].name;
+      EXPECT_LT(m.back().loss, m.front().loss);
+      continue;
+    }
+    EXPECT_TRUE(bit_identical(got, want));
+    for (int i = 0; i < kSteps; ++i) EXPECT_EQ(m[i].loss, rm[i].loss) << "step " << i + 1;
+  }
+
+  // Without accumulators: the stored path's bits.
+  auto direct_setup = [&](std::string accumulators) {
+    return with({.param = "cpu",
+                 .optimizer = "cpu",
+                 .clipping = 0,
+                 .grad_accum = 2,
+                 .schedule = "vertical",
+                 .accumulators = std::move(accumulators),
+                 .check_overflow = false});
+  };
+  TempDir sd, dd;
+  const auto stored = train(make_options(direct_setup("auto"), sd), kSteps);
+  const auto direct = train(make_options(direct_setup("none"), dd), kSteps);
+  EXPECT_TRUE(bit_identical(direct, stored)) << "without accumulators";
+}
+
+// zoffload.freeze refuses what it cannot do, naming the key.
+TEST(Trainer, FreezeRefusesBadPatternsAndCheckpointsByKey) {
+  const std::pair<std::vector<std::string>, std::string> refused[] = {
+      {{"model.layers.9.*"}, "zoffload.freeze[0]: \"model.layers.9.*\" matches no parameter of the model"},
+      {{"model.embed_tokens.weight", "model.layers.{1..0}.*"},
+       "zoffload.freeze[1]: \"model.layers.{1..0}.*\": \"{\" at character 14 does not open a range"},
+      {{"*"}, "zoffload.freeze freezes every parameter of the model: nothing would train"},
+  };
+  for (const auto& [patterns, message] : refused) {
+    TempDir dir;
+    RunSetup s{.precision = "fp32"};
+    s.freeze = patterns;
+    auto t = Trainer::create(make_options(s, dir));
+    ASSERT_FALSE(t.is_ok());
+    EXPECT_EQ(t.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_THAT(t.status().message(), HasSubstr(message));
+  }
+  // Checkpoints are not built for frozen runs yet: saving and resuming say so.
+  TempDir dir;
+  RunSetup s{.precision = "fp32"};
+  s.freeze = {"model.embed_tokens.weight"};
+  TrainOptions o = make_options(s, dir);
+  o.config.zoffload.checkpoint.dir = dir.path + "/ckpt";
+  auto t = Trainer::create(o);
+  ASSERT_TRUE(t.is_ok()) << t.status().to_string();
+  ASSERT_TRUE((*t)->step().is_ok());
+  auto saved = (*t)->save_checkpoint({});
+  ASSERT_FALSE(saved.is_ok());
+  EXPECT_THAT(saved.status().message(), HasSubstr("frozen parameters (zoffload.freeze) are not supported yet"));
 }
 
 TEST(Trainer, ClippingMatchesTorchClipGradNorm) {
@@ -1936,6 +2091,41 @@ TEST(Trainer, EvaluationSettingsAreCheckedAtStart) {
   ASSERT_FALSE(missing.is_ok());
   EXPECT_THAT(missing.status().message(), HasSubstr("--eval-data"));
   EXPECT_THAT(missing.status().message(), HasSubstr("missing.bin"));
+}
+
+// Frozen params over two ranks (Note [Frozen sub-groups]) at stage 3, the compute copies partitioned
+// and gathered: with the states offloaded to the CPU, the bits of the states on the device.
+TEST(Trainer, FrozenOverTwoRanksIsBitIdenticalToResidentRanks) {
+  const std::vector<std::string> freeze = {"model.embed_tokens.weight", "model.layers.1.mlp.*", "model.norm.weight"};
+  RunSetup ranks_resident{.grad_accum = 1, .freeze = freeze};
+  RunSetup ranks_offloaded{.param = "cpu", .optimizer = "cpu", .grad_accum = 1, .freeze = freeze};
+  const TwoRanks x = train_two_ranks(ranks_resident, 3), y = train_two_ranks(ranks_offloaded, 3);
+  for (uint32_t r = 0; r < 2; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    ASSERT_TRUE(x.setup[r].is_ok()) << x.setup[r].to_string();
+    ASSERT_TRUE(y.setup[r].is_ok()) << y.setup[r].to_string();
+    for (int i = 0; i < 3; ++i) EXPECT_EQ(y.metrics[r][i].loss, x.metrics[r][i].loss) << "step " << i + 1;
+    EXPECT_LT(x.metrics[r].back().loss, x.metrics[r].front().loss) << "it trains";
+    EXPECT_TRUE(bit_identical(y.masters[r], x.masters[r]));
+  }
+  // Stages 1 and 2 (the compute copies replicated: each owner sends its updated trainable
+  // sub-groups, the frozen ones never): the same losses, and the same weights wherever both hold them.
+  for (const int stage : {1, 2}) {
+    SCOPED_TRACE("stage " + std::to_string(stage));
+    RunSetup replicated{.stage = stage, .optimizer = "cpu", .grad_accum = 1, .freeze = freeze};
+    const TwoRanks z = train_two_ranks(replicated, 3);
+    for (uint32_t r = 0; r < 2; ++r) {
+      ASSERT_TRUE(z.setup[r].is_ok()) << z.setup[r].to_string();
+      for (int i = 0; i < 3; ++i) EXPECT_EQ(z.metrics[r][i].loss, x.metrics[r][i].loss) << "step " << i + 1;
+      uint32_t compared = 0;
+      for (size_t p = 0; p < x.masters[r].size(); ++p) {
+        if (x.masters[r][p].empty() || z.masters[r][p].empty()) continue;
+        EXPECT_EQ(z.masters[r][p], x.masters[r][p]) << "param " << p << ", rank " << r;
+        ++compared;
+      }
+      EXPECT_GT(compared, 3u);
+    }
+  }
 }
 
 }  // namespace
