@@ -90,8 +90,13 @@ int run_inspect(const CkptArgs& a) {
               static_cast<unsigned long long>(info->state.optimizer_steps),
               static_cast<unsigned long long>(info->state.steps_done - info->state.optimizer_steps),
               info->state.loss_scaler.cur_scale);
-  std::printf("  model %s: %zu tensors, %llu parameters\n", info->state.model.c_str(), info->manifest.tensors.size(),
-              static_cast<unsigned long long>(d["parameters"].get<uint64_t>()));
+  std::printf("  model %s: %zu tensors, %llu parameters%s\n", info->state.model.c_str(),
+              info->manifest.tensors.size() + info->manifest.frozen.size(),
+              static_cast<unsigned long long>(d["parameters"].get<uint64_t>()),
+              info->manifest.frozen.empty() ? ""
+                                            : (" (" + std::to_string(d["frozen_parameters"].get<uint64_t>()) +
+                                               " frozen, zoffload.freeze: their weights in frozen.safetensors)")
+                                                  .c_str());
   std::printf("  Adam moments %s\n", info->manifest.moments == engine::MomentDtype::k8bit
                                          ? "8-bit blockwise (codes + absmax per 256, fp32 under 4096 elements)"
                                      : info->manifest.moments == engine::MomentDtype::kBF16 ? "bf16"

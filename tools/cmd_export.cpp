@@ -150,7 +150,8 @@ int run_export(const ExportArgs& a) {
     std::cout << j.dump(2) << "\n";
   } else if (!a.quiet) {
     std::printf("exported %s (step %llu) as %s: %zu tensors, %s in %zu files to %s in %.1f s%s\n", path->c_str(),
-                static_cast<unsigned long long>(ckpt->manifest.step), dtype_text.c_str(), ckpt->manifest.tensors.size(),
+                static_cast<unsigned long long>(ckpt->manifest.step), dtype_text.c_str(),
+                ckpt->manifest.tensors.size() + ckpt->manifest.frozen.size(),
                 format_bytes(result->tensor_bytes).c_str(), result->files.size(), result->out_dir.c_str(), seconds,
                 extra_rss >= 0 ? (", peak extra RSS " + format_bytes(static_cast<uint64_t>(extra_rss))).c_str() : "");
   }

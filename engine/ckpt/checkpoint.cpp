@@ -76,11 +76,19 @@ Result<FileDigest> write_small_file(io::Env* env, const std::string& dir, const 
   return d;
 }
 
-// The tensors of a store, as a checkpoint lists them.
-std::vector<CheckpointTensor> tensors_of(const ParamRegistry& registry) {
-  std::vector<CheckpointTensor> out;
-  for (const ParamInfo& p : registry.params()) out.push_back({p.name, p.shape, p.n_elems});
-  return out;
+// The manifest of a save of `store` at `step`, before its files: the tensors of the trainable
+// params and of the frozen ones (Note [Frozen sub-groups]), the states' dtypes.
+Manifest manifest_of(const StateStore& store, uint64_t step) {
+  Manifest m;
+  m.step = step;
+  for (const ParamInfo& p : store.registry().params())
+    (p.trainable ? m.tensors : m.frozen).push_back({p.name, p.shape, p.n_elems});
+  const Placement& pl = store.plan().placement;
+  m.moments = pl.moments;
+  m.master_dtype = pl.master_dtype;
+  m.optimizer_type = pl.optimizer_type;
+  m.frozen_dtype = pl.compute_dtype;
+  return m;
 }
 
 }  // namespace
@@ -285,8 +293,9 @@ Result<SaveResult> save_collaborative(StateStore& store, const TrainingState& st
   if (reg.n_partitions() != c.world_size || !plan.partitioned())
     return internal_error(context + ": a collaborative save needs a store partitioned over the " +
                           std::to_string(c.world_size) + " ranks");
-  const std::vector<CheckpointTensor> tensors = tensors_of(reg);
-  const std::vector<StateFile> files = state_files(plan.placement.moments, plan.placement.master_dtype);
+  Manifest manifest = manifest_of(store, state.steps_done);
+  const std::vector<StateFile> files =
+      state_files(manifest.moments, manifest.master_dtype, manifest.frozen_file_dtype());
   // root's text on every rank.
   auto share = [&](uint32_t root, std::string text, const std::string& what) -> Result<std::string> {
     uint64_t n = text.size();
@@ -309,6 +318,7 @@ Result<SaveResult> save_collaborative(StateStore& store, const TrainingState& st
     if (t.is_ok()) tmp = *t;
     for (const StateFile& file : files) {
       if (!started.is_ok()) break;
+      const std::vector<CheckpointTensor>& tensors = file_tensors(manifest, file);
       const uint64_t size =
           state_file_prefix(file, tensors, store.plan().placement).size() + state_file_data_bytes(file, tensors);
       started = create_sized_file(tmp + "/" + file.name, size, env).with_context(context);
@@ -343,6 +353,7 @@ Result<SaveResult> save_collaborative(StateStore& store, const TrainingState& st
       if (options.progress) options.progress(done, own_bytes);
     };
     for (const StateFile& file : files) {
+      const std::vector<CheckpointTensor>& tensors = file_tensors(manifest, file);
       const std::string header = state_file_prefix(file, tensors, store.plan().placement);
       const uint64_t data_start = header.size();
       // Where each partition's parts start: the parts of the sub-groups before it, after the prefix.
@@ -406,14 +417,9 @@ Result<SaveResult> save_collaborative(StateStore& store, const TrainingState& st
   Status committed = failure;
   if (c.rank == 0) {
     if (committed.is_ok()) {
-      Manifest manifest;
-      manifest.step = state.steps_done;
-      manifest.tensors = tensors;
-      manifest.moments = plan.placement.moments;
-      manifest.master_dtype = plan.placement.master_dtype;
-      manifest.optimizer_type = plan.placement.optimizer_type;
       committed = [&]() -> Status {
         for (size_t k = 0; k < files.size(); ++k) {
+          const std::vector<CheckpointTensor>& tensors = file_tensors(manifest, files[k]);
           const uint64_t size = state_file_prefix(files[k], tensors, store.plan().placement).size() +
                                 state_file_data_bytes(files[k], tensors);
           ZO_ASSIGN_OR_RETURN(FileDigest d, combine_range_digests(files[k].name, size, ranges[k]));
@@ -464,17 +470,13 @@ Result<SaveResult> save_checkpoint(StateStore& store, const TrainingState& state
   phase(SavePhase::kStarted);
 
   SaveResult result;
-  Manifest manifest;
-  manifest.step = state.steps_done;
-  manifest.tensors = tensors_of(store.registry());
-  manifest.moments = store.plan().placement.moments;
-  manifest.master_dtype = store.plan().placement.master_dtype;
-  manifest.optimizer_type = store.plan().placement.optimizer_type;
-  const std::vector<StateFile> files = state_files(manifest.moments, manifest.master_dtype);
+  Manifest manifest = manifest_of(store, state.steps_done);
+  const std::vector<StateFile> files =
+      state_files(manifest.moments, manifest.master_dtype, manifest.frozen_file_dtype());
   // Everything up to the rename happens in tmp: on failure, remove it and report.
   auto write_all = [&]() -> Status {
     uint64_t total = 0, done = 0;
-    for (const StateFile& file : files) total += state_file_data_bytes(file, manifest.tensors);
+    for (const StateFile& file : files) total += state_file_data_bytes(file, file_tensors(manifest, file));
     // No more staging than one state file (and 1 MiB for its header) needs.
     ZO_ASSIGN_OR_RETURN(AlignedBuffer staging, AlignedBuffer::allocate(staging_bytes_for(
                                                    options.staging_bytes, total / 3 + (uint64_t{1} << 20))));
@@ -484,8 +486,8 @@ Result<SaveResult> save_checkpoint(StateStore& store, const TrainingState& state
     };
     for (const StateFile& file : files) {
       FileDigest digest;
-      ZO_RETURN_IF_ERROR(write_state_file(env, store, file, tmp + "/" + file.name, staging.bytes(), manifest.tensors,
-                                          &digest, on_bytes));
+      ZO_RETURN_IF_ERROR(write_state_file(env, store, file, tmp + "/" + file.name, staging.bytes(),
+                                          file_tensors(manifest, file), &digest, on_bytes));
       manifest.files.push_back(std::move(digest));
       phase(SavePhase::kStateFileDone);
     }

@@ -76,7 +76,9 @@ Result<CheckpointInfo> open_checkpoint(const std::string& path, io::Env* env) {
   for (const char* required : {kTrainerStateFile, kModelConfigFile}) {
     if (!info.manifest.find(required)) return corruption(mpath + ": lists no " + required);
   }
-  for (const StateFile& file : state_files(info.manifest.moments, info.manifest.master_dtype)) {
+  const std::vector<StateFile> files =
+      state_files(info.manifest.moments, info.manifest.master_dtype, info.manifest.frozen_file_dtype());
+  for (const StateFile& file : files) {
     if (!info.manifest.find(file.name)) return corruption(mpath + ": lists no " + file.name);
   }
   for (const FileDigest& f : info.manifest.files) {
@@ -108,7 +110,7 @@ Result<CheckpointInfo> open_checkpoint(const std::string& path, io::Env* env) {
   }
   // The state files' headers must list the tensors the manifest's imply, in order, in their dtype
   // (F32; BF16 for bf16 moments or masters); a codes file holds a byte per element of the quantized ones.
-  for (const StateFile& file : state_files(info.manifest.moments, info.manifest.master_dtype)) {
+  for (const StateFile& file : files) {
     const std::string fpath = path + "/" + file.name;
     if (file.part == StatePart::kMomentCodes) {
       const uint64_t want = state_file_data_bytes(file, info.manifest.tensors);
@@ -118,7 +120,7 @@ Result<CheckpointInfo> open_checkpoint(const std::string& path, io::Env* env) {
       }
       continue;
     }
-    const std::vector<SafetensorsEntry> expected = state_file_tensors(file, info.manifest.tensors);
+    const std::vector<SafetensorsEntry> expected = state_file_tensors(file, file_tensors(info.manifest, file));
     ZO_ASSIGN_OR_RETURN(auto st, SafetensorsFile::open(fpath, env));
     const auto& ts = st->tensors();
     if (ts.size() != expected.size()) {
@@ -171,20 +173,40 @@ Status load_checkpoint(const CheckpointInfo& ckpt, StateStore& store, io::IoEngi
   const std::string context = "loading checkpoint " + ckpt.path;
   ZO_RETURN_IF_ERROR(check_staging_bytes(staging.size(), context));
   const ParamRegistry& reg = store.registry();
-  const auto& tensors = ckpt.manifest.tensors;
-  if (tensors.size() != reg.params().size()) {
-    return invalid_argument(context + ": it holds " + std::to_string(tensors.size()) + " tensors, the model has " +
-                            std::to_string(reg.params().size()) + " parameters");
+  const Manifest& m = ckpt.manifest;
+  // Its trainable and frozen tensors (Note [Frozen sub-groups]) must be this run's, name by name.
+  if (m.tensors.size() + m.frozen.size() != reg.params().size()) {
+    return invalid_argument(context + ": it holds " + std::to_string(m.tensors.size() + m.frozen.size()) +
+                            " tensors, the model has " + std::to_string(reg.params().size()) + " parameters");
   }
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const ParamInfo& p = reg.params()[i];
-    if (p.name != tensors[i].name || p.shape != tensors[i].shape) {
-      return invalid_argument(context + ": tensor " + std::to_string(i) + " is " + tensors[i].name + " " +
-                              shape_string(tensors[i].shape) + " but the model's parameter " + std::to_string(i) +
-                              " is " + p.name + " " + shape_string(p.shape) + ": a checkpoint of a different model");
+  size_t next_trainable = 0, next_frozen = 0;
+  for (const ParamInfo& p : reg.params()) {
+    const bool saved_trainable = next_trainable < m.tensors.size() && m.tensors[next_trainable].name == p.name;
+    const bool saved_frozen = !saved_trainable && next_frozen < m.frozen.size() && m.frozen[next_frozen].name == p.name;
+    if (!saved_trainable && !saved_frozen) {
+      const bool anywhere =
+          std::any_of(m.tensors.begin(), m.tensors.end(),
+                      [&](const CheckpointTensor& t) { return t.name == p.name; }) ||
+          std::any_of(m.frozen.begin(), m.frozen.end(), [&](const CheckpointTensor& t) { return t.name == p.name; });
+      return invalid_argument(context + ": the model's parameter " + std::to_string(p.id) + " " + p.name +
+                              (anywhere ? " is not where this checkpoint has it" : " is not in it") +
+                              ": a checkpoint of a different model");
     }
+    const CheckpointTensor& t = saved_trainable ? m.tensors[next_trainable++] : m.frozen[next_frozen++];
+    if (p.shape != t.shape)
+      return invalid_argument(context + ": tensor " + t.name + " is " + shape_string(t.shape) +
+                              " but the model's parameter is " + shape_string(p.shape) +
+                              ": a checkpoint of a different model");
+    if (saved_trainable != p.trainable)
+      return invalid_argument(context + ": " + p.name + " was " + (saved_trainable ? "trained" : "frozen") +
+                              " when it was saved and this run " + (p.trainable ? "trains" : "freezes") +
+                              " it: resume with the checkpoint's zoffload.freeze");
   }
   const MemoryPlan& plan = store.plan();
+  if (!m.frozen.empty() && m.frozen_dtype != plan.placement.compute_dtype)
+    return invalid_argument(context + ": its frozen parameters are kept in " + std::string(dtype_name(m.frozen_dtype)) +
+                            ", this run computes in " + std::string(dtype_name(plan.placement.compute_dtype)) +
+                            ": resume with the checkpoint's precision (bf16.enabled / fp16.enabled)");
   if (ckpt.manifest.moments != plan.placement.moments) {
     return invalid_argument(context + ": it keeps the optimizer's moments in " +
                             std::string(moment_dtype_name(ckpt.manifest.moments)) + ", this run in " +
@@ -210,7 +232,8 @@ Status load_checkpoint(const CheckpointInfo& ckpt, StateStore& store, io::IoEngi
                             "run from `zoffload export` of it");
   }
   const uint32_t n_groups = plan.n_sub_groups;
-  for (const StateFile& file : state_files(plan.placement.moments, plan.placement.master_dtype)) {
+  for (const StateFile& file :
+       state_files(plan.placement.moments, plan.placement.master_dtype, m.frozen_file_dtype())) {
     const StateKind kind = file.kind;
     const std::string fpath = ckpt.path + "/" + file.name;
     // What precedes the sub-groups' parts: the header (a codes file has none) and, in an 8-bit
@@ -248,7 +271,10 @@ Status load_checkpoint(const CheckpointInfo& ckpt, StateStore& store, io::IoEngi
         if (g == n_groups) return corruption(fpath + ": more data than the model's parameters");
         const uint64_t in_group = part_first[g] + (flat - part_start[g]);
         const uint64_t n = std::min<uint64_t>(bytes.size(), part_start[g + 1] - flat);
-        if (plan.owns(g)) ZO_RETURN_IF_ERROR(store.write_state_range(g, kind, in_group, bytes.first(n)));
+        // A frozen sub-group's compute copy (kFrozenFile) is held by every rank that holds its
+        // compute copies; the optimizer states by their owner.
+        if (file.frozen ? plan.holds(g, StateKind::kCompute) : plan.owns(g))
+          ZO_RETURN_IF_ERROR(store.write_state_range(g, kind, in_group, bytes.first(n)));
         if (kind == StateKind::kMaster && plan.holds(g, StateKind::kCompute)) {
           if (file.dtype == DType::kF32) {
             ZO_CHECK(in_group % 4 == 0 && n % 4 == 0) << fpath << ": unaligned fp32 run";
@@ -266,11 +292,12 @@ Status load_checkpoint(const CheckpointInfo& ckpt, StateStore& store, io::IoEngi
       return Status::ok();
     };
     // A data-parallel rank (Note [Partitions]) reads its partition's run of exp_avg and exp_avg_sq,
-    // and all of master, whose every element sets a compute copy — or, when the compute copies are
-    // partitioned too (stage 3), its run of master as well.
+    // and all of master and of the frozen compute copies, whose every element sets a compute copy —
+    // or, when the compute copies are partitioned too (stage 3), its run of them as well.
     const FileDigest& digest = *ckpt.manifest.find(file.name);
     Status read;
-    if ((kind == StateKind::kMaster && !plan.partition_params) || !plan.partitioned()) {
+    const bool sets_compute = kind == StateKind::kMaster || file.frozen;
+    if ((sets_compute && !plan.partition_params) || !plan.partitioned()) {
       read = read_stream(io, env, fpath, digest, staging, data_start, consume, {});
     } else {
       g = plan.owned_begin;
@@ -283,8 +310,9 @@ Status load_checkpoint(const CheckpointInfo& ckpt, StateStore& store, io::IoEngi
 }
 
 json describe_checkpoint(const CheckpointInfo& ckpt) {
-  uint64_t params = 0, bytes = 0;
+  uint64_t params = 0, frozen = 0, bytes = 0;
   for (const CheckpointTensor& t : ckpt.manifest.tensors) params += t.n_elems;
+  for (const CheckpointTensor& t : ckpt.manifest.frozen) frozen += t.n_elems;
   json files = json::object();
   for (const FileDigest& f : ckpt.manifest.files) {
     files[f.name] = f.size_bytes;
@@ -304,8 +332,9 @@ json describe_checkpoint(const CheckpointInfo& ckpt) {
               {"seq_len", ckpt.state.seq_len},
               {"world_size", ckpt.state.world_size},
               {"moment_dtype", moment_dtype_name(ckpt.manifest.moments)},
-              {"tensors", ckpt.manifest.tensors.size()},
-              {"parameters", params},
+              {"tensors", ckpt.manifest.tensors.size() + ckpt.manifest.frozen.size()},
+              {"parameters", params + frozen},
+              {"frozen_parameters", frozen},
               {"bytes", bytes},
               {"files", files}};
   if (model.is_object()) {

@@ -382,7 +382,8 @@ Result<ExportResult> export_impl(std::span<const ParamInfo> params, const std::s
 // the last one ended (the bytes before the first tensor are read and checked on the way).
 class MasterReader {
  public:
-  // The masters are fp32, or bf16 (zoffload.master_dtype), widened exactly as they are read.
+  // The masters are fp32, or bf16 (zoffload.master_dtype), widened exactly as they are read; the
+  // frozen params' compute copies (kFrozenFile) fp32, bf16 or fp16.
   MasterReader(std::string path, const FileDigest& digest, DType dtype)
       : path_(std::move(path)), verifier_(digest, path_), dtype_(dtype) {}
   MasterReader(const MasterReader&) = delete;
@@ -412,7 +413,7 @@ class MasterReader {
     for (size_t i = 0; i < out.size(); ++i) {
       uint16_t h;
       std::memcpy(&h, half.data() + 2 * i, 2);
-      out[i] = bf16_to_float(h);
+      out[i] = dtype_ == DType::kBF16 ? bf16_to_float(h) : f16_to_float(h);
     }
     return Status::ok();
   }
@@ -467,40 +468,55 @@ Result<ExportResult> export_hf_model(std::span<const ParamInfo> params, const st
 
 Result<ExportResult> export_checkpoint(const CheckpointInfo& ckpt, io::IoEngine& io, const ExportOptions& options) {
   io::Env* env = options.env;
-  const std::string path = ckpt.path + "/" + kMasterFile;
-  const FileDigest* digest = ckpt.manifest.find(kMasterFile);
-  if (digest == nullptr)
-    return corruption("export: " + ckpt.path + "/" + kManifestFile + " does not list " + kMasterFile);
-  ZO_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> file, SafetensorsFile::open(path, env));
-  const std::vector<SafetensorsTensor>& tensors = file->tensors();
-  const std::vector<CheckpointTensor>& expected = ckpt.manifest.tensors;
-  if (tensors.size() != expected.size())
-    return corruption("export: " + path + " holds " + std::to_string(tensors.size()) + " tensors, the manifest lists " +
-                      std::to_string(expected.size()));
-  std::vector<ParamInfo> params(tensors.size());
-  std::vector<uint64_t> data_offsets(tensors.size());
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const SafetensorsTensor& t = tensors[i];
-    const DType want = ckpt.manifest.master_dtype;
-    if (t.name != expected[i].name || t.shape != expected[i].shape || t.dtype != want)
-      return corruption("export: " + path + ": tensor " + std::to_string(i) + " is " + t.name + " (" +
-                        std::string(dtype_name(t.dtype)) + "), the manifest says " + expected[i].name + " (" +
-                        std::string(dtype_name(want)) + ")");
-    params[i].id = static_cast<uint32_t>(i);
-    params[i].name = t.name;
-    params[i].shape = t.shape;
-    params[i].n_elems = t.n_elems;
-    data_offsets[i] = t.data_offset_bytes;
-  }
-  const uint64_t file_size = file->file_size_bytes();
-  file.reset();
-
-  MasterReader master(path, *digest, ckpt.manifest.master_dtype);
-  ZO_RETURN_IF_ERROR(master.open(env, std::move(data_offsets), file_size));
+  std::vector<ParamInfo> params;
+  // The masters of the trainable params, then the frozen params' compute copies (Note [Frozen
+  // sub-groups]), each file read front to back; a reader per file.
+  std::vector<std::unique_ptr<MasterReader>> readers;
+  std::vector<uint32_t> first_param;  // of each reader
+  auto add_file = [&](const char* name, const std::vector<CheckpointTensor>& expected, DType want) -> Status {
+    const std::string path = ckpt.path + "/" + name;
+    const FileDigest* digest = ckpt.manifest.find(name);
+    if (digest == nullptr) return corruption("export: " + ckpt.path + "/" + kManifestFile + " does not list " + name);
+    ZO_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> file, SafetensorsFile::open(path, env));
+    const std::vector<SafetensorsTensor>& tensors = file->tensors();
+    if (tensors.size() != expected.size())
+      return corruption("export: " + path + " holds " + std::to_string(tensors.size()) +
+                        " tensors, the manifest lists " + std::to_string(expected.size()));
+    first_param.push_back(static_cast<uint32_t>(params.size()));
+    std::vector<uint64_t> data_offsets(tensors.size());
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const SafetensorsTensor& t = tensors[i];
+      if (t.name != expected[i].name || t.shape != expected[i].shape || t.dtype != want)
+        return corruption("export: " + path + ": tensor " + std::to_string(i) + " is " + t.name + " (" +
+                          std::string(dtype_name(t.dtype)) + "), the manifest says " + expected[i].name + " (" +
+                          std::string(dtype_name(want)) + ")");
+      ParamInfo info;
+      info.id = static_cast<uint32_t>(params.size());
+      info.name = t.name;
+      info.shape = t.shape;
+      info.n_elems = t.n_elems;
+      params.push_back(std::move(info));
+      data_offsets[i] = t.data_offset_bytes;
+    }
+    const uint64_t file_size = file->file_size_bytes();
+    file.reset();
+    readers.push_back(std::make_unique<MasterReader>(path, *digest, want));
+    return readers.back()->open(env, std::move(data_offsets), file_size);
+  };
+  ZO_RETURN_IF_ERROR(add_file(kMasterFile, ckpt.manifest.tensors, ckpt.manifest.master_dtype));
+  if (!ckpt.manifest.frozen.empty())
+    ZO_RETURN_IF_ERROR(add_file(kFrozenFile, ckpt.manifest.frozen, ckpt.manifest.frozen_dtype));
   return export_impl(
       params, ckpt.model_config_json,
-      [&master](uint32_t p, uint64_t off, std::span<float> out) { return master.read(p, off, out); }, io, options,
-      [&master] { return master.finish(); });
+      [&](uint32_t p, uint64_t off, std::span<float> out) {
+        const size_t r = p < (first_param.size() > 1 ? first_param[1] : params.size()) ? 0 : 1;
+        return readers[r]->read(p - first_param[r], off, out);
+      },
+      io, options,
+      [&]() -> Status {
+        for (auto& r : readers) ZO_RETURN_IF_ERROR(r->finish());
+        return Status::ok();
+      });
 }
 
 Result<ExportResult> export_store(StateStore& store, const std::string& model_config_json, io::IoEngine& io,

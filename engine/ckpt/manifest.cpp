@@ -181,7 +181,7 @@ json Manifest::to_json() const {
   for (const CheckpointTensor& t : tensors)
     tensors_j.push_back({{"name", t.name}, {"dtype", "F32"}, {"shape", t.shape}});
   json state_files_j = json::array();
-  for (const StateFile& f : state_files(moments, master_dtype)) state_files_j.push_back(f.name);
+  for (const StateFile& f : state_files(moments, master_dtype, frozen_file_dtype())) state_files_j.push_back(f.name);
   json out = {{"format", kFormatName},
               {"format_version", format_version},
               {"step", step},
@@ -191,6 +191,17 @@ json Manifest::to_json() const {
               {"tensors", tensors_j},
               {"files", files_j}};
   if (optimizer_type) out["optimizer_type"] = to_string(*optimizer_type);
+  if (!frozen.empty()) {
+    json frozen_j = json::array();
+    for (const CheckpointTensor& t : frozen)
+      frozen_j.push_back({{"name", t.name},
+                          {"dtype", frozen_dtype == DType::kF32    ? "F32"
+                                    : frozen_dtype == DType::kBF16 ? "BF16"
+                                                                   : "F16"},
+                          {"shape", t.shape}});
+    out["frozen_tensors"] = frozen_j;
+    out["frozen_dtype"] = dtype_name(frozen_dtype);
+  }
   return out;
 }
 
@@ -265,21 +276,40 @@ Result<Manifest> Manifest::from_json(const json& j, const std::string& source) {
       return corruption(source + ": file entry \"" + quote_excerpt(d.name) + "\" appears twice");
     m.files.push_back(std::move(d));
   }
-  for (const json& t : tensors_j) {
-    CheckpointTensor ct;
-    ZO_RETURN_IF_ERROR(get(t, "name", &ct.name, source + " tensors"));
-    ZO_RETURN_IF_ERROR(get(t, "shape", &ct.shape, source + " " + ct.name));
-    ct.n_elems = 1;
-    for (int64_t d : ct.shape) {
-      if (d < 1) return corruption(source + ": tensor " + ct.name + " has shape " + shape_string(ct.shape));
-      if (__builtin_mul_overflow(ct.n_elems, static_cast<uint64_t>(d), &ct.n_elems) ||
-          ct.n_elems > (uint64_t{1} << 50)) {
-        return corruption(source + ": tensor " + ct.name + " has an impossible shape " + shape_string(ct.shape));
+  auto read_tensors = [&](const json& list, std::vector<CheckpointTensor>* out) -> Status {
+    for (const json& t : list) {
+      CheckpointTensor ct;
+      ZO_RETURN_IF_ERROR(get(t, "name", &ct.name, source + " tensors"));
+      ZO_RETURN_IF_ERROR(get(t, "shape", &ct.shape, source + " " + ct.name));
+      ct.n_elems = 1;
+      for (int64_t d : ct.shape) {
+        if (d < 1) return corruption(source + ": tensor " + ct.name + " has shape " + shape_string(ct.shape));
+        if (__builtin_mul_overflow(ct.n_elems, static_cast<uint64_t>(d), &ct.n_elems) ||
+            ct.n_elems > (uint64_t{1} << 50)) {
+          return corruption(source + ": tensor " + ct.name + " has an impossible shape " + shape_string(ct.shape));
+        }
       }
+      auto same = [&](const CheckpointTensor& x) { return x.name == ct.name; };
+      if (std::any_of(m.tensors.begin(), m.tensors.end(), same) || std::any_of(m.frozen.begin(), m.frozen.end(), same))
+        return corruption(source + ": tensor \"" + quote_excerpt(ct.name) + "\" appears twice");
+      out->push_back(std::move(ct));
     }
-    if (std::any_of(m.tensors.begin(), m.tensors.end(), [&](const CheckpointTensor& x) { return x.name == ct.name; }))
-      return corruption(source + ": tensor \"" + quote_excerpt(ct.name) + "\" appears twice");
-    m.tensors.push_back(std::move(ct));
+    return Status::ok();
+  };
+  ZO_RETURN_IF_ERROR(read_tensors(tensors_j, &m.tensors));
+  if (j.contains("frozen_tensors")) {  // Note [Frozen sub-groups]
+    json frozen_j;
+    std::string dtype;
+    ZO_RETURN_IF_ERROR(get(j, "frozen_tensors", &frozen_j, source));
+    ZO_RETURN_IF_ERROR(get(j, "frozen_dtype", &dtype, source));
+    if (!frozen_j.is_array() || frozen_j.empty())
+      return corruption(source + ": frozen_tensors must be a non-empty array");
+    if (dtype == "bf16") m.frozen_dtype = DType::kBF16;
+    else if (dtype == "fp16") m.frozen_dtype = DType::kF16;
+    else if (dtype != "fp32")
+      return corruption(source + ": frozen_dtype \"" + quote_excerpt(dtype) +
+                        "\" is none of \"fp32\", \"bf16\" and \"fp16\"");
+    ZO_RETURN_IF_ERROR(read_tensors(frozen_j, &m.frozen));
   }
   return m;
 }

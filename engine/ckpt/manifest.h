@@ -30,6 +30,8 @@ inline constexpr const char* kLatestFile = "latest";            // in DIR: "step
 inline constexpr const char* kMasterFile = "master.safetensors";
 inline constexpr const char* kExpAvgFile = "exp_avg.safetensors";
 inline constexpr const char* kExpAvgSqFile = "exp_avg_sq.safetensors";
+// The compute copies of the frozen params (zoffload.freeze), in the compute dtype; only when some are.
+inline constexpr const char* kFrozenFile = "frozen.safetensors";
 
 // What a run needs besides the tiers to continue exactly (the lr schedule is a function of
 // optimizer_steps; the data order of seed and position).
@@ -76,6 +78,15 @@ struct Manifest {
   // optimizer.type of the run that saved it: "optimizer_type" in the JSON, absent (unknown) in
   // checkpoints older than 8-bit Lion and Adagrad. Which optimizer's states the files hold.
   std::optional<OptimizerType> optimizer_type;
+  // The frozen params (zoffload.freeze: Note [Frozen sub-groups]), in registry order, which have no
+  // optimizer state and are not in `tensors`: their compute copies are in kFrozenFile, in
+  // `frozen_dtype` (the run's compute dtype). "frozen_tensors" and "frozen_dtype" in the JSON,
+  // absent when none is frozen (and in checkpoints older than zoffload.freeze).
+  std::vector<CheckpointTensor> frozen;
+  DType frozen_dtype = DType::kF32;
+  std::optional<DType> frozen_file_dtype() const {
+    return frozen.empty() ? std::nullopt : std::optional<DType>(frozen_dtype);
+  }
 
   nlohmann::json to_json() const;
   static Result<Manifest> from_json(const nlohmann::json& json, const std::string& source);

@@ -8,22 +8,33 @@
 
 namespace zo::engine {
 
-std::vector<StateFile> state_files(MomentDtype moments, DType master) {
+std::vector<StateFile> state_files(MomentDtype moments, DType master, std::optional<DType> frozen) {
+  std::vector<StateFile> out;
   if (moments != MomentDtype::k8bit) {
     const DType m = moment_elem_dtype(moments);
-    return {{StateKind::kMaster, StatePart::kWhole, kMasterFile, master},
-            {StateKind::kExpAvg, StatePart::kWhole, kExpAvgFile, m},
-            {StateKind::kExpAvgSq, StatePart::kWhole, kExpAvgSqFile, m}};
+    out = {{StateKind::kMaster, StatePart::kWhole, kMasterFile, master},
+           {StateKind::kExpAvg, StatePart::kWhole, kExpAvgFile, m},
+           {StateKind::kExpAvgSq, StatePart::kWhole, kExpAvgSqFile, m}};
+  } else {
+    out = {{StateKind::kMaster, StatePart::kWhole, kMasterFile, master},
+           {StateKind::kExpAvg, StatePart::kMomentAux, kExpAvgFile},
+           {StateKind::kExpAvgSq, StatePart::kMomentAux, kExpAvgSqFile},
+           {StateKind::kExpAvg, StatePart::kMomentCodes, kExpAvgCodesFile},
+           {StateKind::kExpAvgSq, StatePart::kMomentCodes, kExpAvgSqCodesFile}};
   }
-  return {{StateKind::kMaster, StatePart::kWhole, kMasterFile, master},
-          {StateKind::kExpAvg, StatePart::kMomentAux, kExpAvgFile},
-          {StateKind::kExpAvgSq, StatePart::kMomentAux, kExpAvgSqFile},
-          {StateKind::kExpAvg, StatePart::kMomentCodes, kExpAvgCodesFile},
-          {StateKind::kExpAvgSq, StatePart::kMomentCodes, kExpAvgSqCodesFile}};
+  if (frozen) out.push_back({StateKind::kCompute, StatePart::kWhole, kFrozenFile, *frozen, /*frozen=*/true});
+  return out;
+}
+
+const std::vector<CheckpointTensor>& file_tensors(const Manifest& manifest, const StateFile& file) {
+  return file.frozen ? manifest.frozen : manifest.tensors;
 }
 
 std::pair<uint64_t, uint64_t> group_part(const ParamRegistry& registry, const Placement& placement, uint32_t sub_group,
                                          const StateFile& file) {
+  // Note [Frozen sub-groups]: a frozen sub-group's compute copy is in kFrozenFile alone, a trainable
+  // one's states in the others.
+  if (file.frozen == registry.sub_groups()[sub_group].trainable) return {0, 0};
   if (file.part == StatePart::kWhole) return {0, group_state_bytes(placement, registry, sub_group, file.kind)};
   ZO_CHECK(placement.moments == MomentDtype::k8bit) << "an 8-bit part of fp32 moments";
   const MomentLayout layout = moment_layout(registry, sub_group);
@@ -58,7 +69,9 @@ std::string state_file_prefix(const StateFile& file, const std::vector<Checkpoin
   if (file.part == StatePart::kMomentCodes) return {};
   std::map<std::string, std::string> metadata{{"format", "pt"}, {"zoffload_state", std::string(state_name(file.kind))}};
   if (file.part == StatePart::kMomentAux) metadata["zoffload_moment_dtype"] = "8bit";
-  if (file.part == StatePart::kWhole && file.dtype == DType::kBF16)
+  if (file.frozen) metadata["zoffload_frozen"] = "true";
+  if (file.frozen) metadata["zoffload_compute_dtype"] = std::string(dtype_name(file.dtype));
+  if (file.part == StatePart::kWhole && file.dtype == DType::kBF16 && !file.frozen)
     metadata[file.kind == StateKind::kMaster ? "zoffload_master_dtype" : "zoffload_moment_dtype"] = "bf16";
   std::string out = safetensors_header(state_file_tensors(file, tensors), metadata);
   if (file.part == StatePart::kMomentAux) {

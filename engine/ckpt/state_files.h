@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -25,6 +26,9 @@ struct StateFile {
   StatePart part = StatePart::kWhole;
   const char* name = "";
   DType dtype = DType::kF32;  // a whole state's elements: fp32, or bf16 for bf16 moments or masters
+  // kFrozenFile: the frozen sub-groups' compute copies (Note [Frozen sub-groups]); every other file
+  // carries the trainable sub-groups' states only.
+  bool frozen = false;
 };
 
 // 8-bit moments' codes: one byte per element of each quantized parameter, no header.
@@ -34,8 +38,11 @@ inline constexpr const char* kExpAvgSqCodesFile = "exp_avg_sq.codes";
 inline constexpr const char* kQuantMapTensor = "zoffload.qmap";
 
 // The state files of a checkpoint whose moments are `moments` and masters `master` (fp32 or bf16),
-// in the order a save writes them.
-std::vector<StateFile> state_files(MomentDtype moments, DType master);
+// in the order a save writes them; and, with `frozen` (the compute dtype, when some params are
+// frozen), kFrozenFile last.
+std::vector<StateFile> state_files(MomentDtype moments, DType master, std::optional<DType> frozen = std::nullopt);
+// The tensors `file` lists of `manifest`'s: the frozen ones for kFrozenFile, else the trainable ones.
+const std::vector<CheckpointTensor>& file_tensors(const Manifest& manifest, const StateFile& file);
 
 // Bytes [first, second) of state `file.kind` of sub-group `sub_group` that the file carries.
 std::pair<uint64_t, uint64_t> group_part(const ParamRegistry& registry, const Placement& placement, uint32_t sub_group,

@@ -346,13 +346,6 @@ void keys(V& v, ZoffloadConfig& z) {
   v.object("data", [&] { v.flag("shuffle", z.data.shuffle); });
   v.object("checkpoint", [&] { keys(v, z.checkpoint); });
   v.object("log", [&] { v.text("metrics_path", z.log.metrics_path); });
-  v.rule([&](const ReadContext& x) {
-    if (!z.freeze.empty() && !z.checkpoint.dir.empty() && x.given("freeze"))
-      x.error("freeze",
-              "checkpoints of a run with frozen parameters are not supported yet (zoffload.checkpoint.dir is set): "
-              "train without zoffload.checkpoint.dir; the end-of-training export "
-              "(stage3_gather_16bit_weights_on_model_save) holds every weight, the frozen ones as the run held them");
-  });
 }
 
 template <class V>

@@ -79,8 +79,9 @@ namespace zo::engine {
 // Above the store: the gradient accumulator expects no gradient of a frozen param, the update gate
 // holds a frozen sub-group final while an update runs (UpdateGate's always_final), the data-parallel
 // steps neither reduce nor send one, and the trainer computes no gradient for it (requires_grad
-// false) and none below the lowest block that trains. zoffload.freeze makes them. Checkpoints do not
-// handle them yet: the config refuses checkpoint.dir with freeze.
+// false) and none below the lowest block that trains. zoffload.freeze makes them. A checkpoint keeps
+// their compute copies in frozen.safetensors (engine/ckpt/state_files.h), the trainable sub-groups'
+// states in the other files.
 
 namespace {
 

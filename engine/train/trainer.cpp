@@ -139,9 +139,6 @@ Status Trainer::Impl::prepare_run_dir() {
 
 Status Trainer::Impl::find_resume() {
   if (opt.resume.empty()) return Status::ok();
-  if (!opt.config.zoffload.freeze.empty())
-    return invalid_argument(
-        "--resume: a run with frozen parameters (zoffload.freeze) cannot resume from a checkpoint yet");
   std::string where = opt.resume;
   if (where == "latest") {
     if (checkpoint_dir.empty())
@@ -576,8 +573,6 @@ Result<SaveResult> Trainer::save_checkpoint(const std::function<void(uint64_t, u
   trace::Span span(trace::Track::kCheckpoint, [&] { return "save step-" + std::to_string(m.steps_done); });
   if (m.checkpoint_dir.empty())
     return failed_precondition("no checkpoint directory: set zoffload.checkpoint.dir in the config");
-  if (!m.opt.config.zoffload.freeze.empty())  // the config refuses it; a config built in code too
-    return failed_precondition("checkpoints of a run with frozen parameters (zoffload.freeze) are not supported yet");
   const CheckpointConfig& cc = m.opt.config.zoffload.checkpoint;
   SaveOptions o;
   o.dir = m.checkpoint_dir;

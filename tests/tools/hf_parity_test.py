@@ -357,9 +357,10 @@ def zoffload_config(case):
         cfg["zoffload"]["master_dtype"] = "bf16"
     if case.get("accumulators") == "none":
         cfg["zoffload"].update({"gradient_accumulators": "none", "schedule": "vertical"})
+        cfg["bf16"]["check_grad_overflow"] = False
     if case.get("freeze"):
         cfg["zoffload"]["freeze"] = case["freeze"]
-        cfg["bf16"]["check_grad_overflow"] = False
+        cfg["zoffload"]["checkpoint"] = {"dir": "ckpt"}  # saved at the end, exported again below
     if case["schedule"] == "warmup":
         cfg["scheduler"] = {"type": "WarmupLR", "params": {
             "warmup_min_lr": WARMUP["warmup_min_lr"], "warmup_max_lr": case["lr"],
@@ -925,6 +926,17 @@ def run_case(case, tmp):
     if expect(os.path.isdir(export_dir), "%s: the export %s exists" % (name, export_dir)):
         check_export(case, export_dir, batches[0][0], [(label, model, tol) for label, _, model, tol in refs
                                                         if "weights" in tol])
+    if case.get("freeze"):
+        # The end-of-run checkpoint (frozen weights in frozen.safetensors) exports what the run did.
+        again = os.path.join(work, "from-ckpt")
+        p = subprocess.run([zoffload, "export", "--checkpoint", os.path.join(out_dir, "ckpt"), "--dtype", "fp32",
+                            "--out", again, "-q"], capture_output=True, text=True, env=ZO_ENV)
+        if expect(p.returncode == 0, "%s: zoffload export of the checkpoint: %s" % (name, p.stderr[-2000:])):
+            a = AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32).state_dict()
+            b = AutoModelForCausalLM.from_pretrained(again, dtype=torch.float32).state_dict()
+            same = sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+            print("  the checkpoint's export equals the run's: %s" % ("yes" if same else "NO"))
+            expect(same, "%s: the export of the end-of-run checkpoint equals the run's own export" % name)
     print("  %.1f s" % (time.time() - t0))
 
 

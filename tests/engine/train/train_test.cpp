@@ -43,6 +43,7 @@
 #include "engine/model/safetensors.h"
 #include "engine/model/llama.h"
 #include "engine/optim/lr_schedule.h"
+#include "io/io_engine.h"
 #include "tests/engine/free_port.h"
 #include "tests/engine/temp_dir.h"
 #include "tests/engine/test_config.h"
@@ -540,18 +541,6 @@ TEST(Trainer, FreezeRefusesBadPatternsAndCheckpointsByKey) {
     EXPECT_EQ(t.status().code(), StatusCode::kInvalidArgument);
     EXPECT_THAT(t.status().message(), HasSubstr(message));
   }
-  // Checkpoints are not built for frozen runs yet: saving and resuming say so.
-  TempDir dir;
-  RunSetup s{.precision = "fp32"};
-  s.freeze = {"model.embed_tokens.weight"};
-  TrainOptions o = make_options(s, dir);
-  o.config.zoffload.checkpoint.dir = dir.path + "/ckpt";
-  auto t = Trainer::create(o);
-  ASSERT_TRUE(t.is_ok()) << t.status().to_string();
-  ASSERT_TRUE((*t)->step().is_ok());
-  auto saved = (*t)->save_checkpoint({});
-  ASSERT_FALSE(saved.is_ok());
-  EXPECT_THAT(saved.status().message(), HasSubstr("frozen parameters (zoffload.freeze) are not supported yet"));
 }
 
 TEST(Trainer, ClippingMatchesTorchClipGradNorm) {
@@ -2121,6 +2110,148 @@ TEST(Trainer, FrozenOverTwoRanksIsBitIdenticalToResidentRanks) {
       for (size_t p = 0; p < x.masters[r].size(); ++p) {
         if (x.masters[r][p].empty() || z.masters[r][p].empty()) continue;
         EXPECT_EQ(z.masters[r][p], x.masters[r][p]) << "param " << p << ", rank " << r;
+        ++compared;
+      }
+      EXPECT_GT(compared, 3u);
+    }
+  }
+}
+
+// Note [Frozen sub-groups] in checkpoints: the frozen params' compute copies are saved in
+// frozen.safetensors (the rest as always), so a frozen run resumes bit-exactly on another placement
+// and over two ranks (each rank writing its part), exports from the checkpoint what it exports live,
+// and a run that freezes other params is refused by name.
+TEST(Resume, FrozenRunsResumeBitExactlyAndExportFromTheCheckpoint) {
+  constexpr int kN = 3, kM = 3;
+  const std::vector<std::string> freeze = {"model.embed_tokens.weight", "model.layers.0.*"};
+  for (const auto& [first, resumed] : std::vector<std::pair<RunSetup, RunSetup>>{
+           {{.param = "nvme", .optimizer = "nvme", .max_in_cpu = 0, .freeze = freeze},
+            {.param = "cpu", .optimizer = "cpu", .freeze = freeze}},
+           {{.stage = 0, .precision = "fp32", .freeze = freeze},
+            {.param = "nvme", .optimizer = "cpu", .max_in_cpu = 0, .precision = "fp32", .freeze = freeze}}}) {
+    SCOPED_TRACE(first.precision + ", stage " + std::to_string(first.stage) + " -> " + resumed.param);
+    TempDir a_dir, b_dir;
+    TrainOptions a = with_checkpoints(make_options(first, a_dir), a_dir.path + "/ckpt");
+    auto ta = Trainer::create(a);
+    ASSERT_TRUE(ta.is_ok()) << ta.status().to_string();
+    auto am = steps_saving_after(**ta, kN + kM, kN);
+    ASSERT_TRUE(am.is_ok()) << am.status().to_string();
+    const auto want = masters(**ta);
+    const std::string ckpt = a_dir.path + "/ckpt/step-" + std::to_string(kN);
+    const nlohmann::json manifest = nlohmann::json::parse(file_bytes(ckpt + "/manifest.json"));
+    EXPECT_EQ(manifest["frozen_tensors"].size(), 1 + 9u);
+    EXPECT_EQ(manifest["tensors"].size(), (*ta)->layout().params.size() - 10);
+    EXPECT_EQ(manifest["frozen_dtype"], first.precision);
+
+    TrainOptions b = make_options(resumed, b_dir);
+    b.resume = ckpt;
+    auto tb = Trainer::create(b);
+    ASSERT_TRUE(tb.is_ok()) << tb.status().to_string();
+    for (int i = kN; i < kN + kM; ++i) {
+      auto m = (*tb)->step();
+      ASSERT_TRUE(m.is_ok()) << m.status().to_string();
+      EXPECT_EQ(m->loss, (*am)[i].loss) << "step " << i + 1;
+    }
+    EXPECT_TRUE(bit_identical(masters(**tb), want));
+
+    // The export from the checkpoint holds what the live run at that step exported.
+    TempDir live_dir;
+    TrainOptions live = make_options(first, live_dir);
+    auto tl = Trainer::create(live);
+    ASSERT_TRUE(tl.is_ok()) << tl.status().to_string();
+    for (int i = 0; i < kN; ++i) ASSERT_TRUE((*tl)->step().is_ok());
+    ExportOptions eo;
+    eo.dtype = DType::kF32;
+    eo.out_dir = live_dir.path + "/live";
+    ASSERT_TRUE((*tl)->export_model(eo).is_ok());
+    auto info = open_checkpoint(ckpt);
+    ASSERT_TRUE(info.is_ok()) << info.status().to_string();
+    auto io = io::IoEngine::create(io::IoOptions{});
+    ASSERT_TRUE(io.is_ok());
+    eo.out_dir = live_dir.path + "/from-ckpt";
+    auto exported = export_checkpoint(*info, **io, eo);
+    ASSERT_TRUE(exported.is_ok()) << exported.status().to_string();
+    auto lf = SafetensorsFile::open(live_dir.path + "/live/model.safetensors");
+    auto cf = SafetensorsFile::open(live_dir.path + "/from-ckpt/model.safetensors");
+    ASSERT_TRUE(lf.is_ok() && cf.is_ok());
+    ASSERT_EQ((*lf)->tensors().size(), (*cf)->tensors().size());
+    for (const SafetensorsTensor& t : (*lf)->tensors()) {
+      const SafetensorsTensor* c = (*cf)->find(t.name);
+      ASSERT_NE(c, nullptr) << t.name;
+      std::vector<uint8_t> x(t.size_bytes), y(c->size_bytes);
+      ASSERT_TRUE((*lf)->read_raw(t, 0, x).is_ok());
+      ASSERT_TRUE((*cf)->read_raw(*c, 0, y).is_ok());
+      EXPECT_EQ(x, y) << t.name;
+    }
+  }
+  // Another freeze set is refused by name, before anything is read.
+  TempDir c_dir, d_dir;
+  RunSetup s{.precision = "fp32", .freeze = freeze};
+  auto tc = Trainer::create(with_checkpoints(make_options(s, c_dir), c_dir.path + "/ckpt"));
+  ASSERT_TRUE(tc.is_ok()) << tc.status().to_string();
+  ASSERT_TRUE((*tc)->step().is_ok());
+  ASSERT_TRUE((*tc)->save_checkpoint().is_ok());
+  RunSetup other = s;
+  other.freeze = {"model.embed_tokens.weight"};
+  TrainOptions d = make_options(other, d_dir);
+  d.resume = c_dir.path + "/ckpt/step-1";
+  auto refused = Trainer::create(d);
+  ASSERT_FALSE(refused.is_ok());
+  EXPECT_THAT(refused.status().message(),
+              HasSubstr("model.layers.0.input_layernorm.weight was frozen when it was saved and this run trains it: "
+                        "resume with the checkpoint's zoffload.freeze"));
+}
+
+// Two ranks save a frozen run together (each its part of every file, frozen.safetensors too) and
+// resume it at another stage and placement.
+TEST(Resume, FrozenRunsResumeOverTwoRanks) {
+  const std::vector<std::string> freeze = {"model.embed_tokens.weight", "model.layers.1.mlp.*"};
+  for (const int stage : {3, 2}) {
+    SCOPED_TRACE("stage " + std::to_string(stage));
+    TempDir shared;
+    const std::string dir = shared.path + "/ckpt";
+    RunSetup setup{
+        .stage = stage, .param = stage == 3 ? "cpu" : "none", .optimizer = "cpu", .grad_accum = 1, .freeze = freeze};
+    TempDir own[2], again[2];
+    std::vector<StepMetrics> straight[2];
+    std::vector<std::vector<float>> final_masters[2];
+    const std::array<Status, 2> first =
+        run_two_ranks([&](uint32_t r) { return with_checkpoints(make_options(setup, own[r]), dir); },
+                      [&](uint32_t r, Trainer& t, const TrainOptions&) -> Status {
+                        ZO_ASSIGN_OR_RETURN(straight[r], steps_saving_after(t, 4, 2));
+                        final_masters[r] = masters_held(t);
+                        return Status::ok();
+                      });
+    for (uint32_t r = 0; r < 2; ++r) ASSERT_TRUE(first[r].is_ok()) << first[r].to_string();
+    RunSetup other = setup;
+    other.stage = 3;
+    other.param = "nvme";
+    other.optimizer = "nvme";
+    other.max_in_cpu = 0;
+    std::vector<StepMetrics> resumed[2];
+    std::vector<std::vector<float>> resumed_masters[2];
+    const std::array<Status, 2> second = run_two_ranks(
+        [&](uint32_t r) {
+          TrainOptions o = make_options(other, again[r]);
+          o.resume = dir + "/step-2";
+          return o;
+        },
+        [&](uint32_t r, Trainer& t, const TrainOptions&) -> Status {
+          for (int i = 0; i < 2; ++i) {
+            auto m = t.step();
+            if (!m.is_ok()) return m.status();
+            resumed[r].push_back(*m);
+          }
+          resumed_masters[r] = masters_held(t);
+          return Status::ok();
+        });
+    for (uint32_t r = 0; r < 2; ++r) {
+      ASSERT_TRUE(second[r].is_ok()) << second[r].to_string();
+      for (int i = 0; i < 2; ++i) EXPECT_EQ(resumed[r][i].loss, straight[r][i + 2].loss) << "step " << i + 3;
+      uint32_t compared = 0;
+      for (size_t p = 0; p < final_masters[r].size(); ++p) {
+        if (final_masters[r][p].empty() || resumed_masters[r][p].empty()) continue;
+        EXPECT_EQ(resumed_masters[r][p], final_masters[r][p]) << "param " << p << ", rank " << r;
         ++compared;
       }
       EXPECT_GT(compared, 3u);
