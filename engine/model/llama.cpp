@@ -86,9 +86,27 @@ at::Tensor decoder_forward(const ModelConfig& config, int64_t layer, const std::
   const bool local_rope = sliding && config.local_rope_theta > 0;
   TORCH_CHECK(!local_rope || rope.local_cos.defined(), "the sliding layers' RoPE tables are missing");
   std::array<at::Tensor, static_cast<size_t>(DecoderRole::kCount)> w;  // undefined: not in this family
+  // Note [LoRA adapters]: A and B of the adapted projections, by the projection's role.
+  std::array<at::Tensor, static_cast<size_t>(DecoderRole::kCount)> lora_a, lora_b;
   const std::vector<DecoderParam> slots = decoder_params(config);
-  for (size_t i = 0; i < slots.size(); ++i) w[static_cast<size_t>(slots[i].role)] = p[i];
+  for (size_t i = 0; i < slots.size(); ++i) {
+    if (slots[i].role == DecoderRole::kLoraA) {
+      lora_a[static_cast<size_t>(slots[i].target)] = p[i];
+    } else if (slots[i].role == DecoderRole::kLoraB) {
+      lora_b[static_cast<size_t>(slots[i].target)] = p[i];
+    } else {
+      w[static_cast<size_t>(slots[i].role)] = p[i];
+    }
+  }
   auto at_role = [&](DecoderRole role) -> const at::Tensor& { return w[static_cast<size_t>(role)]; };
+  // A projection, and its adapter's s·B·(A·x) where it has one: PEFT's base output, then lora_B(lora_A(x)) · s.
+  const double lora_scaling = config.lora.r > 0 ? config.lora.scaling() : 0.0;
+  auto linear = [&](const at::Tensor& in, DecoderRole weight, const at::Tensor& bias = {}) {
+    at::Tensor y = dense(in, at_role(weight), bias);
+    const at::Tensor& a = lora_a[static_cast<size_t>(weight)];
+    if (a.defined()) y = y + dense(dense(in, a), lora_b[static_cast<size_t>(weight)]) * lora_scaling;
+    return y;
+  };
   const ModelFamily& family = config.family();
   auto norm = [&](const at::Tensor& t, DecoderRole role) {
     return rms_norm(t, at_role(role), config.rms_norm_eps, family.norm_scale);
@@ -100,7 +118,7 @@ at::Tensor decoder_forward(const ModelConfig& config, int64_t layer, const std::
   // Each projection with its norm, in transformers' order (q, then k, then v): in bf16 the order
   // autograd adds the three gradients of `n` in follows the order the ops were recorded in.
   auto project = [&](DecoderRole weight, DecoderRole bias, DecoderRole qk_norm, int64_t n_heads) {
-    at::Tensor t = dense(n, at_role(weight), at_role(bias));
+    at::Tensor t = linear(n, weight, at_role(bias));
     if (family.qk_norm == QkNorm::kWhole) t = norm(t, qk_norm);  // OLMo 2: the whole projection
     t = split_heads(t, n_heads, head_dim);
     if (family.qk_norm == QkNorm::kPerHead) t = norm(t, qk_norm);  // Qwen3: each head's dims
@@ -108,7 +126,7 @@ at::Tensor decoder_forward(const ModelConfig& config, int64_t layer, const std::
   };
   at::Tensor q, k, v;
   if (family.phi3) {  // one fused projection, sliced as Phi3Attention slices it
-    const at::Tensor qkv = dense(n, at_role(R::kQkv));
+    const at::Tensor qkv = linear(n, R::kQkv);
     const int64_t q_dim = heads * head_dim, kv_dim = kv_heads * head_dim;
     q = split_heads(qkv.narrow(-1, 0, q_dim), heads, head_dim);
     k = split_heads(qkv.narrow(-1, q_dim, kv_dim), kv_heads, head_dim);
@@ -116,7 +134,7 @@ at::Tensor decoder_forward(const ModelConfig& config, int64_t layer, const std::
   } else {
     q = project(R::kQ, R::kQBias, R::kQNorm, heads);
     k = project(R::kK, R::kKBias, R::kKNorm, kv_heads);
-    v = split_heads(dense(n, at_role(R::kV), at_role(R::kVBias)), kv_heads, head_dim);
+    v = split_heads(linear(n, R::kV, at_role(R::kVBias)), kv_heads, head_dim);
   }
   const at::Tensor& cos_table = local_rope ? rope.local_cos : rope.cos;
   const at::Tensor& sin_table = local_rope ? rope.local_sin : rope.sin;
@@ -147,7 +165,7 @@ at::Tensor decoder_forward(const ModelConfig& config, int64_t layer, const std::
   const double scale = config.query_pre_attn_scalar > 0 ? std::pow(config.query_pre_attn_scalar, -0.5) : 0.0;
   const at::Tensor attn = causal_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), /*use_sdpa=*/true, scale,
                                            sliding ? static_cast<int64_t>(config.sliding_window) : 0);
-  at::Tensor a = dense(attn.transpose(1, 2).reshape({x.size(0), T, heads * head_dim}), at_role(R::kO));
+  at::Tensor a = linear(attn.transpose(1, 2).reshape({x.size(0), T, heads * head_dim}), R::kO);
   if (post) a = norm(a, R::kPostAttnNorm);
   const at::Tensor h = x + a;
 
@@ -157,16 +175,16 @@ at::Tensor decoder_forward(const ModelConfig& config, int64_t layer, const std::
   // shows in bf16.
   at::Tensor gate_in, up;
   if (family.phi3) {  // Phi3MLP: one projection, chunked into the gate and up halves
-    const at::Tensor gate_up = dense(m, at_role(R::kGateUp));
+    const at::Tensor gate_up = linear(m, R::kGateUp);
     const auto I = static_cast<int64_t>(config.intermediate_size);
     gate_in = gate_up.narrow(-1, 0, I);
     up = gate_up.narrow(-1, I, I);
   } else {
-    gate_in = dense(m, at_role(R::kGate));
+    gate_in = linear(m, R::kGate);
   }
   const at::Tensor gate = config.activation == MlpActivation::kGeluTanh ? at::gelu(gate_in, "tanh") : at::silu(gate_in);
-  if (!family.phi3) up = dense(m, at_role(R::kUp));
-  at::Tensor f = dense(gate * up, at_role(R::kDown));
+  if (!family.phi3) up = linear(m, R::kUp);
+  at::Tensor f = linear(gate * up, R::kDown);
   if (post) f = norm(f, R::kPostMlpNorm);
   return h + f;
 }

@@ -705,7 +705,75 @@ std::vector<DecoderParam> decoder_params(const ModelConfig& c) {
     add(R::kPreMlpNorm, "pre_feedforward_layernorm.weight", {H});
     add(R::kPostMlpNorm, "post_feedforward_layernorm.weight", {H});
   }
+  // Note [LoRA adapters]: after the family's own params (their order, and so every layout and
+  // checkpoint without adapters, unchanged), A then B of each adapted projection in the family's order.
+  if (c.lora.r > 0) {
+    const auto r = static_cast<int64_t>(c.lora.r);
+    const size_t base = out.size();
+    for (size_t i = 0; i < base; ++i) {
+      const DecoderParam p = out[i];
+      if (!c.lora.adapts(p.role)) continue;
+      const std::string module = p.name.substr(0, p.name.size() - std::string_view(".weight").size());
+      out.push_back({R::kLoraA, module + ".lora_A.weight", {r, p.shape[1]}, p.role});
+      out.push_back({R::kLoraB, module + ".lora_B.weight", {p.shape[0], r}, p.role});
+    }
+  }
   return out;
+}
+
+// Note [LoRA adapters]
+// A LoRA adapter on a projection y = W·x (+ b) adds s·B·(A·x), with A [r, in], B [out, r] and
+// s = lora_alpha / r (rsLoRA: / √r), as PEFT's LoraLayer computes it: the base output first, then
+// lora_B(lora_A(x)) times the scaling, in the compute dtype. The adapters are decoder params of
+// their own (DecoderRole kLoraA/kLoraB with the projection they adapt as `target`), appended to
+// each layer's list after the family's params, so a model without adapters lays out and
+// checkpoints as it always did, and each layer's adapters form a run of consecutive params: with
+// the base frozen (Note [Frozen sub-groups]) they share sub-groups of their own. Their names are
+// PEFT's saved names without its "base_model.model." prefix: model.layers.<i>.self_attn.q_proj.
+// lora_A.weight. Phi-3's fused qkv_proj and gate_up_proj are adapted whole, as PEFT adapts them.
+
+bool LoraSpec::adapts(DecoderRole role) const {
+  return r > 0 && std::find(targets.begin(), targets.end(), role) != targets.end();
+}
+
+Result<std::vector<DecoderRole>> lora_targets(const ModelConfig& config, std::span<const std::string> modules,
+                                              const std::string& key) {
+  using R = DecoderRole;
+  const bool phi3 = config.family().phi3;
+  const std::vector<std::pair<std::string, R>> names =
+      phi3 ? std::vector<std::pair<std::string, R>>{{"qkv_proj", R::kQkv},
+                                                    {"o_proj", R::kO},
+                                                    {"gate_up_proj", R::kGateUp},
+                                                    {"down_proj", R::kDown}}
+           : std::vector<std::pair<std::string, R>>{
+                 {"q_proj", R::kQ},       {"k_proj", R::kK},   {"v_proj", R::kV},      {"o_proj", R::kO},
+                 {"gate_proj", R::kGate}, {"up_proj", R::kUp}, {"down_proj", R::kDown}};
+  if (modules.empty()) return invalid_argument(key + ": names no module (q_proj, ..., or \"all-linear\")");
+  std::vector<R> out;
+  for (const std::string& m : modules) {
+    if (m == "all-linear") {
+      for (const auto& [name, role] : names) out.push_back(role);
+      continue;
+    }
+    auto it = std::find_if(names.begin(), names.end(), [&](const auto& n) { return n.first == m; });
+    if (it == names.end()) {
+      std::string have;
+      for (const auto& [name, role] : names) have += (have.empty() ? "" : ", ") + name;
+      const bool fused =
+          phi3 && (m == "q_proj" || m == "k_proj" || m == "v_proj" || m == "gate_proj" || m == "up_proj");
+      return invalid_argument(key + ": \"" + m + "\" is not a projection of a " + config.model_type + " layer (" +
+                              have + ")" +
+                              (fused ? std::string("; phi3 fuses them: adapt ") +
+                                           (m == "gate_proj" || m == "up_proj" ? "gate_up_proj" : "qkv_proj")
+                                     : std::string()));
+    }
+    out.push_back(it->second);
+  }
+  // In the family's order, each once.
+  std::vector<R> ordered;
+  for (const auto& [name, role] : names)
+    if (std::find(out.begin(), out.end(), role) != out.end()) ordered.push_back(role);
+  return ordered;
 }
 
 namespace {

@@ -3,7 +3,9 @@
 // (HF names, HF shapes) and the blocks forward runs, in order. No LibTorch. Pure values and functions; thread-safe.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -81,6 +83,27 @@ const std::vector<ModelFamily>& model_families();
 // The row of `model_type`, or nullptr.
 const ModelFamily* find_model_family(std::string_view model_type);
 
+enum class DecoderRole : uint8_t;  // below
+struct ModelConfig;
+
+// LoRA adapters on a model's projections (Note [LoRA adapters] in model_config.cpp), as PEFT's
+// LoraConfig describes them: rank r, lora_alpha, use_rslora, and the projection weights adapted.
+struct LoraSpec {
+  uint32_t r = 0;  // 0: none
+  double alpha = 8;
+  bool rslora = false;
+  std::vector<DecoderRole> targets;  // weights: kQ, kK, kV, kO, kGate, kUp, kDown, kQkv, kGateUp
+  // PEFT's scaling of B·A·x: alpha / r, or alpha / √r with rsLoRA.
+  double scaling() const { return rslora ? alpha / std::sqrt(static_cast<double>(r)) : alpha / r; }
+  bool adapts(DecoderRole role) const;
+};
+// PEFT's target_modules names ("q_proj", ..., "down_proj"; "qkv_proj", "gate_up_proj" for phi3; or
+// "all-linear": every projection but the head) as `config`'s roles, in the family's order.
+// kInvalidArgument naming `key` and the module for one this family does not have (phi3's fused
+// q/k/v, say, with the name to use), or an empty list.
+Result<std::vector<DecoderRole>> lora_targets(const ModelConfig& config, std::span<const std::string> modules,
+                                              const std::string& key);
+
 struct ModelConfig {
   std::string model_type = "llama";  // a ModelFamily's (qwen2 => attention_bias true)
   uint64_t vocab_size = 0, hidden_size = 0, intermediate_size = 0, num_hidden_layers = 0, num_attention_heads = 0,
@@ -110,6 +133,9 @@ struct ModelConfig {
   // Phi-3: RoPE rotates the first int(head_dim · factor) dims of each head and passes the rest.
   double partial_rotary_factor = 1.0;
   int64_t rotary_dim() const { return static_cast<int64_t>(static_cast<double>(head_dim) * partial_rotary_factor); }
+  // LoRA adapters on the decoder layers' projections, appended to each layer's params
+  // (decoder_params); not part of config.json. Off by default.
+  LoraSpec lora;
 
   // The row of model_type (which must be one: parse_hf_config and model_preset only return those).
   const ModelFamily& family() const;
@@ -183,12 +209,15 @@ enum class DecoderRole : uint8_t {
   kUp,
   kDown,
   kGateUp,  // Phi-3's gate_up_proj: the gate's rows, then up's
+  kLoraA,   // a LoRA adapter's A [r, in] on DecoderParam::target (Note [LoRA adapters])
+  kLoraB,   // its B [out, r]
   kCount
 };
 struct DecoderParam {
   DecoderRole role;
   std::string name;  // HF name after "model.layers.<i>."
   std::vector<int64_t> shape;
+  DecoderRole target = DecoderRole::kCount;  // kLoraA/kLoraB: the projection weight adapted
 };
 // One decoder layer's parameters in the engine's order (block_forward takes them so). llama, mistral,
 // qwen2, qwen3: input_layernorm, q_proj (weight, [bias]), k_proj, v_proj, o_proj, [q_norm, k_norm],

@@ -443,5 +443,98 @@ TEST(ParamTensor, AliasesEngineMemoryWithoutCopy) {
   EXPECT_EQ(to_torch_dtype(DType::kF32), torch::kFloat32);
 }
 
+// Note [LoRA adapters]: each adapted projection's A and B follow the family's own params, which keep
+// their order; the block computes the base output plus s·B·A·x, which equals the base block with
+// the merged weights W + s·B·A (PEFT's merge_and_unload), and with B = 0 the base block bit for bit.
+TEST(Lora, AdaptersFollowTheBaseParamsAndComputeTheMergedProjection) {
+  for (const bool phi3 : {false, true}) {
+    SCOPED_TRACE(phi3 ? "phi3" : "qwen2");
+    ModelConfig base = test_config(!phi3);
+    if (phi3) {
+      base.model_type = "phi3";
+      base.attention_bias = false;
+    }
+    const std::vector<std::string> all = {"all-linear"};
+    auto targets = lora_targets(base, all, "zoffload.lora.target_modules");
+    ASSERT_TRUE(targets.is_ok()) << targets.status().to_string();
+    ModelConfig adapted = base;
+    adapted.lora = {.r = 4, .alpha = 16, .rslora = phi3, .targets = *targets};
+    const std::vector<DecoderParam> b = decoder_params(base), a = decoder_params(adapted);
+    ASSERT_EQ(a.size(), b.size() + 2 * targets->size());
+    for (size_t i = 0; i < b.size(); ++i) EXPECT_EQ(a[i].name, b[i].name);
+    EXPECT_EQ(a[b.size()].name, phi3 ? "self_attn.qkv_proj.lora_A.weight" : "self_attn.q_proj.lora_A.weight");
+    for (size_t i = b.size(); i < a.size(); i += 2) {  // A [r, in], B [out, r] of the weight they adapt
+      const auto w = std::find_if(b.begin(), b.end(), [&](const DecoderParam& d) { return d.role == a[i].target; });
+      ASSERT_NE(w, b.end()) << a[i].name;
+      EXPECT_EQ(a[i].role, DecoderRole::kLoraA);
+      EXPECT_EQ(a[i].shape, (std::vector<int64_t>{4, w->shape[1]})) << a[i].name;
+      EXPECT_EQ(a[i + 1].shape, (std::vector<int64_t>{w->shape[0], 4})) << a[i + 1].name;
+      EXPECT_EQ(a[i].name.substr(0, a[i].name.find(".lora_A")) + ".weight", w->name);
+    }
+    EXPECT_EQ(a.back().name, "mlp.down_proj.lora_B.weight");
+    EXPECT_EQ(a.back().shape, (std::vector<int64_t>{static_cast<int64_t>(base.hidden_size), 4}));
+    uint64_t extra = 0;
+    for (size_t i = b.size(); i < a.size(); ++i) extra += a[i].shape[0] * a[i].shape[1];
+    EXPECT_EQ(num_parameters(adapted), num_parameters(base) + base.num_hidden_layers * extra);
+
+    // One decoder block in fp64, so that the merged weights' rounding does not hide a wrong formula:
+    // adapters against the merged weights.
+    const ModelLayout layout = model_layout(adapted);
+    const BlockSpec& block = layout.blocks[1];
+    std::vector<torch::Tensor> params = block_params(block, random_params(layout, 7));
+    torch::manual_seed(8);
+    for (size_t i = b.size(); i < a.size(); ++i) params[i] = 0.3 * torch::randn(a[i].shape);
+    for (torch::Tensor& t : params) t = t.to(torch::kFloat64);
+    const RopeTables rope = make_rope_tables(adapted, 16, torch::kCPU);
+    torch::manual_seed(9);
+    const torch::Tensor x = torch::randn({2, 16, static_cast<int64_t>(base.hidden_size)}, torch::kFloat64);
+    const torch::Tensor y = block_forward(adapted, block, params, x, rope);
+    std::vector<torch::Tensor> merged(params.begin(), params.begin() + static_cast<int64_t>(b.size()));
+    for (size_t i = b.size(); i < a.size(); i += 2) {
+      for (size_t j = 0; j < b.size(); ++j) {
+        if (b[j].role != a[i].target) continue;
+        merged[j] = merged[j] + adapted.lora.scaling() * params[i + 1].matmul(params[i]);
+      }
+    }
+    const ModelLayout base_layout = model_layout(base);
+    const torch::Tensor want = block_forward(base, base_layout.blocks[1], merged, x, rope);
+    EXPECT_LT(max_rel_error(y, want), 1e-12);
+    EXPECT_GT(
+        max_rel_error(y, block_forward(base, base_layout.blocks[1],
+                                       std::vector<torch::Tensor>(params.begin(), params.begin() + b.size()), x, rope)),
+        1e-3)
+        << "the adapters change the output";
+    // B = 0 (PEFT's initialisation): the base block, bit for bit.
+    for (size_t i = b.size() + 1; i < a.size(); i += 2) params[i] = torch::zeros(a[i].shape, torch::kFloat64);
+    const torch::Tensor zero_b = block_forward(adapted, block, params, x, rope);
+    EXPECT_TRUE(torch::equal(
+        zero_b, block_forward(base, base_layout.blocks[1],
+                              std::vector<torch::Tensor>(params.begin(), params.begin() + b.size()), x, rope)));
+  }
+}
+
+TEST(Lora, TargetsAreTheFamilysProjectionsByPeftName) {
+  // PEFT's scaling: lora_alpha / r, or lora_alpha / √r with use_rslora.
+  EXPECT_EQ((LoraSpec{.r = 4, .alpha = 16}.scaling()), 4.0);
+  EXPECT_EQ((LoraSpec{.r = 4, .alpha = 16, .rslora = true}.scaling()), 8.0);
+  ModelConfig llama = test_config(false);
+  const std::vector<std::string> some = {"v_proj", "q_proj", "down_proj"};
+  auto t = lora_targets(llama, some, "k");
+  ASSERT_TRUE(t.is_ok());
+  EXPECT_EQ(*t, (std::vector<DecoderRole>{DecoderRole::kQ, DecoderRole::kV, DecoderRole::kDown}));
+  ModelConfig phi3 = llama;
+  phi3.model_type = "phi3";
+  const std::vector<std::string> q = {"q_proj"};
+  auto refused = lora_targets(phi3, q, "zoffload.lora.target_modules");
+  ASSERT_FALSE(refused.is_ok());
+  EXPECT_THAT(refused.status().message(),
+              HasSubstr("zoffload.lora.target_modules: \"q_proj\" is not a projection of a phi3 layer (qkv_proj, "
+                        "o_proj, gate_up_proj, down_proj); phi3 fuses them: adapt qkv_proj"));
+  const std::vector<std::string> none;
+  EXPECT_FALSE(lora_targets(llama, none, "k").is_ok());
+  const std::vector<std::string> typo = {"q_prj"};
+  EXPECT_THAT(lora_targets(llama, typo, "k").status().message(), HasSubstr("\"q_prj\" is not a projection"));
+}
+
 }  // namespace
 }  // namespace zo::engine
