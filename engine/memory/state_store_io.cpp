@@ -258,6 +258,9 @@ Status StateStore::read_param_compute(uint32_t param, uint64_t offset_elems, std
 
 Status StateStore::read_param(uint32_t param, uint64_t offset_elems, std::span<float> out, StateKind kind,
                               const char* op) {
+  // The 16-bit path below reads through the scratch buffer, as read_state_range does: another
+  // thread's transfer (the block gatherer reading this rank's compute copies) must not share it.
+  std::lock_guard<std::recursive_mutex> transfer(impl_->transfer_mu);
   const Impl& s = *impl_;
   const ParamRegistry& registry = s.registry;
   const MemoryPlan& plan = s.plan;

@@ -11,12 +11,14 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <numeric>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <optional>
 #include <random>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -565,6 +567,38 @@ TEST(StateStore, InitParamInSlicesSetsMasterComputeAndZeroesMoments) {
     EXPECT_EQ(rig.store->init_param(3, 1, {&one, 1}).code(), StatusCode::kInvalidArgument);
     EXPECT_EQ(rig.store->init_param(99, 0, {&one, 1}).code(), StatusCode::kInvalidArgument);
   }
+}
+
+// read_param_* take turns with the other synchronous transfers (the header's thread-safety): a bf16
+// compute copy on the device is read through the store's scratch, which the block gatherer's reads
+// of this rank's compute copies use from their thread too. Before the lock, a frozen param read this
+// way beside the gatherer came back with the other read's bytes (a CI run of a two-rank test).
+TEST(StateStore, ParamReadsTakeTurnsWithTransfersOfOtherThreads) {
+  const Inputs in = make_inputs(0);
+  Rig rig;
+  ASSERT_TRUE(rig.init(Placing{}).is_ok());  // everything on the (emulated) device, bf16 compute copies
+  ASSERT_TRUE(init_all(*rig.store, in).is_ok());
+  const uint32_t param = 1;  // "b", over three sub-groups
+  std::vector<float> want(in.weights[param].size());
+  for (size_t i = 0; i < want.size(); ++i) want[i] = bf16_to_float(float_to_bf16(in.weights[param][i]));
+  const uint32_t other = rig.registry.pieces_of_param(4)[0].sub_group;  // "e": not b's
+  std::atomic<bool> stop{false};
+  std::atomic<int> other_failures{0};
+  std::thread reader([&] {
+    Bytes buf(rig.store->state_bytes(other, StateKind::kCompute));
+    while (!stop.load())
+      if (!rig.store->read_state_range(other, StateKind::kCompute, 0, buf).is_ok()) ++other_failures;
+  });
+  int wrong = 0;
+  std::vector<float> got(want.size());
+  for (int i = 0; i < 300; ++i) {
+    ASSERT_TRUE(rig.store->read_param_compute(param, 0, got).is_ok());
+    wrong += got != want;
+  }
+  stop = true;
+  reader.join();
+  EXPECT_EQ(wrong, 0) << "reads of param b that came back with other bytes";
+  EXPECT_EQ(other_failures.load(), 0);
 }
 
 // ---- 2. The step is the same arithmetic wherever the states live --------------------------------
