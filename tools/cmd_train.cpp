@@ -505,17 +505,19 @@ void register_train_command(CLI::App& app, int* exit_code) {
       ->required();
   train->add_option("--data-format", args->data_format,
                     "auto | llmc | raw | jsonl | text (default: by extension; applies to --eval-data too)");
-  train->add_option("--eval-data", args->eval_data,
-                    "Held-out data in --data's formats: after every --eval-every steps and after the last step, "
-                    "its first --eval-batches micro-batches (file order) run forward without gradients through "
-                    "the same offload; loss and perplexity go to the progress line, metrics.jsonl (\"eval\") "
-                    "and the monitors (eval/loss)");
-  train->add_option("--eval-every", args->eval_every,
-                    "Evaluate --eval-data every N steps (default 0: at the end only)");
+  CLI::Option* eval_data =
+      train->add_option("--eval-data", args->eval_data,
+                        "Held-out data in --data's formats: after every --eval-every steps and after the last step, "
+                        "its first --eval-batches micro-batches (file order) run forward without gradients through "
+                        "the same offload; loss and perplexity go to the progress line, metrics.jsonl (\"eval\") "
+                        "and the monitors (eval/loss)");
+  train->add_option("--eval-every", args->eval_every, "Evaluate --eval-data every N steps (default 0: at the end only)")
+      ->needs(eval_data);
   train
       ->add_option("--eval-batches", args->eval_batches,
                    "Micro-batches per evaluation, all ranks together (default 16; fewer when the file is shorter)")
-      ->check(CLI::PositiveNumber);
+      ->check(CLI::PositiveNumber)
+      ->needs(eval_data);
   train
       ->add_option(
           "--steps", args->steps,

@@ -82,6 +82,11 @@ with tempfile.TemporaryDirectory(dir=os.environ.get("MESON_BUILD_ROOT")) as tmp:
     # monitors' files are the same at any length.
     base = [zoffload, "train", "--config", cfg, "--model", "tiny", "--data", corpus, "--out", run, "-q", "--seq-len", "32",
             "--eval-data", corpus, "--eval-batches", "2"]
+    # --eval-every and --eval-batches mean nothing without --eval-data: a usage error.
+    p = subprocess.run([zoffload, "train", "--config", cfg, "--model", "tiny", "--data", corpus, "--out", run,
+                        "--steps", "1", "--eval-every", "2"], capture_output=True, text=True, timeout=60)
+    expect(p.returncode != 0 and "--eval-every requires --eval-data" in p.stderr,
+           "--eval-every without --eval-data is refused: %d %s" % (p.returncode, p.stderr[-500:]))
     p = subprocess.run(base + ["--steps", "2"], capture_output=True, text=True, timeout=600)
     expect(p.returncode == 0, "the first run trains: %s" % p.stderr[-2000:])
     p = subprocess.run(base + ["--steps", "4", "--resume", "latest"], capture_output=True, text=True, timeout=600)
