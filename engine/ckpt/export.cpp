@@ -509,7 +509,7 @@ Result<ExportResult> export_checkpoint(const CheckpointInfo& ckpt, io::IoEngine&
   return export_impl(
       params, ckpt.model_config_json,
       [&](uint32_t p, uint64_t off, std::span<float> out) {
-        const size_t r = p < (first_param.size() > 1 ? first_param[1] : params.size()) ? 0 : 1;
+        const size_t r = first_param.size() > 1 && p >= first_param[1] ? 1 : 0;
         return readers[r]->read(p - first_param[r], off, out);
       },
       io, options,
@@ -544,8 +544,7 @@ Result<ExportResult> export_store(StateStore& store, const std::string& model_co
   // A frozen param has no master (Note [Frozen sub-groups]): it is exported as the run held it, its
   // compute copy, which no step changed.
   const Fp32Reader read = [&store](uint32_t p, uint64_t off, std::span<float> out) {
-    return store.registry().params()[p].trainable ? store.read_param_master(p, off, out)
-                                                  : store.read_param_compute(p, off, out);
+    return store.read_param_value(p, off, out);
   };
   return export_impl(store.registry().params(), model_config_json, read, io, options, {});
 }

@@ -194,11 +194,7 @@ json Manifest::to_json() const {
   if (!frozen.empty()) {
     json frozen_j = json::array();
     for (const CheckpointTensor& t : frozen)
-      frozen_j.push_back({{"name", t.name},
-                          {"dtype", frozen_dtype == DType::kF32    ? "F32"
-                                    : frozen_dtype == DType::kBF16 ? "BF16"
-                                                                   : "F16"},
-                          {"shape", t.shape}});
+      frozen_j.push_back({{"name", t.name}, {"dtype", safetensors_dtype_name(frozen_dtype)}, {"shape", t.shape}});
     out["frozen_tensors"] = frozen_j;
     out["frozen_dtype"] = dtype_name(frozen_dtype);
   }

@@ -90,6 +90,9 @@ class StateStore {
   // The same from the compute copies (held for every sub-group), widened to fp32 exactly: the master
   // rounded to the compute dtype. Uses the store's scratch: not beside other transfers.
   Status read_param_compute(uint32_t param, uint64_t offset_elems, std::span<float> out);
+  // A param's weights as the run holds them: its master, or, for a frozen param, which has none
+  // (Note [Frozen sub-groups] in param_registry.cpp), its compute copy.
+  Status read_param_value(uint32_t param, uint64_t offset_elems, std::span<float> out);
 
   // Copies one state of a sub-group (n_elems × state_elem_bytes) between its home and host memory,
   // synchronously, whatever the tier. For tests, checkpoints and the bench. Every transfer of a

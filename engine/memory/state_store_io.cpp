@@ -256,6 +256,11 @@ Status StateStore::read_param_compute(uint32_t param, uint64_t offset_elems, std
   return read_param(param, offset_elems, out, StateKind::kCompute, "read_param_compute");
 }
 
+Status StateStore::read_param_value(uint32_t param, uint64_t offset_elems, std::span<float> out) {
+  const bool frozen = param < impl_->registry.params().size() && !impl_->registry.params()[param].trainable;
+  return frozen ? read_param_compute(param, offset_elems, out) : read_param_master(param, offset_elems, out);
+}
+
 Status StateStore::read_param(uint32_t param, uint64_t offset_elems, std::span<float> out, StateKind kind,
                               const char* op) {
   // The 16-bit path below reads through the scratch buffer, as read_state_range does: another

@@ -255,7 +255,12 @@ std::vector<std::string> HfWeights::names() const {
 }  // namespace zo::engine
 
 namespace zo::engine {
-namespace {
+
+uint64_t safetensors_entry_bytes(const SafetensorsEntry& entry) {
+  uint64_t n = 1;
+  for (int64_t d : entry.shape) n *= static_cast<uint64_t>(d);
+  return n * dtype_size_bytes(entry.dtype);
+}
 
 const char* safetensors_dtype_name(DType dtype) {
   switch (dtype) {
@@ -266,14 +271,6 @@ const char* safetensors_dtype_name(DType dtype) {
   }
   ZO_CHECK(false) << "safetensors: unsupported dtype " << dtype_name(dtype);
   return "";
-}
-
-}  // namespace
-
-uint64_t safetensors_entry_bytes(const SafetensorsEntry& entry) {
-  uint64_t n = 1;
-  for (int64_t d : entry.shape) n *= static_cast<uint64_t>(d);
-  return n * dtype_size_bytes(entry.dtype);
 }
 
 std::string safetensors_header(std::span<const SafetensorsEntry> tensors,

@@ -81,6 +81,8 @@ std::string safetensors_header(std::span<const SafetensorsEntry> tensors,
                                const std::map<std::string, std::string>& metadata, uint64_t data_alignment = 4096);
 // Bytes of one entry's data (elements × dtype size).
 uint64_t safetensors_entry_bytes(const SafetensorsEntry& entry);
+// The dtype's safetensors name: "F32", "BF16" or "F16".
+const char* safetensors_dtype_name(DType dtype);
 
 // A Hugging Face model directory's weights: model.safetensors, or model.safetensors.index.json
 // ("weight_map": name -> shard file) with its shards. Each tensor name maps to one file.

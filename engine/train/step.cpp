@@ -83,19 +83,20 @@ Status Trainer::Impl::offload_grads(uint32_t block, const std::vector<torch::Ten
   // The compute dtype, or grad_accum_dtype for the vertical schedule's device-side sums.
   const DType dtype = grad_transfer_dtype(opt.config);
   const bool cuda = torch_device.is_cuda();
+  const std::vector<uint32_t>& slots = trainable_slots[block];
+  ZO_CHECK_EQ(grads.size(), slots.size()) << "one gradient per trainable param of " << spec.name;
+  if (grads.empty()) return Status::ok();  // a frozen block (Note [Frozen sub-groups])
   std::optional<TorchCopyStreamScope> copies;
   ZO_RETURN_IF_ERROR(begin_copies(&copies, "sending the gradients of " + spec.name));
-  const std::vector<uint32_t>& ids = trainable_params[block];
-  ZO_CHECK_EQ(grads.size(), ids.size()) << "one gradient per trainable param of " << spec.name;
-  if (grads.empty()) return Status::ok();  // a frozen block (Note [Frozen sub-groups])
   for (size_t i = 0; i < grads.size(); ++i) {
-    const std::string& name = layout.params[ids[i]].name;
+    const uint32_t id = spec.params[slots[i]];
+    const std::string& name = layout.params[id].name;
     const torch::Tensor& g = grads[i];
     if (!g.defined()) return internal_error("no gradient reached " + name);
     ZO_CHECK(g.scalar_type() == to_torch_dtype(dtype)) << "the gradient of " << name << " is not " << dtype_name(dtype);
     const uint64_t bytes = static_cast<uint64_t>(g.numel()) * g.element_size();
     ZO_RETURN_IF_ERROR(grad_worker->submit(
-        ids[i], dtype, bytes,
+        id, dtype, bytes,
         [&](std::span<std::byte> slot) {
           ZO_RETURN_IF_ERROR(device->foreign_work(gpu::DeviceWork::kD2H, bytes, copies->native_stream(), {}, [&] {
             return torch_call("copying the gradient of " + name, [&] {
@@ -244,11 +245,10 @@ Result<Trainer::Impl::MicroResult> Trainer::Impl::finish_micro_step(Forward& f, 
     for (const torch::Tensor& p : params) g.push_back(p.grad());
     return g;
   };
-  // The block's trainable params, of wrap()'s tensors (trainable_params).
+  // The block's trainable params, of wrap()'s tensors (trainable_slots).
   auto trainable = [&](uint32_t block, const std::vector<torch::Tensor>& params) {
     std::vector<torch::Tensor> out;
-    for (size_t i = 0; i < params.size(); ++i)
-      if (layout.params[layout.blocks[block].params[i]].trainable) out.push_back(params[i]);
+    for (uint32_t slot : trainable_slots[block]) out.push_back(params[slot]);
     return out;
   };
   // Note [Frozen sub-groups]: below the lowest block with a trainable param no gradient is wanted,

@@ -83,12 +83,13 @@ Status Trainer::Impl::resolve_model() {
   }
   ZO_RETURN_IF_ERROR(check_model_size(model));
   ZO_ASSIGN_OR_RETURN(layout, training_layout(model, opt.config));
-  trainable_params.assign(layout.blocks.size(), {});
+  trainable_slots.assign(layout.blocks.size(), {});
   lowest_trainable_block = static_cast<uint32_t>(layout.blocks.size());
   for (uint32_t b = 0; b < layout.blocks.size(); ++b) {
-    for (uint32_t p : layout.blocks[b].params)
-      if (layout.params[p].trainable) trainable_params[b].push_back(p);
-    if (!trainable_params[b].empty()) lowest_trainable_block = std::min(lowest_trainable_block, b);
+    const std::vector<uint32_t>& params = layout.blocks[b].params;
+    for (uint32_t i = 0; i < params.size(); ++i)
+      if (layout.params[params[i]].trainable) trainable_slots[b].push_back(i);
+    if (!trainable_slots[b].empty()) lowest_trainable_block = std::min(lowest_trainable_block, b);
   }
   compute_dtype = opt.config.compute_dtype();
   seq_len = opt.seq_len != 0 ? opt.seq_len : std::min<uint64_t>(256, model.max_position_embeddings);
@@ -533,9 +534,7 @@ Status Trainer::read_master(uint32_t param, std::span<float> out) {
   if (out.size() != info.n_elems)
     return invalid_argument("read_master: " + info.name + " has " + std::to_string(info.n_elems) + " elements, not " +
                             std::to_string(out.size()));
-  // A frozen param's only copy is its compute copy (Note [Frozen sub-groups]).
-  return info.trainable ? impl_->store->read_param_master(param, 0, out)
-                        : impl_->store->read_param_compute(param, 0, out);
+  return impl_->store->read_param_value(param, 0, out);
 }
 
 const std::string& Trainer::checkpoint_dir() const { return impl_->checkpoint_dir; }

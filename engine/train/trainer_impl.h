@@ -51,9 +51,10 @@ struct Trainer::Impl {
   ModelConfig model;
   bool model_dir = false;  // --model is a Hugging Face model directory (else a preset or TrainOptions::model_config)
   ModelLayout layout;      // training_layout: zoffload.freeze applied
-  // Per block, the ids of its trainable params (its gradients, in block order), and the lowest
-  // block that has one: backward stops computing there (Note [Frozen sub-groups]).
-  std::vector<std::vector<uint32_t>> trainable_params;
+  // Per block, the positions in BlockSpec::params of its trainable params (its gradients, in block
+  // order), and the lowest block that has one: backward stops computing there (Note [Frozen
+  // sub-groups]).
+  std::vector<std::vector<uint32_t>> trainable_slots;
   uint32_t lowest_trainable_block = 0;
   std::optional<ParamRegistry> registry;
   MemoryPlan plan;
