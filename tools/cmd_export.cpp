@@ -18,6 +18,7 @@
 #include "engine/ckpt/checkpoint.h"
 #include "engine/ckpt/export.h"
 #include "engine/model/model_config.h"
+#include "engine/plan/lora.h"
 #include "io/env.h"
 #include "io/io_engine.h"
 #include "tools/commands.h"
@@ -32,9 +33,43 @@ struct ExportArgs {
   std::string shard_size = "5GB";
   std::string staging = "256MiB";
   std::string tokenizer_from;  // empty: the checkpoint's --model directory, when it still exists
+  bool merge = false;          // a LoRA run's checkpoint: the merged model instead of PEFT's adapter directory
   bool json = false;
   bool quiet = false;
 };
+
+// A LoRA run's checkpoint (zoffload.lora in its config): what the export needs to write its
+// adapters or merge them (Note [Exporting LoRA adapters]); nullopt for any other checkpoint.
+Result<std::optional<engine::LoraExport>> lora_export_of(const engine::CheckpointInfo& ckpt, bool merge) {
+  const nlohmann::json& config = ckpt.state.config;
+  const nlohmann::json* lora = nullptr;
+  if (config.is_object() && config.contains("zoffload") && config["zoffload"].is_object() &&
+      config["zoffload"].contains("lora"))
+    lora = &config["zoffload"]["lora"];
+  engine::LoraConfig lc;
+  if (lora != nullptr) {
+    try {
+      lc.r = lora->value("r", uint64_t{0});
+      lc.lora_alpha = lora->value("lora_alpha", 8.0);
+      lc.use_rslora = lora->value("use_rslora", false);
+      lc.target_modules = lora->value("target_modules", std::vector<std::string>{});
+    } catch (const nlohmann::json::exception& e) {
+      return corruption(ckpt.path + ": the config's zoffload.lora is malformed: " + e.what());
+    }
+  }
+  if (lc.r == 0) {
+    if (merge) return invalid_argument("--merge: " + ckpt.path + " is not a LoRA run's checkpoint (no zoffload.lora)");
+    return std::optional<engine::LoraExport>();
+  }
+  ZO_ASSIGN_OR_RETURN(const engine::ModelConfig model,
+                      engine::parse_hf_config(ckpt.model_config_json, ckpt.path + "/config.json"));
+  ZO_ASSIGN_OR_RETURN(const engine::LoraSpec spec, engine::lora_spec(model, lc));
+  engine::LoraExport out;
+  out.merged = merge;
+  out.scaling = spec.scaling();
+  out.adapter_config_json = engine::peft_adapter_config_json(spec, ckpt.state.model);
+  return std::optional<engine::LoraExport>(std::move(out));
+}
 
 // "export 312 MiB/1.20 GiB [=====>      ] 26%" on stderr: redrawn in place on a terminal, a line
 // per 10% otherwise.
@@ -98,8 +133,12 @@ int run_export(const ExportArgs& a) {
   auto io = io::IoEngine::create(io::IoOptions{});
   if (!io.is_ok()) return command_error("zoffload export", io.status().to_string(), 1);
 
+  auto lora = lora_export_of(*ckpt, a.merge);
+  if (!lora.is_ok()) return command_error("zoffload export", lora.status());
+
   Progress progress(!a.quiet && !a.json);
   engine::ExportOptions options;
+  options.lora = *lora;
   options.dtype = *dtype;
   options.out_dir = a.out;
   options.shard_bytes = *shard_bytes;
@@ -143,16 +182,22 @@ int run_export(const ExportArgs& a) {
                         {"tensor_bytes", result->tensor_bytes},
                         {"seconds", seconds},
                         {"dtype", dtype_text},
+                        {"format", !*lora            ? "model"
+                                   : (*lora)->merged ? "merged"
+                                                     : "peft_adapter"},
                         {"overflowed", result->overflowed},
                         {"step", ckpt->manifest.step},
                         {"staging_bytes", *staging},
                         {"peak_extra_rss_bytes", extra_rss}};
     std::cout << j.dump(2) << "\n";
   } else if (!a.quiet) {
-    std::printf("exported %s (step %llu) as %s: %zu tensors, %s in %zu files to %s in %.1f s%s\n", path->c_str(),
+    std::printf("exported %s (step %llu) as %s%s: %llu tensors, %s in %zu files to %s in %.1f s%s\n", path->c_str(),
                 static_cast<unsigned long long>(ckpt->manifest.step), dtype_text.c_str(),
-                ckpt->manifest.tensors.size() + ckpt->manifest.frozen.size(),
-                format_bytes(result->tensor_bytes).c_str(), result->files.size(), result->out_dir.c_str(), seconds,
+                !*lora            ? ""
+                : (*lora)->merged ? ", LoRA adapters merged"
+                                  : ", PEFT adapter",
+                static_cast<unsigned long long>(result->tensors), format_bytes(result->tensor_bytes).c_str(),
+                result->files.size(), result->out_dir.c_str(), seconds,
                 extra_rss >= 0 ? (", peak extra RSS " + format_bytes(static_cast<uint64_t>(extra_rss))).c_str() : "");
   }
   if (result->overflowed != 0 && !a.quiet)
@@ -170,7 +215,9 @@ void register_export_command(CLI::App& app, int* exit_code) {
       "Write a checkpoint's weights as a Hugging Face model directory: config.json and model.safetensors\n"
       "(or model-0000k-of-0000n.safetensors with model.safetensors.index.json), converted from the fp32\n"
       "master weights with round-to-nearest-even. Streams through --staging bytes of RAM whatever the\n"
-      "model's size, checking the checkpoint's checksums as it reads. See docs/export.md.");
+      "model's size, checking the checkpoint's checksums as it reads. A LoRA run's checkpoint is written\n"
+      "as PEFT's adapter directory (PeftModel.from_pretrained loads it over the base), or merged with\n"
+      "--merge. See docs/export.md.");
   cmd->add_option("--checkpoint", args->checkpoint,
                   "A checkpoint step directory (DIR/step-N) or a checkpoint DIR (its `latest` is taken)")
       ->required();
@@ -182,6 +229,10 @@ void register_export_command(CLI::App& app, int* exit_code) {
   cmd->add_option("--tokenizer-from", args->tokenizer_from,
                   "Model directory whose tokenizer files and generation_config.json are copied into --out "
                   "(default: the run's --model, when it was a directory that still exists; none: copy nothing)");
+  cmd->add_flag("--merge", args->merge,
+                "A LoRA run's checkpoint (zoffload.lora): write the merged model (each adapted weight W + s*B*A) as a "
+                "full Hugging Face directory instead of PEFT's adapter directory (adapter_config.json, "
+                "adapter_model.safetensors)");
   cmd->add_flag("--json", args->json, "Print a JSON summary on stdout instead of progress");
   cmd->add_flag("-q,--quiet", args->quiet, "Print nothing but errors");
   cmd->callback([args, exit_code] { *exit_code = run_export(*args); });

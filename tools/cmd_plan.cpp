@@ -12,6 +12,7 @@
 #include "common/string_util.h"
 #include "engine/config/config.h"
 #include "engine/model/model_config.h"
+#include "engine/plan/lora.h"
 #include "engine/plan/planner.h"
 #include "gpu/device_info.h"
 #include "tools/auto_flags.h"
@@ -105,8 +106,12 @@ void print_plan(const engine::RunPlan& p, const engine::PlanInputs& in, const st
   const char* machine = target ? "the machine given (--host-ram, --gpu-memory, ...)" : "this machine";
   const engine::MemoryPlan& mp = p.memory;
   const engine::Placement& pl = mp.placement;
-  const std::string trainable =
-      p.n_trainable != p.n_params ? " (" + format_count(p.n_trainable) + " trainable, the rest frozen)" : "";
+  const engine::LoraConfig& lora = in.config.zoffload.lora;
+  const std::string trainable = p.n_trainable == p.n_params ? ""
+                                : lora.r > 0                ? " (" + format_count(p.n_trainable) +
+                                                   " trainable: LoRA r=" + std::to_string(lora.r) +
+                                                   " adapters on the frozen base)"
+                                             : " (" + format_count(p.n_trainable) + " trainable, the rest frozen)";
   std::printf(
       "zoffload plan: %s, %.2f B params%s, %llu sub-groups | micro-batch %llu x seq %llu, %llu micro-steps per step\n",
       in.model_name.c_str(), static_cast<double>(p.n_params) / 1e9, trainable.c_str(),
@@ -201,6 +206,8 @@ int run_plan(const PlanArgs& a) {
   std::optional<engine::Config> config =
       load_config_with_flags(a.config, model->hidden_size, a.steps, a.flags, a.ranks);
   if (!config) return 2;
+  if (Status st = engine::read_peft_adapter_config(&config->zoffload.lora); !st.is_ok())
+    return command_error("zoffload plan", st.message(), 2);
   engine::PlanInputs in;
   in.world_size = a.ranks;
   in.config = *config;

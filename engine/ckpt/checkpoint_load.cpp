@@ -10,6 +10,7 @@
 #include "common/string_util.h"
 #include "engine/ckpt/state_files.h"
 #include "engine/memory/moment_layout.h"
+#include "engine/model/model_config.h"
 #include "engine/model/safetensors.h"
 
 namespace zo::engine {
@@ -174,6 +175,15 @@ Status load_checkpoint(const CheckpointInfo& ckpt, StateStore& store, io::IoEngi
   ZO_RETURN_IF_ERROR(check_staging_bytes(staging.size(), context));
   const ParamRegistry& reg = store.registry();
   const Manifest& m = ckpt.manifest;
+  // LoRA adapters (Note [LoRA adapters]): the same, or a mismatch said as such.
+  auto adapters = [](const auto& list) {
+    return std::count_if(list.begin(), list.end(), [](const auto& t) { return is_lora_param(t.name); });
+  };
+  const auto saved_adapters = adapters(m.tensors) + adapters(m.frozen), run_adapters = adapters(reg.params());
+  if (saved_adapters != run_adapters)
+    return invalid_argument(context + ": it holds " + std::to_string(saved_adapters) +
+                            " LoRA adapter tensors, this run's model " + std::to_string(run_adapters) +
+                            ": resume with the checkpoint's zoffload.lora (its r and target_modules)");
   // Its trainable and frozen tensors (Note [Frozen sub-groups]) must be this run's, name by name.
   if (m.tensors.size() + m.frozen.size() != reg.params().size()) {
     return invalid_argument(context + ": it holds " + std::to_string(m.tensors.size() + m.frozen.size()) +

@@ -7,8 +7,10 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <memory>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <set>
@@ -18,7 +20,9 @@
 #include "common/bytes.h"
 #include "common/half.h"
 #include "engine/ckpt/stream_file.h"
+#include "engine/model/model_config.h"
 #include "engine/model/safetensors.h"
+#include "engine/model/weights.h"
 
 namespace zo::engine {
 
@@ -312,21 +316,35 @@ class ShardExporter {
   uint64_t overflowed_ = 0;
 };
 
+// The files of an export: a Hugging Face model directory's, or PEFT's adapter directory's (one
+// weights file, never sharded, and a config written as given).
+struct ExportFiles {
+  const char* single_file = kSingleShardFile;
+  bool sharded = true;
+  const char* config_file = kModelConfigFile;
+  bool config_dtype = true;  // the config's torch_dtype set to the export dtype
+};
+
 // export_hf_model with a check that runs after every file is written and before any is renamed
 // (export_checkpoint verifies the last checksum chunk there).
-Result<ExportResult> export_impl(std::span<const ParamInfo> params, const std::string& model_config_json,
-                                 const Fp32Reader& read, io::IoEngine& io, const ExportOptions& options,
-                                 const std::function<Status()>& before_commit) {
+Result<ExportResult> export_files(std::span<const ParamInfo> params, const std::string& config_json,
+                                  const Fp32Reader& read, io::IoEngine& io, const ExportOptions& options,
+                                  const std::function<Status()>& before_commit, const ExportFiles& files) {
   ZO_RETURN_IF_ERROR(validate(params, options));
-  ZO_ASSIGN_OR_RETURN(std::string config_text, config_with_dtype(model_config_json, options.dtype));
-  const std::vector<Shard> shards = plan_shards(params, options.dtype, options.shard_bytes);
+  std::string config_text = config_json;
+  if (files.config_dtype) {
+    ZO_ASSIGN_OR_RETURN(config_text, config_with_dtype(config_json, options.dtype));
+  }
+  std::vector<Shard> shards =
+      plan_shards(params, options.dtype, files.sharded ? options.shard_bytes : std::numeric_limits<uint64_t>::max());
+  if (shards.size() == 1) shards[0].name = files.single_file;
   // Side files are read before anything is written: a missing one fails the export at once.
   io::Env* env = options.env;
   std::vector<std::pair<std::string, std::string>> sides;  // name, content
   for (const std::string& path : options.side_files) {
     const std::string name = std::filesystem::path(path).filename().string();
     const bool weights = name.ends_with(".safetensors") || name == kShardIndexFile;
-    if (name.empty() || name == kModelConfigFile || weights)
+    if (name.empty() || name == kModelConfigFile || name == files.config_file || weights)
       return invalid_argument("export: side file " + path + " would replace a file the export writes");
     for (const auto& [other, text] : sides)
       if (other == name) return invalid_argument("export: two side files are named " + name);
@@ -364,17 +382,125 @@ Result<ExportResult> export_impl(std::span<const ParamInfo> params, const std::s
     out.add(name);
     ZO_RETURN_IF_ERROR(write_small_file(out.path(name), text));
   }
-  out.add(kModelConfigFile);
-  ZO_RETURN_IF_ERROR(write_small_file(out.path(kModelConfigFile), config_text));
+  out.add(files.config_file);
+  ZO_RETURN_IF_ERROR(write_small_file(out.path(files.config_file), config_text));
   if (before_commit) ZO_RETURN_IF_ERROR(before_commit());
   ZO_RETURN_IF_ERROR(out.commit());
 
   ExportResult result;
   result.out_dir = options.out_dir;
   result.files = out.names();
+  result.tensors = params.size();
   result.tensor_bytes = total_bytes;
   result.overflowed = exporter.overflowed();
   return result;
+}
+
+// Note [Exporting LoRA adapters]
+// A model with LoRA adapters (Note [LoRA adapters]) is exported as PEFT's adapter directory, or
+// merged. The adapter directory is what PeftModel.from_pretrained loads over the base:
+// adapter_config.json and adapter_model.safetensors holding the adapters alone, each named
+// "base_model.model." + its name, the way PEFT's save_pretrained names them. The merged model is a
+// full Hugging Face directory of the base's params, each adapted weight W [out, in] written as
+// W + s · B·A in fp32 (PEFT's merge: the delta B @ A times s, added to W), computed as W streams:
+// the first read of an adapted weight reads its A [r, in] and B [out, r] whole (a projection's
+// adapters, a few MiB), then each chunk's rows get Σ_k B[o, k] · A[k, :]. The reads keep each
+// source's order: the base weights in order, and the adapters in order after them (the
+// checkpoint's master.safetensors holds the adapters, frozen.safetensors the base).
+Result<ExportResult> export_lora(std::span<const ParamInfo> params, const std::string& model_config_json,
+                                 const Fp32Reader& read, io::IoEngine& io, const ExportOptions& options,
+                                 const std::function<Status()>& before_commit) {
+  const LoraExport lora = *options.lora;
+  ExportOptions o = options;
+  o.lora.reset();
+  std::vector<ParamInfo> out;
+  std::vector<uint32_t> source;  // of each param of `out`, its index in `params`
+  auto add = [&](uint32_t i, std::string name) {
+    ParamInfo info = params[i];
+    info.id = static_cast<uint32_t>(out.size());
+    info.name = std::move(name);
+    out.push_back(std::move(info));
+    source.push_back(i);
+  };
+  if (!lora.merged) {
+    for (uint32_t i = 0; i < params.size(); ++i)
+      if (is_lora_param(params[i].name)) add(i, kPeftPrefix + params[i].name);
+    if (out.empty()) return invalid_argument("export: the model has no LoRA adapters to write");
+    const Fp32Reader from_source = [&](uint32_t p, uint64_t off, std::span<float> dst) {
+      return read(source[p], off, dst);
+    };
+    return export_files(
+        out, lora.adapter_config_json, from_source, io, o, before_commit,
+        ExportFiles{
+            .single_file = kPeftWeightsFile, .sharded = false, .config_file = kPeftConfigFile, .config_dtype = false});
+  }
+  std::map<std::string, uint32_t> by_name;
+  for (uint32_t i = 0; i < params.size(); ++i) by_name[params[i].name] = i;
+  struct Adapted {
+    uint32_t a = 0, b = 0;  // indices in `params`
+  };
+  std::vector<std::optional<Adapted>> adapted;
+  for (uint32_t i = 0; i < params.size(); ++i) {
+    const ParamInfo& w = params[i];
+    if (is_lora_param(w.name)) continue;
+    add(i, w.name);
+    adapted.emplace_back();
+    if (!w.name.ends_with(".weight")) continue;
+    const std::string module = w.name.substr(0, w.name.size() - std::string_view(".weight").size());
+    const auto a = by_name.find(module + ".lora_A.weight"), b = by_name.find(module + ".lora_B.weight");
+    if (a == by_name.end() || b == by_name.end()) continue;
+    const ParamInfo &pa = params[a->second], &pb = params[b->second];
+    if (w.shape.size() != 2 || pa.shape.size() != 2 || pb.shape.size() != 2 || pa.shape[1] != w.shape[1] ||
+        pb.shape[0] != w.shape[0] || pb.shape[1] != pa.shape[0])
+      return invalid_argument("export: the adapters of " + w.name + " do not fit its shape");
+    adapted.back() = Adapted{a->second, b->second};
+  }
+  constexpr uint64_t kReadElems = uint64_t{1} << 20;
+  uint32_t cached = std::numeric_limits<uint32_t>::max();
+  std::vector<float> A, B, row;
+  auto read_whole = [&](uint32_t p, std::vector<float>& dst) -> Status {
+    dst.resize(params[p].n_elems);
+    for (uint64_t off = 0; off < dst.size(); off += kReadElems) {
+      const std::span<float> part(dst.data() + off, std::min<uint64_t>(kReadElems, dst.size() - off));
+      ZO_RETURN_IF_ERROR(read(p, off, part).with_context("export: reading " + params[p].name + " to merge it"));
+    }
+    return Status::ok();
+  };
+  const auto scaling = static_cast<float>(lora.scaling);
+  const Fp32Reader merged = [&](uint32_t p, uint64_t off, std::span<float> dst) -> Status {
+    ZO_RETURN_IF_ERROR(read(source[p], off, dst));
+    if (!adapted[p]) return Status::ok();
+    if (cached != p) {
+      ZO_RETURN_IF_ERROR(read_whole(adapted[p]->a, A));
+      ZO_RETURN_IF_ERROR(read_whole(adapted[p]->b, B));
+      cached = p;
+    }
+    const auto r = static_cast<uint64_t>(params[adapted[p]->a].shape[0]);
+    const auto in = static_cast<uint64_t>(params[adapted[p]->a].shape[1]);
+    row.resize(in);
+    for (uint64_t e = off, end = off + dst.size(); e < end;) {
+      const uint64_t o_row = e / in, c0 = e % in, c1 = std::min<uint64_t>(in, c0 + (end - e));
+      float* acc = row.data();
+      std::fill(acc + c0, acc + c1, 0.0f);
+      for (uint64_t k = 0; k < r; ++k) {
+        const float bk = B[o_row * r + k];
+        const float* ak = A.data() + k * in;
+        for (uint64_t c = c0; c < c1; ++c) acc[c] += bk * ak[c];
+      }
+      float* d = dst.data() + (e - off);
+      for (uint64_t c = c0; c < c1; ++c) d[c - c0] += acc[c] * scaling;
+      e += c1 - c0;
+    }
+    return Status::ok();
+  };
+  return export_files(out, model_config_json, merged, io, o, before_commit, ExportFiles{});
+}
+
+Result<ExportResult> export_impl(std::span<const ParamInfo> params, const std::string& model_config_json,
+                                 const Fp32Reader& read, io::IoEngine& io, const ExportOptions& options,
+                                 const std::function<Status()>& before_commit) {
+  if (options.lora) return export_lora(params, model_config_json, read, io, options, before_commit);
+  return export_files(params, model_config_json, read, io, options, before_commit, ExportFiles{});
 }
 
 // master.safetensors read front to back through the Env, every byte (header and data) fed through
@@ -398,6 +524,7 @@ class MasterReader {
   }
 
   Status read(uint32_t tensor, uint64_t offset_elems, std::span<float> out) {
+    used_ = true;
     const uint64_t elem = dtype_size_bytes(dtype_);
     const uint64_t pos = data_offsets_[tensor] + offset_elems * elem;
     if (pos < verifier_.position())
@@ -418,8 +545,10 @@ class MasterReader {
     return Status::ok();
   }
 
-  // Reads and checks what follows the last tensor, then the file's size and last chunk.
+  // Reads and checks what follows the last tensor, then the file's size and last chunk; nothing
+  // for a file the export did not read (a LoRA adapter export's frozen.safetensors).
   Status finish() {
+    if (!used_) return Status::ok();
     ZO_RETURN_IF_ERROR(skip_to(file_size_bytes_));
     return verifier_.finish();
   }
@@ -456,6 +585,7 @@ class MasterReader {
   std::vector<uint64_t> data_offsets_;
   uint64_t file_size_bytes_ = 0;
   uint64_t dropped_ = 0;
+  bool used_ = false;
   std::vector<std::byte> gap_;
 };
 

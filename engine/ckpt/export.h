@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -27,8 +28,22 @@ inline constexpr const char* kSingleShardFile = "model.safetensors";
 inline constexpr const char* kShardIndexFile = "model.safetensors.index.json";
 std::string shard_file_name(uint32_t shard, uint32_t n_shards);  // shard counts from 1
 
+// What an export writes of a model with LoRA adapters (Note [Exporting LoRA adapters]).
+struct LoraExport {
+  // false: PEFT's adapter directory — adapter_config.json (adapter_config_json) and
+  // adapter_model.safetensors with the adapters alone, named "base_model.model." + their name;
+  // true: the merged model, a Hugging Face directory like any export, each adapted weight
+  // W + scaling · B·A and no adapter.
+  bool merged = false;
+  double scaling = 0;  // LoraSpec::scaling()
+  std::string adapter_config_json;
+};
+
 struct ExportOptions {
   DType dtype = DType::kBF16;  // kBF16, kF16 or kF32
+  // Set for a model with LoRA adapters (their params named ….lora_A.weight / ….lora_B.weight);
+  // without it every param is written as it is.
+  std::optional<LoraExport> lora;
   // Written into a sibling OUT.tmp-<random> and published whole (Note [Publishing a directory]):
   // out_dir must be missing or empty, or anything with `replace`, which swaps it out atomically.
   std::string out_dir;
@@ -52,6 +67,7 @@ struct ExportOptions {
 struct ExportResult {
   std::string out_dir;
   std::vector<std::string> files;  // written, relative to out_dir: the shards, the index, side files, config.json
+  uint64_t tensors = 0;            // tensors written
   uint64_t tensor_bytes = 0;       // total_size of the index
   uint64_t overflowed = 0;         // fp16: finite fp32 values that became ±inf
 };

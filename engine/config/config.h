@@ -152,6 +152,23 @@ struct DataConfig {
   bool shuffle = true;  // each epoch in its own seeded order; false: file order every epoch
 };
 
+// (addition) LoRA adapters over a frozen base, as PEFT's LoraConfig names them (Note [LoRA
+// adapters] in engine/model/model_config.cpp). Off while r is 0 and init_from empty.
+struct LoraConfig {
+  uint64_t r = 0;  // the rank; 0: no adapters (unless init_from names a directory, whose r applies)
+  double lora_alpha = 8;
+  // PEFT's names (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; qkv_proj and
+  // gate_up_proj for phi3) or "all-linear"; empty: PEFT's default for the family (q_proj and
+  // v_proj; phi3's qkv_proj).
+  std::vector<std::string> target_modules;
+  bool use_rslora = false;  // scale by lora_alpha / √r instead of lora_alpha / r
+  double lora_dropout = 0;  // must be 0: zoffload's adapters have no dropout
+  // A PEFT adapter directory (adapter_config.json, adapter_model.safetensors) to start from: its
+  // r, lora_alpha, target_modules and use_rslora apply (the keys above, when given, must agree).
+  std::string init_from;
+  bool enabled() const { return r > 0 || !init_from.empty(); }
+};
+
 // The "zoffload" block: what DeepSpeed has no key for.
 struct ZoffloadConfig {
   DeviceKind device = DeviceKind::kAuto;
@@ -207,6 +224,7 @@ struct ZoffloadConfig {
   // forward and never updated: no master, moments, accumulator or gradient (Note [Frozen
   // sub-groups] in engine/memory/param_registry.cpp). Each pattern must match a parameter.
   std::vector<std::string> freeze;
+  LoraConfig lora;
   DataConfig data;
   CheckpointConfig checkpoint;
   LogConfig log;

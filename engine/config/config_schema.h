@@ -14,6 +14,7 @@
 #include <string_view>
 
 #include "common/bytes.h"
+#include "common/string_util.h"
 #include "engine/config/config.h"
 #include "engine/config/json_reader.h"
 #include "io/io_options.h"
@@ -327,6 +328,29 @@ void keys(V& v, MonitorConfig& m) {
 }
 
 template <class V>
+void keys(V& v, LoraConfig& l) {
+  v.count("r", l.r, 0);
+  v.number("lora_alpha", l.lora_alpha, {.min_exclusive = true});
+  v.texts("target_modules", l.target_modules);
+  v.flag("use_rslora", l.use_rslora);
+  v.number("lora_dropout", l.lora_dropout, {.max = 1});
+  v.text("init_from", l.init_from);
+  v.rule([&](const ReadContext& x) {
+    // r 0 (the default, as the resolved config prints it) is no adapters; a block that asks for
+    // them without a rank is refused at r.
+    const bool asks = (x.given("target_modules") && !l.target_modules.empty()) ||
+                      (x.given("use_rslora") && l.use_rslora) ||
+                      (x.given("lora_alpha") && l.lora_alpha != LoraConfig{}.lora_alpha);
+    if (l.r == 0 && l.init_from.empty() && asks)
+      x.error("r", x.given("r") ? "must be at least 1 (the adapters' rank; 0 means no adapters)"
+                                : "needed: the adapters' rank (or init_from, a PEFT adapter directory to start from)");
+    if (x.given("lora_dropout") && l.lora_dropout != 0)
+      x.error("lora_dropout",
+              "must be 0: zoffload's adapters have no dropout (got " + format_number(l.lora_dropout) + ")");
+  });
+}
+
+template <class V>
 void keys(V& v, ZoffloadConfig& z) {
   v.choice("device", z.device, kDeviceKinds);
   v.bytes("gpu_memory_limit", z.gpu_memory_limit);
@@ -343,6 +367,7 @@ void keys(V& v, ZoffloadConfig& z) {
   v.choice("io_backend", z.io_backend, kIoBackends);
   v.choice("loss_normalization", z.loss_normalization, kLossNormalizations);
   v.texts("freeze", z.freeze);
+  v.object("lora", [&] { keys(v, z.lora); });
   v.object("data", [&] { v.flag("shuffle", z.data.shuffle); });
   v.object("checkpoint", [&] { keys(v, z.checkpoint); });
   v.object("log", [&] { v.text("metrics_path", z.log.metrics_path); });

@@ -776,6 +776,31 @@ Result<std::vector<DecoderRole>> lora_targets(const ModelConfig& config, std::sp
   return ordered;
 }
 
+std::vector<std::string> default_lora_modules(const ModelConfig& config) {
+  if (config.family().phi3) return {"qkv_proj"};
+  return {"q_proj", "v_proj"};
+}
+
+std::string_view lora_module_name(DecoderRole role) {
+  using R = DecoderRole;
+  switch (role) {
+    case R::kQ: return "q_proj";
+    case R::kK: return "k_proj";
+    case R::kV: return "v_proj";
+    case R::kO: return "o_proj";
+    case R::kGate: return "gate_proj";
+    case R::kUp: return "up_proj";
+    case R::kDown: return "down_proj";
+    case R::kQkv: return "qkv_proj";
+    case R::kGateUp: return "gate_up_proj";
+    default: return "";
+  }
+}
+
+bool is_lora_param(std::string_view name) {
+  return name.ends_with(".lora_A.weight") || name.ends_with(".lora_B.weight");
+}
+
 namespace {
 
 // "{a..b}" at the start of `p` (after its "{"): its bounds and its length with the braces.

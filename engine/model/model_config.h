@@ -103,6 +103,13 @@ struct LoraSpec {
 // q/k/v, say, with the name to use), or an empty list.
 Result<std::vector<DecoderRole>> lora_targets(const ModelConfig& config, std::span<const std::string> modules,
                                               const std::string& key);
+// PEFT's target_modules default for the family (q_proj and v_proj; phi3: qkv_proj), as PEFT picks
+// it when a LoraConfig names none.
+std::vector<std::string> default_lora_modules(const ModelConfig& config);
+// The PEFT module name of a projection weight's role (kQ: "q_proj", ...; kQkv: "qkv_proj").
+std::string_view lora_module_name(DecoderRole role);
+// Whether `name` is a LoRA adapter's (….lora_A.weight or ….lora_B.weight).
+bool is_lora_param(std::string_view name);
 
 struct ModelConfig {
   std::string model_type = "llama";  // a ModelFamily's (qwen2 => attention_bias true)

@@ -111,7 +111,88 @@ std::string stored_name(const HfWeights& weights, const std::string& name) {
   return name;
 }
 
+// One adapter of init_lora_adapters, through `buffer` (at least min(chunk_elems, its size) long).
+Status init_lora_adapter(const ParamSpec& spec, uint32_t p, uint64_t seed, uint64_t chunk_elems,
+                         std::vector<float>& buffer, const ParamSink& sink) {
+  const uint64_t n = elems_of(spec.shape);
+  const bool a = ends_with(spec.name, ".lora_A.weight");
+  const double bound = 1.0 / std::sqrt(static_cast<double>(spec.shape.back()));
+  const uint64_t key = stream_key(seed, spec.name);
+  for (uint64_t off = 0; off < n; off += chunk_elems) {
+    const std::span<float> chunk(buffer.data(), std::min(chunk_elems, n - off));
+    for (uint64_t i = 0; i < chunk.size(); ++i) {
+      // u in [0, 1) from draw off + i of the stream: bound · (2u − 1) in [−bound, bound).
+      const double u = static_cast<double>(mix64(key + (off + i + 1) * kGamma) >> 11) * 0x1.0p-53;
+      chunk[i] = a ? static_cast<float>(bound * (2 * u - 1)) : 0.0f;
+    }
+    ZO_RETURN_IF_ERROR(sink(p, off, chunk));
+  }
+  return Status::ok();
+}
+
 }  // namespace
+
+Status init_lora_adapters(const ModelLayout& layout, uint64_t seed, uint64_t chunk_elems, const ParamSink& sink) {
+  if (chunk_elems == 0) return invalid_argument("init_lora_adapters: chunk_elems must be positive");
+  std::vector<float> buffer;
+  for (size_t p = 0; p < layout.params.size(); ++p) {
+    const ParamSpec& spec = layout.params[p];
+    if (!is_lora_param(spec.name)) continue;
+    buffer.resize(std::max<size_t>(buffer.size(), std::min(chunk_elems, elems_of(spec.shape))));
+    ZO_RETURN_IF_ERROR(init_lora_adapter(spec, static_cast<uint32_t>(p), seed, chunk_elems, buffer, sink));
+  }
+  return Status::ok();
+}
+
+Status load_peft_adapters(const std::string& adapter_dir, const ModelLayout& layout, uint64_t chunk_elems,
+                          const ParamSink& sink, io::Env* env) {
+  if (chunk_elems == 0) return invalid_argument("load_peft_adapters: chunk_elems must be positive");
+  const std::string path = adapter_dir + "/" + kPeftWeightsFile;
+  ZO_ASSIGN_OR_RETURN(const io::PathKind kind, env->path_kind(path));
+  if (kind != io::PathKind::kFile) {
+    ZO_ASSIGN_OR_RETURN(const io::PathKind bin, env->path_kind(adapter_dir + "/adapter_model.bin"));
+    return not_found(path + " is missing" +
+                     (bin == io::PathKind::kFile
+                          ? std::string(" (the directory has adapter_model.bin, a pickle: save the adapter with "
+                                        "safe_serialization=True, PEFT's default)")
+                          : std::string()));
+  }
+  ZO_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> file, SafetensorsFile::open(path, env));
+  std::vector<const SafetensorsTensor*> sources(layout.params.size(), nullptr);
+  std::set<std::string> used;
+  uint64_t max_elems = 0;
+  for (size_t p = 0; p < layout.params.size(); ++p) {
+    const ParamSpec& spec = layout.params[p];
+    if (!is_lora_param(spec.name)) continue;
+    const std::string stored = kPeftPrefix + spec.name;
+    const SafetensorsTensor* t = file->find(stored);
+    if (t == nullptr)
+      return not_found("adapter " + stored + " " + shape_string(spec.shape) + " is missing from " + path +
+                       " (its adapter_config.json's target_modules name the projections adapted)");
+    if (t->shape != spec.shape)
+      return invalid_argument("adapter " + stored + " has shape " + shape_string(t->shape) + " in " + path +
+                              ", expected " + shape_string(spec.shape) + " from the model config and r");
+    sources[p] = t;
+    used.insert(stored);
+    max_elems = std::max(max_elems, t->n_elems);
+  }
+  for (const SafetensorsTensor& t : file->tensors())
+    if (!used.contains(t.name))
+      return invalid_argument(path + " holds " + t.name +
+                              ", which this model has no place for (zoffload loads LoRA adapters on the decoder "
+                              "layers' projections: lora_A and lora_B)");
+  std::vector<float> buffer(std::min(chunk_elems, max_elems));
+  for (size_t p = 0; p < layout.params.size(); ++p) {
+    const SafetensorsTensor* t = sources[p];
+    if (t == nullptr) continue;
+    for (uint64_t off = 0; off < t->n_elems; off += chunk_elems) {
+      const std::span<float> chunk(buffer.data(), std::min(chunk_elems, t->n_elems - off));
+      ZO_RETURN_IF_ERROR(file->read_f32(*t, off, chunk));
+      ZO_RETURN_IF_ERROR(sink(static_cast<uint32_t>(p), off, chunk));
+    }
+  }
+  return Status::ok();
+}
 
 float random_init_normal(uint64_t seed, std::string_view name, uint64_t index, double std) {
   double z0 = 0, z1 = 0;
@@ -130,6 +211,7 @@ Status load_hf_weights(const std::string& model_dir, const ModelLayout& layout, 
   uint64_t max_elems = 0;
   for (size_t p = 0; p < layout.params.size(); ++p) {
     const ParamSpec& spec = layout.params[p];
+    if (is_lora_param(spec.name)) continue;  // not the base's: init_lora_adapters, load_peft_adapters
     const SafetensorsFile* file = nullptr;
     const std::string stored = stored_name(*weights, spec.name);
     used.insert(stored);
@@ -162,6 +244,7 @@ Status load_hf_weights(const std::string& model_dir, const ModelLayout& layout, 
   std::vector<float> buffer(std::min(chunk_elems, max_elems));
   for (size_t p = 0; p < layout.params.size(); ++p) {
     const auto [file, t] = sources[p];
+    if (file == nullptr) continue;  // an adapter
     for (uint64_t off = 0; off < t->n_elems; off += chunk_elems) {
       const std::span<float> chunk(buffer.data(), std::min(chunk_elems, t->n_elems - off));
       ZO_RETURN_IF_ERROR(file->read_f32(*t, off, chunk));
@@ -181,6 +264,10 @@ Status random_init_weights(const ModelConfig& config, const ModelLayout& layout,
   for (size_t p = 0; p < layout.params.size(); ++p) {
     const ParamSpec& spec = layout.params[p];
     const uint64_t n = elems_of(spec.shape);
+    if (is_lora_param(spec.name)) {
+      ZO_RETURN_IF_ERROR(init_lora_adapter(spec, static_cast<uint32_t>(p), seed, chunk_elems, buffer, sink));
+      continue;
+    }
     const bool is_norm = ends_with(spec.name, "norm.weight");
     const bool is_bias = ends_with(spec.name, ".bias");
     const uint64_t key = stream_key(seed, spec.name);

@@ -20,7 +20,8 @@ namespace zo::engine {
 // returning an error stops the load with that error.
 using ParamSink = std::function<Status(uint32_t param, uint64_t offset_elems, std::span<const float> values)>;
 
-// Streams every param of `layout` from `model_dir` (see HfWeights) in chunks of at most chunk_elems
+// Streams every param of `layout` but its LoRA adapters (is_lora_param: see init_lora_adapters and
+// load_peft_adapters) from `model_dir` (see HfWeights) in chunks of at most chunk_elems
 // (> 0) elements. Before reading any data, checks every param is present with its exact shape
 // (errors name the tensor, the expected and found shapes and the file; a missing lm_head.weight says
 // the config is untied) and logs one warning line listing the tensors the layout does not use
@@ -33,9 +34,28 @@ Status load_hf_weights(const std::string& model_dir, const ModelLayout& layout, 
 
 // Random init, deterministic in (seed, param name, element index) and independent of chunk_elems:
 // Linear and embedding weights ~ normal(0, config.initializer_range) (counter-based splitmix64 +
-// Box–Muller), norm weights 1 (0 for Gemma's 1 + weight), biases 0 — as Hugging Face initializes them.
+// Box–Muller), norm weights 1 (0 for Gemma's 1 + weight), biases 0 — as Hugging Face initializes them;
+// LoRA adapters as init_lora_adapters.
 Status random_init_weights(const ModelConfig& config, const ModelLayout& layout, uint64_t seed, uint64_t chunk_elems,
                            const ParamSink& sink);
+
+// The LoRA adapters of `layout` (is_lora_param) only, as PEFT initialises them: each lora_A
+// [r, in] uniform in ±1/√in (torch's kaiming_uniform_ with a = √5, which PEFT calls), drawn from a
+// counter-based stream deterministic in (seed, name, index); each lora_B zero, so the adapted model
+// starts as the base.
+Status init_lora_adapters(const ModelLayout& layout, uint64_t seed, uint64_t chunk_elems, const ParamSink& sink);
+
+// The LoRA adapters of `layout` from a PEFT adapter directory's adapter_model.safetensors, where
+// they are named "base_model.model." + their name. Before any data moves: kNotFound naming a missing
+// adapter (or a directory with only adapter_model.bin), kInvalidArgument for a shape that differs
+// or a tensor the layout has no place for (another target module, layer or adapter kind), naming it.
+Status load_peft_adapters(const std::string& adapter_dir, const ModelLayout& layout, uint64_t chunk_elems,
+                          const ParamSink& sink, io::Env* env = io::Env::posix());
+
+// PEFT's files: an adapter directory holds these two, its tensors' names prefixed.
+inline constexpr const char* kPeftConfigFile = "adapter_config.json";
+inline constexpr const char* kPeftWeightsFile = "adapter_model.safetensors";
+inline constexpr const char* kPeftPrefix = "base_model.model.";
 
 // The value random_init_weights gives element `index` of a Linear/embedding weight named `name`
 // with standard deviation `std`, for tests and for re-deriving a single element.

@@ -46,6 +46,7 @@
 #include "engine/coord/grad_accumulator.h"
 #include "engine/memory/pinned_pool.h"
 #include "engine/memory/state_store.h"
+#include "engine/plan/lora.h"
 #include "engine/memory/swap_file.h"
 #include "io/env.h"
 
@@ -168,8 +169,14 @@ uint64_t host_checkpoint_bytes_per_micro_batch(const Config& c, const ModelConfi
          dtype_size_bytes(c.compute_dtype());
 }
 
-Result<ModelLayout> training_layout(const ModelConfig& model, const Config& config) {
-  ModelLayout layout = model_layout(model);
+Result<ModelLayout> training_layout(ModelConfig* model, const Config& config) {
+  if (!config.zoffload.lora.init_from.empty() && config.zoffload.lora.r == 0)
+    return internal_error("training_layout: zoffload.lora.init_from is not read yet (read_peft_adapter_config)");
+  ZO_ASSIGN_OR_RETURN(model->lora, lora_spec(*model, config.zoffload.lora));
+  ModelLayout layout = model_layout(*model);
+  // Note [LoRA adapters]: the base is frozen, as PEFT freezes it.
+  if (model->lora.r > 0)
+    for (ParamSpec& p : layout.params) p.trainable = is_lora_param(p.name);
   ZO_RETURN_IF_ERROR(freeze_params(config.zoffload.freeze, &layout));
   return layout;
 }
@@ -612,7 +619,8 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
   const Config& c = in.config;
   if (in.seq_len == 0) return invalid_argument("--seq-len: 0 tokens per sequence");
   ZO_RETURN_IF_ERROR(check_model_size(in.model));
-  ZO_ASSIGN_OR_RETURN(const ModelLayout layout, training_layout(in.model, c));
+  ModelConfig model = in.model;
+  ZO_ASSIGN_OR_RETURN(const ModelLayout layout, training_layout(&model, c));
   ZO_ASSIGN_OR_RETURN(ParamRegistry registry,
                       ParamRegistry::build(layout.params, c.zero.sub_group_size, in.world_size));
   RunPlan p;

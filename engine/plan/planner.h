@@ -171,9 +171,10 @@ struct RunPlan {
   std::string to_json() const;  // every field above, one JSON object
 };
 
-// The layout a run trains: model_layout(model) with zoffload.freeze applied (freeze_params), the
-// one the trainer and the planner both build.
-Result<ModelLayout> training_layout(const ModelConfig& model, const Config& config);
+// The layout a run trains, the one the trainer and the planner both build: with zoffload.lora, sets
+// model->lora (lora_spec; read_peft_adapter_config must have resolved init_from) and freezes every
+// param but the adapters; then model_layout(*model) with zoffload.freeze applied (freeze_params).
+Result<ModelLayout> training_layout(ModelConfig* model, const Config& config);
 // The order backward hands gradients to the accumulators: the blocks last to first, each block's
 // trainable params in its order (a tied embedding in both of its blocks; no frozen param).
 std::vector<uint32_t> contribution_order(const ModelLayout& layout);

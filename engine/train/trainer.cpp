@@ -20,6 +20,7 @@
 #include "engine/ckpt/export_gathered.h"
 #include "engine/config/io_settings.h"
 #include "engine/model/weights.h"
+#include "engine/plan/lora.h"
 #include "engine/train/trainer_impl.h"
 
 namespace zo::engine {
@@ -82,7 +83,9 @@ Status Trainer::Impl::resolve_model() {
     ZO_ASSIGN_OR_RETURN(model, resolve_model_config(opt.model, env()));
   }
   ZO_RETURN_IF_ERROR(check_model_size(model));
-  ZO_ASSIGN_OR_RETURN(layout, training_layout(model, opt.config));
+  // zoffload.lora.init_from's r, alpha and targets become the run's config, and so its checkpoints'.
+  ZO_RETURN_IF_ERROR(read_peft_adapter_config(&opt.config.zoffload.lora, env()));
+  ZO_ASSIGN_OR_RETURN(layout, training_layout(&model, opt.config));
   trainable_slots.assign(layout.blocks.size(), {});
   lowest_trainable_block = static_cast<uint32_t>(layout.blocks.size());
   for (uint32_t b = 0; b < layout.blocks.size(); ++b) {
@@ -477,8 +480,12 @@ Status Trainer::Impl::init_weights() {
   ParamSink sink = [this](uint32_t param, uint64_t offset_elems, std::span<const float> values) {
     return store->init_param(param, offset_elems, values);
   };
-  if (model_dir) return load_hf_weights(opt.model, layout, kInitChunkElems, sink, env());
-  return random_init_weights(model, layout, opt.seed, kInitChunkElems, sink);
+  if (!model_dir) return random_init_weights(model, layout, opt.seed, kInitChunkElems, sink);  // adapters too
+  ZO_RETURN_IF_ERROR(load_hf_weights(opt.model, layout, kInitChunkElems, sink, env()));
+  if (model.lora.r == 0) return Status::ok();
+  const std::string& from = opt.config.zoffload.lora.init_from;
+  if (from.empty()) return init_lora_adapters(layout, opt.seed, kInitChunkElems, sink);
+  return load_peft_adapters(from, layout, kInitChunkElems, sink, env()).with_context("zoffload.lora.init_from");
 }
 
 Trainer::Trainer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -614,6 +621,13 @@ Result<ExportResult> Trainer::export_model(const ExportOptions& options) {
   ExportOptions o = options;
   o.env = m.env();  // the run's own: io_faults reach the export too
   const std::string config_json = to_hf_config_json(m.model, torch_dtype_name(options.dtype));
+  if (m.model.lora.r > 0) {  // Note [Exporting LoRA adapters]
+    o.lora.emplace();
+    o.lora->merged = options.lora && options.lora->merged;
+    o.lora->scaling = m.model.lora.scaling();
+    o.lora->adapter_config_json = peft_adapter_config_json(
+        m.model.lora, m.model_dir ? fs::absolute(m.opt.model).lexically_normal().string() : m.opt.model);
+  }
   if (!m.plan.partition_params) return export_store(*m.store, config_json, *m.io, o);
   dist::ProcessGroup* group = m.opt.group;
   const ExportCollective ranks{
@@ -630,6 +644,9 @@ bool Trainer::export_needs_every_rank() const { return impl_->plan.partition_par
 
 DType Trainer::export_dtype() const {
   const Config& c = impl_->opt.config;
+  // LoRA adapters are small and kept in fp32, as PEFT keeps them; a rank holding its partition of
+  // the compute copies only exports in the compute dtype.
+  if (impl_->model.lora.r > 0 && !impl_->plan.partition_params) return DType::kF32;
   return c.bf16.enabled ? DType::kBF16 : c.fp16.enabled ? DType::kF16 : DType::kF32;
 }
 
@@ -645,7 +662,9 @@ std::string Trainer::describe() const {
   s << "model " << m.opt.model << " (" << m.model.num_hidden_layers << " layers, hidden " << m.model.hidden_size << ", "
     << format_count(m.registry->total_elems()) << " params"
     << (m.registry->trainable_elems() != m.registry->total_elems()
-            ? ", " + format_count(m.registry->trainable_elems()) + " trainable (zoffload.freeze)"
+            ? ", " + format_count(m.registry->trainable_elems()) + " trainable (" +
+                  (m.model.lora.r > 0 ? "zoffload.lora: LoRA r=" + std::to_string(m.model.lora.r) : "zoffload.freeze") +
+                  ")"
             : "")
     << ") | " << dtype_name(m.compute_dtype) << " compute, " << dtype_name(pl.grad_dtype) << " gradients"
     << (pl.grads_rounded() ? " (" + std::string(dtype_name(pl.grad_sum_dtype)) + " sums, norm before rounding)" : "")

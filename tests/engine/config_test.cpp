@@ -724,6 +724,25 @@ const Malformed kMalformed[] = {
      "zoffload.freeze",
      "expected an array of strings"},
     {"freeze_not_strings", {{"zoffload", {{"freeze", {"a", 3}}}}}, "zoffload.freeze[1]", "expected a string"},
+    {"lora_r_zero",
+     {{"zoffload", {{"lora", {{"r", 0}, {"target_modules", {"q_proj"}}}}}}},
+     "zoffload.lora.r",
+     "must be at least 1"},
+    {"lora_r_negative", {{"zoffload", {{"lora", {{"r", -4}}}}}}, "zoffload.lora.r", "must be ≥ 0"},
+    {"lora_without_r", {{"zoffload", {{"lora", {{"lora_alpha", 16}}}}}}, "zoffload.lora.r", "needed"},
+    {"lora_dropout",
+     {{"zoffload", {{"lora", {{"r", 8}, {"lora_dropout", 0.05}}}}}},
+     "zoffload.lora.lora_dropout",
+     "must be 0"},
+    {"lora_alpha_zero",
+     {{"zoffload", {{"lora", {{"r", 8}, {"lora_alpha", 0}}}}}},
+     "zoffload.lora.lora_alpha",
+     "must be > 0"},
+    {"lora_targets_string",
+     {{"zoffload", {{"lora", {{"r", 8}, {"target_modules", "all-linear"}}}}}},
+     "zoffload.lora.target_modules",
+     "expected an array of strings"},
+    {"lora_unknown", {{"zoffload", {{"lora", {{"r", 8}, {"rank", 8}}}}}}, "zoffload.lora.rank", "unknown"},
     {"data_unknown",
      {{"zoffload", {{"data", {{"shufle", false}}}}}},
      "zoffload.data.shufle",
@@ -1043,12 +1062,12 @@ TEST(ConfigKeys, EveryKeyIsReadAndWrittenAtItsPath) {
   rich["zero_optimization"] = {{"stage", 3},
                                {"offload_param", {{"device", "cpu"}, {"nvme_path", "/nvme"}}},
                                {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", "/nvme"}}}};
-  rich["zoffload"] = {{"checkpoint", {{"dir", "ck"}}}};
+  rich["zoffload"] = {{"checkpoint", {{"dir", "ck"}}}, {"lora", {{"r", 4}}}};  // the other lora keys need r
   rich["bf16"] = {{"enabled", true}};  // bf16.bf16_optimizer_states is read only then
   const std::set<std::string> only_default = {
       "zero_optimization.offload_optimizer.ratio", "zero_optimization.zero_hpz_partition_size",
       "zero_optimization.zero_quantized_weights", "zero_optimization.zero_quantized_gradients",
-      "bf16.bf16_master_weights_and_grads"};
+      "bf16.bf16_master_weights_and_grads", "zoffload.lora.lora_dropout"};
   int checked = 0;
   for (const ConfigKey& k : config_keys().keys) {
     if (is_custom(k.path)) continue;

@@ -285,5 +285,112 @@ TEST(RandomInit, NormalWithInitializerRange) {
   EXPECT_LT(max_abs, 0.02 * 7);
 }
 
+ModelConfig with_lora(ModelConfig c, std::vector<DecoderRole> targets, uint32_t r = 3) {
+  c.lora.r = r;
+  c.lora.targets = std::move(targets);
+  return c;
+}
+
+// Note [LoRA adapters]: each A [r, in] uniform in ±1/√in (PEFT's kaiming_uniform_(a=√5)), each B
+// zero, the same values from init_lora_adapters and random_init_weights, for any chunk size.
+TEST(LoraInit, AUniformInOneOverRootFanInBZeroDeterministic) {
+  ModelConfig c = with_lora(*model_preset("tiny"), {DecoderRole::kQ, DecoderRole::kDown}, 16);
+  const ModelLayout layout = model_layout(c);
+  Collected a, b, other;
+  ASSERT_TRUE(init_lora_adapters(layout, 9, 1 << 20, collector(&a)).is_ok());
+  ASSERT_TRUE(init_lora_adapters(layout, 9, 1000, collector(&b)).is_ok());
+  ASSERT_TRUE(init_lora_adapters(layout, 10, 1 << 20, collector(&other)).is_ok());
+  EXPECT_EQ(a.values, b.values);
+  const Collected all = init(c, 9, 1 << 20);
+  uint32_t n_a = 0, n_b = 0;
+  for (const auto& [p, v] : a.values) {
+    const ParamSpec& spec = layout.params[p];
+    ASSERT_TRUE(is_lora_param(spec.name)) << spec.name;
+    EXPECT_EQ(all.values.at(p), v) << spec.name << ": random_init_weights gives adapters the same values";
+    if (spec.name.ends_with(".lora_B.weight")) {
+      ++n_b;
+      for (float x : v) ASSERT_EQ(x, 0.0f) << spec.name;
+      continue;
+    }
+    ++n_a;
+    EXPECT_NE(other.values.at(p), v) << spec.name << ": another seed, other values";
+    const double bound = 1.0 / std::sqrt(static_cast<double>(spec.shape[1]));
+    double sum = 0, sum_sq = 0, max_abs = 0;
+    for (float x : v) {
+      ASSERT_LE(std::fabs(x), bound) << spec.name;
+      sum += x;
+      sum_sq += static_cast<double>(x) * x;
+      max_abs = std::max(max_abs, static_cast<double>(std::fabs(x)));
+    }
+    const double n = static_cast<double>(v.size()), mean = sum / n, var = sum_sq / n - mean * mean;
+    EXPECT_NEAR(mean, 0.0, 0.02 * bound) << spec.name;
+    EXPECT_NEAR(var, bound * bound / 3, 0.05 * bound * bound / 3) << spec.name << ": uniform's variance";
+    EXPECT_GT(max_abs, 0.99 * bound) << spec.name;
+  }
+  EXPECT_EQ(n_a, 2 * c.num_hidden_layers);
+  EXPECT_EQ(n_b, 2 * c.num_hidden_layers);
+}
+
+// The base loads from its directory without the adapters; the adapters load from a PEFT
+// directory, which must hold each of them (and nothing else) in its shape.
+TEST(LoraInit, BaseSkipsAdaptersAndPeftDirectoriesAreCheckedBeforeLoading) {
+  const ModelConfig base = small_config();
+  const ModelConfig c = with_lora(base, {DecoderRole::kQ, DecoderRole::kV});
+  const ModelLayout layout = model_layout(c);
+  TempDir model_dir;
+  write_model_dir(model_dir, model_layout(base));
+  Collected loaded;
+  Status st = load_hf_weights(model_dir.path(), layout, 5, collector(&loaded));
+  ASSERT_TRUE(st.is_ok()) << st.to_string();
+  EXPECT_EQ(loaded.values.size(), model_layout(base).params.size());
+  for (const auto& [p, v] : loaded.values) EXPECT_FALSE(is_lora_param(layout.params[p].name));
+
+  std::vector<testing::TestTensor> adapters;
+  std::vector<uint32_t> ids;
+  for (uint32_t p = 0; p < layout.params.size(); ++p) {
+    if (!is_lora_param(layout.params[p].name)) continue;
+    std::vector<float> v(elems(layout.params[p].shape));
+    for (uint64_t i = 0; i < v.size(); ++i) v[i] = value_of(p, i);
+    adapters.push_back(testing::f32_tensor(kPeftPrefix + layout.params[p].name, layout.params[p].shape, v));
+    ids.push_back(p);
+  }
+  ASSERT_EQ(adapters.size(), 8u);  // A and B of q and v on 2 layers
+  TempDir good;
+  testing::write_safetensors(good.file(kPeftWeightsFile), adapters);
+  Collected peft;
+  st = load_peft_adapters(good.path(), layout, 4, collector(&peft));
+  ASSERT_TRUE(st.is_ok()) << st.to_string();
+  ASSERT_EQ(peft.order, ids);
+  for (uint32_t p : ids)
+    for (uint64_t i = 0; i < peft.values.at(p).size(); ++i) ASSERT_EQ(peft.values.at(p)[i], value_of(p, i));
+
+  Collected none;
+  TempDir missing, extra, reshaped, bin_only;
+  auto without_last = adapters;
+  without_last.pop_back();
+  testing::write_safetensors(missing.file(kPeftWeightsFile), without_last);
+  st = load_peft_adapters(missing.path(), layout, 4, collector(&none));
+  EXPECT_EQ(st.code(), StatusCode::kNotFound);
+  EXPECT_THAT(st.message(), HasSubstr(adapters.back().name + " [4, 3] is missing from"));  // v: 1 head of 4
+  auto more = adapters;
+  more.push_back(testing::f32_tensor(std::string(kPeftPrefix) + "model.layers.0.mlp.up_proj.lora_A.weight", {3, 8},
+                                     std::vector<float>(24)));
+  testing::write_safetensors(extra.file(kPeftWeightsFile), more);
+  st = load_peft_adapters(extra.path(), layout, 4, collector(&none));
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(st.message(), HasSubstr("mlp.up_proj.lora_A.weight, which this model has no place for"));
+  auto wrong = adapters;
+  wrong[0] = testing::f32_tensor(wrong[0].name, {2, 8}, std::vector<float>(16));
+  testing::write_safetensors(reshaped.file(kPeftWeightsFile), wrong);
+  st = load_peft_adapters(reshaped.path(), layout, 4, collector(&none));
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(st.message(), HasSubstr("has shape [2, 8]"));
+  testing::write_file(bin_only.file("adapter_model.bin"), "pickle");
+  st = load_peft_adapters(bin_only.path(), layout, 4, collector(&none));
+  EXPECT_EQ(st.code(), StatusCode::kNotFound);
+  EXPECT_THAT(st.message(), HasSubstr("adapter_model.bin"));
+  EXPECT_TRUE(none.values.empty()) << "nothing is delivered before every check passed";
+}
+
 }  // namespace
 }  // namespace zo::engine

@@ -104,6 +104,7 @@ struct RunSetup {
   std::string master = "fp32";          // zoffload.master_dtype
   bool check_overflow = true;           // bf16.check_grad_overflow
   std::vector<std::string> freeze;      // zoffload.freeze
+  nlohmann::json lora;                  // zoffload.lora, when not null
 };
 
 Config make_config(const RunSetup& s, const std::string& nvme) {
@@ -133,6 +134,7 @@ Config make_config(const RunSetup& s, const std::string& nvme) {
     j["scheduler"] = {{"type", "WarmupCosineLR"},
                       {"params", {{"warmup_num_steps", 3}, {"total_num_steps", 20}, {"warmup_type", "linear"}}}};
   if (!s.freeze.empty()) j["zoffload"]["freeze"] = s.freeze;
+  if (!s.lora.is_null()) j["zoffload"]["lora"] = s.lora;
   if (s.opt_type == "Adagrad") j["optimizer"]["params"] = {{"lr", 1e-2}, {"eps", 1e-10}, {"weight_decay", 0.0}};
   if (s.opt_type == "Lion") j["optimizer"]["params"] = {{"lr", 3e-4}, {"betas", {0.9, 0.99}}, {"weight_decay", 0.01}};
   if (s.precision == "bf16") j["bf16"] = {{"enabled", true}, {"check_grad_overflow", s.check_overflow}};
@@ -2200,6 +2202,106 @@ TEST(Resume, FrozenRunsResumeBitExactlyAndExportFromTheCheckpoint) {
   EXPECT_THAT(refused.status().message(),
               HasSubstr("model.layers.0.input_layernorm.weight was frozen when it was saved and this run trains it: "
                         "resume with the checkpoint's zoffload.freeze"));
+}
+
+// LoRA adapters (Note [LoRA adapters]) over the frozen base train like any trainable params: the
+// same bits on every placement, the vertical schedule, stage 0 and over two ranks at stage 3, with
+// optimizer states for the adapters only; the base never changes. A checkpoint resumes bit-exactly
+// on another placement, and a run without the checkpoint's zoffload.lora is refused by name.
+TEST(Lora, AdaptersTrainBitIdenticallyAcrossPlacementsSchedulesStagesAndRanks) {
+  constexpr int kSteps = 4;
+  const nlohmann::json lora = {{"r", 4}, {"lora_alpha", 8}, {"target_modules", {"all-linear"}}};
+  RunSetup resident{.grad_accum = 2, .lora = lora};
+  TempDir rd;
+  auto t = Trainer::create(make_options(resident, rd));
+  ASSERT_TRUE(t.is_ok()) << t.status().to_string();
+  const ModelLayout& layout = (*t)->layout();
+  const auto before = masters(**t);
+  uint64_t adapter_elems = 0, adapters = 0;
+  for (const ParamSpec& p : layout.params) {
+    EXPECT_EQ(p.trainable, is_lora_param(p.name)) << p.name;
+    if (!is_lora_param(p.name)) continue;
+    ++adapters;
+    adapter_elems += static_cast<uint64_t>(p.shape[0] * p.shape[1]);
+  }
+  EXPECT_EQ(adapters, 2 * 7 * (*t)->model_config().num_hidden_layers);  // A and B on the 7 projections
+  const nlohmann::json plan = nlohmann::json::parse((*t)->plan_json());
+  EXPECT_EQ(plan["n_trainable"].get<uint64_t>(), adapter_elems);
+  std::vector<StepMetrics> rm;
+  for (int i = 0; i < kSteps; ++i) {
+    auto m = (*t)->step();
+    ASSERT_TRUE(m.is_ok()) << m.status().to_string();
+    rm.push_back(*m);
+  }
+  const auto want = masters(**t);
+  EXPECT_LT(rm.back().loss, rm.front().loss) << "it trains";
+  for (size_t p = 0; p < layout.params.size(); ++p) {
+    if (is_lora_param(layout.params[p].name)) {
+      EXPECT_NE(want[p], before[p]) << layout.params[p].name << " trains";
+    } else {
+      EXPECT_EQ(want[p], before[p]) << layout.params[p].name << " stays as loaded";
+    }
+  }
+  auto with = [&](RunSetup s) {
+    s.lora = lora;
+    return s;
+  };
+  for (const auto& [name, setup] : std::vector<std::pair<std::string, RunSetup>>{
+           {"cpu", with({.param = "cpu", .optimizer = "cpu"})},
+           {"nvme", with({.param = "nvme", .optimizer = "nvme", .max_in_cpu = 0})},
+           {"vertical", with({.schedule = "vertical"})},
+           {"stage 0", with({.stage = 0})}}) {
+    SCOPED_TRACE(name);
+    TempDir d;
+    std::vector<StepMetrics> m;
+    const auto got = train(make_options(setup, d), kSteps, &m);
+    for (int i = 0; i < kSteps; ++i) EXPECT_EQ(m[i].loss, rm[i].loss) << "step " << i + 1;
+    EXPECT_TRUE(bit_identical(got, want));
+  }
+  // Two ranks at stage 3, the compute copies partitioned: offloaded as resident.
+  const TwoRanks x = train_two_ranks(with({.grad_accum = 1}), 3),
+                 y = train_two_ranks(with({.param = "cpu", .optimizer = "cpu", .grad_accum = 1}), 3);
+  for (uint32_t r = 0; r < 2; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    ASSERT_TRUE(x.setup[r].is_ok()) << x.setup[r].to_string();
+    ASSERT_TRUE(y.setup[r].is_ok()) << y.setup[r].to_string();
+    for (int i = 0; i < 3; ++i) EXPECT_EQ(y.metrics[r][i].loss, x.metrics[r][i].loss) << "step " << i + 1;
+    EXPECT_TRUE(bit_identical(y.masters[r], x.masters[r]));
+  }
+}
+
+TEST(Resume, LoraRunsResumeBitExactlyAndOnlyWithTheirAdapters) {
+  constexpr int kN = 2, kM = 2;
+  const nlohmann::json lora = {{"r", 2}, {"target_modules", {"q_proj", "down_proj"}}, {"use_rslora", true}};
+  RunSetup first{.param = "nvme", .optimizer = "nvme", .max_in_cpu = 0, .precision = "fp32", .lora = lora};
+  RunSetup resumed{.param = "cpu", .optimizer = "cpu", .precision = "fp32", .lora = lora};
+  TempDir a_dir, b_dir;
+  auto ta = Trainer::create(with_checkpoints(make_options(first, a_dir), a_dir.path + "/ckpt"));
+  ASSERT_TRUE(ta.is_ok()) << ta.status().to_string();
+  auto am = steps_saving_after(**ta, kN + kM, kN);
+  ASSERT_TRUE(am.is_ok()) << am.status().to_string();
+  const std::string ckpt = a_dir.path + "/ckpt/step-" + std::to_string(kN);
+  TrainOptions b = make_options(resumed, b_dir);
+  b.resume = ckpt;
+  auto tb = Trainer::create(b);
+  ASSERT_TRUE(tb.is_ok()) << tb.status().to_string();
+  for (int i = kN; i < kN + kM; ++i) {
+    auto m = (*tb)->step();
+    ASSERT_TRUE(m.is_ok()) << m.status().to_string();
+    EXPECT_EQ(m->loss, (*am)[i].loss) << "step " << i + 1;
+  }
+  EXPECT_TRUE(bit_identical(masters(**tb), masters(**ta)));
+  for (const nlohmann::json& other : {nlohmann::json(), nlohmann::json{{"r", 4}, {"target_modules", {"q_proj"}}}}) {
+    SCOPED_TRACE(other.dump());
+    TempDir c_dir;
+    RunSetup s = resumed;
+    s.lora = other;
+    TrainOptions c = make_options(s, c_dir);
+    c.resume = ckpt;
+    auto refused = Trainer::create(c);
+    ASSERT_FALSE(refused.is_ok());
+    EXPECT_THAT(refused.status().message(), HasSubstr("resume with the checkpoint's zoffload.lora"));
+  }
 }
 
 // Two ranks save a frozen run together (each its part of every file, frozen.safetensors too) and

@@ -1,0 +1,340 @@
+#!/usr/bin/env python3
+"""PEFT + transformers are the oracle of zoffload.lora (docs/training.md, "LoRA adapters").
+
+Per case, transformers saves a tiny model (llama, mistral, qwen2 with its q/k/v biases) and PEFT
+makes a LoRA adapter over it with its own initialisation (seeded; in some cases B is then moved off
+zero, as an adapter trained before would be) and saves it with save_pretrained. Then
+`zoffload train` starts from that directory (zoffload.lora.init_from) and the reference trains the
+same PeftModel with torch.optim.AdamW, clipping and gradient accumulation 2 on the same windows
+(zoffload.data.shuffle false: file order), for 6 steps:
+
+- every step's loss and gradient norm, and the adapters written by the end-of-run export (PEFT's
+  adapter directory), within the fp32 tolerances of hf_parity_test.py;
+- the frozen base byte-identical after training (the checkpoint's frozen.safetensors against the
+  weights the run started from);
+- the exported adapter, loaded by PeftModel.from_pretrained over the base, gives the loss
+  zoffload's own model gave on the held-out batches it evaluated after the last step (--eval-data);
+- `zoffload export` of the checkpoint writes the same adapter file, and with --merge the merged
+  model, which equals PEFT's merge_and_unload;
+
+on every placement of the base (none, cpu, nvme) and ZeRO stages 0 and 3. Then the errors: a
+module the model lacks, r 0, lora_dropout, and an init_from adapter that asks for DoRA, each
+refused naming its key before anything is written.
+
+Usage: peft_parity_test.py ZOFFLOAD SOURCE_DIR
+Exit 77 (skip) when this Python lacks torch, transformers or peft."""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from cli_checks import expect, report_and_exit
+
+zoffload, source_dir = sys.argv[1], sys.argv[2]
+sys.path.insert(0, os.path.join(source_dir, "tools"))  # data_order: zoffload's token files
+
+try:
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+    import transformers
+    import peft
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+    from data_order import write_llmc
+except ImportError as e:
+    print("SKIP: PEFT's oracle is not installed in %s (%s); tools/requirements.txt pins it" % (sys.executable, e))
+    sys.exit(77)
+
+ZO_ENV = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+torch.set_num_threads(1)
+
+STEPS, GAS, MICRO, SEQ, EVAL_BATCHES = 6, 2, 2, 24, 2
+HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS = 64, 160, 2, 4, 2
+LR, BETAS, EPS, WEIGHT_DECAY, CLIP = 5e-3, (0.9, 0.95), 1e-8, 0.1, 1.0
+# hf_parity_test.py's fp32 tolerances (the same arithmetic with reductions in another order); the
+# merged export: W + s·B·A summed in another order than PEFT's matmul, a few ulps of W.
+TOL = {"loss": 1e-5, "grad_norm": 1e-5, "weights": 2e-5, "eval": 1e-5, "merged": 1e-6}
+
+CASES = [
+    dict(name="llama-none-stage0", arch="llama", tied=True, vocab=256, placement="none", stage=0, r=4, alpha=8,
+         targets=["q_proj", "v_proj"], rslora=False, moved_b=False, seed=31),
+    dict(name="llama-cpu-stage3-all-linear-rslora", arch="llama", tied=False, vocab=320, placement="cpu", stage=3,
+         r=8, alpha=16, targets="all-linear", rslora=True, moved_b=True, seed=32),
+    dict(name="mistral-nvme-stage3", arch="mistral", tied=False, vocab=288, placement="nvme", stage=3, r=4,
+         alpha=4, targets=["q_proj", "k_proj", "v_proj", "o_proj"], rslora=False, moved_b=True, seed=33),
+    dict(name="qwen2-cpu-stage3", arch="qwen2", tied=False, vocab=352, placement="cpu", stage=3, r=4, alpha=12,
+         targets=["q_proj", "v_proj", "down_proj"], rslora=False, moved_b=True, seed=34),
+    dict(name="qwen2-none-stage0", arch="qwen2", tied=False, vocab=352, placement="none", stage=0, r=2, alpha=8,
+         targets=["gate_proj", "up_proj"], rslora=False, moved_b=False, seed=35),
+]
+
+
+def rel(a, b):
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def tensor_gap(a, b):
+    return ((a.double() - b.double()).norm() / max(b.double().norm().item(), 1e-30)).item()
+
+
+def save_base(case, model_dir):
+    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[case["arch"]]
+    config = cls(vocab_size=case["vocab"], hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
+                 num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                 max_position_embeddings=64, rms_norm_eps=1e-5, initializer_range=0.12,
+                 tie_word_embeddings=case["tied"])
+    torch.manual_seed(case["seed"])
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.copy_(0.2 * torch.randn_like(p))
+    model.save_pretrained(model_dir)
+
+
+def lora_config(case):
+    return LoraConfig(r=case["r"], lora_alpha=case["alpha"], target_modules=case["targets"], lora_dropout=0.0,
+                      use_rslora=case["rslora"], task_type="CAUSAL_LM")
+
+
+def save_adapter(case, model_dir, adapter_dir):
+    """PEFT's own initialisation (A Kaiming-uniform, B zero), seeded; B moved off zero when the case
+    says, so that the adapters change the forward from the first step."""
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    torch.manual_seed(case["seed"] + 100)
+    model = get_peft_model(base, lora_config(case))
+    if case["moved_b"]:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(0.05 * torch.randn_like(p))
+    model.save_pretrained(adapter_dir)
+
+
+def zo_config(case, lora):
+    zero = {"stage": case["stage"], "sub_group_size": 20000, "stage3_gather_16bit_weights_on_model_save": True}
+    if case["stage"] == 3:
+        zero.update({"stage3_param_persistence_threshold": 200, "stage3_prefetch_bucket_size": 30000})
+    if case["placement"] == "cpu":
+        zero["offload_param"] = {"device": "cpu"}
+        zero["offload_optimizer"] = {"device": "cpu"}
+    elif case["placement"] == "nvme":
+        zero["offload_param"] = {"device": "nvme", "nvme_path": "nvme", "buffer_count": 4, "buffer_size": 40000}
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": "nvme"}
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "gradient_clipping": CLIP,
+            "data_types": {"grad_accum_dtype": "fp32"},
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS,
+                                                      "weight_decay": WEIGHT_DECAY}},
+            "zero_optimization": zero,
+            "zoffload": {"device": "host", "optimizer_threads": 1, "data": {"shuffle": False},
+                         "checkpoint": {"dir": "ckpt"}, "lora": lora}}
+
+
+def windows(tokens, first, n):
+    """zoffload's windows in file order (shuffle false): window w = tokens [wT, wT + T], inputs its
+    first T, targets its last T."""
+    rows = np.stack([tokens[w * SEQ:w * SEQ + SEQ + 1] for w in range(first, first + n)]).astype(np.int64)
+    x = torch.from_numpy(rows)
+    return x[:, :-1].contiguous(), x[:, 1:].contiguous()
+
+
+def loss_of(model, x, y):
+    logits = model(input_ids=x, use_cache=False).logits
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+
+
+def reference_train(case, model_dir, adapter_dir, tokens):
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model = PeftModel.from_pretrained(base, adapter_dir, is_trainable=True)
+    model.train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    steps = []
+    for step in range(STEPS):
+        losses = []
+        for micro in range(GAS):
+            x, y = windows(tokens, (step * GAS + micro) * MICRO, MICRO)
+            loss = loss_of(model, x, y)
+            (loss / GAS).backward()
+            losses.append(loss.item())
+        norm = torch.nn.utils.clip_grad_norm_(trainable, CLIP).item()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        steps.append({"loss": sum(losses) / GAS, "grad_norm": norm})
+    adapters = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:  # base_model.model.….lora_A.default.weight: saved without ".default"
+            adapters[name.replace(".default.", ".")] = p.detach().clone()
+    return steps, adapters
+
+
+def read_safetensors(path):
+    with safe_open(path, framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def zo_train(case, work, model_dir, lora, data, eval_data, name="run"):
+    run = os.path.join(work, name)
+    os.makedirs(run)
+    cfg_path = os.path.join(run, "ds.json")
+    with open(cfg_path, "w") as f:
+        json.dump(zo_config(case, lora), f)
+    args = [zoffload, "train", "--config", cfg_path, "--model", model_dir, "--data", data, "--steps", str(STEPS),
+            "--seq-len", str(SEQ), "--out", os.path.join(run, "out"), "--eval-data", eval_data, "--eval-every",
+            str(STEPS), "--eval-batches", str(EVAL_BATCHES), "--json"]
+    return subprocess.run(args, capture_output=True, text=True, env=ZO_ENV, timeout=600), os.path.join(run, "out")
+
+
+def run_case(case, tmp):
+    name = case["name"]
+    t0 = time.time()
+    print("%s: %s%s, LoRA r=%d alpha=%g on %s%s, base %s, stage %d" %
+          (name, case["arch"], " tied" if case["tied"] else "", case["r"], case["alpha"], case["targets"],
+           " (rsLoRA)" if case["rslora"] else "", case["placement"], case["stage"]))
+    work = os.path.join(tmp, name)
+    model_dir, adapter_dir = os.path.join(work, "model"), os.path.join(work, "adapter")
+    os.makedirs(model_dir)
+    save_base(case, model_dir)
+    save_adapter(case, model_dir, adapter_dir)
+    rng = np.random.default_rng(case["seed"])
+    tokens = rng.integers(0, case["vocab"], size=STEPS * GAS * MICRO * SEQ + 1)
+    eval_tokens = rng.integers(0, case["vocab"], size=EVAL_BATCHES * MICRO * SEQ + 1)
+    data, eval_data = os.path.join(work, "train.bin"), os.path.join(work, "eval.bin")
+    write_llmc(data, tokens)
+    write_llmc(eval_data, eval_tokens)
+
+    proc, out = zo_train(case, work, model_dir, {"init_from": adapter_dir}, data, eval_data)
+    if not expect(proc.returncode == 0, "%s: zoffload train exits 0 (got %d): %s" %
+                  (name, proc.returncode, proc.stderr[-3000:])):
+        return
+    ref_steps, ref_adapters = reference_train(case, model_dir, adapter_dir, tokens)
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        zo_steps = [json.loads(line) for line in f]
+    if not expect(len(zo_steps) == STEPS, "%s: %d metrics lines" % (name, len(zo_steps))):
+        return
+    print("  step  loss zoffload  peft          rel      grad_norm zoffload  peft          rel")
+    for i, (z, r) in enumerate(zip(zo_steps, ref_steps)):
+        print("  %-4d  %-13.9g  %-13.9g %-7.1e  %-18.9g  %-13.9g %-7.1e" %
+              (i + 1, z["loss"], r["loss"], rel(z["loss"], r["loss"]), z["grad_norm"], r["grad_norm"],
+               rel(z["grad_norm"], r["grad_norm"])))
+        expect(rel(z["loss"], r["loss"]) <= TOL["loss"], "%s step %d: loss %.9g vs PEFT's %.9g" %
+               (name, i + 1, z["loss"], r["loss"]))
+        expect(rel(z["grad_norm"], r["grad_norm"]) <= TOL["grad_norm"], "%s step %d: grad_norm %.9g vs PEFT's %.9g" %
+               (name, i + 1, z["grad_norm"], r["grad_norm"]))
+
+    # The end-of-run export: PEFT's adapter directory, the adapters in fp32.
+    export = os.path.join(out, "hf-export-step-%d" % STEPS)
+    files = sorted(os.listdir(export)) if os.path.isdir(export) else []
+    if not expect({"adapter_config.json", "adapter_model.safetensors"} <= set(files) and
+                  "model.safetensors" not in files, "%s: the export is an adapter directory: %s" % (name, files)):
+        return
+    exported = read_safetensors(os.path.join(export, "adapter_model.safetensors"))
+    expect(sorted(exported) == sorted(ref_adapters), "%s: the export names the adapters as PEFT does: %s vs %s" %
+           (name, sorted(exported)[:3], sorted(ref_adapters)[:3]))
+    worst = max((tensor_gap(exported[k], ref_adapters[k]), k) for k in ref_adapters if k in exported)
+    print("  adapters after training: worst relative gap %.1e (%s)" % worst)
+    expect(worst[0] <= TOL["weights"], "%s: adapter %s differs from PEFT's by %.1e" % (name, worst[1], worst[0]))
+    expect(all(t.dtype == torch.float32 for t in exported.values()), "%s: the adapters are exported in fp32" % name)
+    start = read_safetensors(os.path.join(adapter_dir, "adapter_model.safetensors"))
+    moved = sum(not torch.equal(exported[k], start[k]) for k in start if k in exported)
+    expect(moved == len(start), "%s: training moved every adapter (%d of %d)" % (name, moved, len(start)))
+
+    # The frozen base, byte for byte: the checkpoint's frozen.safetensors holds the weights it started from.
+    base = read_safetensors(os.path.join(model_dir, "model.safetensors"))
+    ckpt = os.path.join(out, "ckpt", "step-%d" % STEPS)
+    frozen = read_safetensors(os.path.join(ckpt, "frozen.safetensors"))
+    expect(sorted(frozen) == sorted(base), "%s: frozen.safetensors holds the base (%d tensors, the base %d)" %
+           (name, len(frozen), len(base)))
+    same = all(torch.equal(frozen[k], base[k]) for k in base if k in frozen)
+    print("  base weights after training byte-identical: %s" % ("yes" if same else "NO"))
+    expect(same, "%s: the frozen base is unchanged by training" % name)
+
+    # PEFT loads the export over the base and gives the loss zoffload's model gave on the held-out batches.
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                                           export)
+    peft_model.eval()
+    with torch.no_grad():
+        losses = [loss_of(peft_model, *windows(eval_tokens, b * MICRO, MICRO)).item() for b in range(EVAL_BATCHES)]
+    peft_eval = sum(losses) / len(losses)
+    zo_eval = zo_steps[-1]["eval"]["loss"]
+    print("  held-out loss: zoffload %.9g, PEFT over the export %.9g (%.1e)" % (zo_eval, peft_eval, rel(zo_eval, peft_eval)))
+    expect(rel(zo_eval, peft_eval) <= TOL["eval"], "%s: PEFT's loss over the exported adapter %.9g, zoffload's %.9g" %
+           (name, peft_eval, zo_eval))
+
+    # `zoffload export` of the checkpoint: the same adapter file; with --merge, PEFT's merge_and_unload.
+    again = os.path.join(work, "adapter-again")
+    p = subprocess.run([zoffload, "export", "--checkpoint", os.path.join(out, "ckpt"), "--dtype", "fp32", "--out",
+                        again, "-q"], capture_output=True, text=True, env=ZO_ENV)
+    if expect(p.returncode == 0, "%s: zoffload export: %s" % (name, p.stderr[-2000:])):
+        with open(os.path.join(again, "adapter_model.safetensors"), "rb") as f1, \
+                open(os.path.join(export, "adapter_model.safetensors"), "rb") as f2:
+            expect(f1.read() == f2.read(), "%s: the checkpoint's adapter export equals the run's" % name)
+    merged_dir = os.path.join(work, "merged")
+    p = subprocess.run([zoffload, "export", "--checkpoint", os.path.join(out, "ckpt"), "--dtype", "fp32", "--merge",
+                        "--out", merged_dir, "--json"], capture_output=True, text=True, env=ZO_ENV)
+    if expect(p.returncode == 0, "%s: zoffload export --merge: %s" % (name, p.stderr[-2000:])):
+        expect(json.loads(p.stdout)["format"] == "merged", "%s: --json says merged" % name)
+        merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).state_dict()
+        want = peft_model.merge_and_unload().state_dict()
+        expect(sorted(merged) == sorted(want), "%s: the merged export has the base's tensors" % name)
+        worst = max((tensor_gap(merged[k], want[k]), k) for k in want if k in merged)
+        changed = sum(not torch.equal(want[k], base[k]) for k in base if k in want)
+        print("  merged export vs merge_and_unload: worst relative gap %.1e (%s); %d weights adapted" %
+              (worst[0], worst[1], changed))
+        expect(worst[0] <= TOL["merged"], "%s: merged %s differs from PEFT's merge by %.1e" % (name, worst[1], worst[0]))
+        expect(changed > 0, "%s: the merge changed the adapted weights" % name)
+    print("  %.1f s" % (time.time() - t0))
+
+
+def check_errors(tmp):
+    """Bad LoRA settings: refused naming the key, before a step or a file."""
+    case = CASES[0]
+    work = os.path.join(tmp, "errors")
+    model_dir, adapter_dir = os.path.join(work, "model"), os.path.join(work, "adapter")
+    os.makedirs(model_dir)
+    save_base(case, model_dir)
+    save_adapter(case, model_dir, adapter_dir)
+    data = os.path.join(work, "train.bin")
+    write_llmc(data, np.arange(2000) % case["vocab"])
+    dora = os.path.join(work, "dora")
+    os.makedirs(dora)
+    with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
+        cfg = json.load(f)
+    cfg["use_dora"] = True
+    with open(os.path.join(dora, "adapter_config.json"), "w") as f:
+        json.dump(cfg, f)
+    for i, (lora, key, words) in enumerate([
+            ({"r": 4, "target_modules": ["q_proj", "qkv_proj"]}, "zoffload.lora.target_modules", "qkv_proj"),
+            ({"r": 0, "target_modules": ["q_proj"]}, "zoffload.lora.r", "at least 1"),
+            ({"r": 4, "lora_dropout": 0.05}, "zoffload.lora.lora_dropout", "must be 0"),
+            ({"lora_alpha": 16}, "zoffload.lora.r", "needed"),
+            ({"init_from": dora}, "zoffload.lora.init_from", "use_dora"),
+            ({"init_from": adapter_dir, "r": 8}, "zoffload.lora.r", "leave r out")]):
+        p, out = zo_train(case, work, model_dir, lora, data, data, name="bad-%d" % i)
+        expect(p.returncode != 0 and key in p.stderr and words in p.stderr,
+               "zoffload.lora %s: refused naming %s (%r): rc %d, %s" % (lora, key, words, p.returncode, p.stderr[-800:]))
+        expect(not os.path.exists(os.path.join(out, "metrics.jsonl")), "zoffload.lora %s: no step taken" % lora)
+    print("errors: each bad zoffload.lora refused by key")
+
+
+def main():
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    named = [n for n in os.environ.get("ZO_PEFT_CASES", "").split(",") if n]
+    cases = [c for c in CASES if not named or c["name"] in named]
+    print("peft %s, transformers %s, torch %s" % (peft.__version__, transformers.__version__, torch.__version__))
+    t0 = time.time()
+    with tempfile.TemporaryDirectory(prefix="zo-peft-parity-", dir=os.environ.get("TMPDIR", "/tmp")) as tmp:
+        for case in cases:
+            run_case(case, tmp)
+        if not named:
+            check_errors(tmp)
+    print("%d cases in %.1f s" % (len(cases), time.time() - t0))
+    report_and_exit()
+
+
+main()
