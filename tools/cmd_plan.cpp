@@ -335,7 +335,7 @@ void register_plan_command(CLI::App& app, int* exit_code) {
   plan->add_option("--config", args->config, "DeepSpeed/zoffload JSON config (see docs/config.md)")->required();
   plan->add_option("--model", args->model,
                    "A Hugging Face model directory (only its config.json is read) or a preset: tiny, tinyllama-1.1b, "
-                   "llama3.2-1b, llama3.2-3b, llama-7b, llama3-8b, llama-13b, llama-70b")
+                   "llama3.2-1b, llama3.2-3b, llama-7b, llama3-8b, llama-13b, llama-30b, llama-70b")
       ->required();
   plan->add_option("--seq-len", args->seq_len,
                    "Tokens per sequence (default: min(256, max_position_embeddings), as train)")

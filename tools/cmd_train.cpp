@@ -494,9 +494,10 @@ void register_train_command(CLI::App& app, int* exit_code) {
       "(docs/training.md, \"Several processes\").");
   train->add_option("--config", args->config, "DeepSpeed/zoffload JSON config (see docs/config.md)")->required();
   train
-      ->add_option("--model", args->model,
-                   "A Hugging Face model directory (config.json + *.safetensors) or a preset with random init: "
-                   "tiny, tinyllama-1.1b, llama3.2-1b, llama3.2-3b, llama-7b, llama3-8b, llama-13b, llama-70b")
+      ->add_option(
+          "--model", args->model,
+          "A Hugging Face model directory (config.json + *.safetensors) or a preset with random init: "
+          "tiny, tinyllama-1.1b, llama3.2-1b, llama3.2-3b, llama-7b, llama3-8b, llama-13b, llama-30b, llama-70b")
       ->required();
   train
       ->add_option("--data", args->data,

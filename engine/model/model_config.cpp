@@ -563,6 +563,9 @@ std::vector<std::pair<std::string, ModelConfig>> presets() {
   p.emplace_back("llama-7b", llama2(4096, 11008, 32, 32, 32));
   p.emplace_back("llama3-8b", llama3(4096, 14336, 32, 32, 8, 8.0));
   p.emplace_back("llama-13b", llama2(5120, 13824, 40, 40, 40));
+  ModelConfig l30 = llama2(6656, 17920, 60, 52, 52);  // LLaMA-30B ("33B"): the largest base a 128 GiB host pins
+  l30.max_position_embeddings = 2048;
+  p.emplace_back("llama-30b", l30);
   p.emplace_back("llama-70b", llama2(8192, 28672, 80, 64, 8));
   return p;
 }

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """tools/gpu_machine/gpu_checks.sh without a GPU: its usage errors, a part skipped when --time-limit
-leaves it no time, the exact and devstates parts on the emulated device with the tiny
+leaves it no time, the exact, lora and devstates parts on the emulated device with the tiny
 model, the deepspeed part failing with one line where DeepSpeed was not fetched, that
 part's zoffload half on the emulated device (ZO_DS_SIDES=zoffload: a table row with zoffload's
 tokens/s, ZO_DS_ZOFFLOAD merged into the run's config), a run cut by the part's share of the time
@@ -84,6 +84,14 @@ expect("gradient accumulators none" in text and "NVMe read 0 B, written 0 B" in 
        "the exact part's plan: no accumulators, no disk: %s" % text[-800:])
 expect("exact, all in RAM:" in text and "tokens/s, device_busy" in text, "the exact part's figures: " + text[-400:])
 
+# The lora part on the emulated device with the tiny model: adapters over the pinned base, the plan
+# moving nothing through a disk, three steps, and its tokens/s.
+rc, text, _ = run(["--time-limit", "200", "lora"], ZO_LORA_MODEL="tiny", ZO_LORA_DEVICE="host", ZO_LORA_MICRO="2",
+                  ZO_LORA_GAS="2", ZO_LORA_SEQ="64")
+expect(rc == 0, "the lora part: exit %d: %s" % (rc, text[-800:]))
+expect("LoRA r=16 adapters on the frozen base" in text and "NVMe read 0 B, written 0 B" in text,
+       "the lora part's plan: adapters, no disk: %s" % text[-800:])
+expect("lora, base pinned:" in text and "tokens/s, device_busy" in text, "the lora part's figures: " + text[-400:])
 # The devstates part on the emulated device: the optimizer on the device with 8-bit moments and bf16
 # masters, every step equal to the CPU tier's.
 rc, text, _ = run(["--time-limit", "200", "devstates"], ZO_DEVSTATES_DEVICE="host")

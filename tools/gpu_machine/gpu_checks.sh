@@ -3,19 +3,21 @@
 # one device command: the gpu suite, transformers parity on cuda, zoffload-bench pcie, CudaDevice
 # against HostDevice, the narrow optimizer states stepped on the device against the CPU's, the
 # device budget, llama3-8b at GAS 1 and 8, llama3-8b with 8-bit moments and
-# every state in RAM, llama3-8b with every state fp32 in RAM and no gradient accumulators, a 7B
+# every state in RAM, llama3-8b with every state fp32 in RAM and no gradient accumulators, LoRA
+# adapters over a pinned 32.5 B base, a 7B
 # model whose gradient accumulators the host's RAM holds, and zoffload against DeepSpeed ZeRO-3
 # offload on the same runs. Runs THERE, from the repository root, with .carry carried after
 # tools/gpu_machine/pack_prebuilt.sh ran here (or with BIN_DIR naming a build made there by
 # build_there.sh):
 #   tools/gpu_machine/gpu_checks.sh [--time-limit S] [PART...]
-# PART: suite parity pcie tiny devstates budget llama8b ram8bit exact ram deepspeed (default: all, in that
+# PART: suite parity pcie tiny devstates budget llama8b ram8bit exact lora ram deepspeed (default: all, in that
 # order). Each part is given at most its own share of time and the time left before --time-limit
 # (default 560 s, under the tool's 600 s for one command), so a slow part cannot take the later
 # ones' time unseen; the line of a part that was cut says so. Ends with a table of parts, seconds
 # and results. Files in $OUT (the device tool brings them back): checks.log (everything printed),
 # gpu_test.log, hf_parity.log, runs.tgz (every run's metrics.jsonl, log and plan),
-# trace-llama8b-gas8.json.gz, trace-ram8bit.json.gz, trace-exact.json.gz, trace-ram.json.gz and the
+# trace-llama8b-gas8.json.gz, trace-ram8bit.json.gz, trace-exact.json.gz, trace-lora.json.gz,
+# trace-ram.json.gz and the
 # deepspeed part's zoffload traces, trace-ds-<shape>-gas<N>.json.gz. Exit status: 0 when every part
 # passed, 1 otherwise, 2 on bad usage.
 #
@@ -25,7 +27,8 @@
 # ZO_8BIT_GAS, ZO_8BIT_BASELINE (0: no fp32 baseline run), ZO_8BIT_GRADS (bf16: the 8-bit run stores
 # its gradient sums in bf16, zoffload.gradient_store_dtype). The exact part: ZO_EXACT_MODEL (default
 # llama3-8b), ZO_EXACT_DEVICE (default cuda; host for a test), ZO_EXACT_MICRO, ZO_EXACT_GAS,
-# ZO_EXACT_SEQ (default 1024). The devstates part: ZO_DEVSTATES_DEVICE (default cuda; host for a
+# ZO_EXACT_SEQ (default 1024). The lora part: ZO_LORA_MODEL (default llama-30b), ZO_LORA_DEVICE
+# (default cuda; host for a test), ZO_LORA_MICRO, ZO_LORA_GAS, ZO_LORA_SEQ (default 1024). The devstates part: ZO_DEVSTATES_DEVICE (default cuda; host for a
 # test). The deepspeed part's runs: ZO_DS_RUNS (default "llama3.2-3b:8:3
 # llama3.2-3b:1:3 llama3-8b:8:2", model:GAS:steps, in that order: the comparison that matters most
 # first), ZO_DS_MICRO (micro-batch, default 4), ZO_DS_SEQ (default 1024), ZO_DS_DEVICE
@@ -47,11 +50,11 @@ while [ $# -gt 0 ]; do
     -h|--help) usage 0 ;;
     --time-limit) [ $# -ge 2 ] && [[ "$2" =~ ^[0-9]+$ ]] || { echo "gpu_checks: --time-limit takes seconds" >&2; exit 2; }
                   limit=$2; shift 2 ;;
-    suite|parity|pcie|tiny|devstates|budget|llama8b|ram8bit|exact|ram|deepspeed) parts+=("$1"); shift ;;
+    suite|parity|pcie|tiny|devstates|budget|llama8b|ram8bit|exact|lora|ram|deepspeed) parts+=("$1"); shift ;;
     *) echo "gpu_checks: unknown part or option '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
-[ ${#parts[@]} -gt 0 ] || parts=(suite parity pcie tiny devstates budget llama8b ram8bit exact ram deepspeed)
+[ ${#parts[@]} -gt 0 ] || parts=(suite parity pcie tiny devstates budget llama8b ram8bit exact lora ram deepspeed)
 
 root=$(pwd)
 if [ ! -f "$root/meson.build" ] || ! grep -q "^project('zoffload'" "$root/meson.build"; then
@@ -428,6 +431,37 @@ ms = ms[1:] or ms
 print("  exact, all in RAM: %.0f tokens/s, device_busy %.3f (medians of the steps after the first; the first runs, "
       "accumulators on the disk: 1,800 tokens/s, 0.16-0.20)" % (statistics.median(m["tokens_per_s"] for m in ms),
                                                               statistics.median(m["device_busy"] for m in ms)))
+PY
+}
+
+# LoRA over the largest base the host holds in RAM: llama-30b (32.5 B parameters, 65 GB in bf16)
+# pinned, zoffload.lora r=16 on every projection (122 M adapter parameters, their optimizer and
+# accumulators in RAM), micro-batch 4, GAS 8, vertical, 24 GiB of the card; three steps traced over
+# steps 2-3. The plan runs first and must move nothing through the disk; the part ends with the
+# median tokens/s and device_busy over steps 2-3. ZO_LORA_MODEL, ZO_LORA_DEVICE, ZO_LORA_MICRO,
+# ZO_LORA_GAS and ZO_LORA_SEQ replace the model, zoffload.device, micro-batch, GAS and sequence
+# length (for a test without a GPU).
+part_lora() {
+  local name=lora cfg=$runs/lora.json r model=${ZO_LORA_MODEL:-llama-30b} seq=${ZO_LORA_SEQ:-1024}
+  config "$root/configs/llama8b_24gb_optimizer_cpu.json" "$cfg" "c['wall_clock_breakdown'] = True; c['steps_per_print'] = 1
+c['scheduler']['params']['warmup_num_steps'] = 0; c['zoffload'].pop('checkpoint'); c['zoffload'].pop('pinned_memory_limit')
+c['train_micro_batch_size_per_gpu'] = ${ZO_LORA_MICRO:-4}; c['gradient_accumulation_steps'] = ${ZO_LORA_GAS:-8}
+c['zoffload']['device'] = '${ZO_LORA_DEVICE:-cuda}'; c['zoffload']['gpu_memory_limit'] = '24GiB'
+c['zoffload']['gradient_accumulators'] = 'cpu'; c['optimizer']['params']['lr'] = 2e-4
+c['zoffload']['lora'] = {'r': 16, 'lora_alpha': 32, 'target_modules': ['all-linear']}
+c['zero_optimization']['stage3_gather_16bit_weights_on_model_save'] = False"
+  "$zo" plan --config "$cfg" --model "$model" --seq-len "$seq" --steps 3 --out "$work/$name" >"$runs/plan-$name.txt" 2>&1
+  r=$?
+  echo "  $name: $model, LoRA r=16 on all-linear over the pinned base"
+  sed -n '/^zoffload plan:/p;/^  pinned /p;/^  RAM /p;/^  NVMe read/p' "$runs/plan-$name.txt" | sed 's/^/  /'
+  plan_checked "$name" "$r" 1 || return 1
+  train_traced "$name" "$model" 300 trace-lora.json.gz "$seq" || return 1
+  "$python" - "$runs/$name/metrics.jsonl" <<'PY'
+import json, statistics, sys
+ms = [json.loads(l) for l in open(sys.argv[1])]
+ms = ms[1:] or ms
+print("  lora, base pinned: %.0f tokens/s, device_busy %.3f (medians of the steps after the first)" %
+      (statistics.median(m["tokens_per_s"] for m in ms), statistics.median(m["device_busy"] for m in ms)))
 PY
 }
 

@@ -787,7 +787,7 @@ TEST(ModelPreset, ParameterCountsMatchPublishedFigures) {
   const std::pair<const char*, uint64_t> expected[] = {
       {"tinyllama-1.1b", 1'100'048'384u}, {"llama3.2-1b", 1'235'814'400u}, {"llama3.2-3b", 3'212'749'824u},
       {"llama-7b", 6'738'415'616u},       {"llama3-8b", 8'030'261'248u},   {"llama-13b", 13'015'864'320u},
-      {"llama-70b", 68'976'648'192u}};
+      {"llama-30b", 32'528'943'616u},     {"llama-70b", 68'976'648'192u}};
   for (const auto& [name, count] : expected) {
     Result<ModelConfig> c = model_preset(name);
     ASSERT_TRUE(c.is_ok()) << c.status().to_string();
