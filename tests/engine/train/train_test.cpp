@@ -42,6 +42,7 @@
 #include "engine/memory/swap_file.h"
 #include "engine/model/safetensors.h"
 #include "engine/model/llama.h"
+#include "engine/model/weights.h"
 #include "engine/optim/lr_schedule.h"
 #include "io/io_engine.h"
 #include "tests/engine/free_port.h"
@@ -2268,6 +2269,42 @@ TEST(Lora, AdaptersTrainBitIdenticallyAcrossPlacementsSchedulesStagesAndRanks) {
     for (int i = 0; i < 3; ++i) EXPECT_EQ(y.metrics[r][i].loss, x.metrics[r][i].loss) << "step " << i + 1;
     EXPECT_TRUE(bit_identical(y.masters[r], x.masters[r]));
   }
+}
+
+// Note [Exporting LoRA adapters] through the gathered export (stage 3 across ranks, each rank sending
+// its part of the adapters): PEFT's adapter directory, the same bytes as the replicated stage 2
+// run's export in the same dtype.
+TEST(Lora, TwoRanksAtStage3ExportThePeftAdapterStage2Exports) {
+  const nlohmann::json lora = {{"r", 4}, {"target_modules", {"q_proj", "up_proj"}}};
+  TempDir out;
+  for (const int stage : {3, 2}) {
+    SCOPED_TRACE("stage " + std::to_string(stage));
+    RunSetup setup{.stage = stage, .optimizer = "cpu", .grad_accum = 1, .lora = lora};
+    TempDir own[2];
+    const std::string dir = out.path + "/stage" + std::to_string(stage);
+    const std::array<Status, 2> ranks =
+        run_two_ranks([&](uint32_t r) { return make_options(setup, own[r]); },
+                      [&](uint32_t r, Trainer& t, const TrainOptions&) -> Status {
+                        for (int i = 0; i < 2; ++i) ZO_RETURN_IF_ERROR(t.step().status());
+                        if (r != 0 && !t.export_needs_every_rank()) return Status::ok();
+                        ExportOptions eo;
+                        eo.dtype = DType::kBF16;  // the compute dtype: what a stage 3 rank holds
+                        eo.out_dir = dir;
+                        return t.export_model(eo).status();
+                      });
+    for (uint32_t r = 0; r < 2; ++r) ASSERT_TRUE(ranks[r].is_ok()) << "rank " << r << ": " << ranks[r].to_string();
+    const nlohmann::json config = nlohmann::json::parse(file_bytes(dir + "/adapter_config.json"));
+    EXPECT_EQ(config["peft_type"], "LORA");
+    EXPECT_EQ(config["r"], 4);
+    EXPECT_EQ(config["target_modules"], nlohmann::json({"q_proj", "up_proj"}));
+    auto f = SafetensorsFile::open(dir + "/adapter_model.safetensors");
+    ASSERT_TRUE(f.is_ok()) << f.status().to_string();
+    EXPECT_EQ((*f)->tensors().size(), 2 * 2 * small_model().num_hidden_layers);
+    for (const SafetensorsTensor& t : (*f)->tensors()) EXPECT_TRUE(t.name.starts_with(kPeftPrefix)) << t.name;
+    EXPECT_FALSE(std::filesystem::exists(dir + "/model.safetensors"));
+  }
+  EXPECT_EQ(file_bytes(out.path + "/stage3/adapter_model.safetensors"),
+            file_bytes(out.path + "/stage2/adapter_model.safetensors"));
 }
 
 TEST(Resume, LoraRunsResumeBitExactlyAndOnlyWithTheirAdapters) {
