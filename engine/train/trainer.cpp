@@ -439,6 +439,10 @@ std::string Trainer::Impl::model_config_json() const {
   return to_hf_config_json(model, torch_dtype_name(compute_dtype));
 }
 
+std::string Trainer::Impl::model_source() const {
+  return model_dir ? fs::absolute(opt.model).lexically_normal().string() : opt.model;
+}
+
 // The counters, loss scale and data position of the checkpoint; what differs from it is said.
 Status Trainer::Impl::resume_from_checkpoint() {
   const TrainingState& st = resume->state;
@@ -565,8 +569,7 @@ TrainingState Trainer::training_state() const {
   // by a run resumed from here.
   st.data_position = m.ahead ? m.ahead->micro.front().position : m.data->position();
   st.seed = m.data->options().seed;
-  // A directory is recorded absolute, so `zoffload export` finds its tokenizer from anywhere.
-  st.model = m.model_dir ? fs::absolute(m.opt.model).lexically_normal().string() : m.opt.model;
+  st.model = m.model_source();
   st.data = fs::absolute(m.opt.data_path).lexically_normal().string();
   st.seq_len = m.data->options().seq_len;
   st.world_size = m.world_size();
@@ -625,8 +628,7 @@ Result<ExportResult> Trainer::export_model(const ExportOptions& options) {
     o.lora.emplace();
     o.lora->merged = options.lora && options.lora->merged;
     o.lora->scaling = m.model.lora.scaling();
-    o.lora->adapter_config_json = peft_adapter_config_json(
-        m.model.lora, m.model_dir ? fs::absolute(m.opt.model).lexically_normal().string() : m.opt.model);
+    o.lora->adapter_config_json = peft_adapter_config_json(m.model.lora, m.model_source());
   }
   if (!m.plan.partition_params) return export_store(*m.store, config_json, *m.io, o);
   dist::ProcessGroup* group = m.opt.group;

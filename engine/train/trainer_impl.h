@@ -101,6 +101,9 @@ struct Trainer::Impl {
   std::string resumed_from;
   std::optional<uint64_t> last_saved_step;  // the step of the checkpoint saved or resumed from
   std::string model_config_json() const;
+  // What --model named, a directory made absolute so that it resolves from anywhere: the
+  // checkpoints' model (`zoffload export` finds its tokenizer there) and PEFT's base_model_name_or_path.
+  std::string model_source() const;
   Status resume_from_checkpoint();
   std::string metrics_path;
   std::string swap_dir;

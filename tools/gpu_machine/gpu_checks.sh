@@ -402,6 +402,34 @@ PY
   return $ok
 }
 
+# in_ram_run NAME MODEL SEQ TRACE WHAT SHOWN: plans $runs/NAME.json for MODEL at SEQ tokens and
+# prints "NAME: MODEL, WHAT" with the plan's lines the sed script SHOWN picks; fails when the plan
+# does not fit or moves state through the disk; else trains three steps traced over steps 2-3 into
+# $out/TRACE.
+in_ram_run() {
+  local name=$1 model=$2 seq=$3 r
+  "$zo" plan --config "$runs/$name.json" --model "$model" --seq-len "$seq" --steps 3 --out "$work/$name" \
+    >"$runs/plan-$name.txt" 2>&1
+  r=$?
+  echo "  $name: $model, $5"
+  sed -n "$6" "$runs/plan-$name.txt" | sed 's/^/  /'
+  plan_checked "$name" "$r" 1 || return 1
+  train_traced "$name" "$model" 300 "$4" "$seq"
+}
+
+# medians METRICS LABEL [NOTE]: "LABEL: N tokens/s, device_busy B" over the steps after the first.
+medians() {
+  "$python" - "$1" "$2" "${3:-}" <<'PY'
+import json, statistics, sys
+ms = [json.loads(l) for l in open(sys.argv[1])]
+ms = ms[1:] or ms
+note = "; " + sys.argv[3] if sys.argv[3] else ""
+print("  %s: %.0f tokens/s, device_busy %.3f (medians of the steps after the first%s)" %
+      (sys.argv[2], statistics.median(m["tokens_per_s"] for m in ms), statistics.median(m["device_busy"] for m in ms),
+       note))
+PY
+}
+
 # llama3-8b as configs/llama8b_24gb_exact_ram.json ships it for a 24 GB card on a 128 GiB host:
 # fp32 masters and moments in RAM and no gradient accumulators (zoffload.gradient_accumulators
 # "none", so gradient_clipping 0): each sub-group is stepped during backward as its gradient lands,
@@ -412,26 +440,16 @@ PY
 # ZO_EXACT_GAS and ZO_EXACT_SEQ replace the model, zoffload.device, micro-batch, GAS and sequence
 # length (for a test without a GPU).
 part_exact() {
-  local name=exact cfg=$runs/exact.json r model=${ZO_EXACT_MODEL:-llama3-8b} seq=${ZO_EXACT_SEQ:-1024}
+  local name=exact cfg=$runs/exact.json model=${ZO_EXACT_MODEL:-llama3-8b} seq=${ZO_EXACT_SEQ:-1024}
   config "$root/configs/llama8b_24gb_exact_ram.json" "$cfg" "c['wall_clock_breakdown'] = True; c['steps_per_print'] = 1
 c['scheduler']['params']['warmup_num_steps'] = 0; c['zoffload'].pop('checkpoint')
 c['train_micro_batch_size_per_gpu'] = ${ZO_EXACT_MICRO:-4}; c['gradient_accumulation_steps'] = ${ZO_EXACT_GAS:-8}
 c['zoffload']['device'] = '${ZO_EXACT_DEVICE:-cuda}'
 c['zero_optimization']['stage3_gather_16bit_weights_on_model_save'] = False"
-  "$zo" plan --config "$cfg" --model "$model" --seq-len "$seq" --steps 3 --out "$work/$name" >"$runs/plan-$name.txt" 2>&1
-  r=$?
-  echo "  $name: $model, fp32 masters and moments, no gradient accumulators"
-  sed -n '/^placement:/p;/^  RAM /p;/^  NVMe read/p' "$runs/plan-$name.txt" | sed 's/^/  /'
-  plan_checked "$name" "$r" 1 || return 1
-  train_traced "$name" "$model" 300 trace-exact.json.gz "$seq" || return 1
-  "$python" - "$runs/$name/metrics.jsonl" <<'PY'
-import json, statistics, sys
-ms = [json.loads(l) for l in open(sys.argv[1])]
-ms = ms[1:] or ms
-print("  exact, all in RAM: %.0f tokens/s, device_busy %.3f (medians of the steps after the first; the first runs, "
-      "accumulators on the disk: 1,800 tokens/s, 0.16-0.20)" % (statistics.median(m["tokens_per_s"] for m in ms),
-                                                              statistics.median(m["device_busy"] for m in ms)))
-PY
+  in_ram_run "$name" "$model" "$seq" trace-exact.json.gz "fp32 masters and moments, no gradient accumulators" \
+    '/^placement:/p;/^  RAM /p;/^  NVMe read/p' || return 1
+  medians "$runs/$name/metrics.jsonl" "exact, all in RAM" \
+    "the first runs, accumulators on the disk: 1,800 tokens/s, 0.16-0.20"
 }
 
 # LoRA over the largest base the host holds in RAM: llama-30b (32.5 B parameters, 65 GB in bf16)
@@ -442,7 +460,7 @@ PY
 # ZO_LORA_GAS and ZO_LORA_SEQ replace the model, zoffload.device, micro-batch, GAS and sequence
 # length (for a test without a GPU).
 part_lora() {
-  local name=lora cfg=$runs/lora.json r model=${ZO_LORA_MODEL:-llama-30b} seq=${ZO_LORA_SEQ:-1024}
+  local name=lora cfg=$runs/lora.json model=${ZO_LORA_MODEL:-llama-30b} seq=${ZO_LORA_SEQ:-1024}
   config "$root/configs/llama8b_24gb_optimizer_cpu.json" "$cfg" "c['wall_clock_breakdown'] = True; c['steps_per_print'] = 1
 c['scheduler']['params']['warmup_num_steps'] = 0; c['zoffload'].pop('checkpoint'); c['zoffload'].pop('pinned_memory_limit')
 c['train_micro_batch_size_per_gpu'] = ${ZO_LORA_MICRO:-4}; c['gradient_accumulation_steps'] = ${ZO_LORA_GAS:-8}
@@ -450,19 +468,9 @@ c['zoffload']['device'] = '${ZO_LORA_DEVICE:-cuda}'; c['zoffload']['gpu_memory_l
 c['zoffload']['gradient_accumulators'] = 'cpu'; c['optimizer']['params']['lr'] = 2e-4
 c['zoffload']['lora'] = {'r': 16, 'lora_alpha': 32, 'target_modules': ['all-linear']}
 c['zero_optimization']['stage3_gather_16bit_weights_on_model_save'] = False"
-  "$zo" plan --config "$cfg" --model "$model" --seq-len "$seq" --steps 3 --out "$work/$name" >"$runs/plan-$name.txt" 2>&1
-  r=$?
-  echo "  $name: $model, LoRA r=16 on all-linear over the pinned base"
-  sed -n '/^zoffload plan:/p;/^  pinned /p;/^  RAM /p;/^  NVMe read/p' "$runs/plan-$name.txt" | sed 's/^/  /'
-  plan_checked "$name" "$r" 1 || return 1
-  train_traced "$name" "$model" 300 trace-lora.json.gz "$seq" || return 1
-  "$python" - "$runs/$name/metrics.jsonl" <<'PY'
-import json, statistics, sys
-ms = [json.loads(l) for l in open(sys.argv[1])]
-ms = ms[1:] or ms
-print("  lora, base pinned: %.0f tokens/s, device_busy %.3f (medians of the steps after the first)" %
-      (statistics.median(m["tokens_per_s"] for m in ms), statistics.median(m["device_busy"] for m in ms)))
-PY
+  in_ram_run "$name" "$model" "$seq" trace-lora.json.gz "LoRA r=16 on all-linear over the pinned base" \
+    '/^zoffload plan:/p;/^  pinned /p;/^  RAM /p;/^  NVMe read/p' || return 1
+  medians "$runs/$name/metrics.jsonl" "lora, base pinned"
 }
 
 # The overlapped step where the host is not the limit (issue 16's GPU busy fraction): llama3-8b's
