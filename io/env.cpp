@@ -2,7 +2,6 @@
 
 #include <dirent.h>
 #include <fcntl.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
@@ -105,24 +104,6 @@ class PosixAppendFile final : public AppendFile {
   std::string path_;
 };
 
-class PosixMappedFile final : public MappedFile {
- public:
-  PosixMappedFile(void* data, size_t size, std::string path) : data_(data), size_(size), path_(std::move(path)) {}
-  ~PosixMappedFile() override {
-    if (size_ > 0) ::munmap(data_, size_);
-  }
-  PosixMappedFile(const PosixMappedFile&) = delete;
-  PosixMappedFile& operator=(const PosixMappedFile&) = delete;
-
-  const std::string& path() const override { return path_; }
-  std::span<const std::byte> bytes() const override { return {static_cast<const std::byte*>(data_), size_}; }
-
- private:
-  void* data_;
-  size_t size_;
-  std::string path_;
-};
-
 // open(2) of a file check_regular_file accepted; the fstat after it closes the race with a file
 // replaced in between. On success *size holds the file's size.
 Result<int> open_regular(const std::string& path, std::string_view what, uint64_t* size) {
@@ -221,22 +202,6 @@ class PosixEnv final : public Env {
     return std::unique_ptr<ReadFile>(new PosixReadFile(fd, path, size));
   }
 
-  Result<std::unique_ptr<MappedFile>> map_read(const std::string& path, std::string_view what) override {
-    uint64_t size = 0;
-    ZO_ASSIGN_OR_RETURN(const int fd, open_regular(path, what, &size));
-    void* data = nullptr;
-    if (size > 0) {
-      data = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
-      if (data == MAP_FAILED) {
-        const int err = errno;
-        ::close(fd);
-        return errno_status("mapping " + path, err);
-      }
-    }
-    ::close(fd);  // the mapping keeps the file
-    return std::unique_ptr<MappedFile>(new PosixMappedFile(data, size, path));
-  }
-
   Result<std::unique_ptr<AppendFile>> open_append(const std::string& path) override {
     const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
     if (fd < 0) return errno_status("opening " + path + " to append", errno);
@@ -313,6 +278,13 @@ class PosixEnv final : public Env {
     struct statvfs s {};
     if (::statvfs(path.c_str(), &s) != 0) return errno_status("statvfs " + path, errno);
     return static_cast<uint64_t>(s.f_bavail) * s.f_frsize;
+  }
+
+  Result<std::string> canonical_path(const std::string& path) override {
+    std::error_code ec;
+    const std::filesystem::path p = std::filesystem::weakly_canonical(std::filesystem::absolute(path, ec), ec);
+    if (ec) return errno_status("resolving " + path, ec.value());
+    return p.string();
   }
 };
 
@@ -480,11 +452,6 @@ Result<std::unique_ptr<ReadFile>> FaultyEnv::open_read(const std::string& path, 
   return std::unique_ptr<ReadFile>(new FaultyReadFile(std::move(file), this));
 }
 
-Result<std::unique_ptr<MappedFile>> FaultyEnv::map_read(const std::string& path, std::string_view what) {
-  ZO_RETURN_IF_ERROR(inject("mapping " + path, path, IoOp::kRead));
-  return base_->map_read(path, what);
-}
-
 Result<std::unique_ptr<AppendFile>> FaultyEnv::open_append(const std::string& path) {
   ZO_RETURN_IF_ERROR(inject("opening " + path + " to append", path, IoOp::kCreate));
   ZO_ASSIGN_OR_RETURN(std::unique_ptr<AppendFile> file, base_->open_append(path));
@@ -506,5 +473,6 @@ Result<PathKind> FaultyEnv::path_kind(const std::string& path) { return base_->p
 Result<uint64_t> FaultyEnv::file_size(const std::string& path) { return base_->file_size(path); }
 Result<std::vector<std::string>> FaultyEnv::list_dir(const std::string& dir) { return base_->list_dir(dir); }
 Result<uint64_t> FaultyEnv::free_bytes(const std::string& path) { return base_->free_bytes(path); }
+Result<std::string> FaultyEnv::canonical_path(const std::string& path) { return base_->canonical_path(path); }
 
 }  // namespace zo::io

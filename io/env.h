@@ -56,14 +56,6 @@ class AppendFile {
   virtual Status close() = 0;
 };
 
-// A regular file mapped read-only into memory (Env::map_read); unmapped on destruction.
-class MappedFile {
- public:
-  virtual ~MappedFile() = default;
-  virtual const std::string& path() const = 0;
-  virtual std::span<const std::byte> bytes() const = 0;
-};
-
 enum class PathKind : uint8_t { kMissing, kFile, kDirectory, kOther };
 
 class Env {
@@ -94,8 +86,6 @@ class Env {
   // refused without opening it (kInvalidArgument "<what> PATH is a FIFO (named pipe), not a
   // regular file"): reading one would block forever or never end.
   virtual Result<std::unique_ptr<ReadFile>> open_read(const std::string& path, std::string_view what) = 0;
-  // Maps a regular file read-only (an empty file maps to an empty span); errors as open_read's.
-  virtual Result<std::unique_ptr<MappedFile>> map_read(const std::string& path, std::string_view what) = 0;
   // Opens `path` for appending, creating it (0644) when missing.
   virtual Result<std::unique_ptr<AppendFile>> open_append(const std::string& path) = 0;
   // Opens `path` as a File for the I/O engine (swap, checkpoint and export files) or for a lock:
@@ -116,6 +106,9 @@ class Env {
   virtual Result<std::vector<std::string>> list_dir(const std::string& dir) = 0;
   // Bytes available to an unprivileged user on the file system holding `path`, which must exist.
   virtual Result<uint64_t> free_bytes(const std::string& path) = 0;
+  // `path` made absolute with its symlinks, "." and ".." resolved as far as it exists (the rest
+  // appended as written): two spellings of one directory give one string.
+  virtual Result<std::string> canonical_path(const std::string& path) = 0;
 
   // Reads a whole regular file of at most `max_bytes` through open_read; a larger one is
   // kInvalidArgument "<what> PATH is N bytes, over the M-byte limit" with errno EFBIG (so a caller
@@ -160,7 +153,6 @@ class FaultyEnv final : public Env {
   Status make_dir(const std::string& path) override;
   Status remove_all(const std::string& path) override;
   Result<std::unique_ptr<ReadFile>> open_read(const std::string& path, std::string_view what) override;
-  Result<std::unique_ptr<MappedFile>> map_read(const std::string& path, std::string_view what) override;
   Result<std::unique_ptr<AppendFile>> open_append(const std::string& path) override;
   Result<File> open_file(const std::string& path, OpenMode mode, bool direct) override;
   Status make_dirs(const std::string& path, std::string* created_top = nullptr) override;
@@ -168,6 +160,7 @@ class FaultyEnv final : public Env {
   Result<uint64_t> file_size(const std::string& path) override;
   Result<std::vector<std::string>> list_dir(const std::string& dir) override;
   Result<uint64_t> free_bytes(const std::string& path) override;
+  Result<std::string> canonical_path(const std::string& path) override;
 
   // The error a rule injects into `op` on `path` at [offset, offset + size), or ok.
   Status inject(const std::string& what, const std::string& path, IoOp op, uint64_t offset = 0, uint64_t size = 1);

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <filesystem>
 #include <limits>
+#include <span>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -19,28 +20,51 @@ constexpr int32_t kLlmcMagic = 20240520;
 constexpr uint64_t kLlmcHeaderInts = 256;
 constexpr uint64_t kLlmcHeaderBytes = kLlmcHeaderInts * sizeof(int32_t);
 
-// A whole data file mapped read-only through the Env; an empty file is refused.
-class MappedFile {
+// Note [Data files are read, not mapped]
+// Token files and text are read window by window with pread (io::ReadFile), never mapped: a mapped
+// file that shrinks under the run (`cp new.bin data.bin` and `cat > data.txt` truncate it first)
+// turns the next read of a page past its new end into SIGBUS, which killed the process with no
+// message and exit 135. A read past the end is an error naming the file instead, returned by the
+// step that reads it; what was saved before is untouched. Each window is one small read (seq_len + 1
+// tokens) served by the page cache, as the mapping's pages were.
+
+// A data file open for reading, with its size when opened; an empty file is refused.
+class DataFile {
  public:
-  static Result<std::unique_ptr<MappedFile>> open(const std::string& path, io::Env* env) {
-    ZO_ASSIGN_OR_RETURN(std::unique_ptr<io::MappedFile> map, env->map_read(path, "data file"));
-    if (map->bytes().empty()) return invalid_argument(path + ": the file is empty");
-    return std::unique_ptr<MappedFile>(new MappedFile(std::move(map)));
+  static Result<std::unique_ptr<DataFile>> open(const std::string& path, io::Env* env) {
+    ZO_ASSIGN_OR_RETURN(std::unique_ptr<io::ReadFile> file, env->open_read(path, "data file"));
+    if (file->size_bytes() == 0) return invalid_argument(path + ": the file is empty");
+    return std::unique_ptr<DataFile>(new DataFile(std::move(file)));
   }
 
-  const std::byte* data() const { return map_->bytes().data(); }
-  uint64_t size_bytes() const { return map_->bytes().size(); }
+  uint64_t size_bytes() const { return file_->size_bytes(); }
+  // Bytes [offset, offset + out.size()); kCorruption naming the file when it has shrunk since it
+  // was opened (Note [Data files are read, not mapped]). Thread-safe.
+  Status read(uint64_t offset_bytes, std::span<std::byte> out) const {
+    Status st = file_->read_exact(offset_bytes, out);
+    if (st.is_ok() || st.code() != StatusCode::kCorruption) return st;
+    return corruption(file_->path() + ": the file is shorter than the " + std::to_string(size_bytes()) +
+                      " bytes it had when the run opened it: it was changed during the run (copying over or "
+                      "redirecting into a data file truncates it); give the run a file nothing writes to while it "
+                      "trains");
+  }
+  // The first bytes (headers): at most `n`.
+  Result<std::vector<std::byte>> head(uint64_t n) const {
+    std::vector<std::byte> out(std::min(n, size_bytes()));
+    ZO_RETURN_IF_ERROR(read(0, out));
+    return out;
+  }
 
  private:
-  explicit MappedFile(std::unique_ptr<io::MappedFile> map) : map_(std::move(map)) {}
-  std::unique_ptr<io::MappedFile> map_;
+  explicit DataFile(std::unique_ptr<io::ReadFile> file) : file_(std::move(file)) {}
+  std::unique_ptr<io::ReadFile> file_;
 };
 
-// Tokens of 1, 2 or 4 bytes (little-endian) at a byte offset of a mapping: llm.c, raw and text.
-class MappedTokens final : public TokenSource {
+// Tokens of 1, 2 or 4 bytes (little-endian) at a byte offset of a file: llm.c, raw and text.
+class FileTokens final : public TokenSource {
  public:
-  MappedTokens(std::string path, std::unique_ptr<MappedFile> file, uint64_t offset_bytes, uint32_t token_bytes,
-               uint64_t n_tokens, DataFormat format)
+  FileTokens(std::string path, std::unique_ptr<DataFile> file, uint64_t offset_bytes, uint32_t token_bytes,
+             uint64_t n_tokens, DataFormat format)
       : TokenSource(std::move(path)),
         file_(std::move(file)),
         offset_bytes_(offset_bytes),
@@ -57,7 +81,9 @@ class MappedTokens final : public TokenSource {
   Status read(uint64_t begin, uint64_t count, int32_t* tokens, int32_t* labels) const override {
     ZO_CHECK(begin <= n_tokens_ && count <= n_tokens_ - begin)
         << "read of tokens [" << begin << ", +" << count << ") past " << n_tokens_ << " in " << path();
-    const std::byte* p = file_->data() + offset_bytes_ + begin * token_bytes_;
+    std::vector<std::byte> raw(count * token_bytes_);
+    ZO_RETURN_IF_ERROR(file_->read(offset_bytes_ + begin * token_bytes_, raw));
+    const std::byte* p = raw.data();
     for (uint64_t i = 0; i < count; ++i) {
       uint32_t v = 0;
       if (token_bytes_ == 1) {
@@ -79,7 +105,7 @@ class MappedTokens final : public TokenSource {
   }
 
  private:
-  std::unique_ptr<MappedFile> file_;
+  std::unique_ptr<DataFile> file_;
   uint64_t offset_bytes_;
   uint32_t token_bytes_;
   uint64_t n_tokens_;
@@ -110,7 +136,7 @@ class JsonlTokens final : public TokenSource {
   bool has_labels_;
 };
 
-Result<std::unique_ptr<TokenSource>> open_raw(const std::string& path, std::unique_ptr<MappedFile> file,
+Result<std::unique_ptr<TokenSource>> open_raw(const std::string& path, std::unique_ptr<DataFile> file,
                                               uint32_t token_bytes) {
   if (token_bytes != 2 && token_bytes != 4)
     return invalid_argument(path + ": raw token width must be 2 (uint16) or 4 (uint32) bytes, got " +
@@ -120,14 +146,26 @@ Result<std::unique_ptr<TokenSource>> open_raw(const std::string& path, std::uniq
     return corruption(path + ": " + std::to_string(size) + " bytes is not a whole number of " +
                       std::to_string(token_bytes) + "-byte tokens (raw token file without an llm.c header)");
   return std::unique_ptr<TokenSource>(
-      new MappedTokens(path, std::move(file), 0, token_bytes, size / token_bytes, DataFormat::kRawBin));
+      new FileTokens(path, std::move(file), 0, token_bytes, size / token_bytes, DataFormat::kRawBin));
 }
 
-bool has_llmc_magic(const MappedFile& file) {
-  if (file.size_bytes() < sizeof(int32_t)) return false;
-  int32_t magic;
-  std::memcpy(&magic, file.data(), sizeof magic);
-  return magic == kLlmcMagic;
+// A token file's size and its first three int32 (where an llm.c header has its magic, version and
+// token count), read once at open.
+struct FileHead {
+  uint64_t size_bytes = 0;
+  int32_t ints[3] = {0, 0, 0};  // zero beyond the file's end
+
+  static Result<FileHead> read(const DataFile& file) {
+    FileHead h;
+    h.size_bytes = file.size_bytes();
+    ZO_ASSIGN_OR_RETURN(const std::vector<std::byte> bytes, file.head(sizeof h.ints));
+    std::memcpy(h.ints, bytes.data(), bytes.size());
+    return h;
+  }
+};
+
+bool has_llmc_magic(const FileHead& head) {
+  return head.size_bytes >= sizeof(int32_t) && head.ints[0] == kLlmcMagic;
 }
 
 // Note [llm.c lookalike]
@@ -146,27 +184,25 @@ struct LlmcLookalike {
   int32_t magic, version, count;
 };
 
-std::optional<LlmcLookalike> llmc_lookalike(const MappedFile& file) {
-  if (file.size_bytes() < kLlmcHeaderBytes) return std::nullopt;
-  int32_t header[3];
-  std::memcpy(header, file.data(), sizeof header);
-  const LlmcLookalike h{header[0], header[1], header[2]};
+std::optional<LlmcLookalike> llmc_lookalike(const FileHead& head) {
+  if (head.size_bytes < kLlmcHeaderBytes) return std::nullopt;
+  const LlmcLookalike h{head.ints[0], head.ints[1], head.ints[2]};
   if (h.magic == kLlmcMagic || (h.version != 1 && h.version != 2)) return std::nullopt;
   const uint64_t token_bytes = h.version == 1 ? 2 : 4;
   const bool size_fits =
-      h.count >= 0 && file.size_bytes() - kLlmcHeaderBytes == static_cast<uint64_t>(h.count) * token_bytes;
+      h.count >= 0 && head.size_bytes - kLlmcHeaderBytes == static_cast<uint64_t>(h.count) * token_bytes;
   const bool near_magic = std::popcount(static_cast<uint32_t>(h.magic ^ kLlmcMagic)) <= kLookalikeMagicBits;
   if (!size_fits && !near_magic) return std::nullopt;
   return h;
 }
 
-Result<std::unique_ptr<TokenSource>> open_llmc(const std::string& path, std::unique_ptr<MappedFile> file) {
-  const uint64_t size = file->size_bytes();
+Result<std::unique_ptr<TokenSource>> open_llmc(const std::string& path, std::unique_ptr<DataFile> file,
+                                               const FileHead& head) {
+  const uint64_t size = head.size_bytes;
   if (size < kLlmcHeaderBytes)
     return corruption(path + ": " + std::to_string(size) + " bytes is shorter than the llm.c header (" +
                       std::to_string(kLlmcHeaderBytes) + " bytes)");
-  int32_t header[3];
-  std::memcpy(header, file->data(), sizeof header);
+  const int32_t* header = head.ints;
   if (header[0] != kLlmcMagic)
     return corruption(path + ": bad llm.c magic " + std::to_string(header[0]) + " (expected " +
                       std::to_string(kLlmcMagic) + ")");
@@ -182,7 +218,7 @@ Result<std::unique_ptr<TokenSource>> open_llmc(const std::string& path, std::uni
                       std::to_string(count * token_bytes) + " bytes) but " + std::to_string(payload) +
                       " bytes follow the header");
   return std::unique_ptr<TokenSource>(
-      new MappedTokens(path, std::move(file), kLlmcHeaderBytes, token_bytes, count, DataFormat::kLlmcBin));
+      new FileTokens(path, std::move(file), kLlmcHeaderBytes, token_bytes, count, DataFormat::kLlmcBin));
 }
 
 // At most this many bytes of the input are quoted in an error (a line can be megabytes long).
@@ -225,20 +261,15 @@ Status read_ids(const nlohmann::json& array, const std::string& where, const cha
   return Status::ok();
 }
 
-Result<std::unique_ptr<TokenSource>> open_jsonl(const std::string& path, io::Env* env) {
-  ZO_ASSIGN_OR_RETURN(std::unique_ptr<io::MappedFile> map, env->map_read(path, "data file"));
-  const std::string_view text(reinterpret_cast<const char*>(map->bytes().data()), map->bytes().size());
-  std::vector<int32_t> tokens;
-  std::vector<int32_t> labels;
-  bool any_labels = false;
-  uint64_t line_no = 0;
-  for (size_t pos = 0; pos < text.size();) {
-    const size_t eol = std::min(text.find('\n', pos), text.size());
-    const std::string_view line = text.substr(pos, eol - pos);
-    pos = eol + 1;
-    ++line_no;
-    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;  // blank lines separate nothing
-    const std::string where = path + ":" + std::to_string(line_no);
+// Parses JSONL rows into token and label vectors, one line at a time.
+class JsonlParser {
+ public:
+  explicit JsonlParser(std::string path) : path_(std::move(path)) {}
+
+  Status line(std::string_view line) {
+    ++line_no_;
+    if (line.find_first_not_of(" \t\r") == std::string::npos) return Status::ok();  // blank lines separate nothing
+    const std::string where = path_ + ":" + std::to_string(line_no_);
     nlohmann::json obj;
     bool too_deep = false;
     try {
@@ -257,21 +288,61 @@ Result<std::unique_ptr<TokenSource>> open_jsonl(const std::string& path, io::Env
                               " levels (a row is an object of flat arrays of token ids)");
     if (!obj.is_object()) return invalid_argument(where + ": expected a JSON object with \"input_ids\"");
     if (!obj.contains("input_ids")) return invalid_argument(where + ": missing \"input_ids\"");
-    const size_t first = tokens.size();
-    ZO_RETURN_IF_ERROR(read_ids(obj["input_ids"], where, "input_ids", false, &tokens));
+    const size_t first = tokens_.size();
+    ZO_RETURN_IF_ERROR(read_ids(obj["input_ids"], where, "input_ids", false, &tokens_));
     if (obj.contains("labels")) {
-      any_labels = true;
-      const size_t before = labels.size();
-      ZO_RETURN_IF_ERROR(read_ids(obj["labels"], where, "labels", true, &labels));
-      if (labels.size() - before != tokens.size() - first)
-        return invalid_argument(where + ": \"labels\" has " + std::to_string(labels.size() - before) +
-                                " entries but \"input_ids\" has " + std::to_string(tokens.size() - first));
+      any_labels_ = true;
+      const size_t before = labels_.size();
+      ZO_RETURN_IF_ERROR(read_ids(obj["labels"], where, "labels", true, &labels_));
+      if (labels_.size() - before != tokens_.size() - first)
+        return invalid_argument(where + ": \"labels\" has " + std::to_string(labels_.size() - before) +
+                                " entries but \"input_ids\" has " + std::to_string(tokens_.size() - first));
     } else {
-      labels.insert(labels.end(), tokens.begin() + static_cast<ptrdiff_t>(first), tokens.end());
+      labels_.insert(labels_.end(), tokens_.begin() + static_cast<ptrdiff_t>(first), tokens_.end());
     }
+    return Status::ok();
   }
-  if (tokens.empty()) return invalid_argument(path + ": no tokens (no line with a non-empty \"input_ids\")");
-  return std::unique_ptr<TokenSource>(new JsonlTokens(path, std::move(tokens), std::move(labels), any_labels));
+
+  Result<std::unique_ptr<TokenSource>> finish() {
+    if (tokens_.empty()) return invalid_argument(path_ + ": no tokens (no line with a non-empty \"input_ids\")");
+    return std::unique_ptr<TokenSource>(new JsonlTokens(path_, std::move(tokens_), std::move(labels_), any_labels_));
+  }
+
+ private:
+  std::string path_;
+  std::vector<int32_t> tokens_;
+  std::vector<int32_t> labels_;
+  bool any_labels_ = false;
+  uint64_t line_no_ = 0;
+};
+
+// JSONL is read in chunks of SourceOptions::jsonl_chunk_bytes (a line may span several: it is
+// joined first).
+Result<std::unique_ptr<TokenSource>> open_jsonl(const std::string& path, io::Env* env, uint64_t chunk_bytes) {
+  if (chunk_bytes == 0) return invalid_argument("jsonl_chunk_bytes must be positive");
+  // Read, not mapped (Note [Data files are read, not mapped]): the file may change while it is parsed.
+  ZO_ASSIGN_OR_RETURN(std::unique_ptr<DataFile> file, DataFile::open(path, env));
+  JsonlParser parser(path);
+  std::string pending;  // the start of a line the last chunk cut
+  std::string chunk;
+  for (uint64_t offset = 0; offset < file->size_bytes();) {
+    chunk.resize(std::min(chunk_bytes, file->size_bytes() - offset));
+    ZO_RETURN_IF_ERROR(file->read(offset, std::as_writable_bytes(std::span(chunk))));
+    offset += chunk.size();
+    std::string_view text(chunk);
+    for (size_t eol; (eol = text.find('\n')) != std::string_view::npos; text.remove_prefix(eol + 1)) {
+      if (pending.empty()) {
+        ZO_RETURN_IF_ERROR(parser.line(text.substr(0, eol)));
+      } else {
+        pending.append(text.substr(0, eol));
+        ZO_RETURN_IF_ERROR(parser.line(pending));
+        pending.clear();
+      }
+    }
+    pending.append(text);
+  }
+  if (!pending.empty()) ZO_RETURN_IF_ERROR(parser.line(pending));  // the last line, without its newline
+  return parser.finish();
 }
 
 }  // namespace
@@ -300,15 +371,16 @@ Result<std::unique_ptr<TokenSource>> open_token_source(const std::string& path, 
   DataFormat format = options.format;
   const std::string ext = std::filesystem::path(path).extension().string();
   if (format == DataFormat::kAuto && ext == ".jsonl") format = DataFormat::kJsonl;
-  if (format == DataFormat::kJsonl) return open_jsonl(path, env);
+  if (format == DataFormat::kJsonl) return open_jsonl(path, env, options.jsonl_chunk_bytes);
 
-  ZO_ASSIGN_OR_RETURN(std::unique_ptr<MappedFile> file, MappedFile::open(path, env));
+  ZO_ASSIGN_OR_RETURN(std::unique_ptr<DataFile> file, DataFile::open(path, env));
+  ZO_ASSIGN_OR_RETURN(const FileHead head, FileHead::read(*file));
   if (format == DataFormat::kAuto) {
     if (ext != ".bin") {
       format = DataFormat::kText;
-    } else if (has_llmc_magic(*file)) {
+    } else if (has_llmc_magic(head)) {
       format = DataFormat::kLlmcBin;
-    } else if (const std::optional<LlmcLookalike> h = llmc_lookalike(*file)) {  // Note [llm.c lookalike]
+    } else if (const std::optional<LlmcLookalike> h = llmc_lookalike(head)) {  // Note [llm.c lookalike]
       return corruption(path + ": looks like an llm.c token file (version " + std::to_string(h->version) + ", " +
                         std::to_string(h->count) + " tokens) but its magic is " + std::to_string(h->magic) + ", not " +
                         std::to_string(kLlmcMagic) + ": pass --data-format raw to read it as raw uint" +
@@ -318,11 +390,11 @@ Result<std::unique_ptr<TokenSource>> open_token_source(const std::string& path, 
     }
   }
   switch (format) {
-    case DataFormat::kLlmcBin: return open_llmc(path, std::move(file));
+    case DataFormat::kLlmcBin: return open_llmc(path, std::move(file), head);
     case DataFormat::kRawBin: return open_raw(path, std::move(file), options.raw_token_bytes);
     case DataFormat::kText: {
       const uint64_t size = file->size_bytes();
-      return std::unique_ptr<TokenSource>(new MappedTokens(path, std::move(file), 0, 1, size, DataFormat::kText));
+      return std::unique_ptr<TokenSource>(new FileTokens(path, std::move(file), 0, 1, size, DataFormat::kText));
     }
     case DataFormat::kAuto:
     case DataFormat::kJsonl: break;

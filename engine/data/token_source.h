@@ -1,5 +1,6 @@
 // TokenSource: one training file seen as a flat stream of int32 tokens (with per-token labels for
-// JSONL), read by range. Token files and text are memory-mapped, never read into RAM whole; JSONL
+// JSONL), read by range. Token files and text are read window by window (pread, never mapped or read
+// into RAM whole: Note [Data files are read, not mapped] in the .cpp); JSONL
 // is parsed at open. Formats in docs/training.md ("Data"). Immutable after open; read() is
 // thread-safe. Tokens are little-endian on disk, as llm.c and nanoGPT write them.
 #pragma once
@@ -35,6 +36,7 @@ inline constexpr int32_t kIgnoreLabel = -100;
 struct SourceOptions {
   DataFormat format = DataFormat::kAuto;
   uint32_t raw_token_bytes = 2;     // kRawBin (and .bin without llm.c magic): 2 = uint16, 4 = uint32
+  uint64_t jsonl_chunk_bytes = uint64_t{16} << 20;  // JSONL is read this much at a time; > 0
   io::Env* env = io::Env::posix();  // reads the file; must outlive the source
 };
 
@@ -62,7 +64,7 @@ class TokenSource {
 };
 
 // Opens `path` as `options.format` says (kAuto: by extension). Errors name the path and what is
-// wrong: kNotFound / kIoError with errno for open/mmap; kCorruption for a bad llm.c header (magic,
+// wrong: kNotFound / kIoError with errno for open and read; kCorruption for a bad llm.c header (magic,
 // version, token count vs file size) or a raw file whose size is not a multiple of the token
 // width; kCorruption under kAuto for a .bin without the magic whose header is otherwise llm.c's
 // (Note [llm.c lookalike] in the .cpp; kRawBin reads it raw); kInvalidArgument "PATH:LINE: ..."

@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -317,6 +318,48 @@ TEST_F(DataFiles, TextIsByteLevel) {
   auto other = open_ok(write_text("notes.md", "ab"));
   ASSERT_TRUE(other);
   EXPECT_EQ(other->format(), DataFormat::kText) << "any extension but .bin and .jsonl is text";
+}
+
+// Note [Data files are read, not mapped]: a file cut short under an open source (cp over it, >
+// into it) is an error naming it at the next read of what it lost; a mapping died of SIGBUS.
+TEST_F(DataFiles, AFileCutShortUnderTheSourceIsAnErrorNotACrash) {
+  for (const char* name : {"cut.txt", "cut.bin"}) {
+    SCOPED_TRACE(name);
+    const std::vector<uint16_t> tokens = iota16(3000);
+    const std::string path = write_tokens(name, tokens);
+    auto s = open_ok(path);
+    ASSERT_TRUE(s);
+    const uint64_t n = s->num_tokens();
+    ASSERT_EQ(::truncate(path.c_str(), 100), 0);
+    std::vector<int32_t> out(16);
+    EXPECT_TRUE(s->read(0, 16, out.data(), nullptr).is_ok());  // still there
+    Status cut = s->read(n - 16, 16, out.data(), nullptr);
+    EXPECT_EQ(cut.code(), StatusCode::kCorruption);
+    EXPECT_THAT(cut.message(), HasSubstr(path + ": the file is shorter than the 6000 bytes it had when the run opened "
+                                                "it: it was changed during the run"));
+  }
+}
+
+// JSONL is read in chunks (16 MiB; 7 bytes here): a line cut by a chunk's end is joined, blank
+// lines and line numbers count on across chunks, the last line needs no newline.
+TEST_F(DataFiles, JsonlLinesAcrossReadChunksParseWhole) {
+  const std::string text =
+      "{\"input_ids\": [10, 11, 12], \"labels\": [-100, 11, 12]}\n\n"
+      "{\"input_ids\": [20, 21, 22, 23, 24, 25, 26, 27, 28, 29]}\n"
+      "{\"input_ids\": [30]}";
+  for (uint64_t chunk : {uint64_t{1}, uint64_t{7}, uint64_t{64}, uint64_t{16} << 20}) {
+    SCOPED_TRACE(chunk);
+    SourceOptions o;
+    o.jsonl_chunk_bytes = chunk;
+    auto s = open_ok(write_text("chunks.jsonl", text), o);
+    ASSERT_TRUE(s);
+    std::vector<int32_t> labels;
+    EXPECT_THAT(read_all(*s, &labels), ElementsAre(10, 11, 12, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30));
+    EXPECT_THAT(labels, ElementsAre(-100, 11, 12, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30));
+    auto bad = open_token_source(write_text("bad.jsonl", text + "\n{\"input_ids\": [1, -5]}\n"), o);
+    ASSERT_FALSE(bad.is_ok());
+    EXPECT_THAT(bad.status().message(), HasSubstr("bad.jsonl:5: input_ids[1]"));
+  }
 }
 
 TEST_F(DataFiles, ExplicitFormatOverridesTheExtension) {
