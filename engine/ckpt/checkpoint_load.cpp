@@ -157,10 +157,20 @@ Status verify_checkpoint(const CheckpointInfo& ckpt, io::IoEngine& io, std::span
   ZO_RETURN_IF_ERROR(check_staging_bytes(staging.size(), "verifying " + ckpt.path));
   uint64_t total = 0, done = 0;
   for (const FileDigest& f : ckpt.manifest.files) total += f.size_bytes;
+  const Manifest& m = ckpt.manifest;
+  const std::vector<StateFile> files = state_files(m.moments, m.master_dtype, m.frozen_file_dtype());
   for (const FileDigest& f : ckpt.manifest.files) {
+    const std::string path = ckpt.path + "/" + f.name;
+    // A state file's values are checked as they pass (Note [Checked values]); the others' checksums only.
+    std::optional<StateValueCheck> values;
+    for (const StateFile& file : files) {
+      if (file.name == f.name) { ZO_ASSIGN_OR_RETURN(values, StateValueCheck::open(file, path, env)); }
+    }
     ZO_RETURN_IF_ERROR(read_stream(
-        io, env, ckpt.path + "/" + f.name, f, staging, f.size_bytes,
-        [](uint64_t, std::span<const std::byte>) { return Status::ok(); },
+        io, env, path, f, staging, values ? values->data_start() : f.size_bytes,
+        [&](uint64_t offset, std::span<const std::byte> bytes) {
+          return values ? values->check(offset, bytes) : Status::ok();
+        },
         [&](uint64_t n) {
           done += n;
           if (progress) progress(done, total);
@@ -247,22 +257,21 @@ Status load_checkpoint(const CheckpointInfo& ckpt, StateStore& store, io::IoEngi
     const StateKind kind = file.kind;
     const std::string fpath = ckpt.path + "/" + file.name;
     // What precedes the sub-groups' parts: the header (a codes file has none) and, in an 8-bit
-    // moment's safetensors, the map, which must be the one this build quantizes with.
-    uint64_t data_start = 0;
-    if (file.part != StatePart::kMomentCodes) {
+    // moment's safetensors, the map, which must be the one this build quantizes with. The values
+    // after it are checked as they pass (Note [Checked values]).
+    ZO_ASSIGN_OR_RETURN(const StateValueCheck values, StateValueCheck::open(file, fpath, env));
+    uint64_t data_start = values.data_start();
+    if (file.part == StatePart::kMomentAux) {
       ZO_ASSIGN_OR_RETURN(auto header, SafetensorsFile::open(fpath, env));
-      data_start = header->tensors().empty() ? header->file_size_bytes() : header->tensors().front().data_offset_bytes;
-      if (file.part == StatePart::kMomentAux) {
-        const auto& want = quant_map(plan.placement, kind);
-        std::array<float, 256> map{};
-        ZO_RETURN_IF_ERROR(
-            header->read_raw(header->tensors().front(), 0, {reinterpret_cast<uint8_t*>(map.data()), sizeof map}));
-        if (std::memcmp(map.data(), want.data(), sizeof map) != 0)
-          return corruption(fpath + ": its " + kQuantMapTensor + " is not the map this run's " +
-                            std::string(to_string(plan.placement.optimizer_type)) + " quantizes " +
-                            std::string(state_name(kind)) + " with (a checkpoint of another optimizer.type?)");
-        data_start += sizeof map;
-      }
+      const auto& want = quant_map(plan.placement, kind);
+      std::array<float, 256> map{};
+      ZO_RETURN_IF_ERROR(
+          header->read_raw(header->tensors().front(), 0, {reinterpret_cast<uint8_t*>(map.data()), sizeof map}));
+      if (std::memcmp(map.data(), want.data(), sizeof map) != 0)
+        return corruption(fpath + ": its " + kQuantMapTensor + " is not the map this run's " +
+                          std::string(to_string(plan.placement.optimizer_type)) + " quantizes " +
+                          std::string(state_name(kind)) + " with (a checkpoint of another optimizer.type?)");
+      data_start += sizeof map;
     }
     // File bytes [data_start, ...) are the parts of every sub-group in order: part_start[g] is where
     // sub-group g's begins, relative to data_start.
@@ -275,6 +284,7 @@ Status load_checkpoint(const CheckpointInfo& ckpt, StateStore& store, io::IoEngi
     }
     uint32_t g = 0;
     auto consume = [&](uint64_t offset, std::span<const std::byte> bytes) -> Status {
+      ZO_RETURN_IF_ERROR(values.check(offset, bytes));
       uint64_t flat = offset - data_start;
       while (!bytes.empty()) {
         while (g < n_groups && flat >= part_start[g + 1]) ++g;

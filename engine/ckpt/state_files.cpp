@@ -1,8 +1,12 @@
 #include "engine/ckpt/state_files.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "common/check.h"
+#include "common/half.h"
+#include "common/string_util.h"
 #include "cpu_optim/adam8bit.h"
 #include "engine/memory/moment_layout.h"
 
@@ -94,6 +98,57 @@ uint64_t state_file_data_bytes(const StateFile& file, const std::vector<Checkpoi
     }
   }
   return bytes;
+}
+
+Result<StateValueCheck> StateValueCheck::open(const StateFile& file, const std::string& path, io::Env* env) {
+  StateValueCheck c;
+  c.path_ = path;
+  c.what_ = file.frozen ? "the frozen weight" : std::string(state_name(file.kind));
+  if (file.part == StatePart::kMomentCodes) return c;
+  ZO_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> header, SafetensorsFile::open(path, env));
+  const auto& ts = header->tensors();
+  c.data_start_ = ts.empty() ? header->file_size_bytes() : ts.front().data_offset_bytes;
+  for (const SafetensorsTensor& t : ts) {
+    const bool map = file.part == StatePart::kMomentAux && t.name == kQuantMapTensor;  // the signed map is < 0 too
+    const bool absmax = file.part == StatePart::kMomentAux && t.name.ends_with(".absmax");
+    c.ranges_.push_back({t.data_offset_bytes, t.data_offset_bytes + t.size_bytes, t.dtype,
+                         absmax || (!map && !file.frozen && file.kind == StateKind::kExpAvgSq), t.name});
+  }
+  std::sort(c.ranges_.begin(), c.ranges_.end(), [](const Range& a, const Range& b) { return a.begin < b.begin; });
+  return c;
+}
+
+Status StateValueCheck::check(uint64_t offset_bytes, std::span<const std::byte> bytes) const {
+  const uint64_t end = offset_bytes + bytes.size();
+  auto it = std::upper_bound(ranges_.begin(), ranges_.end(), offset_bytes,
+                             [](uint64_t off, const Range& r) { return off < r.begin; });
+  if (it != ranges_.begin()) --it;
+  for (; it != ranges_.end() && it->begin < end; ++it) {
+    const Range& r = *it;
+    const uint64_t width = dtype_size_bytes(r.dtype);
+    // The whole elements of this tensor inside the bytes given.
+    uint64_t from = std::max(r.begin, offset_bytes), to = std::min(r.end, end);
+    from = r.begin + (from - r.begin + width - 1) / width * width;
+    to = r.begin + (to - r.begin) / width * width;
+    for (uint64_t pos = from; pos < to; pos += width) {
+      const std::byte* p = bytes.data() + (pos - offset_bytes);
+      float v = 0;
+      if (r.dtype == DType::kF32) {
+        std::memcpy(&v, p, 4);
+      } else {
+        uint16_t h = 0;
+        std::memcpy(&h, p, 2);
+        v = r.dtype == DType::kBF16 ? bf16_to_float(h) : f16_to_float(h);
+      }
+      if (std::isfinite(v) && !(r.non_negative && v < 0)) continue;
+      return corruption(path_ + ": " + what_ + " of " + r.name + ", element " + std::to_string((pos - r.begin) / width) +
+                        ", is " + format_number(v) + ": " +
+                        (r.non_negative ? "it must be finite and ≥ 0" : "it must be finite") +
+                        ". The file holds values no run writes (its checksums match them, so they were written so): "
+                        "resume from an earlier checkpoint");
+    }
+  }
+  return Status::ok();
 }
 
 }  // namespace zo::engine

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -13,6 +14,7 @@
 #include "engine/ckpt/manifest.h"
 #include "engine/memory/param_registry.h"
 #include "engine/model/safetensors.h"
+#include "io/env.h"
 
 namespace zo::engine {
 
@@ -60,5 +62,35 @@ std::string state_file_prefix(const StateFile& file, const std::vector<Checkpoin
 
 // The bytes of the sub-groups' parts, all of them: what follows the prefix.
 uint64_t state_file_data_bytes(const StateFile& file, const std::vector<CheckpointTensor>& tensors);
+
+// Note [Checked values]: what a state file's values must be for a run to resume from them — every
+// float finite; exp_avg_sq (Adam's second moment, Adagrad's sum of squares) and every 8-bit absmax
+// ≥ 0 too. `ckpt verify` and a resume check each value as the bytes pass for their checksums, so a
+// checkpoint whose CRCs were recomputed over NaN, inf or negative moments is refused by name instead
+// of resuming into NaN losses. Codes files hold any byte.
+class StateValueCheck {
+ public:
+  // The ranges of `file` (at `path`) as its safetensors header lists them, or nothing to check for a
+  // codes file. Errors as SafetensorsFile::open's.
+  static Result<StateValueCheck> open(const StateFile& file, const std::string& path, io::Env* env);
+  // Where the tensors' data begins (the file's size for a file with none, 0 for a codes file).
+  uint64_t data_start() const { return data_start_; }
+  // Checks the whole elements of [offset_bytes, offset_bytes + bytes.size()) of the file; bytes
+  // outside every tensor are not looked at. kCorruption "PATH: exp_avg_sq of NAME, element I, is
+  // -0.5: ..." for the first value out of its range. Thread-safe.
+  Status check(uint64_t offset_bytes, std::span<const std::byte> bytes) const;
+
+ private:
+  struct Range {
+    uint64_t begin = 0, end = 0;  // absolute file offsets
+    DType dtype = DType::kF32;
+    bool non_negative = false;
+    std::string name;
+  };
+  std::string path_;
+  std::string what_;  // "exp_avg_sq", ...
+  uint64_t data_start_ = 0;
+  std::vector<Range> ranges_;  // by offset
+};
 
 }  // namespace zo::engine
