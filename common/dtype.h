@@ -18,5 +18,10 @@ std::string_view dtype_name(DType dtype);
 // naming the text otherwise.
 Result<DType> parse_dtype(std::string_view text);
 constexpr uint64_t dtype_size_bytes(DType dtype) { return dtype == DType::kF32 ? 4 : 2; }
+// The largest finite value: fp32's and bf16's (2^128 · (1 − 2^−24) and its bf16 rounding down,
+// 2^128 · (1 − 2^−8)), fp16's 65504.
+constexpr double dtype_max_value(DType dtype) {
+  return dtype == DType::kF32 ? 3.4028234663852886e38 : dtype == DType::kBF16 ? 3.3895313892515355e38 : 65504.0;
+}
 
 }  // namespace zo

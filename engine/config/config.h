@@ -166,6 +166,10 @@ struct LoraConfig {
   // A PEFT adapter directory (adapter_config.json, adapter_model.safetensors) to start from: its
   // r, lora_alpha, target_modules and use_rslora apply (the keys above, when given, must agree).
   std::string init_from;
+  // Which of the keys above the file gave (set while reading; not keys themselves): next to
+  // init_from an explicit lora_alpha or use_rslora must agree with the adapter's, and an explicit
+  // lora_dropout 0 trains an adapter saved with dropout without it.
+  bool lora_alpha_given = false, use_rslora_given = false, lora_dropout_given = false;
   bool enabled() const { return r > 0 || !init_from.empty(); }
 };
 

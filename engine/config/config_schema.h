@@ -330,12 +330,16 @@ void keys(V& v, MonitorConfig& m) {
 template <class V>
 void keys(V& v, LoraConfig& l) {
   v.count("r", l.r, 0);
-  v.number("lora_alpha", l.lora_alpha, {.min_exclusive = true});
+  // The scale alpha / r multiplies in fp32: a larger alpha is inf there.
+  v.number("lora_alpha", l.lora_alpha, {.max = kMaxFloat, .min_exclusive = true});
   v.texts("target_modules", l.target_modules);
   v.flag("use_rslora", l.use_rslora);
   v.number("lora_dropout", l.lora_dropout, {.max = 1});
   v.text("init_from", l.init_from);
   v.rule([&](const ReadContext& x) {
+    l.lora_alpha_given = x.given("lora_alpha");
+    l.use_rslora_given = x.given("use_rslora");
+    l.lora_dropout_given = x.given("lora_dropout");
     // r 0 (the default, as the resolved config prints it) is no adapters; a block that asks for
     // them without a rank is refused at r.
     const bool asks = (x.given("target_modules") && !l.target_modules.empty()) ||

@@ -25,12 +25,13 @@ Usage: peft_parity_test.py ZOFFLOAD SOURCE_DIR
 Exit 77 (skip) when this Python lacks torch, transformers or peft."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 
-from cli_checks import expect, report_and_exit
+from cli_checks import expect, report_and_exit, reseal
 
 zoffload, source_dir = sys.argv[1], sys.argv[2]
 sys.path.insert(0, os.path.join(source_dir, "tools"))  # data_order: zoffload's token files
@@ -321,6 +322,150 @@ def check_errors(tmp):
     print("errors: each bad zoffload.lora refused by key")
 
 
+def write_json(path, obj):
+    with open(path, "w") as f:
+        json.dump(obj, f)
+
+
+def adapter_variant(adapter_dir, work, name, config_edit=None, tensor_edit=None):
+    """A copy of `adapter_dir` with its adapter_config.json and tensors changed as a user's might be."""
+    from safetensors.torch import save_file
+    out = os.path.join(work, name)
+    os.makedirs(out)
+    with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
+        cfg = json.load(f)
+    if config_edit:
+        config_edit(cfg)
+    write_json(os.path.join(out, "adapter_config.json"), cfg)
+    tensors = read_safetensors(os.path.join(adapter_dir, "adapter_model.safetensors"))
+    if tensor_edit:
+        tensor_edit(tensors)
+    save_file(tensors, os.path.join(out, "adapter_model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def check_hostile_adapters(tmp):
+    """Adapters and settings PEFT reads otherwise than plain LoRA over the base as it is (issue 60):
+    each either trains as PEFT computes it or is refused naming its key, before a step."""
+    case = dict(CASES[0], moved_b=True)  # B off zero: the adapters change the forward from step 1
+    work = os.path.join(tmp, "hostile")
+    model_dir, adapter_dir = os.path.join(work, "model"), os.path.join(work, "adapter")
+    os.makedirs(model_dir)
+    save_base(case, model_dir)
+    save_adapter(case, model_dir, adapter_dir)
+    rng = np.random.default_rng(7)
+    tokens = rng.integers(0, case["vocab"], size=STEPS * GAS * MICRO * SEQ + 1)
+    data = os.path.join(work, "train.bin")
+    write_llmc(data, tokens)
+
+    def peft_first_loss(adapter):
+        m = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), adapter)
+        m.eval()
+        with torch.no_grad():
+            return sum(loss_of(m, *windows(tokens, k * MICRO, MICRO)).item() for k in range(GAS)) / GAS
+
+    def first_loss(out):
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            return json.loads(f.readline())["loss"]
+
+    def refused(lora, name, key, *words):
+        p, out = zo_train(case, work, model_dir, lora, data, data, name="refused-" + name)
+        ok = p.returncode == 2 and key in p.stderr and all(w in p.stderr for w in words) and \
+            not os.path.exists(os.path.join(out, "metrics.jsonl"))
+        expect(ok, "%s: refused naming %s %s: rc %d, %s" % (name, key, words, p.returncode, p.stderr[-800:]))
+
+    # PiSSA as PEFT makes it: PEFT rebuilds the residual base W - s·B0·A0 when it loads the adapter,
+    # so the same tensors read as plain LoRA give another model.
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    pissa_cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights="pissa",
+                           task_type="CAUSAL_LM")
+    pissa = os.path.join(work, "pissa")
+    get_peft_model(base, pissa_cfg).save_pretrained(pissa)
+    as_plain = adapter_variant(pissa, work, "pissa-as-plain", lambda c: c.update(init_lora_weights=True))
+    gap = rel(peft_first_loss(pissa), peft_first_loss(as_plain))
+    print("hostile: PiSSA's loss in PEFT vs its tensors read as plain LoRA: %.1e apart" % gap)
+    expect(gap > 1e-4, "PEFT computes a PiSSA adapter otherwise than plain LoRA (%.1e)" % gap)
+    refused({"init_from": pissa}, "pissa", "zoffload.lora.init_from", "init_lora_weights", "pissa")
+    for init in ("olora", "corda", "loftq", "lora_ga", "mica", "pissa_niter_4"):
+        variant = adapter_variant(adapter_dir, work, "init-" + init, lambda c, i=init: c.update(init_lora_weights=i))
+        refused({"init_from": variant}, "init-" + init, "init_lora_weights", init)
+
+    # EVA and orthogonal initialisations only draw the first A and B otherwise: PEFT loads their saved
+    # adapters as plain LoRA, and so does zoffload.
+    p, out = zo_train(case, work, model_dir, {"init_from": adapter_dir}, data, data, name="plain")
+    plain_peft = peft_first_loss(adapter_dir)
+    for init in ("eva", "orthogonal"):
+        variant = adapter_variant(adapter_dir, work, "init-" + init, lambda c, i=init: c.update(init_lora_weights=i))
+        peft_loss = peft_first_loss(variant)
+        p, out = zo_train(case, work, model_dir, {"init_from": variant}, data, data, name="run-" + init)
+        if expect(p.returncode == 0, "%s adapter trains: %s" % (init, p.stderr[-800:])):
+            print("hostile: %s: PEFT's step-1 loss %.9g (plain %.9g), zoffload's %.9g" %
+                  (init, peft_loss, plain_peft, first_loss(out)))
+            expect(peft_loss == plain_peft and rel(first_loss(out), peft_loss) <= TOL["loss"],
+                   "%s: PEFT's loss %.9g (plain %.9g) and zoffload's %.9g agree" %
+                   (init, peft_loss, plain_peft, first_loss(out)))
+
+    # Scales, dropout and targets PEFT reads otherwise, or that a config contradicts.
+    refused({"init_from": adapter_variant(adapter_dir, work, "rslora-string", lambda c: c.update(use_rslora="true"))},
+            "rslora-string", "use_rslora", "PEFT reads any non-empty string as true")
+    dropout = adapter_variant(adapter_dir, work, "dropout", lambda c: c.update(lora_dropout=0.1))
+    refused({"init_from": dropout}, "dropout", "lora_dropout is 0.1", "set zoffload.lora.lora_dropout to 0")
+    p, out = zo_train(case, work, model_dir, {"init_from": dropout, "lora_dropout": 0}, data, data, name="no-dropout")
+    expect(p.returncode == 0 and rel(first_loss(out), plain_peft) <= TOL["loss"],
+           "an adapter saved with dropout trains without it when the config says lora_dropout 0: %s" % p.stderr[-600:])
+    refused({"init_from": adapter_dir, "lora_alpha": 16}, "alpha-given", "zoffload.lora.lora_alpha", "has lora_alpha 8")
+    refused({"init_from": adapter_dir, "use_rslora": True}, "rslora-given", "zoffload.lora.use_rslora")
+    layer0 = os.path.join(work, "layer0")
+    get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                   LoraConfig(r=4, lora_alpha=8, target_modules=["model.layers.0.self_attn.q_proj", "v_proj"],
+                              task_type="CAUSAL_LM")).save_pretrained(layer0)
+    refused({"init_from": layer0}, "layer0", "target_modules adapts q_proj on 1 of the model's 2 layers")
+
+    # Values no forward survives.
+    def set_first(name_part, value):
+        def edit(tensors):
+            k = sorted(n for n in tensors if name_part in n)[0]
+            tensors[k].view(-1)[3] = value
+        return edit
+    for name, edit, words in (("a-nan", set_first("lora_A", float("nan")), ("lora_A", "nan", "element 3")),
+                              ("b-inf", set_first("lora_B", float("inf")), ("lora_B", "inf", "element 3")),
+                              ("b-huge", set_first("lora_B", 3e38), ("can add up to", "overflow"))):
+        refused({"init_from": adapter_variant(adapter_dir, work, name, tensor_edit=edit)}, name,
+                "zoffload.lora.init_from", *words)
+    refused({"init_from": adapter_variant(adapter_dir, work, "alpha-huge", lambda c: c.update(lora_alpha=1e308))},
+            "alpha-huge", "lora_alpha must be a number > 0 and at most 3.4e38")
+    refused({"r": 4, "lora_alpha": 1e308}, "config-alpha-huge", "zoffload.lora.lora_alpha")
+
+    # A checkpoint resumed with another scale, and exported with a trainer_state that lies about r.
+    p, out = zo_train(case, work, model_dir, {"init_from": adapter_dir}, data, data, name="to-resume")
+    if expect(p.returncode == 0, "the run to resume trains: %s" % p.stderr[-600:]):
+        ckpt = os.path.join(out, "ckpt")
+        cfg_path = os.path.join(work, "to-resume", "ds.json")
+        cfg = json.load(open(cfg_path))
+        cfg["zoffload"]["lora"] = {"r": 4, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}
+        write_json(cfg_path, cfg)
+        p = subprocess.run([zoffload, "train", "--config", cfg_path, "--model", model_dir, "--data", data, "--steps",
+                            str(STEPS + 1), "--seq-len", str(SEQ), "--out", out, "--resume", "latest"],
+                           capture_output=True, text=True, env=ZO_ENV)
+        expect(p.returncode == 2 and "lora_alpha 8, not 16" in p.stderr,
+               "a resume with another lora_alpha is refused: rc %d, %s" % (p.returncode, p.stderr[-600:]))
+        step = os.path.join(ckpt, "step-%d" % STEPS)
+        for r in (0, 8):
+            edited = os.path.join(work, "r%d" % r, "step-%d" % STEPS)
+            shutil.copytree(step, edited)
+            state = json.load(open(os.path.join(edited, "trainer_state.json")))
+            state["config"]["zoffload"]["lora"]["r"] = r
+            with open(os.path.join(edited, "trainer_state.json"), "w") as f:
+                f.write(json.dumps(state, indent=2, sort_keys=True) + "\n")
+            reseal(edited, "trainer_state.json")
+            p = subprocess.run([zoffload, "export", "--checkpoint", edited, "--dtype", "fp32", "--out",
+                                os.path.join(work, "export-r%d" % r)], capture_output=True, text=True, env=ZO_ENV)
+            expect(p.returncode == 1 and "does not describe it" in p.stderr and
+                   not os.path.exists(os.path.join(work, "export-r%d" % r)),
+                   "an export whose trainer_state says r %d is refused: rc %d, %s" % (r, p.returncode, p.stderr[-600:]))
+    print("hostile: every adapter PEFT reads otherwise refused by key, the plain ones trained as PEFT computes them")
+
+
 def main():
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
@@ -333,6 +478,7 @@ def main():
             run_case(case, tmp)
         if not named:
             check_errors(tmp)
+            check_hostile_adapters(tmp)
     print("%d cases in %.1f s" % (len(cases), time.time() - t0))
     report_and_exit()
 
