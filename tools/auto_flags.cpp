@@ -9,36 +9,17 @@
 #include <CLI/CLI.hpp>
 
 #include "common/string_util.h"
+#include "tools/commands.h"
 
 namespace zo::tools {
-
-namespace {
-
-// A number that is finite, > 0 (or ≥ 0) and at most `max`, with a message that says so. CLI11's
-// PositiveNumber prints its range as 0.000000 to 1797693...(309 digits) and lets nan through.
-CLI::Validator finite_number(bool positive, double max = std::numeric_limits<double>::max()) {
-  return CLI::Validator(
-      [positive, max](std::string& text) -> std::string {
-        char* end = nullptr;
-        const double v = std::strtod(text.c_str(), &end);
-        const bool number = end != text.c_str() && *end == '\0';
-        if (number && std::isfinite(v) && (positive ? v > 0 : v >= 0) && v <= max) return "";
-        char bound[32] = "";
-        if (max < std::numeric_limits<double>::max()) std::snprintf(bound, sizeof bound, " and at most %g", max);
-        return text + " is not a finite number " + (positive ? "> 0" : "≥ 0") + bound;
-      },
-      positive ? "NUMBER > 0" : "NUMBER ≥ 0");
-}
-
-}  // namespace
 
 void add_auto_flags(CLI::App* command, AutoFlags* flags) {
   const char* group = "Values for \"auto\" (or absent) config keys; a config value that differs is an error";
   command->add_option("--micro-batch", flags->micro_batch, "train_micro_batch_size_per_gpu")
-      ->check(finite_number(true))
+      ->check(whole_number(1))
       ->group(group);
   command->add_option("--grad-accum", flags->grad_accum, "gradient_accumulation_steps (default 1)")
-      ->check(finite_number(true))
+      ->check(whole_number(1))
       ->group(group);
   command->add_option("--lr", flags->lr, "optimizer.params.lr and scheduler warmup_max_lr (default: the optimizer's)")
       ->check(finite_number(true, std::numeric_limits<float>::max()))
@@ -50,7 +31,7 @@ void add_auto_flags(CLI::App* command, AutoFlags* flags) {
       ->check(finite_number(false))
       ->group(group);
   command->add_option("--warmup-steps", flags->warmup_steps, "scheduler warmup_num_steps (default 0)")
-      ->check(finite_number(false))
+      ->check(whole_number(0, INT64_MAX))
       ->group(group);
   command->add_option("--precision", flags->precision, "bf16 | fp16 | fp32: fp16.enabled / bf16.enabled (default fp32)")
       ->check(CLI::IsMember({"bf16", "fp16", "fp32"}))

@@ -115,11 +115,12 @@ void register_config_command(CLI::App& app, int* exit_code) {
   file_opt->excludes(demo_opt);
   check->add_option("--hidden-size", args->hidden_size,
                     "Model hidden size: resolves reduce_bucket_size (h·h), stage3_prefetch_bucket_size (0.9·h·h) "
-                    "and stage3_param_persistence_threshold (10·h)");
+                    "and stage3_param_persistence_threshold (10·h)")
+      ->check(whole_number(1));
   check->add_option("--world-size", args->world_size, "Number of ranks, for train_batch_size")
-      ->check(CLI::PositiveNumber);
+      ->check(whole_number(1));
   check->add_option("--steps", args->steps, "Training steps: resolves scheduler total_num_steps")
-      ->check(CLI::PositiveNumber);
+      ->check(whole_number(1));
   add_auto_flags(check, &args->flags);
   check->add_flag("-q,--quiet", args->quiet, "Print nothing on success");
   check->callback([args, exit_code, check] {

@@ -3,12 +3,14 @@
 // (0 ok, 1 runtime failure, 2 bad usage or bad config) in `*exit_code`, which must outlive parsing.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 #include "common/status.h"
 
 namespace CLI {
 class App;
+class Validator;
 }
 
 namespace zo::tools {
@@ -28,6 +30,14 @@ void register_bench_grad(CLI::App& app, int* exit_code);
 void register_bench_pipeline(CLI::App& app, int* exit_code);
 void register_bench_ckpt(CLI::App& app, int* exit_code);
 void register_bench_pcie(CLI::App& app, int* exit_code);
+
+// Option checks with messages that say what is wanted ("--seed: -1 is not a whole number in [0,
+// 18446744073709551615]"). CLI11 reads "-1" into an unsigned option as 2^64 - 1 and prints its own
+// ranges with 309 digits, so every numeric option of the tools takes one of these.
+// whole_number: decimal digits only (no sign, point or exponent), in [min, max].
+CLI::Validator whole_number(uint64_t min, uint64_t max = UINT64_MAX);
+// finite_number: a finite decimal number > 0 (positive) or ≥ 0, at most `max` (nan and inf refused).
+CLI::Validator finite_number(bool positive, double max = 1.7976931348623157e308);
 
 // Parses the command line and runs the chosen subcommand; returns the process exit code: the
 // command's `exit_code`, 0 for --help/--version, 2 for a command line CLI11 rejects.

@@ -1,6 +1,11 @@
 #include <CLI/CLI.hpp>
 
+#include <charconv>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
+#include <limits>
 #include <iostream>
 #include <new>
 #include <string>
@@ -38,6 +43,34 @@ int run_app(CLI::App& app, int argc, char** argv, const int& exit_code) {
     return 1;
   }
   return exit_code;
+}
+
+CLI::Validator whole_number(uint64_t min, uint64_t max) {
+  const std::string range = "[" + std::to_string(min) + ", " + std::to_string(max) + "]";
+  return CLI::Validator(
+      [min, max, range](std::string& text) -> std::string {
+        uint64_t v = 0;
+        const char* end = text.data() + text.size();
+        const bool digits = !text.empty() && text.find_first_not_of("0123456789") == std::string::npos;
+        const auto [p, ec] = std::from_chars(text.data(), end, v);
+        if (digits && ec == std::errc() && p == end && v >= min && v <= max) return "";
+        return text + " is not a whole number in " + range;
+      },
+      "INT in " + range);
+}
+
+CLI::Validator finite_number(bool positive, double max) {
+  return CLI::Validator(
+      [positive, max](std::string& text) -> std::string {
+        char* end = nullptr;
+        const double v = std::strtod(text.c_str(), &end);
+        const bool number = end != text.c_str() && *end == '\0';
+        if (number && std::isfinite(v) && (positive ? v > 0 : v >= 0) && v <= max) return "";
+        char bound[32] = "";
+        if (max < std::numeric_limits<double>::max()) std::snprintf(bound, sizeof bound, " and at most %g", max);
+        return text + " is not a finite number " + (positive ? "> 0" : "≥ 0") + bound;
+      },
+      positive ? "NUMBER > 0" : "NUMBER ≥ 0");
 }
 
 int exit_code_of(const Status& s) {
