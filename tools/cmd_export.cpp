@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -41,29 +42,21 @@ struct ExportArgs {
 // A LoRA run's checkpoint (zoffload.lora in its config): what the export needs to write its
 // adapters or merge them (Note [Exporting LoRA adapters]); nullopt for any other checkpoint.
 Result<std::optional<engine::LoraExport>> lora_export_of(const engine::CheckpointInfo& ckpt, bool merge) {
-  const nlohmann::json& config = ckpt.state.config;
-  const nlohmann::json* lora = nullptr;
-  if (config.is_object() && config.contains("zoffload") && config["zoffload"].is_object() &&
-      config["zoffload"].contains("lora"))
-    lora = &config["zoffload"]["lora"];
-  engine::LoraConfig lc;
-  if (lora != nullptr) {
-    try {
-      lc.r = lora->value("r", uint64_t{0});
-      lc.lora_alpha = lora->value("lora_alpha", 8.0);
-      lc.use_rslora = lora->value("use_rslora", false);
-      lc.target_modules = lora->value("target_modules", std::vector<std::string>{});
-    } catch (const nlohmann::json::exception& e) {
-      return corruption(ckpt.path + ": the config's zoffload.lora is malformed: " + e.what());
-    }
-  }
+  const std::string state = ckpt.path + "/trainer_state.json";
+  ZO_ASSIGN_OR_RETURN(const engine::LoraConfig lc, engine::checkpoint_lora_config(ckpt.state.config, state));
+  ZO_ASSIGN_OR_RETURN(const engine::ModelConfig model,
+                      engine::parse_hf_config(ckpt.model_config_json, ckpt.path + "/config.json"));
+  ZO_ASSIGN_OR_RETURN(const engine::LoraSpec spec, engine::lora_spec(model, lc));
+  // The tensors decide, not the state's word for them: an edited r never exports a model holding
+  // adapters, nor adapters of another shape.
+  std::vector<std::pair<std::string, std::vector<int64_t>>> tensors;
+  for (const auto* list : {&ckpt.manifest.tensors, &ckpt.manifest.frozen})
+    for (const engine::CheckpointTensor& t : *list) tensors.emplace_back(t.name, t.shape);
+  ZO_RETURN_IF_ERROR(engine::check_lora_tensors(model, spec, tensors, ckpt.path));
   if (lc.r == 0) {
     if (merge) return invalid_argument("--merge: " + ckpt.path + " is not a LoRA run's checkpoint (no zoffload.lora)");
     return std::optional<engine::LoraExport>();
   }
-  ZO_ASSIGN_OR_RETURN(const engine::ModelConfig model,
-                      engine::parse_hf_config(ckpt.model_config_json, ckpt.path + "/config.json"));
-  ZO_ASSIGN_OR_RETURN(const engine::LoraSpec spec, engine::lora_spec(model, lc));
   engine::LoraExport out;
   out.merged = merge;
   out.scaling = spec.scaling();
@@ -135,6 +128,19 @@ int run_export(const ExportArgs& a) {
 
   auto lora = lora_export_of(*ckpt, a.merge);
   if (!lora.is_ok()) return command_error("zoffload export", lora.status());
+  // A checkpoint's step directory is pruned whole, with whatever was written into it.
+  for (std::filesystem::path p = std::filesystem::absolute(a.out).lexically_normal(); !p.empty();
+       p = p.parent_path()) {
+    Result<io::PathKind> manifest = io::Env::posix()->path_kind((p / "manifest.json").string());
+    Result<io::PathKind> state = io::Env::posix()->path_kind((p / "trainer_state.json").string());
+    if (manifest.is_ok() && *manifest == io::PathKind::kFile && state.is_ok() && *state == io::PathKind::kFile)
+      return command_error("zoffload export",
+                           "--out " + a.out + " is inside the checkpoint " + p.string() +
+                               ", which pruning removes whole (with the export): export outside the checkpoint "
+                               "directory's step-N directories",
+                           2);
+    if (p == p.parent_path()) break;
+  }
 
   Progress progress(!a.quiet && !a.json);
   engine::ExportOptions options;

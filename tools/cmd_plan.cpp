@@ -12,6 +12,7 @@
 #include "common/string_util.h"
 #include "engine/config/config.h"
 #include "engine/model/model_config.h"
+#include "engine/model/weights.h"
 #include "engine/plan/lora.h"
 #include "engine/plan/planner.h"
 #include "gpu/device_info.h"
@@ -203,10 +204,15 @@ void print_plan(const engine::RunPlan& p, const engine::PlanInputs& in, const st
 int run_plan(const PlanArgs& a) {
   auto model = engine::resolve_model_config(a.model);
   if (!model.is_ok()) return command_error("zoffload plan", model.status().message(), 2);
+  // The run trains what transformers loads (Note [A tied head the weights untie]).
+  if (auto kind = io::Env::posix()->path_kind(a.model); kind.is_ok() && *kind == io::PathKind::kDirectory) {
+    if (Status st = engine::apply_weights_tying(a.model, &*model, io::Env::posix()); !st.is_ok())
+      return command_error("zoffload plan", st.message(), 2);
+  }
   std::optional<engine::Config> config =
       load_config_with_flags(a.config, model->hidden_size, a.steps, a.flags, a.ranks);
   if (!config) return 2;
-  if (Status st = engine::read_peft_adapter_config(&config->zoffload.lora); !st.is_ok())
+  if (Status st = engine::read_peft_adapter_config(*model, &config->zoffload.lora, io::Env::posix()); !st.is_ok())
     return command_error("zoffload plan", st.message(), 2);
   engine::PlanInputs in;
   in.world_size = a.ranks;
@@ -214,11 +220,8 @@ int run_plan(const PlanArgs& a) {
   in.model = *model;
   in.model_name = a.model;
   in.seq_len = a.seq_len != 0 ? a.seq_len : std::min<uint64_t>(256, model->max_position_embeddings);
-  if (in.seq_len > model->max_position_embeddings)
-    return command_error("zoffload plan",
-                         "--seq-len " + std::to_string(in.seq_len) + " exceeds the model's max_position_embeddings (" +
-                             std::to_string(model->max_position_embeddings) + ")",
-                         2);
+  if (Status st = engine::check_seq_len(*model, in.seq_len); !st.is_ok())
+    return command_error("zoffload plan", st.message(), 2);
   in.out_dir = a.out;
   in.host = engine::probe_host(*config, a.out);
 
@@ -334,14 +337,15 @@ void register_plan_command(CLI::App& app, int* exit_code) {
       "Exit 0: fits; 3: does not fit; 2: bad config or arguments; 1: other failure.");
   plan->add_option("--config", args->config, "DeepSpeed/zoffload JSON config (see docs/config.md)")->required();
   plan->add_option("--model", args->model,
-                   "A Hugging Face model directory (only its config.json is read) or a preset: tiny, tinyllama-1.1b, "
+                   "A Hugging Face model directory (its config.json is read, and its weights' lm_head.weight only where "
+                   "the config ties it) or a preset: tiny, tinyllama-1.1b, "
                    "llama3.2-1b, llama3.2-3b, llama-7b, llama3-8b, llama-13b, llama-30b, llama-70b")
       ->required();
   plan->add_option("--seq-len", args->seq_len,
                    "Tokens per sequence (default: min(256, max_position_embeddings), as train)")
-      ->check(CLI::PositiveNumber);
+      ->check(whole_number(1));
   plan->add_option("--steps", args->steps, "Training steps: resolves scheduler total_num_steps, as train")
-      ->check(CLI::PositiveNumber);
+      ->check(whole_number(1));
   plan->add_option("--out", args->out,
                    "The run directory train would use: relative nvme_path resolve against it (default: zoffload-run)");
   plan->add_option("--io-results", args->io_results, "`zoffload-bench io --json` output for the NVMe read/write speed");
@@ -349,7 +353,7 @@ void register_plan_command(CLI::App& app, int* exit_code) {
   plan->add_option("--ranks", args->ranks,
                    "Plan one of N data-parallel ranks started on this node (torchrun --nproc-per-node N): each gets "
                    "1/N of its RAM and disk, and at ZeRO stage >= 1 holds 1/N of the optimizer states (default 1)")
-      ->check(CLI::Range(1u, 65536u));
+      ->check(whole_number(1, 65536));
   const char* target = "The machine to plan for, when not this one";
   plan->add_option("--host-ram", args->host_ram,
                    "The target's RAM as the run may use it (its MemAvailable with nothing else running), e.g. 124GiB; "
@@ -359,18 +363,18 @@ void register_plan_command(CLI::App& app, int* exit_code) {
       ->group(target);
   plan->add_option("--gpu-tflops", args->gpu_tflops,
                    "The target GPU's dense matmul TFLOP/s in the compute dtype, for the step time (else left out)")
-      ->check(CLI::PositiveNumber)
+      ->check(finite_number(true))
       ->group(target);
   plan->add_option("--cpus", args->cpus, "The target's logical CPUs (threads and malloc arenas the run starts)")
-      ->check(CLI::Range(1u, 65536u))
+      ->check(whole_number(1, 65536))
       ->group(target);
   plan->add_option("--disk-free", args->disk_free, "Free space where the target's nvme_path is, e.g. 2TB")
       ->group(target);
   plan->add_option("--nvme-read", args->nvme_read_gbps, "The target drive's read GB/s (with --nvme-write)")
-      ->check(CLI::PositiveNumber)
+      ->check(finite_number(true))
       ->group(target);
   plan->add_option("--nvme-write", args->nvme_write_gbps, "The target drive's write GB/s (with --nvme-read)")
-      ->check(CLI::PositiveNumber)
+      ->check(finite_number(true))
       ->group(target);
   plan->add_flag("--no-measure", args->no_measure, "Do not time the CPU kernels and the matmul (no step-time range)");
   plan->add_flag("--json", args->json, "Print the plan as JSON on stdout");

@@ -229,17 +229,24 @@ int run_train(const TrainArgs& args) {
   options.eval_batches = a.eval_batches;
   // Note [One run per run directory] (engine/train/trainer.cpp): rank 0 locks --out before the ranks
   // connect, so the other ranks of a run refused here never get past the rendezvous.
+  std::string created_out;  // the topmost directory locking --out created (empty: it existed)
   if (world->rank == 0) {
-    auto lock = engine::lock_run_dir(a.out);
+    auto lock = engine::lock_run_dir(a.out, io::Env::posix(), &created_out);
     if (!lock.is_ok()) return fail(lock.status().message(), 1);
     options.run_dir_lock = std::move(*lock);
   }
+  // A run that fails before it starts leaves no --out it created holding only its lock file.
+  auto fail_at_start = [&](const std::string& what, int code) {
+    options.run_dir_lock.reset();
+    if (!created_out.empty()) (void)engine::remove_if_only_locks(created_out, io::Env::posix());
+    return fail(what, code);
+  };
   std::unique_ptr<engine::dist::ProcessGroup> group;
   if (world->distributed()) {
     // Note [One GPU per rank] (engine/dist/world.h), before anything initialises CUDA.
     if (config->zoffload.device != gpu::DeviceKind::kHost) {
       auto device = engine::dist::visible_device_for_rank(*world, engine::dist::process_env()("CUDA_VISIBLE_DEVICES"));
-      if (!device.is_ok()) return fail(device.status().message(), 2);
+      if (!device.is_ok()) return fail_at_start(device.status().message(), 2);
       if (device->has_value()) ::setenv("CUDA_VISIBLE_DEVICES", (*device)->c_str(), 1);
     }
     // A peer that dies while this rank writes to its socket must fail the collective (EPIPE, which
@@ -247,7 +254,7 @@ int run_train(const TrainArgs& args) {
     // where torch.distributed usually runs, ignores SIGPIPE from its start.
     ::signal(SIGPIPE, SIG_IGN);
     auto g = engine::dist::ProcessGroup::create(*world, std::chrono::seconds(a.dist_timeout_s));
-    if (!g.is_ok()) return fail(g.status().message(), 1);
+    if (!g.is_ok()) return fail_at_start(g.status().message(), 1);
     group = std::move(*g);
     options.group = group.get();
   }
@@ -260,7 +267,7 @@ int run_train(const TrainArgs& args) {
   if (!trainer_r.is_ok()) {
     g_swap_count = 0;  // a failed start has removed what it created
     const Status& s = trainer_r.status();
-    return fail(s.to_string(), s.code() == StatusCode::kInvalidArgument ? 2 : 1);
+    return fail_at_start(s.to_string(), s.code() == StatusCode::kInvalidArgument ? 2 : 1);
   }
   engine::Trainer& trainer = **trainer_r;
   const double setup_s = setup_watch.elapsed_s();
@@ -371,6 +378,21 @@ int run_train(const TrainArgs& args) {
       evals.push_back(std::move(e));
     }
     const bool last = i + 1 == steps;
+    if (!m->eval_error.is_ok()) {
+      // Note [Evaluation] (engine/train/step.cpp): the step is complete and recorded; it is saved
+      // (when there is a checkpoint directory) before the run stops on its evaluation's failure.
+      if (tty && !a.quiet && !a.json) std::fputc('\n', stderr);
+      const std::string step = "step " + std::to_string(m->step);
+      std::string kept = "; " + step + " is trained and recorded in " + trainer.metrics_path();
+      if (!trainer.checkpoint_dir().empty()) {
+        const Status st = save(true);
+        kept += st.is_ok() ? " and saved in " + trainer.checkpoint_dir() + " (continue with --resume latest)"
+                           : ", but its checkpoint failed: " + st.to_string();
+      }
+      if (Status st = write_trace(); !st.is_ok())
+        std::cerr << "zoffload train: warning: writing the trace: " << st.to_string() << "\n";
+      return fail(step + ": " + m->eval_error.to_string() + kept, 1);
+    }
     if (!a.json && !a.quiet) {
       const bool due = trainer.checkpoint_due(last);
       if (tty) {
@@ -483,7 +505,9 @@ void register_train_command(CLI::App& app, int* exit_code) {
       "time went); writes one JSON object per step to metrics.jsonl in --out. With zoffload.checkpoint.dir\n"
       "it saves checkpoints every every_steps steps and at the end (--resume continues bit-exactly); with\n"
       "stage3_gather_16bit_weights_on_model_save it exports the final weights to --out/hf-export-step-N.\n"
-      "Relative paths in the config (nvme_path, checkpoint.dir, log.metrics_path) are relative to --out.\n"
+      "Relative paths in the config (nvme_path, checkpoint.dir, log.metrics_path) are relative to --out\n"
+      "(lora.init_from, an input, to the working directory). One run at a time uses an --out and a\n"
+      "checkpoint.dir (lock files); --resume latest refuses a checkpoint another run wrote.\n"
       "Configs with \"auto\" (Accelerate's) take their values from --micro-batch, --lr, ... as the HF\n"
       "Trainer's arguments fill them; `zoffload config check` takes the same flags.\n"
       "Launched as N processes (torchrun --no-python --nproc-per-node N zoffload train ..., mpirun, srun)\n"
@@ -513,26 +537,29 @@ void register_train_command(CLI::App& app, int* exit_code) {
                         "the same offload; loss and perplexity go to the progress line, metrics.jsonl (\"eval\") "
                         "and the monitors (eval/loss)");
   train->add_option("--eval-every", args->eval_every, "Evaluate --eval-data every N steps (default 0: at the end only)")
+      ->check(whole_number(0))
       ->needs(eval_data);
   train
       ->add_option("--eval-batches", args->eval_batches,
                    "Micro-batches per evaluation, all ranks together (default 16; fewer when the file is shorter)")
-      ->check(CLI::PositiveNumber)
+      ->check(whole_number(1))
       ->needs(eval_data);
   train
       ->add_option(
           "--steps", args->steps,
           "Train until this optimizer step, counted from the start of the run (default: scheduler total_num_steps)")
-      ->check(CLI::PositiveNumber);
+      ->check(whole_number(1));
   train->add_option("--out", args->out, "Run directory: metrics.jsonl, relative swap paths (default: zoffload-run)");
-  train->add_option("--seed", args->seed,
-                    "Seed of the random init and the data order (default 0; a resumed run keeps its checkpoint's)");
+  train
+      ->add_option("--seed", args->seed,
+                   "Seed of the random init and the data order (default 0; a resumed run keeps its checkpoint's)")
+      ->check(whole_number(0));
   train->add_option("--resume", args->resume,
                     "Continue from a checkpoint: latest (the newest in zoffload.checkpoint.dir), a checkpoint "
                     "directory, or a step-N directory. Weights, optimizer states, loss scale, counters and the data "
                     "position come from it; --steps counts from the start of the run");
   train->add_option("--seq-len", args->seq_len, "Tokens per sequence (default: min(256, max_position_embeddings))")
-      ->check(CLI::PositiveNumber);
+      ->check(whole_number(1));
   add_auto_flags(train, &args->flags);
   train->add_flag("--json", args->json, "Print a JSON summary on stdout instead of progress");
   train->add_flag("-q,--quiet", args->quiet, "Print nothing but errors and warnings");
@@ -548,7 +575,7 @@ void register_train_command(CLI::App& app, int* exit_code) {
                    "Data parallel (torchrun, mpirun, srun): seconds a rank waits for the others at the rendezvous and "
                    "in each collective before it stops with an error naming the ranks that did not respond "
                    "(default 1800, at most a week). See docs/training.md, \"Several processes\"")
-      ->check(CLI::Range(uint64_t{1}, uint64_t{7 * 24 * 3600}));
+      ->check(whole_number(1, 7 * 24 * 3600));
   train->callback([args, exit_code] { *exit_code = run_train(*args); });
 }
 

@@ -238,7 +238,7 @@ void remove_failed_save(io::Env* env, const std::string& tmp, const std::string&
 }
 
 Status point_latest_and_prune(io::Env* env, const SaveOptions& options, const std::string& name, uint64_t steps_done,
-                              const std::string& context, SaveResult* result,
+                              const std::string& run_id, const std::string& context, SaveResult* result,
                               const std::function<void(SavePhase)>& phase);
 
 // The checks of a save, its directory, and its tmp directory (returned).
@@ -436,7 +436,7 @@ Result<SaveResult> save_collaborative(StateStore& store, const TrainingState& st
     }
     if (!committed.is_ok()) remove_failed_save(env, tmp, context);
     if (committed.is_ok())
-      committed = point_latest_and_prune(env, options, name, state.steps_done, context, &result, phase);
+      committed = point_latest_and_prune(env, options, name, state.steps_done, state.run_id, context, &result, phase);
   }
   ZO_ASSIGN_OR_RETURN(const std::string outcome, share(0, ok_or_error(committed, ""), "committing " + context));
   if (c.rank == 0) {
@@ -500,7 +500,7 @@ Result<SaveResult> save_checkpoint(StateStore& store, const TrainingState& state
   }
   for (const FileDigest& f : manifest.files) result.bytes += f.size_bytes;
   phase(SavePhase::kRenamed);
-  ZO_RETURN_IF_ERROR(point_latest_and_prune(env, options, name, state.steps_done, context, &result, phase));
+  ZO_RETURN_IF_ERROR(point_latest_and_prune(env, options, name, state.steps_done, state.run_id, context, &result, phase));
   result.path = final_dir;
   result.seconds = watch.elapsed_s();
   return result;
@@ -508,8 +508,19 @@ Result<SaveResult> save_checkpoint(StateStore& store, const TrainingState& state
 
 namespace {
 
+// Whether the checkpoint `step_dir` names a run id other than `run_id` (one it cannot read, or one
+// from before run ids, is this run's: pruned as it always was).
+bool written_by_other_run(io::Env* env, const std::string& step_dir, const std::string& run_id) {
+  Result<std::string> text = env->read_file(step_dir + "/" + kTrainerStateFile, "checkpoint file", kMaxSmallFileBytes);
+  if (!text.is_ok()) return false;
+  const nlohmann::json j = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object() || !j.contains("run_id") || !j["run_id"].is_string()) return false;
+  const std::string other = j["run_id"].get<std::string>();
+  return !other.empty() && other != run_id;
+}
+
 Status point_latest_and_prune(io::Env* env, const SaveOptions& options, const std::string& name, uint64_t steps_done,
-                              const std::string& context, SaveResult* result,
+                              const std::string& run_id, const std::string& context, SaveResult* result,
                               const std::function<void(SavePhase)>& phase) {
   // Point `latest` at it: a new file renamed over the old one.
   const std::string latest_tmp = "latest.tmp-" + random_suffix();
@@ -535,10 +546,14 @@ Status point_latest_and_prune(io::Env* env, const SaveOptions& options, const st
     }
     // Newest first by step; the one just written is never pruned. Steps beyond it belong to a run
     // this one resumed before (`latest` now names this one, and this run would overwrite them when
-    // it gets there): they do not count as the newest and are pruned.
+    // it gets there): they do not count as the newest and are pruned. Another run's checkpoints
+    // (Note [Run ids] in engine/train/trainer.cpp) are neither counted nor pruned: keep_last is
+    // this run's.
     std::reverse(dirs.begin(), dirs.end());
     uint64_t kept = 0;
     for (const auto& [step, dir_name] : dirs) {
+      if (dir_name != name && !run_id.empty() && written_by_other_run(env, options.dir + "/" + dir_name, run_id))
+        continue;
       if (dir_name == name || (step < steps_done && kept < options.keep_last - 1)) {
         if (dir_name != name) ++kept;
         continue;

@@ -36,7 +36,7 @@ std::string_view save_phase_name(SavePhase phase);
 
 struct SaveOptions {
   std::string dir;                               // created if missing
-  uint64_t keep_last = 2;                        // 0: keep all
+  uint64_t keep_last = 2;  // 0: keep all; of the saving run's own checkpoints (TrainingState::run_id)
   uint64_t staging_bytes = uint64_t{256} << 20;  // ≥ 1 MiB, a multiple of 4096
   // Called on the saving thread with bytes written so far and the total (for progress lines).
   std::function<void(uint64_t done_bytes, uint64_t total_bytes)> progress;

@@ -123,7 +123,7 @@ std::string shape_string(const std::vector<int64_t>& shape) {
 }
 
 json TrainingState::to_json() const {
-  return {{"steps_done", steps_done},
+  json j = {{"steps_done", steps_done},
           {"optimizer_steps", optimizer_steps},
           {"loss_scaler",
            {{"cur_scale", loss_scaler.cur_scale},
@@ -137,6 +137,9 @@ json TrainingState::to_json() const {
           {"seq_len", seq_len},
           {"world_size", world_size},
           {"config", config}};
+  if (!run_id.empty()) j["run_id"] = run_id;
+  if (!out.empty()) j["out"] = out;
+  return j;
 }
 
 Result<TrainingState> TrainingState::from_json(const json& j, const std::string& source) {
@@ -162,6 +165,9 @@ Result<TrainingState> TrainingState::from_json(const json& j, const std::string&
   ZO_RETURN_IF_ERROR(get_whole(data, "data_position.", "epoch", 0, &s.data_position.epoch, source));
   ZO_RETURN_IF_ERROR(get_whole(data, "data_position.", "index", 0, &s.data_position.index, source));
   ZO_RETURN_IF_ERROR(get(j, "config", &s.config, source));
+  // Absent in a checkpoint from before run ids.
+  if (j.contains("run_id")) ZO_RETURN_IF_ERROR(get_string(j, "run_id", &s.run_id, source));
+  if (j.contains("out")) ZO_RETURN_IF_ERROR(get_string(j, "out", &s.out, source));
   if (s.optimizer_steps > s.steps_done) {
     return corruption(source + ": optimizer_steps " + std::to_string(s.optimizer_steps) + " > steps_done " +
                       std::to_string(s.steps_done));

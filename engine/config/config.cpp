@@ -73,6 +73,18 @@ namespace {
 
 // ---- reading: JSON → structs through the key table, "auto" recorded in ParseState::autos ---------
 
+// Why no file system takes `path`, or "": Linux's PATH_MAX (4096 bytes with its NUL) and NAME_MAX
+// (255 bytes a component), and the NUL byte, which ends a path in every system call.
+std::string unusable_path(std::string_view path) {
+  if (path.find('\0') != std::string_view::npos) return "holds a NUL byte, which no path may";
+  if (path.size() >= 4096)
+    return "is " + std::to_string(path.size()) + " bytes long; a path may have at most 4095";
+  for (const std::string& part : split(path, '/'))
+    if (part.size() > 255)
+      return "has a component of " + std::to_string(part.size()) + " bytes; a file name may have at most 255";
+  return "";
+}
+
 void read_optimizer(ParseState* st, ObjectReader r, OptimizerConfig* o);
 void read_scheduler(ParseState* st, ObjectReader r, SchedulerConfig* s);
 
@@ -90,7 +102,18 @@ class Reader {
   void number(std::string_view key, double& out, detail::Range range, AutoOk a = AutoOk::kNo) {
     note(key, top().number(key, &out, range.min, range.max, range.min_exclusive, a));
   }
-  void text(std::string_view key, std::string& out) { note(key, top().string(key, &out)); }
+  // Every text key names a path: one no file system takes is refused here, quoted within bounds
+  // (a 10 MB path was echoed twice by the error that found it later).
+  void text(std::string_view key, std::string& out) {
+    std::string value;
+    if (!top().string(key, &value)) return note(key, false);
+    if (const std::string why = unusable_path(value); !why.empty()) {
+      st_->error(top().key_path(key), "\"" + bounded_name(value, 120) + "\" " + why);
+      return note(key, false);
+    }
+    out = std::move(value);
+    note(key, true);
+  }
   void texts(std::string_view key, std::vector<std::string>& out) { note(key, top().string_list(key, &out)); }
   void bytes(std::string_view key, uint64_t& out) { note(key, top().size_bytes(key, &out)); }
   void choice(std::string_view key, std::string& out, std::span<const std::string_view> names, AutoOk a = AutoOk::kNo) {

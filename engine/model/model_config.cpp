@@ -779,6 +779,21 @@ Result<std::vector<DecoderRole>> lora_targets(const ModelConfig& config, std::sp
   return ordered;
 }
 
+Status check_seq_len(const ModelConfig& config, uint64_t seq_len) {
+  if (seq_len > config.max_position_embeddings)
+    return invalid_argument("--seq-len " + std::to_string(seq_len) + " exceeds the model's max_position_embeddings (" +
+                            std::to_string(config.max_position_embeddings) + ")");
+  // The same condition block_forward checks, found before anything is allocated.
+  if (config.sliding_layers.empty() && config.sliding_window != 0 && seq_len > config.sliding_window)
+    return invalid_argument("--seq-len " + std::to_string(seq_len) + " exceeds the model's sliding attention window (" +
+                            std::string("sliding_window ") + std::to_string(config.sliding_window) + " in its " +
+                            config.model_type +
+                            " config.json), which zoffload does not apply to this family: train with --seq-len at "
+                            "most " +
+                            std::to_string(config.sliding_window));
+  return Status::ok();
+}
+
 std::vector<std::string> default_lora_modules(const ModelConfig& config) {
   if (config.family().phi3) return {"qkv_proj"};
   return {"q_proj", "v_proj"};

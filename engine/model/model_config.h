@@ -178,6 +178,10 @@ Result<ModelConfig> resolve_model_config(const std::string& model, io::Env* env 
 // parse_hf_config reads it back to `config`.
 std::string to_hf_config_json(const ModelConfig& config, std::string_view torch_dtype);
 uint64_t num_parameters(const ModelConfig& config);
+// Whether the model computes sequences of `seq_len` tokens: at most max_position_embeddings, and,
+// where one window covers every layer (mistral's, Qwen's use_sliding_window), at most the window,
+// which block_forward does not apply. kInvalidArgument naming --seq-len and the config key.
+Status check_seq_len(const ModelConfig& config, uint64_t seq_len);
 
 enum class BlockKind : uint8_t { kEmbedding, kDecoder, kHead };
 

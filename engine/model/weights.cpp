@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <map>
 #include <memory>
 #include <numbers>
 #include <set>
@@ -10,6 +12,7 @@
 #include <vector>
 
 #include "common/log.h"
+#include "common/string_util.h"
 #include "engine/model/safetensors.h"
 
 namespace zo::engine {
@@ -145,7 +148,7 @@ Status init_lora_adapters(const ModelLayout& layout, uint64_t seed, uint64_t chu
 }
 
 Status load_peft_adapters(const std::string& adapter_dir, const ModelLayout& layout, uint64_t chunk_elems,
-                          const ParamSink& sink, io::Env* env) {
+                          const ParamSink& sink, io::Env* env, const AdapterLimits& limits) {
   if (chunk_elems == 0) return invalid_argument("load_peft_adapters: chunk_elems must be positive");
   const std::string path = adapter_dir + "/" + kPeftWeightsFile;
   ZO_ASSIGN_OR_RETURN(const io::PathKind kind, env->path_kind(path));
@@ -182,6 +185,46 @@ Status load_peft_adapters(const std::string& adapter_dir, const ModelLayout& lay
                               ", which this model has no place for (zoffload loads LoRA adapters on the decoder "
                               "layers' projections: lora_A and lora_B)");
   std::vector<float> buffer(std::min(chunk_elems, max_elems));
+  // Note [Adapter values]: a NaN or inf in an adapter, or a B and A whose product is out of range,
+  // would train NaN losses from the first step (and PEFT's too), to exit 0. Each value must be
+  // finite, and each projection's update s·B·A must be squarable in the compute dtype, as the terms
+  // of a gradient norm are: every element of B·A is a sum of r products, so |s·(B·A)| ≤ s · r ·
+  // max|B| · max|A| (in double) must stay within √max: 1.8e19 in fp32 and bf16, 256 in fp16. A
+  // trained adapter's updates are far below 1; a B of 3e38 over a Kaiming A, finite and within that
+  // bound's fp32 range, took the first step's norm to NaN. Adapters are small next to the base: this
+  // first pass reads them once more.
+  std::map<std::string, std::pair<double, double>> max_abs;  // module → (max|A|, max|B|)
+  for (size_t p = 0; p < layout.params.size(); ++p) {
+    const SafetensorsTensor* t = sources[p];
+    if (t == nullptr) continue;
+    double m = 0;
+    for (uint64_t off = 0; off < t->n_elems; off += chunk_elems) {
+      const std::span<float> chunk(buffer.data(), std::min(chunk_elems, t->n_elems - off));
+      ZO_RETURN_IF_ERROR(file->read_f32(*t, off, chunk));
+      for (size_t i = 0; i < chunk.size(); ++i) {
+        if (!std::isfinite(chunk[i]))
+          return invalid_argument(path + ": " + t->name + " holds " + format_number(chunk[i]) + " at element " +
+                                  std::to_string(off + i) + ": an adapter must be finite");
+        m = std::max(m, static_cast<double>(std::fabs(chunk[i])));
+      }
+    }
+    const std::string& name = layout.params[p].name;
+    const std::string module = name.substr(0, name.rfind(".lora_"));
+    (name.find(".lora_A.") != std::string::npos ? max_abs[module].first : max_abs[module].second) = m;
+  }
+  for (const auto& [module, m] : max_abs) {
+    const auto a = std::find_if(layout.params.begin(), layout.params.end(),
+                                [&](const ParamSpec& s) { return s.name == module + ".lora_A.weight"; });
+    const double r = a != layout.params.end() ? static_cast<double>(a->shape[0]) : 1;
+    const double bound = limits.scaling * r * m.first * m.second;
+    if (!(bound <= std::sqrt(limits.max_value)))
+      return invalid_argument(path + ": the adapter of " + module + " (max |A| " + format_number(m.first) +
+                              ", max |B| " + format_number(m.second) + ", scale " + format_number(limits.scaling) +
+                              ", r " + format_number(r) + ") can add up to " + format_number(bound) +
+                              " to a weight, beyond " + format_number(std::sqrt(limits.max_value)) +
+                              ", the square root of the compute dtype's largest value: its forward and "
+                              "gradients would overflow");
+  }
   for (size_t p = 0; p < layout.params.size(); ++p) {
     const SafetensorsTensor* t = sources[p];
     if (t == nullptr) continue;
@@ -198,6 +241,30 @@ float random_init_normal(uint64_t seed, std::string_view name, uint64_t index, d
   double z0 = 0, z1 = 0;
   normal_pair(stream_key(seed, name), index / 2, &z0, &z1);
   return static_cast<float>((index % 2 == 0 ? z0 : z1) * std);
+}
+
+Status apply_weights_tying(const std::string& model_dir, ModelConfig* config, io::Env* env) {
+  if (!config->tie_word_embeddings) return Status::ok();
+  ZO_ASSIGN_OR_RETURN(std::unique_ptr<HfWeights> weights, HfWeights::open(model_dir, env));
+  const SafetensorsFile *head_file = nullptr, *embed_file = nullptr;
+  const SafetensorsTensor* head = weights->find(stored_name(*weights, "lm_head.weight"), &head_file);
+  const SafetensorsTensor* embed = weights->find(stored_name(*weights, "model.embed_tokens.weight"), &embed_file);
+  if (head == nullptr || embed == nullptr) return Status::ok();
+  bool differ = head->shape != embed->shape;
+  constexpr uint64_t kChunk = uint64_t{1} << 22;
+  std::vector<float> a(std::min(kChunk, head->n_elems)), b(a.size());
+  for (uint64_t off = 0; !differ && off < head->n_elems; off += kChunk) {
+    const uint64_t n = std::min(kChunk, head->n_elems - off);
+    ZO_RETURN_IF_ERROR(head_file->read_f32(*head, off, std::span(a.data(), n)));
+    ZO_RETURN_IF_ERROR(embed_file->read_f32(*embed, off, std::span(b.data(), n)));
+    differ = std::memcmp(a.data(), b.data(), n * sizeof(float)) != 0;
+  }
+  if (!differ) return Status::ok();
+  ZO_LOG(kWarn) << model_dir << ": config.json ties lm_head.weight to model.embed_tokens.weight "
+                << "(tie_word_embeddings), but its weights hold both with different values: as transformers "
+                << "does, they are not tied (set tie_word_embeddings false in config.json to silence this)";
+  config->tie_word_embeddings = false;
+  return Status::ok();
 }
 
 Status load_hf_weights(const std::string& model_dir, const ModelLayout& layout, uint64_t chunk_elems,

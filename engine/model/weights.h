@@ -39,18 +39,35 @@ Status load_hf_weights(const std::string& model_dir, const ModelLayout& layout, 
 Status random_init_weights(const ModelConfig& config, const ModelLayout& layout, uint64_t seed, uint64_t chunk_elems,
                            const ParamSink& sink);
 
+// Note [A tied head the weights untie]: transformers (5.x) ties lm_head.weight to the embedding
+// when config.json says tie_word_embeddings, unless the weights hold an lm_head.weight whose values
+// differ from model.embed_tokens.weight: then it keeps both, untied ("we will NOT tie them"). This
+// applies that rule to `config` (read from `model_dir`'s config.json): tie_word_embeddings becomes
+// false, with the same warning, when the weights untie it. Nothing for an untied config, or weights
+// without a head of their own. Reads both tensors when both are there.
+Status apply_weights_tying(const std::string& model_dir, ModelConfig* config, io::Env* env);
+
 // The LoRA adapters of `layout` (is_lora_param) only, as PEFT initialises them: each lora_A
 // [r, in] uniform in ±1/√in (torch's kaiming_uniform_ with a = √5, which PEFT calls), drawn from a
 // counter-based stream deterministic in (seed, name, index); each lora_B zero, so the adapted model
 // starts as the base.
 Status init_lora_adapters(const ModelLayout& layout, uint64_t seed, uint64_t chunk_elems, const ParamSink& sink);
 
+// What an adapter loaded from a file may hold: its update s·B·A must stay within the square root
+// of the compute dtype's range (Note [Adapter values] in weights.cpp).
+struct AdapterLimits {
+  double scaling = 1;                // s: lora_alpha / r (or / √r)
+  double max_value = 3.4028234663852886e38;  // the compute dtype's largest finite value
+};
+
 // The LoRA adapters of `layout` from a PEFT adapter directory's adapter_model.safetensors, where
 // they are named "base_model.model." + their name. Before any data moves: kNotFound naming a missing
 // adapter (or a directory with only adapter_model.bin), kInvalidArgument for a shape that differs
-// or a tensor the layout has no place for (another target module, layer or adapter kind), naming it.
+// or a tensor the layout has no place for (another target module, layer or adapter kind), naming it,
+// and for values out of `limits` (a NaN or inf, naming the tensor and element; a projection whose
+// s·B·A can exceed √limits.max_value).
 Status load_peft_adapters(const std::string& adapter_dir, const ModelLayout& layout, uint64_t chunk_elems,
-                          const ParamSink& sink, io::Env* env = io::Env::posix());
+                          const ParamSink& sink, io::Env* env = io::Env::posix(), const AdapterLimits& limits = {});
 
 // PEFT's files: an adapter directory holds these two, its tensors' names prefixed.
 inline constexpr const char* kPeftConfigFile = "adapter_config.json";

@@ -427,7 +427,9 @@ Result<StepMetrics> Trainer::Impl::step_once() {
   out.process_peak_rss_bytes = process_rss().peak;
   if (evaluating) {
     trace::Span span(trace::Track::kStep, "evaluate");
-    ZO_ASSIGN_OR_RETURN(out.eval, evaluate());
+    Result<EvalMetrics> eval = evaluate();
+    if (eval.is_ok()) out.eval = *eval;
+    else out.eval_error = Status(eval.status()).with_context("evaluating --eval-data " + opt.eval_data_path);
   }
   ZO_RETURN_IF_ERROR(record(out));
   return out;
@@ -450,9 +452,38 @@ Result<StepMetrics> Trainer::Impl::step_once() {
 // exponential. Nothing the step depends on changes: the training data's position, the RNG (there is
 // none) and the weights are untouched, so a run trains bit-identically with and without evaluation;
 // its time is reported apart (EvalMetrics::eval_s) and is not in step_s.
+// An evaluation never costs the step before it: the rows it reads are fixed, so their tokens and
+// labels are checked against the vocabulary when the run starts (open_eval_data); a failure found
+// later (an I/O error, a file changed under the run) is the step's StepMetrics::eval_error, not the
+// step's failure, so the step is recorded and `zoffload train` saves it before it stops. Across
+// ranks every one learns whether any failed before the losses are summed (first_failed_rank), so
+// all of them stop there together and none waits in a collective the others never reach.
 Result<EvalMetrics> Trainer::Impl::evaluate() {
   const Stopwatch wall;
+  Result<std::array<double, 3>> local = evaluate_here();
+  if (opt.group != nullptr) {
+    ZO_ASSIGN_OR_RETURN(const std::optional<uint32_t> failed,
+                        dist::first_failed_rank(*opt.group, !local.is_ok(), "agreeing on the evaluation"));
+    if (failed && local.is_ok())
+      return Status(StatusCode::kAborted, "rank " + std::to_string(*failed) + " could not evaluate (its error says why)");
+  }
+  if (!local.is_ok()) return local.status();
+  std::array<double, 3> sums = *local;
+  if (opt.group != nullptr) {
+    trace::Span span(trace::Track::kCollective, "all-reduce the evaluation");
+    ZO_RETURN_IF_ERROR(opt.group->all_reduce_sum(sums, "all-reducing the evaluation loss"));
+  }
   EvalMetrics out;
+  out.batches = eval_batches_per_rank * world_size();
+  out.tokens = static_cast<uint64_t>(sums[2]);
+  // No batch with a labelled target: no loss (null in metrics.jsonl, left out of the monitors).
+  out.loss = sums[1] > 0 ? sums[0] / sums[1] : std::numeric_limits<double>::quiet_NaN();
+  out.perplexity = std::exp(out.loss);
+  out.eval_s = wall.elapsed_s();
+  return out;
+}
+
+Result<std::array<double, 3>> Trainer::Impl::evaluate_here() {
   ZO_RETURN_IF_ERROR(eval_data->set_position({}));
   const uint32_t n = static_cast<uint32_t>(layout.blocks.size());
   const uint64_t per_pass = vertical_micro_batches(opt.config);
@@ -486,17 +517,7 @@ Result<EvalMetrics> Trainer::Impl::evaluate() {
       ZO_RETURN_IF_ERROR(release(b));
     }
   }
-  if (opt.group != nullptr) {
-    trace::Span span(trace::Track::kCollective, "all-reduce the evaluation");
-    ZO_RETURN_IF_ERROR(opt.group->all_reduce_sum(sums, "all-reducing the evaluation loss"));
-  }
-  out.batches = eval_batches_per_rank * world_size();
-  out.tokens = static_cast<uint64_t>(sums[2]);
-  // No batch with a labelled target: no loss (null in metrics.jsonl, left out of the monitors).
-  out.loss = sums[1] > 0 ? sums[0] / sums[1] : std::numeric_limits<double>::quiet_NaN();
-  out.perplexity = std::exp(out.loss);
-  out.eval_s = wall.elapsed_s();
-  return out;
+  return sums;
 }
 
 Result<Trainer::Impl::Accumulated> Trainer::Impl::accumulate(bool inject_overflow, StepMetrics* out,

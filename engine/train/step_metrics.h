@@ -102,6 +102,9 @@ struct StepMetrics {
   uint64_t device_pinned_bytes = 0;
   // The evaluation run after this step's update, when one was due.
   std::optional<EvalMetrics> eval;
+  // Why that evaluation failed (then `eval` is empty): the step itself is complete and recorded, so
+  // the caller saves it before it stops (Note [Evaluation] in engine/train/step.cpp). Not recorded.
+  Status eval_error;
 
   // The record of metrics.jsonl (one line of it: record().dump()), which the monitors write too.
   nlohmann::json record() const;

@@ -7,7 +7,10 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <filesystem>
+#include <functional>
+#include <random>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -29,6 +32,47 @@ namespace {
 namespace fs = std::filesystem;
 
 constexpr uint64_t kInitChunkElems = uint64_t{1} << 22;  // 16 MiB of fp32 per chunk while loading
+
+// Locks `dir` (created when missing) with an exclusive flock on DIR/.zoffload.lock for as long as
+// the returned file is open (Note [One run per run directory]). `what` names it in messages,
+// `instead` says what to do when another run holds it.
+Result<std::shared_ptr<io::File>> lock_dir(const std::string& dir, const std::string& what, const std::string& instead,
+                                           io::Env* env, std::string* created_top = nullptr) {
+  ZO_RETURN_IF_ERROR(env->make_dirs(dir, created_top).with_context("creating " + what + " " + dir));
+  const std::string path = dir + "/.zoffload.lock";
+  ZO_ASSIGN_OR_RETURN(io::File file, env->open_file(path, io::OpenMode::kCreate, /*direct=*/false));
+  if (Status st = file.lock_exclusive(); !st.is_ok()) {
+    const int err = st.sys_errno();
+    if (st.code() != StatusCode::kFailedPrecondition && (err == ENOSYS || err == ENOLCK || err == EOPNOTSUPP)) {
+      // A file system without flock (Lustre without -o flock, NFS without lockd): the run goes on
+      // unguarded rather than not at all.
+      ZO_LOG(kWarn) << "cannot lock " << what << " " << dir << " (" << st.message()
+                    << "): nothing stops a second run on it";
+      return std::make_shared<io::File>(std::move(file));
+    }
+    if (st.code() != StatusCode::kFailedPrecondition) return st.with_context("locking " + what + " " + dir);
+    return failed_precondition(what + " " + dir + " is in use by another zoffload run (it holds " + path +
+                               "): wait for that run to end, or " + instead);
+  }
+  return std::make_shared<io::File>(std::move(file));
+}
+
+// Two spellings of one directory compare equal (".", "./ckpt/..", symlinks).
+std::string canonical_dir(io::Env* env, const std::string& dir) {
+  Result<std::string> p = env->canonical_path(dir.empty() ? "." : dir);
+  return p.is_ok() ? *p : fs::absolute(dir.empty() ? "." : dir).lexically_normal().string();
+}
+
+constexpr const char* kRunIdFile = ".zoffload.run_id";
+
+// A fresh run's id (Note [Run ids]).
+std::string new_run_id() {
+  std::random_device rd;
+  const uint64_t v = (uint64_t{rd()} << 32) ^ rd();
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
 
 }  // namespace
 
@@ -59,6 +103,7 @@ Status Trainer::Impl::init(const TrainOptions& options) {
                               ")");
   }
   if (opt.io_faults) faulty_env = std::make_unique<io::FaultyEnv>(io::Env::posix(), opt.io_faults);
+  run_id = new_run_id();  // a resume takes its checkpoint's (find_resume)
   ZO_RETURN_IF_ERROR(resolve_model());
   ZO_RETURN_IF_ERROR(prepare_run_dir());
   ZO_RETURN_IF_ERROR(find_resume());
@@ -70,6 +115,7 @@ Status Trainer::Impl::init(const TrainOptions& options) {
   ZO_RETURN_IF_ERROR(open_data());
   if (resume) ZO_RETURN_IF_ERROR(resume_from_checkpoint());
   ZO_RETURN_IF_ERROR(open_metrics());
+  ZO_RETURN_IF_ERROR(write_run_id());
   accounting.reset_peaks();
   return Status::ok();
 }
@@ -81,10 +127,11 @@ Status Trainer::Impl::resolve_model() {
     ZO_ASSIGN_OR_RETURN(const io::PathKind kind, env()->path_kind(opt.model));
     model_dir = kind == io::PathKind::kDirectory;
     ZO_ASSIGN_OR_RETURN(model, resolve_model_config(opt.model, env()));
+    if (model_dir) ZO_RETURN_IF_ERROR(apply_weights_tying(opt.model, &model, env()));
   }
   ZO_RETURN_IF_ERROR(check_model_size(model));
   // zoffload.lora.init_from's r, alpha and targets become the run's config, and so its checkpoints'.
-  ZO_RETURN_IF_ERROR(read_peft_adapter_config(&opt.config.zoffload.lora, env()));
+  ZO_RETURN_IF_ERROR(read_peft_adapter_config(model, &opt.config.zoffload.lora, env()));
   ZO_ASSIGN_OR_RETURN(layout, training_layout(&model, opt.config));
   trainable_slots.assign(layout.blocks.size(), {});
   lowest_trainable_block = static_cast<uint32_t>(layout.blocks.size());
@@ -96,19 +143,23 @@ Status Trainer::Impl::resolve_model() {
   }
   compute_dtype = opt.config.compute_dtype();
   seq_len = opt.seq_len != 0 ? opt.seq_len : std::min<uint64_t>(256, model.max_position_embeddings);
-  if (seq_len > model.max_position_embeddings)
-    return invalid_argument("--seq-len " + std::to_string(seq_len) + " exceeds the model's max_position_embeddings (" +
-                            std::to_string(model.max_position_embeddings) + ")");
-  return Status::ok();
+  return check_seq_len(model, seq_len);
 }
 
 Status Trainer::Impl::prepare_run_dir() {
   // Note [One run per run directory]: two runs on one --out would append to one metrics file, tidy
   // away each other's checkpoint saves in progress and mix their checkpoints. Rank 0 locks the
   // directory before anything in it is touched (the other ranks write nothing there before they
-  // have connected to it); the lock file stays, so that no two processes can lock two files.
+  // have connected to it); the lock file stays, so that no two processes can lock two files. The
+  // same holds for every output directory a config can put outside --out, or share between two
+  // --out: the checkpoint directory, wherever it is (two runs pruned each other's steps, removed
+  // each other's saves in progress as stale and moved `latest` between them: another run's absolute
+  // checkpoint.dir may point into this --out), and the monitors' directories outside --out. Each is
+  // locked the same way, by a .zoffload.lock of its own, before this run touches it.
   if (rank() == 0 && !opt.run_dir_lock) {
-    ZO_ASSIGN_OR_RETURN(opt.run_dir_lock, lock_run_dir(opt.out_dir, env()));
+    std::string created;
+    ZO_ASSIGN_OR_RETURN(opt.run_dir_lock, lock_run_dir(opt.out_dir, env(), &created));
+    if (!created.empty()) created_dirs.push_back(created);
   } else if (!opt.out_dir.empty()) {
     ZO_RETURN_IF_ERROR(env()->make_dirs(opt.out_dir).with_context("creating the run directory " + opt.out_dir));
   }
@@ -118,6 +169,14 @@ Status Trainer::Impl::prepare_run_dir() {
   // Note [Output files] (io/env.h): the files this run writes are checked now, not after a step.
   if (rank() == 0) {
     ZO_RETURN_IF_ERROR(env()->check_output_file(metrics_path, "the metrics file (zoffload.log.metrics_path)"));
+    for (const MonitorConfig* mc : {&config.tensorboard, &config.csv_monitor}) {
+      if (mc->enabled)
+        ZO_RETURN_IF_ERROR(lock_output_dir(monitor_dir(*mc),
+                                           mc == &config.tensorboard ? "the tensorboard directory"
+                                                                     : "the csv_monitor directory",
+                                           /*inside_out_too=*/false));
+    }
+    ZO_RETURN_IF_ERROR(read_run_id());
     if (config.csv_monitor.enabled) {
       StepMetrics prototype;
       if (!opt.eval_data_path.empty()) prototype.eval.emplace();  // its files too
@@ -134,6 +193,7 @@ Status Trainer::Impl::prepare_run_dir() {
     if (kind == io::PathKind::kMissing)
       ZO_RETURN_IF_ERROR(env()->check_output_file(checkpoint_dir, "zoffload.checkpoint.dir"));
     if (rank() != 0) return Status::ok();  // rank 0 writes the checkpoints, and tidies them
+    ZO_RETURN_IF_ERROR(lock_output_dir(checkpoint_dir, "zoffload.checkpoint.dir", /*inside_out_too=*/true));
     ZO_ASSIGN_OR_RETURN(std::vector<std::string> stale, clean_stale_checkpoints(checkpoint_dir, env()));
     for (const std::string& name : stale)
       ZO_LOG(kInfo) << "removed " << checkpoint_dir << "/" << name << ", left by a save that did not finish";
@@ -157,11 +217,35 @@ Status Trainer::Impl::find_resume() {
     return invalid_argument("--resume: " + path.status().message());
   if (!path.is_ok()) return path.status();
   ZO_ASSIGN_OR_RETURN(CheckpointInfo info, open_checkpoint(*path, env()));
+  // Note [Run ids]: a checkpoint found through `latest` must be this --out's run's.
+  const bool via_latest = *path != where;
+  if (via_latest && rank() == 0 && !info.state.run_id.empty() && !out_run_id.empty() &&
+      info.state.run_id != out_run_id)
+    return invalid_argument("--resume " + opt.resume + ": " + info.path + " was written by another run (run id " +
+                            info.state.run_id + (info.state.out.empty() ? "" : ", --out " + info.state.out) +
+                            ") than the one in " + (opt.out_dir.empty() ? "." : opt.out_dir) + " (run id " +
+                            out_run_id + "): two runs share " + where +
+                            ". Give the step directory itself (--resume " + info.path +
+                            ") to continue that run from here");
+  run_id = info.state.run_id.empty() ? new_run_id() : info.state.run_id;
   // A model this build cannot compute (a family it does not know, saved by a newer build) is
   // refused before anything is read, even where its tensors have the run's names and shapes.
   Result<ModelConfig> saved = parse_hf_config(info.model_config_json, info.path + "/config.json");
   if (!saved.is_ok())
     return Status(saved.status()).with_context("--resume " + info.path + ": its model is not one this build trains");
+  // The adapters' scale is no tensor's shape, so the state files cannot tell it: a resume with
+  // another lora_alpha or use_rslora would go on training another function (as would other targets).
+  ZO_ASSIGN_OR_RETURN(const LoraConfig saved_lora,
+                      checkpoint_lora_config(info.state.config, info.path + "/trainer_state.json"));
+  Result<LoraSpec> saved_spec = lora_spec(model, saved_lora);
+  if (!saved_spec.is_ok())
+    return invalid_argument("--resume " + info.path + ": its zoffload.lora does not fit this model (" +
+                            saved_spec.status().message() + "): a checkpoint of another model");
+  const std::string differs = lora_difference(*saved_spec, model.lora);
+  if (!differs.empty())
+    return invalid_argument("--resume " + info.path + ": its LoRA adapters were trained with " + differs +
+                            " as this run's zoffload.lora gives: resume with the checkpoint's zoffload.lora (r, "
+                            "lora_alpha, use_rslora, target_modules)");
   resume = std::move(info);
   return Status::ok();
 }
@@ -364,6 +448,32 @@ Status Trainer::Impl::open_eval_data(const DataOptions& train) {
     ZO_LOG(kInfo) << "--eval-data " << opt.eval_data_path << " holds " << batches << " micro-batches of "
                   << train.micro_batch << " x " << train.seq_len << " tokens: each evaluation reads those ("
                   << "--eval-batches asked for " << opt.eval_batches << ")";
+  // Note [Evaluation]: every evaluation reads the same rows, the file's first windows (every rank's
+  // batches together, in file order), so their tokens and labels are checked now: an id outside the
+  // vocabulary found at the first evaluation would stop the run after a step it then could not save.
+  const uint64_t tokens = eval_batches_per_rank * world_size() * train.micro_batch * train.seq_len;
+  const TokenSource& source = eval_data->source();
+  constexpr uint64_t kChunk = uint64_t{1} << 20;
+  std::vector<int32_t> ids, labels;
+  for (uint64_t begin = 0; begin <= tokens; begin += kChunk) {
+    const uint64_t n = std::min(kChunk, tokens + 1 - begin);  // tokens [0, T·windows] with the last target
+    ids.resize(n);
+    labels.resize(n);
+    ZO_RETURN_IF_ERROR(source.read(begin, n, ids.data(), labels.data()).with_context("--eval-data"));
+    for (uint64_t i = 0; i < n; ++i) {
+      const uint64_t at = begin + i;
+      // Position `at` is an input when it is below `tokens`, and a target from position 1 on.
+      const bool bad_input = at < tokens && (ids[i] < 0 || static_cast<uint64_t>(ids[i]) >= model.vocab_size);
+      const bool bad_label = at > 0 && labels[i] != kIgnoreLabel &&
+                             (labels[i] < 0 || static_cast<uint64_t>(labels[i]) >= model.vocab_size);
+      if (bad_input || bad_label)
+        return invalid_argument("--eval-data " + opt.eval_data_path + ": " + (bad_input ? "token " : "label ") +
+                                std::to_string(bad_input ? ids[i] : labels[i]) + " at token " + std::to_string(at) +
+                                " (window " + std::to_string((at - (bad_input ? 0 : 1)) / train.seq_len) +
+                                ", read by every evaluation) is outside the model's vocabulary of " +
+                                std::to_string(model.vocab_size));
+    }
+  }
   return Status::ok();
 }
 
@@ -489,43 +599,99 @@ Status Trainer::Impl::init_weights() {
   if (model.lora.r == 0) return Status::ok();
   const std::string& from = opt.config.zoffload.lora.init_from;
   if (from.empty()) return init_lora_adapters(layout, opt.seed, kInitChunkElems, sink);
-  return load_peft_adapters(from, layout, kInitChunkElems, sink, env()).with_context("zoffload.lora.init_from");
+  const AdapterLimits limits{.scaling = model.lora.scaling(), .max_value = dtype_max_value(compute_dtype)};
+  return load_peft_adapters(from, layout, kInitChunkElems, sink, env(), limits).with_context("zoffload.lora.init_from");
 }
 
 Trainer::Trainer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Trainer::~Trainer() = default;
 
-Result<std::shared_ptr<io::File>> lock_run_dir(const std::string& out_dir_or_empty, io::Env* env) {
+Result<std::shared_ptr<io::File>> lock_run_dir(const std::string& out_dir_or_empty, io::Env* env,
+                                               std::string* created_top) {
   const std::string out_dir = out_dir_or_empty.empty() ? "." : out_dir_or_empty;
-  ZO_RETURN_IF_ERROR(env->make_dirs(out_dir).with_context("creating the run directory " + out_dir));
-  const std::string path = out_dir + "/.zoffload.lock";
-  ZO_ASSIGN_OR_RETURN(io::File file, env->open_file(path, io::OpenMode::kCreate, /*direct=*/false));
-  if (Status st = file.lock_exclusive(); !st.is_ok()) {
-    const int err = st.sys_errno();
-    if (st.code() != StatusCode::kFailedPrecondition && (err == ENOSYS || err == ENOLCK || err == EOPNOTSUPP)) {
-      // A file system without flock (Lustre without -o flock, NFS without lockd): the run goes on
-      // unguarded rather than not at all.
-      ZO_LOG(kWarn) << "cannot lock the run directory " << out_dir << " (" << st.message()
-                    << "): nothing stops a second run on it";
-      return std::make_shared<io::File>(std::move(file));
+  return lock_dir(out_dir, "run directory", "give this one another --out", env, created_top);
+}
+
+Status remove_if_only_locks(const std::string& dir, io::Env* env) {
+  ZO_ASSIGN_OR_RETURN(const io::PathKind kind, env->path_kind(dir));
+  if (kind != io::PathKind::kDirectory) return Status::ok();
+  // Whether the tree under `d` holds only directories and lock files.
+  std::function<Result<bool>(const std::string&)> only_locks = [&](const std::string& d) -> Result<bool> {
+    ZO_ASSIGN_OR_RETURN(const std::vector<std::string> names, env->list_dir(d));
+    for (const std::string& name : names) {
+      ZO_ASSIGN_OR_RETURN(const io::PathKind k, env->path_kind(d + "/" + name));
+      if (k == io::PathKind::kDirectory) {
+        ZO_ASSIGN_OR_RETURN(const bool only, only_locks(d + "/" + name));
+        if (!only) return false;
+      } else if (name != ".zoffload.lock" || k != io::PathKind::kFile) {
+        return false;
+      }
     }
-    if (st.code() != StatusCode::kFailedPrecondition) return st.with_context("locking the run directory " + out_dir);
-    return failed_precondition("run directory " + out_dir + " is in use by another zoffload run (it holds " + path +
-                               "): wait for that run to end, or give this one another --out");
+    return true;
+  };
+  ZO_ASSIGN_OR_RETURN(const bool only, only_locks(dir));
+  return only ? env->remove_all(dir) : Status::ok();
+}
+
+Status Trainer::Impl::lock_output_dir(const std::string& dir, const std::string& what, bool inside_out_too) {
+  // --out's own lock covers it (a second lock of the same file by this process would conflict).
+  const std::string canonical = canonical_dir(env(), dir);
+  const std::string out = canonical_dir(env(), opt.out_dir);
+  if (canonical == out) return Status::ok();
+  if (!inside_out_too && canonical.starts_with(out + "/")) return Status::ok();
+  for (const auto& held : output_locks)
+    if (canonical_dir(env(), fs::path(held->path()).parent_path().string()) == canonical) return Status::ok();
+  std::string created;
+  ZO_ASSIGN_OR_RETURN(std::shared_ptr<io::File> lock,
+                      lock_dir(dir, what, "give this run another " + what + " (or another --out)", env(), &created));
+  output_locks.push_back(std::move(lock));
+  if (!created.empty()) created_dirs.push_back(created);
+  return Status::ok();
+}
+
+// Note [Run ids]
+// Each run has an id (16 hex digits, random at a fresh start, kept by a resumed run), written into
+// its checkpoints' trainer_state.json with its --out, and into OUT/.zoffload.run_id once the run has
+// started. Two runs that share a checkpoint directory one after the other (the lock above stops
+// them at the same time) leave `latest` naming the last one's step: `--resume latest` from the
+// other's --out would silently load its weights, moments and data position. So a resume that found
+// its checkpoint through `latest` refuses one whose run id is not the id in --out; naming the step
+// directory itself is the way to continue another run's checkpoint on purpose. Checkpoints and run
+// directories from before run ids have none and are accepted.
+Status Trainer::Impl::read_run_id() {
+  const std::string path = resolve_run_path(opt.out_dir, kRunIdFile);
+  ZO_ASSIGN_OR_RETURN(const io::PathKind kind, env()->path_kind(path));
+  if (kind != io::PathKind::kMissing) {
+    ZO_ASSIGN_OR_RETURN(std::string text, env()->read_file(path, "the run id file", 64));
+    while (!text.empty() && (text.back() == '\n' || text.back() == ' ')) text.pop_back();
+    out_run_id = text;
   }
-  return std::make_shared<io::File>(std::move(file));
+  return Status::ok();
+}
+
+Status Trainer::Impl::write_run_id() {
+  if (rank() != 0 || run_id == out_run_id) return Status::ok();
+  return env()->publish_file(resolve_run_path(opt.out_dir, kRunIdFile), run_id + "\n", "the run id file");
 }
 
 Result<std::unique_ptr<Trainer>> Trainer::create(const TrainOptions& options) {
   auto impl = std::make_unique<Impl>();
-  ZO_RETURN_IF_ERROR(impl->init(options));
+  if (Status st = impl->init(options); !st.is_ok()) {
+    // A run that never started leaves no output directory it created holding only its locks.
+    std::vector<std::string> created = std::move(impl->created_dirs);
+    impl.reset();  // closes the locks (the caller may still hold a run directory's it passed in)
+    for (const std::string& dir : created) (void)remove_if_only_locks(dir, io::Env::posix());
+    return st;
+  }
   return std::unique_ptr<Trainer>(new Trainer(std::move(impl)));
 }
 
 Result<StepMetrics> Trainer::step() {
-  trace::Span span(trace::Track::kStep, [&] { return "step " + std::to_string(impl_->steps_done + 1); });
+  // Named before it runs: a failure after the update (recording it) is still this step's.
+  const std::string name = "step " + std::to_string(impl_->steps_done + 1);
+  trace::Span span(trace::Track::kStep, [&] { return name; });
   Result<StepMetrics> r = impl_->step_once();
-  if (!r.is_ok()) return Status(r.status()).with_context("step " + std::to_string(impl_->steps_done + 1));
+  if (!r.is_ok()) return Status(r.status()).with_context(name);
   return r;
 }
 
@@ -574,6 +740,8 @@ TrainingState Trainer::training_state() const {
   st.seq_len = m.data->options().seq_len;
   st.world_size = m.world_size();
   st.config = to_json(m.opt.config);
+  st.run_id = m.run_id;
+  st.out = fs::absolute(m.opt.out_dir.empty() ? "." : m.opt.out_dir).lexically_normal().string();
   return st;
 }
 

@@ -80,8 +80,15 @@ struct TrainOptions {
 // exclusive flock on OUT/.zoffload.lock, held until the returned file is closed.
 // kFailedPrecondition "run directory OUT is in use by another zoffload run ..." when another
 // process (or another lock in this one) holds it. On a file system without flock the run is not
-// refused: a warning says it is unguarded.
-Result<std::shared_ptr<io::File>> lock_run_dir(const std::string& out_dir, io::Env* env = io::Env::posix());
+// refused: a warning says it is unguarded. *created_top (when given): the topmost directory it
+// created, empty when OUT existed (Env::make_dirs).
+Result<std::shared_ptr<io::File>> lock_run_dir(const std::string& out_dir, io::Env* env,
+                                               std::string* created_top = nullptr);
+
+// Removes `dir` when it holds nothing but (empty) directories and the .zoffload.lock files of
+// lock_run_dir: what a run that failed at start leaves of an output directory it created. Anything
+// else there keeps it. No error when `dir` is missing.
+Status remove_if_only_locks(const std::string& dir, io::Env* env);
 
 // Tunes glibc's allocator for LibTorch's CPU kernels (Note [Host compute] in trainer.cpp): freed
 // activation buffers stay in the heap instead of being unmapped and faulted in again, which was ~40%

@@ -10,6 +10,7 @@
 #include <torch/types.h>
 #include <torch/utils.h>
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -100,6 +101,19 @@ struct Trainer::Impl {
   std::optional<CheckpointInfo> resume;
   std::string resumed_from;
   std::optional<uint64_t> last_saved_step;  // the step of the checkpoint saved or resumed from
+  // Note [Run ids] (trainer.cpp): this run's id, in its checkpoints and in OUT/.zoffload.run_id; the
+  // id that file held when the run started (empty: none).
+  std::string run_id;
+  std::string out_run_id;
+  // Rank 0's locks on the output directories beside --out's own lock (Note [One run per run
+  // directory]): the checkpoint directory, the monitors' directories outside --out. Held for the
+  // whole run.
+  std::vector<std::shared_ptr<io::File>> output_locks;
+  std::vector<std::string> created_dirs;  // the topmost directory each of those locks created
+  // Locks `dir` unless it is --out, or lies inside --out and not `inside_out_too`.
+  Status lock_output_dir(const std::string& dir, const std::string& what, bool inside_out_too);
+  Status read_run_id();   // out_run_id from OUT/.zoffload.run_id
+  Status write_run_id();  // run_id into it (rank 0), once the run has started
   std::string model_config_json() const;
   // What --model named, a directory made absolute so that it resolves from anywhere: the
   // checkpoints' model (`zoffload export` finds its tokenizer there) and PEFT's base_model_name_or_path.
@@ -274,6 +288,8 @@ struct Trainer::Impl {
     return eval_data != nullptr && ((opt.eval_every > 0 && step % opt.eval_every == 0) || step == opt.last_step);
   }
   Result<EvalMetrics> evaluate();
+  // This rank's part: the loss over its counted batches, those batches, their labelled targets.
+  Result<std::array<double, 3>> evaluate_here();
   // The counters a step's metrics are differences of.
   StepCounters counters() const;
   // Rank 0: the step's record into metrics.jsonl and the monitors.

@@ -1088,6 +1088,52 @@ TEST(Trainer, ASecondRunOnTheSameRunDirectoryIsRefused) {
   EXPECT_TRUE(third.is_ok()) << "the lock ends with the run: " << third.status().to_string();
 }
 
+// Note [One run per run directory]: two runs with one checkpoint directory (each its own --out) are
+// one too many; Note [Run ids]: one after the other, `latest` found from the first run's --out is
+// refused when the second wrote it, and the second's pruning leaves the first's steps.
+TEST(Trainer, TwoRunsOnOneCheckpointDirectoryNeverMixTheirCheckpoints) {
+  TempDir dir;
+  const std::string shared = dir.path + "/shared-ckpt";
+  TrainOptions a = with_checkpoints(make_options({.param = "cpu", .optimizer = "cpu", .precision = "fp32"}, dir),
+                                    shared);
+  a.config.zoffload.checkpoint.keep_last = 1;
+  TrainOptions b = a;
+  a.out_dir = dir.path + "/a";
+  b.out_dir = dir.path + "/b";
+  {
+    auto first = Trainer::create(a);
+    ASSERT_TRUE(first.is_ok()) << first.status().to_string();
+    auto second = Trainer::create(b);
+    ASSERT_FALSE(second.is_ok());
+    EXPECT_EQ(second.status().code(), StatusCode::kFailedPrecondition);
+    EXPECT_THAT(second.status().message(),
+                HasSubstr("zoffload.checkpoint.dir " + shared + " is in use by another zoffload run"));
+    EXPECT_FALSE(std::filesystem::exists(b.out_dir)) << "the refused run left its --out";
+    for (int i = 0; i < 3; ++i) ASSERT_TRUE((*first)->step().is_ok());
+    ASSERT_TRUE((*first)->save_checkpoint().is_ok());
+  }
+  {
+    auto second = Trainer::create(b);
+    ASSERT_TRUE(second.is_ok()) << "once the first has ended: " << second.status().to_string();
+    ASSERT_TRUE((*second)->step().is_ok());
+    auto saved = (*second)->save_checkpoint();
+    ASSERT_TRUE(saved.is_ok()) << saved.status().to_string();
+    EXPECT_TRUE(saved->pruned.empty()) << "keep_last 1 pruned the other run's " << saved->pruned.front();
+  }
+  EXPECT_TRUE(std::filesystem::exists(shared + "/step-3")) << "the first run's checkpoint";
+  TrainOptions again = a;
+  again.resume = "latest";
+  auto refused = Trainer::create(again);
+  ASSERT_FALSE(refused.is_ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.status().message(), HasSubstr("was written by another run"));
+  EXPECT_THAT(refused.status().message(), HasSubstr("--out " + std::filesystem::absolute(b.out_dir).string()));
+  again.resume = shared + "/step-3";
+  auto named = Trainer::create(again);
+  ASSERT_TRUE(named.is_ok()) << "the step directory itself continues the run: " << named.status().to_string();
+  EXPECT_EQ((*named)->steps_done(), 3u);
+}
+
 // Issue 40 (Note [Output files]): what the run would write over is checked before anything is
 // built — a directory where the metrics or a csv_monitor file goes, a checkpoint directory under a
 // regular file — with one error naming it, and nothing of the user's is touched.
@@ -2083,6 +2129,61 @@ TEST(Trainer, EvaluationSettingsAreCheckedAtStart) {
   ASSERT_FALSE(missing.is_ok());
   EXPECT_THAT(missing.status().message(), HasSubstr("--eval-data"));
   EXPECT_THAT(missing.status().message(), HasSubstr("missing.bin"));
+}
+
+// Note [Evaluation]: the rows an evaluation reads are checked when the run starts; an evaluation
+// that fails later (here a read of the held-out file, made to fail) leaves its step complete,
+// recorded and saveable, and the run resumes from it.
+TEST(Trainer, AnEvaluationNeverCostsItsStep) {
+  TempDir dir;
+  TrainOptions o = make_options({.precision = "fp32"}, dir);
+  o.eval_every = 2;
+  o.eval_batches = 2;
+  const std::vector<uint16_t> bad = {1, 2, 3, 256, 4};  // 256: one past the byte vocabulary
+  std::vector<uint16_t> tokens(4000, 7);
+  std::copy(bad.begin(), bad.end(), tokens.begin() + 40);
+  o.eval_data_path = dir.path + "/eval.bin";
+  {
+    std::ofstream f(o.eval_data_path, std::ios::binary);
+    f.write(reinterpret_cast<const char*>(tokens.data()), static_cast<std::streamsize>(tokens.size() * 2));
+  }
+  auto refused = Trainer::create(o);
+  ASSERT_FALSE(refused.is_ok());
+  EXPECT_THAT(refused.status().message(),
+              HasSubstr("eval.bin: token 256 at token 43 (window 1, read by every evaluation) is outside the model's "
+                        "vocabulary of 256"));
+
+  o.eval_data_path = dir.path + "/eval.txt";
+  std::filesystem::copy_file(corpus_path(), o.eval_data_path);
+  o = with_checkpoints(o, dir.path + "/ckpt");
+  o.io_faults = std::make_shared<io::FaultInjector>();
+  auto t = Trainer::create(o);
+  ASSERT_TRUE(t.is_ok()) << t.status().to_string();
+  ASSERT_TRUE((*t)->step().is_ok());
+  o.io_faults->add({.kind = io::FaultKind::kEio, .op = io::IoOp::kRead, .path_contains = "eval.txt"});
+  auto second = (*t)->step();
+  ASSERT_TRUE(second.is_ok()) << "the step is not the evaluation's: " << second.status().to_string();
+  EXPECT_EQ(o.io_faults->injected(), 1u);
+  EXPECT_FALSE(second->eval.has_value());
+  EXPECT_THAT(second->eval_error.to_string(), HasSubstr("evaluating --eval-data " + o.eval_data_path));
+  EXPECT_EQ((*t)->steps_done(), 2u);
+  EXPECT_TRUE((*t)->checkpoint_due(/*end_of_run=*/true));
+  auto saved = (*t)->save_checkpoint();
+  ASSERT_TRUE(saved.is_ok()) << saved.status().to_string();
+  std::ifstream metrics((*t)->metrics_path());
+  std::string line;
+  int lines = 0;
+  while (std::getline(metrics, line)) ++lines;
+  EXPECT_EQ(lines, 2) << "the step was recorded";
+  const std::vector<std::vector<float>> before = masters(**t);
+  t->reset();
+  TrainOptions again = o;
+  again.io_faults.reset();
+  again.resume = "latest";
+  auto resumed = Trainer::create(again);
+  ASSERT_TRUE(resumed.is_ok()) << resumed.status().to_string();
+  EXPECT_EQ((*resumed)->steps_done(), 2u);
+  EXPECT_TRUE(bit_identical(masters(**resumed), before));
 }
 
 // Frozen params over two ranks (Note [Frozen sub-groups]) at stage 3, the compute copies partitioned
