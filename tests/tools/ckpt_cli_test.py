@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 
-from cli_checks import expect as check, report_and_exit
+from cli_checks import crc32c, expect as check, report_and_exit
 
 zoffload, source_dir = sys.argv[1], sys.argv[2]
 demo_config = os.path.join(source_dir, "configs", "tiny_demo_nvme.json")
@@ -25,6 +25,8 @@ corpus = os.path.join(source_dir, "configs", "data", "demo_corpus.txt")
 STATE_FILES = ["master.safetensors", "exp_avg.safetensors", "exp_avg_sq.safetensors"]
 TINY_PARAMETERS = 3033344
 TINY_TENSORS = 39
+# The checkpoint directory's lock file, kept as --out's is (Note [One run per run directory]).
+LOCK = [".zoffload.lock"]
 
 
 def run(*args, timeout=600):
@@ -57,27 +59,6 @@ def error_lines(p):
 def read(path):
     with open(path, "rb") as f:
         return f.read()
-
-
-def crc32c(data):
-    """CRC-32C (Castagnoli, reflected, init and final xor 0xffffffff): what the manifest lists."""
-    crc = 0xFFFFFFFF
-    for b in data:
-        crc = CRC_TABLE[(crc ^ b) & 0xFF] ^ (crc >> 8)
-    return crc ^ 0xFFFFFFFF
-
-
-def make_crc_table():
-    table = []
-    for i in range(256):
-        c = i
-        for _ in range(8):
-            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
-        table.append(c)
-    return table
-
-
-CRC_TABLE = make_crc_table()
 
 
 def flip(path, offset, mask=0x01):
@@ -163,7 +144,7 @@ with tempfile.TemporaryDirectory(prefix="zo-ckpt-cli-", dir=os.environ.get("TMPD
     if not check(p.returncode == 0, "6 steps with checkpoints exit 0: " + p.stderr[-2000:]):
         sys.exit("FAIL: the first run failed; nothing else can be checked\n" + p.stderr[-2000:])
     check(read(os.path.join(a_ckpt, "latest")) == b"step-6\n", "latest names step-6: %r" % read(os.path.join(a_ckpt, "latest")))
-    check(sorted(os.listdir(a_ckpt)) == ["latest", "step-4", "step-6"],
+    check(sorted(os.listdir(a_ckpt)) == LOCK + ["latest", "step-4", "step-6"],
           "keep_last 2 leaves step-4 and step-6, nothing tmp-*: %s" % sorted(os.listdir(a_ckpt)))
     check_format(os.path.join(a_ckpt, "step-6"), 6)
     check_format(os.path.join(a_ckpt, "step-4"), 4)
@@ -241,7 +222,7 @@ with tempfile.TemporaryDirectory(prefix="zo-ckpt-cli-", dir=os.environ.get("TMPD
     else:
         check(p.returncode == 0 and os.stat(b6).st_ino != inode,
               "a save of an existing step replaces it: exit %d, %s" % (p.returncode, p.stderr[-1000:]))
-        check(sorted(os.listdir(os.path.join(b, "ckpt"))) == ["latest", "step-6"] and
+        check(sorted(os.listdir(os.path.join(b, "ckpt"))) == LOCK + ["latest", "step-6"] and
               all(read(os.path.join(a_ckpt, "step-6", n)) == read(os.path.join(b6, n)) for n in STATE_FILES),
               "the replaced step-6 is byte-identical, nothing tmp-* left: %s" % os.listdir(os.path.join(b, "ckpt")))
 
@@ -336,7 +317,7 @@ with tempfile.TemporaryDirectory(prefix="zo-ckpt-cli-", dir=os.environ.get("TMPD
     p = train(config, a, 6, "--resume", "latest", "--json")
     check(p.returncode == 0 and as_json(p).get("checkpoints") == [],
           "a start at step 6 of 6 exits 0 and saves nothing: %d %s %s" % (p.returncode, p.stdout[-300:], p.stderr[-1000:]))
-    check(not os.path.exists(stale) and sorted(os.listdir(a_ckpt)) == ["latest", "step-4", "step-6"],
+    check(not os.path.exists(stale) and sorted(os.listdir(a_ckpt)) == LOCK + ["latest", "step-4", "step-6"],
           "the stale tmp-99-deadbeef01234567 is removed, the checkpoints kept: %s" % sorted(os.listdir(a_ckpt)))
 
     # 8. --resume latest continues from step 6 to 8 in the same directory.
@@ -348,7 +329,7 @@ with tempfile.TemporaryDirectory(prefix="zo-ckpt-cli-", dir=os.environ.get("TMPD
           "--resume latest continues from step 6 and saves step-8: %s" %
           {k: j.get(k) for k in ("first_step", "resumed_from", "checkpoints")})
     check(read(os.path.join(a_ckpt, "latest")) == b"step-8\n" and
-          sorted(os.listdir(a_ckpt)) == ["latest", "step-6", "step-8"],
+          sorted(os.listdir(a_ckpt)) == LOCK + ["latest", "step-6", "step-8"],
           "latest names step-8 and step-4 is pruned: %s" % sorted(os.listdir(a_ckpt)))
     p = run("ckpt", "inspect", "--json", a_ckpt)
     check(as_json(p).get("step") == 8, "inspect follows latest to step 8: %s" % p.stdout[:300])
