@@ -190,9 +190,9 @@ Status load_peft_adapters(const std::string& adapter_dir, const ModelLayout& lay
   // finite, and each projection's update s·B·A must be squarable in the compute dtype, as the terms
   // of a gradient norm are: every element of B·A is a sum of r products, so |s·(B·A)| ≤ s · r ·
   // max|B| · max|A| (in double) must stay within √max: 1.8e19 in fp32 and bf16, 256 in fp16. A
-  // trained adapter's updates are far below 1; a B of 3e38 over a Kaiming A, finite and within that
-  // bound's fp32 range, took the first step's norm to NaN. Adapters are small next to the base: this
-  // first pass reads them once more.
+  // trained adapter's updates are far below 1. (A bound of the dtype's range itself passed a B of
+  // 3e38 over a Kaiming A, whose first step's gradient norm was NaN.) Adapters are small next to the
+  // base: this first pass reads them once more.
   std::map<std::string, std::pair<double, double>> max_abs;  // module → (max|A|, max|B|)
   for (size_t p = 0; p < layout.params.size(); ++p) {
     const SafetensorsTensor* t = sources[p];

@@ -86,7 +86,10 @@ Result<std::vector<std::string>> peft_target_modules(const ModelConfig& model, c
     if (it->second.size() != model.num_hidden_layers) {
       std::vector<std::string> layers;
       for (uint64_t l : it->second) layers.push_back(std::to_string(l));
-      if (layers.size() > 8) layers.resize(8), layers.emplace_back("...");
+      if (layers.size() > 8) {
+        layers.resize(8);
+        layers.emplace_back("...");
+      }
       return bad("target_modules adapts " + name + " on " + std::to_string(it->second.size()) + " of the model's " +
                  std::to_string(model.num_hidden_layers) + " layers (" + join(layers, ", ") +
                  "): zoffload adapts a projection on every layer or on none");

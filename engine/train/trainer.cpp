@@ -242,6 +242,9 @@ Status Trainer::Impl::find_resume() {
     return invalid_argument("--resume " + info.path + ": its zoffload.lora does not fit this model (" +
                             saved_spec.status().message() + "): a checkpoint of another model");
   const std::string differs = lora_difference(*saved_spec, model.lora);
+  if (!differs.empty() && saved_spec->r == 0)
+    return invalid_argument("--resume " + info.path + ": it holds no LoRA adapters, and this run's zoffload.lora asks "
+                            "for r " + std::to_string(model.lora.r) + ": resume with the checkpoint's zoffload.lora");
   if (!differs.empty())
     return invalid_argument("--resume " + info.path + ": its LoRA adapters were trained with " + differs +
                             " as this run's zoffload.lora gives: resume with the checkpoint's zoffload.lora (r, "

@@ -2429,7 +2429,12 @@ TEST(Resume, LoraRunsResumeBitExactlyAndOnlyWithTheirAdapters) {
     EXPECT_EQ(m->loss, (*am)[i].loss) << "step " << i + 1;
   }
   EXPECT_TRUE(bit_identical(masters(**tb), masters(**ta)));
-  for (const nlohmann::json& other : {nlohmann::json(), nlohmann::json{{"r", 4}, {"target_modules", {"q_proj"}}}}) {
+  // No adapters, others, and the same adapters at another scale (no tensor's shape tells the scale).
+  nlohmann::json other_alpha = lora, no_rslora = lora;
+  other_alpha["lora_alpha"] = 16;
+  no_rslora["use_rslora"] = false;
+  for (const nlohmann::json& other : {nlohmann::json(), nlohmann::json{{"r", 4}, {"target_modules", {"q_proj"}}},
+                                      other_alpha, no_rslora}) {
     SCOPED_TRACE(other.dump());
     TempDir c_dir;
     RunSetup s = resumed;
