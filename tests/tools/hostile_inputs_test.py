@@ -148,19 +148,19 @@ def eval_data(tmp):
     with open(held, "wb") as f:
         f.write(struct.pack("<4096H", *([7] * 4096)))
     out = os.path.join(tmp, "eval-fails")
-    proc = start(cfg, out, "--steps", "150", "--eval-data", held, "--eval-batches", "2")
+    proc = start(cfg, out, "--steps", "60", "--eval-data", held, "--eval-batches", "2")
     if expect(wait_for_lines(os.path.join(out, "metrics.jsonl"), 1, proc), "the eval run takes its first step"):
         with open(held, "wb"):
             pass
     _, err = proc.communicate(timeout=600)
     lines = [l for l in err.splitlines() if "error" in l]
-    expect(proc.returncode == 1 and len(lines) == 1 and "step 150: " in lines[0] and "held.bin" in lines[0] and
+    expect(proc.returncode == 1 and len(lines) == 1 and "step 60: " in lines[0] and "held.bin" in lines[0] and
            "saved in" in lines[0], "a failed evaluation ends the run after saving its step: rc %d, %s" %
            (proc.returncode, err[-800:]))
     latest = os.path.join(out, "ckpt", "latest")
-    expect(os.path.exists(latest) and open(latest).read().strip() == "step-150",
+    expect(os.path.exists(latest) and open(latest).read().strip() == "step-60",
            "the step before the failed evaluation is the latest checkpoint")
-    expect(sum(1 for _ in open(os.path.join(out, "metrics.jsonl"))) == 150, "all 150 steps are recorded")
+    expect(sum(1 for _ in open(os.path.join(out, "metrics.jsonl"))) == 60, "all 60 steps are recorded")
 
 
 def shrinking_data(tmp):

@@ -2,8 +2,8 @@
 """A kill campaign over the features that write state together: evaluation during training, LoRA
 adapters over a frozen base, narrow optimizer states (8-bit and bf16 moments), the optimizer on
 NVMe, a checkpoint every step. Each campaign first trains its config uninterrupted, then trains it
-again under SIGKILL at seeded random moments (during the start, a step, an evaluation or a save),
-each time resuming with `--resume latest`, until a run ends by itself. Then:
+again under SIGKILL at seeded random moments (a third during the start, the others just after a
+metrics record: in a step, an evaluation or a save), each time resuming with `--resume latest`, until a run ends by itself. Then:
 
 - every metrics record written under the campaign (a step trained twice, before a kill and after
   the resume, has two) equals the uninterrupted run's record of that step bit for bit: loss,
@@ -25,10 +25,10 @@ import time
 from cli_checks import expect, report_and_exit
 
 zoffload, source_dir = sys.argv[1], sys.argv[2]
-kills_wanted = int(sys.argv[3]) if len(sys.argv) > 3 else 12
+kills_wanted = int(sys.argv[3]) if len(sys.argv) > 3 else 8
 corpus = os.path.join(source_dir, "configs", "data", "demo_corpus.txt")
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
-STEPS = 30
+STEPS = 24
 RECORD_KEYS = ("step", "loss", "grad_norm", "lr", "skipped", "tokens")
 
 
@@ -71,6 +71,15 @@ def records(out):
     return out_records
 
 
+def lines_written(out):
+    """Complete lines in the metrics file so far (read while the run appends to it)."""
+    path = os.path.join(out, "metrics.jsonl")
+    if not os.path.exists(path):
+        return 0
+    with open(path, "rb") as f:
+        return f.read().count(b"\n")
+
+
 def state_bytes(step_dir):
     return {name: open(os.path.join(step_dir, name), "rb").read() for name in sorted(os.listdir(step_dir))
             if name.endswith(".safetensors") or name.endswith(".codes")}
@@ -96,8 +105,17 @@ def campaign(name, cfg_json, tmp, rng):
                                 env=ENV)
         starts += 1
         if kills < kills_wanted:
+            # A third of the kills land during the start; the others in the training after the next
+            # metrics record (a step, its evaluation or its save, which every step makes).
+            if rng.random() < 1 / 3:
+                deadline = time.time() + rng.uniform(0.2, 1.5)
+            else:
+                before = lines_written(out)
+                while proc.poll() is None and lines_written(out) <= before:
+                    time.sleep(0.01)
+                deadline = time.time() + rng.uniform(0.0, 0.3)
             try:
-                proc.wait(timeout=rng.uniform(0.2, 2.5))
+                proc.wait(timeout=max(0.0, deadline - time.time()))
             except subprocess.TimeoutExpired:
                 proc.send_signal(signal.SIGKILL)
                 kills += 1
