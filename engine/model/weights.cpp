@@ -245,7 +245,11 @@ float random_init_normal(uint64_t seed, std::string_view name, uint64_t index, d
 
 Status apply_weights_tying(const std::string& model_dir, ModelConfig* config, io::Env* env) {
   if (!config->tie_word_embeddings) return Status::ok();
-  ZO_ASSIGN_OR_RETURN(std::unique_ptr<HfWeights> weights, HfWeights::open(model_dir, env));
+  Result<std::unique_ptr<HfWeights>> opened = HfWeights::open(model_dir, env);
+  // Weights that cannot be opened have no head to untie: a directory of config.json (and perhaps the
+  // index) alone, as `zoffload plan` reads a model not downloaded; a run's loader says what is wrong.
+  if (!opened.is_ok()) return Status::ok();
+  ZO_ASSIGN_OR_RETURN(std::unique_ptr<HfWeights> weights, std::move(opened));
   const SafetensorsFile *head_file = nullptr, *embed_file = nullptr;
   const SafetensorsTensor* head = weights->find(stored_name(*weights, "lm_head.weight"), &head_file);
   const SafetensorsTensor* embed = weights->find(stored_name(*weights, "model.embed_tokens.weight"), &embed_file);

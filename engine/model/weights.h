@@ -43,8 +43,9 @@ Status random_init_weights(const ModelConfig& config, const ModelLayout& layout,
 // when config.json says tie_word_embeddings, unless the weights hold an lm_head.weight whose values
 // differ from model.embed_tokens.weight: then it keeps both, untied ("we will NOT tie them"). This
 // applies that rule to `config` (read from `model_dir`'s config.json): tie_word_embeddings becomes
-// false, with the same warning, when the weights untie it. Nothing for an untied config, or weights
-// without a head of their own. Reads both tensors when both are there.
+// false, with the same warning, when the weights untie it. Nothing for an untied config, weights
+// without a head of their own, or weights that cannot be opened (load_hf_weights reports those).
+// Reads both tensors when both are there.
 Status apply_weights_tying(const std::string& model_dir, ModelConfig* config, io::Env* env);
 
 // The LoRA adapters of `layout` (is_lora_param) only, as PEFT initialises them: each lora_A

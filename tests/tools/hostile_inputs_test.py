@@ -285,6 +285,12 @@ def tied_head(tmp):
                (distinct, not untied, saved, has_head))
         expect(("NOT tied" in p.stderr or "are not tied" in p.stderr) == distinct,
                "distinct head %s: warns as transformers does: %s" % (distinct, p.stderr[-400:]))
+    # `zoffload plan` of a tied model whose weights are not downloaded reads its config.json alone.
+    config_only = os.path.join(tmp, "config-only")
+    os.makedirs(config_only)
+    shutil.copy(os.path.join(tmp, "tied-True", "config.json"), config_only)
+    p = run("plan", "--config", cfg, "--model", config_only, "--no-measure")
+    expect(p.returncode == 0, "plan of a tied config.json without weights: rc %d, %s" % (p.returncode, p.stderr[-400:]))
 
 
 def damaged_checkpoints(tmp):
