@@ -262,7 +262,7 @@ Status load_checkpoint(const CheckpointInfo& ckpt, StateStore& store, io::IoEngi
     ZO_ASSIGN_OR_RETURN(const StateValueCheck values, StateValueCheck::open(file, fpath, env));
     uint64_t data_start = values.data_start();
     if (file.part == StatePart::kMomentAux) {
-      ZO_ASSIGN_OR_RETURN(auto header, SafetensorsFile::open(fpath, env));
+      const SafetensorsFile* header = values.header();
       const auto& want = quant_map(plan.placement, kind);
       std::array<float, 256> map{};
       ZO_RETURN_IF_ERROR(

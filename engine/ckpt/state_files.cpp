@@ -106,8 +106,9 @@ Result<StateValueCheck> StateValueCheck::open(const StateFile& file, const std::
   c.what_ = file.frozen ? "the frozen weight" : std::string(state_name(file.kind));
   if (file.part == StatePart::kMomentCodes) return c;
   ZO_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> header, SafetensorsFile::open(path, env));
-  const auto& ts = header->tensors();
-  c.data_start_ = ts.empty() ? header->file_size_bytes() : ts.front().data_offset_bytes;
+  c.header_ = std::move(header);
+  const auto& ts = c.header_->tensors();
+  c.data_start_ = ts.empty() ? c.header_->file_size_bytes() : ts.front().data_offset_bytes;
   for (const SafetensorsTensor& t : ts) {
     const bool map = file.part == StatePart::kMomentAux && t.name == kQuantMapTensor;  // the signed map is < 0 too
     const bool absmax = file.part == StatePart::kMomentAux && t.name.ends_with(".absmax");

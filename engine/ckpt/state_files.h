@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -75,6 +76,8 @@ class StateValueCheck {
   static Result<StateValueCheck> open(const StateFile& file, const std::string& path, io::Env* env);
   // Where the tensors' data begins (the file's size for a file with none, 0 for a codes file).
   uint64_t data_start() const { return data_start_; }
+  // The file's parsed header; null for a codes file.
+  const SafetensorsFile* header() const { return header_.get(); }
   // Checks the whole elements of [offset_bytes, offset_bytes + bytes.size()) of the file; bytes
   // outside every tensor are not looked at. kCorruption "PATH: exp_avg_sq of NAME, element I, is
   // -0.5: ..." for the first value out of its range. Thread-safe.
@@ -90,6 +93,7 @@ class StateValueCheck {
   std::string path_;
   std::string what_;  // "exp_avg_sq", ...
   uint64_t data_start_ = 0;
+  std::unique_ptr<const SafetensorsFile> header_;
   std::vector<Range> ranges_;  // by offset
 };
 

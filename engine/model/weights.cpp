@@ -193,7 +193,10 @@ Status load_peft_adapters(const std::string& adapter_dir, const ModelLayout& lay
   // trained adapter's updates are far below 1. (A bound of the dtype's range itself passed a B of
   // 3e38 over a Kaiming A, whose first step's gradient norm was NaN.) Adapters are small next to the
   // base: this first pass reads them once more.
-  std::map<std::string, std::pair<double, double>> max_abs;  // module → (max|A|, max|B|)
+  struct Extent {
+    double a = 0, b = 0, r = 0;  // max|A|, max|B|, the rank (A's rows)
+  };
+  std::map<std::string, Extent> extents;  // by module
   for (size_t p = 0; p < layout.params.size(); ++p) {
     const SafetensorsTensor* t = sources[p];
     if (t == nullptr) continue;
@@ -208,19 +211,21 @@ Status load_peft_adapters(const std::string& adapter_dir, const ModelLayout& lay
         m = std::max(m, static_cast<double>(std::fabs(chunk[i])));
       }
     }
-    const std::string& name = layout.params[p].name;
-    const std::string module = name.substr(0, name.rfind(".lora_"));
-    (name.find(".lora_A.") != std::string::npos ? max_abs[module].first : max_abs[module].second) = m;
+    const ParamSpec& spec = layout.params[p];
+    Extent& e = extents[spec.name.substr(0, spec.name.rfind(".lora_"))];
+    if (spec.name.find(".lora_A.") != std::string::npos) {
+      e.a = m;
+      e.r = static_cast<double>(spec.shape[0]);
+    } else {
+      e.b = m;
+    }
   }
-  for (const auto& [module, m] : max_abs) {
-    const auto a = std::find_if(layout.params.begin(), layout.params.end(),
-                                [&](const ParamSpec& s) { return s.name == module + ".lora_A.weight"; });
-    const double r = a != layout.params.end() ? static_cast<double>(a->shape[0]) : 1;
-    const double bound = limits.scaling * r * m.first * m.second;
+  for (const auto& [module, e] : extents) {
+    const double bound = limits.scaling * e.r * e.a * e.b;
     if (!(bound <= std::sqrt(limits.max_value)))
-      return invalid_argument(path + ": the adapter of " + module + " (max |A| " + format_number(m.first) +
-                              ", max |B| " + format_number(m.second) + ", scale " + format_number(limits.scaling) +
-                              ", r " + format_number(r) + ") can add up to " + format_number(bound) +
+      return invalid_argument(path + ": the adapter of " + module + " (max |A| " + format_number(e.a) +
+                              ", max |B| " + format_number(e.b) + ", scale " + format_number(limits.scaling) +
+                              ", r " + format_number(e.r) + ") can add up to " + format_number(bound) +
                               " to a weight, beyond " + format_number(std::sqrt(limits.max_value)) +
                               ", the square root of the compute dtype's largest value: its forward and "
                               "gradients would overflow");

@@ -161,13 +161,10 @@ void Trainer::Impl::fold_grads(std::vector<torch::Tensor>& params, std::vector<t
 // horizontal schedule, so the two agree to the bit where both sides round alike (fp32 sums: IEEE
 // additions; the test compares them); the per-micro-batch forward and backward are unchanged.
 Status Trainer::Impl::load_micro(const Batch& batch, const std::string& path, Micro* mb) {
-  auto out_of_vocab = [&](int32_t token, bool label) {
-    return !(label && token == kIgnoreLabel) && (token < 0 || static_cast<uint64_t>(token) >= model.vocab_size);
-  };
   mb->position = batch.position;
   for (size_t i = 0; i < batch.inputs.size(); ++i) {
-    const bool bad_input = out_of_vocab(batch.inputs[i], false);
-    if (bad_input || out_of_vocab(batch.targets[i], true))
+    const bool bad_input = outside_vocab(batch.inputs[i], false);
+    if (bad_input || outside_vocab(batch.targets[i], true))
       return invalid_argument(path + ": " + (bad_input ? "token " : "label ") +
                               std::to_string(bad_input ? batch.inputs[i] : batch.targets[i]) + " (window " +
                               std::to_string(batch.windows[i / batch.seq_len]) +

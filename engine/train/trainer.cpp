@@ -466,9 +466,8 @@ Status Trainer::Impl::open_eval_data(const DataOptions& train) {
     for (uint64_t i = 0; i < n; ++i) {
       const uint64_t at = begin + i;
       // Position `at` is an input when it is below `tokens`, and a target from position 1 on.
-      const bool bad_input = at < tokens && (ids[i] < 0 || static_cast<uint64_t>(ids[i]) >= model.vocab_size);
-      const bool bad_label = at > 0 && labels[i] != kIgnoreLabel &&
-                             (labels[i] < 0 || static_cast<uint64_t>(labels[i]) >= model.vocab_size);
+      const bool bad_input = at < tokens && outside_vocab(ids[i], false);
+      const bool bad_label = at > 0 && outside_vocab(labels[i], true);
       if (bad_input || bad_label)
         return invalid_argument("--eval-data " + opt.eval_data_path + ": " + (bad_input ? "token " : "label ") +
                                 std::to_string(bad_input ? ids[i] : labels[i]) + " at token " + std::to_string(at) +

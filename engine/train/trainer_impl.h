@@ -237,6 +237,10 @@ struct Trainer::Impl {
   // `batch` (read from `path`) as mb's token ids and targets on the device, its labelled targets in
   // mb.tokens; kInvalidArgument naming the file and window for a token outside the vocabulary.
   Status load_micro(const Batch& batch, const std::string& path, Micro* mb);
+  // Whether `id` is no token of the model's vocabulary; a label (a target) may also be kIgnoreLabel.
+  bool outside_vocab(int32_t id, bool label) const {
+    return !(label && id == kIgnoreLabel) && (id < 0 || static_cast<uint64_t>(id) >= model.vocab_size);
+  }
   // Reads the next `count` batches and runs them forward through blocks 0..n-2, block by block
   // (begins the coordinator's micro-step: each block is fetched once for all of them).
   Result<Forward> forward(uint64_t count);
