@@ -73,7 +73,10 @@ struct DynamicMaps {
 // One thread block of kQuantBlockElems threads per quantization block (grid-stride over blocks):
 // each thread updates one element through adam8bit_element, the block's absmax is a shared-memory
 // max over absmax_term (exact in any order), and each thread re-quantizes its own moments. The
-// arithmetic is HostDevice's and cpu_optim's, operation for operation (Note [Bit-exact device Adam]).
+// arithmetic is HostDevice's and cpu_optim's, operation for operation (Note [Bit-exact device Adam]),
+// so the bytes are theirs but for NaN payloads: a NaN computed here is the canonical 0x7FFFFFFF, on
+// x86 0xFFC00000. Blocks whose exp_avg_sq overflowed to inf make them (entry 0 × inf at the next
+// dequantization); tests/gpu/device_nan_test.cpp emulates this kernel with them on the CPU.
 __global__ void adam8bit_kernel(Adam8bitConstants k, detail::Adam8bitElementArgs a, DynamicMaps maps, uint64_t n) {
   constexpr unsigned kBlock = static_cast<unsigned>(detail::kQuantBlockElems);
   __shared__ float m_map[256], v_map[256], m_red[kBlock], v_red[kBlock];
