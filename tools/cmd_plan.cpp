@@ -103,7 +103,7 @@ std::string apply_target(const PlanArgs& a, engine::PlanInputs* in, std::vector<
 }
 
 void print_plan(const engine::RunPlan& p, const engine::PlanInputs& in, const std::vector<engine::PlanFix>& fixes,
-                bool target) {
+                const std::string& config_path, bool target) {
   const char* machine = target ? "the machine given (--host-ram, --gpu-memory, ...)" : "this machine";
   const engine::MemoryPlan& mp = p.memory;
   const engine::Placement& pl = mp.placement;
@@ -192,12 +192,15 @@ void print_plan(const engine::RunPlan& p, const engine::PlanInputs& in, const st
   for (const engine::PlanProblem& pr : p.problems) std::printf("  %s\n", pr.to_string().c_str());
   if (fixes.empty()) {
     std::printf(
-        "no single or paired change to the offload settings makes it fit: a smaller model, a shorter sequence or "
-        "a larger machine\n");
+        "no change tried makes it fit (one, two or three offload or state changes, or lean states combined): a "
+        "smaller model, a shorter sequence or a larger machine\n");
   } else {
-    std::printf("changes that make it fit (each checked by planning again):\n");
+    std::printf("changes that make it fit (each accepted by the config checker and planned again):\n");
     for (const engine::PlanFix& f : fixes)
-      std::printf("  %s\n    -> %s\n       %s\n", join(f.changes, "; ").c_str(), f.result.c_str(), f.trade.c_str());
+      std::printf("  %s\n    -> %s\n       %s\n       config: %s\n", join(f.changes, "; ").c_str(), f.result.c_str(),
+                  f.trade.c_str(), f.config_json.c_str());
+    std::printf("(merge a fix's config keys into %s; `zoffload config check` validates the result)\n",
+                config_path.c_str());
   }
 }
 
@@ -307,11 +310,14 @@ int run_plan(const PlanArgs& a) {
                    {"compute_flops", in.speeds.compute_flops}};
     nlohmann::ordered_json fx = nlohmann::ordered_json::array();
     for (const engine::PlanFix& f : fixes)
-      fx.push_back({{"changes", f.changes}, {"result", f.result}, {"trade", f.trade}});
+      fx.push_back({{"changes", f.changes},
+                    {"result", f.result},
+                    {"trade", f.trade},
+                    {"config", nlohmann::ordered_json::parse(f.config_json.empty() ? "{}" : f.config_json)}});
     j["fixes"] = fx;
     std::cout << j.dump(2) << "\n";
   } else {
-    print_plan(*plan, in, fixes, a.target() || a.gpu_tflops > 0);
+    print_plan(*plan, in, fixes, a.config, a.target() || a.gpu_tflops > 0);
     if (in.speeds.nvme_read_bytes_per_s == 0 && plan->nvme_read_min_bytes + plan->nvme_write_bytes > 0)
       std::printf(
           "(for NVMe time: zoffload-bench io --file <nvme_path>/bench.dat --json > io.json, then --io-results "
@@ -331,8 +337,11 @@ void register_plan_command(CLI::App& app, int* exit_code) {
       "RAM; NVMe), the extra RSS of a checkpoint save and of an export, bytes moved per step (NVMe read\n"
       "and written, drive wear, host<->device), and a step-time range from this host's measured speeds\n"
       "(the Adam and gradient kernels and a LibTorch matmul, measured in about a second; NVMe from\n"
-      "--io-results). When it does not fit it lists the config changes that make it fit, each checked\n"
-      "by planning again. The figures come from the code the engine allocates with; `train` prints the\n"
+      "--io-results). When it does not fit it lists the config changes that make it fit, each accepted\n"
+      "by the config checker and planned again, with the JSON keys to merge into the config: the exact\n"
+      "ones (states to NVMe, ...) first, then those that round, least lossy first, and the least lossy\n"
+      "combination of lean states (no accumulator, bf16 gradients, bf16 or 8-bit moments, bf16\n"
+      "masters) that fits. The figures come from the code the engine allocates with; `train` prints the\n"
       "same plan's summary at start and refuses a plan that does not fit.\n"
       "Exit 0: fits; 3: does not fit; 2: bad config or arguments; 1: other failure.");
   plan->add_option("--config", args->config, "DeepSpeed/zoffload JSON config (see docs/config.md)")->required();

@@ -46,6 +46,7 @@
 #include "engine/coord/grad_accumulator.h"
 #include "engine/memory/pinned_pool.h"
 #include "engine/memory/state_store.h"
+#include "engine/plan/lean_fixes.h"
 #include "engine/plan/lora.h"
 #include "engine/memory/swap_file.h"
 #include "io/env.h"
@@ -723,38 +724,17 @@ std::string RunPlan::to_json() const {
 
 namespace {
 
-// One candidate change: a name for the user and how it edits the config.
-struct Candidate {
-  std::string change;
-  std::function<bool(Config&)> apply;  // false: does not apply to this config
-  // What it does to the numbers: empty for a placement change, which gives the same weights bit for
-  // bit (docs/memory.md); else one line on what rounds or sums differently.
-  std::string trade;
-};
-
-std::vector<Candidate> candidates(const Config& base, uint32_t world_size) {
-  std::vector<Candidate> out;
+// Every single change tried, the exact ones first: a name for the user and how it edits the config.
+std::vector<ConfigChange> candidates(const Config& base, uint32_t world_size) {
+  std::vector<ConfigChange> out;
   auto& oo = base.zero.offload_optimizer;
   auto& op = base.zero.offload_param;
-  // Note [No accumulator]: the exact fix that saves the most RAM (or NVMe traffic), where nothing
-  // global is needed before an update (no clipping, no fp16; with ranks, partitioned gradients). It turns off
-  // bf16's overflow skip, and with GAS on the horizontal schedule it takes the vertical one (the same sums, in
-  // the same order).
-  if (oo.device != OffloadDevice::kNone && base.zoffload.gradient_accumulators != "none" &&
-      base.gradient_clipping == 0 && !base.fp16.enabled && (world_size <= 1 || base.zero.stage >= 2)) {
-    const bool unskip = base.bf16.enabled && base.bf16.check_grad_overflow;
-    const bool to_vertical = base.gradient_accumulation_steps > 1 && base.zoffload.schedule != "vertical";
-    out.push_back(
-        {std::string("zoffload.gradient_accumulators: none") + (unskip ? " and bf16.check_grad_overflow: false" : "") +
-             (to_vertical ? " and zoffload.schedule: vertical" : ""),
-         [](Config& c) {
-           c.zoffload.gradient_accumulators = "none";
-           c.bf16.check_grad_overflow = false;
-           if (c.gradient_accumulation_steps > 1) c.zoffload.schedule = "vertical";
-           return true;
-         },
-         unskip ? "the same update; a step whose gradients hold inf or NaN is applied instead of skipped" : ""});
-  }
+  // The lean-state changes (lean_fixes.h), least lossy first: the exact one (no accumulator, the
+  // change that saves the most RAM or NVMe traffic) before every placement change, the ones that
+  // round after every change that keeps the arithmetic.
+  const std::vector<ConfigChange> lean = lean_state_changes(base, world_size);
+  for (const ConfigChange& c : lean)
+    if (!c.rounds) out.push_back(c);
   if (oo.device != OffloadDevice::kNvme) {
     out.push_back({"zero_optimization.offload_optimizer.device: nvme", [](Config& c) {
                      c.zero.offload_optimizer.device = OffloadDevice::kNvme;
@@ -844,67 +824,8 @@ std::vector<Candidate> candidates(const Config& base, uint32_t world_size) {
                    },
                    "the same batch and update; the loss and gradients are summed in another order"});
   }
-  const bool adam = base.optimizer.type == OptimizerType::kAdam || base.optimizer.type == OptimizerType::kAdamW;
-  // The candidates that round come last, so every fix that keeps the arithmetic comes first: the
-  // gradient sums stored in bf16 (2 bytes per parameter less where the accumulators live), bf16
-  // moments (4 bytes less on the optimizer's tier), bitsandbytes' 8-bit moments (6 bytes less),
-  // then bf16 masters with stochastic rounding (2 bytes less; all 4 where the compute copies are
-  // beside them, in RAM or on the device: Note [A bf16 master is its compute copy]). The moments and
-  // masters narrow on every tier, the device's included (Device::adam_step, adam8bit_step).
-  if (base.grad_accum_dtype == DType::kF32 && base.grad_store_dtype() == DType::kF32 &&
-      oo.device != OffloadDevice::kNone && (world_size <= 1 || base.zero.stage >= 2)) {
-    // Note [Gradients stored in 16 bits]: one sum per step on the host, so with GAS the vertical schedule.
-    const bool to_vertical = base.gradient_accumulation_steps > 1 && base.zoffload.schedule != "vertical";
-    out.push_back(
-        {std::string("zoffload.gradient_store_dtype: bf16") + (to_vertical ? " and zoffload.schedule: vertical" : ""),
-         [](Config& c) {
-           c.zoffload.gradient_store_dtype = "bf16";
-           if (c.gradient_accumulation_steps > 1) c.zoffload.schedule = "vertical";
-           return true;
-         },
-         "rounds: each step's fp32 gradient sum is stored in bf16 once final; the norm, clipping and "
-         "overflow check are the fp32 sum's, and masters, moments and the update stay fp32"});
-  }
-  if (base.zoffload.moment_dtype == "fp32") {
-    out.push_back({"zoffload.moment_dtype: bf16",
-                   [](Config& c) {
-                     c.zoffload.moment_dtype = "bf16";
-                     return true;
-                   },
-                   std::string("rounds: ") +
-                       (adam                                          ? "Adam's moments"
-                        : base.optimizer.type == OptimizerType::kLion ? "Lion's momentum"
-                                                                      : "Adagrad's sum of squares") +
-                       " stored in bf16 (rounded to nearest even after each update); masters, gradients and the "
-                       "update stay fp32"});
-  }
-  if (base.zoffload.moment_dtype != "8bit") {
-    // DeepSpeed's bf16.bf16_optimizer_states would contradict it: the change says to drop that too.
-    const bool ds_key = base.bf16.bf16_optimizer_states;
-    out.push_back(
-        {std::string("zoffload.moment_dtype: 8bit") + (ds_key ? " and bf16.bf16_optimizer_states: false" : ""),
-         [from = base.zoffload.moment_dtype](Config& c) {
-           if (c.zoffload.moment_dtype != from) return false;  // paired with the bf16 candidate
-           c.zoffload.moment_dtype = "8bit";
-           c.bf16.bf16_optimizer_states = false;
-           return true;
-         },
-         std::string("rounds: ") +
-             (adam ? "Adam's moments kept as bitsandbytes' AdamW8bit keeps them"
-              : base.optimizer.type == OptimizerType::kLion ? "Lion's momentum kept as bitsandbytes' Lion8bit keeps it"
-                                                            : "Adagrad's sum of squares kept as bitsandbytes' "
-                                                              "Adagrad8bit keeps it") +
-             " (a byte per element, an fp32 absmax per 256); masters, gradients and the update stay fp32"});
-  }
-  if (base.zoffload.master_dtype == "fp32" && base.bf16.enabled) {
-    out.push_back({"zoffload.master_dtype: bf16",
-                   [](Config& c) {
-                     c.zoffload.master_dtype = "bf16";
-                     return true;
-                   },
-                   "rounds: no fp32 masters; each update is computed in fp32 and stored in bf16 with seeded "
-                   "stochastic rounding (unbiased, so updates below a bf16 ulp still count on average)"});
-  }
+  for (const ConfigChange& c : lean)
+    if (c.rounds) out.push_back(c);
   return out;
 }
 
@@ -913,39 +834,35 @@ std::vector<Candidate> candidates(const Config& base, uint32_t world_size) {
 std::vector<PlanFix> suggest_fixes(const PlanInputs& in, size_t max_fixes) {
   std::vector<PlanFix> out;
   auto first = plan_run(in);
-  if (!first.is_ok() || first->fits()) return out;
-  const std::vector<Candidate> cs = candidates(in.config, in.world_size);
-  auto try_changes = [&](const std::vector<const Candidate*>& chosen) {
-    PlanInputs next = in;
-    std::vector<std::string> names, trades;
-    for (const Candidate* cand : chosen) {
-      if (!cand->apply(next.config)) return;
-      names.push_back(cand->change);
-      if (!cand->trade.empty()) trades.push_back(cand->trade);
-    }
-    // The disk facts follow the config's paths (unless the user gave them for another machine).
-    if (!in.disk_free_given) {
-      const HostFacts fresh = probe_host(next.config, next.out_dir);
-      next.host.optimizer_disk_free_bytes = fresh.optimizer_disk_free_bytes;
-      next.host.param_disk_free_bytes = fresh.param_disk_free_bytes;
-    }
-    auto r = plan_run(next);
-    if (r.is_ok() && r->fits())
-      out.push_back({names, r->summary(), trades.empty() ? "exact: the same weights bit for bit" : join(trades, "; ")});
+  if (max_fixes == 0 || !first.is_ok() || first->fits()) return out;
+  const std::vector<ConfigChange> cs = candidates(in.config, in.world_size);
+  auto try_changes = [&](const std::vector<const ConfigChange*>& chosen) {
+    if (std::optional<PlanFix> fix = plan_with_changes(in, chosen)) out.push_back(std::move(*fix));
   };
-  for (const Candidate& a : cs) {
-    if (out.size() >= max_fixes) return out;
+  for (const ConfigChange& a : cs) {
+    if (out.size() >= max_fixes) break;
     try_changes({&a});
   }
-  if (!out.empty()) return out;
-  for (size_t i = 0; i < cs.size() && out.size() < max_fixes; ++i)
-    for (size_t j = i + 1; j < cs.size() && out.size() < max_fixes; ++j) try_changes({&cs[i], &cs[j]});
-  if (!out.empty()) return out;
-  // Three at once: what a 64 GiB host needs for an 8B model (8-bit moments, bf16 gradients and bf16
-  // masters together).
-  for (size_t i = 0; i < cs.size() && out.size() < max_fixes; ++i)
-    for (size_t j = i + 1; j < cs.size() && out.size() < max_fixes; ++j)
-      for (size_t k = j + 1; k < cs.size() && out.size() < max_fixes; ++k) try_changes({&cs[i], &cs[j], &cs[k]});
+  if (out.empty()) {
+    for (size_t i = 0; i < cs.size() && out.size() < max_fixes; ++i)
+      for (size_t j = i + 1; j < cs.size() && out.size() < max_fixes; ++j) try_changes({&cs[i], &cs[j]});
+  }
+  if (out.empty()) {
+    // Three at once: a placement change with two lean ones, or three of them.
+    for (size_t i = 0; i < cs.size() && out.size() < max_fixes; ++i)
+      for (size_t j = i + 1; j < cs.size() && out.size() < max_fixes; ++j)
+        for (size_t k = j + 1; k < cs.size() && out.size() < max_fixes; ++k) try_changes({&cs[i], &cs[j], &cs[k]});
+  }
+  // Note [Lean combinations]: the states kept where the config puts them, fewer or narrower, with
+  // the least rounding that fits; beside the drive, not instead of it.
+  if (std::optional<PlanFix> lean = cheapest_lean_fix(in, lean_state_changes(in.config, in.world_size))) {
+    const bool listed =
+        std::any_of(out.begin(), out.end(), [&](const PlanFix& f) { return f.changes == lean->changes; });
+    if (!listed) {
+      if (out.size() >= max_fixes) out.resize(max_fixes - 1);
+      out.push_back(std::move(*lean));
+    }
+  }
   return out;
 }
 

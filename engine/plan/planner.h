@@ -98,6 +98,9 @@ struct PlanFix {
   std::vector<std::string> changes;  // "zero_optimization.offload_optimizer.device: nvme", ...
   std::string result;                // the re-planned summary
   std::string trade;                 // what it does to the numbers: "exact: ..." or what rounds
+  // The keys it sets, as the JSON object to merge into the config file (compact JSON text):
+  // {"zoffload":{"master_dtype":"bf16","moment_dtype":"8bit"}}.
+  std::string config_json;
 };
 
 struct StepTimePart {
@@ -215,8 +218,12 @@ Status check_model_size(const ModelConfig& model);
 // merely does not fit this machine is returned with its problems.
 Result<RunPlan> plan_run(const PlanInputs& in);
 
-// Single config changes (then pairs, then triples) that make a plan with problems fit, each checked by planning
-// again; at most `max_fixes`, smallest first. Empty when the plan fits or nothing tried helps.
+// Config changes that make a plan with problems fit, each accepted by the config checker and checked
+// by planning again; at most `max_fixes` (≥ 1). Single changes in order (the exact ones first, then
+// those that round, least lossy first); when no single one fits, pairs, then triples. Then, unless
+// already listed, the least lossy combination of the lean-state changes that fits (Note [Lean
+// combinations] in lean_fixes.cpp), taking the last place when the list is full. Empty when the
+// plan fits or nothing tried helps.
 std::vector<PlanFix> suggest_fixes(const PlanInputs& in, size_t max_fixes = 4);
 
 // This machine's facts for `config` (RAM, ulimit -l, free disk at the resolved nvme paths); the
