@@ -4,7 +4,6 @@
 #include "cpu_optim/adam8bit.h"
 
 #include <bit>
-#include <limits>
 #include <memory>
 
 #include "common/adam_math.h"
@@ -35,15 +34,27 @@ const std::array<float, 256>& unsigned_dynamic_map() { return kUnsignedDynamicMa
 //   128 buckets of equal width, as fine relative to x everywhere as the maps are. With 7 bits, no
 //   bucket of either dynamic map holds two thresholds (6 bits would put two in 8 buckets of the
 //   unsigned map); everything under 2^-24 (the smallest threshold is 1.6e-7, about 2^-22.6) shares
-//   bucket 0 and everything from 2 up the last one. Each bucket stores the nearest entry of its
-//   smallest float; the code of any x in it is that entry, plus one where x >= its threshold.
+//   bucket 0 and everything from 2 up the last one; neither of those two holds a threshold.
+// * One entry per bucket. All x of a bucket (but the two clamped ones) share their bits above bit 16,
+//   so "x >= the bucket's threshold" is a compare of x's low 16 bits with the threshold's (both
+//   inverted for negative x, whose bits grow as x falls). Each bucket's 32-bit entry packs that
+//   16-bit key (0x10000 where the bucket has no threshold: above every key) and the nearest entry c
+//   of the bucket's smallest float, as (key << 9) | (c + 1); the code of x is c + 1 minus one where
+//   x's key is below the entry's. One lookup per value: 25.7 KB of entries per map. Before issue 61
+//   the table held the first codes (bytes) and the 256 thresholds (floats) apart, two dependent
+//   lookups per value.
+// * The lookups. AVX-512 gathers them; AVX2 loads the eight lanes one by one and inserts them,
+//   which on Zen 3 costs about two thirds of a vpgatherdd (9 against 13.5 cycles for eight lanes,
+//   measured on the 2-core EPYC), as does dequantizing (map[code]) straight from the code bytes.
 //
 // quant_table_of checks the one-threshold property for every bucket and both signs from the two
-// ends of each bucket (nearest_map_entry is monotone, so the ends bound everything between) and aborts
+// ends of each bucket (nearest_map_entry is monotone, so the ends bound everything between), that
+// a bucket's threshold has the bucket's high bits and that the clamped buckets hold none, and aborts
 // otherwise, so a wrong table cannot be built. NaN lands in the top bucket and is zeroed apart.
 // The result is the binary search's, bit for bit: a one-off run put all 2^32 floats through the
-// AVX2 kernel and nearest_map_entry (no difference, either map), and the tests compare every ISA's
-// codes with a scan of the neighbouring entries over 1.1 M values (tests/cpu_optim).
+// AVX2 kernel and nearest_map_entry (no difference, either map; repeated for the packed entries),
+// and the tests compare every ISA's codes with a scan of the neighbouring entries over 1.1 M
+// values and, for quotients by every kind of absmax, with the scalar path (tests/cpu_optim).
 namespace {
 
 // Floats in ascending order as integers, and back (-0 and +0 both map to 0).
@@ -59,7 +70,7 @@ float from_ordered(int64_t k) {
 
 namespace detail {
 QuantTable quant_table_of(const float* map) {
-  QuantTable t{};
+  float tau[255];  // tau[c]: the smallest float whose nearest entry is above c
   for (size_t c = 0; c < 255; ++c) {
     ZO_CHECK(map[c] < map[c + 1]) << "the map is not ascending at " << c;
     int64_t lo = ordered(map[c]), hi = ordered(map[c + 1]);  // nearest_map_entry: c at lo, c + 1 at hi
@@ -68,20 +79,31 @@ QuantTable quant_table_of(const float* map) {
       const int64_t mid = lo + (hi - lo) / 2;
       (nearest_map_entry(map, from_ordered(mid)) > c ? hi : lo) = mid;
     }
-    t.tau[c] = from_ordered(hi);
+    tau[c] = from_ordered(hi);
   }
-  t.tau[255] = std::numeric_limits<float>::quiet_NaN();
+  QuantTable t{};
   for (int k = 0; k <= kBucketTop; ++k) {
     // The bucket's |x| bits: [low, high].
+    const bool clamped = k == 0 || k == kBucketTop;
     const uint32_t low = k == 0 ? 0 : static_cast<uint32_t>(k + kBucketFloor) << 16;
     const uint32_t high = k == kBucketTop ? 0x7F800000u : (static_cast<uint32_t>(k + kBucketFloor + 1) << 16) - 1;
     for (bool negative : {false, true}) {
       const float a = std::bit_cast<float>(low), b = std::bit_cast<float>(high);
       const float smallest = negative ? -b : a, largest = negative ? -a : b;
-      const uint8_t first = nearest_map_entry(map, smallest);
-      ZO_CHECK(nearest_map_entry(map, largest) <= first + 1)
-          << "bucket " << k << (negative ? " (negative)" : "") << " holds two thresholds of the map";
-      t.first_code[negative ? k + kBucketNegative : k] = first;
+      const uint8_t first = nearest_map_entry(map, smallest), last = nearest_map_entry(map, largest);
+      ZO_CHECK(last <= first + 1) << "bucket " << k << (negative ? " (negative)" : "")
+                                  << " holds two thresholds of the map";
+      uint32_t key = kQuantNoThreshold;
+      if (last != first) {
+        // Every x of the bucket has the threshold's bits above bit 16: the low 16 bits decide, in
+        // the order of x (inverted where x < 0, whose bits grow as x falls).
+        ZO_CHECK(!clamped) << "bucket " << k << (negative ? " (negative)" : "")
+                           << " spans more than 7 mantissa bits and holds a threshold of the map";
+        const uint32_t bits = std::bit_cast<uint32_t>(tau[first]);
+        ZO_CHECK(((bits & 0x7FFFFFFFu) >> 16) == static_cast<uint32_t>(k + kBucketFloor) && (bits >> 31) == negative);
+        key = (negative ? ~bits : bits) & 0xFFFFu;
+      }
+      t.entry[negative ? k + kBucketNegative : k] = key << kQuantCodeBits | (first + 1u);
     }
   }
   return t;
@@ -108,7 +130,7 @@ uint8_t quantize_nearest(const std::array<float, 256>& map, float x) {
     table = other.get();
   }
   uint8_t code = 0;
-  detail::kScalarKernels.nearest_codes(*table, &x, &code, 0, 1);
+  detail::kScalarKernels.nearest_codes(*table, &x, 1.0f, &code, 0, 1);
   return code;
 }
 

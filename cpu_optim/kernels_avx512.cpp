@@ -38,14 +38,11 @@ struct Avx512Vec {
                         _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
   using I = __m512i;
-  static I load_codes(const uint8_t* p) {
-    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  }
   static void store_codes(uint8_t* p, I x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(x)); }
-  static F gather(const float* table, I i) { return _mm512_i32gather_ps(i, table, 4); }
-  static I gather_u8(const uint8_t* table, I i) {  // 4 bytes at table + i, the first kept
-    return _mm512_and_si512(_mm512_i32gather_epi32(i, table, 1), _mm512_set1_epi32(0xFF));
+  static F lookup_codes(const float* map, const uint8_t* codes) {
+    return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes))), map, 4);
   }
+  static I lookup_u32(const uint32_t* table, I i) { return _mm512_i32gather_epi32(i, table, 4); }
   static I bucket_of(F x) {
     const __m512i bits = _mm512_castps_si512(x);
     __m512i k = _mm512_srli_epi32(_mm512_and_si512(bits, _mm512_set1_epi32(INT32_MAX)), 16);
@@ -53,10 +50,24 @@ struct Avx512Vec {
                          _mm512_set1_epi32(kBucketTop));
     return _mm512_mask_add_epi32(k, _mm512_movepi32_mask(bits), k, _mm512_set1_epi32(kBucketNegative));
   }
-  static I add_where_le(I i, F c, F x, int k) {
-    return _mm512_mask_add_epi32(i, _mm512_cmp_ps_mask(c, x, _CMP_LE_OQ), i, _mm512_set1_epi32(k));
+  // (entry's code) - (key < entry's threshold key); key: x's low 16 bits, inverted where x < 0.
+  static I code_in_bucket(I entry, F x) {
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i key = _mm512_and_si512(_mm512_xor_si512(bits, _mm512_srai_epi32(bits, 31)), _mm512_set1_epi32(0xFFFF));
+    const __mmask16 below = _mm512_cmpgt_epi32_mask(_mm512_srli_epi32(entry, kQuantCodeBits), key);
+    const __m512i code = _mm512_and_si512(entry, _mm512_set1_epi32((1 << kQuantCodeBits) - 1));
+    return _mm512_mask_sub_epi32(code, below, code, _mm512_set1_epi32(1));
   }
   static I zero_where_nan(I i, F x) { return _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), i); }
+  // x / d as x times 1/d in double, rounded once to float: Note [Dividing by a constant in double].
+  using Divisor = __m512d;
+  static Divisor divisor(float d) { return _mm512_set1_pd(1.0 / static_cast<double>(d)); }
+  static F div_by(F x, Divisor r) {
+    const __m256 lo = _mm512_cvtpd_ps(_mm512_mul_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(x)), r));
+    const __m256 hi = _mm512_cvtpd_ps(
+        _mm512_mul_pd(_mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1))), r));
+    return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
+  }
   // The masked and generic forms: GCC 12's plain _mm512_andnot_si512 and _mm512_max_ps pass an
   // _mm512_undefined_* source that -Wuninitialized reports inside avx512fintrin.h.
   // common/half.h's sr_random16 for index + 0..15, in 32-bit integer lanes.

@@ -30,17 +30,25 @@ struct ScalarVec {
   static F div(F a, F b) { return a / b; }
   static F sqrt(F x) { return std::sqrt(x); }
   using I = int32_t;
-  static I load_codes(const uint8_t* p) { return *p; }
   static void store_codes(uint8_t* p, I x) { *p = static_cast<uint8_t>(x); }
-  static F gather(const float* table, I i) { return table[i]; }
-  static I gather_u8(const uint8_t* table, I i) { return table[i]; }
+  static F lookup_codes(const float* map, const uint8_t* codes) { return map[*codes]; }
+  static I lookup_u32(const uint32_t* table, I i) { return static_cast<I>(table[i]); }
   static I bucket_of(F x) {
     const uint32_t bits = std::bit_cast<uint32_t>(x);
     const int k = std::clamp(static_cast<int>((bits & 0x7FFFFFFFu) >> 16) - kBucketFloor, 0, kBucketTop);
     return (bits >> 31) != 0 ? k + kBucketNegative : k;
   }
-  static I add_where_le(I i, F c, F x, int k) { return c <= x ? i + k : i; }
+  static I code_in_bucket(I entry, F x) {
+    const uint32_t bits = std::bit_cast<uint32_t>(x);
+    const uint32_t key = ((bits >> 31) != 0 ? ~bits : bits) & 0xFFFFu;
+    const uint32_t e = static_cast<uint32_t>(entry);
+    return static_cast<I>((e & ((1u << kQuantCodeBits) - 1)) - (key < (e >> kQuantCodeBits) ? 1 : 0));
+  }
   static I zero_where_nan(I i, F x) { return std::isnan(x) ? 0 : i; }
+  // The reference divides (Note [Dividing by a constant in double]: the SIMD paths do not).
+  using Divisor = float;
+  static Divisor divisor(float d) { return d; }
+  static F div_by(F x, Divisor d) { return x / d; }
   static I sr_random16(uint32_t key, uint32_t index) { return static_cast<I>(::zo::sr_random16(key, index)); }
   static I round_bf16_sr(F x, I r) { return float_to_bf16_sr(x, static_cast<uint32_t>(r)); }
   static void store_u16(uint16_t* p, I x) { *p = static_cast<uint16_t>(x); }

@@ -12,9 +12,10 @@
 // uint16_t*), store_bf16/store_f16(uint16_t*, F), set1, add, mul, fma(a, b, c) = a*b + c rounded
 // once, div, sqrt, lion_update(c, lr) = -lr*sign(c), NormAcc with norm_zero/norm_add(acc, k, x) for
 // the k-th W-wide part of a 16-element chunk / norm_lanes(acc, double[16]); for the 8-bit states,
-// I (W int32 lanes) with load_codes/store_codes (W bytes), gather(const float* table, I),
-// gather_u8(const uint8_t* table, I), bucket_of(F) (kernels.h's QuantTable buckets),
-// add_where_le(i, c, x, k) = i + k where c <= x, zero_where_nan(i, x), and on F abs,
+// I (W int32 lanes) with store_codes (W bytes), lookup_codes(const float* map, const uint8_t* codes)
+// (map[codes[l]] in lane l), lookup_u32(const uint32_t* table, I), bucket_of(F) and code_in_bucket(entry, x) (kernels.h's
+// QuantTable), zero_where_nan(i, x), Divisor with divisor(float d) and div_by(x, Divisor) = x / d
+// correctly rounded (Note [Dividing by a constant in double]), and on F abs,
 // max_keep(acc, x) = x > acc ? x : acc, hmax; for bf16 masters sr_random16(key, index) (lane l:
 // common/half.h's sr_random16(key, index + l)), round_bf16_sr(F, I) (float_to_bf16_sr per lane, as
 // I) and store_u16(uint16_t*, I) (the low 16 bits of each lane).
@@ -27,6 +28,10 @@
 #include "cpu_optim/dtype.h"
 
 namespace zo::cpu_optim::detail {
+
+// On a helper or lambda of a kernel's per-vector body: GCC's -O2 heuristics otherwise leave
+// it a call per W elements, with every constant the body captures reloaded from memory.
+#define ZO_KERNEL_INLINE __attribute__((always_inline))
 
 // Element size as a constant (not dtype_size_bytes(), so no shared inline function is called here).
 template <DType D>
@@ -141,7 +146,7 @@ inline void for_blocks_at(const Stream (&streams)[N], size_t begin, size_t end, 
 
 template <size_t W, size_t N, class Body>
 inline void for_blocks(const Stream (&streams)[N], size_t begin, size_t end, Body&& body) {
-  for_blocks_at<W>(streams, begin, end, [&](const Ptrs<N>& at, size_t i, size_t) { body(at, i); });
+  for_blocks_at<W>(streams, begin, end, [&](const Ptrs<N>& at, size_t i, size_t) ZO_KERNEL_INLINE { body(at, i); });
 }
 
 // A kernel's new parameters: fp32 stored as computed (the copy-out rounded to nearest even), or a
@@ -394,27 +399,74 @@ void fill_kernel(float* data, float value, size_t begin, size_t end) {
 }
 
 // The entry of a map nearest x, per lane, the lower on a tie, 0 for NaN, from the map's QuantTable:
-// the first code of x's bucket, plus one where x is at or past that code's threshold.
+// one lookup of x's bucket, whose entry holds the bucket's first code and the low 16 bits of the
+// threshold (if any) past which the code is one more.
 template <class V>
-typename V::I nearest_code(const QuantTable& t, typename V::F x) {
-  const typename V::I c = V::gather_u8(t.first_code, V::bucket_of(x));
-  return V::zero_where_nan(V::add_where_le(c, V::gather(t.tau, c), x, 1), x);
+ZO_KERNEL_INLINE inline typename V::I nearest_code(const QuantTable& t, typename V::F x) {
+  return V::zero_where_nan(V::code_in_bucket(V::lookup_u32(t.entry, V::bucket_of(x)), x), x);
+}
+
+// Note [Dividing by a constant in double]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The 8-bit kernels divide by two kinds of constant: a block's absmax (each moment over it, to
+// re-quantize) and c2 (sqrt(v) / c2, per call). A core has one divider, and an 8-lane vdivps holds it
+// 3.5–5 cycles on Zen 3 (5 on Skylake-X, 10 for 16 lanes); with the update's own division and sqrt
+// these were five divider operations per element. The SIMD paths instead multiply by the divisor's
+// reciprocal in double and round the product to float, which is the correctly rounded x / d:
+// * y = double(1/d) and double(x·y) each round once to 53 bits, so the product is within 2^-51.9
+//   (relative) of q = x / d.
+// * q is not within 2^-49 (relative) of any midpoint M between two adjacent normal floats. Write
+//   x = X·2^ex, d = D·2^ed, M = K·2^eM with integers X < 2^24, D < 2^24 and K odd, 2^24 < K < 2^25.
+//   x − M·d = X·2^ex − K·D·2^(eM+ed) is not 0 (its second term's odd part, at least K > 2^24, is not
+//   the first's, below 2^24) and for q near M, eM + ed <= ex, so |x − M·d| >= 2^(eM+ed) while
+//   M·d < 2^(49+eM+ed).
+// So the product lies strictly on q's side of every such midpoint and rounds to float (to nearest,
+// as MXCSR is on every path) as q does, overflow to inf included. Where |q| < 2^-126 the two may
+// differ by a subnormal ulp, which never shows here: a moment over its absmax only picks a code,
+// and every |x| below 2^-24 is in bucket 0 of its sign, which holds no threshold (quant_table_of
+// checks); sqrt(v) / c2 with c2 <= 1 is 0 or at least sqrt(2^-149). The specials agree: d = 0
+// gives y = inf (0·inf = NaN = 0/0; |x| <= absmax = 0), d = inf gives y = 0 (x·0 = ±0 = x/inf for
+// finite x, inf·0 = NaN = inf/inf), NaN stays NaN. The scalar path divides, so every test holding
+// SIMD to scalar checks this too, and SimdPath.NearestCodesOfQuotientsMatchScalar aims at the
+// thresholds with divisors of every kind (a float reciprocal instead fails it at once).
+
+// Note [Prefetching the 8-bit streams]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// An 8-bit block does far more work per element between its loads than the fp32 step, so the
+// out-of-order window holds few of them: with the hardware prefetcher alone, a step over 2·10^7
+// parameters (in DRAM) took 8.8–10.6 ns per parameter on one thread of the 2-core EPYC, the same
+// step over 64 Ki (in L2) 4.1, the loads waiting on DRAM one after another; with the prefetches
+// below, 7.0–8.5 (a loaded machine). Each block therefore asks, before its own work, for the
+// lines of the block kPrefetchBlocksAhead further on, in every stream it reads or writes (the
+// written ones for writing). A prefetch changes no result and cannot fault, so the last blocks of a
+// tile may ask past its end.
+inline constexpr size_t kPrefetchBlocksAhead = 2;
+
+template <size_t kBytes, int kWrite>
+ZO_KERNEL_INLINE inline void prefetch_block_ahead(const void* block_start) {
+  const unsigned char* p = static_cast<const unsigned char*>(block_start) + kPrefetchBlocksAhead * kQuantBlock * kBytes;
+  for (size_t off = 0; off < kQuantBlock * kBytes; off += 64) __builtin_prefetch(p + off, kWrite, 3);
 }
 
 // One block of 8-bit blockwise Adam, elements [first, first + n), n <= 256: dequantize, update in
 // bitsandbytes' order (docs/cpu_optim.md), then the block's absmax (the largest non-NaN |x|, 0 if
 // none) and the nearest codes. The moments between the passes live in two local arrays.
 template <class V, DType P, DType G, bool kCopy, DType C>
-void adam8bit_block(const Adam8bitArgs& a, size_t first, size_t n) {
+void adam8bit_block(const Adam8bitArgs& a, typename V::Divisor c2, size_t first, size_t n) {
   using F = typename V::F;
   constexpr size_t W = V::W;
   const Adam8bitConstants& k = a.k;
   const F scale = V::set1(k.grad_scale), b1 = V::set1(k.beta1), omb1 = V::set1(k.one_minus_beta1),
-          b2 = V::set1(k.beta2), omb2 = V::set1(k.one_minus_beta2), c2 = V::set1(k.c2), eps = V::set1(k.eps),
+          b2 = V::set1(k.beta2), omb2 = V::set1(k.one_minus_beta2), eps = V::set1(k.eps),
           step_size = V::set1(k.step_size), decay = V::set1(k.decay), wd = V::set1(k.wd);
   const size_t b = first / kQuantBlock;
+  prefetch_block_ahead<kElemBytes<P>, 1>(static_cast<char*>(a.p.params) + first * kElemBytes<P>);
+  prefetch_block_ahead<kElemBytes<G>, 0>(static_cast<const char*>(a.grad) + first * kElemBytes<G>);
+  if constexpr (kCopy) prefetch_block_ahead<kElemBytes<C>, 1>(static_cast<char*>(a.copy_out) + first * kElemBytes<C>);
+  prefetch_block_ahead<1, 1>(a.m_codes + first);
+  prefetch_block_ahead<1, 1>(a.v_codes + first);
   const F m_scale = V::set1(a.m_absmax[b]), v_scale = V::set1(a.v_absmax[b]);
-  alignas(64) float m_new[kQuantBlock] = {}, v_new[kQuantBlock] = {};  // lanes past n stay +0
+  alignas(64) float m_new[kQuantBlock], v_new[kQuantBlock];  // lanes past n are set to +0 below
   const Stream update[7] = {
       {static_cast<char*>(a.p.params) + first * kElemBytes<P>, kElemBytes<P>, true},
       {a.m_codes + first, 1, false},
@@ -423,15 +475,15 @@ void adam8bit_block(const Adam8bitArgs& a, size_t first, size_t n) {
       {kCopy ? static_cast<char*>(a.copy_out) + first * kElemBytes<C> : nullptr, kElemBytes<C>, true},
       {m_new, 4, true},
       {v_new, 4, true}};
-  for_blocks_at<W>(update, 0, n, [&](const Ptrs<7>& at, size_t i, size_t index) {
+  for_blocks_at<W>(update, 0, n, [&](const Ptrs<7>& at, size_t i, size_t index) ZO_KERNEL_INLINE {
     F g = V::mul(load_elems<V, G>(at.p[3], i), scale);
     F p = load_elems<V, P>(at.p[0], i);
     if (k.use_l2) g = V::fma(p, wd, g);
-    F m = V::mul(V::gather(a.m_map, V::load_codes(static_cast<const uint8_t*>(at.p[1]) + i)), m_scale);
-    F v = V::mul(V::gather(a.v_map, V::load_codes(static_cast<const uint8_t*>(at.p[2]) + i)), v_scale);
+    F m = V::mul(V::lookup_codes(a.m_map, static_cast<const uint8_t*>(at.p[1]) + i), m_scale);
+    F v = V::mul(V::lookup_codes(a.v_map, static_cast<const uint8_t*>(at.p[2]) + i), v_scale);
     m = V::fma(g, omb1, V::mul(m, b1));
     v = V::fma(V::mul(omb2, g), g, V::mul(v, b2));
-    const F denom = V::add(V::div(V::sqrt(v), c2), eps);
+    const F denom = V::add(V::div_by(V::sqrt(v), c2), eps);  // Note [Dividing by a constant in double]
     if (k.use_decoupled) p = V::mul(p, decay);
     p = V::add(V::div(V::mul(step_size, m), denom), p);
     store_params<V, P, kCopy, C>(a.p, at.p[0], at.p[4], i, first + index, p);
@@ -439,6 +491,7 @@ void adam8bit_block(const Adam8bitArgs& a, size_t first, size_t n) {
     V::store(static_cast<float*>(at.p[6]) + i, v);
   });
   const size_t padded = (n + W - 1) / W * W;  // +0 past n: no absmax is below it
+  for (size_t j = n; j < padded; ++j) m_new[j] = v_new[j] = 0.0f;
   F m_max = V::set1(0.0f), v_max = V::set1(0.0f);
   for (size_t j = 0; j < padded; j += W) {
     m_max = V::max_keep(m_max, V::abs(V::load(m_new + j)));
@@ -447,14 +500,14 @@ void adam8bit_block(const Adam8bitArgs& a, size_t first, size_t n) {
   const float m_amax = V::hmax(m_max), v_amax = V::hmax(v_max);
   a.m_absmax[b] = m_amax;
   a.v_absmax[b] = v_amax;
-  const F m_div = V::set1(m_amax), v_div = V::set1(v_amax);
+  const typename V::Divisor m_div = V::divisor(m_amax), v_div = V::divisor(v_amax);
   const Stream quantize[4] = {
       {m_new, 4, false}, {v_new, 4, false}, {a.m_codes + first, 1, true}, {a.v_codes + first, 1, true}};
-  for_blocks<W>(quantize, 0, n, [&](const Ptrs<4>& at, size_t i) {
+  for_blocks<W>(quantize, 0, n, [&](const Ptrs<4>& at, size_t i) ZO_KERNEL_INLINE {
     V::store_codes(static_cast<uint8_t*>(at.p[2]) + i,
-                   nearest_code<V>(*a.m_quant, V::div(V::load(static_cast<const float*>(at.p[0]) + i), m_div)));
+                   nearest_code<V>(*a.m_quant, V::div_by(V::load(static_cast<const float*>(at.p[0]) + i), m_div)));
     V::store_codes(static_cast<uint8_t*>(at.p[3]) + i,
-                   nearest_code<V>(*a.v_quant, V::div(V::load(static_cast<const float*>(at.p[1]) + i), v_div)));
+                   nearest_code<V>(*a.v_quant, V::div_by(V::load(static_cast<const float*>(at.p[1]) + i), v_div)));
   });
 }
 
@@ -463,8 +516,9 @@ void adam8bit_kernel(const Adam8bitArgs& a, size_t begin, size_t end) {
   with_param_dtype(a.p.param_dtype, [&]<DType P>() {
     with_dtypes(a.grad_dtype, a.copy_out, a.copy_dtype, [&]<DType G, bool kCopy, DType C>() {
       if constexpr (kValidCopy<P, kCopy, C>) {
+        const typename V::Divisor c2 = V::divisor(a.k.c2);
         for (size_t first = begin; first < end; first += kQuantBlock)
-          adam8bit_block<V, P, G, kCopy, C>(a, first, end - first < kQuantBlock ? end - first : kQuantBlock);
+          adam8bit_block<V, P, G, kCopy, C>(a, c2, first, end - first < kQuantBlock ? end - first : kQuantBlock);
       }
     });
   });
@@ -483,18 +537,22 @@ void one_state8bit_block(const OneState8bitArgs& a, size_t first, size_t n) {
           wd = V::set1(a.weight_decay), zero = V::set1(0.0f), minus_one = V::set1(-1.0f);
   const bool lion = a.lion, use_decay = a.use_decay;
   const size_t b = first / kQuantBlock;
+  prefetch_block_ahead<kElemBytes<P>, 1>(static_cast<char*>(a.p.params) + first * kElemBytes<P>);
+  prefetch_block_ahead<kElemBytes<G>, 0>(static_cast<const char*>(a.grad) + first * kElemBytes<G>);
+  if constexpr (kCopy) prefetch_block_ahead<kElemBytes<C>, 1>(static_cast<char*>(a.copy_out) + first * kElemBytes<C>);
+  prefetch_block_ahead<1, 1>(a.codes + first);  // Note [Prefetching the 8-bit streams]
   const F s_scale = V::set1(a.absmax[b]);
-  alignas(64) float s_new[kQuantBlock] = {};  // lanes past n stay +0
+  alignas(64) float s_new[kQuantBlock];  // lanes past n are set to +0 below
   const Stream update[5] = {
       {static_cast<char*>(a.p.params) + first * kElemBytes<P>, kElemBytes<P>, true},
       {a.codes + first, 1, false},
       {const_cast<char*>(static_cast<const char*>(a.grad)) + first * kElemBytes<G>, kElemBytes<G>, false},
       {kCopy ? static_cast<char*>(a.copy_out) + first * kElemBytes<C> : nullptr, kElemBytes<C>, true},
       {s_new, 4, true}};
-  for_blocks_at<W>(update, 0, n, [&](const Ptrs<5>& at, size_t i, size_t index) {
+  for_blocks_at<W>(update, 0, n, [&](const Ptrs<5>& at, size_t i, size_t index) ZO_KERNEL_INLINE {
     F g = V::mul(load_elems<V, G>(at.p[2], i), scale);
     F p = load_elems<V, P>(at.p[0], i);
-    F st = V::mul(V::gather(a.map, V::load_codes(static_cast<const uint8_t*>(at.p[1]) + i)), s_scale);
+    F st = V::mul(V::lookup_codes(a.map, static_cast<const uint8_t*>(at.p[1]) + i), s_scale);
     if (lion) {
       if (use_decay) p = V::mul(p, after_decay);
       F c = V::add(V::mul(st, b1), V::mul(g, omb1));
@@ -513,15 +571,16 @@ void one_state8bit_block(const OneState8bitArgs& a, size_t first, size_t n) {
     V::store(static_cast<float*>(at.p[4]) + i, st);
   });
   const size_t padded = (n + W - 1) / W * W;  // +0 past n: no absmax is below it
+  for (size_t j = n; j < padded; ++j) s_new[j] = 0.0f;
   F s_max = V::set1(0.0f);
   for (size_t j = 0; j < padded; j += W) s_max = V::max_keep(s_max, V::abs(V::load(s_new + j)));
   const float s_amax = V::hmax(s_max);
   a.absmax[b] = s_amax;
-  const F s_div = V::set1(s_amax);
+  const typename V::Divisor s_div = V::divisor(s_amax);
   const Stream quantize[2] = {{s_new, 4, false}, {a.codes + first, 1, true}};
-  for_blocks<W>(quantize, 0, n, [&](const Ptrs<2>& at, size_t i) {
+  for_blocks<W>(quantize, 0, n, [&](const Ptrs<2>& at, size_t i) ZO_KERNEL_INLINE {
     V::store_codes(static_cast<uint8_t*>(at.p[1]) + i,
-                   nearest_code<V>(*a.quant, V::div(V::load(static_cast<const float*>(at.p[0]) + i), s_div)));
+                   nearest_code<V>(*a.quant, V::div_by(V::load(static_cast<const float*>(at.p[0]) + i), s_div)));
   });
 }
 
@@ -538,11 +597,13 @@ void one_state8bit_kernel(const OneState8bitArgs& a, size_t begin, size_t end) {
 }
 
 template <class V>
-void nearest_codes_kernel(const QuantTable& table, const float* x, uint8_t* codes, size_t begin, size_t end) {
+void nearest_codes_kernel(const QuantTable& table, const float* x, float divisor, uint8_t* codes, size_t begin,
+                          size_t end) {
+  const typename V::Divisor d = V::divisor(divisor);
   const Stream streams[2] = {{const_cast<float*>(x), 4, false}, {codes, 1, true}};
   for_blocks<V::W>(streams, begin, end, [&](const Ptrs<2>& at, size_t i) {
     V::store_codes(static_cast<uint8_t*>(at.p[1]) + i,
-                   nearest_code<V>(table, V::load(static_cast<const float*>(at.p[0]) + i)));
+                   nearest_code<V>(table, V::div_by(V::load(static_cast<const float*>(at.p[0]) + i), d)));
   });
 }
 
@@ -564,3 +625,5 @@ constexpr KernelTable make_table(Isa isa) {
 }
 
 }  // namespace zo::cpu_optim::detail
+
+#undef ZO_KERNEL_INLINE

@@ -72,16 +72,18 @@ using ::zo::Adam8bitConstants;
 // x falls in bucket k = clamp((|x|'s bits >> 16) - kBucketFloor, 0, kBucketTop): its exponent and
 // the top 7 bits of its mantissa, with every |x| below 2^-24·(1 + 2^-7) in bucket 0 and every |x|
 // from 2 up (inf, NaN) in kBucketTop; negative x use the buckets from kBucketNegative on. Each bucket
-// holds at most one threshold of its map, so the nearest entry of x is first_code[bucket] plus one
-// where x >= tau[first_code[bucket]] (0 for NaN).
+// holds at most one threshold of its map (the two clamped ones none), and all its x share their bits
+// above bit 16, so "x is at or past the threshold" is a compare of x's low 16 bits (inverted for a
+// negative x, whose order they reverse) with the threshold's. Each bucket's entry packs that 16-bit
+// threshold key t (0x10000: none) and the nearest entry c of the bucket's smallest x as
+// (t << kQuantCodeBits) | (c + 1); the nearest entry of x is then c + 1 - (key(x) < t), 0 for NaN.
 inline constexpr int kBucketFloor = 103 << 7;  // biased exponent 103 (2^-24), 7 mantissa bits
 inline constexpr int kBucketTop = 25 << 7;     // |x| >= 2
 inline constexpr int kBucketNegative = 3208;   // kBucketTop + 1, rounded up to a multiple of 8
+inline constexpr int kQuantCodeBits = 9;       // c + 1 <= 256
+inline constexpr uint32_t kQuantNoThreshold = 0x10000;  // above every 16-bit key
 struct QuantTable {
-  // tau[c] (c < 255): the smallest float whose nearest entry is above c; tau[255] = NaN (never <= x).
-  alignas(64) float tau[256];
-  // The nearest entry of each bucket's smallest x; 4-byte gathers read up to 3 bytes past the last.
-  alignas(64) uint8_t first_code[2 * kBucketNegative + 8];
+  alignas(64) uint32_t entry[2 * kBucketNegative];
 };
 // Builds the table of an ascending 256-entry map; aborts if a bucket would hold two thresholds
 // (cpu_optim/adam8bit.cpp).
@@ -156,8 +158,10 @@ struct KernelTable {
   double (*roofline)(float* const* rw, size_t n_rw, const void* ro, DType ro_dtype, size_t begin, size_t end);
   void (*fill)(float* data, float value, size_t begin, size_t end);
   void (*adam8bit)(const Adam8bitArgs& args, size_t begin, size_t end);
-  // codes[i] = the entry of `map` nearest x[i] (adam8bit's rule: the lower on a tie, 0 for NaN).
-  void (*nearest_codes)(const QuantTable& table, const float* x, uint8_t* codes, size_t begin, size_t end);
+  // codes[i] = the entry of `map` nearest x[i] / divisor (adam8bit's rule: the lower on a tie, 0 for
+  // NaN), the quotient computed as the 8-bit kernels compute a value over its block's absmax.
+  void (*nearest_codes)(const QuantTable& table, const float* x, float divisor, uint8_t* codes, size_t begin,
+                        size_t end);
   void (*one_state8bit)(const OneState8bitArgs& args, size_t begin, size_t end);
 };
 

@@ -990,7 +990,7 @@ TEST_P(SimdPath, NearestCodesMatchALinearScan) {
         map == &signed_dynamic_map() ? detail::signed_map_quant_table() : detail::unsigned_map_quant_table();
     const std::vector<float> xs = nearest_code_sweep(*map);
     std::vector<uint8_t> codes(xs.size());
-    kernels->nearest_codes(table, xs.data(), codes.data(), 0, xs.size());
+    kernels->nearest_codes(table, xs.data(), 1.0f, codes.data(), 0, xs.size());
     size_t wrong = 0;
     for (size_t i = 0; i < xs.size(); ++i) {
       const uint8_t want = nearest_by_scan(*map, xs[i]);
@@ -998,6 +998,64 @@ TEST_P(SimdPath, NearestCodesMatchALinearScan) {
         ADD_FAILURE() << std::hexfloat << xs[i] << ": " << int(codes[i]) << ", the scan " << int(want);
     }
     EXPECT_EQ(wrong, 0u) << (map == &signed_dynamic_map() ? "signed map" : "unsigned map");
+  }
+}
+
+// The kernels' quotient of a moment over its block's absmax (on the SIMD paths a multiply by the
+// reciprocal in double, Note [Dividing by a constant in double] in detail/kernel_impl.h) and its
+// nearest code, against the scalar path, which divides. Divisors of every kind (ordinary, powers of
+// two, odd significands, the extremes, subnormal, 0, inf) and, for each, x = d times values just
+// around every threshold of both maps (where a quotient one ulp off changes the code), x = ±d, and
+// x of every magnitude down to subnormal.
+TEST_P(SimdPath, NearestCodesOfQuotientsMatchScalar) {
+  const detail::KernelTable* kernels = detail::kernel_table(GetParam());
+  ASSERT_NE(kernels, nullptr);
+  std::mt19937 rng(61);
+  std::vector<float> divisors = {1.0f, 0.75f, 3.0f, 0x1.fffffep-1f, 0x1.000002p+0f, 1e-3f, 7e-12f, 3e30f,
+                                 std::numeric_limits<float>::max(), std::numeric_limits<float>::min(),
+                                 std::numeric_limits<float>::denorm_min(), 3e-42f, 0.0f,
+                                 std::numeric_limits<float>::infinity()};
+  std::uniform_real_distribution<float> mant(1.0f, 2.0f);
+  std::uniform_int_distribution<int> expo(-140, 120);
+  for (int i = 0; i < 18; ++i) divisors.push_back(std::ldexp(mant(rng), expo(rng)));
+  const auto around = [](float x, int k) {
+    const float toward = k < 0 ? -std::numeric_limits<float>::infinity() : std::numeric_limits<float>::infinity();
+    for (int j = 0; j < std::abs(k); ++j) x = std::nextafter(x, toward);
+    return x;
+  };
+  for (const auto* map : {&signed_dynamic_map(), &unsigned_dynamic_map()}) {
+    const detail::QuantTable& table =
+        map == &signed_dynamic_map() ? detail::signed_map_quant_table() : detail::unsigned_map_quant_table();
+    size_t moved = 0;  // codes that differ from the quotient's neighbours': the sweep crosses thresholds
+    for (float d : divisors) {
+      std::vector<float> xs = {d, -d, 0.0f, -0.0f, std::numeric_limits<float>::quiet_NaN()};
+      for (size_t c = 0; c + 1 < 256; ++c) {
+        const float mid = (*map)[c] + ((*map)[c + 1] - (*map)[c]) / 2;
+        for (int k = -6; k <= 6; ++k) {
+          const float x = around(mid, k) * d;  // |x| <= |d|, as a moment over its absmax
+          if (std::fabs(x) <= d) xs.push_back(x);
+          xs.push_back(around(x, 1));
+          xs.push_back(around(x, -1));
+        }
+      }
+      for (int e = 0; e < 160; ++e) xs.push_back(std::ldexp(mant(rng), -e) * (e % 2 != 0 ? -0.5f : 0.5f) * d);
+      std::erase_if(xs, [d](float x) { return !(std::fabs(x) <= d) && !std::isnan(x); });
+      std::vector<uint8_t> simd(xs.size()), scalar(xs.size());
+      kernels->nearest_codes(table, xs.data(), d, simd.data(), 0, xs.size());
+      detail::kScalarKernels.nearest_codes(table, xs.data(), d, scalar.data(), 0, xs.size());
+      size_t wrong = 0;
+      for (size_t i = 0; i < xs.size(); ++i) {
+        if (simd[i] != scalar[i] && ++wrong <= 5)
+          ADD_FAILURE() << std::hexfloat << xs[i] << " / " << d << ": " << int(simd[i]) << ", scalar " << int(scalar[i]);
+        moved += i > 0 && scalar[i] != scalar[i - 1];
+        // The scalar path is the nearest entry of the correctly rounded quotient.
+        if (i % 7 == 0) {
+          ASSERT_EQ(scalar[i], quantize_nearest(*map, xs[i] / d)) << std::hexfloat << xs[i] << " / " << d;
+        }
+      }
+      EXPECT_EQ(wrong, 0u) << std::hexfloat << "divisor " << d;
+    }
+    EXPECT_GT(moved, 255u * 10) << "the sweep crosses the thresholds";
   }
 }
 
