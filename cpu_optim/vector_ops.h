@@ -28,6 +28,13 @@ Status accumulate(ElemSpan acc, ConstElemSpan grad, size_t n_elems, bool from_ze
 // in the input gives inf or NaN.
 Result<double> squared_norm(ConstElemSpan grad, size_t n_elems, const Executor& executor);
 
+// squared_norm of fp32 values, which first rewrites each −0 and signalling NaN among them as
+// 0 + x (+0, the NaN quieted): what accumulate from zero would have written. Tile by tile, so the
+// values are rewritten in the pass that reads them for the norm, with the norm's bits unchanged.
+// kInvalidArgument for another dtype. (Note [Gradients that land where they are summed] in
+// engine/coord/grad_accumulator.cpp.)
+Result<double> squared_norm_canonical(ElemSpan grad, size_t n_elems, const Executor& executor);
+
 // data[i] = value, written by the threads and partition that later steps use (NUMA first touch).
 void fill(std::span<float> data, float value, const Executor& executor);
 

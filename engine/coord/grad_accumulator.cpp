@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <utility>
@@ -12,6 +14,7 @@
 #include "common/bytes.h"
 #include "common/timer.h"
 #include "cpu_optim/vector_ops.h"
+#include "engine/memory/pinned_pool.h"
 #include "engine/memory/swap_file.h"
 
 // Note [Accumulation arithmetic]
@@ -71,6 +74,34 @@
 // trainer sends the updated compute copies to the other ranks after backward (stage 2) or lets the
 // next forward gather them from their owners (stage 3).
 
+// Note [Gradients that land where they are summed]
+//
+// Without accumulators each sub-group is summed in a host buffer and stepped from it. Through the
+// landing ring that costs a pass the optimizer could do without: the gradient is written into the
+// ring by its copy from the device, then read from the ring and written into the buffer (acc =
+// 0 + g), 12 bytes of host memory traffic per fp32 element (the buffer's write-allocate read
+// included) on top of the optimizer's ~30. When the sums are fp32, the gradient arrives in fp32
+// (the vertical schedule's device-side sums, or an fp32 model), the run is unpartitioned, and the
+// contribution is its param's only one in the micro-step (not a tied matrix's two uses, which must
+// be added), the copy from the device writes it where it is summed instead: GradWorker::submit asks
+// reserve() for the runs of the sub-groups' buffers the param's pieces occupy and fills those, and
+// the worker only counts the contribution (add_in_place). The buffers then come from the pinned
+// pool, so the copy is DMA (MemoryPlan::landing_buffers), and the ring carries only the other
+// contributions (sized for them by the planner).
+//
+// The buffers must then be claimed on the producer's thread, in submission order, for every
+// contribution, in the ring or not: reserve() opens the param's sub-groups, waiting while every
+// buffer is held. The count is the simulation's most sub-groups open at once (plan_buffers), so a
+// wait always ends: the sub-groups holding buffers then include one whose contributions were all
+// submitted, which the worker will flush. If the worker fails, it cancels the reservations so
+// that a waiting producer returns its error.
+//
+// The bits stay those of the ring: accumulate from zero writes 0 + g, which differs from g only for
+// −0 (0 + −0 = +0) and a signalling NaN (quieted). The squared norm that every sub-group's sums
+// get before their step (cpu_optim::squared_norm_canonical) rewrites those elements as 0 + g in the
+// tile it reads, before the tile's norm, so the optimizer and the norm see the ring's values with
+// no extra pass over memory.
+
 // Note [Direct accumulator I/O]
 //
 // NVMe-resident accumulators are read and written with read_state_range/write_state_range: the
@@ -97,6 +128,11 @@
 // accumulators are still written synchronously.
 
 namespace zo::engine {
+
+bool gradients_land_in_place(const Placement& placement, bool partitioned, DType transfer_dtype) {
+  return placement.no_accumulator && !partitioned && placement.grad_sum_dtype == DType::kF32 &&
+         transfer_dtype == DType::kF32;
+}
 
 // Chunk k's output lies within the inputs of chunks 0..k, all read into the scratch by then.
 Status narrow_in_place(std::byte* data, uint64_t n, DType from, DType to, std::span<std::byte> scratch,
@@ -127,6 +163,17 @@ struct GradAccumulator::Impl {
   std::vector<uint32_t> group_total;       // per sub-group: contributions (over its params) per micro-step
   std::vector<uint32_t> completion;        // the sub-groups as they complete in the contribution order
   std::vector<AlignedBuffer> buffers;
+  std::vector<std::span<std::byte>> pool_buffers;  // landing in place: the buffers, from the pinned pool
+  ~Impl() {
+    for (std::span<std::byte> b : pool_buffers) store->pool().free(b);
+  }
+  // Note [Gradients that land where they are summed]: group_buffer and free_buffers are shared by
+  // the producer (reserve) and the worker (flush); claim_mu guards both.
+  bool lands_in_place = false;
+  std::mutex claim_mu;
+  std::condition_variable freed;
+  bool claims_cancelled = false;
+  std::vector<uint32_t> reserved;  // per param: contributions reserved this micro-step (producer only)
   std::vector<int32_t> free_buffers;
   uint64_t buffer_bytes = 0;
   // Note [Partitioned gradients]
@@ -176,9 +223,20 @@ struct GradAccumulator::Impl {
     return first_error;
   }
 
+  std::byte* buffer_data(int32_t b) { return pool_buffers.empty() ? buffers[b].data() : pool_buffers[b].data(); }
+  std::span<std::byte> buffer_span(int32_t b) { return pool_buffers.empty() ? buffers[b].bytes() : pool_buffers[b]; }
+
   std::byte* group_bytes(uint32_t g) {
     if (in_place) return store->location(g, StateKind::kGradAccum).host;
-    return buffers[group_buffer[g]].data();
+    return buffer_data(group_buffer[g]);
+  }
+
+  void free_buffer(int32_t b) {
+    {
+      std::lock_guard<std::mutex> lock(claim_mu);
+      free_buffers.push_back(b);
+    }
+    freed.notify_all();
   }
 
   Status narrow_in_place(std::byte* data, uint64_t n) {
@@ -189,22 +247,29 @@ struct GradAccumulator::Impl {
   bool starts_from_zero() const { return first || partitioned; }
 
   Status open_group(uint32_t g) {
-    if (in_place || group_buffer[g] >= 0) return Status::ok();
-    if (free_buffers.empty() && !writing.empty()) ZO_RETURN_IF_ERROR(finish_oldest_write());
+    if (in_place) return Status::ok();
+    std::unique_lock<std::mutex> lock(claim_mu);
+    if (group_buffer[g] >= 0) return Status::ok();
+    if (free_buffers.empty() && !writing.empty()) {
+      lock.unlock();  // only without a sink, where no other thread claims
+      ZO_RETURN_IF_ERROR(finish_oldest_write());
+      lock.lock();
+    }
     if (free_buffers.empty()) {
-      return failed_precondition("gradient accumulator: all " + std::to_string(buffers.size()) +
+      return failed_precondition("gradient accumulator: all " + std::to_string(buffers.size() + pool_buffers.size()) +
                                  " host buffers are held by open sub-groups when sub-group " + std::to_string(g) +
                                  " opens; gradients must arrive in the contribution order given at create");
     }
     const int32_t b = free_buffers.back();
     free_buffers.pop_back();
     group_buffer[g] = b;
-    std::span<std::byte> bytes = buffers[b].bytes().first(store->state_bytes(g, StateKind::kGradAccum));
+    lock.unlock();
+    std::span<std::byte> bytes = buffer_span(b).first(store->state_bytes(g, StateKind::kGradAccum));
     if (starts_from_zero()) return Status::ok();  // every element is written by a first contribution
     Status st = store->read_state_range(g, StateKind::kGradAccum, 0, bytes);  // Note [Direct accumulator I/O]
     if (!st.is_ok()) {
-      free_buffers.push_back(b);
       group_buffer[g] = -1;
+      free_buffer(b);
       return st.with_context("gradient accumulator: reading sub-group " + std::to_string(g));
     }
     report.bytes_read += bytes.size();
@@ -308,10 +373,10 @@ struct GradAccumulator::Impl {
     struct Free {
       Impl* s;
       int32_t b;
-      ~Free() { s->free_buffers.push_back(b); }
+      ~Free() { s->free_buffer(b); }
     } free_on_return{this, b};
     const uint64_t n = store->registry().sub_groups()[g].n_elems;
-    std::byte* sums = buffers[b].data();
+    std::byte* sums = buffer_data(b);
     if (partitioned) {
       // The sums over the ranks go to the owner (Note [Partitioned gradients]), which alone steps
       // the sub-group; its chunks' squared norms are what owners_norm adds up over the ranks.
@@ -326,7 +391,9 @@ struct GradAccumulator::Impl {
         report.chunk_sq[first_chunk[g] + c] = *sq;
       }
     } else {
-      Result<double> sq = cpu_optim::squared_norm({sums, sum_dtype}, n, *executor);
+      // Note [Gradients that land where they are summed]: what landed in place becomes 0 + g here.
+      Result<double> sq = lands_in_place ? cpu_optim::squared_norm_canonical({sums, sum_dtype}, n, *executor)
+                                         : cpu_optim::squared_norm({sums, sum_dtype}, n, *executor);
       if (!sq.is_ok())
         return Status(sq.status()).with_context("gradient accumulator: norm of sub-group " + std::to_string(g));
       report.sum_sq += *sq;
@@ -391,11 +458,16 @@ struct GradAccumulator::Impl {
 
   void reset_step() {
     (void)finish_writes();  // a failure is the step's, already reported (or abandoned)
-    for (uint32_t g = 0; g < group_buffer.size(); ++g) {
-      if (group_buffer[g] >= 0) free_buffers.push_back(group_buffer[g]);
-      group_buffer[g] = -1;
+    {
+      std::lock_guard<std::mutex> lock(claim_mu);
+      for (uint32_t g = 0; g < group_buffer.size(); ++g) {
+        if (group_buffer[g] >= 0) free_buffers.push_back(group_buffer[g]);
+        group_buffer[g] = -1;
+      }
+      std::sort(free_buffers.begin(), free_buffers.end(), std::greater<>());
+      claims_cancelled = false;
     }
-    std::sort(free_buffers.begin(), free_buffers.end(), std::greater<>());
+    freed.notify_all();
     open = false;
   }
 };
@@ -525,12 +597,28 @@ Result<std::unique_ptr<GradAccumulator>> GradAccumulator::create(StateStore& sto
       if (g.trainable) s.n_chunks += (g.n_elems + s.reducer.chunk_elems - 1) / s.reducer.chunk_elems;
     }
   }
+  // Note [Gradients that land where they are summed]: the plan put the buffers in the pinned pool.
+  const MemoryPlan& mp = store.plan();
+  s.lands_in_place = mp.landing_buffers > 0;
+  if (s.lands_in_place && (mp.landing_buffers != bp.count || mp.landing_buffer_bytes < s.buffer_bytes || !s.sink ||
+                           s.partitioned || s.sum_dtype != DType::kF32))
+    return invalid_argument("gradient accumulator: the plan's " + std::to_string(mp.landing_buffers) +
+                            " landing buffers of " + format_bytes(mp.landing_buffer_bytes) + " are not the " +
+                            std::to_string(bp.count) + " of " + format_bytes(s.buffer_bytes) +
+                            " fp32 sums an unpartitioned run without accumulators needs");
   for (uint32_t i = 0; i < bp.count; ++i) {
-    ZO_ASSIGN_OR_RETURN(AlignedBuffer buf, AlignedBuffer::allocate(s.buffer_bytes));
-    s.buffers.push_back(std::move(buf));
+    if (s.lands_in_place) {
+      ZO_ASSIGN_OR_RETURN(std::span<std::byte> buf,
+                          store.pool().allocate(s.buffer_bytes, "gradient landing buffer " + std::to_string(i)));
+      s.pool_buffers.push_back(buf);
+    } else {
+      ZO_ASSIGN_OR_RETURN(AlignedBuffer buf, AlignedBuffer::allocate(s.buffer_bytes));
+      s.buffers.push_back(std::move(buf));
+    }
   }
   for (int32_t i = static_cast<int32_t>(bp.count) - 1; i >= 0; --i) s.free_buffers.push_back(i);
   s.received.assign(n_params, 0);
+  s.reserved.assign(n_params, 0);
   s.group_pending.assign(n_groups, 0);
   s.group_buffer.assign(n_groups, -1);
   return std::unique_ptr<GradAccumulator>(new GradAccumulator(std::move(impl)));
@@ -558,6 +646,7 @@ Status GradAccumulator::begin_micro_step(bool first, bool last) {
   s.first = first;
   s.last = last;
   std::fill(s.received.begin(), s.received.end(), 0);
+  std::fill(s.reserved.begin(), s.reserved.end(), 0);
   s.group_pending = s.group_total;
   s.report = GradNormReport{};
   if (s.partitioned && last) s.report.chunk_sq.assign(s.n_chunks, 0.0);
@@ -614,6 +703,73 @@ Status GradAccumulator::add(uint32_t param, std::span<const std::byte> grad, DTy
   }
   s.report.offload_s += timer.elapsed_s();
   return result;
+}
+
+Result<LandingRuns> GradAccumulator::reserve(uint32_t param, DType dtype, uint64_t size_bytes) {
+  Impl& s = *impl_;
+  if (!s.sink) return LandingRuns{};  // the worker opens sub-groups as contributions arrive
+  const ParamRegistry& registry = s.store->registry();
+  if (param >= s.uses.size())
+    return invalid_argument("gradient accumulator: reserve for param id " + std::to_string(param) + " (" +
+                            std::to_string(s.uses.size()) + " params)");
+  const ParamInfo& info = registry.params()[param];
+  if (!s.open) return failed_precondition("gradient accumulator: reserve for " + info.name + " outside a micro-step");
+  if (size_bytes != info.n_elems * dtype_size_bytes(dtype))
+    return invalid_argument("gradient accumulator: reserve for " + info.name + ": " + std::to_string(size_bytes) +
+                            " bytes, expected " + std::to_string(info.n_elems) + " elements of " +
+                            std::string(dtype_name(dtype)));
+  if (s.reserved[param] >= s.uses[param])
+    return invalid_argument("gradient accumulator: contribution " + std::to_string(s.reserved[param] + 1) + " of " +
+                            info.name + " beyond its " + std::to_string(s.uses[param]) + " use(s) per micro-step");
+  const auto pieces = registry.pieces_of_param(param);
+  {
+    std::unique_lock<std::mutex> lock(s.claim_mu);
+    for (const ParamPiece& piece : pieces) {
+      if (s.group_buffer[piece.sub_group] >= 0) continue;
+      s.freed.wait(lock, [&] { return s.claims_cancelled || !s.free_buffers.empty(); });
+      if (s.claims_cancelled)
+        return failed_precondition("gradient accumulator: reserve for " + info.name +
+                                   " after the micro-step's adds failed");
+      s.group_buffer[piece.sub_group] = s.free_buffers.back();
+      s.free_buffers.pop_back();
+    }
+  }
+  ++s.reserved[param];
+  // Note [Gradients that land where they are summed]: a tied matrix's uses are added in the ring.
+  if (!s.lands_in_place || dtype != s.sum_dtype || s.uses[param] != 1) return LandingRuns{};
+  LandingRuns runs;
+  for (const ParamPiece& piece : pieces)  // the sub-group cannot be flushed before this contribution is added
+    runs.push_back({s.buffer_data(s.group_buffer[piece.sub_group]) + piece.group_offset * s.sb, piece.n_elems * s.sb});
+  return runs;
+}
+
+Status GradAccumulator::add_in_place(uint32_t param) {
+  Impl& s = *impl_;
+  Stopwatch timer;
+  if (param >= s.uses.size())
+    return invalid_argument("gradient accumulator: add_in_place of param id " + std::to_string(param));
+  const ParamInfo& info = s.store->registry().params()[param];
+  if (!s.open) return failed_precondition("gradient accumulator: add of " + info.name + " outside a micro-step");
+  if (!s.lands_in_place || s.uses[param] != 1 || s.received[param] != 0 || s.reserved[param] != 1)
+    return failed_precondition("gradient accumulator: " + info.name + " was not reserved to land in place");
+  ++s.received[param];
+  Status result;
+  for (const ParamPiece& piece : s.store->registry().pieces_of_param(param)) {
+    if (--s.group_pending[piece.sub_group] != 0) continue;
+    Status st = s.flush_group(piece.sub_group);
+    if (!st.is_ok() && result.is_ok()) result = st.with_context("add of " + info.name);
+  }
+  s.report.offload_s += timer.elapsed_s();
+  return result;
+}
+
+void GradAccumulator::cancel_reservations() {
+  Impl& s = *impl_;
+  {
+    std::lock_guard<std::mutex> lock(s.claim_mu);
+    s.claims_cancelled = true;
+  }
+  s.freed.notify_all();
 }
 
 Result<GradNormReport> GradAccumulator::end_micro_step() {

@@ -54,6 +54,17 @@ struct ReducerOptions {
 // the optimizer steps the sub-group from it. Called on add()'s thread; its error is add()'s.
 using FinalGradSink = std::function<Status(uint32_t sub_group, const std::byte* grad)>;
 
+// Note [Gradients that land where they are summed] (grad_accumulator.cpp): with no accumulators,
+// unpartitioned, and fp32 sums, a gradient that is its param's only contribution of the micro-step
+// is written by its copy from the device straight into the host buffer where its sub-group is
+// summed, not into the landing ring and then copied. The planner and create() then take those
+// buffers from the pinned pool (MemoryPlan::landing_buffers).
+bool gradients_land_in_place(const Placement& placement, bool partitioned, DType transfer_dtype);
+
+// Where one contribution's bytes go when they land in place: runs of the sub-groups' buffers, in
+// the param's element order (two where the param straddles a sub-group boundary).
+using LandingRuns = std::vector<std::span<std::byte>>;
+
 // Rounds n elements of `from` at `data` to the narrower (or equal) `to` at the front of the same
 // memory, scratch.size() / sizeof(to) elements at a time through `scratch` (Note [Gradients stored
 // in 16 bits]). kInvalidArgument for a wider `to` or a scratch under one element.
@@ -121,6 +132,22 @@ class GradAccumulator {
   // in an order that opens more sub-groups than the contribution order did). Store errors name the
   // sub-group.
   Status add(uint32_t param, std::span<const std::byte> grad, DType dtype);
+
+  // (addition) Note [Gradients that land where they are summed]. On the producer's thread, before
+  // a contribution of `param` (size_bytes of `dtype`) is written anywhere: without accumulators,
+  // claims the host buffers of the param's sub-groups in submission order (waiting while every
+  // buffer is held by sub-groups the worker has not flushed yet), and, when the contribution may
+  // land in place, returns the runs it is to be written to; then the worker calls add_in_place.
+  // Empty: it goes through the ring and add(). With accumulators it claims nothing and returns
+  // empty. kInvalidArgument for a bad param, size or a contribution beyond its uses;
+  // kFailedPrecondition outside a micro-step, and once cancel_reservations() was called in it.
+  Result<LandingRuns> reserve(uint32_t param, DType dtype, uint64_t size_bytes);
+  // The contribution reserve() placed in its runs has been written (its copy complete): counted as
+  // add() counts one, and the sub-groups it completes are flushed. On the worker's thread.
+  Status add_in_place(uint32_t param);
+  // Wakes a reserve() waiting for a buffer and fails it and every later one until the micro-step
+  // is abandoned: the worker's adds failed, so the buffers it holds will not be freed. Any thread.
+  void cancel_reservations();
 
   // kFailedPrecondition naming the params still missing contributions (the micro-step stays
   // open); else finishes the queued writes (a failure names the sub-group, file and offset; the

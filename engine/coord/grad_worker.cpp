@@ -35,8 +35,9 @@ struct GradWorker::Impl {
     DType dtype = DType::kF32;
     uint64_t offset = 0;
     uint64_t size = 0;  // the gradient's bytes
-    uint64_t slot = 0;  // its slot's, rounded up to kSlotAlignment
+    uint64_t slot = 0;  // its slot's, rounded up to kSlotAlignment; 0 for an item landed in place
     gpu::Event ready;   // an asynchronous fill's: the slot holds the gradient once it completes
+    bool in_place = false;  // Note [Gradients that land where they are summed]: not in the ring
   };
 
   GradAccumulator* acc = nullptr;
@@ -56,13 +57,21 @@ struct GradWorker::Impl {
   Stats stats;
   std::thread thread;
 
-  // The offset of a free slot of `size` bytes, or -1 when the ring has no room yet.
+  // The offset of a free slot of `size` bytes, or -1 when the ring has no room yet. Items landed in
+  // place hold no slot.
   int64_t find_slot(uint64_t size) const {
-    if (queue.empty()) return 0;
-    const uint64_t tail = queue.front().offset;
+    const Item* oldest = nullptr;
+    const Item* newest = nullptr;
+    for (const Item& item : queue) {
+      if (item.in_place) continue;
+      if (oldest == nullptr) oldest = &item;
+      newest = &item;
+    }
+    if (oldest == nullptr) return 0;
+    const uint64_t tail = oldest->offset;
     // Wrapped: the newest slot lies before the oldest, so only [head, tail) is free. (head == tail
     // alone cannot tell a full ring from an empty one; the queue's ends can.)
-    if (queue.back().offset < tail) return head + size <= tail ? static_cast<int64_t>(head) : -1;
+    if (newest->offset < tail) return head + size <= tail ? static_cast<int64_t>(head) : -1;
     if (head + size <= capacity) return static_cast<int64_t>(head);
     return size <= tail ? 0 : -1;
   }
@@ -88,10 +97,16 @@ struct GradWorker::Impl {
       if (add && st.is_ok()) {
         trace::Span span(trace::Track::kGradWorker, [&] { return "accumulate param " + std::to_string(item.param); });
         if (before_add) before_add();
-        st = acc->add(item.param, std::span<const std::byte>(ring.data() + item.offset, item.size), item.dtype);
+        st = item.in_place
+                 ? acc->add_in_place(item.param)
+                 : acc->add(item.param, std::span<const std::byte>(ring.data() + item.offset, item.size), item.dtype);
       }
       lock.lock();
-      if (!st.is_ok() && error.is_ok()) error = std::move(st);
+      if (!st.is_ok()) {
+        if (error.is_ok()) error = std::move(st);
+        // A producer waiting for a buffer that the items now dropped held returns this error.
+        acc->cancel_reservations();
+      }
       queue.pop_front();
       in_flight -= item.slot;
       done_cv.notify_all();
@@ -126,10 +141,34 @@ Result<std::unique_ptr<GradWorker>> GradWorker::create(GradAccumulator& acc, std
   return std::unique_ptr<GradWorker>(new GradWorker(std::move(impl)));
 }
 
-Status GradWorker::submit(uint32_t param, DType dtype, uint64_t size_bytes,
-                          const std::function<Status(std::span<std::byte> slot)>& fill, gpu::Event ready) {
+Status GradWorker::submit(uint32_t param, DType dtype, uint64_t size_bytes, const Fill& fill, gpu::Event ready) {
   Impl& s = *impl_;
   ZO_CHECK(!ready || s.device != nullptr) << "an asynchronous fill for a gradient worker without a device";
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    if (!s.error.is_ok()) return s.error;
+  }
+  // Note [Gradients that land where they are summed]: the sums' buffers are claimed here, in
+  // submission order, whether the contribution lands in them or in the ring.
+  Result<LandingRuns> runs = s.acc->reserve(param, dtype, size_bytes);
+  if (!runs.is_ok()) {
+    std::lock_guard<std::mutex> lock(s.mu);
+    return s.error.is_ok() ? runs.status() : s.error;  // cancelled: the worker's error is the cause
+  }
+  if (!runs->empty()) {
+    uint64_t from = 0;
+    for (std::span<std::byte> run : *runs) {
+      ZO_RETURN_IF_ERROR(fill(run, from));
+      from += run.size();
+    }
+    std::unique_lock<std::mutex> lock(s.mu);
+    ++s.stats.items;
+    ++s.stats.in_place_items;
+    s.queue.push_back({param, dtype, 0, size_bytes, 0, ready, /*in_place=*/true});
+    lock.unlock();
+    s.work_cv.notify_one();
+    return Status::ok();
+  }
   if (size_bytes > s.capacity) {
     return invalid_argument("gradient worker: a gradient of " + format_bytes(size_bytes) + " for param " +
                             std::to_string(param) + " does not fit the landing ring of " + format_bytes(s.capacity));
@@ -145,7 +184,7 @@ Status GradWorker::submit(uint32_t param, DType dtype, uint64_t size_bytes,
   lock.unlock();
   // The slot lies outside every queued item's bytes, so it is filled without the lock.
   const std::span<std::byte> slot(s.ring.data() + offset, size_bytes);
-  ZO_RETURN_IF_ERROR(fill(slot));
+  ZO_RETURN_IF_ERROR(fill(slot, 0));
   lock.lock();
   s.head = static_cast<uint64_t>(offset) + slot_size;
   s.in_flight += slot_size;

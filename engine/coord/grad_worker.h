@@ -25,6 +25,7 @@ class GradWorker {
     uint64_t full_waits = 0;  // submits that had to wait for room in the ring
     uint64_t peak_in_flight_bytes = 0;
     uint64_t items = 0;
+    uint64_t in_place_items = 0;  // of them, landed where they are summed (not in the ring)
   };
 
   // A worker landing gradients in `ring` (non-empty, 64-byte aligned; the planner's size: the
@@ -39,16 +40,19 @@ class GradWorker {
   GradWorker(const GradWorker&) = delete;
   GradWorker& operator=(const GradWorker&) = delete;
 
-  // Queues one contribution of `param`: `size_bytes` of `dtype`, written into a ring slot by
-  // `fill` on the calling thread (a copy from the device or from LibTorch's tensor). Waits for room
-  // first. kInvalidArgument for an item larger than the ring; fill's error is returned with nothing
-  // queued. Once an add has failed, nothing more is added until drain(): queued items are dropped
+  // Queues one contribution of `param`: `size_bytes` of `dtype`, written by `fill` on the calling
+  // thread (a copy from the device or from LibTorch's tensor): fill(dest, from) writes the
+  // contribution's bytes [from, from + dest.size()) into dest. That is a ring slot, the whole
+  // contribution at once, or, when it lands where it is summed (GradAccumulator::reserve; Note
+  // [Gradients that land where they are summed]), each run of the sums' buffers in turn. Waits for
+  // room first (in the ring, or a buffer the worker has not freed yet). kInvalidArgument for an
+  // item larger than the ring; fill's error is returned with nothing queued. Once an add has failed, nothing more is added until drain(): queued items are dropped
   // and submit() returns that first error at once.
   // An asynchronous fill (a D2H copy still queued on a stream when fill returns) passes `ready`, an
   // event of the worker's device recorded behind it (by fill): the worker waits for the event's
   // latest record before it reads the slot, and its failure is the add's.
-  Status submit(uint32_t param, DType dtype, uint64_t size_bytes,
-                const std::function<Status(std::span<std::byte> slot)>& fill, gpu::Event ready = {});
+  using Fill = std::function<Status(std::span<std::byte> dest, uint64_t from)>;
+  Status submit(uint32_t param, DType dtype, uint64_t size_bytes, const Fill& fill, gpu::Event ready = {});
 
   // Waits until every queued item is added or dropped and the accumulator's queued writes are
   // finished (GradAccumulator::finish_writes); returns the first add or write error since the

@@ -371,7 +371,7 @@ uint64_t MemoryPlan::pinned_pool_bytes() const {
   return align_up(cpu_pinned_bytes, kPinnedAlignment) + buffers(optimizer_swap_buffers, optimizer_swap_buffer_bytes) +
          buffers(compute_staging_buffers, compute_staging_buffer_bytes) +
          buffers(param_swap_buffers, param_swap_buffer_bytes) + align_up(grad_ring_bytes, kPinnedAlignment) +
-         buffers(gather_slots, gather_slot_bytes);
+         buffers(landing_buffers, landing_buffer_bytes) + buffers(gather_slots, gather_slot_bytes);
 }
 
 std::string_view accumulator_home(const Placement& placement) {
@@ -414,6 +414,8 @@ std::string MemoryPlan::to_json() const {
   j["grad_read_buffers"] = grad_read_buffers;
   j["grad_read_buffer_bytes"] = grad_read_buffer_bytes;
   j["grad_ring_bytes"] = grad_ring_bytes;
+  j["landing_buffers"] = landing_buffers;
+  j["landing_buffer_bytes"] = landing_buffer_bytes;
   j["gather_slots"] = gather_slots;
   j["gather_slot_bytes"] = gather_slot_bytes;
   j["pinned_pool_bytes"] = pinned_pool_bytes();

@@ -239,6 +239,13 @@ struct MemoryPlan {
   // largest block's gradients. 0 from plan_memory, which knows no blocks; the planner's
   // plan_memory_with_ring sets it, and the trainer carves it from the pool.
   uint64_t grad_ring_bytes = 0;
+  // Without accumulators, unpartitioned, with fp32 sums arriving in fp32: the host buffers where
+  // each sub-group is summed, which gradients land in directly (Note [Gradients that land where
+  // they are summed] in engine/coord/grad_accumulator.cpp): GradAccumulator::plan_buffers' count
+  // and size, in the pool so that copies from the GPU are DMA. 0 from plan_memory; set by the
+  // planner's plan_memory_with_ring like the ring, which then carries only the other gradients.
+  uint32_t landing_buffers = 0;
+  uint64_t landing_buffer_bytes = 0;
   // partition_params: the slots where the coordinator's blocks are gathered from their owners
   // (BlockGatherer), each the largest block's compute copies. 0 from plan_memory, which knows no
   // blocks; set by plan_memory_with_ring like the landing ring, and carved from the pool.

@@ -190,21 +190,34 @@ std::vector<uint32_t> contribution_order(const ModelLayout& layout) {
   return order;
 }
 
-uint64_t grad_ring_bytes(const ModelLayout& layout, const ParamRegistry& registry, DType dtype) {
+uint64_t grad_ring_bytes(const ModelLayout& layout, const ParamRegistry& registry, DType dtype, bool shared_only) {
+  std::vector<uint32_t> uses(registry.params().size(), 0);
+  for (const BlockSpec& b : layout.blocks)
+    for (uint32_t p : b.params) ++uses[p];
   uint64_t most = 0;
   for (const BlockSpec& b : layout.blocks) {
     uint64_t elems = 0;
     for (uint32_t p : b.params)
-      if (registry.params()[p].trainable) elems += registry.params()[p].n_elems;
+      if (registry.params()[p].trainable && (!shared_only || uses[p] > 1)) elems += registry.params()[p].n_elems;
     most = std::max(most, elems);
   }
-  return most * dtype_size_bytes(dtype);
+  // A ring no gradient goes through still has one slot: GradWorker needs one.
+  return std::max<uint64_t>(most * dtype_size_bytes(dtype), kMinGradRingBytes);
 }
 
 Result<MemoryPlan> plan_memory_with_ring(const Config& c, const ParamRegistry& registry, const ModelLayout& layout,
                                          std::optional<uint32_t> owned_partition) {
   ZO_ASSIGN_OR_RETURN(MemoryPlan mp, plan_memory(c, registry, owned_partition));
-  mp.grad_ring_bytes = grad_ring_bytes(layout, registry, grad_transfer_dtype(c));
+  // Note [Gradients that land where they are summed] (grad_accumulator.cpp): the sums' buffers in
+  // the pool, and only a tied matrix's gradients in the ring.
+  const bool in_place = gradients_land_in_place(mp.placement, mp.partition_grads, grad_transfer_dtype(c));
+  if (in_place) {
+    const GradAccumulator::BufferPlan buffers =
+        GradAccumulator::plan_buffers(registry, mp.placement, contribution_order(layout), mp.partition_grads);
+    mp.landing_buffers = buffers.count;
+    mp.landing_buffer_bytes = buffers.bytes_each;
+  }
+  mp.grad_ring_bytes = grad_ring_bytes(layout, registry, grad_transfer_dtype(c), in_place);
   if (mp.partition_params) {
     std::vector<std::vector<uint32_t>> blocks;
     for (const BlockSpec& b : layout.blocks) blocks.push_back(b.params);
@@ -300,7 +313,9 @@ void plan_host(const PlanBasis& b, RunPlan* out) {
   const GradAccumulator::BufferPlan gbuf =
       GradAccumulator::plan_buffers(b.registry, pl, b.contribution_order, mp.partition_grads);
   p.grad_ring_bytes = mp.grad_ring_bytes;  // in the pool
-  p.host_buffer_bytes = kStoreScratchBytes + uint64_t{gbuf.count} * gbuf.bytes_each + gbuf.narrowing_bytes +
+  // Landing buffers are in the pool (Note [Gradients that land where they are summed]).
+  const uint64_t pageable_gbuf = mp.landing_buffers > 0 ? 0 : uint64_t{gbuf.count} * gbuf.bytes_each;
+  p.host_buffer_bytes = kStoreScratchBytes + pageable_gbuf + gbuf.narrowing_bytes +
                         uint64_t{mp.grad_read_buffers} * mp.grad_read_buffer_bytes +
                         data_parallel_staging_bytes(mp, b.in.world_size);
   p.ram_bytes = p.pool_bytes + p.pageable_state_bytes + p.host_buffer_bytes + p.checkpoint_host_bytes +

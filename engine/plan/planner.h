@@ -184,8 +184,12 @@ std::vector<uint32_t> contribution_order(const ModelLayout& layout);
 
 // The gradient worker's landing ring (engine/coord/grad_worker.h): the largest block's gradients
 // (of its trainable params) in `dtype`, so that one block's gradients are accumulated while the
-// next block's backward computes.
-uint64_t grad_ring_bytes(const ModelLayout& layout, const ParamRegistry& registry, DType dtype);
+// next block's backward computes; with shared_only, of the params used by more than one block
+// (a tied matrix), the others landing where they are summed (Note [Gradients that land where they
+// are summed] in engine/coord/grad_accumulator.cpp). At least kMinGradRingBytes.
+inline constexpr uint64_t kMinGradRingBytes = 4096;
+uint64_t grad_ring_bytes(const ModelLayout& layout, const ParamRegistry& registry, DType dtype,
+                         bool shared_only = false);
 // plan_memory, with the landing ring (grad_ring_bytes in grad_transfer_dtype) in the pinned pool:
 // the plan the trainer allocates and the planner reports.
 Result<MemoryPlan> plan_memory_with_ring(const Config& c, const ParamRegistry& registry, const ModelLayout& layout,

@@ -97,17 +97,25 @@ Status Trainer::Impl::offload_grads(uint32_t block, const std::vector<torch::Ten
     const uint64_t bytes = static_cast<uint64_t>(g.numel()) * g.element_size();
     ZO_RETURN_IF_ERROR(grad_worker->submit(
         id, dtype, bytes,
-        [&](std::span<std::byte> slot) {
-          ZO_RETURN_IF_ERROR(device->foreign_work(gpu::DeviceWork::kD2H, bytes, copies->native_stream(), {}, [&] {
+        // Into a ring slot, or into the runs of the sums' buffers where it lands in place (Note
+        // [Gradients that land where they are summed] in engine/coord/grad_accumulator.cpp).
+        [&](std::span<std::byte> dest, uint64_t from) {
+          ZO_RETURN_IF_ERROR(device->foreign_work(gpu::DeviceWork::kD2H, dest.size(), copies->native_stream(), {}, [&] {
             return torch_call("copying the gradient of " + name, [&] {
               torch::Tensor src = g;
-              if (inject_overflow && i == 0) {  // on the source: the copy below may still be in flight
+              if (inject_overflow && i == 0 && from == 0) {  // on the source: the copy may still be in flight
                 src = g.clone();
                 src.view(-1)[0] = std::numeric_limits<float>::infinity();
               }
-              copies->record_use(g);  // g's memory is not reused before the copy stream has read it
-              torch::Tensor landed = torch::from_blob(slot.data(), g.sizes(), g.options().device(torch::kCPU));
-              landed.copy_(src, /*non_blocking=*/true);
+              copies->record_use(src);  // its memory is not reused before the copy stream has read it
+              if (dest.size() == bytes) {
+                torch::Tensor landed = torch::from_blob(dest.data(), g.sizes(), g.options().device(torch::kCPU));
+                landed.copy_(src, /*non_blocking=*/true);
+              } else {  // one run of a param that straddles two sub-groups (a view: nothing to free early)
+                const int64_t eb = g.element_size(), n = static_cast<int64_t>(dest.size()) / eb;
+                torch::Tensor landed = torch::from_blob(dest.data(), {n}, g.options().device(torch::kCPU));
+                landed.copy_(src.view(-1).narrow(0, static_cast<int64_t>(from) / eb, n), /*non_blocking=*/true);
+              }
             });
           }));
           return device->record_foreign(landed, copies->native_stream());

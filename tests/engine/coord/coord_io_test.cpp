@@ -541,8 +541,8 @@ TEST(GradWorker, AWriteErrorBehindBackwardIsReportedByDrainAndCleared) {
   const auto grads = testing::random_grads(rig, 2, DType::kF32, 4);
   ASSERT_TRUE((*acc)->begin_micro_step(true, true).is_ok());
   auto copy_of = [](const Bytes& g) {
-    return [&g](std::span<std::byte> slot) {
-      std::memcpy(slot.data(), g.data(), g.size());
+    return [&g](std::span<std::byte> dest, uint64_t from) {
+      std::memcpy(dest.data(), g.data() + from, dest.size());
       return Status::ok();
     };
   };

@@ -170,6 +170,9 @@ struct Rig {
   MemoryAccounting accounting;
   std::unique_ptr<StateStore> store;
   std::unique_ptr<ParamSwapper> swapper;  // only when some compute copy is on NVMe
+  // Before init: the plan's landing buffers as the planner sets them where gradients land in place
+  // (Note [Gradients that land where they are summed]; plan_memory alone leaves them 0).
+  bool land_in_place = false;
 
   // With world > 1: rank `rank`'s partition of a data-parallel run at stage 3 (its compute copies
   // only, MemoryPlan::partition_params); every rank gets the same values.
@@ -178,6 +181,12 @@ struct Rig {
     config = make_config(s, dir.path);
     ZO_ASSIGN_OR_RETURN(registry, ParamRegistry::build(model(), config.zero.sub_group_size, world));
     ZO_ASSIGN_OR_RETURN(plan, plan_memory(config, registry, world > 1 ? std::optional<uint32_t>(rank) : std::nullopt));
+    if (land_in_place) {
+      const GradAccumulator::BufferPlan b =
+          GradAccumulator::plan_buffers(registry, plan.placement, contribution_order());
+      plan.landing_buffers = b.count;
+      plan.landing_buffer_bytes = b.bytes_each;
+    }
     ZO_ASSIGN_OR_RETURN(device, gpu::make_device(gpu::DeviceKind::kHost, device_budget));
     ZO_ASSIGN_OR_RETURN(io, io::IoEngine::create(io::IoOptions{}, faults));
     StateStoreOptions o;

@@ -588,9 +588,9 @@ class AsyncLander {
     ZO_CHECK(rig_.device->synchronize(upload_).is_ok());
     return worker.submit(
         param, dtype, size,
-        [&](std::span<std::byte> slot) {
+        [&](std::span<std::byte> dest, uint64_t from) {
           ZO_RETURN_IF_ERROR(rig_.device->delay(stream_, delay_us));
-          ZO_RETURN_IF_ERROR(rig_.device->copy_d2h(slot.data(), src, size, stream_));
+          ZO_RETURN_IF_ERROR(rig_.device->copy_d2h(dest.data(), src + from, dest.size(), stream_));
           return rig_.device->record(landed_, stream_);
         },
         landed_);
@@ -641,8 +641,8 @@ AccResult accumulate_all(Rig& rig, const std::vector<std::vector<Bytes>>& grads,
       if (!worker) {
         st = (*acc)->add(order[c], g, gdt);
       } else if (!async_fill) {
-        st = worker->submit(order[c], gdt, g.size(), [&](std::span<std::byte> slot) {
-          std::memcpy(slot.data(), g.data(), g.size());
+        st = worker->submit(order[c], gdt, g.size(), [&](std::span<std::byte> dest, uint64_t from) {
+          std::memcpy(dest.data(), g.data() + from, dest.size());
           return Status::ok();
         });
       } else {
@@ -799,15 +799,15 @@ TEST(GradWorker, RefusesAZeroRingAnOversizedGradientAndReturnsAFailedFill) {
   AlignedBuffer ring = std::move(AlignedBuffer::allocate(1024)).value();
   auto worker = GradWorker::create(**acc, ring.bytes());
   ASSERT_TRUE(worker.is_ok());
-  auto never = [](std::span<std::byte>) -> Status {
+  auto never = [](std::span<std::byte>, uint64_t) -> Status {
     ADD_FAILURE() << "filled";
     return Status::ok();
   };
   const Status big = (*worker)->submit(0, DType::kF32, 4096, never);
   EXPECT_EQ(big.code(), StatusCode::kInvalidArgument);
   EXPECT_THAT(big.message(), HasSubstr("landing ring"));
-  const Status bad =
-      (*worker)->submit(0, DType::kF32, 64, [](std::span<std::byte>) { return internal_error("copy failed"); });
+  const Status bad = (*worker)->submit(0, DType::kF32, 64,
+                                       [](std::span<std::byte>, uint64_t) { return internal_error("copy failed"); });
   EXPECT_THAT(bad.message(), HasSubstr("copy failed"));
   EXPECT_TRUE((*worker)->drain().is_ok());
   EXPECT_EQ((*worker)->stats().items, 0u);
@@ -1044,6 +1044,108 @@ TEST(GradAccumulator, NoAccumulatorHandsEachSubGroupItsFinalSumOnce) {
     EXPECT_EQ(GradAccumulator::create(*stored.store, order, testing::executor(), {}, sink).status().code(),
               StatusCode::kInvalidArgument);
   }
+}
+
+// Note [Gradients that land where they are summed]: through a GradWorker whose gradients land in
+// the sums' buffers (the tied embedding's two uses still through the ring), each sub-group reaches
+// the sink with the bits and the norm of the ring path — −0 turned to +0 and a signalling NaN
+// quieted as accumulate from zero does — with the copies asynchronous, a worker slower than the
+// producer (which then waits for buffers), and a sink failure that returns to the producer instead
+// of leaving it waiting.
+TEST(GradWorker, GradientsLandWhereTheyAreSummedWithTheRingsBits) {
+  const auto order = testing::contribution_order();
+  Placing p;
+  p.accumulators = "none";
+  Rig ring_rig, place_rig;
+  place_rig.land_in_place = true;
+  ASSERT_TRUE(ring_rig.init(p).is_ok());
+  ASSERT_TRUE(place_rig.init(p).is_ok());
+  ASSERT_EQ(place_rig.plan.placement.grad_sum_dtype, DType::kF32);
+  ASSERT_TRUE(gradients_land_in_place(place_rig.plan.placement, false, DType::kF32));
+  ASSERT_GT(place_rig.plan.landing_buffers, 0u);
+  std::vector<Bytes> grads = testing::random_grads(ring_rig, 1, DType::kF32, 21)[0];
+  const uint32_t minus_zero = 0x80000000u, signalling = 0x7f800001u, quiet_payload = 0x7fc00123u;
+  auto poke = [&](size_t c, size_t i, uint32_t bits) { std::memcpy(grads[c].data() + 4 * i, &bits, 4); };
+  for (size_t c = 0; c < grads.size(); ++c) poke(c, (7 * c) % (grads[c].size() / 4), minus_zero);
+  struct Run {
+    std::map<uint32_t, Bytes> handed;
+    GradNormReport report;
+    GradWorker::Stats stats;
+    Status failed;
+  };
+  auto run = [&](Rig& rig, const std::vector<Bytes>& g, uint32_t fail_at) {
+    Run out;
+    const uint64_t gb = 4;
+    FinalGradSink sink = [&](uint32_t group, const std::byte* grad) -> Status {
+      if (group == fail_at) return io_error("the optimizer failed", EIO);
+      out.handed[group] = Bytes(grad, grad + rig.registry.sub_groups()[group].n_elems * gb);
+      return Status::ok();
+    };
+    auto acc = GradAccumulator::create(*rig.store, order, testing::executor(), {}, sink);
+    ZO_CHECK(acc.is_ok()) << acc.status().to_string();
+    uint64_t largest = 0;  // a ring of two of the largest gradients: the ring rig's items wait for room
+    for (const ParamInfo& info : rig.registry.params()) largest = std::max(largest, info.n_elems * gb);
+    AlignedBuffer ring = std::move(AlignedBuffer::allocate(align_up(2 * largest, 64))).value();
+    {
+      auto worker = GradWorker::create(
+          **acc, ring.bytes(), [] { std::this_thread::sleep_for(std::chrono::milliseconds(2)); }, rig.device.get());
+      ZO_CHECK(worker.is_ok()) << worker.status().to_string();
+      AsyncLander lander(rig);
+      ZO_CHECK((*acc)->begin_micro_step(true, true).is_ok());
+      Status st;
+      for (size_t c = 0; c < order.size() && st.is_ok(); ++c)
+        st = lander.submit(**worker, order[c], DType::kF32, g[c], g[c].size(), 500);
+      Status drained = (*worker)->drain();
+      out.failed = st.is_ok() ? drained : st;
+      out.stats = (*worker)->stats();
+    }
+    if (out.failed.is_ok()) {
+      auto report = (*acc)->end_micro_step();
+      ZO_CHECK(report.is_ok()) << report.status().to_string();
+      out.report = *report;
+    } else {
+      (*acc)->abandon_micro_step();
+    }
+    return out;
+  };
+  for (bool with_nans : {false, true}) {
+    SCOPED_TRACE(with_nans ? "with NaNs" : "finite");
+    if (with_nans) {
+      poke(1, 3, signalling);
+      poke(2, 5, quiet_payload);
+    }
+    const Run through_ring = run(ring_rig, grads, UINT32_MAX);
+    const Run in_place = run(place_rig, grads, UINT32_MAX);
+    ASSERT_TRUE(through_ring.failed.is_ok()) << through_ring.failed.to_string();
+    ASSERT_TRUE(in_place.failed.is_ok()) << in_place.failed.to_string();
+    EXPECT_EQ(through_ring.stats.in_place_items, 0u);
+    // Every contribution but the tied embedding's two lands in place.
+    EXPECT_EQ(in_place.stats.in_place_items, order.size() - 2);
+    EXPECT_EQ(double_bits(in_place.report.sum_sq), double_bits(through_ring.report.sum_sq));
+    EXPECT_EQ(in_place.report.nonfinite, with_nans);
+    ASSERT_EQ(in_place.handed.size(), place_rig.registry.sub_groups().size());
+    EXPECT_EQ(in_place.handed, through_ring.handed);
+    // The ring's values really differ from the raw gradients where it matters: +0 for −0.
+    bool saw_positive_zero = false;
+    for (const auto& [group, bytes] : in_place.handed) {
+      for (size_t i = 0; i + 4 <= bytes.size(); i += 4) {
+        uint32_t u;
+        std::memcpy(&u, bytes.data() + i, 4);
+        ASSERT_NE(u, minus_zero) << "sub-group " << group << " element " << i / 4;
+        ASSERT_NE(u, signalling) << "sub-group " << group << " element " << i / 4;
+        saw_positive_zero = saw_positive_zero || u == 0;
+      }
+    }
+    EXPECT_TRUE(saw_positive_zero);
+  }
+  // A sink that fails mid-step: the producer gets the error (never left waiting for a buffer).
+  const Run failed = run(place_rig, grads, place_rig.registry.sub_groups().size() / 2);
+  EXPECT_EQ(failed.failed.code(), StatusCode::kIoError);
+  EXPECT_THAT(failed.failed.to_string(), HasSubstr("stepped from its gradient"));
+  // And the next step runs clean.
+  const Run again = run(place_rig, grads, UINT32_MAX);
+  EXPECT_TRUE(again.failed.is_ok()) << again.failed.to_string();
+  EXPECT_EQ(again.handed, run(ring_rig, grads, UINT32_MAX).handed);
 }
 
 // ---- BlockGatherer (partitioned parameters, Note [Gathered parameters]) -------------------------

@@ -12,6 +12,8 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "engine/coord/grad_accumulator.h"
+
 namespace zo::engine {
 namespace {
 
@@ -893,6 +895,43 @@ TEST(Planner, IoResultsAreReadAtTheConfigsAioSettings) {
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
   EXPECT_THAT(st.message(), HasSubstr("zoffload-bench io --json"));
   std::remove(path.c_str());
+}
+
+// Note [Gradients that land where they are summed]: without accumulators, fp32 sums arriving in fp32
+// land in the sums' buffers, which the pool then holds (pinned, for DMA) instead of the host's
+// pageable buffers, and the ring shrinks to the gradients that are added there: a tied matrix's two
+// uses, or nothing (its 4 KiB minimum). Bf16 gradients (horizontal bf16 compute) still land in the
+// ring and are added into pageable sums.
+TEST(Planner, GradientsThatLandInPlaceTakeTheRingsPlaceInThePool) {
+  PlanInputs in = tiny_inputs(OffloadDevice::kCpu, OffloadDevice::kCpu);
+  in.config.zoffload.gradient_accumulators = "none";
+  in.config.gradient_clipping = 0;
+  auto in_place = plan_run(in);  // fp32: sums and gradients in fp32
+  ASSERT_TRUE(in_place.is_ok()) << in_place.status().to_string();
+  const MemoryPlan& m = in_place->memory;
+  const GradAccumulator::BufferPlan buffers =
+      GradAccumulator::plan_buffers(*ParamRegistry::build(model_layout(in.model).params, in.config.zero.sub_group_size),
+                                    m.placement, contribution_order(model_layout(in.model)));
+  EXPECT_EQ(m.landing_buffers, buffers.count);
+  EXPECT_EQ(m.landing_buffer_bytes, buffers.bytes_each);
+  EXPECT_EQ(m.grad_ring_bytes, kMinGradRingBytes);   // untied: every gradient lands in place
+  EXPECT_EQ(in_place->host_buffer_bytes, 4u << 20);  // only the store's scratch is pageable
+  EXPECT_GE(in_place->pool_bytes, m.cpu_pinned_bytes + uint64_t{buffers.count} * buffers.bytes_each);
+
+  in.model.tie_word_embeddings = true;  // the embedding's two gradients are added in the ring
+  auto tied = plan_run(in);
+  ASSERT_TRUE(tied.is_ok()) << tied.status().to_string();
+  EXPECT_EQ(tied->memory.grad_ring_bytes, in.model.vocab_size * in.model.hidden_size * 4);
+  EXPECT_GT(tied->memory.landing_buffers, 0u);
+
+  in.model.tie_word_embeddings = false;
+  in.config.bf16.enabled = true;  // bf16 gradients into fp32 sums: through the ring, as before
+  in.config.bf16.check_grad_overflow = false;
+  auto ring = plan_run(in);
+  ASSERT_TRUE(ring.is_ok()) << ring.status().to_string();
+  EXPECT_EQ(ring->memory.landing_buffers, 0u);
+  EXPECT_EQ(ring->memory.grad_ring_bytes, 725504u * 2);  // a decoder layer's bf16 gradients
+  EXPECT_GT(ring->host_buffer_bytes, 4u << 20);
 }
 
 }  // namespace

@@ -945,6 +945,11 @@ TEST(Trainer, NoAccumulatorIsBitIdenticalToTheStoredPath) {
     const uint64_t grad_bytes = v.setup.store == "bf16" ? 2 : 4;
     EXPECT_GE(sp["cpu_pageable_bytes"].get<uint64_t>() - dp["cpu_pageable_bytes"].get<uint64_t>(), grad_bytes * n);
     EXPECT_EQ(sp["nvme_optimizer_bytes"], dp["nvme_optimizer_bytes"]);
+    // Note [Gradients that land where they are summed]: fp32 sums arriving in fp32 (the vertical
+    // schedule's, or an fp32 model's) land in pinned buffers, not in the ring, with the same bits.
+    const bool lands = (v.setup.schedule == "vertical" || v.setup.precision == "fp32") && v.setup.store != "bf16";
+    EXPECT_EQ(dp["landing_buffers"].get<uint64_t>() > 0, lands) << dp.dump();
+    EXPECT_EQ(sp["landing_buffers"].get<uint64_t>(), 0u);
   }
 }
 
