@@ -28,6 +28,7 @@ void register_bench_io(CLI::App& app, int* exit_code);
 void register_bench_adam(CLI::App& app, int* exit_code);
 void register_bench_grad(CLI::App& app, int* exit_code);
 void register_bench_pipeline(CLI::App& app, int* exit_code);
+void register_bench_host(CLI::App& app, int* exit_code);
 void register_bench_ckpt(CLI::App& app, int* exit_code);
 void register_bench_pcie(CLI::App& app, int* exit_code);
 

@@ -10,8 +10,8 @@
 # tools/gpu_machine/pack_prebuilt.sh ran here (or with BIN_DIR naming a build made there by
 # build_there.sh):
 #   tools/gpu_machine/gpu_checks.sh [--time-limit S] [PART...]
-# PART: suite parity pcie tiny devstates budget llama8b ram8bit exact lora ram deepspeed (default: all, in that
-# order). Each part is given at most its own share of time and the time left before --time-limit
+# PART: suite parity pcie tiny devstates budget llama8b ram8bit exact lora ram deepspeed host (default: all but
+# host, in that order; host measures the machine's CPUs and memory, not its GPU). Each part is given at most its own share of time and the time left before --time-limit
 # (default 560 s, under the tool's 600 s for one command), so a slow part cannot take the later
 # ones' time unseen; the line of a part that was cut says so. Ends with a table of parts, seconds
 # and results. Files in $OUT (the device tool brings them back): checks.log (everything printed),
@@ -50,7 +50,7 @@ while [ $# -gt 0 ]; do
     -h|--help) usage 0 ;;
     --time-limit) [ $# -ge 2 ] && [[ "$2" =~ ^[0-9]+$ ]] || { echo "gpu_checks: --time-limit takes seconds" >&2; exit 2; }
                   limit=$2; shift 2 ;;
-    suite|parity|pcie|tiny|devstates|budget|llama8b|ram8bit|exact|lora|ram|deepspeed) parts+=("$1"); shift ;;
+    suite|parity|pcie|tiny|devstates|budget|llama8b|ram8bit|exact|lora|ram|deepspeed|host) parts+=("$1"); shift ;;
     *) echo "gpu_checks: unknown part or option '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -649,6 +649,38 @@ for r in rows:
 print("  tokens/s: the median of the steps after the first; GPU peak: DeepSpeed's torch.cuda.max_memory_allocated,"
       "\n  zoffload's device pool peak + LibTorch's; host peak: the largest resident set of the run's processes.")
 PY
+  return $ok
+}
+
+# The host's half of a llama3-8b step, no GPU (zoffload-bench host; issue 61's host-path target:
+# >= 0.8 of the triad): two decoder layers of llama3-8b with a 32,000-token vocabulary (0.7 B
+# parameters), fp32 states without accumulators (the exact config's), 8-bit moments with bf16
+# masters, and bf16 moments, each on 1, 2 and all cores; then the fp32 case with every gradient
+# through the landing ring, the path before gradients landed in place. One line per run.
+part_host() {
+  local ok=0 spec mom mas t r
+  for spec in fp32:fp32 8bit:bf16 bf16:fp32 ring; do
+    for t in 1 2 0; do
+      [ "$spec" = ring ] && [ "$t" != 0 ] && continue
+      IFS=: read -r mom mas <<<"$spec"
+      local args=(--moments "$mom" --masters "$mas")
+      [ "$spec" = ring ] && args=(--through-ring)
+      timeout -k 5 "$(budget 60)" "$bin/zoffload-bench" host --model llama3-8b --layers 2 --vocab 32000 "${args[@]}" \
+        --threads "$t" --steps 3 --json >"$runs/host-$spec-t$t.json" 2>"$runs/host-$spec-t$t.err"
+      r=$?
+      [ $r -eq 0 ] || { echo "  host $spec, threads $t: exit $r: $(tail -n 1 "$runs/host-$spec-t$t.err")"; ok=1; continue; }
+      "$python" - "$runs/host-$spec-t$t.json" <<'PY'
+import json, sys
+j = json.load(open(sys.argv[1])); m = j["median"]; p = j["placement"]
+k = j["kernels"]
+print("  %-34s %-28s step %.3f s (worker %.3f, optimizer %.3f, drain %.3f); kernels %.1f B/param at %.1f GB/s = %.2f "
+      "of the triad %.1f GB/s; bound: %s" % (
+          "%s masters, %s moments%s" % (p["masters"], p["moments"], ", through the ring" if j["through_ring"] else ""),
+          j["executor"], m["step_s"], m["worker_s"], m["optimizer_s"], m["drain_s"], k["bytes_per_param"], k["gbps"],
+          j["ratio_to_triad"], j["triad_gbps"], j["bound"]["stage"]))
+PY
+    done
+  done
   return $ok
 }
 
