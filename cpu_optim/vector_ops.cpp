@@ -132,21 +132,30 @@ void canonicalize_zeros_and_nans(float* data, size_t begin, size_t end, bool avx
 
 }  // namespace
 
-Result<double> squared_norm_canonical(ElemSpan grad, size_t n_elems, const Executor& executor) {
-  if (n_elems == 0) return 0.0;
+Status squared_norm_canonical_tiles(ElemSpan grad, size_t n_elems, std::span<double> tile_sums,
+                                    const Executor& executor) {
+  if (n_elems == 0) return Status::ok();
   if (grad.data == nullptr)
     return invalid_argument("squared_norm_canonical: null gradient for " + std::to_string(n_elems) + " elements");
   if (grad.dtype != DType::kF32)
     return invalid_argument("squared_norm_canonical: fp32 values only, not " + std::string(dtype_name(grad.dtype)));
+  if (tile_sums.size() < (n_elems + kTileElems - 1) / kTileElems)
+    return invalid_argument("squared_norm_canonical: " + std::to_string(tile_sums.size()) + " tile sums for " +
+                            std::to_string(n_elems) + " elements");
   const auto kernel = table_for(executor).squared_norm;
   const bool avx2 = executor.isa() != Isa::kScalar;  // the AVX2 and AVX-512 paths both have AVX2
   float* values = static_cast<float*>(static_cast<void*>(grad.data));
-  std::vector<double> partial((n_elems + kTileElems - 1) / kTileElems);
   executor.for_each_tile(n_elems, [&](size_t b, size_t e) {
     // The scan brings the tile into cache; the norm reads it from there.
     canonicalize_zeros_and_nans(values, b, e, avx2);
-    partial[b / kTileElems] = kernel(grad.data, grad.dtype, b, e);
+    tile_sums[b / kTileElems] = kernel(grad.data, grad.dtype, b, e);
   });
+  return Status::ok();
+}
+
+Result<double> squared_norm_canonical(ElemSpan grad, size_t n_elems, const Executor& executor) {
+  std::vector<double> partial((n_elems + kTileElems - 1) / kTileElems);
+  ZO_RETURN_IF_ERROR(squared_norm_canonical_tiles(grad, n_elems, partial, executor));
   double sum = 0.0;
   for (double p : partial) sum += p;  // as squared_norm adds them
   return sum;

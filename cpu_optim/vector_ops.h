@@ -34,6 +34,11 @@ Result<double> squared_norm(ConstElemSpan grad, size_t n_elems, const Executor& 
 // kInvalidArgument for another dtype. (Note [Gradients that land where they are summed] in
 // engine/coord/grad_accumulator.cpp.)
 Result<double> squared_norm_canonical(ElemSpan grad, size_t n_elems, const Executor& executor);
+// The same, leaving each tile's sum in tile_sums[i] (at least ⌈n_elems / kTileElems⌉ of them)
+// instead of adding them: squared_norm_canonical adds them in order. Called on consecutive runs of
+// a longer array whose offsets are multiples of kTileElems, it gives that array's tile sums.
+Status squared_norm_canonical_tiles(ElemSpan grad, size_t n_elems, std::span<double> tile_sums,
+                                    const Executor& executor);
 
 // data[i] = value, written by the threads and partition that later steps use (NUMA first touch).
 void fill(std::span<float> data, float value, const Executor& executor);

@@ -156,7 +156,11 @@ StageBytes count_bytes(const engine::StateStore& store, const engine::Placement&
   b.land = tb * landed_per * windows;
   // From the ring: read it, write the sums (and read them back after the first window).
   b.accumulate = (tb + sb) * ring_per * windows + sb * ring_per * (windows - 1);
-  b.norm = sb;
+  // The norm reads the sums once more, unless the optimizer takes it in the update's pass (landed
+  // in place, fp32 sums not rounded, a sub-group stepped in one call: fp32 masters, moments not 8-bit).
+  const bool fused_norm = store.plan().landing_buffers > 0 && !pl.grads_rounded() &&
+                          pl.moments != engine::MomentDtype::k8bit && pl.master_dtype == DType::kF32;
+  b.norm = fused_norm ? 0 : sb;
   if (pl.grads_rounded()) b.round = sb + static_cast<double>(dtype_size_bytes(pl.grad_dtype));
   // Without accumulators the optimizer reads the sums where they were accumulated.
   const double grad_read = pl.no_accumulator ? (pl.grads_rounded() ? grad : sb * n) : grad;
@@ -279,7 +283,9 @@ int run_host_bench(const HostArgs& a) {
   if (!swapper.is_ok()) return failure(swapper.status().to_string());
   engine::FinalGradSink sink;
   if (pl.no_accumulator)
-    sink = [s = swapper->get()](uint32_t g, const std::byte* grad) { return s->step_direct(g, grad); };
+    sink = [s = swapper->get()](uint32_t g, std::byte* grad, double* sum_sq) {
+      return sum_sq != nullptr ? s->step_direct(g, grad, sum_sq) : s->step_direct(g, grad);
+    };
   auto grads = engine::GradAccumulator::create(store, order, **ex, {}, std::move(sink));
   if (!grads.is_ok()) return failure(grads.status().to_string());
   auto ring = store.pool().allocate(plan->grad_ring_bytes, "the gradient landing ring");

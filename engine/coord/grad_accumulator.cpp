@@ -97,10 +97,15 @@
 // that a waiting producer returns its error.
 //
 // The bits stay those of the ring: accumulate from zero writes 0 + g, which differs from g only for
-// −0 (0 + −0 = +0) and a signalling NaN (quieted). The squared norm that every sub-group's sums
-// get before their step (cpu_optim::squared_norm_canonical) rewrites those elements as 0 + g in the
-// tile it reads, before the tile's norm, so the optimizer and the norm see the ring's values with
-// no extra pass over memory.
+// −0 (0 + −0 = +0) and a signalling NaN (quieted). The squared norm every sub-group's sums get
+// (cpu_optim::squared_norm_canonical) rewrites those elements as 0 + g in the tile it reads, before
+// the tile's norm, so the optimizer and the norm see the ring's values. And the norm needs no pass
+// of its own: the sink takes it (OptimizerSwapper::step_direct with sum_sq) in the update's pass,
+// a run of 64 tiles at a time, the norm's scan of the run and then the update, which finds the
+// run in cache; the runs start at multiples of kTileElems, so the tile sums and their order are
+// squared_norm's. Where the sub-group is stepped piece by piece (8-bit moments, bf16 masters) the
+// norm's pass comes before the update, and where the sums are rounded to a 16-bit store the
+// accumulator takes it before rounding, as it does for sums that did not land in place.
 
 // Note [Direct accumulator I/O]
 //
@@ -390,8 +395,16 @@ struct GradAccumulator::Impl {
           return Status(sq.status()).with_context("gradient accumulator: norm of sub-group " + std::to_string(g));
         report.chunk_sq[first_chunk[g] + c] = *sq;
       }
+    } else if (lands_in_place && !rounded) {
+      // Note [Gradients that land where they are summed]: the optimizer takes the norm (and turns
+      // what landed in place into 0 + g) in the pass that reads the sums for the update.
+      double sq = 0;
+      Status st = sink(g, sums, &sq).with_context("sub-group " + std::to_string(g) + " stepped from its gradient");
+      report.sum_sq += sq;
+      report.nonfinite = report.nonfinite || !std::isfinite(sq);
+      return st;
     } else {
-      // Note [Gradients that land where they are summed]: what landed in place becomes 0 + g here.
+      // What landed in place becomes 0 + g here, before the sums are rounded.
       Result<double> sq = lands_in_place ? cpu_optim::squared_norm_canonical({sums, sum_dtype}, n, *executor)
                                          : cpu_optim::squared_norm({sums, sum_dtype}, n, *executor);
       if (!sq.is_ok())
@@ -403,7 +416,7 @@ struct GradAccumulator::Impl {
       Status st = narrow_in_place(sums, n);
       if (!st.is_ok()) return st.with_context("gradient accumulator: rounding sub-group " + std::to_string(g));
     }
-    return sink(g, sums).with_context("sub-group " + std::to_string(g) + " stepped from its gradient");
+    return sink(g, sums, nullptr).with_context("sub-group " + std::to_string(g) + " stepped from its gradient");
   }
 
   Status flush_group(uint32_t g) {

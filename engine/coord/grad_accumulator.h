@@ -52,7 +52,10 @@ struct ReducerOptions {
 // no accumulators; each sub-group's sums, once complete (and their squared norm taken), are handed
 // here as n_elems of Placement::grad_dtype in a host buffer that stays valid until this returns —
 // the optimizer steps the sub-group from it. Called on add()'s thread; its error is add()'s.
-using FinalGradSink = std::function<Status(uint32_t sub_group, const std::byte* grad)>;
+// sum_sq: nullptr when the sums' squared norm was taken already; else (fp32 sums landed in place,
+// Note [Gradients that land where they are summed]) the sink takes it as it reads the sums, as
+// cpu_optim::squared_norm_canonical does (OptimizerSwapper::step_direct with sum_sq), into *sum_sq.
+using FinalGradSink = std::function<Status(uint32_t sub_group, std::byte* grad, double* sum_sq)>;
 
 // Note [Gradients that land where they are summed] (grad_accumulator.cpp): with no accumulators,
 // unpartitioned, and fp32 sums, a gradient that is its param's only contribution of the micro-step

@@ -13,7 +13,9 @@
 #include "common/trace.h"
 #include "cpu_optim/adagrad.h"
 #include "cpu_optim/adam8bit.h"
+#include "cpu_optim/executor.h"
 #include "cpu_optim/lion.h"
+#include "cpu_optim/vector_ops.h"
 #include "engine/memory/moment_layout.h"
 
 namespace zo::engine {
@@ -127,6 +129,9 @@ struct OptimizerSwapper::Impl {
   std::vector<uint32_t> direct_order;
   size_t direct_next = 0;  // direct_order[direct_next..]: not stepped yet, in expected order
   int direct_ahead = -1;   // the slot reading (or holding) a sub-group ahead, -1: none
+  // Set by step_direct(g, grad, sum_sq) for its one sub-group: update() takes the gradient's
+  // canonical squared norm as it reads it (Note [Gradients that land where they are summed]).
+  double* fused_norm = nullptr;
   // One sub-group of a direct step with the states on NVMe (Note [No accumulator]).
   Status nvme_group(uint32_t g, const std::byte* grad);
   // The NVMe path's update of sub-group g, whose record is read into slots[current], and its
@@ -292,49 +297,76 @@ Status OptimizerSwapper::Impl::update(uint32_t g, std::byte* p_bytes, std::byte*
   const Placement& pl = store->plan().placement;
   Stopwatch sw;
   if (copy_out == p_bytes) copy_out = nullptr;  // Note [A bf16 master is its compute copy]: updated in place
+  // Only step_direct(g, grad, sum_sq) sets fused_norm, and its gradient is the caller's writable buffer.
+  std::byte* canonical = fused_norm != nullptr ? const_cast<std::byte*>(static_cast<const std::byte*>(grad)) : nullptr;
   if (pl.moments == MomentDtype::k8bit || pl.master_dtype == DType::kBF16) {
+    if (canonical != nullptr) {  // stepped piece by piece: the norm's pass comes first
+      Result<double> sq = cpu_optim::squared_norm_canonical({canonical, pl.grad_dtype}, n, *executor);
+      if (!sq.is_ok()) return sq.status();
+      *fused_norm = *sq;
+    }
     Status st = pl.moments == MomentDtype::k8bit ? update_8bit(g, p_bytes, m_bytes, v_bytes, grad, copy_out)
                                                  : update_bf16_master(g, p_bytes, m_bytes, v_bytes, grad, copy_out);
     report.update_s += sw.elapsed_s();
     return st;
   }
-  auto* p = reinterpret_cast<float*>(p_bytes);
-  auto* m = reinterpret_cast<float*>(m_bytes);
-  auto* v = reinterpret_cast<float*>(v_bytes);
-  const cpu_optim::ConstElemSpan g_span{grad, pl.grad_dtype};
-  const cpu_optim::ElemSpan out_span{copy_out, pl.compute_dtype};
   const cpu_optim::AdamConfig& h = args.adam;
-  Status st;
-  // Note [One moment for Adagrad and Lion]: the store keeps both moment regions whatever the
-  // optimizer; Adagrad's sum of squares lives in exp_avg_sq and Lion's momentum in exp_avg, the
-  // other region stays zeros (written and checkpointed like any state).
-  switch (options.optimizer) {
-    case OptimizerType::kAdam:
-    case OptimizerType::kAdamW:
-      if (pl.moments == MomentDtype::kBF16) {
-        st = cpu_optim::adam_step_bf16_moments(h, args.step, {p, n}, {reinterpret_cast<uint16_t*>(m_bytes), n},
-                                               {reinterpret_cast<uint16_t*>(v_bytes), n}, g_span, args.grad_scale,
-                                               out_span, *executor);
-      } else {
-        st = cpu_optim::adam_step(h, args.step, {p, n}, {m, n}, {v, n}, g_span, args.grad_scale, out_span, *executor);
+  const uint64_t gb = dtype_size_bytes(pl.grad_dtype), cb = dtype_size_bytes(pl.compute_dtype);
+  // Elements [at, at + count) of the sub-group: every optimizer here is elementwise, so steps over
+  // runs of it are bit-identical to one step over all of it.
+  auto step_run = [&](uint64_t at, uint64_t count) -> Status {
+    float* p = reinterpret_cast<float*>(p_bytes) + at;
+    float* m = reinterpret_cast<float*>(m_bytes) + at;
+    float* v = reinterpret_cast<float*>(v_bytes) + at;
+    uint16_t* m16 = reinterpret_cast<uint16_t*>(m_bytes) + at;
+    uint16_t* v16 = reinterpret_cast<uint16_t*>(v_bytes) + at;
+    const cpu_optim::ConstElemSpan g_span{static_cast<const std::byte*>(grad) + at * gb, pl.grad_dtype};
+    const cpu_optim::ElemSpan out_span{copy_out == nullptr ? nullptr : static_cast<std::byte*>(copy_out) + at * cb,
+                                       pl.compute_dtype};
+    const bool bf16 = pl.moments == MomentDtype::kBF16;
+    // Note [One moment for Adagrad and Lion]: the store keeps both moment regions whatever the
+    // optimizer; Adagrad's sum of squares lives in exp_avg_sq and Lion's momentum in exp_avg, the
+    // other region stays zeros (written and checkpointed like any state).
+    switch (options.optimizer) {
+      case OptimizerType::kAdam:
+      case OptimizerType::kAdamW:
+        return bf16 ? cpu_optim::adam_step_bf16_moments(h, args.step, {p, count}, {m16, count}, {v16, count}, g_span,
+                                                        args.grad_scale, out_span, *executor)
+                    : cpu_optim::adam_step(h, args.step, {p, count}, {m, count}, {v, count}, g_span, args.grad_scale,
+                                           out_span, *executor);
+      case OptimizerType::kAdagrad: {
+        const cpu_optim::AdagradConfig c = adagrad_config(h);
+        return bf16 ? cpu_optim::adagrad_step_bf16_state(c, {p, count}, {v16, count}, g_span, args.grad_scale, out_span,
+                                                         *executor)
+                    : cpu_optim::adagrad_step(c, {p, count}, {v, count}, g_span, args.grad_scale, out_span, *executor);
       }
-      break;
-    case OptimizerType::kAdagrad: {
-      const cpu_optim::AdagradConfig c = adagrad_config(h);
-      st = pl.moments == MomentDtype::kBF16
-               ? cpu_optim::adagrad_step_bf16_state(c, {p, n}, {reinterpret_cast<uint16_t*>(v_bytes), n}, g_span,
-                                                    args.grad_scale, out_span, *executor)
-               : cpu_optim::adagrad_step(c, {p, n}, {v, n}, g_span, args.grad_scale, out_span, *executor);
-      break;
+      case OptimizerType::kLion: {
+        const cpu_optim::LionConfig c = lion_config(h);
+        return bf16 ? cpu_optim::lion_step_bf16_state(c, {p, count}, {m16, count}, g_span, args.grad_scale, out_span,
+                                                      *executor)
+                    : cpu_optim::lion_step(c, {p, count}, {m, count}, g_span, args.grad_scale, out_span, *executor);
+      }
     }
-    case OptimizerType::kLion: {
-      const cpu_optim::LionConfig c = lion_config(h);
-      st = pl.moments == MomentDtype::kBF16
-               ? cpu_optim::lion_step_bf16_state(c, {p, n}, {reinterpret_cast<uint16_t*>(m_bytes), n}, g_span,
-                                                 args.grad_scale, out_span, *executor)
-               : cpu_optim::lion_step(c, {p, n}, {m, n}, g_span, args.grad_scale, out_span, *executor);
-      break;
+    return internal_error("optimizer: unknown optimizer type");
+  };
+  Status st;
+  if (canonical == nullptr) {
+    st = step_run(0, n);
+  } else {
+    // Note [Gradients that land where they are summed]: a run of tiles at a time, the norm's pass
+    // (which rewrites −0 and signalling NaNs) then the update, which finds the run in cache. The
+    // runs start at multiples of kTileElems, so the tile sums are squared_norm's, added in order.
+    std::vector<double> tile_sums((n + cpu_optim::kTileElems - 1) / cpu_optim::kTileElems);
+    for (uint64_t at = 0; at < n && st.is_ok(); at += options.norm_run_elems) {
+      const uint64_t count = std::min(options.norm_run_elems, n - at);
+      st = cpu_optim::squared_norm_canonical_tiles({canonical + at * gb, pl.grad_dtype}, count,
+                                                   std::span<double>(tile_sums).subspan(at / cpu_optim::kTileElems),
+                                                   *executor);
+      if (st.is_ok()) st = step_run(at, count);
     }
+    double sum = 0.0;
+    for (double t : tile_sums) sum += t;
+    *fused_norm = sum;
   }
   report.update_s += sw.elapsed_s();
   return st;
@@ -785,6 +817,9 @@ Result<std::unique_ptr<OptimizerSwapper>> OptimizerSwapper::create(StateStore& s
                                                                    const PipelineOptions& options) {
   const MemoryPlan& plan = store.plan();
   const Placement& pl = plan.placement;
+  if (options.norm_run_elems == 0 || options.norm_run_elems % cpu_optim::kTileElems != 0)
+    return invalid_argument("optimizer: norm_run_elems " + std::to_string(options.norm_run_elems) +
+                            " is not a positive multiple of " + std::to_string(cpu_optim::kTileElems));
   if (options.optimizer != OptimizerType::kAdam && options.optimizer != OptimizerType::kAdamW &&
       pl.optimizer == Tier::kDevice) {
     return unavailable("optimizer.type " + std::string(to_string(options.optimizer)) +
@@ -959,6 +994,17 @@ Status OptimizerSwapper::begin_direct(const OptimizerStepArgs& args, std::vector
     }
   }
   return Status::ok();
+}
+
+Status OptimizerSwapper::step_direct(uint32_t sub_group, std::byte* grad, double* sum_sq) {
+  Impl& s = *impl_;
+  if (s.store->plan().placement.grad_dtype != DType::kF32)
+    return invalid_argument("optimizer: step_direct with the gradient's norm needs fp32 gradients, not " +
+                            std::string(dtype_name(s.store->plan().placement.grad_dtype)));
+  s.fused_norm = sum_sq;
+  Status st = step_direct(sub_group, grad);
+  s.fused_norm = nullptr;
+  return st;
 }
 
 Status OptimizerSwapper::step_direct(uint32_t sub_group, const std::byte* grad) {

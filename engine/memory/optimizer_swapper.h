@@ -24,6 +24,12 @@ struct PipelineOptions {
   bool pipeline_write = false;  // write i−1 while updating i
   // optimizer.type. Adam/AdamW on every tier; Adagrad and Lion with the states on CPU or NVMe.
   OptimizerType optimizer = OptimizerType::kAdamW;
+  // A direct step that takes the gradient's norm (step_direct with sum_sq) goes through a sub-group
+  // this many elements at a time, the norm's pass then the update, so that the update reads the
+  // run from the cache the norm's pass left it in, on the threads that read it (the executor's
+  // static partition). A positive multiple of cpu_optim::kTileElems; 64 tiles, 4 MiB of fp32
+  // gradient, by default. Not a config key.
+  uint64_t norm_run_elems = 64 * cpu_optim::kTileElems;
 
   // offload_optimizer.pipeline_read / pipeline_write and optimizer.type of `config`.
   static PipelineOptions from_config(const Config& config);
@@ -97,6 +103,13 @@ class OptimizerSwapper {
   // failure drains, marks the store torn once something was written (as step() does), and is
   // returned again by every later call.
   Status step_direct(uint32_t sub_group, const std::byte* grad);
+  // The same, also taking Σ g² of the fp32 gradient into *sum_sq (the bits of
+  // cpu_optim::squared_norm_canonical, which also rewrites −0 and signalling NaNs in `grad` as
+  // 0 + g first): in the pass that updates the sub-group, a run of tiles at a time, where the
+  // sub-group is updated in one kernel call (fp32 masters, fp32 or bf16 moments), else in a pass
+  // before the update (Note [Gradients that land where they are summed] in
+  // engine/coord/grad_accumulator.cpp). kInvalidArgument for a grad dtype other than fp32.
+  Status step_direct(uint32_t sub_group, std::byte* grad, double* sum_sq);
   // Waits for every state and compute copy to be home; the report (total_s: the time inside
   // step_direct and here). The step's failure, or kFailedPrecondition (the store marked torn) when
   // some sub-group this rank owns was never stepped. Closes the direct step either way.

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <numeric>
 #include <cstdlib>
 #include <cstring>
@@ -27,6 +28,7 @@
 #include "cpu_optim/adam.h"
 #include "cpu_optim/adam8bit.h"
 #include "cpu_optim/lion.h"
+#include "cpu_optim/vector_ops.h"
 #include "engine/config/config.h"
 #include "gpu/device.h"
 #include "io/env.h"
@@ -128,10 +130,12 @@ struct Rig {
   MemoryAccounting accounting;
   std::unique_ptr<StateStore> store;
   std::vector<uint32_t> frozen_params;  // of model(): made frozen (ParamSpec::trainable false)
+  uint64_t sub_group_size = 0;          // 0: the config's 8192
 
   // Everything up to the plan; the store is created by create_store().
   Status prepare(const Placing& s, uint64_t device_budget = kDefaultBudget) {
     config = make_config(s, dir.path);
+    if (sub_group_size != 0) config.zero.sub_group_size = sub_group_size;
     std::vector<ParamSpec> specs = model();
     for (uint32_t p : frozen_params) specs[p].trainable = false;
     ZO_ASSIGN_OR_RETURN(registry, ParamRegistry::build(std::move(specs), config.zero.sub_group_size));
@@ -1217,6 +1221,71 @@ TEST(OptimizerSwapperDirect, AnyOrderOfSubGroupsEqualsTheStoredStepBitForBit) {
     EXPECT_THAT(incomplete.status().to_string(), HasSubstr("1 of " + std::to_string(n_groups) + " sub-groups"));
     EXPECT_FALSE(direct.store->torn_reason().empty());
     EXPECT_THAT((*d)->begin_direct(step_args(direct, 3)).to_string(), HasSubstr("torn"));
+  }
+}
+
+// Note [Gradients that land where they are summed]: step_direct with sum_sq takes the norm in the
+// update's pass, a run of tiles at a time (here one tile, so the one sub-group of 45,126 elements
+// goes in three runs, the last partial), or in a pass before it where the sub-group is stepped
+// piece by piece (8-bit moments): the states, the rewritten gradient (−0 to +0) and the norm's
+// bits are those of squared_norm_canonical then step_direct, with the states in RAM and on NVMe.
+TEST(OptimizerSwapperDirect, TheNormTakenWithTheUpdateIsTheNormPassesInRunsOfTiles) {
+  const Inputs in = make_inputs(2);
+  for (const char* optimizer : {"cpu", "nvme"}) {
+    for (const char* moments : {"fp32", "bf16", "8bit"}) {
+      SCOPED_TRACE(std::string("optimizer ") + optimizer + ", moments " + moments);
+      Placing p;
+      p.optimizer = optimizer;
+      p.param = "cpu";
+      p.accumulators = "none";
+      p.moments = moments;
+      Rig apart, fused;
+      apart.sub_group_size = fused.sub_group_size = 1'000'000;
+      ASSERT_TRUE(apart.init(p).is_ok());
+      ASSERT_TRUE(fused.init(p).is_ok());
+      ASSERT_EQ(fused.plan.n_sub_groups, 1u);
+      ASSERT_TRUE(init_all(*apart.store, in).is_ok());
+      ASSERT_TRUE(init_all(*fused.store, in).is_ok());
+      PipelineOptions runs = PipelineOptions::from_config(fused.config);
+      runs.norm_run_elems = cpu_optim::kTileElems;
+      auto a = OptimizerSwapper::create(*apart.store, *apart.executor, PipelineOptions::from_config(apart.config));
+      auto f = OptimizerSwapper::create(*fused.store, *fused.executor, runs);
+      ASSERT_TRUE(a.is_ok() && f.is_ok()) << f.status().to_string();
+      runs.norm_run_elems = 1000;
+      EXPECT_EQ(OptimizerSwapper::create(*fused.store, *fused.executor, runs).status().code(),
+                StatusCode::kInvalidArgument);
+      const uint64_t n = fused.registry.sub_groups()[0].n_elems;
+      for (int step = 0; step < 2; ++step) {
+        std::vector<Bytes> per_param;
+        for (const auto& v : in.grads[step]) per_param.push_back(to_dtype(v, DType::kF32));
+        Bytes grad(n * 4);
+        for (const ParamPiece& piece : fused.registry.pieces_of_group(0))
+          std::memcpy(grad.data() + piece.group_offset * 4, per_param[piece.param].data() + piece.param_offset * 4,
+                      piece.n_elems * 4);
+        const uint32_t minus_zero = 0x80000000u;
+        for (uint64_t i = 5; i < n; i += 9973) std::memcpy(grad.data() + 4 * i, &minus_zero, 4);
+        Bytes grad_apart = grad, grad_fused = grad;
+        ASSERT_TRUE((*a)->begin_direct(step_args(apart, step + 1), {0}).is_ok());
+        ASSERT_TRUE((*f)->begin_direct(step_args(fused, step + 1), {0}).is_ok());
+        Result<double> want = cpu_optim::squared_norm_canonical({grad_apart.data(), DType::kF32}, n, *apart.executor);
+        ASSERT_TRUE(want.is_ok());
+        ASSERT_TRUE((*a)->step_direct(0, grad_apart.data()).is_ok());
+        double got = -1;
+        ASSERT_TRUE((*f)->step_direct(0, grad_fused.data(), &got).is_ok());
+        ASSERT_TRUE((*a)->end_direct().is_ok());
+        ASSERT_TRUE((*f)->end_direct().is_ok());
+        EXPECT_EQ(std::bit_cast<uint64_t>(got), std::bit_cast<uint64_t>(*want)) << "step " << step + 1;
+        EXPECT_GT(got, 0.0);
+        EXPECT_TRUE(grad_fused == grad_apart) << "the gradient as rewritten, step " << step + 1;
+        EXPECT_FALSE(grad_fused == grad) << "the −0s became +0";
+      }
+      for (StateKind kind : {StateKind::kMaster, StateKind::kExpAvg, StateKind::kExpAvgSq, StateKind::kCompute}) {
+        Bytes want_bytes(apart.store->state_bytes(0, kind)), got_bytes(fused.store->state_bytes(0, kind));
+        ASSERT_TRUE(apart.store->read_state(0, kind, want_bytes).is_ok());
+        ASSERT_TRUE(fused.store->read_state(0, kind, got_bytes).is_ok());
+        EXPECT_TRUE(got_bytes == want_bytes) << state_name(kind);
+      }
+    }
   }
 }
 

@@ -20,6 +20,7 @@
 
 #include "common/aligned_buffer.h"
 #include "common/bytes.h"
+#include "cpu_optim/vector_ops.h"
 #include "engine/coord/block_gatherer.h"
 #include "engine/coord/grad_accumulator.h"
 #include "engine/coord/grad_worker.h"
@@ -999,7 +1000,8 @@ TEST(GradAccumulator, NoAccumulatorHandsEachSubGroupItsFinalSumOnce) {
     std::vector<uint32_t> order_handed;
     uint32_t fail_at = UINT32_MAX;
     const uint64_t gb = direct.grad_bytes();
-    FinalGradSink sink = [&](uint32_t g, const std::byte* grad) -> Status {
+    FinalGradSink sink = [&](uint32_t g, std::byte* grad, double* sum_sq) -> Status {
+      EXPECT_EQ(sum_sq, nullptr);  // not landed in place: the accumulator took the norm
       if (g == fail_at) return io_error("the optimizer failed", EIO);
       order_handed.push_back(g);
       const uint64_t bytes = direct.registry.sub_groups()[g].n_elems * gb;
@@ -1076,8 +1078,16 @@ TEST(GradWorker, GradientsLandWhereTheyAreSummedWithTheRingsBits) {
   auto run = [&](Rig& rig, const std::vector<Bytes>& g, uint32_t fail_at) {
     Run out;
     const uint64_t gb = 4;
-    FinalGradSink sink = [&](uint32_t group, const std::byte* grad) -> Status {
+    FinalGradSink sink = [&](uint32_t group, std::byte* grad, double* sum_sq) -> Status {
       if (group == fail_at) return io_error("the optimizer failed", EIO);
+      // Landed in place, the norm is the sink's to take (the optimizer's, as it reads the sums).
+      EXPECT_EQ(sum_sq != nullptr, rig.plan.landing_buffers > 0);
+      if (sum_sq != nullptr) {
+        Result<double> sq = cpu_optim::squared_norm_canonical(
+            {grad, DType::kF32}, rig.registry.sub_groups()[group].n_elems, testing::executor());
+        if (!sq.is_ok()) return sq.status();
+        *sum_sq = *sq;
+      }
       out.handed[group] = Bytes(grad, grad + rig.registry.sub_groups()[group].n_elems * gb);
       return Status::ok();
     };
