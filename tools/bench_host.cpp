@@ -43,6 +43,7 @@
 #include "engine/plan/planner.h"
 #include "gpu/device.h"
 #include "io/io_engine.h"
+#include "tools/bench_store.h"
 #include "tools/bench_util.h"
 #include "tools/commands.h"
 
@@ -228,15 +229,10 @@ int run_host_bench(const HostArgs& a) {
   if (plan->nvme_optimizer_bytes + plan->nvme_param_bytes > 0 && nvme_dir.empty())
     return usage("the config puts states on nvme without an nvme_path");
 
-  auto device = gpu::make_device(gpu::DeviceKind::kHost, plan->device_bytes + (uint64_t{1} << 30));
-  if (!device.is_ok()) return failure(device.status().to_string());
-  auto io_opts = engine::io_options_from_config(config);
-  if (!io_opts.is_ok()) return failure(io_opts.status().to_string());
-  auto io = io::IoEngine::create(*io_opts);
-  if (!io.is_ok()) return failure(io.status().to_string());
-  auto ex = cpu_optim::Executor::create(
-      {.n_threads = static_cast<int>(config.zoffload.optimizer_threads), .bind_cores = config.zoffload.bind_cores});
-  if (!ex.is_ok()) return failure(ex.status().to_string());
+  Result<std::unique_ptr<BenchStore>> parts = BenchStore::create(config, *reg, *plan);
+  if (!parts.is_ok()) return failure(parts.status().to_string());
+  const cpu_optim::Executor* ex = (*parts)->executor.get();
+  engine::StateStore& store = *(*parts)->store;
 
   uint64_t trainable = 0;
   for (const auto& p : reg->params())
@@ -244,7 +240,7 @@ int run_host_bench(const HostArgs& a) {
   if (!a.json) {
     std::printf("zoffload-bench host: %s%s, %s trainable params in %zu sub-groups; %s\n", a.model.c_str(),
                 a.layers > 0 || a.vocab > 0 ? " (cut: --layers/--vocab)" : "", format_count(trainable).c_str(),
-                reg->sub_groups().size(), (*ex)->describe().c_str());
+                reg->sub_groups().size(), ex->describe().c_str());
     std::printf(
         "placement optimizer on %s, masters %s, moments %s, gradients %s (%s), %u window%s a step, arriving in %s\n",
         std::string(engine::tier_name(pl.optimizer)).c_str(), std::string(dtype_name(pl.master_dtype)).c_str(),
@@ -255,38 +251,18 @@ int run_host_bench(const HostArgs& a) {
     std::fflush(stdout);
   }
 
-  engine::MemoryAccounting acct;
-  engine::StateStoreOptions so;
-  so.optimizer_nvme_path = config.zero.offload_optimizer.nvme_path;
-  so.param_nvme_path = config.zero.offload_param.nvme_path;
-  so.pinned_cap_bytes = config.zoffload.pinned_memory_limit;
-  auto store_r = engine::StateStore::create(*reg, *plan, **device, **io, so, acct);
-  if (!store_r.is_ok()) return failure(store_r.status().to_string());
-  engine::StateStore& store = **store_r;
-
   Stopwatch init_sw;
-  {
-    const uint64_t chunk = uint64_t{1} << 22;
-    std::vector<float> values(chunk);
-    for (const auto& p : reg->params()) {
-      for (uint64_t off = 0; off < p.n_elems; off += chunk) {
-        const uint64_t n = std::min(chunk, p.n_elems - off);
-        random_fill(values.data(), DType::kF32, n, 1000 + p.id * 7919 + off, -0.05f, 0.05f, **ex);
-        if (Status s = store.init_param(p.id, off, std::span<const float>(values.data(), n)); !s.is_ok())
-          return failure("initialising " + p.name + ": " + s.to_string());
-      }
-    }
-  }
+  if (Status s = (*parts)->init_weights(); !s.is_ok()) return failure(s.to_string());
   const double init_s = init_sw.elapsed_s();
 
-  auto swapper = engine::OptimizerSwapper::create(store, **ex, engine::PipelineOptions::from_config(config));
+  auto swapper = engine::OptimizerSwapper::create(store, *ex, engine::PipelineOptions::from_config(config));
   if (!swapper.is_ok()) return failure(swapper.status().to_string());
   engine::FinalGradSink sink;
   if (pl.no_accumulator)
     sink = [s = swapper->get()](uint32_t g, std::byte* grad, double* sum_sq) {
       return sum_sq != nullptr ? s->step_direct(g, grad, sum_sq) : s->step_direct(g, grad);
     };
-  auto grads = engine::GradAccumulator::create(store, order, **ex, {}, std::move(sink));
+  auto grads = engine::GradAccumulator::create(store, order, *ex, {}, std::move(sink));
   if (!grads.is_ok()) return failure(grads.status().to_string());
   auto ring = store.pool().allocate(plan->grad_ring_bytes, "the gradient landing ring");
   if (!ring.is_ok()) return failure(ring.status().to_string());
@@ -298,15 +274,15 @@ int run_host_bench(const HostArgs& a) {
   const uint64_t source_bytes = uint64_t{16} << 20;
   auto source = AlignedBuffer::allocate(source_bytes);
   if (!source.is_ok()) return failure(source.status().to_string());
-  random_fill(source->data(), transfer, source_bytes / dtype_size_bytes(transfer), 77, -1e-3f, 1e-3f, **ex);
+  random_fill(source->data(), transfer, source_bytes / dtype_size_bytes(transfer), 77, -1e-3f, 1e-3f, *ex);
   auto triad_buf = AlignedBuffer::allocate(3 * 4 * triad_elems);
   if (!triad_buf.is_ok()) return failure(triad_buf.status().to_string());
   std::span<float> all = triad_buf->as<float>();
   std::span<float> ta = all.first(triad_elems), tb = all.subspan(triad_elems, triad_elems),
                    tc = all.subspan(2 * triad_elems, triad_elems);
-  random_fill(tb.data(), DType::kF32, triad_elems, 3, -1.0f, 1.0f, **ex);
-  random_fill(tc.data(), DType::kF32, triad_elems, 4, -1.0f, 1.0f, **ex);
-  (void)cpu_optim::stream_triad(ta, tb, tc, 3.0f, **ex);
+  random_fill(tb.data(), DType::kF32, triad_elems, 3, -1.0f, 1.0f, *ex);
+  random_fill(tc.data(), DType::kF32, triad_elems, 4, -1.0f, 1.0f, *ex);
+  (void)cpu_optim::stream_triad(ta, tb, tc, 3.0f, *ex);
 
   const cpu_optim::AdamConfig adam{
       .lr = static_cast<float>(config.optimizer.lr),
@@ -374,7 +350,7 @@ int run_host_bench(const HostArgs& a) {
     if (!(t.norm > 0) || !std::isfinite(t.norm))
       return failure("step " + std::to_string(step) + ": the gradients' squared norm is " + std::to_string(t.norm));
     const Stopwatch triad_sw;
-    (void)cpu_optim::stream_triad(ta, tb, tc, 3.0f, **ex);
+    (void)cpu_optim::stream_triad(ta, tb, tc, 3.0f, *ex);
     t.triad = triad_sw.elapsed_s();
     times.push_back(t);
     if (!a.json) {
@@ -436,7 +412,7 @@ int run_host_bench(const HostArgs& a) {
     j["vocab"] = model.vocab_size;
     j["trainable_params"] = trainable;
     j["sub_groups"] = reg->sub_groups().size();
-    j["executor"] = (*ex)->describe();
+    j["executor"] = ex->describe();
     j["placement"] = {{"optimizer", engine::tier_name(pl.optimizer)},
                       {"masters", dtype_name(pl.master_dtype)},
                       {"moments", engine::moment_dtype_name(pl.moments)},

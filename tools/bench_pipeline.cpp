@@ -34,6 +34,7 @@
 #include "engine/memory/state_store.h"
 #include "gpu/device.h"
 #include "io/io_engine.h"
+#include "tools/bench_store.h"
 #include "tools/bench_util.h"
 #include "tools/commands.h"
 
@@ -359,49 +360,27 @@ int run_pipeline_bench(PipelineArgs a) {
     std::fflush(stdout);
   }
 
-  auto device = gpu::make_device(gpu::DeviceKind::kHost, plan->device_bytes + (uint64_t{1} << 30));
-  if (!device.is_ok()) return failure(device.status().to_string());
-  auto io_opts = engine::io_options_from_config(config);
-  if (!io_opts.is_ok()) return failure(io_opts.status().to_string());
-  auto io = io::IoEngine::create(*io_opts);
-  if (!io.is_ok()) return failure(io.status().to_string());
-  auto ex = cpu_optim::Executor::create(
-      {.n_threads = static_cast<int>(config.zoffload.optimizer_threads), .bind_cores = config.zoffload.bind_cores});
-  if (!ex.is_ok()) return failure(ex.status().to_string());
-
-  engine::MemoryAccounting acct;
-  engine::StateStoreOptions so;
-  so.optimizer_nvme_path = opt.nvme_path;
-  so.param_nvme_path = par.nvme_path;
-  so.pinned_cap_bytes = pinned_cap;
-  auto store_r = engine::StateStore::create(*reg, *plan, **device, **io, so, acct);
-  if (!store_r.is_ok()) return failure(store_r.status().to_string());
-  engine::StateStore& store = **store_r;
+  Result<std::unique_ptr<BenchStore>> parts = BenchStore::create(config, *reg, *plan);
+  if (!parts.is_ok()) return failure(parts.status().to_string());
+  const cpu_optim::Executor* ex = (*parts)->executor.get();
+  engine::MemoryAccounting& acct = (*parts)->accounting;
+  engine::StateStore& store = *(*parts)->store;
 
   // Initial states: random master weights streamed in bounded chunks, then gradients, as a backward
   // pass would leave them (×1024, unscaled by the step's grad_scale).
   Stopwatch init_sw;
   {
-    const uint64_t chunk = uint64_t{1} << 22;
-    std::vector<float> values(chunk);
-    uint64_t done = 0;
-    for (const auto& p : reg->params()) {
-      for (uint64_t off = 0; off < p.n_elems; off += chunk) {
-        const uint64_t n = std::min(chunk, p.n_elems - off);
-        random_fill(values.data(), DType::kF32, n, 1000 + p.id * 7919 + off, -0.05f, 0.05f, **ex);
-        if (Status s = store.init_param(p.id, off, std::span<const float>(values.data(), n)); !s.is_ok())
-          return failure("initialising " + p.name + ": " + s.to_string());
-        done += n;
-      }
+    Status weights = (*parts)->init_weights([&](uint64_t done, uint64_t total) {
       if (!a.json && isatty(fileno(stderr)))
-        std::fprintf(stderr, "\rinit      %5.1f%%", 100.0 * static_cast<double>(done) / static_cast<double>(*n_total));
-    }
+        std::fprintf(stderr, "\rinit      %5.1f%%", 100.0 * static_cast<double>(done) / static_cast<double>(total));
+    });
+    if (!weights.is_ok()) return failure(weights.to_string());
     const uint64_t gb = engine::state_elem_bytes(plan->placement, StateKind::kGradAccum);
     AlignedBuffer grad;
     if (auto g = AlignedBuffer::allocate(reg->max_group_elems() * gb); g.is_ok()) grad = std::move(*g);
     else return failure(g.status().to_string());
     for (const auto& g : reg->sub_groups()) {
-      random_fill(grad.data(), plan->placement.grad_dtype, g.n_elems, 5000 + g.index, -1024.0f, 1024.0f, **ex);
+      random_fill(grad.data(), plan->placement.grad_dtype, g.n_elems, 5000 + g.index, -1024.0f, 1024.0f, *ex);
       if (Status s = store.write_state(g.index, StateKind::kGradAccum, grad.bytes().first(g.n_elems * gb)); !s.is_ok())
         return failure("writing gradients: " + s.to_string());
     }
@@ -413,7 +392,7 @@ int run_pipeline_bench(PipelineArgs a) {
     std::fflush(stdout);
   }
 
-  auto swapper = engine::OptimizerSwapper::create(store, **ex, engine::PipelineOptions::from_config(config));
+  auto swapper = engine::OptimizerSwapper::create(store, *ex, engine::PipelineOptions::from_config(config));
   if (!swapper.is_ok()) return failure(swapper.status().to_string());
   cpu_optim::AdamConfig adam{.lr = 1e-4f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f, .weight_decay = 0.01f};
   const float grad_scale = 1.0f / 1024.0f;
@@ -425,7 +404,7 @@ int run_pipeline_bench(PipelineArgs a) {
   if (!first.is_ok()) return failure("step 1: " + first.status().to_string());
   auto after = snapshot_group(store, 0);
   if (!after.is_ok()) return failure(after.status().to_string());
-  if (Status s = check_step(*before, *after, plan->placement, adam, 1, grad_scale, **ex); !s.is_ok())
+  if (Status s = check_step(*before, *after, plan->placement, adam, 1, grad_scale, *ex); !s.is_ok())
     return failure("check failed: " + s.to_string());
   const std::string check =
       "sub-group 0 after step 1 (" + std::to_string(reg->sub_groups()[0].n_elems) +
@@ -442,7 +421,7 @@ int run_pipeline_bench(PipelineArgs a) {
   for (int r = 0; r < a.steps; ++r) {
     auto t_io = time_io_alone(store, opt.pipeline_read, opt.pipeline_write);
     if (!t_io.is_ok()) return failure("io alone: " + t_io.status().to_string());
-    auto t_adam = time_adam_alone(store, adam, **ex, scratch);
+    auto t_adam = time_adam_alone(store, adam, *ex, scratch);
     if (!t_adam.is_ok()) return failure("adam alone: " + t_adam.status().to_string());
     auto rep = (*swapper)->step({adam, 2 + r, grad_scale});
     if (!rep.is_ok()) return failure("step " + std::to_string(2 + r) + ": " + rep.status().to_string());
@@ -483,8 +462,8 @@ int run_pipeline_bench(PipelineArgs a) {
     j["param_device"] = a.param_device;
     j["pipeline_read"] = opt.pipeline_read;
     j["pipeline_write"] = opt.pipeline_write;
-    j["io_backend"] = std::string(io::backend_name((*io)->backend()));
-    j["executor"] = (*ex)->describe();
+    j["io_backend"] = std::string(io::backend_name((*parts)->io->backend()));
+    j["executor"] = ex->describe();
     j["check"] = check;
     j["init_s"] = init_s;
     j["step_s"] = {{"median", step_med}, {"all", step_s}};

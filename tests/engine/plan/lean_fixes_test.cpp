@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/model/model_config.h"
+#include "tests/engine/plan/shipped_inputs.h"
 
 namespace zo::engine {
 namespace {
@@ -24,27 +25,10 @@ constexpr uint64_t kGiB = uint64_t{1} << 30;
 // 2 TB free where the swap files would go. The process is LibTorch's with CUDA (2 GiB), more than
 // `plan` measures without it, so what fits here fits there.
 std::optional<PlanInputs> llama8b_on(const std::string& file, uint64_t host_ram_bytes) {
-  const char* src = std::getenv("ZO_SOURCE_DIR");
-  if (src == nullptr) return std::nullopt;  // set by meson test
-  PlanInputs in;
-  in.model = *model_preset("llama3-8b");
-  in.model_name = "llama3-8b";
-  ResolveContext ctx;
-  ctx.hidden_size = in.model.hidden_size;
-  ctx.total_steps = 1000;
-  ConfigDiagnostics d;
-  auto c = load_config_file(std::string(src) + "/configs/" + file, ctx, &d);
-  if (!c) return std::nullopt;
-  in.config = *c;
-  in.seq_len = 1024;
-  in.device_budget_bytes = in.config.zoffload.gpu_memory_limit;
-  in.host.cuda = true;
-  in.host.device_name = "a GPU of 24 GiB";
-  in.host.device_total_bytes = 24 * kGiB;
-  in.host.ram_total_bytes = in.host.ram_available_bytes = host_ram_bytes;
-  in.host.process_bytes = 2 * kGiB;
-  in.host.optimizer_disk_free_bytes = in.host.param_disk_free_bytes = uint64_t{2'000'000'000'000};
-  in.disk_free_given = true;
+  std::optional<PlanInputs> in = shipped_llama8b(file, host_ram_bytes, host_ram_bytes, "a GPU of 24 GiB", 24 * kGiB);
+  if (!in) return std::nullopt;
+  in->host.optimizer_disk_free_bytes = in->host.param_disk_free_bytes = uint64_t{2'000'000'000'000};
+  in->disk_free_given = true;
   return in;
 }
 
@@ -56,6 +40,22 @@ std::optional<Config> merged(const Config& base, const std::string& config_json,
   std::optional<Config> c = parse_config_json(j, ResolveContext{}, &d);
   for (const ConfigIssue& e : d.errors) *errors += e.to_string() + "\n";
   return c;
+}
+
+// `in` planned again with `fix`'s keys merged into its config as a user would merge them: the
+// checker must accept them and the plan must fit; nullopt (with a test failure) otherwise.
+std::optional<RunPlan> planned_with(const PlanInputs& in, const PlanFix& fix) {
+  std::string errors;
+  std::optional<Config> c = merged(in.config, fix.config_json, &errors);
+  EXPECT_TRUE(c) << errors;
+  if (!c) return std::nullopt;
+  PlanInputs applied = in;
+  applied.config = *c;
+  Result<RunPlan> q = plan_run(applied);
+  EXPECT_TRUE(q.is_ok()) << q.status().to_string();
+  if (!q.is_ok()) return std::nullopt;
+  EXPECT_TRUE(q->fits()) << q->summary();
+  return *q;
 }
 
 const PlanFix* find_fix(const std::vector<PlanFix>& fixes, const std::vector<std::string>& changes) {
@@ -113,14 +113,8 @@ TEST(LeanFixes, Llama8bExactConfigOn60GiBGetsBf16MomentsAndMastersAfterTheDrive)
   // The keys merged into the config as a user would: the checker accepts them and the plan fits,
   // with 4 bytes a parameter of pageable states (the two bf16 moments, each section of each of the
   // 108 sub-groups rounded up to 4 KiB).
-  std::string errors;
-  std::optional<Config> c = merged(in.config, lean->config_json, &errors);
-  ASSERT_TRUE(c) << errors;
-  PlanInputs applied = in;
-  applied.config = *c;
-  auto q = plan_run(applied);
-  ASSERT_TRUE(q.is_ok()) << q.status().to_string();
-  EXPECT_TRUE(q->fits()) << q->summary();
+  std::optional<RunPlan> q = planned_with(in, *lean);
+  ASSERT_TRUE(q);
   EXPECT_EQ(q->memory.placement.moments, MomentDtype::kBF16);
   EXPECT_EQ(q->memory.placement.master_dtype, DType::kBF16);
   EXPECT_EQ(q->memory.nvme_optimizer_bytes + q->memory.nvme_param_bytes, 0u) << "everything still in RAM";
@@ -162,14 +156,8 @@ TEST(LeanFixes, Llama8b8bitConfigOn60GiBGetsBf16GradientsAndMasters) {
   for (const PlanFix& f : fixes)
     for (const std::string& change : f.changes) EXPECT_THAT(change, ::testing::Not(HasSubstr("accumulators: none")));
 
-  std::string errors;
-  std::optional<Config> c = merged(in.config, lean->config_json, &errors);
-  ASSERT_TRUE(c) << errors;
-  PlanInputs applied = in;
-  applied.config = *c;
-  auto q = plan_run(applied);
-  ASSERT_TRUE(q.is_ok()) << q.status().to_string();
-  EXPECT_TRUE(q->fits()) << q->summary();
+  std::optional<RunPlan> q = planned_with(in, *lean);
+  ASSERT_TRUE(q);
   EXPECT_EQ(q->memory.placement.moments, MomentDtype::k8bit);
   EXPECT_EQ(q->memory.placement.grad_dtype, DType::kBF16);
   // Accumulators 2 B and moments n + 4⌈n/256⌉ each (every tensor of llama3-8b has ≥ 4096 elements):

@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/coord/grad_accumulator.h"
+#include "tests/engine/plan/shipped_inputs.h"
 
 namespace zo::engine {
 namespace {
@@ -170,27 +171,8 @@ TEST(Planner, AutoKeepsTheAccumulatorsInRamWhenTheHostHasRoom) {
 // A shipped llama3-8b config (seq 1024, 1000 steps) on the machine it is for: a 24 GB card and a
 // 128 GiB host.
 std::optional<PlanInputs> shipped_8b_on_128gib(const std::string& file) {
-  const char* src = std::getenv("ZO_SOURCE_DIR");
-  if (src == nullptr) return std::nullopt;  // set by meson test
-  PlanInputs in;
-  in.model = *model_preset("llama3-8b");
-  in.model_name = "llama3-8b";
-  ResolveContext ctx;
-  ctx.hidden_size = in.model.hidden_size;
-  ctx.total_steps = 1000;
-  ConfigDiagnostics d;
-  auto c = load_config_file(std::string(src) + "/configs/" + file, ctx, &d);
-  if (!c) return std::nullopt;
-  in.config = *c;
-  in.seq_len = 1024;
-  in.device_budget_bytes = in.config.zoffload.gpu_memory_limit;
-  in.host.cuda = true;
-  in.host.device_name = "a 24 GB card";
-  in.host.device_total_bytes = uint64_t{24'000'000'000};
-  in.host.ram_total_bytes = uint64_t{128} << 30;
-  in.host.ram_available_bytes = uint64_t{124} << 30;  // what such a host reports with nothing else running
-  in.host.process_bytes = uint64_t{2} << 30;          // LibTorch with CUDA loaded
-  return in;
+  // 124 GiB: what such a host reports as MemAvailable with nothing else running.
+  return shipped_llama8b(file, uint64_t{128} << 30, uint64_t{124} << 30, "a 24 GB card", uint64_t{24'000'000'000});
 }
 
 TEST(Planner, TheShipped8bConfigFitsA128GiBHostWithRoomToSpare) {
