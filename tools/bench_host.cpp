@@ -473,10 +473,13 @@ void register_bench_host(CLI::App& app, int* exit_code) {
   auto args = std::make_shared<HostArgs>();
   CLI::App* cmd = app.add_subcommand(
       "host",
-      "the host's half of a training step for a model's shape, no GPU: gradients landing in the pinned ring in "
+      "the host's half of a training step for a model's shape, no GPU: gradients landing in pinned memory in "
       "backward order, the gradient worker, the norm, the optimizer and the compute copies, through the engine's "
-      "own parts; prints the bytes per parameter, GB/s against a triad on the same threads, and the bounding stage");
-  cmd->add_option("--model", args->model, "a preset (zoffload info --presets) or a Hugging Face model directory")
+      "own parts; prints the bytes per parameter, the host kernels' GB/s against a triad on the executor's threads, "
+      "and the bounding stage");
+  std::string presets;
+  for (const std::string& name : engine::model_preset_names()) presets += (presets.empty() ? "" : ", ") + name;
+  cmd->add_option("--model", args->model, "a Hugging Face model directory or a preset: " + presets)
       ->capture_default_str();
   cmd->add_option("--config", args->config_path,
                   "a DeepSpeed/zoffload JSON config (default: configs/llama8b_24gb_exact_ram.json's host side: fp32 "
