@@ -165,9 +165,6 @@ TEST(Planner, AutoKeepsTheAccumulatorsInRamWhenTheHostHasRoom) {
   EXPECT_TRUE(offered) << fixes.size() << " fixes";
 }
 
-// The flagship config on the machine it is for: llama3-8b on a 24 GB card and a 128 GiB host. Its
-// gradient accumulators on the drive (16 bytes per parameter would not leave room) and the
-// vertical schedule (each written once per step) leave more than a tenth of the host free.
 // A shipped llama3-8b config (seq 1024, 1000 steps) on the machine it is for: a 24 GB card and a
 // 128 GiB host.
 std::optional<PlanInputs> shipped_8b_on_128gib(const std::string& file) {
@@ -175,6 +172,9 @@ std::optional<PlanInputs> shipped_8b_on_128gib(const std::string& file) {
   return shipped_llama8b(file, uint64_t{128} << 30, uint64_t{124} << 30, "a 24 GB card", uint64_t{24'000'000'000});
 }
 
+// The flagship config on the machine it is for: llama3-8b on a 24 GB card and a 128 GiB host. Its
+// gradient accumulators on the drive (16 bytes per parameter would not leave room) and the
+// vertical schedule (each written once per step) leave more than a tenth of the host free.
 TEST(Planner, TheShipped8bConfigFitsA128GiBHostWithRoomToSpare) {
   const std::optional<PlanInputs> shipped = shipped_8b_on_128gib("llama8b_24gb_optimizer_cpu.json");
   ASSERT_TRUE(shipped) << "ZO_SOURCE_DIR set and the config loads";
