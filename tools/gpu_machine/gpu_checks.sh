@@ -10,13 +10,15 @@
 # tools/gpu_machine/pack_prebuilt.sh ran here (or with BIN_DIR naming a build made there by
 # build_there.sh):
 #   tools/gpu_machine/gpu_checks.sh [--time-limit S] [PART...]
-# PART: suite parity pcie tiny devstates budget llama8b ram8bit exact lora ram deepspeed host (default: all but
-# host, in that order; host measures the machine's CPUs and memory, not its GPU). Each part is given at most its own share of time and the time left before --time-limit
+# PART: suite parity pcie tiny devstates budget llama8b ram8bit exact exactgas lean lora ram deepspeed host
+# (default: all but exactgas, lean and host, in that order; host measures the machine's CPUs and
+# memory, not its GPU). Each part is given at most its own share of time and the time left before --time-limit
 # (default 560 s, under the tool's 600 s for one command), so a slow part cannot take the later
 # ones' time unseen; the line of a part that was cut says so. Ends with a table of parts, seconds
 # and results. Files in $OUT (the device tool brings them back): checks.log (everything printed),
 # gpu_test.log, hf_parity.log, runs.tgz (every run's metrics.jsonl, log and plan),
-# trace-llama8b-gas8.json.gz, trace-ram8bit.json.gz, trace-exact.json.gz, trace-lora.json.gz,
+# trace-llama8b-gas8.json.gz, trace-ram8bit.json.gz, trace-exact.json.gz, trace-exact-gas1.json.gz,
+# trace-exact-gas16.json.gz, trace-lean.json.gz, trace-lora.json.gz,
 # trace-ram.json.gz and the
 # deepspeed part's zoffload traces, trace-ds-<shape>-gas<N>.json.gz. Exit status: 0 when every part
 # passed, 1 otherwise, 2 on bad usage.
@@ -27,7 +29,8 @@
 # ZO_8BIT_GAS, ZO_8BIT_BASELINE (0: no fp32 baseline run), ZO_8BIT_GRADS (bf16: the 8-bit run stores
 # its gradient sums in bf16, zoffload.gradient_store_dtype). The exact part: ZO_EXACT_MODEL (default
 # llama3-8b), ZO_EXACT_DEVICE (default cuda; host for a test), ZO_EXACT_MICRO, ZO_EXACT_GAS,
-# ZO_EXACT_SEQ (default 1024). The lora part: ZO_LORA_MODEL (default llama-30b), ZO_LORA_DEVICE
+# ZO_EXACT_SEQ (default 1024), ZO_EXACT_STEPS (default 5; the exact and lean parts; exactgas runs
+# GAS 1 and 16 of it, three steps each). The lora part: ZO_LORA_MODEL (default llama-30b), ZO_LORA_DEVICE
 # (default cuda; host for a test), ZO_LORA_MICRO, ZO_LORA_GAS, ZO_LORA_SEQ (default 1024). The devstates part: ZO_DEVSTATES_DEVICE (default cuda; host for a
 # test). The deepspeed part's runs: ZO_DS_RUNS (default "llama3.2-3b:8:3
 # llama3.2-3b:1:3 llama3-8b:8:2", model:GAS:steps, in that order: the comparison that matters most
@@ -50,7 +53,7 @@ while [ $# -gt 0 ]; do
     -h|--help) usage 0 ;;
     --time-limit) [ $# -ge 2 ] && [[ "$2" =~ ^[0-9]+$ ]] || { echo "gpu_checks: --time-limit takes seconds" >&2; exit 2; }
                   limit=$2; shift 2 ;;
-    suite|parity|pcie|tiny|devstates|budget|llama8b|ram8bit|exact|lora|ram|deepspeed|host) parts+=("$1"); shift ;;
+    suite|parity|pcie|tiny|devstates|budget|llama8b|ram8bit|exact|exactgas|lean|lora|ram|deepspeed|host) parts+=("$1"); shift ;;
     *) echo "gpu_checks: unknown part or option '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -288,10 +291,10 @@ PY
 # train_traced NAME MODEL SECONDS [TRACE]: trains $runs/NAME.json on MODEL (random init), seq 1024,
 # three steps traced over steps 2-3, within SECONDS of the time left; prints its plan, setup and done
 # lines and one line per step, keeps its metrics in runs.tgz and the trace, gzipped, as $OUT/TRACE.
-train_traced() {  # NAME MODEL SECONDS [TRACE [SEQ]]
-  local name=$1 model=$2 max=$3 trace=${4:-} seq=${5:-1024} r
+train_traced() {  # NAME MODEL SECONDS [TRACE [SEQ [STEPS]]]
+  local name=$1 model=$2 max=$3 trace=${4:-} seq=${5:-1024} n=${6:-3} r
   timeout -k 10 "$(budget "$max")" "$zo" train --config "$runs/$name.json" --model "$model" --data "$data" --seq-len "$seq" \
-    --steps 3 --out "$work/$name" --trace "$work/$name.trace.json" --trace-steps 2-3 >"$runs/$name.log" 2>&1
+    --steps "$n" --out "$work/$name" --trace "$work/$name.trace.json" --trace-steps "2-$n" >"$runs/$name.log" 2>&1
   r=$?
   grep -E '^(plan|setup|done):|error' "$runs/$name.log" | sed 's/^/  /'
   [ $r -eq 124 ] && echo "  $name: cut by the time limit"
@@ -414,7 +417,7 @@ in_ram_run() {
   echo "  $name: $model, $5"
   sed -n "$6" "$runs/plan-$name.txt" | sed 's/^/  /'
   plan_checked "$name" "$r" 1 || return 1
-  train_traced "$name" "$model" 300 "$4" "$seq"
+  train_traced "$name" "$model" 300 "$4" "$seq" "${run_steps:-3}"
 }
 
 # medians METRICS LABEL [NOTE]: "LABEL: N tokens/s, device_busy B" over the steps after the first.
@@ -430,26 +433,60 @@ print("  %s: %.0f tokens/s, device_busy %.3f (medians of the steps after the fir
 PY
 }
 
+# exact_config NAME GAS [PYTHON]: $runs/NAME.json from configs/llama8b_24gb_exact_ram.json at GAS
+# (the ZO_EXACT_* replacements applied), with PYTHON's further changes to c.
+exact_config() {
+  config "$root/configs/llama8b_24gb_exact_ram.json" "$runs/$1.json" "c['wall_clock_breakdown'] = True; c['steps_per_print'] = 1
+c['scheduler']['params']['warmup_num_steps'] = 0; c['zoffload'].pop('checkpoint')
+c['train_micro_batch_size_per_gpu'] = ${ZO_EXACT_MICRO:-4}; c['gradient_accumulation_steps'] = $2
+c['zoffload']['device'] = '${ZO_EXACT_DEVICE:-cuda}'
+c['zero_optimization']['stage3_gather_16bit_weights_on_model_save'] = False
+${3:-}"
+}
+
 # llama3-8b as configs/llama8b_24gb_exact_ram.json ships it for a 24 GB card on a 128 GiB host:
 # fp32 masters and moments in RAM and no gradient accumulators (zoffload.gradient_accumulators
 # "none", so gradient_clipping 0): each sub-group is stepped during backward as its gradient lands,
 # nothing is rounded and no drive is in the step. Micro-batch 4, GAS 8, vertical, its 22 GiB GPU
-# limit; three steps traced over steps 2-3. The plan runs first and must move nothing through the
-# disk; the part ends with the median tokens/s and device_busy over steps 2-3, beside the first
-# runs' 1,800 tokens/s and 0.16-0.20 (docs/gpu.md). ZO_EXACT_MODEL, ZO_EXACT_DEVICE, ZO_EXACT_MICRO,
-# ZO_EXACT_GAS and ZO_EXACT_SEQ replace the model, zoffload.device, micro-batch, GAS and sequence
-# length (for a test without a GPU).
+# limit; five steps traced over steps 2-5 (issue 61's medians). The plan runs first and must move
+# nothing through the disk; the part ends with the median tokens/s and device_busy over the steps
+# after the first, beside the first runs' 1,800 tokens/s and 0.16-0.20 (docs/gpu.md). ZO_EXACT_MODEL,
+# ZO_EXACT_DEVICE, ZO_EXACT_MICRO, ZO_EXACT_GAS, ZO_EXACT_SEQ and ZO_EXACT_STEPS replace the model,
+# zoffload.device, micro-batch, GAS, sequence length and steps (for a test without a GPU).
 part_exact() {
-  local name=exact cfg=$runs/exact.json model=${ZO_EXACT_MODEL:-llama3-8b} seq=${ZO_EXACT_SEQ:-1024}
-  config "$root/configs/llama8b_24gb_exact_ram.json" "$cfg" "c['wall_clock_breakdown'] = True; c['steps_per_print'] = 1
-c['scheduler']['params']['warmup_num_steps'] = 0; c['zoffload'].pop('checkpoint')
-c['train_micro_batch_size_per_gpu'] = ${ZO_EXACT_MICRO:-4}; c['gradient_accumulation_steps'] = ${ZO_EXACT_GAS:-8}
-c['zoffload']['device'] = '${ZO_EXACT_DEVICE:-cuda}'
-c['zero_optimization']['stage3_gather_16bit_weights_on_model_save'] = False"
+  local name=exact model=${ZO_EXACT_MODEL:-llama3-8b} seq=${ZO_EXACT_SEQ:-1024} run_steps=${ZO_EXACT_STEPS:-5}
+  exact_config "$name" "${ZO_EXACT_GAS:-8}"
   in_ram_run "$name" "$model" "$seq" trace-exact.json.gz "fp32 masters and moments, no gradient accumulators" \
     '/^placement:/p;/^  RAM /p;/^  NVMe read/p' || return 1
   medians "$runs/$name/metrics.jsonl" "exact, all in RAM" \
     "the first runs, accumulators on the disk: 1,800 tokens/s, 0.16-0.20"
+}
+
+# The exact config at GAS 1 and GAS 16 (issue 61: what bounds each), three steps each, traced over
+# steps 2-3 (trace-exact-gas1.json.gz, trace-exact-gas16.json.gz); the ZO_EXACT_* replacements apply.
+part_exactgas() {
+  local ok=0 gas model=${ZO_EXACT_MODEL:-llama3-8b} seq=${ZO_EXACT_SEQ:-1024}
+  for gas in 1 16; do
+    exact_config "exact-gas$gas" "$gas"
+    if in_ram_run "exact-gas$gas" "$model" "$seq" "trace-exact-gas$gas.json.gz" "the exact config at GAS $gas" \
+      '/^  RAM /p;/^  NVMe read/p'; then
+      medians "$runs/exact-gas$gas/metrics.jsonl" "exact, GAS $gas"
+    else
+      ok=1
+    fi
+  done
+  return $ok
+}
+
+# The lean exact-style run (issue 61's target: device_busy >= 0.9): the exact config with 8-bit
+# moments and bf16 masters (no accumulators), five steps traced over steps 2-5
+# (trace-lean.json.gz); the ZO_EXACT_* replacements apply.
+part_lean() {
+  local name=lean model=${ZO_EXACT_MODEL:-llama3-8b} seq=${ZO_EXACT_SEQ:-1024} run_steps=${ZO_EXACT_STEPS:-5}
+  exact_config "$name" "${ZO_EXACT_GAS:-8}" "c['zoffload']['moment_dtype'] = '8bit'; c['zoffload']['master_dtype'] = 'bf16'"
+  in_ram_run "$name" "$model" "$seq" trace-lean.json.gz "8-bit moments and bf16 masters, no gradient accumulators" \
+    '/^placement:/p;/^  RAM /p;/^  NVMe read/p' || return 1
+  medians "$runs/$name/metrics.jsonl" "lean: 8-bit moments, bf16 masters"
 }
 
 # LoRA over the largest base the host holds in RAM: llama-30b (32.5 B parameters, 65 GB in bf16)
