@@ -260,7 +260,7 @@ int run_host_bench(const HostArgs& a) {
   engine::FinalGradSink sink;
   if (pl.no_accumulator)
     sink = [s = swapper->get()](uint32_t g, std::byte* grad, double* sum_sq) {
-      return sum_sq != nullptr ? s->step_direct(g, grad, sum_sq) : s->step_direct(g, grad);
+      return s->step_direct(g, grad, sum_sq);
     };
   auto grads = engine::GradAccumulator::create(store, order, *ex, {}, std::move(sink));
   if (!grads.is_ok()) return failure(grads.status().to_string());

@@ -248,6 +248,28 @@ struct GradAccumulator::Impl {
     return engine::narrow_in_place(data, n, sum_dtype, grad_dtype, narrowing->bytes(), *executor);
   }
 
+  // A contribution of `param` (`what`: "add of" or "reserve for"): a param of the registry, inside a
+  // micro-step, size_bytes of a gradient dtype, and within its uses once `so_far` have come.
+  Status check_contribution(const char* what, uint32_t param, uint64_t size_bytes, DType dtype, uint32_t so_far) {
+    if (param >= uses.size())
+      return invalid_argument(std::string("gradient accumulator: ") + what + " param id " + std::to_string(param) +
+                              " (" + std::to_string(uses.size()) + " params)");
+    const ParamInfo& info = store->registry().params()[param];
+    const std::string where = std::string("gradient accumulator: ") + what + " " + info.name;
+    if (!open) return failed_precondition(where + " outside a micro-step");
+    if (dtype != DType::kF32 && dtype != DType::kBF16 && dtype != DType::kF16)
+      return invalid_argument(where + ": unknown gradient dtype");
+    const uint64_t eb = dtype_size_bytes(dtype);
+    if (size_bytes != info.n_elems * eb)
+      return invalid_argument(where + ": " + std::to_string(size_bytes) + " bytes, expected " +
+                              std::to_string(info.n_elems) + " elements of " + std::string(dtype_name(dtype)) + " = " +
+                              std::to_string(info.n_elems * eb) + " bytes");
+    if (so_far >= uses[param])
+      return invalid_argument("gradient accumulator: contribution " + std::to_string(so_far + 1) + " of " + info.name +
+                              " beyond its " + std::to_string(uses[param]) + " use(s) per micro-step");
+    return Status::ok();
+  }
+
   // Whether a param's first contribution of this micro-step starts its elements from zero.
   bool starts_from_zero() const { return first || partitioned; }
 
@@ -670,25 +692,10 @@ Status GradAccumulator::add(uint32_t param, std::span<const std::byte> grad, DTy
   Impl& s = *impl_;
   Stopwatch timer;
   const ParamRegistry& registry = s.store->registry();
-  if (param >= s.uses.size()) {
-    return invalid_argument("gradient accumulator: add of param id " + std::to_string(param) + " (" +
-                            std::to_string(s.uses.size()) + " params)");
-  }
+  ZO_RETURN_IF_ERROR(
+      s.check_contribution("add of", param, grad.size(), dtype, param < s.received.size() ? s.received[param] : 0));
   const ParamInfo& info = registry.params()[param];
-  if (!s.open) return failed_precondition("gradient accumulator: add of " + info.name + " outside a micro-step");
-  if (dtype != DType::kF32 && dtype != DType::kBF16 && dtype != DType::kF16) {
-    return invalid_argument("gradient accumulator: add of " + info.name + ": unknown gradient dtype");
-  }
   const uint64_t eb = dtype_size_bytes(dtype);
-  if (grad.size() != info.n_elems * eb) {
-    return invalid_argument("gradient accumulator: add of " + info.name + ": " + std::to_string(grad.size()) +
-                            " bytes, expected " + std::to_string(info.n_elems) + " elements of " +
-                            std::string(dtype_name(dtype)) + " = " + std::to_string(info.n_elems * eb) + " bytes");
-  }
-  if (s.received[param] >= s.uses[param]) {
-    return invalid_argument("gradient accumulator: contribution " + std::to_string(s.received[param] + 1) + " of " +
-                            info.name + " beyond its " + std::to_string(s.uses[param]) + " use(s) per micro-step");
-  }
   const bool from_zero = s.starts_from_zero() && s.received[param] == 0;
   const auto pieces = registry.pieces_of_param(param);
   for (const ParamPiece& piece : pieces) {
@@ -722,18 +729,9 @@ Result<LandingRuns> GradAccumulator::reserve(uint32_t param, DType dtype, uint64
   Impl& s = *impl_;
   if (!s.sink) return LandingRuns{};  // the worker opens sub-groups as contributions arrive
   const ParamRegistry& registry = s.store->registry();
-  if (param >= s.uses.size())
-    return invalid_argument("gradient accumulator: reserve for param id " + std::to_string(param) + " (" +
-                            std::to_string(s.uses.size()) + " params)");
+  ZO_RETURN_IF_ERROR(
+      s.check_contribution("reserve for", param, size_bytes, dtype, param < s.reserved.size() ? s.reserved[param] : 0));
   const ParamInfo& info = registry.params()[param];
-  if (!s.open) return failed_precondition("gradient accumulator: reserve for " + info.name + " outside a micro-step");
-  if (size_bytes != info.n_elems * dtype_size_bytes(dtype))
-    return invalid_argument("gradient accumulator: reserve for " + info.name + ": " + std::to_string(size_bytes) +
-                            " bytes, expected " + std::to_string(info.n_elems) + " elements of " +
-                            std::string(dtype_name(dtype)));
-  if (s.reserved[param] >= s.uses[param])
-    return invalid_argument("gradient accumulator: contribution " + std::to_string(s.reserved[param] + 1) + " of " +
-                            info.name + " beyond its " + std::to_string(s.uses[param]) + " use(s) per micro-step");
   const auto pieces = registry.pieces_of_param(param);
   {
     std::unique_lock<std::mutex> lock(s.claim_mu);

@@ -998,6 +998,7 @@ Status OptimizerSwapper::begin_direct(const OptimizerStepArgs& args, std::vector
 
 Status OptimizerSwapper::step_direct(uint32_t sub_group, std::byte* grad, double* sum_sq) {
   Impl& s = *impl_;
+  if (sum_sq == nullptr) return step_direct(sub_group, static_cast<const std::byte*>(grad));
   if (s.store->plan().placement.grad_dtype != DType::kF32)
     return invalid_argument("optimizer: step_direct with the gradient's norm needs fp32 gradients, not " +
                             std::string(dtype_name(s.store->plan().placement.grad_dtype)));

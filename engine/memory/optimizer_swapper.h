@@ -108,7 +108,8 @@ class OptimizerSwapper {
   // 0 + g first): in the pass that updates the sub-group, a run of tiles at a time, where the
   // sub-group is updated in one kernel call (fp32 masters, fp32 or bf16 moments), else in a pass
   // before the update (Note [Gradients that land where they are summed] in
-  // engine/coord/grad_accumulator.cpp). kInvalidArgument for a grad dtype other than fp32.
+  // engine/coord/grad_accumulator.cpp). kInvalidArgument for a grad dtype other than fp32. A null
+  // sum_sq is the plain step above (what a FinalGradSink is handed when the norm was taken already).
   Status step_direct(uint32_t sub_group, std::byte* grad, double* sum_sq);
   // Waits for every state and compute copy to be home; the report (total_s: the time inside
   // step_direct and here). The step's failure, or kFailedPrecondition (the store marked torn) when

@@ -393,9 +393,7 @@ Status Trainer::Impl::create_step_pipeline() {
   }
   FinalGradSink sink;
   if (plan.placement.no_accumulator) {  // Note [No accumulator]: on the gradient worker's thread
-    sink = [this](uint32_t g, std::byte* grad, double* sum_sq) {
-      return sum_sq != nullptr ? optimizer->step_direct(g, grad, sum_sq) : optimizer->step_direct(g, grad);
-    };
+    sink = [this](uint32_t g, std::byte* grad, double* sum_sq) { return optimizer->step_direct(g, grad, sum_sq); };
   }
   ZO_ASSIGN_OR_RETURN(grads, GradAccumulator::create(*store, std::move(contribution_order), *executor,
                                                      std::move(reducer), std::move(sink)));

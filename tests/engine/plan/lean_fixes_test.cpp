@@ -168,24 +168,31 @@ TEST(LeanFixes, Llama8b8bitConfigOn60GiBGetsBf16GradientsAndMasters) {
   EXPECT_LT(q->ram_bytes + q->process_bytes, 54 * kGiB) << q->summary();
 }
 
-// A change the config checker refuses is not offered, however well it plans: bf16-stored gradients
-// without the vertical schedule at GAS 2 (the host would never see the step's whole sum at once).
-// The offered change carries the schedule with it, and its keys say so.
-TEST(LeanFixes, AChangeTheConfigCheckerRefusesIsNotOffered) {
+// The tiny preset at seq 64, stage 3, parameters, optimizer and accumulators on the CPU, sub-groups
+// of 65,536, on a host with 64 GiB of RAM and a 64 GiB device given 1 GiB.
+PlanInputs tiny_in_ram() {
   PlanInputs in;
   in.config.zero.stage = 3;
   in.config.zero.sub_group_size = 65536;
   in.config.zero.offload_optimizer.device = OffloadDevice::kCpu;
   in.config.zero.offload_param.device = OffloadDevice::kCpu;
   in.config.zoffload.gradient_accumulators = "cpu";
-  in.config.gradient_accumulation_steps = 2;
-  in.config.train_batch_size = 2;
   in.model = *model_preset("tiny");
   in.model_name = "tiny";
   in.seq_len = 64;
   in.device_budget_bytes = kGiB;
   in.host.ram_total_bytes = in.host.ram_available_bytes = 64 * kGiB;
   in.host.device_total_bytes = 64 * kGiB;
+  return in;
+}
+
+// A change the config checker refuses is not offered, however well it plans: bf16-stored gradients
+// without the vertical schedule at GAS 2 (the host would never see the step's whole sum at once).
+// The offered change carries the schedule with it, and its keys say so.
+TEST(LeanFixes, AChangeTheConfigCheckerRefusesIsNotOffered) {
+  PlanInputs in = tiny_in_ram();
+  in.config.gradient_accumulation_steps = 2;
+  in.config.train_batch_size = 2;
 
   const ConfigChange bare{"zoffload.gradient_store_dtype: bf16",
                           [](Config& c) {
@@ -218,19 +225,8 @@ TEST(LeanFixes, AChangeTheConfigCheckerRefusesIsNotOffered) {
 // 8-bit moments with bf16 masters (which hold less); one that holds only 8-bit moments, bf16-stored
 // gradients and bf16 masters together gets those three; one that holds nothing gets nothing.
 TEST(LeanFixes, TheSearchReturnsTheLeastLossyFittingCombination) {
-  PlanInputs in;
-  in.config.zero.stage = 3;
-  in.config.zero.sub_group_size = 65536;
-  in.config.zero.offload_optimizer.device = OffloadDevice::kCpu;
-  in.config.zero.offload_param.device = OffloadDevice::kCpu;
-  in.config.zoffload.gradient_accumulators = "cpu";
+  PlanInputs in = tiny_in_ram();
   in.config.bf16.enabled = true;
-  in.model = *model_preset("tiny");
-  in.model_name = "tiny";
-  in.seq_len = 64;
-  in.device_budget_bytes = kGiB;
-  in.host.ram_total_bytes = in.host.ram_available_bytes = 64 * kGiB;
-  in.host.device_total_bytes = 64 * kGiB;
   const std::vector<ConfigChange> lean = lean_state_changes(in.config, 1);
   std::vector<std::string> names;
   for (const ConfigChange& c : lean) names.push_back(c.change);
