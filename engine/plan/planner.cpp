@@ -41,6 +41,7 @@
 #include "cpu_optim/adam.h"
 #include "cpu_optim/adam8bit.h"
 #include "cpu_optim/executor.h"
+#include "cpu_optim/vector_ops.h"
 #include "engine/ckpt/stream_file.h"
 #include "engine/coord/block_gatherer.h"
 #include "engine/coord/grad_accumulator.h"
@@ -406,110 +407,6 @@ GradTraffic plan_bytes_per_step(const PlanBasis& b, RunPlan* out) {
   return {grad_rd, grad_wr};
 }
 
-// Step time from measured speeds: a range, everything overlapped to nothing overlapped.
-void plan_step_time(const PlanBasis& b, const GradTraffic& grads, RunPlan* out) {
-  RunPlan& p = *out;
-  const ModelConfig& m = b.m;
-  const uint64_t micro = b.c.train_micro_batch_size_per_gpu;
-  const uint64_t gas = b.c.gradient_accumulation_steps;
-  const uint64_t passes = b.passes;
-  const uint64_t grad_rd = grads.read_bytes, grad_wr = grads.write_bytes;
-  const HostSpeeds& sp = b.in.speeds;
-  const double tokens = static_cast<double>(gas * p.tokens_per_micro_step);
-  const double embedding = static_cast<double>(m.vocab_size * m.hidden_size * (m.tie_word_embeddings ? 0 : 1));
-  const double matmul_params = static_cast<double>(p.n_params) - embedding;
-  // Of them, those with a weight gradient: a frozen one's is never computed (the embedding, a lookup,
-  // counted out of the trainable ones when it trains; a frozen norm's few elements are noise).
-  const double trainable_matmul =
-      std::min(matmul_params,
-               std::max(0.0, static_cast<double>(p.n_trainable) - (b.layout.params[0].trainable ? embedding : 0.0)));
-  // Forward, the recomputed forward and backward: 2 + 2 FLOPs per matmul weight per token, 2 for the
-  // input's gradient and 2 for the weight's (trainable weights only), and causal attention's two
-  // matmuls (half of T×T) the same four times over.
-  const double flops = (6 * matmul_params + 2 * trainable_matmul) * tokens +
-                       4 * 2.0 * static_cast<double>(gas * micro) * static_cast<double>(b.in.seq_len * b.in.seq_len) *
-                           static_cast<double>(m.num_attention_heads * m.head_dim) *
-                           static_cast<double>(m.num_hidden_layers);
-  auto add_part = [&](const std::string& name, double rate, double amount, const std::string& basis) {
-    if (amount <= 0) return;
-    if (rate <= 0) {
-      p.time_unknown.push_back(name);
-      return;
-    }
-    p.time_parts.push_back({name, amount / rate, basis});
-  };
-  add_part("compute", sp.compute_flops, flops, sp.compute_source);
-  if (b.in.host.cuda)
-    add_part("pcie", sp.pcie_bytes_per_s, static_cast<double>(p.h2d_min_bytes + p.d2h_bytes), "host↔GPU copies");
-  add_part("gradients", sp.accumulate_elems_per_s, static_cast<double>(passes * p.n_trainable),
-           "accumulate + norm kernel, measured");
-  // The kernel the placement runs, measured at plan time (measure_cpu_speeds); where its own speed
-  // is not known, the nearest one measured stands for it and the basis says which.
-  {
-    const Placement& pl = p.memory.placement;
-    const int mi = pl.moments == MomentDtype::kF32 ? 0 : pl.moments == MomentDtype::kBF16 ? 1 : 2;
-    const char* moments_name[] = {"fp32", "bf16", "8-bit"};
-    const double fp32_master_rate[] = {sp.adam_elems_per_s, sp.adam_bf16_moments_elems_per_s, sp.adam8bit_elems_per_s};
-    const bool bf16_masters = pl.master_dtype == DType::kBF16;
-    std::string basis = std::string("cpu_optim Adam with ") + (bf16_masters ? "bf16" : "fp32") + " masters and " +
-                        moments_name[mi] + " moments, measured";
-    double rate = bf16_masters ? sp.bf16_master_elems_per_s[mi] : fp32_master_rate[mi];
-    if (rate <= 0 && bf16_masters && fp32_master_rate[mi] > 0) {
-      rate = fp32_master_rate[mi];
-      basis = std::string("cpu_optim Adam, measured with fp32 masters and ") + moments_name[mi] + " moments";
-    }
-    if (rate <= 0 && mi == 1) {
-      rate = sp.adam_elems_per_s;
-      basis = "cpu_optim Adam, measured with fp32 masters and moments";
-    }
-    add_part("optimizer", rate, static_cast<double>(p.n_trainable), basis);
-  }
-  // NVMe in two parts, as the step runs them: the accumulators are written (and read back) during
-  // backward, by the gradient worker; the optimizer's reads and writes are pipelined with Adam.
-  double nvme_grad_s = 0, nvme_opt_s = 0, nvme_opt_high_s = 0;
-  if (p.nvme_read_min_bytes + p.nvme_write_bytes > 0) {
-    if (sp.nvme_read_bytes_per_s > 0 && sp.nvme_write_bytes_per_s > 0) {
-      auto nvme_seconds = [&](uint64_t r, uint64_t w) {
-        return static_cast<double>(r) / sp.nvme_read_bytes_per_s + static_cast<double>(w) / sp.nvme_write_bytes_per_s;
-      };
-      nvme_grad_s = nvme_seconds(grad_rd, grad_wr);
-      nvme_opt_s = nvme_seconds(p.nvme_read_min_bytes - grad_rd, p.nvme_write_bytes - grad_wr);
-      // The compute copies on NVMe read as often as every pass reads them (the coordinator's cache
-      // holding none of them): the high end. A frozen base streamed from NVMe makes this the
-      // step's largest transfer.
-      nvme_opt_high_s = nvme_seconds(p.nvme_read_max_bytes - grad_rd, p.nvme_write_bytes - grad_wr);
-      if (grad_rd + grad_wr > 0) p.time_parts.push_back({"nvme grads", nvme_grad_s, sp.nvme_source});
-      std::string basis = sp.nvme_source;
-      if (nvme_opt_high_s > nvme_opt_s)
-        basis += "; up to " + seconds_text(nvme_opt_high_s) + " with the compute copies read by every pass";
-      p.time_parts.push_back({"nvme optim", nvme_opt_s, basis});
-    } else {
-      p.time_unknown.push_back("nvme");
-    }
-  }
-  double high = 0, low = 0, opt_s = 0;
-  for (const StepTimePart& t : p.time_parts) {
-    if (t.name == "optimizer") opt_s = t.seconds;
-    else if (t.name == "nvme optim") continue;
-    else if (t.name != "nvme grads") low = std::max(low, t.seconds);
-    if (t.name != "optimizer") high += t.seconds;
-  }
-  // Everything overlapped: the longest of compute, the CPU kernels, and the drive (one drive
-  // carries both NVMe parts). The high end: compute, then the gradients with their accumulator
-  // writes, then the optimizer, whose NVMe reads and writes are pipelined with Adam, with no other
-  // overlap (the gradient worker runs the gradients behind backward, so a step may beat it).
-  low = std::max({low, opt_s, nvme_grad_s + nvme_opt_s});
-  // Note [No accumulator]: the gradient worker runs the gradients and the optimizer one after the other.
-  if (p.memory.placement.no_accumulator) {
-    double grads_s = 0;
-    for (const StepTimePart& t : p.time_parts)
-      if (t.name == "gradients") grads_s = t.seconds;
-    low = std::max(low, grads_s + opt_s);
-  }
-  p.step_s_high = high + std::max(opt_s, nvme_opt_high_s);
-  p.step_s_low = low;
-}
-
 // Does it fit? Every resource the run would exceed, with the numbers.
 void check_fits(const PlanBasis& b, RunPlan* out) {
   RunPlan& p = *out;
@@ -659,7 +556,9 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
   plan_device(b, &p);
   plan_host(b, &p);
   const GradTraffic grads = plan_bytes_per_step(b, &p);
-  plan_step_time(b, grads, &p);
+  plan_step_time(step_work(c, in.model, layout, registry, in.seq_len, b.passes, in.speeds, in.host.cuda, grads.read_bytes,
+                           grads.write_bytes, p),
+                 in.speeds, &p);
   check_fits(b, &p);
   add_notes(b, &p);
   return p;
@@ -723,8 +622,12 @@ std::string RunPlan::to_json() const {
                    {"d2h_bytes", d2h_bytes}};
   nlohmann::ordered_json parts = nlohmann::ordered_json::array();
   for (const StepTimePart& t : time_parts)
-    parts.push_back({{"name", t.name}, {"seconds", t.seconds}, {"basis", t.basis}});
-  j["step_time"] = {{"low_s", step_s_low}, {"high_s", step_s_high}, {"parts", parts}, {"unknown", time_unknown}};
+    parts.push_back({{"name", t.name}, {"seconds", t.seconds}, {"seconds_low", t.seconds_low}, {"basis", t.basis}});
+  j["step_time"] = {{"low_s", step_s_low},
+                    {"high_s", step_s_high},
+                    {"compute_flops", compute_flops_per_step},
+                    {"parts", parts},
+                    {"unknown", time_unknown}};
   nlohmann::ordered_json probs = nlohmann::ordered_json::array();
   for (const PlanProblem& pr : problems)
     probs.push_back({{"resource", pr.resource},
@@ -907,83 +810,6 @@ HostFacts probe_host(const Config& config, const std::string& out_dir) {
   if (config.zero.offload_param.device == OffloadDevice::kNvme)
     f.param_disk_free_bytes = disk_free(resolve_run_path(out_dir, config.zero.offload_param.nvme_path));
   return f;
-}
-
-Status measure_cpu_speeds(const Config& config, HostSpeeds* speeds) {
-  ZO_ASSIGN_OR_RETURN(auto executor,
-                      cpu_optim::Executor::create({.n_threads = static_cast<int>(config.zoffload.optimizer_threads)}));
-  constexpr uint64_t kElems = uint64_t{1} << 23;  // 8 Mi elements: 32 MiB per fp32 stream, past the caches
-  ZO_ASSIGN_OR_RETURN(AlignedBuffer buf, AlignedBuffer::allocate(kElems * 4 * 5));
-  std::memset(buf.data(), 0, buf.size());
-  auto f32 = [&](int i) { return std::span<float>(reinterpret_cast<float*>(buf.data()) + i * kElems, kElems); };
-  auto u16 = [&](int i) { return std::span<uint16_t>(reinterpret_cast<uint16_t*>(f32(i).data()), kElems); };
-  const DType cdt = config.compute_dtype();
-  const AdamConfig adam{.lr = 1e-4f,
-                        .beta1 = 0.9f,
-                        .beta2 = 0.999f,
-                        .eps = 1e-8f,
-                        .weight_decay = 0.0f,
-                        .adam_w_mode = true,
-                        .bias_correction = true};
-  auto rate = [&](const std::function<Status()>& fn) -> Result<double> {
-    ZO_RETURN_IF_ERROR(fn());  // first touch
-    double best = 0;
-    for (int i = 0; i < 3; ++i) {
-      Stopwatch sw;
-      ZO_RETURN_IF_ERROR(fn());
-      best = std::max(best, static_cast<double>(kElems) / sw.elapsed_s());
-    }
-    return best;
-  };
-  // 8-bit moments: the codes and then the absmax in the fp32 moments' buffers (kElems bytes and kElems/64 floats).
-  auto blockwise = [&](int i) {
-    auto* base = reinterpret_cast<uint8_t*>(f32(i).data());
-    return cpu_optim::BlockwiseState{{base, kElems},
-                                     {reinterpret_cast<float*>(base + kElems), cpu_optim::quant_block_count(kElems)}};
-  };
-  const cpu_optim::ConstElemSpan grad{f32(3).data(), DType::kF32};
-  const cpu_optim::ElemSpan out{f32(4).data(), cdt};
-  ZO_ASSIGN_OR_RETURN(speeds->adam_elems_per_s, rate([&] {
-                        return cpu_optim::adam_step(adam, 1, f32(0), f32(1), f32(2), grad, 1.0f, out, *executor);
-                      }));
-  // Measured whatever the config says: a fix the planner suggests may switch the moments.
-  std::memset(buf.data(), 0, buf.size());
-  ZO_ASSIGN_OR_RETURN(speeds->adam8bit_elems_per_s, rate([&] {
-                        return cpu_optim::adam8bit_step(adam, 1, f32(0), blockwise(1), blockwise(2), grad, 1.0f, out,
-                                                        *executor);
-                      }));
-  std::memset(buf.data(), 0, buf.size());
-  ZO_ASSIGN_OR_RETURN(speeds->adam_bf16_moments_elems_per_s, rate([&] {
-                        return cpu_optim::adam_step_bf16_moments(adam, 1, f32(0), u16(1), u16(2), grad, 1.0f, out,
-                                                                 *executor);
-                      }));
-  // bf16 masters (a fix may switch to them whatever the config says): the master's bits in the
-  // first buffer, the copy-out none (the master is the compute copy), each moment dtype.
-  const cpu_optim::Bf16Master master{u16(0), 1, 0};
-  const cpu_optim::ElemSpan no_copy{nullptr, DType::kBF16};
-  const cpu_optim::ElemSpan m32{f32(1).data(), DType::kF32}, v32{f32(2).data(), DType::kF32};
-  const cpu_optim::ElemSpan m16{u16(1).data(), DType::kBF16}, v16{u16(2).data(), DType::kBF16};
-  std::memset(buf.data(), 0, buf.size());
-  ZO_ASSIGN_OR_RETURN(speeds->bf16_master_elems_per_s[0], rate([&] {
-                        return cpu_optim::adam_step_bf16_master(adam, 1, master, m32, v32, grad, 1.0f, no_copy,
-                                                                *executor);
-                      }));
-  std::memset(buf.data(), 0, buf.size());
-  ZO_ASSIGN_OR_RETURN(speeds->bf16_master_elems_per_s[1], rate([&] {
-                        return cpu_optim::adam_step_bf16_master(adam, 1, master, m16, v16, grad, 1.0f, no_copy,
-                                                                *executor);
-                      }));
-  std::memset(buf.data(), 0, buf.size());
-  ZO_ASSIGN_OR_RETURN(speeds->bf16_master_elems_per_s[2], rate([&] {
-                        return cpu_optim::adam8bit_step_bf16_master(adam, 1, master, blockwise(1), blockwise(2), grad,
-                                                                    1.0f, no_copy, *executor);
-                      }));
-  ZO_ASSIGN_OR_RETURN(speeds->accumulate_elems_per_s, rate([&] {
-                        return GradAccumulator::measure_kernel(
-                            reinterpret_cast<std::byte*>(f32(0).data()), config.grad_accum_dtype,
-                            reinterpret_cast<const std::byte*>(f32(1).data()), cdt, kElems, *executor);
-                      }));
-  return Status::ok();
 }
 
 Status read_io_results(const std::string& path, const Config& config, HostSpeeds* speeds) {

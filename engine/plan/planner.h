@@ -15,6 +15,7 @@
 #include "engine/coord/param_coordinator.h"
 #include "engine/memory/param_registry.h"
 #include "engine/model/model_config.h"
+#include "engine/plan/step_time.h"  // measure_cpu_speeds, the step-time range
 
 namespace zo::engine {
 
@@ -61,8 +62,17 @@ struct HostSpeeds {
   double bf16_master_elems_per_s[3] = {0, 0, 0};
   double accumulate_elems_per_s = 0;  // the gradient accumulator's kernel plus its norm, measured
   double compute_flops = 0;           // dense matmul FLOP/s in the compute dtype
-  std::string compute_source;         // "measured: LibTorch matmul on the host", "H100 datasheet", ...
-  double pcie_bytes_per_s = 0;        // host↔GPU copies (cuda only)
+  std::string compute_source;         // "measured: LibTorch matmul on the host", "--gpu-tflops 800", ...
+  // The FLOP/s a measured step's device compute reached (its FLOPs over its device time), below the
+  // matmul rate: the step-time range's high end (Note [Step-time range]). 0: the matmul rate.
+  double compute_step_flops = 0;
+  std::string compute_step_source;
+  double pcie_bytes_per_s = 0;  // host↔GPU copies each way (cuda only)
+  std::string pcie_source;
+  // STREAM's triad on the optimizer's threads, bytes/s as STREAM counts them: the host's memory
+  // as one resource of the step (Note [Step-time range]).
+  double host_triad_bytes_per_s = 0;
+  std::string host_triad_source;
 };
 
 struct PlanInputs {
@@ -104,9 +114,10 @@ struct PlanFix {
 };
 
 struct StepTimePart {
-  std::string name;  // compute, pcie, gradients, optimizer, nvme grads, nvme optim
-  double seconds = 0;
-  std::string basis;  // how it was computed
+  std::string name;  // compute, pcie, gradients, optimizer, host memory, nvme grads, nvme optim
+  double seconds = 0;       // at the slower rates (the step's compute rate, the kernel or the triad)
+  std::string basis;        // how it was computed
+  double seconds_low = 0;   // at the faster ones (the matmul rate, the kernel as measured)
 };
 
 struct RunPlan {
@@ -160,9 +171,13 @@ struct RunPlan {
   uint64_t h2d_min_bytes = 0, h2d_max_bytes = 0;  // compute copies to the device (fetch caching decides)
   uint64_t d2h_bytes = 0;                         // gradients leaving the device (CUDA)
 
+  // Note [Step-time range] (step_time.cpp): the low end is every overlap perfect (the longest
+  // resource, and what the schedule cannot overlap), the high end only the overlap the schedule
+  // builds in.
+  double compute_flops_per_step = 0;  // the FLOPs the range's compute part counts
   std::vector<StepTimePart> time_parts;
-  double step_s_low = 0;                  // every part overlapped: the longest part
-  double step_s_high = 0;                 // every phase one after another (no overlap but the optimizer's pipeline)
+  double step_s_low = 0;
+  double step_s_high = 0;
   std::vector<std::string> time_unknown;  // parts left out for want of a measured speed
 
   std::vector<PlanProblem> problems;  // empty: it fits
@@ -234,9 +249,6 @@ std::vector<PlanFix> suggest_fixes(const PlanInputs& in, size_t max_fixes = 4);
 // device fields are the caller's (it knows which device the run gets).
 HostFacts probe_host(const Config& config, const std::string& out_dir);
 
-// Measures the Adam and gradient-accumulation kernels on this host (about half a second) with the
-// config's optimizer_threads; fills those two fields of `speeds`.
-Status measure_cpu_speeds(const Config& config, HostSpeeds* speeds);
 
 // Reads `zoffload-bench io --json` output: the read and write GB/s of the row measured with the
 // config's aio settings and io_backend ("auto": the backend the benchmark says auto picks), else

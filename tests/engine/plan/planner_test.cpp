@@ -799,9 +799,11 @@ TEST(Planner, StepTimePutsTheAccumulatorWritesInBackwardAndTheRestBesideAdam) {
   EXPECT_NEAR(s["nvme grads"] + s["nvme optim"],
               static_cast<double>(p->nvme_read_bytes) / 1e9 + static_cast<double>(p->nvme_write_bytes) / 2e9, 1e-9);
   EXPECT_GT(s["optimizer"], s["nvme optim"]);
-  EXPECT_DOUBLE_EQ(p->step_s_high, s["compute"] + s["gradients"] + s["nvme grads"] + s["optimizer"]);
-  EXPECT_DOUBLE_EQ(p->step_s_low,
-                   std::max({s["compute"], s["gradients"], s["optimizer"], s["nvme grads"] + s["nvme optim"]}));
+  // Horizontal GAS 2: the optimizer beside the first pass's forward only (Note [Step-time range]).
+  const double fwd = s["compute"] / 4;  // 2 of the 8 FLOPs a weight and token
+  EXPECT_NEAR(p->step_s_high, std::max(fwd / 2, s["optimizer"]) + fwd / 2 + 3 * fwd + s["gradients"] + s["nvme grads"],
+              1e-9 * p->step_s_high);
+  EXPECT_GE(p->step_s_low, std::max({s["compute"], s["optimizer"], s["nvme grads"] + s["nvme optim"]}));
 }
 
 // The optimizer's time is the measured kernel of the placement's masters and moments; a kernel not
