@@ -39,7 +39,8 @@ struct PlanArgs {
   bool json = false;
   // The machine to plan for, when it is not this one (empty / 0: this machine's own).
   std::string host_ram, gpu_memory, disk_free;
-  double gpu_tflops = 0, nvme_read_gbps = 0, nvme_write_gbps = 0;
+  double gpu_tflops = 0, gpu_step_tflops = 0, nvme_read_gbps = 0, nvme_write_gbps = 0;
+  double pcie_gbps = 0, host_triad_gbps = 0;  // speeds of the step-time range (Note [Step-time range])
   unsigned cpus = 0;
   bool target() const { return !host_ram.empty() || !gpu_memory.empty() || !disk_free.empty() || cpus != 0; }
 };
@@ -80,6 +81,12 @@ std::string apply_target(const PlanArgs& a, engine::PlanInputs* in, std::vector<
   if (a.gpu_tflops > 0) {
     in->speeds.compute_flops = a.gpu_tflops * 1e12;
     in->speeds.compute_source = "--gpu-tflops " + gbps_text(a.gpu_tflops);
+  }
+  if (a.gpu_step_tflops > 0) {
+    if (a.gpu_tflops <= 0 || a.gpu_step_tflops > a.gpu_tflops)
+      return "--gpu-step-tflops needs --gpu-tflops, and at most its rate (a step's compute runs below the matmul's)";
+    in->speeds.compute_step_flops = a.gpu_step_tflops * 1e12;
+    in->speeds.compute_step_source = "--gpu-step-tflops " + gbps_text(a.gpu_step_tflops) + " at the high end";
   }
   if (!a.disk_free.empty()) {
     uint64_t free = 0;
@@ -175,10 +182,11 @@ void print_plan(const engine::RunPlan& p, const engine::PlanInputs& in, const st
   std::printf("  to the device %s to %s; from it %s\n", format_bytes(p.h2d_min_bytes).c_str(),
               format_bytes(p.h2d_max_bytes).c_str(), format_bytes(p.d2h_bytes).c_str());
   if (!p.time_parts.empty()) {
-    std::printf("\nstep time %.2f s (everything overlapped) to %.2f s (phases one after another)\n", p.step_s_low,
-                p.step_s_high);
+    std::printf(
+        "\nstep time %.2f s (every overlap perfect) to %.2f s (only the schedule's own overlap; docs/plan.md)\n",
+        p.step_s_low, p.step_s_high);
     for (const engine::StepTimePart& t : p.time_parts)
-      std::printf("  %-10s %8.2f s   %s\n", t.name.c_str(), t.seconds, t.basis.c_str());
+      std::printf("  %-11s %6.2f-%6.2f s   %s\n", t.name.c_str(), t.seconds_low, t.seconds, t.basis.c_str());
     if (!p.time_unknown.empty())
       std::printf("  not counted (no measured speed): %s\n", join(p.time_unknown, ", ").c_str());
   }
@@ -251,7 +259,7 @@ int run_plan(const PlanArgs& a) {
   }
   // The target machine, when one is given, replaces what was probed (and the GPU found here).
   std::vector<std::string> target_notes;
-  if (a.target() || a.gpu_tflops > 0 || a.nvme_read_gbps > 0 || a.nvme_write_gbps > 0) {
+  if (a.target() || a.gpu_tflops > 0 || a.gpu_step_tflops > 0 || a.nvme_read_gbps > 0 || a.nvme_write_gbps > 0) {
     if (a.gpu_tflops > 0 && a.gpu_memory.empty())
       return command_error("zoffload plan", "--gpu-tflops needs --gpu-memory", 2);
     if (!a.io_results.empty() && (a.nvme_read_gbps > 0 || a.nvme_write_gbps > 0))
@@ -281,6 +289,29 @@ int run_plan(const PlanArgs& a) {
     }
 #endif
   }
+  // Given speeds replace what was measured here (the kernels' own speeds stay this machine's).
+  if (a.pcie_gbps > 0) {
+    in.speeds.pcie_bytes_per_s = a.pcie_gbps * 1e9;
+    in.speeds.pcie_source = "--pcie " + gbps_text(a.pcie_gbps) + " GB/s";
+  }
+  if (a.host_triad_gbps > 0) {
+    // The kernels measured here run on the target at the same fraction of its triad as of this
+    // machine's (memory-bound ones exactly so; a compute-bound one, like the 8-bit kernel on a small
+    // host, is then slower there than it will be: the low end takes the host's passes at the triad).
+    if (const double here = in.speeds.host_triad_bytes_per_s; here > 0) {
+      const double f = a.host_triad_gbps * 1e9 / here;
+      engine::HostSpeeds& sp = in.speeds;
+      for (double* r : {&sp.adam_elems_per_s, &sp.adam8bit_elems_per_s, &sp.adam_bf16_moments_elems_per_s,
+                        &sp.bf16_master_elems_per_s[0], &sp.bf16_master_elems_per_s[1], &sp.bf16_master_elems_per_s[2],
+                        &sp.accumulate_elems_per_s})
+        *r *= f;
+      sp.kernels_scaled = true;
+      target_notes.push_back("host: the CPU kernels measured here scaled by --host-triad over this machine's triad (" +
+                             gbps_text(here / 1e9) + " GB/s)");
+    }
+    in.speeds.host_triad_bytes_per_s = a.host_triad_gbps * 1e9;
+    in.speeds.host_triad_source = "--host-triad " + gbps_text(a.host_triad_gbps) + " GB/s";
+  }
   auto plan = engine::plan_run(in);
   if (!plan.is_ok()) {
     const Status& s = plan.status();
@@ -307,7 +338,10 @@ int run_plan(const PlanArgs& a) {
                      {"bf16_moments", in.speeds.bf16_master_elems_per_s[1]},
                      {"8bit_moments", in.speeds.bf16_master_elems_per_s[2]}}},
                    {"accumulate_elems_per_s", in.speeds.accumulate_elems_per_s},
-                   {"compute_flops", in.speeds.compute_flops}};
+                   {"compute_flops", in.speeds.compute_flops},
+                   {"compute_step_flops", in.speeds.compute_step_flops},
+                   {"pcie_bytes_per_s", in.speeds.pcie_bytes_per_s},
+                   {"host_triad_bytes_per_s", in.speeds.host_triad_bytes_per_s}};
     nlohmann::ordered_json fx = nlohmann::ordered_json::array();
     for (const engine::PlanFix& f : fixes)
       fx.push_back({{"changes", f.changes},
@@ -345,10 +379,11 @@ void register_plan_command(CLI::App& app, int* exit_code) {
       "same plan's summary at start and refuses a plan that does not fit.\n"
       "Exit 0: fits; 3: does not fit; 2: bad config or arguments; 1: other failure.");
   plan->add_option("--config", args->config, "DeepSpeed/zoffload JSON config (see docs/config.md)")->required();
-  plan->add_option("--model", args->model,
-                   "A Hugging Face model directory (its config.json is read, and its weights' lm_head.weight only where "
-                   "the config ties it) or a preset: tiny, tinyllama-1.1b, "
-                   "llama3.2-1b, llama3.2-3b, llama-7b, llama3-8b, llama-13b, llama-30b, llama-70b")
+  plan->add_option(
+          "--model", args->model,
+          "A Hugging Face model directory (its config.json is read, and its weights' lm_head.weight only where "
+          "the config ties it) or a preset: tiny, tinyllama-1.1b, "
+          "llama3.2-1b, llama3.2-3b, llama-7b, llama3-8b, llama-13b, llama-30b, llama-70b")
       ->required();
   plan->add_option("--seq-len", args->seq_len,
                    "Tokens per sequence (default: min(256, max_position_embeddings), as train)")
@@ -372,6 +407,21 @@ void register_plan_command(CLI::App& app, int* exit_code) {
       ->group(target);
   plan->add_option("--gpu-tflops", args->gpu_tflops,
                    "The target GPU's dense matmul TFLOP/s in the compute dtype, for the step time (else left out)")
+      ->check(finite_number(true))
+      ->group(target);
+  plan->add_option("--gpu-step-tflops", args->gpu_step_tflops,
+                   "The TFLOP/s a measured step's device compute reached on the target GPU (its FLOPs, `plan --json`'s "
+                   "step_time.compute_flops, over its device time), for the step time's high end (else --gpu-tflops)")
+      ->check(finite_number(true))
+      ->group(target);
+  plan->add_option("--pcie", args->pcie_gbps,
+                   "Host<->GPU copy GB/s each way (zoffload-bench pcie, pinned), for the step time")
+      ->check(finite_number(true))
+      ->group(target);
+  plan->add_option(
+          "--host-triad", args->host_triad_gbps,
+          "The host's STREAM triad in GB/s on the optimizer's threads (zoffload-bench adam prints it), for the "
+          "step time; else measured here")
       ->check(finite_number(true))
       ->group(target);
   plan->add_option("--cpus", args->cpus, "The target's logical CPUs (threads and malloc arenas the run starts)")

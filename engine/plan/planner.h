@@ -73,6 +73,9 @@ struct HostSpeeds {
   // as one resource of the step (Note [Step-time range]).
   double host_triad_bytes_per_s = 0;
   std::string host_triad_source;
+  // The kernels' speeds were measured on another host and scaled to this triad: the low end takes
+  // a host pass at its bytes over the triad, not at the scaled kernel's speed.
+  bool kernels_scaled = false;
 };
 
 struct PlanInputs {

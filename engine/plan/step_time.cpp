@@ -29,7 +29,9 @@
 // elements/s, the drive's GB/s. A host pass takes its kernel's measured time at the low end (the
 // kernel as measured, or its bytes at the triad when it was not measured) and the longer of that
 // and its bytes at the triad at the high end: the triad bounds a kernel only as well as its access
-// pattern resembles the triad's.
+// pattern resembles the triad's. Kernels measured on another host and scaled to this one's triad
+// (`plan --host-triad`) are taken at the triad at the low end: a kernel bound by its arithmetic on
+// a small host would otherwise raise it.
 //
 // The low end is the step with every overlap perfect: the longest resource (the GPU at the matmul
 // rate, PCIe each way, the host's memory, the CPU's kernels one after another on the executor's
@@ -111,7 +113,7 @@ void plan_step_time(const StepWork& w, const HostSpeeds& sp, RunPlan* out) {
       p.time_unknown.push_back(name);
       return;
     }
-    *lo = h.kernel_rate > 0 ? kernel : at_triad;
+    *lo = h.kernel_rate > 0 && !(sp.kernels_scaled && triad > 0) ? kernel : at_triad;
     *hi = std::max(kernel, at_triad);
     std::string basis = h.kernel_rate > 0 ? h.basis : "its bytes at the triad (the kernel not measured)";
     if (triad > 0) basis += "; " + seconds_basis(at_triad) + " at the triad";
