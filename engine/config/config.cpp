@@ -477,6 +477,10 @@ void Resolver::offload_placement() {
               "\"" + grads +
                   "\" needs the optimizer offloaded (zero_optimization.offload_optimizer.device "
                   "cpu or nvme); with the optimizer on the device its accumulators stay there");
+  if (c->zoffload.optimizer_read_ahead > 0 && oo.device != OffloadDevice::kNvme)
+    st->error("zoffload.optimizer_read_ahead", std::to_string(c->zoffload.optimizer_read_ahead) +
+                                                   " reads optimizer states ahead from NVMe, but they are not there "
+                                                   "(zero_optimization.offload_optimizer.device is not \"nvme\")");
   if (grads == "nvme" && oo.nvme_path.empty() && !st->has_error("zero_optimization.offload_optimizer.nvme_path"))
     st->error("zero_optimization.offload_optimizer.nvme_path",
               "needed when zoffload.gradient_accumulators is \"nvme\" (their swap file lives there)");

@@ -184,6 +184,11 @@ struct ZoffloadConfig {
   // (addition) Run each optimizer step beside the next step's first forward (Note [Overlapped
   // optimizer]); false: after the backward, on the training thread. Bit-identical either way.
   bool overlap_optimizer = true;
+  // (addition) With the optimizer states on NVMe: buffers beyond the pipeline's, so that the first
+  // 1 + pipeline_read + pipeline_write + this many sub-groups' states are read while the step's
+  // forward and backward run, not after them (Note [Reading the states ahead]). 0: the pipeline's
+  // buffers only (they read ahead too).
+  uint64_t optimizer_read_ahead = 0;
   // (addition) Gradient accumulation order: "horizontal" runs each micro-batch through every block;
   // "vertical" runs every micro-batch of a step through a block before the next block, so each
   // block is fetched once per step and its gradients leave the device once (Note [Vertical schedule]).

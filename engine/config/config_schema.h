@@ -362,6 +362,7 @@ void keys(V& v, ZoffloadConfig& z) {
   v.count("optimizer_threads", z.optimizer_threads, 0);
   v.flag("bind_cores", z.bind_cores);
   v.flag("overlap_optimizer", z.overlap_optimizer);
+  v.count("optimizer_read_ahead", z.optimizer_read_ahead, 0);
   v.choice("schedule", z.schedule, kSchedules);
   v.choice("activation_checkpoints", z.activation_checkpoints, kCheckpointPlaces);
   v.choice("gradient_accumulators", z.gradient_accumulators, kGradPlaces);

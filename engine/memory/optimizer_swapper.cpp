@@ -36,6 +36,22 @@ namespace zo::engine {
 // to read, update, write, one sub-group at a time. The CPU path double-buffers its compute staging
 // the same way: buffer i mod 2 is reused only after the H2D copy or file write from it completed.
 
+// Note [Reading the states ahead]
+// With clipping, a loss scale that may skip the step, or several windows per step, the optimizer
+// needs the step's global norm before it updates anything, so it runs only after the backward (and,
+// overlapped, beside the next forward: Note [Overlapped optimizer]). With the states on NVMe its
+// reads need nothing of this step, only that the last step's writes are done: read_states_ahead()
+// issues the reads of the first sub-groups step() will update (plan().stepped order), one per swap
+// buffer, when the step begins, so they run under its forward and backward while the drive is
+// otherwise idle, and step() finds them in their buffers. The buffers are the pipeline's own (1 +
+// pipeline_read + pipeline_write) and zoffload.optimizer_read_ahead more, pinned memory the plan
+// counts (Note [Pinned pool sizing]); each is one sub-group's record. The bytes are those step()
+// would read, so nothing else changes: what is read is what the step would have read, the states
+// are written only by step(), and a step that is skipped or fails before the optimizer leaves the
+// buffers for the next one. It does not apply where the record holds the gradient (accumulators on
+// NVMe: the backward is still writing it) or to a direct step (Note [No accumulator]), which reads
+// as the gradients become final.
+
 // Note [Where the gradients wait]
 // The gradient accumulators need not live with the optimizer states (zoffload.gradient_accumulators).
 // With the states on NVMe and the accumulators in RAM, a sub-group's record in the swap file is
@@ -81,6 +97,7 @@ struct OptimizerSwapper::Impl {
     };
     std::vector<Write> writes;
     bool h2d_pending = false;
+    bool ahead = false;  // read (kReading or kReady) by read_states_ahead for the next step()
   };
   std::vector<Slot> slots;
   uint64_t order = 0;
@@ -93,7 +110,13 @@ struct OptimizerSwapper::Impl {
   OptimizerStepReport report;
   bool written = false;  // some sub-group's home state has been modified
 
+  uint64_t ahead_bytes_read = 0;  // by read_states_ahead, reported by the step() that uses them
+
   ~Impl() {
+    // Reads ahead that no step() took are still landing in the store's buffers.
+    for (auto& slot : slots) {
+      for (io::Ticket t : slot.reads) (void)store->optimizer_file()->wait(t);
+    }
     if (stream) store->device().destroy_stream(stream);
     for (auto e : events) store->device().destroy_event(e);
   }
@@ -112,6 +135,10 @@ struct OptimizerSwapper::Impl {
   // Waits for every buffer's writes still in flight (the CPU path's compute copies, the NVMe
   // path's states and compute copies).
   Status wait_busy_slots();
+  // The NVMe step's buffer for sub-group g: the one read_states_ahead filled for it, else a buffer
+  // taken now with g's read issued.
+  Result<int> slot_for(uint32_t g);
+  Status read_states_ahead();
   // After a failure: drains, and marks the store torn when a sub-group was written.
   Status fail(Status st, const std::string& step_name) {
     drain();
@@ -765,30 +792,59 @@ Result<int> OptimizerSwapper::Impl::take_slot() {
 Status OptimizerSwapper::Impl::step_nvme() {
   const std::vector<uint32_t>& order = store->plan().stepped;  // as step_cpu's
   if (order.empty()) return Status::ok();
-  ZO_ASSIGN_OR_RETURN(int current, take_slot());
-  Status st = issue_read(slots[current], order[0]);
-  if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(order[0]));
+  ZO_ASSIGN_OR_RETURN(int current, slot_for(order[0]));
   for (size_t i = 0; i < order.size(); ++i) {
     const uint32_t g = order[i];
     const bool more = i + 1 < order.size();
     Slot& slot = slots[current];
-    st = wait_reads(slot);
+    Status st = wait_reads(slot);
     if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(g));
     int next = -1;
-    if (options.pipeline_read && more) {
-      ZO_ASSIGN_OR_RETURN(next, take_slot());
-      st = issue_read(slots[next], order[i + 1]);
-      if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(order[i + 1]));
-    }
+    if (options.pipeline_read && more) { ZO_ASSIGN_OR_RETURN(next, slot_for(order[i + 1])); }
     ZO_RETURN_IF_ERROR(update_in_slot(current, g, nullptr));
-    if (next < 0 && more) {
-      ZO_ASSIGN_OR_RETURN(next, take_slot());
-      st = issue_read(slots[next], order[i + 1]);
-      if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(order[i + 1]));
-    }
+    if (next < 0 && more) { ZO_ASSIGN_OR_RETURN(next, slot_for(order[i + 1])); }
     current = next;
   }
   return wait_busy_slots();
+}
+
+Result<int> OptimizerSwapper::Impl::slot_for(uint32_t g) {
+  for (size_t i = 0; i < slots.size(); ++i) {
+    if (slots[i].ahead && slots[i].group == g) {
+      slots[i].ahead = false;
+      return static_cast<int>(i);
+    }
+  }
+  ZO_ASSIGN_OR_RETURN(int index, take_slot());
+  Status st = issue_read(slots[index], g);
+  if (!st.is_ok()) return st.with_context("sub-group " + std::to_string(g));
+  return index;
+}
+
+Status OptimizerSwapper::Impl::read_states_ahead() {
+  const MemoryPlan& plan = store->plan();
+  if (plan.placement.optimizer != Tier::kNvme || plan.placement.no_accumulator || grads_on_nvme() ||
+      !store->torn_reason().empty())
+    return Status::ok();
+  for (const Slot& slot : slots) {
+    if (slot.ahead) return Status::ok();  // read already, for a step that has not run (skipped)
+  }
+  const std::vector<uint32_t>& order = plan.stepped;
+  const uint64_t before = report.bytes_read;
+  size_t j = 0;
+  for (Slot& slot : slots) {
+    if (j == order.size()) break;
+    if (slot.state != Slot::State::kFree) continue;  // step() leaves none busy; be safe anyway
+    Status st = issue_read(slot, order[j]);
+    if (!st.is_ok()) {
+      drain();
+      return st.with_context("reading the optimizer states of sub-group " + std::to_string(order[j]) + " ahead");
+    }
+    slot.ahead = true;
+    ++j;
+  }
+  ahead_bytes_read += report.bytes_read - before;
+  return Status::ok();
 }
 
 void OptimizerSwapper::Impl::drain() {
@@ -800,8 +856,10 @@ void OptimizerSwapper::Impl::drain() {
     for (const auto& w : slot.writes) (void)w.file->wait(w.ticket);
     slot.writes.clear();
     slot.h2d_pending = false;
+    slot.ahead = false;
     slot.state = Slot::State::kFree;
   }
+  ahead_bytes_read = 0;
   for (auto& reads : grad_reads) {
     for (io::Ticket t : reads) (void)store->optimizer_file()->wait(t);
     reads.clear();
@@ -935,6 +993,7 @@ Result<OptimizerStepReport> OptimizerSwapper::step(const OptimizerStepArgs& args
   ZO_RETURN_IF_ERROR(check_adam_hyperparameters(step_name, args.adam, args.step, args.grad_scale));
   s.args = args;
   s.report = {};
+  s.report.bytes_read = std::exchange(s.ahead_bytes_read, 0);
   s.written = false;
   Stopwatch total;
   Status st;
@@ -947,6 +1006,8 @@ Result<OptimizerStepReport> OptimizerSwapper::step(const OptimizerStepArgs& args
   s.report.total_s = total.elapsed_s();
   return s.report;
 }
+
+Status OptimizerSwapper::read_states_ahead() { return impl_->read_states_ahead(); }
 
 Status OptimizerSwapper::begin_direct(const OptimizerStepArgs& args, std::vector<uint32_t> expected_order) {
   Impl& s = *impl_;

@@ -82,6 +82,14 @@ class OptimizerSwapper {
   // (see StateStore::mark_torn) unless no sub-group was written yet. A torn store fails at once with
   // kFailedPrecondition.
   Result<OptimizerStepReport> step(const OptimizerStepArgs& args);
+  // With the states on NVMe and the accumulators elsewhere, issues the reads of the first
+  // sub-groups the next step() updates, one per swap buffer, and returns; step() takes them from
+  // their buffers (Note [Reading the states ahead]). For the start of a training step, so that
+  // they run under its forward and backward: no step may be in progress, and nothing but step()
+  // may write the states until it has run. Does nothing for other placements, for torn states, or
+  // when reads ahead are already waiting for a step. A read that cannot be issued is returned
+  // (naming the sub-group and file); one that fails later fails the step() that waits for it.
+  Status read_states_ahead();
 
   // A direct step (Note [No accumulator] in engine/coord/grad_accumulator.cpp): the same update of
   // every sub-group, each from a gradient handed over as it becomes final, in any order, instead of

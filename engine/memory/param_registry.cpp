@@ -16,6 +16,8 @@
 // - optimizer swap buffers: one for the sub-group being stepped, plus one if reads are pipelined
 //   (i+1 is being read) and one if writes are (i−1 is being written): 1 + pipeline_read +
 //   pipeline_write, never more than there are sub-groups. buffer_count only has to allow that many;
+//   zoffload.optimizer_read_ahead adds that many, to read states under the forward and backward
+//   (Note [Reading the states ahead] in engine/memory/optimizer_swapper.cpp);
 // - compute staging (optimizer on CPU, compute copy elsewhere): double-buffered, two sub-groups;
 // - parameter swap buffers: offload_param.buffer_count whole params (at most the number of params
 //   on NVMe), each the largest such param plus two 4 KiB pages, because an O_DIRECT read of a param
@@ -550,7 +552,8 @@ Result<MemoryPlan> plan_memory(const Config& config, const ParamRegistry& regist
                               " is too few; the optimizer pipeline needs " + std::to_string(needed) +
                               " (1 + pipeline_read + pipeline_write)");
     }
-    plan.optimizer_swap_buffers = static_cast<uint32_t>(std::min<uint64_t>(needed, owned_groups));
+    const uint64_t ahead = std::min<uint64_t>(config.zoffload.optimizer_read_ahead, owned_groups);
+    plan.optimizer_swap_buffers = static_cast<uint32_t>(std::min<uint64_t>(needed + ahead, owned_groups));
     for (StateKind k : kAllStates) {
       if (k == StateKind::kGradAccum && pl.grad != Tier::kNvme) continue;  // read in place
       plan.optimizer_swap_buffer_bytes += align_up(max_group_state_bytes(pl, registry, k), kSwapAlignment);

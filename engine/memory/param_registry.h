@@ -220,7 +220,8 @@ struct MemoryPlan {
 
   // Optimizer swap buffers (optimizer on NVMe): each holds one sub-group's master, exp_avg,
   // exp_avg_sq, gradient and compute sections, each section 4 KiB-aligned.
-  uint32_t optimizer_swap_buffers = 0;  // 1 + pipeline_read + pipeline_write, at most n_sub_groups
+  // 1 + pipeline_read + pipeline_write + zoffload.optimizer_read_ahead, at most the sub-groups stepped
+  uint32_t optimizer_swap_buffers = 0;
   uint64_t optimizer_swap_buffer_bytes = 0;
   // Staging for the new compute copy of a sub-group on its way to the device or NVMe when the
   // optimizer states are not swapped (optimizer on CPU): double-buffered.

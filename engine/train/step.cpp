@@ -371,6 +371,9 @@ Result<StepMetrics> Trainer::Impl::step_once() {
   // The micro-steps, then (data parallel) the sums over the ranks. Without accumulators the
   // optimizer has stepped every sub-group by the end of backward (Note [No accumulator]).
   const bool direct = plan.placement.no_accumulator;
+  // States on NVMe: the optimizer's first reads run under this step's forward and backward (Note
+  // [Reading the states ahead]); the last step's optimizer has finished writing.
+  if (!direct) ZO_RETURN_IF_ERROR(optimizer->read_states_ahead().with_context("step " + std::to_string(out.step)));
   std::optional<Result<OptimizerStepReport>> stepped;
   ZO_ASSIGN_OR_RETURN(Accumulated acc,
                       direct ? accumulate_and_update(overflow_here, &out, &stepped) : accumulate(overflow_here, &out));

@@ -844,6 +844,12 @@ const Malformed kMalformed[] = {
       {"zoffload", {{"gradient_accumulators", "nvme"}}}},
      "zero_optimization.offload_optimizer.nvme_path",
      "zoffload.gradient_accumulators is \"nvme\""},
+    {"read_ahead_without_nvme",
+     {{"zero_optimization", {{"stage", 3}, {"offload_optimizer", {{"device", "cpu"}}}}},
+      {"zoffload", {{"optimizer_read_ahead", 2}}}},
+     "zoffload.optimizer_read_ahead",
+     "reads optimizer states ahead from NVMe, but they are not there"},
+    {"read_ahead_negative", {{"zoffload", {{"optimizer_read_ahead", -1}}}}, "zoffload.optimizer_read_ahead", "≥ 0"},
 };
 
 INSTANTIATE_TEST_SUITE_P(Table, MalformedConfig, ::testing::ValuesIn(kMalformed),

@@ -61,6 +61,7 @@ struct Placing {
   std::string optimizer_type = "AdamW";
   std::string accumulators = "auto";  // zoffload.gradient_accumulators
   std::string moments = "fp32";       // zoffload.moment_dtype
+  uint64_t read_ahead = 0;            // zoffload.optimizer_read_ahead
 
   std::string describe() const {
     return "optimizer " + optimizer + " accumulators " + accumulators + " param " + param + " read " +
@@ -95,7 +96,8 @@ Config make_config(const Placing& s, const std::string& dir) {
     "optimizer": {"type": ")" +
                      s.optimizer_type + R"(", "params": {"lr": 0.01, "weight_decay": 0.1}},
     "zoffload": {"gradient_accumulators": ")" +
-                     s.accumulators + R"(", "moment_dtype": ")" + s.moments + R"("}})";
+                     s.accumulators + R"(", "moment_dtype": ")" + s.moments + R"(", "optimizer_read_ahead": )" +
+                     std::to_string(s.read_ahead) + R"(}})";
   return parse_test_config(json);
 }
 
@@ -1147,6 +1149,81 @@ TEST(OptimizerSwapper, AccumulatorsInRamLeaveTheSwapFileAndItsTraffic) {
   EXPECT_EQ(read[0] - read[1], grad_bytes) << "and the step reads them from RAM";
 }
 
+// Note [Reading the states ahead]: the reads issued before the gradients arrive are the reads the
+// step would make, so the states are those of the step that reads them itself, however many
+// buffers read ahead (more than there are sub-groups included), pipelined or not, with a step
+// skipped in between; the step reports the bytes read ahead, and nothing is read twice.
+TEST(OptimizerSwapper, StatesReadAheadGiveTheSameStepsBitForBit) {
+  const Inputs in = make_inputs(3);
+  const AdamConfig adam = adam_of(make_config(Placing{}, "/tmp"));
+  struct Case {
+    bool pipeline;
+    uint64_t read_ahead;
+  };
+  for (const Case c : {Case{false, 0}, Case{true, 0}, Case{true, 2}, Case{false, 3}, Case{true, 1000}}) {
+    Placing s;
+    s.optimizer = "nvme";
+    s.param = "cpu";
+    s.accumulators = "cpu";
+    s.pipeline_read = s.pipeline_write = c.pipeline;
+    s.read_ahead = c.read_ahead;
+    SCOPED_TRACE(s.describe() + " read_ahead " + std::to_string(c.read_ahead));
+    Rig rig;
+    ASSERT_TRUE(rig.init(s).is_ok());
+    const uint32_t groups = rig.plan.n_sub_groups;
+    ASSERT_GT(groups, 4u);
+    EXPECT_EQ(rig.plan.optimizer_swap_buffers, std::min<uint64_t>(1 + 2 * uint64_t{c.pipeline} + c.read_ahead, groups));
+    ASSERT_TRUE(init_all(*rig.store, in).is_ok());
+    auto swapper = OptimizerSwapper::create(*rig.store, *rig.executor, PipelineOptions::from_config(rig.config));
+    ASSERT_TRUE(swapper.is_ok()) << swapper.status().to_string();
+    uint64_t file_bytes = 0;  // every record, read once per step
+    for (uint32_t g = 0; g < groups; ++g) {
+      for (StateKind k : {StateKind::kMaster, StateKind::kExpAvg, StateKind::kExpAvgSq})
+        file_bytes += rig.store->location(g, k).region.size_bytes;
+    }
+    for (int i = 0; i < 3; ++i) {
+      const uint64_t read_before = rig.accounting.snapshot().nvme_read_bytes;
+      ASSERT_TRUE((*swapper)->read_states_ahead().is_ok());
+      if (i == 1) ASSERT_TRUE((*swapper)->read_states_ahead().is_ok());  // a step skipped: nothing read twice
+      ASSERT_TRUE(write_grads(rig, in, i).is_ok());                      // the backward, under the reads
+      auto report = (*swapper)->step(step_args(rig, i + 1));
+      ASSERT_TRUE(report.is_ok()) << report.status().to_string();
+      EXPECT_EQ(report->sub_groups, groups);
+      if (i > 0) EXPECT_EQ(report->bytes_read, file_bytes) << "step " << i + 1;  // the first reads masters only
+      EXPECT_EQ(rig.accounting.snapshot().nvme_read_bytes - read_before, report->bytes_read) << "step " << i + 1;
+    }
+    const ParamStates want = reference_run(in, adam, rig.compute_dtype(), rig.grad_dtype(), 3);
+    expect_same(gather_all(*rig.store), want, "after three steps with reads ahead");
+    // Reads ahead that no step takes are waited for when the swapper goes.
+    ASSERT_TRUE((*swapper)->read_states_ahead().is_ok());
+    swapper->reset();
+    EXPECT_EQ(rig.io->wait_all().code(), StatusCode::kOk);
+  }
+}
+
+// Reading ahead needs the gradient out of the states' records: with the accumulators in them (the
+// backward is still writing them) nothing is read ahead, and the step reads them itself.
+TEST(OptimizerSwapper, NothingIsReadAheadFromRecordsThatHoldTheGradient) {
+  Placing s;
+  s.optimizer = "nvme";
+  s.accumulators = "nvme";
+  s.pipeline_read = s.pipeline_write = true;
+  s.read_ahead = 2;
+  Rig rig;
+  ASSERT_TRUE(rig.init(s).is_ok());
+  const Inputs in = make_inputs(1);
+  ASSERT_TRUE(init_all(*rig.store, in).is_ok());
+  auto swapper = OptimizerSwapper::create(*rig.store, *rig.executor, PipelineOptions::from_config(rig.config));
+  ASSERT_TRUE(swapper.is_ok()) << swapper.status().to_string();
+  const uint64_t before = rig.accounting.snapshot().nvme_read_bytes;
+  ASSERT_TRUE((*swapper)->read_states_ahead().is_ok());
+  EXPECT_EQ(rig.accounting.snapshot().nvme_read_bytes, before) << "the backward is still writing the gradients";
+  ASSERT_TRUE(write_grads(rig, in, 0).is_ok());
+  ASSERT_TRUE((*swapper)->step(step_args(rig, 1)).is_ok());
+  const ParamStates want = reference_run(in, adam_of(rig.config), rig.compute_dtype(), rig.grad_dtype(), 1);
+  expect_same(gather_all(*rig.store), want, "accumulators in the records");
+}
+
 // Note [No accumulator]: a direct step takes each sub-group's gradient as it is handed over, in
 // any order (backward's is the reverse), and leaves the states and compute copies bit-identical to a
 // step from the accumulators; the two kinds of step are not mixed up, and a step that ends before
@@ -1494,6 +1571,40 @@ TEST(OptimizerSwapperFaults, ErrorBeforeAnyWriteLeavesTheStoreUsable) {
   ASSERT_TRUE(f.swapper->step(step_args(f.rig, 1)).is_ok());
   const ParamStates want = reference_run(f.in, adam_of(f.rig.config), f.rig.compute_dtype(), f.rig.grad_dtype(), 1);
   expect_same(gather_all(*f.rig.store), want, "after the retried step");
+}
+
+// Note [Reading the states ahead]: a read ahead that fails fails the step that waits for it, naming
+// the sub-group and the file; the first sub-group's leaves the states untouched, and the step run
+// again reads it itself.
+TEST(OptimizerSwapperFaults, AFailedReadAheadFailsTheStepThatWaitsForIt) {
+  Placing s;
+  s.optimizer = "nvme";
+  s.param = "cpu";
+  s.accumulators = "cpu";
+  s.pipeline_read = s.pipeline_write = true;
+  s.read_ahead = 2;
+  Rig rig;
+  ASSERT_TRUE(rig.init(s).is_ok());
+  const Inputs in = make_inputs(1);
+  ASSERT_TRUE(init_all(*rig.store, in).is_ok());
+  ASSERT_TRUE(write_grads(rig, in, 0).is_ok());
+  auto swapper = OptimizerSwapper::create(*rig.store, *rig.executor, PipelineOptions::from_config(rig.config));
+  ASSERT_TRUE(swapper.is_ok());
+  const ParamStates before = gather_all(*rig.store);
+  const uint64_t offset = rig.store->location(0, StateKind::kMaster).region.offset_bytes;
+  rig.faults->add({io::FaultKind::kEio, io::IoOp::kRead, "optimizer.swp", offset, 1});
+  ASSERT_TRUE((*swapper)->read_states_ahead().is_ok());
+  auto report = (*swapper)->step(step_args(rig, 1));
+  ASSERT_FALSE(report.is_ok());
+  EXPECT_EQ(report.status().code(), StatusCode::kIoError);
+  EXPECT_THAT(report.status().message(), HasSubstr("sub-group 0"));
+  EXPECT_THAT(report.status().message(), HasSubstr(rig.store->optimizer_file()->path()));
+  EXPECT_TRUE(rig.store->torn_reason().empty()) << rig.store->torn_reason();
+  expect_same(gather_all(*rig.store), before, "states after a failed read ahead of sub-group 0");
+  EXPECT_EQ(rig.io->wait_all().code(), StatusCode::kOk) << "no I/O left in flight";
+  ASSERT_TRUE((*swapper)->step(step_args(rig, 1)).is_ok());
+  const ParamStates want = reference_run(in, adam_of(rig.config), rig.compute_dtype(), rig.grad_dtype(), 1);
+  expect_same(gather_all(*rig.store), want, "after the step run again");
 }
 
 // ---- 5. ParamSwapper ----------------------------------------------------------------------------

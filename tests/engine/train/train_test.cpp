@@ -106,6 +106,7 @@ struct RunSetup {
   bool check_overflow = true;           // bf16.check_grad_overflow
   std::vector<std::string> freeze;      // zoffload.freeze
   nlohmann::json lora;                  // zoffload.lora, when not null
+  uint64_t read_ahead = 0;              // zoffload.optimizer_read_ahead
 };
 
 Config make_config(const RunSetup& s, const std::string& nvme) {
@@ -135,6 +136,7 @@ Config make_config(const RunSetup& s, const std::string& nvme) {
     j["scheduler"] = {{"type", "WarmupCosineLR"},
                       {"params", {{"warmup_num_steps", 3}, {"total_num_steps", 20}, {"warmup_type", "linear"}}}};
   if (!s.freeze.empty()) j["zoffload"]["freeze"] = s.freeze;
+  if (s.read_ahead != 0) j["zoffload"]["optimizer_read_ahead"] = s.read_ahead;
   if (!s.lora.is_null()) j["zoffload"]["lora"] = s.lora;
   if (s.opt_type == "Adagrad") j["optimizer"]["params"] = {{"lr", 1e-2}, {"eps", 1e-10}, {"weight_decay", 0.0}};
   if (s.opt_type == "Lion") j["optimizer"]["params"] = {{"lr", 3e-4}, {"betas", {0.9, 0.99}}, {"weight_decay", 0.01}};
@@ -247,6 +249,9 @@ TEST(Trainer, OffloadAndPrefetchSettingsGiveBitIdenticalWeights) {
       {"params cpu, optimizer cpu, accumulators nvme", {.param = "cpu", .optimizer = "cpu", .accumulators = "nvme"}},
       {"params nvme, optimizer nvme, pipelined, accumulators cpu",
        {.param = "nvme", .optimizer = "nvme", .pipeline = true, .max_in_cpu = 0, .accumulators = "cpu"}},
+      // Note [Reading the states ahead]: the first sub-groups' states read under forward and backward.
+      {"params cpu, optimizer nvme, pipelined, states read ahead",
+       {.param = "cpu", .optimizer = "nvme", .pipeline = true, .accumulators = "cpu", .read_ahead = 2}},
   };
   auto tier = [](const std::string& device) { return device == "none" ? std::string("device") : device; };
   for (const Variant& v : variants) {
@@ -263,6 +268,8 @@ TEST(Trainer, OffloadAndPrefetchSettingsGiveBitIdenticalWeights) {
                                                              : tier(v.setup.optimizer);
     EXPECT_EQ(placed["grad"], grads) << placed.dump();
     if (v.setup.param != "none") { EXPECT_GT(placed["compute"][v.setup.param].get<uint64_t>(), 0u) << placed.dump(); }
+    if (v.setup.read_ahead != 0)  // the pipeline's three buffers and those reading ahead
+      EXPECT_EQ(plan["memory_plan"]["optimizer_swap_buffers"], 3 + v.setup.read_ahead);
     EXPECT_TRUE(bit_identical(weights, reference));
     ASSERT_EQ(metrics.size(), ref_metrics.size());
     for (size_t i = 0; i < metrics.size(); ++i) EXPECT_EQ(metrics[i].loss, ref_metrics[i].loss) << "step " << i + 1;
