@@ -280,19 +280,26 @@ void plan_device(const PlanBasis& b, RunPlan* out) {
   // at micro-batch 8 (vertical, GAS 8) ran with 31.0 GiB of LibTorch beside a 2.8 GiB arena under
   // a "24GiB" limit, and tinyllama-1.1b with 1.01 GiB beside 0.37 GiB under "1GiB".
   const uint64_t left = b.device_limit > mp.device_bytes ? b.device_limit - mp.device_bytes : 0;
-  // Note [Checkpoints on the CPU]: "auto" moves the checkpoints to the host only where that is
-  // what makes the GPU fit (with the arena it wants); on the emulated device activations are in
-  // host RAM already.
+  // Note [Checkpoints on the CPU]: "auto" moves the checkpoints to the host where they do not fit
+  // on the GPU; on the emulated device activations are in host RAM already.
   auto activations = [&](bool on_host) {
     return activation_estimate(b.m, c.train_micro_batch_size_per_gpu, b.in.seq_len, b.compute_elem_bytes,
                                p.held_micro_batches,
                                p.held_micro_batches > 1 ? dtype_size_bytes(c.grad_accum_dtype) : 0, on_host);
   };
+  // With the arena it wants, they go to the host where that is what fits; and where the GPU cannot
+  // hold them even beside the arena's minimum (the persistent params and the largest block), they
+  // go to the host whenever that needs less (the problem then names the smaller shortfall, and the
+  // fixes start from there).
   const uint64_t wanted_fixed = p.device_state_bytes + p.arena.bytes_within(left);
+  const uint64_t fixed_min = p.device_state_bytes + p.arena.persistent_bytes + p.arena.largest_block_bytes;
   const std::string& where = c.zoffload.activation_checkpoints;
-  p.checkpoints_on_host = where == "cpu" || (where == "auto" && b.in.host.cuda && b.device_limit > 0 &&
-                                             wanted_fixed + activations(false) > b.device_limit &&
-                                             wanted_fixed + activations(true) <= b.device_limit);
+  const bool fits_wanted_on_host = wanted_fixed + activations(true) <= b.device_limit;
+  const bool fits_min_on_device = fixed_min + activations(false) <= b.device_limit;
+  p.checkpoints_on_host =
+      where == "cpu" || (where == "auto" && b.in.host.cuda && b.device_limit > 0 &&
+                         wanted_fixed + activations(false) > b.device_limit &&
+                         (fits_wanted_on_host || (!fits_min_on_device && activations(true) < activations(false))));
   p.activation_bytes = activations(p.checkpoints_on_host);
   p.device_torch_reserve_bytes = b.in.host.cuda ? p.activation_bytes : 0;
   p.device_arena_bytes =

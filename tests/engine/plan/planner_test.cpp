@@ -624,14 +624,15 @@ TEST(Planner, CheckpointsMoveToTheCpuWhenThatIsWhatFitsTheGpu) {
   auto roomy = plan_run(in);
   ASSERT_TRUE(roomy.is_ok());
   EXPECT_FALSE(roomy->checkpoints_on_host);
-  // Too small either way (below the arena's minimum beside the activations on the CPU): kept on
-  // the device, and the fix offered is planned again.
+  // Too small either way (below the arena's minimum beside the activations on the CPU): on the
+  // CPU, where the shortfall the problem names is the smaller one, and the fixes start from there.
   in.host.device_total_bytes = on_cpu->device_state_bytes + on_cpu->arena.persistent_bytes +
                                on_cpu->arena.largest_block_bytes + on_cpu->activation_bytes - 1;
   auto small = plan_run(in);
   ASSERT_TRUE(small.is_ok());
-  EXPECT_FALSE(small->checkpoints_on_host);
-  EXPECT_FALSE(small->fits());
+  EXPECT_TRUE(small->checkpoints_on_host);
+  ASSERT_FALSE(small->fits());
+  EXPECT_EQ(small->problems.front().need_bytes, small->problems.front().have_bytes + 1);
   // Emulated: activations live in host RAM already.
   in.host.cuda = false;
   auto host = plan_run(in);
@@ -667,9 +668,16 @@ TEST(Planner, OnAGpuTheBudgetHoldsTheActivationsAndTheArenaTakesTheRest) {
   EXPECT_GE(tight->device_arena_bytes, arena_min);
   EXPECT_LE(tight->device_total_bytes, in.device_budget_bytes);
 
-  // Below the minimum beside the activations: a GPU memory problem that names them, although the
-  // card itself has room.
+  // Below the minimum beside the activations: with the checkpoints kept on the device, a GPU
+  // memory problem that names them, although the card itself has room; "auto" moves them to the
+  // CPU instead, and it fits.
   in.device_budget_bytes = roomy->device_state_bytes + roomy->activation_bytes + arena_min - 1;
+  in.config.zoffload.activation_checkpoints = "auto";
+  auto moved = plan_run(in);
+  ASSERT_TRUE(moved.is_ok());
+  EXPECT_TRUE(moved->checkpoints_on_host);
+  EXPECT_TRUE(moved->fits()) << moved->summary();
+  in.config.zoffload.activation_checkpoints = "device";
   auto small = plan_run(in);
   ASSERT_TRUE(small.is_ok());
   ASSERT_FALSE(small->fits());
