@@ -297,9 +297,9 @@ void plan_device(const PlanBasis& b, RunPlan* out) {
   const bool fits_wanted_on_host = wanted_fixed + activations(true) <= b.device_limit;
   const bool fits_min_on_device = fixed_min + activations(false) <= b.device_limit;
   p.checkpoints_on_host =
-      where == "cpu" || (where == "auto" && b.in.host.cuda && b.device_limit > 0 &&
-                         wanted_fixed + activations(false) > b.device_limit &&
-                         (fits_wanted_on_host || (!fits_min_on_device && activations(true) < activations(false))));
+      where == "cpu" ||
+      (where == "auto" && b.in.host.cuda && b.device_limit > 0 && wanted_fixed + activations(false) > b.device_limit &&
+       (fits_wanted_on_host || (!fits_min_on_device && activations(true) < activations(false))));
   p.activation_bytes = activations(p.checkpoints_on_host);
   p.device_torch_reserve_bytes = b.in.host.cuda ? p.activation_bytes : 0;
   p.device_arena_bytes =

@@ -3,7 +3,8 @@
 leaves it no time, the exact, lora and devstates parts on the emulated device with the tiny
 model, the deepspeed part failing with one line where DeepSpeed was not fetched, that
 part's zoffload half on the emulated device (ZO_DS_SIDES=zoffload: a table row with zoffload's
-tokens/s, ZO_DS_ZOFFLOAD merged into the run's config), a run cut by the part's share of the time
+tokens/s, ZO_DS_ZOFFLOAD merged into the run's config; under a stand-in for DeepSpeed's GPU peak as
+its gpu_memory_limit, and below what fits), a run cut by the part's share of the time
 limit reported as cut and failing the part, and no work folder left behind.
 Usage: gpu_checks_test.py SOURCE_ROOT ZOFFLOAD"""
 import json
@@ -74,6 +75,28 @@ try:
     expect(len(metrics) == 2, "two steps in metrics.jsonl: %d" % len(metrics))
 except (OSError, KeyError, tarfile.TarError, ValueError) as e:
     expect(False, "runs.tgz holds the run's config and metrics: %s" % e)
+
+# Equal memory: zoffload runs under DeepSpeed's measured GPU peak as its gpu_memory_limit, here the
+# test's stand-in for it (ZO_DS_TEST_PEAK_BYTES), and the table shows the limit.
+peak = 3000000
+rc, text, out = run(["--time-limit", "200", "deepspeed"], ZO_DS_SIDES="zoffload", ZO_DS_RUNS="tiny:2:2",
+                    ZO_DS_MICRO="2", ZO_DS_SEQ="64", ZO_DS_DEVICE="host", ZO_DS_TEST_PEAK_BYTES=str(peak))
+expect(rc == 0, "zoffload at the peak: exit %d: %s" % (rc, text[-800:]))
+expect("zoffload under DeepSpeed's GPU peak, gpu_memory_limit %d bytes: plan exit 0" % peak in text,
+       "the limit and its plan said: " + text[-800:])
+row = [l for l in text.splitlines() if l.strip().startswith("tiny-gas2 ")]
+expect(len(row) == 1 and " 0.00 GiB " in row[0], "the row shows the limit: %s" % row)
+try:
+    with tarfile.open(os.path.join(out, "runs.tgz")) as t:
+        zo_cfg = json.load(t.extractfile("./ds-tiny-gas2-zo.json"))
+    expect(zo_cfg["zoffload"]["gpu_memory_limit"] == peak, "zoffload's config: %s" % zo_cfg["zoffload"])
+except (OSError, KeyError, tarfile.TarError, ValueError) as e:
+    expect(False, "runs.tgz holds zoffload's config at the peak: %s" % e)
+# Below what any change fits (the arena's largest block): the plan's problem said, the part fails.
+rc, text, _ = run(["--time-limit", "200", "deepspeed"], ZO_DS_SIDES="zoffload", ZO_DS_RUNS="tiny:2:2",
+                  ZO_DS_MICRO="2", ZO_DS_SEQ="64", ZO_DS_DEVICE="host", ZO_DS_TEST_PEAK_BYTES="4096")
+expect(rc == 1 and "plan exit 3" in text and ("no change makes it fit" in text or "the plan's first fix" in text),
+       "a peak nothing fits under: exit %d: %s" % (rc, text[-800:]))
 
 # The exact part on the emulated device with the tiny model: the plan moves nothing through a disk,
 # three steps train, and the part ends with its tokens/s beside the first runs'.

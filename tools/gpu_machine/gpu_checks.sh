@@ -38,7 +38,8 @@
 # (zoffload.device, default cuda; host for a test without a GPU), ZO_DS_SIDES (both, or zoffload:
 # zoffload's runs alone, DeepSpeed neither installed nor run), ZO_DS_ZOFFLOAD (JSON merged into the
 # runs' "zoffload" section, e.g. '{"activation_checkpoints": "cpu"}'), ZO_DS_CARRY
-# (install_deepspeed.sh's).
+# (install_deepspeed.sh's); ZO_DS_TEST_PEAK_BYTES (for gpu_checks_test.py only: stands in for
+# DeepSpeed's measured GPU peak, zoffload's gpu_memory_limit, where DeepSpeed did not run).
 set -uo pipefail
 
 usage() {
@@ -592,11 +593,55 @@ c['zoffload'].update(json.loads(__import__('os').environ.get('ZO_DS_ZOFFLOAD') o
     esac
   fi
   ds_runs_left=$((ds_runs_left - 1))
+  # Equal memory (issue 61): zoffload gets DeepSpeed's measured GPU peak as its gpu_memory_limit,
+  # and where its plan does not fit there, the plan's first fix (say, the same batch at half the
+  # micro-batch), said so. ZO_DS_TEST_PEAK_BYTES stands in for the peak where DeepSpeed did not run:
+  # for gpu_checks_test.py only.
+  local peak zo_cfg=$cfg
+  peak=$("$python" -c 'import json, sys
+r = [json.loads(l) for l in open(sys.argv[1])]
+print(next((x["gpu_peak_bytes"] for x in r if x.get("status") == "ran"), ""))' "$runs/$name-ds.jsonl" 2>/dev/null)
+  [ -z "$peak" ] && peak=${ZO_DS_TEST_PEAK_BYTES:-}
+  if [ -n "$peak" ]; then
+    zo_cfg=$runs/$name-zo.json
+    config "$cfg" "$zo_cfg" "c['zoffload']['gpu_memory_limit'] = int($peak)"
+    "$zo" plan --config "$zo_cfg" --model "$model" --seq-len "$seq" --steps "$steps" --out "$work/$name" --json \
+      >"$runs/$name-zo-plan.json" 2>"$runs/$name-zo-plan.err"
+    r=$?
+    echo "  $name: zoffload under DeepSpeed's GPU peak, gpu_memory_limit $peak bytes: plan exit $r"
+    if [ $r -eq 3 ]; then
+      if "$python" - "$runs/$name-zo-plan.json" "$zo_cfg" <<'PY'; then
+import json, sys
+plan = json.load(open(sys.argv[1]))
+if not plan["fixes"]:
+    print("    no change makes it fit: " + "; ".join(p["resource"] for p in plan["problems"]))
+    sys.exit(1)
+fix = plan["fixes"][0]
+c = json.load(open(sys.argv[2]))
+def merge(dst, src):
+    for k, v in src.items():
+        if isinstance(v, dict) and isinstance(dst.get(k), dict):
+            merge(dst[k], v)
+        else:
+            dst[k] = v
+merge(c, fix["config"])
+json.dump(c, open(sys.argv[2], "w"), indent=1)
+print("    does not fit there; the plan's first fix: " + "; ".join(fix["changes"]))
+PY
+        :
+      else
+        ok=1
+      fi
+    elif [ $r -ne 0 ]; then
+      tail -n 3 "$runs/$name-zo-plan.err" | sed 's/^/    /'
+      ok=1
+    fi
+  fi
   seconds=$(ds_share $((ds_runs_left * 2)))
   echo "  $name: zoffload (at most $seconds s)"
   local trace=()
   [ "$gas" -gt 1 ] && trace=(--trace "$work/$name.trace.json" --trace-steps "$steps")
-  peak_rss "$runs/$name-zo.rss" timeout -k 10 "$seconds" "$zo" train --config "$cfg" --model "$model" --data "$data" \
+  peak_rss "$runs/$name-zo.rss" timeout -k 10 "$seconds" "$zo" train --config "$zo_cfg" --model "$model" --data "$data" \
     --seq-len "$seq" --steps "$steps" --out "$work/$name" "${trace[@]}" >"$runs/$name-zo.log" 2>&1
   r=$?
   grep -E '^(plan|setup|done):|error' "$runs/$name-zo.log" | sed 's/^/    /'
@@ -642,8 +687,8 @@ def rss(path):
     except (OSError, ValueError):
         return None
 fmt = lambda v, f="%.0f": "-" if v is None else f % v
-rows = [("run", "params", "tokens/s DS", "tokens/s zo", "zo/DS", "GPU peak DS", "GPU peak zo", "host peak DS", "host peak zo",
-         "DeepSpeed")]
+rows = [("run", "params", "tokens/s DS", "tokens/s zo", "zo/DS", "GPU peak DS", "GPU peak zo", "zo limit", "host peak DS",
+         "host peak zo", "DeepSpeed")]
 for name in sys.argv[2:]:
     ds = {}
     try:
@@ -658,6 +703,10 @@ for name in sys.argv[2:]:
         pass
     zo_tps = statistics.median(m["tokens_per_s"] for m in zo[1:] or zo) if zo else None
     zo_gpu = max(m["device_peak_bytes"] + m["torch_peak_bytes"] for m in zo) / GiB if zo else None
+    try:
+        limit = json.load(open(os.path.join(runs, name + "-zo.json")))["zoffload"]["gpu_memory_limit"] / GiB
+    except (OSError, ValueError, KeyError):
+        limit = None
     ds_tps = ds.get("tokens_per_s") if ds.get("status") == "ran" else None
     ds_gpu = ds["gpu_peak_bytes"] / GiB if ds.get("status") == "ran" else None
     params = ds.get("params")
@@ -677,6 +726,7 @@ for name in sys.argv[2:]:
         note = "failed or cut (see %s-ds.log)" % name
     rows.append((name[3:], fmt(params and params / 1e9, "%.2f B"), fmt(ds_tps), fmt(zo_tps),
                  fmt(ds_tps and zo_tps and zo_tps / ds_tps, "%.2f"), fmt(ds_gpu, "%.1f GiB"), fmt(zo_gpu, "%.1f GiB"),
+                 fmt(limit, "%.2f GiB"),
                  fmt(rss(os.path.join(runs, name + "-ds.rss")) if ds.get("status") == "ran" else None, "%.1f GiB"),
                  fmt(rss(os.path.join(runs, name + "-zo.rss")) if zo else None, "%.1f GiB"), note))
 widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
@@ -684,7 +734,8 @@ print()
 for r in rows:
     print("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
 print("  tokens/s: the median of the steps after the first; GPU peak: DeepSpeed's torch.cuda.max_memory_allocated,"
-      "\n  zoffload's device pool peak + LibTorch's; host peak: the largest resident set of the run's processes.")
+      "\n  zoffload's device pool peak + LibTorch's; zo limit: zoffload's gpu_memory_limit, DeepSpeed's peak (- when"
+      "\n  DeepSpeed did not run); host peak: the largest resident set of the run's processes.")
 PY
   return $ok
 }
