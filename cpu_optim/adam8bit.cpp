@@ -4,6 +4,7 @@
 #include "cpu_optim/adam8bit.h"
 
 #include <bit>
+#include <limits>
 #include <memory>
 
 #include "common/adam_math.h"
@@ -28,31 +29,37 @@ const std::array<float, 256>& unsigned_dynamic_map() { return kUnsignedDynamicMa
 //   |x - map[c+1]| < |x - map[c]| in float, which is monotone in x (a float subtraction is monotone
 //   in its first operand): false at map[c], true at map[c+1]. So there is one smallest float tau[c]
 //   from which the nearest entry is above c, and the nearest entry of any x is the number of
-//   thresholds at or below it. quant_table_of finds each tau[c] by bisection over the floats
+//   thresholds at or below it. build_quant_table finds each tau[c] by bisection over the floats
 //   between the two entries, with nearest_map_entry itself deciding.
 // * Buckets. A float's bits above bit 16 (sign, exponent, 7 mantissa bits) split each binade into
 //   128 buckets of equal width, as fine relative to x everywhere as the maps are. With 7 bits, no
 //   bucket of either dynamic map holds two thresholds (6 bits would put two in 8 buckets of the
-//   unsigned map); everything under 2^-24 (the smallest threshold is 1.6e-7, about 2^-22.6) shares
-//   bucket 0 and everything from 2 up the last one; neither of those two holds a threshold.
-// * One entry per bucket. All x of a bucket (but the two clamped ones) share their bits above bit 16,
-//   so "x >= the bucket's threshold" is a compare of x's low 16 bits with the threshold's (both
-//   inverted for negative x, whose bits grow as x falls). Each bucket's 32-bit entry packs that
-//   16-bit key (0x10000 where the bucket has no threshold: above every key) and the nearest entry c
-//   of the bucket's smallest float, as (key << 9) | (c + 1); the code of x is c + 1 minus one where
-//   x's key is below the entry's. One lookup per value: 25.7 KB of entries per map. Before issue 61
-//   the table held the first codes (bytes) and the 256 thresholds (floats) apart, two dependent
-//   lookups per value.
+//   unsigned map).
+// * One entry per bucket. All x of a bucket share their bits above bit 16, so "x >= the bucket's
+//   threshold" is a compare of x's low 16 bits with the threshold's (both inverted for negative x,
+//   whose bits grow as x falls). Each bucket's 32-bit entry packs that 16-bit key (0x10000 where
+//   the bucket has no threshold: above every key) and the nearest entry c of the bucket's smallest
+//   float, as (key << 9) | (c + 1); the code of x is c + 1 minus one where x's key is below the
+//   entry's. Before issue 61 the table held the first codes (bytes) and the 256 thresholds
+//   (floats) apart, two dependent lookups per value.
+// * Every bit pattern has its bucket. The table has an entry for each of the 2^16 values of x's
+//   bits >> 16 (256 KiB per map, of which a step touches the few KiB its moments fall in), so the
+//   bucket is one shift. It used to clamp |x| below 2^-24 and from 2 up into two end buckets
+//   (25.7 KB per map) and zero NaN's code apart: per eight lanes, seven more
+//   vector operations for each of the two moments. inf and NaN now get their codes from their
+//   own buckets: NaN's and -inf's give 0, and the bucket of +inf and the NaNs next to it, whose
+//   bits differ below bit 16 only, gives 255 at key 0 (+inf) and 256 past it, whose low byte, the
+//   code stored, is 0.
 // * The lookups. AVX-512 gathers them; AVX2 loads the eight lanes one by one and inserts them,
 //   which on Zen 3 costs about two thirds of a vpgatherdd (9 against 13.5 cycles for eight lanes,
 //   measured on the 2-core EPYC), as does dequantizing (map[code]) straight from the code bytes.
 //
-// quant_table_of checks the one-threshold property for every bucket and both signs from the two
+// build_quant_table checks the one-threshold property for every bucket and both signs from the two
 // ends of each bucket (nearest_map_entry is monotone, so the ends bound everything between), that
-// a bucket's threshold has the bucket's high bits and that the clamped buckets hold none, and aborts
-// otherwise, so a wrong table cannot be built. NaN lands in the top bucket and is zeroed apart.
-// The result is the binary search's, bit for bit: a one-off run put all 2^32 floats through the
-// AVX2 kernel and nearest_map_entry (no difference, either map; repeated for the packed entries),
+// a bucket's threshold has the bucket's high bits and that no bucket below 2^-24 holds one, and
+// aborts otherwise, so a wrong table cannot be built. The result is the binary search's, bit for
+// bit: a one-off run put all 2^32 floats through the AVX2 kernel and nearest_map_entry (no
+// difference, either map; repeated for the packed entries and again for the full-width table),
 // and the tests compare every ISA's codes with a scan of the neighbouring entries over 1.1 M
 // values and, for quotients by every kind of absmax, with the scalar path (tests/cpu_optim).
 namespace {
@@ -69,7 +76,7 @@ float from_ordered(int64_t k) {
 }  // namespace
 
 namespace detail {
-QuantTable quant_table_of(const float* map) {
+void build_quant_table(const float* map, QuantTable& t) {
   float tau[255];  // tau[c]: the smallest float whose nearest entry is above c
   for (size_t c = 0; c < 255; ++c) {
     ZO_CHECK(map[c] < map[c + 1]) << "the map is not ascending at " << c;
@@ -81,42 +88,55 @@ QuantTable quant_table_of(const float* map) {
     }
     tau[c] = from_ordered(hi);
   }
-  QuantTable t{};
-  for (int k = 0; k <= kBucketTop; ++k) {
-    // The bucket's |x| bits: [low, high].
-    const bool clamped = k == 0 || k == kBucketTop;
-    const uint32_t low = k == 0 ? 0 : static_cast<uint32_t>(k + kBucketFloor) << 16;
-    const uint32_t high = k == kBucketTop ? 0x7F800000u : (static_cast<uint32_t>(k + kBucketFloor + 1) << 16) - 1;
-    for (bool negative : {false, true}) {
-      const float a = std::bit_cast<float>(low), b = std::bit_cast<float>(high);
-      const float smallest = negative ? -b : a, largest = negative ? -a : b;
-      const uint8_t first = nearest_map_entry(map, smallest), last = nearest_map_entry(map, largest);
-      ZO_CHECK(last <= first + 1) << "bucket " << k << (negative ? " (negative)" : "")
-                                  << " holds two thresholds of the map";
-      uint32_t key = kQuantNoThreshold;
-      if (last != first) {
-        // Every x of the bucket has the threshold's bits above bit 16: the low 16 bits decide, in
-        // the order of x (inverted where x < 0, whose bits grow as x falls).
-        ZO_CHECK(!clamped) << "bucket " << k << (negative ? " (negative)" : "")
-                           << " spans more than 7 mantissa bits and holds a threshold of the map";
-        const uint32_t bits = std::bit_cast<uint32_t>(tau[first]);
-        ZO_CHECK(((bits & 0x7FFFFFFFu) >> 16) == static_cast<uint32_t>(k + kBucketFloor) && (bits >> 31) == negative);
-        key = (negative ? ~bits : bits) & 0xFFFFu;
-      }
-      t.entry[negative ? k + kBucketNegative : k] = key << kQuantCodeBits | (first + 1u);
+  constexpr uint32_t kInfBucket = 0x7F80;           // +inf's bits >> 16, the NaNs' from there up
+  constexpr uint32_t kNoThresholdBelow = 103 << 7;  // 2^-24's bits >> 16
+  const float inf = std::numeric_limits<float>::infinity();
+  ZO_CHECK(nearest_map_entry(map, inf) == 255 && nearest_map_entry(map, -inf) == 0);
+  for (uint32_t h = 0; h < kQuantBuckets; ++h) {
+    const bool negative = (h >> 15) != 0;
+    const uint32_t magnitude = h & 0x7FFFu;
+    if (magnitude >= kInfBucket) {
+      // -inf and every NaN: 0. +inf (key 0): 255, from c + 1 = 256 and a threshold at key 1, past
+      // which the NaNs of its bucket get 256, whose low byte (the code stored) is 0.
+      t.entry[h] =
+          magnitude == kInfBucket && !negative ? 1u << kQuantCodeBits | 256u : kQuantNoThreshold << kQuantCodeBits | 1u;
+      continue;
     }
+    const float a = std::bit_cast<float>(magnitude << 16), b = std::bit_cast<float>(magnitude << 16 | 0xFFFFu);
+    const float smallest = negative ? -b : a, largest = negative ? -a : b;  // the bucket's ends, finite
+    const uint8_t first = nearest_map_entry(map, smallest), last = nearest_map_entry(map, largest);
+    ZO_CHECK(last <= first + 1) << "bucket " << h << " holds two thresholds of the map";
+    // Below 2^-24 a quotient in double may be a subnormal ulp off (Note [Dividing by a constant in
+    // double] in detail/kernel_impl.h): no code may change there.
+    ZO_CHECK(last == first || magnitude >= kNoThresholdBelow) << "bucket " << h << " holds a threshold below 2^-24";
+    uint32_t key = kQuantNoThreshold;
+    if (last != first) {
+      // Every x of the bucket has the threshold's bits above bit 16: the low 16 bits decide, in
+      // the order of x (inverted where x < 0, whose bits grow as x falls).
+      const uint32_t bits = std::bit_cast<uint32_t>(tau[first]);
+      ZO_CHECK((bits >> 16) == h) << "bucket " << h << ": its threshold is not in it";
+      key = (negative ? ~bits : bits) & 0xFFFFu;
+    }
+    t.entry[h] = key << kQuantCodeBits | (first + 1u);
   }
-  return t;
 }
 
-const QuantTable& signed_map_quant_table() {
-  static const QuantTable t = quant_table_of(kSignedDynamicMap.data());
+namespace {
+std::unique_ptr<QuantTable> quant_table_of(const float* map) {
+  auto t = std::make_unique<QuantTable>();
+  build_quant_table(map, *t);
   return t;
+}
+}  // namespace
+
+const QuantTable& signed_map_quant_table() {
+  static const std::unique_ptr<QuantTable> t = quant_table_of(kSignedDynamicMap.data());
+  return *t;
 }
 
 const QuantTable& unsigned_map_quant_table() {
-  static const QuantTable t = quant_table_of(kUnsignedDynamicMap.data());
-  return t;
+  static const std::unique_ptr<QuantTable> t = quant_table_of(kUnsignedDynamicMap.data());
+  return *t;
 }
 }  // namespace detail
 
@@ -126,7 +146,8 @@ uint8_t quantize_nearest(const std::array<float, 256>& map, float x) {
   if (map == kUnsignedDynamicMap) {
     table = &detail::unsigned_map_quant_table();
   } else if (map != kSignedDynamicMap) {
-    other = std::make_unique<detail::QuantTable>(detail::quant_table_of(map.data()));
+    other = std::make_unique<detail::QuantTable>();
+    detail::build_quant_table(map.data(), *other);
     table = other.get();
   }
   uint8_t code = 0;

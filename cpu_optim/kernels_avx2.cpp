@@ -75,13 +75,7 @@ struct Avx2Vec {
     hi = _mm_insert_epi32(hi, static_cast<int>(table[d >> 32]), 3);
     return _mm256_set_m128i(hi, lo);
   }
-  static I bucket_of(F x) {
-    const __m256i bits = _mm256_castps_si256(x);
-    __m256i k = _mm256_srli_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(INT32_MAX)), 16);
-    k = _mm256_min_epi32(_mm256_max_epi32(_mm256_sub_epi32(k, _mm256_set1_epi32(kBucketFloor)), _mm256_setzero_si256()),
-                         _mm256_set1_epi32(kBucketTop));
-    return _mm256_add_epi32(k, _mm256_and_si256(_mm256_srai_epi32(bits, 31), _mm256_set1_epi32(kBucketNegative)));
-  }
+  static I bucket_of(F x) { return _mm256_srli_epi32(_mm256_castps_si256(x), 16); }
   // (entry's code) - (key < entry's threshold key); key: x's low 16 bits, inverted where x < 0.
   static I code_in_bucket(I entry, F x) {
     const __m256i bits = _mm256_castps_si256(x);
@@ -89,17 +83,10 @@ struct Avx2Vec {
     const __m256i below = _mm256_cmpgt_epi32(_mm256_srli_epi32(entry, kQuantCodeBits), key);  // -1 where key < t
     return _mm256_add_epi32(_mm256_and_si256(entry, _mm256_set1_epi32((1 << kQuantCodeBits) - 1)), below);
   }
-  static I zero_where_nan(I i, F x) {
-    return _mm256_andnot_si256(_mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)), i);
-  }
-  // x / d as x times 1/d in double, rounded once to float: Note [Dividing by a constant in double].
-  using Divisor = __m256d;
-  static Divisor divisor(float d) { return _mm256_set1_pd(1.0 / static_cast<double>(d)); }
-  static F div_by(F x, Divisor r) {
-    const __m128 lo = _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(x)), r));
-    const __m128 hi = _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)), r));
-    return _mm256_set_m128(hi, lo);
-  }
+  // x / d: the divider itself, unlike AVX-512 (Note [Dividing by a constant in double]).
+  using Divisor = __m256;
+  static Divisor divisor(float d) { return _mm256_set1_ps(d); }
+  static F div_by(F x, Divisor d) { return _mm256_div_ps(x, d); }
   // common/half.h's sr_random16 for index + 0..7, in 32-bit integer lanes.
   static I sr_random16(uint32_t key, uint32_t index) {
     __m256i x = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(index)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));

@@ -43,13 +43,7 @@ struct Avx512Vec {
     return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes))), map, 4);
   }
   static I lookup_u32(const uint32_t* table, I i) { return _mm512_i32gather_epi32(i, table, 4); }
-  static I bucket_of(F x) {
-    const __m512i bits = _mm512_castps_si512(x);
-    __m512i k = _mm512_srli_epi32(_mm512_and_si512(bits, _mm512_set1_epi32(INT32_MAX)), 16);
-    k = _mm512_min_epi32(_mm512_max_epi32(_mm512_sub_epi32(k, _mm512_set1_epi32(kBucketFloor)), _mm512_setzero_si512()),
-                         _mm512_set1_epi32(kBucketTop));
-    return _mm512_mask_add_epi32(k, _mm512_movepi32_mask(bits), k, _mm512_set1_epi32(kBucketNegative));
-  }
+  static I bucket_of(F x) { return _mm512_srli_epi32(_mm512_castps_si512(x), 16); }
   // (entry's code) - (key < entry's threshold key); key: x's low 16 bits, inverted where x < 0.
   static I code_in_bucket(I entry, F x) {
     const __m512i bits = _mm512_castps_si512(x);
@@ -58,7 +52,6 @@ struct Avx512Vec {
     const __m512i code = _mm512_and_si512(entry, _mm512_set1_epi32((1 << kQuantCodeBits) - 1));
     return _mm512_mask_sub_epi32(code, below, code, _mm512_set1_epi32(1));
   }
-  static I zero_where_nan(I i, F x) { return _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), i); }
   // x / d as x times 1/d in double, rounded once to float: Note [Dividing by a constant in double].
   using Divisor = __m512d;
   static Divisor divisor(float d) { return _mm512_set1_pd(1.0 / static_cast<double>(d)); }

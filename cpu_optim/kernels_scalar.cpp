@@ -33,19 +33,14 @@ struct ScalarVec {
   static void store_codes(uint8_t* p, I x) { *p = static_cast<uint8_t>(x); }
   static F lookup_codes(const float* map, const uint8_t* codes) { return map[*codes]; }
   static I lookup_u32(const uint32_t* table, I i) { return static_cast<I>(table[i]); }
-  static I bucket_of(F x) {
-    const uint32_t bits = std::bit_cast<uint32_t>(x);
-    const int k = std::clamp(static_cast<int>((bits & 0x7FFFFFFFu) >> 16) - kBucketFloor, 0, kBucketTop);
-    return (bits >> 31) != 0 ? k + kBucketNegative : k;
-  }
+  static I bucket_of(F x) { return static_cast<I>(std::bit_cast<uint32_t>(x) >> 16); }
   static I code_in_bucket(I entry, F x) {
     const uint32_t bits = std::bit_cast<uint32_t>(x);
     const uint32_t key = ((bits >> 31) != 0 ? ~bits : bits) & 0xFFFFu;
     const uint32_t e = static_cast<uint32_t>(entry);
     return static_cast<I>((e & ((1u << kQuantCodeBits) - 1)) - (key < (e >> kQuantCodeBits) ? 1 : 0));
   }
-  static I zero_where_nan(I i, F x) { return std::isnan(x) ? 0 : i; }
-  // The reference divides (Note [Dividing by a constant in double]: the SIMD paths do not).
+  // The reference divides (Note [Dividing by a constant in double]: the AVX-512 path does not).
   using Divisor = float;
   static Divisor divisor(float d) { return d; }
   static F div_by(F x, Divisor d) { return x / d; }

@@ -14,7 +14,7 @@
 // the k-th W-wide part of a 16-element chunk / norm_lanes(acc, double[16]); for the 8-bit states,
 // I (W int32 lanes) with store_codes (W bytes), lookup_codes(const float* map, const uint8_t* codes)
 // (map[codes[l]] in lane l), lookup_u32(const uint32_t* table, I), bucket_of(F) and code_in_bucket(entry, x) (kernels.h's
-// QuantTable), zero_where_nan(i, x), Divisor with divisor(float d) and div_by(x, Divisor) = x / d
+// QuantTable; store_codes keeps the low byte of its lanes), Divisor with divisor(float d) and div_by(x, Divisor) = x / d
 // correctly rounded (Note [Dividing by a constant in double]), and on F abs,
 // max_keep(acc, x) = x > acc ? x : acc, hmax; for bf16 masters sr_random16(key, index) (lane l:
 // common/half.h's sr_random16(key, index + l)), round_bf16_sr(F, I) (float_to_bf16_sr per lane, as
@@ -23,6 +23,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "cpu_optim/detail/kernels.h"
 #include "cpu_optim/dtype.h"
@@ -398,21 +399,25 @@ void fill_kernel(float* data, float value, size_t begin, size_t end) {
                    [&](const Ptrs<1>& at, size_t i) { V::store(static_cast<float*>(at.p[0]) + i, x); });
 }
 
-// The entry of a map nearest x, per lane, the lower on a tie, 0 for NaN, from the map's QuantTable:
-// one lookup of x's bucket, whose entry holds the bucket's first code and the low 16 bits of the
-// threshold (if any) past which the code is one more.
+// The entry of a map nearest x, per lane (its low byte), the lower on a tie, 0 for NaN, from the
+// map's QuantTable: one lookup of x's bucket, whose entry holds the bucket's first code and the low
+// 16 bits of the threshold (if any) past which the code is one more.
 template <class V>
 ZO_KERNEL_INLINE inline typename V::I nearest_code(const QuantTable& t, typename V::F x) {
-  return V::zero_where_nan(V::code_in_bucket(V::lookup_u32(t.entry, V::bucket_of(x)), x), x);
+  return V::code_in_bucket(V::lookup_u32(t.entry, V::bucket_of(x)), x);
 }
 
 // Note [Dividing by a constant in double]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // The 8-bit kernels divide by two kinds of constant: a block's absmax (each moment over it, to
-// re-quantize) and c2 (sqrt(v) / c2, per call). A core has one divider, and an 8-lane vdivps holds it
-// 3.5–5 cycles on Zen 3 (5 on Skylake-X, 10 for 16 lanes); with the update's own division and sqrt
-// these were five divider operations per element. The SIMD paths instead multiply by the divisor's
-// reciprocal in double and round the product to float, which is the correctly rounded x / d:
+// re-quantize) and c2 (sqrt(v) / c2, per call). A core has one divider; a 16-lane vdivps holds it
+// 10 cycles on Skylake-X, so with the update's own division and sqrt these would be five divider
+// operations per element there. The AVX-512 path instead multiplies by the divisor's reciprocal in
+// double and rounds the product to float, which is the correctly rounded x / d (below). The AVX2
+// path divides (V::div_by is vdivps): on Zen 3 an 8-lane vdivps holds the divider 3.5 cycles, and
+// the double product's conversions, 12 micro-ops per 8 lanes, cost more than the divider time they
+// save; with them the 8-bit step over 16 Ki parameters in L2 took 3.5 ns per parameter on one
+// thread of the 2-core EPYC, with vdivps 2.7 (the same codes and parameters).
 // * y = double(1/d) and double(x·y) each round once to 53 bits, so the product is within 2^-51.9
 //   (relative) of q = x / d.
 // * q is not within 2^-49 (relative) of any midpoint M between two adjacent normal floats. Write
@@ -423,11 +428,11 @@ ZO_KERNEL_INLINE inline typename V::I nearest_code(const QuantTable& t, typename
 // So the product lies strictly on q's side of every such midpoint and rounds to float (to nearest,
 // as MXCSR is on every path) as q does, overflow to inf included. Where |q| < 2^-126 the two may
 // differ by a subnormal ulp, which never shows here: a moment over its absmax only picks a code,
-// and every |x| below 2^-24 is in bucket 0 of its sign, which holds no threshold (quant_table_of
-// checks); sqrt(v) / c2 with c2 <= 1 is 0 or at least sqrt(2^-149). The specials agree: d = 0
-// gives y = inf (0·inf = NaN = 0/0; |x| <= absmax = 0), d = inf gives y = 0 (x·0 = ±0 = x/inf for
-// finite x, inf·0 = NaN = inf/inf), NaN stays NaN. The scalar path divides, so every test holding
-// SIMD to scalar checks this too, and SimdPath.NearestCodesOfQuotientsMatchScalar aims at the
+// and no bucket of an |x| below 2^-24 holds a threshold (build_quant_table checks); sqrt(v) / c2
+// with c2 <= 1 is 0 or at least sqrt(2^-149). The specials agree: d = 0 gives y = inf (0·inf = NaN
+// = 0/0; |x| <= absmax = 0), d = inf gives y = 0 (x·0 = ±0 = x/inf for finite x, inf·0 = NaN =
+// inf/inf), NaN stays NaN. The scalar path divides, so every test holding
+// AVX-512 to scalar checks this too, and SimdPath.NearestCodesOfQuotientsMatchScalar aims at the
 // thresholds with divisors of every kind (a float reciprocal instead fails it at once).
 
 // Note [Prefetching the 8-bit streams]
@@ -448,9 +453,31 @@ ZO_KERNEL_INLINE inline void prefetch_block_ahead(const void* block_start) {
   for (size_t off = 0; off < kQuantBlock * kBytes; off += 64) __builtin_prefetch(p + off, kWrite, 3);
 }
 
+// Runs update(at, i, index, track_max) over the W-wide steps of a block's n elements, with
+// track_max (a std::bool_constant) true on the full steps, whose lanes are all the block's, and
+// false on a last partial step, whose padded lanes must not count; then zeroes the block's local
+// floats past n up to the next multiple of W (in each of `locals`) and returns the first index the
+// full steps did not cover, from which the caller folds the locals into its maxima.
+template <size_t W, size_t N, size_t L, class Update>
+ZO_KERNEL_INLINE inline size_t update_block(const Stream (&streams)[N], size_t n, float* const (&locals)[L],
+                                            Update&& update) {
+  const size_t full = n / W * W;
+  for_blocks_at<W>(streams, 0, full, [&](const Ptrs<N>& at, size_t i, size_t index) ZO_KERNEL_INLINE {
+    update(at, i, index, std::true_type{});
+  });
+  if (full == n) return n;
+  for_blocks_at<W>(streams, full, n, [&](const Ptrs<N>& at, size_t i, size_t index) ZO_KERNEL_INLINE {
+    update(at, i, index, std::false_type{});
+  });
+  for (float* local : locals)
+    for (size_t j = n; j < full + W; ++j) local[j] = 0.0f;  // +0: no absmax is below it
+  return full;
+}
+
 // One block of 8-bit blockwise Adam, elements [first, first + n), n <= 256: dequantize, update in
 // bitsandbytes' order (docs/cpu_optim.md), then the block's absmax (the largest non-NaN |x|, 0 if
-// none) and the nearest codes. The moments between the passes live in two local arrays.
+// none; kept in registers as the update goes) and the nearest codes. The new moments between the
+// two passes live in two local arrays, in L1.
 template <class V, DType P, DType G, bool kCopy, DType C>
 void adam8bit_block(const Adam8bitArgs& a, typename V::Divisor c2, size_t first, size_t n) {
   using F = typename V::F;
@@ -466,7 +493,7 @@ void adam8bit_block(const Adam8bitArgs& a, typename V::Divisor c2, size_t first,
   prefetch_block_ahead<1, 1>(a.m_codes + first);
   prefetch_block_ahead<1, 1>(a.v_codes + first);
   const F m_scale = V::set1(a.m_absmax[b]), v_scale = V::set1(a.v_absmax[b]);
-  alignas(64) float m_new[kQuantBlock], v_new[kQuantBlock];  // lanes past n are set to +0 below
+  alignas(64) float m_new[kQuantBlock], v_new[kQuantBlock];
   const Stream update[7] = {
       {static_cast<char*>(a.p.params) + first * kElemBytes<P>, kElemBytes<P>, true},
       {a.m_codes + first, 1, false},
@@ -475,7 +502,8 @@ void adam8bit_block(const Adam8bitArgs& a, typename V::Divisor c2, size_t first,
       {kCopy ? static_cast<char*>(a.copy_out) + first * kElemBytes<C> : nullptr, kElemBytes<C>, true},
       {m_new, 4, true},
       {v_new, 4, true}};
-  for_blocks_at<W>(update, 0, n, [&](const Ptrs<7>& at, size_t i, size_t index) ZO_KERNEL_INLINE {
+  F m_max = V::set1(0.0f), v_max = V::set1(0.0f);
+  const auto step = [&](const Ptrs<7>& at, size_t i, size_t index, auto track_max) ZO_KERNEL_INLINE {
     F g = V::mul(load_elems<V, G>(at.p[3], i), scale);
     F p = load_elems<V, P>(at.p[0], i);
     if (k.use_l2) g = V::fma(p, wd, g);
@@ -489,13 +517,15 @@ void adam8bit_block(const Adam8bitArgs& a, typename V::Divisor c2, size_t first,
     store_params<V, P, kCopy, C>(a.p, at.p[0], at.p[4], i, first + index, p);
     V::store(static_cast<float*>(at.p[5]) + i, m);
     V::store(static_cast<float*>(at.p[6]) + i, v);
-  });
-  const size_t padded = (n + W - 1) / W * W;  // +0 past n: no absmax is below it
-  for (size_t j = n; j < padded; ++j) m_new[j] = v_new[j] = 0.0f;
-  F m_max = V::set1(0.0f), v_max = V::set1(0.0f);
-  for (size_t j = 0; j < padded; j += W) {
-    m_max = V::max_keep(m_max, V::abs(V::load(m_new + j)));
-    v_max = V::max_keep(v_max, V::abs(V::load(v_new + j)));
+    if constexpr (decltype(track_max)::value) {
+      m_max = V::max_keep(m_max, V::abs(m));
+      v_max = V::max_keep(v_max, V::abs(v));
+    }
+  };
+  const size_t tail = update_block<W>(update, n, {m_new, v_new}, step);
+  if (tail < n) {
+    m_max = V::max_keep(m_max, V::abs(V::load(m_new + tail)));
+    v_max = V::max_keep(v_max, V::abs(V::load(v_new + tail)));
   }
   const float m_amax = V::hmax(m_max), v_amax = V::hmax(v_max);
   a.m_absmax[b] = m_amax;
@@ -542,14 +572,15 @@ void one_state8bit_block(const OneState8bitArgs& a, size_t first, size_t n) {
   if constexpr (kCopy) prefetch_block_ahead<kElemBytes<C>, 1>(static_cast<char*>(a.copy_out) + first * kElemBytes<C>);
   prefetch_block_ahead<1, 1>(a.codes + first);  // Note [Prefetching the 8-bit streams]
   const F s_scale = V::set1(a.absmax[b]);
-  alignas(64) float s_new[kQuantBlock];  // lanes past n are set to +0 below
+  alignas(64) float s_new[kQuantBlock];
   const Stream update[5] = {
       {static_cast<char*>(a.p.params) + first * kElemBytes<P>, kElemBytes<P>, true},
       {a.codes + first, 1, false},
       {const_cast<char*>(static_cast<const char*>(a.grad)) + first * kElemBytes<G>, kElemBytes<G>, false},
       {kCopy ? static_cast<char*>(a.copy_out) + first * kElemBytes<C> : nullptr, kElemBytes<C>, true},
       {s_new, 4, true}};
-  for_blocks_at<W>(update, 0, n, [&](const Ptrs<5>& at, size_t i, size_t index) ZO_KERNEL_INLINE {
+  F s_max = V::set1(0.0f);
+  const auto step = [&](const Ptrs<5>& at, size_t i, size_t index, auto track_max) ZO_KERNEL_INLINE {
     F g = V::mul(load_elems<V, G>(at.p[2], i), scale);
     F p = load_elems<V, P>(at.p[0], i);
     F st = V::mul(V::lookup_codes(a.map, static_cast<const uint8_t*>(at.p[1]) + i), s_scale);
@@ -569,11 +600,10 @@ void one_state8bit_block(const OneState8bitArgs& a, size_t first, size_t n) {
     }
     store_params<V, P, kCopy, C>(a.p, at.p[0], at.p[3], i, first + index, p);
     V::store(static_cast<float*>(at.p[4]) + i, st);
-  });
-  const size_t padded = (n + W - 1) / W * W;  // +0 past n: no absmax is below it
-  for (size_t j = n; j < padded; ++j) s_new[j] = 0.0f;
-  F s_max = V::set1(0.0f);
-  for (size_t j = 0; j < padded; j += W) s_max = V::max_keep(s_max, V::abs(V::load(s_new + j)));
+    if constexpr (decltype(track_max)::value) s_max = V::max_keep(s_max, V::abs(st));
+  };
+  const size_t tail = update_block<W>(update, n, {s_new}, step);
+  if (tail < n) s_max = V::max_keep(s_max, V::abs(V::load(s_new + tail)));
   const float s_amax = V::hmax(s_max);
   a.absmax[b] = s_amax;
   const typename V::Divisor s_div = V::divisor(s_amax);

@@ -69,25 +69,24 @@ struct LionArgs {
 using ::zo::Adam8bitConstants;
 
 // Nearest map entries by bucket (Note [Nearest codes by bucket] in cpu_optim/adam8bit.cpp). A float
-// x falls in bucket k = clamp((|x|'s bits >> 16) - kBucketFloor, 0, kBucketTop): its exponent and
-// the top 7 bits of its mantissa, with every |x| below 2^-24·(1 + 2^-7) in bucket 0 and every |x|
-// from 2 up (inf, NaN) in kBucketTop; negative x use the buckets from kBucketNegative on. Each bucket
-// holds at most one threshold of its map (the two clamped ones none), and all its x share their bits
-// above bit 16, so "x is at or past the threshold" is a compare of x's low 16 bits (inverted for a
-// negative x, whose order they reverse) with the threshold's. Each bucket's entry packs that 16-bit
-// threshold key t (0x10000: none) and the nearest entry c of the bucket's smallest x as
-// (t << kQuantCodeBits) | (c + 1); the nearest entry of x is then c + 1 - (key(x) < t), 0 for NaN.
-inline constexpr int kBucketFloor = 103 << 7;  // biased exponent 103 (2^-24), 7 mantissa bits
-inline constexpr int kBucketTop = 25 << 7;     // |x| >= 2
-inline constexpr int kBucketNegative = 3208;   // kBucketTop + 1, rounded up to a multiple of 8
-inline constexpr int kQuantCodeBits = 9;       // c + 1 <= 256
+// x falls in bucket bits(x) >> 16: its sign, exponent and the top 7 bits of its mantissa, so a
+// bucket is one shift and every bit pattern has one (inf and NaN included). Each bucket holds at
+// most one threshold of its map, and all its x share their bits above bit 16, so "x is at or past
+// the threshold" is a compare of x's low 16 bits (inverted for a negative x, whose order they
+// reverse) with the threshold's. Each bucket's entry packs that 16-bit threshold key t (0x10000:
+// none) and the nearest entry c of the bucket's smallest x as (t << kQuantCodeBits) | (c + 1); the
+// nearest entry of x is then the low byte of c + 1 - (key(x) < t). The one bucket of +inf and the
+// NaNs just above it has c + 1 = 256 and t = 1 (+inf: 255; those NaNs: 256, whose low byte is 0),
+// the other NaN buckets and -inf's give 0.
+inline constexpr int kQuantBuckets = 1 << 16;
+inline constexpr int kQuantCodeBits = 9;                // c + 1 <= 256
 inline constexpr uint32_t kQuantNoThreshold = 0x10000;  // above every 16-bit key
 struct QuantTable {
-  alignas(64) uint32_t entry[2 * kBucketNegative];
+  alignas(64) uint32_t entry[kQuantBuckets];
 };
 // Builds the table of an ascending 256-entry map; aborts if a bucket would hold two thresholds
-// (cpu_optim/adam8bit.cpp).
-QuantTable quant_table_of(const float* map);
+// (cpu_optim/adam8bit.cpp). 256 KiB: keep it off the stack.
+void build_quant_table(const float* map, QuantTable& table);
 // The tables of the two dynamic maps, built once (cpu_optim/adam8bit.cpp).
 const QuantTable& signed_map_quant_table();
 const QuantTable& unsigned_map_quant_table();
