@@ -481,6 +481,13 @@ void Resolver::offload_placement() {
     st->error("zoffload.optimizer_read_ahead", std::to_string(c->zoffload.optimizer_read_ahead) +
                                                    " reads optimizer states ahead from NVMe, but they are not there "
                                                    "(zero_optimization.offload_optimizer.device is not \"nvme\")");
+  else if (c->zoffload.optimizer_read_ahead > 0 && (grads == "none" || grads == "nvme"))
+    st->error("zoffload.optimizer_read_ahead",
+              grads == "none"
+                  ? "reads ahead for a step after the backward; without accumulators (gradient_accumulators "
+                    "\"none\") each sub-group's states are read as its gradient becomes final"
+                  : "cannot read ahead with gradient_accumulators \"nvme\": the backward writes the "
+                    "gradients into the same records of the swap file");
   if (grads == "nvme" && oo.nvme_path.empty() && !st->has_error("zero_optimization.offload_optimizer.nvme_path"))
     st->error("zero_optimization.offload_optimizer.nvme_path",
               "needed when zoffload.gradient_accumulators is \"nvme\" (their swap file lives there)");

@@ -552,7 +552,9 @@ Result<MemoryPlan> plan_memory(const Config& config, const ParamRegistry& regist
                               " is too few; the optimizer pipeline needs " + std::to_string(needed) +
                               " (1 + pipeline_read + pipeline_write)");
     }
-    const uint64_t ahead = std::min<uint64_t>(config.zoffload.optimizer_read_ahead, owned_groups);
+    // Only where something is read ahead (Note [Reading the states ahead]).
+    const bool reads_ahead = !pl.no_accumulator && pl.grad != Tier::kNvme;
+    const uint64_t ahead = reads_ahead ? std::min<uint64_t>(config.zoffload.optimizer_read_ahead, owned_groups) : 0;
     plan.optimizer_swap_buffers = static_cast<uint32_t>(std::min<uint64_t>(needed + ahead, owned_groups));
     for (StateKind k : kAllStates) {
       if (k == StateKind::kGradAccum && pl.grad != Tier::kNvme) continue;  // read in place

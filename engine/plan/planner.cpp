@@ -516,6 +516,11 @@ void add_notes(const PlanBasis& b, RunPlan* out) {
   if (!p.nvme_exact)
     p.notes.push_back("compute copies on NVMe are read once to " + std::to_string(2 * b.passes) +
                       " times per step, as the coordinator's cache and prefetch decide");
+  // Note [Reading the states ahead]: "auto" accumulators may land in the swap file's records.
+  if (b.c.zoffload.optimizer_read_ahead > 0 && p.memory.placement.grad == Tier::kNvme)
+    p.notes.push_back(
+        "zoffload.optimizer_read_ahead: nothing is read ahead, the gradient accumulators are in the "
+        "optimizer swap file (no room for them in RAM), whose records the backward writes");
 }
 
 }  // namespace

@@ -849,6 +849,17 @@ const Malformed kMalformed[] = {
       {"zoffload", {{"optimizer_read_ahead", 2}}}},
      "zoffload.optimizer_read_ahead",
      "reads optimizer states ahead from NVMe, but they are not there"},
+    {"read_ahead_without_accumulators",
+     {{"zero_optimization", {{"stage", 3}, {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", "/tmp/x"}}}}},
+      {"gradient_clipping", 0},
+      {"zoffload", {{"optimizer_read_ahead", 2}, {"gradient_accumulators", "none"}}}},
+     "zoffload.optimizer_read_ahead",
+     "each sub-group's states are read as its gradient becomes final"},
+    {"read_ahead_with_accumulators_in_the_file",
+     {{"zero_optimization", {{"stage", 3}, {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", "/tmp/x"}}}}},
+      {"zoffload", {{"optimizer_read_ahead", 2}, {"gradient_accumulators", "nvme"}}}},
+     "zoffload.optimizer_read_ahead",
+     "the backward writes the gradients into the same records"},
     {"read_ahead_negative", {{"zoffload", {{"optimizer_read_ahead", -1}}}}, "zoffload.optimizer_read_ahead", "≥ 0"},
 };
 

@@ -1202,15 +1202,17 @@ TEST(OptimizerSwapper, StatesReadAheadGiveTheSameStepsBitForBit) {
 }
 
 // Reading ahead needs the gradient out of the states' records: with the accumulators in them (the
-// backward is still writing them) nothing is read ahead, and the step reads them itself.
+// backward is still writing them; "auto" puts them there when RAM has no room, as plan_memory alone
+// does) the plan adds no buffers, nothing is read ahead, and the step reads them itself.
 TEST(OptimizerSwapper, NothingIsReadAheadFromRecordsThatHoldTheGradient) {
   Placing s;
   s.optimizer = "nvme";
-  s.accumulators = "nvme";
   s.pipeline_read = s.pipeline_write = true;
   s.read_ahead = 2;
   Rig rig;
   ASSERT_TRUE(rig.init(s).is_ok());
+  ASSERT_EQ(rig.plan.placement.grad, Tier::kNvme);
+  EXPECT_EQ(rig.plan.optimizer_swap_buffers, 3u) << "the pipeline's own, none to read ahead into";
   const Inputs in = make_inputs(1);
   ASSERT_TRUE(init_all(*rig.store, in).is_ok());
   auto swapper = OptimizerSwapper::create(*rig.store, *rig.executor, PipelineOptions::from_config(rig.config));

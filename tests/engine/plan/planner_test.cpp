@@ -165,6 +165,34 @@ TEST(Planner, AutoKeepsTheAccumulatorsInRamWhenTheHostHasRoom) {
   EXPECT_TRUE(offered) << fixes.size() << " fixes";
 }
 
+// Note [Reading the states ahead]: zoffload.optimizer_read_ahead adds swap buffers to the pinned
+// pool where something is read into them, and where "auto" puts the accumulators in the swap file
+// it adds none and the plan says why.
+TEST(Planner, StatesReadAheadTakeSwapBuffersOnlyWhereTheyAreRead) {
+  PlanInputs in = tiny_inputs(OffloadDevice::kNvme, OffloadDevice::kCpu);
+  in.config.zero.sub_group_size = 65536;
+  in.config.zoffload.gradient_accumulators = "auto";
+  auto base = plan_run(in);
+  in.config.zoffload.optimizer_read_ahead = 2;
+  auto ahead = plan_run(in);
+  ASSERT_TRUE(base.is_ok() && ahead.is_ok()) << base.status().to_string() << ahead.status().to_string();
+  ASSERT_EQ(ahead->memory.placement.grad, Tier::kCpu);
+  EXPECT_EQ(ahead->memory.optimizer_swap_buffers, base->memory.optimizer_swap_buffers + 2);
+  EXPECT_EQ(ahead->memory.pinned_pool_bytes() - base->memory.pinned_pool_bytes(),
+            2 * ahead->memory.optimizer_swap_buffer_bytes);
+  EXPECT_THAT(ahead->to_json(), Not(HasSubstr("nothing is read ahead")));
+
+  in.host.ram_available_bytes = ahead->ram_bytes + ahead->process_bytes;  // no tenth to spare: the drive
+  auto tight = plan_run(in);
+  ASSERT_TRUE(tight.is_ok());
+  ASSERT_EQ(tight->memory.placement.grad, Tier::kNvme);
+  in.config.zoffload.optimizer_read_ahead = 0;
+  auto tight_base = plan_run(in);
+  ASSERT_TRUE(tight_base.is_ok());
+  EXPECT_EQ(tight->memory.optimizer_swap_buffers, tight_base->memory.optimizer_swap_buffers);
+  EXPECT_THAT(tight->to_json(), HasSubstr("zoffload.optimizer_read_ahead: nothing is read ahead"));
+}
+
 // A shipped llama3-8b config (seq 1024, 1000 steps) on the machine it is for: a 24 GB card and a
 // 128 GiB host.
 std::optional<PlanInputs> shipped_8b_on_128gib(const std::string& file) {
