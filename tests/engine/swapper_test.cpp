@@ -1503,11 +1503,14 @@ struct FaultRig {
   std::unique_ptr<OptimizerSwapper> swapper;
   Inputs in = make_inputs(2);
 
-  void init() {
+  static Placing nvme_pipelined() {
     Placing s;
     s.optimizer = "nvme";
     s.param = "nvme";
     s.pipeline_read = s.pipeline_write = true;
+    return s;
+  }
+  void init(const Placing& s = nvme_pipelined()) {
     ASSERT_TRUE(rig.init(s).is_ok());
     ASSERT_GT(rig.plan.n_sub_groups, 4u);
     ASSERT_TRUE(init_all(*rig.store, in).is_ok());
@@ -1579,34 +1582,26 @@ TEST(OptimizerSwapperFaults, ErrorBeforeAnyWriteLeavesTheStoreUsable) {
 // the sub-group and the file; the first sub-group's leaves the states untouched, and the step run
 // again reads it itself.
 TEST(OptimizerSwapperFaults, AFailedReadAheadFailsTheStepThatWaitsForIt) {
-  Placing s;
-  s.optimizer = "nvme";
+  FaultRig f;
+  Placing s = FaultRig::nvme_pipelined();
   s.param = "cpu";
   s.accumulators = "cpu";
-  s.pipeline_read = s.pipeline_write = true;
   s.read_ahead = 2;
-  Rig rig;
-  ASSERT_TRUE(rig.init(s).is_ok());
-  const Inputs in = make_inputs(1);
-  ASSERT_TRUE(init_all(*rig.store, in).is_ok());
-  ASSERT_TRUE(write_grads(rig, in, 0).is_ok());
-  auto swapper = OptimizerSwapper::create(*rig.store, *rig.executor, PipelineOptions::from_config(rig.config));
-  ASSERT_TRUE(swapper.is_ok());
-  const ParamStates before = gather_all(*rig.store);
-  const uint64_t offset = rig.store->location(0, StateKind::kMaster).region.offset_bytes;
-  rig.faults->add({io::FaultKind::kEio, io::IoOp::kRead, "optimizer.swp", offset, 1});
-  ASSERT_TRUE((*swapper)->read_states_ahead().is_ok());
-  auto report = (*swapper)->step(step_args(rig, 1));
+  ASSERT_NO_FATAL_FAILURE(f.init(s));
+  const ParamStates before = gather_all(*f.rig.store);
+  f.rig.faults->add({io::FaultKind::kEio, io::IoOp::kRead, "optimizer.swp", f.record_offset(0), 1});
+  ASSERT_TRUE(f.swapper->read_states_ahead().is_ok());
+  auto report = f.swapper->step(step_args(f.rig, 1));
   ASSERT_FALSE(report.is_ok());
   EXPECT_EQ(report.status().code(), StatusCode::kIoError);
   EXPECT_THAT(report.status().message(), HasSubstr("sub-group 0"));
-  EXPECT_THAT(report.status().message(), HasSubstr(rig.store->optimizer_file()->path()));
-  EXPECT_TRUE(rig.store->torn_reason().empty()) << rig.store->torn_reason();
-  expect_same(gather_all(*rig.store), before, "states after a failed read ahead of sub-group 0");
-  EXPECT_EQ(rig.io->wait_all().code(), StatusCode::kOk) << "no I/O left in flight";
-  ASSERT_TRUE((*swapper)->step(step_args(rig, 1)).is_ok());
-  const ParamStates want = reference_run(in, adam_of(rig.config), rig.compute_dtype(), rig.grad_dtype(), 1);
-  expect_same(gather_all(*rig.store), want, "after the step run again");
+  EXPECT_THAT(report.status().message(), HasSubstr(f.rig.store->optimizer_file()->path()));
+  EXPECT_TRUE(f.rig.store->torn_reason().empty()) << f.rig.store->torn_reason();
+  expect_same(gather_all(*f.rig.store), before, "states after a failed read ahead of sub-group 0");
+  EXPECT_EQ(f.rig.io->wait_all().code(), StatusCode::kOk) << "no I/O left in flight";
+  ASSERT_TRUE(f.swapper->step(step_args(f.rig, 1)).is_ok());
+  const ParamStates want = reference_run(f.in, adam_of(f.rig.config), f.rig.compute_dtype(), f.rig.grad_dtype(), 1);
+  expect_same(gather_all(*f.rig.store), want, "after the step run again");
 }
 
 // ---- 5. ParamSwapper ----------------------------------------------------------------------------
