@@ -15,15 +15,13 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
-#include <optional>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "common/string_util.h"
 #include "common/aligned_buffer.h"
 #include "common/bytes.h"
 #include "common/status.h"
@@ -71,13 +69,7 @@ struct HostArgs {
 Result<engine::Config> make_config(const HostArgs& a, const engine::ModelConfig& model) {
   nlohmann::json j;
   if (!a.config_path.empty()) {
-    std::ifstream in(a.config_path);
-    if (!in) return invalid_argument(a.config_path + ": cannot read the file");
-    std::stringstream text;
-    text << in.rdbuf();
-    j = nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
-    if (j.is_discarded() || !j.is_object())
-      return invalid_argument(a.config_path + ": not a JSON object (run `zoffload config check` for details)");
+    ZO_ASSIGN_OR_RETURN(j, read_bench_config(a.config_path));
   } else {
     // configs/llama8b_24gb_exact_ram.json's host side: fp32 masters and moments in RAM, no
     // accumulators, the vertical schedule (one window a step), no clipping.
@@ -101,14 +93,7 @@ Result<engine::Config> make_config(const HostArgs& a, const engine::ModelConfig&
   if (a.threads >= 0) z["optimizer_threads"] = a.threads;
   engine::ResolveContext ctx;
   ctx.hidden_size = model.hidden_size;
-  engine::ConfigDiagnostics diag;
-  std::optional<engine::Config> c = engine::parse_config_json(j, ctx, &diag);
-  if (!c) {
-    std::string msg = "the benchmark's config is invalid:";
-    for (const auto& e : diag.errors) msg += "\n  " + e.to_string();
-    return invalid_argument(msg);
-  }
-  return *c;
+  return parse_bench_config(j, ctx);
 }
 
 // One step's figures, in seconds of wall time.
@@ -477,9 +462,8 @@ void register_bench_host(CLI::App& app, int* exit_code) {
       "backward order, the gradient worker, the norm, the optimizer and the compute copies, through the engine's "
       "own parts; prints the bytes per parameter, the host kernels' GB/s against a triad on the executor's threads, "
       "and the bounding stage");
-  std::string presets;
-  for (const std::string& name : engine::model_preset_names()) presets += (presets.empty() ? "" : ", ") + name;
-  cmd->add_option("--model", args->model, "a Hugging Face model directory or a preset: " + presets)
+  cmd->add_option("--model", args->model,
+                  "a Hugging Face model directory or a preset: " + join(engine::model_preset_names(), ", "))
       ->capture_default_str();
   cmd->add_option("--config", args->config_path,
                   "a DeepSpeed/zoffload JSON config (default: configs/llama8b_24gb_exact_ram.json's host side: fp32 "

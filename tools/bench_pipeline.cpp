@@ -12,10 +12,8 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -65,15 +63,7 @@ constexpr uint64_t kDefaultSubGroupSize = 25'000'000;
 // a user measures their own aio, buffer and pipeline settings; parsed by the real config parser.
 Result<engine::Config> make_config(const PipelineArgs& a, uint64_t sub_group_size_override, std::string* why_usage) {
   nlohmann::json j = nlohmann::json::object();
-  if (!a.config_path.empty()) {
-    std::ifstream in(a.config_path);
-    if (!in) return invalid_argument(a.config_path + ": cannot read the file");
-    std::stringstream text;
-    text << in.rdbuf();
-    j = nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
-    if (j.is_discarded() || !j.is_object())
-      return invalid_argument(a.config_path + ": not a JSON object (run `zoffload config check` for details)");
-  }
+  if (!a.config_path.empty()) { ZO_ASSIGN_OR_RETURN(j, read_bench_config(a.config_path)); }
   auto& zero = j["zero_optimization"];
   zero["stage"] = 3;
   if (sub_group_size_override != 0 || !zero.contains("sub_group_size"))
@@ -95,13 +85,10 @@ Result<engine::Config> make_config(const PipelineArgs& a, uint64_t sub_group_siz
   ctx.hidden_size = 4096;  // only for "auto" bucket sizes, which this benchmark does not use
   ctx.micro_batch_size = 1;
   ctx.gradient_accumulation_steps = 1;
-  engine::ConfigDiagnostics diag;
-  std::optional<engine::Config> c = engine::parse_config_json(j, ctx, &diag);
-  if (!c) {
-    std::string msg = "the benchmark's config is invalid:";
-    for (const auto& e : diag.errors) msg += "\n  " + e.to_string();
-    *why_usage = msg;
-    return invalid_argument(msg);
+  Result<engine::Config> c = parse_bench_config(j, ctx);
+  if (!c.is_ok()) {
+    *why_usage = c.status().message();
+    return c.status();
   }
   if (c->zoffload.moment_dtype != "fp32") {
     *why_usage = "zoffload.moment_dtype \"" + c->zoffload.moment_dtype +

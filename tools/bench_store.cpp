@@ -1,7 +1,10 @@
 #include "tools/bench_store.h"
 
 #include <algorithm>
+#include <fstream>
+#include <optional>
 #include <span>
+#include <sstream>
 #include <vector>
 
 #include "engine/config/io_settings.h"
@@ -43,6 +46,26 @@ Status BenchStore::init_weights(const std::function<void(uint64_t done, uint64_t
     if (progress) progress(done, reg.total_elems());
   }
   return Status::ok();
+}
+
+Result<nlohmann::json> read_bench_config(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return invalid_argument(path + ": cannot read the file");
+  std::stringstream text;
+  text << in.rdbuf();
+  nlohmann::json j = nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object())
+    return invalid_argument(path + ": not a JSON object (run `zoffload config check` for details)");
+  return j;
+}
+
+Result<engine::Config> parse_bench_config(const nlohmann::json& j, const engine::ResolveContext& ctx) {
+  engine::ConfigDiagnostics diag;
+  std::optional<engine::Config> c = engine::parse_config_json(j, ctx, &diag);
+  if (c) return *c;
+  std::string msg = "the benchmark's config is invalid:";
+  for (const auto& e : diag.errors) msg += "\n  " + e.to_string();
+  return invalid_argument(msg);
 }
 
 }  // namespace zo::tools

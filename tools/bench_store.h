@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
 
 #include "common/status.h"
 #include "cpu_optim/executor.h"
@@ -35,5 +37,12 @@ struct BenchStore {
   // count, streamed into the store 4 Mi elements at a time. progress(done, total) after each param.
   Status init_weights(const std::function<void(uint64_t done, uint64_t total)>& progress = {});
 };
+
+// The user's --config file as a JSON object, for a benchmark to lay its own choices over;
+// kInvalidArgument naming the file when it cannot be read or is not a JSON object.
+Result<nlohmann::json> read_bench_config(const std::string& path);
+
+// `j` parsed by the real config parser; kInvalidArgument listing every error otherwise.
+Result<engine::Config> parse_bench_config(const nlohmann::json& j, const engine::ResolveContext& ctx);
 
 }  // namespace zo::tools

@@ -953,12 +953,10 @@ Result<ModelConfig> resolve_model_config(const std::string& model, io::Env* env)
   if (kind == io::PathKind::kDirectory) return load_hf_config(model, env);
   Result<ModelConfig> preset = model_preset(model);
   if (preset.is_ok()) return preset;
-  std::string names;
-  for (const std::string& n : model_preset_names()) names += (names.empty() ? "" : ", ") + n;
   return not_found("--model " + model +
                    ": not a directory (a Hugging Face model with config.json and *.safetensors) "
                    "nor a preset (" +
-                   names + ")");
+                   join(model_preset_names(), ", ") + ")");
 }
 
 }  // namespace zo::engine
