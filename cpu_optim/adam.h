@@ -15,7 +15,7 @@
 namespace zo::cpu_optim {
 
 // The hyperparameters (lr, beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction) are
-// zoffload's one AdamConfig (common/adam_math.h), shared with gpu::Device::adam_step.
+// zoffload's one AdamConfig (common/adam_math.h), shared with gpu::OptimKernels::adam_step.
 using AdamConfig = ::zo::AdamConfig;
 
 // One Adam step on n = params.size() elements; per element, with g = grad * grad_scale:
@@ -24,7 +24,7 @@ using AdamConfig = ::zo::AdamConfig;
 //   p = p * (1 - lr*wd)                               (adam_w_mode && wd > 0)
 //   p = p - lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)     bc_i = 1 - beta_i^step (1 if !bias_correction)
 // evaluated in fp32 in the exact operation order of docs/cpu_optim.md (the same on every ISA, and
-// the same as zo::adam_update in common/adam_math.h, which gpu::Device::adam_step runs).
+// the same as zo::adam_update in common/adam_math.h, which gpu::OptimKernels::adam_step runs).
 // `step` is the 1-based step number of this update (DeepSpeed passes it per call; sub-groups of one
 // iteration pass the same value). `grad_scale` = 1/loss_scale × clip coefficient.
 // `grad` has n elements of fp32/bf16/fp16; `copy_out`, if its data is non-null, receives the new

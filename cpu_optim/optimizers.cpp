@@ -1,7 +1,7 @@
 // adam_step, adam8bit_step, adagrad_step and lion_step: validate the spans and hyperparameters,
 // derive every per-call constant once (in double, rounded once to float, so all ISA paths see the
 // same values), then run the executor's kernel over tiles. Adam's validation and constants are
-// common/adam_math's, the ones gpu::Device::adam_step uses; the 8-bit Adam's follow bitsandbytes.
+// common/adam_math's, the ones gpu::OptimKernels::adam_step uses; the 8-bit Adam's follow bitsandbytes.
 #include <cmath>
 #include <string>
 
@@ -112,7 +112,7 @@ Status run_adam(const char* op, const AdamConfig& config, int64_t step, detail::
   a.grad_dtype = grad.dtype;
   a.copy_out = copy_out.data;
   a.copy_dtype = copy_out.dtype;
-  a.k = adam_constants(config, step, grad_scale);  // shared with gpu::Device::adam_step
+  a.k = adam_constants(config, step, grad_scale);  // shared with gpu::OptimKernels::adam_step
   const auto kernel = table_for(executor).adam;
   executor.for_each_tile(n, [&](size_t begin, size_t end) { kernel(a, begin, end); });
   return Status::ok();

@@ -10,7 +10,6 @@
 #include <string>
 #include <string_view>
 
-#include "common/adam_math.h"
 #include "common/dtype.h"
 #include "common/status.h"
 
@@ -61,58 +60,11 @@ enum class DeviceWork : uint8_t { kH2D = 0, kD2H = 1, kCompute = 2 };
 // completed: per kind, the union of the intervals its operations ran, so two copies at once count
 // once (exact on HostDevice; on CUDA, from timing events resolved in queue order, exact when one
 // stream carries each kind). Copies: copy_h2d, copy_d2h and foreign_work's; compute:
-// foreign_work's only (the device's own kernels, cast and adam_step, are not counted).
+// foreign_work's only (the device's own kernels, cast and the optimizer's, are not counted).
 struct DeviceBusy {
   double h2d_s = 0;
   double d2h_s = 0;
   double compute_s = 0;
-};
-
-// One Adam/AdamW step over n_elems device-resident elements, for Device::adam_step. The buffers
-// are device ranges of n_elems elements each (of the dtype named beside them) that must not overlap.
-struct DeviceAdamArgs {
-  DevicePtr params;  // the masters, param_dtype, updated in place
-  // kF32, or kBF16: bf16 masters, widened exactly and stored with stochastic rounding, element i
-  // drawing sr_random16(sr_key, sr_first + i) (Note [Stochastic rounding to bf16] in common/half.h);
-  // copy_out, if any, must then be bf16 and gets the same bits.
-  DType param_dtype = DType::kF32;
-  uint32_t sr_key = 0;
-  uint32_t sr_first = 0;
-  DevicePtr exp_avg;                 // first moment, moment_dtype, updated in place
-  DevicePtr exp_avg_sq;              // second moment, moment_dtype, updated in place
-  DType moment_dtype = DType::kF32;  // kF32, or kBF16 (widened exactly, stored rounded to nearest even)
-  DevicePtr grad;                    // read only, grad_dtype (fp32, bf16 or fp16)
-  DType grad_dtype = DType::kF32;
-  float grad_scale = 1.0f;  // 1/loss_scale × clip coefficient, applied to each gradient as it is read
-  DevicePtr copy_out;       // null: none; else receives the new params as copy_dtype (round to nearest even)
-  DType copy_dtype = DType::kBF16;
-  uint64_t n_elems = 0;
-  AdamConfig config;  // common/adam_math.h: the same hyperparameters cpu_optim::adam_step takes
-  int64_t step = 1;   // 1-based step number of this update
-};
-
-// One step of Adam/AdamW with 8-bit blockwise moments over n_elems device-resident elements, for
-// Device::adam8bit_step: each moment is n_elems codes into bitsandbytes' dynamic map
-// (common/dynamic_maps.h: the signed one for exp_avg, the unsigned one for exp_avg_sq) and one fp32
-// absmax per block of 256 elements, the last block partial (cpu_optim::BlockwiseState). Ranges must
-// not overlap.
-struct DeviceAdam8bitArgs {
-  DevicePtr params;  // param_dtype (fp32, or bf16 with sr_key / sr_first as in DeviceAdamArgs)
-  DType param_dtype = DType::kF32;
-  uint32_t sr_key = 0;
-  uint32_t sr_first = 0;
-  DevicePtr m_codes;   // n_elems bytes
-  DevicePtr m_absmax;  // ⌈n_elems / 256⌉ fp32
-  DevicePtr v_codes;
-  DevicePtr v_absmax;
-  DevicePtr grad;
-  DType grad_dtype = DType::kF32;
-  float grad_scale = 1.0f;
-  DevicePtr copy_out;
-  DType copy_dtype = DType::kBF16;
-  uint64_t n_elems = 0;
-  AdamConfig config;
-  int64_t step = 1;
 };
 
 // Counters since creation. The memory fields are read together under one lock; the moved-bytes
@@ -223,24 +175,8 @@ class Device {
   // scalar reference in common/half.h defines). Same dtype copies. src and dst must not overlap.
   virtual Status cast(DevicePtr dst, DType dst_dtype, DevicePtr src, DType src_dtype, uint64_t n_elems,
                       Stream stream) = 0;
-  // One Adam step (see DeviceAdamArgs) as a kernel on `stream`: every element runs zo::adam_update
-  // (common/adam_math.h) with the constants of zo::adam_constants(config, step, grad_scale), so the
-  // params, moments and copy-out are bit-identical to cpu_optim::adam_step on the same inputs, on
-  // every backend (NaN payloads aside). InvalidArgument, with nothing queued, when step < 1, a
-  // hyperparameter is out of cpu_optim's ranges, grad_scale is not finite, a dtype is unknown, a
-  // range is not inside one live allocation or two ranges overlap. n_elems == 0 queues nothing.
-  // Moves no bytes in stats() (it is a kernel).
-  virtual Status adam_step(const DeviceAdamArgs& args, Stream stream) = 0;
-  // One step of Adam with 8-bit blockwise moments (see DeviceAdam8bitArgs) as a kernel on `stream`:
-  // every element dequantizes its moments and runs zo::adam8bit_update, then each block's absmax is
-  // the largest non-NaN |moment| (0 if none) and each code zo::nearest_map_entry of moment/absmax
-  // (common/adam_math.h), so the bits equal cpu_optim::adam8bit_step's (and
-  // adam8bit_step_bf16_master's) on the same inputs, on every backend. InvalidArgument as for
-  // adam_step. n_elems == 0 queues nothing.
-  virtual Status adam8bit_step(const DeviceAdam8bitArgs& args, Stream stream) = 0;
-  // Occupies `stream` for at least `duration_us` microseconds (a sleeping kernel). For tests and
-  // benchmarks that need a slow operation to expose ordering.
-  virtual Status delay(Stream stream, uint32_t duration_us) = 0;
+  // The optimizer kernels are not methods: each backend has a table of them beside it
+  // (gpu/optim_kernels.h), so a new state format adds a kernel there and leaves this interface.
 
   virtual DeviceStats stats() const = 0;
 };

@@ -13,15 +13,11 @@
 #include <unordered_map>
 #include <vector>
 
-#include "common/adam_math.h"
-#include "common/dynamic_maps.h"
 #include "common/bytes.h"
 #include "common/check.h"
 #include "common/host_memory.h"
 #include "common/trace.h"
 #include "gpu/detail/accounting.h"
-#include "gpu/detail/adam_args.h"
-#include "gpu/detail/adam_element.h"
 #include "gpu/detail/half.h"
 
 namespace zo::gpu {
@@ -429,44 +425,9 @@ Status HostDevice::cast(DevicePtr dst, DType dst_dtype, DevicePtr src, DType src
   return Status::ok();
 }
 
-Status HostDevice::adam_step(const DeviceAdamArgs& args, Stream stream) {
-  HostStream* st = s_->stream(stream);
-  ZO_RETURN_IF_ERROR(detail::check_adam_args(s_->acct, args));
-  if (args.n_elems == 0) return Status::ok();
-  const AdamConstants k = adam_constants(args.config, args.step, args.grad_scale);
-  st->push([a = detail::element_args(args), n = args.n_elems, k] {
-    for (uint64_t i = 0; i < n; ++i) detail::adam_element(k, a, i);
-  });
-  return Status::ok();
-}
+void HostDevice::enqueue(Stream stream, std::function<void()> work) { s_->stream(stream)->push(std::move(work)); }
 
-Status HostDevice::adam8bit_step(const DeviceAdam8bitArgs& args, Stream stream) {
-  HostStream* st = s_->stream(stream);
-  ZO_RETURN_IF_ERROR(detail::check_adam8bit_args(s_->acct, args));
-  if (args.n_elems == 0) return Status::ok();
-  const Adam8bitConstants k = adam8bit_constants(args.config, args.step, args.grad_scale);
-  st->push([a = detail::element_args(args), n = args.n_elems, k] {
-    // Block by block, as CudaDevice's kernel does with one thread block per quantization block.
-    constexpr uint64_t kBlock = detail::kQuantBlockElems;
-    float m[kBlock], v[kBlock];
-    for (uint64_t first = 0; first < n; first += kBlock) {
-      const uint64_t count = std::min(kBlock, n - first);
-      float m_amax = 0.0f, v_amax = 0.0f;
-      for (uint64_t j = 0; j < count; ++j) {
-        detail::adam8bit_element(k, a, kSignedDynamicMap.data(), kUnsignedDynamicMap.data(), first + j, m[j], v[j]);
-        m_amax = std::max(m_amax, detail::absmax_term(m[j]));
-        v_amax = std::max(v_amax, detail::absmax_term(v[j]));
-      }
-      a.m_absmax[first / kBlock] = m_amax;
-      a.v_absmax[first / kBlock] = v_amax;
-      for (uint64_t j = 0; j < count; ++j) {
-        a.m_codes[first + j] = detail::requantize(kSignedDynamicMap.data(), m[j], m_amax);
-        a.v_codes[first + j] = detail::requantize(kUnsignedDynamicMap.data(), v[j], v_amax);
-      }
-    }
-  });
-  return Status::ok();
-}
+const detail::Accounting& HostDevice::accounting() const { return s_->acct; }
 
 Status HostDevice::delay(Stream stream, uint32_t duration_us) {
   s_->stream(stream)->push([duration_us] { std::this_thread::sleep_for(std::chrono::microseconds(duration_us)); });

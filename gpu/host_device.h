@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -14,6 +15,10 @@
 #include "gpu/device.h"
 
 namespace zo::gpu {
+
+namespace detail {
+class Accounting;
+}  // namespace detail
 
 class HostDevice final : public Device {
  public:
@@ -54,11 +59,16 @@ class HostDevice final : public Device {
   Status copy_d2d(DevicePtr dst, DevicePtr src, uint64_t size_bytes, Stream stream) override;
   Status fill_zero(DevicePtr dst, uint64_t size_bytes, Stream stream) override;
   Status cast(DevicePtr dst, DType dst_dtype, DevicePtr src, DType src_dtype, uint64_t n_elems, Stream stream) override;
-  Status adam_step(const DeviceAdamArgs& args, Stream stream) override;
-  Status adam8bit_step(const DeviceAdam8bitArgs& args, Stream stream) override;
-  Status delay(Stream stream, uint32_t duration_us) override;
 
   DeviceStats stats() const override;
+
+  // ---- Beside the Device interface ------------------------------------------------------------
+  // For the optimizer kernels (gpu/optim_kernels.h): queues `work` on `stream`'s worker thread, to
+  // run after everything queued on it before; the allocation table their range checks read.
+  void enqueue(Stream stream, std::function<void()> work);
+  const detail::Accounting& accounting() const;
+  // For tests (gpu/test_hooks.h): occupies `stream` for at least `duration_us` (its worker sleeps).
+  Status delay(Stream stream, uint32_t duration_us);
 
   struct State;
 

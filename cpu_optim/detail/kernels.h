@@ -31,7 +31,7 @@ struct AdamArgs {
   DType grad_dtype;
   void* copy_out;  // nullptr: none
   DType copy_dtype;
-  AdamConstants k;  // zo::adam_constants(), the same call gpu::Device::adam_step makes
+  AdamConstants k;  // zo::adam_constants(), the same call gpu::OptimKernels::adam_step makes
 };
 
 struct AdagradArgs {

@@ -17,6 +17,7 @@
 #include "cpu_optim/lion.h"
 #include "cpu_optim/vector_ops.h"
 #include "engine/memory/moment_layout.h"
+#include "gpu/optim_kernels.h"
 
 namespace zo::engine {
 
@@ -475,13 +476,13 @@ Status OptimizerSwapper::Impl::device_group(uint32_t g) {
                                   .config = args.adam,
                                   .step = args.step};
         if (bf16_masters) sr(*mp.piece, a.sr_key, a.sr_first);
-        st = device.adam8bit_step(a, stream);
+        st = gpu::optim_kernels(device).adam8bit_step(device, a, stream);
       } else {
         gpu::DeviceAdamArgs a = adam_args(off, n);
         if (bf16_masters) sr(*mp.piece, a.sr_key, a.sr_first);
         a.exp_avg = at(m, mp.aux_offset_bytes);
         a.exp_avg_sq = at(v, mp.aux_offset_bytes);
-        st = device.adam_step(a, stream);
+        st = gpu::optim_kernels(device).adam_step(device, a, stream);
       }
       if (!st.is_ok()) return st.with_context(store->registry().params()[mp.piece->param].name);
     }
@@ -493,7 +494,7 @@ Status OptimizerSwapper::Impl::device_group(uint32_t g) {
     a.exp_avg = m;
     a.exp_avg_sq = v;
     a.moment_dtype = moment_elem_dtype(pl.moments);
-    return device.adam_step(a, stream);
+    return gpu::optim_kernels(device).adam_step(device, a, stream);
   }
   for (const ParamPiece& piece : store->registry().pieces_of_group(g)) {
     gpu::DeviceAdamArgs a = adam_args(piece.group_offset, piece.n_elems);
@@ -501,7 +502,7 @@ Status OptimizerSwapper::Impl::device_group(uint32_t g) {
     a.exp_avg = at(m, piece.group_offset * mb);
     a.exp_avg_sq = at(v, piece.group_offset * mb);
     a.moment_dtype = moment_elem_dtype(pl.moments);
-    Status st = device.adam_step(a, stream);
+    Status st = gpu::optim_kernels(device).adam_step(device, a, stream);
     if (!st.is_ok()) return st.with_context(store->registry().params()[piece.param].name);
   }
   return Status::ok();

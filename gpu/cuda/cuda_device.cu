@@ -10,39 +10,19 @@
 #include <string>
 #include <vector>
 
-#include "common/adam_math.h"
-#include "common/dynamic_maps.h"
 #include "common/bytes.h"
 #include "common/check.h"
 #include "common/host_memory.h"
 #include "common/log.h"
 #include "common/trace.h"
+#include "gpu/cuda/cuda_error.cuh"
 #include "gpu/detail/accounting.h"
-#include "gpu/detail/adam_args.h"
-#include "gpu/detail/adam_element.h"
 #include "gpu/detail/half.h"
 
 namespace zo::gpu {
 namespace {
 
-Status cuda_error(cudaError_t err, const std::string& what) {
-  std::string msg = what + ": " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")";
-  if (err == cudaErrorMemoryAllocation) return out_of_memory(std::move(msg));
-  return internal_error(std::move(msg));
-}
-
-#define ZO_CUDA_RETURN_IF_ERROR(call, what)                       \
-  do {                                                            \
-    const cudaError_t zo_err_ = (call);                           \
-    if (zo_err_ != cudaSuccess) return cuda_error(zo_err_, what); \
-  } while (0)
-
-#define ZO_CUDA_CHECK(call)                                                                \
-  do {                                                                                     \
-    const cudaError_t zo_err_ = (call);                                                    \
-    ZO_CHECK(zo_err_ == cudaSuccess) << #call << ": " << cudaGetErrorName(zo_err_) << " (" \
-                                     << cudaGetErrorString(zo_err_) << ")";                \
-  } while (0)
+using detail::cuda_error;
 
 // Grid-stride loop over the same scalar conversions HostDevice uses (common/half.h), so both
 // backends produce identical bits; the dtype branches are uniform across a warp.
@@ -50,64 +30,6 @@ __global__ void cast_kernel(void* dst, uint8_t dst_dtype, const void* src, uint8
   const uint64_t stride = uint64_t{gridDim.x} * blockDim.x;
   for (uint64_t i = uint64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n; i += stride) {
     detail::store_from_float(dst, dst_dtype, i, detail::load_as_float(src, src_dtype, i));
-  }
-}
-
-// One thread per element (grid-stride) through the same adam_element / zo::adam_update HostDevice
-// runs. Bit-identical to the CPU because adam_update spells every operation as a correctly rounded
-// _rn intrinsic and gpu/meson.build builds this file with -fmad=false -prec-div=true
-// -prec-sqrt=true -ftz=false (see docs/gpu.md, "Adam on the device").
-__global__ void adam_kernel(AdamConstants k, detail::AdamElementArgs a, uint64_t n) {
-  const uint64_t stride = uint64_t{gridDim.x} * blockDim.x;
-  for (uint64_t i = uint64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n; i += stride) {
-    detail::adam_element(k, a, i);
-  }
-}
-
-// The two dynamic maps, passed by value (2 KiB of kernel parameters) and copied to shared memory.
-struct DynamicMaps {
-  float m[256];  // signed
-  float v[256];  // unsigned
-};
-
-// One thread block of kQuantBlockElems threads per quantization block (grid-stride over blocks):
-// each thread updates one element through adam8bit_element, the block's absmax is a shared-memory
-// max over absmax_term (exact in any order), and each thread re-quantizes its own moments. The
-// arithmetic is HostDevice's and cpu_optim's, operation for operation (Note [Bit-exact device Adam]),
-// so the bytes are theirs but for NaN payloads: a NaN computed here is the canonical 0x7FFFFFFF, on
-// x86 0xFFC00000. Blocks whose exp_avg_sq overflowed to inf make them (entry 0 × inf at the next
-// dequantization); tests/gpu/device_nan_test.cpp emulates this kernel with them on the CPU.
-__global__ void adam8bit_kernel(Adam8bitConstants k, detail::Adam8bitElementArgs a, DynamicMaps maps, uint64_t n) {
-  constexpr unsigned kBlock = static_cast<unsigned>(detail::kQuantBlockElems);
-  __shared__ float m_map[256], v_map[256], m_red[kBlock], v_red[kBlock];
-  m_map[threadIdx.x] = maps.m[threadIdx.x];
-  v_map[threadIdx.x] = maps.v[threadIdx.x];
-  __syncthreads();
-  const uint64_t n_blocks = (n + kBlock - 1) / kBlock;
-  for (uint64_t b = blockIdx.x; b < n_blocks; b += gridDim.x) {
-    const uint64_t i = b * kBlock + threadIdx.x;
-    float m = 0.0f, v = 0.0f;
-    if (i < n) detail::adam8bit_element(k, a, m_map, v_map, i, m, v);
-    m_red[threadIdx.x] = detail::absmax_term(m);
-    v_red[threadIdx.x] = detail::absmax_term(v);
-    __syncthreads();
-    for (unsigned half = kBlock / 2; half > 0; half /= 2) {
-      if (threadIdx.x < half) {
-        m_red[threadIdx.x] = fmaxf(m_red[threadIdx.x], m_red[threadIdx.x + half]);
-        v_red[threadIdx.x] = fmaxf(v_red[threadIdx.x], v_red[threadIdx.x + half]);
-      }
-      __syncthreads();
-    }
-    const float m_amax = m_red[0], v_amax = v_red[0];
-    if (i < n) {
-      a.m_codes[i] = detail::requantize(m_map, m, m_amax);
-      a.v_codes[i] = detail::requantize(v_map, v, v_amax);
-    }
-    if (threadIdx.x == 0) {
-      a.m_absmax[b] = m_amax;
-      a.v_absmax[b] = v_amax;
-    }
-    __syncthreads();  // m_red[0] is read by every thread before the next block overwrites it
   }
 }
 
@@ -676,35 +598,13 @@ Status CudaDevice::cast(DevicePtr dst, DType dst_dtype, DevicePtr src, DType src
   return Status::ok();
 }
 
-Status CudaDevice::adam_step(const DeviceAdamArgs& args, Stream stream) {
+Result<void*> CudaDevice::kernel_stream(Stream stream) {
   cudaStream_t st = s_->stream(stream);
-  ZO_RETURN_IF_ERROR(detail::check_adam_args(s_->acct, args));
-  if (args.n_elems == 0) return Status::ok();
   ZO_RETURN_IF_ERROR(s_->use());
-  const AdamConstants k = adam_constants(args.config, args.step, args.grad_scale);
-  constexpr unsigned kThreads = 256;
-  const uint64_t blocks = std::min<uint64_t>((args.n_elems + kThreads - 1) / kThreads, 65535);
-  adam_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, st>>>(k, detail::element_args(args), args.n_elems);
-  ZO_CUDA_RETURN_IF_ERROR(cudaGetLastError(), "launching the adam kernel");
-  return Status::ok();
+  return static_cast<void*>(st);
 }
 
-Status CudaDevice::adam8bit_step(const DeviceAdam8bitArgs& args, Stream stream) {
-  cudaStream_t st = s_->stream(stream);
-  ZO_RETURN_IF_ERROR(detail::check_adam8bit_args(s_->acct, args));
-  if (args.n_elems == 0) return Status::ok();
-  ZO_RETURN_IF_ERROR(s_->use());
-  const Adam8bitConstants k = adam8bit_constants(args.config, args.step, args.grad_scale);
-  DynamicMaps maps;
-  std::copy(kSignedDynamicMap.begin(), kSignedDynamicMap.end(), maps.m);
-  std::copy(kUnsignedDynamicMap.begin(), kUnsignedDynamicMap.end(), maps.v);
-  constexpr unsigned kThreads = static_cast<unsigned>(detail::kQuantBlockElems);
-  const uint64_t blocks = std::min<uint64_t>((args.n_elems + kThreads - 1) / kThreads, 65535);
-  adam8bit_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, st>>>(k, detail::element_args(args), maps,
-                                                                      args.n_elems);
-  ZO_CUDA_RETURN_IF_ERROR(cudaGetLastError(), "launching the adam8bit kernel");
-  return Status::ok();
-}
+const detail::Accounting& CudaDevice::accounting() const { return s_->acct; }
 
 Status CudaDevice::delay(Stream stream, uint32_t duration_us) {
   cudaStream_t st = s_->stream(stream);

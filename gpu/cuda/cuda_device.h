@@ -15,6 +15,10 @@
 
 namespace zo::gpu {
 
+namespace detail {
+class Accounting;
+}  // namespace detail
+
 class CudaDevice final : public Device {
  public:
   // Opens CUDA device `device_index` with a budget of `budget_bytes` (> 0). kUnavailable when
@@ -55,11 +59,17 @@ class CudaDevice final : public Device {
   Status copy_d2d(DevicePtr dst, DevicePtr src, uint64_t size_bytes, Stream stream) override;
   Status fill_zero(DevicePtr dst, uint64_t size_bytes, Stream stream) override;
   Status cast(DevicePtr dst, DType dst_dtype, DevicePtr src, DType src_dtype, uint64_t n_elems, Stream stream) override;
-  Status adam_step(const DeviceAdamArgs& args, Stream stream) override;
-  Status adam8bit_step(const DeviceAdam8bitArgs& args, Stream stream) override;
-  Status delay(Stream stream, uint32_t duration_us) override;
 
   DeviceStats stats() const override;
+
+  // ---- Beside the Device interface ------------------------------------------------------------
+  // For the optimizer kernels (gpu/optim_kernels.h): makes this device current on the calling
+  // thread and returns the CUDA stream (a cudaStream_t) behind `stream`; the allocation table their
+  // range checks read.
+  Result<void*> kernel_stream(Stream stream);
+  const detail::Accounting& accounting() const;
+  // For tests (gpu/test_hooks.h): occupies `stream` for at least `duration_us` (a sleeping kernel).
+  Status delay(Stream stream, uint32_t duration_us);
 
   struct State;
 

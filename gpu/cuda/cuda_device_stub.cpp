@@ -1,13 +1,32 @@
-// Built instead of cuda_device.cu when meson decides there is no CUDA (gpu/meson.build).
+// Built instead of cuda_device.cu and cuda_optim_kernels.cu when meson decides there is no CUDA
+// (gpu/meson.build). No CudaDevice exists in such a build, so nothing below runs but create().
 #include "gpu/cuda/cuda_device.h"
+#include "gpu/detail/backend_kernels.h"
 
 namespace zo::gpu {
+namespace {
 
-Result<std::unique_ptr<Device>> CudaDevice::create(int device_index, uint64_t budget_bytes) {
-  (void)device_index;
-  (void)budget_bytes;
+Status no_cuda() {
   return unavailable(
       "CudaDevice: zoffload was built without CUDA (meson -Dcuda=enabled needs nvcc and the CUDA toolkit)");
 }
 
+}  // namespace
+
+Result<std::unique_ptr<Device>> CudaDevice::create(int device_index, uint64_t budget_bytes) {
+  (void)device_index;
+  (void)budget_bytes;
+  return no_cuda();
+}
+
+Status CudaDevice::delay(Stream, uint32_t) { return no_cuda(); }
+
+namespace detail {
+
+const OptimKernels kCudaOptimKernels{
+    .adam_step = [](Device&, const DeviceAdamArgs&, Stream) { return no_cuda(); },
+    .adam8bit_step = [](Device&, const DeviceAdam8bitArgs&, Stream) { return no_cuda(); },
+};
+
+}  // namespace detail
 }  // namespace zo::gpu

@@ -1,12 +1,12 @@
-// The argument checks of Device::adam_step and adam8bit_step, shared by HostDevice and CudaDevice so both accept and
-// reject exactly the same calls. Thread-safe (reads the accounting tables under their lock).
-// Internal to gpu/.
+// The argument checks of the device's adam_step and adam8bit_step (gpu/optim_kernels.h), shared by
+// HostDevice's and CudaDevice's kernels so both accept and reject exactly the same calls.
+// Thread-safe (reads the accounting tables under their lock). Internal to gpu/.
 #pragma once
 
 #include "common/status.h"
 #include "gpu/detail/accounting.h"
 #include "gpu/detail/adam_element.h"
-#include "gpu/device.h"
+#include "gpu/optim_kernels.h"
 
 namespace zo::gpu::detail {
 
@@ -15,7 +15,7 @@ namespace zo::gpu::detail {
 // lies inside one live allocation of `acct` and no two ranges overlap. InvalidArgument naming the
 // buffer otherwise.
 Status check_adam_args(const Accounting& acct, const DeviceAdamArgs& args);
-// The same for Device::adam8bit_step (its buffers' sizes: n codes and ⌈n / 256⌉ absmax per moment).
+// The same for adam8bit_step (its buffers' sizes: n codes and ⌈n / 256⌉ absmax per moment).
 Status check_adam8bit_args(const Accounting& acct, const DeviceAdam8bitArgs& args);
 
 // The kernels' view of checked arguments (adam_element.h).

@@ -1,7 +1,8 @@
-// The bodies of Device::adam_step and adam8bit_step, shared by HostDevice's loops and CudaDevice's
-// kernels: load the gradient and the states as fp32 (common/half.h), run zo::adam_update or
-// zo::adam8bit_update (common/adam_math.h), store the new values and the optional copy-out. Pure
-// functions of their arguments; thread-safe for disjoint elements. Internal to gpu/.
+// The bodies of the device's adam_step and adam8bit_step (gpu/optim_kernels.h), shared by
+// HostDevice's loops and CudaDevice's kernels: load the gradient and the states as fp32
+// (common/half.h), run zo::adam_update or zo::adam8bit_update (common/adam_math.h), store the new
+// values and the optional copy-out. Pure functions of their arguments; thread-safe for disjoint
+// elements. Internal to gpu/.
 #pragma once
 
 #include <cstdint>

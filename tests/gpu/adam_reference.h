@@ -1,5 +1,6 @@
-// Test inputs and the reference for Device::adam_step: cpu_optim::adam_step on every CPU path this
-// machine runs (ExecutorOptions::isa), compared bit for bit (memcmp), never as floats.
+// Test inputs and the reference for the device's adam_step (gpu/optim_kernels.h):
+// cpu_optim::adam_step on every CPU path this machine runs (ExecutorOptions::isa), compared bit for
+// bit (memcmp), never as floats.
 #pragma once
 
 #include <gtest/gtest.h>

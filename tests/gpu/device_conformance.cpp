@@ -15,6 +15,8 @@
 #include "cpu_optim/isa.h"
 #include "common/trace.h"
 #include "gpu/device_info.h"
+#include "gpu/optim_kernels.h"
+#include "gpu/test_hooks.h"
 #include "tests/gpu/adam_reference.h"
 #include "tests/gpu/cast_reference.h"
 #include "tests/gpu/nan_payload.h"
@@ -149,7 +151,7 @@ TEST_P(DeviceConformance, OperationsAreAsynchronousAndRunInQueueOrder) {
   Result<Event> done = dev_->create_event();
   ASSERT_TRUE(done.is_ok());
   // Everything is queued behind a slow operation: nothing may have run when the calls return.
-  ZO_ASSERT_OK(dev_->delay(stream_, 200'000));
+  ZO_ASSERT_OK(test_delay(*dev_, stream_, 200'000));
   for (int r = 0; r < kRounds; ++r) {
     ZO_ASSERT_OK(dev_->copy_h2d(d, in[r]->data(), kN * 4, stream_));
     ZO_ASSERT_OK(dev_->copy_d2d(d2, d, kN * 4, stream_));
@@ -183,7 +185,7 @@ TEST_P(DeviceConformance, EventsOrderWorkAcrossStreams) {
   ZO_ASSERT_OK(dev_->synchronize());
   // Stream A is slow to produce; stream B consumes only after A's event. Without the wait, B would
   // read zeros.
-  ZO_ASSERT_OK(dev_->delay(stream_, 200'000));
+  ZO_ASSERT_OK(test_delay(*dev_, stream_, 200'000));
   ZO_ASSERT_OK(dev_->copy_h2d(d, src.data(), kN * 4, stream_));
   ZO_ASSERT_OK(dev_->record(*ev, stream_));
   ZO_ASSERT_OK(dev_->wait(*b, *ev));
@@ -212,7 +214,7 @@ TEST_P(DeviceConformance, AForeignRecordMovesTheEventAndADeviceStreamWaitsOnIt) 
   Result<Event> ev = dev_->create_event();
   ASSERT_TRUE(ev.is_ok());
   // A record behind a 200 ms delay, then a foreign one: the latest record is the foreign one.
-  ZO_ASSERT_OK(dev_->delay(stream_, 200'000));
+  ZO_ASSERT_OK(test_delay(*dev_, stream_, 200'000));
   ZO_ASSERT_OK(dev_->record(*ev, stream_));
   ZO_ASSERT_OK(dev_->record_foreign(*ev, nullptr));
   ZO_ASSERT_OK(dev_->synchronize(*ev));
@@ -236,7 +238,7 @@ TEST_P(DeviceConformance, AForeignStreamWaitsForAnEventWithoutADeviceStream) {
   Result<Event> after = dev_->create_event();
   ASSERT_TRUE(ev.is_ok() && after.is_ok());
   ZO_ASSERT_OK(dev_->wait_foreign(nullptr, *ev));  // never recorded: complete, nothing to wait for
-  ZO_ASSERT_OK(dev_->delay(stream_, 200'000));
+  ZO_ASSERT_OK(test_delay(*dev_, stream_, 200'000));
   ZO_ASSERT_OK(dev_->record(*ev, stream_));
   ZO_ASSERT_OK(dev_->wait_foreign(nullptr, *ev));
   ZO_ASSERT_OK(dev_->record_foreign(*after, nullptr));
@@ -255,7 +257,7 @@ TEST_P(DeviceConformance, EventQueryAndHostSynchronize) {
   Result<bool> q = dev_->query(*ev);
   ASSERT_TRUE(q.is_ok());
   EXPECT_TRUE(*q) << "an event never recorded counts as complete";
-  ZO_ASSERT_OK(dev_->delay(stream_, 150'000));
+  ZO_ASSERT_OK(test_delay(*dev_, stream_, 150'000));
   ZO_ASSERT_OK(dev_->record(*ev, stream_));
   q = dev_->query(*ev);
   ASSERT_TRUE(q.is_ok());
@@ -277,7 +279,7 @@ TEST_P(DeviceConformance, TheTraceShowsCopiesWhenTheDeviceRunsThem) {
   const DevicePtr d = alloc(*dev_, kWords * 4);
   trace::start(1000);
   const int64_t queued_ns = trace::now_ns();
-  ZO_ASSERT_OK(dev_->delay(stream_, 200'000));
+  ZO_ASSERT_OK(test_delay(*dev_, stream_, 200'000));
   ZO_ASSERT_OK(dev_->copy_h2d(d, in.data(), kWords * 4, stream_));
   ZO_ASSERT_OK(dev_->copy_h2d(d, in.data(), kWords * 4, stream_));
   ZO_ASSERT_OK(dev_->copy_d2h(out.data(), d, kWords * 4, stream_));
@@ -325,7 +327,7 @@ TEST_P(DeviceConformance, BusyCountsCopiesAsTheyRunAndForeignCompute) {
   const DevicePtr d = alloc(*dev_, kWords * 4);
   const DeviceBusy before = dev_->busy();
   const auto t0 = std::chrono::steady_clock::now();
-  ZO_ASSERT_OK(dev_->delay(stream_, 200'000));
+  ZO_ASSERT_OK(test_delay(*dev_, stream_, 200'000));
   ZO_ASSERT_OK(dev_->copy_h2d(d, in.data(), kWords * 4, stream_));
   ZO_ASSERT_OK(dev_->copy_h2d(d, in.data(), kWords * 4, stream_));
   ZO_ASSERT_OK(dev_->copy_d2h(out.data(), d, kWords * 4, stream_));
@@ -545,12 +547,12 @@ TEST_P(DeviceConformance, EventChainsAcrossFourStreamsHandDataAlong) {
   for (int r = 0; r < kRounds; ++r) {
     // Stage 0 may overwrite its buffer only once the previous round has left the last stage.
     ZO_ASSERT_OK(dev_->wait(streams[0], round_done));
-    ZO_ASSERT_OK(dev_->delay(streams[0], 5'000));
+    ZO_ASSERT_OK(test_delay(*dev_, streams[0], 5'000));
     ZO_ASSERT_OK(dev_->copy_h2d(bufs[0], in[r]->data(), kN * 4, streams[0]));
     ZO_ASSERT_OK(dev_->record(events[0], streams[0]));
     for (int i = 1; i < kStages; ++i) {
       ZO_ASSERT_OK(dev_->wait(streams[i], events[i - 1]));
-      ZO_ASSERT_OK(dev_->delay(streams[i], 2'000 * (kStages - i)));
+      ZO_ASSERT_OK(test_delay(*dev_, streams[i], 2'000 * (kStages - i)));
       ZO_ASSERT_OK(dev_->copy_d2d(bufs[i], bufs[i - 1], kN * 4, streams[i]));
       ZO_ASSERT_OK(dev_->record(events[i], streams[i]));
     }
@@ -642,7 +644,7 @@ TEST_P(DeviceConformance, AdamStepMatchesCpuOptimBitForBit) {
                                 .n_elems = kN,
                                 .config = c.config,
                                 .step = step};
-      ZO_ASSERT_OK(dev_->adam_step(args, stream_));
+      ZO_ASSERT_OK(optim_kernels(*dev_).adam_step(*dev_, args, stream_));
       AdamState got(kN, c.copy ? kN * dtype_size_bytes(c.copy_dtype) : 0);
       ZO_ASSERT_OK(dev_->copy_d2h(got.p.data(), dp, kN * 4, stream_));
       ZO_ASSERT_OK(dev_->copy_d2h(got.m.data(), dm, kN * 4, stream_));
@@ -811,7 +813,7 @@ TEST_P(DeviceConformance, NarrowStatesMatchCpuOptimBitForBit) {
                                          .n_elems = kN,
                                          .config = config,
                                          .step = step};
-              ZO_ASSERT_OK(dev_->adam8bit_step(a, stream_));
+              ZO_ASSERT_OK(optim_kernels(*dev_).adam8bit_step(*dev_, a, stream_));
             } else {
               const DeviceAdamArgs a{.params = dp,
                                      .param_dtype = pd,
@@ -828,7 +830,7 @@ TEST_P(DeviceConformance, NarrowStatesMatchCpuOptimBitForBit) {
                                      .n_elems = kN,
                                      .config = config,
                                      .step = step};
-              ZO_ASSERT_OK(dev_->adam_step(a, stream_));
+              ZO_ASSERT_OK(optim_kernels(*dev_).adam_step(*dev_, a, stream_));
             }
             State got = init;
             ZO_ASSERT_OK(dev_->copy_d2h(got.p.data(), dp, got.p.size(), stream_));
@@ -880,35 +882,38 @@ TEST_P(DeviceConformance, NarrowStateStepsRejectBadArguments) {
   };
   DeviceAdamArgs a = adam;
   a.param_dtype = DType::kF16;
-  expect_refused("fp16 masters", dev_->adam_step(a, stream_), "param_dtype");
+  expect_refused("fp16 masters", optim_kernels(*dev_).adam_step(*dev_, a, stream_), "param_dtype");
   a = adam;
   a.copy_dtype = DType::kF32;
-  expect_refused("bf16 masters with an fp32 copy-out", dev_->adam_step(a, stream_), "copy_dtype must be bf16");
+  expect_refused("bf16 masters with an fp32 copy-out", optim_kernels(*dev_).adam_step(*dev_, a, stream_),
+                 "copy_dtype must be bf16");
   a = adam;
   a.moment_dtype = DType::kF16;
-  expect_refused("fp16 moments", dev_->adam_step(a, stream_), "moment_dtype");
+  expect_refused("fp16 moments", optim_kernels(*dev_).adam_step(*dev_, a, stream_), "moment_dtype");
   a = adam;
   a.param_dtype = DType::kF32;
   a.moment_dtype = DType::kF32;
   a.exp_avg = dm + 8;  // fp32 moments no longer fit their allocation
-  expect_refused("fp32 moments past the end", dev_->adam_step(a, stream_), "exp_avg");
+  expect_refused("fp32 moments past the end", optim_kernels(*dev_).adam_step(*dev_, a, stream_), "exp_avg");
   DeviceAdam8bitArgs e = eight;
   e.m_absmax = dm + (kN - 8);  // overlaps the codes
-  expect_refused("absmax over the codes", dev_->adam8bit_step(e, stream_), "overlap");
+  expect_refused("absmax over the codes", optim_kernels(*dev_).adam8bit_step(*dev_, e, stream_), "overlap");
   e = eight;
   e.m_absmax = dm + (kN + 1);  // a float the device cannot read (a CUDA fault, found on an H200)
-  expect_refused("absmax not 4-byte aligned", dev_->adam8bit_step(e, stream_), "m_absmax is not 4-byte aligned");
+  expect_refused("absmax not 4-byte aligned", optim_kernels(*dev_).adam8bit_step(*dev_, e, stream_),
+                 "m_absmax is not 4-byte aligned");
   e = eight;
   e.v_absmax = dv + (kN * 4 - 8);  // 4 blocks need 16 bytes
-  expect_refused("absmax past the end", dev_->adam8bit_step(e, stream_), "v_absmax");
+  expect_refused("absmax past the end", optim_kernels(*dev_).adam8bit_step(*dev_, e, stream_), "v_absmax");
   e = eight;
   e.step = 0;
-  expect_refused("step 0", dev_->adam8bit_step(e, stream_), "adam8bit_step");
+  expect_refused("step 0", optim_kernels(*dev_).adam8bit_step(*dev_, e, stream_), "adam8bit_step");
   e = eight;
   e.param_dtype = DType::kBF16;
   e.copy_out = dc;
   e.copy_dtype = DType::kF16;
-  expect_refused("bf16 masters with an fp16 copy-out", dev_->adam8bit_step(e, stream_), "copy_dtype must be bf16");
+  expect_refused("bf16 masters with an fp16 copy-out", optim_kernels(*dev_).adam8bit_step(*dev_, e, stream_),
+                 "copy_dtype must be bf16");
   ZO_ASSERT_OK(dev_->synchronize(stream_));
   for (DevicePtr d : {dp, dm, dv, dg, dc}) dev_->free(d);
 }
@@ -961,7 +966,7 @@ TEST_P(DeviceConformance, AdamStepRejectsBadArgumentsAndQueuesNothing) {
   with("moments alias", [&](DeviceAdamArgs& a) { a.exp_avg_sq = dm; });
   with("copy_out overlaps grad", [&](DeviceAdamArgs& a) { a.copy_out = dg; });
   for (const auto& [what, args] : bad) {
-    const Status st = dev_->adam_step(args, stream_);
+    const Status st = optim_kernels(*dev_).adam_step(*dev_, args, stream_);
     EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << what << ": " << st.to_string();
     EXPECT_NE(st.message().find("adam_step"), std::string::npos) << what << ": " << st.message();
   }
@@ -983,8 +988,8 @@ TEST_P(DeviceConformance, AdamStepRejectsBadArgumentsAndQueuesNothing) {
   DeviceAdamArgs empty = good;
   empty.n_elems = 0;
   empty.params = DevicePtr{};
-  ZO_ASSERT_OK(dev_->adam_step(empty, stream_));
-  ZO_ASSERT_OK(dev_->adam_step(good, stream_));
+  ZO_ASSERT_OK(optim_kernels(*dev_).adam_step(*dev_, empty, stream_));
+  ZO_ASSERT_OK(optim_kernels(*dev_).adam_step(*dev_, good, stream_));
   ZO_ASSERT_OK(dev_->copy_d2h(p.data(), dp, kN * 4, stream_));
   ZO_ASSERT_OK(dev_->synchronize(stream_));
   EXPECT_NE(p, ones);
@@ -1016,17 +1021,18 @@ TEST_P(DeviceConformance, AdamStepRunsInStreamOrder) {
   ZO_ASSERT_OK(dev_->copy_h2d(dv, init.v.data(), kN * 4, stream_));
   ZO_ASSERT_OK(dev_->copy_h2d(dg, g.data(), kN * 4, stream_));
   ZO_ASSERT_OK(dev_->synchronize(stream_));
-  ZO_ASSERT_OK(dev_->delay(stream_, 200'000));
-  ZO_ASSERT_OK(dev_->adam_step({.params = dp,
-                                .exp_avg = dm,
-                                .exp_avg_sq = dv,
-                                .grad = dg,
-                                .copy_out = dc,
-                                .copy_dtype = DType::kBF16,
-                                .n_elems = kN,
-                                .config = c.config,
-                                .step = 1},
-                               stream_));
+  ZO_ASSERT_OK(test_delay(*dev_, stream_, 200'000));
+  ZO_ASSERT_OK(optim_kernels(*dev_).adam_step(*dev_,
+                                              {.params = dp,
+                                               .exp_avg = dm,
+                                               .exp_avg_sq = dv,
+                                               .grad = dg,
+                                               .copy_out = dc,
+                                               .copy_dtype = DType::kBF16,
+                                               .n_elems = kN,
+                                               .config = c.config,
+                                               .step = 1},
+                                              stream_));
   ZO_ASSERT_OK(dev_->copy_d2h(out.data(), dp, kN * 4, stream_));
   ZO_ASSERT_OK(dev_->record(*done, stream_));
   Result<bool> q = dev_->query(*done);
@@ -1058,7 +1064,7 @@ TEST_P(DeviceConformance, DestructionWaitsForQueuedWork) {
   Result<DevicePtr> d = dev->allocate(kN * 4);
   ASSERT_TRUE(d.is_ok());
   ZO_ASSERT_OK(dev->register_host(out.data(), kN * 4));  // left registered: the destructor drops it
-  ZO_ASSERT_OK(dev->delay(*a, 100'000));
+  ZO_ASSERT_OK(test_delay(*dev, *a, 100'000));
   ZO_ASSERT_OK(dev->copy_h2d(*d, src.data(), kN * 4, *a));
   ZO_ASSERT_OK(dev->record(*ev, *a));
   ZO_ASSERT_OK(dev->wait(*b, *ev));

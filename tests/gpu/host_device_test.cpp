@@ -13,6 +13,8 @@
 
 #include "cpu_optim/executor.h"
 #include "gpu/device_info.h"
+#include "gpu/optim_kernels.h"
+#include "gpu/test_hooks.h"
 #include "tests/gpu/adam_reference.h"
 #include "tests/engine/temp_dir.h"
 #include "tests/gpu/device_conformance.h"
@@ -67,7 +69,7 @@ TEST(HostDevice, WithoutAWaitTheConsumerStreamRunsAhead) {
   std::vector<uint8_t> src(4096, 0x11), out(4096, 0x22);
   ASSERT_TRUE(dev->fill_zero(d, 4096, a).is_ok());
   ASSERT_TRUE(dev->synchronize(a).is_ok());
-  ASSERT_TRUE(dev->delay(a, 200'000).is_ok());
+  ASSERT_TRUE(test_delay(*dev, a, 200'000).is_ok());
   ASSERT_TRUE(dev->copy_h2d(d, src.data(), 4096, a).is_ok());
   ASSERT_TRUE(dev->copy_d2h(out.data(), d, 4096, b).is_ok());
   ASSERT_TRUE(dev->synchronize(b).is_ok());
@@ -85,7 +87,7 @@ TEST(HostDevice, ReRecordingAnEventKeepsEarlierWaitsOnTheirRecord) {
   const DevicePtr d = *dev->allocate(256);
   std::vector<uint8_t> src(256, 0x33), out(256, 0);
   ASSERT_TRUE(dev->fill_zero(d, 256, slow).is_ok());
-  ASSERT_TRUE(dev->delay(slow, 150'000).is_ok());
+  ASSERT_TRUE(test_delay(*dev, slow, 150'000).is_ok());
   ASSERT_TRUE(dev->copy_h2d(d, src.data(), 256, slow).is_ok());
   ASSERT_TRUE(dev->record(ev, slow).is_ok());
   ASSERT_TRUE(dev->wait(consumer, ev).is_ok());  // waits for the record on `slow`
@@ -112,7 +114,7 @@ TEST(HostDevice, ForeignStreamsOtherThanTheHostAreRefused) {
   // event past a record still pending behind a slow stream, and is complete at once.
   Result<Stream> slow = (*dev)->create_stream();
   ASSERT_TRUE(slow.is_ok());
-  ASSERT_TRUE((*dev)->delay(*slow, 200'000).is_ok());
+  ASSERT_TRUE(test_delay(**dev, *slow, 200'000).is_ok());
   ASSERT_TRUE((*dev)->record(*ev, *slow).is_ok());
   EXPECT_FALSE(*(*dev)->query(*ev));
   EXPECT_TRUE((*dev)->record_foreign(*ev, nullptr).is_ok());
@@ -157,8 +159,10 @@ TEST(HostDevice, AdamStepWritesOnlyWhenItsStreamReachesIt) {
   ASSERT_TRUE(dev->copy_h2d(dg, g.data(), kN * 2, s).is_ok());
   ASSERT_TRUE(dev->synchronize(s).is_ok());
   const test::AdamCase c{.grad_dtype = DType::kBF16, .config = {.weight_decay = 0.01f, .adam_w_mode = false}};
-  ASSERT_TRUE(dev->delay(s, 200'000).is_ok());
-  ASSERT_TRUE(dev->adam_step({.params = dp,
+  ASSERT_TRUE(test_delay(*dev, s, 200'000).is_ok());
+  ASSERT_TRUE(optim_kernels(*dev)
+                  .adam_step(*dev,
+                             {.params = dp,
                               .exp_avg = dm,
                               .exp_avg_sq = dv,
                               .grad = dg,

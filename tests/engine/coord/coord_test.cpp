@@ -27,6 +27,7 @@
 #include "engine/coord/param_coordinator.h"
 #include "engine/coord/range_allocator.h"
 #include "engine/coord/update_gate.h"
+#include "gpu/test_hooks.h"
 #include "tests/engine/coord/coord_rig.h"
 
 namespace zo::engine {
@@ -376,7 +377,7 @@ TEST(ParamCoordinator, ReleaseWithAnEventOrdersLaterCopies) {
     auto ptrs = coord->acquire(b);
     ASSERT_TRUE(ptrs.is_ok());
     // A "kernel" still reading the block when it is released.
-    ASSERT_TRUE(rig.device->delay(*compute, 2000).is_ok());
+    ASSERT_TRUE(gpu::test_delay(*rig.device, *compute, 2000).is_ok());
     ASSERT_TRUE(rig.device->record(*done, *compute).is_ok());
     ASSERT_TRUE(coord->release(b, *done).is_ok());
   }
@@ -401,7 +402,7 @@ TEST(ParamCoordinator, AcquireAsyncReturnsBeforeTheCopiesLandAndItsEventMarksThe
   ASSERT_TRUE(coord->acquire(0).is_ok());
   // Block 0 is released behind a 300 ms "kernel": the copy stream waits for it before block 1's
   // copies, so they cannot land before then.
-  ASSERT_TRUE(rig.device->delay(*compute, 300'000).is_ok());
+  ASSERT_TRUE(gpu::test_delay(*rig.device, *compute, 300'000).is_ok());
   ASSERT_TRUE(rig.device->record(*done, *compute).is_ok());
   ASSERT_TRUE(coord->release(0, *done).is_ok());
   auto got = coord->acquire_async(1);
@@ -590,7 +591,7 @@ class AsyncLander {
     return worker.submit(
         param, dtype, size,
         [&](std::span<std::byte> dest, uint64_t from) {
-          ZO_RETURN_IF_ERROR(rig_.device->delay(stream_, delay_us));
+          ZO_RETURN_IF_ERROR(gpu::test_delay(*rig_.device, stream_, delay_us));
           ZO_RETURN_IF_ERROR(rig_.device->copy_d2h(dest.data(), src + from, dest.size(), stream_));
           return rig_.device->record(landed_, stream_);
         },
