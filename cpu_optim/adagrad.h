@@ -29,8 +29,8 @@ Status adagrad_step(const AdagradConfig& config, std::span<float> params, std::s
 // The same step with the sum of squares kept in bf16 (zoffload.moment_dtype "bf16"): widened
 // exactly as it is read, the update (the parameter's included) in fp32, stored rounded to nearest
 // even. One step equals adagrad_step's with the state rounded afterwards.
-Status adagrad_step_bf16_state(const AdagradConfig& config, std::span<float> params, std::span<uint16_t> exp_avg_sq,
-                               ConstElemSpan grad, float grad_scale, ElemSpan copy_out, const Executor& executor);
+Status adagrad_step_bf16_moments(const AdagradConfig& config, std::span<float> params, std::span<uint16_t> exp_avg_sq,
+                                 ConstElemSpan grad, float grad_scale, ElemSpan copy_out, const Executor& executor);
 
 // The step with bf16 masters (Bf16Master; adam_step_bf16_master's rules), the sum of squares of
 // n elements in fp32 or bf16.

@@ -30,8 +30,8 @@ Status lion_step(const LionConfig& config, std::span<float> params, std::span<fl
 // The same step with the momentum kept in bf16 (zoffload.moment_dtype "bf16"): widened exactly as
 // it is read, the update (the parameter's included) in fp32, stored rounded to nearest even. One
 // step equals lion_step's with the state rounded afterwards.
-Status lion_step_bf16_state(const LionConfig& config, std::span<float> params, std::span<uint16_t> exp_avg,
-                            ConstElemSpan grad, float grad_scale, ElemSpan copy_out, const Executor& executor);
+Status lion_step_bf16_moments(const LionConfig& config, std::span<float> params, std::span<uint16_t> exp_avg,
+                              ConstElemSpan grad, float grad_scale, ElemSpan copy_out, const Executor& executor);
 
 // The step with bf16 masters (Bf16Master; adam_step_bf16_master's rules), the momentum of n
 // elements in fp32 or bf16.

@@ -243,9 +243,9 @@ Status adagrad_step(const AdagradConfig& config, std::span<float> params, std::s
                      DType::kF32, grad, grad_scale, copy_out, executor);
 }
 
-Status adagrad_step_bf16_state(const AdagradConfig& config, std::span<float> params, std::span<uint16_t> exp_avg_sq,
-                               ConstElemSpan grad, float grad_scale, ElemSpan copy_out, const Executor& executor) {
-  return run_adagrad("adagrad_step_bf16_state", config, fp32_params(params), params.size(), exp_avg_sq.data(),
+Status adagrad_step_bf16_moments(const AdagradConfig& config, std::span<float> params, std::span<uint16_t> exp_avg_sq,
+                                 ConstElemSpan grad, float grad_scale, ElemSpan copy_out, const Executor& executor) {
+  return run_adagrad("adagrad_step_bf16_moments", config, fp32_params(params), params.size(), exp_avg_sq.data(),
                      exp_avg_sq.size(), DType::kBF16, grad, grad_scale, copy_out, executor);
 }
 
@@ -264,9 +264,9 @@ Status lion_step(const LionConfig& config, std::span<float> params, std::span<fl
                   grad, grad_scale, copy_out, executor);
 }
 
-Status lion_step_bf16_state(const LionConfig& config, std::span<float> params, std::span<uint16_t> exp_avg,
-                            ConstElemSpan grad, float grad_scale, ElemSpan copy_out, const Executor& executor) {
-  return run_lion("lion_step_bf16_state", config, fp32_params(params), params.size(), exp_avg.data(), exp_avg.size(),
+Status lion_step_bf16_moments(const LionConfig& config, std::span<float> params, std::span<uint16_t> exp_avg,
+                              ConstElemSpan grad, float grad_scale, ElemSpan copy_out, const Executor& executor) {
+  return run_lion("lion_step_bf16_moments", config, fp32_params(params), params.size(), exp_avg.data(), exp_avg.size(),
                   DType::kBF16, grad, grad_scale, copy_out, executor);
 }
 

@@ -364,14 +364,14 @@ Status OptimizerSwapper::Impl::update(uint32_t g, std::byte* p_bytes, std::byte*
                                            out_span, *executor);
       case OptimizerType::kAdagrad: {
         const cpu_optim::AdagradConfig c = adagrad_config(h);
-        return bf16 ? cpu_optim::adagrad_step_bf16_state(c, {p, count}, {v16, count}, g_span, args.grad_scale, out_span,
-                                                         *executor)
+        return bf16 ? cpu_optim::adagrad_step_bf16_moments(c, {p, count}, {v16, count}, g_span, args.grad_scale,
+                                                           out_span, *executor)
                     : cpu_optim::adagrad_step(c, {p, count}, {v, count}, g_span, args.grad_scale, out_span, *executor);
       }
       case OptimizerType::kLion: {
         const cpu_optim::LionConfig c = lion_config(h);
-        return bf16 ? cpu_optim::lion_step_bf16_state(c, {p, count}, {m16, count}, g_span, args.grad_scale, out_span,
-                                                      *executor)
+        return bf16 ? cpu_optim::lion_step_bf16_moments(c, {p, count}, {m16, count}, g_span, args.grad_scale, out_span,
+                                                        *executor)
                     : cpu_optim::lion_step(c, {p, count}, {m, count}, g_span, args.grad_scale, out_span, *executor);
       }
     }

@@ -189,7 +189,7 @@ TEST_P(AgainstLibTorch, TwoHundredStepsWithBf16MomentsMatchTorchWithRoundedState
   EXPECT_GT(relative_l2_error(p, p0), 1e-2);
 }
 
-// Adagrad with its sum of squares in bf16 (adagrad_step_bf16_state) against torch::optim::Adagrad
+// Adagrad with its sum of squares in bf16 (adagrad_step_bf16_moments) against torch::optim::Adagrad
 // whose state is rounded to bf16 after every step. Without weight decay the two algorithms agree
 // (torch adds the decay to the numerator too, DeepSpeed's cpu_adagrad, which zoffload follows, does
 // not); lr_decay 0 and an initial accumulator of 0 are torch's defaults.
@@ -211,7 +211,7 @@ TEST_P(AgainstLibTorch, TwoHundredAdagradStepsWithABf16StateMatchTorchWithItsSta
                             torch::optim::AdagradOptions(double{cfg.lr}).eps(double{cfg.eps}));
   for (int step = 1; step <= kSteps; ++step) {
     const torch::Tensor g = torch::randn({kN}, torch::kFloat32) * 0.1;
-    ASSERT_TRUE(adagrad_step_bf16_state(cfg, p, v, {g.data_ptr<float>(), DType::kF32}, 1.0f, {}, **created).is_ok());
+    ASSERT_TRUE(adagrad_step_bf16_moments(cfg, p, v, {g.data_ptr<float>(), DType::kF32}, 1.0f, {}, **created).is_ok());
     tp.mutable_grad() = g.clone();
     opt.step();
     auto& st = static_cast<torch::optim::AdagradParamState&>(*opt.state().at(tp.unsafeGetTensorImpl()));

@@ -455,11 +455,11 @@ TEST_P(SimdPath, AdagradAndLionWithBf16StateAreBitIdenticalToScalar) {
               state[o][k].push_back(float_to_bf16(x));
           }
           for (int s = 1; s <= 3; ++s) {
-            ASSERT_TRUE(adagrad_step_bf16_state(ada, p[0][k], state[0][k], random_grad(g, kN, 200 + s).span(), 0.5f,
-                                                copies[0][k].span(), *ex[k])
+            ASSERT_TRUE(adagrad_step_bf16_moments(ada, p[0][k], state[0][k], random_grad(g, kN, 200 + s).span(), 0.5f,
+                                                  copies[0][k].span(), *ex[k])
                             .is_ok());
-            ASSERT_TRUE(lion_step_bf16_state(lion, p[1][k], state[1][k], random_grad(g, kN, 300 + s).span(), 2.0f,
-                                             copies[1][k].span(), *ex[k])
+            ASSERT_TRUE(lion_step_bf16_moments(lion, p[1][k], state[1][k], random_grad(g, kN, 300 + s).span(), 2.0f,
+                                               copies[1][k].span(), *ex[k])
                             .is_ok());
           }
         }
@@ -488,11 +488,11 @@ TEST(Bf16State, AdagradAndLionStepsAreTheFp32StepsWithTheStateRounded) {
     for (uint16_t x : s) s32.push_back(bf16_to_float(x));
     if (o == 0) {
       const AdagradConfig cfg{.lr = 1e-2f, .eps = 1e-10f, .weight_decay = 0.05f};
-      ASSERT_TRUE(adagrad_step_bf16_state(cfg, p, s, g.span(), 1.0f, {}, *ex).is_ok());
+      ASSERT_TRUE(adagrad_step_bf16_moments(cfg, p, s, g.span(), 1.0f, {}, *ex).is_ok());
       ASSERT_TRUE(adagrad_step(cfg, p32, s32, g.span(), 1.0f, {}, *ex).is_ok());
     } else {
       const LionConfig cfg{.lr = 3e-4f, .beta1 = 0.9f, .beta2 = 0.99f, .weight_decay = 0.1f};
-      ASSERT_TRUE(lion_step_bf16_state(cfg, p, s, g.span(), 1.0f, {}, *ex).is_ok());
+      ASSERT_TRUE(lion_step_bf16_moments(cfg, p, s, g.span(), 1.0f, {}, *ex).is_ok());
       ASSERT_TRUE(lion_step(cfg, p32, s32, g.span(), 1.0f, {}, *ex).is_ok());
     }
     EXPECT_TRUE(same_floats(p, p32, "params"));
@@ -505,9 +505,9 @@ TEST(Bf16State, AdagradAndLionStepsAreTheFp32StepsWithTheStateRounded) {
   }
   std::vector<float> p(10, 1.0f), gg(10, 1.0f);
   std::vector<uint16_t> short_state(9, 0);
-  const Status st = lion_step_bf16_state(LionConfig{}, p, short_state, {gg.data(), DType::kF32}, 1.0f, {}, *ex);
+  const Status st = lion_step_bf16_moments(LionConfig{}, p, short_state, {gg.data(), DType::kF32}, 1.0f, {}, *ex);
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(st.message().find("lion_step_bf16_state: exp_avg has 9 elements but params has 10"), std::string::npos)
+  EXPECT_NE(st.message().find("lion_step_bf16_moments: exp_avg has 9 elements but params has 10"), std::string::npos)
       << st.to_string();
   for (float x : p) EXPECT_EQ(x, 1.0f);
 }
