@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <span>
+#include <string_view>
 
 #include "common/status.h"
 #include "cpu_optim/adam8bit.h"
@@ -18,6 +19,10 @@ struct AdagradConfig {
   float eps = 1e-8f;
   float weight_decay = 0.0f;
 };
+
+// OK when lr, eps and weight_decay are finite and ≥ 0; else kInvalidArgument whose message starts
+// with "<op>: " and names the value. Every Adagrad step checks it.
+Status check_adagrad_config(std::string_view op, const AdagradConfig& config);
 
 // Per element, with g = grad * grad_scale (as DeepSpeed's cpu_adagrad, whose numerator is the
 // gradient before weight decay):

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <span>
+#include <string_view>
 
 #include "common/status.h"
 #include "cpu_optim/adam8bit.h"
@@ -19,6 +20,10 @@ struct LionConfig {
   float beta2 = 0.99f;
   float weight_decay = 0.0f;
 };
+
+// OK when lr and weight_decay are finite and ≥ 0 and beta1 and beta2 are in [0, 1); else
+// kInvalidArgument whose message starts with "<op>: " and names the value. Every Lion step checks it.
+Status check_lion_config(std::string_view op, const LionConfig& config);
 
 // Per element, with g = grad * grad_scale:
 //   c = beta1*m + (1-beta1)*g ;  u = -lr * sign(c)   (sign(±0) = 0, sign(NaN) = NaN)

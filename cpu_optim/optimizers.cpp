@@ -120,6 +120,19 @@ Status run_adam(const char* op, const AdamConfig& config, int64_t step, detail::
 
 }  // namespace
 
+Status check_adagrad_config(std::string_view op, const AdagradConfig& config) {
+  ZO_RETURN_IF_ERROR(check_hyperparameter(op, "lr", config.lr, 0.0f, kInf, true));
+  ZO_RETURN_IF_ERROR(check_hyperparameter(op, "eps", config.eps, 0.0f, kInf, true));
+  return check_hyperparameter(op, "weight_decay", config.weight_decay, 0.0f, kInf, true);
+}
+
+Status check_lion_config(std::string_view op, const LionConfig& config) {
+  ZO_RETURN_IF_ERROR(check_hyperparameter(op, "lr", config.lr, 0.0f, kInf, true));
+  ZO_RETURN_IF_ERROR(check_hyperparameter(op, "beta1", config.beta1, 0.0f, 1.0f, false));
+  ZO_RETURN_IF_ERROR(check_hyperparameter(op, "beta2", config.beta2, 0.0f, 1.0f, false));
+  return check_hyperparameter(op, "weight_decay", config.weight_decay, 0.0f, kInf, true);
+}
+
 Status adam_step(const AdamConfig& config, int64_t step, std::span<float> params, std::span<float> exp_avg,
                  std::span<float> exp_avg_sq, ConstElemSpan grad, float grad_scale, ElemSpan copy_out,
                  const Executor& executor) {
@@ -150,27 +163,14 @@ Status adam_step_bf16_master(const AdamConfig& config, int64_t step, Bf16Master 
 
 namespace {
 
-// The hyperparameter checks and per-call constants Adagrad's and Lion's kernels share with their
-// 8-bit forms (detail::AdagradArgs / LionArgs / OneState8bitArgs).
-Status check_adagrad(const char* op, const AdagradConfig& config) {
-  ZO_RETURN_IF_ERROR(check_hyperparameter(op, "lr", config.lr, 0.0f, kInf, true));
-  ZO_RETURN_IF_ERROR(check_hyperparameter(op, "eps", config.eps, 0.0f, kInf, true));
-  return check_hyperparameter(op, "weight_decay", config.weight_decay, 0.0f, kInf, true);
-}
-
+// The per-call constants Adagrad's and Lion's kernels share with their 8-bit forms
+// (detail::AdagradArgs / LionArgs / OneState8bitArgs).
 template <class Args>
 void set_adagrad_constants(const AdagradConfig& config, Args& a) {
   a.eps = config.eps;
   a.neg_lr = -config.lr;
   a.weight_decay = config.weight_decay;
   a.use_decay = config.weight_decay > 0.0f;
-}
-
-Status check_lion(const char* op, const LionConfig& config) {
-  ZO_RETURN_IF_ERROR(check_hyperparameter(op, "lr", config.lr, 0.0f, kInf, true));
-  ZO_RETURN_IF_ERROR(check_hyperparameter(op, "beta1", config.beta1, 0.0f, 1.0f, false));
-  ZO_RETURN_IF_ERROR(check_hyperparameter(op, "beta2", config.beta2, 0.0f, 1.0f, false));
-  return check_hyperparameter(op, "weight_decay", config.weight_decay, 0.0f, kInf, true);
 }
 
 template <class Args>
@@ -190,7 +190,7 @@ Status run_adagrad(const char* op, const AdagradConfig& config, detail::ParamArg
   ZO_RETURN_IF_ERROR(check_sizes(op, n, {{"exp_avg_sq", exp_avg_sq_n}}));
   ZO_RETURN_IF_ERROR(
       check_pointers(op, n, {{"params", params.params}, {"exp_avg_sq", exp_avg_sq}, {"grad", grad.data}}));
-  ZO_RETURN_IF_ERROR(check_adagrad(op, config));
+  ZO_RETURN_IF_ERROR(check_adagrad_config(op, config));
   ZO_RETURN_IF_ERROR(check_scale(op, grad_scale));
   ZO_RETURN_IF_ERROR(check_dtypes(op, grad, copy_out));
   if (n == 0) return Status::ok();
@@ -215,7 +215,7 @@ Status run_lion(const char* op, const LionConfig& config, detail::ParamArgs para
                 const Executor& executor) {
   ZO_RETURN_IF_ERROR(check_sizes(op, n, {{"exp_avg", exp_avg_n}}));
   ZO_RETURN_IF_ERROR(check_pointers(op, n, {{"params", params.params}, {"exp_avg", exp_avg}, {"grad", grad.data}}));
-  ZO_RETURN_IF_ERROR(check_lion(op, config));
+  ZO_RETURN_IF_ERROR(check_lion_config(op, config));
   ZO_RETURN_IF_ERROR(check_scale(op, grad_scale));
   ZO_RETURN_IF_ERROR(check_dtypes(op, grad, copy_out));
   if (n == 0) return Status::ok();
@@ -360,7 +360,7 @@ Status run_one_state8bit(const char* op, detail::OneState8bitArgs a, size_t n, c
 Status run_lion8bit(const char* op, const LionConfig& config, detail::ParamArgs params, size_t n,
                     BlockwiseState exp_avg, ConstElemSpan grad, float grad_scale, ElemSpan copy_out,
                     const Executor& executor) {
-  ZO_RETURN_IF_ERROR(check_lion(op, config));
+  ZO_RETURN_IF_ERROR(check_lion_config(op, config));
   detail::OneState8bitArgs a{};
   a.p = params;
   a.lion = true;
@@ -371,7 +371,7 @@ Status run_lion8bit(const char* op, const LionConfig& config, detail::ParamArgs 
 Status run_adagrad8bit(const char* op, const AdagradConfig& config, detail::ParamArgs params, size_t n,
                        BlockwiseState exp_avg_sq, ConstElemSpan grad, float grad_scale, ElemSpan copy_out,
                        const Executor& executor) {
-  ZO_RETURN_IF_ERROR(check_adagrad(op, config));
+  ZO_RETURN_IF_ERROR(check_adagrad_config(op, config));
   detail::OneState8bitArgs a{};
   a.p = params;
   a.lion = false;

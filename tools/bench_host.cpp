@@ -269,19 +269,14 @@ int run_host_bench(const HostArgs& a) {
   random_fill(tc.data(), DType::kF32, triad_elems, 4, -1.0f, 1.0f, *ex);
   (void)cpu_optim::stream_triad(ta, tb, tc, 3.0f, *ex);
 
-  const cpu_optim::AdamConfig adam{
-      .lr = static_cast<float>(config.optimizer.lr),
-      .beta1 = static_cast<float>(config.optimizer.betas[0]),
-      .beta2 = static_cast<float>(config.optimizer.betas[1]),
-      .eps = static_cast<float>(config.optimizer.eps),
-      .weight_decay = static_cast<float>(config.optimizer.weight_decay),
-      .adam_w_mode = config.optimizer.type == engine::OptimizerType::kAdamW || config.optimizer.adam_w_mode,
-      .bias_correction = config.optimizer.bias_correction};
+  const engine::OptimizerHyperparameters hyperparameters =
+      engine::optimizer_hyperparameters(config.optimizer, config.optimizer.lr);
   std::vector<StepTimes> times;
   for (int step = 1; step <= a.steps; ++step) {
     StepTimes t;
     const Stopwatch wall;
-    const engine::OptimizerStepArgs args{.adam = adam, .step = step, .grad_scale = 1.0f, .rounding_seed = 1};
+    const engine::OptimizerStepArgs args{
+        .hyperparameters = hyperparameters, .step = step, .grad_scale = 1.0f, .rounding_seed = 1};
     if (pl.no_accumulator) {
       if (Status s = (*swapper)->begin_direct(args, (*grads)->completion_order()); !s.is_ok())
         return failure("step " + std::to_string(step) + ": " + s.to_string());

@@ -1,9 +1,10 @@
 // OptimizerSwapper: one optimizer step over every sub-group of a StateStore, wherever the states
-// live. On NVMe it runs as a pipeline — read sub-group i+1 ‖ update i ‖ write i−1 — as far as
-// offload_optimizer.pipeline_read / pipeline_write allow; on the CPU it updates in place; on the
-// device it runs the device's Adam kernels (fp32, bf16 or 8-bit moments; fp32 or bf16 masters).
-// The update also writes the new compute copy into the parameter tier. The arithmetic is the same
-// everywhere (bit-identical results). Not thread-safe: one step at a time, from one thread.
+// live: it moves them between their tiers and has each sub-group updated (SubGroupStep, in
+// engine/memory/sub_group_step.h). On NVMe it runs as a pipeline — read sub-group i+1 ‖ update i ‖
+// write i−1 — as far as offload_optimizer.pipeline_read / pipeline_write allow; on the CPU it
+// updates in place; on the device it queues the device's kernels. The update also writes the new
+// compute copy into the parameter tier. The arithmetic is the same everywhere (bit-identical
+// results). Not thread-safe: one step at a time, from one thread.
 #pragma once
 
 #include <cstdint>
@@ -12,10 +13,10 @@
 #include <vector>
 
 #include "common/status.h"
-#include "cpu_optim/adam.h"
 #include "cpu_optim/executor.h"
 #include "engine/config/config.h"
 #include "engine/memory/state_store.h"
+#include "engine/memory/sub_group_step.h"
 
 namespace zo::engine {
 
@@ -36,9 +37,9 @@ struct PipelineOptions {
 };
 
 struct OptimizerStepArgs {
-  // This step's hyperparameters (lr from the scheduler). Adagrad reads lr, eps and weight_decay;
-  // Lion lr, beta1, beta2 and weight_decay.
-  cpu_optim::AdamConfig adam;
+  // This step's hyperparameters (lr from the scheduler), in the struct of PipelineOptions::optimizer
+  // (optimizer_hyperparameters gives them from the config).
+  OptimizerHyperparameters hyperparameters;
   int64_t step = 1;         // 1-based optimizer step (bias correction)
   float grad_scale = 1.0f;  // 1/loss_scale × clip coefficient, applied as gradients are read
   // With bf16 masters: the seed of their stochastic rounding (the run's seed), which with the step
@@ -55,7 +56,7 @@ struct OptimizerStepArgs {
 // Where a step's time went, in seconds of wall time on the calling thread.
 struct OptimizerStepReport {
   double total_s = 0;
-  double update_s = 0;      // inside the Adam kernels (CPU or device)
+  double update_s = 0;      // inside the optimizer's kernels (CPU or device)
   double read_wait_s = 0;   // blocked waiting for NVMe reads
   double write_wait_s = 0;  // blocked waiting for NVMe writes
   double transfer_s = 0;    // blocked on host↔device copies of compute copies / device states
@@ -68,7 +69,8 @@ class OptimizerSwapper {
  public:
   // kUnavailable for Adagrad or Lion with the states on the device (named), and for bf16 masters
   // with a compute dtype other than bf16; kInvalidArgument when the plan's buffers cannot carry the
-  // requested pipelining.
+  // requested pipelining. step() and begin_direct() fail with kInvalidArgument, touching nothing,
+  // for hyperparameters of another optimizer or out of range (check_update_args).
   static Result<std::unique_ptr<OptimizerSwapper>> create(StateStore& store, const cpu_optim::Executor& executor,
                                                           const PipelineOptions& options);
   ~OptimizerSwapper();

@@ -586,13 +586,7 @@ Result<Trainer::Impl::Accumulated> Trainer::Impl::accumulate_and_update(
 OptimizerStepArgs Trainer::Impl::step_args(const StepMetrics& out, double clip) const {
   const OptimizerConfig& oc = opt.config.optimizer;
   OptimizerStepArgs args;
-  args.adam = {.lr = static_cast<float>(out.lr),
-               .beta1 = static_cast<float>(oc.betas[0]),
-               .beta2 = static_cast<float>(oc.betas[1]),
-               .eps = static_cast<float>(oc.eps),
-               .weight_decay = static_cast<float>(oc.weight_decay),
-               .adam_w_mode = oc.type == OptimizerType::kAdamW || oc.adam_w_mode,
-               .bias_correction = oc.bias_correction};
+  args.hyperparameters = optimizer_hyperparameters(oc, out.lr);
   args.step = static_cast<int64_t>(optimizer_steps + 1);
   args.rounding_seed = data->options().seed;  // the run's seed, a resumed run's from its checkpoint
   args.grad_scale = static_cast<float>(clip / out.loss_scale * token_factor);

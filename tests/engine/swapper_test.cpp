@@ -119,6 +119,19 @@ AdamConfig adam_of(const Config& c) {
   return a;
 }
 
+// What step() is handed for c's optimizer: its own struct, with adam_of's values as the references
+// below use them.
+OptimizerHyperparameters hyperparameters_of(const Config& c) {
+  const AdamConfig h = adam_of(c);
+  switch (c.optimizer.type) {
+    case OptimizerType::kLion:
+      return cpu_optim::LionConfig{.lr = h.lr, .beta1 = h.beta1, .beta2 = h.beta2, .weight_decay = h.weight_decay};
+    case OptimizerType::kAdagrad:
+      return cpu_optim::AdagradConfig{.lr = h.lr, .eps = h.eps, .weight_decay = h.weight_decay};
+    default: return h;
+  }
+}
+
 // Everything a store needs, built from a Placing.
 struct Rig {
   TempDir dir;
@@ -310,7 +323,7 @@ Status write_grads(Rig& rig, const Inputs& in, int step) {
 
 OptimizerStepArgs step_args(const Rig& rig, int step) {
   OptimizerStepArgs a;
-  a.adam = adam_of(rig.config);
+  a.hyperparameters = hyperparameters_of(rig.config);
   a.step = step;
   a.grad_scale = kGradScale;
   return a;
@@ -1089,6 +1102,68 @@ TEST(OptimizerSwapper, RejectsAdagradAndLionOnTheDevice) {
   }
 }
 
+// Each optimizer is stepped with its own struct of hyperparameters, held to its own check before
+// any sub-group is touched: Lion's states with Adam's struct, or with beta1 = 1.5, are refused with
+// kInvalidArgument and change nothing; then the right ones step.
+TEST(OptimizerSwapper, EachOptimizerTakesAndChecksItsOwnHyperparameters) {
+  Placing s;
+  s.optimizer = "cpu";
+  s.optimizer_type = "Lion";
+  Rig rig;
+  ASSERT_TRUE(rig.init(s).is_ok());
+  const Inputs in = make_inputs(1);
+  ASSERT_TRUE(init_all(*rig.store, in).is_ok());
+  ASSERT_TRUE(write_grads(rig, in, 0).is_ok());
+  auto swapper = OptimizerSwapper::create(*rig.store, *rig.executor, PipelineOptions::from_config(rig.config));
+  ASSERT_TRUE(swapper.is_ok()) << swapper.status().to_string();
+  const ParamStates before = gather_all(*rig.store);
+  OptimizerStepArgs args = step_args(rig, 1);
+  args.hyperparameters = adam_of(rig.config);
+  auto report = (*swapper)->step(args);
+  ASSERT_FALSE(report.is_ok());
+  EXPECT_EQ(report.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(report.status().message(), HasSubstr("Lion"));
+  EXPECT_THAT(report.status().message(), HasSubstr("AdamConfig"));
+  args = step_args(rig, 1);
+  std::get<cpu_optim::LionConfig>(args.hyperparameters).beta1 = 1.5f;
+  report = (*swapper)->step(args);
+  ASSERT_FALSE(report.is_ok());
+  EXPECT_EQ(report.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(report.status().message(), HasSubstr("beta1 = 1.5 is outside [0, 1)"));
+  EXPECT_TRUE(rig.store->torn_reason().empty()) << rig.store->torn_reason();
+  expect_same(gather_all(*rig.store), before, "states after the refused steps");
+  EXPECT_TRUE((*swapper)->step(step_args(rig, 1)).is_ok());
+}
+
+// optimizer_hyperparameters gives each optimizer.type its own struct, with the schedule's lr (here
+// 0.005, not the config's 0.01) and the config's weight decay (0.1).
+TEST(OptimizerHyperparameters, EachTypeGetsItsOwnStruct) {
+  for (const char* type : {"AdamW", "Lion", "Adagrad"}) {
+    SCOPED_TRACE(type);
+    Placing s;
+    s.optimizer = "cpu";
+    s.optimizer_type = type;
+    const OptimizerHyperparameters h = optimizer_hyperparameters(make_config(s, "/tmp").optimizer, 0.005);
+    if (std::string(type) == "AdamW") {
+      const auto* a = std::get_if<AdamConfig>(&h);
+      ASSERT_NE(a, nullptr);
+      EXPECT_EQ(a->lr, 0.005f);
+      EXPECT_EQ(a->weight_decay, 0.1f);
+      EXPECT_TRUE(a->adam_w_mode);
+    } else if (std::string(type) == "Lion") {
+      const auto* l = std::get_if<cpu_optim::LionConfig>(&h);
+      ASSERT_NE(l, nullptr);
+      EXPECT_EQ(l->lr, 0.005f);
+      EXPECT_EQ(l->weight_decay, 0.1f);
+    } else {
+      const auto* g = std::get_if<cpu_optim::AdagradConfig>(&h);
+      ASSERT_NE(g, nullptr);
+      EXPECT_EQ(g->lr, 0.005f);
+      EXPECT_EQ(g->weight_decay, 0.1f);
+    }
+  }
+}
+
 TEST(OptimizerSwapper, NvmeStepReportsItsTraffic) {
   Placing s;
   s.optimizer = "nvme";
@@ -1569,7 +1644,7 @@ TEST(OptimizerSwapperFaults, ErrorBeforeAnyWriteLeavesTheStoreUsable) {
   expect_same(gather_all(*f.rig.store), before, "states after a failed read of sub-group 0");
   // Bad hyperparameters are refused before anything is touched, too.
   OptimizerStepArgs bad_args = step_args(f.rig, 1);
-  bad_args.adam.beta1 = 1.5f;
+  std::get<AdamConfig>(bad_args.hyperparameters).beta1 = 1.5f;
   EXPECT_EQ(f.swapper->step(bad_args).status().code(), StatusCode::kInvalidArgument);
   EXPECT_TRUE(f.rig.store->torn_reason().empty());
   // The same step now succeeds and matches the reference.

@@ -206,7 +206,7 @@ TEST(ParamCoordinator, AForwardBehindAnOptimizerStepSeesEveryUpdatedCopy) {
     ASSERT_TRUE(overlapped.scatter(StateKind::kGradAccum, grads).is_ok());
     const PipelineOptions po{.pipeline_read = c.pipeline, .pipeline_write = c.pipeline};
     OptimizerStepArgs args;
-    args.adam = {.lr = 0.01f, .weight_decay = 0.01f};
+    args.hyperparameters = cpu_optim::AdamConfig{.lr = 0.01f, .weight_decay = 0.01f};
 
     auto seq_opt = OptimizerSwapper::create(*sequential.store, testing::executor(), po);
     ASSERT_TRUE(seq_opt.is_ok()) << seq_opt.status().to_string();
