@@ -286,10 +286,6 @@ std::string_view state_name(StateKind kind) {
   return "unknown";
 }
 
-bool is_optimizer_state(StateKind kind) {
-  return kind == StateKind::kMaster || kind == StateKind::kExpAvg || kind == StateKind::kExpAvgSq;
-}
-
 // Note [A bf16 master is its compute copy]
 // With bf16 masters the new compute copy is the master's bits (Note [Stochastic rounding to bf16]).
 // Where both would live in CPU memory (the optimizer's states on the CPU, the sub-group's compute

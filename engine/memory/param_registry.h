@@ -147,9 +147,6 @@ struct Placement {
 // Where the gradient accumulators live: the tier's name, or "none" (Placement::no_accumulator).
 std::string_view accumulator_home(const Placement& placement);
 
-// master, exp_avg and exp_avg_sq: the states a data-parallel rank holds only for its own partition.
-bool is_optimizer_state(StateKind kind);
-
 // Whether sub-group g's master is its compute copy (Note [A bf16 master is its compute copy] in
 // param_registry.cpp): bf16 masters and bf16 compute copies both in CPU memory, or both on the
 // device. The master then has no bytes of its own; the store points it at the compute copy.
@@ -178,7 +175,7 @@ struct MemoryPlan {
   Placement placement;
   uint32_t n_sub_groups = 0;
   uint64_t total_elems = 0;
-  // The sub-groups [owned_begin, owned_end) whose optimizer states (is_optimizer_state) this rank
+  // The sub-groups [owned_begin, owned_end) whose optimizer states (master and moments) this rank
   // holds and steps: all of them, or one partition of a data-parallel run (Note [Partitions]). The
   // gradient accumulators and compute copies exist for every sub-group, unless partitioned below.
   uint32_t owned_begin = 0;
