@@ -153,7 +153,7 @@ struct DataConfig {
 };
 
 // (addition) LoRA adapters over a frozen base, as PEFT's LoraConfig names them (Note [LoRA
-// adapters] in engine/model/model_config.cpp). Off while r is 0 and init_from empty.
+// adapters] in engine/model/param_selection.cpp). Off while r is 0 and init_from empty.
 struct LoraConfig {
   uint64_t r = 0;  // the rank; 0: no adapters (unless init_from names a directory, whose r applies)
   double lora_alpha = 8;

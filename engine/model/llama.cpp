@@ -125,7 +125,7 @@ at::Tensor decoder_forward(const ModelConfig& config, int64_t layer, const std::
     return t;
   };
   at::Tensor q, k, v;
-  if (family.phi3) {  // one fused projection, sliced as Phi3Attention slices it
+  if (family.fused_projections) {  // one fused projection, sliced as Phi3Attention slices it
     const at::Tensor qkv = linear(n, R::kQkv);
     const int64_t q_dim = heads * head_dim, kv_dim = kv_heads * head_dim;
     q = split_heads(qkv.narrow(-1, 0, q_dim), heads, head_dim);
@@ -174,7 +174,7 @@ at::Tensor decoder_forward(const ModelConfig& config, int64_t layer, const std::
   // where `m` is the residual stream itself (post-norm), the order its three gradients are added in
   // shows in bf16.
   at::Tensor gate_in, up;
-  if (family.phi3) {  // Phi3MLP: one projection, chunked into the gate and up halves
+  if (family.fused_projections) {  // Phi3MLP: one projection, chunked into the gate and up halves
     const at::Tensor gate_up = linear(m, R::kGateUp);
     const auto I = static_cast<int64_t>(config.intermediate_size);
     gate_in = gate_up.narrow(-1, 0, I);
@@ -183,7 +183,7 @@ at::Tensor decoder_forward(const ModelConfig& config, int64_t layer, const std::
     gate_in = linear(m, R::kGate);
   }
   const at::Tensor gate = config.activation == MlpActivation::kGeluTanh ? at::gelu(gate_in, "tanh") : at::silu(gate_in);
-  if (!family.phi3) up = linear(m, R::kUp);
+  if (!family.fused_projections) up = linear(m, R::kUp);
   at::Tensor f = linear(gate * up, R::kDown);
   if (post) f = norm(f, R::kPostMlpNorm);
   return h + f;

@@ -54,29 +54,45 @@ enum class MlpActivation : uint8_t {
   kGeluTanh,  // "gelu_pytorch_tanh": GELU with the tanh approximation
 };
 
+// The config.json keys a family's config class has and no other family's does (hf_config.cpp
+// reads them after the keys every family shares, and to_hf_config_json writes them back).
+enum class FamilyKeys : uint8_t {
+  kNone,
+  kGemma3Text,  // Gemma3TextConfig's: hidden_activation, query_pre_attn_scalar, layer_types or a sliding
+                // pattern, per-layer-type RoPE (rope_local_base_freq), logit soft-capping; rope_theta 1e6
+                // and tied embeddings by default
+  kPhi3,        // Phi3Config's: resid_pdrop/embd_pdrop (0 only), a window over every layer
+};
+
 // Note [Model families]: the families differ from llama by a few choices of the one decoder block
 // (engine/model/llama.cpp) and of the config keys that say so; each is a row here, looked up by
-// config.json's model_type. decoder_params() turns a row into the block's parameters (HF names,
-// shapes, the role each plays), which the layout, the weights and block_forward all read; the next
-// family that is llama-shaped is a row (and its parity case). Gemma 3 and Phi-3 also write config
-// keys no other family has (their flags below); a reader of their own in model_config.cpp turns
-// those into ModelConfig fields block_forward reads as it reads the others.
+// config.json's model_type, whose fields name those choices (a field left out is llama's choice).
+// decoder_params() turns a row into the block's parameters (HF names, shapes, the role each plays),
+// which the layout, the weights and block_forward all read; the next family that is llama-shaped is
+// a row (and its parity case). Keys of a family's own config class (own_keys) are read by a reader of
+// their own in hf_config.cpp into ModelConfig fields that block_forward reads as it reads the
+// others.
 struct ModelFamily {
-  const char* model_type;
-  const char* architecture;  // the *ForCausalLM class transformers saves and loads
-  bool qkv_bias;             // q/k/v projections always carry biases (Qwen2); else attention_bias must be false
-  QkNorm qk_norm;            // q_norm, k_norm
-  NormPlacement norms;       // where the block's norms sit
-  NormScale norm_scale;      // how a norm's weight scales
-  bool rope_in_fp32;         // q, k rotated in fp32 and cast back (OLMo 2); else the tables are cast to q's dtype
-  bool phi3;    // Phi-3's: fused qkv_proj and gate_up_proj, partial_rotary_factor, longrope, resid/embd_pdrop
-  bool gemma;   // Gemma 3's keys: hidden_activation, √hidden embedding scale, query_pre_attn_scalar, sliding and
-                // full layers with their own RoPE, logit soft-capping; tied by default
-  bool window;  // a sliding window: mistral's always, Qwen's with use_sliding_window
-  bool window_opt_in;            // the window applies only with use_sliding_window (and layer_types names it)
-  bool mlp_bias_key;             // config.json has mlp_bias (llama, mistral), which must be false
-  uint64_t default_head_dim;     // head_dim where config.json has none (Qwen3Config's 128); 0: hidden / heads
-  int64_t default_pad_token_id;  // pad_token_id where config.json has none (Olmo2Config's 1); -1: none
+  const char* model_type = nullptr;
+  const char* architecture = nullptr;  // the *ForCausalLM class transformers saves and loads
+  bool qkv_bias = false;           // q/k/v projections always carry biases (Qwen2); else attention_bias must be false
+  QkNorm qk_norm = QkNorm::kNone;  // q_norm, k_norm
+  NormPlacement norms = NormPlacement::kPre;         // where the block's norms sit
+  NormScale norm_scale = NormScale::kCastThenScale;  // how a norm's weight scales
+  bool rope_in_fp32 = false;  // q, k rotated in fp32 and cast back (OLMo 2); else the tables are cast to q's dtype
+  // q, k and v one projection (qkv_proj), gate and up one (gate_up_proj), stored, adapted and sliced
+  // as Phi-3 does.
+  bool fused_projections = false;
+  // RoPE over part of the head (partial_rotary_factor, top level or in the RoPE dict) and the
+  // longrope type (also under its old names su and yarn), as Phi-3 reads them; else the factor must
+  // be 1 and longrope is refused.
+  bool partial_longrope = false;
+  bool window = false;                // a sliding window: mistral's always, Qwen's with use_sliding_window
+  bool window_opt_in = false;         // the window applies only with use_sliding_window (and layer_types names it)
+  bool mlp_bias_key = false;          // config.json has mlp_bias (llama, mistral), which must be false
+  uint64_t default_head_dim = 0;      // head_dim where config.json has none (Qwen3Config's 128); 0: hidden / heads
+  int64_t default_pad_token_id = -1;  // pad_token_id where config.json has none (Olmo2Config's 1); -1: none
+  FamilyKeys own_keys = FamilyKeys::kNone;
 };
 // The rows, in the order error messages list them.
 const std::vector<ModelFamily>& model_families();
@@ -86,7 +102,7 @@ const ModelFamily* find_model_family(std::string_view model_type);
 enum class DecoderRole : uint8_t;  // below
 struct ModelConfig;
 
-// LoRA adapters on a model's projections (Note [LoRA adapters] in model_config.cpp), as PEFT's
+// LoRA adapters on a model's projections (Note [LoRA adapters] in param_selection.cpp), as PEFT's
 // LoraConfig describes them: rank r, lora_alpha, use_rslora, and the projection weights adapted.
 struct LoraSpec {
   uint32_t r = 0;  // 0: none

@@ -1,4 +1,4 @@
-// LoRA runs (Note [LoRA adapters] in engine/model/model_config.cpp): zoffload.lora resolved against
+// LoRA runs (Note [LoRA adapters] in engine/model/param_selection.cpp): zoffload.lora resolved against
 // a model, and PEFT's adapter_config.json read and written. No LibTorch.
 #pragma once
 

@@ -488,7 +488,8 @@ TEST(HfConfig, RefusesGemma3SettingsNotImplemented) {
 TEST(HfConfig, ParsesPhi3AndPhi4Mini) {
   const ModelConfig mini = parse_ok(kPhi3_mini);
   EXPECT_EQ(mini.model_type, "phi3");
-  EXPECT_TRUE(mini.family().phi3);
+  EXPECT_TRUE(mini.family().fused_projections);
+  EXPECT_TRUE(mini.family().partial_longrope);
   EXPECT_EQ(mini.rotary_dim(), 96);
   EXPECT_EQ(mini.sliding_window, 2047u);
   EXPECT_EQ(mini.sliding_layers, std::vector<bool>(32, true)) << "Phi-3's window is every layer's";
