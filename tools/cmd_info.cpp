@@ -8,6 +8,7 @@
 
 #include "common/bytes.h"
 #include "common/host_info.h"
+#include "engine/model/model_config.h"
 #include "gpu/device_info.h"
 #include "tools/commands.h"
 #include "zo_build_config.h"
@@ -41,6 +42,9 @@ nlohmann::json info_json() {
                     {"total_bytes", d.total_bytes},
                     {"free_bytes", d.free_bytes},
                     {"compute_capability", std::to_string(d.compute_major) + "." + std::to_string(d.compute_minor)}});
+  nlohmann::json families = nlohmann::json::array();
+  for (const engine::ModelFamily& f : engine::model_families())
+    families.push_back({{"model_type", f.model_type}, {"architecture", f.architecture}});
   return {
       {"version", ZO_VERSION},
       {"build",
@@ -66,6 +70,7 @@ nlohmann::json info_json() {
         {"memlock_limit_bytes", h.memlock_limit_bytes}}},
       {"gpus", gpus},
       {"gpu_note", g.gpus.empty() ? g.reason : ""},
+      {"model_families", families},
   };
 }
 
@@ -93,6 +98,10 @@ void print_text(const nlohmann::json& j) {
             << format_bytes(m["available_bytes"].get<uint64_t>()) << " available; pinned (ulimit -l) "
             << (memlock == std::numeric_limits<uint64_t>::max() ? std::string("unlimited") : format_bytes(memlock))
             << "\n";
+  std::string families;
+  for (const auto& f : j["model_families"])
+    families += (families.empty() ? "" : ", ") + f["model_type"].get<std::string>();
+  std::cout << "models:  " << families << " (config.json's model_type; multimodal gemma3's text model too)\n";
   if (j["gpus"].empty()) std::cout << "gpus:    none (" << j["gpu_note"].get<std::string>() << ")\n";
   for (const auto& g : j["gpus"])
     std::cout << "gpu " << g["index"].get<int>() << ":   " << g["name"].get<std::string>() << ", "
@@ -105,7 +114,9 @@ void print_text(const nlohmann::json& j) {
 void register_info_command(CLI::App& app, int* exit_code) {
   auto json_out = std::make_shared<bool>(false);
   CLI::App* info = app.add_subcommand(
-      "info", "Show what this build supports and what the host offers (CPU ISA, memory, pinned limit, GPUs)");
+      "info",
+      "Show what this build supports (the model families it trains) and what the host offers (CPU ISA, memory,\n"
+      "pinned limit, GPUs)");
   info->add_flag("--json", *json_out, "Print machine-readable JSON");
   info->callback([json_out, exit_code] {
     const nlohmann::json j = info_json();

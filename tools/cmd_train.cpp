@@ -18,6 +18,7 @@
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "common/bytes.h"
 #include "common/dtype.h"
@@ -29,6 +30,7 @@
 #include "engine/config/config.h"
 #include "engine/data/token_source.h"
 #include "engine/dist/world.h"
+#include "engine/model/model_config.h"
 #include "io/env.h"
 #include "tools/auto_flags.h"
 #include "tools/commands.h"
@@ -39,6 +41,13 @@
 
 namespace zo::tools {
 namespace {
+
+// The model_types `zoffload train` takes (engine::model_families()), for its --help.
+std::string family_list() {
+  std::vector<std::string> names;
+  for (const engine::ModelFamily& f : engine::model_families()) names.emplace_back(f.model_type);
+  return join(names, ", ");
+}
 
 struct TrainArgs {
   std::string config;
@@ -498,24 +507,25 @@ void register_train_command(CLI::App& app, int* exit_code) {
   auto args = std::make_shared<TrainArgs>();
   CLI::App* train = app.add_subcommand(
       "train",
-      "Train (fine-tune) a model of a LLaMA-shaped family (llama, mistral, qwen2, qwen3, olmo2, gemma3_text\n"
-      "or multimodal gemma3's text model, phi3) with the offload your config asks for: parameters fetched\n"
-      "block by block (ZeRO stage 3) from pinned CPU memory or NVMe, optimizer states on the device, CPU\n"
-      "or NVMe, Adam on the CPU. Shows step, loss, tokens/s (and, with wall_clock_breakdown, where the\n"
-      "time went); writes one JSON object per step to metrics.jsonl in --out. With zoffload.checkpoint.dir\n"
-      "it saves checkpoints every every_steps steps and at the end (--resume continues bit-exactly); with\n"
-      "stage3_gather_16bit_weights_on_model_save it exports the final weights to --out/hf-export-step-N.\n"
-      "Relative paths in the config (nvme_path, checkpoint.dir, log.metrics_path) are relative to --out\n"
-      "(lora.init_from, an input, to the working directory). One run at a time uses an --out and a\n"
-      "checkpoint.dir (lock files); --resume latest refuses a checkpoint another run wrote.\n"
-      "Configs with \"auto\" (Accelerate's) take their values from --micro-batch, --lr, ... as the HF\n"
-      "Trainer's arguments fill them; `zoffload config check` takes the same flags.\n"
-      "Launched as N processes (torchrun --no-python --nproc-per-node N zoffload train ..., mpirun, srun)\n"
-      "it trains data parallel: each rank reads its slice of every batch; at ZeRO stage 0 the gradients are\n"
-      "all-reduced, at stages 1-3 each rank holds and steps its partition of the optimizer states (from\n"
-      "stage 2 of the gradient accumulators too, at stage 3 of the parameters, each block gathered from\n"
-      "its owners when it is fetched)\n"
-      "(docs/training.md, \"Several processes\").");
+      "Train (fine-tune) a model of a LLaMA-shaped family (" + family_list() +
+          ";\n"
+          "multimodal gemma3's text model too) with the offload your config asks for: parameters fetched\n"
+          "block by block (ZeRO stage 3) from pinned CPU memory or NVMe, optimizer states on the device, CPU\n"
+          "or NVMe, Adam on the CPU. Shows step, loss, tokens/s (and, with wall_clock_breakdown, where the\n"
+          "time went); writes one JSON object per step to metrics.jsonl in --out. With zoffload.checkpoint.dir\n"
+          "it saves checkpoints every every_steps steps and at the end (--resume continues bit-exactly); with\n"
+          "stage3_gather_16bit_weights_on_model_save it exports the final weights to --out/hf-export-step-N.\n"
+          "Relative paths in the config (nvme_path, checkpoint.dir, log.metrics_path) are relative to --out\n"
+          "(lora.init_from, an input, to the working directory). One run at a time uses an --out and a\n"
+          "checkpoint.dir (lock files); --resume latest refuses a checkpoint another run wrote.\n"
+          "Configs with \"auto\" (Accelerate's) take their values from --micro-batch, --lr, ... as the HF\n"
+          "Trainer's arguments fill them; `zoffload config check` takes the same flags.\n"
+          "Launched as N processes (torchrun --no-python --nproc-per-node N zoffload train ..., mpirun, srun)\n"
+          "it trains data parallel: each rank reads its slice of every batch; at ZeRO stage 0 the gradients are\n"
+          "all-reduced, at stages 1-3 each rank holds and steps its partition of the optimizer states (from\n"
+          "stage 2 of the gradient accumulators too, at stage 3 of the parameters, each block gathered from\n"
+          "its owners when it is fetched)\n"
+          "(docs/training.md, \"Several processes\").");
   train->add_option("--config", args->config, "DeepSpeed/zoffload JSON config (see docs/config.md)")->required();
   train
       ->add_option(

@@ -1024,6 +1024,12 @@ def main():
     only = [n for n in named if n != "gemma3-multimodal"]
     if not expect(set(only) <= {c["name"] for c in CASES}, "ZO_PARITY_CASES names known cases: %s" % named):
         report_and_exit()
+    # Every family the binary trains has parity cases (a family added without them fails here).
+    info = json.loads(subprocess.run([zoffload, "info", "--json"], check=True, capture_output=True, text=True).stdout)
+    families = {f["model_type"] for f in info["model_families"]}
+    covered = {c["arch"] for c in CASES}
+    expect(families <= covered, "every family `zoffload info` lists has a parity case; none for %s" %
+           sorted(families - covered))
     cases = [c for c in CASES if not named or c["name"] in only]
     if bnb is None:
         print("bitsandbytes is not installed (tools/requirements.txt pins it): the 8-bit case is left out")
