@@ -13,6 +13,7 @@
 #include "engine/config/config.h"
 #include "engine/model/model_config.h"
 #include "engine/model/weights.h"
+#include "engine/plan/fixes.h"
 #include "engine/plan/lora.h"
 #include "engine/plan/planner.h"
 #include "gpu/device_info.h"

@@ -31,7 +31,7 @@
 // ask for with it (the vertical schedule for bf16-stored gradients or no accumulator at GAS > 1),
 // and its plan is made again from scratch, so what is offered is what `train` would then run.
 
-#include "engine/plan/lean_fixes.h"
+#include "engine/plan/fixes.h"
 
 #include <algorithm>
 #include <set>
@@ -206,6 +206,150 @@ std::optional<PlanFix> cheapest_lean_fix(const PlanInputs& in, const std::vector
     if (std::optional<PlanFix> fix = plan_with_changes(in, chosen)) return fix;
   }
   return std::nullopt;
+}
+
+namespace {
+
+// Every single change tried, the exact ones first: a name for the user and how it edits the config.
+std::vector<ConfigChange> candidates(const Config& base, uint32_t world_size) {
+  std::vector<ConfigChange> out;
+  auto& oo = base.zero.offload_optimizer;
+  auto& op = base.zero.offload_param;
+  // The lean-state changes (lean_state_changes), least lossy first: the exact one (no accumulator, the
+  // change that saves the most RAM or NVMe traffic) before every placement change, the ones that
+  // round after every change that keeps the arithmetic.
+  const std::vector<ConfigChange> lean = lean_state_changes(base, world_size);
+  for (const ConfigChange& c : lean)
+    if (!c.rounds) out.push_back(c);
+  if (oo.device != OffloadDevice::kNvme) {
+    out.push_back({"zero_optimization.offload_optimizer.device: nvme", [](Config& c) {
+                     c.zero.offload_optimizer.device = OffloadDevice::kNvme;
+                     if (c.zero.offload_optimizer.nvme_path.empty())
+                       c.zero.offload_optimizer.nvme_path = "zoffload-nvme";
+                     return true;
+                   }});
+  }
+  if (oo.device == OffloadDevice::kNone) {
+    out.push_back({"zero_optimization.offload_optimizer.device: cpu", [](Config& c) {
+                     c.zero.offload_optimizer.device = OffloadDevice::kCpu;
+                     return true;
+                   }});
+  }
+  if (op.device == OffloadDevice::kNone) {
+    out.push_back({"zero_optimization.offload_param.device: cpu", [](Config& c) {
+                     if (c.zero.offload_optimizer.device == OffloadDevice::kNone) return false;
+                     c.zero.offload_param.device = OffloadDevice::kCpu;
+                     return true;
+                   }});
+  }
+  if (op.device != OffloadDevice::kNvme) {
+    out.push_back({"zero_optimization.offload_param.device: nvme", [](Config& c) {
+                     if (c.zero.offload_optimizer.device == OffloadDevice::kNone) return false;
+                     c.zero.offload_param.device = OffloadDevice::kNvme;
+                     if (c.zero.offload_param.nvme_path.empty())
+                       c.zero.offload_param.nvme_path = c.zero.offload_optimizer.nvme_path.empty()
+                                                            ? "zoffload-nvme"
+                                                            : c.zero.offload_optimizer.nvme_path;
+                     return true;
+                   }});
+  }
+  if (oo.pin_memory || op.pin_memory) {
+    out.push_back({"offload_optimizer.pin_memory and offload_param.pin_memory: false", [](Config& c) {
+                     c.zero.offload_optimizer.pin_memory = false;
+                     c.zero.offload_param.pin_memory = false;
+                     return true;
+                   }});
+  }
+  if (op.pin_memory) {  // the CPU compute copies, the only states that are pinned
+    out.push_back({"zero_optimization.offload_param.pin_memory: false", [](Config& c) {
+                     c.zero.offload_param.pin_memory = false;
+                     return true;
+                   }});
+  }
+  if (base.zoffload.pinned_memory_limit != 0) {  // the user's own cap; the RAM and ulimit checks still apply
+    out.push_back({"zoffload.pinned_memory_limit: 0 (the pool sized from the plan)", [](Config& c) {
+                     c.zoffload.pinned_memory_limit = 0;
+                     return true;
+                   }});
+  }
+  if (oo.device == OffloadDevice::kCpu && base.zoffload.gradient_accumulators != "nvme") {
+    // Note [Where the gradients wait]: 4 bytes per element of RAM for a read and a write per step.
+    out.push_back({"zoffload.gradient_accumulators: nvme", [](Config& c) {
+                     if (c.zero.offload_optimizer.device != OffloadDevice::kCpu) return false;
+                     c.zoffload.gradient_accumulators = "nvme";
+                     if (c.zero.offload_optimizer.nvme_path.empty())
+                       c.zero.offload_optimizer.nvme_path =
+                           c.zero.offload_param.nvme_path.empty() ? "zoffload-nvme" : c.zero.offload_param.nvme_path;
+                     return true;
+                   }});
+  }
+  if (base.zoffload.activation_checkpoints == "device") {  // "auto" moves them when that is what fits
+    out.push_back({"zoffload.activation_checkpoints: cpu", [](Config& c) {
+                     c.zoffload.activation_checkpoints = "cpu";
+                     return true;
+                   }});
+  }
+  for (uint64_t sg : {uint64_t{100'000'000}, uint64_t{25'000'000}, uint64_t{5'000'000}}) {
+    if (base.zero.sub_group_size <= sg) continue;
+    out.push_back({"zero_optimization.sub_group_size: " + std::to_string(sg),
+                   [sg](Config& c) {
+                     c.zero.sub_group_size = sg;
+                     return true;
+                   },
+                   "the same update; the gradient norm is summed per sub-group, so a clipped step can differ in "
+                   "the last bits"});
+  }
+  if (base.train_micro_batch_size_per_gpu > 1) {
+    const uint64_t mb = base.train_micro_batch_size_per_gpu / 2;
+    out.push_back({"train_micro_batch_size_per_gpu: " + std::to_string(mb) + " and gradient_accumulation_steps: " +
+                       std::to_string(base.gradient_accumulation_steps * 2) + " (the same batch)",
+                   [](Config& c) {
+                     c.train_micro_batch_size_per_gpu /= 2;
+                     c.gradient_accumulation_steps *= 2;
+                     return true;
+                   },
+                   "the same batch and update; the loss and gradients are summed in another order"});
+  }
+  for (const ConfigChange& c : lean)
+    if (c.rounds) out.push_back(c);
+  return out;
+}
+
+}  // namespace
+
+std::vector<PlanFix> suggest_fixes(const PlanInputs& in, size_t max_fixes) {
+  std::vector<PlanFix> out;
+  auto first = plan_run(in);
+  if (max_fixes == 0 || !first.is_ok() || first->fits()) return out;
+  const std::vector<ConfigChange> cs = candidates(in.config, in.world_size);
+  auto try_changes = [&](const std::vector<const ConfigChange*>& chosen) {
+    if (std::optional<PlanFix> fix = plan_with_changes(in, chosen)) out.push_back(std::move(*fix));
+  };
+  for (const ConfigChange& a : cs) {
+    if (out.size() >= max_fixes) break;
+    try_changes({&a});
+  }
+  if (out.empty()) {
+    for (size_t i = 0; i < cs.size() && out.size() < max_fixes; ++i)
+      for (size_t j = i + 1; j < cs.size() && out.size() < max_fixes; ++j) try_changes({&cs[i], &cs[j]});
+  }
+  if (out.empty()) {
+    // Three at once: a placement change with two lean ones, or three of them.
+    for (size_t i = 0; i < cs.size() && out.size() < max_fixes; ++i)
+      for (size_t j = i + 1; j < cs.size() && out.size() < max_fixes; ++j)
+        for (size_t k = j + 1; k < cs.size() && out.size() < max_fixes; ++k) try_changes({&cs[i], &cs[j], &cs[k]});
+  }
+  // Note [Lean combinations]: the states kept where the config puts them, fewer or narrower, with
+  // the least rounding that fits; beside the drive, not instead of it.
+  if (std::optional<PlanFix> lean = cheapest_lean_fix(in, lean_state_changes(in.config, in.world_size))) {
+    const bool listed =
+        std::any_of(out.begin(), out.end(), [&](const PlanFix& f) { return f.changes == lean->changes; });
+    if (!listed) {
+      if (out.size() >= max_fixes) out.resize(max_fixes - 1);
+      out.push_back(std::move(*lean));
+    }
+  }
+  return out;
 }
 
 }  // namespace zo::engine

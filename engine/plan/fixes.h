@@ -16,6 +16,14 @@
 
 namespace zo::engine {
 
+// Config changes that make a plan with problems fit, each accepted by the config checker and checked
+// by planning again; at most `max_fixes` (≥ 1). Single changes in order (the exact ones first, then
+// those that round, least lossy first); when no single one fits, pairs, then triples. Then, unless
+// already listed, the least lossy combination of the lean-state changes that fits (Note [Lean
+// combinations] in fixes.cpp), taking the last place when the list is full. Empty when the
+// plan fits or nothing tried helps.
+std::vector<PlanFix> suggest_fixes(const PlanInputs& in, size_t max_fixes = 4);
+
 // One candidate change: a name for the user and how it edits the config.
 struct ConfigChange {
   std::string change;                  // "zoffload.moment_dtype: bf16", ...
@@ -27,7 +35,7 @@ struct ConfigChange {
 };
 
 // The lean-state changes that apply to `base` on `world_size` ranks, least lossy first (Note [Lean
-// combinations] in lean_fixes.cpp): no gradient accumulators (exact but for an overflowing step
+// combinations] in fixes.cpp): no gradient accumulators (exact but for an overflowing step
 // being applied), then, rounding, the gradients stored in bf16, bf16 moments, 8-bit moments, bf16
 // masters. Each takes the other keys its config rules ask for with it (the vertical schedule at
 // GAS > 1, bf16.check_grad_overflow false, bf16.bf16_optimizer_states false).

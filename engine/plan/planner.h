@@ -240,14 +240,6 @@ Status check_model_size(const ModelConfig& model);
 // merely does not fit this machine is returned with its problems.
 Result<RunPlan> plan_run(const PlanInputs& in);
 
-// Config changes that make a plan with problems fit, each accepted by the config checker and checked
-// by planning again; at most `max_fixes` (≥ 1). Single changes in order (the exact ones first, then
-// those that round, least lossy first); when no single one fits, pairs, then triples. Then, unless
-// already listed, the least lossy combination of the lean-state changes that fits (Note [Lean
-// combinations] in lean_fixes.cpp), taking the last place when the list is full. Empty when the
-// plan fits or nothing tried helps.
-std::vector<PlanFix> suggest_fixes(const PlanInputs& in, size_t max_fixes = 4);
-
 // This machine's facts for `config` (RAM, ulimit -l, free disk at the resolved nvme paths); the
 // device fields are the caller's (it knows which device the run gets).
 HostFacts probe_host(const Config& config, const std::string& out_dir);

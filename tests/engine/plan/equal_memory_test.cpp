@@ -9,6 +9,7 @@
 
 #include "engine/config/config.h"
 #include "engine/model/model_config.h"
+#include "engine/plan/fixes.h"
 #include "engine/plan/planner.h"
 
 namespace zo::engine {

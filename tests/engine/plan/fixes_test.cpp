@@ -1,4 +1,4 @@
-#include "engine/plan/lean_fixes.h"
+#include "engine/plan/fixes.h"
 
 #include <algorithm>
 #include <cstdlib>

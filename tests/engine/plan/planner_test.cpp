@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/coord/grad_accumulator.h"
+#include "engine/plan/fixes.h"
 #include "tests/engine/plan/shipped_inputs.h"
 
 namespace zo::engine {
