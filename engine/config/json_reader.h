@@ -123,4 +123,9 @@ std::string underflow_reason(std::string_view text);
 // A short rendering of a JSON value for error messages ("\"abc\"", "true", "[...]").
 std::string describe(const nlohmann::json& v);
 
+// Resolves `c` as parsed from `root` (config_resolve.cpp): each "auto" from the model size, the
+// flags in `ctx` and the other keys, then the rules between keys of different blocks; errors and
+// warnings into st.
+void resolve_config(ParseState* st, const ResolveContext& ctx, const nlohmann::json& root, Config* c);
+
 }  // namespace zo::engine::detail
