@@ -242,12 +242,6 @@ Status load_peft_adapters(const std::string& adapter_dir, const ModelLayout& lay
   return Status::ok();
 }
 
-float random_init_normal(uint64_t seed, std::string_view name, uint64_t index, double std) {
-  double z0 = 0, z1 = 0;
-  normal_pair(stream_key(seed, name), index / 2, &z0, &z1);
-  return static_cast<float>((index % 2 == 0 ? z0 : z1) * std);
-}
-
 Status apply_weights_tying(const std::string& model_dir, ModelConfig* config, io::Env* env) {
   if (!config->tie_word_embeddings) return Status::ok();
   Result<std::unique_ptr<HfWeights>> opened = HfWeights::open(model_dir, env);

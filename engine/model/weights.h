@@ -33,9 +33,13 @@ Status load_hf_weights(const std::string& model_dir, const ModelLayout& layout, 
                        const ParamSink& sink, io::Env* env = io::Env::posix());
 
 // Random init, deterministic in (seed, param name, element index) and independent of chunk_elems:
-// Linear and embedding weights ~ normal(0, config.initializer_range) (counter-based splitmix64 +
-// Box–Muller), norm weights 1 (0 for Gemma's 1 + weight), biases 0 — as Hugging Face initializes them;
-// LoRA adapters as init_lora_adapters.
+// Linear and embedding weights ~ normal(0, config.initializer_range), norm weights 1 (0 for Gemma's
+// 1 + weight), biases 0 — as Hugging Face initializes them; LoRA adapters as init_lora_adapters.
+// The normal values: a param's elements 2p and 2p+1 are z0·std and z1·std (rounded to float) of
+// Box–Muller on draws 2p+1 and 2p+2 (a, b) of a SplitMix64 stream (Vigna's splitmix64.c) seeded with
+// key = first(seed) ^ first(FNV-1a-64(name) − 0x9E3779B97F4A7C15), first(s) being the first output of
+// SplitMix64 seeded with s: u1 = ((a >> 11) + 1)·2⁻⁵³, u2 = (b >> 11)·2⁻⁵³, r = √(−2 ln u1),
+// z0 = r cos 2πu2, z1 = r sin 2πu2, in double. Any element is computable on its own.
 Status random_init_weights(const ModelConfig& config, const ModelLayout& layout, uint64_t seed, uint64_t chunk_elems,
                            const ParamSink& sink);
 
@@ -74,9 +78,5 @@ Status load_peft_adapters(const std::string& adapter_dir, const ModelLayout& lay
 inline constexpr const char* kPeftConfigFile = "adapter_config.json";
 inline constexpr const char* kPeftWeightsFile = "adapter_model.safetensors";
 inline constexpr const char* kPeftPrefix = "base_model.model.";
-
-// The value random_init_weights gives element `index` of a Linear/embedding weight named `name`
-// with standard deviation `std`, for tests and for re-deriving a single element.
-float random_init_normal(uint64_t seed, std::string_view name, uint64_t index, double std);
 
 }  // namespace zo::engine
