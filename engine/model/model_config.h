@@ -65,7 +65,7 @@ enum class FamilyKeys : uint8_t {
 };
 
 // Note [Model families]: the families differ from llama by a few choices of the one decoder block
-// (engine/model/llama.cpp) and of the config keys that say so; each is a row here, looked up by
+// (engine/model/decoder.cpp) and of the config keys that say so; each is a row here, looked up by
 // config.json's model_type, whose fields name those choices (a field left out is llama's choice).
 // decoder_params() turns a row into the block's parameters (HF names, shapes, the role each plays),
 // which the layout, the weights and block_forward all read; the next family that is llama-shaped is

@@ -32,7 +32,7 @@
 #include "engine/memory/param_registry.h"
 #include "engine/memory/param_swapper.h"
 #include "engine/memory/state_store.h"
-#include "engine/model/llama.h"
+#include "engine/model/decoder.h"
 #include "engine/model/torch_runtime.h"
 #include "engine/monitor/monitor.h"
 #include "engine/optim/loss_scaler.h"

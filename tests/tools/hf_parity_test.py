@@ -15,7 +15,7 @@ reference's final weights (rounded to the export dtype) and give the reference's
   its bf16 gradients added per micro-batch into fp32 sums (`data_types.grad_accum_dtype` fp32); the
   norm and the clipping over those sums; fp32 AdamW on the masters. It runs twice:
   - "mirror": the engine's arithmetic, redone: transformers' model code, with the attention
-    computed as the engine computes it (repeat_kv, then SDPA with is_causal; engine/model/llama.cpp)
+    computed as the engine computes it (repeat_kv, then SDPA with is_causal; engine/model/decoder.cpp)
     registered through transformers' AttentionInterface, and AdamW and the clipping in the engine's
     documented operation order (EngineAdamW below). Bit-identical to the engine on the CPU, so it
     is compared with (almost) no tolerance: any difference is the engine's, not bf16 noise.
@@ -436,7 +436,7 @@ def batches_of(case, tokens, data_seed):
 
 def _engine_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
                       sliding_window=None, **kwargs):
-    """The engine's attention (engine/model/llama.cpp, causal_attention): k and v repeated per query
+    """The engine's attention (engine/model/decoder.cpp, causal_attention): k and v repeated per query
     head (transformers' repeat_kv), then SDPA with is_causal, or on Gemma's sliding layers with the
     boolean mask i - window < j ≤ i, and the module's scale. An unknown implementation gets no mask
     from transformers (no padding here)."""

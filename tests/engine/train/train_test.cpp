@@ -41,7 +41,7 @@
 #include "engine/memory/param_registry.h"
 #include "engine/memory/swap_file.h"
 #include "engine/model/safetensors.h"
-#include "engine/model/llama.h"
+#include "engine/model/decoder.h"
 #include "engine/model/weights.h"
 #include "engine/optim/lr_schedule.h"
 #include "io/io_engine.h"

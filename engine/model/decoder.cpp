@@ -1,4 +1,4 @@
-#include "engine/model/llama.h"
+#include "engine/model/decoder.h"
 #include "engine/model/torch_runtime.h"
 
 #include <algorithm>

@@ -16,7 +16,7 @@
 #include <stdexcept>
 #include <vector>
 
-#include "engine/model/llama.h"
+#include "engine/model/decoder.h"
 
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wunused-parameter"
