@@ -69,8 +69,8 @@ std::vector<ConfigChange> lean_state_changes(const Config& base, uint32_t world_
   // accumulators live), bf16 moments (4 bytes less on the optimizer's tier), bitsandbytes' 8-bit
   // moments (6 bytes less), then bf16 masters with stochastic rounding (2 bytes less; all 4 where
   // the compute copies are beside them, in RAM or on the device: Note [A bf16 master is its compute
-  // copy]). The moments and masters narrow on every tier, the device's included (Device::adam_step,
-  // adam8bit_step).
+  // copy]). The moments and masters narrow on every tier, the device's included (its adam_step
+  // and adam8bit_step, gpu/optim_kernels.h).
   if (base.grad_accum_dtype == DType::kF32 && base.grad_store_dtype() == DType::kF32 &&
       oo.device != OffloadDevice::kNone && (world_size <= 1 || base.zero.stage >= 2)) {
     // Note [Gradients stored in 16 bits]: one sum per step on the host, so with GAS the vertical schedule.

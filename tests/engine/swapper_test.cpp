@@ -709,7 +709,7 @@ TEST(OptimizerSwapperBf16, EveryPlacementEqualsPerTensorStepsBitForBit) {
   Placing split = base;
   split.accumulators = "nvme";
   setups.push_back(split);
-  Placing device = base;  // Device::adam_step with bf16 moments (HostDevice here)
+  Placing device = base;  // the device's adam_step with bf16 moments (HostDevice here)
   device.optimizer = "none";
   setups.push_back(device);
   for (const Placing& s : setups) expect_same(engine_run(s, in, kSteps, gather_all), want, s.describe());
@@ -851,7 +851,7 @@ TEST(OptimizerSwapper8bit, EveryPlacementEqualsPerTensorStepsBitForBit) {
     pageable.pin_optimizer = pageable.pin_param = false;
     pageable.param = "cpu";
     setups.push_back(pageable);
-    Placing device = base;  // Device::adam8bit_step per quantized piece, adam_step per small one
+    Placing device = base;  // the device's adam8bit_step per quantized piece, adam_step per small one
     device.optimizer = "none";
     setups.push_back(device);
     for (const Placing& s : setups) expect_same(engine_run(s, in, kSteps, gather_all8), want, s.describe());

@@ -608,7 +608,7 @@ TEST_P(DeviceConformance, HostThreadsShareTheDevice) {
   EXPECT_EQ(s.h2d_bytes, uint64_t{kThreads} * kIters * kN * 4);
 }
 
-// Device::adam_step against cpu_optim::adam_step on every CPU path here, bit for bit, after each of
+// The device's adam_step against cpu_optim::adam_step on every CPU path here, bit for bit, after each of
 // five steps, over every grad dtype × copy-out × (AdamW | Adam with L2) × (no decay | decay), with a
 // grad_scale that rounds and n = 100003 (no multiple of any SIMD width or tile).
 TEST_P(DeviceConformance, AdamStepMatchesCpuOptimBitForBit) {

@@ -1179,7 +1179,7 @@ TEST(ConfigParse, MomentDtypesAndDeepSpeedsBf16OptimizerStates) {
     const auto same =
         parse(with({{"bf16", {{"bf16_optimizer_states", true}}}, {"zoffload", {{"moment_dtype", "bf16"}}}}), &d);
     ASSERT_TRUE(same) << all(d.errors);
-    // Every moment dtype steps on the device too (Device::adam_step and adam8bit_step).
+    // Every moment dtype steps on the device too (the device's adam_step and adam8bit_step).
     for (const char* md : {"bf16", "8bit"}) {
       const auto on_device = parse(with({{"zoffload", {{"moment_dtype", md}}},
                                          {"zero_optimization", {{"offload_optimizer", {{"device", "none"}}}}}}),

@@ -1575,7 +1575,7 @@ TEST(Resume, Bf16MastersAreBitIdenticalAcrossPlacementsThreadsAndAResume) {
 }
 
 // The narrow states on the device (the optimizer not offloaded): bf16 moments, 8-bit moments and
-// bf16 masters, alone and together, step through Device::adam_step / adam8bit_step with the CPU
+// bf16 masters, alone and together, step through the device's adam_step / adam8bit_step with the CPU
 // tier's arithmetic, so a run is bit-identical to the same run with the optimizer on the CPU; a
 // bf16 master is its device compute copy (no bytes of its own on the device); and a run resumed on
 // the device from the CPU tier's checkpoint continues it bit-exactly.
