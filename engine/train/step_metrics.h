@@ -103,7 +103,8 @@ struct StepMetrics {
   // The evaluation run after this step's update, when one was due.
   std::optional<EvalMetrics> eval;
   // Why that evaluation failed (then `eval` is empty): the step itself is complete and recorded, so
-  // the caller saves it before it stops (Note [Evaluation] in engine/train/step.cpp). Not recorded.
+  // the caller saves it before it stops (Note [Evaluation] in engine/train/evaluator.cpp). Not
+  // recorded.
   Status eval_error;
 
   // The record of metrics.jsonl (one line of it: record().dump()), which the monitors write too.
@@ -111,7 +112,7 @@ struct StepMetrics {
   std::string to_json() const;
 };
 
-// The run's counters that only grow, read at a step's start and end (Trainer::Impl::counters).
+// The run's counters that only grow, read at a step's start and end (StepLoop::counters).
 struct StepCounters {
   CoordinatorStats coord;                      // fetch and update waits; arena_bytes (fixed)
   double ready_wait_s = 0;                     // the trainer's own waits for a block's copies

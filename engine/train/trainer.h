@@ -55,7 +55,7 @@ struct TrainOptions {
   uint64_t last_step = 0;
   // Held-out tokens (zoffload train's --eval-data; the formats of data_path, data_format applies):
   // evaluated after every eval_every-th step and after last_step, in file order (Note [Evaluation]
-  // in engine/train/step.cpp); the figures go into that step's StepMetrics::eval. Empty: none.
+  // in engine/train/evaluator.cpp); the figures go into that step's StepMetrics::eval. Empty: none.
   std::string eval_data_path;
   uint64_t eval_every = 0;     // 0: only after last_step
   uint64_t eval_batches = 16;  // micro-batches per evaluation, all ranks together (fewer if the file is short); > 0
