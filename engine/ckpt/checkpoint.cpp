@@ -355,17 +355,13 @@ Result<SaveResult> save_collaborative(StateStore& store, const TrainingState& st
     for (const StateFile& file : files) {
       const std::vector<CheckpointTensor>& tensors = file_tensors(manifest, file);
       const std::string header = state_file_prefix(file, tensors, store.plan().placement);
-      const uint64_t data_start = header.size();
-      // Where each partition's parts start: the parts of the sub-groups before it, after the prefix.
+      // Each partition's run starts at its first sub-group's part (rank 0's at 0, with the prefix;
+      // Note [State file layout]).
+      const StateFileLayout layout(reg, store.plan().placement, file, header.size());
       auto file_offset = [&](uint32_t partition) {
         if (partition == 0) return uint64_t{0};
-        if (partition == c.world_size) return data_start + state_file_data_bytes(file, tensors);
-        uint64_t off = data_start;
-        for (uint32_t g = 0; g < reg.partition_groups(partition).first; ++g) {
-          const auto [b, e] = part_of(store, g, file);
-          off += e - b;
-        }
-        return off;
+        if (partition == c.world_size) return layout.file_bytes();
+        return layout.offset(reg.partition_groups(partition).first);
       };
       const std::string path = tmp + "/" + file.name;
       ZO_ASSIGN_OR_RETURN(auto writer, RangeWriter::create(store.io(), path, file_offset(c.rank),

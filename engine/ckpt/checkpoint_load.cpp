@@ -273,24 +273,17 @@ Status load_checkpoint(const CheckpointInfo& ckpt, StateStore& store, io::IoEngi
                           std::string(state_name(kind)) + " with (a checkpoint of another optimizer.type?)");
       data_start += sizeof map;
     }
-    // File bytes [data_start, ...) are the parts of every sub-group in order: part_start[g] is where
-    // sub-group g's begins, relative to data_start.
-    std::vector<uint64_t> part_start(n_groups + 1, 0);
-    std::vector<uint64_t> part_first(n_groups, 0);
-    for (uint32_t i = 0; i < n_groups; ++i) {
-      const auto [b, e] = group_part(reg, plan.placement, i, file);
-      part_first[i] = b;
-      part_start[i + 1] = part_start[i] + (e - b);
-    }
+    // File bytes [data_start, ...) are the parts of every sub-group in order (Note [State file layout]).
+    const StateFileLayout layout(reg, plan.placement, file, data_start);
     uint32_t g = 0;
     auto consume = [&](uint64_t offset, std::span<const std::byte> bytes) -> Status {
       ZO_RETURN_IF_ERROR(values.check(offset, bytes));
-      uint64_t flat = offset - data_start;
+      uint64_t at = offset;
       while (!bytes.empty()) {
-        while (g < n_groups && flat >= part_start[g + 1]) ++g;
+        while (g < n_groups && at >= layout.offset(g + 1)) ++g;
         if (g == n_groups) return corruption(fpath + ": more data than the model's parameters");
-        const uint64_t in_group = part_first[g] + (flat - part_start[g]);
-        const uint64_t n = std::min<uint64_t>(bytes.size(), part_start[g + 1] - flat);
+        const uint64_t in_group = layout.part(g).first + (at - layout.offset(g));
+        const uint64_t n = std::min<uint64_t>(bytes.size(), layout.offset(g + 1) - at);
         // A frozen sub-group's compute copy (kFrozenFile) is held by every rank that holds its
         // compute copies; the optimizer states by their owner.
         if (file.frozen ? plan.holds(g, StateKind::kCompute) : plan.owns(g))
@@ -307,7 +300,7 @@ Status load_checkpoint(const CheckpointInfo& ckpt, StateStore& store, io::IoEngi
           }
         }
         bytes = bytes.subspan(n);
-        flat += n;
+        at += n;
       }
       return Status::ok();
     };
@@ -321,8 +314,8 @@ Status load_checkpoint(const CheckpointInfo& ckpt, StateStore& store, io::IoEngi
       read = read_stream(io, env, fpath, digest, staging, data_start, consume, {});
     } else {
       g = plan.owned_begin;
-      read = read_stream_range(io, env, fpath, digest, staging, data_start + part_start[plan.owned_begin],
-                               data_start + part_start[plan.owned_end], consume, {});
+      read = read_stream_range(io, env, fpath, digest, staging, layout.offset(plan.owned_begin),
+                               layout.offset(plan.owned_end), consume, {});
     }
     ZO_RETURN_IF_ERROR(read.with_context(context));
   }

@@ -46,6 +46,18 @@ std::pair<uint64_t, uint64_t> group_part(const ParamRegistry& registry, const Pl
   return {layout.aux_begin_bytes, layout.total_bytes};
 }
 
+StateFileLayout::StateFileLayout(const ParamRegistry& registry, const Placement& placement, const StateFile& file,
+                                 uint64_t prefix_bytes) {
+  const auto n = static_cast<uint32_t>(registry.sub_groups().size());
+  parts_.reserve(n);
+  starts_.reserve(n + 1);
+  starts_.push_back(prefix_bytes);
+  for (uint32_t g = 0; g < n; ++g) {
+    parts_.push_back(group_part(registry, placement, g, file));
+    starts_.push_back(starts_.back() + (parts_.back().second - parts_.back().first));
+  }
+}
+
 std::vector<SafetensorsEntry> state_file_tensors(const StateFile& file, const std::vector<CheckpointTensor>& tensors) {
   std::vector<SafetensorsEntry> out;
   switch (file.part) {

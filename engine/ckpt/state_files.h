@@ -51,6 +51,30 @@ const std::vector<CheckpointTensor>& file_tensors(const Manifest& manifest, cons
 std::pair<uint64_t, uint64_t> group_part(const ParamRegistry& registry, const Placement& placement, uint32_t sub_group,
                                          const StateFile& file);
 
+// Note [State file layout]: a state file is its prefix (state_file_prefix: the safetensors header
+// and, for an 8-bit moment's aux file, the map its codes index), then the part group_part gives of
+// every sub-group, in sub-group order, with nothing between them; a sub-group without a part (a
+// frozen one in a state file, a trainable one in the frozen file) takes no bytes. A save writes each
+// rank's partition at the offset of its first sub-group, a load reads every sub-group back from its
+// offset: both ask this one layout.
+class StateFileLayout {
+ public:
+  // `prefix_bytes`: what precedes the parts (as written: the prefix's size; as read: where the
+  // file's header puts its first tensor, plus the map of an 8-bit aux file).
+  StateFileLayout(const ParamRegistry& registry, const Placement& placement, const StateFile& file,
+                  uint64_t prefix_bytes);
+  uint32_t sub_groups() const { return static_cast<uint32_t>(parts_.size()); }
+  // Sub-group g's part: bytes [first, second) of its state (group_part).
+  std::pair<uint64_t, uint64_t> part(uint32_t g) const { return parts_[g]; }
+  // The file offset where sub-group g's part begins; offset(sub_groups()) is the end of the file.
+  uint64_t offset(uint32_t g) const { return starts_[g]; }
+  uint64_t file_bytes() const { return starts_.back(); }
+
+ private:
+  std::vector<std::pair<uint64_t, uint64_t>> parts_;
+  std::vector<uint64_t> starts_;  // sub_groups() + 1 file offsets
+};
+
 // The tensors a state file lists, in file order (none for a codes file): per parameter, F32 for a
 // whole fp32 state, BF16 for a bf16 moment; for an 8-bit moment the map, then per parameter its
 // absmax (`NAME.absmax`, F32 [blocks]) or, under 4096 elements, its fp32 moment (`NAME`).
