@@ -18,9 +18,17 @@ expect(info.get("memory", {}).get("total_bytes", 0) > 0, "memory read from /proc
 expect("libtorch" in info and (info["libtorch"] is None) == (not info["build"]["libtorch"]),
        "libtorch: its version when built with LibTorch, else null")
 expect(len(info.get("gpus", [])) > 0 or info.get("gpu_note", "") != "", "no GPU comes with a reason")
+families = [f.get("model_type") for f in info.get("model_families", [])]
+expect("llama" in families and all(f.get("architecture", "").endswith("ForCausalLM")
+                                   for f in info.get("model_families", [])),
+       "the model families, each with its *ForCausalLM class: %s" % info.get("model_families"))
 
 p = subprocess.run([zoffload, "info"], capture_output=True, text=True)
 expect(p.returncode == 0 and p.stdout.startswith("zoffload ") and "memory:" in p.stdout, "text output")
+expect(p.returncode == 0 and all(f in p.stdout.split("models:")[-1].splitlines()[0] for f in families),
+       "the text output's models line lists every family")
+p = subprocess.run([zoffload, "train", "--help"], capture_output=True, text=True)
+expect(p.returncode == 0 and all(f in p.stdout for f in families), "train --help names every family")
 
 p = subprocess.run([zoffload, "--help"], capture_output=True, text=True)
 expect(p.returncode == 0 and "config" in p.stdout and "info" in p.stdout, "--help lists the commands")
