@@ -2,6 +2,7 @@
 // (gpu/detail/adam_element.h), as loops on the stream's worker thread.
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 
 #include "common/adam_math.h"
 #include "common/check.h"
@@ -14,28 +15,29 @@
 namespace zo::gpu::detail {
 namespace {
 
-HostDevice& host(Device& device) {
+// Checks `args` as CudaDevice's kernels do and, unless there is nothing to do, queues `work` on the
+// stream's worker thread.
+template <class Args, class Work>
+Status check_and_queue(Device& device, const Args& args, Stream stream, Status (*check)(const Accounting&, const Args&),
+                       Work&& work) {
   ZO_CHECK(device.kind() == DeviceKind::kHost) << "HostDevice's kernels on " << device.name();
-  return static_cast<HostDevice&>(device);
-}
-
-Status adam_step(Device& device, const DeviceAdamArgs& args, Stream stream) {
-  HostDevice& dev = host(device);
-  ZO_RETURN_IF_ERROR(check_adam_args(dev.accounting(), args));
+  auto& host = static_cast<HostDevice&>(device);
+  ZO_RETURN_IF_ERROR(check(host.accounting(), args));
   if (args.n_elems == 0) return Status::ok();
-  const AdamConstants k = adam_constants(args.config, args.step, args.grad_scale);
-  dev.enqueue(stream, [a = element_args(args), n = args.n_elems, k] {
-    for (uint64_t i = 0; i < n; ++i) adam_element(k, a, i);
-  });
+  host.enqueue(stream, std::forward<Work>(work));
   return Status::ok();
 }
 
+Status adam_step(Device& device, const DeviceAdamArgs& args, Stream stream) {
+  const AdamConstants k = adam_constants(args.config, args.step, args.grad_scale);
+  return check_and_queue(device, args, stream, &check_adam_args, [a = element_args(args), n = args.n_elems, k] {
+    for (uint64_t i = 0; i < n; ++i) adam_element(k, a, i);
+  });
+}
+
 Status adam8bit_step(Device& device, const DeviceAdam8bitArgs& args, Stream stream) {
-  HostDevice& dev = host(device);
-  ZO_RETURN_IF_ERROR(check_adam8bit_args(dev.accounting(), args));
-  if (args.n_elems == 0) return Status::ok();
   const Adam8bitConstants k = adam8bit_constants(args.config, args.step, args.grad_scale);
-  dev.enqueue(stream, [a = element_args(args), n = args.n_elems, k] {
+  return check_and_queue(device, args, stream, &check_adam8bit_args, [a = element_args(args), n = args.n_elems, k] {
     // Block by block, as CudaDevice's kernel does with one thread block per quantization block.
     constexpr uint64_t kBlock = kQuantBlockElems;
     float m[kBlock], v[kBlock];
@@ -55,7 +57,6 @@ Status adam8bit_step(Device& device, const DeviceAdam8bitArgs& args, Stream stre
       }
     }
   });
-  return Status::ok();
 }
 
 }  // namespace
