@@ -388,7 +388,7 @@ int run_train(const TrainArgs& args) {
     }
     const bool last = i + 1 == steps;
     if (!m->eval_error.is_ok()) {
-      // Note [Evaluation] (engine/train/step.cpp): the step is complete and recorded; it is saved
+      // Note [Evaluation] (engine/train/evaluator.cpp): the step is complete and recorded; it is saved
       // (when there is a checkpoint directory) before the run stops on its evaluation's failure.
       if (tty && !a.quiet && !a.json) std::fputc('\n', stderr);
       const std::string step = "step " + std::to_string(m->step);

@@ -543,7 +543,7 @@ Status point_latest_and_prune(io::Env* env, const SaveOptions& options, const st
     // Newest first by step; the one just written is never pruned. Steps beyond it belong to a run
     // this one resumed before (`latest` now names this one, and this run would overwrite them when
     // it gets there): they do not count as the newest and are pruned. Another run's checkpoints
-    // (Note [Run ids] in engine/train/trainer.cpp) are neither counted nor pruned: keep_last is
+    // (Note [Run ids] in engine/train/run_outputs.cpp) are neither counted nor pruned: keep_last is
     // this run's.
     std::reverse(dirs.begin(), dirs.end());
     uint64_t kept = 0;

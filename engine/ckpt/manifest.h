@@ -48,7 +48,7 @@ struct TrainingState {
   // resumes it. Absent in checkpoints written before data parallel: 1.
   uint64_t world_size = 1;
   nlohmann::json config;  // the resolved training config (to_json(Config))
-  // Note [Run ids] (engine/train/trainer.cpp): the run that wrote it, 16 hex digits, and that run's
+  // Note [Run ids] (engine/train/run_outputs.cpp): the run that wrote it, 16 hex digits, and that run's
   // --out as an absolute path. Absent in checkpoints written before run ids: empty.
   std::string run_id;
   std::string out;
