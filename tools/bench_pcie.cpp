@@ -128,7 +128,7 @@ int run_pcie_bench(const PcieArgs& a) {
   const std::string baseline = with_torch
                                    ? std::string("torch copy_(non_blocking=True) between torch's own tensors (") +
                                          (cuda ? "cuda:0" : "CPU: the device is emulated") + ")"
-                                   : (ZO_HAVE_TORCH ? "none (--no-torch)" : "none (built without LibTorch)");
+                                   : (a.no_torch ? "none (--no-torch)" : "none (built without LibTorch)");
   if (!a.json) {
     std::printf("zoffload-bench pcie: %s (%s), %zu sizes up to %s, %d rounds, >= %s per sample\n", dev.name().c_str(),
                 std::string(gpu::device_kind_name(dev.kind())).c_str(), sizes.size(), format_bytes(max_bytes).c_str(),
