@@ -1,6 +1,7 @@
-// The functional LLaMA blocks against an independent reference written here with plain torch ops in
-// fp64 (RoPE in complex form, GQA by repeat_interleave, the whole model in one function): logits and
-// gradients, rope scaling vs the transformers formulas, lm_loss, causality, zero-copy params, bf16.
+// The functional decoder blocks against independent references written here with plain torch ops in
+// fp64 (RoPE in complex form, GQA by repeat_interleave, the whole model in one function; every
+// family's choices in a second one): logits and gradients, rope scaling vs the transformers
+// formulas, lm_loss, causality, zero-copy params, bf16.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 // LibTorch's headers are not clean under -Wextra; silence them here, not project-wide.
@@ -12,6 +13,8 @@
 #pragma GCC diagnostic pop
 
 #include <cmath>
+#include <map>
+#include <string>
 #include <numbers>
 #include <stdexcept>
 #include <vector>
@@ -99,6 +102,101 @@ torch::Tensor reference_logits(const ModelConfig& c, const std::vector<torch::Te
   }
   x = rms(x, P[i++]);
   return x.matmul((c.tie_word_embeddings ? P[0] : P[i++]).t());
+}
+
+// Every family's model in fp64, its params looked up by their Hugging Face names, written from
+// transformers' modeling files (LlamaModel, Qwen3Model, Olmo2Model, Gemma3TextModel, Phi3Model) rather
+// than from the engine's rows: where the norms sit, how a norm's weight scales, q/k norms, fused
+// projections, partial rotary, Gemma's √hidden embedding, query scalar, sliding layers with their
+// own RoPE, GELU-tanh and logit soft-capping.
+torch::Tensor family_reference_logits(const ModelConfig& c, const ModelLayout& layout,
+                                      const std::vector<torch::Tensor>& params, const torch::Tensor& ids) {
+  const auto opt = torch::TensorOptions().dtype(torch::kFloat64);
+  std::map<std::string, torch::Tensor> P;
+  for (size_t i = 0; i < params.size(); ++i) P[layout.params[i].name] = params[i].to(torch::kFloat64);
+  const std::string& type = c.model_type;
+  const bool gemma = type == "gemma3_text", olmo = type == "olmo2", phi = type == "phi3", qwen3 = type == "qwen3";
+  const int64_t B = ids.size(0), T = ids.size(1), H = static_cast<int64_t>(c.hidden_size);
+  const int64_t nh = static_cast<int64_t>(c.num_attention_heads), nkv = static_cast<int64_t>(c.num_key_value_heads);
+  const int64_t hd = static_cast<int64_t>(c.head_dim),
+                rd = phi ? static_cast<int64_t>(hd * c.partial_rotary_factor) : hd;
+  auto rms = [&](const torch::Tensor& x, const torch::Tensor& w) {
+    const torch::Tensor n = x / torch::sqrt(x.pow(2).mean({-1}, true) + c.rms_norm_eps);
+    return gemma ? n * (1 + w) : n * w;
+  };
+  // Rotary over the first rd dims, element i paired with i + rd/2 (rotate_half), the rest passed.
+  auto rope = [&](const torch::Tensor& x, double theta) {  // [B, T, heads, hd]
+    std::vector<double> inv;
+    for (int64_t i = 0; i < rd / 2; ++i) inv.push_back(1.0 / std::pow(theta, 2.0 * static_cast<double>(i) / rd));
+    const torch::Tensor ang = torch::outer(torch::arange(T, opt), torch::tensor(inv, opt)).view({1, T, 1, rd / 2});
+    const torch::Tensor a = x.index({"...", Slice(0, rd / 2)}), b = x.index({"...", Slice(rd / 2, rd)});
+    return torch::cat({a * ang.cos() - b * ang.sin(), b * ang.cos() + a * ang.sin(), x.index({"...", Slice(rd)})}, -1);
+  };
+  const torch::Tensor ii = torch::arange(T).view({T, 1}), jj = torch::arange(T).view({1, T});
+  torch::Tensor x = P.at("model.embed_tokens.weight").index_select(0, ids.flatten()).view({B, T, H});
+  if (gemma) x = x * std::sqrt(static_cast<double>(H));
+  for (uint64_t l = 0; l < c.num_hidden_layers; ++l) {
+    const std::string pre = "model.layers." + std::to_string(l) + ".";
+    auto w = [&](const std::string& name) { return P.at(pre + name + ".weight"); };
+    const bool sliding = !c.sliding_layers.empty() && c.sliding_layers[l];
+    const torch::Tensor h = olmo ? x : rms(x, w("input_layernorm"));
+    torch::Tensor q, k, v;
+    if (phi) {
+      const torch::Tensor qkv = h.matmul(w("self_attn.qkv_proj").t());
+      q = qkv.index({"...", Slice(0, nh * hd)});
+      k = qkv.index({"...", Slice(nh * hd, (nh + nkv) * hd)});
+      v = qkv.index({"...", Slice((nh + nkv) * hd)});
+    } else {
+      q = h.matmul(w("self_attn.q_proj").t());
+      k = h.matmul(w("self_attn.k_proj").t());
+      v = h.matmul(w("self_attn.v_proj").t());
+    }
+    if (olmo) {  // Olmo2Attention: q_norm and k_norm over the whole projection
+      q = rms(q, w("self_attn.q_norm"));
+      k = rms(k, w("self_attn.k_norm"));
+    }
+    q = q.reshape({B, T, nh, hd});
+    k = k.reshape({B, T, nkv, hd});
+    v = v.reshape({B, T, nkv, hd});
+    if (qwen3 || gemma) {  // per head, before the rotation
+      q = rms(q, w("self_attn.q_norm"));
+      k = rms(k, w("self_attn.k_norm"));
+    }
+    const double theta = sliding ? c.local_rope_theta : c.rope_theta;
+    q = rope(q, theta);
+    k = rope(k, theta).repeat_interleave(nh / nkv, 2);
+    v = v.repeat_interleave(nh / nkv, 2);
+    const double scale = gemma ? 1.0 / std::sqrt(c.query_pre_attn_scalar) : 1.0 / std::sqrt(static_cast<double>(hd));
+    torch::Tensor scores = torch::einsum("bqhd,bkhd->bhqk", {q, k}) * scale;
+    torch::Tensor hidden = jj > ii;  // transformers' sliding window: key j seen from i when i - j < window
+    if (sliding) hidden = hidden | (ii - jj >= static_cast<int64_t>(c.sliding_window));
+    scores = scores.masked_fill(hidden, -INFINITY);
+    torch::Tensor attn = torch::einsum("bhqk,bkhd->bqhd", {torch::softmax(scores, -1), v}).reshape({B, T, nh * hd});
+    attn = attn.matmul(w("self_attn.o_proj").t());
+    if (olmo || gemma) attn = rms(attn, w("post_attention_layernorm"));
+    x = x + attn;
+    const torch::Tensor m = olmo ? x : rms(x, gemma ? w("pre_feedforward_layernorm") : w("post_attention_layernorm"));
+    torch::Tensor gate, up;
+    if (phi) {
+      const std::vector<torch::Tensor> gu = m.matmul(w("mlp.gate_up_proj").t()).chunk(2, -1);
+      gate = gu[0];
+      up = gu[1];
+    } else {
+      gate = m.matmul(w("mlp.gate_proj").t());
+      up = m.matmul(w("mlp.up_proj").t());
+    }
+    const torch::Tensor act =
+        gemma ? 0.5 * gate * (1 + torch::tanh(std::sqrt(2.0 / std::numbers::pi) * (gate + 0.044715 * gate.pow(3))))
+              : gate * torch::sigmoid(gate);
+    torch::Tensor out = (act * up).matmul(w("mlp.down_proj").t());
+    if (olmo || gemma) out = rms(out, w("post_feedforward_layernorm"));
+    x = x + out;
+  }
+  x = rms(x, P.at("model.norm.weight"));
+  torch::Tensor logits =
+      x.matmul((c.tie_word_embeddings ? P.at("model.embed_tokens.weight") : P.at("lm_head.weight")).t());
+  if (c.final_logit_softcap > 0) logits = torch::tanh(logits / c.final_logit_softcap) * c.final_logit_softcap;
+  return logits;
 }
 
 // --- helpers -------------------------------------------------------------------------------------
@@ -199,6 +297,55 @@ INSTANTIATE_TEST_SUITE_P(Variants, LlamaForward, ::testing::Values(false, true),
                          [](const ::testing::TestParamInfo<bool>& info) {
                            return info.param ? "BiasesTiedLlama3Rope" : "TinyPresetGqa";
                          });
+
+// The families beside llama and qwen2, each with the choices that set it apart in use.
+ModelConfig family_config(const std::string& type) {
+  ModelConfig c = *model_preset("tiny");
+  c.num_hidden_layers = 2;
+  c.model_type = type;
+  if (type == "gemma3_text") {
+    c.tie_word_embeddings = true;
+    c.scale_embeddings = true;
+    c.activation = MlpActivation::kGeluTanh;
+    c.query_pre_attn_scalar = 24;  // not head_dim: the scale is the scalar's
+    c.final_logit_softcap = 3;     // small enough to bend the logits
+    c.rope_theta = 1e6;
+    c.local_rope_theta = 1e4;
+    c.sliding_window = 16;  // shorter than the sequence
+    c.sliding_layers = {true, false};
+  } else if (type == "phi3") {
+    c.partial_rotary_factor = 0.5;
+  }
+  return c;
+}
+
+class FamilyForward : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(FamilyForward, LogitsAndGradientsMatchTheFamilysReference) {
+  const ModelConfig c = family_config(GetParam());
+  const ModelLayout layout = model_layout(c);
+  std::vector<torch::Tensor> params = random_params(layout, 7);
+  for (torch::Tensor& p : params) p.set_requires_grad(true);
+  const torch::Tensor ids = random_ids(2, 48, static_cast<int64_t>(c.vocab_size), 8);
+  const torch::Tensor targets = random_ids(2, 48, static_cast<int64_t>(c.vocab_size), 9);
+  torch::Tensor ours;
+  ASSERT_TRUE(torch_call("forward", [&] { ours = model_logits(c, params, ids); }).is_ok());
+  const torch::Tensor ref = family_reference_logits(c, layout, params, ids);
+  EXPECT_LT(max_rel_error(ours, ref), 2e-5);
+  EXPECT_GT(ref.std().item<double>(), 0.3) << "logits must not be trivially small";
+  ASSERT_TRUE(torch_call("backward", [&] { lm_loss(ours, targets).backward(); }).is_ok());
+  std::vector<torch::Tensor> grads;
+  for (torch::Tensor& p : params) {
+    grads.push_back(p.grad().clone());
+    p.mutable_grad().zero_();
+  }
+  torch::nn::functional::cross_entropy(ref.reshape({-1, ref.size(-1)}), targets.flatten()).backward();
+  for (size_t i = 0; i < params.size(); ++i)
+    EXPECT_LT(max_rel_error(grads[i], params[i].grad()), 1e-4) << layout.params[i].name;
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, FamilyForward, ::testing::Values("llama", "qwen3", "olmo2", "gemma3_text", "phi3"),
+                         [](const ::testing::TestParamInfo<const char*>& info) { return std::string(info.param); });
 
 TEST(LlamaForward, CausalLaterTokensDoNotChangeEarlierLogits) {
   const ModelConfig c = test_config(false);
