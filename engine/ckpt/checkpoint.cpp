@@ -141,15 +141,11 @@ Result<std::vector<std::pair<uint64_t, std::string>>> step_dirs(io::Env* env, co
   return out;
 }
 
-// The bytes `file` carries of sub-group g's state.
-std::pair<uint64_t, uint64_t> part_of(const StateStore& store, uint32_t g, const StateFile& file) {
-  return group_part(store.registry(), store.plan().placement, g, file);
-}
-
-// Appends the part `file` carries of sub-groups [begin, end) to `writer` (a StreamWriter or a RangeWriter).
+// Appends the part `file` carries of sub-groups [begin, end) (`layout`'s parts) to `writer` (a
+// StreamWriter or a RangeWriter).
 template <class Writer>
-Status stream_groups(Writer& writer, StateStore& store, const StateFile& file, uint32_t begin, uint32_t end,
-                     const std::function<void(uint64_t)>& on_bytes) {
+Status stream_groups(Writer& writer, StateStore& store, const StateFile& file, const StateFileLayout& layout,
+                     uint32_t begin, uint32_t end, const std::function<void(uint64_t)>& on_bytes) {
   const StateKind kind = file.kind;
   // Note [Save pipeline]: up to kWriteSlots - 1 reads from the swap file are in flight into reserved
   // staging spans while the oldest is checksummed and committed, and full slots are being written:
@@ -162,14 +158,14 @@ Status stream_groups(Writer& writer, StateStore& store, const StateFile& file, u
     inflight.clear();
   };
   uint32_t gi = begin;
-  uint64_t off = gi < end ? part_of(store, gi, file).first : 0;
+  uint64_t off = gi < end ? layout.part(gi).first : 0;
   Status s;
   while (s.is_ok()) {
     while (s.is_ok() && gi < end && inflight.size() < kWriteSlots - 1) {
-      const uint64_t bytes = part_of(store, gi, file).second;
+      const uint64_t bytes = layout.part(gi).second;
       if (off == bytes) {
         ++gi;
-        if (gi < end) off = part_of(store, gi, file).first;
+        if (gi < end) off = layout.part(gi).first;
         continue;
       }
       auto span = writer.reserve(bytes - off);
@@ -202,7 +198,8 @@ Status write_state_file(io::Env* env, StateStore& store, const StateFile& file, 
   const std::string header = state_file_prefix(file, tensors, store.plan().placement);
   ZO_ASSIGN_OR_RETURN(auto writer, StreamWriter::create(store.io(), path, staging, kWriteSlots, env));
   if (!header.empty()) ZO_RETURN_IF_ERROR(writer->append(std::as_bytes(std::span(header.data(), header.size()))));
-  ZO_RETURN_IF_ERROR(stream_groups(*writer, store, file, 0, store.plan().n_sub_groups, on_bytes));
+  const StateFileLayout layout(store.registry(), store.plan().placement, file, header.size());
+  ZO_RETURN_IF_ERROR(stream_groups(*writer, store, file, layout, 0, store.plan().n_sub_groups, on_bytes));
   ZO_ASSIGN_OR_RETURN(*digest, writer->finish());
   return Status::ok();
 }
@@ -336,10 +333,8 @@ Result<SaveResult> save_collaborative(StateStore& store, const TrainingState& st
   // 2. This rank's run of each state file.
   uint64_t own_bytes = 0;
   for (const StateFile& file : files) {
-    for (uint32_t g = plan.owned_begin; g < plan.owned_end; ++g) {
-      const auto [b, e] = part_of(store, g, file);
-      own_bytes += e - b;
-    }
+    const StateFileLayout layout(reg, plan.placement, file, 0);
+    own_bytes += layout.offset(plan.owned_end) - layout.offset(plan.owned_begin);
   }
   std::vector<RangeDigest> mine;
   Status written = [&]() -> Status {
@@ -368,7 +363,7 @@ Result<SaveResult> save_collaborative(StateStore& store, const TrainingState& st
                                                            file_offset(c.rank + 1), staging.bytes(), kWriteSlots, env));
       if (c.rank == 0 && !header.empty())
         ZO_RETURN_IF_ERROR(writer->append(std::as_bytes(std::span(header.data(), header.size()))));
-      ZO_RETURN_IF_ERROR(stream_groups(*writer, store, file, plan.owned_begin, plan.owned_end, on_bytes));
+      ZO_RETURN_IF_ERROR(stream_groups(*writer, store, file, layout, plan.owned_begin, plan.owned_end, on_bytes));
       ZO_ASSIGN_OR_RETURN(RangeDigest d, writer->finish());
       mine.push_back(std::move(d));
       if (c.rank == 0) phase(SavePhase::kStateFileDone);
