@@ -23,6 +23,10 @@ on CPU ranks joined by c10d's TCPStore and Gloo.
   start on every rank;
 - tools/dist_bench.py (the data-parallel benchmark) runs and its JSON is consistent.
 
+torchrun itself starts the first world-2 run and the world-3 resume; the other runs' ranks are
+started as torchrun starts them (launch(): its environment, and its store served by this process),
+without the 3 s of CPU its own Python start takes each time.
+
 - a rank stalled while the other saves a checkpoint: the save fails and the survivor stops there,
   within one --dist-timeout, instead of training on into a second wait;
 
@@ -40,6 +44,7 @@ from cli_checks import expect, report_and_exit
 
 try:
     import numpy as np
+    import torch.distributed
     from safetensors import safe_open
     from safetensors.numpy import load_file
 except ImportError as e:  # the oracle readers come with tools/requirements.txt
@@ -112,6 +117,47 @@ def torchrun(n, args, timeout=600):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--no-python", "--nproc-per-node", str(n),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), zoffload] + args
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def launch(n, args, timeout=600):
+    """What torchrun(n, args) runs, without torchrun: n ranks of zoffload with the environment
+    torchrun's local agent gives its workers (OMP_NUM_THREADS 1 unless set, the agent's store, which
+    this process serves as the agent does). The exit status is the first failed rank's, the output
+    rank 0's then the others'."""
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    files, procs = [], []
+    try:
+        for rank in range(n):
+            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
+                       ROLE_NAME="default", LOCAL_WORLD_SIZE=str(n), WORLD_SIZE=str(n), GROUP_WORLD_SIZE="1",
+                       ROLE_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port),
+                       TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_RUN_ID="none",
+                       TORCHELASTIC_USE_AGENT_STORE="True",
+                       TORCH_NCCL_ASYNC_ERROR_HANDLING=os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+                       OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+            # Files, not pipes: a rank blocked on a full pipe could hold the other in a collective.
+            out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+            files.append((out, err))
+            procs.append(subprocess.Popen([zoffload] + args, stdout=out, stderr=err, text=True, env=env))
+        deadline = time.time() + timeout
+        for proc in procs:
+            proc.wait(timeout=max(deadline - time.time(), 1))
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+        raise
+    finally:
+        del store
+    texts = []
+    for out, err in files:
+        out.seek(0)
+        err.seek(0)
+        texts.append((out.read(), err.read()))
+        out.close()
+        err.close()
+    rc = next((proc.returncode for proc in procs if proc.returncode != 0), 0)
+    return subprocess.CompletedProcess([zoffload] + args, rc, "".join(o for o, _ in texts), "".join(e for _, e in texts))
 
 
 def single(args, timeout=600):
@@ -212,8 +258,10 @@ with tempfile.TemporaryDirectory(dir=os.environ.get("MESON_BUILD_ROOT")) as tmp:
     for placement in ("nvme", "cpu", "none"):
         out = os.path.join(tmp, "w2-" + placement)
         extra = ("--trace", os.path.join(tmp, "w2.trace.json")) if placement == "nvme" else ()
-        p = torchrun(2, train_args(write_config(tmp, "m1-" + placement, 1, 1, placement), out, extra=extra))
-        if expect(p.returncode == 0, "world 2 (%s) trains under torchrun: %s" % (placement, p.stderr[-3000:])):
+        args = train_args(write_config(tmp, "m1-" + placement, 1, 1, placement), out, extra=extra)
+        p = torchrun(2, args) if placement == "nvme" else launch(2, args)
+        if expect(p.returncode == 0, "world 2 (%s) trains%s: %s" % (placement, " under torchrun" if placement == "nvme"
+                                                                     else "", p.stderr[-3000:])):
             runs[placement] = out
             if placement == "nvme":
                 expect("rank 1" not in p.stdout, "only rank 0 prints progress: %s" % p.stdout[-1000:])
@@ -234,7 +282,7 @@ with tempfile.TemporaryDirectory(dir=os.environ.get("MESON_BUILD_ROOT")) as tmp:
     if "nvme" in runs:
         # reduce_bucket_size and allgather_bucket_size split the collectives, never change the sums.
         out = os.path.join(tmp, "w2-buckets")
-        p = torchrun(2, train_args(write_config(tmp, "m1-buckets", 1, 1, buckets=1000), out))
+        p = launch(2, train_args(write_config(tmp, "m1-buckets", 1, 1, buckets=1000), out))
         if expect(p.returncode == 0, "world 2 with 1000-element buckets trains: %s" % p.stderr[-3000:]):
             a, b = weights(runs["nvme"]), weights(out)
             expect(all(np.array_equal(a[k].view(np.uint32), b[k].view(np.uint32)) for k in a),
@@ -254,7 +302,7 @@ with tempfile.TemporaryDirectory(dir=os.environ.get("MESON_BUILD_ROOT")) as tmp:
         outs = {}
         for placement in ("nvme", "cpu"):
             out = os.path.join(tmp, "w2-%s-%s" % (tag, placement))
-            p = torchrun(2, train_args(write_config(tmp, "m1-%s-%s" % (tag, placement), 1, 1, placement, **config),
+            p = launch(2, train_args(write_config(tmp, "m1-%s-%s" % (tag, placement), 1, 1, placement, **config),
                                        out))
             if expect(p.returncode == 0, "world 2 with %s (%s) trains: %s" % (label, placement, p.stderr[-3000:])):
                 outs[placement] = out
@@ -289,7 +337,7 @@ with tempfile.TemporaryDirectory(dir=os.environ.get("MESON_BUILD_ROOT")) as tmp:
     # random bits keyed by the parameter and the element's index in it, not by the partition: on nvme
     # and on cpu the same bits.
     on_nvme_and_cpu("bf16 masters", "bf16masters", "bf16 masters rounded stochastically", master="bf16")
-    p = torchrun(2, train_args(write_config(tmp, "m1-bf16grads-stage1", 1, 1, "cpu", stage=1, store="bf16"),
+    p = launch(2, train_args(write_config(tmp, "m1-bf16grads-stage1", 1, 1, "cpu", stage=1, store="bf16"),
                                os.path.join(tmp, "refused-stage1")), timeout=120)
     expect(p.returncode != 0 and "zoffload.gradient_store_dtype" in p.stderr and "stage 2 or 3" in p.stderr,
            "world 2 at stage 1 with bf16-stored gradients is refused naming the key: %s" % p.stderr[-1500:])
@@ -307,7 +355,7 @@ with tempfile.TemporaryDirectory(dir=os.environ.get("MESON_BUILD_ROOT")) as tmp:
         by_stage = {3: runs["none"]}
         for stage in (0, 1):
             out = os.path.join(tmp, "w2-stage%d" % stage)
-            p = torchrun(2, train_args(write_config(tmp, "m1-stage%d" % stage, 1, 1, "none", stage=stage), out))
+            p = launch(2, train_args(write_config(tmp, "m1-stage%d" % stage, 1, 1, "none", stage=stage), out))
             if expect(p.returncode == 0, "world 2 at stage %d trains: %s" % (stage, p.stderr[-3000:])):
                 by_stage[stage] = out
         if 0 in by_stage:
@@ -351,7 +399,7 @@ with tempfile.TemporaryDirectory(dir=os.environ.get("MESON_BUILD_ROOT")) as tmp:
         with open(cfg, "w") as f:
             json.dump(c, f)
         out = os.path.join(tmp, "bf16-stage%d" % stage)
-        p = torchrun(2, train_args(cfg, out))
+        p = launch(2, train_args(cfg, out))
         if expect(p.returncode == 0, "world 2 in bf16 at stage %d trains: %s" % (stage, p.stderr[-3000:])):
             bf[stage] = out
     if len(bf) == 2:
@@ -368,7 +416,7 @@ with tempfile.TemporaryDirectory(dir=os.environ.get("MESON_BUILD_ROOT")) as tmp:
     acc = {}
     for grads in ("cpu", "nvme"):
         out = os.path.join(tmp, "w2-gas2-" + grads)
-        p = torchrun(2, train_args(write_config(tmp, "g2-" + grads, 1, 2, grads=grads), out))
+        p = launch(2, train_args(write_config(tmp, "g2-" + grads, 1, 2, grads=grads), out))
         if expect(p.returncode == 0, "world 2 x GAS 2, accumulators on %s, trains: %s" % (grads, p.stderr[-3000:])):
             acc[grads] = out
     if len(acc) == 2:
@@ -386,7 +434,7 @@ with tempfile.TemporaryDirectory(dir=os.environ.get("MESON_BUILD_ROOT")) as tmp:
     direct = {}
     for grads in ("cpu", "none"):
         out = os.path.join(tmp, "w2-direct-" + grads)
-        p = torchrun(2, train_args(write_config(tmp, "d2-" + grads, 1, 2, "cpu", grads=grads, clipping=0,
+        p = launch(2, train_args(write_config(tmp, "d2-" + grads, 1, 2, "cpu", grads=grads, clipping=0,
                                                 schedule="vertical"), out))
         if expect(p.returncode == 0, "world 2, accumulators %s, no clipping, trains: %s" % (grads, p.stderr[-3000:])):
             direct[grads] = out
@@ -398,14 +446,14 @@ with tempfile.TemporaryDirectory(dir=os.environ.get("MESON_BUILD_ROOT")) as tmp:
         expect(all(np.array_equal(a[k].view(np.uint32), b[k].view(np.uint32)) for k in a) and
                [(m["loss"], m["grad_norm"]) for m in ma] == [(m["loss"], m["grad_norm"]) for m in mb],
                "world 2: no accumulators gives the stored path's weights, losses and norms bit for bit")
-    p = torchrun(2, train_args(write_config(tmp, "d2-stage1", 1, 1, "cpu", stage=1, grads="none", clipping=0),
+    p = launch(2, train_args(write_config(tmp, "d2-stage1", 1, 1, "cpu", stage=1, grads="none", clipping=0),
                                os.path.join(tmp, "refused-direct-stage1")), timeout=120)
     expect(p.returncode != 0 and "zoffload.gradient_accumulators" in p.stderr and "stage 2 or 3" in p.stderr,
            "world 2 at stage 1 without accumulators is refused naming the key: %s" % p.stderr[-1500:])
 
     # ---- save at world 2, resume at world 1 and world 3 (the same 6 rows per step) -------------------
     full = os.path.join(tmp, "full")
-    p = torchrun(2, train_args(write_config(tmp, "g3", 1, 3, ckpt_every=2), full))
+    p = launch(2, train_args(write_config(tmp, "g3", 1, 3, ckpt_every=2), full))
     if expect(p.returncode == 0, "world 2 x GAS 3 with checkpoints trains: %s" % p.stderr[-3000:]):
         step2 = os.path.join(full, "ckpt", "step-2")
         q = single(["ckpt", "inspect", step2, "--json"])
@@ -450,7 +498,7 @@ with tempfile.TemporaryDirectory(dir=os.environ.get("MESON_BUILD_ROOT")) as tmp:
     for stage in (1, 3):
         cfg = nvme_config("nvme-stage%d" % stage, stage)
         out = os.path.join(tmp, "nvme-stage%d" % stage)
-        p = torchrun(2, train_args(cfg, out))
+        p = launch(2, train_args(cfg, out))
         q = single(["plan", "--config", cfg, "--model", "tiny", "--seq-len", "64", "--ranks", "2", "--no-measure",
                     "--json", "--out", out])
         if expect(p.returncode == 0 and q.returncode in (0, 3), "stage %d on NVMe trains and plans at world 2: %s %s" %
