@@ -5,7 +5,6 @@
 #pragma once
 
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -53,7 +52,7 @@ struct Event {
 };
 
 // The kinds of work whose time on the device is measured (Device::busy): copies each way, and
-// compute that another library queues (Device::foreign_work).
+// compute that another library queues (gpu::foreign_work, gpu/foreign_streams.h).
 enum class DeviceWork : uint8_t { kH2D = 0, kD2H = 1, kCompute = 2 };
 
 // The time the device has spent on each kind of work since it was created, as far as that work has
@@ -126,28 +125,6 @@ class Device {
   // Queues the event on `stream`: it completes when everything queued on `stream` before it has.
   // Re-recording moves the event; waits already queued keep waiting for the record they saw.
   virtual Status record(Event event, Stream stream) = 0;
-  // Queues the event on a stream this Device did not create: `native_stream` is the backend's own
-  // handle (CUDA: a cudaStream_t, such as LibTorch's current stream; nullptr is CUDA's legacy
-  // default stream). It lets a device stream wait for another library's kernels without blocking
-  // the host. HostDevice has no foreign streams: the host computes synchronously, so nullptr
-  // completes the event at once and anything else is InvalidArgument.
-  virtual Status record_foreign(Event event, void* native_stream) = 0;
-  // The converse: makes a stream this Device did not create (`native_stream`, as for
-  // record_foreign) wait, without blocking the host, until the event's latest record — as of this
-  // call — completes, so another library's kernels can consume what a device stream produced.
-  // HostDevice: nullptr (the host's synchronous compute) blocks the calling thread until then;
-  // anything else is InvalidArgument. An event never recorded counts as complete.
-  virtual Status wait_foreign(void* native_stream, Event event) = 0;
-  // Calls `queue`, which queues work of `kind` (a copy of `size_bytes`, or compute: 0) on
-  // `native_stream` (a stream this Device did not create, as for record_foreign), and times that
-  // work as the device runs it: it counts in busy() and, while the trace records, is a span of the
-  // trace's device tracks (trace::Track::kCopyH2D, kCopyD2H, kDeviceCompute). Returns queue's
-  // Status. HostDevice: nullptr only (anything else is InvalidArgument, and queue is not called);
-  // the work runs inside queue, on the calling thread.
-  // `name` names a compute span ("forward of model.layers.3"); copies' spans are named by the
-  // periods they merge into ("<n> copies, <bytes>").
-  virtual Status foreign_work(DeviceWork kind, uint64_t size_bytes, void* native_stream, const std::string& name,
-                              const std::function<Status()>& queue) = 0;
   // The device's busy time so far (DeviceBusy). Never blocks. HostDevice counts work in progress
   // up to now; CUDA counts work once its timing events have completed.
   virtual DeviceBusy busy() = 0;
@@ -177,6 +154,7 @@ class Device {
                       Stream stream) = 0;
   // The optimizer kernels are not methods: each backend has a table of them beside it
   // (gpu/optim_kernels.h), so a new state format adds a kernel there and leaves this interface.
+  // Nor is the interop with another library's streams (gpu/foreign_streams.h).
 
   virtual DeviceStats stats() const = 0;
 };

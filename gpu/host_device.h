@@ -45,10 +45,6 @@ class HostDevice final : public Device {
   Result<Event> create_event() override;
   void destroy_event(Event event) override;
   Status record(Event event, Stream stream) override;
-  Status record_foreign(Event event, void* native_stream) override;
-  Status wait_foreign(void* native_stream, Event event) override;
-  Status foreign_work(DeviceWork kind, uint64_t size_bytes, void* native_stream, const std::string& name,
-                      const std::function<Status()>& queue) override;
   DeviceBusy busy() override;
   Status wait(Stream stream, Event event) override;
   Status synchronize(Event event) override;
@@ -63,6 +59,11 @@ class HostDevice final : public Device {
   DeviceStats stats() const override;
 
   // ---- Beside the Device interface ------------------------------------------------------------
+  // For gpu/foreign_streams.h, which documents them.
+  Status record_foreign(Event event, void* native_stream);
+  Status wait_foreign(void* native_stream, Event event);
+  Status foreign_work(DeviceWork kind, uint64_t size_bytes, void* native_stream, const std::string& name,
+                      const std::function<Status()>& queue);
   // For the optimizer kernels (gpu/optim_kernels.h): queues `work` on `stream`'s worker thread, to
   // run after everything queued on it before; the allocation table their range checks read.
   void enqueue(Stream stream, std::function<void()> work);

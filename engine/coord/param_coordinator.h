@@ -87,7 +87,7 @@ class ParamCoordinator {
   // As acquire(), with the same checks and errors, but it does not wait for the H2D copies: it
   // returns once the block's NVMe reads are done and its copies are queued (ahead of any prefetch,
   // on the copy stream), with `ready` completing when they have landed. The caller makes its
-  // compute wait on `ready` (Device::wait_foreign on LibTorch's stream, Device::wait, or
+  // compute wait on `ready` (gpu::wait_foreign on LibTorch's stream, Device::wait, or
   // synchronize) before it touches the addresses: the host does not stall on PCIe (Note [Prefetch
   // and release]). An H2D copy that fails asynchronously is reported by a later synchronize.
   Result<Acquired> acquire_async(uint32_t block);

@@ -45,14 +45,14 @@ TorchMemory torch_memory(bool cuda);
 void reset_torch_memory_peak(bool cuda);  // peak := current
 
 // The stream LibTorch queues this thread's kernels on, as the backend's handle (a cudaStream_t
-// for GPU 0 when `cuda`), for gpu::Device::record_foreign; nullptr on the CPU, where LibTorch
+// for GPU 0 when `cuda`), for gpu::record_foreign (gpu/foreign_streams.h); nullptr on the CPU, where LibTorch
 // computes synchronously.
 void* torch_compute_stream(bool cuda);
 
 // While alive, LibTorch queues this thread's work for GPU 0 on a copy stream (one stream from c10's
 // pool, the same for the whole process) instead of the compute stream, so copies do not queue
 // behind kernels; the previous stream is current again after. Nothing happens on the CPU. The
-// caller orders the copy stream after the compute stream (gpu::Device record_foreign/wait_foreign
+// caller orders the copy stream after the compute stream (gpu::record_foreign/wait_foreign
 // with native_stream()), and passes every tensor the compute stream allocated and the copies read
 // to record_use, so LibTorch's caching allocator does not hand its memory to new kernels before
 // the copies have read it. Not copyable; one thread.

@@ -4,6 +4,8 @@
 #include <string>
 #include <vector>
 
+#include "gpu/foreign_streams.h"
+
 namespace zo::engine {
 namespace {
 
@@ -76,7 +78,7 @@ Status ActivationStore::move_out(uint32_t block, Forward& f) {
   std::optional<TorchCopyStreamScope> copies;
   ZO_RETURN_IF_ERROR(runner_.begin_copies(&copies, where));
   ZO_RETURN_IF_ERROR(
-      device_.foreign_work(gpu::DeviceWork::kD2H, input_bytes(block, f), copies->native_stream(), {}, [&] {
+      gpu::foreign_work(device_, gpu::DeviceWork::kD2H, input_bytes(block, f), copies->native_stream(), {}, [&] {
         return torch_call(where, [&] {
           for (size_t k = 0; k < f.micro.size(); ++k) {
             torch::Tensor& x = f.micro[k].block_inputs[block];
@@ -87,7 +89,7 @@ Status ActivationStore::move_out(uint32_t block, Forward& f) {
           }
         });
       }));
-  return device_.record_foreign(copied_, copies->native_stream()).with_context(where);
+  return gpu::record_foreign(device_, copied_, copies->native_stream()).with_context(where);
 }
 
 Status ActivationStore::move_back(uint32_t block, Forward& f) {
@@ -101,7 +103,7 @@ Status ActivationStore::move_back(uint32_t block, Forward& f) {
   std::optional<TorchCopyStreamScope> copies;
   ZO_RETURN_IF_ERROR(runner_.begin_copies(&copies, where));
   ZO_RETURN_IF_ERROR(
-      device_.foreign_work(gpu::DeviceWork::kH2D, input_bytes(block, f), copies->native_stream(), {}, [&] {
+      gpu::foreign_work(device_, gpu::DeviceWork::kH2D, input_bytes(block, f), copies->native_stream(), {}, [&] {
         return torch_call(where, [&] {
           for (size_t k = 0; k < back.size(); ++k) {
             back[k].copy_(f.micro[k].block_inputs[block], /*non_blocking=*/true);
@@ -110,13 +112,13 @@ Status ActivationStore::move_back(uint32_t block, Forward& f) {
           }
         });
       }));
-  ZO_RETURN_IF_ERROR(device_.record_foreign(back_[block % 2], copies->native_stream()).with_context(where));
-  return device_.record_foreign(copied_, copies->native_stream()).with_context(where);
+  ZO_RETURN_IF_ERROR(gpu::record_foreign(device_, back_[block % 2], copies->native_stream()).with_context(where));
+  return gpu::record_foreign(device_, copied_, copies->native_stream()).with_context(where);
 }
 
 Status ActivationStore::wait_back(uint32_t block) {
   ZO_ASSIGN_OR_RETURN(void* compute, runner_.compute_stream());
-  return device_.wait_foreign(compute, back_[block % 2])
+  return gpu::wait_foreign(device_, compute, back_[block % 2])
       .with_context("waiting for the checkpoints of " + model_.layout.blocks[block].name);
 }
 

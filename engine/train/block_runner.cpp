@@ -3,6 +3,7 @@
 
 #include "common/timer.h"
 #include "common/trace.h"
+#include "gpu/foreign_streams.h"
 
 namespace zo::engine {
 
@@ -57,16 +58,16 @@ Result<void*> BlockRunner::compute_stream() {
 Status BlockRunner::compute_call(const std::string& what, const std::function<void()>& fn) {
   trace::Span span(trace::Track::kCompute, [&] { return what; });
   ZO_ASSIGN_OR_RETURN(void* stream, compute_stream());
-  return device_.foreign_work(gpu::DeviceWork::kCompute, 0, stream, what, [&] { return torch_call(what, fn); });
+  return gpu::foreign_work(device_, gpu::DeviceWork::kCompute, 0, stream, what, [&] { return torch_call(what, fn); });
 }
 
 Status BlockRunner::begin_copies(std::optional<TorchCopyStreamScope>* copies, const std::string& where) {
   const bool on_cuda = cuda();
   void* compute = nullptr;
   ZO_RETURN_IF_ERROR(torch_call(where, [&] { compute = torch_compute_stream(on_cuda); }));
-  ZO_RETURN_IF_ERROR(device_.record_foreign(copies_after_, compute).with_context(where));
+  ZO_RETURN_IF_ERROR(gpu::record_foreign(device_, copies_after_, compute).with_context(where));
   ZO_RETURN_IF_ERROR(torch_call(where, [&] { copies->emplace(on_cuda); }));
-  return device_.wait_foreign((*copies)->native_stream(), copies_after_).with_context(where);
+  return gpu::wait_foreign(device_, (*copies)->native_stream(), copies_after_).with_context(where);
 }
 
 Result<std::vector<gpu::DevicePtr>> BlockRunner::acquire(uint32_t block) {
@@ -78,7 +79,7 @@ Result<std::vector<gpu::DevicePtr>> BlockRunner::acquire(uint32_t block) {
   if (!a.ready) return std::move(a.ptrs);  // nothing in transfer
   ZO_ASSIGN_OR_RETURN(void* stream, compute_stream());
   const Stopwatch waited;
-  Status st = device_.wait_foreign(stream, a.ready);
+  Status st = gpu::wait_foreign(device_, stream, a.ready);
   ready_wait_s_ += waited.elapsed_s();
   ZO_RETURN_IF_ERROR(st.with_context("waiting for the parameters of " + name));
   return std::move(a.ptrs);
@@ -89,7 +90,7 @@ Status BlockRunner::release(uint32_t block) {
   // LibTorch has queued so far (all that read the block), before it refills the block's space.
   ZO_ASSIGN_OR_RETURN(void* stream, compute_stream());
   ZO_RETURN_IF_ERROR(
-      device_.record_foreign(released_, stream).with_context("releasing " + model_.layout.blocks[block].name));
+      gpu::record_foreign(device_, released_, stream).with_context("releasing " + model_.layout.blocks[block].name));
   return coord_.release(block, released_);
 }
 

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "common/trace.h"
+#include "gpu/foreign_streams.h"
 
 namespace zo::engine {
 
@@ -87,25 +88,26 @@ Status GradientPath::offload(uint32_t block, const std::vector<torch::Tensor>& g
         // Into a ring slot, or into the runs of the sums' buffers where it lands in place (Note
         // [Gradients that land where they are summed] in engine/coord/grad_accumulator.cpp).
         [&](std::span<std::byte> dest, uint64_t from) {
-          ZO_RETURN_IF_ERROR(device.foreign_work(gpu::DeviceWork::kD2H, dest.size(), copies->native_stream(), {}, [&] {
-            return torch_call("copying the gradient of " + name, [&] {
-              torch::Tensor src = g;
-              if (inject_overflow && i == 0 && from == 0) {  // on the source: the copy may still be in flight
-                src = g.clone();
-                src.view(-1)[0] = std::numeric_limits<float>::infinity();
-              }
-              copies->record_use(src);  // its memory is not reused before the copy stream has read it
-              if (dest.size() == bytes) {
-                torch::Tensor landed = torch::from_blob(dest.data(), g.sizes(), g.options().device(torch::kCPU));
-                landed.copy_(src, /*non_blocking=*/true);
-              } else {  // one run of a param that straddles two sub-groups (a view: nothing to free early)
-                const int64_t eb = g.element_size(), n = static_cast<int64_t>(dest.size()) / eb;
-                torch::Tensor landed = torch::from_blob(dest.data(), {n}, g.options().device(torch::kCPU));
-                landed.copy_(src.view(-1).narrow(0, static_cast<int64_t>(from) / eb, n), /*non_blocking=*/true);
-              }
-            });
-          }));
-          return device.record_foreign(landed_, copies->native_stream());
+          ZO_RETURN_IF_ERROR(
+              gpu::foreign_work(device, gpu::DeviceWork::kD2H, dest.size(), copies->native_stream(), {}, [&] {
+                return torch_call("copying the gradient of " + name, [&] {
+                  torch::Tensor src = g;
+                  if (inject_overflow && i == 0 && from == 0) {  // on the source: the copy may still be in flight
+                    src = g.clone();
+                    src.view(-1)[0] = std::numeric_limits<float>::infinity();
+                  }
+                  copies->record_use(src);  // its memory is not reused before the copy stream has read it
+                  if (dest.size() == bytes) {
+                    torch::Tensor landed = torch::from_blob(dest.data(), g.sizes(), g.options().device(torch::kCPU));
+                    landed.copy_(src, /*non_blocking=*/true);
+                  } else {  // one run of a param that straddles two sub-groups (a view: nothing to free early)
+                    const int64_t eb = g.element_size(), n = static_cast<int64_t>(dest.size()) / eb;
+                    torch::Tensor landed = torch::from_blob(dest.data(), {n}, g.options().device(torch::kCPU));
+                    landed.copy_(src.view(-1).narrow(0, static_cast<int64_t>(from) / eb, n), /*non_blocking=*/true);
+                  }
+                });
+              }));
+          return gpu::record_foreign(device, landed_, copies->native_stream());
         },
         landed_));
     if (runner_.cuda()) setup_.accounting().add_moved(Move::kDeviceToHost, bytes);

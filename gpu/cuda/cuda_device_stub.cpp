@@ -20,6 +20,11 @@ Result<std::unique_ptr<Device>> CudaDevice::create(int device_index, uint64_t bu
 }
 
 Status CudaDevice::delay(Stream, uint32_t) { return no_cuda(); }
+Status CudaDevice::record_foreign(Event, void*) { return no_cuda(); }
+Status CudaDevice::wait_foreign(void*, Event) { return no_cuda(); }
+Status CudaDevice::foreign_work(DeviceWork, uint64_t, void*, const std::string&, const std::function<Status()>&) {
+  return no_cuda();
+}
 
 namespace detail {
 

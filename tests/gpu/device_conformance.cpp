@@ -15,6 +15,7 @@
 #include "cpu_optim/isa.h"
 #include "common/trace.h"
 #include "gpu/device_info.h"
+#include "gpu/foreign_streams.h"
 #include "gpu/optim_kernels.h"
 #include "gpu/test_hooks.h"
 #include "tests/gpu/adam_reference.h"
@@ -216,7 +217,7 @@ TEST_P(DeviceConformance, AForeignRecordMovesTheEventAndADeviceStreamWaitsOnIt) 
   // A record behind a 200 ms delay, then a foreign one: the latest record is the foreign one.
   ZO_ASSERT_OK(test_delay(*dev_, stream_, 200'000));
   ZO_ASSERT_OK(dev_->record(*ev, stream_));
-  ZO_ASSERT_OK(dev_->record_foreign(*ev, nullptr));
+  ZO_ASSERT_OK(gpu::record_foreign(*dev_, *ev, nullptr));
   ZO_ASSERT_OK(dev_->synchronize(*ev));
   Result<bool> q = dev_->query(*ev);
   ASSERT_TRUE(q.is_ok());
@@ -237,11 +238,11 @@ TEST_P(DeviceConformance, AForeignStreamWaitsForAnEventWithoutADeviceStream) {
   Result<Event> ev = dev_->create_event();
   Result<Event> after = dev_->create_event();
   ASSERT_TRUE(ev.is_ok() && after.is_ok());
-  ZO_ASSERT_OK(dev_->wait_foreign(nullptr, *ev));  // never recorded: complete, nothing to wait for
+  ZO_ASSERT_OK(gpu::wait_foreign(*dev_, nullptr, *ev));  // never recorded: complete, nothing to wait for
   ZO_ASSERT_OK(test_delay(*dev_, stream_, 200'000));
   ZO_ASSERT_OK(dev_->record(*ev, stream_));
-  ZO_ASSERT_OK(dev_->wait_foreign(nullptr, *ev));
-  ZO_ASSERT_OK(dev_->record_foreign(*after, nullptr));
+  ZO_ASSERT_OK(gpu::wait_foreign(*dev_, nullptr, *ev));
+  ZO_ASSERT_OK(gpu::record_foreign(*dev_, *after, nullptr));
   ZO_ASSERT_OK(dev_->synchronize(*after));
   Result<bool> q = dev_->query(*ev);
   ASSERT_TRUE(q.is_ok());
@@ -334,7 +335,7 @@ TEST_P(DeviceConformance, BusyCountsCopiesAsTheyRunAndForeignCompute) {
   ZO_ASSERT_OK(dev_->synchronize(stream_));
   // Compute another library queues: here the host holds the work open for 100 ms (CUDA: between
   // two events on the idle legacy stream; HostDevice: the call itself).
-  Status queued = dev_->foreign_work(DeviceWork::kCompute, 0, nullptr, "held for 100 ms", [] {
+  Status queued = gpu::foreign_work(*dev_, DeviceWork::kCompute, 0, nullptr, "held for 100 ms", [] {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
     return Status::ok();
   });

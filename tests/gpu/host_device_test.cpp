@@ -13,6 +13,7 @@
 
 #include "cpu_optim/executor.h"
 #include "gpu/device_info.h"
+#include "gpu/foreign_streams.h"
 #include "gpu/optim_kernels.h"
 #include "gpu/test_hooks.h"
 #include "tests/gpu/adam_reference.h"
@@ -38,7 +39,7 @@ TEST(HostDevice, BusyIsTheUnionOfOverlappingWorkAndForeignStreamsAreRefused) {
   auto dev = make_host();
   const DeviceBusy before = dev->busy();
   auto hold = [&] {
-    return dev->foreign_work(DeviceWork::kH2D, 1, nullptr, {}, [] {
+    return gpu::foreign_work(*dev, DeviceWork::kH2D, 1, nullptr, {}, [] {
       std::this_thread::sleep_for(std::chrono::milliseconds(200));
       return Status::ok();
     });
@@ -51,7 +52,7 @@ TEST(HostDevice, BusyIsTheUnionOfOverlappingWorkAndForeignStreamsAreRefused) {
   EXPECT_LT(h2d, 0.35) << "two copies at once counted twice";
   bool ran = false;
   int foreign = 0;
-  Status st = dev->foreign_work(DeviceWork::kCompute, 0, &foreign, "x", [&] {
+  Status st = gpu::foreign_work(*dev, DeviceWork::kCompute, 0, &foreign, "x", [&] {
     ran = true;
     return Status::ok();
   });
@@ -106,9 +107,9 @@ TEST(HostDevice, ForeignStreamsOtherThanTheHostAreRefused) {
   Result<Event> ev = (*dev)->create_event();
   ASSERT_TRUE(ev.is_ok());
   int not_a_stream = 0;
-  const Status st = (*dev)->record_foreign(*ev, &not_a_stream);
+  const Status st = gpu::record_foreign(**dev, *ev, &not_a_stream);
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
-  const Status waited = (*dev)->wait_foreign(&not_a_stream, *ev);
+  const Status waited = gpu::wait_foreign(**dev, &not_a_stream, *ev);
   EXPECT_EQ(waited.code(), StatusCode::kInvalidArgument) << waited.to_string();
   // The host's own "stream" has finished everything before the call: a foreign record moves the
   // event past a record still pending behind a slow stream, and is complete at once.
@@ -117,7 +118,7 @@ TEST(HostDevice, ForeignStreamsOtherThanTheHostAreRefused) {
   ASSERT_TRUE(test_delay(**dev, *slow, 200'000).is_ok());
   ASSERT_TRUE((*dev)->record(*ev, *slow).is_ok());
   EXPECT_FALSE(*(*dev)->query(*ev));
-  EXPECT_TRUE((*dev)->record_foreign(*ev, nullptr).is_ok());
+  EXPECT_TRUE(gpu::record_foreign(**dev, *ev, nullptr).is_ok());
   EXPECT_TRUE(*(*dev)->query(*ev));
   (*dev)->destroy_event(*ev);
   (*dev)->destroy_stream(*slow);
