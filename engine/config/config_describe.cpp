@@ -119,7 +119,9 @@ class Lister {
     add(key, "number " + range_text(r), json(v), a);
   }
   void text(std::string_view key, std::string& v) { add(key, "string", json(v), AutoOk::kNo); }
-  void texts(std::string_view key, std::vector<std::string>& v) { add(key, "list of strings", json(v), AutoOk::kNo); }
+  void texts(std::string_view key, std::vector<std::string>& v) {
+    add(key, "string or list of strings", json(v), AutoOk::kNo);
+  }
   void bytes(std::string_view key, uint64_t& v) { add(key, "byte size", json(v), AutoOk::kNo); }
   void choice(std::string_view key, std::string& v, std::span<const std::string_view> names, AutoOk a = AutoOk::kNo) {
     std::vector<std::string_view> all(names.begin(), names.end());

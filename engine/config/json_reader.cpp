@@ -262,8 +262,16 @@ bool ObjectReader::string(std::string_view key, std::string* out) {
 bool ObjectReader::string_list(std::string_view key, std::vector<std::string>* out) {
   const json* v = take(key);
   if (v == nullptr) return false;
+  if (v->is_string()) {
+    if (v->get_ref<const std::string&>().find('\0') != std::string::npos) {
+      state_->error(key_path(key), "contains a NUL character (\\u0000)");
+      return false;
+    }
+    *out = {v->get<std::string>()};
+    return true;
+  }
   if (!v->is_array()) {
-    type_error(key, *v, "an array of strings");
+    type_error(key, *v, "a string or an array of strings");
     return false;
   }
   std::vector<std::string> values;

@@ -74,7 +74,8 @@ class ObjectReader {
               AutoOk auto_ok = AutoOk::kNo);
   // A string without a NUL character (paths go to the C file API, which would stop at it).
   bool string(std::string_view key, std::string* out);
-  // A JSON array of such strings (each element's errors name key[i]).
+  // A JSON array of such strings (each element's errors name key[i]), or one such string, read as
+  // a list of one (as PEFT's target_modules may be given).
   bool string_list(std::string_view key, std::vector<std::string>* out);
   // One of `choices` (exact match); the error lists them.
   bool choice(std::string_view key, std::span<const std::string_view> choices, std::string* out,

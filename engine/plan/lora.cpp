@@ -6,6 +6,8 @@
 #include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
+#include <regex>
 #include <set>
 
 #include "common/string_util.h"
@@ -33,14 +35,28 @@ std::string module_list(const std::vector<std::string>& modules) {
 // a projection on every layer or on none, so each entry is matched as PEFT matches it against the
 // model's projections, and a projection adapted on some layers but not all is refused, as is an
 // entry that matches no projection (PEFT would skip it silently, or adapt the head or an embedding).
+// A string other than "all-linear" is, to PEFT, a regular expression that a module's qualified
+// name must match whole (re.fullmatch): it is matched so (std::regex, ECMAScript, which agrees with
+// Python's re on the alternations, classes and anchors such patterns use), under the same rules.
 namespace {
 
 Result<std::vector<std::string>> peft_target_modules(const ModelConfig& model, const nlohmann::json& t,
                                                      const std::function<Status(const std::string&)>& bad) {
   if (t.is_string() && t == "all-linear") return std::vector<std::string>{"all-linear"};
-  if (!t.is_array() || t.empty() || !std::all_of(t.begin(), t.end(), [](const auto& m) { return m.is_string(); }))
+  std::optional<std::regex> pattern;
+  if (t.is_string()) {
+    try {
+      pattern.emplace(t.get<std::string>(), std::regex::ECMAScript);
+    } catch (const std::regex_error& e) {
+      return bad("target_modules is the regular expression " + quote_excerpt(t.get<std::string>(), 200) +
+                 ", which does not compile (" + e.what() + ")");
+    }
+  } else if (!t.is_array() || t.empty() ||
+             !std::all_of(t.begin(), t.end(), [](const auto& m) { return m.is_string(); })) {
     return bad("target_modules is " + quote_excerpt(t.dump(), 200) +
-               ": zoffload reads a list of module names (q_proj, ...) or \"all-linear\", not a regular expression");
+               ": zoffload reads a list of module names (q_proj, ...), \"all-linear\", or a regular expression "
+               "as a string");
+  }
   // The model's adaptable projections by qualified module name, with their layer.
   ZO_ASSIGN_OR_RETURN(const std::vector<DecoderRole> all, lora_targets(model, std::vector<std::string>{"all-linear"},
                                                                         "zoffload.lora.target_modules"));
@@ -64,7 +80,16 @@ Result<std::vector<std::string>> peft_target_modules(const ModelConfig& model, c
     }
   }
   std::map<std::string, std::set<uint64_t>> adapted;  // projection name → layers
-  for (const auto& m : t) {
+  const std::string example = modules.empty() ? std::string("-") : modules.front().key;
+  if (pattern) {
+    for (const Module& mod : modules)
+      if (std::regex_match(mod.key, *pattern)) adapted[mod.name].insert(mod.layer);
+    if (adapted.empty())
+      return bad("target_modules is the regular expression " + quote_excerpt(t.get<std::string>(), 200) +
+                 ", which matches none of this " + model.model_type + " model's decoder projections (" +
+                 join(projections, ", ") + ") by qualified name, such as " + example + ": zoffload adapts those only");
+  }
+  for (const auto& m : pattern ? nlohmann::json::array() : t) {
     const std::string entry = m.get<std::string>();
     bool any = false;
     for (const Module& mod : modules) {
@@ -76,8 +101,7 @@ Result<std::vector<std::string>> peft_target_modules(const ModelConfig& model, c
     if (!any)
       return bad("target_modules names \"" + quote_excerpt(entry, 200) + "\", which is none of this " +
                  model.model_type + " model's decoder projections (" + join(projections, ", ") +
-                 ", or their qualified names such as " + (modules.empty() ? std::string("-") : modules.front().key) +
-                 "): zoffload adapts those only");
+                 ", or their qualified names such as " + example + "): zoffload adapts those only");
   }
   std::vector<std::string> out;
   for (const std::string& name : projections) {

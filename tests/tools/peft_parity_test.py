@@ -420,6 +420,24 @@ def check_hostile_adapters(tmp):
                    LoraConfig(r=4, lora_alpha=8, target_modules=["model.layers.0.self_attn.q_proj", "v_proj"],
                               task_type="CAUSAL_LM")).save_pretrained(layer0)
     refused({"init_from": layer0}, "layer0", "target_modules adapts q_proj on 1 of the model's 2 layers")
+    # A target_modules string other than "all-linear" is PEFT's regular expression, which a module's
+    # whole qualified name must match: read so, under the same every-layer-or-none rule.
+    regex = adapter_variant(adapter_dir, work, "regex", lambda c: c.update(target_modules=r".*\.(q_proj|v_proj)"))
+    peft_loss = peft_first_loss(regex)
+    p, out = zo_train(case, work, model_dir, {"init_from": regex}, data, data, name="run-regex")
+    if expect(p.returncode == 0, "a regular-expression target_modules trains: %s" % p.stderr[-800:]):
+        print("hostile: regex target_modules: PEFT's step-1 loss %.9g (list %.9g), zoffload's %.9g" %
+              (peft_loss, plain_peft, first_loss(out)))
+        expect(peft_loss == plain_peft and rel(first_loss(out), peft_loss) <= TOL["loss"],
+               "regex target_modules: PEFT's loss %.9g (list %.9g) and zoffload's %.9g agree" %
+               (peft_loss, plain_peft, first_loss(out)))
+    regex0 = adapter_variant(adapter_dir, work, "regex-layer0",
+                             lambda c: c.update(target_modules=r".*layers\.0\.self_attn\.(q_proj|v_proj)"))
+    refused({"init_from": regex0}, "regex-layer0", "target_modules adapts q_proj on 1 of the model's 2 layers")
+    refused({"init_from": adapter_variant(adapter_dir, work, "regex-bad", lambda c: c.update(target_modules="(q_proj"))},
+            "regex-bad", "zoffload.lora.init_from", "does not compile")
+    refused({"init_from": adapter_variant(adapter_dir, work, "regex-none", lambda c: c.update(target_modules="lm_head"))},
+            "regex-none", "zoffload.lora.init_from", "matches none of this llama model's decoder projections")
 
     # Values no forward survives.
     def set_first(name_part, value):

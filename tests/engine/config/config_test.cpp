@@ -348,6 +348,25 @@ TEST(ConfigParse, DerivesMissingBatchValueAsDeepSpeedDoes) {
   EXPECT_EQ(c->train_micro_batch_size_per_gpu, 8u);
 }
 
+// PEFT's LoraConfig takes target_modules as one string ("all-linear") as well as a list; every
+// list key reads a bare string as a list of one.
+TEST(ConfigParse, ListKeysTakeOneStringAsAListOfOne) {
+  ConfigDiagnostics d;
+  auto c =
+      parse(json{{"train_micro_batch_size_per_gpu", 1},
+                 {"zoffload",
+                  {{"lora", {{"r", 8}, {"target_modules", "all-linear"}}}, {"freeze", "model.embed_tokens.weight"}}}},
+            &d);
+  ASSERT_TRUE(c) << all(d.errors);
+  EXPECT_EQ(c->zoffload.lora.target_modules, std::vector<std::string>{"all-linear"});
+  EXPECT_EQ(c->zoffload.freeze, std::vector<std::string>{"model.embed_tokens.weight"});
+  c = parse(
+      json{{"train_micro_batch_size_per_gpu", 1}, {"zoffload", {{"lora", {{"r", 8}, {"target_modules", "q_proj"}}}}}},
+      &d);
+  ASSERT_TRUE(c) << all(d.errors);
+  EXPECT_EQ(c->zoffload.lora.target_modules, std::vector<std::string>{"q_proj"});
+}
+
 // DeepSpeed warns, not fails, when a run is shorter than its warm-up: a smoke test of a long config.
 TEST(ConfigParse, RunShorterThanItsWarmupIsAWarning) {
   json j = base();
@@ -720,9 +739,9 @@ const Malformed kMalformed[] = {
      "zoffload.data.shuffle",
      "expected true or false"},
     {"freeze_not_a_list",
-     {{"zoffload", {{"freeze", "model.embed_tokens.weight"}}}},
+     {{"zoffload", {{"freeze", 3}}}},
      "zoffload.freeze",
-     "expected an array of strings"},
+     "expected a string or an array of strings"},
     {"freeze_not_strings", {{"zoffload", {{"freeze", {"a", 3}}}}}, "zoffload.freeze[1]", "expected a string"},
     {"lora_r_zero",
      {{"zoffload", {{"lora", {{"r", 0}, {"target_modules", {"q_proj"}}}}}}},
@@ -738,10 +757,10 @@ const Malformed kMalformed[] = {
      {{"zoffload", {{"lora", {{"r", 8}, {"lora_alpha", 0}}}}}},
      "zoffload.lora.lora_alpha",
      "must be > 0"},
-    {"lora_targets_string",
-     {{"zoffload", {{"lora", {{"r", 8}, {"target_modules", "all-linear"}}}}}},
+    {"lora_targets_number",
+     {{"zoffload", {{"lora", {{"r", 8}, {"target_modules", 7}}}}}},
      "zoffload.lora.target_modules",
-     "expected an array of strings"},
+     "expected a string or an array of strings"},
     {"lora_unknown", {{"zoffload", {{"lora", {{"r", 8}, {"rank", 8}}}}}}, "zoffload.lora.rank", "unknown"},
     {"data_unknown",
      {{"zoffload", {{"data", {{"shufle", false}}}}}},
@@ -1057,7 +1076,7 @@ std::vector<json> candidates(const ConfigKey& k, const json& resolved) {
     return out;
   }
   if (k.type == "string") return {"some/where"};
-  if (k.type == "list of strings") return {json::array({"model.layers.{0..1}.*"})};
+  if (k.type == "string or list of strings") return {json::array({"model.layers.{0..1}.*"})};
   if (resolved.is_number_unsigned() || resolved.is_number_integer()) {
     const uint64_t d = resolved.get<uint64_t>();
     for (uint64_t v : {d + 4096, d - 4096, d + 1, d - 1, uint64_t{1}, uint64_t{2}, uint64_t{3}})
