@@ -98,10 +98,8 @@ void print_text(const nlohmann::json& j) {
             << format_bytes(m["available_bytes"].get<uint64_t>()) << " available; pinned (ulimit -l) "
             << (memlock == std::numeric_limits<uint64_t>::max() ? std::string("unlimited") : format_bytes(memlock))
             << "\n";
-  std::string families;
-  for (const auto& f : j["model_families"])
-    families += (families.empty() ? "" : ", ") + f["model_type"].get<std::string>();
-  std::cout << "models:  " << families << " (config.json's model_type; multimodal gemma3's text model too)\n";
+  std::cout << "models:  " << engine::model_type_list()
+            << " (config.json's model_type; multimodal gemma3's text model too)\n";
   if (j["gpus"].empty()) std::cout << "gpus:    none (" << j["gpu_note"].get<std::string>() << ")\n";
   for (const auto& g : j["gpus"])
     std::cout << "gpu " << g["index"].get<int>() << ":   " << g["name"].get<std::string>() << ", "

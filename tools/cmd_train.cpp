@@ -42,13 +42,6 @@
 namespace zo::tools {
 namespace {
 
-// The model_types `zoffload train` takes (engine::model_families()), for its --help.
-std::string family_list() {
-  std::vector<std::string> names;
-  for (const engine::ModelFamily& f : engine::model_families()) names.emplace_back(f.model_type);
-  return join(names, ", ");
-}
-
 struct TrainArgs {
   std::string config;
   std::string model;
@@ -507,7 +500,7 @@ void register_train_command(CLI::App& app, int* exit_code) {
   auto args = std::make_shared<TrainArgs>();
   CLI::App* train = app.add_subcommand(
       "train",
-      "Train (fine-tune) a model of a LLaMA-shaped family (" + family_list() +
+      "Train (fine-tune) a model of a LLaMA-shaped family (" + engine::model_type_list() +
           ";\n"
           "multimodal gemma3's text model too) with the offload your config asks for: parameters fetched\n"
           "block by block (ZeRO stage 3) from pinned CPU memory or NVMe, optimizer states on the device, CPU\n"

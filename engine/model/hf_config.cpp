@@ -278,14 +278,12 @@ Result<ModelConfig> parse_config(const json& doc, const std::string& source_name
   ZO_RETURN_IF_ERROR(r.string("model_type", &c.model_type, /*required=*/true));
   const ModelFamily* family = find_model_family(c.model_type);
   if (family == nullptr) {
-    std::vector<std::string> names;
-    for (const ModelFamily& f : model_families()) names.emplace_back(f.model_type);
     std::string why;
     if (c.model_type == "qwen3_moe" || c.model_type == "qwen2_moe" || c.model_type == "mixtral" ||
         c.model_type == "olmoe" || c.model_type == "deepseek_v3")
       why = "; mixture-of-experts models are not supported";
     return r.error("model_type",
-                   "unsupported model_type \"" + c.model_type + "\" (supported: " + join(names, ", ") + ")" + why);
+                   "unsupported model_type \"" + c.model_type + "\" (supported: " + model_type_list() + ")" + why);
   }
 
   ZO_RETURN_IF_ERROR(r.size("vocab_size", &c.vocab_size, true));

@@ -60,6 +60,12 @@ const ModelFamily* find_model_family(std::string_view model_type) {
   return nullptr;
 }
 
+std::string model_type_list() {
+  std::vector<std::string> names;
+  for (const ModelFamily& f : model_families()) names.emplace_back(f.model_type);
+  return join(names, ", ");
+}
+
 const ModelFamily& ModelConfig::family() const {
   const ModelFamily* f = find_model_family(model_type);
   ZO_CHECK(f != nullptr) << "model_type " << model_type << " has no family row";

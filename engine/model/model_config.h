@@ -98,6 +98,9 @@ struct ModelFamily {
 const std::vector<ModelFamily>& model_families();
 // The row of `model_type`, or nullptr.
 const ModelFamily* find_model_family(std::string_view model_type);
+// The rows' model_types in that order, joined by ", " ("llama, mistral, …"): what error messages
+// and --help list.
+std::string model_type_list();
 
 enum class DecoderRole : uint8_t;  // below
 struct ModelConfig;
