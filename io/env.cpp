@@ -475,4 +475,10 @@ Result<std::vector<std::string>> FaultyEnv::list_dir(const std::string& dir) { r
 Result<uint64_t> FaultyEnv::free_bytes(const std::string& path) { return base_->free_bytes(path); }
 Result<std::string> FaultyEnv::canonical_path(const std::string& path) { return base_->canonical_path(path); }
 
+Status require_env(const Env* env, std::string_view field) {
+  if (env != nullptr) return Status::ok();
+  return invalid_argument(std::string(field) +
+                          " is null: pass the io::Env the files go through (io::Env::posix(), or a test's FaultyEnv)");
+}
+
 }  // namespace zo::io

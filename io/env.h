@@ -170,4 +170,9 @@ class FaultyEnv final : public Env {
   std::shared_ptr<FaultInjector> faults_;
 };
 
+// Every engine call that touches files takes its Env explicitly, with no default, so a caller that
+// forgets it does not compile — or, for an options struct's `env` member (default nullptr), is
+// refused here: InvalidArgument naming `field` when `env` is null, before anything is touched.
+Status require_env(const Env* env, std::string_view field);
+
 }  // namespace zo::io

@@ -24,7 +24,7 @@
 #include "engine/ckpt/export.h"
 #include "engine/config/config.h"
 #include "engine/config/io_settings.h"
-#include "engine/memory/param_registry.h"
+#include "engine/memory/memory_plan.h"
 #include "engine/memory/state_store.h"
 #include "gpu/device.h"
 #include "io/env.h"
@@ -204,6 +204,7 @@ int run_ckpt_bench(const CkptArgs& a) {
   engine::MemoryAccounting accounting;
   engine::StateStoreOptions so;
   so.optimizer_nvme_path = a.nvme_path;
+  so.env = io::Env::posix();
   auto store = engine::StateStore::create(*reg, *plan, **device, **io, so, accounting);
   if (!store.is_ok()) return failure(store.status().to_string());
 
@@ -266,20 +267,21 @@ int run_ckpt_bench(const CkptArgs& a) {
   engine::SaveOptions save_opts;
   save_opts.dir = ckpt_dir;
   save_opts.staging_bytes = *staging_bytes;
+  save_opts.env = io::Env::posix();
   const PhaseRss save_phase;
   auto saved = engine::save_checkpoint(**store, st, "{\"model_type\": \"llama\"}", save_opts);
   const int64_t save_rss = save_phase.peak_extra_bytes();
   if (!saved.is_ok()) return failure("save: " + saved.status().to_string());
 
-  auto info = engine::open_checkpoint(saved->path);
+  auto info = engine::open_checkpoint(saved->path, io::Env::posix());
   if (!info.is_ok()) return failure("open: " + info.status().to_string());
   staging = std::move(AlignedBuffer::allocate(*staging_bytes)).value();
   const auto t_verify = Clock::now();
-  Status vs = engine::verify_checkpoint(*info, **io, staging->bytes());
+  Status vs = engine::verify_checkpoint(*info, **io, staging->bytes(), io::Env::posix());
   const double verify_s = since(t_verify);
   if (!vs.is_ok()) return failure("verify: " + vs.to_string());
   const auto t_load = Clock::now();
-  Status ls = engine::load_checkpoint(*info, **store, **io, staging->bytes());
+  Status ls = engine::load_checkpoint(*info, **store, **io, staging->bytes(), io::Env::posix());
   const double load_s = since(t_load);
   if (!ls.is_ok()) return failure("load: " + ls.to_string());
   staging = AlignedBuffer();
@@ -307,6 +309,7 @@ int run_ckpt_bench(const CkptArgs& a) {
   eo.dtype = DType::kBF16;
   eo.out_dir = ckpt_dir + "/export-bf16";
   eo.staging_bytes = *staging_bytes;
+  eo.env = io::Env::posix();
   const PhaseRss export_phase;
   const auto t_export = Clock::now();
   auto exported = engine::export_checkpoint(*info, **io, eo);

@@ -34,7 +34,7 @@
 #include "engine/coord/grad_worker.h"
 #include "engine/memory/accounting.h"
 #include "engine/memory/optimizer_swapper.h"
-#include "engine/memory/param_registry.h"
+#include "engine/memory/memory_plan.h"
 #include "engine/memory/pinned_pool.h"
 #include "engine/memory/state_store.h"
 #include "engine/model/model_config.h"
@@ -159,7 +159,7 @@ int run_host_bench(const HostArgs& a) {
   if (a.steps < 2) return usage("--steps must be at least 2 (the first step is a warm-up, left out of the medians)");
   if (!(a.landing_gbps >= 0) || !std::isfinite(a.landing_gbps))
     return usage("--landing-gbps: expected a rate in GB/s >= 0 (0: as fast as the host takes them)");
-  Result<engine::ModelConfig> model_r = engine::resolve_model_config(a.model);
+  Result<engine::ModelConfig> model_r = engine::resolve_model_config(a.model, io::Env::posix());
   if (!model_r.is_ok()) return usage(model_r.status().to_string());
   engine::ModelConfig model = *model_r;
   if (a.layers > 0) {

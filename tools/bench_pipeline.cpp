@@ -27,7 +27,7 @@
 #include "engine/config/io_settings.h"
 #include "engine/memory/accounting.h"
 #include "engine/memory/optimizer_swapper.h"
-#include "engine/memory/param_registry.h"
+#include "engine/memory/memory_plan.h"
 #include "engine/memory/pinned_pool.h"
 #include "engine/memory/state_store.h"
 #include "gpu/device.h"

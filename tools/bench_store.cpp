@@ -26,6 +26,7 @@ Result<std::unique_ptr<BenchStore>> BenchStore::create(const engine::Config& con
   so.optimizer_nvme_path = config.zero.offload_optimizer.nvme_path;
   so.param_nvme_path = config.zero.offload_param.nvme_path;
   so.pinned_cap_bytes = config.zoffload.pinned_memory_limit;
+  so.env = io::Env::posix();
   ZO_ASSIGN_OR_RETURN(b->store, engine::StateStore::create(registry, plan, *b->device, *b->io, so, b->accounting));
   return b;
 }

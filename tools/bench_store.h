@@ -14,7 +14,7 @@
 #include "cpu_optim/executor.h"
 #include "engine/config/config.h"
 #include "engine/memory/accounting.h"
-#include "engine/memory/param_registry.h"
+#include "engine/memory/memory_plan.h"
 #include "engine/memory/state_store.h"
 #include "gpu/device.h"
 #include "io/io_engine.h"

@@ -27,8 +27,8 @@ struct CkptArgs {
 };
 
 Result<engine::CheckpointInfo> open_named(const std::string& path) {
-  ZO_ASSIGN_OR_RETURN(std::string dir, engine::resolve_checkpoint(path));
-  return engine::open_checkpoint(dir);
+  ZO_ASSIGN_OR_RETURN(std::string dir, engine::resolve_checkpoint(path, io::Env::posix()));
+  return engine::open_checkpoint(dir, io::Env::posix());
 }
 
 int run_verify(const CkptArgs& a) {
@@ -51,11 +51,12 @@ int run_verify(const CkptArgs& a) {
   const bool tty = isatty(fileno(stderr)) != 0 && !a.quiet && !a.json;
   const Stopwatch watch;
   uint64_t bytes = 0;
-  Status s = engine::verify_checkpoint(*info, **io, staging->bytes(), [&](uint64_t done, uint64_t total) {
-    bytes = total;
-    if (tty)
-      std::fprintf(stderr, "\r\033[Kverifying: %s of %s", format_bytes(done).c_str(), format_bytes(total).c_str());
-  });
+  Status s =
+      engine::verify_checkpoint(*info, **io, staging->bytes(), io::Env::posix(), [&](uint64_t done, uint64_t total) {
+        bytes = total;
+        if (tty)
+          std::fprintf(stderr, "\r\033[Kverifying: %s of %s", format_bytes(done).c_str(), format_bytes(total).c_str());
+      });
   if (tty) std::fputs("\r\033[K", stderr);
   const double secs = watch.elapsed_s();
   if (a.json) {

@@ -119,9 +119,9 @@ int run_export(const ExportArgs& a) {
   if (Status st = engine::check_staging_bytes(*staging, "--staging " + a.staging); !st.is_ok())
     return command_error("zoffload export", st.message(), 2);
 
-  auto path = engine::resolve_checkpoint(a.checkpoint);
+  auto path = engine::resolve_checkpoint(a.checkpoint, io::Env::posix());
   if (!path.is_ok()) return command_error("zoffload export", path.status());
-  auto ckpt = engine::open_checkpoint(*path);
+  auto ckpt = engine::open_checkpoint(*path, io::Env::posix());
   if (!ckpt.is_ok()) return command_error("zoffload export", ckpt.status());
   auto io = io::IoEngine::create(io::IoOptions{});
   if (!io.is_ok()) return command_error("zoffload export", io.status().to_string(), 1);
@@ -149,6 +149,7 @@ int run_export(const ExportArgs& a) {
   options.out_dir = a.out;
   options.shard_bytes = *shard_bytes;
   options.staging_bytes = *staging;
+  options.env = io::Env::posix();
   options.progress = [&progress](uint64_t done, uint64_t total) { progress.update(done, total); };
   // The tokenizer (and generation config) of the model the run trained, so the export is a
   // complete model directory: from --tokenizer-from, else from the run's --model when it was a
@@ -159,7 +160,7 @@ int run_export(const ExportArgs& a) {
     Result<io::PathKind> kind = io::Env::posix()->path_kind(from);
     const bool is_dir = kind.is_ok() && *kind == io::PathKind::kDirectory;
     if (given && !is_dir) return command_error("zoffload export", "--tokenizer-from " + from + ": not a directory", 2);
-    options.side_files = engine::model_side_files(from);
+    options.side_files = engine::model_side_files(from, io::Env::posix());
     if (!is_dir && !engine::model_preset(from).is_ok() && !a.quiet)
       std::cerr << "zoffload export: note: no tokenizer copied: the run's --model " << from
                 << " is not a directory here (pass --tokenizer-from DIR)\n";

@@ -214,7 +214,7 @@ void print_plan(const engine::RunPlan& p, const engine::PlanInputs& in, const st
 }
 
 int run_plan(const PlanArgs& a) {
-  auto model = engine::resolve_model_config(a.model);
+  auto model = engine::resolve_model_config(a.model, io::Env::posix());
   if (!model.is_ok()) return command_error("zoffload plan", model.status().message(), 2);
   // The run trains what transformers loads (Note [A tied head the weights untie]).
   if (auto kind = io::Env::posix()->path_kind(a.model); kind.is_ok() && *kind == io::PathKind::kDirectory) {

@@ -200,7 +200,7 @@ int run_train(const TrainArgs& args) {
     if (!r.is_ok()) return fail(r.status().message(), 2);
     traced = *r;
   }
-  auto model = engine::resolve_model_config(a.model);
+  auto model = engine::resolve_model_config(a.model, io::Env::posix());
   if (!model.is_ok()) return fail(model.status().message(), 2);
 
   std::optional<engine::Config> config =
@@ -439,7 +439,7 @@ int run_train(const TrainArgs& args) {
     eo.out_dir = final_dir;
     eo.replace = true;
     eo.staging_bytes = config->zoffload.checkpoint.staging_buffer_size;
-    eo.side_files = engine::model_side_files(a.model);  // the tokenizer: a complete model directory
+    eo.side_files = engine::model_side_files(a.model, io::Env::posix());  // the tokenizer: a complete model directory
     auto r = trainer.export_model(eo);
     if (!r.is_ok()) return fail("exporting the model: " + r.status().to_string(), 1);
     if (world->rank == 0) exported = final_dir;

@@ -196,7 +196,7 @@ Status write_state_file(io::Env* env, StateStore& store, const StateFile& file, 
                         std::span<std::byte> staging, const std::vector<CheckpointTensor>& tensors, FileDigest* digest,
                         const std::function<void(uint64_t)>& on_bytes) {
   const std::string header = state_file_prefix(file, tensors, store.plan().placement);
-  ZO_ASSIGN_OR_RETURN(auto writer, StreamWriter::create(store.io(), path, staging, kWriteSlots, env));
+  ZO_ASSIGN_OR_RETURN(auto writer, StreamWriter::create(store.io(), path, staging, env, kWriteSlots));
   if (!header.empty()) ZO_RETURN_IF_ERROR(writer->append(std::as_bytes(std::span(header.data(), header.size()))));
   const StateFileLayout layout(store.registry(), store.plan().placement, file, header.size());
   ZO_RETURN_IF_ERROR(stream_groups(*writer, store, file, layout, 0, store.plan().n_sub_groups, on_bytes));
@@ -360,7 +360,7 @@ Result<SaveResult> save_collaborative(StateStore& store, const TrainingState& st
       };
       const std::string path = tmp + "/" + file.name;
       ZO_ASSIGN_OR_RETURN(auto writer, RangeWriter::create(store.io(), path, file_offset(c.rank),
-                                                           file_offset(c.rank + 1), staging.bytes(), kWriteSlots, env));
+                                                           file_offset(c.rank + 1), staging.bytes(), env, kWriteSlots));
       if (c.rank == 0 && !header.empty())
         ZO_RETURN_IF_ERROR(writer->append(std::as_bytes(std::span(header.data(), header.size()))));
       ZO_RETURN_IF_ERROR(stream_groups(*writer, store, file, layout, plan.owned_begin, plan.owned_end, on_bytes));
@@ -450,6 +450,7 @@ Result<SaveResult> save_checkpoint(StateStore& store, const TrainingState& state
   const Stopwatch watch;
   const std::string name = "step-" + std::to_string(state.steps_done);
   const std::string context = "saving checkpoint " + options.dir + "/" + name;
+  ZO_RETURN_IF_ERROR(io::require_env(options.env, "SaveOptions::env").with_context(context));
   io::Env* env = options.env;
   auto phase = [&](SavePhase p) {
     if (options.on_phase) options.on_phase(p);

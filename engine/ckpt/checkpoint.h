@@ -44,7 +44,7 @@ struct SaveOptions {
   std::function<void(SavePhase)> on_phase;
   // Creates, opens, syncs, renames and removes through this Env; tests pass
   // an io::FaultyEnv. The state files' bytes go through the store's I/O engine.
-  io::Env* env = io::Env::posix();
+  io::Env* env = nullptr;  // required (io::require_env)
   // Data parallel with partitioned optimizer states (StateStore's plan partitioned over
   // world_size ranks): every rank calls save_checkpoint with the same state and options, each
   // writes its partition's run of the state files and rank 0 commits (Note [Collaborative save]).
@@ -75,11 +75,11 @@ Result<SaveResult> save_checkpoint(StateStore& store, const TrainingState& state
                                    const SaveOptions& options);
 
 // Removes DIR/tmp-* directories a killed save left behind; returns their names. DIR may not exist.
-Result<std::vector<std::string>> clean_stale_checkpoints(const std::string& dir, io::Env* env = io::Env::posix());
+Result<std::vector<std::string>> clean_stale_checkpoints(const std::string& dir, io::Env* env);
 
 // What a --resume / --checkpoint argument names: a step directory (holding manifest.json), or a
 // checkpoint DIR whose `latest` names one. kNotFound / kCorruption saying which, otherwise.
-Result<std::string> resolve_checkpoint(const std::string& path, io::Env* env = io::Env::posix());
+Result<std::string> resolve_checkpoint(const std::string& path, io::Env* env);
 
 // A checkpoint opened for reading: the manifest, training state and model config parsed and
 // checked against each other and the files' sizes (not yet their checksums).
@@ -93,13 +93,12 @@ struct CheckpointInfo {
 // kCorruption naming the file when manifest.json is missing or malformed (an incomplete save is
 // never loaded), a listed file is missing or of the wrong size, or the state files' headers do not
 // match the manifest's tensors; kInvalidArgument for an unsupported format_version.
-Result<CheckpointInfo> open_checkpoint(const std::string& path, io::Env* env = io::Env::posix());
+Result<CheckpointInfo> open_checkpoint(const std::string& path, io::Env* env);
 
 // Re-reads every file and checks every chunk's CRC-32C (kCorruption naming file, chunk and byte
 // range). Reads through `staging` (4096-aligned, a multiple of 4096, ≥ 1 MiB).
-Status verify_checkpoint(const CheckpointInfo& ckpt, io::IoEngine& io, std::span<std::byte> staging,
-                         const std::function<void(uint64_t done_bytes, uint64_t total_bytes)>& progress = {},
-                         io::Env* env = io::Env::posix());
+Status verify_checkpoint(const CheckpointInfo& ckpt, io::IoEngine& io, std::span<std::byte> staging, io::Env* env,
+                         const std::function<void(uint64_t done_bytes, uint64_t total_bytes)>& progress = {});
 
 // Streams master, exp_avg and exp_avg_sq into the store's tiers and sets the compute copies to the
 // master rounded to the compute dtype, checking every chunk's CRC-32C as it reads. The store's
@@ -109,7 +108,7 @@ Status verify_checkpoint(const CheckpointInfo& ckpt, io::IoEngine& io, std::span
 // of exp_avg and exp_avg_sq (read_stream_range) and all of master, which sets every compute copy. On
 // kCorruption or an I/O error the store holds a partial load: do not train with it.
 Status load_checkpoint(const CheckpointInfo& ckpt, StateStore& store, io::IoEngine& io, std::span<std::byte> staging,
-                       io::Env* env = io::Env::posix());
+                       io::Env* env);
 
 // A summary for `zoffload ckpt inspect`: step, counters, loss scale, data position, tensors,
 // parameters, bytes per file, model and config highlights.

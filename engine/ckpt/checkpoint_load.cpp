@@ -152,8 +152,8 @@ Result<CheckpointInfo> open_checkpoint(const std::string& path, io::Env* env) {
   return info;
 }
 
-Status verify_checkpoint(const CheckpointInfo& ckpt, io::IoEngine& io, std::span<std::byte> staging,
-                         const std::function<void(uint64_t, uint64_t)>& progress, io::Env* env) {
+Status verify_checkpoint(const CheckpointInfo& ckpt, io::IoEngine& io, std::span<std::byte> staging, io::Env* env,
+                         const std::function<void(uint64_t, uint64_t)>& progress) {
   ZO_RETURN_IF_ERROR(check_staging_bytes(staging.size(), "verifying " + ckpt.path));
   uint64_t total = 0, done = 0;
   for (const FileDigest& f : ckpt.manifest.files) total += f.size_bytes;

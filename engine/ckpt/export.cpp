@@ -209,7 +209,7 @@ class ShardExporter {
 
   Status write(const Shard& shard, const std::string& path) {
     ZO_ASSIGN_OR_RETURN(std::unique_ptr<StreamWriter> writer,
-                        StreamWriter::create(io_, path, staging_.writer, kWriterSlots, o_.env));
+                        StreamWriter::create(io_, path, staging_.writer, o_.env, kWriterSlots));
     std::vector<SafetensorsEntry> entries;
     for (size_t i = shard.first; i < shard.end; ++i) entries.push_back({params_[i].name, o_.dtype, params_[i].shape});
     const std::string header = safetensors_header(entries, {{"format", "pt"}});
@@ -499,6 +499,7 @@ Result<ExportResult> export_lora(std::span<const ParamInfo> params, const std::s
 Result<ExportResult> export_impl(std::span<const ParamInfo> params, const std::string& model_config_json,
                                  const Fp32Reader& read, io::IoEngine& io, const ExportOptions& options,
                                  const std::function<Status()>& before_commit) {
+  ZO_RETURN_IF_ERROR(io::require_env(options.env, "ExportOptions::env"));
   if (options.lora) return export_lora(params, model_config_json, read, io, options, before_commit);
   return export_files(params, model_config_json, read, io, options, before_commit, ExportFiles{});
 }
@@ -597,6 +598,7 @@ Result<ExportResult> export_hf_model(std::span<const ParamInfo> params, const st
 }
 
 Result<ExportResult> export_checkpoint(const CheckpointInfo& ckpt, io::IoEngine& io, const ExportOptions& options) {
+  ZO_RETURN_IF_ERROR(io::require_env(options.env, "ExportOptions::env"));
   io::Env* env = options.env;
   std::vector<ParamInfo> params;
   // The masters of the trainable params, then the frozen params' compute copies (Note [Frozen

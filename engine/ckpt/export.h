@@ -15,7 +15,7 @@
 #include "common/dtype.h"
 #include "common/status.h"
 #include "engine/ckpt/checkpoint.h"
-#include "engine/memory/param_registry.h"
+#include "engine/memory/memory_plan.h"
 #include "engine/memory/state_store.h"
 #include "io/env.h"
 #include "io/io_engine.h"
@@ -60,8 +60,8 @@ struct ExportOptions {
   // their total (in the export dtype).
   std::function<void(uint64_t done_bytes, uint64_t total_bytes)> progress;
   // Small files, renames and directory fsyncs go through this Env; tests
-  // pass an io::FaultyEnv. The shards' bytes go through the I/O engine.
-  io::Env* env = io::Env::posix();
+  // pass an io::FaultyEnv. The shards' bytes go through the I/O engine. Required (io::require_env).
+  io::Env* env = nullptr;
 };
 
 struct ExportResult {
@@ -105,6 +105,6 @@ Result<ExportResult> export_store(StateStore& store, const std::string& model_co
 // `model_dir` (none when it is not a directory, e.g. a preset name): tokenizer.json,
 // tokenizer_config.json, special_tokens_map.json, tokenizer.model, added_tokens.json, vocab.json,
 // merges.txt, chat_template.jinja, chat_template.json, generation_config.json.
-std::vector<std::string> model_side_files(const std::string& model_dir, io::Env* env = io::Env::posix());
+std::vector<std::string> model_side_files(const std::string& model_dir, io::Env* env);
 
 }  // namespace zo::engine

@@ -14,7 +14,7 @@
 #include "common/status.h"
 #include "engine/ckpt/stream_file.h"
 #include "engine/data/dataset.h"
-#include "engine/memory/param_registry.h"
+#include "engine/memory/memory_plan.h"
 #include "engine/optim/loss_scaler.h"
 
 namespace zo::engine {

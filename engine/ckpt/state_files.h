@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "engine/ckpt/manifest.h"
-#include "engine/memory/param_registry.h"
+#include "engine/memory/memory_plan.h"
 #include "engine/model/safetensors.h"
 #include "io/env.h"
 

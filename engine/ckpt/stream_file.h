@@ -49,8 +49,7 @@ class StreamWriter {
   // of 4096 × n_slots, ≥ 4096 × n_slots) is cut into n_slots slots; the writer never allocates
   // more than a few KiB itself.
   static Result<std::unique_ptr<StreamWriter>> create(io::IoEngine& io, const std::string& path,
-                                                      std::span<std::byte> staging, uint32_t n_slots = 4,
-                                                      io::Env* env = io::Env::posix());
+                                                      std::span<std::byte> staging, io::Env* env, uint32_t n_slots = 4);
   ~StreamWriter();  // an unfinished writer waits for its writes and closes the file (left on disk)
   StreamWriter(const StreamWriter&) = delete;
   StreamWriter& operator=(const StreamWriter&) = delete;
@@ -88,7 +87,7 @@ class StreamWriter {
 // bytes that all read as zero (ftruncate: sparse where the file system allows it), fdatasynced and
 // closed: the file that RangeWriters, one per range and possibly in other processes, then fill in
 // place. Opened through `env` (Env::open_file); errors name the path and errno.
-Status create_sized_file(const std::string& path, uint64_t size_bytes, io::Env* env = io::Env::posix());
+Status create_sized_file(const std::string& path, uint64_t size_bytes, io::Env* env);
 
 // What a RangeWriter wrote: its range [begin_bytes, end_bytes) of the file and the CRC-32C of each
 // intersection of that range with a kChecksumChunkBytes-aligned chunk of the file, in file order
@@ -114,8 +113,8 @@ class RangeWriter {
   // [begin_bytes, end_bytes), begin ≤ end. `staging` as for StreamWriter::create; the writer never
   // allocates more than a few KiB itself.
   static Result<std::unique_ptr<RangeWriter>> create(io::IoEngine& io, const std::string& path, uint64_t begin_bytes,
-                                                     uint64_t end_bytes, std::span<std::byte> staging,
-                                                     uint32_t n_slots = 4, io::Env* env = io::Env::posix());
+                                                     uint64_t end_bytes, std::span<std::byte> staging, io::Env* env,
+                                                     uint32_t n_slots = 4);
   ~RangeWriter();  // an unfinished writer waits for its writes and closes the file
   RangeWriter(const RangeWriter&) = delete;
   RangeWriter& operator=(const RangeWriter&) = delete;

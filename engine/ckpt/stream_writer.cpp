@@ -278,8 +278,8 @@ StreamWriter::~StreamWriter() {
 }
 
 Result<std::unique_ptr<StreamWriter>> StreamWriter::create(io::IoEngine& io, const std::string& path,
-                                                           std::span<std::byte> staging, uint32_t n_slots,
-                                                           io::Env* env) {
+                                                           std::span<std::byte> staging, io::Env* env,
+                                                           uint32_t n_slots) {
   ZO_RETURN_IF_ERROR(detail::SlotWriter::check_staging(path, staging, n_slots));
   ZO_ASSIGN_OR_RETURN(const io::PathKind kind, env->path_kind(path));
   if (kind != io::PathKind::kMissing) return Status(StatusCode::kAlreadyExists, path + " already exists");
@@ -324,7 +324,7 @@ RangeWriter::~RangeWriter() {
 
 Result<std::unique_ptr<RangeWriter>> RangeWriter::create(io::IoEngine& io, const std::string& path,
                                                          uint64_t begin_bytes, uint64_t end_bytes,
-                                                         std::span<std::byte> staging, uint32_t n_slots, io::Env* env) {
+                                                         std::span<std::byte> staging, io::Env* env, uint32_t n_slots) {
   ZO_RETURN_IF_ERROR(detail::SlotWriter::check_staging(path, staging, n_slots));
   const std::string range = "[" + std::to_string(begin_bytes) + ", " + std::to_string(end_bytes) + ")";
   if (begin_bytes > end_bytes)

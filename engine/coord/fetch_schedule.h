@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "engine/config/config.h"
-#include "engine/memory/param_registry.h"
+#include "engine/memory/memory_plan.h"
 
 namespace zo::engine {
 

@@ -366,6 +366,7 @@ Result<DataFormat> parse_data_format(std::string_view name) {
 }
 
 Result<std::unique_ptr<TokenSource>> open_token_source(const std::string& path, const SourceOptions& options) {
+  ZO_RETURN_IF_ERROR(io::require_env(options.env, "SourceOptions::env"));
   // The Env refuses a FIFO before opening it: it would block the open forever.
   io::Env* env = options.env;
   DataFormat format = options.format;

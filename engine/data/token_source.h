@@ -37,7 +37,7 @@ struct SourceOptions {
   DataFormat format = DataFormat::kAuto;
   uint32_t raw_token_bytes = 2;     // kRawBin (and .bin without llm.c magic): 2 = uint16, 4 = uint32
   uint64_t jsonl_chunk_bytes = uint64_t{16} << 20;  // JSONL is read this much at a time; > 0
-  io::Env* env = io::Env::posix();  // reads the file; must outlive the source
+  io::Env* env = nullptr;  // reads the file; must outlive the source; required (io::require_env)
 };
 
 class TokenSource {

@@ -21,7 +21,7 @@
 #include "engine/coord/grad_accumulator.h"
 #include "engine/dist/process_group.h"
 #include "engine/memory/optimizer_swapper.h"
-#include "engine/memory/param_registry.h"
+#include "engine/memory/memory_plan.h"
 #include "engine/memory/state_store.h"
 
 namespace zo::engine::dist {

@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "engine/memory/param_registry.h"
+#include "engine/memory/memory_plan.h"
 
 namespace zo::engine {
 

@@ -14,7 +14,7 @@
 #include "common/bytes.h"
 #include "common/check.h"
 
-// The pool is sized once, from the plan (Note [Pinned pool sizing] in param_registry.cpp), and
+// The pool is sized once, from the plan (Note [Pinned pool sizing] in memory_plan.cpp), and
 // carved during setup. One allocation rather than one per buffer: cudaHostAlloc is slow and
 // serialising, and a single block makes the cap a hard, checkable number.
 

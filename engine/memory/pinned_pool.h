@@ -1,6 +1,6 @@
 // PinnedPool: the one block of pinned (page-locked) host memory allocated at start, with a hard
 // cap, out of which every pinned buffer of the engine is carved during setup — never inside the
-// step loop (see Note [Pinned pool sizing] in param_registry.cpp). Also the start-up check of a cap
+// step loop (see Note [Pinned pool sizing] in memory_plan.cpp). Also the start-up check of a cap
 // against the machine (RAM, ulimit -l). Thread-safe; carved spans belong to the caller until
 // free() and must not outlive the pool.
 #pragma once

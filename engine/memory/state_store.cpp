@@ -224,6 +224,7 @@ Status StateStore::Impl::zero_states() {
 Result<std::unique_ptr<StateStore>> StateStore::create(const ParamRegistry& registry, const MemoryPlan& plan,
                                                        gpu::Device& device, io::IoEngine& io,
                                                        const StateStoreOptions& options, MemoryAccounting& accounting) {
+  ZO_RETURN_IF_ERROR(io::require_env(options.env, "StateStoreOptions::env"));
   if (plan.n_sub_groups != registry.sub_groups().size() || plan.placement.compute.size() != plan.n_sub_groups) {
     return invalid_argument("state store: the memory plan (" + std::to_string(plan.n_sub_groups) +
                             " sub-groups) was not made for this registry (" +

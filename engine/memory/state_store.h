@@ -20,7 +20,7 @@
 
 #include "common/status.h"
 #include "engine/memory/accounting.h"
-#include "engine/memory/param_registry.h"
+#include "engine/memory/memory_plan.h"
 #include "engine/memory/pinned_pool.h"
 #include "engine/memory/swap_file.h"
 #include "gpu/device.h"
@@ -50,8 +50,8 @@ struct StateStoreOptions {
   // filled (SwapFile::create's `claimed`): a stop signal's handler may remove it from then on.
   std::function<void(const std::string&)> on_swap_file;
   // The swap files are created, opened and removed through this Env; it must outlive the store.
-  // Tests pass an io::FaultyEnv.
-  io::Env* env = io::Env::posix();
+  // Tests pass an io::FaultyEnv. Required (io::require_env).
+  io::Env* env = nullptr;
 };
 
 // Where one state of one sub-group lives. Exactly one of the three is set, per `tier`, unless the

@@ -17,7 +17,7 @@
 #include "cpu_optim/executor.h"
 #include "cpu_optim/lion.h"
 #include "engine/config/config.h"
-#include "engine/memory/param_registry.h"
+#include "engine/memory/memory_plan.h"
 #include "gpu/device.h"
 
 namespace zo::engine {

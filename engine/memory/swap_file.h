@@ -46,7 +46,7 @@ class SwapFile {
   // the file).
   static Result<std::unique_ptr<SwapFile>> create(const std::string& dir, const std::string& name,
                                                   uint64_t capacity_bytes, io::IoEngine& engine,
-                                                  MemoryAccounting* accounting, io::Env* env = io::Env::posix(),
+                                                  MemoryAccounting* accounting, io::Env* env,
                                                   const std::function<void(const std::string&)>& claimed = {});
   ~SwapFile();  // closes the file; the file stays on disk (remove_file() deletes it)
   SwapFile(const SwapFile&) = delete;

@@ -180,7 +180,7 @@ struct ModelConfig {
 Result<ModelConfig> parse_hf_config(std::string_view json_text, const std::string& source_name);
 // Reads model_dir/config.json through `env` (at most kMaxModelConfigBytes); kNotFound naming the path.
 inline constexpr uint64_t kMaxModelConfigBytes = 16ull << 20;
-Result<ModelConfig> load_hf_config(const std::string& model_dir, io::Env* env = io::Env::posix());
+Result<ModelConfig> load_hf_config(const std::string& model_dir, io::Env* env);
 
 // Built-in shapes for random init: "tiny" (byte-level vocab 256, hidden 256, intermediate 688,
 // 4 layers, 8 heads, 4 kv heads, untied, max_position 1024), "tinyllama-1.1b", "llama3.2-1b" and
@@ -191,7 +191,7 @@ Result<ModelConfig> model_preset(std::string_view name);
 std::vector<std::string> model_preset_names();
 // The model a --model argument names: config.json of a Hugging Face model directory, or a preset.
 // kNotFound naming both possibilities (and the presets) when it is neither.
-Result<ModelConfig> resolve_model_config(const std::string& model, io::Env* env = io::Env::posix());
+Result<ModelConfig> resolve_model_config(const std::string& model, io::Env* env);
 
 // HF config.json text for export (architectures: the family's *ForCausalLM, torch_dtype as given);
 // parse_hf_config reads it back to `config`.

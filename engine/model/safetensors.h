@@ -35,7 +35,7 @@ class SafetensorsFile {
   // section, a size not matching shape × dtype. kUnavailable naming the dtype and the tensor for a
   // dtype other than F32/BF16/F16 (F64, I64, ...). kNotFound / kIoError when the file cannot be opened.
   // All reads go through `env`, which must outlive the file.
-  static Result<std::unique_ptr<SafetensorsFile>> open(const std::string& path, io::Env* env = io::Env::posix());
+  static Result<std::unique_ptr<SafetensorsFile>> open(const std::string& path, io::Env* env);
   ~SafetensorsFile();
   SafetensorsFile(const SafetensorsFile&) = delete;
   SafetensorsFile& operator=(const SafetensorsFile&) = delete;
@@ -91,7 +91,7 @@ class HfWeights {
   // kNotFound when neither file exists (saying that .bin/PyTorch checkpoints are not supported:
   // convert them to safetensors); kCorruption for a malformed index, an index naming a missing shard
   // or a tensor absent from its shard; the errors of SafetensorsFile::open.
-  static Result<std::unique_ptr<HfWeights>> open(const std::string& model_dir, io::Env* env = io::Env::posix());
+  static Result<std::unique_ptr<HfWeights>> open(const std::string& model_dir, io::Env* env);
 
   // The tensor named `name` and (when `file` is not null) the file holding it; nullptr if absent.
   const SafetensorsTensor* find(std::string_view name, const SafetensorsFile** file) const;

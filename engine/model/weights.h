@@ -30,7 +30,7 @@ using ParamSink = std::function<Status(uint32_t param, uint64_t offset_elems, st
 // checkpoint]).
 // The files are read through `env`.
 Status load_hf_weights(const std::string& model_dir, const ModelLayout& layout, uint64_t chunk_elems,
-                       const ParamSink& sink, io::Env* env = io::Env::posix());
+                       const ParamSink& sink, io::Env* env);
 
 // Random init, deterministic in (seed, param name, element index) and independent of chunk_elems:
 // Linear and embedding weights ~ normal(0, config.initializer_range), norm weights 1 (0 for Gemma's
@@ -72,7 +72,7 @@ struct AdapterLimits {
 // and for values out of `limits` (a NaN or inf, naming the tensor and element; a projection whose
 // s·B·A can exceed √limits.max_value).
 Status load_peft_adapters(const std::string& adapter_dir, const ModelLayout& layout, uint64_t chunk_elems,
-                          const ParamSink& sink, io::Env* env = io::Env::posix(), const AdapterLimits& limits = {});
+                          const ParamSink& sink, io::Env* env, const AdapterLimits& limits = {});
 
 // PEFT's files: an adapter directory holds these two, its tensors' names prefixed.
 inline constexpr const char* kPeftConfigFile = "adapter_config.json";

@@ -13,7 +13,7 @@
 #include "common/status.h"
 #include "engine/config/config.h"
 #include "engine/coord/param_coordinator.h"
-#include "engine/memory/param_registry.h"
+#include "engine/memory/memory_plan.h"
 #include "engine/model/model_config.h"
 #include "engine/plan/step_time.h"  // measure_cpu_speeds, the step-time range
 

@@ -22,7 +22,7 @@
 #include "engine/dist/process_group.h"
 #include "engine/memory/accounting.h"
 #include "engine/memory/optimizer_swapper.h"
-#include "engine/memory/param_registry.h"
+#include "engine/memory/memory_plan.h"
 #include "engine/memory/param_swapper.h"
 #include "engine/memory/state_store.h"
 #include "engine/model/model_config.h"

@@ -32,7 +32,7 @@
 # ZO_EXACT_SEQ (default 1024), ZO_EXACT_STEPS (default 5; the exact and lean parts; exactgas runs
 # GAS 1 and 16 of it, three steps each). The lora part: ZO_LORA_MODEL (default llama-30b), ZO_LORA_DEVICE
 # (default cuda; host for a test), ZO_LORA_MICRO, ZO_LORA_GAS, ZO_LORA_SEQ (default 1024). The devstates part: ZO_DEVSTATES_DEVICE (default cuda; host for a
-# test). The deepspeed part's runs: ZO_DS_RUNS (default "llama3.2-3b:8:3
+# test), ZO_DEVSTATES_STEPS (default 10). The deepspeed part's runs: ZO_DS_RUNS (default "llama3.2-3b:8:3
 # llama3.2-3b:1:3 llama3-8b:8:2", model:GAS:steps, in that order: the comparison that matters most
 # first), ZO_DS_MICRO (micro-batch, default 4), ZO_DS_SEQ (default 1024), ZO_DS_DEVICE
 # (zoffload.device, default cuda; host for a test without a GPU), ZO_DS_SIDES (both, or zoffload:
@@ -85,8 +85,11 @@ results=()
 record() { results+=("$(printf '%-8s %6ss  %s' "$1" "$2" "$3")"); }
 
 python=$(command -v python3) || { echo "gpu_checks: no python3 on PATH" >&2; exit 1; }
-site=$("$python" -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))') ||
+# torch's version, then its site-packages: one import of torch (seconds on a small machine).
+torch_info=$("$python" -c 'import os, torch; print(torch.__version__); print(os.path.dirname(os.path.dirname(torch.__file__)))') ||
   { echo "gpu_checks: $python cannot import torch" >&2; exit 1; }
+torch_version=${torch_info%%$'\n'*}
+site=${torch_info#*$'\n'}
 bin=${BIN_DIR:-$root/.carry/prebuilt/bin}
 [ -x "$bin/zoffload" ] || { echo "gpu_checks: no $bin/zoffload: run tools/gpu_machine/pack_prebuilt.sh here and carry .carry, or set BIN_DIR" >&2; exit 1; }
 # PyTorch's own libraries (the same version the binaries were linked with) and the wheel's CUDA
@@ -113,7 +116,7 @@ trap pack EXIT
 echo "== machine"
 nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv,noheader ||
   echo "nvidia-smi failed"
-echo "$(nproc) cores, $(free -g | awk '/^Mem:/ {print $2}') GiB RAM; $("$python" -c 'import torch; print("torch", torch.__version__)')"
+echo "$(nproc) cores, $(free -g | awk '/^Mem:/ {print $2}') GiB RAM; torch $torch_version"
 [ -f "$root/.carry/prebuilt/manifest.txt" ] && [ -z "${BIN_DIR:-}" ] && cat "$root/.carry/prebuilt/manifest.txt"
 if ldd "$zo" | grep "not found"; then
   echo "gpu_checks: $zo does not load (the libraries above are missing)"
@@ -229,31 +232,32 @@ PY
 
 # The narrow optimizer states on the device (Device::adam8bit_step and adam_step with bf16 masters):
 # the tiny preset in bf16, 8-bit moments and bf16 masters, stage 2, 10 steps, with the optimizer on
-# the device and then on the CPU, the compute copies on the device both times. The optimizer's
+# the device and then on the CPU, the compute copies on the device both times (ZO_DEVSTATES_STEPS
+# replaces the 10 steps, for a test on the emulated device's slow bf16). The optimizer's
 # arithmetic is the same on both tiers, so every step's loss and gradient norm must be equal, bit
 # for bit, where a repeat of the CPU-tier run is (backward itself deterministic); where it is not,
 # the part says so and compares within the repeat's own spread.
 part_devstates() {
-  local dev=${ZO_DEVSTATES_DEVICE:-cuda} ok=0 v
+  local dev=${ZO_DEVSTATES_DEVICE:-cuda} n=${ZO_DEVSTATES_STEPS:-10} ok=0 v
   for v in device cpu cpu-again; do
     local od=none
     [ "$v" != device ] && od=cpu
     config "$runs/tiny-base.json" "$runs/devstates-$v.json" "c['zero_optimization'] = {'stage': 2, 'offload_optimizer': {'device': '$od'}}
 c['bf16'] = {'enabled': True}; c['zoffload'] = {'device': '$dev', 'moment_dtype': '8bit', 'master_dtype': 'bf16'}"
     timeout -k 5 "$(budget 45)" "$zo" train --config "$runs/devstates-$v.json" --model tiny --data "$data" --seq-len 64 \
-      --steps 10 --out "$runs/devstates-$v" --json >"$runs/devstates-$v.out" 2>"$runs/devstates-$v.log" ||
+      --steps "$n" --out "$runs/devstates-$v" --json >"$runs/devstates-$v.out" 2>"$runs/devstates-$v.log" ||
       { ok=1; echo "  $v: failed (devstates-$v.log)"; tail -n 3 "$runs/devstates-$v.log"; }
   done
   [ $ok -eq 0 ] || return 1
-  "$python" - "$runs" <<'PY'
+  "$python" - "$runs" "$n" <<'PY'
 import json, sys
-r = sys.argv[1]
+r, n = sys.argv[1], int(sys.argv[2])
 run = lambda v: [(m["loss"], m["grad_norm"]) for m in map(json.loads, open("%s/devstates-%s/metrics.jsonl" % (r, v)))]
 dev, cpu, again = run("device"), run("cpu"), run("cpu-again")
 plan = json.load(open("%s/devstates-device.out" % r))["plan"]["memory_plan"]["placement"]
 print("  optimizer on the %s, moments %s, masters %s; %d steps, loss %.5f -> %.5f" % (
     plan["optimizer"], plan["moment_dtype"], plan["master_dtype"], len(dev), dev[0][0], dev[-1][0]))
-ok = plan["optimizer"] == "device" and len(dev) == len(cpu) == 10 and dev[-1][0] < dev[0][0]
+ok = plan["optimizer"] == "device" and len(dev) == len(cpu) == n and dev[-1][0] < dev[0][0]
 if cpu == again:
     same = dev == cpu
     print("  device tier against CPU tier, every step's loss and grad norm: %s" % ("equal" if same else "DIFFERENT"))

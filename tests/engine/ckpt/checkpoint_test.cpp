@@ -59,6 +59,7 @@ SaveOptions save_options(const std::string& dir, uint64_t keep_last = 2) {
   o.dir = dir;
   o.keep_last = keep_last;
   o.staging_bytes = kStaging;
+  o.env = io::Env::posix();
   return o;
 }
 
@@ -83,16 +84,16 @@ struct Buffers {
 
 Status verify(const std::string& path, io::IoEngine& io) {
   Buffers b;
-  ZO_ASSIGN_OR_RETURN(std::string dir, resolve_checkpoint(path));
-  ZO_ASSIGN_OR_RETURN(CheckpointInfo info, open_checkpoint(dir));
-  return verify_checkpoint(info, io, b.staging.bytes());
+  ZO_ASSIGN_OR_RETURN(std::string dir, resolve_checkpoint(path, io::Env::posix()));
+  ZO_ASSIGN_OR_RETURN(CheckpointInfo info, open_checkpoint(dir, io::Env::posix()));
+  return verify_checkpoint(info, io, b.staging.bytes(), io::Env::posix());
 }
 
 Status load(const std::string& path, Rig& rig) {
   Buffers b;
-  ZO_ASSIGN_OR_RETURN(std::string dir, resolve_checkpoint(path));
-  ZO_ASSIGN_OR_RETURN(CheckpointInfo info, open_checkpoint(dir));
-  return load_checkpoint(info, *rig.store, *rig.io, b.staging.bytes());
+  ZO_ASSIGN_OR_RETURN(std::string dir, resolve_checkpoint(path, io::Env::posix()));
+  ZO_ASSIGN_OR_RETURN(CheckpointInfo info, open_checkpoint(dir, io::Env::posix()));
+  return load_checkpoint(info, *rig.store, *rig.io, b.staging.bytes(), io::Env::posix());
 }
 
 TEST(Checkpoint, EveryTierRoundTripsBitExactlyAcrossPlacements) {
@@ -127,7 +128,7 @@ TEST(Checkpoint, EveryTierRoundTripsBitExactlyAcrossPlacements) {
     for (StateKind kind : {StateKind::kMaster, StateKind::kExpAvg, StateKind::kExpAvgSq, StateKind::kCompute}) {
       EXPECT_TRUE(src.gather(kind) == dst.gather(kind)) << state_name(kind);
     }
-    auto info = open_checkpoint(ckpt + "/step-5");
+    auto info = open_checkpoint(ckpt + "/step-5", io::Env::posix());
     ASSERT_TRUE(info.is_ok());
     EXPECT_EQ(info->state.to_json(), state_at(5).to_json());
     EXPECT_EQ(info->model_config_json, "{\"model_type\": \"llama\"}");
@@ -171,10 +172,10 @@ TEST(Checkpoint, EightBitMomentsRoundTripAcrossPlacementsAndSubGroupSizes) {
 
     // The files: exp_avg.safetensors lists the map, then NAME.absmax (≥ 4096 elements) or NAME;
     // exp_avg.codes is one byte per element of the quantized params, in order.
-    auto info = open_checkpoint(ckpt + "/step-5");
+    auto info = open_checkpoint(ckpt + "/step-5", io::Env::posix());
     ASSERT_TRUE(info.is_ok()) << info.status().to_string();
     EXPECT_EQ(info->manifest.moments, MomentDtype::k8bit);
-    auto st = SafetensorsFile::open(ckpt + "/step-5/exp_avg.safetensors");
+    auto st = SafetensorsFile::open(ckpt + "/step-5/exp_avg.safetensors", io::Env::posix());
     ASSERT_TRUE(st.is_ok()) << st.status().to_string();
     EXPECT_EQ((*st)->metadata().at("zoffload_moment_dtype"), "8bit");
     EXPECT_EQ((*st)->tensors().front().name, "zoffload.qmap");
@@ -203,11 +204,11 @@ TEST(Checkpoint, Bf16MomentsRoundTripAcrossPlacementsAndSubGroupSizes) {
   round_trip({.optimizer = "nvme", .param = "nvme", .moments = "bf16"},
              {.optimizer = "cpu", .param = "cpu", .sub_group_size = 12288, .moments = "bf16"}, dir.path, &src);
   if (HasFatalFailure()) return;
-  auto info = open_checkpoint(ckpt + "/step-5");
+  auto info = open_checkpoint(ckpt + "/step-5", io::Env::posix());
   ASSERT_TRUE(info.is_ok()) << info.status().to_string();
   EXPECT_EQ(info->manifest.moments, MomentDtype::kBF16);
   for (const char* file : {"exp_avg.safetensors", "exp_avg_sq.safetensors"}) {
-    auto st = SafetensorsFile::open(ckpt + "/step-5/" + file);
+    auto st = SafetensorsFile::open(ckpt + "/step-5/" + file, io::Env::posix());
     ASSERT_TRUE(st.is_ok()) << st.status().to_string();
     EXPECT_EQ((*st)->metadata().at("zoffload_moment_dtype"), "bf16");
     ASSERT_EQ((*st)->tensors().size(), src.registry.params().size());
@@ -218,7 +219,7 @@ TEST(Checkpoint, Bf16MomentsRoundTripAcrossPlacementsAndSubGroupSizes) {
       EXPECT_EQ(t->n_elems, p.n_elems) << p.name;
     }
   }
-  auto master = SafetensorsFile::open(ckpt + "/step-5/master.safetensors");
+  auto master = SafetensorsFile::open(ckpt + "/step-5/master.safetensors", io::Env::posix());
   ASSERT_TRUE(master.is_ok());
   EXPECT_EQ((*master)->tensors().front().dtype, DType::kF32);
 }
@@ -247,7 +248,7 @@ TEST(Checkpoint, StateFilesAreSafetensorsWithHfNames) {
   ASSERT_TRUE(rig.init({}, dir.path + "/swap").is_ok());
   ASSERT_TRUE(rig.fill(3).is_ok());
   ASSERT_TRUE(save_checkpoint(*rig.store, state_at(1), "{}", save_options(dir.path)).is_ok());
-  auto st = SafetensorsFile::open(dir.path + "/step-1/master.safetensors");
+  auto st = SafetensorsFile::open(dir.path + "/step-1/master.safetensors", io::Env::posix());
   ASSERT_TRUE(st.is_ok()) << st.status().to_string();
   EXPECT_EQ((*st)->metadata().at("format"), "pt");
   EXPECT_EQ((*st)->tensors().front().data_offset_bytes % 4096, 0u);
@@ -280,7 +281,7 @@ TEST(Checkpoint, LatestPruningAndStaleTmpDirectories) {
   EXPECT_FALSE(fs::exists(ckpt + "/step-2"));
   EXPECT_FALSE(fs::exists(ckpt + "/step-4"));
   EXPECT_TRUE(fs::exists(ckpt + "/step-6"));
-  EXPECT_EQ(resolve_checkpoint(ckpt).value(), ckpt + "/step-8");
+  EXPECT_EQ(resolve_checkpoint(ckpt, io::Env::posix()).value(), ckpt + "/step-8");
   EXPECT_THAT(phases, ::testing::Contains(SavePhase::kPruned));
   EXPECT_EQ(phases.front(), SavePhase::kStarted);
   // The same step again (a resumed run re-saving it) replaces it atomically with the new states.
@@ -307,7 +308,7 @@ TEST(Checkpoint, LatestPruningAndStaleTmpDirectories) {
   fs::create_directories(ckpt + "/tmp-notes");
   std::ofstream(ckpt + "/tmp-notes/keep.txt") << "mine\n";
   std::ofstream(ckpt + "/latest.tmp-mine") << "mine\n";
-  auto removed = clean_stale_checkpoints(ckpt);
+  auto removed = clean_stale_checkpoints(ckpt, io::Env::posix());
   ASSERT_TRUE(removed.is_ok());
   EXPECT_EQ(removed->size(), 2u);
   EXPECT_FALSE(fs::exists(ckpt + "/tmp-10-0123abcd89abcdef"));
@@ -316,7 +317,7 @@ TEST(Checkpoint, LatestPruningAndStaleTmpDirectories) {
   fs::remove_all(ckpt + "/tmp-notes");
   fs::remove(ckpt + "/latest.tmp-mine");
   EXPECT_TRUE(fs::exists(ckpt + "/step-9/manifest.json"));
-  EXPECT_TRUE(clean_stale_checkpoints(dir.path + "/nowhere").is_ok());
+  EXPECT_TRUE(clean_stale_checkpoints(dir.path + "/nowhere", io::Env::posix()).is_ok());
 
   // A run resumed from an older checkpoint saves step-7: the steps beyond it (step-8, step-9, of
   // the run it branched from) are pruned, and keep_last counts the steps before it.
@@ -330,21 +331,22 @@ TEST(Checkpoint, LatestPruningAndStaleTmpDirectories) {
 
 TEST(Checkpoint, ResolveNamesWhatIsWrong) {
   TempDir dir;
-  EXPECT_EQ(resolve_checkpoint(dir.path + "/missing").status().code(), StatusCode::kNotFound);
-  EXPECT_THAT(resolve_checkpoint(dir.path).status().message(), HasSubstr("neither manifest.json"));
+  EXPECT_EQ(resolve_checkpoint(dir.path + "/missing", io::Env::posix()).status().code(), StatusCode::kNotFound);
+  EXPECT_THAT(resolve_checkpoint(dir.path, io::Env::posix()).status().message(), HasSubstr("neither manifest.json"));
   std::ofstream(dir.path + "/latest") << "../../etc\n";
-  EXPECT_EQ(resolve_checkpoint(dir.path).status().code(), StatusCode::kCorruption);
+  EXPECT_EQ(resolve_checkpoint(dir.path, io::Env::posix()).status().code(), StatusCode::kCorruption);
   std::ofstream(dir.path + "/latest") << "step-3\n";
   fs::create_directories(dir.path + "/step-3");
-  EXPECT_THAT(resolve_checkpoint(dir.path).status().message(), HasSubstr("no manifest.json"));
-  EXPECT_THAT(resolve_checkpoint(dir.path + "/step-3/").status().message(), HasSubstr("incomplete save"));
+  EXPECT_THAT(resolve_checkpoint(dir.path, io::Env::posix()).status().message(), HasSubstr("no manifest.json"));
+  EXPECT_THAT(resolve_checkpoint(dir.path + "/step-3/", io::Env::posix()).status().message(),
+              HasSubstr("incomplete save"));
   // Issue 19, finding 5: a `latest` holding (or linking to) a long file with NUL bytes was echoed
   // whole; the error quotes a bounded, escaped excerpt.
   std::string junk;
   for (int i = 0; i < 24; ++i)
     junk += "line " + std::to_string(i) + std::string(1, '\0') + " of a file that is not ours\n";
   std::ofstream(dir.path + "/latest", std::ios::binary | std::ios::trunc) << junk;
-  const std::string message = resolve_checkpoint(dir.path).status().message();
+  const std::string message = resolve_checkpoint(dir.path, io::Env::posix()).status().message();
   EXPECT_THAT(message, HasSubstr("names \"line 0\\x00 of a file"));
   EXPECT_THAT(message, HasSubstr("bytes)"));
   EXPECT_EQ(message.find('\0'), std::string::npos);
@@ -352,7 +354,7 @@ TEST(Checkpoint, ResolveNamesWhatIsWrong) {
   // A `latest` of 64 MiB + 1 (sparse: never read, refused by its size) is corruption, not a bad
   // argument: no save writes one.
   fs::resize_file(dir.path + "/latest", (uint64_t{64} << 20) + 1);
-  const Status huge = resolve_checkpoint(dir.path).status();
+  const Status huge = resolve_checkpoint(dir.path, io::Env::posix()).status();
   EXPECT_EQ(huge.code(), StatusCode::kCorruption) << huge.to_string();
   EXPECT_THAT(huge.message(), HasSubstr(dir.path + "/latest is 67108865 bytes, over the 67108864-byte limit"));
 }
@@ -447,7 +449,7 @@ TEST(Checkpoint, TrainerStateCountersMustBeWholeNumbersInRange) {
     nlohmann::json state = saved;
     state[nlohmann::json::json_pointer(c.pointer)] = c.value;
     rewrite_trainer_state(copy, state);
-    const Status open = open_checkpoint(copy).status();
+    const Status open = open_checkpoint(copy, io::Env::posix()).status();
     EXPECT_EQ(open.code(), StatusCode::kCorruption);
     EXPECT_EQ(open.message(), copy + "/trainer_state.json: " + c.message);
     const Status loaded = load(copy, dst);
@@ -467,7 +469,7 @@ TEST(Checkpoint, TrainerStateCountersMustBeWholeNumbersInRange) {
   const std::string copy = dir.path + "/edge";
   fs::copy(step, copy);
   rewrite_trainer_state(copy, edge);
-  auto info = open_checkpoint(copy);
+  auto info = open_checkpoint(copy, io::Env::posix());
   ASSERT_TRUE(info.is_ok()) << info.status().to_string();
   EXPECT_EQ(info->state.seed, max_u64);
   EXPECT_EQ(info->state.world_size, 1u);
@@ -486,7 +488,7 @@ TEST(Checkpoint, AFlippedByteInAnyFileIsCaughtByVerifyAndLoad) {
   const std::string good = dir.path + "/good";
   ASSERT_TRUE(save_checkpoint(*rig.store, state_at(3), "{\"hidden_size\": 8}", save_options(good)).is_ok());
   const std::string step = good + "/step-3";
-  auto info = open_checkpoint(step);
+  auto info = open_checkpoint(step, io::Env::posix());
   ASSERT_TRUE(info.is_ok());
   int checked = 0;
   for (const FileDigest& f : info->manifest.files) {
@@ -512,17 +514,17 @@ TEST(Checkpoint, AFlippedByteInAnyFileIsCaughtByVerifyAndLoad) {
   const std::string copy = dir.path + "/copy-manifest";
   fs::copy(step, copy);
   flip_byte(copy + "/manifest.json", 20);
-  EXPECT_FALSE(open_checkpoint(copy).is_ok());
+  EXPECT_FALSE(open_checkpoint(copy, io::Env::posix()).is_ok());
   // No manifest: an incomplete save, never loaded.
   const std::string partial = dir.path + "/partial";
   fs::copy(step, partial);
   fs::remove(partial + "/manifest.json");
-  EXPECT_THAT(open_checkpoint(partial).status().message(), HasSubstr("no manifest.json"));
+  EXPECT_THAT(open_checkpoint(partial, io::Env::posix()).status().message(), HasSubstr("no manifest.json"));
   // A truncated state file is caught by size before anything is read.
   const std::string cut = dir.path + "/cut";
   fs::copy(step, cut);
   fs::resize_file(cut + "/exp_avg.safetensors", fs::file_size(cut + "/exp_avg.safetensors") - 4);
-  EXPECT_THAT(open_checkpoint(cut).status().message(), HasSubstr("exp_avg.safetensors"));
+  EXPECT_THAT(open_checkpoint(cut, io::Env::posix()).status().message(), HasSubstr("exp_avg.safetensors"));
   // The original still verifies.
   EXPECT_TRUE(verify(step, *rig.io).is_ok());
 }
@@ -747,7 +749,7 @@ TEST(Checkpoint, ReadFaultsNameTheFileAndNeverLoadSilently) {
                      .op = io::IoOp::kRead,
                      .path_contains = "/" + name,
                      .offset_bytes = f->size_bytes - 1});
-    Status v = verify_checkpoint(*info, *rig.io, b.staging.bytes(), {}, &env);
+    Status v = verify_checkpoint(*info, *rig.io, b.staging.bytes(), &env);
     EXPECT_EQ(v.code(), StatusCode::kIoError) << v.to_string();
     EXPECT_THAT(v.message(), HasSubstr(step + "/" + name));
     rig.faults->add({.kind = io::FaultKind::kEio,
@@ -781,7 +783,7 @@ TEST(Checkpoint, AFaultOpeningAStateFileFailsVerifyAndLoadNamingIt) {
   const std::string victim = step + "/" + state_file_name(StateKind::kExpAvgSq);
   Buffers b;
   rig.faults->add({.kind = io::FaultKind::kEio, .op = io::IoOp::kOpen, .path_contains = victim});
-  Status v = verify_checkpoint(*info, *rig.io, b.staging.bytes(), {}, &env);
+  Status v = verify_checkpoint(*info, *rig.io, b.staging.bytes(), &env);
   EXPECT_EQ(v.code(), StatusCode::kIoError) << v.to_string();
   EXPECT_THAT(v.message(), HasSubstr("open " + victim + " (injected)"));
   rig.faults->add({.kind = io::FaultKind::kEio, .op = io::IoOp::kOpen, .path_contains = victim});
@@ -791,7 +793,7 @@ TEST(Checkpoint, AFaultOpeningAStateFileFailsVerifyAndLoadNamingIt) {
   EXPECT_EQ(l.code(), StatusCode::kIoError) << l.to_string();
   EXPECT_THAT(l.message(), HasSubstr("open " + victim + " (injected)"));
   EXPECT_EQ(rig.faults->injected(), 2u);
-  EXPECT_TRUE(verify_checkpoint(*info, *rig.io, b.staging.bytes(), {}, &env).is_ok()) << "the rules are used up";
+  EXPECT_TRUE(verify_checkpoint(*info, *rig.io, b.staging.bytes(), &env).is_ok()) << "the rules are used up";
 }
 
 TEST(Checkpoint, RefusesBadOptionsAndATornStore) {

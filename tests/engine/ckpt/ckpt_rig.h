@@ -14,7 +14,7 @@
 #include "common/half.h"
 #include "engine/config/config.h"
 #include "engine/memory/moment_layout.h"
-#include "engine/memory/param_registry.h"
+#include "engine/memory/memory_plan.h"
 #include "engine/memory/state_store.h"
 #include "gpu/device.h"
 #include "io/fault_injector.h"
@@ -94,6 +94,7 @@ struct Rig {
     o.optimizer_nvme_path = dir;
     o.param_nvme_path = dir;
     o.rank = rank;
+    o.env = io::Env::posix();
     ZO_ASSIGN_OR_RETURN(store, StateStore::create(registry, plan, *device, *io, o, accounting));
     return Status::ok();
   }

@@ -31,11 +31,11 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--max-saves") == 0) max_saves = std::strtoull(argv[i + 1], nullptr, 10);
   }
   const std::string ckpt = dir + "/ckpt";
-  auto stale = clean_stale_checkpoints(ckpt);
+  auto stale = clean_stale_checkpoints(ckpt, io::Env::posix());
   ZO_CHECK(stale.is_ok()) << stale.status().to_string();
   uint64_t gen = 1;
-  if (auto latest = resolve_checkpoint(ckpt); latest.is_ok()) {
-    auto info = open_checkpoint(*latest);
+  if (auto latest = resolve_checkpoint(ckpt, io::Env::posix()); latest.is_ok()) {
+    auto info = open_checkpoint(*latest, io::Env::posix());
     ZO_CHECK(info.is_ok()) << "the latest checkpoint does not open: " << info.status().to_string();
     gen = info->state.steps_done + 1;
   }
@@ -57,6 +57,7 @@ int main(int argc, char** argv) {
     o.dir = ckpt;
     o.keep_last = 2;
     o.staging_bytes = uint64_t{4} << 20;
+    o.env = io::Env::posix();
     o.on_phase = [&](SavePhase p) {
       ++phases;
       std::printf("phase %llu %s\n", static_cast<unsigned long long>(gen), std::string(save_phase_name(p)).c_str());

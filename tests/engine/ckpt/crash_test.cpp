@@ -102,7 +102,7 @@ std::string kind_of(const std::string& line) {
 // What the checkpoint directory must look like after any kill; returns latest's step.
 uint64_t check_invariants(const std::string& dir, uint64_t previous_latest) {
   const std::string ckpt = dir + "/ckpt";
-  auto latest = resolve_checkpoint(ckpt);
+  auto latest = resolve_checkpoint(ckpt, io::Env::posix());
   EXPECT_TRUE(latest.is_ok()) << latest.status().to_string();
   if (!latest.is_ok()) return previous_latest;
   auto io = io::IoEngine::create(io::IoOptions{});
@@ -111,11 +111,13 @@ uint64_t check_invariants(const std::string& dir, uint64_t previous_latest) {
   for (const auto& e : fs::directory_iterator(ckpt)) {
     const std::string name = e.path().filename().string();
     if (name.rfind("step-", 0) != 0) continue;
-    auto info = open_checkpoint(e.path().string());
+    auto info = open_checkpoint(e.path().string(), io::Env::posix());
     EXPECT_TRUE(info.is_ok()) << name << ": " << info.status().to_string();
-    if (info.is_ok()) { EXPECT_TRUE(verify_checkpoint(*info, **io, staging->bytes()).is_ok()) << name; }
+    if (info.is_ok()) {
+      EXPECT_TRUE(verify_checkpoint(*info, **io, staging->bytes(), io::Env::posix()).is_ok()) << name;
+    }
   }
-  auto info = open_checkpoint(*latest);
+  auto info = open_checkpoint(*latest, io::Env::posix());
   EXPECT_TRUE(info.is_ok());
   if (!info.is_ok()) return previous_latest;
   const uint64_t step = info->state.steps_done;
@@ -124,7 +126,7 @@ uint64_t check_invariants(const std::string& dir, uint64_t previous_latest) {
   TempDir swap("zo_crash_load");
   testing::Rig rig;
   EXPECT_TRUE(rig.init({.optimizer = "cpu", .param = "cpu", .sub_group_size = 100000}, swap.path, 40).is_ok());
-  Status s = load_checkpoint(*info, *rig.store, *rig.io, staging->bytes());
+  Status s = load_checkpoint(*info, *rig.store, *rig.io, staging->bytes(), io::Env::posix());
   EXPECT_TRUE(s.is_ok()) << s.to_string();
   testing::Rig expect;
   EXPECT_TRUE(expect.init({.optimizer = "cpu", .param = "cpu", .sub_group_size = 100000}, swap.path + "x", 40).is_ok());

@@ -155,6 +155,7 @@ ExportOptions options_for(const std::string& dir, DType dtype) {
   o.dtype = dtype;
   o.out_dir = dir;
   o.staging_bytes = kMiB;
+  o.env = io::Env::posix();
   return o;
 }
 
@@ -200,7 +201,7 @@ TEST_P(ExportDtype, OneFileHoldsTheSourceRoundedBitForBit) {
   EXPECT_EQ(progress.back(), std::make_pair(bytes, bytes));
   for (size_t i = 1; i < progress.size(); ++i) EXPECT_LE(progress[i - 1].first, progress[i].first);
 
-  auto file = SafetensorsFile::open(out + "/model.safetensors");
+  auto file = SafetensorsFile::open(out + "/model.safetensors", io::Env::posix());
   ASSERT_TRUE(file.is_ok()) << file.status().to_string();
   EXPECT_EQ((*file)->metadata().at("format"), "pt");
   ASSERT_EQ((*file)->tensors().size(), m.params.size());
@@ -218,7 +219,7 @@ TEST_P(ExportDtype, OneFileHoldsTheSourceRoundedBitForBit) {
   EXPECT_EQ(config["hidden_size"], 64);
   EXPECT_EQ(config["architectures"][0], "LlamaForCausalLM");
 
-  auto weights = HfWeights::open(out);
+  auto weights = HfWeights::open(out, io::Env::posix());
   ASSERT_TRUE(weights.is_ok()) << weights.status().to_string();
   EXPECT_EQ((*weights)->names().size(), m.params.size());
 }
@@ -258,14 +259,14 @@ TEST(Export, ShardsConsecutiveTensorsWithAnIndex) {
 
   const std::vector<std::vector<std::string>> held = {{"a", "b"}, {"c"}, {"d", "e"}};
   for (size_t k = 0; k < shards.size(); ++k) {
-    auto file = SafetensorsFile::open(out + "/" + shards[k]);
+    auto file = SafetensorsFile::open(out + "/" + shards[k], io::Env::posix());
     ASSERT_TRUE(file.is_ok()) << file.status().to_string();
     EXPECT_EQ((*file)->metadata().at("format"), "pt");
     std::vector<std::string> names;
     for (const auto& t : (*file)->tensors()) names.push_back(t.name);
     EXPECT_EQ(names, held[k]) << shards[k];
   }
-  auto weights = HfWeights::open(out);
+  auto weights = HfWeights::open(out, io::Env::posix());
   ASSERT_TRUE(weights.is_ok()) << weights.status().to_string();
   for (size_t i = 0; i < m.params.size(); ++i) {
     const SafetensorsFile* file = nullptr;
@@ -313,9 +314,9 @@ TEST(Export, CopiesSideFilesAndRefusesBadOnes) {
                                    {"unrelated.txt", "not copied"}}) {
     std::ofstream(model_dir + "/" + name) << text;
   }
-  const std::vector<std::string> sides = model_side_files(model_dir);
+  const std::vector<std::string> sides = model_side_files(model_dir, io::Env::posix());
   EXPECT_EQ(sides.size(), 3u);
-  EXPECT_TRUE(model_side_files("tiny").empty()) << "a preset name is no directory";
+  EXPECT_TRUE(model_side_files("tiny", io::Env::posix()).empty()) << "a preset name is no directory";
   ExportOptions o = options_for(tmp.path + "/hf", DType::kBF16);
   o.side_files = sides;
   auto r = export_hf_model(m.params, kConfigJson, reader.reader(), *io, o);
@@ -352,7 +353,7 @@ TEST(Export, Fp16RoundsToNearestEvenAndCountsOverflow) {
   auto r = export_hf_model(m.params, kConfigJson, reader.reader(), *io, options_for(tmp.path + "/hf", DType::kF16));
   ASSERT_TRUE(r.is_ok()) << r.status().to_string();
   EXPECT_EQ(r->overflowed, 3u) << "65520, -70000 and 1e30 became inf; inf stays inf and is not counted";
-  auto file = SafetensorsFile::open(tmp.path + "/hf/model.safetensors");
+  auto file = SafetensorsFile::open(tmp.path + "/hf/model.safetensors", io::Env::posix());
   ASSERT_TRUE(file.is_ok());
   std::vector<uint8_t> raw(24);
   ASSERT_TRUE((*file)->read_raw((*file)->tensors()[0], 0, raw).is_ok());
@@ -564,6 +565,7 @@ struct StoreRig {
     io = make_io();
     StateStoreOptions so;
     so.optimizer_nvme_path = config.zero.offload_optimizer.nvme_path;
+    so.env = io::Env::posix();
     ZO_ASSIGN_OR_RETURN(store, StateStore::create(registry, plan, *device, *io, so, accounting));
     for (uint32_t p = 0; p < m.params.size(); ++p) ZO_RETURN_IF_ERROR(store->init_param(p, 0, m.values[p]));
     return Status::ok();
@@ -593,7 +595,7 @@ TEST_P(ExportStoreTier, HoldsTheMasterRounded) {
     o.shard_bytes = 20'000;
     auto r = export_store(*rig.store, kConfigJson, *rig.io, o);
     ASSERT_TRUE(r.is_ok()) << r.status().to_string();
-    auto weights = HfWeights::open(out);
+    auto weights = HfWeights::open(out, io::Env::posix());
     ASSERT_TRUE(weights.is_ok()) << weights.status().to_string();
     for (size_t i = 0; i < m.params.size(); ++i) {
       const SafetensorsFile* file = nullptr;
@@ -646,6 +648,7 @@ struct SavedCheckpoint {
     SaveOptions so;
     so.dir = rig.dir.path + "/ckpt";
     so.staging_bytes = kMiB;
+    so.env = io::Env::posix();
     ZO_ASSIGN_OR_RETURN(SaveResult saved, save_checkpoint(*rig.store, state, kConfigJson, so));
     path = saved.path;
     return Status::ok();
@@ -656,7 +659,7 @@ TEST(ExportCheckpoint, HoldsTheMasterRoundedAndChecksItsChecksums) {
   const Model m = store_model();
   SavedCheckpoint ckpt;
   ASSERT_TRUE(ckpt.save(m).is_ok());
-  auto info = open_checkpoint(ckpt.path);
+  auto info = open_checkpoint(ckpt.path, io::Env::posix());
   ASSERT_TRUE(info.is_ok()) << info.status().to_string();
   auto io = make_io();
   for (const DType dtype : {DType::kBF16, DType::kF16, DType::kF32}) {
@@ -666,7 +669,7 @@ TEST(ExportCheckpoint, HoldsTheMasterRoundedAndChecksItsChecksums) {
     auto r = export_checkpoint(*info, *io, o);
     ASSERT_TRUE(r.is_ok()) << r.status().to_string();
     EXPECT_EQ(r->overflowed, dtype == DType::kF16 ? expected_overflow(m) : 0u);
-    auto weights = HfWeights::open(out);
+    auto weights = HfWeights::open(out, io::Env::posix());
     ASSERT_TRUE(weights.is_ok()) << weights.status().to_string();
     for (size_t i = 0; i < m.params.size(); ++i) {
       const SafetensorsFile* file = nullptr;
@@ -678,7 +681,7 @@ TEST(ExportCheckpoint, HoldsTheMasterRoundedAndChecksItsChecksums) {
   // A flipped byte of the data, then of the header's padding (still valid JSON: only the checksum
   // can tell): kCorruption naming the file, and nothing left of the export.
   const std::string master = ckpt.path + "/" + kMasterFile;
-  auto file = SafetensorsFile::open(master);
+  auto file = SafetensorsFile::open(master, io::Env::posix());
   ASSERT_TRUE(file.is_ok());
   const uint64_t data_begin = (*file)->tensors()[0].data_offset_bytes;
   file->reset();
@@ -707,7 +710,7 @@ TEST(ExportCheckpoint, DetectsCorruptionMidWay) {
   m.add("model.small.weight", {1000});
   SavedCheckpoint ckpt;
   ASSERT_TRUE(ckpt.save(m).is_ok());
-  auto info = open_checkpoint(ckpt.path);
+  auto info = open_checkpoint(ckpt.path, io::Env::posix());
   ASSERT_TRUE(info.is_ok()) << info.status().to_string();
   const std::string master = ckpt.path + "/" + kMasterFile;
   flip_byte(master, 8 * kMiB, static_cast<uint8_t>(byte_at(master, 8 * kMiB) ^ 1));
@@ -732,7 +735,7 @@ TEST(ExportCheckpoint, AReadErrorNamesTheFileAndLeavesNothing) {
   const Model m = store_model();
   SavedCheckpoint ckpt;
   ASSERT_TRUE(ckpt.save(m).is_ok());
-  auto info = open_checkpoint(ckpt.path);
+  auto info = open_checkpoint(ckpt.path, io::Env::posix());
   ASSERT_TRUE(info.is_ok()) << info.status().to_string();
   const std::string master = ckpt.path + "/" + kMasterFile;
   const uint64_t middle = info->manifest.find(kMasterFile)->size_bytes / 2;

@@ -49,7 +49,7 @@ TEST(StreamWriter, WritesExactBytesSizeAndChunkCrcs) {
     std::vector<std::byte> data(size);
     for (auto& b : data) b = static_cast<std::byte>(rng());
     const std::string path = dir.path + "/f" + std::to_string(size);
-    auto w = StreamWriter::create(**io, path, staging->bytes(), 4);
+    auto w = StreamWriter::create(**io, path, staging->bytes(), io::Env::posix(), 4);
     ASSERT_TRUE(w.is_ok()) << w.status().to_string();
     uint64_t off = 0;
     bool use_span = false;
@@ -101,10 +101,12 @@ TEST(StreamWriter, RefusesAnExistingFileAndBadStaging) {
   auto io = io::IoEngine::create(io::IoOptions{});
   auto staging = AlignedBuffer::allocate(8 * 4096);
   std::ofstream(dir.path + "/x") << "keep me";
-  auto w = StreamWriter::create(**io, dir.path + "/x", staging->bytes(), 4);
+  auto w = StreamWriter::create(**io, dir.path + "/x", staging->bytes(), io::Env::posix(), 4);
   EXPECT_EQ(w.status().code(), StatusCode::kAlreadyExists);
   EXPECT_EQ(read_all(dir.path + "/x").size(), 7u);
-  EXPECT_EQ(StreamWriter::create(**io, dir.path + "/y", staging->bytes().first(3 * 4096), 4).status().code(),
+  EXPECT_EQ(StreamWriter::create(**io, dir.path + "/y", staging->bytes().first(3 * 4096), io::Env::posix(), 4)
+                .status()
+                .code(),
             StatusCode::kInvalidArgument);
 }
 
@@ -115,7 +117,7 @@ TEST(StreamWriter, AWriteErrorSurfacesWithThePath) {
   auto staging = AlignedBuffer::allocate(16 * 4096);
   faults->add(
       {.kind = io::FaultKind::kNoSpace, .op = io::IoOp::kWrite, .path_contains = "victim", .offset_bytes = 20000});
-  auto w = StreamWriter::create(**io, dir.path + "/victim", staging->bytes(), 4);
+  auto w = StreamWriter::create(**io, dir.path + "/victim", staging->bytes(), io::Env::posix(), 4);
   ASSERT_TRUE(w.is_ok());
   std::vector<std::byte> data(200000, std::byte{7});
   Status s = (*w)->append(data);
@@ -178,7 +180,7 @@ FileDigest stream_digest(const std::string& path, std::span<const std::byte> dat
   ZO_CHECK(io.is_ok());
   auto staging = AlignedBuffer::allocate(64 * 4096);
   ZO_CHECK(staging.is_ok());
-  auto w = StreamWriter::create(**io, path, staging->bytes(), 4);
+  auto w = StreamWriter::create(**io, path, staging->bytes(), io::Env::posix(), 4);
   ZO_CHECK(w.is_ok()) << w.status().to_string();
   ZO_CHECK((*w)->append(data).is_ok());
   auto d = (*w)->finish();
@@ -198,7 +200,7 @@ std::vector<RangeDigest> write_ranges_concurrently(const std::string& path, cons
       auto io = io::IoEngine::create(io::IoOptions{});
       auto staging = AlignedBuffer::allocate(16 * 4096);
       if (!io.is_ok() || !staging.is_ok()) return;
-      auto w = RangeWriter::create(**io, path, cuts[i], cuts[i + 1], staging->bytes(), 4);
+      auto w = RangeWriter::create(**io, path, cuts[i], cuts[i + 1], staging->bytes(), io::Env::posix(), 4);
       if (!w.is_ok()) {
         results[i] = w.status();
         return;
@@ -240,7 +242,7 @@ TEST(RangeWriter, AdjacentUnalignedRangesFromThreadsMatchAStreamWriter) {
     SCOPED_TRACE(l);
     const std::string name = "shared" + std::to_string(l);
     const std::string path = dir.path + "/" + name;
-    ASSERT_TRUE(create_sized_file(path, size).is_ok());
+    ASSERT_TRUE(create_sized_file(path, size, io::Env::posix()).is_ok());
     std::vector<RangeDigest> ranges = write_ranges_concurrently(path, data, layouts[l]);
     ASSERT_EQ(ranges.size(), layouts[l].size() - 1);
     EXPECT_TRUE(read_all(path) == data);
@@ -260,7 +262,7 @@ TEST(RangeWriter, TouchesNoByteOutsideItsRange) {
   TempDir dir;
   const uint64_t size = 64 * 4096 + 777;
   const std::string path = dir.path + "/f";
-  ASSERT_TRUE(create_sized_file(path, size).is_ok());
+  ASSERT_TRUE(create_sized_file(path, size, io::Env::posix()).is_ok());
   EXPECT_EQ(read_all(path), std::vector<std::byte>(size, std::byte{0}));
   auto io = io::IoEngine::create(io::IoOptions{});
   ASSERT_TRUE(io.is_ok());
@@ -268,7 +270,7 @@ TEST(RangeWriter, TouchesNoByteOutsideItsRange) {
   ASSERT_TRUE(staging.is_ok());
   std::vector<std::byte> want(size, std::byte{0xA5});
   {
-    auto w = RangeWriter::create(**io, path, 0, size, staging->bytes(), 4);
+    auto w = RangeWriter::create(**io, path, 0, size, staging->bytes(), io::Env::posix(), 4);
     ASSERT_TRUE(w.is_ok()) << w.status().to_string();
     ASSERT_TRUE((*w)->append(want).is_ok());
     ASSERT_TRUE((*w)->finish().is_ok());
@@ -286,7 +288,7 @@ TEST(RangeWriter, TouchesNoByteOutsideItsRange) {
     SCOPED_TRACE(b);
     std::memset(staging->bytes().data(), 0xEE, staging->bytes().size());
     const std::vector<std::byte> bytes = random_bytes(e - b, seed++);
-    auto w = RangeWriter::create(**io, path, b, e, staging->bytes(), 4);
+    auto w = RangeWriter::create(**io, path, b, e, staging->bytes(), io::Env::posix(), 4);
     ASSERT_TRUE(w.is_ok()) << w.status().to_string();
     ASSERT_TRUE(write_in_pieces(**w, bytes, b, seed).is_ok());
     auto d = (*w)->finish();
@@ -302,10 +304,10 @@ TEST(RangeWriter, TouchesNoByteOutsideItsRange) {
 TEST(RangeWriter, AnEmptyRangeWritesNothing) {
   TempDir dir;
   const std::string path = dir.path + "/f";
-  ASSERT_TRUE(create_sized_file(path, 10000).is_ok());
+  ASSERT_TRUE(create_sized_file(path, 10000, io::Env::posix()).is_ok());
   auto io = io::IoEngine::create(io::IoOptions{});
   auto staging = AlignedBuffer::allocate(8 * 4096);
-  auto w = RangeWriter::create(**io, path, 5000, 5000, staging->bytes(), 4);
+  auto w = RangeWriter::create(**io, path, 5000, 5000, staging->bytes(), io::Env::posix(), 4);
   ASSERT_TRUE(w.is_ok()) << w.status().to_string();
   EXPECT_EQ((*w)->next_span(10).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ((*w)->append(std::vector<std::byte>(1)).code(), StatusCode::kInvalidArgument);
@@ -320,11 +322,11 @@ TEST(RangeWriter, AnEmptyRangeWritesNothing) {
 TEST(RangeWriter, RefusesToWritePastItsEndAndAShortRangeAtFinish) {
   TempDir dir;
   const std::string path = dir.path + "/short";
-  ASSERT_TRUE(create_sized_file(path, 20000).is_ok());
+  ASSERT_TRUE(create_sized_file(path, 20000, io::Env::posix()).is_ok());
   auto io = io::IoEngine::create(io::IoOptions{});
   auto staging = AlignedBuffer::allocate(8 * 4096);
   {
-    auto w = RangeWriter::create(**io, path, 100, 9000, staging->bytes(), 4);
+    auto w = RangeWriter::create(**io, path, 100, 9000, staging->bytes(), io::Env::posix(), 4);
     ASSERT_TRUE(w.is_ok());
     ASSERT_TRUE((*w)->append(std::vector<std::byte>(8000, std::byte{1})).is_ok());
     auto d = (*w)->finish();
@@ -334,7 +336,7 @@ TEST(RangeWriter, RefusesToWritePastItsEndAndAShortRangeAtFinish) {
     EXPECT_THAT(d.status().message(), HasSubstr("8000 bytes committed"));
   }
   {
-    auto w = RangeWriter::create(**io, path, 100, 9000, staging->bytes(), 4);
+    auto w = RangeWriter::create(**io, path, 100, 9000, staging->bytes(), io::Env::posix(), 4);
     ASSERT_TRUE(w.is_ok());
     Status s = (*w)->append(std::vector<std::byte>(9000, std::byte{2}));
     EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
@@ -349,18 +351,19 @@ TEST(RangeWriter, RefusesToWritePastItsEndAndAShortRangeAtFinish) {
   EXPECT_EQ(got[8999], std::byte{2});
   EXPECT_EQ(got[9000], std::byte{0});
   // A range past the file's end, a reversed range and a missing file are refused at create.
-  EXPECT_EQ(RangeWriter::create(**io, path, 0, 20001, staging->bytes(), 4).status().code(),
+  EXPECT_EQ(RangeWriter::create(**io, path, 0, 20001, staging->bytes(), io::Env::posix(), 4).status().code(),
             StatusCode::kInvalidArgument);
-  EXPECT_EQ(RangeWriter::create(**io, path, 10, 9, staging->bytes(), 4).status().code(), StatusCode::kInvalidArgument);
-  EXPECT_FALSE(RangeWriter::create(**io, dir.path + "/missing", 0, 0, staging->bytes(), 4).is_ok());
+  EXPECT_EQ(RangeWriter::create(**io, path, 10, 9, staging->bytes(), io::Env::posix(), 4).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_FALSE(RangeWriter::create(**io, dir.path + "/missing", 0, 0, staging->bytes(), io::Env::posix(), 4).is_ok());
 }
 
 TEST(RangeWriter, CreateSizedFileRefusesAnExistingFile) {
   TempDir dir;
   std::ofstream(dir.path + "/x") << "keep me";
-  EXPECT_EQ(create_sized_file(dir.path + "/x", 4096).code(), StatusCode::kAlreadyExists);
+  EXPECT_EQ(create_sized_file(dir.path + "/x", 4096, io::Env::posix()).code(), StatusCode::kAlreadyExists);
   EXPECT_EQ(read_all(dir.path + "/x").size(), 7u);
-  ASSERT_TRUE(create_sized_file(dir.path + "/y", 0).is_ok());
+  ASSERT_TRUE(create_sized_file(dir.path + "/y", 0, io::Env::posix()).is_ok());
   EXPECT_EQ(read_all(dir.path + "/y").size(), 0u);
 }
 
@@ -372,14 +375,14 @@ TEST(RangeWriter, AnInjectedWriteErrorSurfacesWithThePath) {
     SCOPED_TRACE(fault_at);
     TempDir dir;
     const std::string path = dir.path + "/victim";
-    ASSERT_TRUE(create_sized_file(path, e + 1000).is_ok());
+    ASSERT_TRUE(create_sized_file(path, e + 1000, io::Env::posix()).is_ok());
     auto faults = std::make_shared<io::FaultInjector>();
     auto io = io::IoEngine::create(io::IoOptions{}, faults);
     ASSERT_TRUE(io.is_ok());
     auto staging = AlignedBuffer::allocate(8 * 4096);
     faults->add(
         {.kind = io::FaultKind::kEio, .op = io::IoOp::kWrite, .path_contains = "victim", .offset_bytes = fault_at});
-    auto w = RangeWriter::create(**io, path, b, e, staging->bytes(), 4);
+    auto w = RangeWriter::create(**io, path, b, e, staging->bytes(), io::Env::posix(), 4);
     ASSERT_TRUE(w.is_ok()) << w.status().to_string();
     Status s = (*w)->append(random_bytes(e - b, 5));
     Result<RangeDigest> d = s.is_ok() ? (*w)->finish() : Result<RangeDigest>(s);
@@ -406,7 +409,7 @@ TEST(StreamFiles, AFaultOpeningAFileIsReportedWithThePath) {
   };
   const std::string streamed = dir.path + "/master.safetensors";
   faults->add({.kind = io::FaultKind::kEio, .op = io::IoOp::kOpen, .path_contains = "master"});
-  expect_refused(StreamWriter::create(**io, streamed, staging->bytes(), 4, &env).status(), streamed);
+  expect_refused(StreamWriter::create(**io, streamed, staging->bytes(), &env, 4).status(), streamed);
   EXPECT_FALSE(std::filesystem::exists(streamed));
 
   const std::string sized = dir.path + "/exp_avg.safetensors";
@@ -415,9 +418,9 @@ TEST(StreamFiles, AFaultOpeningAFileIsReportedWithThePath) {
   EXPECT_FALSE(std::filesystem::exists(sized));
   ASSERT_TRUE(create_sized_file(sized, 20000, &env).is_ok()) << "the rule is used up";
   faults->add({.kind = io::FaultKind::kEio, .op = io::IoOp::kOpen, .path_contains = "exp_avg", .skip = 1});
-  expect_refused(RangeWriter::create(**io, sized, 100, 9000, staging->bytes(), 4, &env).status(), sized);
+  expect_refused(RangeWriter::create(**io, sized, 100, 9000, staging->bytes(), &env, 4).status(), sized);
 
-  auto w = StreamWriter::create(**io, streamed, staging->bytes(), 4, &env);
+  auto w = StreamWriter::create(**io, streamed, staging->bytes(), &env, 4);
   ASSERT_TRUE(w.is_ok()) << w.status().to_string();
   ASSERT_TRUE((*w)->append(random_bytes(10000, 3)).is_ok());
   auto digest = (*w)->finish();

@@ -27,7 +27,7 @@
 #include "engine/coord/block_gatherer.h"
 #include "engine/coord/grad_accumulator.h"
 #include "engine/coord/param_coordinator.h"
-#include "engine/memory/param_registry.h"
+#include "engine/memory/memory_plan.h"
 #include "engine/memory/param_swapper.h"
 #include "engine/memory/state_store.h"
 #include "gpu/device.h"
@@ -192,6 +192,7 @@ struct Rig {
     StateStoreOptions o;
     o.optimizer_nvme_path = config.zero.offload_optimizer.nvme_path;
     o.param_nvme_path = config.zero.offload_param.nvme_path;
+    o.env = io::Env::posix();
     ZO_ASSIGN_OR_RETURN(store, StateStore::create(registry, plan, *device, *io, o, accounting));
     std::mt19937 rng(seed);
     for (const ParamInfo& p : registry.params()) {

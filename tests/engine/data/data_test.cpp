@@ -66,7 +66,10 @@ class DataFiles : public ::testing::Test {
   fs::path dir_;
 };
 
-std::unique_ptr<TokenSource> open_ok(const std::string& path, SourceOptions options = {}) {
+// What the engine's callers pass: the files are read through the real file system.
+SourceOptions source_options() { return {.env = io::Env::posix()}; }
+
+std::unique_ptr<TokenSource> open_ok(const std::string& path, SourceOptions options = source_options()) {
   auto r = open_token_source(path, options);
   EXPECT_TRUE(r) << r.status().to_string();
   return r ? std::move(r).value() : nullptr;
@@ -116,7 +119,7 @@ TEST_F(DataFiles, RawBinIsUint16UnlessToldUint32) {
   EXPECT_EQ(s16->format(), DataFormat::kRawBin);
   EXPECT_THAT(read_all(*s16), ElementsAre(5, 600, 9, 1));
 
-  auto s32 = open_ok(path, {.format = DataFormat::kAuto, .raw_token_bytes = 4});
+  auto s32 = open_ok(path, {.format = DataFormat::kAuto, .raw_token_bytes = 4, .env = io::Env::posix()});
   ASSERT_TRUE(s32);
   EXPECT_EQ(s32->num_tokens(), 2u);
   EXPECT_THAT(read_all(*s32), ElementsAre(5 + (600 << 16), 9 + (1 << 16)));
@@ -124,7 +127,7 @@ TEST_F(DataFiles, RawBinIsUint16UnlessToldUint32) {
 
 TEST_F(DataFiles, RawUint32TokenBeyondInt32IsAnError) {
   auto s = open_ok(write_tokens<uint32_t>("big.bin", {1, 0x80000000u}),
-                   {.format = DataFormat::kRawBin, .raw_token_bytes = 4});
+                   {.format = DataFormat::kRawBin, .raw_token_bytes = 4, .env = io::Env::posix()});
   ASSERT_TRUE(s);
   int32_t t[2];
   Status st = s->read(0, 2, t, nullptr);
@@ -134,22 +137,24 @@ TEST_F(DataFiles, RawUint32TokenBeyondInt32IsAnError) {
 }
 
 TEST_F(DataFiles, LlmcHeaderErrorsNameTheFileAndTheMismatch) {
-  auto bad_magic =
-      open_token_source(write_llmc<uint16_t>("m.bin", {1, 2}, 1, /*magic=*/12345), {.format = DataFormat::kLlmcBin});
+  auto bad_magic = open_token_source(write_llmc<uint16_t>("m.bin", {1, 2}, 1, /*magic=*/12345),
+                                     {.format = DataFormat::kLlmcBin, .env = io::Env::posix()});
   ASSERT_FALSE(bad_magic);
   EXPECT_EQ(bad_magic.status().code(), StatusCode::kCorruption);
   EXPECT_THAT(bad_magic.status().message(), HasSubstr("m.bin: bad llm.c magic 12345"));
 
-  auto bad_count = open_token_source(write_llmc<uint16_t>("c.bin", {1, 2, 3, 4, 5}, 1, 20240520, /*count=*/10), {});
+  auto bad_count =
+      open_token_source(write_llmc<uint16_t>("c.bin", {1, 2, 3, 4, 5}, 1, 20240520, /*count=*/10), source_options());
   ASSERT_FALSE(bad_count);
   EXPECT_EQ(bad_count.status().code(), StatusCode::kCorruption);
   EXPECT_THAT(bad_count.status().message(), HasSubstr("c.bin: llm.c header says 10 tokens (20 bytes) but 10 bytes"));
 
-  auto bad_version = open_token_source(write_llmc<uint16_t>("v.bin", {1}, 3), {});
+  auto bad_version = open_token_source(write_llmc<uint16_t>("v.bin", {1}, 3), source_options());
   ASSERT_FALSE(bad_version);
   EXPECT_THAT(bad_version.status().message(), HasSubstr("unsupported llm.c version 3"));
 
-  auto short_header = open_token_source(write_tokens<uint16_t>("s.bin", {1, 2}), {.format = DataFormat::kLlmcBin});
+  auto short_header = open_token_source(write_tokens<uint16_t>("s.bin", {1, 2}),
+                                        {.format = DataFormat::kLlmcBin, .env = io::Env::posix()});
   ASSERT_FALSE(short_header);
   EXPECT_THAT(short_header.status().message(), HasSubstr("shorter than the llm.c header"));
 }
@@ -158,26 +163,27 @@ TEST_F(DataFiles, LlmcHeaderErrorsNameTheFileAndTheMismatch) {
 // header trained as 512 tokens. Note [llm.c lookalike] in token_source.cpp.
 TEST_F(DataFiles, AnLlmcHeaderWithAWrongMagicIsRefusedUnderAuto) {
   const std::string v1 = write_llmc<uint16_t>("wrong.bin", {7, 8, 9, 10, 11}, 1, /*magic=*/12345);
-  auto r = open_token_source(v1, {});
+  auto r = open_token_source(v1, source_options());
   ASSERT_FALSE(r);
   EXPECT_EQ(r.status().code(), StatusCode::kCorruption);
   EXPECT_EQ(r.status().message(), v1 + ": looks like an llm.c token file (version 1, 5 tokens) but its magic is 12345, "
                                        "not 20240520: pass --data-format raw to read it as raw uint16 tokens");
 
   // Version 2 (uint32 tokens), magic zeroed: the count fits the size (1024 + 3 · 4 bytes).
-  auto v2 = open_token_source(write_llmc<uint32_t>("zero.bin", {1, 2, 3}, 2, /*magic=*/0), {});
+  auto v2 = open_token_source(write_llmc<uint32_t>("zero.bin", {1, 2, 3}, 2, /*magic=*/0), source_options());
   ASSERT_FALSE(v2);
   EXPECT_THAT(v2.status().message(),
               HasSubstr("zero.bin: looks like an llm.c token file (version 2, 3 tokens) but its magic is 0,"));
 
   // One bit off the magic (20240520 ^ 1) in a file cut short: the count no longer fits, the magic still says llm.c.
-  auto cut = open_token_source(write_llmc<uint16_t>("cut.bin", {1, 2, 3}, 1, 20240520 ^ 1, /*count=*/1000), {});
+  auto cut =
+      open_token_source(write_llmc<uint16_t>("cut.bin", {1, 2, 3}, 1, 20240520 ^ 1, /*count=*/1000), source_options());
   ASSERT_FALSE(cut);
   EXPECT_THAT(cut.status().message(),
               HasSubstr("cut.bin: looks like an llm.c token file (version 1, 1000 tokens) but its magic is 20240521,"));
 
   // Told raw, it is raw: the header's int32s as uint16 pairs (12345, 0, 1, 0, 5, 0, then zeros), then the tokens.
-  auto raw = open_ok(v1, {.format = DataFormat::kRawBin});
+  auto raw = open_ok(v1, {.format = DataFormat::kRawBin, .env = io::Env::posix()});
   ASSERT_TRUE(raw);
   EXPECT_EQ(raw->format(), DataFormat::kRawBin);
   ASSERT_EQ(raw->num_tokens(), 512u + 5u);
@@ -210,22 +216,30 @@ TEST_F(DataFiles, RawTokensThatOnlyStartLikeAnLlmcHeaderStayRaw) {
 
 TEST_F(DataFiles, RawFileWithAPartialTokenIsAnError) {
   const char three[3] = {1, 2, 3};
-  auto r = open_token_source(write("odd.bin", three, 3), {});
+  auto r = open_token_source(write("odd.bin", three, 3), source_options());
   ASSERT_FALSE(r);
   EXPECT_EQ(r.status().code(), StatusCode::kCorruption);
   EXPECT_THAT(r.status().message(), HasSubstr("odd.bin: 3 bytes is not a whole number of 2-byte tokens"));
 }
 
 TEST_F(DataFiles, MissingAndEmptyFiles) {
-  auto missing = open_token_source((dir_ / "nope.bin").string(), {});
+  auto missing = open_token_source((dir_ / "nope.bin").string(), source_options());
   ASSERT_FALSE(missing);
   EXPECT_EQ(missing.status().code(), StatusCode::kNotFound);
   EXPECT_THAT(missing.status().message(), HasSubstr("nope.bin"));
-  auto missing_jsonl = open_token_source((dir_ / "nope.jsonl").string(), {});
+  auto missing_jsonl = open_token_source((dir_ / "nope.jsonl").string(), source_options());
   EXPECT_EQ(missing_jsonl.status().code(), StatusCode::kNotFound);
-  auto empty = open_token_source(write_text("empty.txt", ""), {});
+  auto empty = open_token_source(write_text("empty.txt", ""), source_options());
   ASSERT_FALSE(empty);
   EXPECT_THAT(empty.status().message(), HasSubstr("empty.txt: the file is empty"));
+}
+
+// The Env is required: options without one are refused, naming the field, before the file is opened.
+TEST_F(DataFiles, OptionsWithoutAnEnvAreRefused) {
+  auto r = open_token_source(write_text("fine.jsonl", "{\"input_ids\": [1, 2]}\n"), SourceOptions{});
+  ASSERT_FALSE(r);
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(r.status().message(), HasSubstr("SourceOptions::env is null"));
 }
 
 TEST_F(DataFiles, JsonlConcatenatesExamplesWithTheirLabels) {
@@ -259,13 +273,14 @@ TEST_F(DataFiles, JsonlErrorsNameFileAndLine) {
        "bad.jsonl:3: labels[1] = -7 is not a token id in [0, 2^31) or -100"},
   };
   for (const Case& c : cases) {
-    auto r = open_token_source(
-        write_text("bad.jsonl", "{\"input_ids\": [1]}\n{\"input_ids\": [2]}\n" + c.third_line + "\n"), {});
+    auto r =
+        open_token_source(write_text("bad.jsonl", "{\"input_ids\": [1]}\n{\"input_ids\": [2]}\n" + c.third_line + "\n"),
+                          source_options());
     ASSERT_FALSE(r) << c.third_line;
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
     EXPECT_THAT(r.status().message(), HasSubstr(c.message)) << c.third_line;
   }
-  auto no_tokens = open_token_source(write_text("none.jsonl", "{\"input_ids\": []}\n"), {});
+  auto no_tokens = open_token_source(write_text("none.jsonl", "{\"input_ids\": []}\n"), source_options());
   ASSERT_FALSE(no_tokens);
   EXPECT_THAT(no_tokens.status().message(), HasSubstr("none.jsonl: no tokens"));
 }
@@ -286,7 +301,7 @@ TEST_F(DataFiles, DeeplyNestedOrHugeJsonlValuesGiveAShortError) {
       {"{\"input_ids\": [1, " + std::string(1'000'000, '7') + "x]}", "bad.jsonl:1: not valid JSON"},
   };
   for (const Case& c : cases) {
-    auto r = open_token_source(write_text("bad.jsonl", c.line + "\n"), {});
+    auto r = open_token_source(write_text("bad.jsonl", c.line + "\n"), source_options());
     ASSERT_FALSE(r) << c.message;
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
     EXPECT_THAT(r.status().message(), HasSubstr(c.message));
@@ -299,12 +314,12 @@ TEST_F(DataFiles, AFifoIsRefusedNotWaitedOn) {
   const std::string path = (dir_ / "pipe.jsonl").string();
   ASSERT_EQ(::mkfifo(path.c_str(), 0600), 0);
   for (DataFormat format : {DataFormat::kAuto, DataFormat::kJsonl, DataFormat::kText, DataFormat::kRawBin}) {
-    auto r = open_token_source(path, {.format = format});
+    auto r = open_token_source(path, {.format = format, .env = io::Env::posix()});
     ASSERT_FALSE(r);
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
     EXPECT_THAT(r.status().message(), HasSubstr("data file " + path + " is a FIFO (named pipe), not a regular file"));
   }
-  auto dir = open_token_source(dir_.string(), {});
+  auto dir = open_token_source(dir_.string(), source_options());
   ASSERT_FALSE(dir);
   EXPECT_THAT(dir.status().message(), HasSubstr("is a directory, not a regular file"));
 }
@@ -349,7 +364,7 @@ TEST_F(DataFiles, JsonlLinesAcrossReadChunksParseWhole) {
       "{\"input_ids\": [30]}";
   for (uint64_t chunk : {uint64_t{1}, uint64_t{7}, uint64_t{64}, uint64_t{16} << 20}) {
     SCOPED_TRACE(chunk);
-    SourceOptions o;
+    SourceOptions o = source_options();
     o.jsonl_chunk_bytes = chunk;
     auto s = open_ok(write_text("chunks.jsonl", text), o);
     ASSERT_TRUE(s);
@@ -364,10 +379,11 @@ TEST_F(DataFiles, JsonlLinesAcrossReadChunksParseWhole) {
 
 TEST_F(DataFiles, ExplicitFormatOverridesTheExtension) {
   const std::string path = write_text("looks_like.bin", "abcd");
-  auto text = open_ok(path, {.format = DataFormat::kText});
+  auto text = open_ok(path, {.format = DataFormat::kText, .env = io::Env::posix()});
   ASSERT_TRUE(text);
   EXPECT_THAT(read_all(*text), ElementsAre('a', 'b', 'c', 'd'));
-  auto jsonl = open_ok(write_text("data.txt", "{\"input_ids\": [4, 5]}\n"), {.format = DataFormat::kJsonl});
+  auto jsonl = open_ok(write_text("data.txt", "{\"input_ids\": [4, 5]}\n"),
+                       {.format = DataFormat::kJsonl, .env = io::Env::posix()});
   ASSERT_TRUE(jsonl);
   EXPECT_THAT(read_all(*jsonl), ElementsAre(4, 5));
 }
@@ -408,6 +424,7 @@ DataOptions options(const std::string& path, uint64_t seq_len, uint64_t micro_ba
                     bool shuffle = true, uint64_t rank = 0, uint64_t world = 1) {
   DataOptions o;
   o.path = path;
+  o.source = source_options();
   o.seq_len = seq_len;
   o.micro_batch = micro_batch;
   o.seed = seed;
@@ -510,7 +527,7 @@ TEST_F(DataFiles, AllMaskedLabelsAreRefusedAtOpen) {
   EXPECT_THAT(next(*d).targets, ElementsAre(-100, -100, -100, -100));
   EXPECT_THAT(next(*d).targets, ElementsAre(6, -100, -100, -100)) << "window 1: targets are tokens 5–8";
   // The source itself still opens: it is the data set that has nothing to train on.
-  EXPECT_TRUE(open_token_source(all, {}).is_ok());
+  EXPECT_TRUE(open_token_source(all, source_options()).is_ok());
 }
 
 TEST_F(DataFiles, TooLittleDataSaysHowMuchIsNeeded) {
@@ -648,7 +665,7 @@ TEST_F(DataFiles, RanksDropTheLastIncompleteRound) {
 TEST(DemoCorpus, IsPlainTextLongEnoughForTheDemo) {
   const char* root = std::getenv("ZO_SOURCE_DIR");
   const std::string path = std::string(root ? root : ".") + "/configs/data/demo_corpus.txt";
-  auto s = open_token_source(path, {});
+  auto s = open_token_source(path, source_options());
   ASSERT_TRUE(s) << s.status().to_string();
   EXPECT_EQ((*s)->format(), DataFormat::kText);
   EXPECT_GE((*s)->num_tokens(), 30'000u);

@@ -12,7 +12,7 @@
 #include "common/bytes.h"
 #include "engine/memory/accounting.h"
 #include "engine/config/config.h"
-#include "engine/memory/param_registry.h"
+#include "engine/memory/memory_plan.h"
 #include "engine/memory/pinned_pool.h"
 #include "engine/memory/swap_file.h"
 #include "gpu/host_device.h"

@@ -52,7 +52,7 @@ TEST(SwapFile, CreatesDirectoryAndPreallocatesRoundedCapacity) {
   TempDir tmp;
   auto engine = make_engine();
   const std::string dir = swap_dir(tmp.path, 0);
-  auto f = SwapFile::create(dir, "optimizer.swp", 100'000, *engine, nullptr);
+  auto f = SwapFile::create(dir, "optimizer.swp", 100'000, *engine, nullptr, io::Env::posix());
   ASSERT_TRUE(f.is_ok()) << f.status().to_string();
   EXPECT_EQ((*f)->capacity_bytes(), 102'400u);
   EXPECT_EQ((*f)->path(), dir + "/optimizer.swp");
@@ -67,10 +67,10 @@ TEST(SwapFile, ReusesAndTrimsAFileOfAPreviousRun) {
   TempDir tmp;
   auto engine = make_engine();
   {
-    auto big = SwapFile::create(tmp.path, "p.swp", 1 << 20, *engine, nullptr);
+    auto big = SwapFile::create(tmp.path, "p.swp", 1 << 20, *engine, nullptr, io::Env::posix());
     ASSERT_TRUE(big.is_ok()) << big.status().to_string();
   }
-  auto f = SwapFile::create(tmp.path, "p.swp", 8192, *engine, nullptr);
+  auto f = SwapFile::create(tmp.path, "p.swp", 8192, *engine, nullptr, io::Env::posix());
   ASSERT_TRUE(f.is_ok()) << f.status().to_string();
   EXPECT_EQ(std::filesystem::file_size((*f)->path()), 8192u);
 }
@@ -127,7 +127,7 @@ TEST(SwapFile, ReservesAlignedRegionsInOrderUntilFull) {
   auto engine = make_engine();
   MemoryAccounting acc;
   {
-    auto f = SwapFile::create(tmp.path, "x.swp", 5 * 4096, *engine, &acc);
+    auto f = SwapFile::create(tmp.path, "x.swp", 5 * 4096, *engine, &acc, io::Env::posix());
     ASSERT_TRUE(f.is_ok()) << f.status().to_string();
     auto a = (*f)->reserve(1);
     auto b = (*f)->reserve(4097);
@@ -154,7 +154,7 @@ TEST(SwapFile, WritesAndReadsBackRegionsAsyncAndSync) {
   TempDir tmp;
   auto engine = make_engine();
   MemoryAccounting acc;
-  auto f = SwapFile::create(tmp.path, "optimizer.swp", 1 << 20, *engine, &acc);
+  auto f = SwapFile::create(tmp.path, "optimizer.swp", 1 << 20, *engine, &acc, io::Env::posix());
   ASSERT_TRUE(f.is_ok()) << f.status().to_string();
   SwapFile& file = **f;
   auto r1 = file.reserve(256 * 1024);
@@ -193,7 +193,7 @@ TEST(SwapFile, WritesAndReadsBackRegionsAsyncAndSync) {
 TEST(SwapFile, RangeOutsideTheRegionIsRejected) {
   TempDir tmp;
   auto engine = make_engine();
-  auto f = SwapFile::create(tmp.path, "x.swp", 3 * 4096, *engine, nullptr);
+  auto f = SwapFile::create(tmp.path, "x.swp", 3 * 4096, *engine, nullptr, io::Env::posix());
   ASSERT_TRUE(f.is_ok());
   auto r = (*f)->reserve(4096);
   ASSERT_TRUE(r.is_ok());
@@ -209,7 +209,7 @@ TEST(SwapFile, InjectedErrorNamesWhatPathOffsetAndKeepsErrno) {
   auto faults = std::make_shared<io::FaultInjector>();
   auto engine = make_engine(faults);
   MemoryAccounting acc;
-  auto f = SwapFile::create(tmp.path, "optimizer.swp", 1 << 20, *engine, &acc);
+  auto f = SwapFile::create(tmp.path, "optimizer.swp", 1 << 20, *engine, &acc, io::Env::posix());
   ASSERT_TRUE(f.is_ok()) << f.status().to_string();
   auto r0 = (*f)->reserve(128 * 1024);
   auto r1 = (*f)->reserve(128 * 1024);
@@ -256,10 +256,11 @@ TEST(SwapFile, CreateOnAFullFileSystemSaysSizeAndFreeSpaceAndRemovesOnlyWhatItMa
   Status s, earlier_made, refused;
   bool left = true, kept = false;
   {
-    s = SwapFile::create(mnt + "/zoffload-swap", "optimizer.swp", 64 << 20, *engine, nullptr).status();
+    s = SwapFile::create(mnt + "/zoffload-swap", "optimizer.swp", 64 << 20, *engine, nullptr, io::Env::posix())
+            .status();
     left = std::filesystem::exists(mnt + "/zoffload-swap/optimizer.swp");
-    earlier_made = SwapFile::create(mnt, "earlier.swp", 8192, *engine, nullptr).status();
-    refused = SwapFile::create(mnt, "earlier.swp", 64 << 20, *engine, nullptr).status();
+    earlier_made = SwapFile::create(mnt, "earlier.swp", 8192, *engine, nullptr, io::Env::posix()).status();
+    refused = SwapFile::create(mnt, "earlier.swp", 64 << 20, *engine, nullptr, io::Env::posix()).status();
     kept = std::filesystem::exists(mnt + "/earlier.swp");
   }
   ::umount(mnt.c_str());
@@ -278,7 +279,7 @@ TEST(SwapFile, CreateOnAFullFileSystemSaysSizeAndFreeSpaceAndRemovesOnlyWhatItMa
 TEST(SwapFile, RemoveFileDeletesIt) {
   TempDir tmp;
   auto engine = make_engine();
-  auto f = SwapFile::create(tmp.path, "x.swp", 4096, *engine, nullptr);
+  auto f = SwapFile::create(tmp.path, "x.swp", 4096, *engine, nullptr, io::Env::posix());
   ASSERT_TRUE(f.is_ok());
   ASSERT_TRUE(std::filesystem::exists((*f)->path()));
   ASSERT_TRUE((*f)->remove_file().is_ok());

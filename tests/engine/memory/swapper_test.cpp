@@ -167,6 +167,7 @@ struct Rig {
     o.optimizer_nvme_path = config.zero.offload_optimizer.nvme_path;
     o.param_nvme_path = config.zero.offload_param.nvme_path;
     o.pinned_cap_bytes = pinned_cap;
+    o.env = io::Env::posix();
     return o;
   }
   Status create_store(uint64_t pinned_cap = 0) {

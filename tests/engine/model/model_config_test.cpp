@@ -774,12 +774,12 @@ TEST(HfConfig, RejectsNonObjects) {
 
 TEST(HfConfig, LoadsFromModelDirectory) {
   testing::TempDir dir;
-  Result<ModelConfig> missing = load_hf_config(dir.path());
+  Result<ModelConfig> missing = load_hf_config(dir.path(), io::Env::posix());
   ASSERT_FALSE(missing.is_ok());
   EXPECT_EQ(missing.status().code(), StatusCode::kNotFound);
   EXPECT_THAT(missing.status().message(), HasSubstr(dir.path() + "/config.json"));
   testing::write_file(dir.file("config.json"), kMistral_7b);
-  Result<ModelConfig> r = load_hf_config(dir.path());
+  Result<ModelConfig> r = load_hf_config(dir.path(), io::Env::posix());
   ASSERT_TRUE(r.is_ok()) << r.status().to_string();
   EXPECT_EQ(r->model_type, "mistral");
 }

@@ -33,7 +33,7 @@ std::vector<float> ramp(size_t n, float scale) {
 }
 
 std::unique_ptr<SafetensorsFile> open_ok(const std::string& path) {
-  auto r = SafetensorsFile::open(path);
+  auto r = SafetensorsFile::open(path, io::Env::posix());
   EXPECT_TRUE(r.is_ok()) << r.status().to_string();
   return r.is_ok() ? std::move(r).value() : nullptr;
 }
@@ -100,7 +100,7 @@ TEST(SafetensorsFile, PartialReadsAtOffsets) {
 }
 
 Status open_status(const std::string& path) {
-  auto r = SafetensorsFile::open(path);
+  auto r = SafetensorsFile::open(path, io::Env::posix());
   return r.is_ok() ? Status::ok() : r.status();
 }
 
@@ -208,7 +208,7 @@ TEST(SafetensorsFile, HandlesEmptyTensorsAndHeaderPadding) {
 TEST(HfWeights, SingleFile) {
   TempDir dir;
   write_safetensors(dir.file("model.safetensors"), {f32_tensor("x.weight", {2}, {1, 2}), f32_tensor("y", {1}, {3})});
-  auto w = HfWeights::open(dir.path());
+  auto w = HfWeights::open(dir.path(), io::Env::posix());
   ASSERT_TRUE(w.is_ok()) << w.status().to_string();
   EXPECT_EQ((*w)->names(), (std::vector<std::string>{"x.weight", "y"}));
   const SafetensorsFile* file = nullptr;
@@ -232,7 +232,7 @@ TEST(HfWeights, ShardedIndexMapsEachTensorToItsShard) {
   write_safetensors(dir.file("model-00002-of-00002.safetensors"),
                     {half_tensor("b", true, {2}, {3, 4}), f32_tensor("c", {3}, {5, 6, 7})});
   write_file(dir.file("model.safetensors.index.json"), kIndex);
-  auto w = HfWeights::open(dir.path());
+  auto w = HfWeights::open(dir.path(), io::Env::posix());
   ASSERT_TRUE(w.is_ok()) << w.status().to_string();
   EXPECT_EQ((*w)->names(), (std::vector<std::string>{"a", "b", "c"}));
   for (const auto& [name, shard, first] : {std::tuple{"a", "model-00001-of-00002.safetensors", 1.0f},
@@ -253,7 +253,7 @@ TEST(HfWeights, IndexNamingMissingShardOrTensorIsCorruption) {
     TempDir dir;
     write_safetensors(dir.file("model-00001-of-00002.safetensors"), {f32_tensor("a", {2}, {1, 2})});
     write_file(dir.file("model.safetensors.index.json"), kIndex);
-    auto w = HfWeights::open(dir.path());
+    auto w = HfWeights::open(dir.path(), io::Env::posix());
     ASSERT_FALSE(w.is_ok());
     EXPECT_EQ(w.status().code(), StatusCode::kCorruption);
     EXPECT_THAT(w.status().message(), HasSubstr("model-00002-of-00002.safetensors"));
@@ -263,7 +263,7 @@ TEST(HfWeights, IndexNamingMissingShardOrTensorIsCorruption) {
     write_safetensors(dir.file("model-00001-of-00002.safetensors"), {f32_tensor("a", {2}, {1, 2})});
     write_safetensors(dir.file("model-00002-of-00002.safetensors"), {half_tensor("b", true, {2}, {3, 4})});
     write_file(dir.file("model.safetensors.index.json"), kIndex);
-    auto w = HfWeights::open(dir.path());
+    auto w = HfWeights::open(dir.path(), io::Env::posix());
     ASSERT_FALSE(w.is_ok());
     EXPECT_EQ(w.status().code(), StatusCode::kCorruption);
     EXPECT_THAT(w.status().message(), HasSubstr("\"c\""));
@@ -271,16 +271,16 @@ TEST(HfWeights, IndexNamingMissingShardOrTensorIsCorruption) {
   {
     TempDir dir;
     write_file(dir.file("model.safetensors.index.json"), R"({"weight_map": {"a": "../evil.safetensors"}})");
-    EXPECT_EQ(HfWeights::open(dir.path()).status().code(), StatusCode::kCorruption);
+    EXPECT_EQ(HfWeights::open(dir.path(), io::Env::posix()).status().code(), StatusCode::kCorruption);
     write_file(dir.file("model.safetensors.index.json"), R"({"metadata": {}})");
-    EXPECT_EQ(HfWeights::open(dir.path()).status().code(), StatusCode::kCorruption);
+    EXPECT_EQ(HfWeights::open(dir.path(), io::Env::posix()).status().code(), StatusCode::kCorruption);
   }
 }
 
 TEST(HfWeights, NoSafetensorsSaysBinIsUnsupported) {
   TempDir dir;
   write_file(dir.file("pytorch_model.bin"), "not really");
-  auto w = HfWeights::open(dir.path());
+  auto w = HfWeights::open(dir.path(), io::Env::posix());
   ASSERT_FALSE(w.is_ok());
   EXPECT_EQ(w.status().code(), StatusCode::kNotFound);
   EXPECT_THAT(w.status().message(), HasSubstr("model.safetensors"));
@@ -295,8 +295,8 @@ TEST(HfWeights, AFifoInsteadOfAModelFileIsRefusedNotWaitedOn) {
     SCOPED_TRACE(name);
     TempDir dir;
     ASSERT_EQ(::mkfifo(dir.file(name).c_str(), 0600), 0);
-    const Status st =
-        std::string(name) == "config.json" ? load_hf_config(dir.path()).status() : HfWeights::open(dir.path()).status();
+    const Status st = std::string(name) == "config.json" ? load_hf_config(dir.path(), io::Env::posix()).status()
+                                                         : HfWeights::open(dir.path(), io::Env::posix()).status();
     EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
     EXPECT_THAT(st.message(), HasSubstr(dir.file(name) + " is a FIFO (named pipe), not a regular file"));
   }

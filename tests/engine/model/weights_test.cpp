@@ -108,8 +108,8 @@ TEST(LoadHfWeights, DeliversEveryParamIdenticallyForAnyChunkSize) {
       TempDir dir;
       write_model_dir(dir, layout, {.sharded = sharded});
       Collected whole, chunked;
-      ASSERT_TRUE(load_hf_weights(dir.path(), layout, 1 << 20, collector(&whole)).is_ok());
-      const Status s = load_hf_weights(dir.path(), layout, 5, collector(&chunked));
+      ASSERT_TRUE(load_hf_weights(dir.path(), layout, 1 << 20, collector(&whole), io::Env::posix()).is_ok());
+      const Status s = load_hf_weights(dir.path(), layout, 5, collector(&chunked), io::Env::posix());
       ASSERT_TRUE(s.is_ok()) << s.to_string();
       EXPECT_EQ(chunked.max_chunk, 5u);
       ASSERT_EQ(whole.values.size(), layout.params.size());
@@ -131,10 +131,13 @@ TEST(LoadHfWeights, ShapeMismatchNamesTensorShapesAndFile) {
   TempDir dir;
   write_model_dir(dir, layout, {.reshape = "model.layers.1.self_attn.k_proj.weight"});
   int calls = 0;
-  const Status s = load_hf_weights(dir.path(), layout, 64, [&](uint32_t, uint64_t, std::span<const float>) {
-    ++calls;
-    return Status::ok();
-  });
+  const Status s = load_hf_weights(
+      dir.path(), layout, 64,
+      [&](uint32_t, uint64_t, std::span<const float>) {
+        ++calls;
+        return Status::ok();
+      },
+      io::Env::posix());
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), HasSubstr("model.layers.1.self_attn.k_proj.weight"));
   EXPECT_THAT(s.message(), HasSubstr("[9]"));
@@ -148,7 +151,7 @@ TEST(LoadHfWeights, MissingTensorIsNamed) {
   TempDir dir;
   write_model_dir(dir, layout, {.skip = "model.layers.0.mlp.up_proj.weight"});
   Collected c;
-  const Status s = load_hf_weights(dir.path(), layout, 64, collector(&c));
+  const Status s = load_hf_weights(dir.path(), layout, 64, collector(&c), io::Env::posix());
   EXPECT_EQ(s.code(), StatusCode::kNotFound);
   EXPECT_THAT(s.message(), HasSubstr("model.layers.0.mlp.up_proj.weight"));
   EXPECT_THAT(s.message(), HasSubstr(dir.path()));
@@ -159,7 +162,7 @@ TEST(LoadHfWeights, MissingLmHeadWithUntiedConfigSaysSo) {
   TempDir dir;
   write_model_dir(dir, layout, {.skip = "lm_head.weight"});
   Collected c;
-  const Status s = load_hf_weights(dir.path(), layout, 64, collector(&c));
+  const Status s = load_hf_weights(dir.path(), layout, 64, collector(&c), io::Env::posix());
   EXPECT_EQ(s.code(), StatusCode::kNotFound);
   EXPECT_THAT(s.message(), HasSubstr("lm_head.weight"));
   EXPECT_THAT(s.message(), HasSubstr("tie_word_embeddings"));
@@ -174,7 +177,7 @@ TEST(LoadHfWeights, UnusedTensorsAreOneWarningNotAnError) {
       {.extra = {"model.layers.0.self_attn.rotary_emb.inv_freq", "model.layers.1.self_attn.rotary_emb.inv_freq"}});
   Collected c;
   ::testing::internal::CaptureStderr();
-  const Status s = load_hf_weights(dir.path(), layout, 64, collector(&c));
+  const Status s = load_hf_weights(dir.path(), layout, 64, collector(&c), io::Env::posix());
   const std::string err = ::testing::internal::GetCapturedStderr();
   ASSERT_TRUE(s.is_ok()) << s.to_string();
   EXPECT_EQ(c.values.size(), layout.params.size());
@@ -194,7 +197,7 @@ TEST(LoadHfWeights, AMultimodalCheckpointsTextModelLoadsUnderEitherPrefix) {
     write_model_dir(dir, layout, {.extra = {"vision_tower.vision_model.post_layernorm.weight"}, .prefix = prefix});
     Collected c;
     ::testing::internal::CaptureStderr();
-    const Status s = load_hf_weights(dir.path(), layout, 64, collector(&c));
+    const Status s = load_hf_weights(dir.path(), layout, 64, collector(&c), io::Env::posix());
     const std::string err = ::testing::internal::GetCapturedStderr();
     ASSERT_TRUE(s.is_ok()) << s.to_string();
     ASSERT_EQ(c.values.size(), layout.params.size());
@@ -209,19 +212,24 @@ TEST(LoadHfWeights, SinkErrorStopsTheLoad) {
   TempDir dir;
   write_model_dir(dir, layout);
   int calls = 0;
-  const Status s = load_hf_weights(dir.path(), layout, 8, [&](uint32_t, uint64_t, std::span<const float>) {
-    return ++calls == 3 ? io_error("tier full", 28) : Status::ok();
-  });
+  const Status s = load_hf_weights(
+      dir.path(), layout, 8,
+      [&](uint32_t, uint64_t, std::span<const float>) {
+        return ++calls == 3 ? io_error("tier full", 28) : Status::ok();
+      },
+      io::Env::posix());
   EXPECT_EQ(s.code(), StatusCode::kIoError);
   EXPECT_EQ(calls, 3);
   Collected c;
-  EXPECT_EQ(load_hf_weights(dir.path(), layout, 0, collector(&c)).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(load_hf_weights(dir.path(), layout, 0, collector(&c), io::Env::posix()).code(),
+            StatusCode::kInvalidArgument);
 }
 
 TEST(LoadHfWeights, NoWeightsIsNotFound) {
   TempDir dir;
   Collected c;
-  EXPECT_EQ(load_hf_weights(dir.path(), model_layout(small_config()), 64, collector(&c)).code(), StatusCode::kNotFound);
+  EXPECT_EQ(load_hf_weights(dir.path(), model_layout(small_config()), 64, collector(&c), io::Env::posix()).code(),
+            StatusCode::kNotFound);
 }
 
 Collected init(const ModelConfig& c, uint64_t seed, uint64_t chunk) {
@@ -389,7 +397,7 @@ TEST(LoraInit, BaseSkipsAdaptersAndPeftDirectoriesAreCheckedBeforeLoading) {
   TempDir model_dir;
   write_model_dir(model_dir, model_layout(base));
   Collected loaded;
-  Status st = load_hf_weights(model_dir.path(), layout, 5, collector(&loaded));
+  Status st = load_hf_weights(model_dir.path(), layout, 5, collector(&loaded), io::Env::posix());
   ASSERT_TRUE(st.is_ok()) << st.to_string();
   EXPECT_EQ(loaded.values.size(), model_layout(base).params.size());
   for (const auto& [p, v] : loaded.values) EXPECT_FALSE(is_lora_param(layout.params[p].name));
@@ -407,7 +415,7 @@ TEST(LoraInit, BaseSkipsAdaptersAndPeftDirectoriesAreCheckedBeforeLoading) {
   TempDir good;
   testing::write_safetensors(good.file(kPeftWeightsFile), adapters);
   Collected peft;
-  st = load_peft_adapters(good.path(), layout, 4, collector(&peft));
+  st = load_peft_adapters(good.path(), layout, 4, collector(&peft), io::Env::posix());
   ASSERT_TRUE(st.is_ok()) << st.to_string();
   ASSERT_EQ(peft.order, ids);
   for (uint32_t p : ids)
@@ -418,24 +426,24 @@ TEST(LoraInit, BaseSkipsAdaptersAndPeftDirectoriesAreCheckedBeforeLoading) {
   auto without_last = adapters;
   without_last.pop_back();
   testing::write_safetensors(missing.file(kPeftWeightsFile), without_last);
-  st = load_peft_adapters(missing.path(), layout, 4, collector(&none));
+  st = load_peft_adapters(missing.path(), layout, 4, collector(&none), io::Env::posix());
   EXPECT_EQ(st.code(), StatusCode::kNotFound);
   EXPECT_THAT(st.message(), HasSubstr(adapters.back().name + " [4, 3] is missing from"));  // v: 1 head of 4
   auto more = adapters;
   more.push_back(testing::f32_tensor(std::string(kPeftPrefix) + "model.layers.0.mlp.up_proj.lora_A.weight", {3, 8},
                                      std::vector<float>(24)));
   testing::write_safetensors(extra.file(kPeftWeightsFile), more);
-  st = load_peft_adapters(extra.path(), layout, 4, collector(&none));
+  st = load_peft_adapters(extra.path(), layout, 4, collector(&none), io::Env::posix());
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
   EXPECT_THAT(st.message(), HasSubstr("mlp.up_proj.lora_A.weight, which this model has no place for"));
   auto wrong = adapters;
   wrong[0] = testing::f32_tensor(wrong[0].name, {2, 8}, std::vector<float>(16));
   testing::write_safetensors(reshaped.file(kPeftWeightsFile), wrong);
-  st = load_peft_adapters(reshaped.path(), layout, 4, collector(&none));
+  st = load_peft_adapters(reshaped.path(), layout, 4, collector(&none), io::Env::posix());
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
   EXPECT_THAT(st.message(), HasSubstr("has shape [2, 8]"));
   testing::write_file(bin_only.file("adapter_model.bin"), "pickle");
-  st = load_peft_adapters(bin_only.path(), layout, 4, collector(&none));
+  st = load_peft_adapters(bin_only.path(), layout, 4, collector(&none), io::Env::posix());
   EXPECT_EQ(st.code(), StatusCode::kNotFound);
   EXPECT_THAT(st.message(), HasSubstr("adapter_model.bin"));
   EXPECT_TRUE(none.values.empty()) << "nothing is delivered before every check passed";

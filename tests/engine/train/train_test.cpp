@@ -38,7 +38,7 @@
 #include "common/half.h"
 #include "engine/data/dataset.h"
 #include "engine/dist/process_group.h"
-#include "engine/memory/param_registry.h"
+#include "engine/memory/memory_plan.h"
 #include "engine/memory/swap_file.h"
 #include "engine/model/safetensors.h"
 #include "engine/model/decoder.h"
@@ -313,6 +313,7 @@ struct Reference {
     }
     DataOptions d;
     d.path = o.data_path;
+    d.source.env = io::Env::posix();
     d.seq_len = o.seq_len;
     d.micro_batch = o.config.train_micro_batch_size_per_gpu;
     d.seed = o.seed;
@@ -656,7 +657,8 @@ TEST(Trainer, AdagradAndLionWithNarrowStatesAreBitIdenticalOnCpuAndNvme) {
       // The checkpoint names the map each state's codes index: bitsandbytes' signed map for Lion's
       // momentum (exp_avg) and for Adagrad's sum of squares (exp_avg_sq), as its optimizers keep them.
       for (const char* file : {"exp_avg.safetensors", "exp_avg_sq.safetensors"}) {
-        auto f = SafetensorsFile::open(cpu_dir.path + "/ckpt/step-" + std::to_string(kSaveAt) + "/" + file);
+        auto f = SafetensorsFile::open(cpu_dir.path + "/ckpt/step-" + std::to_string(kSaveAt) + "/" + file,
+                                       io::Env::posix());
         ASSERT_TRUE(f.is_ok()) << f.status().to_string();
         ASSERT_EQ((*f)->tensors().front().name, "zoffload.qmap");
         std::array<float, 256> map{};
@@ -1071,8 +1073,8 @@ TEST(Trainer, BadInputsFailAtStartWithClearErrors) {
   ASSERT_FALSE(s.is_ok());
   EXPECT_THAT(s.status().to_string(), HasSubstr("max_position_embeddings"));
 
-  EXPECT_FALSE(resolve_model_config("no-such-model").is_ok());
-  EXPECT_THAT(resolve_model_config("no-such-model").status().to_string(), HasSubstr("tiny"));
+  EXPECT_FALSE(resolve_model_config("no-such-model", io::Env::posix()).is_ok());
+  EXPECT_THAT(resolve_model_config("no-such-model", io::Env::posix()).status().to_string(), HasSubstr("tiny"));
 }
 
 // Issue 40 (Note [One run per run directory]): a second run on a run directory another run holds
@@ -2279,16 +2281,17 @@ TEST(Resume, FrozenRunsResumeBitExactlyAndExportFromTheCheckpoint) {
     ExportOptions eo;
     eo.dtype = DType::kF32;
     eo.out_dir = live_dir.path + "/live";
+    eo.env = io::Env::posix();
     ASSERT_TRUE((*tl)->export_model(eo).is_ok());
-    auto info = open_checkpoint(ckpt);
+    auto info = open_checkpoint(ckpt, io::Env::posix());
     ASSERT_TRUE(info.is_ok()) << info.status().to_string();
     auto io = io::IoEngine::create(io::IoOptions{});
     ASSERT_TRUE(io.is_ok());
     eo.out_dir = live_dir.path + "/from-ckpt";
     auto exported = export_checkpoint(*info, **io, eo);
     ASSERT_TRUE(exported.is_ok()) << exported.status().to_string();
-    auto lf = SafetensorsFile::open(live_dir.path + "/live/model.safetensors");
-    auto cf = SafetensorsFile::open(live_dir.path + "/from-ckpt/model.safetensors");
+    auto lf = SafetensorsFile::open(live_dir.path + "/live/model.safetensors", io::Env::posix());
+    auto cf = SafetensorsFile::open(live_dir.path + "/from-ckpt/model.safetensors", io::Env::posix());
     ASSERT_TRUE(lf.is_ok() && cf.is_ok());
     ASSERT_EQ((*lf)->tensors().size(), (*cf)->tensors().size());
     for (const SafetensorsTensor& t : (*lf)->tensors()) {
@@ -2410,7 +2413,7 @@ TEST(Lora, TwoRanksAtStage3ExportThePeftAdapterStage2Exports) {
     EXPECT_EQ(config["peft_type"], "LORA");
     EXPECT_EQ(config["r"], 4);
     EXPECT_EQ(config["target_modules"], nlohmann::json({"q_proj", "up_proj"}));
-    auto f = SafetensorsFile::open(dir + "/adapter_model.safetensors");
+    auto f = SafetensorsFile::open(dir + "/adapter_model.safetensors", io::Env::posix());
     ASSERT_TRUE(f.is_ok()) << f.status().to_string();
     EXPECT_EQ((*f)->tensors().size(), 2 * 2 * small_model().num_hidden_layers);
     for (const SafetensorsTensor& t : (*f)->tensors()) EXPECT_TRUE(t.name.starts_with(kPeftPrefix)) << t.name;
