@@ -1,0 +1,102 @@
+// The zoffload side of tests/common/bnb4bit_bnb_test.py: quantizes or dequantizes the tensors that
+// script wrote with common/bnb4bit.h and writes the result back for it to compare with
+// bitsandbytes. usage: bnb4bit_oracle DIR, where DIR/meta.txt holds "key value" lines:
+//   mode quantize|dequantize, n, blocksize, type nf4|fp4, and for dequantize dtype fp32|bf16|fp16,
+//   nested 0|1, and when nested blocksize2 and offset (as a float's bits, decimal).
+// quantize reads DIR/x.f32 and writes DIR/out_packed.u8, DIR/out_absmax.f32. dequantize reads
+// DIR/packed.u8 and DIR/absmax.f32 (nested: DIR/qabsmax.u8, DIR/absmax2.f32, DIR/map.f32) and writes
+// DIR/out.bin (fp32, or the 16-bit patterns) and, nested, DIR/out_absmax.f32. Exit 0, or 1 with a
+// line on stderr.
+#include <cstdint>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "common/bnb4bit.h"
+#include "common/half.h"
+
+namespace {
+
+template <class T>
+bool read_all(const std::string& path, std::vector<T>* out) {
+  std::ifstream f(path, std::ios::binary);
+  f.read(reinterpret_cast<char*>(out->data()), static_cast<std::streamsize>(out->size() * sizeof(T)));
+  return f.good() && f.peek() == std::ifstream::traits_type::eof();
+}
+
+template <class T>
+bool write_all(const std::string& path, const std::vector<T>& v) {
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  f.write(reinterpret_cast<const char*>(v.data()), static_cast<std::streamsize>(v.size() * sizeof(T)));
+  return f.good();
+}
+
+int fail(const std::string& msg) {
+  std::fprintf(stderr, "bnb4bit_oracle: %s\n", msg.c_str());
+  return 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  namespace bnb4 = zo::bnb4;
+  if (argc != 2) return fail("usage: bnb4bit_oracle DIR");
+  const std::string dir = argv[1];
+  std::map<std::string, std::string> meta;
+  {
+    std::ifstream f(dir + "/meta.txt");
+    std::string k, v;
+    while (f >> k >> v) meta[k] = v;
+  }
+  for (const char* key : {"mode", "n", "blocksize", "type"})
+    if (!meta.contains(key)) return fail(dir + "/meta.txt has no " + key);
+  const uint64_t n = std::stoull(meta["n"]), blocksize = std::stoull(meta["blocksize"]);
+  bnb4::QuantType type;
+  if (!bnb4::parse_quant_type(meta["type"], &type)) return fail("unknown type " + meta["type"]);
+  const uint64_t blocks = bnb4::block_count(n, blocksize);
+
+  if (meta["mode"] == "quantize") {
+    std::vector<float> x(n);
+    if (!read_all(dir + "/x.f32", &x)) return fail("cannot read x.f32");
+    std::vector<uint8_t> packed(bnb4::packed_bytes(n));
+    std::vector<float> absmax(blocks);
+    bnb4::quantize(x.data(), n, blocksize, type, packed.data(), absmax.data());
+    if (!write_all(dir + "/out_packed.u8", packed) || !write_all(dir + "/out_absmax.f32", absmax))
+      return fail("cannot write the results");
+    return 0;
+  }
+  if (meta["mode"] != "dequantize") return fail("unknown mode " + meta["mode"]);
+  std::vector<uint8_t> packed(bnb4::packed_bytes(n));
+  if (!read_all(dir + "/packed.u8", &packed)) return fail("cannot read packed.u8");
+  std::vector<float> absmax(blocks);
+  if (meta["nested"] == "1") {
+    const uint64_t blocksize2 = std::stoull(meta["blocksize2"]);
+    const float offset = zo::bits_float(static_cast<uint32_t>(std::stoul(meta["offset"])));
+    std::vector<uint8_t> codes(blocks);
+    std::vector<float> absmax2(bnb4::block_count(blocks, blocksize2)), map(256);
+    if (!read_all(dir + "/qabsmax.u8", &codes) || !read_all(dir + "/absmax2.f32", &absmax2) ||
+        !read_all(dir + "/map.f32", &map))
+      return fail("cannot read the nested statistics");
+    bnb4::dequantize_absmax(codes.data(), absmax2.data(), map.data(), blocks, blocksize2, offset, absmax.data());
+    if (!write_all(dir + "/out_absmax.f32", absmax)) return fail("cannot write out_absmax.f32");
+  } else if (!read_all(dir + "/absmax.f32", &absmax)) {
+    return fail("cannot read absmax.f32");
+  }
+  const std::string dtype = meta["dtype"];
+  bool ok = false;
+  if (dtype == "fp32") {
+    std::vector<float> out(n);
+    bnb4::dequantize(packed.data(), absmax.data(), n, blocksize, type, out.data());
+    ok = write_all(dir + "/out.bin", out);
+  } else if (dtype == "bf16" || dtype == "fp16") {
+    std::vector<uint16_t> out(n);
+    if (dtype == "bf16") bnb4::dequantize_bf16(packed.data(), absmax.data(), n, blocksize, type, out.data());
+    else bnb4::dequantize_f16(packed.data(), absmax.data(), n, blocksize, type, out.data());
+    ok = write_all(dir + "/out.bin", out);
+  } else {
+    return fail("unknown dtype " + dtype);
+  }
+  return ok ? 0 : fail("cannot write out.bin");
+}
