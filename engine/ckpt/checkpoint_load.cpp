@@ -135,12 +135,12 @@ Result<CheckpointInfo> open_checkpoint(const std::string& path, io::Env* env) {
     }
     for (size_t i = 0; i < ts.size(); ++i) {
       const SafetensorsEntry& t = expected[i];
-      if (ts[i].name != t.name || ts[i].shape != t.shape || ts[i].dtype != t.dtype ||
+      if (ts[i].u8 || ts[i].name != t.name || ts[i].shape != t.shape || ts[i].dtype != t.dtype ||
           ts[i].data_offset_bytes != expect_offset) {
         return corruption(fpath + ": tensor " + std::to_string(i) + " is " + ts[i].name + " " +
-                          std::string(dtype_name(ts[i].dtype)) + " " + shape_string(ts[i].shape) +
-                          ", the manifest says " + t.name + " " + std::string(dtype_name(t.dtype)) + " " +
-                          shape_string(t.shape) + ", stored back to back");
+                          (ts[i].u8 ? std::string("U8") : std::string(dtype_name(ts[i].dtype))) + " " +
+                          shape_string(ts[i].shape) + ", the manifest says " + t.name + " " +
+                          std::string(dtype_name(t.dtype)) + " " + shape_string(t.shape) + ", stored back to back");
       }
       expect_offset += ts[i].size_bytes;
     }

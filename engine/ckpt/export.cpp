@@ -618,10 +618,10 @@ Result<ExportResult> export_checkpoint(const CheckpointInfo& ckpt, io::IoEngine&
     std::vector<uint64_t> data_offsets(tensors.size());
     for (size_t i = 0; i < tensors.size(); ++i) {
       const SafetensorsTensor& t = tensors[i];
-      if (t.name != expected[i].name || t.shape != expected[i].shape || t.dtype != want)
+      if (t.u8 || t.name != expected[i].name || t.shape != expected[i].shape || t.dtype != want)
         return corruption("export: " + path + ": tensor " + std::to_string(i) + " is " + t.name + " (" +
-                          std::string(dtype_name(t.dtype)) + "), the manifest says " + expected[i].name + " (" +
-                          std::string(dtype_name(want)) + ")");
+                          (t.u8 ? std::string("U8") : std::string(dtype_name(t.dtype))) + "), the manifest says " +
+                          expected[i].name + " (" + std::string(dtype_name(want)) + ")");
       ParamInfo info;
       info.id = static_cast<uint32_t>(params.size());
       info.name = t.name;

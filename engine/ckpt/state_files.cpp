@@ -122,6 +122,7 @@ Result<StateValueCheck> StateValueCheck::open(const StateFile& file, const std::
   const auto& ts = c.header_->tensors();
   c.data_start_ = ts.empty() ? c.header_->file_size_bytes() : ts.front().data_offset_bytes;
   for (const SafetensorsTensor& t : ts) {
+    if (t.u8) return corruption(path + ": tensor " + t.name + " is U8; a checkpoint's state files hold floats");
     const bool map = file.part == StatePart::kMomentAux && t.name == kQuantMapTensor;  // the signed map is < 0 too
     const bool absmax = file.part == StatePart::kMomentAux && t.name.ends_with(".absmax");
     c.ranges_.push_back({t.data_offset_bytes, t.data_offset_bytes + t.size_bytes, t.dtype,

@@ -10,7 +10,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/bnb4bit.h"
 #include "common/check.h"
+#include "common/dtype.h"
 #include "common/string_util.h"
 
 namespace zo::engine {
@@ -40,6 +42,7 @@ class KeyReader {
   }
   Status missing(std::string_view key) const { return error(key, "required but missing"); }
   const std::string& prefix() const { return prefix_; }
+  const std::string& source() const { return source_; }
 
   // A positive integer. Absent: `*out` unchanged unless `required`.
   Status size(std::string_view key, uint64_t* out, bool required, bool* present = nullptr) const {
@@ -250,6 +253,79 @@ Status check_partial_rotary(const KeyReader& r, ModelConfig* c) {
   return Status::ok();
 }
 
+// quantization_config as transformers' BitsAndBytesConfig writes it (to_dict): a 4-bit base, with
+// its packed codes in uint8. Every key is checked; one this reader does not know is refused, as is
+// an 8-bit (LLM.int8) base.
+Status parse_bnb(const KeyReader& parent, const json& q, ModelConfig* c) {
+  if (!q.is_object()) return parent.error("quantization_config", "expected an object, got " + type_name(q));
+  const KeyReader r(q, parent.source(), parent.prefix() + "quantization_config.");
+  const json* method = r.find("quant_method");
+  if (method == nullptr || !method->is_string() || method->get<std::string>() != "bitsandbytes")
+    return r.error("quant_method", (method == nullptr ? std::string("missing") : method->dump()) +
+                                       ": only bitsandbytes' 4-bit checkpoints are supported (\"bitsandbytes\")");
+  auto flag = [&](std::string_view key, bool* out) -> Status {
+    const json* v = r.find(key);
+    if (v == nullptr) return Status::ok();
+    if (!v->is_boolean()) return r.error(key, "expected true or false, got " + type_name(*v));
+    *out = v->get<bool>();
+    return Status::ok();
+  };
+  BnbQuantization b;
+  bool in8 = false, in8_private = false, in4_private = false, fp16_weight = false, fp32_offload = false;
+  ZO_RETURN_IF_ERROR(flag("load_in_4bit", &b.load_in_4bit));
+  ZO_RETURN_IF_ERROR(flag("_load_in_4bit", &in4_private));
+  ZO_RETURN_IF_ERROR(flag("load_in_8bit", &in8));
+  ZO_RETURN_IF_ERROR(flag("_load_in_8bit", &in8_private));
+  if (in8 || in8_private)
+    return r.error(in8 ? "load_in_8bit" : "_load_in_8bit",
+                   "8-bit (LLM.int8) bases are not supported yet; give the 16-bit weights or a 4-bit checkpoint");
+  b.load_in_4bit = b.load_in_4bit || in4_private;
+  if (!b.load_in_4bit) return r.error("load_in_4bit", "must be true: only 4-bit bitsandbytes bases are supported");
+  ZO_RETURN_IF_ERROR(flag("bnb_4bit_use_double_quant", &b.double_quant));
+  ZO_RETURN_IF_ERROR(flag("llm_int8_has_fp16_weight", &fp16_weight));
+  ZO_RETURN_IF_ERROR(flag("llm_int8_enable_fp32_cpu_offload", &fp32_offload));
+  if (const json* t = r.find("bnb_4bit_quant_type"); t != nullptr) {
+    bnb4::QuantType type;
+    if (!t->is_string() || !bnb4::parse_quant_type(t->get<std::string>(), &type))
+      return r.error("bnb_4bit_quant_type", t->dump() + " is not one of \"nf4\", \"fp4\"");
+    b.quant_type = t->get<std::string>();
+  }
+  if (const json* s = r.find("bnb_4bit_quant_storage"); s != nullptr && (!s->is_string() || *s != "uint8"))
+    return r.error("bnb_4bit_quant_storage", s->dump() + ": only \"uint8\" (two codes a byte) is supported");
+  if (const json* d = r.find("bnb_4bit_compute_dtype"); d != nullptr) {
+    if (!d->is_string() || !parse_dtype(d->get<std::string>()).is_ok())
+      return r.error("bnb_4bit_compute_dtype", d->dump() + " is not float32, bfloat16 or float16");
+  }
+  if (const json* t = r.find("llm_int8_threshold"); t != nullptr && !t->is_number())
+    return r.error("llm_int8_threshold", "expected a number, got " + type_name(*t));  // 8-bit only: unused
+  if (const json* m = r.find("llm_int8_skip_modules"); m != nullptr) {
+    if (!m->is_array())
+      return r.error("llm_int8_skip_modules", "expected a list of module names, got " + type_name(*m));
+    for (const json& name : *m) {
+      if (!name.is_string()) return r.error("llm_int8_skip_modules", "expected module names, got " + name.dump());
+      b.skip_modules.push_back(name.get<std::string>());
+    }
+  }
+  static constexpr std::string_view kKnown[] = {"quant_method",
+                                                "load_in_4bit",
+                                                "_load_in_4bit",
+                                                "load_in_8bit",
+                                                "_load_in_8bit",
+                                                "bnb_4bit_use_double_quant",
+                                                "bnb_4bit_quant_type",
+                                                "bnb_4bit_quant_storage",
+                                                "bnb_4bit_compute_dtype",
+                                                "llm_int8_threshold",
+                                                "llm_int8_skip_modules",
+                                                "llm_int8_has_fp16_weight",
+                                                "llm_int8_enable_fp32_cpu_offload"};
+  for (const auto& [key, value] : q.items())
+    if (std::find(std::begin(kKnown), std::end(kKnown), key) == std::end(kKnown))
+      return r.error(key, "is not a bitsandbytes 4-bit setting zoffload knows; refused rather than ignored");
+  c->quantization = std::move(b);
+  return Status::ok();
+}
+
 // Phi-3's own keys (Phi3Config; its defaults where absent).
 Status parse_phi3(const KeyReader& r, ModelConfig* c) {
   for (const char* key : {"resid_pdrop", "embd_pdrop"}) {
@@ -369,8 +445,7 @@ Result<ModelConfig> parse_config(const json& doc, const std::string& source_name
   double dropout = 0.0;
   ZO_RETURN_IF_ERROR(r.positive("attention_dropout", &dropout, false, /*allow_zero=*/true));
   if (dropout != 0.0) return r.error("attention_dropout", "only 0 is supported (zoffload trains without dropout)");
-  if (r.find("quantization_config") != nullptr)
-    return r.error("quantization_config", "quantized checkpoints are not supported (give the 16- or 32-bit weights)");
+  if (const json* q = r.find("quantization_config"); q != nullptr) ZO_RETURN_IF_ERROR(parse_bnb(r, *q, &c));
   ZO_RETURN_IF_ERROR(require_default(r, "use_mrope", false, "multimodal rotary embeddings"));
   if (const json* arch = r.find("architectures"); arch != nullptr) {
     if (!arch->is_array()) return r.error("architectures", "expected a list of strings, got " + type_name(*arch));

@@ -231,6 +231,7 @@ ModelLayout model_layout(const ModelConfig& c) {
   const auto H = static_cast<int64_t>(c.hidden_size);
   const auto V = static_cast<int64_t>(c.vocab_size);
   ModelLayout layout;
+  layout.quantization = c.quantization;
   auto add = [&](BlockSpec* block, std::string name, std::vector<int64_t> shape) {
     block->params.push_back(static_cast<uint32_t>(layout.params.size()));
     layout.params.push_back({std::move(name), std::move(shape)});

@@ -130,6 +130,18 @@ std::string_view lora_module_name(DecoderRole role);
 // Whether `name` is a LoRA adapter's (….lora_A.weight or ….lora_B.weight).
 bool is_lora_param(std::string_view name);
 
+// A bitsandbytes 4-bit checkpoint (config.json's quantization_config, quant_method
+// "bitsandbytes", load_in_4bit): its decoder projections are stored as packed NF4/FP4 codes with
+// their quantization state (Note [4-bit blocks] in common/bnb4bit.h), which load_hf_weights reads
+// back into the compute dtype; what transformers left unquantized (the embeddings, norms, the
+// head, llm_int8_skip_modules) is stored as it is.
+struct BnbQuantization {
+  bool load_in_4bit = false;
+  std::string quant_type = "nf4";         // bnb_4bit_quant_type, informational: each tensor's state says
+  bool double_quant = false;              // bnb_4bit_use_double_quant, informational likewise
+  std::vector<std::string> skip_modules;  // llm_int8_skip_modules: modules left in 16 bits
+};
+
 struct ModelConfig {
   std::string model_type = "llama";  // a ModelFamily's (qwen2 => attention_bias true)
   uint64_t vocab_size = 0, hidden_size = 0, intermediate_size = 0, num_hidden_layers = 0, num_attention_heads = 0,
@@ -162,6 +174,9 @@ struct ModelConfig {
   // LoRA adapters on the decoder layers' projections, appended to each layer's params
   // (decoder_params); not part of config.json. Off by default.
   LoraSpec lora;
+  // The checkpoint's bitsandbytes quantization, when it has one; an export writes the weights as
+  // the run holds them, without it.
+  BnbQuantization quantization;
 
   // The row of model_type (which must be one: parse_hf_config and model_preset only return those).
   const ModelFamily& family() const;
@@ -174,7 +189,8 @@ struct ModelConfig {
 // would change the arithmetic to something not implemented: model_type (a ModelFamily's),
 // architectures (the *ForCausalLM of the model_type), RoPE type (default/linear/llama3),
 // partial_rotary_factor ≠ 1, per-layer-type RoPE, hidden_act (silu), llama's attention_bias/mlp_bias,
-// attention_dropout ≠ 0, quantization_config, use_mrope, Qwen2 layer_types, a pad_token_id outside
+// attention_dropout ≠ 0, a quantization_config other than bitsandbytes' 4-bit one (any key it does not
+// know, 8-bit, a quant_storage other than uint8), use_mrope, Qwen2 layer_types, a pad_token_id outside
 // the vocabulary. Other keys (bos/eos token ids, use_cache, ...) do not change training and are
 // ignored. The audit is in docs/training.md.
 Result<ModelConfig> parse_hf_config(std::string_view json_text, const std::string& source_name);
@@ -215,6 +231,7 @@ struct ModelLayout {
   std::vector<ParamSpec>
       params;  // registration order: embed_tokens, layers 0..L-1, model.norm, lm_head (absent when tied)
   std::vector<BlockSpec> blocks;  // embedding, decoder 0..L-1, head — the order forward runs them
+  BnbQuantization quantization;   // the config's: how load_hf_weights finds the weights stored
 };
 
 // What a decoder parameter is to the block (a family's norms play different roles under one name:

@@ -1,16 +1,22 @@
 #include "engine/model/weights.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <map>
 #include <memory>
 #include <numbers>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
+#include "common/bnb4bit.h"
+#include "common/half.h"
 #include "common/log.h"
 #include "common/string_util.h"
 #include "engine/model/safetensors.h"
@@ -103,6 +109,171 @@ void fill_normal(uint64_t key, double std, uint64_t first, std::span<float> out)
 // which a state dict saved directly keeps — beside the vision tower, which the text model does not
 // use. The stored name of a layout param ("model.…", "lm_head.weight")
 // is the first of these the checkpoint holds.
+std::string stored_name(const HfWeights& weights, const std::string& name);
+
+// A bitsandbytes 4-bit weight as transformers saves it (Note [4-bit blocks] in common/bnb4bit.h):
+// the packed codes under the weight's own name (U8, ⌈n/2⌉ bytes), and beside it `.absmax` (fp32
+// per block; U8 codes with double quantization, then `.nested_absmax`, `.nested_quant_map` and the
+// state's nested_offset), `.quant_map` (the 16 values) and `.quant_state.bitsandbytes__<type>`
+// (U8 bytes of JSON: quant_type, blocksize, dtype, shape, nested_blocksize, nested_dtype,
+// nested_offset). Everything is checked before any data moves, naming the tensor.
+struct Tensor {
+  const SafetensorsFile* file = nullptr;
+  const SafetensorsTensor* tensor = nullptr;
+};
+
+struct QuantizedWeight {
+  Tensor packed, absmax, nested_absmax, nested_map;
+  bnb4::QuantType type = bnb4::QuantType::kNf4;
+  uint64_t n = 0, blocksize = 0, blocksize2 = 0;
+  DType dtype = DType::kBF16;  // the state's: the dtype bitsandbytes dequantizes to
+  bool nested = false;
+  float offset = 0.0f;
+};
+
+// The quantization state of `stored`, or nullopt when it has none (a tensor stored as it is).
+// `used` collects the names read.
+Result<std::optional<QuantizedWeight>> find_quantized(const HfWeights& w, const std::string& stored,
+                                                      const ParamSpec& spec, std::set<std::string>* used) {
+  Tensor state;
+  std::string type_name;
+  for (const char* t : {"nf4", "fp4"}) {
+    const std::string key = stored + ".quant_state.bitsandbytes__" + t;
+    if ((state.tensor = w.find(key, &state.file)) != nullptr) {
+      type_name = t;
+      used->insert(key);
+      break;
+    }
+  }
+  if (state.tensor == nullptr) return std::optional<QuantizedWeight>();
+  const std::string where = "the 4-bit weight " + stored + " in " + w.model_dir();
+  auto tensor = [&](const std::string& suffix, Tensor* out) -> Status {
+    const std::string key = stored + suffix;
+    out->tensor = w.find(key, &out->file);
+    if (out->tensor == nullptr) return invalid_argument(where + ": its quantization state has no " + key);
+    used->insert(key);
+    return Status::ok();
+  };
+  QuantizedWeight q;
+  ZO_RETURN_IF_ERROR(tensor("", &q.packed));
+  if (!state.tensor->u8 || state.tensor->size_bytes > (uint64_t{1} << 20))
+    return invalid_argument(where + ": " + state.tensor->name + " is not a U8 JSON state of at most 1 MiB");
+  std::string text(state.tensor->size_bytes, '\0');
+  ZO_RETURN_IF_ERROR(state.file->read_raw(*state.tensor, 0, {reinterpret_cast<uint8_t*>(text.data()), text.size()}));
+  const nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object()) return invalid_argument(where + ": " + state.tensor->name + " is not a JSON object");
+  auto bad = [&](const std::string& what) { return invalid_argument(where + ": " + state.tensor->name + ": " + what); };
+  static constexpr std::string_view kKeys[] = {"quant_type",       "blocksize",    "dtype",        "shape",
+                                               "nested_blocksize", "nested_dtype", "nested_offset"};
+  for (const auto& [key, value] : j.items())
+    if (std::find(std::begin(kKeys), std::end(kKeys), key) == std::end(kKeys)) return bad("unknown key " + key);
+  if (j.value("quant_type", nlohmann::json()) != type_name)
+    return bad("quant_type is " + j.value("quant_type", nlohmann::json()).dump() + ", the tensor's name says " +
+               type_name);
+  bnb4::parse_quant_type(type_name, &q.type);
+  const nlohmann::json bs = j.value("blocksize", nlohmann::json());
+  if (!bs.is_number_unsigned() || bs.get<uint64_t>() < 32 || bs.get<uint64_t>() > 4096 ||
+      (bs.get<uint64_t>() & (bs.get<uint64_t>() - 1)) != 0)
+    return bad("blocksize is " + bs.dump() + ": bitsandbytes' are powers of two from 32 to 4096");
+  q.blocksize = bs.get<uint64_t>();
+  const nlohmann::json shape = j.value("shape", nlohmann::json());
+  if (!shape.is_array() || shape.get<std::vector<int64_t>>() != spec.shape)
+    return bad("shape is " + shape.dump() + ", the model config's " + spec.name + " is " + shape_string(spec.shape));
+  const nlohmann::json dtype = j.value("dtype", nlohmann::json());
+  Result<DType> dt = dtype.is_string() ? parse_dtype(dtype.get<std::string>()) : invalid_argument("");
+  if (!dt.is_ok()) return bad("dtype is " + dtype.dump() + ", not float32, bfloat16 or float16");
+  q.dtype = *dt;
+  q.n = elems_of(spec.shape);
+  const uint64_t blocks = bnb4::block_count(q.n, q.blocksize);
+  if (!q.packed.tensor->u8 || q.packed.tensor->size_bytes != bnb4::packed_bytes(q.n))
+    return invalid_argument(where + ": the packed codes are " + std::to_string(q.packed.tensor->size_bytes) + " bytes" +
+                            (q.packed.tensor->u8 ? "" : " of floats") + ", " + std::to_string(bnb4::packed_bytes(q.n)) +
+                            " U8 bytes hold " + shape_string(spec.shape));
+  Tensor quant_map;
+  ZO_RETURN_IF_ERROR(tensor(".quant_map", &quant_map));
+  ZO_RETURN_IF_ERROR(tensor(".absmax", &q.absmax));
+  std::array<float, 16> map{};
+  if (quant_map.tensor->u8 || quant_map.tensor->dtype != DType::kF32 || quant_map.tensor->n_elems != 16)
+    return invalid_argument(where + ": " + quant_map.tensor->name + " is not 16 fp32 values");
+  ZO_RETURN_IF_ERROR(quant_map.file->read_f32(*quant_map.tensor, 0, map));
+  const std::array<float, 16>& code = q.type == bnb4::QuantType::kNf4 ? bnb4::kNf4Code : bnb4::kFp4Code;
+  if (std::memcmp(map.data(), code.data(), sizeof(map)) != 0)
+    return invalid_argument(where + ": " + quant_map.tensor->name + " is not bitsandbytes' " + type_name + " table");
+  q.nested = j.contains("nested_offset");
+  if (!q.nested) {
+    if (q.absmax.tensor->u8 || q.absmax.tensor->dtype != DType::kF32 || q.absmax.tensor->n_elems != blocks)
+      return invalid_argument(where + ": " + q.absmax.tensor->name + " is not " + std::to_string(blocks) +
+                              " fp32 values (one per block of " + std::to_string(q.blocksize) + ")");
+    return std::optional<QuantizedWeight>(std::move(q));
+  }
+  const nlohmann::json bs2 = j.value("nested_blocksize", nlohmann::json()), off = j["nested_offset"];
+  if (!bs2.is_number_unsigned() || bs2.get<uint64_t>() == 0 || bs2.get<uint64_t>() > 4096)
+    return bad("nested_blocksize is " + bs2.dump());
+  if (!off.is_number() || !std::isfinite(off.get<double>())) return bad("nested_offset is " + off.dump());
+  if (j.contains("nested_dtype") && j["nested_dtype"] != "float32")
+    return bad("nested_dtype is " + j["nested_dtype"].dump() + ", not float32");
+  q.blocksize2 = bs2.get<uint64_t>();
+  q.offset = static_cast<float>(off.get<double>());  // the fp32 offset, written as a double
+  ZO_RETURN_IF_ERROR(tensor(".nested_absmax", &q.nested_absmax));
+  ZO_RETURN_IF_ERROR(tensor(".nested_quant_map", &q.nested_map));
+  if (!q.absmax.tensor->u8 || q.absmax.tensor->n_elems != blocks)
+    return invalid_argument(where + ": " + q.absmax.tensor->name + " is not " + std::to_string(blocks) +
+                            " U8 codes (one per block, double quantization)");
+  const uint64_t blocks2 = bnb4::block_count(blocks, q.blocksize2);
+  if (q.nested_absmax.tensor->u8 || q.nested_absmax.tensor->dtype != DType::kF32 ||
+      q.nested_absmax.tensor->n_elems != blocks2)
+    return invalid_argument(where + ": " + q.nested_absmax.tensor->name + " is not " + std::to_string(blocks2) +
+                            " fp32 values");
+  if (q.nested_map.tensor->u8 || q.nested_map.tensor->dtype != DType::kF32 || q.nested_map.tensor->n_elems != 256)
+    return invalid_argument(where + ": " + q.nested_map.tensor->name + " is not 256 fp32 values");
+  return std::optional<QuantizedWeight>(std::move(q));
+}
+
+// The absmax values of a quantized weight, double quantization read back (bnb4::dequantize_absmax).
+Result<std::vector<float>> read_absmax(const QuantizedWeight& q) {
+  const uint64_t blocks = bnb4::block_count(q.n, q.blocksize);
+  std::vector<float> absmax(blocks);
+  if (!q.nested) {
+    ZO_RETURN_IF_ERROR(q.absmax.file->read_f32(*q.absmax.tensor, 0, absmax));
+    return absmax;
+  }
+  std::vector<uint8_t> codes(blocks);
+  std::vector<float> absmax2(q.nested_absmax.tensor->n_elems), map(256);
+  ZO_RETURN_IF_ERROR(q.absmax.file->read_raw(*q.absmax.tensor, 0, codes));
+  ZO_RETURN_IF_ERROR(q.nested_absmax.file->read_f32(*q.nested_absmax.tensor, 0, absmax2));
+  ZO_RETURN_IF_ERROR(q.nested_map.file->read_f32(*q.nested_map.tensor, 0, map));
+  bnb4::dequantize_absmax(codes.data(), absmax2.data(), map.data(), blocks, q.blocksize2, q.offset, absmax.data());
+  return absmax;
+}
+
+// Elements [off, off + out.size()) of a quantized weight as bitsandbytes' dequantize_4bit gives them
+// in the state's dtype, widened to fp32.
+Status read_dequantized(const QuantizedWeight& q, const std::vector<float>& absmax, uint64_t off, std::span<float> out,
+                        std::vector<uint8_t>* bytes) {
+  const uint64_t first = off / 2, last = (off + out.size() + 1) / 2;
+  bytes->resize(last - first);
+  ZO_RETURN_IF_ERROR(q.packed.file->read_raw(*q.packed.tensor, first, *bytes));
+  for (uint64_t k = 0; k < out.size(); ++k) {
+    const uint64_t i = off + k;
+    const float v =
+        bnb4::dequantize_value(q.type, bnb4::code_at(bytes->data(), i - 2 * first), absmax[i / q.blocksize]);
+    out[k] = q.dtype == DType::kBF16  ? bf16_to_float(float_to_bf16(v))
+             : q.dtype == DType::kF16 ? f16_to_float(float_to_f16(v))
+                                      : v;
+  }
+  return Status::ok();
+}
+
+// Whether transformers leaves `name` unquantized in a 4-bit checkpoint: what is not a decoder
+// projection (embeddings, norms, the head), and any module whose name holds an entry of
+// llm_int8_skip_modules (transformers' substring test).
+bool kept_in_16_bits(const std::string& name, const BnbQuantization& quantization) {
+  if (!name.ends_with("_proj.weight")) return true;
+  for (const std::string& skip : quantization.skip_modules)
+    if (name.find(skip) != std::string::npos) return true;
+  return false;
+}
+
 std::string stored_name(const HfWeights& weights, const std::string& name) {
   const SafetensorsFile* file = nullptr;
   if (weights.find(name, &file) != nullptr) return name;
@@ -277,6 +448,7 @@ Status load_hf_weights(const std::string& model_dir, const ModelLayout& layout, 
 
   // Every check before any data moves, so a wrong model directory never half-fills the tiers.
   std::vector<std::pair<const SafetensorsFile*, const SafetensorsTensor*>> sources(layout.params.size());
+  std::vector<std::optional<QuantizedWeight>> quantized(layout.params.size());
   std::set<std::string> used;  // the stored names read
   uint64_t max_elems = 0;
   for (size_t p = 0; p < layout.params.size(); ++p) {
@@ -295,6 +467,20 @@ Status load_hf_weights(const std::string& model_dir, const ModelLayout& layout, 
             "if the checkpoint ties it to model.embed_tokens.weight, set tie_word_embeddings true in config.json)";
       return not_found(message);
     }
+    ZO_ASSIGN_OR_RETURN(quantized[p], find_quantized(*weights, stored, spec, &used));
+    if (quantized[p].has_value() && !layout.quantization.load_in_4bit)
+      return invalid_argument("tensor " + stored + " in " + model_dir +
+                              " is bitsandbytes 4-bit, but config.json has no quantization_config saying so");
+    if (!quantized[p].has_value() && layout.quantization.load_in_4bit &&
+        !kept_in_16_bits(spec.name, layout.quantization))
+      return invalid_argument("tensor " + stored + " in " + model_dir +
+                              " has no 4-bit quantization state, but config.json's quantization_config says the "
+                              "decoder projections are 4-bit (llm_int8_skip_modules does not name it)");
+    if (quantized[p].has_value()) {
+      sources[p] = {file, t};
+      max_elems = std::max(max_elems, elems_of(spec.shape));
+      continue;
+    }
     if (t->shape != spec.shape)
       return invalid_argument("tensor " + stored + " has shape " + shape_string(t->shape) + " in " + file->path() +
                               ", expected " + shape_string(spec.shape) + " from the model config");
@@ -312,9 +498,20 @@ Status load_hf_weights(const std::string& model_dir, const ModelLayout& layout, 
   }
 
   std::vector<float> buffer(std::min(chunk_elems, max_elems));
+  std::vector<uint8_t> bytes;
   for (size_t p = 0; p < layout.params.size(); ++p) {
     const auto [file, t] = sources[p];
     if (file == nullptr) continue;  // an adapter
+    if (quantized[p].has_value()) {
+      const QuantizedWeight& q = *quantized[p];
+      ZO_ASSIGN_OR_RETURN(const std::vector<float> absmax, read_absmax(q));
+      for (uint64_t off = 0; off < q.n; off += chunk_elems) {
+        const std::span<float> chunk(buffer.data(), std::min(chunk_elems, q.n - off));
+        ZO_RETURN_IF_ERROR(read_dequantized(q, absmax, off, chunk, &bytes));
+        ZO_RETURN_IF_ERROR(sink(static_cast<uint32_t>(p), off, chunk));
+      }
+      continue;
+    }
     for (uint64_t off = 0; off < t->n_elems; off += chunk_elems) {
       const std::span<float> chunk(buffer.data(), std::min(chunk_elems, t->n_elems - off));
       ZO_RETURN_IF_ERROR(file->read_f32(*t, off, chunk));

@@ -484,6 +484,91 @@ def check_hostile_adapters(tmp):
     print("hostile: every adapter PEFT reads otherwise refused by key, the plain ones trained as PEFT computes them")
 
 
+def check_qlora(tmp):
+    """A bitsandbytes 4-bit base as transformers saves it (issue 63): zoffload reads the packed codes
+    and their quantization state back into the weights bitsandbytes' Linear4bit computes with, and
+    trains LoRA over them as PEFT does over that model on the CPU (NF4 with double quantization, FP4
+    without), step for step; a damaged quantization state or a config it does not know is refused
+    by name before a step."""
+    from safetensors.torch import load_file, save_file
+    from transformers import BitsAndBytesConfig
+    case = dict(CASES[0], moved_b=True, name="qlora")
+    work = os.path.join(tmp, "qlora")
+    model_dir, adapter_dir = os.path.join(work, "model"), os.path.join(work, "adapter")
+    os.makedirs(model_dir)
+    save_base(case, model_dir)
+    save_adapter(case, model_dir, adapter_dir)
+    rng = np.random.default_rng(case["seed"])
+    tokens = rng.integers(0, case["vocab"], size=STEPS * GAS * MICRO * SEQ + 1)
+    data = os.path.join(work, "train.bin")
+    write_llmc(data, tokens)
+    for qtype, double in (("nf4", True), ("fp4", False)):
+        qdir = os.path.join(work, "base-" + qtype)
+        quantized = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32, device_map="cpu",
+            quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=qtype,
+                                                   bnb_4bit_use_double_quant=double,
+                                                   bnb_4bit_compute_dtype=torch.float32))
+        quantized.save_pretrained(qdir)
+        del quantized
+        proc, out = zo_train(case, work, qdir, {"init_from": adapter_dir}, data, data, name="run-" + qtype)
+        if not expect(proc.returncode == 0, "qlora %s: zoffload trains over the 4-bit base: %s" %
+                      (qtype, proc.stderr[-2000:])):
+            continue
+        ref_steps, _ = reference_train(case, qdir, adapter_dir, tokens)
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            zo_steps = [json.loads(line) for line in f]
+        worst = max(max(rel(z["loss"], r["loss"]), rel(z["grad_norm"], r["grad_norm"]))
+                    for z, r in zip(zo_steps, ref_steps))
+        print("qlora %s%s: %d steps, losses %.9g .. %.9g, PEFT + bitsandbytes %.9g .. %.9g, worst rel %.1e" %
+              (qtype, " double-quantized" if double else "", len(zo_steps), zo_steps[0]["loss"],
+               zo_steps[-1]["loss"], ref_steps[0]["loss"], ref_steps[-1]["loss"], worst))
+        expect(len(zo_steps) == STEPS and worst <= TOL["loss"],
+               "qlora %s: losses and gradient norms within %g of PEFT over bitsandbytes' Linear4bit (worst %.1e)" %
+               (qtype, TOL["loss"], worst))
+
+    qdir = os.path.join(work, "base-nf4")
+
+    def variant(name, tensors_edit=None, config_edit=None):
+        out = os.path.join(work, "bad-" + name)
+        shutil.copytree(qdir, out)
+        if tensors_edit:
+            tensors = load_file(os.path.join(out, "model.safetensors"))
+            tensors_edit(tensors)
+            save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+        if config_edit:
+            with open(os.path.join(out, "config.json")) as f:
+                cfg = json.load(f)
+            config_edit(cfg)
+            write_json(os.path.join(out, "config.json"), cfg)
+        return out
+
+    def refused(name, base, *words):
+        p, out = zo_train(case, work, base, {"init_from": adapter_dir}, data, data, name="refused-" + name)
+        expect(p.returncode != 0 and all(w in p.stderr for w in words) and
+               not os.path.exists(os.path.join(out, "metrics.jsonl")),
+               "qlora %s: refused naming %s before a step: rc %d, %s" % (name, words, p.returncode, p.stderr[-800:]))
+
+    q_proj = "model.layers.1.self_attn.q_proj.weight"
+    refused("no-state", variant("no-state", lambda t: t.pop(q_proj + ".quant_state.bitsandbytes__nf4")),
+            q_proj, "has no 4-bit quantization state")
+    refused("no-absmax", variant("no-absmax", lambda t: t.pop(q_proj + ".absmax")), q_proj + ".absmax")
+    refused("short-absmax", variant("short-absmax", lambda t: t.update({q_proj + ".absmax": t[q_proj + ".absmax"][:-1]})),
+            q_proj + ".absmax", "U8 codes")
+    refused("short-codes", variant("short-codes", lambda t: t.update({q_proj: t[q_proj][:-1]})), q_proj, "packed codes")
+    refused("quant-type", variant("quant-type", config_edit=lambda c: c["quantization_config"].update(bnb_4bit_quant_type="int4")),
+            "quantization_config.bnb_4bit_quant_type")
+    refused("8bit", variant("8bit", config_edit=lambda c: c["quantization_config"].update(load_in_8bit=True)),
+            "quantization_config.load_in_8bit", "8-bit")
+    refused("unknown-key", variant("unknown-key", config_edit=lambda c: c["quantization_config"].update(bnb_4bit_new_thing=True)),
+            "quantization_config.bnb_4bit_new_thing")
+    refused("no-method", variant("no-method", config_edit=lambda c: c["quantization_config"].clear()),
+            "quantization_config.quant_method")
+    refused("config-says-16", variant("config-says-16", config_edit=lambda c: c.pop("quantization_config")),
+            "is bitsandbytes 4-bit", "no quantization_config")
+    print("qlora: damaged quantization states and unknown settings refused by name")
+
+
 def main():
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
@@ -497,6 +582,7 @@ def main():
         if not named:
             check_errors(tmp)
             check_hostile_adapters(tmp)
+            check_qlora(tmp)
     print("%d cases in %.1f s" % (len(cases), time.time() - t0))
     report_and_exit()
 

@@ -734,6 +734,45 @@ TEST(HfConfig, ErrorsNameFileAndKey) {
 
 // Every key that would change what the model computes, set to what zoffload does not implement, is
 // refused with the file and the key, never ignored.
+// quantization_config as transformers' BitsAndBytesConfig.to_dict writes it for a 4-bit base is read;
+// 8-bit, another storage, another quant type, a key it does not know are refused by key.
+TEST(HfConfig, ReadsABitsandbytes4BitQuantizationConfig) {
+  const std::string four_bit = R"({"_load_in_4bit": true, "_load_in_8bit": false, "bnb_4bit_compute_dtype": "bfloat16",
+      "bnb_4bit_quant_storage": "uint8", "bnb_4bit_quant_type": "fp4", "bnb_4bit_use_double_quant": true,
+      "llm_int8_enable_fp32_cpu_offload": false, "llm_int8_has_fp16_weight": false,
+      "llm_int8_skip_modules": ["mlp.down_proj"], "llm_int8_threshold": 6.0, "load_in_4bit": true,
+      "load_in_8bit": false, "quant_method": "bitsandbytes"})";
+  auto with = [&](const std::string& edit_key, const std::string& edit_value) {
+    std::string q = four_bit;
+    if (!edit_key.empty()) q.insert(1, "\"" + edit_key + "\": " + edit_value + ", ");
+    return llama2_with("pretraining_tp", "1, \"quantization_config\": " + q);
+  };
+  Result<ModelConfig> c = parse_hf_config(with("", ""), "/models/x/config.json");
+  ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+  EXPECT_TRUE(c->quantization.load_in_4bit);
+  EXPECT_EQ(c->quantization.quant_type, "fp4");
+  EXPECT_TRUE(c->quantization.double_quant);
+  EXPECT_EQ(c->quantization.skip_modules, std::vector<std::string>{"mlp.down_proj"});
+  EXPECT_TRUE(model_layout(*c).quantization.load_in_4bit);
+  EXPECT_FALSE(parse_hf_config(kLlama2_7b, "/models/x/config.json")->quantization.load_in_4bit);
+
+  std::string eight = four_bit;
+  eight.replace(eight.find("\"load_in_8bit\": false"), 21, "\"load_in_8bit\": true ");
+  expect_error(llama2_with("pretraining_tp", "1, \"quantization_config\": " + eight),
+               "quantization_config.load_in_8bit", "8-bit");
+  std::string storage = four_bit;
+  storage.replace(storage.find("\"uint8\""), 7, "\"bfloat16\"");
+  expect_error(llama2_with("pretraining_tp", "1, \"quantization_config\": " + storage),
+               "quantization_config.bnb_4bit_quant_storage", "uint8");
+  std::string type = four_bit;
+  type.replace(type.find("\"fp4\""), 5, "\"int4\"");
+  expect_error(llama2_with("pretraining_tp", "1, \"quantization_config\": " + type),
+               "quantization_config.bnb_4bit_quant_type", "nf4");
+  expect_error(with("bnb_4bit_future", "1"), "quantization_config.bnb_4bit_future", "refused rather than ignored");
+  expect_error(llama2_with("pretraining_tp", R"(1, "quantization_config": {"quant_method": "bitsandbytes"})"),
+               "quantization_config.load_in_4bit", "must be true");
+}
+
 TEST(HfConfig, RefusesKeysThatChangeTheArithmetic) {
   auto with_rope_parameters = [](const std::string& dict) {
     return llama2_with("rope_scaling", "null, \"rope_parameters\": " + dict);
@@ -751,7 +790,7 @@ TEST(HfConfig, RefusesKeysThatChangeTheArithmetic) {
   expect_error(llama2_with("pretraining_tp", "1, \"partial_rotary_factor\": 0.25"), "partial_rotary_factor");
   expect_error(llama2_with("pretraining_tp", "1, \"attention_dropout\": 0.1"), "attention_dropout", "dropout");
   expect_error(llama2_with("pretraining_tp", R"(1, "quantization_config": {"quant_method": "gptq"})"),
-               "quantization_config");
+               "quantization_config.quant_method", "bitsandbytes");
   expect_error(llama2_with("pretraining_tp", "1, \"use_mrope\": true"), "use_mrope");
   expect_error(llama2_with("architectures", R"(["LlamaForSequenceClassification"])"), "architectures",
                "LlamaForCausalLM");
