@@ -109,7 +109,16 @@ void fill_normal(uint64_t key, double std, uint64_t first, std::span<float> out)
 // which a state dict saved directly keeps — beside the vision tower, which the text model does not
 // use. The stored name of a layout param ("model.…", "lm_head.weight")
 // is the first of these the checkpoint holds.
-std::string stored_name(const HfWeights& weights, const std::string& name);
+std::string stored_name(const HfWeights& weights, const std::string& name) {
+  const SafetensorsFile* file = nullptr;
+  if (weights.find(name, &file) != nullptr) return name;
+  const std::string rest = name.starts_with("model.") ? name.substr(6) : "";
+  for (const std::string& candidate : {rest.empty() ? "" : "model.language_model." + rest,
+                                       rest.empty() ? "language_model." + name : "language_model.model." + rest}) {
+    if (!candidate.empty() && weights.find(candidate, &file) != nullptr) return candidate;
+  }
+  return name;
+}
 
 // A bitsandbytes 4-bit weight as transformers saves it (Note [4-bit blocks] in common/bnb4bit.h):
 // the packed codes under the weight's own name (U8, ⌈n/2⌉ bytes), and beside it `.absmax` (fp32
@@ -177,7 +186,9 @@ Result<std::optional<QuantizedWeight>> find_quantized(const HfWeights& w, const 
     return bad("blocksize is " + bs.dump() + ": bitsandbytes' are powers of two from 32 to 4096");
   q.blocksize = bs.get<uint64_t>();
   const nlohmann::json shape = j.value("shape", nlohmann::json());
-  if (!shape.is_array() || shape.get<std::vector<int64_t>>() != spec.shape)
+  const bool dims = shape.is_array() && std::all_of(shape.begin(), shape.end(),
+                                                    [](const nlohmann::json& d) { return d.is_number_integer(); });
+  if (!dims || shape.get<std::vector<int64_t>>() != spec.shape)
     return bad("shape is " + shape.dump() + ", the model config's " + spec.name + " is " + shape_string(spec.shape));
   const nlohmann::json dtype = j.value("dtype", nlohmann::json());
   Result<DType> dt = dtype.is_string() ? parse_dtype(dtype.get<std::string>()) : invalid_argument("");
@@ -272,17 +283,6 @@ bool kept_in_16_bits(const std::string& name, const BnbQuantization& quantizatio
   for (const std::string& skip : quantization.skip_modules)
     if (name.find(skip) != std::string::npos) return true;
   return false;
-}
-
-std::string stored_name(const HfWeights& weights, const std::string& name) {
-  const SafetensorsFile* file = nullptr;
-  if (weights.find(name, &file) != nullptr) return name;
-  const std::string rest = name.starts_with("model.") ? name.substr(6) : "";
-  for (const std::string& candidate : {rest.empty() ? "" : "model.language_model." + rest,
-                                       rest.empty() ? "language_model." + name : "language_model.model." + rest}) {
-    if (!candidate.empty() && weights.find(candidate, &file) != nullptr) return candidate;
-  }
-  return name;
 }
 
 // One adapter of init_lora_adapters, through `buffer` (at least min(chunk_elems, its size) long).
