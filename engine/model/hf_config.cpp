@@ -446,6 +446,19 @@ Result<ModelConfig> parse_config(const json& doc, const std::string& source_name
   ZO_RETURN_IF_ERROR(r.positive("attention_dropout", &dropout, false, /*allow_zero=*/true));
   if (dropout != 0.0) return r.error("attention_dropout", "only 0 is supported (zoffload trains without dropout)");
   if (const json* q = r.find("quantization_config"); q != nullptr) ZO_RETURN_IF_ERROR(parse_bnb(r, *q, &c));
+  const std::pair<const char*, std::string*> token_ids[] = {{"bos_token_id", &c.bos_token_id_json},
+                                                            {"eos_token_id", &c.eos_token_id_json}};
+  for (const auto& [key, out] : token_ids) {
+    const auto it = doc.find(key);
+    if (it == doc.end()) continue;
+    const bool id = it->is_number_integer() && it->get<int64_t>() >= 0;
+    const bool ids = it->is_array() && !it->empty() && std::all_of(it->begin(), it->end(), [](const json& t) {
+                       return t.is_number_integer() && t.get<int64_t>() >= 0;
+                     });
+    if (!id && !ids && !it->is_null())
+      return r.error(key, "expected a token id, a list of token ids or null, got " + it->dump());
+    *out = it->dump();
+  }
   ZO_RETURN_IF_ERROR(require_default(r, "use_mrope", false, "multimodal rotary embeddings"));
   if (const json* arch = r.find("architectures"); arch != nullptr) {
     if (!arch->is_array()) return r.error("architectures", "expected a list of strings, got " + type_name(*arch));
@@ -607,6 +620,8 @@ std::string to_hf_config_json(const ModelConfig& c, std::string_view torch_dtype
   }
   j["tie_word_embeddings"] = c.tie_word_embeddings;
   j["pad_token_id"] = c.pad_token_id >= 0 ? nlohmann::ordered_json(c.pad_token_id) : nullptr;
+  if (!c.bos_token_id_json.empty()) j["bos_token_id"] = nlohmann::ordered_json::parse(c.bos_token_id_json);
+  if (!c.eos_token_id_json.empty()) j["eos_token_id"] = nlohmann::ordered_json::parse(c.eos_token_id_json);
   if (!family.qkv_bias) j["attention_bias"] = false;
   if (family.mlp_bias_key) j["mlp_bias"] = false;
   if (family.window_opt_in) j["use_sliding_window"] = c.sliding_window != 0;

@@ -157,6 +157,10 @@ struct ModelConfig {
   // transformers' nn.Embedding padding_idx: the lookup adds no gradient to this row (the head's
   // use of a tied matrix still does); -1: none.
   int64_t pad_token_id = -1;
+  // config.json's bos_token_id and eos_token_id as written (a token id, a list of them — Llama 3.1
+  // ends on any of three — or null), kept so an export's config.json generates as the source's
+  // did; empty when absent. They do not change training.
+  std::string bos_token_id_json, eos_token_id_json;
   std::string source_dtype = "float32";  // config.json "torch_dtype", informational
   // Mistral's (or Qwen2's, when use_sliding_window) attention window in tokens; 0 = full causal.
   // Without sliding_layers, block_forward runs full causal attention and refuses sequences longer

@@ -2,6 +2,7 @@
 // the presets and their parameter counts against the published figures, the layout and the export.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <string>
 #include <tuple>
@@ -241,6 +242,8 @@ void expect_same(const ModelConfig& a, const ModelConfig& b) {
   EXPECT_EQ(a.rms_norm_eps, b.rms_norm_eps);
   EXPECT_EQ(a.rope_theta, b.rope_theta);
   EXPECT_EQ(a.initializer_range, b.initializer_range);
+  EXPECT_EQ(a.bos_token_id_json, b.bos_token_id_json);
+  EXPECT_EQ(a.eos_token_id_json, b.eos_token_id_json);
   EXPECT_EQ(a.rope_scaling.type, b.rope_scaling.type);
   EXPECT_EQ(a.rope_scaling.factor, b.rope_scaling.factor);
   EXPECT_EQ(a.rope_scaling.low_freq_factor, b.rope_scaling.low_freq_factor);
@@ -734,6 +737,27 @@ TEST(HfConfig, ErrorsNameFileAndKey) {
 
 // Every key that would change what the model computes, set to what zoffload does not implement, is
 // refused with the file and the key, never ignored.
+// bos_token_id and eos_token_id do not change training but an export's config.json keeps them as the
+// source wrote them: Llama 3.1's list of three eos ids, Llama 2's single ids; a value that is none of
+// a token id, a list of them or null is refused by key.
+TEST(HfConfig, KeepsBosAndEosTokenIdsForTheExport) {
+  const ModelConfig l31 = parse_ok(kLlama31_8b);
+  EXPECT_EQ(l31.bos_token_id_json, "128000");
+  EXPECT_EQ(l31.eos_token_id_json, "[128001,128008,128009]");
+  const nlohmann::json out = nlohmann::json::parse(to_hf_config_json(l31, "bfloat16"));
+  EXPECT_EQ(out["bos_token_id"], 128000);
+  EXPECT_EQ(out["eos_token_id"], nlohmann::json({128001, 128008, 128009}));
+  expect_same(parse_ok(to_hf_config_json(l31, "bfloat16")), l31);
+  const ModelConfig none = parse_ok(llama2_with("bos_token_id", "null"));
+  EXPECT_EQ(none.bos_token_id_json, "null");
+  EXPECT_TRUE(nlohmann::json::parse(to_hf_config_json(none, "float32"))["bos_token_id"].is_null());
+  ModelConfig preset = parse_ok(kLlama2_7b);
+  preset.bos_token_id_json.clear();
+  EXPECT_FALSE(nlohmann::json::parse(to_hf_config_json(preset, "float32")).contains("bos_token_id"));
+  expect_error(llama2_with("eos_token_id", "\"</s>\""), "eos_token_id", "token id");
+  expect_error(llama2_with("bos_token_id", "-1"), "bos_token_id", "token id");
+}
+
 // quantization_config as transformers' BitsAndBytesConfig.to_dict writes it for a 4-bit base is read;
 // 8-bit, another storage, another quant type, a key it does not know are refused by key.
 TEST(HfConfig, ReadsABitsandbytes4BitQuantizationConfig) {
