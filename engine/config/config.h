@@ -234,6 +234,12 @@ struct ZoffloadConfig {
   // sub-groups] in engine/memory/param_registry.cpp). Each pattern must match a parameter.
   std::vector<std::string> freeze;
   LoraConfig lora;
+  // (addition) QLoRA from a 16-bit directory: "nf4" or "fp4" quantizes each decoder projection of
+  // the frozen base at load as transformers' BitsAndBytesConfig(load_in_4bit=True,
+  // bnb_4bit_quant_type=..., blocksize 64, no double quantization) does (common/bnb4bit.h), and
+  // trains the adapters over the weights read back from it; "none": the base as it is. Needs
+  // zoffload.lora.
+  std::string quantize_base = "none";
   DataConfig data;
   CheckpointConfig checkpoint;
   LogConfig log;

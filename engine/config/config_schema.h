@@ -82,6 +82,7 @@ inline constexpr std::array<std::string_view, 2> kMasterDtypes = {"fp32", "bf16"
 inline constexpr std::array<std::string_view, 4> kGradStoreDtypes = {"auto", "fp32", "bf16", "fp16"};
 inline constexpr std::array<std::string_view, 4> kIoBackends = {"auto", "io_uring", "libaio", "psync"};
 inline constexpr std::array<std::string_view, 2> kLossNormalizations = {"micro_batch", "tokens"};
+inline constexpr std::array<std::string_view, 3> kBaseQuantizations = {"none", "nf4", "fp4"};
 
 // What a rule sees: the object being read, the parse, and which of its keys were read valid.
 struct ReadContext {
@@ -373,6 +374,12 @@ void keys(V& v, ZoffloadConfig& z) {
   v.choice("loss_normalization", z.loss_normalization, kLossNormalizations);
   v.texts("freeze", z.freeze);
   v.object("lora", [&] { keys(v, z.lora); });
+  v.choice("quantize_base", z.quantize_base, kBaseQuantizations);
+  v.rule([&](const ReadContext& x) {
+    if (z.quantize_base != "none" && z.lora.r == 0 && z.lora.init_from.empty())
+      x.error("quantize_base",
+              "quantizes the frozen base under LoRA adapters: it needs zoffload.lora (r or init_from)");
+  });
   v.object("data", [&] { v.flag("shuffle", z.data.shuffle); });
   v.object("checkpoint", [&] { keys(v, z.checkpoint); });
   v.object("log", [&] { v.text("metrics_path", z.log.metrics_path); });

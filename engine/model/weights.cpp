@@ -521,6 +521,28 @@ Status load_hf_weights(const std::string& model_dir, const ModelLayout& layout, 
   return Status::ok();
 }
 
+ParamSink quantizing_sink(const ModelLayout& layout, bnb4::QuantType type, ParamSink inner) {
+  constexpr uint64_t kBlock = 64;  // transformers' 4-bit blocksize
+  return
+      [&layout, type, inner = std::move(inner), packed = std::vector<uint8_t>(), absmax = std::vector<float>(),
+       out = std::vector<float>()](uint32_t param, uint64_t offset, std::span<const float> values) mutable -> Status {
+        const ParamSpec& spec = layout.params[param];
+        if (is_lora_param(spec.name) || kept_in_16_bits(spec.name, layout.quantization))
+          return inner(param, offset, values);
+        const uint64_t n = elems_of(spec.shape);
+        if (offset % kBlock != 0 || (values.size() % kBlock != 0 && offset + values.size() != n))
+          return invalid_argument("quantizing " + spec.name + ": a chunk of " + std::to_string(values.size()) +
+                                  " elements at " + std::to_string(offset) + " is not whole blocks of 64");
+        packed.resize(bnb4::packed_bytes(values.size()));
+        absmax.resize(bnb4::block_count(values.size(), kBlock));
+        out.resize(values.size());
+        bnb4::quantize(values.data(), values.size(), kBlock, type, packed.data(), absmax.data());
+        for (uint64_t i = 0; i < values.size(); ++i)
+          out[i] = bnb4::dequantize_value(type, bnb4::code_at(packed.data(), i), absmax[i / kBlock]);
+        return inner(param, offset, out);
+      };
+}
+
 Status random_init_weights(const ModelConfig& config, const ModelLayout& layout, uint64_t seed, uint64_t chunk_elems,
                            const ParamSink& sink) {
   if (chunk_elems == 0) return invalid_argument("random_init_weights: chunk_elems must be positive");

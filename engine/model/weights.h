@@ -10,6 +10,7 @@
 #include <string>
 #include <string_view>
 
+#include "common/bnb4bit.h"
 #include "common/status.h"
 #include "engine/model/model_config.h"
 #include "io/env.h"
@@ -40,6 +41,15 @@ Status load_hf_weights(const std::string& model_dir, const ModelLayout& layout, 
 // key = first(seed) ^ first(FNV-1a-64(name) − 0x9E3779B97F4A7C15), first(s) being the first output of
 // SplitMix64 seeded with s: u1 = ((a >> 11) + 1)·2⁻⁵³, u2 = (b >> 11)·2⁻⁵³, r = √(−2 ln u1),
 // z0 = r cos 2πu2, z1 = r sin 2πu2, in double. Any element is computable on its own.
+// QLoRA from a 16-bit directory (zoffload.quantize_base): a sink that passes each decoder
+// projection weight of the base (what transformers quantizes: not the embeddings, norms or head,
+// not a LoRA adapter) through bitsandbytes' 4-bit quantization in blocks of 64 without double
+// quantization and reads it back (bnb4::quantize, then dequantize_value: Note [4-bit blocks]) before
+// `inner`; other params pass as they are. A chunk must start at a multiple of 64 elements and hold
+// whole blocks unless it ends the tensor (load_hf_weights' and random_init_weights' chunks of a
+// multiple of 64 do): InvalidArgument otherwise.
+ParamSink quantizing_sink(const ModelLayout& layout, bnb4::QuantType type, ParamSink inner);
+
 Status random_init_weights(const ModelConfig& config, const ModelLayout& layout, uint64_t seed, uint64_t chunk_elems,
                            const ParamSink& sink);
 

@@ -143,6 +143,14 @@ Status RunSetup::init_weights() {
   ParamSink sink = [this](uint32_t param, uint64_t offset_elems, std::span<const float> values) {
     return store_->init_param(param, offset_elems, values);
   };
+  if (const std::string& q = opt_.config.zoffload.quantize_base; q != "none") {  // QLoRA from a 16-bit base
+    if (model.quantization.load_in_4bit)
+      return invalid_argument("zoffload.quantize_base is \"" + q + "\", but " + opt_.model +
+                              " is already a bitsandbytes 4-bit checkpoint: leave quantize_base out");
+    bnb4::QuantType type;
+    ZO_CHECK(bnb4::parse_quant_type(q, &type)) << q;  // the config's choices
+    sink = quantizing_sink(layout, type, std::move(sink));
+  }
   if (!model_.from_dir) return random_init_weights(model, layout, opt_.seed, kInitChunkElems, sink);  // adapters too
   ZO_RETURN_IF_ERROR(load_hf_weights(opt_.model, layout, kInitChunkElems, sink, env()));
   if (model.lora.r == 0) return Status::ok();

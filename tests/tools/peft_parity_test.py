@@ -178,12 +178,14 @@ def read_safetensors(path):
         return {k: f.get_tensor(k) for k in f.keys()}
 
 
-def zo_train(case, work, model_dir, lora, data, eval_data, name="run"):
+def zo_train(case, work, model_dir, lora, data, eval_data, name="run", zoffload_keys=None):
     run = os.path.join(work, name)
     os.makedirs(run)
     cfg_path = os.path.join(run, "ds.json")
+    cfg = zo_config(case, lora)
+    cfg["zoffload"].update(zoffload_keys or {})
     with open(cfg_path, "w") as f:
-        json.dump(zo_config(case, lora), f)
+        json.dump(cfg, f)
     args = [zoffload, "train", "--config", cfg_path, "--model", model_dir, "--data", data, "--steps", str(STEPS),
             "--seq-len", str(SEQ), "--out", os.path.join(run, "out"), "--eval-data", eval_data, "--eval-every",
             str(STEPS), "--eval-batches", str(EVAL_BATCHES), "--json"]
@@ -526,6 +528,20 @@ def check_qlora(tmp):
         expect(len(zo_steps) == STEPS and worst <= TOL["loss"],
                "qlora %s: losses and gradient norms within %g of PEFT over bitsandbytes' Linear4bit (worst %.1e)" %
                (qtype, TOL["loss"], worst))
+        if double:
+            continue
+        # zoffload.quantize_base: the same quantization of the 16-bit directory, at load.
+        proc, out = zo_train(case, work, model_dir, {"init_from": adapter_dir}, data, data, name="at-load-" + qtype,
+                             zoffload_keys={"quantize_base": qtype})
+        if expect(proc.returncode == 0, "qlora %s at load: %s" % (qtype, proc.stderr[-2000:])):
+            with open(os.path.join(out, "metrics.jsonl")) as f:
+                at_load = [json.loads(line) for line in f]
+            worst = max(max(rel(z["loss"], r["loss"]), rel(z["grad_norm"], r["grad_norm"]))
+                        for z, r in zip(at_load, ref_steps))
+            print("qlora %s quantized at load (zoffload.quantize_base): worst rel %.1e against PEFT over the model "
+                  "transformers quantized" % (qtype, worst))
+            expect(len(at_load) == STEPS and worst <= TOL["loss"],
+                   "qlora %s at load: within %g of PEFT over bitsandbytes (worst %.1e)" % (qtype, TOL["loss"], worst))
 
     qdir = os.path.join(work, "base-nf4")
 
@@ -566,6 +582,14 @@ def check_qlora(tmp):
             "quantization_config.quant_method")
     refused("config-says-16", variant("config-says-16", config_edit=lambda c: c.pop("quantization_config")),
             "is bitsandbytes 4-bit", "no quantization_config")
+    p, out = zo_train(case, work, qdir, {"init_from": adapter_dir}, data, data, name="refused-twice",
+                      zoffload_keys={"quantize_base": "nf4"})
+    expect(p.returncode != 0 and "already a bitsandbytes 4-bit checkpoint" in p.stderr and
+           not os.path.exists(os.path.join(out, "metrics.jsonl")),
+           "qlora: quantize_base over a 4-bit directory refused: rc %d, %s" % (p.returncode, p.stderr[-600:]))
+    p, out = zo_train(case, work, model_dir, {}, data, data, name="refused-no-lora", zoffload_keys={"quantize_base": "nf4"})
+    expect(p.returncode == 2 and "zoffload.quantize_base" in p.stderr and "zoffload.lora" in p.stderr,
+           "qlora: quantize_base without lora refused by key: rc %d, %s" % (p.returncode, p.stderr[-600:]))
     print("qlora: damaged quantization states and unknown settings refused by name")
 
 
