@@ -16,22 +16,12 @@
 
 #include "common/bnb4bit.h"
 #include "common/half.h"
+#include "tests/oracle_files.h"
 
 namespace {
 
-template <class T>
-bool read_all(const std::string& path, std::vector<T>* out) {
-  std::ifstream f(path, std::ios::binary);
-  f.read(reinterpret_cast<char*>(out->data()), static_cast<std::streamsize>(out->size() * sizeof(T)));
-  return f.good() && f.peek() == std::ifstream::traits_type::eof();
-}
-
-template <class T>
-bool write_all(const std::string& path, const std::vector<T>& v) {
-  std::ofstream f(path, std::ios::binary | std::ios::trunc);
-  f.write(reinterpret_cast<const char*>(v.data()), static_cast<std::streamsize>(v.size() * sizeof(T)));
-  return f.good();
-}
+using zo::testing::read_all;
+using zo::testing::write_all;
 
 int fail(const std::string& msg) {
   std::fprintf(stderr, "bnb4bit_oracle: %s\n", msg.c_str());

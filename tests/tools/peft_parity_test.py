@@ -97,6 +97,15 @@ def save_base(case, model_dir):
     model.save_pretrained(model_dir)
 
 
+def base_and_adapter(case, work):
+    """The case's base model and PEFT's adapter over it, saved under `work`; their directories."""
+    model_dir, adapter_dir = os.path.join(work, "model"), os.path.join(work, "adapter")
+    os.makedirs(model_dir)
+    save_base(case, model_dir)
+    save_adapter(case, model_dir, adapter_dir)
+    return model_dir, adapter_dir
+
+
 def lora_config(case):
     return LoraConfig(r=case["r"], lora_alpha=case["alpha"], target_modules=case["targets"], lora_dropout=0.0,
                       use_rslora=case["rslora"], task_type="CAUSAL_LM")
@@ -199,10 +208,7 @@ def run_case(case, tmp):
           (name, case["arch"], " tied" if case["tied"] else "", case["r"], case["alpha"], case["targets"],
            " (rsLoRA)" if case["rslora"] else "", case["placement"], case["stage"]))
     work = os.path.join(tmp, name)
-    model_dir, adapter_dir = os.path.join(work, "model"), os.path.join(work, "adapter")
-    os.makedirs(model_dir)
-    save_base(case, model_dir)
-    save_adapter(case, model_dir, adapter_dir)
+    model_dir, adapter_dir = base_and_adapter(case, work)
     rng = np.random.default_rng(case["seed"])
     tokens = rng.integers(0, case["vocab"], size=STEPS * GAS * MICRO * SEQ + 1)
     eval_tokens = rng.integers(0, case["vocab"], size=EVAL_BATCHES * MICRO * SEQ + 1)
@@ -297,10 +303,7 @@ def check_errors(tmp):
     """Bad LoRA settings: refused naming the key, before a step or a file."""
     case = CASES[0]
     work = os.path.join(tmp, "errors")
-    model_dir, adapter_dir = os.path.join(work, "model"), os.path.join(work, "adapter")
-    os.makedirs(model_dir)
-    save_base(case, model_dir)
-    save_adapter(case, model_dir, adapter_dir)
+    model_dir, adapter_dir = base_and_adapter(case, work)
     data = os.path.join(work, "train.bin")
     write_llmc(data, np.arange(2000) % case["vocab"])
     dora = os.path.join(work, "dora")
@@ -351,10 +354,7 @@ def check_hostile_adapters(tmp):
     each either trains as PEFT computes it or is refused naming its key, before a step."""
     case = dict(CASES[0], moved_b=True)  # B off zero: the adapters change the forward from step 1
     work = os.path.join(tmp, "hostile")
-    model_dir, adapter_dir = os.path.join(work, "model"), os.path.join(work, "adapter")
-    os.makedirs(model_dir)
-    save_base(case, model_dir)
-    save_adapter(case, model_dir, adapter_dir)
+    model_dir, adapter_dir = base_and_adapter(case, work)
     rng = np.random.default_rng(7)
     tokens = rng.integers(0, case["vocab"], size=STEPS * GAS * MICRO * SEQ + 1)
     data = os.path.join(work, "train.bin")
@@ -496,10 +496,7 @@ def check_qlora(tmp):
     from transformers import BitsAndBytesConfig
     case = dict(CASES[0], moved_b=True, name="qlora")
     work = os.path.join(tmp, "qlora")
-    model_dir, adapter_dir = os.path.join(work, "model"), os.path.join(work, "adapter")
-    os.makedirs(model_dir)
-    save_base(case, model_dir)
-    save_adapter(case, model_dir, adapter_dir)
+    model_dir, adapter_dir = base_and_adapter(case, work)
     rng = np.random.default_rng(case["seed"])
     tokens = rng.integers(0, case["vocab"], size=STEPS * GAS * MICRO * SEQ + 1)
     data = os.path.join(work, "train.bin")
