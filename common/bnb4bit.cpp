@@ -41,12 +41,6 @@ uint8_t code_of(const Buckets& b, float scaled) {
   return b.order[below];
 }
 
-template <class Store>
-void dequantize_with(const uint8_t* packed, const float* absmax, uint64_t n, uint64_t blocksize, QuantType type,
-                     Store&& store) {
-  for (uint64_t i = 0; i < n; ++i) store(i, dequantize_value(type, code_at(packed, i), absmax[i / blocksize]));
-}
-
 }  // namespace
 
 bool parse_quant_type(std::string_view name, QuantType* out) {
@@ -58,19 +52,15 @@ bool parse_quant_type(std::string_view name, QuantType* out) {
 
 std::string_view quant_type_name(QuantType type) { return type == QuantType::kNf4 ? "nf4" : "fp4"; }
 
-void dequantize(const uint8_t* packed, const float* absmax, uint64_t n, uint64_t blocksize, QuantType type,
-                float* out_f32) {
-  dequantize_with(packed, absmax, n, blocksize, type, [&](uint64_t i, float v) { out_f32[i] = v; });
-}
-
-void dequantize_bf16(const uint8_t* packed, const float* absmax, uint64_t n, uint64_t blocksize, QuantType type,
-                     uint16_t* out) {
-  dequantize_with(packed, absmax, n, blocksize, type, [&](uint64_t i, float v) { out[i] = float_to_bf16(v); });
-}
-
-void dequantize_f16(const uint8_t* packed, const float* absmax, uint64_t n, uint64_t blocksize, QuantType type,
-                    uint16_t* out) {
-  dequantize_with(packed, absmax, n, blocksize, type, [&](uint64_t i, float v) { out[i] = float_to_f16(v); });
+void dequantize(const uint8_t* packed, const float* absmax, uint64_t first, uint64_t n, uint64_t blocksize,
+                QuantType type, DType dtype, float* out) {
+  const uint64_t skip = first & 1;  // the codes before element `first` in packed's first byte
+  for (uint64_t k = 0; k < n; ++k) {
+    const float v = dequantize_value(type, code_at(packed, skip + k), absmax[(first + k) / blocksize]);
+    out[k] = dtype == DType::kBF16  ? bf16_to_float(float_to_bf16(v))
+             : dtype == DType::kF16 ? f16_to_float(float_to_f16(v))
+                                    : v;
+  }
 }
 
 void dequantize_absmax(const uint8_t* codes, const float* absmax2, const float* map, uint64_t n_blocks,

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <string_view>
 
+#include "common/dtype.h"
 #include "common/half.h"
 
 namespace zo::bnb4 {
@@ -70,15 +71,13 @@ ZO_HOST_DEVICE float dequantize_value(QuantType type, uint8_t q, float absmax) {
   return c * absmax;
 }
 
-// Writes the n elements of a packed tensor, in fp32 (out_f32) or rounded to nearest even to bf16
-// or fp16 (out_16, with dtype16 one of "bf16", "fp16"): dequantize_4bit's bits. absmax holds
-// block_count(n, blocksize) values.
-void dequantize(const uint8_t* packed, const float* absmax, uint64_t n, uint64_t blocksize, QuantType type,
-                float* out_f32);
-void dequantize_bf16(const uint8_t* packed, const float* absmax, uint64_t n, uint64_t blocksize, QuantType type,
-                     uint16_t* out);
-void dequantize_f16(const uint8_t* packed, const float* absmax, uint64_t n, uint64_t blocksize, QuantType type,
-                    uint16_t* out);
+// Elements [first, first + n) of a packed tensor as dequantize_4bit gives them in `dtype` (fp32, or
+// rounded to nearest even to bf16 or fp16), widened exactly to fp32 in `out`. `absmax` is the
+// tensor's (indexed by element / blocksize); `packed` holds the codes from byte first / 2 on, so a
+// caller may read only the bytes of the range (element first's code is its high nibble when
+// first is even, its low one when odd).
+void dequantize(const uint8_t* packed, const float* absmax, uint64_t first, uint64_t n, uint64_t blocksize,
+                QuantType type, DType dtype, float* out);
 
 // Double quantization's absmax values read back (Note [4-bit blocks]): out[j] = map[codes[j]] ×
 // absmax2[j / blocksize2] + offset, in fp32, for j < n_blocks. `map` is the 256-entry table the

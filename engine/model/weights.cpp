@@ -16,7 +16,6 @@
 #include <nlohmann/json.hpp>
 
 #include "common/bnb4bit.h"
-#include "common/half.h"
 #include "common/log.h"
 #include "common/string_util.h"
 #include "engine/model/safetensors.h"
@@ -163,6 +162,13 @@ Result<std::optional<QuantizedWeight>> find_quantized(const HfWeights& w, const 
     used->insert(key);
     return Status::ok();
   };
+  // A tensor of the state that must hold `count` fp32 values.
+  auto f32s = [&](const Tensor& t, uint64_t count, const std::string& note = "") -> Status {
+    if (t.tensor->u8 || t.tensor->dtype != DType::kF32 || t.tensor->n_elems != count)
+      return invalid_argument(where + ": " + t.tensor->name + " is not " + std::to_string(count) + " fp32 values" +
+                              note);
+    return Status::ok();
+  };
   QuantizedWeight q;
   ZO_RETURN_IF_ERROR(tensor("", &q.packed));
   if (!state.tensor->u8 || state.tensor->size_bytes > (uint64_t{1} << 20))
@@ -204,17 +210,14 @@ Result<std::optional<QuantizedWeight>> find_quantized(const HfWeights& w, const 
   ZO_RETURN_IF_ERROR(tensor(".quant_map", &quant_map));
   ZO_RETURN_IF_ERROR(tensor(".absmax", &q.absmax));
   std::array<float, 16> map{};
-  if (quant_map.tensor->u8 || quant_map.tensor->dtype != DType::kF32 || quant_map.tensor->n_elems != 16)
-    return invalid_argument(where + ": " + quant_map.tensor->name + " is not 16 fp32 values");
+  ZO_RETURN_IF_ERROR(f32s(quant_map, 16));
   ZO_RETURN_IF_ERROR(quant_map.file->read_f32(*quant_map.tensor, 0, map));
   const std::array<float, 16>& code = q.type == bnb4::QuantType::kNf4 ? bnb4::kNf4Code : bnb4::kFp4Code;
   if (std::memcmp(map.data(), code.data(), sizeof(map)) != 0)
     return invalid_argument(where + ": " + quant_map.tensor->name + " is not bitsandbytes' " + type_name + " table");
   q.nested = j.contains("nested_offset");
   if (!q.nested) {
-    if (q.absmax.tensor->u8 || q.absmax.tensor->dtype != DType::kF32 || q.absmax.tensor->n_elems != blocks)
-      return invalid_argument(where + ": " + q.absmax.tensor->name + " is not " + std::to_string(blocks) +
-                              " fp32 values (one per block of " + std::to_string(q.blocksize) + ")");
+    ZO_RETURN_IF_ERROR(f32s(q.absmax, blocks, " (one per block of " + std::to_string(q.blocksize) + ")"));
     return std::optional<QuantizedWeight>(std::move(q));
   }
   const nlohmann::json bs2 = j.value("nested_blocksize", nlohmann::json()), off = j["nested_offset"];
@@ -231,12 +234,8 @@ Result<std::optional<QuantizedWeight>> find_quantized(const HfWeights& w, const 
     return invalid_argument(where + ": " + q.absmax.tensor->name + " is not " + std::to_string(blocks) +
                             " U8 codes (one per block, double quantization)");
   const uint64_t blocks2 = bnb4::block_count(blocks, q.blocksize2);
-  if (q.nested_absmax.tensor->u8 || q.nested_absmax.tensor->dtype != DType::kF32 ||
-      q.nested_absmax.tensor->n_elems != blocks2)
-    return invalid_argument(where + ": " + q.nested_absmax.tensor->name + " is not " + std::to_string(blocks2) +
-                            " fp32 values");
-  if (q.nested_map.tensor->u8 || q.nested_map.tensor->dtype != DType::kF32 || q.nested_map.tensor->n_elems != 256)
-    return invalid_argument(where + ": " + q.nested_map.tensor->name + " is not 256 fp32 values");
+  ZO_RETURN_IF_ERROR(f32s(q.nested_absmax, blocks2));
+  ZO_RETURN_IF_ERROR(f32s(q.nested_map, 256));
   return std::optional<QuantizedWeight>(std::move(q));
 }
 
@@ -264,14 +263,7 @@ Status read_dequantized(const QuantizedWeight& q, const std::vector<float>& absm
   const uint64_t first = off / 2, last = (off + out.size() + 1) / 2;
   bytes->resize(last - first);
   ZO_RETURN_IF_ERROR(q.packed.file->read_raw(*q.packed.tensor, first, *bytes));
-  for (uint64_t k = 0; k < out.size(); ++k) {
-    const uint64_t i = off + k;
-    const float v =
-        bnb4::dequantize_value(q.type, bnb4::code_at(bytes->data(), i - 2 * first), absmax[i / q.blocksize]);
-    out[k] = q.dtype == DType::kBF16  ? bf16_to_float(float_to_bf16(v))
-             : q.dtype == DType::kF16 ? f16_to_float(float_to_f16(v))
-                                      : v;
-  }
+  bnb4::dequantize(bytes->data(), absmax.data(), off, out.size(), q.blocksize, q.type, q.dtype, out.data());
   return Status::ok();
 }
 
@@ -476,12 +468,7 @@ Status load_hf_weights(const std::string& model_dir, const ModelLayout& layout, 
       return invalid_argument("tensor " + stored + " in " + model_dir +
                               " has no 4-bit quantization state, but config.json's quantization_config says the "
                               "decoder projections are 4-bit (llm_int8_skip_modules does not name it)");
-    if (quantized[p].has_value()) {
-      sources[p] = {file, t};
-      max_elems = std::max(max_elems, elems_of(spec.shape));
-      continue;
-    }
-    if (t->shape != spec.shape)
+    if (!quantized[p].has_value() && t->shape != spec.shape)  // a 4-bit state's shape was checked against it
       return invalid_argument("tensor " + stored + " has shape " + shape_string(t->shape) + " in " + file->path() +
                               ", expected " + shape_string(spec.shape) + " from the model config");
     sources[p] = {file, t};
@@ -537,8 +524,7 @@ ParamSink quantizing_sink(const ModelLayout& layout, bnb4::QuantType type, Param
         absmax.resize(bnb4::block_count(values.size(), kBlock));
         out.resize(values.size());
         bnb4::quantize(values.data(), values.size(), kBlock, type, packed.data(), absmax.data());
-        for (uint64_t i = 0; i < values.size(); ++i)
-          out[i] = bnb4::dequantize_value(type, bnb4::code_at(packed.data(), i), absmax[i / kBlock]);
+        bnb4::dequantize(packed.data(), absmax.data(), 0, values.size(), kBlock, type, DType::kF32, out.data());
         return inner(param, offset, out);
       };
 }

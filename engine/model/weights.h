@@ -44,7 +44,7 @@ Status load_hf_weights(const std::string& model_dir, const ModelLayout& layout, 
 // QLoRA from a 16-bit directory (zoffload.quantize_base): a sink that passes each decoder
 // projection weight of the base (what transformers quantizes: not the embeddings, norms or head,
 // not a LoRA adapter) through bitsandbytes' 4-bit quantization in blocks of 64 without double
-// quantization and reads it back (bnb4::quantize, then dequantize_value: Note [4-bit blocks]) before
+// quantization and reads it back (bnb4::quantize, then bnb4::dequantize: Note [4-bit blocks]) before
 // `inner`; other params pass as they are. A chunk must start at a multiple of 64 elements and hold
 // whole blocks unless it ends the tensor (load_hf_weights' and random_init_weights' chunks of a
 // multiple of 64 do): InvalidArgument otherwise.

@@ -7,8 +7,10 @@
 // DIR/packed.u8 and DIR/absmax.f32 (nested: DIR/qabsmax.u8, DIR/absmax2.f32, DIR/map.f32) and writes
 // DIR/out.bin (fp32, or the 16-bit patterns) and, nested, DIR/out_absmax.f32. Exit 0, or 1 with a
 // line on stderr.
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <string>
@@ -74,19 +76,27 @@ int main(int argc, char** argv) {
   } else if (!read_all(dir + "/absmax.f32", &absmax)) {
     return fail("cannot read absmax.f32");
   }
-  const std::string dtype = meta["dtype"];
+  zo::Result<zo::DType> dtype = zo::parse_dtype(meta["dtype"]);
+  if (!dtype.is_ok()) return fail("unknown dtype " + meta["dtype"]);
+  std::vector<float> out(n);
+  bnb4::dequantize(packed.data(), absmax.data(), 0, n, blocksize, type, *dtype, out.data());
+  // The same elements a range at a time, from the bytes of each range only, as load_hf_weights
+  // reads them (ranges of 5: odd starts too): the script checks `out` against bitsandbytes.
+  for (uint64_t first = 0; first < n; first += 5) {
+    const uint64_t count = std::min<uint64_t>(5, n - first);
+    float part[5];
+    bnb4::dequantize(packed.data() + first / 2, absmax.data(), first, count, blocksize, type, *dtype, part);
+    if (std::memcmp(part, out.data() + first, count * sizeof(float)) != 0)
+      return fail("elements from " + std::to_string(first) + " read as a range differ from the whole tensor's");
+  }
   bool ok = false;
-  if (dtype == "fp32") {
-    std::vector<float> out(n);
-    bnb4::dequantize(packed.data(), absmax.data(), n, blocksize, type, out.data());
+  if (*dtype == zo::DType::kF32) {
     ok = write_all(dir + "/out.bin", out);
-  } else if (dtype == "bf16" || dtype == "fp16") {
-    std::vector<uint16_t> out(n);
-    if (dtype == "bf16") bnb4::dequantize_bf16(packed.data(), absmax.data(), n, blocksize, type, out.data());
-    else bnb4::dequantize_f16(packed.data(), absmax.data(), n, blocksize, type, out.data());
-    ok = write_all(dir + "/out.bin", out);
-  } else {
-    return fail("unknown dtype " + dtype);
+  } else {  // the 16-bit patterns: each value is one of the dtype's, so narrowing it is exact
+    std::vector<uint16_t> bits(n);
+    for (uint64_t i = 0; i < n; ++i)
+      bits[i] = *dtype == zo::DType::kBF16 ? zo::float_to_bf16(out[i]) : zo::float_to_f16(out[i]);
+    ok = write_all(dir + "/out.bin", bits);
   }
   return ok ? 0 : fail("cannot write out.bin");
 }
