@@ -63,6 +63,21 @@ void dequantize(const uint8_t* packed, const float* absmax, uint64_t first, uint
   }
 }
 
+CodeTables code_tables() {
+  CodeTables t{};
+  std::copy(kNf4Code.begin(), kNf4Code.end(), t.v[0]);
+  std::copy(kFp4Code.begin(), kFp4Code.end(), t.v[1]);
+  return t;
+}
+
+void dequantize_blob(const BlobHeader& h, const uint8_t* codes, const uint8_t* absmax, uint64_t first, uint64_t n,
+                     DType dtype, float* out) {
+  static const CodeTables tables = code_tables();
+  for (uint64_t k = 0; k < n; ++k)
+    out[k] =
+        round_to(dtype, blob_element(tables, h.type, h.round, codes, first / 2, absmax, first / kBlobBlock, first + k));
+}
+
 void dequantize_absmax(const uint8_t* codes, const float* absmax2, const float* map, uint64_t n_blocks,
                        uint64_t blocksize2, float offset, float* out) {
   for (uint64_t j = 0; j < n_blocks; ++j) {

@@ -1,8 +1,8 @@
 // bitsandbytes' 4-bit blockwise quantization (NF4 and FP4), as bitsandbytes 0.50.2 defines it: the
 // codes of get_4bit_type, the packing of quantize_4bit (two codes a byte, the even element in the
 // high nibble) and the arithmetic of its reference dequantize_4bit (code × the block's absmax in
-// fp32, then rounded to the compute dtype). The element functions are host-and-device (the CUDA
-// kernel and HostDevice run the same code); the array functions are host only. Thread-safe.
+// fp32, then rounded to the compute dtype). Host code; what the device runs too is in
+// common/bnb4_blob.h. Thread-safe.
 // tests/common/bnb4bit_bnb_test.py checks all of it against bitsandbytes (Note [4-bit blocks]).
 #pragma once
 
@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <string_view>
 
+#include "common/bnb4_blob.h"
 #include "common/dtype.h"
 #include "common/half.h"
 
@@ -60,13 +61,13 @@ constexpr uint64_t packed_bytes(uint64_t n) { return (n + 1) / 2; }
 constexpr uint64_t block_count(uint64_t n, uint64_t blocksize) { return (n + blocksize - 1) / blocksize; }
 
 // Element i's code in a packed array (Note [4-bit blocks]).
-ZO_HOST_DEVICE uint8_t code_at(const uint8_t* packed, uint64_t i) {
+inline uint8_t code_at(const uint8_t* packed, uint64_t i) {
   const uint8_t b = packed[i >> 1];
   return (i & 1) != 0 ? static_cast<uint8_t>(b & 0xF) : static_cast<uint8_t>(b >> 4);
 }
 
 // The value of code q (0..15) in a block with this absmax, in fp32 (rounded once, by the product).
-ZO_HOST_DEVICE float dequantize_value(QuantType type, uint8_t q, float absmax) {
+inline float dequantize_value(QuantType type, uint8_t q, float absmax) {
   const float c = type == QuantType::kNf4 ? kNf4Code[q & 0xF] : kFp4Code[q & 0xF];
   return c * absmax;
 }
@@ -88,5 +89,15 @@ void dequantize_absmax(const uint8_t* codes, const float* absmax2, const float* 
 // Quantizes n fp32 values as bitsandbytes' quantize_4bit does without double quantization: writes
 // packed_bytes(n) bytes to `packed` and block_count(n, blocksize) values to `absmax`.
 void quantize(const float* x, uint64_t n, uint64_t blocksize, QuantType type, uint8_t* packed, float* absmax);
+
+// Both tables for the element reads of common/bnb4_blob.h (a kernel argument).
+CodeTables code_tables();
+
+// Elements [first, first + n) of an n_total-element blob (Note [The packed 4-bit base]) whose header
+// is `h`, each as blob_element gives it and then rounded to `dtype` (the compute dtype), widened
+// exactly to fp32 in `out`. `codes` holds the blob's code bytes from byte first / 2 on, `absmax` its
+// absmax bytes from block first / kBlobBlock on: a caller reads only the bytes of the range.
+void dequantize_blob(const BlobHeader& h, const uint8_t* codes, const uint8_t* absmax, uint64_t first, uint64_t n,
+                     DType dtype, float* out);
 
 }  // namespace zo::bnb4

@@ -1,4 +1,4 @@
-// ParamSpec: a trainable tensor's Hugging Face name and shape — what the model declares
+// ParamSpec: a tensor's Hugging Face name and shape — what the model declares
 // (engine/model) and the parameter registry flattens into sub-groups (engine/memory), kept here so
 // neither depends on the other. A plain value type.
 #pragma once
@@ -15,6 +15,11 @@ struct ParamSpec {
   // false: a frozen param, fetched for the forward but never updated; it has no optimizer state and
   // no gradient (Note [Frozen sub-groups] in engine/memory/param_registry.cpp).
   bool trainable = true;
+  // A frozen weight of a 4-bit base kept packed (Note [The packed 4-bit base] in
+  // common/bnb4_blob.h): its compute copy is a blob of bnb4::blob_bytes(elements) bytes,
+  // `storage_elems` elements of the compute dtype, instead of one element per weight. 0: not packed.
+  uint64_t storage_elems = 0;
+  bool packed() const { return storage_elems != 0; }
 };
 
 }  // namespace zo

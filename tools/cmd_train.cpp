@@ -461,6 +461,8 @@ int run_train(const TrainArgs& args) {
                         {"tokens_per_s", train_s > 0 ? tokens / train_s : 0.0},
                         {"metrics_path", trainer.metrics_path()},
                         {"parameters", trainer.num_parameters()},
+                        {"packed_4bit_weights", trainer.packed_weights()},
+                        {"packed_4bit_bytes", trainer.packed_bytes()},
                         {"first_step", first_step},
                         {"resumed_from", trainer.resumed_from()},
                         {"checkpoints", saved},
@@ -521,10 +523,9 @@ void register_train_command(CLI::App& app, int* exit_code) {
           "(docs/training.md, \"Several processes\").");
   train->add_option("--config", args->config, "DeepSpeed/zoffload JSON config (see docs/config.md)")->required();
   train
-      ->add_option(
-          "--model", args->model,
-          "A Hugging Face model directory (config.json + *.safetensors) or a preset with random init: "
-          "tiny, tinyllama-1.1b, llama3.2-1b, llama3.2-3b, llama-7b, llama3-8b, llama-13b, llama-30b, llama-70b")
+      ->add_option("--model", args->model,
+                   "A Hugging Face model directory (config.json + *.safetensors) or a preset with random init: " +
+                       join(engine::model_preset_names(), ", "))
       ->required();
   train
       ->add_option("--data", args->data,

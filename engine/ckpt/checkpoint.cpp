@@ -82,7 +82,7 @@ Manifest manifest_of(const StateStore& store, uint64_t step) {
   Manifest m;
   m.step = step;
   for (const ParamInfo& p : store.registry().params())
-    (p.trainable ? m.tensors : m.frozen).push_back({p.name, p.shape, p.n_elems});
+    (p.trainable ? m.tensors : m.frozen).push_back(checkpoint_tensor(p));
   const Placement& pl = store.plan().placement;
   m.moments = pl.moments;
   m.master_dtype = pl.master_dtype;

@@ -201,8 +201,16 @@ Status load_checkpoint(const CheckpointInfo& ckpt, StateStore& store, io::IoEngi
   }
   size_t next_trainable = 0, next_frozen = 0;
   for (const ParamInfo& p : reg.params()) {
-    const bool saved_trainable = next_trainable < m.tensors.size() && m.tensors[next_trainable].name == p.name;
-    const bool saved_frozen = !saved_trainable && next_frozen < m.frozen.size() && m.frozen[next_frozen].name == p.name;
+    const CheckpointTensor want = checkpoint_tensor(p);
+    const bool saved_trainable = next_trainable < m.tensors.size() && m.tensors[next_trainable].name == want.name;
+    const bool saved_frozen =
+        !saved_trainable && next_frozen < m.frozen.size() && m.frozen[next_frozen].name == want.name;
+    const std::string other = p.packed ? p.name : p.name + std::string(kPackedTensorSuffix);
+    if (!saved_trainable && !saved_frozen && next_frozen < m.frozen.size() && m.frozen[next_frozen].name == other)
+      return invalid_argument(context + ": its " + p.name +
+                              (p.packed ? " is in the compute dtype, and this run keeps it packed in 4 bits"
+                                        : " is packed in 4 bits, and this run keeps it in the compute dtype") +
+                              ": resume over the checkpoint's base (its model directory and zoffload.quantize_base)");
     if (!saved_trainable && !saved_frozen) {
       const bool anywhere =
           std::any_of(m.tensors.begin(), m.tensors.end(),
@@ -213,9 +221,9 @@ Status load_checkpoint(const CheckpointInfo& ckpt, StateStore& store, io::IoEngi
                               ": a checkpoint of a different model");
     }
     const CheckpointTensor& t = saved_trainable ? m.tensors[next_trainable++] : m.frozen[next_frozen++];
-    if (p.shape != t.shape)
+    if (want.shape != t.shape)
       return invalid_argument(context + ": tensor " + t.name + " is " + shape_string(t.shape) +
-                              " but the model's parameter is " + shape_string(p.shape) +
+                              " but the model's parameter is " + shape_string(want.shape) +
                               ": a checkpoint of a different model");
     if (saved_trainable != p.trainable)
       return invalid_argument(context + ": " + p.name + " was " + (saved_trainable ? "trained" : "frozen") +
@@ -325,7 +333,16 @@ Status load_checkpoint(const CheckpointInfo& ckpt, StateStore& store, io::IoEngi
 json describe_checkpoint(const CheckpointInfo& ckpt) {
   uint64_t params = 0, frozen = 0, bytes = 0;
   for (const CheckpointTensor& t : ckpt.manifest.tensors) params += t.n_elems;
-  for (const CheckpointTensor& t : ckpt.manifest.frozen) frozen += t.n_elems;
+  // A packed 4-bit weight's entry counts its blob, not its weights (Note [The packed 4-bit base]).
+  uint64_t packed_tensors = 0, packed_bytes = 0;
+  for (const CheckpointTensor& t : ckpt.manifest.frozen) {
+    if (!t.name.ends_with(kPackedTensorSuffix)) {
+      frozen += t.n_elems;
+      continue;
+    }
+    ++packed_tensors;
+    packed_bytes += t.n_elems * dtype_size_bytes(ckpt.manifest.frozen_dtype);
+  }
   json files = json::object();
   for (const FileDigest& f : ckpt.manifest.files) {
     files[f.name] = f.size_bytes;
@@ -348,6 +365,8 @@ json describe_checkpoint(const CheckpointInfo& ckpt) {
               {"tensors", ckpt.manifest.tensors.size() + ckpt.manifest.frozen.size()},
               {"parameters", params + frozen},
               {"frozen_parameters", frozen},
+              {"packed_4bit_tensors", packed_tensors},
+              {"packed_4bit_bytes", packed_bytes},
               {"bytes", bytes},
               {"files", files}};
   if (model.is_object()) {

@@ -17,8 +17,11 @@
 #include <utility>
 
 #include "common/aligned_buffer.h"
+#include "common/bnb4_blob.h"
+#include "common/bnb4bit.h"
 #include "common/bytes.h"
 #include "common/half.h"
+#include "engine/ckpt/state_files.h"
 #include "engine/ckpt/stream_file.h"
 #include "engine/model/model_config.h"
 #include "engine/model/safetensors.h"
@@ -66,8 +69,8 @@ Status validate(std::span<const ParamInfo> params, const ExportOptions& o) {
       if (d < 1) return invalid_argument("export: tensor " + p.name + " has a dimension < 1");
       n *= static_cast<uint64_t>(d);
     }
-    if (n != p.n_elems)
-      return invalid_argument("export: tensor " + p.name + ": " + std::to_string(p.n_elems) +
+    if (n != p.weight_elems)
+      return invalid_argument("export: tensor " + p.name + ": " + std::to_string(p.weight_elems) +
                               " elements do not match its shape (" + std::to_string(n) + ")");
   }
   return Status::ok();
@@ -94,7 +97,7 @@ struct Shard {
 std::vector<Shard> plan_shards(std::span<const ParamInfo> params, DType dtype, uint64_t shard_bytes) {
   std::vector<Shard> shards;
   for (size_t i = 0; i < params.size(); ++i) {
-    const uint64_t bytes = params[i].n_elems * dtype_size_bytes(dtype);
+    const uint64_t bytes = params[i].weight_elems * dtype_size_bytes(dtype);
     if (shards.empty() || (shards.back().end > shards.back().first && shards.back().tensor_bytes + bytes > shard_bytes))
       shards.push_back({i, i, 0, ""});
     shards.back().end = i + 1;
@@ -239,7 +242,7 @@ class ShardExporter {
   }
 
   Status write_tensor(StreamWriter& writer, uint32_t param, const std::string& path) {
-    const uint64_t n = params_[param].n_elems;
+    const uint64_t n = params_[param].weight_elems;
     uint64_t off = 0;
     if (o_.dtype == DType::kF32) {
       while (off < n) {
@@ -459,7 +462,7 @@ Result<ExportResult> export_lora(std::span<const ParamInfo> params, const std::s
   uint32_t cached = std::numeric_limits<uint32_t>::max();
   std::vector<float> A, B, row;
   auto read_whole = [&](uint32_t p, std::vector<float>& dst) -> Status {
-    dst.resize(params[p].n_elems);
+    dst.resize(params[p].weight_elems);
     for (uint64_t off = 0; off < dst.size(); off += kReadElems) {
       const std::span<float> part(dst.data() + off, std::min<uint64_t>(kReadElems, dst.size() - off));
       ZO_RETURN_IF_ERROR(read(p, off, part).with_context("export: reading " + params[p].name + " to merge it"));
@@ -546,6 +549,17 @@ class MasterReader {
     return Status::ok();
   }
 
+  // A packed weight's blob (Note [The packed 4-bit base]), whole, as it is stored.
+  Status read_bytes(uint32_t tensor, std::span<std::byte> out) {
+    used_ = true;
+    const uint64_t pos = data_offsets_[tensor];
+    if (pos < verifier_.position())
+      return internal_error("export: " + path_ + " read out of order at offset " + std::to_string(pos) + " (at " +
+                            std::to_string(verifier_.position()) + ")");
+    ZO_RETURN_IF_ERROR(skip_to(pos));
+    return read_checked(out);
+  }
+
   // Reads and checks what follows the last tensor, then the file's size and last chunk; nothing
   // for a file the export did not read (a LoRA adapter export's frozen.safetensors).
   Status finish() {
@@ -627,6 +641,20 @@ Result<ExportResult> export_checkpoint(const CheckpointInfo& ckpt, io::IoEngine&
       info.name = t.name;
       info.shape = t.shape;
       info.n_elems = t.n_elems;
+      info.weight_elems = t.n_elems;
+      if (t.name.ends_with(kPackedTensorSuffix)) {
+        // Note [The packed 4-bit base]: exported as the weights the run computed with.
+        uint8_t head[bnb4::kBlobHeaderBytes];
+        bnb4::BlobHeader h;
+        const uint64_t size = t.n_elems * dtype_size_bytes(want);
+        if (size < bnb4::kBlobHeaderBytes || !file->read_raw(t, 0, head).is_ok() || !bnb4::read_blob_header(head, &h) ||
+            h.rows == 0 || h.cols == 0 || h.n() / h.rows != h.cols || bnb4::blob_bytes(h.n()) != size)
+          return corruption("export: " + path + ": " + t.name + " is not a 4-bit blob");
+        info.name = t.name.substr(0, t.name.size() - kPackedTensorSuffix.size());
+        info.shape = {static_cast<int64_t>(h.rows), static_cast<int64_t>(h.cols)};
+        info.weight_elems = h.n();
+        info.packed = true;
+      }
       params.push_back(std::move(info));
       data_offsets[i] = t.data_offset_bytes;
     }
@@ -638,11 +666,26 @@ Result<ExportResult> export_checkpoint(const CheckpointInfo& ckpt, io::IoEngine&
   ZO_RETURN_IF_ERROR(add_file(kMasterFile, ckpt.manifest.tensors, ckpt.manifest.master_dtype));
   if (!ckpt.manifest.frozen.empty())
     ZO_RETURN_IF_ERROR(add_file(kFrozenFile, ckpt.manifest.frozen, ckpt.manifest.frozen_dtype));
+  // A packed weight is read whole when its first chunk is asked for, and dequantized from there.
+  uint32_t blob_param = UINT32_MAX;
+  std::vector<std::byte> blob;
   return export_impl(
       params, ckpt.model_config_json,
-      [&](uint32_t p, uint64_t off, std::span<float> out) {
+      [&](uint32_t p, uint64_t off, std::span<float> out) -> Status {
         const size_t r = first_param.size() > 1 && p >= first_param[1] ? 1 : 0;
-        return readers[r]->read(p - first_param[r], off, out);
+        if (!params[p].packed) return readers[r]->read(p - first_param[r], off, out);
+        if (blob_param != p) {
+          blob.assign(params[p].n_elems * dtype_size_bytes(ckpt.manifest.frozen_dtype), std::byte{0});
+          ZO_RETURN_IF_ERROR(readers[r]->read_bytes(p - first_param[r], blob));
+          blob_param = p;
+        }
+        const auto* b = reinterpret_cast<const uint8_t*>(blob.data());
+        bnb4::BlobHeader h;
+        bnb4::read_blob_header(b, &h);
+        bnb4::dequantize_blob(h, b + bnb4::blob_codes_offset() + off / 2,
+                              b + bnb4::blob_absmax_offset(h.n()) + 4 * (off / bnb4::kBlobBlock), off, out.size(),
+                              ckpt.manifest.frozen_dtype, out.data());
+        return Status::ok();
       },
       io, options,
       [&]() -> Status {

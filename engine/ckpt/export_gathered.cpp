@@ -6,6 +6,9 @@
 #include <span>
 #include <vector>
 
+#include "common/bnb4_blob.h"
+#include "common/bnb4bit.h"
+
 namespace zo::engine {
 
 // Note [Exporting gathered parameters]
@@ -29,11 +32,33 @@ Result<ExportResult> export_gathered(StateStore& store, const std::string& model
     return failed_precondition("export: the weights of rank " + std::to_string(*torn) + of_world +
                                " are inconsistent after a failed step; export from a checkpoint instead");
   bool broken = false;  // a collective failed: the ranks are no longer connected, nothing more is sent
+  // A packed weight (Note [The packed 4-bit base]): its blob is gathered whole, piece by piece from
+  // the owners, on its first read, and each read is dequantized from it.
+  uint32_t blob_param = UINT32_MAX;
+  std::vector<std::byte> blob;
+  const uint64_t cb = dtype_size_bytes(store.plan().placement.compute_dtype);
   // Every rank, for one read of rank 0's: the pieces from their owners, then the owners' outcome.
   auto read_pieces = [&](uint32_t p, uint64_t off, std::span<float> out) -> Status {
     const std::string what = "exporting " + registry.params()[p].name;
     Status local;
+    const bool packed = registry.params()[p].packed;
+    if (packed && blob_param != p) {
+      blob.assign(registry.params()[p].n_elems * cb, std::byte{0});
+      blob_param = UINT32_MAX;
+    }
     for (const ParamPiece& piece : registry.pieces_of_param(p)) {
+      if (packed) {
+        if (blob_param == p) break;
+        const std::span<std::byte> part(blob.data() + piece.param_offset * cb, piece.n_elems * cb);
+        const uint32_t owner = registry.partition_of_group(piece.sub_group);
+        if (owner == rank && local.is_ok()) local = store.read_compute_bytes(p, piece.param_offset * cb, part);
+        Status st = ranks.broadcast(part.data(), part.size_bytes(), owner, what);
+        if (!st.is_ok()) {
+          broken = true;
+          return st;
+        }
+        continue;
+      }
       const uint64_t a = std::max(off, piece.param_offset);
       const uint64_t b = std::min<uint64_t>(off + out.size(), piece.param_offset + piece.n_elems);
       if (a >= b) continue;
@@ -55,6 +80,16 @@ Result<ExportResult> export_gathered(StateStore& store, const std::string& model
     if (*failed)
       return Status(StatusCode::kAborted, what + ": rank " + std::to_string(**failed) + of_world +
                                               " could not read its part (its own output has the error)");
+    if (packed) {
+      blob_param = p;
+      const auto* b = reinterpret_cast<const uint8_t*>(blob.data());
+      bnb4::BlobHeader h;
+      if (!bnb4::read_blob_header(b, &h) || h.n() != registry.params()[p].weight_elems)
+        return corruption(what + ": its compute copy is not a 4-bit blob");
+      bnb4::dequantize_blob(h, b + bnb4::blob_codes_offset() + off / 2,
+                            b + bnb4::blob_absmax_offset(h.n()) + 4 * (off / bnb4::kBlobBlock), off, out.size(),
+                            store.plan().placement.compute_dtype, out.data());
+    }
     return Status::ok();
   };
   using Header = std::array<double, 4>;  // {more, param, offset, count}; {0, ok} ends; exact below 2^53

@@ -30,6 +30,11 @@ std::vector<StateFile> state_files(MomentDtype moments, DType master, std::optio
   return out;
 }
 
+CheckpointTensor checkpoint_tensor(const ParamInfo& p) {
+  if (!p.packed) return {p.name, p.shape, p.n_elems};
+  return {p.name + std::string(kPackedTensorSuffix), {static_cast<int64_t>(p.n_elems)}, p.n_elems};
+}
+
 const std::vector<CheckpointTensor>& file_tensors(const Manifest& manifest, const StateFile& file) {
   return file.frozen ? manifest.frozen : manifest.tensors;
 }
@@ -123,6 +128,7 @@ Result<StateValueCheck> StateValueCheck::open(const StateFile& file, const std::
   c.data_start_ = ts.empty() ? c.header_->file_size_bytes() : ts.front().data_offset_bytes;
   for (const SafetensorsTensor& t : ts) {
     if (t.u8) return corruption(path + ": tensor " + t.name + " is U8; a checkpoint's state files hold floats");
+    if (file.frozen && t.name.ends_with(kPackedTensorSuffix)) continue;                // a blob's bytes, not values
     const bool map = file.part == StatePart::kMomentAux && t.name == kQuantMapTensor;  // the signed map is < 0 too
     const bool absmax = file.part == StatePart::kMomentAux && t.name.ends_with(".absmax");
     c.ranges_.push_back({t.data_offset_bytes, t.data_offset_bytes + t.size_bytes, t.dtype,

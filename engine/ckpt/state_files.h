@@ -34,6 +34,14 @@ struct StateFile {
   bool frozen = false;
 };
 
+// A packed 4-bit weight's compute copy (Note [The packed 4-bit base] in common/bnb4_blob.h) is saved
+// in kFrozenFile as its blob: a 1-D tensor of the compute dtype's size per element holding the
+// blob's bytes, named the weight's name + this suffix (its bytes are not values of that dtype).
+inline constexpr std::string_view kPackedTensorSuffix = ".zoffload_4bit_blob";
+// The tensor a checkpoint lists for registry param `p`: its name and shape, or a packed weight's
+// blob as above.
+CheckpointTensor checkpoint_tensor(const ParamInfo& p);
+
 // 8-bit moments' codes: one byte per element of each quantized parameter, no header.
 inline constexpr const char* kExpAvgCodesFile = "exp_avg.codes";
 inline constexpr const char* kExpAvgSqCodesFile = "exp_avg_sq.codes";

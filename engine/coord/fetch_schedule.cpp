@@ -32,12 +32,20 @@ FetchSchedule FetchSchedule::build(const ParamRegistry& registry, const Placemen
   s.persistent.assign(n_params, 0);
   s.slot_bytes.assign(n_params, 0);
   s.n_elems.assign(n_params, 0);
+  s.packed.assign(n_params, 0);
+  s.staged.assign(n_params, 0);
+  s.blob_bytes.assign(n_params, 0);
   for (const ParamInfo& info : registry.params()) {
     const uint32_t p = info.id;
-    s.n_elems[p] = info.n_elems;
-    s.slot_bytes[p] = sizing.rounded(info.n_elems * cb);
-    s.fetches[p] = gathered || placement.compute[registry.pieces_of_param(p).front().sub_group] != Tier::kDevice;
-    s.persistent[p] = s.fetches[p] && info.n_elems <= options.persistence_threshold_elems;
+    const bool off_device =
+        gathered || placement.compute[registry.pieces_of_param(p).front().sub_group] != Tier::kDevice;
+    s.n_elems[p] = info.weight_elems;
+    s.slot_bytes[p] = sizing.rounded(info.weight_elems * cb);
+    s.blob_bytes[p] = info.n_elems * cb;
+    s.packed[p] = info.packed;
+    s.staged[p] = info.packed && off_device;
+    s.fetches[p] = off_device || info.packed;
+    s.persistent[p] = s.fetches[p] && info.weight_elems <= options.persistence_threshold_elems;
   }
   std::vector<uint32_t> seen(n_params, UINT32_MAX);  // the last block that listed the param
   for (uint32_t b = 0; b < s.n_blocks; ++b) {
@@ -67,9 +75,11 @@ ArenaPlan plan_arena(const FetchSchedule& schedule, const CoordinatorOptions& op
   const uint32_t n_blocks = schedule.n_blocks;
   ArenaPlan out;
   uint64_t ceiling = 0;
+  const detail::RangeAllocator sizing(0, 0, gpu::kDeviceAlignment);
   for (size_t p = 0; p < schedule.used.size(); ++p) {
     if (!schedule.used[p] || !schedule.fetches[p]) continue;
     (persistent[p] ? out.persistent_bytes : ceiling) += slot[p];
+    if (schedule.staged[p]) out.staging_bytes = std::max(out.staging_bytes, sizing.rounded(schedule.blob_bytes[p]));
   }
   uint64_t largest_block_fetch_elems = 0;  // a block's fetched elements, persistent ones included
   for (uint32_t b = 0; b < n_blocks; ++b) {
@@ -134,8 +144,9 @@ ArenaPlan plan_arena(const FetchSchedule& schedule, const CoordinatorOptions& op
 }
 
 uint64_t ArenaPlan::bytes_within(uint64_t left) const {
-  const uint64_t room = left > persistent_bytes ? align_down(left - persistent_bytes, gpu::kDeviceAlignment) : 0;
-  return persistent_bytes + std::min(dynamic_bytes, room);
+  const uint64_t fixed = persistent_bytes + staging_bytes;
+  const uint64_t room = left > fixed ? align_down(left - fixed, gpu::kDeviceAlignment) : 0;
+  return fixed + std::min(dynamic_bytes, room);
 }
 
 }  // namespace zo::engine

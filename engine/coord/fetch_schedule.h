@@ -47,12 +47,19 @@ struct FetchSchedule {
   std::vector<uint8_t> used;        // some block uses it
   std::vector<uint8_t> fetches;     // its compute copy is off the device, or gathered
   std::vector<uint8_t> persistent;  // fetched, and at most stage3_param_persistence_threshold elements
-  std::vector<uint64_t> n_elems;
-  std::vector<uint64_t> slot_bytes;  // its compute copy's bytes rounded to the arena's slots
+  std::vector<uint64_t> n_elems;    // its weight's elements (ParamInfo::weight_elems)
+  std::vector<uint64_t> slot_bytes;  // its weights' bytes in the compute dtype, rounded to the arena's slots
+  // A packed weight (ParamInfo::packed, Note [The packed 4-bit base]): always fetched — its blob is
+  // copied (or, on the device, read where it lives) and dequantized into its slot. `staged`: the
+  // blob crosses PCIe first, into the arena's staging region (ArenaPlan::staging_bytes).
+  std::vector<uint8_t> packed;
+  std::vector<uint8_t> staged;
+  std::vector<uint64_t> blob_bytes;  // its compute copy's bytes (the blob's, for a packed weight)
 
   // `blocks[b]` = the param ids block b uses (each < registry.params().size(); ZO_CHECK). A param's
   // compute copy is on the device when its sub-groups' placement.compute is Tier::kDevice, unless
-  // `gathered` (MemoryPlan::partition_params: every param is fetched, from a BlockGatherer).
+  // `gathered` (MemoryPlan::partition_params: every param is fetched, from a BlockGatherer). A
+  // packed weight is fetched wherever it lives.
   static FetchSchedule build(const ParamRegistry& registry, const Placement& placement,
                              const std::vector<std::vector<uint32_t>>& blocks, const CoordinatorOptions& options,
                              bool gathered);
@@ -68,6 +75,7 @@ struct FetchSchedule {
 // and the planner calls it before anything is allocated (Note [Prefetch and release]).
 struct ArenaPlan {
   uint64_t persistent_bytes = 0;     // the persistent params' fixed slots
+  uint64_t staging_bytes = 0;  // where a packed weight's blob lands before it is dequantized: the largest staged blob
   uint64_t dynamic_bytes = 0;        // the dynamic region wanted, before the device budget caps it
   uint64_t largest_block_bytes = 0;  // the most one block needs in the dynamic region
   uint32_t largest_block = 0;
@@ -78,9 +86,9 @@ struct ArenaPlan {
   uint64_t prefetch_bucket_elems = 0;
   bool prefetch_by_blocks = false;   // the bucket was raised to whole blocks
   uint64_t largest_param_elems = 0;  // the largest fetched param (the bucket must hold it)
-  uint64_t total_bytes() const { return persistent_bytes + dynamic_bytes; }
-  // The arena create() allocates when `left` device bytes are free: the persistent slots and as
-  // much of the dynamic region as fits (whole alignment units).
+  uint64_t total_bytes() const { return persistent_bytes + staging_bytes + dynamic_bytes; }
+  // The arena create() allocates when `left` device bytes are free: the persistent slots, the
+  // staging region and as much of the dynamic region as fits (whole alignment units).
   uint64_t bytes_within(uint64_t left) const;
 };
 

@@ -9,6 +9,7 @@
 #include "common/log.h"
 #include "common/timer.h"
 #include "engine/coord/range_allocator.h"
+#include "gpu/quant_kernels.h"
 
 // Note [Prefetch and release]
 //
@@ -63,6 +64,15 @@
 // because it was present, and fetched later params instead: dropping it now would leave a miss
 // behind the prefetch frontier; it is kept and counted as fetched ahead). Else its slot is freed
 // at once. Cached params are dropped by evictions or invalidate().
+//
+// Packed weights (Note [The packed 4-bit base] in common/bnb4_blob.h). A frozen 4-bit weight's
+// compute copy is its blob, and that is what a fetch moves: its H2D copy lands in the arena's
+// staging region, between the persistent and dynamic regions, and dequantize_4bit, queued behind it
+// on the same copy stream, writes the weights into the param's slot (sized, like every limit above,
+// by the weight's own elements in the compute dtype); the param's event is recorded after that. The
+// stream runs in order, so one staging region of the largest blob serves every fetch. A blob that
+// lives on the device is dequantized where it lives: such a param is fetched (it has a slot) but
+// moves no bytes.
 
 namespace zo::engine {
 
@@ -87,7 +97,10 @@ struct ParamCoordinator::Impl {
     gpu::DevicePtr home;
     const std::byte* host = nullptr;  // CPU-resident copy, read directly when there is no swapper
     uint64_t n_elems = 0;
-    uint64_t bytes = 0;
+    uint64_t bytes = 0;          // its slot: the weights in the compute dtype
+    uint64_t src_bytes = 0;      // its compute copy, what a fetch moves: `bytes`, or a packed weight's blob
+    bool packed = false;         // Note [The packed 4-bit base]: the blob is dequantized into the slot
+    gpu::DevicePtr packed_home;  // a packed weight's blob when it lives on the device (read in place)
     uint64_t nvme_bytes = 0;  // the part of its compute copy that lives on NVMe
     bool persistent = false;
     std::vector<uint32_t> uses;  // schedule positions, ascending
@@ -120,6 +133,9 @@ struct ParamCoordinator::Impl {
   gpu::DevicePtr arena;
   uint64_t arena_bytes = 0;
   uint64_t persistent_bytes = 0;
+  // [persistent_bytes, + staging_bytes) of the arena: where a packed weight's blob lands before the
+  // dequantization on the copy stream reads it (one at a time: the stream runs in order).
+  uint64_t staging_bytes = 0;
   detail::RangeAllocator dynamic;
   gpu::Stream stream;
   uint64_t copies_issued = 0;     // H2D copies queued so far (Param::copy_seq)
@@ -245,10 +261,21 @@ struct ParamCoordinator::Impl {
     return best;
   }
 
+  // Queues the dequantization of a packed weight's blob at `blob` into its slot.
+  Status dequantize(uint32_t p, gpu::DevicePtr blob) {
+    const Param& x = params[p];
+    return gpu::dequantize_4bit(
+        *device, {.blob = blob, .out = arena + x.offset, .out_dtype = compute_dtype, .n_elems = x.n_elems}, stream);
+  }
+
+  // Queues the copy of `p`'s compute copy from `src` (host memory) — and for a packed weight its
+  // dequantization, through the staging region — and records its event.
   void issue_h2d(uint32_t p, const std::byte* src, Status* status) {
     Param& x = params[p];
-    Status st = device->copy_h2d(arena + x.offset, src, x.bytes, stream);
-    if (st.is_ok()) store->accounting().add_moved(Move::kHostToDevice, x.bytes);
+    const gpu::DevicePtr dst = x.packed ? arena + persistent_bytes : arena + x.offset;
+    Status st = device->copy_h2d(dst, src, x.src_bytes, stream);
+    if (st.is_ok()) store->accounting().add_moved(Move::kHostToDevice, x.src_bytes);
+    if (st.is_ok() && x.packed) st = dequantize(p, dst);
     if (st.is_ok()) st = device->record(x.event, stream);
     if (!st.is_ok()) {
       *status = st.with_context("copying param " + param_name(p) + " to the device");
@@ -257,8 +284,20 @@ struct ParamCoordinator::Impl {
     x.state = Residence::kCopying;
     x.copy_seq = ++copies_issued;
     ++stats.fetches;
-    stats.h2d_bytes += x.bytes;
+    stats.h2d_bytes += x.src_bytes;
     stats.nvme_read_bytes += x.nvme_bytes;
+  }
+
+  // A packed weight whose blob lives on the device: only its dequantization is queued.
+  Status issue_in_place(uint32_t p) {
+    Param& x = params[p];
+    Status st = dequantize(p, x.packed_home);
+    if (st.is_ok()) st = device->record(x.event, stream);
+    if (!st.is_ok()) return st.with_context("dequantizing param " + param_name(p) + " on the device");
+    x.state = Residence::kCopying;
+    x.copy_seq = ++copies_issued;
+    ++stats.fetches;
+    return Status::ok();
   }
 
   // A failed transfer leaves the param placed (slot kept, buffer given back) with its error, so
@@ -314,6 +353,7 @@ struct ParamCoordinator::Impl {
   Status start_fetch(uint32_t p, uint64_t q, bool blocking, bool* would_block) {
     Param& x = params[p];
     x.failure = Status::ok();
+    if (x.packed_home) return issue_in_place(p);
     if (gatherer != nullptr) {
       const std::byte* src = nullptr;
       if (blocking) {
@@ -492,8 +532,10 @@ Result<std::unique_ptr<ParamCoordinator>> ParamCoordinator::create(StateStore& s
   for (uint32_t p = 0; p < s.params.size(); ++p) {
     Impl::Param& x = s.params[p];
     const ParamInfo& info = registry.params()[p];
-    x.n_elems = info.n_elems;
-    x.bytes = info.n_elems * cb;
+    x.n_elems = info.weight_elems;
+    x.bytes = info.weight_elems * cb;
+    x.src_bytes = info.n_elems * cb;
+    x.packed = info.packed;
     const auto pieces = registry.pieces_of_param(p);
     x.groups_end = pieces.back().sub_group + 1;
     x.persistent = s.schedule.persistent[p];
@@ -521,12 +563,13 @@ Result<std::unique_ptr<ParamCoordinator>> ParamCoordinator::create(StateStore& s
                             " has its compute copy partly on the device and partly off it");
     }
     x.on_device = !s.schedule.fetches[p];
-    if (x.on_device != (on_device != 0)) {
+    if (x.packed && on_device != 0) x.packed_home = first.device + pieces.front().group_offset * cb;
+    if (x.on_device != (on_device != 0) && !x.packed_home) {
       return internal_error("parameter coordinator: param " + info.name + "'s compute copy is " +
                             (x.on_device ? "off" : "on") + " the device in the store, not where the placement puts it");
     }
     if (x.on_device) x.home = first.device + pieces.front().group_offset * cb;
-    if (!x.on_device && param_swapper == nullptr) {
+    if (!x.on_device && !x.packed_home && param_swapper == nullptr) {
       if (x.nvme_bytes > 0) {
         return invalid_argument("parameter coordinator: param " + info.name +
                                 " has its compute copy on NVMe but no ParamSwapper was given");
@@ -561,12 +604,13 @@ Result<std::unique_ptr<ParamCoordinator>> ParamCoordinator::create(StateStore& s
   }
   const uint64_t largest = ap.largest_block_bytes;
   const uint32_t largest_block = ap.largest_block;
+  s.staging_bytes = ap.staging_bytes;
 
   if (ap.total_bytes() > 0) {
     const gpu::DeviceStats ds = s.device->stats();
     uint64_t left = ds.budget_bytes > ds.allocated_bytes ? ds.budget_bytes - ds.allocated_bytes : 0;
     left = left > options.device_reserve_bytes ? left - options.device_reserve_bytes : 0;
-    if (persistent_bytes + largest > left) {
+    if (persistent_bytes + s.staging_bytes + largest > left) {
       const uint64_t block_elems_off = ap.largest_block_elems;
       std::string msg = "gpu budget " + bytes_text(ds.budget_bytes) + " leaves " + bytes_text(left) + " for parameters";
       if (options.device_reserve_bytes > 0)
@@ -581,6 +625,8 @@ Result<std::unique_ptr<ParamCoordinator>> ParamCoordinator::create(StateStore& s
                " for the persistent params (stage3_param_persistence_threshold " +
                std::to_string(options.persistence_threshold_elems) + ")";
       }
+      if (s.staging_bytes > 0)
+        msg += " besides " + bytes_text(s.staging_bytes) + " to stage the largest 4-bit weight's blob";
       return out_of_memory(msg + "; raise zoffload.gpu_memory_limit or offload fewer states to the device");
     }
     s.persistent_bytes = persistent_bytes;
@@ -588,7 +634,8 @@ Result<std::unique_ptr<ParamCoordinator>> ParamCoordinator::create(StateStore& s
     ZO_ASSIGN_OR_RETURN(s.arena, s.device->allocate(s.arena_bytes));
     store.accounting().add_resident(Tier::kDevice, s.arena_bytes);
   }
-  s.dynamic = detail::RangeAllocator(s.persistent_bytes, s.arena_bytes - s.persistent_bytes, gpu::kDeviceAlignment);
+  const uint64_t dynamic_begin = s.persistent_bytes + s.staging_bytes;
+  s.dynamic = detail::RangeAllocator(dynamic_begin, s.arena_bytes - dynamic_begin, gpu::kDeviceAlignment);
   s.stats.arena_bytes = s.arena_bytes;
   ZO_ASSIGN_OR_RETURN(s.stream, s.device->create_stream());
   for (Impl::Param& x : s.params) {

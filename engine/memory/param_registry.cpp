@@ -93,11 +93,14 @@ Result<ParamRegistry> ParamRegistry::build(std::vector<ParamSpec> params, uint64
       }
       n *= static_cast<uint64_t>(d);
     }
+    if (spec.packed() && spec.trainable) return invalid_argument(label + " is packed in 4 bits but trainable");
     ParamInfo info;
     info.id = static_cast<uint32_t>(i);
     info.name = std::move(spec.name);
     info.shape = std::move(spec.shape);
-    info.n_elems = n;
+    info.n_elems = spec.packed() ? spec.storage_elems : n;
+    info.weight_elems = n;
+    info.packed = spec.packed();
     info.trainable = spec.trainable;
     r.params_.push_back(std::move(info));
   }
@@ -105,8 +108,10 @@ Result<ParamRegistry> ParamRegistry::build(std::vector<ParamSpec> params, uint64
   // claims: the sub-group table is counted before it is built.
   uint64_t total = 0;
   for (const ParamInfo& p : r.params_) {
-    if (__builtin_add_overflow(total, p.n_elems, &total))
+    if (__builtin_add_overflow(total, p.n_elems, &total) ||
+        __builtin_add_overflow(r.total_weights_, p.weight_elems, &r.total_weights_))
       return invalid_argument("the model has more elements than 64 bits count");
+    if (p.packed) r.packed_elems_ += p.n_elems;
   }
   const uint64_t groups_at_least = total / (sub_group_size / kSplitAlignElems * kSplitAlignElems);
   if (groups_at_least > kMaxSubGroups) {

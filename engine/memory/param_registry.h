@@ -27,7 +27,11 @@ struct ParamInfo {
   uint32_t id = 0;  // index in registration order
   std::string name;
   std::vector<int64_t> shape;
+  // The elements of its compute copy, which every state and the sub-groups count: the shape's, or
+  // for a packed weight its blob's (ParamSpec::storage_elems).
   uint64_t n_elems = 0;
+  uint64_t weight_elems = 0;  // the shape's elements (n_elems unless packed)
+  bool packed = false;        // ParamSpec::packed(): a frozen 4-bit weight (Note [The packed 4-bit base])
   uint32_t first_piece = 0;  // its pieces are [first_piece, first_piece + n_pieces) of pieces()
   uint32_t n_pieces = 0;
   bool trainable = true;  // ParamSpec::trainable
@@ -80,6 +84,10 @@ class ParamRegistry {
   uint32_t partition_of_group(uint32_t sub_group) const;
 
   uint64_t total_elems() const { return total_elems_; }
+  // The weights of the model: total_elems with each packed weight's own elements, not its blob's.
+  uint64_t total_weights() const { return total_weights_; }
+  uint64_t packed_weights() const { return total_weights_ - (total_elems_ - packed_elems_); }
+  uint64_t packed_elems() const { return packed_elems_; }  // the packed weights' blobs, in elements
   uint64_t max_group_elems() const { return max_group_elems_; }
   // Of the trainable params (Note [Frozen sub-groups]): their elements, and the largest sub-group
   // holding them (0 when every param is frozen).
@@ -93,6 +101,8 @@ class ParamRegistry {
   std::vector<ParamPiece> pieces_;
   std::vector<uint32_t> partition_starts_;  // the first sub-group of each partition
   uint64_t total_elems_ = 0;
+  uint64_t total_weights_ = 0;
+  uint64_t packed_elems_ = 0;
   uint64_t max_group_elems_ = 0;
   uint64_t trainable_elems_ = 0;
   uint64_t max_trainable_group_elems_ = 0;

@@ -83,13 +83,24 @@ class StateStore {
   // only where held). Any slice (streaming a large tensor in chunks); on NVMe unaligned edges are
   // read-modify-written. Synchronous.
   Status init_param(uint32_t param, uint64_t offset_elems, std::span<const float> values);
+  // A packed weight's compute copy (ParamInfo::packed: its blob, Note [The packed 4-bit base] in
+  // common/bnb4_blob.h): bytes [offset_bytes, offset_bytes + bytes.size()) written as they are,
+  // where this rank holds them. InvalidArgument for a param that is not packed or a range outside
+  // its blob. Synchronous.
+  Status init_packed(uint32_t param, uint64_t offset_bytes, std::span<const std::byte> bytes);
   // Reads elements [offset_elems, offset_elems + out.size()) of a param's fp32 master, from
   // whichever sub-groups and tiers hold them (read_state_range per piece). Synchronous.
   // kFailedPrecondition when some of them are another rank's.
   Status read_param_master(uint32_t param, uint64_t offset_elems, std::span<float> out);
   // The same from the compute copies (held for every sub-group), widened to fp32 exactly: the master
-  // rounded to the compute dtype. Uses the store's scratch: not beside other transfers.
+  // rounded to the compute dtype; for a packed weight, its elements dequantized from the blob as
+  // the device's dequantize_4bit gives them (kCorruption naming the param when its header is not a
+  // blob's). Uses the store's scratch: not beside other transfers.
   Status read_param_compute(uint32_t param, uint64_t offset_elems, std::span<float> out);
+  // Bytes [offset_bytes, offset_bytes + out.size()) of a param's compute copy as stored (a packed
+  // weight's blob), piece by piece. kFailedPrecondition when some are another rank's. Synchronous;
+  // uses the store's scratch.
+  Status read_compute_bytes(uint32_t param, uint64_t offset_bytes, std::span<std::byte> out);
   // A param's weights as the run holds them: its master, or, for a frozen param, which has none
   // (Note [Frozen sub-groups] in param_registry.cpp), its compute copy.
   Status read_param_value(uint32_t param, uint64_t offset_elems, std::span<float> out);
@@ -176,6 +187,8 @@ class StateStore {
 
  private:
   explicit StateStore(std::unique_ptr<Impl> impl);
+  // read_param_compute of a packed weight (ParamInfo::packed).
+  Status read_packed(uint32_t param, uint64_t offset_elems, std::span<float> out);
   // read_param_master / read_param_compute: `kind`'s elements of a param as fp32; `op` names the call.
   Status read_param(uint32_t param, uint64_t offset_elems, std::span<float> out, StateKind kind, const char* op);
   std::unique_ptr<Impl> impl_;

@@ -9,6 +9,8 @@
 #include <vector>
 
 #include "common/aligned_buffer.h"
+#include "common/bnb4_blob.h"
+#include "common/bnb4bit.h"
 #include "common/check.h"
 #include "common/bytes.h"
 #include "common/half.h"
@@ -198,6 +200,7 @@ Status StateStore::init_param(uint32_t param, uint64_t offset_elems, std::span<c
                             std::to_string(s.registry.params().size()) + " params)");
   }
   const ParamInfo& info = s.registry.params()[param];
+  if (info.packed) return invalid_argument("init_param: " + info.name + " is a packed 4-bit weight (init_packed)");
   if (offset_elems > info.n_elems || values.size() > info.n_elems - offset_elems) {
     return invalid_argument("init_param: " + info.name + ": elements [" + std::to_string(offset_elems) + ", " +
                             std::to_string(offset_elems + values.size()) + ") outside its " +
@@ -252,7 +255,82 @@ Status StateStore::read_param_master(uint32_t param, uint64_t offset_elems, std:
   return read_param(param, offset_elems, out, StateKind::kMaster, "read_param_master");
 }
 
+Status StateStore::init_packed(uint32_t param, uint64_t offset_bytes, std::span<const std::byte> bytes) {
+  Impl& s = *impl_;
+  std::lock_guard<std::recursive_mutex> transfer(s.transfer_mu);
+  if (param >= s.registry.params().size() || !s.registry.params()[param].packed)
+    return invalid_argument("init_packed: param " + std::to_string(param) + " is not a packed 4-bit weight");
+  const ParamInfo& info = s.registry.params()[param];
+  const uint64_t cb = s.elem_bytes(StateKind::kCompute), size = info.n_elems * cb;
+  if (offset_bytes > size || bytes.size() > size - offset_bytes)
+    return invalid_argument("init_packed: " + info.name + ": bytes [" + std::to_string(offset_bytes) + ", " +
+                            std::to_string(offset_bytes + bytes.size()) + ") outside its blob of " +
+                            std::to_string(size));
+  const uint64_t lo = offset_bytes, hi = offset_bytes + bytes.size();
+  for (const ParamPiece& piece : s.registry.pieces_of_param(param)) {
+    const uint64_t a = std::max(lo, piece.param_offset * cb),
+                   b = std::min(hi, (piece.param_offset + piece.n_elems) * cb);
+    if (a >= b || !s.plan.holds(piece.sub_group, StateKind::kCompute)) continue;
+    Status st =
+        write_state_range(piece.sub_group, StateKind::kCompute, piece.group_offset * cb + (a - piece.param_offset * cb),
+                          bytes.subspan(a - lo, b - a));
+    if (!st.is_ok()) return st.with_context("init_packed " + info.name);
+  }
+  return Status::ok();
+}
+
+Status StateStore::read_compute_bytes(uint32_t param, uint64_t offset_bytes, std::span<std::byte> out) {
+  std::lock_guard<std::recursive_mutex> transfer(impl_->transfer_mu);
+  const Impl& s = *impl_;
+  if (param >= s.registry.params().size())
+    return invalid_argument("read_compute_bytes: param " + std::to_string(param) + " out of range");
+  const uint64_t cb = s.elem_bytes(StateKind::kCompute);
+  const uint64_t lo = offset_bytes, hi = offset_bytes + out.size();
+  for (const ParamPiece& piece : s.registry.pieces_of_param(param)) {
+    const uint64_t a = std::max(lo, piece.param_offset * cb),
+                   b = std::min(hi, (piece.param_offset + piece.n_elems) * cb);
+    if (a >= b) continue;
+    ZO_RETURN_IF_ERROR(s.check_held(piece.sub_group, StateKind::kCompute, "read_param_compute"));
+    ZO_RETURN_IF_ERROR(read_state_range(piece.sub_group, StateKind::kCompute,
+                                        piece.group_offset * cb + (a - piece.param_offset * cb),
+                                        out.subspan(a - lo, b - a)));
+  }
+  return Status::ok();
+}
+
+Status StateStore::read_packed(uint32_t param, uint64_t offset_elems, std::span<float> out) {
+  const ParamInfo& info = impl_->registry.params()[param];
+  const uint64_t n = info.weight_elems;
+  if (offset_elems > n || out.size() > n - offset_elems)
+    return invalid_argument("read_param_compute: " + info.name + ": elements [" + std::to_string(offset_elems) + ", " +
+                            std::to_string(offset_elems + out.size()) + ") outside its " + std::to_string(n) +
+                            " elements");
+  if (out.empty()) return Status::ok();
+  auto context = [&](Status st) { return st.with_context("reading the packed 4-bit weight " + info.name); };
+  std::array<std::byte, bnb4::kBlobHeaderBytes> head{};
+  Status st = read_compute_bytes(param, 0, head);
+  if (!st.is_ok()) return context(std::move(st));
+  bnb4::BlobHeader h;
+  if (!bnb4::read_blob_header(reinterpret_cast<const uint8_t*>(head.data()), &h) || h.n() != n)
+    return corruption("the compute copy of " + info.name + " is not the 4-bit blob of its " + std::to_string(n) +
+                      " elements (its header is damaged)");
+  const uint64_t first = offset_elems, last = offset_elems + out.size() - 1;
+  std::vector<std::byte> codes(last / 2 - first / 2 + 1),
+      absmax(4 * (last / bnb4::kBlobBlock - first / bnb4::kBlobBlock + 1));
+  st = read_compute_bytes(param, bnb4::blob_codes_offset() + first / 2, codes);
+  if (st.is_ok()) st = read_compute_bytes(param, bnb4::blob_absmax_offset(n) + 4 * (first / bnb4::kBlobBlock), absmax);
+  if (!st.is_ok()) return context(std::move(st));
+  bnb4::dequantize_blob(h, reinterpret_cast<const uint8_t*>(codes.data()),
+                        reinterpret_cast<const uint8_t*>(absmax.data()), first, out.size(),
+                        impl_->plan.placement.compute_dtype, out.data());
+  return Status::ok();
+}
+
 Status StateStore::read_param_compute(uint32_t param, uint64_t offset_elems, std::span<float> out) {
+  if (param < impl_->registry.params().size() && impl_->registry.params()[param].packed) {
+    std::lock_guard<std::recursive_mutex> transfer(impl_->transfer_mu);
+    return read_packed(param, offset_elems, out);
+  }
   return read_param(param, offset_elems, out, StateKind::kCompute, "read_param_compute");
 }
 

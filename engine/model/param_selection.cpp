@@ -90,6 +90,13 @@ std::string_view lora_module_name(DecoderRole role) {
   }
 }
 
+bool kept_in_16_bits(std::string_view name, const BnbQuantization& quantization) {
+  if (!name.ends_with("_proj.weight")) return true;
+  for (const std::string& skip : quantization.skip_modules)
+    if (name.find(skip) != std::string_view::npos) return true;
+  return false;
+}
+
 bool is_lora_param(std::string_view name) {
   return name.ends_with(".lora_A.weight") || name.ends_with(".lora_B.weight");
 }

@@ -256,6 +256,46 @@ Result<std::vector<float>> read_absmax(const QuantizedWeight& q) {
   return absmax;
 }
 
+// Zeros for a blob's padding (at most 15 bytes a gap).
+constexpr std::byte kZeros[16] = {};
+
+// The blob of a packed weight (Note [The packed 4-bit base] in common/bnb4_blob.h) from the
+// checkpoint's own codes and absmax, in pieces of at most chunk_bytes: the codes are copied as they
+// are stored, and each absmax is repeated for every 64-element block of its block.
+Status emit_blob(const QuantizedWeight& q, const ParamSpec& spec, uint32_t p, uint64_t chunk_bytes,
+                 const PackedSink& sink) {
+  if (q.blocksize < bnb4::kBlobBlock)
+    return invalid_argument("the 4-bit weight " + spec.name + " is quantized in blocks of " +
+                            std::to_string(q.blocksize) + ": a packed base keeps blocks of " +
+                            std::to_string(bnb4::kBlobBlock) + " or more (bitsandbytes' default is 64)");
+  uint8_t head[bnb4::kBlobHeaderBytes];
+  bnb4::write_blob_header({.type = static_cast<uint8_t>(q.type),
+                           .round = q.dtype,
+                           .rows = static_cast<uint64_t>(spec.shape.front()),
+                           .cols = q.n / static_cast<uint64_t>(spec.shape.front())},
+                          head);
+  ZO_RETURN_IF_ERROR(sink(p, 0, std::as_bytes(std::span(head))));
+  const uint64_t codes = bnb4::packed_bytes(q.n), absmax_at = bnb4::blob_absmax_offset(q.n);
+  std::vector<uint8_t> buffer(std::min(chunk_bytes, std::max<uint64_t>(codes, 4 * bnb4::blob_blocks(q.n))));
+  for (uint64_t off = 0; off < codes; off += buffer.size()) {
+    const std::span<uint8_t> chunk(buffer.data(), std::min<uint64_t>(buffer.size(), codes - off));
+    ZO_RETURN_IF_ERROR(q.packed.file->read_raw(*q.packed.tensor, off, chunk));
+    ZO_RETURN_IF_ERROR(sink(p, bnb4::blob_codes_offset() + off, std::as_bytes(chunk)));
+  }
+  const uint64_t codes_end = bnb4::blob_codes_offset() + codes;
+  ZO_RETURN_IF_ERROR(sink(p, codes_end, std::span(kZeros, absmax_at - codes_end)));
+  ZO_ASSIGN_OR_RETURN(const std::vector<float> absmax, read_absmax(q));
+  const uint64_t blocks = bnb4::blob_blocks(q.n), per = q.blocksize / bnb4::kBlobBlock;
+  std::vector<float> out(std::max<uint64_t>(1, buffer.size() / 4));
+  for (uint64_t j = 0; j < blocks; j += out.size()) {
+    const uint64_t n = std::min<uint64_t>(out.size(), blocks - j);
+    for (uint64_t k = 0; k < n; ++k) out[k] = absmax[(j + k) / per];
+    ZO_RETURN_IF_ERROR(sink(p, absmax_at + 4 * j, std::as_bytes(std::span(out.data(), n))));
+  }
+  const uint64_t end = absmax_at + 4 * blocks;
+  return sink(p, end, std::span(kZeros, bnb4::blob_bytes(q.n) - end));
+}
+
 // Elements [off, off + out.size()) of a quantized weight as bitsandbytes' dequantize_4bit gives them
 // in the state's dtype, widened to fp32.
 Status read_dequantized(const QuantizedWeight& q, const std::vector<float>& absmax, uint64_t off, std::span<float> out,
@@ -265,16 +305,6 @@ Status read_dequantized(const QuantizedWeight& q, const std::vector<float>& absm
   ZO_RETURN_IF_ERROR(q.packed.file->read_raw(*q.packed.tensor, first, *bytes));
   bnb4::dequantize(bytes->data(), absmax.data(), off, out.size(), q.blocksize, q.type, q.dtype, out.data());
   return Status::ok();
-}
-
-// Whether transformers leaves `name` unquantized in a 4-bit checkpoint: what is not a decoder
-// projection (embeddings, norms, the head), and any module whose name holds an entry of
-// llm_int8_skip_modules (transformers' substring test).
-bool kept_in_16_bits(const std::string& name, const BnbQuantization& quantization) {
-  if (!name.ends_with("_proj.weight")) return true;
-  for (const std::string& skip : quantization.skip_modules)
-    if (name.find(skip) != std::string::npos) return true;
-  return false;
 }
 
 // One adapter of init_lora_adapters, through `buffer` (at least min(chunk_elems, its size) long).
@@ -434,7 +464,7 @@ Status apply_weights_tying(const std::string& model_dir, ModelConfig* config, io
 }
 
 Status load_hf_weights(const std::string& model_dir, const ModelLayout& layout, uint64_t chunk_elems,
-                       const ParamSink& sink, io::Env* env) {
+                       const ParamSink& sink, io::Env* env, const PackedSink& packed) {
   if (chunk_elems == 0) return invalid_argument("load_hf_weights: chunk_elems must be positive");
   ZO_ASSIGN_OR_RETURN(std::unique_ptr<HfWeights> weights, HfWeights::open(model_dir, env));
 
@@ -468,6 +498,13 @@ Status load_hf_weights(const std::string& model_dir, const ModelLayout& layout, 
       return invalid_argument("tensor " + stored + " in " + model_dir +
                               " has no 4-bit quantization state, but config.json's quantization_config says the "
                               "decoder projections are 4-bit (llm_int8_skip_modules does not name it)");
+    if (quantized[p].has_value() && spec.packed() && !packed)
+      return internal_error("load_hf_weights: " + spec.name + " is packed but no PackedSink was given");
+    if (quantized[p].has_value() && spec.packed() && quantized[p]->blocksize < bnb4::kBlobBlock)
+      return invalid_argument("tensor " + stored + " in " + model_dir + " is quantized in blocks of " +
+                              std::to_string(quantized[p]->blocksize) +
+                              ": a frozen 4-bit base is kept packed in "
+                              "blocks of 64 or more (bitsandbytes' default is 64)");
     if (!quantized[p].has_value() && t->shape != spec.shape)  // a 4-bit state's shape was checked against it
       return invalid_argument("tensor " + stored + " has shape " + shape_string(t->shape) + " in " + file->path() +
                               ", expected " + shape_string(spec.shape) + " from the model config");
@@ -489,6 +526,10 @@ Status load_hf_weights(const std::string& model_dir, const ModelLayout& layout, 
   for (size_t p = 0; p < layout.params.size(); ++p) {
     const auto [file, t] = sources[p];
     if (file == nullptr) continue;  // an adapter
+    if (quantized[p].has_value() && layout.params[p].packed()) {
+      ZO_RETURN_IF_ERROR(emit_blob(*quantized[p], layout.params[p], static_cast<uint32_t>(p), 4 * chunk_elems, packed));
+      continue;
+    }
     if (quantized[p].has_value()) {
       const QuantizedWeight& q = *quantized[p];
       ZO_ASSIGN_OR_RETURN(const std::vector<float> absmax, read_absmax(q));
@@ -508,25 +549,39 @@ Status load_hf_weights(const std::string& model_dir, const ModelLayout& layout, 
   return Status::ok();
 }
 
-ParamSink quantizing_sink(const ModelLayout& layout, bnb4::QuantType type, ParamSink inner) {
-  constexpr uint64_t kBlock = 64;  // transformers' 4-bit blocksize
-  return
-      [&layout, type, inner = std::move(inner), packed = std::vector<uint8_t>(), absmax = std::vector<float>(),
-       out = std::vector<float>()](uint32_t param, uint64_t offset, std::span<const float> values) mutable -> Status {
-        const ParamSpec& spec = layout.params[param];
-        if (is_lora_param(spec.name) || kept_in_16_bits(spec.name, layout.quantization))
-          return inner(param, offset, values);
-        const uint64_t n = elems_of(spec.shape);
-        if (offset % kBlock != 0 || (values.size() % kBlock != 0 && offset + values.size() != n))
-          return invalid_argument("quantizing " + spec.name + ": a chunk of " + std::to_string(values.size()) +
-                                  " elements at " + std::to_string(offset) + " is not whole blocks of 64");
-        packed.resize(bnb4::packed_bytes(values.size()));
-        absmax.resize(bnb4::block_count(values.size(), kBlock));
-        out.resize(values.size());
-        bnb4::quantize(values.data(), values.size(), kBlock, type, packed.data(), absmax.data());
-        bnb4::dequantize(packed.data(), absmax.data(), 0, values.size(), kBlock, type, DType::kF32, out.data());
-        return inner(param, offset, out);
-      };
+ParamSink quantizing_sink(const ModelLayout& layout, bnb4::QuantType type, ParamSink inner, PackedSink packed) {
+  constexpr uint64_t kBlock = bnb4::kBlobBlock;  // transformers' 4-bit blocksize
+  return [&layout, type, inner = std::move(inner), sink = std::move(packed), codes = std::vector<uint8_t>(),
+          absmax = std::vector<float>()](uint32_t param, uint64_t offset,
+                                         std::span<const float> values) mutable -> Status {
+    const ParamSpec& spec = layout.params[param];
+    if (!spec.packed()) return inner(param, offset, values);
+    const uint64_t n = elems_of(spec.shape);
+    if (offset % kBlock != 0 || (values.size() % kBlock != 0 && offset + values.size() != n))
+      return invalid_argument("quantizing " + spec.name + ": a chunk of " + std::to_string(values.size()) +
+                              " elements at " + std::to_string(offset) + " is not whole blocks of 64");
+    if (offset == 0) {
+      uint8_t head[bnb4::kBlobHeaderBytes];
+      // Rounded once, to the compute dtype, by the kernel: the values as the fp32 product gives them.
+      bnb4::write_blob_header({.type = static_cast<uint8_t>(type),
+                               .round = DType::kF32,
+                               .rows = static_cast<uint64_t>(spec.shape.front()),
+                               .cols = n / static_cast<uint64_t>(spec.shape.front())},
+                              head);
+      ZO_RETURN_IF_ERROR(sink(param, 0, std::as_bytes(std::span(head))));
+    }
+    codes.resize(bnb4::packed_bytes(values.size()));
+    absmax.resize(bnb4::block_count(values.size(), kBlock));
+    bnb4::quantize(values.data(), values.size(), kBlock, type, codes.data(), absmax.data());
+    ZO_RETURN_IF_ERROR(sink(param, bnb4::blob_codes_offset() + offset / 2, std::as_bytes(std::span(codes))));
+    ZO_RETURN_IF_ERROR(
+        sink(param, bnb4::blob_absmax_offset(n) + 4 * (offset / kBlock), std::as_bytes(std::span(absmax))));
+    if (offset + values.size() < n) return Status::ok();
+    const uint64_t codes_end = bnb4::blob_codes_offset() + bnb4::packed_bytes(n),
+                   absmax_end = bnb4::blob_absmax_offset(n) + 4 * bnb4::blob_blocks(n);
+    ZO_RETURN_IF_ERROR(sink(param, codes_end, std::span(kZeros, bnb4::blob_absmax_offset(n) - codes_end)));
+    return sink(param, absmax_end, std::span(kZeros, bnb4::blob_bytes(n) - absmax_end));
+  };
 }
 
 Status random_init_weights(const ModelConfig& config, const ModelLayout& layout, uint64_t seed, uint64_t chunk_elems,

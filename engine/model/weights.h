@@ -20,6 +20,9 @@ namespace zo::engine {
 // Receives consecutive chunks of one param, in fp32 (`values` is valid only during the call);
 // returning an error stops the load with that error.
 using ParamSink = std::function<Status(uint32_t param, uint64_t offset_elems, std::span<const float> values)>;
+// Receives a packed weight's blob (ParamSpec::packed: Note [The packed 4-bit base] in
+// common/bnb4_blob.h) in pieces that cover it once, in any order (`bytes` valid only during the call).
+using PackedSink = std::function<Status(uint32_t param, uint64_t offset_bytes, std::span<const std::byte> bytes)>;
 
 // Streams every param of `layout` but its LoRA adapters (is_lora_param: see init_lora_adapters and
 // load_peft_adapters) from `model_dir` (see HfWeights) in chunks of at most chunk_elems
@@ -30,8 +33,12 @@ using ParamSink = std::function<Status(uint32_t param, uint64_t offset_elems, st
 // checkpoint's text weights are found under their prefix (Note [Text weights of a multimodal
 // checkpoint]).
 // The files are read through `env`.
+// A bitsandbytes 4-bit weight goes to `sink` read back into fp32 as dequantize_4bit gives it, unless
+// its ParamSpec is packed: then its blob goes to `packed` (required then) — the stored codes, the
+// absmax read back (double quantization) and repeated into blocks of 64; a checkpoint quantized in
+// blocks of 32 is refused for it before any data moves, naming the tensor.
 Status load_hf_weights(const std::string& model_dir, const ModelLayout& layout, uint64_t chunk_elems,
-                       const ParamSink& sink, io::Env* env);
+                       const ParamSink& sink, io::Env* env, const PackedSink& packed = {});
 
 // Random init, deterministic in (seed, param name, element index) and independent of chunk_elems:
 // Linear and embedding weights ~ normal(0, config.initializer_range), norm weights 1 (0 for Gemma's
@@ -41,14 +48,14 @@ Status load_hf_weights(const std::string& model_dir, const ModelLayout& layout, 
 // key = first(seed) ^ first(FNV-1a-64(name) − 0x9E3779B97F4A7C15), first(s) being the first output of
 // SplitMix64 seeded with s: u1 = ((a >> 11) + 1)·2⁻⁵³, u2 = (b >> 11)·2⁻⁵³, r = √(−2 ln u1),
 // z0 = r cos 2πu2, z1 = r sin 2πu2, in double. Any element is computable on its own.
-// QLoRA from a 16-bit directory (zoffload.quantize_base): a sink that passes each decoder
-// projection weight of the base (what transformers quantizes: not the embeddings, norms or head,
-// not a LoRA adapter) through bitsandbytes' 4-bit quantization in blocks of 64 without double
-// quantization and reads it back (bnb4::quantize, then bnb4::dequantize: Note [4-bit blocks]) before
-// `inner`; other params pass as they are. A chunk must start at a multiple of 64 elements and hold
-// whole blocks unless it ends the tensor (load_hf_weights' and random_init_weights' chunks of a
-// multiple of 64 do): InvalidArgument otherwise.
-ParamSink quantizing_sink(const ModelLayout& layout, bnb4::QuantType type, ParamSink inner);
+// QLoRA from a 16-bit directory (zoffload.quantize_base): a sink that quantizes each packed param
+// (ParamSpec::packed: the frozen decoder projections training_layout marks) as bitsandbytes'
+// quantize_4bit does in blocks of 64 without double quantization (bnb4::quantize, Note [4-bit
+// blocks]) and hands its blob to `packed`; other params go to `inner` as they are. A chunk of a
+// packed param must start at a multiple of 64 elements and hold whole blocks unless it ends the
+// tensor (load_hf_weights' and random_init_weights' chunks of a multiple of 64 do): InvalidArgument
+// otherwise. Each param's chunks must arrive in order (the last one writes the blob's padding).
+ParamSink quantizing_sink(const ModelLayout& layout, bnb4::QuantType type, ParamSink inner, PackedSink packed);
 
 Status random_init_weights(const ModelConfig& config, const ModelLayout& layout, uint64_t seed, uint64_t chunk_elems,
                            const ParamSink& sink);

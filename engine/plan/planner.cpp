@@ -33,6 +33,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/aligned_buffer.h"
+#include "common/bnb4_blob.h"
 #include "common/bytes.h"
 #include "common/dtype.h"
 #include "common/host_info.h"
@@ -180,6 +181,17 @@ Result<ModelLayout> training_layout(ModelConfig* model, const Config& config) {
   if (model->lora.r > 0)
     for (ParamSpec& p : layout.params) p.trainable = is_lora_param(p.name);
   ZO_RETURN_IF_ERROR(freeze_params(config.zoffload.freeze, &layout));
+  // Note [The packed 4-bit base]: a 4-bit base's frozen decoder projections stay packed (a 4-bit
+  // weight trained in full is read back into the compute dtype at load).
+  if (model->quantization.load_in_4bit || config.zoffload.quantize_base != "none") {
+    const uint64_t cb = dtype_size_bytes(config.compute_dtype());
+    for (ParamSpec& p : layout.params) {
+      if (p.trainable || is_lora_param(p.name) || kept_in_16_bits(p.name, layout.quantization)) continue;
+      uint64_t n = 1;
+      for (int64_t d : p.shape) n *= static_cast<uint64_t>(d);
+      p.storage_elems = bnb4::blob_bytes(n) / cb;
+    }
+  }
   return layout;
 }
 
@@ -292,7 +304,8 @@ void plan_device(const PlanBasis& b, RunPlan* out) {
   // go to the host whenever that needs less (the problem then names the smaller shortfall, and the
   // fixes start from there).
   const uint64_t wanted_fixed = p.device_state_bytes + p.arena.bytes_within(left);
-  const uint64_t fixed_min = p.device_state_bytes + p.arena.persistent_bytes + p.arena.largest_block_bytes;
+  const uint64_t fixed_min =
+      p.device_state_bytes + p.arena.persistent_bytes + p.arena.staging_bytes + p.arena.largest_block_bytes;
   const std::string& where = c.zoffload.activation_checkpoints;
   const bool fits_wanted_on_host = wanted_fixed + activations(true) <= b.device_limit;
   const bool fits_min_on_device = fixed_min + activations(false) <= b.device_limit;
@@ -424,13 +437,14 @@ void check_fits(const PlanBasis& b, RunPlan* out) {
   const uint64_t device_limit = b.device_limit;
   const bool pin = pool_is_pinned(mp.placement);
   const HostFacts& host = in.host;
-  const uint64_t arena_min = p.arena.persistent_bytes + p.arena.largest_block_bytes;
+  const uint64_t arena_min = p.arena.persistent_bytes + p.arena.staging_bytes + p.arena.largest_block_bytes;
   if (p.device_state_bytes + arena_min + p.device_torch_reserve_bytes > device_limit) {
     const bool budget_binds = in.device_budget_bytes <= device_limit;
     std::string detail = "device-resident states " + format_bytes(p.device_state_bytes) + " + the largest block '" +
                          b.layout.blocks[p.arena.largest_block].name + "' " +
                          format_bytes(p.arena.largest_block_bytes) + " + persistent params " +
                          format_bytes(p.arena.persistent_bytes);
+    if (p.arena.staging_bytes > 0) detail += " + the 4-bit weights' staging " + format_bytes(p.arena.staging_bytes);
     if (p.device_torch_reserve_bytes > 0) {
       detail +=
           " + LibTorch's activations " + format_bytes(p.activation_bytes) + " at micro-batch " + std::to_string(micro) +
@@ -553,7 +567,7 @@ Result<RunPlan> plan_run(const PlanInputs& in) {
       p.memory,
       plan_memory_with_ring(c, registry, layout,
                             in.world_size > 1 && c.zero.stage >= 1 ? std::optional<uint32_t>(in.rank) : std::nullopt));
-  p.n_params = registry.total_elems();
+  p.n_params = registry.total_weights();
   p.n_trainable = registry.trainable_elems();
   p.tokens_per_micro_step = c.train_micro_batch_size_per_gpu * in.seq_len;
   p.held_micro_batches = vertical_micro_batches(c);

@@ -143,16 +143,23 @@ Status RunSetup::init_weights() {
   ParamSink sink = [this](uint32_t param, uint64_t offset_elems, std::span<const float> values) {
     return store_->init_param(param, offset_elems, values);
   };
+  // Note [The packed 4-bit base]: a frozen 4-bit projection's compute copy is its blob.
+  PackedSink packed = [this](uint32_t param, uint64_t offset_bytes, std::span<const std::byte> bytes) {
+    return store_->init_packed(param, offset_bytes, bytes);
+  };
   if (const std::string& q = opt_.config.zoffload.quantize_base; q != "none") {  // QLoRA from a 16-bit base
-    if (model.quantization.load_in_4bit)
+    if (model.quantization.load_in_4bit && model.quantization.quant_type != q)
       return invalid_argument("zoffload.quantize_base is \"" + q + "\", but " + opt_.model +
-                              " is already a bitsandbytes 4-bit checkpoint: leave quantize_base out");
+                              " is already a bitsandbytes 4-bit checkpoint in " + model.quantization.quant_type +
+                              ": set quantize_base to \"" + model.quantization.quant_type + "\" or leave it out");
     bnb4::QuantType type;
     ZO_CHECK(bnb4::parse_quant_type(q, &type)) << q;  // the config's choices
-    sink = quantizing_sink(layout, type, std::move(sink));
+    // A directory already 4-bit in this type is trained as it is stored (the shipped QLoRA configs
+    // serve both kinds of directory).
+    if (!model.quantization.load_in_4bit) sink = quantizing_sink(layout, type, std::move(sink), packed);
   }
   if (!model_.from_dir) return random_init_weights(model, layout, opt_.seed, kInitChunkElems, sink);  // adapters too
-  ZO_RETURN_IF_ERROR(load_hf_weights(opt_.model, layout, kInitChunkElems, sink, env()));
+  ZO_RETURN_IF_ERROR(load_hf_weights(opt_.model, layout, kInitChunkElems, sink, env(), packed));
   if (model.lora.r == 0) return Status::ok();
   const std::string& from = opt_.config.zoffload.lora.init_from;
   if (from.empty()) return init_lora_adapters(layout, opt_.seed, kInitChunkElems, sink);
@@ -212,14 +219,20 @@ std::string RunSetup::describe() const {
   }
   std::ostringstream s;
   s << "model " << opt_.model << " (" << model_.config.num_hidden_layers << " layers, hidden "
-    << model_.config.hidden_size << ", " << format_count(registry_->total_elems()) << " params"
+    << model_.config.hidden_size << ", " << format_count(registry_->total_weights()) << " params"
     << (registry_->trainable_elems() != registry_->total_elems()
             ? ", " + format_count(registry_->trainable_elems()) + " trainable (" +
                   (model_.config.lora.r > 0 ? "zoffload.lora: LoRA r=" + std::to_string(model_.config.lora.r)
                                             : "zoffload.freeze") +
                   ")"
             : "")
-    << ") | " << dtype_name(model_.compute_dtype) << " compute, " << dtype_name(pl.grad_dtype) << " gradients"
+    << ")"
+    << (registry_->packed_weights() > 0
+            ? " | 4-bit base: " + format_count(registry_->packed_weights()) + " frozen weights packed in " +
+                  format_bytes(registry_->packed_elems() * dtype_size_bytes(model_.compute_dtype)) +
+                  ", dequantized on the device as each block is fetched"
+            : "")
+    << " | " << dtype_name(model_.compute_dtype) << " compute, " << dtype_name(pl.grad_dtype) << " gradients"
     << (pl.grads_rounded() ? " (" + std::string(dtype_name(pl.grad_sum_dtype)) + " sums, norm before rounding)" : "")
     << " | ZeRO stage " << opt_.config.zero.stage << ", " << registry_->sub_groups().size() << " sub-groups";
   if (plan_.partitioned())

@@ -189,7 +189,11 @@ std::string Trainer::plan_summary() const { return impl_->setup.run_plan().summa
 std::string Trainer::plan_json() const { return impl_->setup.run_plan().to_json(); }
 const ModelConfig& Trainer::model_config() const { return impl_->setup.model().config; }
 const ModelLayout& Trainer::layout() const { return impl_->setup.model().layout; }
-uint64_t Trainer::num_parameters() const { return impl_->setup.registry().total_elems(); }
+uint64_t Trainer::num_parameters() const { return impl_->setup.registry().total_weights(); }
+uint64_t Trainer::packed_weights() const { return impl_->setup.registry().packed_weights(); }
+uint64_t Trainer::packed_bytes() const {
+  return impl_->setup.registry().packed_elems() * dtype_size_bytes(impl_->setup.model().compute_dtype);
+}
 std::string Trainer::metrics_path() const { return impl_->metrics.path(); }
 std::string Trainer::swap_dir() const { return impl_->setup.swap_dir(); }
 
@@ -197,9 +201,9 @@ Status Trainer::read_master(uint32_t param, std::span<float> out) {
   const ParamRegistry& reg = impl_->setup.registry();
   if (param >= reg.params().size()) return invalid_argument("read_master: no param " + std::to_string(param));
   const ParamInfo& info = reg.params()[param];
-  if (out.size() != info.n_elems)
-    return invalid_argument("read_master: " + info.name + " has " + std::to_string(info.n_elems) + " elements, not " +
-                            std::to_string(out.size()));
+  if (out.size() != info.weight_elems)
+    return invalid_argument("read_master: " + info.name + " has " + std::to_string(info.weight_elems) +
+                            " elements, not " + std::to_string(out.size()));
   return impl_->setup.store().read_param_value(param, 0, out);
 }
 

@@ -151,8 +151,13 @@ class Trainer {
   const ModelConfig& model_config() const;
   const ModelLayout& layout() const;
   uint64_t num_parameters() const;
-  // The fp32 master weights of param `param` (layout().params order), n_elems of them; of a frozen
-  // param (zoffload.freeze), which has no master, its compute copy widened.
+  // The frozen weights kept packed in 4 bits (Note [The packed 4-bit base] in common/bnb4_blob.h),
+  // and their blobs' bytes: what pinned RAM or NVMe holds of them and a fetch moves.
+  uint64_t packed_weights() const;
+  uint64_t packed_bytes() const;
+  // The fp32 master weights of param `param` (layout().params order), its shape's elements; of a
+  // frozen param (zoffload.freeze), which has no master, its compute copy widened (a packed
+  // weight's dequantized, as the device computes with it).
   Status read_master(uint32_t param, std::span<float> out);
   // One line for humans: model, parameters, where each state lives, the device and budgets.
   std::string describe() const;

@@ -1,4 +1,4 @@
-// Built instead of cuda_device.cu and cuda_optim_kernels.cu when meson decides there is no CUDA
+// Built instead of cuda_device.cu, cuda_optim_kernels.cu and cuda_quant_kernels.cu when meson decides there is no CUDA
 // (gpu/meson.build). No CudaDevice exists in such a build, so nothing below runs but create().
 #include "gpu/cuda/cuda_device.h"
 #include "gpu/detail/backend_kernels.h"
@@ -32,6 +32,8 @@ const OptimKernels kCudaOptimKernels{
     .adam_step = [](Device&, const DeviceAdamArgs&, Stream) { return no_cuda(); },
     .adam8bit_step = [](Device&, const DeviceAdam8bitArgs&, Stream) { return no_cuda(); },
 };
+
+Status cuda_dequantize_4bit(Device&, const Dequantize4bitArgs&, Stream) { return no_cuda(); }
 
 }  // namespace detail
 }  // namespace zo::gpu

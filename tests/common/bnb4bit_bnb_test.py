@@ -11,6 +11,8 @@ quantization (compress_statistics).
   same bytes, in the tensor's dtype, and the values equal bitsandbytes.functional.dequantize_4bit's
   (its CPU library writes FP4's zero code as -0: the only bits that may differ); with double
   quantization the absmax values read back equal bitsandbytes' dequantize_blockwise + offset.
+  The oracle also reads each tensor as the packed 4-bit base keeps it (its blob, common/bnb4_blob.h),
+  with the host's reader and HostDevice's dequantize_4bit, and fails unless both give those bits.
 usage: bnb4bit_bnb_test.py ORACLE_BINARY   (exit 77 without bitsandbytes)"""
 import os
 import subprocess

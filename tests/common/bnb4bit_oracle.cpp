@@ -7,6 +7,8 @@
 // DIR/packed.u8 and DIR/absmax.f32 (nested: DIR/qabsmax.u8, DIR/absmax2.f32, DIR/map.f32) and writes
 // DIR/out.bin (fp32, or the 16-bit patterns) and, nested, DIR/out_absmax.f32. Exit 0, or 1 with a
 // line on stderr.
+// Dequantize also checks the blob of the packed 4-bit base (blocks of 64 or more): its host reader
+// and HostDevice's dequantize_4bit must give the same bits as dequantize.
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -16,8 +18,11 @@
 #include <string>
 #include <vector>
 
+#include "common/bnb4_blob.h"
 #include "common/bnb4bit.h"
 #include "common/half.h"
+#include "gpu/host_device.h"
+#include "gpu/quant_kernels.h"
 #include "tests/oracle_files.h"
 
 namespace {
@@ -88,6 +93,54 @@ int main(int argc, char** argv) {
     bnb4::dequantize(packed.data() + first / 2, absmax.data(), first, count, blocksize, type, *dtype, part);
     if (std::memcmp(part, out.data() + first, count * sizeof(float)) != 0)
       return fail("elements from " + std::to_string(first) + " read as a range differ from the whole tensor's");
+  }
+  // Note [The packed 4-bit base]: the same tensor as a blob (blocks of 64: a larger block's absmax
+  // repeated), read by the host's dequantize_blob in ranges of 5 and by HostDevice's
+  // dequantize_4bit — the device kernel's element code — must give `out`'s bits too.
+  if (blocksize >= bnb4::kBlobBlock) {
+    std::vector<uint8_t> blob(bnb4::blob_bytes(n), 0);
+    bnb4::write_blob_header({.type = static_cast<uint8_t>(type), .round = *dtype, .rows = n, .cols = 1}, blob.data());
+    std::memcpy(blob.data() + bnb4::blob_codes_offset(), packed.data(), packed.size());
+    for (uint64_t j = 0; j < bnb4::blob_blocks(n); ++j)
+      std::memcpy(blob.data() + bnb4::blob_absmax_offset(n) + 4 * j, &absmax[j * bnb4::kBlobBlock / blocksize], 4);
+    bnb4::BlobHeader h;
+    if (!bnb4::read_blob_header(blob.data(), &h) || h.n() != n) return fail("the blob's header does not read back");
+    for (uint64_t first = 0; first < n; first += 5) {
+      const uint64_t count = std::min<uint64_t>(5, n - first);
+      float part[5];
+      bnb4::dequantize_blob(h, blob.data() + bnb4::blob_codes_offset() + first / 2,
+                            blob.data() + bnb4::blob_absmax_offset(n) + 4 * (first / bnb4::kBlobBlock), first, count,
+                            *dtype, part);
+      if (std::memcmp(part, out.data() + first, count * sizeof(float)) != 0)
+        return fail("elements from " + std::to_string(first) + " read from the blob differ from dequantize's");
+    }
+    auto device = zo::gpu::HostDevice::create(uint64_t{1} << 30);
+    if (!device.is_ok()) return fail(device.status().to_string());
+    zo::gpu::Device& d = **device;
+    const uint64_t out_bytes = n * zo::dtype_size_bytes(*dtype);
+    auto b = d.allocate(blob.size());
+    auto o = d.allocate(out_bytes);
+    auto stream = d.create_stream();
+    if (!b.is_ok() || !o.is_ok() || !stream.is_ok()) return fail("cannot set up the HostDevice");
+    std::vector<uint8_t> got(out_bytes);
+    zo::Status st = d.copy_h2d(*b, blob.data(), blob.size(), *stream);
+    if (st.is_ok())
+      st = zo::gpu::dequantize_4bit(d, {.blob = *b, .out = *o, .out_dtype = *dtype, .n_elems = n}, *stream);
+    if (st.is_ok()) st = d.copy_d2h(got.data(), *o, out_bytes, *stream);
+    if (st.is_ok()) st = d.synchronize(*stream);
+    if (!st.is_ok()) return fail("dequantize_4bit: " + st.to_string());
+    for (uint64_t i = 0; i < n; ++i) {
+      float v;
+      if (*dtype == zo::DType::kF32) {
+        std::memcpy(&v, got.data() + 4 * i, 4);
+      } else {
+        uint16_t h16;
+        std::memcpy(&h16, got.data() + 2 * i, 2);
+        v = *dtype == zo::DType::kBF16 ? zo::bf16_to_float(h16) : zo::f16_to_float(h16);
+      }
+      if (std::memcmp(&v, &out[i], 4) != 0)
+        return fail("HostDevice's dequantize_4bit gives element " + std::to_string(i) + " other bits than dequantize");
+    }
   }
   bool ok = false;
   if (*dtype == zo::DType::kF32) {

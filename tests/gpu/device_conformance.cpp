@@ -13,10 +13,14 @@
 #include "cpu_optim/adam8bit.h"
 #include "cpu_optim/executor.h"
 #include "cpu_optim/isa.h"
+#include "common/bnb4_blob.h"
+#include "common/bnb4bit.h"
+#include "common/half.h"
 #include "common/trace.h"
 #include "gpu/device_info.h"
 #include "gpu/foreign_streams.h"
 #include "gpu/optim_kernels.h"
+#include "gpu/quant_kernels.h"
 #include "gpu/test_hooks.h"
 #include "tests/gpu/adam_reference.h"
 #include "tests/gpu/cast_reference.h"
@@ -859,6 +863,96 @@ TEST_P(DeviceConformance, NarrowStatesMatchCpuOptimBitForBit) {
         }
   EXPECT_EQ(cases, 40);
   for (DevicePtr d : {dp, dm, dv, dg, dc}) dev_->free(d);
+}
+
+// Note [The packed 4-bit base]: the kernel gives, for every layout (odd counts, a partial last
+// block, each quant type, each rounding and output dtype, a blob not 4-byte aligned), the bits of
+// the host's reader (bnb4::dequantize_blob), which bnb4bit-bnb holds to bitsandbytes'.
+TEST_P(DeviceConformance, Dequantize4bitMatchesTheHostReaderBitForBit) {
+  if (!dev_) return;
+  std::mt19937 rng(7);
+  for (const uint64_t n : {uint64_t{1}, uint64_t{63}, uint64_t{64}, uint64_t{65}, uint64_t{4097}, uint64_t{100003}}) {
+    for (const uint8_t type : {uint8_t{0}, uint8_t{1}}) {
+      for (const DType round : {DType::kF32, DType::kBF16, DType::kF16}) {
+        for (const DType out_dtype : {DType::kF32, DType::kBF16, DType::kF16}) {
+          const uint64_t misalign = 2;  // a blob at an odd pair of bytes: its absmax are read bytewise
+          std::vector<uint8_t> blob(bnb4::blob_bytes(n) + misalign, 0);
+          uint8_t* b = blob.data() + misalign;
+          bnb4::write_blob_header({.type = type, .round = round, .rows = n, .cols = 1}, b);
+          for (uint64_t i = 0; i < (n + 1) / 2; ++i) b[bnb4::blob_codes_offset() + i] = static_cast<uint8_t>(rng());
+          for (uint64_t j = 0; j < bnb4::blob_blocks(n); ++j) {
+            const float a =
+                std::ldexp(static_cast<float>(rng() % 1000 + 1) / 997.0f, static_cast<int>(rng() % 40) - 20);
+            std::memcpy(b + bnb4::blob_absmax_offset(n) + 4 * j, &a, 4);
+          }
+          bnb4::BlobHeader h;
+          ASSERT_TRUE(bnb4::read_blob_header(b, &h));
+          std::vector<float> want(n);
+          bnb4::dequantize_blob(h, b + bnb4::blob_codes_offset(), b + bnb4::blob_absmax_offset(n), 0, n, out_dtype,
+                                want.data());
+          const uint64_t out_bytes = n * dtype_size_bytes(out_dtype);
+          const DevicePtr d_blob = alloc(*dev_, blob.size()), d_out = alloc(*dev_, out_bytes);
+          std::vector<uint8_t> got(out_bytes);
+          ZO_ASSERT_OK(dev_->copy_h2d(d_blob, blob.data(), blob.size(), stream_));
+          ZO_ASSERT_OK(dequantize_4bit(
+              *dev_, {.blob = d_blob + misalign, .out = d_out, .out_dtype = out_dtype, .n_elems = n}, stream_));
+          ZO_ASSERT_OK(dev_->copy_d2h(got.data(), d_out, out_bytes, stream_));
+          ZO_ASSERT_OK(dev_->synchronize(stream_));
+          int bad = 0;
+          for (uint64_t i = 0; i < n && bad < 5; ++i) {
+            float v;
+            if (out_dtype == DType::kF32) {
+              std::memcpy(&v, got.data() + 4 * i, 4);
+            } else {
+              uint16_t u;
+              std::memcpy(&u, got.data() + 2 * i, 2);
+              v = out_dtype == DType::kBF16 ? bf16_to_float(u) : f16_to_float(u);
+            }
+            if (std::memcmp(&v, &want[i], 4) != 0) {
+              ++bad;
+              ADD_FAILURE() << "n " << n << " type " << int{type} << " round " << dtype_name(round) << " out "
+                            << dtype_name(out_dtype) << " element " << i << ": " << v << ", want " << want[i];
+            }
+          }
+          dev_->free(d_blob);
+          dev_->free(d_out);
+        }
+      }
+    }
+  }
+}
+
+TEST_P(DeviceConformance, Dequantize4bitRejectsBadArguments) {
+  if (!dev_) return;
+  constexpr uint64_t kN = 1000;
+  const DevicePtr blob = alloc(*dev_, bnb4::blob_bytes(kN)), out = alloc(*dev_, kN * 4);
+  auto expect_refused = [&](const char* what, const Dequantize4bitArgs& a, const char* names) {
+    const Status st = dequantize_4bit(*dev_, a, stream_);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << what << ": " << st.to_string();
+    EXPECT_NE(st.message().find(names), std::string::npos) << what << ": " << st.message();
+  };
+  const Dequantize4bitArgs ok{.blob = blob, .out = out, .out_dtype = DType::kBF16, .n_elems = kN};
+  Dequantize4bitArgs a = ok;
+  a.n_elems = 2 * kN;  // the blob no longer fits its allocation (the output still does)
+  expect_refused("a blob past its allocation", a, "dequantize_4bit blob");
+  a = ok;
+  a.out = out + 2560;  // 2000 bytes from there run past the output's allocation
+  expect_refused("an output past its allocation", a, "dequantize_4bit out");
+  a = ok;
+  a.n_elems = 100;  // both ranges inside the blob's allocation, the output over the blob
+  a.out = blob;
+  expect_refused("overlapping ranges", a, "overlap");
+  a = ok;
+  a.out = out + 1;
+  expect_refused("a misaligned output", a, "aligned");
+  a = ok;
+  a.out_dtype = static_cast<DType>(9);
+  expect_refused("an unknown dtype", a, "out_dtype");
+  a = ok;
+  a.n_elems = 0;
+  ZO_ASSERT_OK(dequantize_4bit(*dev_, a, stream_));
+  dev_->free(blob);
+  dev_->free(out);
 }
 
 TEST_P(DeviceConformance, NarrowStateStepsRejectBadArguments) {

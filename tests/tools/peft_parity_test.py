@@ -486,6 +486,39 @@ def check_hostile_adapters(tmp):
     print("hostile: every adapter PEFT reads otherwise refused by key, the plain ones trained as PEFT computes them")
 
 
+def blob_bytes(n):
+    """A packed weight's bytes (common/bnb4_blob.h): header, codes and an fp32 absmax per 64, each 16-aligned."""
+    a16 = lambda x: (x + 15) // 16 * 16
+    return a16(32 + a16((n + 1) // 2) + 4 * ((n + 63) // 64))
+
+
+def step_h2d(steps):
+    """The bytes each step copied to the device, from the cumulative counter (the steps before the
+    last, whose count includes the evaluation)."""
+    h2d = [m["memory"]["h2d_bytes"] for m in steps]
+    return [b - a for a, b in zip(h2d, h2d[1:-1])]
+
+
+def check_packed_bytes(case, work, model_dir, adapter_dir, data, packed_steps):
+    """The packed base is what crosses PCIe: a step over it copies fewer bytes than the same step over
+    the 16-bit base by at least each projection's 16-bit bytes less its blob's (every projection is
+    fetched at least once a step; the schedule is the same)."""
+    from safetensors import safe_open
+    proc, out = zo_train(case, work, model_dir, {"init_from": adapter_dir}, data, data, name="run-16bit")
+    if not expect(proc.returncode == 0, "qlora: the same run over the 16-bit base: %s" % proc.stderr[-1000:]):
+        return
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        full = step_h2d([json.loads(line) for line in f])
+    packed = step_h2d(packed_steps)
+    with safe_open(os.path.join(model_dir, "model.safetensors"), "pt") as f:
+        sizes = [f.get_slice(k).get_shape() for k in f.keys() if k.endswith("_proj.weight")]
+    saving = sum(4 * a * b - blob_bytes(a * b) for a, b in sizes)  # fp32 compute
+    print("qlora: a step copies %d bytes to the device over the NF4 base, %d over the 16-bit base (%.2fx); "
+          "the projections alone save at least %d" % (packed[0], full[0], packed[0] / full[0], saving))
+    expect(len(packed) == len(full) and all(f - p >= saving for p, f in zip(packed, full)),
+           "qlora: each step copies the blobs, not the 16-bit weights (%s against %s)" % (packed, full))
+
+
 def check_qlora(tmp):
     """A bitsandbytes 4-bit base as transformers saves it (issue 63): zoffload reads the packed codes
     and their quantization state back into the weights bitsandbytes' Linear4bit computes with, and
@@ -501,7 +534,10 @@ def check_qlora(tmp):
     tokens = rng.integers(0, case["vocab"], size=STEPS * GAS * MICRO * SEQ + 1)
     data = os.path.join(work, "train.bin")
     write_llmc(data, tokens)
-    for qtype, double in (("nf4", True), ("fp4", False)):
+    # Each on its own placement of the packed base (Note [The packed 4-bit base]): NF4 double-quantized
+    # pinned and fetched at stage 3, FP4 fetched from NVMe, FP4 quantized at load and kept on the device.
+    runs = (("nf4", True, "cpu", 3), ("fp4", False, "nvme", 3))
+    for qtype, double, placement, stage in runs:
         qdir = os.path.join(work, "base-" + qtype)
         quantized = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=torch.float32, device_map="cpu",
@@ -510,22 +546,30 @@ def check_qlora(tmp):
                                                    bnb_4bit_compute_dtype=torch.float32))
         quantized.save_pretrained(qdir)
         del quantized
-        proc, out = zo_train(case, work, qdir, {"init_from": adapter_dir}, data, data, name="run-" + qtype)
+        placed = dict(case, placement=placement, stage=stage)
+        # NF4: with zoffload.quantize_base "nf4" too, which a directory already NF4 trains as stored.
+        proc, out = zo_train(placed, work, qdir, {"init_from": adapter_dir}, data, data, name="run-" + qtype,
+                             zoffload_keys={"quantize_base": "nf4"} if double else None)
         if not expect(proc.returncode == 0, "qlora %s: zoffload trains over the 4-bit base: %s" %
                       (qtype, proc.stderr[-2000:])):
             continue
+        summary = json.loads(proc.stdout)
+        expect(summary["packed_4bit_weights"] > 0 and 0 < summary["packed_4bit_bytes"] < summary["packed_4bit_weights"],
+               "qlora %s: the run's --json says its base is packed, under a byte a weight: %s" %
+               (qtype, {k: v for k, v in summary.items() if k.startswith("packed")}))
         ref_steps, _ = reference_train(case, qdir, adapter_dir, tokens)
         with open(os.path.join(out, "metrics.jsonl")) as f:
             zo_steps = [json.loads(line) for line in f]
         worst = max(max(rel(z["loss"], r["loss"]), rel(z["grad_norm"], r["grad_norm"]))
                     for z, r in zip(zo_steps, ref_steps))
-        print("qlora %s%s: %d steps, losses %.9g .. %.9g, PEFT + bitsandbytes %.9g .. %.9g, worst rel %.1e" %
-              (qtype, " double-quantized" if double else "", len(zo_steps), zo_steps[0]["loss"],
+        print("qlora %s%s, base on %s: %d steps, losses %.9g .. %.9g, PEFT + bitsandbytes %.9g .. %.9g, worst rel %.1e" %
+              (qtype, " double-quantized" if double else "", placement, len(zo_steps), zo_steps[0]["loss"],
                zo_steps[-1]["loss"], ref_steps[0]["loss"], ref_steps[-1]["loss"], worst))
         expect(len(zo_steps) == STEPS and worst <= TOL["loss"],
                "qlora %s: losses and gradient norms within %g of PEFT over bitsandbytes' Linear4bit (worst %.1e)" %
                (qtype, TOL["loss"], worst))
         if double:
+            check_packed_bytes(placed, work, model_dir, adapter_dir, data, zo_steps)
             continue
         # zoffload.quantize_base: the same quantization of the 16-bit directory, at load.
         proc, out = zo_train(case, work, model_dir, {"init_from": adapter_dir}, data, data, name="at-load-" + qtype,
@@ -535,8 +579,8 @@ def check_qlora(tmp):
                 at_load = [json.loads(line) for line in f]
             worst = max(max(rel(z["loss"], r["loss"]), rel(z["grad_norm"], r["grad_norm"]))
                         for z, r in zip(at_load, ref_steps))
-            print("qlora %s quantized at load (zoffload.quantize_base): worst rel %.1e against PEFT over the model "
-                  "transformers quantized" % (qtype, worst))
+            print("qlora %s quantized at load (zoffload.quantize_base), base on the device: worst rel %.1e against "
+                  "PEFT over the model transformers quantized" % (qtype, worst))
             expect(len(at_load) == STEPS and worst <= TOL["loss"],
                    "qlora %s at load: within %g of PEFT over bitsandbytes (worst %.1e)" % (qtype, TOL["loss"], worst))
 
@@ -580,10 +624,10 @@ def check_qlora(tmp):
     refused("config-says-16", variant("config-says-16", config_edit=lambda c: c.pop("quantization_config")),
             "is bitsandbytes 4-bit", "no quantization_config")
     p, out = zo_train(case, work, qdir, {"init_from": adapter_dir}, data, data, name="refused-twice",
-                      zoffload_keys={"quantize_base": "nf4"})
-    expect(p.returncode != 0 and "already a bitsandbytes 4-bit checkpoint" in p.stderr and
+                      zoffload_keys={"quantize_base": "fp4"})
+    expect(p.returncode != 0 and "already a bitsandbytes 4-bit checkpoint in nf4" in p.stderr and
            not os.path.exists(os.path.join(out, "metrics.jsonl")),
-           "qlora: quantize_base over a 4-bit directory refused: rc %d, %s" % (p.returncode, p.stderr[-600:]))
+           "qlora: quantize_base fp4 over an NF4 directory refused: rc %d, %s" % (p.returncode, p.stderr[-600:]))
     p, out = zo_train(case, work, model_dir, {}, data, data, name="refused-no-lora", zoffload_keys={"quantize_base": "nf4"})
     expect(p.returncode == 2 and "zoffload.quantize_base" in p.stderr and "zoffload.lora" in p.stderr,
            "qlora: quantize_base without lora refused by key: rc %d, %s" % (p.returncode, p.stderr[-600:]))

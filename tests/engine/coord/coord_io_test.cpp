@@ -64,6 +64,59 @@ TEST(ParamCoordinator, CountsNvmeBytesAndReturnsEverySwapBuffer) {
   EXPECT_EQ(rig.swapper->buffers_free(), rig.swapper->buffers_total());
 }
 
+// Note [The packed 4-bit base]: a frozen 4-bit weight lives as its blob (in pinned RAM, on NVMe or
+// on the device), only the blob crosses PCIe, and it arrives in its slot dequantized: the bits the
+// store's host reader gives, with prefetch on and off.
+TEST(ParamCoordinator, PackedWeightsMoveAsBlobsAndArriveDequantized) {
+  for (const char* tier : {"cpu", "nvme", "none"}) {
+    for (const uint64_t bucket : {uint64_t{0}, uint64_t{40'000}}) {
+      SCOPED_TRACE(std::string("offload_param ") + tier + ", prefetch bucket " + std::to_string(bucket));
+      Rig rig;
+      rig.packed_base = true;
+      Placing s = nvme(3);
+      s.param = tier;
+      ASSERT_TRUE(rig.init(s).is_ok());
+      std::vector<Bytes> expected = rig.gather(StateKind::kCompute);
+      uint64_t blobs = 0, weights = 0;
+      for (const ParamInfo& p : rig.registry.params()) {
+        if (!p.packed) continue;
+        std::vector<float> values(p.weight_elems);
+        ASSERT_TRUE(rig.store->read_param_compute(p.id, 0, values).is_ok());
+        expected[p.id] = testing::to_dtype(values, DType::kBF16);
+        if (p.name.starts_with("model.layers.0.")) {
+          blobs += p.n_elems * 2;
+          weights += p.weight_elems * 2;
+        }
+      }
+      EXPECT_LT(blobs, weights * 3 / 10);  // 4.5 bits a weight and the header
+      // A packed weight takes bytes (init_packed), within its blob; values are refused.
+      const uint32_t attn = testing::layer_param(0, 1);
+      const ParamInfo& info = rig.registry.params()[attn];
+      EXPECT_EQ(rig.store->init_param(attn, 0, std::vector<float>(4)).code(), StatusCode::kInvalidArgument);
+      EXPECT_EQ(rig.store->init_packed(attn, info.n_elems * 2 - 1, Bytes(2)).code(), StatusCode::kInvalidArgument);
+      EXPECT_EQ(rig.store->init_packed(testing::embed_id(), 0, Bytes(2)).code(), StatusCode::kInvalidArgument);
+      auto coord = testing::make_coordinator(rig, testing::opts(bucket, 1'000'000, 0, 0));
+      testing::run_micro_step(rig, *coord, expected);
+      testing::run_micro_step(rig, *coord, expected);
+      // Block 1 (layer 0: its norm in 16 bits, attn and mlp packed) alone, nothing else fetched.
+      coord->invalidate();
+      coord->begin_micro_step();
+      ASSERT_TRUE(coord->acquire(0).is_ok());
+      ASSERT_TRUE(coord->release(0).is_ok());
+      const CoordinatorStats before = coord->stats();
+      ASSERT_TRUE(coord->acquire(1).is_ok());
+      const CoordinatorStats after = coord->stats();
+      const bool on_device = std::string(tier) == "none";
+      const uint64_t norm = on_device ? 0 : 96 * 2;
+      if (bucket == 0) {
+        EXPECT_EQ(after.h2d_bytes - before.h2d_bytes, on_device ? 0 : norm + blobs);
+        EXPECT_EQ(after.fetches - before.fetches, on_device ? 2u : 3u);
+      }
+      ASSERT_TRUE(coord->release(1).is_ok());
+    }
+  }
+}
+
 TEST(ParamCoordinator, PrefetchReadsAheadFromNvme) {
   Rig rig;
   ASSERT_TRUE(rig.init(nvme(4)).is_ok());

@@ -20,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/bnb4_blob.h"
 #include "common/check.h"
 #include "cpu_optim/dtype.h"
 #include "cpu_optim/executor.h"
@@ -159,6 +160,26 @@ inline Bytes to_dtype(const std::vector<float>& values, DType d) {
   return out;
 }
 
+// A packed weight's blob (Note [The packed 4-bit base]) with random codes and absmax, padded to its
+// compute copy's bytes.
+inline Bytes random_blob(const ParamInfo& p, uint64_t compute_bytes, std::mt19937& rng) {
+  const uint64_t n = p.weight_elems;
+  Bytes out(p.n_elems * compute_bytes, std::byte{0});
+  auto* b = reinterpret_cast<uint8_t*>(out.data());
+  bnb4::write_blob_header({.type = static_cast<uint8_t>(p.name.find("mlp") != std::string::npos),
+                           .round = DType::kBF16,
+                           .rows = static_cast<uint64_t>(p.shape[0]),
+                           .cols = static_cast<uint64_t>(p.shape[1])},
+                          b);
+  for (uint64_t i = 0; i < (n + 1) / 2; ++i) b[bnb4::blob_codes_offset() + i] = static_cast<uint8_t>(rng());
+  std::uniform_real_distribution<float> scale(0.01f, 2.0f);
+  for (uint64_t j = 0; j < bnb4::blob_blocks(n); ++j) {
+    const float a = scale(rng);
+    std::memcpy(b + bnb4::blob_absmax_offset(n) + 4 * j, &a, 4);
+  }
+  return out;
+}
+
 struct Rig {
   TempDir dir;
   Config config;
@@ -173,13 +194,27 @@ struct Rig {
   // Before init: the plan's landing buffers as the planner sets them where gradients land in place
   // (Note [Gradients that land where they are summed]; plan_memory alone leaves them 0).
   bool land_in_place = false;
+  // Before init: the layers' attn and mlp weights frozen and packed in 4 bits (Note [The packed
+  // 4-bit base]), each a random blob (NF4 for attn, FP4 for mlp).
+  bool packed_base = false;
 
   // With world > 1: rank `rank`'s partition of a data-parallel run at stage 3 (its compute copies
   // only, MemoryPlan::partition_params); every rank gets the same values.
   Status init(const Placing& s, uint64_t device_budget = uint64_t{64} << 20, uint32_t seed = 1, uint32_t world = 1,
               uint32_t rank = 0) {
     config = make_config(s, dir.path);
-    ZO_ASSIGN_OR_RETURN(registry, ParamRegistry::build(model(), config.zero.sub_group_size, world));
+    std::vector<ParamSpec> specs = model();
+    const uint64_t cb = s.bf16 ? 2 : 4;
+    if (packed_base) {
+      for (uint32_t i = 0; i < kLayers; ++i) {
+        for (uint32_t k : {1u, 2u}) {
+          ParamSpec& spec = specs[layer_param(i, k)];
+          spec.trainable = false;
+          spec.storage_elems = bnb4::blob_bytes(static_cast<uint64_t>(spec.shape[0] * spec.shape[1])) / cb;
+        }
+      }
+    }
+    ZO_ASSIGN_OR_RETURN(registry, ParamRegistry::build(specs, config.zero.sub_group_size, world));
     ZO_ASSIGN_OR_RETURN(plan, plan_memory(config, registry, world > 1 ? std::optional<uint32_t>(rank) : std::nullopt));
     if (land_in_place) {
       const GradAccumulator::BufferPlan b =
@@ -196,6 +231,10 @@ struct Rig {
     ZO_ASSIGN_OR_RETURN(store, StateStore::create(registry, plan, *device, *io, o, accounting));
     std::mt19937 rng(seed);
     for (const ParamInfo& p : registry.params()) {
+      if (p.packed) {
+        ZO_RETURN_IF_ERROR(store->init_packed(p.id, 0, random_blob(p, cb, rng)));
+        continue;
+      }
       ZO_RETURN_IF_ERROR(store->init_param(p.id, 0, random_floats(p.n_elems, rng, 1.0f)));
     }
     if (store->param_file() != nullptr && !plan.partition_params) {

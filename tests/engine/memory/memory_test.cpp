@@ -9,6 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/bnb4_blob.h"
 #include "common/bytes.h"
 #include "engine/memory/accounting.h"
 #include "engine/config/config.h"
@@ -625,6 +626,37 @@ TEST(PlanMemory, FrozenSubGroupsHoldOnlyTheirComputeCopy) {
   const MemoryPlan all = must_plan(config_for(Offload{}), must_build({spec("a", {100}), spec("b", {100})}, 8192));
   EXPECT_TRUE(all.frozen.empty());
   EXPECT_EQ(all.stepped, std::vector<uint32_t>{0});
+}
+
+// Note [The packed 4-bit base]: a packed weight counts its blob's elements everywhere the registry
+// and the plan count (sub-groups, bytes per tier) and keeps its own shape and weight count; a
+// trainable one is refused.
+TEST(ParamRegistry, APackedWeightCountsItsBlob) {
+  const uint64_t n = 1000 * 3000, blob_elems = bnb4::blob_bytes(n) / 2;  // bf16 compute
+  std::vector<ParamSpec> params = {spec("embed", {100, 64}), spec("q_proj.weight", {1000, 3000}), spec("norm", {64})};
+  params[1].trainable = false;
+  params[1].storage_elems = blob_elems;
+  const ParamRegistry r = must_build(params, 1 << 20);
+  const ParamInfo& q = r.params()[1];
+  EXPECT_TRUE(q.packed);
+  EXPECT_EQ(q.n_elems, blob_elems);
+  EXPECT_EQ(q.weight_elems, n);
+  EXPECT_EQ(q.shape, (std::vector<int64_t>{1000, 3000}));
+  EXPECT_EQ(r.total_elems(), 6400 + blob_elems + 64);
+  EXPECT_EQ(r.total_weights(), 6400 + n + 64);
+  EXPECT_EQ(r.packed_weights(), n);
+  EXPECT_EQ(r.packed_elems(), blob_elems);
+  EXPECT_LT(blob_elems * 2, n * 2 * 29 / 100);  // 4.5 bits a weight: 0.28x bf16
+  Offload o;
+  o.optimizer = "cpu";
+  o.param = "cpu";
+  const MemoryPlan p = must_plan(config_for(o), r);
+  EXPECT_EQ(p.cpu_pinned_bytes, align_up(6400 * 2, 4096) + align_up(blob_elems * 2, 4096) + align_up(64 * 2, 4096));
+  params[1].trainable = true;
+  auto trained = ParamRegistry::build(params, 1 << 20);
+  EXPECT_EQ(trained.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(trained.status().message().find("q_proj.weight is packed in 4 bits but trainable"), std::string::npos)
+      << trained.status().to_string();
 }
 
 TEST(PlanMemory, OptimizerOnCpuStagesComputeCopiesForTheDevice) {
