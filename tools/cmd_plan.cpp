@@ -383,8 +383,8 @@ void register_plan_command(CLI::App& app, int* exit_code) {
   plan->add_option(
           "--model", args->model,
           "A Hugging Face model directory (its config.json is read, and its weights' lm_head.weight only where "
-          "the config ties it) or a preset: tiny, tinyllama-1.1b, "
-          "llama3.2-1b, llama3.2-3b, llama-7b, llama3-8b, llama-13b, llama-30b, llama-70b")
+          "the config ties it) or a preset: " +
+              join(engine::model_preset_names(), ", "))
       ->required();
   plan->add_option("--seq-len", args->seq_len,
                    "Tokens per sequence (default: min(256, max_position_embeddings), as train)")

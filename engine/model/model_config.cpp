@@ -103,6 +103,13 @@ ModelConfig llama3(uint64_t hidden, uint64_t inter, uint64_t layers, uint64_t he
   return c;
 }
 
+// A preset written as its published config.json (ZO_CHECK: the text is this file's).
+ModelConfig from_config_json(const char* name, std::string_view json) {
+  Result<ModelConfig> c = parse_hf_config(json, std::string("preset ") + name);
+  ZO_CHECK(c.is_ok()) << c.status().to_string();
+  return *c;
+}
+
 std::vector<std::pair<std::string, ModelConfig>> presets() {
   std::vector<std::pair<std::string, ModelConfig>> p;
   ModelConfig tiny = llama2(256, 688, 4, 8, 4);
@@ -127,6 +134,62 @@ std::vector<std::pair<std::string, ModelConfig>> presets() {
   l30.max_position_embeddings = 2048;
   p.emplace_back("llama-30b", l30);
   p.emplace_back("llama-70b", llama2(8192, 28672, 80, 64, 8));
+  p.emplace_back("llama3-70b", llama3(8192, 28672, 80, 64, 8, 8.0));
+  // The shapes people fine-tune, from their published config.json (the keys that shape the model;
+  // a Gemma 3 text_config's keys the Hub file leaves to transformers' defaults are written out).
+  p.emplace_back("qwen3-8b", from_config_json("qwen3-8b", R"({"model_type": "qwen3", "vocab_size": 151936,
+    "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960, "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000, "rope_scaling": null, "tie_word_embeddings": false, "sliding_window": null,
+    "use_sliding_window": false, "max_window_layers": 36, "attention_bias": false, "hidden_act": "silu",
+    "torch_dtype": "bfloat16", "bos_token_id": 151643, "eos_token_id": 151645})"));
+  p.emplace_back("qwen3-32b", from_config_json("qwen3-32b", R"({"model_type": "qwen3", "vocab_size": 151936,
+    "hidden_size": 5120, "intermediate_size": 25600, "num_hidden_layers": 64, "num_attention_heads": 64,
+    "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960, "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000, "rope_scaling": null, "tie_word_embeddings": false, "sliding_window": null,
+    "use_sliding_window": false, "max_window_layers": 64, "attention_bias": false, "hidden_act": "silu",
+    "torch_dtype": "bfloat16", "bos_token_id": 151643, "eos_token_id": 151645})"));
+  p.emplace_back("gemma3-12b", from_config_json("gemma3-12b", R"({"model_type": "gemma3_text", "vocab_size": 262208,
+    "hidden_size": 3840, "intermediate_size": 15360, "num_hidden_layers": 48, "num_attention_heads": 16,
+    "num_key_value_heads": 8, "head_dim": 256, "query_pre_attn_scalar": 256, "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-06, "rope_theta": 1000000, "rope_local_base_freq": 10000,
+    "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024, "sliding_window_pattern": 6,
+    "final_logit_softcapping": null, "attn_logit_softcapping": null, "attention_bias": false,
+    "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": true, "torch_dtype": "bfloat16",
+    "bos_token_id": 2, "eos_token_id": [1, 106], "pad_token_id": 0})"));
+  p.emplace_back("gemma3-27b", from_config_json("gemma3-27b", R"({"model_type": "gemma3_text", "vocab_size": 262208,
+    "hidden_size": 5376, "intermediate_size": 21504, "num_hidden_layers": 62, "num_attention_heads": 32,
+    "num_key_value_heads": 16, "head_dim": 128, "query_pre_attn_scalar": 168, "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+    "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024, "sliding_window_pattern": 6,
+    "final_logit_softcapping": null, "attn_logit_softcapping": null, "attention_bias": false,
+    "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": true, "torch_dtype": "bfloat16",
+    "bos_token_id": 2, "eos_token_id": [1, 106], "pad_token_id": 0})"));
+  p.emplace_back("phi4-mini", from_config_json("phi4-mini", R"({"model_type": "phi3", "vocab_size": 200064,
+    "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 32, "num_attention_heads": 24,
+    "num_key_value_heads": 8, "max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "partial_rotary_factor": 0.75, "sliding_window": 262144,
+    "tie_word_embeddings": true, "attention_bias": false, "hidden_act": "silu", "torch_dtype": "bfloat16",
+    "bos_token_id": 199999, "pad_token_id": 199999,
+    "rope_scaling": {"type": "longrope", "long_factor": [
+      1, 1.118320672, 1.250641126, 1.398617824, 1.564103225, 1.74916897, 1.956131817, 2.187582649, 2.446418898,
+      2.735880826, 3.059592084, 3.421605075, 3.826451687, 4.279200023, 4.785517845, 5.351743533, 5.984965424,
+      6.693110555, 7.485043894, 8.370679318, 9.36110372, 10.4687158, 11.70738129, 13.09260651, 14.64173252,
+      16.37415215, 18.31155283, 20.47818807, 22.90118105, 25.61086418, 28.64115884, 32.03, 32.1, 32.13, 32.23,
+      32.6, 32.61, 32.64, 32.66, 32.7, 32.71, 32.93, 32.97, 33.28, 33.49, 33.5, 44.16, 47.77],
+      "short_factor": [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0,
+      1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0,
+      1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]}})"));
+  p.emplace_back("olmo2-7b", from_config_json("olmo2-7b", R"({"model_type": "olmo2", "vocab_size": 100352,
+    "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "num_key_value_heads": 32, "max_position_embeddings": 4096, "rms_norm_eps": 1e-06, "rope_theta": 500000,
+    "rope_scaling": null, "tie_word_embeddings": false, "attention_bias": false, "hidden_act": "silu",
+    "torch_dtype": "bfloat16", "eos_token_id": 100257, "pad_token_id": 100277})"));
+  p.emplace_back("olmo2-13b", from_config_json("olmo2-13b", R"({"model_type": "olmo2", "vocab_size": 100352,
+    "hidden_size": 5120, "intermediate_size": 13824, "num_hidden_layers": 40, "num_attention_heads": 40,
+    "num_key_value_heads": 40, "max_position_embeddings": 4096, "rms_norm_eps": 1e-06, "rope_theta": 500000,
+    "rope_scaling": null, "tie_word_embeddings": false, "attention_bias": false, "hidden_act": "silu",
+    "torch_dtype": "float32", "eos_token_id": 100257, "pad_token_id": 100277})"));
   return p;
 }
 

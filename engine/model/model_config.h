@@ -142,6 +142,11 @@ struct BnbQuantization {
   std::vector<std::string> skip_modules;  // llm_int8_skip_modules: modules left in 16 bits
 };
 
+// Whether transformers leaves `name` unquantized in a 4-bit checkpoint: what is not a decoder
+// projection (embeddings, norms, the head), and any module whose name holds an entry of
+// llm_int8_skip_modules (transformers' substring test).
+bool kept_in_16_bits(std::string_view name, const BnbQuantization& quantization);
+
 struct ModelConfig {
   std::string model_type = "llama";  // a ModelFamily's (qwen2 => attention_bias true)
   uint64_t vocab_size = 0, hidden_size = 0, intermediate_size = 0, num_hidden_layers = 0, num_attention_heads = 0,
@@ -205,8 +210,10 @@ Result<ModelConfig> load_hf_config(const std::string& model_dir, io::Env* env);
 // Built-in shapes for random init: "tiny" (byte-level vocab 256, hidden 256, intermediate 688,
 // 4 layers, 8 heads, 4 kv heads, untied, max_position 1024), "tinyllama-1.1b", "llama3.2-1b" and
 // "llama3.2-3b" (tied), "llama-7b" (Llama-2-7B), "llama3-8b" (Llama-3.1-8B: rope_theta 5e5, llama3
-// rope scaling), "llama-13b" (Llama-2-13B), "llama-70b" (Llama-2-70B, GQA 8). kNotFound listing the
-// names, with a close-match suggestion.
+// rope scaling), "llama-13b" (Llama-2-13B), "llama-70b" (Llama-2-70B, GQA 8), "llama3-70b"
+// (Llama-3.1-70B), and from their published config.json "qwen3-8b", "qwen3-32b", "gemma3-12b" and
+// "gemma3-27b" (the text models), "phi4-mini" (Phi-4-mini-instruct), "olmo2-7b", "olmo2-13b"
+// (OLMo-2-1124). kNotFound listing the names, with a close-match suggestion.
 Result<ModelConfig> model_preset(std::string_view name);
 std::vector<std::string> model_preset_names();
 // The model a --model argument names: config.json of a Hugging Face model directory, or a preset.

@@ -28,6 +28,8 @@ FLAGS = {
     "llama8b_24gb_8bit_ram.json": [],
     "llama8b_24gb_exact_ram.json": [],
     "llama8b_24gb_optimizer_cpu.json": [],
+    "llama70b_qlora_24gb.json": [],
+    "llama8b_lora_24gb.json": [],
     "stage2_cpu_offload.json": [],
     "tiny_demo_nvme.json": [],
     "accelerate/zero_stage2_config.json": ["--micro-batch", "2", "--lr", "3e-4", "--weight-decay", "0.01",

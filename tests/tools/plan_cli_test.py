@@ -9,7 +9,8 @@ bytes the device holds pinned equal the planned pinned bytes, and the process's 
 stays within the planned RAM plus a fixed allowance for the runtime. A plan that does not
 fit exits 3 and lists changes that, planned again, fit; `train` refuses it at start with the
 planner's message. A target machine given by flags (--host-ram, --gpu-memory, --disk-free, ...) is
-planned in place of this one."""
+planned in place of this one; the shipped LoRA configs (QLoRA of llama3-70b, LoRA over llama3-8b)
+fit the 24 GB card and 60 GiB host they are for with no drive in the step."""
 import json
 import os
 import subprocess
@@ -296,6 +297,23 @@ with tempfile.TemporaryDirectory() as tmp:
            'config: {"zoffload":{"master_dtype":"bf16","moment_dtype":"bf16"}}' in out[at_lean:] and
            "zoffload config check" in out[at_lean:],
            f"exact config on 60 GiB: the drive, then bf16 moments and masters with their keys: {p.returncode} {out[-2500:]}")
+    # The shipped LoRA configs (issue 63): QLoRA of a 70B base on a 24 GB card with a 60 GiB host
+    # (the packed NF4 base pinned, about 37 GB where bf16 would be 132 GiB), and LoRA over a 16-bit
+    # llama3-8b base there: each fits with no drive in the step.
+    for name, model, note in (("llama70b_qlora_24gb.json", "llama3-70b", "the NF4 base packed"),
+                              ("llama8b_lora_24gb.json", "llama3-8b", "the bf16 base")):
+        cfg = os.path.join(source_dir, "configs", name)
+        p = subprocess.run([zoffload, "plan", "--config", cfg, "--model", model, "--seq-len", "1024", "--steps", "1000",
+                            "--out", tmp, "--no-measure", "--json"] + box + ["--host-ram", "60GiB"],
+                           capture_output=True, text=True, env=ENV)
+        if expect(p.returncode == 0 and p.stdout, f"{name} over {model} fits 24 GB + 60 GiB: {p.returncode} "
+                  f"{p.stdout[-1500:]} {p.stderr[-800:]}"):
+            j = json.loads(p.stdout)
+            expect(j["per_step"]["nvme_write_bytes"] == 0 and j["per_step"]["nvme_read_max_bytes"] == 0 and
+                   j["nvme"]["param_file_bytes"] == 0, f"{name}: nothing on a drive per step ({note}): {j['per_step']}")
+            if "qlora" in name:
+                pinned = j["memory_plan"]["cpu_pinned_bytes"]
+                expect(36e9 < pinned < 46e9, f"{name}: the pinned base is the packed one, 36-46 GB: {pinned}")
     for args, flag in [(["--host-ram", "lots"], "--host-ram"), (["--gpu-tflops", "100"], "--gpu-tflops"),
                        (["--nvme-read", "3"], "--nvme-read")]:
         p = subprocess.run(base + args, capture_output=True, text=True, env=ENV)
