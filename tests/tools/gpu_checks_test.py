@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """tools/gpu_machine/gpu_checks.sh without a GPU: its usage errors, a part skipped when --time-limit
-leaves it no time, the exact, lora and devstates parts on the emulated device with the tiny
+leaves it no time, the exact, lora, qlora and devstates parts on the emulated device with the tiny
 model, the deepspeed part failing with one line where DeepSpeed was not fetched, that
 part's zoffload half on the emulated device (ZO_DS_SIDES=zoffload: a table row with zoffload's
 tokens/s, ZO_DS_ZOFFLOAD merged into the run's config; under a stand-in for DeepSpeed's GPU peak as
@@ -118,6 +118,13 @@ expect(rc == 0, "the lora part: exit %d: %s" % (rc, text[-800:]))
 expect("LoRA r=16 adapters on the frozen base" in text and "NVMe read 0 B, written 0 B" in text,
        "the lora part's plan: adapters, no disk: %s" % text[-800:])
 expect("lora, base pinned:" in text and "tokens/s, device_busy" in text, "the lora part's figures: " + text[-400:])
+# The qlora part on the emulated device with the tiny model: its base quantized to NF4 at load and
+# kept packed, the plan moving nothing through a disk, three steps, and its tokens/s.
+rc, text, _ = run(["--time-limit", "200", "qlora"], ZO_QLORA_MODEL="tiny", ZO_QLORA_DEVICE="host", ZO_QLORA_MICRO="2",
+                  ZO_QLORA_GAS="2", ZO_QLORA_SEQ="32")
+expect(rc == 0, "the qlora part: exit %d: %s" % (rc, text[-800:]))
+expect("NVMe read 0 B, written 0 B" in text, "the qlora part's plan: no disk: %s" % text[-800:])
+expect("qlora, NF4 base pinned:" in text and "tokens/s, device_busy" in text, "the qlora part's figures: " + text[-400:])
 # The devstates part on the emulated device: the optimizer on the device with 8-bit moments and bf16
 # masters, every step equal to the CPU tier's; four steps of each of its three runs, not ten (the
 # tiny model in bf16 takes some 3 s a step on a CPU without native bf16).

@@ -10,15 +10,15 @@
 # tools/gpu_machine/pack_prebuilt.sh ran here (or with BIN_DIR naming a build made there by
 # build_there.sh):
 #   tools/gpu_machine/gpu_checks.sh [--time-limit S] [PART...]
-# PART: suite parity pcie tiny devstates budget llama8b ram8bit exact exactgas lean lora ram deepspeed host
-# (default: all but exactgas, lean and host, in that order; host measures the machine's CPUs and
+# PART: suite parity pcie tiny devstates budget llama8b ram8bit exact exactgas lean lora qlora ram deepspeed host
+# (default: all but exactgas, lean, qlora and host, in that order; host measures the machine's CPUs and
 # memory, not its GPU). Each part is given at most its own share of time and the time left before --time-limit
 # (default 560 s, under the tool's 600 s for one command), so a slow part cannot take the later
 # ones' time unseen; the line of a part that was cut says so. Ends with a table of parts, seconds
 # and results. Files in $OUT (the device tool brings them back): checks.log (everything printed),
 # gpu_test.log, hf_parity.log, runs.tgz (every run's metrics.jsonl, log and plan),
 # trace-llama8b-gas8.json.gz, trace-ram8bit.json.gz, trace-exact.json.gz, trace-exact-gas1.json.gz,
-# trace-exact-gas16.json.gz, trace-lean.json.gz, trace-lora.json.gz,
+# trace-exact-gas16.json.gz, trace-lean.json.gz, trace-lora.json.gz, trace-qlora.json.gz,
 # trace-ram.json.gz and the
 # deepspeed part's zoffload traces, trace-ds-<shape>-gas<N>.json.gz. Exit status: 0 when every part
 # passed, 1 otherwise, 2 on bad usage.
@@ -54,7 +54,7 @@ while [ $# -gt 0 ]; do
     -h|--help) usage 0 ;;
     --time-limit) [ $# -ge 2 ] && [[ "$2" =~ ^[0-9]+$ ]] || { echo "gpu_checks: --time-limit takes seconds" >&2; exit 2; }
                   limit=$2; shift 2 ;;
-    suite|parity|pcie|tiny|devstates|budget|llama8b|ram8bit|exact|exactgas|lean|lora|ram|deepspeed|host) parts+=("$1"); shift ;;
+    suite|parity|pcie|tiny|devstates|budget|llama8b|ram8bit|exact|exactgas|lean|lora|qlora|ram|deepspeed|host) parts+=("$1"); shift ;;
     *) echo "gpu_checks: unknown part or option '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -513,6 +513,25 @@ c['zero_optimization']['stage3_gather_16bit_weights_on_model_save'] = False"
   in_ram_run "$name" "$model" "$seq" trace-lora.json.gz "LoRA r=16 on all-linear over the pinned base" \
     '/^zoffload plan:/p;/^  pinned /p;/^  RAM /p;/^  NVMe read/p' || return 1
   medians "$runs/$name/metrics.jsonl" "lora, base pinned"
+}
+
+# QLoRA over a 70B base on a 24 GB card (issue 63): the llama3-70b preset quantized to NF4 at load
+# (configs/llama70b_qlora_24gb.json: zoffload.quantize_base nf4, LoRA r=16 on all-linear), its packed
+# base (about 40 GiB with its 16-bit embeddings and head) pinned, micro-batch 4, GAS 8, horizontal,
+# 24 GiB of the card; three steps traced
+# over steps 2-3. The plan runs first and must move nothing through the disk; the part ends with the
+# median tokens/s and device_busy over steps 2-3 (target device_busy >= 0.9) and the GPU peak.
+# ZO_QLORA_MODEL, ZO_QLORA_DEVICE, ZO_QLORA_MICRO, ZO_QLORA_GAS and ZO_QLORA_SEQ replace the model,
+# zoffload.device, micro-batch, GAS and sequence length (for a test without a GPU).
+part_qlora() {
+  local name=qlora model=${ZO_QLORA_MODEL:-llama3-70b} seq=${ZO_QLORA_SEQ:-1024}
+  config "$root/configs/llama70b_qlora_24gb.json" "$runs/$name.json" "c['wall_clock_breakdown'] = True; c['steps_per_print'] = 1
+c['scheduler']['params']['warmup_num_steps'] = 0; c['zoffload'].pop('checkpoint')
+c['train_micro_batch_size_per_gpu'] = ${ZO_QLORA_MICRO:-4}; c['gradient_accumulation_steps'] = ${ZO_QLORA_GAS:-8}
+c['zoffload']['device'] = '${ZO_QLORA_DEVICE:-cuda}'; c['zoffload']['gpu_memory_limit'] = '24GiB'"
+  in_ram_run "$name" "$model" "$seq" trace-qlora.json.gz "QLoRA: LoRA r=16 on all-linear over the NF4 base, pinned" \
+    '/^zoffload plan:/p;/^  pinned /p;/^  RAM /p;/^  NVMe read/p' || return 1
+  medians "$runs/$name/metrics.jsonl" "qlora, NF4 base pinned"
 }
 
 # The overlapped step where the host is not the limit (issue 16's GPU busy fraction): llama3-8b's
