@@ -78,6 +78,14 @@ void dequantize_blob(const BlobHeader& h, const uint8_t* codes, const uint8_t* a
         round_to(dtype, blob_element(tables, h.type, h.round, codes, first / 2, absmax, first / kBlobBlock, first + k));
 }
 
+bool dequantize_whole_blob(const uint8_t* blob, uint64_t first, uint64_t n, DType dtype, float* out) {
+  BlobHeader h;
+  if (!read_blob_header(blob, &h) || first > h.n() || n > h.n() - first) return false;
+  dequantize_blob(h, blob + blob_codes_offset() + first / 2,
+                  blob + blob_absmax_offset(h.n()) + 4 * (first / kBlobBlock), first, n, dtype, out);
+  return true;
+}
+
 void dequantize_absmax(const uint8_t* codes, const float* absmax2, const float* map, uint64_t n_blocks,
                        uint64_t blocksize2, float offset, float* out) {
   for (uint64_t j = 0; j < n_blocks; ++j) {

@@ -99,5 +99,8 @@ CodeTables code_tables();
 // absmax bytes from block first / kBlobBlock on: a caller reads only the bytes of the range.
 void dequantize_blob(const BlobHeader& h, const uint8_t* codes, const uint8_t* absmax, uint64_t first, uint64_t n,
                      DType dtype, float* out);
+// The same from a whole blob in memory, its header read there: false (nothing written) when the
+// header is not a blob's or [first, first + n) is not inside its elements.
+bool dequantize_whole_blob(const uint8_t* blob, uint64_t first, uint64_t n, DType dtype, float* out);
 
 }  // namespace zo::bnb4

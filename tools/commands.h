@@ -31,6 +31,7 @@ void register_bench_pipeline(CLI::App& app, int* exit_code);
 void register_bench_host(CLI::App& app, int* exit_code);
 void register_bench_ckpt(CLI::App& app, int* exit_code);
 void register_bench_pcie(CLI::App& app, int* exit_code);
+void register_bench_merge(CLI::App& app, int* exit_code);
 
 // Option checks with messages that say what is wanted ("--seed: -1 is not a whole number in [0,
 // 18446744073709551615]"). CLI11 reads "-1" into an unsigned option as 2^64 - 1 and prints its own

@@ -69,8 +69,8 @@ Status validate(std::span<const ParamInfo> params, const ExportOptions& o) {
       if (d < 1) return invalid_argument("export: tensor " + p.name + " has a dimension < 1");
       n *= static_cast<uint64_t>(d);
     }
-    if (n != p.weight_elems)
-      return invalid_argument("export: tensor " + p.name + ": " + std::to_string(p.weight_elems) +
+    if (n != p.weights())
+      return invalid_argument("export: tensor " + p.name + ": " + std::to_string(p.weights()) +
                               " elements do not match its shape (" + std::to_string(n) + ")");
   }
   return Status::ok();
@@ -97,7 +97,7 @@ struct Shard {
 std::vector<Shard> plan_shards(std::span<const ParamInfo> params, DType dtype, uint64_t shard_bytes) {
   std::vector<Shard> shards;
   for (size_t i = 0; i < params.size(); ++i) {
-    const uint64_t bytes = params[i].weight_elems * dtype_size_bytes(dtype);
+    const uint64_t bytes = params[i].weights() * dtype_size_bytes(dtype);
     if (shards.empty() || (shards.back().end > shards.back().first && shards.back().tensor_bytes + bytes > shard_bytes))
       shards.push_back({i, i, 0, ""});
     shards.back().end = i + 1;
@@ -242,7 +242,7 @@ class ShardExporter {
   }
 
   Status write_tensor(StreamWriter& writer, uint32_t param, const std::string& path) {
-    const uint64_t n = params_[param].weight_elems;
+    const uint64_t n = params_[param].weights();
     uint64_t off = 0;
     if (o_.dtype == DType::kF32) {
       while (off < n) {
@@ -460,9 +460,9 @@ Result<ExportResult> export_lora(std::span<const ParamInfo> params, const std::s
   }
   constexpr uint64_t kReadElems = uint64_t{1} << 20;
   uint32_t cached = std::numeric_limits<uint32_t>::max();
-  std::vector<float> A, B, row;
+  std::vector<float> A, B;
   auto read_whole = [&](uint32_t p, std::vector<float>& dst) -> Status {
-    dst.resize(params[p].weight_elems);
+    dst.resize(params[p].weights());
     for (uint64_t off = 0; off < dst.size(); off += kReadElems) {
       const std::span<float> part(dst.data() + off, std::min<uint64_t>(kReadElems, dst.size() - off));
       ZO_RETURN_IF_ERROR(read(p, off, part).with_context("export: reading " + params[p].name + " to merge it"));
@@ -480,20 +480,7 @@ Result<ExportResult> export_lora(std::span<const ParamInfo> params, const std::s
     }
     const auto r = static_cast<uint64_t>(params[adapted[p]->a].shape[0]);
     const auto in = static_cast<uint64_t>(params[adapted[p]->a].shape[1]);
-    row.resize(in);
-    for (uint64_t e = off, end = off + dst.size(); e < end;) {
-      const uint64_t o_row = e / in, c0 = e % in, c1 = std::min<uint64_t>(in, c0 + (end - e));
-      float* acc = row.data();
-      std::fill(acc + c0, acc + c1, 0.0f);
-      for (uint64_t k = 0; k < r; ++k) {
-        const float bk = B[o_row * r + k];
-        const float* ak = A.data() + k * in;
-        for (uint64_t c = c0; c < c1; ++c) acc[c] += bk * ak[c];
-      }
-      float* d = dst.data() + (e - off);
-      for (uint64_t c = c0; c < c1; ++c) d[c - c0] += acc[c] * scaling;
-      e += c1 - c0;
-    }
+    merge_lora_chunk(A, B, r, in, scaling, off, dst);
     return Status::ok();
   };
   return export_files(out, model_config_json, merged, io, o, before_commit, ExportFiles{});
@@ -606,6 +593,43 @@ class MasterReader {
 
 }  // namespace
 
+// Compiled twice on x86-64 with GCC, for AVX2 and for the baseline ISA, and picked at load by the
+// CPU (function multiversioning): the same operations either way (no FMA: a multiply then an add),
+// so the bits do not depend on the machine.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define ZO_MERGE_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define ZO_MERGE_CLONES
+#endif
+ZO_MERGE_CLONES void merge_lora_chunk(std::span<const float> A, std::span<const float> B, uint64_t r, uint64_t in,
+                                      float scaling, uint64_t first, std::span<float> dst) {
+  // Eight columns at a time, their sums in registers (a local array of 8, which the compiler keeps
+  // in one or two vector registers) while k runs: each column's sum is still over k in order, then
+  // times s, so the bits do not depend on the blocking. A's r rows of the block stay in cache.
+  constexpr uint64_t kLanes = 8;
+  for (uint64_t e = first, end = first + dst.size(); e < end;) {
+    const uint64_t o_row = e / in, c0 = e % in, c1 = std::min<uint64_t>(in, c0 + (end - e));
+    float* d = dst.data() + (e - first) - c0;  // d[c] is column c of this row
+    const float* b = B.data() + o_row * r;
+    uint64_t c = c0;
+    for (; c + kLanes <= c1; c += kLanes) {
+      float acc[kLanes] = {};
+      for (uint64_t k = 0; k < r; ++k) {
+        const float bk = b[k];
+        const float* ak = A.data() + k * in + c;
+        for (uint64_t l = 0; l < kLanes; ++l) acc[l] += bk * ak[l];
+      }
+      for (uint64_t l = 0; l < kLanes; ++l) d[c + l] += acc[l] * scaling;
+    }
+    for (; c < c1; ++c) {
+      float acc = 0.0f;
+      for (uint64_t k = 0; k < r; ++k) acc += b[k] * A[k * in + c];
+      d[c] += acc * scaling;
+    }
+    e += c1 - c0;
+  }
+}
+
 Result<ExportResult> export_hf_model(std::span<const ParamInfo> params, const std::string& model_config_json,
                                      const Fp32Reader& read, io::IoEngine& io, const ExportOptions& options) {
   return export_impl(params, model_config_json, read, io, options, {});
@@ -641,7 +665,6 @@ Result<ExportResult> export_checkpoint(const CheckpointInfo& ckpt, io::IoEngine&
       info.name = t.name;
       info.shape = t.shape;
       info.n_elems = t.n_elems;
-      info.weight_elems = t.n_elems;
       if (t.name.ends_with(kPackedTensorSuffix)) {
         // Note [The packed 4-bit base]: exported as the weights the run computed with.
         uint8_t head[bnb4::kBlobHeaderBytes];
@@ -679,12 +702,9 @@ Result<ExportResult> export_checkpoint(const CheckpointInfo& ckpt, io::IoEngine&
           ZO_RETURN_IF_ERROR(readers[r]->read_bytes(p - first_param[r], blob));
           blob_param = p;
         }
-        const auto* b = reinterpret_cast<const uint8_t*>(blob.data());
-        bnb4::BlobHeader h;
-        bnb4::read_blob_header(b, &h);
-        bnb4::dequantize_blob(h, b + bnb4::blob_codes_offset() + off / 2,
-                              b + bnb4::blob_absmax_offset(h.n()) + 4 * (off / bnb4::kBlobBlock), off, out.size(),
-                              ckpt.manifest.frozen_dtype, out.data());
+        if (!bnb4::dequantize_whole_blob(reinterpret_cast<const uint8_t*>(blob.data()), off, out.size(),
+                                         ckpt.manifest.frozen_dtype, out.data()))
+          return corruption("export: " + params[p].name + ": its 4-bit blob reads back damaged");
         return Status::ok();
       },
       io, options,

@@ -82,13 +82,9 @@ Result<ExportResult> export_gathered(StateStore& store, const std::string& model
                                               " could not read its part (its own output has the error)");
     if (packed) {
       blob_param = p;
-      const auto* b = reinterpret_cast<const uint8_t*>(blob.data());
-      bnb4::BlobHeader h;
-      if (!bnb4::read_blob_header(b, &h) || h.n() != registry.params()[p].weight_elems)
+      if (!bnb4::dequantize_whole_blob(reinterpret_cast<const uint8_t*>(blob.data()), off, out.size(),
+                                       store.plan().placement.compute_dtype, out.data()))
         return corruption(what + ": its compute copy is not a 4-bit blob");
-      bnb4::dequantize_blob(h, b + bnb4::blob_codes_offset() + off / 2,
-                            b + bnb4::blob_absmax_offset(h.n()) + 4 * (off / bnb4::kBlobBlock), off, out.size(),
-                            store.plan().placement.compute_dtype, out.data());
     }
     return Status::ok();
   };

@@ -39,13 +39,13 @@ FetchSchedule FetchSchedule::build(const ParamRegistry& registry, const Placemen
     const uint32_t p = info.id;
     const bool off_device =
         gathered || placement.compute[registry.pieces_of_param(p).front().sub_group] != Tier::kDevice;
-    s.n_elems[p] = info.weight_elems;
-    s.slot_bytes[p] = sizing.rounded(info.weight_elems * cb);
+    s.n_elems[p] = info.weights();
+    s.slot_bytes[p] = sizing.rounded(info.weights() * cb);
     s.blob_bytes[p] = info.n_elems * cb;
     s.packed[p] = info.packed;
     s.staged[p] = info.packed && off_device;
     s.fetches[p] = off_device || info.packed;
-    s.persistent[p] = s.fetches[p] && info.weight_elems <= options.persistence_threshold_elems;
+    s.persistent[p] = s.fetches[p] && info.weights() <= options.persistence_threshold_elems;
   }
   std::vector<uint32_t> seen(n_params, UINT32_MAX);  // the last block that listed the param
   for (uint32_t b = 0; b < s.n_blocks; ++b) {

@@ -47,7 +47,7 @@ struct FetchSchedule {
   std::vector<uint8_t> used;        // some block uses it
   std::vector<uint8_t> fetches;     // its compute copy is off the device, or gathered
   std::vector<uint8_t> persistent;  // fetched, and at most stage3_param_persistence_threshold elements
-  std::vector<uint64_t> n_elems;    // its weight's elements (ParamInfo::weight_elems)
+  std::vector<uint64_t> n_elems;    // its weight's elements (ParamInfo::weights())
   std::vector<uint64_t> slot_bytes;  // its weights' bytes in the compute dtype, rounded to the arena's slots
   // A packed weight (ParamInfo::packed, Note [The packed 4-bit base]): always fetched — its blob is
   // copied (or, on the device, read where it lives) and dequantized into its slot. `staged`: the

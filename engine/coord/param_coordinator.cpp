@@ -532,8 +532,8 @@ Result<std::unique_ptr<ParamCoordinator>> ParamCoordinator::create(StateStore& s
   for (uint32_t p = 0; p < s.params.size(); ++p) {
     Impl::Param& x = s.params[p];
     const ParamInfo& info = registry.params()[p];
-    x.n_elems = info.weight_elems;
-    x.bytes = info.weight_elems * cb;
+    x.n_elems = info.weights();
+    x.bytes = info.weights() * cb;
     x.src_bytes = info.n_elems * cb;
     x.packed = info.packed;
     const auto pieces = registry.pieces_of_param(p);

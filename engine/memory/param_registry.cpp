@@ -99,7 +99,7 @@ Result<ParamRegistry> ParamRegistry::build(std::vector<ParamSpec> params, uint64
     info.name = std::move(spec.name);
     info.shape = std::move(spec.shape);
     info.n_elems = spec.packed() ? spec.storage_elems : n;
-    info.weight_elems = n;
+    info.weight_elems = spec.packed() ? n : 0;
     info.packed = spec.packed();
     info.trainable = spec.trainable;
     r.params_.push_back(std::move(info));
@@ -109,7 +109,7 @@ Result<ParamRegistry> ParamRegistry::build(std::vector<ParamSpec> params, uint64
   uint64_t total = 0;
   for (const ParamInfo& p : r.params_) {
     if (__builtin_add_overflow(total, p.n_elems, &total) ||
-        __builtin_add_overflow(r.total_weights_, p.weight_elems, &r.total_weights_))
+        __builtin_add_overflow(r.total_weights_, p.weights(), &r.total_weights_))
       return invalid_argument("the model has more elements than 64 bits count");
     if (p.packed) r.packed_elems_ += p.n_elems;
   }

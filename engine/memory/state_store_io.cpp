@@ -300,7 +300,7 @@ Status StateStore::read_compute_bytes(uint32_t param, uint64_t offset_bytes, std
 
 Status StateStore::read_packed(uint32_t param, uint64_t offset_elems, std::span<float> out) {
   const ParamInfo& info = impl_->registry.params()[param];
-  const uint64_t n = info.weight_elems;
+  const uint64_t n = info.weights();
   if (offset_elems > n || out.size() > n - offset_elems)
     return invalid_argument("read_param_compute: " + info.name + ": elements [" + std::to_string(offset_elems) + ", " +
                             std::to_string(offset_elems + out.size()) + ") outside its " + std::to_string(n) +

@@ -261,13 +261,11 @@ constexpr std::byte kZeros[16] = {};
 
 // The blob of a packed weight (Note [The packed 4-bit base] in common/bnb4_blob.h) from the
 // checkpoint's own codes and absmax, in pieces of at most chunk_bytes: the codes are copied as they
-// are stored, and each absmax is repeated for every 64-element block of its block.
+// are stored, and each absmax is repeated for every 64-element block of its block (blocks of 64 or
+// more: load_hf_weights refuses others before any data moves).
 Status emit_blob(const QuantizedWeight& q, const ParamSpec& spec, uint32_t p, uint64_t chunk_bytes,
                  const PackedSink& sink) {
-  if (q.blocksize < bnb4::kBlobBlock)
-    return invalid_argument("the 4-bit weight " + spec.name + " is quantized in blocks of " +
-                            std::to_string(q.blocksize) + ": a packed base keeps blocks of " +
-                            std::to_string(bnb4::kBlobBlock) + " or more (bitsandbytes' default is 64)");
+  ZO_CHECK_LE(bnb4::kBlobBlock, q.blocksize) << spec.name;
   uint8_t head[bnb4::kBlobHeaderBytes];
   bnb4::write_blob_header({.type = static_cast<uint8_t>(q.type),
                            .round = q.dtype,

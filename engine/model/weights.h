@@ -54,7 +54,7 @@ Status load_hf_weights(const std::string& model_dir, const ModelLayout& layout, 
 // blocks]) and hands its blob to `packed`; other params go to `inner` as they are. A chunk of a
 // packed param must start at a multiple of 64 elements and hold whole blocks unless it ends the
 // tensor (load_hf_weights' and random_init_weights' chunks of a multiple of 64 do): InvalidArgument
-// otherwise. Each param's chunks must arrive in order (the last one writes the blob's padding).
+// otherwise.
 ParamSink quantizing_sink(const ModelLayout& layout, bnb4::QuantType type, ParamSink inner, PackedSink packed);
 
 Status random_init_weights(const ModelConfig& config, const ModelLayout& layout, uint64_t seed, uint64_t chunk_elems,

@@ -201,9 +201,9 @@ Status Trainer::read_master(uint32_t param, std::span<float> out) {
   const ParamRegistry& reg = impl_->setup.registry();
   if (param >= reg.params().size()) return invalid_argument("read_master: no param " + std::to_string(param));
   const ParamInfo& info = reg.params()[param];
-  if (out.size() != info.weight_elems)
-    return invalid_argument("read_master: " + info.name + " has " + std::to_string(info.weight_elems) +
-                            " elements, not " + std::to_string(out.size()));
+  if (out.size() != info.weights())
+    return invalid_argument("read_master: " + info.name + " has " + std::to_string(info.weights()) + " elements, not " +
+                            std::to_string(out.size()));
   return impl_->setup.store().read_param_value(param, 0, out);
 }
 

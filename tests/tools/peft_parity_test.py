@@ -44,7 +44,7 @@ try:
     import peft
     from peft import LoraConfig, PeftModel, get_peft_model
     from safetensors import safe_open
-    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
     from data_order import write_llmc
 except ImportError as e:
     print("SKIP: PEFT's oracle is not installed in %s (%s); tools/requirements.txt pins it" % (sys.executable, e))
@@ -83,7 +83,7 @@ def tensor_gap(a, b):
 
 
 def save_base(case, model_dir):
-    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[case["arch"]]
+    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[case["arch"]]
     config = cls(vocab_size=case["vocab"], hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
                  num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
                  max_position_embeddings=64, rms_norm_eps=1e-5, initializer_range=0.12,
@@ -519,14 +519,76 @@ def check_packed_bytes(case, work, model_dir, adapter_dir, data, packed_steps):
            "qlora: each step copies the blobs, not the 16-bit weights (%s against %s)" % (packed, full))
 
 
-def check_qlora(tmp):
-    """A bitsandbytes 4-bit base as transformers saves it (issue 63): zoffload reads the packed codes
-    and their quantization state back into the weights bitsandbytes' Linear4bit computes with, and
-    trains LoRA over them as PEFT does over that model on the CPU (NF4 with double quantization, FP4
-    without), step for step; a damaged quantization state or a config it does not know is refused
-    by name before a step."""
-    from safetensors.torch import load_file, save_file
+def check_qlora_exports(qdir, out, ref_adapters, tokens, zo_steps, work):
+    """The QLoRA run's exports: the end-of-run adapter equals PEFT's trained over the 4-bit base, PEFT
+    over the 4-bit base and that adapter gives zoffload's held-out loss, and `zoffload export --merge`
+    of the run's checkpoint (whose frozen file holds the packed blobs) writes each weight as
+    bitsandbytes dequantizes it plus s·B·A — a 16-bit model, not merge_and_unload's re-quantized one."""
+    import bitsandbytes.functional as bnbf
+    export = os.path.join(out, "hf-export-step-%d" % STEPS)
+    exported = read_safetensors(os.path.join(export, "adapter_model.safetensors"))
+    worst = max((tensor_gap(exported[k], ref_adapters[k]), k) for k in ref_adapters if k in exported)
+    print("qlora: the exported adapter against PEFT's over the 4-bit base: worst %.1e (%s)" % worst)
+    expect(sorted(exported) == sorted(ref_adapters) and worst[0] <= 1e-3,
+           "qlora: the exported adapter within 1e-3 of PEFT's (worst %.1e)" % worst[0])
+    base = AutoModelForCausalLM.from_pretrained(qdir, dtype=torch.float32, device_map="cpu")
+    peft_model = PeftModel.from_pretrained(base, export)
+    peft_model.eval()
+    with torch.no_grad():
+        losses = [loss_of(peft_model, *windows(tokens, b * MICRO, MICRO)).item() for b in range(EVAL_BATCHES)]
+    peft_eval, zo_eval = sum(losses) / len(losses), zo_steps[-1]["eval"]["loss"]
+    print("qlora: held-out loss: zoffload %.9g, PEFT over the 4-bit base and the export %.9g (%.1e)" %
+          (zo_eval, peft_eval, rel(zo_eval, peft_eval)))
+    expect(rel(zo_eval, peft_eval) <= TOL["eval"], "qlora: PEFT's held-out loss over the export %.9g, zoffload's %.9g" %
+           (peft_eval, zo_eval))
+    merged_dir = os.path.join(work, "qlora-merged")
+    p = subprocess.run([zoffload, "export", "--checkpoint", os.path.join(out, "ckpt"), "--dtype", "fp32", "--merge",
+                        "--out", merged_dir, "--json"], capture_output=True, text=True, env=ZO_ENV)
+    if not expect(p.returncode == 0, "qlora: zoffload export --merge of the checkpoint: %s" % p.stderr[-2000:]):
+        return
+    merged = read_safetensors(os.path.join(merged_dir, "model.safetensors"))
+    want = {}
+    for name, module in peft_model.base_model.model.named_modules():
+        weight = getattr(module, "weight", None)
+        if weight is None or ".lora_" in name or name.endswith(".base_layer"):
+            continue
+        if hasattr(weight, "quant_state"):
+            w = bnbf.dequantize_4bit(weight.data, weight.quant_state).float()
+            if hasattr(module, "get_delta_weight"):
+                w = w + module.get_delta_weight("default").float()
+        else:
+            w = weight.detach().float()
+        want[name + ".weight"] = w
+    projections = [k for k in want if k.endswith("_proj.weight")]
+    worst = max((tensor_gap(merged[k], want[k]) if k in want else float("inf"), k) for k in merged)
+    print("qlora: the merged export against bitsandbytes' dequantized base + s·B·A: worst %.1e (%s)" % worst)
+    expect(all(k in merged for k in projections) and worst[0] <= TOL["merged"],
+           "qlora: the merged export holds the dequantized weights plus the adapters (worst %.1e; %d tensors, "
+           "%d projections)" % (worst[0], len(merged), len(projections)))
+
+
+def save_quantized(model_dir, out_dir, qtype, double):
+    """The model transformers loads from model_dir with BitsAndBytesConfig(load_in_4bit) on the CPU,
+    saved to out_dir: a 4-bit directory as the Hub's …-bnb-4bit ones are."""
     from transformers import BitsAndBytesConfig
+    quantized = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, device_map="cpu",
+        quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=qtype,
+                                               bnb_4bit_use_double_quant=double, bnb_4bit_compute_dtype=torch.float32))
+    quantized.save_pretrained(out_dir)
+
+
+def check_qlora(tmp):
+    """A bitsandbytes 4-bit base as transformers saves it (issue 63): zoffload keeps the packed codes
+    packed (Note [The packed 4-bit base]), dequantizes them into the weights bitsandbytes' Linear4bit
+    computes with, and trains LoRA over them as PEFT does over that model on the CPU, step for step:
+    NF4 double-quantized pinned at stage 3, FP4 from NVMe, FP4 quantized at load on the device, and
+    NF4 over qwen2 and qwen3 bases. Each step moves the blobs (fewer bytes than over the 16-bit base
+    by the projections' difference at least); the exported adapter matches PEFT's, PEFT over the
+    4-bit base and it gives zoffload's held-out loss, and the merged export of the checkpoint holds
+    the dequantized base plus s·B·A. A damaged quantization state or a config it does not know is
+    refused by name before a step."""
+    from safetensors.torch import load_file, save_file
     case = dict(CASES[0], moved_b=True, name="qlora")
     work = os.path.join(tmp, "qlora")
     model_dir, adapter_dir = base_and_adapter(case, work)
@@ -539,13 +601,7 @@ def check_qlora(tmp):
     runs = (("nf4", True, "cpu", 3), ("fp4", False, "nvme", 3))
     for qtype, double, placement, stage in runs:
         qdir = os.path.join(work, "base-" + qtype)
-        quantized = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch.float32, device_map="cpu",
-            quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=qtype,
-                                                   bnb_4bit_use_double_quant=double,
-                                                   bnb_4bit_compute_dtype=torch.float32))
-        quantized.save_pretrained(qdir)
-        del quantized
+        save_quantized(model_dir, qdir, qtype, double)
         placed = dict(case, placement=placement, stage=stage)
         # NF4: with zoffload.quantize_base "nf4" too, which a directory already NF4 trains as stored.
         proc, out = zo_train(placed, work, qdir, {"init_from": adapter_dir}, data, data, name="run-" + qtype,
@@ -557,7 +613,7 @@ def check_qlora(tmp):
         expect(summary["packed_4bit_weights"] > 0 and 0 < summary["packed_4bit_bytes"] < summary["packed_4bit_weights"],
                "qlora %s: the run's --json says its base is packed, under a byte a weight: %s" %
                (qtype, {k: v for k, v in summary.items() if k.startswith("packed")}))
-        ref_steps, _ = reference_train(case, qdir, adapter_dir, tokens)
+        ref_steps, ref_adapters = reference_train(case, qdir, adapter_dir, tokens)
         with open(os.path.join(out, "metrics.jsonl")) as f:
             zo_steps = [json.loads(line) for line in f]
         worst = max(max(rel(z["loss"], r["loss"]), rel(z["grad_norm"], r["grad_norm"]))
@@ -570,6 +626,7 @@ def check_qlora(tmp):
                (qtype, TOL["loss"], worst))
         if double:
             check_packed_bytes(placed, work, model_dir, adapter_dir, data, zo_steps)
+            check_qlora_exports(qdir, out, ref_adapters, tokens, zo_steps, work)
             continue
         # zoffload.quantize_base: the same quantization of the 16-bit directory, at load.
         proc, out = zo_train(case, work, model_dir, {"init_from": adapter_dir}, data, data, name="at-load-" + qtype,
@@ -583,6 +640,32 @@ def check_qlora(tmp):
                   "PEFT over the model transformers quantized" % (qtype, worst))
             expect(len(at_load) == STEPS and worst <= TOL["loss"],
                    "qlora %s at load: within %g of PEFT over bitsandbytes (worst %.1e)" % (qtype, TOL["loss"], worst))
+
+    # The other families: qwen2 (q/k/v biases) and qwen3 (per-head q/k norms), NF4 double-quantized,
+    # each with its own base and PEFT adapter, the base pinned at stage 3.
+    for extra in (dict(CASES[3], name="qlora-qwen2"),
+                  dict(CASES[3], name="qlora-qwen3", arch="qwen3", vocab=320, seed=36, targets="all-linear")):
+        fwork = os.path.join(tmp, extra["name"])
+        fmodel, fadapter = base_and_adapter(extra, fwork)
+        fdir = os.path.join(fwork, "base-nf4")
+        save_quantized(fmodel, fdir, "nf4", True)
+        ftokens = np.random.default_rng(extra["seed"]).integers(0, extra["vocab"], size=STEPS * GAS * MICRO * SEQ + 1)
+        fdata = os.path.join(fwork, "train.bin")
+        write_llmc(fdata, ftokens)
+        proc, out = zo_train(extra, fwork, fdir, {"init_from": fadapter}, fdata, fdata, name="run-nf4")
+        if not expect(proc.returncode == 0, "%s: zoffload trains over the 4-bit base: %s" %
+                      (extra["name"], proc.stderr[-2000:])):
+            continue
+        ref_steps, _ = reference_train(extra, fdir, fadapter, ftokens)
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            zo_steps = [json.loads(line) for line in f]
+        worst = max(max(rel(z["loss"], r["loss"]), rel(z["grad_norm"], r["grad_norm"]))
+                    for z, r in zip(zo_steps, ref_steps))
+        print("%s nf4 double-quantized: %d steps, worst rel %.1e against PEFT over bitsandbytes" %
+              (extra["name"], len(zo_steps), worst))
+        expect(len(zo_steps) == STEPS and worst <= TOL["loss"],
+               "%s: losses and gradient norms within %g of PEFT over Linear4bit (worst %.1e)" %
+               (extra["name"], TOL["loss"], worst))
 
     qdir = os.path.join(work, "base-nf4")
 

@@ -80,12 +80,12 @@ TEST(ParamCoordinator, PackedWeightsMoveAsBlobsAndArriveDequantized) {
       uint64_t blobs = 0, weights = 0;
       for (const ParamInfo& p : rig.registry.params()) {
         if (!p.packed) continue;
-        std::vector<float> values(p.weight_elems);
+        std::vector<float> values(p.weights());
         ASSERT_TRUE(rig.store->read_param_compute(p.id, 0, values).is_ok());
         expected[p.id] = testing::to_dtype(values, DType::kBF16);
         if (p.name.starts_with("model.layers.0.")) {
           blobs += p.n_elems * 2;
-          weights += p.weight_elems * 2;
+          weights += p.weights() * 2;
         }
       }
       EXPECT_LT(blobs, weights * 3 / 10);  // 4.5 bits a weight and the header

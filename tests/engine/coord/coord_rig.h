@@ -163,7 +163,7 @@ inline Bytes to_dtype(const std::vector<float>& values, DType d) {
 // A packed weight's blob (Note [The packed 4-bit base]) with random codes and absmax, padded to its
 // compute copy's bytes.
 inline Bytes random_blob(const ParamInfo& p, uint64_t compute_bytes, std::mt19937& rng) {
-  const uint64_t n = p.weight_elems;
+  const uint64_t n = p.weights();
   Bytes out(p.n_elems * compute_bytes, std::byte{0});
   auto* b = reinterpret_cast<uint8_t*>(out.data());
   bnb4::write_blob_header({.type = static_cast<uint8_t>(p.name.find("mlp") != std::string::npos),

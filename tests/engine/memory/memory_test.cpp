@@ -640,7 +640,7 @@ TEST(ParamRegistry, APackedWeightCountsItsBlob) {
   const ParamInfo& q = r.params()[1];
   EXPECT_TRUE(q.packed);
   EXPECT_EQ(q.n_elems, blob_elems);
-  EXPECT_EQ(q.weight_elems, n);
+  EXPECT_EQ(q.weights(), n);
   EXPECT_EQ(q.shape, (std::vector<int64_t>{1000, 3000}));
   EXPECT_EQ(r.total_elems(), 6400 + blob_elems + 64);
   EXPECT_EQ(r.total_weights(), 6400 + n + 64);
