@@ -32,7 +32,6 @@ FetchSchedule FetchSchedule::build(const ParamRegistry& registry, const Placemen
   s.persistent.assign(n_params, 0);
   s.slot_bytes.assign(n_params, 0);
   s.n_elems.assign(n_params, 0);
-  s.packed.assign(n_params, 0);
   s.staged.assign(n_params, 0);
   s.blob_bytes.assign(n_params, 0);
   for (const ParamInfo& info : registry.params()) {
@@ -42,7 +41,6 @@ FetchSchedule FetchSchedule::build(const ParamRegistry& registry, const Placemen
     s.n_elems[p] = info.weights();
     s.slot_bytes[p] = sizing.rounded(info.weights() * cb);
     s.blob_bytes[p] = info.n_elems * cb;
-    s.packed[p] = info.packed;
     s.staged[p] = info.packed && off_device;
     s.fetches[p] = off_device || info.packed;
     s.persistent[p] = s.fetches[p] && info.weights() <= options.persistence_threshold_elems;

@@ -49,10 +49,9 @@ struct FetchSchedule {
   std::vector<uint8_t> persistent;  // fetched, and at most stage3_param_persistence_threshold elements
   std::vector<uint64_t> n_elems;    // its weight's elements (ParamInfo::weights())
   std::vector<uint64_t> slot_bytes;  // its weights' bytes in the compute dtype, rounded to the arena's slots
-  // A packed weight (ParamInfo::packed, Note [The packed 4-bit base]): always fetched — its blob is
-  // copied (or, on the device, read where it lives) and dequantized into its slot. `staged`: the
+  // A packed weight (ParamInfo::packed, Note [The packed 4-bit base]) is always fetched: its blob
+  // is copied (or, on the device, read where it lives) and dequantized into its slot. `staged`: the
   // blob crosses PCIe first, into the arena's staging region (ArenaPlan::staging_bytes).
-  std::vector<uint8_t> packed;
   std::vector<uint8_t> staged;
   std::vector<uint64_t> blob_bytes;  // its compute copy's bytes (the blob's, for a packed weight)
 
