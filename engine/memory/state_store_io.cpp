@@ -187,6 +187,20 @@ std::vector<std::pair<uint64_t, uint64_t>> moment_bytes_of(const StateStore::Imp
   return {};
 }
 
+// Bytes [lo, hi) of a param's compute copy, piece by piece: `fn(piece, offset in the sub-group's
+// compute copy, offset into [lo, hi), bytes)` for each piece holding some of them, in order; the
+// first error stops the walk.
+template <class Fn>
+Status for_compute_bytes(const StateStore::Impl& s, uint32_t param, uint64_t lo, uint64_t hi, Fn fn) {
+  const uint64_t cb = state_elem_bytes(s.plan.placement, StateKind::kCompute);
+  for (const ParamPiece& piece : s.registry.pieces_of_param(param)) {
+    const uint64_t begin = piece.param_offset * cb, a = std::max(lo, begin),
+                   b = std::min(hi, (piece.param_offset + piece.n_elems) * cb);
+    if (a < b) ZO_RETURN_IF_ERROR(fn(piece, piece.group_offset * cb + (a - begin), a - lo, b - a));
+  }
+  return Status::ok();
+}
+
 }  // namespace
 
 StateStore::StateStore(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -266,17 +280,13 @@ Status StateStore::init_packed(uint32_t param, uint64_t offset_bytes, std::span<
     return invalid_argument("init_packed: " + info.name + ": bytes [" + std::to_string(offset_bytes) + ", " +
                             std::to_string(offset_bytes + bytes.size()) + ") outside its blob of " +
                             std::to_string(size));
-  const uint64_t lo = offset_bytes, hi = offset_bytes + bytes.size();
-  for (const ParamPiece& piece : s.registry.pieces_of_param(param)) {
-    const uint64_t a = std::max(lo, piece.param_offset * cb),
-                   b = std::min(hi, (piece.param_offset + piece.n_elems) * cb);
-    if (a >= b || !s.plan.holds(piece.sub_group, StateKind::kCompute)) continue;
-    Status st =
-        write_state_range(piece.sub_group, StateKind::kCompute, piece.group_offset * cb + (a - piece.param_offset * cb),
-                          bytes.subspan(a - lo, b - a));
-    if (!st.is_ok()) return st.with_context("init_packed " + info.name);
-  }
-  return Status::ok();
+  return for_compute_bytes(s, param, offset_bytes, offset_bytes + bytes.size(),
+                           [&](const ParamPiece& piece, uint64_t in_group, uint64_t rel, uint64_t n) -> Status {
+                             if (!s.plan.holds(piece.sub_group, StateKind::kCompute)) return Status::ok();
+                             return write_state_range(piece.sub_group, StateKind::kCompute, in_group,
+                                                      bytes.subspan(rel, n))
+                                 .with_context("init_packed " + info.name);
+                           });
 }
 
 Status StateStore::read_compute_bytes(uint32_t param, uint64_t offset_bytes, std::span<std::byte> out) {
@@ -284,18 +294,12 @@ Status StateStore::read_compute_bytes(uint32_t param, uint64_t offset_bytes, std
   const Impl& s = *impl_;
   if (param >= s.registry.params().size())
     return invalid_argument("read_compute_bytes: param " + std::to_string(param) + " out of range");
-  const uint64_t cb = s.elem_bytes(StateKind::kCompute);
-  const uint64_t lo = offset_bytes, hi = offset_bytes + out.size();
-  for (const ParamPiece& piece : s.registry.pieces_of_param(param)) {
-    const uint64_t a = std::max(lo, piece.param_offset * cb),
-                   b = std::min(hi, (piece.param_offset + piece.n_elems) * cb);
-    if (a >= b) continue;
-    ZO_RETURN_IF_ERROR(s.check_held(piece.sub_group, StateKind::kCompute, "read_param_compute"));
-    ZO_RETURN_IF_ERROR(read_state_range(piece.sub_group, StateKind::kCompute,
-                                        piece.group_offset * cb + (a - piece.param_offset * cb),
-                                        out.subspan(a - lo, b - a)));
-  }
-  return Status::ok();
+  return for_compute_bytes(
+      s, param, offset_bytes, offset_bytes + out.size(),
+      [&](const ParamPiece& piece, uint64_t in_group, uint64_t rel, uint64_t n) -> Status {
+        ZO_RETURN_IF_ERROR(s.check_held(piece.sub_group, StateKind::kCompute, "read_param_compute"));
+        return read_state_range(piece.sub_group, StateKind::kCompute, in_group, out.subspan(rel, n));
+      });
 }
 
 Status StateStore::read_packed(uint32_t param, uint64_t offset_elems, std::span<float> out) {

@@ -256,8 +256,21 @@ Result<std::vector<float>> read_absmax(const QuantizedWeight& q) {
   return absmax;
 }
 
-// Zeros for a blob's padding (at most 15 bytes a gap).
-constexpr std::byte kZeros[16] = {};
+// A packed weight's blob (Note [The packed 4-bit base] in common/bnb4_blob.h) but its codes and
+// absmax: the header (`type`, `round`, the weight's shape) and the zeros after the codes and after
+// the absmax (at most 15 bytes each). Those two regions never overlap the codes or the absmax, so
+// this may be sent before, after or between them.
+Status emit_blob_frame(const PackedSink& sink, uint32_t p, const ParamSpec& spec, uint8_t type, DType round) {
+  static constexpr std::byte kZeros[16] = {};
+  const uint64_t n = elems_of(spec.shape), rows = static_cast<uint64_t>(spec.shape.front());
+  uint8_t head[bnb4::kBlobHeaderBytes];
+  bnb4::write_blob_header({.type = type, .round = round, .rows = rows, .cols = n / rows}, head);
+  ZO_RETURN_IF_ERROR(sink(p, 0, std::as_bytes(std::span(head))));
+  const uint64_t codes_end = bnb4::blob_codes_offset() + bnb4::packed_bytes(n), absmax_at = bnb4::blob_absmax_offset(n),
+                 absmax_end = absmax_at + 4 * bnb4::blob_blocks(n);
+  ZO_RETURN_IF_ERROR(sink(p, codes_end, std::span(kZeros, absmax_at - codes_end)));
+  return sink(p, absmax_end, std::span(kZeros, bnb4::blob_bytes(n) - absmax_end));
+}
 
 // The blob of a packed weight (Note [The packed 4-bit base] in common/bnb4_blob.h) from the
 // checkpoint's own codes and absmax, in pieces of at most chunk_bytes: the codes are copied as they
@@ -266,13 +279,7 @@ constexpr std::byte kZeros[16] = {};
 Status emit_blob(const QuantizedWeight& q, const ParamSpec& spec, uint32_t p, uint64_t chunk_bytes,
                  const PackedSink& sink) {
   ZO_CHECK_LE(bnb4::kBlobBlock, q.blocksize) << spec.name;
-  uint8_t head[bnb4::kBlobHeaderBytes];
-  bnb4::write_blob_header({.type = static_cast<uint8_t>(q.type),
-                           .round = q.dtype,
-                           .rows = static_cast<uint64_t>(spec.shape.front()),
-                           .cols = q.n / static_cast<uint64_t>(spec.shape.front())},
-                          head);
-  ZO_RETURN_IF_ERROR(sink(p, 0, std::as_bytes(std::span(head))));
+  ZO_RETURN_IF_ERROR(emit_blob_frame(sink, p, spec, static_cast<uint8_t>(q.type), q.dtype));
   const uint64_t codes = bnb4::packed_bytes(q.n), absmax_at = bnb4::blob_absmax_offset(q.n);
   std::vector<uint8_t> buffer(std::min(chunk_bytes, std::max<uint64_t>(codes, 4 * bnb4::blob_blocks(q.n))));
   for (uint64_t off = 0; off < codes; off += buffer.size()) {
@@ -280,8 +287,6 @@ Status emit_blob(const QuantizedWeight& q, const ParamSpec& spec, uint32_t p, ui
     ZO_RETURN_IF_ERROR(q.packed.file->read_raw(*q.packed.tensor, off, chunk));
     ZO_RETURN_IF_ERROR(sink(p, bnb4::blob_codes_offset() + off, std::as_bytes(chunk)));
   }
-  const uint64_t codes_end = bnb4::blob_codes_offset() + codes;
-  ZO_RETURN_IF_ERROR(sink(p, codes_end, std::span(kZeros, absmax_at - codes_end)));
   ZO_ASSIGN_OR_RETURN(const std::vector<float> absmax, read_absmax(q));
   const uint64_t blocks = bnb4::blob_blocks(q.n), per = q.blocksize / bnb4::kBlobBlock;
   std::vector<float> out(std::max<uint64_t>(1, buffer.size() / 4));
@@ -290,8 +295,7 @@ Status emit_blob(const QuantizedWeight& q, const ParamSpec& spec, uint32_t p, ui
     for (uint64_t k = 0; k < n; ++k) out[k] = absmax[(j + k) / per];
     ZO_RETURN_IF_ERROR(sink(p, absmax_at + 4 * j, std::as_bytes(std::span(out.data(), n))));
   }
-  const uint64_t end = absmax_at + 4 * blocks;
-  return sink(p, end, std::span(kZeros, bnb4::blob_bytes(q.n) - end));
+  return Status::ok();
 }
 
 // Elements [off, off + out.size()) of a quantized weight as bitsandbytes' dequantize_4bit gives them
@@ -558,27 +562,13 @@ ParamSink quantizing_sink(const ModelLayout& layout, bnb4::QuantType type, Param
     if (offset % kBlock != 0 || (values.size() % kBlock != 0 && offset + values.size() != n))
       return invalid_argument("quantizing " + spec.name + ": a chunk of " + std::to_string(values.size()) +
                               " elements at " + std::to_string(offset) + " is not whole blocks of 64");
-    if (offset == 0) {
-      uint8_t head[bnb4::kBlobHeaderBytes];
-      // Rounded once, to the compute dtype, by the kernel: the values as the fp32 product gives them.
-      bnb4::write_blob_header({.type = static_cast<uint8_t>(type),
-                               .round = DType::kF32,
-                               .rows = static_cast<uint64_t>(spec.shape.front()),
-                               .cols = n / static_cast<uint64_t>(spec.shape.front())},
-                              head);
-      ZO_RETURN_IF_ERROR(sink(param, 0, std::as_bytes(std::span(head))));
-    }
+    // Rounded once, to the compute dtype, by the kernel: the values as the fp32 product gives them.
+    if (offset == 0) ZO_RETURN_IF_ERROR(emit_blob_frame(sink, param, spec, static_cast<uint8_t>(type), DType::kF32));
     codes.resize(bnb4::packed_bytes(values.size()));
     absmax.resize(bnb4::block_count(values.size(), kBlock));
     bnb4::quantize(values.data(), values.size(), kBlock, type, codes.data(), absmax.data());
     ZO_RETURN_IF_ERROR(sink(param, bnb4::blob_codes_offset() + offset / 2, std::as_bytes(std::span(codes))));
-    ZO_RETURN_IF_ERROR(
-        sink(param, bnb4::blob_absmax_offset(n) + 4 * (offset / kBlock), std::as_bytes(std::span(absmax))));
-    if (offset + values.size() < n) return Status::ok();
-    const uint64_t codes_end = bnb4::blob_codes_offset() + bnb4::packed_bytes(n),
-                   absmax_end = bnb4::blob_absmax_offset(n) + 4 * bnb4::blob_blocks(n);
-    ZO_RETURN_IF_ERROR(sink(param, codes_end, std::span(kZeros, bnb4::blob_absmax_offset(n) - codes_end)));
-    return sink(param, absmax_end, std::span(kZeros, bnb4::blob_bytes(n) - absmax_end));
+    return sink(param, bnb4::blob_absmax_offset(n) + 4 * (offset / kBlock), std::as_bytes(std::span(absmax)));
   };
 }
 

@@ -221,8 +221,7 @@ def run_case(case, tmp):
                   (name, proc.returncode, proc.stderr[-3000:])):
         return
     ref_steps, ref_adapters = reference_train(case, model_dir, adapter_dir, tokens)
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        zo_steps = [json.loads(line) for line in f]
+    zo_steps = read_metrics(out)
     if not expect(len(zo_steps) == STEPS, "%s: %d metrics lines" % (name, len(zo_steps))):
         return
     print("  step  loss zoffload  peft          rel      grad_norm zoffload  peft          rel")
@@ -486,6 +485,17 @@ def check_hostile_adapters(tmp):
     print("hostile: every adapter PEFT reads otherwise refused by key, the plain ones trained as PEFT computes them")
 
 
+def read_metrics(out):
+    """The run's metrics.jsonl, one dict a step."""
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def worst_gap(zo_steps, ref_steps):
+    """The largest relative gap of zoffload's loss or gradient norm to the reference's, step by step."""
+    return max(max(rel(z["loss"], r["loss"]), rel(z["grad_norm"], r["grad_norm"])) for z, r in zip(zo_steps, ref_steps))
+
+
 def blob_bytes(n):
     """A packed weight's bytes (common/bnb4_blob.h): header, codes and an fp32 absmax per 64, each 16-aligned."""
     a16 = lambda x: (x + 15) // 16 * 16
@@ -507,8 +517,7 @@ def check_packed_bytes(case, work, model_dir, adapter_dir, data, packed_steps):
     proc, out = zo_train(case, work, model_dir, {"init_from": adapter_dir}, data, data, name="run-16bit")
     if not expect(proc.returncode == 0, "qlora: the same run over the 16-bit base: %s" % proc.stderr[-1000:]):
         return
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        full = step_h2d([json.loads(line) for line in f])
+    full = step_h2d(read_metrics(out))
     packed = step_h2d(packed_steps)
     with safe_open(os.path.join(model_dir, "model.safetensors"), "pt") as f:
         sizes = [f.get_slice(k).get_shape() for k in f.keys() if k.endswith("_proj.weight")]
@@ -614,10 +623,8 @@ def check_qlora(tmp):
                "qlora %s: the run's --json says its base is packed, under a byte a weight: %s" %
                (qtype, {k: v for k, v in summary.items() if k.startswith("packed")}))
         ref_steps, ref_adapters = reference_train(case, qdir, adapter_dir, tokens)
-        with open(os.path.join(out, "metrics.jsonl")) as f:
-            zo_steps = [json.loads(line) for line in f]
-        worst = max(max(rel(z["loss"], r["loss"]), rel(z["grad_norm"], r["grad_norm"]))
-                    for z, r in zip(zo_steps, ref_steps))
+        zo_steps = read_metrics(out)
+        worst = worst_gap(zo_steps, ref_steps)
         print("qlora %s%s, base on %s: %d steps, losses %.9g .. %.9g, PEFT + bitsandbytes %.9g .. %.9g, worst rel %.1e" %
               (qtype, " double-quantized" if double else "", placement, len(zo_steps), zo_steps[0]["loss"],
                zo_steps[-1]["loss"], ref_steps[0]["loss"], ref_steps[-1]["loss"], worst))
@@ -632,10 +639,8 @@ def check_qlora(tmp):
         proc, out = zo_train(case, work, model_dir, {"init_from": adapter_dir}, data, data, name="at-load-" + qtype,
                              zoffload_keys={"quantize_base": qtype})
         if expect(proc.returncode == 0, "qlora %s at load: %s" % (qtype, proc.stderr[-2000:])):
-            with open(os.path.join(out, "metrics.jsonl")) as f:
-                at_load = [json.loads(line) for line in f]
-            worst = max(max(rel(z["loss"], r["loss"]), rel(z["grad_norm"], r["grad_norm"]))
-                        for z, r in zip(at_load, ref_steps))
+            at_load = read_metrics(out)
+            worst = worst_gap(at_load, ref_steps)
             print("qlora %s quantized at load (zoffload.quantize_base), base on the device: worst rel %.1e against "
                   "PEFT over the model transformers quantized" % (qtype, worst))
             expect(len(at_load) == STEPS and worst <= TOL["loss"],
@@ -657,10 +662,8 @@ def check_qlora(tmp):
                       (extra["name"], proc.stderr[-2000:])):
             continue
         ref_steps, _ = reference_train(extra, fdir, fadapter, ftokens)
-        with open(os.path.join(out, "metrics.jsonl")) as f:
-            zo_steps = [json.loads(line) for line in f]
-        worst = max(max(rel(z["loss"], r["loss"]), rel(z["grad_norm"], r["grad_norm"]))
-                    for z, r in zip(zo_steps, ref_steps))
+        zo_steps = read_metrics(out)
+        worst = worst_gap(zo_steps, ref_steps)
         print("%s nf4 double-quantized: %d steps, worst rel %.1e against PEFT over bitsandbytes" %
               (extra["name"], len(zo_steps), worst))
         expect(len(zo_steps) == STEPS and worst <= TOL["loss"],
