@@ -70,19 +70,20 @@ CodeTables code_tables() {
   return t;
 }
 
-void dequantize_blob(const BlobHeader& h, const uint8_t* codes, const uint8_t* absmax, uint64_t first, uint64_t n,
+void dequantize_blob(const BlobHeader& h, const uint8_t* codes, const uint8_t* scales, uint64_t first, uint64_t n,
                      DType dtype, float* out) {
   static const CodeTables tables = code_tables();
+  const uint64_t code_base = blob_code_byte(h.type, first), scale_base = blob_scale_index(h.type, h.cols, first);
   for (uint64_t k = 0; k < n; ++k)
     out[k] =
-        round_to(dtype, blob_element(tables, h.type, h.round, codes, first / 2, absmax, first / kBlobBlock, first + k));
+        round_to(dtype, blob_element(tables, h.type, h.round, h.cols, codes, code_base, scales, scale_base, first + k));
 }
 
 bool dequantize_whole_blob(const uint8_t* blob, uint64_t first, uint64_t n, DType dtype, float* out) {
   BlobHeader h;
-  if (!read_blob_header(blob, &h) || first > h.n() || n > h.n() - first) return false;
-  dequantize_blob(h, blob + blob_codes_offset() + first / 2,
-                  blob + blob_absmax_offset(h.n()) + 4 * (first / kBlobBlock), first, n, dtype, out);
+  if (!read_blob_header(blob, &h) || h.cols == 0 || first > h.n() || n > h.n() - first) return false;
+  dequantize_blob(h, blob + blob_codes_offset() + blob_code_byte(h.type, first),
+                  blob + h.scales_offset() + 4 * blob_scale_index(h.type, h.cols, first), first, n, dtype, out);
   return true;
 }
 

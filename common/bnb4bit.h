@@ -93,11 +93,12 @@ void quantize(const float* x, uint64_t n, uint64_t blocksize, QuantType type, ui
 // Both tables for the element reads of common/bnb4_blob.h (a kernel argument).
 CodeTables code_tables();
 
-// Elements [first, first + n) of an n_total-element blob (Note [The packed 4-bit base]) whose header
-// is `h`, each as blob_element gives it and then rounded to `dtype` (the compute dtype), widened
-// exactly to fp32 in `out`. `codes` holds the blob's code bytes from byte first / 2 on, `absmax` its
-// absmax bytes from block first / kBlobBlock on: a caller reads only the bytes of the range.
-void dequantize_blob(const BlobHeader& h, const uint8_t* codes, const uint8_t* absmax, uint64_t first, uint64_t n,
+// Elements [first, first + n) of a blob (Note [The packed 4-bit base]) whose header is `h`, each as
+// blob_element gives it and then rounded to `dtype` (the compute dtype), widened exactly to fp32 in
+// `out`. `codes` holds the blob's code bytes from byte blob_code_byte(h.type, first) on, `scales`
+// its scale bytes from scale blob_scale_index(h.type, h.cols, first) on: a caller reads only the
+// bytes of the range.
+void dequantize_blob(const BlobHeader& h, const uint8_t* codes, const uint8_t* scales, uint64_t first, uint64_t n,
                      DType dtype, float* out);
 // The same from a whole blob in memory, its header read there: false (nothing written) when the
 // header is not a blob's or [first, first + n) is not inside its elements.

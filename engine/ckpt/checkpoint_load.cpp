@@ -135,12 +135,12 @@ Result<CheckpointInfo> open_checkpoint(const std::string& path, io::Env* env) {
     }
     for (size_t i = 0; i < ts.size(); ++i) {
       const SafetensorsEntry& t = expected[i];
-      if (ts[i].u8 || ts[i].name != t.name || ts[i].shape != t.shape || ts[i].dtype != t.dtype ||
+      if (ts[i].bytes() || ts[i].name != t.name || ts[i].shape != t.shape || ts[i].dtype != t.dtype ||
           ts[i].data_offset_bytes != expect_offset) {
         return corruption(fpath + ": tensor " + std::to_string(i) + " is " + ts[i].name + " " +
-                          (ts[i].u8 ? std::string("U8") : std::string(dtype_name(ts[i].dtype))) + " " +
-                          shape_string(ts[i].shape) + ", the manifest says " + t.name + " " +
-                          std::string(dtype_name(t.dtype)) + " " + shape_string(t.shape) + ", stored back to back");
+                          std::string(ts[i].type_text()) + " " + shape_string(ts[i].shape) + ", the manifest says " +
+                          t.name + " " + std::string(dtype_name(t.dtype)) + " " + shape_string(t.shape) +
+                          ", stored back to back");
       }
       expect_offset += ts[i].size_bytes;
     }
@@ -208,8 +208,9 @@ Status load_checkpoint(const CheckpointInfo& ckpt, StateStore& store, io::IoEngi
     const std::string other = p.packed ? p.name : p.name + std::string(kPackedTensorSuffix);
     if (!saved_trainable && !saved_frozen && next_frozen < m.frozen.size() && m.frozen[next_frozen].name == other)
       return invalid_argument(context + ": its " + p.name +
-                              (p.packed ? " is in the compute dtype, and this run keeps it packed in 4 bits"
-                                        : " is packed in 4 bits, and this run keeps it in the compute dtype") +
+                              (p.packed
+                                   ? " is in the compute dtype, and this run keeps it packed (a 4-bit or 8-bit base)"
+                                   : " is packed (a 4-bit or 8-bit base), and this run keeps it in the compute dtype") +
                               ": resume over the checkpoint's base (its model directory and zoffload.quantize_base)");
     if (!saved_trainable && !saved_frozen) {
       const bool anywhere =
@@ -333,7 +334,7 @@ Status load_checkpoint(const CheckpointInfo& ckpt, StateStore& store, io::IoEngi
 json describe_checkpoint(const CheckpointInfo& ckpt) {
   uint64_t params = 0, frozen = 0, bytes = 0;
   for (const CheckpointTensor& t : ckpt.manifest.tensors) params += t.n_elems;
-  // A packed 4-bit weight's entry counts its blob, not its weights (Note [The packed 4-bit base]).
+  // A packed weight's entry counts its blob, not its weights (Note [The packed 4-bit base]).
   uint64_t packed_tensors = 0, packed_bytes = 0;
   for (const CheckpointTensor& t : ckpt.manifest.frozen) {
     if (!t.name.ends_with(kPackedTensorSuffix)) {
@@ -365,8 +366,8 @@ json describe_checkpoint(const CheckpointInfo& ckpt) {
               {"tensors", ckpt.manifest.tensors.size() + ckpt.manifest.frozen.size()},
               {"parameters", params + frozen},
               {"frozen_parameters", frozen},
-              {"packed_4bit_tensors", packed_tensors},
-              {"packed_4bit_bytes", packed_bytes},
+              {"packed_base_tensors", packed_tensors},
+              {"packed_base_bytes", packed_bytes},
               {"bytes", bytes},
               {"files", files}};
   if (model.is_object()) {

@@ -656,10 +656,10 @@ Result<ExportResult> export_checkpoint(const CheckpointInfo& ckpt, io::IoEngine&
     std::vector<uint64_t> data_offsets(tensors.size());
     for (size_t i = 0; i < tensors.size(); ++i) {
       const SafetensorsTensor& t = tensors[i];
-      if (t.u8 || t.name != expected[i].name || t.shape != expected[i].shape || t.dtype != want)
+      if (t.bytes() || t.name != expected[i].name || t.shape != expected[i].shape || t.dtype != want)
         return corruption("export: " + path + ": tensor " + std::to_string(i) + " is " + t.name + " (" +
-                          (t.u8 ? std::string("U8") : std::string(dtype_name(t.dtype))) + "), the manifest says " +
-                          expected[i].name + " (" + std::string(dtype_name(want)) + ")");
+                          std::string(t.type_text()) + "), the manifest says " + expected[i].name + " (" +
+                          std::string(dtype_name(want)) + ")");
       ParamInfo info;
       info.id = static_cast<uint32_t>(params.size());
       info.name = t.name;
@@ -671,8 +671,8 @@ Result<ExportResult> export_checkpoint(const CheckpointInfo& ckpt, io::IoEngine&
         bnb4::BlobHeader h;
         const uint64_t size = t.n_elems * dtype_size_bytes(want);
         if (size < bnb4::kBlobHeaderBytes || !file->read_raw(t, 0, head).is_ok() || !bnb4::read_blob_header(head, &h) ||
-            h.rows == 0 || h.cols == 0 || h.n() / h.rows != h.cols || bnb4::blob_bytes(h.n()) != size)
-          return corruption("export: " + path + ": " + t.name + " is not a 4-bit blob");
+            h.rows == 0 || h.cols == 0 || h.n() / h.rows != h.cols || h.bytes() != size)
+          return corruption("export: " + path + ": " + t.name + " is not a packed weight's blob");
         info.name = t.name.substr(0, t.name.size() - kPackedTensorSuffix.size());
         info.shape = {static_cast<int64_t>(h.rows), static_cast<int64_t>(h.cols)};
         info.weight_elems = h.n();
@@ -704,7 +704,7 @@ Result<ExportResult> export_checkpoint(const CheckpointInfo& ckpt, io::IoEngine&
         }
         if (!bnb4::dequantize_whole_blob(reinterpret_cast<const uint8_t*>(blob.data()), off, out.size(),
                                          ckpt.manifest.frozen_dtype, out.data()))
-          return corruption("export: " + params[p].name + ": its 4-bit blob reads back damaged");
+          return corruption("export: " + params[p].name + ": its packed blob reads back damaged");
         return Status::ok();
       },
       io, options,

@@ -84,7 +84,7 @@ Result<ExportResult> export_gathered(StateStore& store, const std::string& model
       blob_param = p;
       if (!bnb4::dequantize_whole_blob(reinterpret_cast<const uint8_t*>(blob.data()), off, out.size(),
                                        store.plan().placement.compute_dtype, out.data()))
-        return corruption(what + ": its compute copy is not a 4-bit blob");
+        return corruption(what + ": its compute copy is not a packed weight's blob");
     }
     return Status::ok();
   };

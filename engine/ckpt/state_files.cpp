@@ -127,7 +127,9 @@ Result<StateValueCheck> StateValueCheck::open(const StateFile& file, const std::
   const auto& ts = c.header_->tensors();
   c.data_start_ = ts.empty() ? c.header_->file_size_bytes() : ts.front().data_offset_bytes;
   for (const SafetensorsTensor& t : ts) {
-    if (t.u8) return corruption(path + ": tensor " + t.name + " is U8; a checkpoint's state files hold floats");
+    if (t.bytes())
+      return corruption(path + ": tensor " + t.name + " is " + std::string(t.type_text()) +
+                        "; a checkpoint's state files hold floats");
     if (file.frozen && t.name.ends_with(kPackedTensorSuffix)) continue;                // a blob's bytes, not values
     const bool map = file.part == StatePart::kMomentAux && t.name == kQuantMapTensor;  // the signed map is < 0 too
     const bool absmax = file.part == StatePart::kMomentAux && t.name.ends_with(".absmax");

@@ -34,9 +34,10 @@ struct StateFile {
   bool frozen = false;
 };
 
-// A packed 4-bit weight's compute copy (Note [The packed 4-bit base] in common/bnb4_blob.h) is saved
-// in kFrozenFile as its blob: a 1-D tensor of the compute dtype's size per element holding the
-// blob's bytes, named the weight's name + this suffix (its bytes are not values of that dtype).
+// A packed weight's compute copy (Note [The packed 4-bit base] in common/bnb4_blob.h) is saved in
+// kFrozenFile as its blob: a 1-D tensor of the compute dtype's size per element holding the blob's
+// bytes, named the weight's name + this suffix (its bytes are not values of that dtype). The suffix
+// says 4-bit for every blob, 8-bit ones too: the header says which (it was named before 8-bit bases).
 inline constexpr std::string_view kPackedTensorSuffix = ".zoffload_4bit_blob";
 // The tensor a checkpoint lists for registry param `p`: its name and shape, or a packed weight's
 // blob as above.

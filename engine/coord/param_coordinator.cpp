@@ -65,9 +65,9 @@
 // behind the prefetch frontier; it is kept and counted as fetched ahead). Else its slot is freed
 // at once. Cached params are dropped by evictions or invalidate().
 //
-// Packed weights (Note [The packed 4-bit base] in common/bnb4_blob.h). A frozen 4-bit weight's
+// Packed weights (Note [The packed 4-bit base] in common/bnb4_blob.h). A frozen 4- or 8-bit weight's
 // compute copy is its blob, and that is what a fetch moves: its H2D copy lands in the arena's
-// staging region, between the persistent and dynamic regions, and dequantize_4bit, queued behind it
+// staging region, between the persistent and dynamic regions, and dequantize_packed, queued behind it
 // on the same copy stream, writes the weights into the param's slot (sized, like every limit above,
 // by the weight's own elements in the compute dtype); the param's event is recorded after that. The
 // stream runs in order, so one staging region of the largest blob serves every fetch. A blob that
@@ -264,8 +264,13 @@ struct ParamCoordinator::Impl {
   // Queues the dequantization of a packed weight's blob at `blob` into its slot.
   Status dequantize(uint32_t p, gpu::DevicePtr blob) {
     const Param& x = params[p];
-    return gpu::dequantize_4bit(
-        *device, {.blob = blob, .out = arena + x.offset, .out_dtype = compute_dtype, .n_elems = x.n_elems}, stream);
+    return gpu::dequantize_packed(*device,
+                                  {.blob = blob,
+                                   .blob_bytes = x.src_bytes,
+                                   .out = arena + x.offset,
+                                   .out_dtype = compute_dtype,
+                                   .n_elems = x.n_elems},
+                                  stream);
   }
 
   // Queues the copy of `p`'s compute copy from `src` (host memory) — and for a packed weight its

@@ -94,7 +94,7 @@ class StateStore {
   Status read_param_master(uint32_t param, uint64_t offset_elems, std::span<float> out);
   // The same from the compute copies (held for every sub-group), widened to fp32 exactly: the master
   // rounded to the compute dtype; for a packed weight, its elements dequantized from the blob as
-  // the device's dequantize_4bit gives them (kCorruption naming the param when its header is not a
+  // the device's dequantize_packed gives them (kCorruption naming the param when its header is not a
   // blob's). Uses the store's scratch: not beside other transfers.
   Status read_param_compute(uint32_t param, uint64_t offset_elems, std::span<float> out);
   // Bytes [offset_bytes, offset_bytes + out.size()) of a param's compute copy as stored (a packed

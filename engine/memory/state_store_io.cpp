@@ -214,7 +214,7 @@ Status StateStore::init_param(uint32_t param, uint64_t offset_elems, std::span<c
                             std::to_string(s.registry.params().size()) + " params)");
   }
   const ParamInfo& info = s.registry.params()[param];
-  if (info.packed) return invalid_argument("init_param: " + info.name + " is a packed 4-bit weight (init_packed)");
+  if (info.packed) return invalid_argument("init_param: " + info.name + " is a packed weight (init_packed)");
   if (offset_elems > info.n_elems || values.size() > info.n_elems - offset_elems) {
     return invalid_argument("init_param: " + info.name + ": elements [" + std::to_string(offset_elems) + ", " +
                             std::to_string(offset_elems + values.size()) + ") outside its " +
@@ -273,7 +273,7 @@ Status StateStore::init_packed(uint32_t param, uint64_t offset_bytes, std::span<
   Impl& s = *impl_;
   std::lock_guard<std::recursive_mutex> transfer(s.transfer_mu);
   if (param >= s.registry.params().size() || !s.registry.params()[param].packed)
-    return invalid_argument("init_packed: param " + std::to_string(param) + " is not a packed 4-bit weight");
+    return invalid_argument("init_packed: param " + std::to_string(param) + " is not a packed weight");
   const ParamInfo& info = s.registry.params()[param];
   const uint64_t cb = s.elem_bytes(StateKind::kCompute), size = info.n_elems * cb;
   if (offset_bytes > size || bytes.size() > size - offset_bytes)
@@ -310,22 +310,24 @@ Status StateStore::read_packed(uint32_t param, uint64_t offset_elems, std::span<
                             std::to_string(offset_elems + out.size()) + ") outside its " + std::to_string(n) +
                             " elements");
   if (out.empty()) return Status::ok();
-  auto context = [&](Status st) { return st.with_context("reading the packed 4-bit weight " + info.name); };
+  auto context = [&](Status st) { return st.with_context("reading the packed weight " + info.name); };
   std::array<std::byte, bnb4::kBlobHeaderBytes> head{};
   Status st = read_compute_bytes(param, 0, head);
   if (!st.is_ok()) return context(std::move(st));
   bnb4::BlobHeader h;
-  if (!bnb4::read_blob_header(reinterpret_cast<const uint8_t*>(head.data()), &h) || h.n() != n)
-    return corruption("the compute copy of " + info.name + " is not the 4-bit blob of its " + std::to_string(n) +
+  if (!bnb4::read_blob_header(reinterpret_cast<const uint8_t*>(head.data()), &h) || h.n() != n || h.cols == 0 ||
+      h.bytes() > info.n_elems * dtype_size_bytes(impl_->plan.placement.compute_dtype))
+    return corruption("the compute copy of " + info.name + " is not the packed blob of its " + std::to_string(n) +
                       " elements (its header is damaged)");
   const uint64_t first = offset_elems, last = offset_elems + out.size() - 1;
-  std::vector<std::byte> codes(last / 2 - first / 2 + 1),
-      absmax(4 * (last / bnb4::kBlobBlock - first / bnb4::kBlobBlock + 1));
-  st = read_compute_bytes(param, bnb4::blob_codes_offset() + first / 2, codes);
-  if (st.is_ok()) st = read_compute_bytes(param, bnb4::blob_absmax_offset(n) + 4 * (first / bnb4::kBlobBlock), absmax);
+  const uint64_t code = bnb4::blob_code_byte(h.type, first), scale = bnb4::blob_scale_index(h.type, h.cols, first);
+  std::vector<std::byte> codes(bnb4::blob_code_byte(h.type, last) - code + 1),
+      scales(4 * (bnb4::blob_scale_index(h.type, h.cols, last) - scale + 1));
+  st = read_compute_bytes(param, bnb4::blob_codes_offset() + code, codes);
+  if (st.is_ok()) st = read_compute_bytes(param, h.scales_offset() + 4 * scale, scales);
   if (!st.is_ok()) return context(std::move(st));
   bnb4::dequantize_blob(h, reinterpret_cast<const uint8_t*>(codes.data()),
-                        reinterpret_cast<const uint8_t*>(absmax.data()), first, out.size(),
+                        reinterpret_cast<const uint8_t*>(scales.data()), first, out.size(),
                         impl_->plan.placement.compute_dtype, out.data());
   return Status::ok();
 }

@@ -254,15 +254,16 @@ Status check_partial_rotary(const KeyReader& r, ModelConfig* c) {
 }
 
 // quantization_config as transformers' BitsAndBytesConfig writes it (to_dict): a 4-bit base, with
-// its packed codes in uint8. Every key is checked; one this reader does not know is refused, as is
-// an 8-bit (LLM.int8) base.
+// its packed codes in uint8, or an 8-bit (LLM.int8) one whose weights are frozen int8. Every key is
+// checked; one this reader does not know is refused.
 Status parse_bnb(const KeyReader& parent, const json& q, ModelConfig* c) {
   if (!q.is_object()) return parent.error("quantization_config", "expected an object, got " + type_name(q));
   const KeyReader r(q, parent.source(), parent.prefix() + "quantization_config.");
   const json* method = r.find("quant_method");
   if (method == nullptr || !method->is_string() || method->get<std::string>() != "bitsandbytes")
-    return r.error("quant_method", (method == nullptr ? std::string("missing") : method->dump()) +
-                                       ": only bitsandbytes' 4-bit checkpoints are supported (\"bitsandbytes\")");
+    return r.error("quant_method",
+                   (method == nullptr ? std::string("missing") : method->dump()) +
+                       ": only bitsandbytes' 4-bit and 8-bit checkpoints are supported (\"bitsandbytes\")");
   auto flag = [&](std::string_view key, bool* out) -> Status {
     const json* v = r.find(key);
     if (v == nullptr) return Status::ok();
@@ -276,14 +277,21 @@ Status parse_bnb(const KeyReader& parent, const json& q, ModelConfig* c) {
   ZO_RETURN_IF_ERROR(flag("_load_in_4bit", &in4_private));
   ZO_RETURN_IF_ERROR(flag("load_in_8bit", &in8));
   ZO_RETURN_IF_ERROR(flag("_load_in_8bit", &in8_private));
-  if (in8 || in8_private)
-    return r.error(in8 ? "load_in_8bit" : "_load_in_8bit",
-                   "8-bit (LLM.int8) bases are not supported yet; give the 16-bit weights or a 4-bit checkpoint");
   b.load_in_4bit = b.load_in_4bit || in4_private;
-  if (!b.load_in_4bit) return r.error("load_in_4bit", "must be true: only 4-bit bitsandbytes bases are supported");
+  b.load_in_8bit = in8 || in8_private;
+  if (b.load_in_4bit && b.load_in_8bit)
+    return r.error(in8 ? "load_in_8bit" : "_load_in_8bit",
+                   "and load_in_4bit are both true: a base is one or the other");
+  if (!b.quantized())
+    return r.error("load_in_4bit", "neither it nor load_in_8bit is true: say which bitsandbytes base this is");
   ZO_RETURN_IF_ERROR(flag("bnb_4bit_use_double_quant", &b.double_quant));
   ZO_RETURN_IF_ERROR(flag("llm_int8_has_fp16_weight", &fp16_weight));
   ZO_RETURN_IF_ERROR(flag("llm_int8_enable_fp32_cpu_offload", &fp32_offload));
+  // An 8-bit base that keeps 16-bit weights to train (bitsandbytes' has_fp16_weights) is not a
+  // frozen int8 base; its weights are not stored as int8 codes.
+  if (b.load_in_8bit && fp16_weight)
+    return r.error("llm_int8_has_fp16_weight",
+                   "true: this 8-bit setting trains 16-bit weights, not a frozen int8 base; give the 16-bit weights");
   if (const json* t = r.find("bnb_4bit_quant_type"); t != nullptr) {
     bnb4::QuantType type;
     if (!t->is_string() || !bnb4::parse_quant_type(t->get<std::string>(), &type))
@@ -297,7 +305,10 @@ Status parse_bnb(const KeyReader& parent, const json& q, ModelConfig* c) {
       return r.error("bnb_4bit_compute_dtype", d->dump() + " is not float32, bfloat16 or float16");
   }
   if (const json* t = r.find("llm_int8_threshold"); t != nullptr && !t->is_number())
-    return r.error("llm_int8_threshold", "expected a number, got " + type_name(*t));  // 8-bit only: unused
+    return r.error("llm_int8_threshold", "expected a number, got " + type_name(*t));
+  // llm_int8_threshold: LLM.int8's outlier split of the activations in bitsandbytes' int8 matmul;
+  // zoffload computes over the dequantized weights as bitsandbytes' training path on the CPU does
+  // (Note [The packed 4-bit base]), which does not use it.
   if (const json* m = r.find("llm_int8_skip_modules"); m != nullptr) {
     if (!m->is_array())
       return r.error("llm_int8_skip_modules", "expected a list of module names, got " + type_name(*m));
@@ -321,7 +332,7 @@ Status parse_bnb(const KeyReader& parent, const json& q, ModelConfig* c) {
                                                 "llm_int8_enable_fp32_cpu_offload"};
   for (const auto& [key, value] : q.items())
     if (std::find(std::begin(kKnown), std::end(kKnown), key) == std::end(kKnown))
-      return r.error(key, "is not a bitsandbytes 4-bit setting zoffload knows; refused rather than ignored");
+      return r.error(key, "is not a bitsandbytes setting zoffload knows; refused rather than ignored");
   c->quantization = std::move(b);
   return Status::ok();
 }

@@ -130,19 +130,24 @@ std::string_view lora_module_name(DecoderRole role);
 // Whether `name` is a LoRA adapter's (….lora_A.weight or ….lora_B.weight).
 bool is_lora_param(std::string_view name);
 
-// A bitsandbytes 4-bit checkpoint (config.json's quantization_config, quant_method
-// "bitsandbytes", load_in_4bit): its decoder projections are stored as packed NF4/FP4 codes with
-// their quantization state (Note [4-bit blocks] in common/bnb4bit.h), which load_hf_weights reads
-// back into the compute dtype; what transformers left unquantized (the embeddings, norms, the
-// head, llm_int8_skip_modules) is stored as it is.
+// A bitsandbytes checkpoint (config.json's quantization_config, quant_method "bitsandbytes"):
+// load_in_4bit, its decoder projections stored as packed NF4/FP4 codes with their quantization
+// state (Note [4-bit blocks] in common/bnb4bit.h), or load_in_8bit, stored as LLM.int8 int8 codes
+// with each row's scale (`SCB`). A frozen projection stays packed (Note [The packed 4-bit base] in
+// common/bnb4_blob.h); one trained in full is read back into the compute dtype. What transformers
+// left unquantized (the embeddings, norms, the head, llm_int8_skip_modules) is stored as it is.
 struct BnbQuantization {
   bool load_in_4bit = false;
+  bool load_in_8bit = false;
   std::string quant_type = "nf4";         // bnb_4bit_quant_type, informational: each tensor's state says
   bool double_quant = false;              // bnb_4bit_use_double_quant, informational likewise
   std::vector<std::string> skip_modules;  // llm_int8_skip_modules: modules left in 16 bits
+  bool quantized() const { return load_in_4bit || load_in_8bit; }
+  // "4-bit" or "8-bit", for messages.
+  const char* bits_name() const { return load_in_8bit ? "8-bit" : "4-bit"; }
 };
 
-// Whether transformers leaves `name` unquantized in a 4-bit checkpoint: what is not a decoder
+// Whether transformers leaves `name` unquantized in a bitsandbytes checkpoint: what is not a decoder
 // projection (embeddings, norms, the head), and any module whose name holds an entry of
 // llm_int8_skip_modules (transformers' substring test).
 bool kept_in_16_bits(std::string_view name, const BnbQuantization& quantization);

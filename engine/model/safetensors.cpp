@@ -96,9 +96,10 @@ Result<std::unique_ptr<SafetensorsFile>> SafetensorsFile::open(const std::string
     t.name = name;
     const std::string dtype_text = dt->get<std::string>();
     t.u8 = dtype_text == "U8";
-    if (!t.u8 && !parse_dtype_name(dtype_text, &t.dtype))
+    t.i8 = dtype_text == "I8";
+    if (!t.bytes() && !parse_dtype_name(dtype_text, &t.dtype))
       return unavailable(where + " has dtype " + dtype_text +
-                         ", which is not supported (supported: F32, BF16, F16, U8)");
+                         ", which is not supported (supported: F32, BF16, F16, U8, I8)");
     t.n_elems = 1;
     for (const json& d : *sh) {
       uint64_t dim = 0;
@@ -118,7 +119,7 @@ Result<std::unique_ptr<SafetensorsFile>> SafetensorsFile::open(const std::string
                         "] outside the data section of " + std::to_string(data_size) + " bytes (truncated file?)");
     t.size_bytes = end - begin;
     uint64_t expected = 0;
-    const uint64_t elem_bytes = t.u8 ? 1 : dtype_size_bytes(t.dtype);
+    const uint64_t elem_bytes = t.bytes() ? 1 : dtype_size_bytes(t.dtype);
     if (__builtin_mul_overflow(t.n_elems, elem_bytes, &expected) || expected != t.size_bytes)
       return corruption(where + ": " + std::to_string(t.size_bytes) + " bytes in data_offsets, but shape × " +
                         dtype_text + " needs " + std::to_string(t.n_elems * elem_bytes));
@@ -170,9 +171,9 @@ Status SafetensorsFile::read_raw(const SafetensorsTensor& tensor, uint64_t offse
 }
 
 Status SafetensorsFile::read_f32(const SafetensorsTensor& tensor, uint64_t offset_elems, std::span<float> out) const {
-  if (tensor.u8)
-    return invalid_argument(path_ + ": tensor \"" + tensor.name +
-                            "\" is U8 (bitsandbytes' packed codes or statistics), not a floating-point tensor");
+  if (tensor.bytes())
+    return invalid_argument(path_ + ": tensor \"" + tensor.name + "\" is " + (tensor.i8 ? "I8" : "U8") +
+                            " (bitsandbytes' codes or statistics), not a floating-point tensor");
   if (offset_elems > tensor.n_elems || out.size() > tensor.n_elems - offset_elems)
     return invalid_argument(path_ + ": read of elements [" + std::to_string(offset_elems) + ", " +
                             std::to_string(offset_elems + out.size()) + ") beyond tensor \"" + tensor.name + "\" of " +

@@ -26,9 +26,13 @@ struct SafetensorsTensor {
   uint64_t n_elems = 0;
   uint64_t data_offset_bytes = 0;  // absolute in the file
   uint64_t size_bytes = 0;
-  // A U8 tensor (bitsandbytes' packed codes and quantization statistics): `dtype` means nothing,
-  // read_f32 refuses it, read_raw reads its bytes.
+  // A U8 tensor (bitsandbytes' packed codes and quantization statistics) or an I8 one (its 8-bit
+  // codes): `dtype` means nothing, read_f32 refuses it, read_raw reads its bytes.
   bool u8 = false;
+  bool i8 = false;
+  bool bytes() const { return u8 || i8; }
+  // Its dtype as the file names it ("U8", "I8", or dtype_name's).
+  std::string_view type_text() const { return u8 ? "U8" : i8 ? "I8" : dtype_name(dtype); }
 };
 
 class SafetensorsFile {
@@ -36,7 +40,7 @@ class SafetensorsFile {
   // Parses the header. kCorruption naming the file for: a header length beyond the file or > 100 MB,
   // JSON that is not an object, a malformed entry, offsets out of order/overlapping/outside the data
   // section, a size not matching shape × dtype. kUnavailable naming the dtype and the tensor for a
-  // dtype other than F32/BF16/F16 and U8 (F64, I64, ...). kNotFound / kIoError when the file cannot be opened.
+  // dtype other than F32/BF16/F16, U8 and I8 (F64, I64, ...). kNotFound / kIoError when the file cannot be opened.
   // All reads go through `env`, which must outlive the file.
   static Result<std::unique_ptr<SafetensorsFile>> open(const std::string& path, io::Env* env);
   ~SafetensorsFile();
@@ -51,7 +55,7 @@ class SafetensorsFile {
   uint64_t file_size_bytes() const { return file_size_bytes_; }
 
   // Reads elements [offset_elems, offset_elems + out.size()) of `tensor` (one of tensors()) converted
-  // to fp32 (bf16/fp16 widened exactly). kInvalidArgument for a U8 tensor or a range beyond the tensor; I/O errors
+  // to fp32 (bf16/fp16 widened exactly). kInvalidArgument for a U8 or I8 tensor or a range beyond the tensor; I/O errors
   // and short reads name the file, tensor and offset.
   Status read_f32(const SafetensorsTensor& tensor, uint64_t offset_elems, std::span<float> out) const;
   // Reads the raw little-endian bytes [offset_bytes, offset_bytes + out.size()) of `tensor`.

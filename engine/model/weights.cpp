@@ -137,10 +137,59 @@ struct QuantizedWeight {
   DType dtype = DType::kBF16;  // the state's: the dtype bitsandbytes dequantizes to
   bool nested = false;
   float offset = 0.0f;
+  // An 8-bit (LLM.int8) weight: `packed` holds its int8 codes, `absmax` its rows' SCB, `cols` its
+  // row length; the 4-bit fields above mean nothing.
+  bool int8 = false;
+  uint64_t cols = 0;
+  uint8_t blob_type() const { return int8 ? bnb4::kBlobInt8 : static_cast<uint8_t>(type); }
+  const char* bits_name() const { return int8 ? "8-bit" : "4-bit"; }
 };
 
-// The quantization state of `stored`, or nullopt when it has none (a tensor stored as it is).
-// `used` collects the names read.
+// An 8-bit weight as transformers saves bitsandbytes' Linear8bitLt: the int8 codes under the weight's
+// own name (I8, the weight's shape, row-major), beside them the module's `SCB` (each row's absmax,
+// fp32) and `weight_format` (U8, 0: rows — the only layout bitsandbytes still writes; absent in
+// older files). Everything is checked before any data moves, naming the tensor.
+Result<std::optional<QuantizedWeight>> find_int8(const HfWeights& w, const std::string& stored,
+                                                 const SafetensorsFile* file, const SafetensorsTensor& codes,
+                                                 const ParamSpec& spec, std::set<std::string>* used) {
+  const std::string module = stored.ends_with(".weight") ? stored.substr(0, stored.size() - 7) : stored;
+  const std::string where = "the 8-bit weight " + stored + " in " + w.model_dir();
+  QuantizedWeight q;
+  q.int8 = true;
+  q.packed = {file, &codes};
+  q.absmax.tensor = w.find(module + ".SCB", &q.absmax.file);
+  if (!codes.i8) {  // not stored 8-bit: a SCB beside it is damage
+    if (q.absmax.tensor == nullptr) return std::optional<QuantizedWeight>();
+    return invalid_argument(where + ": it is " + std::string(codes.type_text()) + ", but " + module +
+                            ".SCB beside it says an 8-bit weight, whose codes are I8");
+  }
+  if (q.absmax.tensor == nullptr) return invalid_argument(where + ": its quantization state has no " + module + ".SCB");
+  used->insert(module + ".SCB");
+  if (spec.shape.size() != 2 || codes.shape != spec.shape)
+    return invalid_argument(where + ": its I8 codes have shape " + shape_string(codes.shape) + ", the model config's " +
+                            spec.name + " is " + shape_string(spec.shape));
+  const uint64_t rows = static_cast<uint64_t>(spec.shape[0]);
+  if (q.absmax.tensor->bytes() || q.absmax.tensor->dtype != DType::kF32 || q.absmax.tensor->n_elems != rows)
+    return invalid_argument(where + ": " + q.absmax.tensor->name + " is not " + std::to_string(rows) +
+                            " fp32 values (one per row)");
+  Tensor format;
+  if ((format.tensor = w.find(module + ".weight_format", &format.file)) != nullptr) {
+    used->insert(module + ".weight_format");
+    uint8_t value = 0xFF;
+    if (format.tensor->u8 && format.tensor->n_elems == 1)
+      ZO_RETURN_IF_ERROR(format.file->read_raw(*format.tensor, 0, std::span(&value, 1)));
+    if (value != 0)
+      return invalid_argument(where + ": " + format.tensor->name +
+                              " is not the U8 value 0 (row-major: the only layout bitsandbytes writes today)");
+  }
+  q.n = elems_of(spec.shape);
+  q.cols = q.n / rows;
+  q.dtype = DType::kF32;
+  return std::optional<QuantizedWeight>(std::move(q));
+}
+
+// The 4-bit or 8-bit quantization state of `stored` (which the directory holds), or nullopt when it
+// has none (a tensor stored as it is). `used` collects the names read.
 Result<std::optional<QuantizedWeight>> find_quantized(const HfWeights& w, const std::string& stored,
                                                       const ParamSpec& spec, std::set<std::string>* used) {
   Tensor state;
@@ -153,7 +202,11 @@ Result<std::optional<QuantizedWeight>> find_quantized(const HfWeights& w, const 
       break;
     }
   }
-  if (state.tensor == nullptr) return std::optional<QuantizedWeight>();
+  if (state.tensor == nullptr) {
+    const SafetensorsFile* file = nullptr;
+    const SafetensorsTensor* codes = w.find(stored, &file);
+    return find_int8(w, stored, file, *codes, spec, used);
+  }
   const std::string where = "the 4-bit weight " + stored + " in " + w.model_dir();
   auto tensor = [&](const std::string& suffix, Tensor* out) -> Status {
     const std::string key = stored + suffix;
@@ -164,7 +217,7 @@ Result<std::optional<QuantizedWeight>> find_quantized(const HfWeights& w, const 
   };
   // A tensor of the state that must hold `count` fp32 values.
   auto f32s = [&](const Tensor& t, uint64_t count, const std::string& note = "") -> Status {
-    if (t.tensor->u8 || t.tensor->dtype != DType::kF32 || t.tensor->n_elems != count)
+    if (t.tensor->bytes() || t.tensor->dtype != DType::kF32 || t.tensor->n_elems != count)
       return invalid_argument(where + ": " + t.tensor->name + " is not " + std::to_string(count) + " fp32 values" +
                               note);
     return Status::ok();
@@ -239,8 +292,14 @@ Result<std::optional<QuantizedWeight>> find_quantized(const HfWeights& w, const 
   return std::optional<QuantizedWeight>(std::move(q));
 }
 
-// The absmax values of a quantized weight, double quantization read back (bnb4::dequantize_absmax).
+// The absmax values of a 4-bit weight, double quantization read back (bnb4::dequantize_absmax); an
+// 8-bit weight's SCB.
 Result<std::vector<float>> read_absmax(const QuantizedWeight& q) {
+  if (q.int8) {  // the rows' SCB
+    std::vector<float> scb(q.n / q.cols);
+    ZO_RETURN_IF_ERROR(q.absmax.file->read_f32(*q.absmax.tensor, 0, scb));
+    return scb;
+  }
   const uint64_t blocks = bnb4::block_count(q.n, q.blocksize);
   std::vector<float> absmax(blocks);
   if (!q.nested) {
@@ -257,51 +316,64 @@ Result<std::vector<float>> read_absmax(const QuantizedWeight& q) {
 }
 
 // A packed weight's blob (Note [The packed 4-bit base] in common/bnb4_blob.h) but its codes and
-// absmax: the header (`type`, `round`, the weight's shape) and the zeros after the codes and after
-// the absmax (at most 15 bytes each). Those two regions never overlap the codes or the absmax, so
+// scales: the header (`type`, `round`, the weight's shape) and the zeros after the codes and after
+// the scales (at most 15 bytes each). Those two regions never overlap the codes or the scales, so
 // this may be sent before, after or between them.
 Status emit_blob_frame(const PackedSink& sink, uint32_t p, const ParamSpec& spec, uint8_t type, DType round) {
   static constexpr std::byte kZeros[16] = {};
-  const uint64_t n = elems_of(spec.shape), rows = static_cast<uint64_t>(spec.shape.front());
+  const uint64_t n = elems_of(spec.shape), rows = static_cast<uint64_t>(spec.shape.front()), cols = n / rows;
   uint8_t head[bnb4::kBlobHeaderBytes];
-  bnb4::write_blob_header({.type = type, .round = round, .rows = rows, .cols = n / rows}, head);
+  bnb4::write_blob_header({.type = type, .round = round, .rows = rows, .cols = cols}, head);
   ZO_RETURN_IF_ERROR(sink(p, 0, std::as_bytes(std::span(head))));
-  const uint64_t codes_end = bnb4::blob_codes_offset() + bnb4::packed_bytes(n), absmax_at = bnb4::blob_absmax_offset(n),
-                 absmax_end = absmax_at + 4 * bnb4::blob_blocks(n);
-  ZO_RETURN_IF_ERROR(sink(p, codes_end, std::span(kZeros, absmax_at - codes_end)));
-  return sink(p, absmax_end, std::span(kZeros, bnb4::blob_bytes(n) - absmax_end));
+  const uint64_t codes_end = bnb4::blob_codes_offset() + bnb4::blob_code_bytes(type, n),
+                 scales_at = bnb4::blob_scales_offset(type, n),
+                 scales_end = scales_at + 4 * bnb4::blob_scale_count(type, rows, cols);
+  ZO_RETURN_IF_ERROR(sink(p, codes_end, std::span(kZeros, scales_at - codes_end)));
+  return sink(p, scales_end, std::span(kZeros, bnb4::blob_bytes(type, rows, cols) - scales_end));
 }
 
 // The blob of a packed weight (Note [The packed 4-bit base] in common/bnb4_blob.h) from the
-// checkpoint's own codes and absmax, in pieces of at most chunk_bytes: the codes are copied as they
-// are stored, and each absmax is repeated for every 64-element block of its block (blocks of 64 or
-// more: load_hf_weights refuses others before any data moves).
+// checkpoint's own codes and scales, in pieces of at most chunk_bytes: the codes are copied as they
+// are stored; a 4-bit weight's absmax is repeated for every 64-element block of its block (blocks
+// of 64 or more: load_hf_weights refuses others before any data moves), an 8-bit weight's SCB is
+// copied as it is.
 Status emit_blob(const QuantizedWeight& q, const ParamSpec& spec, uint32_t p, uint64_t chunk_bytes,
                  const PackedSink& sink) {
-  ZO_CHECK_LE(bnb4::kBlobBlock, q.blocksize) << spec.name;
-  ZO_RETURN_IF_ERROR(emit_blob_frame(sink, p, spec, static_cast<uint8_t>(q.type), q.dtype));
-  const uint64_t codes = bnb4::packed_bytes(q.n), absmax_at = bnb4::blob_absmax_offset(q.n);
-  std::vector<uint8_t> buffer(std::min(chunk_bytes, std::max<uint64_t>(codes, 4 * bnb4::blob_blocks(q.n))));
+  ZO_CHECK(q.int8 || bnb4::kBlobBlock <= q.blocksize) << spec.name;
+  const uint8_t type = q.blob_type();
+  ZO_RETURN_IF_ERROR(emit_blob_frame(sink, p, spec, type, q.dtype));
+  const uint64_t rows = static_cast<uint64_t>(spec.shape.front()), cols = q.n / rows;
+  const uint64_t codes = bnb4::blob_code_bytes(type, q.n), scales_at = bnb4::blob_scales_offset(type, q.n),
+                 scales = bnb4::blob_scale_count(type, rows, cols);
+  std::vector<uint8_t> buffer(std::min(chunk_bytes, std::max<uint64_t>(codes, 4 * scales)));
   for (uint64_t off = 0; off < codes; off += buffer.size()) {
     const std::span<uint8_t> chunk(buffer.data(), std::min<uint64_t>(buffer.size(), codes - off));
     ZO_RETURN_IF_ERROR(q.packed.file->read_raw(*q.packed.tensor, off, chunk));
     ZO_RETURN_IF_ERROR(sink(p, bnb4::blob_codes_offset() + off, std::as_bytes(chunk)));
   }
   ZO_ASSIGN_OR_RETURN(const std::vector<float> absmax, read_absmax(q));
-  const uint64_t blocks = bnb4::blob_blocks(q.n), per = q.blocksize / bnb4::kBlobBlock;
+  const uint64_t per = q.int8 ? 1 : q.blocksize / bnb4::kBlobBlock;
   std::vector<float> out(std::max<uint64_t>(1, buffer.size() / 4));
-  for (uint64_t j = 0; j < blocks; j += out.size()) {
-    const uint64_t n = std::min<uint64_t>(out.size(), blocks - j);
+  for (uint64_t j = 0; j < scales; j += out.size()) {
+    const uint64_t n = std::min<uint64_t>(out.size(), scales - j);
     for (uint64_t k = 0; k < n; ++k) out[k] = absmax[(j + k) / per];
-    ZO_RETURN_IF_ERROR(sink(p, absmax_at + 4 * j, std::as_bytes(std::span(out.data(), n))));
+    ZO_RETURN_IF_ERROR(sink(p, scales_at + 4 * j, std::as_bytes(std::span(out.data(), n))));
   }
   return Status::ok();
 }
 
-// Elements [off, off + out.size()) of a quantized weight as bitsandbytes' dequantize_4bit gives them
-// in the state's dtype, widened to fp32.
+// Elements [off, off + out.size()) of a quantized weight as bitsandbytes reads it back — a 4-bit
+// weight as dequantize_4bit gives it in the state's dtype, an 8-bit one as bnb4::int8_element —
+// widened to fp32.
 Status read_dequantized(const QuantizedWeight& q, const std::vector<float>& absmax, uint64_t off, std::span<float> out,
                         std::vector<uint8_t>* bytes) {
+  if (q.int8) {
+    bytes->resize(out.size());
+    ZO_RETURN_IF_ERROR(q.packed.file->read_raw(*q.packed.tensor, off, *bytes));
+    for (uint64_t k = 0; k < out.size(); ++k)
+      out[k] = bnb4::int8_element(static_cast<int8_t>((*bytes)[k]), absmax[(off + k) / q.cols]);
+    return Status::ok();
+  }
   const uint64_t first = off / 2, last = (off + out.size() + 1) / 2;
   bytes->resize(last - first);
   ZO_RETURN_IF_ERROR(q.packed.file->read_raw(*q.packed.tensor, first, *bytes));
@@ -492,22 +564,27 @@ Status load_hf_weights(const std::string& model_dir, const ModelLayout& layout, 
       return not_found(message);
     }
     ZO_ASSIGN_OR_RETURN(quantized[p], find_quantized(*weights, stored, spec, &used));
-    if (quantized[p].has_value() && !layout.quantization.load_in_4bit)
-      return invalid_argument("tensor " + stored + " in " + model_dir +
-                              " is bitsandbytes 4-bit, but config.json has no quantization_config saying so");
-    if (!quantized[p].has_value() && layout.quantization.load_in_4bit &&
-        !kept_in_16_bits(spec.name, layout.quantization))
-      return invalid_argument("tensor " + stored + " in " + model_dir +
-                              " has no 4-bit quantization state, but config.json's quantization_config says the "
-                              "decoder projections are 4-bit (llm_int8_skip_modules does not name it)");
+    const BnbQuantization& quantization = layout.quantization;
+    if (quantized[p].has_value() && !quantization.quantized())
+      return invalid_argument("tensor " + stored + " in " + model_dir + " is bitsandbytes " +
+                              quantized[p]->bits_name() + ", but config.json has no quantization_config saying so");
+    if (quantized[p].has_value() && quantized[p]->int8 != quantization.load_in_8bit)
+      return invalid_argument("tensor " + stored + " in " + model_dir + " is bitsandbytes " +
+                              quantized[p]->bits_name() + ", but config.json's quantization_config says " +
+                              quantization.bits_name());
+    if (!quantized[p].has_value() && quantization.quantized() && !kept_in_16_bits(spec.name, quantization))
+      return invalid_argument("tensor " + stored + " in " + model_dir + " has no " + quantization.bits_name() +
+                              " quantization state, but config.json's quantization_config says the decoder "
+                              "projections are " +
+                              quantization.bits_name() + " (llm_int8_skip_modules does not name it)");
     if (quantized[p].has_value() && spec.packed() && !packed)
       return internal_error("load_hf_weights: " + spec.name + " is packed but no PackedSink was given");
-    if (quantized[p].has_value() && spec.packed() && quantized[p]->blocksize < bnb4::kBlobBlock)
+    if (quantized[p].has_value() && spec.packed() && !quantized[p]->int8 && quantized[p]->blocksize < bnb4::kBlobBlock)
       return invalid_argument("tensor " + stored + " in " + model_dir + " is quantized in blocks of " +
                               std::to_string(quantized[p]->blocksize) +
                               ": a frozen 4-bit base is kept packed in "
                               "blocks of 64 or more (bitsandbytes' default is 64)");
-    if (!quantized[p].has_value() && t->shape != spec.shape)  // a 4-bit state's shape was checked against it
+    if (!quantized[p].has_value() && t->shape != spec.shape)  // a quantized weight's shape was checked
       return invalid_argument("tensor " + stored + " has shape " + shape_string(t->shape) + " in " + file->path() +
                               ", expected " + shape_string(spec.shape) + " from the model config");
     sources[p] = {file, t};
@@ -568,7 +645,8 @@ ParamSink quantizing_sink(const ModelLayout& layout, bnb4::QuantType type, Param
     absmax.resize(bnb4::block_count(values.size(), kBlock));
     bnb4::quantize(values.data(), values.size(), kBlock, type, codes.data(), absmax.data());
     ZO_RETURN_IF_ERROR(sink(param, bnb4::blob_codes_offset() + offset / 2, std::as_bytes(std::span(codes))));
-    return sink(param, bnb4::blob_absmax_offset(n) + 4 * (offset / kBlock), std::as_bytes(std::span(absmax)));
+    return sink(param, bnb4::blob_scales_offset(static_cast<uint8_t>(type), n) + 4 * (offset / kBlock),
+                std::as_bytes(std::span(absmax)));
   };
 }
 

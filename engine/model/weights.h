@@ -33,10 +33,13 @@ using PackedSink = std::function<Status(uint32_t param, uint64_t offset_bytes, s
 // checkpoint's text weights are found under their prefix (Note [Text weights of a multimodal
 // checkpoint]).
 // The files are read through `env`.
-// A bitsandbytes 4-bit weight goes to `sink` read back into fp32 as dequantize_4bit gives it, unless
-// its ParamSpec is packed: then its blob goes to `packed` (required then) — the stored codes, the
-// absmax read back (double quantization) and repeated into blocks of 64; a checkpoint quantized in
-// blocks of 32 is refused for it before any data moves, naming the tensor.
+// A bitsandbytes 4-bit weight goes to `sink` read back into fp32 as dequantize_4bit gives it, an
+// 8-bit one as code × SCB / 127 (bnb4::int8_element), unless its ParamSpec is packed: then its blob
+// goes to `packed` (required then) — the stored codes, and the absmax read back (double
+// quantization) and repeated into blocks of 64, or the rows' SCB; a 4-bit checkpoint quantized in
+// blocks of 32 is refused for it before any data moves, naming the tensor. A quantized tensor whose
+// kind (4-bit, 8-bit) is not the config's, or whose state is missing or of the wrong size, is refused
+// by name before any data moves too.
 Status load_hf_weights(const std::string& model_dir, const ModelLayout& layout, uint64_t chunk_elems,
                        const ParamSink& sink, io::Env* env, const PackedSink& packed = {});
 

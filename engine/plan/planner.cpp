@@ -181,15 +181,21 @@ Result<ModelLayout> training_layout(ModelConfig* model, const Config& config) {
   if (model->lora.r > 0)
     for (ParamSpec& p : layout.params) p.trainable = is_lora_param(p.name);
   ZO_RETURN_IF_ERROR(freeze_params(config.zoffload.freeze, &layout));
-  // Note [The packed 4-bit base]: a 4-bit base's frozen decoder projections stay packed (a 4-bit
-  // weight trained in full is read back into the compute dtype at load).
-  if (model->quantization.load_in_4bit || config.zoffload.quantize_base != "none") {
+  // Note [The packed 4-bit base]: a 4-bit or 8-bit base's frozen decoder projections stay packed (a
+  // quantized weight trained in full is read back into the compute dtype at load).
+  if (model->quantization.load_in_8bit && config.zoffload.quantize_base != "none")
+    return invalid_argument("zoffload.quantize_base is \"" + config.zoffload.quantize_base +
+                            "\", but the model is already a bitsandbytes 8-bit checkpoint: leave quantize_base out "
+                            "to train over its 8-bit base, or give the 16-bit weights to quantize them");
+  if (model->quantization.quantized() || config.zoffload.quantize_base != "none") {
     const uint64_t cb = dtype_size_bytes(config.compute_dtype());
+    const uint8_t type = model->quantization.load_in_8bit ? bnb4::kBlobInt8 : 0;  // 4-bit blobs: nf4's size, fp4's
     for (ParamSpec& p : layout.params) {
       if (p.trainable || is_lora_param(p.name) || kept_in_16_bits(p.name, layout.quantization)) continue;
       uint64_t n = 1;
       for (int64_t d : p.shape) n *= static_cast<uint64_t>(d);
-      p.storage_elems = bnb4::blob_bytes(n) / cb;
+      const uint64_t rows = static_cast<uint64_t>(p.shape.front());
+      p.storage_elems = bnb4::blob_bytes(type, rows, n / rows) / cb;
     }
   }
   return layout;

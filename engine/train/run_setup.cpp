@@ -143,7 +143,7 @@ Status RunSetup::init_weights() {
   ParamSink sink = [this](uint32_t param, uint64_t offset_elems, std::span<const float> values) {
     return store_->init_param(param, offset_elems, values);
   };
-  // Note [The packed 4-bit base]: a frozen 4-bit projection's compute copy is its blob.
+  // Note [The packed 4-bit base]: a frozen 4-bit or 8-bit projection's compute copy is its blob.
   PackedSink packed = [this](uint32_t param, uint64_t offset_bytes, std::span<const std::byte> bytes) {
     return store_->init_packed(param, offset_bytes, bytes);
   };
@@ -228,7 +228,8 @@ std::string RunSetup::describe() const {
             : "")
     << ")"
     << (registry_->packed_weights() > 0
-            ? " | 4-bit base: " + format_count(registry_->packed_weights()) + " frozen weights packed in " +
+            ? " | " + std::string(model_.config.quantization.load_in_8bit ? "8" : "4") +
+                  "-bit base: " + format_count(registry_->packed_weights()) + " frozen weights packed in " +
                   format_bytes(registry_->packed_elems() * dtype_size_bytes(model_.compute_dtype)) +
                   ", dequantized on the device as each block is fetched"
             : "")

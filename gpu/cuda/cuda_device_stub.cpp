@@ -33,7 +33,7 @@ const OptimKernels kCudaOptimKernels{
     .adam8bit_step = [](Device&, const DeviceAdam8bitArgs&, Stream) { return no_cuda(); },
 };
 
-Status cuda_dequantize_4bit(Device&, const Dequantize4bitArgs&, Stream) { return no_cuda(); }
+Status cuda_dequantize_packed(Device&, const DequantizePackedArgs&, Stream) { return no_cuda(); }
 
 }  // namespace detail
 }  // namespace zo::gpu

@@ -14,9 +14,9 @@ extern const OptimKernels kHostOptimKernels;  // gpu/host_optim_kernels.cpp
 // gpu/cuda/cuda_device_stub.cpp's kernels return kUnavailable.
 extern const OptimKernels kCudaOptimKernels;
 
-// dequantize_4bit (gpu/quant_kernels.h): its argument checks, which both backends run, and
+// dequantize_packed (gpu/quant_kernels.h): its argument checks, which both backends run, and
 // CudaDevice's kernel (gpu/cuda/cuda_quant_kernels.cu; kUnavailable from the stub without CUDA).
-Status check_dequantize_4bit_args(const Accounting& acct, const Dequantize4bitArgs& args);
-Status cuda_dequantize_4bit(Device& device, const Dequantize4bitArgs& args, Stream stream);
+Status check_dequantize_packed_args(const Accounting& acct, const DequantizePackedArgs& args);
+Status cuda_dequantize_packed(Device& device, const DequantizePackedArgs& args, Stream stream);
 
 }  // namespace zo::gpu::detail

@@ -12,7 +12,12 @@ quantization (compress_statistics).
   (its CPU library writes FP4's zero code as -0: the only bits that may differ); with double
   quantization the absmax values read back equal bitsandbytes' dequantize_blockwise + offset.
   The oracle also reads each tensor as the packed 4-bit base keeps it (its blob, common/bnb4_blob.h),
-  with the host's reader and HostDevice's dequantize_4bit, and fails unless both give those bits.
+  with the host's reader and HostDevice's dequantize_packed, and fails unless both give those bits.
+- 8-bit (LLM.int8) weights as bitsandbytes quantizes them (int8_vectorwise_quant: int8 codes and
+  each row's SCB; zero rows, outliers, odd shapes), read back as the packed base's blob by the host's
+  reader and HostDevice in fp32, bf16 and fp16: the bits equal the weight bitsandbytes' training
+  path computes with (MatMul8bitFp: CB.to(dtype).mul_(SCB.unsqueeze(1).mul(1.0 / 127.0))), and a
+  Linear8bitLt in training mode gives, bit for bit, torch's linear over zoffload's weights.
 usage: bnb4bit_bnb_test.py ORACLE_BINARY   (exit 77 without bitsandbytes)"""
 import os
 import subprocess
@@ -25,6 +30,7 @@ from cli_checks import expect, report_and_exit  # noqa: E402
 try:
     import numpy as np
     import torch
+    import bitsandbytes as bnb
     import bitsandbytes.functional as F
     from bitsandbytes.backends.default.ops import _dequantize_4bit_compute, _get_4bit_quantize_bounds
 except ImportError as e:
@@ -131,6 +137,33 @@ def check_case(tmp, i, shape, blocksize, qtype, dtype_name, kind, rng):
                "%s: values equal dequantize_4bit's" % tag)
 
 
+def check_int8(tmp, i, rows, cols, dtype_name, rng):
+    """An 8-bit weight, quantized by bitsandbytes, read back by zoffload's blob readers."""
+    dtype = DTYPES[dtype_name]
+    w = torch.from_numpy(rng.standard_normal((rows, cols)).astype(np.float32))
+    if rows > 2:
+        w[1] = 0.0  # a zero row: SCB 0
+        w[2, 0] = 300.0  # an outlier that sets its row's scale
+    module = bnb.nn.Linear8bitLt(cols, rows, bias=False, has_fp16_weights=False)
+    module.weight = bnb.nn.Int8Params(w.half(), requires_grad=False, has_fp16_weights=False)._quantize("cpu")
+    cb, scb = module.weight.data.clone(), module.weight.SCB.clone()
+    name = "int8 %dx%d %s" % (rows, cols, dtype_name)
+    work = os.path.join(tmp, "i%d" % i)
+    if not run(work, {"mode": "int8", "rows": rows, "cols": cols, "dtype": dtype_name},
+               {"codes.i8": cb.numpy().reshape(-1), "scb.f32": scb.numpy()}):
+        return
+    raw = np.fromfile(os.path.join(work, "out.bin"), dtype=np.int32 if dtype == torch.float32 else np.int16)
+    ours = torch.from_numpy(raw.copy()).view(dtype).reshape(rows, cols)
+    theirs = cb.to(dtype).mul_(scb.unsqueeze(1).mul(1.0 / 127.0))  # MatMul8bitFp's weight
+    expect(np.array_equal(bits(ours), bits(theirs)), "%s: the weights equal bitsandbytes' training path's (%d of %d "
+           "differ)" % (name, int((bits(ours) != bits(theirs)).sum()), theirs.numel()))
+    module.train()
+    x = torch.from_numpy(rng.standard_normal((3, cols)).astype(np.float32)).to(dtype)
+    with torch.no_grad():
+        expect(torch.equal(module(x), torch.nn.functional.linear(x, ours)),
+               "%s: Linear8bitLt (training) computes torch's linear over zoffload's weights" % name)
+
+
 def main():
     rng = np.random.default_rng(4)
     cases = [((1000,), 64, "nf4", "bf16", "normal"),
@@ -143,10 +176,13 @@ def main():
              ((300, 257), 64, "nf4", "bf16", "normal"),
              ((3, 204), 128, "nf4", "fp32", "ties"),  # the partial block divides, a whole one multiplies
              ((3, 204), 128, "fp4", "fp32", "ties")]  # > 256 blocks: several nested blocks
+    int8_cases = [(1, 1, "fp32"), (7, 33, "bf16"), (33, 70, "fp16"), (300, 257, "bf16"), (64, 96, "fp32")]
     with tempfile.TemporaryDirectory(prefix="zo-bnb4-") as tmp:
         for i, case in enumerate(cases):
             check_case(tmp, i, *case, rng)
-    print("bnb4bit: %d layouts checked against bitsandbytes" % len(cases))
+        for i, case in enumerate(int8_cases):
+            check_int8(tmp, i, *case, rng)
+    print("bnb4bit: %d 4-bit layouts and %d 8-bit weights checked against bitsandbytes" % (len(cases), len(int8_cases)))
     report_and_exit()
 
 

@@ -866,36 +866,43 @@ TEST_P(DeviceConformance, NarrowStatesMatchCpuOptimBitForBit) {
 }
 
 // Note [The packed 4-bit base]: the kernel gives, for every layout (odd counts, a partial last
-// block, each quant type, each rounding and output dtype, a blob not 4-byte aligned), the bits of
-// the host's reader (bnb4::dequantize_blob), which bnb4bit-bnb holds to bitsandbytes'.
-TEST_P(DeviceConformance, Dequantize4bitMatchesTheHostReaderBitForBit) {
+// block, each quant type — NF4, FP4 and 8-bit rows —, each rounding and output dtype, a blob not
+// 4-byte aligned), the bits of the host's reader (bnb4::dequantize_blob), which bnb4bit-bnb holds to
+// bitsandbytes'.
+TEST_P(DeviceConformance, DequantizePackedMatchesTheHostReaderBitForBit) {
   if (!dev_) return;
   std::mt19937 rng(7);
-  for (const uint64_t n : {uint64_t{1}, uint64_t{63}, uint64_t{64}, uint64_t{65}, uint64_t{4097}, uint64_t{100003}}) {
-    for (const uint8_t type : {uint8_t{0}, uint8_t{1}}) {
+  const std::pair<uint64_t, uint64_t> shapes[] = {{1, 1}, {7, 9}, {8, 8}, {5, 13}, {17, 241}, {1, 100003}, {331, 302}};
+  for (const auto& [rows, cols] : shapes) {
+    const uint64_t n = rows * cols;
+    for (const uint8_t type : {uint8_t{0}, uint8_t{1}, bnb4::kBlobInt8}) {
       for (const DType round : {DType::kF32, DType::kBF16, DType::kF16}) {
         for (const DType out_dtype : {DType::kF32, DType::kBF16, DType::kF16}) {
-          const uint64_t misalign = 2;  // a blob at an odd pair of bytes: its absmax are read bytewise
-          std::vector<uint8_t> blob(bnb4::blob_bytes(n) + misalign, 0);
+          const uint64_t misalign = 2;  // a blob at an odd pair of bytes: its scales are read bytewise
+          const bnb4::BlobHeader written{.type = type, .round = round, .rows = rows, .cols = cols};
+          std::vector<uint8_t> blob(written.bytes() + misalign, 0);
           uint8_t* b = blob.data() + misalign;
-          bnb4::write_blob_header({.type = type, .round = round, .rows = n, .cols = 1}, b);
-          for (uint64_t i = 0; i < (n + 1) / 2; ++i) b[bnb4::blob_codes_offset() + i] = static_cast<uint8_t>(rng());
-          for (uint64_t j = 0; j < bnb4::blob_blocks(n); ++j) {
+          bnb4::write_blob_header(written, b);
+          for (uint64_t i = 0; i < bnb4::blob_code_bytes(type, n); ++i)
+            b[bnb4::blob_codes_offset() + i] = static_cast<uint8_t>(rng());
+          for (uint64_t j = 0; j < bnb4::blob_scale_count(type, rows, cols); ++j) {
             const float a =
                 std::ldexp(static_cast<float>(rng() % 1000 + 1) / 997.0f, static_cast<int>(rng() % 40) - 20);
-            std::memcpy(b + bnb4::blob_absmax_offset(n) + 4 * j, &a, 4);
+            std::memcpy(b + written.scales_offset() + 4 * j, &a, 4);
           }
           bnb4::BlobHeader h;
           ASSERT_TRUE(bnb4::read_blob_header(b, &h));
+          ASSERT_EQ(h.bytes(), written.bytes());
           std::vector<float> want(n);
-          bnb4::dequantize_blob(h, b + bnb4::blob_codes_offset(), b + bnb4::blob_absmax_offset(n), 0, n, out_dtype,
-                                want.data());
+          bnb4::dequantize_blob(h, b + bnb4::blob_codes_offset(), b + h.scales_offset(), 0, n, out_dtype, want.data());
           const uint64_t out_bytes = n * dtype_size_bytes(out_dtype);
           const DevicePtr d_blob = alloc(*dev_, blob.size()), d_out = alloc(*dev_, out_bytes);
           std::vector<uint8_t> got(out_bytes);
           ZO_ASSERT_OK(dev_->copy_h2d(d_blob, blob.data(), blob.size(), stream_));
-          ZO_ASSERT_OK(dequantize_4bit(
-              *dev_, {.blob = d_blob + misalign, .out = d_out, .out_dtype = out_dtype, .n_elems = n}, stream_));
+          ZO_ASSERT_OK(dequantize_packed(
+              *dev_,
+              {.blob = d_blob + misalign, .blob_bytes = h.bytes(), .out = d_out, .out_dtype = out_dtype, .n_elems = n},
+              stream_));
           ZO_ASSERT_OK(dev_->copy_d2h(got.data(), d_out, out_bytes, stream_));
           ZO_ASSERT_OK(dev_->synchronize(stream_));
           int bad = 0;
@@ -910,8 +917,9 @@ TEST_P(DeviceConformance, Dequantize4bitMatchesTheHostReaderBitForBit) {
             }
             if (std::memcmp(&v, &want[i], 4) != 0) {
               ++bad;
-              ADD_FAILURE() << "n " << n << " type " << int{type} << " round " << dtype_name(round) << " out "
-                            << dtype_name(out_dtype) << " element " << i << ": " << v << ", want " << want[i];
+              ADD_FAILURE() << "shape " << rows << "x" << cols << " type " << int{type} << " round "
+                            << dtype_name(round) << " out " << dtype_name(out_dtype) << " element " << i << ": " << v
+                            << ", want " << want[i];
             }
           }
           dev_->free(d_blob);
@@ -922,22 +930,27 @@ TEST_P(DeviceConformance, Dequantize4bitMatchesTheHostReaderBitForBit) {
   }
 }
 
-TEST_P(DeviceConformance, Dequantize4bitRejectsBadArguments) {
+TEST_P(DeviceConformance, DequantizePackedRejectsBadArguments) {
   if (!dev_) return;
   constexpr uint64_t kN = 1000;
-  const DevicePtr blob = alloc(*dev_, bnb4::blob_bytes(kN)), out = alloc(*dev_, kN * 4);
-  auto expect_refused = [&](const char* what, const Dequantize4bitArgs& a, const char* names) {
-    const Status st = dequantize_4bit(*dev_, a, stream_);
+  const uint64_t blob_bytes = bnb4::blob_bytes(0, kN, 1);
+  const DevicePtr blob = alloc(*dev_, blob_bytes), out = alloc(*dev_, kN * 4);
+  auto expect_refused = [&](const char* what, const DequantizePackedArgs& a, const char* names) {
+    const Status st = dequantize_packed(*dev_, a, stream_);
     EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << what << ": " << st.to_string();
     EXPECT_NE(st.message().find(names), std::string::npos) << what << ": " << st.message();
   };
-  const Dequantize4bitArgs ok{.blob = blob, .out = out, .out_dtype = DType::kBF16, .n_elems = kN};
-  Dequantize4bitArgs a = ok;
-  a.n_elems = 2 * kN;  // the blob no longer fits its allocation (the output still does)
-  expect_refused("a blob past its allocation", a, "dequantize_4bit blob");
+  const DequantizePackedArgs ok{
+      .blob = blob, .blob_bytes = blob_bytes, .out = out, .out_dtype = DType::kBF16, .n_elems = kN};
+  DequantizePackedArgs a = ok;
+  a.blob_bytes = 2 * blob_bytes;  // the blob no longer fits its allocation
+  expect_refused("a blob past its allocation", a, "dequantize_packed blob");
+  a = ok;
+  a.blob_bytes = bnb4::kBlobHeaderBytes - 1;
+  expect_refused("a blob smaller than its header", a, "header");
   a = ok;
   a.out = out + 2560;  // 2000 bytes from there run past the output's allocation
-  expect_refused("an output past its allocation", a, "dequantize_4bit out");
+  expect_refused("an output past its allocation", a, "dequantize_packed out");
   a = ok;
   a.n_elems = 100;  // both ranges inside the blob's allocation, the output over the blob
   a.out = blob;
@@ -950,7 +963,7 @@ TEST_P(DeviceConformance, Dequantize4bitRejectsBadArguments) {
   expect_refused("an unknown dtype", a, "out_dtype");
   a = ok;
   a.n_elems = 0;
-  ZO_ASSERT_OK(dequantize_4bit(*dev_, a, stream_));
+  ZO_ASSERT_OK(dequantize_packed(*dev_, a, stream_));
   dev_->free(blob);
   dev_->free(out);
 }

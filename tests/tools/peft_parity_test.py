@@ -496,9 +496,13 @@ def worst_gap(zo_steps, ref_steps):
     return max(max(rel(z["loss"], r["loss"]), rel(z["grad_norm"], r["grad_norm"])) for z, r in zip(zo_steps, ref_steps))
 
 
-def blob_bytes(n):
-    """A packed weight's bytes (common/bnb4_blob.h): header, codes and an fp32 absmax per 64, each 16-aligned."""
+def blob_bytes(rows, cols, int8=False):
+    """A packed weight's bytes (common/bnb4_blob.h): header, codes (4-bit: two a byte; 8-bit: one) and
+    fp32 scales (4-bit: an absmax per 64; 8-bit: one per row), each 16-aligned."""
     a16 = lambda x: (x + 15) // 16 * 16
+    n = rows * cols
+    if int8:
+        return a16(32 + a16(n) + 4 * rows)
     return a16(32 + a16((n + 1) // 2) + 4 * ((n + 63) // 64))
 
 
@@ -509,48 +513,57 @@ def step_h2d(steps):
     return [b - a for a, b in zip(h2d, h2d[1:-1])]
 
 
-def check_packed_bytes(case, work, model_dir, adapter_dir, data, packed_steps):
+def check_packed_bytes(case, work, model_dir, adapter_dir, data, packed_steps, int8=False):
     """The packed base is what crosses PCIe: a step over it copies fewer bytes than the same step over
     the 16-bit base by at least each projection's 16-bit bytes less its blob's (every projection is
     fetched at least once a step; the schedule is the same)."""
     from safetensors import safe_open
-    proc, out = zo_train(case, work, model_dir, {"init_from": adapter_dir}, data, data, name="run-16bit")
+    kind = "8-bit" if int8 else "NF4"
+    proc, out = zo_train(case, work, model_dir, {"init_from": adapter_dir}, data, data,
+                         name="run-16bit" + ("-int8" if int8 else ""))
     if not expect(proc.returncode == 0, "qlora: the same run over the 16-bit base: %s" % proc.stderr[-1000:]):
         return
     full = step_h2d(read_metrics(out))
     packed = step_h2d(packed_steps)
     with safe_open(os.path.join(model_dir, "model.safetensors"), "pt") as f:
         sizes = [f.get_slice(k).get_shape() for k in f.keys() if k.endswith("_proj.weight")]
-    saving = sum(4 * a * b - blob_bytes(a * b) for a, b in sizes)  # fp32 compute
-    print("qlora: a step copies %d bytes to the device over the NF4 base, %d over the 16-bit base (%.2fx); "
-          "the projections alone save at least %d" % (packed[0], full[0], packed[0] / full[0], saving))
+    saving = sum(4 * a * b - blob_bytes(a, b, int8) for a, b in sizes)  # fp32 compute
+    print("qlora: a step copies %d bytes to the device over the %s base, %d over the 16-bit base (%.2fx); "
+          "the projections alone save at least %d" % (packed[0], kind, full[0], packed[0] / full[0], saving))
     expect(len(packed) == len(full) and all(f - p >= saving for p, f in zip(packed, full)),
-           "qlora: each step copies the blobs, not the 16-bit weights (%s against %s)" % (packed, full))
+           "qlora %s: each step copies the blobs, not the 16-bit weights (%s against %s)" % (kind, packed, full))
 
 
-def check_qlora_exports(qdir, out, ref_adapters, tokens, zo_steps, work):
-    """The QLoRA run's exports: the end-of-run adapter equals PEFT's trained over the 4-bit base, PEFT
-    over the 4-bit base and that adapter gives zoffload's held-out loss, and `zoffload export --merge`
+def check_qlora_exports(qdir, out, ref_adapters, tokens, zo_steps, work, int8=False):
+    """The QLoRA run's exports: the end-of-run adapter equals PEFT's trained over the quantized base,
+    PEFT over that base and that adapter gives zoffload's held-out loss, and `zoffload export --merge`
     of the run's checkpoint (whose frozen file holds the packed blobs) writes each weight as
-    bitsandbytes dequantizes it plus s·B·A — a 16-bit model, not merge_and_unload's re-quantized one."""
+    bitsandbytes reads it back plus s·B·A — a 16-bit model, not merge_and_unload's re-quantized one.
+    An 8-bit base is evaluated in PEFT's training mode (no dropout: the same forward): bitsandbytes'
+    eval mode on the CPU runs LLM.int8's int8 matmul (MatMul8bitLt), which rounds the activations to
+    int8, where zoffload computes as its training path does, over the dequantized weights."""
     import bitsandbytes.functional as bnbf
+    kind = "8-bit" if int8 else "4-bit"
     export = os.path.join(out, "hf-export-step-%d" % STEPS)
     exported = read_safetensors(os.path.join(export, "adapter_model.safetensors"))
     worst = max((tensor_gap(exported[k], ref_adapters[k]), k) for k in ref_adapters if k in exported)
-    print("qlora: the exported adapter against PEFT's over the 4-bit base: worst %.1e (%s)" % worst)
+    print("qlora: the exported adapter against PEFT's over the %s base: worst %.1e (%s)" % ((kind,) + worst))
     expect(sorted(exported) == sorted(ref_adapters) and worst[0] <= 1e-3,
-           "qlora: the exported adapter within 1e-3 of PEFT's (worst %.1e)" % worst[0])
+           "qlora %s: the exported adapter within 1e-3 of PEFT's (worst %.1e)" % (kind, worst[0]))
     base = AutoModelForCausalLM.from_pretrained(qdir, dtype=torch.float32, device_map="cpu")
     peft_model = PeftModel.from_pretrained(base, export)
-    peft_model.eval()
+    if int8:
+        peft_model.train()
+    else:
+        peft_model.eval()
     with torch.no_grad():
         losses = [loss_of(peft_model, *windows(tokens, b * MICRO, MICRO)).item() for b in range(EVAL_BATCHES)]
     peft_eval, zo_eval = sum(losses) / len(losses), zo_steps[-1]["eval"]["loss"]
-    print("qlora: held-out loss: zoffload %.9g, PEFT over the 4-bit base and the export %.9g (%.1e)" %
-          (zo_eval, peft_eval, rel(zo_eval, peft_eval)))
-    expect(rel(zo_eval, peft_eval) <= TOL["eval"], "qlora: PEFT's held-out loss over the export %.9g, zoffload's %.9g" %
-           (peft_eval, zo_eval))
-    merged_dir = os.path.join(work, "qlora-merged")
+    print("qlora: held-out loss: zoffload %.9g, PEFT over the %s base and the export %.9g (%.1e)" %
+          (zo_eval, kind, peft_eval, rel(zo_eval, peft_eval)))
+    expect(rel(zo_eval, peft_eval) <= TOL["eval"], "qlora %s: PEFT's held-out loss over the export %.9g, zoffload's "
+           "%.9g" % (kind, peft_eval, zo_eval))
+    merged_dir = os.path.join(work, "qlora-merged" + ("-int8" if int8 else ""))
     p = subprocess.run([zoffload, "export", "--checkpoint", os.path.join(out, "ckpt"), "--dtype", "fp32", "--merge",
                         "--out", merged_dir, "--json"], capture_output=True, text=True, env=ZO_ENV)
     if not expect(p.returncode == 0, "qlora: zoffload export --merge of the checkpoint: %s" % p.stderr[-2000:]):
@@ -563,17 +576,23 @@ def check_qlora_exports(qdir, out, ref_adapters, tokens, zo_steps, work):
             continue
         if hasattr(weight, "quant_state"):
             w = bnbf.dequantize_4bit(weight.data, weight.quant_state).float()
-            if hasattr(module, "get_delta_weight"):
-                w = w + module.get_delta_weight("default").float()
+        elif weight.dtype == torch.int8:  # MatMul8bitFp's weight in fp32, from Linear8bitLt's SCB
+            layer = module.get_base_layer() if hasattr(module, "get_base_layer") else module
+            scb = layer.state.SCB if layer.state.SCB is not None else weight.SCB
+            w = weight.data.to(torch.float32).mul_(scb.unsqueeze(1).mul(1.0 / 127.0))
         else:
-            w = weight.detach().float()
+            want[name + ".weight"] = weight.detach().float()
+            continue
+        if hasattr(module, "get_delta_weight"):
+            w = w + module.get_delta_weight("default").float()
         want[name + ".weight"] = w
     projections = [k for k in want if k.endswith("_proj.weight")]
     worst = max((tensor_gap(merged[k], want[k]) if k in want else float("inf"), k) for k in merged)
-    print("qlora: the merged export against bitsandbytes' dequantized base + s·B·A: worst %.1e (%s)" % worst)
+    print("qlora: the merged export against bitsandbytes' %s base read back + s·B·A: worst %.1e (%s)" %
+          ((kind,) + worst))
     expect(all(k in merged for k in projections) and worst[0] <= TOL["merged"],
-           "qlora: the merged export holds the dequantized weights plus the adapters (worst %.1e; %d tensors, "
-           "%d projections)" % (worst[0], len(merged), len(projections)))
+           "qlora %s: the merged export holds the dequantized weights plus the adapters (worst %.1e; %d tensors, "
+           "%d projections)" % (kind, worst[0], len(merged), len(projections)))
 
 
 def save_quantized(model_dir, out_dir, qtype, double):
@@ -587,6 +606,89 @@ def save_quantized(model_dir, out_dir, qtype, double):
     quantized.save_pretrained(out_dir)
 
 
+def save_quantized_8bit(model_dir, out_dir):
+    """The model transformers loads from model_dir with BitsAndBytesConfig(load_in_8bit) on the CPU,
+    saved to out_dir: an 8-bit (LLM.int8) directory as the Hub's …-8bit ones are."""
+    from transformers import BitsAndBytesConfig
+    quantized = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, device_map="cpu",
+                                                     quantization_config=BitsAndBytesConfig(load_in_8bit=True))
+    quantized.save_pretrained(out_dir)
+
+
+def check_qlora_8bit(case, work, model_dir, adapter_dir, tokens, data):
+    """An 8-bit (LLM.int8) base as transformers saves it: zoffload keeps its int8 codes and row scales
+    packed, dequantizes them into the weights bitsandbytes' training path computes with, and trains
+    LoRA over them as PEFT does over Linear8bitLt on the CPU, pinned at stage 3; each step moves the
+    blobs; the exports as check_qlora_exports says. Damaged states and contradicting settings are
+    refused by name before a step."""
+    qdir = os.path.join(work, "base-int8")
+    save_quantized_8bit(model_dir, qdir)
+    placed = dict(case, placement="cpu", stage=3)
+    proc, out = zo_train(placed, work, qdir, {"init_from": adapter_dir}, data, data, name="run-int8")
+    if expect(proc.returncode == 0, "qlora 8-bit: zoffload trains over the 8-bit base: %s" % proc.stderr[-2000:]):
+        summary = json.loads(proc.stdout)
+        weights, size = summary["packed_base_weights"], summary["packed_base_bytes"]
+        expect(weights > 0 and weights < size < 1.2 * weights,
+               "qlora 8-bit: the run's --json says its base is packed, a byte a weight and its rows' scales: %d "
+               "weights in %d bytes" % (weights, size))
+        ref_steps, ref_adapters = reference_train(case, qdir, adapter_dir, tokens)
+        zo_steps = read_metrics(out)
+        worst = worst_gap(zo_steps, ref_steps)
+        print("qlora 8-bit, base pinned at stage 3: %d steps, losses %.9g .. %.9g, PEFT + bitsandbytes %.9g .. %.9g, "
+              "worst rel %.1e" % (len(zo_steps), zo_steps[0]["loss"], zo_steps[-1]["loss"], ref_steps[0]["loss"],
+                                  ref_steps[-1]["loss"], worst))
+        expect(len(zo_steps) == STEPS and worst <= TOL["loss"],
+               "qlora 8-bit: losses and gradient norms within %g of PEFT over bitsandbytes' Linear8bitLt (worst %.1e)"
+               % (TOL["loss"], worst))
+        check_packed_bytes(placed, work, model_dir, adapter_dir, data, zo_steps, int8=True)
+        check_qlora_exports(qdir, out, ref_adapters, tokens, zo_steps, work, int8=True)
+
+    def variant(name, tensors_edit=None, config_edit=None):
+        return edited_copy(qdir, os.path.join(work, "bad-int8-" + name), tensors_edit, config_edit)
+
+    def refused(name, base, *words, keys=None):
+        p, out = zo_train(case, work, base, {"init_from": adapter_dir}, data, data, name="refused-int8-" + name,
+                          zoffload_keys=keys)
+        expect(p.returncode != 0 and all(w in p.stderr for w in words) and
+               not os.path.exists(os.path.join(out, "metrics.jsonl")),
+               "qlora 8-bit %s: refused naming %s before a step: rc %d, %s" % (name, words, p.returncode,
+                                                                               p.stderr[-800:]))
+
+    q_proj = "model.layers.1.self_attn.q_proj"
+    refused("no-scb", variant("no-scb", lambda t: t.pop(q_proj + ".SCB")), q_proj + ".weight",
+            "has no " + q_proj + ".SCB")
+    refused("short-scb", variant("short-scb", lambda t: t.update({q_proj + ".SCB": t[q_proj + ".SCB"][:-1]})),
+            q_proj + ".SCB", "one per row")
+    refused("format", variant("format", lambda t: t.update({q_proj + ".weight_format": torch.tensor(1, dtype=torch.uint8)})),
+            q_proj + ".weight_format", "row-major")
+    refused("codes-16bit", variant("codes-16bit", lambda t: t.update({q_proj + ".weight": t[q_proj + ".weight"].float()})),
+            q_proj + ".weight", "I8")
+    refused("fp16-weight", variant("fp16-weight", config_edit=lambda c: c["quantization_config"].update(
+        llm_int8_has_fp16_weight=True)), "quantization_config.llm_int8_has_fp16_weight")
+    refused("says-4bit", variant("says-4bit", config_edit=lambda c: c["quantization_config"].update(
+        load_in_8bit=False, _load_in_8bit=False, load_in_4bit=True, _load_in_4bit=True)),
+        "model.layers.0.self_attn.q_proj.weight", "is bitsandbytes 8-bit", "says 4-bit")
+    refused("quantize-base", qdir, "zoffload.quantize_base", "already a bitsandbytes 8-bit checkpoint",
+            keys={"quantize_base": "nf4"})
+    print("qlora 8-bit: damaged states and contradicting settings refused by name")
+
+
+def edited_copy(src, out, tensors_edit=None, config_edit=None):
+    """A copy of the model directory src at out, its tensors and config.json edited."""
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, out)
+    if tensors_edit:
+        tensors = load_file(os.path.join(out, "model.safetensors"))
+        tensors_edit(tensors)
+        save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    if config_edit:
+        with open(os.path.join(out, "config.json")) as f:
+            cfg = json.load(f)
+        config_edit(cfg)
+        write_json(os.path.join(out, "config.json"), cfg)
+    return out
+
+
 def check_qlora(tmp):
     """A bitsandbytes 4-bit base as transformers saves it (issue 63): zoffload keeps the packed codes
     packed (Note [The packed 4-bit base]), dequantizes them into the weights bitsandbytes' Linear4bit
@@ -596,8 +698,7 @@ def check_qlora(tmp):
     by the projections' difference at least); the exported adapter matches PEFT's, PEFT over the
     4-bit base and it gives zoffload's held-out loss, and the merged export of the checkpoint holds
     the dequantized base plus s·B·A. A damaged quantization state or a config it does not know is
-    refused by name before a step."""
-    from safetensors.torch import load_file, save_file
+    refused by name before a step. Then the same over an 8-bit base (check_qlora_8bit)."""
     case = dict(CASES[0], moved_b=True, name="qlora")
     work = os.path.join(tmp, "qlora")
     model_dir, adapter_dir = base_and_adapter(case, work)
@@ -619,7 +720,7 @@ def check_qlora(tmp):
                       (qtype, proc.stderr[-2000:])):
             continue
         summary = json.loads(proc.stdout)
-        expect(summary["packed_4bit_weights"] > 0 and 0 < summary["packed_4bit_bytes"] < summary["packed_4bit_weights"],
+        expect(summary["packed_base_weights"] > 0 and 0 < summary["packed_base_bytes"] < summary["packed_base_weights"],
                "qlora %s: the run's --json says its base is packed, under a byte a weight: %s" %
                (qtype, {k: v for k, v in summary.items() if k.startswith("packed")}))
         ref_steps, ref_adapters = reference_train(case, qdir, adapter_dir, tokens)
@@ -673,18 +774,7 @@ def check_qlora(tmp):
     qdir = os.path.join(work, "base-nf4")
 
     def variant(name, tensors_edit=None, config_edit=None):
-        out = os.path.join(work, "bad-" + name)
-        shutil.copytree(qdir, out)
-        if tensors_edit:
-            tensors = load_file(os.path.join(out, "model.safetensors"))
-            tensors_edit(tensors)
-            save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-        if config_edit:
-            with open(os.path.join(out, "config.json")) as f:
-                cfg = json.load(f)
-            config_edit(cfg)
-            write_json(os.path.join(out, "config.json"), cfg)
-        return out
+        return edited_copy(qdir, os.path.join(work, "bad-" + name), tensors_edit, config_edit)
 
     def refused(name, base, *words):
         p, out = zo_train(case, work, base, {"init_from": adapter_dir}, data, data, name="refused-" + name)
@@ -701,8 +791,8 @@ def check_qlora(tmp):
     refused("short-codes", variant("short-codes", lambda t: t.update({q_proj: t[q_proj][:-1]})), q_proj, "packed codes")
     refused("quant-type", variant("quant-type", config_edit=lambda c: c["quantization_config"].update(bnb_4bit_quant_type="int4")),
             "quantization_config.bnb_4bit_quant_type")
-    refused("8bit", variant("8bit", config_edit=lambda c: c["quantization_config"].update(load_in_8bit=True)),
-            "quantization_config.load_in_8bit", "8-bit")
+    refused("4-and-8-bit", variant("4-and-8-bit", config_edit=lambda c: c["quantization_config"].update(load_in_8bit=True)),
+            "quantization_config.load_in_8bit", "both true")
     refused("unknown-key", variant("unknown-key", config_edit=lambda c: c["quantization_config"].update(bnb_4bit_new_thing=True)),
             "quantization_config.bnb_4bit_new_thing")
     refused("no-method", variant("no-method", config_edit=lambda c: c["quantization_config"].clear()),
@@ -718,6 +808,7 @@ def check_qlora(tmp):
     expect(p.returncode == 2 and "zoffload.quantize_base" in p.stderr and "zoffload.lora" in p.stderr,
            "qlora: quantize_base without lora refused by key: rc %d, %s" % (p.returncode, p.stderr[-600:]))
     print("qlora: damaged quantization states and unknown settings refused by name")
+    check_qlora_8bit(case, work, model_dir, adapter_dir, tokens, data)
 
 
 def main():

@@ -160,22 +160,27 @@ inline Bytes to_dtype(const std::vector<float>& values, DType d) {
   return out;
 }
 
-// A packed weight's blob (Note [The packed 4-bit base]) with random codes and absmax, padded to its
+// The rig's packed weights: the mlp's 8-bit rows, the attention's NF4.
+inline uint8_t rig_blob_type(const std::string& name) {
+  return name.find("mlp") != std::string::npos ? bnb4::kBlobInt8 : uint8_t{0};
+}
+
+// A packed weight's blob (Note [The packed 4-bit base]) with random codes and scales, padded to its
 // compute copy's bytes.
 inline Bytes random_blob(const ParamInfo& p, uint64_t compute_bytes, std::mt19937& rng) {
-  const uint64_t n = p.weights();
-  Bytes out(p.n_elems * compute_bytes, std::byte{0});
-  auto* b = reinterpret_cast<uint8_t*>(out.data());
-  bnb4::write_blob_header({.type = static_cast<uint8_t>(p.name.find("mlp") != std::string::npos),
+  const bnb4::BlobHeader h{.type = rig_blob_type(p.name),
                            .round = DType::kBF16,
                            .rows = static_cast<uint64_t>(p.shape[0]),
-                           .cols = static_cast<uint64_t>(p.shape[1])},
-                          b);
-  for (uint64_t i = 0; i < (n + 1) / 2; ++i) b[bnb4::blob_codes_offset() + i] = static_cast<uint8_t>(rng());
+                           .cols = static_cast<uint64_t>(p.shape[1])};
+  Bytes out(p.n_elems * compute_bytes, std::byte{0});
+  auto* b = reinterpret_cast<uint8_t*>(out.data());
+  bnb4::write_blob_header(h, b);
+  for (uint64_t i = 0; i < bnb4::blob_code_bytes(h.type, h.n()); ++i)
+    b[bnb4::blob_codes_offset() + i] = static_cast<uint8_t>(rng());
   std::uniform_real_distribution<float> scale(0.01f, 2.0f);
-  for (uint64_t j = 0; j < bnb4::blob_blocks(n); ++j) {
+  for (uint64_t j = 0; j < bnb4::blob_scale_count(h.type, h.rows, h.cols); ++j) {
     const float a = scale(rng);
-    std::memcpy(b + bnb4::blob_absmax_offset(n) + 4 * j, &a, 4);
+    std::memcpy(b + h.scales_offset() + 4 * j, &a, 4);
   }
   return out;
 }
@@ -194,8 +199,8 @@ struct Rig {
   // Before init: the plan's landing buffers as the planner sets them where gradients land in place
   // (Note [Gradients that land where they are summed]; plan_memory alone leaves them 0).
   bool land_in_place = false;
-  // Before init: the layers' attn and mlp weights frozen and packed in 4 bits (Note [The packed
-  // 4-bit base]), each a random blob (NF4 for attn, FP4 for mlp).
+  // Before init: the layers' attn and mlp weights frozen and packed (Note [The packed 4-bit base]),
+  // each a random blob (NF4 for attn, 8-bit rows for mlp: rig_blob_type).
   bool packed_base = false;
 
   // With world > 1: rank `rank`'s partition of a data-parallel run at stage 3 (its compute copies
@@ -210,7 +215,9 @@ struct Rig {
         for (uint32_t k : {1u, 2u}) {
           ParamSpec& spec = specs[layer_param(i, k)];
           spec.trainable = false;
-          spec.storage_elems = bnb4::blob_bytes(static_cast<uint64_t>(spec.shape[0] * spec.shape[1])) / cb;
+          spec.storage_elems = bnb4::blob_bytes(rig_blob_type(spec.name), static_cast<uint64_t>(spec.shape[0]),
+                                                static_cast<uint64_t>(spec.shape[1])) /
+                               cb;
         }
       }
     }

@@ -632,7 +632,7 @@ TEST(PlanMemory, FrozenSubGroupsHoldOnlyTheirComputeCopy) {
 // and the plan count (sub-groups, bytes per tier) and keeps its own shape and weight count; a
 // trainable one is refused.
 TEST(ParamRegistry, APackedWeightCountsItsBlob) {
-  const uint64_t n = 1000 * 3000, blob_elems = bnb4::blob_bytes(n) / 2;  // bf16 compute
+  const uint64_t n = 1000 * 3000, blob_elems = bnb4::blob_bytes(0, 1000, 3000) / 2;  // bf16 compute
   std::vector<ParamSpec> params = {spec("embed", {100, 64}), spec("q_proj.weight", {1000, 3000}), spec("norm", {64})};
   params[1].trainable = false;
   params[1].storage_elems = blob_elems;

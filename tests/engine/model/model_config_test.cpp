@@ -759,7 +759,8 @@ TEST(HfConfig, KeepsBosAndEosTokenIdsForTheExport) {
 }
 
 // quantization_config as transformers' BitsAndBytesConfig.to_dict writes it for a 4-bit base is read;
-// 8-bit, another storage, another quant type, a key it does not know are refused by key.
+// both 4-bit and 8-bit, neither, another storage, another quant type, a key it does not know are
+// refused by key.
 TEST(HfConfig, ReadsABitsandbytes4BitQuantizationConfig) {
   const std::string four_bit = R"({"_load_in_4bit": true, "_load_in_8bit": false, "bnb_4bit_compute_dtype": "bfloat16",
       "bnb_4bit_quant_storage": "uint8", "bnb_4bit_quant_type": "fp4", "bnb_4bit_use_double_quant": true,
@@ -780,10 +781,10 @@ TEST(HfConfig, ReadsABitsandbytes4BitQuantizationConfig) {
   EXPECT_TRUE(model_layout(*c).quantization.load_in_4bit);
   EXPECT_FALSE(parse_hf_config(kLlama2_7b, "/models/x/config.json")->quantization.load_in_4bit);
 
-  std::string eight = four_bit;
-  eight.replace(eight.find("\"load_in_8bit\": false"), 21, "\"load_in_8bit\": true ");
-  expect_error(llama2_with("pretraining_tp", "1, \"quantization_config\": " + eight),
-               "quantization_config.load_in_8bit", "8-bit");
+  std::string both = four_bit;
+  both.replace(both.find("\"load_in_8bit\": false"), 21, "\"load_in_8bit\": true ");
+  expect_error(llama2_with("pretraining_tp", "1, \"quantization_config\": " + both), "quantization_config.load_in_8bit",
+               "both true");
   std::string storage = four_bit;
   storage.replace(storage.find("\"uint8\""), 7, "\"bfloat16\"");
   expect_error(llama2_with("pretraining_tp", "1, \"quantization_config\": " + storage),
@@ -794,7 +795,27 @@ TEST(HfConfig, ReadsABitsandbytes4BitQuantizationConfig) {
                "quantization_config.bnb_4bit_quant_type", "nf4");
   expect_error(with("bnb_4bit_future", "1"), "quantization_config.bnb_4bit_future", "refused rather than ignored");
   expect_error(llama2_with("pretraining_tp", R"(1, "quantization_config": {"quant_method": "bitsandbytes"})"),
-               "quantization_config.load_in_4bit", "must be true");
+               "quantization_config.load_in_4bit", "neither");
+}
+
+// quantization_config as transformers writes it for an 8-bit (LLM.int8) base (its 4-bit keys at
+// their defaults) is read; an 8-bit setting that trains 16-bit weights is refused by key.
+TEST(HfConfig, ReadsABitsandbytes8BitQuantizationConfig) {
+  const std::string eight_bit = R"({"_load_in_4bit": false, "_load_in_8bit": true, "bnb_4bit_compute_dtype": "float32",
+      "bnb_4bit_quant_storage": "uint8", "bnb_4bit_quant_type": "fp4", "bnb_4bit_use_double_quant": false,
+      "llm_int8_enable_fp32_cpu_offload": false, "llm_int8_has_fp16_weight": false, "llm_int8_skip_modules": null,
+      "llm_int8_threshold": 6.0, "load_in_4bit": false, "load_in_8bit": true, "quant_method": "bitsandbytes"})";
+  Result<ModelConfig> c = parse_hf_config(llama2_with("pretraining_tp", "1, \"quantization_config\": " + eight_bit),
+                                          "/models/x/config.json");
+  ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+  EXPECT_TRUE(c->quantization.load_in_8bit);
+  EXPECT_FALSE(c->quantization.load_in_4bit);
+  EXPECT_TRUE(c->quantization.quantized());
+  EXPECT_TRUE(model_layout(*c).quantization.load_in_8bit);
+  std::string fp16 = eight_bit;
+  fp16.replace(fp16.find("\"llm_int8_has_fp16_weight\": false"), 33, "\"llm_int8_has_fp16_weight\": true ");
+  expect_error(llama2_with("pretraining_tp", "1, \"quantization_config\": " + fp16),
+               "quantization_config.llm_int8_has_fp16_weight", "16-bit weights");
 }
 
 TEST(HfConfig, RefusesKeysThatChangeTheArithmetic) {
