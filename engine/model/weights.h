@@ -54,7 +54,8 @@ Status load_hf_weights(const std::string& model_dir, const ModelLayout& layout, 
 // QLoRA from a 16-bit directory (zoffload.quantize_base): a sink that quantizes each packed param
 // (ParamSpec::packed: the frozen decoder projections training_layout marks) as bitsandbytes'
 // quantize_4bit does in blocks of 64 without double quantization (bnb4::quantize, Note [4-bit
-// blocks]) and hands its blob to `packed`; other params go to `inner` as they are. A chunk of a
+// blocks]; a large chunk's blocks over the hardware's threads, which cannot change a bit) and hands
+// its blob to `packed`; other params go to `inner` as they are. A chunk of a
 // packed param must start at a multiple of 64 elements and hold whole blocks unless it ends the
 // tensor (load_hf_weights' and random_init_weights' chunks of a multiple of 64 do): InvalidArgument
 // otherwise.

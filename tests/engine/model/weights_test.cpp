@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <numbers>
 #include <map>
 #include <string>
@@ -316,6 +317,50 @@ TEST(RandomInit, LargeChunksSplitOverThreadsGiveTheSameValues) {
   const ModelConfig c = *model_preset("tiny");  // 176k-element MLP weights: filled by several threads
   const Collected big = init(c, 5, 1 << 20), small = init(c, 5, 1000);
   EXPECT_EQ(big.values, small.values);
+}
+
+// quantizing_sink (zoffload.quantize_base) splits a large chunk's blocks over threads: the blob is
+// the one bnb4::quantize (held to bitsandbytes' quantize_4bit by bnb4bit-bnb) gives the whole tensor
+// in one call — for one chunk of the whole tensor (threaded) and for small chunks (not), a partial
+// last block included.
+TEST(QuantizingSink, ThreadsCannotChangeTheBlob) {
+  ModelLayout layout;
+  ParamSpec spec;
+  spec.name = "model.layers.0.mlp.up_proj.weight";
+  spec.shape = {1001, 699};  // 699 699 elements: 10 932 blocks of 64 and a partial one of 51
+  spec.trainable = false;
+  const uint64_t n = 1001 * 699;
+  spec.storage_elems = bnb4::blob_bytes(0, 1001, 699) / 4;
+  layout.params = {spec};
+  std::vector<float> x(n);
+  for (uint64_t i = 0; i < n; ++i) x[i] = std::sin(0.37 * static_cast<double>(i)) * (1.0 + static_cast<double>(i % 97));
+  for (const bnb4::QuantType type : {bnb4::QuantType::kNf4, bnb4::QuantType::kFp4}) {
+    std::vector<uint8_t> want_codes(bnb4::packed_bytes(n));
+    std::vector<float> want_absmax(bnb4::block_count(n, 64));
+    bnb4::quantize(x.data(), n, 64, type, want_codes.data(), want_absmax.data());
+    for (const uint64_t chunk : {n, uint64_t{64 * 7}}) {
+      std::vector<uint8_t> blob(bnb4::blob_bytes(0, 1001, 699), 0xAA);
+      ParamSink sink = quantizing_sink(
+          layout, type, [](uint32_t, uint64_t, std::span<const float>) { return internal_error("not packed?"); },
+          [&](uint32_t, uint64_t off, std::span<const std::byte> bytes) {
+            EXPECT_LE(off + bytes.size(), blob.size());
+            std::memcpy(blob.data() + off, bytes.data(), bytes.size());
+            return Status::ok();
+          });
+      for (uint64_t off = 0; off < n; off += chunk) {
+        const Status st = sink(0, off, std::span<const float>(x.data() + off, std::min(chunk, n - off)));
+        ASSERT_TRUE(st.is_ok()) << st.to_string();
+      }
+      bnb4::BlobHeader h;
+      ASSERT_TRUE(bnb4::read_blob_header(blob.data(), &h));
+      EXPECT_EQ(h.rows, 1001u);
+      EXPECT_EQ(h.cols, 699u);
+      EXPECT_EQ(0, std::memcmp(blob.data() + bnb4::blob_codes_offset(), want_codes.data(), want_codes.size()))
+          << "chunks of " << chunk;
+      EXPECT_EQ(0, std::memcmp(blob.data() + h.scales_offset(), want_absmax.data(), 4 * want_absmax.size()))
+          << "chunks of " << chunk;
+    }
+  }
 }
 
 TEST(RandomInit, NormalWithInitializerRange) {
