@@ -1,9 +1,10 @@
-// zoffload-bench merge: `zoffload export --merge`'s arithmetic (engine/ckpt/export.h,
-// merge_lora_chunk: W += s · B·A, chunk by chunk as the export streams W) at every projection shape
-// of a model, against torch's `W.addmm_(B, A, alpha=s)` on the same buffers in the same run —
-// what a PyTorch user merging by hand runs. Each shape is checked first (the two results agree to
-// fp32 rounding), then timed; the model's merge time is the sum over its projections. A merged
-// export also reads and writes the model once: that I/O is `zoffload-bench io`'s, not this.
+// zoffload-bench merge: `zoffload export --merge`'s arithmetic (engine/ckpt/export.h, merge_lora:
+// W += s · B·A, chunk by chunk as the export streams W, each chunk over the hardware's threads) at
+// every projection shape of a model, against torch's `W.addmm_(B, A, alpha=s)` on the same buffers
+// in the same run — what a PyTorch user merging by hand runs (its default threads: the cores). Each
+// shape is checked first (the two results agree to fp32 rounding), then timed; the model's merge
+// time is the sum over its projections. A merged export also reads and writes the model once: that
+// I/O is `zoffload-bench io`'s, not this.
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
@@ -14,6 +15,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/aligned_buffer.h"
@@ -44,7 +46,7 @@ struct MergeArgs {
   bool json = false;
 };
 
-// The export's chunk of W (what its reader hands merge_lora_chunk at a time).
+// The export's chunk of W (what its reader hands merge_lora at a time).
 constexpr uint64_t kChunkElems = uint64_t{1} << 20;
 
 struct Shape {
@@ -84,6 +86,7 @@ int run_merge_bench(const MergeArgs& a) {
   const cpu_optim::Executor& ex = **ex_r;
   const float s = 2.0f;  // lora_alpha 2r
   const HostInfo host = host_info();
+  const unsigned threads = std::min(std::max(1u, std::thread::hardware_concurrency()), 32u);  // parallel_ranges'
   if (!a.json)
     std::printf(
         "zoffload-bench merge: %s, LoRA r=%llu, W += s·B·A in fp32; CPU %s (%u logical CPUs); baseline: %s\n",
@@ -108,7 +111,7 @@ int run_merge_bench(const MergeArgs& a) {
     std::copy(w, w + n, w2);
     auto zo_merge = [&] {
       for (uint64_t off = 0; off < n; off += kChunkElems)
-        engine::merge_lora_chunk(A, B, a.r, sh.in, s, off, std::span(w + off, std::min(kChunkElems, n - off)));
+        engine::merge_lora(A, B, a.r, sh.in, s, off, std::span(w + off, std::min(kChunkElems, n - off)));
     };
     // Checked once on fresh copies: the same sums in another order, so fp32 rounding apart.
     Stopwatch first;
@@ -171,12 +174,14 @@ int run_merge_bench(const MergeArgs& a) {
                           {"r", a.r},
                           {"cpu", host.cpu_model},
                           {"logical_cpus", host.logical_cpus},
+                          {"threads", threads},
                           {"shapes", rows},
                           {"model_merge_s", zo_total},
                           {"torch_model_merge_s", with_torch ? nlohmann::json(torch_total) : nlohmann::json()}};
     std::printf("%s\n", out.dump(2).c_str());
   } else {
-    std::printf("model: every projection merged in %.1f s (zoffload, one thread, medians of %d)", zo_total, a.repeats);
+    std::printf("model: every projection merged in %.1f s (zoffload on up to %u threads, medians of %d)", zo_total,
+                threads, a.repeats);
     if (with_torch) std::printf(", torch %.1f s: ratio %.2f", torch_total, torch_total / zo_total);
     std::printf("\n");
   }

@@ -21,6 +21,7 @@
 #include "common/bnb4bit.h"
 #include "common/bytes.h"
 #include "common/half.h"
+#include "common/parallel_ranges.h"
 #include "engine/ckpt/state_files.h"
 #include "engine/ckpt/stream_file.h"
 #include "engine/model/model_config.h"
@@ -480,7 +481,7 @@ Result<ExportResult> export_lora(std::span<const ParamInfo> params, const std::s
     }
     const auto r = static_cast<uint64_t>(params[adapted[p]->a].shape[0]);
     const auto in = static_cast<uint64_t>(params[adapted[p]->a].shape[1]);
-    merge_lora_chunk(A, B, r, in, scaling, off, dst);
+    merge_lora(A, B, r, in, scaling, off, dst);
     return Status::ok();
   };
   return export_files(out, model_config_json, merged, io, o, before_commit, ExportFiles{});
@@ -628,6 +629,13 @@ ZO_MERGE_CLONES void merge_lora_chunk(std::span<const float> A, std::span<const 
     }
     e += c1 - c0;
   }
+}
+
+void merge_lora(std::span<const float> A, std::span<const float> B, uint64_t r, uint64_t in, float scaling,
+                uint64_t first, std::span<float> dst) {
+  parallel_ranges(dst.size(), 1, [&](uint64_t begin, uint64_t end) {
+    merge_lora_chunk(A, B, r, in, scaling, first + begin, dst.subspan(begin, end - begin));
+  });
 }
 
 Result<ExportResult> export_hf_model(std::span<const ParamInfo> params, const std::string& model_config_json,

@@ -75,10 +75,13 @@ struct ExportResult {
 // The merge of Note [Exporting LoRA adapters] for one chunk: `dst` holds elements [first, first +
 // dst.size()) of a row-major [out, in] weight W, and each gets s · Σ_k B[o, k] · A[k, c] added, the
 // sum over k in order in fp32, then times s (PEFT's delta, B @ A times s, added to W). A is [r, in],
-// B [out, r]. Pure; thread-safe on distinct `dst`. zoffload-bench merge times it against torch's
-// addmm at a model's projection shapes.
+// B [out, r]. Pure; thread-safe on distinct `dst`.
 void merge_lora_chunk(std::span<const float> A, std::span<const float> B, uint64_t r, uint64_t in, float scaling,
                       uint64_t first, std::span<float> dst);
+// merge_lora_chunk over the hardware's threads, each a part of `dst` (common/parallel_ranges.h): the
+// same bits, each element's sum being its own. What the export runs.
+void merge_lora(std::span<const float> A, std::span<const float> B, uint64_t r, uint64_t in, float scaling,
+                uint64_t first, std::span<float> dst);
 
 // Reads elements [offset_elems, offset_elems + out.size()) of param `param` (index into the params
 // given to export_hf_model) as fp32. export_hf_model calls it front to back: params in order, each

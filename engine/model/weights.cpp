@@ -17,6 +17,7 @@
 
 #include "common/bnb4bit.h"
 #include "common/log.h"
+#include "common/parallel_ranges.h"
 #include "common/string_util.h"
 #include "engine/model/safetensors.h"
 
@@ -83,26 +84,9 @@ void fill_normal_serial(uint64_t key, double std, uint64_t first, std::span<floa
   }
 }
 
-// Runs fn(begin, end) over [0, n) cut into ranges of whole `grain`s (the last one may end at n) of
-// at least 2^16 elements, one range a thread, up to the hardware's threads (at most 32), the first
-// on this thread. The setup's per-element work — Box–Muller at ~20 ns an element, NF4 quantization
-// at ~14 — would take a 70B model's load most of an hour on one core; each element (each 64-element
-// block) depends on its index alone, so the split cannot change a bit.
-template <typename Fn>
-void parallel_ranges(uint64_t n, uint64_t grain, const Fn& fn) {
-  constexpr uint64_t kMinPerThread = 1 << 16;
-  const uint64_t n_threads =
-      std::min<uint64_t>({std::max(1u, std::thread::hardware_concurrency()), 32, n / kMinPerThread});
-  if (n_threads <= 1) return fn(uint64_t{0}, n);
-  const uint64_t per = ((n + n_threads - 1) / n_threads + grain - 1) / grain * grain;
-  std::vector<std::thread> workers;
-  for (uint64_t begin = per; begin < n; begin += per)
-    workers.emplace_back([&fn, begin, end = std::min(n, begin + per)] { fn(begin, end); });
-  fn(uint64_t{0}, std::min(n, per));
-  for (std::thread& w : workers) w.join();
-}
-
-// Elements [first, first + out.size()) of the normal stream `key`, scaled by `std`, over threads.
+// Elements [first, first + out.size()) of the normal stream `key`, scaled by `std`, over the threads
+// (parallel_ranges). Box–Muller costs ~20 ns an element and NF4 quantization (quantizing_sink) ~14:
+// on one core a 70B model's setup would take most of an hour.
 void fill_normal(uint64_t key, double std, uint64_t first, std::span<float> out) {
   parallel_ranges(out.size(), 1, [&](uint64_t begin, uint64_t end) {
     fill_normal_serial(key, std, first + begin, out.subspan(begin, end - begin));

@@ -227,6 +227,33 @@ TEST_P(ExportDtype, OneFileHoldsTheSourceRoundedBitForBit) {
 INSTANTIATE_TEST_SUITE_P(Export, ExportDtype, ::testing::Values(DType::kBF16, DType::kF16, DType::kF32),
                          [](const auto& info) { return std::string(dtype_name(info.param)); });
 
+// merge_lora (what the export runs: a chunk over the hardware's threads) gives merge_lora_chunk's
+// bits for chunks that start mid-row and span many rows, and merge_lora_chunk's sum is over k in
+// order then times s (PEFT's B @ A · s, summed as a loop would).
+TEST(MergeLora, ThreadsCannotChangeTheBitsAndTheSumIsInOrder) {
+  const uint64_t out = 700, in = 301, r = 5;
+  const float s = 1.75f;
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<float> A(r * in), B(out * r), W(out * in);
+  for (float& v : A) v = u(rng);
+  for (float& v : B) v = u(rng);
+  for (float& v : W) v = u(rng);
+  std::vector<float> serial = W, threaded = W;
+  for (const uint64_t first : {uint64_t{0}, uint64_t{1234}}) {
+    const uint64_t n = out * in - first;  // 210 700 elements or fewer: several threads where there are cores
+    merge_lora_chunk(A, B, r, in, s, first, std::span(serial.data() + first, n));
+    merge_lora(A, B, r, in, s, first, std::span(threaded.data() + first, n));
+    EXPECT_EQ(0, std::memcmp(serial.data(), threaded.data(), serial.size() * 4)) << "from element " << first;
+  }
+  for (const uint64_t e : {uint64_t{0}, uint64_t{1233}, uint64_t{1234}, out * in - 1}) {
+    float acc = 0.0f;
+    for (uint64_t k = 0; k < r; ++k) acc += B[e / in * r + k] * A[k * in + e % in];
+    // Merged once from element 0, again from 1234 on.
+    EXPECT_EQ(serial[e], e >= 1234 ? (W[e] + acc * s) + acc * s : W[e] + acc * s) << e;
+  }
+}
+
 TEST(Export, ShardsConsecutiveTensorsWithAnIndex) {
   TempDir tmp("zo_export_test");
   const std::string out = tmp.path + "/hf";
