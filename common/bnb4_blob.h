@@ -15,14 +15,15 @@ namespace zo::bnb4 {
 
 // Note [The packed 4-bit base]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// A decoder projection of a 4-bit base (a bitsandbytes checkpoint, or zoffload.quantize_base) is
-// frozen and stays in its 4-bit form: its compute copy is a blob of blob_bytes(n) bytes, not n
-// elements of the compute dtype, and that blob is what lives in pinned RAM or on NVMe, what a
-// checkpoint saves and what is copied to the GPU. There it is dequantized into the compute dtype,
-// into the coordinator's slot for the weight, by dequantize_packed (gpu/quant_kernels.h).
-//   [0, 32)          the header: "ZB4" and version 1, the quant type (0 nf4, 1 fp4; 2 int8 below), the dtype
-//                    bitsandbytes dequantizes to (its DType), two zero bytes, rows and cols (u64
-//                    little-endian; a 1-D weight has cols 1), eight zero bytes;
+// A decoder projection of a 4-bit base (a bitsandbytes checkpoint, or zoffload.quantize_base) or
+// an 8-bit one (below) is frozen and stays in its quantized form: its compute copy is a blob of
+// blob_bytes(type, rows, cols) bytes, not rows × cols elements of the compute dtype, and that blob
+// is what lives in pinned RAM or on NVMe, what a checkpoint saves and what is copied to the GPU.
+// There it is dequantized into the compute dtype, into the coordinator's slot for the weight, by
+// dequantize_packed (gpu/quant_kernels.h). A 4-bit blob:
+//   [0, 32)          the header: "ZB4" and version 1, the quant type (0 nf4, 1 fp4; 2 int8 below),
+//                    the dtype bitsandbytes dequantizes to (its DType), two zero bytes, rows and
+//                    cols (u64 little-endian; a 1-D weight has cols 1), eight zero bytes;
 //   [32, 32 + C)     the codes as bitsandbytes packs them (Note [4-bit blocks] in bnb4bit.h),
 //                    packed_bytes(n) of them, zero-padded to C, a multiple of 16;
 //   [32 + C, ...)    the absmax of every block of kBlobBlock elements, fp32, then zeros to a
@@ -75,6 +76,8 @@ struct BlobHeader {
   DType round = DType::kF32;
   uint64_t rows = 0, cols = 0;
   ZO_HOST_DEVICE uint64_t n() const { return rows * cols; }
+  // rows and cols positive and their product (and the blob's bytes) far from overflow: 2^48 at most.
+  bool sane() const { return rows > 0 && cols > 0 && rows <= (uint64_t{1} << 48) / cols; }
   ZO_HOST_DEVICE uint64_t bytes() const { return blob_bytes(type, rows, cols); }
   ZO_HOST_DEVICE uint64_t scales_offset() const { return blob_scales_offset(type, n()); }
 };

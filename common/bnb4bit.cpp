@@ -79,9 +79,12 @@ void dequantize_blob(const BlobHeader& h, const uint8_t* codes, const uint8_t* s
         round_to(dtype, blob_element(tables, h.type, h.round, h.cols, codes, code_base, scales, scale_base, first + k));
 }
 
-bool dequantize_whole_blob(const uint8_t* blob, uint64_t first, uint64_t n, DType dtype, float* out) {
+bool dequantize_whole_blob(const uint8_t* blob, uint64_t blob_size, uint64_t first, uint64_t n, DType dtype,
+                           float* out) {
   BlobHeader h;
-  if (!read_blob_header(blob, &h) || h.cols == 0 || first > h.n() || n > h.n() - first) return false;
+  if (blob_size < kBlobHeaderBytes || !read_blob_header(blob, &h) || !h.sane() || h.bytes() > blob_size ||
+      first > h.n() || n > h.n() - first)
+    return false;
   dequantize_blob(h, blob + blob_codes_offset() + blob_code_byte(h.type, first),
                   blob + h.scales_offset() + 4 * blob_scale_index(h.type, h.cols, first), first, n, dtype, out);
   return true;

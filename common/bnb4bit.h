@@ -100,8 +100,10 @@ CodeTables code_tables();
 // bytes of the range.
 void dequantize_blob(const BlobHeader& h, const uint8_t* codes, const uint8_t* scales, uint64_t first, uint64_t n,
                      DType dtype, float* out);
-// The same from a whole blob in memory, its header read there: false (nothing written) when the
-// header is not a blob's or [first, first + n) is not inside its elements.
-bool dequantize_whole_blob(const uint8_t* blob, uint64_t first, uint64_t n, DType dtype, float* out);
+// The same from a whole blob of blob_size bytes in memory, its header read there: false (nothing
+// written) when the header is not a blob's, says more bytes than blob_size, or [first, first + n) is
+// not inside its elements.
+bool dequantize_whole_blob(const uint8_t* blob, uint64_t blob_size, uint64_t first, uint64_t n, DType dtype,
+                           float* out);
 
 }  // namespace zo::bnb4

@@ -15,8 +15,8 @@ struct ParamSpec {
   // false: a frozen param, fetched for the forward but never updated; it has no optimizer state and
   // no gradient (Note [Frozen sub-groups] in engine/memory/param_registry.cpp).
   bool trainable = true;
-  // A frozen weight of a 4-bit base kept packed (Note [The packed 4-bit base] in
-  // common/bnb4_blob.h): its compute copy is a blob of bnb4::blob_bytes(elements) bytes,
+  // A frozen weight of a 4-bit or 8-bit base kept packed (Note [The packed 4-bit base] in
+  // common/bnb4_blob.h): its compute copy is a blob of bnb4::blob_bytes(type, rows, cols) bytes,
   // `storage_elems` elements of the compute dtype, instead of one element per weight. 0: not packed.
   uint64_t storage_elems = 0;
   bool packed() const { return storage_elems != 0; }

@@ -19,9 +19,11 @@ Status check_dequantize_packed_args(const Accounting& acct, const DequantizePack
   if (args.n_elems == 0) return Status::ok();
   if (args.n_elems > (uint64_t{1} << 48))
     return invalid_argument("dequantize_packed: n_elems = " + std::to_string(args.n_elems) + " is too large");
-  if (args.blob_bytes < bnb4::kBlobHeaderBytes)
+  // The smallest blob of n_elems weights (4-bit); the header's kind and shape, read where the kernel
+  // runs, are trusted to agree with blob_bytes (the store wrote them; read_packed checks them).
+  if (args.blob_bytes < bnb4::blob_bytes(0, args.n_elems, 1))
     return invalid_argument("dequantize_packed: blob_bytes = " + std::to_string(args.blob_bytes) +
-                            " is smaller than a blob's header");
+                            " is smaller than any blob of " + std::to_string(args.n_elems) + " weights");
   const uint64_t blob = args.blob_bytes, out = args.n_elems * dtype_size_bytes(args.out_dtype);
   const auto b = reinterpret_cast<uintptr_t>(args.blob.addr), o = reinterpret_cast<uintptr_t>(args.out.addr);
   if (o % dtype_size_bytes(args.out_dtype) != 0)

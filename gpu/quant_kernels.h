@@ -21,12 +21,14 @@ struct DequantizePackedArgs {
 };
 
 // Queues on `stream` the dequantization of a blob into `out` and returns at once: element i is
-// bnb4::blob_element (table[code] × absmax in fp32, rounded to the header's dtype, as bitsandbytes'
-// dequantize_packed gives it), rounded to out_dtype to nearest even — the same scalar code on every
+// bnb4::blob_element — a 4-bit blob's table[code] × absmax in fp32 rounded to the header's dtype,
+// as bitsandbytes' dequantize_4bit gives it; an 8-bit blob's code × (SCB × 1/127) in fp32, as its
+// training path computes it — rounded to out_dtype to nearest even: the same scalar code on every
 // backend (CudaDevice one thread per element, HostDevice a loop on the stream's worker thread), so
 // the bits are the host's. The header is read where the kernel runs and trusted: the store wrote
-// it (bnb4::read_blob_header checks it on the host). InvalidArgument, with nothing queued, when a
-// range (blob_bytes at `blob`, n_elems at `out`) is not inside one live allocation of `device`, the output is not aligned to its element,
+// it (bnb4::read_blob_header checks it on the host). InvalidArgument, with nothing queued, when
+// blob_bytes is smaller than any blob of n_elems weights, a range (blob_bytes at `blob`, n_elems at
+// `out`) is not inside one live allocation of `device`, the output is not aligned to its element,
 // the two overlap, or out_dtype is unknown; n_elems == 0 queues nothing. Moves no bytes in stats().
 Status dequantize_packed(Device& device, const DequantizePackedArgs& args, Stream stream);
 

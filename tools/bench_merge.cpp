@@ -15,11 +15,11 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "common/aligned_buffer.h"
 #include "common/host_info.h"
+#include "common/parallel_ranges.h"
 #include "common/status.h"
 #include "common/timer.h"
 #include "cpu_optim/executor.h"
@@ -86,7 +86,7 @@ int run_merge_bench(const MergeArgs& a) {
   const cpu_optim::Executor& ex = **ex_r;
   const float s = 2.0f;  // lora_alpha 2r
   const HostInfo host = host_info();
-  const unsigned threads = std::min(std::max(1u, std::thread::hardware_concurrency()), 32u);  // parallel_ranges'
+  const uint64_t threads = parallel_threads(kChunkElems);  // merge_lora's on each chunk
   if (!a.json)
     std::printf(
         "zoffload-bench merge: %s, LoRA r=%llu, W += s·B·A in fp32; CPU %s (%u logical CPUs); baseline: %s\n",
@@ -180,8 +180,8 @@ int run_merge_bench(const MergeArgs& a) {
                           {"torch_model_merge_s", with_torch ? nlohmann::json(torch_total) : nlohmann::json()}};
     std::printf("%s\n", out.dump(2).c_str());
   } else {
-    std::printf("model: every projection merged in %.1f s (zoffload on up to %u threads, medians of %d)", zo_total,
-                threads, a.repeats);
+    std::printf("model: every projection merged in %.1f s (zoffload on %llu threads, medians of %d)", zo_total,
+                static_cast<unsigned long long>(threads), a.repeats);
     if (with_torch) std::printf(", torch %.1f s: ratio %.2f", torch_total, torch_total / zo_total);
     std::printf("\n");
   }

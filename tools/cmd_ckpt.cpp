@@ -99,8 +99,9 @@ int run_inspect(const CkptArgs& a) {
                                                " frozen, zoffload.freeze: their weights in frozen.safetensors)")
                                                   .c_str());
   if (const uint64_t packed = d["packed_base_tensors"].get<uint64_t>(); packed > 0)
-    std::printf("  and %llu frozen weight tensors packed (a 4-bit or 8-bit QLoRA base), %s in frozen.safetensors\n",
-                static_cast<unsigned long long>(packed), format_bytes(d["packed_base_bytes"].get<uint64_t>()).c_str());
+    std::printf(
+        "  and %llu frozen weight tensors packed (a 4-bit or 8-bit base under LoRA), %s in frozen.safetensors\n",
+        static_cast<unsigned long long>(packed), format_bytes(d["packed_base_bytes"].get<uint64_t>()).c_str());
   std::printf("  Adam moments %s\n", info->manifest.moments == engine::MomentDtype::k8bit
                                          ? "8-bit blockwise (codes + absmax per 256, fp32 under 4096 elements)"
                                      : info->manifest.moments == engine::MomentDtype::kBF16 ? "bf16"

@@ -679,7 +679,7 @@ Result<ExportResult> export_checkpoint(const CheckpointInfo& ckpt, io::IoEngine&
         bnb4::BlobHeader h;
         const uint64_t size = t.n_elems * dtype_size_bytes(want);
         if (size < bnb4::kBlobHeaderBytes || !file->read_raw(t, 0, head).is_ok() || !bnb4::read_blob_header(head, &h) ||
-            h.rows == 0 || h.cols == 0 || h.n() / h.rows != h.cols || h.bytes() != size)
+            !h.sane() || h.bytes() != size)
           return corruption("export: " + path + ": " + t.name + " is not a packed weight's blob");
         info.name = t.name.substr(0, t.name.size() - kPackedTensorSuffix.size());
         info.shape = {static_cast<int64_t>(h.rows), static_cast<int64_t>(h.cols)};
@@ -710,7 +710,7 @@ Result<ExportResult> export_checkpoint(const CheckpointInfo& ckpt, io::IoEngine&
           ZO_RETURN_IF_ERROR(readers[r]->read_bytes(p - first_param[r], blob));
           blob_param = p;
         }
-        if (!bnb4::dequantize_whole_blob(reinterpret_cast<const uint8_t*>(blob.data()), off, out.size(),
+        if (!bnb4::dequantize_whole_blob(reinterpret_cast<const uint8_t*>(blob.data()), blob.size(), off, out.size(),
                                          ckpt.manifest.frozen_dtype, out.data()))
           return corruption("export: " + params[p].name + ": its packed blob reads back damaged");
         return Status::ok();

@@ -82,7 +82,7 @@ Result<ExportResult> export_gathered(StateStore& store, const std::string& model
                                               " could not read its part (its own output has the error)");
     if (packed) {
       blob_param = p;
-      if (!bnb4::dequantize_whole_blob(reinterpret_cast<const uint8_t*>(blob.data()), off, out.size(),
+      if (!bnb4::dequantize_whole_blob(reinterpret_cast<const uint8_t*>(blob.data()), blob.size(), off, out.size(),
                                        store.plan().placement.compute_dtype, out.data()))
         return corruption(what + ": its compute copy is not a packed weight's blob");
     }

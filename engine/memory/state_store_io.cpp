@@ -315,7 +315,7 @@ Status StateStore::read_packed(uint32_t param, uint64_t offset_elems, std::span<
   Status st = read_compute_bytes(param, 0, head);
   if (!st.is_ok()) return context(std::move(st));
   bnb4::BlobHeader h;
-  if (!bnb4::read_blob_header(reinterpret_cast<const uint8_t*>(head.data()), &h) || h.n() != n || h.cols == 0 ||
+  if (!bnb4::read_blob_header(reinterpret_cast<const uint8_t*>(head.data()), &h) || !h.sane() || h.n() != n ||
       h.bytes() > info.n_elems * dtype_size_bytes(impl_->plan.placement.compute_dtype))
     return corruption("the compute copy of " + info.name + " is not the packed blob of its " + std::to_string(n) +
                       " elements (its header is damaged)");

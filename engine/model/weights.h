@@ -34,7 +34,7 @@ using PackedSink = std::function<Status(uint32_t param, uint64_t offset_bytes, s
 // checkpoint]).
 // The files are read through `env`.
 // A bitsandbytes 4-bit weight goes to `sink` read back into fp32 as dequantize_4bit gives it, an
-// 8-bit one as code × SCB / 127 (bnb4::int8_element), unless its ParamSpec is packed: then its blob
+// 8-bit one as code × (SCB × 1/127) (bnb4::int8_element), unless its ParamSpec is packed: then its blob
 // goes to `packed` (required then) — the stored codes, and the absmax read back (double
 // quantization) and repeated into blocks of 64, or the rows' SCB; a 4-bit checkpoint quantized in
 // blocks of 32 is refused for it before any data moves, naming the tensor. A quantized tensor whose

@@ -176,7 +176,8 @@ def main():
              ((300, 257), 64, "nf4", "bf16", "normal"),
              ((3, 204), 128, "nf4", "fp32", "ties"),  # the partial block divides, a whole one multiplies
              ((3, 204), 128, "fp4", "fp32", "ties")]  # > 256 blocks: several nested blocks
-    int8_cases = [(1, 1, "fp32"), (7, 33, "bf16"), (33, 70, "fp16"), (300, 257, "bf16"), (64, 96, "fp32")]
+    int8_cases = [(1, 1, "fp32"), (40, 3, "fp32"),  # rows narrower than a range of 5
+                  (7, 33, "bf16"), (33, 70, "fp16"), (300, 257, "bf16"), (64, 96, "fp32")]
     with tempfile.TemporaryDirectory(prefix="zo-bnb4-") as tmp:
         for i, case in enumerate(cases):
             check_case(tmp, i, *case, rng)

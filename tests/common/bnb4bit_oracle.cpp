@@ -106,7 +106,8 @@ int int8_mode(const std::string& dir, std::map<std::string, std::string>& meta) 
   std::memcpy(blob.data() + bnb4::blob_codes_offset(), codes.data(), n);
   std::memcpy(blob.data() + written.scales_offset(), scb.data(), 4 * rows);
   std::vector<float> out(n);
-  if (!bnb4::dequantize_whole_blob(blob.data(), 0, n, *dtype, out.data())) return fail("the blob does not read back");
+  if (!bnb4::dequantize_whole_blob(blob.data(), blob.size(), 0, n, *dtype, out.data()))
+    return fail("the blob does not read back");
   for (uint64_t first = 0; first < n; first += 5) {
     const uint64_t count = std::min<uint64_t>(5, n - first);
     float part[5];

@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <numbers>
 #include <map>
 #include <string>
@@ -206,6 +207,144 @@ TEST(LoadHfWeights, AMultimodalCheckpointsTextModelLoadsUnderEitherPrefix) {
       EXPECT_EQ(c.values[static_cast<uint32_t>(p)].front(), value_of(p, 0)) << layout.params[p].name;
     EXPECT_THAT(err, HasSubstr("1 tensor(s) not used by the model, ignored: vision_tower"));
   }
+}
+
+// An 8-bit (LLM.int8) directory as transformers saves it: each decoder projection's I8 codes, its
+// module's SCB and weight_format. Writes one with every projection 8-bit (code i of row r:
+// (37·i + r) mod 255 − 127; SCB[r] = 0.5 + r/64) and the rest fp32. `edit` may change the tensors.
+int8_t code_8bit(uint64_t r, uint64_t c) { return static_cast<int8_t>(static_cast<int>((37 * c + r) % 255) - 127); }
+
+void write_8bit_dir(const TempDir& dir, const ModelLayout& layout,
+                    const std::function<void(std::vector<testing::TestTensor>&)>& edit = {}) {
+  std::vector<testing::TestTensor> tensors;
+  for (size_t p = 0; p < layout.params.size(); ++p) {
+    const ParamSpec& spec = layout.params[p];
+    if (kept_in_16_bits(spec.name, layout.quantization)) {
+      std::vector<float> v(elems(spec.shape));
+      for (uint64_t i = 0; i < v.size(); ++i) v[i] = value_of(p, i);
+      tensors.push_back(testing::f32_tensor(spec.name, spec.shape, v));
+      continue;
+    }
+    const auto rows = static_cast<uint64_t>(spec.shape[0]), cols = static_cast<uint64_t>(spec.shape[1]);
+    std::string codes(rows * cols, '\0');
+    for (uint64_t r = 0; r < rows; ++r)
+      for (uint64_t c = 0; c < cols; ++c) codes[r * cols + c] = static_cast<char>(code_8bit(r, c));
+    std::vector<float> scb(rows);
+    for (uint64_t r = 0; r < rows; ++r) scb[r] = 0.5f + static_cast<float>(r) / 64.0f;
+    const std::string module = spec.name.substr(0, spec.name.size() - 7);  // less ".weight"
+    tensors.push_back({spec.name, "I8", spec.shape, codes});
+    tensors.push_back(testing::f32_tensor(module + ".SCB", {static_cast<int64_t>(rows)}, scb));
+    tensors.push_back({module + ".weight_format", "U8", {}, std::string(1, '\0')});
+  }
+  if (edit) edit(tensors);
+  testing::write_safetensors(dir.file("model.safetensors"), tensors);
+}
+
+// The frozen projection that training_layout would pack keeps its codes and SCB as they are stored
+// (a blob of kind 2, Note [The packed 4-bit base]); one trained in full reads back as bitsandbytes'
+// training path computes it, code × (SCB × 1/127) in fp32; a damaged state is refused by name.
+TEST(LoadHfWeights, An8BitBaseIsReadAsStoredAndCheckedByName) {
+  ModelConfig c = small_config();
+  c.quantization.load_in_8bit = true;
+  ModelLayout layout = model_layout(c);
+  const std::string q_proj = "model.layers.0.self_attn.q_proj.weight", up = "model.layers.1.mlp.up_proj.weight";
+  uint32_t packed_id = 0, full_id = 0;
+  for (size_t p = 0; p < layout.params.size(); ++p) {
+    ParamSpec& spec = layout.params[p];
+    if (spec.name == up) full_id = static_cast<uint32_t>(p);
+    if (spec.name != q_proj) continue;
+    packed_id = static_cast<uint32_t>(p);
+    spec.trainable = false;
+    spec.storage_elems =
+        bnb4::blob_bytes(bnb4::kBlobInt8, static_cast<uint64_t>(spec.shape[0]), static_cast<uint64_t>(spec.shape[1])) /
+        4;
+  }
+  TempDir dir;
+  write_8bit_dir(dir, layout);
+  Collected values;
+  std::map<uint32_t, std::vector<uint8_t>> blobs;
+  const PackedSink packed = [&](uint32_t p, uint64_t off, std::span<const std::byte> bytes) {
+    std::vector<uint8_t>& b = blobs[p];
+    b.resize(layout.params[p].storage_elems * 4);
+    EXPECT_LE(off + bytes.size(), b.size());
+    std::memcpy(b.data() + off, bytes.data(), bytes.size());
+    return Status::ok();
+  };
+  const Status st = load_hf_weights(dir.path(), layout, 64, collector(&values), io::Env::posix(), packed);
+  ASSERT_TRUE(st.is_ok()) << st.to_string();
+  ASSERT_EQ(blobs.size(), 1u);
+  const std::vector<uint8_t>& blob = blobs[packed_id];
+  bnb4::BlobHeader h;
+  ASSERT_TRUE(bnb4::read_blob_header(blob.data(), &h));
+  EXPECT_EQ(h.type, bnb4::kBlobInt8);
+  EXPECT_EQ(h.rows, static_cast<uint64_t>(layout.params[packed_id].shape[0]));
+  EXPECT_EQ(h.cols, static_cast<uint64_t>(layout.params[packed_id].shape[1]));
+  EXPECT_EQ(h.bytes(), blob.size());
+  for (uint64_t r = 0; r < h.rows; ++r) {
+    float scale;
+    std::memcpy(&scale, blob.data() + h.scales_offset() + 4 * r, 4);
+    EXPECT_EQ(scale, 0.5f + static_cast<float>(r) / 64.0f) << r;
+    for (uint64_t col = 0; col < h.cols; ++col)
+      ASSERT_EQ(static_cast<int8_t>(blob[bnb4::blob_codes_offset() + r * h.cols + col]), code_8bit(r, col))
+          << r << ", " << col;
+  }
+  EXPECT_FALSE(values.values.contains(packed_id));
+  const std::vector<float>& full = values.values.at(full_id);
+  const auto cols = static_cast<uint64_t>(layout.params[full_id].shape[1]);
+  ASSERT_EQ(full.size(), elems(layout.params[full_id].shape));
+  for (uint64_t i = 0; i < full.size(); ++i) {
+    const uint64_t r = i / cols;
+    const float code = static_cast<float>(code_8bit(r, i % cols));
+    EXPECT_EQ(full[i], code * ((0.5f + static_cast<float>(r) / 64.0f) * static_cast<float>(1.0 / 127.0))) << i;
+  }
+
+  const std::string module = "model.layers.1.self_attn.k_proj";
+  auto refused = [&](const char* what, const std::function<void(std::vector<testing::TestTensor>&)>& edit,
+                     const std::string& names, const std::string& says) {
+    TempDir bad;
+    write_8bit_dir(bad, layout, edit);
+    Collected none;
+    const Status s = load_hf_weights(bad.path(), layout, 64, collector(&none), io::Env::posix(), packed);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << what << ": " << s.to_string();
+    EXPECT_THAT(s.message(), HasSubstr(names)) << what;
+    EXPECT_THAT(s.message(), HasSubstr(says)) << what;
+    EXPECT_TRUE(none.values.empty()) << what << ": refused before any data moved";
+  };
+  auto find = [](std::vector<testing::TestTensor>& t, const std::string& name) -> testing::TestTensor& {
+    for (testing::TestTensor& x : t)
+      if (x.name == name) return x;
+    ADD_FAILURE() << "no tensor " << name;
+    return t.front();
+  };
+  refused(
+      "no SCB", [&](auto& t) { std::erase_if(t, [&](const auto& x) { return x.name == module + ".SCB"; }); },
+      module + ".weight", "has no " + module + ".SCB");
+  refused(
+      "a short SCB",
+      [&](auto& t) {
+        testing::TestTensor& scb = find(t, module + ".SCB");
+        scb.shape[0] -= 1;
+        scb.bytes.resize(scb.bytes.size() - 4);
+      },
+      module + ".SCB", "fp32 values (one per row)");
+  refused(
+      "column-major", [&](auto& t) { find(t, module + ".weight_format").bytes[0] = 1; }, module + ".weight_format",
+      "row-major");
+  refused(
+      "fp32 codes beside a SCB",
+      [&](auto& t) {
+        testing::TestTensor& w = find(t, module + ".weight");
+        w = testing::f32_tensor(w.name, w.shape, std::vector<float>(w.bytes.size()));
+      },
+      module + ".weight", "I8");
+  ModelLayout four = layout;
+  four.quantization.load_in_8bit = false;
+  four.quantization.load_in_4bit = true;
+  TempDir as_four;
+  write_8bit_dir(as_four, layout);
+  Collected none;
+  const Status s = load_hf_weights(as_four.path(), four, 64, collector(&none), io::Env::posix(), packed);
+  EXPECT_THAT(s.message(), HasSubstr("is bitsandbytes 8-bit, but config.json's quantization_config says 4-bit"));
 }
 
 TEST(LoadHfWeights, SinkErrorStopsTheLoad) {
