@@ -30,7 +30,7 @@ struct ParamInfo {
   // The elements of its compute copy, which every state and the sub-groups count: the shape's, or
   // for a packed weight its blob's (ParamSpec::storage_elems).
   uint64_t n_elems = 0;
-  bool packed = false;  // ParamSpec::packed(): a frozen 4-bit weight (Note [The packed 4-bit base])
+  bool packed = false;  // ParamSpec::packed(): a frozen 4-bit or 8-bit weight (Note [The packed 4-bit base])
   // A packed weight's own elements (its shape's); 0: n_elems (a ParamInfo made by hand).
   uint64_t weight_elems = 0;
   uint64_t weights() const { return weight_elems != 0 ? weight_elems : n_elems; }

@@ -316,7 +316,7 @@ Status StateStore::read_packed(uint32_t param, uint64_t offset_elems, std::span<
   if (!st.is_ok()) return context(std::move(st));
   bnb4::BlobHeader h;
   if (!bnb4::read_blob_header(reinterpret_cast<const uint8_t*>(head.data()), &h) || !h.sane() || h.n() != n ||
-      h.bytes() > info.n_elems * dtype_size_bytes(impl_->plan.placement.compute_dtype))
+      h.bytes() > info.n_elems * impl_->elem_bytes(StateKind::kCompute))
     return corruption("the compute copy of " + info.name + " is not the packed blob of its " + std::to_string(n) +
                       " elements (its header is damaged)");
   const uint64_t first = offset_elems, last = offset_elems + out.size() - 1;

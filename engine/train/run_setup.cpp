@@ -228,8 +228,8 @@ std::string RunSetup::describe() const {
             : "")
     << ")"
     << (registry_->packed_weights() > 0
-            ? " | " + std::string(model_.config.quantization.load_in_8bit ? "8" : "4") +
-                  "-bit base: " + format_count(registry_->packed_weights()) + " frozen weights packed in " +
+            ? " | " + std::string(model_.config.quantization.bits_name()) +
+                  " base: " + format_count(registry_->packed_weights()) + " frozen weights packed in " +
                   format_bytes(registry_->packed_elems() * dtype_size_bytes(model_.compute_dtype)) +
                   ", dequantized on the device as each block is fetched"
             : "")
